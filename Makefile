@@ -1,0 +1,32 @@
+# The two setup commands of the README: `make demo` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench campaign install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch pinned here: an unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/scout-ckpt demo --inject crash:rank=1:step=20 --inject bitflip:step=10
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+campaign: $(STAMP)
+	$(BIN)/python bench/campaign.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,29 @@
+"""scout-ckpt: certified checkpoints for torch.distributed.checkpoint.
+
+Public names are imported lazily (PEP 562) so that read-only tools (`scout-ckpt ls/resume/explain/report`)
+never pay for `import torch`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Checkpointer": "scout_ckpt.checkpointer",
+    "Ledger": "scout_ckpt.ledger",
+    "STATES": "scout_ckpt.ledger",
+    "Verdict": "scout_ckpt.policy",
+    "evaluate": "scout_ckpt.policy",
+    "latest_clean": "scout_ckpt.recovery",
+    "ScoutError": "scout_ckpt.errors",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'scout_ckpt' has no attribute {name!r}")

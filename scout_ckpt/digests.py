@@ -1,0 +1,62 @@
+"""File digests: xxh3-128 over fixed-size chunks.
+
+xxhash releases the GIL while hashing, so a thread pool scales across cores (TORCH-NOTES: 10.7 GB/s on one
+core, 21 GB/s on two). Digest strings carry their algorithm: "xxh3_128:<hex>".
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterable
+
+import xxhash
+
+ALGO = "xxh3_128"
+CHUNK = 8 << 20
+
+
+def file_digest(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """(size, "xxh3_128:hex") of one file, read in 8 MiB chunks into one reused buffer."""
+    h = xxhash.xxh3_128()
+    size = 0
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            size += n
+            if progress is not None:
+                progress(n)
+    return size, f"{ALGO}:{h.hexdigest()}"
+
+
+def digest_files(
+    paths: Iterable[str | os.PathLike], threads: int | None = None, progress: Callable[[int], None] | None = None
+) -> dict[str, tuple[int, str]]:
+    """{str(path): (size, digest)} for many files, hashed in parallel threads (the GIL is released)."""
+    paths = [str(p) for p in paths]
+    if not paths:
+        return {}
+    threads = threads or min(len(paths), os.cpu_count() or 1, 8)
+    if threads <= 1:
+        return {p: file_digest(p, progress) for p in paths}
+    with ThreadPoolExecutor(threads) as pool:
+        return dict(zip(paths, pool.map(lambda p: file_digest(p, progress), paths)))
+
+
+def bytes_digest(data: bytes) -> str:
+    return f"{ALGO}:{xxhash.xxh3_128_hexdigest(data)}"
+
+
+def relpaths(directory: Path) -> list[str]:
+    """Every regular file under directory, as sorted POSIX relative paths."""
+    out = []
+    for dirpath, _, files in os.walk(directory):
+        for f in files:
+            out.append(Path(dirpath, f).relative_to(directory).as_posix())
+    return sorted(out)

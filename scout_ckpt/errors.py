@@ -1,0 +1,31 @@
+"""Errors the CLI maps to exit codes: 1 = not clean / not found / failed verification, 2 = bad input."""
+
+from __future__ import annotations
+
+
+class ScoutError(Exception):
+    """Base error; `exit_code` is what the CLI exits with. The message is one line for a person."""
+
+    exit_code = 2
+
+
+class BadInput(ScoutError):
+    """Missing or foreign directory, unreadable ledger, bad option, malformed manifest."""
+
+    exit_code = 2
+
+
+class LedgerError(BadInput):
+    """The ledger is missing, not SQLite, of a newer schema, or locked beyond the busy timeout."""
+
+
+class NotClean(ScoutError):
+    """The thing asked about exists but is not certified, or failed verification."""
+
+    exit_code = 1
+
+
+class NotFound(ScoutError):
+    """No checkpoint matches (e.g. no certified step to resume from)."""
+
+    exit_code = 1

@@ -1,0 +1,122 @@
+"""On-disk names under a run's ROOT and the atomic-write helpers every writer uses.
+
+ROOT/
+  step-00000120/            a committed checkpoint (DCP files + scout-manifest.json)
+  .step-00000130.tmp-<id>/  a save in flight; never read, removed on the next start
+  scout-ledger.db           the ledger (WAL)
+  reports/                  observer and campaign reports
+
+Commit protocol for anything we write: write to a temp name in the same directory, fsync the file,
+rename over the final name, fsync the directory. A SIGKILL at any line leaves the old or the new state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+STEP_DIGITS = 8
+STEP_RE = re.compile(r"^step-(\d+)$")
+TMP_RE = re.compile(r"^\.step-(\d+)\.tmp-([0-9a-zA-Z_-]+)$")
+TRASH_RE = re.compile(r"^\.trash-")
+LEDGER_NAME = "scout-ledger.db"
+MANIFEST_NAME = "scout-manifest.json"
+REPORTS_DIR = "reports"
+DCP_METADATA = ".metadata"
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:0{STEP_DIGITS}d}"
+
+
+def step_path(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / step_dirname(step)
+
+
+def tmp_dirname(step: int, attempt: str) -> str:
+    return f".step-{step:0{STEP_DIGITS}d}.tmp-{attempt}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def list_step_dirs(root: str | os.PathLike) -> dict[int, Path]:
+    """Every `step-N` directory under root (any zero padding, TorchTitan's `step-N` included)."""
+    out: dict[int, Path] = {}
+    root = Path(root)
+    with os.scandir(root) as it:
+        for entry in it:
+            step = parse_step_dir(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False):
+                out[step] = root / entry.name
+    return dict(sorted(out.items()))
+
+
+def list_tmp_dirs(root: str | os.PathLike) -> list[Path]:
+    root = Path(root)
+    return sorted(root / e.name for e in os.scandir(root) if TMP_RE.match(e.name) or TRASH_RE.match(e.name))
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """temp + fsync + rename + fsync(dir): readers see the old file or the new one, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Atomically publish a fully written temp dir as `final`. An existing `final` (a rejected earlier
+    attempt at the same step) is first renamed to a trash name, so `final` is never half-replaced."""
+    fsync_dir(tmp)
+    if final.exists():
+        trash = final.with_name(f".trash-{final.name}-{os.getpid()}")
+        os.rename(final, trash)
+        fsync_dir(final.parent)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a checkpoint directory so that a crash mid-delete never leaves a torn `step-*`:
+    rename it out of the `step-*` namespace first, then remove it."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def dir_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except FileNotFoundError:
+                pass
+    return total

@@ -1,0 +1,88 @@
+"""The ledger's schema, versioned. Migration N takes a database from version N-1 to N.
+
+Every table is plain SQLite with JSON stored as text, so `sqlite3 scout-ledger.db` and `sqlite-utils` can read
+it without scout-ckpt. The version lives in `meta.schema_version`.
+"""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+
+# Each entry migrates from version i to i+1. Never edit a released entry: append a new one.
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);
+    CREATE TABLE runs (
+        id TEXT PRIMARY KEY,          -- one row per Checkpointer lifetime (an incarnation of the job)
+        started REAL,
+        world_size INTEGER,
+        topology TEXT,                -- JSON: mode, mesh shape, replica groups
+        policy TEXT,                  -- JSON: required evidence kinds and their settings
+        versions TEXT,                -- JSON: torch, scout-ckpt, python
+        resumed_from INTEGER,         -- the certified step this incarnation loaded (NULL: fresh start)
+        host TEXT
+    );
+    CREATE TABLE checkpoints (
+        step INTEGER PRIMARY KEY,     -- optimizer steps taken before this state was saved
+        run_id TEXT,
+        state TEXT NOT NULL,          -- writing|committed|certified|rejected|quarantined|deleted
+        path TEXT,                    -- relative to ROOT
+        bytes INTEGER,
+        attempt TEXT,                 -- id of the temp dir of the save attempt
+        started REAL,
+        committed REAL,
+        updated REAL,
+        manifest_digest TEXT,
+        reasons TEXT                  -- JSON list of {"code": ..., ...}
+    );
+    CREATE INDEX checkpoints_state_step ON checkpoints(state, step);
+    CREATE TABLE files (
+        step INTEGER NOT NULL,
+        path TEXT NOT NULL,           -- relative to the checkpoint directory
+        size INTEGER,
+        digest TEXT,
+        rank INTEGER,                 -- the rank that wrote (and hashed) it
+        PRIMARY KEY (step, path)
+    );
+    CREATE TABLE evidence (
+        step INTEGER NOT NULL,
+        kind TEXT NOT NULL,           -- bytes|consensus|replay|invariants|...
+        status TEXT NOT NULL,         -- pass|fail|inconclusive|missing|not_applicable
+        detail TEXT,                  -- JSON
+        source TEXT,                  -- save|certify|resume|rebuild|adopt
+        recorded REAL,
+        PRIMARY KEY (step, kind)
+    );
+    CREATE TABLE certifications (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        step INTEGER NOT NULL,
+        time REAL,
+        source TEXT,
+        state TEXT,
+        reasons TEXT
+    );
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        time REAL,
+        run_id TEXT,
+        kind TEXT NOT NULL,           -- sdc|hang|straggler|crash|desync|health|save_interrupted|...
+        step INTEGER,
+        ranks TEXT,                   -- JSON list of global ranks
+        detail TEXT                   -- JSON
+    );
+    CREATE INDEX events_time ON events(time);
+    CREATE TABLE replays (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        run_id TEXT,
+        step INTEGER NOT NULL,
+        recipe TEXT NOT NULL,         -- block|embedding|head|optimizer
+        target TEXT NOT NULL,         -- e.g. "blocks.3", "embedding", "head", "optimizer"
+        status TEXT NOT NULL,         -- AGREE|ATTRIBUTED|INCONCLUSIVE
+        ranks TEXT,                   -- JSON: attributed global ranks
+        duration_s REAL,
+        time REAL,
+        detail TEXT
+    );
+    CREATE INDEX replays_run_step ON replays(run_id, step);
+    """,
+]

@@ -1,0 +1,298 @@
+"""The Ledger: the only code in scout-ckpt that opens the SQLite database.
+
+Write discipline (TORCH-NOTES, SQLite): one writer at a time, every write in `BEGIN IMMEDIATE` with a busy
+timeout, because a deferred transaction that reads then writes fails at once under another writer in WAL mode.
+Read-only users open with `mode=ro` and never migrate or modify anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import sqlite_utils
+
+from scout_ckpt.errors import LedgerError
+from scout_ckpt.layout import LEDGER_NAME
+from scout_ckpt.ledger.schema import MIGRATIONS, SCHEMA_VERSION
+
+STATES = ("writing", "committed", "certified", "rejected", "quarantined", "deleted")
+DEFAULT_BUSY_TIMEOUT_S = 10.0
+_JSON_COLUMNS = {"topology", "policy", "versions", "reasons", "detail", "ranks"}
+
+
+def _busy_timeout() -> float:
+    return float(os.environ.get("SCOUT_CKPT_BUSY_TIMEOUT", DEFAULT_BUSY_TIMEOUT_S))
+
+
+def _decode(row: dict[str, Any]) -> dict[str, Any]:
+    for k in _JSON_COLUMNS.intersection(row):
+        if isinstance(row[k], str):
+            row[k] = json.loads(row[k])
+    return row
+
+
+def _dumps(v: Any) -> str:
+    return json.dumps(v, sort_keys=True, default=str)
+
+
+class Ledger:
+    """A run's ledger at ROOT/scout-ledger.db.
+
+    Ledger.open(root)                  read-write; creates or migrates the schema if `create`
+    Ledger.open(root, readonly=True)   read-only; fails with LedgerError rather than touch anything
+    """
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, readonly: bool):
+        self.conn = conn
+        self.path = path
+        self.readonly = readonly
+        self.db = sqlite_utils.Database(conn)
+
+    # ---- opening -------------------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, root: str | os.PathLike, *, readonly: bool = False, create: bool = False) -> "Ledger":
+        root = Path(root)
+        if not root.exists():
+            raise LedgerError(f"{root}: no such directory")
+        if not root.is_dir():
+            raise LedgerError(f"{root}: not a directory")
+        path = root / LEDGER_NAME
+        if not path.exists() and not create:
+            raise LedgerError(f"{root}: no scout-ckpt ledger here ({LEDGER_NAME} missing)")
+        if path.exists() and not path.is_file():
+            raise LedgerError(f"{path}: not a file")
+        timeout = _busy_timeout()
+        try:
+            if readonly:
+                conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout, isolation_level=None,
+                                       check_same_thread=False)
+            else:
+                conn = sqlite3.connect(str(path), timeout=timeout, isolation_level=None, check_same_thread=False)
+            conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+            ledger = cls(conn, path, readonly)
+            ledger._check_or_migrate(create=create)
+        except sqlite3.DatabaseError as e:
+            msg = str(e)
+            if "locked" in msg or "busy" in msg:
+                raise LedgerError(f"{path}: ledger is locked by another writer ({msg})") from None
+            raise LedgerError(f"{path}: not a readable scout-ckpt ledger ({msg})") from None
+        return ledger
+
+    def _version(self) -> int:
+        tables = set(self.db.table_names())
+        if "meta" not in tables:
+            if tables:
+                raise LedgerError(f"{self.path}: an SQLite database, but not a scout-ckpt ledger")
+            return 0
+        row = self.conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None:
+            raise LedgerError(f"{self.path}: ledger has no schema version")
+        return int(row[0])
+
+    def _check_or_migrate(self, create: bool) -> None:
+        version = self._version()
+        if version > SCHEMA_VERSION:
+            raise LedgerError(
+                f"{self.path}: ledger schema v{version} is newer than this scout-ckpt understands "
+                f"(v{SCHEMA_VERSION}); upgrade scout-ckpt")
+        if version == SCHEMA_VERSION:
+            return
+        if self.readonly or (version == 0 and not create):
+            raise LedgerError(f"{self.path}: ledger schema v{version} needs migration to v{SCHEMA_VERSION}; "
+                              "run a read-write command (e.g. certify) first")
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        with self.write():
+            version = self._version()  # re-read under the write lock: another process may have migrated
+            for i in range(version, SCHEMA_VERSION):
+                for stmt in MIGRATIONS[i].split(";"):
+                    if stmt.strip():
+                        self.conn.execute(stmt)
+            self.conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', ?)",
+                              (str(SCHEMA_VERSION),))
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator["Ledger"]:
+        """One atomic write transaction (BEGIN IMMEDIATE: takes the write lock up front, waits busy_timeout)."""
+        if self.readonly:
+            raise LedgerError(f"{self.path}: opened read-only")
+        if self.conn.in_transaction:  # nested: join the outer transaction
+            yield self
+            return
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:
+            raise LedgerError(f"{self.path}: ledger is locked by another writer ({e})") from None
+        try:
+            yield self
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        else:
+            self.conn.execute("COMMIT")
+
+    # ---- runs ----------------------------------------------------------------------------------------------
+
+    def begin_run(self, run_id: str, *, world_size: int, topology: dict, policy: dict,
+                  versions: dict | None = None, resumed_from: int | None = None) -> None:
+        with self.write():
+            self.db["runs"].insert({
+                "id": run_id, "started": time.time(), "world_size": world_size, "topology": _dumps(topology),
+                "policy": _dumps(policy), "versions": _dumps(versions or {}), "resumed_from": resumed_from,
+                "host": socket.gethostname()}, replace=True)
+
+    def set_resumed_from(self, run_id: str, step: int | None) -> None:
+        with self.write():
+            self.conn.execute("UPDATE runs SET resumed_from=? WHERE id=?", (step, run_id))
+
+    def run(self, run_id: str | None = None) -> dict | None:
+        """One run (incarnation) by id, or the newest."""
+        if run_id is None:
+            rows = list(self.db.query("SELECT * FROM runs ORDER BY started DESC, rowid DESC LIMIT 1"))
+        else:
+            rows = list(self.db.query("SELECT * FROM runs WHERE id=?", [run_id]))
+        return _decode(rows[0]) if rows else None
+
+    def runs(self) -> list[dict]:
+        return [_decode(r) for r in self.db.query("SELECT * FROM runs ORDER BY started, rowid")]
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+
+    def record_writing(self, step: int, run_id: str, attempt: str, path: str) -> None:
+        """The row written before DCP starts: an interrupted save leaves this record and no step dir."""
+        with self.write():
+            self.conn.execute("DELETE FROM files WHERE step=?", (step,))
+            self.conn.execute("DELETE FROM evidence WHERE step=?", (step,))
+            self.db["checkpoints"].insert({
+                "step": step, "run_id": run_id, "state": "writing", "path": path, "bytes": None,
+                "attempt": attempt, "started": time.time(), "committed": None, "updated": time.time(),
+                "manifest_digest": None, "reasons": "[]"}, replace=True)
+
+    def record_commit(self, step: int, *, run_id: str | None, path: str, nbytes: int, manifest_digest: str,
+                      files: list[dict], evidence: dict[str, dict], state: str, reasons: list[dict],
+                      source: str = "save", attempt: str | None = None) -> None:
+        """Files, evidence and verdict of a committed checkpoint, in one transaction."""
+        now = time.time()
+        with self.write():
+            existing = self.checkpoint(step)
+            self.conn.execute("DELETE FROM files WHERE step=?", (step,))
+            self.db["files"].insert_all(
+                [{"step": step, "path": f["path"], "size": f["size"], "digest": f["digest"], "rank": f.get("rank")}
+                 for f in files])
+            self.db["checkpoints"].insert({
+                "step": step, "run_id": run_id, "state": state, "path": path, "bytes": nbytes,
+                "attempt": attempt or (existing or {}).get("attempt"),
+                "started": (existing or {}).get("started") or now, "committed": now, "updated": now,
+                "manifest_digest": manifest_digest, "reasons": _dumps(reasons)}, replace=True)
+            self.put_evidence(step, evidence, source=source)
+            self._certification(step, state, reasons, source)
+
+    def put_evidence(self, step: int, evidence: dict[str, dict], source: str) -> None:
+        now = time.time()
+        with self.write():
+            for kind, ev in evidence.items():
+                self.db["evidence"].insert({
+                    "step": step, "kind": kind, "status": ev["status"],
+                    "detail": _dumps({k: v for k, v in ev.items() if k != "status"}),
+                    "source": source, "recorded": now}, replace=True)
+
+    def set_state(self, step: int, state: str, reasons: list[dict], source: str) -> None:
+        """A verdict change (certify, resume's re-verification, quarantine, gc), with its history row."""
+        assert state in STATES, state
+        with self.write():
+            self.conn.execute("UPDATE checkpoints SET state=?, reasons=?, updated=? WHERE step=?",
+                              (state, _dumps(reasons), time.time(), step))
+            self._certification(step, state, reasons, source)
+
+    def _certification(self, step: int, state: str, reasons: list[dict], source: str) -> None:
+        self.db["certifications"].insert(
+            {"step": step, "time": time.time(), "source": source, "state": state, "reasons": _dumps(reasons)})
+
+    def checkpoint(self, step: int) -> dict | None:
+        rows = list(self.db.query("SELECT * FROM checkpoints WHERE step=?", [step]))
+        return _decode(rows[0]) if rows else None
+
+    def checkpoints(self, states: tuple[str, ...] | None = None) -> list[dict]:
+        if states:
+            marks = ",".join("?" * len(states))
+            q = self.db.query(f"SELECT * FROM checkpoints WHERE state IN ({marks}) ORDER BY step", list(states))
+        else:
+            q = self.db.query("SELECT * FROM checkpoints ORDER BY step")
+        return [_decode(r) for r in q]
+
+    def latest(self, state: str = "certified", below: int | None = None) -> dict | None:
+        """The newest checkpoint in `state` (strictly below `below` if given). Uses the (state, step) index."""
+        if below is None:
+            rows = list(self.db.query(
+                "SELECT * FROM checkpoints WHERE state=? ORDER BY step DESC LIMIT 1", [state]))
+        else:
+            rows = list(self.db.query(
+                "SELECT * FROM checkpoints WHERE state=? AND step<? ORDER BY step DESC LIMIT 1", [state, below]))
+        return _decode(rows[0]) if rows else None
+
+    def files(self, step: int) -> list[dict]:
+        return list(self.db.query("SELECT path, size, digest, rank FROM files WHERE step=? ORDER BY path", [step]))
+
+    def evidence(self, step: int) -> dict[str, dict]:
+        out = {}
+        for r in self.db.query("SELECT * FROM evidence WHERE step=? ORDER BY kind", [step]):
+            detail = json.loads(r["detail"]) if r["detail"] else {}
+            out[r["kind"]] = {"status": r["status"], "source": r["source"], **detail}
+        return out
+
+    def certifications(self, step: int | None = None) -> list[dict]:
+        if step is None:
+            q = self.db.query("SELECT * FROM certifications ORDER BY id")
+        else:
+            q = self.db.query("SELECT * FROM certifications WHERE step=? ORDER BY id", [step])
+        return [_decode(r) for r in q]
+
+    # ---- events and replays --------------------------------------------------------------------------------
+
+    def add_event(self, kind: str, *, step: int | None = None, ranks: list[int] | None = None,
+                  detail: dict | None = None, run_id: str | None = None, when: float | None = None) -> int:
+        with self.write():
+            return self.db["events"].insert({
+                "time": when if when is not None else time.time(), "run_id": run_id, "kind": kind, "step": step,
+                "ranks": _dumps(sorted(ranks or [])), "detail": _dumps(detail or {})}).last_pk
+
+    def events(self, kinds: tuple[str, ...] | None = None) -> list[dict]:
+        rows = [_decode(r) for r in self.db.query("SELECT * FROM events ORDER BY time, id")]
+        return [r for r in rows if kinds is None or r["kind"] in kinds]
+
+    def add_replays(self, rows: list[dict]) -> None:
+        """Replay outcomes: {run_id, step, recipe, target, status, ranks, duration_s, detail}."""
+        now = time.time()
+        with self.write():
+            self.db["replays"].insert_all([{
+                "run_id": r.get("run_id"), "step": r["step"], "recipe": r["recipe"], "target": r["target"],
+                "status": r["status"], "ranks": _dumps(r.get("ranks") or []), "duration_s": r.get("duration_s"),
+                "time": r.get("time", now), "detail": _dumps(r.get("detail") or {})} for r in rows])
+
+    def replays(self, run_id: str | None = None, after: int | None = None, upto: int | None = None) -> list[dict]:
+        """Replays of one incarnation with after < step <= upto (bounds optional)."""
+        where, params = ["1=1"], []
+        if run_id is not None:
+            where.append("run_id=?"); params.append(run_id)
+        if after is not None:
+            where.append("step>?"); params.append(after)
+        if upto is not None:
+            where.append("step<=?"); params.append(upto)
+        q = self.db.query(f"SELECT * FROM replays WHERE {' AND '.join(where)} ORDER BY step, id", params)
+        return [_decode(r) for r in q]
