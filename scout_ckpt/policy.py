@@ -1,0 +1,73 @@
+"""Evidence in, verdict out. Pure functions, no I/O: the one place that decides what "certified" means.
+
+Evidence is a dict keyed by kind ("bytes", "consensus", "replay", "invariants", ...). Each value is
+{"status": STATUS, "reasons": [{"code": ..., ...}], ...detail}, STATUS one of:
+
+  pass            the check ran and found nothing wrong
+  fail            the check found a fault              -> rejected
+  inconclusive    the check could not decide (e.g. C3 without a strict majority) -> rejected: fail closed
+  missing         the evidence is not there (yet)      -> committed, never certified
+  not_applicable  the check cannot apply here (e.g. consensus without replicas): passes only where the
+                  run's policy says it may (`allow_not_applicable`)
+
+A run's policy (stored in the ledger's runs table and each manifest) names the kinds it requires:
+  {"require": ["bytes", "finite", "consensus", "replay"], "allow_not_applicable": ["consensus"]}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PASS, FAIL, INCONCLUSIVE, MISSING, NOT_APPLICABLE = "pass", "fail", "inconclusive", "missing", "not_applicable"
+STATUSES = (PASS, FAIL, INCONCLUSIVE, MISSING, NOT_APPLICABLE)
+
+# Policies of the runs scout-ckpt knows; a run may store its own.
+BYTES_ONLY = {"require": ["bytes"], "allow_not_applicable": []}
+FOUNDATION = {"require": ["bytes", "finite"], "allow_not_applicable": []}
+ADOPTED = {"require": ["bytes", "structure", "invariants"], "allow_not_applicable": ["invariants"]}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: str                       # certified | committed | rejected
+    reasons: list[dict] = field(default_factory=list)
+
+    @property
+    def certified(self) -> bool:
+        return self.state == "certified"
+
+
+def evidence(status: str, reasons: list[dict] | None = None, **detail) -> dict:
+    """Build one piece of evidence in the shape `evaluate` reads."""
+    assert status in STATUSES, status
+    return {"status": status, "reasons": list(reasons or []), **detail}
+
+
+def evaluate(policy: dict, ev: dict[str, dict]) -> Verdict:
+    """Verdict of a committed checkpoint. Fail closed: only complete, passing evidence certifies."""
+    failures: list[dict] = []
+    pending: list[dict] = []
+    allow_na = set(policy.get("allow_not_applicable", []))
+    for kind in policy.get("require", []):
+        item = ev.get(kind)
+        status = item.get("status") if item else MISSING
+        reasons = list(item.get("reasons") or []) if item else []
+        if status == PASS:
+            continue
+        if status == NOT_APPLICABLE:
+            if kind in allow_na:
+                continue
+            pending.append({"code": f"{kind}_not_applicable", "kind": kind})
+        elif status in (FAIL, INCONCLUSIVE):
+            failures.extend(reasons or [{"code": f"{kind}_{status}", "kind": kind}])
+        else:
+            pending.extend(reasons or [{"code": f"{kind}_missing", "kind": kind}])
+    # Failures the policy does not require still reject: a fault found is a fault, whoever looked.
+    for kind, item in ev.items():
+        if kind not in policy.get("require", []) and item.get("status") in (FAIL, INCONCLUSIVE):
+            failures.extend(item.get("reasons") or [{"code": f"{kind}_{item['status']}", "kind": kind}])
+    if failures:
+        return Verdict("rejected", failures + pending)
+    if pending:
+        return Verdict("committed", pending)
+    return Verdict("certified", [])
