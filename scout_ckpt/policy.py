@@ -11,7 +11,7 @@ Evidence is a dict keyed by kind ("bytes", "consensus", "replay", "invariants", 
                   run's policy says it may (`allow_not_applicable`)
 
 A run's policy (stored in the ledger's runs table and each manifest) names the kinds it requires:
-  {"require": ["bytes", "finite", "consensus", "replay"], "allow_not_applicable": ["consensus"]}
+  {"require": ["bytes", "invariants", "consensus", "replay"], "allow_not_applicable": ["consensus"]}
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ STATUSES = (PASS, FAIL, INCONCLUSIVE, MISSING, NOT_APPLICABLE)
 
 # Policies of the runs scout-ckpt knows; a run may store its own.
 BYTES_ONLY = {"require": ["bytes"], "allow_not_applicable": []}
-FOUNDATION = {"require": ["bytes", "finite"], "allow_not_applicable": []}
+FOUNDATION = {"require": ["bytes", "invariants"], "allow_not_applicable": []}
 ADOPTED = {"require": ["bytes", "structure", "invariants"], "allow_not_applicable": ["invariants"]}
 
 

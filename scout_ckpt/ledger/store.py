@@ -12,11 +12,15 @@ import json
 import os
 import socket
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import sqlite_utils
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import sqlite_utils
 
 from scout_ckpt.errors import LedgerError
 from scout_ckpt.layout import LEDGER_NAME
@@ -53,7 +57,23 @@ class Ledger:
         self.conn = conn
         self.path = path
         self.readonly = readonly
-        self.db = sqlite_utils.Database(conn)
+        self._db: sqlite_utils.Database | None = None
+        self._lock = threading.RLock()  # one connection may serve the training thread and the async committer
+
+    @property
+    def db(self) -> "sqlite_utils.Database":
+        """sqlite-utils over the same connection, for writes; imported lazily (it pulls in numpy: 160 ms that
+        `scout-ckpt resume` does not need)."""
+        if self._db is None:
+            import sqlite_utils
+
+            self._db = sqlite_utils.Database(self.conn)
+        return self._db
+
+    def _query(self, sql: str, params: list | tuple = ()) -> list[dict]:
+        cur = self.conn.execute(sql, params)
+        cols = [c[0] for c in cur.description]
+        return [dict(zip(cols, row)) for row in cur.fetchall()]
 
     # ---- opening -------------------------------------------------------------------------------------------
 
@@ -87,7 +107,7 @@ class Ledger:
         return ledger
 
     def _version(self) -> int:
-        tables = set(self.db.table_names())
+        tables = {r["name"] for r in self._query("SELECT name FROM sqlite_master WHERE type='table'")}
         if "meta" not in tables:
             if tables:
                 raise LedgerError(f"{self.path}: an SQLite database, but not a scout-ckpt ledger")
@@ -132,20 +152,21 @@ class Ledger:
         """One atomic write transaction (BEGIN IMMEDIATE: takes the write lock up front, waits busy_timeout)."""
         if self.readonly:
             raise LedgerError(f"{self.path}: opened read-only")
-        if self.conn.in_transaction:  # nested: join the outer transaction
-            yield self
-            return
-        try:
-            self.conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as e:
-            raise LedgerError(f"{self.path}: ledger is locked by another writer ({e})") from None
-        try:
-            yield self
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        else:
-            self.conn.execute("COMMIT")
+        with self._lock:
+            if self.conn.in_transaction:  # nested: join the outer transaction
+                yield self
+                return
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as e:
+                raise LedgerError(f"{self.path}: ledger is locked by another writer ({e})") from None
+            try:
+                yield self
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+            else:
+                self.conn.execute("COMMIT")
 
     # ---- runs ----------------------------------------------------------------------------------------------
 
@@ -164,13 +185,13 @@ class Ledger:
     def run(self, run_id: str | None = None) -> dict | None:
         """One run (incarnation) by id, or the newest."""
         if run_id is None:
-            rows = list(self.db.query("SELECT * FROM runs ORDER BY started DESC, rowid DESC LIMIT 1"))
+            rows = list(self._query("SELECT * FROM runs ORDER BY started DESC, rowid DESC LIMIT 1"))
         else:
-            rows = list(self.db.query("SELECT * FROM runs WHERE id=?", [run_id]))
+            rows = list(self._query("SELECT * FROM runs WHERE id=?", [run_id]))
         return _decode(rows[0]) if rows else None
 
     def runs(self) -> list[dict]:
-        return [_decode(r) for r in self.db.query("SELECT * FROM runs ORDER BY started, rowid")]
+        return [_decode(r) for r in self._query("SELECT * FROM runs ORDER BY started, rowid")]
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
@@ -225,42 +246,42 @@ class Ledger:
             {"step": step, "time": time.time(), "source": source, "state": state, "reasons": _dumps(reasons)})
 
     def checkpoint(self, step: int) -> dict | None:
-        rows = list(self.db.query("SELECT * FROM checkpoints WHERE step=?", [step]))
+        rows = list(self._query("SELECT * FROM checkpoints WHERE step=?", [step]))
         return _decode(rows[0]) if rows else None
 
     def checkpoints(self, states: tuple[str, ...] | None = None) -> list[dict]:
         if states:
             marks = ",".join("?" * len(states))
-            q = self.db.query(f"SELECT * FROM checkpoints WHERE state IN ({marks}) ORDER BY step", list(states))
+            q = self._query(f"SELECT * FROM checkpoints WHERE state IN ({marks}) ORDER BY step", list(states))
         else:
-            q = self.db.query("SELECT * FROM checkpoints ORDER BY step")
+            q = self._query("SELECT * FROM checkpoints ORDER BY step")
         return [_decode(r) for r in q]
 
     def latest(self, state: str = "certified", below: int | None = None) -> dict | None:
         """The newest checkpoint in `state` (strictly below `below` if given). Uses the (state, step) index."""
         if below is None:
-            rows = list(self.db.query(
+            rows = list(self._query(
                 "SELECT * FROM checkpoints WHERE state=? ORDER BY step DESC LIMIT 1", [state]))
         else:
-            rows = list(self.db.query(
+            rows = list(self._query(
                 "SELECT * FROM checkpoints WHERE state=? AND step<? ORDER BY step DESC LIMIT 1", [state, below]))
         return _decode(rows[0]) if rows else None
 
     def files(self, step: int) -> list[dict]:
-        return list(self.db.query("SELECT path, size, digest, rank FROM files WHERE step=? ORDER BY path", [step]))
+        return list(self._query("SELECT path, size, digest, rank FROM files WHERE step=? ORDER BY path", [step]))
 
     def evidence(self, step: int) -> dict[str, dict]:
         out = {}
-        for r in self.db.query("SELECT * FROM evidence WHERE step=? ORDER BY kind", [step]):
+        for r in self._query("SELECT * FROM evidence WHERE step=? ORDER BY kind", [step]):
             detail = json.loads(r["detail"]) if r["detail"] else {}
             out[r["kind"]] = {"status": r["status"], "source": r["source"], **detail}
         return out
 
     def certifications(self, step: int | None = None) -> list[dict]:
         if step is None:
-            q = self.db.query("SELECT * FROM certifications ORDER BY id")
+            q = self._query("SELECT * FROM certifications ORDER BY id")
         else:
-            q = self.db.query("SELECT * FROM certifications WHERE step=? ORDER BY id", [step])
+            q = self._query("SELECT * FROM certifications WHERE step=? ORDER BY id", [step])
         return [_decode(r) for r in q]
 
     # ---- events and replays --------------------------------------------------------------------------------
@@ -273,7 +294,7 @@ class Ledger:
                 "ranks": _dumps(sorted(ranks or [])), "detail": _dumps(detail or {})}).last_pk
 
     def events(self, kinds: tuple[str, ...] | None = None) -> list[dict]:
-        rows = [_decode(r) for r in self.db.query("SELECT * FROM events ORDER BY time, id")]
+        rows = [_decode(r) for r in self._query("SELECT * FROM events ORDER BY time, id")]
         return [r for r in rows if kinds is None or r["kind"] in kinds]
 
     def add_replays(self, rows: list[dict]) -> None:
@@ -294,5 +315,5 @@ class Ledger:
             where.append("step>?"); params.append(after)
         if upto is not None:
             where.append("step<=?"); params.append(upto)
-        q = self.db.query(f"SELECT * FROM replays WHERE {' AND '.join(where)} ORDER BY step, id", params)
+        q = self._query(f"SELECT * FROM replays WHERE {' AND '.join(where)} ORDER BY step, id", params)
         return [_decode(r) for r in q]

@@ -1,0 +1,367 @@
+"""The save hook a training script holds. Every public method is collective unless it says otherwise.
+
+Commit protocol of one save boundary at step S (ARCHITECTURE.md, "One save boundary"):
+
+  1. coordinator: ledger row `writing` (attempt id), broadcast the attempt id
+  2. all ranks: evidence on the live state (finite values, consensus, invariants, signatures)
+  3. all ranks: DCP writes into ROOT/.step-S.tmp-<attempt>/ (sync, or async on our own gloo group)
+  4. all ranks, once the write has finished everywhere: hash the files *this rank* wrote; gather to coordinator
+  5. coordinator: scout-manifest.json (fsync) -> rename to step-S (atomic) -> fsync(ROOT) -> ledger commit
+  6. coordinator: retention, only after 5 is durable
+
+A SIGKILL anywhere leaves no step-S directory (the temp dir is removed at the next start and the `writing` row
+becomes `rejected/save_interrupted`) or a complete one with its manifest (a `writing` row whose directory and
+manifest exist is completed from the manifest at the next start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+import scout_ckpt
+from scout_ckpt import layout, manifest, policy, retention
+from scout_ckpt.digests import digest_files
+from scout_ckpt.errors import ScoutError
+from scout_ckpt.ledger import Ledger
+from scout_ckpt.recovery import record_bytes_failure
+from scout_ckpt.storage import FaultHook, ScoutWriter
+from scout_ckpt.verify import verify_files
+
+COORDINATOR = 0
+
+
+class LoadVerificationError(ScoutError):
+    """The state loaded does not match the signatures recorded when it was saved."""
+
+
+def _materialize(state: dict) -> dict:
+    """Shallow copy with Stateful values replaced by their state_dict(): what DCP itself would save."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+
+
+def _local_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor leaf (DTensors as their local shard), by dotted path."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, DTensor):
+        out[prefix] = obj.to_local()
+    elif isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_local_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(_local_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+
+def _finite_check(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of floating tensors holding NaN or Inf (the cheapest plausibility check of saved state)."""
+    bad = []
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            bad.append(name)
+    return bad
+
+
+class Checkpointer:
+    """Certified DCP checkpoints under `root`.
+
+    Options: `async_save` (dcp.async_save on the checkpointer's own gloo group), `keep` (retention after each
+    durable commit), `mode` ("ddp", "fsdp", "hsdp"; inferred from DTensor parameters when omitted),
+    `fault_hook(point, step)` (tests and the demo: called at named points of a save).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, mode: str | None = None,
+                 mesh_shape: tuple[int, ...] | None = None, async_save: bool = False, keep: int | None = None,
+                 replay: dict | bool | None = None, observer: dict | bool | None = None,
+                 invariants: list | None = None, consensus: bool = True, finite: bool = True,
+                 fault_hook: FaultHook | None = None, timeout_s: float = 600.0):
+        if not dist.is_initialized():
+            raise ScoutError("Checkpointer needs an initialized default process group (init_process_group)")
+        if keep is not None and keep < 1:
+            raise ScoutError(f"keep must be at least 1 (got {keep})")
+        self.root = Path(root)
+        self.model, self.optimizer = model, optimizer
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.is_coordinator = self.rank == COORDINATOR
+        self.async_save, self.keep, self.fault_hook = async_save, keep, fault_hook
+        self.finite = finite
+        self.mode, self.mesh_shape = self._infer_mode(mode, mesh_shape)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # Side groups are created at startup, in the same order on all ranks (TORCH-NOTES): never the training
+        # group, so checkpoint traffic cannot interleave with (or deadlock against) training collectives.
+        self._pg = dist.new_group(backend="gloo", timeout=timeout)
+        self._async_pg = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
+        self._commit_pg = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
+        self._pending: threading.Thread | None = None
+        self._pending_error: BaseException | None = None
+        self._last_verdict: dict | None = None
+        self._step_started = time.monotonic()
+        self._closed = False
+
+        self.policy = self._policy(invariants, consensus, replay)
+        self.topology = {"mode": self.mode, "world_size": self.world_size, "mesh_shape": self.mesh_shape}
+        self.ledger: Ledger | None = None
+        run_id = None
+        if self.is_coordinator:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.ledger = Ledger.open(self.root, create=True)
+            self._reconcile()
+            run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+            self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology, policy=self.policy,
+                                  versions=self._versions())
+        self.run_id = self._broadcast(run_id)
+
+    # ---- configuration -------------------------------------------------------------------------------------
+
+    def _infer_mode(self, mode, mesh_shape):
+        if mode is None:
+            from torch.distributed.tensor import DTensor
+
+            params = list(self.model.parameters()) if self.model is not None else []
+            dt = next((p for p in params if isinstance(p, DTensor)), None)
+            if dt is None:
+                mode = "ddp"
+            else:
+                mesh_shape = mesh_shape or tuple(dt.device_mesh.shape)
+                mode = "hsdp" if len(mesh_shape) == 2 else "fsdp"
+        if mode not in ("ddp", "fsdp", "hsdp"):
+            raise ScoutError(f"mode must be ddp, fsdp or hsdp (got {mode!r})")
+        return mode, tuple(mesh_shape) if mesh_shape else None
+
+    def _policy(self, invariants, consensus, replay) -> dict:
+        require = ["bytes"] + (["invariants"] if self.finite else [])
+        return {"require": require, "allow_not_applicable": []}
+
+    def _versions(self) -> dict:
+        return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
+                "python": platform.python_version()}
+
+    # ---- small collectives on our own group ----------------------------------------------------------------
+
+    def _broadcast(self, obj, group=None):
+        box = [obj]
+        dist.broadcast_object_list(box, src=COORDINATOR, group=group or self._pg)
+        return box[0]
+
+    def _gather(self, obj, group=None) -> list | None:
+        out = [None] * self.world_size if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=COORDINATOR, group=group or self._pg)
+        return out
+
+    def _hook(self, point: str, step: int) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(point, step)
+
+    # ---- start-up reconciliation (coordinator) -------------------------------------------------------------
+
+    def _reconcile(self) -> None:
+        """Finish what a crash interrupted: drop temp dirs of dead saves, settle `writing` rows."""
+        for tmp in layout.list_tmp_dirs(self.root):
+            shutil.rmtree(tmp, ignore_errors=True)
+        for row in self.ledger.checkpoints(states=("writing",)):
+            step_dir = self.root / row["path"]
+            try:
+                m, digest = manifest.read(step_dir) if step_dir.is_dir() else (None, None)
+            except ScoutError:
+                m = None
+            if m is not None and m.get("attempt") == row["attempt"]:
+                # Renamed but the ledger write was lost: the manifest holds everything the ledger needed.
+                v = m["verdict"]
+                self.ledger.record_commit(row["step"], run_id=m.get("run_id"), path=row["path"],
+                                          nbytes=layout.dir_bytes(step_dir), manifest_digest=digest, files=m["files"],
+                                          evidence=m["evidence"], state=v["state"], reasons=v["reasons"],
+                                          source="reconcile", attempt=row["attempt"])
+            else:
+                self.ledger.set_state(row["step"], "rejected",
+                                      [{"code": "save_interrupted", "attempt": row["attempt"]}], source="reconcile")
+
+    # ---- per-step hook -------------------------------------------------------------------------------------
+
+    def step(self, step: int) -> None:
+        """Cheap per-step hook (not collective): records the step's wall time."""
+        now = time.monotonic()
+        self.last_step_s = now - self._step_started
+        self._step_started = now
+        self._raise_pending_error()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Annotate a phase of the training step (forward, backward, optimizer, data) for the hang observer."""
+        yield
+
+    # ---- save ----------------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict) -> dict | None:
+        """Save the state after `step` optimizer steps. Sync: returns the verdict {"state", "reasons"} on
+        every rank. Async: returns None at once; the commit happens when the upload has completed everywhere."""
+        if self._closed:
+            raise ScoutError("Checkpointer is closed")
+        self.wait()
+        attempt = None
+        if self.is_coordinator:
+            attempt = uuid.uuid4().hex[:12]
+            self.ledger.record_writing(step, self.run_id, attempt, layout.step_dirname(step))
+        attempt = self._broadcast(attempt)
+        tmp = self.root / layout.tmp_dirname(step, attempt)
+        self._hook("before_write", step)
+
+        flat = _materialize(state)
+        local = {"finite_bad": _finite_check(_local_tensors(flat)) if self.finite else []}
+        writer = ScoutWriter(tmp, step=step, fault_hook=self.fault_hook)
+        if self.async_save:
+            resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
+            upload = getattr(resp, "upload_completion", resp)
+            self._pending = threading.Thread(target=self._commit_async, args=(upload, step, attempt, writer, local),
+                                             name=f"scout-commit-{step}", daemon=True)
+            self._pending.start()
+            return None
+        dcp.save(flat, storage_writer=writer, process_group=self._pg)
+        return self._commit(step, attempt, writer, local, self._pg)
+
+    def _commit_async(self, upload, step, attempt, writer, local) -> None:
+        try:
+            upload.result()
+            self._commit(step, attempt, writer, local, self._commit_pg)
+        except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
+            self._pending_error = e
+
+    def _commit(self, step: int, attempt: str, writer: ScoutWriter, local: dict, group) -> dict:
+        self._hook("after_write", step)
+        tmp = Path(writer.path)
+        mine = sorted(writer.written | ({layout.DCP_METADATA} if self.is_coordinator else set()))
+        digests = digest_files([tmp / f for f in mine])
+        files = [{"path": f, "size": digests[str(tmp / f)][0], "digest": digests[str(tmp / f)][1], "rank": self.rank}
+                 for f in mine]
+        gathered = self._gather({"rank": self.rank, "files": files, **local}, group=group)
+        verdict = None
+        if self.is_coordinator:
+            try:
+                verdict = self._publish(step, attempt, tmp, gathered)
+            except BaseException as e:
+                verdict = {"state": "error", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}
+        verdict = self._broadcast(verdict, group=group)
+        if verdict["state"] == "error":
+            raise ScoutError(f"checkpoint {step} failed to commit: {verdict['reasons'][0]['detail']}")
+        self._last_verdict = verdict
+        self._hook("after_commit", step)
+        return verdict
+
+    def _evidence(self, step: int, gathered: list[dict]) -> dict:
+        files = [f for g in gathered for f in g["files"]]
+        ev = {"bytes": policy.evidence(policy.PASS, files=len(files), bytes=sum(f["size"] for f in files),
+                                       hashed_by="writers")}
+        if self.finite:
+            bad = [{"code": "invariant_failed", "check": "finite", "ranks": [g["rank"]], "tensors": g["finite_bad"][:8]}
+                   for g in gathered if g["finite_bad"]]
+            ev["invariants"] = policy.evidence(policy.FAIL if bad else policy.PASS, bad, checks=["finite"])
+        return ev
+
+    def _publish(self, step: int, attempt: str, tmp: Path, gathered: list[dict]) -> dict:
+        """Coordinator: manifest -> rename -> ledger -> retention. The order is the commit protocol."""
+        files = [f for g in gathered for f in g["files"]]
+        ev = self._evidence(step, gathered)
+        v = policy.evaluate(self.policy, ev)
+        verdict = {"state": v.state, "reasons": v.reasons}
+        m = manifest.build(step=step, run_id=self.run_id, attempt=attempt, world_size=self.world_size,
+                           topology=self.topology, policy=self.policy, files=files, evidence=ev, verdict=verdict,
+                           versions=self._versions())
+        digest = manifest.write(tmp, m)
+        self._hook("before_rename", step)
+        final = layout.step_path(self.root, step)
+        layout.commit_dir(tmp, final)
+        self._hook("after_rename", step)
+        self.ledger.record_commit(step, run_id=self.run_id, path=final.name, nbytes=layout.dir_bytes(final),
+                                  manifest_digest=digest, files=files, evidence=ev, state=v.state,
+                                  reasons=v.reasons, attempt=attempt)
+        if self.keep:
+            retention.apply(self.ledger, self.root, self.keep)
+        return verdict
+
+    def wait(self) -> None:
+        """Block until the pending async save is committed (or failed) on this rank."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        self._raise_pending_error()
+
+    def _raise_pending_error(self) -> None:
+        if self._pending_error is not None:
+            e, self._pending_error = self._pending_error, None
+            raise ScoutError(f"async checkpoint failed: {e}") from e
+
+    @property
+    def last_verdict(self) -> dict | None:
+        return self._last_verdict
+
+    # ---- load ----------------------------------------------------------------------------------------------
+
+    def load_latest_clean(self, state: dict) -> int | None:
+        """Load the newest certified checkpoint whose bytes verify; return its step (None: nothing to load).
+
+        Each rank re-hashes a disjoint share of the files; a checkpoint that fails is rejected in the ledger and
+        the next older certified one is tried."""
+        self.wait()
+        below = None
+        while True:
+            cand = None
+            if self.is_coordinator:
+                row = self.ledger.latest("certified", below=below)
+                if row is not None:
+                    cand = {"step": row["step"], "path": row["path"], "files": self.ledger.files(row["step"])}
+            cand = self._broadcast(cand)
+            if cand is None:
+                return None
+            step_dir = self.root / cand["path"]
+            share = cand["files"][self.rank::self.world_size]
+            ev = verify_files(step_dir, share, expect_complete=False)
+            results = [None] * self.world_size
+            dist.all_gather_object(results, ev, group=self._pg)
+            failed = [r for e in results for r in e["reasons"]]
+            if failed:
+                if self.is_coordinator:
+                    record_bytes_failure(self.ledger, cand["step"], policy.evidence(policy.FAIL, failed),
+                                         source="load")
+                below = cand["step"]
+                continue
+            dcp.load(state, checkpoint_id=str(step_dir), process_group=self._pg)
+            if self.is_coordinator:
+                self.ledger.set_resumed_from(self.run_id, cand["step"])
+            return cand["step"]
+
+    # ---- shutdown ------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the pending async save, then release resources. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self.ledger is not None:
+                self.ledger.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,294 @@
+"""`scout-ckpt`: a thin command line over the library. Every command takes --json.
+
+Exit codes: 0 success; 1 the thing asked about is not clean / not found / failed verification; 2 bad input,
+with one line on stderr and no traceback. Read-only commands (ls, explain, resume, report) never import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from scout_ckpt.errors import BadInput, ScoutError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Certified checkpoints for torch.distributed.checkpoint: resume only from known-good state.")
+ledger_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Ledger maintenance.")
+app.add_typer(ledger_app, name="ledger")
+
+JSON_OPT = typer.Option(False, "--json", help="Print one JSON document on stdout.")
+
+
+def _emit(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _open_ledger(root: Path, readonly: bool = True):
+    from scout_ckpt.ledger import Ledger
+
+    return Ledger.open(root, readonly=readonly)
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _reason_text(reasons: list[dict]) -> str:
+    parts = []
+    for r in reasons:
+        extra = ",".join(str(r[k]) for k in ("file", "target", "check") if r.get(k))
+        ranks = r.get("ranks") or ([r["rank"]] if r.get("rank") is not None else [])
+        s = r["code"] + (f"({extra})" if extra else "") + (f"[ranks {','.join(map(str, ranks))}]" if ranks else "")
+        parts.append(s)
+    return "; ".join(parts)
+
+
+STATE_STYLE = {"certified": "green", "committed": "white", "rejected": "red", "quarantined": "yellow",
+               "writing": "dim", "deleted": "dim"}
+
+
+def checkpoint_rows(ledger) -> list[dict]:
+    """`ls --json` rows (also the demo's): step, state, path, bytes, evidence {kind: status}, reasons."""
+    out = []
+    for r in ledger.checkpoints():
+        ev = ledger.evidence(r["step"])
+        out.append({"step": r["step"], "state": r["state"], "path": r["path"], "bytes": r["bytes"],
+                    "evidence": {k: v["status"] for k, v in ev.items()}, "reasons": r["reasons"],
+                    "run_id": r["run_id"], "committed": r["committed"]})
+    return out
+
+
+# ---- ls --------------------------------------------------------------------------------------------------------
+
+@app.command("ls")
+def ls_cmd(root: Path = typer.Argument(..., help="The run's checkpoint root."), as_json: bool = JSON_OPT):
+    """One row per checkpoint: step, state, evidence, size, reasons."""
+    with _open_ledger(root) as ledger:
+        rows = checkpoint_rows(ledger)
+    if as_json:
+        _emit({"checkpoints": rows})
+        return
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for h in ("step", "state", "evidence", "size", "reasons"):
+        t.add_column(h, justify="right" if h in ("step", "size") else "left")
+    for r in rows:
+        ev = " ".join(f"{k}:{v}" for k, v in sorted(r["evidence"].items()))
+        t.add_row(str(r["step"]), f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]", ev,
+                  _human_bytes(r["bytes"]), _reason_text(r["reasons"]))
+    _console().print(t)
+
+
+# ---- explain ---------------------------------------------------------------------------------------------------
+
+EXPLAIN_KINDS = ("bytes", "consensus", "replay", "invariants")
+
+
+@app.command("explain")
+def explain_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...), as_json: bool = JSON_OPT):
+    """Why STEP is or is not certified: every piece of evidence, missing replay coverage, attributed ranks."""
+    with _open_ledger(root) as ledger:
+        row = ledger.checkpoint(step)
+        if row is None:
+            raise BadInput(f"step {step}: no such checkpoint in {root}")
+        run = ledger.run(row["run_id"]) if row["run_id"] else None
+        ev = ledger.evidence(step)
+        history = ledger.certifications(step)
+        events = [e for e in ledger.events() if e["step"] == step]
+    required = (run or {}).get("policy", {}).get("require", [])
+    evidence = {k: ev.get(k) or {"status": "required_missing" if k in required else "not_required"}
+                for k in EXPLAIN_KINDS}
+    evidence.update({k: v for k, v in ev.items() if k not in evidence})
+    out = {"step": step, "state": row["state"], "path": row["path"], "evidence": evidence,
+           "reasons": row["reasons"], "policy": (run or {}).get("policy"), "run_id": row["run_id"],
+           "history": [{"time": h["time"], "source": h["source"], "state": h["state"]} for h in history],
+           "events": events}
+    if as_json:
+        _emit(out)
+    else:
+        con = _console()
+        con.print(f"step {step}: [{STATE_STYLE.get(row['state'], 'white')}]{row['state']}[/]  ({root / row['path']})")
+        if required:
+            con.print(f"policy requires: {', '.join(required)}")
+        for kind, item in evidence.items():
+            status = item.get("status")
+            con.print(f"  {kind:<11} {status}")
+            for r in item.get("reasons") or []:
+                con.print(f"      - {_reason_text([r])}")
+            cov = item.get("coverage")
+            if isinstance(cov, dict):
+                for target, last in cov.items():
+                    con.print(f"      {target:<14} {'clean at step ' + str(last) if last is not None else 'NOT COVERED'}")
+        if row["reasons"]:
+            con.print(f"reasons: {_reason_text(row['reasons'])}")
+        for e in events:
+            con.print(f"event: {e['kind']} ranks {e['ranks']} {json.dumps(e['detail'])[:120]}")
+    if row["state"] != "certified":
+        raise typer.Exit(1)
+
+
+# ---- certify ---------------------------------------------------------------------------------------------------
+
+@app.command("certify")
+def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Option(None, "--step"),
+                all_: bool = typer.Option(False, "--all", help="Every recorded checkpoint (the default)."),
+                as_json: bool = JSON_OPT):
+    """Re-verify bytes (and invariants) offline and record the result; exit 0 only if all are certified."""
+    from scout_ckpt.certify import certify
+
+    if step is not None and all_:
+        raise BadInput("--step and --all are mutually exclusive")
+    _open_ledger(root, readonly=True).close()  # bad ROOT / ledger: exit 2 before anything else
+    progress_factory = None
+    if not as_json and sys.stderr.isatty():
+        progress_factory = _progress_factory()
+    results = certify(root, [step] if step is not None else None, progress_factory=progress_factory)
+    ok = all(r["state"] == "certified" for r in results)
+    if as_json:
+        _emit({"results": results, "certified": ok})
+    else:
+        for r in results:
+            print(f"step {r['step']}: {r['state']}" + (f"  {_reason_text(r['reasons'])}" if r["reasons"] else ""))
+    if not ok:
+        raise typer.Exit(1)
+
+
+def _progress_factory():
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    holder = {}
+
+    def make(total: int):
+        if total < (64 << 20):
+            return None
+        p = Progress("[progress.description]verifying", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                     transient=True, console=__import__("rich.console").console.Console(stderr=True))
+        p.start()
+        task = p.add_task("verify", total=total)
+        holder["p"] = p
+        return lambda n: p.advance(task, n)
+
+    return make
+
+
+# ---- resume ----------------------------------------------------------------------------------------------------
+
+@app.command("resume")
+def resume_cmd(root: Path = typer.Argument(...),
+               latest_clean: bool = typer.Option(False, "--latest-clean", help="The newest certified checkpoint."),
+               no_verify: bool = typer.Option(False, "--no-verify", help="Skip re-hashing its files."),
+               as_json: bool = JSON_OPT):
+    """Print the path of the newest certified checkpoint, re-verified; exit 1 if none."""
+    from scout_ckpt.recovery import NoCleanCheckpoint, latest_clean as find
+
+    if not latest_clean:
+        raise BadInput("resume needs --latest-clean")
+    try:
+        found = find(root, verify=not no_verify)
+    except NoCleanCheckpoint as e:
+        if as_json:
+            _emit({"step": None, "path": None, "reasons": e.reasons})
+        print(f"scout-ckpt: {e}", file=sys.stderr)
+        raise typer.Exit(1)
+    if as_json:
+        _emit(found)
+    else:
+        print(found["path"])
+
+
+# ---- gc / quarantine -------------------------------------------------------------------------------------------
+
+@app.command("gc")
+def gc_cmd(root: Path = typer.Argument(...), keep: int = typer.Option(..., "--keep", help="Checkpoints to keep."),
+           dry_run: bool = typer.Option(False, "--dry-run"), as_json: bool = JSON_OPT):
+    """Delete old checkpoints; never the newest certified one; rejected and partial ones first."""
+    from scout_ckpt import retention
+
+    if keep < 1:
+        raise BadInput(f"--keep must be at least 1 (got {keep})")
+    with _open_ledger(root, readonly=dry_run) as ledger:
+        result = retention.apply(ledger, root, keep, dry_run=dry_run)
+    if as_json:
+        _emit(result)
+    else:
+        verb = "would delete" if dry_run else "deleted"
+        print(f"{verb}: {', '.join(map(str, result['delete'])) or 'nothing'}; kept: "
+              f"{', '.join(map(str, result['keep'])) or 'nothing'} (protected: {result['protected']})")
+
+
+@app.command("quarantine")
+def quarantine_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...),
+                   reason: str = typer.Option(..., "--reason"), as_json: bool = JSON_OPT):
+    """Operator override: the step is never resumed from."""
+    with _open_ledger(root, readonly=False) as ledger:
+        if ledger.checkpoint(step) is None:
+            raise BadInput(f"step {step}: no such checkpoint in {root}")
+        ledger.set_state(step, "quarantined", [{"code": "quarantined", "detail": reason}], source="operator")
+        ledger.add_event("quarantine", step=step, detail={"reason": reason})
+    if as_json:
+        _emit({"step": step, "state": "quarantined", "reason": reason})
+    else:
+        print(f"step {step}: quarantined ({reason})")
+
+
+# ---- ledger rebuild --------------------------------------------------------------------------------------------
+
+@ledger_app.command("rebuild")
+def ledger_rebuild_cmd(root: Path = typer.Argument(...),
+                       no_verify: bool = typer.Option(False, "--no-verify", help="Do not re-hash files."),
+                       as_json: bool = JSON_OPT):
+    """Rebuild the ledger's checkpoint rows from the checkpoints' manifests (the old ledger is kept as .bak)."""
+    from scout_ckpt.rebuild import rebuild
+
+    result = rebuild(root, verify=not no_verify)
+    if as_json:
+        _emit(result)
+    else:
+        for r in result["checkpoints"]:
+            print(f"step {r['step']}: {r['state']}")
+        for s in result["skipped"]:
+            print(f"skipped step {s['step']}: {s['reason']}")
+        if result["backup"]:
+            print(f"previous ledger kept as {result['backup']}")
+
+
+# ---- entry point -----------------------------------------------------------------------------------------------
+
+def main(argv: List[str] | None = None) -> None:
+    """Console script: map errors to exit codes with one line on stderr, never a traceback."""
+    try:
+        rc = app(args=argv, standalone_mode=False, prog_name="scout-ckpt")
+    except ScoutError as e:
+        print(f"scout-ckpt: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("scout-ckpt: aborted", file=sys.stderr)
+        sys.exit(130)
+    except typer.TyperException as e:  # typer's click: bad option, missing argument, bad value
+        msg = e.format_message() if hasattr(e, "format_message") else str(e)
+        print(f"scout-ckpt: error: {msg}", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2) or 2)
+    except BrokenPipeError:
+        sys.exit(0)
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

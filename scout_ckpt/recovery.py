@@ -1,0 +1,84 @@
+"""Latest-clean selection: walk back from the newest certified checkpoint, re-verify, explain.
+
+No torch here: restart scripts call this through `scout-ckpt resume`, and `import torch` alone costs 1.4 s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scout_ckpt import policy
+from scout_ckpt.errors import NotFound
+from scout_ckpt.ledger import Ledger
+from scout_ckpt.verify import verify_files
+
+
+class NoCleanCheckpoint(NotFound):
+    def __init__(self, reasons: list[dict]):
+        super().__init__("no certified checkpoint to resume from" + (
+            f" ({len(reasons[0].get('skipped', []))} failed re-verification)" if reasons and reasons[0].get("skipped")
+            else ""))
+        self.reasons = reasons
+
+
+def verify_checkpoint(root: Path, ledger: Ledger, step: int, progress=None) -> dict:
+    """Bytes evidence for a recorded checkpoint: files against the ledger, manifest against its digest."""
+    from scout_ckpt import manifest as manifest_mod
+    from scout_ckpt.errors import BadInput
+
+    row = ledger.checkpoint(step)
+    step_dir = Path(root) / row["path"]
+    ev = verify_files(step_dir, ledger.files(step), progress=progress)
+    if step_dir.is_dir():
+        try:
+            _, digest = manifest_mod.read(step_dir)
+            if row.get("manifest_digest") and digest != row["manifest_digest"]:
+                ev = policy.evidence(policy.FAIL, ev["reasons"] + [{"code": "manifest_mismatch"}],
+                                     **{k: v for k, v in ev.items() if k not in ("status", "reasons")})
+        except BadInput as e:
+            ev = policy.evidence(policy.FAIL, ev["reasons"] + [{"code": "bad_manifest", "detail": str(e)}],
+                                 **{k: v for k, v in ev.items() if k not in ("status", "reasons")})
+    return ev
+
+
+def record_bytes_failure(ledger: Ledger, step: int, ev: dict, source: str) -> list[dict]:
+    """A certified checkpoint whose bytes no longer verify is rejected, with the reasons, for good."""
+    ledger.put_evidence(step, {"bytes": ev}, source=source)
+    ledger.set_state(step, "rejected", ev["reasons"], source=source)
+    return ev["reasons"]
+
+
+def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledger | None = None) -> dict:
+    """The newest certified checkpoint whose bytes verify: {"step", "path", "state", "verified", "skipped"}.
+
+    Walks back past any that fail verification and records each failure in the ledger (opened read-write only
+    then). Raises NotFound (exit 1) with the reasons when there is none.
+    """
+    root = Path(root)
+    ledger = readonly_ledger or Ledger.open(root, readonly=True)
+    writer: Ledger | None = None
+    skipped: list[dict] = []
+    below = None
+    try:
+        while True:
+            row = ledger.latest("certified", below=below)
+            if row is None:
+                reasons = [{"code": "no_certified_checkpoint"}] if not skipped else [
+                    {"code": "all_certified_failed_verification", "skipped": skipped}]
+                raise NoCleanCheckpoint(reasons)
+            step = row["step"]
+            if verify:
+                ev = verify_checkpoint(root, ledger, step)
+                if ev["status"] != policy.PASS:
+                    writer = writer or Ledger.open(root)
+                    record_bytes_failure(writer, step, ev, source="resume")
+                    skipped.append({"step": step, "reasons": ev["reasons"]})
+                    below = step
+                    continue
+            return {"step": step, "path": str((root / row["path"]).resolve()), "state": row["state"],
+                    "verified": verify, "skipped": skipped}
+    finally:
+        if writer is not None:
+            writer.close()
+        if readonly_ledger is None:
+            ledger.close()
