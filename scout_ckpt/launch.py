@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_mod
 import signal
 import time
@@ -41,7 +42,9 @@ def _child(fn, rank, world_size, port, args, kwargs, q, env, pg_timeout_s):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         result = fn(rank, world_size, *args, **kwargs)
-        q.put((rank, "ok", result))
+        # Plain pickle to bytes: torch's queue reducers would share tensors by fd, which breaks when the child
+        # exits before the parent reads.
+        q.put((rank, "ok", pickle.dumps(result)))
         dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
         dist.destroy_process_group()
     except BaseException:  # report, then exit non-zero
@@ -87,7 +90,7 @@ def run_ranks(
         try:
             rank, status, payload = q.get(timeout=0.05)
             if status == "ok":
-                outcomes[rank].result = payload
+                outcomes[rank].result = pickle.loads(payload)
             else:
                 outcomes[rank].error = payload
         except queue_mod.Empty:
@@ -108,7 +111,7 @@ def run_ranks(
         except queue_mod.Empty:
             break
         if status == "ok":
-            outcomes[rank].result = payload
+            outcomes[rank].result = pickle.loads(payload)
         else:
             outcomes[rank].error = payload
     for r, p in enumerate(procs):

@@ -88,3 +88,92 @@ def crash_during_save(rank, world, root, point, victim, crash_step):
         ckpt.save(s, state_of(model, opt))
     ckpt.close()
     return True
+
+
+def resume_after_crash(rank, world, root):
+    """The restarted job: a new Checkpointer on the same root, load_latest_clean, then one more save."""
+    model = make_model(seed=7)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, timeout_s=20)
+    st = state_of(model, opt)
+    step = ckpt.load_latest_clean(st)
+    model.load_state_dict(st["model"])
+    train_steps(model, opt, 1, seed=11)
+    verdict = ckpt.save(6, state_of(model, opt))
+    ckpt.close()
+    return {"loaded": step, "verdict": verdict}
+
+
+def _fsdp_model(world, seed=0):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(seed)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _fsdp_train(model, opt, steps, seed):
+    g = torch.Generator().manual_seed(seed + dist.get_rank())
+    for _ in range(steps):
+        loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _full_state(model, opt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return flat_tensors({"model": msd, "optim": osd})
+
+
+class AppState:
+    """The DCP recipe's Stateful wrapper around get_state_dict/set_state_dict."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, sd):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def fsdp_save(rank, world, root, async_save):
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    Stateful.register(AppState)
+    model = _fsdp_model(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _fsdp_train(model, opt, 3, seed=0)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, async_save=async_save)
+    ckpt.save(3, {"app": AppState(model, opt)})
+    ckpt.close()
+    full = _full_state(model, opt)
+    return {"mode": ckpt.mode, "full": full if rank == 0 else None}
+
+
+def fsdp_load(rank, world, root):
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    Stateful.register(AppState)
+    model = _fsdp_model(world, seed=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _fsdp_train(model, opt, 1, seed=42)  # optimizer state exists before loading into it
+    ckpt = Checkpointer(root, model=model, optimizer=opt)
+    step = ckpt.load_latest_clean({"app": AppState(model, opt)})
+    ckpt.close()
+    full = _full_state(model, opt)
+    return {"step": step, "full": full if rank == 0 else None}

@@ -1,0 +1,266 @@
+"""The real `scout-ckpt` command line, in subprocesses, against real checkpoints."""
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from scout_ckpt.layout import LEDGER_NAME, MANIFEST_NAME
+from tests.conftest import REPO, run_cli
+
+
+def _files(root, step):
+    d = root / f"step-{step:08d}"
+    return sorted(p for p in d.iterdir() if p.name != MANIFEST_NAME)
+
+
+def _snapshot(root):
+    """Bytes of every file under root except SQLite's -wal/-shm side files, to prove nothing was modified."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.name.endswith(("-wal", "-shm")):
+            out[str(p.relative_to(root))] = p.read_bytes()
+    return out
+
+
+def _ledger_rows(root):
+    c = sqlite3.connect(f"file:{root / LEDGER_NAME}?mode=ro", uri=True)
+    try:
+        return c.execute("SELECT step, state, reasons FROM checkpoints ORDER BY step").fetchall()
+    finally:
+        c.close()
+
+
+def test_ls_json_shape(ckpt_root):
+    rc, out, err = run_cli("ls", ckpt_root, "--json")
+    assert rc == 0 and err == ""
+    doc = json.loads(out)
+    rows = doc["checkpoints"]
+    assert [r["step"] for r in rows] == [3, 4]
+    for r in rows:
+        assert {"step", "state", "path", "bytes", "evidence", "reasons"} <= set(r)
+        assert r["state"] == "certified" and r["evidence"]["bytes"] == "pass" and r["bytes"] > 0
+
+
+def test_resume_plain_prints_the_path_alone(ckpt_root):
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean")
+    assert rc == 0 and out == f"{(ckpt_root / 'step-00000004').resolve()}\n"
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    doc = json.loads(out)
+    assert doc["step"] == 4 and doc["verified"] is True and doc["state"] == "certified"
+
+
+@pytest.mark.parametrize("damage", ["bitflip", "truncate", "delete"])
+@pytest.mark.parametrize("which", ["metadata", "shard"])
+def test_damaged_file_is_caught_and_skipped(ckpt_root, damage, which):
+    files = _files(ckpt_root, 4)
+    target = next(f for f in files if (f.name == ".metadata") == (which == "metadata"))
+    if damage == "bitflip":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-1])
+    else:
+        target.unlink()
+    code = {"bitflip": "digest_mismatch", "truncate": "truncated_file", "delete": "missing_file"}[damage]
+    rc, out, _ = run_cli("certify", ckpt_root, "--step", 4, "--json")
+    assert rc == 1
+    res = json.loads(out)["results"][0]
+    assert res["state"] == "rejected" and res["reasons"][0]["code"] == code
+    assert res["reasons"][0]["file"] == target.name
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert rc == 0 and json.loads(out)["step"] == 3
+    rc, _, _ = run_cli("certify", ckpt_root, "--step", 3)
+    assert rc == 0
+
+
+def test_resume_walks_back_and_records_the_failure(ckpt_root):
+    f = _files(ckpt_root, 4)[0]
+    data = bytearray(f.read_bytes())
+    data[0] ^= 1
+    f.write_bytes(bytes(data))
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["step"] == 3 and doc["skipped"][0]["step"] == 4
+    rows = dict((s, st) for s, st, _ in _ledger_rows(ckpt_root))
+    assert rows[4] == "rejected"
+
+
+def test_resume_none_left_exits_1(ckpt_root):
+    for step in (3, 4):
+        _files(ckpt_root, step)[0].unlink()
+    rc, out, err = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert rc == 1
+    doc = json.loads(out)
+    assert doc["step"] is None and doc["reasons"]
+    rc, out, err = run_cli("resume", ckpt_root, "--latest-clean")
+    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1
+
+
+def test_no_verify_skips_hashing(ckpt_root):
+    _files(ckpt_root, 4)[0].write_bytes(b"garbage")
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--no-verify", "--json")
+    assert rc == 0 and json.loads(out)["verified"] is False and json.loads(out)["step"] == 4
+
+
+def test_explain(ckpt_root):
+    rc, out, _ = run_cli("explain", ckpt_root, 4, "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["step"] == 4 and doc["state"] == "certified"
+    assert set(doc["evidence"]) >= {"bytes", "consensus", "replay", "invariants"}
+    assert doc["evidence"]["bytes"]["status"] == "pass"
+
+
+def test_quarantine_is_never_resumed(ckpt_root):
+    rc, _, _ = run_cli("quarantine", ckpt_root, 4, "--reason", "loss spike")
+    assert rc == 0
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert json.loads(out)["step"] == 3
+    rc, out, _ = run_cli("certify", ckpt_root, "--step", 4, "--json")
+    assert rc == 1 and json.loads(out)["results"][0]["state"] == "quarantined"
+
+
+def test_gc_keeps_newest_certified_and_deletes_rejected_first(ckpt_root):
+    # Make step 4 (the newest) rejected: step 3 is then the newest certified and must survive keep=1.
+    _files(ckpt_root, 4)[0].write_bytes(b"x")
+    run_cli("certify", ckpt_root, "--step", 4)
+    rc, out, _ = run_cli("gc", ckpt_root, "--keep", 1, "--dry-run", "--json")
+    plan = json.loads(out)
+    assert rc == 0 and plan["delete"] == [4] and plan["protected"] == 3
+    assert (ckpt_root / "step-00000004").exists()
+    rc, out, _ = run_cli("gc", ckpt_root, "--keep", 1, "--json")
+    assert rc == 0 and not (ckpt_root / "step-00000004").exists() and (ckpt_root / "step-00000003").exists()
+    rows = dict((s, st) for s, st, _ in _ledger_rows(ckpt_root))
+    assert rows == {3: "certified", 4: "deleted"}
+
+
+def test_ledger_rebuild_from_manifests(ckpt_root):
+    before = [(s, st) for s, st, _ in _ledger_rows(ckpt_root)]
+    (ckpt_root / LEDGER_NAME).unlink()
+    rc, _, err = run_cli("ls", ckpt_root)
+    assert rc == 2 and "no scout-ckpt ledger" in err
+    rc, out, _ = run_cli("ledger", "rebuild", ckpt_root, "--json")
+    assert rc == 0
+    assert [(s, st) for s, st, _ in _ledger_rows(ckpt_root)] == before
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert json.loads(out)["step"] == 4
+
+
+def test_rebuild_marks_a_damaged_checkpoint(ckpt_root):
+    _files(ckpt_root, 4)[0].write_bytes(b"x")
+    rc, out, _ = run_cli("ledger", "rebuild", ckpt_root, "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["backup"]
+    assert {r["step"]: r["state"] for r in doc["checkpoints"]} == {3: "certified", 4: "rejected"}
+
+
+# ---- bad input: one line on stderr, exit 2, nothing modified --------------------------------------------------
+
+def _assert_bad(args, needle, root=None):
+    snap = _snapshot(root) if root else None
+    rc, out, err = run_cli(*args)
+    assert rc == 2, (rc, out, err)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert needle in err, err
+    if root:
+        assert _snapshot(root) == snap
+
+
+@pytest.mark.parametrize("cmd", [["ls"], ["explain", "{root}", "3"], ["certify"], ["resume", "--latest-clean"],
+                                 ["gc", "--keep", "1"], ["quarantine", "{root}", "3", "--reason", "x"]])
+def test_missing_root(tmp_path, cmd):
+    root = tmp_path / "missing"
+    args = [a.format(root=root) for a in cmd]
+    if "{root}" not in cmd:
+        args.insert(1, str(root))
+    _assert_bad(args, "no such directory")
+
+
+def test_root_is_a_file(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("x")
+    _assert_bad(["ls", f], "not a directory")
+
+
+def test_foreign_directory(tmp_path):
+    (tmp_path / "step-100").mkdir()
+    _assert_bad(["resume", tmp_path, "--latest-clean"], "no scout-ckpt ledger", root=tmp_path)
+
+
+def test_ledger_not_sqlite(ckpt_root):
+    (ckpt_root / LEDGER_NAME).write_bytes(b"\0garbage" * 1000)
+    for ext in ("-wal", "-shm"):
+        p = ckpt_root / (LEDGER_NAME + ext)
+        if p.exists():
+            p.unlink()
+    _assert_bad(["ls", ckpt_root], "not a readable scout-ckpt ledger", root=ckpt_root)
+    _assert_bad(["certify", ckpt_root], "not a readable scout-ckpt ledger", root=ckpt_root)
+
+
+def test_newer_schema(ckpt_root):
+    c = sqlite3.connect(ckpt_root / LEDGER_NAME)
+    c.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
+    c.commit()
+    c.close()
+    _assert_bad(["resume", ckpt_root, "--latest-clean"], "newer", root=ckpt_root)
+
+
+def test_missing_and_malformed_manifest(ckpt_root):
+    (ckpt_root / "step-00000004" / MANIFEST_NAME).write_text("{not json")
+    rc, out, _ = run_cli("certify", ckpt_root, "--step", 4, "--json")
+    assert rc == 1 and json.loads(out)["results"][0]["reasons"][0]["code"] == "bad_manifest"
+    (ckpt_root / "step-00000003" / MANIFEST_NAME).unlink()
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert rc == 1
+
+
+def test_step_that_does_not_exist(ckpt_root):
+    _assert_bad(["explain", ckpt_root, 99], "no such checkpoint", root=ckpt_root)
+    _assert_bad(["certify", ckpt_root, "--step", 99], "no such checkpoint", root=ckpt_root)
+    _assert_bad(["quarantine", ckpt_root, 99, "--reason", "x"], "no such checkpoint", root=ckpt_root)
+
+
+def test_bad_options(ckpt_root):
+    _assert_bad(["gc", ckpt_root, "--keep", 0], "at least 1", root=ckpt_root)
+    _assert_bad(["ls", ckpt_root, "--bogus"], "No such option", root=ckpt_root)
+    _assert_bad(["resume", ckpt_root], "--latest-clean", root=ckpt_root)
+    _assert_bad(["certify", ckpt_root, "--step", "x"], "", root=ckpt_root)
+
+
+HOLD = """
+import sqlite3, sys, time
+c = sqlite3.connect(sys.argv[1], isolation_level=None)
+c.execute("BEGIN IMMEDIATE")
+c.execute("UPDATE checkpoints SET bytes=bytes")
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_locked_ledger_readers_work_writers_fail_cleanly(ckpt_root):
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(ckpt_root / LEDGER_NAME)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        env = {"SCOUT_CKPT_BUSY_TIMEOUT": "0.5"}
+        assert run_cli("ls", ckpt_root, "--json", env=env)[0] == 0
+        assert run_cli("resume", ckpt_root, "--latest-clean", env=env)[0] == 0
+        rc, _, err = run_cli("quarantine", ckpt_root, 3, "--reason", "x", env=env)
+        assert rc == 2 and "locked" in err and len(err.strip().splitlines()) == 1
+    finally:
+        p.kill()
+        p.wait()
+    assert dict((s, st) for s, st, _ in _ledger_rows(ckpt_root))[3] == "certified"
+
+
+def test_read_only_commands_do_not_import_torch(ckpt_root):
+    code = ("import sys\nfrom scout_ckpt.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc, file=sys.stderr)\n")
+    for args in (["ls", ckpt_root], ["explain", ckpt_root, "4"], ["resume", ckpt_root, "--latest-clean"]):
+        p = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert p.stderr.strip().splitlines()[-1] == "NO-TORCH 0", (args, p.stderr)
