@@ -1,0 +1,146 @@
+"""`make bench`: every bench script, one after another, each with --json; one summary table.
+
+Benches run sequentially (they time processes; running two at once on 2 cores would measure the scheduler).
+Each gets its share of a total time budget, so `make bench` ends within 10 minutes even when one hangs. A bench
+that fails, prints no JSON, or runs out of time is reported as failed with its stderr tail, and run_all then
+exits 1. Writes bench/results/summary.json and bench/results/summary.md, and prints the markdown.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+from scout_ckpt.layout import atomic_write_bytes  # noqa: E402
+
+# Size flags that keep the whole run under the budget. campaign.py runs only in its --quick form.
+FLAGS: dict[str, list[str]] = {
+    "campaign.py": ["--quick"],
+}
+# Targets of benches that do not state their own (a bench's "target" key wins).
+TARGETS: dict[str, str] = {
+    "resume_latency.py": "vs_import_torch < 0.25",
+    "campaign.py": "recall 1.0 and bad_resumes 0",
+}
+PER_BENCH_CAP_S = 300.0
+
+
+def bench_scripts() -> list[Path]:
+    me = Path(__file__).resolve()
+    return sorted(p for p in C.BENCH_DIR.glob("*.py") if not p.name.startswith("_") and p.resolve() != me)
+
+
+def headline(result: dict) -> str:
+    """The figure a reader looks for first: the ratio(s), or for the campaign its detection record."""
+    if "ratio" in result:
+        return f"ratio {C.fmt(result['ratio'])}"
+    if isinstance(result.get("ratios"), dict):
+        return ", ".join(f"{k} {C.fmt(v)}" for k, v in result["ratios"].items())
+    kinds = result.get("kinds")
+    if isinstance(kinds, dict) and kinds:
+        recall = min((k.get("recall") for k in kinds.values() if isinstance(k.get("recall"), (int, float))),
+                     default=None)
+        precision = min((k.get("precision") for k in kinds.values()
+                         if isinstance(k.get("precision"), (int, float))), default=None)
+        return (f"min recall {C.fmt(recall)}, min precision {C.fmt(precision)}, "
+                f"bad_resumes {result.get('bad_resumes', '-')}")
+    return "-"
+
+
+def tail(text: str, lines: int = 15) -> str:
+    return "\n".join((text or "").strip().splitlines()[-lines:])
+
+
+def run_one(script: Path, timeout: float) -> dict:
+    cmd = [sys.executable, str(script.relative_to(C.REPO)), *FLAGS.get(script.name, []), "--json"]
+    shown = " ".join(["python", *cmd[1:]])
+    entry = {"bench": script.name, "command": shown, "date": time.strftime("%Y-%m-%d %H:%M"),
+             "target": TARGETS.get(script.name, "-")}
+    C.log(f"== {shown} (limit {timeout:.0f} s)")
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, cwd=C.REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return {**entry, "status": "failed", "error": f"timed out after {timeout:.0f} s",
+                "stderr_tail": tail(err), "duration_s": time.perf_counter() - t0}
+    entry["duration_s"] = time.perf_counter() - t0
+    if res.returncode != 0:
+        return {**entry, "status": "failed", "error": f"exit code {res.returncode}",
+                "stderr_tail": tail(res.stderr or res.stdout)}
+    try:
+        result = json.loads(res.stdout)
+        if not isinstance(result, dict):
+            raise ValueError("not an object")
+    except ValueError:
+        return {**entry, "status": "failed", "error": "stdout is not one JSON object",
+                "stderr_tail": tail(res.stderr) or tail(res.stdout)}
+    met = result.get("target_met")
+    return {**entry, "status": "ok" if met is not False else "target missed", "result": result,
+            "headline": headline(result), "target": result.get("target", entry["target"]), "target_met": met}
+
+
+def markdown(entries: list[dict]) -> str:
+    lines = ["| bench | status | headline | target | date | command |", "|---|---|---|---|---|---|"]
+    for e in entries:
+        status = e["status"] if e["status"] != "failed" else f"**failed**: {e['error']}"
+        cells = [e["bench"], status, e.get("headline", "-"), e.get("target", "-"), e["date"], f"`{e['command']}`"]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    for e in entries:
+        if e["status"] == "failed":
+            lines += ["", f"### {e['bench']} failed ({e['error']})", "", "```", e.get("stderr_tail") or "(no output)",
+                      "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = C.parser(__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="*", metavar="NAME", help="run only these benches (file names or stems)")
+    p.add_argument("--budget-s", type=float, default=570.0, help="time for all benches together (default 570)")
+    args = p.parse_args()
+
+    scripts = bench_scripts()
+    if args.only:
+        wanted = {n if n.endswith(".py") else f"{n}.py" for n in args.only}
+        unknown = wanted - {s.name for s in scripts}
+        if unknown:
+            C.fail(f"no such bench: {', '.join(sorted(unknown))}")
+        scripts = [s for s in scripts if s.name in wanted]
+
+    deadline = time.monotonic() + args.budget_s
+    entries = []
+    for i, script in enumerate(scripts):
+        left = deadline - time.monotonic()
+        share = min(PER_BENCH_CAP_S, left / (len(scripts) - i) * 2, left)  # may borrow from later benches
+        if share < 5:
+            entries.append({"bench": script.name, "command": f"python bench/{script.name}", "status": "failed",
+                            "error": "time budget spent", "date": time.strftime("%Y-%m-%d %H:%M"),
+                            "target": TARGETS.get(script.name, "-")})
+            continue
+        entries.append(run_one(script, share))
+
+    md = markdown(entries)
+    out = C.results_dir()
+    summary = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "python": sys.version.split()[0], "benches": entries}
+    atomic_write_bytes(out / "summary.json", (json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n")
+                       .encode())
+    atomic_write_bytes(out / "summary.md", md.encode())
+    if args.json:
+        print(json.dumps(summary, sort_keys=True, default=str))
+    else:
+        print(md, end="")
+        print(f"\nwritten: {out / 'summary.md'}, {out / 'summary.json'}")
+    failed = [e["bench"] for e in entries if e["status"] == "failed"]
+    if failed:
+        C.log(f"failed: {', '.join(failed)}")
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

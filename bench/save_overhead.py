@@ -1,0 +1,121 @@
+"""Median wall time of Checkpointer.save against plain dcp.save of the same state, same run (4 ranks, >= 200 MB).
+
+Also the peer a single-rank integrity tool would use: dcp.save followed by a rank-0 serial SHA-256 manifest of
+every file. Saves are interleaved round-robin so machine noise hits all contenders alike.
+
+    python bench/save_overhead.py [--json] [--mb 200] [--ranks 4] [--repeats 5] [--async]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import emit, load_note, log, parser  # noqa: E402
+
+
+def _sha256_manifest(d: Path) -> dict:
+    out = {}
+    for p in sorted(d.iterdir()):
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(8 << 20), b""):
+                h.update(chunk)
+        out[p.name] = h.hexdigest()
+    return out
+
+
+def _worker(rank, world, root, mb, repeats, async_save):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from scout_ckpt.checkpointer import Checkpointer
+
+    n_layers = 8
+    width = int((mb * 2**20 / 4 / n_layers) ** 0.5)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(n_layers)])
+    state = {"model": model.state_dict()}
+    nbytes = sum(t.numel() * t.element_size() for t in state["model"].values())
+    ckpt = Checkpointer(os.path.join(root, "scout"), model=model, async_save=async_save)
+    pg = dist.new_group(backend="gloo")
+    times = {"dcp.save": [], "scout save": [], "dcp.save + rank-0 sha256": []}
+
+    def plain(i, sha):
+        d = Path(root) / f"plain-{i}-{int(sha)}"
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        dcp.save(state, checkpoint_id=str(d), process_group=pg)
+        if sha:
+            if rank == 0:
+                _sha256_manifest(d)
+            dist.barrier(group=pg)
+        dt = time.perf_counter() - t0
+        dist.barrier(group=pg)
+        if rank == 0:
+            shutil.rmtree(d)
+        return dt
+
+    def scout(i):
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        ckpt.save(i, state)
+        ckpt.wait()
+        dt = time.perf_counter() - t0
+        return dt
+
+    for i in range(repeats + 1):  # the first round warms the page cache and imports
+        a, b, c = plain(i, False), scout(i + 1), plain(i, True)
+        if i:
+            times["dcp.save"].append(a)
+            times["scout save"].append(b)
+            times["dcp.save + rank-0 sha256"].append(c)
+    ckpt.close()
+    # The slowest rank decides when a collective save is done.
+    gathered = [None] * world
+    dist.all_gather_object(gathered, times, group=pg)
+    if rank == 0:
+        return {k: [max(g[k][j] for g in gathered) for j in range(repeats)] for k in times} | {"bytes": nbytes}
+    return None
+
+
+def main() -> None:
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=int, default=200)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--async", dest="async_save", action="store_true")
+    args = ap.parse_args()
+    from scout_ckpt.launch import run_ranks
+
+    root = tempfile.mkdtemp(prefix="scout-bench-save-")
+    try:
+        log(f"saving {args.mb} MB on {args.ranks} ranks, {args.repeats} rounds ...")
+        out = run_ranks(_worker, args.ranks, root, args.mb, args.repeats, args.async_save, timeout=900)[0].result
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in out.items() if k != "bytes"}
+    ratio = med["scout save"] / med["dcp.save"]
+    result = {
+        "ratio": ratio,
+        "ratios": {"scout_vs_dcp": ratio, "sha256_manifest_vs_dcp": med["dcp.save + rank-0 sha256"] / med["dcp.save"]},
+        "median_s": med, "samples_s": {k: v for k, v in out.items() if k != "bytes"}, "bytes": out["bytes"],
+        "ranks": args.ranks, "repeats": args.repeats, "async": args.async_save, "target": "<= 1.05",
+        "target_met": ratio <= 1.05, **load_note(),
+    }
+    rows = [(k, f"{v:.3f}", f"{v / med['dcp.save']:.3f}") for k, v in med.items()]
+    emit(result, args, rows, ["save", "median s (slowest rank)", "x dcp.save"],
+         title=f"save overhead: {out['bytes'] / 2**20:.0f} MB state, {args.ranks} ranks, {args.repeats} rounds")
+
+
+if __name__ == "__main__":
+    main()

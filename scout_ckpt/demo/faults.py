@@ -1,0 +1,231 @@
+"""`--inject` specs (CONTRACT.md: `KIND:key=value:...`) and the mechanics of each fault.
+
+Parsing has no torch import: the CLI validates specs before it starts anything. The mechanics run inside the
+workers (crash, sdc, hang, slow, param) or the supervisor (bitflip is applied on disk by rank 0 right after the
+step is committed, so a restart or the final certification must catch it).
+
+Transient faults (crash, hang, bitflip, param) fire once per run, in the first generation that reaches their step
+(a `fired-*.json` record under ROOT/demo/ says so), so the restarted job does not meet them again; sdc is
+persistent, as a failing part is, and slow lasts as long as the job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scout_ckpt.errors import BadInput
+from scout_ckpt.layout import atomic_write_json
+
+MARKER_DIR = "demo"  # under ROOT: the demo's own files (worker logs, results, injection records)
+
+SAVE_POINTS = ("before_write", "during_write", "after_write", "before_rename", "after_rename", "after_commit")
+
+# kind -> (required keys, optional keys with defaults)
+KINDS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
+    "crash": (("rank", "step"), {"at": "during_write"}),
+    "bitflip": (("step",), {"file": None, "bit": None}),
+    "sdc": (("rank", "step"), {"layer": "blocks.1.mlp.fc1"}),
+    "hang": (("rank", "step"), {}),
+    "slow": (("rank", "factor"), {}),
+    "param": (("rank", "step"), {"name": None, "bit": 30}),
+}
+_INT_KEYS = {"rank", "step", "bit"}
+_FLOAT_KEYS = {"factor"}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int | None = None
+    step: int | None = None
+    opts: dict = field(default_factory=dict)
+
+    @property
+    def spec(self) -> str:
+        parts = [self.kind] + [f"{k}={v}" for k, v in (("rank", self.rank), ("step", self.step)) if v is not None]
+        parts += [f"{k}={v}" for k, v in sorted(self.opts.items()) if v is not None]
+        return ":".join(parts)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "rank": self.rank, "step": self.step, **self.opts, "spec": self.spec}
+
+
+def parse(spec: str) -> Fault:
+    """One `KIND:key=value:...` spec; BadInput with a one-line message otherwise."""
+    kind, *pairs = spec.strip().split(":")
+    if kind not in KINDS:
+        raise BadInput(f"--inject {spec!r}: unknown kind {kind!r} (one of {', '.join(KINDS)})")
+    required, optional = KINDS[kind]
+    values: dict[str, object] = {}
+    for pair in pairs:
+        key, eq, raw = pair.partition("=")
+        if not eq or not key or not raw:
+            raise BadInput(f"--inject {spec!r}: expected key=value, got {pair!r}")
+        if key not in required and key not in optional:
+            raise BadInput(f"--inject {spec!r}: {kind} takes {', '.join(required + tuple(optional))}, not {key!r}")
+        if key in values:
+            raise BadInput(f"--inject {spec!r}: {key} given twice")
+        values[key] = _value(spec, key, raw)
+    missing = [k for k in required if k not in values]
+    if missing:
+        raise BadInput(f"--inject {spec!r}: {kind} needs {', '.join(k + '=' for k in missing)}")
+    if kind == "crash" and values.get("at", "during_write") not in SAVE_POINTS:
+        raise BadInput(f"--inject {spec!r}: at= must be one of {', '.join(SAVE_POINTS)}")
+    if kind == "slow" and not values["factor"] >= 1.0:
+        raise BadInput(f"--inject {spec!r}: factor must be >= 1")
+    if "bit" in values and not values["bit"] < (32 if kind == "param" else 8):
+        raise BadInput(f"--inject {spec!r}: bit must be below {32 if kind == 'param' else 8}")
+    opts = {**optional, **{k: v for k, v in values.items() if k not in ("rank", "step")}}
+    return Fault(kind, values.get("rank"), values.get("step"), opts)
+
+
+def _value(spec: str, key: str, raw: str):
+    try:
+        if key in _INT_KEYS:
+            v = int(raw)
+            if v < 0 or (key == "step" and v < 1):
+                raise ValueError
+            return v
+        if key in _FLOAT_KEYS:
+            return float(raw)
+    except ValueError:
+        raise BadInput(f"--inject {spec!r}: {key}={raw!r} is not a valid {'step' if key == 'step' else 'number'}")
+    return raw
+
+
+def parse_all(specs: list[str] | tuple[str, ...] | None, ranks: int | None = None,
+              steps: int | None = None) -> list[Fault]:
+    """Parse every spec and check ranks/steps against the job's size."""
+    faults = [parse(s) for s in (specs or [])]
+    for f in faults:
+        if ranks is not None and f.rank is not None and f.rank >= ranks:
+            raise BadInput(f"--inject {f.spec!r}: rank {f.rank} does not exist in a {ranks}-rank job")
+        if steps is not None and f.step is not None and f.step > steps:
+            raise BadInput(f"--inject {f.spec!r}: step {f.step} is beyond --steps {steps}")
+    return faults
+
+
+class Injector:
+    """The worker-side mechanics for one rank of one generation."""
+
+    def __init__(self, faults: list[Fault], rank: int, generation: int, root: str | os.PathLike):
+        self.rank, self.generation, self.root = rank, generation, Path(root)
+        self.faults = [f for f in faults if f.rank is None or f.rank == rank]
+        self._slow = next((f.opts["factor"] for f in self.faults if f.kind == "slow"), 1.0)
+        self._slow_fired = False
+
+    def _mine(self, kind: str, step: int) -> list[Fault]:
+        """This rank's transient faults of `kind` due at `step` that no earlier generation fired: a crash or a
+        hang happens once per run, in the first generation that reaches its step, not again after the restart."""
+        due = [f for f in self.faults if f.kind == kind and f.step == step]
+        return [f for f in due if not any((self.root / MARKER_DIR).glob(f"fired-{_slug(f)}-gen*.json"))]
+
+    # ---- save-time faults (the Checkpointer's fault_hook) ---------------------------------------------------
+
+    def fault_hook(self, point: str, step: int) -> None:
+        for f in self._mine("crash", step):
+            # A rank that writes no .distcp data (DCP de-duplicates replicated tensors) never reaches
+            # "during_write": it dies at "after_write" instead, still before anything is committed.
+            if f.opts["at"] == point or (point == "after_write" and f.opts["at"] == "during_write"):
+                self._fired(f, step, point=point)
+                os.kill(os.getpid(), signal.SIGKILL)
+        if point == "after_commit" and self.rank == 0:
+            for f in self._mine("bitflip", step):
+                self._fired(f, step, **flip_file_bit(self.root, step, f.opts.get("file"), f.opts.get("bit")))
+
+    # ---- training-time faults ---------------------------------------------------------------------------------
+
+    def _fired(self, f: Fault, step: int, **detail) -> None:
+        """Record that a fault fired (the campaign measures detection latency from this time)."""
+        name = f"fired-{_slug(f)}-gen{self.generation}-rank{self.rank}.json"
+        atomic_write_json(self.root / MARKER_DIR / name, {
+            "kind": f.kind, "spec": f.spec, "rank": self.rank, "step": step, "generation": self.generation,
+            "time": time.time(), **detail})
+
+    def before_step(self, step: int, model) -> None:
+        """At the start of step `step`: turn on a persistent SDC; block forever for a hang."""
+        from scout_ckpt.demo.model import sdc_target, set_sdc
+
+        for f in self.faults:
+            if f.kind == "sdc" and step >= f.step and sdc_target() != f.opts["layer"]:
+                if f.opts["layer"] not in model.linear_names():
+                    raise ValueError(f"sdc layer {f.opts['layer']!r} is not a Linear of the model "
+                                     f"({', '.join(model.linear_names())})")
+                set_sdc(f.opts["layer"])
+                self._fired(f, step, layer=f.opts["layer"])
+        for f in self._mine("hang", step):
+            self._fired(f, step)
+            threading.Event().wait()  # before the step's first collective: every other rank stalls in it
+
+    def slow_down(self, step: int, compute_s: float) -> None:
+        if self._slow > 1.0:
+            if not self._slow_fired:
+                self._slow_fired = True
+                self._fired(next(f for f in self.faults if f.kind == "slow"), step)
+            time.sleep((self._slow - 1.0) * compute_s)
+
+    def after_optimizer_step(self, step: int, model) -> None:
+        for f in self._mine("param", step):
+            name = flip_param_bit(model, f.opts.get("name"), f.opts["bit"])
+            self._fired(f, step, param=name, bit=f.opts["bit"])
+
+
+def _slug(f: Fault) -> str:
+    return f.spec.replace(":", "_").replace("=", "")
+
+
+def fired_records(root: str | os.PathLike) -> list[dict]:
+    """Every fired-fault record of a run, oldest first."""
+    import json
+
+    out = []
+    for path in (Path(root) / MARKER_DIR).glob("fired-*.json"):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(out, key=lambda r: r.get("time", 0))
+
+
+def flip_param_bit(model, name: str | None, bit: int) -> str:
+    """Flip `bit` of element 0 of this rank's own piece of a parameter (the local shard under FSDP)."""
+    import torch
+
+    params = dict(model.named_parameters())
+    if name is None:
+        name = next(n for n, _ in model.sphere_params())
+    p = params[name]
+    local = p.to_local() if hasattr(p, "to_local") else p
+    with torch.no_grad():
+        flat = local.view(-1)
+        if flat.numel():
+            flat[:1].view(torch.int32).bitwise_xor_(1 << bit)
+    return name
+
+
+def flip_file_bit(root: str | os.PathLike, step: int, name: str | None = None, bit: int | None = None) -> dict:
+    """Flip one bit in the middle of a committed `.distcp` file of `step`, in place (no new inode, no rename):
+    what a bad disk sector or a stray write does. Returns what was flipped."""
+    from scout_ckpt.layout import step_path
+
+    d = step_path(root, step)
+    files = sorted(d.glob("*.distcp"), key=lambda p: (-p.stat().st_size, p.name)) if name is None else [d / name]
+    if not files or not files[0].exists():
+        raise FileNotFoundError(f"{d}: no .distcp file to flip")
+    path = files[0]
+    size = path.stat().st_size
+    offset = size // 2
+    bit = 3 if bit is None else bit % 8
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ (1 << bit)]))
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": str(path.relative_to(root)), "offset": offset, "bit": bit}

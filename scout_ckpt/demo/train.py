@@ -1,0 +1,349 @@
+"""One rank of the demo job: `python -m scout_ckpt.demo.train --args-json '{...}'`, started by the supervisor.
+
+The rank joins the supervisor's TCPStore (a fresh one per generation), builds the model for its mode, resumes
+with `load_latest_clean`, trains, saves every `save_every` steps, and on rank 0 writes the loss log and the final
+result. DDP mode averages gradients with an explicit all-reduce over one flat buffer of fixed layout instead of
+DistributedDataParallel: DDP's reducer rebuilds its buckets after the first iteration, which changes the
+summation order and makes a resumed run differ in the last bits (TORCH-NOTES: bitwise resume).
+"""
+
+from __future__ import annotations
+
+import time
+
+_T_START = time.time()  # before the torch import: the start-up timings in the log begin here
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import xxhash
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from scout_ckpt.demo.data import DataStream, MarkovDomains, OnlineMixer
+from scout_ckpt.demo.faults import MARKER_DIR, Injector, parse_all
+from scout_ckpt.demo.model import TinyTransformer, retract_to_sphere, sphere_deviation
+from scout_ckpt.layout import atomic_write_json
+
+MODES = ("ddp", "fsdp", "hsdp")
+PROGRESS_KEY = "scout_demo/progress"
+
+
+@dataclass
+class WorkerArgs:
+    root: str
+    rank: int
+    world: int
+    port: int
+    generation: int = 0
+    steps: int = 40
+    save_every: int = 10
+    mode: str = "ddp"
+    async_save: bool = False
+    inject: list[str] = field(default_factory=list)
+    constraint: str | None = None      # None | "sphere"
+    mixing: str | None = None          # None | "online"
+    n_domains: int = 4                 # used with mixing="online"
+    stall_s: float = 3.0
+    replay: bool = False
+    seed: int = 0
+    global_batch: int = 16
+    lr: float = 1e-2
+    pg_timeout_s: float = 60.0
+    mesh_shape: tuple[int, int] | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerArgs":
+        d = json.loads(text)
+        if d.get("mesh_shape") is not None:
+            d["mesh_shape"] = tuple(d["mesh_shape"])
+        return cls(**d)
+
+
+def default_mesh_shape(world: int) -> tuple[int, int]:
+    """(replicate, shard) for HSDP: shard over pairs of ranks when the world divides into pairs."""
+    shard = 2 if world % 2 == 0 and world >= 4 else 1
+    return world // shard, shard
+
+
+# ---- state -----------------------------------------------------------------------------------------------------
+
+
+class RNGState(Stateful):
+    """Every RNG the job could draw from, as fixed-shape tensors (no pickled objects in the checkpoint).
+    All ranks seed identically, so the state is replicated and DCP stores one copy."""
+
+    def state_dict(self) -> dict:
+        _, mt, gauss = random.getstate()
+        _, keys, pos, has_gauss, cached = np.random.get_state()
+        sd = {"torch": torch.get_rng_state(),
+              "python": torch.tensor(mt, dtype=torch.int64),
+              "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+              "numpy": torch.from_numpy(keys.astype(np.int64)),
+              "numpy_extra": torch.tensor([pos, has_gauss, cached], dtype=torch.float64)}
+        if torch.cuda.is_available():
+            sd["cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        torch.set_rng_state(sd["torch"])
+        has_next, next_gauss = sd["python_gauss"].tolist()
+        random.setstate((3, tuple(int(v) for v in sd["python"].tolist()), next_gauss if has_next else None))
+        pos, has_gauss, cached = sd["numpy_extra"].tolist()
+        np.random.set_state(("MT19937", sd["numpy"].numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["cuda"])
+
+
+class AppState(Stateful):
+    """The DCP state of the job: model + optimizer through get/set_state_dict (sharding-aware), and the small
+    replicated pieces a bitwise resume needs: LR schedule, RNG, data position, mixing weights, step."""
+
+    def __init__(self, model, optimizer, scheduler, data: DataStream, mixer: OnlineMixer | None):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.data, self.mixer, self.rng = data, mixer, RNGState()
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        sd = {"model": model_sd, "optim": optim_sd,
+              "lr_schedule": {"last_epoch": torch.tensor(self.scheduler.last_epoch, dtype=torch.int64)},
+              "rng": self.rng.state_dict(), "data": self.data.state_dict(),
+              "step": torch.tensor(self.step, dtype=torch.int64)}
+        if self.mixer is not None:
+            sd["mixing"] = self.mixer.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        last = int(sd["lr_schedule"]["last_epoch"])
+        self.scheduler.last_epoch, self.scheduler._step_count = last, last + 1
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self.rng.load_state_dict(sd["rng"])
+        self.data.load_state_dict(sd["data"])
+        if self.mixer is not None:
+            self.mixer.load_state_dict(sd["mixing"])
+        self.step = int(sd["step"])
+
+
+def warmup_cosine(total_steps: int, warmup: int | None = None, floor: float = 0.1):
+    warmup = warmup if warmup is not None else max(1, total_steps // 10)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+# ---- building blocks -------------------------------------------------------------------------------------------
+
+
+def build_model(mode: str, world: int, seed: int, mesh_shape: tuple[int, int] | None = None):
+    """(model, mesh). Same seed on every rank: replicas start identical before any sharding."""
+    torch.manual_seed(seed)
+    model = TinyTransformer()
+    if mode == "ddp":
+        return model, None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if mode == "fsdp":
+        mesh = init_device_mesh("cpu", (world,))
+    elif mode == "hsdp":
+        mesh = init_device_mesh("cpu", tuple(mesh_shape or default_mesh_shape(world)),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, mesh
+
+
+def allreduce_grads(model: torch.nn.Module, world: int) -> None:
+    """Average gradients over all ranks through one flat buffer whose layout never changes."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def state_digest(model, optimizer) -> str:
+    """xxh3-128 over the full (unsharded) model and optimizer state, keys sorted: the same bits give the same
+    digest however the state was sharded. Collective; the digest is valid on rank 0 only."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd = get_model_state_dict(model, options=opts)
+    osd = get_optimizer_state_dict(model, optimizer, options=opts)
+    h = xxhash.xxh3_128()
+    flat = {f"model/{k}": v for k, v in msd.items()}
+    for fqn, st in osd.get("state", {}).items():
+        for k, v in st.items():
+            flat[f"optim/{fqn}/{k}"] = v
+    for i, group in enumerate(osd.get("param_groups", [])):
+        for k, v in group.items():
+            if k != "params":
+                flat[f"optim/group{i}/{k}"] = v
+    for key in sorted(flat):
+        v = flat[key]
+        h.update(key.encode())
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(str((t.dtype, tuple(t.shape))).encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(repr(v).encode())
+    return f"xxh3_128:{h.hexdigest()}"
+
+
+def invariants_for(args: WorkerArgs, model) -> list | None:
+    """Model-intrinsic checks for the Checkpointer: one Frobenius sphere per constrained matrix (each keeps the
+    radius it had at init) and the mixture simplex. None when the run has neither."""
+    specs: list = []
+    if args.constraint == "sphere":
+        specs += [{"check": "frobenius_sphere", "params": name, "radius": radius, "rtol": 1e-3}
+                  for name, radius in model.sphere_radii.items()]
+    if args.mixing == "online":
+        specs.append({"check": "simplex", "path": "mixing.weights", "atol": 1e-6})
+    return ["finite", *specs] if specs else None
+
+
+# ---- the job ---------------------------------------------------------------------------------------------------
+
+
+def train(args: WorkerArgs, store=None, timings: dict | None = None) -> dict | None:
+    from scout_ckpt.checkpointer import Checkpointer
+
+    timings = dict(timings or {})
+    rank, world = args.rank, args.world
+    root = Path(args.root)
+    injector = Injector(parse_all(args.inject), rank, args.generation, root)
+    model, _ = build_model(args.mode, world, args.seed, args.mesh_shape)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps))
+    mixer = OnlineMixer(args.n_domains) if args.mixing == "online" else None
+    domains = MarkovDomains(n_domains=args.n_domains if mixer else 1, seed=args.seed)
+    data = DataStream(domains, model.seq_len, args.global_batch, rank, world, seed=args.seed, mixer=mixer)
+    app = AppState(model, opt, sched, data, mixer)
+    state = {"app": app}
+
+    ckpt = Checkpointer(
+        root, model=model, optimizer=opt, mode=args.mode,
+        mesh_shape=(args.mesh_shape or default_mesh_shape(world)) if args.mode == "hsdp" else None,
+        async_save=args.async_save, replay={"interval": 1} if args.replay else None,
+        observer={"stall_s": args.stall_s, "action": "abort"}, invariants=invariants_for(args, model),
+        fault_hook=injector.fault_hook)
+    timings["checkpointer"] = time.time()
+    start = ckpt.load_latest_clean(state) or 0
+    timings["loaded"] = time.time()
+    log_path = root / MARKER_DIR / f"log-gen{args.generation}.jsonl"
+    log = open(log_path, "a") if rank == 0 else None
+    if log:
+        born = timings.get("process", _T_START)
+        log.write(json.dumps({"event": "start", "step": start, "generation": args.generation, "time": time.time(),
+                              "startup_s": {k: round(v - born, 3) for k, v in timings.items()}}) + "\n")
+        log.flush()
+
+    losses: dict[int, float] = {}
+    for step in range(start + 1, args.steps + 1):
+        injector.before_step(step, model)
+        if store is not None:  # the supervisor's progress view: a hung rank stays one step behind
+            store.set(f"{PROGRESS_KEY}/{rank}", str(step))
+        t0 = time.perf_counter()
+        with ckpt.phase("data"):
+            x, y, dom = data.next_batch()
+        with ckpt.phase("forward"):
+            logits = model(x)
+            per_sample = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                         reduction="none").view(y.shape).mean(1)
+            loss = per_sample.mean()
+        with ckpt.phase("backward"):
+            loss.backward()
+        if args.mode == "ddp":
+            with ckpt.phase("backward"):  # the gradient all-reduce ends the backward pass
+                allreduce_grads(model, world)
+        with ckpt.phase("optimizer"):
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if args.constraint == "sphere":
+                retract_to_sphere(model)
+        injector.after_optimizer_step(step, model)
+        injector.slow_down(step, time.perf_counter() - t0)
+        with ckpt.phase("step"):
+            metrics = torch.cat([loss.detach().double().view(1),
+                                 (mixer.domain_stats(per_sample, dom) if mixer else torch.zeros(0)).view(-1)])
+            dist.all_reduce(metrics)
+        global_loss = float(metrics[0]) / world
+        if mixer is not None:
+            mixer.update(metrics[1:].view(2, -1))
+        app.step = step
+        losses[step] = global_loss
+        ckpt.step(step)
+        if log:
+            rec = {"step": step, "loss": global_loss, "time": time.time(), "generation": args.generation}
+            if mixer is not None:
+                rec["mixing"] = mixer.weights.tolist()
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+        if step % args.save_every == 0 or step == args.steps:
+            ckpt.save(step, state)
+
+    ckpt.close()
+    digest = state_digest(model, opt)  # collective
+    deviation = sphere_deviation(model) if args.constraint == "sphere" else None  # collective under FSDP
+    if rank != 0:
+        return None
+    result = {"final_digest": digest, "generation": args.generation, "start_step": start, "steps": args.steps,
+              "mode": args.mode, "world": world, "losses": {str(k): v for k, v in sorted(losses.items())},
+              "time": time.time()}
+    if mixer is not None:
+        result["mixing"] = mixer.weights.tolist()
+    if deviation is not None:
+        result["sphere_deviation"] = deviation
+    atomic_write_json(root / MARKER_DIR / "result.json", result)
+    log.close()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--args-json", required=True, help="WorkerArgs as JSON (written by the supervisor)")
+    args = WorkerArgs.from_json(parser.parse_args(argv).args_json)
+    torch.set_num_threads(1)
+    os.environ.update({"RANK": str(args.rank), "WORLD_SIZE": str(args.world), "LOCAL_RANK": str(args.rank),
+                       "MASTER_ADDR": "127.0.0.1"})
+    timings = {"process": _T_START, "imported": time.time()}
+    timeout = datetime.timedelta(seconds=args.pg_timeout_s)
+    store = dist.TCPStore("127.0.0.1", args.port, args.world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world, timeout=timeout)
+    timings["process_group"] = time.time()
+    train(args, store, timings)
+    dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
