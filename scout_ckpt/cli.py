@@ -248,6 +248,56 @@ def quarantine_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(
         print(f"step {step}: quarantined ({reason})")
 
 
+# ---- report ----------------------------------------------------------------------------------------------------
+
+@app.command("report")
+def report_cmd(root: Path = typer.Argument(...), as_json: bool = JSON_OPT,
+               html: Optional[Path] = typer.Option(None, "--html", help="Also write a self-contained HTML page.")):
+    """Fault timeline: SDC, hangs, stragglers, crashes, desyncs, health events, with ranks and steps."""
+    from scout_ckpt import report
+
+    with _open_ledger(root) as ledger:
+        tl = report.timeline(ledger)
+    if html is not None:
+        report.write_html(tl, html)
+    if as_json:
+        _emit(tl)
+    else:
+        _console().print(report.render_table(tl))
+        if html is not None:
+            print(f"wrote {html}", file=sys.stderr)
+
+
+# ---- demo ------------------------------------------------------------------------------------------------------
+
+@app.command("demo")
+def demo_cmd(dir: Optional[Path] = typer.Option(None, "--dir", help="Run directory (default: ./scout-demo-<time>)."),
+             ranks: int = typer.Option(4, "--ranks"), steps: int = typer.Option(40, "--steps"),
+             save_every: int = typer.Option(10, "--save-every"),
+             async_save: bool = typer.Option(False, "--async", help="dcp.async_save on the checkpointer's group."),
+             mode: str = typer.Option("ddp", "--mode", help="ddp | fsdp | hsdp"),
+             inject: List[str] = typer.Option([], "--inject", help="KIND:key=value:... (repeatable)"),
+             constraint: Optional[str] = typer.Option(None, "--constraint", help="sphere"),
+             mixing: Optional[str] = typer.Option(None, "--mixing", help="online"),
+             max_restarts: int = typer.Option(3, "--max-restarts"),
+             stall_s: float = typer.Option(3.0, "--stall-s", help="Hang observer stall threshold."),
+             replay: Optional[bool] = typer.Option(None, "--replay/--no-replay",
+                                                   help="SDC replay (default: on when --save-every > 7)."),
+             as_json: bool = JSON_OPT):
+    """Run a real multi-process CPU (gloo) training job with the save hook and fault injection."""
+    from scout_ckpt.demo import print_summary, run_demo
+
+    result = run_demo(dir, ranks=ranks, steps=steps, save_every=save_every, async_save=async_save, mode=mode,
+                      inject=inject, constraint=constraint, mixing=mixing, max_restarts=max_restarts,
+                      stall_s=stall_s, replay=replay, quiet=as_json)
+    if as_json:
+        _emit(result)
+    else:
+        print_summary(result, _console())
+    if not result["completed"]:
+        raise typer.Exit(1)
+
+
 # ---- ledger rebuild --------------------------------------------------------------------------------------------
 
 @ledger_app.command("rebuild")
