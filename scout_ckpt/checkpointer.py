@@ -53,31 +53,6 @@ def _materialize(state: dict) -> dict:
     return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
 
 
-def _local_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor leaf (DTensors as their local shard), by dotted path."""
-    from torch.distributed.tensor import DTensor
-
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(obj, DTensor):
-        out[prefix] = obj.to_local()
-    elif isinstance(obj, torch.Tensor):
-        out[prefix] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_local_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(_local_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
-    return out
-
-
-def _finite_check(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Names of floating tensors holding NaN or Inf (the cheapest plausibility check of saved state)."""
-    bad = []
-    for name, t in tensors.items():
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-            bad.append(name)
-    return bad
 
 
 class Checkpointer:
@@ -225,8 +200,8 @@ class Checkpointer:
         self._hook("before_write", step)
 
         flat = _materialize(state)
-        local = {"finite_bad": _finite_check(_local_tensors(flat)) if self.finite else []}
-        writer = ScoutWriter(tmp, step=step, fault_hook=self.fault_hook)
+        local: dict = {}
+        writer = ScoutWriter(tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
         if self.async_save:
             resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
             upload = getattr(resp, "upload_completion", resp)
@@ -251,7 +226,8 @@ class Checkpointer:
         digests = digest_files([tmp / f for f in mine])
         files = [{"path": f, "size": digests[str(tmp / f)][0], "digest": digests[str(tmp / f)][1], "rank": self.rank}
                  for f in mine]
-        gathered = self._gather({"rank": self.rank, "files": files, **local}, group=group)
+        gathered = self._gather({"rank": self.rank, "files": files, "finite_bad": writer.nonfinite, **local},
+                                group=group)
         verdict = None
         if self.is_coordinator:
             try:

@@ -49,7 +49,11 @@ def _child(fn, rank, world_size, port, args, kwargs, q, env, pg_timeout_s):
         dist.destroy_process_group()
     except BaseException:  # report, then exit non-zero
         q.put((rank, "err", traceback.format_exc()))
+        q.close()
+        q.join_thread()  # os._exit skips the queue's feeder thread: flush first
         os._exit(1)
+    q.close()
+    q.join_thread()
     os._exit(0)
 
 

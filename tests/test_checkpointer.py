@@ -69,3 +69,15 @@ def test_sigkill_during_save_never_leaves_a_bad_checkpoint(tmp_path, point, vict
         else:
             assert row4["state"] == "rejected"
             assert row4["reasons"][0]["code"] == "save_interrupted"
+
+
+def test_nonfinite_state_is_rejected_by_the_writing_rank(tmp_path):
+    out = run_ranks(w.save_nonfinite, 3, str(tmp_path), timeout=60)
+    assert out[0].result["good"]["state"] == "certified"
+    bad = out[0].result["bad"]
+    assert bad["state"] == "rejected"
+    reason = bad["reasons"][0]
+    assert reason["code"] == "invariant_failed" and reason["check"] == "finite"
+    assert reason["tensors"] == ["model.2.weight"] and len(reason["ranks"]) == 1
+    with Ledger.open(tmp_path, readonly=True) as led:
+        assert led.latest()["step"] == 1

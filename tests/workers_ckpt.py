@@ -177,3 +177,15 @@ def fsdp_load(rank, world, root):
     ckpt.close()
     full = _full_state(model, opt)
     return {"step": step, "full": full if rank == 0 else None}
+
+
+def save_nonfinite(rank, world, root):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(root, model=model, optimizer=opt)
+    good = ckpt.save(1, state_of(model, opt))
+    with torch.no_grad():
+        model[2].weight[1, 3] = float("nan")
+    bad = ckpt.save(2, state_of(model, opt))
+    ckpt.close()
+    return {"good": good, "bad": bad}
