@@ -77,6 +77,11 @@ def run_ranks(
 
     import torch.distributed as dist
 
+    import torch
+
+    # Forking a parent whose OpenMP pool has threads can deadlock a child on its first parallel op
+    # (pytorch#41197): the harness keeps its parent single-threaded, as every rank is anyway.
+    torch.set_num_threads(1)
     ctx = mp.get_context(start_method or os.environ.get("SCOUT_START_METHOD", "fork"))
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=pg_timeout_s))

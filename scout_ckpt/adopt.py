@@ -1,0 +1,94 @@
+"""Adopt plain DCP `step-N` folders written without scout-ckpt (TorchTitan layout: ROOT/step-N/.metadata +
+__R_I.distcp): digest every file, check the structure, run the invariants offline, write a manifest and record the
+verdict under the ADOPTED policy (bytes + structure + invariants), so `resume --latest-clean` works on them."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from scout_ckpt import digests, layout, policy
+from scout_ckpt.errors import BadInput
+from scout_ckpt.policy import FAIL, MISSING, PASS, evidence
+
+DEFAULT_INVARIANTS = ["finite"]
+
+
+def _invariants(step_dir: Path, checks, structure: dict) -> dict:
+    if structure["status"] != PASS:
+        return evidence(MISSING, [{"code": "invariants_skipped", "detail": "structure check failed"}])
+    from scout_ckpt.dcp_files import read_tensors
+    from scout_ckpt.invariants import run_offline
+
+    try:
+        tensors = read_tensors(step_dir, include_bytes=any(c.kind == "monotone" for c in checks))
+    except BadInput as e:
+        return evidence(FAIL, [{"code": "bad_metadata", "detail": str(e)}])
+    return run_offline(checks, tensors)
+
+
+def adopt_step(root: Path, step: int, step_dir: Path, run_id: str, checks, specs: list) -> tuple[dict, dict]:
+    """(manifest, verdict) for one foreign step dir; writes the manifest, records nothing."""
+    from scout_ckpt.dcp_files import check_structure, ranks_of
+
+    rels = [r for r in digests.relpaths(step_dir) if r != layout.MANIFEST_NAME]
+    found = digests.digest_files([step_dir / r for r in rels])
+    files = [{"path": r, "size": found[str(step_dir / r)][0], "digest": found[str(step_dir / r)][1], "rank": None}
+             for r in rels]
+    bytes_ev = evidence(PASS, baseline="adoption", files=len(files), nbytes=sum(f["size"] for f in files))
+    structure = check_structure(step_dir)
+    ev = {"bytes": bytes_ev, "structure": structure, "invariants": _invariants(step_dir, checks, structure)}
+    verdict = policy.evaluate(policy.ADOPTED, ev)
+    manifest = {
+        "format": "scout-manifest/1", "step": step, "run_id": run_id, "created": time.time(), "adopted": True,
+        "world_size": len(ranks_of(step_dir)), "files": files, "evidence": ev, "policy": policy.ADOPTED,
+        "invariants": specs, "state": verdict.state, "reasons": verdict.reasons}
+    return manifest, {"state": verdict.state, "reasons": verdict.reasons}
+
+
+def adopt(root: str | os.PathLike, *, invariant_specs: list | None = None) -> dict:
+    """Adopt every `step-N` dir under root that has no scout manifest yet."""
+    from scout_ckpt.invariants import parse_specs
+    from scout_ckpt.ledger import Ledger
+
+    root = Path(root)
+    if not root.exists():
+        raise BadInput(f"{root}: no such directory")
+    if not root.is_dir():
+        raise BadInput(f"{root}: not a directory")
+    steps = layout.list_step_dirs(root)
+    if not steps:
+        raise BadInput(f"{root}: no step-N checkpoint folders to adopt")
+    specs = list(invariant_specs) if invariant_specs is not None else list(DEFAULT_INVARIANTS)
+    checks = parse_specs(specs)
+    specs = [c.spec for c in checks]
+    todo = {s: d for s, d in steps.items() if not (d / layout.MANIFEST_NAME).exists()}
+    skipped = [{"step": s, "path": d.name, "reason": "has_manifest"} for s, d in steps.items() if s not in todo]
+    adopted: list[dict] = []
+    if not todo:
+        return {"adopted": adopted, "skipped": skipped, "run_id": None}
+    run_id = f"adopted-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    from scout_ckpt.dcp_files import ranks_of
+
+    world = max((len(ranks_of(d)) for d in todo.values()), default=0)
+    with Ledger.open(root, create=True) as ledger:
+        # the run's policy also carries the invariant specs, so `certify` can re-run them offline
+        ledger.begin_run(run_id, world_size=world, topology={"mode": "adopted"},
+                         policy={**policy.ADOPTED, "invariants": specs})
+        for step, step_dir in todo.items():
+            manifest, verdict = adopt_step(root, step, step_dir, run_id, checks, specs)
+            data = _json_bytes(manifest)
+            layout.atomic_write_bytes(step_dir / layout.MANIFEST_NAME, data)
+            ledger.record_commit(
+                step, run_id=run_id, path=step_dir.name, nbytes=sum(f["size"] for f in manifest["files"]),
+                manifest_digest=digests.bytes_digest(data), files=manifest["files"], evidence=manifest["evidence"],
+                state=verdict["state"], reasons=verdict["reasons"], source="adopt")
+            adopted.append({"step": step, "path": step_dir.name, **verdict})
+    return {"adopted": adopted, "skipped": skipped, "run_id": run_id}
+
+
+def _json_bytes(obj) -> bytes:
+    import json
+
+    return (json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n").encode()

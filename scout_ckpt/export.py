@@ -1,0 +1,157 @@
+"""Export a certified checkpoint's model weights to safetensors, with provenance in the file's metadata.
+
+Order matters: the step must be certified (unless forced), every file's digest must match the ledger, and every
+file the DCP metadata points at must be among those verified; only then are tensors read. A sharded export
+(`model-00001-of-0000N.safetensors` + `model.safetensors.index.json`) commits by writing the index last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from scout_ckpt import digests, layout
+from scout_ckpt.errors import BadInput, NotClean, NotFound
+
+# Top-level components (and suffixes) that hold training state rather than model weights.
+_NOT_MODEL = {"optim", "optimizer", "optimizers", "opt", "lr_scheduler", "lr_schedulers", "scheduler",
+              "dataloader", "train_state", "rng", "rng_state", "param_groups"}
+_OPT_LEAVES = {"exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq", "sum", "square_avg"}
+
+
+def _is_param(key: str) -> bool:
+    parts = key.split(".")
+    return not any(p in _NOT_MODEL or p.startswith("optim") for p in parts) and parts[-1] not in _OPT_LEAVES
+
+
+def detect_prefix(keys: list[str]) -> str:
+    """The dotted prefix of the model weights: the common prefix of the parameter-looking keys, cut after its
+    last "model" component ("model.", "app.model."), else its first component when training state sits beside
+    the model, else "" (a bare model state dict)."""
+    params = [k.split(".") for k in keys if _is_param(k)]
+    if not params:
+        raise BadInput("no model weights found in the checkpoint (pass a prefix)")
+    common = params[0][:-1]
+    for parts in params[1:]:
+        n = 0
+        while n < min(len(common), len(parts) - 1) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    if "model" in common:
+        common = common[: len(common) - common[::-1].index("model")]
+    elif len(params) < len(keys):
+        common = common[:1]
+    else:
+        common = []
+    return ".".join(common) + "." if common else ""
+
+
+def _verify(step_dir: Path, files: list[dict]) -> None:
+    if not files:
+        raise NotClean(f"{step_dir}: the ledger lists no files for this step; nothing to verify against")
+    for f in files:
+        if not (step_dir / f["path"]).is_file():
+            raise NotClean(f"{step_dir}: {f['path']} is missing")
+    found = digests.digest_files([step_dir / f["path"] for f in files])
+    for f in files:
+        size, digest = found[str(step_dir / f["path"])]
+        if digest != f["digest"] or (f.get("size") is not None and size != f["size"]):
+            raise NotClean(f"{step_dir}: {f['path']} does not match its recorded digest")
+
+
+def _atomic_save(tensors: dict, path: Path, metadata: dict) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLike, *, force: bool = False,
+           ledger=None, prefix: str | None = None, max_shard_bytes: int | None = None) -> dict:
+    """Consolidate step's model weights (step None: the newest certified) into out_path (.safetensors)."""
+    from scout_ckpt.ledger import Ledger
+
+    root = Path(root)
+    own = ledger is None
+    if own:
+        ledger = Ledger.open(root, readonly=True)
+    try:
+        row = ledger.checkpoint(step) if step is not None else ledger.latest("certified")
+        if row is None:
+            raise NotFound(f"{root}: no checkpoint for step {step}" if step is not None
+                           else f"{root}: no certified checkpoint")
+        step = row["step"]
+        if row["state"] != "certified" and not force:
+            codes = ", ".join(r.get("code", "?") for r in row.get("reasons") or []) or "no reasons recorded"
+            raise NotClean(f"step {step} is {row['state']} ({codes}); pass force to export it anyway")
+        files = ledger.files(step)
+    finally:
+        if own:
+            ledger.close()
+    step_dir = root / (row["path"] or layout.step_dirname(step))
+    if not step_dir.is_dir():
+        raise NotClean(f"{step_dir}: checkpoint directory is missing")
+    _verify(step_dir, files)
+
+    from scout_ckpt.dcp_files import load_metadata, read_tensors
+
+    md = load_metadata(step_dir)
+    verified = {f["path"] for f in files}
+    used = {info.relative_path for info in md.storage_data.values()}
+    if layout.DCP_METADATA not in verified or not used <= verified:
+        raise NotClean(f"{step_dir}: files not covered by the recorded digests: "
+                       f"{sorted((used | {layout.DCP_METADATA}) - verified)}")
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    keys = [k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
+    prefix = detect_prefix(keys) if prefix is None else prefix
+    tensors = {k[len(prefix):]: v for k, v in read_tensors(step_dir, prefix or None, metadata=md).items()}
+    if prefix == "":
+        tensors = {k: v for k, v in tensors.items() if _is_param(k)}
+    if not tensors:
+        raise BadInput(f"{step_dir}: no tensors under prefix {prefix!r}")
+    meta = {"format": "pt", "scout.step": str(step), "scout.run_id": str(row.get("run_id")),
+            "scout.state": str(row["state"]), "scout.manifest_digest": str(row.get("manifest_digest")),
+            "scout.prefix": prefix, "scout.files": json.dumps({f["path"]: f["digest"] for f in files},
+                                                               sort_keys=True)}
+    out_path = Path(out_path)
+    if not out_path.parent.is_dir():
+        raise BadInput(f"{out_path.parent}: no such directory")
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    written: list[str] = []
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        _atomic_save(tensors, out_path, meta)
+        written.append(str(out_path))
+    else:
+        shards: list[dict] = [{}]
+        size = 0
+        for name in sorted(tensors):
+            nb = tensors[name].numel() * tensors[name].element_size()
+            if shards[-1] and size + nb > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensors[name]
+            size += nb
+        stem = out_path.name[: -len(".safetensors")] if out_path.name.endswith(".safetensors") else out_path.name
+        n = len(shards)
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"{stem}-{i:05d}-of-{n:05d}.safetensors"
+            _atomic_save(shard, out_path.parent / name, {**meta, "scout.shard": f"{i}/{n}"})
+            written.append(str(out_path.parent / name))
+            weight_map.update({k: name for k in shard})
+        index = out_path.parent / f"{stem}.safetensors.index.json"
+        layout.atomic_write_json(index, {"metadata": {"total_size": total, **meta}, "weight_map": weight_map})
+        written.append(str(index))
+    layout.fsync_dir(out_path.parent)
+    return {"step": step, "state": row["state"], "run_id": row.get("run_id"), "prefix": prefix,
+            "tensors": len(tensors), "bytes": total, "files": written, "forced": bool(force and
+                                                                                    row["state"] != "certified")}
