@@ -30,7 +30,7 @@ def offline_invariants(step_dir: Path, specs: list) -> dict | None:
     from scout_ckpt import invariants
     from scout_ckpt.dcp_files import read_tensors
 
-    return invariants.run_offline(invariants.parse_specs(specs), read_tensors(step_dir))
+    return invariants.run_offline(invariants.parse_specs(specs), read_tensors(step_dir, include_bytes=True))
 
 
 def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int], None] | None = None) -> dict:
@@ -46,7 +46,7 @@ def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int]
     else:
         ev = {"bytes": verify_checkpoint(root, ledger, step, progress=progress)}
         if ev["bytes"]["status"] == policy.PASS:
-            specs = (ledger.evidence(step).get("invariants") or {}).get("specs") or []
+            specs = run_policy(ledger, row).get("invariants") or []
             inv = offline_invariants(root / row["path"], specs)
             if inv is not None:
                 ev["invariants"] = {**inv, "specs": specs}

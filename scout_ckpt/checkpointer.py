@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fnmatch
 import os
 import platform
 import shutil
@@ -33,11 +34,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 import scout_ckpt
+from scout_ckpt import invariants as inv
 from scout_ckpt import layout, manifest, policy, retention
+from scout_ckpt.consensus.groups import ConsensusGroups
+from scout_ckpt.consensus.save_time import save_time_consensus
+from scout_ckpt.consensus.signatures import full_signatures
 from scout_ckpt.digests import digest_files
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.recovery import record_bytes_failure
+from scout_ckpt.replay import ReplayRunner, coverage as replay_coverage
 from scout_ckpt.storage import FaultHook, ScoutWriter
 from scout_ckpt.verify import verify_files
 
@@ -68,6 +74,7 @@ class Checkpointer:
                  mesh_shape: tuple[int, ...] | None = None, async_save: bool = False, keep: int | None = None,
                  replay: dict | bool | None = None, observer: dict | bool | None = None,
                  invariants: list | None = None, consensus: bool = True, finite: bool = True,
+                 consensus_exclude: tuple[str, ...] = (), verify_load: bool = True,
                  fault_hook: FaultHook | None = None, timeout_s: float = 600.0):
         if not dist.is_initialized():
             raise ScoutError("Checkpointer needs an initialized default process group (init_process_group)")
@@ -92,8 +99,20 @@ class Checkpointer:
         self._step_started = time.monotonic()
         self._closed = False
 
-        self.policy = self._policy(invariants, consensus, replay)
-        self.topology = {"mode": self.mode, "world_size": self.world_size, "mesh_shape": self.mesh_shape}
+        self.checks = inv.parse_specs(invariants) if invariants else []  # bad specs fail here, not at a save
+        self.consensus, self.consensus_exclude, self.verify_load = consensus, tuple(consensus_exclude), verify_load
+        self.groups = ConsensusGroups.create(self.mode, self.world_size, self.mesh_shape, timeout_s=timeout_s) \
+            if (consensus or replay) else None
+        self.replay = None
+        if replay and model is not None:
+            self.replay = ReplayRunner(model, optimizer, groups=self.groups,
+                                       **(replay if isinstance(replay, dict) else {}))
+            self.replay.begin(0)
+        self._replay_events_seen = 0
+        self._inv_previous: dict | None = None
+        self.policy = self._policy()
+        self.topology = {"mode": self.mode, "world_size": self.world_size, "mesh_shape": self.mesh_shape,
+                         "replica_groups": self.groups.groups if self.groups else None}
         self.ledger: Ledger | None = None
         run_id = None
         if self.is_coordinator:
@@ -122,9 +141,22 @@ class Checkpointer:
             raise ScoutError(f"mode must be ddp, fsdp or hsdp (got {mode!r})")
         return mode, tuple(mesh_shape) if mesh_shape else None
 
-    def _policy(self, invariants, consensus, replay) -> dict:
-        require = ["bytes"] + (["invariants"] if self.finite else [])
-        return {"require": require, "allow_not_applicable": []}
+    def _policy(self) -> dict:
+        """What "certified" means for this run, stored in the ledger and every manifest."""
+        require = ["bytes"]
+        if self.finite or self.checks:
+            require.append("invariants")
+        allow_na = []
+        if self.consensus:
+            require.append("consensus")
+            # Single-owner shards (pure FSDP) have no replica to compare with: the invariants vouch for them.
+            if "invariants" in require:
+                allow_na.append("consensus")
+        if self.replay is not None:
+            require.append("replay")
+        return {"require": require, "allow_not_applicable": allow_na,
+                "invariants": [c.spec for c in self.checks] + (["finite"] if self.finite else []),
+                "replay_targets": [list(t) for t in self.replay.targets()] if self.replay else []}
 
     def _versions(self) -> dict:
         return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
@@ -172,11 +204,29 @@ class Checkpointer:
     # ---- per-step hook -------------------------------------------------------------------------------------
 
     def step(self, step: int) -> None:
-        """Cheap per-step hook (not collective): records the step's wall time."""
+        """Per-step hook, after the optimizer step: records the step's wall time and drives the SDC replay
+        schedule (collective on the checkpointer's side groups at scheduled steps, never the training group)."""
         now = time.monotonic()
         self.last_step_s = now - self._step_started
         self._step_started = now
         self._raise_pending_error()
+        if self.replay is not None:
+            rows = self.replay.on_step(step)
+            events = self.replay.events()
+            new_events, self._replay_events_seen = events[self._replay_events_seen:], len(events)
+            if self.is_coordinator and (rows or new_events):
+                self._record_replays(rows, new_events)
+
+    def _record_replays(self, rows: list[dict], events: list[dict]) -> None:
+        self.ledger.add_replays([dict(r, run_id=self.run_id) for r in rows])
+        for r in rows:
+            if r["status"] in ("ATTRIBUTED", "INCONCLUSIVE"):
+                self.ledger.add_event("sdc", step=r["step"], ranks=r["ranks"], run_id=self.run_id,
+                                      detail={"source": "replay", "recipe": r["recipe"], "target": r["target"],
+                                              "status": r["status"]})
+        for e in events:
+            self.ledger.add_event(e["kind"], step=e.get("step"), ranks=e.get("ranks"), detail=e.get("detail"),
+                                  run_id=self.run_id)
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -200,7 +250,7 @@ class Checkpointer:
         self._hook("before_write", step)
 
         flat = _materialize(state)
-        local: dict = {}
+        local = {"evidence": self._live_evidence(step, flat)}
         writer = ScoutWriter(tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
         if self.async_save:
             resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
@@ -211,6 +261,26 @@ class Checkpointer:
             return None
         dcp.save(flat, storage_writer=writer, process_group=self._pg)
         return self._commit(step, attempt, writer, local, self._pg)
+
+    def _live_evidence(self, step: int, flat: dict) -> dict:
+        """Evidence taken from the live state at the save boundary, before the write (collective)."""
+        ev: dict = {}
+        if self.consensus:
+            ev["consensus"] = save_time_consensus(flat, self.groups, names_filter=self._consensus_names)
+        if self.checks:
+            res = inv.run_local(self.checks, inv.flatten(flat), group=self._pg, previous=self._inv_previous)
+            self._inv_previous = res.get("values") or self._inv_previous
+            ev["invariants"] = res
+        if self.verify_load:
+            ev["signatures"] = full_signatures(flat, group=self._pg)
+        if self.replay is not None and self.is_coordinator:
+            prev = self.ledger.latest("certified", below=step)
+            rows = self.ledger.replays(run_id=self.run_id, after=prev["step"] if prev else None, upto=step)
+            ev["replay"] = replay_coverage(rows, self.replay.targets())
+        return ev
+
+    def _consensus_names(self, name: str) -> bool:
+        return not any(fnmatch.fnmatch(name, pat) for pat in self.consensus_exclude)
 
     def _commit_async(self, upload, step, attempt, writer, local) -> None:
         try:
@@ -241,25 +311,37 @@ class Checkpointer:
         self._hook("after_commit", step)
         return verdict
 
-    def _evidence(self, step: int, gathered: list[dict]) -> dict:
+    def _evidence(self, step: int, gathered: list[dict]) -> tuple[dict, dict]:
+        """(evidence, signatures): writers' digests and finite checks plus the live evidence of the boundary."""
         files = [f for g in gathered for f in g["files"]]
+        live = dict(gathered[COORDINATOR]["evidence"])  # identical on all ranks but `replay` (coordinator's)
+        signatures = live.pop("signatures", {})
         ev = {"bytes": policy.evidence(policy.PASS, files=len(files), bytes=sum(f["size"] for f in files),
                                        hashed_by="writers")}
-        if self.finite:
+        if self.finite or self.checks:
             bad = [{"code": "invariant_failed", "check": "finite", "ranks": [g["rank"]], "tensors": g["finite_bad"][:8]}
                    for g in gathered if g["finite_bad"]]
-            ev["invariants"] = policy.evidence(policy.FAIL if bad else policy.PASS, bad, checks=["finite"])
-        return ev
+            checks = live.pop("invariants", None)
+            reasons = bad + (checks["reasons"] if checks else [])
+            status = policy.PASS
+            if checks and checks["status"] != policy.PASS:
+                status = checks["status"]
+            if bad:
+                status = policy.FAIL
+            ev["invariants"] = policy.evidence(status, reasons, specs=self.policy["invariants"],
+                                               values=(checks or {}).get("values"))
+        ev.update(live)
+        return ev, signatures
 
     def _publish(self, step: int, attempt: str, tmp: Path, gathered: list[dict]) -> dict:
         """Coordinator: manifest -> rename -> ledger -> retention. The order is the commit protocol."""
         files = [f for g in gathered for f in g["files"]]
-        ev = self._evidence(step, gathered)
+        ev, signatures = self._evidence(step, gathered)
         v = policy.evaluate(self.policy, ev)
         verdict = {"state": v.state, "reasons": v.reasons}
         m = manifest.build(step=step, run_id=self.run_id, attempt=attempt, world_size=self.world_size,
                            topology=self.topology, policy=self.policy, files=files, evidence=ev, verdict=verdict,
-                           versions=self._versions())
+                           signatures=signatures, invariants=self.policy["invariants"], versions=self._versions())
         digest = manifest.write(tmp, m)
         self._hook("before_rename", step)
         final = layout.step_path(self.root, step)
@@ -268,9 +350,19 @@ class Checkpointer:
         self.ledger.record_commit(step, run_id=self.run_id, path=final.name, nbytes=layout.dir_bytes(final),
                                   manifest_digest=digest, files=files, evidence=ev, state=v.state,
                                   reasons=v.reasons, attempt=attempt)
+        self._record_live_faults(step, ev)
         if self.keep:
             retention.apply(self.ledger, self.root, self.keep)
         return verdict
+
+    def _record_live_faults(self, step: int, ev: dict) -> None:
+        """A fault found in the live state at a save boundary is also an `sdc` event naming the rank(s)."""
+        for kind, codes in (("consensus", ("consensus_attributed", "consensus_inconclusive")),
+                            ("invariants", ("invariant_failed",))):
+            for r in (ev.get(kind) or {}).get("reasons") or []:
+                if r.get("code") in codes:
+                    self.ledger.add_event("sdc", step=step, ranks=r.get("ranks") or [], run_id=self.run_id,
+                                          detail={"source": kind, **{k: v for k, v in r.items() if k != "ranks"}})
 
     def wait(self) -> None:
         """Block until the pending async save is committed (or failed) on this rank."""
@@ -319,9 +411,33 @@ class Checkpointer:
                 below = cand["step"]
                 continue
             dcp.load(state, checkpoint_id=str(step_dir), process_group=self._pg)
+            self._verify_loaded(cand["step"], step_dir, state)
             if self.is_coordinator:
                 self.ledger.set_resumed_from(self.run_id, cand["step"])
+            if self.replay is not None:
+                self.replay.begin(cand["step"])
             return cand["step"]
+
+    def _verify_loaded(self, step: int, step_dir: Path, state: dict) -> None:
+        """Compare full-tensor signatures of what was loaded with those recorded at save (sharding-independent,
+        so a checkpoint saved on N ranks verifies when loaded on M). A mismatch stops the job: continuing would
+        train from state that is not what was certified."""
+        if not self.verify_load:
+            return
+        expected = None
+        if self.is_coordinator:
+            expected = manifest.read(step_dir)[0].get("signatures") or None
+        expected = self._broadcast(expected)
+        if not expected:
+            return
+        got = full_signatures(_materialize(state), group=self._pg)
+        bad = sorted(k for k in expected if got.get(k) != expected[k])
+        if bad:
+            if self.is_coordinator:
+                self.ledger.add_event("load_mismatch", step=step, run_id=self.run_id,
+                                      detail={"tensors": bad[:16], "n": len(bad)})
+            raise LoadVerificationError(f"checkpoint {step}: loaded state differs from what was saved in "
+                                        f"{len(bad)} tensor(s), e.g. {bad[0]}")
 
     # ---- shutdown ------------------------------------------------------------------------------------------
 
@@ -333,6 +449,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            if self.replay is not None:
+                self.replay.close()
             if self.ledger is not None:
                 self.ledger.close()
 

@@ -1,8 +1,10 @@
 """Run a function on N real gloo ranks in child processes: used by the tests, the benches and the campaign.
 
 The parent hosts the TCPStore (port 0, so no port races) and each child joins with `is_master=False`
-(TORCH-NOTES: rendezvous without port races). Children are forked by default (0.1 s for 4 ranks against
-3-4.5 s for spawn); `SCOUT_START_METHOD=spawn` switches. Worker functions must be importable (module level).
+(TORCH-NOTES: rendezvous without port races). Children come from a forkserver that has imported torch once:
+forking the parent itself is unsafe, because the TCPStore server's threads (and any OpenMP pool) can hold a
+libc lock at the instant of fork and deadlock the child; spawn is safe but costs 3-4.5 s per 4 ranks.
+`SCOUT_START_METHOD=spawn|fork` overrides. Worker functions must be importable (module level).
 """
 
 from __future__ import annotations
@@ -77,12 +79,10 @@ def run_ranks(
 
     import torch.distributed as dist
 
-    import torch
-
-    # Forking a parent whose OpenMP pool has threads can deadlock a child on its first parallel op
-    # (pytorch#41197): the harness keeps its parent single-threaded, as every rank is anyway.
-    torch.set_num_threads(1)
-    ctx = mp.get_context(start_method or os.environ.get("SCOUT_START_METHOD", "fork"))
+    method = start_method or os.environ.get("SCOUT_START_METHOD", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint"])
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=pg_timeout_s))
     q = ctx.Queue()

@@ -5,9 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-torch.set_num_threads(1)  # forked ranks inherit the parent: no OpenMP pool to deadlock on (see launch.py)
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "scout_ckpt.cli"]

@@ -1,0 +1,260 @@
+"""The training side's heartbeat: a fixed 128-byte record in a shared-memory file that the observer maps read-only.
+
+Why shared memory and a seqlock: the trainer must publish its progress at the cost of a few stores (no syscall,
+no lock, no GIL hand-off to another thread), and the observer must read it even while the trainer is blocked in C
+code or SIGSTOPped. The writer makes the version odd, writes the fields, then makes it even; a reader retries until
+it sees the same even version before and after reading, so it never sees a torn record. (CPython's struct writes
+and reads fields in order; on x86 stores and loads are not reordered with each other. The version itself is
+stored and loaded through a memoryview of unsigned 64-bit items, one aligned 8-byte access: struct.pack_into
+zero-fills before it writes, which would briefly show an even version 0.)
+
+The file lives in /dev/shm (tmpfs) when there is one, so updates never reach a disk.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PHASES = ("idle", "step", "forward", "backward", "optimizer", "data", "checkpoint", "eval")
+_PHASE_ID = {p: i for i, p in enumerate(PHASES)}
+MAGIC = 0x5343_4F55_5448_4231  # "SCOUTHB1"
+SIZE = 128
+
+IN_COLL = 1        # inside a traced collective
+COLL_ERROR = 2     # a traced collective raised (a victim of a peer's failure, not a culprit)
+CLOSED = 4         # the trainer closed the heartbeat cleanly
+IN_SIDE = 8        # inside a collective on an ignored (side) group: waiting, but not a training collective
+
+_COLL = struct.Struct("<QdQQQ")                # @8: flags, t_update, seq_enter, fp_enter, seq_leave
+_STEP = struct.Struct("<qQddddd")              # @48: step, phase, last_dur, n_steps(as float), dur_sum, busy_sum, coll_sum
+_IDENT = struct.Struct("<qQ")                  # @104: pid, magic
+_ALL = struct.Struct("<QQdQQQqQddddd" + "qQ")  # version + everything, for readers
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One consistent reading of a heartbeat."""
+
+    version: int
+    flags: int
+    t_update: float
+    seq_enter: int
+    fp_enter: int
+    seq_leave: int
+    step: int
+    phase: str
+    last_dur: float
+    n_steps: int
+    dur_sum: float
+    busy_sum: float
+    coll_sum: float
+    pid: int
+
+    @property
+    def in_coll(self) -> bool:
+        return bool(self.flags & IN_COLL)
+
+    @property
+    def in_side(self) -> bool:
+        return bool(self.flags & IN_SIDE)
+
+    @property
+    def coll_error(self) -> bool:
+        return bool(self.flags & COLL_ERROR)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.flags & CLOSED)
+
+
+def default_path(run_id: str, rank: int) -> Path:
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else Path(
+        os.environ.get("TMPDIR", "/tmp"))
+    return base / f"scout-hb-{run_id}-r{rank}-{os.getpid()}"
+
+
+class _Phase:
+    """Returned by Heartbeat.phase(): the phase is already set; used as a context manager it restores the
+    previous phase on exit."""
+
+    __slots__ = ("hb", "prev")
+
+    def __init__(self, hb: "Heartbeat", prev: str):
+        self.hb, self.prev = hb, prev
+
+    def __enter__(self):
+        return self.hb
+
+    def __exit__(self, *exc):
+        self.hb._set_phase(self.prev)
+
+
+class Heartbeat:
+    """Writer side. Not thread-safe by design: the thread that created it (the training thread) is the only
+    writer; the tracer passes other threads' side-group collectives through without touching it."""
+
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap):
+        self.path, self._fd, self._mm = path, fd, mm
+        self._words = memoryview(mm).cast("Q")
+        self._v = 0
+        self.owner = threading.get_ident()  # the only thread that may write
+        self._flags = 0
+        self._seq_enter = self._fp_enter = self._seq_leave = 0
+        self._step, self._phase = 0, "idle"
+        self._last_dur = self._dur_sum = self._busy_sum = self._coll_sum = 0.0
+        self._n_steps = 0
+        self._t_enter = self._t_side = 0.0
+        self._coll_since_step = 0.0
+        self._last_step_t: float | None = None
+        _IDENT.pack_into(mm, 104, os.getpid(), MAGIC)
+        self._write_all(time.time())
+
+    @classmethod
+    def create(cls, path: str | os.PathLike) -> "Heartbeat":
+        path = Path(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.ftruncate(fd, SIZE)
+        return cls(path, fd, mmap.mmap(fd, SIZE))
+
+    # ---- writes --------------------------------------------------------------------------------------------
+
+    def _write_coll(self, now: float) -> None:
+        v = self._v
+        self._words[0] = v + 1
+        _COLL.pack_into(self._mm, 8, self._flags, now, self._seq_enter, self._fp_enter, self._seq_leave)
+        self._words[0] = self._v = v + 2
+
+    def _write_all(self, now: float) -> None:
+        v = self._v
+        self._words[0] = v + 1
+        _COLL.pack_into(self._mm, 8, self._flags, now, self._seq_enter, self._fp_enter, self._seq_leave)
+        _STEP.pack_into(self._mm, 48, self._step, _PHASE_ID[self._phase], self._last_dur, float(self._n_steps),
+                        self._dur_sum, self._busy_sum, self._coll_sum)
+        self._words[0] = self._v = v + 2
+
+    def enter(self, seq: int, fp: int) -> None:
+        """The trainer enters collective number `seq` with fingerprint `fp`."""
+        now = time.time()
+        self._t_enter = now
+        self._seq_enter, self._fp_enter = seq, fp
+        self._flags |= IN_COLL
+        self._write_coll(now)
+
+    def leave(self, seq: int) -> None:
+        now = time.time()
+        spent = max(0.0, now - self._t_enter)
+        self._coll_since_step += spent
+        self._coll_sum += spent
+        self._seq_leave = seq
+        self._flags &= ~IN_COLL
+        self._write_coll(now)
+
+    def side(self, inside: bool) -> None:
+        """Enter/leave a collective on a side group: shows the rank is waiting without advancing the sequence."""
+        now = time.time()
+        if inside:
+            self._flags |= IN_SIDE
+            self._t_side = now
+        else:
+            self._flags &= ~IN_SIDE
+            spent = max(0.0, now - self._t_side)  # waiting is waiting, whatever the group
+            self._coll_since_step += spent
+            self._coll_sum += spent
+        self._write_coll(now)
+
+    def error(self) -> None:
+        """A traced collective raised: marks this rank as a victim, so its exit is not counted as a crash."""
+        self._flags |= COLL_ERROR
+        self._write_coll(time.time())
+
+    def step(self, n: int, duration_s: float | None = None) -> None:
+        """Step `n` is done. Its busy time (duration minus time waiting in collectives) is what the straggler
+        rule compares: in synchronous training every rank's wall time per step is the same."""
+        now = time.time()
+        if duration_s is None and self._last_step_t is not None:
+            duration_s = max(0.0, now - self._last_step_t)
+        if duration_s is not None:
+            self._last_dur = duration_s
+            self._n_steps += 1
+            self._dur_sum += duration_s
+            self._busy_sum += max(0.0, duration_s - self._coll_since_step)
+        self._coll_since_step = 0.0
+        self._last_step_t = now
+        self._step = n
+        if self._phase == "idle":
+            self._phase = "step"
+        self._write_all(now)
+
+    def _set_phase(self, name: str) -> None:
+        if name not in _PHASE_ID:
+            raise ValueError(f"unknown phase {name!r}; one of {', '.join(PHASES)}")
+        self._phase = name
+        self._write_all(time.time())
+
+    def phase(self, name: str) -> _Phase:
+        """Set the phase now; `with hb.phase("forward"):` restores the previous phase afterwards."""
+        prev = self._phase
+        self._set_phase(name)
+        return _Phase(self, prev)
+
+    @property
+    def seq(self) -> int:
+        return self._seq_enter
+
+    def close(self, unlink: bool = True) -> None:
+        """Marks the record closed (a clean exit, not a crash) and unmaps it."""
+        if self._mm.closed:
+            return
+        self._flags |= CLOSED
+        self._phase = "idle"
+        self._write_all(time.time())
+        self._words.release()
+        self._mm.close()
+        os.close(self._fd)
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class HeartbeatReader:
+    """Reader side (the observer). Keeps the file mapped so it stays readable after the trainer dies."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), SIZE, access=mmap.ACCESS_READ)
+        if _IDENT.unpack_from(self._mm, 104)[1] != MAGIC:
+            raise ValueError(f"{self.path}: not a scout-ckpt heartbeat")
+        self._words = memoryview(self._mm).cast("Q")
+        self._last: Snapshot | None = None
+
+    def snapshot(self, retries: int = 1000) -> Snapshot:
+        """The newest consistent record. A writer stopped (SIGSTOP, SIGKILL) in the middle of an update leaves
+        the version odd for good: then the last consistent record this reader saw is returned."""
+        for _ in range(retries):
+            v1 = self._words[0]
+            if v1 & 1:
+                continue
+            vals = _ALL.unpack_from(self._mm, 0)
+            if self._words[0] == v1 and vals[0] == v1:
+                (v, flags, t_update, seq_enter, fp_enter, seq_leave, step, phase, last_dur, n_steps, dur_sum,
+                 busy_sum, coll_sum, pid, _magic) = vals
+                self._last = Snapshot(v, flags, t_update, seq_enter, fp_enter, seq_leave, step,
+                                      PHASES[phase] if phase < len(PHASES) else "?", last_dur, int(n_steps),
+                                      dur_sum, busy_sum, coll_sum, pid)
+                return self._last
+        if self._last is None:
+            raise RuntimeError(f"{self.path}: heartbeat never consistent (writer stopped mid-update)")
+        return self._last
+
+    def close(self) -> None:
+        self._words.release()
+        self._mm.close()

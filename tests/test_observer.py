@@ -1,0 +1,271 @@
+"""The hang observer on real 4-rank gloo jobs: hang, desync, crash, SIGSTOP, straggler, healthy, abort; the
+collective tracer; the heartbeat's seqlock; the attribution rule on hand-made tables."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from scout_ckpt.launch import run_ranks
+from scout_ckpt.ledger import Ledger
+from scout_ckpt.observer.daemon import attribute, channel_dir
+from scout_ckpt.observer.heartbeat import Heartbeat, HeartbeatReader
+from scout_ckpt.observer.stacks import proc_state
+from tests import workers_observer as W
+
+WORLD = 4
+
+
+class Job:
+    """A 4-rank training job with observers, run in a background thread so the test can watch the ledger,
+    then kill whatever is left (trainers and observers, by pid) on exit."""
+
+    def __init__(self, root: Path, scenario: str, **opts):
+        self.root, self.scenario, self.opts = root, scenario, opts
+        self.run_id = f"test-{scenario}"
+        self.outcomes = None
+        Ledger.open(root, create=True).close()  # as the Checkpointer does before starting observers
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        self.outcomes = run_ranks(W.train, WORLD, str(self.root), self.run_id, self.scenario, self.opts,
+                                  timeout=60, allow_failures=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def statuses(self) -> dict[int, dict]:
+        out = {}
+        for r in range(WORLD):
+            p = channel_dir(self.root, self.run_id) / f"status-{r}.json"
+            try:
+                out[r] = json.loads(p.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                pass
+        return out
+
+    def events(self) -> list[dict]:
+        with Ledger.open(self.root, readonly=True) as ledger:
+            return ledger.events()
+
+    def wait_event(self, kind: str, timeout: float = 30.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            evs = self.events()
+            if any(e["kind"] == kind for e in evs):
+                return evs
+            time.sleep(0.1)
+        raise AssertionError(f"no {kind} event within {timeout}s; events: {self.events()}")
+
+    def kill_trainers(self):
+        for row in self.statuses().values():
+            if proc_state(row["pid"]) not in (None, "Z"):
+                os.kill(row["pid"], signal.SIGKILL)
+
+    def wait_observers_exit(self, timeout: float = 20.0) -> None:
+        pids = [row["observer_pid"] for row in self.statuses().values()]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(proc_state(p) not in (None, "Z") for p in pids):
+            time.sleep(0.1)
+        left = [p for p in pids if proc_state(p) not in (None, "Z")]
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+        assert not left, f"observers {left} did not exit after their trainers"
+
+    def __exit__(self, *exc):
+        if self.thread.is_alive():
+            self.kill_trainers()
+        self.thread.join(60)
+        self.wait_observers_exit()
+
+
+def report_of(root: Path, event: dict) -> dict:
+    return json.loads((root / event["detail"]["report"]).read_text())
+
+
+def only(events: list[dict]) -> dict:
+    assert len(events) == 1, events
+    return events[0]
+
+
+# ---- faults on real gloo ranks ------------------------------------------------------------------------------
+
+
+def test_hang_is_attributed_to_the_blocked_rank_with_its_stack(tmp_path):
+    with Job(tmp_path, "hang") as job:
+        job.wait_event("hang")
+        job.kill_trainers()  # the supervisor's kill after a reported hang is not a new crash
+    ev = only(job.events())
+    assert ev["kind"] == "hang" and ev["ranks"] == [2] and ev["step"] == 3
+    assert ev["detail"]["attribution"] == "strict_majority"
+    assert "injected_hang_before_all_reduce" in ev["detail"]["stacks"]["2"]
+    assert "thread 0x" in ev["detail"]["stacks"]["2"].lower()  # faulthandler all_threads format
+    table = {row["rank"]: row for row in ev["detail"]["progress"]}
+    assert [table[r]["in_coll"] for r in range(WORLD)] == [True, True, False, True]
+    report = report_of(tmp_path, ev)
+    assert report["kind"] == "hang" and report["ranks"] == [2]
+
+
+def test_desync_names_the_rank_with_the_other_collective(tmp_path):
+    with Job(tmp_path, "desync") as job:
+        job.wait_event("desync")
+        job.kill_trainers()
+    ev = only(job.events())
+    assert ev["kind"] == "desync" and ev["ranks"] == [2]
+    table = {row["rank"]: row for row in ev["detail"]["progress"]}
+    assert len({table[r]["seq"] for r in range(WORLD)}) == 1
+    assert len({table[r]["fp"] for r in (0, 1, 3)}) == 1 and table[2]["fp"] != table[0]["fp"]
+
+
+def test_sigkilled_rank_is_a_crash(tmp_path):
+    with Job(tmp_path, "crash") as job:
+        job.wait_event("crash")
+        job.thread.join(60)  # the survivors fail in their collective and exit by themselves
+        job.wait_observers_exit()
+    ev = only(job.events())
+    assert ev["kind"] == "crash" and ev["ranks"] == [2]
+    assert [o.exitcode for o in job.outcomes] == [1, 1, -signal.SIGKILL, 1]
+
+
+def test_sigstopped_rank_is_attributed(tmp_path):
+    with Job(tmp_path, "sigstop") as job:
+        job.wait_event("hang")
+        job.kill_trainers()
+    ev = only(job.events())
+    assert ev["kind"] == "hang" and ev["ranks"] == [2]
+    assert "stopped" in ev["detail"]["stacks"]["2"]
+
+
+def test_abort_action_kills_every_trainer(tmp_path):
+    with Job(tmp_path, "hang", action="abort") as job:
+        job.thread.join(60)  # nobody but the observers kills anything here
+        assert not job.thread.is_alive()
+    # the hung rank can only have been SIGKILLed; the others were killed, or failed in their collective first
+    # when a peer's kill reached them
+    assert job.outcomes[2].exitcode == -signal.SIGKILL
+    assert all(o.exitcode in (-signal.SIGKILL, 1) for o in job.outcomes)
+    rows = job.statuses()
+    assert rows[2]["state"] == "aborted"
+    assert all(row["state"] == "aborted" or row["error"] for row in rows.values())
+    ev = only(job.events())
+    assert ev["kind"] == "hang" and ev["ranks"] == [2] and ev["detail"]["action"] == "abort"
+
+
+def test_slow_rank_is_a_straggler_and_a_healthy_run_has_no_events(tmp_path):
+    straggler = {"window_s": 0.5, "min_steps": 3, "rounds": 3}
+    healthy = tmp_path / "healthy"
+    healthy.mkdir()
+    with Job(healthy, "healthy", steps=40, compute_s=0.05, straggler=straggler) as job:
+        job.thread.join(60)
+    assert job.events() == []
+    assert [o.exitcode for o in job.outcomes] == [0] * WORLD
+    assert [o.result["seq"] for o in job.outcomes] == [40] * WORLD  # side-group collectives not counted
+    assert {row["state"] for row in job.statuses().values()} == {"closed"}
+    assert not any(row["torch_imported"] for row in job.statuses().values())
+
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    with Job(slow, "slow", steps=40, compute_s=0.05, slow_factor=3.0, straggler=straggler) as job:
+        job.thread.join(60)
+    events = job.events()
+    assert events and {e["kind"] for e in events} == {"straggler"}
+    assert all(e["ranks"] == [2] for e in events)
+    assert events[0]["detail"]["slowdown"] > 1
+
+
+# ---- the tracer ---------------------------------------------------------------------------------------------
+
+
+def test_tracer_fingerprints_and_uninstall_restores_torch_distributed():
+    outcomes = run_ranks(W.tracer_roundtrip, WORLD, timeout=60)
+    results = [o.result for o in outcomes]
+    for res in results:
+        assert res["restored"] and not res["in_coll"]
+        assert "all_reduce" in res["replaced"] and "all_gather_object" in res["replaced"]
+        assert res["seq"] == res["hb_seq"] == res["hb_left"] == 5  # side-group calls were not counted
+        fps = res["fps"]
+        assert len({fps["ar3"], fps["ar3_max"], fps["ar4"], fps["ar3_f64"]}) == 4
+        assert fps["ar3"] == fps["ar3_sum"]
+        assert fps["bcast0"] != fps["bcast1"]
+    for key in results[0]["fps"]:
+        assert len({res["fps"][key] for res in results}) == 1, key  # equal on every rank
+    assert len({res["hb_fp"] for res in results}) == 1
+
+
+# ---- the heartbeat and the rule -----------------------------------------------------------------------------
+
+
+def _hammer(hb: Heartbeat, n: int) -> None:
+    for i in range(1, n + 1):
+        hb.enter(i, i * 7919)
+        hb.leave(i)
+        if i % 100 == 0:
+            hb.step(i // 100)
+    hb.close(unlink=False)
+
+
+def test_heartbeat_reader_never_sees_a_torn_record(tmp_path):
+    path = str(tmp_path / "hb")
+    hb = Heartbeat.create(path)  # the forked writer inherits the shared mapping
+    proc = mp.get_context("fork").Process(target=_hammer, args=(hb, 200_000))
+    proc.start()
+    reader = HeartbeatReader(path)
+    seen = 0
+    while proc.is_alive() or seen == 0:
+        s = reader.snapshot()
+        assert s.fp_enter == s.seq_enter * 7919
+        assert s.seq_leave in (s.seq_enter, s.seq_enter - 1)
+        assert s.in_coll == (s.seq_leave == s.seq_enter - 1)
+        seen += 1
+    proc.join()
+    final = reader.snapshot()
+    assert final.closed and final.seq_enter == 200_000 and final.step == 2000
+
+
+def _row(step, seq, *, state="running", in_coll=True, age=5.0, fp="a", error=False, phase="step", side=False):
+    return {"state": state, "step": step, "seq": seq, "in_coll": in_coll, "age_s": age, "fp": fp, "error": error,
+            "phase": phase, "in_side": side}
+
+
+@pytest.mark.parametrize("rows, world, expect", [
+    # one laggard behind the waiting majority
+    ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8, in_coll=False), 3: _row(3, 9)}, 4, ("hang", [2])),
+    # two against two: seen, not attributed
+    ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8, in_coll=False), 3: _row(3, 8, in_coll=False)}, 4, None),
+    # two peers can detect but never attribute
+    ({0: _row(3, 9), 1: _row(3, 8, in_coll=False)}, 2, None),
+    # the majority not yet past the threshold
+    ({0: _row(3, 9, age=0.5), 1: _row(3, 9, age=0.5), 2: _row(3, 8, in_coll=False)}, 3, None),
+    # different fingerprints at the same point
+    ({0: _row(3, 9), 1: _row(3, 9, fp="b"), 2: _row(3, 9)}, 3, ("desync", [1])),
+    # a dead rank among live ones; victims of its death do not count
+    ({0: _row(3, 9, state="gone", error=True), 1: _row(3, 9), 2: _row(3, 8, state="gone")}, 3, ("crash", [2])),
+    # everyone gone without a word: a job-wide kill, not attributable
+    ({0: _row(3, 9, state="gone"), 1: _row(3, 9, state="gone"), 2: _row(3, 9)}, 3, None),
+    # a stopped rank inside the collective
+    ({0: _row(3, 9), 1: _row(3, 9, state="stopped"), 2: _row(3, 9)}, 3, ("hang", [1])),
+    # stuck inside DDP's C++ all-reduce (no traced collective open), one rank behind: still a hang
+    ({0: _row(3, 9, in_coll=False, phase="backward"), 1: _row(3, 9, in_coll=False, phase="backward"),
+      2: _row(3, 7, in_coll=False)}, 3, ("hang", [2])),
+    # a long save: everyone waits in a side-group collective at the same point, no laggard: no verdict
+    ({0: _row(3, 9, in_coll=False, side=True), 1: _row(3, 9, in_coll=False, side=True),
+      2: _row(3, 9, in_coll=False, phase="checkpoint")}, 3, None),
+    # every rank inside the same training collective: a hang with nobody to blame
+    ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 9)}, 3, ("hang", [])),
+    # a clean close is no fault
+    ({0: _row(3, 9, state="closed"), 1: _row(3, 9, in_coll=False), 2: _row(3, 9, in_coll=False)}, 3, None),
+])
+def test_attribution_rule(rows, world, expect):
+    verdict = attribute(rows, world, stall_s=2.0)
+    if expect is None:
+        assert verdict is None
+    else:
+        assert (verdict["kind"], verdict["ranks"]) == expect

@@ -1,0 +1,136 @@
+"""Hardware health in the observer: a fake source's ECC increase becomes one `health` event; the real NVML
+source on a machine without a GPU says so once and stays quiet."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from scout_ckpt.ledger import Ledger
+from scout_ckpt.observer.daemon import Observer, channel_dir
+from scout_ckpt.observer.health import NullHealthSource, NvmlHealthSource, default_source
+
+
+class FakeEccSource:
+    """Reports the uncorrectable ECC count going from 0 to 1 at its second poll, as NVML's diff would."""
+
+    def __init__(self):
+        self.polls = 0
+
+    def poll(self) -> list[dict]:
+        self.polls += 1
+        if self.polls == 2:
+            return [{"metric": "ecc_uncorrected_volatile", "gpu": 0, "old": 0, "new": 1, "severity": "fatal",
+                     "message": "GPU 0: ecc_uncorrected_volatile 0 -> 1"}]
+        return []
+
+
+def _nvml_present() -> bool:
+    return NvmlHealthSource(0).available
+
+
+def _run_observer(root, run_id, health_source) -> Observer:
+    """One observer (world of one, no process group needed), watched for a few health polls."""
+    Ledger.open(root, create=True).close()
+    return Observer.start(root, rank=0, world_size=1, run_id=run_id, stall_s=600.0, poll_s=0.05,
+                          health_source=health_source, health_poll_s=0.1, trace=False)
+
+
+def test_fake_source_ecc_increase_is_one_health_event(tmp_path):
+    obs = _run_observer(tmp_path, "health-fake", FakeEccSource())
+    try:
+        deadline = time.monotonic() + 30
+        events = []
+        while time.monotonic() < deadline and not events:
+            with Ledger.open(tmp_path, readonly=True) as ledger:
+                events = ledger.events()
+            time.sleep(0.1)
+        time.sleep(0.5)  # a few more polls: the fake reports nothing new, so nothing more may appear
+    finally:
+        obs.stop()
+    with Ledger.open(tmp_path, readonly=True) as ledger:
+        events = ledger.events()
+    assert len(events) == 1, events
+    ev = events[0]
+    assert ev["kind"] == "health" and ev["ranks"] == [0]
+    assert ev["detail"]["metric"] == "ecc_uncorrected_volatile" and ev["detail"]["new"] == 1
+    assert (tmp_path / ev["detail"]["report"]).exists()
+
+
+@pytest.mark.skipif(_nvml_present(), reason="this machine has an NVML GPU: the no-GPU fallback cannot be seen")
+def test_nvml_source_without_gpu_is_quiet(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="scout_ckpt.observer.health"):
+        src = NvmlHealthSource(0)
+        assert not src.available
+        assert src.poll() == [] and src.poll() == []
+    lines = [r for r in caplog.records if r.name == "scout_ckpt.observer.health"]
+    assert len(lines) == 1 and "not watched" in lines[0].getMessage()
+    assert isinstance(default_source(0), NullHealthSource)
+
+    # the observer's default source: one line in its log, no events
+    obs = _run_observer(tmp_path, "health-none", None)
+    time.sleep(0.5)
+    obs.stop()
+    with Ledger.open(tmp_path, readonly=True) as ledger:
+        assert ledger.events() == []
+    log_text = (channel_dir(tmp_path, "health-none") / "observer-0.log").read_text()
+    assert log_text.count("hardware health not watched") == 1
+
+
+class _FakeNvml:
+    """A stand-in for the pynvml module with one GPU whose counters the test moves (the GPU code paths of
+    NvmlHealthSource, exercised on a CPU machine)."""
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_GpuIsLost(NVMLError):
+        pass
+
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_AGGREGATE_ECC = 1, 0, 1
+    NVML_TEMPERATURE_GPU, NVML_TEMPERATURE_THRESHOLD_SLOWDOWN, NVML_TEMPERATURE_THRESHOLD_SHUTDOWN = 0, 1, 0
+    NVML_NVLINK_MAX_LINKS, NVML_NVLINK_ERROR_DL_REPLAY = 1, 0
+
+    def __init__(self):
+        self.ecc = {0: 0, 1: 5}
+        self.temp, self.lost = 60, False
+
+    def _check(self):
+        if self.lost:
+            raise self.NVMLError_GpuIsLost("GPU is lost")
+
+    def nvmlDeviceGetTotalEccErrors(self, h, kind, counter):
+        self._check()
+        return self.ecc[counter]
+
+    def nvmlDeviceGetRemappedRows(self, h):
+        self._check()
+        return (0, 0, 0, 0)
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        self._check()
+        return self.temp
+
+    def nvmlDeviceGetTemperatureThreshold(self, h, which):
+        return {1: 90, 0: 100}[which]
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        raise self.NVMLError("Not Supported")
+
+
+def test_nvml_diff_rules_on_a_fake_nvml():
+    nv = _FakeNvml()
+    src = NvmlHealthSource.__new__(NvmlHealthSource)
+    src.index, src.available, src.lost, src._last, src._unsupported = 0, True, False, {}, set()
+    src.nv, src.handle = nv, object()
+    assert src.poll() == []  # standing counts are history, not events
+    nv.ecc[0] += 1
+    assert [(e["metric"], e["old"], e["new"]) for e in src.poll()] == [("ecc_uncorrected_volatile", 0, 1)]
+    nv.temp = 95
+    assert [e["metric"] for e in src.poll()] == ["temperature"]
+    assert src.poll() == []
+    nv.lost = True
+    lost = src.poll()
+    assert [e["metric"] for e in lost] == ["gpu_lost"] and src.poll() == []

@@ -1,0 +1,103 @@
+"""Rank functions for the observer tests and bench (run by scout_ckpt.launch.run_ranks on real gloo ranks).
+
+Every scenario trains a toy loop (sleep as compute, one all_reduce per step) with the observer running, then
+injects one fault on one rank. Blocking functions have telling names, so the tests can find them in the stacks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from scout_ckpt.observer import Observer
+from scout_ckpt.observer.stacks import cpu_seconds
+
+
+def injected_hang_before_all_reduce(root: str, rank: int) -> None:
+    Path(root, f"hang-start-{rank}").write_text(repr(time.time()))
+    threading.Event().wait()
+
+
+def train(rank: int, world_size: int, root: str, run_id: str, scenario: str, opts: dict):
+    """scenario: healthy | hang | desync | crash | sigstop | slow. opts: steps, fault_rank, fault_step,
+    compute_s, slow_factor, stall_s, action, poll_s, straggler, cpu_window (measure the observer's CPU while healthy)."""
+    steps, fault_rank, fault_step = opts.get("steps", 10), opts.get("fault_rank", 2), opts.get("fault_step", 4)
+    compute_s = opts.get("compute_s", 0.02)
+    side = dist.new_group(backend="gloo")  # a checkpointer-like side group: its collectives must not count
+    obs = Observer.start(root, rank=rank, world_size=world_size, run_id=run_id, stall_s=opts.get("stall_s", 1.5),
+                         action=opts.get("action", "report"), poll_s=opts.get("poll_s", 0.1), ignore_groups=(side,), linger_s=2.5,
+                         straggler=opts.get("straggler"))
+    t = torch.ones(4)
+    cpu0 = wall0 = None
+    for step in range(1, steps + 1):
+        slow = scenario == "slow" and rank == fault_rank
+        with obs.phase("forward"):
+            time.sleep(compute_s * (opts.get("slow_factor", 3.0) if slow else 1.0))
+        dist.barrier(group=side)
+        if step == fault_step and rank == fault_rank:
+            if scenario == "hang":
+                injected_hang_before_all_reduce(root, rank)
+            elif scenario == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif scenario == "sigstop":
+                Path(root, f"hang-start-{rank}").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGSTOP)
+        if scenario == "desync" and step == fault_step and rank == fault_rank:
+            dist.all_reduce(torch.ones(8))  # a different shape than every other rank's
+        else:
+            dist.all_reduce(t)
+        obs.step(step)
+        if step == opts.get("cpu_from_step", 2) and opts.get("cpu_window"):
+            cpu0, wall0 = cpu_seconds(obs.pid), time.monotonic()
+    result = {"rank": rank, "observer_pid": obs.pid, "seq": obs.tracer.seq}
+    if cpu0 is not None:
+        result["observer_cpu_s"] = cpu_seconds(obs.pid) - cpu0
+        result["wall_s"] = time.monotonic() - wall0
+    obs.stop()
+    return result
+
+
+def tracer_roundtrip(rank: int, world_size: int):
+    """Installs the tracer, issues collectives, uninstalls; returns what the test checks."""
+    from scout_ckpt.observer.fingerprints import SPECS, CollectiveTracer
+    from scout_ckpt.observer.heartbeat import Heartbeat, HeartbeatReader
+
+    side = dist.new_group(backend="gloo")
+    before = {name: getattr(dist, name) for name in SPECS if hasattr(dist, name)}
+    hb_path = f"/dev/shm/scout-test-tracer-{os.getpid()}"
+    hb = Heartbeat.create(hb_path)
+    tracer = CollectiveTracer.install(hb, ignore=(side,))
+    replaced = sorted(n for n, f in before.items() if getattr(dist, n) is not f)
+    dist.all_reduce(torch.ones(3))
+    dist.all_gather([torch.zeros(2) for _ in range(world_size)], torch.ones(2))
+    dist.broadcast(torch.ones(5), src=0)
+    dist.barrier()
+    out = [None] * world_size
+    dist.all_gather_object(out, {"rank": rank})
+    dist.barrier(group=side)  # ignored: not counted
+    dist.all_reduce(torch.ones(2), group=side)  # ignored
+    snap = HeartbeatReader(hb_path).snapshot()
+    fps = {
+        "ar3": tracer.fingerprint("all_reduce", (torch.ones(3),), {}),
+        "ar3_sum": tracer.fingerprint("all_reduce", (torch.ones(3), dist.ReduceOp.SUM), {}),  # the default, spelled
+        "ar3_max": tracer.fingerprint("all_reduce", (torch.ones(3),), {"op": dist.ReduceOp.MAX}),
+        "ar4": tracer.fingerprint("all_reduce", (torch.ones(4),), {}),
+        "ar3_f64": tracer.fingerprint("all_reduce", (torch.ones(3, dtype=torch.float64),), {}),
+        "bcast0": tracer.fingerprint("broadcast", (torch.ones(5),), {"src": 0}),
+        "bcast1": tracer.fingerprint("broadcast", (torch.ones(5),), {"src": 1}),
+        # the src-only scatter list is rank-dependent and must not count
+        "scatter": tracer.fingerprint("scatter", (torch.ones(2), [torch.ones(2)] * world_size if rank == 0 else None),
+                                      {"src": 0}),
+    }
+    seq = tracer.seq
+    tracer.uninstall()
+    restored = all(getattr(dist, n) is f for n, f in before.items())
+    hb.close()
+    return {"replaced": replaced, "seq": seq, "hb_seq": snap.seq_enter, "hb_left": snap.seq_leave,
+            "hb_fp": snap.fp_enter, "fps": fps, "restored": restored, "in_coll": snap.in_coll}
