@@ -1,0 +1,129 @@
+"""Replica groups and save-time consensus on real gloo ranks: DDP, HSDP 2x2, FSDP."""
+
+from __future__ import annotations
+
+import pytest
+
+from scout_ckpt.consensus.groups import replica_groups
+from scout_ckpt.launch import run_ranks
+from scout_ckpt.policy import evaluate
+from tests import workers_consensus as W
+
+WEIGHT = "app.model.0.weight"
+EXP_AVG_SQ = "app.optim.state.2.exp_avg_sq"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm():
+    """Build the state once before forking: the first optimizer step imports torch._dynamo (about 1 s), which
+    forked ranks then inherit instead of importing four times over."""
+    W.replicated_state()
+
+
+def evidences(out) -> dict:
+    """The evidence of rank 0, after checking every rank returned exactly the same."""
+    first = out[0].result["evidence"]
+    for o in out:
+        assert o.result["evidence"] == first, o.rank
+    return first
+
+
+# ---- groups ----------------------------------------------------------------------------------------------------
+
+
+def test_replica_groups():
+    assert replica_groups("ddp", 4) == [[0, 1, 2, 3]]
+    assert replica_groups("DDP", 1) == [[0]]
+    assert replica_groups("hsdp", 4, (2, 2)) == [[0, 2], [1, 3]]
+    assert replica_groups("hsdp", 6, (3, 2)) == [[0, 2, 4], [1, 3, 5]]
+    assert replica_groups("hsdp", 6, (2, 3)) == [[0, 3], [1, 4], [2, 5]]
+    assert replica_groups("fsdp", 3) == [[0], [1], [2]]
+    for bad in [("hsdp", 4, None), ("hsdp", 4, (3, 2)), ("tp", 4, None), ("ddp", 0, None)]:
+        with pytest.raises(ValueError):
+            replica_groups(*bad)
+
+
+# ---- DDP -------------------------------------------------------------------------------------------------------
+
+
+def test_ddp_healthy_passes():
+    out = run_ranks(W.ddp_consensus, 4, timeout=120)
+    ev = evidences(out)
+    assert ev["status"] == "pass" and ev["reasons"] == []
+    assert ev["groups"] == [{"members": [0, 1, 2, 3], "verdict": "agree", "attributed": [],
+                             "tensors_compared": ev["tensors_compared"]}]
+    # every parameter, every optimizer state tensor and the scalars (step, lr, param group fields)
+    assert ev["tensors_compared"] > 20 and ev["duration_s"] >= 0
+    assert [o.result["group_ranks"] for o in out] == [[0, 1, 2, 3]] * 4
+    assert evaluate({"require": ["consensus"]}, {"consensus": ev}).certified
+
+
+def test_ddp_one_flipped_bit_is_attributed_to_its_rank():
+    out = run_ranks(W.ddp_consensus, 4, flips=[(2, WEIGHT)], timeout=120)
+    ev = evidences(out)
+    assert ev["status"] == "fail"
+    assert ev["reasons"] == [{"code": "consensus_attributed", "ranks": [2], "tensors": [WEIGHT], "n_tensors": 1,
+                              "group": [0, 1, 2, 3]}]
+    assert ev["groups"][0]["verdict"] == "attributed" and ev["groups"][0]["attributed"] == [2]
+    verdict = evaluate({"require": ["consensus"]}, {"consensus": ev})
+    assert verdict.state == "rejected" and verdict.reasons[0]["code"] == "consensus_attributed"
+
+
+def test_ddp_flips_on_two_ranks_in_different_tensors():
+    out = run_ranks(W.ddp_consensus, 4, flips=[(3, WEIGHT), (0, EXP_AVG_SQ), (0, "extra.ema")], timeout=120)
+    ev = evidences(out)
+    assert ev["status"] == "fail"
+    (reason,) = ev["reasons"]
+    assert reason["ranks"] == [0, 3] and reason["tensors"] == sorted([WEIGHT, EXP_AVG_SQ, "extra.ema"])
+
+
+def test_ddp_scalars_are_compared():
+    ev = evidences(run_ranks(W.ddp_consensus, 3, flips=[(1, "app.optim.state.0.step")], timeout=120))
+    assert ev["status"] == "fail" and ev["reasons"][0]["ranks"] == [1]    # Adam's step: a 0-d tensor
+    ev = evidences(run_ranks(W.ddp_consensus, 3, step_rank=0, timeout=120))
+    assert ev["status"] == "fail" and ev["reasons"][0]["ranks"] == [0]    # the training step: a Python int
+    assert ev["reasons"][0]["tensors"] == ["step"]
+
+
+def test_ddp_two_ranks_detect_but_cannot_attribute():
+    out = run_ranks(W.ddp_consensus, 2, flips=[(1, WEIGHT)], timeout=120)
+    ev = evidences(out)
+    assert ev["status"] == "inconclusive"
+    assert ev["reasons"] == [{"code": "consensus_inconclusive", "ranks": [0, 1], "tensors": [WEIGHT],
+                              "n_tensors": 1, "group": [0, 1]}]
+    assert evaluate({"require": ["consensus"]}, {"consensus": ev}).state == "rejected"  # fail closed
+    assert evidences(run_ranks(W.ddp_consensus, 2, timeout=120))["status"] == "pass"
+
+
+def test_ddp_a_rank_with_other_keys_is_attributed():
+    out = run_ranks(W.ddp_consensus, 3, extra_key_rank=1, timeout=120)
+    ev = evidences(out)
+    assert ev["status"] == "fail"
+    assert ev["reasons"][0]["ranks"] == [1] and ev["reasons"][0]["tensors"] == ["(state structure)"]
+
+
+# ---- HSDP and FSDP ---------------------------------------------------------------------------------------------
+
+
+def test_hsdp_2x2_compares_shards_within_replicate_groups():
+    out = run_ranks(W.hsdp_consensus, 4, timeout=120)
+    ev = evidences(out)
+    assert ev["status"] == "pass"
+    assert [g["members"] for g in ev["groups"]] == [[0, 2], [1, 3]]
+    assert [o.result["group_ranks"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    local = [o.result["local_w"] for o in out]
+    assert local[0] == local[2] != local[1] == local[3]  # peers hold the same shard, groups different ones
+    ev = evidences(run_ranks(W.hsdp_consensus, 4, flip_rank=3, timeout=120))
+    assert ev["status"] == "inconclusive"  # a pair cannot attribute
+    assert ev["reasons"] == [{"code": "consensus_inconclusive", "ranks": [1, 3], "tensors": ["model.w"],
+                              "n_tensors": 1, "group": [1, 3]}]
+    assert [g["verdict"] for g in ev["groups"]] == ["agree", "inconclusive"]
+
+
+def test_fsdp_is_not_applicable():
+    out = run_ranks(W.fsdp_consensus, 4, timeout=60)
+    ev = evidences(out)
+    assert ev["status"] == "not_applicable"
+    assert ev["reasons"] == [{"code": "no_replicas", "mode": "fsdp"}]
+    assert all(o.result["group"] is None and o.result["group_ranks"] == [o.rank] for o in out)
+    assert evaluate({"require": ["consensus"], "allow_not_applicable": ["consensus"]}, {"consensus": ev}).certified

@@ -1,0 +1,153 @@
+"""Rank functions for the consensus tests (module level: run_ranks forks into them). Results are plain data."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from scout_ckpt.consensus.c3 import c3_over_group
+from scout_ckpt.consensus.groups import ConsensusGroups
+from scout_ckpt.consensus.save_time import save_time_consensus
+from scout_ckpt.consensus.signatures import flatten_state, full_signatures, signature_hex, tensor_signature
+
+
+class AppState:
+    """The DCP recipe's Stateful wrapper around a model and its optimizer."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+
+    def load_state_dict(self, sd):
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optim"])
+
+
+def flip_bit(t: torch.Tensor, element: int = 0, bit: int = 0) -> None:
+    """Flip one bit of one element of t, in place (through its bytes)."""
+    raw = t.detach().view(-1).view(torch.uint8)
+    byte = element * t.element_size() + bit // 8
+    raw[byte] ^= 1 << (bit % 8)
+
+
+def replicated_state(step: int = 5):
+    """Identical on every rank: a small model and its Adam state after one step on the same batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    return {"app": AppState(model, opt), "step": step, "lr": 1e-3, "extra": {"ema": torch.randn(3).to(torch.bfloat16)}}
+
+
+def ddp_consensus(rank, world, flips=(), extra_key_rank=None, step_rank=None, mode="ddp", mesh_shape=None):
+    """save_time_consensus on replicated state; `flips` is [(rank, dotted name)]: that rank flips one bit of that
+    tensor; `extra_key_rank` adds a key to its state; `step_rank` saves another step number (a Python int)."""
+    state = replicated_state(step=6 if rank == step_rank else 5)
+    groups = ConsensusGroups.create(mode, world, mesh_shape, timeout_s=30)
+    flat = flatten_state(state)
+    for r, name in flips:
+        if r == rank:
+            t = flat[name]
+            flip_bit(t, element=min(1, t.numel() - 1), bit=17 if t.element_size() >= 4 else 3)
+    if extra_key_rank == rank:
+        state["surprise"] = torch.zeros(2)
+    return {"evidence": save_time_consensus(state, groups), "group_ranks": groups.group_ranks,
+            "has_replicas": groups.has_replicas, "groups": groups.groups}
+
+
+def hsdp_consensus(rank, world, flip_rank=None):
+    """HSDP 2x2 with DTensors placed (Replicate, Shard(0)): ranks 0,2 and 1,3 hold the same shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    w, b = torch.randn(6, 5), torch.randn(6)
+    state = {"model": {"w": distribute_tensor(w, mesh, [Replicate(), Shard(0)]),
+                       "b": distribute_tensor(b, mesh, [Replicate(), Shard(0)])}, "step": 3}
+    if rank == flip_rank:
+        flip_bit(state["model"]["w"].to_local(), element=2, bit=30)
+    groups = ConsensusGroups.create("hsdp", world, (2, 2), timeout_s=30)
+    return {"evidence": save_time_consensus(state, groups), "group_ranks": groups.group_ranks,
+            "local_w": signature_hex(tensor_signature(state["model"]["w"].to_local()))}
+
+
+def fsdp_consensus(rank, world):
+    groups = ConsensusGroups.create("fsdp", world, timeout_s=30)
+    state = {"w": torch.full((3,), float(rank)), "step": 1}  # shards differ by design
+    return {"evidence": save_time_consensus(state, groups), "group": groups.group, "group_ranks": groups.group_ranks}
+
+
+def c3_direct(rank, world, odd_rank, odd_tensor):
+    """c3_over_group on the world gloo group with hand-made signatures: one rank differs on one tensor."""
+    groups = ConsensusGroups.create("ddp", world, timeout_s=30)
+    sigs = torch.arange(10, dtype=torch.int64).reshape(5, 2)
+    if rank == odd_rank:
+        sigs[odd_tensor, 1] += 1
+    gv = c3_over_group(sigs, groups.group, groups.group_ranks, names=[f"t{i}" for i in range(5)])
+    return {**gv.to_dict(), "per_tensor": [[r.status, list(r.attributed)] for r in gv.per_tensor],
+            "status": gv.status}
+
+
+def _dtensor_cases(t: torch.Tensor):
+    """(label, DTensor) of t under many placements, over a 1-D mesh of 4 and a 2x2 mesh, plus redistributions."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh4 = init_device_mesh("cpu", (4,))
+    mesh22 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    d4 = distribute_tensor(t, mesh4, [Shard(0)])
+    cases = [("4:S0", d4), ("4:S1", distribute_tensor(t, mesh4, [Shard(1)])),
+             ("4:R", distribute_tensor(t, mesh4, [Replicate()])),
+             ("4:S0->S1", d4.redistribute(mesh4, [Shard(1)])),
+             ("22:R,S0", distribute_tensor(t, mesh22, [Replicate(), Shard(0)])),
+             ("22:S0,S1", distribute_tensor(t, mesh22, [Shard(0), Shard(1)])),
+             ("22:S1,S1", distribute_tensor(t, mesh22, [Shard(1), Shard(1)])),
+             ("22:S1,R", distribute_tensor(t, mesh22, [Shard(1), Replicate()]))]
+    # 4 shards -> 2 shards (each held by a replicate pair), by redistribution on the 2x2 mesh
+    d22 = distribute_tensor(t, mesh22, [Shard(0), Shard(1)])
+    cases.append(("22:S0,S1->R,S0", d22.redistribute(mesh22, [Replicate(), Shard(0)])))
+    return cases
+
+
+def dtensor_full_signatures(rank, world):
+    """Full signatures of tensors of several dtypes and shapes as plain tensors and under each DTensor placement."""
+    torch.manual_seed(0)
+    tensors = {"f32": torch.randn(10, 7), "bf16": torch.randn(5, 9).to(torch.bfloat16),
+               "i64": torch.randint(-2**40, 2**40, (6, 3, 5)), "c64": torch.randn(7, 4, dtype=torch.complex64),
+               "u8": torch.randint(0, 256, (9, 2), dtype=torch.uint8)}
+    out = {"plain": full_signatures(tensors)}
+    for name, t in tensors.items():
+        for label, dt in _dtensor_cases(t):
+            out.setdefault(label, {})[name] = full_signatures({name: dt})[name]
+    out["local_partial"] = {name: signature_hex(tensor_signature(dt)) for name, dt in
+                            [("f32", _dtensor_cases(tensors["f32"])[0][1])]}
+    from torch.distributed.tensor import DTensor, Partial
+
+    pending = DTensor.from_local(torch.ones(2), _dtensor_cases(tensors["u8"])[0][1].device_mesh, [Partial()])
+    try:  # a pending reduction has no full value to fingerprint: refused on every rank alike
+        full_signatures({"p": pending})
+        out["partial"] = "accepted"
+    except ValueError:
+        out["partial"] = "rejected"
+    return out
+
+
+def dcp_save_sharded(rank, world, path):
+    """Save a Shard(1) DTensor (and scalars) with DCP on 4 ranks; return the full signatures of what was saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(1)
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"model": {"w": distribute_tensor(torch.randn(6, 10), mesh, [Shard(1)]),
+                       "b": distribute_tensor(torch.randn(10), mesh, [Shard(0)])}}
+    sigs = full_signatures(state)
+    dcp.save(state, checkpoint_id=path)
+    dist.barrier()
+    return sigs
