@@ -18,11 +18,10 @@ from typing import Any, Callable, Collection, Mapping
 
 import torch
 import torch.distributed as dist
-import xxhash
 
 from scout_ckpt.consensus.c3 import ATTRIBUTED, INCONCLUSIVE, GroupVerdict, c3_over_group, c3_verdict, combine
 from scout_ckpt.consensus.groups import ConsensusGroups
-from scout_ckpt.consensus.signatures import _s64, batch_signatures, flatten_state
+from scout_ckpt.consensus.signatures import batch_signatures, bytes_signature, flatten_state
 from scout_ckpt.policy import FAIL, INCONCLUSIVE as EV_INCONCLUSIVE, NOT_APPLICABLE, PASS, evidence
 
 MAX_NAMES = 8          # tensor names listed per reason
@@ -42,13 +41,9 @@ def _select(flat: Mapping[str, Any], names_filter: Callable[[str], bool] | Colle
 
 def structure_digest(names: list[str], flat: Mapping[str, Any]) -> torch.Tensor:
     """[3] int64: entry count and a 128-bit digest of the names, dtypes and shapes (bytes leaves: their kind)."""
-    h = xxhash.xxh3_128()
-    for n in names:
-        leaf = flat[n]
-        kind = f"{leaf.dtype}{tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else "bytes"
-        h.update(f"{n}\0{kind}\0".encode())
-    d = h.intdigest()
-    return torch.tensor([len(names), _s64(d >> 64), _s64(d)], dtype=torch.int64)
+    kinds = (f"{flat[n].dtype}{tuple(flat[n].shape)}" if isinstance(flat[n], torch.Tensor) else "bytes" for n in names)
+    blob = "".join(f"{n}\0{k}\0" for n, k in zip(names, kinds)).encode()
+    return torch.cat([torch.tensor([len(names)], dtype=torch.int64), bytes_signature(blob)])
 
 
 def _group_verdict(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) -> GroupVerdict:
