@@ -42,6 +42,7 @@ from scout_ckpt.consensus.signatures import full_signatures
 from scout_ckpt.digests import digest_files
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger
+from scout_ckpt.observer import Observer
 from scout_ckpt.recovery import record_bytes_failure
 from scout_ckpt.replay import ReplayRunner, coverage as replay_coverage
 from scout_ckpt.storage import FaultHook, ScoutWriter
@@ -123,6 +124,16 @@ class Checkpointer:
             self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology, policy=self.policy,
                                   versions=self._versions())
         self.run_id = self._broadcast(run_id)
+        self.observer = None
+        if observer:
+            cfg = {} if observer is True else dict(observer)
+            self.observer = Observer.start(
+                self.root, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
+                stall_s=cfg.pop("stall_s", 60.0), action=cfg.pop("action", "report"),
+                ignore_groups=[g for g in (self._pg, self._async_pg, self._commit_pg) if g is not None]
+                + ([self.groups.world_group] + ([self.groups.group] if self.groups.group else [])
+                   if self.groups else []),
+                **cfg)
 
     # ---- configuration -------------------------------------------------------------------------------------
 
@@ -210,12 +221,15 @@ class Checkpointer:
         self.last_step_s = now - self._step_started
         self._step_started = now
         self._raise_pending_error()
+        if self.observer is not None:
+            self.observer.step(step, duration_s=self.last_step_s)
         if self.replay is not None:
             rows = self.replay.on_step(step)
             events = self.replay.events()
             new_events, self._replay_events_seen = events[self._replay_events_seen:], len(events)
             if self.is_coordinator and (rows or new_events):
                 self._record_replays(rows, new_events)
+                self._settle_pending()
 
     def _record_replays(self, rows: list[dict], events: list[dict]) -> None:
         self.ledger.add_replays([dict(r, run_id=self.run_id) for r in rows])
@@ -231,7 +245,11 @@ class Checkpointer:
     @contextlib.contextmanager
     def phase(self, name: str):
         """Annotate a phase of the training step (forward, backward, optimizer, data) for the hang observer."""
-        yield
+        if self.observer is None:
+            yield
+        else:
+            with self.observer.phase(name):
+                yield
 
     # ---- save ----------------------------------------------------------------------------------------------
 
@@ -240,6 +258,10 @@ class Checkpointer:
         every rank. Async: returns None at once; the commit happens when the upload has completed everywhere."""
         if self._closed:
             raise ScoutError("Checkpointer is closed")
+        with self.phase("checkpoint"):
+            return self._save(step, state)
+
+    def _save(self, step: int, state: dict) -> dict | None:
         self.wait()
         attempt = None
         if self.is_coordinator:
@@ -274,10 +296,31 @@ class Checkpointer:
         if self.verify_load:
             ev["signatures"] = full_signatures(flat, group=self._pg)
         if self.replay is not None and self.is_coordinator:
-            prev = self.ledger.latest("certified", below=step)
-            rows = self.ledger.replays(run_id=self.run_id, after=prev["step"] if prev else None, upto=step)
-            ev["replay"] = replay_coverage(rows, self.replay.targets())
+            ev["replay"] = self._replay_evidence(step)
         return ev
+
+    def _replay_evidence(self, step: int) -> dict:
+        """Replay evidence for the state at `step`: this incarnation's replays since the previous certified step,
+        including those after `step` (certification waits for each target's next clean replay)."""
+        prev = self.ledger.latest("certified", below=step)
+        rows = self.ledger.replays(run_id=self.run_id, after=prev["step"] if prev else None)
+        return replay_coverage(rows, self.replay.targets(), step=step)
+
+    def _settle_pending(self) -> None:
+        """Coordinator: re-decide this incarnation's checkpoints that wait on replay evidence."""
+        for row in self.ledger.checkpoints(states=("committed",)):
+            if row["run_id"] != self.run_id:
+                continue
+            ev = self.ledger.evidence(row["step"])
+            if (ev.get("replay") or {}).get("status") != policy.MISSING:
+                continue
+            new = self._replay_evidence(row["step"])
+            if new["status"] == policy.MISSING and new["reasons"] == ev["replay"].get("reasons"):
+                continue
+            self.ledger.put_evidence(row["step"], {"replay": new}, source="replay")
+            v = policy.evaluate(self.policy, self.ledger.evidence(row["step"]))
+            if v.state != row["state"] or v.reasons != row["reasons"]:
+                self.ledger.set_state(row["step"], v.state, v.reasons, source="replay")
 
     def _consensus_names(self, name: str) -> bool:
         return not any(fnmatch.fnmatch(name, pat) for pat in self.consensus_exclude)
@@ -386,16 +429,12 @@ class Checkpointer:
         """Load the newest certified checkpoint whose bytes verify; return its step (None: nothing to load).
 
         Each rank re-hashes a disjoint share of the files; a checkpoint that fails is rejected in the ledger and
-        the next older certified one is tried."""
+        the next older certified one is tried. After loading, the state's signatures are compared with those
+        recorded at save."""
         self.wait()
         below = None
         while True:
-            cand = None
-            if self.is_coordinator:
-                row = self.ledger.latest("certified", below=below)
-                if row is not None:
-                    cand = {"step": row["step"], "path": row["path"], "files": self.ledger.files(row["step"])}
-            cand = self._broadcast(cand)
+            cand = self._broadcast(self._candidate(below) if self.is_coordinator else None)
             if cand is None:
                 return None
             step_dir = self.root / cand["path"]
@@ -403,7 +442,7 @@ class Checkpointer:
             ev = verify_files(step_dir, share, expect_complete=False)
             results = [None] * self.world_size
             dist.all_gather_object(results, ev, group=self._pg)
-            failed = [r for e in results for r in e["reasons"]]
+            failed = cand["reasons"] + [r for e in results for r in e["reasons"]]
             if failed:
                 if self.is_coordinator:
                     record_bytes_failure(self.ledger, cand["step"], policy.evidence(policy.FAIL, failed),
@@ -411,33 +450,50 @@ class Checkpointer:
                 below = cand["step"]
                 continue
             dcp.load(state, checkpoint_id=str(step_dir), process_group=self._pg)
-            self._verify_loaded(cand["step"], step_dir, state)
+            self._verify_loaded(cand["step"], cand["signatures"], state)
             if self.is_coordinator:
                 self.ledger.set_resumed_from(self.run_id, cand["step"])
             if self.replay is not None:
                 self.replay.begin(cand["step"])
             return cand["step"]
 
-    def _verify_loaded(self, step: int, step_dir: Path, state: dict) -> None:
+    def _candidate(self, below: int | None) -> dict | None:
+        """Coordinator: the newest certified step below `below`, its files, and its manifest's signatures (or the
+        reason the manifest cannot be trusted)."""
+        row = self.ledger.latest("certified", below=below)
+        if row is None:
+            return None
+        cand = {"step": row["step"], "path": row["path"], "files": self.ledger.files(row["step"]),
+                "signatures": {}, "reasons": []}
+        try:
+            m, digest = manifest.read(self.root / row["path"])
+            if row["manifest_digest"] and digest != row["manifest_digest"]:
+                cand["reasons"].append({"code": "manifest_mismatch"})
+            cand["signatures"] = m.get("signatures") or {}
+        except ScoutError as e:
+            cand["reasons"].append({"code": "bad_manifest", "detail": str(e)})
+        return cand
+
+    def _verify_loaded(self, step: int, expected: dict, state: dict) -> None:
         """Compare full-tensor signatures of what was loaded with those recorded at save (sharding-independent,
         so a checkpoint saved on N ranks verifies when loaded on M). A mismatch stops the job: continuing would
         train from state that is not what was certified."""
-        if not self.verify_load:
-            return
-        expected = None
-        if self.is_coordinator:
-            expected = manifest.read(step_dir)[0].get("signatures") or None
-        expected = self._broadcast(expected)
-        if not expected:
+        if not self.verify_load or not expected:
             return
         got = full_signatures(_materialize(state), group=self._pg)
-        bad = sorted(k for k in expected if got.get(k) != expected[k])
-        if bad:
+        absent = sorted(k for k in expected if k not in got)
+        differ = sorted(k for k in expected if k in got and got[k] != expected[k])
+        if absent or differ:
             if self.is_coordinator:
                 self.ledger.add_event("load_mismatch", step=step, run_id=self.run_id,
-                                      detail={"tensors": bad[:16], "n": len(bad)})
+                                      detail={"absent": absent[:16], "differ": differ[:16]})
+            if absent:
+                raise LoadVerificationError(
+                    f"checkpoint {step}: {len(absent)} saved value(s) have no place in the state passed to "
+                    f"load_latest_clean (e.g. {absent[0]}); build it with torch.distributed.checkpoint.state_dict."
+                    "get_state_dict so that optimizer state exists before loading")
             raise LoadVerificationError(f"checkpoint {step}: loaded state differs from what was saved in "
-                                        f"{len(bad)} tensor(s), e.g. {bad[0]}")
+                                        f"{len(differ)} tensor(s), e.g. {differ[0]}")
 
     # ---- shutdown ------------------------------------------------------------------------------------------
 
@@ -451,6 +507,8 @@ class Checkpointer:
             self._closed = True
             if self.replay is not None:
                 self.replay.close()
+            if self.observer is not None:
+                self.observer.stop()
             if self.ledger is not None:
                 self.ledger.close()
 

@@ -39,6 +39,12 @@ def _open_ledger(root: Path, readonly: bool = True):
     return Ledger.open(root, readonly=readonly)
 
 
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
 def _human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
@@ -92,7 +98,7 @@ def ls_cmd(root: Path = typer.Argument(..., help="The run's checkpoint root."), 
     for r in rows:
         ev = " ".join(f"{k}:{v}" for k, v in sorted(r["evidence"].items()))
         t.add_row(str(r["step"]), f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]", ev,
-                  _human_bytes(r["bytes"]), _reason_text(r["reasons"]))
+                  _human_bytes(r["bytes"]), _escape(_reason_text(r["reasons"])))
     _console().print(t)
 
 
@@ -131,15 +137,15 @@ def explain_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...
             status = item.get("status")
             con.print(f"  {kind:<11} {status}")
             for r in item.get("reasons") or []:
-                con.print(f"      - {_reason_text([r])}")
+                con.print(f"      - {_escape(_reason_text([r]))}")
             cov = item.get("coverage")
             if isinstance(cov, dict):
                 for target, last in cov.items():
                     con.print(f"      {target:<14} {'clean at step ' + str(last) if last is not None else 'NOT COVERED'}")
         if row["reasons"]:
-            con.print(f"reasons: {_reason_text(row['reasons'])}")
+            con.print(f"reasons: {_escape(_reason_text(row['reasons']))}")
         for e in events:
-            con.print(f"event: {e['kind']} ranks {e['ranks']} {json.dumps(e['detail'])[:120]}")
+            con.print(_escape(f"event: {e['kind']} ranks {e['ranks']} {json.dumps(e['detail'])[:120]}"))
     if row["state"] != "certified":
         raise typer.Exit(1)
 

@@ -81,3 +81,36 @@ def test_nonfinite_state_is_rejected_by_the_writing_rank(tmp_path):
     assert reason["tensors"] == ["model.2.weight"] and len(reason["ranks"]) == 1
     with Ledger.open(tmp_path, readonly=True) as led:
         assert led.latest()["step"] == 1
+
+
+def test_load_verification_refuses_state_that_does_not_match(tmp_path):
+    import json
+
+    run_ranks(w.save_and_reload, 3, str(tmp_path), False, timeout=120)
+    out = run_ranks(w.load_into, 3, str(tmp_path), False, timeout=60)
+    assert all(o.result["error"] and "no place in the state" in o.result["error"] for o in out)
+    # A recorded signature that does not match what DCP loads (as a resharding or loader bug would produce).
+    mpath = tmp_path / "step-00000004" / "scout-manifest.json"
+    m = json.loads(mpath.read_text())
+    key = next(k for k in m["signatures"] if k.endswith("exp_avg"))
+    m["signatures"][key] = "0" * 32
+    mpath.write_text(json.dumps(m))
+    # First as it is: a manifest that differs from the one recorded is not trusted, and step 3 is loaded.
+    out = run_ranks(w.load_into, 3, str(tmp_path), True, timeout=60)
+    assert all(o.result == {"step": 3, "error": None} for o in out)
+    with Ledger.open(tmp_path, readonly=True) as led:
+        assert led.checkpoint(4)["reasons"][0]["code"] == "manifest_mismatch"
+    # Then as if the ledger agreed with the altered manifest: the loaded bits are what disagrees.
+    import sqlite3
+
+    from scout_ckpt.digests import bytes_digest
+
+    c = sqlite3.connect(tmp_path / "scout-ledger.db")
+    c.execute("UPDATE checkpoints SET state='certified', manifest_digest=? WHERE step=4",
+              (bytes_digest(mpath.read_bytes()),))
+    c.commit()
+    c.close()
+    out = run_ranks(w.load_into, 3, str(tmp_path), True, timeout=60)
+    assert all("differs from what was saved" in o.result["error"] for o in out)
+    with Ledger.open(tmp_path, readonly=True) as led:
+        assert [e["kind"] for e in led.events()].count("load_mismatch") == 2

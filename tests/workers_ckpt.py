@@ -189,3 +189,22 @@ def save_nonfinite(rank, world, root):
     bad = ckpt.save(2, state_of(model, opt))
     ckpt.close()
     return {"good": good, "bad": bad}
+
+
+def load_into(rank, world, root, with_moments):
+    """Load the latest clean checkpoint into a fresh model + AdamW; without moments the state has nowhere to
+    put the saved exp_avg/exp_avg_sq, which load verification must refuse."""
+    from scout_ckpt.checkpointer import LoadVerificationError
+
+    model = make_model(seed=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if with_moments:
+        train_steps(model, opt, 1, seed=5)
+    ckpt = Checkpointer(root, model=model, optimizer=opt)
+    try:
+        step = ckpt.load_latest_clean(state_of(model, opt))
+        return {"step": step, "error": None}
+    except LoadVerificationError as e:
+        return {"step": None, "error": str(e)}
+    finally:
+        ckpt.close()

@@ -79,21 +79,35 @@ def _name(t) -> str:
     return t[1] if isinstance(t, (tuple, list)) else str(t)
 
 
-def coverage(replay_rows: Iterable[dict], targets: Iterable) -> dict:
-    """Replay evidence for a window of steps (those since the previous certified step).
+def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = None) -> dict:
+    """Replay evidence for the state saved at `step`, from the replays since the previous certified step.
 
-    pass: every target has an AGREE row and no row disagrees; fail: some replay attributed ranks (replay_sdc);
-    inconclusive: some replay had no strict majority; missing: a target has no clean replay in the window.
+    Without `step` (a plain window): pass when every target has an AGREE row and no row disagrees.
+    With `step`, the rows may run past it, and the state is certified only when, for every target, there is a
+    clean replay in the window up to `step` AND a clean replay at or after `step`. Failing hardware fails
+    persistently: a fault that entered the state at or before `step` shows up in the target's next replay, so
+    until that replay has run cleanly the state is `missing` (reason replay_pending), never certified. A
+    disagreeing replay counts against `step` unless the same target already replayed cleanly at or after
+    `step` before it (then the fault began after the state was saved).
+
+    fail: some replay attributed ranks (replay_sdc); inconclusive: no strict majority (replay_inconclusive);
+    missing: replay_coverage_incomplete (no clean replay up to `step`) or replay_pending (none after it yet).
     """
     names = [_name(t) for t in targets]
     rows = sorted(replay_rows, key=lambda r: r["step"])
     last_clean: dict[str, int | None] = {n: None for n in names}
+    confirmed: dict[str, int | None] = {n: None for n in names}
     sdc, unsure = [], []
     for r in rows:
         status, name = r["status"], r["target"]
+        if step is not None and confirmed.get(name) is not None:
+            continue  # this target was vouched for after `step`; later faults began after the save
         if status == "AGREE":
             if name in last_clean:
-                last_clean[name] = r["step"]
+                if step is None or r["step"] <= step:
+                    last_clean[name] = r["step"]
+                if step is not None and r["step"] >= step:
+                    confirmed[name] = r["step"]
         elif status == "ATTRIBUTED":
             sdc.append({"code": "replay_sdc", "ranks": sorted(r.get("ranks") or []), "target": name,
                         "recipe": r.get("recipe"), "step": r["step"]})
@@ -101,6 +115,8 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable) -> dict:
             unsure.append({"code": "replay_inconclusive", "ranks": sorted(r.get("ranks") or []), "target": name,
                            "recipe": r.get("recipe"), "step": r["step"]})
     detail = {"coverage": last_clean, "replays": len(rows)}
+    if step is not None:
+        detail["confirmed_after"] = confirmed
     if sdc:
         return evidence(FAIL, sdc + unsure, **detail)
     if unsure:
@@ -110,6 +126,9 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable) -> dict:
     missing = [n for n in names if last_clean[n] is None]
     if missing:
         return evidence(MISSING, [{"code": "replay_coverage_incomplete", "missing": missing}], **detail)
+    pending = [n for n in names if step is not None and confirmed[n] is None]
+    if pending:
+        return evidence(MISSING, [{"code": "replay_pending", "awaiting": pending}], **detail)
     return evidence(PASS, [], **detail)
 
 
