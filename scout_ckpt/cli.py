@@ -254,6 +254,49 @@ def quarantine_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(
         print(f"step {step}: quarantined ({reason})")
 
 
+# ---- adopt / export --------------------------------------------------------------------------------------------
+
+@app.command("adopt")
+def adopt_cmd(root: Path = typer.Argument(...),
+              invariant: List[str] = typer.Option([], "--invariant",
+                                                  help="Invariant spec, e.g. finite or frobenius_sphere:radius=1:"
+                                                       "params=blocks.*.weight (repeatable; default: finite)."),
+              as_json: bool = JSON_OPT):
+    """Take in plain DCP step-N folders written without scout-ckpt: digests, structure check, invariants."""
+    from scout_ckpt.adopt import adopt
+
+    result = adopt(root, invariant_specs=list(invariant) or None)
+    if as_json:
+        _emit(result)
+    else:
+        for r in result["adopted"]:
+            print(f"step {r['step']}: {r['state']}" + (f"  {_reason_text(r['reasons'])}" if r["reasons"] else ""))
+        for r in result["skipped"]:
+            print(f"skipped step {r['step']}: {r.get('reason', '')}")
+    if any(r["state"] != "certified" for r in result["adopted"]):
+        raise typer.Exit(1)
+
+
+@app.command("export")
+def export_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Option(None, "--step"),
+               latest_clean: bool = typer.Option(False, "--latest-clean"),
+               out: Path = typer.Option(..., "--out", help="Output .safetensors file."),
+               force: bool = typer.Option(False, "--force", help="Export a step that is not certified."),
+               prefix: Optional[str] = typer.Option(None, "--prefix", help="Key prefix of the model weights."),
+               max_shard_bytes: Optional[int] = typer.Option(None, "--max-shard-bytes"),
+               as_json: bool = JSON_OPT):
+    """Consolidate a certified checkpoint's model weights into safetensors, with provenance metadata."""
+    from scout_ckpt.export import export
+
+    if (step is None) == (not latest_clean):
+        raise BadInput("give exactly one of --step N or --latest-clean")
+    result = export(root, step, out, force=force, prefix=prefix, max_shard_bytes=max_shard_bytes)
+    if as_json:
+        _emit(result)
+    else:
+        print(result.get("path") or out)
+
+
 # ---- report ----------------------------------------------------------------------------------------------------
 
 @app.command("report")

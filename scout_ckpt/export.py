@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 from scout_ckpt import digests, layout
@@ -32,6 +33,10 @@ def detect_prefix(keys: list[str]) -> str:
     params = [k.split(".") for k in keys if _is_param(k)]
     if not params:
         raise BadInput("no model weights found in the checkpoint (pass a prefix)")
+    # A component literally named "model" is the strongest hint (DCP recipe: {"app": {"model": ..., "optim": ...}}).
+    named = Counter(".".join(p[: p.index("model") + 1]) for p in (k.split(".") for k in keys) if "model" in p[:-1])
+    if named:
+        return named.most_common(1)[0][0] + "."
     common = params[0][:-1]
     for parts in params[1:]:
         n = 0

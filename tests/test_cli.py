@@ -264,3 +264,32 @@ def test_read_only_commands_do_not_import_torch(ckpt_root):
         p = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(REPO)})
         assert p.stderr.strip().splitlines()[-1] == "NO-TORCH 0", (args, p.stderr)
+
+
+def test_export_cli_round_trips_and_refuses_uncertified(ckpt_root, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "w.safetensors"
+    rc, stdout, _ = run_cli("export", ckpt_root, "--latest-clean", "--out", out, "--json")
+    doc = json.loads(stdout)
+    assert rc == 0 and doc["step"] == 4 and doc["prefix"] == "model."
+    weights = load_file(out)
+    assert set(weights) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    run_cli("quarantine", ckpt_root, 3, "--reason", "test")
+    rc, _, err = run_cli("export", ckpt_root, "--step", 3, "--out", tmp_path / "q.safetensors")
+    assert rc == 1 and "quarantined" in err and not (tmp_path / "q.safetensors").exists()
+    _assert_bad(["export", ckpt_root, "--out", tmp_path / "x.safetensors"], "exactly one", root=ckpt_root)
+
+
+def test_adopt_cli_on_plain_dcp_folders(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    for step in (5, 10):
+        sd = {"model": {"w": torch.full((4, 4), float(step)), "b": torch.zeros(4)}}
+        dcp.save(sd, checkpoint_id=str(tmp_path / f"step-{step}"), no_dist=True)
+    rc, out, _ = run_cli("adopt", tmp_path, "--json")
+    doc = json.loads(out)
+    assert rc == 0 and [r["state"] for r in doc["adopted"]] == ["certified", "certified"]
+    rc, out, _ = run_cli("resume", tmp_path, "--latest-clean")
+    assert rc == 0 and out.strip().endswith("step-10")
