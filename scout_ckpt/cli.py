@@ -59,12 +59,17 @@ def _reason_text(reasons: list[dict]) -> str:
     parts = []
     for r in reasons:
         extra = ",".join(str(r[k]) for k in ("file", "target", "check") if r.get(k))
+        for k in ("missing", "awaiting"):
+            if r.get(k):
+                extra += (";" if extra else "") + f"{k}: " + ",".join(map(str, r[k]))
         ranks = r.get("ranks") or ([r["rank"]] if r.get("rank") is not None else [])
         s = r["code"] + (f"({extra})" if extra else "") + (f"[ranks {','.join(map(str, ranks))}]" if ranks else "")
-        parts.append(s)
+        if s not in parts:
+            parts.append(s)
     return "; ".join(parts)
 
 
+STATUS_MARK = {"pass": "✓", "fail": "✗", "inconclusive": "?", "missing": "…", "not_applicable": "-"}
 STATE_STYLE = {"certified": "green", "committed": "white", "rejected": "red", "quarantined": "yellow",
                "writing": "dim", "deleted": "dim"}
 
@@ -84,7 +89,8 @@ def checkpoint_rows(ledger) -> list[dict]:
 
 @app.command("ls")
 def ls_cmd(root: Path = typer.Argument(..., help="The run's checkpoint root."), as_json: bool = JSON_OPT):
-    """One row per checkpoint: step, state, evidence, size, reasons."""
+    """One row per checkpoint: step, state, evidence (✓ pass, ✗ fail, ? inconclusive, … missing, - n/a), size,
+    reasons."""
     with _open_ledger(root) as ledger:
         rows = checkpoint_rows(ledger)
     if as_json:
@@ -96,7 +102,7 @@ def ls_cmd(root: Path = typer.Argument(..., help="The run's checkpoint root."), 
     for h in ("step", "state", "evidence", "size", "reasons"):
         t.add_column(h, justify="right" if h in ("step", "size") else "left")
     for r in rows:
-        ev = " ".join(f"{k}:{v}" for k, v in sorted(r["evidence"].items()))
+        ev = " ".join(f"{k}{STATUS_MARK.get(v, '?')}" for k, v in sorted(r["evidence"].items()))
         t.add_row(str(r["step"]), f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]", ev,
                   _human_bytes(r["bytes"]), _escape(_reason_text(r["reasons"])))
     _console().print(t)
@@ -139,9 +145,14 @@ def explain_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...
             for r in item.get("reasons") or []:
                 con.print(f"      - {_escape(_reason_text([r]))}")
             cov = item.get("coverage")
+            after = item.get("confirmed_after") or {}
             if isinstance(cov, dict):
                 for target, last in cov.items():
-                    con.print(f"      {target:<14} {'clean at step ' + str(last) if last is not None else 'NOT COVERED'}")
+                    text = f"clean at step {last}" if last is not None else "NOT COVERED"
+                    if target in after:
+                        text += (f", clean again at step {after[target]} (at or after the save)" if after[target] is not None
+                                 else ", awaiting its first replay after the save")
+                    con.print(f"      {target:<14} {text}")
         if row["reasons"]:
             con.print(f"reasons: {_escape(_reason_text(row['reasons']))}")
         for e in events:
