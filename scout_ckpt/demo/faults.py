@@ -1,12 +1,28 @@
 """`--inject` specs (CONTRACT.md: `KIND:key=value:...`) and the mechanics of each fault.
 
 Parsing has no torch import: the CLI validates specs before it starts anything. The mechanics run inside the
-workers (crash, sdc, hang, slow, param) or the supervisor (bitflip is applied on disk by rank 0 right after the
+workers (crash, sdc, hang, slow, param, drift) or the supervisor (bitflip is applied on disk by rank 0 right after the
 step is committed, so a restart or the final certification must catch it).
 
-Transient faults (crash, hang, bitflip, param) fire once per run, in the first generation that reaches their step
-(a `fired-*.json` record under ROOT/demo/ says so), so the restarted job does not meet them again; sdc is
+Transient faults (crash, hang, bitflip, param, drift) fire once per run, in the first generation that reaches their
+step (a `fired-*.json` record under ROOT/demo/ says so), so the restarted job does not meet them again; sdc is
 persistent, as a failing part is, and slow lasts as long as the job.
+
+`param:rank=R:step=S` flips a bit of element 0 of rank R's own piece of a weight (its shard under FSDP) right
+before the first save at or after step S: after that save step's optimizer step *and* after the sphere retraction
+of `--constraint sphere` (the fired record holds both the requested and the actual step). The timing is the point:
+a retraction rescales every constrained matrix back to its radius, so a flip that lands before the next step's
+retraction is either rescaled away (the sphere invariant then sees a matrix of the right norm; only its shape is
+wrong) or, for a high exponent bit, turns the next forward pass into NaNs on every rank, which the `finite`
+invariant catches but can no longer attribute. A flip between the last retraction and the save is what a
+model-intrinsic invariant can see and attribute, as it would see corruption of the weights while a save is being
+taken: the corrupted shard alone holds more than the whole sphere's squared radius, so the check names the rank
+that holds it.
+
+`drift:rank=R:step=S[:amount=A]` makes rank R's online mixture weights drift from its peers' after the mixer update
+of step S (needs `--mixing online`): weight 0 is scaled by (1 + A) and the vector renormalised, so it stays on the
+simplex (the simplex invariant cannot tell) and only a replica comparison (save-time consensus) names the rank.
+The mixer's later updates are multiplicative and identical on every rank, so the difference persists.
 """
 
 from __future__ import annotations
@@ -33,9 +49,10 @@ KINDS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "hang": (("rank", "step"), {}),
     "slow": (("rank", "factor"), {}),
     "param": (("rank", "step"), {"name": None, "bit": 30}),
+    "drift": (("rank", "step"), {"amount": 0.25}),
 }
 _INT_KEYS = {"rank", "step", "bit"}
-_FLOAT_KEYS = {"factor"}
+_FLOAT_KEYS = {"factor", "amount"}
 
 
 @dataclass(frozen=True)
@@ -78,6 +95,8 @@ def parse(spec: str) -> Fault:
         raise BadInput(f"--inject {spec!r}: at= must be one of {', '.join(SAVE_POINTS)}")
     if kind == "slow" and not values["factor"] >= 1.0:
         raise BadInput(f"--inject {spec!r}: factor must be >= 1")
+    if kind == "drift" and "amount" in values and not 0.0 < values["amount"] <= 100.0:
+        raise BadInput(f"--inject {spec!r}: amount must be in (0, 100]")
     if "bit" in values and not values["bit"] < (32 if kind == "param" else 8):
         raise BadInput(f"--inject {spec!r}: bit must be below {32 if kind == 'param' else 8}")
     opts = {**optional, **{k: v for k, v in values.items() if k not in ("rank", "step")}}
@@ -113,8 +132,10 @@ def parse_all(specs: list[str] | tuple[str, ...] | None, ranks: int | None = Non
 class Injector:
     """The worker-side mechanics for one rank of one generation."""
 
-    def __init__(self, faults: list[Fault], rank: int, generation: int, root: str | os.PathLike):
+    def __init__(self, faults: list[Fault], rank: int, generation: int, root: str | os.PathLike,
+                 save_every: int | None = None, steps: int | None = None):
         self.rank, self.generation, self.root = rank, generation, Path(root)
+        self.save_every, self.steps = save_every, steps
         self.faults = [f for f in faults if f.rank is None or f.rank == rank]
         self._slow = next((f.opts["factor"] for f in self.faults if f.kind == "slow"), 1.0)
         self._slow_fired = False
@@ -122,8 +143,15 @@ class Injector:
     def _mine(self, kind: str, step: int) -> list[Fault]:
         """This rank's transient faults of `kind` due at `step` that no earlier generation fired: a crash or a
         hang happens once per run, in the first generation that reaches its step, not again after the restart."""
-        due = [f for f in self.faults if f.kind == kind and f.step == step]
+        due = [f for f in self.faults if f.kind == kind and self.due_step(f) == step]
         return [f for f in due if not any((self.root / MARKER_DIR).glob(f"fired-{_slug(f)}-gen*.json"))]
+
+    def due_step(self, f: Fault) -> int | None:
+        """The step at which `f` fires: its own, but a `param` flip waits for the first save at or after it."""
+        if f.kind != "param" or not self.save_every or f.step is None:
+            return f.step
+        nxt = -(-f.step // self.save_every) * self.save_every
+        return min(nxt, self.steps) if self.steps else nxt
 
     # ---- save-time faults (the Checkpointer's fault_hook) ---------------------------------------------------
 
@@ -170,9 +198,17 @@ class Injector:
             time.sleep((self._slow - 1.0) * compute_s)
 
     def after_optimizer_step(self, step: int, model) -> None:
+        """After step `step`'s optimizer step and sphere retraction: the `param` flip (see the module doc)."""
         for f in self._mine("param", step):
             name = flip_param_bit(model, f.opts.get("name"), f.opts["bit"])
-            self._fired(f, step, param=name, bit=f.opts["bit"])
+            self._fired(f, step, param=name, bit=f.opts["bit"], requested_step=f.step)
+
+    def after_mixing_update(self, step: int, mixer) -> None:
+        """After step `step`'s mixer update: the `drift` of this rank's mixture weights."""
+        for f in self._mine("drift", step):
+            before = mixer.weights.tolist()
+            drift_mixture(mixer, f.opts["amount"])
+            self._fired(f, step, amount=f.opts["amount"], before=before, after=mixer.weights.tolist())
 
 
 def _slug(f: Fault) -> str:
@@ -206,6 +242,14 @@ def flip_param_bit(model, name: str | None, bit: int) -> str:
         if flat.numel():
             flat[:1].view(torch.int32).bitwise_xor_(1 << bit)
     return name
+
+
+def drift_mixture(mixer, amount: float) -> None:
+    """Scale weight 0 of an OnlineMixer by (1 + amount) and renormalise: still a distribution, no longer the
+    peers' one."""
+    w = mixer.weights.clone()
+    w[0] *= 1.0 + amount
+    mixer.weights = w / w.sum()
 
 
 def flip_file_bit(root: str | os.PathLike, step: int, name: str | None = None, bit: int | None = None) -> dict:

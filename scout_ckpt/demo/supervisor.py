@@ -58,6 +58,8 @@ def _check(ranks, steps, save_every, mode, constraint, mixing, max_restarts, sta
     for f in faults:  # these happen during a save: their step must be one
         if f.kind in ("crash", "bitflip") and f.step % save_every and f.step != steps:
             raise BadInput(f"--inject {f.spec!r}: step {f.step} is not a save step (--save-every {save_every})")
+        if f.kind == "drift" and mixing != "online":
+            raise BadInput(f"--inject {f.spec!r}: drift perturbs the online mixture weights (needs --mixing online)")
     return faults
 
 

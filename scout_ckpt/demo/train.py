@@ -236,7 +236,7 @@ def train(args: WorkerArgs, store=None, timings: dict | None = None) -> dict | N
     timings = dict(timings or {})
     rank, world = args.rank, args.world
     root = Path(args.root)
-    injector = Injector(parse_all(args.inject), rank, args.generation, root)
+    injector = Injector(parse_all(args.inject), rank, args.generation, root, args.save_every, args.steps)
     model, _ = build_model(args.mode, world, args.seed, args.mesh_shape)
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -298,6 +298,7 @@ def train(args: WorkerArgs, store=None, timings: dict | None = None) -> dict | N
         global_loss = float(metrics[0]) / world
         if mixer is not None:
             mixer.update(metrics[1:].view(2, -1))
+            injector.after_mixing_update(step, mixer)
         app.step = step
         losses[step] = global_loss
         ckpt.step(step)
