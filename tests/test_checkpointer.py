@@ -114,3 +114,10 @@ def test_load_verification_refuses_state_that_does_not_match(tmp_path):
     assert all("differs from what was saved" in o.result["error"] for o in out)
     with Ledger.open(tmp_path, readonly=True) as led:
         assert [e["kind"] for e in led.events()].count("load_mismatch") == 2
+
+
+def test_fsdp_without_model_invariants_is_never_certified(tmp_path):
+    """No replicas and only the finite scan: nothing vouches for single-owner shards, so fail closed."""
+    out = run_ranks(w.fsdp_save_unvouched, 3, str(tmp_path), timeout=120)
+    assert out[0].result["state"] == "committed"
+    assert out[0].result["reasons"] == [{"code": "consensus_not_applicable", "kind": "consensus"}]

@@ -151,6 +151,9 @@ class AppState:
         set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
+FSDP_CHECKS = [{"check": "spectral_bound", "params": "*.weight", "hi": 100.0}]
+
+
 def fsdp_save(rank, world, root, async_save):
     from torch.distributed.checkpoint.stateful import Stateful
 
@@ -158,7 +161,8 @@ def fsdp_save(rank, world, root, async_save):
     model = _fsdp_model(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _fsdp_train(model, opt, 3, seed=0)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, async_save=async_save)
+    # Pure FSDP has no replicas: a model-intrinsic check must vouch for the single-owner shards.
+    ckpt = Checkpointer(root, model=model, optimizer=opt, async_save=async_save, invariants=FSDP_CHECKS)
     ckpt.save(3, {"app": AppState(model, opt)})
     ckpt.close()
     full = _full_state(model, opt)
@@ -172,7 +176,7 @@ def fsdp_load(rank, world, root):
     model = _fsdp_model(world, seed=5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _fsdp_train(model, opt, 1, seed=42)  # optimizer state exists before loading into it
-    ckpt = Checkpointer(root, model=model, optimizer=opt)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, invariants=FSDP_CHECKS)
     step = ckpt.load_latest_clean({"app": AppState(model, opt)})
     ckpt.close()
     full = _full_state(model, opt)
@@ -208,3 +212,16 @@ def load_into(rank, world, root, with_moments):
         return {"step": None, "error": str(e)}
     finally:
         ckpt.close()
+
+
+def fsdp_save_unvouched(rank, world, root):
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    Stateful.register(AppState)
+    model = _fsdp_model(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _fsdp_train(model, opt, 1, seed=0)
+    ckpt = Checkpointer(root, model=model, optimizer=opt)
+    verdict = ckpt.save(1, {"app": AppState(model, opt)})
+    ckpt.close()
+    return verdict

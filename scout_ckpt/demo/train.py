@@ -216,15 +216,19 @@ def state_digest(model, optimizer) -> str:
 
 
 def invariants_for(args: WorkerArgs, model) -> list | None:
-    """Model-intrinsic checks for the Checkpointer: one Frobenius sphere per constrained matrix (each keeps the
-    radius it had at init) and the mixture simplex. None when the run has neither."""
+    """Model-intrinsic checks for the Checkpointer (which adds `finite` itself): one Frobenius sphere per
+    constrained matrix (each keeps the radius it had at init) and the mixture simplex. Pure FSDP without the
+    sphere gets a generous spectral bound per block matrix instead: single-owner shards have no replica to be
+    compared with, so some model-intrinsic check must vouch for them (a flipped exponent bit breaks it)."""
     specs: list = []
     if args.constraint == "sphere":
         specs += [{"check": "frobenius_sphere", "params": name, "radius": radius, "rtol": 1e-3}
                   for name, radius in model.sphere_radii.items()]
+    elif args.mode == "fsdp":
+        specs += [{"check": "spectral_bound", "params": name, "hi": 100.0} for name in model.sphere_radii]
     if args.mixing == "online":
         specs.append({"check": "simplex", "path": "mixing.weights", "atol": 1e-6})
-    return ["finite", *specs] if specs else None
+    return specs or None
 
 
 # ---- the job ---------------------------------------------------------------------------------------------------
