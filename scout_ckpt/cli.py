@@ -14,6 +14,7 @@ from typing import List, Optional
 import typer
 
 from scout_ckpt.errors import BadInput, ScoutError
+from scout_ckpt.views import STATE_STYLE, checkpoint_rows, evidence_marks, reason_text as _reason_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Certified checkpoints for torch.distributed.checkpoint: resume only from known-good state.")
@@ -30,7 +31,7 @@ def _emit(obj) -> None:
 def _console():
     from rich.console import Console
 
-    return Console()
+    return Console(width=None if sys.stdout.isatty() else 120)  # pipes and logs get full rows, not 80 columns
 
 
 def _open_ledger(root: Path, readonly: bool = True):
@@ -55,36 +56,6 @@ def _human_bytes(n: int | None) -> str:
     return str(n)
 
 
-def _reason_text(reasons: list[dict]) -> str:
-    parts = []
-    for r in reasons:
-        extra = ",".join(str(r[k]) for k in ("file", "target", "check") if r.get(k))
-        for k in ("missing", "awaiting"):
-            if r.get(k):
-                extra += (";" if extra else "") + f"{k}: " + ",".join(map(str, r[k]))
-        ranks = r.get("ranks") or ([r["rank"]] if r.get("rank") is not None else [])
-        s = r["code"] + (f"({extra})" if extra else "") + (f"[ranks {','.join(map(str, ranks))}]" if ranks else "")
-        if s not in parts:
-            parts.append(s)
-    return "; ".join(parts)
-
-
-STATUS_MARK = {"pass": "✓", "fail": "✗", "inconclusive": "?", "missing": "…", "not_applicable": "-"}
-STATE_STYLE = {"certified": "green", "committed": "white", "rejected": "red", "quarantined": "yellow",
-               "writing": "dim", "deleted": "dim"}
-
-
-def checkpoint_rows(ledger) -> list[dict]:
-    """`ls --json` rows (also the demo's): step, state, path, bytes, evidence {kind: status}, reasons."""
-    out = []
-    for r in ledger.checkpoints():
-        ev = ledger.evidence(r["step"])
-        out.append({"step": r["step"], "state": r["state"], "path": r["path"], "bytes": r["bytes"],
-                    "evidence": {k: v["status"] for k, v in ev.items()}, "reasons": r["reasons"],
-                    "run_id": r["run_id"], "committed": r["committed"]})
-    return out
-
-
 # ---- ls --------------------------------------------------------------------------------------------------------
 
 @app.command("ls")
@@ -102,7 +73,7 @@ def ls_cmd(root: Path = typer.Argument(..., help="The run's checkpoint root."), 
     for h in ("step", "state", "evidence", "size", "reasons"):
         t.add_column(h, justify="right" if h in ("step", "size") else "left")
     for r in rows:
-        ev = " ".join(f"{k}{STATUS_MARK.get(v, '?')}" for k, v in sorted(r["evidence"].items()))
+        ev = evidence_marks(r["evidence"])
         t.add_row(str(r["step"]), f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]", ev,
                   _human_bytes(r["bytes"]), _escape(_reason_text(r["reasons"])))
     _console().print(t)

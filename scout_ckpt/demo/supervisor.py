@@ -219,12 +219,10 @@ def _certify_committed(root: Path) -> list[dict]:
 def _checkpoint_rows(root: Path) -> list[dict]:
     """The `ls --json` rows."""
     from scout_ckpt.ledger import Ledger
+    from scout_ckpt.views import checkpoint_rows
 
     with Ledger.open(root, readonly=True) as ledger:
-        return [{"step": c["step"], "state": c["state"], "path": c["path"], "bytes": c["bytes"],
-                 "evidence": {k: v["status"] for k, v in ledger.evidence(c["step"]).items()},
-                 "reasons": c["reasons"] or [], "run_id": c["run_id"], "committed": c["committed"]}
-                for c in ledger.checkpoints()]
+        return checkpoint_rows(ledger)
 
 
 def _rejections(root: Path) -> list[dict]:
@@ -347,18 +345,20 @@ def run_demo(dir: str | os.PathLike | None = None, ranks: int = 4, steps: int = 
 def print_summary(result: dict, console=None) -> None:
     """The human summary of a demo run: checkpoints, events, restarts, loss, final digest."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    from scout_ckpt.views import STATE_STYLE, evidence_marks, reason_text
 
     console = console or Console()
     table = Table(title=f"scout-ckpt demo: {result['ranks']} ranks, {result['steps']} steps ({result['mode']})")
     for col in ("step", "state", "evidence", "bytes", "reasons"):
         table.add_column(col, justify="right" if col in ("step", "bytes") else "left")
-    colours = {"certified": "green", "rejected": "red", "committed": "yellow", "quarantined": "magenta"}
     for c in result["checkpoints"]:
-        ev = " ".join(f"{k}:{v}" for k, v in sorted(c["evidence"].items())) or "-"
-        reasons = ", ".join(sorted({r.get("code", "?") for r in c["reasons"] if isinstance(r, dict)})) or "-"
-        state = f"[{colours.get(c['state'], 'white')}]{c['state']}[/]"
-        table.add_row(str(c["step"]), state, ev, f"{c['bytes']:,}" if c["bytes"] else "-", reasons)
+        reasons = escape(reason_text(c["reasons"])) or "-"
+        state = f"[{STATE_STYLE.get(c['state'], 'white')}]{c['state']}[/]"
+        table.add_row(str(c["step"]), state, evidence_marks(c["evidence"]), f"{c['bytes']:,}" if c["bytes"] else "-",
+                      reasons)
     console.print(table)
     if result["events"]:
         ev_table = Table(title="events")
