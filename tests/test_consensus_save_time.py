@@ -127,3 +127,78 @@ def test_fsdp_is_not_applicable():
     assert ev["reasons"] == [{"code": "no_replicas", "mode": "fsdp"}]
     assert all(o.result["group"] is None and o.result["group_ranks"] == [o.rank] for o in out)
     assert evaluate({"require": ["consensus"], "allow_not_applicable": ["consensus"]}, {"consensus": ev}).certified
+
+
+# ---- replica signatures: xxh3 over CPU tensors, large ones in a thread pool ------------------------------------
+
+
+def big_tensor_consensus(rank, world, flip_rank=None, threads=2):
+    """save_time_consensus over large CPU tensors (hashed in the pool), a non-contiguous one among them; the rank
+    `flip_rank` flips one bit in the middle of the non-contiguous tensor."""
+    import torch
+
+    from scout_ckpt.consensus import signatures as S
+    from scout_ckpt.consensus.groups import ConsensusGroups
+    from scout_ckpt.consensus.save_time import save_time_consensus
+
+    S.THREADS = threads
+    torch.manual_seed(0)
+    state = {"model": {"emb": torch.randn(512, 1024), "w": torch.randn(1024, 300).t(), "b": torch.randn(300)},
+             "step": 9}
+    if rank == flip_rank:  # one ulp, in place, in the non-contiguous (transposed) tensor
+        w = state["model"]["w"]
+        w[100, 500] = torch.nextafter(w[100, 500], torch.tensor(float("inf")))
+    groups = ConsensusGroups.create("ddp", world, timeout_s=30)
+    return {"evidence": save_time_consensus(state, groups)}
+
+
+def test_large_cpu_tensors_pooled_xxh3():
+    ev = evidences(run_ranks(big_tensor_consensus, 3, timeout=120))
+    assert ev["status"] == "pass" and ev["tensors_compared"] == 4
+    ev = evidences(run_ranks(big_tensor_consensus, 3, flip_rank=1, timeout=120))
+    assert ev["status"] == "fail"
+    assert ev["reasons"] == [{"code": "consensus_attributed", "ranks": [1], "tensors": ["model.w"], "n_tensors": 1,
+                              "group": [0, 1, 2]}]
+    ev = evidences(run_ranks(big_tensor_consensus, 3, flip_rank=2, threads=1, timeout=120))
+    assert ev["status"] == "fail" and ev["reasons"][0]["ranks"] == [2]
+
+
+def counted_consensus(rank, world, flip_rank=None):
+    """ddp_consensus, counting the collectives save_time_consensus issues on this rank."""
+    import torch.distributed as dist
+
+    from scout_ckpt.consensus import save_time as ST
+    from scout_ckpt.consensus.groups import ConsensusGroups
+    from scout_ckpt.consensus.signatures import flatten_state
+
+    state = W.replicated_state()
+    groups = ConsensusGroups.create("ddp", world, timeout_s=30)
+    if rank == flip_rank:
+        W.flip_bit(flatten_state(state)[WEIGHT], element=3, bit=30)
+    calls = {"all_gather": 0, "all_gather_object": 0}
+    real = {name: getattr(dist, name) for name in calls}
+
+    def counting(name):
+        def call(*a, **k):
+            calls[name] += 1
+            return real[name](*a, **k)
+        return call
+
+    for name in calls:
+        setattr(ST.dist, name, counting(name))
+    try:
+        ev = ST.save_time_consensus(state, groups)
+    finally:
+        for name, fn in real.items():
+            setattr(ST.dist, name, fn)
+    return {"evidence": ev, "calls": calls}
+
+
+def test_healthy_ddp_consensus_is_one_small_collective():
+    out = run_ranks(counted_consensus, 3, timeout=120)
+    assert evidences(out)["status"] == "pass"
+    assert all(o.result["calls"] == {"all_gather": 1, "all_gather_object": 0} for o in out)
+    out = run_ranks(counted_consensus, 3, flip_rank=0, timeout=120)  # digests differ: the signatures follow
+    ev = evidences(out)
+    assert ev["status"] == "fail" and ev["reasons"][0]["ranks"] == [0] and ev["reasons"][0]["tensors"] == [WEIGHT]
+    assert all(o.result["calls"] == {"all_gather": 2, "all_gather_object": 0} for o in out)

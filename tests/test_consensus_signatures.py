@@ -321,3 +321,185 @@ def test_saved_on_four_ranks_equals_loaded_without_them(tmp_path):
     assert full_signatures(state) == saved
     state["model"]["w"][5, 9] += 1
     assert full_signatures(state)["model.w"] != saved["model.w"]
+
+
+# ---- the numpy CPU kernel: the same definition as the torch-op kernel --------------------------------------------
+
+
+@pytest.fixture
+def torch_kernel(monkeypatch):
+    """Run a callable with the torch-op kernel on CPU (what CUDA runs), for cross-checks."""
+    def run(fn, *args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(S, "CPU_KERNEL", "torch")
+            return fn(*args, **kwargs)
+    return run
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_numpy_kernel_equals_torch_kernel(dtype, torch_kernel, small_chunks):
+    t = random_tensor(dtype, (13, 11), seed=3)
+    assert torch.equal(tensor_signature(t), torch_kernel(tensor_signature, t))
+    assert torch.equal(tensor_signature(t.t()), torch_kernel(tensor_signature, t.t()))  # non-contiguous
+    box = dict(global_shape=(20, 15), global_offset=(4, 2))  # a non-contiguous global index map
+    assert torch.equal(tensor_signature(t, **box), torch_kernel(tensor_signature, t, **box))
+    items = [t, t[:2], t[0, :3], torch.zeros(0, dtype=dtype), t[5, 5]]
+    assert torch.equal(batch_signatures(items), torch_kernel(batch_signatures, items))
+
+
+def test_numpy_kernel_large_and_threaded(monkeypatch, torch_kernel):
+    t = torch.randn(3 * S.CHUNK["cpu"] + 123)
+    ref = torch_kernel(tensor_signature, t)
+    assert torch.equal(tensor_signature(t), ref)
+    monkeypatch.setattr(S, "THREADS", 4)
+    monkeypatch.setitem(S.CHUNK, "cpu", 1000)  # many slices: split over 4 threads
+    assert torch.equal(tensor_signature(t), ref)
+    half = t.numel() // 2
+    parts = [tensor_signature(t[:half], global_shape=t.shape, global_offset=(0,)),
+             tensor_signature(t[half:], global_shape=t.shape, global_offset=(half,))]
+    assert torch.equal(add_signatures(*parts), ref)
+
+
+def test_requires_grad_and_views():
+    p = torch.nn.Parameter(torch.randn(7, 5))
+    assert torch.equal(tensor_signature(p), tensor_signature(p.detach().clone()))
+    assert torch.equal(batch_signatures([p])[0], tensor_signature(p.detach().clone()))
+    base = torch.randn(100)
+    assert torch.equal(tensor_signature(base[10:40]), tensor_signature(base[10:40].clone()))  # storage offset
+
+
+# ---- replica signatures (save-time consensus): xxh3-128 of a CPU tensor's bytes ----------------------------------
+
+
+def test_replica_signature_is_xxh3_of_the_bytes():
+    import xxhash
+
+    t = torch.randn(6, 7)
+    d = xxhash.xxh3_128_intdigest(t.numpy().tobytes())
+    assert signature_hex(S.replica_signatures([t])[0]) == f"{d:032x}"
+    assert torch.equal(S.replica_signatures([b"step=3"])[0], bytes_signature(b"step=3"))
+    assert S.replica_signatures([]).shape == (0, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_replica_signatures_exact_and_order_sensitive(dtype):
+    t = random_tensor(dtype, (13, 11), seed=5)
+    sig = S.replica_signatures([t])[0]
+    assert torch.equal(S.replica_signatures([t.clone()])[0], sig)                 # equal tensors agree
+    assert torch.equal(S.replica_signatures([t.t().contiguous().t()])[0], sig)   # same bits, other layout
+    n = t.numel()
+    bits = 1 if dtype == torch.bool else t.element_size() * 8
+    g = torch.Generator().manual_seed(2)
+    seen = {signature_hex(sig)}
+    for _ in range(20):
+        e = int(torch.randint(0, n, (1,), generator=g))
+        b = int(torch.randint(0, bits, (1,), generator=g))
+        s = S.replica_signatures([flipped(t, e, b)])[0]
+        assert both_lanes_differ(s, sig), (e, b)
+        seen.add(signature_hex(s))
+    flat = t.reshape(-1)
+    raw = flat.view(torch.uint8).reshape(n, -1)
+    j = next(k for k in range(1, n) if not torch.equal(raw[k], raw[0]))
+    swapped = flat.clone()
+    swapped[0], swapped[j] = flat[j].clone(), flat[0].clone()
+    assert not torch.equal(S.replica_signatures([swapped.reshape(t.shape)])[0], sig)
+    perm = torch.randperm(n, generator=g)
+    assert not torch.equal(S.replica_signatures([flat[perm].reshape(t.shape)])[0], sig)
+    assert not torch.equal(S.replica_signatures([t.t()])[0], sig)  # transposed: the bytes in another order
+
+
+def test_replica_signatures_pool_and_batch(monkeypatch):
+    monkeypatch.setattr(S, "POOL_MIN_BYTES", 64)
+    monkeypatch.setattr(S, "THREADS", 4)
+    items = [torch.randn(50, 40), b"lr=0.1", torch.randn(3), torch.randn(30, 20).t(), torch.zeros(0),
+             torch.nn.Parameter(torch.randn(100)), torch.randn(4, dtype=torch.complex64), torch.randn(200)]
+    pooled = S.replica_signatures(items)
+    monkeypatch.setattr(S, "THREADS", 1)
+    assert torch.equal(S.replica_signatures(items), pooled)
+    for i, item in enumerate(items):  # batch order does not leak into a row
+        assert torch.equal(S.replica_signatures([item])[0], pooled[i]), i
+    c = torch.randn(5, dtype=torch.complex64)
+    assert torch.equal(S.replica_signatures([c.conj()])[0], S.replica_signatures([c.conj().resolve_conj()])[0])
+    with pytest.raises(TypeError):
+        S.replica_signatures([3])
+    with pytest.raises(TypeError):
+        S.replica_signatures([torch.empty(3, device="meta")])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_replica_signatures_of_cuda_tensors_stay_additive_on_device():
+    t = torch.randn(1000, 33)
+    assert torch.equal(S.replica_signatures([t.cuda(), b"x"]), torch.stack([tensor_signature(t), bytes_signature(b"x")]))
+
+
+# ---- full signatures: replicated tensors signed round-robin ------------------------------------------------------
+
+
+def test_assign_replicated_is_balanced_and_deterministic():
+    costs = [100, 1, 50, 50, 30, 20, 0, 100, 7]
+    owners = S.assign_replicated(costs, 4)
+    assert owners == S.assign_replicated(list(costs), 4) and set(owners) <= {0, 1, 2, 3}
+    loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(4)]
+    assert max(loads) <= 100 and min(loads) >= 70 and sum(loads) == sum(costs)
+    assert S.assign_replicated(costs, 1) == [0] * len(costs)
+    assert S.assign_replicated([], 3) == []
+    sizes = [1 << 20] * 8 + [10] * 40  # DDP-like: a few big matrices, many small vectors
+    per_rank = [sum(c for c, o in zip(sizes, S.assign_replicated(sizes, 4)) if o == r) for r in range(4)]
+    assert max(per_rank) - min(per_rank) <= 10 * 40
+
+
+def ddp_full_signatures(rank, world, odd_shape_rank=None):
+    """Rank worker: full_signatures of DDP-style replicated state (plain tensors, scalars) over a gloo group, and
+    how many tensors this rank signed."""
+    import torch.distributed as dist
+
+    from tests import workers_consensus as W
+
+    state = W.replicated_state()
+    torch.manual_seed(1)
+    state["big"] = {f"w{i}": torch.randn(64, 48 + i) for i in range(6)}
+    if rank == odd_shape_rank:
+        state["big"]["w0"] = torch.zeros(3)
+    signed = []
+    real = S.batch_signatures
+
+    def counting(items):
+        signed.extend(len(x) if isinstance(x, (bytes, bytearray)) else x.numel() for x in items)
+        return real(items)
+
+    S.batch_signatures = counting
+    try:
+        pg = dist.new_group(backend="gloo")
+        sigs = full_signatures(state, group=pg)
+    finally:
+        S.batch_signatures = real
+    return {"sigs": sigs, "signed": len(signed), "elements": sum(signed)}
+
+
+def test_full_signatures_round_robin_on_four_ranks():
+    from scout_ckpt.launch import run_ranks
+    from tests import workers_consensus as W
+
+    out = run_ranks(ddp_full_signatures, 4, timeout=120)
+    state = W.replicated_state()
+    torch.manual_seed(1)
+    state["big"] = {f"w{i}": torch.randn(64, 48 + i) for i in range(6)}
+    expected = full_signatures(state)  # no process group: the plain definition, everything signed here
+    for key, leaf in flatten_state(state).items():  # ... which is tensor_signature / bytes_signature of each leaf
+        ref = bytes_signature(leaf) if isinstance(leaf, bytes) else tensor_signature(leaf)
+        assert expected[key] == signature_hex(ref), key
+    assert all(o.result["sigs"] == expected for o in out)
+    # the work is spread: every rank signs something and nobody signs more than about half of the elements
+    total = sum(o.result["elements"] for o in out)
+    assert all(o.result["signed"] > 0 for o in out)
+    assert max(o.result["elements"] for o in out) < 0.5 * total
+    assert sum(o.result["signed"] for o in out) == len(flatten_state(state))  # each leaf signed exactly once
+
+
+def test_full_signatures_fall_back_to_rank_zero_when_layouts_differ():
+    from scout_ckpt.launch import run_ranks
+
+    out = run_ranks(ddp_full_signatures, 4, odd_shape_rank=2, timeout=120)
+    first = out[0].result["sigs"]
+    assert all(o.result["sigs"] == first for o in out)  # no hang, one answer: rank 0's values
+    assert out[0].result["signed"] > 0 and all(o.result["signed"] == 0 for o in out[1:])

@@ -5,10 +5,18 @@ each DTensor, which its replicate peers hold too; plus every scalar leaf such as
 C3 runs per replica group, and the group verdicts are gathered to every rank over the world gloo group, so the
 evidence returned is identical on every rank. Collective over all ranks; call it before the DCP write.
 
-Collectives: one tiny all_gather of a structure digest over the replica group (so that replicas whose state has
-different keys, shapes or dtypes are caught and the signature batches are known to line up), one all_gather of
-the [n, 2] signatures over the replica group, one all_gather_object of the small group verdicts over the world
-group. A group that times out raises (gloo's timeout of `ConsensusGroups.create`).
+Signatures are replica signatures (`replica_signatures`): xxh3-128 of a CPU tensor's bytes, the additive torch-op
+signature on device for an accelerator tensor. Replicas are compared with each other at the same moment on the
+same device type, so additivity is not needed here (full_signatures keeps it for resharded loads).
+
+Collectives: one tiny all_gather over the replica group of a fixed-size header: a structure digest (so that
+replicas whose state has different keys, shapes or dtypes are caught and the signature batches are known to line
+up), a 128-bit digest of the [n, 2] signatures and the time taken. When all members' digests are equal (the
+healthy case) every tensor AGREEs and nothing more is exchanged within the group; otherwise one all_gather of the
+[n, 2] signatures gives per-tensor verdicts. With several replica groups (HSDP), one all_gather_object of the
+small group verdicts over the world group; with one group of every rank (DDP) every rank already has the only
+verdict. A healthy DDP save thus costs one collective of 48 bytes per rank. A group that times out raises (gloo's
+timeout of `ConsensusGroups.create`).
 """
 
 from __future__ import annotations
@@ -19,9 +27,11 @@ from typing import Any, Callable, Collection, Mapping
 import torch
 import torch.distributed as dist
 
-from scout_ckpt.consensus.c3 import ATTRIBUTED, INCONCLUSIVE, GroupVerdict, c3_over_group, c3_verdict, combine
+from scout_ckpt.consensus.c3 import (
+    ATTRIBUTED, INCONCLUSIVE, GroupVerdict, c3_over_group, c3_verdict, combine, verdicts_from_gathered,
+)
 from scout_ckpt.consensus.groups import ConsensusGroups
-from scout_ckpt.consensus.signatures import batch_signatures, bytes_signature, flatten_state
+from scout_ckpt.consensus.signatures import bytes_signature, flatten_state, replica_signatures
 from scout_ckpt.policy import FAIL, INCONCLUSIVE as EV_INCONCLUSIVE, NOT_APPLICABLE, PASS, evidence
 
 MAX_NAMES = 8          # tensor names listed per reason
@@ -46,16 +56,27 @@ def structure_digest(names: list[str], flat: Mapping[str, Any]) -> torch.Tensor:
     return torch.cat([torch.tensor([len(names)], dtype=torch.int64), bytes_signature(blob)])
 
 
-def _group_verdict(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) -> GroupVerdict:
-    if groups.group is None:  # alone in its group: nothing to compare with
-        return combine([], groups.group_ranks, [])
+def _group_verdict(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups, t0: float
+                   ) -> tuple[GroupVerdict, float]:
+    """(verdict of this rank's replica group, the slowest member's time to its signatures); identical on every
+    member. One all_gather of a fixed-size header (structure digest, a 128-bit digest of the [n, 2] signature
+    rows, the time taken) decides the healthy case; only when the signature digests differ are the signatures
+    themselves gathered, for per-tensor verdicts."""
     header = structure_digest(names, flat)
-    rows = [torch.empty_like(header) for _ in groups.group_ranks]
-    dist.all_gather(rows, header, group=groups.group)
-    if any(not torch.equal(r, rows[0]) for r in rows):
-        return combine([c3_verdict([tuple(r.tolist()) for r in rows])], groups.group_ranks, [STRUCTURE])
-    sigs = batch_signatures([flat[n] for n in names])
-    return c3_over_group(sigs, groups.group, groups.group_ranks, names)
+    sigs = replica_signatures([flat[n] for n in names])
+    elapsed = time.perf_counter() - t0
+    if groups.group is None:  # alone in its group: nothing to compare with
+        return combine([], groups.group_ranks, []), elapsed
+    mine = torch.cat([header, bytes_signature(sigs.numpy().tobytes()),
+                      torch.tensor([elapsed], dtype=torch.float64).view(torch.int64)])
+    rows = [torch.empty_like(mine) for _ in groups.group_ranks]
+    dist.all_gather(rows, mine, group=groups.group)
+    slowest = max(float(r[5:6].view(torch.float64)) for r in rows)
+    if any(not torch.equal(r[:3], rows[0][:3]) for r in rows):
+        return combine([c3_verdict([tuple(r[:3].tolist()) for r in rows])], groups.group_ranks, [STRUCTURE]), slowest
+    if all(torch.equal(r[3:5], rows[0][3:5]) for r in rows):  # every member holds the same signatures
+        return verdicts_from_gathered(sigs.unsqueeze(0).expand(len(rows), -1, -1), groups.group_ranks, names), slowest
+    return c3_over_group(sigs, groups.group, groups.group_ranks, names), slowest
 
 
 def save_time_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
@@ -67,7 +88,7 @@ def save_time_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
     without a strict majority (reason "consensus_inconclusive" with the group's ranks and tensors);
     "not_applicable" no rank has a replica (reason "no_replicas"). Detail: "mode", "groups" (per group: members,
     verdict, attributed, tensors_compared), "tensors_compared" (summed over groups), "duration_s" (the slowest
-    rank's time to its verdict).
+    rank's time to its signatures: flattening and hashing, before the exchange).
 
     `names_filter` (a predicate on dotted names, or a collection of names) limits what is compared, e.g. to
     leave out state that legitimately differs per rank (per-rank RNG states, rank ids).
@@ -78,13 +99,15 @@ def save_time_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
                         mode=groups.mode, groups=[], tensors_compared=0, duration_s=0.0)
     flat = flatten_state(state_dict)
     names = _select(flat, names_filter)
-    gv = _group_verdict(flat, names, groups)
+    gv, slowest = _group_verdict(flat, names, groups, t0)
     mine = {"members": list(gv.group_ranks), "verdict": gv.status, "attributed": list(gv.attributed_ranks),
             "attributed_tensors": gv.attributed_tensors, "inconclusive_tensors": gv.inconclusive_tensors,
-            "tensors_compared": len(gv.per_tensor),
-            "duration_s": time.perf_counter() - t0}
-    everyone: list[Any] = [None] * groups.world_size
-    dist.all_gather_object(everyone, mine, group=groups.world_group)
+            "tensors_compared": len(gv.per_tensor), "duration_s": slowest}
+    if len(groups.groups) == 1:  # DDP: one group of every rank, whose verdict every rank already holds
+        everyone: list[Any] = [mine]
+    else:
+        everyone = [None] * groups.world_size
+        dist.all_gather_object(everyone, mine, group=groups.world_group)
     by_group = {}
     for entry in everyone:  # members of a group hold the same verdict; keep the first
         by_group.setdefault(tuple(entry["members"]), entry)

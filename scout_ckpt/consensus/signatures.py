@@ -29,16 +29,34 @@ fp32, int32, ...) sign-extended (both injective), 8-byte dtypes taken as is. A c
 It detects faults; it is not a cryptographic MAC (an adversary can build collisions of a sum of hashes).
 
 Non-tensor leaves (step counters, learning rates, ...) are fingerprinted as stable bytes with xxh3-128.
+
+Implementations. On CPU the same definition is evaluated with numpy ufuncs on uint64 (numpy's 64-bit multiply
+and logical shift are about twice as fast as torch's int64 ones on one thread; bench/signature_throughput.py),
+optionally over slices in several threads (`THREADS`; numpy releases the GIL); on other devices with torch integer
+ops on the device. Both give the same value (tests compare them).
+
+Two kinds of signature, for two jobs:
+  * full / additive signatures (`tensor_signature`, `batch_signatures`, `full_signatures`): the definition above,
+    needed where a tensor may be sharded differently on each side of the comparison (save on N ranks, load on M);
+  * replica signatures (`replica_signatures`, save-time consensus): replicas of one tensor on one device type are
+    compared with each other at the same moment, so additivity is not needed. A CPU tensor's signature is
+    xxh3-128 of its raw bytes in row-major order (exact, order-sensitive, about 10 GB/s, the GIL released, no
+    copy of a contiguous tensor), a tensor on another device keeps the additive torch-op signature (on device, no
+    host copy). Replica signatures of a CPU tensor and of a device tensor are not comparable with each other.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator
 
+import numpy as np
 import torch
 import xxhash
 
@@ -58,12 +76,21 @@ _LANES = (
 )
 _LITTLE = sys.byteorder == "little"
 
-# Elements per slice. CPU: 512 KiB per int64 buffer keeps the dozen passes over a slice in L2 (64 Ki elements
-# measured 1.5x faster than 1 Mi here); accelerators: larger slices amortise kernel launches.
-CHUNK = {"cpu": 1 << 16}
+# Elements per slice. CPU: a few hundred KiB of int64 buffers keeps the dozen passes over a slice in L2 (64 Ki
+# elements measured 1.5x faster than 1 Mi with the torch kernel, 32 Ki best with the numpy one); accelerators:
+# larger slices amortise kernel launches.
+CHUNK = {"cpu": 1 << 15}
 CHUNK_DEFAULT = 1 << 22
 # Tensors at most this large are packed together by `batch_signatures` and reduced with one index_add_.
 SMALL = 1 << 16
+# CPU kernel of the additive signature: "numpy" (default) or "torch" (the device kernel run on CPU; the benches'
+# baseline and the tests' cross-check).
+CPU_KERNEL = "numpy"
+# Threads for CPU signatures (numpy slices of one tensor, xxh3 of many tensors); None: torch.get_num_threads(),
+# so a rank limited to one intra-op thread (scout_ckpt.launch) stays on one thread.
+THREADS: int | None = None
+# Replica signatures: CPU tensors of at least this many bytes are hashed in the thread pool, smaller ones inline.
+POOL_MIN_BYTES = 1 << 20
 
 
 def _is_dtensor(obj: Any) -> bool:
@@ -131,6 +158,117 @@ def _terms(bits: torch.Tensor, w: _Work, lane_no: int, *, start: int | None = No
     x.bitwise_xor_(bits)
     _mix_into(x, lane)
     return x
+
+
+_U64_LANES = tuple(tuple(np.uint64(v & _M64) for v in lane) for lane in _LANES)
+_U32 = np.uint64(32)
+
+
+def _threads() -> int:
+    return max(1, THREADS if THREADS is not None else torch.get_num_threads())
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """One process-wide pool, made again in a forked child (a parent's pool threads do not survive a fork)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
+                                                     thread_name_prefix="scout-sig"))
+        return _POOL[1]
+
+
+class _NpWork:
+    """numpy scratch for the CPU kernel, both lanes side by side ([2, n] rows): the key templates C*j + K (int64,
+    so that xor with sign-extended narrower words widens correctly), the terms buffer and a shift temporary."""
+
+    def __init__(self, n: int):
+        j = np.arange(n, dtype=np.uint64)
+        self.n = n
+        self.keys = np.stack([j * c + k for c, k, _, _ in _U64_LANES]).view(np.int64)
+        self.x = np.empty((len(_LANES), n), dtype=np.int64)
+        self.tmp = np.empty((len(_LANES), n), dtype=np.uint64)
+
+
+_NP_C = np.array([[lane[0]] for lane in _U64_LANES], dtype=np.uint64)
+_NP_K = np.array([[lane[1]] for lane in _U64_LANES], dtype=np.uint64)
+_NP_M1 = np.array([[lane[2]] for lane in _U64_LANES], dtype=np.uint64)
+_NP_M2 = np.array([[lane[3]] for lane in _U64_LANES], dtype=np.uint64)
+
+
+def _np_xorshift32(x: np.ndarray, tmp: np.ndarray) -> None:
+    """x ^= x >>> 32 in place (uint64 rows): on little-endian hosts the low 32-bit word ^= the high one, one
+    strided pass; elsewhere a shift into tmp and an xor."""
+    if _LITTLE:
+        words = x.view(np.uint32)  # rows of 2m words (views only: x may be a column slice of a larger buffer)
+        np.bitwise_xor(words[:, 0::2], words[:, 1::2], out=words[:, 0::2])
+    else:
+        np.right_shift(x, _U32, out=tmp)
+        np.bitwise_xor(x, tmp, out=x)
+
+
+def _np_terms(bits: np.ndarray, w: _NpWork, *, start: int | None = None,
+              idx: np.ndarray | None = None) -> np.ndarray:
+    """[lanes, m] uint64: mix_lane(bits ^ (C*i + K)) for one slice, in w.x; i = start + j or idx[j]. `bits` are
+    the raw words (uint8, int16, int32 or int64): numpy widens them as the definition says (zero / sign
+    extension) when xor-ing them into the int64 keys."""
+    m = bits.shape[0]
+    x = w.x[:, :m]
+    if idx is None:
+        np.add(w.keys[:, :m], (_NP_C * np.uint64(start & _M64)).view(np.int64), out=x)
+    else:
+        xu = x.view(np.uint64)
+        np.multiply(idx.view(np.uint64)[None, :], _NP_C, out=xu)
+        np.add(xu, _NP_K, out=xu)
+    np.bitwise_xor(x, bits[None, :], out=x)
+    u = x.view(np.uint64)
+    t = w.tmp[:, :m]
+    _np_xorshift32(u, t)
+    np.multiply(u, _NP_M1, out=u)
+    _np_xorshift32(u, t)
+    np.multiply(u, _NP_M2, out=u)
+    _np_xorshift32(u, t)
+    return u
+
+
+def _np_bits(flat: torch.Tensor) -> np.ndarray:
+    """The raw words of a contiguous 1-D CPU slice as a numpy view (no copy)."""
+    return _bits_view(flat).numpy()
+
+
+def _cpu_sums(pieces: list[tuple[int, torch.Tensor]], base: int, dims, contiguous: bool, chunk: int) -> list[int]:
+    """Per-lane sums (Python ints mod 2^64) over (local offset, contiguous 1-D slice) pieces of one tensor."""
+    w = _NpWork(min(chunk, max(p.numel() for _, p in pieces)))
+    sums = [0] * len(_LANES)
+    for c0, flat in pieces:
+        bits = _np_bits(flat)
+        if contiguous:
+            where = {"start": base + c0}
+        else:
+            where = {"idx": _global_index(torch.arange(c0, c0 + flat.numel()), base, dims).numpy()}
+        for lane, v in enumerate(_np_terms(bits, w, **where).sum(axis=1, dtype=np.uint64).tolist()):
+            sums[lane] += v
+    return [v & _M64 for v in sums]
+
+
+def _cpu_signature(t: torch.Tensor, base: int, dims, contiguous: bool) -> torch.Tensor:
+    """The additive signature of a (non-empty) CPU tensor with the numpy kernel, its slices split over threads."""
+    chunk = _chunk_for(t.device)
+    pieces = [(c0, flat.detach()) for c0, flat in _slices(t, chunk)]
+    threads = min(_threads(), len(pieces) // 4)
+    if threads <= 1:
+        sums = _cpu_sums(pieces, base, dims, contiguous, chunk)
+    else:
+        share = -(-len(pieces) // threads)
+        futures = [_pool().submit(_cpu_sums, pieces[i:i + share], base, dims, contiguous, chunk)
+                   for i in range(0, len(pieces), share)]
+        parts = [f.result() for f in futures]
+        sums = [sum(p[lane] for p in parts) & _M64 for lane in range(len(_LANES))]
+    return torch.tensor([_s64(v) for v in sums], dtype=torch.int64)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -253,6 +391,8 @@ def tensor_signature(
     n = t.numel()
     if n == 0:
         return total
+    if device.type == "cpu" and CPU_KERNEL == "numpy":
+        return _cpu_signature(t, base, dims, contiguous)
     chunk = _chunk_for(device)
     w = _work if _work is not None and _work.fits(device, min(n, chunk)) else _Work(device, min(n, chunk))
     for c0, flat in _slices(t, chunk):
@@ -336,11 +476,12 @@ def batch_signatures(items: list) -> torch.Tensor:
         small = [(i, t) for i, t in entries if _numel(t) <= limit]
         large = [(i, t) for i, t in entries if _numel(t) > limit]
         need = max([sum(_numel(t) for _, t in small)] + [_numel(t) for _, t in large])
-        w = _Work(device, max(1, min(chunk, need)))
+        cpu = device.type == "cpu" and CPU_KERNEL == "numpy"
+        w = _NpWork(max(1, min(chunk, need))) if cpu else _Work(device, max(1, min(chunk, need)))
         for i, t in large:
-            rows[i] = tensor_signature(t, _work=w)
+            rows[i] = tensor_signature(t) if cpu else tensor_signature(t, _work=w)
         for pack in _packs(small, w.n):
-            sums = _pack_signatures([t for _, t in pack], w)
+            sums = (_np_pack_signatures if cpu else _pack_signatures)([t for _, t in pack], w)
             for row, (i, _) in enumerate(pack):
                 rows[i] = sums[row]
     return _rows_to_host(rows)
@@ -382,6 +523,91 @@ def _pack_signatures(tensors: list[torch.Tensor], w: _Work) -> torch.Tensor:
     for lane in range(len(_LANES)):
         sums[:, lane].index_add_(0, seg, _terms(bits, w, lane, idx=idx))
     return sums
+
+
+def _np_pack_signatures(tensors: list[torch.Tensor], w: _NpWork) -> torch.Tensor:
+    """`_pack_signatures` with the numpy kernel: the words of k small CPU tensors side by side in one int64
+    buffer, each element keyed by its index within its own tensor, terms summed per tensor with add.reduceat."""
+    sizes = [_numel(t) for t in tensors]
+    m = sum(sizes)
+    out = np.zeros((len(tensors), len(_LANES)), dtype=np.uint64)
+    if m == 0:
+        return torch.zeros(len(tensors), 2, dtype=torch.int64)
+    bits = np.empty(m, dtype=np.int64)
+    starts = np.zeros(len(tensors), dtype=np.int64)
+    o = 0
+    for j, (t, n) in enumerate(zip(tensors, sizes)):
+        starts[j] = o
+        if n:
+            real = torch.view_as_real(t) if t.is_complex() else t
+            bits[o:o + n] = _np_bits(real.detach().reshape(-1))  # widens: sign / zero extension
+        o += n
+    sizes_np = np.asarray(sizes, dtype=np.int64)
+    idx = np.arange(m, dtype=np.int64) - np.repeat(starts, sizes_np)
+    nonempty = sizes_np > 0
+    terms = _np_terms(bits, w, idx=idx)
+    out[nonempty] = np.add.reduceat(terms, starts[nonempty], axis=1, dtype=np.uint64).T
+    return torch.from_numpy(out.view(np.int64))
+
+
+def replica_signatures(items: list) -> torch.Tensor:
+    """[n, 2] int64 on CPU: replica signatures of the tensors (or bytes leaves) in `items`, for comparing replicas
+    of the same state with each other (save-time consensus). Exact (any bit flip changes it), order-sensitive.
+
+    A CPU tensor: xxh3-128 of its raw bytes in row-major order (high, low halves, as `bytes_signature`); zero-copy
+    for a contiguous tensor (a non-contiguous one is copied to a contiguous one first); tensors of at least
+    POOL_MIN_BYTES are hashed in a thread pool of `THREADS` threads (xxh3 releases the GIL). A tensor on another
+    device: its additive signature (`batch_signatures`, on the device). Not additive, so not a full signature;
+    not comparable between a CPU tensor and a device tensor. A DTensor counts as its local tensor.
+    """
+    digests: dict[int, int] = {}
+    pooled: list[tuple[int, Any]] = []
+    device_items: list[tuple[int, torch.Tensor]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            digests[i] = xxhash.xxh3_128_intdigest(bytes(item))
+            continue
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(f"item {i}: expected a tensor or bytes, got {type(item).__name__}")
+        t = item.to_local() if _is_dtensor(item) else item
+        _check_tensor(t)
+        if t.device.type != "cpu":
+            device_items.append((i, t))
+            continue
+        buf = _host_bytes(t)
+        if buf.nbytes >= POOL_MIN_BYTES:
+            pooled.append((i, buf))
+        else:
+            digests[i] = xxhash.xxh3_128_intdigest(buf)
+    threads = min(_threads(), len(pooled))
+    if threads > 1:
+        pooled.sort(key=lambda e: -e[1].nbytes)  # largest first: the pool's queue balances the rest
+        for (i, _), d in zip(pooled, _pool().map(xxhash.xxh3_128_intdigest, [b for _, b in pooled])):
+            digests[i] = d
+    else:
+        for i, buf in pooled:
+            digests[i] = xxhash.xxh3_128_intdigest(buf)
+    out = torch.zeros(len(items), 2, dtype=torch.int64)
+    if digests:
+        idx = list(digests)
+        out[idx] = torch.tensor([[_s64(digests[i] >> 64), _s64(digests[i])] for i in idx], dtype=torch.int64)
+    if device_items:
+        out[[i for i, _ in device_items]] = batch_signatures([t for _, t in device_items])
+    return out
+
+
+def _host_bytes(t: torch.Tensor) -> np.ndarray:
+    """The raw bytes of a CPU tensor in row-major order, as a numpy uint8 view (a copy only if not contiguous)."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return np.zeros(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -481,6 +707,49 @@ def _dtensor_contributes(dt) -> bool:
     return all(c == 0 for c, p in zip(coord, dt.placements) if isinstance(p, Replicate))
 
 
+def assign_replicated(costs: list[int], world: int) -> list[int]:
+    """Owner rank of each replicated item: greedy longest-processing-time assignment (largest first, ties by
+    position, each to the least loaded rank, ties to the lowest rank). A function of the costs alone, so every rank
+    computes the same assignment; each rank gets about 1/world of the bytes."""
+    import heapq
+
+    owners = [0] * len(costs)
+    heap = [(0, r) for r in range(world)]
+    for i in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        load, r = heapq.heappop(heap)
+        owners[i] = r
+        heapq.heappush(heap, (load + costs[i], r))
+    return owners
+
+
+def _replicated_layout(flat: Mapping[str, Any], replicated: list[int]) -> tuple[list[int], int]:
+    """(cost in bytes of each replicated tensor, 63-bit digest of keys, dtypes and shapes): what the assignment
+    depends on. Non-tensor leaves cost nothing and stay with rank 0 (their bytes may legitimately differ)."""
+    keys = list(flat)
+    costs, blob = [], []
+    for i in replicated:
+        leaf = flat[keys[i]]
+        if isinstance(leaf, torch.Tensor):
+            costs.append(leaf.numel() * leaf.element_size())
+            blob.append(f"{keys[i]}\0{leaf.dtype}{tuple(leaf.shape)}\0")
+        else:
+            costs.append(-1)
+            blob.append(f"{keys[i]}\0bytes\0")
+    return costs, xxhash.xxh3_64_intdigest("".join(blob).encode()) >> 1
+
+
+def _same_everywhere(value: int, group) -> bool:
+    """True on every rank iff `value` is the same on every rank of `group` (one all_reduce(MAX) of [v, -v])."""
+    import torch.distributed as dist
+
+    buf = torch.tensor([value, -value], dtype=torch.int64)
+    backend = str(dist.get_backend(group))
+    dev = buf if "gloo" in backend else buf.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(dev, op=dist.ReduceOp.MAX, group=group)
+    hi, neg_lo = dev.cpu().tolist()
+    return hi == -neg_lo
+
+
 def full_signatures(state_dict: Mapping, group=None) -> dict[str, str]:
     """{dotted key: hex} full-tensor signatures of a (sharded) state; collective over `group` (default: world).
 
@@ -489,8 +758,12 @@ def full_signatures(state_dict: Mapping, group=None) -> dict[str, str]:
       * a DTensor (Shard(dim) / Replicate placements, even or uneven): every rank of its mesh contributes its local
         shard, except that within each Replicate group only the rank at coordinate 0 of every Replicate mesh dim
         does (the others add zero), so each element is counted exactly once;
-      * a plain tensor or non-tensor leaf is taken as replicated: only rank 0 of `group` contributes (as in DCP,
-        which writes one copy of replicated items; replicas that differ are C3's business, not this function's).
+      * a plain tensor is taken as replicated: one rank of `group` signs it, the tensors spread over the ranks by
+        size (`assign_replicated`), so each rank signs about 1/world of the bytes; if the ranks' plain tensors do
+        not have the same keys, dtypes and shapes (checked by one tiny all_reduce), rank 0 signs all of them;
+      * a non-tensor leaf (bytes) is signed by rank 0 of `group`.
+    As in DCP, which writes one copy of replicated items, replicas that differ are C3's business, not this
+    function's: the value recorded is that of the signing rank.
     Every rank of `group` must call it with the same keys in the same order, and `group` must contain every rank of
     every DTensor's mesh. The result does not depend on the number of ranks or the sharding, so state saved on N
     ranks and loaded on M ranks compare equal iff their bits are equal.
@@ -498,9 +771,11 @@ def full_signatures(state_dict: Mapping, group=None) -> dict[str, str]:
     import torch.distributed as dist
 
     flat = flatten_state(state_dict, keep_dtensor=True)
+    distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     grank = dist.get_rank(group) if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if distributed else 1
     rows: list[torch.Tensor] = []
-    replicated: list[tuple[int, Any]] = []
+    replicated: list[int] = []
     zero = torch.zeros(2, dtype=torch.int64)
     for i, leaf in enumerate(flat.values()):
         if _is_dtensor(leaf):
@@ -509,12 +784,23 @@ def full_signatures(state_dict: Mapping, group=None) -> dict[str, str]:
                         if box is not None and _dtensor_contributes(leaf) else zero)
         else:
             rows.append(zero)
-            if grank == 0:
-                replicated.append((i, leaf))
+            replicated.append(i)
     sums = _rows_to_host(rows)
+    costs, layout = _replicated_layout(flat, replicated)
+    spread = world > 1 and _same_everywhere(layout, group)  # collective on every rank whatever it holds
     if replicated:
-        sums[[i for i, _ in replicated]] = batch_signatures([leaf for _, leaf in replicated])
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        if spread:
+            tensor_idx = [j for j, c in enumerate(costs) if c >= 0]
+            owners = [0] * len(replicated)
+            for j, r in zip(tensor_idx, assign_replicated([costs[j] for j in tensor_idx], world)):
+                owners[j] = r
+        else:
+            owners = [0] * len(replicated)
+        leaves = list(flat.values())
+        mine = [i for i, r in zip(replicated, owners) if r == grank]
+        if mine:
+            sums[mine] = batch_signatures([leaves[i] for i in mine])
+    if distributed:
         backend = str(dist.get_backend(group))
         buf = sums if "gloo" in backend else sums.to(torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
