@@ -49,6 +49,9 @@ from scout_ckpt.storage import FaultHook, ScoutWriter
 from scout_ckpt.verify import verify_files
 
 COORDINATOR = 0
+# One replay target every 10 steps keeps amortized replay cost near 3% of training time (bench/
+# consensus_overhead.py); certification then waits up to (targets x interval) steps for full coverage.
+DEFAULT_REPLAY_INTERVAL = 10
 
 
 class LoadVerificationError(ScoutError):
@@ -106,8 +109,8 @@ class Checkpointer:
             if (consensus or replay) else None
         self.replay = None
         if replay and model is not None:
-            self.replay = ReplayRunner(model, optimizer, groups=self.groups,
-                                       **(replay if isinstance(replay, dict) else {}))
+            cfg = {"interval": DEFAULT_REPLAY_INTERVAL, **(replay if isinstance(replay, dict) else {})}
+            self.replay = ReplayRunner(model, optimizer, groups=self.groups, **cfg)
             self.replay.begin(0)
         self._replay_events_seen = 0
         self._inv_previous: dict | None = None

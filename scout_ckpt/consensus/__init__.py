@@ -16,7 +16,7 @@ import importlib
 _LAZY = {
     "tensor_signature": "signatures", "batch_signatures": "signatures", "signature_hex": "signatures",
     "bytes_signature": "signatures", "add_signatures": "signatures", "flatten_state": "signatures",
-    "full_signatures": "signatures",
+    "full_signatures": "signatures", "replica_signatures": "signatures", "assign_replicated": "signatures",
     "C3Result": "c3", "GroupVerdict": "c3", "c3_verdict": "c3", "c3_over_group": "c3",
     "AGREE": "c3", "ATTRIBUTED": "c3", "INCONCLUSIVE": "c3",
     "robust_outliers": "timing", "Confirmer": "timing",

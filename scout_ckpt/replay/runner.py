@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from scout_ckpt.consensus.c3 import c3_over_group
-from scout_ckpt.consensus.signatures import batch_signatures
+from scout_ckpt.consensus.signatures import replica_signatures
 from scout_ckpt.consensus.timing import Confirmer, robust_outliers
 from scout_ckpt.replay.capture import Invocation, ModuleCapture, device_of
 from scout_ckpt.replay.optimizer_replay import OptimizerCapture, replay_signature_inputs, supports
@@ -246,7 +246,7 @@ class ReplayRunner:
         t0 = time.perf_counter()
         try:
             labels, tensors = self._execute(recipe, cap, payload)
-            sigs = batch_signatures(tensors)
+            sigs = replica_signatures(tensors)
         except Exception as e:  # noqa: BLE001 -- a peer that cannot replay must not leave the others waiting
             warnings.warn(f"replay of {name} at step {step} failed on rank {self.rank}: {e!r}")
             labels, sigs = [], None
