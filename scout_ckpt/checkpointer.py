@@ -340,9 +340,10 @@ class Checkpointer:
         self._hook("after_write", step)
         tmp = Path(writer.path)
         mine = sorted(writer.written | ({layout.DCP_METADATA} if self.is_coordinator else set()))
-        digests = digest_files([tmp / f for f in mine])
-        files = [{"path": f, "size": digests[str(tmp / f)][0], "digest": digests[str(tmp / f)][1], "rank": self.rank}
-                 for f in mine]
+        known = writer.file_digests()  # hashed in flight; the rest (.metadata) is read back
+        read_back = digest_files([tmp / f for f in mine if f not in known])
+        known.update({Path(p).name: d for p, d in read_back.items()})
+        files = [{"path": f, "size": known[f][0], "digest": known[f][1], "rank": self.rank} for f in mine]
         gathered = self._gather({"rank": self.rank, "files": files, "finite_bad": writer.nonfinite, **local},
                                 group=group)
         verdict = None

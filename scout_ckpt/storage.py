@@ -1,6 +1,7 @@
-"""DCP storage writer that knows which files this rank wrote, and where a save can be interrupted on purpose.
+"""DCP storage writer that knows which files this rank wrote, hashes them as they are written, checks that what
+it writes is finite, and lets a save be interrupted on purpose.
 
-Each rank hashes only the files it wrote itself (never one rank re-reading everyone's bytes); DCP's write
+Each rank digests only the files it wrote itself (never one rank re-reading everyone's bytes); DCP's write
 results name them. The fault hook lets tests and the demo SIGKILL a rank in the middle of a file.
 """
 
@@ -13,25 +14,38 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import WriteItemType
 
+from scout_ckpt.digests import ALGO
+
 FaultHook = Callable[[str, int], None]
 
 
-class _HookedFile(io.BufferedWriter):
-    """A file whose first write is flushed half-way and then hands control to the fault hook."""
+class _DigestingFile(io.BufferedWriter):
+    """A data file hashed as it is written (xxh3-128 of exactly the bytes passed to write, in order), so the
+    commit needs no second read of what this rank just wrote. Any seek or positioned access makes the running
+    digest unusable; the writer then falls back to reading the file back.
 
-    def __init__(self, raw, on_first_write: Callable[[], None]):
+    With `on_first_write`, the first write is flushed half-way and control goes to the fault hook (tests and the
+    demo SIGKILL a rank in the middle of a file)."""
+
+    def __init__(self, raw, on_first_write: Callable[[], None] | None = None):
         super().__init__(raw)
         self._on_first_write = on_first_write
+        self.hasher = xxhash.xxh3_128()
+        self.size = 0
+        self.sequential = True
 
     def write(self, data) -> int:
-        if self._on_first_write is None:
-            return super().write(data)
-        hook, self._on_first_write = self._on_first_write, None
         view = memoryview(data).cast("B")
+        self.hasher.update(view)
+        self.size += len(view)
+        if self._on_first_write is None:
+            return super().write(view)
+        hook, self._on_first_write = self._on_first_write, None
         half = max(1, len(view) // 2)
         n = super().write(view[:half])
         self.flush()
@@ -39,21 +53,36 @@ class _HookedFile(io.BufferedWriter):
         hook()
         return n + super().write(view[half:])
 
+    def seek(self, *args) -> int:
+        pos = super().seek(*args)
+        if pos != self.size:
+            self.sequential = False
+        return pos
 
-class _HookedFileSystem(FileSystem):
-    def __init__(self, on_first_write: Callable[[], None]):
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+
+class _DigestingFileSystem(FileSystem):
+    """Opens every `.distcp` written through it as a _DigestingFile and remembers the digests of closed ones."""
+
+    def __init__(self, on_first_write: Callable[[], None] | None):
         super().__init__()
         self._on_first_write = on_first_write
+        self.digests: dict[str, tuple[int, str]] = {}
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
-        if "w" in mode and str(path).endswith(".distcp") and self._on_first_write is not None:
-            hook, self._on_first_write = self._on_first_write, None
-            with _HookedFile(io.FileIO(str(path), "w"), hook) as stream:
-                yield stream
-        else:
+        if "w" not in mode or not str(path).endswith(".distcp"):
             with super().create_stream(path, mode) as stream:
                 yield stream
+            return
+        hook, self._on_first_write = self._on_first_write, None
+        with _DigestingFile(io.FileIO(str(path), "w"), hook) as stream:
+            yield stream
+        if stream.sequential:  # DCP may close the stream itself; the running digest outlives it
+            self.digests[os.path.basename(path)] = (stream.size, f"{ALGO}:{stream.hasher.hexdigest()}")
 
 
 def is_finite(t: torch.Tensor) -> bool:
@@ -78,8 +107,11 @@ class ScoutWriter(FileSystemWriter):
         self.check_finite = check_finite
         self.written: set[str] = set()
         self.nonfinite: list[str] = []
-        if fault_hook is not None:
-            self.fs = _HookedFileSystem(lambda: fault_hook("during_write", step))
+        self.fs = _DigestingFileSystem((lambda: fault_hook("during_write", step)) if fault_hook else None)
+
+    def file_digests(self) -> dict[str, tuple[int, str]]:
+        """(size, digest) of the data files this rank wrote and hashed in flight (others must be read back)."""
+        return {f: d for f, d in self.fs.digests.items() if f in self.written}
 
     def write_data(self, plan, planner):
         if self.check_finite:
