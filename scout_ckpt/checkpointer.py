@@ -2,7 +2,7 @@
 
 Commit protocol of one save boundary at step S (ARCHITECTURE.md, "One save boundary"):
 
-  1. coordinator: ledger row `writing` (attempt id), broadcast the attempt id
+  1. coordinator: ledger row `writing` (attempt id = incarnation + save counter, the same on every rank)
   2. all ranks: evidence on the live state (finite values, consensus, invariants, signatures)
   3. all ranks: DCP writes into ROOT/.step-S.tmp-<attempt>/ (sync, or async on our own gloo group)
   4. all ranks, once the write has finished everywhere: hash the files *this rank* wrote; gather to coordinator
@@ -102,6 +102,7 @@ class Checkpointer:
         self._last_verdict: dict | None = None
         self._step_started = time.monotonic()
         self._closed = False
+        self._saves = 0
 
         self.checks = inv.parse_specs(invariants) if invariants else []  # bad specs fail here, not at a save
         self.consensus, self.consensus_exclude, self.verify_load = consensus, tuple(consensus_exclude), verify_load
@@ -267,11 +268,13 @@ class Checkpointer:
 
     def _save(self, step: int, state: dict) -> dict | None:
         self.wait()
-        attempt = None
+        # Every rank derives the same attempt id (no collective): this incarnation's id and a save counter.
+        self._saves += 1
+        attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
         if self.is_coordinator:
-            attempt = uuid.uuid4().hex[:12]
+            # Before any rank writes data: DCP's central planning waits for the coordinator, which gets there
+            # only after this row is durable, so an interrupted save always leaves its record.
             self.ledger.record_writing(step, self.run_id, attempt, layout.step_dirname(step))
-        attempt = self._broadcast(attempt)
         tmp = self.root / layout.tmp_dirname(step, attempt)
         self._hook("before_write", step)
 
