@@ -20,25 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.stateful import Stateful
-
-from scout_ckpt import Checkpointer
-
-
-class AppState(Stateful):
-    """The DCP recipe: get_state_dict/set_state_dict handle DDP/FSDP wrappers and create the optimizer's state
-    before loading into it (a fresh optimizer's state_dict() has no moments to load into)."""
-
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self):
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, sd):
-        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+from scout_ckpt import Checkpointer, ModelOptimizerState
 
 
 def main():
@@ -60,7 +42,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     ckpt = Checkpointer(args.root, model=model, optimizer=opt)
-    state = {"app": AppState(model, opt)}
+    state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
     if rank == 0 and args.record:
         with open(Path(args.root) / f"resumed-attempt{attempt}.json", "w") as f:

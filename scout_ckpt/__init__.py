@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Checkpointer": "scout_ckpt.checkpointer",
+    "ModelOptimizerState": "scout_ckpt.app_state",
     "Ledger": "scout_ckpt.ledger",
     "STATES": "scout_ckpt.ledger",
     "Verdict": "scout_ckpt.policy",

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from scout_ckpt.app_state import ModelOptimizerState as AppState
 from scout_ckpt.checkpointer import Checkpointer
 
 
@@ -133,31 +134,10 @@ def _full_state(model, opt):
     return flat_tensors({"model": msd, "optim": osd})
 
 
-class AppState:
-    """The DCP recipe's Stateful wrapper around get_state_dict/set_state_dict."""
-
-    def __init__(self, model, opt):
-        self.model, self.opt = model, opt
-
-    def state_dict(self):
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(self.model, self.opt)
-        return {"model": msd, "optim": osd}
-
-    def load_state_dict(self, sd):
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-
-
 FSDP_CHECKS = [{"check": "spectral_bound", "params": "*.weight", "hi": 100.0}]
 
 
 def fsdp_save(rank, world, root, async_save):
-    from torch.distributed.checkpoint.stateful import Stateful
-
-    Stateful.register(AppState)
     model = _fsdp_model(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _fsdp_train(model, opt, 3, seed=0)
@@ -170,9 +150,6 @@ def fsdp_save(rank, world, root, async_save):
 
 
 def fsdp_load(rank, world, root):
-    from torch.distributed.checkpoint.stateful import Stateful
-
-    Stateful.register(AppState)
     model = _fsdp_model(world, seed=5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _fsdp_train(model, opt, 1, seed=42)  # optimizer state exists before loading into it
@@ -215,9 +192,6 @@ def load_into(rank, world, root, with_moments):
 
 
 def fsdp_save_unvouched(rank, world, root):
-    from torch.distributed.checkpoint.stateful import Stateful
-
-    Stateful.register(AppState)
     model = _fsdp_model(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _fsdp_train(model, opt, 1, seed=0)
