@@ -1,0 +1,36 @@
+"""The fault campaign, small: real demo incidents (bitflip through the demo, truncate and delete on a healthy run's
+copy), one healthy control, and 5 SIGKILL torture iterations of real 3-rank saves. Runs bench/campaign.py as a
+process, as `make campaign` and `bench/run_all.py` do."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_campaign_quick_has_no_bad_resume_and_no_torture_violation(tmp_path):
+    cmd = [sys.executable, str(REPO / "bench" / "campaign.py"), "--quick", "--json", "--seed", "3",
+           "--kinds", "bitflip,truncate,delete", "--healthy", "1", "--torture", "5", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout)  # exactly one JSON object on stdout
+    assert res["bad_resumes"] == 0
+    assert res["torture_violations"] == 0 and res["torture"]["n_violations"] == 0
+    assert res["torture"]["iterations"] >= 5 and res["torture"]["kills"] >= 1
+    assert set(res["kinds"]) == {"bitflip", "truncate", "delete"}
+    for kind, s in res["kinds"].items():
+        for key in ("recall", "precision", "false_positives", "latency_s_median", "latency_s_p95", "n"):
+            assert key in s, (kind, key)
+        assert s["n"] == 1
+        # byte damage to a certified step is always caught, and blamed on the rank that wrote the file
+        assert s["recall"] == 1.0 and s["precision"] == 1.0, (kind, s)
+    assert res["healthy"]["n"] == 1 and res["healthy"]["bad_resumes"] == 0
+    assert json.loads((tmp_path / "campaign.json").read_text())["bad_resumes"] == 0
+    assert "| bitflip |" in (tmp_path / "campaign.md").read_text()
