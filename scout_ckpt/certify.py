@@ -38,7 +38,8 @@ def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int]
     row = ledger.checkpoint(step)
     if row is None:
         raise BadInput(f"step {step}: no such checkpoint in the ledger")
-    if row["state"] in FINAL_STATES:
+    interrupted = row["state"] == "rejected" and any(r.get("code") == "save_interrupted" for r in row["reasons"])
+    if row["state"] in FINAL_STATES or interrupted:  # an interrupted save stays what it was: nothing to re-verify
         return {"step": step, "state": row["state"], "reasons": row["reasons"], "evidence": ledger.evidence(step),
                 "skipped": True}
     if row["state"] == "writing":

@@ -264,7 +264,14 @@ class Checkpointer:
         if self._closed:
             raise ScoutError("Checkpointer is closed")
         with self.phase("checkpoint"):
-            return self._save(step, state)
+            try:
+                return self._save(step, state)
+            except BaseException:
+                # A collective of ours failed (a peer died mid-save): tell the observer this rank is a victim,
+                # so that only the rank that really died is reported as a crash.
+                if self.observer is not None:
+                    self.observer.heartbeat.error()
+                raise
 
     def _save(self, step: int, state: dict) -> dict | None:
         self.wait()

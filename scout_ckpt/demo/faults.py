@@ -40,6 +40,7 @@ from scout_ckpt.layout import atomic_write_json
 MARKER_DIR = "demo"  # under ROOT: the demo's own files (worker logs, results, injection records)
 
 SAVE_POINTS = ("before_write", "during_write", "after_write", "before_rename", "after_rename", "after_commit")
+COORDINATOR_POINTS = ("before_rename", "after_rename")  # the manifest and the rename are the coordinator's
 
 # kind -> (required keys, optional keys with defaults)
 KINDS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
@@ -93,6 +94,8 @@ def parse(spec: str) -> Fault:
         raise BadInput(f"--inject {spec!r}: {kind} needs {', '.join(k + '=' for k in missing)}")
     if kind == "crash" and values.get("at", "during_write") not in SAVE_POINTS:
         raise BadInput(f"--inject {spec!r}: at= must be one of {', '.join(SAVE_POINTS)}")
+    if kind == "crash" and values.get("at") in COORDINATOR_POINTS and values["rank"] != 0:
+        raise BadInput(f"--inject {spec!r}: only rank 0 (the coordinator) reaches {values['at']}")
     if kind == "slow" and not values["factor"] >= 1.0:
         raise BadInput(f"--inject {spec!r}: factor must be >= 1")
     if kind == "drift" and "amount" in values and not 0.0 < values["amount"] <= 100.0:
