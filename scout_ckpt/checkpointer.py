@@ -170,8 +170,9 @@ class Checkpointer:
                 allow_na.append("consensus")
         if self.replay is not None:
             require.append("replay")
+        finite = ["finite"] if self.finite and not any(c.kind == "finite" for c in self.checks) else []
         return {"require": require, "allow_not_applicable": allow_na,
-                "invariants": [c.spec for c in self.checks] + (["finite"] if self.finite else []),
+                "invariants": [c.spec for c in self.checks] + finite,
                 "replay_targets": [list(t) for t in self.replay.targets()] if self.replay else []}
 
     def _versions(self) -> dict:
