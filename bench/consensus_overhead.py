@@ -106,7 +106,7 @@ def _worker(rank, world, root, cfg):
         flat = _materialize(state)
         t_cons, ev = timed(lambda: save_time_consensus(flat, ckpt.groups, names_filter=ckpt._consensus_names))
         assert ev["status"] == "pass", ev
-        t_full, _ = timed(lambda: full_signatures(flat, group=ckpt._pg))
+        t_full, _ = timed(lambda: full_signatures(flat, group=ckpt._pg, plain="replica"))
         t_save, _ = timed(lambda: ckpt.save(100 + i, state))
         t_dcp = plain_save(i)
         cons_in_save = ckpt.ledger.evidence(100 + i)["consensus"]["duration_s"] if rank == 0 else 0.0
