@@ -346,6 +346,8 @@ class Checkpointer:
             self._commit(step, attempt, writer, local, self._commit_pg)
         except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
             self._pending_error = e
+            if self.observer is not None:  # a peer died during the commit: this rank is a victim, not the culprit
+                self.observer.heartbeat.error()
 
     def _commit(self, step: int, attempt: str, writer: ScoutWriter, local: dict, group) -> dict:
         self._hook("after_write", step)
