@@ -125,8 +125,17 @@ def test_fsdp_is_not_applicable():
     ev = evidences(out)
     assert ev["status"] == "not_applicable"
     assert ev["reasons"] == [{"code": "no_replicas", "mode": "fsdp"}]
+    assert ev["tensors_compared"] == 2 and ev["plain_state_only"]  # lr and step, held by every rank
     assert all(o.result["group"] is None and o.result["group_ranks"] == [o.rank] for o in out)
     assert evaluate({"require": ["consensus"], "allow_not_applicable": ["consensus"]}, {"consensus": ev}).certified
+
+
+def test_fsdp_plain_state_that_drifts_on_one_rank_is_attributed():
+    """DCP saves one rank's copy of replicated plain state: a drifted copy must not pass for want of replicas."""
+    ev = evidences(run_ranks(W.fsdp_consensus, 4, 2, timeout=60))
+    assert ev["status"] == "fail"
+    assert ev["reasons"][0]["code"] == "consensus_attributed"
+    assert ev["reasons"][0]["ranks"] == [2] and ev["reasons"][0]["tensors"] == ["lr"]
 
 
 # ---- replica signatures: xxh3 over CPU tensors, large ones in a thread pool ------------------------------------

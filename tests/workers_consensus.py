@@ -76,9 +76,16 @@ def hsdp_consensus(rank, world, flip_rank=None):
             "local_w": signature_hex(tensor_signature(state["model"]["w"].to_local()))}
 
 
-def fsdp_consensus(rank, world):
+def fsdp_consensus(rank, world, drift_rank=None):
+    """Pure FSDP: a single-owner sharded weight, plus plain state every rank holds (one rank's may drift)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     groups = ConsensusGroups.create("fsdp", world, timeout_s=30)
-    state = {"w": torch.full((3,), float(rank)), "step": 1}  # shards differ by design
+    mesh = init_device_mesh("cpu", (world,))
+    w = distribute_tensor(torch.arange(16.0).reshape(8, 2), mesh, [Shard(0)])  # shards differ by design
+    lr = torch.tensor([2e-3 if rank == drift_rank else 1e-3])
+    state = {"w": w, "lr": lr, "step": 1}
     return {"evidence": save_time_consensus(state, groups), "group": groups.group, "group_ranks": groups.group_ranks}
 
 

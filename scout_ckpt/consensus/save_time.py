@@ -21,6 +21,7 @@ timeout of `ConsensusGroups.create`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Collection, Mapping
 
@@ -31,7 +32,7 @@ from scout_ckpt.consensus.c3 import (
     ATTRIBUTED, INCONCLUSIVE, GroupVerdict, c3_over_group, c3_verdict, combine, verdicts_from_gathered,
 )
 from scout_ckpt.consensus.groups import ConsensusGroups
-from scout_ckpt.consensus.signatures import bytes_signature, flatten_state, replica_signatures
+from scout_ckpt.consensus.signatures import _is_dtensor, bytes_signature, flatten_state, replica_signatures
 from scout_ckpt.policy import FAIL, INCONCLUSIVE as EV_INCONCLUSIVE, NOT_APPLICABLE, PASS, evidence
 
 MAX_NAMES = 8          # tensor names listed per reason
@@ -79,6 +80,40 @@ def _group_verdict(flat: Mapping[str, Any], names: list[str], groups: ConsensusG
     return c3_over_group(sigs, groups.group, groups.group_ranks, names), slowest
 
 
+def _reasons(entry: dict) -> list[dict]:
+    reasons = []
+    if entry["attributed_tensors"]:
+        reasons.append({"code": "consensus_attributed", "ranks": entry["attributed"],
+                        "tensors": entry["attributed_tensors"][:MAX_NAMES],
+                        "n_tensors": len(entry["attributed_tensors"]), "group": entry["members"]})
+    if entry["inconclusive_tensors"]:
+        reasons.append({"code": "consensus_inconclusive", "ranks": entry["members"],
+                        "tensors": entry["inconclusive_tensors"][:MAX_NAMES],
+                        "n_tensors": len(entry["inconclusive_tensors"]), "group": entry["members"]})
+    return reasons
+
+
+def _unreplicated(state_dict: Mapping, groups: ConsensusGroups, names_filter, t0: float) -> dict:
+    """Pure FSDP: the sharded tensors have no replica, but the plain state every rank holds (step, LR schedule,
+    RNG, data position, mixing weights) does, and DCP saves one rank's copy of it: compare that over the world.
+    Agreement still leaves the single-owner shards unvouched, so the status stays `not_applicable`."""
+    na = [{"code": "no_replicas", "mode": groups.mode}]
+    flat = flatten_state(state_dict, keep_dtensor=True)
+    names = [n for n in _select(flat, names_filter) if not _is_dtensor(flat[n])]
+    if groups.world_size < 2 or groups.world_group is None or not names:
+        return evidence(NOT_APPLICABLE, na, mode=groups.mode, groups=[], tensors_compared=0, duration_s=0.0)
+    world = dataclasses.replace(groups, group=groups.world_group, group_ranks=list(range(groups.world_size)))
+    gv, slowest = _group_verdict(flat, names, world, t0)
+    entry = {"members": list(gv.group_ranks), "verdict": gv.status, "attributed": list(gv.attributed_ranks),
+             "attributed_tensors": gv.attributed_tensors, "inconclusive_tensors": gv.inconclusive_tensors}
+    status = FAIL if gv.status == ATTRIBUTED else EV_INCONCLUSIVE if gv.status == INCONCLUSIVE else NOT_APPLICABLE
+    reasons = _reasons(entry) if status != NOT_APPLICABLE else na
+    return evidence(status, reasons, mode=groups.mode,
+                    groups=[{"members": entry["members"], "verdict": gv.status, "attributed": entry["attributed"],
+                             "tensors_compared": len(gv.per_tensor)}],
+                    tensors_compared=len(gv.per_tensor), plain_state_only=True, duration_s=slowest)
+
+
 def save_time_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
                         names_filter: Callable[[str], bool] | Collection[str] | None = None) -> dict:
     """Consensus evidence, in the policy's format, identical on every rank.
@@ -95,8 +130,7 @@ def save_time_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
     """
     t0 = time.perf_counter()
     if not groups.has_replicas:
-        return evidence(NOT_APPLICABLE, [{"code": "no_replicas", "mode": groups.mode}],
-                        mode=groups.mode, groups=[], tensors_compared=0, duration_s=0.0)
+        return _unreplicated(state_dict, groups, names_filter, t0)
     flat = flatten_state(state_dict)
     names = _select(flat, names_filter)
     gv, slowest = _group_verdict(flat, names, groups, t0)
@@ -112,16 +146,7 @@ def save_time_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
     for entry in everyone:  # members of a group hold the same verdict; keep the first
         by_group.setdefault(tuple(entry["members"]), entry)
     ordered = [by_group[tuple(g)] for g in groups.groups if tuple(g) in by_group]
-    reasons = []
-    for g in ordered:
-        if g["attributed_tensors"]:
-            reasons.append({"code": "consensus_attributed", "ranks": g["attributed"],
-                            "tensors": g["attributed_tensors"][:MAX_NAMES],
-                            "n_tensors": len(g["attributed_tensors"]), "group": g["members"]})
-        if g["inconclusive_tensors"]:
-            reasons.append({"code": "consensus_inconclusive", "ranks": g["members"],
-                            "tensors": g["inconclusive_tensors"][:MAX_NAMES],
-                            "n_tensors": len(g["inconclusive_tensors"]), "group": g["members"]})
+    reasons = [r for g in ordered for r in _reasons(g)]
     verdicts = {g["verdict"] for g in ordered}
     status = FAIL if ATTRIBUTED in verdicts else EV_INCONCLUSIVE if INCONCLUSIVE in verdicts else PASS
     return evidence(
