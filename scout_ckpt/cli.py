@@ -121,8 +121,10 @@ def explain_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...
                 for target, last in cov.items():
                     text = f"clean at step {last}" if last is not None else "NOT COVERED"
                     if target in after:
-                        text += (f", clean again at step {after[target]} (at or after the save)" if after[target] is not None
-                                 else ", awaiting its first replay after the save")
+                        if after[target] is None:
+                            text += ", awaiting its first replay after the save"
+                        elif after[target] != last:
+                            text += f", clean again at step {after[target]} (after the save)"
                     con.print(f"      {target:<14} {text}")
         if row["reasons"]:
             con.print(f"reasons: {_escape(_reason_text(row['reasons']))}")
