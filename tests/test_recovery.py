@@ -13,6 +13,8 @@ Every test runs the real demo job (3 worker processes, gloo, real SIGKILL, real 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from scout_ckpt.demo import run_demo
@@ -186,3 +188,19 @@ def test_drift_mixture_stays_on_the_simplex_but_moves():
     faults.drift_mixture(m, 0.25)
     m.check()
     assert not m.weights.equal(before) and float(m.weights[0]) > float(before[0])
+
+
+def test_explain_shows_replay_coverage_per_target(fsdp_clean):
+    """`explain` lists, per block, the embedding, the head and the optimizer, where its clean replays were."""
+    from tests.conftest import run_cli
+
+    root = fsdp_clean["dir"]
+    rc, out, _ = run_cli("explain", root, 8, "--json")
+    replay = json.loads(out)["evidence"]["replay"]
+    assert rc == 0 and replay["status"] == "pass"
+    targets = {"embedding", "head", "optimizer", *(f"blocks.{i}" for i in range(4))}
+    assert set(replay["coverage"]) == targets and all(s is not None for s in replay["coverage"].values())
+    assert all(s is not None and s >= 8 for s in replay["confirmed_after"].values())
+    rc, text, _ = run_cli("explain", root, 8)
+    for t in targets:
+        assert any(line.split()[:1] == [t] and "clean at step" in line for line in text.splitlines()), t
