@@ -77,27 +77,14 @@ def torture_rank(rank: int, world: int, root: str, refs: str, plan: dict) -> dic
     import torch
     import torch.distributed as dist
     import torch.nn as nn
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.checkpoint.stateful import Stateful
-
+    from scout_ckpt.app_state import ModelOptimizerState
     from scout_ckpt.checkpointer import Checkpointer
-
-    class App(Stateful):
-        def __init__(self, model, opt):
-            self.model, self.opt = model, opt
-
-        def state_dict(self):
-            msd, osd = get_state_dict(self.model, self.opt)
-            return {"model": msd, "optim": osd}
-
-        def load_state_dict(self, sd):
-            set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
                           nn.Linear(WIDTH, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state = {"app": App(model, opt)}
+    state = {"app": ModelOptimizerState(model, opt)}
     victim = plan["victim"] == rank
     target = {"step": None, "fired": False}
 
