@@ -26,7 +26,6 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -405,7 +405,6 @@ def _oblique(check: Check, v: View) -> list:
 
 
 def _simplex(check: Check, v: View) -> list:
-    import torch
 
     t = v.local
     if not _floating(t) or len(v.shape) == 0:

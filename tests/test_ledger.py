@@ -1,7 +1,6 @@
 import sqlite3
 import subprocess
 import sys
-import time
 
 import pytest
 
