@@ -12,7 +12,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from scout_ckpt import digests, layout
+from scout_ckpt import layout
 from scout_ckpt.errors import BadInput, NotClean, NotFound
 
 # Top-level components (and suffixes) that hold training state rather than model weights.
@@ -53,16 +53,16 @@ def detect_prefix(keys: list[str]) -> str:
 
 
 def _verify(step_dir: Path, files: list[dict]) -> None:
+    """Refuse to read tensors from files that do not match the ledger (verify_files, the check certify uses)."""
+    from scout_ckpt.verify import verify_files
+
     if not files:
         raise NotClean(f"{step_dir}: the ledger lists no files for this step; nothing to verify against")
-    for f in files:
-        if not (step_dir / f["path"]).is_file():
-            raise NotClean(f"{step_dir}: {f['path']} is missing")
-    found = digests.digest_files([step_dir / f["path"] for f in files])
-    for f in files:
-        size, digest = found[str(step_dir / f["path"])]
-        if digest != f["digest"] or (f.get("size") is not None and size != f["size"]):
-            raise NotClean(f"{step_dir}: {f['path']} does not match its recorded digest")
+    ev = verify_files(step_dir, files, expect_complete=False)
+    if ev["reasons"]:
+        r = ev["reasons"][0]
+        what = "is missing" if r["code"] == "missing_file" else "does not match its recorded digest"
+        raise NotClean(f"{step_dir}: {r['file']} {what} ({r['code']})")
 
 
 def _atomic_save(tensors: dict, path: Path, metadata: dict) -> None:
