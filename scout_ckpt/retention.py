@@ -7,7 +7,6 @@ the `step-*` namespace before removing it, so no torn `step-*` is ever visible.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from scout_ckpt.errors import BadInput
@@ -41,8 +40,9 @@ def plan(ledger: Ledger, root: Path, keep: int) -> dict:
     }
 
 
-def apply(ledger: Ledger, root: Path, keep: int, *, dry_run: bool = False, partial: bool = False) -> dict:
-    """Carry out plan(); `partial` also removes temp dirs of dead saves (only safe when no save is running)."""
+def apply(ledger: Ledger, root: Path, keep: int, *, dry_run: bool = False) -> dict:
+    """Carry out plan(). Temp dirs of dead saves are listed, not removed: one may belong to a save in flight;
+    the checkpointer removes them at its next start."""
     result = plan(ledger, root, keep)
     if dry_run:
         return {**result, "dry_run": True}
@@ -50,7 +50,4 @@ def apply(ledger: Ledger, root: Path, keep: int, *, dry_run: bool = False, parti
     for step in result["delete"]:
         remove_dir(Path(root) / paths[step])
         ledger.set_state(step, "deleted", [{"code": "retention", "keep": keep}], source="gc")
-    if partial:
-        for p in result["partial"]:
-            shutil.rmtree(p, ignore_errors=True)
     return {**result, "dry_run": False}
