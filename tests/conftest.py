@@ -1,3 +1,4 @@
+import contextlib
 import os
 import shutil
 import subprocess
@@ -18,6 +19,30 @@ def run_cli(*args, env=None, check_rc=None):
     if check_rc is not None:
         assert p.returncode == check_rc, (p.returncode, p.stdout, p.stderr)
     return p.returncode, p.stdout, p.stderr
+
+
+_HOLD_LOCK = """
+import sqlite3, sys, time
+c = sqlite3.connect(sys.argv[1], isolation_level=None)
+c.execute("BEGIN IMMEDIATE")
+c.execute("UPDATE checkpoints SET bytes=bytes")
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+c.execute("ROLLBACK")
+"""
+
+
+@contextlib.contextmanager
+def ledger_write_lock(db_path, seconds: float):
+    """Another process holds the ledger's write lock (BEGIN IMMEDIATE) for `seconds`, from entry."""
+    p = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(db_path), str(seconds)], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        yield p
+    finally:
+        p.kill()
+        p.wait()
 
 
 @pytest.fixture(scope="session")

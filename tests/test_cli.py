@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from scout_ckpt.layout import LEDGER_NAME, MANIFEST_NAME
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, ledger_write_lock, run_cli
 
 
 def _files(root, step):
@@ -231,28 +231,13 @@ def test_bad_options(ckpt_root):
     _assert_bad(["certify", ckpt_root, "--step", "x"], "", root=ckpt_root)
 
 
-HOLD = """
-import sqlite3, sys, time
-c = sqlite3.connect(sys.argv[1], isolation_level=None)
-c.execute("BEGIN IMMEDIATE")
-c.execute("UPDATE checkpoints SET bytes=bytes")
-print("locked", flush=True)
-time.sleep(60)
-"""
-
-
 def test_locked_ledger_readers_work_writers_fail_cleanly(ckpt_root):
-    p = subprocess.Popen([sys.executable, "-c", HOLD, str(ckpt_root / LEDGER_NAME)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip() == "locked"
+    with ledger_write_lock(ckpt_root / LEDGER_NAME, 60):
         env = {"SCOUT_CKPT_BUSY_TIMEOUT": "0.5"}
         assert run_cli("ls", ckpt_root, "--json", env=env)[0] == 0
         assert run_cli("resume", ckpt_root, "--latest-clean", env=env)[0] == 0
         rc, _, err = run_cli("quarantine", ckpt_root, 3, "--reason", "x", env=env)
         assert rc == 2 and "locked" in err and len(err.strip().splitlines()) == 1
-    finally:
-        p.kill()
-        p.wait()
     assert dict((s, st) for s, st, _ in _ledger_rows(ckpt_root))[3] == "certified"
 
 

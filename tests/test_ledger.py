@@ -1,12 +1,11 @@
 import sqlite3
-import subprocess
-import sys
 
 import pytest
 
 from scout_ckpt.errors import LedgerError
 from scout_ckpt.layout import LEDGER_NAME
 from scout_ckpt.ledger import SCHEMA_VERSION, Ledger
+from tests.conftest import ledger_write_lock
 
 
 def _make(root):
@@ -81,23 +80,9 @@ def test_missing_and_not_a_directory(tmp_path):
         Ledger.open(tmp_path, readonly=True)
 
 
-HOLD = """
-import sqlite3, sys, time
-c = sqlite3.connect(sys.argv[1], isolation_level=None)
-c.execute("BEGIN IMMEDIATE")
-c.execute("UPDATE checkpoints SET bytes=1")
-print("locked", flush=True)
-time.sleep(float(sys.argv[2]))
-c.execute("ROLLBACK")
-"""
-
-
 def test_locked_writer_times_out_and_readers_still_work(tmp_path, monkeypatch):
     _make(tmp_path).close()
-    p = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / LEDGER_NAME), "30"], stdout=subprocess.PIPE,
-                         text=True)
-    try:
-        assert p.stdout.readline().strip() == "locked"
+    with ledger_write_lock(tmp_path / LEDGER_NAME, 30):
         monkeypatch.setenv("SCOUT_CKPT_BUSY_TIMEOUT", "0.3")
         ro = Ledger.open(tmp_path, readonly=True)
         assert ro.checkpoint(10)["state"] == "writing"
@@ -105,21 +90,14 @@ def test_locked_writer_times_out_and_readers_still_work(tmp_path, monkeypatch):
         with pytest.raises(LedgerError, match="locked"):
             led.set_state(10, "rejected", [], source="test")
         assert ro.checkpoint(10)["state"] == "writing"
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_writer_waits_for_a_short_lock(tmp_path, monkeypatch):
     """BEGIN IMMEDIATE + busy timeout: a second writer waits instead of failing at once."""
     _make(tmp_path).close()
-    p = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / LEDGER_NAME), "0.5"], stdout=subprocess.PIPE,
-                         text=True)
-    try:
-        assert p.stdout.readline().strip() == "locked"
+    with ledger_write_lock(tmp_path / LEDGER_NAME, 0.5) as holder:
         monkeypatch.setenv("SCOUT_CKPT_BUSY_TIMEOUT", "20")
         led = Ledger.open(tmp_path)
         led.set_state(10, "rejected", [{"code": "x"}], source="test")
         assert led.checkpoint(10)["state"] == "rejected"
-    finally:
-        p.wait()
+        assert holder.wait() == 0  # the holder ended its transaction and exited normally
