@@ -95,13 +95,17 @@ def run_ranks(
     deadline = time.monotonic() + timeout
     timed_out = False
     pending = set(range(world_size))
+
+    def take(item) -> None:
+        rank, status, payload = item
+        if status == "ok":
+            outcomes[rank].result = pickle.loads(payload)
+        else:
+            outcomes[rank].error = payload
+
     while pending:
         try:
-            rank, status, payload = q.get(timeout=0.05)
-            if status == "ok":
-                outcomes[rank].result = pickle.loads(payload)
-            else:
-                outcomes[rank].error = payload
+            take(q.get(timeout=0.05))
         except queue_mod.Empty:
             pass
         for r in list(pending):
@@ -116,13 +120,9 @@ def run_ranks(
         p.join(5)
     while True:  # drain results that arrived just before exit
         try:
-            rank, status, payload = q.get(timeout=0.05)
+            take(q.get(timeout=0.05))
         except queue_mod.Empty:
             break
-        if status == "ok":
-            outcomes[rank].result = pickle.loads(payload)
-        else:
-            outcomes[rank].error = payload
     for r, p in enumerate(procs):
         outcomes[r].exitcode = p.exitcode
     del store

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from scout_ckpt import manifest as manifest_mod
 from scout_ckpt import policy
-from scout_ckpt.errors import NotFound
+from scout_ckpt.errors import BadInput, NotFound
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.verify import verify_files
 
@@ -23,9 +24,6 @@ class NoCleanCheckpoint(NotFound):
 
 def verify_checkpoint(root: Path, ledger: Ledger, step: int, progress=None) -> dict:
     """Bytes evidence for a recorded checkpoint: files against the ledger, manifest against its digest."""
-    from scout_ckpt import manifest as manifest_mod
-    from scout_ckpt.errors import BadInput
-
     row = ledger.checkpoint(step)
     step_dir = Path(root) / row["path"]
     ev = verify_files(step_dir, ledger.files(step), progress=progress)
