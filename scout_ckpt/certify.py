@@ -55,7 +55,7 @@ def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int]
         ledger.set_state(step, "rejected", ev["bytes"]["reasons"], source="certify")
         return {"step": step, "state": "rejected", "reasons": ev["bytes"]["reasons"], "evidence": ev}
     ledger.put_evidence(step, ev, source="certify")
-    merged = {k: v for k, v in ledger.evidence(step).items()}
+    merged = ledger.evidence(step)
     verdict = policy.evaluate(run_policy(ledger, row), merged)
     ledger.set_state(step, verdict.state, verdict.reasons, source="certify")
     return {"step": step, "state": verdict.state, "reasons": verdict.reasons,

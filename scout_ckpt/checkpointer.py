@@ -42,7 +42,7 @@ from scout_ckpt.digests import digest_files
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer import Observer
-from scout_ckpt.recovery import record_bytes_failure
+from scout_ckpt.recovery import record_bytes_failure, trusted_manifest
 from scout_ckpt.replay import ReplayRunner, coverage as replay_coverage
 from scout_ckpt.storage import FaultHook, ScoutWriter
 from scout_ckpt.verify import verify_files
@@ -487,16 +487,9 @@ class Checkpointer:
         row = self.ledger.latest("certified", below=below)
         if row is None:
             return None
-        cand = {"step": row["step"], "path": row["path"], "files": self.ledger.files(row["step"]),
-                "signatures": {}, "reasons": []}
-        try:
-            m, digest = manifest.read(self.root / row["path"])
-            if row["manifest_digest"] and digest != row["manifest_digest"]:
-                cand["reasons"].append({"code": "manifest_mismatch"})
-            cand["signatures"] = m.get("signatures") or {}
-        except ScoutError as e:
-            cand["reasons"].append({"code": "bad_manifest", "detail": str(e)})
-        return cand
+        m, reasons = trusted_manifest(self.root / row["path"], row)
+        return {"step": row["step"], "path": row["path"], "files": self.ledger.files(row["step"]),
+                "signatures": (m or {}).get("signatures") or {}, "reasons": reasons}
 
     def _verify_loaded(self, step: int, expected: dict, state: dict) -> None:
         """Compare full-tensor signatures of what was loaded with those recorded at save (sharding-independent,

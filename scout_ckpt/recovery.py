@@ -22,19 +22,27 @@ class NoCleanCheckpoint(NotFound):
         self.reasons = reasons
 
 
+def trusted_manifest(step_dir: Path, row: dict) -> tuple[dict | None, list[dict]]:
+    """(manifest, reasons): the step's manifest if it reads and matches the digest the ledger recorded, else the
+    reasons not to trust it (manifest_mismatch, bad_manifest)."""
+    try:
+        m, digest = manifest_mod.read(step_dir)
+    except BadInput as e:
+        return None, [{"code": "bad_manifest", "detail": str(e)}]
+    if row.get("manifest_digest") and digest != row["manifest_digest"]:
+        return m, [{"code": "manifest_mismatch"}]
+    return m, []
+
+
 def verify_checkpoint(root: Path, ledger: Ledger, step: int, progress=None) -> dict:
     """Bytes evidence for a recorded checkpoint: files against the ledger, manifest against its digest."""
     row = ledger.checkpoint(step)
     step_dir = Path(root) / row["path"]
     ev = verify_files(step_dir, ledger.files(step), progress=progress)
     if step_dir.is_dir():
-        try:
-            _, digest = manifest_mod.read(step_dir)
-            if row.get("manifest_digest") and digest != row["manifest_digest"]:
-                ev = policy.evidence(policy.FAIL, ev["reasons"] + [{"code": "manifest_mismatch"}],
-                                     **{k: v for k, v in ev.items() if k not in ("status", "reasons")})
-        except BadInput as e:
-            ev = policy.evidence(policy.FAIL, ev["reasons"] + [{"code": "bad_manifest", "detail": str(e)}],
+        _, bad = trusted_manifest(step_dir, row)
+        if bad:
+            ev = policy.evidence(policy.FAIL, ev["reasons"] + bad,
                                  **{k: v for k, v in ev.items() if k not in ("status", "reasons")})
     return ev
 
