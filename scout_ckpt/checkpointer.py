@@ -293,17 +293,17 @@ class Checkpointer:
         self._hook("before_write", step)
 
         flat = _materialize(state)
-        local = {"evidence": self._live_evidence(step, flat)}
+        live = self._live_evidence(step, flat)
         writer = ScoutWriter(tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
         if self.async_save:
             resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
             upload = getattr(resp, "upload_completion", resp)
-            self._pending = threading.Thread(target=self._commit_async, args=(upload, step, attempt, writer, local),
+            self._pending = threading.Thread(target=self._commit_async, args=(upload, step, attempt, writer, live),
                                              name=f"scout-commit-{step}", daemon=True)
             self._pending.start()
             return None
         dcp.save(flat, storage_writer=writer, process_group=self._pg)
-        return self._commit(step, attempt, writer, local, self._pg)
+        return self._commit(step, attempt, writer, live, self._pg)
 
     def _live_evidence(self, step: int, flat: dict) -> dict:
         """Evidence taken from the live state at the save boundary, before the write (collective)."""
@@ -346,16 +346,16 @@ class Checkpointer:
     def _consensus_names(self, name: str) -> bool:
         return not any(fnmatch.fnmatch(name, pat) for pat in self.consensus_exclude)
 
-    def _commit_async(self, upload, step, attempt, writer, local) -> None:
+    def _commit_async(self, upload, step, attempt, writer, live) -> None:
         try:
             upload.result()
-            self._commit(step, attempt, writer, local, self._commit_pg)
+            self._commit(step, attempt, writer, live, self._commit_pg)
         except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
             self._pending_error = e
             if self.observer is not None:  # a peer died during the commit: this rank is a victim, not the culprit
                 self.observer.heartbeat.error()
 
-    def _commit(self, step: int, attempt: str, writer: ScoutWriter, local: dict, group) -> dict:
+    def _commit(self, step: int, attempt: str, writer: ScoutWriter, live: dict, group) -> dict:
         self._hook("after_write", step)
         tmp = Path(writer.path)
         mine = sorted(writer.written | ({layout.DCP_METADATA} if self.is_coordinator else set()))
@@ -363,12 +363,13 @@ class Checkpointer:
         read_back = digest_files([tmp / f for f in mine if f not in known])
         known.update({Path(p).name: d for p, d in read_back.items()})
         files = [{"path": f, "size": known[f][0], "digest": known[f][1], "rank": self.rank} for f in mine]
-        gathered = self._gather({"rank": self.rank, "files": files, "finite_bad": writer.nonfinite, **local},
-                                group=group)
+        # Live evidence is identical on every rank (but `replay`, the coordinator's): only the coordinator's is
+        # used, so the others send just what they wrote.
+        gathered = self._gather({"rank": self.rank, "files": files, "finite_bad": writer.nonfinite}, group=group)
         verdict = None
         if self.is_coordinator:
             try:
-                verdict = self._publish(step, attempt, tmp, gathered)
+                verdict = self._publish(step, attempt, tmp, gathered, live)
             except BaseException as e:
                 verdict = {"state": "error", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}
         verdict = self._broadcast(verdict, group=group)
@@ -378,10 +379,10 @@ class Checkpointer:
         self._hook("after_commit", step)
         return verdict
 
-    def _evidence(self, step: int, gathered: list[dict]) -> tuple[dict, dict]:
+    def _evidence(self, step: int, gathered: list[dict], live: dict) -> tuple[dict, dict]:
         """(evidence, signatures): writers' digests and finite checks plus the live evidence of the boundary."""
         files = [f for g in gathered for f in g["files"]]
-        live = dict(gathered[COORDINATOR]["evidence"])  # identical on all ranks but `replay` (coordinator's)
+        live = dict(live)
         signatures = live.pop("signatures", {})
         ev = {"bytes": policy.evidence(policy.PASS, files=len(files), bytes=sum(f["size"] for f in files),
                                        hashed_by="writers")}
@@ -400,10 +401,10 @@ class Checkpointer:
         ev.update(live)
         return ev, signatures
 
-    def _publish(self, step: int, attempt: str, tmp: Path, gathered: list[dict]) -> dict:
+    def _publish(self, step: int, attempt: str, tmp: Path, gathered: list[dict], live: dict) -> dict:
         """Coordinator: manifest -> rename -> ledger -> retention. The order is the commit protocol."""
         files = [f for g in gathered for f in g["files"]]
-        ev, signatures = self._evidence(step, gathered)
+        ev, signatures = self._evidence(step, gathered, live)
         v = policy.evaluate(self.policy, ev)
         verdict = {"state": v.state, "reasons": v.reasons}
         m = manifest.build(step=step, run_id=self.run_id, attempt=attempt, world_size=self.world_size,
