@@ -43,20 +43,20 @@ def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int]
         return {"step": step, "state": row["state"], "reasons": row["reasons"], "evidence": ledger.evidence(step),
                 "skipped": True}
     if row["state"] == "writing":
-        ev = {"bytes": policy.evidence(policy.FAIL, [{"code": "save_incomplete"}])}
-    else:
-        ev = {"bytes": verify_checkpoint(root, ledger, step, progress=progress)}
-        if ev["bytes"]["status"] == policy.PASS:
-            specs = run_policy(ledger, row).get("invariants") or []
-            inv = offline_invariants(root / row["path"], specs)
-            if inv is not None:
-                ev["invariants"] = {**inv, "specs": specs}
-    if row["state"] == "writing":
-        ledger.set_state(step, "rejected", ev["bytes"]["reasons"], source="certify")
-        return {"step": step, "state": "rejected", "reasons": ev["bytes"]["reasons"], "evidence": ev}
+        reasons = [{"code": "save_incomplete"}]
+        ledger.set_state(step, "rejected", reasons, source="certify")
+        return {"step": step, "state": "rejected", "reasons": reasons,
+                "evidence": {"bytes": policy.evidence(policy.FAIL, reasons)}}
+    run_pol = run_policy(ledger, row)
+    ev = {"bytes": verify_checkpoint(root, ledger, step, progress=progress)}
+    if ev["bytes"]["status"] == policy.PASS:
+        specs = run_pol.get("invariants") or []
+        inv = offline_invariants(root / row["path"], specs)
+        if inv is not None:
+            ev["invariants"] = {**inv, "specs": specs}
     ledger.put_evidence(step, ev, source="certify")
     merged = ledger.evidence(step)
-    verdict = policy.evaluate(run_policy(ledger, row), merged)
+    verdict = policy.evaluate(run_pol, merged)
     ledger.set_state(step, verdict.state, verdict.reasons, source="certify")
     return {"step": step, "state": verdict.state, "reasons": verdict.reasons,
             "evidence": {k: v["status"] for k, v in merged.items()}}
