@@ -6,6 +6,7 @@ with one line on stderr and no traceback. Read-only commands (ls, explain, resum
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -146,10 +147,8 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
     if step is not None and all_:
         raise BadInput("--step and --all are mutually exclusive")
     _open_ledger(root, readonly=True).close()  # bad ROOT / ledger: exit 2 before anything else
-    progress_factory = None
-    if not as_json and sys.stderr.isatty():
-        progress_factory = _progress_factory()
-    results = certify(root, [step] if step is not None else None, progress_factory=progress_factory)
+    with _progress(not as_json and sys.stderr.isatty()) as progress_factory:
+        results = certify(root, [step] if step is not None else None, progress_factory=progress_factory)
     ok = all(r["state"] == "certified" for r in results)
     if as_json:
         _emit({"results": results, "certified": ok})
@@ -160,22 +159,30 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
         raise typer.Exit(1)
 
 
-def _progress_factory():
+@contextlib.contextmanager
+def _progress(enabled: bool):
+    """A factory for certify's byte counter: a rich bar on stderr when hashing at least 64 MiB on a terminal,
+    stopped (and erased) when the block ends."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-    holder = {}
+    bar = Progress("[progress.description]verifying", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   transient=True, console=Console(stderr=True))
 
     def make(total: int):
         if total < (64 << 20):
             return None
-        p = Progress("[progress.description]verifying", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                     transient=True, console=__import__("rich.console").console.Console(stderr=True))
-        p.start()
-        task = p.add_task("verify", total=total)
-        holder["p"] = p
-        return lambda n: p.advance(task, n)
+        bar.start()
+        task = bar.add_task("verify", total=total)
+        return lambda n: bar.advance(task, n)
 
-    return make
+    try:
+        yield make
+    finally:
+        bar.stop()
 
 
 # ---- resume ----------------------------------------------------------------------------------------------------
