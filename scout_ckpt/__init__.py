@@ -13,6 +13,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "Checkpointer": "scout_ckpt.checkpointer",
     "ModelOptimizerState": "scout_ckpt.app_state",
+    "RNGState": "scout_ckpt.app_state",
+    "RankLocal": "scout_ckpt.app_state",
+    "Scalars": "scout_ckpt.app_state",
     "Ledger": "scout_ckpt.ledger",
     "STATES": "scout_ckpt.ledger",
     "Verdict": "scout_ckpt.policy",

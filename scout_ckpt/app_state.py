@@ -1,11 +1,23 @@
-"""The DCP recipe's `Stateful` wrapper around a model and its optimizer.
+"""`Stateful` pieces for the state a training script saves beside its model and optimizer.
 
-`get_state_dict`/`set_state_dict` handle DDP/FSDP2 wrappers and sharded parameters, and create the optimizer's
-state before loading into it (a fresh optimizer's own state_dict() has no moments for DCP to load into).
+- `ModelOptimizerState`: the DCP recipe's wrapper. `get_state_dict`/`set_state_dict` handle DDP/FSDP2 wrappers and
+  sharded parameters, and create the optimizer's state before loading into it (a fresh optimizer's own
+  state_dict() has no moments for DCP to load into).
+- `RNGState`: torch (and CUDA), NumPy and Python `random` generators, as fixed-shape tensors.
+- `Scalars`: the script's own numbers (iteration, best validation loss, data position) kept in a dict.
+- `RankLocal`: state that differs by rank on purpose (each rank's RNG when ranks seed differently, its position
+  in its own data shard). DCP writes one copy of a plain tensor, taken as replicated, and consensus would compare
+  the ranks' copies and reject the checkpoint. `RankLocal` saves each rank's values as its row of a DTensor
+  sharded over the world (global shape [world, ...]), so every rank gets its own values back and consensus never
+  compares them. Restoring it needs the same world size.
 """
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
+import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -28,3 +40,104 @@ class ModelOptimizerState(Stateful):
             self.model.load_state_dict(sd["model"])
             return
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+class RNGState(Stateful):
+    """Every generator a script may draw from (torch CPU, CUDA when present, NumPy's global one, Python's
+    `random`), as fixed-shape tensors: no pickled objects go into the checkpoint, and a restarted run draws the
+    same batches and dropout masks as the uninterrupted one. Wrap in `RankLocal` when ranks seed differently."""
+
+    def state_dict(self) -> dict:
+        _, mt, gauss = random.getstate()
+        _, keys, pos, has_gauss, cached = np.random.get_state()
+        sd = {"torch": torch.get_rng_state(),
+              "python": torch.tensor(mt, dtype=torch.int64),
+              "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+              "numpy": torch.from_numpy(keys.astype(np.int64)),
+              "numpy_extra": torch.tensor([pos, has_gauss, cached], dtype=torch.float64)}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            sd["cuda"] = torch.cuda.get_rng_state()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        torch.set_rng_state(sd["torch"])
+        has_next, next_gauss = sd["python_gauss"].tolist()
+        random.setstate((3, tuple(int(v) for v in sd["python"].tolist()), next_gauss if has_next else None))
+        pos, has_gauss, cached = sd["numpy_extra"].tolist()
+        np.random.set_state(("MT19937", sd["numpy"].numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["cuda"])
+
+
+class Scalars(Stateful):
+    """A dict of the script's own numbers (ints, floats, bools), saved as 0-d tensors and written back into the
+    same dict on load, so the script keeps reading `scalars["best_val_loss"]` as a Python number.
+
+        extra = {"iter_num": 0, "best_val_loss": 1e9}
+        state = {"app": ModelOptimizerState(model, opt), "extra": Scalars(extra)}
+    """
+
+    def __init__(self, values: dict[str, Any]):
+        self.values = values
+
+    def state_dict(self) -> dict:
+        out = {}
+        for k, v in self.values.items():
+            if isinstance(v, bool):
+                out[k] = torch.tensor(v, dtype=torch.bool)
+            elif isinstance(v, int):
+                out[k] = torch.tensor(v, dtype=torch.int64)
+            elif isinstance(v, float):
+                out[k] = torch.tensor(v, dtype=torch.float64)
+            else:
+                raise TypeError(f"Scalars[{k!r}]: {type(v).__name__} is not an int, float or bool")
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        for k, t in sd.items():
+            self.values[k] = t.item()
+
+
+def _world_mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
+class RankLocal(Stateful):
+    """Wrap a Stateful whose tensors differ by rank on purpose; see the module docstring.
+
+    Every rank must hold the same keys, shapes and dtypes (RNG states and scalars do). Tensors go through as
+    rows of a DTensor sharded on dim 0 over a 1-D world mesh; nothing else is exchanged.
+    """
+
+    def __init__(self, inner: Stateful):
+        self.inner = inner
+        self._mesh = None
+
+    def _rows(self, sd: dict) -> dict:
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._mesh is None:
+            self._mesh = _world_mesh()
+        out = {}
+        for k, v in sd.items():
+            if isinstance(v, dict):
+                out[k] = self._rows(v)
+            elif isinstance(v, torch.Tensor):
+                local = v.detach().reshape(1, *v.shape).to(self._mesh.device_type).clone()
+                out[k] = DTensor.from_local(local, self._mesh, [Shard(0)], run_check=False)
+            else:
+                raise TypeError(f"RankLocal: {k!r} is a {type(v).__name__}; only tensors (and dicts of them)")
+        return out
+
+    def state_dict(self) -> dict:
+        return self._rows(self.inner.state_dict())
+
+    def load_state_dict(self, sd: dict) -> None:
+        def local(d: dict) -> dict:
+            return {k: local(v) if isinstance(v, dict) else v.to_local()[0].cpu() for k, v in d.items()}
+
+        self.inner.load_state_dict(local(sd))
