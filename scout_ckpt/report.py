@@ -156,6 +156,7 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
         events.append(_event("crash", info["ranks"], step, info["time"], {INTERRUPTED: True, **info["detail"]},
                              "checkpoint", info["run_id"]))
 
+    attempts = _attempts(ledger, checkpoints)
     events.sort(key=lambda e: (e["time"] if e["time"] is not None else float("-inf"),
                                e["step"] if e["step"] is not None else -1, e["kind"]))
     summary: dict[str, int] = {}
@@ -167,10 +168,52 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
                          "time": _checkpoint_time(c), "run_id": c.get("run_id"),
                          "reasons": [r.get("code") for r in c.get("reasons") or [] if isinstance(r, dict)]}
                         for c in checkpoints],
-        "runs": [{"id": r["id"], "started": r.get("started"), "world_size": r.get("world_size"),
-                  "resumed_from": r.get("resumed_from"), "host": r.get("host")} for r in ledger.runs()],
+        "attempts": attempts,
+        "runs": _runs(ledger.runs(), attempts),
         "summary": summary,
     }
+
+
+def _attempt_label(state: str, reasons: list) -> str:
+    codes = {r.get("code") for r in reasons or [] if isinstance(r, dict)}
+    return "interrupted" if INTERRUPTED in codes and state in ("rejected", "writing") else state
+
+
+def _attempts(ledger: Ledger, checkpoints: list[dict]) -> list[dict]:
+    """Every save attempt of every step, oldest first: {"step", "attempt", "state", "label", "time", "run_id",
+    "current"}. A step saved again after a walk-back has several; only the newest is the checkpoint on disk.
+    History rows carry their attempt id (ledger schema v2); older ledgers give one attempt per step."""
+    current = {c["step"]: c for c in checkpoints}
+    runs = {r["id"].rsplit("-", 1)[-1]: r["id"] for r in ledger.runs()}
+    out: dict[tuple, dict] = {}
+    for h in ledger.certifications():
+        if h.get("outcome") not in (None, "applied"):
+            continue  # a verdict that lost a race was never the attempt's state
+        key = (h["step"], h.get("attempt") or (current.get(h["step"]) or {}).get("attempt"))
+        entry = out.setdefault(key, {"step": h["step"], "attempt": key[1], "time": h.get("time")})
+        entry.update(state=h["state"], label=_attempt_label(h["state"], h.get("reasons")), updated=h.get("time"))
+    for c in checkpoints:  # rows with no history yet (a save in flight)
+        key = (c["step"], c.get("attempt"))
+        if key not in out:
+            out[key] = {"step": c["step"], "attempt": c.get("attempt"), "time": _checkpoint_time(c),
+                        "state": c["state"], "label": _state_label(c), "updated": _checkpoint_time(c)}
+    rows = sorted(out.values(), key=lambda a: (a["step"], a["time"] or 0.0))
+    for a in rows:
+        cur = current.get(a["step"]) or {}
+        a["current"] = a["attempt"] == cur.get("attempt") or a is [b for b in rows if b["step"] == a["step"]][-1]
+        a["run_id"] = cur.get("run_id") if a["current"] else runs.get(str(a["attempt"]).split("-")[0])
+    return rows
+
+
+def _runs(runs: list[dict], attempts: list[dict]) -> list[dict]:
+    """Each incarnation of the job: where it resumed from and the steps it saved."""
+    out = []
+    for r in runs:
+        steps = [a["step"] for a in attempts if a.get("run_id") == r["id"]]
+        out.append({"id": r["id"], "started": r.get("started"), "world_size": r.get("world_size"),
+                    "resumed_from": r.get("resumed_from"), "host": r.get("host"),
+                    "first_step": min(steps) if steps else None, "last_step": max(steps) if steps else None})
+    return out
 
 
 # ---- text ---------------------------------------------------------------------------------------------------
@@ -189,18 +232,22 @@ def _fmt_ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def detail_summary(detail: dict, width: int = 72) -> str:
-    """One line of `k=v` pairs, cut to `width`, for tables."""
-    parts = []
-    for k, v in detail.items():
-        if v is True:
-            parts.append(k)
-        elif isinstance(v, (dict, list)):
-            parts.append(f"{k}={json.dumps(v, sort_keys=True, default=str)}")
-        else:
-            parts.append(f"{k}={v}")
-    s = " ".join(parts)
-    return s if len(s) <= width else s[: width - 1] + "…"
+def detail_text(detail: dict) -> str:
+    """A person's reading of an event's detail: `key: value` pairs, lists and nested records spelled out, no
+    JSON punctuation (the --json document keeps the structure)."""
+
+    def value(v) -> str:
+        if isinstance(v, dict):
+            return "; ".join(f"{k} {value(x)}" if x is not True else str(k) for k, x in v.items())
+        if isinstance(v, (list, tuple)):
+            return ", ".join(value(x) for x in v) or "none"
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return str(v)
+
+    parts = [str(k).replace("_", " ") if v is True else f"{str(k).replace('_', ' ')}: {value(v)}"
+             for k, v in detail.items() if v is not None and v is not False]
+    return "; ".join(parts) or "-"
 
 
 def render_table(tl: dict) -> Table:
@@ -212,7 +259,7 @@ def render_table(tl: dict) -> Table:
         table.add_column(col, **kw)
     for e in tl["events"]:
         table.add_row(_fmt_time(e["time"]), e["kind"], "-" if e["step"] is None else str(e["step"]),
-                      _fmt_ranks(e["ranks"]), detail_summary(e["detail"]))
+                      _fmt_ranks(e["ranks"]), detail_text(e["detail"]))
     return table
 
 
@@ -254,8 +301,9 @@ def render_png(tl: dict) -> bytes:
     from matplotlib.lines import Line2D
 
     ranks, job_lane = _lanes(tl)
-    labels = ["checkpoints"] + (["job (no rank)"] if job_lane else []) + [f"rank {r}" for r in ranks]
-    lane_of = {r: i + 1 + job_lane for i, r in enumerate(ranks)}
+    labels = ["checkpoints", "runs"] + (["job (no rank)"] if job_lane else []) + [f"rank {r}" for r in ranks]
+    first_rank_lane = 2 + job_lane
+    lane_of = {r: i + first_rank_lane for i, r in enumerate(ranks)}
     height = min(12.0, max(3.6, 2.2 + 0.32 * len(labels)))  # room for the legend
     fig, ax = plt.subplots(figsize=(12, height), dpi=100)
     try:
@@ -274,10 +322,28 @@ def render_png(tl: dict) -> bytes:
             else:
                 ax.scatter(steps, [0] * len(steps), s=60, marker="o", facecolors=face, edgecolors=edge,
                            linewidths=1.2, zorder=3)
+        # Earlier attempts of a step (interrupted, rejected, then saved again) sit just above its checkpoint.
+        earlier = [a for a in tl.get("attempts", []) if not a.get("current")]
+        for k, a in enumerate(earlier):
+            face, edge = STATE_STYLE.get(a["label"], ("#ffffff", "#000000"))
+            ax.scatter([a["step"]], [-0.32], s=28, marker="o", facecolors=face, edgecolors=edge, linewidths=1.0,
+                       zorder=3)
+        # Each incarnation of the job as a bar from where it resumed to the last step it saved.
+        for i, run in enumerate(tl["runs"]):
+            start = run.get("resumed_from") or 0
+            end = run.get("last_step")
+            if end is None:
+                end = start
+            colour = "#1f77b4" if i % 2 == 0 else "#17becf"
+            ax.plot([start, max(end, start + 0.01)], [1, 1], color=colour, linewidth=6, solid_capstyle="butt",
+                    zorder=2, alpha=0.8)
+            ax.scatter([start], [1], marker="|", s=120, c=colour, zorder=2)
+            ax.annotate(f"run {i + 1}" + (f" from {run['resumed_from']}" if run.get("resumed_from") else ""),
+                        (start, 1), xytext=(2, 7), textcoords="offset points", fontsize=7, color="#333333")
         xs = _event_steps(tl)
         points: dict[str, tuple[list[float], list[float]]] = {}
         for x, e in zip(xs, tl["events"]):
-            lanes = [lane_of[r] for r in e["ranks"] if r in lane_of] or [1]  # no ranks: the job lane
+            lanes = [lane_of[r] for r in e["ranks"] if r in lane_of] or [2]  # no ranks: the job lane
             px, py = points.setdefault(e["kind"], ([], []))
             px.extend([x] * len(lanes))
             py.extend(lanes)
@@ -289,7 +355,7 @@ def render_png(tl: dict) -> bytes:
                 ax.axvline(run["resumed_from"], color="#1f77b4", linestyle="--", linewidth=0.8, zorder=1)
 
         ax.set_yticks(range(len(labels)), labels)
-        ax.set_ylim(len(labels) - 0.5, -0.5)
+        ax.set_ylim(len(labels) - 0.5, -0.6)
         ax.set_xlabel("step")
         ax.grid(axis="x", color="#eeeeee", zorder=0)
         for y in range(len(labels)):
@@ -306,6 +372,9 @@ def render_png(tl: dict) -> bytes:
                            color=KIND_STYLE.get(k, OTHER_STYLE)[1], label=k) for k in kinds]
         if any(r.get("resumed_from") is not None for r in tl["runs"]):
             handles.append(Line2D([], [], color="#1f77b4", linestyle="--", label="restart (resumed from)"))
+        if earlier:
+            handles.append(Line2D([], [], linestyle="", marker="o", markersize=5, markerfacecolor="none",
+                                  markeredgecolor="#333333", label="earlier attempt (above)"))
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
         ax.set_title("scout-ckpt fault timeline", loc="left")
         fig.tight_layout()
@@ -339,10 +408,20 @@ def render_html(tl: dict, title: str = "scout-ckpt fault timeline") -> str:
     ev_rows = "\n".join(_row([("", _fmt_time(e["time"])), (f"k-{e['kind']}", e["kind"]),
                               ("num", "-" if e["step"] is None else str(e["step"])),
                               ("", _fmt_ranks(e["ranks"])), ("", e["source"]),
-                              ("", json.dumps(e["detail"], sort_keys=True, default=str))]) for e in tl["events"])
+                              ("", detail_text(e["detail"]))]) for e in tl["events"])
+    tries: dict[int, list[str]] = {}
+    for a in tl.get("attempts", []):
+        tries.setdefault(a["step"], []).append(a["label"])
     ck_rows = "\n".join(_row([("num", str(c["step"])), (f"s-{c['state']}", c["label"]),
                               ("", _fmt_time(c["time"])), ("", c.get("run_id") or "-"),
-                              ("", ", ".join(c["reasons"]))]) for c in reversed(tl["checkpoints"]))
+                              ("", ", ".join(c["reasons"])),
+                              ("", " then ".join(tries.get(c["step"], [])) if len(tries.get(c["step"], [])) > 1
+                               else "1")]) for c in reversed(tl["checkpoints"]))
+    run_rows = "\n".join(_row([("num", str(i + 1)), ("", r["id"]), ("", _fmt_time(r.get("started"))),
+                               ("", r.get("host") or "-"), ("num", str(r.get("world_size") or "-")),
+                               ("", "fresh start" if r.get("resumed_from") is None else f"step {r['resumed_from']}"),
+                               ("", "-" if r.get("first_step") is None else f"{r['first_step']}..{r['last_step']}")])
+                         for i, r in enumerate(tl["runs"]))
     n_ck = len(tl["checkpoints"])
     ck_open = "" if n_ck > 200 else " open"
     return f"""<!DOCTYPE html>
@@ -358,11 +437,17 @@ Generated {html.escape(_fmt_time(time.time()))}.</p>
 <tbody>
 {ev_rows or '<tr><td colspan="6">no events</td></tr>'}
 </tbody></table>
+<h2>Runs (incarnations of the job)</h2>
+<table><thead><tr><th>#</th><th>run</th><th>started</th><th>host</th><th>ranks</th><th>resumed from</th>
+<th>steps saved</th></tr></thead>
+<tbody>
+{run_rows or '<tr><td colspan="7">no runs</td></tr>'}
+</tbody></table>
 <h2>Checkpoints</h2>
 <details{ck_open}><summary>{n_ck} checkpoints, newest first</summary>
-<table><thead><tr><th>step</th><th>state</th><th>time</th><th>run</th><th>reasons</th></tr></thead>
+<table><thead><tr><th>step</th><th>state</th><th>time</th><th>run</th><th>reasons</th><th>attempts</th></tr></thead>
 <tbody>
-{ck_rows or '<tr><td colspan="5">no checkpoints</td></tr>'}
+{ck_rows or '<tr><td colspan="6">no checkpoints</td></tr>'}
 </tbody></table></details>
 </body></html>
 """

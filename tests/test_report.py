@@ -128,7 +128,7 @@ def test_render_table(root: Path):
     console = Console(width=200, record=True, color_system=None)
     console.print(report.render_table(tl))
     text = console.export_text()
-    for word in ("sdc", "hang", "straggler", "crash", "desync", "health", "blocks.3", "save_interrupted"):
+    for word in ("sdc", "hang", "straggler", "crash", "desync", "health", "blocks.3", "save interrupted"):
         assert word in text
     assert "inconclusive" in text
 
