@@ -1,0 +1,42 @@
+"""health evidence from observer events: which events taint a checkpoint, and what clears them (pure)."""
+
+from scout_ckpt.health_evidence import health_evidence, taints
+
+ECC = {"id": 7, "kind": "health", "ranks": [1], "step": 14, "time": 100.0,
+       "detail": {"metric": "ecc_uncorrected_volatile", "old": 0, "new": 1, "severity": "fatal"}}
+PASSED = {"status": "pass", "reasons": []}
+
+
+def test_what_taints():
+    assert taints(ECC)
+    assert taints({"kind": "desync", "ranks": [2], "detail": {}})
+    assert not taints({"kind": "hang", "ranks": [2], "detail": {}})
+    assert not taints({"kind": "crash", "ranks": [2], "detail": {}})
+    assert not taints({"kind": "health", "ranks": [0], "detail": {"metric": "temperature", "severity": "warning"}})
+
+
+def test_fsdp_shard_owner_with_ecc_is_not_certified():
+    ev = health_evidence([ECC], since=50.0, until=150.0, mode="fsdp", consensus={"status": "not_applicable"},
+                         invariants=PASSED, vouching=False)
+    assert ev["status"] == "fail"
+    assert ev["reasons"] == [{"code": "health_fault", "ranks": [1], "event": 7, "metric": "ecc_uncorrected_volatile",
+                              "step": 14}]
+
+
+def test_ddp_cleared_by_consensus_after_the_event():
+    ev = health_evidence([ECC], since=50.0, until=150.0, mode="ddp", consensus=PASSED, invariants=None,
+                         vouching=False)
+    assert ev["status"] == "pass" and ev["cleared_by"] == "consensus" and ev["events"][0]["event"] == 7
+
+
+def test_fsdp_cleared_by_vouching_invariants_only():
+    ev = health_evidence([ECC], since=50.0, until=150.0, mode="fsdp", consensus={"status": "not_applicable"},
+                         invariants=PASSED, vouching=True)
+    assert ev["status"] == "pass" and ev["cleared_by"] == "invariants"
+
+
+def test_events_outside_the_window_do_not_count():
+    assert health_evidence([ECC], since=100.0, until=150.0, mode="fsdp", consensus=None, invariants=None,
+                           vouching=False)["status"] == "pass"
+    assert health_evidence([ECC], since=None, until=99.0, mode="fsdp", consensus=None, invariants=None,
+                           vouching=False)["status"] == "pass"
