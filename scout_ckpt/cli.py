@@ -132,7 +132,8 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
 
     if step is not None and all_:
         raise BadInput("--step and --all are mutually exclusive")
-    _open_ledger(root, readonly=True).close()  # bad ROOT / ledger: exit 2 before anything else
+    # bad ROOT / ledger: exit 2 before anything else (read-write: an older schema is migrated, nothing else written)
+    _open_ledger(root, readonly=False).close()
     with _progress(not as_json and sys.stderr.isatty()) as progress_factory:
         results = certify(root, [step] if step is not None else None, progress_factory=progress_factory)
     ok = all(r["state"] == "certified" for r in results)
