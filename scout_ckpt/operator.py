@@ -33,17 +33,16 @@ def _row(ledger: Ledger, root: Path, step: int) -> dict:
 def quarantine(root: str | os.PathLike, step: int, reason: str) -> dict:
     """Move STEP (any state but deleted) to `quarantined`; returns {"step", "state", "before", "reason"}."""
     root = Path(root)
-    with Ledger.open(root) as ledger:
-        with ledger.write():
-            row = _row(ledger, root, step)
-            if row["state"] == "deleted":
-                raise BadInput(f"step {step}: deleted; nothing to quarantine")
-            reasons = [{"code": "quarantined", "detail": reason}]
-            journal.append(root, {"kind": "quarantine", "step": step, "attempt": row["attempt"],
-                                  "manifest_digest": row["manifest_digest"], "reason": reason,
-                                  "before": row["state"]})
-            ledger.transition(step, "quarantined", reasons, source="operator", expect=row["state"])
-            ledger.add_event("quarantine", step=step, detail={"reason": reason, "before": row["state"]})
+    with Ledger.open(root) as ledger, ledger.write():
+        row = _row(ledger, root, step)
+        if row["state"] == "deleted":
+            raise BadInput(f"step {step}: deleted; nothing to quarantine")
+        reasons = [{"code": "quarantined", "detail": reason}]
+        journal.append(root, {"kind": "quarantine", "step": step, "attempt": row["attempt"],
+                              "manifest_digest": row["manifest_digest"], "reason": reason,
+                              "before": row["state"]})
+        ledger.transition(step, "quarantined", reasons, source="operator", expect=row["state"])
+        ledger.add_event("quarantine", step=step, detail={"reason": reason, "before": row["state"]})
     return {"step": step, "state": "quarantined", "before": row["state"], "reason": reason}
 
 
