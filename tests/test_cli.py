@@ -158,6 +158,7 @@ def test_rebuild_marks_a_damaged_checkpoint(ckpt_root):
     doc = json.loads(out)
     assert rc == 0 and doc["backup"]
     assert {r["step"]: r["state"] for r in doc["checkpoints"]} == {3: "certified", 4: "rejected"}
+    assert doc["changes"] == [{"step": 4, "before": "certified", "after": "rejected", "why": "truncated_file"}]
 
 
 # ---- bad input: one line on stderr, exit 2, nothing modified --------------------------------------------------
