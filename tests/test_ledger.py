@@ -19,17 +19,19 @@ def test_create_write_read(tmp_path):
     led = _make(tmp_path)
     led.record_commit(10, run_id="r1", path="step-00000010", nbytes=7, manifest_digest="m",
                       files=[{"path": ".metadata", "size": 7, "digest": "d", "rank": 0}],
-                      evidence={"bytes": {"status": "pass", "reasons": []}}, state="certified", reasons=[])
+                      evidence={"bytes": {"status": "pass", "reasons": []}}, state="certified", reasons=[],
+                      attempt="a1")
     led.add_event("hang", step=10, ranks=[3, 1], detail={"stack": "x"})
     led.close()
     ro = Ledger.open(tmp_path, readonly=True)
     assert ro.latest()["step"] == 10
     assert ro.files(10)[0]["digest"] == "d"
     assert ro.events()[0]["ranks"] == [1, 3]
-    assert [c["state"] for c in ro.certifications(10)] == ["certified"]
+    assert [(c["state"], c["attempt"], c["outcome"]) for c in ro.certifications(10)] == [
+        ("writing", "a1", "applied"), ("certified", "a1", "applied")]
     assert ro.run("r1")["policy"] == {"require": ["bytes"]}
     with pytest.raises(LedgerError):
-        ro.set_state(10, "rejected", [], source="x")
+        ro.transition(10, "rejected", [], source="x", expect="certified")
 
 
 def test_wal_mode_and_version(tmp_path):
@@ -88,7 +90,7 @@ def test_locked_writer_times_out_and_readers_still_work(tmp_path, monkeypatch):
         assert ro.checkpoint(10)["state"] == "writing"
         led = Ledger.open(tmp_path)
         with pytest.raises(LedgerError, match="locked"):
-            led.set_state(10, "rejected", [], source="test")
+            led.transition(10, "rejected", [], source="test", expect="writing")
         assert ro.checkpoint(10)["state"] == "writing"
 
 
@@ -98,6 +100,6 @@ def test_writer_waits_for_a_short_lock(tmp_path, monkeypatch):
     with ledger_write_lock(tmp_path / LEDGER_NAME, 0.5) as holder:
         monkeypatch.setenv("SCOUT_CKPT_BUSY_TIMEOUT", "20")
         led = Ledger.open(tmp_path)
-        led.set_state(10, "rejected", [{"code": "x"}], source="test")
+        assert led.transition(10, "rejected", [{"code": "x"}], source="test", expect="writing")
         assert led.checkpoint(10)["state"] == "rejected"
         assert holder.wait() == 0  # the holder ended its transaction and exited normally
