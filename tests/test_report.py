@@ -211,3 +211,31 @@ def test_html_renders_in_headless_chromium(root: Path, tmp_path: Path):
     r, g, b = (rgb[:, i].astype(int) for i in range(3))
     assert ((g > 120) & (g - r > 60) & (g - b > 60)).sum() > 20
     assert ((r > 170) & (r - g > 100) & (r - b > 100)).sum() > 20
+
+
+def test_every_attempt_and_run_incarnation_is_in_the_timeline(tmp_path: Path):
+    """Step 20 was interrupted by a crash in run 1, run 2 resumed from 10 and saved 20 again: both attempts of 20
+    appear (the first as interrupted, not current), and each run says where it resumed and what it saved."""
+    root = tmp_path / "run"
+    root.mkdir()
+    with Ledger.open(root, create=True) as lg:
+        lg.begin_run("20261130T000000-aaaa0001", world_size=2, topology={"mode": "ddp"}, policy={"require": ["bytes"]})
+        lg.record_writing(10, "20261130T000000-aaaa0001", "aaaa0001-1", step_dirname(10))
+        lg.record_commit(10, run_id="20261130T000000-aaaa0001", path=step_dirname(10), nbytes=1, manifest_digest="m",
+                         files=[], evidence=BYTES_PASS, state="certified", reasons=[], attempt="aaaa0001-1")
+        lg.record_writing(20, "20261130T000000-aaaa0001", "aaaa0001-2", step_dirname(20))
+        lg.transition(20, "rejected", [{"code": "save_interrupted"}], source="startup", expect="writing")
+        lg.begin_run("20261130T000100-bbbb0002", world_size=2, topology={"mode": "ddp"}, policy={"require": ["bytes"]},
+                     resumed_from=10)
+        lg.record_writing(20, "20261130T000100-bbbb0002", "bbbb0002-1", step_dirname(20))
+        lg.record_commit(20, run_id="20261130T000100-bbbb0002", path=step_dirname(20), nbytes=1, manifest_digest="m",
+                         files=[], evidence=BYTES_PASS, state="certified", reasons=[], attempt="bbbb0002-1")
+    tl = report.timeline(root)
+    tries = [(a["step"], a["label"], a["current"], a["run_id"]) for a in tl["attempts"]]
+    assert tries == [(10, "certified", True, "20261130T000000-aaaa0001"),
+                     (20, "interrupted", False, "20261130T000000-aaaa0001"),
+                     (20, "certified", True, "20261130T000100-bbbb0002")]
+    runs = {r["id"]: (r["resumed_from"], r["first_step"], r["last_step"]) for r in tl["runs"]}
+    assert runs == {"20261130T000000-aaaa0001": (None, 10, 20), "20261130T000100-bbbb0002": (10, 20, 20)}
+    page = report.render_html(tl)
+    assert "interrupted then certified" in page and "step 10" in page and "{" not in page.split("<h2>Events")[1]
