@@ -9,13 +9,15 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
 from scout_ckpt.errors import BadInput, ScoutError
-from scout_ckpt.views import STATE_STYLE, checkpoint_rows, evidence_marks, reason_text as _reason_text
+from scout_ckpt.views import (STATE_STYLE, checked_text, checkpoint_rows, detail_text, evidence_marks,
+                              reason_text as _reason_text)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Certified checkpoints for torch.distributed.checkpoint: resume only from known-good state.")
@@ -71,13 +73,19 @@ def ls_cmd(root: Path = typer.Argument(..., help="The run's checkpoint root."), 
     from rich.table import Table
 
     t = Table(box=None, pad_edge=False)
-    for h in ("step", "state", "evidence", "size", "reasons"):
+    for h in ("step", "state", "evidence", "bytes checked", "size", "reasons"):
         t.add_column(h, justify="right" if h in ("step", "size") else "left")
+    now = time.time()
     for r in rows:
         ev = evidence_marks(r["evidence"])
         t.add_row(str(r["step"]), f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]", ev,
-                  _human_bytes(r["bytes"]), _escape(_reason_text(r["reasons"])))
-    _console().print(t)
+                  checked_text(r["checked"].get("bytes"), now), _human_bytes(r["bytes"]),
+                  _escape(_reason_text(r["reasons"])))
+    con = _console()
+    con.print(t)
+    if rows:
+        con.print("[dim]evidence as last checked; `scout-ckpt certify ROOT` re-checks bytes and invariants now, "
+                  "`resume` re-checks the bytes of the step it returns[/]")
 
 
 # ---- explain ---------------------------------------------------------------------------------------------------
@@ -97,9 +105,11 @@ def explain_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...
         con.print(f"step {step}: [{STATE_STYLE.get(row['state'], 'white')}]{row['state']}[/]  ({root / row['path']})")
         if required:
             con.print(f"policy requires: {', '.join(required)}")
+        now = time.time()
         for kind, item in evidence.items():
             status = item.get("status")
-            con.print(f"  {kind:<11} {status}")
+            checked = checked_text({"by": item.get("source"), "at": item.get("recorded")}, now)
+            con.print(f"  {kind:<11} {status:<15} " + (f"[dim]checked by {checked}[/]" if checked != "-" else ""))
             for r in item.get("reasons") or []:
                 con.print(f"      - {_escape(_reason_text([r]))}")
             cov = item.get("coverage")
@@ -116,7 +126,8 @@ def explain_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...
         if row["reasons"]:
             con.print(f"reasons: {_escape(_reason_text(row['reasons']))}")
         for e in events:
-            con.print(_escape(f"event: {e['kind']} ranks {e['ranks']} {json.dumps(e['detail'])[:120]}"))
+            con.print(_escape(f"event: {e['kind']} ranks {e['ranks']}: {detail_text(e['detail'])}"))
+        con.print("[dim]bytes and invariants as last checked; `scout-ckpt certify ROOT --step N` re-checks them now[/]")
     if row["state"] != "certified":
         raise typer.Exit(1)
 
@@ -189,8 +200,17 @@ def resume_cmd(root: Path = typer.Argument(...),
     except NoCleanCheckpoint as e:
         if as_json:
             _emit({"step": None, "path": None, "reasons": e.reasons})
+        for r in e.reasons:
+            for s in r.get("skipped") or []:
+                print(f"scout-ckpt: skipped step {s['step']}: {_reason_text(s['reasons'])}", file=sys.stderr)
         print(f"scout-ckpt: {e}", file=sys.stderr)
         raise typer.Exit(1)
+    # stdout is the path alone (restart scripts read it); why newer steps were not chosen goes to stderr.
+    for s in found["skipped"]:
+        print(f"scout-ckpt: skipped step {s['step']}: {_reason_text(s['reasons'])}", file=sys.stderr)
+    for s in found.get("newer") or []:
+        print(f"scout-ckpt: newer step {s['step']} is {s['state']}: {_reason_text(s['reasons']) or '-'}",
+              file=sys.stderr)
     if as_json:
         _emit(found)
     else:

@@ -10,7 +10,7 @@ from pathlib import Path
 from scout_ckpt import journal
 from scout_ckpt import manifest as manifest_mod
 from scout_ckpt import policy
-from scout_ckpt.errors import BadInput, NotFound
+from scout_ckpt.errors import BadInput, NotFound, ScoutError
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.verify import verify_files
 
@@ -69,6 +69,28 @@ def record_verification_failure(ledger: Ledger, step: int, ev: dict, source: str
 record_bytes_failure = record_verification_failure
 
 
+def _mark_verified(root: Path, step: int, writer: Ledger | None) -> None:
+    """Record that the bytes were re-checked now, so `ls`/`explain` can say when; best effort: a ledger that is
+    locked or on a read-only mount must not stop a restart."""
+    try:
+        own = writer is None
+        led = writer or Ledger.open(root)
+        try:
+            led.mark_checked(step, ("bytes",), source="resume")
+        finally:
+            if own:
+                led.close()
+    except (ScoutError, OSError):
+        pass
+
+
+def _newer_uncertified(ledger: Ledger, step: int, skipped: list[dict]) -> list[dict]:
+    """Checkpoints newer than the one handed out that were not skipped by verification: why each is not it."""
+    told = {s["step"] for s in skipped}
+    return [{"step": r["step"], "state": r["state"], "reasons": r["reasons"] or []}
+            for r in ledger.checkpoints() if r["step"] > step and r["step"] not in told and r["state"] != "deleted"]
+
+
 def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledger | None = None) -> dict:
     """The newest certified checkpoint whose bytes verify: {"step", "path", "state", "verified", "skipped"}.
 
@@ -100,10 +122,14 @@ def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledg
             # Hashing takes time: an operator may have quarantined the step, or a new save replaced it, meanwhile.
             now = ledger.checkpoint(step)
             if now is None or now["state"] != "certified" or now["attempt"] != row["attempt"]:
+                skipped.append({"step": step, "reasons": [{"code": "changed_during_verification",
+                                                           "state": (now or {}).get("state")}]})
                 below = step
                 continue
+            if verify:
+                _mark_verified(root, step, writer)
             return {"step": step, "path": str((root / row["path"]).resolve()), "state": row["state"],
-                    "verified": verify, "skipped": skipped}
+                    "verified": verify, "skipped": skipped, "newer": _newer_uncertified(ledger, step, skipped)}
     finally:
         if writer is not None:
             writer.close()

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from scout_ckpt.layout import atomic_write_bytes
 from scout_ckpt.ledger import Ledger
+from scout_ckpt.views import detail_text
 
 KINDS = ("sdc", "hang", "straggler", "crash", "desync", "health")
 SDC_REASONS = ("consensus_attributed", "invariant_failed")
@@ -229,24 +230,6 @@ def _fmt_ranks(ranks: list[int]) -> str:
     if len(ranks) > 8:
         return f"{','.join(map(str, ranks[:8]))},… ({len(ranks)})"
     return ",".join(map(str, ranks))
-
-
-def detail_text(detail: dict) -> str:
-    """A person's reading of an event's detail: `key: value` pairs, lists and nested records spelled out, no
-    JSON punctuation (the --json document keeps the structure)."""
-
-    def value(v) -> str:
-        if isinstance(v, dict):
-            return "; ".join(f"{k} {value(x)}" if x is not True else str(k) for k, x in v.items())
-        if isinstance(v, (list, tuple)):
-            return ", ".join(value(x) for x in v) or "none"
-        if isinstance(v, float):
-            return f"{v:.3g}"
-        return str(v)
-
-    parts = [str(k).replace("_", " ") if v is True else f"{str(k).replace('_', ' ')}: {value(v)}"
-             for k, v in detail.items() if v is not None and v is not False]
-    return "; ".join(parts) or "-"
 
 
 def render_table(tl: dict) -> Table:

@@ -17,8 +17,20 @@ def checkpoint_rows(ledger) -> list[dict]:
         ev = ledger.evidence(r["step"])
         out.append({"step": r["step"], "state": r["state"], "path": r["path"], "bytes": r["bytes"],
                     "evidence": {k: v["status"] for k, v in ev.items()}, "reasons": r["reasons"] or [],
-                    "run_id": r["run_id"], "committed": r["committed"]})
+                    "run_id": r["run_id"], "committed": r["committed"],
+                    "checked": {k: {"by": v.get("source"), "at": v.get("recorded")} for k, v in ev.items()}})
     return out
+
+
+def checked_text(checked: dict | None, now: float) -> str:
+    """When a piece of evidence was last checked and by whom: "save 3 min ago", "certify 2 h ago"."""
+    if not checked or not checked.get("at"):
+        return "-"
+    age = max(0.0, now - checked["at"])
+    for unit, secs in (("d", 86400), ("h", 3600), ("min", 60)):
+        if age >= secs:
+            return f"{checked.get('by') or '?'} {age / secs:.0f} {unit} ago"
+    return f"{checked.get('by') or '?'} {age:.0f} s ago"
 
 
 def evidence_marks(evidence: dict[str, str]) -> str:
@@ -39,3 +51,21 @@ def reason_text(reasons: list[dict]) -> str:
         if s not in parts:
             parts.append(s)
     return "; ".join(parts)
+
+
+def detail_text(detail: dict) -> str:
+    """A person's reading of an event's detail: `key: value` pairs, lists and nested records spelled out, no
+    JSON punctuation (the --json document keeps the structure)."""
+
+    def value(v) -> str:
+        if isinstance(v, dict):
+            return "; ".join(f"{k} {value(x)}" if x is not True else str(k) for k, x in v.items())
+        if isinstance(v, (list, tuple)):
+            return ", ".join(value(x) for x in v) or "none"
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return str(v)
+
+    parts = [str(k).replace("_", " ") if v is True else f"{str(k).replace('_', ' ')}: {value(v)}"
+             for k, v in detail.items() if v is not None and v is not False]
+    return "; ".join(parts) or "-"

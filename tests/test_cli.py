@@ -98,7 +98,37 @@ def test_resume_none_left_exits_1(ckpt_root):
     doc = json.loads(out)
     assert doc["step"] is None and doc["reasons"]
     rc, out, err = run_cli("resume", ckpt_root, "--latest-clean")
-    assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1
+    lines = err.strip().splitlines()
+    # one line per step walked past (already rejected by the --json call above: newer, not certified), then why
+    assert rc == 1 and out == "" and "no certified checkpoint" in lines[-1] and len(lines) == 1
+
+
+def test_resume_says_on_stderr_which_steps_it_walked_past_and_why(ckpt_root):
+    f = _files(ckpt_root, 4)[0]
+    data = bytearray(f.read_bytes())
+    data[len(data) // 3] ^= 4
+    f.write_bytes(bytes(data))
+    rc, out, err = run_cli("resume", ckpt_root, "--latest-clean")
+    assert rc == 0 and out == f"{(ckpt_root / 'step-00000003').resolve()}\n"   # stdout: the path alone
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"scout-ckpt: skipped step 4: digest_mismatch({f.name})")
+    rc, out, err = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    doc = json.loads(out)
+    assert doc["step"] == 3 and doc["newer"] == [{"step": 4, "state": "rejected", "reasons": doc["newer"][0]["reasons"]}]
+    assert doc["newer"][0]["reasons"][0]["code"] == "digest_mismatch"
+    assert err.strip().startswith(f"scout-ckpt: newer step 4 is rejected: digest_mismatch({f.name})")
+
+
+def test_ls_and_explain_say_when_evidence_was_last_checked(ckpt_root):
+    rc, out, _ = run_cli("ls", ckpt_root, "--json")
+    rows = {r["step"]: r for r in json.loads(out)["checkpoints"]}
+    assert rows[4]["checked"]["bytes"]["by"] == "save" and rows[4]["checked"]["bytes"]["at"] > 0
+    run_cli("resume", ckpt_root, "--latest-clean", check_rc=0)
+    rc, out, _ = run_cli("ls", ckpt_root)
+    assert rc == 0 and "bytes checked" in out and "resume" in out and "certify ROOT` re-checks" in out
+    run_cli("certify", ckpt_root, "--step", 3, check_rc=0)
+    rc, out, _ = run_cli("explain", ckpt_root, 3)
+    assert rc == 0 and "checked by certify" in out
 
 
 def test_no_verify_skips_hashing(ckpt_root):

@@ -279,6 +279,14 @@ class Ledger:
                     "detail": _dumps({k: v for k, v in ev.items() if k != "status"}),
                     "source": source, "recorded": now}, replace=True)
 
+    def mark_checked(self, step: int, kinds: tuple[str, ...], source: str) -> None:
+        """Evidence that passed again (e.g. `resume` re-hashed the bytes): only who checked it and when change.
+        Plain SQL, no sqlite-utils: `resume` stays fast."""
+        with self.write():
+            for kind in kinds:
+                self.conn.execute("UPDATE evidence SET source=?, recorded=? WHERE step=? AND kind=?",
+                                  (source, time.time(), step, kind))
+
     def transition(self, step: int, to: str, reasons: list[dict], *, source: str,
                    expect: str | tuple[str, ...], attempt: str | None = None) -> bool:
         """Compare-and-set state change: `UPDATE ... WHERE step=? AND state IN expect [AND attempt=?]`.
@@ -355,7 +363,7 @@ class Ledger:
         out = {}
         for r in self._query("SELECT * FROM evidence WHERE step=? ORDER BY kind", [step]):
             detail = json.loads(r["detail"]) if r["detail"] else {}
-            out[r["kind"]] = {"status": r["status"], "source": r["source"], **detail}
+            out[r["kind"]] = {"status": r["status"], "source": r["source"], "recorded": r["recorded"], **detail}
         return out
 
     def certifications(self, step: int | None = None, *, all_outcomes: bool = False) -> list[dict]:
