@@ -3,7 +3,8 @@
 signatures  exact, order-sensitive, additive 128-bit fingerprints of tensors, computed on their own device
 c3          c3_verdict (pure) and c3_over_group (one all_gather over a gloo group)
 timing      the statistical rule for timings: robust outliers (median, 1.4826 x MAD, floors) + Confirmer
-groups      replica groups from the topology (DDP, HSDP, FSDP) and the side gloo groups consensus runs on
+mesh        which ranks hold the same bits: compare dims from the DeviceMesh and placements; describe_topology
+groups      replica groups of a topology and the side gloo groups consensus runs on
 save_time   save_time_consensus: the consensus evidence of one save boundary, identical on every rank
 
 Names are imported lazily so that `timing`, `c3_verdict` and `replica_groups` stay usable without torch.
@@ -21,6 +22,7 @@ _LAZY = {
     "AGREE": "c3", "ATTRIBUTED": "c3", "INCONCLUSIVE": "c3",
     "robust_outliers": "timing", "Confirmer": "timing",
     "replica_groups": "groups", "ConsensusGroups": "groups",
+    "describe_topology": "mesh", "legacy_topology": "mesh", "is_dtensor": "mesh",
     "save_time_consensus": "save_time",
 }
 

@@ -60,6 +60,8 @@ import numpy as np
 import torch
 import xxhash
 
+from scout_ckpt.consensus.mesh import is_dtensor
+
 _M64 = (1 << 64) - 1
 
 
@@ -91,12 +93,6 @@ CPU_KERNEL = "numpy"
 THREADS: int | None = None
 # Replica signatures: CPU tensors of at least this many bytes are hashed in the thread pool, smaller ones inline.
 POOL_MIN_BYTES = 1 << 20
-
-
-def _is_dtensor(obj: Any) -> bool:
-    """isinstance(obj, DTensor) without importing torch.distributed.tensor (about 1 s) where none can exist."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(obj, mod.DTensor)
 
 
 def _chunk_for(device: torch.device) -> int:
@@ -366,7 +362,7 @@ def tensor_signature(
     partial signature of its local shard at its global offset (Shard/Replicate placements; for the full signature
     use `full_signatures`, which also makes each Replicate group count once).
     """
-    if _is_dtensor(t):
+    if is_dtensor(t):
         if global_shape is not None or global_offset is not None:
             raise ValueError("a DTensor carries its own global shape and offset")
         box = _dtensor_box(t)
@@ -465,7 +461,7 @@ def batch_signatures(items: list) -> torch.Tensor:
         if isinstance(item, (bytes, bytearray, memoryview)):
             rows[i] = bytes_signature(bytes(item))
         elif isinstance(item, torch.Tensor):
-            t = item.to_local() if _is_dtensor(item) else item
+            t = item.to_local() if is_dtensor(item) else item
             _check_tensor(t)
             tensors.setdefault(t.device, []).append((i, t))
         else:
@@ -569,7 +565,7 @@ def replica_signatures(items: list) -> torch.Tensor:
             continue
         if not isinstance(item, torch.Tensor):
             raise TypeError(f"item {i}: expected a tensor or bytes, got {type(item).__name__}")
-        t = item.to_local() if _is_dtensor(item) else item
+        t = item.to_local() if is_dtensor(item) else item
         _check_tensor(t)
         if t.device.type != "cpu":
             device_items.append((i, t))
@@ -646,7 +642,7 @@ def leaf_bytes(obj: Any) -> bytes:
 
 
 def _walk(obj: Any, key: str, out: dict, keep_dtensor: bool) -> None:
-    if _is_dtensor(obj):
+    if is_dtensor(obj):
         leaf = obj if keep_dtensor else obj.to_local()
     elif isinstance(obj, torch.Tensor):
         leaf = obj
@@ -785,7 +781,7 @@ def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive")
     replicated: list[int] = []
     zero = torch.zeros(2, dtype=torch.int64)
     for i, leaf in enumerate(flat.values()):
-        if _is_dtensor(leaf):
+        if is_dtensor(leaf):
             box = _dtensor_box(leaf)  # on every rank: a placement it cannot handle fails everywhere, not in a hang
             rows.append(tensor_signature(box[0], global_shape=box[1], global_offset=box[2])
                         if box is not None and _dtensor_contributes(leaf) else zero)
