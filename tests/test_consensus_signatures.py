@@ -8,6 +8,7 @@ import struct
 import pytest
 import torch
 
+from scout_ckpt.consensus import kernels as K
 from scout_ckpt.consensus import signatures as S
 from scout_ckpt.consensus.signatures import (
     add_signatures, batch_signatures, bytes_signature, flatten_state, full_signatures, leaf_bytes, signature_hex,
@@ -64,7 +65,7 @@ def _ref_mix(x: int, lane) -> int:
 def reference_signature(words: list[int]) -> tuple[int, int]:
     """The documented definition in plain Python integers: sum_i mix(b_i ^ (C*i + K)) mod 2^64 per lane."""
     out = []
-    for lane in S._LANES:
+    for lane in K.LANES:
         c, k = lane[0] & M64, lane[1] & M64
         out.append(sum(_ref_mix((w & M64) ^ ((c * i + k) & M64), lane) for i, w in enumerate(words)) & M64)
     return out[0], out[1]
