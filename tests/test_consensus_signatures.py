@@ -461,19 +461,21 @@ def ddp_full_signatures(rank, world, odd_shape_rank=None):
     state["big"] = {f"w{i}": torch.randn(64, 48 + i) for i in range(6)}
     if rank == odd_shape_rank:
         state["big"]["w0"] = torch.zeros(3)
+    from scout_ckpt.consensus import full as F
+
     signed = []
-    real = S.batch_signatures
+    real = F.batch_signatures  # looked up in full.py, where full_signatures lives
 
     def counting(items):
         signed.extend(len(x) if isinstance(x, (bytes, bytearray)) else x.numel() for x in items)
         return real(items)
 
-    S.batch_signatures = counting
+    F.batch_signatures = counting
     try:
         pg = dist.new_group(backend="gloo")
         sigs = full_signatures(state, group=pg)
     finally:
-        S.batch_signatures = real
+        F.batch_signatures = real
     return {"sigs": sigs, "signed": len(signed), "elements": sum(signed)}
 
 

@@ -96,8 +96,15 @@ def test_ddp_x_tp():
 # ---- FSDP x TP --------------------------------------------------------------------------------------------------
 
 
-def test_fsdp_x_tp():
-    res = same_everywhere(run_ranks(W.fsdp_tp, 4, timeout=TIMEOUT, pg_timeout_s=120))
+@pytest.fixture(scope="module")
+def fsdp_runs():
+    """FSDP x TP and FSDP alone, in one set of 4 ranks."""
+    out = run_ranks(W.fsdp_runs, 4, timeout=TIMEOUT, pg_timeout_s=120)
+    return {key: [type(o)(o.rank, o.exitcode, o.result[key]) for o in out] for key in ("fsdp_tp", "fsdp_only")}
+
+
+def test_fsdp_x_tp(fsdp_runs):
+    res = same_everywhere(fsdp_runs["fsdp_tp"])
     topo, ev = res["topology"], res["evidence"]
     assert topo["mode"] == "fsdp+tp" and topo["dim_roles"] == {"dp": "shard", "tp": "tensor_parallel"}
     assert topo["compare_dims"] == [["dp", "tp"], ["tp"]] and topo["problems"] == []
@@ -152,8 +159,8 @@ def test_hsdp_x_tp_8_ranks():
 # ---- FSDP alone, and a topology mismatch -------------------------------------------------------------------------
 
 
-def test_fsdp_only_compares_plain_state_not_shards():
-    res = same_everywhere(run_ranks(W.fsdp_only, 4, timeout=TIMEOUT, pg_timeout_s=120))
+def test_fsdp_only_compares_plain_state_not_shards(fsdp_runs):
+    res = same_everywhere(fsdp_runs["fsdp_only"])
     topo, ev = res["topology"], res["evidence"]
     assert topo["mode"] == "fsdp" and topo["compare_dims"] == [["dp"]]
     assert topo["replica_groups"] == [[0], [1], [2], [3]] and res["group_ranks"] == [res["group_ranks"][0]]

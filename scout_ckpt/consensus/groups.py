@@ -60,6 +60,7 @@ class ConsensusGroups:
     grid: Grid | None = None
     kinds: list[KindGroups] = field(default_factory=list)
     topology: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict, repr=False)  # (mesh, placements) -> compare dims, see mesh.py
 
     @property
     def has_replicas(self) -> bool:

@@ -161,6 +161,22 @@ def dtensor_dims(dt, grid: Grid) -> tuple[int, ...]:
     return tuple(d for d in range(grid.ndim) if d not in shard and d not in grid.distinct_dims)
 
 
+def dtensor_dims_cached(dt, grid: Grid, cache: dict) -> tuple[int, ...]:
+    """`dtensor_dims`, remembered per (mesh, placements): a save sees the same few layouts on every tensor.
+    The cache keeps the mesh alive beside its result, so its id is not reused while the entry exists."""
+    key = (id(dt.device_mesh), tuple(dt.placements))
+    hit = cache.get(key)
+    if hit is None:
+        try:
+            hit = (dt.device_mesh, dtensor_dims(dt, grid), None)
+        except LayoutError as e:
+            hit = (dt.device_mesh, None, str(e))
+        cache[key] = hit
+    if hit[2] is not None:
+        raise LayoutError(hit[2])
+    return hit[1]
+
+
 def _root_mesh(mesh):
     get = getattr(mesh, "_get_root_mesh", None)
     if get is not None:

@@ -39,7 +39,7 @@ from scout_ckpt.consensus.c3 import (
     ATTRIBUTED, INCONCLUSIVE, GroupVerdict, c3_over_group, c3_verdict, combine, verdicts_from_gathered,
 )
 from scout_ckpt.consensus.groups import ConsensusGroups
-from scout_ckpt.consensus.mesh import LayoutError, dtensor_dims, is_dtensor
+from scout_ckpt.consensus.mesh import LayoutError, dtensor_dims_cached, is_dtensor
 from scout_ckpt.consensus.signatures import bytes_signature, flatten_state, replica_signatures
 from scout_ckpt.policy import FAIL, INCONCLUSIVE as EV_INCONCLUSIVE, MISSING, NOT_APPLICABLE, PASS, evidence
 
@@ -87,7 +87,7 @@ def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) ->
         leaf = flat[n]
         if is_dtensor(leaf):
             try:
-                dims = dtensor_dims(leaf, grid)
+                dims = dtensor_dims_cached(leaf, grid, groups.layouts)
             except LayoutError as e:
                 plan.problems.append((n, str(e)))
                 plan.tags.append(f"{n}\0problem")
