@@ -163,8 +163,8 @@ def save_time_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
     ("consensus_layout_unknown", "consensus_nothing_compared") | not_applicable ("no_replicas": a single process,
     or pieces without any replica). Detail: "mode", "groups" (per replica group: members, dims, verdict,
     attributed, tensors_compared), "tensors_compared" (summed over groups), "single_owner" (pieces without a
-    replica), "plain_state_only" (what was compared is plain state only), "duration_s" (the slowest rank's time to
-    its signatures: flattening and hashing, before the exchange).
+    replica), "plain_state_only" (some pieces have no replica and only plain state was compared), "duration_s"
+    (the slowest rank's time to its signatures: flattening and hashing, before the exchange).
 
     `names_filter` (a predicate on dotted names, or a collection of names) limits what is compared, e.g. to
     leave out state that legitimately differs per rank (per-rank RNG states, rank ids).
@@ -238,6 +238,6 @@ def _summarise(everyone: list[dict], groups: ConsensusGroups) -> dict:
         groups=[{"members": g["members"], "dims": g["dims"], "verdict": g["verdict"], "attributed": g["attributed"],
                  "tensors_compared": g["tensors_compared"]} for g in ordered],
         tensors_compared=compared, single_owner=len(single),
-        plain_state_only=bool(compared) and all(g["plain"] or not g["tensors_compared"] for g in ordered),
+        plain_state_only=bool(compared and single) and all(g["plain"] or not g["tensors_compared"] for g in ordered),
         duration_s=max(e["duration_s"] for e in everyone),
     )
