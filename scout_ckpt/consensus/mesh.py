@@ -30,7 +30,6 @@ from typing import Any, Iterable, Sequence
 
 PIPELINE_NAMES = ("pp", "pipeline", "stage")
 TP_NAMES = ("tp", "tensor", "model", "sp")
-REPLICATE_NAMES = ("replicate", "dp_replicate", "ddp")
 
 
 def is_dtensor(obj: Any) -> bool:
