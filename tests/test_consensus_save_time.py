@@ -50,7 +50,7 @@ def test_ddp_healthy_passes():
     out = run_ranks(W.ddp_consensus, 4, timeout=120)
     ev = evidences(out)
     assert ev["status"] == "pass" and ev["reasons"] == []
-    assert ev["groups"] == [{"members": [0, 1, 2, 3], "verdict": "agree", "attributed": [],
+    assert ev["groups"] == [{"members": [0, 1, 2, 3], "dims": ["dp"], "verdict": "agree", "attributed": [],
                              "tensors_compared": ev["tensors_compared"]}]
     # every parameter, every optimizer state tensor and the scalars (step, lr, param group fields)
     assert ev["tensors_compared"] > 20 and ev["duration_s"] >= 0
@@ -109,7 +109,10 @@ def test_hsdp_2x2_compares_shards_within_replicate_groups():
     out = run_ranks(W.hsdp_consensus, 4, timeout=120)
     ev = evidences(out)
     assert ev["status"] == "pass"
-    assert [g["members"] for g in ev["groups"]] == [[0, 2], [1, 3]]
+    # plain state ("step") across the world, the shards within their replicate groups
+    assert [(g["members"], g["dims"]) for g in ev["groups"]] == [
+        ([0, 1, 2, 3], ["replicate", "shard"]), ([0, 2], ["replicate"]), ([1, 3], ["replicate"])]
+    assert [g["tensors_compared"] for g in ev["groups"]] == [1, 2, 2]
     assert [o.result["group_ranks"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     local = [o.result["local_w"] for o in out]
     assert local[0] == local[2] != local[1] == local[3]  # peers hold the same shard, groups different ones
@@ -117,15 +120,16 @@ def test_hsdp_2x2_compares_shards_within_replicate_groups():
     assert ev["status"] == "inconclusive"  # a pair cannot attribute
     assert ev["reasons"] == [{"code": "consensus_inconclusive", "ranks": [1, 3], "tensors": ["model.w"],
                               "n_tensors": 1, "group": [1, 3]}]
-    assert [g["verdict"] for g in ev["groups"]] == ["agree", "inconclusive"]
+    assert [g["verdict"] for g in ev["groups"]] == ["agree", "agree", "inconclusive"]
 
 
 def test_fsdp_is_not_applicable():
     out = run_ranks(W.fsdp_consensus, 4, timeout=60)
     ev = evidences(out)
     assert ev["status"] == "not_applicable"
-    assert ev["reasons"] == [{"code": "no_replicas", "mode": "fsdp"}]
+    assert ev["reasons"] == [{"code": "no_replicas", "mode": "fsdp", "tensors": ["w"], "n_tensors": 1}]
     assert ev["tensors_compared"] == 2 and ev["plain_state_only"]  # lr and step, held by every rank
+    assert ev["single_owner"] == 1 and ev["groups"][0]["members"] == [0, 1, 2, 3]
     assert all(o.result["group"] is None and o.result["group_ranks"] == [o.rank] for o in out)
     assert evaluate({"require": ["consensus"], "allow_not_applicable": ["consensus"]}, {"consensus": ev}).certified
 

@@ -1,28 +1,35 @@
 """Consensus at a save boundary: do all replicas of the same state hold the same bits?
 
-Every rank fingerprints the state it shares with its replica group (DDP: every tensor; HSDP: its local shard of
-each DTensor, which its replicate peers hold too; plus every scalar leaf such as the step and learning rate),
-C3 runs per replica group, and the group verdicts are gathered to every rank over the world gloo group, so the
+Each piece of state is compared within its replica group (`mesh.py`: the ranks that hold the same bits, from the
+DeviceMesh and the piece's placements): a DTensor's local shard across the mesh dims it is replicated along (its
+replicate peers hold the same shard), plain state (DDP parameters, step counters, scalars) across the world. C3
+runs per replica group and the verdicts of all groups are gathered to every rank over the world gloo group, so the
 evidence returned is identical on every rank. Collective over all ranks; call it before the DCP write.
 
 Signatures are replica signatures (`replica_signatures`): xxh3-128 of a CPU tensor's bytes, the additive torch-op
 signature on device for an accelerator tensor. Replicas are compared with each other at the same moment on the
 same device type, so additivity is not needed here (full_signatures keeps it for resharded loads).
 
-Collectives: one tiny all_gather over the replica group of a fixed-size header: a structure digest (so that
-replicas whose state has different keys, shapes or dtypes are caught and the signature batches are known to line
-up), a 128-bit digest of the [n, 2] signatures and the time taken. When all members' digests are equal (the
-healthy case) every tensor AGREEs and nothing more is exchanged within the group; otherwise one all_gather of the
-[n, 2] signatures gives per-tensor verdicts. With several replica groups (HSDP), one all_gather_object of the
-small group verdicts over the world group; with one group of every rank (DDP) every rank already has the only
-verdict. A healthy DDP save thus costs one collective of 48 bytes per rank. A group that times out raises (gloo's
-timeout of `ConsensusGroups.create`).
+Collectives, per set of compare dims (the topology's order, the same on every rank), over this rank's group for
+it: one tiny all_gather of a fixed-size header: a structure digest (so that replicas whose state has different
+keys, shapes, dtypes or layouts are caught and the signature batches are known to line up), a 128-bit digest of
+the [n, 2] signatures and the time taken. When all members' digests are equal (the healthy case) every piece
+AGREEs and nothing more is exchanged within the group; otherwise one all_gather of the [n, 2] signatures gives
+per-tensor verdicts. Then one all_gather_object of the small group verdicts over the world group, except where the
+only group is the world (DDP): every rank already holds the only verdict. A healthy DDP save thus costs one
+collective of 48 bytes per rank. A group that times out raises (gloo's timeout of `ConsensusGroups`).
+
+What the status means: `fail` some group ATTRIBUTED; `inconclusive` some group disagreed without a strict
+majority; `missing` a piece's layout could not be determined (`consensus_layout_unknown`) or nothing at all was
+compared (`consensus_nothing_compared`: everything excluded, or only single-owner shards): no evidence, never a
+pass; `not_applicable` everything compared agreed but some pieces have no replica anywhere (FSDP shards, TP shards
+under FSDP: `no_replicas`), so only invariants can vouch for them; `pass` every piece was compared and agreed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping
 
 import torch
@@ -32,8 +39,9 @@ from scout_ckpt.consensus.c3 import (
     ATTRIBUTED, INCONCLUSIVE, GroupVerdict, c3_over_group, c3_verdict, combine, verdicts_from_gathered,
 )
 from scout_ckpt.consensus.groups import ConsensusGroups
-from scout_ckpt.consensus.signatures import _is_dtensor, bytes_signature, flatten_state, replica_signatures
-from scout_ckpt.policy import FAIL, INCONCLUSIVE as EV_INCONCLUSIVE, NOT_APPLICABLE, PASS, evidence
+from scout_ckpt.consensus.mesh import LayoutError, dtensor_dims_cached, is_dtensor
+from scout_ckpt.consensus.signatures import bytes_signature, flatten_state, replica_signatures
+from scout_ckpt.policy import FAIL, INCONCLUSIVE as EV_INCONCLUSIVE, MISSING, NOT_APPLICABLE, PASS, evidence
 
 MAX_NAMES = 8          # tensor names listed per reason
 STRUCTURE = "(state structure)"
@@ -50,34 +58,73 @@ def _select(flat: Mapping[str, Any], names_filter: Callable[[str], bool] | Colle
     return sorted(keep)
 
 
-def structure_digest(names: list[str], flat: Mapping[str, Any]) -> torch.Tensor:
-    """[3] int64: entry count and a 128-bit digest of the names, dtypes and shapes (bytes leaves: their kind)."""
-    kinds = (f"{flat[n].dtype}{tuple(flat[n].shape)}" if isinstance(flat[n], torch.Tensor) else "bytes" for n in names)
-    blob = "".join(f"{n}\0{k}\0" for n, k in zip(names, kinds)).encode()
-    return torch.cat([torch.tensor([len(names)], dtype=torch.int64), bytes_signature(blob)])
+def _kind(leaf: Any) -> str:
+    return f"{leaf.dtype}{tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else "bytes"
 
 
-def _group_verdict(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups, t0: float
-                   ) -> tuple[GroupVerdict, float]:
-    """(verdict of this rank's replica group, the slowest member's time to its signatures); identical on every
-    member. One all_gather of a fixed-size header (structure digest, a 128-bit digest of the [n, 2] signature
-    rows, the time taken) decides the healthy case; only when the signature digests differ are the signatures
-    themselves gathered, for per-tensor verdicts."""
-    header = structure_digest(names, flat)
+def structure_digest(names: list[str], flat: Mapping[str, Any], tags: list[str] = ()) -> torch.Tensor:
+    """[3] int64: entry count and a 128-bit digest of the names, dtypes and shapes (bytes leaves: their kind),
+    and of `tags` (the layouts of the pieces compared elsewhere)."""
+    blob = "".join(f"{n}\0{_kind(flat[n])}\0" for n in names) + "".join(f"{t}\0" for t in tags)
+    return torch.cat([torch.tensor([len(names)], dtype=torch.int64), bytes_signature(blob.encode())])
+
+
+@dataclass
+class _Plan:
+    """Where each selected piece of state goes: compared across some dims, single-owner, or a problem."""
+
+    by_dims: dict = field(default_factory=dict)      # compare dims -> names
+    single: list[str] = field(default_factory=list)   # no replica anywhere
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (name, why its layout is unknown)
+    tags: list[str] = field(default_factory=list)     # name + layout of every piece not compared as plain state
+
+
+def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) -> _Plan:
+    grid = groups.grid
+    plain = grid.plain_dims
+    plan = _Plan()
+    for n in names:
+        leaf = flat[n]
+        if is_dtensor(leaf):
+            try:
+                dims = dtensor_dims_cached(leaf, grid, groups.layouts)
+            except LayoutError as e:
+                plan.problems.append((n, str(e)))
+                plan.tags.append(f"{n}\0problem")
+                continue
+        else:
+            dims = plain
+        if grid.group_size(dims) < 2:
+            plan.single.append(n)
+        elif groups.kind_of(dims) is None:
+            plan.problems.append((n, f"compared across {grid.dim_names(dims)}, a layout the topology does not "
+                                     "list (no side group was made for it at start-up)"))
+        else:
+            plan.by_dims.setdefault(dims, []).append(n)
+        if dims != plain:
+            plan.tags.append(f"{n}\0{_kind(leaf)}\0{grid.dim_names(dims)}")
+    return plan
+
+
+def _group_verdict(flat: Mapping[str, Any], names: list[str], pg, members: list[int], t0: float,
+                   tags: list[str] = ()) -> tuple[GroupVerdict, float, bool]:
+    """(verdict of one replica group, the slowest member's time to its signatures, whether the members' structure
+    agreed); identical on every member. One all_gather of a fixed-size header (structure digest, a 128-bit digest
+    of the [n, 2] signature rows, the time taken) decides the healthy case; only when the signature digests differ
+    are the signatures themselves gathered, for per-tensor verdicts."""
+    header = structure_digest(names, flat, tags)
     sigs = replica_signatures([flat[n] for n in names])
     elapsed = time.perf_counter() - t0
-    if groups.group is None:  # alone in its group: nothing to compare with
-        return combine([], groups.group_ranks, []), elapsed
     mine = torch.cat([header, bytes_signature(sigs.numpy().tobytes()),
                       torch.tensor([elapsed], dtype=torch.float64).view(torch.int64)])
-    rows = [torch.empty_like(mine) for _ in groups.group_ranks]
-    dist.all_gather(rows, mine, group=groups.group)
+    rows = [torch.empty_like(mine) for _ in members]
+    dist.all_gather(rows, mine, group=pg)
     slowest = max(float(r[5:6].view(torch.float64)) for r in rows)
     if any(not torch.equal(r[:3], rows[0][:3]) for r in rows):
-        return combine([c3_verdict([tuple(r[:3].tolist()) for r in rows])], groups.group_ranks, [STRUCTURE]), slowest
+        return combine([c3_verdict([tuple(r[:3].tolist()) for r in rows])], members, [STRUCTURE]), slowest, False
     if all(torch.equal(r[3:5], rows[0][3:5]) for r in rows):  # every member holds the same signatures
-        return verdicts_from_gathered(sigs.unsqueeze(0).expand(len(rows), -1, -1), groups.group_ranks, names), slowest
-    return c3_over_group(sigs, groups.group, groups.group_ranks, names), slowest
+        return verdicts_from_gathered(sigs.unsqueeze(0).expand(len(rows), -1, -1), members, names), slowest, True
+    return c3_over_group(sigs, pg, members, names), slowest, True
 
 
 def _reasons(entry: dict) -> list[dict]:
@@ -93,66 +140,104 @@ def _reasons(entry: dict) -> list[dict]:
     return reasons
 
 
-def _unreplicated(state_dict: Mapping, groups: ConsensusGroups, names_filter, t0: float) -> dict:
-    """Pure FSDP: the sharded tensors have no replica, but the plain state every rank holds (step, LR schedule,
-    RNG, data position, mixing weights) does, and DCP saves one rank's copy of it: compare that over the world.
-    Agreement still leaves the single-owner shards unvouched, so the status stays `not_applicable`."""
-    na = [{"code": "no_replicas", "mode": groups.mode}]
-    flat = flatten_state(state_dict, keep_dtensor=True)
-    names = [n for n in _select(flat, names_filter) if not _is_dtensor(flat[n])]
-    if groups.world_size < 2 or groups.world_group is None or not names:
-        return evidence(NOT_APPLICABLE, na, mode=groups.mode, groups=[], tensors_compared=0, duration_s=0.0)
-    world = dataclasses.replace(groups, group=groups.world_group, group_ranks=list(range(groups.world_size)))
-    gv, slowest = _group_verdict(flat, names, world, t0)
-    entry = {"members": list(gv.group_ranks), "verdict": gv.status, "attributed": list(gv.attributed_ranks),
-             "attributed_tensors": gv.attributed_tensors, "inconclusive_tensors": gv.inconclusive_tensors}
-    status = FAIL if gv.status == ATTRIBUTED else EV_INCONCLUSIVE if gv.status == INCONCLUSIVE else NOT_APPLICABLE
-    reasons = _reasons(entry) if status != NOT_APPLICABLE else na
-    return evidence(status, reasons, mode=groups.mode,
-                    groups=[{"members": entry["members"], "verdict": gv.status, "attributed": entry["attributed"],
-                             "tensors_compared": len(gv.per_tensor)}],
-                    tensors_compared=len(gv.per_tensor), plain_state_only=True, duration_s=slowest)
+def _problem_reasons(everyone: list[dict], groups: ConsensusGroups) -> list[dict]:
+    """Pieces whose layout is unknown, from the topology (the same everywhere) and from every rank's plan."""
+    reasons = [{"code": "consensus_layout_unknown", **{k: v for k, v in p.items() if k != "code"}}
+               for p in groups.problems]
+    ranks = sorted(e["rank"] for e in everyone if e["problems"])
+    if ranks:
+        names = sorted({n for e in everyone for n, _ in e["problems"]})
+        first = next(e["problems"][0][1] for e in everyone if e["problems"])
+        reasons.append({"code": "consensus_layout_unknown", "ranks": ranks, "tensors": names[:MAX_NAMES],
+                        "n_tensors": len(names), "detail": first})
+    return reasons
 
 
 def save_time_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
                         names_filter: Callable[[str], bool] | Collection[str] | None = None) -> dict:
-    """Consensus evidence, in the policy's format, identical on every rank.
+    """Consensus evidence, in the policy's format, identical on every rank. Collective over all ranks (every
+    rank calls it at the same save, with the same `groups`); a group that times out raises on its members.
 
-    status: "pass" every group AGREEs; "fail" some group ATTRIBUTED (reason "consensus_attributed" with the
-    attributed global ranks, the first few tensor names and the group); "inconclusive" some group disagrees
-    without a strict majority (reason "consensus_inconclusive" with the group's ranks and tensors);
-    "not_applicable" no rank has a replica (reason "no_replicas"). Detail: "mode", "groups" (per group: members,
-    verdict, attributed, tensors_compared), "tensors_compared" (summed over groups), "duration_s" (the slowest
-    rank's time to its signatures: flattening and hashing, before the exchange).
+    status (see the module docstring): pass | fail ("consensus_attributed": attributed global ranks, the first
+    few tensor names, the group) | inconclusive ("consensus_inconclusive": the group's ranks and tensors) | missing
+    ("consensus_layout_unknown", "consensus_nothing_compared") | not_applicable ("no_replicas": a single process,
+    or pieces without any replica). Detail: "mode", "groups" (per replica group: members, dims, verdict,
+    attributed, tensors_compared), "tensors_compared" (summed over groups), "single_owner" (pieces without a
+    replica), "plain_state_only" (some pieces have no replica and only plain state was compared), "duration_s"
+    (the slowest rank's time to its signatures: flattening and hashing, before the exchange).
 
     `names_filter` (a predicate on dotted names, or a collection of names) limits what is compared, e.g. to
     leave out state that legitimately differs per rank (per-rank RNG states, rank ids).
     """
     t0 = time.perf_counter()
-    if not groups.has_replicas:
-        return _unreplicated(state_dict, groups, names_filter, t0)
-    flat = flatten_state(state_dict)
+    if groups.world_size < 2:
+        return evidence(NOT_APPLICABLE, [{"code": "no_replicas", "mode": groups.mode, "detail": "single process"}],
+                        mode=groups.mode, groups=[], tensors_compared=0, single_owner=0, duration_s=0.0)
+    flat = flatten_state(state_dict, keep_dtensor=True)
     names = _select(flat, names_filter)
-    gv, slowest = _group_verdict(flat, names, groups, t0)
-    mine = {"members": list(gv.group_ranks), "verdict": gv.status, "attributed": list(gv.attributed_ranks),
-            "attributed_tensors": gv.attributed_tensors, "inconclusive_tensors": gv.inconclusive_tensors,
-            "tensors_compared": len(gv.per_tensor), "duration_s": slowest}
-    if len(groups.groups) == 1:  # DDP: one group of every rank, whose verdict every rank already holds
-        everyone: list[Any] = [mine]
+    plan = _plan(flat, names, groups)
+    plain = groups.grid.plain_dims
+    entries, structure_ok = [], True
+    for index, kind in enumerate(groups.kinds):  # the same order on every rank
+        if len(kind.members) < 2:
+            continue
+        mine = plan.by_dims.get(kind.dims, [])
+        gv, slowest, same = _group_verdict(flat, mine, kind.pg, kind.members, t0,
+                                           plan.tags if kind.dims == plain else [])
+        structure_ok = structure_ok and same
+        entries.append({"kind": index, "members": list(gv.group_ranks), "dims": list(kind.names),
+                        "verdict": gv.status, "attributed": list(gv.attributed_ranks),
+                        "attributed_tensors": gv.attributed_tensors, "inconclusive_tensors": gv.inconclusive_tensors,
+                        "tensors_compared": len(gv.per_tensor), "plain": kind.dims == plain, "duration_s": slowest})
+    local = {"rank": groups.rank, "entries": entries, "single": plan.single, "problems": plan.problems,
+             "n_selected": len(names), "duration_s": max([e["duration_s"] for e in entries],
+                                                          default=time.perf_counter() - t0)}
+    world_only = len(groups.kinds) == 1 and len(groups.kinds[0].members) == groups.world_size
+    if world_only:  # DDP: one group of every rank, whose verdict every rank already holds
+        if not structure_ok:  # the layouts differ between ranks: report the structure verdict only
+            local.update(single=[], problems=[])
+        everyone: list[Any] = [local]
     else:
         everyone = [None] * groups.world_size
-        dist.all_gather_object(everyone, mine, group=groups.world_group)
-    by_group = {}
-    for entry in everyone:  # members of a group hold the same verdict; keep the first
-        by_group.setdefault(tuple(entry["members"]), entry)
-    ordered = [by_group[tuple(g)] for g in groups.groups if tuple(g) in by_group]
+        dist.all_gather_object(everyone, local, group=groups.world_group)
+    return _summarise(everyone, groups)
+
+
+def _summarise(everyone: list[dict], groups: ConsensusGroups) -> dict:
+    """The evidence from every rank's local result (the same list, in rank order, on every rank)."""
+    by_group: dict = {}
+    for local in everyone:  # members of a group hold the same verdict; keep the first
+        for entry in local["entries"]:
+            by_group.setdefault((entry["kind"], tuple(entry["members"])), entry)
+    ordered = [by_group[(i, tuple(g))] for i, k in enumerate(groups.kinds) for g in k.groups
+               if (i, tuple(g)) in by_group]
     reasons = [r for g in ordered for r in _reasons(g)]
+    problems = _problem_reasons(everyone, groups)
+    single = sorted({n for e in everyone for n in e["single"]})
+    compared = sum(g["tensors_compared"] for g in ordered)
     verdicts = {g["verdict"] for g in ordered}
-    status = FAIL if ATTRIBUTED in verdicts else EV_INCONCLUSIVE if INCONCLUSIVE in verdicts else PASS
+    if ATTRIBUTED in verdicts:
+        status = FAIL
+    elif INCONCLUSIVE in verdicts:
+        status = EV_INCONCLUSIVE
+    elif problems:
+        status = MISSING
+    elif compared == 0:
+        status = MISSING
+        reasons = [{"code": "consensus_nothing_compared", "n_selected": max(e["n_selected"] for e in everyone),
+                    "single_owner": len(single),
+                    "detail": "no piece of state had a replica to compare with (all excluded, or single-owner)"}]
+    elif single:
+        status = NOT_APPLICABLE
+        reasons = [{"code": "no_replicas", "mode": groups.mode, "tensors": single[:MAX_NAMES],
+                    "n_tensors": len(single)}]
+    else:
+        status = PASS
     return evidence(
-        status, reasons, mode=groups.mode,
-        groups=[{"members": g["members"], "verdict": g["verdict"], "attributed": g["attributed"],
+        status, reasons + problems, mode=groups.mode,
+        groups=[{"members": g["members"], "dims": g["dims"], "verdict": g["verdict"], "attributed": g["attributed"],
                  "tensors_compared": g["tensors_compared"]} for g in ordered],
-        tensors_compared=sum(g["tensors_compared"] for g in ordered),
+        tensors_compared=compared, single_owner=len(single),
+        plain_state_only=bool(compared and single) and all(g["plain"] or not g["tensors_compared"] for g in ordered),
         duration_s=max(e["duration_s"] for e in everyone),
     )

@@ -1,0 +1,75 @@
+"""DTensor index maths for the additive signature: where each local element sits in the global tensor.
+
+A local shard is a box of the global tensor (its shape and global offset, from the DTensor's placements); its
+elements' global flat indices are base + an affine map of the local flat index (`index_map`, `global_index`).
+Only Shard(dim) and Replicate placements have such a box; anything else is refused on every rank alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+def index_map(local_shape, global_shape, offset) -> tuple[int, list[tuple[int, int]]]:
+    """Global flat index of local flat index j: base + sum over (size, stride) of ((j // inner) % size) * stride,
+    with adjacent dims merged where the global layout is contiguous. [] or [(n, 1)] means base + j."""
+    if len(local_shape) != len(global_shape) or len(offset) != len(global_shape):
+        raise ValueError(f"shape/offset ranks differ: local {tuple(local_shape)}, global {tuple(global_shape)}, "
+                         f"offset {tuple(offset)}")
+    gstrides, acc = [], 1
+    for g in reversed(global_shape):
+        gstrides.append(acc)
+        acc *= g
+    gstrides.reverse()
+    base = 0
+    for l, g, o, s in zip(local_shape, global_shape, offset, gstrides):
+        if o < 0 or o + l > g:
+            raise ValueError(f"local shape {tuple(local_shape)} at offset {tuple(offset)} "
+                             f"exceeds global shape {tuple(global_shape)}")
+        base += o * s
+    dims: list[tuple[int, int]] = []
+    for l, s in zip(local_shape, gstrides):
+        if l == 1:
+            continue
+        if dims and dims[-1][1] == l * s:
+            dims[-1] = (dims[-1][0] * l, s)
+        else:
+            dims.append((l, s))
+    return base, dims
+
+
+def global_index(j: torch.Tensor, base: int, dims: list[tuple[int, int]]) -> torch.Tensor:
+    g = torch.full_like(j, base)
+    inner = 1
+    for size, stride in reversed(dims):
+        g.add_(torch.remainder(torch.div(j, inner, rounding_mode="floor"), size).mul_(stride))
+        inner *= size
+    return g
+
+
+def dtensor_box(dt) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None:
+    """(local tensor, global shape, global offset) of a DTensor with Shard/Replicate placements; None on a rank
+    outside its mesh."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for p in dt.placements:
+        if isinstance(p, _StridedShard) or not isinstance(p, (Shard, Replicate)):
+            raise ValueError(f"full signatures support Shard(dim) and Replicate placements, not {p}")
+    if dt.device_mesh.get_coordinate() is None:
+        return None
+    local = dt.to_local()
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise ValueError(f"local shard shape {tuple(local.shape)} differs from the placement's {tuple(shape)}")
+    return local, tuple(dt.shape), tuple(offset)
+
+
+def dtensor_contributes(dt) -> bool:
+    """One rank per Replicate group contributes: the one at coordinate 0 on every Replicate mesh dimension."""
+    from torch.distributed.tensor import Replicate
+
+    coord = dt.device_mesh.get_coordinate()
+    if coord is None:
+        return False
+    return all(c == 0 for c, p in zip(coord, dt.placements) if isinstance(p, Replicate))
