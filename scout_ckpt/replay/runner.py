@@ -67,12 +67,13 @@ class ReplayRunner:
         self.model = model
         self.optimizer = optimizer
         self.deterministic = deterministic
-        self.rank = dist.get_rank()
         opt = optimizer if optimizer is not None and supports(optimizer) else None
         # What replay does not check, for `explain`: an optimizer whose update is not elementwise.
         self.not_covered = [] if optimizer is None or opt is not None else [
             f"optimizer {type(optimizer).__name__} (not elementwise: window replay does not apply)"]
+        # first, before any process group is touched: a model replay cannot cover is refused at once
         self._targets = resolve(model, targets, opt) if targets is not None else discover(model, opt)
+        self.rank = dist.get_rank()
         self.schedule = Schedule(self._targets, interval)
         self.group, self.peers = _peer_group(groups, peers)
         where = sites(model)
