@@ -260,7 +260,7 @@ def w_sweep(rank, world, steps, save_at, expect=(), faults=None, bitwise=False, 
     if bitwise:
         runner.close()
         state_a = wr._state(model, opt)
-        model_b, opt_b, _, _ = wr.run(rank, world, steps)
+        model_b, opt_b, _, _ = wr.run(rank, world, steps, faults=faults)
         state_b = wr._state(model_b, opt_b)
         out["bitwise"] = len(state_a) == len(state_b) and all(torch.equal(a, b) for a, b in zip(state_a, state_b))
     return out

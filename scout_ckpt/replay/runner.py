@@ -147,6 +147,8 @@ class ReplayRunner:
         must say the same (as for any arming decision)."""
         self._expected.add(step)
         if self._next == step:
+            if self._sweep_step is not None and self._sweep_step < step:
+                self._drop_sweep()  # armed for an earlier step that was not saved after all
             self._arm_sweep(step)
 
     def sweep(self, step: int) -> list[dict]:
