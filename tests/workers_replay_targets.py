@@ -78,12 +78,12 @@ class HFCausalLM(nn.Module):
 class GPT2(nn.Module):
     """nanoGPT's layout, with the weight tying it does (`transformer.wte.weight = lm_head.weight`)."""
 
-    def __init__(self):
+    def __init__(self, vocab: int = VOCAB, d: int = D, seq: int = SEQ, layers: int = LAYERS):
         super().__init__()
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(VOCAB, D), wpe=nn.Embedding(SEQ, D), drop=nn.Dropout(0.0),
-            h=nn.ModuleList(DecoderLayer() for _ in range(LAYERS)), ln_f=nn.LayerNorm(D)))
-        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+            wte=nn.Embedding(vocab, d), wpe=nn.Embedding(seq, d), drop=nn.Dropout(0.0),
+            h=nn.ModuleList(DecoderLayer(d) for _ in range(layers)), ln_f=nn.LayerNorm(d)))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
 
     def forward(self, tokens):
@@ -300,3 +300,59 @@ def w_optimizer_last_element(rank, world, steps, bad_rank, from_step, opt_elems)
         rows += runner.on_step(step)
     last = list(model.parameters())[-1]
     return {"rows": rows, "last_numel": last.numel(), "n_params": len(list(model.parameters()))}
+
+
+def w_sweep_cost(rank, world, which, steps, saves):
+    """Seconds per train step, per train step with every target's sweep capture armed, and per sweep, for the
+    demo model or a GPT-2-shaped one (explicit gradient all-reduce, as the demo trains). Median over `saves`
+    sweeps after one warm-up sweep."""
+    import statistics
+    import time
+
+    from scout_ckpt.consensus.groups import ConsensusGroups
+
+    torch.manual_seed(0)
+    if which == "demo":
+        from scout_ckpt.demo.model import TinyTransformer
+
+        model, vocab, seq, batch = TinyTransformer(), 256, 32, max(1, 16 // world)
+    else:  # GPT-2 layout at a size this CPU trains in about a second a step
+        vocab, seq, batch = 8192, 128, 4
+        model = GPT2(vocab=vocab, d=256, seq=seq, layers=6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    runner = _runner(model, opt, ConsensusGroups.create("ddp", world), interval=10**9)
+    plain, armed, sweep = [], [], []
+    step = 0
+    for i in range(steps + saves + 1):
+        step += 1
+        save = i >= steps
+        if save:
+            runner.expect_save(step)
+        dist.barrier()
+        t0 = time.perf_counter()
+        g = torch.Generator().manual_seed(step * 131 + rank)
+        tok = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        logits = model(tok[:, :-1])
+        F.cross_entropy(logits.reshape(-1, vocab), tok[:, 1:].reshape(-1)).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        runner.on_step(step)
+        dist.barrier()
+        t1 = time.perf_counter()
+        rows = runner.sweep(step) if save else []
+        dist.barrier()
+        t2 = time.perf_counter()
+        if save:
+            assert rows and all(r["status"] == "AGREE" for r in rows), rows
+            if i > steps:  # the first sweep warms up
+                armed.append(t1 - t0)
+                sweep.append(t2 - t1)
+        elif i:
+            plain.append(t1 - t0)
+    med = statistics.median
+    return {"which": which, "params": sum(p.numel() for p in model.parameters()),
+            "targets": len(runner.targets()), "step_s": med(plain), "armed_step_s": med(armed),
+            "sweep_s": med(sweep), "sweep_per_step": med(sweep) / med(plain),
+            "amortized_100": (med(sweep) + med(armed) - med(plain)) / (100 * med(plain))}

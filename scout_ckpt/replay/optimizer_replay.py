@@ -40,7 +40,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 MIN_WINDOW = 64          # smallest window cut from a tensor (or the whole tensor when smaller)
-DEFAULT_ELEMS = 1 << 18  # elements per round, over all tensors (1 MiB of fp32 per replayed quantity)
+DEFAULT_ELEMS = 1 << 16  # elements per round, over all tensors (256 KiB of fp32 per replayed quantity)
 
 
 def _slice(t: torch.Tensor, start: int, n: int) -> torch.Tensor:

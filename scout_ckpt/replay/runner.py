@@ -26,6 +26,8 @@ runs under `torch.random.fork_rng` on deep copies).
 
 from __future__ import annotations
 
+import io
+import pickle
 import time
 import warnings
 from typing import Any
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scout_ckpt.consensus.c3 import c3_over_group
+from scout_ckpt.consensus.c3 import verdicts_from_gathered
 from scout_ckpt.consensus.signatures import replica_signatures
 from scout_ckpt.consensus.timing import Confirmer, robust_outliers
 from scout_ckpt.replay.capture import ModuleCapture, current_state
@@ -162,13 +164,11 @@ class ReplayRunner:
         rows: list[dict] = []
         if everywhere:
             done = self._replayed[1] if self._replayed[0] == step else set()
-            for i, target in enumerate(self._targets):
-                if target[1] in done:
-                    continue
-                row = self._replay(step, target, self._sweep_caps[target[1]], source_slot=step + i)
-                if row is not None:
-                    row["detail"]["sweep"] = True
-                    rows.append(row)
+            items = [(t, self._sweep_caps[t[1]]) for t in self._targets if t[1] not in done]
+            src = self.peers[(step + len(self._saves)) % len(self.peers)]  # the source rotates over saves
+            rows = self._replay_batch(step, items, src)
+            for row in rows:
+                row["detail"]["sweep"] = True
         elif armed or step in self._expected:
             warnings.warn(f"replay sweep at step {step}: not every peer captured the step; coverage of this "
                           f"checkpoint waits for the rotation")
@@ -220,53 +220,73 @@ class ReplayRunner:
             self._armed = (step, target)
         self._arm_sweep(step)
 
-    # ---- one replay --------------------------------------------------------------------------------------------
+    # ---- replays: capture from one source, re-executed by every peer, compared with C3 ------------------------
 
-    def _replay(self, step: int, target: Target, cap, source_slot: int | None = None) -> dict | None:
-        recipe, name = target
-        src = self.peers[self.schedule.source_index(step, len(self.peers)) if source_slot is None
-                         else source_slot % len(self.peers)]
-        payload = None
+    def _replay(self, step: int, target: Target, cap) -> dict | None:
+        """The rotation's one replay (source rotating with the schedule)."""
+        src = self.peers[self.schedule.source_index(step, len(self.peers))]
+        rows = self._replay_batch(step, [(target, cap)], src)
+        return rows[0] if rows else None
+
+    def _replay_batch(self, step: int, items: list, src: int) -> list[dict]:
+        """Replay several targets in a fixed number of collectives (whatever their count): one broadcast of the
+        source's captures, one gather of per-target headers, one all_gather of every signature. A target the
+        source did not run this step gives no row. Every peer returns the same rows."""
+        payloads = None
         if self.rank == src:
-            payload = _cpu(cap.invocation if recipe != "optimizer" else cap.capture)
-        box = [payload]
-        dist.broadcast_object_list(box, src=src, group=self.group)
-        payload = box[0]
-        if payload is None:  # the source never ran the target this step: nothing to compare, no row
-            return None
-        t0 = time.perf_counter()
-        try:
-            if recipe != "optimizer" and not payload.params and not payload.buffers:
-                # a sweep capture: replay with the parameters held now (the state being saved)
-                payload.params, payload.buffers = current_state(cap.inner)
-            labels, tensors = self._execute(recipe, cap, payload)
-            sigs = replica_signatures(tensors)
-        except Exception as e:  # noqa: BLE001 -- a peer that cannot replay must not leave the others waiting
-            warnings.warn(f"replay of {name} at step {step} failed on rank {self.rank}: {e!r}")
-            labels, sigs = [], None
-        elapsed = time.perf_counter() - t0
-        # One small gather first: every peer's time and whether it has signatures to compare (and how many).
-        header = self._gather([elapsed, float(sigs is not None), float(len(labels))])
-        durations = {r: h[0] for r, h in header.items()}
-        self._timing(step, target, durations)
-        detail: dict = {"source": src, "peers": list(self.peers), "signatures": len(labels),
-                        "durations": {str(r): round(d, 6) for r, d in durations.items()}}
-        if recipe == "optimizer":  # what this round compared: every tensor's window
-            detail.update(tensors=len(payload.params), elements=payload.elements, round=payload.round,
-                          cycle=payload.cycle)
-        failed = sorted(r for r, h in header.items() if not h[1])
-        if failed or len({h[2] for h in header.values()}) > 1:
-            status, ranks = "INCONCLUSIVE", []
-            detail["failed_ranks"] = failed
-            detail["counts"] = {str(r): int(h[2]) for r, h in header.items()}
-        else:
-            verdict = c3_over_group(sigs, self.group, self.peers, names=labels)
-            status, ranks, why = _summarise(verdict)
-            detail.update(why)
-        if recipe == "optimizer" and payload.unsupported:
-            status, detail["unsupported"] = "INCONCLUSIVE", payload.unsupported
-        return {"step": step, "recipe": recipe, "target": name, "status": status, "ranks": ranks,
-                "duration_s": max(durations.values()), "detail": detail}
+            payloads = [_cpu(cap.invocation if t[0] != "optimizer" else cap.capture) for t, cap in items]
+        payloads = _broadcast(payloads, src, self.group)
+        work = [(t, cap, pl) for (t, cap), pl in zip(items, payloads) if pl is not None]
+        results = []
+        for target, cap, payload in work:
+            t0 = time.perf_counter()
+            try:
+                if target[0] != "optimizer" and not payload.params and not payload.buffers:
+                    # a sweep capture: replay with the parameters held now (the state being saved)
+                    payload.params, payload.buffers = current_state(cap.inner)
+                labels, tensors = self._execute(target[0], cap, payload)
+                sigs = replica_signatures(tensors)
+            except Exception as e:  # noqa: BLE001 -- a peer that cannot replay must not leave the others waiting
+                warnings.warn(f"replay of {target[1]} at step {step} failed on rank {self.rank}: {e!r}")
+                labels, sigs = [], None
+            results.append((labels, sigs, time.perf_counter() - t0))
+        if not work:
+            return []
+        # One small gather: per target, every peer's time and whether it has signatures (and how many).
+        header = self._gather([v for lab, sig, dt in results for v in (dt, float(sig is not None), float(len(lab)))])
+        comparable = [all(h[3 * i + 1] for h in header.values()) and len({h[3 * i + 2] for h in header.values()}) == 1
+                      for i in range(len(work))]
+        mine = [sig for (lab, sig, dt), ok in zip(results, comparable) if ok]
+        gathered = None
+        if mine:
+            flat = torch.cat(mine).to(torch.int64).contiguous()
+            out = [torch.empty_like(flat) for _ in self.peers]
+            dist.all_gather(out, flat, group=self.group)
+            gathered = torch.stack(out)
+        rows, offset = [], 0
+        for i, ((target, cap, payload), (labels, sigs, _)) in enumerate(zip(work, results)):
+            durations = {r: h[3 * i] for r, h in header.items()}
+            self._timing(step, target, durations)
+            detail: dict = {"source": src, "peers": list(self.peers), "signatures": len(labels),
+                            "durations": {str(r): round(d, 6) for r, d in durations.items()}}
+            if target[0] == "optimizer":  # what this round compared: every tensor's window
+                detail.update(tensors=len(payload.params), elements=payload.elements, round=payload.round,
+                              cycle=payload.cycle)
+            if not comparable[i]:
+                status, ranks = "INCONCLUSIVE", []
+                detail["failed_ranks"] = sorted(r for r, h in header.items() if not h[3 * i + 1])
+                detail["counts"] = {str(r): int(h[3 * i + 2]) for r, h in header.items()}
+            else:
+                n = len(labels)
+                verdict = verdicts_from_gathered(gathered[:, offset:offset + n], self.peers, labels)
+                offset += n
+                status, ranks, why = _summarise(verdict)
+                detail.update(why)
+            if target[0] == "optimizer" and payload.unsupported:
+                status, detail["unsupported"] = "INCONCLUSIVE", payload.unsupported
+            rows.append({"step": step, "recipe": target[0], "target": target[1], "status": status, "ranks": ranks,
+                         "duration_s": max(durations.values()), "detail": detail})
+        return rows
 
     def _execute(self, recipe: str, cap, payload) -> tuple[list[str], list[torch.Tensor]]:
         if recipe != "optimizer":
@@ -294,8 +314,51 @@ class ReplayRunner:
 
 
 def _cpu(obj: Any) -> Any:
-    """Captures travel through broadcast_object_list on gloo: host tensors."""
+    """Captures travel over gloo: host tensors."""
     return None if obj is None else obj.to("cpu")
+
+
+def _broadcast(obj: Any, src: int, group) -> Any:
+    """broadcast_object_list, with the tensors sent as one flat byte buffer: pickling each tensor (torch.save
+    per storage) cost more than the replay itself for a sweep of every target."""
+    tensors: list[torch.Tensor] = []
+
+    class _Out(pickle.Pickler):
+        def persistent_id(self, o):
+            if isinstance(o, torch.Tensor) and type(o) is torch.Tensor:
+                tensors.append(o.detach().contiguous())
+                return len(tensors) - 1
+            return None
+
+    head = None
+    if dist.get_rank() == src:
+        buf = io.BytesIO()
+        _Out(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        head = (buf.getvalue(), [(t.dtype, tuple(t.shape), t.numel() * t.element_size()) for t in tensors])
+    box = [head]
+    dist.broadcast_object_list(box, src=src, group=group)
+    data, metas = box[0]
+    total = sum(m[2] for m in metas)
+    if dist.get_rank() == src:
+        flat = (torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors
+                else torch.empty(0, dtype=torch.uint8))
+    else:
+        flat = torch.empty(total, dtype=torch.uint8)
+    if total:
+        dist.broadcast(flat, src=src, group=group)
+    if dist.get_rank() == src:
+        return obj
+    views, at = [], 0
+    for dtype, shape, nbytes in metas:
+        views.append(flat[at:at + nbytes].view(dtype).reshape(shape).clone() if nbytes else
+                     torch.empty(shape, dtype=dtype))
+        at += nbytes
+
+    class _In(pickle.Unpickler):
+        def persistent_load(self, pid):
+            return views[pid]
+
+    return _In(io.BytesIO(data)).load()
 
 
 def _peer_group(groups, peers: str) -> tuple[Any, list[int]]:
