@@ -166,6 +166,18 @@ def test_wrapped_models_are_discovered_and_replayed_on_two_ranks(kind):
     assert res["titan"]["classes"] == (["CheckpointWrapper"] if kind == "ddp" else ["FSDPCheckpointWrapper"])
 
 
+def test_whole_model_compile_under_ddp_is_captured_on_eager_steps():
+    """nanoGPT: DDP(torch.compile(model)). Dynamo ignores hooks added after compiling, so the steps with a capture
+    armed run eagerly; every target replays (rotation at 2 and 3, sweep of all at 3)."""
+    outcomes = run_ranks(w.w_nanogpt_compiled, 2, 3, (3,), timeout=240)
+    res = _same_rows(outcomes, "rows")
+    assert outcomes[0].result["found"] == w.EXPECTED["gpt2"]
+    want = {t for _, t in w.EXPECTED["gpt2"]} | {"optimizer"}
+    assert {r["target"] for r in res if r["step"] == 3} == want
+    assert {r["status"] for r in res} == {"AGREE"} and [r["step"] for r in res][:2] == [2, 3]
+    assert all(o.result["stance_restored"] for o in outcomes)
+
+
 def test_sweep_certifies_each_save_at_once_and_attributes_a_fault_from_the_save_step():
     """3 ranks, no rotation: a save at 1 without announcement (its sweep replays nothing), saves at 3 and 5
     announced, 7 and 9 predicted from the period of the saves. Rank 1's blocks.1 computes wrongly from step 7: the sweep at the save

@@ -356,3 +356,20 @@ def w_sweep_cost(rank, world, which, steps, saves):
             "targets": len(runner.targets()), "step_s": med(plain), "armed_step_s": med(armed),
             "sweep_s": med(sweep), "sweep_per_step": med(sweep) / med(plain),
             "amortized_100": (med(sweep) + med(armed) - med(plain)) / (100 * med(plain))}
+
+
+def w_nanogpt_compiled(rank, world, steps, save_at):
+    """nanoGPT's order: model = torch.compile(model); model = DDP(model). The "eager" backend keeps it cheap on
+    CPU; dynamo skips hooks added after compiling all the same, which is what the runner must handle."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from scout_ckpt.consensus.groups import ConsensusGroups
+    from scout_ckpt.replay.targets import discover
+
+    inner = build("gpt2")
+    model = DDP(torch.compile(inner, backend="eager"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    runner = _runner(model, opt, ConsensusGroups.create("ddp", world), interval=1)
+    rows = _train(model, opt, runner, rank, steps, save_at=save_at, inner=inner)
+    runner.close()
+    return {"found": discover(model), "rows": rows, "stance_restored": not runner._eager}  # noqa: SLF001

@@ -79,6 +79,11 @@ class ReplayRunner:
         self.schedule = Schedule(self._targets, interval)
         self.group, self.peers = _peer_group(groups, peers)
         where = sites(model)
+        # A whole-model torch.compile runs no hook added after compiling: steps with a module capture armed run
+        # eagerly (torch.compiler.set_stance), the others compiled. Per-block compile needs nothing (hooks sit on
+        # the compiled wrapper, outside the graph).
+        self._under_compile = any(where[n].under_compile for r, n in self._targets if r != "optimizer")
+        self._eager = False
         self._captures: dict[str, Any] = {}   # rotation
         self._sweep_caps: dict[str, Any] = {}  # save boundary
         for recipe, name in self._targets:
@@ -114,12 +119,14 @@ class ReplayRunner:
         """Arm for step+1 before the first on_step (e.g. right after resuming at `step`)."""
         self.close()
         self._arm(step + 1)
+        self._set_eager()
 
     def close(self) -> None:
         for cap in list(self._captures.values()) + list(self._sweep_caps.values()):
             cap.disarm()
         self._armed = None
         self._sweep_step = None
+        self._set_eager()
 
     def on_step(self, step: int) -> list[dict]:
         """Called once per optimizer step, after it, on every rank: replay what step `step` captured, arm next.
@@ -139,7 +146,18 @@ class ReplayRunner:
             if self._sweep_step < step:  # the save this capture was for did not come
                 self._drop_sweep()
         self._arm(step + 1)
+        self._set_eager()
         return rows
+
+    def _set_eager(self) -> None:
+        """Under a whole-model torch.compile: run the next step eagerly iff a module capture is armed for it."""
+        if not self._under_compile:
+            return
+        need = any(cap.armed for (recipe, name) in self._targets if recipe != "optimizer"
+                   for cap in (self._captures[name], self._sweep_caps[name]))
+        if need != self._eager:
+            torch.compiler.set_stance("force_eager" if need else "default")
+            self._eager = need
 
     # ---- the save-boundary sweep ---------------------------------------------------------------------------
 
@@ -152,6 +170,7 @@ class ReplayRunner:
             if self._sweep_step is not None and self._sweep_step < step:
                 self._drop_sweep()  # armed for an earlier step that was not saved after all
             self._arm_sweep(step)
+            self._set_eager()
 
     def sweep(self, step: int) -> list[dict]:
         """Replay EVERY target once on the inputs captured during step `step` (the save step), after on_step(step)
@@ -177,6 +196,7 @@ class ReplayRunner:
         if not self._saves or self._saves[-1] < step:
             self._saves.append(step)
         self._arm_sweep(step + 1)  # a save every step: the next capture is armed here, after this one is spent
+        self._set_eager()
         return rows
 
     def _drop_sweep(self) -> None:

@@ -39,11 +39,14 @@ class NoTargets(ScoutError):
 
 @dataclass(frozen=True)
 class Site:
-    """One module at a user path: `outer` is what the parent calls, `inner` the module with wrappers removed."""
+    """One module at a user path: `outer` is what the parent calls, `inner` the module with wrappers removed.
+    `under_compile`: a torch.compile wrapper sits above `outer` (whole-model compile): dynamo inlines the call and
+    does not run hooks added after compiling, so captures need the step run eagerly (see runner)."""
 
     path: str
     outer: nn.Module
     inner: nn.Module
+    under_compile: bool = False
 
 
 def _wrapped(m: nn.Module) -> nn.Module | None:
@@ -60,6 +63,16 @@ def _wrapped(m: nn.Module) -> nn.Module | None:
 
 def _is_data_parallel(m: nn.Module) -> bool:
     return isinstance(m, (nn.DataParallel, nn.parallel.DistributedDataParallel))
+
+
+def _has_compile(m: nn.Module) -> bool:
+    """Is a torch.compile wrapper part of `m`'s wrapper chain (or is `m` compiled in place by `m.compile()`)?"""
+    while True:
+        if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None:
+            return True
+        m = _wrapped(m)
+        if m is None:
+            return False
 
 
 def unwrap(m: nn.Module) -> nn.Module:
@@ -80,14 +93,16 @@ def sites(model: nn.Module) -> dict[str, Site]:
     """Every module by user path, in registration order ("" is the unwrapped root)."""
     out: dict[str, Site] = {}
 
-    def walk(outer: nn.Module, path: str) -> None:
+    def walk(outer: nn.Module, path: str, compiled: bool) -> None:
         inner = unwrap(outer)
-        out[path] = Site(path, outer, inner)
+        in_place = getattr(outer, "_compiled_call_impl", None) is not None  # module.compile(): hooks inside
+        out[path] = Site(path, outer, inner, compiled or in_place)
+        below = compiled or _has_compile(outer)
         for name, child in inner._modules.items():
             if child is not None:
-                walk(child, f"{path}.{name}" if path else name)
+                walk(child, f"{path}.{name}" if path else name, below)
 
-    walk(model, "")
+    walk(model, "", False)
     return out
 
 
