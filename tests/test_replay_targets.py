@@ -4,6 +4,8 @@ within a cycle; the save-boundary sweep gives a checkpoint complete replay evide
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -63,8 +65,10 @@ def test_torch_compile_is_unwrapped_whole_model_and_per_block(shape, one_thread)
     block = w.EXPECTED[shape][-2][1]
     assert user_path(compiled, "_orig_mod." + block) == block
     assert user_path(model, block + "._orig_mod") == block
-    site = sites(compiled)[w.EXPECTED[shape][-2][1]]
+    site = sites(compiled)[block]
     assert type(site.outer).__name__ == "OptimizedModule" and type(site.inner) is w.DecoderLayer
+    # whole-model compile hides the blocks' hooks (the runner then runs capture steps eagerly); per-block does not
+    assert site.under_compile and not sites(model)[block].under_compile
 
 
 def test_a_model_without_blocks_is_refused_at_construction(one_thread):
@@ -166,26 +170,41 @@ def test_wrapped_models_are_discovered_and_replayed_on_two_ranks(kind):
     assert res["titan"]["classes"] == (["CheckpointWrapper"] if kind == "ddp" else ["FSDPCheckpointWrapper"])
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("SCOUT_COMPILE_TESTS") != "1",
+                    reason="compiles a model (35-40 s on a loaded 2-core machine); SCOUT_COMPILE_TESTS=1 runs it")
 def test_whole_model_compile_under_ddp_is_captured_on_eager_steps():
     """nanoGPT: DDP(torch.compile(model)). Dynamo ignores hooks added after compiling, so the steps with a capture
     armed run eagerly; every target replays (rotation at 2 and 3, sweep of all at 3)."""
-    outcomes = run_ranks(w.w_nanogpt_compiled, 2, 3, (3,), timeout=240)
-    res = _same_rows(outcomes, "rows")
-    assert outcomes[0].result["found"] == w.EXPECTED["gpt2"]
-    want = {t for _, t in w.EXPECTED["gpt2"]} | {"optimizer"}
-    assert {r["target"] for r in res if r["step"] == 3} == want
-    assert {r["status"] for r in res} == {"AGREE"} and [r["step"] for r in res][:2] == [2, 3]
+    outcomes = run_ranks(w.w_nanogpt_compiled, 2, 3, (3,), timeout=300)
+    res = outcomes[0].result
+    assert all(o.result["rows"] == res["rows"] for o in outcomes)
+    assert res["found"] == w.EXPECTED["gpt2"]
+    rows = res["rows"]
+    assert {r["target"] for r in rows if r["step"] == 3} == {t for _, t in w.EXPECTED["gpt2"]} | {"optimizer"}
+    assert {r["status"] for r in rows} == {"AGREE"} and [r["step"] for r in rows][:2] == [2, 3]
     assert all(o.result["stance_restored"] for o in outcomes)
 
 
-def test_sweep_certifies_each_save_at_once_and_attributes_a_fault_from_the_save_step():
+@pytest.fixture(scope="module")
+def three_ranks():
+    """The sweep and the optimizer scenarios share one 3-rank start-up."""
+    outcomes = run_ranks(w.w_sweep_and_optimizer, 3,
+                         sweep_kw=dict(steps=9, save_at=(3, 5, 7, 9), expect=(3, 5), faults={1: (1, 7, 1.5)},
+                                       unarmed=(1,), bitwise=True),
+                         opt_kw=dict(steps=14, bad_rank=2, from_step=2, opt_elems=1500), timeout=300)
+    return outcomes
+
+
+def test_sweep_certifies_each_save_at_once_and_attributes_a_fault_from_the_save_step(three_ranks):
     """3 ranks, no rotation: a save at 1 without announcement (its sweep replays nothing), saves at 3 and 5
-    announced, 7 and 9 predicted from the period of the saves. Rank 1's blocks.1 computes wrongly from step 7: the sweep at the save
-    at 7 attributes it to rank 1, and coverage fails 7 and 9 while 3 and 5 pass with no later replay."""
-    outcomes = run_ranks(w.w_sweep, 3, 9, (3, 5, 7, 9), expect=(3, 5), faults={1: (1, 7, 1.5)}, unarmed=(1,),
-                         bitwise=True, timeout=240)
-    rows = _same_rows(outcomes, "rows")
-    res = outcomes[0].result
+    announced, 7 and 9 predicted from the period of the saves. Rank 1's blocks.1 computes wrongly from step 7:
+    the sweep at the save at 7 attributes it to rank 1, and coverage fails 7 and 9 while 3 and 5 pass with no
+    later replay."""
+    outcomes = [o.result["sweep"] for o in three_ranks]
+    rows = outcomes[0]["rows"]
+    assert all(o["rows"] == rows for o in outcomes), "replay rows must be identical on all ranks"
+    res = outcomes[0]
     targets = res["targets"]
     names = {t for _, t in targets}
     assert [s for s, armed in res["armed_at"].items() if armed] == [3, 5, 7, 9]
@@ -207,15 +226,15 @@ def test_sweep_certifies_each_save_at_once_and_attributes_a_fault_from_the_save_
     assert coverage([r for r in rows if r["step"] > 3], targets, step=5)["status"] == "pass"
     opt_rows = [r for r in rows if r["recipe"] == "optimizer"]
     assert all(r["detail"]["elements"] > 0 and r["detail"]["tensors"] > 0 for r in opt_rows)
-    assert all(o.result["bitwise"] for o in outcomes), "sweep capture must not change training by a bit"
+    assert all(o["bitwise"] for o in outcomes), "sweep capture must not change training by a bit"
 
 
-def test_optimizer_replay_catches_a_corruption_of_the_last_parameters_last_element():
-    steps = 14
-    outcomes = run_ranks(w.w_optimizer_last_element, 3, steps, bad_rank=2, from_step=2, opt_elems=1500,
-                         timeout=240)
-    rows = _same_rows(outcomes, "rows")
-    res = outcomes[0].result
+def test_optimizer_replay_catches_a_corruption_of_the_last_parameters_last_element(three_ranks):
+    steps = 14  # three_ranks: rank 2's optimizer corrupts the last element of the last parameter from step 2
+    outcomes = [o.result["optimizer"] for o in three_ranks]
+    rows = outcomes[0]["rows"]
+    assert all(o["rows"] == rows for o in outcomes), "replay rows must be identical on all ranks"
+    res = outcomes[0]
     assert [r["step"] for r in rows] == list(range(2, steps + 1))
     cycle = rows[0]["detail"]["cycle"]
     assert 3 <= cycle <= steps - 2, cycle

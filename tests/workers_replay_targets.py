@@ -373,3 +373,8 @@ def w_nanogpt_compiled(rank, world, steps, save_at):
     rows = _train(model, opt, runner, rank, steps, save_at=save_at, inner=inner)
     runner.close()
     return {"found": discover(model), "rows": rows, "stance_restored": not runner._eager}  # noqa: SLF001
+
+
+def w_sweep_and_optimizer(rank, world, sweep_kw, opt_kw):
+    """Both 3-rank scenarios in one start-up (each on its own groups)."""
+    return {"sweep": w_sweep(rank, world, **sweep_kw), "optimizer": w_optimizer_last_element(rank, world, **opt_kw)}
