@@ -197,8 +197,8 @@ def three_ranks():
 
 
 def test_sweep_certifies_each_save_at_once_and_attributes_a_fault_from_the_save_step(three_ranks):
-    """3 ranks, no rotation: a save at 1 without announcement (its sweep replays nothing), saves at 3 and 5
-    announced, 7 and 9 predicted from the period of the saves. Rank 1's blocks.1 computes wrongly from step 7:
+    """3 ranks, no rotation: a save at 1 (before anything was armed: its sweep replays nothing), step 2 captured
+    while the save period is unknown, saves at 3 and 5 announced, 7 and 9 predicted from the period. Rank 1's blocks.1 computes wrongly from step 7:
     the sweep at the save at 7 attributes it to rank 1, and coverage fails 7 and 9 while 3 and 5 pass with no
     later replay."""
     outcomes = [o.result["sweep"] for o in three_ranks]
@@ -207,7 +207,7 @@ def test_sweep_certifies_each_save_at_once_and_attributes_a_fault_from_the_save_
     res = outcomes[0]
     targets = res["targets"]
     names = {t for _, t in targets}
-    assert [s for s, armed in res["armed_at"].items() if armed] == [3, 5, 7, 9]
+    assert [s for s, armed in res["armed_at"].items() if armed] == [2, 3, 5, 7, 9]
     by_step = {}
     for r in rows:
         by_step.setdefault(r["step"], []).append(r)

@@ -238,7 +238,7 @@ def w_discover_wrapped(rank, world, kind):
 def w_sweep(rank, world, steps, save_at, expect=(), faults=None, bitwise=False, unarmed=()):
     """The demo-like TinyLM of workers_replay, rotation far apart (interval 1000: only sweeps run). Saves at
     `save_at`: announced with expect_save for the steps in `expect`, the rest must be predicted by the runner
-    from the period of the earlier saves. `unarmed`: steps where sweep is called without any announcement.
+    from the period of the earlier saves (before the first announcement, every step is captured). `unarmed`: steps where sweep is called without any announcement.
     bitwise: also train without the runner and compare the final state bit for bit."""
     from tests import workers_replay as wr
 
@@ -249,7 +249,8 @@ def w_sweep(rank, world, steps, save_at, expect=(), faults=None, bitwise=False, 
     for step in range(1, steps + 1):
         if step in expect:
             runner.expect_save(step)
-        armed_at[step] = runner._sweep_step == step  # noqa: SLF001 -- the test checks the prediction
+        live = runner._live  # noqa: SLF001 -- the test checks the prediction
+        armed_at[step] = live is not None and live[0] == step
         if faults and rank in faults and step == faults[rank][1]:
             model.blocks[faults[rank][0]].fault_scale = faults[rank][2]
         wr.train_step(model, opt, rank, world, step)

@@ -15,7 +15,7 @@ Rotation, driven by `on_step(step)` (called after each optimizer step), one targ
 Sweep, driven by `sweep(step)` at a save boundary: every target once, on the inputs captured during the save
 step, so the checkpoint carries complete replay evidence of its own step (no waiting for later rotations).
 Capture for the save step must be armed before its forward: `expect_save(S)`, `save_every=`, or the period of the
-saves seen so far (from the third save on). Sweep captures hold no parameter copy: the sweep replays each module
+last two saves; until one of these is known every step is captured, so the first saves get a sweep too. Sweep captures hold no parameter copy: the sweep replays each module
 with the parameters it holds when the sweep runs -- the state being saved (under FSDP gathered one target at a
 time) -- so arming every target costs the block inputs and output gradients of one step, not a model copy.
 
@@ -84,22 +84,24 @@ class ReplayRunner:
         # the compiled wrapper, outside the graph).
         self._under_compile = any(where[n].under_compile for r, n in self._targets if r != "optimizer")
         self._eager = False
+        self._sites = {n: where[n] for r, n in self._targets if r != "optimizer"}
+        self._opt_elems = opt_elems
         self._captures: dict[str, Any] = {}   # rotation
-        self._sweep_caps: dict[str, Any] = {}  # save boundary
         for recipe, name in self._targets:
             if recipe == "optimizer":
                 if optimizer is None:
                     raise NoTargets("replay target 'optimizer' needs the optimizer")
                 self._captures[name] = OptimizerCapture(optimizer, opt_elems)
-                self._sweep_caps[name] = OptimizerCapture(optimizer, opt_elems)
             else:
-                site = where[name]
-                self._captures[name] = ModuleCapture(site.outer, site.inner)
-                self._sweep_caps[name] = ModuleCapture(site.outer, site.inner, params=False)
+                self._captures[name] = ModuleCapture(where[name].outer, where[name].inner)
         self.save_every = save_every
         self._expected: set[int] = set()
+        self._announced = False                # expect_save was used: no capture on mere suspicion
         self._saves: list[int] = []            # steps swept so far (predicts the next save)
-        self._sweep_step: int | None = None    # the step the sweep captures are for
+        # Sweep captures, double-buffered: `_live` has its hooks on for the coming step; `_done` holds the
+        # step just finished until its sweep (which comes after on_step, before the next forward).
+        self._live: tuple[int, dict[str, Any]] | None = None
+        self._done: tuple[int, dict[str, Any]] | None = None
         self._armed: tuple[int, Target] | None = None
         self._next: int | None = None          # the step whose forward comes next (armed for)
         self._replayed: tuple[int, set[str]] = (0, set())  # targets the rotation replayed at that step
@@ -122,10 +124,10 @@ class ReplayRunner:
         self._set_eager()
 
     def close(self) -> None:
-        for cap in list(self._captures.values()) + list(self._sweep_caps.values()):
+        for cap in self._captures.values():
             cap.disarm()
         self._armed = None
-        self._sweep_step = None
+        self._live = self._done = None
         self._set_eager()
 
     def on_step(self, step: int) -> list[dict]:
@@ -140,11 +142,12 @@ class ReplayRunner:
                 if row is not None:
                     rows.append(row)
                     self._replayed = (step, {row["target"]})
-        if self._sweep_step is not None:
-            for cap in self._sweep_caps.values():  # step `step` is over: its captures are complete
+        live, self._live = self._live, None
+        if live is not None:
+            for cap in live[1].values():  # step `step` is over: its captures are complete
                 cap.disarm()
-            if self._sweep_step < step:  # the save this capture was for did not come
-                self._drop_sweep()
+        # kept for sweep(step); an older one's save did not come
+        self._done = live if live is not None and live[0] == step else None
         self._arm(step + 1)
         self._set_eager()
         return rows
@@ -153,8 +156,8 @@ class ReplayRunner:
         """Under a whole-model torch.compile: run the next step eagerly iff a module capture is armed for it."""
         if not self._under_compile:
             return
-        need = any(cap.armed for (recipe, name) in self._targets if recipe != "optimizer"
-                   for cap in (self._captures[name], self._sweep_caps[name]))
+        need = (self._live is not None or
+                any(self._captures[name].armed for recipe, name in self._targets if recipe != "optimizer"))
         if need != self._eager:
             torch.compiler.set_stance("force_eager" if need else "default")
             self._eager = need
@@ -166,9 +169,8 @@ class ReplayRunner:
         at start-up): the sweep at that save then has every target's inputs. Local, no communication; every rank
         must say the same (as for any arming decision)."""
         self._expected.add(step)
+        self._announced = True
         if self._next == step:
-            if self._sweep_step is not None and self._sweep_step < step:
-                self._drop_sweep()  # armed for an earlier step that was not saved after all
             self._arm_sweep(step)
             self._set_eager()
 
@@ -178,12 +180,12 @@ class ReplayRunner:
         gets the same rows (the shape `on_step` returns, with detail["sweep"] true). A target the rotation already
         replayed at this step is not replayed again. When the capture was not armed for `step` on every peer,
         nothing is replayed and [] is returned: that checkpoint then waits for the rotation (coverage)."""
-        armed = self._sweep_step == step
+        armed = self._done is not None and self._done[0] == step
         everywhere = all(v[0] for v in self._gather([float(armed)]).values())
         rows: list[dict] = []
         if everywhere:
             done = self._replayed[1] if self._replayed[0] == step else set()
-            items = [(t, self._sweep_caps[t[1]]) for t in self._targets if t[1] not in done]
+            items = [(t, self._done[1][t[1]]) for t in self._targets if t[1] not in done]
             src = self.peers[(step + len(self._saves)) % len(self.peers)]  # the source rotates over saves
             rows = self._replay_batch(step, items, src)
             for row in rows:
@@ -191,40 +193,44 @@ class ReplayRunner:
         elif armed or step in self._expected:
             warnings.warn(f"replay sweep at step {step}: not every peer captured the step; coverage of this "
                           f"checkpoint waits for the rotation")
-        self._drop_sweep()
+        self._done = None
         self._expected.discard(step)
         if not self._saves or self._saves[-1] < step:
             self._saves.append(step)
-        self._arm_sweep(step + 1)  # a save every step: the next capture is armed here, after this one is spent
+        if self._live is not None and not self._save_due(self._live[0]):
+            for cap in self._live[1].values():  # armed while learning the save period, which this save taught
+                cap.disarm()
+            self._live = None
         self._set_eager()
         return rows
 
-    def _drop_sweep(self) -> None:
-        for cap in self._sweep_caps.values():
-            cap.disarm()
-            if hasattr(cap, "invocation"):
-                cap.invocation = None
-            else:
-                cap.capture = None
-        self._sweep_step = None
-
     def _save_due(self, step: int) -> bool:
-        """Will `step` be saved? Said (`expect_save`), configured (`save_every`), or the period of the last two
-        saves continued. Every rank derives the same answer from the same calls."""
+        """Will `step` be saved? Said (`expect_save`), configured (`save_every`), the period of the last two
+        saves continued, or -- while none of these is known (no save_every, no expect_save yet, fewer than two
+        saves) -- maybe: capture every step, so that even the first saves get a sweep. Every rank derives the same
+        answer from the same calls."""
         if step in self._expected or (self.save_every and step % self.save_every == 0):
             return True
         if len(self._saves) >= 2:
             period = self._saves[-1] - self._saves[-2]
             return period > 0 and step > self._saves[-1] and (step - self._saves[-1]) % period == 0
-        return False
+        return self.save_every is None and not self._expected and not self._announced
 
     def _arm_sweep(self, step: int) -> None:
-        if self._sweep_step is not None or not self._save_due(step):
+        if (self._live is not None and self._live[0] == step) or not self._save_due(step):
             return
+        caps: dict[str, Any] = {}
         for recipe, name in self._targets:
-            cap = self._sweep_caps[name]
-            cap.arm(step) if recipe == "optimizer" else cap.arm()
-        self._sweep_step = step
+            if recipe == "optimizer":
+                caps[name] = OptimizerCapture(self.optimizer, self._opt_elems)
+                caps[name].arm(step)
+            else:
+                caps[name] = ModuleCapture(self._sites[name].outer, self._sites[name].inner, params=False)
+                caps[name].arm()
+        if self._live is not None:
+            for cap in self._live[1].values():
+                cap.disarm()
+        self._live = (step, caps)
 
     # ---- arming ------------------------------------------------------------------------------------------------
 
