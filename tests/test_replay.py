@@ -63,7 +63,7 @@ def test_coverage_with_a_save_boundary_sweep():
     """A sweep at the save step S (a clean replay of every target AT S) completes the evidence at once; a fault
     found later counts only against checkpoints after the target's last clean replay; a fault found at S itself
     counts against S even when another replay of the target at S was clean."""
-    sweep = lambda s: [row(s, t) for _, t in TARGETS]  # noqa: E731
+    sweep = lambda s: [row(s, t) for _, t in TARGETS]
     assert coverage(sweep(10), TARGETS, step=10)["status"] == "pass"
     assert coverage(sweep(10)[:-1], TARGETS, step=10)["reasons"][0]["code"] == "replay_coverage_incomplete"
     later = sweep(10) + [row(15, "blocks.1", "ATTRIBUTED", [2])] + sweep(20)
@@ -130,7 +130,11 @@ def test_replay_reproduces_the_live_forward_and_backward_bitwise(one_thread):
 
 
 def test_optimizer_slice_replay_matches_the_live_update_bitwise(one_thread):
-    from scout_ckpt.replay.optimizer_replay import OptimizerCapture, replay_signature_inputs, replay_update
+    from scout_ckpt.replay.optimizer_replay import (
+        OptimizerCapture,
+        replay_signature_inputs,
+        replay_update,
+    )
 
     model, opt = w.setup(0)
     cap = OptimizerCapture(opt, max_elems=1000)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.launch import run_ranks
@@ -122,7 +122,11 @@ def test_demo_model_blocks_are_still_found(one_thread):
 # ---- optimizer windows (one process) -----------------------------------------------------------------------------
 
 def test_optimizer_windows_cover_every_element_of_every_parameter_in_one_cycle(one_thread):
-    from scout_ckpt.replay.optimizer_replay import OptimizerCapture, replay_update, windows
+    from scout_ckpt.replay.optimizer_replay import (
+        OptimizerCapture,
+        replay_update,
+        windows,
+    )
 
     model = w.build("titan")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -190,9 +194,9 @@ def test_whole_model_compile_under_ddp_is_captured_on_eager_steps():
 def three_ranks():
     """The sweep and the optimizer scenarios share one 3-rank start-up."""
     outcomes = run_ranks(w.w_sweep_and_optimizer, 3,
-                         sweep_kw=dict(steps=9, save_at=(3, 5, 7, 9), expect=(3, 5), faults={1: (1, 7, 1.5)},
-                                       unarmed=(1,), bitwise=True),
-                         opt_kw=dict(steps=14, bad_rank=2, from_step=2, opt_elems=1500), timeout=300)
+                         sweep_kw={"steps": 9, "save_at": (3, 5, 7, 9), "expect": (3, 5), "faults": {1: (1, 7, 1.5)},
+                                   "unarmed": (1,), "bitwise": True},
+                         opt_kw={"steps": 14, "bad_rank": 2, "from_step": 2, "opt_elems": 1500}, timeout=300)
     return outcomes
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 VOCAB, D, SEQ, BATCH, LAYERS = 48, 16, 8, 2, 2
 
@@ -80,7 +80,7 @@ class GPT2(nn.Module):
 
     def __init__(self, vocab: int = VOCAB, d: int = D, seq: int = SEQ, layers: int = LAYERS):
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
+        self.transformer = nn.ModuleDict(dict(  # noqa: C408 -- nanoGPT's own spelling
             wte=nn.Embedding(vocab, d), wpe=nn.Embedding(seq, d), drop=nn.Dropout(0.0),
             h=nn.ModuleList(DecoderLayer(d) for _ in range(layers)), ln_f=nn.LayerNorm(d)))
         self.lm_head = nn.Linear(d, vocab, bias=False)
@@ -144,7 +144,9 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 
 def wrap_blocks_with_checkpointing(model: nn.Module) -> None:
     """Activation checkpointing as TorchTitan and HF apply it: each block replaced by a CheckpointWrapper."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
 
     holder = model.model.layers if isinstance(model, HFCausalLM) else (
         model.transformer.h if isinstance(model, GPT2) else model.layers)
@@ -249,7 +251,7 @@ def w_sweep(rank, world, steps, save_at, expect=(), faults=None, bitwise=False, 
     for step in range(1, steps + 1):
         if step in expect:
             runner.expect_save(step)
-        live = runner._live  # noqa: SLF001 -- the test checks the prediction
+        live = runner._live
         armed_at[step] = live is not None and live[0] == step
         if faults and rank in faults and step == faults[rank][1]:
             model.blocks[faults[rank][0]].fault_scale = faults[rank][2]
@@ -323,9 +325,8 @@ def w_sweep_cost(rank, world, which, steps, saves):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     runner = _runner(model, opt, ConsensusGroups.create("ddp", world), interval=10**9)
     plain, armed, sweep = [], [], []
-    step = 0
     for i in range(steps + saves + 1):
-        step += 1
+        step = i + 1
         save = i >= steps
         if save:
             runner.expect_save(step)
@@ -373,7 +374,7 @@ def w_nanogpt_compiled(rank, world, steps, save_at):
     runner = _runner(model, opt, ConsensusGroups.create("ddp", world), interval=1)
     rows = _train(model, opt, runner, rank, steps, save_at=save_at, inner=inner)
     runner.close()
-    return {"found": discover(model), "rows": rows, "stance_restored": not runner._eager}  # noqa: SLF001
+    return {"found": discover(model), "rows": rows, "stance_restored": not runner._eager}
 
 
 def w_sweep_and_optimizer(rank, world, sweep_kw, opt_kw):

@@ -3,7 +3,7 @@ re-execute it on every peer, compare exact signatures with C3, and report covera
 
 from scout_ckpt.replay.schedule import Schedule, coverage, discover_targets
 
-__all__ = ["ReplayRunner", "NoTargets", "Schedule", "coverage", "discover_targets"]
+__all__ = ["NoTargets", "ReplayRunner", "Schedule", "coverage", "discover_targets"]
 
 
 def __getattr__(name):  # the runner imports torch.distributed; keep `coverage` importable without it

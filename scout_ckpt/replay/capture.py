@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 
@@ -46,8 +46,8 @@ class Invocation:
     autocast: tuple | None        # (device_type, dtype) when the forward ran under autocast
     grad_outputs: list = field(default_factory=list)  # per flattened output leaf: its grad, or None
 
-    def to(self, device: torch.device | str) -> "Invocation":
-        move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    def to(self, device: torch.device | str) -> Invocation:
+        move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
         return Invocation(
             tree_map(move, self.args), tree_map(move, self.kwargs), self.requires_grad,
             {k: move(v) for k, v in self.params.items()}, {k: move(v) for k, v in self.buffers.items()},
@@ -136,7 +136,7 @@ class ModuleCapture:
         def hook(grad: torch.Tensor) -> None:
             if inv.grad_outputs[i] is None:
                 inv.grad_outputs[i] = grad.detach().clone()
-            return None  # never change the live gradient
+            # never change the live gradient
         return hook
 
 

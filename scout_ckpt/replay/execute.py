@@ -12,7 +12,7 @@ import copy
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from scout_ckpt.replay.capture import Invocation, device_of
@@ -134,4 +134,4 @@ def replay_module(module: nn.Module, inv: Invocation, deterministic: bool = True
     return labels, tensors
 
 
-__all__ = ["replay_copy", "replay_module", "replay_mode"]
+__all__ = ["replay_copy", "replay_mode", "replay_module"]

@@ -82,14 +82,14 @@ class SliceCapture:
         """Parameter elements whose update this capture replays."""
         return sum(p.numel() for p in self.params)
 
-    def pre(self) -> "SliceCapture":
+    def pre(self) -> SliceCapture:
         """What a peer needs to replay it (the live results stay home)."""
         return SliceCapture(self.names, self.hyper, self.params, self.grads, self.state, unsupported=self.unsupported,
                             starts=self.starts, round=self.round, cycle=self.cycle)
 
-    def to(self, device) -> "SliceCapture":
+    def to(self, device) -> SliceCapture:
         """The pre-step part on `device`: host copies travel to peers, replays run where the live update ran."""
-        mv = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        mv = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v
         return SliceCapture(self.names, self.hyper, [mv(p) for p in self.params], [mv(g) for g in self.grads],
                             [{k: mv(v) for k, v in st.items()} for st in self.state], unsupported=self.unsupported,
                             starts=self.starts, round=self.round, cycle=self.cycle)
@@ -244,5 +244,12 @@ def replay_signature_inputs(cls, defaults: dict, source: SliceCapture, own: Slic
     return labels, tensors
 
 
-__all__ = ["ELEMENTWISE", "supports", "windows", "SliceCapture", "OptimizerCapture", "replay_update",
-           "replay_signature_inputs"]
+__all__ = [
+    "ELEMENTWISE",
+    "OptimizerCapture",
+    "SliceCapture",
+    "replay_signature_inputs",
+    "replay_update",
+    "supports",
+    "windows",
+]

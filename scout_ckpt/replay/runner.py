@@ -34,17 +34,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 from scout_ckpt.consensus.c3 import verdicts_from_gathered
 from scout_ckpt.consensus.signatures import replica_signatures
 from scout_ckpt.consensus.timing import Confirmer, robust_outliers
 from scout_ckpt.replay.capture import ModuleCapture, current_state
 from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module
-from scout_ckpt.replay.optimizer_replay import DEFAULT_ELEMS, OptimizerCapture, replay_signature_inputs, supports
+from scout_ckpt.replay.optimizer_replay import (
+    DEFAULT_ELEMS,
+    OptimizerCapture,
+    replay_signature_inputs,
+    supports,
+)
 from scout_ckpt.replay.schedule import Schedule, Target
 from scout_ckpt.replay.targets import NoTargets, discover, resolve, sites
-
 
 # ---- the runner -----------------------------------------------------------------------------------------------
 
@@ -411,4 +415,4 @@ def _summarise(verdict) -> tuple[str, list[int], dict]:
     return verdict.status.upper(), sorted(verdict.attributed_ranks), detail
 
 
-__all__ = ["ReplayRunner", "replay_copy", "replay_module", "replay_mode"]
+__all__ = ["ReplayRunner", "replay_copy", "replay_mode", "replay_module"]

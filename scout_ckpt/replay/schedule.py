@@ -8,9 +8,16 @@ on it without communicating.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
-from scout_ckpt.policy import FAIL, INCONCLUSIVE, MISSING, NOT_APPLICABLE, PASS, evidence
+from scout_ckpt.policy import (
+    FAIL,
+    INCONCLUSIVE,
+    MISSING,
+    NOT_APPLICABLE,
+    PASS,
+    evidence,
+)
 
 RECIPES = ("embedding", "block", "head", "optimizer")
 OPTIMIZER_TARGET = "optimizer"
@@ -114,4 +121,4 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = 
     return evidence(PASS, [], **detail)
 
 
-__all__ = ["RECIPES", "OPTIMIZER_TARGET", "Target", "discover_targets", "Schedule", "coverage"]
+__all__ = ["OPTIMIZER_TARGET", "RECIPES", "Schedule", "Target", "coverage", "discover_targets"]

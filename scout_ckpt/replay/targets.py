@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn as nn
+from torch import nn
 
 from scout_ckpt.errors import ScoutError
 
@@ -236,5 +236,17 @@ def _try_user_path(model: nn.Module, raw: str) -> str | None:
         return None
 
 
-__all__ = ["NoTargets", "Site", "sites", "unwrap", "original_class", "user_path", "find_blocks",
-           "find_embeddings", "find_head", "discover", "resolve", "OPTIMIZER"]
+__all__ = [
+    "OPTIMIZER",
+    "NoTargets",
+    "Site",
+    "discover",
+    "find_blocks",
+    "find_embeddings",
+    "find_head",
+    "original_class",
+    "resolve",
+    "sites",
+    "unwrap",
+    "user_path",
+]
