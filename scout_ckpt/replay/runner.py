@@ -26,8 +26,6 @@ runs under `torch.random.fork_rng` on deep copies).
 
 from __future__ import annotations
 
-import io
-import pickle
 import time
 import warnings
 from typing import Any
@@ -49,6 +47,7 @@ from scout_ckpt.replay.optimizer_replay import (
 )
 from scout_ckpt.replay.schedule import Schedule, Target
 from scout_ckpt.replay.targets import NoTargets, discover, resolve, sites
+from scout_ckpt.replay.transport import broadcast_payload, host
 
 # ---- the runner -----------------------------------------------------------------------------------------------
 
@@ -264,8 +263,8 @@ class ReplayRunner:
         source did not run this step gives no row. Every peer returns the same rows."""
         payloads = None
         if self.rank == src:
-            payloads = [_cpu(cap.invocation if t[0] != "optimizer" else cap.capture) for t, cap in items]
-        payloads = _broadcast(payloads, src, self.group)
+            payloads = [host(cap.invocation if t[0] != "optimizer" else cap.capture) for t, cap in items]
+        payloads = broadcast_payload(payloads, src, self.group)
         work = [(t, cap, pl) for (t, cap), pl in zip(items, payloads) if pl is not None]
         results = []
         for target, cap, payload in work:
@@ -341,54 +340,6 @@ class ReplayRunner:
             self._events.append({"kind": "straggler", "ranks": [rank], "step": step,
                                  "detail": {"slowdown": round(float(slowdown), 3), "source": "replay",
                                             "target": target[1]}})
-
-
-def _cpu(obj: Any) -> Any:
-    """Captures travel over gloo: host tensors."""
-    return None if obj is None else obj.to("cpu")
-
-
-def _broadcast(obj: Any, src: int, group) -> Any:
-    """broadcast_object_list, with the tensors sent as one flat byte buffer: pickling each tensor (torch.save
-    per storage) cost more than the replay itself for a sweep of every target."""
-    tensors: list[torch.Tensor] = []
-
-    class _Out(pickle.Pickler):
-        def persistent_id(self, o):
-            if isinstance(o, torch.Tensor) and type(o) is torch.Tensor:
-                tensors.append(o.detach().contiguous())
-                return len(tensors) - 1
-            return None
-
-    head = None
-    if dist.get_rank() == src:
-        buf = io.BytesIO()
-        _Out(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        head = (buf.getvalue(), [(t.dtype, tuple(t.shape), t.numel() * t.element_size()) for t in tensors])
-    box = [head]
-    dist.broadcast_object_list(box, src=src, group=group)
-    data, metas = box[0]
-    total = sum(m[2] for m in metas)
-    if dist.get_rank() == src:
-        flat = (torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors
-                else torch.empty(0, dtype=torch.uint8))
-    else:
-        flat = torch.empty(total, dtype=torch.uint8)
-    if total:
-        dist.broadcast(flat, src=src, group=group)
-    if dist.get_rank() == src:
-        return obj
-    views, at = [], 0
-    for dtype, shape, nbytes in metas:
-        views.append(flat[at:at + nbytes].view(dtype).reshape(shape).clone() if nbytes else
-                     torch.empty(shape, dtype=dtype))
-        at += nbytes
-
-    class _In(pickle.Unpickler):
-        def persistent_load(self, pid):
-            return views[pid]
-
-    return _In(io.BytesIO(data)).load()
 
 
 def _peer_group(groups, peers: str) -> tuple[Any, list[int]]:
