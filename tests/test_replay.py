@@ -59,6 +59,22 @@ def test_coverage_details():
     assert coverage([], [])["status"] == "not_applicable"
 
 
+def test_coverage_with_a_save_boundary_sweep():
+    """A sweep at the save step S (a clean replay of every target AT S) completes the evidence at once; a fault
+    found later counts only against checkpoints after the target's last clean replay; a fault found at S itself
+    counts against S even when another replay of the target at S was clean."""
+    sweep = lambda s: [row(s, t) for _, t in TARGETS]
+    assert coverage(sweep(10), TARGETS, step=10)["status"] == "pass"
+    assert coverage(sweep(10)[:-1], TARGETS, step=10)["reasons"][0]["code"] == "replay_coverage_incomplete"
+    later = sweep(10) + [row(15, "blocks.1", "ATTRIBUTED", [2])] + sweep(20)
+    assert coverage(later, TARGETS, step=10)["status"] == "pass"        # the fault began after 10's sweep
+    ev = coverage([r for r in later if r["step"] > 10], TARGETS, step=20)  # 20's clean sweep does not clear it
+    assert ev["status"] == "fail" and ev["reasons"][0] == {"code": "replay_sdc", "ranks": [2], "target": "blocks.1",
+                                                           "recipe": "block", "step": 15}
+    same_step = sweep(10) + [row(10, "head", "ATTRIBUTED", [1])]
+    assert coverage(same_step, TARGETS, step=10)["status"] == "fail"
+
+
 def test_schedule_rotates_over_every_target_and_source():
     s = Schedule(TARGETS, interval=2)
     assert [s.target_for(n) for n in range(1, 6)] == [None, TARGETS[0], None, TARGETS[1], None]
@@ -114,18 +130,24 @@ def test_replay_reproduces_the_live_forward_and_backward_bitwise(one_thread):
 
 
 def test_optimizer_slice_replay_matches_the_live_update_bitwise(one_thread):
-    from scout_ckpt.replay.optimizer_replay import OptimizerCapture, replay_signature_inputs, replay_update
+    from scout_ckpt.replay.optimizer_replay import (
+        OptimizerCapture,
+        replay_signature_inputs,
+        replay_update,
+    )
 
     model, opt = w.setup(0)
-    cap = OptimizerCapture(opt, max_params=3, max_elems=100)
+    cap = OptimizerCapture(opt, max_elems=1000)
     for step in range(3):
-        cap.arm()
+        cap.arm(step)
         model(torch.randint(0, w.VOCAB, (2, w.SEQ))).mean().backward()
         opt.step()
         opt.zero_grad()
         cap.disarm()
     c = cap.capture
-    assert len(c.params) == 3 and all(p.numel() <= 100 for p in c.params) and c.state[0]["exp_avg"].numel()
+    n_params = len(list(model.parameters()))
+    assert len(c.params) == n_params and c.state[0]["exp_avg"].numel()  # every tensor, a window of each
+    assert 1000 <= c.elements < 1000 + 64 * n_params and c.cycle > 1
     new_p, new_s = replay_update(type(opt), opt.defaults, c)
     for a, b in zip(new_p, c.after_params):
         assert torch.equal(a, b)

@@ -1,9 +1,9 @@
-"""SDC replay: capture one layer's (or the optimizer's) live invocation per step, re-execute it on every peer,
-compare exact signatures with C3, and report coverage of the whole model since the last certified step."""
+"""SDC replay: capture one layer's (or the optimizer's) live invocation per step -- and every target's at a save --
+re-execute it on every peer, compare exact signatures with C3, and report coverage of the whole model."""
 
 from scout_ckpt.replay.schedule import Schedule, coverage, discover_targets
 
-__all__ = ["ReplayRunner", "Schedule", "coverage", "discover_targets"]
+__all__ = ["NoTargets", "ReplayRunner", "Schedule", "coverage", "discover_targets"]
 
 
 def __getattr__(name):  # the runner imports torch.distributed; keep `coverage` importable without it
@@ -11,4 +11,8 @@ def __getattr__(name):  # the runner imports torch.distributed; keep `coverage` 
         from scout_ckpt.replay.runner import ReplayRunner
 
         return ReplayRunner
+    if name == "NoTargets":
+        from scout_ckpt.replay.targets import NoTargets
+
+        return NoTargets
     raise AttributeError(name)

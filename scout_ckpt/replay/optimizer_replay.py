@@ -1,12 +1,20 @@
-"""Optimizer replay on a bounded slice: re-run the update of a few parameters' first elements on copies.
+"""Optimizer replay: re-run the update of a window of every parameter on copies, a different window each round.
 
 Elementwise optimizers (SGD, Adam(W), RMSprop, ...) update each element from that element's parameter, gradient
-and state alone, so the first `max_elems` elements of a parameter can be updated in isolation by a fresh optimizer
-of the same class and hyperparameters and must land on the same bits as the live update. Two checks come out of
-one capture: every peer re-runs the *source's* pre-step slice (a persistently wrong optimizer kernel on a peer
-shows), and every peer re-runs *its own* slice and compares with its own live result (a corrupted live update
-shows, also on FSDP shards, which no other rank holds). The self-check result -- a count of mismatching elements -- is the
-same on every healthy rank, so it can go through C3 with the replayed values.
+and state alone, so any contiguous window of a parameter can be updated in isolation by a fresh optimizer of the
+same class and hyperparameters and must land on the same bits as the live update. Two checks come out of one
+capture: every peer re-runs the *source's* pre-step windows (a persistently wrong optimizer kernel on a peer
+shows), and every peer re-runs *its own* windows and compares with its own live result (a corrupted live update
+shows, also on FSDP shards, which no other rank holds). The self-check result -- a count of mismatching elements --
+is the same on every healthy rank, so it can go through C3 with the replayed values.
+
+Coverage: every round covers EVERY parameter tensor that has a gradient. A budget of `max_elems` elements per round
+is shared out in proportion to each tensor's size (at least `MIN_WINDOW` elements, or the whole tensor), so every
+tensor is cut into about the same number of windows W (W = 1 when the whole model fits the budget). Round r
+replays window (r + phase) mod W of each tensor; the last window ends on the tensor's last element. So any W
+consecutive rounds cover every element of every parameter, and which window a round takes depends only on the
+round number, the tensor's position and a fixed seed: every rank picks the same windows without communicating
+(under FSDP each rank windows its own shard by the same rule).
 """
 
 from __future__ import annotations
@@ -31,15 +39,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _slice(t: torch.Tensor, n: int) -> torch.Tensor:
-    return _local(t).detach().reshape(-1)[:n].clone()
+MIN_WINDOW = 64          # smallest window cut from a tensor (or the whole tensor when smaller)
+DEFAULT_ELEMS = 1 << 16  # elements per round, over all tensors (256 KiB of fp32 per replayed quantity)
+
+
+def _slice(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    return _local(t).detach().reshape(-1)[start:start + n].clone()
+
+
+def windows(numels: list[int], budget: int, rnd: int, seed: int = 0) -> list[tuple[int, int, int]]:
+    """(start, length, n_windows) for each tensor of `numels` in round `rnd` (see the module docstring).
+
+    Pure: the same arguments give the same windows on every rank and after a restart."""
+    total = sum(numels)
+    out = []
+    for i, n in enumerate(numels):
+        m = n if total <= budget else min(n, max(MIN_WINDOW, -(-n * budget // total)))
+        w = -(-n // m)
+        k = (rnd + (i * 7919 + seed * 104729) % w) % w
+        out.append((min(k * m, n - m), m, w))
+    return out
 
 
 @dataclass
 class SliceCapture:
-    """Pre-step inputs of the update (hyperparameters, parameter, grad and state slices) and the live result."""
+    """Pre-step inputs of the update (hyperparameters, parameter, grad and state windows) and the live result."""
 
-    names: list[str] = field(default_factory=list)       # "group.index" of each sliced parameter
+    names: list[str] = field(default_factory=list)       # "group.index" of each windowed parameter
     hyper: list[dict] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
@@ -47,36 +73,52 @@ class SliceCapture:
     after_params: list[torch.Tensor] = field(default_factory=list)
     after_state: list[dict] = field(default_factory=list)
     unsupported: str | None = None
+    starts: list[int] = field(default_factory=list)       # each window's first element (of the local tensor)
+    round: int = 0
+    cycle: int = 1                                         # rounds after which every element was covered
 
-    def pre(self) -> "SliceCapture":
+    @property
+    def elements(self) -> int:
+        """Parameter elements whose update this capture replays."""
+        return sum(p.numel() for p in self.params)
+
+    def pre(self) -> SliceCapture:
         """What a peer needs to replay it (the live results stay home)."""
-        return SliceCapture(self.names, self.hyper, self.params, self.grads, self.state, unsupported=self.unsupported)
+        return SliceCapture(self.names, self.hyper, self.params, self.grads, self.state, unsupported=self.unsupported,
+                            starts=self.starts, round=self.round, cycle=self.cycle)
 
-    def to(self, device) -> "SliceCapture":
+    def to(self, device) -> SliceCapture:
         """The pre-step part on `device`: host copies travel to peers, replays run where the live update ran."""
-        mv = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        mv = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v
         return SliceCapture(self.names, self.hyper, [mv(p) for p in self.params], [mv(g) for g in self.grads],
-                            [{k: mv(v) for k, v in st.items()} for st in self.state], unsupported=self.unsupported)
+                            [{k: mv(v) for k, v in st.items()} for st in self.state], unsupported=self.unsupported,
+                            starts=self.starts, round=self.round, cycle=self.cycle)
 
 
 class OptimizerCapture:
-    """Step pre/post hooks that snapshot `max_params` parameters (spread over the list) x `max_elems` elements."""
+    """Step pre/post hooks that snapshot a window of every parameter with a gradient (see the module docstring).
 
-    def __init__(self, optimizer: optim.Optimizer, max_params: int = 4, max_elems: int = 4096):
+    `arm(rnd)` chooses round `rnd`'s windows; callers pass a number every rank derives from the step alone."""
+
+    def __init__(self, optimizer: optim.Optimizer, max_elems: int = DEFAULT_ELEMS, seed: int = 0):
+        if max_elems < 1:
+            raise ValueError(f"optimizer replay needs max_elems >= 1, got {max_elems}")
         self.optimizer = optimizer
-        self.max_params = max_params
         self.max_elems = max_elems
+        self.seed = seed
+        self.round = 0
         self.capture: SliceCapture | None = None
-        self._chosen: list[tuple[int, int, torch.Tensor, int]] = []
+        self._chosen: list[tuple[int, int, torch.Tensor, int, int]] = []
         self._handles: list = []
 
     @property
     def armed(self) -> bool:
         return bool(self._handles)
 
-    def arm(self) -> None:
+    def arm(self, rnd: int = 0) -> None:
         self.disarm()
         self.capture = None
+        self.round = rnd
         self._handles = [self.optimizer.register_step_pre_hook(self._pre),
                          self.optimizer.register_step_post_hook(self._post)]
 
@@ -85,27 +127,25 @@ class OptimizerCapture:
             h.remove()
         self._handles = []
 
-    def _pick(self) -> list[tuple[int, int, torch.Tensor]]:
+    def _pick(self) -> list[tuple[int, int, torch.Tensor, int, int, int]]:
+        """(group, index, param, start, length, n_windows) for every parameter that will be updated."""
         cands = [(gi, pi, p) for gi, g in enumerate(self.optimizer.param_groups) for pi, p in enumerate(g["params"])
                  if p.grad is not None and _local(p).numel() > 0]
-        if len(cands) <= self.max_params:
-            return cands
-        k = self.max_params
-        return [cands[round(i * (len(cands) - 1) / (k - 1))] for i in range(k)] if k > 1 else cands[:1]
+        wins = windows([_local(p).numel() for _, _, p in cands], self.max_elems, self.round, self.seed)
+        return [(gi, pi, p, s, n, w) for (gi, pi, p), (s, n, w) in zip(cands, wins)]
 
     def _pre(self, opt, args, kwargs) -> None:
         if self.capture is not None:
             return
-        cap = SliceCapture()
+        cap = SliceCapture(round=self.round)
         self._chosen = []
-        for gi, pi, p in self._pick():
-            n = min(self.max_elems, _local(p).numel())
+        for gi, pi, p, s, n, w in self._pick():
             state = {}
             for k, v in opt.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     lv = _local(v)
                     if lv.shape == _local(p).shape:
-                        state[k] = _slice(v, n)
+                        state[k] = _slice(v, s, n)
                     elif lv.numel() == 1:
                         state[k] = lv.detach().clone()
                     else:
@@ -114,19 +154,22 @@ class OptimizerCapture:
                     state[k] = v
             cap.names.append(f"{gi}.{pi}")
             cap.hyper.append({k: v for k, v in opt.param_groups[gi].items() if k != "params"})
-            cap.params.append(_slice(p, n))
-            cap.grads.append(_slice(p.grad, n))
+            cap.params.append(_slice(p, s, n))
+            cap.grads.append(_slice(p.grad, s, n))
             cap.state.append(state)
-            self._chosen.append((gi, pi, p, n))
+            cap.starts.append(s)
+            cap.cycle = max(cap.cycle, w)
+            self._chosen.append((gi, pi, p, s, n))
         self.capture = cap
 
     def _post(self, opt, args, kwargs) -> None:
         cap = self.capture
         if cap is None or cap.after_params or len(self._chosen) != len(cap.params):
             return
-        for gi, pi, p, n in self._chosen:
-            cap.after_params.append(_slice(p, n))
-            cap.after_state.append({k: (_slice(v, n) if _local(v).shape == _local(p).shape else _local(v).detach().clone())
+        for gi, pi, p, s, n in self._chosen:
+            cap.after_params.append(_slice(p, s, n))
+            cap.after_state.append({k: (_slice(v, s, n) if _local(v).shape == _local(p).shape
+                                        else _local(v).detach().clone())
                                     for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)})
         self._chosen = []
 
@@ -139,17 +182,29 @@ def _fresh(cls, group: dict, defaults: dict):
 
 
 def replay_update(cls, defaults: dict, cap: SliceCapture) -> tuple[list[torch.Tensor], list[dict]]:
-    """Re-run the update of each captured slice with a fresh optimizer of class `cls`: new params, new state."""
-    out_params, out_state = [], []
-    for hyper, p0, g, st in zip(cap.hyper, cap.params, cap.grads, cap.state):
-        p = torch.nn.Parameter(p0.clone())
-        p.grad = g.clone()
-        opt = _fresh(cls, dict(hyper, params=[p]), defaults)
-        if st:
-            opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+    """Re-run the update of each captured window with a fresh optimizer of class `cls`: new params, new state.
+
+    One fresh optimizer per live parameter group (the windows of a group share its hyperparameters), so a round
+    over every tensor of a large model costs a few optimizer steps, not one per tensor."""
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(cap.names):
+        groups.setdefault(name.split(".", 1)[0], []).append(i)
+    out_params: list = [None] * len(cap.params)
+    out_state: list = [None] * len(cap.params)
+    for idx in groups.values():
+        ps = []
+        for i in idx:
+            p = torch.nn.Parameter(cap.params[i].clone())
+            p.grad = cap.grads[i].clone()
+            ps.append(p)
+        opt = _fresh(cls, dict(cap.hyper[idx[0]], params=ps), defaults)
+        for i, p in zip(idx, ps):
+            if cap.state[i]:
+                opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in cap.state[i].items()}
         opt.step()
-        out_params.append(p.detach())
-        out_state.append({k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)})
+        for i, p in zip(idx, ps):
+            out_params[i] = p.detach()
+            out_state[i] = {k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
     return out_params, out_state
 
 
@@ -189,5 +244,12 @@ def replay_signature_inputs(cls, defaults: dict, source: SliceCapture, own: Slic
     return labels, tensors
 
 
-__all__ = ["ELEMENTWISE", "supports", "SliceCapture", "OptimizerCapture", "replay_update",
-           "replay_signature_inputs"]
+__all__ = [
+    "ELEMENTWISE",
+    "OptimizerCapture",
+    "SliceCapture",
+    "replay_signature_inputs",
+    "replay_update",
+    "supports",
+    "windows",
+]

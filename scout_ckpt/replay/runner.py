@@ -1,199 +1,119 @@
-"""The in-situ SDC replay runner: re-execute one captured layer (or optimizer slice) per step on every peer.
+"""The in-situ SDC replay runner: re-execute captured layers (or optimizer windows) on every peer and compare.
 
 Why it exists: a rank whose arithmetic is silently wrong contaminates the all-reduced gradients of every replica,
 so the replicas' parameters stay bit-identical and checkpoint consensus sees nothing. Replaying the *same* captured
 invocation on every peer and comparing exact signatures (C3) exposes the rank that computes differently.
 
-Protocol, driven by `on_step(step)` (called after each optimizer step):
+Two schedules share the machinery:
+
+Rotation, driven by `on_step(step)` (called after each optimizer step), one target every `interval` steps:
   on_step(S-1)  arm capture hooks on the target the schedule gives step S
   step S        the hooks clone the target's inputs, parameters, RNG state and output gradient
   on_step(S)    disarm; the source peer (rotating) broadcasts its capture over the peer group; every peer
                 re-executes it on copies; C3 over the signatures -> one replay row, identical on all peers.
-All communication is on gloo side groups, never the training group; live grads, parameters, buffers and RNG
-streams are never touched (replay runs under `torch.random.fork_rng` on deep copies).
+
+Sweep, driven by `sweep(step)` at a save boundary: every target once, on the inputs captured during the save
+step, so the checkpoint carries complete replay evidence of its own step (no waiting for later rotations).
+Capture for the save step must be armed before its forward: `expect_save(S)`, `save_every=`, or the period of the
+last two saves; until one of these is known every step is captured, so the first saves get a sweep too. Sweep captures hold no parameter copy: the sweep replays each module
+with the parameters it holds when the sweep runs -- the state being saved (under FSDP gathered one target at a
+time) -- so arming every target costs the block inputs and output gradients of one step, not a model copy.
+
+All communication is on gloo side groups, never the training group (except the sweep's DTensor gathers of sharded
+parameters, see capture.current_state); live grads, parameters, buffers and RNG streams are never touched (replay
+runs under `torch.random.fork_rng` on deep copies).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import time
 import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch import nn
 
-from scout_ckpt.consensus.c3 import c3_over_group
+from scout_ckpt.consensus.c3 import verdicts_from_gathered
 from scout_ckpt.consensus.signatures import replica_signatures
 from scout_ckpt.consensus.timing import Confirmer, robust_outliers
-from scout_ckpt.replay.capture import Invocation, ModuleCapture, device_of
-from scout_ckpt.replay.optimizer_replay import OptimizerCapture, replay_signature_inputs, supports
-from scout_ckpt.replay.schedule import Schedule, Target, discover_targets
-
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
-               "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
-
-
-# ---- re-execution on copies -----------------------------------------------------------------------------------
-
-def replay_copy(module: nn.Module, inv: Invocation) -> nn.Module:
-    """A deep copy of `module` holding the captured parameters and buffers, without any module hooks.
-
-    Hooks are dropped: FSDP's would issue collectives on the training group, ours would capture again, and a
-    user's (activation statistics, logging) would see replayed tensors as if they were live. The replay
-    re-executes the module's own forward code.
-
-    The live parameters are not copied at all (the memo maps them to themselves and they are swapped for the
-    snapshot right after), so FSDP's sharded DTensors and their meshes never get deep-copied, and FSDP2 modules
-    come back as their original class."""
-    memo: dict[int, Any] = {}
-    for m in module.modules():
-        for name in _HOOK_DICTS:
-            d = m.__dict__.get(name)
-            if isinstance(d, dict):
-                memo[id(d)] = type(d)()
-        for name, v in m.__dict__.items():  # composable-API registries (FSDP2 state: process groups, meshes)
-            if name.startswith("__composable_api_state_key") and isinstance(v, (dict, list)):
-                memo[id(v)] = type(v)()
-    for t in list(module.parameters()) + list(module.buffers()):
-        memo[id(t)] = t
-    mod = _deepcopy_unwrapped(module, memo)
-    canon = {id(p): n for n, p in mod.named_parameters()}
-    canon_b = {id(b): n for n, b in mod.named_buffers()}
-    fresh: dict[str, torch.Tensor] = {}
-    for sub in mod.modules():
-        for leaf, p in list(sub._parameters.items()):
-            if p is not None:
-                n = canon[id(p)]
-                if n not in fresh:
-                    fresh[n] = nn.Parameter(inv.params[n].clone(), requires_grad=p.requires_grad)
-                sub._parameters[leaf] = fresh[n]
-        for leaf, b in list(sub._buffers.items()):
-            if b is not None:
-                n = "buffer:" + canon_b[id(b)]
-                if n not in fresh:
-                    fresh[n] = inv.buffers[canon_b[id(b)]].clone()
-                sub._buffers[leaf] = fresh[n]
-    for n, m in mod.named_modules():
-        m.training = inv.training.get(n, m.training)
-    return mod
-
-
-def _deepcopy_unwrapped(module: nn.Module, memo: dict) -> nn.Module:
-    """copy.deepcopy, except that FSDP2 modules (whose __deepcopy__ refuses) come back as their original class."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return copy.deepcopy(module, memo)
-    wrapped = [m for m in module.modules() if isinstance(m, FSDPModule)]
-    for m in wrapped:  # empty shells first, so references between them resolve through the memo
-        cls = type(m).__mro__[type(m)._orig_cls_mro_index]
-        memo[id(m)] = object.__new__(cls)
-    for m in wrapped:
-        memo[id(m)].__dict__.update(copy.deepcopy(m.__dict__, memo))
-    return memo[id(module)] if id(module) in memo else copy.deepcopy(module, memo)
-
-
-@contextlib.contextmanager
-def replay_mode(device: torch.device, deterministic: bool):
-    """Deterministic algorithms on and RNG streams forked for the duration; both restored after."""
-    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    devices = [device] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-            if deterministic:
-                torch.use_deterministic_algorithms(True, warn_only=True)
-            with torch.enable_grad():
-                yield
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn_only)
-
-
-def replay_module(module: nn.Module, inv: Invocation, deterministic: bool = True
-                  ) -> tuple[list[str], list[torch.Tensor]]:
-    """Forward and backward of the captured invocation on a copy: (labels, tensors) to fingerprint."""
-    device = device_of(module)
-    inv = inv.to(device)
-    mod = replay_copy(module, inv)
-    with replay_mode(device, deterministic):
-        torch.set_rng_state(inv.rng)
-        if inv.device_rng is not None:
-            torch.cuda.set_rng_state(inv.device_rng, device)
-        leaves, spec = tree_flatten((inv.args, inv.kwargs))
-        leaves = [x.detach().clone().requires_grad_(rg) if isinstance(x, torch.Tensor) else x
-                  for x, rg in zip(leaves, inv.requires_grad)]
-        args, kwargs = tree_unflatten(leaves, spec)
-        # the live forward's autocast state, whatever the caller of on_step has on
-        ac = (torch.autocast(inv.autocast[0], dtype=inv.autocast[1]) if inv.autocast
-              else torch.autocast(device.type, enabled=False))
-        with ac:
-            out = mod(*args, **kwargs)
-        outs, _ = tree_flatten(out)
-        roots = [(o, g) for o, g in zip(outs, inv.grad_outputs)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        x_in = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
-        names = [n for n, p in mod.named_parameters() if p.requires_grad]
-        params = [p for p in mod.parameters() if p.requires_grad]
-        grads: tuple = ()
-        if roots and (x_in or params):
-            grads = torch.autograd.grad([o for o, _ in roots], x_in + params, [g for _, g in roots],
-                                        allow_unused=True)
-    empty = torch.zeros(0)
-    labels = [f"output[{i}]" for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
-    tensors = [o.detach() for o in outs if isinstance(o, torch.Tensor)]
-    grads = list(grads) or [None] * (len(x_in) + len(params))
-    labels += [f"grad_input[{i}]" for i in range(len(x_in))] + [f"grad_param:{n}" for n in names]
-    tensors += [empty if g is None else g for g in grads]
-    return labels, tensors
-
+from scout_ckpt.replay.capture import ModuleCapture, current_state
+from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module
+from scout_ckpt.replay.optimizer_replay import (
+    DEFAULT_ELEMS,
+    OptimizerCapture,
+    replay_signature_inputs,
+    supports,
+)
+from scout_ckpt.replay.schedule import Schedule, Target
+from scout_ckpt.replay.targets import NoTargets, discover, resolve, sites
+from scout_ckpt.replay.transport import broadcast_payload, host
 
 # ---- the runner -----------------------------------------------------------------------------------------------
 
 class ReplayRunner:
-    """Replays one scheduled target per `interval` steps across the peer group; see the module docstring.
+    """Replays one scheduled target per `interval` steps across the peer group, and every target at a save
+    (`sweep`); see the module docstring.
 
     groups: a consensus.groups.ConsensusGroups; its gloo groups carry all replay traffic. peers: "auto" uses the
     replica group when it has 3+ members and the world group otherwise (pure FSDP, 2-way HSDP); "replicas" or
-    "world" force one. `on_step` returns replay rows for the ledger, identical on all peers.
+    "world" force one. targets: (recipe, path) pairs or paths (targets.resolve); default: targets.discover, which
+    raises NoTargets (a ScoutError) when the model has no repeated blocks. opt_elems: optimizer elements replayed
+    per round over all parameters. save_every: arm the sweep capture for every multiple of it.
+    `on_step` and `sweep` return replay rows for the ledger, identical on all peers.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, groups,
-                 targets: list[Target] | None = None, interval: int = 1, deterministic: bool = True,
-                 peers: str = "auto", opt_params: int = 4, opt_elems: int = 4096, straggler_rounds: int = 3):
+                 targets: list | None = None, interval: int = 1, deterministic: bool = True,
+                 peers: str = "auto", opt_elems: int = DEFAULT_ELEMS, save_every: int | None = None,
+                 straggler_rounds: int = 3):
+        if save_every is not None and save_every < 1:
+            raise ValueError(f"replay save_every must be >= 1, got {save_every}")
         self.model = model
         self.optimizer = optimizer
         self.deterministic = deterministic
-        self.rank = dist.get_rank()
         opt = optimizer if optimizer is not None and supports(optimizer) else None
         # What replay does not check, for `explain`: an optimizer whose update is not elementwise.
         self.not_covered = [] if optimizer is None or opt is not None else [
-            f"optimizer {type(optimizer).__name__} (not elementwise: slice replay does not apply)"]
-        self._targets = list(targets) if targets is not None else discover_targets(model, opt)
+            f"optimizer {type(optimizer).__name__} (not elementwise: window replay does not apply)"]
+        # first, before any process group is touched: a model replay cannot cover is refused at once
+        self._targets = resolve(model, targets, opt) if targets is not None else discover(model, opt)
+        self.rank = dist.get_rank()
         self.schedule = Schedule(self._targets, interval)
         self.group, self.peers = _peer_group(groups, peers)
-        modules = dict(model.named_modules())
-        self._captures: dict[str, Any] = {}
+        where = sites(model)
+        # A whole-model torch.compile runs no hook added after compiling: steps with a module capture armed run
+        # eagerly (torch.compiler.set_stance), the others compiled. Per-block compile needs nothing (hooks sit on
+        # the compiled wrapper, outside the graph).
+        self._under_compile = any(where[n].under_compile for r, n in self._targets if r != "optimizer")
+        self._eager = False
+        self._sites = {n: where[n] for r, n in self._targets if r != "optimizer"}
+        self._opt_elems = opt_elems
+        self._captures: dict[str, Any] = {}   # rotation
         for recipe, name in self._targets:
             if recipe == "optimizer":
                 if optimizer is None:
-                    raise ValueError("replay target 'optimizer' needs the optimizer")
-                self._captures[name] = OptimizerCapture(optimizer, opt_params, opt_elems)
+                    raise NoTargets("replay target 'optimizer' needs the optimizer")
+                self._captures[name] = OptimizerCapture(optimizer, opt_elems)
             else:
-                if name not in modules:
-                    raise ValueError(f"replay target {name!r} is not a submodule of the model")
-                self._captures[name] = ModuleCapture(modules[name])
+                self._captures[name] = ModuleCapture(where[name].outer, where[name].inner)
+        self.save_every = save_every
+        self._expected: set[int] = set()
+        self._announced = False                # expect_save was used: no capture on mere suspicion
+        self._saves: list[int] = []            # steps swept so far (predicts the next save)
+        # Sweep captures, double-buffered: `_live` has its hooks on for the coming step; `_done` holds the
+        # step just finished until its sweep (which comes after on_step, before the next forward).
+        self._live: tuple[int, dict[str, Any]] | None = None
+        self._done: tuple[int, dict[str, Any]] | None = None
         self._armed: tuple[int, Target] | None = None
+        self._next: int | None = None          # the step whose forward comes next (armed for)
+        self._replayed: tuple[int, set[str]] = (0, set())  # targets the rotation replayed at that step
         self._events: list[dict] = []
         self._confirmer = Confirmer(straggler_rounds)
         self._reported: set[int] = set()
 
     def targets(self) -> list[Target]:
-        """The coverage set: a step certifies only if each has a clean replay since the last certified step."""
+        """The coverage set: a step certifies only if each has a clean replay (see schedule.coverage)."""
         return list(self._targets)
 
     def events(self) -> list[dict]:
@@ -204,76 +124,202 @@ class ReplayRunner:
         """Arm for step+1 before the first on_step (e.g. right after resuming at `step`)."""
         self.close()
         self._arm(step + 1)
+        self._set_eager()
 
     def close(self) -> None:
         for cap in self._captures.values():
             cap.disarm()
         self._armed = None
+        self._live = self._done = None
+        self._set_eager()
 
     def on_step(self, step: int) -> list[dict]:
-        """Called once per optimizer step, after it, on every rank: replay what step `step` captured, arm next."""
+        """Called once per optimizer step, after it, on every rank: replay what step `step` captured, arm next.
+        Collective over the peer group at scheduled steps; every peer returns the same rows."""
         rows: list[dict] = []
         armed, self._armed = self._armed, None
         if armed is not None:
             self._captures[armed[1][1]].disarm()
             if armed[0] == step:
-                row = self._replay(step, armed[1])
+                row = self._replay(step, armed[1], self._captures[armed[1][1]])
                 if row is not None:
                     rows.append(row)
+                    self._replayed = (step, {row["target"]})
+        live, self._live = self._live, None
+        if live is not None:
+            for cap in live[1].values():  # step `step` is over: its captures are complete
+                cap.disarm()
+        # kept for sweep(step); an older one's save did not come
+        self._done = live if live is not None and live[0] == step else None
         self._arm(step + 1)
+        self._set_eager()
         return rows
 
+    def _set_eager(self) -> None:
+        """Under a whole-model torch.compile: run the next step eagerly iff a module capture is armed for it."""
+        if not self._under_compile:
+            return
+        need = (self._live is not None or
+                any(self._captures[name].armed for recipe, name in self._targets if recipe != "optimizer"))
+        if need != self._eager:
+            torch.compiler.set_stance("force_eager" if need else "default")
+            self._eager = need
+
+    # ---- the save-boundary sweep ---------------------------------------------------------------------------
+
+    def expect_save(self, step: int) -> None:
+        """Say that `step` will be saved, before that step's forward (e.g. from the per-step hook of step-1, or
+        at start-up): the sweep at that save then has every target's inputs. Local, no communication; every rank
+        must say the same (as for any arming decision)."""
+        self._expected.add(step)
+        self._announced = True
+        if self._next == step:
+            self._arm_sweep(step)
+            self._set_eager()
+
+    def sweep(self, step: int) -> list[dict]:
+        """Replay EVERY target once on the inputs captured during step `step` (the save step), after on_step(step)
+        and before the next forward. Collective over the peer group: every peer calls it with the same step and
+        gets the same rows (the shape `on_step` returns, with detail["sweep"] true). A target the rotation already
+        replayed at this step is not replayed again. When the capture was not armed for `step` on every peer,
+        nothing is replayed and [] is returned: that checkpoint then waits for the rotation (coverage)."""
+        armed = self._done is not None and self._done[0] == step
+        everywhere = all(v[0] for v in self._gather([float(armed)]).values())
+        rows: list[dict] = []
+        if everywhere:
+            done = self._replayed[1] if self._replayed[0] == step else set()
+            items = [(t, self._done[1][t[1]]) for t in self._targets if t[1] not in done]
+            src = self.peers[(step + len(self._saves)) % len(self.peers)]  # the source rotates over saves
+            rows = self._replay_batch(step, items, src)
+            for row in rows:
+                row["detail"]["sweep"] = True
+        elif armed or step in self._expected:
+            warnings.warn(f"replay sweep at step {step}: not every peer captured the step; coverage of this "
+                          f"checkpoint waits for the rotation")
+        self._done = None
+        self._expected.discard(step)
+        if not self._saves or self._saves[-1] < step:
+            self._saves.append(step)
+        if self._live is not None and not self._save_due(self._live[0]):
+            for cap in self._live[1].values():  # armed while learning the save period, which this save taught
+                cap.disarm()
+            self._live = None
+        self._set_eager()
+        return rows
+
+    def _save_due(self, step: int) -> bool:
+        """Will `step` be saved? Said (`expect_save`), configured (`save_every`), the period of the last two
+        saves continued, or -- while none of these is known (no save_every, no expect_save yet, fewer than two
+        saves) -- maybe: capture every step, so that even the first saves get a sweep. Every rank derives the same
+        answer from the same calls."""
+        if step in self._expected or (self.save_every and step % self.save_every == 0):
+            return True
+        if len(self._saves) >= 2:
+            period = self._saves[-1] - self._saves[-2]
+            return period > 0 and step > self._saves[-1] and (step - self._saves[-1]) % period == 0
+        return self.save_every is None and not self._expected and not self._announced
+
+    def _arm_sweep(self, step: int) -> None:
+        if (self._live is not None and self._live[0] == step) or not self._save_due(step):
+            return
+        caps: dict[str, Any] = {}
+        for recipe, name in self._targets:
+            if recipe == "optimizer":
+                caps[name] = OptimizerCapture(self.optimizer, self._opt_elems)
+                caps[name].arm(step)
+            else:
+                caps[name] = ModuleCapture(self._sites[name].outer, self._sites[name].inner, params=False)
+                caps[name].arm()
+        if self._live is not None:
+            for cap in self._live[1].values():
+                cap.disarm()
+        self._live = (step, caps)
+
+    # ---- arming ------------------------------------------------------------------------------------------------
+
     def _arm(self, step: int) -> None:
+        self._next = step
         target = self.schedule.target_for(step)
         if target is not None:
-            self._captures[target[1]].arm()
+            cap = self._captures[target[1]]
+            if target[0] == "optimizer":  # consecutive rounds: every window of every tensor once per W rounds
+                cap.arm(self.schedule.slot(step) // len(self._targets))
+            else:
+                cap.arm()
             self._armed = (step, target)
+        self._arm_sweep(step)
 
-    # ---- one replay --------------------------------------------------------------------------------------------
+    # ---- replays: capture from one source, re-executed by every peer, compared with C3 ------------------------
 
-    def _replay(self, step: int, target: Target) -> dict | None:
-        recipe, name = target
-        cap = self._captures[name]
+    def _replay(self, step: int, target: Target, cap) -> dict | None:
+        """The rotation's one replay (source rotating with the schedule)."""
         src = self.peers[self.schedule.source_index(step, len(self.peers))]
-        payload = None
+        rows = self._replay_batch(step, [(target, cap)], src)
+        return rows[0] if rows else None
+
+    def _replay_batch(self, step: int, items: list, src: int) -> list[dict]:
+        """Replay several targets in a fixed number of collectives (whatever their count): one broadcast of the
+        source's captures, one gather of per-target headers, one all_gather of every signature. A target the
+        source did not run this step gives no row. Every peer returns the same rows."""
+        payloads = None
         if self.rank == src:
-            payload = _cpu(cap.invocation if recipe != "optimizer" else cap.capture)
-        box = [payload]
-        dist.broadcast_object_list(box, src=src, group=self.group)
-        payload = box[0]
-        if payload is None:  # the source never ran the target this step: nothing to compare, no row
-            return None
-        t0 = time.perf_counter()
-        try:
-            labels, tensors = self._execute(recipe, cap, payload)
-            sigs = replica_signatures(tensors)
-        except Exception as e:  # noqa: BLE001 -- a peer that cannot replay must not leave the others waiting
-            warnings.warn(f"replay of {name} at step {step} failed on rank {self.rank}: {e!r}")
-            labels, sigs = [], None
-        elapsed = time.perf_counter() - t0
-        # One small gather first: every peer's time and whether it has signatures to compare (and how many).
-        header = self._gather([elapsed, float(sigs is not None), float(len(labels))])
-        durations = {r: h[0] for r, h in header.items()}
-        self._timing(step, target, durations)
-        detail: dict = {"source": src, "peers": list(self.peers), "signatures": len(labels),
-                        "durations": {str(r): round(d, 6) for r, d in durations.items()}}
-        failed = sorted(r for r, h in header.items() if not h[1])
-        if failed or len({h[2] for h in header.values()}) > 1:
-            status, ranks = "INCONCLUSIVE", []
-            detail["failed_ranks"] = failed
-            detail["counts"] = {str(r): int(h[2]) for r, h in header.items()}
-        else:
-            verdict = c3_over_group(sigs, self.group, self.peers, names=labels)
-            status, ranks, why = _summarise(verdict)
-            detail.update(why)
-        if recipe == "optimizer" and payload.unsupported:
-            status, detail["unsupported"] = "INCONCLUSIVE", payload.unsupported
-        return {"step": step, "recipe": recipe, "target": name, "status": status, "ranks": ranks,
-                "duration_s": max(durations.values()), "detail": detail}
+            payloads = [host(cap.invocation if t[0] != "optimizer" else cap.capture) for t, cap in items]
+        payloads = broadcast_payload(payloads, src, self.group)
+        work = [(t, cap, pl) for (t, cap), pl in zip(items, payloads) if pl is not None]
+        results = []
+        for target, cap, payload in work:
+            t0 = time.perf_counter()
+            try:
+                if target[0] != "optimizer" and not payload.params and not payload.buffers:
+                    # a sweep capture: replay with the parameters held now (the state being saved)
+                    payload.params, payload.buffers = current_state(cap.inner)
+                labels, tensors = self._execute(target[0], cap, payload)
+                sigs = replica_signatures(tensors)
+            except Exception as e:  # noqa: BLE001 -- a peer that cannot replay must not leave the others waiting
+                warnings.warn(f"replay of {target[1]} at step {step} failed on rank {self.rank}: {e!r}")
+                labels, sigs = [], None
+            results.append((labels, sigs, time.perf_counter() - t0))
+        if not work:
+            return []
+        # One small gather: per target, every peer's time and whether it has signatures (and how many).
+        header = self._gather([v for lab, sig, dt in results for v in (dt, float(sig is not None), float(len(lab)))])
+        comparable = [all(h[3 * i + 1] for h in header.values()) and len({h[3 * i + 2] for h in header.values()}) == 1
+                      for i in range(len(work))]
+        mine = [sig for (lab, sig, dt), ok in zip(results, comparable) if ok]
+        gathered = None
+        if mine:
+            flat = torch.cat(mine).to(torch.int64).contiguous()
+            out = [torch.empty_like(flat) for _ in self.peers]
+            dist.all_gather(out, flat, group=self.group)
+            gathered = torch.stack(out)
+        rows, offset = [], 0
+        for i, ((target, cap, payload), (labels, sigs, _)) in enumerate(zip(work, results)):
+            durations = {r: h[3 * i] for r, h in header.items()}
+            self._timing(step, target, durations)
+            detail: dict = {"source": src, "peers": list(self.peers), "signatures": len(labels),
+                            "durations": {str(r): round(d, 6) for r, d in durations.items()}}
+            if target[0] == "optimizer":  # what this round compared: every tensor's window
+                detail.update(tensors=len(payload.params), elements=payload.elements, round=payload.round,
+                              cycle=payload.cycle)
+            if not comparable[i]:
+                status, ranks = "INCONCLUSIVE", []
+                detail["failed_ranks"] = sorted(r for r, h in header.items() if not h[3 * i + 1])
+                detail["counts"] = {str(r): int(h[3 * i + 2]) for r, h in header.items()}
+            else:
+                n = len(labels)
+                verdict = verdicts_from_gathered(gathered[:, offset:offset + n], self.peers, labels)
+                offset += n
+                status, ranks, why = _summarise(verdict)
+                detail.update(why)
+            if target[0] == "optimizer" and payload.unsupported:
+                status, detail["unsupported"] = "INCONCLUSIVE", payload.unsupported
+            rows.append({"step": step, "recipe": target[0], "target": target[1], "status": status, "ranks": ranks,
+                         "duration_s": max(durations.values()), "detail": detail})
+        return rows
 
     def _execute(self, recipe: str, cap, payload) -> tuple[list[str], list[torch.Tensor]]:
         if recipe != "optimizer":
-            return replay_module(cap.module, payload, self.deterministic)
+            return replay_module(cap.inner, payload, self.deterministic)
         if payload.unsupported:
             return ["unsupported"], [torch.zeros(1)]
         device = next((p.device for g in self.optimizer.param_groups for p in g["params"]), torch.device("cpu"))
@@ -294,11 +340,6 @@ class ReplayRunner:
             self._events.append({"kind": "straggler", "ranks": [rank], "step": step,
                                  "detail": {"slowdown": round(float(slowdown), 3), "source": "replay",
                                             "target": target[1]}})
-
-
-def _cpu(obj: Any) -> Any:
-    """Captures travel through broadcast_object_list on gloo: host tensors."""
-    return None if obj is None else obj.to("cpu")
 
 
 def _peer_group(groups, peers: str) -> tuple[Any, list[int]]:
@@ -325,4 +366,4 @@ def _summarise(verdict) -> tuple[str, list[int], dict]:
     return verdict.status.upper(), sorted(verdict.attributed_ranks), detail
 
 
-__all__ = ["ReplayRunner", "replay_copy", "replay_module", "replay_mode"]
+__all__ = ["ReplayRunner", "replay_copy", "replay_mode", "replay_module"]

@@ -2,15 +2,22 @@
 
 Replay checks one target per scheduled step, in a fixed rotation (embedding, every block in order, head,
 optimizer), so its cost stays bounded per step while the whole model is covered every `len(targets) *
-interval` steps. The rotation is a function of the step number alone: every rank, and a restarted job, agrees
+interval` steps; at each save the runner's sweep replays every target once more (see `coverage`). The rotation is a function of the step number alone: every rank, and a restarted job, agrees
 on it without communicating.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
-from scout_ckpt.policy import FAIL, INCONCLUSIVE, MISSING, NOT_APPLICABLE, PASS, evidence
+from scout_ckpt.policy import (
+    FAIL,
+    INCONCLUSIVE,
+    MISSING,
+    NOT_APPLICABLE,
+    PASS,
+    evidence,
+)
 
 RECIPES = ("embedding", "block", "head", "optimizer")
 OPTIMIZER_TARGET = "optimizer"
@@ -19,32 +26,11 @@ Target = tuple[str, str]  # (recipe, target name), e.g. ("block", "blocks.2")
 
 
 def discover_targets(model, optimizer=None) -> list[Target]:
-    """The coverage set of a transformer-shaped model: `embedding`, each of `blocks`, `head`, the optimizer.
+    """The coverage set of a model: its embedding(s), every repeated block, its head, the optimizer.
+    See replay.targets.discover (imported here lazily: `coverage` serves read-only paths that must not load torch)."""
+    from scout_ckpt.replay.targets import discover
 
-    Falls back to the first nn.Embedding and the last top-level nn.Linear when the attributes are named
-    differently. A model with none of these is an error: replay without targets would certify nothing.
-    """
-    import torch.nn as nn  # here, not at import: `coverage` serves read-only paths that must not load torch
-
-    targets: list[Target] = []
-    top = dict(model.named_children())
-    emb = "embedding" if "embedding" in top else next(
-        (n for n, m in model.named_modules() if isinstance(m, nn.Embedding)), None)
-    if emb is not None:
-        targets.append(("embedding", emb))
-    blocks = top.get("blocks") or top.get("layers")
-    if isinstance(blocks, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-        prefix = "blocks" if "blocks" in top else "layers"
-        targets.extend(("block", f"{prefix}.{name}") for name, _ in blocks.named_children())
-    head = "head" if "head" in top else next(
-        (n for n, m in reversed(list(top.items())) if isinstance(m, nn.Linear)), None)
-    if head is not None:
-        targets.append(("head", head))
-    if not targets:
-        raise ValueError("replay: no embedding, blocks or head found on the model; pass targets= explicitly")
-    if optimizer is not None:
-        targets.append(("optimizer", OPTIMIZER_TARGET))
-    return targets
+    return discover(model, optimizer)
 
 
 class Schedule:
@@ -84,11 +70,14 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = 
 
     Without `step` (a plain window): pass when every target has an AGREE row and no row disagrees.
     With `step`, the rows may run past it, and the state is certified only when, for every target, there is a
-    clean replay in the window up to `step` AND a clean replay at or after `step`. Failing hardware fails
-    persistently: a fault that entered the state at or before `step` shows up in the target's next replay, so
-    until that replay has run cleanly the state is `missing` (reason replay_pending), never certified. A
-    disagreeing replay counts against `step` unless the same target already replayed cleanly at or after
-    `step` before it (then the fault began after the state was saved).
+    clean replay in the window up to `step` AND a clean replay at or after `step`. The save-boundary sweep gives
+    both at once: a clean replay AT `step` (of the save step's own computation) completes the evidence with no
+    waiting. Without a sweep, failing hardware fails persistently: a fault that entered the state at or before
+    `step` shows up in the target's next replay, so until that replay has run cleanly the state is `missing`
+    (reason replay_pending), never certified. A disagreeing replay counts against `step` unless the same target
+    already replayed cleanly at or after `step` and at an earlier step than the fault (then the fault began after
+    the state was saved); so a rotation that finds a fault counts against every checkpoint since that target's
+    last clean replay.
 
     fail: some replay attributed ranks (replay_sdc); inconclusive: no strict majority (replay_inconclusive);
     missing: replay_coverage_incomplete (no clean replay up to `step`) or replay_pending (none after it yet).
@@ -100,8 +89,8 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = 
     sdc, unsure = [], []
     for r in rows:
         status, name = r["status"], r["target"]
-        if step is not None and confirmed.get(name) is not None:
-            continue  # this target was vouched for after `step`; later faults began after the save
+        if step is not None and confirmed.get(name) is not None and r["step"] > confirmed[name]:
+            continue  # vouched for at or after `step`, before this row: a later fault began after the save
         if status == "AGREE":
             if name in last_clean:
                 if step is None or r["step"] <= step:
@@ -132,4 +121,4 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = 
     return evidence(PASS, [], **detail)
 
 
-__all__ = ["RECIPES", "OPTIMIZER_TARGET", "Target", "discover_targets", "Schedule", "coverage"]
+__all__ = ["OPTIMIZER_TARGET", "RECIPES", "Schedule", "Target", "coverage", "discover_targets"]
