@@ -29,3 +29,9 @@ class NotFound(ScoutError):
     """No checkpoint matches (e.g. no certified step to resume from)."""
 
     exit_code = 1
+
+
+class Quarantined(ScoutError):
+    """The step is quarantined by an operator: it is not re-saved or resumed until `scout-ckpt release`."""
+
+    exit_code = 1

@@ -19,14 +19,16 @@ def test_create_write_read(tmp_path):
     led = _make(tmp_path)
     led.record_commit(10, run_id="r1", path="step-00000010", nbytes=7, manifest_digest="m",
                       files=[{"path": ".metadata", "size": 7, "digest": "d", "rank": 0}],
-                      evidence={"bytes": {"status": "pass", "reasons": []}}, state="certified", reasons=[])
+                      evidence={"bytes": {"status": "pass", "reasons": []}}, state="certified", reasons=[],
+                      attempt="a1")
     led.add_event("hang", step=10, ranks=[3, 1], detail={"stack": "x"})
     led.close()
     ro = Ledger.open(tmp_path, readonly=True)
     assert ro.latest()["step"] == 10
     assert ro.files(10)[0]["digest"] == "d"
     assert ro.events()[0]["ranks"] == [1, 3]
-    assert [c["state"] for c in ro.certifications(10)] == ["certified"]
+    assert [(c["state"], c["attempt"], c["outcome"]) for c in ro.certifications(10)] == [
+        ("writing", "a1", "applied"), ("certified", "a1", "applied")]
     assert ro.run("r1")["policy"] == {"require": ["bytes"]}
     with pytest.raises(LedgerError):
         ro.set_state(10, "rejected", [], source="x")

@@ -6,7 +6,7 @@ it without scout-ckpt. The version lives in `meta.schema_version`.
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Each entry migrates from version i to i+1. Never edit a released entry: append a new one.
 MIGRATIONS: list[str] = [
@@ -84,5 +84,14 @@ MIGRATIONS: list[str] = [
         detail TEXT
     );
     CREATE INDEX replays_run_step ON replays(run_id, step);
+    """,
+    # v2 (issue 9): who writes a `writing` row (so only a provably dead save is settled), and the outcome of
+    # each verdict in the history: a verdict computed on a row that changed meanwhile is kept as 'superseded'.
+    """
+    ALTER TABLE checkpoints ADD COLUMN owner_host TEXT;
+    ALTER TABLE checkpoints ADD COLUMN owner_pid INTEGER;
+    ALTER TABLE checkpoints ADD COLUMN owner_start TEXT;
+    ALTER TABLE certifications ADD COLUMN attempt TEXT;
+    ALTER TABLE certifications ADD COLUMN outcome TEXT
     """,
 ]

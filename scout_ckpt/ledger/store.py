@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import sqlite_utils
 
-from scout_ckpt.errors import LedgerError
+from scout_ckpt.errors import LedgerError, Quarantined
 from scout_ckpt.layout import LEDGER_NAME
 from scout_ckpt.ledger.schema import MIGRATIONS, SCHEMA_VERSION
-
-STATES = ("writing", "committed", "certified", "rejected", "quarantined", "deleted")
+from scout_ckpt.ledger.transitions import APPLIED, REFUSED, STATES, SUPERSEDED, allowed
 DEFAULT_BUSY_TIMEOUT_S = 10.0
 _JSON_COLUMNS = {"topology", "policy", "versions", "reasons", "detail", "ranks"}
 
@@ -44,6 +43,13 @@ def _decode(row: dict[str, Any]) -> dict[str, Any]:
 
 def _dumps(v: Any) -> str:
     return json.dumps(v, sort_keys=True, default=str)
+
+
+def _found(row: dict | None) -> dict:
+    """The history's note on a verdict not applied: what the row held instead."""
+    if row is None:
+        return {"code": "superseded", "found": None}
+    return {"code": "superseded", "found": row["state"], "attempt": row["attempt"]}
 
 
 class Ledger:
@@ -195,34 +201,73 @@ class Ledger:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
-    def record_writing(self, step: int, run_id: str, attempt: str, path: str) -> None:
-        """The row written before DCP starts: an interrupted save leaves this record and no step dir."""
+    def record_writing(self, step: int, run_id: str, attempt: str, path: str, owner: dict | None = None) -> None:
+        """The row written before DCP starts: an interrupted save leaves this record and no step dir.
+
+        A quarantined step is refused (`Quarantined`, recorded in the history as 'refused'): the operator's
+        decision stands until released. A row in any other state is replaced by this attempt; its history
+        (certifications rows, each with its attempt) is kept, so a re-saved rejected step still shows why the
+        earlier attempt was rejected. `owner` ({"host", "pid", "start"}, `settle.this_process_owner()`) lets a
+        later settler tell a save in flight from a dead one.
+        """
+        owner = owner or {}
         with self.write():
-            self.conn.execute("DELETE FROM files WHERE step=?", (step,))
-            self.conn.execute("DELETE FROM evidence WHERE step=?", (step,))
-            self.db["checkpoints"].insert({
-                "step": step, "run_id": run_id, "state": "writing", "path": path, "bytes": None,
-                "attempt": attempt, "started": time.time(), "committed": None, "updated": time.time(),
-                "manifest_digest": None, "reasons": "[]"}, replace=True)
+            row = self.checkpoint(step)
+            refused = row is not None and row["state"] == "quarantined"
+            if refused:
+                self._certification(step, "writing", [{"code": "quarantined", "attempt": row["attempt"]}],
+                                    "save", attempt=attempt, outcome=REFUSED)
+            else:
+                now = time.time()
+                self.conn.execute("DELETE FROM files WHERE step=?", (step,))
+                self.conn.execute("DELETE FROM evidence WHERE step=?", (step,))
+                self.db["checkpoints"].insert({
+                    "step": step, "run_id": run_id, "state": "writing", "path": path, "bytes": None,
+                    "attempt": attempt, "started": now, "committed": None, "updated": now,
+                    "manifest_digest": None, "reasons": "[]", "owner_host": owner.get("host"),
+                    "owner_pid": owner.get("pid"), "owner_start": owner.get("start")}, replace=True)
+                self._certification(step, "writing", [], "save", attempt=attempt)
+        if refused:
+            reason = next((r.get("detail") for r in row["reasons"] or [] if r.get("code") == "quarantined"), None)
+            raise Quarantined(f"step {step} is quarantined" + (f" ({reason})" if reason else "")
+                              + "; `scout-ckpt release` it before saving that step again")
 
     def record_commit(self, step: int, *, run_id: str | None, path: str, nbytes: int, manifest_digest: str,
                       files: list[dict], evidence: dict[str, dict], state: str, reasons: list[dict],
-                      source: str = "save", attempt: str | None = None) -> None:
-        """Files, evidence and verdict of a committed checkpoint, in one transaction."""
+                      source: str = "save", attempt: str | None = None) -> bool:
+        """Files, evidence and verdict of a committed checkpoint, in one transaction; compare-and-set.
+
+        Applies only if the row is `writing` with this attempt, and returns True. Otherwise the verdict is kept in
+        the history as 'superseded' and the state is left as it is; when the row is still this attempt (e.g. an
+        operator quarantined it during the save) its files and evidence are recorded all the same, so that a
+        release can judge them. Returns False then. `attempt=None` means whichever attempt the row holds: only for
+        single-writer tools; a save passes its own.
+        """
         now = time.time()
         with self.write():
-            existing = self.checkpoint(step)
-            self.conn.execute("DELETE FROM files WHERE step=?", (step,))
-            self.db["files"].insert_all(
-                [{"step": step, "path": f["path"], "size": f["size"], "digest": f["digest"], "rank": f.get("rank")}
-                 for f in files])
-            self.db["checkpoints"].insert({
-                "step": step, "run_id": run_id, "state": state, "path": path, "bytes": nbytes,
-                "attempt": attempt or (existing or {}).get("attempt"),
-                "started": (existing or {}).get("started") or now, "committed": now, "updated": now,
-                "manifest_digest": manifest_digest, "reasons": _dumps(reasons)}, replace=True)
-            self.put_evidence(step, evidence, source=source)
-            self._certification(step, state, reasons, source)
+            row = self.checkpoint(step)
+            if attempt is None and row is not None:
+                attempt = row["attempt"]
+            same_attempt = row is not None and row["attempt"] == attempt
+            applied = same_attempt and row["state"] == "writing"
+            if same_attempt:
+                self.conn.execute("DELETE FROM files WHERE step=?", (step,))
+                self.db["files"].insert_all(
+                    [{"step": step, "path": f["path"], "size": f["size"], "digest": f["digest"],
+                      "rank": f.get("rank")} for f in files])
+                self.put_evidence(step, evidence, source=source)
+                self.conn.execute(
+                    "UPDATE checkpoints SET run_id=?, path=?, bytes=?, committed=?, updated=?, manifest_digest=? "
+                    "WHERE step=? AND attempt=?", (run_id, path, nbytes, now, now, manifest_digest, step, attempt))
+            if applied:
+                self.conn.execute("UPDATE checkpoints SET state=?, reasons=?, owner_host=NULL, owner_pid=NULL, "
+                                  "owner_start=NULL WHERE step=? AND state='writing' AND attempt=?",
+                                  (state, _dumps(reasons), step, attempt))
+                self._certification(step, state, reasons, source, attempt=attempt)
+            else:
+                self._certification(step, state, reasons + [_found(row)], source, attempt=attempt,
+                                    outcome=SUPERSEDED)
+        return applied
 
     def put_evidence(self, step: int, evidence: dict[str, dict], source: str) -> None:
         now = time.time()
@@ -233,17 +278,52 @@ class Ledger:
                     "detail": _dumps({k: v for k, v in ev.items() if k != "status"}),
                     "source": source, "recorded": now}, replace=True)
 
+    def transition(self, step: int, to: str, reasons: list[dict], *, source: str,
+                   expect: str | tuple[str, ...], attempt: str | None = None) -> bool:
+        """Compare-and-set state change: `UPDATE ... WHERE step=? AND state IN expect [AND attempt=?]`.
+
+        `expect` is the state (or states) the caller based its verdict on; `attempt`, if given, the save
+        attempt it judged. A move not in transitions.ALLOWED raises ValueError (source "operator" may quarantine
+        any state but deleted, and release a quarantine to any state). When the row changed meanwhile the verdict
+        is not applied: it is kept in the history as 'superseded' and False is returned.
+        """
+        if to not in STATES:
+            raise ValueError(f"unknown state {to!r}")
+        expect = (expect,) if isinstance(expect, str) else tuple(expect)
+        bad = [s for s in expect if s not in STATES or not allowed(s, to, source)]
+        if bad:
+            raise ValueError(f"step {step}: {'/'.join(bad)} -> {to} is not an allowed transition (by {source})")
+        with self.write():
+            marks = ",".join("?" * len(expect))
+            sql = f"UPDATE checkpoints SET state=?, reasons=?, updated=? WHERE step=? AND state IN ({marks})"
+            params: list = [to, _dumps(reasons), time.time(), step, *expect]
+            if attempt is not None:
+                sql += " AND attempt=?"
+                params.append(attempt)
+            applied = self.conn.execute(sql, params).rowcount == 1
+            row = self.checkpoint(step)
+            if applied:
+                self._certification(step, to, reasons, source, attempt=row["attempt"])
+            else:
+                self._certification(step, to, reasons + [_found(row)], source,
+                                    attempt=attempt or (row or {}).get("attempt"), outcome=SUPERSEDED)
+        return applied
+
     def set_state(self, step: int, state: str, reasons: list[dict], source: str) -> None:
-        """A verdict change (certify, resume's re-verification, quarantine, gc), with its history row."""
+        """Deprecated: an unconditional state change, kept only until every caller uses `transition` (which
+        refuses moves the state machine does not allow and does not overwrite a row that changed meanwhile)."""
         assert state in STATES, state
         with self.write():
             self.conn.execute("UPDATE checkpoints SET state=?, reasons=?, updated=? WHERE step=?",
                               (state, _dumps(reasons), time.time(), step))
-            self._certification(step, state, reasons, source)
+            row = self.checkpoint(step)
+            self._certification(step, state, reasons, source, attempt=(row or {}).get("attempt"))
 
-    def _certification(self, step: int, state: str, reasons: list[dict], source: str) -> None:
+    def _certification(self, step: int, state: str, reasons: list[dict], source: str, *,
+                       attempt: str | None = None, outcome: str = APPLIED) -> None:
         self.db["certifications"].insert(
-            {"step": step, "time": time.time(), "source": source, "state": state, "reasons": _dumps(reasons)})
+            {"step": step, "time": time.time(), "source": source, "state": state, "reasons": _dumps(reasons),
+             "attempt": attempt, "outcome": outcome})
 
     def checkpoint(self, step: int) -> dict | None:
         rows = list(self._query("SELECT * FROM checkpoints WHERE step=?", [step]))
@@ -277,11 +357,15 @@ class Ledger:
             out[r["kind"]] = {"status": r["status"], "source": r["source"], **detail}
         return out
 
-    def certifications(self, step: int | None = None) -> list[dict]:
-        if step is None:
-            q = self._query("SELECT * FROM certifications ORDER BY id")
-        else:
-            q = self._query("SELECT * FROM certifications WHERE step=? ORDER BY id", [step])
+    def certifications(self, step: int | None = None, *, all_outcomes: bool = False) -> list[dict]:
+        """The verdict history, oldest first: verdicts applied (by default), or also those superseded by a
+        concurrent change and refused re-saves (`all_outcomes`)."""
+        where, params = ["1=1"], []
+        if step is not None:
+            where.append("step=?"); params.append(step)
+        if not all_outcomes:
+            where.append("(outcome IS NULL OR outcome=?)"); params.append(APPLIED)
+        q = self._query(f"SELECT * FROM certifications WHERE {' AND '.join(where)} ORDER BY id", params)
         return [_decode(r) for r in q]
 
     # ---- events and replays --------------------------------------------------------------------------------
