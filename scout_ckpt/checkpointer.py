@@ -25,14 +25,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 import scout_ckpt
 from scout_ckpt import invariants as inv
-from scout_ckpt import commit, policy
+from scout_ckpt import commit, journal, policy
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.save_time import save_time_consensus
 from scout_ckpt.consensus.signatures import REPLICA_PREFIX, full_signatures
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer import Observer
-from scout_ckpt.ledger_shim import journal_append, transition
 from scout_ckpt.recovery import record_bytes_failure, trusted_manifest
 from scout_ckpt.replay import ReplayRunner, coverage as replay_coverage
 from scout_ckpt.storage import FaultHook, ScoutWriter
@@ -304,7 +303,8 @@ class Checkpointer:
             self.ledger.put_evidence(row["step"], {"replay": new}, source="replay")
             v = policy.evaluate(self.policy, self.ledger.evidence(row["step"]))
             if v.state != row["state"]:  # reasons alone change with the evidence rows just written
-                transition(self.ledger, row["step"], v.state, v.reasons, source="replay", expect="committed")
+                journal.record_transition(self.ledger, self.root, row["step"], v.state, v.reasons, source="replay",
+                                          expect="committed", attempt=row["attempt"])
 
     def _consensus_names(self, name: str) -> bool:
         return not any(fnmatch.fnmatch(name, pat) for pat in self.consensus_exclude)
@@ -444,12 +444,8 @@ class Checkpointer:
         """Coordinator: the loaded values are not what was certified; the checkpoint is rejected for good (CAS from
         certified: an operator's quarantine meanwhile stands), journaled beside the data, and an event recorded."""
         reasons = [{"code": "load_mismatch", "tensors": differ[:16], "count": len(differ)}]
-        applied = transition(self.ledger, cand["step"], "rejected", reasons, source="load", expect="certified")
-        row = self.ledger.checkpoint(cand["step"]) or {}
-        if applied:
-            journal_append(self.root, {"step": cand["step"], "attempt": row.get("attempt"),
-                                       "manifest_digest": row.get("manifest_digest"), "state": "rejected",
-                                       "reasons": reasons, "source": "load", "time": time.time()})
+        applied = journal.record_transition(self.ledger, self.root, cand["step"], "rejected", reasons,
+                                            source="load", expect="certified")
         self.ledger.add_event("load_mismatch", step=cand["step"], run_id=self.run_id,
                               detail={"differ": differ[:16], "count": len(differ), "rejected": applied})
 

@@ -37,11 +37,11 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from scout_ckpt import layout, manifest, policy, retention
+from scout_ckpt import journal, layout, manifest, policy, retention
 from scout_ckpt.digests import digest_files
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger
-from scout_ckpt.ledger_shim import owner_alive, record_writing, settle_writing, this_process_owner, transition
+from scout_ckpt.settle import owner_alive, settle_writing, this_process_owner
 
 COORDINATOR = 0
 
@@ -136,7 +136,7 @@ class Committer:
             self.flush()
             owner = this_process_owner()
             try:
-                record_writing(self.ledger, step, self.run_id, attempt, layout.step_dirname(step), owner)
+                self.ledger.record_writing(step, self.run_id, attempt, layout.step_dirname(step), owner=owner)
                 pending.create({"run_id": self.run_id, "attempt": attempt, **owner})
             except Exception as e:  # every rank must still reach the broadcast below
                 refusal = str(e) or type(e).__name__
@@ -183,9 +183,9 @@ class Committer:
         if pending.final.is_dir() and not pending.tmp.exists():
             return  # the rename happened: the step is durable and settle_writing completes it from the manifest
         pending.discard()
-        self._guard("commit_failed_cleanup", pending.step, lambda: transition(
-            self.ledger, pending.step, "rejected", [{"code": "commit_failed", "detail": repr(error)}],
-            source="save", expect="writing"))
+        self._guard("commit_failed_cleanup", pending.step, lambda: journal.record_transition(
+            self.ledger, self.root, pending.step, "rejected", [{"code": "commit_failed", "detail": repr(error)}],
+            source="save", expect="writing", attempt=pending.attempt))
 
     # ---- 3b. record ------------------------------------------------------------------------------------------
 
@@ -198,8 +198,11 @@ class Committer:
 
     def _apply(self, commit: dict) -> None:
         c = dict(commit)
-        self.ledger.record_commit(c.pop("step"), **c)
-        self._record_live_faults(commit["step"], commit["evidence"])
+        step = c.pop("step")
+        if self.ledger.record_commit(step, **c):  # False: the row changed meanwhile (kept as superseded)
+            journal.journal_verdict(self.root, step, c["attempt"], c["manifest_digest"], c["state"], c["reasons"],
+                                    "save")
+        self._record_live_faults(step, commit["evidence"])
 
     def _record_live_faults(self, step: int, ev: dict) -> None:
         """A fault found in the live state at a save boundary is also an `sdc` event naming the rank(s)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from scout_ckpt import layout
 from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger import Ledger
-from scout_ckpt.ledger_shim import owner_alive, transition
+from scout_ckpt.settle import owner_alive
 
 AWAITING = ("committed", "writing")
 
@@ -92,8 +92,8 @@ def apply(ledger: Ledger, root: Path, keep: int, *, dry_run: bool = False) -> di
     deleted = []
     for step in result["delete"]:
         seen = result["seen"][str(step)]
-        if seen != "deleted" and not transition(ledger, step, "deleted", [{"code": "retention", "keep": keep}],
-                                                source="gc", expect=seen):
+        if seen != "deleted" and not ledger.transition(step, "deleted", [{"code": "retention", "keep": keep}],
+                                                       source="gc", expect=seen):
             continue
         try:
             layout.remove_dir(Path(root) / paths[step])
