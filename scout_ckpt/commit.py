@@ -120,6 +120,7 @@ class Committer:
     keep: int | None = None
     hook: Callable[[str, int], None] = lambda point, step: None
     unrecorded: list[dict] = field(default_factory=list)   # durable commits the ledger has not taken yet
+    unrecorded_events: list[dict] = field(default_factory=list)   # bookkeeping errors the ledger did not take
 
     @property
     def is_coordinator(self) -> bool:
@@ -214,10 +215,16 @@ class Committer:
                                           detail={"source": kind, **{k: v for k, v in r.items() if k != "ranks"}})
 
     def flush(self) -> None:
-        """Coordinator: retry commits the ledger did not take (at the next save and at close)."""
+        """Coordinator: retry commits and events the ledger did not take (at the next save and at close)."""
         pending, self.unrecorded = self.unrecorded, []
         for commit in pending:
             self._record(commit)
+        events, self.unrecorded_events = self.unrecorded_events, []
+        for e in events:
+            try:
+                self.ledger.add_event("bookkeeping_error", **e)
+            except Exception:
+                self.unrecorded_events.append(e)
 
     # ---- 3c. retain ------------------------------------------------------------------------------------------
 
@@ -234,17 +241,19 @@ class Committer:
     # ---- bookkeeping errors ----------------------------------------------------------------------------------
 
     def _guard(self, what: str, step: int, fn: Callable[[], object]) -> bool:
-        """Run post-commit bookkeeping; an exception becomes a `bookkeeping_error` event (on stderr too if the
-        ledger cannot take the event either) instead of failing a save that is already durable."""
+        """Run post-commit bookkeeping; an exception becomes a `bookkeeping_error` event (kept for flush() and
+        said on stderr if the ledger cannot take the event either) instead of failing a save already durable."""
         try:
             fn()
             return True
         except Exception as e:
-            detail = {"what": what, "error": f"{type(e).__name__}: {e}"}
+            event = {"step": step, "run_id": self.run_id, "when": time.time(),
+                     "detail": {"what": what, "error": f"{type(e).__name__}: {e}"}}
             try:
-                self.ledger.add_event("bookkeeping_error", step=step, run_id=self.run_id, detail=detail)
-            except Exception as e2:
-                print(f"scout-ckpt: step {step}: {what} failed after the commit ({e}); event not recorded ({e2})",
+                self.ledger.add_event("bookkeeping_error", **event)
+            except Exception as e2:  # the ledger is busy too: keep the event for flush()
+                self.unrecorded_events.append(event)
+                print(f"scout-ckpt: step {step}: {what} failed after the commit ({e}); event kept for later ({e2})",
                       file=sys.stderr)
             return False
 
