@@ -1,6 +1,9 @@
 """Adopt plain DCP `step-N` folders written without scout-ckpt (TorchTitan layout: ROOT/step-N/.metadata +
 __R_I.distcp): digest every file, check the structure, run the invariants offline, write a manifest and record the
-verdict under the ADOPTED policy (bytes + structure + invariants), so `resume --latest-clean` works on them."""
+verdict under the ADOPTED policy (bytes + structure + invariants), so `resume --latest-clean` works on them.
+
+The manifest is built and written by `manifest.build`/`manifest.write`, the one manifest writer, so an adopted
+checkpoint reads like any other (`ledger rebuild`, `certify`, `export`)."""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ import os
 import time
 from pathlib import Path
 
-from scout_ckpt import digests, layout, policy
-from scout_ckpt.errors import BadInput
+from scout_ckpt import digests, journal, layout, manifest, policy
+from scout_ckpt.errors import BadInput, Quarantined
 from scout_ckpt.policy import FAIL, MISSING, PASS, evidence
 
 DEFAULT_INVARIANTS = ["finite"]
@@ -28,8 +31,9 @@ def _invariants(step_dir: Path, checks, structure: dict) -> dict:
     return run_offline(checks, tensors)
 
 
-def adopt_step(root: Path, step: int, step_dir: Path, run_id: str, checks, specs: list) -> tuple[dict, dict]:
-    """(manifest, verdict) for one foreign step dir; writes the manifest, records nothing."""
+def adopt_step(root: Path, step: int, step_dir: Path, run_id: str, attempt: str, checks, specs: list,
+               run_policy: dict) -> tuple[dict, dict]:
+    """(manifest, verdict) for one foreign step dir; builds the manifest (manifest.build), writes nothing."""
     from scout_ckpt.dcp_files import check_structure, ranks_of
 
     rels = [r for r in digests.relpaths(step_dir) if r != layout.MANIFEST_NAME]
@@ -39,12 +43,12 @@ def adopt_step(root: Path, step: int, step_dir: Path, run_id: str, checks, specs
     bytes_ev = evidence(PASS, baseline="adoption", files=len(files), nbytes=sum(f["size"] for f in files))
     structure = check_structure(step_dir)
     ev = {"bytes": bytes_ev, "structure": structure, "invariants": _invariants(step_dir, checks, structure)}
-    verdict = policy.evaluate(policy.ADOPTED, ev)
-    manifest = {
-        "format": "scout-manifest/1", "step": step, "run_id": run_id, "created": time.time(), "adopted": True,
-        "world_size": len(ranks_of(step_dir)), "files": files, "evidence": ev, "policy": policy.ADOPTED,
-        "invariants": specs, "state": verdict.state, "reasons": verdict.reasons}
-    return manifest, {"state": verdict.state, "reasons": verdict.reasons}
+    v = policy.evaluate(run_policy, ev)
+    verdict = {"state": v.state, "reasons": v.reasons}
+    m = manifest.build(step=step, run_id=run_id, attempt=attempt, world_size=len(ranks_of(step_dir)),
+                       topology={"mode": "adopted"}, policy=run_policy, files=files, evidence=ev, verdict=verdict,
+                       invariants=specs, adopted=True)
+    return m, verdict
 
 
 def adopt(root: str | os.PathLike, *, invariant_specs: list | None = None) -> dict:
@@ -72,23 +76,23 @@ def adopt(root: str | os.PathLike, *, invariant_specs: list | None = None) -> di
     from scout_ckpt.dcp_files import ranks_of
 
     world = max((len(ranks_of(d)) for d in todo.values()), default=0)
+    # the run's policy also carries the invariant specs, so `certify` can re-run them offline
+    run_policy = {**policy.ADOPTED, "invariants": specs}
     with Ledger.open(root, create=True) as ledger:
-        # the run's policy also carries the invariant specs, so `certify` can re-run them offline
-        ledger.begin_run(run_id, world_size=world, topology={"mode": "adopted"},
-                         policy={**policy.ADOPTED, "invariants": specs})
+        ledger.begin_run(run_id, world_size=world, topology={"mode": "adopted"}, policy=run_policy)
         for step, step_dir in todo.items():
-            manifest, verdict = adopt_step(root, step, step_dir, run_id, checks, specs)
-            data = _json_bytes(manifest)
-            layout.atomic_write_bytes(step_dir / layout.MANIFEST_NAME, data)
-            ledger.record_commit(
-                step, run_id=run_id, path=step_dir.name, nbytes=sum(f["size"] for f in manifest["files"]),
-                manifest_digest=digests.bytes_digest(data), files=manifest["files"], evidence=manifest["evidence"],
-                state=verdict["state"], reasons=verdict["reasons"], source="adopt")
+            attempt = f"{run_id}-{step}"
+            try:
+                ledger.record_writing(step, run_id, attempt, step_dir.name)
+            except Quarantined as e:  # the operator's decision stands: not adopted over it
+                skipped.append({"step": step, "path": step_dir.name, "reason": "quarantined", "detail": str(e)})
+                continue
+            m, verdict = adopt_step(root, step, step_dir, run_id, attempt, checks, specs, run_policy)
+            digest = manifest.write(step_dir, m)
+            if ledger.record_commit(
+                    step, run_id=run_id, path=step_dir.name, nbytes=sum(f["size"] for f in m["files"]),
+                    manifest_digest=digest, files=m["files"], evidence=m["evidence"], state=verdict["state"],
+                    reasons=verdict["reasons"], source="adopt", attempt=attempt):
+                journal.journal_verdict(root, step, attempt, digest, verdict["state"], verdict["reasons"], "adopt")
             adopted.append({"step": step, "path": step_dir.name, **verdict})
     return {"adopted": adopted, "skipped": skipped, "run_id": run_id}
-
-
-def _json_bytes(obj) -> bytes:
-    import json
-
-    return (json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n").encode()

@@ -1,8 +1,13 @@
 """Offline re-certification: re-verify bytes (and invariants, where the run configured them), record, decide.
 
 The verdict is recomputed from the run's stored policy with the fresh evidence replacing the old; evidence that
-only existed at save time (consensus, replay) is kept as recorded. Quarantined and deleted steps are left as
-they are: an operator's override is not for certify to undo.
+only existed at save time (consensus, replay) is kept as recorded. Hashing takes minutes on a large checkpoint,
+so the verdict is applied as compare-and-set on the state and attempt certify read before hashing: a quarantine
+or a new save in the meantime wins, and certify's verdict is kept in the history as superseded.
+
+`writing` rows are first settled by `settle.settle_writing` (the one settler): a save whose owner is alive is
+left alone. Quarantined, deleted and rejected steps are left as they are: an operator's override is not for
+certify to undo, and nothing raises a rejected attempt back (a re-save is a new attempt).
 """
 
 from __future__ import annotations
@@ -10,12 +15,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from scout_ckpt import policy
+from scout_ckpt import journal, policy
 from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger import Ledger
+from scout_ckpt.ledger.transitions import allowed
 from scout_ckpt.recovery import verify_checkpoint
+from scout_ckpt.settle import settle_writing
 
-FINAL_STATES = ("quarantined", "deleted")
+LEFT_AS_IS = ("quarantined", "deleted", "rejected", "writing")
 
 
 def run_policy(ledger: Ledger, row: dict) -> dict:
@@ -33,20 +40,21 @@ def offline_invariants(step_dir: Path, specs: list) -> dict | None:
     return invariants.run_offline(invariants.parse_specs(specs), read_tensors(step_dir, include_bytes=True))
 
 
+def _summary(ledger: Ledger, step: int, **extra) -> dict:
+    row = ledger.checkpoint(step)
+    return {"step": step, "state": row["state"], "reasons": row["reasons"],
+            "evidence": {k: v["status"] for k, v in ledger.evidence(step).items()}, **extra}
+
+
 def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int], None] | None = None) -> dict:
-    """Re-verify one step and record the result; returns {"step", "state", "reasons", "evidence"}."""
+    """Re-verify one step and record the result; returns {"step", "state", "reasons", "evidence"} (plus
+    "skipped" when the step was left as it is, "superseded" when the row changed while certify hashed)."""
     row = ledger.checkpoint(step)
     if row is None:
         raise BadInput(f"step {step}: no such checkpoint in the ledger")
-    interrupted = row["state"] == "rejected" and any(r.get("code") == "save_interrupted" for r in row["reasons"])
-    if row["state"] in FINAL_STATES or interrupted:  # an interrupted save stays what it was: nothing to re-verify
-        return {"step": step, "state": row["state"], "reasons": row["reasons"], "evidence": ledger.evidence(step),
-                "skipped": True}
-    if row["state"] == "writing":
-        reasons = [{"code": "save_incomplete"}]
-        ledger.set_state(step, "rejected", reasons, source="certify")
-        return {"step": step, "state": "rejected", "reasons": reasons,
-                "evidence": {"bytes": policy.evidence(policy.FAIL, reasons)}}
+    if row["state"] in LEFT_AS_IS:
+        return _summary(ledger, step, skipped=True)
+    seen, attempt = row["state"], row["attempt"]
     run_pol = run_policy(ledger, row)
     ev = {"bytes": verify_checkpoint(root, ledger, step, progress=progress)}
     if ev["bytes"]["status"] == policy.PASS:
@@ -54,16 +62,27 @@ def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int]
         inv = offline_invariants(root / row["path"], specs)
         if inv is not None:
             ev["invariants"] = {**inv, "specs": specs}
-    ledger.put_evidence(step, ev, source="certify")
-    merged = ledger.evidence(step)
-    verdict = policy.evaluate(run_pol, merged)
-    ledger.set_state(step, verdict.state, verdict.reasons, source="certify")
-    return {"step": step, "state": verdict.state, "reasons": verdict.reasons,
-            "evidence": {k: v["status"] for k, v in merged.items()}}
+    with ledger.write():  # evidence and verdict in one transaction, on the attempt that was hashed
+        now = ledger.checkpoint(step)
+        if now["attempt"] != attempt or now["state"] != seen:
+            # record the verdict as superseded (the CAS below does), but not evidence about another state
+            merged = {**ledger.evidence(step), **ev} if now["attempt"] == attempt else ev
+        else:
+            ledger.put_evidence(step, ev, source="certify")
+            merged = ledger.evidence(step)
+        verdict = policy.evaluate(run_pol, merged)
+        if not allowed(seen, verdict.state, "certify"):
+            # e.g. certified -> committed: evidence went missing, nothing was found wrong; the state stays.
+            return _summary(ledger, step, refused={"state": verdict.state, "reasons": verdict.reasons})
+        applied = journal.record_transition(ledger, root, step, verdict.state, verdict.reasons, source="certify",
+                                            expect=seen, attempt=attempt)
+    return _summary(ledger, step, **({} if applied else {"superseded": {"state": verdict.state,
+                                                                       "reasons": verdict.reasons}}))
 
 
 def certify(root: Path, steps: list[int] | None = None, progress_factory=None) -> list[dict]:
-    """Certify the given steps (all recorded, non-deleted ones if None)."""
+    """Certify the given steps (all recorded, non-deleted ones if None), after settling dead saves."""
+    root = Path(root)
     with Ledger.open(root) as ledger:
         rows = ledger.checkpoints()
         if steps is None:
@@ -73,6 +92,7 @@ def certify(root: Path, steps: list[int] | None = None, progress_factory=None) -
             for s in steps:
                 if s not in known:
                     raise BadInput(f"step {s}: no such checkpoint in the ledger")
+        settle_writing(ledger, root, source="certify")
         total = sum(r["bytes"] or 0 for r in rows if r["step"] in steps)
         progress = progress_factory(total) if progress_factory else None
         return [certify_step(root, ledger, s, progress=progress) for s in steps]

@@ -82,28 +82,14 @@ def ls_cmd(root: Path = typer.Argument(..., help="The run's checkpoint root."), 
 
 # ---- explain ---------------------------------------------------------------------------------------------------
 
-EXPLAIN_KINDS = ("bytes", "consensus", "replay", "invariants")
-
-
 @app.command("explain")
 def explain_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...), as_json: bool = JSON_OPT):
     """Why STEP is or is not certified: every piece of evidence, missing replay coverage, attributed ranks."""
-    with _open_ledger(root) as ledger:
-        row = ledger.checkpoint(step)
-        if row is None:
-            raise BadInput(f"step {step}: no such checkpoint in {root}")
-        run = ledger.run(row["run_id"]) if row["run_id"] else None
-        ev = ledger.evidence(step)
-        history = ledger.certifications(step)
-        events = [e for e in ledger.events() if e["step"] == step]
-    required = (run or {}).get("policy", {}).get("require", [])
-    evidence = {k: ev.get(k) or {"status": "required_missing" if k in required else "not_required"}
-                for k in EXPLAIN_KINDS}
-    evidence.update({k: v for k, v in ev.items() if k not in evidence})
-    out = {"step": step, "state": row["state"], "path": row["path"], "evidence": evidence,
-           "reasons": row["reasons"], "policy": (run or {}).get("policy"), "run_id": row["run_id"],
-           "history": [{"time": h["time"], "source": h["source"], "state": h["state"]} for h in history],
-           "events": events}
+    from scout_ckpt.operator import explain
+
+    out = explain(root, step)
+    row, evidence, events = out, out["evidence"], out["events"]
+    required = (out["policy"] or {}).get("require", [])
     if as_json:
         _emit(out)
     else:
@@ -146,7 +132,8 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
 
     if step is not None and all_:
         raise BadInput("--step and --all are mutually exclusive")
-    _open_ledger(root, readonly=True).close()  # bad ROOT / ledger: exit 2 before anything else
+    # bad ROOT / ledger: exit 2 before anything else (read-write: an older schema is migrated, nothing else written)
+    _open_ledger(root, readonly=False).close()
     with _progress(not as_json and sys.stderr.isatty()) as progress_factory:
         results = certify(root, [step] if step is not None else None, progress_factory=progress_factory)
     ok = all(r["state"] == "certified" for r in results)
@@ -233,16 +220,28 @@ def gc_cmd(root: Path = typer.Argument(...), keep: int = typer.Option(..., "--ke
 @app.command("quarantine")
 def quarantine_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...),
                    reason: str = typer.Option(..., "--reason"), as_json: bool = JSON_OPT):
-    """Operator override: the step is never resumed from."""
-    with _open_ledger(root, readonly=False) as ledger:
-        if ledger.checkpoint(step) is None:
-            raise BadInput(f"step {step}: no such checkpoint in {root}")
-        ledger.set_state(step, "quarantined", [{"code": "quarantined", "detail": reason}], source="operator")
-        ledger.add_event("quarantine", step=step, detail={"reason": reason})
+    """Operator override: the step is never resumed from (nor re-saved) until released."""
+    from scout_ckpt.operator import quarantine
+
+    result = quarantine(root, step, reason)
     if as_json:
-        _emit({"step": step, "state": "quarantined", "reason": reason})
+        _emit(result)
     else:
         print(f"step {step}: quarantined ({reason})")
+
+
+@app.command("release")
+def release_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...),
+                reason: str = typer.Option(..., "--reason"), as_json: bool = JSON_OPT):
+    """Operator: end a quarantine; the step becomes what its recorded evidence gives under the run's policy."""
+    from scout_ckpt.operator import release
+
+    result = release(root, step, reason)
+    if as_json:
+        _emit(result)
+    else:
+        print(f"step {step}: released, now {result['state']}"
+              + (f"  {_reason_text(result['reasons'])}" if result["reasons"] else ""))
 
 
 # ---- adopt / export --------------------------------------------------------------------------------------------
@@ -344,7 +343,8 @@ def demo_cmd(dir: Optional[Path] = typer.Option(None, "--dir", help="Run directo
 def ledger_rebuild_cmd(root: Path = typer.Argument(...),
                        no_verify: bool = typer.Option(False, "--no-verify", help="Do not re-hash files."),
                        as_json: bool = JSON_OPT):
-    """Rebuild the ledger's checkpoint rows from the checkpoints' manifests (the old ledger is kept as .bak)."""
+    """Rebuild the ledger's checkpoint rows from the checkpoints' manifests and the journal (the old ledger is
+    kept as .bak). Never more trusted than it can re-verify: --json lists what changed (step, before, after, why)."""
     from scout_ckpt.rebuild import rebuild
 
     result = rebuild(root, verify=not no_verify)
@@ -352,7 +352,9 @@ def ledger_rebuild_cmd(root: Path = typer.Argument(...),
         _emit(result)
     else:
         for r in result["checkpoints"]:
-            print(f"step {r['step']}: {r['state']}")
+            print(f"step {r['step']}: {r['state']}" + (f"  {_reason_text(r['reasons'])}" if r["reasons"] else ""))
+        for c in result["changes"]:
+            print(f"changed step {c['step']}: {c['before']} -> {c['after']} ({c['why']})")
         for s in result["skipped"]:
             print(f"skipped step {s['step']}: {s['reason']}")
         if result["backup"]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from scout_ckpt import journal
 from scout_ckpt import manifest as manifest_mod
 from scout_ckpt import policy
 from scout_ckpt.errors import BadInput, NotFound
@@ -47,18 +48,33 @@ def verify_checkpoint(root: Path, ledger: Ledger, step: int, progress=None) -> d
     return ev
 
 
-def record_bytes_failure(ledger: Ledger, step: int, ev: dict, source: str) -> list[dict]:
-    """A certified checkpoint whose bytes no longer verify is rejected, with the reasons, for good."""
-    ledger.put_evidence(step, {"bytes": ev}, source=source)
-    ledger.set_state(step, "rejected", ev["reasons"], source=source)
+def record_verification_failure(ledger: Ledger, step: int, ev: dict, source: str, *,
+                                root: str | Path | None = None) -> list[dict]:
+    """A checkpoint whose re-verification failed (files missing or changed, manifest mismatched or unreadable) is
+    rejected with the reasons, for good: compare-and-set from the certified or committed attempt that was
+    checked, so a quarantine or a new save in between is not overwritten. The verdict is journaled under ROOT
+    (default: the ledger's directory). Returns the reasons."""
+    row = ledger.checkpoint(step)
+    if row is None:
+        return ev["reasons"]
+    with ledger.write():
+        if ledger.checkpoint(step)["attempt"] == row["attempt"]:
+            ledger.put_evidence(step, {"bytes": ev}, source=source)
+        journal.record_transition(ledger, root or ledger.path.parent, step, "rejected", ev["reasons"],
+                                  source=source, expect=("certified", "committed"), attempt=row["attempt"])
     return ev["reasons"]
+
+
+# Deprecated name (it records manifest mismatches too): kept until the checkpointer calls the new one.
+record_bytes_failure = record_verification_failure
 
 
 def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledger | None = None) -> dict:
     """The newest certified checkpoint whose bytes verify: {"step", "path", "state", "verified", "skipped"}.
 
     Walks back past any that fail verification and records each failure in the ledger (opened read-write only
-    then). Raises NotFound (exit 1) with the reasons when there is none.
+    then); re-reads the row right before handing it out, so a step quarantined (or re-saved) while its files were
+    being hashed is never returned. Raises NotFound (exit 1) with the reasons when there is none.
     """
     root = Path(root)
     ledger = readonly_ledger or Ledger.open(root, readonly=True)
@@ -77,10 +93,15 @@ def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledg
                 ev = verify_checkpoint(root, ledger, step)
                 if ev["status"] != policy.PASS:
                     writer = writer or Ledger.open(root)
-                    record_bytes_failure(writer, step, ev, source="resume")
+                    record_verification_failure(writer, step, ev, source="resume", root=root)
                     skipped.append({"step": step, "reasons": ev["reasons"]})
                     below = step
                     continue
+            # Hashing takes time: an operator may have quarantined the step, or a new save replaced it, meanwhile.
+            now = ledger.checkpoint(step)
+            if now is None or now["state"] != "certified" or now["attempt"] != row["attempt"]:
+                below = step
+                continue
             return {"step": step, "path": str((root / row["path"]).resolve()), "state": row["state"],
                     "verified": verify, "skipped": skipped}
     finally:

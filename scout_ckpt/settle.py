@@ -66,11 +66,10 @@ def owner_alive(owner: dict | None) -> bool | None:
     fields = _proc_stat(pid)
     if fields is None:  # no /proc to compare start times: the pid exists, so assume the save is in flight
         return True
-    if fields[0] == "Z":
+    if fields[0] == "Z":  # killed, not yet reaped: it writes nothing more
         return False
-    if owner.get("start") and len(fields) > 19 and fields[19] != str(owner["start"]):
-        return False
-    return True
+    recycled = bool(owner.get("start")) and len(fields) > 19 and fields[19] != str(owner["start"])
+    return not recycled
 
 
 def _owner_of(row: dict) -> dict:

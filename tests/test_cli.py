@@ -139,6 +139,8 @@ def test_gc_keeps_newest_certified_and_deletes_rejected_first(ckpt_root):
 
 
 def test_ledger_rebuild_from_manifests(ckpt_root):
+    # certify journals its verdicts beside the data: that record is what lets a rebuild certify again
+    assert run_cli("certify", ckpt_root)[0] == 0
     before = [(s, st) for s, st, _ in _ledger_rows(ckpt_root)]
     (ckpt_root / LEDGER_NAME).unlink()
     rc, _, err = run_cli("ls", ckpt_root)

@@ -6,14 +6,22 @@ meanwhile, a re-save erasing a quarantine or the history of a rejection, a commi
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 
+from scout_ckpt import journal, manifest
 from scout_ckpt.errors import Quarantined
-from scout_ckpt.layout import LEDGER_NAME
+from scout_ckpt.layout import LEDGER_NAME, step_dirname
 from scout_ckpt.ledger import ALLOWED, SCHEMA_VERSION, Ledger
 from scout_ckpt.ledger.schema import MIGRATIONS
+from scout_ckpt.settle import owner_alive, process_start
+from tests.conftest import REPO, run_cli
 
 BYTES_PASS = {"bytes": {"status": "pass", "reasons": []}}
 FILES = [{"path": ".metadata", "size": 7, "digest": "d", "rank": 0}]
@@ -136,3 +144,91 @@ def test_v1_ledger_is_migrated(tmp_path):
         assert [h["state"] for h in led.certifications(5)] == ["certified"]  # v1 rows (outcome NULL) count
     c = sqlite3.connect(tmp_path / LEDGER_NAME)
     assert c.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION) == "2"
+
+
+# ---- real checkpoints, real processes ---------------------------------------------------------------------------
+
+# certify in its own process, held inside its hashing (the progress callback of the library's certify) until the
+# gate file exists: the window in which an operator's quarantine used to be overwritten.
+_SLOW_CERTIFY = """
+import json, sys, time
+from pathlib import Path
+from scout_ckpt.certify import certify
+root, gate = Path(sys.argv[1]), Path(sys.argv[2])
+def factory(total):
+    first = [True]
+    def hold(n):
+        if first[0]:
+            first[0] = False
+            print("hashing", flush=True)
+            while not gate.exists():
+                time.sleep(0.05)
+    return hold
+print(json.dumps(certify(root, [int(sys.argv[3])], progress_factory=factory)), flush=True)
+"""
+
+
+def test_certify_racing_a_quarantine_does_not_overwrite_it(ckpt_root, tmp_path):
+    gate = tmp_path / "go"
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_CERTIFY, str(ckpt_root), str(gate), "4"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert p.stdout.readline().strip() == "hashing", p.stderr.read()
+        run_cli("quarantine", ckpt_root, 4, "--reason", "loss spike at 4", check_rc=0)
+        gate.touch()
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    res = json.loads(out)[0]
+    assert res["state"] == "quarantined" and res["superseded"]["state"] == "certified"
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert rc == 0 and json.loads(out)["step"] == 3
+    with Ledger.open(ckpt_root, readonly=True) as led:
+        last = led.certifications(4, all_outcomes=True)[-1]
+        assert (last["source"], last["state"], last["outcome"]) == ("certify", "certified", "superseded")
+    # the operator releases it: the state its recorded evidence gives, journaled beside the data
+    rc, out, _ = run_cli("release", ckpt_root, 4, "--reason", "spike explained", "--json")
+    assert rc == 0 and json.loads(out)["state"] == "certified"
+    kinds = [(r["kind"], r["step"]) for r in journal.read(ckpt_root)]
+    assert kinds[-2:] == [("quarantine", 4), ("release", 4)]
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert json.loads(out)["step"] == 4
+    rc, _, err = run_cli("release", ckpt_root, 4, "--reason", "again")
+    assert rc == 2 and "not quarantined" in err and len(err.strip().splitlines()) == 1
+
+
+def _owner(proc) -> dict:
+    return {"host": socket.gethostname(), "pid": proc.pid, "start": process_start(proc.pid)}
+
+
+def test_settle_writing_rows_by_owner_liveness(ckpt_root):
+    """certify settles `writing` rows with the one settler: a live save is left alone; a dead one whose step
+    dir and manifest (same attempt) exist is completed; any other dead one is rejected save_interrupted."""
+    alive = subprocess.Popen(["sleep", "120"])
+    dead = subprocess.Popen(["sleep", "120"])
+    dead_owner = _owner(dead)
+    dead.kill()
+    dead.wait()
+    try:
+        live_owner = _owner(alive)
+        assert owner_alive(live_owner) is True and owner_alive(dead_owner) is False
+        m, _ = manifest.read(ckpt_root / step_dirname(4))
+        with Ledger.open(ckpt_root) as led:
+            run_id = led.checkpoint(4)["run_id"]
+            # step 4: renamed, but the ledger commit was lost when its owner died
+            led.record_writing(4, run_id, m["attempt"], step_dirname(4), owner=dead_owner)
+            led.record_writing(5, run_id, "live-1", step_dirname(5), owner=live_owner)   # a save in flight
+            led.record_writing(7, run_id, "dead-1", step_dirname(7), owner=dead_owner)   # died before rename
+        rc, out, _ = run_cli("certify", ckpt_root, "--json")
+        assert rc == 1  # step 5 is not certified (yet)
+        states = {r["step"]: r["state"] for r in json.loads(out)["results"]}
+        assert states == {3: "certified", 4: "certified", 5: "writing", 7: "rejected"}
+        with Ledger.open(ckpt_root, readonly=True) as led:
+            assert led.checkpoint(7)["reasons"][0] == {"code": "save_interrupted", "attempt": "dead-1"}
+            assert led.checkpoint(5)["owner_pid"] == alive.pid
+            assert led.files(4) and led.evidence(4)["bytes"]["status"] == "pass"
+    finally:
+        alive.kill()
+        alive.wait()
