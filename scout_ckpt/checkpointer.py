@@ -32,7 +32,7 @@ from scout_ckpt.consensus.signatures import REPLICA_PREFIX, full_signatures
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer import Observer
-from scout_ckpt.recovery import record_bytes_failure, trusted_manifest
+from scout_ckpt.recovery import record_verification_failure, trusted_manifest
 from scout_ckpt.replay import ReplayRunner, coverage as replay_coverage
 from scout_ckpt.storage import FaultHook, ScoutWriter
 from scout_ckpt.verify import verify_files
@@ -393,8 +393,8 @@ class Checkpointer:
             failed = cand["reasons"] + [r for e in results for r in e["reasons"]]
             if failed:
                 if self.is_coordinator:
-                    record_bytes_failure(self.ledger, cand["step"], policy.evidence(policy.FAIL, failed),
-                                         source="load")
+                    record_verification_failure(self.ledger, cand["step"], policy.evidence(policy.FAIL, failed),
+                                                source="load", root=self.root)
                 below = cand["step"]
                 continue
             dcp.load(state, checkpoint_id=str(step_dir), process_group=self._pg)
