@@ -58,8 +58,13 @@ class Checkpointer:
     """Certified DCP checkpoints under `root`.
 
     Options: `async_save` (dcp.async_save on the checkpointer's own gloo group), `keep` (retention after each
-    durable commit), `mode` ("ddp", "fsdp", "hsdp"; inferred from DTensor parameters when omitted),
-    `fault_hook(point, step)` (tests and the demo: called at named points of a save).
+    durable commit: the `keep` newest certified checkpoints and every newer one still awaiting evidence),
+    `mode` ("ddp", "fsdp", "hsdp"; inferred from DTensor parameters when omitted), `fault_hook(point, step)`
+    (tests and the demo: called at before_write, during_write, after_write, before_rename, after_rename,
+    retention (coordinator), after_commit, and after_load).
+
+    Opening a Checkpointer on a ROOT where another process is saving leaves that save alone: start-up settles
+    only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile).
     """
 
     def __init__(self, root: str | os.PathLike, *, model: torch.nn.Module | None = None,
@@ -232,8 +237,13 @@ class Checkpointer:
     # ---- save ----------------------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict) -> dict | None:
-        """Save the state after `step` optimizer steps. Sync: returns the verdict {"state", "reasons"} on
-        every rank. Async: returns None at once; the commit happens when the upload has completed everywhere."""
+        """Save the state after `step` optimizer steps; every rank calls it with the same step.
+
+        Sync: returns the verdict {"state", "reasons"} on every rank (the manifest's: an error in the ledger
+        write or retention after the rename is recorded as an event, never raised). Async: returns None at once;
+        the commit happens when the upload has completed everywhere, and its failure is raised at the next
+        step()/save()/wait(). Raises on every rank: SaveRefused when the coordinator cannot start the save (the
+        step is quarantined), CommitError when nothing was published."""
         if self._closed:
             raise ScoutError("Checkpointer is closed")
         with self.phase("checkpoint"):
