@@ -83,13 +83,13 @@ def test_nonfinite_state_is_rejected_by_the_writing_rank(tmp_path):
         assert led.latest()["step"] == 1
 
 
-def test_load_mismatch_rejects_and_walks_back_absent_keys_are_the_callers_error(tmp_path):
+def test_load_mismatch_rejects_and_walks_back_absent_keys_are_the_callers_error(ckpt_root):
     import json
     import sqlite3
 
     from scout_ckpt.digests import bytes_digest
 
-    run_ranks(w.save_and_reload, 3, str(tmp_path), False, timeout=120)
+    tmp_path = ckpt_root  # certified checkpoints at steps 3 and 4 (tests/conftest.py)
     # The caller's state has no place for the saved optimizer moments: a clear error, the checkpoint stays.
     out = run_ranks(w.load_into, 3, str(tmp_path), False, timeout=60)
     assert all(o.result["error"] and "no place in the state" in o.result["error"] for o in out)
