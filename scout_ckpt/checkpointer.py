@@ -54,6 +54,12 @@ def _materialize(state: dict) -> dict:
 
 
 
+def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
+    # Not a bound method of the Checkpointer: a reference cycle would keep its process groups alive past
+    # destroy_process_group, and their teardown at interpreter exit then stalls the job's exit by seconds.
+    return fault_hook if fault_hook is not None else (lambda point, step: None)
+
+
 class Checkpointer:
     """Certified DCP checkpoints under `root`.
 
@@ -124,7 +130,7 @@ class Checkpointer:
                                   versions=self._versions())
         self.run_id = self._broadcast(run_id)
         self._committer = commit.Committer(
-            self.root, self.run_id, self.rank, self.ledger, keep=keep, hook=self._hook,
+            self.root, self.run_id, self.rank, self.ledger, keep=keep, hook=_hook_or_noop(fault_hook),
             manifest_fields={"world_size": self.world_size, "topology": self.topology, "policy": self.policy,
                              "invariants": self.policy["invariants"], "versions": self._versions()})
         self.observer = None
