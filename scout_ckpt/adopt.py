@@ -83,7 +83,7 @@ def adopt(root: str | os.PathLike, *, invariant_specs: list | None = None) -> di
         for step, step_dir in todo.items():
             attempt = f"{run_id}-{step}"
             try:
-                ledger.record_writing(step, run_id, attempt, step_dir.name)
+                ledger.record_writing(step, run_id, attempt, step_dir.name, source="adopt")
             except Quarantined as e:  # the operator's decision stands: not adopted over it
                 skipped.append({"step": step, "path": step_dir.name, "reason": "quarantined", "detail": str(e)})
                 continue

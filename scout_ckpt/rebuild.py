@@ -115,7 +115,8 @@ def decide(step: int, m: dict, digest: str, fresh_bytes: dict, jview: dict, old:
     if not vouched:
         ev = _demote(ev)
     v = policy.evaluate(pol, ev)
-    state, reasons, why = v.state, v.reasons, "evidence"
+    state, reasons = v.state, v.reasons
+    why = (reasons[0].get("code") if reasons else None) or "evidence"
     if state == "certified" and not vouched:  # cannot happen after _demote unless nothing is required; still
         state, reasons = "committed", [{"code": UNVERIFIED}]
     elif state == "committed" and not vouched:
@@ -174,7 +175,7 @@ def rebuild(root: str | os.PathLike, *, verify: bool = True) -> dict:
                 d = decide(step, m, digest, fresh, _journal_view(records, step, digest), old_rows.get(step))
                 run_id = m.get("run_id") or "unknown"
                 attempt = m.get("attempt") or f"rebuild-{step}"
-                ledger.record_writing(step, run_id, attempt, steps[step].name)
+                ledger.record_writing(step, run_id, attempt, steps[step].name, source="rebuild")
                 ledger.record_commit(step, run_id=run_id, path=steps[step].name, nbytes=dir_bytes(steps[step]),
                                      manifest_digest=digest, files=m["files"], evidence=d["evidence"],
                                      state=d["state"], reasons=d["reasons"], source="rebuild", attempt=attempt)

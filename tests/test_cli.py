@@ -140,7 +140,9 @@ def test_gc_keeps_newest_certified_and_deletes_rejected_first(ckpt_root):
 
 def test_ledger_rebuild_from_manifests(ckpt_root):
     # certify journals its verdicts beside the data: that record is what lets a rebuild certify again
-    assert run_cli("certify", ckpt_root)[0] == 0
+    from scout_ckpt.certify import certify
+
+    assert all(r["state"] == "certified" for r in certify(ckpt_root))
     before = [(s, st) for s, st, _ in _ledger_rows(ckpt_root)]
     (ckpt_root / LEDGER_NAME).unlink()
     rc, _, err = run_cli("ls", ckpt_root)
@@ -158,6 +160,7 @@ def test_rebuild_marks_a_damaged_checkpoint(ckpt_root):
     doc = json.loads(out)
     assert rc == 0 and doc["backup"]
     assert {r["step"]: r["state"] for r in doc["checkpoints"]} == {3: "certified", 4: "rejected"}
+    assert doc["changes"] == [{"step": 4, "before": "certified", "after": "rejected", "why": "truncated_file"}]
 
 
 # ---- bad input: one line on stderr, exit 2, nothing modified --------------------------------------------------

@@ -31,7 +31,7 @@ def test_create_write_read(tmp_path):
         ("writing", "a1", "applied"), ("certified", "a1", "applied")]
     assert ro.run("r1")["policy"] == {"require": ["bytes"]}
     with pytest.raises(LedgerError):
-        ro.set_state(10, "rejected", [], source="x")
+        ro.transition(10, "rejected", [], source="x", expect="certified")
 
 
 def test_wal_mode_and_version(tmp_path):
@@ -90,7 +90,7 @@ def test_locked_writer_times_out_and_readers_still_work(tmp_path, monkeypatch):
         assert ro.checkpoint(10)["state"] == "writing"
         led = Ledger.open(tmp_path)
         with pytest.raises(LedgerError, match="locked"):
-            led.set_state(10, "rejected", [], source="test")
+            led.transition(10, "rejected", [], source="test", expect="writing")
         assert ro.checkpoint(10)["state"] == "writing"
 
 
@@ -100,6 +100,6 @@ def test_writer_waits_for_a_short_lock(tmp_path, monkeypatch):
     with ledger_write_lock(tmp_path / LEDGER_NAME, 0.5) as holder:
         monkeypatch.setenv("SCOUT_CKPT_BUSY_TIMEOUT", "20")
         led = Ledger.open(tmp_path)
-        led.set_state(10, "rejected", [{"code": "x"}], source="test")
+        assert led.transition(10, "rejected", [{"code": "x"}], source="test", expect="writing")
         assert led.checkpoint(10)["state"] == "rejected"
         assert holder.wait() == 0  # the holder ended its transaction and exited normally

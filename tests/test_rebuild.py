@@ -11,6 +11,8 @@ import json
 import os
 
 from scout_ckpt import journal, manifest, policy
+from scout_ckpt.certify import certify
+from scout_ckpt.operator import quarantine
 from scout_ckpt.layout import LEDGER_NAME, MANIFEST_NAME, step_dirname
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.rebuild import DEFAULT_POLICY, UNVERIFIED, decide, rebuild, strictest
@@ -55,11 +57,11 @@ def test_decide_certifies_only_vouched_evidence():
 def test_rebuild_restores_quarantine_and_rejections_from_the_journal(ckpt_root):
     """The ledger is lost; the journal beside the data still says: step 3 failed its load verification, step 4 is
     quarantined. Neither may come back as certified; releasing step 4 gives what its evidence gives."""
-    assert run_cli("certify", ckpt_root)[0] == 0  # certified verdicts journaled for both manifests
+    assert all(r["state"] == "certified" for r in certify(ckpt_root))  # certified verdicts journaled
     with Ledger.open(ckpt_root) as led:  # what the checkpointer's load does on a mismatch (issue 9 item 4)
         journal.record_transition(led, ckpt_root, 3, "rejected", [{"code": "load_mismatch", "differ": ["w"]}],
                                   source="load", expect="certified")
-    run_cli("quarantine", ckpt_root, 4, "--reason", "bad data", check_rc=0)
+    quarantine(ckpt_root, 4, "bad data")
     _lose_ledger(ckpt_root)
     rc, out, err = run_cli("ledger", "rebuild", ckpt_root, "--json")
     assert rc == 0, err
@@ -79,7 +81,6 @@ def test_rebuild_restores_quarantine_and_rejections_from_the_journal(ckpt_root):
 
 
 def test_rebuild_does_not_certify_an_edited_manifest(ckpt_root):
-    assert run_cli("certify", ckpt_root)[0] == 0
     path = ckpt_root / step_dirname(4) / MANIFEST_NAME
     m = json.loads(path.read_text())
     m["policy"] = {"require": [], "allow_not_applicable": ["bytes", "invariants", "consensus"], "invariants": []}

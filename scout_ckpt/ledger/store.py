@@ -201,7 +201,8 @@ class Ledger:
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
-    def record_writing(self, step: int, run_id: str, attempt: str, path: str, owner: dict | None = None) -> None:
+    def record_writing(self, step: int, run_id: str, attempt: str, path: str, owner: dict | None = None, *,
+                       source: str = "save") -> None:
         """The row written before DCP starts: an interrupted save leaves this record and no step dir.
 
         A quarantined step is refused (`Quarantined`, recorded in the history as 'refused'): the operator's
@@ -216,7 +217,7 @@ class Ledger:
             refused = row is not None and row["state"] == "quarantined"
             if refused:
                 self._certification(step, "writing", [{"code": "quarantined", "attempt": row["attempt"]}],
-                                    "save", attempt=attempt, outcome=REFUSED)
+                                    source, attempt=attempt, outcome=REFUSED)
             else:
                 now = time.time()
                 self.conn.execute("DELETE FROM files WHERE step=?", (step,))
@@ -226,7 +227,7 @@ class Ledger:
                     "attempt": attempt, "started": now, "committed": None, "updated": now,
                     "manifest_digest": None, "reasons": "[]", "owner_host": owner.get("host"),
                     "owner_pid": owner.get("pid"), "owner_start": owner.get("start")}, replace=True)
-                self._certification(step, "writing", [], "save", attempt=attempt)
+                self._certification(step, "writing", [], source, attempt=attempt)
         if refused:
             reason = next((r.get("detail") for r in row["reasons"] or [] if r.get("code") == "quarantined"), None)
             raise Quarantined(f"step {step} is quarantined" + (f" ({reason})" if reason else "")
