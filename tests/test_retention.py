@@ -74,3 +74,20 @@ def test_apply_deletes_through_the_ledger_and_lists_temp_dirs_with_owner(tmp_pat
         assert res["delete"] == [10] and not (tmp_path / "step-00000010").exists()
         assert led.checkpoint(10)["state"] == "deleted"
         assert (tmp_path / "step-00000015").is_dir() and layout.list_tmp_dirs(tmp_path)
+
+
+def test_a_concurrent_gc_removing_the_same_directory_is_not_an_error(tmp_path, monkeypatch):
+    import shutil
+
+    with Ledger.open(tmp_path, create=True) as led:
+        for step in (5, 10):
+            _commit(led, tmp_path, step, "certified")
+        real = layout.remove_dir
+
+        def raced(path):  # the other gc renamed and removed it just before us
+            shutil.rmtree(path)
+            real(path)
+
+        monkeypatch.setattr(layout, "remove_dir", raced)
+        assert retention.apply(led, tmp_path, 1)["delete"] == [5]
+        assert led.checkpoint(5)["state"] == "deleted" and not (tmp_path / "step-00000005").exists()
