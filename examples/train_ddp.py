@@ -5,11 +5,15 @@
 
 `--crash-rank R --crash-step S` SIGKILLs rank R at step S in the first attempt only (torchrun's
 TORCHELASTIC_RESTART_COUNT), to show the restart resuming from the newest certified checkpoint. With
-`--record` rank 0 also keeps a copy of each saved model state (to prove the resumed state is exactly it).
+`--record` rank 0 also keeps a copy of each saved model state (to prove the resumed state is exactly it) and
+prints one line `SCOUT-EXAMPLE {json}` with a digest of the model state at each save and after loading.
+`--corrupt-load S` flips one bit of a weight right after checkpoint S is loaded, in every attempt (as a loader
+bug would): load verification must reject S and resume from the checkpoint before it.
 """
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import signal
@@ -31,6 +35,7 @@ def main():
     ap.add_argument("--crash-rank", type=int, default=-1)
     ap.add_argument("--crash-step", type=int, default=-1)
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--corrupt-load", type=int, default=-1)
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -41,7 +46,13 @@ def main():
     model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    ckpt = Checkpointer(args.root, model=model, optimizer=opt)
+    def corrupt_after_load(point, step):
+        if point == "after_load" and step == args.corrupt_load:
+            with torch.no_grad():
+                bits = next(model.parameters()).view(-1).view(torch.int32)
+                bits[0] ^= 1
+
+    ckpt = Checkpointer(args.root, model=model, optimizer=opt, fault_hook=corrupt_after_load)
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
     if rank == 0 and args.record:
@@ -49,6 +60,7 @@ def main():
             json.dump({"attempt": attempt, "resumed_from": start}, f)
         if start:
             torch.save(model.state_dict(), Path(args.root) / f"loaded-{start}.pt")
+        report("loaded", attempt, start, model)
 
     g = torch.Generator().manual_seed(1000 + rank)
     for step in range(start + 1, args.steps + 1):
@@ -64,9 +76,19 @@ def main():
             ckpt.save(step, state)
             if rank == 0 and args.record:
                 torch.save(model.state_dict(), Path(args.root) / f"saved-{step}.pt")
+                report("saved", attempt, step, model)
     ckpt.close()
     dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
     dist.destroy_process_group()
+
+
+def report(event: str, attempt: int, step: int, model) -> None:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    print("SCOUT-EXAMPLE " + json.dumps({"event": event, "attempt": attempt, "step": step,
+                                         "digest": h.hexdigest()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,9 @@
 """The save hook a training script holds. Every public method is collective unless it says otherwise.
 
-Commit protocol of one save boundary at step S (ARCHITECTURE.md, "One save boundary"):
-
-  1. coordinator: ledger row `writing` (attempt id = incarnation + save counter, the same on every rank)
-  2. all ranks: evidence on the live state (finite values, consensus, invariants, signatures)
-  3. all ranks: DCP writes into ROOT/.step-S.tmp-<attempt>/ (sync, or async on our own gloo group)
-  4. all ranks, once the write has finished everywhere: hash the files *this rank* wrote; gather to coordinator
-  5. coordinator: scout-manifest.json (fsync) -> rename to step-S (atomic) -> fsync(ROOT) -> ledger commit
-  6. coordinator: retention, only after 5 is durable
-
-A SIGKILL anywhere leaves no step-S directory (the temp dir is removed at the next start and the `writing` row
-becomes `rejected/save_interrupted`) or a complete one with its manifest (a `writing` row whose directory and
-manifest exist is completed from the manifest at the next start).
+A save boundary is the commit protocol of scout_ckpt/commit.py (writing row, temp dir with owner record, digests,
+manifest, rename, ledger, retention) around the evidence gathered here: consensus, invariants and signatures on the
+live state, the writers' finite checks, replay coverage. Loading walks back from the newest certified checkpoint
+past any whose bytes or loaded values do not match what was saved, rejecting each in the ledger.
 """
 
 from __future__ import annotations
@@ -21,7 +13,6 @@ import datetime
 import fnmatch
 import os
 import platform
-import shutil
 import threading
 import time
 import uuid
@@ -34,27 +25,27 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 import scout_ckpt
 from scout_ckpt import invariants as inv
-from scout_ckpt import layout, manifest, policy, retention
+from scout_ckpt import commit, journal, policy
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.save_time import save_time_consensus
 from scout_ckpt.consensus.signatures import REPLICA_PREFIX, full_signatures
-from scout_ckpt.digests import digest_files
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer import Observer
-from scout_ckpt.recovery import record_bytes_failure, trusted_manifest
+from scout_ckpt.recovery import record_verification_failure, trusted_manifest
 from scout_ckpt.replay import ReplayRunner, coverage as replay_coverage
 from scout_ckpt.storage import FaultHook, ScoutWriter
 from scout_ckpt.verify import verify_files
 
-COORDINATOR = 0
+COORDINATOR = commit.COORDINATOR
 # One replay target every 10 steps keeps amortized replay cost near 3% of training time (bench/
 # consensus_overhead.py); certification then waits up to (targets x interval) steps for full coverage.
 DEFAULT_REPLAY_INTERVAL = 10
 
 
 class LoadVerificationError(ScoutError):
-    """The state loaded does not match the signatures recorded when it was saved."""
+    """The state passed to load_latest_clean cannot take the saved values (the caller's error: the checkpoint
+    keeps its state)."""
 
 
 def _materialize(state: dict) -> dict:
@@ -63,13 +54,23 @@ def _materialize(state: dict) -> dict:
 
 
 
+def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
+    # Not a bound method of the Checkpointer: a reference cycle would keep its process groups alive past
+    # destroy_process_group, and their teardown at interpreter exit then stalls the job's exit by seconds.
+    return fault_hook if fault_hook is not None else (lambda point, step: None)
+
 
 class Checkpointer:
     """Certified DCP checkpoints under `root`.
 
     Options: `async_save` (dcp.async_save on the checkpointer's own gloo group), `keep` (retention after each
-    durable commit), `mode` ("ddp", "fsdp", "hsdp"; inferred from DTensor parameters when omitted),
-    `fault_hook(point, step)` (tests and the demo: called at named points of a save).
+    durable commit: the `keep` newest certified checkpoints and every newer one still awaiting evidence),
+    `mode` ("ddp", "fsdp", "hsdp"; inferred from DTensor parameters when omitted), `fault_hook(point, step)`
+    (tests and the demo: called at before_write, during_write, after_write, before_rename, after_rename,
+    retention (coordinator), after_commit, and after_load).
+
+    Opening a Checkpointer on a ROOT where another process is saving leaves that save alone: start-up settles
+    only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile).
     """
 
     def __init__(self, root: str | os.PathLike, *, model: torch.nn.Module | None = None,
@@ -123,11 +124,15 @@ class Checkpointer:
         if self.is_coordinator:
             self.root.mkdir(parents=True, exist_ok=True)
             self.ledger = Ledger.open(self.root, create=True)
-            self._reconcile()
+            commit.reconcile(self.ledger, self.root)
             run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
             self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology, policy=self.policy,
                                   versions=self._versions())
         self.run_id = self._broadcast(run_id)
+        self._committer = commit.Committer(
+            self.root, self.run_id, self.rank, self.ledger, keep=keep, hook=_hook_or_noop(fault_hook),
+            manifest_fields={"world_size": self.world_size, "topology": self.topology, "policy": self.policy,
+                             "invariants": self.policy["invariants"], "versions": self._versions()})
         self.observer = None
         if observer:
             cfg = {} if observer is True else dict(observer)
@@ -164,9 +169,9 @@ class Checkpointer:
         allow_na = []
         if self.consensus:
             require.append("consensus")
-            # Single-owner shards (pure FSDP) have no replica to compare with: only model-intrinsic checks the
-            # user configured can vouch for them (`finite` alone misses a huge but finite flipped exponent).
-            if self.checks:
+            # Single-owner shards (pure FSDP) have no replica to compare with: only checks that pin a tensor's
+            # values down can vouch for them (invariants.VOUCHES); `finite` and `monotone` never do.
+            if any(c.vouches for c in self.checks):
                 allow_na.append("consensus")
         if self.replay is not None:
             require.append("replay")
@@ -186,37 +191,9 @@ class Checkpointer:
         dist.broadcast_object_list(box, src=COORDINATOR, group=group or self._pg)
         return box[0]
 
-    def _gather(self, obj, group=None) -> list | None:
-        out = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=COORDINATOR, group=group or self._pg)
-        return out
-
     def _hook(self, point: str, step: int) -> None:
         if self.fault_hook is not None:
             self.fault_hook(point, step)
-
-    # ---- start-up reconciliation (coordinator) -------------------------------------------------------------
-
-    def _reconcile(self) -> None:
-        """Finish what a crash interrupted: drop temp dirs of dead saves, settle `writing` rows."""
-        for tmp in layout.list_tmp_dirs(self.root):
-            shutil.rmtree(tmp, ignore_errors=True)
-        for row in self.ledger.checkpoints(states=("writing",)):
-            step_dir = self.root / row["path"]
-            try:
-                m, digest = manifest.read(step_dir) if step_dir.is_dir() else (None, None)
-            except ScoutError:
-                m = None
-            if m is not None and m.get("attempt") == row["attempt"]:
-                # Renamed but the ledger write was lost: the manifest holds everything the ledger needed.
-                v = m["verdict"]
-                self.ledger.record_commit(row["step"], run_id=m.get("run_id"), path=row["path"],
-                                          nbytes=layout.dir_bytes(step_dir), manifest_digest=digest, files=m["files"],
-                                          evidence=m["evidence"], state=v["state"], reasons=v["reasons"],
-                                          source="reconcile", attempt=row["attempt"])
-            else:
-                self.ledger.set_state(row["step"], "rejected",
-                                      [{"code": "save_interrupted", "attempt": row["attempt"]}], source="reconcile")
 
     # ---- per-step hook -------------------------------------------------------------------------------------
 
@@ -266,8 +243,13 @@ class Checkpointer:
     # ---- save ----------------------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict) -> dict | None:
-        """Save the state after `step` optimizer steps. Sync: returns the verdict {"state", "reasons"} on
-        every rank. Async: returns None at once; the commit happens when the upload has completed everywhere."""
+        """Save the state after `step` optimizer steps; every rank calls it with the same step.
+
+        Sync: returns the verdict {"state", "reasons"} on every rank (the manifest's: an error in the ledger
+        write or retention after the rename is recorded as an event, never raised). Async: returns None at once;
+        the commit happens when the upload has completed everywhere, and its failure is raised at the next
+        step()/save()/wait(). Raises on every rank: SaveRefused when the coordinator cannot start the save (the
+        step is quarantined), CommitError when nothing was published."""
         if self._closed:
             raise ScoutError("Checkpointer is closed")
         with self.phase("checkpoint"):
@@ -285,25 +267,21 @@ class Checkpointer:
         # Every rank derives the same attempt id (no collective): this incarnation's id and a save counter.
         self._saves += 1
         attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
-        if self.is_coordinator:
-            # Before any rank writes data: DCP's central planning waits for the coordinator, which gets there
-            # only after this row is durable, so an interrupted save always leaves its record.
-            self.ledger.record_writing(step, self.run_id, attempt, layout.step_dirname(step))
-        tmp = self.root / layout.tmp_dirname(step, attempt)
+        pending = self._committer.begin(step, attempt, self._pg)
         self._hook("before_write", step)
 
         flat = _materialize(state)
         live = self._live_evidence(step, flat)
-        writer = ScoutWriter(tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
+        writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
         if self.async_save:
             resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
             upload = getattr(resp, "upload_completion", resp)
-            self._pending = threading.Thread(target=self._commit_async, args=(upload, step, attempt, writer, live),
+            self._pending = threading.Thread(target=self._commit_async, args=(upload, pending, writer, live),
                                              name=f"scout-commit-{step}", daemon=True)
             self._pending.start()
             return None
         dcp.save(flat, storage_writer=writer, process_group=self._pg)
-        return self._commit(step, attempt, writer, live, self._pg)
+        return self._commit(pending, writer, live, self._pg)
 
     def _live_evidence(self, step: int, flat: dict) -> dict:
         """Evidence taken from the live state at the save boundary, before the write (collective)."""
@@ -340,47 +318,34 @@ class Checkpointer:
                 continue
             self.ledger.put_evidence(row["step"], {"replay": new}, source="replay")
             v = policy.evaluate(self.policy, self.ledger.evidence(row["step"]))
-            if v.state != row["state"] or v.reasons != row["reasons"]:
-                self.ledger.set_state(row["step"], v.state, v.reasons, source="replay")
+            if v.state != row["state"]:  # reasons alone change with the evidence rows just written
+                journal.record_transition(self.ledger, self.root, row["step"], v.state, v.reasons, source="replay",
+                                          expect="committed", attempt=row["attempt"])
 
     def _consensus_names(self, name: str) -> bool:
         return not any(fnmatch.fnmatch(name, pat) for pat in self.consensus_exclude)
 
-    def _commit_async(self, upload, step, attempt, writer, live) -> None:
+    def _commit_async(self, upload, pending, writer, live) -> None:
         try:
             upload.result()
-            self._commit(step, attempt, writer, live, self._commit_pg)
+            self._commit(pending, writer, live, self._commit_pg)
         except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
             self._pending_error = e
             if self.observer is not None:  # a peer died during the commit: this rank is a victim, not the culprit
                 self.observer.heartbeat.error()
 
-    def _commit(self, step: int, attempt: str, writer: ScoutWriter, live: dict, group) -> dict:
-        self._hook("after_write", step)
-        tmp = Path(writer.path)
-        mine = sorted(writer.written | ({layout.DCP_METADATA} if self.is_coordinator else set()))
-        known = writer.file_digests()  # hashed in flight; the rest (.metadata) is read back
-        read_back = digest_files([tmp / f for f in mine if f not in known])
-        known.update({Path(p).name: d for p, d in read_back.items()})
-        files = [{"path": f, "size": known[f][0], "digest": known[f][1], "rank": self.rank} for f in mine]
-        # Live evidence is identical on every rank (but `replay`, the coordinator's): only the coordinator's is
-        # used, so the others send just what they wrote.
-        gathered = self._gather({"rank": self.rank, "files": files, "finite_bad": writer.nonfinite}, group=group)
-        verdict = None
-        if self.is_coordinator:
-            try:
-                verdict = self._publish(step, attempt, tmp, gathered, live)
-            except BaseException as e:
-                verdict = {"state": "error", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}
-        verdict = self._broadcast(verdict, group=group)
-        if verdict["state"] == "error":
-            raise ScoutError(f"checkpoint {step} failed to commit: {verdict['reasons'][0]['detail']}")
+    def _commit(self, pending: commit.PendingSave, writer: ScoutWriter, live: dict, group) -> dict:
+        self._hook("after_write", pending.step)
+        verdict = self._committer.finish(pending, writer, group,
+                                         assess=lambda gathered: self._assess(gathered, live))
         self._last_verdict = verdict
-        self._hook("after_commit", step)
+        self._hook("after_commit", pending.step)
         return verdict
 
-    def _evidence(self, step: int, gathered: list[dict], live: dict) -> tuple[dict, dict]:
-        """(evidence, signatures): writers' digests and finite checks plus the live evidence of the boundary."""
+    def _assess(self, gathered: list[dict], live: dict) -> tuple[dict, dict, policy.Verdict]:
+        """Coordinator: (evidence, signatures, verdict) from the writers' digests and finite checks plus the live
+        evidence of the boundary. Live evidence is identical on every rank (but `replay`, the coordinator's), so
+        only the coordinator's is used and the others send just what they wrote."""
         files = [f for g in gathered for f in g["files"]]
         live = dict(live)
         signatures = live.pop("signatures", {})
@@ -399,38 +364,7 @@ class Checkpointer:
             ev["invariants"] = policy.evidence(status, reasons, specs=self.policy["invariants"],
                                                values=(checks or {}).get("values"))
         ev.update(live)
-        return ev, signatures
-
-    def _publish(self, step: int, attempt: str, tmp: Path, gathered: list[dict], live: dict) -> dict:
-        """Coordinator: manifest -> rename -> ledger -> retention. The order is the commit protocol."""
-        files = [f for g in gathered for f in g["files"]]
-        ev, signatures = self._evidence(step, gathered, live)
-        v = policy.evaluate(self.policy, ev)
-        verdict = {"state": v.state, "reasons": v.reasons}
-        m = manifest.build(step=step, run_id=self.run_id, attempt=attempt, world_size=self.world_size,
-                           topology=self.topology, policy=self.policy, files=files, evidence=ev, verdict=verdict,
-                           signatures=signatures, invariants=self.policy["invariants"], versions=self._versions())
-        digest = manifest.write(tmp, m)
-        self._hook("before_rename", step)
-        final = layout.step_path(self.root, step)
-        layout.commit_dir(tmp, final)
-        self._hook("after_rename", step)
-        self.ledger.record_commit(step, run_id=self.run_id, path=final.name, nbytes=layout.dir_bytes(final),
-                                  manifest_digest=digest, files=files, evidence=ev, state=v.state,
-                                  reasons=v.reasons, attempt=attempt)
-        self._record_live_faults(step, ev)
-        if self.keep:
-            retention.apply(self.ledger, self.root, self.keep)
-        return verdict
-
-    def _record_live_faults(self, step: int, ev: dict) -> None:
-        """A fault found in the live state at a save boundary is also an `sdc` event naming the rank(s)."""
-        for kind, codes in (("consensus", ("consensus_attributed", "consensus_inconclusive")),
-                            ("invariants", ("invariant_failed",))):
-            for r in (ev.get(kind) or {}).get("reasons") or []:
-                if r.get("code") in codes:
-                    self.ledger.add_event("sdc", step=step, ranks=r.get("ranks") or [], run_id=self.run_id,
-                                          detail={"source": kind, **{k: v for k, v in r.items() if k != "ranks"}})
+        return ev, signatures, policy.evaluate(self.policy, ev)
 
     def wait(self) -> None:
         """Block until the pending async save is committed (or failed) on this rank."""
@@ -451,11 +385,16 @@ class Checkpointer:
     # ---- load ----------------------------------------------------------------------------------------------
 
     def load_latest_clean(self, state: dict) -> int | None:
-        """Load the newest certified checkpoint whose bytes verify; return its step (None: nothing to load).
+        """Load the newest certified checkpoint whose bytes and loaded values match what was saved into `state`;
+        return its step (None: nothing to load).
 
-        Each rank re-hashes a disjoint share of the files; a checkpoint that fails is rejected in the ledger and
-        the next older certified one is tried. After loading, the state's signatures are compared with those
-        recorded at save."""
+        Every rank calls it (collective on the checkpointer's own group) and every rank gets the same outcome.
+        Each rank re-hashes a disjoint share of the files; then DCP loads, and full-tensor signatures of what was
+        loaded are compared with those recorded at save. A checkpoint that fails either check is rejected in the
+        ledger (bytes: the digest reasons; values: `load_mismatch` naming the tensors) and the next older certified
+        one is loaded over the same state, in this same call: a restarted job resumes from the earlier step
+        instead of crash-looping. Raises LoadVerificationError on every rank, and leaves the checkpoint as it is,
+        when `state` has no place for saved values (the caller built it wrongly)."""
         self.wait()
         below = None
         while True:
@@ -470,12 +409,18 @@ class Checkpointer:
             failed = cand["reasons"] + [r for e in results for r in e["reasons"]]
             if failed:
                 if self.is_coordinator:
-                    record_bytes_failure(self.ledger, cand["step"], policy.evidence(policy.FAIL, failed),
-                                         source="load")
+                    record_verification_failure(self.ledger, cand["step"], policy.evidence(policy.FAIL, failed),
+                                                source="load", root=self.root)
                 below = cand["step"]
                 continue
             dcp.load(state, checkpoint_id=str(step_dir), process_group=self._pg)
-            self._verify_loaded(cand["step"], cand["signatures"], state)
+            self._hook("after_load", cand["step"])
+            differ = self._loaded_differences(cand["step"], cand["signatures"], state)
+            if differ:
+                if self.is_coordinator:
+                    self._reject_load_mismatch(cand, differ)
+                below = cand["step"]
+                continue
             if self.is_coordinator:
                 self.ledger.set_resumed_from(self.run_id, cand["step"])
             if self.replay is not None:
@@ -492,30 +437,33 @@ class Checkpointer:
         return {"step": row["step"], "path": row["path"], "files": self.ledger.files(row["step"]),
                 "signatures": (m or {}).get("signatures") or {}, "reasons": reasons}
 
-    def _verify_loaded(self, step: int, expected: dict, state: dict) -> None:
-        """Compare full-tensor signatures of what was loaded with those recorded at save (sharding-independent,
-        so a checkpoint saved on N ranks verifies when loaded on M). A mismatch stops the job: continuing would
-        train from state that is not what was certified."""
+    def _loaded_differences(self, step: int, expected: dict, state: dict) -> list[str]:
+        """The saved tensors whose loaded values differ from the full-tensor signatures recorded at save
+        (sharding-independent, so a checkpoint saved on N ranks verifies when loaded on M). The signatures come
+        from one all_reduce, so every rank computes the same list. Raises LoadVerificationError when saved values
+        have no place in `state`."""
         if not self.verify_load or not expected:
-            return
+            return []
         got = full_signatures(_materialize(state), group=self._pg, plain="replica")
         absent = sorted(k for k in expected if k not in got)
+        if absent:
+            raise LoadVerificationError(
+                f"checkpoint {step}: {len(absent)} saved value(s) have no place in the state passed to "
+                f"load_latest_clean (e.g. {absent[0]}); build it with torch.distributed.checkpoint.state_dict."
+                "get_state_dict so that optimizer state exists before loading")
         # A plain tensor's value (xxh3) compares only with a plain tensor's: one that became a DTensor in a
         # resharded restart is vouched for by the byte digests alone.
-        comparable = [k for k in expected if k in got and got[k].startswith(REPLICA_PREFIX)
-                      == expected[k].startswith(REPLICA_PREFIX)]
-        differ = sorted(k for k in comparable if got[k] != expected[k])
-        if absent or differ:
-            if self.is_coordinator:
-                self.ledger.add_event("load_mismatch", step=step, run_id=self.run_id,
-                                      detail={"absent": absent[:16], "differ": differ[:16]})
-            if absent:
-                raise LoadVerificationError(
-                    f"checkpoint {step}: {len(absent)} saved value(s) have no place in the state passed to "
-                    f"load_latest_clean (e.g. {absent[0]}); build it with torch.distributed.checkpoint.state_dict."
-                    "get_state_dict so that optimizer state exists before loading")
-            raise LoadVerificationError(f"checkpoint {step}: loaded state differs from what was saved in "
-                                        f"{len(differ)} tensor(s), e.g. {differ[0]}")
+        comparable = [k for k in expected if got[k].startswith(REPLICA_PREFIX) == expected[k].startswith(REPLICA_PREFIX)]
+        return sorted(k for k in comparable if got[k] != expected[k])
+
+    def _reject_load_mismatch(self, cand: dict, differ: list[str]) -> None:
+        """Coordinator: the loaded values are not what was certified; the checkpoint is rejected for good (CAS from
+        certified: an operator's quarantine meanwhile stands), journaled beside the data, and an event recorded."""
+        reasons = [{"code": "load_mismatch", "tensors": differ[:16], "count": len(differ)}]
+        applied = journal.record_transition(self.ledger, self.root, cand["step"], "rejected", reasons,
+                                            source="load", expect="certified")
+        self.ledger.add_event("load_mismatch", step=cand["step"], run_id=self.run_id,
+                              detail={"differ": differ[:16], "count": len(differ), "rejected": applied})
 
     # ---- shutdown ------------------------------------------------------------------------------------------
 
@@ -527,6 +475,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            if self.is_coordinator:
+                self._committer.flush()
             if self.replay is not None:
                 self.replay.close()
             if self.observer is not None:

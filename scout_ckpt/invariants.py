@@ -55,10 +55,25 @@ KINDS: dict[str, dict[str, Param]] = {
 }
 
 
+# Whether a passing check of each kind vouches for a tensor's values where no replica exists to compare with
+# (single-owner FSDP shards): a sphere, a spectral bound, an oblique or simplex constraint pins the values down
+# tightly enough that a flipped exponent or mantissa bit breaks it. `finite` misses a huge but finite flipped
+# exponent and `monotone` looks at one counter, so they never stand in for consensus. A spec may set
+# `vouches=False`; `vouches=True` is refused for the kinds that cannot vouch.
+VOUCHES: dict[str, bool] = {"finite": False, "frobenius_sphere": True, "spectral_sphere": True,
+                            "spectral_bound": True, "oblique": True, "simplex": True, "monotone": False}
+
+
 @dataclass(frozen=True)
 class Check:
     kind: str
     args: dict = field(hash=False)
+    vouches_override: bool | None = None   # from the spec's `vouches`, if given
+
+    @property
+    def vouches(self) -> bool:
+        """True if passing this check stands in for consensus on single-owner shards (see VOUCHES)."""
+        return VOUCHES[self.kind] if self.vouches_override is None else self.vouches_override and VOUCHES[self.kind]
 
     @property
     def glob(self) -> str:
@@ -67,7 +82,10 @@ class Check:
     @property
     def spec(self) -> dict:
         """The canonical JSON-able spec (what parse_specs reads back)."""
-        return {"check": self.kind, **{k: (None if v == math.inf else v) for k, v in self.args.items()}}
+        spec = {"check": self.kind, **{k: (None if v == math.inf else v) for k, v in self.args.items()}}
+        if self.vouches_override is not None:
+            spec["vouches"] = self.vouches_override
+        return spec
 
     @property
     def label(self) -> str:
@@ -123,6 +141,10 @@ def _parse_one(spec: dict | str) -> Check:
     glob_key = "params" if "params" in params else "path"
     raw = dict(spec)
     raw.pop("check")
+    vouches = _coerce(kind, "vouches", raw.pop("vouches"), Param(kind=bool)) if "vouches" in raw else None
+    if vouches and not VOUCHES[kind]:
+        raise BadInput(f"invariant {kind} cannot vouch for a tensor's values (vouches=true is only for "
+                       f"{', '.join(k for k, v in VOUCHES.items() if v)})")
     for alias in ("params", "path"):   # either name is accepted for the glob
         if alias in raw and alias != glob_key:
             raw[glob_key] = raw.pop(alias)
@@ -149,7 +171,7 @@ def _parse_one(spec: dict | str) -> Check:
         raise BadInput(f"invariant oblique: axis must be rows or cols, got {args['axis']!r}")
     if "iters" in args and not 1 <= args["iters"] <= 10_000:
         raise BadInput(f"invariant {kind}: iters must be in 1..10000")
-    return Check(kind, args)
+    return Check(kind, args, vouches)
 
 
 def parse_specs(specs: list[dict | str] | None) -> list[Check]:

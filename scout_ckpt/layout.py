@@ -2,7 +2,8 @@
 
 ROOT/
   step-00000120/            a committed checkpoint (DCP files + scout-manifest.json)
-  .step-00000130.tmp-<id>/  a save in flight; never read, removed on the next start
+  .step-00000130.tmp-<id>/  a save in flight; never read. Holds scout-owner.json (who writes it) until just
+                            before the rename; removed at a later start only when that owner is provably dead
   scout-ledger.db           the ledger (WAL)
   reports/                  observer and campaign reports
 
@@ -12,6 +13,7 @@ rename over the final name, fsync the directory. A SIGKILL at any line leaves th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,6 +28,7 @@ LEDGER_NAME = "scout-ledger.db"
 MANIFEST_NAME = "scout-manifest.json"
 REPORTS_DIR = "reports"
 DCP_METADATA = ".metadata"
+OWNER_NAME = "scout-owner.json"
 
 
 def step_dirname(step: int) -> str:
@@ -60,6 +63,29 @@ def list_step_dirs(root: str | os.PathLike) -> dict[int, Path]:
 def list_tmp_dirs(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     return sorted(root / e.name for e in os.scandir(root) if TMP_RE.match(e.name) or TRASH_RE.match(e.name))
+
+
+def create_tmp_dir(tmp: Path, owner: dict) -> None:
+    """The coordinator creates the temp dir of a save and its owner record before any rank writes data, so a
+    directory with data always says whose it is (a crash between mkdir and the record leaves an empty directory
+    whose owner is unknown: it is left alone and listed by `gc --dry-run`)."""
+    tmp.mkdir()
+    atomic_write_json(tmp / OWNER_NAME, owner)
+
+
+def read_owner(tmp: Path) -> dict | None:
+    """The owner record of a temp dir; None when absent or unreadable (owner unknown)."""
+    try:
+        owner = json.loads((Path(tmp) / OWNER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def drop_owner(tmp: Path) -> None:
+    """Remove the owner record just before the rename: a published step-* holds only what the manifest lists."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(Path(tmp) / OWNER_NAME)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -104,7 +130,8 @@ def commit_dir(tmp: Path, final: Path) -> None:
 
 def remove_dir(path: Path) -> None:
     """Delete a checkpoint directory so that a crash mid-delete never leaves a torn `step-*`:
-    rename it out of the `step-*` namespace first, then remove it."""
+    rename it out of the `step-*` namespace first, then remove it. FileNotFoundError if it is already gone
+    (e.g. a concurrent `gc` took it first)."""
     trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
     os.rename(path, trash)
     fsync_dir(path.parent)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from scout_ckpt import invariants as inv
 from scout_ckpt.dcp_files import check_structure, read_tensors
 from scout_ckpt.errors import BadInput
 from scout_ckpt.invariants import parse_specs, run_offline
@@ -148,3 +149,19 @@ def test_run_local_on_four_fsdp_ranks(tmp_path):
     assert check_structure(tmp_path / "ck")["status"] == "pass"
     offline = run_offline(parse_specs(SPECS), read_tensors(tmp_path / "ck", include_bytes=True))
     assert offline["status"] == "pass", offline
+
+
+def test_only_value_pinning_checks_vouch_for_single_owner_shards():
+    specs = ["finite", "monotone:path=step", "frobenius_sphere:params=*.weight:radius=1",
+             "spectral_sphere:params=w:radius=1", "spectral_bound:params=w:hi=3", "oblique:params=w",
+             "simplex:path=mix"]
+    vouch = {c.kind: c.vouches for c in inv.parse_specs(specs)}
+    assert vouch == {"finite": False, "monotone": False, "frobenius_sphere": True, "spectral_sphere": True,
+                     "spectral_bound": True, "oblique": True, "simplex": True}
+    assert set(inv.VOUCHES) == set(inv.KINDS)
+    # A spec may decline to vouch; finite and monotone may not claim to.
+    (c,) = inv.parse_specs([{"check": "simplex", "path": "mix", "vouches": False}])
+    assert not c.vouches and inv.parse_specs([c.spec])[0] == c
+    for spec in ("finite:vouches=true", {"check": "monotone", "path": "step", "vouches": True}):
+        with pytest.raises(BadInput, match="cannot vouch"):
+            inv.parse_specs([spec])

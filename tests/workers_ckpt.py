@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from scout_ckpt.app_state import ModelOptimizerState as AppState
 from scout_ckpt.checkpointer import Checkpointer
+from scout_ckpt.layout import list_step_dirs
 
 
 def make_model(seed: int = 0, width: int = 16) -> nn.Module:
@@ -191,11 +192,114 @@ def load_into(rank, world, root, with_moments):
         ckpt.close()
 
 
-def fsdp_save_unvouched(rank, world, root):
+def fsdp_save_unvouched(rank, world, root, invariants=None):
     model = _fsdp_model(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _fsdp_train(model, opt, 1, seed=0)
-    ckpt = Checkpointer(root, model=model, optimizer=opt)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, invariants=invariants)
     verdict = ckpt.save(1, {"app": AppState(model, opt)})
     ckpt.close()
     return verdict
+
+
+def retention_under_replay(rank, world, root, steps=60, save_every=5):
+    """The same deterministic run three times, with replay pending between saves: keep=None, 1 and 2. Returns
+    (coordinator) the newest certified step and the states of each root at the end."""
+    from scout_ckpt.ledger import Ledger
+
+    out = {}
+    for keep in (None, 1, 2):
+        sub = os.path.join(root, f"keep-{keep}")
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        ckpt = Checkpointer(sub, model=model, optimizer=opt, replay=True, keep=keep)
+        for step in range(1, steps + 1):
+            train_steps(model, opt, 1, seed=step)
+            ckpt.step(step)
+            if step % save_every == 0:
+                ckpt.save(step, state_of(model, opt))
+        ckpt.close()
+        if rank == 0:
+            with Ledger.open(sub, readonly=True) as led:
+                latest = led.latest("certified")
+                out[keep] = {"latest": latest["step"] if latest else None,
+                             "states": {r["step"]: r["state"] for r in led.checkpoints()},
+                             "on_disk": sorted(list_step_dirs(sub)),
+                             "errors": [e["detail"] for e in led.events(("bookkeeping_error",))]}
+    return out
+
+
+def bookkeeping_errors(rank, world, root):
+    """Saves 1-4 with keep=2: retention raises at step 2; the ledger is locked by another process from just after
+    the rename of step 3 until its save returned; then step 4 is quarantined and saved again (refused)."""
+    import subprocess
+    import sys
+
+    from scout_ckpt.errors import ScoutError
+    from tests.conftest import _HOLD_LOCK
+
+    holder = {}
+
+    def hook(point, step):
+        if rank != 0:
+            return
+        if point == "retention" and step == 2:
+            raise RuntimeError("injected retention failure")
+        if point == "after_rename" and step == 3:
+            p = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, os.path.join(root, "scout-ledger.db"), "120"],
+                                 stdout=subprocess.PIPE, text=True)
+            assert p.stdout.readline().strip() == "locked"
+            holder["p"] = p
+        if point == "after_commit" and step == 3:
+            holder["p"].kill()
+            holder["p"].wait()
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, keep=2, fault_hook=hook)
+    verdicts = {}
+    for s in (1, 2, 3, 4):
+        train_steps(model, opt, 1, seed=s)
+        verdicts[s] = ckpt.save(s, state_of(model, opt))
+    if rank == 0:
+        ckpt.ledger.transition(4, "quarantined", [{"code": "quarantined", "detail": "test"}], source="operator",
+                               expect="certified")
+    dist.barrier()
+    try:
+        ckpt.save(4, state_of(model, opt))
+        refused = None
+    except ScoutError as e:
+        refused = f"{type(e).__name__}: {e}"
+    verdicts[5] = ckpt.save(5, state_of(model, opt))  # the job goes on
+    ckpt.close()
+    return {"verdicts": verdicts, "refused": refused}
+
+
+def paused_save(rank, world, root, signal_dir):
+    """Save 1, then save 2 pausing every rank at `after_write` until the test creates signal_dir/go."""
+    import time
+    from pathlib import Path
+
+    def hook(point, step):
+        if point == "after_write" and step == 2:
+            Path(signal_dir, f"paused-{rank}").touch()
+            deadline = time.monotonic() + 300
+            while not Path(signal_dir, "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, fault_hook=hook, timeout_s=300)
+    verdicts = [ckpt.save(s, state_of(model, opt)) for s in (1, 2)]
+    ckpt.close()
+    return verdicts
+
+
+def open_and_load(rank, world, root):
+    """Another job (or an evaluation process) on the same ROOT: open a Checkpointer and load latest clean."""
+    model = make_model(seed=9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(root, model=model, optimizer=opt)
+    step = ckpt.load_latest_clean(state_of(model, opt))
+    ckpt.close()
+    return step
