@@ -26,14 +26,18 @@ from torch.distributed.checkpoint.stateful import Stateful
 import scout_ckpt
 from scout_ckpt import invariants as inv
 from scout_ckpt import commit, journal, policy
+from scout_ckpt import log as scout_log
+from scout_ckpt.app_state import RankLocal
+from scout_ckpt.health_evidence import health_evidence
 from scout_ckpt.consensus.groups import ConsensusGroups
+from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import save_time_consensus
 from scout_ckpt.consensus.signatures import REPLICA_PREFIX, full_signatures
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer import Observer
 from scout_ckpt.recovery import record_verification_failure, trusted_manifest
-from scout_ckpt.replay import ReplayRunner, coverage as replay_coverage
+from scout_ckpt.replay import NoTargets, ReplayRunner, coverage as replay_coverage
 from scout_ckpt.storage import FaultHook, ScoutWriter
 from scout_ckpt.verify import verify_files
 
@@ -65,7 +69,9 @@ class Checkpointer:
 
     Options: `async_save` (dcp.async_save on the checkpointer's own gloo group), `keep` (retention after each
     durable commit: the `keep` newest certified checkpoints and every newer one still awaiting evidence),
-    `mode` ("ddp", "fsdp", "hsdp"; inferred from DTensor parameters when omitted), `fault_hook(point, step)`
+    `mesh` (the job's DeviceMesh; by default the root mesh of the model's DTensor parameters: replica groups
+    follow from it and each DTensor's placements), `mode`/`mesh_shape` (the old names "ddp", "fsdp", "hsdp" +
+    (replicate, shard); only when given do they override what the mesh says), `fault_hook(point, step)`
     (tests and the demo: called at before_write, during_write, after_write, before_rename, after_rename,
     retention (coordinator), after_commit, and after_load).
 
@@ -75,7 +81,8 @@ class Checkpointer:
 
     def __init__(self, root: str | os.PathLike, *, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, mode: str | None = None,
-                 mesh_shape: tuple[int, ...] | None = None, async_save: bool = False, keep: int | None = None,
+                 mesh_shape: tuple[int, ...] | None = None, mesh=None, async_save: bool = False,
+                 keep: int | None = None,
                  replay: dict | bool | None = None, observer: dict | bool | None = None,
                  invariants: list | None = None, consensus: bool = True, finite: bool = True,
                  consensus_exclude: tuple[str, ...] = (), verify_load: bool = True,
@@ -90,7 +97,8 @@ class Checkpointer:
         self.is_coordinator = self.rank == COORDINATOR
         self.async_save, self.keep, self.fault_hook = async_save, keep, fault_hook
         self.finite = finite
-        self.mode, self.mesh_shape = self._infer_mode(mode, mesh_shape)
+        topo = self._topology(mode, mesh_shape, mesh)
+        self.mode, self.mesh_shape = topo["mode"], tuple(topo["mesh_shape"])
         timeout = datetime.timedelta(seconds=timeout_s)
         # Side groups are created at startup, in the same order on all ranks (TORCH-NOTES): never the training
         # group, so checkpoint traffic cannot interleave with (or deadlock against) training collectives.
@@ -104,21 +112,35 @@ class Checkpointer:
         self._closed = False
         self._saves = 0
         self._bookkeeping_s = 0.0
+        self._rank_local: tuple[str, ...] = ()
+        self._save_started = time.monotonic()
+        self._last_commit_time: float | None = None
 
         self.checks = inv.parse_specs(invariants) if invariants else []  # bad specs fail here, not at a save
         self.consensus, self.consensus_exclude, self.verify_load = consensus, tuple(consensus_exclude), verify_load
-        self.groups = ConsensusGroups.create(self.mode, self.world_size, self.mesh_shape, timeout_s=timeout_s) \
-            if (consensus or replay) else None
+        self.groups = ConsensusGroups.from_topology(topo, timeout_s=timeout_s) if (consensus or replay) else None
         self.replay = None
+        auto_replay = replay is None
+        if auto_replay:
+            # Default: on where the topology has no replicas (pure FSDP: single-owner shards, no consensus to
+            # vouch for them); elsewhere consensus covers replicated state and replay is opt-in (replay=True).
+            replay = bool(self.groups is not None and self.mode.startswith("fsdp") and model is not None)
         if replay and model is not None:
             cfg = {"interval": DEFAULT_REPLAY_INTERVAL, **(replay if isinstance(replay, dict) else {})}
-            self.replay = ReplayRunner(model, optimizer, groups=self.groups, **cfg)
-            self.replay.begin(0)
+            try:
+                self.replay = ReplayRunner(model, optimizer, groups=self.groups, **cfg)
+            except NoTargets as e:
+                if not auto_replay:
+                    raise
+                scout_log.logger.warning("replay is off: %s", e)
+            else:
+                self.replay.begin(0)
         self._replay_events_seen = 0
         self._inv_previous: dict | None = None
         self.policy = self._policy()
-        self.topology = {"mode": self.mode, "world_size": self.world_size, "mesh_shape": self.mesh_shape,
-                         "replica_groups": self.groups.groups if self.groups else None}
+        self._warn_if_never_certifies()
+        self.topology = {k: topo[k] for k in ("mode", "world_size", "mesh_shape", "mesh_dim_names", "dim_roles",
+                                              "compare_dims", "replica_groups", "problems")}
         self.ledger: Ledger | None = None
         run_id = None
         if self.is_coordinator:
@@ -140,26 +162,20 @@ class Checkpointer:
                 self.root, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
                 stall_s=cfg.pop("stall_s", 60.0), action=cfg.pop("action", "report"),
                 ignore_groups=[g for g in (self._pg, self._async_pg, self._commit_pg) if g is not None]
-                + ([self.groups.world_group] + ([self.groups.group] if self.groups.group else [])
-                   if self.groups else []),
+                + (self.groups.process_groups if self.groups else []),
                 **cfg)
 
     # ---- configuration -------------------------------------------------------------------------------------
 
-    def _infer_mode(self, mode, mesh_shape):
-        if mode is None:
-            from torch.distributed.tensor import DTensor
-
-            params = list(self.model.parameters()) if self.model is not None else []
-            dt = next((p for p in params if isinstance(p, DTensor)), None)
-            if dt is None:
-                mode = "ddp"
-            else:
-                mesh_shape = mesh_shape or tuple(dt.device_mesh.shape)
-                mode = "hsdp" if len(mesh_shape) == 2 else "fsdp"
-        if mode not in ("ddp", "fsdp", "hsdp"):
-            raise ScoutError(f"mode must be ddp, fsdp or hsdp (got {mode!r})")
-        return mode, tuple(mesh_shape) if mesh_shape else None
+    def _topology(self, mode, mesh_shape, mesh) -> dict:
+        """Replica layout (consensus.mesh): from the mesh and the model's DTensor placements, or from an explicit
+        old mode name. Local, identical on every rank; ConsensusGroups.from_topology checks that it is."""
+        try:
+            if mode is not None:
+                return legacy_topology(mode, self.world_size, mesh_shape)
+            return describe_topology(self.model, mesh=mesh, world_size=self.world_size)
+        except ValueError as e:
+            raise ScoutError(f"topology: {e}") from None
 
     def _policy(self) -> dict:
         """What "certified" means for this run, stored in the ledger and every manifest."""
@@ -179,6 +195,17 @@ class Checkpointer:
         return {"require": require, "allow_not_applicable": allow_na,
                 "invariants": [c.spec for c in self.checks] + finite,
                 "replay_targets": [list(t) for t in self.replay.targets()] if self.replay else []}
+
+    def _warn_if_never_certifies(self) -> None:
+        """A run whose policy can never be met should say so at start-up, not after a week of `committed`."""
+        single_owner = self.mode.startswith("fsdp")
+        if (single_owner and "consensus" in self.policy["require"]
+                and "consensus" not in self.policy["allow_not_applicable"] and self.rank == COORDINATOR):
+            scout_log.logger.warning(
+                "this configuration can never certify a checkpoint: the %s topology has single-owner shards, so "
+                "consensus is not applicable, and nothing else vouches for the shards. Enable replay "
+                "(replay=True) or configure an invariant that vouches (e.g. {'check': 'spectral_bound', ...}), "
+                "or pass consensus=False to accept bytes and finite checks alone", self.mode)
 
     def _versions(self) -> dict:
         return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
@@ -264,6 +291,18 @@ class Checkpointer:
 
     def _save(self, step: int, state: dict) -> dict | None:
         self.wait()
+        self._save_started = time.monotonic()
+        if self.replay is not None:
+            # The save-boundary sweep: every target replayed once on this step's captured inputs, so the
+            # checkpoint carries complete same-step replay evidence (collective on the replay's side groups).
+            rows = self.replay.sweep(step)
+            events = self.replay.events()
+            new_events, self._replay_events_seen = events[self._replay_events_seen:], len(events)
+            if self.is_coordinator and (rows or new_events):
+                self._record_replays(rows, new_events)
+                self._settle_pending()
+        # State that differs by rank on purpose (RankLocal) is saved per rank and never compared across ranks.
+        self._rank_local = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
         # Every rank derives the same attempt id (no collective): this incarnation's id and a save counter.
         self._saves += 1
         attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
@@ -323,6 +362,8 @@ class Checkpointer:
                                           expect="committed", attempt=row["attempt"])
 
     def _consensus_names(self, name: str) -> bool:
+        if self._rank_local and name.startswith(self._rank_local):
+            return False
         return not any(fnmatch.fnmatch(name, pat) for pat in self.consensus_exclude)
 
     def _commit_async(self, upload, pending, writer, live) -> None:
@@ -339,6 +380,8 @@ class Checkpointer:
         verdict = self._committer.finish(pending, writer, group,
                                          assess=lambda gathered: self._assess(gathered, live))
         self._last_verdict = verdict
+        scout_log.save_verdict(self.rank, pending.step, verdict, time.monotonic() - self._save_started,
+                               [k for k in self.policy["require"]])
         self._hook("after_commit", pending.step)
         return verdict
 
@@ -364,7 +407,19 @@ class Checkpointer:
             ev["invariants"] = policy.evidence(status, reasons, specs=self.policy["invariants"],
                                                values=(checks or {}).get("values"))
         ev.update(live)
+        ev["health"] = self._health_evidence(ev)
         return ev, signatures, policy.evaluate(self.policy, ev)
+
+    def _health_evidence(self, ev: dict) -> dict:
+        """Coordinator: hardware faults and desyncs the observers recorded since this run's previous save (health
+        evidence fails for the owner's state unless this save's consensus or vouching invariants clear it)."""
+        now = time.time()
+        events = [e for e in self.ledger.events(kinds=("health", "desync")) if e.get("run_id") == self.run_id]
+        out = health_evidence(events, since=self._last_commit_time, until=now, mode=self.mode,
+                              consensus=ev.get("consensus"), invariants=ev.get("invariants"),
+                              vouching=any(c.vouches for c in self.checks))
+        self._last_commit_time = now
+        return out
 
     def wait(self) -> None:
         """Block until the pending async save is committed (or failed) on this rank."""
@@ -397,9 +452,13 @@ class Checkpointer:
         when `state` has no place for saved values (the caller built it wrongly)."""
         self.wait()
         below = None
+        t0 = time.monotonic()
         while True:
             cand = self._broadcast(self._candidate(below) if self.is_coordinator else None)
             if cand is None:
+                if self.is_coordinator:
+                    scout_log.fresh_start(self.rank, str(self.root), [
+                        r for r in self.ledger.checkpoints(states=("committed", "writing"))])
                 return None
             step_dir = self.root / cand["path"]
             share = cand["files"][self.rank::self.world_size]
@@ -411,6 +470,7 @@ class Checkpointer:
                 if self.is_coordinator:
                     record_verification_failure(self.ledger, cand["step"], policy.evidence(policy.FAIL, failed),
                                                 source="load", root=self.root)
+                scout_log.skipped(self.rank, cand["step"], failed)
                 below = cand["step"]
                 continue
             dcp.load(state, checkpoint_id=str(step_dir), process_group=self._pg)
@@ -419,10 +479,16 @@ class Checkpointer:
             if differ:
                 if self.is_coordinator:
                     self._reject_load_mismatch(cand, differ)
+                scout_log.skipped(self.rank, cand["step"], [{"code": "load_mismatch", "tensors": differ[:4]}])
                 below = cand["step"]
                 continue
             if self.is_coordinator:
                 self.ledger.set_resumed_from(self.run_id, cand["step"])
+                self.ledger.mark_checked(cand["step"], ("bytes",), source="load")
+            scout_log.resumed(self.rank, cand["step"], str(step_dir), files=len(cand["files"]),
+                              nbytes=sum(f.get("size") or 0 for f in cand["files"]), ranks=self.world_size,
+                              signatures=bool(self.verify_load and cand["signatures"]),
+                              seconds=time.monotonic() - t0)
             if self.replay is not None:
                 self.replay.begin(cand["step"])
             return cand["step"]

@@ -24,7 +24,7 @@ def _job(rank, root):
 def save_then_draw(rank, world, root):
     """Each rank seeds differently (as nanoGPT does), saves at step 3, then records what it draws next."""
     model, opt, extra, local, state = _job(rank, root)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, consensus_exclude=("rng.*", "local.*"))
+    ckpt = Checkpointer(root, model=model, optimizer=opt)
     torch.manual_seed(1337 + rank); np.random.seed(rank); random.seed(rank)
     for step in range(1, 4):
         x = torch.randn(5, 8)
@@ -41,7 +41,7 @@ def save_then_draw(rank, world, root):
 
 def load_then_draw(rank, world, root):
     model, opt, extra, local, state = _job(rank, root)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, consensus_exclude=("rng.*", "local.*"))
+    ckpt = Checkpointer(root, model=model, optimizer=opt)
     torch.manual_seed(999); np.random.seed(999); random.seed(999)  # must be overwritten by the load
     start = ckpt.load_latest_clean(state)
     after = {"torch": torch.rand(3).tolist(), "numpy": np.random.rand(2).tolist(), "python": random.random()}

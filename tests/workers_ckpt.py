@@ -212,7 +212,8 @@ def retention_under_replay(rank, world, root, steps=60, save_every=5):
         sub = os.path.join(root, f"keep-{keep}")
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        ckpt = Checkpointer(sub, model=model, optimizer=opt, replay=True, keep=keep)
+        ckpt = Checkpointer(sub, model=model, optimizer=opt, keep=keep,
+                            replay={"targets": ["0", "2", "optimizer"], "interval": 10})
         for step in range(1, steps + 1):
             train_steps(model, opt, 1, seed=step)
             ckpt.step(step)
