@@ -138,6 +138,8 @@ class Checkpointer:
                 + ([self.groups.world_group] + ([self.groups.group] if self.groups.group else [])
                    if self.groups else []),
                 **cfg)
+        if self.observer is not None and model is not None:
+            self.observer.attach(model)
 
     # ---- configuration -------------------------------------------------------------------------------------
 

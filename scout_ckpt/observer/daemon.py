@@ -27,11 +27,10 @@ even if two observers briefly disagree on who is the judge. Stacks come from eac
 from __future__ import annotations
 
 import argparse
-import base64
+import importlib
 import json
 import logging
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -175,23 +174,29 @@ class Observer:
     owns the heartbeat, the stack-dump handler, the collective tracer and the observer process."""
 
     def __init__(self, cfg: dict, heartbeat: Heartbeat, dumper: stacks_mod.StackDumper, proc: subprocess.Popen,
-                 tracer):
+                 tracer, ddp_hook=None):
         self.cfg, self.heartbeat, self._dumper, self.proc, self.tracer = cfg, heartbeat, dumper, proc, tracer
         self.channel = Path(cfg["channel"])
         self.rank = cfg["rank"]
+        self._ddp_hook = ddp_hook  # (hook, state) to register in place of the default, or None
+        self.attached: str | None = None
 
     @classmethod
     def start(cls, root: str | os.PathLike, *, rank: int, world_size: int, run_id: str, stall_s: float = 60.0,
               action: str = "report", poll_s: float = 0.25, health_source=None, store=None,
               exchange_s: float = 0.5, trace: bool = True, ignore_groups=(), straggler: dict | None = None,
               health_poll_s: float = 10.0, linger_s: float = 4.0, ready_timeout_s: float = 60.0,
-              local_rank: int | None = None) -> "Observer":
-        """Start this rank's observer. `health_source`: any picklable object with poll() -> list[dict]
-        (default: NVML for GPU `local_rank`, quiet without one). `store`: an optional c10d Store used to check
-        that every rank uses the same side-channel directory. `ignore_groups`: process groups whose collectives
-        are not training collectives (the checkpointer's side groups)."""
+              local_rank: int | None = None, ddp_comm_hook=None, ddp_comm_state=None) -> "Observer":
+        """Start this rank's observer. `health_source`: where hardware health comes from, described by name
+        (the observer process builds it; nothing is pickled): "module:factory" or {"factory": "module:factory",
+        "kwargs": {...JSON...}}, the factory returning an object with poll() -> list[dict] (default: NVML for
+        GPU `local_rank`, quiet without one). `store`: an optional c10d Store used to check that every rank
+        uses the same side-channel directory. `ignore_groups`: process groups whose collectives are not training
+        collectives (the checkpointer's side groups). `ddp_comm_hook`/`ddp_comm_state`: the user's own DDP comm
+        hook, registered by `attach` in place of the default (see observer/ddp.py for the rule)."""
         if action not in ("report", "abort"):
             raise ScoutError(f"observer action must be report or abort (got {action!r})")
+        health = health_spec(health_source)
         channel = channel_dir(root, run_id)
         channel.mkdir(parents=True, exist_ok=True)
         if store is not None:
@@ -207,7 +212,7 @@ class Observer:
                "stall_s": stall_s, "action": action, "poll_s": poll_s, "exchange_s": exchange_s,
                "straggler": straggler or {}, "health_poll_s": health_poll_s, "linger_s": linger_s,
                "local_rank": local_rank, "signal": int(dumper.sig),
-               "health": base64.b64encode(pickle.dumps(health_source)).decode() if health_source else None}
+               "health": health}
         cfg_path = channel / f"observer-{rank}.json"
         atomic_write_json(cfg_path, cfg)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -231,7 +236,8 @@ class Observer:
             dumper.close()
             hb.close()
             raise
-        obs = cls(cfg, hb, dumper, proc, tracer)
+        obs = cls(cfg, hb, dumper, proc, tracer,
+                  (ddp_comm_hook, ddp_comm_state) if ddp_comm_hook is not None else None)
         missing = obs.wait_peers(ready_timeout_s)
         if missing:
             log.warning("observer: no status from rank(s) %s after %.0fs in %s (is ROOT shared by every host?)",
@@ -244,6 +250,20 @@ class Observer:
         paths = [self.channel / f"status-{r}.json" for r in range(ws)]
         _wait_for(lambda: all(p.exists() for p in paths), timeout_s)
         return [r for r, p in enumerate(paths) if not p.exists()]
+
+    def attach(self, model) -> str:
+        """Make `model`'s own collectives visible (called by the Checkpointer on the model it is given): on a
+        DDP module, registers the tracing comm hook (observer/ddp.py says how a user's own hook composes);
+        FSDP2's collectives are seen without it. Returns what was done; "not_traced" when tracing is off."""
+        if self.tracer is None:
+            self.attached = "not_traced"
+        else:
+            from scout_ckpt.observer.ddp import attach
+
+            hook, state = self._ddp_hook or (None, None)
+            self.attached = attach(model, hook, state)
+        log.info("observer of rank %d: attach -> %s", self.rank, self.attached)
+        return self.attached
 
     @property
     def pid(self) -> int:
@@ -269,6 +289,37 @@ class Observer:
                 self.proc.kill()
                 self.proc.wait()
         self._dumper.close()
+
+
+def health_spec(source) -> dict | None:
+    """The JSON description of a health source: {"factory": "module:callable", "kwargs": {...}}. The observer
+    process imports the factory by name and calls it; an object is refused (the side channel and the config are
+    JSON only: a pickle read back from a shared directory would run whatever code it names)."""
+    if source is None:
+        return None
+    if isinstance(source, str):
+        source = {"factory": source}
+    if not isinstance(source, dict) or set(source) - {"factory", "kwargs"} or not isinstance(
+            source.get("factory"), str) or ":" not in source["factory"]:
+        raise ScoutError("observer health_source must be 'module:factory' or {'factory': 'module:factory', "
+                         f"'kwargs': {{...}}}} (got {type(source).__name__})")
+    kwargs = source.get("kwargs", {})
+    try:
+        json.dumps(kwargs)
+    except (TypeError, ValueError) as e:
+        raise ScoutError(f"observer health_source kwargs must be JSON ({e})") from None
+    if not isinstance(kwargs, dict):
+        raise ScoutError("observer health_source kwargs must be a JSON object")
+    return {"factory": source["factory"], "kwargs": kwargs}
+
+
+def load_factory(name: str):
+    """'package.module:attr' -> the attribute (what the health spec names)."""
+    module, _, attr = name.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _wait_for(cond, timeout_s: float, abort=lambda: False, every: float = 0.01) -> bool:
@@ -329,8 +380,9 @@ class Daemon:
         self._ledger = None
 
     def _health_source(self):
-        if self.cfg["health"]:
-            return pickle.loads(base64.b64decode(self.cfg["health"]))
+        spec = self.cfg["health"]
+        if spec:
+            return load_factory(spec["factory"])(**spec.get("kwargs", {}))
         from scout_ckpt.observer.health import default_source
 
         return default_source(self.cfg["local_rank"])
