@@ -27,6 +27,7 @@ even if two observers briefly disagree on who is the judge. Stacks come from eac
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import json
 import logging
@@ -76,12 +77,18 @@ def _prog(row: dict) -> tuple[int, int]:
     return (row["step"], row["seq"])
 
 
-def attribute(rows: dict[int, dict], world_size: int, stall_s: float) -> dict | None:
+def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_s: float = 0.05) -> dict | None:
     """The verdict on a table of observer statuses ({rank: row}, ages already brought up to date), or None.
 
     Returns {"kind", "ranks", "step", "seq", "attribution", "reason"}; `ranks` is empty when a fault is seen but
     no strict majority points at anyone."""
     majority = world_size // 2 + 1
+    # Ranks that entered the same collective number with different fingerprints: a desync, whatever else
+    # followed (a mismatched collective may fail and take its ranks down, or hang). In SPMD training equal
+    # numbers mean the same collective, so no stall is needed to be sure.
+    desync = fingerprint_mismatch(rows, majority)
+    if desync:
+        return desync
     gone = sorted(r for r, row in rows.items() if row["state"] == "gone")
     culprits = [r for r in gone if not row_error(rows[r])]
     if culprits:
@@ -91,6 +98,13 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float) -> dict | 
                     "attribution": "strict_majority",
                     "reason": f"trainer process of rank(s) {culprits} is gone without a clean close "
                               f"({len(gone) - len(culprits)} other(s) died after a collective failed)"}
+        first = first_gone(rows, culprits, order_gap_s)
+        if first and world_size - len(first) >= majority:
+            last = min(first, key=lambda r: _prog(rows[r]))
+            return {"kind": "crash", "ranks": first, "step": rows[last]["step"], "seq": rows[last]["seq"],
+                    "attribution": "first_gone",
+                    "reason": f"trainer process of rank(s) {first} died first, >= {order_gap_s:g}s before any "
+                              f"other rank (the others were torn down after it, e.g. by torchrun)"}
         return None
     live = {r: row for r, row in rows.items() if row["state"] in ("running", "stopped")}
     stalled = [r for r, row in live.items() if row["age_s"] >= stall_s]
@@ -99,10 +113,6 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float) -> dict | 
     # stalled and busy: waiting in a collective we see, or inside a step (e.g. in DDP's C++ all-reduce)
     busy = [r for r in stalled if live[r]["state"] == "running"
             and (r in waiting or live[r].get("phase", "idle") != "idle")]
-    if len(stalled) >= majority:
-        desync = _fingerprint_mismatch(live, majority)
-        if desync:
-            return desync
     counts = Counter(_prog(live[r]) for r in busy)
     point, n = counts.most_common(1)[0] if counts else (None, 0)
     if n >= majority:
@@ -136,7 +146,7 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float) -> dict | 
     return None
 
 
-def _fingerprint_mismatch(live: dict[int, dict], majority: int) -> dict | None:
+def fingerprint_mismatch(live: dict[int, dict], majority: int) -> dict | None:
     """Ranks that entered the same collective number with different fingerprints: a desync."""
     by_seq: dict[int, list[int]] = {}
     for r, row in live.items():
@@ -155,6 +165,19 @@ def _fingerprint_mismatch(live: dict[int, dict], majority: int) -> dict | None:
                 "reason": f"collective #{seq}: ranks entered collectives with {len(fps)} different fingerprints"
                           + ("" if attributed else f"; no strict majority (suspects {odd})")}
     return None
+
+
+def first_gone(rows: dict[int, dict], candidates: list[int], gap_s: float) -> list[int]:
+    """The ranks among `candidates` that died first, separated by at least `gap_s` from the next death (each
+    observer stamps its trainer's death: `gone_at`, wall time, from PR_SET_PDEATHSIG where it has it); [] when
+    the order is not clear (a job-wide kill takes every rank within milliseconds)."""
+    times = sorted((rows[r]["gone_at"], r) for r in candidates if rows[r].get("gone_at") is not None)
+    if len(times) < len(candidates) or len(times) < 2:
+        return []
+    for i in range(1, len(times)):
+        if times[i][0] - times[i - 1][0] >= gap_s:
+            return sorted(r for _t, r in times[:i])
+    return []
 
 
 def row_error(row: dict) -> bool:
@@ -238,6 +261,8 @@ class Observer:
             raise
         obs = cls(cfg, hb, dumper, proc, tracer,
                   (ddp_comm_hook, ddp_comm_state) if ddp_comm_hook is not None else None)
+        _watch_uncaught()
+        atexit.register(obs._at_exit)
         missing = obs.wait_peers(ready_timeout_s)
         if missing:
             log.warning("observer: no status from rank(s) %s after %.0fs in %s (is ROOT shared by every host?)",
@@ -275,8 +300,15 @@ class Observer:
     def phase(self, name: str):
         return self.heartbeat.phase(name)
 
+    def _at_exit(self) -> None:
+        """A normal interpreter exit without Checkpointer.close() is a clean end, not a crash; an exit through an
+        uncaught exception is not (its heartbeat stays open, so the observers judge it)."""
+        if not _UNCAUGHT:
+            self.stop()
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Clean shutdown: the closed heartbeat tells the observer (and its peers) this is no crash."""
+        atexit.unregister(self._at_exit)
         if self.tracer is not None:
             self.tracer.uninstall()
             self.tracer = None
@@ -289,6 +321,23 @@ class Observer:
                 self.proc.kill()
                 self.proc.wait()
         self._dumper.close()
+
+
+_UNCAUGHT: list = []
+
+
+def _watch_uncaught() -> None:
+    """Chains sys.excepthook once, to note that the interpreter is ending through an uncaught exception."""
+    if getattr(sys.excepthook, "__scout__", False):
+        return
+    previous = sys.excepthook
+
+    def hook(tp, value, tb):
+        _UNCAUGHT.append(tp.__name__)
+        previous(tp, value, tb)
+
+    hook.__scout__ = True
+    sys.excepthook = hook
 
 
 def health_spec(source) -> dict | None:
@@ -360,12 +409,17 @@ class Daemon:
         self.stacks_wait_s = max(2.0, 3 * self.exchange_s)
         self.reader = HeartbeatReader(cfg["heartbeat"])
         self.status_path = self.channel / f"status-{self.rank}.json"
+        self.t_start = time.time()
+        self.t0 = time.monotonic()
+        self.aftermath_pending, self.next_aftermath = True, 0.0
         self.beat = 0
         self.version = -1
         self.last_change = time.monotonic()
         self.snap = self.reader.snapshot()
         self.state = "running"
         self.gone_since: float | None = None
+        self.gone_at: float | None = None  # wall time of the trainer's death, for the order of deaths
+        self._death_signal_at: float | None = None
         self.aborted = False
         self.stacks: dict | None = None
         self.peer_seen: dict[int, tuple[int, float]] = {}
@@ -408,6 +462,8 @@ class Daemon:
         self.state = self._trainer_state()
         if self.state in ("gone", "closed", "aborted") and self.gone_since is None:
             self.gone_since = now
+            if self.state == "gone":
+                self.gone_at = self._death_signal_at or time.time()
             log.info("trainer %d is %s", self.pid, self.state)
         if self.state in ("running", "stopped") and now - self.last_change >= self.stall_s:
             self._capture_stacks()
@@ -426,7 +482,8 @@ class Daemon:
                 "seq_left": s.seq_leave, "in_coll": s.in_coll, "in_side": s.in_side, "error": s.coll_error, "hb": self.version,
                 "age_s": round(now - self.last_change, 3), "t_update": s.t_update, "n_steps": s.n_steps,
                 "busy_sum": s.busy_sum, "dur_sum": s.dur_sum, "last_dur": s.last_dur, "stacks": self.stacks,
-                "wall": time.time(), "torch_imported": "torch" in sys.modules}
+                "wall": time.time(), "torch_imported": "torch" in sys.modules,
+                "gone_at": self.gone_at, "host": _HOST, "t_start": self.t_start}
 
     # ---- peers ---------------------------------------------------------------------------------------------
 
@@ -526,9 +583,10 @@ class Daemon:
         self._write_event(kind, ranks, step, {**detail, "progress": table}, key)
         return True
 
-    def _write_event(self, kind: str, ranks: list[int], step: int | None, detail: dict, key: str) -> None:
+    def _write_event(self, kind: str, ranks: list[int], step: int | None, detail: dict, key: str,
+                     run_id: str | None = None) -> None:
         when = time.time()
-        run_id = self.cfg["run_id"]
+        run_id = run_id or self.cfg["run_id"]
         reports = Path(self.cfg["root"]) / REPORTS_DIR
         path = reports / f"{kind}-{run_id}-{key}.json"
         detail = {**detail, "report": str(path.relative_to(self.cfg["root"])), "observer_rank": self.rank}
@@ -576,6 +634,21 @@ class Daemon:
                 self.state = "aborted"
                 return
 
+    # ---- earlier runs ----------------------------------------------------------------------------------------
+
+    def _settle_previous(self, now: float) -> None:
+        """Rank 0 records what earlier runs on this ROOT left unfinished (observer/aftermath.py), retrying while
+        their observers may still be writing, for at most `aftermath_s`."""
+        from scout_ckpt.observer import aftermath
+
+        try:
+            pending = aftermath.settle(self.channel.parent, self.cfg["run_id"], self._write_event, _HOST)
+        except Exception as e:  # a malformed old channel must not take the observer down
+            log.warning("settling earlier runs failed: %s: %s", type(e).__name__, e)
+            pending = 0
+        self.next_aftermath = now + 1.0
+        self.aftermath_pending = pending > 0 and now - self.t0 < self.cfg.get("aftermath_s", 120.0)
+
     # ---- health --------------------------------------------------------------------------------------------
 
     def _poll_health(self) -> None:
@@ -590,9 +663,19 @@ class Daemon:
 
     # ---- main loop -----------------------------------------------------------------------------------------
 
+    def _on_parent_death(self, *_):
+        """PR_SET_PDEATHSIG: the kernel tells us the moment the trainer (our parent) exits, so the order of
+        deaths across ranks is known to the millisecond, not to the poll interval."""
+        if os.getppid() != self.pid:
+            self._death_signal_at = time.time()
+
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR2, self._on_parent_death)
+        _set_parent_death_signal(signal.SIGUSR2)
+        if os.getppid() != self.pid:  # died before the request took effect
+            self._death_signal_at = time.time()
         next_exchange = 0.0
         while True:
             now = time.monotonic()
@@ -606,6 +689,8 @@ class Daemon:
                 if rows is not None:
                     self._judge(now, rows)
                 self._check_claims()
+            if self.rank == 0 and self.aftermath_pending and now >= self.next_aftermath:
+                self._settle_previous(now)
             if now >= self.next_health and self.state == "running":
                 self.next_health = now + self.cfg["health_poll_s"]
                 self._poll_health()
@@ -625,6 +710,20 @@ class Daemon:
 
     def _on_term(self, *_):
         self._stop = True
+
+
+_HOST = os.uname().nodename
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """prctl(PR_SET_PDEATHSIG, sig) on Linux; False where it is not available (the poll still sees the death)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(sig), 0, 0, 0) == 0  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

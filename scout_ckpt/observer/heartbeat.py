@@ -34,6 +34,8 @@ IN_SIDE = 8        # inside a collective on an ignored (side) group: waiting, bu
 _COLL = struct.Struct("<QdQQQ")                # @8: flags, t_update, seq_enter, fp_enter, seq_leave
 _STEP = struct.Struct("<qQddddd")              # @48: step, phase, last_dur, n_steps(as float), dur_sum, busy_sum, coll_sum
 _IDENT = struct.Struct("<qQ")                  # @104: pid, magic
+ASYNC_ERROR_WORD = 15                          # @120: set to 1 (one aligned store, outside the seqlock) by the
+                                               # completion callback of an async collective that failed
 _ALL = struct.Struct("<QQdQQQqQddddd" + "qQ")  # version + everything, for readers
 
 
@@ -156,7 +158,7 @@ class Heartbeat:
         box = [self._t_enter, None if work is not None else now]
         if work is not None:
             try:
-                work.get_future().add_done_callback(lambda _f: box.__setitem__(1, time.time()))
+                work.get_future().add_done_callback(lambda f: self._done(box, f))
             except Exception:  # a backend without futures: the wait ends when the call returns
                 box[1] = now
         self._waits.append(box)
@@ -165,6 +167,19 @@ class Heartbeat:
         self._seq_leave = seq
         self._flags &= ~IN_COLL
         self._write_coll(now)
+
+    def _done(self, box: list, fut) -> None:
+        """Completion callback of an async collective, on whichever thread completes it: one list-item store
+        for the wait's end; a failed collective (a peer died) marks this rank a victim with one aligned word
+        store outside the seqlock, since this thread is not the heartbeat's writer."""
+        box[1] = time.time()
+        try:
+            fut.value()
+        except Exception:
+            try:
+                self._words[ASYNC_ERROR_WORD] = 1
+            except (ValueError, IndexError):  # closed meanwhile
+                pass
 
     def side(self, inside: bool) -> None:
         """Enter/leave a collective on a side group: shows the rank is waiting without advancing the sequence."""
@@ -274,6 +289,8 @@ class HeartbeatReader:
             if self._words[0] == v1 and vals[0] == v1:
                 (v, flags, t_update, seq_enter, fp_enter, seq_leave, step, phase, last_dur, n_steps, dur_sum,
                  busy_sum, coll_sum, pid, _magic) = vals
+                if self._words[ASYNC_ERROR_WORD]:
+                    flags |= COLL_ERROR
                 self._last = Snapshot(v, flags, t_update, seq_enter, fp_enter, seq_leave, step,
                                       PHASES[phase] if phase < len(PHASES) else "?", last_dur, int(n_steps),
                                       dur_sum, busy_sum, coll_sum, pid)
