@@ -6,9 +6,11 @@ one injected fault in the first generation only (torchrun's TORCHELASTIC_RESTART
         --fault hang-before-backward --fault-rank 2 --fault-step 8 --stall-s 3 --action abort --pg-timeout 90
 
 Faults: hang-before-backward, hang-in-optimizer, straggler (this rank computes --slow-factor times as long every
-step), extra-collective (this rank issues one all_reduce the others do not), kill (SIGKILL). Rank 0 appends one
-JSON line per step to ROOT/progress.jsonl ({"attempt", "step", "time"}) so a test can measure the time from the
-fault to training again; the hung rank writes ROOT/fault.json when it hangs.
+step), extra-collective (this rank issues one all_reduce the others do not), kill (SIGKILL). `--faults` gives one
+fault per generation, "ATTEMPT:FAULT:RANK:STEP,...", so one torchrun job goes through several (each abort or
+crash ends a generation and torchrun starts the next). Rank 0 appends one JSON line per step to
+ROOT/progress.jsonl ({"attempt", "step", "time"}) so a test can measure the time from the fault to training again;
+the faulty rank writes ROOT/fault-ATTEMPT.json when the fault happens.
 """
 
 import argparse
@@ -38,7 +40,9 @@ def injected_hang_in_optimizer(root: str, rank: int, step: int) -> None:
 
 
 def _mark(root: str, fault: str, rank: int, step: int) -> None:
-    Path(root, "fault.json").write_text(json.dumps({"fault": fault, "rank": rank, "step": step, "time": time.time()}))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    Path(root, f"fault-{attempt}.json").write_text(json.dumps({"fault": fault, "rank": rank, "step": step,
+                                                                "attempt": attempt, "time": time.time()}))
 
 
 def build(kind: str, rank: int):
@@ -69,6 +73,7 @@ def main():
     ap.add_argument("--fault", default="none")
     ap.add_argument("--fault-rank", type=int, default=2)
     ap.add_argument("--fault-step", type=int, default=8)
+    ap.add_argument("--faults", default="", help="ATTEMPT:FAULT:RANK:STEP,... (one fault per generation)")
     ap.add_argument("--compute-s", type=float, default=0.0)
     ap.add_argument("--slow-factor", type=float, default=3.0)
     ap.add_argument("--stall-s", type=float, default=3.0)
@@ -82,7 +87,9 @@ def main():
     rank = dist.get_rank()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     model, opt = build(args.model, rank)
+    # pure FSDP shards have no replica to compare: the finite check vouches for them, so saves can be certified
     ckpt = Checkpointer(args.root, model=model, optimizer=opt, timeout_s=args.pg_timeout,
+                        invariants=["finite"] if args.model == "fsdp" else None,
                         observer={"stall_s": args.stall_s, "action": args.action, "poll_s": 0.1,
                                   "straggler": json.loads(args.straggler)})
     state = {"app": ModelOptimizerState(model, opt)}
@@ -91,17 +98,26 @@ def main():
         with open(Path(args.root) / "attempts.jsonl", "a") as f:
             f.write(json.dumps({"attempt": attempt, "resumed_from": start, "attached": ckpt.observer.attached,
                                 "time": time.time()}) + "\n")
-    faulty = attempt == 0 and rank == args.fault_rank
+    plan = {0: (args.fault, args.fault_rank, args.fault_step)}
+    for item in filter(None, args.faults.split(",")):
+        a, fault, r, st = item.split(":")
+        plan[int(a)] = (fault, int(r), int(st))
+    fault_kind, fault_rank, fault_step = plan.get(attempt, ("none", -1, -1))
+    args.fault = fault_kind
+    faulty = rank == fault_rank
     g = torch.Generator().manual_seed(1000 + rank)
     for step in range(start + 1, args.steps + 1):
-        fault_now = faulty and step == args.fault_step
+        fault_now = faulty and step == fault_step
         x = torch.randn(16, 32, generator=g)
         with ckpt.phase("forward"):
             slow = faulty and args.fault == "straggler"
+            if slow and step == start + 1:
+                _mark(args.root, "straggler", rank, step)
             if args.compute_s:
                 time.sleep(args.compute_s * (args.slow_factor if slow else 1.0))
             loss = model(x).pow(2).mean()
         if fault_now and args.fault == "kill":
+            _mark(args.root, "kill", rank, step)
             os.kill(os.getpid(), signal.SIGKILL)
         if fault_now and args.fault == "hang-before-backward":
             injected_hang_before_backward(args.root, rank, step)
