@@ -201,7 +201,7 @@ class Observer:
         self.cfg, self.heartbeat, self._dumper, self.proc, self.tracer = cfg, heartbeat, dumper, proc, tracer
         self.channel = Path(cfg["channel"])
         self.rank = cfg["rank"]
-        self._ddp_hook = ddp_hook  # (hook, state) to register in place of the default, or None
+        self._ddp_hook = ddp_hook or (None, None)  # (hook, state): None = the default, False = register none
         self.attached: str | None = None
 
     @classmethod
@@ -216,7 +216,8 @@ class Observer:
         GPU `local_rank`, quiet without one). `store`: an optional c10d Store used to check that every rank
         uses the same side-channel directory. `ignore_groups`: process groups whose collectives are not training
         collectives (the checkpointer's side groups). `ddp_comm_hook`/`ddp_comm_state`: the user's own DDP comm
-        hook, registered by `attach` in place of the default (see observer/ddp.py for the rule)."""
+        hook, registered by `attach` in place of the default (see observer/ddp.py for the rule); False registers
+        none (DDP's gradient all-reduces then stay unseen)."""
         if action not in ("report", "abort"):
             raise ScoutError(f"observer action must be report or abort (got {action!r})")
         health = health_spec(health_source)
@@ -259,8 +260,7 @@ class Observer:
             dumper.close()
             hb.close()
             raise
-        obs = cls(cfg, hb, dumper, proc, tracer,
-                  (ddp_comm_hook, ddp_comm_state) if ddp_comm_hook is not None else None)
+        obs = cls(cfg, hb, dumper, proc, tracer, (ddp_comm_hook, ddp_comm_state))
         _watch_uncaught()
         atexit.register(obs._at_exit)
         missing = obs.wait_peers(ready_timeout_s)
@@ -280,12 +280,14 @@ class Observer:
         """Make `model`'s own collectives visible (called by the Checkpointer on the model it is given): on a
         DDP module, registers the tracing comm hook (observer/ddp.py says how a user's own hook composes);
         FSDP2's collectives are seen without it. Returns what was done; "not_traced" when tracing is off."""
+        hook, state = self._ddp_hook
         if self.tracer is None:
             self.attached = "not_traced"
+        elif hook is False:
+            self.attached = "hook_disabled"
         else:
             from scout_ckpt.observer.ddp import attach
 
-            hook, state = self._ddp_hook or (None, None)
             self.attached = attach(model, hook, state)
         log.info("observer of rank %d: attach -> %s", self.rank, self.attached)
         return self.attached

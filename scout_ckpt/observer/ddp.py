@@ -17,7 +17,13 @@ cannot be asked which hook it holds. So:
   - a hook the user wants registered is given to the observer instead, which registers it in place of the
     default: `Checkpointer(..., observer={"ddp_comm_hook": hook, "ddp_comm_state": state})`;
   - a built-in C++ hook (`_register_builtin_comm_hook`, e.g. FP16_COMPRESS) cannot be seen: a warning says so;
-  - registering a hook after the Checkpointer fails in torch itself: register it before, or give it as above.
+  - registering a hook after the Checkpointer fails in torch itself: register it before, or give it as above;
+  - `observer={"ddp_comm_hook": False}` registers nothing (DDP's all-reduces then stay unseen).
+
+Cost: the reference hook divides the bucket in a pass of its own (the built-in reducer folds the division into
+its copy into the bucket) and runs a Python callback per bucket. Measured with tests/scripts/observer_overhead.py
+on a 1M-parameter CPU model (11 ms of CPU per step): about 1 ms per step, so it matters only where a step is
+that short; on an accelerator the division is one elementwise kernel over the gradients.
 
 FSDP2 (`fully_shard`) needs nothing: torch 2.13 issues its all-gathers and reduce-scatters as Python calls to
 `dist.all_gather_single` / `dist.reduce_scatter_single`, which the tracer wraps.
