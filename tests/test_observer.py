@@ -269,3 +269,45 @@ def test_attribution_rule(rows, world, expect):
         assert verdict is None
     else:
         assert (verdict["kind"], verdict["ranks"]) == expect
+
+
+# ---- crash order, desync of dead ranks ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, world, expect", [
+    # torchrun tore everyone down, but rank 1 died 0.4 s before the others: it is named
+    ({0: _row(3, 9, state="gone") | {"gone_at": 100.4}, 1: _row(3, 8, state="gone") | {"gone_at": 100.0},
+      2: _row(3, 9, state="gone") | {"gone_at": 100.41}}, 3, ("crash", [1])),
+    # all within milliseconds (a job-wide kill): nobody is named
+    ({0: _row(3, 9, state="gone") | {"gone_at": 100.001}, 1: _row(3, 8, state="gone") | {"gone_at": 100.0},
+      2: _row(3, 9, state="gone") | {"gone_at": 100.002}}, 3, None),
+    # two of three died first: no strict majority is left to name them
+    ({0: _row(3, 9, state="gone") | {"gone_at": 100.4}, 1: _row(3, 8, state="gone") | {"gone_at": 100.0},
+      2: _row(3, 9, state="gone") | {"gone_at": 100.01}}, 3, None),
+    # a mismatched collective that killed its rank (gloo aborts): still a desync, no stall needed
+    ({0: _row(3, 9, age=0.0), 1: _row(3, 9, state="gone", fp="b"), 2: _row(3, 9, age=0.0)}, 3, ("desync", [1])),
+])
+def test_attribution_rule_for_deaths(rows, world, expect):
+    verdict = attribute(rows, world, stall_s=2.0)
+    assert (verdict["kind"], verdict["ranks"]) == expect if expect else verdict is None
+
+
+def test_busy_time_subtracts_the_union_of_waits_async_ones_until_completion():
+    from scout_ckpt.observer.heartbeat import waited_within
+
+    waits = [[1.0, 2.0], [1.5, 3.0], [4.0, None], [0.0, 0.5]]  # overlapping, one still in flight
+    total, still_open = waited_within(waits, 0.2, 5.0)
+    assert total == pytest.approx(0.3 + 2.0 + 1.0)
+    assert still_open == [[4.0, None]]
+
+
+def test_ddp_comm_hook_rules_on_real_ddp_modules(tmp_path):
+    Ledger.open(tmp_path, create=True).close()
+    outcomes = run_ranks(W.ddp_attach_rules, 2, str(tmp_path), timeout=120)
+    for res in (o.result for o in outcomes):
+        assert res["before_attach"] == 0  # the built-in reducer all-reduces in C++: unseen
+        assert (res["given"], res["given_seen"], res["given_called"]) == ("registered", 1, 1)
+        assert (res["ours"], res["ours_seen"]) == ("registered", 1)
+        assert (res["kept"], res["kept_seen"]) == ("user_hook", 1)
+        assert res["builtin"] == "builtin_hook" and res["plain_module"] == "not_ddp"
+        assert res["grads_close"]
