@@ -89,3 +89,13 @@ def test_daemon_writes_the_previous_runs_crash_to_the_ledger(tmp_path):
     finally:
         obs.stop()
     assert [(e["kind"], e["ranks"], e["run_id"]) for e in events] == [("crash", [1], "prev")]
+
+
+def test_a_run_a_supervisor_already_diagnosed_gets_no_second_event(tmp_path):
+    channel(tmp_path, "prev", {0: {"error": True}, 1: {}, 2: {"error": True}})
+    asked = []
+    written = []
+    aftermath.settle(tmp_path, "now", lambda *a: written.append(a), HOST,
+                     reported_elsewhere=lambda run_id, t_from: asked.append(run_id) or True)
+    assert asked == ["prev"] and written == []
+    assert json.loads((tmp_path / "prev" / "settled.json").read_text())["kinds"] == ["elsewhere"]

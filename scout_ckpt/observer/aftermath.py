@@ -7,7 +7,8 @@ majority, and an observer may die with its host. Each generation's rank-0 observ
 channels of earlier runs on the same ROOT once their observers are gone, and settles each exactly once (an
 O_EXCL `settled.json` in that channel):
   clean       every rank closed its heartbeat (Checkpointer.close, or a normal interpreter exit);
-  reported    an incident (hang, desync, crash) was already written by its observers;
+  reported    an incident (hang, desync, crash) was already written by its observers, or by someone else (a
+              supervisor's own crash event for that run, or one without a run id written while it ran);
   unfinished  anything else: one `crash` event for that run, attributed by the same rule the live observers
               use where the final statuses allow it (a strict majority of victims, or one rank clearly dead
               first), otherwise unattributed; its detail lists every rank's last step, phase, collective and
@@ -50,8 +51,9 @@ def _observer_alive(row: dict, host: str, quiet_s: float) -> bool:
         return False
 
 
-def examine(channel: Path, host: str, quiet_s: float = 10.0) -> dict | None:
-    """The outcome of one earlier run's channel, or None while its observers may still be writing."""
+def examine(channel: Path, host: str, quiet_s: float = 10.0, reported_elsewhere=None) -> dict | None:
+    """The outcome of one earlier run's channel, or None while its observers may still be writing.
+    `reported_elsewhere(run_id, t_from)`: whether the ledger already holds an incident for that run."""
     cfgs = [c for c in (_read(p) for p in sorted(channel.glob("observer-*.json"))) if c]
     if not cfgs:
         return {"outcome": "empty"}
@@ -63,6 +65,10 @@ def examine(channel: Path, host: str, quiet_s: float = 10.0) -> dict | None:
     reported = [c for c in claims if c.get("kind") in INCIDENT_KINDS]
     if reported:
         return {"outcome": "reported", "kinds": sorted({c["kind"] for c in reported})}
+    run_id = cfgs[0].get("run_id") or channel.name
+    t_from = min((row.get("t_start") or row.get("wall") or 0.0 for row in rows.values()), default=0.0)
+    if reported_elsewhere is not None and reported_elsewhere(run_id, t_from):
+        return {"outcome": "reported", "kinds": ["elsewhere"]}
     if len(rows) == world and all(row.get("state") in ("closed",) for row in rows.values()):
         return {"outcome": "clean"}
     return {"outcome": "unfinished", "world_size": world, "rows": rows, "run_id": cfgs[0].get("run_id")}
@@ -105,7 +111,8 @@ def verdict(found: dict) -> dict:
     return {"kind": kind, "ranks": ranks, "step": step, "detail": detail}
 
 
-def settle(observer_dir: Path, current_run_id: str, write_event, host: str, quiet_s: float = 10.0) -> int:
+def settle(observer_dir: Path, current_run_id: str, write_event, host: str, quiet_s: float = 10.0,
+           reported_elsewhere=None) -> int:
     """Settles every earlier run's channel under `observer_dir` that can be settled now; `write_event(kind,
     ranks, step, detail, key, run_id)` records an unfinished one. Returns how many remain pending."""
     pending = 0
@@ -116,7 +123,7 @@ def settle(observer_dir: Path, current_run_id: str, write_event, host: str, quie
     for ch in channels:
         if (ch / SETTLED).exists():
             continue
-        found = examine(ch, host, quiet_s)
+        found = examine(ch, host, quiet_s, reported_elsewhere)
         if found is None:
             pending += 1
             continue

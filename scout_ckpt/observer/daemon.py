@@ -644,12 +644,23 @@ class Daemon:
         from scout_ckpt.observer import aftermath
 
         try:
-            pending = aftermath.settle(self.channel.parent, self.cfg["run_id"], self._write_event, _HOST)
+            pending = aftermath.settle(self.channel.parent, self.cfg["run_id"], self._write_event, _HOST,
+                                       reported_elsewhere=self._reported_in_ledger)
         except Exception as e:  # a malformed old channel must not take the observer down
             log.warning("settling earlier runs failed: %s: %s", type(e).__name__, e)
             pending = 0
         self.next_aftermath = now + 1.0
         self.aftermath_pending = pending > 0 and now - self.t0 < self.cfg.get("aftermath_s", 120.0)
+
+    def _reported_in_ledger(self, run_id: str, t_from: float) -> bool:
+        """An incident event for that run is in the ledger already: one of its run, or one without a run id
+        (a supervisor's own diagnosis) written between that run's start and this one's."""
+        from scout_ckpt.ledger import Ledger
+
+        with Ledger.open(self.cfg["root"], readonly=True) as ledger:
+            events = ledger.events(kinds=INCIDENT_KINDS)
+        return any(e.get("run_id") == run_id or (not e.get("run_id") and t_from <= (e.get("time") or 0) <= self.t_start)
+                   for e in events)
 
     # ---- health --------------------------------------------------------------------------------------------
 
