@@ -76,7 +76,7 @@ def examine(channel: Path, host: str, quiet_s: float = 10.0, reported_elsewhere=
 
 def verdict(found: dict) -> dict:
     """The crash event for an unfinished run: {"kind", "ranks", "step", "detail"}."""
-    from scout_ckpt.observer.daemon import attribute, fingerprint_mismatch
+    from scout_ckpt.observer.verdicts import attribute, fingerprint_mismatch
 
     world, rows = found["world_size"], found["rows"]
     # Only final words are evidence of how a rank ended. A row whose observer died before its final word (or

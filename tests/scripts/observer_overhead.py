@@ -14,7 +14,6 @@ against the plain call. Prints one JSON object.
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 
@@ -69,6 +68,7 @@ def main():
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         obs.tracer.uninstall()
+        obs.tracer = None
         seen.register_comm_hook(None, allreduce_hook)
         attached = "hook-only"
     else:
@@ -91,9 +91,6 @@ def main():
             out.append((time.process_time() - t0) / args.block)
     observer_cpu = cpu_seconds(obs.pid) - cpu0
     seq = obs.tracer.seq if obs.tracer else 0
-    if obs.tracer is None:
-        obs.tracer = type("T", (), {"uninstall": lambda self: None})()
-        from scout_ckpt.observer.fingerprints import CollectiveTracer  # noqa: F401  (timed below only if traced)
     # one traced async all_reduce (wrapper + heartbeat + callback) against the untraced call
     t = torch.ones(1024)
     traced = dist.all_reduce
