@@ -164,6 +164,8 @@ class Checkpointer:
                 ignore_groups=[g for g in (self._pg, self._async_pg, self._commit_pg) if g is not None]
                 + (self.groups.process_groups if self.groups else []),
                 **cfg)
+        if self.observer is not None and model is not None:
+            self.observer.attach(model)
 
     # ---- configuration -------------------------------------------------------------------------------------
 

@@ -3,28 +3,16 @@ source on a machine without a GPU says so once and stays quiet."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
 import pytest
 
+from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer.daemon import Observer, channel_dir
 from scout_ckpt.observer.health import NullHealthSource, NvmlHealthSource, default_source
-
-
-class FakeEccSource:
-    """Reports the uncorrectable ECC count going from 0 to 1 at its second poll, as NVML's diff would."""
-
-    def __init__(self):
-        self.polls = 0
-
-    def poll(self) -> list[dict]:
-        self.polls += 1
-        if self.polls == 2:
-            return [{"metric": "ecc_uncorrected_volatile", "gpu": 0, "old": 0, "new": 1, "severity": "fatal",
-                     "message": "GPU 0: ecc_uncorrected_volatile 0 -> 1"}]
-        return []
 
 
 def _nvml_present() -> bool:
@@ -39,7 +27,7 @@ def _run_observer(root, run_id, health_source) -> Observer:
 
 
 def test_fake_source_ecc_increase_is_one_health_event(tmp_path):
-    obs = _run_observer(tmp_path, "health-fake", FakeEccSource())
+    obs = _run_observer(tmp_path, "health-fake", {"factory": "tests.fake_health:FakeEccSource", "kwargs": {"at": 2}})
     try:
         deadline = time.monotonic() + 30
         events = []
@@ -57,6 +45,32 @@ def test_fake_source_ecc_increase_is_one_health_event(tmp_path):
     assert ev["kind"] == "health" and ev["ranks"] == [0]
     assert ev["detail"]["metric"] == "ecc_uncorrected_volatile" and ev["detail"]["new"] == 1
     assert (tmp_path / ev["detail"]["report"]).exists()
+
+
+class _Unpicklable:
+    def poll(self):
+        return []
+
+
+@pytest.mark.parametrize("source", [_Unpicklable(), {"factory": "no-colon"}, {"factory": "m:f", "kwargs": {"x": object()}},
+                                    {"factory": "m:f", "extra": 1}])
+def test_health_source_must_be_a_json_description(tmp_path, source):
+    """The observer's config and side channel are JSON only: an object (which would need a pickle) is refused
+    before any process starts, and nothing is written."""
+    with pytest.raises(ScoutError, match="health_source"):
+        Observer.start(tmp_path, rank=0, world_size=1, run_id="bad-health", health_source=source, trace=False)
+    assert not channel_dir(tmp_path, "bad-health").exists()
+
+
+def test_observer_config_and_channel_hold_no_pickle(tmp_path):
+    obs = _run_observer(tmp_path, "health-json", "tests.fake_health:FakeEccSource")
+    try:
+        cfg = (channel_dir(tmp_path, "health-json") / "observer-0.json").read_text()
+    finally:
+        obs.stop()
+    assert '"factory": "tests.fake_health:FakeEccSource"' in cfg or '"factory":"tests.fake_health:FakeEccSource"' in cfg
+    for f in channel_dir(tmp_path, "health-json").rglob("*.json"):
+        json.loads(f.read_text())  # every file of the channel is plain JSON
 
 
 @pytest.mark.skipif(_nvml_present(), reason="this machine has an NVML GPU: the no-GPU fallback cannot be seen")

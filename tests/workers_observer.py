@@ -101,3 +101,64 @@ def tracer_roundtrip(rank: int, world_size: int):
     hb.close()
     return {"replaced": replaced, "seq": seq, "hb_seq": snap.seq_enter, "hb_left": snap.seq_leave,
             "hb_fp": snap.fp_enter, "fps": fps, "restored": restored, "in_coll": snap.in_coll}
+
+
+def ddp_attach_rules(rank: int, world_size: int, root: str):
+    """The comm-hook composition rule on real DDP modules: ours registered and its all-reduces counted, a
+    user's Python hook kept (and seen), a hook given to the observer registered, a built-in hook reported."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    obs_hook_calls = []
+
+    def users_hook(state, bucket):
+        obs_hook_calls.append(bucket.index())
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        return allreduce_hook(state, bucket)
+
+    def step(model):
+        model(torch.ones(2, 4)).sum().backward()
+
+    out = {}
+    obs = Observer.start(root, rank=rank, world_size=world_size, run_id="attach", stall_s=600.0, poll_s=0.1,
+                         ddp_comm_hook=users_hook)
+    try:
+        plain = DDP(nn.Linear(4, 4))
+        seq0 = obs.tracer.seq
+        step(plain)
+        out["before_attach"] = obs.tracer.seq - seq0  # C++ reducer: unseen
+        given = DDP(nn.Linear(4, 4))
+        out["given"] = obs.attach(given)
+        seq0 = obs.tracer.seq
+        step(given)
+        out["given_seen"] = obs.tracer.seq - seq0
+        out["given_called"] = len(obs_hook_calls)
+        obs._ddp_hook = (None, None)  # the default from here on
+        ours = DDP(nn.Linear(4, 4))
+        out["ours"] = obs.attach(ours)
+        seq0 = obs.tracer.seq
+        step(ours)
+        out["ours_seen"] = obs.tracer.seq - seq0
+        kept = DDP(nn.Linear(4, 4))
+        kept.register_comm_hook(None, users_hook)
+        out["kept"] = obs.attach(kept)
+        seq0 = obs.tracer.seq
+        step(kept)
+        out["kept_seen"] = obs.tracer.seq - seq0
+        builtin = DDP(nn.Linear(4, 4))
+        builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        out["builtin"] = obs.attach(builtin)
+        out["plain_module"] = obs.attach(nn.Linear(2, 2))
+        # the averaged gradient is the same as the built-in reducer's
+        torch.manual_seed(0)
+        a, b = DDP(nn.Linear(4, 4)), DDP(nn.Linear(4, 4))
+        b.load_state_dict(a.state_dict())
+        obs.attach(b)
+        x = torch.full((2, 4), float(rank + 1))
+        for m in (a, b):
+            m(x).sum().backward()
+        out["grads_close"] = all(torch.allclose(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+    finally:
+        obs.stop()
+    return out

@@ -10,10 +10,16 @@ the src-only scatter list and dst-only gather list, and the group's absolute mem
 Why Python's tuple hash: it costs ~100 ns, and over ints (op ids, shapes, dtype ids) it is the same in every
 process (only str/bytes hashing is salted per process), which is all the observers compare.
 
-Limits: only calls made through the `torch.distributed` namespace are seen (DDP's reducer and functional
-collectives run in C++); a side-group call on the training thread sets a "waiting" flag but no sequence
-number (a rank stuck in a checkpoint collective is waiting too); an `async_op=True` call is "left" when it is issued, not when its work completes;
-sequence numbers are comparable across ranks for SPMD jobs (DDP/FSDP/HSDP), not for pipeline stages.
+What is seen: every call made through the `torch.distributed` namespace: the user's own, FSDP2's all-gathers
+and reduce-scatters (torch 2.13 issues them as `dist.all_gather_single` / `dist.reduce_scatter_single`), and
+DDP's gradient all-reduces once `observer.ddp.attach` has registered a Python comm hook (DDP's built-in reducer
+all-reduces in C++ otherwise). An `async_op=True` call leaves the "in collective" flag when it is issued; the
+rank's wait for it lasts until its Work completes (a future callback), which is what the busy time subtracts.
+
+Limits: functional collectives (torch.distributed._functional_collectives, compiled code) run in C++ and are
+not seen; a side-group call on the training thread sets a "waiting" flag but no sequence number (a rank stuck in
+a checkpoint collective is waiting too); sequence numbers are comparable across ranks for SPMD jobs
+(DDP/FSDP/HSDP), not for pipeline stages.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import torch.distributed as dist
 
 from scout_ckpt.observer.heartbeat import Heartbeat
 
+Work = dist.Work
+
 MASK64 = (1 << 64) - 1
 ABSENT = -7  # stands in for None: hash(None) is address-based in Python 3.11, so it differs between processes
 
@@ -39,6 +47,10 @@ SPECS: dict[str, tuple[tuple[str, str], ...]] = {
     "all_gather_into_tensor": (("output_tensor", "T"), ("input_tensor", "T")),
     "reduce_scatter": (("output", "T"), ("input_list", "TL"), ("op", "V")),
     "reduce_scatter_tensor": (("output", "T"), ("input", "T"), ("op", "V")),
+    # torch 2.13's FSDP2 (fully_shard) issues its all-gathers and reduce-scatters through these two names
+    # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), as `dist.<name>(..., async_op=...)` calls
+    "all_gather_single": (("output_tensor", "T"), ("input_tensor", "T")),
+    "reduce_scatter_single": (("output", "T"), ("input", "T"), ("op", "V")),
     "broadcast": (("tensor", "T"), ("src", "V"), ("group_src", "V")),
     "barrier": (),
     "monitored_barrier": (),
@@ -203,12 +215,14 @@ class CollectiveTracer:
                 return orig(*args, **kwargs)
             hb.enter(seq, fp)
             try:
-                return orig(*args, **kwargs)
+                out = orig(*args, **kwargs)
             except BaseException:
                 hb.error()
-                raise
-            finally:
                 hb.leave(seq)
+                raise
+            # an async_op call returns its Work: the rank waits until it completes, not until it is issued
+            hb.leave(seq, out if out is not None and isinstance(out, Work) else None)
+            return out
 
         wrapper.__scout_fp__ = fp_of
         wrapper.__scout_original__ = orig

@@ -34,6 +34,8 @@ IN_SIDE = 8        # inside a collective on an ignored (side) group: waiting, bu
 _COLL = struct.Struct("<QdQQQ")                # @8: flags, t_update, seq_enter, fp_enter, seq_leave
 _STEP = struct.Struct("<qQddddd")              # @48: step, phase, last_dur, n_steps(as float), dur_sum, busy_sum, coll_sum
 _IDENT = struct.Struct("<qQ")                  # @104: pid, magic
+ASYNC_ERROR_WORD = 15                          # @120: set to 1 (one aligned store, outside the seqlock) by the
+                                               # completion callback of an async collective that failed
 _ALL = struct.Struct("<QQdQQQqQddddd" + "qQ")  # version + everything, for readers
 
 
@@ -110,7 +112,9 @@ class Heartbeat:
         self._last_dur = self._dur_sum = self._busy_sum = self._coll_sum = 0.0
         self._n_steps = 0
         self._t_enter = self._t_side = 0.0
-        self._coll_since_step = 0.0
+        # waiting intervals since the last step: [start, end]; end None while an async collective is in flight
+        # (its completion callback, on whatever thread completes the work, fills it in: one list-item store)
+        self._waits: list[list] = []
         self._last_step_t: float | None = None
         _IDENT.pack_into(mm, 104, os.getpid(), MAGIC)
         self._write_all(time.time())
@@ -146,14 +150,36 @@ class Heartbeat:
         self._flags |= IN_COLL
         self._write_coll(now)
 
-    def leave(self, seq: int) -> None:
+    def leave(self, seq: int, work=None) -> None:
+        """Collective `seq` returned. `work`: the Work of an async_op call, whose completion (not this return)
+        ends the rank's wait: DDP's and FSDP2's collectives are async, and the fast ranks wait for their
+        completion later, inside backward or the next forward."""
         now = time.time()
-        spent = max(0.0, now - self._t_enter)
-        self._coll_since_step += spent
-        self._coll_sum += spent
+        box = [self._t_enter, None if work is not None else now]
+        if work is not None:
+            try:
+                work.get_future().add_done_callback(lambda f: self._done(box, f))
+            except Exception:  # a backend without futures: the wait ends when the call returns
+                box[1] = now
+        self._waits.append(box)
+        if len(self._waits) > 4096:  # no step() calls to drain it: keep only what may still be open
+            self._waits = [b for b in self._waits if b[1] is None][-1024:]
         self._seq_leave = seq
         self._flags &= ~IN_COLL
         self._write_coll(now)
+
+    def _done(self, box: list, fut) -> None:
+        """Completion callback of an async collective, on whichever thread completes it: one list-item store
+        for the wait's end; a failed collective (a peer died) marks this rank a victim with one aligned word
+        store outside the seqlock, since this thread is not the heartbeat's writer."""
+        box[1] = time.time()
+        try:
+            fut.value()
+        except Exception:
+            try:
+                self._words[ASYNC_ERROR_WORD] = 1
+            except (ValueError, IndexError):  # closed meanwhile
+                pass
 
     def side(self, inside: bool) -> None:
         """Enter/leave a collective on a side group: shows the rank is waiting without advancing the sequence."""
@@ -163,9 +189,7 @@ class Heartbeat:
             self._t_side = now
         else:
             self._flags &= ~IN_SIDE
-            spent = max(0.0, now - self._t_side)  # waiting is waiting, whatever the group
-            self._coll_since_step += spent
-            self._coll_sum += spent
+            self._waits.append([self._t_side, now])  # waiting is waiting, whatever the group
         self._write_coll(now)
 
     def error(self) -> None:
@@ -174,17 +198,22 @@ class Heartbeat:
         self._write_coll(time.time())
 
     def step(self, n: int, duration_s: float | None = None) -> None:
-        """Step `n` is done. Its busy time (duration minus time waiting in collectives) is what the straggler
-        rule compares: in synchronous training every rank's wall time per step is the same."""
+        """Step `n` is done. Its busy time (duration minus the time spent waiting for collectives to complete:
+        the union of the waiting intervals, async ones up to their completion) is what the straggler rule
+        compares: in synchronous training every rank's wall time per step is the same, but a straggler's
+        compute between one collective and its arrival at the next is longer."""
         now = time.time()
         if duration_s is None and self._last_step_t is not None:
             duration_s = max(0.0, now - self._last_step_t)
         if duration_s is not None:
+            waited, self._waits = waited_within(self._waits, now - duration_s, now)
             self._last_dur = duration_s
             self._n_steps += 1
             self._dur_sum += duration_s
-            self._busy_sum += max(0.0, duration_s - self._coll_since_step)
-        self._coll_since_step = 0.0
+            self._coll_sum += waited
+            self._busy_sum += max(0.0, duration_s - waited)
+        else:
+            self._waits = [b for b in self._waits if b[1] is None]
         self._last_step_t = now
         self._step = n
         if self._phase == "idle":
@@ -224,6 +253,19 @@ class Heartbeat:
                 pass
 
 
+def waited_within(waits: list[list], t0: float, t1: float) -> tuple[float, list[list]]:
+    """The length of the union of the waiting intervals inside [t0, t1] (an open one counts up to t1), and the
+    intervals still open (kept for the next step, where they are clipped to its start)."""
+    spans = sorted((max(s, t0), min(t1, e if e is not None else t1)) for s, e in list(waits))
+    total, end = 0.0, t0
+    for s, e in spans:
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total, [b for b in waits if b[1] is None]
+
+
 class HeartbeatReader:
     """Reader side (the observer). Keeps the file mapped so it stays readable after the trainer dies."""
 
@@ -247,6 +289,8 @@ class HeartbeatReader:
             if self._words[0] == v1 and vals[0] == v1:
                 (v, flags, t_update, seq_enter, fp_enter, seq_leave, step, phase, last_dur, n_steps, dur_sum,
                  busy_sum, coll_sum, pid, _magic) = vals
+                if self._words[ASYNC_ERROR_WORD]:
+                    flags |= COLL_ERROR
                 self._last = Snapshot(v, flags, t_update, seq_enter, fp_enter, seq_leave, step,
                                       PHASES[phase] if phase < len(PHASES) else "?", last_dur, int(n_steps),
                                       dur_sum, busy_sum, coll_sum, pid)

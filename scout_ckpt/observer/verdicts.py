@@ -1,0 +1,125 @@
+"""Attribution of a fault from the observers' status table: pure functions, no I/O (see daemon.py for the
+rules in words). Kept apart so the rule can be tested on hand-made tables and reused by aftermath.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+ABORT_KINDS = ("hang", "desync", "crash")
+INCIDENT_KINDS = ABORT_KINDS
+
+
+def prog(row: dict) -> tuple[int, int]:
+    return (row["step"], row["seq"])
+
+
+def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_s: float = 0.05) -> dict | None:
+    """The verdict on a table of observer statuses ({rank: row}, ages already brought up to date), or None.
+
+    Returns {"kind", "ranks", "step", "seq", "attribution", "reason"}; `ranks` is empty when a fault is seen but
+    no strict majority points at anyone."""
+    majority = world_size // 2 + 1
+    # Ranks that entered the same collective number with different fingerprints: a desync, whatever else
+    # followed (a mismatched collective may fail and take its ranks down, or hang). In SPMD training equal
+    # numbers mean the same collective, so no stall is needed to be sure.
+    desync = fingerprint_mismatch(rows, majority)
+    if desync:
+        return desync
+    gone = sorted(r for r, row in rows.items() if row["state"] == "gone")
+    culprits = [r for r in gone if not row_error(rows[r])]
+    if culprits:
+        if world_size - len(culprits) >= majority:
+            last = min(culprits, key=lambda r: prog(rows[r]))
+            return {"kind": "crash", "ranks": culprits, "step": rows[last]["step"], "seq": rows[last]["seq"],
+                    "attribution": "strict_majority",
+                    "reason": f"trainer process of rank(s) {culprits} is gone without a clean close "
+                              f"({len(gone) - len(culprits)} other(s) died after a collective failed)"}
+        first = first_gone(rows, culprits, order_gap_s)
+        if first and world_size - len(first) >= majority:
+            last = min(first, key=lambda r: prog(rows[r]))
+            return {"kind": "crash", "ranks": first, "step": rows[last]["step"], "seq": rows[last]["seq"],
+                    "attribution": "first_gone",
+                    "reason": f"trainer process of rank(s) {first} died first, >= {order_gap_s:g}s before any "
+                              f"other rank (the others were torn down after it, e.g. by torchrun)"}
+        return None
+    live = {r: row for r, row in rows.items() if row["state"] in ("running", "stopped")}
+    stalled = [r for r, row in live.items() if row["age_s"] >= stall_s]
+    stopped = sorted(r for r in stalled if live[r]["state"] == "stopped")
+    waiting = [r for r in stalled if live[r]["state"] == "running" and (live[r]["in_coll"] or live[r].get("in_side"))]
+    # stalled and busy: waiting in a collective we see, or inside a step (e.g. in DDP's C++ all-reduce)
+    busy = [r for r in stalled if live[r]["state"] == "running"
+            and (r in waiting or live[r].get("phase", "idle") != "idle")]
+    counts = Counter(prog(live[r]) for r in busy)
+    point, n = counts.most_common(1)[0] if counts else (None, 0)
+    if n >= majority:
+        step, seq = point
+        ahead = sorted(r for r in waiting if prog(live[r]) > point and live[r]["in_coll"])
+        if ahead:
+            return {"kind": "desync", "ranks": ahead, "step": step, "seq": seq,
+                    "attribution": "strict_majority",
+                    "reason": f"the majority waits in collective #{seq} at step {step}; rank(s) {ahead} "
+                              f"wait in a later collective"}
+        behind = sorted(r for r in live if prog(live[r]) < point)
+        ranks = sorted(set(behind) | set(stopped))
+        in_training_coll = sum(1 for r in busy if prog(live[r]) == point and live[r]["in_coll"])
+        if ranks or in_training_coll >= majority:
+            reason = (f"{n} of {world_size} ranks are stuck at collective #{seq}, step {step}, for "
+                      f">= {stall_s:g}s; " + (f"rank(s) {ranks} never got there" if behind else
+                                             f"rank(s) {ranks} are stopped" if ranks else
+                                             "every rank is inside it (no laggard)"))
+            return {"kind": "hang", "ranks": ranks, "step": step, "seq": seq,
+                    "attribution": "strict_majority" if ranks else "none", "reason": reason}
+        # equal progress, no laggard, and not a training collective (a long save, an eval): no verdict
+    if stopped:
+        r0 = stopped[0]
+        return {"kind": "hang", "ranks": stopped, "step": live[r0]["step"], "seq": live[r0]["seq"],
+                "attribution": "stopped",
+                "reason": f"trainer process of rank(s) {stopped} is stopped (SIGSTOP) for >= {stall_s:g}s"}
+    if n < majority and len(waiting) >= majority:
+        return {"kind": "hang", "ranks": [], "step": max(live[r]["step"] for r in waiting),
+                "seq": max(live[r]["seq"] for r in waiting), "attribution": "inconclusive",
+                "reason": "a majority waits in collectives, but at different points: no strict majority"}
+    return None
+
+
+def fingerprint_mismatch(live: dict[int, dict], majority: int) -> dict | None:
+    """Ranks that entered the same collective number with different fingerprints: a desync."""
+    by_seq: dict[int, list[int]] = {}
+    for r, row in live.items():
+        if row["seq"] > 0:
+            by_seq.setdefault(row["seq"], []).append(r)
+    for seq, ranks in sorted(by_seq.items()):
+        fps = Counter(live[r]["fp"] for r in ranks)
+        if len(fps) < 2:
+            continue
+        fp, count = fps.most_common(1)[0]
+        odd = sorted(r for r in ranks if live[r]["fp"] != fp)
+        attributed = count >= majority
+        step = min(live[r]["step"] for r in ranks)
+        return {"kind": "desync", "ranks": odd if attributed else [], "step": step, "seq": seq,
+                "attribution": "strict_majority" if attributed else "inconclusive",
+                "reason": f"collective #{seq}: ranks entered collectives with {len(fps)} different fingerprints"
+                          + ("" if attributed else f"; no strict majority (suspects {odd})")}
+    return None
+
+
+def first_gone(rows: dict[int, dict], candidates: list[int], gap_s: float) -> list[int]:
+    """The ranks among `candidates` that died first, separated by at least `gap_s` from the next death (each
+    observer stamps its trainer's death: `gone_at`, wall time, from PR_SET_PDEATHSIG where it has it); [] when
+    the order is not clear (a job-wide kill takes every rank within milliseconds)."""
+    times = sorted((rows[r]["gone_at"], r) for r in candidates if rows[r].get("gone_at") is not None)
+    if len(times) < len(candidates) or len(times) < 2:
+        return []
+    for i in range(1, len(times)):
+        if times[i][0] - times[i - 1][0] >= gap_s:
+            return sorted(r for _t, r in times[:i])
+    return []
+
+
+def row_error(row: dict) -> bool:
+    return bool(row.get("error"))
+
+
+def incident_key(v: dict) -> str:
+    ranks = "-".join(str(r) for r in v["ranks"]) or "none"
+    return f"{v['kind']}-s{v['step']}-q{v['seq']}-r{ranks}"

@@ -1,0 +1,18 @@
+"""A fake hardware-health source for the observer tests, named by "module:factory" (the observer imports it;
+nothing is pickled). Torch-free: the observer process must not pay for torch."""
+
+from __future__ import annotations
+
+
+class FakeEccSource:
+    """Reports the uncorrectable ECC count going from 0 to 1 at poll number `at`, as NVML's diff would."""
+
+    def __init__(self, at: int = 2, gpu: int = 0):
+        self.polls, self.at, self.gpu = 0, at, gpu
+
+    def poll(self) -> list[dict]:
+        self.polls += 1
+        if self.polls == self.at:
+            return [{"metric": "ecc_uncorrected_volatile", "gpu": self.gpu, "old": 0, "new": 1, "severity": "fatal",
+                     "message": f"GPU {self.gpu}: ecc_uncorrected_volatile 0 -> 1"}]
+        return []

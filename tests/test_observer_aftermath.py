@@ -1,0 +1,101 @@
+"""What a previous generation left unfinished, settled by the next one (observer/aftermath.py), on hand-made
+side channels: clean, already reported, unfinished (attributed and not), still being written; exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from scout_ckpt.ledger import Ledger
+from scout_ckpt.observer import aftermath
+
+HOST = os.uname().nodename
+DEAD_PID = 4_194_000  # above the default pid_max: no such process
+
+
+def channel(base, run_id, rows: dict[int, dict], claims=()):
+    ch = base / run_id
+    (ch / "claims").mkdir(parents=True)
+    for r in range(3):
+        (ch / f"observer-{r}.json").write_text(json.dumps({"world_size": 3, "run_id": run_id, "rank": r}))
+    for r, row in rows.items():
+        full = {"rank": r, "observer_pid": DEAD_PID, "host": HOST, "state": "gone", "step": 7, "phase": "step",
+                "seq": 9, "fp": "aa", "error": False, "t_update": 100.0 + r, "gone_at": None, "wall": time.time(),
+                "pid": 1000 + r, **row}
+        (ch / f"status-{r}.json").write_text(json.dumps(full))
+    for i, kind in enumerate(claims):
+        (ch / "claims" / f"{kind}-{i}.json").write_text(json.dumps({"kind": kind}))
+    return ch
+
+
+def settle(base, current="now"):
+    written = []
+    pending = aftermath.settle(base, current, lambda *a: written.append(a), HOST)
+    return pending, written
+
+
+def test_clean_and_reported_runs_leave_no_event(tmp_path):
+    channel(tmp_path, "clean", {r: {"state": "closed"} for r in range(3)})
+    channel(tmp_path, "reported", {r: {} for r in range(3)}, claims=["hang"])
+    pending, written = settle(tmp_path)
+    assert pending == 0 and written == []
+    assert json.loads((tmp_path / "clean" / "settled.json").read_text())["outcome"] == "clean"
+    assert json.loads((tmp_path / "reported" / "settled.json").read_text())["kinds"] == ["hang"]
+
+
+def test_unfinished_run_attributed_by_victims_and_recorded_once(tmp_path):
+    channel(tmp_path, "prev", {0: {"error": True}, 1: {"seq": 8}, 2: {"error": True}})
+    pending, written = settle(tmp_path)
+    assert pending == 0 and len(written) == 1
+    kind, ranks, step, detail, key, run_id = written[0]
+    assert (kind, ranks, run_id) == ("crash", [1], "prev")
+    assert detail["source"] == "previous_generation" and detail["attribution"] == "strict_majority"
+    assert settle(tmp_path) == (0, [])  # settled exactly once
+
+
+def test_unfinished_run_without_final_words_is_unattributed_first_stopped_first(tmp_path):
+    # the observers died with their trainers (whole-node kill): rows still say running
+    channel(tmp_path, "prev", {0: {"state": "running", "t_update": 105.0}, 1: {"state": "running", "t_update": 101.0},
+                               2: {"state": "running", "t_update": 103.0}})
+    _, written = settle(tmp_path)
+    kind, ranks, _step, detail, _key, _run = written[0]
+    assert (kind, ranks, detail["attribution"]) == ("crash", [], "unattributed")
+    assert detail["first_stopped"] == [1] and [row["rank"] for row in detail["progress"]] == [1, 2, 0]
+
+
+def test_a_run_whose_observers_may_still_write_waits(tmp_path):
+    channel(tmp_path, "live", {0: {"host": "elsewhere", "wall": time.time()}, 1: {}, 2: {}})
+    pending, written = settle(tmp_path)
+    assert pending == 1 and written == [] and not (tmp_path / "live" / "settled.json").exists()
+    channel(tmp_path, "now", {0: {}, 1: {}, 2: {}})  # the current run itself is never settled
+    assert settle(tmp_path)[0] == 1 and not (tmp_path / "now" / "settled.json").exists()
+
+
+def test_daemon_writes_the_previous_runs_crash_to_the_ledger(tmp_path):
+    """The real observer process of a new run's rank 0 settles the earlier channel and writes the event."""
+    from scout_ckpt.observer.daemon import Observer, channel_dir
+
+    Ledger.open(tmp_path, create=True).close()
+    channel(channel_dir(tmp_path, "x").parent, "prev", {0: {"error": True}, 1: {}, 2: {"error": True}})
+    obs = Observer.start(tmp_path, rank=0, world_size=1, run_id="next", stall_s=600.0, poll_s=0.05, trace=False)
+    try:
+        deadline = time.monotonic() + 30
+        events = []
+        while time.monotonic() < deadline and not events:
+            with Ledger.open(tmp_path, readonly=True) as led:
+                events = led.events()
+            time.sleep(0.1)
+    finally:
+        obs.stop()
+    assert [(e["kind"], e["ranks"], e["run_id"]) for e in events] == [("crash", [1], "prev")]
+
+
+def test_a_run_a_supervisor_already_diagnosed_gets_no_second_event(tmp_path):
+    channel(tmp_path, "prev", {0: {"error": True}, 1: {}, 2: {"error": True}})
+    asked = []
+    written = []
+    aftermath.settle(tmp_path, "now", lambda *a: written.append(a), HOST,
+                     reported_elsewhere=lambda run_id, t_from: asked.append(run_id) or True)
+    assert asked == ["prev"] and written == []
+    assert json.loads((tmp_path / "prev" / "settled.json").read_text())["kinds"] == ["elsewhere"]
