@@ -1,0 +1,384 @@
+"""Cross-rank replay of the optimizer update of single-owner shards (pure FSDP2: no replica to compare with).
+
+Why: under `fully_shard` each element of the model lives on one rank only, and that rank alone applies its
+optimizer update. A rank whose arithmetic is silently wrong (or a fault that perturbs its live update) leaves a
+wrong shard that no replica contradicts. Elementwise optimizers (Adam, AdamW, SGD) update an element from that
+element's parameter, gradient and state alone, so any rank can recompute a *slice* of rank r's update from the
+pre-step slices and the group's hyperparameters, and must land on the same bits.
+
+Coverage. Each rank's local shards are cut into units of at most `chunk` elements (per parameter). At start-up a
+fixed permutation of the units is drawn from `random.Random(f"{seed}:{rank}")` -- every rank can compute every
+other rank's choice, no collective is needed to agree on it -- and step s checks `per_step` consecutive positions
+of it, wrapping around. So any `cycle` consecutive steps cover every unit of every rank (`cycle` =
+ceil(max units over ranks / per_step), agreed once at start-up).
+
+Who recomputes (per step s, owner r): the owner itself ("self") and `peers` other ranks, (r + 1 + (s + j) % (W -
+1)) % W for j < peers, so the verifiers rotate. Two all_gather_object calls on a side gloo group per step: the
+owners' pre-step slices with the digests (xxh3-128) of their live results, then every rank's digests of its
+recomputations. Every rank then holds the same data and `decide` gives the same verdicts everywhere.
+
+Attribution (`decide`), per owner r:
+  * the owner's live result differs from the owner's own recomputation: the live update on r was wrong (a fault
+    between the kernel and memory, a perturbed update): r is attributed, with 2 ranks already;
+  * else the owner (live == self) and each peer vote with their digests: a value held by a strict majority of
+    the voters wins and every other voter is attributed ("shard_update_mismatch" for the owner,
+    "shard_recompute_mismatch" for a peer); no strict majority (e.g. owner vs one peer, W == 2) is
+    inconclusive and names both. A persistently wrong kernel on r (live and self-recompute agree, both wrong) is
+    thus attributed only with 2+ peers (W >= 3); with 2 ranks it is detected, not attributed.
+
+Determinism (the oracle for zero false positives, measured with torch 2.13 on CPU): the recomputation uses a fresh
+optimizer of the same class with the group's hyperparameters and `foreach=False, fused=False` (the single-tensor
+path), on the same dtype and device as the live shard. Live single-tensor and foreach updates match it bit for bit
+on any slice. A *fused* live update does not: fused AdamW differs from single-tensor AdamW in the last bit on most
+slices, and even fused-on-a-slice differs from fused-on-the-whole tensor at slice tails (vectorized body vs
+scalar tail). Fused optimizers are therefore refused at construction, as are optimizer classes other than
+Adam, AdamW and SGD (exact class: a subclass may override `step`).
+
+What it cannot see: a *transient* fault in a unit not sampled that step (a persistent one is caught within one
+cycle); faults in forward/backward (the module replay's job); a change after the step (`at_rest.AtRestGuard`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import random
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch import optim
+
+from scout_ckpt import policy
+
+SUPPORTED = (optim.Adam, optim.AdamW, optim.SGD)
+KIND = "shard_replay"
+
+
+class UnsupportedOptimizer(ValueError):
+    """The optimizer's update cannot be recomputed bit for bit on a slice (class or kernel not supported)."""
+
+
+def check_supported(optimizer: optim.Optimizer) -> None:
+    """Raise UnsupportedOptimizer, saying why, unless the optimizer is exactly Adam/AdamW/SGD, not fused."""
+    cls = type(optimizer)
+    if cls not in SUPPORTED:
+        raise UnsupportedOptimizer(
+            f"shard update replay supports {', '.join(c.__name__ for c in SUPPORTED)} (exact classes), not "
+            f"{cls.__module__}.{cls.__qualname__}: its update cannot be recomputed on a slice")
+    for gi, g in enumerate(optimizer.param_groups):
+        if g.get("fused"):
+            raise UnsupportedOptimizer(
+                f"param group {gi} uses fused=True: fused kernels are not bitwise reproducible on a slice; "
+                "use the default (foreach) or foreach=False to enable shard update replay")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+# ---- pure planning -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Unit:
+    param: str      # parameter name (model name or "group.index")
+    offset: int     # into the flattened local shard
+    length: int
+
+
+def plan_units(numels: list[tuple[str, int]], chunk: int) -> list[Unit]:
+    """Cut each local shard (name, numel) into units of at most `chunk` elements; empty shards give none."""
+    return [Unit(name, o, min(chunk, n - o)) for name, n in numels for o in range(0, n, chunk)]
+
+
+def permutation(n: int, seed: int, rank: int) -> list[int]:
+    """The fixed order in which `rank` checks its units: any rank can recompute it."""
+    order = list(range(n))
+    random.Random(f"{seed}:{rank}").shuffle(order)
+    return order
+
+
+def positions(step: int, start: int, per_step: int, n: int) -> list[int]:
+    """Positions into the permutation checked at `step`: consecutive, wrapping, so `ceil(n / per_step)`
+    consecutive steps cover all n."""
+    if n == 0:
+        return []
+    first = ((step - start) * per_step) % n
+    return sorted({(first + j) % n for j in range(min(per_step, n))})
+
+
+def verifiers(owner: int, step: int, world: int, peers: int) -> list[int]:
+    """The ranks other than `owner` that recompute its slices at `step` (rotating with the step)."""
+    if world < 2:
+        return []
+    k = min(peers, world - 1)
+    return [(owner + 1 + (step + j) % (world - 1)) % world for j in range(k)]
+
+
+def decide(owner: int, live: list[str] | None, recomputed: dict[int, list[str] | None]) -> tuple[str, list[dict]]:
+    """Verdict on one owner's update at one step from digests (one per unit): (status, reasons).
+
+    live: the owner's digests of its live results; recomputed: rank -> its digests of its recomputation of the
+    owner's units (the owner's own entry is its self-check). None = that computation is missing (failed)."""
+    if live is None:
+        return policy.MISSING, [{"code": "shard_replay_missing", "ranks": [owner], "detail": "no live capture"}]
+    mine = recomputed.get(owner)
+    if mine is not None and mine != live:
+        units = [i for i, (a, b) in enumerate(zip(live, mine)) if a != b]
+        agree = sorted(v for v, d in recomputed.items() if v != owner and d == mine)
+        return policy.FAIL, [{"code": "shard_update_mismatch", "ranks": [owner], "units": units,
+                              "detail": "live update differs from the owner's recomputation",
+                              "recomputation_confirmed_by": agree}]
+    missing = sorted(v for v, d in recomputed.items() if d is None)
+    votes = {owner: live, **{v: d for v, d in recomputed.items() if v != owner and d is not None}}
+    reasons: list[dict] = []
+    status = policy.PASS
+    if missing:
+        status = policy.INCONCLUSIVE
+        reasons.append({"code": "shard_replay_failed", "ranks": missing, "owner": owner})
+    if len({tuple(d) for d in votes.values()}) <= 1:
+        return status, reasons
+    counts: dict[tuple, list[int]] = {}
+    for v, d in votes.items():
+        counts.setdefault(tuple(d), []).append(v)
+    best = max(counts.values(), key=len)
+    if len(best) * 2 <= len(votes):
+        return policy.INCONCLUSIVE, reasons + [{"code": "shard_replay_inconclusive", "ranks": sorted(votes),
+                                                "owner": owner, "split": sorted(sorted(c) for c in counts.values())}]
+    for v in sorted(votes):
+        if v not in best:
+            code = "shard_update_mismatch" if v == owner else "shard_recompute_mismatch"
+            reasons.append({"code": code, "ranks": [v], "owner": owner, "majority": sorted(best)})
+    return policy.FAIL, reasons
+
+
+# ---- recomputation -------------------------------------------------------------------------------------------
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    """xxh3-128 of the tensors' raw bytes, in order (host copies: slices are small)."""
+    h = xxhash.xxh3_128()
+    for t in tensors:
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _result(param: torch.Tensor, state: dict) -> list[torch.Tensor]:
+    return [param] + [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+
+
+def recompute(cls, hyper: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, device=None
+              ) -> list[torch.Tensor]:
+    """One unit's update, recomputed by a fresh `cls` on the single-tensor path: [param] + state (sorted keys)."""
+    mv = (lambda v: v.to(device)) if device is not None else (lambda v: v)  # noqa: E731
+    p = torch.nn.Parameter(mv(param).clone())
+    p.grad = mv(grad).clone()
+    group = dict(hyper, params=[p])
+    for k in ("foreach", "fused"):
+        if k in group:
+            group[k] = False
+    opt = cls([group])
+    if state:
+        opt.state[p] = {k: (mv(v).clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    opt.step()
+    return _result(p.detach(), opt.state[p])
+
+
+@dataclass
+class _Capture:
+    step: int
+    units: list[Unit]
+    hyper: list[dict]
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    state: list[dict]
+    live: list[str] = field(default_factory=list)
+    after: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def pre(self) -> dict:
+        """What travels to the verifiers: pre-step slices on the host, live digests (the tensors stay home)."""
+        host = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return {"step": self.step, "units": self.units, "hyper": self.hyper, "live": self.live,
+                "params": [host(p) for p in self.params], "grads": [host(g) for g in self.grads],
+                "state": [{k: host(v) for k, v in st.items()} for st in self.state]}
+
+
+# ---- the collective driver -----------------------------------------------------------------------------------
+
+class ShardUpdateReplay:
+    """Step hooks that capture this rank's units of the step, and `on_step`, which cross-checks them.
+
+    Construction is collective (every rank, same order, at start-up): it creates a gloo side group unless one is
+    given, and agrees on the cycle length with one all_gather. `on_step(step)` is collective too: every rank calls
+    it once after each optimizer step (with the same step number), and every rank gets the same row back. A rank
+    that fails to recompute still reaches both gathers (its digests are None -> inconclusive for that owner).
+    Live tensors, gradients and RNG streams are only read (cloned slices), so training is bitwise unchanged.
+    """
+
+    def __init__(self, optimizer: optim.Optimizer, model: torch.nn.Module | None = None, *, group=None,
+                 chunk: int = 4096, per_step: int = 4, cycle: int | None = None, peers: int = 2, seed: int = 0,
+                 start_step: int = 0, timeout_s: float = 300.0):
+        """chunk: elements per unit; per_step: units each rank checks per step; cycle: if given, per_step is
+        raised so that every unit is checked within `cycle` steps (cost per step grows as the model over cycle);
+        peers: verifiers per owner besides itself (2 attributes persistent faults on 3+ ranks); seed: the
+        permutation's seed (same on all ranks); start_step: the step the schedule counts from."""
+        check_supported(optimizer)
+        if chunk < 1 or per_step < 1 or peers < 1:
+            raise ValueError("chunk, per_step and peers must be >= 1")
+        self.optimizer, self.chunk, self.per_step, self.peers, self.seed = optimizer, chunk, per_step, peers, seed
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = group if group is not None else dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self._params: dict[str, tuple[int, torch.Tensor]] = {}
+        for gi, g in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(g["params"]):
+                if p.requires_grad:
+                    self._params[names.get(id(p), f"{gi}.{pi}")] = (gi, p)
+        self.units = plan_units([(n, _local(p).numel()) for n, (_, p) in self._params.items()], chunk)
+        self.order = permutation(len(self.units), seed, self.rank)
+        counts = [None] * self.world
+        dist.all_gather_object(counts, len(self.units), group=self.group)
+        self.unit_counts = [int(c) for c in counts]
+        if cycle is not None:
+            self.per_step = per_step = max(per_step, math.ceil(max(self.unit_counts) / max(1, cycle)))
+        self.cycle = max(1, max(math.ceil(c / per_step) for c in self.unit_counts))
+        self.start = start_step
+        self._next = start_step + 1
+        self._cap: _Capture | None = None
+        self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def begin(self, step: int) -> None:
+        """Resume at `step`: the next optimizer step is step + 1 (the coverage schedule is unchanged)."""
+        self._next, self._cap = step + 1, None
+
+    # -- hooks (inside optimizer.step, this rank only) --
+
+    def _pre(self, opt, args, kwargs) -> None:
+        units = [self.units[self.order[i]] for i in positions(self._next, self.start, self.per_step, len(self.units))]
+        cap = _Capture(self._next, units, [], [], [], [])
+        for u in units:
+            gi, p = self._params[u.param]
+            sl = slice(u.offset, u.offset + u.length)
+            cap.hyper.append({k: v for k, v in opt.param_groups[gi].items() if k != "params"})
+            cap.params.append(_local(p).detach().reshape(-1)[sl].clone())
+            cap.grads.append(None if p.grad is None else _local(p.grad).detach().reshape(-1)[sl].clone())
+            st = {}
+            for k, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and _local(v).shape == _local(p).shape:
+                    st[k] = _local(v).detach().reshape(-1)[sl].clone()
+                elif isinstance(v, torch.Tensor):
+                    st[k] = _local(v).detach().clone()
+                else:
+                    st[k] = v
+            cap.state.append(st)
+        self._cap = cap
+
+    def _post(self, opt, args, kwargs) -> None:
+        cap = self._cap
+        if cap is None or cap.after:
+            return
+        for u, g in zip(cap.units, cap.grads):
+            gi, p = self._params[u.param]
+            sl = slice(u.offset, u.offset + u.length)
+            after = [_local(p).detach().reshape(-1)[sl].clone()]
+            if g is not None:  # the optimizer skips a parameter without a gradient: no state to compare
+                st = opt.state.get(p, {})
+                after += [(_local(st[k]).detach().reshape(-1)[sl] if _local(st[k]).shape == _local(p).shape
+                           else _local(st[k]).detach()).clone() for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+            cap.after.append(after)
+            cap.live.append(digest(after))
+
+    # -- collective --
+
+    def _recompute(self, pre: dict, device) -> list[str]:
+        out = []
+        cls = type(self.optimizer)
+        for i in range(len(pre["units"])):
+            if pre["grads"][i] is None:
+                out.append(digest([pre["params"][i]]))
+                continue
+            out.append(digest(recompute(cls, pre["hyper"][i], pre["params"][i], pre["grads"][i], pre["state"][i],
+                                        device)))
+        return out
+
+    def on_step(self, step: int) -> dict:
+        """Collective, after optimizer step `step` on every rank: cross-check that step's capture, arm the next.
+
+        Returns {"step", "status", "ranks" (attributed), "reasons", "owners": {rank: status}, "units": {rank: n}},
+        identical on every rank."""
+        cap, self._cap = self._cap, None
+        self._next = step + 1
+        mine = cap.pre() if cap is not None and cap.step == step and len(cap.live) == len(cap.units) else None
+        caps: list = [None] * self.world
+        dist.all_gather_object(caps, mine, group=self.group)
+        device = next((_local(p).device for _, p in self._params.values()), torch.device("cpu"))
+        computed: dict[int, list[str] | None] = {}
+        errors: dict[int, str] = {}
+        for owner in [self.rank] + [o for o in range(self.world) if self.rank in verifiers(o, step, self.world,
+                                                                                           self.peers)]:
+            if caps[owner] is None:
+                continue
+            try:
+                computed[owner] = self._recompute(caps[owner], device)
+            except Exception as e:  # noqa: BLE001 -- every rank must still reach the next gather
+                computed[owner] = None
+                errors[owner] = repr(e)
+                warnings.warn(f"shard replay of rank {owner}'s update at step {step} failed on rank {self.rank}: {e!r}")
+        every: list = [None] * self.world
+        dist.all_gather_object(every, computed, group=self.group)
+        owners: dict[int, str] = {}
+        reasons: list[dict] = []
+        for owner in range(self.world):
+            live = caps[owner]["live"] if caps[owner] is not None else None
+            got = {v: every[v][owner] for v in range(self.world) if owner in every[v]}
+            st, why = decide(owner, live, got)
+            owners[owner] = st
+            reasons += [dict(r, step=step) for r in why]
+        status = _worst(owners.values())
+        ranks = sorted({r for x in reasons if x["code"].endswith("_mismatch") for r in x["ranks"]})
+        return {"step": step, "status": status, "ranks": ranks, "reasons": reasons,
+                "owners": {str(o): s for o, s in owners.items()},
+                "units": {str(o): len(caps[o]["units"]) if caps[o] else 0 for o in range(self.world)}}
+
+
+def _worst(statuses) -> str:
+    order = [policy.FAIL, policy.INCONCLUSIVE, policy.MISSING, policy.PASS]
+    statuses = list(statuses)
+    return next((s for s in order if s in statuses), policy.PASS)
+
+
+# ---- evidence from rows ----------------------------------------------------------------------------------------
+
+def shard_replay_evidence(rows: list[dict], step: int, cycle: int) -> dict:
+    """Evidence (policy format) for the state saved at `step`, from this incarnation's rows (since `begin`).
+
+    fail / inconclusive: any such row so far (a wrong update persists in the shard, so every later state carries
+    it; a fault found after `step` is also charged to `step` when it may have begun before it, i.e. within one
+    cycle). pass: the `cycle` steps ending at `step` all have passing rows, so every unit of every rank was
+    recomputed clean in that window. Otherwise missing (coverage incomplete: too few steps since start/resume)."""
+    bad = [r for r in rows if r["status"] in (policy.FAIL, policy.INCONCLUSIVE) and r["step"] - cycle < step]
+    detail = {"cycle": cycle}
+    if bad:
+        status = policy.FAIL if any(r["status"] == policy.FAIL for r in bad) else policy.INCONCLUSIVE
+        reasons = [x for r in bad for x in r["reasons"] if x["code"] != "shard_replay_missing"] or \
+            [{"code": f"{KIND}_{status}", "steps": [r["step"] for r in bad]}]
+        return policy.evidence(status, reasons[:32], ranks=sorted({k for r in bad for k in r["ranks"]}),
+                               steps=[r["step"] for r in bad][:32], **detail)
+    clean = {r["step"] for r in rows if r["status"] == policy.PASS}
+    window = list(range(step - cycle + 1, step + 1))
+    covered = sum(s in clean for s in window)
+    if covered == cycle:
+        return policy.evidence(policy.PASS, [], steps=[window[0], window[-1]], **detail)
+    return policy.evidence(policy.MISSING, [{"code": "shard_replay_coverage_incomplete", "covered_steps": covered,
+                                             "needed_steps": cycle}], **detail)
+
+
+__all__ = ["KIND", "SUPPORTED", "UnsupportedOptimizer", "check_supported", "Unit", "plan_units", "permutation",
+           "positions", "verifiers", "decide", "digest", "recompute", "ShardUpdateReplay", "shard_replay_evidence"]
