@@ -297,16 +297,23 @@ class ShardUpdateReplay:
 
     # -- collective --
 
-    def _recompute(self, pre: dict, device) -> list[str]:
-        out = []
+    def _recompute(self, pre: dict, device, live: list[list[torch.Tensor]] | None = None
+                   ) -> tuple[list[str], dict[int, str]]:
+        """Digests of the recomputed units; with `live` (the owner's own after-tensors), also where the first
+        differing element of each differing unit is ({unit index: "param[flat index]:tensor"})."""
+        out, where = [], {}
         cls = type(self.optimizer)
-        for i in range(len(pre["units"])):
+        for i, u in enumerate(pre["units"]):
             if pre["grads"][i] is None:
-                out.append(digest([pre["params"][i]]))
-                continue
-            out.append(digest(recompute(cls, pre["hyper"][i], pre["params"][i], pre["grads"][i], pre["state"][i],
-                                        device)))
-        return out
+                res = [pre["params"][i]]
+            else:
+                res = recompute(cls, pre["hyper"][i], pre["params"][i], pre["grads"][i], pre["state"][i], device)
+            out.append(digest(res))
+            if live is not None and out[-1] != pre["live"][i]:
+                st = self.optimizer.state.get(self._params[u.param][1], {})
+                labels = ["param"] + sorted(k for k, v in st.items() if isinstance(v, torch.Tensor))
+                where[i] = _first_difference(u, live[i], res, labels)
+        return out, where
 
     def on_step(self, step: int) -> dict:
         """Collective, after optimizer step `step` on every rank: cross-check that step's capture, arm the next.
@@ -320,32 +327,56 @@ class ShardUpdateReplay:
         dist.all_gather_object(caps, mine, group=self.group)
         device = next((_local(p).device for _, p in self._params.values()), torch.device("cpu"))
         computed: dict[int, list[str] | None] = {}
-        errors: dict[int, str] = {}
+        where: dict[int, str] = {}
         for owner in [self.rank] + [o for o in range(self.world) if self.rank in verifiers(o, step, self.world,
                                                                                            self.peers)]:
             if caps[owner] is None:
                 continue
             try:
-                computed[owner] = self._recompute(caps[owner], device)
+                computed[owner], w = self._recompute(caps[owner], device, cap.after if owner == self.rank else None)
+                where.update(w)
             except Exception as e:  # noqa: BLE001 -- every rank must still reach the next gather
                 computed[owner] = None
-                errors[owner] = repr(e)
                 warnings.warn(f"shard replay of rank {owner}'s update at step {step} failed on rank {self.rank}: {e!r}")
         every: list = [None] * self.world
-        dist.all_gather_object(every, computed, group=self.group)
+        dist.all_gather_object(every, (computed, where), group=self.group)
         owners: dict[int, str] = {}
         reasons: list[dict] = []
         for owner in range(self.world):
             live = caps[owner]["live"] if caps[owner] is not None else None
-            got = {v: every[v][owner] for v in range(self.world) if owner in every[v]}
+            got = {v: every[v][0][owner] for v in range(self.world) if owner in every[v][0]}
             st, why = decide(owner, live, got)
             owners[owner] = st
-            reasons += [dict(r, step=step) for r in why]
+            for r in why:
+                if "units" in r:  # name them: parameter, flat range of the local shard, first differing element
+                    units = caps[owner]["units"]
+                    r["where"] = [every[owner][1].get(i) or f"{units[i].param}[{units[i].offset}:"
+                                  f"{units[i].offset + units[i].length}]" for i in r.pop("units")]
+                reasons.append(dict(r, step=step))
         status = _worst(owners.values())
         ranks = sorted({r for x in reasons if x["code"].endswith("_mismatch") for r in x["ranks"]})
         return {"step": step, "status": status, "ranks": ranks, "reasons": reasons,
                 "owners": {str(o): s for o, s in owners.items()},
                 "units": {str(o): len(caps[o]["units"]) if caps[o] else 0 for o in range(self.world)}}
+
+
+def _first_difference(u: Unit, live: list[torch.Tensor], res: list[torch.Tensor], labels: list[str]) -> str:
+    """Where the owner's live result and its recomputation first differ, e.g. "blocks.0.fc1.weight[517]:param"."""
+    for j, (a, b) in enumerate(zip(live, res)):
+        a, b = a.detach().cpu().reshape(-1), b.detach().cpu().reshape(-1)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"{u.param}[{u.offset}:{u.offset + u.length}]:{_label(labels, j)}(shape)"
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        diff = (a.view(bits) != b.view(bits)).nonzero()
+        if diff.numel():
+            k = int(diff[0])
+            return f"{u.param}[{u.offset + k}]:{_label(labels, j)}" if a.numel() == u.length \
+                else f"{u.param}:{_label(labels, j)}"
+    return f"{u.param}[{u.offset}:{u.offset + u.length}]:count"
+
+
+def _label(labels: list[str], j: int) -> str:
+    return labels[j] if j < len(labels) else f"result{j}"
 
 
 def _worst(statuses) -> str:
