@@ -150,7 +150,7 @@ def w_bench(rank, world, steps, *, d, n_blocks, vocab, seq, bsz, chunk, per_step
         if mode.startswith("on"):
             replay = ShardUpdateReplay(optimizer, model, chunk=chunk, per_step=per_step, timeout_s=300)
             guard = AtRestGuard(optimizer, model, timeout_s=300)
-        times, on_step, checks, signs = [], [], [], []
+        times, on_step, checks, signs, phases = [], [], [], [], []
         for step in range(1, steps + warmup + 1):
             tokens = batch(step, rank, vocab, seq, bsz)
             dist.barrier()
@@ -163,6 +163,8 @@ def w_bench(rank, world, steps, *, d, n_blocks, vocab, seq, bsz, chunk, per_step
             if step > warmup:
                 times.append(t2 - t0)
                 on_step.append(t2 - t1)
+                if replay is not None:
+                    phases.append(dict(replay.timings))
             if guard is not None and step % save_every == 0:
                 t3 = time.perf_counter()
                 guard.check(step)
@@ -174,7 +176,7 @@ def w_bench(rank, world, steps, *, d, n_blocks, vocab, seq, bsz, chunk, per_step
             signs.append((time.perf_counter() - t4) / 5)
             replay.close()
             guard.close()
-        results[mode] = {"step_s": times, "on_step_s": on_step, "check_s": checks, "sign_s": signs,
+        results[mode] = {"step_s": times, "on_step_s": on_step, "check_s": checks, "sign_s": signs, "phases": phases,
                          "cycle": replay.cycle if replay else None,
                          "shard_elems": sum(p.to_local().numel() for p in model.parameters())}
     return results

@@ -43,6 +43,7 @@ from __future__ import annotations
 import datetime
 import math
 import random
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -168,27 +169,39 @@ def _result(param: torch.Tensor, state: dict) -> list[torch.Tensor]:
     return [param] + [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
 
 
-def recompute(cls, hyper: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, device=None
-              ) -> list[torch.Tensor]:
-    """One unit's update, recomputed by a fresh `cls` on the single-tensor path: [param] + state (sorted keys)."""
+def recompute_group(cls, hyper: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
+                    device=None) -> list[list[torch.Tensor]]:
+    """Units of one param group, recomputed by one fresh `cls` on the single-tensor path (it loops over its
+    parameters, so each unit sees exactly the arithmetic it would alone): per unit [param] + state (sorted keys)."""
     mv = (lambda v: v.to(device)) if device is not None else (lambda v: v)  # noqa: E731
-    p = torch.nn.Parameter(mv(param).clone())
-    p.grad = mv(grad).clone()
-    group = dict(hyper, params=[p])
+    ps = []
+    for param, grad in zip(params, grads):
+        p = torch.nn.Parameter(mv(param).clone())
+        p.grad = mv(grad).clone()
+        ps.append(p)
+    group = dict(hyper, params=ps)
     for k in ("foreach", "fused"):
         if k in group:
             group[k] = False
     opt = cls([group])
-    if state:
-        opt.state[p] = {k: (mv(v).clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    for p, state in zip(ps, states):
+        if state:
+            opt.state[p] = {k: (mv(v).clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
     opt.step()
-    return _result(p.detach(), opt.state[p])
+    return [_result(p.detach(), opt.state[p]) for p in ps]
+
+
+def recompute(cls, hyper: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, device=None
+              ) -> list[torch.Tensor]:
+    """One unit's update, recomputed by a fresh `cls` on the single-tensor path: [param] + state (sorted keys)."""
+    return recompute_group(cls, hyper, [param], [grad], [state], device)[0]
 
 
 @dataclass
 class _Capture:
     step: int
     units: list[Unit]
+    groups: list[int]
     hyper: list[dict]
     params: list[torch.Tensor]
     grads: list[torch.Tensor | None]
@@ -199,7 +212,7 @@ class _Capture:
     def pre(self) -> dict:
         """What travels to the verifiers: pre-step slices on the host, live digests (the tensors stay home)."""
         host = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
-        return {"step": self.step, "units": self.units, "hyper": self.hyper, "live": self.live,
+        return {"step": self.step, "units": self.units, "groups": self.groups, "hyper": self.hyper, "live": self.live,
                 "params": [host(p) for p in self.params], "grads": [host(g) for g in self.grads],
                 "state": [{k: host(v) for k, v in st.items()} for st in self.state]}
 
@@ -247,6 +260,7 @@ class ShardUpdateReplay:
         self.start = start_step
         self._next = start_step + 1
         self._cap: _Capture | None = None
+        self.timings: dict[str, float] = {}   # the last on_step's phases (for the bench)
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def close(self) -> None:
@@ -262,10 +276,11 @@ class ShardUpdateReplay:
 
     def _pre(self, opt, args, kwargs) -> None:
         units = [self.units[self.order[i]] for i in positions(self._next, self.start, self.per_step, len(self.units))]
-        cap = _Capture(self._next, units, [], [], [], [])
+        cap = _Capture(self._next, units, [], [], [], [], [])
         for u in units:
             gi, p = self._params[u.param]
             sl = slice(u.offset, u.offset + u.length)
+            cap.groups.append(gi)
             cap.hyper.append({k: v for k, v in opt.param_groups[gi].items() if k != "params"})
             cap.params.append(_local(p).detach().reshape(-1)[sl].clone())
             cap.grads.append(None if p.grad is None else _local(p.grad).detach().reshape(-1)[sl].clone())
@@ -301,13 +316,21 @@ class ShardUpdateReplay:
                    ) -> tuple[list[str], dict[int, str]]:
         """Digests of the recomputed units; with `live` (the owner's own after-tensors), also where the first
         differing element of each differing unit is ({unit index: "param[flat index]:tensor"})."""
-        out, where = [], {}
         cls = type(self.optimizer)
-        for i, u in enumerate(pre["units"]):
-            if pre["grads"][i] is None:
-                res = [pre["params"][i]]
+        results: dict[int, list[torch.Tensor]] = {}
+        by_group: dict[int, list[int]] = {}
+        for i in range(len(pre["units"])):
+            if pre["grads"][i] is None:  # not updated: the parameter must be unchanged
+                results[i] = [pre["params"][i]]
             else:
-                res = recompute(cls, pre["hyper"][i], pre["params"][i], pre["grads"][i], pre["state"][i], device)
+                by_group.setdefault(pre["groups"][i], []).append(i)
+        for idx in by_group.values():
+            outs = recompute_group(cls, pre["hyper"][idx[0]], [pre["params"][i] for i in idx],
+                                   [pre["grads"][i] for i in idx], [pre["state"][i] for i in idx], device)
+            results.update(zip(idx, outs))
+        out, where = [], {}
+        for i, u in enumerate(pre["units"]):
+            res = results[i]
             out.append(digest(res))
             if live is not None and out[-1] != pre["live"][i]:
                 st = self.optimizer.state.get(self._params[u.param][1], {})
@@ -320,11 +343,13 @@ class ShardUpdateReplay:
 
         Returns {"step", "status", "ranks" (attributed), "reasons", "owners": {rank: status}, "units": {rank: n}},
         identical on every rank."""
+        t0 = time.perf_counter()
         cap, self._cap = self._cap, None
         self._next = step + 1
         mine = cap.pre() if cap is not None and cap.step == step and len(cap.live) == len(cap.units) else None
         caps: list = [None] * self.world
         dist.all_gather_object(caps, mine, group=self.group)
+        t1 = time.perf_counter()
         device = next((_local(p).device for _, p in self._params.values()), torch.device("cpu"))
         computed: dict[int, list[str] | None] = {}
         where: dict[int, str] = {}
@@ -338,8 +363,10 @@ class ShardUpdateReplay:
             except Exception as e:  # noqa: BLE001 -- every rank must still reach the next gather
                 computed[owner] = None
                 warnings.warn(f"shard replay of rank {owner}'s update at step {step} failed on rank {self.rank}: {e!r}")
+        t2 = time.perf_counter()
         every: list = [None] * self.world
         dist.all_gather_object(every, (computed, where), group=self.group)
+        self.timings = {"gather_captures_s": t1 - t0, "recompute_s": t2 - t1, "gather_digests_s": time.perf_counter() - t2}
         owners: dict[int, str] = {}
         reasons: list[dict] = []
         for owner in range(self.world):
