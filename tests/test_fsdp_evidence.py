@@ -17,6 +17,7 @@ from tests import workers_fsdp_evidence as w
 
 FAULT_PARAM, FAULT_INDEX = "blocks.1.fc1.weight", 517      # not element 0 of parameter 0
 FLIP_PARAM, FLIP_INDEX = "blocks.0.qkv.weight", 301
+HEALTHY_STEPS, FAULTY_STEPS = 6, 9            # with 16 units of 256 elements per step, a cycle is <= 5 steps
 
 
 # ---- pure parts ------------------------------------------------------------------------------------------------
@@ -118,33 +119,48 @@ def test_recompute_of_any_slice_matches_the_live_update_bitwise(cls, kw):
 
 # ---- real ranks ------------------------------------------------------------------------------------------------
 
+def _fault_plan(world):
+    """(rank whose update goes wrong, rank whose shard gets a bit flipped, first faulty step)."""
+    return world - 1, 0 if world == 2 else 2, 2
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
-def healthy(request):
+def runs(request):
+    """One start-up per world size: a healthy run (with the evidence on, and again with it off) and a faulty run."""
     world = request.param
-    return world, [o.result for o in run_ranks(w.w_train, world, 10, opt="adamw" if world == 4 else "sgd",
-                                               compare_off=True, timeout=600, pg_timeout_s=300)]
+    bad, flipper, since = _fault_plan(world)
+    scenarios = {
+        "healthy": {"steps": HEALTHY_STEPS, "opt": "adamw" if world == 4 else "sgd", "compare_off": True},
+        "faulty": {"steps": FAULTY_STEPS, "opt": "adam" if world == 2 else "adamw",
+                   "update_fault": (bad, since, FAULT_PARAM, FAULT_INDEX), "flip": (flipper, 6, FLIP_PARAM, FLIP_INDEX)},
+    }
+    out = run_ranks(w.w_scenarios, world, scenarios, timeout=600, pg_timeout_s=300)
+    return world, [o.result for o in out]
+
+
+@pytest.fixture
+def healthy(runs):
+    world, results = runs
+    return world, [r["healthy"] for r in results]
+
+
+@pytest.fixture
+def faulty(runs):
+    world, results = runs
+    return (world, *_fault_plan(world), [r["faulty"] for r in results])
 
 
 def test_healthy_fsdp_agrees_everywhere_and_trains_bitwise_as_without_evidence(healthy):
     world, results = healthy
     cycle = results[0]["cycle"]
-    assert cycle <= 10
+    assert cycle <= HEALTHY_STEPS
     for res in results:
         assert res["rows"] == results[0]["rows"]                           # same verdicts on every rank
-        assert [r["status"] for r in res["rows"]] == [policy.PASS] * 10
-        assert all(sum(int(v) for v in r["units"].values()) == 8 * world for r in res["rows"])
-        assert [a["status"] for a in res["at_rest"]] == [policy.PASS, policy.PASS]
+        assert [r["status"] for r in res["rows"]] == [policy.PASS] * HEALTHY_STEPS
+        assert all(sum(int(v) for v in r["units"].values()) == 16 * world for r in res["rows"])
+        assert [a["status"] for a in res["at_rest"]] == [policy.PASS] * (HEALTHY_STEPS // 3)
         assert res["digests"] == res["digests_off"]                        # evidence on == off, bit for bit
-    assert so.shard_replay_evidence(results[0]["rows"], 10, cycle)["status"] == policy.PASS
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
-def faulty(request):
-    world = request.param
-    bad, flipper, since = world - 1, 0 if world == 2 else 2, 2
-    out = run_ranks(w.w_train, world, 14, opt="adam" if world == 2 else "adamw", update_fault=(bad, since, FAULT_PARAM, FAULT_INDEX),
-                    flip=(flipper, 8, FLIP_PARAM, FLIP_INDEX), timeout=600, pg_timeout_s=300)
-    return world, bad, flipper, since, [o.result for o in out]
+    assert so.shard_replay_evidence(results[0]["rows"], HEALTHY_STEPS, cycle)["status"] == policy.PASS
 
 
 def test_a_wrong_update_on_one_rank_is_caught_and_attributed_within_one_cycle(faulty):
@@ -156,15 +172,16 @@ def test_a_wrong_update_on_one_rank_is_caught_and_attributed_within_one_cycle(fa
     why = failed[0]["reasons"][0]
     assert why["code"] == "shard_update_mismatch" and why["where"] == [f"{FAULT_PARAM}[{FAULT_INDEX}]:param"]
     assert len(why["recomputation_confirmed_by"]) == min(2, world - 1)
-    ev = so.shard_replay_evidence(rows, 12, cycle)
+    assert len(rows) == FAULTY_STEPS and all(r["status"] == policy.PASS for r in rows if r["step"] < since)
+    ev = so.shard_replay_evidence(rows, FAULTY_STEPS, cycle)
     assert ev["status"] == policy.FAIL and ev["ranks"] == [bad]
 
 
 def test_a_flipped_low_mantissa_bit_between_step_and_save_is_caught_at_rest(faulty):
     world, _, flipper, _, results = faulty
     for res in results:
-        at_rest = res["at_rest"]                                         # save points 4, 8, 12
+        at_rest = res["at_rest"]                                         # save points 3, 6, 9
         assert [a["status"] for a in at_rest] == [policy.PASS, policy.FAIL, policy.PASS]
         assert at_rest[1]["ranks"] == [flipper]
-        assert at_rest[1]["reasons"] == [{"code": "at_rest_changed", "ranks": [flipper], "step": 8,
+        assert at_rest[1]["reasons"] == [{"code": "at_rest_changed", "ranks": [flipper], "step": 6,
                                           "tensors": [FLIP_PARAM], "n_tensors": 1}]

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -95,8 +93,8 @@ def _local(model, name: str) -> torch.Tensor:
     return dict(model.named_parameters())[name].to_local()
 
 
-def w_train(rank, world, steps, *, evidence=True, opt="adamw", update_fault=None, flip=None, save_every=4,
-            chunk=256, per_step=8, compare_off=False):
+def w_train(rank, world, steps, *, evidence=True, opt="adamw", update_fault=None, flip=None, save_every=3,
+            chunk=256, per_step=16, compare_off=False):
     """Train `steps` steps with the evidence on; save points every `save_every` steps run the at-rest check.
 
     update_fault = (rank, from_step, param, index): from that step on, that rank's live update of one element of
@@ -123,13 +121,15 @@ def w_train(rank, world, steps, *, evidence=True, opt="adamw", update_fault=None
         current["step"] = step
         train_step(model, optimizer, batch(step, rank))
         if replay is not None:
-            rows.append(replay.on_step(step))
+            rows += replay.on_step(step)
         if flip and flip[0] == rank and flip[1] == step:
             with torch.no_grad():
                 t = _local(model, flip[2]).view(-1).view(torch.int32)
                 t[flip[3]] ^= 1
         if guard is not None and step % save_every == 0:
             at_rest.append(guard.check(step))
+    if replay is not None:
+        rows += replay.close()
     out = {"rows": rows, "at_rest": at_rest, "digests": state_digests(model, optimizer),
            "cycle": replay.cycle if replay else None, "units": replay.unit_counts if replay else None}
     if compare_off:
@@ -140,43 +140,6 @@ def w_train(rank, world, steps, *, evidence=True, opt="adamw", update_fault=None
     return out
 
 
-def w_bench(rank, world, steps, *, d, n_blocks, vocab, seq, bsz, chunk, per_step, save_every, warmup=3):
-    """Per-step wall times of training with and without the evidence (interleaved phases, same process), and
-    at-rest check times: the bench's raw numbers."""
-    results = {}
-    for mode in ("off", "on", "off2", "on2"):
-        model, optimizer = build(world, d=d, n_blocks=n_blocks, vocab=vocab)
-        replay = guard = None
-        if mode.startswith("on"):
-            replay = ShardUpdateReplay(optimizer, model, chunk=chunk, per_step=per_step, timeout_s=300)
-            guard = AtRestGuard(optimizer, model, timeout_s=300)
-        times, on_step, checks, signs, phases = [], [], [], [], []
-        for step in range(1, steps + warmup + 1):
-            tokens = batch(step, rank, vocab, seq, bsz)
-            dist.barrier()
-            t0 = time.perf_counter()
-            train_step(model, optimizer, tokens, vocab)
-            t1 = time.perf_counter()
-            if replay is not None:
-                replay.on_step(step)
-            t2 = time.perf_counter()
-            if step > warmup:
-                times.append(t2 - t0)
-                on_step.append(t2 - t1)
-                if replay is not None:
-                    phases.append(dict(replay.timings))
-            if guard is not None and step % save_every == 0:
-                t3 = time.perf_counter()
-                guard.check(step)
-                checks.append(time.perf_counter() - t3)
-        if guard is not None:
-            t4 = time.perf_counter()
-            for _ in range(5):
-                guard._post(optimizer, (), {})
-            signs.append((time.perf_counter() - t4) / 5)
-            replay.close()
-            guard.close()
-        results[mode] = {"step_s": times, "on_step_s": on_step, "check_s": checks, "sign_s": signs, "phases": phases,
-                         "cycle": replay.cycle if replay else None,
-                         "shard_elems": sum(p.to_local().numel() for p in model.parameters())}
-    return results
+def w_scenarios(rank, world, scenarios: dict):
+    """Several `w_train` runs in the same processes (one start-up instead of several): name -> result."""
+    return {name: w_train(rank, world, **kw) for name, kw in scenarios.items()}

@@ -45,6 +45,7 @@ import math
 import random
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -231,11 +232,13 @@ class ShardUpdateReplay:
 
     def __init__(self, optimizer: optim.Optimizer, model: torch.nn.Module | None = None, *, group=None,
                  chunk: int = 4096, per_step: int = 4, cycle: int | None = None, peers: int = 2, seed: int = 0,
-                 start_step: int = 0, timeout_s: float = 300.0):
+                 start_step: int = 0, background: bool = True, timeout_s: float = 300.0):
         """chunk: elements per unit; per_step: units each rank checks per step; cycle: if given, per_step is
         raised so that every unit is checked within `cycle` steps (cost per step grows as the model over cycle);
         peers: verifiers per owner besides itself (2 attributes persistent faults on 3+ ranks); seed: the
-        permutation's seed (same on all ranks); start_step: the step the schedule counts from."""
+        permutation's seed (same on all ranks); start_step: the step the schedule counts from; background: run
+        each step's exchange and recomputation on a worker thread (its own gloo group, so it never meets the
+        training collectives) while the next step trains."""
         check_supported(optimizer)
         if chunk < 1 or per_step < 1 or peers < 1:
             raise ValueError("chunk, per_step and peers must be >= 1")
@@ -260,16 +263,26 @@ class ShardUpdateReplay:
         self.start = start_step
         self._next = start_step + 1
         self._cap: _Capture | None = None
-        self.timings: dict[str, float] = {}   # the last on_step's phases (for the bench)
+        self.timings: dict[str, float] = {}   # the last exchange's phases (for the bench)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="scout-shard-replay") if background else None
+        self._job: Future | None = None
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
-    def close(self) -> None:
+    def close(self) -> list[dict]:
+        """Remove the hooks; finish the exchange in flight (collective) and return its row."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        rows = self.flush()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        return rows
 
     def begin(self, step: int) -> None:
-        """Resume at `step`: the next optimizer step is step + 1 (the coverage schedule is unchanged)."""
+        """Resume at `step` (collective: finishes the exchange in flight, whose row is dropped): the next optimizer
+        step is step + 1 (the coverage schedule is unchanged)."""
+        self.flush()
         self._next, self._cap = step + 1, None
 
     # -- hooks (inside optimizer.step, this rank only) --
@@ -338,15 +351,40 @@ class ShardUpdateReplay:
                 where[i] = _first_difference(u, live[i], res, labels)
         return out, where
 
-    def on_step(self, step: int) -> dict:
-        """Collective, after optimizer step `step` on every rank: cross-check that step's capture, arm the next.
-
-        Returns {"step", "status", "ranks" (attributed), "reasons", "owners": {rank: status}, "units": {rank: n}},
-        identical on every rank."""
-        t0 = time.perf_counter()
+    def on_step(self, step: int) -> list[dict]:
+        """Collective, after optimizer step `step` on every rank (same step number): cross-check that step's
+        capture, arm the next. Returns the rows finished so far, identical on every rank: with `background` the
+        exchange of step S runs on a worker thread while step S+1 trains and its row comes back from the next
+        `on_step` (or `flush`); otherwise at once. A row: {"step", "status", "ranks" (attributed), "reasons",
+        "owners": {rank: status}, "units": {rank: n}}."""
         cap, self._cap = self._cap, None
         self._next = step + 1
-        mine = cap.pre() if cap is not None and cap.step == step and len(cap.live) == len(cap.units) else None
+        if cap is not None and (cap.step != step or len(cap.live) != len(cap.units)):
+            cap = None
+        rows = self.flush()
+        if self._pool is None:
+            return rows + [self._exchange(step, cap)]
+        self._job = self._pool.submit(self._exchange, step, cap)
+        return rows
+
+    def flush(self) -> list[dict]:
+        """Wait for the exchange in flight (every rank: it is collective) and return its row. Call before a save's
+        evidence is computed, so that the save's own step is decided."""
+        job, self._job = self._job, None
+        return [job.result()] if job is not None else []
+
+    def _exchange(self, step: int, cap: _Capture | None) -> dict:
+        try:
+            return self._exchange_unguarded(step, cap)
+        except Exception as e:  # noqa: BLE001 -- a broken side channel must not stop training: fail closed instead
+            warnings.warn(f"shard replay exchange at step {step} failed on rank {self.rank}: {e!r}")
+            return {"step": step, "status": policy.INCONCLUSIVE, "ranks": [], "owners": {}, "units": {},
+                    "reasons": [{"code": "shard_replay_error", "ranks": [self.rank], "step": step,
+                                 "detail": repr(e)[:200]}]}
+
+    def _exchange_unguarded(self, step: int, cap: _Capture | None) -> dict:
+        t0 = time.perf_counter()
+        mine = cap.pre() if cap is not None else None
         caps: list = [None] * self.world
         dist.all_gather_object(caps, mine, group=self.group)
         t1 = time.perf_counter()
