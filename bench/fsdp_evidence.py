@@ -7,6 +7,8 @@ alternate between them, so a burst of load from other processes hits both alike.
 slowest rank's mean step time (a collective step is done when its last rank is); medians over windows.
 
   ratios.per_step        (step time with the evidence - without) / without
+  ratios.per_step_cpu    the same in CPU seconds of the rank's process (all its threads): on a machine with more
+                         busy processes than cores, wall-clock windows swing by +-30% and this is the steadier figure
   ratios.per_save        at-rest `check` time / training time between saves (`--save-every` steps)
   ratios.check_vs_dcp    at-rest `check` time / a `dcp.save` of the same FSDP state into a temp dir
   (context) on_step_main_vs_step: on_step's time on the training thread; exchange_vs_step: the background
@@ -26,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emit, load_note, log, parser  # noqa: E402
+from bench._common import emit, load_note, log, parser
 
 TARGET = 0.02
 
@@ -58,8 +60,8 @@ def _worker(rank, world, root, cfg):
 
     arms = {"off": build(), "on": build()}
     m_on, o_on = arms["on"]
-    replay = ShardUpdateReplay(o_on, m_on)
-    guard = AtRestGuard(o_on, m_on)
+    replay = ShardUpdateReplay(o_on, m_on, per_step=cfg["per_step"], chunk=cfg["chunk"])
+    guard = AtRestGuard(o_on, m_on, every=cfg["at_rest_every"])
     gen = torch.Generator().manual_seed(1000 + rank)
     steps = {"off": 0, "on": 0}
 
@@ -88,12 +90,13 @@ def _worker(rank, world, root, cfg):
     for arm in ("off", "on", "off", "on"):  # warm-up: optimizer state, allocator, imports
         train_step(arm)
     windows = {"off": [], "on": []}
+    cpu = {"off": [], "on": []}   # this process's CPU seconds per step (all threads): robust to a busy machine
     exchange_s, phases = [], []
     main_thread.clear()
     for i in range(cfg["windows"]):
         for arm in (("off", "on") if i % 2 == 0 else ("on", "off")):
             dist.barrier(group=pg)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(cfg["window"]):
                 train_step(arm)
                 if arm == "on" and replay.timings:
@@ -102,6 +105,7 @@ def _worker(rank, world, root, cfg):
             if arm == "on":  # the last exchange of the window is charged to it
                 for row in replay.flush():
                     assert row["status"] == "pass", row
+            cpu[arm].append(slowest((time.process_time() - c0) / cfg["window"]))
             windows[arm].append(slowest((time.perf_counter() - t0) / cfg["window"]))
     checks, saves, signs = [], [], []
     model, opt = m_on, o_on
@@ -121,7 +125,7 @@ def _worker(rank, world, root, cfg):
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/save-{i}", process_group=pg)
         saves.append(slowest(time.perf_counter() - t0))
     shard = sum(p.to_local().numel() for p in model.parameters())
-    return {"windows": windows, "exchange_s": exchange_s, "on_step_main_s": main_thread, "phases": phases, "check_s": checks, "dcp_save_s": saves,
+    return {"windows": windows, "cpu": cpu, "exchange_s": exchange_s, "on_step_main_s": main_thread, "phases": phases, "check_s": checks, "dcp_save_s": saves,
             "sign_s": signs, "cycle": replay.cycle, "units": replay.unit_counts, "per_step_units": replay.per_step,
             "shard_elems": shard, "params_total": sum(p.numel() for p in model.parameters())}
 
@@ -138,11 +142,15 @@ def main() -> None:
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--per-step", type=int, default=4, help="ShardUpdateReplay units per step (default 4)")
+    p.add_argument("--chunk", type=int, default=4096, help="ShardUpdateReplay elements per unit (default 4096)")
+    p.add_argument("--at-rest-every", type=int, default=1, help="AtRestGuard signs after every k-th step")
     args = p.parse_args()
     from scout_ckpt.launch import run_ranks
 
     cfg = {"d_model": args.d_model, "blocks": args.blocks, "vocab": args.vocab, "seq": args.seq,
-           "batch": args.batch, "windows": args.windows, "window": args.window, "saves": args.saves}
+           "batch": args.batch, "windows": args.windows, "window": args.window, "saves": args.saves,
+           "per_step": args.per_step, "chunk": args.chunk, "at_rest_every": args.at_rest_every}
     log(f"fsdp_evidence: {args.ranks} ranks, {cfg}")
     with tempfile.TemporaryDirectory() as root:
         out = run_ranks(_worker, args.ranks, root, cfg, timeout=1800, pg_timeout_s=600)
@@ -152,7 +160,8 @@ def main() -> None:
     sign = statistics.median(r["sign_s"])
     exchange = statistics.median(r["exchange_s"])
     on_step = statistics.median(r["on_step_main_s"])
-    ratios = {"per_step": (on - off) / off, "per_save": check / (args.save_every * off),
+    cpu_off, cpu_on = statistics.median(r["cpu"]["off"]), statistics.median(r["cpu"]["on"])
+    ratios = {"per_step": (on - off) / off, "per_step_cpu": (cpu_on - cpu_off) / cpu_off, "per_save": check / (args.save_every * off),
               "check_vs_dcp": check / dcp_s, "on_step_main_vs_step": on_step / off,
               "exchange_vs_step": exchange / off, "sign_vs_step": sign / off}
     phases = {k: statistics.median(ph[k] for ph in r["phases"]) for k in r["phases"][0]}
@@ -161,7 +170,7 @@ def main() -> None:
               "median_s": {"step_off": off, "step_on": on, "on_step_main_thread": on_step,
                            "exchange_background": exchange, "at_rest_check": check,
                            "at_rest_sign": sign, "dcp_save": dcp_s, **{f"exchange.{k}": v for k, v in phases.items()}},
-              "windows_s": r["windows"], "cycle_steps": r["cycle"], "units_per_rank": r["units"],
+              "windows_s": r["windows"], "cpu_s_per_step": r["cpu"], "cycle_steps": r["cycle"], "units_per_rank": r["units"],
               "units_per_step": r["per_step_units"], "shard_elems_rank0": r["shard_elems"],
               "params_total": r["params_total"], "ranks": args.ranks, "config": cfg, "save_every": args.save_every,
               "load": load_note()}

@@ -28,7 +28,7 @@ def test_any_cycle_of_consecutive_steps_covers_every_unit():
         ("a", 0, 4096), ("a", 4096, 4096), ("a", 8192, 1808), ("b", 0, 1), ("d", 0, 4096), ("d", 4096, 4096)]
     n, per_step = len(units), 4
     cycle = -(-n // per_step)
-    for start in range(0, 7):
+    for start in range(7):
         seen = {p for s in range(start, start + cycle) for p in so.positions(s, 0, per_step, n)}
         assert seen == set(range(n))
     assert so.permutation(n, 0, 1) == so.permutation(n, 0, 1) != so.permutation(n, 0, 2) or n < 3
@@ -178,7 +178,7 @@ def test_a_wrong_update_on_one_rank_is_caught_and_attributed_within_one_cycle(fa
 
 
 def test_a_flipped_low_mantissa_bit_between_step_and_save_is_caught_at_rest(faulty):
-    world, _, flipper, _, results = faulty
+    _, _, flipper, _, results = faulty
     for res in results:
         at_rest = res["at_rest"]                                         # save points 3, 6, 9
         assert [a["status"] for a in at_rest] == [policy.PASS, policy.FAIL, policy.PASS]

@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from scout_ckpt.at_rest import AtRestGuard
 from scout_ckpt.replay.shard_optimizer import ShardUpdateReplay, digest

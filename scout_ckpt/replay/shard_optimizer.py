@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import random
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,9 +53,19 @@ import xxhash
 from torch import optim
 
 from scout_ckpt import policy
+from scout_ckpt.replay.shard_plan import (
+    KIND,
+    Unit,
+    decide,
+    permutation,
+    plan_units,
+    positions,
+    shard_replay_evidence,
+    verifiers,
+    worst,
+)
 
 SUPPORTED = (optim.Adam, optim.AdamW, optim.SGD)
-KIND = "shard_replay"
 
 
 class UnsupportedOptimizer(ValueError):
@@ -81,81 +90,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-# ---- pure planning -------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Unit:
-    param: str      # parameter name (model name or "group.index")
-    offset: int     # into the flattened local shard
-    length: int
-
-
-def plan_units(numels: list[tuple[str, int]], chunk: int) -> list[Unit]:
-    """Cut each local shard (name, numel) into units of at most `chunk` elements; empty shards give none."""
-    return [Unit(name, o, min(chunk, n - o)) for name, n in numels for o in range(0, n, chunk)]
-
-
-def permutation(n: int, seed: int, rank: int) -> list[int]:
-    """The fixed order in which `rank` checks its units: any rank can recompute it."""
-    order = list(range(n))
-    random.Random(f"{seed}:{rank}").shuffle(order)
-    return order
-
-
-def positions(step: int, start: int, per_step: int, n: int) -> list[int]:
-    """Positions into the permutation checked at `step`: consecutive, wrapping, so `ceil(n / per_step)`
-    consecutive steps cover all n."""
-    if n == 0:
-        return []
-    first = ((step - start) * per_step) % n
-    return sorted({(first + j) % n for j in range(min(per_step, n))})
-
-
-def verifiers(owner: int, step: int, world: int, peers: int) -> list[int]:
-    """The ranks other than `owner` that recompute its slices at `step` (rotating with the step)."""
-    if world < 2:
-        return []
-    k = min(peers, world - 1)
-    return [(owner + 1 + (step + j) % (world - 1)) % world for j in range(k)]
-
-
-def decide(owner: int, live: list[str] | None, recomputed: dict[int, list[str] | None]) -> tuple[str, list[dict]]:
-    """Verdict on one owner's update at one step from digests (one per unit): (status, reasons).
-
-    live: the owner's digests of its live results; recomputed: rank -> its digests of its recomputation of the
-    owner's units (the owner's own entry is its self-check). None = that computation is missing (failed)."""
-    if live is None:
-        return policy.MISSING, [{"code": "shard_replay_missing", "ranks": [owner], "detail": "no live capture"}]
-    mine = recomputed.get(owner)
-    if mine is not None and mine != live:
-        units = [i for i, (a, b) in enumerate(zip(live, mine)) if a != b]
-        agree = sorted(v for v, d in recomputed.items() if v != owner and d == mine)
-        return policy.FAIL, [{"code": "shard_update_mismatch", "ranks": [owner], "units": units,
-                              "detail": "live update differs from the owner's recomputation",
-                              "recomputation_confirmed_by": agree}]
-    missing = sorted(v for v, d in recomputed.items() if d is None)
-    votes = {owner: live, **{v: d for v, d in recomputed.items() if v != owner and d is not None}}
-    reasons: list[dict] = []
-    status = policy.PASS
-    if missing:
-        status = policy.INCONCLUSIVE
-        reasons.append({"code": "shard_replay_failed", "ranks": missing, "owner": owner})
-    if len({tuple(d) for d in votes.values()}) <= 1:
-        return status, reasons
-    counts: dict[tuple, list[int]] = {}
-    for v, d in votes.items():
-        counts.setdefault(tuple(d), []).append(v)
-    best = max(counts.values(), key=len)
-    if len(best) * 2 <= len(votes):
-        return policy.INCONCLUSIVE, reasons + [{"code": "shard_replay_inconclusive", "ranks": sorted(votes),
-                                                "owner": owner, "split": sorted(sorted(c) for c in counts.values())}]
-    for v in sorted(votes):
-        if v not in best:
-            code = "shard_update_mismatch" if v == owner else "shard_recompute_mismatch"
-            reasons.append({"code": code, "ranks": [v], "owner": owner, "majority": sorted(best)})
-    return policy.FAIL, reasons
-
-
 # ---- recomputation -------------------------------------------------------------------------------------------
 
 def digest(tensors: list[torch.Tensor]) -> str:
@@ -174,7 +108,7 @@ def recompute_group(cls, hyper: dict, params: list[torch.Tensor], grads: list[to
                     device=None) -> list[list[torch.Tensor]]:
     """Units of one param group, recomputed by one fresh `cls` on the single-tensor path (it loops over its
     parameters, so each unit sees exactly the arithmetic it would alone): per unit [param] + state (sorted keys)."""
-    mv = (lambda v: v.to(device)) if device is not None else (lambda v: v)  # noqa: E731
+    mv = (lambda v: v.to(device)) if device is not None else (lambda v: v)
     ps = []
     for param, grad in zip(params, grads):
         p = torch.nn.Parameter(mv(param).clone())
@@ -212,7 +146,7 @@ class _Capture:
 
     def pre(self) -> dict:
         """What travels to the verifiers: pre-step slices on the host, live digests (the tensors stay home)."""
-        host = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
+        host = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v
         return {"step": self.step, "units": self.units, "groups": self.groups, "hyper": self.hyper, "live": self.live,
                 "params": [host(p) for p in self.params], "grads": [host(g) for g in self.grads],
                 "state": [{k: host(v) for k, v in st.items()} for st in self.state]}
@@ -313,7 +247,7 @@ class ShardUpdateReplay:
         if cap is None or cap.after:
             return
         for u, g in zip(cap.units, cap.grads):
-            gi, p = self._params[u.param]
+            _, p = self._params[u.param]
             sl = slice(u.offset, u.offset + u.length)
             after = [_local(p).detach().reshape(-1)[sl].clone()]
             if g is not None:  # the optimizer skips a parameter without a gradient: no state to compare
@@ -418,7 +352,7 @@ class ShardUpdateReplay:
                     r["where"] = [every[owner][1].get(i) or f"{units[i].param}[{units[i].offset}:"
                                   f"{units[i].offset + units[i].length}]" for i in r.pop("units")]
                 reasons.append(dict(r, step=step))
-        status = _worst(owners.values())
+        status = worst(owners.values())
         ranks = sorted({r for x in reasons if x["code"].endswith("_mismatch") for r in x["ranks"]})
         return {"step": step, "status": status, "ranks": ranks, "reasons": reasons,
                 "owners": {str(o): s for o, s in owners.items()},
@@ -444,37 +378,19 @@ def _label(labels: list[str], j: int) -> str:
     return labels[j] if j < len(labels) else f"result{j}"
 
 
-def _worst(statuses) -> str:
-    order = [policy.FAIL, policy.INCONCLUSIVE, policy.MISSING, policy.PASS]
-    statuses = list(statuses)
-    return next((s for s in order if s in statuses), policy.PASS)
-
-
-# ---- evidence from rows ----------------------------------------------------------------------------------------
-
-def shard_replay_evidence(rows: list[dict], step: int, cycle: int) -> dict:
-    """Evidence (policy format) for the state saved at `step`, from this incarnation's rows (since `begin`).
-
-    fail / inconclusive: any such row so far (a wrong update persists in the shard, so every later state carries
-    it; a fault found after `step` is also charged to `step` when it may have begun before it, i.e. within one
-    cycle). pass: the `cycle` steps ending at `step` all have passing rows, so every unit of every rank was
-    recomputed clean in that window. Otherwise missing (coverage incomplete: too few steps since start/resume)."""
-    bad = [r for r in rows if r["status"] in (policy.FAIL, policy.INCONCLUSIVE) and r["step"] - cycle < step]
-    detail = {"cycle": cycle}
-    if bad:
-        status = policy.FAIL if any(r["status"] == policy.FAIL for r in bad) else policy.INCONCLUSIVE
-        reasons = [x for r in bad for x in r["reasons"] if x["code"] != "shard_replay_missing"] or \
-            [{"code": f"{KIND}_{status}", "steps": [r["step"] for r in bad]}]
-        return policy.evidence(status, reasons[:32], ranks=sorted({k for r in bad for k in r["ranks"]}),
-                               steps=[r["step"] for r in bad][:32], **detail)
-    clean = {r["step"] for r in rows if r["status"] == policy.PASS}
-    window = list(range(step - cycle + 1, step + 1))
-    covered = sum(s in clean for s in window)
-    if covered == cycle:
-        return policy.evidence(policy.PASS, [], steps=[window[0], window[-1]], **detail)
-    return policy.evidence(policy.MISSING, [{"code": "shard_replay_coverage_incomplete", "covered_steps": covered,
-                                             "needed_steps": cycle}], **detail)
-
-
-__all__ = ["KIND", "SUPPORTED", "UnsupportedOptimizer", "check_supported", "Unit", "plan_units", "permutation",
-           "positions", "verifiers", "decide", "digest", "recompute", "ShardUpdateReplay", "shard_replay_evidence"]
+__all__ = [
+    "KIND",
+    "SUPPORTED",
+    "ShardUpdateReplay",
+    "Unit",
+    "UnsupportedOptimizer",
+    "check_supported",
+    "decide",
+    "digest",
+    "permutation",
+    "plan_units",
+    "positions",
+    "recompute",
+    "shard_replay_evidence",
+    "verifiers",
+]
