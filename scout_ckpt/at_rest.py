@@ -8,7 +8,7 @@ equal the one taken at save time. Cheap: one hashing pass over the local shards 
 
 Protocol: `AtRestGuard(optimizer, model)` registers an optimizer step post-hook that signs every local shard of
 every parameter and every optimizer state tensor (after every `every`-th step; set it to the save interval when
-saves fall on multiples of it). `check(step)` is collective (every rank, at save time, before the bytes are
+saves fall on multiples of it, or call `arm_next()` before the step a save follows). `check(step)` is collective (every rank, at save time, before the bytes are
 written): each rank re-signs, the verdicts are gathered on the guard's gloo side group, and every rank returns the
 same evidence. A changed tensor is a `fail` naming the rank and the tensor; a save whose preceding step was not
 signed (every > 1 off the cadence, or a save right after a resume) is `missing`.
@@ -51,6 +51,7 @@ class AtRestGuard:
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._steps = 0                                # optimizer steps seen
         self._signed: tuple[int, list[str], torch.Tensor] | None = None   # (steps, names, signatures)
+        self._armed = False
         self._handle = optimizer.register_step_post_hook(self._post)
 
     def close(self) -> None:
@@ -75,9 +76,14 @@ class AtRestGuard:
         names, tensors = self._tensors()
         return names, replica_signatures(tensors)
 
+    def arm_next(self) -> None:
+        """Sign after the next optimizer step whatever `every` says (a caller that knows a save follows it)."""
+        self._armed = True
+
     def _post(self, opt, args, kwargs) -> None:
         self._steps += 1
-        if self._steps % self.every == 0:
+        armed, self._armed = self._armed, False
+        if armed or self._steps % self.every == 0:
             self._signed = (self._steps, *self._sign())
         else:
             self._signed = None

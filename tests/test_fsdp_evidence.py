@@ -117,6 +117,39 @@ def test_recompute_of_any_slice_matches_the_live_update_bitwise(cls, kw):
             assert so.digest(out) == so.digest(live)
 
 
+def test_at_rest_guard_in_one_process_passes_flags_a_flipped_bit_and_needs_a_signed_step():
+    from scout_ckpt.at_rest import AtRestGuard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step():
+        model(torch.randn(4, 8)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    guard = AtRestGuard(opt, model)
+    step()
+    assert guard.check(1)["status"] == policy.PASS
+    with torch.no_grad():
+        model[1].weight.view(-1).view(torch.int32)[5] ^= 1                 # lowest mantissa bit
+    ev = guard.check(1)
+    assert ev["status"] == policy.FAIL and ev["reasons"][0]["tensors"] == ["1.weight"]
+    guard.resign()                                                           # adopt a legitimate write
+    assert guard.check(1)["status"] == policy.PASS
+    guard.close()
+    sparse = AtRestGuard(opt, model, every=2)
+    step()
+    assert sparse.check(2)["status"] == policy.MISSING                       # the step before the save was not signed
+    sparse.arm_next()
+    step()
+    assert sparse.check(3)["status"] == policy.PASS
+    with torch.no_grad():
+        opt.state[model[0].weight]["exp_avg"].view(-1).view(torch.int32)[3] ^= 2  # optimizer state is covered too
+    assert sparse.check(3)["reasons"][0]["tensors"] == ["0.weight:exp_avg"]
+
+
 # ---- real ranks ------------------------------------------------------------------------------------------------
 
 def _fault_plan(world):
