@@ -198,6 +198,7 @@ class ShardUpdateReplay:
         self._next = start_step + 1
         self._cap: _Capture | None = None
         self.timings: dict[str, float] = {}   # the last exchange's phases (for the bench)
+        self.cpu_s = {"hooks": 0.0, "exchange": 0.0}  # CPU seconds spent so far, by the hooks and the exchanges
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="scout-shard-replay") if background else None
         self._job: Future | None = None
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
@@ -222,6 +223,20 @@ class ShardUpdateReplay:
     # -- hooks (inside optimizer.step, this rank only) --
 
     def _pre(self, opt, args, kwargs) -> None:
+        c0 = time.thread_time()
+        try:
+            self._capture_pre(opt)
+        finally:
+            self.cpu_s["hooks"] += time.thread_time() - c0
+
+    def _post(self, opt, args, kwargs) -> None:
+        c0 = time.thread_time()
+        try:
+            self._capture_post(opt)
+        finally:
+            self.cpu_s["hooks"] += time.thread_time() - c0
+
+    def _capture_pre(self, opt) -> None:
         units = [self.units[self.order[i]] for i in positions(self._next, self.start, self.per_step, len(self.units))]
         cap = _Capture(self._next, units, [], [], [], [], [])
         for u in units:
@@ -242,7 +257,7 @@ class ShardUpdateReplay:
             cap.state.append(st)
         self._cap = cap
 
-    def _post(self, opt, args, kwargs) -> None:
+    def _capture_post(self, opt) -> None:
         cap = self._cap
         if cap is None or cap.after:
             return
@@ -308,6 +323,7 @@ class ShardUpdateReplay:
         return [job.result()] if job is not None else []
 
     def _exchange(self, step: int, cap: _Capture | None) -> dict:
+        c0 = time.thread_time()
         try:
             return self._exchange_unguarded(step, cap)
         except Exception as e:  # noqa: BLE001 -- a broken side channel must not stop training: fail closed instead
@@ -315,6 +331,8 @@ class ShardUpdateReplay:
             return {"step": step, "status": policy.INCONCLUSIVE, "ranks": [], "owners": {}, "units": {},
                     "reasons": [{"code": "shard_replay_error", "ranks": [self.rank], "step": step,
                                  "detail": repr(e)[:200]}]}
+        finally:
+            self.cpu_s["exchange"] += time.thread_time() - c0
 
     def _exchange_unguarded(self, step: int, cap: _Capture | None) -> dict:
         t0 = time.perf_counter()
