@@ -13,9 +13,12 @@ of it, wrapping around. So any `cycle` consecutive steps cover every unit of eve
 ceil(max units over ranks / per_step), agreed once at start-up).
 
 Who recomputes (per step s, owner r): the owner itself ("self") and `peers` other ranks, (r + 1 + (s + j) % (W -
-1)) % W for j < peers, so the verifiers rotate. Two all_gather_object calls on a side gloo group per step: the
-owners' pre-step slices with the digests (xxh3-128) of their live results, then every rank's digests of its
-recomputations. Every rank then holds the same data and `decide` gives the same verdicts everywhere.
+1)) % W for j < peers, so the verifiers rotate. Two all_gather_object calls on a side gloo group per step (by
+default on a worker thread, overlapped with the next step): the owners' pre-step slices (raw bytes) with the
+digests (xxh3-128) of their live results, then every rank's digests of its recomputations. Every rank then holds
+the same data and `decide` (shard_plan.py) gives the same verdicts everywhere. Each rank receives every rank's
+slices (W x per_step x chunk elements x ~5 tensors): fine to a few dozen ranks; beyond, send each capture only to
+its verifiers.
 
 Attribution (`decide`), per owner r:
   * the owner's live result differs from the owner's own recomputation: the live update on r was wrong (a fault
@@ -32,7 +35,9 @@ path), on the same dtype and device as the live shard. Live single-tensor and fo
 on any slice. A *fused* live update does not: fused AdamW differs from single-tensor AdamW in the last bit on most
 slices, and even fused-on-a-slice differs from fused-on-the-whole tensor at slice tails (vectorized body vs
 scalar tail). Fused optimizers are therefore refused at construction, as are optimizer classes other than
-Adam, AdamW and SGD (exact class: a subclass may override `step`).
+Adam, AdamW and SGD (exact class: a subclass may override `step`). Not yet verified on CUDA (no GPU here): a live
+CUDA foreach kernel against the single-tensor recomputation may differ by FMA contraction; run
+tests/test_fsdp_evidence.py's slice oracle on the device before trusting a CUDA run's mismatches.
 
 What it cannot see: a *transient* fault in a unit not sampled that step (a persistent one is caught within one
 cycle); faults in forward/backward (the module replay's job); a change after the step (`at_rest.AtRestGuard`).
