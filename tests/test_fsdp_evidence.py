@@ -76,6 +76,20 @@ def test_evidence_needs_a_clean_cycle_and_charges_faults_to_earlier_saves_within
     assert so.shard_replay_evidence(rows + [_row(s) for s in range(10, 20)], 16, cycle=4)["status"] == policy.FAIL
 
 
+def test_the_log_keeps_faults_and_only_the_clean_rows_a_save_can_still_need():
+    from scout_ckpt.replay.shard_plan import ShardReplayLog
+
+    log = ShardReplayLog(cycle=3)
+    assert log.add([_row(s) for s in range(1, 20)]) == []
+    assert min(r["step"] for r in log.rows) == 20 - 2 * 3 and log.evidence(19)["status"] == policy.PASS
+    assert log.add([_row(20, policy.FAIL, [1])])[0]["ranks"] == [1]
+    log.add([_row(s) for s in range(21, 40)])
+    assert [r["step"] for r in log.rows if r["status"] == policy.FAIL] == [20]
+    assert log.evidence(39)["status"] == policy.FAIL
+    log.reset()
+    assert log.evidence(39)["status"] == policy.MISSING
+
+
 def test_unknown_and_fused_optimizers_are_refused_with_the_reason():
     p = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(so.UnsupportedOptimizer, match="RMSprop"):

@@ -120,8 +120,33 @@ def shard_replay_evidence(rows: list[dict], step: int, cycle: int) -> dict:
                                              "needed_steps": cycle}], **detail)
 
 
+class ShardReplayLog:
+    """This incarnation's rows, as the checkpointer keeps them: every fault row, and the clean rows a save's
+    window can still need (the last 2 cycles), so memory stays bounded over a long run."""
+
+    def __init__(self, cycle: int):
+        self.cycle = cycle
+        self.rows: list[dict] = []
+
+    def add(self, rows: list[dict]) -> list[dict]:
+        """Keep `rows`; return those that found something (fail / inconclusive), to report as events."""
+        self.rows += rows
+        if self.rows:
+            latest = max(r["step"] for r in self.rows)
+            self.rows = [r for r in self.rows if r["status"] != policy.PASS or r["step"] > latest - 2 * self.cycle]
+        return [r for r in rows if r["status"] in (policy.FAIL, policy.INCONCLUSIVE)]
+
+    def evidence(self, step: int) -> dict:
+        return shard_replay_evidence(self.rows, step, self.cycle)
+
+    def reset(self) -> None:
+        """After a resume: the rows of the state before it no longer describe the shards."""
+        self.rows = []
+
+
 __all__ = [
     "KIND",
+    "ShardReplayLog",
     "Unit",
     "decide",
     "permutation",
