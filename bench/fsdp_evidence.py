@@ -18,7 +18,11 @@ slowest rank's mean step time (a collective step is done when its last rank is);
   exchange (two gathers + recomputation, overlapped with the next step); sign_vs_step: the post-step signing.
 
     python bench/fsdp_evidence.py [--json] [--ranks 2] [--d-model 256] [--blocks 4] [--seq 128] [--batch 8]
-                                  [--windows 6] [--window 5] [--save-every 50]
+                                  [--windows 6] [--window 5] [--save-every 50] [--per-step 4] [--chunk 4096]
+                                  [--at-rest-every 1]
+
+`--at-rest-every K` signs only after every K-th step (and `arm_next()` before the saves' steps): with K = the save
+interval, signing leaves the per-step cost and becomes one hash pass per save.
 """
 
 from __future__ import annotations
