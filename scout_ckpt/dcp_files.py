@@ -172,8 +172,7 @@ def _check_key(key) -> None:
     """Dictionary keys are hashed by the unpickler itself: only flat, hashable-by-value types are admitted."""
     if type(key) in (str, int):
         return
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
+    MetadataIndex = _build_types()[1]
     if type(key) is MetadataIndex and type(key.__dict__.get("fqn")) is str:
         return   # its offset and index were checked when it was built
     raise RefusedPickle(f"refusing a {type(key).__name__} dictionary key in .metadata")
@@ -275,12 +274,17 @@ def _name(obj) -> str:
     return clip(getattr(obj, "__qualname__", None) or type(obj).__name__, 80)
 
 
-def _build(inst, state) -> None:
-    """BUILD: set the fields of an allowed dataclass instance (and nothing else)."""
+@lru_cache(maxsize=1)
+def _build_types():
+    import torch
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties, _MEM_FORMAT_ENCODING
 
-    import torch
+    return torch, MetadataIndex, TensorProperties, _MEM_FORMAT_ENCODING
 
+
+def _build(inst, state) -> None:
+    """BUILD: set the fields of an allowed dataclass instance (and nothing else)."""
+    torch, MetadataIndex, TensorProperties, _MEM_FORMAT_ENCODING = _build_types()
     cls = type(inst)
     fields = _by_identity(_dataclasses(), cls)
     if fields is None:

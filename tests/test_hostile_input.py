@@ -110,7 +110,7 @@ def bytearray_bomb(n: int) -> bytes:
 
 
 MEMO_BOMB = b"\x80\x02Nr" + struct.pack("<I", 1 << 28) + b"."   # C unpickler: a 2**29-slot memo array
-NESTED_KEY = b"\x80\x02}" + b")" + b"\x85" * 1_000_000 + b"Ns."  # hashing the key overflows the C stack
+NESTED_KEY = b"\x80\x02}" + b")" + b"\x85" * 200_000 + b"Ns."  # pickle.loads: hashing the key segfaults
 STRING_BOMB = b"\x80\x04\x8d" + struct.pack("<Q", 1 << 40) + b"."   # BINUNICODE8 declaring 1 TiB
 FRAME_BOMB = b"\x80\x04\x95" + struct.pack("<Q", 1 << 40) + b"N."
 SIZE_CALL = b"\x80\x02ctorch\nSize\n\x8a\x05\x00\x00\x00\x00\x04\x85R."   # torch.Size(2**34)
@@ -185,8 +185,8 @@ def test_crafted_metadata_through_adopt_export_certify_ls_explain(hostile_root, 
     assert adopted[105]["state"] == "certified", adopted[105]   # Python 3.13's pathlib._local is accepted
 
     # export reads .metadata and tensors of a step whose bytes match the ledger: refused, nothing written
-    for step, what in ((101, "refusing to unpickle builtins.bytearray"), (102, "refusing to unpickle"),
-                       (103, "declares 4398046511104 bytes"), (104, "limit")):
+    for step, what in ((101, "refusing to unpickle builtins.bytearray"), (103, "declares 4398046511104 bytes"),
+                       (104, "limit")):
         before = ledger_bytes(root)
         out = tmp_path / f"w{step}.safetensors"
         res = run_measured("export", root, "--step", step, "--force", "--out", out)
@@ -195,7 +195,7 @@ def test_crafted_metadata_through_adopt_export_certify_ls_explain(hostile_root, 
         assert ledger_bytes(root) == before
 
     # offline certify re-runs the adopted run's invariants from the tensors: a refusal, nothing certified
-    for step in (101, 103):
+    for step in (102, 103):
         before = ledger_bytes(root)
         res = run_measured("certify", root, "--step", step)
         assert_refused(res, (1, 2))
@@ -236,7 +236,7 @@ print(json.dumps(out))
 
 def test_pickle_tricks_beyond_the_allowlist_are_refused_in_bounded_memory(tmp_path):
     """Payloads that a restricted find_class alone does not stop: the C unpickler's memo array, a key whose hash
-    recurses a million levels, length fields declaring a TiB, a torch.Size call with an int, opcodes DCP never
+    recurses 200,000 levels, length fields declaring a TiB, a torch.Size call with an int, opcodes DCP never
     writes (sets, extensions), code execution."""
     payloads = {"memo": MEMO_BOMB, "nested_key": NESTED_KEY, "string": STRING_BOMB, "frame": FRAME_BOMB,
                 "size_call": SIZE_CALL, "set": b"\x80\x04\x8f(K\x01\x90.", "ext": b"\x80\x02\x82\x01.",
