@@ -18,8 +18,10 @@ code, or allocates without bound (`bytearray(1 << 34)` is a 40-byte pickle). `lo
 Declared sizes are then checked against the bytes on disk before anything is allocated (`storage_problems`): each
 chunk's bytes fit in its storage entry, the entries of a file do not overlap and lie inside it, and a tensor's
 chunks cover it. So `read_tensors` allocates at most the bytes the files hold. Entries are DCP `torch.save` blobs;
-their inner pickle is scanned for globals first (torch's `weights_only` set admits `bytearray` and the legacy
+their inner pickle is dry-run first (torch's `weights_only` set admits `bytearray` and the legacy
 `torch.FloatTensor(n)` constructors, which allocate by argument), then opened with `weights_only=True`.
+`check_structure` (what `adopt` trusts a foreign folder on) dry-runs every entry: `dcp.load` itself opens
+non-tensor entries with `weights_only=False`.
 """
 
 from __future__ import annotations
@@ -518,8 +520,30 @@ def check_structure(step_dir: str | os.PathLike) -> dict:
         code = "bad_metadata" if (step_dir / DCP_METADATA).exists() else "missing_file"
         return evidence(FAIL, [{"code": code, "file": DCP_METADATA, "detail": str(e)}])
     reasons = storage_problems(step_dir, md)
+    if not reasons:
+        reasons = entry_problems(step_dir, md)
     files = {info.relative_path for info in md.storage_data.values()}
     return evidence(FAIL if reasons else PASS, reasons, files=len(files), entries=len(md.storage_data))
+
+
+def entry_problems(step_dir: str | os.PathLike, md) -> list[dict]:
+    """Every storage entry's inner pickle dry-run (see _EntryScan): `dcp.load` opens non-tensor entries with
+    `torch.load(weights_only=False)`, so a foreign checkpoint whose entries hold anything but tensors and plain
+    values would run code when a job resumes from it. Call after storage_problems found nothing."""
+    step_dir = Path(step_dir)
+    per_file: dict[str, list[tuple[int, int, str]]] = {}
+    for idx, info in md.storage_data.items():
+        per_file.setdefault(info.relative_path, []).append((info.offset, info.length, idx.fqn))
+    reasons: list[dict] = []
+    for rel, entries in sorted(per_file.items()):
+        with open(step_dir / rel, "rb") as f:
+            for off, length, fqn in sorted(entries):
+                try:
+                    _scan_entry(_Window(f, off, length), length)
+                except BadInput as e:
+                    reasons.append({"code": "bad_entry", "file": rel, "tensor": clip(fqn, 80), "detail": str(e)})
+                    return reasons   # one is enough to refuse the checkpoint
+    return reasons
 
 
 # ---- entries ----------------------------------------------------------------------------------------------------
@@ -561,11 +585,12 @@ _BLOB_CALLS = {("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedD
 
 
 class _Stand:
-    """A stand-in for a global or a built object during the dry run of an entry's pickle."""
-    __slots__ = ("what",)
+    """A stand-in for a global or a built object during the dry run of an entry's pickle (n: a storage's
+    element count)."""
+    __slots__ = ("what", "n")
 
-    def __init__(self, what: str):
-        self.what = what
+    def __init__(self, what: str, n: int = 0):
+        self.what, self.n = what, n
 
 
 class _EntryScan(pickle._Unpickler):
@@ -596,7 +621,7 @@ class _EntryScan(pickle._Unpickler):
         if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and type(pid[1]) is _Stand \
                 and pid[1].what == "storage_type" and type(pid[2]) is str and type(pid[3]) is str \
                 and type(pid[4]) is int:
-            return _Stand("storage")
+            return _Stand("storage", pid[4])
         raise RefusedPickle("refusing a persistent id in a DCP entry: not a storage")
 
     def load_reduce(self):
@@ -604,8 +629,11 @@ class _EntryScan(pickle._Unpickler):
         func = self.stack[-1]
         what = func.what if type(func) is _Stand else None
         ok = type(args) is tuple and (
+            # a view of its storage, no larger than it: a stride-0 view of a tiny storage can declare 2**40
+            # elements, which the checks downstream would then compute over
             (what == "torch._utils._rebuild_tensor_v2" and len(args) in (6, 7) and type(args[0]) is _Stand
-             and args[0].what == "storage" and type(args[1]) is int and _ints(args[2]) and _ints(args[3]))
+             and args[0].what == "storage" and type(args[1]) is int and _ints(args[2]) and _ints(args[3])
+             and all(x >= 0 for x in args[2]) and math.prod(args[2]) <= max(args[0].n, 0))
             or (what == "collections.OrderedDict" and args == ())
             or (what in ("_codecs.encode", "torch.device") and all(type(a) is str for a in args) and len(args) <= 2))
         if not ok:
