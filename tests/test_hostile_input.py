@@ -335,3 +335,45 @@ def test_a_symlink_out_of_the_step_dir_is_never_followed(ckpt_root, tmp_path):
     assert any(r.get("code") == "unsafe_file" and r.get("file") == victim.name for r in reasons), reasons
     res = run_measured("resume", ckpt_root, "--latest-clean", "--json")
     assert res.rc == 0 and json.loads(res.out)["step"] == 3, res
+
+
+def _entry_blob(data_pkl: bytes) -> bytes:
+    """A `torch.save`-shaped archive whose data.pkl is the given pickle."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", data_pkl)
+        z.writestr("archive/byteorder", "little")
+        z.writestr("archive/version", "3\n")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("payload", ["code", "bytearray"])
+def test_a_hostile_entry_is_not_adopted(ckpt_root, tmp_path, payload):
+    """`dcp.load` opens non-tensor entries with torch.load(weights_only=False): a foreign folder whose `lr` entry
+    runs code (or allocates 16 GiB through weights_only's bytearray) must be rejected at adoption, before any
+    job resumes from it; the payload never runs."""
+    marker = tmp_path / "pwned"
+    pkl = {"code": b"\x80\x02cposix\nsystem\nX" + struct.pack("<I", len(f"touch {marker}")) + f"touch {marker}".encode()
+                   + b"\x85R.",
+           "bytearray": bytearray_bomb(1 << 34)}[payload]
+    d = plain_copy(ckpt_root, 3, 300)
+    md = pickle.loads((d / ".metadata").read_bytes())
+    key = next(k for k in md.storage_data if k.fqn == "optim.param_groups.0.lr")
+    info = md.storage_data[key]
+    blob = _entry_blob(pkl)
+    target = d / info.relative_path
+    info.offset, info.length = target.stat().st_size, len(blob)
+    with open(target, "ab") as f:
+        f.write(blob)
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    res = run_measured("adopt", ckpt_root, "--json")
+    assert_refused(res, 1)
+    got = {a["step"]: a for a in json.loads(res.out)["adopted"]}[300]
+    assert got["state"] == "rejected" and got["reasons"][0]["code"] == "bad_entry", got
+    assert not marker.exists()
+    res = run_measured("resume", ckpt_root, "--latest-clean", "--json")
+    assert res.rc == 0 and json.loads(res.out)["step"] == 4, res
+    assert not marker.exists()
