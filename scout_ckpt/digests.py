@@ -7,23 +7,31 @@ core, 21 GB/s on two). Digest strings carry their algorithm: "xxh3_128:<hex>".
 from __future__ import annotations
 
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
 import xxhash
 
+from scout_ckpt.errors import BadInput
+
 ALGO = "xxh3_128"
 CHUNK = 8 << 20
 
 
 def file_digest(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
-    """(size, "xxh3_128:hex") of one file, read in 8 MiB chunks into one reused buffer."""
+    """(size, "xxh3_128:hex") of one file, read in 8 MiB chunks into one reused buffer. BadInput if it is not a
+    regular file (checked on the open descriptor: a FIFO would block for ever, /dev/zero never ends)."""
     h = xxhash.xxh3_128()
     size = 0
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BadInput(f"{path}: not a regular file; refusing to hash it")
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open(fd, "rb", buffering=0) as f:
         while True:
             n = f.readinto(buf)
             if not n:

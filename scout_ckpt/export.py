@@ -1,7 +1,9 @@
 """Export a certified checkpoint's model weights to safetensors, with provenance in the file's metadata.
 
 Order matters: the step must be certified (unless forced), every file's digest must match the ledger, and every
-file the DCP metadata points at must be among those verified; only then are tensors read. A sharded export
+file the DCP metadata points at must be among those verified; only then are tensors read, and `read_tensors`
+checks every declared size against the bytes on disk before it allocates (a hostile `.metadata` is refused with
+BadInput, never a MemoryError). A sharded export
 (`model-00001-of-0000N.safetensors` + `model.safetensors.index.json`) commits by writing the index last.
 """
 
@@ -101,7 +103,9 @@ def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLik
     finally:
         if own:
             ledger.close()
-    step_dir = root / (row["path"] or layout.step_dirname(step))
+    from scout_ckpt.verify import checkpoint_dir
+
+    step_dir = checkpoint_dir(root, row["path"] or layout.step_dirname(step))   # BadInput if it escapes ROOT
     if not step_dir.is_dir():
         raise NotClean(f"{step_dir}: checkpoint directory is missing")
     _verify(step_dir, files)
