@@ -86,7 +86,8 @@ class Checkpointer:
                  replay: dict | bool | None = None, observer: dict | bool | None = None,
                  invariants: list | None = None, consensus: bool = True, finite: bool = True,
                  consensus_exclude: tuple[str, ...] = (), verify_load: bool = True,
-                 fault_hook: FaultHook | None = None, timeout_s: float = 600.0):
+                 fault_hook: FaultHook | None = None, timeout_s: float = 600.0,
+                 shard_evidence: dict | bool | None = None):
         if not dist.is_initialized():
             raise ScoutError("Checkpointer needs an initialized default process group (init_process_group)")
         if keep is not None and keep < 1:
@@ -137,6 +138,8 @@ class Checkpointer:
                 self.replay.begin(0)
         self._replay_events_seen = 0
         self._inv_previous: dict | None = None
+        self.shard_replay = self.shard_log = self.at_rest = None
+        self._start_shard_evidence(shard_evidence, timeout_s)
         self.policy = self._policy()
         self._warn_if_never_certifies()
         self.topology = {k: topo[k] for k in ("mode", "world_size", "mesh_shape", "mesh_dim_names", "dim_roles",
@@ -185,11 +188,14 @@ class Checkpointer:
         if self.finite or self.checks:
             require.append("invariants")
         allow_na = []
+        if self.shard_replay is not None:
+            require += ["shard_replay", "at_rest"]
         if self.consensus:
             require.append("consensus")
             # Single-owner shards (pure FSDP) have no replica to compare with: only checks that pin a tensor's
-            # values down can vouch for them (invariants.VOUCHES); `finite` and `monotone` never do.
-            if any(c.vouches for c in self.checks):
+            # values down can vouch for them (invariants.VOUCHES; `finite` and `monotone` never do), or the
+            # cross-rank replay of every shard's update together with the at-rest check.
+            if any(c.vouches for c in self.checks) or (self.shard_replay is not None and self.mode.startswith("fsdp")):
                 allow_na.append("consensus")
         if self.replay is not None:
             require.append("replay")
@@ -198,6 +204,32 @@ class Checkpointer:
                 "invariants": [c.spec for c in self.checks] + finite,
                 "replay_targets": [list(t) for t in self.replay.targets()] if self.replay else []}
 
+    def _start_shard_evidence(self, cfg: dict | bool | None, timeout_s: float) -> None:
+        """Sharded state (FSDP2, HSDP): cross-rank replay of each shard's optimizer update and the at-rest check
+        (replay/shard_optimizer.py, at_rest.py). On by default where parameters are sharded; an optimizer it
+        cannot replay bit for bit (fused, or not Adam/AdamW/SGD) turns it off with a WARNING when defaulted and
+        is refused when asked for. Collective: creates its side groups now, in the same order on every rank."""
+        sharded = self.mode.startswith(("fsdp", "hsdp"))
+        if cfg is None:
+            cfg = sharded
+        if not cfg or self.model is None or self.optimizer is None:
+            return
+        from scout_ckpt.at_rest import AtRestGuard
+        from scout_ckpt.replay.shard_optimizer import ShardUpdateReplay, UnsupportedOptimizer, check_supported
+        from scout_ckpt.replay.shard_plan import ShardReplayLog
+
+        try:
+            check_supported(self.optimizer)
+        except UnsupportedOptimizer as e:
+            if isinstance(cfg, dict) or cfg is True and not sharded:
+                raise ScoutError(f"shard evidence: {e}") from None
+            scout_log.logger.warning("shard evidence is off: %s", e)
+            return
+        opts = dict(cfg) if isinstance(cfg, dict) else {}
+        self.shard_replay = ShardUpdateReplay(self.optimizer, self.model, timeout_s=timeout_s, **opts)
+        self.shard_log = ShardReplayLog(self.shard_replay.cycle)
+        self.at_rest = AtRestGuard(self.optimizer, self.model, group=self._pg)
+
     def _warn_if_never_certifies(self) -> None:
         """A run whose policy can never be met should say so at start-up, not after a week of `committed`."""
         single_owner = self.mode.startswith("fsdp")
@@ -205,9 +237,10 @@ class Checkpointer:
                 and "consensus" not in self.policy["allow_not_applicable"] and self.rank == COORDINATOR):
             scout_log.logger.warning(
                 "this configuration can never certify a checkpoint: the %s topology has single-owner shards, so "
-                "consensus is not applicable, and nothing else vouches for the shards. Enable replay "
-                "(replay=True) or configure an invariant that vouches (e.g. {'check': 'spectral_bound', ...}), "
-                "or pass consensus=False to accept bytes and finite checks alone", self.mode)
+                "consensus is not applicable, and nothing else vouches for the shards. Use a non-fused Adam, "
+                "AdamW or SGD so that shard evidence runs (shard_evidence=True, the default for FSDP), or "
+                "configure an invariant that vouches (e.g. {'check': 'spectral_bound', ...}), or pass "
+                "consensus=False to accept bytes and finite checks alone", self.mode)
 
     def _versions(self) -> dict:
         return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
@@ -239,6 +272,8 @@ class Checkpointer:
         self._raise_pending_error()
         if self.observer is not None:
             self.observer.step(step, duration_s=self.last_step_s)
+        if self.shard_replay is not None:
+            self._record_shard_faults(self.shard_log.add(self.shard_replay.on_step(step)))
         if self.replay is not None:
             rows = self.replay.on_step(step)
             events = self.replay.events()
@@ -248,6 +283,15 @@ class Checkpointer:
                 self._record_replays(rows, new_events)
                 self._settle_pending()
                 self._bookkeeping_s = time.monotonic() - t0
+
+    def _record_shard_faults(self, bad: list[dict]) -> None:
+        """Coordinator: a shard whose update did not recompute bit for bit is an `sdc` event naming the rank; the
+        save evidence (shard_log.evidence) rejects every checkpoint the fault's window reaches."""
+        if not (bad and self.is_coordinator):
+            return
+        for r in bad:
+            self.ledger.add_event("sdc", step=r.get("step"), ranks=r.get("ranks") or [], run_id=self.run_id,
+                                  detail={"source": "shard_replay", "reasons": (r.get("reasons") or [])[:8]})
 
     def _record_replays(self, rows: list[dict], events: list[dict]) -> None:
         self.ledger.add_replays([dict(r, run_id=self.run_id) for r in rows])
@@ -311,6 +355,8 @@ class Checkpointer:
         pending = self._committer.begin(step, attempt, self._pg)
         self._hook("before_write", step)
 
+        if self.shard_replay is not None:
+            self._record_shard_faults(self.shard_log.add(self.shard_replay.flush()))
         flat = _materialize(state)
         live = self._live_evidence(step, flat)
         writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
@@ -333,6 +379,9 @@ class Checkpointer:
             res = inv.run_local(self.checks, inv.flatten(flat), group=self._pg, previous=self._inv_previous)
             self._inv_previous = res.get("values") or self._inv_previous
             ev["invariants"] = res
+        if self.at_rest is not None:
+            ev["at_rest"] = self.at_rest.check(step)
+            ev["shard_replay"] = self.shard_log.evidence(step)
         if self.verify_load:
             ev["signatures"] = full_signatures(flat, group=self._pg, plain="replica")
         if self.replay is not None and self.is_coordinator:
@@ -493,6 +542,10 @@ class Checkpointer:
                               seconds=time.monotonic() - t0)
             if self.replay is not None:
                 self.replay.begin(cand["step"])
+            if self.shard_replay is not None:
+                self.shard_replay.begin(cand["step"])
+                self.shard_log.reset()
+                self.at_rest.resign()
             return cand["step"]
 
     def _candidate(self, below: int | None) -> dict | None:
@@ -547,6 +600,9 @@ class Checkpointer:
                 self._committer.flush()
             if self.replay is not None:
                 self.replay.close()
+            if self.shard_replay is not None:
+                self.shard_log.add(self.shard_replay.close())
+                self.at_rest.close()
             if self.observer is not None:
                 self.observer.stop()
             if self.ledger is not None:

@@ -143,7 +143,8 @@ def fsdp_save(rank, world, root, async_save):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _fsdp_train(model, opt, 3, seed=0)
     # Pure FSDP has no replicas: a model-intrinsic check must vouch for the single-owner shards.
-    ckpt = Checkpointer(root, model=model, optimizer=opt, async_save=async_save, invariants=FSDP_CHECKS)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, async_save=async_save, invariants=FSDP_CHECKS,
+                        replay=False, shard_evidence=False)  # built after training: no step observed
     ckpt.save(3, {"app": AppState(model, opt)})
     ckpt.close()
     full = _full_state(model, opt)
@@ -196,7 +197,8 @@ def fsdp_save_unvouched(rank, world, root, invariants=None):
     model = _fsdp_model(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _fsdp_train(model, opt, 1, seed=0)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, invariants=invariants)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, invariants=invariants, shard_evidence=False,
+                        replay=False)
     verdict = ckpt.save(1, {"app": AppState(model, opt)})
     ckpt.close()
     return verdict
