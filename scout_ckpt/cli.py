@@ -129,6 +129,8 @@ def explain_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...
             con.print(_escape(f"event: {e['kind']} ranks {e['ranks']}: {detail_text(e['detail'])}"))
         con.print("[dim]bytes and invariants as last checked; `scout-ckpt certify ROOT --step N` re-checks them now[/]")
     if row["state"] != "certified":
+        print(f"scout-ckpt: step {step} is {row['state']}" +
+              (f": {_reason_text(row['reasons'])}" if row["reasons"] else ""), file=sys.stderr)
         raise typer.Exit(1)
 
 
@@ -154,6 +156,10 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
         for r in results:
             print(f"step {r['step']}: {r['state']}" + (f"  {_reason_text(r['reasons'])}" if r["reasons"] else ""))
     if not ok:
+        bad = [r for r in results if r["state"] != "certified"]
+        print(f"scout-ckpt: {len(bad)} of {len(results)} step(s) not certified; first: step {bad[0]['step']} is "
+              f"{bad[0]['state']}" + (f" ({_reason_text(bad[0]['reasons'])})" if bad[0]["reasons"] else ""),
+              file=sys.stderr)
         raise typer.Exit(1)
 
 
@@ -283,7 +289,11 @@ def adopt_cmd(root: Path = typer.Argument(...),
             print(f"step {r['step']}: {r['state']}" + (f"  {_reason_text(r['reasons'])}" if r["reasons"] else ""))
         for r in result["skipped"]:
             print(f"skipped step {r['step']}: {r.get('reason', '')}")
-    if any(r["state"] != "certified" for r in result["adopted"]):
+    bad = [r for r in result["adopted"] if r["state"] != "certified"]
+    if bad:
+        print(f"scout-ckpt: {len(bad)} adopted step(s) not certified; first: step {bad[0]['step']} is "
+              f"{bad[0]['state']}" + (f" ({_reason_text(bad[0]['reasons'])})" if bad[0].get("reasons") else ""),
+              file=sys.stderr)
         raise typer.Exit(1)
 
 
@@ -375,10 +385,14 @@ def ledger_rebuild_cmd(root: Path = typer.Argument(...),
             print(f"step {r['step']}: {r['state']}" + (f"  {_reason_text(r['reasons'])}" if r["reasons"] else ""))
         for c in result["changes"]:
             print(f"changed step {c['step']}: {c['before']} -> {c['after']} ({c['why']})")
-        for s in result["skipped"]:
-            print(f"skipped step {s['step']}: {s['reason']}")
         if result["backup"]:
             print(f"previous ledger kept as {result['backup']}")
+    if result["skipped"]:
+        # A rebuild that left checkpoints out is not a success: restart tooling must not take it for one.
+        first = result["skipped"][0]
+        more = f" (and {len(result['skipped']) - 1} more)" if len(result["skipped"]) > 1 else ""
+        print(f"scout-ckpt: ledger rebuild skipped step {first['step']}: {first['reason']}{more}", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 # ---- entry point -----------------------------------------------------------------------------------------------
