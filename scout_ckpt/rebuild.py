@@ -39,6 +39,32 @@ UNVERIFIED = "unverified_after_rebuild"
 REVERIFIED = ("bytes",)
 
 
+# Invariant kinds that stand in for consensus on single-owner shards (invariants.VOUCHES; listed here so that the
+# rebuild does not import torch).
+VOUCHING_KINDS = ("frobenius_sphere", "spectral_sphere", "spectral_bound", "oblique", "simplex")
+
+
+def default_policy(m: dict) -> dict:
+    """The least a checkpoint of this manifest's kind must show: adopted folders have no replicas or replay by
+    construction (policy.ADOPTED); pure FSDP may have consensus not applicable only when the manifest's own policy
+    also required what vouches for single-owner shards (shard replay + at-rest, or a vouching invariant). Anything
+    else: DEFAULT_POLICY."""
+    topo = m.get("topology") if isinstance(m.get("topology"), dict) else {}
+    mode = str(topo.get("mode") or "")
+    mp = m.get("policy") if isinstance(m.get("policy"), dict) else {}
+    if mode == "adopted":
+        return policy.ADOPTED
+    if mode.startswith("fsdp"):
+        req = set(_strings(mp.get("require")))
+        specs = mp.get("invariants") if isinstance(mp.get("invariants"), list) else []
+        kinds = {(x.get("check") if isinstance(x, dict) else str(x)) for x in specs}
+        if {"shard_replay", "at_rest"} <= req or kinds & set(VOUCHING_KINDS):
+            base = dict(DEFAULT_POLICY)
+            extra = ["shard_replay", "at_rest"] if {"shard_replay", "at_rest"} <= req else []
+            return {"require": [*base["require"], *extra], "allow_not_applicable": ["consensus"]}
+    return DEFAULT_POLICY
+
+
 def strictest(manifest_policy: dict, default: dict = DEFAULT_POLICY) -> dict:
     """The stricter of two policies: every kind either requires, not-applicable allowed only where both allow.
     Other keys (invariant specs, replay targets) are the manifest's."""
@@ -104,7 +130,7 @@ def _demote(ev: dict) -> dict:
 
 def decide(step: int, m: dict, digest: str, fresh_bytes: dict, jview: dict, old: dict | None) -> dict:
     """The rebuilt row of one step: {"state", "reasons", "evidence", "policy", "quarantine", "why"}. Pure."""
-    pol = strictest(m.get("policy"))
+    pol = strictest(m.get("policy"), default_policy(m))
     old_same = old if old and old.get("manifest_digest") == digest else None
     vouched = bool(jview["certified"] or (old_same and old_same["state"] == "certified"))
     if old_same is not None and old_same["state"] not in ("certified", "quarantined"):
@@ -166,7 +192,7 @@ def rebuild(root: str | os.PathLike, *, verify: bool = True) -> dict:
             for run_id in sorted({m.get("run_id") or "unknown" for m, _ in manifests.values()}):
                 first = next(m for m, _ in manifests.values() if (m.get("run_id") or "unknown") == run_id)
                 ledger.begin_run(run_id, world_size=first.get("world_size") or 0, topology=first.get("topology", {}),
-                                 policy=strictest(first.get("policy")), versions=first.get("versions", {}))
+                                 policy=strictest(first.get("policy"), default_policy(first)), versions=first.get("versions", {}))
             for step, (m, digest) in sorted(manifests.items()):
                 if verify:
                     fresh = verify_files(steps[step], m["files"])

@@ -106,3 +106,23 @@ def test_rebuild_without_any_record_certifies_nothing(ckpt_root):
     assert {r["step"]: r["state"] for r in result["checkpoints"]} == {3: "committed", 4: "committed"}
     assert all(r["reasons"][0]["code"] == UNVERIFIED for r in result["checkpoints"])
     assert manifest.read(ckpt_root / step_dirname(4))[0]["verdict"]["state"] == "certified"  # what it claimed
+
+
+def test_default_policy_by_kind_of_checkpoint():
+    """Adopted folders and vouched pure-FSDP runs keep a policy they can meet after a rebuild; an FSDP manifest
+    whose policy vouched for nothing gets no exemption from consensus."""
+    from scout_ckpt import policy
+    from scout_ckpt.rebuild import DEFAULT_POLICY, default_policy, strictest
+
+    assert default_policy({"topology": {"mode": "adopted"}, "policy": policy.ADOPTED}) == policy.ADOPTED
+    shard = {"topology": {"mode": "fsdp"}, "policy": {"require": ["bytes", "shard_replay", "at_rest", "consensus"],
+                                                       "allow_not_applicable": ["consensus"]}}
+    pol = strictest(shard["policy"], default_policy(shard))
+    assert "consensus" in pol["allow_not_applicable"] and {"shard_replay", "at_rest"} <= set(pol["require"])
+    vouched = {"topology": {"mode": "fsdp"}, "policy": {"require": ["bytes"], "allow_not_applicable": ["consensus"],
+                                                         "invariants": [{"check": "spectral_bound", "hi": 9}]}}
+    assert "consensus" in strictest(vouched["policy"], default_policy(vouched))["allow_not_applicable"]
+    bare = {"topology": {"mode": "fsdp"}, "policy": {"require": [], "allow_not_applicable": ["consensus"],
+                                                      "invariants": ["finite"]}}
+    assert default_policy(bare) == DEFAULT_POLICY
+    assert strictest(bare["policy"], default_policy(bare))["allow_not_applicable"] == []
