@@ -304,6 +304,14 @@ class Checkpointer:
             self.ledger.add_event(e["kind"], step=e.get("step"), ranks=e.get("ranks"), detail=e.get("detail"),
                                   run_id=self.run_id)
 
+    def parameters_written(self) -> None:
+        """Call after writing parameters or optimizer state outside `optimizer.step()` (a projection onto a
+        constraint set, an EMA written back) and before the next save: the at-rest check then takes the new values
+        as the legitimate ones instead of reporting them as changed at rest. Local, cheap; a no-op without
+        shard evidence."""
+        if self.at_rest is not None:
+            self.at_rest.resign()
+
     @contextlib.contextmanager
     def phase(self, name: str):
         """Annotate a phase of the training step (forward, backward, optimizer, data) for the hang observer."""

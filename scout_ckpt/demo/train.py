@@ -293,6 +293,7 @@ def train(args: WorkerArgs, store=None, timings: dict | None = None) -> dict | N
             opt.zero_grad(set_to_none=True)
             if args.constraint == "sphere":
                 retract_to_sphere(model)
+                ckpt.parameters_written()  # the retraction is a legitimate write after the optimizer step
         injector.after_optimizer_step(step, model)
         injector.slow_down(step, time.perf_counter() - t0)
         with ckpt.phase("step"):
