@@ -41,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 import torture  # noqa: E402
 
-KINDS = ("sdc", "param", "hang", "slow", "crash", "bitflip", "truncate", "delete")
+KINDS = ("sdc", "param", "hang", "slow", "crash", "bitflip", "truncate", "delete", "quarantine_race",
+         "load_mismatch")
+NON_DEMO = ("truncate", "delete", "quarantine_race", "load_mismatch")  # run outside the demo job
 DETECTOR = {"sdc": ("sdc",), "param": ("sdc",), "hang": ("hang",), "slow": ("straggler",), "crash": ("crash",)}
 ALARM_KINDS = ("sdc", "hang", "straggler", "crash", "desync")
 BYTES_CODES = ("digest_mismatch", "truncated_file", "size_mismatch", "missing_file", "missing_dir",
@@ -98,6 +100,12 @@ def plan_incidents(counts: dict[str, int], n_healthy: int, seed: int,
                 inc["method"] = ("resume", "certify")[i % 2]
                 inc["pick"] = rng.random()
                 inc["demo"] = None  # done on a copy of a healthy control's directory
+            elif kind == "quarantine_race":
+                inc["pick"] = rng.random()
+                inc["demo"] = None  # an operator racing certify on a copy of a healthy control's directory
+            elif kind == "load_mismatch":
+                inc["ranks"] = ranks
+                inc["demo"] = None  # a user's script under real torchrun, not the demo
             plan.append(inc)
     return plan
 
@@ -111,7 +119,7 @@ def _ledger_view(root: Path) -> dict:
     with Ledger.open(root, readonly=True) as led:
         return {"certifications": led.certifications(), "runs": led.runs(),
                 "files": {c["step"]: led.files(c["step"]) for c in led.checkpoints()},
-                "checkpoints": led.checkpoints()}
+                "checkpoints": led.checkpoints(), "events": led.events()}
 
 
 def _resume(root: Path) -> tuple[dict | None, float]:
@@ -323,6 +331,78 @@ def run_byte_fault(inc: dict, healthy_dir: Path, work: Path) -> dict:
     return out
 
 
+def run_quarantine_race(inc: dict, healthy_dir: Path, work: Path) -> dict:
+    """An operator quarantines the newest certified step while `certify` is hashing it (the CLI, from another
+    process, at certify's first progress tick). The promise: certify's verdict does not overwrite the quarantine
+    and `latest_clean` never returns the step."""
+    import subprocess
+
+    from scout_ckpt.certify import certify
+
+    root = work / inc["id"]
+    shutil.copytree(healthy_dir, root)
+    view = _ledger_view(root)
+    certified = sorted(c["step"] for c in view["checkpoints"] if c["state"] == "certified")
+    out = {"id": inc["id"], "kind": inc["kind"], "fired": bool(certified), "truth": [], "blamed": [],
+           "source_run": healthy_dir.name}
+    if not certified:
+        out.update(detected=False, latency_s=None, bad_resume=False, note="no certified step to quarantine")
+        return out
+    step = certified[-1]
+    fired = {}
+
+    def tick(_n):
+        if not fired:
+            fired["t"] = time.monotonic()
+            subprocess.run([sys.executable, "-m", "scout_ckpt.cli", "quarantine", str(root), str(step), "--reason",
+                            "campaign race"], check=True, capture_output=True)
+
+    t0 = time.monotonic()
+    certify(root, [step], progress_factory=lambda total: tick)
+    dt = time.monotonic() - t0
+    lc, _ = _resume(root)
+    state = next(c["state"] for c in _ledger_view(root)["checkpoints"] if c["step"] == step)
+    bad = [f"latest_clean returned the quarantined step {step}"] if lc["step"] == step else []
+    out.update(step=step, raced=bool(fired), detected=state == "quarantined", latency_s=round(dt, 4),
+               resume_step=lc["step"], bad_resume=bool(bad), bad_resume_detail=bad, no_resume=lc["step"] is None)
+    return out
+
+
+def run_load_mismatch(inc: dict, work: Path) -> dict:
+    """A user's DDP script under real torchrun (examples/train_ddp.py): rank 1 is SIGKILLed at step 12; after the
+    restart the loaded values of checkpoint 10 differ from what was saved (one bit, after dcp.load). The promise:
+    10 is rejected `load_mismatch`, the same load walks back to 5, and the job finishes; judged by the digests the
+    job printed when it saved and loaded."""
+    import os
+    import subprocess
+
+    root = work / inc["id"]
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(inc["ranks"]),
+           "--max-restarts", "2", "--monitor-interval", "0.5", str(repo / "examples" / "train_ddp.py"), str(root),
+           "--steps", "16", "--save-every", "5", "--crash-rank", "1", "--crash-step", "12", "--corrupt-load", "10",
+           "--record"]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    dt = time.monotonic() - t0
+    events = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("SCOUT-EXAMPLE ")]
+    saved = {(e["attempt"], e["step"]): e["digest"] for e in events if e["event"] == "saved"}
+    loaded = [e for e in events if e["event"] == "loaded" and e["attempt"] == 1]
+    view = _ledger_view(root) if (root / "scout-ledger.db").exists() else {"checkpoints": [], "events": []}
+    mism = [e for e in view.get("events", []) if e["kind"] == "load_mismatch" and e.get("step") == 10]
+    resumed = loaded[0]["step"] if loaded else None
+    bad = []
+    if resumed == 10:
+        bad.append("the restart resumed from the corrupted load of step 10")
+    elif resumed is not None and loaded[0]["digest"] != saved.get((0, resumed)):
+        bad.append(f"the restart resumed from {resumed} with state other than what was saved")
+    return {"id": inc["id"], "kind": inc["kind"], "fired": True, "truth": [], "blamed": [], "step": 10,
+            "detected": bool(mism) and p.returncode == 0, "latency_s": round(dt, 2), "resume_step": resumed,
+            "bad_resume": bool(bad), "bad_resume_detail": bad, "no_resume": resumed is None,
+            "rc": p.returncode}
+
+
 # ---- scoring ------------------------------------------------------------------------------------------------
 
 
@@ -342,7 +422,9 @@ def _fp_of(kind: str, h: dict) -> bool:
         return bool(ev.get("sdc") or rej.get("replay_sdc") or rej.get("consensus_attributed")
                     or rej.get("consensus_inconclusive"))
     if kind == "param":
-        return bool(rej.get("invariant_failed"))
+        return bool(rej.get("invariant_failed") or rej.get("at_rest_changed"))
+    if kind in ("quarantine_race", "load_mismatch"):
+        return False  # no detector runs on a healthy control for these
     if kind == "hang":
         return bool(ev.get("hang") or ev.get("desync"))
     if kind == "slow":
@@ -414,9 +496,21 @@ def run_campaign(counts: dict[str, int], n_healthy: int, seed: int, torture_iter
         for inc in plan:
             if inc["demo"] is not None:
                 continue
+            if inc["kind"] == "load_mismatch":
+                rec = run_load_mismatch(inc, work)
+                incidents.append(rec)
+                C.log(f"{inc['id']}: detected={rec['detected']} resumed from {rec['resume_step']}"
+                      f"{' BAD RESUME' if rec.get('bad_resume') else ''} ({rec['latency_s']}s)")
+                continue
             if not healthy_dirs:
-                C.fail("truncate/delete need a healthy control run (give --healthy >= 1)")
+                C.fail(f"{inc['kind']} needs a healthy control run (give --healthy >= 1)")
             src = healthy_dirs[int(inc["pick"] * 1000) % len(healthy_dirs)]
+            if inc["kind"] == "quarantine_race":
+                rec = run_quarantine_race(inc, src, work)
+                incidents.append(rec)
+                C.log(f"{inc['id']} step {rec.get('step')}: quarantine held={rec['detected']} "
+                      f"resume={rec.get('resume_step')}{' BAD RESUME' if rec.get('bad_resume') else ''}")
+                continue
             rec = run_byte_fault(inc, src, work)
             incidents.append(rec)
             C.log(f"{inc['id']} ({inc['method']}) step {rec.get('step')} {rec.get('file')}: "
