@@ -208,8 +208,7 @@ class Committer:
     def _record_live_faults(self, step: int, ev: dict) -> None:
         """A fault found in the live state at a save boundary is also an `sdc` event naming the rank(s)."""
         for kind, codes in (("consensus", ("consensus_attributed", "consensus_inconclusive")),
-                            ("invariants", ("invariant_failed",)), ("at_rest", ("at_rest_changed",)),
-                            ("health", ("health_fault",))):
+                            ("invariants", ("invariant_failed",)), ("at_rest", ("at_rest_changed",))):
             for r in (ev.get(kind) or {}).get("reasons") or []:
                 if r.get("code") in codes:
                     self.ledger.add_event("sdc", step=step, ranks=r.get("ranks") or [], run_id=self.run_id,
