@@ -48,6 +48,7 @@ from scout_ckpt import manifest, policy
 from scout_ckpt.digests import digest_files
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.integrations import folders
+from scout_ckpt.layout import dir_bytes, remove_dir
 from scout_ckpt.ledger import Ledger
 
 log = logging.getLogger("scout_ckpt.transformers")
@@ -197,8 +198,6 @@ class ScoutTrainerCallback(TrainerCallback):
                 self.ledger.record_writing(step, self.run_id, attempt, folders.folder_name(step))
                 stale = self.root / folders.folder_name(step)
                 if before_write and stale.is_dir():  # an abandoned attempt's folder: never mix its files in
-                    from scout_ckpt.layout import remove_dir
-
                     remove_dir(stale)
             except Exception as e:  # every rank must still reach the broadcast below
                 error = f"{type(e).__name__}: {e}"
@@ -291,7 +290,7 @@ class ScoutTrainerCallback(TrainerCallback):
                            topology=self.topology, policy=self.policy, files=files, evidence=ev, verdict=verdict,
                            invariants=self.specs, versions=self._versions(), layout=folders.LAYOUT)
         digest = manifest.write(step_dir, m)
-        self.ledger.record_commit(step, run_id=self.run_id, path=step_dir.name, nbytes=sum(f["size"] for f in files),
+        self.ledger.record_commit(step, run_id=self.run_id, path=step_dir.name, nbytes=dir_bytes(step_dir),
                                   manifest_digest=digest, files=files, evidence=ev, state=v.state,
                                   reasons=v.reasons, attempt=attempt)
         for kind in ("consensus", "invariants"):
