@@ -141,6 +141,7 @@ class ScoutTrainerCallback(TrainerCallback):
                 run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
                 self.ledger.begin_run(run_id, world_size=self.world, topology=self.topology, policy=self.policy,
                                       versions=self._versions(), resumed_from=state.global_step or None)
+                self._check_resume(state.global_step, run_id)
             except Exception as e:  # every rank must still reach the broadcast below
                 error = f"{type(e).__name__}: {e}"
         run_id, error = self._bcast((run_id, error))
@@ -148,6 +149,20 @@ class ScoutTrainerCallback(TrainerCallback):
             raise ScoutError(f"scout-ckpt could not open the ledger in {self.root}: {error}")
         self.run_id = run_id
         self._ready = True
+
+    def _check_resume(self, step: int, run_id: str) -> None:
+        """Coordinator: a run resumed (resume_from_checkpoint=True takes the newest folder, certified or not) from
+        a folder scout-ckpt has not certified is told so, in the log and as a ledger event."""
+        if not step:
+            return
+        row = self.ledger.checkpoint(step)
+        if row is not None and row["state"] == "certified":
+            return
+        state = row["state"] if row else "unknown to the ledger"
+        self.ledger.add_event("uncertified_resume", step=step, run_id=run_id, detail={"state": state})
+        log.warning("scout-ckpt: this run resumed from %s, which is %s; resume with "
+                    "trainer.train(resume_from_checkpoint=latest_clean(output_dir)) instead of True",
+                    folders.folder_name(step), state)
 
     def _versions(self) -> dict:
         import transformers
