@@ -20,7 +20,7 @@ from pathlib import Path
 from scout_ckpt import manifest as manifest_mod
 from scout_ckpt import policy
 from scout_ckpt.digests import relpaths
-from scout_ckpt.errors import BadInput, ScoutError
+from scout_ckpt.errors import BadInput
 from scout_ckpt.layout import MANIFEST_NAME, dir_bytes, remove_dir
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.recovery import trusted_manifest
@@ -169,15 +169,18 @@ def latest_clean_row(root: str | os.PathLike, *, verify: bool = True) -> dict | 
 
 # ---- settling saves a crash interrupted ------------------------------------------------------------------------
 
-def settle_writing(ledger: Ledger, root: Path, *, source: str = "settle") -> list[dict]:
+def settle_writing(ledger: Ledger, root: Path, *, source: str = "settle", parse=parse_folder,
+                   verify=None) -> list[dict]:
     """Coordinator, at start-up (no save of this run in flight): finish or reject every `writing` folder row.
 
     The manifest of the same attempt exists and the bytes verify: the save finished but its ledger write was
     lost: record it from the manifest. Otherwise the save was interrupted: reject it (`save_interrupted`) and
-    remove the folder, which holds whatever part of the Trainer's write happened."""
+    remove the folder, which holds whatever part of the Trainer's write happened. `parse` picks the rows by
+    directory name and `verify(step_dir, files)` checks the bytes (TorchTitan's DCP `step-N`: verify_files)."""
+    verify = verify or verify_folder
     out = []
     for row in ledger.checkpoints(states=("writing",)):
-        if parse_folder(Path(row["path"]).name) is None:
+        if parse(Path(row["path"]).name) is None:
             continue
         step_dir = Path(root) / row["path"]
         m = digest = None
@@ -188,7 +191,7 @@ def settle_writing(ledger: Ledger, root: Path, *, source: str = "settle") -> lis
                 m = None
         if m is not None and m.get("attempt") == row["attempt"]:
             ev = dict(m["evidence"])
-            ev["bytes"] = verify_folder(step_dir, m["files"])
+            ev["bytes"] = verify(step_dir, m["files"])
             v = policy.evaluate(m["policy"], ev)
             ledger.record_commit(row["step"], run_id=m.get("run_id"), path=row["path"], nbytes=dir_bytes(step_dir),
                                  manifest_digest=digest, files=m["files"], evidence=ev, state=v.state,
@@ -232,10 +235,12 @@ def retention_plan(states: dict[int, str], limit: int, *, also_keep: set[int] = 
     return {"delete": delete, "keep": dict(sorted(why.items())), "protected": newest}
 
 
-def apply_retention(ledger: Ledger, root: Path, limit: int, *, also_keep: set[int] = frozenset()) -> dict:
+def apply_retention(ledger: Ledger, root: Path, limit: int, *, also_keep: set[int] = frozenset(),
+                    dirs: dict[int, Path] | None = None) -> dict:
     """Carry out retention_plan over the folders on disk that the ledger knows (others are not ours). The row
-    goes to `deleted` (compare-and-set on the state the plan saw) before the folder is removed."""
-    on_disk = list_folders(root)
+    goes to `deleted` (compare-and-set on the state the plan saw) before the folder is removed. `dirs`: the
+    directories to consider ({step: path}; default the Trainer folders under root)."""
+    on_disk = list_folders(root) if dirs is None else dirs
     rows = {r["step"]: r for r in ledger.checkpoints() if r["step"] in on_disk and r["state"] != "deleted"}
     plan = retention_plan({s: r["state"] for s, r in rows.items()}, limit, also_keep=also_keep)
     deleted = []
@@ -249,10 +254,3 @@ def apply_retention(ledger: Ledger, root: Path, limit: int, *, also_keep: set[in
             pass
         deleted.append(step)
     return {**plan, "delete": deleted}
-
-
-def check_root(root: str | os.PathLike) -> Path:
-    root = Path(root)
-    if root.exists() and not root.is_dir():
-        raise ScoutError(f"{root}: not a directory")
-    return root
