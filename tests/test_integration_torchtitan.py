@@ -26,7 +26,9 @@ def saved(tmp_path_factory):
 
 def test_every_save_certified_and_purge_keeps_newest(saved):
     root, (r0, r1) = saved
-    assert r0["verdicts"] == r1["verdicts"] == {1: "certified", 2: "certified", 3: "certified", 4: "certified"}
+    assert r0["verdicts"] == r1["verdicts"]
+    assert {s: v["state"] for s, v in r0["verdicts"].items()} == {1: "certified", 2: "certified", 3: "certified",
+                                                                  4: "certified"}
     with Ledger.open(root / "ckpt", readonly=True) as led:
         states = {r["step"]: r["state"] for r in led.checkpoints()}
         ev = led.evidence(4)
@@ -69,3 +71,15 @@ def test_rank_killed_mid_save_then_resume_from_newest_certified(tmp_path):
         hist = led.certifications(3)
         assert hist[0]["state"] == "rejected" and hist[0]["reasons"][0]["code"] == "save_interrupted"
         assert led.checkpoint(3)["state"] == "certified"
+
+
+def test_async_commits_only_after_the_upload_completed(tmp_path):
+    r0, r1 = ranks(tmp_path, 3, async_mode="async")
+    # each save() returns after the dispatch; the save of step N is committed when the next save (or close)
+    # has waited for its upload
+    assert [r0["verdicts"][s].get("step") for s in (1, 2, 3)] == [None, 1, 2]
+    assert r0["final"] == r1["final"] == {"step": 3, "state": "certified", "reasons": []}
+    with Ledger.open(tmp_path / "ckpt", readonly=True) as led:
+        assert {r["step"]: r["state"] for r in led.checkpoints()} == {1: "certified", 2: "certified", 3: "certified"}
+    r0, _ = ranks(tmp_path, 3)
+    assert r0["start"] == 3

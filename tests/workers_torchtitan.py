@@ -20,7 +20,7 @@ class TrainState:
         self.step = int(sd["step"])
 
 
-def build(root: str, keep: int = 0, kill: tuple | None = None):
+def build(root: str, keep: int = 0, kill: tuple | None = None, async_mode: str = "disabled"):
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import default_adamw
 
@@ -44,7 +44,8 @@ def build(root: str, keep: int = 0, kill: tuple | None = None):
     sched = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opt, training_steps=20)
     ts = TrainState()
     cls = Killing if kill else ScoutCheckpointManager
-    mgr = cls.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=keep).build(
+    mgr = cls.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=keep,
+                     async_mode=async_mode).build(
         dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched, states={"train_state": ts},
         sd_adapter=None, base_folder=root)
     return model, opt, sched, ts, mgr
@@ -60,9 +61,9 @@ def fingerprint(model, opt) -> str:
     return h.hexdigest()
 
 
-def train(rank, world, root, steps, keep=0, kill=None):
+def train(rank, world, root, steps, keep=0, kill=None, async_mode="disabled"):
     """Fresh or resumed (load(step=-1)) run up to `steps`, saving every step; returns what it saw."""
-    model, opt, sched, ts, mgr = build(root, keep, kill)
+    model, opt, sched, ts, mgr = build(root, keep, kill, async_mode)
     loaded = mgr.load(step=-1)
     start = ts.step
     out = {"loaded": loaded, "start": start, "fingerprints": {}, "verdicts": {}}
@@ -79,6 +80,7 @@ def train(rank, world, root, steps, keep=0, kill=None):
         ts.step = step
         mgr.save(step)
         out["fingerprints"][step] = fingerprint(model, opt)
-        out["verdicts"][step] = (mgr.last_verdict or {}).get("state")
+        out["verdicts"][step] = dict(mgr.last_verdict or {})  # async: the previous step's, committed by now
     mgr.close()
+    out["final"] = dict(mgr.last_verdict or {})
     return out
