@@ -83,3 +83,27 @@ def test_async_commits_only_after_the_upload_completed(tmp_path):
         assert {r["step"]: r["state"] for r in led.checkpoints()} == {1: "certified", 2: "certified", 3: "certified"}
     r0, _ = ranks(tmp_path, 3)
     assert r0["start"] == 3
+
+
+def test_enabled_by_configuration_alone_through_torchtitans_override():
+    from dataclasses import dataclass, field
+
+    from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
+    from torchtitan.config.configurable import Configurable
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+
+    from scout_ckpt.integrations.torchtitan import ScoutCheckpointManager
+
+    @dataclass(kw_only=True, slots=True)
+    class Root(Configurable.Config):  # stands for Trainer.Config, whose import needs triton (TORCH-NOTES)
+        checkpoint: BaseCheckpointManager.Config = field(
+            default_factory=lambda: CheckpointManager.Config(enable=True, folder="ck", interval=7, keep_latest_k=2))
+
+    root = Root()
+    target = "scout_ckpt.integrations.torchtitan.scout_checkpoint"
+    apply_overrides(OverrideConfig(imports=[(target, {"invariants": ["finite", "frobenius_sphere:params=w:radius=1"]})]),
+                    root)
+    cfg = root.checkpoint
+    assert type(cfg) is ScoutCheckpointManager.Config and cfg._owner is ScoutCheckpointManager
+    assert (cfg.enable, cfg.folder, cfg.interval, cfg.keep_latest_k) == (True, "ck", 7, 2)
+    assert cfg.invariants[1].startswith("frobenius_sphere")

@@ -1,10 +1,15 @@
 """Certified checkpoints for TorchTitan 0.3: `ScoutCheckpointManager`, a subclass of its DCP `CheckpointManager`
 (same on-disk layout, `FOLDER/step-N/` with `.metadata` and `__R_0.distcp`, so TorchTitan's own tools still read
-it), enabled by configuration alone:
+it), enabled by configuration alone, either in a Python config
 
     from scout_ckpt.integrations.torchtitan import ScoutCheckpointManager
     Trainer.Config(..., checkpoint=ScoutCheckpointManager.Config(enable=True, folder="checkpoint", interval=500,
                                                                  keep_latest_k=3))
+
+or on the command line of an unchanged TorchTitan config, through TorchTitan's override mechanism (it replaces the
+CheckpointManager.Config by a ScoutCheckpointManager.Config with the same field values, before anything is built):
+
+    --override.imports scout_ckpt.integrations.torchtitan.scout_checkpoint
 
 What changes against the parent, hook by hook (TorchTitan's public methods are left alone; its base class guards
 them and forbids overriding them):
@@ -37,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.config.override import derive, override
 
 import scout_ckpt
 from scout_ckpt import invariants as inv
@@ -49,7 +55,7 @@ from scout_ckpt.verify import verify_files
 
 COORDINATOR = 0
 
-__all__ = ["ScoutCheckpointManager"]
+__all__ = ["ScoutCheckpointManager", "scout_checkpoint"]
 
 
 def _verify_dcp(step_dir: Path, files: list[dict]) -> dict:
@@ -285,3 +291,12 @@ class ScoutCheckpointManager(CheckpointManager):
         if isinstance(step, str):
             raise ScoutError(f"scout-ckpt could not choose a checkpoint to load: {step}")
         return step
+
+
+@override(target=CheckpointManager.Config, exact=True,
+          description="scout-ckpt: certified checkpoints (evidence per save, load the newest certified step)")
+def scout_checkpoint(cfg: CheckpointManager.Config, **options) -> ScoutCheckpointManager.Config:
+    """`--override.imports scout_ckpt.integrations.torchtitan.scout_checkpoint` (options as JSON:
+    `'scout_ckpt.integrations.torchtitan.scout_checkpoint={"invariants": ["finite"]}'`): the run's checkpoint
+    config, every field kept, managed by ScoutCheckpointManager."""
+    return derive(cfg, ScoutCheckpointManager.Config, **options)
