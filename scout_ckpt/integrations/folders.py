@@ -132,6 +132,17 @@ def transition(ledger: Ledger, step: int, to: str, reasons: list[dict], *, sourc
     return True
 
 
+def record_writing(ledger: Ledger, step: int, run_id: str, attempt: str, path: str) -> None:
+    """The `writing` row before the data, with this process as its owner where the ledger records owners (so that
+    `certify` and `gc` can tell a save in flight from a dead one, scout_ckpt.settle)."""
+    try:
+        from scout_ckpt.settle import this_process_owner
+    except ImportError:  # a ledger without owners
+        ledger.record_writing(step, run_id, attempt, path)
+        return
+    ledger.record_writing(step, run_id, attempt, path, owner=this_process_owner())
+
+
 def reject_bytes(ledger: Ledger, row: dict, ev: dict, source: str) -> None:
     """A certified folder whose bytes no longer verify is rejected with the reasons, for good."""
     ledger.put_evidence(row["step"], {"bytes": ev}, source=source)

@@ -172,7 +172,7 @@ class ScoutCheckpointManager(CheckpointManager):
         error = None
         if self.is_coordinator:
             try:
-                self.ledger.record_writing(curr_step, self.run_id, attempt, name)
+                folders.record_writing(self.ledger, curr_step, self.run_id, attempt, name)
                 stale = self.root / name
                 if stale.is_dir():  # an abandoned attempt (a walk-back past it): never mix its files in
                     layout.remove_dir(stale)

@@ -210,7 +210,7 @@ class ScoutTrainerCallback(TrainerCallback):
         error = None
         if self.is_coordinator:
             try:
-                self.ledger.record_writing(step, self.run_id, attempt, folders.folder_name(step))
+                folders.record_writing(self.ledger, step, self.run_id, attempt, folders.folder_name(step))
                 stale = self.root / folders.folder_name(step)
                 if before_write and stale.is_dir():  # an abandoned attempt's folder: never mix its files in
                     remove_dir(stale)
