@@ -119,9 +119,21 @@ def verify_recorded(root: Path, ledger: Ledger, row: dict) -> dict:
 
 # ---- ledger state changes, across the ledger API change (set_state -> compare-and-set transition) -------------
 
+def _journal():
+    try:
+        from scout_ckpt import journal
+    except ImportError:  # a core without the journal
+        return None
+    return journal
+
+
 def transition(ledger: Ledger, step: int, to: str, reasons: list[dict], *, source: str,
-               expect: str | tuple[str, ...]) -> bool:
-    """Move a row from `expect` to `to`; False when the row was no longer in `expect` (not applied)."""
+               expect: str | tuple[str, ...], root: Path | None = None) -> bool:
+    """Move a row from `expect` to `to`; False when the row was no longer in `expect` (not applied). With `root`,
+    an applied change is also journaled beside the data (scout_ckpt.journal, where the core has one)."""
+    journal = _journal() if root is not None else None
+    if journal is not None and hasattr(ledger, "transition"):
+        return journal.record_transition(ledger, root, step, to, reasons, source=source, expect=expect)
     if hasattr(ledger, "transition"):
         return ledger.transition(step, to, reasons, source=source, expect=expect)
     row = ledger.checkpoint(step)
@@ -143,10 +155,19 @@ def record_writing(ledger: Ledger, step: int, run_id: str, attempt: str, path: s
     ledger.record_writing(step, run_id, attempt, path, owner=this_process_owner())
 
 
-def reject_bytes(ledger: Ledger, row: dict, ev: dict, source: str) -> None:
+def journal_commit(root: Path, step: int, attempt: str, manifest_digest: str, state: str, reasons: list[dict],
+                   source: str) -> None:
+    """The verdict of a commit the ledger applied, in the journal (so `ledger rebuild` can vouch for it)."""
+    journal = _journal()
+    if journal is not None:
+        journal.journal_verdict(root, step, attempt, manifest_digest, state, reasons, source)
+
+
+def reject_bytes(ledger: Ledger, row: dict, ev: dict, source: str, root: Path | None = None) -> None:
     """A certified folder whose bytes no longer verify is rejected with the reasons, for good."""
     ledger.put_evidence(row["step"], {"bytes": ev}, source=source)
-    transition(ledger, row["step"], "rejected", ev["reasons"], source=source, expect=("certified", "committed"))
+    transition(ledger, row["step"], "rejected", ev["reasons"], source=source, expect=("certified", "committed"),
+               root=root)
 
 
 # ---- resume ---------------------------------------------------------------------------------------------------
@@ -171,7 +192,7 @@ def latest_clean_row(root: str | os.PathLike, *, verify: bool = True) -> dict | 
                 ev = verify_recorded(root, ledger, row)
                 if ev["status"] != policy.PASS:
                     with Ledger.open(root) as writer:
-                        reject_bytes(writer, row, ev, source="resume")
+                        reject_bytes(writer, row, ev, source="resume", root=root)
                     skipped.append({"step": row["step"], "reasons": ev["reasons"]})
                     continue
             return {"step": row["step"], "path": str((root / row["path"]).resolve()), "state": row["state"],
@@ -204,13 +225,16 @@ def settle_writing(ledger: Ledger, root: Path, *, source: str = "settle", parse=
             ev = dict(m["evidence"])
             ev["bytes"] = verify(step_dir, m["files"])
             v = policy.evaluate(m["policy"], ev)
-            ledger.record_commit(row["step"], run_id=m.get("run_id"), path=row["path"], nbytes=dir_bytes(step_dir),
-                                 manifest_digest=digest, files=m["files"], evidence=ev, state=v.state,
-                                 reasons=v.reasons, source=source, attempt=row["attempt"])
+            applied = ledger.record_commit(row["step"], run_id=m.get("run_id"), path=row["path"],
+                                           nbytes=dir_bytes(step_dir), manifest_digest=digest, files=m["files"],
+                                           evidence=ev, state=v.state, reasons=v.reasons, source=source,
+                                           attempt=row["attempt"])
+            if applied is not False:  # None: a ledger without compare-and-set (it always applies)
+                journal_commit(root, row["step"], row["attempt"], digest, v.state, v.reasons, source)
             out.append({"step": row["step"], "state": v.state})
             continue
         reasons = [{"code": "save_interrupted", "attempt": row["attempt"], "removed": step_dir.is_dir()}]
-        if transition(ledger, row["step"], "rejected", reasons, source=source, expect="writing"):
+        if transition(ledger, row["step"], "rejected", reasons, source=source, expect="writing", root=Path(root)):
             if step_dir.is_dir():
                 remove_dir(step_dir)
             out.append({"step": row["step"], "state": "rejected"})
@@ -257,7 +281,7 @@ def apply_retention(ledger: Ledger, root: Path, limit: int, *, also_keep: set[in
     deleted = []
     for step in plan["delete"]:
         if not transition(ledger, step, "deleted", [{"code": "retention", "save_total_limit": limit}],
-                          source="gc", expect=rows[step]["state"]):
+                          source="gc", expect=rows[step]["state"], root=Path(root)):
             continue
         try:
             remove_dir(on_disk[step])

@@ -255,9 +255,13 @@ class ScoutCheckpointManager(CheckpointManager):
                            topology=self.topology, policy=self.scout_policy, files=files, evidence=ev,
                            verdict=verdict, invariants=self.scout_policy["invariants"], versions=self._versions())
         digest = manifest.write(step_dir, m)
-        self.ledger.record_commit(step, run_id=self.run_id, path=step_dir.name, nbytes=layout.dir_bytes(step_dir),
-                                  manifest_digest=digest, files=files, evidence=ev, state=v.state,
-                                  reasons=v.reasons, attempt=attempt)
+        applied = self.ledger.record_commit(step, run_id=self.run_id, path=step_dir.name,
+                                            nbytes=layout.dir_bytes(step_dir), manifest_digest=digest, files=files,
+                                            evidence=ev, state=v.state, reasons=v.reasons, attempt=attempt)
+        if applied is False:  # the row changed meanwhile (compare-and-set): what the ledger holds stands
+            row = self.ledger.checkpoint(step)
+            return {"state": row["state"], "reasons": row["reasons"]}
+        folders.journal_commit(self.root, step, attempt, digest, v.state, v.reasons, "save")
         self._purging = True
         self._purge_stale_checkpoints()
         return verdict

@@ -305,9 +305,13 @@ class ScoutTrainerCallback(TrainerCallback):
                            topology=self.topology, policy=self.policy, files=files, evidence=ev, verdict=verdict,
                            invariants=self.specs, versions=self._versions(), layout=folders.LAYOUT)
         digest = manifest.write(step_dir, m)
-        self.ledger.record_commit(step, run_id=self.run_id, path=step_dir.name, nbytes=dir_bytes(step_dir),
-                                  manifest_digest=digest, files=files, evidence=ev, state=v.state,
-                                  reasons=v.reasons, attempt=attempt)
+        applied = self.ledger.record_commit(step, run_id=self.run_id, path=step_dir.name,
+                                            nbytes=dir_bytes(step_dir), manifest_digest=digest, files=files,
+                                            evidence=ev, state=v.state, reasons=v.reasons, attempt=attempt)
+        if applied is False:  # the row changed meanwhile (compare-and-set): what the ledger holds stands
+            row = self.ledger.checkpoint(step)
+            return {"state": row["state"], "reasons": row["reasons"]}
+        folders.journal_commit(self.root, step, attempt, digest, v.state, v.reasons, "save")
         for kind in ("consensus", "invariants"):
             for r in (ev.get(kind) or {}).get("reasons") or []:
                 if r.get("code") in ("consensus_attributed", "consensus_inconclusive", "invariant_failed"):
