@@ -1,0 +1,86 @@
+"""A Hugging Face Trainer job with certified checkpoints: the two lines of the integration are marked.
+
+    torchrun --standalone --nproc-per-node 2 examples/integrations/hf_trainer.py OUTPUT_DIR --steps 10
+
+A tiny GPT-2 built from a config (no download) learns random tokens on CPU (gloo). On a restart it resumes from
+the newest *certified* checkpoint-N, never merely the newest folder. Test-only options: --kill-rank/--kill-step
+SIGKILL a rank in the middle of a save (after the Trainer wrote the folder, before scout-ckpt certified it), only
+in torchrun's first attempt; --losses appends {"step", "loss", "attempt"} lines (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from scout_ckpt.integrations.transformers import ScoutTrainerCallback, latest_clean
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seq: int, vocab: int):
+        g = torch.Generator().manual_seed(1234)
+        self.data = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+class Record(TrainerCallback):
+    """Test support: loss lines, and a SIGKILL in the middle of a save (placed before ScoutTrainerCallback, so it
+    runs after the Trainer wrote checkpoint-N and before scout-ckpt hashed and certified it)."""
+
+    def __init__(self, losses: str | None, kill_rank: int | None, kill_step: int | None):
+        self.losses, self.kill_rank, self.kill_step = losses, kill_rank, kill_step
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.rank = int(os.environ.get("RANK", "0"))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.losses and self.rank == 0 and logs and "loss" in logs:
+            with open(self.losses, "a") as f:
+                f.write(json.dumps({"step": state.global_step, "loss": logs["loss"], "attempt": self.attempt}) + "\n")
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.attempt == 0 and self.rank == self.kill_rank and state.global_step == self.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("output_dir")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--save-every", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=None, help="save_total_limit (taken over by the callback)")
+    ap.add_argument("--no-resume", action="store_true")
+    ap.add_argument("--losses", default=None)
+    ap.add_argument("--kill-rank", type=int, default=None)
+    ap.add_argument("--kill-step", type=int, default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    args = TrainingArguments(
+        output_dir=a.output_dir, max_steps=a.steps, save_strategy="steps", save_steps=a.save_every,
+        save_total_limit=a.limit, per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
+        report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        ddp_timeout=300, ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
+    trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(512, 16, 64),
+                      callbacks=[Record(a.losses, a.kill_rank, a.kill_step), ScoutTrainerCallback()])  # (1)
+    resume = None if a.no_resume else latest_clean(a.output_dir)                                          # (2)
+    trainer.train(resume_from_checkpoint=resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({"resumed_from": resume, "global_step": trainer.state.global_step}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Trainer checkpoint folders in the ledger, without torch or transformers: the pure decisions (share split,
+retention) and the ledger walks (latest clean past a flipped bit, settling an interrupted save) on real files and a
+real ledger."""
+
+from pathlib import Path
+
+import pytest
+
+from scout_ckpt import manifest, policy
+from scout_ckpt.digests import digest_files
+from scout_ckpt.integrations import folders
+from scout_ckpt.ledger import Ledger
+
+
+def test_shares_balance_bytes_and_cover_every_file_once():
+    files = [("model.safetensors", 1000), ("optimizer.pt", 2000), ("rng_state_0.pth", 10), ("rng_state_1.pth", 10),
+             ("scheduler.pt", 5), ("trainer_state.json", 7)]
+    shares = folders.assign_shares(files, 2)
+    assert sorted(p for s in shares for p in s) == sorted(p for p, _ in files)
+    assert shares[0] == ["optimizer.pt"]  # the largest alone; everything else to the other rank
+    assert folders.assign_shares(files, 1) == [sorted(p for p, _ in files)]
+    assert folders.assign_shares(files, 8)[7] == []  # more ranks than files: some hash nothing
+
+
+@pytest.mark.parametrize("states,limit,best,delete", [
+    ({2: "certified", 4: "rejected"}, 1, None, [4]),                # the rejected newest goes, never the good one
+    ({2: "certified", 4: "certified", 6: "certified"}, 2, None, [2]),
+    ({2: "certified", 4: "certified", 6: "committed"}, 1, None, [2]),  # newer awaiting evidence is kept
+    ({2: "certified", 4: "certified", 6: "certified"}, 1, 2, [4]),  # the Trainer's best model is kept
+    ({2: "quarantined", 4: "certified", 6: "certified"}, 1, None, [4]),
+    ({2: "rejected", 4: "certified", 6: "certified", 8: "certified"}, 3, None, [2]),  # rejected before old good
+])
+def test_retention_plan(states, limit, best, delete):
+    plan = folders.retention_plan(states, limit, also_keep={best} if best else set())
+    assert plan["delete"] == delete
+    newest = max((s for s, st in states.items() if st == "certified"), default=None)
+    assert newest not in plan["delete"] and plan["protected"] == newest
+
+
+def _commit(root: Path, ledger: Ledger, step: int, run_id: str, attempt: str, payload: bytes) -> None:
+    """What ScoutTrainerCallback does for one save, by hand: writing row, files, manifest, commit."""
+    pol = folders.run_policy(1, [])
+    ledger.record_writing(step, run_id, attempt, folders.folder_name(step))
+    d = root / folders.folder_name(step)
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(payload)
+    (d / "trainer_state.json").write_text('{"global_step": %d}' % step)
+    got = digest_files([d / p for p, _ in folders.listing(d)])
+    files = [{"path": Path(p).name, "size": s, "digest": g, "rank": 0} for p, (s, g) in got.items()]
+    ev = {"bytes": policy.evidence(policy.PASS)}
+    m = manifest.build(step=step, run_id=run_id, attempt=attempt, world_size=1, topology={}, policy=pol,
+                       files=files, evidence=ev, verdict={"state": "certified", "reasons": []})
+    digest = manifest.write(d, m)
+    ledger.record_commit(step, run_id=run_id, path=d.name, nbytes=1, manifest_digest=digest, files=files,
+                         evidence=ev, state="certified", reasons=[], attempt=attempt)
+
+
+@pytest.fixture
+def root(tmp_path):
+    root = tmp_path / "out"
+    root.mkdir()
+    with Ledger.open(root, create=True) as led:
+        led.begin_run("r1", world_size=1, topology={}, policy=folders.run_policy(1, []))
+        for step in (2, 4):
+            _commit(root, led, step, "r1", f"a-{step}", bytes(range(256)) * step)
+    return root
+
+
+def test_latest_clean_walks_back_past_a_flipped_bit_and_rejects_it(root):
+    assert folders.latest_clean_row(root)["path"] == str((root / "checkpoint-4").resolve())
+    f = root / "checkpoint-4" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[100] ^= 0x10
+    f.write_bytes(bytes(data))
+    found = folders.latest_clean_row(root)
+    assert found["step"] == 2 and found["skipped"][0]["step"] == 4
+    with Ledger.open(root, readonly=True) as led:
+        row = led.checkpoint(4)
+    assert row["state"] == "rejected" and row["reasons"][0]["code"] == "digest_mismatch"
+
+
+def test_latest_clean_refuses_an_extra_file_and_a_fresh_dir(root, tmp_path):
+    (root / "checkpoint-4" / "stray.bin").write_bytes(b"x")
+    assert folders.latest_clean_row(root)["step"] == 2
+    assert folders.latest_clean_row(tmp_path / "nothing-here") is None
+
+
+def test_settle_rejects_and_removes_an_interrupted_save_and_completes_a_lost_commit(root):
+    with Ledger.open(root) as led:
+        led.record_writing(6, "r2", "b-1", "checkpoint-6")        # killed while the Trainer wrote
+        (root / "checkpoint-6").mkdir()
+        (root / "checkpoint-6" / "model.safetensors").write_bytes(b"half")
+        _commit(root, led, 8, "r2", "b-2", b"whole")               # manifest written, ledger commit lost:
+        led.conn.execute("UPDATE checkpoints SET state='writing' WHERE step=8")
+        settled = folders.settle_writing(led, root)
+        assert {s["step"]: s["state"] for s in settled} == {6: "rejected", 8: "certified"}
+        assert led.checkpoint(6)["reasons"][0]["code"] == "save_interrupted"
+    assert not (root / "checkpoint-6").exists()
+    assert folders.latest_clean_row(root)["step"] == 8
+
+
+def test_apply_retention_marks_rows_deleted_and_removes_folders(root):
+    with Ledger.open(root) as led:
+        out = folders.apply_retention(led, root, 1)
+        assert out["delete"] == [2] and led.checkpoint(2)["state"] == "deleted"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["checkpoint-4"]
+
+
+def test_import_scout_ckpt_imports_no_framework():
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = ("import sys, scout_ckpt, scout_ckpt.integrations, scout_ckpt.integrations.folders, scout_ckpt.cli; "
+            "bad = [m for m in ('transformers', 'torchtitan', 'accelerate', 'torch') if m in sys.modules]; "
+            "assert not bad, bad")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(REPO)},
+                       timeout=120)
+    assert p.returncode == 0, p.stderr

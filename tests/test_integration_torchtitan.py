@@ -1,0 +1,109 @@
+"""ScoutCheckpointManager with TorchTitan 0.3's own model wrapper, optimizer container, LR schedulers and a train
+state, on 2 real gloo ranks: save/purge, load(step=-1) skipping a rejected newest step, a rank killed mid-save,
+async mode committing only after the upload."""
+
+import pytest
+
+pytest.importorskip("torchtitan.components.checkpointer")
+
+from scout_ckpt.launch import run_ranks  # noqa: E402
+from scout_ckpt.ledger import Ledger  # noqa: E402
+from tests import workers_torchtitan as w  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def ranks(root, steps, allow_failures=False, **kw):
+    out = run_ranks(w.train, 2, str(root), steps, timeout=400, allow_failures=allow_failures, **kw)
+    return [o.result for o in out]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tt")
+    return root, ranks(root, 4, keep=3)
+
+
+def test_every_save_certified_and_purge_keeps_newest(saved):
+    root, (r0, r1) = saved
+    assert r0["verdicts"] == r1["verdicts"]
+    assert {s: v["state"] for s, v in r0["verdicts"].items()} == {1: "certified", 2: "certified", 3: "certified",
+                                                                  4: "certified"}
+    with Ledger.open(root / "ckpt", readonly=True) as led:
+        states = {r["step"]: r["state"] for r in led.checkpoints()}
+        ev = led.evidence(4)
+        files = led.files(4)
+    assert states == {1: "deleted", 2: "certified", 3: "certified", 4: "certified"}
+    assert sorted(p.name for p in (root / "ckpt").iterdir() if p.is_dir()) == ["step-2", "step-3", "step-4"]
+    assert ev["consensus"]["status"] == "pass" and ev["invariants"]["status"] == "pass"
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {f["path"] for f in files}
+    assert (root / "ckpt" / "step-4" / ".metadata").is_file()  # TorchTitan's own layout: its tools still read it
+
+
+def test_load_skips_a_rejected_newest_step(saved, tmp_path):
+    import shutil
+
+    root = tmp_path / "run"
+    shutil.copytree(saved[0], root)
+    f = root / "ckpt" / "step-4" / "__0_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    f.write_bytes(bytes(data))
+    r0, r1 = ranks(root, 5, keep=3)
+    assert r0["start"] == r1["start"] == 3  # newest certified whose bytes verify
+    assert r0["fingerprints"][3] == saved[1][0]["fingerprints"][3]  # exactly the state saved at step 3
+    with Ledger.open(root / "ckpt", readonly=True) as led:
+        hist = [h["state"] for h in led.certifications(4)]
+        assert "rejected" in hist and led.checkpoint(4)["state"] == "certified"  # re-saved as a new attempt
+        assert led.checkpoint(5)["state"] == "certified"
+    assert r0["fingerprints"][4] == saved[1][0]["fingerprints"][4]  # the resumed run retraced the same state
+
+
+def test_rank_killed_mid_save_then_resume_from_newest_certified(tmp_path):
+    out = run_ranks(w.train, 2, str(tmp_path), 3, keep=0, kill=(1, 3), timeout=400, allow_failures=True)
+    assert any(o.exitcode != 0 for o in out)
+    with Ledger.open(tmp_path / "ckpt", readonly=True) as led:
+        assert led.checkpoint(3)["state"] == "writing"  # DCP wrote step-3; nothing was certified
+    assert (tmp_path / "ckpt" / "step-3" / ".metadata").is_file()  # TorchTitan's own resume would take it
+    r0, _ = ranks(tmp_path, 3)
+    assert r0["start"] == 2
+    with Ledger.open(tmp_path / "ckpt", readonly=True) as led:
+        hist = [h for h in led.certifications(3) if h["state"] != "writing"]  # verdicts, not attempt starts
+        assert hist[0]["state"] == "rejected" and hist[0]["reasons"][0]["code"] == "save_interrupted"
+        assert led.checkpoint(3)["state"] == "certified"
+
+
+def test_async_commits_only_after_the_upload_completed(tmp_path):
+    r0, r1 = ranks(tmp_path, 3, async_mode="async")
+    # each save() returns after the dispatch; the save of step N is committed when the next save (or close)
+    # has waited for its upload
+    assert [r0["verdicts"][s].get("step") for s in (1, 2, 3)] == [None, 1, 2]
+    assert r0["final"] == r1["final"] == {"step": 3, "state": "certified", "reasons": []}
+    with Ledger.open(tmp_path / "ckpt", readonly=True) as led:
+        assert {r["step"]: r["state"] for r in led.checkpoints()} == {1: "certified", 2: "certified", 3: "certified"}
+    r0, _ = ranks(tmp_path, 3)
+    assert r0["start"] == 3
+
+
+def test_enabled_by_configuration_alone_through_torchtitans_override():
+    from dataclasses import dataclass, field
+
+    from torchtitan.components.checkpointer import BaseCheckpointManager, CheckpointManager
+    from torchtitan.config.configurable import Configurable
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+
+    from scout_ckpt.integrations.torchtitan import ScoutCheckpointManager
+
+    @dataclass(kw_only=True, slots=True)
+    class Root(Configurable.Config):  # stands for Trainer.Config, whose import needs triton (TORCH-NOTES)
+        checkpoint: BaseCheckpointManager.Config = field(
+            default_factory=lambda: CheckpointManager.Config(enable=True, folder="ck", interval=7, keep_latest_k=2))
+
+    root = Root()
+    target = "scout_ckpt.integrations.torchtitan.scout_checkpoint"
+    apply_overrides(OverrideConfig(imports=[(target, {"invariants": ["finite", "frobenius_sphere:params=w:radius=1"]})]),
+                    root)
+    cfg = root.checkpoint
+    assert type(cfg) is ScoutCheckpointManager.Config and cfg._owner is ScoutCheckpointManager
+    assert (cfg.enable, cfg.folder, cfg.interval, cfg.keep_latest_k) == (True, "ck", 7, 2)
+    assert cfg.invariants[1].startswith("frobenius_sphere")

@@ -1,0 +1,156 @@
+"""The real Hugging Face Trainer under real torchrun (2 CPU/gloo ranks, DDP) with ScoutTrainerCallback:
+a healthy run certifies every checkpoint, a flipped bit in the newest model.safetensors sends the resume one folder
+back and the resumed run finishes, a rank killed mid-save resumes from the newest certified folder with the loss
+curve of the uninterrupted run. The script is examples/integrations/hf_trainer.py (tiny GPT-2 from a config)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from scout_ckpt.integrations import folders  # noqa: E402
+from scout_ckpt.integrations.transformers import latest_clean  # noqa: E402
+from scout_ckpt.ledger import Ledger  # noqa: E402
+from tests.conftest import REPO, run_cli  # noqa: E402
+
+pytestmark = pytest.mark.slow
+SCRIPT = REPO / "examples" / "integrations" / "hf_trainer.py"
+STEPS, EVERY, LIMIT = 8, 2, 3
+CORE_PENDING = pytest.mark.xfail(
+    reason="needs the core change for non-DCP folders (verify.py .metadata only for step-N, retention/rebuild "
+           "list checkpoint-N, certify/export read safetensors); see the integrations branch notes",
+    strict=False)
+
+
+def torchrun(out, *extra, restarts=0, cwd=None):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(out),
+           "--steps", str(STEPS), "--save-every", str(EVERY), "--limit", str(LIMIT), *map(str, extra)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=cwd or out.parent)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p
+
+
+def losses(path, attempt=None) -> dict:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if attempt is None or r["attempt"] == attempt}
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hf")
+    out = base / "out"
+    torchrun(out, "--losses", base / "losses.jsonl")
+    return out, losses(base / "losses.jsonl")
+
+
+def test_healthy_run_certifies_every_checkpoint_and_takes_retention_over(healthy):
+    out, _ = healthy
+    with Ledger.open(out, readonly=True) as led:
+        states = {r["step"]: r["state"] for r in led.checkpoints()}
+        history = {s: [h["state"] for h in led.certifications(s)] for s in states}
+        ev = led.evidence(STEPS)
+        files = led.files(STEPS)
+        run = led.runs()[-1]
+    # save_total_limit=3 taken over: the oldest went after the 4th save, by the callback, after certification
+    assert states == {2: "deleted", 4: "certified", 6: "certified", 8: "certified"}
+    assert all("certified" in h for h in history.values()), history
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    assert run["policy"]["require"] == ["bytes", "invariants", "consensus"] and run["world_size"] == 2
+    assert ev["consensus"]["status"] == "pass" and ev["consensus"]["groups"][0]["members"] == [0, 1]
+    assert ev["consensus"]["tensors_compared"] > 50  # model, optimizer moments, scheduler, step
+    assert ev["invariants"]["status"] == "pass"
+    names = {f["path"] for f in files}
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth",
+            "rng_state_1.pth"} <= names
+    assert {f["rank"] for f in files} == {0, 1}  # the digests were split across the ranks
+    m = json.loads((out / "checkpoint-8" / "scout-manifest.json").read_text())
+    assert m["verdict"]["state"] == "certified" and m["layout"] == "hf-trainer"
+    assert latest_clean(out) == str((out / "checkpoint-8").resolve())
+
+
+def test_cli_reads_a_trainer_output_dir(healthy, tmp_path):
+    out, _ = healthy
+    rc, so, _ = run_cli("ls", out, "--json")
+    rows = {r["step"]: r for r in json.loads(so)["checkpoints"]}
+    assert rc == 0 and rows[8]["path"] == "checkpoint-8" and rows[8]["evidence"]["consensus"] == "pass"
+    rc, so, _ = run_cli("explain", out, 8, "--json")
+    assert rc == 0 and json.loads(so)["evidence"]["bytes"]["status"] == "pass"
+    rc, so, _ = run_cli("report", out, "--json")
+    assert rc == 0 and json.loads(so)["events"] == []
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    run_cli("quarantine", copy, 8, "--reason", "operator test", check_rc=0)
+    assert latest_clean(copy) == str((copy / "checkpoint-6").resolve())
+
+
+@CORE_PENDING
+def test_cli_resume_and_certify_on_a_trainer_output_dir(healthy, tmp_path):
+    copy = tmp_path / "out"
+    shutil.copytree(healthy[0], copy)
+    rc, so, se = run_cli("resume", copy, "--latest-clean")
+    assert (rc, so.strip()) == (0, str((copy / "checkpoint-8").resolve())), se
+    rc, so, se = run_cli("certify", copy, "--json")
+    assert rc == 0 and json.loads(so)["certified"], so + se
+
+
+@CORE_PENDING
+def test_cli_gc_export_and_rebuild_on_a_trainer_output_dir(healthy, tmp_path):
+    copy = tmp_path / "out"
+    shutil.copytree(healthy[0], copy)
+    rc, so, se = run_cli("gc", copy, "--keep", "1", "--json")
+    assert rc == 0 and json.loads(so)["delete"] == [4, 6], so + se
+    rc, so, se = run_cli("export", copy, "--latest-clean", "--out", tmp_path / "w.safetensors", "--json")
+    assert rc == 0 and json.loads(so)["step"] == 8, so + se
+    rc, so, se = run_cli("ledger", "rebuild", copy, "--json")
+    assert rc == 0 and [r["state"] for r in json.loads(so)["checkpoints"]] == ["certified"], so + se
+
+
+def test_bit_flip_in_newest_model_resumes_from_previous_and_finishes(healthy, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(healthy[0], out)
+    f = out / "checkpoint-8" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    f.write_bytes(bytes(data))
+    assert latest_clean(out) == str((out / "checkpoint-6").resolve())
+    with Ledger.open(out, readonly=True) as led:
+        row = led.checkpoint(8)
+    assert row["state"] == "rejected" and row["reasons"][0]["code"] == "digest_mismatch"
+    assert row["reasons"][0]["file"] == "model.safetensors"
+    p = torchrun(out, "--losses", tmp_path / "losses.jsonl")
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"resumed_from": str((out / "checkpoint-6").resolve()),
+                                                              "global_step": STEPS}
+    after = losses(tmp_path / "losses.jsonl")
+    assert sorted(after) == [7, 8]
+    assert after == pytest.approx({s: healthy[1][s] for s in after}, rel=1e-6, abs=0)
+    with Ledger.open(out, readonly=True) as led:
+        assert led.checkpoint(8)["state"] == "certified"  # the re-save is a new attempt; the old one's history kept
+        verdicts = [h["state"] for h in led.certifications(8) if h["state"] != "writing"]  # not attempt starts
+        assert verdicts[-2:] == ["rejected", "certified"]
+
+
+def test_rank_killed_mid_save_resumes_from_newest_certified_with_the_same_losses(healthy, tmp_path):
+    out = tmp_path / "out"
+    lf = tmp_path / "losses.jsonl"
+    # rank 1 dies in on_save of step 6: the Trainer wrote checkpoint-6 (its own resume would take it), scout-ckpt
+    # had not certified it; torchrun restarts both ranks
+    p = torchrun(out, "--losses", lf, "--kill-rank", 1, "--kill-step", 6, restarts=1)
+    assert json.loads(p.stdout.strip().splitlines()[-1])["resumed_from"] == str((out / "checkpoint-4").resolve())
+    with Ledger.open(out, readonly=True) as led:
+        hist6 = [h for h in led.certifications(6) if h["state"] != "writing"]  # verdicts, not attempt starts
+        assert led.checkpoint(6)["state"] == "certified" and led.checkpoint(8)["state"] == "certified"
+    assert hist6[0]["state"] == "rejected" and hist6[0]["reasons"][0]["code"] == "save_interrupted"
+    resumed = losses(lf, attempt=1)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    # the same curve as the uninterrupted run (observed bitwise equal here; DDP's bucket rebuild may change the
+    # summation order of the first step after a restart, TORCH-NOTES, hence a relative tolerance)
+    assert resumed == pytest.approx({s: healthy[1][s] for s in resumed}, rel=1e-6, abs=0)
+    assert losses(lf, attempt=0) == pytest.approx({s: healthy[1][s] for s in losses(lf, attempt=0)}, rel=1e-6)
