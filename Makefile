@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml
 	# torch pinned here: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# The integrations' tests run against the versions they were written with (pinned, CPU torch kept).
+	$(BIN)/pip install -q transformers==5.24.0 accelerate==1.15.0 torchtitan==0.3.0 torch==2.13.0
 	touch $(STAMP)
 
 install: $(STAMP)

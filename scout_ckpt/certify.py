@@ -35,9 +35,17 @@ def offline_invariants(step_dir: Path, specs: list) -> dict | None:
     if not specs:
         return None
     from scout_ckpt import invariants
-    from scout_ckpt.dcp_files import read_tensors
+    from scout_ckpt.layout import is_folder_dir
 
-    return invariants.run_offline(invariants.parse_specs(specs), read_tensors(step_dir, include_bytes=True))
+    if is_folder_dir(step_dir):  # a Trainer checkpoint-N folder (scout_ckpt.integrations.folders)
+        from scout_ckpt.integrations.folder_tensors import read_tensors as read_folder
+
+        tensors = read_folder(step_dir)
+    else:
+        from scout_ckpt.dcp_files import read_tensors
+
+        tensors = read_tensors(step_dir, include_bytes=True)
+    return invariants.run_offline(invariants.parse_specs(specs), tensors)
 
 
 def _summary(ledger: Ledger, step: int, **extra) -> dict:

@@ -109,6 +109,8 @@ def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLik
     if not step_dir.is_dir():
         raise NotClean(f"{step_dir}: checkpoint directory is missing")
     _verify(step_dir, files)
+    if layout.is_folder_dir(step_dir):
+        return _export_folder(step_dir, row, files, Path(out_path), prefix=prefix, max_shard_bytes=max_shard_bytes)
 
     from scout_ckpt.dcp_files import load_metadata, read_tensors
 
@@ -127,6 +129,29 @@ def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLik
         tensors = {k: v for k, v in tensors.items() if _is_param(k)}
     if not tensors:
         raise BadInput(f"{step_dir}: no tensors under prefix {prefix!r}")
+    return _write(tensors, row, files, Path(out_path), prefix, max_shard_bytes)
+
+
+def _export_folder(step_dir: Path, row: dict, files: list[dict], out_path: Path, *, prefix: str | None,
+                   max_shard_bytes: int | None) -> dict:
+    """A Trainer `checkpoint-N` folder: its model safetensors files, once verified, are the weights."""
+    from scout_ckpt.integrations.folder_tensors import model_files, read_model_tensors
+
+    used = set(model_files(step_dir))
+    if not used <= {f["path"] for f in files}:
+        raise NotClean(f"{step_dir}: files not covered by the recorded digests: "
+                       f"{sorted(used - {f['path'] for f in files})}")
+    tensors = read_model_tensors(step_dir)
+    if prefix:
+        tensors = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    if not tensors:
+        raise BadInput(f"{step_dir}: no tensors under prefix {prefix!r}")
+    return _write(tensors, row, files, out_path, prefix or "", max_shard_bytes)
+
+
+def _write(tensors: dict, row: dict, files: list[dict], out_path: Path, prefix: str,
+           max_shard_bytes: int | None) -> dict:
+    step = row["step"]
     meta = {"format": "pt", "scout.step": str(step), "scout.run_id": str(row.get("run_id")),
             "scout.state": str(row["state"]), "scout.manifest_digest": str(row.get("manifest_digest")),
             "scout.prefix": prefix, "scout.files": json.dumps({f["path"]: f["digest"] for f in files},
@@ -162,5 +187,4 @@ def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLik
         written.append(str(index))
     layout.fsync_dir(out_path.parent)
     return {"step": step, "state": row["state"], "run_id": row.get("run_id"), "prefix": prefix,
-            "tensors": len(tensors), "bytes": total, "files": written, "forced": bool(force and
-                                                                                    row["state"] != "certified")}
+            "tensors": len(tensors), "bytes": total, "files": written, "forced": row["state"] != "certified"}

@@ -48,6 +48,21 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def is_folder_dir(path: str | os.PathLike) -> bool:
+    """A Hugging Face Trainer `checkpoint-N` folder of plain files (scout_ckpt.integrations.folders), which has no
+    DCP `.metadata`; every other checkpoint directory is DCP (fail closed: an unknown name must have one)."""
+    from scout_ckpt.integrations.folders import parse_folder
+
+    return parse_folder(Path(path).name) is not None
+
+
+def list_checkpoint_dirs(root: str | os.PathLike) -> dict[int, Path]:
+    """Every checkpoint directory under root: DCP `step-N` and Trainer `checkpoint-N` (a DCP one wins a tie)."""
+    from scout_ckpt.integrations.folders import list_folders
+
+    return dict(sorted({**list_folders(root), **list_step_dirs(root)}.items()))
+
+
 def list_step_dirs(root: str | os.PathLike) -> dict[int, Path]:
     """Every `step-N` directory under root (any zero padding, TorchTitan's `step-N` included)."""
     out: dict[int, Path] = {}

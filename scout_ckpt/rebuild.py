@@ -29,7 +29,7 @@ from pathlib import Path
 
 from scout_ckpt import journal, manifest, policy
 from scout_ckpt.errors import BadInput, LedgerError, ScoutError
-from scout_ckpt.layout import LEDGER_NAME, dir_bytes, fsync_dir, list_step_dirs
+from scout_ckpt.layout import LEDGER_NAME, dir_bytes, fsync_dir, list_checkpoint_dirs
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.verify import verify_files
 
@@ -171,7 +171,7 @@ def rebuild(root: str | os.PathLike, *, verify: bool = True) -> dict:
     root = Path(root)
     if not root.is_dir():
         raise BadInput(f"{root}: {'not a directory' if root.exists() else 'no such directory'}")
-    steps = list_step_dirs(root)
+    steps = list_checkpoint_dirs(root)
     manifests = {}
     skipped = []
     for step, d in steps.items():

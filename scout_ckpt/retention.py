@@ -73,7 +73,7 @@ def plan(ledger: Ledger, root: Path, keep: int) -> dict:
     """{"delete": [steps], "keep": [steps], "protected": step|None, "reasons": {step: why kept},
     "partial": [{"path", "owner", "alive"}]}; no side effects. Directories the ledger does not know (e.g.
     foreign step-N folders) are left alone: not ours to delete."""
-    on_disk = layout.list_step_dirs(root)
+    on_disk = layout.list_checkpoint_dirs(root)
     states = {r["step"]: r["state"] for r in ledger.checkpoints() if r["step"] in on_disk}
     p = decide(states, keep)
     return {"delete": sorted(p.delete), "keep": sorted(p.keep), "protected": p.protected,

@@ -17,7 +17,7 @@ from typing import Callable
 
 from scout_ckpt.digests import digest_files, relpaths
 from scout_ckpt.errors import BadInput
-from scout_ckpt.layout import DCP_METADATA, MANIFEST_NAME
+from scout_ckpt.layout import DCP_METADATA, MANIFEST_NAME, is_folder_dir
 from scout_ckpt.policy import FAIL, PASS, evidence
 from scout_ckpt.safepaths import clip, inside, is_regular, relpath_problem
 
@@ -31,7 +31,7 @@ def checkpoint_dir(root: str | os.PathLike, rel: str) -> Path:
 
 
 def verify_files(step_dir: Path, files: list[dict], *, expect_complete: bool = True,
-                 progress: Callable[[int], None] | None = None) -> dict:
+                 progress: Callable[[int], None] | None = None, dcp: bool | None = None) -> dict:
     """Bytes evidence: every recorded file present with its size and digest; nothing missing or extra.
 
     `files` are {"path", "size", "digest"} rows (from the ledger or the manifest). With expect_complete the
@@ -73,7 +73,8 @@ def verify_files(step_dir: Path, files: list[dict], *, expect_complete: bool = T
                             "expected": f["digest"], "actual": digest})
     if expect_complete:
         recorded = {f["path"] for f in files}
-        if DCP_METADATA not in recorded:
+        # a Trainer checkpoint-N folder has no DCP .metadata; any other directory must (fail closed)
+        if (not is_folder_dir(step_dir) if dcp is None else dcp) and DCP_METADATA not in recorded:
             reasons.append({"code": "missing_file", "file": DCP_METADATA})
         for extra in sorted(set(relpaths(step_dir)) - recorded - {MANIFEST_NAME}):
             reasons.append({"code": "unexpected_file", "file": extra})

@@ -21,10 +21,6 @@ from tests.conftest import REPO, run_cli  # noqa: E402
 pytestmark = pytest.mark.slow
 SCRIPT = REPO / "examples" / "integrations" / "hf_trainer.py"
 STEPS, EVERY, LIMIT = 8, 2, 3
-CORE_PENDING = pytest.mark.xfail(
-    reason="needs the core change for non-DCP folders (verify.py .metadata only for step-N, retention/rebuild "
-           "list checkpoint-N, certify/export read safetensors); see the integrations branch notes",
-    strict=False)
 
 
 def torchrun(out, *extra, restarts=0, cwd=None):
@@ -91,7 +87,6 @@ def test_cli_reads_a_trainer_output_dir(healthy, tmp_path):
     assert latest_clean(copy) == str((copy / "checkpoint-6").resolve())
 
 
-@CORE_PENDING
 def test_cli_resume_and_certify_on_a_trainer_output_dir(healthy, tmp_path):
     copy = tmp_path / "out"
     shutil.copytree(healthy[0], copy)
@@ -101,7 +96,6 @@ def test_cli_resume_and_certify_on_a_trainer_output_dir(healthy, tmp_path):
     assert rc == 0 and json.loads(so)["certified"], so + se
 
 
-@CORE_PENDING
 def test_cli_gc_export_and_rebuild_on_a_trainer_output_dir(healthy, tmp_path):
     copy = tmp_path / "out"
     shutil.copytree(healthy[0], copy)
