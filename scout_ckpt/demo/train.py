@@ -255,7 +255,10 @@ def train(args: WorkerArgs, store=None, timings: dict | None = None) -> dict | N
     ckpt = Checkpointer(
         root, model=model, optimizer=opt, mode=args.mode,
         mesh_shape=(args.mesh_shape or default_mesh_shape(world)) if args.mode == "hsdp" else None,
-        async_save=args.async_save, replay={"interval": 1} if args.replay else None,
+        async_save=args.async_save,
+        replay={"interval": 1, "save_every": args.save_every} if args.replay else None,
+        # every shard's update replayed within one save interval, so each save is certified at its commit
+        shard_evidence={"cycle": args.save_every} if args.mode != "ddp" else None,
         observer={"stall_s": args.stall_s, "action": "abort"}, invariants=invariants_for(args, model),
         fault_hook=injector.fault_hook)
     timings["checkpointer"] = time.time()
