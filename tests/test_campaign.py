@@ -14,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_campaign_quick_has_no_bad_resume_and_no_torture_violation(tmp_path):
     cmd = [sys.executable, str(REPO / "bench" / "campaign.py"), "--quick", "--json", "--seed", "3",

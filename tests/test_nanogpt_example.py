@@ -49,6 +49,7 @@ def test_nanogpt_killed_rank_resumes_exact_saved_state(tmp_path):
     assert rc == 0 and stdout.strip().endswith("step-00000012")
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_nanogpt_wrapped_or_unwrapped_model_gives_the_same_replay_targets(tmp_path):
     from scout_ckpt.ledger import Ledger

@@ -61,6 +61,7 @@ def run_ids(rep: dict) -> list[str]:
     return [r["id"] for r in sorted(rep["runs"], key=lambda r: r["started"])]
 
 
+@pytest.mark.scenario
 def test_ddp_job_hang_desync_crash_and_straggler_under_torchrun(tmp_path):
     """3 ranks, DDP: rank 2 hangs before backward; then rank 1 issues an extra all_reduce; then rank 1 is
     SIGKILLed; then rank 2 computes 3x as long every step. Each is named, each aborted generation is resumed
@@ -95,6 +96,7 @@ def test_ddp_job_hang_desync_crash_and_straggler_under_torchrun(tmp_path):
     assert took < PG_TIMEOUT
 
 
+@pytest.mark.scenario
 def test_fsdp2_job_hang_in_optimizer_and_desync_under_torchrun(tmp_path):
     """3 ranks, FSDP2 (fully_shard per layer): rank 0 hangs inside its optimizer step; then rank 2 issues an
     extra all_reduce; the last generation is healthy and reports nothing."""
