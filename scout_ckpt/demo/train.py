@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
+from scout_ckpt.app_state import RNGState
 from scout_ckpt.demo.data import DataStream, MarkovDomains, OnlineMixer
 from scout_ckpt.demo.faults import MARKER_DIR, Injector, parse_all
 from scout_ckpt.demo.model import TinyTransformer, retract_to_sphere, sphere_deviation
@@ -81,32 +82,6 @@ def default_mesh_shape(world: int) -> tuple[int, int]:
 
 
 # ---- state -----------------------------------------------------------------------------------------------------
-
-
-class RNGState(Stateful):
-    """Every RNG the job could draw from, as fixed-shape tensors (no pickled objects in the checkpoint).
-    All ranks seed identically, so the state is replicated and DCP stores one copy."""
-
-    def state_dict(self) -> dict:
-        _, mt, gauss = random.getstate()
-        _, keys, pos, has_gauss, cached = np.random.get_state()
-        sd = {"torch": torch.get_rng_state(),
-              "python": torch.tensor(mt, dtype=torch.int64),
-              "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
-              "numpy": torch.from_numpy(keys.astype(np.int64)),
-              "numpy_extra": torch.tensor([pos, has_gauss, cached], dtype=torch.float64)}
-        if torch.cuda.is_available():
-            sd["cuda"] = torch.cuda.get_rng_state()
-        return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        torch.set_rng_state(sd["torch"])
-        has_next, next_gauss = sd["python_gauss"].tolist()
-        random.setstate((3, tuple(int(v) for v in sd["python"].tolist()), next_gauss if has_next else None))
-        pos, has_gauss, cached = sd["numpy_extra"].tolist()
-        np.random.set_state(("MT19937", sd["numpy"].numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
-        if "cuda" in sd and torch.cuda.is_available():
-            torch.cuda.set_rng_state(sd["cuda"])
 
 
 class AppState(Stateful):
