@@ -68,6 +68,7 @@ def test_bad_options_fail_before_starting(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_hang_is_detected_killed_and_restarted(tmp_path):
     """Rank 1 blocks forever before step 6's first collective; the job is killed and restarted, the hang is in

@@ -107,6 +107,7 @@ def test_cli_gc_export_and_rebuild_on_a_trainer_output_dir(healthy, tmp_path):
     assert rc == 0 and [r["state"] for r in json.loads(so)["checkpoints"]] == ["certified"], so + se
 
 
+@pytest.mark.scenario
 def test_bit_flip_in_newest_model_resumes_from_previous_and_finishes(healthy, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(healthy[0], out)

@@ -121,6 +121,7 @@ def test_fsdp_param_flip_is_attributed_and_crash_resume_is_bitwise(tmp_path, fsd
     _assert_same_final_state(r, fsdp_clean)
 
 
+@pytest.mark.scenario
 @pytest.mark.slow
 def test_ddp_mixing_drift_is_named_by_consensus_and_crash_resume_is_bitwise(tmp_path, ddp_clean):
     """Rank 2's mixture weights drift after step 6 (still on the simplex): consensus at the step-8 save names

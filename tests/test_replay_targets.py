@@ -4,7 +4,6 @@ within a cycle; the save-boundary sweep gives a checkpoint complete replay evide
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -175,8 +174,7 @@ def test_wrapped_models_are_discovered_and_replayed_on_two_ranks(kind):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("SCOUT_COMPILE_TESTS") != "1",
-                    reason="compiles a model (35-40 s on a loaded 2-core machine); SCOUT_COMPILE_TESTS=1 runs it")
+@pytest.mark.scenario  # compiles a model: 35-40 s on a loaded 2-core machine (make scenarios runs it)
 def test_whole_model_compile_under_ddp_is_captured_on_eager_steps():
     """nanoGPT: DDP(torch.compile(model)). Dynamo ignores hooks added after compiling, so the steps with a capture
     armed run eagerly; every target replays (rotation at 2 and 3, sweep of all at 3)."""
