@@ -13,7 +13,6 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from scout_ckpt.integrations import folders  # noqa: E402
 from scout_ckpt.integrations.transformers import latest_clean  # noqa: E402
 from scout_ckpt.ledger import Ledger  # noqa: E402
 from tests.conftest import REPO, run_cli  # noqa: E402
