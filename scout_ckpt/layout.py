@@ -63,16 +63,21 @@ def list_checkpoint_dirs(root: str | os.PathLike) -> dict[int, Path]:
     return dict(sorted({**list_folders(root), **list_step_dirs(root)}.items()))
 
 
-def list_step_dirs(root: str | os.PathLike) -> dict[int, Path]:
-    """Every `step-N` directory under root (any zero padding, TorchTitan's `step-N` included)."""
+def scan_dirs(root: str | os.PathLike, parse) -> dict[int, Path]:
+    """Every directory under root (symlinks not followed) whose name `parse` maps to a step, by step."""
     out: dict[int, Path] = {}
     root = Path(root)
     with os.scandir(root) as it:
         for entry in it:
-            step = parse_step_dir(entry.name)
+            step = parse(entry.name)
             if step is not None and entry.is_dir(follow_symlinks=False):
                 out[step] = root / entry.name
     return dict(sorted(out.items()))
+
+
+def list_step_dirs(root: str | os.PathLike) -> dict[int, Path]:
+    """Every `step-N` directory under root (any zero padding, TorchTitan's `step-N` included)."""
+    return scan_dirs(root, parse_step_dir)
 
 
 def list_tmp_dirs(root: str | os.PathLike) -> list[Path]:

@@ -21,7 +21,7 @@ from scout_ckpt import manifest as manifest_mod
 from scout_ckpt import policy
 from scout_ckpt.digests import relpaths
 from scout_ckpt.errors import BadInput
-from scout_ckpt.layout import MANIFEST_NAME, dir_bytes, remove_dir
+from scout_ckpt.layout import MANIFEST_NAME, dir_bytes, remove_dir, scan_dirs
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.recovery import trusted_manifest
 from scout_ckpt.verify import verify_files
@@ -43,14 +43,7 @@ def parse_folder(name: str) -> int | None:
 
 def list_folders(root: str | os.PathLike) -> dict[int, Path]:
     """Every `checkpoint-N` directory under root, by step."""
-    root = Path(root)
-    out = {}
-    with os.scandir(root) as it:
-        for e in it:
-            step = parse_folder(e.name)
-            if step is not None and e.is_dir(follow_symlinks=False):
-                out[step] = root / e.name
-    return dict(sorted(out.items()))
+    return scan_dirs(root, parse_folder)
 
 
 def run_policy(world_size: int, invariant_specs: list) -> dict:
