@@ -29,6 +29,7 @@ from scout_ckpt import commit, journal, policy
 from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
 from scout_ckpt.health_evidence import health_evidence
+from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS, ShardEvidence
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import save_time_consensus
@@ -138,8 +139,8 @@ class Checkpointer:
                 self.replay.begin(0)
         self._replay_events_seen = 0
         self._inv_previous: dict | None = None
-        self.shard_replay = self.shard_log = self.at_rest = None
-        self._start_shard_evidence(shard_evidence, timeout_s)
+        self.shard = ShardEvidence.start(shard_evidence, mode=self.mode, model=model, optimizer=optimizer,
+                                         group=self._pg, timeout_s=timeout_s)
         self.policy = self._policy()
         self._warn_if_never_certifies()
         self.topology = {k: topo[k] for k in ("mode", "world_size", "mesh_shape", "mesh_dim_names", "dim_roles",
@@ -188,14 +189,14 @@ class Checkpointer:
         if self.finite or self.checks:
             require.append("invariants")
         allow_na = []
-        if self.shard_replay is not None:
-            require += ["shard_replay", "at_rest"]
+        if self.shard is not None:
+            require += list(SHARD_KINDS)
         if self.consensus:
             require.append("consensus")
             # Single-owner shards (pure FSDP) have no replica to compare with: only checks that pin a tensor's
             # values down can vouch for them (invariants.VOUCHES; `finite` and `monotone` never do), or the
             # cross-rank replay of every shard's update together with the at-rest check.
-            if any(c.vouches for c in self.checks) or (self.shard_replay is not None and self.mode.startswith("fsdp")):
+            if any(c.vouches for c in self.checks) or (self.shard is not None and self.mode.startswith("fsdp")):
                 allow_na.append("consensus")
         if self.replay is not None:
             require.append("replay")
@@ -203,32 +204,6 @@ class Checkpointer:
         return {"require": require, "allow_not_applicable": allow_na,
                 "invariants": [c.spec for c in self.checks] + finite,
                 "replay_targets": [list(t) for t in self.replay.targets()] if self.replay else []}
-
-    def _start_shard_evidence(self, cfg: dict | bool | None, timeout_s: float) -> None:
-        """Sharded state (FSDP2, HSDP): cross-rank replay of each shard's optimizer update and the at-rest check
-        (replay/shard_optimizer.py, at_rest.py). On by default where parameters are sharded; an optimizer it
-        cannot replay bit for bit (fused, or not Adam/AdamW/SGD) turns it off with a WARNING when defaulted and
-        is refused when asked for. Collective: creates its side groups now, in the same order on every rank."""
-        sharded = self.mode.startswith(("fsdp", "hsdp"))
-        if cfg is None:
-            cfg = sharded
-        if not cfg or self.model is None or self.optimizer is None:
-            return
-        from scout_ckpt.at_rest import AtRestGuard
-        from scout_ckpt.replay.shard_optimizer import ShardUpdateReplay, UnsupportedOptimizer, check_supported
-        from scout_ckpt.replay.shard_plan import ShardReplayLog
-
-        try:
-            check_supported(self.optimizer)
-        except UnsupportedOptimizer as e:
-            if isinstance(cfg, dict) or cfg is True and not sharded:
-                raise ScoutError(f"shard evidence: {e}") from None
-            scout_log.logger.warning("shard evidence is off: %s", e)
-            return
-        opts = dict(cfg) if isinstance(cfg, dict) else {}
-        self.shard_replay = ShardUpdateReplay(self.optimizer, self.model, timeout_s=timeout_s, **opts)
-        self.shard_log = ShardReplayLog(self.shard_replay.cycle)
-        self.at_rest = AtRestGuard(self.optimizer, self.model, group=self._pg)
 
     def _warn_if_never_certifies(self) -> None:
         """A run whose policy can never be met should say so at start-up, not after a week of `committed`."""
@@ -272,8 +247,8 @@ class Checkpointer:
         self._raise_pending_error()
         if self.observer is not None:
             self.observer.step(step, duration_s=self.last_step_s)
-        if self.shard_replay is not None:
-            self._record_shard_faults(self.shard_log.add(self.shard_replay.on_step(step)))
+        if self.shard is not None:
+            self._record_shard_faults(self.shard.on_step(step))
         if self.replay is not None:
             rows = self.replay.on_step(step)
             events = self.replay.events()
@@ -286,7 +261,7 @@ class Checkpointer:
 
     def _record_shard_faults(self, bad: list[dict]) -> None:
         """Coordinator: a shard whose update did not recompute bit for bit is an `sdc` event naming the rank; the
-        save evidence (shard_log.evidence) rejects every checkpoint the fault's window reaches."""
+        save evidence (ShardEvidence.live) rejects every checkpoint the fault's window reaches."""
         if not (bad and self.is_coordinator):
             return
         for r in bad:
@@ -309,8 +284,8 @@ class Checkpointer:
         constraint set, an EMA written back) and before the next save: the at-rest check then takes the new values
         as the legitimate ones instead of reporting them as changed at rest. Local, cheap; a no-op without
         shard evidence."""
-        if self.at_rest is not None:
-            self.at_rest.resign()
+        if self.shard is not None:
+            self.shard.resign()
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -363,8 +338,8 @@ class Checkpointer:
         pending = self._committer.begin(step, attempt, self._pg)
         self._hook("before_write", step)
 
-        if self.shard_replay is not None:
-            self._record_shard_faults(self.shard_log.add(self.shard_replay.flush()))
+        if self.shard is not None:
+            self._record_shard_faults(self.shard.flush())
         flat = _materialize(state)
         live = self._live_evidence(step, flat)
         writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
@@ -387,9 +362,8 @@ class Checkpointer:
             res = inv.run_local(self.checks, inv.flatten(flat), group=self._pg, previous=self._inv_previous)
             self._inv_previous = res.get("values") or self._inv_previous
             ev["invariants"] = res
-        if self.at_rest is not None:
-            ev["at_rest"] = self.at_rest.check(step)
-            ev["shard_replay"] = self.shard_log.evidence(step)
+        if self.shard is not None:
+            ev.update(self.shard.live(step))
         if self.verify_load:
             ev["signatures"] = full_signatures(flat, group=self._pg, plain="replica")
         if self.replay is not None and self.is_coordinator:
@@ -550,10 +524,8 @@ class Checkpointer:
                               seconds=time.monotonic() - t0)
             if self.replay is not None:
                 self.replay.begin(cand["step"])
-            if self.shard_replay is not None:
-                self.shard_replay.begin(cand["step"])
-                self.shard_log.reset()
-                self.at_rest.resign()
+            if self.shard is not None:
+                self.shard.after_load(cand["step"])
             return cand["step"]
 
     def _candidate(self, below: int | None) -> dict | None:
@@ -608,9 +580,8 @@ class Checkpointer:
                 self._committer.flush()
             if self.replay is not None:
                 self.replay.close()
-            if self.shard_replay is not None:
-                self.shard_log.add(self.shard_replay.close())
-                self.at_rest.close()
+            if self.shard is not None:
+                self.shard.close()
             if self.observer is not None:
                 self.observer.stop()
             if self.ledger is not None:
