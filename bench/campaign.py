@@ -43,6 +43,12 @@ import torture  # noqa: E402
 
 KINDS = ("sdc", "param", "hang", "slow", "crash", "bitflip", "truncate", "delete", "quarantine_race",
          "load_mismatch")
+# Scenarios that run outside the demo (users' scripts under real torchrun) live in their own modules next to this
+# one. Each defines SCENARIOS = {kind: {"plan": f(i, rng, world_sizes) -> dict, "run": f(inc, work) -> record,
+# "false_positive": f(healthy_record) -> bool}} and may define HEALTHY = {name: f(work, seed) -> healthy record};
+# records carry the keys run_load_mismatch / judge_healthy produce (healthy ones also id, mode, async, ranks). A
+# module that is absent adds nothing.
+EXTENSIONS = ("campaign_fsdp", "campaign_torchrun")
 NON_DEMO = ("truncate", "delete", "quarantine_race", "load_mismatch")  # run outside the demo job
 DETECTOR = {"sdc": ("sdc",), "param": ("sdc",), "hang": ("hang",), "slow": ("straggler",), "crash": ("crash",)}
 ALARM_KINDS = ("sdc", "hang", "straggler", "crash", "desync")
@@ -59,6 +65,24 @@ QUICK_PER_KIND = 1
 
 
 # ---- plan ---------------------------------------------------------------------------------------------------
+
+
+def extensions() -> tuple[dict, dict]:
+    """(scenarios by kind, healthy controls by name) of every extension module present."""
+    import importlib
+
+    scenarios, healthy = {}, {}
+    for name in EXTENSIONS:
+        if not (Path(__file__).resolve().parent / f"{name}.py").exists():
+            continue
+        mod = importlib.import_module(name)
+        scenarios.update(getattr(mod, "SCENARIOS", {}))
+        healthy.update({f"{name}:{k}": v for k, v in getattr(mod, "HEALTHY", {}).items()})
+    return scenarios, healthy
+
+
+def all_kinds() -> tuple[str, ...]:
+    return KINDS + tuple(k for k in extensions()[0] if k not in KINDS)
 
 
 def plan_incidents(counts: dict[str, int], n_healthy: int, seed: int,
@@ -106,6 +130,10 @@ def plan_incidents(counts: dict[str, int], n_healthy: int, seed: int,
             elif kind == "load_mismatch":
                 inc["ranks"] = ranks
                 inc["demo"] = None  # a user's script under real torchrun, not the demo
+            elif kind in extensions()[0]:
+                inc.update(extensions()[0][kind]["plan"](i, rng, world_sizes))
+                inc["demo"] = None
+                inc["extension"] = True
             plan.append(inc)
     return plan
 
@@ -425,6 +453,9 @@ def _fp_of(kind: str, h: dict) -> bool:
         return bool(rej.get("invariant_failed") or rej.get("at_rest_changed"))
     if kind in ("quarantine_race", "load_mismatch"):
         return False  # no detector runs on a healthy control for these
+    ext = extensions()[0].get(kind)
+    if ext is not None:
+        return bool(ext["false_positive"](h))
     if kind == "hang":
         return bool(ev.get("hang") or ev.get("desync"))
     if kind == "slow":
@@ -493,8 +524,24 @@ def run_campaign(counts: dict[str, int], n_healthy: int, seed: int, torture_iter
                       f"blamed={rec['blamed']} truth={rec['truth']} latency={rec['latency_s']} "
                       f"resume={rec['resume_step']}{' BAD RESUME' if rec.get('bad_resume') else ''}"
                       f" ({time.monotonic() - t1:.0f}s)")
+        ext_scenarios, ext_healthy = extensions()
+        if any(inc.get("extension") for inc in plan):
+            for name, make in ext_healthy.items():
+                t1 = time.monotonic()
+                rec = make(work / name.replace(":", "-"), seed)
+                healthy.append(rec)
+                C.log(f"{rec['id']}: {'FALSE POSITIVE ' + json.dumps(rec['alarms']) if rec['false_positive'] else 'clean'}"
+                      f" resume={rec.get('resume_step')} ({time.monotonic() - t1:.0f}s)")
         for inc in plan:
             if inc["demo"] is not None:
+                continue
+            if inc.get("extension"):
+                t1 = time.monotonic()
+                rec = ext_scenarios[inc["kind"]]["run"](inc, work)
+                incidents.append(rec)
+                C.log(f"{inc['id']}: detected={rec['detected']} blamed={rec.get('blamed')} truth={rec.get('truth')} "
+                      f"latency={rec.get('latency_s')} resume={rec.get('resume_step')}"
+                      f"{' BAD RESUME' if rec.get('bad_resume') else ''} ({time.monotonic() - t1:.0f}s)")
                 continue
             if inc["kind"] == "load_mismatch":
                 rec = run_load_mismatch(inc, work)
@@ -588,16 +635,17 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help=f"{QUICK_PER_KIND} incident per kind, 5 torture iterations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="directory for campaign.json/.md (default bench/results)")
-    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(all_kinds())}"
+                                                            " (default: the demo's and byte kinds)")
     p.add_argument("--per-kind", type=int, default=None, help=f"incidents per kind (default {FULL_PER_KIND}, "
                                                               f"--quick {QUICK_PER_KIND})")
     p.add_argument("--healthy", type=int, default=None, help="healthy control runs (default 6, --quick 1)")
     p.add_argument("--torture", type=int, default=None, help="SIGKILLs the torture must land (default 100, --quick 5); details in torture.json")
     args = p.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in KINDS]
+    unknown = [k for k in kinds if k not in all_kinds()]
     if unknown:
-        C.fail(f"--kinds: unknown {', '.join(unknown)} (one of {', '.join(KINDS)})")
+        C.fail(f"--kinds: unknown {', '.join(unknown)} (one of {', '.join(all_kinds())})")
     per_kind = args.per_kind if args.per_kind is not None else (QUICK_PER_KIND if args.quick else FULL_PER_KIND)
     n_healthy = args.healthy if args.healthy is not None else (1 if args.quick else 6)
     torture_iters = args.torture if args.torture is not None else (5 if args.quick else 100)
