@@ -3,6 +3,13 @@
 Write discipline (TORCH-NOTES, SQLite): one writer at a time, every write in `BEGIN IMMEDIATE` with a busy
 timeout, because a deferred transaction that reads then writes fails at once under another writer in WAL mode.
 Read-only users open with `mode=ro` and never migrate or modify anything.
+
+Journal mode (ledger/fsdetect.py): WAL on a local disk, the rollback journal (DELETE) on a network or FUSE
+filesystem, where WAL's shared-memory index is not shared between hosts. A writer puts the database into the mode
+it needs (a new ledger is created in it); on a network filesystem it refuses to write a ledger it cannot take out
+of WAL. Every writer commits with synchronous=FULL. A reader never changes the mode; it refuses (LedgerUnavailable)
+a WAL ledger on a network filesystem, and waits at most SCOUT_CKPT_READ_BUSY_TIMEOUT (default 5 s) for a lock, so
+that restart tooling can fall back to the manifests (scout_ckpt/disk_view.py) instead of blocking.
 """
 
 from __future__ import annotations
@@ -24,14 +31,40 @@ if TYPE_CHECKING:
 
 from scout_ckpt.errors import LedgerError, Quarantined
 from scout_ckpt.layout import LEDGER_NAME
+from scout_ckpt.ledger import fsdetect
 from scout_ckpt.ledger.schema import MIGRATIONS, SCHEMA_VERSION
 from scout_ckpt.ledger.transitions import APPLIED, REFUSED, STATES, SUPERSEDED, allowed
 DEFAULT_BUSY_TIMEOUT_S = 10.0
+DEFAULT_READ_BUSY_TIMEOUT_S = 5.0
 _JSON_COLUMNS = {"topology", "policy", "versions", "reasons", "detail", "ranks"}
 
 
-def _busy_timeout() -> float:
-    return float(os.environ.get("SCOUT_CKPT_BUSY_TIMEOUT", DEFAULT_BUSY_TIMEOUT_S))
+def _busy_timeout(readonly: bool = False) -> float:
+    """Seconds a connection waits for a lock: SCOUT_CKPT_BUSY_TIMEOUT (writers, default 10), for readers the
+    smaller of that and SCOUT_CKPT_READ_BUSY_TIMEOUT (default 5): a reader has a fallback, a writer has not."""
+    timeout = float(os.environ.get("SCOUT_CKPT_BUSY_TIMEOUT", DEFAULT_BUSY_TIMEOUT_S))
+    if readonly:
+        timeout = min(timeout, float(os.environ.get("SCOUT_CKPT_READ_BUSY_TIMEOUT", DEFAULT_READ_BUSY_TIMEOUT_S)))
+    return timeout
+
+
+class LedgerUnavailable(LedgerError):
+    """The ledger file exists but cannot be read now: locked beyond the busy timeout, corrupt, a hot journal a
+    read-only reader cannot roll back, or WAL on a network filesystem. Readers with a fallback (ls, resume) read
+    the checkpoints' manifests and the journal instead (scout_ckpt/disk_view.py)."""
+
+
+def header_journal(path: Path) -> str | None:
+    """"wal" or "delete" from the database header (bytes 18-19: 2 = WAL, 1 = rollback journal) without opening
+    it with SQLite; None if it is not an SQLite file (or empty)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(100)
+    except OSError:
+        return None
+    if len(head) < 20 or not head.startswith(b"SQLite format 3\0"):
+        return None
+    return "wal" if head[18] == 2 or head[19] == 2 else "delete"
 
 
 def _decode(row: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +98,7 @@ class Ledger:
         self.readonly = readonly
         self._db: sqlite_utils.Database | None = None
         self._lock = threading.RLock()  # one connection may serve the training thread and the async committer
+        self.journal: dict = {}  # fsdetect.choose_journal's answer for this ledger's directory
 
     @property
     def db(self) -> "sqlite_utils.Database":
@@ -84,7 +118,11 @@ class Ledger:
     # ---- opening -------------------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, root: str | os.PathLike, *, readonly: bool = False, create: bool = False) -> "Ledger":
+    def open(cls, root: str | os.PathLike, *, readonly: bool = False, create: bool = False,
+             journal: str | None = None) -> "Ledger":
+        """`journal`: "auto" (default; SCOUT_CKPT_LEDGER_JOURNAL overrides it), "wal" or "delete", for writers
+        (fsdetect.choose_journal). Raises LedgerError (exit 2) for a missing or foreign file, LedgerUnavailable
+        when the file is there but cannot be read now."""
         root = Path(root)
         if not root.exists():
             raise LedgerError(f"{root}: no such directory")
@@ -95,7 +133,12 @@ class Ledger:
             raise LedgerError(f"{root}: no scout-ckpt ledger here ({LEDGER_NAME} missing)")
         if path.exists() and not path.is_file():
             raise LedgerError(f"{path}: not a file")
-        timeout = _busy_timeout()
+        choice = fsdetect.choose_journal(root, journal)
+        if readonly and header_journal(path) == "wal" and fsdetect.is_network(choice["fstype"]) \
+                and choice["requested"] != "wal":
+            raise LedgerUnavailable(f"{path}: a WAL ledger on {choice['fstype']} (a network filesystem) cannot be "
+                                    "read safely from another host; its next writer switches it to DELETE")
+        timeout = _busy_timeout(readonly)
         try:
             if readonly:
                 conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout, isolation_level=None,
@@ -104,13 +147,36 @@ class Ledger:
                 conn = sqlite3.connect(str(path), timeout=timeout, isolation_level=None, check_same_thread=False)
             conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
             ledger = cls(conn, path, readonly)
+            ledger.journal = choice
+            if not readonly:
+                ledger._set_journal(choice)
             ledger._check_or_migrate(create=create)
         except sqlite3.DatabaseError as e:
             msg = str(e)
             if "locked" in msg or "busy" in msg:
-                raise LedgerError(f"{path}: ledger is locked by another writer ({msg})") from None
-            raise LedgerError(f"{path}: not a readable scout-ckpt ledger ({msg})") from None
+                raise LedgerUnavailable(f"{path}: ledger is locked by another writer ({msg})") from None
+            raise LedgerUnavailable(f"{path}: not a readable scout-ckpt ledger ({msg})") from None
         return ledger
+
+    def _set_journal(self, choice: dict) -> None:
+        """Put the database into the journal mode `choice` asks for, and synchronous=FULL (durability: every
+        commit is on disk before COMMIT returns). On a local disk under "auto", a ledger someone put in DELETE
+        mode stays so (both are safe there). Leaving WAL needs every other connection closed: if that fails
+        where WAL is unsafe, refuse rather than write."""
+        self.conn.execute("PRAGMA synchronous=FULL")
+        current = self.conn.execute("PRAGMA journal_mode").fetchone()[0].lower()
+        want = choice["mode"]
+        fresh = header_journal(self.path) is None   # a new (empty) file: create it in the chosen mode
+        if current == want or (choice["requested"] == "auto" and want == "wal" and not fresh):
+            return
+        try:
+            got = self.conn.execute(f"PRAGMA journal_mode={want.upper()}").fetchone()[0].lower()
+        except sqlite3.OperationalError as e:
+            got = f"{current} ({e})"
+        if got != want:
+            raise LedgerUnavailable(
+                f"{self.path}: cannot switch the ledger from {current} to {want} journal mode ({choice['why']}; "
+                f"got {got}): another process holds it open; retry when it has closed")
 
     def _version(self) -> int:
         tables = {r["name"] for r in self._query("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -134,7 +200,6 @@ class Ledger:
         if self.readonly or (version == 0 and not create):
             raise LedgerError(f"{self.path}: ledger schema v{version} needs migration to v{SCHEMA_VERSION}; "
                               "run a read-write command (e.g. certify) first")
-        self.conn.execute("PRAGMA journal_mode=WAL")
         with self.write():
             version = self._version()  # re-read under the write lock: another process may have migrated
             for i in range(version, SCHEMA_VERSION):
