@@ -22,6 +22,25 @@ def checkpoint_rows(ledger) -> list[dict]:
     return out
 
 
+def list_checkpoints(root) -> tuple[list[dict], str | None]:
+    """(`ls --json` rows, None) from the ledger; when the ledger cannot be read now (locked beyond the reader's
+    busy timeout, corrupt, WAL on a network filesystem), (rows from the manifests and the journal, why), so
+    that restart tooling never blocks on the ledger (disk_view.py)."""
+    import sqlite3
+
+    from scout_ckpt import disk_view
+    from scout_ckpt.ledger import Ledger, LedgerUnavailable
+
+    try:
+        with Ledger.open(root, readonly=True) as ledger:
+            return checkpoint_rows(ledger), None
+    except LedgerUnavailable as e:
+        why = str(e)
+    except sqlite3.DatabaseError as e:
+        why = f"ledger unreadable ({type(e).__name__}: {e})"
+    return disk_view.checkpoint_rows(root), why
+
+
 def checked_text(checked: dict | None, now: float) -> str:
     """When a piece of evidence was last checked and by whom: "save 3 min ago", "certify 2 h ago"."""
     if not checked or not checked.get("at"):

@@ -116,10 +116,11 @@ def fs_type(path: str | os.PathLike, *, mountinfo: str | None = None) -> str:
     forced = os.environ.get(FSTYPE_ENV, "").strip()
     if forced:
         return forced
-    p = Path(path)
-    while not p.exists() and p != p.parent:
+    p, tail = Path(os.path.abspath(path)), []
+    while not p.exists() and p != p.parent:   # a ROOT not created yet: its nearest existing ancestor decides
+        tail.insert(0, p.name)
         p = p.parent
-    real = os.path.realpath(p)
+    real = os.path.join(os.path.realpath(p), *tail)
     if mountinfo is None:
         try:
             mountinfo = Path("/proc/self/mountinfo").read_text()
@@ -128,7 +129,7 @@ def fs_type(path: str | os.PathLike, *, mountinfo: str | None = None) -> str:
     found = _mount_of(real, parse_mountinfo(mountinfo))
     if found is not None:
         return found[1]
-    return _statfs_type(real) or "unknown"
+    return _statfs_type(str(p)) or "unknown"
 
 
 def resolve_mode(requested: str | None) -> str:

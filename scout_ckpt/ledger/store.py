@@ -119,9 +119,10 @@ class Ledger:
 
     @classmethod
     def open(cls, root: str | os.PathLike, *, readonly: bool = False, create: bool = False,
-             journal: str | None = None) -> "Ledger":
+             journal: str | None = None, busy_timeout: float | None = None) -> "Ledger":
         """`journal`: "auto" (default; SCOUT_CKPT_LEDGER_JOURNAL overrides it), "wal" or "delete", for writers
-        (fsdetect.choose_journal). Raises LedgerError (exit 2) for a missing or foreign file, LedgerUnavailable
+        (fsdetect.choose_journal). `busy_timeout` (seconds): at most this long a wait for a lock (best-effort
+        writers that must not hold up a restart). Raises LedgerError (exit 2) for a missing or foreign file, LedgerUnavailable
         when the file is there but cannot be read now."""
         root = Path(root)
         if not root.exists():
@@ -139,6 +140,8 @@ class Ledger:
             raise LedgerUnavailable(f"{path}: a WAL ledger on {choice['fstype']} (a network filesystem) cannot be "
                                     "read safely from another host; its next writer switches it to DELETE")
         timeout = _busy_timeout(readonly)
+        if busy_timeout is not None:
+            timeout = min(timeout, busy_timeout)
         try:
             if readonly:
                 conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout, isolation_level=None,
