@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 import scout_ckpt
 from scout_ckpt import invariants as inv
-from scout_ckpt import commit, journal, policy
+from scout_ckpt import commit, journal, placement, policy
 from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
 from scout_ckpt.health_evidence import health_evidence
@@ -159,6 +159,7 @@ class Checkpointer:
             self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology, policy=self.policy,
                                   versions=self._versions())
         self.run_id = self._broadcast(run_id)
+        placement.record(self.ledger, self.run_id, self.rank, self._pg)   # host / node / local rank of every rank
         self._committer = commit.Committer(
             self.root, self.run_id, self.rank, self.ledger, keep=keep, hook=_hook_or_noop(fault_hook),
             manifest_fields={"world_size": self.world_size, "topology": self.topology, "policy": self.policy,

@@ -13,8 +13,9 @@ STATE_STYLE = {"certified": "green", "committed": "yellow", "rejected": "red", "
 def checkpoint_rows(ledger) -> list[dict]:
     """`ls --json` rows: step, state, path, bytes, evidence {kind: status}, reasons."""
     out = []
+    evidence = ledger.evidence_by_step()
     for r in ledger.checkpoints():
-        ev = ledger.evidence(r["step"])
+        ev = evidence.get(r["step"], {})
         out.append({"step": r["step"], "state": r["state"], "path": r["path"], "bytes": r["bytes"],
                     "evidence": {k: v["status"] for k, v in ev.items()}, "reasons": r["reasons"] or [],
                     "run_id": r["run_id"], "committed": r["committed"],

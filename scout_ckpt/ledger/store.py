@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 from scout_ckpt.errors import LedgerError, Quarantined
 from scout_ckpt.layout import LEDGER_NAME
 from scout_ckpt.ledger import fsdetect
-from scout_ckpt.ledger.schema import MIGRATIONS, SCHEMA_VERSION
+from scout_ckpt.ledger.schema import AUX_TABLES, MIGRATIONS, SCHEMA_VERSION
 from scout_ckpt.ledger.transitions import APPLIED, REFUSED, STATES, SUPERSEDED, allowed
 DEFAULT_BUSY_TIMEOUT_S = 10.0
 DEFAULT_READ_BUSY_TIMEOUT_S = 5.0
@@ -76,6 +76,16 @@ def _decode(row: dict[str, Any]) -> dict[str, Any]:
 
 def _dumps(v: Any) -> str:
     return json.dumps(v, sort_keys=True, default=str)
+
+
+def place_text(p: dict) -> str:
+    """{"host": "h1", "node_rank": 1, "local_rank": 0} -> "h1 node 1 local 0"."""
+    parts = [str(p.get("host") or "?")]
+    if p.get("node_rank") is not None:
+        parts.append(f"node {p['node_rank']}")
+    if p.get("local_rank") is not None:
+        parts.append(f"local {p['local_rank']}")
+    return " ".join(parts)
 
 
 def _found(row: dict | None) -> dict:
@@ -199,6 +209,8 @@ class Ledger:
                 f"{self.path}: ledger schema v{version} is newer than this scout-ckpt understands "
                 f"(v{SCHEMA_VERSION}); upgrade scout-ckpt")
         if version == SCHEMA_VERSION:
+            if not self.readonly:
+                self._ensure_aux()
             return
         if self.readonly or (version == 0 and not create):
             raise LedgerError(f"{self.path}: ledger schema v{version} needs migration to v{SCHEMA_VERSION}; "
@@ -211,6 +223,22 @@ class Ledger:
                         self.conn.execute(stmt)
             self.conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', ?)",
                               (str(SCHEMA_VERSION),))
+        self._ensure_aux()
+
+    def _ensure_aux(self) -> None:
+        """Create the side tables and indexes (schema.AUX_TABLES) that are missing; one read when none is."""
+        have = {r["name"] for r in self._query("SELECT name FROM sqlite_master WHERE type IN ('table', 'index')")}
+        names = {"run_ranks": "run_ranks", "files_rank_index": "files_rank",
+                 "certifications_step_index": "certifications_step", "events_run_index": "events_run"}
+        missing = [ddl for key, ddl in AUX_TABLES.items() if names.get(key, key) not in have]
+        if missing:
+            with self.write():
+                for ddl in missing:
+                    self.conn.execute(ddl)
+
+    def _has_table(self, name: str) -> bool:
+        return self.conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone() \
+            is not None
 
     def close(self) -> None:
         self.conn.close()
@@ -434,6 +462,16 @@ class Ledger:
             out[r["kind"]] = {"status": r["status"], "source": r["source"], "recorded": r["recorded"], **detail}
         return out
 
+    def evidence_by_step(self) -> dict[int, dict[str, dict]]:
+        """Every step's evidence in one query ({step: {kind: {...}}}): `ls` over N checkpoints is one scan, not
+        N lookups (bench/scale.py)."""
+        out: dict[int, dict[str, dict]] = {}
+        for r in self._query("SELECT * FROM evidence ORDER BY step, kind"):
+            detail = json.loads(r["detail"]) if r["detail"] else {}
+            out.setdefault(r["step"], {})[r["kind"]] = {"status": r["status"], "source": r["source"],
+                                                        "recorded": r["recorded"], **detail}
+        return out
+
     def certifications(self, step: int | None = None, *, all_outcomes: bool = False) -> list[dict]:
         """The verdict history, oldest first: verdicts applied (by default), or also those superseded by a
         concurrent change and refused re-saves (`all_outcomes`)."""
@@ -445,10 +483,43 @@ class Ledger:
         q = self._query(f"SELECT * FROM certifications WHERE {' AND '.join(where)} ORDER BY id", params)
         return [_decode(r) for r in q]
 
+    # ---- where ranks ran ------------------------------------------------------------------------------------
+
+    def record_ranks(self, run_id: str, rows: list[dict]) -> None:
+        """Where each global rank of `run_id` runs: [{"rank", "host", "node_rank", "local_rank", "pid", ...}]
+        (placement.this_rank; extra keys go to `detail`)."""
+        base = ("rank", "host", "node_rank", "local_rank", "pid")
+        with self.write():
+            self.conn.executemany(
+                "INSERT OR REPLACE INTO run_ranks(run_id, rank, host, node_rank, local_rank, pid, detail) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(run_id, *(r.get(k) for k in base), _dumps({k: v for k, v in r.items() if k not in base}))
+                 for r in rows])
+
+    def rank_places(self, run_id: str | None, ranks: list[int] | None = None) -> list[dict]:
+        """[{"rank", "host", "node_rank", "local_rank", "pid"}] of a run, all ranks or the given ones; [] for a
+        ledger written before run_ranks existed."""
+        if run_id is None or not self._has_table("run_ranks"):
+            return []
+        sql = "SELECT rank, host, node_rank, local_rank, pid FROM run_ranks WHERE run_id=?"
+        params: list = [run_id]
+        if ranks is not None:
+            sql += f" AND rank IN ({','.join('?' * len(ranks))})"
+            params += list(ranks)
+        return self._query(sql + " ORDER BY rank", params)
+
     # ---- events and replays --------------------------------------------------------------------------------
 
     def add_event(self, kind: str, *, step: int | None = None, ranks: list[int] | None = None,
                   detail: dict | None = None, run_id: str | None = None, when: float | None = None) -> int:
+        """One event. Where the run recorded its ranks' places (record_ranks) and the detail does not say, the
+        event's detail gains "nodes": {rank: "host/node N/local L"} for its ranks, so `report` names the node of
+        a dead or hung rank in a multi-node job."""
+        detail = dict(detail or {})
+        if ranks and "nodes" not in detail:
+            places = self.rank_places(run_id, sorted(ranks))
+            if places:
+                detail["nodes"] = {str(p["rank"]): place_text(p) for p in places}
         with self.write():
             return self.db["events"].insert({
                 "time": when if when is not None else time.time(), "run_id": run_id, "kind": kind, "step": step,
