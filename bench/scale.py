@@ -14,7 +14,8 @@ with --cli):
 Latencies are CPU seconds of this process (median; wall-clock beside them as *_wall): on a shared machine the
 wall clock measures the neighbours.
 
-and sizes: the ledger file, the bytes the coordinator gathers per save (the pickled per-rank file lists of
+and the observer's side channel (observer_round): the judge's CPU per round over every rank's status file
+and the files host 0 reads per second. And sizes: the ledger file, the bytes the coordinator gathers per save (the pickled per-rank file lists of
 Committer.finish) and the manifest it writes. `ratios` hold each figure at the largest R over the smallest (with
 R itself growing `rank_growth` times): linear growth gives `rank_growth`, flat gives 1.
 
@@ -118,6 +119,44 @@ def gathered(ranks: int, step: int) -> dict:
     return {"gather_bytes": gather_bytes, "manifest_bytes": len(manifest.encode(m))}
 
 
+EXCHANGE_S = 0.5      # the observer's status period (observer/daemon.py)
+RANKS_PER_HOST = 8
+
+
+def observer_round(base: Path, ranks: int, repeats: int) -> dict:
+    """The observer's side channel with `ranks` heartbeats: one status file per rank, replaced every EXCHANGE_S.
+    Per round the judge (rank 0's observer) reads every rank's status, every other observer about one; so host 0
+    reads ranks + RANKS_PER_HOST - 1 files per round and the job renames `ranks` files in one shared directory.
+    Returns the judge's CPU seconds per round and those rates."""
+    from scout_ckpt.observer.handle import read_json
+
+    chan = base / f"chan-{ranks}"
+    chan.mkdir()
+    for r in range(ranks):
+        row = {"rank": r, "observer_pid": 1, "pid": 2, "beat": 7, "state": "running", "step": 120, "phase": "fwd",
+               "seq": 9000, "fp": "0123456789abcdef", "seq_left": 8999, "in_coll": 1, "in_side": 0, "error": 0,
+               "hb": 3, "age_s": 0.01, "t_update": 1.0, "n_steps": 120, "busy_sum": 10.0, "dur_sum": 12.0,
+               "last_dur": 0.1, "stacks": None, "wall": 1.0, "torch_imported": False, "gone_at": None,
+               "host": f"node{r // RANKS_PER_HOST:04d}", "t_start": 0.0}
+        (chan / f"status-{r}.json").write_text(json.dumps(row, separators=(",", ":")))
+
+    def judge():
+        for r in range(ranks):
+            read_json(chan / f"status-{r}.json")
+
+    judge()
+    cpu = []
+    for _ in range(max(5, 5 * repeats)):   # a round is milliseconds: more samples than the ledger queries get
+        c = time.process_time()
+        judge()
+        cpu.append(time.process_time() - c)
+    shutil.rmtree(chan, ignore_errors=True)
+    per_round = ranks + min(ranks, RANKS_PER_HOST) - 1
+    return {"observer_judge_round_s": statistics.median(cpu),
+            "observer_files_read_per_s_host0": per_round / EXCHANGE_S,
+            "observer_status_renames_per_s_job": ranks / EXCHANGE_S}
+
+
 def measure(root: Path, newest: int, repeats: int) -> dict:
     from scout_ckpt import operator, recovery, views
 
@@ -181,6 +220,7 @@ def main() -> None:
             b = build(root, r, args.checkpoints)
             fig = {**b, "ledger_bytes": os.path.getsize(root / LEDGER_NAME), **gathered(r, b["newest"])}
             fig.update(measure(root, b["newest"], args.repeats))
+            fig.update(observer_round(base, r, args.repeats))
             if args.cli:
                 fig.update(cli_times(root, b["newest"], args.repeats))
             per[r] = fig
@@ -194,20 +234,23 @@ def main() -> None:
             shutil.rmtree(base, ignore_errors=True)
 
     lo, hi = per[ranks[0]], per[ranks[-1]]
-    keys = ["ls", "resume", "explain", "ledger_bytes", "gather_bytes", "manifest_bytes"] + (
+    keys = ["ls", "resume", "explain", "ledger_bytes", "gather_bytes", "manifest_bytes", "observer_judge_round_s",
+            "observer_files_read_per_s_host0"] + (
         ["ls_cli", "resume_cli", "explain_cli"] if args.cli else [])
     ratios = {f"{k}_growth": hi[k] / lo[k] for k in keys}
     ratios["rank_growth"] = ranks[-1] / ranks[0]
     # worse than linear: a figure growing faster than R itself (timings: with 50% slack for a shared machine)
-    superlinear = [k for k in keys if hi[k] / lo[k] > ratios["rank_growth"] * (1.5 if k in
-                                                                               ("ls", "resume", "explain") else 1.05)]
+    superlinear = [k for k in keys if hi[k] / lo[k] > ratios["rank_growth"] * (
+        1.5 if k in ("ls", "resume", "explain", "observer_judge_round_s") else 1.05)]
     result = {"bench": "scale", "ratios": ratios, "ranks": ranks, "checkpoints": args.checkpoints,
               "repeats": args.repeats, "per_ranks": {str(r): v for r, v in per.items()},
               "superlinear": superlinear, "target": "no figure grows faster than the rank count",
               "target_met": not superlinear, "load": C.load_note()}
-    headers = ["ranks", "ls_cpu_s", "resume_cpu_s", "explain_cpu_s", "ledger_MB", "gather_KB/save", "manifest_KB/save", "build_s"]
+    headers = ["ranks", "ls_cpu_s", "resume_cpu_s", "explain_cpu_s", "ledger_MB", "gather_KB/save",
+               "manifest_KB/save", "judge_round_cpu_s", "host0_files/s", "build_s"]
     rows = [(r, v["ls"], v["resume"], v["explain"], v["ledger_bytes"] / 1e6, v["gather_bytes"] / 1e3,
-             v["manifest_bytes"] / 1e3, v["build_s"]) for r, v in per.items()]
+             v["manifest_bytes"] / 1e3, v["observer_judge_round_s"], v["observer_files_read_per_s_host0"],
+             v["build_s"]) for r, v in per.items()]
     C.emit(result, args, rows, headers,
            title=f"scale: {args.checkpoints} checkpoints, ranks {ranks}, median of {args.repeats}\n")
 

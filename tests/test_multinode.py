@@ -101,3 +101,25 @@ def test_sigkill_on_node_1_restarts_every_agent_resumes_exact_state_and_names_th
     assert node_text.startswith(fault["host"]) and "node 1" in node_text, named[0]
     rc, out, _ = run_cli("report", root)
     assert rc == 0 and "node 1" in out
+
+
+def test_hang_on_node_1_is_attributed_with_its_node_and_the_job_resumes(tmp_path):
+    """A worker on node 1 blocks before its next collective: the observers (one per worker, on both nodes,
+    sharing ROOT's side channel) attribute the hang to that global rank by strict majority, abort the job, and
+    torchrun's restart resumes from the newest clean step with the state the job saved."""
+    root = tmp_path / "run"
+    results = run_agents(root, "--steps", "10", "--save-every", "3", "--fault", "hang", "--fault-node", "1",
+                         "--fault-local", "1", "--fault-step", "5", "--stall-s", "4")
+    for node, r in enumerate(results):
+        assert r.returncode == 0, (node, r.stderr[-4000:])
+    fault = json.loads((root / "fault.json").read_text())
+    lines = job_lines(results)
+    loads = [e for e in lines if e["event"] == "loaded"]
+    runs = [e["run_id"] for e in loads]
+    first_saves = {e["step"]: e["digest"] for e in lines if e["event"] == "saved" and e["run_id"] == runs[0]}
+    assert loads[-1]["step"] == 3 and loads[-1]["digest"] == first_saves[3], lines
+    rc, out, err = run_cli("report", root, "--json")
+    assert rc == 0, err
+    hangs = [e for e in json.loads(out)["events"] if e["kind"] == "hang" and e.get("run_id") == runs[0]]
+    assert hangs and hangs[0]["ranks"] == [fault["rank"]], out
+    assert "node 1" in hangs[0]["detail"]["nodes"][str(fault["rank"])]
