@@ -67,10 +67,19 @@ def test_network_and_fuse_types_choose_delete(fstype):
     assert fsdetect.choose_journal("/mnt/sharedX", mountinfo=info)["mode"] == "wal"  # not a path prefix
 
 
+def test_mounts_whose_locks_stay_on_one_host_are_flagged():
+    info = MOUNTINFO.format(fstype="nfs").replace("rw,vers=4.2", "rw,vers=3,nolock")
+    got = fsdetect.choose_journal("/mnt/shared/run", mountinfo=info)
+    assert got["mode"] == "delete" and got["cross_host_locks"] is False and got["local_lock_options"] == ["nolock"]
+    info = MOUNTINFO.format(fstype="lustre").replace("rw,vers=4.2", "rw,flock")
+    assert fsdetect.choose_journal("/mnt/shared/run", mountinfo=info)["cross_host_locks"] is True
+
+
 def test_overrides_and_bad_values(tmp_path, monkeypatch):
     monkeypatch.setenv("SCOUT_CKPT_FSTYPE", "nfs4")
-    assert fsdetect.choose_journal(tmp_path) == {"mode": "delete", "requested": "auto", "fstype": "nfs4",
-                                                 "why": "nfs4 is a network, FUSE or unknown filesystem"}
+    got = fsdetect.choose_journal(tmp_path)
+    assert (got["mode"], got["requested"], got["fstype"]) == ("delete", "auto", "nfs4")
+    assert got["why"] == "nfs4 is a network, FUSE or unknown filesystem"
     monkeypatch.setenv("SCOUT_CKPT_LEDGER_JOURNAL", "wal")
     assert fsdetect.choose_journal(tmp_path)["mode"] == "wal"
     assert fsdetect.choose_journal(tmp_path, "delete")["mode"] == "delete"   # the caller's option wins

@@ -11,6 +11,10 @@ Detection: the longest mount point in /proc/self/mountinfo that contains the pat
 filesystem type (a string such as "ext4", "nfs4", "fuse.sshfs"); where mountinfo cannot be read, statfs(2)'s
 f_type magic number. An unknown type counts as network (fail closed: DELETE is correct everywhere, WAL is not).
 
+SQLite's locks are POSIX byte-range locks: on a mount whose locks stay local to each host (NFS `nolock` or
+`local_lock=...`, Lustre `localflock`) they do not serialize writers on different hosts; `choose_journal` says so
+("cross_host_locks": False) and the writer logs a warning: keep every ledger writer on one host there.
+
 Overrides, strongest first: the caller's `ledger_journal` ("wal" | "delete" | "auto"), the environment variable
 SCOUT_CKPT_LEDGER_JOURNAL (same values), and for tests and odd mounts SCOUT_CKPT_FSTYPE (pretend ROOT is on
 that filesystem type).
@@ -72,14 +76,42 @@ def _unescape(field: str) -> str:
 def parse_mountinfo(text: str) -> list[tuple[str, str]]:
     """[(mount point, filesystem type)] from /proc/self/mountinfo text (proc(5): the fields after " - " are
     type, source, options). Malformed lines are skipped."""
+    return [(point, fstype) for point, fstype, _ in _mounts(text)]
+
+
+def _mounts(text: str) -> list[tuple[str, str, set[str]]]:
     out = []
     for line in text.splitlines():
         left, sep, right = line.partition(" - ")
         parts, tail = left.split(), right.split()
         if not sep or len(parts) < 5 or not tail:
             continue
-        out.append((_unescape(parts[4]), tail[0]))
+        opts = set(parts[5].split(",")) if len(parts) > 5 else set()
+        if len(tail) > 2:
+            opts |= set(tail[2].split(","))
+        out.append((_unescape(parts[4]), tail[0], opts))
     return out
+
+
+# Mount options under which byte-range locks are local to each host: SQLite's locking (and so the one-writer
+# discipline) then does not hold across hosts (NFS `nolock` / `local_lock=all|posix`, Lustre `localflock`).
+LOCAL_LOCK_OPTIONS = ("nolock", "local_lock=all", "local_lock=posix", "localflock")
+
+
+def mount_options(path: str | os.PathLike, *, mountinfo: str | None = None) -> set[str]:
+    """The mount and superblock options of the mount holding `path` (empty if unknown)."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return set()
+    real = os.path.realpath(os.path.abspath(path))
+    best: tuple[str, set[str]] | None = None
+    for point, _, opts in _mounts(mountinfo):
+        p = point.rstrip("/") or "/"
+        if (real == p or real.startswith(p if p == "/" else p + "/")) and (best is None or len(p) >= len(best[0])):
+            best = (p, opts)
+    return best[1] if best else set()
 
 
 def _mount_of(path: str, mounts: list[tuple[str, str]]) -> tuple[str, str] | None:
@@ -148,8 +180,12 @@ def choose_journal(root: str | os.PathLike, requested: str | None = None, *,
     """{"mode": "wal"|"delete", "requested", "fstype", "why"}: the journal mode for a ledger under `root`."""
     req = resolve_mode(requested)
     fstype = fs_type(root, mountinfo=mountinfo)
-    if req != "auto":
-        return {"mode": req, "requested": req, "fstype": fstype, "why": "requested"}
     network = is_network(fstype)
-    return {"mode": "delete" if network else "wal", "requested": req, "fstype": fstype,
-            "why": f"{fstype} is {'a network, FUSE or unknown' if network else 'a local'} filesystem"}
+    local_locks = sorted(o for o in mount_options(root, mountinfo=mountinfo) if o in LOCAL_LOCK_OPTIONS) \
+        if network else []
+    out = {"mode": req, "requested": req, "fstype": fstype, "why": "requested",
+           "cross_host_locks": not local_locks, "local_lock_options": local_locks}
+    if req == "auto":
+        out.update(mode="delete" if network else "wal",
+                   why=f"{fstype} is {'a network, FUSE or unknown' if network else 'a local'} filesystem")
+    return out

@@ -145,6 +145,12 @@ class Ledger:
         if path.exists() and not path.is_file():
             raise LedgerError(f"{path}: not a file")
         choice = fsdetect.choose_journal(root, journal)
+        if not readonly and not choice["cross_host_locks"]:
+            import logging
+
+            logging.getLogger("scout_ckpt").warning(
+                "%s: mounted with %s: file locks do not reach other hosts; keep every ledger writer on one host",
+                root, ",".join(choice["local_lock_options"]))
         if readonly and header_journal(path) == "wal" and fsdetect.is_network(choice["fstype"]) \
                 and choice["requested"] != "wal":
             raise LedgerUnavailable(f"{path}: a WAL ledger on {choice['fstype']} (a network filesystem) cannot be "
