@@ -93,7 +93,7 @@ def _newer_uncertified(ledger: Ledger, step: int, skipped: list[dict]) -> list[d
     """Checkpoints newer than the one handed out that were not skipped by verification: why each is not it."""
     told = {s["step"] for s in skipped}
     return [{"step": r["step"], "state": r["state"], "reasons": r["reasons"] or []}
-            for r in ledger.checkpoints() if r["step"] > step and r["step"] not in told and r["state"] != "deleted"]
+            for r in ledger.checkpoints(after=step) if r["step"] not in told and r["state"] != "deleted"]
 
 
 def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledger | None = None,

@@ -13,7 +13,7 @@ STATE_STYLE = {"certified": "green", "committed": "yellow", "rejected": "red", "
 def checkpoint_rows(ledger) -> list[dict]:
     """`ls --json` rows: step, state, path, bytes, evidence {kind: status}, reasons."""
     out = []
-    evidence = ledger.evidence_by_step()
+    evidence = ledger.evidence_summary()
     for r in ledger.checkpoints():
         ev = evidence.get(r["step"], {})
         out.append({"step": r["step"], "state": r["state"], "path": r["path"], "bytes": r["bytes"],

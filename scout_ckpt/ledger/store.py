@@ -440,12 +440,15 @@ class Ledger:
         rows = list(self._query("SELECT * FROM checkpoints WHERE step=?", [step]))
         return _decode(rows[0]) if rows else None
 
-    def checkpoints(self, states: tuple[str, ...] | None = None) -> list[dict]:
+    def checkpoints(self, states: tuple[str, ...] | None = None, *, after: int | None = None) -> list[dict]:
+        """Rows by step, optionally only in `states` and only with step > `after` (`resume` asks for the few
+        newer than its answer, not all of a long run's: bench/scale.py)."""
+        where, params = ["1=1"], []
         if states:
-            marks = ",".join("?" * len(states))
-            q = self._query(f"SELECT * FROM checkpoints WHERE state IN ({marks}) ORDER BY step", list(states))
-        else:
-            q = self._query("SELECT * FROM checkpoints ORDER BY step")
+            where.append(f"state IN ({','.join('?' * len(states))})"); params += list(states)
+        if after is not None:
+            where.append("step>?"); params.append(after)
+        q = self._query(f"SELECT * FROM checkpoints WHERE {' AND '.join(where)} ORDER BY step", params)
         return [_decode(r) for r in q]
 
     def latest(self, state: str = "certified", below: int | None = None) -> dict | None:
@@ -468,14 +471,14 @@ class Ledger:
             out[r["kind"]] = {"status": r["status"], "source": r["source"], "recorded": r["recorded"], **detail}
         return out
 
-    def evidence_by_step(self) -> dict[int, dict[str, dict]]:
-        """Every step's evidence in one query ({step: {kind: {...}}}): `ls` over N checkpoints is one scan, not
-        N lookups (bench/scale.py)."""
+    def evidence_summary(self) -> dict[int, dict[str, dict]]:
+        """Every step's evidence status, who recorded it and when, in one query and without the details
+        ({step: {kind: {"status", "source", "recorded"}}}): `ls` over N checkpoints is one scan, not N lookups
+        (bench/scale.py)."""
         out: dict[int, dict[str, dict]] = {}
-        for r in self._query("SELECT * FROM evidence ORDER BY step, kind"):
-            detail = json.loads(r["detail"]) if r["detail"] else {}
-            out.setdefault(r["step"], {})[r["kind"]] = {"status": r["status"], "source": r["source"],
-                                                        "recorded": r["recorded"], **detail}
+        for step, kind, status, source, recorded in self.conn.execute(
+                "SELECT step, kind, status, source, recorded FROM evidence ORDER BY step, kind"):
+            out.setdefault(step, {})[kind] = {"status": status, "source": source, "recorded": recorded}
         return out
 
     def certifications(self, step: int | None = None, *, all_outcomes: bool = False) -> list[dict]:
