@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 import scout_ckpt
 from scout_ckpt import invariants as inv
-from scout_ckpt import commit, journal, policy
+from scout_ckpt import commit, journal, placement, policy
 from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
 from scout_ckpt.health_evidence import health_evidence
@@ -35,7 +35,7 @@ from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import save_time_consensus
 from scout_ckpt.consensus.signatures import REPLICA_PREFIX, full_signatures
 from scout_ckpt.errors import ScoutError
-from scout_ckpt.ledger import Ledger
+from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
 from scout_ckpt.recovery import record_verification_failure, trusted_manifest
 from scout_ckpt.replay import NoTargets, ReplayRunner, coverage as replay_coverage
@@ -74,7 +74,9 @@ class Checkpointer:
     follow from it and each DTensor's placements), `mode`/`mesh_shape` (the old names "ddp", "fsdp", "hsdp" +
     (replicate, shard); only when given do they override what the mesh says), `fault_hook(point, step)`
     (tests and the demo: called at before_write, during_write, after_write, before_rename, after_rename,
-    retention (coordinator), after_commit, and after_load).
+    retention (coordinator), after_commit, and after_load). `ledger_journal` ("auto" | "wal" | "delete"; default
+    SCOUT_CKPT_LEDGER_JOURNAL, else auto): the ledger's SQLite journal mode; auto picks WAL on a local disk and
+    the rollback journal on a network or FUSE filesystem (ledger/fsdetect.py).
 
     Opening a Checkpointer on a ROOT where another process is saving leaves that save alone: start-up settles
     only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile).
@@ -88,11 +90,13 @@ class Checkpointer:
                  invariants: list | None = None, consensus: bool = True, finite: bool = True,
                  consensus_exclude: tuple[str, ...] = (), verify_load: bool = True,
                  fault_hook: FaultHook | None = None, timeout_s: float = 600.0,
-                 shard_evidence: dict | bool | None = None):
+                 shard_evidence: dict | bool | None = None, ledger_journal: str | None = None):
         if not dist.is_initialized():
             raise ScoutError("Checkpointer needs an initialized default process group (init_process_group)")
         if keep is not None and keep < 1:
             raise ScoutError(f"keep must be at least 1 (got {keep})")
+        # "auto" | "wal" | "delete" (ledger/fsdetect.py); checked on every rank before anything collective
+        self.ledger_journal = fsdetect.resolve_mode(ledger_journal)
         self.root = Path(root)
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -149,12 +153,13 @@ class Checkpointer:
         run_id = None
         if self.is_coordinator:
             self.root.mkdir(parents=True, exist_ok=True)
-            self.ledger = Ledger.open(self.root, create=True)
+            self.ledger = Ledger.open(self.root, create=True, journal=self.ledger_journal)
             commit.reconcile(self.ledger, self.root)
             run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
             self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology, policy=self.policy,
                                   versions=self._versions())
         self.run_id = self._broadcast(run_id)
+        placement.record(self.ledger, self.run_id, self.rank, self._pg)   # host / node / local rank of every rank
         self._committer = commit.Committer(
             self.root, self.run_id, self.rank, self.ledger, keep=keep, hook=_hook_or_noop(fault_hook),
             manifest_fields={"world_size": self.world_size, "topology": self.topology, "policy": self.policy,

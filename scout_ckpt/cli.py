@@ -16,7 +16,8 @@ from typing import List, Optional
 import typer
 
 from scout_ckpt.errors import BadInput, ScoutError
-from scout_ckpt.views import (STATE_STYLE, checked_text, checkpoint_rows, detail_text, evidence_marks,
+from scout_ckpt.journal import JOURNAL_NAME
+from scout_ckpt.views import (STATE_STYLE, checked_text, detail_text, evidence_marks, list_checkpoints,
                               reason_text as _reason_text)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -65,10 +66,12 @@ def _human_bytes(n: int | None) -> str:
 def ls_cmd(root: Path = typer.Argument(..., help="The run's checkpoint root."), as_json: bool = JSON_OPT):
     """One row per checkpoint: step, state, evidence (✓ pass, ✗ fail, ? inconclusive, … missing, - n/a), size,
     reasons."""
-    with _open_ledger(root) as ledger:
-        rows = checkpoint_rows(ledger)
+    rows, fallback = list_checkpoints(root)
+    if fallback:  # exit code unchanged (0): the rows are what the manifests and the journal record
+        print(f"scout-ckpt: warning: {fallback}; listed from the checkpoints' manifests and {JOURNAL_NAME}",
+              file=sys.stderr)
     if as_json:
-        _emit({"checkpoints": rows})
+        _emit({"checkpoints": rows, "source": "manifests" if fallback else "ledger", "fallback": fallback})
         return
     from rich.table import Table
 
@@ -204,14 +207,16 @@ def resume_cmd(root: Path = typer.Argument(...),
     try:
         found = find(root, verify=not no_verify)
     except NoCleanCheckpoint as e:
+        _say_fallback(getattr(e, "fallback", None))
         if as_json:
-            _emit({"step": None, "path": None, "reasons": e.reasons})
+            _emit({"step": None, "path": None, "reasons": e.reasons, "fallback": getattr(e, "fallback", None)})
         for r in e.reasons:
             for s in r.get("skipped") or []:
                 print(f"scout-ckpt: skipped step {s['step']}: {_reason_text(s['reasons'])}", file=sys.stderr)
         print(f"scout-ckpt: {e}", file=sys.stderr)
         raise typer.Exit(1)
     # stdout is the path alone (restart scripts read it); why newer steps were not chosen goes to stderr.
+    _say_fallback(found.get("fallback"))
     for s in found["skipped"]:
         print(f"scout-ckpt: skipped step {s['step']}: {_reason_text(s['reasons'])}", file=sys.stderr)
     for s in found.get("newer") or []:
@@ -221,6 +226,13 @@ def resume_cmd(root: Path = typer.Argument(...),
         _emit(found)
     else:
         print(found["path"])
+
+
+def _say_fallback(why: str | None) -> None:
+    """The ledger could not be read: the answer came from the manifests and the journal (same exit codes)."""
+    if why:
+        print(f"scout-ckpt: warning: {why}; answered from the checkpoints' manifests and {JOURNAL_NAME}",
+              file=sys.stderr)
 
 
 # ---- gc / quarantine -------------------------------------------------------------------------------------------

@@ -5,14 +5,19 @@ No torch here: restart scripts call this through `scout-ckpt resume`, and `impor
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
-from scout_ckpt import journal
+from scout_ckpt import disk_view, journal
 from scout_ckpt import manifest as manifest_mod
 from scout_ckpt import policy
-from scout_ckpt.errors import BadInput, NotFound, ScoutError
-from scout_ckpt.ledger import Ledger
+from scout_ckpt.errors import BadInput, LedgerError, NotFound, ScoutError
+from scout_ckpt.ledger import Ledger, LedgerUnavailable
 from scout_ckpt.verify import verify_files
+
+
+# `resume` records when it re-checked the bytes only if the ledger takes the write within this long.
+MARK_BUSY_TIMEOUT_S = 1.0
 
 
 class NoCleanCheckpoint(NotFound):
@@ -74,13 +79,13 @@ def _mark_verified(root: Path, step: int, writer: Ledger | None) -> None:
     locked or on a read-only mount must not stop a restart."""
     try:
         own = writer is None
-        led = writer or Ledger.open(root)
+        led = writer or Ledger.open(root, busy_timeout=MARK_BUSY_TIMEOUT_S)
         try:
             led.mark_checked(step, ("bytes",), source="resume")
         finally:
             if own:
                 led.close()
-    except (ScoutError, OSError):
+    except (ScoutError, OSError, sqlite3.DatabaseError):
         pass
 
 
@@ -88,17 +93,57 @@ def _newer_uncertified(ledger: Ledger, step: int, skipped: list[dict]) -> list[d
     """Checkpoints newer than the one handed out that were not skipped by verification: why each is not it."""
     told = {s["step"] for s in skipped}
     return [{"step": r["step"], "state": r["state"], "reasons": r["reasons"] or []}
-            for r in ledger.checkpoints() if r["step"] > step and r["step"] not in told and r["state"] != "deleted"]
+            for r in ledger.checkpoints(after=step) if r["step"] not in told and r["state"] != "deleted"]
 
 
-def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledger | None = None) -> dict:
-    """The newest certified checkpoint whose bytes verify: {"step", "path", "state", "verified", "skipped"}.
+def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledger | None = None,
+                 fallback: bool = True) -> dict:
+    """The newest certified checkpoint whose bytes verify: {"step", "path", "state", "verified", "skipped",
+    "newer", "source"}.
 
     Walks back past any that fail verification and records each failure in the ledger (opened read-write only
     then); re-reads the row right before handing it out, so a step quarantined (or re-saved) while its files were
     being hashed is never returned. Raises NotFound (exit 1) with the reasons when there is none.
+
+    When the ledger cannot be read (locked beyond the reader's busy timeout, corrupt, WAL on a network
+    filesystem: LedgerUnavailable, or an SQLite error mid-walk) and `fallback`, the answer comes from the
+    manifests and the journal (disk_view.latest_clean): "source" is then "manifests" and "fallback" says why.
     """
-    root = Path(root)
+    try:
+        found = _latest_clean_ledger(Path(root), verify, readonly_ledger)
+        found["source"] = "ledger"
+        return found
+    except (LedgerUnavailable, sqlite3.DatabaseError) as e:
+        if not fallback or readonly_ledger is not None:
+            raise
+        why = _unavailable_text(e)
+    try:
+        found = disk_view.latest_clean(root, verify=verify)
+    except NoCleanCheckpoint as e:
+        e.fallback = why
+        raise
+    found["fallback"] = why
+    return found
+
+
+def _unavailable_text(e: Exception) -> str:
+    if isinstance(e, LedgerError):
+        return str(e)
+    return f"ledger unreadable ({type(e).__name__}: {e})"
+
+
+def _record_failure(root: Path, writer: Ledger | None, step: int, ev: dict) -> tuple[Ledger | None, bool]:
+    """Record a failed re-verification; (writer, recorded). A ledger locked by another writer does not stop the
+    walk back: the step is skipped all the same, and `certify` records it later."""
+    try:
+        writer = writer or Ledger.open(root)
+        record_verification_failure(writer, step, ev, source="resume", root=root)
+        return writer, True
+    except (LedgerError, sqlite3.DatabaseError):
+        return writer, False
+
+
+def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | None) -> dict:
     ledger = readonly_ledger or Ledger.open(root, readonly=True)
     writer: Ledger | None = None
     skipped: list[dict] = []
@@ -114,9 +159,9 @@ def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledg
             if verify:
                 ev = verify_checkpoint(root, ledger, step)
                 if ev["status"] != policy.PASS:
-                    writer = writer or Ledger.open(root)
-                    record_verification_failure(writer, step, ev, source="resume", root=root)
-                    skipped.append({"step": step, "reasons": ev["reasons"]})
+                    writer, recorded = _record_failure(root, writer, step, ev)
+                    skipped.append({"step": step, "reasons": ev["reasons"],
+                                    **({} if recorded else {"unrecorded": True})})
                     below = step
                     continue
             # Hashing takes time: an operator may have quarantined the step, or a new save replaced it, meanwhile.

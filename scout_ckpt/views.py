@@ -13,13 +13,33 @@ STATE_STYLE = {"certified": "green", "committed": "yellow", "rejected": "red", "
 def checkpoint_rows(ledger) -> list[dict]:
     """`ls --json` rows: step, state, path, bytes, evidence {kind: status}, reasons."""
     out = []
+    evidence = ledger.evidence_summary()
     for r in ledger.checkpoints():
-        ev = ledger.evidence(r["step"])
+        ev = evidence.get(r["step"], {})
         out.append({"step": r["step"], "state": r["state"], "path": r["path"], "bytes": r["bytes"],
                     "evidence": {k: v["status"] for k, v in ev.items()}, "reasons": r["reasons"] or [],
                     "run_id": r["run_id"], "committed": r["committed"],
                     "checked": {k: {"by": v.get("source"), "at": v.get("recorded")} for k, v in ev.items()}})
     return out
+
+
+def list_checkpoints(root) -> tuple[list[dict], str | None]:
+    """(`ls --json` rows, None) from the ledger; when the ledger cannot be read now (locked beyond the reader's
+    busy timeout, corrupt, WAL on a network filesystem), (rows from the manifests and the journal, why), so
+    that restart tooling never blocks on the ledger (disk_view.py)."""
+    import sqlite3
+
+    from scout_ckpt import disk_view
+    from scout_ckpt.ledger import Ledger, LedgerUnavailable
+
+    try:
+        with Ledger.open(root, readonly=True) as ledger:
+            return checkpoint_rows(ledger), None
+    except LedgerUnavailable as e:
+        why = str(e)
+    except sqlite3.DatabaseError as e:
+        why = f"ledger unreadable ({type(e).__name__}: {e})"
+    return disk_view.checkpoint_rows(root), why
 
 
 def checked_text(checked: dict | None, now: float) -> str:

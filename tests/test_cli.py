@@ -233,7 +233,9 @@ def test_ledger_not_sqlite(ckpt_root):
         p = ckpt_root / (LEDGER_NAME + ext)
         if p.exists():
             p.unlink()
-    _assert_bad(["ls", ckpt_root], "not a readable scout-ckpt ledger", root=ckpt_root)
+    # readers fall back to the manifests and the journal (tests/test_ledger_shared_fs.py); writers refuse
+    rc, out, err = run_cli("ls", ckpt_root, "--json")
+    assert rc == 0 and json.loads(out)["source"] == "manifests" and "not a readable scout-ckpt ledger" in err
     _assert_bad(["certify", ckpt_root], "not a readable scout-ckpt ledger", root=ckpt_root)
 
 

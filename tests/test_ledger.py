@@ -103,3 +103,29 @@ def test_writer_waits_for_a_short_lock(tmp_path, monkeypatch):
         assert led.transition(10, "rejected", [{"code": "x"}], source="test", expect="writing")
         assert led.checkpoint(10)["state"] == "rejected"
         assert holder.wait() == 0  # the holder ended its transaction and exited normally
+
+
+def test_events_name_the_node_of_their_ranks(tmp_path):
+    """run_ranks (placement.record at start-up) lets every event say where its ranks ran: the host, torchrun's
+    node rank (GROUP_RANK) and the local rank, so `report` names the machine of a dead or hung rank."""
+    led = _make(tmp_path)
+    led.record_ranks("r1", [{"rank": r, "host": f"h{r // 2}", "node_rank": r // 2, "local_rank": r % 2, "pid": r,
+                             "restart_count": 0} for r in range(4)])
+    led.add_event("crash", step=10, ranks=[3], run_id="r1")
+    led.add_event("hang", step=10, ranks=[1], run_id="other-run")            # no places recorded: unchanged
+    led.add_event("hang", step=10, ranks=[2], run_id="r1", detail={"nodes": {"2": "told"}})
+    ev = led.events()
+    assert ev[0]["detail"]["nodes"] == {"3": "h1 node 1 local 1"}
+    assert "nodes" not in ev[1]["detail"] and ev[2]["detail"]["nodes"] == {"2": "told"}
+    assert [p["node_rank"] for p in led.rank_places("r1")] == [0, 0, 1, 1]
+    led.close()
+    # a ledger from before run_ranks existed: readers get no places, writers create the table
+    c = sqlite3.connect(tmp_path / LEDGER_NAME)
+    c.execute("DROP TABLE run_ranks")
+    c.commit()
+    c.close()
+    with Ledger.open(tmp_path, readonly=True) as ro:
+        assert ro.rank_places("r1") == []
+    with Ledger.open(tmp_path) as rw:
+        assert rw.rank_places("r1") == []
+        rw.add_event("crash", ranks=[0], run_id="r1")

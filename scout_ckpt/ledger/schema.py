@@ -95,3 +95,27 @@ MIGRATIONS: list[str] = [
     ALTER TABLE certifications ADD COLUMN outcome TEXT
     """,
 ]
+
+
+# Additive side tables, outside the version number: created (IF NOT EXISTS) by the first writer that needs them,
+# and read only where present, so an older scout-ckpt reading a newer ledger, and a newer one reading an older
+# ledger, both work. Never a column that the versioned tables depend on.
+AUX_TABLES: dict[str, str] = {
+    # Where every global rank of a run (incarnation) ran: torchrun's GROUP_RANK (the agent's node rank in this
+    # rendezvous), LOCAL_RANK, the host and the pid; one row per (run, rank), written once at start-up.
+    "run_ranks": """
+    CREATE TABLE IF NOT EXISTS run_ranks (
+        run_id TEXT NOT NULL,
+        rank INTEGER NOT NULL,
+        host TEXT,
+        node_rank INTEGER,
+        local_rank INTEGER,
+        pid INTEGER,
+        detail TEXT,                  -- JSON: the rest of torchrun's env (role, local world size, restart count)
+        PRIMARY KEY (run_id, rank)
+    )""",
+    # Indexes for queries whose cost would otherwise grow with the number of checkpoints x ranks (bench/scale.py).
+    "files_rank_index": "CREATE INDEX IF NOT EXISTS files_rank ON files(rank, step)",
+    "certifications_step_index": "CREATE INDEX IF NOT EXISTS certifications_step ON certifications(step, id)",
+    "events_run_index": "CREATE INDEX IF NOT EXISTS events_run ON events(run_id, kind)",
+}

@@ -1,0 +1,112 @@
+"""A user's DDP job for multi-node torchrun (tests/test_multinode.py): the observer on, saves every N steps.
+
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id job1 \
+        --max-restarts 2 tests/scripts/multinode_job.py ROOT --fault crash --fault-node 1 --fault-step 7
+
+The fault fires once per job (a marker file in ROOT, since TORCHELASTIC_RESTART_COUNT grows only on the failing
+node): the worker with GROUP_RANK == --fault-node and LOCAL_RANK == --fault-local SIGKILLs itself (`crash`) or
+blocks for ever before its next collective (`hang`) at --fault-step. It writes ROOT/fault.json first: the rank,
+node and host the test expects the ledger to name (an oracle independent of scout-ckpt).
+
+Rank 0 prints `MN-JOB {json}` lines: at every save the digest of the model and optimizer state it just saved, and
+after loading the step and the digest of what it loaded, so a resume is judged by the job's own digests.
+"""
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from scout_ckpt import Checkpointer, ModelOptimizerState
+
+
+def digest(model, opt) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for pid, st in sorted(opt.state_dict()["state"].items()):
+        for k, v in sorted(st.items()):
+            h.update(f"{pid}.{k}".encode())
+            if torch.is_tensor(v):
+                h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(v).encode())
+    return h.hexdigest()
+
+
+def say(**kw) -> None:
+    print("MN-JOB " + json.dumps(kw), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("root")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--save-every", type=int, default=3)
+    ap.add_argument("--fault", choices=["none", "crash", "hang"], default="none")
+    ap.add_argument("--fault-node", type=int, default=1)
+    ap.add_argument("--fault-local", type=int, default=0)
+    ap.add_argument("--fault-step", type=int, default=7)
+    ap.add_argument("--stall-s", type=float, default=4.0)
+    ap.add_argument("--pg-timeout", type=float, default=120.0)
+    ap.add_argument("--step-sleep", type=float, default=0.05)
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    rank = dist.get_rank()
+    node, local = int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
+    root = Path(args.root)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, timeout_s=args.pg_timeout,
+                        observer={"stall_s": args.stall_s, "action": "abort" if args.fault == "hang" else "report"})
+    state = {"app": ModelOptimizerState(model, opt)}
+    start = ckpt.load_latest_clean(state) or 0
+    if rank == 0:
+        say(event="loaded", run_id=ckpt.run_id, step=start, digest=digest(model, opt), world=dist.get_world_size())
+
+    marker = root / "fault.json"
+    g = torch.Generator().manual_seed(1000 + rank)
+    for step in range(start + 1, args.steps + 1):
+        x = torch.randn(16, 32, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ckpt.step(step)
+        time.sleep(args.step_sleep)
+        if (args.fault != "none" and step == args.fault_step and node == args.fault_node
+                and local == args.fault_local and not marker.exists()):
+            tmp = marker.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"kind": args.fault, "rank": rank, "node_rank": node, "local_rank": local,
+                                       "host": socket.gethostname(), "step": step, "run_id": ckpt.run_id,
+                                       "time": time.time()}))
+            os.replace(tmp, marker)
+            if args.fault == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+            while True:  # hang: never reach the next collective
+                time.sleep(1)
+        if step % args.save_every == 0:
+            ckpt.save(step, state)
+            if rank == 0:
+                say(event="saved", run_id=ckpt.run_id, step=step, digest=digest(model, opt))
+    ckpt.close()
+    dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Multi-node torchrun on one machine (issue 12, item 1): two torchrun agents, distinct --node-rank, one c10d
+rendezvous endpoint, two workers each, one shared ROOT; the user's DDP script (tests/scripts/multinode_job.py)
+with the observer on.
+
+A worker on node 1 is SIGKILLed: every agent restarts its workers (torchrun's restart count grows only on node
+1, so the fault fires once through a marker file), the job resumes from the newest clean step with exactly the
+saved state (judged by the digest the job itself printed when it saved), and the ledger and `report` name the dead
+global rank with its host and node rank (the job's own fault.json is the oracle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scout_ckpt.ledger import Ledger
+from tests.conftest import REPO, run_cli
+
+SCRIPT = REPO / "tests" / "scripts" / "multinode_job.py"
+NNODES, NPROC = 2, 2
+
+pytestmark = pytest.mark.scenario
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_agents(root: Path, *job_args: str, timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """NNODES torchrun agents as on NNODES hosts (here all on 127.0.0.1), started together; waits for all."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    procs = []
+    for node in range(NNODES):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NNODES), "--node-rank", str(node),
+               "--nproc-per-node", str(NPROC), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", f"job-{port}", "--max-restarts", "2", "--monitor-interval", "0.5", str(SCRIPT),
+               str(root), *job_args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    out = []
+    try:
+        for node, p in enumerate(procs):
+            so, se = p.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def job_lines(results) -> list[dict]:
+    return [json.loads(line.split(" ", 1)[1]) for r in results for line in r.stdout.splitlines()
+            if line.startswith("MN-JOB ")]
+
+
+def test_sigkill_on_node_1_restarts_every_agent_resumes_exact_state_and_names_the_node(tmp_path):
+    root = tmp_path / "run"
+    results = run_agents(root, "--steps", "12", "--save-every", "3", "--fault", "crash", "--fault-node", "1",
+                         "--fault-step", "8")
+    for node, r in enumerate(results):
+        assert r.returncode == 0, (node, r.stderr[-4000:])
+    fault = json.loads((root / "fault.json").read_text())
+    assert fault["node_rank"] == 1 and fault["kind"] == "crash"
+    lines = job_lines(results)
+    loads = [e for e in lines if e["event"] == "loaded"]
+    runs = [e["run_id"] for e in loads]
+    assert len(loads) == 2 and loads[0]["step"] == 0 and all(e["world"] == NNODES * NPROC for e in loads), lines
+    first_saves = {e["step"]: e["digest"] for e in lines if e["event"] == "saved" and e["run_id"] == runs[0]}
+    # Newest clean step saved before the crash at step 8: 6. The restart loaded exactly what the job saved there.
+    assert max(first_saves) == 6 and loads[1]["step"] == 6, lines
+    assert loads[1]["digest"] == first_saves[6]
+    assert {e["step"] for e in lines if e["event"] == "saved" and e["run_id"] == runs[1]} == {9, 12}
+
+    with Ledger.open(root, readonly=True) as led:
+        states = {r["step"]: r["state"] for r in led.checkpoints()}
+        assert states == {3: "certified", 6: "certified", 9: "certified", 12: "certified"}, states
+        assert [r["id"] for r in led.runs()] == runs and led.run(runs[1])["resumed_from"] == 6
+        places = {p["rank"]: p for p in led.rank_places(runs[0])}
+        # every rank's place is recorded; the victim's matches what the job itself wrote before dying
+        assert sorted(places) == list(range(NNODES * NPROC))
+        assert sorted({p["node_rank"] for p in places.values()}) == list(range(NNODES))
+        assert places[fault["rank"]]["node_rank"] == 1 and places[fault["rank"]]["host"] == fault["host"]
+
+    rc, out, err = run_cli("report", root, "--json")
+    assert rc == 0, err
+    crashes = [e for e in json.loads(out)["events"] if e["kind"] == "crash" and e.get("run_id") == runs[0]]
+    assert crashes, out
+    named = [e for e in crashes if e["ranks"] == [fault["rank"]]]
+    assert named, crashes
+    node_text = named[0]["detail"]["nodes"][str(fault["rank"])]
+    assert node_text.startswith(fault["host"]) and "node 1" in node_text, named[0]
+    rc, out, _ = run_cli("report", root)
+    assert rc == 0 and "node 1" in out
+
+
+def test_hang_on_node_1_is_attributed_with_its_node_and_the_job_resumes(tmp_path):
+    """A worker on node 1 blocks before its next collective: the observers (one per worker, on both nodes,
+    sharing ROOT's side channel) attribute the hang to that global rank by strict majority, abort the job, and
+    torchrun's restart resumes from the newest clean step with the state the job saved."""
+    root = tmp_path / "run"
+    results = run_agents(root, "--steps", "10", "--save-every", "3", "--fault", "hang", "--fault-node", "1",
+                         "--fault-local", "1", "--fault-step", "5", "--stall-s", "4")
+    for node, r in enumerate(results):
+        assert r.returncode == 0, (node, r.stderr[-4000:])
+    fault = json.loads((root / "fault.json").read_text())
+    lines = job_lines(results)
+    loads = [e for e in lines if e["event"] == "loaded"]
+    runs = [e["run_id"] for e in loads]
+    first_saves = {e["step"]: e["digest"] for e in lines if e["event"] == "saved" and e["run_id"] == runs[0]}
+    assert loads[-1]["step"] == 3 and loads[-1]["digest"] == first_saves[3], lines
+    rc, out, err = run_cli("report", root, "--json")
+    assert rc == 0, err
+    hangs = [e for e in json.loads(out)["events"] if e["kind"] == "hang" and e.get("run_id") == runs[0]]
+    assert hangs and hangs[0]["ranks"] == [fault["rank"]], out
+    assert "node 1" in hangs[0]["detail"]["nodes"][str(fault["rank"])]
