@@ -1,8 +1,10 @@
-"""The demo end to end: real worker processes, real gloo, real SIGKILL, real restarts."""
+"""The demo end to end: real worker processes under torchrun's elastic agent, real gloo, real SIGKILL, torchrun's
+own restarts."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -44,14 +46,37 @@ def test_crash_mid_save_restarts_and_resumes_bitwise(tmp_path, clean_run):
     assert states[4]["state"] == "rejected"
     assert "digest_mismatch" in {x["code"] for x in states[4]["reasons"]}
     crashes = [e for e in r["events"] if e["kind"] == "crash"]
-    # the observers or (when they cannot attribute) the supervisor record it; both count steps from 1
+    # the observers record it (live, or the restarted generation's for the one torchrun tore down)
     assert crashes and crashes[0]["ranks"] == [1] and crashes[0]["step"] in (11, 12)
+    # torchrun restarted it: generation 1 is TORCHELASTIC_RESTART_COUNT 1 of the same torchrun run
+    g0, g1 = r["generations"]
+    assert (g0["outcome"], g0["event"], g0["ranks"]) == ("failed", "crash", [1]) and g0["detected_by"]
+    assert g1["outcome"] == "ok" and g1["resumed_from"] == 8
+    assert [g["torchelastic"]["restart_count"] for g in (g0, g1)] == [0, 1]
+    assert g0["torchelastic"]["run_id"] and g0["torchelastic"]["run_id"] == g1["torchelastic"]["run_id"]
+    assert g0["torchelastic"]["max_restarts"] == 3 and g0["started"] < g0["ended"] <= g1["started"]
     fired = {f["kind"]: f["fired"] for f in r["injections"]}
     assert [x["generation"] for x in fired["crash"]] == [0] and len(fired["bitflip"]) == 1
     with Ledger.open(r["dir"], readonly=True) as ledger:
         assert [run["resumed_from"] for run in ledger.runs()] == [None, 8]
         # the interrupted save at step 12 was recorded before the restarted job redid it
         assert any(c["step"] == 12 and c["state"] == "rejected" for c in ledger.certifications())
+
+
+@pytest.mark.slow
+def test_ranks_run_under_torchruns_agent(clean_run):
+    """The job is torchrun's: its ranks saw torchrun's environment, torchrun's per-rank logs exist, and the
+    uninterrupted run is one generation (TORCHELASTIC_RESTART_COUNT 0) that torchrun ended with exit 0."""
+    r = clean_run
+    assert r["launcher"]["command"] == "torchrun" and r["launcher"]["exit_code"] == 0
+    assert "--max-restarts" in r["launcher"]["argv"] and "--standalone" in r["launcher"]["argv"]
+    (g,) = r["generations"]
+    assert g["outcome"] == "ok" and g["torchelastic"]["restart_count"] == 0 and g["torchelastic"]["run_id"]
+    assert g["ranks_started"] == [0, 1] and g["run_id"] and g["resumed_from"] is None
+    with Ledger.open(r["dir"], readonly=True) as ledger:
+        assert [run["id"] for run in ledger.runs()] == [g["run_id"]]
+    logs = sorted(p.relative_to(r["dir"]).parts[-3:] for p in Path(r["dir"]).glob("demo/torchrun/*/*/*/stderr.log"))
+    assert logs == [("attempt_0", "0", "stderr.log"), ("attempt_0", "1", "stderr.log")]
 
 
 def test_bad_options_fail_before_starting(tmp_path):
@@ -71,15 +96,16 @@ def test_bad_options_fail_before_starting(tmp_path):
 @pytest.mark.scenario
 @pytest.mark.slow
 def test_hang_is_detected_killed_and_restarted(tmp_path):
-    """Rank 1 blocks forever before step 6's first collective; the job is killed and restarted, the hang is in
-    the ledger against rank 1, and the restarted generation (which does not hang again) completes.
+    """Rank 1 blocks forever before step 6's first collective; the observers report it and abort the trainers,
+    torchrun restarts the job, the hang is in the ledger against rank 1, and the restarted generation (which does
+    not hang again) completes.
     Persistent faults (sdc, slow) keep firing in every generation."""
-    r = run_demo(tmp_path / "run", ranks=2, steps=8, save_every=4, quiet=True, hang_timeout_s=6.0,
+    r = run_demo(tmp_path / "run", ranks=2, steps=8, save_every=4, quiet=True,
                  inject=["hang:rank=1:step=6", "sdc:rank=0:step=2", "slow:rank=0:factor=1.5"])
     assert r["completed"] and r["restarts"] == 1 and r["final_digest"]
     hangs = [e for e in r["events"] if e["kind"] == "hang"]
     assert hangs and hangs[0]["ranks"] == [1] and hangs[0]["step"] in (5, 6)
-    assert r["generations"][0]["event"] == "hang"
+    assert r["generations"][0]["event"] == "hang" and r["generations"][0]["detected_by"] == "observer"
     fired = {f["kind"]: sorted(x["generation"] for x in f["fired"]) for f in r["injections"]}
     assert fired == {"hang": [0], "sdc": [0, 1], "slow": [0, 1]}
     with Ledger.open(r["dir"], readonly=True) as ledger:
