@@ -127,3 +127,38 @@ def test_crash_is_attributed_with_three_ranks(tmp_path):
     crashes = [e for e in r["events"] if e["kind"] == "crash"]
     assert crashes and crashes[0]["ranks"] == [2] and crashes[0]["step"] in (7, 8)
     assert r["generations"][0]["event"] == "crash" and r["generations"][0]["ranks"] == [2]
+
+
+def test_generations_are_read_from_torchruns_records_and_the_ledger(tmp_path):
+    """No processes: the ranks' start records (TORCHELASTIC_RESTART_COUNT) give the generations and their
+    boundaries, the ledger's runs and events what each one was and what ended it."""
+    import time
+
+    from scout_ckpt.demo.launch import generations
+    from scout_ckpt.layout import atomic_write_json
+
+    def started(gen: int, t: float) -> None:
+        for rank in (0, 1):
+            atomic_write_json(tmp_path / "demo" / f"gen{gen}-rank{rank}.json",
+                              {"generation": gen, "rank": rank, "pid": 1, "started": t + rank * 0.01,
+                               "torchelastic_run_id": "tr-1", "max_restarts": 3})
+
+    (tmp_path / "demo").mkdir()
+    started(0, time.time())
+    with Ledger.open(tmp_path, create=True) as led:
+        led.begin_run("run-a", world_size=2, topology={}, policy={})
+        led.add_event("crash", step=12, ranks=[], run_id="run-a", detail={"source": "previous_generation"})
+        time.sleep(0.05)
+        started(1, time.time())
+        led.begin_run("run-b", world_size=2, topology={}, policy={}, resumed_from=8)
+    t_end = time.time() + 1
+    g0, g1 = generations(tmp_path, 0, t_end)
+    assert (g0["run_id"], g0["outcome"], g0["event"], g0["ranks"], g0["step"], g0["detected_by"]) == \
+        ("run-a", "failed", "crash", [], 12, "previous_generation")
+    assert g0["ended"] == g1["started"] and g1["ended"] == t_end
+    assert (g1["run_id"], g1["outcome"], g1["resumed_from"], g1["ranks_started"]) == ("run-b", "ok", 8, [0, 1])
+    assert [g["torchelastic"]["restart_count"] for g in (g0, g1)] == [0, 1]
+    assert "event" not in g1
+    # torchrun gave up (exit 1) or the deadline stopped it (no exit code): the last generation says so
+    assert generations(tmp_path, 1, t_end)[-1]["outcome"] == "failed"
+    assert generations(tmp_path, None, t_end)[-1]["outcome"] == "timeout"

@@ -16,10 +16,10 @@ Why a subprocess and not `torch.distributed.launcher.api.elastic_launch` in this
 
 What stays here is what torchrun cannot do: the option checks and fault specs, the run directory, reading
 torchrun's generations back and the summary (summary.py). Generation boundaries are observed, not made: each
-rank writes a start record keyed by TORCHELASTIC_RESTART_COUNT (train.py), rank 0 adds its ledger run id, and
-the ledger holds what the observers recorded about each run. A generation's `ended` is the next generation's
-start (torchrun starts it only after every worker of the previous one has stopped), the last one's the agent's
-exit.
+rank writes a start record keyed by TORCHELASTIC_RESTART_COUNT (train.py), the ledger's runs table holds the
+incarnation each generation began (and where it resumed from), and its events what the observers recorded. A
+generation's `ended` is the next generation's start (torchrun starts it only after every worker of the previous
+one has stopped), the last one's the agent's exit.
 """
 
 from __future__ import annotations
@@ -137,10 +137,21 @@ def _stop(proc: subprocess.Popen, root: Path) -> None:
         proc.wait()
     for recs in _starts(root).values():
         for rec in recs:
-            try:
-                os.kill(int(rec["pid"]), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError, KeyError, ValueError):
-                pass
+            if _is_our_worker(rec.get("pid"), root):
+                try:
+                    os.kill(rec["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _is_our_worker(pid, root: Path) -> bool:
+    """Is `pid` still a demo worker of this run (and not another process that got its pid since)?"""
+    try:
+        with open(f"/proc/{int(pid)}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except (OSError, TypeError, ValueError):
+        return False
+    return b"scout_ckpt.demo.train" in cmdline and str(root).encode() in cmdline
 
 
 def _run_agent(cmd: list[str], root: Path, deadline: float, quiet: bool) -> tuple[int | None, float]:
@@ -167,41 +178,45 @@ def _run_agent(cmd: list[str], root: Path, deadline: float, quiet: bool) -> tupl
                 return None, time.time()
 
 
-def _incidents(root: Path) -> list[dict]:
+def _ledger_story(root: Path) -> tuple[list[dict], list[dict]]:
+    """(runs, incident events) from the ledger; empty when there is none."""
     from scout_ckpt.errors import LedgerError
     from scout_ckpt.ledger import Ledger
 
+    if not (root / LEDGER_NAME).exists():
+        return [], []
     try:
         with Ledger.open(root, readonly=True) as ledger:
-            return ledger.events(kinds=INCIDENT_KINDS)
+            return ledger.runs(), ledger.events(kinds=INCIDENT_KINDS)
     except LedgerError:
-        return []
+        return [], []
 
 
 def generations(root: Path, rc: int | None, t_end: float) -> list[dict]:
-    """One entry per generation torchrun started: {generation, started, ended, outcome, run_id, torchelastic,
-    ranks_started, and for a failed one event/ranks/step/detected_by}. outcome: "ok" (the last one, torchrun
-    exited 0), "failed" (torchrun restarted or gave up on it), "timeout" (the demo's deadline stopped it).
-    The event is the first crash/hang/desync the ledger holds for that generation's run: written by its own
-    observers ("observer") or by the next generation's ("previous_generation"); None when nobody recorded one."""
+    """One entry per generation torchrun started: {generation, started, ended, outcome, run_id, resumed_from,
+    torchelastic, ranks_started, and for a failed one event/ranks/step/detected_by}. outcome: "ok" (the last one,
+    torchrun exited 0), "failed" (torchrun restarted or gave up on it), "timeout" (the demo's deadline stopped it).
+    run_id and resumed_from are the ledger's run (incarnation) that began within the generation. The event is the
+    first crash/hang/desync the ledger holds for that run: written by its own observers ("observer") or by the
+    next generation's ("previous_generation"); None when nobody recorded one."""
     starts = _starts(root)
-    incidents = _incidents(root)
+    runs, incidents = _ledger_story(root)
     out = []
     numbers = sorted(starts)
     for i, n in enumerate(numbers):
         recs = starts[n]
-        log = root / MARKER_DIR / f"log-gen{n}.jsonl"
-        first = _read_json_line(log)
         last = i == len(numbers) - 1
-        info = {"generation": n, "started": min(r["started"] for r in recs),
-                "ended": t_end if last else min(r["started"] for r in starts[numbers[i + 1]]),
+        started = min(r["started"] for r in recs)
+        ended = t_end if last else min(r["started"] for r in starts[numbers[i + 1]])
+        run = next((r for r in runs if started <= (r.get("started") or 0) < ended), None)
+        info = {"generation": n, "started": started, "ended": ended,
                 "outcome": ("ok" if rc == 0 else "timeout" if rc is None else "failed") if last else "failed",
-                "run_id": first.get("run_id") if first else None, "resumed_from": (first.get("step") or None) if first else None,
+                "run_id": run["id"] if run else None, "resumed_from": run.get("resumed_from") if run else None,
                 "torchelastic": {"run_id": recs[0].get("torchelastic_run_id"), "restart_count": n,
                                  "max_restarts": recs[0].get("max_restarts")},
                 "ranks_started": sorted(r["rank"] for r in recs)}
         if info["outcome"] != "ok":
-            ev = next((e for e in incidents if info["run_id"] and e.get("run_id") == info["run_id"]), None)
+            ev = next((e for e in incidents if run and e.get("run_id") == run["id"]), None)
             source = (ev.get("detail") or {}).get("source") if ev else None
             info.update(event=ev["kind"] if ev else None, ranks=ev["ranks"] if ev else None,
                         step=ev["step"] if ev else None,
@@ -209,15 +224,6 @@ def generations(root: Path, rc: int | None, t_end: float) -> list[dict]:
                         "previous_generation" if source == "previous_generation" else "observer")
         out.append(info)
     return out
-
-
-def _read_json_line(path: Path) -> dict | None:
-    """The first JSON line of a rank-0 log (its start record), or None."""
-    try:
-        with open(path) as f:
-            return json.loads(f.readline())
-    except (OSError, ValueError):
-        return None
 
 
 def run_demo(dir: str | os.PathLike | None = None, ranks: int = 4, steps: int = 40, save_every: int = 10,
@@ -261,7 +267,8 @@ def run_demo(dir: str | os.PathLike | None = None, ranks: int = 4, steps: int = 
         "dir": str(root), "ranks": ranks, "steps": steps, "save_every": save_every, "mode": mode,
         "async_save": async_save, "constraint": constraint, "mixing": mixing, "replay": replay,
         "checkpoints": summary.checkpoint_rows(root) if has_ledger else [],
-        "events": summary.events(root) if has_ledger else [], "restarts": max(0, len(gens) - 1),
+        "events": summary.events(root) if has_ledger else [],
+        "restarts": gens[-1]["generation"] if gens else 0,  # TORCHELASTIC_RESTART_COUNT of the last generation
         "final_digest": worker.get("final_digest"), "completed": completed, "losses": summary.losses(root),
         "wall_s": round(time.monotonic() - t0, 2), "injections": summary.injections(root, faults),
         "generations": gens, "rejections": summary.rejections(root) if has_ledger else [],

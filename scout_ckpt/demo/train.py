@@ -6,9 +6,10 @@ TORCHELASTIC_RESTART_COUNT, which is the demo's generation number (0 for the fir
 n-th restart). Before anything else the rank writes a start record (ROOT/demo/gen{n}-rank{r}.json: when the
 process started, its pid, torchrun's run id): that is how the demo sees torchrun's generation boundaries. The rank
 then builds the model for its mode, resumes with `load_latest_clean`, trains, saves every `save_every` steps, and
-on rank 0 writes the loss log and the final result. DDP mode averages gradients with an explicit all-reduce over one flat buffer of fixed layout instead of
-DistributedDataParallel: DDP's reducer rebuilds its buckets after the first iteration, which changes the
-summation order and makes a resumed run differ in the last bits (TORCH-NOTES: bitwise resume).
+on rank 0 writes the loss log and the final result. DDP mode averages gradients with an explicit all-reduce over
+one flat buffer of fixed layout instead of DistributedDataParallel: DDP's reducer rebuilds its buckets after the
+first iteration, which changes the summation order and makes a resumed run differ in the last bits (TORCH-NOTES:
+bitwise resume).
 """
 
 from __future__ import annotations
@@ -248,7 +249,8 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
     if log:
         born = timings.get("process", _T_START)
         log.write(json.dumps({"event": "start", "step": start, "generation": args.generation, "time": time.time(),
-                              "run_id": ckpt.run_id, "startup_s": {k: round(v - born, 3) for k, v in timings.items()}}) + "\n")
+                              "run_id": ckpt.run_id,
+                              "startup_s": {k: round(v - born, 3) for k, v in timings.items()}}) + "\n")
         log.flush()
 
     losses: dict[int, float] = {}
