@@ -110,11 +110,15 @@ def print_summary(result: dict, console=None) -> None:
     for g in result.get("generations", []):
         what = "completed" if g["outcome"] == "ok" else g["outcome"]
         if g["outcome"] != "ok":
-            what += (f": {g['event']} on rank(s) {','.join(map(str, g['ranks'] or [])) or '?'} at step {g['step']}"
-                     f" (recorded by {g['detected_by']})" if g.get("event") else ": no incident in the ledger")
+            by = {"observer": "its observers", "previous_generation": "the next generation's observer"}
+            ranks = ",".join(map(str, g["ranks"] or []))
+            what += (f": {g['event']} " + (f"on rank(s) {ranks}" if ranks else "(no rank named)") +
+                     f" at step {g['step']}, recorded by {by.get(g['detected_by'], g['detected_by'])}"
+                     if g.get("event") else ": no incident recorded in the ledger")
         start = f"resumed from step {g['resumed_from']}" if g.get("resumed_from") else "fresh start"
         console.print(f"generation {g['generation']} (torchrun restart {g['generation']}, {start}): {escape(what)}")
-    console.print(f"restarts: {result['restarts']} (torchrun --max-restarts {result['launcher']['max_restarts']})"
-                  f"    loss: {loss}    wall: {result['wall_s']:.1f} s")
+    limit = (result.get("launcher") or {}).get("max_restarts")
+    console.print(f"restarts: {result['restarts']}" + (f" (torchrun --max-restarts {limit})" if limit is not None else "")
+                  + f"    loss: {loss}    wall: {result['wall_s']:.1f} s")
     console.print(f"final digest: {result['final_digest'] or '(job did not complete)'}")
     console.print(f"dir: {result['dir']}")
