@@ -118,7 +118,7 @@ def print_summary(result: dict, console=None) -> None:
         start = f"resumed from step {g['resumed_from']}" if g.get("resumed_from") else "fresh start"
         console.print(f"generation {g['generation']} (torchrun restart {g['generation']}, {start}): {escape(what)}")
     limit = (result.get("launcher") or {}).get("max_restarts")
-    console.print(f"restarts: {result['restarts']}" + (f" (torchrun --max-restarts {limit})" if limit is not None else "")
-                  + f"    loss: {loss}    wall: {result['wall_s']:.1f} s")
+    of = f" (torchrun --max-restarts {limit})" if limit is not None else ""
+    console.print(f"restarts: {result['restarts']}{of}    loss: {loss}    wall: {result['wall_s']:.1f} s")
     console.print(f"final digest: {result['final_digest'] or '(job did not complete)'}")
     console.print(f"dir: {result['dir']}")
