@@ -360,12 +360,12 @@ def demo_cmd(dir: Optional[Path] = typer.Option(None, "--dir", help="Run directo
              inject: List[str] = typer.Option([], "--inject", help="KIND:key=value:... (repeatable)"),
              constraint: Optional[str] = typer.Option(None, "--constraint", help="sphere"),
              mixing: Optional[str] = typer.Option(None, "--mixing", help="online"),
-             max_restarts: int = typer.Option(3, "--max-restarts"),
+             max_restarts: int = typer.Option(3, "--max-restarts", help="torchrun's --max-restarts for the job."),
              stall_s: float = typer.Option(3.0, "--stall-s", help="Hang observer stall threshold."),
              replay: Optional[bool] = typer.Option(None, "--replay/--no-replay",
                                                    help="SDC replay (default: on when --save-every > 7)."),
              as_json: bool = JSON_OPT):
-    """Run a real multi-process CPU (gloo) training job with the save hook and fault injection."""
+    """Run a real multi-process CPU (gloo) training job under torchrun, with the save hook and fault injection."""
     from scout_ckpt.demo import print_summary, run_demo
 
     result = run_demo(dir, ranks=ranks, steps=steps, save_every=save_every, async_save=async_save, mode=mode,

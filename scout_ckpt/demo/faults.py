@@ -1,7 +1,7 @@
 """`--inject` specs (CONTRACT.md: `KIND:key=value:...`) and the mechanics of each fault.
 
 Parsing has no torch import: the CLI validates specs before it starts anything. The mechanics run inside the
-workers (crash, sdc, hang, slow, param, drift) or the supervisor (bitflip is applied on disk by rank 0 right after the
+workers (crash, sdc, hang, slow, param, drift, and bitflip, which rank 0 applies on disk right after the
 step is committed, so a restart or the final certification must catch it).
 
 Transient faults (crash, hang, bitflip, param, drift) fire once per run, in the first generation that reaches their

@@ -1,10 +1,15 @@
-"""One rank of the demo job: `python -m scout_ckpt.demo.train --args-json '{...}'`, started by the supervisor.
+"""One rank of the demo job: `python -m scout_ckpt.demo.train --args-json '{...}'`, started by torchrun.
 
-The rank joins the supervisor's TCPStore (a fresh one per generation), builds the model for its mode, resumes
-with `load_latest_clean`, trains, saves every `save_every` steps, and on rank 0 writes the loss log and the final
-result. DDP mode averages gradients with an explicit all-reduce over one flat buffer of fixed layout instead of
-DistributedDataParallel: DDP's reducer rebuilds its buckets after the first iteration, which changes the
-summation order and makes a resumed run differ in the last bits (TORCH-NOTES: bitwise resume).
+torchrun's elastic agent (scout_ckpt/demo/launch.py starts it) gives the rank its place in the job through the
+environment, as it does for any training script: RANK, WORLD_SIZE, MASTER_ADDR/PORT, and
+TORCHELASTIC_RESTART_COUNT, which is the demo's generation number (0 for the first incarnation, n after torchrun's
+n-th restart). Before anything else the rank writes a start record (ROOT/demo/gen{n}-rank{r}.json: when the
+process started, its pid, torchrun's run id): that is how the demo sees torchrun's generation boundaries. The rank
+then builds the model for its mode, resumes with `load_latest_clean`, trains, saves every `save_every` steps, and
+on rank 0 writes the loss log and the final result. DDP mode averages gradients with an explicit all-reduce over
+one flat buffer of fixed layout instead of DistributedDataParallel: DDP's reducer rebuilds its buckets after the
+first iteration, which changes the summation order and makes a resumed run differ in the last bits (TORCH-NOTES:
+bitwise resume).
 """
 
 from __future__ import annotations
@@ -38,15 +43,15 @@ from scout_ckpt.demo.model import TinyTransformer, retract_to_sphere, sphere_dev
 from scout_ckpt.layout import atomic_write_json
 
 MODES = ("ddp", "fsdp", "hsdp")
-PROGRESS_KEY = "scout_demo/progress"
 
 
 @dataclass
 class WorkerArgs:
+    """The job's options (the same for every rank, written by launch.py). rank, world and generation are not
+    options: main() fills them from torchrun's environment."""
     root: str
-    rank: int
-    world: int
-    port: int
+    rank: int = 0
+    world: int = 1
     generation: int = 0
     steps: int = 40
     save_every: int = 10
@@ -209,7 +214,7 @@ def invariants_for(args: WorkerArgs, model) -> list | None:
 # ---- the job ---------------------------------------------------------------------------------------------------
 
 
-def train(args: WorkerArgs, store=None, timings: dict | None = None) -> dict | None:
+def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
     from scout_ckpt.checkpointer import Checkpointer
 
     timings = dict(timings or {})
@@ -244,14 +249,13 @@ def train(args: WorkerArgs, store=None, timings: dict | None = None) -> dict | N
     if log:
         born = timings.get("process", _T_START)
         log.write(json.dumps({"event": "start", "step": start, "generation": args.generation, "time": time.time(),
+                              "run_id": ckpt.run_id,
                               "startup_s": {k: round(v - born, 3) for k, v in timings.items()}}) + "\n")
         log.flush()
 
     losses: dict[int, float] = {}
     for step in range(start + 1, args.steps + 1):
         injector.before_step(step, model)
-        if store is not None:  # the supervisor's progress view: a hung rank stays one step behind
-            store.set(f"{PROGRESS_KEY}/{rank}", str(step))
         t0 = time.perf_counter()
         with ckpt.phase("data"):
             x, y, dom = data.next_batch()
@@ -311,19 +315,33 @@ def train(args: WorkerArgs, store=None, timings: dict | None = None) -> dict | N
     return result
 
 
+def torchrun_place() -> dict:
+    """This process's place in the job, as torchrun's agent sets it in the environment."""
+    env = os.environ
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+               if k not in env]
+    if missing:
+        raise SystemExit(f"scout_ckpt.demo.train: not started by torchrun ({', '.join(missing)} unset); "
+                         "run `scout-ckpt demo`")
+    return {"rank": int(env["RANK"]), "world": int(env["WORLD_SIZE"]), "local_rank": int(env.get("LOCAL_RANK", 0)),
+            "generation": int(env["TORCHELASTIC_RESTART_COUNT"]),
+            "max_restarts": int(env.get("TORCHELASTIC_MAX_RESTARTS", -1)),
+            "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID"), "master_port": int(env["MASTER_PORT"])}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--args-json", required=True, help="WorkerArgs as JSON (written by the supervisor)")
+    parser.add_argument("--args-json", required=True, help="WorkerArgs as JSON (written by scout_ckpt.demo.launch)")
     args = WorkerArgs.from_json(parser.parse_args(argv).args_json)
+    place = torchrun_place()
+    args.rank, args.world, args.generation = place["rank"], place["world"], place["generation"]
+    atomic_write_json(Path(args.root) / MARKER_DIR / f"gen{args.generation}-rank{args.rank}.json",
+                      {**place, "pid": os.getpid(), "started": _T_START})
     torch.set_num_threads(1)
-    os.environ.update({"RANK": str(args.rank), "WORLD_SIZE": str(args.world), "LOCAL_RANK": str(args.rank),
-                       "MASTER_ADDR": "127.0.0.1"})
     timings = {"process": _T_START, "imported": time.time()}
-    timeout = datetime.timedelta(seconds=args.pg_timeout_s)
-    store = dist.TCPStore("127.0.0.1", args.port, args.world, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world, timeout=timeout)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout_s))
     timings["process_group"] = time.time()
-    train(args, store, timings)
+    train(args, timings)
     dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
     dist.destroy_process_group()
     return 0
