@@ -18,15 +18,18 @@ Fault injection (first torchrun attempt only, TORCHELASTIC_RESTART_COUNT == 0; e
                                     of element INDEX of RANK's local shard of PARAM (a bit flipped in memory)
   --update-fault RANK:STEP:PARAM:INDEX  from STEP on, RANK's live optimizer update of that element of its
                                     shard lands one ulp off (a faulty ALU: persistent while the process lives)
+  (an INDEX with a decimal point is a fraction of the local shard's size: 0.5 is its middle element)
   --kill-after-fault N              SIGKILL the faulty rank N steps after the fault fired (torchrun restarts)
 """
 
 import argparse
 import datetime
+import warnings
 import hashlib
 import json
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -89,7 +92,7 @@ def full_state_digest(model, opt) -> str | None:
 
 
 def say(event: str, **kw) -> None:
-    print("SCOUT-FSDP " + json.dumps({"event": event, **kw}), flush=True)
+    print("SCOUT-FSDP " + json.dumps({"event": event, "t": round(time.time(), 3), **kw}), flush=True)
 
 
 def main():
@@ -112,6 +115,7 @@ def main():
     args = ap.parse_args()
 
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # our outputs are never modified in place
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -134,12 +138,15 @@ def main():
     def local(name):
         return dict(model.named_parameters())[name].to_local().detach().view(-1)
 
+    def index(name, spec):
+        return int(float(spec) * local(name).numel()) if "." in spec else int(spec)
+
     if upd and int(upd[0]) == rank:
         def faulty_update(o, a, k):  # registered before the Checkpointer's hooks: runs first, inside step()
             if fault["current"] >= int(upd[1]):
                 with torch.no_grad():
                     t = local(upd[2])
-                    i = int(upd[3])
+                    i = index(upd[2], upd[3])
                     t[i] = torch.nextafter(t[i], torch.tensor(float("inf")))
                 if fault["step"] is None:
                     fault["step"] = fault["current"]
@@ -166,9 +173,10 @@ def main():
         if flip and int(flip[0]) == rank and int(flip[1]) == step:
             with torch.no_grad():
                 bits = local(flip[2]).view(torch.int32)
-                bits[int(flip[3])] ^= 1 << int(flip[4])
+                i = index(flip[2], flip[3])
+                bits[i] ^= 1 << int(flip[4])  # int32 view: bit 31 is the sign, 30..23 the exponent
             fault["step"] = step
-            say("fault", kind="flip", rank=rank, step=step, param=flip[2], index=int(flip[3]), bit=int(flip[4]),
+            say("fault", kind="flip", rank=rank, step=step, param=flip[2], index=i, bit=int(flip[4]),
                 attempt=attempt)
         ckpt.step(step)
         if attempt == 0 and rank == args.crash_rank and step == args.crash_step:
@@ -181,7 +189,8 @@ def main():
             verdict = ckpt.save(step, state)
             digest = full_state_digest(model, opt)
             if rank == 0:
-                say("saved", attempt=attempt, step=step, digest=digest, state=(verdict or {}).get("state"))
+                say("saved", attempt=attempt, step=step, digest=digest, state=(verdict or {}).get("state"),
+                    reasons=(verdict or {}).get("reasons"))
     ckpt.close()
     if args.final_digest:
         digest = full_state_digest(model, opt)

@@ -69,12 +69,14 @@ def test_plain_fsdp_script_certifies_every_checkpoint_and_resumes_exactly_after_
     assert {out["evidence"][k]["status"] for k in ("shard_replay", "at_rest")} == {"pass"}
 
 
-def _rejected_naming(root, step, rank, kind):
+def verdict(recs, attempt, step) -> dict:
+    """The verdict the job's own save returned (rank 0), with its reasons."""
+    return next(r for r in recs if r["event"] == "saved" and (r["attempt"], r["step"]) == (attempt, step))
+
+
+def history(root, step) -> list[str]:
     rc, out = cli("explain", root, step)
-    assert out["state"] == "rejected", out
-    ev = out["evidence"][kind]
-    assert ev["status"] == "fail" and ev.get("ranks") == [rank], ev
-    return out
+    return [h["state"] for h in out["history"]]
 
 
 @pytest.mark.scenario
@@ -85,30 +87,40 @@ def test_a_flipped_low_mantissa_bit_in_one_ranks_shard_is_caught_attributed_and_
                       "--kill-after-fault", 1)
     assert p.returncode == 0, p.stderr[-3000:]
     assert any(r["event"] == "fault" and r["rank"] == 1 for r in recs)
-    out = _rejected_naming(root, 8, 1, "at_rest")
-    assert any(FLIP_PARAM in t for r in out["evidence"]["at_rest"]["reasons"] for t in r["tensors"])
+    v = verdict(recs, 0, 8)
+    assert v["state"] == "rejected"
+    assert [(r["code"], r["ranks"], r["tensors"]) for r in v["reasons"]] == [("at_rest_changed", [1], [FLIP_PARAM])]
     saved = saved_digests(recs)
     assert loaded(recs)[1] == (4, saved[(0, 4)])       # resumed before the fault, exactly as saved
     assert states(root) == {4: "certified", 8: "certified", 12: "certified"}   # 8 re-saved clean after the restart
-    rc, hist = cli("explain", root, 8)
-    assert any(h["state"] == "rejected" for h in hist.get("history", [])) or rc == 0
+    assert history(root, 8) == ["writing", "rejected", "writing", "certified"]
 
 
 @pytest.mark.scenario
 def test_a_wrong_optimizer_update_on_one_rank_is_caught_and_attributed(tmp_path):
     root = tmp_path / "run"
-    # From step 5 on, rank 0's live AdamW update of one element of its shard lands one ulp off.
-    p, recs = run_job(root, "--steps", 12, "--save-every", 4, "--update-fault",
-                      f"0:5:{UPDATE_PARAM}:{UPDATE_INDEX}", "--kill-after-fault", 4)
+    # From step 9 on, rank 0's live AdamW update of one element of its shard lands one ulp off; rank 0 dies 6
+    # steps later (the cycle is 4 steps here: the fault is found before).
+    p, recs = run_job(root, "--steps", 16, "--save-every", 4, "--update-fault",
+                      f"0:9:{UPDATE_PARAM}:{UPDATE_INDEX}", "--kill-after-fault", 6)
     assert p.returncode == 0, p.stderr[-3000:]
     assert any(r["event"] == "fault" and r["rank"] == 0 for r in recs)
-    out = _rejected_naming(root, 8, 0, "shard_replay")
-    where = [w for r in out["evidence"]["shard_replay"]["reasons"] for w in r.get("where", [])]
-    assert any(w.startswith(f"{UPDATE_PARAM}[") for w in where), where
     rc, rep = cli("report", root)
-    assert any(e["kind"] == "sdc" and e["ranks"] == [0] for e in rep["events"])
+    sdc = [e for e in rep["events"] if e["kind"] == "sdc"]
+    assert sdc and all(e["ranks"] == [0] for e in sdc), sdc            # attributed to the faulty rank
+    found = min(e["step"] for e in sdc)
+    assert 9 <= found < 9 + 4
+    where = [w for e in sdc for r in e["detail"]["reasons"] for w in r.get("where", [])]
+    assert any(w.startswith(f"{UPDATE_PARAM}[{UPDATE_INDEX}]") for w in where), where
+    # Every save the fault may be in (a cycle before it was found, and after) is rejected, at commit or revoked.
+    first_bad = min(s for s in (4, 8, 12) if s > found - 4)
+    for s in (4, 8, 12):
+        if s >= first_bad:
+            assert "rejected" in history(root, s), (s, history(root, s))
     saved = saved_digests(recs)
-    assert loaded(recs)[1] == (4, saved[(0, 4)])
+    resumed = max(s for s in (4, 8, 12) if s < first_bad)
+    assert loaded(recs)[1] == (resumed, saved[(0, resumed)])         # before the fault, exactly as saved
+    assert resumed < 9
 
 
 @pytest.mark.scenario
@@ -122,15 +134,13 @@ def test_hsdp_keeps_consensus_across_replicas_and_adds_shard_evidence(tmp_path):
     assert out["state"] == "certified"
     assert {k: out["evidence"][k]["status"] for k in ("consensus", "shard_replay", "at_rest")} == \
         {"consensus": "pass", "shard_replay": "pass", "at_rest": "pass"}
-    rc, ls = cli("ls", root)
-    hist = [c for c in ls["checkpoints"] if c["step"] == 8]
-    assert hist and hist[0]["state"] == "certified"           # re-saved clean after the restart
-    rc, rep = cli("report", root)
+    assert states(root) == {4: "certified", 8: "certified", 12: "certified"}    # 8 re-saved after the restart
     saved = saved_digests(recs)
     assert loaded(recs)[1] == (4, saved[(0, 4)])
-    # The rejected attempt of 8: at rest names rank 3; consensus across the replicate dim saw the two copies differ.
-    rc, ex = cli("explain", root, 8)
-    rejected = [h for h in ex.get("history", []) if h["state"] == "rejected"]
-    assert rejected, ex
-    codes = {(r["code"], tuple(r.get("ranks") or ())) for h in rejected for r in h["reasons"]}
+    # The rejected attempt of 8: at rest names rank 3; consensus across the replicate dim saw its copy differ
+    # from rank 1's (two copies: detected, not attributable by consensus alone).
+    v = verdict(recs, 0, 8)
+    assert v["state"] == "rejected"
+    codes = {(r["code"], tuple(r.get("ranks") or ())) for r in v["reasons"]}
     assert ("at_rest_changed", (3,)) in codes, codes
+    assert any(c.startswith("consensus") for c, _ in codes), codes
