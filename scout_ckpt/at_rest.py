@@ -7,8 +7,8 @@ legitimate writer of parameters and optimizer state before a save, so an exact s
 equal the one taken at save time. Cheap: one hashing pass over the local shards per signed step and per save.
 
 Protocol: `AtRestGuard(optimizer, model)` registers an optimizer step post-hook that signs every local shard of
-every parameter and every optimizer state tensor (after every `every`-th step; set it to the save interval when
-saves fall on multiples of it, or call `arm_next()` before the step a save follows). `check(step)` is collective (every rank, at save time, before the bytes are
+every parameter and every optimizer state tensor (after every `every`-th step; with every=None only after the steps
+`arm_next()` marks, which is what ShardEvidence does once it has seen the save cadence). `check(step)` is collective (every rank, at save time, before the bytes are
 written): each rank re-signs, the verdicts are gathered on the guard's gloo side group, and every rank returns the
 same evidence. A changed tensor is a `fail` naming the rank and the tensor; a save whose preceding step was not
 signed (every > 1 off the cadence, or a save right after a resume) is `missing`.

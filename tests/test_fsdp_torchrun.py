@@ -106,7 +106,7 @@ def test_a_wrong_optimizer_update_on_one_rank_is_caught_and_attributed(tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert any(r["event"] == "fault" and r["rank"] == 0 for r in recs)
     rc, rep = cli("report", root)
-    sdc = [e for e in rep["events"] if e["kind"] == "sdc"]
+    sdc = [e for e in rep["events"] if e["kind"] == "sdc" and e["detail"].get("source") == "shard_replay"]
     assert sdc and all(e["ranks"] == [0] for e in sdc), sdc            # attributed to the faulty rank
     found = min(e["step"] for e in sdc)
     assert 9 <= found < 9 + 4
@@ -144,3 +144,14 @@ def test_hsdp_keeps_consensus_across_replicas_and_adds_shard_evidence(tmp_path):
     codes = {(r["code"], tuple(r.get("ranks") or ())) for r in v["reasons"]}
     assert ("at_rest_changed", (3,)) in codes, codes
     assert any(c.startswith("consensus") for c, _ in codes), codes
+
+
+@pytest.mark.scenario
+def test_the_first_save_is_certified_at_its_commit_when_the_cycle_is_longer_than_the_save_interval(tmp_path):
+    root = tmp_path / "run"
+    p, recs = run_job(root, "--d-model", 256, "--steps", 20, "--save-every", 10)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [(r["step"], r["state"]) for r in recs if r["event"] == "saved"] == [(10, "certified"), (20, "certified")]
+    rc, out = cli("explain", root, 10)
+    ev = out["evidence"]["shard_replay"]
+    assert ev["cycle"] > 20 and ev["steps"] == [1, 10] and ev["status"] == "pass"   # every step since the start
