@@ -261,7 +261,8 @@ class Checkpointer:
 
     def _record_shard_faults(self, bad: list[dict]) -> None:
         """Coordinator: a shard whose update did not recompute bit for bit is an `sdc` event naming the rank; the
-        save evidence (ShardEvidence.live) rejects every checkpoint the fault's window reaches."""
+        save evidence (ShardEvidence.live) rejects every later checkpoint the fault's window reaches, and
+        ShardEvidence.revoke the already committed ones it may be in."""
         if not (bad and self.is_coordinator):
             return
         for r in bad:
