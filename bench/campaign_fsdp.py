@@ -46,14 +46,14 @@ def _job(root: Path, ranks: int, args: list, timeout: float = 900.0) -> tuple[su
            "--max-restarts", "1", "--monitor-interval", "0.5", str(SCRIPT), str(root),
            "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *map(str, args)]
     t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
     recs = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("SCOUT-FSDP ")]
     return p, recs, time.monotonic() - t0
 
 
 def _cli(*args) -> dict:
     p = subprocess.run([sys.executable, "-m", "scout_ckpt.cli", *map(str, args), "--json"], capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+                       text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300, check=False)
     try:
         return json.loads(p.stdout)
     except ValueError:
@@ -111,9 +111,8 @@ def plan_param(i, rng, world_sizes) -> dict:
 
 def run_param(inc: dict, work: Path) -> dict:
     root = work / inc["id"]
-    p, recs, wall = _job(root, inc["ranks"], ["--flip", f"{inc['rank']}:{inc['step']}:{inc['param']}:"
-                                                       f"{inc['index']}:{inc['bit']}",
-                                              "--kill-after-fault", inc["kill_after"]])
+    flip = f"{inc['rank']}:{inc['step']}:{inc['param']}:{inc['index']}:{inc['bit']}"
+    p, recs, wall = _job(root, inc["ranks"], ["--flip", flip, "--kill-after-fault", inc["kill_after"]])
     save = next((r for r in recs if r["event"] == "saved" and r["attempt"] == 0 and r["step"] == inc["step"]), None)
     reasons = (save or {}).get("reasons") or []
     blamed = [k for r in reasons if r["code"] in SHARD_CODES for k in r.get("ranks") or []]
@@ -132,9 +131,8 @@ def plan_optim(i, rng, world_sizes) -> dict:
 
 def run_optim(inc: dict, work: Path) -> dict:
     root = work / inc["id"]
-    p, recs, wall = _job(root, inc["ranks"], ["--update-fault", f"{inc['rank']}:{inc['step']}:{inc['param']}:"
-                                                                f"{inc['index']}",
-                                              "--kill-after-fault", inc["kill_after"]])
+    fault = f"{inc['rank']}:{inc['step']}:{inc['param']}:{inc['index']}"
+    p, recs, wall = _job(root, inc["ranks"], ["--update-fault", fault, "--kill-after-fault", inc["kill_after"]])
     sdc = [e for e in _cli("report", root).get("events", []) if e["kind"] == "sdc"
            and (e.get("detail") or {}).get("source") == "shard_replay"]
     blamed = [k for e in sdc for k in e.get("ranks") or []]

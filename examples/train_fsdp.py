@@ -24,12 +24,12 @@ Fault injection (first torchrun attempt only, TORCHELASTIC_RESTART_COUNT == 0; e
 
 import argparse
 import datetime
-import warnings
 import hashlib
 import json
 import os
 import signal
 import time
+import warnings
 
 import torch
 import torch.distributed as dist

@@ -276,6 +276,7 @@ def test_a_flipped_low_mantissa_bit_between_step_and_save_is_caught_at_rest(faul
                                           "tensors": [FLIP_PARAM], "n_tensors": 1}]
 
 
+@pytest.mark.scenario  # two Checkpointer runs on 2 ranks: ~20 s of CPU (the component-level check above is cheap)
 def test_training_through_the_checkpointer_is_bitwise_identical_with_shard_evidence_on_and_off(tmp_path):
     out = run_ranks(w.w_checkpointer_on_off, 2, str(tmp_path), timeout=600, pg_timeout_s=300)
     for o in out:

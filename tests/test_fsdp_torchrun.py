@@ -28,14 +28,14 @@ def run_job(root, *args, ranks=2, restarts=1, timeout=600):
            "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(root), *map(str, args)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
     recs = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("SCOUT-FSDP ")]
     return p, recs
 
 
 def cli(*args) -> tuple[int, dict]:
     p = subprocess.run([sys.executable, "-m", "scout_ckpt.cli", *map(str, args), "--json"], capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+                       text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120, check=False)
     return p.returncode, json.loads(p.stdout)
 
 
@@ -75,7 +75,7 @@ def verdict(recs, attempt, step) -> dict:
 
 
 def history(root, step) -> list[str]:
-    rc, out = cli("explain", root, step)
+    _, out = cli("explain", root, step)
     return [h["state"] for h in out["history"]]
 
 
@@ -105,7 +105,7 @@ def test_a_wrong_optimizer_update_on_one_rank_is_caught_and_attributed(tmp_path)
                       f"0:9:{UPDATE_PARAM}:{UPDATE_INDEX}", "--kill-after-fault", 6)
     assert p.returncode == 0, p.stderr[-3000:]
     assert any(r["event"] == "fault" and r["rank"] == 0 for r in recs)
-    rc, rep = cli("report", root)
+    _, rep = cli("report", root)
     sdc = [e for e in rep["events"] if e["kind"] == "sdc" and e["detail"].get("source") == "shard_replay"]
     assert sdc and all(e["ranks"] == [0] for e in sdc), sdc            # attributed to the faulty rank
     found = min(e["step"] for e in sdc)
@@ -130,7 +130,7 @@ def test_hsdp_keeps_consensus_across_replicas_and_adds_shard_evidence(tmp_path):
     p, recs = run_job(root, "--hsdp", "--steps", 12, "--save-every", 4, "--flip",
                       f"3:8:{FLIP_PARAM}:{FLIP_INDEX}:0", "--kill-after-fault", 1, ranks=4)
     assert p.returncode == 0, p.stderr[-3000:]
-    rc, out = cli("explain", root, 4)
+    _, out = cli("explain", root, 4)
     assert out["state"] == "certified"
     assert {k: out["evidence"][k]["status"] for k in ("consensus", "shard_replay", "at_rest")} == \
         {"consensus": "pass", "shard_replay": "pass", "at_rest": "pass"}
@@ -152,6 +152,6 @@ def test_the_first_save_is_certified_at_its_commit_when_the_cycle_is_longer_than
     p, recs = run_job(root, "--d-model", 256, "--steps", 20, "--save-every", 10)
     assert p.returncode == 0, p.stderr[-3000:]
     assert [(r["step"], r["state"]) for r in recs if r["event"] == "saved"] == [(10, "certified"), (20, "certified")]
-    rc, out = cli("explain", root, 10)
+    _, out = cli("explain", root, 10)
     ev = out["evidence"]["shard_replay"]
     assert ev["cycle"] > 20 and ev["steps"] == [1, 10] and ev["status"] == "pass"   # every step since the start
