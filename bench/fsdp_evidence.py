@@ -2,7 +2,8 @@
 
 A demo TinyTransformer under `fully_shard` (per block and at the root) with AdamW on N gloo ranks. Two identical
 models train side by side in each rank, one with the evidence at its defaults (`ShardUpdateReplay`: chunk 4096,
-4 units per step, 2 peers; `AtRestGuard`: signs after every step) and one without; windows of `--window` steps
+4 units per step, 2 peers; `AtRestGuard`: signs only after the steps saves follow, as ShardEvidence does once it
+has seen the save cadence) and one without; windows of `--window` steps
 alternate between them, so a burst of load from other processes hits both alike. The figure per window is the
 slowest rank's mean step time (a collective step is done when its last rank is); medians over windows.
 
@@ -19,10 +20,12 @@ slowest rank's mean step time (a collective step is done when its last rank is);
 
     python bench/fsdp_evidence.py [--json] [--ranks 2] [--d-model 256] [--blocks 4] [--seq 128] [--batch 8]
                                   [--windows 6] [--window 5] [--save-every 50] [--per-step 4] [--chunk 4096]
-                                  [--at-rest-every 1]
+                                  [--at-rest-every K]
 
-`--at-rest-every K` signs only after every K-th step (and `arm_next()` before the saves' steps): with K = the save
-interval, signing leaves the per-step cost and becomes one hash pass per save.
+At-rest signing, by default, happens only after the steps a save follows (the Checkpointer's default once it has
+seen a save: shard_evidence.py, "Save cadence"); its cost is one hash pass per save, charged to the per-step figure
+as (signing time / --save-every). `--at-rest-every K` signs after every K-th step instead (K = 1: every step, the
+previous default, or `shard_evidence={"at_rest_every": 1}`).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def _worker(rank, world, root, cfg):
     arms = {"off": build(), "on": build()}
     m_on, o_on = arms["on"]
     replay = ShardUpdateReplay(o_on, m_on, per_step=cfg["per_step"], chunk=cfg["chunk"])
-    guard = AtRestGuard(o_on, m_on, every=cfg["at_rest_every"])
+    guard = AtRestGuard(o_on, m_on, every=cfg["at_rest_every"] or None)
     gen = torch.Generator().manual_seed(1000 + rank)
     steps = {"off": 0, "on": 0}
 
@@ -121,7 +124,7 @@ def _worker(rank, world, root, cfg):
     n_on = steps["on"] - on_steps0
     component_cpu = {"hooks": replay.cpu_s["hooks"] / n_on, "exchange": replay.cpu_s["exchange"] / n_on,
                      "at_rest_sign": guard.cpu_s / n_on}
-    checks, saves, signs = [], [], []
+    checks, saves, signs, sign_cpu = [], [], [], []
     model, opt = m_on, o_on
     for i in range(cfg["saves"]):
         guard.arm_next()  # a save follows this step (what a checkpointer knowing its save steps would do)
@@ -131,14 +134,17 @@ def _worker(rank, world, root, cfg):
         ev = guard.check(steps["on"])
         checks.append(slowest(time.perf_counter() - t0))
         assert ev["status"] == "pass", ev
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         guard.resign()  # the post-step signing the guard does inside every optimizer.step
+        sign_cpu.append(slowest(time.thread_time() - c0))
         signs.append(slowest(time.perf_counter() - t0))
         msd, osd = get_state_dict(model, opt)
         dist.barrier(group=pg)
         t0 = time.perf_counter()
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/save-{i}", process_group=pg)
         saves.append(slowest(time.perf_counter() - t0))
+    if not cfg["at_rest_every"]:  # save-cadence signing: one pass per save, spread over the save interval
+        component_cpu["at_rest_sign"] = statistics.median(sign_cpu) / cfg["save_every"]
     shard = sum(p.to_local().numel() for p in model.parameters())
     return {"windows": windows, "cpu": cpu, "component_cpu": component_cpu, "exchange_s": exchange_s, "on_step_main_s": main_thread, "phases": phases, "check_s": checks, "dcp_save_s": saves,
             "sign_s": signs, "cycle": replay.cycle, "units": replay.unit_counts, "per_step_units": replay.per_step,
@@ -159,13 +165,15 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--per-step", type=int, default=4, help="ShardUpdateReplay units per step (default 4)")
     p.add_argument("--chunk", type=int, default=4096, help="ShardUpdateReplay elements per unit (default 4096)")
-    p.add_argument("--at-rest-every", type=int, default=1, help="AtRestGuard signs after every k-th step")
+    p.add_argument("--at-rest-every", type=int, default=0,
+                   help="AtRestGuard signs after every k-th step (0, the default: only after the steps saves follow)")
     args = p.parse_args()
     from scout_ckpt.launch import run_ranks
 
     cfg = {"d_model": args.d_model, "blocks": args.blocks, "vocab": args.vocab, "seq": args.seq,
            "batch": args.batch, "windows": args.windows, "window": args.window, "saves": args.saves,
-           "per_step": args.per_step, "chunk": args.chunk, "at_rest_every": args.at_rest_every}
+           "per_step": args.per_step, "chunk": args.chunk, "at_rest_every": args.at_rest_every,
+           "save_every": args.save_every}
     log(f"fsdp_evidence: {args.ranks} ranks, {cfg}")
     with tempfile.TemporaryDirectory() as root:
         out = run_ranks(_worker, args.ranks, root, cfg, timeout=1800, pg_timeout_s=600)

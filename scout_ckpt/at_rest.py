@@ -7,8 +7,8 @@ legitimate writer of parameters and optimizer state before a save, so an exact s
 equal the one taken at save time. Cheap: one hashing pass over the local shards per signed step and per save.
 
 Protocol: `AtRestGuard(optimizer, model)` registers an optimizer step post-hook that signs every local shard of
-every parameter and every optimizer state tensor (after every `every`-th step; set it to the save interval when
-saves fall on multiples of it, or call `arm_next()` before the step a save follows). `check(step)` is collective (every rank, at save time, before the bytes are
+every parameter and every optimizer state tensor (after every `every`-th step; with every=None only after the steps
+`arm_next()` marks, which is what ShardEvidence does once it has seen the save cadence). `check(step)` is collective (every rank, at save time, before the bytes are
 written): each rank re-signs, the verdicts are gathered on the guard's gloo side group, and every rank returns the
 same evidence. A changed tensor is a `fail` naming the rank and the tensor; a save whose preceding step was not
 signed (every > 1 off the cadence, or a save right after a resume) is `missing`.
@@ -42,9 +42,11 @@ class AtRestGuard:
     start-up). `check` is collective on that group; every rank returns the same evidence dict."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *, group=None,
-                 every: int = 1, include_state: bool = True, timeout_s: float = 300.0):
-        if every < 1:
-            raise ValueError("every must be >= 1")
+                 every: int | None = 1, include_state: bool = True, timeout_s: float = 300.0):
+        """every: sign after every `every`-th optimizer step; None: only after the steps `arm_next` marks (a
+        caller that knows which steps saves follow, as ShardEvidence does once it has seen the save cadence)."""
+        if every is not None and every < 1:
+            raise ValueError("every must be >= 1 or None")
         self.optimizer, self.every, self.include_state = optimizer, every, include_state
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.group = group if group is not None or not dist.is_initialized() else dist.new_group(
@@ -85,7 +87,7 @@ class AtRestGuard:
     def _post(self, opt, args, kwargs) -> None:
         self._steps += 1
         armed, self._armed = self._armed, False
-        if armed or self._steps % self.every == 0:
+        if armed or (self.every is not None and self._steps % self.every == 0):
             c0 = time.thread_time()
             self._signed = (self._steps, *self._sign())
             self.cpu_s += time.thread_time() - c0

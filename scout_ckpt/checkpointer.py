@@ -266,12 +266,16 @@ class Checkpointer:
 
     def _record_shard_faults(self, bad: list[dict]) -> None:
         """Coordinator: a shard whose update did not recompute bit for bit is an `sdc` event naming the rank; the
-        save evidence (ShardEvidence.live) rejects every checkpoint the fault's window reaches."""
+        save evidence (ShardEvidence.live) rejects every later checkpoint the fault's window reaches, and
+        ShardEvidence.revoke the already committed ones it may be in."""
         if not (bad and self.is_coordinator):
             return
         for r in bad:
             self.ledger.add_event("sdc", step=r.get("step"), ranks=r.get("ranks") or [], run_id=self.run_id,
                                   detail={"source": "shard_replay", "reasons": (r.get("reasons") or [])[:8]})
+        if self._pending is not None:  # an async save still committing may hold the fault: let it land first
+            self._pending.join()
+        self.shard.revoke(self.ledger, self.root, bad)
 
     def _record_replays(self, rows: list[dict], events: list[dict]) -> None:
         self.ledger.add_replays([dict(r, run_id=self.run_id) for r in rows])

@@ -76,6 +76,48 @@ def test_evidence_needs_a_clean_cycle_and_charges_faults_to_earlier_saves_within
     assert so.shard_replay_evidence(rows + [_row(s) for s in range(10, 20)], 16, cycle=4)["status"] == policy.FAIL
 
 
+def test_the_first_saves_are_decided_on_the_steps_since_the_start_and_faults_revoke_a_cycle_back():
+    rows = [_row(s) for s in range(11, 14)]                                  # resumed at 10, cycle 40
+    assert so.shard_replay_evidence(rows, 13, cycle=40)["status"] == policy.MISSING   # no start: a full cycle
+    ev = so.shard_replay_evidence(rows, 13, cycle=40, start=10)
+    assert ev["status"] == policy.PASS and ev["steps"] == [11, 13] and ev["revocable_until"] == 52
+    assert so.shard_replay_evidence(rows[1:], 13, cycle=40, start=10)["status"] == policy.MISSING  # a gap
+    assert so.shard_replay_evidence(rows, 10, cycle=40, start=10)["status"] == policy.MISSING      # nothing since
+    from scout_ckpt.replay.shard_plan import charged_steps
+    assert charged_steps(_row(50, policy.FAIL, [1]), 40) == (10, 50)
+
+
+class _Guard:
+    def __init__(self):
+        self.every, self.armed = 1, []
+
+    def arm_next(self):
+        self.armed.append(True)
+
+
+def test_at_rest_signs_every_step_until_a_save_then_only_on_the_save_cadence():
+    from scout_ckpt.replay.shard_plan import ShardReplayLog
+    from scout_ckpt.shard_evidence import ShardEvidence
+
+    ev = ShardEvidence(None, ShardReplayLog(4), _Guard())
+    assert ev.guard.every == 1                      # before any save: every step
+    ev._saw_save(10)
+    assert ev.guard.every is None and ev._cadence == 10
+    for s, expect in ((18, False), (19, True), (29, True), (24, False)):
+        ev.guard.armed = []
+        ev._arm_for(s + 1)
+        assert bool(ev.guard.armed) == expect, s
+    ev._saw_save(25)                                # off the cadence: the cadence shrinks to fit it
+    assert ev._cadence == 5
+    resumed = ShardEvidence(None, ShardReplayLog(4), _Guard())
+    resumed._start = 8
+    resumed._saw_save(12)                           # resumed at 8, saves every 4
+    assert resumed._cadence == 4
+    off = ShardEvidence(None, ShardReplayLog(4), _Guard(), adaptive=False)
+    off._saw_save(10)
+    assert off.guard.every == 1 and off._cadence is None
+
+
 def test_the_log_keeps_faults_and_only_the_clean_rows_a_save_can_still_need():
     from scout_ckpt.replay.shard_plan import ShardReplayLog
 
@@ -232,3 +274,13 @@ def test_a_flipped_low_mantissa_bit_between_step_and_save_is_caught_at_rest(faul
         assert at_rest[1]["ranks"] == [flipper]
         assert at_rest[1]["reasons"] == [{"code": "at_rest_changed", "ranks": [flipper], "step": 6,
                                           "tensors": [FLIP_PARAM], "n_tensors": 1}]
+
+
+@pytest.mark.scenario  # two Checkpointer runs on 2 ranks: ~20 s of CPU (the component-level check above is cheap)
+def test_training_through_the_checkpointer_is_bitwise_identical_with_shard_evidence_on_and_off(tmp_path):
+    out = run_ranks(w.w_checkpointer_on_off, 2, str(tmp_path), timeout=600, pg_timeout_s=300)
+    for o in out:
+        res = o.result
+        assert res["on"]["shard"] and not res["off"]["shard"]
+        assert res["on"]["digests"] == res["off"]["digests"]            # every shard, parameters and moments
+        assert res["on"]["verdicts"] == ["certified", "certified"]      # the first save certified at its commit

@@ -142,3 +142,25 @@ def w_train(rank, world, steps, *, evidence=True, opt="adamw", update_fault=None
 def w_scenarios(rank, world, scenarios: dict):
     """Several `w_train` runs in the same processes (one start-up instead of several): name -> result."""
     return {name: w_train(rank, world, **kw) for name, kw in scenarios.items()}
+
+
+def w_checkpointer_on_off(rank, world, root, steps=6, save_every=3):
+    """The same FSDP2 training through the Checkpointer at its defaults (shard evidence on) and with
+    `shard_evidence=False`: every local shard's bits after `steps` steps, and the verdicts of the saves."""
+    from scout_ckpt import Checkpointer, ModelOptimizerState
+
+    out = {}
+    for arm, kw in (("on", {}), ("off", {"shard_evidence": False})):
+        model, optimizer = build(world)
+        ckpt = Checkpointer(f"{root}/{arm}", model=model, optimizer=optimizer, timeout_s=300, **kw)
+        state = {"app": ModelOptimizerState(model, optimizer)}
+        verdicts = []
+        for step in range(1, steps + 1):
+            train_step(model, optimizer, batch(step, rank))
+            ckpt.step(step)
+            if step % save_every == 0:
+                verdicts.append(ckpt.save(step, state)["state"])
+        ckpt.close()
+        out[arm] = {"digests": state_digests(model, optimizer), "verdicts": verdicts,
+                    "shard": ckpt.shard is not None}
+    return out

@@ -96,13 +96,15 @@ def worst(statuses) -> str:
 
 # ---- evidence from rows ----------------------------------------------------------------------------------------
 
-def shard_replay_evidence(rows: list[dict], step: int, cycle: int) -> dict:
+def shard_replay_evidence(rows: list[dict], step: int, cycle: int, start: int | None = None) -> dict:
     """Evidence (policy format) for the state saved at `step`, from this incarnation's rows (since `begin`).
 
     fail / inconclusive: any such row so far (a wrong update persists in the shard, so every later state carries
     it; a fault found after `step` is also charged to `step` when it may have begun before it, i.e. within one
     cycle). pass: the `cycle` steps ending at `step` all have passing rows, so every unit of every rank was
-    recomputed clean in that window. Otherwise missing (coverage incomplete: too few steps since start/resume)."""
+    recomputed clean in that window -- or, with `start` (the step this incarnation began after) less than a cycle
+    back, every step since `start` has: the first saves are then decided at their commit instead of waiting for a
+    cycle, and a fault the rest of the cycle turns up revokes them (`charged_steps`). Otherwise missing."""
     bad = [r for r in rows if r["status"] in (policy.FAIL, policy.INCONCLUSIVE) and r["step"] - cycle < step]
     detail = {"cycle": cycle}
     if bad:
@@ -112,20 +114,30 @@ def shard_replay_evidence(rows: list[dict], step: int, cycle: int) -> dict:
         return policy.evidence(status, reasons[:32], ranks=sorted({k for r in bad for k in r["ranks"]}),
                                steps=[r["step"] for r in bad][:32], **detail)
     clean = {r["step"] for r in rows if r["status"] == policy.PASS}
-    window = list(range(step - cycle + 1, step + 1))
+    first = step - cycle + 1 if start is None else max(step - cycle + 1, start + 1)
+    window = list(range(first, step + 1))
     covered = sum(s in clean for s in window)
-    if covered == cycle:
-        return policy.evidence(policy.PASS, [], steps=[window[0], window[-1]], **detail)
+    if window and covered == len(window):
+        # A fault found up to a cycle later is charged to this step too (charged_steps): until then a
+        # certification on this evidence can still be revoked.
+        return policy.evidence(policy.PASS, [], steps=[window[0], window[-1]], revocable_until=step + cycle - 1,
+                               **detail)
     return policy.evidence(policy.MISSING, [{"code": "shard_replay_coverage_incomplete", "covered_steps": covered,
-                                             "needed_steps": cycle}], **detail)
+                                             "needed_steps": len(window)}], **detail)
+
+
+def charged_steps(row: dict, cycle: int) -> tuple[int, int]:
+    """(lo, hi]: the saved steps a fault row may already be in (it may have begun up to one cycle before it was
+    seen: its unit was last recomputed clean at most a cycle earlier)."""
+    return row["step"] - cycle, row["step"]
 
 
 class ShardReplayLog:
     """This incarnation's rows, as the checkpointer keeps them: every fault row, and the clean rows a save's
     window can still need (the last 2 cycles), so memory stays bounded over a long run."""
 
-    def __init__(self, cycle: int):
-        self.cycle = cycle
+    def __init__(self, cycle: int, start: int = 0):
+        self.cycle, self.start = cycle, start
         self.rows: list[dict] = []
 
     def add(self, rows: list[dict]) -> list[dict]:
@@ -137,17 +149,18 @@ class ShardReplayLog:
         return [r for r in rows if r["status"] in (policy.FAIL, policy.INCONCLUSIVE)]
 
     def evidence(self, step: int) -> dict:
-        return shard_replay_evidence(self.rows, step, self.cycle)
+        return shard_replay_evidence(self.rows, step, self.cycle, self.start)
 
-    def reset(self) -> None:
-        """After a resume: the rows of the state before it no longer describe the shards."""
-        self.rows = []
+    def reset(self, start: int = 0) -> None:
+        """After a resume at `start`: the rows of the state before it no longer describe the shards."""
+        self.rows, self.start = [], start
 
 
 __all__ = [
     "KIND",
     "ShardReplayLog",
     "Unit",
+    "charged_steps",
     "decide",
     "permutation",
     "plan_units",
