@@ -58,7 +58,7 @@ from scout_ckpt.errors import ScoutError
 from scout_ckpt.integrations import folders
 from scout_ckpt.integrations.session import IntegrationRun
 
-__all__ = ["ScoutCheckpointManager", "scout_checkpoint", "titan_topology"]
+__all__ = ["ScoutCheckpointManager", "scout_checkpoint", "signable", "titan_topology"]
 
 TITAN_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # TorchTitan's dense mesh, row-major over the world
 DIM_ROLES = {"pp": "pipeline", "dp_replicate": "replicate", "dp_shard": "shard", "cp": "context_parallel",
@@ -108,10 +108,26 @@ def titan_topology(model_parts: list, parallel_dims=None, world_size: int | None
             "primary": grid.dim_names(primary), "replica_groups": grid.partition(primary), "problems": problems}
 
 
-def _materialize(states: dict) -> dict:
-    """Stateful values replaced by their state_dict (what DCP writes), for signatures."""
-    return {k: (v.state_dict() if hasattr(v, "state_dict") and not isinstance(v, torch.Tensor) else v)
-            for k, v in states.items()}
+def signable(states: dict, skip: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
+    """({dotted key: leaf} the load check can sign, [keys it cannot]). Local, the same on every rank (placements are
+    SPMD). Full-tensor signatures (consensus.full) handle Shard(dim) and Replicate placements; FSDP over a TP dim
+    shards the same tensor dim twice (_StridedShard), which they refuse: such tensors are vouched for at load by
+    their byte digests alone, and the manifest lists them (`load_check_unsigned`)."""
+    from scout_ckpt.consensus.flatten import flatten_state
+    from scout_ckpt.consensus.indexing import dtensor_box
+    from scout_ckpt.consensus.mesh import is_dtensor
+
+    flat = flatten_state({k: v for k, v in states.items() if not k.startswith(skip)}, keep_dtensor=True)
+    out, unsigned = {}, []
+    for k, v in flat.items():
+        if is_dtensor(v):
+            try:
+                dtensor_box(v)
+            except ValueError:
+                unsigned.append(k)
+                continue
+        out[k] = v
+    return out, unsigned
 
 
 class ScoutCheckpointManager(CheckpointManager):
@@ -226,9 +242,8 @@ class ScoutCheckpointManager(CheckpointManager):
             self._pending = pending
         return ok
 
-    def _signed(self, states: dict) -> dict:
-        return {k: v for k, v in _materialize(states).items()
-                if not k.startswith(PER_RANK) and k not in self.exclude_from_loading}
+    def _signed(self, states: dict) -> tuple[dict, list[str]]:
+        return signable(states, PER_RANK + tuple(self.exclude_from_loading))
 
     def _live_evidence(self, states: dict, *, signatures: bool) -> dict:
         """Collective: consensus, invariants and signatures of the state being saved (identical on every rank)."""
@@ -244,7 +259,9 @@ class ScoutCheckpointManager(CheckpointManager):
         if signatures:
             from scout_ckpt.consensus.full import full_signatures
 
-            ev["signatures"] = full_signatures(self._signed(states), group=self.run.pg, plain="replica")
+            flat, unsigned = self._signed(states)
+            ev["signatures"] = full_signatures(flat, group=self.run.pg, plain="replica")
+            ev["unsigned"] = unsigned
         return ev
 
     def _wait_for_saving(self) -> None:
@@ -268,10 +285,11 @@ class ScoutCheckpointManager(CheckpointManager):
         files, listing = self.run.hash_share(step_dir)
         live = dict(live)
         signatures = live.pop("signatures", None)
+        unsigned = live.pop("unsigned", [])
         verdict = self.run.commit(step, attempt, step_dir, files, listing, live, run_policy=self.scout_policy,
                                   topology=self.topology, versions=self._versions(), need_metadata=True,
                                   signatures=signatures, after=lambda v, ev: self._retention(),
-                                  model_only=model_only)
+                                  model_only=model_only, load_check_unsigned=unsigned[:64])
         self.last_verdict = {"step": step, **verdict}
 
     # ---- retention -----------------------------------------------------------------------------------------
@@ -341,7 +359,7 @@ class ScoutCheckpointManager(CheckpointManager):
             return []
         from scout_ckpt.consensus.full import full_signatures
 
-        got = full_signatures(self._signed(self._flattened_model_states_sd()), group=self.run.pg, plain="replica")
+        got = full_signatures(self._signed(self._flattened_model_states_sd())[0], group=self.run.pg, plain="replica")
         return sorted(k for k in expected if got.get(k) != expected[k])
 
     def _reject_load_mismatch(self, cand: dict, differ: list[str]) -> None:
