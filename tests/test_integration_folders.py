@@ -117,3 +117,16 @@ def test_import_scout_ckpt_imports_no_framework():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(REPO)},
                        timeout=120)
     assert p.returncode == 0, p.stderr
+
+
+def test_retention_keeps_the_only_certified_folder_where_the_trainers_rotation_would_not(root):
+    # save_total_limit=2 by age (the Trainer's rotation) would keep checkpoint-4 and -6, both rejected, and delete
+    # checkpoint-2, the only good one; the core rule keeps checkpoint-2 and deletes the rejected ones first
+    with Ledger.open(root) as led:
+        _commit(root, led, 6, "r1", "a-6", b"six")
+        for step in (4, 6):
+            assert led.transition(step, "rejected", [{"code": "digest_mismatch"}], source="test", expect="certified")
+        out = folders.apply_retention(led, root, 2, dirs=folders.list_folders(root))
+        assert out["delete"] == [4, 6] and out["protected"] == 2
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["checkpoint-2"]
+    assert folders.latest_clean_row(root)["step"] == 2
