@@ -104,6 +104,7 @@ def test_load_verifies_the_loaded_values_and_walks_back_past_a_mismatch(tmp_path
     assert events and events[0]["step"] == 3
 
 
+@pytest.mark.scenario  # DCP's PROCESS-mode async starts a saver process per rank: slow on 2 cores
 def test_async_with_pinned_mem_commits_only_after_the_upload_on_cpu(tmp_path):
     # TorchTitan's pinned-memory stager asserts without an accelerator; the manager sets a CPU stager (module doc)
     r0, r1 = ranks(tmp_path, 3, async_mode="async_with_pinned_mem")
