@@ -44,7 +44,6 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -350,7 +349,8 @@ class ScoutCheckpointManager(CheckpointManager):
                 self.loaded = {"step": cand["step"], "skipped": skipped, "signatures": bool(cand["signatures"])}
                 return ok
             skipped.append({"step": cand["step"], "code": "load_mismatch", "tensors": differ[:4]})
-            self.run.on_coordinator(f"reject step {cand['step']}", lambda: self._reject_load_mismatch(cand, differ))
+            self.run.on_coordinator(f"reject step {cand['step']}",
+                                    lambda c=cand, d=differ: self._reject_load_mismatch(c, d))
 
     def _loaded_differences(self, expected: dict) -> list[str]:
         """Collective: the saved values whose loaded signature differs from the one recorded at save (the same
