@@ -39,6 +39,8 @@ def test_every_save_certified_and_purge_keeps_newest(saved):
     assert sorted(p.name for p in (root / "ckpt").iterdir() if p.is_dir()) == ["step-2", "step-3", "step-4"]
     assert ev["consensus"]["status"] == "pass" and ev["invariants"]["status"] == "pass"
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {f["path"] for f in files}
+    by = {f["path"]: f["rank"] for f in files}
+    assert (by["__0_0.distcp"], by["__1_0.distcp"]) == (0, 1)  # each data file hashed by the rank that wrote it
     assert (root / "ckpt" / "step-4" / ".metadata").is_file()  # TorchTitan's own layout: its tools still read it
 
 

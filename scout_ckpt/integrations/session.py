@@ -136,12 +136,17 @@ class IntegrationRun:
         self.on_coordinator(f"begin the save of step {step}", record)
         return attempt
 
-    def hash_share(self, step_dir: Path) -> tuple[list[dict], list[tuple[str, int]]]:
-        """Collective: (files hashed, listing) on the coordinator, ([], listing) elsewhere. Files are split over
-        the ranks by size; what a rank cannot see comes back unhashed and the coordinator hashes it."""
+    def hash_share(self, step_dir: Path, writer: Callable[[str], int | None] | None = None
+                   ) -> tuple[list[dict], list[tuple[str, int]]]:
+        """Collective: (files hashed, listing) on the coordinator, ([], listing) elsewhere. A file whose writing
+        rank `writer(path)` names is hashed by that rank (DCP's `__R_0.distcp`); the others are split over the
+        ranks by size. What a rank cannot see comes back unhashed and the coordinator hashes it."""
         step_dir = Path(step_dir)
         listing = self.bcast(folders.listing(step_dir) if self.is_coordinator else None)
-        mine = folders.assign_shares(listing, self.world)[self.rank]
+        owners = {p: writer(p) if writer else None for p, _ in listing}
+        owned = {p for p, r in owners.items() if r is not None and 0 <= r < self.world}
+        rest = folders.assign_shares([f for f in listing if f[0] not in owned], self.world)[self.rank]
+        mine = sorted(rest + [p for p in owned if owners[p] == self.rank])
         visible = [p for p in mine if (step_dir / p).is_file()]
         got = digest_files([step_dir / p for p in visible])
         rows = [{"path": p, "size": got[str(step_dir / p)][0], "digest": got[str(step_dir / p)][1],

@@ -23,7 +23,8 @@ them and forbids overriding them):
                      sync: commit at once; async modes: commit when the upload has completed
   _wait_for_saving   the parent waits for the upload; then the pending commit runs (all ranks)
   _close             flushes a pending async commit first (the parent does not await save_future)
-  commit             barrier; the files are split over the ranks by size, each hashes its share; the coordinator
+  commit             barrier; each rank hashes the `__R_0.distcp` it wrote, the other files are split over the ranks
+                     by size; the coordinator
                      writes scout-manifest.json into step-N, records the verdict, then purges
   _load(step=-1)     the newest *certified* step whose bytes re-verify (core recovery.latest_clean: walking back,
                      rejecting failures), loaded by the parent; then the loaded values are compared with the
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +64,14 @@ __all__ = ["ScoutCheckpointManager", "scout_checkpoint", "signable", "titan_topo
 TITAN_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # TorchTitan's dense mesh, row-major over the world
 DIM_ROLES = {"pp": "pipeline", "dp_replicate": "replicate", "dp_shard": "shard", "cp": "context_parallel",
              "tp": "tensor_parallel"}
-PER_RANK = ("dataloader",)  # TorchTitan keys the dataloader's state by dp rank: it differs per rank by design
+PER_RANK = ("dataloader",)
+DCP_DATA = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's data file, written by rank \1
+
+
+def dcp_writer(path: str) -> int | None:
+    """The rank that wrote a DCP data file (it hashes it: digests by the writing ranks), None for others."""
+    m = DCP_DATA.match(path)
+    return int(m.group(1)) if m else None  # TorchTitan keys the dataloader's state by dp rank: it differs per rank by design
 
 
 def titan_topology(model_parts: list, parallel_dims=None, world_size: int | None = None) -> dict:
@@ -281,7 +290,7 @@ class ScoutCheckpointManager(CheckpointManager):
         purges; every rank gets the same verdict."""
         self.run.barrier()
         step_dir = self.root / name
-        files, listing = self.run.hash_share(step_dir)
+        files, listing = self.run.hash_share(step_dir, writer=dcp_writer)
         live = dict(live)
         signatures = live.pop("signatures", None)
         unsigned = live.pop("unsigned", [])
