@@ -1,5 +1,5 @@
-"""Trainer checkpoint folders in the ledger, without torch or transformers: the pure decisions (share split,
-retention) and the ledger walks (latest clean past a flipped bit, settling an interrupted save) on real files and a
+"""Trainer checkpoint folders in the ledger, without torch or transformers: the share split, retention with the
+Trainer's best model kept (core retention.decide underneath) and the ledger walks (latest clean past a flipped bit, settling an interrupted save) on real files and a
 real ledger."""
 
 from pathlib import Path
@@ -20,21 +20,6 @@ def test_shares_balance_bytes_and_cover_every_file_once():
     assert shares[0] == ["optimizer.pt"]  # the largest alone; everything else to the other rank
     assert folders.assign_shares(files, 1) == [sorted(p for p, _ in files)]
     assert folders.assign_shares(files, 8)[7] == []  # more ranks than files: some hash nothing
-
-
-@pytest.mark.parametrize("states,limit,best,delete", [
-    ({2: "certified", 4: "rejected"}, 1, None, [4]),                # the rejected newest goes, never the good one
-    ({2: "certified", 4: "certified", 6: "certified"}, 2, None, [2]),
-    ({2: "certified", 4: "certified", 6: "committed"}, 1, None, [2]),  # newer awaiting evidence is kept
-    ({2: "certified", 4: "certified", 6: "certified"}, 1, 2, [4]),  # the Trainer's best model is kept
-    ({2: "quarantined", 4: "certified", 6: "certified"}, 1, None, [4]),
-    ({2: "rejected", 4: "certified", 6: "certified", 8: "certified"}, 3, None, [2]),  # rejected before old good
-])
-def test_retention_plan(states, limit, best, delete):
-    plan = folders.retention_plan(states, limit, also_keep={best} if best else set())
-    assert plan["delete"] == delete
-    newest = max((s for s, st in states.items() if st == "certified"), default=None)
-    assert newest not in plan["delete"] and plan["protected"] == newest
 
 
 def _commit(root: Path, ledger: Ledger, step: int, run_id: str, attempt: str, payload: bytes) -> None:
@@ -85,15 +70,27 @@ def test_latest_clean_refuses_an_extra_file_and_a_fresh_dir(root, tmp_path):
     assert folders.latest_clean_row(tmp_path / "nothing-here") is None
 
 
+def _dead_owner() -> dict:
+    """The owner record of a process that has exited (core settle acts only on provably dead owners)."""
+    import socket
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return {"host": socket.gethostname(), "pid": p.pid, "start": "0"}
+
+
 def test_settle_rejects_and_removes_an_interrupted_save_and_completes_a_lost_commit(root):
     with Ledger.open(root) as led:
-        led.record_writing(6, "r2", "b-1", "checkpoint-6")        # killed while the Trainer wrote
+        led.record_writing(6, "r2", "b-1", "checkpoint-6", owner=_dead_owner())  # killed while the Trainer wrote
         (root / "checkpoint-6").mkdir()
         (root / "checkpoint-6" / "model.safetensors").write_bytes(b"half")
         _commit(root, led, 8, "r2", "b-2", b"whole")               # manifest written, ledger commit lost:
-        led.conn.execute("UPDATE checkpoints SET state='writing' WHERE step=8")
-        settled = folders.settle_writing(led, root)
-        assert {s["step"]: s["state"] for s in settled} == {6: "rejected", 8: "certified"}
+        dead = _dead_owner()
+        led.conn.execute("UPDATE checkpoints SET state='writing', owner_host=?, owner_pid=?, owner_start=? "
+                         "WHERE step=8", (dead["host"], dead["pid"], dead["start"]))
+        settled = folders.settle_folders(led, root)
+        assert {s["step"]: s["after"] for s in settled} == {6: "rejected", 8: "certified"}
         assert led.checkpoint(6)["reasons"][0]["code"] == "save_interrupted"
     assert not (root / "checkpoint-6").exists()
     assert folders.latest_clean_row(root)["step"] == 8
@@ -101,7 +98,9 @@ def test_settle_rejects_and_removes_an_interrupted_save_and_completes_a_lost_com
 
 def test_apply_retention_marks_rows_deleted_and_removes_folders(root):
     with Ledger.open(root) as led:
-        out = folders.apply_retention(led, root, 1)
+        kept = folders.apply_retention(led, root, 1, dirs=folders.list_folders(root), also_keep={2})
+        assert kept["delete"] == [] and kept["keep"] == {2: "best model", 4: "newest certified"}
+        out = folders.apply_retention(led, root, 1, dirs=folders.list_folders(root))
         assert out["delete"] == [2] and led.checkpoint(2)["state"] == "deleted"
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["checkpoint-4"]
 
@@ -118,3 +117,16 @@ def test_import_scout_ckpt_imports_no_framework():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(REPO)},
                        timeout=120)
     assert p.returncode == 0, p.stderr
+
+
+def test_retention_keeps_the_only_certified_folder_where_the_trainers_rotation_would_not(root):
+    # save_total_limit=2 by age (the Trainer's rotation) would keep checkpoint-4 and -6, both rejected, and delete
+    # checkpoint-2, the only good one; the core rule keeps checkpoint-2 and deletes the rejected ones first
+    with Ledger.open(root) as led:
+        _commit(root, led, 6, "r1", "a-6", b"six")
+        for step in (4, 6):
+            assert led.transition(step, "rejected", [{"code": "digest_mismatch"}], source="test", expect="certified")
+        out = folders.apply_retention(led, root, 2, dirs=folders.list_folders(root))
+        assert out["delete"] == [4, 6] and out["protected"] == 2
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["checkpoint-2"]
+    assert folders.latest_clean_row(root)["step"] == 2

@@ -20,7 +20,8 @@ class TrainState:
         self.step = int(sd["step"])
 
 
-def build(root: str, keep: int = 0, kill: tuple | None = None, async_mode: str = "disabled"):
+def build(root: str, keep: int = 0, kill: tuple | None = None, async_mode: str = "disabled",
+          corrupt_write: int | None = None):
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import default_adamw
 
@@ -38,12 +39,28 @@ def build(root: str, keep: int = 0, kill: tuple | None = None, async_mode: str =
                 os.kill(os.getpid(), signal.SIGKILL)
             return super()._commit(step, *a)
 
+    class CorruptWrite(ScoutCheckpointManager):
+        """A weight changes on every rank between the save's evidence and the write (a fault in the staging path):
+        the bytes written are self-consistent and certify; only the load-time signature check can tell."""
+
+        @__import__("dataclasses").dataclass(kw_only=True, slots=True)
+        class Config(ScoutCheckpointManager.Config):
+            pass
+
+        def _live_evidence(self, states, **kw):
+            ev = super()._live_evidence(states, **kw)
+            if self.states["train_state"].step == corrupt_write:
+                w = self.states["model"].model[0][0].weight
+                with torch.no_grad():
+                    w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(float("inf")))
+            return ev
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = default_adamw(lr=1e-2).build(model_parts=[model])
     sched = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opt, training_steps=20)
     ts = TrainState()
-    cls = Killing if kill else ScoutCheckpointManager
+    cls = Killing if kill else CorruptWrite if corrupt_write else ScoutCheckpointManager
     mgr = cls.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=keep,
                      async_mode=async_mode).build(
         dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched, states={"train_state": ts},
@@ -61,12 +78,13 @@ def fingerprint(model, opt) -> str:
     return h.hexdigest()
 
 
-def train(rank, world, root, steps, keep=0, kill=None, async_mode="disabled"):
+def train(rank, world, root, steps, keep=0, kill=None, async_mode="disabled", corrupt_write=None):
     """Fresh or resumed (load(step=-1)) run up to `steps`, saving every step; returns what it saw."""
-    model, opt, sched, ts, mgr = build(root, keep, kill, async_mode)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DCP's PROCESS-mode async (async_with_pinned_mem) needs it
+    model, opt, sched, ts, mgr = build(root, keep, kill, async_mode, corrupt_write)
     loaded = mgr.load(step=-1)
     start = ts.step
-    out = {"loaded": loaded, "start": start, "fingerprints": {}, "verdicts": {}}
+    out = {"loaded": loaded, "load": mgr.loaded, "start": start, "fingerprints": {}, "verdicts": {}}
     if loaded:
         out["fingerprints"][start] = fingerprint(model, opt)
     g = torch.Generator().manual_seed(1)
@@ -83,4 +101,104 @@ def train(rank, world, root, steps, keep=0, kill=None, async_mode="disabled"):
         out["verdicts"][step] = dict(mgr.last_verdict or {})  # async: the previous step's, committed by now
     mgr.close()
     out["final"] = dict(mgr.last_verdict or {})
+    return out
+
+
+# ---- TorchTitan's own mesh: ParallelDims, TP and FSDP on 4 ranks --------------------------------------------------
+
+class TitanState(TrainState):
+    """Stands for TorchTitan's Trainer, which passes itself as `states["train_state"]` and holds `parallel_dims`."""
+
+    def __init__(self, parallel_dims):
+        super().__init__()
+        self.parallel_dims = parallel_dims
+
+
+def local_fingerprint(model, opt) -> str:
+    """This rank's local shards of the parameters and optimizer state (an oracle independent of scout-ckpt)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().to_local().numpy().tobytes())
+    for s in opt.optimizers[0].state.values():
+        for k in sorted(s):
+            v = s[k].detach()
+            h.update((v.to_local() if hasattr(v, "to_local") else v).numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_mesh(dp_replicate: int, dp_shard: int, tp: int, world: int):
+    """TorchTitan's ParallelDims and meshes on CPU. Two things TorchTitan assumes a GPU for: its device type falls
+    back to "cuda" (set to "cpu"), and it puts mesh dims of size 1 on the "fake" backend, which torch registers in
+    torch.testing._internal.distributed.fake_pg (no collective of the test or of scout-ckpt runs on those)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    import torchtitan.distributed.parallel_dims as pdm
+
+    pdm.device_type = "cpu"
+    pd = pdm.ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1, world_size=world,
+                          spmd_backend="partial_dtensor")
+    pd.build_mesh()
+    return pd
+
+
+def build_tp(root: str, pd, keep: int = 0):
+    """A 2-layer MLP as TorchTitan's legacy path parallelizes: TP (colwise, rowwise) on the tp mesh, then FSDP2
+    on (dp_replicate, fsdp) (HSDP when dp_replicate > 1); TorchTitan's optimizer, schedulers, and the manager."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+
+    from scout_ckpt.integrations.torchtitan import ScoutCheckpointManager
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    parallelize_module(model, pd.get_mesh("tp"), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=pd.get_mesh(["dp_replicate", "fsdp"] if pd.dp_replicate > 1 else "fsdp"))
+    opt = default_adamw(lr=1e-2).build(model_parts=[model])
+    sched = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opt, training_steps=20)
+    ts = TitanState(pd)
+    mgr = ScoutCheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=keep).build(
+        dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched, states={"train_state": ts},
+        sd_adapter=None, base_folder=root)
+    return model, opt, sched, ts, mgr
+
+
+def train_tp(rank, world, root, flip_rank=3, flip_step=2):
+    """Two layouts on the 4 ranks. (a) dp_replicate 2 x tp 2: two steps saved, rank `flip_rank` flips a bit of its
+    TP shard before the save of `flip_step`; then a fresh model loads step -1. (b) dp_shard 2 x tp 2: one save."""
+    out = {}
+    pd = build_mesh(2, 1, 2, world)
+    model, opt, sched, ts, mgr = build_tp(os.path.join(root, "a"), pd)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(4, 8, generator=g) for _ in range(flip_step)]
+    a = {"topology": mgr.topology, "fingerprints": {}, "verdicts": {}}
+    for step in range(1, flip_step + 1):
+        model(data[step - 1]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        ts.step = step
+        if step == flip_step and rank == flip_rank:
+            w = model[0].weight.to_local()
+            with torch.no_grad():
+                w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(float("inf")))
+        a["fingerprints"][step] = local_fingerprint(model, opt)
+        mgr.save(step)
+        a["verdicts"][step] = dict(mgr.last_verdict)
+    mgr.close()
+    model, opt, sched, ts, mgr = build_tp(os.path.join(root, "a"), pd)
+    a["loaded"] = mgr.load(step=-1)
+    a["load"] = mgr.loaded
+    a["start"] = ts.step
+    a["after_load"] = local_fingerprint(model, opt)
+    mgr.close()
+    out["a"] = a
+    pd = build_mesh(1, 2, 2, world)
+    model, opt, sched, ts, mgr = build_tp(os.path.join(root, "b"), pd)
+    model(data[0]).pow(2).mean().backward()
+    opt.step()
+    ts.step = 1
+    mgr.save(1)
+    out["b"] = {"topology": mgr.topology, "verdict": dict(mgr.last_verdict)}
+    mgr.close()
     return out

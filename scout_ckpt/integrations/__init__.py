@@ -1,8 +1,12 @@
 """Drop-ins for training frameworks whose checkpointing scout-ckpt does not write itself.
 
-  transformers   ScoutTrainerCallback for the Hugging Face Trainer, latest_clean(output_dir)
-  folders        torch-free pieces for non-DCP checkpoint folders (`checkpoint-N`): names, byte verification,
-                 latest-clean walk, retention plan, settling interrupted saves
+  torchtitan      ScoutCheckpointManager for TorchTitan 0.3 (its DCP CheckpointManager, subclassed)
+  transformers    ScoutTrainerCallback for the Hugging Face Trainer, latest_clean(output_dir)
+  session         IntegrationRun: the save machinery both share (start-up, writing row, hashing split across the
+                  ranks, manifest, commit); imports torch, no framework
+  folders         torch-free pieces for non-DCP checkpoint folders (`checkpoint-N`): names, listing, share split,
+                  and the core's settle / latest-clean / retention with what in-place writers need on top
+  folder_tensors  tensors of a `checkpoint-N` folder for offline checks and export
 
 Nothing here is imported by `import scout_ckpt`, and this package imports no framework itself: each framework's
 module imports its framework, so the core install stays lean (`pip install scout-ckpt[transformers]`).

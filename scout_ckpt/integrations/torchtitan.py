@@ -14,30 +14,38 @@ CheckpointManager.Config by a ScoutCheckpointManager.Config with the same field 
 What changes against the parent, hook by hook (TorchTitan's public methods are left alone; its base class guards
 them and forbids overriding them):
 
+  __init__           replica groups from TorchTitan's mesh (`titan_topology`: the ParallelDims the Trainer passes
+                     as its train state, else the model's DTensor meshes), the run begun in the ledger after the
+                     core's settling of interrupted saves (integrations.session.IntegrationRun)
   _save              the coordinator records `writing` first (and removes the folder of an abandoned attempt at the
-                     same step); every rank takes the live evidence (consensus over the replicas when the model is
-                     replicated, plain state across the world when it is FSDP-sharded, the configured invariants);
-                     then the parent writes; sync: commit at once; async: commit when the upload has completed
+                     same step); every rank takes the live evidence (consensus over the replica dims of the mesh,
+                     the configured invariants, full-tensor signatures for the load check); then the parent writes;
+                     sync: commit at once; async modes: commit when the upload has completed
   _wait_for_saving   the parent waits for the upload; then the pending commit runs (all ranks)
   _close             flushes a pending async commit first (the parent does not await save_future)
-  commit             barrier; the files are split over the ranks by size, each hashes its share; the coordinator
+  commit             barrier; each rank hashes the `__R_0.distcp` it wrote, the other files are split over the ranks
+                     by size; the coordinator
                      writes scout-manifest.json into step-N, records the verdict, then purges
-  _find_load_step    the newest *certified* step whose bytes re-verify (walking back, rejecting failures), decided
-                     on the coordinator and broadcast; -1 when there is none (a fresh start, fail closed)
-  _purge_stale_checkpoints  keep_latest_k checkpoints, never the newest certified nor a newer one awaiting evidence,
-                     rejected ones first; runs after the commit, never right after an async dispatch
+  _load(step=-1)     the newest *certified* step whose bytes re-verify (core recovery.latest_clean: walking back,
+                     rejecting failures), loaded by the parent; then the loaded values are compared with the
+                     full-tensor signatures recorded at save; a mismatch rejects the step (`load_mismatch`) and the
+                     next older certified one is loaded, in the same call; a fresh start (nothing certified) falls
+                     back to the parent's initial_load_path handling. An explicit load_step is loaded as TorchTitan
+                     does (the operator's choice).
+  _purge_stale_checkpoints  core retention (`retention.decide` with keep = keep_latest_k): never the newest
+                     certified nor a newer one awaiting evidence, rejected ones first; runs after the commit, never
+                     right after an async dispatch
 
-Not covered yet: `async_with_pinned_mem` (refused), load-time signature verification (bytes only), replay.
+Not covered: SDC replay (see the README), a last-step save with `last_save_model_only` (TorchTitan's default) is
+recorded and hashed but carries model evidence only and no load signatures.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import platform
-import uuid
+import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -46,20 +54,88 @@ from torchtitan.config.override import derive, override
 
 import scout_ckpt
 from scout_ckpt import invariants as inv
-from scout_ckpt import layout, manifest, policy
-from scout_ckpt.digests import digest_files
-from scout_ckpt.errors import NotFound, ScoutError
+from scout_ckpt import journal, layout
+from scout_ckpt.errors import ScoutError
 from scout_ckpt.integrations import folders
-from scout_ckpt.ledger import Ledger
-from scout_ckpt.verify import verify_files
+from scout_ckpt.integrations.session import IntegrationRun
 
-COORDINATOR = 0
+__all__ = ["ScoutCheckpointManager", "scout_checkpoint", "signable", "titan_topology"]
 
-__all__ = ["ScoutCheckpointManager", "scout_checkpoint"]
+TITAN_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # TorchTitan's dense mesh, row-major over the world
+DIM_ROLES = {"pp": "pipeline", "dp_replicate": "replicate", "dp_shard": "shard", "cp": "context_parallel",
+             "tp": "tensor_parallel"}
+PER_RANK = ("dataloader",)
+DCP_DATA = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's data file, written by rank \1
 
 
-def _verify_dcp(step_dir: Path, files: list[dict]) -> dict:
-    return verify_files(step_dir, files)
+def dcp_writer(path: str) -> int | None:
+    """The rank that wrote a DCP data file (it hashes it: digests by the writing ranks), None for others."""
+    m = DCP_DATA.match(path)
+    return int(m.group(1)) if m else None  # TorchTitan keys the dataloader's state by dp rank: it differs per rank by design
+
+
+def titan_topology(model_parts: list, parallel_dims=None, world_size: int | None = None) -> dict:
+    """The topology consensus uses (consensus.mesh's dict), for TorchTitan's meshes. Local, no collective.
+
+    TorchTitan unflattens every mesh from a 1-D world mesh, so the root of its DeviceMeshes is that 1-D mesh and
+    `describe_topology` cannot place a 2-D DTensor on it (it fails closed, `consensus_layout_unknown`). With the
+    ParallelDims the grid is TorchTitan's dense mesh, (pp, dp_replicate, dp_shard, cp, tp) row-major over the
+    world (size-1 dims dropped), and each DTensor's compare dims follow from its mesh and placements by rank
+    arithmetic (`mesh.dtensor_dims`, which also resolves the flattened `fsdp` = dp_shard x cp). Without
+    ParallelDims: `describe_topology` of the model parts."""
+    from torch import nn
+
+    from scout_ckpt.consensus.mesh import Grid, LayoutError, describe_topology, dtensor_dims, is_dtensor
+
+    world = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
+    model = model_parts[0] if len(model_parts) == 1 else nn.ModuleList(model_parts)
+    if parallel_dims is None:
+        return describe_topology(model, world_size=world)
+    dims = [(n, int(getattr(parallel_dims, n))) for n in TITAN_DIMS if int(getattr(parallel_dims, n)) > 1]
+    grid = Grid.make([d for _, d in dims], [n for n, _ in dims], range(world)) if dims else Grid.world(world)
+    tensors = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if is_dtensor(t)]
+    weights: dict[tuple[int, ...], int] = {}
+    problems: list[dict] = []
+    for name, t in tensors:
+        try:
+            d = dtensor_dims(t, grid)
+        except LayoutError as e:
+            problems.append({"code": "consensus_layout_unknown", "tensor": name, "detail": str(e)})
+            continue
+        weights[d] = weights.get(d, 0) + t.numel()
+    plain = grid.plain_dims
+    if not tensors:
+        weights[plain] = 1
+    compare = [plain] + sorted((d for d in weights if d != plain), key=lambda d: (len(d), d))
+    primary = max(weights, key=lambda d: (weights[d], d)) if weights else plain
+    roles = {n: DIM_ROLES.get(n, "replicate") for n in grid.names}
+    mode = "+".join(n for n, _ in dims) or "single"
+    return {"mode": mode, "world_size": world, "mesh_shape": list(grid.shape), "mesh_dim_names": list(grid.names),
+            "mesh": grid.nested(), "dim_roles": roles,
+            "compare_dims": [grid.dim_names(d) for d in compare if grid.group_size(d) > 1],
+            "primary": grid.dim_names(primary), "replica_groups": grid.partition(primary), "problems": problems}
+
+
+def signable(states: dict, skip: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
+    """({dotted key: leaf} the load check can sign, [keys it cannot]). Local, the same on every rank (placements are
+    SPMD). Full-tensor signatures (consensus.full) handle Shard(dim) and Replicate placements; FSDP over a TP dim
+    shards the same tensor dim twice (_StridedShard), which they refuse: such tensors are vouched for at load by
+    their byte digests alone, and the manifest lists them (`load_check_unsigned`)."""
+    from scout_ckpt.consensus.flatten import flatten_state
+    from scout_ckpt.consensus.indexing import dtensor_box
+    from scout_ckpt.consensus.mesh import is_dtensor
+
+    flat = flatten_state({k: v for k, v in states.items() if not k.startswith(skip)}, keep_dtensor=True)
+    out, unsigned = {}, []
+    for k, v in flat.items():
+        if is_dtensor(v):
+            try:
+                dtensor_box(v)
+            except ValueError:
+                unsigned.append(k)
+                continue
+        out[k] = v
+    return out, unsigned
 
 
 class ScoutCheckpointManager(CheckpointManager):
@@ -71,15 +147,16 @@ class ScoutCheckpointManager(CheckpointManager):
         """Invariant specs checked on the live state at every save (scout_ckpt.invariants)."""
 
         consensus: bool = True
-        """Compare the live state across replicas (and the plain state across all ranks when sharded)."""
+        """Compare the live state across the replica dims of the mesh (plain state across all ranks)."""
+
+        verify_load: bool = True
+        """Record full-tensor signatures at save and compare the loaded values with them at load(step=-1)."""
 
         scout_timeout_s: float = 600.0
         """Timeout of scout-ckpt's own gloo groups: a dead peer fails the save instead of hanging it."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
-            if self.async_mode == "async_with_pinned_mem":
-                raise ValueError("ScoutCheckpointManager supports async_mode 'disabled' and 'async'")
             inv.parse_specs(self.invariants)
 
     def __init__(self, config: Config, **kwargs) -> None:
@@ -87,55 +164,60 @@ class ScoutCheckpointManager(CheckpointManager):
         if not self.enable:
             return
         self.checks = inv.parse_specs(config.invariants)
-        self.root = Path(self.folder)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.is_coordinator = self.rank == COORDINATOR
-        timeout = datetime.timedelta(seconds=config.scout_timeout_s)
-        self._spg = dist.new_group(backend="gloo", timeout=timeout)
-        self.mode = self._infer_mode()
+        self.verify_load = config.verify_load
+        self._use_cpu_stager()
+        self.run = IntegrationRun(self.folder, framework="torchtitan", timeout_s=config.scout_timeout_s)
+        self.root, self.rank, self.world = self.run.root, self.run.rank, self.run.world
+        self.is_coordinator = self.run.is_coordinator
+        parallel_dims = getattr(self.states.get("train_state"), "parallel_dims", None)
+        try:
+            topo = titan_topology(self.states["model"].model, parallel_dims, self.world)
+        except ValueError as e:
+            raise ScoutError(f"topology: {e}") from None
         self.groups = None
         if config.consensus and self.world > 1:
             from scout_ckpt.consensus.groups import ConsensusGroups
 
-            self.groups = ConsensusGroups.create(self.mode, self.world, timeout_s=config.scout_timeout_s)
+            self.groups = ConsensusGroups.from_topology(topo, timeout_s=config.scout_timeout_s)
+        self.mode = topo["mode"]
         self.scout_policy = self._policy()
-        self.topology = {"mode": self.mode, "world_size": self.world, "framework": "torchtitan",
-                         "replica_groups": self.groups.groups if self.groups else None}
+        self.topology = {**{k: topo[k] for k in ("mode", "world_size", "mesh_shape", "mesh_dim_names", "dim_roles",
+                                                 "compare_dims", "replica_groups", "problems")},
+                         "framework": "torchtitan"}
         self._pending: tuple | None = None
-        self._saves = 0
+        self._purging = False
+        self._chosen = -1
         self.last_verdict: dict | None = None
-        self.ledger: Ledger | None = None
-        run_id = error = None
-        if self.is_coordinator:
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                self.ledger = Ledger.open(self.root, create=True)
-                folders.settle_writing(self.ledger, self.root, parse=layout.parse_step_dir, verify=_verify_dcp)
-                run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
-                self.ledger.begin_run(run_id, world_size=self.world, topology=self.topology, policy=self.scout_policy,
-                                      versions=self._versions())
-            except Exception as e:  # every rank must still reach the broadcast below
-                error = f"{type(e).__name__}: {e}"
-        self.run_id, error = self._bcast((run_id, error))
-        if error:
-            raise ScoutError(f"scout-ckpt could not open the ledger in {self.root}: {error}")
+        self.loaded: dict | None = None
+        self.run.start(topology=self.topology, policy=self.scout_policy, versions=self._versions())
+        self.run_id = self.run.run_id
+
+    @property
+    def ledger(self):
+        return self.run.ledger
 
     # ---- configuration -------------------------------------------------------------------------------------
 
-    def _infer_mode(self) -> str:
-        from torch.distributed.tensor import DTensor
+    def _use_cpu_stager(self) -> None:
+        """async_with_pinned_mem without an accelerator: TorchTitan's stager asks for pinned memory and a
+        non-blocking copy, which assert "the current accelerator is available"; the parent builds its stager only
+        when none is set, so set one with both off (shared memory and async staging kept). With an accelerator
+        the parent's own stager is used unchanged."""
+        if self.async_mode.value != "async_with_pinned_mem" or torch.accelerator.is_available():
+            return
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        params = [p for m in self.states["model"].model for p in m.parameters()]
-        return "fsdp" if any(isinstance(p, DTensor) for p in params) else "ddp"
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+                                                   use_async_staging=True, use_non_blocking_copy=False))
 
     def _policy(self) -> dict:
-        """As the core Checkpointer's: consensus required; a sharded model (no replicas) may pass it as not
-        applicable only when model-intrinsic checks beyond `finite` vouch for the single-owner shards."""
+        """As the core Checkpointer's: consensus required; single-owner shards (no replica anywhere) may pass it as
+        not applicable only when a vouching invariant (invariants.VOUCHES) pins their values down."""
         require = ["bytes"] + (["invariants"] if self.checks else [])
         allow_na = []
         if self.groups is not None:
             require.append("consensus")
-            if any(c.kind != "finite" for c in self.checks):
+            if any(c.vouches for c in self.checks):
                 allow_na.append("consensus")
         return {"require": require, "allow_not_applicable": allow_na, "invariants": [c.spec for c in self.checks],
                 "layout": "dcp", "replay_targets": []}
@@ -146,18 +228,6 @@ class ScoutCheckpointManager(CheckpointManager):
         return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
                 "torchtitan": getattr(torchtitan, "__version__", "0.3"), "python": platform.python_version()}
 
-    # ---- collectives on the manager's own gloo group -------------------------------------------------------
-
-    def _bcast(self, obj):
-        box = [obj]
-        dist.broadcast_object_list(box, src=COORDINATOR, group=self._spg)
-        return box[0]
-
-    def _gather(self, obj) -> list | None:
-        out = [None] * self.world if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=COORDINATOR, group=self._spg)
-        return out
-
     # ---- save ----------------------------------------------------------------------------------------------
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
@@ -166,44 +236,40 @@ class ScoutCheckpointManager(CheckpointManager):
         if not self._should_save(curr_step, last_step):
             return False
         self.maybe_wait_for_saving()  # commits the previous async save first
-        self._saves += 1
-        attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
         name = os.path.basename(self._create_checkpoint_id(curr_step))
-        error = None
-        if self.is_coordinator:
-            try:
-                folders.record_writing(self.ledger, curr_step, self.run_id, attempt, name)
-                stale = self.root / name
-                if stale.is_dir():  # an abandoned attempt (a walk-back past it): never mix its files in
-                    layout.remove_dir(stale)
-            except Exception as e:  # every rank must still reach the broadcast below
-                error = f"{type(e).__name__}: {e}"
-        error = self._bcast(error)
-        if error:
-            raise ScoutError(f"scout-ckpt could not begin the save of step {curr_step}: {error}")
-        live = self._live_evidence()
+        attempt = self.run.begin_save(curr_step, name)
+        model_only = last_step and self.last_save_model_only
+        states = self.states["model"].state_dict() if model_only else self._flattened_model_states_sd()
+        live = self._live_evidence(states, signatures=self.verify_load and not model_only)
         self._purging = False
         ok = CheckpointManager._save(self, curr_step, last_step)
-        pending = (curr_step, attempt, name, live)
+        pending = (curr_step, attempt, name, live, model_only)
         if self.save_future is None:
             self._commit(*pending)
         else:
             self._pending = pending
         return ok
 
-    def _live_evidence(self) -> dict:
-        """Collective: consensus and invariants on the state being saved (identical evidence on every rank)."""
-        states = self._flattened_model_states_sd()
+    def _signed(self, states: dict) -> tuple[dict, list[str]]:
+        return signable(states, PER_RANK + tuple(self.exclude_from_loading))
+
+    def _live_evidence(self, states: dict, *, signatures: bool) -> dict:
+        """Collective: consensus, invariants and signatures of the state being saved (identical on every rank)."""
         ev = {}
         if self.groups is not None:
             from scout_ckpt.consensus.save_time import save_time_consensus
 
-            # the dataloader's state is per rank by design (TorchTitan keys it by dp rank)
             ev["consensus"] = save_time_consensus(states, self.groups,
-                                                  names_filter=lambda n: not n.startswith("dataloader"))
+                                                  names_filter=lambda n: not n.startswith(PER_RANK))
         if self.checks:
             flat = {k: v for k, v in inv.flatten(states).items() if isinstance(v, torch.Tensor)}
-            ev["invariants"] = inv.run_local(self.checks, flat, group=self._spg)
+            ev["invariants"] = inv.run_local(self.checks, flat, group=self.run.pg)
+        if signatures:
+            from scout_ckpt.consensus.full import full_signatures
+
+            flat, unsigned = self._signed(states)
+            ev["signatures"] = full_signatures(flat, group=self.run.pg, plain="replica")
+            ev["unsigned"] = unsigned
         return ev
 
     def _wait_for_saving(self) -> None:
@@ -216,85 +282,103 @@ class ScoutCheckpointManager(CheckpointManager):
         if getattr(self, "save_future", None) is not None:
             self.maybe_wait_for_saving()
         super()._close()
-        if getattr(self, "ledger", None) is not None:
-            self.ledger.close()
-            self.ledger = None
+        if getattr(self, "run", None) is not None:
+            self.run.close()
 
-    def _commit(self, step: int, attempt: str, name: str, live: dict) -> None:
-        """Collective: hash shares, then the coordinator publishes; every rank gets the same verdict."""
-        dist.barrier(group=self._spg)  # every rank's files are written
+    def _commit(self, step: int, attempt: str, name: str, live: dict, model_only: bool) -> None:
+        """Collective: every rank's files are written (barrier), hash shares, the coordinator publishes and
+        purges; every rank gets the same verdict."""
+        self.run.barrier()
         step_dir = self.root / name
-        listing = self._bcast(folders.listing(step_dir) if self.is_coordinator else None)
-        mine = folders.assign_shares(listing, self.world)[self.rank]
-        got = digest_files([step_dir / p for p in mine if (step_dir / p).is_file()])
-        rows = [{"path": p, "size": got[str(step_dir / p)][0], "digest": got[str(step_dir / p)][1], "rank": self.rank}
-                for p in mine if str(step_dir / p) in got]
-        gathered = self._gather(rows)
-        verdict = None
-        if self.is_coordinator:
-            try:
-                verdict = self._publish(step, attempt, step_dir, [f for g in gathered for f in g], listing, live)
-            except Exception as e:  # every rank must still reach the broadcast below
-                verdict = {"state": "error", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}
-        verdict = self._bcast(verdict)
-        if verdict["state"] == "error":
-            raise ScoutError(f"scout-ckpt: step {step} failed to commit: {verdict['reasons'][0]['detail']}")
+        files, listing = self.run.hash_share(step_dir, writer=dcp_writer)
+        live = dict(live)
+        signatures = live.pop("signatures", None)
+        unsigned = live.pop("unsigned", [])
+        verdict = self.run.commit(step, attempt, step_dir, files, listing, live, run_policy=self.scout_policy,
+                                  topology=self.topology, versions=self._versions(), need_metadata=True,
+                                  signatures=signatures, after=lambda v, ev: self._retention(),
+                                  model_only=model_only, load_check_unsigned=unsigned[:64])
         self.last_verdict = {"step": step, **verdict}
-
-    def _publish(self, step: int, attempt: str, step_dir: Path, files: list[dict], listing, live: dict) -> dict:
-        hashed = {f["path"] for f in files}
-        reasons = [{"code": "missing_file", "file": p} for p, _ in listing if p not in hashed]
-        if layout.DCP_METADATA not in hashed:
-            reasons.append({"code": "missing_file", "file": layout.DCP_METADATA})
-        files = sorted(files, key=lambda f: f["path"])
-        ev = {"bytes": policy.evidence(policy.FAIL if reasons else policy.PASS, reasons, files=len(files),
-                                       bytes=sum(f["size"] for f in files), hashed_by="ranks"), **live}
-        v = policy.evaluate(self.scout_policy, ev)
-        verdict = {"state": v.state, "reasons": v.reasons}
-        m = manifest.build(step=step, run_id=self.run_id, attempt=attempt, world_size=self.world,
-                           topology=self.topology, policy=self.scout_policy, files=files, evidence=ev,
-                           verdict=verdict, invariants=self.scout_policy["invariants"], versions=self._versions())
-        digest = manifest.write(step_dir, m)
-        applied = self.ledger.record_commit(step, run_id=self.run_id, path=step_dir.name,
-                                            nbytes=layout.dir_bytes(step_dir), manifest_digest=digest, files=files,
-                                            evidence=ev, state=v.state, reasons=v.reasons, attempt=attempt)
-        if applied is False:  # the row changed meanwhile (compare-and-set): what the ledger holds stands
-            row = self.ledger.checkpoint(step)
-            return {"state": row["state"], "reasons": row["reasons"]}
-        folders.journal_commit(self.root, step, attempt, digest, v.state, v.reasons, "save")
-        self._purging = True
-        self._purge_stale_checkpoints()
-        return verdict
 
     # ---- retention -----------------------------------------------------------------------------------------
 
     def _purge_stale_checkpoints(self) -> None:
-        """Coordinator, after a durable commit only (the parent calls this right after dispatching a save: then it
-        does nothing)."""
-        if not getattr(self, "_purging", False) or self.keep_latest_k <= 0 or not self.is_coordinator:
+        """The parent calls this right after writing (or, async, right after dispatching) a save: nothing is
+        deleted then; retention runs in `_retention`, after the commit is recorded."""
+
+    def _retention(self) -> None:
+        """Coordinator, after a recorded commit: core retention with keep = keep_latest_k (0: keep all). Errors
+        are recorded as events, never raised: the save itself has succeeded."""
+        if self.keep_latest_k <= 0:
             return
-        self._purging = False
-        folders.apply_retention(self.ledger, self.root, self.keep_latest_k, dirs=layout.list_step_dirs(self.root))
+        try:
+            folders.apply_retention(self.ledger, self.root, self.keep_latest_k,
+                                    dirs=layout.list_step_dirs(self.root))
+        except Exception as e:  # noqa: BLE001 -- see the docstring
+            self.ledger.add_event("retention_error", run_id=self.run_id, detail={"error": repr(e)})
 
     # ---- load ----------------------------------------------------------------------------------------------
 
     def _find_load_step(self, folder: str = "") -> int:
-        """Collective (called by the parent's load on every rank): the newest certified step whose bytes re-verify,
-        or -1. The coordinator decides (rejecting in the ledger any that fail) and broadcasts."""
-        step = None
-        if self.is_coordinator:
-            from scout_ckpt.recovery import latest_clean
+        """What the parent's `_load(step=-1)` loads: the step `_load` chose (-1: a fresh start)."""
+        return self._chosen
 
-            try:
-                step = latest_clean(Path(folder or self.folder))["step"]
-            except NotFound:
-                step = -1
-            except Exception as e:  # every rank must still reach the broadcast below
-                step = f"{type(e).__name__}: {e}"
-        step = self._bcast(step)
-        if isinstance(step, str):
-            raise ScoutError(f"scout-ckpt could not choose a checkpoint to load: {step}")
-        return step
+    def _candidate(self) -> dict | None:
+        """Coordinator: the newest certified step whose bytes re-verify (core recovery.latest_clean, which
+        rejects failures in the ledger and walks back) and the signatures its trusted manifest records."""
+        from scout_ckpt.errors import NotFound
+        from scout_ckpt.recovery import latest_clean, trusted_manifest
+
+        try:
+            found = latest_clean(self.root)
+        except NotFound:
+            return None
+        row = self.ledger.checkpoint(found["step"])
+        m, bad = trusted_manifest(self.root / row["path"], row)
+        return {"step": found["step"], "attempt": row["attempt"], "skipped": [s["step"] for s in found["skipped"]],
+                "signatures": (m or {}).get("signatures") or {} if not bad else {}}
+
+    def _load(self, step: int = -1) -> bool:
+        """Collective. step -1: load the newest certified step whose bytes and loaded values verify (walking back
+        past failures in this same call); see the module docstring. `loaded` tells what happened."""
+        if step != -1 or not os.path.isdir(self.folder):
+            self._chosen = -1
+            return super()._load(step)
+        skipped: list[dict] = []
+        while True:
+            cand = self.run.on_coordinator("choose a checkpoint to load", self._candidate)
+            self._chosen = cand["step"] if cand else -1
+            ok = super()._load(step=-1)
+            if cand is None:
+                self.loaded = {"step": None, "skipped": skipped}
+                return ok
+            skipped += [{"step": s, "code": "bytes"} for s in cand["skipped"]]
+            differ = self._loaded_differences(cand["signatures"])
+            if not differ:
+                self.loaded = {"step": cand["step"], "skipped": skipped, "signatures": bool(cand["signatures"])}
+                return ok
+            skipped.append({"step": cand["step"], "code": "load_mismatch", "tensors": differ[:4]})
+            self.run.on_coordinator(f"reject step {cand['step']}",
+                                    lambda c=cand, d=differ: self._reject_load_mismatch(c, d))
+
+    def _loaded_differences(self, expected: dict) -> list[str]:
+        """Collective: the saved values whose loaded signature differs from the one recorded at save (the same
+        list on every rank: the signatures come from one all_reduce)."""
+        if not self.verify_load or not expected:
+            return []
+        from scout_ckpt.consensus.full import full_signatures
+
+        got = full_signatures(self._signed(self._flattened_model_states_sd())[0], group=self.run.pg, plain="replica")
+        return sorted(k for k in expected if got.get(k) != expected[k])
+
+    def _reject_load_mismatch(self, cand: dict, differ: list[str]) -> None:
+        """Coordinator: the loaded values are not what was certified: rejected for good (compare-and-set from the
+        certified attempt that was loaded), journaled, and a `load_mismatch` event."""
+        reasons = [{"code": "load_mismatch", "tensors": differ[:16], "count": len(differ)}]
+        applied = journal.record_transition(self.ledger, self.root, cand["step"], "rejected", reasons,
+                                            source="load", expect="certified", attempt=cand["attempt"])
+        self.ledger.add_event("load_mismatch", step=cand["step"], run_id=self.run_id,
+                              detail={"differ": differ[:16], "count": len(differ), "rejected": applied})
 
 
 @override(target=CheckpointManager.Config, exact=True,

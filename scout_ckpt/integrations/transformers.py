@@ -17,13 +17,16 @@ every rank. One save boundary with this callback, all ranks (every method below 
      verdict of the run's policy, then retention (the Trainer's save_total_limit, taken over: see below)
   6. the verdict is broadcast: every rank returns the same (an error on the coordinator is raised on all ranks)
 
-A crash before 5 leaves a `writing` row; the next run's on_train_begin rejects it (`save_interrupted`) and removes
-the partial folder, or records it from its manifest if only the ledger write was lost.
+A crash before 5 leaves a `writing` row; the next run's on_train_begin settles it with the core's settle (owner
+provably dead): rejected (`save_interrupted`) and the partial folder removed, or recorded from its manifest if only
+the ledger write was lost. The save machinery (start-up, writing row, shared hashing, manifest, commit) is
+`integrations.session.IntegrationRun`, the same as TorchTitan's manager's.
 
 Retention: the Trainer deletes old folders (save_total_limit) *before* on_save, by age alone, so it can delete the
 only certified folder. The callback takes it over: it sets `args.save_total_limit = None` when the Trainer starts
-and, after each commit, deletes folders down to the same limit itself, never the newest certified one, nor one newer
-that awaits evidence, nor a quarantined one, nor the Trainer's best-model folder.
+and, after each commit, applies the core retention rule with keep = the same limit (`retention.decide`: the
+limit's newest certified folders, never the newest certified one, nor one newer that awaits evidence, nor a
+quarantined one; rejected ones go first), and never the Trainer's best-model folder.
 
 Supported: one process, or DDP under torchrun (every rank holds the whole model). FSDP and DeepSpeed write
 per-rank shards the callback does not compare; it refuses them rather than certify what it did not check.
@@ -31,28 +34,21 @@ per-rank shards the callback does not compare; it refuses them rather than certi
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import platform
-import uuid
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 
 import scout_ckpt
 from scout_ckpt import invariants as inv
-from scout_ckpt import manifest, policy
-from scout_ckpt.digests import digest_files
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.integrations import folders
-from scout_ckpt.layout import dir_bytes, remove_dir
-from scout_ckpt.ledger import Ledger
+from scout_ckpt.integrations.session import IntegrationRun
 
 log = logging.getLogger("scout_ckpt.transformers")
-COORDINATOR = 0
 
 __all__ = ["ScoutTrainerCallback", "latest_clean"]
 
@@ -82,11 +78,16 @@ class ScoutTrainerCallback(TrainerCallback):
         self.consensus, self.stop_on_reject, self.timeout_s = consensus, stop_on_reject, timeout_s
         self.limit: int | None = None
         self.last_verdict: dict | None = None
-        self._ready = False
-        self._saves = 0
+        self.run: IntegrationRun | None = None
         self._attempts: dict[int, str] = {}
-        self.is_coordinator = False
-        self.ledger: Ledger | None = None
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.run is not None and self.run.is_coordinator
+
+    @property
+    def ledger(self):
+        return self.run.ledger if self.run is not None else None
 
     # ---- set-up ---------------------------------------------------------------------------------------------
 
@@ -110,56 +111,38 @@ class ScoutTrainerCallback(TrainerCallback):
         """All ranks: side groups (collective, same order everywhere), settle what a crash left, begin the run."""
         self._refuse_sharded(args)
         self._take_over_retention(args)
-        if self._ready:
+        if self.run is not None:
             return
-        self.root = Path(args.output_dir)
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world = dist.get_world_size() if self.distributed else 1
-        self.is_coordinator = self.rank == COORDINATOR
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        self._pg = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
+        run = IntegrationRun(args.output_dir, framework="transformers", timeout_s=self.timeout_s)
         self.groups = None
-        if self.consensus and self.world > 1:
+        if self.consensus and run.world > 1:
             from scout_ckpt.consensus.groups import ConsensusGroups
+            from scout_ckpt.consensus.mesh import legacy_topology
 
-            self.groups = ConsensusGroups.create("ddp", self.world, timeout_s=self.timeout_s)
-        self.policy = folders.run_policy(self.world if self.groups else 1, self.specs)
-        self.topology = {"mode": "ddp" if self.world > 1 else "single", "world_size": self.world,
+            self.groups = ConsensusGroups.from_topology(legacy_topology("ddp", run.world), timeout_s=self.timeout_s)
+        self.policy = folders.run_policy(run.world if self.groups else 1, self.specs)
+        self.topology = {"mode": "ddp" if run.world > 1 else "single", "world_size": run.world,
                          "framework": "transformers", "layout": folders.LAYOUT,
                          "replica_groups": self.groups.groups if self.groups else None}
-        self.ledger: Ledger | None = None
-        run_id = error = None
-        if self.is_coordinator:
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                self.ledger = Ledger.open(self.root, create=True)
-                settled = folders.settle_writing(self.ledger, self.root)
-                for s in settled:
-                    log.warning("scout-ckpt: %s of an interrupted save settled: %s", folders.folder_name(s["step"]),
-                                s["state"])
-                run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
-                self.ledger.begin_run(run_id, world_size=self.world, topology=self.topology, policy=self.policy,
-                                      versions=self._versions(), resumed_from=state.global_step or None)
-                self._check_resume(state.global_step, run_id)
-            except Exception as e:  # every rank must still reach the broadcast below
-                error = f"{type(e).__name__}: {e}"
-        run_id, error = self._bcast((run_id, error))
-        if error:
-            raise ScoutError(f"scout-ckpt could not open the ledger in {self.root}: {error}")
-        self.run_id = run_id
-        self._ready = True
+        run.start(topology=self.topology, policy=self.policy, versions=self._versions(),
+                  resumed_from=state.global_step or None,
+                  after=lambda ledger, run_id: self._check_resume(ledger, state.global_step, run_id))
+        for s in run.settled:
+            if s["after"] != "writing":
+                log.warning("scout-ckpt: step %d of an interrupted save settled: %s (%s)", s["step"], s["after"],
+                            s["why"])
+        self.run = run
 
-    def _check_resume(self, step: int, run_id: str) -> None:
+    def _check_resume(self, ledger, step: int, run_id: str) -> None:
         """Coordinator: a run resumed (resume_from_checkpoint=True takes the newest folder, certified or not) from
         a folder scout-ckpt has not certified is told so, in the log and as a ledger event."""
         if not step:
             return
-        row = self.ledger.checkpoint(step)
+        row = ledger.checkpoint(step)
         if row is not None and row["state"] == "certified":
             return
         state = row["state"] if row else "unknown to the ledger"
-        self.ledger.add_event("uncertified_resume", step=step, run_id=run_id, detail={"state": state})
+        ledger.add_event("uncertified_resume", step=step, run_id=run_id, detail={"state": state})
         log.warning("scout-ckpt: this run resumed from %s, which is %s; resume with "
                     "trainer.train(resume_from_checkpoint=latest_clean(output_dir)) instead of True",
                     folders.folder_name(step), state)
@@ -169,26 +152,6 @@ class ScoutTrainerCallback(TrainerCallback):
 
         return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
                 "transformers": transformers.__version__, "python": platform.python_version()}
-
-    # ---- small collectives on the callback's own gloo group ------------------------------------------------
-
-    def _bcast(self, obj):
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=COORDINATOR, group=self._pg)
-        return box[0]
-
-    def _gather(self, obj) -> list | None:
-        if not self.distributed:
-            return [obj]
-        out = [None] * self.world if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=COORDINATOR, group=self._pg)
-        return out
-
-    def _barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self._pg)
 
     # ---- the save boundary ---------------------------------------------------------------------------------
 
@@ -202,44 +165,26 @@ class ScoutTrainerCallback(TrainerCallback):
 
     def _begin(self, step: int, *, before_write: bool) -> None:
         """Collective: the `writing` row before the Trainer writes (an interrupted save always leaves its record)."""
-        if step in self._attempts or not self._ready:
+        if step in self._attempts or self.run is None:
             return
-        self._saves += 1
-        attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
-        self._attempts[step] = attempt
-        error = None
-        if self.is_coordinator:
-            try:
-                folders.record_writing(self.ledger, step, self.run_id, attempt, folders.folder_name(step))
-                stale = self.root / folders.folder_name(step)
-                if before_write and stale.is_dir():  # an abandoned attempt's folder: never mix its files in
-                    remove_dir(stale)
-            except Exception as e:  # every rank must still reach the broadcast below
-                error = f"{type(e).__name__}: {e}"
-        error = self._bcast(error)
-        if error:
-            raise ScoutError(f"scout-ckpt could not begin the save of step {step}: {error}")
+        self._attempts[step] = self.run.begin_save(step, folders.folder_name(step), remove_stale=before_write)
 
     def on_save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
-        if not self._ready:
+        if self.run is None:
             return control
+        run = self.run
         step = state.global_step
         self._begin(step, before_write=False)  # save_strategy "best": decided after on_step_end
         attempt = self._attempts.pop(step)
-        self._barrier()  # every rank's files (rng_state_R.pth) are written before anyone lists or hashes
+        run.barrier()  # every rank's files (rng_state_R.pth) are written before anyone lists or hashes
         live = self._live_evidence(state, model, optimizer, lr_scheduler)
-        files = self._hash_share(step)
-        verdict = None
-        if self.is_coordinator:
-            try:
-                verdict = self._publish(step, attempt, files, live, state)
-            except Exception as e:  # every rank must still reach the broadcast below
-                verdict = {"state": "error", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}
-        verdict = self._bcast(verdict)
-        if verdict["state"] == "error":
-            raise ScoutError(f"scout-ckpt: checkpoint-{step} failed to commit: {verdict['reasons'][0]['detail']}")
+        step_dir = run.root / folders.folder_name(step)
+        files, listing = run.hash_share(step_dir)
+        verdict = run.commit(step, attempt, step_dir, files, listing, live, run_policy=self.policy,
+                             topology=self.topology, versions=self._versions(), layout=folders.LAYOUT,
+                             after=lambda v, ev: self._retention(state))
         self.last_verdict = {"step": step, **verdict}
-        if self.is_coordinator:
+        if run.is_coordinator:
             from scout_ckpt.views import reason_text
 
             log.warning("scout-ckpt: checkpoint-%d %s%s", step, verdict["state"],
@@ -247,6 +192,18 @@ class ScoutTrainerCallback(TrainerCallback):
         if verdict["state"] == "rejected" and self.stop_on_reject:
             control.should_training_stop = True
         return control
+
+    def _retention(self, state) -> None:
+        """Coordinator, after a recorded commit: the Trainer's save_total_limit, by the core rule. Its errors are
+        recorded as events, never raised: a save whose verdict is recorded has succeeded."""
+        if not self.limit:
+            return
+        best = folders.parse_folder(Path(state.best_model_checkpoint).name) if state.best_model_checkpoint else None
+        try:
+            folders.apply_retention(self.run.ledger, self.run.root, self.limit,
+                                    dirs=folders.list_folders(self.run.root), also_keep={best} if best else set())
+        except Exception as e:  # noqa: BLE001 -- see the docstring
+            self.run.ledger.add_event("retention_error", run_id=self.run.run_id, detail={"error": repr(e)})
 
     def _live_evidence(self, state, model, optimizer, lr_scheduler) -> dict:
         """Collective: consensus and invariants on the state in memory (identical evidence on every rank)."""
@@ -265,66 +222,10 @@ class ScoutTrainerCallback(TrainerCallback):
             flat = {k: v for k, v in flatten_state({"model": live_state["model"],
                                                     "optimizer": live_state["optimizer"]}).items()
                     if isinstance(v, torch.Tensor)}
-            ev["invariants"] = inv.run_local(self.checks, flat, group=self._pg if self.distributed else False)
+            ev["invariants"] = inv.run_local(self.checks, flat, group=self.run.pg if self.run.distributed else False)
         return ev
 
-    def _hash_share(self, step: int) -> list[dict]:
-        """Collective: the coordinator lists the folder; each rank hashes its share (by size); what a rank cannot
-        see (no shared filesystem) comes back unhashed and the coordinator hashes it."""
-        step_dir = self.root / folders.folder_name(step)
-        listing = self._bcast(folders.listing(step_dir) if self.is_coordinator else None)
-        mine = folders.assign_shares(listing, self.world)[self.rank]
-        visible = [p for p in mine if (step_dir / p).is_file()]
-        got = digest_files([step_dir / p for p in visible])
-        rows = [{"path": p, "size": got[str(step_dir / p)][0], "digest": got[str(step_dir / p)][1],
-                 "rank": self.rank} for p in visible]
-        gathered = self._gather({"files": rows, "unseen": sorted(set(mine) - set(visible))})
-        if not self.is_coordinator:
-            return []
-        files = [f for g in gathered for f in g["files"]]
-        unseen = [p for g in gathered for p in g["unseen"]]
-        if unseen:
-            got = digest_files([step_dir / p for p in unseen if (step_dir / p).is_file()])
-            files += [{"path": p, "size": got[k][0], "digest": got[k][1], "rank": self.rank}
-                      for p in unseen if (k := str(step_dir / p)) in got]
-        return sorted(files, key=lambda f: f["path"])
-
-    def _publish(self, step: int, attempt: str, files: list[dict], live: dict, state) -> dict:
-        """Coordinator: evidence -> verdict -> manifest (fsync) -> ledger -> retention."""
-        step_dir = self.root / folders.folder_name(step)
-        hashed = {f["path"] for f in files}
-        missing = [{"code": "missing_file", "file": p} for p, _ in folders.listing(step_dir) if p not in hashed]
-        ev = {"bytes": policy.evidence(policy.FAIL if missing or not files else policy.PASS,
-                                       missing or ([] if files else [{"code": "no_files_recorded"}]),
-                                       files=len(files), bytes=sum(f["size"] for f in files), hashed_by="ranks",
-                                       ranks=sorted({f["rank"] for f in files}))}
-        ev.update(live)
-        v = policy.evaluate(self.policy, ev)
-        verdict = {"state": v.state, "reasons": v.reasons}
-        m = manifest.build(step=step, run_id=self.run_id, attempt=attempt, world_size=self.world,
-                           topology=self.topology, policy=self.policy, files=files, evidence=ev, verdict=verdict,
-                           invariants=self.specs, versions=self._versions(), layout=folders.LAYOUT)
-        digest = manifest.write(step_dir, m)
-        applied = self.ledger.record_commit(step, run_id=self.run_id, path=step_dir.name,
-                                            nbytes=dir_bytes(step_dir), manifest_digest=digest, files=files,
-                                            evidence=ev, state=v.state, reasons=v.reasons, attempt=attempt)
-        if applied is False:  # the row changed meanwhile (compare-and-set): what the ledger holds stands
-            row = self.ledger.checkpoint(step)
-            return {"state": row["state"], "reasons": row["reasons"]}
-        folders.journal_commit(self.root, step, attempt, digest, v.state, v.reasons, "save")
-        for kind in ("consensus", "invariants"):
-            for r in (ev.get(kind) or {}).get("reasons") or []:
-                if r.get("code") in ("consensus_attributed", "consensus_inconclusive", "invariant_failed"):
-                    self.ledger.add_event("sdc", step=step, ranks=r.get("ranks") or [], run_id=self.run_id,
-                                          detail={"source": kind, **{k: x for k, x in r.items() if k != "ranks"}})
-        if self.limit:
-            best = folders.parse_folder(Path(state.best_model_checkpoint).name) if state.best_model_checkpoint \
-                else None
-            folders.apply_retention(self.ledger, self.root, self.limit, also_keep={best} if best else set())
-        return verdict
-
     def on_train_end(self, args, state, control, **kwargs):
-        if self.is_coordinator and self.ledger is not None:
-            self.ledger.close()
-            self.ledger = None
-        self._ready = False
+        if self.run is not None:
+            self.run.close()
+            self.run = None

@@ -1,0 +1,211 @@
+"""One framework run's side of the commit protocol, shared by the integrations (TorchTitan's manager, the Trainer's
+callback): they differ in when a save starts and ends and in what state they can see, not in how a save is
+recorded. Imports torch, no framework.
+
+Who calls what (every method marked collective is called by every rank, in the same order):
+
+  IntegrationRun(root, framework=, timeout_s=)    collective: the run's own gloo group (never the training group)
+  start(topology, policy, versions)               collective: coordinator opens the ledger, settles what a crash
+                                                  left (core settle + removal of interrupted in-place folders),
+                                                  begins the run; every rank gets the run id, or the same error
+  begin_save(step, name, remove_stale=)           collective: the `writing` row (with this process as owner) before
+                                                  any byte is written; every rank derives the same attempt id
+  hash_share(step_dir)                            collective: the coordinator lists the folder, each rank hashes
+                                                  its share (by size), the coordinator hashes what a rank could not
+                                                  see (no shared filesystem); files go to the coordinator
+  commit(step, attempt, step_dir, files, ...)     collective: coordinator writes the manifest (temp + fsync +
+                                                  rename), records the verdict (compare-and-set), journals it and
+                                                  runs `after` (retention); every rank returns the same verdict or
+                                                  raises the same ScoutError
+
+An error on the coordinator never leaves the other ranks waiting in a collective: every coordinator-only block
+catches, and the broadcast that follows carries the error to all ranks (the torchft habit of STYLE.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from scout_ckpt import layout, manifest, policy
+from scout_ckpt.digests import digest_files
+from scout_ckpt.errors import ScoutError
+from scout_ckpt.integrations import folders
+from scout_ckpt.journal import journal_verdict
+from scout_ckpt.ledger import Ledger
+from scout_ckpt.settle import this_process_owner
+
+COORDINATOR = 0
+
+
+def new_run_id() -> str:
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+
+
+class IntegrationRun:
+    """The ledger, the run id and the side group of one framework run (see the module docstring)."""
+
+    def __init__(self, root: str | Path, *, framework: str, timeout_s: float = 600.0):
+        self.root = Path(root)
+        self.framework = framework
+        self.timeout_s = timeout_s
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.is_coordinator = self.rank == COORDINATOR
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.pg = dist.new_group(backend="gloo", timeout=timeout) if self.distributed else None
+        self.ledger: Ledger | None = None
+        self.run_id: str | None = None
+        self.settled: list[dict] = []
+        self._saves = 0
+
+    # ---- small collectives on the run's own gloo group ------------------------------------------------------
+
+    def bcast(self, obj):
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=COORDINATOR, group=self.pg)
+        return box[0]
+
+    def gather(self, obj) -> list | None:
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=COORDINATOR, group=self.pg)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.pg)
+
+    def on_coordinator(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Collective: run fn on the coordinator, broadcast its result; an exception there is raised on every
+        rank as ScoutError("scout-ckpt could not {what}: ...")."""
+        out = error = None
+        if self.is_coordinator:
+            try:
+                out = fn()
+            except Exception as e:  # every rank must still reach the broadcast below
+                error = f"{type(e).__name__}: {e}"
+        out, error = self.bcast((out, error))
+        if error:
+            raise ScoutError(f"scout-ckpt could not {what}: {error}")
+        return out
+
+    # ---- start-up ------------------------------------------------------------------------------------------
+
+    def start(self, *, topology: dict, policy: dict, versions: dict, resumed_from: int | None = None,
+              after: Callable[[Ledger, str], None] | None = None) -> str:
+        """Collective: open the ledger, settle interrupted saves, begin the run; returns the run id. `after(ledger,
+        run_id)` runs on the coordinator once the run is begun (e.g. a warning about an uncertified resume)."""
+        def begin():
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.ledger = Ledger.open(self.root, create=True)
+            self.settled = folders.settle_folders(self.ledger, self.root, source="startup")
+            run_id = new_run_id()
+            self.ledger.begin_run(run_id, world_size=self.world, topology=topology, policy=policy,
+                                  versions=versions, resumed_from=resumed_from)
+            if after is not None:
+                after(self.ledger, run_id)
+            return run_id
+
+        self.run_id = self.on_coordinator(f"open the ledger in {self.root}", begin)
+        return self.run_id
+
+    # ---- one save ------------------------------------------------------------------------------------------
+
+    def begin_save(self, step: int, name: str, *, remove_stale: bool = True) -> str:
+        """Collective: record `writing` for ROOT/name before anything is written; returns the attempt id (the same
+        on every rank, no collective needed for it). remove_stale: remove a folder of an abandoned attempt at the
+        same step first (after a walk-back past it), so its files never mix with this save's."""
+        self._saves += 1
+        attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
+
+        def record():
+            self.ledger.record_writing(step, self.run_id, attempt, name, owner=this_process_owner())
+            stale = self.root / name
+            if remove_stale and stale.is_dir():
+                layout.remove_dir(stale)
+
+        self.on_coordinator(f"begin the save of step {step}", record)
+        return attempt
+
+    def hash_share(self, step_dir: Path, writer: Callable[[str], int | None] | None = None
+                   ) -> tuple[list[dict], list[tuple[str, int]]]:
+        """Collective: (files hashed, listing) on the coordinator, ([], listing) elsewhere. A file whose writing
+        rank `writer(path)` names is hashed by that rank (DCP's `__R_0.distcp`); the others are split over the
+        ranks by size. What a rank cannot see comes back unhashed and the coordinator hashes it."""
+        step_dir = Path(step_dir)
+        listing = self.bcast(folders.listing(step_dir) if self.is_coordinator else None)
+        owners = {p: writer(p) if writer else None for p, _ in listing}
+        owned = {p for p, r in owners.items() if r is not None and 0 <= r < self.world}
+        rest = folders.assign_shares([f for f in listing if f[0] not in owned], self.world)[self.rank]
+        mine = sorted(rest + [p for p in owned if owners[p] == self.rank])
+        visible = [p for p in mine if (step_dir / p).is_file()]
+        got = digest_files([step_dir / p for p in visible])
+        rows = [{"path": p, "size": got[str(step_dir / p)][0], "digest": got[str(step_dir / p)][1],
+                 "rank": self.rank} for p in visible if str(step_dir / p) in got]
+        gathered = self.gather({"files": rows, "unseen": sorted(set(mine) - {r["path"] for r in rows})})
+        if not self.is_coordinator:
+            return [], listing
+        files = [f for g in gathered for f in g["files"]]
+        unseen = [p for g in gathered for p in g["unseen"]]
+        if unseen:
+            got = digest_files([step_dir / p for p in unseen if (step_dir / p).is_file()])
+            files += [{"path": p, "size": got[k][0], "digest": got[k][1], "rank": self.rank}
+                      for p in unseen if (k := str(step_dir / p)) in got]
+        return sorted(files, key=lambda f: f["path"]), listing
+
+    def commit(self, step: int, attempt: str, step_dir: Path, files: list[dict], listing, live: dict, *,
+               run_policy: dict, topology: dict, versions: dict, need_metadata: bool = False,
+               signatures: dict | None = None, after: Callable[[dict, dict], None] | None = None,
+               **manifest_extra) -> dict:
+        """Collective: the coordinator publishes (bytes evidence from the hashed files against the listing, the
+        live evidence, the run's policy) and runs `after(verdict, evidence)` once the verdict is recorded (events,
+        retention); every rank returns {"state", "reasons"} or raises the same ScoutError."""
+        def publish():
+            hashed = {f["path"] for f in files}
+            reasons = [{"code": "missing_file", "file": p} for p, _ in listing if p not in hashed]
+            if need_metadata and layout.DCP_METADATA not in hashed:
+                reasons.append({"code": "missing_file", "file": layout.DCP_METADATA})
+            if not files:
+                reasons.append({"code": "no_files_recorded"})
+            ev = {"bytes": policy.evidence(policy.FAIL if reasons else policy.PASS, reasons, files=len(files),
+                                           bytes=sum(f["size"] for f in files), hashed_by="ranks",
+                                           ranks=sorted({f["rank"] for f in files})), **live}
+            v = policy.evaluate(run_policy, ev)
+            verdict = {"state": v.state, "reasons": v.reasons}
+            m = manifest.build(step=step, run_id=self.run_id, attempt=attempt, world_size=self.world,
+                               topology=topology, policy=run_policy, files=files, evidence=ev, verdict=verdict,
+                               signatures=signatures, invariants=run_policy.get("invariants"), versions=versions,
+                               **manifest_extra)
+            digest = manifest.write(step_dir, m)
+            applied = self.ledger.record_commit(step, run_id=self.run_id, path=Path(step_dir).name,
+                                                nbytes=layout.dir_bytes(step_dir), manifest_digest=digest,
+                                                files=files, evidence=ev, state=v.state, reasons=v.reasons,
+                                                attempt=attempt)
+            if not applied:  # the row changed meanwhile (compare-and-set): what the ledger holds stands
+                row = self.ledger.checkpoint(step)
+                return {"state": row["state"], "reasons": row["reasons"]}
+            journal_verdict(self.root, step, attempt, digest, v.state, v.reasons, "save")
+            for kind in ("consensus", "invariants"):
+                for r in (ev.get(kind) or {}).get("reasons") or []:
+                    if r.get("code") in ("consensus_attributed", "consensus_inconclusive", "invariant_failed"):
+                        self.ledger.add_event("sdc", step=step, ranks=r.get("ranks") or [], run_id=self.run_id,
+                                              detail={"source": kind, **{k: x for k, x in r.items() if k != "ranks"}})
+            if after is not None:
+                after(verdict, ev)
+            return verdict
+
+        return self.on_coordinator(f"commit step {step}", publish)
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
