@@ -15,7 +15,7 @@ CLI = [sys.executable, "-m", "scout_ckpt.cli"]
 def run_cli(*args, env=None, check_rc=None):
     """The real command line in a subprocess: (returncode, stdout, stderr)."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    p = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=full_env, timeout=120)
+    p = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, env=full_env, timeout=300)
     if check_rc is not None:
         assert p.returncode == check_rc, (p.returncode, p.stdout, p.stderr)
     return p.returncode, p.stdout, p.stderr
