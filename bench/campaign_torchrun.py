@@ -77,7 +77,7 @@ def _torchrun(root: Path, nproc: int, args: list[str], timeout: float = 900.0) -
            "--pg-timeout", str(PG_TIMEOUT_S), "--action", "abort", "--save-every", str(SAVE_EVERY), *args]
     t0 = time.monotonic()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
         rc, err = p.returncode, p.stderr[-2000:]
     except subprocess.TimeoutExpired:
         rc, err = 124, "timed out"
@@ -167,7 +167,7 @@ def _run(kind: str, detector: tuple[str, ...]):
 def _healthy(model: str):
     def make(work: Path, seed: int) -> dict:
         root = work
-        rc, wall, err = _torchrun(root, 3, ["--model", model, "--steps", "40", "--compute-s", str(COMPUTE_S)])
+        rc, wall, _err = _torchrun(root, 3, ["--model", model, "--steps", "40", "--compute-s", str(COMPUTE_S)])
         events = _events(root)
         counts: dict[str, int] = {}
         for e in events:

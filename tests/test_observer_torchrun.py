@@ -89,7 +89,7 @@ def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path):
     assert crash["step"] == 15
     assert "injected_hang_in_optimizer" in hang_opt["detail"]["stacks"]["0"]
     assert {row["rank"]: row["phase"] for row in hang_opt["detail"]["progress"]}[0] == "optimizer"
-    assert straggler["detail"]["slowdown"] > 1.8  # 3x the sleep; the model's own compute is equal on all ranks
+    assert straggler["detail"]["slowdown"] > 1.8  # 3x its whole step; the busy time excludes its own waits
     # each fault in its own generation; the straggler only in the last, where rank 2 was slow
     assert [e["run_id"] for e in events] == run_ids(rep)
     for attempt, ev in ((0, hang), (3, hang_opt)):
@@ -117,7 +117,7 @@ def test_fsdp2_job_hangs_desync_and_straggler_under_torchrun(tmp_path):
     events = sorted(rep["events"], key=lambda e: e["time"])
     kinds = [(e["kind"], e["ranks"]) for e in events]
     assert kinds == [("hang", [0]), ("desync", [2]), ("hang", [1]), ("straggler", [1])], kinds
-    hang, desync, hang_bwd, straggler = events
+    hang, _desync, hang_bwd, straggler = events
     assert "injected_hang_in_optimizer" in hang["detail"]["stacks"]["0"]
     table = {row["rank"]: row for row in hang["detail"]["progress"]}
     assert table[0]["phase"] == "optimizer"

@@ -42,7 +42,7 @@ log = logging.getLogger("scout_ckpt.observer")
 class HookState:
     """The observed hook's state: the DDP module's process group, its size, and how to average."""
 
-    __slots__ = ("group", "size", "op", "tracer")
+    __slots__ = ("group", "op", "size", "tracer")
 
     def __init__(self, group, tracer=None):
         import torch.distributed as dist
