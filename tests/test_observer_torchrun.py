@@ -56,6 +56,17 @@ def back_to_training_s(root: Path, attempt: int) -> float:
     return min(nxt) - t_fault
 
 
+def last_generation_busy(root: Path) -> dict:
+    """What the straggler rule saw in the last generation, per rank: (steps, busy seconds, step seconds); printed
+    when a straggler is missed."""
+    channels = sorted((root / "reports" / ".observer").iterdir(), key=lambda p: p.stat().st_mtime)
+    rows = {}
+    for p in channels[-1].glob("status-*.json"):
+        row = json.loads(p.read_text())
+        rows[row["rank"]] = (row["n_steps"], round(row["busy_sum"], 3), round(row["dur_sum"], 3))
+    return rows
+
+
 def run_ids(rep: dict) -> list[str]:
     """The generations (runs) in the order they started."""
     return [r["id"] for r in sorted(rep["runs"], key=lambda r: r["started"])]
@@ -67,18 +78,19 @@ def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path):
     SIGKILLed; then rank 0 hangs inside its optimizer step; then rank 2 computes 3x as long every step. Each is
     named, each aborted generation is resumed from the newest clean step, and the job finishes."""
     root = tmp_path / "run"
-    torchrun(root, 3, 4, "--model", "ddp", "--steps", "50", "--compute-s", "0.05",
+    torchrun(root, 3, 4, "--model", "ddp", "--steps", "70", "--compute-s", "0.05",
              "--faults", "0:hang-before-backward:2:8,1:extra-collective:1:12,2:kill:1:16,3:hang-in-optimizer:0:22,"
                          "4:straggler:2:0",
              "--straggler", json.dumps({"window_s": 0.5}))
     attempts = jsonl(root / "attempts.jsonl")
     assert [a["resumed_from"] for a in attempts] == [0, 5, 10, 15, 20]
     assert {a["attached"] for a in attempts} == {"registered"}  # the DDP comm hook is in place
-    assert max(p["step"] for p in jsonl(root / "progress.jsonl")) == 50
+    assert max(p["step"] for p in jsonl(root / "progress.jsonl")) == 70
     rep = report(root)
     events = sorted(rep["events"], key=lambda e: e["time"])
     kinds = [(e["kind"], e["ranks"]) for e in events]
-    assert kinds == [("hang", [2]), ("desync", [1]), ("crash", [1]), ("hang", [0]), ("straggler", [2])], kinds
+    assert kinds == [("hang", [2]), ("desync", [1]), ("crash", [1]), ("hang", [0]), ("straggler", [2])], (
+        kinds, last_generation_busy(root))
     hang, desync, crash, hang_opt, straggler = events
     assert hang["detail"]["attribution"] == "strict_majority" and hang["detail"]["action"] == "abort"
     assert "injected_hang_before_backward" in hang["detail"]["stacks"]["2"]
@@ -116,7 +128,8 @@ def test_fsdp2_job_hangs_desync_and_straggler_under_torchrun(tmp_path):
     rep = report(root)
     events = sorted(rep["events"], key=lambda e: e["time"])
     kinds = [(e["kind"], e["ranks"]) for e in events]
-    assert kinds == [("hang", [0]), ("desync", [2]), ("hang", [1]), ("straggler", [1])], kinds
+    assert kinds == [("hang", [0]), ("desync", [2]), ("hang", [1]), ("straggler", [1])], (
+        kinds, last_generation_busy(root))
     hang, _desync, hang_bwd, straggler = events
     assert "injected_hang_in_optimizer" in hang["detail"]["stacks"]["0"]
     table = {row["rank"]: row for row in hang["detail"]["progress"]}
