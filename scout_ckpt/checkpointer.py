@@ -317,6 +317,7 @@ class Checkpointer:
         step is quarantined), CommitError when nothing was published."""
         if self._closed:
             raise ScoutError("Checkpointer is closed")
+        t0 = time.monotonic()
         with self.phase("checkpoint"):
             try:
                 return self._save(step, state)
@@ -326,6 +327,10 @@ class Checkpointer:
                 if self.observer is not None:
                     self.observer.heartbeat.error()
                 raise
+            finally:
+                # The save is not training compute: left in the next step's time, the coordinator's commit
+                # work (manifest, ledger) made it look like a straggler on a loaded machine.
+                self._bookkeeping_s += time.monotonic() - t0
 
     def _save(self, step: int, state: dict) -> dict | None:
         self.wait()

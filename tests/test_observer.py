@@ -310,4 +310,5 @@ def test_ddp_comm_hook_rules_on_real_ddp_modules(tmp_path):
         assert (res["ours"], res["ours_seen"]) == ("registered", 1)
         assert (res["kept"], res["kept_seen"]) == ("user_hook", 1)
         assert res["builtin"] == "builtin_hook" and res["plain_module"] == "not_ddp"
-        assert res["grads_close"]
+        assert res["grads_close"] and res["grads_close_after_stop"]
+        assert res["open_waits"] == 0

@@ -56,29 +56,42 @@ def back_to_training_s(root: Path, attempt: int) -> float:
     return min(nxt) - t_fault
 
 
+def last_generation_busy(root: Path) -> dict:
+    """What the straggler rule saw in the last generation, per rank: (steps, busy seconds, step seconds); printed
+    when a straggler is missed."""
+    channels = sorted((root / "reports" / ".observer").iterdir(), key=lambda p: p.stat().st_mtime)
+    rows = {}
+    for p in channels[-1].glob("status-*.json"):
+        row = json.loads(p.read_text())
+        rows[row["rank"]] = (row["n_steps"], round(row["busy_sum"], 3), round(row["dur_sum"], 3))
+    return rows
+
+
 def run_ids(rep: dict) -> list[str]:
     """The generations (runs) in the order they started."""
     return [r["id"] for r in sorted(rep["runs"], key=lambda r: r["started"])]
 
 
 @pytest.mark.scenario
-def test_ddp_job_hang_desync_crash_and_straggler_under_torchrun(tmp_path):
+def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path):
     """3 ranks, DDP: rank 2 hangs before backward; then rank 1 issues an extra all_reduce; then rank 1 is
-    SIGKILLed; then rank 2 computes 3x as long every step. Each is named, each aborted generation is resumed
-    from the newest clean step, and the job finishes."""
+    SIGKILLed; then rank 0 hangs inside its optimizer step; then rank 2 computes 3x as long every step. Each is
+    named, each aborted generation is resumed from the newest clean step, and the job finishes."""
     root = tmp_path / "run"
-    torchrun(root, 3, 3, "--model", "ddp", "--steps", "45", "--compute-s", "0.05",
-             "--faults", "0:hang-before-backward:2:8,1:extra-collective:1:12,2:kill:1:16,3:straggler:2:0",
+    torchrun(root, 3, 4, "--model", "ddp", "--steps", "70", "--compute-s", "0.05",
+             "--faults", "0:hang-before-backward:2:8,1:extra-collective:1:12,2:kill:1:16,3:hang-in-optimizer:0:22,"
+                         "4:straggler:2:0",
              "--straggler", json.dumps({"window_s": 0.5}))
     attempts = jsonl(root / "attempts.jsonl")
-    assert [a["resumed_from"] for a in attempts] == [0, 5, 10, 15]
+    assert [a["resumed_from"] for a in attempts] == [0, 5, 10, 15, 20]
     assert {a["attached"] for a in attempts} == {"registered"}  # the DDP comm hook is in place
-    assert max(p["step"] for p in jsonl(root / "progress.jsonl")) == 45
+    assert max(p["step"] for p in jsonl(root / "progress.jsonl")) == 70
     rep = report(root)
-    events = rep["events"]
-    kinds = [(e["kind"], e["ranks"]) for e in sorted(events, key=lambda e: e["time"])]
-    assert kinds == [("hang", [2]), ("desync", [1]), ("crash", [1]), ("straggler", [2])], kinds
-    hang, desync, crash, straggler = sorted(events, key=lambda e: e["time"])
+    events = sorted(rep["events"], key=lambda e: e["time"])
+    kinds = [(e["kind"], e["ranks"]) for e in events]
+    assert kinds == [("hang", [2]), ("desync", [1]), ("crash", [1]), ("hang", [0]), ("straggler", [2])], (
+        kinds, last_generation_busy(root))
+    hang, desync, crash, hang_opt, straggler = events
     assert hang["detail"]["attribution"] == "strict_majority" and hang["detail"]["action"] == "abort"
     assert "injected_hang_before_backward" in hang["detail"]["stacks"]["2"]
     assert hang["step"] == 7  # the last step every rank finished
@@ -86,36 +99,50 @@ def test_ddp_job_hang_desync_crash_and_straggler_under_torchrun(tmp_path):
     assert seqs[0] == seqs[1] > seqs[2] > 0  # DDP's bucket all-reduces are counted
     assert desync["detail"]["attribution"] == "strict_majority"
     assert crash["step"] == 15
-    assert straggler["detail"]["slowdown"] > 1.8  # 3x the sleep; the model's own compute is equal on all ranks
+    assert "injected_hang_in_optimizer" in hang_opt["detail"]["stacks"]["0"]
+    assert {row["rank"]: row["phase"] for row in hang_opt["detail"]["progress"]}[0] == "optimizer"
+    assert straggler["detail"]["slowdown"] > 1.8  # 3x its whole step; the busy time excludes its own waits
     # each fault in its own generation; the straggler only in the last, where rank 2 was slow
-    assert [e["run_id"] for e in (hang, desync, crash, straggler)] == run_ids(rep)
-    took = back_to_training_s(root, 0)
-    detect = hang["time"] - faults(root)[0]["time"]
-    print(f"\nDDP hang: detected and aborted after {detect:.1f}s (stall_s {STALL_S}); training again after "
-          f"{took:.1f}s; process-group timeout {PG_TIMEOUT:.0f}s")
-    assert took < PG_TIMEOUT
+    assert [e["run_id"] for e in events] == run_ids(rep)
+    for attempt, ev in ((0, hang), (3, hang_opt)):
+        took = back_to_training_s(root, attempt)
+        detect = ev["time"] - faults(root)[attempt]["time"]
+        print(f"\nDDP hang ({faults(root)[attempt]['fault']}): detected and aborted after {detect:.1f}s "
+              f"(stall_s {STALL_S}); training again after {took:.1f}s; process-group timeout {PG_TIMEOUT:.0f}s")
+        assert took < PG_TIMEOUT
 
 
 @pytest.mark.scenario
-def test_fsdp2_job_hang_in_optimizer_and_desync_under_torchrun(tmp_path):
+def test_fsdp2_job_hangs_desync_and_straggler_under_torchrun(tmp_path):
     """3 ranks, FSDP2 (fully_shard per layer): rank 0 hangs inside its optimizer step; then rank 2 issues an
-    extra all_reduce; the last generation is healthy and reports nothing."""
+    extra all_reduce; then rank 1 hangs before its backward; then rank 1 computes 3x as long every step."""
     root = tmp_path / "run"
-    torchrun(root, 3, 2, "--model", "fsdp", "--steps", "30", "--compute-s", "0.03",
-             "--faults", "0:hang-in-optimizer:0:8,1:extra-collective:2:12", "--straggler", json.dumps({"window_s": 0.5}))
+    torchrun(root, 3, 3, "--model", "fsdp", "--steps", "50", "--compute-s", "0.05",
+             "--faults", "0:hang-in-optimizer:0:8,1:extra-collective:2:12,2:hang-before-backward:1:16,"
+                         "3:straggler:1:0",
+             "--straggler", json.dumps({"window_s": 0.5}))
     attempts = jsonl(root / "attempts.jsonl")
-    assert [a["resumed_from"] for a in attempts] == [0, 5, 10]
+    assert [a["resumed_from"] for a in attempts] == [0, 5, 10, 15]
     assert {a["attached"] for a in attempts} == {"fsdp2"}
-    events = sorted(report(root)["events"], key=lambda e: e["time"])
-    assert [(e["kind"], e["ranks"]) for e in events] == [("hang", [0]), ("desync", [2])], events
-    hang = events[0]
+    assert max(p["step"] for p in jsonl(root / "progress.jsonl")) == 50
+    rep = report(root)
+    events = sorted(rep["events"], key=lambda e: e["time"])
+    kinds = [(e["kind"], e["ranks"]) for e in events]
+    assert kinds == [("hang", [0]), ("desync", [2]), ("hang", [1]), ("straggler", [1])], (
+        kinds, last_generation_busy(root))
+    hang, _desync, hang_bwd, straggler = events
     assert "injected_hang_in_optimizer" in hang["detail"]["stacks"]["0"]
     table = {row["rank"]: row for row in hang["detail"]["progress"]}
     assert table[0]["phase"] == "optimizer"
     assert table[1]["seq"] == table[2]["seq"] > table[0]["seq"] > 0  # FSDP2's all-gathers are counted
-    took = back_to_training_s(root, 0)
-    print(f"\nFSDP2 hang: training again after {took:.1f}s; process-group timeout {PG_TIMEOUT:.0f}s")
-    assert took < PG_TIMEOUT
+    assert "injected_hang_before_backward" in hang_bwd["detail"]["stacks"]["1"]
+    assert straggler["detail"]["slowdown"] > 1.8
+    assert [e["run_id"] for e in events] == run_ids(rep)
+    for attempt in (0, 2):
+        took = back_to_training_s(root, attempt)
+        print(f"\nFSDP2 hang ({faults(root)[attempt]['fault']}): training again after {took:.1f}s; "
+              f"process-group timeout {PG_TIMEOUT:.0f}s")
+        assert took < PG_TIMEOUT
 
 
 def test_sigkilled_rank_of_two_is_a_crash_after_the_restart(tmp_path):

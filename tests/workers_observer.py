@@ -159,6 +159,13 @@ def ddp_attach_rules(rank: int, world_size: int, root: str):
         for m in (a, b):
             m(x).sum().backward()
         out["grads_close"] = all(torch.allclose(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+        # the hook ends the heartbeat's wait for each bucket in its one completion callback
+        out["open_waits"] = sum(1 for w in obs.heartbeat._waits if w[1] is None)
     finally:
         obs.stop()
+    # after stop the tracer is gone but the hook stays registered: it averages untraced, still correctly
+    for m in (a, b):
+        m.zero_grad()
+        m(x).sum().backward()
+    out["grads_close_after_stop"] = all(torch.allclose(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
     return out

@@ -224,6 +224,33 @@ class CollectiveTracer:
             hb.leave(seq, out if out is not None and isinstance(out, Work) else None)
             return out
 
+        def issue_async(*args, **kwargs):
+            """The same call with async_op=True, whose wait the caller ends: returns (work, box), box None when
+            nothing was recorded (an ignored group, no heartbeat, another thread); else the caller's completion
+            callback calls `hb.completed(box, failed)` (CollectiveTracer.issue_async)."""
+            fp = fp_of(args, kwargs)
+            if fp is None or hb is None or get_ident() != owner:
+                if fp is not None:
+                    tracer.seq += 1
+                return orig(*args, async_op=True, **kwargs), None
+            tracer.seq = seq = tracer.seq + 1
+            hb.enter(seq, fp)
+            try:
+                work = orig(*args, async_op=True, **kwargs)
+            except BaseException:
+                hb.error()
+                hb.leave(seq)
+                raise
+            return work, hb.leave_open(seq)
+
         wrapper.__scout_fp__ = fp_of
         wrapper.__scout_original__ = orig
+        wrapper.__scout_issue_async__ = issue_async
         return wrapper
+
+    def issue_async(self, name: str, *args, **kwargs):
+        """Issue collective `name` with async_op=True, traced like any call (sequence number, fingerprint,
+        "in collective" while it is issued), but leave the end of this rank's wait to the caller: returns
+        (work, box); the caller's own completion callback calls `self.hb.completed(box, failed)` when box is
+        not None. DDP's comm hook chains a callback on every bucket anyway, so this saves the tracer's own."""
+        return self._wrappers[name].__scout_issue_async__(*args, **kwargs)

@@ -132,7 +132,7 @@ class Observer:
         else:
             from scout_ckpt.observer.ddp import attach
 
-            self.attached = attach(model, hook, state)
+            self.attached = attach(model, hook, state, tracer=self.tracer)
         log.info("observer of rank %d: attach -> %s", self.rank, self.attached)
         return self.attached
 

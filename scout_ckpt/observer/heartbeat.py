@@ -111,7 +111,7 @@ class Heartbeat:
         self._step, self._phase = 0, "idle"
         self._last_dur = self._dur_sum = self._busy_sum = self._coll_sum = 0.0
         self._n_steps = 0
-        self._t_enter = self._t_side = 0.0
+        self._t_enter = self._t_side = self._t_leave = 0.0
         # waiting intervals since the last step: [start, end]; end None while an async collective is in flight
         # (its completion callback, on whatever thread completes the work, fills it in: one list-item store)
         self._waits: list[list] = []
@@ -154,32 +154,51 @@ class Heartbeat:
         """Collective `seq` returned. `work`: the Work of an async_op call, whose completion (not this return)
         ends the rank's wait: DDP's and FSDP2's collectives are async, and the fast ranks wait for their
         completion later, inside backward or the next forward."""
-        now = time.time()
-        box = [self._t_enter, None if work is not None else now]
-        if work is not None:
-            try:
-                work.get_future().add_done_callback(lambda f: self._done(box, f))
-            except Exception:  # a backend without futures: the wait ends when the call returns
-                box[1] = now
-        self._waits.append(box)
-        if len(self._waits) > 4096:  # no step() calls to drain it: keep only what may still be open
-            self._waits = [b for b in self._waits if b[1] is None][-1024:]
+        box = self.leave_open(seq)
+        if work is None:
+            box[1] = self._t_leave
+            return
+        try:
+            work.get_future().add_done_callback(lambda f: self._done(box, f))
+        except Exception:  # a backend without futures: the wait ends when the call returns
+            box[1] = self._t_leave
+
+    def leave_open(self, seq: int) -> list:
+        """Collective `seq` was issued (async) and returned; the caller ends the rank's wait for it by calling
+        `completed(box, failed)` from the completion callback it registers anyway (DDP's comm hook chains one
+        with `then`): one Python callback per collective instead of two, which is most of what tracing an
+        async collective costs."""
+        now = self._t_leave = time.time()
+        box = [self._t_enter, None]
+        waits = self._waits
+        waits.append(box)
+        if len(waits) > 4096:  # no step() calls to drain it: keep only what may still be open
+            self._waits = [b for b in waits if b[1] is None][-1024:]
         self._seq_leave = seq
         self._flags &= ~IN_COLL
         self._write_coll(now)
+        return box
+
+    def completed(self, box: list, failed: bool = False) -> None:
+        """The end of an async collective's wait (any thread): one list-item store; a failure marks this rank a
+        victim with one aligned word store outside the seqlock (see `_done`)."""
+        box[1] = time.time()
+        if failed:
+            try:
+                self._words[ASYNC_ERROR_WORD] = 1
+            except (ValueError, IndexError):  # closed meanwhile
+                pass
 
     def _done(self, box: list, fut) -> None:
         """Completion callback of an async collective, on whichever thread completes it: one list-item store
         for the wait's end; a failed collective (a peer died) marks this rank a victim with one aligned word
         store outside the seqlock, since this thread is not the heartbeat's writer."""
-        box[1] = time.time()
         try:
             fut.value()
         except Exception:
-            try:
-                self._words[ASYNC_ERROR_WORD] = 1
-            except (ValueError, IndexError):  # closed meanwhile
-                pass
+            self.completed(box, True)
+        else:
+            box[1] = time.time()
 
     def side(self, inside: bool) -> None:
         """Enter/leave a collective on a side group: shows the rank is waiting without advancing the sequence."""

@@ -5,8 +5,9 @@ one injected fault in the first generation only (torchrun's TORCHELASTIC_RESTART
         --nproc-per-node 3 --max-restarts 1 tests/scripts/observed_job.py /tmp/run --model ddp \
         --fault hang-before-backward --fault-rank 2 --fault-step 8 --stall-s 3 --action abort --pg-timeout 90
 
-Faults: hang-before-backward, hang-in-optimizer, straggler (this rank computes --slow-factor times as long every
-step), extra-collective (this rank issues one all_reduce the others do not), kill (SIGKILL). `--faults` gives one
+Faults: hang-before-backward, hang-in-optimizer, straggler (this rank's step, from its forward to the end of its
+optimizer step, takes --slow-factor times as long: it then sleeps factor - 1 times what the step took),
+extra-collective (this rank issues one all_reduce the others do not), kill (SIGKILL). `--faults` gives one
 fault per generation, "ATTEMPT:FAULT:RANK:STEP,...", so one torchrun job goes through several (each abort or
 crash ends a generation and torchrun starts the next). Rank 0 appends one JSON line per step to
 ROOT/progress.jsonl ({"attempt", "step", "time"}) so a test can measure the time from the fault to training again;
@@ -113,8 +114,9 @@ def main():
             slow = faulty and args.fault == "straggler"
             if slow and step == start + 1:
                 _mark(args.root, "straggler", rank, step)
+            t_step = time.perf_counter()
             if args.compute_s:
-                time.sleep(args.compute_s * (args.slow_factor if slow else 1.0))
+                time.sleep(args.compute_s)
             loss = model(x).pow(2).mean()
         if fault_now and args.fault == "kill":
             _mark(args.root, "kill", rank, step)
@@ -131,6 +133,8 @@ def main():
             if fault_now and args.fault == "hang-in-optimizer":
                 injected_hang_in_optimizer(args.root, rank, step)
             opt.step()
+        if slow:  # --slow-factor times this rank's whole step (the sleep, the model, its own collectives)
+            time.sleep((args.slow_factor - 1.0) * (time.perf_counter() - t_step))
         ckpt.step(step)
         if rank == 0:
             with open(Path(args.root) / "progress.jsonl", "a") as f:

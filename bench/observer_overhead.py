@@ -1,0 +1,157 @@
+"""What the observer costs a training step: DDP steps with and without it, side by side in one run.
+
+    python bench/observer_overhead.py [--ranks 2] [--width 512] [--depth 4] [--batch 32,256] [--rounds 12] [--json]
+
+Each rank holds identical DDP models (an MLP of `depth` width x width layers) and trains them in alternating
+blocks of steps, the block order rotated every round so that machine load hits all alike:
+  plain     DDP as torch builds it: the reducer all-reduces in C++, the observer sees nothing;
+  ref_hook  torch's reference `allreduce_hook` (untraced): what any Python comm hook costs;
+  observed  the observer attached: its comm hook through the collective tracer, the heartbeat, `step()`, and
+            the observer process polling beside it;
+  plain2    a second plain model: the two plain models' difference is the noise floor.
+Times are the rank's process CPU time (all its threads: gloo's completion callbacks are counted) and wall time;
+the ratio is the median over rounds of observed / plain block times (paired within a round), slowest rank.
+The observer process's own CPU is reported apart (bench/hang_latency.py measures it while training).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT_DIR = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT_DIR))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C
+
+MODES = ("plain", "ref_hook", "observed", "plain2")
+
+
+def _rank(rank: int, world: int, root: str, width: int, depth: int, batch: int, block: int, rounds: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from scout_ckpt.observer import Observer
+
+    torch.set_num_threads(1)
+    untraced = dist.all_reduce
+
+    def ref_hook(group, bucket):  # torch's reference allreduce_hook, on the untraced call
+        t = bucket.buffer()
+        t.div_(group.size())
+        return untraced(t, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    def make():
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        m = DDP(nn.Sequential(*layers))
+        return m, torch.optim.SGD(m.parameters(), lr=1e-4)
+
+    models = {name: make() for name in MODES}
+    models["ref_hook"][0].register_comm_hook(dist.group.WORLD, ref_hook)
+    obs = Observer.start(root, rank=rank, world_size=world, run_id=f"overhead-{batch}", stall_s=600.0, poll_s=0.25)
+    attached = obs.attach(models["observed"][0])
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
+    n = [0]
+
+    def run(name: str, steps: int) -> None:
+        model, opt = models[name]
+        for _ in range(steps):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if name == "observed":
+                n[0] += 1
+                obs.step(n[0])
+
+    for name in MODES:  # warm-up: DDP rebuilds its buckets after the first iteration
+        run(name, 5)
+    cpu = {m: [] for m in MODES}
+    wall = {m: [] for m in MODES}
+    from scout_ckpt.observer.stacks import cpu_seconds
+
+    ocpu0, owall0 = cpu_seconds(obs.pid), time.monotonic()
+    seq0 = obs.tracer.seq
+    for r in range(rounds):
+        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        for name in order:
+            dist.barrier()
+            c0, w0 = time.process_time(), time.perf_counter()
+            run(name, block)
+            cpu[name].append((time.process_time() - c0) / block)
+            wall[name].append((time.perf_counter() - w0) / block)
+    observer_cpu = (cpu_seconds(obs.pid) - ocpu0) / (time.monotonic() - owall0)
+    traced = obs.tracer.seq - seq0
+    obs.stop()
+    dist.barrier()
+    return {"cpu": cpu, "wall": wall, "attached": attached, "traced_per_step": traced / (rounds * block),
+            "observer_process_cpu": observer_cpu}
+
+
+def _paired(samples: dict[str, list[float]], a: str, b: str) -> float:
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
+
+
+def measure(ranks: int, width: int, depth: int, batch: int, block: int, rounds: int) -> dict:
+    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.ledger import Ledger
+
+    with tempfile.TemporaryDirectory(prefix="scout-obs-overhead-") as tmp:
+        Ledger.open(tmp, create=True).close()
+        outs = [o.result for o in run_ranks(_rank, ranks, tmp, width, depth, batch, block, rounds, timeout=1800)]
+    per_rank = []
+    for res in outs:
+        per_rank.append({kind: {f"{m}_vs_plain": _paired(res[kind], m, "plain") for m in MODES[1:]}
+                         for kind in ("cpu", "wall")})
+    worst = {kind: {k: max(p[kind][k] for p in per_rank) for k in per_rank[0][kind]} for kind in ("cpu", "wall")}
+    step_ms = statistics.median(statistics.median(r["cpu"]["plain"]) for r in outs) * 1e3
+    return {"batch": batch, "step_cpu_ms_plain": round(step_ms, 3), "worst_rank": worst, "per_rank": per_rank,
+            "attached": outs[0]["attached"], "traced_per_step": outs[0]["traced_per_step"],
+            "observer_process_cpu": max(r["observer_process_cpu"] for r in outs)}
+
+
+def main() -> int:
+    p = C.parser(__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--batch", default="32,256", help="comma-separated batch sizes; the first is the headline")
+    p.add_argument("--block", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=12)
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    configs = [measure(args.ranks, args.width, args.depth, int(b), args.block, args.rounds)
+               for b in args.batch.split(",")]
+    ratios = {}
+    for c in configs:
+        for kind in ("cpu", "wall"):
+            for k, v in c["worst_rank"][kind].items():
+                ratios[f"{k}_{kind}_b{c['batch']}"] = round(v, 4)
+    head = configs[0]["worst_rank"]["cpu"]["observed_vs_plain"]
+    result = {"ratio": round(head, 4), "ratios": ratios, "target": "observed_vs_plain_cpu <= 1.01 (cost per step < 1%)",
+              "target_met": head <= 1.01, "configs": configs,
+              "params": {"ranks": args.ranks, "width": args.width, "depth": args.depth, "block": args.block,
+                         "rounds": args.rounds, **C.load_note()}}
+    rows = [[c["batch"], c["step_cpu_ms_plain"], *(round(100 * (c["worst_rank"][kind][f"{m}_vs_plain"] - 1), 2)
+                                                   for kind in ("cpu", "wall") for m in ("ref_hook", "observed",
+                                                                                         "plain2"))]
+            for c in configs]
+    C.emit(result, args, rows, ["batch", "step_cpu_ms", "ref_hook_cpu_%", "observed_cpu_%", "noise_cpu_%",
+                                "ref_hook_wall_%", "observed_wall_%", "noise_wall_%"],
+           title=f"observer cost per DDP step, {args.ranks} gloo ranks, MLP {args.depth}x{args.width} "
+                 f"(% over plain DDP, median of {args.rounds} paired rounds, slowest rank)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
