@@ -238,10 +238,14 @@ def _row(step, seq, *, state="running", in_coll=True, age=5.0, fp="a", error=Fal
 @pytest.mark.parametrize("rows, world, expect", [
     # one laggard behind the waiting majority
     ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8, in_coll=False), 3: _row(3, 9)}, 4, ("hang", [2])),
-    # two against two: seen, not attributed
-    ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8, in_coll=False), 3: _row(3, 8, in_coll=False)}, 4, None),
+    # two against two: a hang, seen, not attributed
+    ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8, in_coll=False), 3: _row(3, 8, in_coll=False)}, 4, ("hang", [])),
     # two peers can detect but never attribute
-    ({0: _row(3, 9), 1: _row(3, 8, in_coll=False)}, 2, None),
+    ({0: _row(3, 9), 1: _row(3, 8, in_coll=False)}, 2, ("hang", [])),
+    # ... and only once both are stuck
+    ({0: _row(3, 9), 1: _row(3, 8, in_coll=False, age=0.5)}, 2, None),
+    # two ranks, neither in a collective (a long save on both): no verdict
+    ({0: _row(3, 9, in_coll=False, phase="checkpoint"), 1: _row(3, 8, in_coll=False)}, 2, None),
     # the majority not yet past the threshold
     ({0: _row(3, 9, age=0.5), 1: _row(3, 9, age=0.5), 2: _row(3, 8, in_coll=False)}, 3, None),
     # different fingerprints at the same point
@@ -269,6 +273,8 @@ def test_attribution_rule(rows, world, expect):
         assert verdict is None
     else:
         assert (verdict["kind"], verdict["ranks"]) == expect
+        if not verdict["ranks"] and verdict["kind"] == "hang" and verdict["attribution"] == "inconclusive":
+            assert set(verdict["where"]) == set(rows)   # an unattributed hang says where every rank is
 
 
 # ---- crash order, desync of dead ranks ----------------------------------------------------------------------

@@ -232,6 +232,8 @@ class Daemon:
                 stacks[str(r)] = st["reason"]
         detail = {"attribution": verdict["attribution"], "reason": verdict["reason"], "seq": verdict["seq"],
                   "stall_s": self.stall_s, "stacks": stacks, "action": self.cfg["action"]}
+        if verdict.get("where"):
+            detail["where"] = {str(r): w for r, w in verdict["where"].items()}
         self._publish_event(verdict["kind"], verdict["ranks"], verdict["step"], detail, key, rows)
         self.pending.clear()
 

@@ -78,8 +78,32 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
     if n < majority and len(waiting) >= majority:
         return {"kind": "hang", "ranks": [], "step": max(live[r]["step"] for r in waiting),
                 "seq": max(live[r]["seq"] for r in waiting), "attribution": "inconclusive",
-                "reason": "a majority waits in collectives, but at different points: no strict majority"}
+                "reason": "a majority waits in collectives, but at different points: no strict majority",
+                "where": where(live)}
+    if n < majority and waiting and len(live) == world_size and set(busy) == set(live):
+        # Every rank stuck, one of them inside a collective, and no point holds a majority (two ranks, or two
+        # against two): the job is hung, but nobody can be blamed. Say so and say where each rank is, rather
+        # than wait for the process-group timeout.
+        return {"kind": "hang", "ranks": [], "step": max(live[r]["step"] for r in waiting),
+                "seq": max(live[r]["seq"] for r in waiting), "attribution": "inconclusive",
+                "reason": f"every rank has been stuck for >= {stall_s:g}s at different points and no strict "
+                          f"majority agrees on one: " + "; ".join(f"rank {r} {w}" for r, w in where(live).items()),
+                "where": where(live)}
     return None
+
+
+def where(live: dict[int, dict]) -> dict[int, str]:
+    """Where each rank is, in words (for verdicts that cannot name a culprit)."""
+    out = {}
+    for r, row in sorted(live.items()):
+        at = f"step {row['step']}, "
+        if row.get("in_coll"):
+            out[r] = at + f"waiting in collective #{row['seq']}"
+        elif row.get("in_side"):
+            out[r] = at + "waiting in a side-group collective"
+        else:
+            out[r] = at + f"in phase {row.get('phase', '?')} after collective #{row['seq']}"
+    return out
 
 
 def fingerprint_mismatch(live: dict[int, dict], majority: int) -> dict | None:
