@@ -426,7 +426,7 @@ class Checkpointer:
         files = [f for g in gathered for f in g["files"]]
         live = dict(live)
         signatures = live.pop("signatures", {})
-        taken_at = live.pop("_taken_at")
+        taken_at = live.pop("_taken_at", None) or time.time()
         ev = {"bytes": policy.evidence(policy.PASS, files=len(files), bytes=sum(f["size"] for f in files),
                                        hashed_by="writers")}
         if self.finite or self.checks:
