@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import emit, load_note, log, parser  # noqa: E402
+from bench._common import emit, load_note, log, parser
 
 AMORTIZED_TARGET = 0.01
 INTERVAL = 100
@@ -112,7 +112,7 @@ def _worker(rank, world, root, cfg):
     out = {"sweeps": sweeps, "plain": plain, "armed": armed, "saves": saves, "replay": ckpt.replay is not None,
            "shard_cycle": ckpt.shard.replay.cycle if ckpt.shard is not None else None,
            "targets": len(ckpt.replay.targets()) if ckpt.replay is not None else 0,
-           "params": sum(p.numel() for p in model.parameters()) * (world if cfg["mode"] == "fsdp" else 1)}
+           "params": sum(p.numel() for p in model.parameters())}  # DTensor numel is the global size
     if ckpt.is_coordinator:
         from scout_ckpt.ledger import Ledger
 
@@ -183,9 +183,11 @@ def main() -> None:
                      f"{res['sweep_amortized_100']:.4f}" if "sweep_amortized_100" in res else "-"])
     done = [x for x in lags_all if x is not None]
     ratios["lag_median_steps"] = med(done) if done else None
-    ratios["lag_max_steps"] = (max(done) if done else None) if len(done) == len(lags_all) else float("inf")
+    ratios["lag_max_steps"] = max(done) if done else None          # over the checkpoints that certified
+    ratios["never_certified"] = len(lags_all) - len(done)           # counted apart: their lag is unbounded
     amortized = [v for k, v in ratios.items() if k.endswith("_amortized_100")]
-    met = ratios["lag_max_steps"] == 0 and all(v < AMORTIZED_TARGET for v in amortized)
+    met = ratios["lag_max_steps"] == 0 and not ratios["never_certified"] and all(v < AMORTIZED_TARGET
+                                                                                for v in amortized)
     result = {"ratios": ratios, "modes": results, "target": "lag median and max 0; sweep amortized over a "
               f"save every {INTERVAL} steps < {AMORTIZED_TARGET:.0%} of training time", "target_met": met,
               "params": {"ranks": args.ranks, "steps": args.steps, "save_every": args.save_every,

@@ -49,7 +49,7 @@ def health_evidence(events: list[dict], *, since: float | None, until: float, mo
         return evidence(PASS, events_seen=0)
     refs = [{"event": e.get("id"), "kind": e["kind"], "ranks": e.get("ranks") or [], "step": e.get("step"),
              "metric": (e.get("detail") or {}).get("metric")} for e in window]
-    replicated = mode in ("ddp", "hsdp") or mode.startswith("ddp") or mode.startswith("hsdp")
+    replicated = mode.startswith(("ddp", "hsdp"))
     if replicated and (consensus or {}).get("status") == PASS:
         return evidence(PASS, events_seen=len(window), cleared_by="consensus", events=refs)
     if vouching and (invariants or {}).get("status") == PASS:
