@@ -33,6 +33,7 @@ def _event(results) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.scenario  # two 2-rank jobs with observers (6 min on a machine at load 40): make scenarios runs it
 def test_ecc_on_an_fsdp_rank_between_saves_leaves_the_next_checkpoint_uncertified(runs):
     root, results = runs["fsdp"]
     assert results[0]["mode"] == "fsdp" and results[0]["replay"]  # the defaults: replay and shard evidence on
@@ -58,6 +59,7 @@ def test_ecc_on_an_fsdp_rank_between_saves_leaves_the_next_checkpoint_uncertifie
 
 
 @pytest.mark.slow
+@pytest.mark.scenario
 def test_ecc_on_a_ddp_rank_is_cleared_by_consensus_after_the_event(runs):
     root, results = runs["ddp"]
     assert results[0]["mode"] == "ddp"

@@ -82,6 +82,7 @@ def test_healthy_user_script_certifies_every_checkpoint_at_its_commit(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.scenario  # a whole FSDP demo job and the offline certify (11 min at load 40): make scenarios
 def test_healthy_demo_with_the_defaults_certifies_every_checkpoint(tmp_path):
     from scout_ckpt.demo import run_demo
 
