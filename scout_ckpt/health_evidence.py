@@ -5,8 +5,8 @@ collective desync on a rank during the interval a checkpoint covers may have cor
 That interval runs from the evidence of the run's newest certified checkpoint (or the run's start) up to the moment
 this save's evidence is taken (HealthWindow): state corrupted at step 15 is still corrupted at step 30 unless
 something compared it, so a fault uncleared at one save keeps failing the later saves of the same run (a restart
-from the last certified checkpoint starts a new run and a new window). Such a checkpoint's `health` evidence fails for that rank's state
-unless something independent cleared it after the event:
+from the last certified checkpoint starts a new run and a new window). Such a checkpoint's `health` evidence fails
+for that rank's state unless something independent cleared it after the event:
 
 - consensus compared the rank's state with its replicas at this save and agreed (DDP; HSDP within a replica
   group), or
