@@ -28,7 +28,7 @@ from scout_ckpt import invariants as inv
 from scout_ckpt import commit, journal, placement, policy
 from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
-from scout_ckpt.health_evidence import health_evidence
+from scout_ckpt.health_evidence import HealthWindow
 from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS, ShardEvidence
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
@@ -43,8 +43,9 @@ from scout_ckpt.storage import FaultHook, ScoutWriter
 from scout_ckpt.verify import verify_files
 
 COORDINATOR = commit.COORDINATOR
-# One replay target every 10 steps keeps amortized replay cost near 3% of training time (bench/
-# consensus_overhead.py); certification then waits up to (targets x interval) steps for full coverage.
+# Between saves the rotation replays one target every 10 steps (amortized replay cost near 3% of training time,
+# bench/consensus_overhead.py) for earlier detection; certification does not wait for it: the save-boundary
+# sweep gives every checkpoint complete replay evidence of its own step (bench/certification_lag.py).
 DEFAULT_REPLAY_INTERVAL = 10
 
 
@@ -120,7 +121,7 @@ class Checkpointer:
         self._bookkeeping_s = 0.0
         self._rank_local: tuple[str, ...] = ()
         self._save_started = time.monotonic()
-        self._last_commit_time: float | None = None
+        self._health = HealthWindow()
 
         self.checks = inv.parse_specs(invariants) if invariants else []  # bad specs fail here, not at a save
         self.consensus, self.consensus_exclude, self.verify_load = consensus, tuple(consensus_exclude), verify_load
@@ -369,7 +370,7 @@ class Checkpointer:
 
     def _live_evidence(self, step: int, flat: dict) -> dict:
         """Evidence taken from the live state at the save boundary, before the write (collective)."""
-        ev: dict = {}
+        ev: dict = {"_taken_at": time.time()}  # the end of the health window (HealthWindow)
         if self.consensus:
             ev["consensus"] = save_time_consensus(flat, self.groups, names_filter=self._consensus_names)
         if self.checks:
@@ -439,6 +440,7 @@ class Checkpointer:
         files = [f for g in gathered for f in g["files"]]
         live = dict(live)
         signatures = live.pop("signatures", {})
+        taken_at = live.pop("_taken_at", None) or time.time()
         ev = {"bytes": policy.evidence(policy.PASS, files=len(files), bytes=sum(f["size"] for f in files),
                                        hashed_by="writers")}
         if self.finite or self.checks:
@@ -454,19 +456,18 @@ class Checkpointer:
             ev["invariants"] = policy.evidence(status, reasons, specs=self.policy["invariants"],
                                                values=(checks or {}).get("values"))
         ev.update(live)
-        ev["health"] = self._health_evidence(ev)
-        return ev, signatures, policy.evaluate(self.policy, ev)
+        ev["health"] = self._health_evidence(ev, taken_at)
+        verdict = policy.evaluate(self.policy, ev)
+        self._health.settled(verdict.state, taken_at)
+        return ev, signatures, verdict
 
-    def _health_evidence(self, ev: dict) -> dict:
-        """Coordinator: hardware faults and desyncs the observers recorded since this run's previous save (health
-        evidence fails for the owner's state unless this save's consensus or vouching invariants clear it)."""
-        now = time.time()
+    def _health_evidence(self, ev: dict, until: float) -> dict:
+        """Coordinator: hardware faults and desyncs the observers recorded in this run since the newest certified
+        save's evidence (health evidence fails for the owner's state unless this save's consensus or vouching
+        invariants clear it)."""
         events = [e for e in self.ledger.events(kinds=("health", "desync")) if e.get("run_id") == self.run_id]
-        out = health_evidence(events, since=self._last_commit_time, until=now, mode=self.mode,
-                              consensus=ev.get("consensus"), invariants=ev.get("invariants"),
-                              vouching=any(c.vouches for c in self.checks))
-        self._last_commit_time = now
-        return out
+        return self._health.evidence(events, until=until, mode=self.mode, consensus=ev.get("consensus"),
+                                     invariants=ev.get("invariants"), vouching=any(c.vouches for c in self.checks))
 
     def wait(self) -> None:
         """Block until the pending async save is committed (or failed) on this rank."""

@@ -1,9 +1,12 @@
 """What the observer saw, as evidence about a checkpoint: `health`.
 
 A hardware fault (uncorrectable ECC, a lost GPU, a failed row remap, NVLink CRC/replay errors, an Xid) or a
-collective desync on a rank during the interval a checkpoint covers (after the previous save of the run, up to this
-one) may have corrupted the state that rank owns. Such a checkpoint's `health` evidence fails for that rank's state
-unless something independent cleared it after the event:
+collective desync on a rank during the interval a checkpoint covers may have corrupted the state that rank owns.
+That interval runs from the evidence of the run's newest certified checkpoint (or the run's start) up to the moment
+this save's evidence is taken (HealthWindow): state corrupted at step 15 is still corrupted at step 30 unless
+something compared it, so a fault uncleared at one save keeps failing the later saves of the same run (a restart
+from the last certified checkpoint starts a new run and a new window). Such a checkpoint's `health` evidence fails
+for that rank's state unless something independent cleared it after the event:
 
 - consensus compared the rank's state with its replicas at this save and agreed (DDP; HSDP within a replica
   group), or
@@ -46,7 +49,7 @@ def health_evidence(events: list[dict], *, since: float | None, until: float, mo
         return evidence(PASS, events_seen=0)
     refs = [{"event": e.get("id"), "kind": e["kind"], "ranks": e.get("ranks") or [], "step": e.get("step"),
              "metric": (e.get("detail") or {}).get("metric")} for e in window]
-    replicated = mode in ("ddp", "hsdp") or mode.startswith("ddp") or mode.startswith("hsdp")
+    replicated = mode.startswith(("ddp", "hsdp"))
     if replicated and (consensus or {}).get("status") == PASS:
         return evidence(PASS, events_seen=len(window), cleared_by="consensus", events=refs)
     if vouching and (invariants or {}).get("status") == PASS:
@@ -56,3 +59,22 @@ def health_evidence(events: list[dict], *, since: float | None, until: float, mo
         reasons.append({"code": "health_fault" if ref["kind"] == "health" else "desync", "ranks": ref["ranks"],
                         "event": ref["event"], "metric": ref["metric"], "step": ref["step"]})
     return evidence(FAIL, reasons, events_seen=len(window), events=refs)
+
+
+class HealthWindow:
+    """Which events a save's `health` evidence weighs: those after the evidence time of the run's newest certified
+    checkpoint, up to this save's evidence time. The end is when the save's live evidence (consensus) was taken,
+    not its commit: consensus can only clear what happened before it compared, so an event between the evidence
+    and the commit counts against the next save. Coordinator-only bookkeeping, no I/O."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def evidence(self, events: list[dict], *, until: float, **kw) -> dict:
+        return health_evidence(events, since=self.since, until=until, **kw)
+
+    def settled(self, state: str, until: float) -> None:
+        """The save whose evidence was taken at `until` got `state`: a certified one vouches for everything up to
+        then, so the window moves on."""
+        if state == "certified" and (self.since is None or until > self.since):
+            self.since = until

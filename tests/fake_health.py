@@ -16,3 +16,20 @@ class FakeEccSource:
             return [{"metric": "ecc_uncorrected_volatile", "gpu": self.gpu, "old": 0, "new": 1, "severity": "fatal",
                      "message": f"GPU {self.gpu}: ecc_uncorrected_volatile 0 -> 1"}]
         return []
+
+
+class FakeEccWhenFileAppears:
+    """Reports the uncorrectable ECC count going from 0 to 1 once, at the first poll after `path` exists: the
+    training script decides when the fault strikes (between two saves), the observer reports it as NVML would."""
+
+    def __init__(self, path: str, gpu: int = 0):
+        self.path, self.gpu, self.fired = path, gpu, False
+
+    def poll(self) -> list[dict]:
+        import os
+
+        if self.fired or not os.path.exists(self.path):
+            return []
+        self.fired = True
+        return [{"metric": "ecc_uncorrected_volatile", "gpu": self.gpu, "old": 0, "new": 1, "severity": "fatal",
+                 "message": f"GPU {self.gpu}: ecc_uncorrected_volatile 0 -> 1"}]

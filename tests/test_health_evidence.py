@@ -40,3 +40,21 @@ def test_events_outside_the_window_do_not_count():
                            vouching=False)["status"] == "pass"
     assert health_evidence([ECC], since=None, until=99.0, mode="fsdp", consensus=None, invariants=None,
                            vouching=False)["status"] == "pass"
+
+
+def test_window_runs_from_the_newest_certified_save():
+    """An uncleared fault keeps failing later saves of the run (the state it may have corrupted is still there);
+    a certified save moves the window on; an event after a save's evidence counts against the next save."""
+    from scout_ckpt.health_evidence import HealthWindow
+
+    win = HealthWindow()
+    kw = dict(mode="fsdp", consensus={"status": "not_applicable"}, invariants=PASSED, vouching=False)
+    assert win.evidence([ECC], until=90.0, **kw)["status"] == "pass"  # evidence taken before the event
+    win.settled("certified", 90.0)
+    assert win.evidence([ECC], until=120.0, **kw)["status"] == "fail"
+    win.settled("rejected", 120.0)
+    assert win.evidence([ECC], until=140.0, **kw)["status"] == "fail"  # still in doubt
+    ddp = dict(kw, mode="ddp", consensus=PASSED)
+    assert win.evidence([ECC], until=160.0, **ddp)["cleared_by"] == "consensus"
+    win.settled("certified", 160.0)
+    assert win.evidence([ECC], until=200.0, **kw)["status"] == "pass"

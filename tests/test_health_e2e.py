@@ -1,0 +1,77 @@
+"""Health evidence end to end (issue 10): a fake NVML source reports an uncorrectable ECC error on rank 1 between
+two saves of a real 2-rank job with the library defaults and its observers. Under FSDP2 (single-owner shards)
+the next checkpoint is not certified and `explain` names the event; under DDP the next save's consensus compares
+every replica after the event and the checkpoint is certified. Judged from the ledger and the real CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scout_ckpt.launch import run_ranks
+from scout_ckpt.ledger import Ledger
+from tests import workers_health as W
+from tests.conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for mode in ("fsdp", "ddp"):
+        root = tmp_path_factory.mktemp(mode) / "run"
+        res = run_ranks(W.w_ecc_between_saves, 2, str(root), mode, timeout=400, pg_timeout_s=180)
+        out[mode] = (root, [o.result for o in res])
+    return out
+
+
+def _event(results) -> dict:
+    (ev,) = results[0]["events"]
+    assert ev["kind"] == "health" and ev["ranks"] == [W.FAULTY]
+    assert ev["detail"]["metric"] == "ecc_uncorrected_volatile"
+    return ev
+
+
+@pytest.mark.slow
+@pytest.mark.scenario  # two 2-rank jobs with observers (6 min on a machine at load 40): make scenarios runs it
+def test_ecc_on_an_fsdp_rank_between_saves_leaves_the_next_checkpoint_uncertified(runs):
+    root, results = runs["fsdp"]
+    assert results[0]["mode"] == "fsdp" and results[0]["replay"]  # the defaults: replay and shard evidence on
+    ev = _event(results)
+    for r in results:  # every rank got the same verdicts
+        assert {s: v["state"] for s, v in r["verdicts"].items()} == {3: "certified", 6: "rejected", 9: "rejected"}
+    # the fault's state stays in doubt until something compares it: 9 fails too (nothing certified since)
+    rc, out, _ = run_cli("explain", root, 6, "--json")
+    assert rc == 1
+    doc = json.loads(out)
+    health = doc["evidence"]["health"]
+    assert health["status"] == "fail"
+    assert health["reasons"] == [{"code": "health_fault", "ranks": [W.FAULTY], "event": ev["id"],
+                                  "metric": "ecc_uncorrected_volatile", "step": ev["step"]}]
+    assert doc["reasons"] == health["reasons"]  # the event decided: nothing else held 6 back
+    assert all(doc["evidence"][k]["status"] in ("pass", "not_applicable") for k in doc["evidence"] if k != "health")
+    rc, text, err = run_cli("explain", root, 6)
+    assert rc == 1 and "health_fault[ranks 1]" in text and "health_fault[ranks 1]" in err
+    rc, out, _ = run_cli("resume", root, "--latest-clean")
+    assert rc == 0 and out.strip().endswith("step-00000003")
+    with Ledger.open(root, readonly=True) as led:
+        assert {c["step"]: c["state"] for c in led.checkpoints()} == {3: "certified", 6: "rejected", 9: "rejected"}
+
+
+@pytest.mark.slow
+@pytest.mark.scenario
+def test_ecc_on_a_ddp_rank_is_cleared_by_consensus_after_the_event(runs):
+    root, results = runs["ddp"]
+    assert results[0]["mode"] == "ddp"
+    ev = _event(results)
+    for r in results:
+        assert {s: v["state"] for s, v in r["verdicts"].items()} == {3: "certified", 6: "certified", 9: "certified"}
+    rc, out, _ = run_cli("explain", root, 6, "--json")
+    assert rc == 0
+    health = json.loads(out)["evidence"]["health"]
+    assert health["status"] == "pass" and health["cleared_by"] == "consensus"
+    assert [e["event"] for e in health["events"]] == [ev["id"]]
+    rc, out, _ = run_cli("explain", root, 9, "--json")
+    assert json.loads(out)["evidence"]["health"]["events_seen"] == 0  # the window moved on after 6
+    rc, out, _ = run_cli("certify", root, "--all")
+    assert rc == 0, out
