@@ -204,6 +204,32 @@ def fault_entry_step(kind: str, fired: list[dict]) -> int | None:
     return min(f["step"] for f in fired) if kind in ("sdc", "param") else None
 
 
+def _holds_fault(view: dict, step: int, entry: int, fired: list[dict]) -> bool:
+    """Does the checkpoint now at `step` (>= the fault's entry step) hold the fault? It does when the run that
+    wrote it is one the fault fired in, or one that resumed from a checkpoint at or after the entry step written
+    by such a run. A restart that resumed from before the fault, in a run where the fault did not fire again,
+    writes clean state at the same step numbers (a one-shot flip fires once). Unknown writers count as holding."""
+    runs = view["runs"]
+    starts = [(r.get("started") or 0, r["run_id"]) for r in runs]
+    fired_runs = set()
+    for f in fired:
+        live = [rid for t, rid in starts if t <= f["time"]]
+        if live:
+            fired_runs.add(live[-1])
+    writer = {c["step"]: c.get("run_id") for c in view["checkpoints"]}
+    by_id = {r["run_id"]: r for r in runs}
+
+    def carries(run_id, depth=0):
+        if run_id is None or run_id not in by_id or depth > len(runs):
+            return True
+        if run_id in fired_runs:
+            return True
+        frm = by_id[run_id].get("resumed_from")
+        return frm is not None and frm >= entry and carries(writer.get(frm), depth + 1)
+
+    return carries(writer.get(step))
+
+
 def judge_demo(inc: dict, result: dict) -> dict:
     """Score one demo incident from its result and its ledger."""
     root = Path(result["dir"])
@@ -272,7 +298,7 @@ def judge_demo(inc: dict, result: dict) -> dict:
     candidates = ([("latest_clean", lc["step"])] if lc["step"] is not None else []) + \
         [("restart", s) for s in resumed if s is not None]
     for who, s in candidates:
-        if entry is not None and s >= entry:
+        if entry is not None and s >= entry and _holds_fault(view, s, entry, fired):
             bad.append(f"{who} returned step {s}, whose state holds the {kind} injected at step {entry}")
         if damaged is not None and s == damaged and who == "latest_clean":
             bad.append(f"{who} returned the bit-flipped step {s}")
