@@ -62,7 +62,9 @@ def reason_text(reasons: list[dict]) -> str:
     """One line for a list of reasons: code(file/target/check; missing: ...)[ranks ...], deduplicated."""
     parts: list[str] = []
     for r in reasons:
-        extra = ",".join(str(r[k]) for k in ("file", "target", "check") if r.get(k))
+        extra = ",".join(str(r[k]) for k in ("file", "target", "check", "metric") if r.get(k))
+        if r.get("event") is not None:   # health_fault / desync: which ledger event decided
+            extra += (";" if extra else "") + f"event {r['event']}"
         for k in ("missing", "awaiting"):
             if r.get(k):
                 extra += (";" if extra else "") + f"{k}: " + ",".join(map(str, r[k]))

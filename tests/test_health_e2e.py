@@ -51,7 +51,8 @@ def test_ecc_on_an_fsdp_rank_between_saves_leaves_the_next_checkpoint_uncertifie
     assert doc["reasons"] == health["reasons"]  # the event decided: nothing else held 6 back
     assert all(doc["evidence"][k]["status"] in ("pass", "not_applicable") for k in doc["evidence"] if k != "health")
     rc, text, err = run_cli("explain", root, 6)
-    assert rc == 1 and "health_fault[ranks 1]" in text and "health_fault[ranks 1]" in err
+    said = f"health_fault(ecc_uncorrected_volatile;event {ev['id']})[ranks {W.FAULTY}]"  # the event that decided
+    assert rc == 1 and said in text and said in err
     rc, out, _ = run_cli("resume", root, "--latest-clean")
     assert rc == 0 and out.strip().endswith("step-00000003")
     with Ledger.open(root, readonly=True) as led:
