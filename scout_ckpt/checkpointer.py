@@ -32,7 +32,7 @@ from scout_ckpt.health_evidence import health_evidence
 from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS, ShardEvidence
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
-from scout_ckpt.consensus.save_time import save_time_consensus
+from scout_ckpt.consensus.save_time import start_consensus
 from scout_ckpt.consensus.signatures import REPLICA_PREFIX, full_signatures
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger
@@ -341,9 +341,12 @@ class Checkpointer:
         if self.shard is not None:
             self._record_shard_faults(self.shard.flush())
         flat = _materialize(state)
-        live = self._live_evidence(step, flat)
+        # Consensus hashing (the one pass over every replicated byte) runs in a background thread while DCP
+        # serializes and writes (sync: the training thread is held, so the state cannot change meanwhile).
+        hashing = self._start_consensus(flat, background=not self.async_save)
         writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
         if self.async_save:
+            live = self._live_evidence(step, flat, hashing)
             resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
             upload = getattr(resp, "upload_completion", resp)
             self._pending = threading.Thread(target=self._commit_async, args=(upload, pending, writer, live),
@@ -351,13 +354,21 @@ class Checkpointer:
             self._pending.start()
             return None
         dcp.save(flat, storage_writer=writer, process_group=self._pg)
+        live = self._live_evidence(step, flat, hashing)
         return self._commit(pending, writer, live, self._pg)
 
-    def _live_evidence(self, step: int, flat: dict) -> dict:
-        """Evidence taken from the live state at the save boundary, before the write (collective)."""
+    def _start_consensus(self, flat: dict, background: bool):
+        """Consensus planned and hashed (local; in a background thread with `background`), or None."""
+        if not self.consensus:
+            return None
+        return start_consensus(flat, self.groups, names_filter=self._consensus_names, background=background)
+
+    def _live_evidence(self, step: int, flat: dict, hashing) -> dict:
+        """Evidence taken from the live state at the save boundary (collective): sync saves gather it after the
+        write, async ones before; the state is the same either way."""
         ev: dict = {}
-        if self.consensus:
-            ev["consensus"] = save_time_consensus(flat, self.groups, names_filter=self._consensus_names)
+        if hashing is not None:
+            ev["consensus"] = hashing.finish()
         if self.checks:
             res = inv.run_local(self.checks, inv.flatten(flat), group=self._pg, previous=self._inv_previous)
             self._inv_previous = res.get("values") or self._inv_previous
@@ -365,7 +376,8 @@ class Checkpointer:
         if self.shard is not None:
             ev.update(self.shard.live(step))
         if self.verify_load:
-            ev["signatures"] = full_signatures(flat, group=self._pg, plain="replica")
+            ev["signatures"] = full_signatures(flat, group=self._pg, plain="replica",
+                                               known=hashing.replica_rows() if hashing is not None else None)
         if self.replay is not None and self.is_coordinator:
             ev["replay"] = self._replay_evidence(step)
         return ev

@@ -358,7 +358,10 @@ def _scan_entry(window: _Window, length: int) -> None:
         raise RefusedPickle(f"malformed entry pickle ({type(e).__name__})") from None
 
 
-def _load_entry(f, offset: int, length: int):
+def load_entry(f, offset: int, length: int):
+    """The tensor or plain value stored as bytes [offset, offset + length) of `f` (any seekable binary file with
+    readinto), dry-run first (`_scan_entry`), then opened with `weights_only=True`. BadInput (BadMetadata or
+    RefusedPickle) if refused."""
     import torch
 
     window = _Window(f, offset, length)
@@ -406,7 +409,7 @@ def read_tensors(step_dir: str | os.PathLike, prefix: str | None = None, *, incl
                 if getattr(info, "transform_descriptors", None):
                     raise BadMetadata(f"{path}: {clip(fqn, 80)} is stored with transforms; not supported offline")
                 try:
-                    value = _load_entry(f, off, length)   # one copy: page cache -> tensor
+                    value = load_entry(f, off, length)   # one copy: page cache -> tensor
                 except BadInput as e:
                     raise BadMetadata(f"{path}: entry {clip(fqn, 80)}: {e}") from None
                 if chunk is None:
