@@ -7,7 +7,7 @@ between entries go through the hasher in 8 MiB pieces; each storage entry (one t
 hardened path `read_tensors` uses (`dcp_files.load_entry`: zip and inner pickle dry-run, `weights_only`) and its
 tensor checked at once (`invariants.run_offline` on that tensor alone: every check is per tensor) and dropped.
 Files go in parallel threads (xxh3, reads and torch ops release the GIL). Peak memory: per thread one entry buffer
-and its tensor, so about twice the largest tensor chunk per thread, plus the tensors split over several entries
+(reused) and its tensor, so about twice the largest tensor chunk per thread, plus the tensors split over several entries
 while they are assembled (DCP writes a tensor as one chunk unless it is sharded).
 
 Trust: the entries are parsed before the file's digest is known to match; parsing is the path built for
@@ -89,6 +89,7 @@ class StepScan:
         self.checks = invariants.parse_specs(specs)
         self.threads = threads
         self._lock = threading.Lock()
+        self._local = threading.local()
         self._results: list[dict] = []
         self._plain: dict[str, Any] = {}        # non-tensor entries (a saved step counter, ...)
         self._parts: dict[str, list] = {}       # fqn -> [tensor being assembled, elements still missing]
@@ -164,17 +165,24 @@ class StepScan:
                 pos += self._through(f, h, off - pos, gap, progress)
                 if pos != off:      # the file ended (or changed) under us: the digest will not match
                     break
-                buf = bytearray(length)
+                buf = self._buffer(length)
                 got = _read_full(f, buf)
-                h.update(memoryview(buf)[:got])
+                h.update(buf[:got])
                 pos += got
                 if progress is not None:
                     progress(got)
                 if got == length:
                     self._entry(buf, fqn, chunk, item)
-                del buf
             pos += self._through(f, h, None, gap, progress)
         return pos, f"{ALGO}:{h.hexdigest()}"
+
+    def _buffer(self, n: int) -> memoryview:
+        """n bytes of this thread's entry buffer, grown to the largest entry it has read: reused, so its pages
+        are faulted in once, not once per entry."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._local.buf = bytearray(n)
+        return memoryview(buf)[:n]
 
     @staticmethod
     def _through(f, h, n: int | None, gap: bytearray, progress) -> int:
@@ -191,7 +199,7 @@ class StepScan:
                 progress(got)
         return done
 
-    def _entry(self, buf: bytearray, fqn: str, chunk, item) -> None:
+    def _entry(self, buf: memoryview, fqn: str, chunk, item) -> None:
         """Open one entry from its buffer and check it (or file it for assembly). Any refusal is recorded and the
         read-back path then reports it exactly as before."""
         import torch
@@ -263,9 +271,9 @@ class StepScan:
         return _merge(self.checks, results)
 
 
-def _read_full(f, buf: bytearray) -> int:
-    view, got = memoryview(buf), 0
-    while got < len(buf):
+def _read_full(f, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
         n = f.readinto(view[got:])
         if not n:
             break
