@@ -30,6 +30,7 @@ from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
 from scout_ckpt.health_evidence import health_evidence
 from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS, ShardEvidence
+from scout_ckpt.consensus.flatten import holds_dtensor
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
@@ -343,10 +344,14 @@ class Checkpointer:
         flat = _materialize(state)
         # Consensus hashing (the one pass over every replicated byte) runs in a background thread while DCP
         # serializes and writes (sync: the training thread is held, so the state cannot change meanwhile).
-        hashing = self._start_consensus(flat, background=not self.async_save)
-        writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
+        # Async: where nothing else uses the side groups meanwhile, the live evidence is taken from DCP's staged
+        # copy in the commit thread (live=None), so save() blocks no longer than dcp.async_save's staging.
+        staged = self.async_save and self._evidence_from_staged(flat)
+        hashing = None if staged else self._start_consensus(flat, background=not self.async_save)
+        writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite,
+                             keep_staged=staged)
         if self.async_save:
-            live = self._live_evidence(step, flat, hashing)
+            live = None if staged else self._live_evidence(step, flat, hashing)
             resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
             upload = getattr(resp, "upload_completion", resp)
             self._pending = threading.Thread(target=self._commit_async, args=(upload, pending, writer, live),
@@ -363,20 +368,28 @@ class Checkpointer:
             return None
         return start_consensus(flat, self.groups, names_filter=self._consensus_names, background=background)
 
-    def _live_evidence(self, step: int, flat: dict, hashing) -> dict:
-        """Evidence taken from the live state at the save boundary (collective): sync saves gather it after the
-        write, async ones before; the state is the same either way."""
+    def _evidence_from_staged(self, flat: dict) -> bool:
+        """Whether an async save may take its live evidence from the staged copy in the commit thread: only when
+        no replay or shard evidence runs collectives on the side groups from the training thread meanwhile, and
+        the state holds no DTensor (DCP's staging of those is not a plain copy)."""
+        return self.replay is None and self.shard is None and not holds_dtensor(flat)
+
+    def _live_evidence(self, step: int, flat: dict, hashing, group=None) -> dict:
+        """Evidence taken from the state at the save boundary (collective over `group`, default the checkpointer's
+        group, and the consensus groups): sync saves gather it after the write, async ones before it or, from
+        the staged copy, in the commit thread; the state is the same either way."""
+        group = group or self._pg
         ev: dict = {}
         if hashing is not None:
             ev["consensus"] = hashing.finish()
         if self.checks:
-            res = inv.run_local(self.checks, inv.flatten(flat), group=self._pg, previous=self._inv_previous)
+            res = inv.run_local(self.checks, inv.flatten(flat), group=group, previous=self._inv_previous)
             self._inv_previous = res.get("values") or self._inv_previous
             ev["invariants"] = res
         if self.shard is not None:
             ev.update(self.shard.live(step))
         if self.verify_load:
-            ev["signatures"] = full_signatures(flat, group=self._pg, plain="replica",
+            ev["signatures"] = full_signatures(flat, group=group, plain="replica",
                                                known=hashing.replica_rows() if hashing is not None else None)
         if self.replay is not None and self.is_coordinator:
             ev["replay"] = self._replay_evidence(step)
@@ -413,6 +426,13 @@ class Checkpointer:
 
     def _commit_async(self, upload, pending, writer, live) -> None:
         try:
+            if live is None:  # from the staged copy, while the upload runs; the commit waits for both
+                staged, writer.staged = writer.staged, None
+                if staged is None:  # the same on every rank (DCP's staging path), so all raise before a collective
+                    raise ScoutError("dcp.async_save did not stage through the writer: no staged copy to sign")
+                live = self._live_evidence(pending.step, staged, self._start_consensus(staged, background=False),
+                                           group=self._commit_pg)
+                del staged
             upload.result()
             self._commit(pending, writer, live, self._commit_pg)
         except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
