@@ -166,11 +166,8 @@ class StepScan:
                 if pos != off:      # the file ended (or changed) under us: the digest will not match
                     break
                 buf = self._buffer(length)
-                got = _read_full(f, buf)
-                h.update(buf[:got])
+                got = _read_full(f, buf, h, progress)
                 pos += got
-                if progress is not None:
-                    progress(got)
                 if got == length:
                     self._entry(buf, fqn, chunk, item)
             pos += self._through(f, h, None, gap, progress)
@@ -271,11 +268,16 @@ class StepScan:
         return _merge(self.checks, results)
 
 
-def _read_full(f, view: memoryview) -> int:
+def _read_full(f, view: memoryview, h, progress) -> int:
+    """Fill view from f in CHUNK pieces, hashing each piece while it is still in the cache."""
     got = 0
     while got < len(view):
-        n = f.readinto(view[got:])
+        piece = view[got:got + CHUNK]
+        n = f.readinto(piece)
         if not n:
             break
+        h.update(piece[:n])
         got += n
+        if progress is not None:
+            progress(n)
     return got
