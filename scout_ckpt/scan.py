@@ -3,9 +3,11 @@
 `certify` used to hash every file (one read) and then read every tensor back through the entries (a second read,
 and every tensor of the checkpoint in memory at once). Here each data file is read once, front to back: the bytes
 between entries go through the hasher in 8 MiB pieces; each storage entry (one tensor chunk or plain value, a
-`torch.save` archive) is read into a buffer of its own size, hashed, then opened from that buffer with the same
-hardened path `read_tensors` uses (`dcp_files.load_entry`: zip and inner pickle dry-run, `weights_only`) and its
-tensor checked at once (`invariants.run_offline` on that tensor alone: every check is per tensor) and dropped.
+`torch.save` archive) is first dry-run from a second descriptor (`dcp_files.tensor_layout`: the zip and inner
+pickle checks `load_entry` makes, and where the one storage lies); a plain tensor entry's bytes are then read
+from the file straight into a tensor of its shape over the thread's reused buffer, in 8 MiB pieces each hashed while in the cache (no
+second copy); anything else (a plain value, an unusual layout) is read into a buffer and opened from it with
+`dcp_files.load_entry` (`weights_only`). Each tensor is checked at once (`invariants.run_offline` on that tensor alone: every check is per tensor) and dropped.
 Files go in parallel threads (xxh3, reads and torch ops release the GIL). Peak memory: per thread one entry buffer
 (reused) and its tensor, so about twice the largest tensor chunk per thread, plus the tensors split over several entries
 while they are assembled (DCP writes a tensor as one chunk unless it is sharded).
@@ -18,6 +20,7 @@ metadata cannot be read, or its declared entries do not fit the files (`storage_
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import threading
@@ -25,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import xxhash
 
 from scout_ckpt.digests import ALGO, CHUNK, file_digest
@@ -90,6 +94,7 @@ class StepScan:
         self.threads = threads
         self._lock = threading.Lock()
         self._local = threading.local()
+        self.direct = 0                         # entries read straight into their tensor
         self._results: list[dict] = []
         self._plain: dict[str, Any] = {}        # non-tensor entries (a saved step counter, ...)
         self._parts: dict[str, list] = {}       # fqn -> [tensor being assembled, elements still missing]
@@ -160,11 +165,22 @@ class StepScan:
             raise BadInput(f"{path}: not a regular file; refusing to hash it")
         gap = bytearray(CHUNK)
         pos = 0
-        with open(fd, "rb", buffering=0) as f:
+        with open(fd, "rb", buffering=0) as f, open(path, "rb") as layout_f:
             for off, length, fqn, chunk, item in entries:
                 pos += self._through(f, h, off - pos, gap, progress)
                 if pos != off:      # the file ended (or changed) under us: the digest will not match
                     break
+                direct = self._direct(layout_f, off, length, chunk, item)
+                if direct is not None:  # the tensor's bytes go from the file straight into the tensor
+                    t, start, nbytes = direct
+                    pos += self._through(f, h, start, gap, progress)
+                    got = _read_full(f, memoryview(t.view(-1).view(torch.uint8).numpy()), h, progress)
+                    pos += got
+                    if got != nbytes:
+                        break
+                    pos += self._through(f, h, length - start - nbytes, gap, progress)
+                    self._check(fqn, chunk, item, t)
+                    continue
                 buf = self._buffer(length)
                 got = _read_full(f, buf, h, progress)
                 pos += got
@@ -172,6 +188,39 @@ class StepScan:
                     self._entry(buf, fqn, chunk, item)
             pos += self._through(f, h, None, gap, progress)
         return pos, f"{ALGO}:{h.hexdigest()}"
+
+    def _direct(self, f, off: int, length: int, chunk, item):
+        """(empty tensor, start of its bytes in the entry, their count) when filling the tensor straight from the
+        file gives exactly what `torch.load` of the entry would (one storage of the chunk's dtype, the chunk's
+        shape, contiguous, from offset 0); None otherwise, and for any entry the dry run refuses (the
+        `load_entry` path then records why)."""
+        from scout_ckpt.dcp_files import tensor_layout
+
+        if chunk is None:
+            return None
+        try:
+            lay = tensor_layout(f, off, length)
+        except BadInput:
+            return None
+        dtype = item.properties.dtype
+        size = tuple(chunk.sizes)
+        if lay is None or lay["storage_type"] == "UntypedStorage":
+            return None
+        if _storage_dtype(lay["storage_type"]) != dtype or lay["storage_offset"] != 0 or tuple(lay["size"]) != size:
+            return None
+        strides, acc = [], 1
+        for n in reversed(size):
+            strides.append(acc)
+            acc *= n
+        n = math.prod(size)
+        if n == 0 or tuple(lay["stride"]) != tuple(reversed(strides)) or lay["nbytes"] != n * dtype.itemsize:
+            return None
+        with self._lock:
+            self.direct += 1
+        # a view of this thread's reused buffer: checked and dropped before the thread reads its next entry, and
+        # no fresh pages to fault in per tensor
+        raw = torch.frombuffer(self._buffer(lay["nbytes"]), dtype=torch.uint8)
+        return raw.view(dtype).view(size), lay["start"], lay["nbytes"]
 
     def _buffer(self, n: int) -> memoryview:
         """n bytes of this thread's entry buffer, grown to the largest entry it has read: reused, so its pages
@@ -199,10 +248,7 @@ class StepScan:
     def _entry(self, buf: memoryview, fqn: str, chunk, item) -> None:
         """Open one entry from its buffer and check it (or file it for assembly). Any refusal is recorded and the
         read-back path then reports it exactly as before."""
-        import torch
-
         from scout_ckpt.dcp_files import load_entry
-        from scout_ckpt.invariants import run_offline
 
         try:
             value = load_entry(_Memory(buf), 0, len(buf))
@@ -214,6 +260,14 @@ class StepScan:
                 self._plain[fqn] = value
                 self._seen += 1
             return
+        self._check(fqn, chunk, item, value)
+
+    def _check(self, fqn: str, chunk, item, value) -> None:
+        """Check one tensor chunk against its metadata, then its invariants (once its tensor is whole)."""
+        import torch
+
+        from scout_ckpt.invariants import run_offline
+
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(chunk.sizes) or \
                 value.dtype != item.properties.dtype:
             self._fail(f"{fqn}: chunk does not match its metadata")
@@ -231,9 +285,6 @@ class StepScan:
 
     def _assemble(self, fqn: str, chunk, item, value):
         """Copy a chunk into its tensor; the full tensor once its last chunk arrived, else None."""
-        import math
-
-        import torch
 
         with self._lock:
             if fqn not in self._parts:
@@ -266,6 +317,27 @@ class StepScan:
         if self._plain and self.checks:
             results.append(run_offline(self.checks, dict(self._plain)))
         return _merge(self.checks, results)
+
+
+_STORAGE_DTYPES: dict[str, Any] = {}
+_STORAGE_LOCK = threading.Lock()
+
+
+def _storage_dtype(name: str):
+    """The dtype of a typed-storage class name as torch.save pickles it ("FloatStorage"), or None."""
+    with _STORAGE_LOCK:
+        if not _STORAGE_DTYPES:
+            import warnings
+
+            with warnings.catch_warnings():  # TypedStorage's deprecation warning, once
+                warnings.simplefilter("ignore")
+                for attr in dir(torch):
+                    cls = getattr(torch, attr, None)
+                    if attr.endswith("Storage") and attr != "UntypedStorage" and isinstance(cls, type):
+                        dt = getattr(cls, "dtype", None)
+                        if isinstance(dt, torch.dtype):
+                            _STORAGE_DTYPES[attr] = dt
+        return _STORAGE_DTYPES.get(name)
 
 
 def _read_full(f, view: memoryview, h, progress) -> int:

@@ -43,6 +43,7 @@ def test_clean_step_passes_and_matches_the_read_back(tmp_path):
     assert verify_files(d, rows, hasher=scan.hasher)["status"] == "pass"
     assert scan.invariants() == offline_invariants(d, SPECS)
     assert scan.invariants()["checked"] == {"finite(*)": 2, "frobenius_sphere(model.unit)": 1}
+    assert scan.direct == 3   # every tensor read straight from the file into its tensor
 
 
 def test_a_byte_changed_inside_a_tensor_fails_the_digest(tmp_path):
