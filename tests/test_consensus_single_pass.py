@@ -3,8 +3,17 @@ background thread; async saves sign DCP's staged copy). These check that nothing
 
 from __future__ import annotations
 
+import pytest
+
 from scout_ckpt.launch import run_ranks
 from tests import workers_consensus as W
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm():
+    """Build the state once before forking (the first optimizer step imports torch._dynamo), as
+    test_consensus_save_time does."""
+    W.replicated_state()
 
 
 def test_reused_rows_give_the_same_signatures_and_a_divergent_replica_is_attributed():
