@@ -5,6 +5,10 @@ only existed at save time (consensus, replay) is kept as recorded. Hashing takes
 so the verdict is applied as compare-and-set on the state and attempt certify read before hashing: a quarantine
 or a new save in the meantime wins, and certify's verdict is kept in the history as superseded.
 
+Bytes and invariants come from one streaming pass per file (scan.py: each file read once, its tensor entries
+checked from the same reads, files in parallel threads); where that pass cannot vouch for every entry, the
+invariants are read back as before (`offline_invariants`).
+
 `writing` rows are first settled by `settle.settle_writing` (the one settler): a save whose owner is alive is
 left alone. Quarantined, deleted and rejected steps are left as they are: an operator's override is not for
 certify to undo, and nothing raises a rejected attempt back (a re-save is a new attempt).

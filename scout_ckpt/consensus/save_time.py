@@ -10,6 +10,11 @@ Signatures are replica signatures (`replica_signatures`): xxh3-128 of a CPU tens
 signature on device for an accelerator tensor. Replicas are compared with each other at the same moment on the
 same device type, so additivity is not needed here (full_signatures keeps it for resharded loads).
 
+Two halves (`start_consensus`, then `PendingConsensus.finish`): the hashing, local and optionally in a background
+thread (the Checkpointer overlaps it with DCP's write of a sync save, or runs it on DCP's staged copy in the commit
+thread of an async one), then the exchange. The replica rows of plain state double as the load-verification
+signatures (`replica_rows` -> `full_signatures(known=...)`), so each replicated byte is hashed once per rank.
+
 Collectives, per set of compare dims (the topology's order, the same on every rank), over this rank's group for
 it: one tiny all_gather of a fixed-size header: a structure digest (so that replicas whose state has different
 keys, shapes, dtypes or layouts are caught and the signature batches are known to line up), a 128-bit digest of
