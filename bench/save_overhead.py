@@ -1,5 +1,8 @@
 """Median wall time of Checkpointer.save against plain dcp.save of the same state, same run (4 ranks, >= 200 MB).
 
+Also the async case: how long `Checkpointer(async_save=True).save()` blocks the caller against how long
+`dcp.async_save` does (`async_blocking_vs_dcp_async`; each waits for its upload, untimed, before the next round).
+
 Also the peer a single-rank integrity tool would use: dcp.save followed by a rank-0 serial SHA-256 manifest of
 every file. Saves are interleaved round-robin so machine noise hits all contenders alike.
 
@@ -53,8 +56,32 @@ def _worker(rank, world, root, mb, repeats, async_save):
                                            consensus=False, verify_load=False),
         "scout save (full)": Checkpointer(os.path.join(root, "full"), model=model, async_save=async_save),
     }
+    # Async: how long save() holds the training thread, against how long dcp.async_save does (its staging).
+    async_ckpt = Checkpointer(os.path.join(root, "async"), model=model, async_save=True)
     pg = dist.new_group(backend="gloo")
-    times = {"dcp.save": [], **{k: [] for k in ckpts}, "dcp.save + rank-0 sha256": []}
+    apg = dist.new_group(backend="gloo")
+    times = {"dcp.save": [], **{k: [] for k in ckpts}, "dcp.save + rank-0 sha256": [],
+             "dcp.async_save (blocking)": [], "scout async save (blocking)": []}
+
+    def plain_async(i):
+        d = Path(root) / f"plain-async-{i}"
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        resp = dcp.async_save(state, checkpoint_id=str(d), process_group=apg)
+        dt = time.perf_counter() - t0
+        getattr(resp, "upload_completion", resp).result()
+        dist.barrier(group=pg)
+        if rank == 0:
+            shutil.rmtree(d)
+        return dt
+
+    def scout_async(i):
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        async_ckpt.save(i, state)
+        dt = time.perf_counter() - t0
+        async_ckpt.wait()
+        return dt
 
     def plain(i, sha):
         d = Path(root) / f"plain-{i}-{int(sha)}"
@@ -83,10 +110,12 @@ def _worker(rank, world, root, mb, repeats, async_save):
         for name in ckpts:
             round_times[name] = scout(name, i + 1)
         round_times["dcp.save + rank-0 sha256"] = plain(i, True)
+        round_times["dcp.async_save (blocking)"] = plain_async(i)
+        round_times["scout async save (blocking)"] = scout_async(i + 1)
         if i:
             for k, v in round_times.items():
                 times[k].append(v)
-    for c in ckpts.values():
+    for c in [*ckpts.values(), async_ckpt]:
         c.close()
     # The slowest rank decides when a collective save is done.
     gathered = [None] * world
@@ -116,7 +145,9 @@ def main() -> None:
     result = {
         "ratio": ratio,
         "ratios": {"scout_bytes_vs_dcp": ratio, "scout_full_vs_dcp": med["scout save (full)"] / med["dcp.save"],
-                   "sha256_manifest_vs_dcp": med["dcp.save + rank-0 sha256"] / med["dcp.save"]},
+                   "sha256_manifest_vs_dcp": med["dcp.save + rank-0 sha256"] / med["dcp.save"],
+                   "async_blocking_vs_dcp_async": med["scout async save (blocking)"]
+                   / med["dcp.async_save (blocking)"]},
         "median_s": med, "samples_s": {k: v for k, v in out.items() if k != "bytes"}, "bytes": out["bytes"],
         "ranks": args.ranks, "repeats": args.repeats, "async": args.async_save, "target": "<= 1.05",
         "target_met": ratio <= 1.05, **load_note(),

@@ -5,6 +5,10 @@ only existed at save time (consensus, replay) is kept as recorded. Hashing takes
 so the verdict is applied as compare-and-set on the state and attempt certify read before hashing: a quarantine
 or a new save in the meantime wins, and certify's verdict is kept in the history as superseded.
 
+Bytes and invariants come from one streaming pass per file (scan.py: each file read once, its tensor entries
+checked from the same reads, files in parallel threads); where that pass cannot vouch for every entry, the
+invariants are read back as before (`offline_invariants`).
+
 `writing` rows are first settled by `settle.settle_writing` (the one settler): a save whose owner is alive is
 left alone. Quarantined, deleted and rejected steps are left as they are: an operator's override is not for
 certify to undo, and nothing raises a rejected attempt back (a re-save is a new attempt).
@@ -19,8 +23,9 @@ from scout_ckpt import journal, policy
 from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.ledger.transitions import allowed
-from scout_ckpt.recovery import verify_checkpoint
+from scout_ckpt.recovery import trusted_manifest, verify_checkpoint
 from scout_ckpt.settle import settle_writing
+from scout_ckpt.verify import verify_files
 
 LEFT_AS_IS = ("quarantined", "deleted", "rejected", "writing")
 
@@ -48,6 +53,35 @@ def offline_invariants(step_dir: Path, specs: list) -> dict | None:
     return invariants.run_offline(invariants.parse_specs(specs), tensors)
 
 
+def _scan_for(step_dir: Path, specs: list):
+    """The one-pass scanner (scan.py) for a DCP step dir with invariants to check; None otherwise (bytes only, or a
+    Trainer folder, whose tensors are not DCP entries)."""
+    if not specs or not step_dir.is_dir():
+        return None
+    from scout_ckpt.layout import is_folder_dir
+
+    if is_folder_dir(step_dir):
+        return None
+    from scout_ckpt.scan import StepScan
+
+    return StepScan(step_dir, specs)
+
+
+def _verify_bytes(root: Path, ledger: Ledger, step: int, progress, scan) -> dict:
+    """recovery.verify_checkpoint, with the scanner's hasher when there is one (the same files, digests and
+    manifest check; the scanner also checks the tensors as it reads)."""
+    if scan is None:
+        return verify_checkpoint(root, ledger, step, progress=progress)
+    row = ledger.checkpoint(step)
+    step_dir = Path(root) / row["path"]
+    ev = verify_files(step_dir, ledger.files(step), progress=progress, hasher=scan.hasher)
+    _, bad = trusted_manifest(step_dir, row) if step_dir.is_dir() else (None, [])
+    if bad:
+        ev = policy.evidence(policy.FAIL, ev["reasons"] + bad,
+                             **{k: v for k, v in ev.items() if k not in ("status", "reasons")})
+    return ev
+
+
 def _summary(ledger: Ledger, step: int, **extra) -> dict:
     row = ledger.checkpoint(step)
     return {"step": step, "state": row["state"], "reasons": row["reasons"],
@@ -64,10 +98,13 @@ def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int]
         return _summary(ledger, step, skipped=True)
     seen, attempt = row["state"], row["attempt"]
     run_pol = run_policy(ledger, row)
-    ev = {"bytes": verify_checkpoint(root, ledger, step, progress=progress)}
+    specs = run_pol.get("invariants") or []
+    scan = _scan_for(root / row["path"], specs)
+    ev = {"bytes": _verify_bytes(root, ledger, step, progress, scan)}
     if ev["bytes"]["status"] == policy.PASS:
-        specs = run_pol.get("invariants") or []
-        inv = offline_invariants(root / row["path"], specs)
+        inv = scan.invariants() if scan is not None else None
+        if inv is None:
+            inv = offline_invariants(root / row["path"], specs)
         if inv is not None:
             ev["invariants"] = {**inv, "specs": specs}
     with ledger.write():  # evidence and verdict in one transaction, on the attempt that was hashed

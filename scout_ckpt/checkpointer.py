@@ -24,21 +24,24 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 import scout_ckpt
-from scout_ckpt import invariants as inv
 from scout_ckpt import commit, journal, placement, policy
+from scout_ckpt import invariants as inv
 from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
-from scout_ckpt.health_evidence import HealthWindow
-from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS, ShardEvidence
+from scout_ckpt.consensus.flatten import holds_dtensor
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
-from scout_ckpt.consensus.save_time import save_time_consensus
+from scout_ckpt.consensus.save_time import start_consensus
 from scout_ckpt.consensus.signatures import REPLICA_PREFIX, full_signatures
 from scout_ckpt.errors import ScoutError
+from scout_ckpt.health_evidence import HealthWindow
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
 from scout_ckpt.recovery import record_verification_failure, trusted_manifest
-from scout_ckpt.replay import NoTargets, ReplayRunner, coverage as replay_coverage
+from scout_ckpt.replay import NoTargets, ReplayRunner
+from scout_ckpt.replay import coverage as replay_coverage
+from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS
+from scout_ckpt.shard_evidence import ShardEvidence
 from scout_ckpt.storage import FaultHook, ScoutWriter
 from scout_ckpt.verify import verify_files
 
@@ -121,6 +124,7 @@ class Checkpointer:
         self._bookkeeping_s = 0.0
         self._rank_local: tuple[str, ...] = ()
         self._save_started = time.monotonic()
+        self._save_started_wall = time.time()
         self._health = HealthWindow()
 
         self.checks = inv.parse_specs(invariants) if invariants else []  # bad specs fail here, not at a save
@@ -336,6 +340,7 @@ class Checkpointer:
     def _save(self, step: int, state: dict) -> dict | None:
         self.wait()
         self._save_started = time.monotonic()
+        self._save_started_wall = time.time()
         if self.replay is not None:
             # The save-boundary sweep: every target replayed once on this step's captured inputs, so the
             # checkpoint carries complete same-step replay evidence (collective on the replay's side groups).
@@ -356,9 +361,16 @@ class Checkpointer:
         if self.shard is not None:
             self._record_shard_faults(self.shard.flush())
         flat = _materialize(state)
-        live = self._live_evidence(step, flat)
-        writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
+        # Consensus hashing (the one pass over every replicated byte) runs in a background thread while DCP
+        # serializes and writes (sync: the training thread is held, so the state cannot change meanwhile).
+        # Async: where nothing else uses the side groups meanwhile, the live evidence is taken from DCP's staged
+        # copy in the commit thread (live=None), so save() blocks no longer than dcp.async_save's staging.
+        staged = self.async_save and self._evidence_from_staged(flat)
+        hashing = None if staged else self._start_consensus(flat, background=not self.async_save)
+        writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite,
+                             keep_staged=staged)
         if self.async_save:
+            live = None if staged else self._live_evidence(step, flat, hashing)
             resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
             upload = getattr(resp, "upload_completion", resp)
             self._pending = threading.Thread(target=self._commit_async, args=(upload, pending, writer, live),
@@ -366,21 +378,40 @@ class Checkpointer:
             self._pending.start()
             return None
         dcp.save(flat, storage_writer=writer, process_group=self._pg)
+        live = self._live_evidence(step, flat, hashing)
         return self._commit(pending, writer, live, self._pg)
 
-    def _live_evidence(self, step: int, flat: dict) -> dict:
-        """Evidence taken from the live state at the save boundary, before the write (collective)."""
-        ev: dict = {"_taken_at": time.time()}  # the end of the health window (HealthWindow)
-        if self.consensus:
-            ev["consensus"] = save_time_consensus(flat, self.groups, names_filter=self._consensus_names)
+    def _start_consensus(self, flat: dict, background: bool):
+        """Consensus planned and hashed (local; in a background thread with `background`), or None."""
+        if not self.consensus:
+            return None
+        return start_consensus(flat, self.groups, names_filter=self._consensus_names, background=background)
+
+    def _evidence_from_staged(self, flat: dict) -> bool:
+        """Whether an async save may take its live evidence from the staged copy in the commit thread: only when
+        no replay or shard evidence runs collectives on the side groups from the training thread meanwhile, and
+        the state holds no DTensor (DCP's staging of those is not a plain copy)."""
+        return self.replay is None and self.shard is None and not holds_dtensor(flat)
+
+    def _live_evidence(self, step: int, flat: dict, hashing, group=None) -> dict:
+        """Evidence taken from the state at the save boundary (collective over `group`, default the checkpointer's
+        group, and the consensus groups): sync saves gather it after the write, async ones before it or, from
+        the staged copy, in the commit thread; the state is the same either way."""
+        group = group or self._pg
+        # The end of the health window (HealthWindow): the state compared here is the state at the start of this
+        # save (hashing may finish later), so an event after that start counts against the next save.
+        ev: dict = {"_taken_at": self._save_started_wall}
+        if hashing is not None:
+            ev["consensus"] = hashing.finish()
         if self.checks:
-            res = inv.run_local(self.checks, inv.flatten(flat), group=self._pg, previous=self._inv_previous)
+            res = inv.run_local(self.checks, inv.flatten(flat), group=group, previous=self._inv_previous)
             self._inv_previous = res.get("values") or self._inv_previous
             ev["invariants"] = res
         if self.shard is not None:
             ev.update(self.shard.live(step))
         if self.verify_load:
-            ev["signatures"] = full_signatures(flat, group=self._pg, plain="replica")
+            ev["signatures"] = full_signatures(flat, group=group, plain="replica",
+                                               known=hashing.replica_rows() if hashing is not None else None)
         if self.replay is not None and self.is_coordinator:
             ev["replay"] = self._replay_evidence(step)
         return ev
@@ -416,6 +447,13 @@ class Checkpointer:
 
     def _commit_async(self, upload, pending, writer, live) -> None:
         try:
+            if live is None:  # from the staged copy, while the upload runs; the commit waits for both
+                staged, writer.staged = writer.staged, None
+                if staged is None:  # the same on every rank (DCP's staging path), so all raise before a collective
+                    raise ScoutError("dcp.async_save did not stage through the writer: no staged copy to sign")
+                live = self._live_evidence(pending.step, staged, self._start_consensus(staged, background=False),
+                                           group=self._commit_pg)
+                del staged
             upload.result()
             self._commit(pending, writer, live, self._commit_pg)
         except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()

@@ -29,8 +29,10 @@ from __future__ import annotations
 import io
 import math
 import os
+import pickle
 import re
 import stat
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -358,7 +360,10 @@ def _scan_entry(window: _Window, length: int) -> None:
         raise RefusedPickle(f"malformed entry pickle ({type(e).__name__})") from None
 
 
-def _load_entry(f, offset: int, length: int):
+def load_entry(f, offset: int, length: int):
+    """The tensor or plain value stored as bytes [offset, offset + length) of `f` (any seekable binary file with
+    readinto), dry-run first (`_scan_entry`), then opened with `weights_only=True`. BadInput (BadMetadata or
+    RefusedPickle) if refused."""
     import torch
 
     window = _Window(f, offset, length)
@@ -406,7 +411,7 @@ def read_tensors(step_dir: str | os.PathLike, prefix: str | None = None, *, incl
                 if getattr(info, "transform_descriptors", None):
                     raise BadMetadata(f"{path}: {clip(fqn, 80)} is stored with transforms; not supported offline")
                 try:
-                    value = _load_entry(f, off, length)   # one copy: page cache -> tensor
+                    value = load_entry(f, off, length)   # one copy: page cache -> tensor
                 except BadInput as e:
                     raise BadMetadata(f"{path}: entry {clip(fqn, 80)}: {e}") from None
                 if chunk is None:
@@ -422,3 +427,80 @@ def read_tensors(step_dir: str | os.PathLike, prefix: str | None = None, *, incl
                     dst = dst.narrow(d, o, n)
                 dst.copy_(value)
     return out
+
+
+# ---- where a tensor entry's bytes lie (certify's one pass reads them straight into the tensor) --------------------
+
+class _LayoutScan(_EntryScan):
+    """The entry dry run (`_EntryScan`, every refusal kept) recording the storage and the view it builds."""
+
+    dispatch = dict(_EntryScan.dispatch)
+
+    def __init__(self, f):
+        super().__init__(f)
+        self.types: list[str] = []
+        self.storages: list[tuple] = []
+        self.rebuilds: list[tuple] = []
+        self.built = None
+
+    def find_class(self, module, name):
+        out = super().find_class(module, name)
+        if getattr(out, "what", None) == "storage_type":
+            self.types.append(name)
+        return out
+
+    def persistent_load(self, pid):
+        out = super().persistent_load(pid)
+        self.storages.append((pid[2], pid[4]))
+        return out
+
+    def load_reduce(self):
+        args, func = self.stack[-1], self.stack[-2]
+        _EntryScan.load_reduce(self)
+        if getattr(func, "what", None) == "torch._utils._rebuild_tensor_v2":
+            self.rebuilds.append((args[1], tuple(args[2]), tuple(args[3])))
+            self.built = self.stack[-1]
+    dispatch[pickle.REDUCE[0]] = load_reduce
+
+
+def tensor_layout(f, offset: int, length: int) -> dict | None:
+    """Where the one storage of a tensor entry lies, for a reader that fills a tensor straight from the file
+    instead of going through `torch.load`: {"start" (bytes from the entry's start), "nbytes", "storage_type"
+    (e.g. "FloatStorage"), "storage_offset", "size", "stride"}; None when the entry is anything else (a plain
+    value, several storages, a big-endian archive, a compressed member), so the caller uses `load_entry`.
+    BadInput if the entry is refused (the same dry run as `load_entry`)."""
+    window = _Window(f, offset, length)
+    _scan_entry(window, length)
+    try:
+        z = zipfile.ZipFile(window)
+        infos = {i.filename: i for i in z.infolist()}
+        pkl = next(n for n in infos if n == "data.pkl" or n.endswith("/data.pkl"))
+        prefix = pkl[: -len("data.pkl")]
+        order = infos.get(prefix + "byteorder")
+        if order is not None and z.read(order) != b"little":
+            return None
+        scan = _LayoutScan(io.BytesIO(z.read(infos[pkl])))
+        result = scan.load()
+        if result is not scan.built or len(scan.storages) != 1 or len(scan.rebuilds) != 1 or len(scan.types) != 1:
+            return None
+        key = scan.storages[0][0]
+        info = infos.get(f"{prefix}data/{key}")
+        if info is None or info.compress_type != zipfile.ZIP_STORED:
+            return None
+        window.seek(info.header_offset)
+        head = window.read(30)
+        if len(head) != 30 or head[:4] != b"PK\x03\x04":
+            return None
+        n_name, n_extra = struct.unpack("<HH", head[26:30])
+        start = info.header_offset + 30 + n_name + n_extra
+        if start + info.file_size > length:
+            return None
+        storage_offset, size, stride = scan.rebuilds[0]
+        return {"start": start, "nbytes": info.file_size, "storage_type": scan.types[0],
+                "storage_offset": storage_offset, "size": size, "stride": stride}
+    except BadInput:
+        raise
+    except Exception:  # anything unexpected: the caller takes the torch.load path, which reports it
+        return None
+    finally:
+        window.seek(0)

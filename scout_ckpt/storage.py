@@ -101,13 +101,23 @@ class ScoutWriter(FileSystemWriter):
     floating tensors it writes are finite: each rank checks exactly the items DCP assigned to it (replicated
     tensors are de-duplicated across ranks), so the check costs no rank more than its share."""
 
-    def __init__(self, path: Path, *, step: int, fault_hook: FaultHook | None = None, check_finite: bool = True):
+    def __init__(self, path: Path, *, step: int, fault_hook: FaultHook | None = None, check_finite: bool = True,
+                 keep_staged: bool = False):
         super().__init__(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
         self.step = step
+        self.keep_staged = keep_staged
+        self.staged = None   # with keep_staged: the copy dcp.async_save staged (evidence is taken from it)
         self.check_finite = check_finite
         self.written: set[str] = set()
         self.nonfinite: list[str] = []
         self.fs = _DigestingFileSystem((lambda: fault_hook("during_write", step)) if fault_hook else None)
+
+    def stage(self, state_dict):
+        """dcp.async_save's staging (a CPU copy of the state), kept with keep_staged for the commit thread."""
+        staged = super().stage(state_dict)
+        if self.keep_staged:
+            self.staged = staged
+        return staged
 
     def file_digests(self) -> dict[str, tuple[int, str]]:
         """(size, digest) of the data files this rank wrote and hashed in flight (others must be read back)."""

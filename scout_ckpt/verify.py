@@ -31,12 +31,14 @@ def checkpoint_dir(root: str | os.PathLike, rel: str) -> Path:
 
 
 def verify_files(step_dir: Path, files: list[dict], *, expect_complete: bool = True,
-                 progress: Callable[[int], None] | None = None, dcp: bool | None = None) -> dict:
+                 progress: Callable[[int], None] | None = None, dcp: bool | None = None,
+                 hasher: Callable[..., dict] | None = None) -> dict:
     """Bytes evidence: every recorded file present with its size and digest; nothing missing or extra.
 
     `files` are {"path", "size", "digest"} rows (from the ledger or the manifest). With expect_complete the
     directory must hold exactly those files (plus the manifest) and a DCP `.metadata`. BadInput if a recorded
-    name is not a normalized relative path.
+    name is not a normalized relative path. `hasher` replaces `digest_files` (same signature and result): `certify`
+    passes `scan.StepScan.hasher`, which checks the tensors in the same read.
     """
     step_dir = Path(step_dir)
     for f in files:
@@ -59,7 +61,7 @@ def verify_files(step_dir: Path, files: list[dict], *, expect_complete: bool = T
         else:
             present[str(p)] = (os.path.realpath(p), f)   # hashed where it resolves, never re-resolved
     try:
-        digests = digest_files(sorted({real for real, _ in present.values()}), progress=progress)
+        digests = (hasher or digest_files)(sorted({real for real, _ in present.values()}), progress=progress)
     except (OSError, BadInput) as e:  # replaced or removed while hashing
         return evidence(FAIL, reasons + [{"code": "unreadable_file", "detail": clip(str(e), 200)}],
                         files_checked=len(files))

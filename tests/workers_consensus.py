@@ -158,3 +158,79 @@ def dcp_save_sharded(rank, world, path):
     dcp.save(state, checkpoint_id=path)
     dist.barrier()
     return sigs
+
+
+# ---- single-pass signatures (issue 13): one hash per byte must still catch every change ----------------------------
+
+INTERIOR = 37  # an element well inside every tensor compared below: never element 0
+
+
+def single_pass_consensus(rank, world, flip_rank=None):
+    """Consensus hashed in the background thread (start_consensus), its replica rows reused for the load-verification
+    signatures; `flip_rank` flips one bit of an interior element of its weight first."""
+    from scout_ckpt.consensus.save_time import start_consensus
+
+    state = replicated_state()
+    groups = ConsensusGroups.create("ddp", world, None, timeout_s=30)
+    flat = flatten_state(state)
+    if flip_rank == rank:
+        flip_bit(flat["app.model.0.weight"], element=INTERIOR, bit=9)
+    pending = start_consensus(state, groups, background=True)
+    known = pending.replica_rows()
+    evidence = pending.finish()
+    reused = full_signatures(state, plain="replica", known=known)
+    fresh = full_signatures(state, plain="replica")
+    return {"evidence": evidence, "reused": reused, "fresh": fresh, "n_known": len(known),
+            "n_leaves": len(flat)}
+
+
+def sharded_change_at_load(rank, world):
+    """Full signature of a Shard(0) DTensor before and after one interior element of one rank's shard changes,
+    and of the same tensor whole (the additive definition, no process group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(3)
+    full = torch.randn(8, 6)
+    mesh = init_device_mesh("cpu", (world,))
+    dt = distribute_tensor(full.clone(), mesh, [Shard(0)])
+    before = full_signatures({"w": dt})["w"]
+    if rank == world - 1:
+        flip_bit(dt.to_local(), element=2 * 6 + 3, bit=0)  # row 2, column 3 of the last shard: interior
+    after = full_signatures({"w": dt})["w"]
+    return {"before": before, "after": after, "whole": full_signatures({"w": full})["w"]}
+
+
+def checkpointer_load_change(rank, world, root, async_save):
+    """Two saves through the Checkpointer (sync or async: the async one signs DCP's staged copy), then a restart
+    whose load of step 2 sees one interior element of `w` changed on every rank (after_load hook): load
+    verification must reject step 2 and load step 1."""
+    from scout_ckpt.checkpointer import Checkpointer
+    from scout_ckpt.ledger import Ledger
+
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(64, 48), "b": torch.randn(48)}, "step": 0}
+    ck = Checkpointer(root, mode="ddp", async_save=async_save, timeout_s=120)
+    verdicts = []
+    for step in (1, 2):
+        state["model"]["w"].add_(1.0)
+        state["step"] = step
+        ck.save(step, state)
+        ck.wait()
+        verdicts.append(ck.last_verdict["state"])
+    ck.close()
+
+    def hook(point, step):
+        if point == "after_load" and step == 2:
+            state["model"]["w"].view(-1)[INTERIOR * 10 + 1] += 0.5
+
+    ck2 = Checkpointer(root, mode="ddp", fault_hook=hook, timeout_s=120)
+    loaded = ck2.load_latest_clean(state)
+    ck2.close()
+    out = {"verdicts": verdicts, "loaded": loaded, "step": state["step"]}
+    if rank == 0:
+        with Ledger.open(root) as led:
+            row = led.checkpoint(2)
+            out["step2"] = row["state"]
+            out["step2_reasons"] = [r["code"] for r in row["reasons"]]
+    return out

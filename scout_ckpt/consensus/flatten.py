@@ -73,3 +73,8 @@ def flatten_state(state_dict: Mapping, *, keep_dtensor: bool = False) -> dict[st
     out: dict[str, Any] = {}
     _walk(state_dict, "", out, keep_dtensor)
     return out
+
+
+def holds_dtensor(state_dict: Mapping) -> bool:
+    """Whether any leaf of the state is a DTensor."""
+    return any(is_dtensor(v) for v in flatten_state(state_dict, keep_dtensor=True).values())

@@ -61,7 +61,8 @@ def _same_everywhere(value: int, group) -> bool:
 REPLICA_PREFIX = "r:"
 
 
-def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive") -> dict[str, str]:
+def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive",
+                    known: Mapping[str, torch.Tensor] | None = None) -> dict[str, str]:
     """{dotted key: hex} full-tensor signatures of a (sharded) state; collective over `group` (default: world).
 
     Each rank computes the partial signature of what it holds at its global offsets and one all_reduce(SUM) of the
@@ -82,6 +83,11 @@ def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive")
     plain="replica" signs plain tensors with `replica_signatures` instead (xxh3 on CPU, 20x faster than the
     additive hash) and marks their values with REPLICA_PREFIX: such a value compares only with another plain
     tensor's (not with a DTensor's after resharding), which is what a same-layout restart needs.
+
+    `known` ({dotted key: [2] replica signature}, with plain="replica" only): signatures this rank already computed
+    of its own copy of those plain leaves (save-time consensus hashed every replicated byte; `PendingConsensus.
+    replica_rows`); the signing rank takes its value from there instead of hashing the leaf a second time. The
+    result is the same: both are `replica_signatures` of the same bits.
     """
     import torch.distributed as dist
 
@@ -113,9 +119,14 @@ def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive")
             owners = [0] * len(replicated)
         leaves = list(flat.values())
         mine = [i for i, r in zip(replicated, owners) if r == grank]
-        if mine:
+        keys = list(flat) if known and plain == "replica" else []
+        reuse = [i for i in mine if keys and keys[i] in known]
+        for i in reuse:
+            sums[i] = known[keys[i]]
+        rest = [i for i in mine if not (keys and keys[i] in known)]
+        if rest:
             sign = replica_signatures if plain == "replica" else batch_signatures
-            sums[mine] = sign([leaves[i] for i in mine])
+            sums[rest] = sign([leaves[i] for i in rest])
     if distributed:
         backend = str(dist.get_backend(group))
         buf = sums if "gloo" in backend else sums.to(torch.device("cuda", torch.cuda.current_device()))

@@ -10,6 +10,11 @@ Signatures are replica signatures (`replica_signatures`): xxh3-128 of a CPU tens
 signature on device for an accelerator tensor. Replicas are compared with each other at the same moment on the
 same device type, so additivity is not needed here (full_signatures keeps it for resharded loads).
 
+Two halves (`start_consensus`, then `PendingConsensus.finish`): the hashing, local and optionally in a background
+thread (the Checkpointer overlaps it with DCP's write of a sync save, or runs it on DCP's staged copy in the commit
+thread of an async one), then the exchange. The replica rows of plain state double as the load-verification
+signatures (`replica_rows` -> `full_signatures(known=...)`), so each replicated byte is hashed once per rank.
+
 Collectives, per set of compare dims (the topology's order, the same on every rank), over this rank's group for
 it: one tiny all_gather of a fixed-size header: a structure digest (so that replicas whose state has different
 keys, shapes, dtypes or layouts are caught and the signature batches are known to line up), a 128-bit digest of
@@ -28,7 +33,9 @@ under FSDP: `no_replicas`), so only invariants can vouch for them; `pass` every 
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping
 
@@ -106,15 +113,13 @@ def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) ->
     return plan
 
 
-def _group_verdict(flat: Mapping[str, Any], names: list[str], pg, members: list[int], t0: float,
-                   tags: list[str] = ()) -> tuple[GroupVerdict, float, bool]:
+def _group_verdict(flat: Mapping[str, Any], names: list[str], pg, members: list[int], sigs: torch.Tensor,
+                   elapsed: float, tags: list[str] = ()) -> tuple[GroupVerdict, float, bool]:
     """(verdict of one replica group, the slowest member's time to its signatures, whether the members' structure
     agreed); identical on every member. One all_gather of a fixed-size header (structure digest, a 128-bit digest
     of the [n, 2] signature rows, the time taken) decides the healthy case; only when the signature digests differ
     are the signatures themselves gathered, for per-tensor verdicts."""
     header = structure_digest(names, flat, tags)
-    sigs = replica_signatures([flat[n] for n in names])
-    elapsed = time.perf_counter() - t0
     mine = torch.cat([header, bytes_signature(sigs.numpy().tobytes()),
                       torch.tensor([elapsed], dtype=torch.float64).view(torch.int64)])
     rows = [torch.empty_like(mine) for _ in members]
@@ -125,6 +130,110 @@ def _group_verdict(flat: Mapping[str, Any], names: list[str], pg, members: list[
     if all(torch.equal(r[3:5], rows[0][3:5]) for r in rows):  # every member holds the same signatures
         return verdicts_from_gathered(sigs.unsqueeze(0).expand(len(rows), -1, -1), members, names), slowest, True
     return c3_over_group(sigs, pg, members, names), slowest, True
+
+
+def _hash_groups(flat: Mapping[str, Any], plan: _Plan, groups: ConsensusGroups, t0: float) -> tuple[dict, float]:
+    """({kind index: [n, 2] replica signatures of the names compared in that kind}, seconds since t0): the only
+    pass over the state's bytes. No collective, so it may run in a background thread."""
+    sigs = {}
+    for index, kind in enumerate(groups.kinds):
+        if len(kind.members) >= 2:
+            sigs[index] = replica_signatures([flat[n] for n in plan.by_dims.get(kind.dims, [])])
+    return sigs, time.perf_counter() - t0
+
+
+_HASHER: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _hasher() -> ThreadPoolExecutor:
+    """One background thread per process for consensus hashing (its own, not signatures' pool, whose threads the
+    hashing itself may use); made again in a forked child."""
+    global _HASHER
+    if _HASHER is None or _HASHER[0] != os.getpid():
+        _HASHER = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="scout-consensus"))
+    return _HASHER[1]
+
+
+class PendingConsensus:
+    """Save-time consensus in two halves: `start_consensus` plans and hashes (in a background thread with
+    `background=True`: xxh3 releases the GIL, so the hashing overlaps DCP's serialization and writing), `finish`
+    exchanges and decides (collective). The state must not change in between (a sync save holds the training
+    thread; an async save hashes its staged copy)."""
+
+    def __init__(self, flat, names, plan, groups, t0, work):
+        self._flat, self._names, self._plan, self._groups, self._t0 = flat, names, plan, groups, t0
+        self._work = work  # a Future or the (sigs, elapsed) pair itself
+
+    def _hashed(self) -> tuple[dict, float]:
+        return self._work.result() if isinstance(self._work, Future) else self._work
+
+    def replica_rows(self) -> dict[str, torch.Tensor]:
+        """{name: [2] replica signature} of the plain (non-DTensor) state compared as plain state: exactly what
+        `full_signatures(plain="replica")` records for such a leaf, so load verification reuses them instead of
+        hashing the bytes a second time. Waits for the hashing; local."""
+        if self._groups.world_size < 2:
+            return {}
+        sigs, _ = self._hashed()
+        plain = self._groups.grid.plain_dims
+        out = {}
+        for index, kind in enumerate(self._groups.kinds):
+            if kind.dims == plain and index in sigs:
+                for n, row in zip(self._plan.by_dims.get(kind.dims, []), sigs[index]):
+                    if not is_dtensor(self._flat[n]):
+                        out[n] = row
+        return out
+
+    def finish(self) -> dict:
+        """The evidence (see `save_time_consensus`); collective over all ranks, in the same order everywhere."""
+        groups, flat, plan = self._groups, self._flat, self._plan
+        if groups.world_size < 2:
+            return evidence(NOT_APPLICABLE, [{"code": "no_replicas", "mode": groups.mode,
+                                              "detail": "single process"}],
+                            mode=groups.mode, groups=[], tensors_compared=0, single_owner=0, duration_s=0.0)
+        sigs, elapsed = self._hashed()
+        plain = groups.grid.plain_dims
+        entries, structure_ok = [], True
+        for index, kind in enumerate(groups.kinds):  # the same order on every rank
+            if len(kind.members) < 2:
+                continue
+            mine = plan.by_dims.get(kind.dims, [])
+            gv, slowest, same = _group_verdict(flat, mine, kind.pg, kind.members, sigs[index], elapsed,
+                                               plan.tags if kind.dims == plain else [])
+            structure_ok = structure_ok and same
+            entries.append({"kind": index, "members": list(gv.group_ranks), "dims": list(kind.names),
+                            "verdict": gv.status, "attributed": list(gv.attributed_ranks),
+                            "attributed_tensors": gv.attributed_tensors,
+                            "inconclusive_tensors": gv.inconclusive_tensors,
+                            "tensors_compared": len(gv.per_tensor), "plain": kind.dims == plain,
+                            "duration_s": slowest})
+        local = {"rank": groups.rank, "entries": entries, "single": plan.single, "problems": plan.problems,
+                 "n_selected": len(self._names), "duration_s": max([e["duration_s"] for e in entries],
+                                                                   default=elapsed)}
+        world_only = len(groups.kinds) == 1 and len(groups.kinds[0].members) == groups.world_size
+        if world_only:  # DDP: one group of every rank, whose verdict every rank already holds
+            if not structure_ok:  # the layouts differ between ranks: report the structure verdict only
+                local.update(single=[], problems=[])
+            everyone: list[Any] = [local]
+        else:
+            everyone = [None] * groups.world_size
+            dist.all_gather_object(everyone, local, group=groups.world_group)
+        return _summarise(everyone, groups)
+
+
+def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
+                    names_filter: Callable[[str], bool] | Collection[str] | None = None,
+                    background: bool = False) -> PendingConsensus:
+    """Plan and hash (local, no collective); `finish()` on the result is the collective half. With `background`
+    the hashing runs in a thread of its own and `finish`/`replica_rows` wait for it."""
+    t0 = time.perf_counter()
+    if groups.world_size < 2:
+        return PendingConsensus({}, [], _Plan(), groups, t0, ({}, 0.0))
+    flat = flatten_state(state_dict, keep_dtensor=True)
+    names = _select(flat, names_filter)
+    plan = _plan(flat, names, groups)
+    work = _hasher().submit(_hash_groups, flat, plan, groups, t0) if background else \
+        _hash_groups(flat, plan, groups, t0)
+    return PendingConsensus(flat, names, plan, groups, t0, work)
 
 
 def _reasons(entry: dict) -> list[dict]:
@@ -169,38 +278,7 @@ def save_time_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
     `names_filter` (a predicate on dotted names, or a collection of names) limits what is compared, e.g. to
     leave out state that legitimately differs per rank (per-rank RNG states, rank ids).
     """
-    t0 = time.perf_counter()
-    if groups.world_size < 2:
-        return evidence(NOT_APPLICABLE, [{"code": "no_replicas", "mode": groups.mode, "detail": "single process"}],
-                        mode=groups.mode, groups=[], tensors_compared=0, single_owner=0, duration_s=0.0)
-    flat = flatten_state(state_dict, keep_dtensor=True)
-    names = _select(flat, names_filter)
-    plan = _plan(flat, names, groups)
-    plain = groups.grid.plain_dims
-    entries, structure_ok = [], True
-    for index, kind in enumerate(groups.kinds):  # the same order on every rank
-        if len(kind.members) < 2:
-            continue
-        mine = plan.by_dims.get(kind.dims, [])
-        gv, slowest, same = _group_verdict(flat, mine, kind.pg, kind.members, t0,
-                                           plan.tags if kind.dims == plain else [])
-        structure_ok = structure_ok and same
-        entries.append({"kind": index, "members": list(gv.group_ranks), "dims": list(kind.names),
-                        "verdict": gv.status, "attributed": list(gv.attributed_ranks),
-                        "attributed_tensors": gv.attributed_tensors, "inconclusive_tensors": gv.inconclusive_tensors,
-                        "tensors_compared": len(gv.per_tensor), "plain": kind.dims == plain, "duration_s": slowest})
-    local = {"rank": groups.rank, "entries": entries, "single": plan.single, "problems": plan.problems,
-             "n_selected": len(names), "duration_s": max([e["duration_s"] for e in entries],
-                                                          default=time.perf_counter() - t0)}
-    world_only = len(groups.kinds) == 1 and len(groups.kinds[0].members) == groups.world_size
-    if world_only:  # DDP: one group of every rank, whose verdict every rank already holds
-        if not structure_ok:  # the layouts differ between ranks: report the structure verdict only
-            local.update(single=[], problems=[])
-        everyone: list[Any] = [local]
-    else:
-        everyone = [None] * groups.world_size
-        dist.all_gather_object(everyone, local, group=groups.world_group)
-    return _summarise(everyone, groups)
+    return start_consensus(state_dict, groups, names_filter=names_filter).finish()
 
 
 def _summarise(everyone: list[dict], groups: ConsensusGroups) -> dict:

@@ -1,0 +1,355 @@
+"""One streaming pass over a DCP step dir: file digests, structure, finiteness and invariants from the same reads.
+
+`certify` used to hash every file (one read) and then read every tensor back through the entries (a second read,
+and every tensor of the checkpoint in memory at once). Here each data file is read once, front to back: the bytes
+between entries go through the hasher in 8 MiB pieces; each storage entry (one tensor chunk or plain value, a
+`torch.save` archive) is first dry-run from a second descriptor (`dcp_files.tensor_layout`: the zip and inner
+pickle checks `load_entry` makes, and where the one storage lies); a plain tensor entry's bytes are then read
+from the file straight into a tensor of its shape over the thread's reused buffer, in 8 MiB pieces each hashed while in the cache (no
+second copy); anything else (a plain value, an unusual layout) is read into a buffer and opened from it with
+`dcp_files.load_entry` (`weights_only`). Each tensor is checked at once (`invariants.run_offline` on that tensor alone: every check is per tensor) and dropped.
+Files go in parallel threads (xxh3, reads and torch ops release the GIL). Peak memory: per thread one entry buffer
+(reused) and its tensor, so about twice the largest tensor chunk per thread, plus the tensors split over several entries
+while they are assembled (DCP writes a tensor as one chunk unless it is sharded).
+
+Trust: the entries are parsed before the file's digest is known to match; parsing is the path built for
+untrusted folders (`adopt`), and the invariants evidence is only used when the bytes evidence passes. When the
+metadata cannot be read, or its declared entries do not fit the files (`storage_problems`), nothing is parsed and
+`invariants()` returns None: the caller then takes the old read-back path, which reports the problem as before.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import xxhash
+
+from scout_ckpt.digests import ALGO, CHUNK, file_digest
+from scout_ckpt.errors import BadInput
+from scout_ckpt.policy import FAIL, INCONCLUSIVE, PASS, evidence
+
+
+class _Memory:
+    """A read-only seekable file over a buffer (no copy): what `load_entry` reads an entry through."""
+
+    def __init__(self, buf):
+        self._view = memoryview(buf)
+        self._pos = 0
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
+        self._pos = min(max(base + pos, 0), len(self._view))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = min(len(b), len(self._view) - self._pos)
+        if n <= 0:
+            return 0
+        memoryview(b)[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+def _merge(checks: list, results: list[dict]) -> dict:
+    """One evidence from per-tensor `run_offline` results, as one call over all tensors would give it: failures
+    in check order then tensor order, then errors, and `invariant_no_match` only for a check no tensor matched."""
+    order = {c.label: i for i, c in enumerate(checks)}
+    rs = [r for ev in results for r in ev["reasons"] if r["code"] != "invariant_no_match"]
+    key = lambda r: (order.get(r.get("spec"), len(order)), str(r.get("tensor")))  # noqa: E731
+    reasons = sorted((r for r in rs if r["code"] == "invariant_failed"), key=key)
+    errors = sorted((r for r in rs if r["code"] != "invariant_failed"), key=key)
+    checked = {c.label: sum((ev.get("checked") or {}).get(c.label, 0) for ev in results) for c in checks}
+    for c in checks:
+        if checked[c.label] == 0:
+            errors.append({"code": "invariant_no_match", "check": c.kind, "spec": c.label,
+                           "detail": f"no tensor matches {c.glob!r}"})
+    values: dict = {}
+    for ev in results:
+        values.update(ev.get("values") or {})
+    status = FAIL if reasons else INCONCLUSIVE if errors else PASS
+    return evidence(status, reasons + errors, checks=[c.spec for c in checks], checked=checked, values=values,
+                    collectives=0, reduced_floats=0)
+
+
+class StepScan:
+    """The one pass over one step dir. `hasher` has the signature of `digests.digest_files` and is what
+    `verify.verify_files(hasher=...)` calls; `invariants()` gives the invariants evidence afterwards (or None:
+    take the read-back path)."""
+
+    def __init__(self, step_dir: str | os.PathLike, specs: list, threads: int | None = None):
+        from scout_ckpt import invariants
+
+        self.step_dir = Path(step_dir)
+        self.checks = invariants.parse_specs(specs)
+        self.threads = threads
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self.direct = 0                         # entries read straight into their tensor
+        self._results: list[dict] = []
+        self._plain: dict[str, Any] = {}        # non-tensor entries (a saved step counter, ...)
+        self._parts: dict[str, list] = {}       # fqn -> [tensor being assembled, elements still missing]
+        self._entries: dict[str, list] = {}     # real path of a data file -> [(offset, length, fqn, chunk)]
+        self._expected = 0                      # entries declared; _seen counts those parsed
+        self._seen = 0
+        self._failed: str | None = None
+        self._plan()
+
+    def _plan(self) -> None:
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+        from scout_ckpt.dcp_files import load_metadata, storage_problems
+        from scout_ckpt.safepaths import inside
+
+        try:
+            md = load_metadata(self.step_dir)
+        except BadInput as e:
+            self._failed = str(e)
+            return
+        if storage_problems(self.step_dir, md):
+            self._failed = "storage problems"
+            return
+        for fqn, item in md.state_dict_metadata.items():
+            if isinstance(item, TensorStorageMetadata):
+                chunks = [(c, md.storage_data[MetadataIndex(fqn, c.offsets)]) for c in item.chunks]
+            elif isinstance(item, BytesStorageMetadata):
+                chunks = [(None, md.storage_data[MetadataIndex(fqn)])]
+            else:
+                continue
+            for chunk, info in chunks:
+                if getattr(info, "transform_descriptors", None):
+                    self._failed = f"{fqn} is stored with transforms"
+                    return
+                path = inside(self.step_dir, info.relative_path)
+                if path is None:
+                    self._failed = "storage file outside the checkpoint"
+                    return
+                self._entries.setdefault(os.path.realpath(path), []).append(
+                    (info.offset, info.length, fqn, chunk, item))
+                self._expected += 1
+
+    # ---- the pass ----------------------------------------------------------------------------------------------
+
+    def hasher(self, paths, threads: int | None = None,
+               progress: Callable[[int], None] | None = None) -> dict[str, tuple[int, str]]:
+        """{str(path): (size, "xxh3_128:hex")} of every path, as `digest_files` gives it; the data files' entries
+        are checked on the way."""
+        paths = [str(p) for p in paths]
+        if not paths:
+            return {}
+        n = self.threads or threads or min(len(paths), os.cpu_count() or 1, 8)
+        # largest first, so that the last file to start is a small one
+        order = sorted(paths, key=lambda p: -sum(e[1] for e in self._entries.get(p, [])))
+        if n <= 1:
+            return {p: self._file(p, progress) for p in order}
+        with ThreadPoolExecutor(n, thread_name_prefix="scout-scan") as pool:
+            return dict(zip(order, pool.map(lambda p: self._file(p, progress), order)))
+
+    def _file(self, path: str, progress) -> tuple[int, str]:
+        entries = sorted(self._entries.get(path, []), key=lambda e: e[0]) if self._failed is None else []
+        if not entries:
+            return file_digest(path, progress)
+        h = xxhash.xxh3_128()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise BadInput(f"{path}: not a regular file; refusing to hash it")
+        gap = bytearray(CHUNK)
+        pos = 0
+        with open(fd, "rb", buffering=0) as f, open(path, "rb") as layout_f:
+            for off, length, fqn, chunk, item in entries:
+                pos += self._through(f, h, off - pos, gap, progress)
+                if pos != off:      # the file ended (or changed) under us: the digest will not match
+                    break
+                direct = self._direct(layout_f, off, length, chunk, item)
+                if direct is not None:  # the tensor's bytes go from the file straight into the tensor
+                    t, start, nbytes = direct
+                    pos += self._through(f, h, start, gap, progress)
+                    got = _read_full(f, memoryview(t.view(-1).view(torch.uint8).numpy()), h, progress)
+                    pos += got
+                    if got != nbytes:
+                        break
+                    pos += self._through(f, h, length - start - nbytes, gap, progress)
+                    self._check(fqn, chunk, item, t)
+                    continue
+                buf = self._buffer(length)
+                got = _read_full(f, buf, h, progress)
+                pos += got
+                if got == length:
+                    self._entry(buf, fqn, chunk, item)
+            pos += self._through(f, h, None, gap, progress)
+        return pos, f"{ALGO}:{h.hexdigest()}"
+
+    def _direct(self, f, off: int, length: int, chunk, item):
+        """(empty tensor, start of its bytes in the entry, their count) when filling the tensor straight from the
+        file gives exactly what `torch.load` of the entry would (one storage of the chunk's dtype, the chunk's
+        shape, contiguous, from offset 0); None otherwise, and for any entry the dry run refuses (the
+        `load_entry` path then records why)."""
+        from scout_ckpt.dcp_files import tensor_layout
+
+        if chunk is None:
+            return None
+        try:
+            lay = tensor_layout(f, off, length)
+        except BadInput:
+            return None
+        dtype = item.properties.dtype
+        size = tuple(chunk.sizes)
+        if lay is None or lay["storage_type"] == "UntypedStorage":
+            return None
+        if _storage_dtype(lay["storage_type"]) != dtype or lay["storage_offset"] != 0 or tuple(lay["size"]) != size:
+            return None
+        strides, acc = [], 1
+        for n in reversed(size):
+            strides.append(acc)
+            acc *= n
+        n = math.prod(size)
+        if n == 0 or tuple(lay["stride"]) != tuple(reversed(strides)) or lay["nbytes"] != n * dtype.itemsize:
+            return None
+        with self._lock:
+            self.direct += 1
+        # a view of this thread's reused buffer: checked and dropped before the thread reads its next entry, and
+        # no fresh pages to fault in per tensor
+        raw = torch.frombuffer(self._buffer(lay["nbytes"]), dtype=torch.uint8)
+        return raw.view(dtype).view(size), lay["start"], lay["nbytes"]
+
+    def _buffer(self, n: int) -> memoryview:
+        """n bytes of this thread's entry buffer, grown to the largest entry it has read: reused, so its pages
+        are faulted in once, not once per entry."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._local.buf = bytearray(n)
+        return memoryview(buf)[:n]
+
+    @staticmethod
+    def _through(f, h, n: int | None, gap: bytearray, progress) -> int:
+        """Hash the next n bytes (None: to the end) in CHUNK pieces; returns how many there were."""
+        view, done = memoryview(gap), 0
+        while n is None or done < n:
+            want = CHUNK if n is None else min(CHUNK, n - done)
+            got = f.readinto(view[:want])
+            if not got:
+                break
+            h.update(view[:got])
+            done += got
+            if progress is not None:
+                progress(got)
+        return done
+
+    def _entry(self, buf: memoryview, fqn: str, chunk, item) -> None:
+        """Open one entry from its buffer and check it (or file it for assembly). Any refusal is recorded and the
+        read-back path then reports it exactly as before."""
+        from scout_ckpt.dcp_files import load_entry
+
+        try:
+            value = load_entry(_Memory(buf), 0, len(buf))
+        except BadInput as e:
+            self._fail(f"{fqn}: {e}")
+            return
+        if chunk is None:
+            with self._lock:
+                self._plain[fqn] = value
+                self._seen += 1
+            return
+        self._check(fqn, chunk, item, value)
+
+    def _check(self, fqn: str, chunk, item, value) -> None:
+        """Check one tensor chunk against its metadata, then its invariants (once its tensor is whole)."""
+        import torch
+
+        from scout_ckpt.invariants import run_offline
+
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(chunk.sizes) or \
+                value.dtype != item.properties.dtype:
+            self._fail(f"{fqn}: chunk does not match its metadata")
+            return
+        whole = tuple(chunk.sizes) == tuple(item.size)
+        if not whole:
+            value = self._assemble(fqn, chunk, item, value)
+        if value is not None:
+            ev = run_offline(self.checks, {fqn: value}) if self.checks else None
+            with self._lock:
+                if ev is not None:
+                    self._results.append(ev)
+        with self._lock:
+            self._seen += 1
+
+    def _assemble(self, fqn: str, chunk, item, value):
+        """Copy a chunk into its tensor; the full tensor once its last chunk arrived, else None."""
+
+        with self._lock:
+            if fqn not in self._parts:
+                self._parts[fqn] = [torch.empty(tuple(item.size), dtype=item.properties.dtype),
+                                    math.prod(item.size)]
+            part = self._parts[fqn]
+        dst = part[0]
+        for d, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes)):
+            dst = dst.narrow(d, o, n)
+        dst.copy_(value)
+        with self._lock:
+            part[1] -= value.numel()
+            if part[1] > 0:
+                return None
+            del self._parts[fqn]
+            return part[0]
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            self._failed = self._failed or why
+
+    def invariants(self) -> dict | None:
+        """Invariants evidence over every entry seen in the pass; None if the pass could not vouch for all of
+        them (then read the tensors back: `certify.offline_invariants`)."""
+        if self._failed is not None or self._seen != self._expected or self._parts:
+            return None
+        from scout_ckpt.invariants import run_offline
+
+        results = list(self._results)
+        if self._plain and self.checks:
+            results.append(run_offline(self.checks, dict(self._plain)))
+        return _merge(self.checks, results)
+
+
+_STORAGE_DTYPES: dict[str, Any] = {}
+_STORAGE_LOCK = threading.Lock()
+
+
+def _storage_dtype(name: str):
+    """The dtype of a typed-storage class name as torch.save pickles it ("FloatStorage"), or None."""
+    with _STORAGE_LOCK:
+        if not _STORAGE_DTYPES:
+            import warnings
+
+            with warnings.catch_warnings():  # TypedStorage's deprecation warning, once
+                warnings.simplefilter("ignore")
+                for attr in dir(torch):
+                    cls = getattr(torch, attr, None)
+                    if attr.endswith("Storage") and attr != "UntypedStorage" and isinstance(cls, type):
+                        dt = getattr(cls, "dtype", None)
+                        if isinstance(dt, torch.dtype):
+                            _STORAGE_DTYPES[attr] = dt
+        return _STORAGE_DTYPES.get(name)
+
+
+def _read_full(f, view: memoryview, h, progress) -> int:
+    """Fill view from f in CHUNK pieces, hashing each piece while it is still in the cache."""
+    got = 0
+    while got < len(view):
+        piece = view[got:got + CHUNK]
+        n = f.readinto(piece)
+        if not n:
+            break
+        h.update(piece[:n])
+        got += n
+        if progress is not None:
+            progress(n)
+    return got
