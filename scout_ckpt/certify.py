@@ -23,9 +23,8 @@ from scout_ckpt import journal, policy
 from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.ledger.transitions import allowed
-from scout_ckpt.recovery import trusted_manifest, verify_checkpoint
+from scout_ckpt.recovery import verify_checkpoint
 from scout_ckpt.settle import settle_writing
-from scout_ckpt.verify import verify_files
 
 LEFT_AS_IS = ("quarantined", "deleted", "rejected", "writing")
 
@@ -67,21 +66,6 @@ def _scan_for(step_dir: Path, specs: list):
     return StepScan(step_dir, specs)
 
 
-def _verify_bytes(root: Path, ledger: Ledger, step: int, progress, scan) -> dict:
-    """recovery.verify_checkpoint, with the scanner's hasher when there is one (the same files, digests and
-    manifest check; the scanner also checks the tensors as it reads)."""
-    if scan is None:
-        return verify_checkpoint(root, ledger, step, progress=progress)
-    row = ledger.checkpoint(step)
-    step_dir = Path(root) / row["path"]
-    ev = verify_files(step_dir, ledger.files(step), progress=progress, hasher=scan.hasher)
-    _, bad = trusted_manifest(step_dir, row) if step_dir.is_dir() else (None, [])
-    if bad:
-        ev = policy.evidence(policy.FAIL, ev["reasons"] + bad,
-                             **{k: v for k, v in ev.items() if k not in ("status", "reasons")})
-    return ev
-
-
 def _summary(ledger: Ledger, step: int, **extra) -> dict:
     row = ledger.checkpoint(step)
     return {"step": step, "state": row["state"], "reasons": row["reasons"],
@@ -100,7 +84,8 @@ def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int]
     run_pol = run_policy(ledger, row)
     specs = run_pol.get("invariants") or []
     scan = _scan_for(root / row["path"], specs)
-    ev = {"bytes": _verify_bytes(root, ledger, step, progress, scan)}
+    ev = {"bytes": verify_checkpoint(root, ledger, step, progress=progress,
+                                     hasher=scan.hasher if scan is not None else None)}
     if ev["bytes"]["status"] == policy.PASS:
         inv = scan.invariants() if scan is not None else None
         if inv is None:

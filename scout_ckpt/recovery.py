@@ -40,11 +40,12 @@ def trusted_manifest(step_dir: Path, row: dict) -> tuple[dict | None, list[dict]
     return m, []
 
 
-def verify_checkpoint(root: Path, ledger: Ledger, step: int, progress=None) -> dict:
-    """Bytes evidence for a recorded checkpoint: files against the ledger, manifest against its digest."""
+def verify_checkpoint(root: Path, ledger: Ledger, step: int, progress=None, hasher=None) -> dict:
+    """Bytes evidence for a recorded checkpoint: files against the ledger, manifest against its digest.
+    `hasher` replaces the plain file hashing (certify's single-pass scanner checks the tensors as it reads)."""
     row = ledger.checkpoint(step)
     step_dir = Path(root) / row["path"]
-    ev = verify_files(step_dir, ledger.files(step), progress=progress)
+    ev = verify_files(step_dir, ledger.files(step), progress=progress, hasher=hasher)
     if step_dir.is_dir():
         _, bad = trusted_manifest(step_dir, row)
         if bad:
