@@ -38,20 +38,13 @@ from scout_ckpt.health_evidence import HealthWindow
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
 from scout_ckpt.recovery import record_verification_failure, trusted_manifest
-from scout_ckpt.replay import NoTargets, ReplayRunner
-from scout_ckpt.replay import coverage as replay_coverage
+from scout_ckpt.replay_evidence import ReplayEvidence
 from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS
 from scout_ckpt.shard_evidence import ShardEvidence
 from scout_ckpt.storage import FaultHook, ScoutWriter
 from scout_ckpt.verify import verify_files
 
 COORDINATOR = commit.COORDINATOR
-# Between saves the rotation replays one target every 10 steps (amortized replay cost near 3% of training time,
-# bench/consensus_overhead.py) for earlier detection; certification does not wait for it: the save-boundary
-# sweep gives every checkpoint complete replay evidence of its own step (bench/certification_lag.py).
-DEFAULT_REPLAY_INTERVAL = 10
-
-
 class LoadVerificationError(ScoutError):
     """The state passed to load_latest_clean cannot take the saved values (the caller's error: the checkpoint
     keeps its state)."""
@@ -130,23 +123,10 @@ class Checkpointer:
         self.checks = inv.parse_specs(invariants) if invariants else []  # bad specs fail here, not at a save
         self.consensus, self.consensus_exclude, self.verify_load = consensus, tuple(consensus_exclude), verify_load
         self.groups = ConsensusGroups.from_topology(topo, timeout_s=timeout_s) if (consensus or replay) else None
-        self.replay = None
-        auto_replay = replay is None
-        if auto_replay:
-            # Default: on where the topology has no replicas (pure FSDP: single-owner shards, no consensus to
-            # vouch for them); elsewhere consensus covers replicated state and replay is opt-in (replay=True).
-            replay = bool(self.groups is not None and self.mode.startswith("fsdp") and model is not None)
-        if replay and model is not None:
-            cfg = {"interval": DEFAULT_REPLAY_INTERVAL, **(replay if isinstance(replay, dict) else {})}
-            try:
-                self.replay = ReplayRunner(model, optimizer, groups=self.groups, **cfg)
-            except NoTargets as e:
-                if not auto_replay:
-                    raise
-                scout_log.logger.warning("replay is off: %s", e)
-            else:
-                self.replay.begin(0)
-        self._replay_events_seen = 0
+        # Replay by default where the topology has no replicas (pure FSDP: single-owner shards, no consensus to
+        # vouch for them); elsewhere consensus covers replicated state and replay is opt-in (replay=True).
+        self.replay = ReplayEvidence.start(replay, model=model, optimizer=optimizer, groups=self.groups,
+                                           auto_on=self.groups is not None and self.mode.startswith("fsdp"))
         self._inv_previous: dict | None = None
         self.shard = ShardEvidence.start(shard_evidence, mode=self.mode, model=model, optimizer=optimizer,
                                          group=self._pg, timeout_s=timeout_s)
@@ -164,6 +144,9 @@ class Checkpointer:
             self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology, policy=self.policy,
                                   versions=self._versions())
         self.run_id = self._broadcast(run_id)
+        if self.replay is not None:
+            self.replay.bind(ledger=self.ledger, root=self.root, run_id=self.run_id, policy=self.policy,
+                             is_coordinator=self.is_coordinator)
         placement.record(self.ledger, self.run_id, self.rank, self._pg)   # host / node / local rank of every rank
         self._committer = commit.Committer(
             self.root, self.run_id, self.rank, self.ledger, keep=keep, hook=_hook_or_noop(fault_hook),
@@ -260,14 +243,7 @@ class Checkpointer:
         if self.shard is not None:
             self._record_shard_faults(self.shard.on_step(step))
         if self.replay is not None:
-            rows = self.replay.on_step(step)
-            events = self.replay.events()
-            new_events, self._replay_events_seen = events[self._replay_events_seen:], len(events)
-            if self.is_coordinator and (rows or new_events):
-                t0 = time.monotonic()
-                self._record_replays(rows, new_events)
-                self._settle_pending()
-                self._bookkeeping_s = time.monotonic() - t0
+            self._bookkeeping_s = self.replay.on_step(step)
 
     def _record_shard_faults(self, bad: list[dict]) -> None:
         """Coordinator: a shard whose update did not recompute bit for bit is an `sdc` event naming the rank; the
@@ -281,17 +257,6 @@ class Checkpointer:
         if self._pending is not None:  # an async save still committing may hold the fault: let it land first
             self._pending.join()
         self.shard.revoke(self.ledger, self.root, bad)
-
-    def _record_replays(self, rows: list[dict], events: list[dict]) -> None:
-        self.ledger.add_replays([dict(r, run_id=self.run_id) for r in rows])
-        for r in rows:
-            if r["status"] in ("ATTRIBUTED", "INCONCLUSIVE"):
-                self.ledger.add_event("sdc", step=r["step"], ranks=r["ranks"], run_id=self.run_id,
-                                      detail={"source": "replay", "recipe": r["recipe"], "target": r["target"],
-                                              "status": r["status"]})
-        for e in events:
-            self.ledger.add_event(e["kind"], step=e.get("step"), ranks=e.get("ranks"), detail=e.get("detail"),
-                                  run_id=self.run_id)
 
     def parameters_written(self) -> None:
         """Call after writing parameters or optimizer state outside `optimizer.step()` (a projection onto a
@@ -342,14 +307,7 @@ class Checkpointer:
         self._save_started = time.monotonic()
         self._save_started_wall = time.time()
         if self.replay is not None:
-            # The save-boundary sweep: every target replayed once on this step's captured inputs, so the
-            # checkpoint carries complete same-step replay evidence (collective on the replay's side groups).
-            rows = self.replay.sweep(step)
-            events = self.replay.events()
-            new_events, self._replay_events_seen = events[self._replay_events_seen:], len(events)
-            if self.is_coordinator and (rows or new_events):
-                self._record_replays(rows, new_events)
-                self._settle_pending()
+            self.replay.sweep(step)   # complete same-step replay evidence (collective on the replay's side groups)
         # State that differs by rank on purpose (RankLocal) is saved per rank and never compared across ranks.
         self._rank_local = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
         # Every rank derives the same attempt id (no collective): this incarnation's id and a save counter.
@@ -413,32 +371,8 @@ class Checkpointer:
             ev["signatures"] = full_signatures(flat, group=group, plain="replica",
                                                known=hashing.replica_rows() if hashing is not None else None)
         if self.replay is not None and self.is_coordinator:
-            ev["replay"] = self._replay_evidence(step)
+            ev["replay"] = self.replay.evidence(step)
         return ev
-
-    def _replay_evidence(self, step: int) -> dict:
-        """Replay evidence for the state at `step`: this incarnation's replays since the previous certified step,
-        including those after `step` (certification waits for each target's next clean replay)."""
-        prev = self.ledger.latest("certified", below=step)
-        rows = self.ledger.replays(run_id=self.run_id, after=prev["step"] if prev else None)
-        return replay_coverage(rows, self.replay.targets(), step=step)
-
-    def _settle_pending(self) -> None:
-        """Coordinator: re-decide this incarnation's checkpoints that wait on replay evidence."""
-        for row in self.ledger.checkpoints(states=("committed",)):
-            if row["run_id"] != self.run_id:
-                continue
-            ev = self.ledger.evidence(row["step"])
-            if (ev.get("replay") or {}).get("status") != policy.MISSING:
-                continue
-            new = self._replay_evidence(row["step"])
-            if new["status"] == policy.MISSING and new["reasons"] == ev["replay"].get("reasons"):
-                continue
-            self.ledger.put_evidence(row["step"], {"replay": new}, source="replay")
-            v = policy.evaluate(self.policy, self.ledger.evidence(row["step"]))
-            if v.state != row["state"]:  # reasons alone change with the evidence rows just written
-                journal.record_transition(self.ledger, self.root, row["step"], v.state, v.reasons, source="replay",
-                                          expect="committed", attempt=row["attempt"])
 
     def _consensus_names(self, name: str) -> bool:
         if self._rank_local and name.startswith(self._rank_local):
