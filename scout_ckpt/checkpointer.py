@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 import scout_ckpt
 from scout_ckpt import invariants as inv
-from scout_ckpt import commit, journal, policy
+from scout_ckpt import commit, journal, object_store, policy
 from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
 from scout_ckpt.health_evidence import health_evidence
@@ -78,6 +78,10 @@ class Checkpointer:
 
     Opening a Checkpointer on a ROOT where another process is saving leaves that save alone: start-up settles
     only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile).
+
+    `root` may be an object-store URI (`s3://bucket/prefix`, the `scout-ckpt[s3]` extra): the ledger then lives
+    in `ledger_dir` (local or shared POSIX), `storage_options` go to fsspec (s3fs: client_kwargs=
+    {"endpoint_url": ...}); see scout_ckpt.object_store.
     """
 
     def __init__(self, root: str | os.PathLike, *, model: torch.nn.Module | None = None,
@@ -88,14 +92,17 @@ class Checkpointer:
                  invariants: list | None = None, consensus: bool = True, finite: bool = True,
                  consensus_exclude: tuple[str, ...] = (), verify_load: bool = True,
                  fault_hook: FaultHook | None = None, timeout_s: float = 600.0,
-                 shard_evidence: dict | bool | None = None):
+                 shard_evidence: dict | bool | None = None, ledger_dir: str | os.PathLike | None = None,
+                 storage_options: dict | None = None):
         if not dist.is_initialized():
             raise ScoutError("Checkpointer needs an initialized default process group (init_process_group)")
         if keep is not None and keep < 1:
             raise ScoutError(f"keep must be at least 1 (got {keep})")
-        self.root = Path(root)
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # self.root is where the ledger lives: ROOT itself, or ledger_dir for an object-store URI (self.store).
+        self.store, self.root = object_store.locate(root, ledger_dir=ledger_dir, storage_options=storage_options,
+                                                    coordinator=self.rank == COORDINATOR)
         self.is_coordinator = self.rank == COORDINATOR
         self.async_save, self.keep, self.fault_hook = async_save, keep, fault_hook
         self.finite = finite
@@ -150,13 +157,13 @@ class Checkpointer:
         if self.is_coordinator:
             self.root.mkdir(parents=True, exist_ok=True)
             self.ledger = Ledger.open(self.root, create=True)
-            commit.reconcile(self.ledger, self.root)
+            commit.reconcile(self.ledger, self.root, store=self.store)
             run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
             self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology, policy=self.policy,
                                   versions=self._versions())
         self.run_id = self._broadcast(run_id)
         self._committer = commit.Committer(
-            self.root, self.run_id, self.rank, self.ledger, keep=keep, hook=_hook_or_noop(fault_hook),
+            self.root, self.run_id, self.rank, self.ledger, keep=keep, hook=_hook_or_noop(fault_hook), store=self.store,
             manifest_fields={"world_size": self.world_size, "topology": self.topology, "policy": self.policy,
                              "invariants": self.policy["invariants"], "versions": self._versions()})
         self.observer = None
@@ -342,7 +349,9 @@ class Checkpointer:
             self._record_shard_faults(self.shard.flush())
         flat = _materialize(state)
         live = self._live_evidence(step, flat)
-        writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
+        writer = (self.store.writer(pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
+                  if self.store is not None else
+                  ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite))
         if self.async_save:
             resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
             upload = getattr(resp, "upload_completion", resp)
@@ -408,7 +417,7 @@ class Checkpointer:
             if self.observer is not None:  # a peer died during the commit: this rank is a victim, not the culprit
                 self.observer.heartbeat.error()
 
-    def _commit(self, pending: commit.PendingSave, writer: ScoutWriter, live: dict, group) -> dict:
+    def _commit(self, pending, writer: ScoutWriter, live: dict, group) -> dict:
         self._hook("after_write", pending.step)
         verdict = self._committer.finish(pending, writer, group,
                                          assess=lambda gathered: self._assess(gathered, live))
@@ -493,9 +502,10 @@ class Checkpointer:
                     scout_log.fresh_start(self.rank, str(self.root), [
                         r for r in self.ledger.checkpoints(states=("committed", "writing"))])
                 return None
-            step_dir = self.root / cand["path"]
+            step_dir = self.root / cand["path"] if self.store is None else self.store.uri_of(cand["path"])
             share = cand["files"][self.rank::self.world_size]
-            ev = verify_files(step_dir, share, expect_complete=False)
+            ev = (verify_files(step_dir, share, expect_complete=False) if self.store is None
+                  else self.store.verify(cand["path"], share, expect_complete=False))
             results = [None] * self.world_size
             dist.all_gather_object(results, ev, group=self._pg)
             failed = cand["reasons"] + [r for e in results for r in e["reasons"]]
@@ -506,7 +516,11 @@ class Checkpointer:
                 scout_log.skipped(self.rank, cand["step"], failed)
                 below = cand["step"]
                 continue
-            dcp.load(state, checkpoint_id=str(step_dir), process_group=self._pg)
+            if self.store is None:
+                dcp.load(state, checkpoint_id=str(step_dir), process_group=self._pg)
+            else:  # .metadata is unpickled only if its digest is the verified one
+                dcp.load(state, storage_reader=self.store.reader(cand["path"], cand["metadata_digest"]),
+                         process_group=self._pg)
             self._hook("after_load", cand["step"])
             differ = self._loaded_differences(cand["step"], cand["signatures"], state)
             if differ:
@@ -534,9 +548,12 @@ class Checkpointer:
         row = self.ledger.latest("certified", below=below)
         if row is None:
             return None
-        m, reasons = trusted_manifest(self.root / row["path"], row)
-        return {"step": row["step"], "path": row["path"], "files": self.ledger.files(row["step"]),
-                "signatures": (m or {}).get("signatures") or {}, "reasons": reasons}
+        m, reasons = (trusted_manifest(self.root / row["path"], row) if self.store is None
+                      else self.store.trusted_manifest(row))
+        files = self.ledger.files(row["step"])
+        return {"step": row["step"], "path": row["path"], "files": files,
+                "signatures": (m or {}).get("signatures") or {}, "reasons": reasons,
+                "metadata_digest": next((f["digest"] for f in files if f["path"] == ".metadata"), None)}
 
     def _loaded_differences(self, step: int, expected: dict, state: dict) -> list[str]:
         """The saved tensors whose loaded values differ from the full-tensor signatures recorded at save
