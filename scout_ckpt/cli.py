@@ -119,7 +119,10 @@ def explain_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...
         _emit(out)
     else:
         con = _console()
-        con.print(f"step {step}: [{STATE_STYLE.get(row['state'], 'white')}]{row['state']}[/]  ({root / row['path']})")
+        from scout_ckpt.object_store import location
+
+        con.print(f"step {step}: [{STATE_STYLE.get(row['state'], 'white')}]{row['state']}[/]  "
+                  f"({location(root, row['path'])})")
         if required:
             con.print(f"policy requires: {', '.join(required)}")
         now = time.time()

@@ -193,3 +193,98 @@ def test_writer_killed_mid_upload_is_never_listed_and_its_upload_is_aborted(run)
     assert st4["state"] == "rejected" and st4["reasons"][0]["code"] == "save_interrupted"
     assert {d["what"] for d in deletes} == {"abort_multipart_upload", "delete_prefix"}
     assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 6]
+
+
+# ---- in-process: the store's pieces against the same server, no ranks (cheap) -----------------------------------
+
+def _store(run):
+    from scout_ckpt.object_store import open_store
+
+    return open_store(run["uri"], w.options(run["ep"]))
+
+
+def test_manifest_is_a_conditional_create_and_an_error_mid_upload_commits_nothing(run):
+    import xxhash
+
+    from scout_ckpt.object_store.store import ManifestExists
+    from scout_ckpt.object_store.writer import _ObjectFileSystem
+
+    store = _store(run)
+    name = layout.attempt_dirname(1, "a")
+    store.publish_manifest(name, b"{}")
+    with pytest.raises(ManifestExists):
+        store.publish_manifest(name, b'{"other": 1}')
+    assert store.read_bytes(name, layout.MANIFEST_NAME) == b"{}"
+
+    fs = _ObjectFileSystem(store.fs, None)
+    for size in (1000, 6 << 20):  # a buffered small file; a file already sent in part (a multipart upload)
+        path = store.key(name, f"__{size}_0.distcp")
+        with pytest.raises(RuntimeError):
+            with fs.create_stream(path, "wb") as s:
+                s.write(os.urandom(size))
+                raise RuntimeError("injected")
+        assert not run["fs"].exists(path)  # plain FsspecWriter committed a truncated object here
+    assert _uploads(run) == []
+    data = os.urandom(7 << 20)
+    path = store.key(name, "__0_0.distcp")
+    with fs.create_stream(path, "wb") as s:
+        s.write(data[:3]), s.write(data[3:])
+    assert fs.digests["__0_0.distcp"] == (len(data), f"xxh3_128:{xxhash.xxh3_128_hexdigest(data)}")
+    assert run["fs"].cat_file(path) == data
+
+
+def test_verification_by_ranged_reads_finds_every_kind_of_damage(run):
+    from scout_ckpt.digests import bytes_digest
+
+    store = _store(run)
+    name = layout.attempt_dirname(3, "v")
+    blobs = {"__0_0.distcp": os.urandom(19 << 20), "__1_0.distcp": os.urandom(5), ".metadata": b"m" * 10}
+    for rel, data in blobs.items():
+        run["fs"].pipe_file(store.key(name, rel), data)
+    files = [{"path": rel, "size": len(d), "digest": bytes_digest(d)} for rel, d in blobs.items()]
+    assert store.verify(name, files)["status"] == "pass"
+
+    bad = bytearray(blobs["__0_0.distcp"])
+    bad[(9 << 20) + 7] ^= 0x10  # inside the second 8 MiB range
+    run["fs"].pipe_file(store.key(name, "__0_0.distcp"), bytes(bad))
+    run["fs"].pipe_file(store.key(name, "__1_0.distcp"), b"abc")
+    run["fs"].pipe_file(store.key(name, "stray"), b"x")
+    run["fs"].rm_file(store.key(name, ".metadata"))
+    ev = store.verify(name, files)
+    codes = sorted((r["code"], r.get("file")) for r in ev["reasons"])
+    assert codes == [("digest_mismatch", "__0_0.distcp"), ("missing_file", ".metadata"),
+                     ("truncated_file", "__1_0.distcp"),
+                     ("unexpected_file", "stray")], codes
+    assert store.verify(layout.attempt_dirname(4, "none"), files)["reasons"][0]["code"] == "missing_dir"
+
+
+def test_sweep_removes_dead_attempts_only_after_recording_them(run, tmp_path):
+    from scout_ckpt.object_store.attempts import sweep
+    from scout_ckpt.settle import this_process_owner
+
+    store = _store(run)
+    names = {k: layout.attempt_dirname(*k) for k in [(1, "ok"), (2, "live"), (3, "dead"), (3, "old"), (9, "x")]}
+    for (step, att), name in names.items():
+        run["fs"].pipe_file(store.key(name, "__0_0.distcp"), b"data")
+    for key in [(1, "ok"), (3, "old")]:
+        run["fs"].pipe_file(store.key(names[key], layout.MANIFEST_NAME), b"{}")
+    bucket, _, prefix = run["prefix"].partition("/")
+    for key in [(2, "live"), (3, "dead")]:  # an open multipart upload in each
+        run["fs"].call_s3("create_multipart_upload", Bucket=bucket, Key=f"{prefix}/{names[key]}/__1_0.distcp")
+    with Ledger.open(tmp_path, create=True) as led:
+        led.record_writing(1, "r", "ok", names[(1, "ok")])
+        led.record_commit(1, run_id="r", path=names[(1, "ok")], nbytes=4, manifest_digest="d", files=[],
+                          evidence={}, state="certified", reasons=[], attempt="ok")
+        led.record_writing(2, "r", "live", names[(2, "live")], owner=this_process_owner())
+        led.record_writing(3, "r", "old", names[(3, "old")])
+        led.record_writing(3, "r", "dead", names[(3, "dead")])  # a re-save of step 3, then it died
+        led.transition(3, "rejected", [{"code": "save_interrupted"}], source="startup", expect="writing")
+        out = sweep(led, store, source="gc")
+        events = [e["detail"] for e in led.events(("object_delete",))]
+    assert sorted((r["attempt"], r["why"]) for r in out["removed"]) == [
+        (names[(3, "dead")], "interrupted"), (names[(3, "old")], "superseded")]
+    assert [a["attempt"] for a in out["aborted"]] == [names[(3, "dead")]]
+    assert {d.get("prefix") or d.get("key") for d in events} == {
+        names[(3, "dead")], names[(3, "old")], f"{prefix}/{names[(3, 'dead')]}/__1_0.distcp"}
+    assert sorted(_attempts(run)) == sorted([names[(1, "ok")], names[(2, "live")], names[(9, "x")]])
+    assert [u["Key"].split("/")[1] for u in _uploads(run)] == [names[(2, "live")]]

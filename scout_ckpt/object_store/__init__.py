@@ -114,8 +114,8 @@ def locate(root, *, ledger_dir=None, storage_options: dict | None = None, coordi
 
 
 def location(ledger_root: str | os.PathLike, rel: str) -> str:
-    """Where a recorded checkpoint path lives: the `s3://` URI for a bound ledger_dir, else the absolute path."""
+    """Where a recorded checkpoint path lives: the `s3://` URI for a bound ledger_dir, else ROOT/rel."""
     b = binding(ledger_root)
     if b is not None:
         return f"{b['uri'].rstrip('/')}/{rel}"
-    return str((Path(ledger_root) / rel).resolve())
+    return str(Path(ledger_root) / rel)
