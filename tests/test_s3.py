@@ -106,6 +106,7 @@ def test_save_certify_resume_load_exactly(run):
     assert rc == 2 and "ledger_dir" in err and "Traceback" not in err
 
 
+@pytest.mark.scenario
 def test_corrupted_object_is_rejected_and_walked_back(run):
     saved = _save(run, [2, 4, 6])
     assert set(saved["verdicts"].values()) == {"certified"}
@@ -129,6 +130,7 @@ def test_corrupted_object_is_rejected_and_walked_back(run):
     assert any(r["code"] == "digest_mismatch" and r["file"] == "__1_0.distcp" for r in reasons), reasons
 
 
+@pytest.mark.scenario
 def test_corrupted_object_found_by_certify_first(run):
     saved = _save(run, [2, 4])
     (a4,) = [a for a in _attempts(run) if layout.parse_attempt_dir(a)[0] == 4]
@@ -143,6 +145,7 @@ def test_corrupted_object_found_by_certify_first(run):
     assert _load(run)["digest"] == saved["saved"][2]
 
 
+@pytest.mark.scenario
 def test_retention_deletes_objects_only_after_the_ledger_records_it(run):
     saved = _save(run, [1, 2, 3, 4], keep=2)
     assert set(saved["verdicts"].values()) == {"certified"}
@@ -171,7 +174,7 @@ def test_writer_killed_mid_upload_is_never_listed_and_its_upload_is_aborted(run)
     """Rank 1 SIGKILLs itself once the first part of its step-4 file has been uploaded (the file spans several
     5 MiB parts): a multipart upload is left open, no manifest. The restarted job aborts it, removes the dead
     attempt's objects, resumes from step 2 exactly and saves again."""
-    width = 1024  # 4 MiB per weight, AdamW moments: each rank's file spans several parts
+    width = 2048  # 16 MiB per weight and per AdamW moment: every rank's file spans several 5 MiB parts
     saved = _save(run, [2], width=width)
     out = run_ranks(w.save_steps, 2, run["uri"], run["ledger"], run["ep"], [4], width=width, kill=(4, 1),
                     timeout_s=20, timeout=240, env=CREDS, allow_failures=True)
