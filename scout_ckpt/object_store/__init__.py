@@ -55,7 +55,7 @@ def binding(ledger_dir: str | os.PathLike) -> dict | None:
     p = Path(ledger_dir) / BINDING_NAME
     try:
         data = json.loads(p.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, ValueError) as e:
         raise BadInput(f"{p}: unreadable ({e})") from None
