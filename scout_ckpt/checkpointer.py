@@ -16,7 +16,6 @@ import platform
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
