@@ -16,7 +16,6 @@ import platform
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 import scout_ckpt
-from scout_ckpt import commit, journal, placement, policy
+from scout_ckpt import commit, journal, object_store, placement, policy
 from scout_ckpt import invariants as inv
 from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
@@ -77,6 +76,10 @@ class Checkpointer:
 
     Opening a Checkpointer on a ROOT where another process is saving leaves that save alone: start-up settles
     only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile).
+
+    `root` may be an object-store URI (`s3://bucket/prefix`, the `scout-ckpt[s3]` extra): the ledger then lives
+    in `ledger_dir` (local or shared POSIX), `storage_options` go to fsspec (s3fs: client_kwargs=
+    {"endpoint_url": ...}); see scout_ckpt.object_store.
     """
 
     def __init__(self, root: str | os.PathLike, *, model: torch.nn.Module | None = None,
@@ -87,16 +90,19 @@ class Checkpointer:
                  invariants: list | None = None, consensus: bool = True, finite: bool = True,
                  consensus_exclude: tuple[str, ...] = (), verify_load: bool = True,
                  fault_hook: FaultHook | None = None, timeout_s: float = 600.0,
-                 shard_evidence: dict | bool | None = None, ledger_journal: str | None = None):
+                 shard_evidence: dict | bool | None = None, ledger_journal: str | None = None,
+                 ledger_dir: str | os.PathLike | None = None, storage_options: dict | None = None):
         if not dist.is_initialized():
             raise ScoutError("Checkpointer needs an initialized default process group (init_process_group)")
         if keep is not None and keep < 1:
             raise ScoutError(f"keep must be at least 1 (got {keep})")
         # "auto" | "wal" | "delete" (ledger/fsdetect.py); checked on every rank before anything collective
         self.ledger_journal = fsdetect.resolve_mode(ledger_journal)
-        self.root = Path(root)
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # self.root is where the ledger lives: ROOT itself, or ledger_dir for an object-store URI (self.store).
+        self.store, self.root = object_store.locate(root, ledger_dir=ledger_dir, storage_options=storage_options,
+                                                    coordinator=self.rank == COORDINATOR)
         self.is_coordinator = self.rank == COORDINATOR
         self.async_save, self.keep, self.fault_hook = async_save, keep, fault_hook
         self.finite = finite
@@ -139,7 +145,7 @@ class Checkpointer:
         if self.is_coordinator:
             self.root.mkdir(parents=True, exist_ok=True)
             self.ledger = Ledger.open(self.root, create=True, journal=self.ledger_journal)
-            commit.reconcile(self.ledger, self.root)
+            commit.reconcile(self.ledger, self.root, store=self.store)
             run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
             self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology, policy=self.policy,
                                   versions=self._versions())
@@ -149,7 +155,7 @@ class Checkpointer:
                              is_coordinator=self.is_coordinator)
         placement.record(self.ledger, self.run_id, self.rank, self._pg)   # host / node / local rank of every rank
         self._committer = commit.Committer(
-            self.root, self.run_id, self.rank, self.ledger, keep=keep, hook=_hook_or_noop(fault_hook),
+            self.root, self.run_id, self.rank, self.ledger, keep=keep, hook=_hook_or_noop(fault_hook), store=self.store,
             manifest_fields={"world_size": self.world_size, "topology": self.topology, "policy": self.policy,
                              "invariants": self.policy["invariants"], "versions": self._versions()})
         self.observer = None
@@ -322,11 +328,14 @@ class Checkpointer:
         # Consensus hashing (the one pass over every replicated byte) runs in a background thread while DCP
         # serializes and writes (sync: the training thread is held, so the state cannot change meanwhile).
         # Async: where nothing else uses the side groups meanwhile, the live evidence is taken from DCP's staged
-        # copy in the commit thread (live=None), so save() blocks no longer than dcp.async_save's staging.
-        staged = self.async_save and self._evidence_from_staged(flat)
+        # copy in the commit thread (live=None), so save() blocks no longer than dcp.async_save's staging
+        # (POSIX writer only: the object-store writer keeps no staged copy).
+        staged = self.async_save and self.store is None and self._evidence_from_staged(flat)
         hashing = None if staged else self._start_consensus(flat, background=not self.async_save)
-        writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite,
-                             keep_staged=staged)
+        writer = (self.store.writer(pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
+                  if self.store is not None else
+                  ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite,
+                              keep_staged=staged))
         if self.async_save:
             live = None if staged else self._live_evidence(step, flat, hashing)
             resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
@@ -395,7 +404,7 @@ class Checkpointer:
             if self.observer is not None:  # a peer died during the commit: this rank is a victim, not the culprit
                 self.observer.heartbeat.error()
 
-    def _commit(self, pending: commit.PendingSave, writer: ScoutWriter, live: dict, group) -> dict:
+    def _commit(self, pending, writer: ScoutWriter, live: dict, group) -> dict:
         self._hook("after_write", pending.step)
         verdict = self._committer.finish(pending, writer, group,
                                          assess=lambda gathered: self._assess(gathered, live))
@@ -480,9 +489,10 @@ class Checkpointer:
                     scout_log.fresh_start(self.rank, str(self.root), [
                         r for r in self.ledger.checkpoints(states=("committed", "writing"))])
                 return None
-            step_dir = self.root / cand["path"]
+            step_dir = self.root / cand["path"] if self.store is None else self.store.uri_of(cand["path"])
             share = cand["files"][self.rank::self.world_size]
-            ev = verify_files(step_dir, share, expect_complete=False)
+            ev = (verify_files(step_dir, share, expect_complete=False) if self.store is None
+                  else self.store.verify(cand["path"], share, expect_complete=False))
             results = [None] * self.world_size
             dist.all_gather_object(results, ev, group=self._pg)
             failed = cand["reasons"] + [r for e in results for r in e["reasons"]]
@@ -493,7 +503,11 @@ class Checkpointer:
                 scout_log.skipped(self.rank, cand["step"], failed)
                 below = cand["step"]
                 continue
-            dcp.load(state, checkpoint_id=str(step_dir), process_group=self._pg)
+            if self.store is None:
+                dcp.load(state, checkpoint_id=str(step_dir), process_group=self._pg)
+            else:  # .metadata is unpickled only if its digest is the verified one
+                dcp.load(state, storage_reader=self.store.reader(cand["path"], cand["metadata_digest"]),
+                         process_group=self._pg)
             self._hook("after_load", cand["step"])
             differ = self._loaded_differences(cand["step"], cand["signatures"], state)
             if differ:
@@ -521,9 +535,12 @@ class Checkpointer:
         row = self.ledger.latest("certified", below=below)
         if row is None:
             return None
-        m, reasons = trusted_manifest(self.root / row["path"], row)
-        return {"step": row["step"], "path": row["path"], "files": self.ledger.files(row["step"]),
-                "signatures": (m or {}).get("signatures") or {}, "reasons": reasons}
+        m, reasons = (trusted_manifest(self.root / row["path"], row) if self.store is None
+                      else self.store.trusted_manifest(row))
+        files = self.ledger.files(row["step"])
+        return {"step": row["step"], "path": row["path"], "files": files,
+                "signatures": (m or {}).get("signatures") or {}, "reasons": reasons,
+                "metadata_digest": next((f["digest"] for f in files if f["path"] == ".metadata"), None)}
 
     def _loaded_differences(self, step: int, expected: dict, state: dict) -> list[str]:
         """The saved tensors whose loaded values differ from the full-tensor signatures recorded at save

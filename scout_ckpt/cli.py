@@ -41,7 +41,24 @@ def _console():
 def _open_ledger(root: Path, readonly: bool = True):
     from scout_ckpt.ledger import Ledger
 
+    _object_store(root)
     return Ledger.open(root, readonly=readonly)
+
+
+def _object_store(root: Path, refuse: str | None = None):
+    """The object store a ROOT (a ledger_dir) is bound to, or None for a POSIX ROOT. An `s3://` ROOT is bad
+    input: the ledger lives in the run's ledger_dir, which names the URI. `refuse` names a command that does not
+    work on object storage yet."""
+    from scout_ckpt import object_store
+
+    if object_store.looks_like_mangled_uri(root):
+        raise BadInput(f"{root}: give the run's ledger_dir as ROOT (the ledger of an object-store run lives "
+                       "there, and it names the s3:// URI)")
+    if object_store.binding(root) is None:
+        return None
+    if refuse:
+        raise BadInput(f"{root}: `{refuse}` does not support checkpoints on object storage yet")
+    return object_store.bound_store(root)
 
 
 def _escape(text: str) -> str:
@@ -105,7 +122,10 @@ def explain_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...
         _emit(out)
     else:
         con = _console()
-        con.print(f"step {step}: [{STATE_STYLE.get(row['state'], 'white')}]{row['state']}[/]  ({root / row['path']})")
+        from scout_ckpt.object_store import location
+
+        con.print(f"step {step}: [{STATE_STYLE.get(row['state'], 'white')}]{row['state']}[/]  "
+                  f"({location(root, row['path'])})")
         if required:
             con.print(f"policy requires: {', '.join(required)}")
         now = time.time()
@@ -150,6 +170,12 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
         raise BadInput("--step and --all are mutually exclusive")
     # bad ROOT / ledger: exit 2 before anything else (read-write: an older schema is migrated, nothing else written)
     _open_ledger(root, readonly=False).close()
+    store = _object_store(root)
+    if store is not None:  # bytes re-verified by parallel ranged reads of the attempt prefix
+        from scout_ckpt.object_store.recovery import certify as certify_remote
+
+        certify = lambda root, steps, progress_factory: certify_remote(  # noqa: E731
+            root, store, steps, progress_factory=progress_factory)
     with _progress(not as_json and sys.stderr.isatty()) as progress_factory:
         results = certify(root, [step] if step is not None else None, progress_factory=progress_factory)
     ok = all(r["state"] == "certified" for r in results)
@@ -204,6 +230,11 @@ def resume_cmd(root: Path = typer.Argument(...),
 
     if not latest_clean:
         raise BadInput("resume needs --latest-clean")
+    store = _object_store(root)
+    if store is not None:  # prints the s3:// URI; bytes re-verified by parallel ranged reads
+        from scout_ckpt.object_store.recovery import latest_clean as find_remote
+
+        find = lambda root, verify: find_remote(root, store, verify=verify)  # noqa: E731
     try:
         found = find(root, verify=not no_verify)
     except NoCleanCheckpoint as e:
@@ -293,6 +324,7 @@ def adopt_cmd(root: Path = typer.Argument(...),
     """Take in plain DCP step-N folders written without scout-ckpt: digests, structure check, invariants."""
     from scout_ckpt.adopt import adopt
 
+    _object_store(root, refuse="adopt")
     result = adopt(root, invariant_specs=list(invariant) or None)
     if as_json:
         _emit(result)
@@ -322,6 +354,7 @@ def export_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Opt
 
     if (step is None) == (not latest_clean):
         raise BadInput("give exactly one of --step N or --latest-clean")
+    _object_store(root, refuse="export")
     result = export(root, step, out, force=force, prefix=prefix, max_shard_bytes=max_shard_bytes)
     if as_json:
         _emit(result)
@@ -389,6 +422,7 @@ def ledger_rebuild_cmd(root: Path = typer.Argument(...),
     kept as .bak). Never more trusted than it can re-verify: --json lists what changed (step, before, after, why)."""
     from scout_ckpt.rebuild import rebuild
 
+    _object_store(root, refuse="ledger rebuild")
     result = rebuild(root, verify=not no_verify)
     if as_json:
         _emit(result)

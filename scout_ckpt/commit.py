@@ -24,6 +24,12 @@ Who calls what, in order (ARCHITECTURE.md, "One save boundary"); `Checkpointer` 
 What a SIGKILL leaves: before 3a's rename, no step-S directory (a temp dir whose owner record names the dead
 process, removed by the next start; the `writing` row becomes rejected/save_interrupted); after it, a complete
 step-S with its manifest (the `writing` row is completed from the manifest at the next start).
+
+Two commit strategies (Orbax has the same pair, for the same reason): on POSIX, PendingSave publishes by rename;
+on an object store, which has no rename, object_store.attempts.ObjectPendingSave writes every attempt under its
+own prefix and publishes by writing the manifest last (conditional create). Steps 1-4 are the same for both; the
+ledger row's `path` is the step dir or the attempt prefix. reconcile then also aborts dead attempts' multipart
+uploads and removes their objects (object_store.attempts.sweep), each recorded in the ledger first.
 """
 
 from __future__ import annotations
@@ -74,6 +80,11 @@ class PendingSave:
     attempt: str
 
     @property
+    def name(self) -> str:
+        """What the ledger row records as the checkpoint's path (relative to ROOT)."""
+        return layout.step_dirname(self.step)
+
+    @property
     def tmp(self) -> Path:
         return self.root / layout.tmp_dirname(self.step, self.attempt)
 
@@ -98,6 +109,13 @@ class PendingSave:
         layout.commit_dir(self.tmp, self.final)
         return digest
 
+    def published(self) -> bool:
+        """Whether the rename happened (the step is durable whatever the error after it)."""
+        return self.final.is_dir() and not self.tmp.exists()
+
+    def nbytes(self, files: list[dict]) -> int:
+        return layout.dir_bytes(self.final)
+
     def discard(self) -> None:
         """Coordinator, after a failed publish: this process owns the temp dir and knows the save is dead."""
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -110,7 +128,9 @@ Assess = Callable[[list[dict]], "tuple[dict, dict, policy.Verdict]"]
 @dataclass
 class Committer:
     """The commit protocol for one Checkpointer. `ledger` is the coordinator's (None on other ranks);
-    `manifest_fields` are the run's fixed manifest entries (world_size, topology, policy, invariants, versions)."""
+    `manifest_fields` are the run's fixed manifest entries (world_size, topology, policy, invariants, versions);
+    `store` the object_store.store.ObjectStore when the checkpoints live on an object store (None: POSIX ROOT;
+    `root` is then the ledger_dir)."""
 
     root: Path
     run_id: str
@@ -121,6 +141,14 @@ class Committer:
     hook: Callable[[str, int], None] = lambda point, step: None
     unrecorded: list[dict] = field(default_factory=list)   # durable commits the ledger has not taken yet
     unrecorded_events: list[dict] = field(default_factory=list)   # bookkeeping errors the ledger did not take
+    store: object | None = None
+
+    def pending(self, step: int, attempt: str):
+        if self.store is not None:
+            from scout_ckpt.object_store.attempts import ObjectPendingSave
+
+            return ObjectPendingSave(self.store, step, attempt)
+        return PendingSave(self.root, step, attempt)
 
     @property
     def is_coordinator(self) -> bool:
@@ -131,13 +159,13 @@ class Committer:
     def begin(self, step: int, attempt: str, group) -> PendingSave:
         """Collective on `group`: the `writing` row and the temp dir exist before any rank writes data (DCP's
         central planning waits for the coordinator, which gets there only after this), or every rank raises."""
-        pending = PendingSave(self.root, step, attempt)
+        pending = self.pending(step, attempt)
         refusal = None
         if self.is_coordinator:
             self.flush()
             owner = this_process_owner()
             try:
-                self.ledger.record_writing(step, self.run_id, attempt, layout.step_dirname(step), owner=owner)
+                self.ledger.record_writing(step, self.run_id, attempt, pending.name, owner=owner)
                 pending.create({"run_id": self.run_id, "attempt": attempt, **owner})
             except Exception as e:  # every rank must still reach the broadcast below
                 refusal = str(e) or type(e).__name__
@@ -148,7 +176,7 @@ class Committer:
 
     # ---- 3. finish -------------------------------------------------------------------------------------------
 
-    def finish(self, pending: PendingSave, writer, group, assess: Assess) -> dict:
+    def finish(self, pending, writer, group, assess: Assess) -> dict:
         """Collective on `group`, after DCP's write finished on every rank: returns the verdict
         {"state", "reasons"} on every rank, or raises CommitError on every rank if nothing was published."""
         files = pending.local_files(writer, self.rank)
@@ -161,7 +189,7 @@ class Committer:
             raise CommitError(f"checkpoint {pending.step} failed to commit: {verdict['reasons'][0]['detail']}")
         return verdict
 
-    def _publish(self, pending: PendingSave, gathered: list[dict], assess: Assess) -> dict:
+    def _publish(self, pending, gathered: list[dict], assess: Assess) -> dict:
         """Coordinator: 3a, then (only once durable) 3b and 3c."""
         try:
             files = [f for g in gathered for f in g["files"]]
@@ -174,19 +202,23 @@ class Committer:
             self._after_failed_publish(pending, e)
             return {"state": "error", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}
         self.hook("after_rename", pending.step)
-        self._record({"step": pending.step, "run_id": self.run_id, "path": pending.final.name,
-                      "nbytes": layout.dir_bytes(pending.final), "manifest_digest": digest, "files": files,
+        self._record({"step": pending.step, "run_id": self.run_id, "path": pending.name,
+                      "nbytes": pending.nbytes(files), "manifest_digest": digest, "files": files,
                       "evidence": ev, "state": v.state, "reasons": v.reasons, "attempt": pending.attempt})
         self._retain(pending.step)
         return verdict
 
-    def _after_failed_publish(self, pending: PendingSave, error: BaseException) -> None:
-        if pending.final.is_dir() and not pending.tmp.exists():
-            return  # the rename happened: the step is durable and settle_writing completes it from the manifest
-        pending.discard()
+    def _after_failed_publish(self, pending, error: BaseException) -> None:
+        try:
+            if pending.published():
+                return  # the commit happened: the step is durable and settle_writing completes it from the manifest
+        except Exception:
+            return  # cannot tell (the store is unreachable): leave it to settle_writing, never delete
+        # The rejection is recorded before anything is deleted (on an object store: the intent comes first).
         self._guard("commit_failed_cleanup", pending.step, lambda: journal.record_transition(
             self.ledger, self.root, pending.step, "rejected", [{"code": "commit_failed", "detail": repr(error)}],
             source="save", expect="writing", attempt=pending.attempt))
+        self._guard("commit_failed_discard", pending.step, pending.discard)
 
     # ---- 3b. record ------------------------------------------------------------------------------------------
 
@@ -234,7 +266,7 @@ class Committer:
 
         def run():
             self.hook("retention", step)
-            retention.apply(self.ledger, self.root, self.keep)
+            retention.apply(self.ledger, self.root, self.keep, store=self.store, sweep=False)
 
         self._guard("retention", step, run)
 
@@ -260,11 +292,17 @@ class Committer:
 
 # ---- 4. start-up ---------------------------------------------------------------------------------------------
 
-def reconcile(ledger: Ledger, root: Path, *, source: str = "startup") -> dict:
+def reconcile(ledger: Ledger, root: Path, *, source: str = "startup", store=None) -> dict:
     """Coordinator, before its first save: finish what a dead save left. `writing` rows go to settle_writing
     (left alone while their owner lives); a temp dir is removed only when its owner is provably dead, so another
     process's save in flight on the same ROOT is never touched. Trash dirs (already out of the step-* namespace)
-    are removed."""
+    are removed. On an object store (`store`), dead attempts' multipart uploads are aborted and their objects
+    removed (object_store.attempts.sweep: listed before the ledger is read, recorded before deleted)."""
+    if store is not None:
+        from scout_ckpt.object_store.attempts import sweep
+
+        settled = settle_writing(ledger, root, source=source, store=store)
+        return {"settled": settled, **sweep(ledger, store, source=source), "time": time.time()}
     settled = settle_writing(ledger, root, source=source)
     removed, left = [], []
     for tmp in layout.list_tmp_dirs(root):

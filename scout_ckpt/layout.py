@@ -7,6 +7,10 @@ ROOT/
   scout-ledger.db           the ledger (WAL)
   reports/                  observer and campaign reports
 
+On an object store (scout_ckpt.object_store) there is no rename: every save attempt writes under its own prefix
+URI/step-00000120.attempt-<id>/ and is published by writing its scout-manifest.json last; the ledger (and the
+journal, reports) then live in a local `ledger_dir`, which names the URI in scout-storage.json.
+
 Commit protocol for anything we write: write to a temp name in the same directory, fsync the file,
 rename over the final name, fsync the directory. A SIGKILL at any line leaves the old or the new state.
 """
@@ -24,6 +28,7 @@ STEP_DIGITS = 8
 STEP_RE = re.compile(r"^step-(\d+)$")
 TMP_RE = re.compile(r"^\.step-(\d+)\.tmp-([0-9a-zA-Z_-]+)$")
 TRASH_RE = re.compile(r"^\.trash-")
+ATTEMPT_RE = re.compile(r"^step-(\d+)\.attempt-([0-9a-zA-Z_-]+)$")
 LEDGER_NAME = "scout-ledger.db"
 MANIFEST_NAME = "scout-manifest.json"
 REPORTS_DIR = "reports"
@@ -41,6 +46,16 @@ def step_path(root: str | os.PathLike, step: int) -> Path:
 
 def tmp_dirname(step: int, attempt: str) -> str:
     return f".step-{step:0{STEP_DIGITS}d}.tmp-{attempt}"
+
+
+def attempt_dirname(step: int, attempt: str) -> str:
+    """The prefix of one save attempt on an object store: never reused, so nothing there is ever overwritten."""
+    return f"step-{step:0{STEP_DIGITS}d}.attempt-{attempt}"
+
+
+def parse_attempt_dir(name: str) -> tuple[int, str] | None:
+    m = ATTEMPT_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
 
 
 def parse_step_dir(name: str) -> int | None:

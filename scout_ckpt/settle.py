@@ -13,6 +13,10 @@ provably dead:
   owner dead, anything else                          -> rejected [save_interrupted] (transition, CAS)
 
 "Provably dead": same host, and the pid is gone, a zombie, or a different process (its start time differs).
+
+On an object store (a ledger_dir bound to a URI, scout_ckpt.object_store) the row's path is the attempt prefix;
+its manifest is read and its bytes verified there by ranged reads. A ROOT bound to a URI is detected here, so
+every caller (certify included) settles against the right storage without knowing about it.
 """
 
 from __future__ import annotations
@@ -81,37 +85,51 @@ def _run_policy(ledger, row: dict, fallback: dict) -> dict:
     return (run or {}).get("policy") or fallback
 
 
-def settle_writing(ledger, root: str | os.PathLike, *, source: str) -> list[dict]:
+def _read_manifest(root: Path, row: dict, store):
+    """(manifest, digest) of the row's step dir or attempt prefix; (None, None) when absent or unreadable."""
+    if not row.get("path"):
+        return None, None
+    try:
+        if store is not None:
+            return store.read_manifest(row["path"]) if store.has_manifest(row["path"]) else (None, None)
+        step_dir = root / row["path"]
+        return manifest.read(step_dir) if step_dir.is_dir() else (None, None)
+    except BadInput:
+        return None, None
+
+
+def settle_writing(ledger, root: str | os.PathLike, *, source: str, store=None) -> list[dict]:
     """Settle every `writing` row whose owner is provably dead; return what was done, one dict per row:
     {"step", "attempt", "before": "writing", "after", "why"} ("after" is "writing" for a row left alone).
     `source` names the caller in the history ("startup", "certify", "gc"). Every change is compare-and-set on
     (writing, attempt), so two settlers, or a settler and the save itself, cannot both apply a verdict."""
     root = Path(root)
     out = []
-    for row in ledger.checkpoints(states=("writing",)):
+    rows = ledger.checkpoints(states=("writing",))
+    if store is None and rows:
+        from scout_ckpt.object_store import bound_store
+
+        store = bound_store(root)
+    for row in rows:
         step, attempt = row["step"], row["attempt"]
         alive = owner_alive(_owner_of(row))
         if alive is not False:
             out.append({"step": step, "attempt": attempt, "before": "writing", "after": "writing",
                         "why": "owner_alive" if alive else "owner_unknown"})
             continue
-        step_dir = root / row["path"] if row.get("path") else None
-        m = digest = None
-        if step_dir is not None and step_dir.is_dir():
-            try:
-                m, digest = manifest.read(step_dir)
-            except BadInput:
-                m = None
+        m, digest = _read_manifest(root, row, store)
         interrupted = [{"code": "save_interrupted", "attempt": attempt}]
         if m is not None and m.get("attempt") == attempt:
             ev = dict(m["evidence"])
-            ev["bytes"] = verify_files(step_dir, m["files"])
+            ev["bytes"] = (store.verify(row["path"], m["files"]) if store is not None
+                           else verify_files(root / row["path"], m["files"]))
             if ev["bytes"]["status"] == policy.PASS:
                 # The run's policy as the ledger holds it (the manifest's only if the run is unknown).
                 v = policy.evaluate(_run_policy(ledger, row, m["policy"]), ev)
                 applied = ledger.record_commit(
                     step, run_id=m.get("run_id") or row["run_id"], path=row["path"],
-                    nbytes=layout.dir_bytes(step_dir), manifest_digest=digest, files=m["files"], evidence=ev,
+                    nbytes=(sum(f["size"] for f in m["files"]) if store is not None
+                            else layout.dir_bytes(root / row["path"])), manifest_digest=digest, files=m["files"], evidence=ev,
                     state=v.state, reasons=v.reasons, source=source, attempt=attempt)
                 if applied:
                     journal.journal_verdict(root, step, attempt, digest, v.state, v.reasons, source)

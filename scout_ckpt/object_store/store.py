@@ -1,0 +1,314 @@
+"""One object-store root (`s3://bucket/prefix`) through fsspec: attempt prefixes, the manifest as commit marker,
+verification by parallel ranged reads, listing, deletion, and stale multipart uploads.
+
+Every network call is here, so the commit protocol (commit.py), settling (settle.py) and retention
+(retention.py) stay storage-agnostic.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import xxhash
+
+from scout_ckpt import layout
+from scout_ckpt import manifest as manifest_mod
+from scout_ckpt.digests import ALGO, CHUNK, bytes_digest
+from scout_ckpt.errors import BadInput, ScoutError
+from scout_ckpt.policy import FAIL, PASS, evidence
+from scout_ckpt.safepaths import clip, relpath_problem
+
+# Ranged GETs in flight at once when verifying (each CHUNK bytes): object stores reward parallel requests far
+# more than local disks do; the window bounds memory to THREADS x 2 x CHUNK.
+THREADS = 8
+
+
+class ManifestExists(ScoutError):
+    """The attempt's manifest already exists (conditional create refused): another writer published it."""
+
+    exit_code = 1
+
+
+def _import_fsspec():
+    try:
+        import fsspec  # noqa: F401
+        from fsspec.core import url_to_fs
+    except ImportError:  # pragma: no cover - the extra is missing
+        raise ScoutError("object-store roots need the s3 extra: pip install 'scout-ckpt[s3]'") from None
+    return url_to_fs
+
+
+class ObjectStore:
+    """An fsspec filesystem and a base prefix. `storage_options` go to the filesystem (s3fs: client_kwargs=
+    {"endpoint_url": ...}, default_block_size=..., key/secret); listings are never cached (a cached listing
+    would hide a manifest written by another process)."""
+
+    def __init__(self, uri: str, storage_options: dict):
+        url_to_fs = _import_fsspec()
+        self.uri = uri.rstrip("/")
+        self.protocol = self.uri.split("://", 1)[0]
+        opts = dict(storage_options)
+        if self.protocol == "s3":
+            opts.setdefault("use_listings_cache", False)
+            try:
+                import s3fs  # noqa: F401
+            except ImportError:
+                raise ScoutError("s3:// roots need s3fs: pip install 'scout-ckpt[s3]'") from None
+        try:
+            self.fs, self.base = url_to_fs(self.uri, **opts)
+        except (ValueError, ImportError) as e:
+            raise ScoutError(f"{self.uri}: cannot open ({e})") from None
+        self.base = self.base.rstrip("/")
+        self.conditional_create = self.protocol == "s3"
+
+    # ---- names ---------------------------------------------------------------------------------------------
+
+    def key(self, name: str, *rest: str) -> str:
+        """The filesystem path of ATTEMPT[/file] (no scheme)."""
+        return posixpath.join(self.base, name, *rest)
+
+    def uri_of(self, name: str) -> str:
+        return f"{self.uri}/{name}"
+
+    # ---- writing -------------------------------------------------------------------------------------------
+
+    def writer(self, name: str, *, step: int, fault_hook=None, check_finite: bool = True):
+        from scout_ckpt.object_store.writer import ObjectStoreWriter
+
+        return ObjectStoreWriter(self.uri_of(name), self.fs, step=step, fault_hook=fault_hook,
+                                 check_finite=check_finite)
+
+    def reader(self, name: str, metadata_digest: str | None):
+        from scout_ckpt.object_store.writer import VerifiedReader
+
+        return VerifiedReader(self.uri_of(name), self.fs, metadata_digest)
+
+    def publish_manifest(self, name: str, data: bytes) -> str:
+        """Write the commit marker: conditional create (If-None-Match: *) where the store honours it, so a
+        manifest is never overwritten. Where it does not (other fsspec backends), the ledger's `writing` row,
+        recorded before any data, is what names the one attempt allowed to publish under this fresh prefix."""
+        path = self.key(name, layout.MANIFEST_NAME)
+        if self.conditional_create:
+            try:
+                with self.fs.open(path, "xb") as f:
+                    f.write(data)
+            except FileExistsError:
+                raise ManifestExists(f"{self.uri_of(name)}: manifest already exists; not overwritten") from None
+        else:
+            if self.fs.exists(path):
+                raise ManifestExists(f"{self.uri_of(name)}: manifest already exists; not overwritten")
+            with self.fs.open(path, "wb") as f:
+                f.write(data)
+        return bytes_digest(data)
+
+    def read_bytes(self, name: str, rel: str, limit: int | None = None) -> bytes:
+        """One object whole (FileNotFoundError if absent); ValueError if over `limit` bytes."""
+        path = self.key(name, rel)
+        if limit is not None:
+            size = self.fs.size(path)
+            if size is not None and size > limit:
+                raise ValueError(f"{rel} is {size} bytes, over the {limit}-byte limit")
+        return self.fs.cat_file(path)
+
+    # ---- the manifest --------------------------------------------------------------------------------------
+
+    def has_manifest(self, name: str) -> bool:
+        return self.fs.exists(self.key(name, layout.MANIFEST_NAME))
+
+    def read_manifest(self, name: str) -> tuple[dict, str]:
+        """(manifest, digest of its bytes), with manifest.read's checks; BadInput if missing or malformed."""
+        where = self.uri_of(name)
+        try:
+            data = self.read_bytes(name, layout.MANIFEST_NAME, manifest_mod.max_manifest_bytes())
+        except FileNotFoundError:
+            raise BadInput(f"{where}: no {layout.MANIFEST_NAME} (the attempt never committed)") from None
+        except (ValueError, OSError) as e:
+            raise BadInput(f"{where}: unreadable manifest ({clip(e, 160)})") from None
+        return parse_manifest(data, where), bytes_digest(data)
+
+    def trusted_manifest(self, row: dict) -> tuple[dict | None, list[dict]]:
+        """recovery.trusted_manifest for an attempt prefix: the manifest if it reads and matches the digest the
+        ledger recorded, else the reasons not to trust it."""
+        try:
+            m, digest = self.read_manifest(row["path"])
+        except BadInput as e:
+            return None, [{"code": "bad_manifest", "detail": str(e)}]
+        if row.get("manifest_digest") and digest != row["manifest_digest"]:
+            return m, [{"code": "manifest_mismatch"}]
+        return m, []
+
+    # ---- listing -------------------------------------------------------------------------------------------
+
+    def objects(self, name: str | None = None) -> dict[str, int]:
+        """{relative key: size} of every object under the root (or under one attempt prefix)."""
+        base = self.key(name) if name else self.base
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for path, info in found.items():
+            if info.get("type", "file") != "file":
+                continue
+            rel = path[len(base):].lstrip("/") if path.startswith(base) else path
+            out[rel] = int(info.get("size") or 0)
+        return out
+
+    def attempts(self) -> dict[str, bool]:
+        """{attempt prefix name: has a manifest} for every `step-N.attempt-X/` prefix holding any object."""
+        out: dict[str, bool] = {}
+        for rel in self.objects():
+            head, _, tail = rel.partition("/")
+            if layout.parse_attempt_dir(head) is None:
+                continue
+            out[head] = out.get(head, False) or tail == layout.MANIFEST_NAME
+        return out
+
+    def committed(self) -> dict[int, list[str]]:
+        """{step: [attempt prefixes with a manifest]}: what can be listed at all. A step without its manifest is
+        never here."""
+        out: dict[int, list[str]] = collections.defaultdict(list)
+        for name, has in sorted(self.attempts().items()):
+            if has:
+                out[layout.parse_attempt_dir(name)[0]].append(name)
+        return dict(sorted(out.items()))
+
+    # ---- verification: parallel ranged reads ---------------------------------------------------------------
+
+    def verify(self, name: str, files: list[dict], *, expect_complete: bool = True,
+               progress: Callable[[int], None] | None = None) -> dict:
+        """verify.verify_files for an attempt prefix. Sizes come from one listing (a missing or short object
+        costs no read); then every file is read in CHUNK-sized ranged GETs, THREADS in flight across all files,
+        each file hashed in order as its ranges arrive."""
+        for f in files:
+            if relpath_problem(f.get("path")) is not None:
+                raise BadInput(f"{self.uri_of(name)}: a recorded file path escapes the checkpoint "
+                               f"({clip(f.get('path'), 80)})")
+        listed = self.objects(name)
+        reasons: list[dict] = []
+        if not listed:
+            return evidence(FAIL, [{"code": "missing_dir", "path": self.uri_of(name)}], files_checked=0)
+        todo = []
+        for f in files:
+            size = listed.get(f["path"])
+            if size is None:
+                reasons.append({"code": "missing_file", "file": f["path"], "rank": f.get("rank")})
+            elif size != f["size"]:
+                reasons.append({"code": "truncated_file" if size < f["size"] else "size_mismatch",
+                                "file": f["path"], "rank": f.get("rank"), "expected": f["size"], "actual": size})
+            else:
+                todo.append(f)
+        try:
+            digests = self._digests(name, todo, progress)
+        except OSError as e:
+            return evidence(FAIL, reasons + [{"code": "unreadable_file", "detail": clip(str(e), 200)}],
+                            files_checked=len(files))
+        for f in todo:
+            if digests[f["path"]] != f["digest"]:
+                reasons.append({"code": "digest_mismatch", "file": f["path"], "rank": f.get("rank"),
+                                "expected": f["digest"], "actual": digests[f["path"]]})
+        if expect_complete:
+            recorded = {f["path"] for f in files}
+            if layout.DCP_METADATA not in recorded:
+                reasons.append({"code": "missing_file", "file": layout.DCP_METADATA})
+            for extra in sorted(set(listed) - recorded - {layout.MANIFEST_NAME}):
+                reasons.append({"code": "unexpected_file", "file": extra})
+        return evidence(FAIL if reasons else PASS, reasons, files_checked=len(files),
+                        bytes_checked=sum(f["size"] for f in files))
+
+    def _digests(self, name: str, files: list[dict], progress) -> dict[str, str]:
+        ranges = [(f["path"], start, min(start + CHUNK, f["size"]))
+                  for f in files for start in range(0, max(f["size"], 1), CHUNK)]
+        hashers = {f["path"]: xxhash.xxh3_128() for f in files}
+
+        def get(r):
+            path, start, end = r
+            if end <= start:
+                return b""
+            data = self.fs.cat_file(self.key(name, path), start=start, end=end)
+            if len(data) != end - start:
+                raise OSError(f"{path}: short ranged read at {start} ({len(data)} of {end - start} bytes)")
+            return data
+
+        window: collections.deque = collections.deque()
+        with ThreadPoolExecutor(THREADS) as pool:
+            it = iter(ranges)
+            for r in it:
+                window.append((r, pool.submit(get, r)))
+                if len(window) >= 2 * THREADS:
+                    self._take(window, hashers, progress)
+            while window:
+                self._take(window, hashers, progress)
+        return {p: f"{ALGO}:{h.hexdigest()}" for p, h in hashers.items()}
+
+    @staticmethod
+    def _take(window, hashers, progress) -> None:
+        (path, _, _), fut = window.popleft()
+        data = fut.result()
+        hashers[path].update(data)
+        if progress is not None and data:
+            progress(len(data))
+
+    # ---- deletion and stale uploads ------------------------------------------------------------------------
+
+    def delete_attempt(self, name: str) -> None:
+        """Remove an attempt prefix, its manifest first: from the first request on it is no longer listed as
+        committed, so a crash part-way leaves objects without a manifest (swept later), never a torn step."""
+        manifest = self.key(name, layout.MANIFEST_NAME)
+        if self.fs.exists(manifest):
+            self.fs.rm_file(manifest)
+        rest = [self.key(name, rel) for rel in self.objects(name)]
+        if rest:
+            self.fs.rm(rest)
+
+    def multipart_uploads(self) -> list[dict]:
+        """Unfinished multipart uploads under the root: [{"key", "upload_id", "attempt", "initiated"}]. Empty
+        for stores without multipart uploads."""
+        if self.protocol != "s3":
+            return []
+        bucket, _, prefix = self.base.partition("/")
+        out, kw = [], {"Bucket": bucket, "Prefix": (prefix + "/") if prefix else ""}
+        while True:
+            resp = self.fs.call_s3("list_multipart_uploads", **kw)
+            for u in resp.get("Uploads") or []:
+                rel = u["Key"][len(kw["Prefix"]):]
+                head = rel.split("/", 1)[0]
+                out.append({"key": u["Key"], "upload_id": u["UploadId"], "attempt": head,
+                            "initiated": str(u.get("Initiated"))})
+            if not resp.get("IsTruncated"):
+                return out
+            kw.update(KeyMarker=resp.get("NextKeyMarker"), UploadIdMarker=resp.get("NextUploadIdMarker"))
+
+    def abort_upload(self, upload: dict) -> None:
+        bucket = self.base.partition("/")[0]
+        self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["key"], UploadId=upload["upload_id"])
+
+
+def parse_manifest(data: bytes, where: str) -> dict:
+    """manifest.read's checks on bytes fetched from an object store (no symlinks to resolve there)."""
+    try:
+        m = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise BadInput(f"{where}: malformed manifest ({clip(type(e).__name__ + ': ' + str(e), 160)})") from None
+    if not isinstance(m, dict) or any(k not in m for k in manifest_mod.REQUIRED_KEYS):
+        raise BadInput(f"{where}: malformed manifest (missing keys)")
+    if m["format"] != manifest_mod.FORMAT:
+        raise BadInput(f"{where}: unknown manifest format {clip(m['format'], 60)}")
+    if type(m["step"]) is not int or not isinstance(m["evidence"], dict) or not isinstance(m["policy"], dict):
+        raise BadInput(f"{where}: malformed manifest (step, evidence or policy of the wrong type)")
+    files, seen = m["files"], set()
+    if not isinstance(files, list):
+        raise BadInput(f"{where}: malformed manifest: bad file list")
+    for f in files:
+        if not isinstance(f, dict) or not {"path", "size", "digest"} <= set(f):
+            raise BadInput(f"{where}: malformed manifest: bad file list")
+        if relpath_problem(f["path"]) is not None or f["path"] in seen:
+            raise BadInput(f"{where}: malformed manifest: bad or repeated file path ({clip(f['path'], 80)})")
+        seen.add(f["path"])
+        if type(f["size"]) is not int or f["size"] < 0 or not isinstance(f["digest"], str):
+            raise BadInput(f"{where}: malformed manifest: bad size or digest for {clip(f['path'], 80)}")
+    return m

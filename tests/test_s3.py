@@ -1,0 +1,293 @@
+"""Checkpoints on S3, end to end against a real S3-compatible HTTP server started here (moto's standalone
+server), with 2 gloo ranks: save, certify, resume (the s3:// URI), load (exact, by the test's own digest), a
+writer SIGKILLed mid-upload, a corrupted object, retention. Skipped when the s3 extra is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+
+import pytest
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+from scout_ckpt import layout  # noqa: E402
+from scout_ckpt.launch import run_ranks  # noqa: E402
+from scout_ckpt.ledger import Ledger  # noqa: E402
+from tests import workers_s3 as w  # noqa: E402
+from tests.conftest import ledger_write_lock, run_cli  # noqa: E402
+
+BUCKET = "scout-test"
+CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    os.environ.update(CREDS)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    ep = f"http://{host}:{port}"
+    fs = _fs(ep)
+    fs.mkdir(BUCKET)
+    yield ep
+    server.stop()
+
+
+def _fs(ep):
+    import s3fs
+
+    return s3fs.S3FileSystem(client_kwargs={"endpoint_url": ep}, use_listings_cache=False, skip_instance_cache=True)
+
+
+@pytest.fixture
+def run(endpoint, tmp_path):
+    """A fresh prefix on the bucket and a local ledger_dir."""
+    prefix = f"{BUCKET}/run-{uuid.uuid4().hex[:8]}"
+    return {"uri": f"s3://{prefix}", "prefix": prefix, "ledger": str(tmp_path / "ledger"), "ep": endpoint,
+            "fs": _fs(endpoint)}
+
+
+def _cli(run, *args, check_rc=None):
+    env = {**CREDS, "AWS_ENDPOINT_URL": run["ep"]}
+    return run_cli(*args, env=env, check_rc=check_rc)
+
+
+def _attempts(run) -> dict[str, set[str]]:
+    """{attempt prefix: {object names}} under the run's prefix."""
+    out: dict[str, set[str]] = {}
+    for path in run["fs"].find(run["prefix"]):
+        head, _, tail = path[len(run["prefix"]) + 1:].partition("/")
+        out.setdefault(head, set()).add(tail)
+    return out
+
+
+def _uploads(run) -> list[dict]:
+    bucket, _, prefix = run["prefix"].partition("/")
+    return run["fs"].call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/").get("Uploads") or []
+
+
+def _save(run, steps, **kw):
+    out = run_ranks(w.save_steps, 2, run["uri"], run["ledger"], run["ep"], steps, timeout=240, env=CREDS, **kw)
+    return out[0].result
+
+
+def _load(run, **kw):
+    out = run_ranks(w.load_latest, 2, run["uri"], run["ledger"], run["ep"], timeout=240, env=CREDS, **kw)
+    assert out[0].result == out[1].result  # replicated state: both ranks loaded the same step and bytes
+    return out[0].result
+
+
+def test_save_certify_resume_load_exactly(run):
+    saved = _save(run, [2, 4])
+    assert saved["verdicts"] == {2: "certified", 4: "certified"}
+    attempts = _attempts(run)
+    assert sorted(layout.parse_attempt_dir(a)[0] for a in attempts) == [2, 4]
+    for names in attempts.values():  # every attempt: its manifest, .metadata and one file per rank, nothing else
+        assert names == {layout.MANIFEST_NAME, ".metadata", "__0_0.distcp", "__1_0.distcp"}, names
+    with open(os.path.join(run["ledger"], "scout-storage.json")) as f:
+        assert json.loads(f.read())["uri"] == run["uri"]
+
+    rc, out, err = _cli(run, "certify", run["ledger"], "--json")
+    assert rc == 0, err
+    assert all(r["state"] == "certified" for r in json.loads(out)["results"])
+    rc, out, err = _cli(run, "resume", run["ledger"], "--latest-clean")
+    assert rc == 0, err
+    assert out.strip().startswith(run["uri"] + "/step-00000004.attempt-"), out
+    rc, out, _ = _cli(run, "ls", run["ledger"], "--json")
+    assert [(r["step"], r["state"]) for r in json.loads(out)["checkpoints"]] == [(2, "certified"), (4, "certified")]
+
+    loaded = _load(run)
+    assert loaded["step"] == 4 and loaded["digest"] == saved["saved"][4]
+
+    rc, _, err = _cli(run, "resume", "s3://" + run["prefix"], "--latest-clean")
+    assert rc == 2 and "ledger_dir" in err and "Traceback" not in err
+
+
+@pytest.mark.scenario
+def test_corrupted_object_is_rejected_and_walked_back(run):
+    saved = _save(run, [2, 4, 6])
+    assert set(saved["verdicts"].values()) == {"certified"}
+    (a6,) = [a for a in _attempts(run) if layout.parse_attempt_dir(a)[0] == 6]
+    key = f"{run['prefix']}/{a6}/__1_0.distcp"
+    data = bytearray(run["fs"].cat_file(key))
+    data[len(data) // 2] ^= 0x01  # one interior byte, same size
+    run["fs"].pipe_file(key, bytes(data))
+
+    loaded = _load(run)  # the job's own walk-back: ranged reads find step 6 changed, step 4 loads exactly
+    assert loaded["step"] == 4 and loaded["digest"] == saved["saved"][4]
+    rc, out, err = _cli(run, "resume", run["ledger"], "--latest-clean")
+    assert rc == 0 and "/step-00000004.attempt-" in out, (out, err)
+    assert "newer step 6 is rejected" in err and "digest_mismatch" in err
+    rc, out, err = _cli(run, "certify", run["ledger"], "--json")
+    assert rc == 1
+    states = {r["step"]: r["state"] for r in json.loads(out)["results"]}
+    assert states == {2: "certified", 4: "certified", 6: "rejected"}
+    with Ledger.open(run["ledger"], readonly=True) as led:
+        reasons = led.checkpoint(6)["reasons"]
+    assert any(r["code"] == "digest_mismatch" and r["file"] == "__1_0.distcp" for r in reasons), reasons
+
+
+@pytest.mark.scenario
+def test_corrupted_object_found_by_certify_first(run):
+    saved = _save(run, [2, 4])
+    (a4,) = [a for a in _attempts(run) if layout.parse_attempt_dir(a)[0] == 4]
+    key = f"{run['prefix']}/{a4}/__0_0.distcp"
+    data = bytearray(run["fs"].cat_file(key))
+    data[len(data) // 3] ^= 0x80
+    run["fs"].pipe_file(key, bytes(data))
+    rc, out, err = _cli(run, "certify", run["ledger"])
+    assert rc == 1 and "step 4: rejected" in out and "digest_mismatch" in out, (out, err)
+    rc, out, _ = _cli(run, "resume", run["ledger"], "--latest-clean")
+    assert rc == 0 and "/step-00000002.attempt-" in out
+    assert _load(run)["digest"] == saved["saved"][2]
+
+
+@pytest.mark.scenario
+def test_retention_deletes_objects_only_after_the_ledger_records_it(run):
+    saved = _save(run, [1, 2, 3, 4], keep=2)
+    assert set(saved["verdicts"].values()) == {"certified"}
+    with Ledger.open(run["ledger"], readonly=True) as led:
+        states = {r["step"]: r["state"] for r in led.checkpoints()}
+        history = {s: [h["state"] for h in led.certifications(s)] for s in (1, 2)}
+    assert states == {1: "deleted", 2: "deleted", 3: "certified", 4: "certified"}
+    assert all(h[-1] == "deleted" for h in history.values()), history
+    assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [3, 4]
+
+    # gc with the ledger locked by another writer: the deletion intent cannot be recorded, so nothing is deleted.
+    before = _attempts(run)
+    with ledger_write_lock(os.path.join(run["ledger"], layout.LEDGER_NAME), 60):
+        rc, _, err = _cli(run, "gc", run["ledger"], "--keep", "1")
+    assert rc == 2 and "locked" in err, err
+    assert _attempts(run) == before
+    rc, out, err = _cli(run, "gc", run["ledger"], "--keep", "1", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["delete"] == [3]
+    assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [4]
+    assert _load(run)["digest"] == saved["saved"][4]
+
+
+@pytest.mark.scenario
+def test_writer_killed_mid_upload_is_never_listed_and_its_upload_is_aborted(run):
+    """Rank 1 SIGKILLs itself once the first part of its step-4 file has been uploaded (the file spans several
+    5 MiB parts): a multipart upload is left open, no manifest. The restarted job aborts it, removes the dead
+    attempt's objects, resumes from step 2 exactly and saves again."""
+    width = 2048  # 16 MiB per weight and per AdamW moment: every rank's file spans several 5 MiB parts
+    saved = _save(run, [2], width=width)
+    out = run_ranks(w.save_steps, 2, run["uri"], run["ledger"], run["ep"], [4], width=width, kill=(4, 1),
+                    timeout_s=20, timeout=240, env=CREDS, allow_failures=True)
+    assert out[1].exitcode == -9
+    uploads = _uploads(run)
+    assert uploads and all(".attempt-" in u["Key"] and "/step-00000004." in u["Key"] for u in uploads), uploads
+    committed = [a for a, names in _attempts(run).items() if layout.MANIFEST_NAME in names]
+    assert [layout.parse_attempt_dir(a)[0] for a in committed] == [2]
+    rc, out_, _ = _cli(run, "resume", run["ledger"], "--latest-clean")
+    assert rc == 0 and "/step-00000002.attempt-" in out_
+
+    res = run_ranks(w.load_latest, 2, run["uri"], run["ledger"], run["ep"], width=width, then_save=6,
+                    timeout=240, env=CREDS)[0].result
+    assert res["step"] == 2 and res["digest"] == saved["saved"][2] and res["verdict"] == "certified"
+    assert _uploads(run) == []
+    with Ledger.open(run["ledger"], readonly=True) as led:
+        st4 = led.checkpoint(4)
+        deletes = [e["detail"] for e in led.events(("object_delete",))]
+    assert st4["state"] == "rejected" and st4["reasons"][0]["code"] == "save_interrupted"
+    assert {d["what"] for d in deletes} == {"abort_multipart_upload", "delete_prefix"}
+    assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 6]
+
+
+# ---- in-process: the store's pieces against the same server, no ranks (cheap) -----------------------------------
+
+def _store(run):
+    from scout_ckpt.object_store import open_store
+
+    return open_store(run["uri"], w.options(run["ep"]))
+
+
+def test_manifest_is_a_conditional_create_and_an_error_mid_upload_commits_nothing(run):
+    import xxhash
+
+    from scout_ckpt.object_store.store import ManifestExists
+    from scout_ckpt.object_store.writer import _ObjectFileSystem
+
+    store = _store(run)
+    name = layout.attempt_dirname(1, "a")
+    store.publish_manifest(name, b"{}")
+    with pytest.raises(ManifestExists):
+        store.publish_manifest(name, b'{"other": 1}')
+    assert store.read_bytes(name, layout.MANIFEST_NAME) == b"{}"
+
+    fs = _ObjectFileSystem(store.fs, None)
+    for size in (1000, 6 << 20):  # a buffered small file; a file already sent in part (a multipart upload)
+        path = store.key(name, f"__{size}_0.distcp")
+        with pytest.raises(RuntimeError):
+            with fs.create_stream(path, "wb") as s:
+                s.write(os.urandom(size))
+                raise RuntimeError("injected")
+        assert not run["fs"].exists(path)  # plain FsspecWriter committed a truncated object here
+    assert _uploads(run) == []
+    data = os.urandom(7 << 20)
+    path = store.key(name, "__0_0.distcp")
+    with fs.create_stream(path, "wb") as s:
+        s.write(data[:3]), s.write(data[3:])
+    assert fs.digests["__0_0.distcp"] == (len(data), f"xxh3_128:{xxhash.xxh3_128_hexdigest(data)}")
+    assert run["fs"].cat_file(path) == data
+
+
+def test_verification_by_ranged_reads_finds_every_kind_of_damage(run):
+    from scout_ckpt.digests import bytes_digest
+
+    store = _store(run)
+    name = layout.attempt_dirname(3, "v")
+    blobs = {"__0_0.distcp": os.urandom(19 << 20), "__1_0.distcp": os.urandom(5), ".metadata": b"m" * 10}
+    for rel, data in blobs.items():
+        run["fs"].pipe_file(store.key(name, rel), data)
+    files = [{"path": rel, "size": len(d), "digest": bytes_digest(d)} for rel, d in blobs.items()]
+    assert store.verify(name, files)["status"] == "pass"
+
+    bad = bytearray(blobs["__0_0.distcp"])
+    bad[(9 << 20) + 7] ^= 0x10  # inside the second 8 MiB range
+    run["fs"].pipe_file(store.key(name, "__0_0.distcp"), bytes(bad))
+    run["fs"].pipe_file(store.key(name, "__1_0.distcp"), b"abc")
+    run["fs"].pipe_file(store.key(name, "stray"), b"x")
+    run["fs"].rm_file(store.key(name, ".metadata"))
+    ev = store.verify(name, files)
+    codes = sorted((r["code"], r.get("file")) for r in ev["reasons"])
+    assert codes == [("digest_mismatch", "__0_0.distcp"), ("missing_file", ".metadata"),
+                     ("truncated_file", "__1_0.distcp"),
+                     ("unexpected_file", "stray")], codes
+    assert store.verify(layout.attempt_dirname(4, "none"), files)["reasons"][0]["code"] == "missing_dir"
+
+
+def test_sweep_removes_dead_attempts_only_after_recording_them(run, tmp_path):
+    from scout_ckpt.object_store.attempts import sweep
+    from scout_ckpt.settle import this_process_owner
+
+    store = _store(run)
+    names = {k: layout.attempt_dirname(*k) for k in [(1, "ok"), (2, "live"), (3, "dead"), (3, "old"), (9, "x")]}
+    for (step, att), name in names.items():
+        run["fs"].pipe_file(store.key(name, "__0_0.distcp"), b"data")
+    for key in [(1, "ok"), (3, "old")]:
+        run["fs"].pipe_file(store.key(names[key], layout.MANIFEST_NAME), b"{}")
+    bucket, _, prefix = run["prefix"].partition("/")
+    for key in [(2, "live"), (3, "dead")]:  # an open multipart upload in each
+        run["fs"].call_s3("create_multipart_upload", Bucket=bucket, Key=f"{prefix}/{names[key]}/__1_0.distcp")
+    with Ledger.open(tmp_path, create=True) as led:
+        led.record_writing(1, "r", "ok", names[(1, "ok")])
+        led.record_commit(1, run_id="r", path=names[(1, "ok")], nbytes=4, manifest_digest="d", files=[],
+                          evidence={}, state="certified", reasons=[], attempt="ok")
+        led.record_writing(2, "r", "live", names[(2, "live")], owner=this_process_owner())
+        led.record_writing(3, "r", "old", names[(3, "old")])
+        led.record_writing(3, "r", "dead", names[(3, "dead")])  # a re-save of step 3, then it died
+        led.transition(3, "rejected", [{"code": "save_interrupted"}], source="startup", expect="writing")
+        out = sweep(led, store, source="gc")
+        events = [e["detail"] for e in led.events(("object_delete",))]
+    assert sorted((r["attempt"], r["why"]) for r in out["removed"]) == [
+        (names[(3, "dead")], "interrupted"), (names[(3, "old")], "superseded")]
+    assert [a["attempt"] for a in out["aborted"]] == [names[(3, "dead")]]
+    assert {d.get("prefix") or d.get("key") for d in events} == {
+        names[(3, "dead")], names[(3, "old")], f"{prefix}/{names[(3, 'dead')]}/__1_0.distcp"}
+    assert sorted(_attempts(run)) == sorted([names[(1, "ok")], names[(2, "live")], names[(9, "x")]])
+    assert [u["Key"].split("/")[1] for u in _uploads(run)] == [names[(2, "live")]]

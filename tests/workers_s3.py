@@ -1,0 +1,76 @@
+"""Rank functions for tests/test_s3.py (module level: run_ranks forks into them). The S3 server is the test's
+own moto server, reached over HTTP at `endpoint`."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+
+import torch
+import torch.nn as nn
+
+from scout_ckpt.checkpointer import Checkpointer
+from tests.workers_ckpt import flat_tensors, state_of, train_steps
+
+BLOCK = 5 << 20  # the smallest S3 multipart part: a rank file past it is uploaded in parts
+
+
+def options(endpoint: str) -> dict:
+    return {"client_kwargs": {"endpoint_url": endpoint}, "default_block_size": BLOCK}
+
+
+def make_model(seed: int = 0, width: int = 16) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4))
+
+
+def digest(sd) -> str:
+    """The test's own oracle: sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for k, v in sorted(flat_tensors(sd).items()):
+        h.update(f"{k}|{v.dtype}|{tuple(v.shape)}|".encode())
+        h.update(v.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if v.numel() else b"")
+    return h.hexdigest()
+
+
+def save_steps(rank, world, uri, ledger_dir, endpoint, steps, *, width=16, keep=None, kill=None,
+               timeout_s=60.0):
+    """Train and save at each step in `steps`; returns {step: oracle digest} of the state saved. `kill` =
+    (step, rank): that rank SIGKILLs itself in the middle of its upload at that step (a part already sent)."""
+    def hook(point, step):
+        if kill and point == "during_write" and (step, rank) == tuple(kill):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model = make_model(width=width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=model,
+                        optimizer=opt, keep=keep, fault_hook=hook, timeout_s=timeout_s)
+    saved, verdicts, done = {}, {}, 0
+    for s in steps:
+        train_steps(model, opt, s - done, seed=s)
+        done = s
+        verdicts[s] = ckpt.save(s, state_of(model, opt))["state"]
+        saved[s] = digest(state_of(model, opt))
+    ckpt.close()
+    return {"saved": saved, "verdicts": verdicts}
+
+
+def load_latest(rank, world, uri, ledger_dir, endpoint, *, width=16, then_save=None):
+    """A restarted job: fresh model and AdamW (moments materialized), load_latest_clean; optionally save again."""
+    model = make_model(seed=7, width=width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 1, seed=99)
+    ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=model,
+                        optimizer=opt, timeout_s=60)
+    st = state_of(model, opt)
+    step = ckpt.load_latest_clean(st)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optim"])
+    got = digest(state_of(model, opt))
+    verdict = None
+    if then_save is not None:
+        train_steps(model, opt, 1, seed=then_save)
+        verdict = ckpt.save(then_save, state_of(model, opt))["state"]
+    ckpt.close()
+    return {"step": step, "digest": got, "verdict": verdict}
