@@ -17,8 +17,14 @@ import typer
 
 from scout_ckpt.errors import BadInput, ScoutError
 from scout_ckpt.journal import JOURNAL_NAME
-from scout_ckpt.views import (STATE_STYLE, checked_text, detail_text, evidence_marks, list_checkpoints,
-                              reason_text as _reason_text)
+from scout_ckpt.views import (
+    STATE_STYLE,
+    checked_text,
+    detail_text,
+    evidence_marks,
+    list_checkpoints,
+)
+from scout_ckpt.views import reason_text as _reason_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Certified checkpoints for torch.distributed.checkpoint: resume only from known-good state.")
@@ -170,12 +176,6 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
         raise BadInput("--step and --all are mutually exclusive")
     # bad ROOT / ledger: exit 2 before anything else (read-write: an older schema is migrated, nothing else written)
     _open_ledger(root, readonly=False).close()
-    store = _object_store(root)
-    if store is not None:  # bytes re-verified by parallel ranged reads of the attempt prefix
-        from scout_ckpt.object_store.recovery import certify as certify_remote
-
-        certify = lambda root, steps, progress_factory: certify_remote(  # noqa: E731
-            root, store, steps, progress_factory=progress_factory)
     with _progress(not as_json and sys.stderr.isatty()) as progress_factory:
         results = certify(root, [step] if step is not None else None, progress_factory=progress_factory)
     ok = all(r["state"] == "certified" for r in results)
@@ -226,15 +226,12 @@ def resume_cmd(root: Path = typer.Argument(...),
                no_verify: bool = typer.Option(False, "--no-verify", help="Skip re-hashing its files."),
                as_json: bool = JSON_OPT):
     """Print the path of the newest certified checkpoint, re-verified; exit 1 if none."""
-    from scout_ckpt.recovery import NoCleanCheckpoint, latest_clean as find
+    from scout_ckpt.recovery import NoCleanCheckpoint
+    from scout_ckpt.recovery import latest_clean as find
 
     if not latest_clean:
         raise BadInput("resume needs --latest-clean")
-    store = _object_store(root)
-    if store is not None:  # prints the s3:// URI; bytes re-verified by parallel ranged reads
-        from scout_ckpt.object_store.recovery import latest_clean as find_remote
-
-        find = lambda root, verify: find_remote(root, store, verify=verify)  # noqa: E731
+    _object_store(root)   # a mangled s3:// ROOT: exit 2 (a bound ledger_dir is handled by latest_clean)
     try:
         found = find(root, verify=not no_verify)
     except NoCleanCheckpoint as e:

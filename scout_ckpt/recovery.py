@@ -8,13 +8,11 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from scout_ckpt import disk_view, journal
+from scout_ckpt import disk_view, journal, object_store, policy
 from scout_ckpt import manifest as manifest_mod
-from scout_ckpt import policy
 from scout_ckpt.errors import BadInput, LedgerError, NotFound, ScoutError
 from scout_ckpt.ledger import Ledger, LedgerUnavailable
 from scout_ckpt.verify import verify_files
-
 
 # `resume` records when it re-checked the bytes only if the ledger takes the write within this long.
 MARK_BUSY_TIMEOUT_S = 1.0
@@ -40,17 +38,24 @@ def trusted_manifest(step_dir: Path, row: dict) -> tuple[dict | None, list[dict]
     return m, []
 
 
-def verify_checkpoint(root: Path, ledger: Ledger, step: int, progress=None, hasher=None) -> dict:
+def verify_checkpoint(root: Path, ledger: Ledger, step: int, progress=None, hasher=None, store=None) -> dict:
     """Bytes evidence for a recorded checkpoint: files against the ledger, manifest against its digest.
-    `hasher` replaces the plain file hashing (certify's single-pass scanner checks the tensors as it reads)."""
+    `hasher` replaces the plain file hashing (certify's single-pass scanner checks the tensors as it reads);
+    `store` (object_store.bound_store(root)) verifies an attempt prefix by parallel ranged reads instead."""
     row = ledger.checkpoint(step)
-    step_dir = Path(root) / row["path"]
-    ev = verify_files(step_dir, ledger.files(step), progress=progress, hasher=hasher)
-    if step_dir.is_dir():
-        _, bad = trusted_manifest(step_dir, row)
-        if bad:
-            ev = policy.evidence(policy.FAIL, ev["reasons"] + bad,
-                                 **{k: v for k, v in ev.items() if k not in ("status", "reasons")})
+    bad: list[dict] = []
+    if store is not None:
+        ev = store.verify(row["path"], ledger.files(step), progress=progress)
+        if not (ev["reasons"] and ev["reasons"][0].get("code") == "missing_dir"):
+            _, bad = store.trusted_manifest(row)
+    else:
+        step_dir = Path(root) / row["path"]
+        ev = verify_files(step_dir, ledger.files(step), progress=progress, hasher=hasher)
+        if step_dir.is_dir():
+            _, bad = trusted_manifest(step_dir, row)
+    if bad:
+        ev = policy.evidence(policy.FAIL, ev["reasons"] + bad,
+                             **{k: v for k, v in ev.items() if k not in ("status", "reasons")})
     return ev
 
 
@@ -109,13 +114,16 @@ def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledg
     When the ledger cannot be read (locked beyond the reader's busy timeout, corrupt, WAL on a network
     filesystem: LedgerUnavailable, or an SQLite error mid-walk) and `fallback`, the answer comes from the
     manifests and the journal (disk_view.latest_clean): "source" is then "manifests" and "fallback" says why.
+    A ledger_dir bound to an object store hands out the `s3://` URI, verified by ranged reads (no fallback: its
+    manifests are not on this disk).
     """
+    store = object_store.bound_store(root)
     try:
-        found = _latest_clean_ledger(Path(root), verify, readonly_ledger)
+        found = _latest_clean_ledger(Path(root), verify, readonly_ledger, store)
         found["source"] = "ledger"
         return found
     except (LedgerUnavailable, sqlite3.DatabaseError) as e:
-        if not fallback or readonly_ledger is not None:
+        if not fallback or readonly_ledger is not None or store is not None:
             raise
         why = _unavailable_text(e)
     try:
@@ -144,7 +152,7 @@ def _record_failure(root: Path, writer: Ledger | None, step: int, ev: dict) -> t
         return writer, False
 
 
-def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | None) -> dict:
+def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | None, store=None) -> dict:
     ledger = readonly_ledger or Ledger.open(root, readonly=True)
     writer: Ledger | None = None
     skipped: list[dict] = []
@@ -158,7 +166,7 @@ def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | Non
                 raise NoCleanCheckpoint(reasons)
             step = row["step"]
             if verify:
-                ev = verify_checkpoint(root, ledger, step)
+                ev = verify_checkpoint(root, ledger, step, store=store)
                 if ev["status"] != policy.PASS:
                     writer, recorded = _record_failure(root, writer, step, ev)
                     skipped.append({"step": step, "reasons": ev["reasons"],
@@ -174,7 +182,8 @@ def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | Non
                 continue
             if verify:
                 _mark_verified(root, step, writer)
-            return {"step": step, "path": str((root / row["path"]).resolve()), "state": row["state"],
+            path = store.uri_of(row["path"]) if store is not None else str((root / row["path"]).resolve())
+            return {"step": step, "path": path, "state": row["state"],
                     "verified": verify, "skipped": skipped, "newer": _newer_uncertified(ledger, step, skipped)}
     finally:
         if writer is not None:
