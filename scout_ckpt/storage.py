@@ -96,7 +96,28 @@ def is_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-class ScoutWriter(FileSystemWriter):
+class WritesRecorded:
+    """What a scout-ckpt writer adds to a DCP storage writer (POSIX or object store): the data files this rank
+    wrote, their in-flight digests (`self.fs.digests`), and the tensors it wrote that are not finite. Put first
+    in the bases; the subclass sets `written`, `nonfinite`, `check_finite` and `fs`."""
+
+    def file_digests(self) -> dict[str, tuple[int, str]]:
+        """(size, digest) of the data files this rank wrote and hashed in flight (others must be read back)."""
+        return {f: d for f, d in self.fs.digests.items() if f in self.written}
+
+    def write_data(self, plan, planner):
+        if self.check_finite:
+            for item in plan.items:
+                if item.type != WriteItemType.BYTE_IO:
+                    data = planner.resolve_data(item)
+                    if isinstance(data, torch.Tensor) and not is_finite(data):
+                        self.nonfinite.append(item.index.fqn)
+        fut = super().write_data(plan, planner)
+        self.written.update(wr.storage_data.relative_path for wr in fut.wait())
+        return fut
+
+
+class ScoutWriter(WritesRecorded, FileSystemWriter):
     """FileSystemWriter (single file per rank, fsync on) that records the files it wrote and checks that the
     floating tensors it writes are finite: each rank checks exactly the items DCP assigned to it (replicated
     tensors are de-duplicated across ranks), so the check costs no rank more than its share."""
@@ -119,17 +140,3 @@ class ScoutWriter(FileSystemWriter):
             self.staged = staged
         return staged
 
-    def file_digests(self) -> dict[str, tuple[int, str]]:
-        """(size, digest) of the data files this rank wrote and hashed in flight (others must be read back)."""
-        return {f: d for f, d in self.fs.digests.items() if f in self.written}
-
-    def write_data(self, plan, planner):
-        if self.check_finite:
-            for item in plan.items:
-                if item.type != WriteItemType.BYTE_IO:
-                    data = planner.resolve_data(item)
-                    if isinstance(data, torch.Tensor) and not is_finite(data):
-                        self.nonfinite.append(item.index.fqn)
-        fut = super().write_data(plan, planner)
-        self.written.update(wr.storage_data.relative_path for wr in fut.wait())
-        return fut

@@ -16,13 +16,15 @@ import os
 import pickle
 from typing import Callable
 
-import torch
 import xxhash
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint._fsspec_filesystem import (
+    FileSystem,
+    FsspecReader,
+    FsspecWriter,
+)
 
 from scout_ckpt.digests import ALGO
-from scout_ckpt.storage import is_finite
+from scout_ckpt.storage import WritesRecorded
 
 
 class _HashingUpload(io.IOBase):
@@ -105,7 +107,7 @@ class _ObjectFileSystem(FileSystem):
             self.digests[os.path.basename(path)] = (stream.size, f"{ALGO}:{stream.hasher.hexdigest()}")
 
 
-class ObjectStoreWriter(FsspecWriter):
+class ObjectStoreWriter(WritesRecorded, FsspecWriter):
     """FsspecWriter into one attempt prefix (never overwritten: overwrite=False), one file per rank, no fsync
     (TORCH-NOTES: sync_files falls back to os.sync() of the whole host per file; an object is durable once its
     upload completed). Same interface as storage.ScoutWriter: `written`, `nonfinite`, `file_digests()`."""
@@ -122,19 +124,6 @@ class ObjectStoreWriter(FsspecWriter):
         self.fs = _ObjectFileSystem(fs, (lambda: fault_hook("during_write", step)) if fault_hook else None)
         self.path = uri
 
-    def file_digests(self) -> dict[str, tuple[int, str]]:
-        return {f: d for f, d in self.fs.digests.items() if f in self.written}
-
-    def write_data(self, plan, planner):
-        if self.check_finite:
-            for item in plan.items:
-                if item.type != WriteItemType.BYTE_IO:
-                    data = planner.resolve_data(item)
-                    if isinstance(data, torch.Tensor) and not is_finite(data):
-                        self.nonfinite.append(item.index.fqn)
-        fut = super().write_data(plan, planner)
-        self.written.update(wr.storage_data.relative_path for wr in fut.wait())
-        return fut
 
 
 class VerifiedReader(FsspecReader):
