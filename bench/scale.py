@@ -41,21 +41,12 @@ import _common as C  # noqa: E402
 from scout_ckpt import manifest  # noqa: E402
 from scout_ckpt.layout import DCP_METADATA, LEDGER_NAME, step_dirname  # noqa: E402
 from scout_ckpt.ledger import Ledger  # noqa: E402
+from resume_latency import state_of  # noqa: E402  (the same long run's mix of states)
 
 KINDS = ("bytes", "consensus", "replay", "invariants")
 POLICY = {"require": list(KINDS), "allow_not_applicable": []}
 RUN = "scale-run"
 EVERY = 10
-
-
-def state_of(i: int, n: int) -> str:
-    if i == n - 1:
-        return "certified"
-    if i % 97 == 5:
-        return "rejected"
-    if i % 13 == 7:
-        return "committed"
-    return "deleted" if i < n // 2 else "certified"
 
 
 def rank_files(rank: int, step: int) -> list[dict]:
