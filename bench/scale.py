@@ -37,11 +37,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from resume_latency import state_of  # noqa: E402  (the same long run's mix of states)
 
 from scout_ckpt import manifest  # noqa: E402
 from scout_ckpt.layout import DCP_METADATA, LEDGER_NAME, step_dirname  # noqa: E402
 from scout_ckpt.ledger import Ledger  # noqa: E402
-from resume_latency import state_of  # noqa: E402  (the same long run's mix of states)
 
 KINDS = ("bytes", "consensus", "replay", "invariants")
 POLICY = {"require": list(KINDS), "allow_not_applicable": []}
