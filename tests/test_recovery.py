@@ -91,6 +91,7 @@ def test_fsdp_healthy_checkpoints_are_certified_without_replicas(fsdp_clean):
             assert min(replay["confirmed_after"].values()) >= step
 
 
+@pytest.mark.scenario   # 50 s; the same faults under real torchrun: tests/test_fsdp_torchrun.py
 @pytest.mark.slow
 def test_fsdp_param_flip_is_attributed_and_crash_resume_is_bitwise(tmp_path, fsdp_clean):
     """Rank 1's shard of a sphere-constrained matrix gets a high exponent bit flipped (asked for step 13, it lands
