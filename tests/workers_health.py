@@ -71,9 +71,7 @@ def w_ecc_between_saves(rank, world, root, mode, steps=9, save_every=3, fault_af
     start = ckpt.load_latest_clean(state) or 0
     verdicts, events = {}, []
     for step in range(start + 1, steps + 1):
-        wt.loss_of(model, wt.tokens_for(step, rank)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        wt.train_step(model, opt, step, rank)
         ckpt.step(step)
         if step % save_every == 0:
             v = ckpt.save(step, state)

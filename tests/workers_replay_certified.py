@@ -29,9 +29,7 @@ def w_user_script(rank, world, root, mode, steps, save_every, fault=None, replay
     for step in range(start + 1, steps + 1):
         if fault and rank == fault[0] and step == fault[2]:
             wt.blocks_of(inner)[fault[1]].fault_scale = fault[3]
-        wt.loss_of(model, wt.tokens_for(step, rank)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        wt.train_step(model, opt, step, rank)
         ckpt.step(step)
         if step % save_every == 0:
             v = ckpt.save(step, state)

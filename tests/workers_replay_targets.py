@@ -172,6 +172,13 @@ def loss_of(model, tokens) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
+def train_step(model, opt, step: int, rank: int) -> None:
+    """One optimizer step on this rank's tokens for `step` (the data every replay worker trains on)."""
+    loss_of(model, tokens_for(step, rank)).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def _train(model, opt, runner, rank, steps, save_at=(), faults=None, inner=None):
     """Train `steps` steps; sweep at the steps in save_at (announced with expect_save before their forward).
     faults: {rank: (block index, from step, scale)}."""
@@ -181,9 +188,7 @@ def _train(model, opt, runner, rank, steps, save_at=(), faults=None, inner=None)
             runner.expect_save(step)
         if faults and rank in faults and step == faults[rank][1]:
             blocks_of(inner)[faults[rank][0]].fault_scale = faults[rank][2]
-        loss_of(model, tokens_for(step, rank)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, step, rank)
         rows += runner.on_step(step)
         if step in save_at:
             rows += runner.sweep(step)
