@@ -27,7 +27,7 @@ demo: $(STAMP)
 
 # The whole suite but the long torchrun scenarios (14 minutes on 2 cores, plus about 5 minutes of install).
 test: $(STAMP) $(EXTRAS)
-	$(BIN)/python -m pytest -q -m "not scenario" tests
+	$(BIN)/python -m pytest -q -m "not scenario" --durations=25 tests
 
 # The long end-to-end scenarios under real torchrun (observer hangs/desyncs/crashes/stragglers on DDP and FSDP2,
 # the short fault campaign, wrapped/unwrapped nanoGPT): several minutes each.
