@@ -217,10 +217,10 @@ def _torchrun(run, *job_args: str, timeout: float = 600):
 
 
 @pytest.mark.scenario
-def test_torchrun_job_killed_mid_upload_resumes_exactly_from_s3(run):
+def test_torchrun_job_killed_mid_save_resumes_exactly_from_s3(run):
     """The user's DDP script (tests/scripts/s3_ddp_job.py) under real torchrun, 2 gloo ranks, saving every 2
-    steps to s3://; rank 1 is SIGKILLed in the middle of its upload of step 6. torchrun restarts both workers
-    once: the job loads step 4 with exactly the digest it printed when it saved step 4, saves 6 and 8 again, and
+    steps to s3://; rank 1 is SIGKILLed in the middle of the save of step 6 (its file written, not yet sent;
+    rank 0's may be on the store already, with no manifest). torchrun restarts both workers once: the job loads step 4 with exactly the digest it printed when it saved step 4, saves 6 and 8 again, and
     `ls --json` on the ledger_dir shows 2, 4, 6, 8 certified; the dead attempt's objects and upload are gone."""
     p = _torchrun(run, "--steps", "8", "--save-every", "2", "--kill-rank", "1", "--kill-step", "6",
                   "--kill-at", "save")

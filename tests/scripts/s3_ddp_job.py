@@ -6,7 +6,7 @@ ledger in a local `ledger_dir`, the endpoint of an S3-compatible store in `stora
 
 Fault: in the first generation only (TORCHELASTIC_RESTART_COUNT == 0; one agent, so the count is the same on
 every worker), the worker with global rank --kill-rank SIGKILLs itself at --kill-step: `--kill-at save` in the
-middle of its upload of that step's checkpoint (through the Checkpointer's fault hook, the one test-only
+middle of that step's save, at the last write of its file (before it is sent) (through the Checkpointer's fault hook, the one test-only
 option used here), `--kill-at train` after that step's optimizer step, before its save.
 
 Rank 0 prints `S3-JOB {json}` lines: at every save the sha256 of the model and optimizer state it just saved, and
