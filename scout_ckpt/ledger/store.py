@@ -1,5 +1,6 @@
 """The Ledger: the state machine's writes (runs, save attempts, commits, evidence, compare-and-set transitions,
-the verdict history, ranks' places, events, replays). The only code in scout-ckpt that writes the SQLite database.
+the verdict history, ranks' places, events, replays): the only code in scout-ckpt that writes the ledger's rows
+(ledger/connection.py only creates and migrates the schema).
 
 The module is split by concern (each file says why): ledger/connection.py opens the database (journal mode, busy
 timeouts, migration, the BEGIN IMMEDIATE transaction); ledger/queries.py holds the read side; this file holds
