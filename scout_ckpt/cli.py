@@ -15,6 +15,7 @@ from typing import List, Optional
 
 import typer
 
+from scout_ckpt import roots
 from scout_ckpt.errors import BadInput, ScoutError
 from scout_ckpt.journal import JOURNAL_NAME
 from scout_ckpt.views import (
@@ -42,29 +43,6 @@ def _console():
     from rich.console import Console
 
     return Console(width=None if sys.stdout.isatty() else 120)  # pipes and logs get full rows, not 80 columns
-
-
-def _open_ledger(root: Path, readonly: bool = True):
-    from scout_ckpt.ledger import Ledger
-
-    _object_store(root)
-    return Ledger.open(root, readonly=readonly)
-
-
-def _object_store(root: Path, refuse: str | None = None):
-    """The object store a ROOT (a ledger_dir) is bound to, or None for a POSIX ROOT. An `s3://` ROOT is bad
-    input: the ledger lives in the run's ledger_dir, which names the URI. `refuse` names a command that does not
-    work on object storage yet."""
-    from scout_ckpt import object_store
-
-    if object_store.looks_like_mangled_uri(root):
-        raise BadInput(f"{root}: give the run's ledger_dir as ROOT (the ledger of an object-store run lives "
-                       "there, and it names the s3:// URI)")
-    if object_store.binding(root) is None:
-        return None
-    if refuse:
-        raise BadInput(f"{root}: `{refuse}` does not support checkpoints on object storage yet")
-    return object_store.bound_store(root)
 
 
 def _escape(text: str) -> str:
@@ -175,7 +153,7 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
     if step is not None and all_:
         raise BadInput("--step and --all are mutually exclusive")
     # bad ROOT / ledger: exit 2 before anything else (read-write: an older schema is migrated, nothing else written)
-    _open_ledger(root, readonly=False).close()
+    roots.check_writable(root)
     with _progress(not as_json and sys.stderr.isatty()) as progress_factory:
         results = certify(root, [step] if step is not None else None, progress_factory=progress_factory)
     ok = all(r["state"] == "certified" for r in results)
@@ -231,7 +209,7 @@ def resume_cmd(root: Path = typer.Argument(...),
 
     if not latest_clean:
         raise BadInput("resume needs --latest-clean")
-    _object_store(root)   # a mangled s3:// ROOT: exit 2 (a bound ledger_dir is handled by latest_clean)
+    roots.store_for(root)   # a mangled s3:// ROOT: exit 2 (a bound ledger_dir is handled by latest_clean)
     try:
         found = find(root, verify=not no_verify)
     except NoCleanCheckpoint as e:
@@ -273,8 +251,7 @@ def gc_cmd(root: Path = typer.Argument(...), keep: int = typer.Option(..., "--ke
 
     if keep < 1:
         raise BadInput(f"--keep must be at least 1 (got {keep})")
-    with _open_ledger(root, readonly=dry_run) as ledger:
-        result = retention.apply(ledger, root, keep, dry_run=dry_run)
+    result = retention.gc(root, keep, dry_run=dry_run)
     if as_json:
         _emit(result)
     else:
@@ -321,7 +298,7 @@ def adopt_cmd(root: Path = typer.Argument(...),
     """Take in plain DCP step-N folders written without scout-ckpt: digests, structure check, invariants."""
     from scout_ckpt.adopt import adopt
 
-    _object_store(root, refuse="adopt")
+    roots.store_for(root, refuse="adopt")
     result = adopt(root, invariant_specs=list(invariant) or None)
     if as_json:
         _emit(result)
@@ -351,7 +328,7 @@ def export_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Opt
 
     if (step is None) == (not latest_clean):
         raise BadInput("give exactly one of --step N or --latest-clean")
-    _object_store(root, refuse="export")
+    roots.store_for(root, refuse="export")
     result = export(root, step, out, force=force, prefix=prefix, max_shard_bytes=max_shard_bytes)
     if as_json:
         _emit(result)
@@ -367,7 +344,7 @@ def report_cmd(root: Path = typer.Argument(...), as_json: bool = JSON_OPT,
     """Fault timeline: SDC, hangs, stragglers, crashes, desyncs, health events, with ranks and steps."""
     from scout_ckpt import report
 
-    with _open_ledger(root) as ledger:
+    with roots.open_ledger(root) as ledger:
         tl = report.timeline(ledger)
     if html is not None:
         report.write_html(tl, html)
@@ -419,7 +396,7 @@ def ledger_rebuild_cmd(root: Path = typer.Argument(...),
     kept as .bak). Never more trusted than it can re-verify: --json lists what changed (step, before, after, why)."""
     from scout_ckpt.rebuild import rebuild
 
-    _object_store(root, refuse="ledger rebuild")
+    roots.store_for(root, refuse="ledger rebuild")
     result = rebuild(root, verify=not no_verify)
     if as_json:
         _emit(result)

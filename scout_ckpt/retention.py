@@ -22,6 +22,7 @@ uploads and removes their objects (object_store.attempts.sweep), each recorded i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -144,3 +145,13 @@ def apply(ledger: Ledger, root: Path, keep: int, *, dry_run: bool = False, store
             pass  # a concurrent gc removed it first
         deleted.append(step)
     return {**result, "delete": deleted, "dry_run": False}
+
+
+def gc(root: str | os.PathLike, keep: int, *, dry_run: bool = False) -> dict:
+    """`scout-ckpt gc ROOT --keep N [--dry-run]`: apply() on ROOT's ledger (read-only for a dry run), on the object
+    store ROOT is bound to if any (scout_ckpt.roots: an `s3://` ROOT or a bad one is BadInput, exit 2)."""
+    from scout_ckpt import roots
+
+    store = roots.store_for(root)
+    with Ledger.open(root, readonly=dry_run) as ledger:
+        return apply(ledger, Path(root), keep, dry_run=dry_run, store=store)

@@ -5,6 +5,8 @@ Shared by the CLI and the demo's summary so that both say the same thing the sam
 
 from __future__ import annotations
 
+import time
+
 STATUS_MARK = {"pass": "✓", "fail": "✗", "inconclusive": "?", "missing": "…", "not_applicable": "-"}
 STATE_STYLE = {"certified": "green", "committed": "yellow", "rejected": "red", "quarantined": "magenta",
                "writing": "dim", "deleted": "dim"}
@@ -91,3 +93,19 @@ def detail_text(detail: dict) -> str:
     parts = [str(k).replace("_", " ") if v is True else f"{str(k).replace('_', ' ')}: {value(v)}"
              for k, v in detail.items() if v is not None and v is not False]
     return "; ".join(parts) or "-"
+
+
+def time_text(t: float | None) -> str:
+    """A recorded time as local "YYYY-MM-DD HH:MM:SS", or "-"."""
+    if t is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """"0,3", "-" for none, the first 8 and the count beyond that."""
+    if not ranks:
+        return "-"
+    if len(ranks) > 8:
+        return f"{','.join(map(str, ranks[:8]))},… ({len(ranks)})"
+    return ",".join(map(str, ranks))

@@ -316,3 +316,38 @@ def test_adopt_cli_on_plain_dcp_folders(tmp_path):
     assert rc == 0 and [r["state"] for r in doc["adopted"]] == ["certified", "certified"]
     rc, out, _ = run_cli("resume", tmp_path, "--latest-clean")
     assert rc == 0 and out.strip().endswith("step-10")
+
+
+# ---- ROOTs of object-store runs (scout_ckpt/roots.py): in-process, no S3 server needed ----------------------------
+
+def _main(capsys, *argv) -> tuple[int, str, str]:
+    from scout_ckpt.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+@pytest.mark.parametrize("cmd", [["adopt", "{root}"], ["export", "{root}", "--latest-clean", "--out", "{out}"],
+                                 ["ledger", "rebuild", "{root}"]])
+def test_adopt_export_rebuild_refuse_an_object_store_run(tmp_path, capsys, cmd):
+    """A ledger_dir bound to an s3:// URI: adopt, export and ledger rebuild do not support object storage yet and
+    say so (exit 2, one line, nothing written), before any store is opened."""
+    root = tmp_path / "ledger"
+    root.mkdir()
+    (root / "scout-storage.json").write_text(json.dumps({"uri": "s3://bucket/run", "storage_options": {}}))
+    before = _snapshot(root)
+    out_file = tmp_path / "w.safetensors"
+    rc, out, err = _main(capsys, *[a.format(root=root, out=out_file) for a in cmd])
+    name = " ".join(cmd[:2]) if cmd[0] == "ledger" else cmd[0]
+    assert rc == 2 and out == "" and err.count("\n") == 1, (rc, out, err)
+    assert f"`{name}` does not support checkpoints on object storage" in err
+    assert _snapshot(root) == before and not out_file.exists()
+
+
+@pytest.mark.parametrize("cmd", [["resume", "{root}", "--latest-clean"], ["certify", "{root}"], ["report", "{root}"],
+                                 ["gc", "{root}", "--keep", "1"], ["adopt", "{root}"], ["ledger", "rebuild", "{root}"]])
+def test_an_s3_uri_as_root_is_bad_input_naming_the_ledger_dir(capsys, cmd):
+    rc, out, err = _main(capsys, *[a.format(root="s3://bucket/run") for a in cmd])
+    assert rc == 2 and out == "" and "give the run's ledger_dir as ROOT" in err and "Traceback" not in err, err

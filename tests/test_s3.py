@@ -198,6 +198,56 @@ def test_writer_killed_mid_upload_is_never_listed_and_its_upload_is_aborted(run)
     assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 6]
 
 
+# ---- a user's DDP script under real torchrun ------------------------------------------------------------------
+
+def _torchrun(run, *job_args: str, timeout: float = 600):
+    """`torchrun --standalone --nproc-per-node 2 --max-restarts 1 tests/scripts/s3_ddp_job.py URI LEDGER_DIR`
+    against this module's moto server; returns the CompletedProcess."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, **CREDS, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1", "--monitor-interval", "0.5", str(REPO / "tests" / "scripts" / "s3_ddp_job.py"),
+           run["uri"], run["ledger"], "--endpoint", run["ep"], *job_args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.mark.scenario
+def test_torchrun_job_killed_mid_save_resumes_exactly_from_s3(run):
+    """The user's DDP script (tests/scripts/s3_ddp_job.py) under real torchrun, 2 gloo ranks, saving every 2
+    steps to s3://; rank 1 is SIGKILLed in the middle of the save of step 6 (its file written, not yet sent;
+    rank 0's may be on the store already, with no manifest). torchrun restarts both workers once: the job loads step 4 with exactly the digest it printed when it saved step 4, saves 6 and 8 again, and
+    `ls --json` on the ledger_dir shows 2, 4, 6, 8 certified; the dead attempt's objects and upload are gone."""
+    p = _torchrun(run, "--steps", "8", "--save-every", "2", "--kill-rank", "1", "--kill-step", "6",
+                  "--kill-at", "save")
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("S3-JOB ")]
+    loads = [e for e in lines if e["event"] == "loaded"]
+    assert [(e["restart"], e["step"]) for e in loads] == [(0, 0), (1, 4)], lines
+    first = {e["step"]: e for e in lines if e["event"] == "saved" and e["run_id"] == loads[0]["run_id"]}
+    second = {e["step"]: e for e in lines if e["event"] == "saved" and e["run_id"] == loads[1]["run_id"]}
+    assert sorted(first) == [2, 4] and sorted(second) == [6, 8], lines
+    assert loads[1]["digest"] == first[4]["digest"]          # the job's own oracle: exactly the state it saved
+    assert all(e["state"] == "certified" for e in [*first.values(), *second.values()]), lines
+
+    rc, out, err = _cli(run, "ls", run["ledger"], "--json")
+    assert rc == 0, err
+    rows = json.loads(out)["checkpoints"]
+    assert [(r["step"], r["state"]) for r in rows] == [(s, "certified") for s in (2, 4, 6, 8)], rows
+    with Ledger.open(run["ledger"], readonly=True) as led:
+        history6 = [(h["state"], [r["code"] for r in h["reasons"]]) for h in led.certifications(6)]
+        latest = led.latest()
+    assert ("rejected", ["save_interrupted"]) in history6, history6   # the killed attempt, kept in the history
+    assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 4, 6, 8]
+    assert _uploads(run) == []
+    rc, out, err = _cli(run, "resume", run["ledger"], "--latest-clean")
+    assert rc == 0 and out.strip() == f"{run['uri']}/{latest['path']}", (out, err)
+
+
 # ---- in-process: the store's pieces against the same server, no ranks (cheap) -----------------------------------
 
 def _store(run):

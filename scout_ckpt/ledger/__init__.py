@@ -1,4 +1,8 @@
-"""The SQLite ledger beside the checkpoints; the only package that opens the database."""
+"""The SQLite ledger beside the checkpoints; the only package that opens the database.
+
+connection.py opens it (journal mode, busy timeouts, migration, the write transaction), queries.py is the read
+side, store.py the state machine's writes; `Ledger` (store.py) is all three in one class.
+"""
 
 from scout_ckpt.ledger.schema import SCHEMA_VERSION
 from scout_ckpt.ledger.store import Ledger, LedgerUnavailable
