@@ -4,6 +4,8 @@ the load-time signature check walking back past a step whose loaded values diffe
 async modes committing only after the upload; on 4 ranks (scenario): TorchTitan's own ParallelDims mesh with TP,
 consensus over its replica dims."""
 
+import json
+
 import pytest
 
 pytest.importorskip("torchtitan.components.checkpointer")
@@ -145,6 +147,13 @@ def test_torchtitan_mesh_with_tp_consensus_over_its_replica_dims(tmp_path):
         ev = led.evidence(1)
     groups = {tuple(g["members"]) for g in ev["consensus"]["groups"]}
     assert {(0, 1), (2, 3)} <= groups and ev["consensus"]["status"] in ("pass", "not_applicable")
+    # FSDP over TP's dim 0 is a _StridedShard: a shard dim for consensus; the single-owner shards are vouched for
+    # by the shard evidence (foreach AdamW), so the save is certified at its commit
+    assert b["placements"]["0.weight"] == ["_StridedShard", "Shard"]
+    assert {"shard_replay", "at_rest"} <= set(b["policy"]["require"]) and b["verdict"]["state"] == "certified"
+    assert ev["shard_replay"]["status"] == ev["at_rest"]["status"] == "pass"
+    unsigned = json.loads((tmp_path / "b" / "ckpt" / "step-1" / "scout-manifest.json").read_text())
+    assert {"0.weight", "0.bias"} <= set(unsigned["load_check_unsigned"])  # strided: byte digests vouch at load
 
 
 @pytest.mark.scenario  # 3 manager runs with replay and shard evidence on 2 ranks: about 40 s on 2 loaded cores

@@ -140,7 +140,7 @@ def build_mesh(dp_replicate: int, dp_shard: int, tp: int, world: int):
     return pd
 
 
-def build_tp(root: str, pd, keep: int = 0):
+def build_tp(root: str, pd, keep: int = 0, implementation: str = "fused"):
     """A 2-layer MLP as TorchTitan's legacy path parallelizes: TP (colwise, rowwise) on the tp mesh, then FSDP2
     on (dp_replicate, fsdp) (HSDP when dp_replicate > 1); TorchTitan's optimizer, schedulers, and the manager."""
     from torch.distributed.fsdp import fully_shard
@@ -154,7 +154,9 @@ def build_tp(root: str, pd, keep: int = 0):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     parallelize_module(model, pd.get_mesh("tp"), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=pd.get_mesh(["dp_replicate", "fsdp"] if pd.dp_replicate > 1 else "fsdp"))
-    opt = default_adamw(lr=1e-2).build(model_parts=[model])
+    cfg = default_adamw(lr=1e-2)
+    cfg.implementation = implementation
+    opt = cfg.build(model_parts=[model])
     sched = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opt, training_steps=20)
     ts = TitanState(pd)
     mgr = ScoutCheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=keep).build(
@@ -165,7 +167,8 @@ def build_tp(root: str, pd, keep: int = 0):
 
 def train_tp(rank, world, root, flip_rank=3, flip_step=2):
     """Two layouts on the 4 ranks. (a) dp_replicate 2 x tp 2: two steps saved, rank `flip_rank` flips a bit of its
-    TP shard before the save of `flip_step`; then a fresh model loads step -1. (b) dp_shard 2 x tp 2: one save."""
+    TP shard before the save of `flip_step`; then a fresh model loads step -1. (b) dp_shard 2 x tp 2 (FSDP over
+    TP's dim 0: _StridedShard), a foreach AdamW so that shard evidence runs: one save."""
     out = {}
     pd = build_mesh(2, 1, 2, world)
     model, opt, sched, ts, mgr = build_tp(os.path.join(root, "a"), pd)
@@ -194,12 +197,13 @@ def train_tp(rank, world, root, flip_rank=3, flip_step=2):
     mgr.close()
     out["a"] = a
     pd = build_mesh(1, 2, 2, world)
-    model, opt, sched, ts, mgr = build_tp(os.path.join(root, "b"), pd)
+    model, opt, sched, ts, mgr = build_tp(os.path.join(root, "b"), pd, implementation="foreach")
     model(data[0]).pow(2).mean().backward()
     opt.step()
     ts.step = 1
     mgr.save(1)
-    out["b"] = {"topology": mgr.topology, "verdict": dict(mgr.last_verdict)}
+    out["b"] = {"topology": mgr.topology, "verdict": dict(mgr.last_verdict), "policy": mgr.scout_policy,
+                "placements": {n: [type(p).__name__ for p in t.placements] for n, t in model.named_parameters()}}
     mgr.close()
     return out
 
