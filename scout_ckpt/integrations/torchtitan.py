@@ -16,11 +16,15 @@ them and forbids overriding them):
 
   __init__           replica groups from TorchTitan's mesh (`titan_topology`: the ParallelDims the Trainer passes
                      as its train state, else the model's DTensor meshes), the run begun in the ledger after the
-                     core's settling of interrupted saves (integrations.session.IntegrationRun)
-  _save              the coordinator records `writing` first (and removes the folder of an abandoned attempt at the
-                     same step); every rank takes the live evidence (consensus over the replica dims of the mesh,
-                     the configured invariants, full-tensor signatures for the load check); then the parent writes;
-                     sync: commit at once; async modes: commit when the upload has completed
+                     core's settling of interrupted saves (integrations.session.IntegrationRun); SDC replay and
+                     FSDP shard evidence as the core Checkpointer starts them (integrations.titan_evidence)
+  _save              called by TorchTitan's Trainer after every optimizer step: first the evidence's per-step hook
+                     (replay rotation, shard update replay); on a save step, the replay's sweep, then the
+                     coordinator records `writing` (and removes the folder of an abandoned attempt at the same
+                     step); every rank takes the live evidence (consensus over the replica dims of the mesh, the
+                     configured invariants, full-tensor signatures for the load check, the at-rest check and shard
+                     replay, replay coverage); then the parent writes; sync: commit at once (certified at commit);
+                     async modes: commit when the upload has completed
   _wait_for_saving   the parent waits for the upload; then the pending commit runs (all ranks)
   _close             flushes a pending async commit first (the parent does not await save_future)
   commit             barrier; each rank hashes the `__R_0.distcp` it wrote, the other files are split over the ranks
@@ -31,13 +35,15 @@ them and forbids overriding them):
                      full-tensor signatures recorded at save; a mismatch rejects the step (`load_mismatch`) and the
                      next older certified one is loaded, in the same call; a fresh start (nothing certified) falls
                      back to the parent's initial_load_path handling. An explicit load_step is loaded as TorchTitan
-                     does (the operator's choice).
+                     does (the operator's choice). After a load the evidence's schedules restart from its step.
   _purge_stale_checkpoints  core retention (`retention.decide` with keep = keep_latest_k): never the newest
                      certified nor a newer one awaiting evidence, rejected ones first; runs after the commit, never
                      right after an async dispatch
 
-Not covered: SDC replay (see the README), a last-step save with `last_save_model_only` (TorchTitan's default) is
-recorded and hashed but carries model evidence only and no load signatures.
+Not covered: a last-step save with `last_save_model_only` (TorchTitan's default) is recorded and hashed but carries
+model evidence only and no load signatures (and, off the save interval, no replay sweep: it stays `committed`
+under a policy that requires replay); replay and shard evidence with several model parts (pipeline stages) or
+several optimizers.
 """
 
 from __future__ import annotations
