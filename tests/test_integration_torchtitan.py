@@ -183,7 +183,8 @@ def test_fsdp_on_torchtitans_mesh_gets_replay_and_shard_evidence(tmp_path):
     upd = [x for x in f["verdicts"][4]["reasons"] if x["code"] == "shard_update_mismatch"]
     assert upd and all(x["ranks"] == [1] for x in upd) and upd[0]["where"] == ["blocks.0.fc1.weight[5]:param"]
     with Ledger.open(tmp_path / "fault" / "ckpt", readonly=True) as led:
-        sdc = [e for e in led.events() if e["kind"] == "sdc" and (e.get("detail") or {}).get("source") == "shard_replay"]
+        sdc = [e for e in led.events()
+               if e["kind"] == "sdc" and (e.get("detail") or {}).get("source") == "shard_replay"]
         assert {r["step"]: r["state"] for r in led.checkpoints()} == {2: "rejected", 4: "rejected"}
     assert sdc and sdc[0]["ranks"] == [1] and sdc[0]["step"] == 3
 
