@@ -198,6 +198,13 @@ class ScoutCheckpointManager(CheckpointManager):
     def ledger(self):
         return self.run.ledger
 
+    def parameters_written(self) -> None:
+        """As Checkpointer.parameters_written: call after writing parameters or optimizer state outside the
+        optimizer step (a projection, an EMA written back) and before the next save, so the at-rest check takes
+        the new values as legitimate. Local; a no-op without shard evidence."""
+        if self.evidence.shard is not None:
+            self.evidence.shard.resign()
+
     # ---- configuration -------------------------------------------------------------------------------------
 
     def _use_cpu_stager(self) -> None:
