@@ -210,7 +210,8 @@ def train_tp(rank, world, root, flip_rank=3, flip_step=2):
 
 # ---- FSDP2 on TorchTitan's mesh: replay and shard evidence in the manager ---------------------------------------
 
-def build_fsdp(root: str, pd, *, interval: int = 2, fault: tuple | None = None, shard_evidence=None):
+def build_fsdp(root: str, pd, *, interval: int = 2, fault: tuple | None = None, shard_evidence=None,
+               async_mode: str = "disabled"):
     """TorchTitan's pure-FSDP layout (dp_shard = world): a tiny LM with repeated blocks, `fully_shard` per block and
     at the root on its `fsdp` mesh, TorchTitan's AdamW container with implementation="foreach" (its default
     "fused" cannot be recomputed on a slice), its LR schedulers, and the manager at its defaults (replay and shard
@@ -245,7 +246,7 @@ def build_fsdp(root: str, pd, *, interval: int = 2, fault: tuple | None = None, 
         opt.optimizers[0].register_step_post_hook(faulty)
     extra = {} if shard_evidence is None else {"shard_evidence": shard_evidence}
     mgr = ScoutCheckpointManager.Config(enable=True, folder="ckpt", interval=interval, keep_latest_k=0,
-                                        **extra).build(
+                                        async_mode=async_mode, **extra).build(
         dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched, states={"train_state": ts},
         sd_adapter=None, base_folder=root)
     return model, opt, sched, ts, mgr
@@ -276,15 +277,15 @@ def _run_fsdp(root, pd, rank, steps, flip=None, **kw):
             out["verdicts"][step] = dict(mgr.last_verdict)
     out["after"] = local_fingerprint(model, opt)
     mgr.close()
+    out["final"] = dict(mgr.last_verdict or {})  # async: the last save is committed by close()
     return out
 
 
 def train_fsdp(rank, world, root, steps=4, arms=("fault",)):
     """On TorchTitan's dp_shard mesh, saving every 2 steps. "fault": rank 0 flips a bit of its shard between step 2
     and its save, rank 1's live update of one element is one ulp off from step 3: both saves rejected, each naming
-    its rank; "healthy": every save
-    certified at its commit; "resumed" (after "healthy"): a fresh manager loads the newest certified step and
-    trains and saves 2 more steps."""
+    its rank; "healthy": every save certified at its commit; "resumed" (after "healthy"): a fresh manager in
+    TorchTitan's async mode loads the newest certified step and trains 4 more steps, saving two of them."""
     import time
 
     pd = build_mesh(1, world, 1, world)
@@ -294,7 +295,9 @@ def train_fsdp(rank, world, root, steps=4, arms=("fault",)):
         if arm == "fault":
             res[arm] = _run_fsdp(os.path.join(root, "fault"), pd, rank, steps, flip=(0, 2, "head.weight", 7),
                                  fault=(1, 3, "blocks.0.fc1.weight", 5), shard_evidence={"per_step": 64})
-        else:
-            res[arm] = _run_fsdp(os.path.join(root, "healthy"), pd, rank, steps + 2 * (arm == "resumed"))
+        elif arm == "healthy":
+            res[arm] = _run_fsdp(os.path.join(root, "healthy"), pd, rank, steps)
+        else:  # resumed, with TorchTitan's async mode: the evidence runs while the upload is in flight
+            res[arm] = _run_fsdp(os.path.join(root, "healthy"), pd, rank, steps + 4, async_mode="async")
         res[arm]["seconds"] = time.monotonic() - t0
     return res
