@@ -197,7 +197,7 @@ def test_strided_shard_is_a_shard_dim_and_unknown_placements_fail_closed():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from scout_ckpt.consensus.indexing import dtensor_box
-    from scout_ckpt.consensus.mesh import LayoutError, describe_topology, dtensor_dims, placement_kind
+    from scout_ckpt.consensus.mesh import LayoutError, describe_topology, dtensor_dims, full_signable, placement_kind
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -218,6 +218,8 @@ def test_strided_shard_is_a_shard_dim_and_unknown_placements_fail_closed():
         assert topo["replica_groups"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
         with pytest.raises(ValueError, match="Shard"):  # full-tensor signatures need a box: refused, not guessed
             dtensor_box(dt)
+        plain = torch.ones(3)
+        assert full_signable({"w": dt, "step": plain}) == ({"step": plain}, ["w"])  # sign the rest, list it
 
         class Odd(Placement):  # a placement a future torch might add
             pass

@@ -184,6 +184,26 @@ def dtensor_dims(dt, grid: Grid) -> tuple[int, ...]:
     return tuple(d for d in range(grid.ndim) if d not in shard and d not in grid.distinct_dims)
 
 
+def full_signable(flat: dict) -> tuple[dict, list[str]]:
+    """({key: leaf} that full-tensor signatures (consensus.full) can sign, [keys of DTensors they cannot]) of a
+    flattened state. Local, the same on every rank (placements are SPMD). Full signatures need each rank's shard
+    to be one box of the global tensor (Shard(dim), Replicate); a _StridedShard (FSDP over a dim TP already
+    shards) is not, and consensus.full raises on it: a save path that records load signatures should sign the rest
+    and list these (their bytes still vouch for them at load), instead of failing the save."""
+    from scout_ckpt.consensus.indexing import dtensor_box
+
+    out, unsigned = {}, []
+    for k, v in flat.items():
+        if is_dtensor(v):
+            try:
+                dtensor_box(v)
+            except ValueError:
+                unsigned.append(k)
+                continue
+        out[k] = v
+    return out, unsigned
+
+
 def dtensor_dims_cached(dt, grid: Grid, cache: dict) -> tuple[int, ...]:
     """`dtensor_dims`, remembered per (mesh, placements): a save sees the same few layouts on every tensor.
     The cache keeps the mesh alive beside its result, so its id is not reused while the entry exists."""

@@ -111,20 +111,10 @@ def signable(states: dict, skip: tuple[str, ...] = ()) -> tuple[dict, list[str]]
     shards the same tensor dim twice (_StridedShard), which they refuse: such tensors are vouched for at load by
     their byte digests alone, and the manifest lists them (`load_check_unsigned`)."""
     from scout_ckpt.consensus.flatten import flatten_state
-    from scout_ckpt.consensus.indexing import dtensor_box
-    from scout_ckpt.consensus.mesh import is_dtensor
+    from scout_ckpt.consensus.mesh import full_signable
 
-    flat = flatten_state({k: v for k, v in states.items() if not k.startswith(skip)}, keep_dtensor=True)
-    out, unsigned = {}, []
-    for k, v in flat.items():
-        if is_dtensor(v):
-            try:
-                dtensor_box(v)
-            except ValueError:
-                unsigned.append(k)
-                continue
-        out[k] = v
-    return out, unsigned
+    return full_signable(flatten_state({k: v for k, v in states.items() if not k.startswith(skip)},
+                                       keep_dtensor=True))
 
 
 class ScoutCheckpointManager(CheckpointManager):
