@@ -4,6 +4,8 @@ the load-time signature check walking back past a step whose loaded values diffe
 async modes committing only after the upload; on 4 ranks (scenario): TorchTitan's own ParallelDims mesh with TP,
 consensus over its replica dims."""
 
+import json
+
 import pytest
 
 pytest.importorskip("torchtitan.components.checkpointer")
@@ -145,6 +147,51 @@ def test_torchtitan_mesh_with_tp_consensus_over_its_replica_dims(tmp_path):
         ev = led.evidence(1)
     groups = {tuple(g["members"]) for g in ev["consensus"]["groups"]}
     assert {(0, 1), (2, 3)} <= groups and ev["consensus"]["status"] in ("pass", "not_applicable")
+    # FSDP over TP's dim 0 is a _StridedShard: a shard dim for consensus; the single-owner shards are vouched for
+    # by the shard evidence (foreach AdamW), so the save is certified at its commit
+    assert b["placements"]["0.weight"] == ["_StridedShard", "Shard"]
+    assert {"shard_replay", "at_rest"} <= set(b["policy"]["require"]) and b["verdict"]["state"] == "certified"
+    assert ev["shard_replay"]["status"] == ev["at_rest"]["status"] == "pass"
+    unsigned = json.loads((tmp_path / "b" / "ckpt" / "step-1" / "scout-manifest.json").read_text())
+    assert {"0.weight", "0.bias"} <= set(unsigned["load_check_unsigned"])  # strided: byte digests vouch at load
+
+
+@pytest.mark.scenario  # 3 manager runs with replay and shard evidence on 2 ranks: about 40 s on 2 loaded cores
+def test_fsdp_on_torchtitans_mesh_gets_replay_and_shard_evidence(tmp_path):
+    out = run_ranks(w.train_fsdp, 2, str(tmp_path), arms=("healthy", "resumed", "fault"), timeout=600)
+    res = [o.result for o in out]
+    h, f = res[0]["healthy"], res[0]["fault"]
+    assert h["mode"] == "fsdp" and h["engines"] == [True, True]
+    assert {"shard_replay", "at_rest", "replay", "consensus"} <= set(h["policy"]["require"])
+    assert h["policy"]["allow_not_applicable"] == ["consensus"]  # single-owner shards: shard evidence vouches
+    # healthy: every save certified at its commit (the verdict the sync save returned), on every rank alike
+    assert [x["healthy"]["verdicts"] for x in res] == [{2: {"step": 2, "state": "certified", "reasons": []},
+                                                        4: {"step": 4, "state": "certified", "reasons": []}}] * 2
+    with Ledger.open(tmp_path / "healthy" / "ckpt", readonly=True) as led:
+        ev = led.evidence(4)
+    assert all(ev[k]["status"] == "pass" for k in ("shard_replay", "at_rest", "replay", "bytes", "invariants"))
+    # resumed by a fresh manager from the newest certified step: exactly the shards the job held at step 4
+    # (judged by the job's own fingerprints, not by scout-ckpt); its async saves certified
+    assert [x["resumed"]["start"] for x in res] == [4, 4]
+    assert [x["resumed"]["fingerprints"][4] for x in res] == [x["healthy"]["fingerprints"][4] for x in res]
+    # async: the save of step 6 is committed when the save of step 8 waits for its upload, step 8's at close
+    assert [x["resumed"]["final"] for x in res] == [{"step": 8, "state": "certified", "reasons": []}] * 2
+    with Ledger.open(tmp_path / "healthy" / "ckpt", readonly=True) as led:
+        assert {row["step"]: row["state"] for row in led.checkpoints()} == {s: "certified" for s in (2, 4, 6, 8)}
+        ev = led.evidence(8)
+    assert all(ev[k]["status"] == "pass" for k in ("shard_replay", "at_rest", "replay"))
+    # faults: rank 0 flipped a bit of its head shard after step 2 (at rest), rank 1's AdamW update of one element
+    # is one ulp off from step 3: each save rejected, naming the rank and the element
+    assert f["verdicts"][2]["state"] == "rejected" and f["verdicts"][4]["state"] == "rejected"
+    at_rest = [x for x in f["verdicts"][2]["reasons"] if x["code"] == "at_rest_changed"]
+    assert at_rest and at_rest[0]["ranks"] == [0] and "head.weight" in str(at_rest[0])
+    upd = [x for x in f["verdicts"][4]["reasons"] if x["code"] == "shard_update_mismatch"]
+    assert upd and all(x["ranks"] == [1] for x in upd) and upd[0]["where"] == ["blocks.0.fc1.weight[5]:param"]
+    with Ledger.open(tmp_path / "fault" / "ckpt", readonly=True) as led:
+        sdc = [e for e in led.events()
+               if e["kind"] == "sdc" and (e.get("detail") or {}).get("source") == "shard_replay"]
+        assert {r["step"]: r["state"] for r in led.checkpoints()} == {2: "rejected", 4: "rejected"}
+    assert sdc and sdc[0]["ranks"] == [1] and sdc[0]["step"] == 3
 
 
 def test_enabled_by_configuration_alone_through_torchtitans_override():

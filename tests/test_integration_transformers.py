@@ -149,3 +149,28 @@ def test_rank_killed_mid_save_resumes_from_newest_certified_with_the_same_losses
     # summation order of the first step after a restart, TORCH-NOTES, hence a relative tolerance)
     assert resumed == pytest.approx({s: healthy[1][s] for s in resumed}, rel=1e-6, abs=0)
     assert losses(lf, attempt=0) == pytest.approx({s: healthy[1][s] for s in losses(lf, attempt=0)}, rel=1e-6)
+
+
+def test_a_resume_from_an_uncertified_folder_says_how_to_switch(tmp_path, caplog):
+    """resume_from_checkpoint=True takes the newest checkpoint-N folder: when that one is not certified, the
+    callback says so and how to switch (in the log and as a ledger event). In-process, no Trainer run."""
+    import logging
+
+    from scout_ckpt.integrations.transformers import ScoutTrainerCallback
+
+    with Ledger.open(tmp_path, create=True) as led:
+        led.begin_run("r1", world_size=1, topology={}, policy={"require": ["bytes"]})
+        led.record_writing(8, "r1", "r1-1", "checkpoint-8")  # a save that never finished
+        cb = ScoutTrainerCallback()
+        with caplog.at_level(logging.WARNING, logger="scout_ckpt.transformers"):
+            cb._check_resume(led, 0, "r2")  # a fresh start: nothing to say
+            assert caplog.text == ""
+            cb._check_resume(led, 8, "r2")  # Trainer state says it resumed at step 8
+            cb._check_resume(led, 12, "r2")  # a folder the ledger never saw
+        events = [e for e in led.events() if e["kind"] == "uncertified_resume"]
+    text = caplog.text
+    assert "resumed from checkpoint-8, which is writing" in text and "unknown to the ledger" in text
+    assert "trainer.train(resume_from_checkpoint=latest_clean(args.output_dir))" in text
+    assert "from scout_ckpt.integrations.transformers import latest_clean" in text
+    assert f"scout-ckpt resume {tmp_path} --latest-clean" in text
+    assert [e["step"] for e in events] == [8, 12]

@@ -177,3 +177,55 @@ def test_fsdp_only_compares_plain_state_not_shards(fsdp_runs):
 def test_ranks_with_different_topologies_fail_at_startup():
     out = run_ranks(W.mismatched_topology, 4, timeout=120)
     assert all("different topologies" in o.result for o in out)
+
+
+# ---- _StridedShard (TorchTitan's FSDP x TP) and placements consensus does not know ------------------------------
+
+
+def test_strided_shard_is_a_shard_dim_and_unknown_placements_fail_closed():
+    """One process on torch's "fake" backend (a real ProcessGroup that moves no data): a world of 8 as rank 5,
+    HSDP x TP (dp_replicate 2, dp_shard 2, tp 2) with the placements FSDP x TP gives a colwise weight:
+    [Replicate, _StridedShard(0, sf=2), Shard(0)]. Cheap: no ranks are started."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import Placement, _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from scout_ckpt.consensus.indexing import dtensor_box
+    from scout_ckpt.consensus.mesh import LayoutError, describe_topology, dtensor_dims, full_signable, placement_kind
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", rank=5, world_size=8, store=FakeStore())
+    try:
+        names = ("dp_replicate", "dp_shard", "tp")
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
+        strided = _StridedShard(0, split_factor=2)
+        assert not strided.is_shard() and placement_kind(strided) == "shard"  # not a Shard in torch 2.13
+        dt = DTensor.from_local(torch.zeros(2, 4), mesh, [Replicate(), strided, Shard(0)], run_check=False)
+        grid = Grid.make((2, 2, 2), names, range(8))
+        assert dtensor_dims(dt, grid) == (0,)  # compared across dp_replicate only: rank 5's replica is rank 1
+        model = torch.nn.Linear(4, 8, bias=False)
+        model.weight = torch.nn.Parameter(dt)
+        topo = describe_topology(model, world_size=8, grid=grid, roles={"tp": "tensor_parallel"})
+        assert topo["problems"] == [] and topo["mode"] == "hsdp+tp"
+        assert topo["compare_dims"] == [list(names), ["dp_replicate"]]
+        assert topo["replica_groups"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+        with pytest.raises(ValueError, match="Shard"):  # full-tensor signatures need a box: refused, not guessed
+            dtensor_box(dt)
+        plain = torch.ones(3)
+        assert full_signable({"w": dt, "step": plain}) == ({"step": plain}, ["w"])  # sign the rest, list it
+
+        class Odd(Placement):  # a placement a future torch might add
+            pass
+
+        for p, why in ((Odd(), "not one scout-ckpt can map"), (Partial(), "pending reduction")):
+            with pytest.raises(LayoutError, match=why):
+                dtensor_dims(types.SimpleNamespace(device_mesh=mesh, placements=(Replicate(), p, Shard(0))), grid)
+    finally:
+        dist.destroy_process_group()

@@ -140,7 +140,7 @@ def build_mesh(dp_replicate: int, dp_shard: int, tp: int, world: int):
     return pd
 
 
-def build_tp(root: str, pd, keep: int = 0):
+def build_tp(root: str, pd, keep: int = 0, implementation: str = "fused"):
     """A 2-layer MLP as TorchTitan's legacy path parallelizes: TP (colwise, rowwise) on the tp mesh, then FSDP2
     on (dp_replicate, fsdp) (HSDP when dp_replicate > 1); TorchTitan's optimizer, schedulers, and the manager."""
     from torch.distributed.fsdp import fully_shard
@@ -154,7 +154,9 @@ def build_tp(root: str, pd, keep: int = 0):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     parallelize_module(model, pd.get_mesh("tp"), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=pd.get_mesh(["dp_replicate", "fsdp"] if pd.dp_replicate > 1 else "fsdp"))
-    opt = default_adamw(lr=1e-2).build(model_parts=[model])
+    cfg = default_adamw(lr=1e-2)
+    cfg.implementation = implementation
+    opt = cfg.build(model_parts=[model])
     sched = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opt, training_steps=20)
     ts = TitanState(pd)
     mgr = ScoutCheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=keep).build(
@@ -165,7 +167,8 @@ def build_tp(root: str, pd, keep: int = 0):
 
 def train_tp(rank, world, root, flip_rank=3, flip_step=2):
     """Two layouts on the 4 ranks. (a) dp_replicate 2 x tp 2: two steps saved, rank `flip_rank` flips a bit of its
-    TP shard before the save of `flip_step`; then a fresh model loads step -1. (b) dp_shard 2 x tp 2: one save."""
+    TP shard before the save of `flip_step`; then a fresh model loads step -1. (b) dp_shard 2 x tp 2 (FSDP over
+    TP's dim 0: _StridedShard), a foreach AdamW so that shard evidence runs: one save."""
     out = {}
     pd = build_mesh(2, 1, 2, world)
     model, opt, sched, ts, mgr = build_tp(os.path.join(root, "a"), pd)
@@ -194,11 +197,107 @@ def train_tp(rank, world, root, flip_rank=3, flip_step=2):
     mgr.close()
     out["a"] = a
     pd = build_mesh(1, 2, 2, world)
-    model, opt, sched, ts, mgr = build_tp(os.path.join(root, "b"), pd)
+    model, opt, sched, ts, mgr = build_tp(os.path.join(root, "b"), pd, implementation="foreach")
     model(data[0]).pow(2).mean().backward()
     opt.step()
     ts.step = 1
     mgr.save(1)
-    out["b"] = {"topology": mgr.topology, "verdict": dict(mgr.last_verdict)}
+    out["b"] = {"topology": mgr.topology, "verdict": dict(mgr.last_verdict), "policy": mgr.scout_policy,
+                "placements": {n: [type(p).__name__ for p in t.placements] for n, t in model.named_parameters()}}
     mgr.close()
     return out
+
+
+# ---- FSDP2 on TorchTitan's mesh: replay and shard evidence in the manager ---------------------------------------
+
+def build_fsdp(root: str, pd, *, interval: int = 2, fault: tuple | None = None, shard_evidence=None,
+               async_mode: str = "disabled"):
+    """TorchTitan's pure-FSDP layout (dp_shard = world): a tiny LM with repeated blocks, `fully_shard` per block and
+    at the root on its `fsdp` mesh, TorchTitan's AdamW container with implementation="foreach" (its default
+    "fused" cannot be recomputed on a slice), its LR schedulers, and the manager at its defaults (replay and shard
+    evidence on for FSDP). fault = (rank, from_step, param, index): from that step on, that rank's live AdamW
+    update of one element of its shard lands one ulp off (a faulty ALU), inside the optimizer step."""
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import default_adamw
+
+    from scout_ckpt.integrations.torchtitan import ScoutCheckpointManager
+    from tests.workers_fsdp_evidence import TinyLM
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    mesh = pd.get_mesh("fsdp")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    cfg = default_adamw(lr=1e-2)
+    cfg.implementation = "foreach"
+    opt = cfg.build(model_parts=[model])
+    sched = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opt, training_steps=20)
+    ts = TitanState(pd)
+    if fault is not None and fault[0] == torch.distributed.get_rank():
+        _, since, pname, idx = fault
+
+        def faulty(opt_, args, kwargs):  # registered before the manager's hooks: the evidence sees the bad update
+            if ts.step + 1 >= since:
+                with torch.no_grad():
+                    t = dict(model.named_parameters())[pname].to_local().view(-1)
+                    t[idx] = torch.nextafter(t[idx], torch.tensor(float("inf")))
+        opt.optimizers[0].register_step_post_hook(faulty)
+    extra = {} if shard_evidence is None else {"shard_evidence": shard_evidence}
+    mgr = ScoutCheckpointManager.Config(enable=True, folder="ckpt", interval=interval, keep_latest_k=0,
+                                        async_mode=async_mode, **extra).build(
+        dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched, states={"train_state": ts},
+        sd_adapter=None, base_folder=root)
+    return model, opt, sched, ts, mgr
+
+
+def _run_fsdp(root, pd, rank, steps, flip=None, **kw):
+    """flip = (rank, step, param, index): that rank flips the lowest bit of one element of its shard after the
+    optimizer step and before the save (a fault at rest)."""
+    from tests.workers_fsdp_evidence import batch
+    from tests.workers_fsdp_evidence import train_step as lm_step
+
+    model, opt, sched, ts, mgr = build_fsdp(root, pd, **kw)
+    mgr.load(step=-1)
+    out = {"start": ts.step, "policy": mgr.scout_policy, "mode": mgr.mode, "verdicts": {}, "fingerprints": {},
+           "engines": [mgr.evidence.replay is not None, mgr.evidence.shard is not None]}
+    out["fingerprints"][ts.step] = local_fingerprint(model, opt)
+    for step in range(ts.step + 1, steps + 1):
+        lm_step(model, opt, batch(step, rank))  # forward, backward, optimizer.step (the container), zero_grad
+        sched.step()
+        ts.step = step
+        if flip and flip[0] == rank and flip[1] == step:
+            with torch.no_grad():
+                t = dict(model.named_parameters())[flip[2]].to_local().view(-1).view(torch.int32)
+                t[flip[3]] ^= 1
+        out["fingerprints"][step] = local_fingerprint(model, opt)
+        mgr.save(step)  # TorchTitan's Trainer calls save() after every step; the manager saves on its interval
+        if mgr.last_verdict and mgr.last_verdict["step"] == step:
+            out["verdicts"][step] = dict(mgr.last_verdict)
+    out["after"] = local_fingerprint(model, opt)
+    mgr.close()
+    out["final"] = dict(mgr.last_verdict or {})  # async: the last save is committed by close()
+    return out
+
+
+def train_fsdp(rank, world, root, steps=4, arms=("fault",)):
+    """On TorchTitan's dp_shard mesh, saving every 2 steps. "fault": rank 0 flips a bit of its shard between step 2
+    and its save, rank 1's live update of one element is one ulp off from step 3: both saves rejected, each naming
+    its rank; "healthy": every save certified at its commit; "resumed" (after "healthy"): a fresh manager in
+    TorchTitan's async mode loads the newest certified step and trains 4 more steps, saving two of them."""
+    import time
+
+    pd = build_mesh(1, world, 1, world)
+    res = {}
+    for arm in arms:
+        t0 = time.monotonic()
+        if arm == "fault":
+            res[arm] = _run_fsdp(os.path.join(root, "fault"), pd, rank, steps, flip=(0, 2, "head.weight", 7),
+                                 fault=(1, 3, "blocks.0.fc1.weight", 5), shard_evidence={"per_step": 64})
+        elif arm == "healthy":
+            res[arm] = _run_fsdp(os.path.join(root, "healthy"), pd, rank, steps)
+        else:  # resumed, with TorchTitan's async mode: the evidence runs while the upload is in flight
+            res[arm] = _run_fsdp(os.path.join(root, "healthy"), pd, rank, steps + 4, async_mode="async")
+        res[arm]["seconds"] = time.monotonic() - t0
+    return res

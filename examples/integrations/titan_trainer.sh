@@ -7,7 +7,10 @@
 # Needs: GPUs (TorchTitan's Trainer does not run on CPU: its device falls back to "cuda"), torchtitan 0.3.0 and
 # triton installed, and a TorchTitan v0.3.0 source checkout for the debug model's assets (tests/assets/tokenizer,
 # tests/assets/c4_test; the wheel does not ship them). Prints the ledger (`scout-ckpt ls`) after each phase and
-# exits non-zero if the restart did not load a certified step.
+# exits non-zero if the restart did not load a certified step. The debug model trains under FSDP (dp_shard = NGPU):
+# its single-owner shards are certified by the manager's shard evidence, which needs a non-fused AdamW
+# (--optimizer.implementation foreach; TorchTitan's default "fused" leaves every step `committed`). Not yet run: no
+# GPU was lent to this work, and the shard replay's bitwise oracle is verified on CPU only (see shard_optimizer.py).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 NGPU=${1:-2}
@@ -22,7 +25,7 @@ SCOUT=("$PY" -c "from scout_ckpt.cli import main; main()")
 run_trainer() {
   "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m torchtitan.train \
     --module llama3 --config llama3_debugmodel --dump_folder "$OUT" --training.steps "$STEPS" \
-    --checkpoint.enable --checkpoint.interval 2 --checkpoint.keep_latest_k 3 \
+    --checkpoint.enable --checkpoint.interval 2 --checkpoint.keep_latest_k 3 --optimizer.implementation foreach \
     --override.imports scout_ckpt.integrations.torchtitan.scout_checkpoint "$@"
 }
 certified() {  # the newest certified step in the ledger, or 0

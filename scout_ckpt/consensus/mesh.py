@@ -6,9 +6,15 @@ of the world when the model has no DTensor (DDP). A piece of state is compared a
 
   * a DTensor on mesh S (the root or a submesh, possibly with flattened dims) with placements P: each dim i of S
     spans some dims of the root grid (found by rank arithmetic on S.mesh, so flattened and sliced meshes need no
-    mesh internals). Shard(i) (strided or not) -> those root dims tell shards apart: never compared across.
+    mesh internals). Shard(i) -> those root dims tell shards apart: never compared across. _StridedShard(i,
+    split_factor) (FSDP over a dim TP already shards: TorchTitan's FSDP x TP) is a shard too: the split factor only
+    interleaves which rows a rank holds, ranks along that dim still hold disjoint elements and replicas (equal
+    coordinates on every shard dim) hold the same local tensor, so local-shard signatures compare as for Shard.
+    (Full-tensor signatures need a contiguous box per rank, which a strided shard is not: consensus.indexing
+    refuses it, and the TorchTitan manager lists such tensors as `load_check_unsigned`.)
     Replicate -> compared across. Root dims S does not span (DDP's dp dim beside a TP submesh) -> the copies of S
-    along them are data-parallel replicas: compared across. Partial (a pending reduction has no value yet), a mesh
+    along them are data-parallel replicas: compared across. Partial (a pending reduction has no value yet), a
+    placement type this module does not know (a future torch's: never guessed from its name), a mesh
     that does not align with the root grid, or a rank outside the grid -> the layout cannot be determined: the
     piece is a *problem* and consensus fails closed (evidence `missing`, code `consensus_layout_unknown`).
   * plain state (non-DTensor tensors: DDP parameters, optimizer step counters, scalars, RNG): compared across every
@@ -123,8 +129,22 @@ class LayoutError(ValueError):
     """A DTensor's layout that consensus cannot map to replica groups (the piece fails closed)."""
 
 
-def _shard_like(p) -> bool:
-    return bool(getattr(p, "is_shard", lambda: False)()) or "Shard" in type(p).__name__
+def placement_kind(p) -> str:
+    """"replicate", "shard" (Shard and _StridedShard), "partial", or "unknown" (fails closed in dtensor_dims).
+    _StridedShard is not a Shard subclass in torch 2.13 and its is_shard() is False, so it is named explicitly."""
+    if p.is_replicate():
+        return "replicate"
+    if p.is_shard():
+        return "shard"
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # a torch without strided shards
+        _StridedShard = ()
+    if _StridedShard and isinstance(p, _StridedShard):
+        return "shard"
+    if p.is_partial():
+        return "partial"
+    return "unknown"
 
 
 def dtensor_dims(dt, grid: Grid) -> tuple[int, ...]:
@@ -151,13 +171,37 @@ def dtensor_dims(dt, grid: Grid) -> tuple[int, ...]:
             raise LayoutError(f"mesh dim {names[i]!r} (ranks {fiber[:8]}) does not align with the topology mesh "
                               f"{dict(zip(grid.names, grid.shape))}")
         spanned |= varied
-        if p.is_replicate():
+        kind = placement_kind(p)
+        if kind == "replicate":
             continue
-        if _shard_like(p):
+        if kind == "shard":
             shard |= varied
             continue
-        raise LayoutError(f"placement {p} on mesh dim {names[i]!r}: a pending reduction has no value to compare")
+        if kind == "partial":
+            raise LayoutError(f"placement {p} on mesh dim {names[i]!r}: a pending reduction has no value to compare")
+        raise LayoutError(f"placement {p!r} ({type(p).__name__}) on mesh dim {names[i]!r} is not one scout-ckpt can "
+                          "map to replica groups (known: Replicate, Shard, _StridedShard, Partial)")
     return tuple(d for d in range(grid.ndim) if d not in shard and d not in grid.distinct_dims)
+
+
+def full_signable(flat: dict) -> tuple[dict, list[str]]:
+    """({key: leaf} that full-tensor signatures (consensus.full) can sign, [keys of DTensors they cannot]) of a
+    flattened state. Local, the same on every rank (placements are SPMD). Full signatures need each rank's shard
+    to be one box of the global tensor (Shard(dim), Replicate); a _StridedShard (FSDP over a dim TP already
+    shards) is not, and consensus.full raises on it: a save path that records load signatures should sign the rest
+    and list these (their bytes still vouch for them at load), instead of failing the save."""
+    from scout_ckpt.consensus.indexing import dtensor_box
+
+    out, unsigned = {}, []
+    for k, v in flat.items():
+        if is_dtensor(v):
+            try:
+                dtensor_box(v)
+            except ValueError:
+                unsigned.append(k)
+                continue
+        out[k] = v
+    return out, unsigned
 
 
 def dtensor_dims_cached(dt, grid: Grid, cache: dict) -> tuple[int, ...]:
@@ -213,11 +257,16 @@ def _mode(roles: list[str]) -> str:
     return base + ("+tp" if "tensor_parallel" in has else "") + ("+pp" if "pipeline" in has else "")
 
 
-def describe_topology(model=None, *, mesh=None, world_size: int | None = None) -> dict:
+def describe_topology(model=None, *, mesh=None, world_size: int | None = None, grid: Grid | None = None,
+                      roles: dict | None = None) -> dict:
     """The training topology as consensus sees it (JSON, identical on every rank of an SPMD job; no collective).
 
     mesh: the job's DeviceMesh (any submesh of it will do: its root is used); by default the root mesh of the
     model's DTensor parameters and buffers; a model without DTensors and no mesh is DDP over the world.
+    grid: the topology grid itself, when the job's meshes do not have it as their root (TorchTitan unflattens every
+    mesh from a 1-D world mesh; integrations.torchtitan passes its dense (pp, dp_replicate, dp_shard, cp, tp) grid):
+    each DTensor is placed on it by rank arithmetic, as on a root. roles: {dim name: role} for the dims whose role
+    the caller knows (otherwise inferred from the names and the placements).
     Returns {"mode": "ddp" | "fsdp" | "hsdp" with "+tp" / "+pp" (a name for people; groups do not depend on it),
     "world_size", "mesh_shape", "mesh_dim_names", "mesh" (the rank grid), "dim_roles" {dim: replicate | shard |
     tensor_parallel | pipeline}, "compare_dims" (the dim sets state is compared across, plain state's first, then
@@ -233,9 +282,10 @@ def describe_topology(model=None, *, mesh=None, world_size: int | None = None) -
     if model is not None:
         tensors = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if is_dtensor(t)]
     problems: list[dict] = []
-    grid = Grid.world(world_size)
+    given = grid is not None
+    grid = grid if given else Grid.world(world_size)
     source = mesh if mesh is not None else (tensors[0][1].device_mesh if tensors else None)
-    if source is not None:
+    if source is not None and not given:
         try:
             grid = _grid_of(source, world_size)
             meshes = {id(t.device_mesh): t.device_mesh for _, t in tensors}
@@ -264,8 +314,8 @@ def describe_topology(model=None, *, mesh=None, world_size: int | None = None) -
         weights[plain] = 1
     compare = [plain] + sorted((d for d in weights if d != plain), key=lambda d: (len(d), d))
     primary = max(weights, key=lambda d: (weights[d], d)) if weights else plain
-    roles = [_role(n, sharded[d], replicated[d]) for d, n in enumerate(grid.names)]
-    return {"mode": _mode(roles) if tensors or mesh is not None else "ddp", "world_size": world_size,
+    roles = [(roles or {}).get(n) or _role(n, sharded[d], replicated[d]) for d, n in enumerate(grid.names)]
+    return {"mode": _mode(roles) if tensors or mesh is not None or given else "ddp", "world_size": world_size,
             "mesh_shape": list(grid.shape), "mesh_dim_names": list(grid.names), "mesh": grid.nested(),
             "dim_roles": dict(zip(grid.names, roles)),
             "compare_dims": [grid.dim_names(d) for d in compare if grid.group_size(d) > 1],

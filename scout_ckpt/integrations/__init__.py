@@ -1,6 +1,7 @@
 """Drop-ins for training frameworks whose checkpointing scout-ckpt does not write itself.
 
   torchtitan      ScoutCheckpointManager for TorchTitan 0.3 (its DCP CheckpointManager, subclassed)
+  titan_evidence  SDC replay and FSDP shard evidence in that manager, with the core Checkpointer's calls; no framework
   transformers    ScoutTrainerCallback for the Hugging Face Trainer, latest_clean(output_dir)
   session         IntegrationRun: the save machinery both share (start-up, writing row, hashing split across the
                   ranks, manifest, commit); imports torch, no framework

@@ -16,11 +16,15 @@ them and forbids overriding them):
 
   __init__           replica groups from TorchTitan's mesh (`titan_topology`: the ParallelDims the Trainer passes
                      as its train state, else the model's DTensor meshes), the run begun in the ledger after the
-                     core's settling of interrupted saves (integrations.session.IntegrationRun)
-  _save              the coordinator records `writing` first (and removes the folder of an abandoned attempt at the
-                     same step); every rank takes the live evidence (consensus over the replica dims of the mesh,
-                     the configured invariants, full-tensor signatures for the load check); then the parent writes;
-                     sync: commit at once; async modes: commit when the upload has completed
+                     core's settling of interrupted saves (integrations.session.IntegrationRun); SDC replay and
+                     FSDP shard evidence as the core Checkpointer starts them (integrations.titan_evidence)
+  _save              called by TorchTitan's Trainer after every optimizer step: first the evidence's per-step hook
+                     (replay rotation, shard update replay); on a save step, the replay's sweep, then the
+                     coordinator records `writing` (and removes the folder of an abandoned attempt at the same
+                     step); every rank takes the live evidence (consensus over the replica dims of the mesh, the
+                     configured invariants, full-tensor signatures for the load check, the at-rest check and shard
+                     replay, replay coverage); then the parent writes; sync: commit at once (certified at commit);
+                     async modes: commit when the upload has completed
   _wait_for_saving   the parent waits for the upload; then the pending commit runs (all ranks)
   _close             flushes a pending async commit first (the parent does not await save_future)
   commit             barrier; each rank hashes the `__R_0.distcp` it wrote, the other files are split over the ranks
@@ -31,13 +35,15 @@ them and forbids overriding them):
                      full-tensor signatures recorded at save; a mismatch rejects the step (`load_mismatch`) and the
                      next older certified one is loaded, in the same call; a fresh start (nothing certified) falls
                      back to the parent's initial_load_path handling. An explicit load_step is loaded as TorchTitan
-                     does (the operator's choice).
+                     does (the operator's choice). After a load the evidence's schedules restart from its step.
   _purge_stale_checkpoints  core retention (`retention.decide` with keep = keep_latest_k): never the newest
                      certified nor a newer one awaiting evidence, rejected ones first; runs after the commit, never
                      right after an async dispatch
 
-Not covered: SDC replay (see the README), a last-step save with `last_save_model_only` (TorchTitan's default) is
-recorded and hashed but carries model evidence only and no load signatures.
+Not covered: a last-step save with `last_save_model_only` (TorchTitan's default) is recorded and hashed but carries
+model evidence only and no load signatures (and, off the save interval, no replay sweep: it stays `committed`
+under a policy that requires replay); replay and shard evidence with several model parts (pipeline stages) or
+several optimizers.
 """
 
 from __future__ import annotations
@@ -55,9 +61,11 @@ from torchtitan.config.override import derive, override
 import scout_ckpt
 from scout_ckpt import invariants as inv
 from scout_ckpt import journal, layout
+from scout_ckpt import log
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.integrations import folders
 from scout_ckpt.integrations.session import IntegrationRun
+from scout_ckpt.integrations.titan_evidence import TitanEvidence
 
 __all__ = ["ScoutCheckpointManager", "scout_checkpoint", "signable", "titan_topology"]
 
@@ -80,12 +88,13 @@ def titan_topology(model_parts: list, parallel_dims=None, world_size: int | None
     TorchTitan unflattens every mesh from a 1-D world mesh, so the root of its DeviceMeshes is that 1-D mesh and
     `describe_topology` cannot place a 2-D DTensor on it (it fails closed, `consensus_layout_unknown`). With the
     ParallelDims the grid is TorchTitan's dense mesh, (pp, dp_replicate, dp_shard, cp, tp) row-major over the
-    world (size-1 dims dropped), and each DTensor's compare dims follow from its mesh and placements by rank
-    arithmetic (`mesh.dtensor_dims`, which also resolves the flattened `fsdp` = dp_shard x cp). Without
-    ParallelDims: `describe_topology` of the model parts."""
+    world (size-1 dims dropped), given to `describe_topology(grid=, roles=)`, which places each DTensor on it by
+    rank arithmetic (it also resolves the flattened `fsdp` = dp_shard x cp, and FSDP x TP's _StridedShard). Mode
+    names follow the core's: fsdp, hsdp, ddp, with +tp / +pp. Without ParallelDims: `describe_topology` of the
+    model parts."""
     from torch import nn
 
-    from scout_ckpt.consensus.mesh import Grid, LayoutError, describe_topology, dtensor_dims, is_dtensor
+    from scout_ckpt.consensus.mesh import Grid, describe_topology
 
     world = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
     model = model_parts[0] if len(model_parts) == 1 else nn.ModuleList(model_parts)
@@ -93,27 +102,7 @@ def titan_topology(model_parts: list, parallel_dims=None, world_size: int | None
         return describe_topology(model, world_size=world)
     dims = [(n, int(getattr(parallel_dims, n))) for n in TITAN_DIMS if int(getattr(parallel_dims, n)) > 1]
     grid = Grid.make([d for _, d in dims], [n for n, _ in dims], range(world)) if dims else Grid.world(world)
-    tensors = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if is_dtensor(t)]
-    weights: dict[tuple[int, ...], int] = {}
-    problems: list[dict] = []
-    for name, t in tensors:
-        try:
-            d = dtensor_dims(t, grid)
-        except LayoutError as e:
-            problems.append({"code": "consensus_layout_unknown", "tensor": name, "detail": str(e)})
-            continue
-        weights[d] = weights.get(d, 0) + t.numel()
-    plain = grid.plain_dims
-    if not tensors:
-        weights[plain] = 1
-    compare = [plain] + sorted((d for d in weights if d != plain), key=lambda d: (len(d), d))
-    primary = max(weights, key=lambda d: (weights[d], d)) if weights else plain
-    roles = {n: DIM_ROLES.get(n, "replicate") for n in grid.names}
-    mode = "+".join(n for n, _ in dims) or "single"
-    return {"mode": mode, "world_size": world, "mesh_shape": list(grid.shape), "mesh_dim_names": list(grid.names),
-            "mesh": grid.nested(), "dim_roles": roles,
-            "compare_dims": [grid.dim_names(d) for d in compare if grid.group_size(d) > 1],
-            "primary": grid.dim_names(primary), "replica_groups": grid.partition(primary), "problems": problems}
+    return describe_topology(model, world_size=world, grid=grid, roles=DIM_ROLES)
 
 
 def signable(states: dict, skip: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
@@ -122,20 +111,10 @@ def signable(states: dict, skip: tuple[str, ...] = ()) -> tuple[dict, list[str]]
     shards the same tensor dim twice (_StridedShard), which they refuse: such tensors are vouched for at load by
     their byte digests alone, and the manifest lists them (`load_check_unsigned`)."""
     from scout_ckpt.consensus.flatten import flatten_state
-    from scout_ckpt.consensus.indexing import dtensor_box
-    from scout_ckpt.consensus.mesh import is_dtensor
+    from scout_ckpt.consensus.mesh import full_signable
 
-    flat = flatten_state({k: v for k, v in states.items() if not k.startswith(skip)}, keep_dtensor=True)
-    out, unsigned = {}, []
-    for k, v in flat.items():
-        if is_dtensor(v):
-            try:
-                dtensor_box(v)
-            except ValueError:
-                unsigned.append(k)
-                continue
-        out[k] = v
-    return out, unsigned
+    return full_signable(flatten_state({k: v for k, v in states.items() if not k.startswith(skip)},
+                                       keep_dtensor=True))
 
 
 class ScoutCheckpointManager(CheckpointManager):
@@ -154,6 +133,15 @@ class ScoutCheckpointManager(CheckpointManager):
 
         scout_timeout_s: float = 600.0
         """Timeout of scout-ckpt's own gloo groups: a dead peer fails the save instead of hanging it."""
+
+        replay: bool | dict | None = None
+        """SDC replay of the model's blocks across ranks (the core's `replay=`): None = on for pure FSDP (no
+        replica to compare with) when the model has repeated blocks, True/False, or a dict of runner options."""
+
+        shard_evidence: bool | dict | None = None
+        """Cross-rank replay of each shard's optimizer update and the at-rest check (the core's
+        `shard_evidence=`): None = on for sharded layouts (fsdp, hsdp) with a non-fused Adam/AdamW/SGD, else off
+        with a WARNING (TorchTitan's optimizer default is implementation="fused": use "foreach")."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
@@ -175,12 +163,15 @@ class ScoutCheckpointManager(CheckpointManager):
         except ValueError as e:
             raise ScoutError(f"topology: {e}") from None
         self.groups = None
-        if config.consensus and self.world > 1:
+        self.mode = topo["mode"]
+        if (config.consensus or config.replay) and self.world > 1:
             from scout_ckpt.consensus.groups import ConsensusGroups
 
             self.groups = ConsensusGroups.from_topology(topo, timeout_s=config.scout_timeout_s)
-        self.mode = topo["mode"]
+        self.consensus = config.consensus and self.groups is not None
+        self.evidence = TitanEvidence.start(self, config)
         self.scout_policy = self._policy()
+        self._warn_if_never_certifies()
         self.topology = {**{k: topo[k] for k in ("mode", "world_size", "mesh_shape", "mesh_dim_names", "dim_roles",
                                                  "compare_dims", "replica_groups", "problems")},
                          "framework": "torchtitan"}
@@ -191,10 +182,18 @@ class ScoutCheckpointManager(CheckpointManager):
         self.loaded: dict | None = None
         self.run.start(topology=self.topology, policy=self.scout_policy, versions=self._versions())
         self.run_id = self.run.run_id
+        self.evidence.bind()
 
     @property
     def ledger(self):
         return self.run.ledger
+
+    def parameters_written(self) -> None:
+        """As Checkpointer.parameters_written: call after writing parameters or optimizer state outside the
+        optimizer step (a projection, an EMA written back) and before the next save, so the at-rest check takes
+        the new values as legitimate. Local; a no-op without shard evidence."""
+        if self.evidence.shard is not None:
+            self.evidence.shard.resign()
 
     # ---- configuration -------------------------------------------------------------------------------------
 
@@ -212,15 +211,29 @@ class ScoutCheckpointManager(CheckpointManager):
 
     def _policy(self) -> dict:
         """As the core Checkpointer's: consensus required; single-owner shards (no replica anywhere) may pass it as
-        not applicable only when a vouching invariant (invariants.VOUCHES) pins their values down."""
+        not applicable only when something vouches for their values: a vouching invariant (invariants.VOUCHES), or
+        under pure FSDP the shard evidence (shard replay + at-rest), which is then required; replay is required
+        where it runs (TitanEvidence.policy)."""
         require = ["bytes"] + (["invariants"] if self.checks else [])
         allow_na = []
-        if self.groups is not None:
+        if self.consensus:
             require.append("consensus")
             if any(c.vouches for c in self.checks):
                 allow_na.append("consensus")
+        extra = self.evidence.policy(require, allow_na)
         return {"require": require, "allow_not_applicable": allow_na, "invariants": [c.spec for c in self.checks],
-                "layout": "dcp", "replay_targets": []}
+                "layout": "dcp", **extra}
+
+    def _warn_if_never_certifies(self) -> None:
+        """A run whose policy can never be met says so at start-up (as the core Checkpointer does)."""
+        p = self.scout_policy
+        if (self.mode.startswith("fsdp") and "consensus" in p["require"]
+                and "consensus" not in p["allow_not_applicable"] and self.is_coordinator):
+            log.logger.warning(
+                "this configuration can never certify a checkpoint: the %s layout has single-owner shards, so "
+                "consensus is not applicable, and nothing else vouches for them. Use a non-fused AdamW, Adam or SGD "
+                "(TorchTitan's optimizer implementation=\"foreach\") so that shard evidence runs, or configure an "
+                "invariant that vouches, or consensus=False to accept bytes and invariants alone", self.mode)
 
     def _versions(self) -> dict:
         import torchtitan
@@ -233,14 +246,19 @@ class ScoutCheckpointManager(CheckpointManager):
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         """Collective. Sync: returns after the commit (verdict in `last_verdict`). Async: after the dispatch; the
         commit runs when the upload has completed (next save, maybe_wait_for_saving or close)."""
+        if not self.load_only:  # TorchTitan's Trainer calls save() after every optimizer step: the per-step hook
+            self.evidence.on_step(curr_step)
         if not self._should_save(curr_step, last_step):
             return False
         self.maybe_wait_for_saving()  # commits the previous async save first
+        self.evidence.before_save(curr_step)
         name = os.path.basename(self._create_checkpoint_id(curr_step))
         attempt = self.run.begin_save(curr_step, name)
+        self.evidence.flush()
         model_only = last_step and self.last_save_model_only
         states = self.states["model"].state_dict() if model_only else self._flattened_model_states_sd()
         live = self._live_evidence(states, signatures=self.verify_load and not model_only)
+        live.update(self.evidence.live(curr_step))
         self._purging = False
         ok = CheckpointManager._save(self, curr_step, last_step)
         pending = (curr_step, attempt, name, live, model_only)
@@ -256,7 +274,7 @@ class ScoutCheckpointManager(CheckpointManager):
     def _live_evidence(self, states: dict, *, signatures: bool) -> dict:
         """Collective: consensus, invariants and signatures of the state being saved (identical on every rank)."""
         ev = {}
-        if self.groups is not None:
+        if self.consensus:
             from scout_ckpt.consensus.save_time import save_time_consensus
 
             ev["consensus"] = save_time_consensus(states, self.groups,
@@ -282,6 +300,8 @@ class ScoutCheckpointManager(CheckpointManager):
         if getattr(self, "save_future", None) is not None:
             self.maybe_wait_for_saving()
         super()._close()
+        if getattr(self, "evidence", None) is not None:
+            self.evidence.close()
         if getattr(self, "run", None) is not None:
             self.run.close()
 
@@ -343,7 +363,10 @@ class ScoutCheckpointManager(CheckpointManager):
         past failures in this same call); see the module docstring. `loaded` tells what happened."""
         if step != -1 or not os.path.isdir(self.folder):
             self._chosen = -1
-            return super()._load(step)
+            ok = super()._load(step)
+            if ok and step > 0:  # an explicit step: the evidence's schedules start from it
+                self.evidence.after_load(step)
+            return ok
         skipped: list[dict] = []
         while True:
             cand = self.run.on_coordinator("choose a checkpoint to load", self._candidate)
@@ -356,6 +379,7 @@ class ScoutCheckpointManager(CheckpointManager):
             differ = self._loaded_differences(cand["signatures"])
             if not differ:
                 self.loaded = {"step": cand["step"], "skipped": skipped, "signatures": bool(cand["signatures"])}
+                self.evidence.after_load(cand["step"])
                 return ok
             skipped.append({"step": cand["step"], "code": "load_mismatch", "tensors": differ[:4]})
             self.run.on_coordinator(f"reject step {cand['step']}",

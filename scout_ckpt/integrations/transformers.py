@@ -143,9 +143,11 @@ class ScoutTrainerCallback(TrainerCallback):
             return
         state = row["state"] if row else "unknown to the ledger"
         ledger.add_event("uncertified_resume", step=step, run_id=run_id, detail={"state": state})
-        log.warning("scout-ckpt: this run resumed from %s, which is %s; resume with "
-                    "trainer.train(resume_from_checkpoint=latest_clean(output_dir)) instead of True",
-                    folders.folder_name(step), state)
+        log.warning("scout-ckpt: this run resumed from %s, which is %s (resume_from_checkpoint=True takes the "
+                    "newest folder, certified or not); switch to `from scout_ckpt.integrations.transformers import "
+                    "latest_clean` and trainer.train(resume_from_checkpoint=latest_clean(args.output_dir)), or pass "
+                    "the folder `scout-ckpt resume %s --latest-clean` prints", folders.folder_name(step), state,
+                    Path(ledger.path).parent)
 
     def _versions(self) -> dict:
         import transformers
