@@ -98,6 +98,7 @@ class StepScan:
         self._lock = threading.Lock()
         self._local = threading.local()
         self.direct = 0                         # entries read straight into their tensor
+        self.streamed = 0                       # entries checked piece by piece (nothing of them kept)
         self._results: list[dict] = []
         self._plain: dict[str, Any] = {}        # non-tensor entries (a saved step counter, ...)
         self._parts: dict[str, list] = {}       # fqn -> [tensor being assembled, elements still missing]
@@ -238,6 +239,7 @@ class StepScan:
         """One more entry of a streamed tensor checked; its evidence once every element was seen."""
         with self._lock:
             self._seen += 1
+            self.streamed += 1
             if st.done and not st.reported:
                 st.reported = True
                 if st.todo:
