@@ -13,6 +13,7 @@ instead of going through `torch.load`.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -56,8 +57,9 @@ class _Window(io.RawIOBase):
         return got or 0
 
 
-def _scan_entry(window: _Window, length: int) -> None:
-    """Refuse an entry whose zip or inner pickle is not what `torch.save` writes for a tensor or plain value."""
+def _archive(window: _Window, length: int):
+    """(zip, its members by name, the data.pkl member, data.pkl's bytes) of an entry; RefusedPickle if the zip is
+    not what `torch.save` writes (one data.pkl, stored, no duplicate names)."""
     try:
         z = zipfile.ZipFile(window)
         infos = z.infolist()
@@ -67,19 +69,27 @@ def _scan_entry(window: _Window, length: int) -> None:
         info = pkls[0]
         if info.compress_type != zipfile.ZIP_STORED or info.file_size > length:
             raise RefusedPickle("compressed or oversized data.pkl")
-        data = z.read(info)
+        return z, {i.filename: i for i in infos}, info, z.read(info)
     except BadInput:
         raise
     except Exception as e:
         raise RefusedPickle(f"not a torch.save archive ({type(e).__name__})") from None
     finally:
         window.seek(0)
+
+
+def _dry_run(scanner) -> object:
     try:
-        _EntryScan(io.BytesIO(data)).load()
+        return scanner.load()
     except BadInput:
         raise
     except Exception as e:
         raise RefusedPickle(f"malformed entry pickle ({type(e).__name__})") from None
+
+
+def _scan_entry(window: _Window, length: int) -> None:
+    """Refuse an entry whose zip or inner pickle is not what `torch.save` writes for a tensor or plain value."""
+    _dry_run(_EntryScan(io.BytesIO(_archive(window, length)[3])))
 
 
 def load_entry(f, offset: int, length: int):
@@ -138,20 +148,16 @@ def tensor_layout(f, offset: int, length: int) -> dict | None:
     value, several storages, a big-endian archive, a compressed member), so the caller uses `load_entry`.
     BadInput if the entry is refused (the same dry run as `load_entry`)."""
     window = _Window(f, offset, length)
-    _scan_entry(window, length)
+    z, infos, pkl_info, data = _archive(window, length)
+    found = _pickle_layout(data)      # the dry run (refusals raise), once per distinct data.pkl
     try:
-        z = zipfile.ZipFile(window)
-        infos = {i.filename: i for i in z.infolist()}
-        pkl = next(n for n in infos if n == "data.pkl" or n.endswith("/data.pkl"))
-        prefix = pkl[: -len("data.pkl")]
+        if found is None:
+            return None
+        prefix = pkl_info.filename[: -len("data.pkl")]
         order = infos.get(prefix + "byteorder")
         if order is not None and z.read(order) != b"little":
             return None
-        scan = _LayoutScan(io.BytesIO(z.read(infos[pkl])))
-        result = scan.load()
-        if result is not scan.built or len(scan.storages) != 1 or len(scan.rebuilds) != 1 or len(scan.types) != 1:
-            return None
-        key = scan.storages[0][0]
+        storage_type, key, (storage_offset, size, stride) = found
         info = infos.get(f"{prefix}data/{key}")
         if info is None or info.compress_type != zipfile.ZIP_STORED:
             return None
@@ -163,8 +169,7 @@ def tensor_layout(f, offset: int, length: int) -> dict | None:
         start = info.header_offset + 30 + n_name + n_extra
         if start + info.file_size > length:
             return None
-        storage_offset, size, stride = scan.rebuilds[0]
-        return {"start": start, "nbytes": info.file_size, "storage_type": scan.types[0],
+        return {"start": start, "nbytes": info.file_size, "storage_type": storage_type,
                 "storage_offset": storage_offset, "size": size, "stride": stride}
     except BadInput:
         raise
@@ -172,3 +177,17 @@ def tensor_layout(f, offset: int, length: int) -> dict | None:
         return None
     finally:
         window.seek(0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pickle_layout(data: bytes):
+    """(storage type name, storage key, (storage offset, size, stride)) of a data.pkl that rebuilds one tensor
+    over one storage, None for any other admitted pickle; RefusedPickle as `_scan_entry`. A pure function of the
+    bytes, so cached: DCP writes the same data.pkl for every tensor of one dtype and shape, and a checkpoint of
+    many small tensors would otherwise spend most of its time in the pure-Python dry run (refusals raise and are
+    not cached)."""
+    scan = _LayoutScan(io.BytesIO(data))
+    result = _dry_run(scan)
+    if result is not scan.built or len(scan.storages) != 1 or len(scan.rebuilds) != 1 or len(scan.types) != 1:
+        return None
+    return scan.types[0], scan.storages[0][0], scan.rebuilds[0]

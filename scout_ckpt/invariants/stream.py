@@ -29,6 +29,7 @@ from scout_ckpt.policy import FAIL, INCONCLUSIVE, PASS, evidence
 
 STREAMABLE = ("finite", "frobenius_sphere")
 _LO, _HI = 1e-20, 1e30   # a float32 piece sum of squares outside this range is recomputed in float64
+SMALL = 1 << 16           # pieces of at most this many elements are summed in float64 (cheap; exact figures)
 
 
 def _floating(dtype) -> bool:
@@ -169,8 +170,8 @@ def _sumsq(x, scratch: Scratch) -> float:
     lose precision (see the module docstring); then float64. NaN/Inf if an element is."""
     import torch
 
-    if x.dtype == torch.float64:
-        return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+    if x.dtype == torch.float64 or x.numel() <= SMALL:
+        return _sumsq64(x)
     sq = scratch.get(x.numel())
     if x.dtype == torch.float32:
         torch.mul(x, x, out=sq)
@@ -182,4 +183,11 @@ def _sumsq(x, scratch: Scratch) -> float:
         return s
     if s == 0.0 and not bool(x.any()):   # all zeros: exact
         return 0.0
-    return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+    return _sumsq64(x)
+
+
+def _sumsq64(x) -> float:
+    """The float64 sum of squares exactly as `run_offline` computes it (same figure for a one-piece tensor)."""
+    import torch
+
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2)
