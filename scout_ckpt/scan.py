@@ -1,16 +1,22 @@
 """One streaming pass over a DCP step dir: file digests, structure, finiteness and invariants from the same reads.
 
 `certify` used to hash every file (one read) and then read every tensor back through the entries (a second read,
-and every tensor of the checkpoint in memory at once). Here each data file is read once, front to back: the bytes
-between entries go through the hasher in 8 MiB pieces; each storage entry (one tensor chunk or plain value, a
-`torch.save` archive) is first dry-run from a second descriptor (`dcp_files.tensor_layout`: the zip and inner
-pickle checks `load_entry` makes, and where the one storage lies); a plain tensor entry's bytes are then read
-from the file straight into a tensor of its shape over the thread's reused buffer, in 8 MiB pieces each hashed while in the cache (no
-second copy); anything else (a plain value, an unusual layout) is read into a buffer and opened from it with
-`dcp_files.load_entry` (`weights_only`). Each tensor is checked at once (`invariants.run_offline` on that tensor alone: every check is per tensor) and dropped.
-Files go in parallel threads (xxh3, reads and torch ops release the GIL). Peak memory: per thread one entry buffer
-(reused) and its tensor, so about twice the largest tensor chunk per thread, plus the tensors split over several entries
-while they are assembled (DCP writes a tensor as one chunk unless it is sharded).
+and every tensor of the checkpoint in memory at once). Here each data file is read once, front to back, by one
+loop (`_Reader.pump`): PIECE bytes at a time into the thread's reused buffer, each piece hashed right after the
+read, while it is in the cache. Each storage entry (one tensor chunk or plain value, a `torch.save` archive) is
+first dry-run from a second descriptor (`dcp_entries.tensor_layout`: the zip and inner pickle checks
+`load_entry` makes, and where the one storage lies). Then, for a plain tensor entry:
+- when every check that applies to it is element-wise (`finite`, `frobenius_sphere`: `invariants.stream`), each
+  piece of its bytes is checked right after it was hashed (a sum, a sum of squares; an exact element check only
+  when a sum is not finite) and nothing of the tensor is kept;
+- otherwise (spectral, oblique, simplex and monotone checks need the whole tensor) its bytes are read straight
+  into a tensor of its shape over the thread's entry buffer, hashed piece by piece on the way, and given to
+  `invariants.run_offline`.
+Anything else (a plain value, an unusual layout) is read into the entry buffer and opened from it with
+`dcp_entries.load_entry` (`weights_only`). Files go in parallel threads (reads, xxh3 and torch ops release the
+GIL); each thread runs torch single-threaded. Peak memory per thread: the piece buffer and its float32 scratch
+(2 x PIECE), plus, only for tensors a whole-tensor check matches, an entry buffer the size of the largest such
+chunk; plus the tensors split over several entries while they are assembled for such checks.
 
 Trust: the entries are parsed before the file's digest is known to match; parsing is the path built for
 untrusted folders (`adopt`), and the invariants evidence is only used when the bytes evidence passes. When the

@@ -50,8 +50,15 @@ def applicable(checks: list[Check], name: str, dtype) -> list[int]:
 
 
 def streams(checks: list[Check], name: str, dtype) -> bool:
-    """True when every check that applies to this tensor can be checked piece by piece."""
-    return all(checks[i].kind in STREAMABLE for i in applicable(checks, name, dtype))
+    """True when every check that applies to this tensor can be checked piece by piece (and its dtype is one
+    the reductions here are written for: float8 and the like go to `run_offline`, which reports what it can)."""
+    import torch
+
+    idx = applicable(checks, name, dtype)
+    if any(checks[i].kind not in STREAMABLE for i in idx):
+        return False
+    return not idx or dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+                                torch.complex128)
 
 
 class Scratch:
