@@ -160,13 +160,18 @@ class StepScan:
         n = self.threads or threads or min(len(paths), os.cpu_count() or 1, 8)
         # largest first, so that the last file to start is a small one
         order = sorted(paths, key=lambda p: -sum(e[1] for e in self._entries.get(p, [])))
-        # Our own threads even for one file: each runs torch single-threaded (set_num_threads sets the calling
-        # thread's OpenMP team size only; the caller's is left alone). The files are the parallelism; an OpenMP
-        # team per reduction on a loaded machine waits for its workers to be scheduled (measured: 200 sums of
-        # 4 MB took 4.2 s with 2 OpenMP threads under load 15, 0.12 s with 1).
-        with ThreadPoolExecutor(n, thread_name_prefix="scout-scan", initializer=torch.set_num_threads,
-                                initargs=(1,)) as pool:
-            return dict(zip(order, pool.map(lambda p: self._file(p, progress), order)))
+        # Our own threads even for one file, each running torch single-threaded: the files are the parallelism,
+        # and an OpenMP team per reduction on a loaded machine waits for its workers to be scheduled (measured:
+        # 200 sums of 4 MB took 4.2 s with 2 OpenMP threads under load 15, 0.12 s with 1). set_num_threads sets
+        # the calling thread's team size, but also the default that threads not yet using torch start from (and
+        # the caller's own, if it has not run a parallel op yet): the caller's value is read first and put back.
+        before = torch.get_num_threads()
+        try:
+            with ThreadPoolExecutor(n, thread_name_prefix="scout-scan", initializer=torch.set_num_threads,
+                                    initargs=(1,)) as pool:
+                return dict(zip(order, pool.map(lambda p: self._file(p, progress), order)))
+        finally:
+            torch.set_num_threads(before)
 
     def _file(self, path: str, progress) -> tuple[int, str]:
         """(size, digest) of one file, read once front to back; its entries are checked from the same pieces."""

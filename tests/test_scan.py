@@ -211,3 +211,18 @@ def test_stream_matches_run_offline_on_sharded_chunks_and_extreme_values():
     ev, off = _stream_vs_offline([f"frobenius_sphere:radius={r!r}:rtol=1e-6:params=m"], "m", half,
                                  [((0,), (1000,))], piece=100)
     assert ev["status"] == off["status"] == "pass"
+
+
+def test_the_scan_leaves_the_callers_torch_threads_as_they_were(tmp_path):
+    d = tmp_path / "step-1"
+    rows, _ = _write(d)
+    before = torch.get_num_threads()
+    scan = StepScan(d, SPECS)
+    assert verify_files(d, rows, hasher=scan.hasher)["status"] == "pass"
+    import threading
+
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert torch.get_num_threads() == before and seen == [before]
