@@ -81,18 +81,20 @@ def read_back(path: Path, files: list[Path], checks) -> str:
 
 
 _PEAK = """
-import json, resource, sys
+import json, sys
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 import torch
+import torch.distributed.checkpoint.filesystem  # what the scan imports, so that it counts in the baseline
 from scout_ckpt.scan import StepScan
 from scout_ckpt.verify import verify_files
+def status(key):  # kB; VmHWM is this process's own peak (ru_maxrss would keep the forked parent's across exec)
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key + ":")).split()[1])
 path, rows, specs = Path(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
-import torch.distributed.checkpoint.filesystem  # what the scan imports, so that it counts in the baseline
-base = int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1])
+base = status("VmRSS")
 scan = StepScan(path, specs)
 assert verify_files(path, rows, hasher=scan.hasher)["status"] == "pass" and scan.invariants()["status"] == "pass"
-print(json.dumps([base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))
+print(json.dumps([base, status("VmHWM")]))
 """
 
 
