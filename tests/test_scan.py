@@ -134,12 +134,12 @@ def test_invariant_violations_at_interior_piece_boundaries_are_caught(tmp_path):
 
     per_piece = scan_mod.PIECE // 4
     g = torch.Generator().manual_seed(2)
-    unit = torch.randn(3 * per_piece, generator=g, dtype=torch.float32)
+    unit = torch.randn(2 * per_piece, generator=g, dtype=torch.float32)
     unit /= float(torch.linalg.vector_norm(unit, dtype=torch.float64))
     unit[per_piece] = 0.5                # first element of the second piece: the norm leaves the sphere
-    w = torch.randn(3 * per_piece, generator=g)
-    w[2 * per_piece - 1] = float("nan")  # last element of the second piece
-    w[2 * per_piece] = float("inf")      # first element of the third
+    w = torch.randn(per_piece + 99, generator=g)
+    w[per_piece - 1] = float("nan")      # last element of the first piece
+    w[per_piece] = float("inf")          # first element of the second (partial) one
     d = tmp_path / "step-1"
     rows = _save(d, {"unit": unit, "w": w})
     specs = ["finite", "frobenius_sphere:radius=1.0:params=unit"]
@@ -150,7 +150,7 @@ def test_invariant_violations_at_interior_piece_boundaries_are_caught(tmp_path):
     assert inv["status"] == "fail"
     by = {(r["check"], r["tensor"]): r for r in inv["reasons"]}
     assert set(by) == {("finite", "w"), ("frobenius_sphere", "unit")}
-    assert by[("finite", "w")]["index"] == 2 * per_piece - 1 and by[("finite", "w")]["value"] == 2.0
+    assert by[("finite", "w")]["index"] == per_piece - 1 and by[("finite", "w")]["value"] == 2.0
     norm = float(torch.linalg.vector_norm(unit, dtype=torch.float64))   # the constructed tensor's norm
     assert norm > 1.001 and by[("frobenius_sphere", "unit")]["value"] == pytest.approx(norm, rel=1e-6)
     # the read-back path agrees on everything but the Frobenius value's last digits
