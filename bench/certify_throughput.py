@@ -4,12 +4,15 @@ Writes a ~1 GB DCP checkpoint (4 fp32 tensors, dcp.save in one process, 4 writer
 3 repetitions each, median:
   (a) certify:       what `certify` does per step: verify.verify_files with scan.StepScan's hasher (one
                      streaming pass per file, files in parallel threads: digests, entry structure, and the
-                     invariants ["finite", frobenius_sphere on one tensor] from the same buffers)
+                     invariants ["finite", frobenius_sphere on one tensor] checked on each 4 MiB piece right
+                     after it was hashed, nothing of a tensor kept)
   (a0) read-back:    the previous way (digest_files, then check_structure + read_tensors + run_offline), kept as
                      a reference point
   (b) xxh3 read:     read + xxh3_128 each file, one thread, 8 MiB chunks (a plain integrity scan)
   (c) serial sha256: read + hashlib.sha256 each file, one thread
 The page cache is warm for all three (the files were just written): this measures CPU cost, not the disk.
+Then certify once more in a fresh process, for its peak memory (`certify_peak_rss_mb`: the process's maximum
+resident set, against `baseline_rss_mb`, its resident set after the imports, before the certify call).
 
     python bench/certify_throughput.py [--size-mb 1024] [--reps 3] [--dir DIR] [--json]
 """
@@ -77,6 +80,34 @@ def read_back(path: Path, files: list[Path], checks) -> str:
     return ev["status"]
 
 
+_PEAK = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+import torch
+import torch.distributed.checkpoint.filesystem  # what the scan imports, so that it counts in the baseline
+from scout_ckpt.scan import StepScan
+from scout_ckpt.verify import verify_files
+def status(key):  # kB; VmHWM is this process's own peak (ru_maxrss would keep the forked parent's across exec)
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key + ":")).split()[1])
+path, rows, specs = Path(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+base = status("VmRSS")
+scan = StepScan(path, specs)
+assert verify_files(path, rows, hasher=scan.hasher)["status"] == "pass" and scan.invariants()["status"] == "pass"
+print(json.dumps([base, status("VmHWM")]))
+"""
+
+
+def peak_rss(path: Path, rows: list[dict], specs) -> dict:
+    """Peak resident memory of one certify in a fresh process (MB), and the process's before the call."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(Path(__file__).resolve().parents[1]), str(path),
+                          json.dumps(rows), json.dumps(specs)], capture_output=True, text=True, check=True)
+    base, peak = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"certify_peak_rss_mb": peak / 1024, "baseline_rss_mb": base / 1024}
+
+
 def hash_files(files: list[Path], make) -> None:
     buf = bytearray(CHUNK)
     view = memoryview(buf)
@@ -123,6 +154,7 @@ def main() -> None:
                      "sha256": lambda: hash_files(files, hashlib.sha256),
                      "read_back": lambda: read_back(path, files, checks)}, args.reps)
         a, b, c, a0 = med["certify"], med["xxh3"], med["sha256"], med["read_back"]
+        peak = peak_rss(path, rows, specs)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     result = {
@@ -131,7 +163,7 @@ def main() -> None:
         "certify_gb_s": nbytes / a / 1e9, "xxh3_read_gb_s": nbytes / b / 1e9, "sha256_gb_s": nbytes / c / 1e9,
         "bytes": nbytes, "files": len(files), "reps": args.reps, "write_s": write_s,
         "checks": [ch.spec for ch in checks], "cpus": os.cpu_count(), "torch": torch.__version__,
-        "loadavg_1m": os.getloadavg()[0],
+        "loadavg_1m": os.getloadavg()[0], **peak,
     }
     if args.json:
         print(json.dumps(result))
@@ -144,6 +176,8 @@ def main() -> None:
                     ("(c) read + sha256, 1 thread", c)]:
         print(f"{name:<46}{s:>10.3f}{nbytes / s / 1e9:>8.2f}{a / s:>8.2f}")
     print(f"certify / xxh3 read = {a / b:.2f}   certify / serial sha256 = {a / c:.2f}")
+    print(f"certify peak RSS {result['certify_peak_rss_mb']:.0f} MB (process before the call: "
+          f"{result['baseline_rss_mb']:.0f} MB; largest tensor {nbytes / 4 / 2**20:.0f} MB)")
 
 
 if __name__ == "__main__":

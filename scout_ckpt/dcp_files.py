@@ -17,9 +17,9 @@ code, or allocates without bound (`bytearray(1 << 34)` is a 40-byte pickle). `lo
 
 Declared sizes are then checked against the bytes on disk before anything is allocated (`storage_problems`): each
 chunk's bytes fit in its storage entry, the entries of a file do not overlap and lie inside it, and a tensor's
-chunks cover it. So `read_tensors` allocates at most the bytes the files hold. Entries are DCP `torch.save` blobs;
-their inner pickle is dry-run first (torch's `weights_only` set admits `bytearray` and the legacy
-`torch.FloatTensor(n)` constructors, which allocate by argument), then opened with `weights_only=True`.
+chunks cover it. So `read_tensors` allocates at most the bytes the files hold. Entries are DCP `torch.save` blobs,
+opened one at a time by `dcp_entries` (a dry run of the inner pickle, then `weights_only=True`; its own module
+because certify's one-pass scanner opens entries from its read buffers with exactly the same refusals).
 `check_structure` (what `adopt` trusts a foreign folder on) dry-runs every entry: `dcp.load` itself opens
 non-tensor entries with `weights_only=False`.
 """
@@ -29,15 +29,13 @@ from __future__ import annotations
 import io
 import math
 import os
-import pickle
 import re
 import stat
-import struct
-import zipfile
 from pathlib import Path
 from typing import Any
 
-from scout_ckpt.dcp_pickle import MAX_NDIM, BadMetadata, RefusedPickle, _EntryScan, _MetadataUnpickler
+from scout_ckpt.dcp_entries import _scan_entry, _Window, load_entry, tensor_layout  # noqa: F401 (re-exported)
+from scout_ckpt.dcp_pickle import MAX_NDIM, BadMetadata, RefusedPickle, _MetadataUnpickler
 from scout_ckpt.errors import BadInput
 from scout_ckpt.layout import DCP_METADATA
 from scout_ckpt.policy import FAIL, PASS, evidence
@@ -300,81 +298,6 @@ def entry_problems(step_dir: str | os.PathLike, md) -> list[dict]:
     return reasons
 
 
-# ---- entries ----------------------------------------------------------------------------------------------------
-
-class _Window(io.RawIOBase):
-    """A read-only view of bytes [offset, offset + length) of an open file: what torch.load and zipfile read
-    an entry through (torch's own view cannot seek from the end)."""
-
-    def __init__(self, f, offset: int, length: int):
-        super().__init__()
-        self._f, self._off, self._len, self._pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._len}[whence]
-        self._pos = min(max(base + pos, 0), self._len)
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = min(len(b), self._len - self._pos)
-        if n <= 0:
-            return 0
-        self._f.seek(self._off + self._pos)
-        got = self._f.readinto(memoryview(b)[:n])
-        self._pos += got or 0
-        return got or 0
-
-
-def _scan_entry(window: _Window, length: int) -> None:
-    """Refuse an entry whose zip or inner pickle is not what `torch.save` writes for a tensor or plain value."""
-    try:
-        z = zipfile.ZipFile(window)
-        infos = z.infolist()
-        pkls = [i for i in infos if i.filename == "data.pkl" or i.filename.endswith("/data.pkl")]
-        if len(pkls) != 1 or len({i.filename for i in infos}) != len(infos):
-            raise RefusedPickle("not a torch.save archive (no single data.pkl, or duplicate names)")
-        info = pkls[0]
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size > length:
-            raise RefusedPickle("compressed or oversized data.pkl")
-        data = z.read(info)
-    except BadInput:
-        raise
-    except Exception as e:
-        raise RefusedPickle(f"not a torch.save archive ({type(e).__name__})") from None
-    finally:
-        window.seek(0)
-    try:
-        _EntryScan(io.BytesIO(data)).load()
-    except BadInput:
-        raise
-    except Exception as e:
-        raise RefusedPickle(f"malformed entry pickle ({type(e).__name__})") from None
-
-
-def load_entry(f, offset: int, length: int):
-    """The tensor or plain value stored as bytes [offset, offset + length) of `f` (any seekable binary file with
-    readinto), dry-run first (`_scan_entry`), then opened with `weights_only=True`. BadInput (BadMetadata or
-    RefusedPickle) if refused."""
-    import torch
-
-    window = _Window(f, offset, length)
-    _scan_entry(window, length)
-    try:
-        return torch.load(window, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise BadMetadata(f"unreadable DCP entry ({type(e).__name__}: "
-                          f"{clip(str(e).splitlines()[0] if str(e) else '', 200)})") from None
-
-
 def read_tensors(step_dir: str | os.PathLike, prefix: str | None = None, *, include_bytes: bool = False,
                  metadata=None) -> dict[str, Any]:
     """Full tensors {fqn: Tensor} (and, with include_bytes, plain values such as a saved `step` int) of a step
@@ -427,80 +350,3 @@ def read_tensors(step_dir: str | os.PathLike, prefix: str | None = None, *, incl
                     dst = dst.narrow(d, o, n)
                 dst.copy_(value)
     return out
-
-
-# ---- where a tensor entry's bytes lie (certify's one pass reads them straight into the tensor) --------------------
-
-class _LayoutScan(_EntryScan):
-    """The entry dry run (`_EntryScan`, every refusal kept) recording the storage and the view it builds."""
-
-    dispatch = dict(_EntryScan.dispatch)
-
-    def __init__(self, f):
-        super().__init__(f)
-        self.types: list[str] = []
-        self.storages: list[tuple] = []
-        self.rebuilds: list[tuple] = []
-        self.built = None
-
-    def find_class(self, module, name):
-        out = super().find_class(module, name)
-        if getattr(out, "what", None) == "storage_type":
-            self.types.append(name)
-        return out
-
-    def persistent_load(self, pid):
-        out = super().persistent_load(pid)
-        self.storages.append((pid[2], pid[4]))
-        return out
-
-    def load_reduce(self):
-        args, func = self.stack[-1], self.stack[-2]
-        _EntryScan.load_reduce(self)
-        if getattr(func, "what", None) == "torch._utils._rebuild_tensor_v2":
-            self.rebuilds.append((args[1], tuple(args[2]), tuple(args[3])))
-            self.built = self.stack[-1]
-    dispatch[pickle.REDUCE[0]] = load_reduce
-
-
-def tensor_layout(f, offset: int, length: int) -> dict | None:
-    """Where the one storage of a tensor entry lies, for a reader that fills a tensor straight from the file
-    instead of going through `torch.load`: {"start" (bytes from the entry's start), "nbytes", "storage_type"
-    (e.g. "FloatStorage"), "storage_offset", "size", "stride"}; None when the entry is anything else (a plain
-    value, several storages, a big-endian archive, a compressed member), so the caller uses `load_entry`.
-    BadInput if the entry is refused (the same dry run as `load_entry`)."""
-    window = _Window(f, offset, length)
-    _scan_entry(window, length)
-    try:
-        z = zipfile.ZipFile(window)
-        infos = {i.filename: i for i in z.infolist()}
-        pkl = next(n for n in infos if n == "data.pkl" or n.endswith("/data.pkl"))
-        prefix = pkl[: -len("data.pkl")]
-        order = infos.get(prefix + "byteorder")
-        if order is not None and z.read(order) != b"little":
-            return None
-        scan = _LayoutScan(io.BytesIO(z.read(infos[pkl])))
-        result = scan.load()
-        if result is not scan.built or len(scan.storages) != 1 or len(scan.rebuilds) != 1 or len(scan.types) != 1:
-            return None
-        key = scan.storages[0][0]
-        info = infos.get(f"{prefix}data/{key}")
-        if info is None or info.compress_type != zipfile.ZIP_STORED:
-            return None
-        window.seek(info.header_offset)
-        head = window.read(30)
-        if len(head) != 30 or head[:4] != b"PK\x03\x04":
-            return None
-        n_name, n_extra = struct.unpack("<HH", head[26:30])
-        start = info.header_offset + 30 + n_name + n_extra
-        if start + info.file_size > length:
-            return None
-        storage_offset, size, stride = scan.rebuilds[0]
-        return {"start": start, "nbytes": info.file_size, "storage_type": scan.types[0],
-                "storage_offset": storage_offset, "size": size, "stride": stride}
-    except BadInput:
-        raise
-    except Exception:  # anything unexpected: the caller takes the torch.load path, which reports it
-        return None
-    finally:
-        window.seek(0)

@@ -1,16 +1,22 @@
 """One streaming pass over a DCP step dir: file digests, structure, finiteness and invariants from the same reads.
 
 `certify` used to hash every file (one read) and then read every tensor back through the entries (a second read,
-and every tensor of the checkpoint in memory at once). Here each data file is read once, front to back: the bytes
-between entries go through the hasher in 8 MiB pieces; each storage entry (one tensor chunk or plain value, a
-`torch.save` archive) is first dry-run from a second descriptor (`dcp_files.tensor_layout`: the zip and inner
-pickle checks `load_entry` makes, and where the one storage lies); a plain tensor entry's bytes are then read
-from the file straight into a tensor of its shape over the thread's reused buffer, in 8 MiB pieces each hashed while in the cache (no
-second copy); anything else (a plain value, an unusual layout) is read into a buffer and opened from it with
-`dcp_files.load_entry` (`weights_only`). Each tensor is checked at once (`invariants.run_offline` on that tensor alone: every check is per tensor) and dropped.
-Files go in parallel threads (xxh3, reads and torch ops release the GIL). Peak memory: per thread one entry buffer
-(reused) and its tensor, so about twice the largest tensor chunk per thread, plus the tensors split over several entries
-while they are assembled (DCP writes a tensor as one chunk unless it is sharded).
+and every tensor of the checkpoint in memory at once). Here each data file is read once, front to back, by one
+loop (`_Reader.pump`): PIECE bytes at a time into the thread's reused buffer, each piece hashed right after the
+read, while it is in the cache. Each storage entry (one tensor chunk or plain value, a `torch.save` archive) is
+first dry-run from a second descriptor (`dcp_entries.tensor_layout`: the zip and inner pickle checks
+`load_entry` makes, and where the one storage lies). Then, for a plain tensor entry:
+- when every check that applies to it is element-wise (`finite`, `frobenius_sphere`: `invariants.stream`), each
+  piece of its bytes is checked right after it was hashed (a sum, a sum of squares; an exact element check only
+  when a sum is not finite) and nothing of the tensor is kept;
+- otherwise (spectral, oblique, simplex and monotone checks need the whole tensor) its bytes are read straight
+  into a tensor of its shape over the thread's entry buffer, hashed piece by piece on the way, and given to
+  `invariants.run_offline`.
+Anything else (a plain value, an unusual layout) is read into the entry buffer and opened from it with
+`dcp_entries.load_entry` (`weights_only`). Files go in parallel threads (reads, xxh3 and torch ops release the
+GIL); each thread runs torch single-threaded. Peak memory per thread: the piece buffer and its float32 scratch
+(2 x PIECE), plus, only for tensors a whole-tensor check matches, an entry buffer the size of the largest such
+chunk; plus the tensors split over several entries while they are assembled for such checks.
 
 Trust: the entries are parsed before the file's digest is known to match; parsing is the path built for
 untrusted folders (`adopt`), and the invariants evidence is only used when the bytes evidence passes. When the
@@ -31,9 +37,12 @@ from typing import Any, Callable
 import torch
 import xxhash
 
-from scout_ckpt.digests import ALGO, CHUNK, file_digest
+from scout_ckpt.digests import ALGO
 from scout_ckpt.errors import BadInput
 from scout_ckpt.policy import FAIL, INCONCLUSIVE, PASS, evidence
+
+# Bytes per read: hashed and checked while in the L2/L3 cache (2 threads x (piece + float32 scratch) fit in L3)
+PIECE = 4 << 20
 
 
 class _Memory:
@@ -95,9 +104,11 @@ class StepScan:
         self._lock = threading.Lock()
         self._local = threading.local()
         self.direct = 0                         # entries read straight into their tensor
+        self.streamed = 0                       # entries checked piece by piece (nothing of them kept)
         self._results: list[dict] = []
         self._plain: dict[str, Any] = {}        # non-tensor entries (a saved step counter, ...)
         self._parts: dict[str, list] = {}       # fqn -> [tensor being assembled, elements still missing]
+        self._streams: dict[str, Any] = {}      # fqn -> its TensorStream, or None (checked whole)
         self._entries: dict[str, list] = {}     # real path of a data file -> [(offset, length, fqn, chunk)]
         self._expected = 0                      # entries declared; _seen counts those parsed
         self._seen = 0
@@ -149,52 +160,110 @@ class StepScan:
         n = self.threads or threads or min(len(paths), os.cpu_count() or 1, 8)
         # largest first, so that the last file to start is a small one
         order = sorted(paths, key=lambda p: -sum(e[1] for e in self._entries.get(p, [])))
-        if n <= 1:
-            return {p: self._file(p, progress) for p in order}
-        with ThreadPoolExecutor(n, thread_name_prefix="scout-scan") as pool:
-            return dict(zip(order, pool.map(lambda p: self._file(p, progress), order)))
+        # Our own threads even for one file, each running torch single-threaded: the files are the parallelism,
+        # and an OpenMP team per reduction on a loaded machine waits for its workers to be scheduled (measured:
+        # 200 sums of 4 MB took 4.2 s with 2 OpenMP threads under load 15, 0.12 s with 1). set_num_threads sets
+        # the calling thread's team size, but also the default that threads not yet using torch start from (and
+        # the caller's own, if it has not run a parallel op yet): the caller's value is read first and put back.
+        before = torch.get_num_threads()
+        try:
+            with ThreadPoolExecutor(n, thread_name_prefix="scout-scan", initializer=torch.set_num_threads,
+                                    initargs=(1,)) as pool:
+                return dict(zip(order, pool.map(lambda p: self._file(p, progress), order)))
+        finally:
+            torch.set_num_threads(before)
 
     def _file(self, path: str, progress) -> tuple[int, str]:
+        """(size, digest) of one file, read once front to back; its entries are checked from the same pieces."""
         entries = sorted(self._entries.get(path, []), key=lambda e: e[0]) if self._failed is None else []
-        if not entries:
-            return file_digest(path, progress)
-        h = xxhash.xxh3_128()
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise BadInput(f"{path}: not a regular file; refusing to hash it")
-        gap = bytearray(CHUNK)
-        pos = 0
-        with open(fd, "rb", buffering=0) as f, open(path, "rb") as layout_f:
-            for off, length, fqn, chunk, item in entries:
-                pos += self._through(f, h, off - pos, gap, progress)
-                if pos != off:      # the file ended (or changed) under us: the digest will not match
-                    break
-                direct = self._direct(layout_f, off, length, chunk, item)
-                if direct is not None:  # the tensor's bytes go from the file straight into the tensor
-                    t, start, nbytes = direct
-                    pos += self._through(f, h, start, gap, progress)
-                    got = _read_full(f, memoryview(t.view(-1).view(torch.uint8).numpy()), h, progress)
-                    pos += got
-                    if got != nbytes:
-                        break
-                    pos += self._through(f, h, length - start - nbytes, gap, progress)
-                    self._check(fqn, chunk, item, t)
-                    continue
-                buf = self._buffer(length)
-                got = _read_full(f, buf, h, progress)
-                pos += got
-                if got == length:
-                    self._entry(buf, fqn, chunk, item)
-            pos += self._through(f, h, None, gap, progress)
+        h = xxhash.xxh3_128()
+        with open(fd, "rb", buffering=0) as f:
+            r = _Reader(f, h, progress, self._piece())
+            pos = 0
+            if entries:
+                with open(path, "rb") as layout_f:
+                    for off, length, fqn, chunk, item in entries:
+                        pos += r.pump(off - pos)
+                        if pos != off:      # the file ended (or changed) under us: the digest will not match
+                            break
+                        got = self._entry_pass(r, layout_f, off, length, fqn, chunk, item)
+                        pos += got
+                        if got != length:
+                            break
+            pos += r.pump(None)
         return pos, f"{ALGO}:{h.hexdigest()}"
 
+    def _entry_pass(self, r: _Reader, layout_f, off: int, length: int, fqn: str, chunk, item) -> int:
+        """Read one entry (hashing it) and check it: streamed piece by piece, read into a tensor over the
+        thread's buffer, or opened with `load_entry`. Returns the bytes read."""
+        lay = self._direct(layout_f, off, length, chunk, item)
+        st = self._stream(fqn, item) if chunk is not None else None
+        if lay is None:                 # a plain value or an unusual layout: through torch.load (weights_only)
+            buf = self._buffer(length)
+            got = r.pump(length, into=buf)
+            if got == length:
+                self._entry(buf, fqn, chunk, item, st)
+            return got
+        start, nbytes = lay
+        got = r.pump(start)
+        if got != start:
+            return got
+        dtype, size = item.properties.dtype, tuple(chunk.sizes)
+        if st is not None:              # the checks run on each piece while it is in the cache; nothing is kept
+            scratch = self._scratch()
+            itemsize = dtype.itemsize
+
+            def each(piece, done: int) -> None:
+                if len(piece) % itemsize == 0:
+                    st.update(piece.view(dtype), scratch, done // itemsize, chunk)
+            n = r.pump(nbytes, each=each)
+            if n == nbytes:
+                self._streamed(fqn, st)
+        else:                           # checks that need the whole tensor: fill it straight from the file
+            raw = self._buffer(nbytes)
+            n = r.pump(nbytes, into=raw)
+            if n == nbytes:
+                self._check(fqn, chunk, item, raw.view(dtype).view(size))
+        got += n
+        if n != nbytes:
+            return got
+        return got + r.pump(length - start - nbytes)
+
+    def _stream(self, fqn: str, item):
+        """The TensorStream checking this tensor piece by piece (shared by its chunks), or None when a check
+        needs the whole tensor (it is then read into memory and given to `run_offline`)."""
+        from scout_ckpt.invariants.stream import TensorStream, streams
+
+        dtype = item.properties.dtype
+        with self._lock:
+            if fqn in self._streams:
+                return self._streams[fqn]
+            st = None
+            if streams(self.checks, fqn, dtype):
+                st = TensorStream(self.checks, fqn, dtype, tuple(item.size))
+            self._streams[fqn] = st
+            return st
+
+    def _streamed(self, fqn: str, st) -> None:
+        """One more entry of a streamed tensor checked; its evidence once every element was seen."""
+        with self._lock:
+            self._seen += 1
+            self.streamed += 1
+            if st.done and not st.reported:
+                st.reported = True
+                if st.todo:
+                    self._results.append(st.evidence())
+
     def _direct(self, f, off: int, length: int, chunk, item):
-        """(empty tensor, start of its bytes in the entry, their count) when filling the tensor straight from the
-        file gives exactly what `torch.load` of the entry would (one storage of the chunk's dtype, the chunk's
-        shape, contiguous, from offset 0); None otherwise, and for any entry the dry run refuses (the
-        `load_entry` path then records why)."""
-        from scout_ckpt.dcp_files import tensor_layout
+        """(start of the tensor's bytes in the entry, their count) when reading them straight into a tensor of
+        the chunk's shape gives exactly what `torch.load` of the entry would (one storage of the chunk's
+        dtype, the chunk's shape, contiguous, from offset 0); None otherwise, and for any entry the dry run
+        refuses (the `load_entry` path then records why)."""
+        from scout_ckpt.dcp_entries import tensor_layout
 
         if chunk is None:
             return None
@@ -217,41 +286,39 @@ class StepScan:
             return None
         with self._lock:
             self.direct += 1
-        # a view of this thread's reused buffer: checked and dropped before the thread reads its next entry, and
-        # no fresh pages to fault in per tensor
-        raw = torch.frombuffer(self._buffer(lay["nbytes"]), dtype=torch.uint8)
-        return raw.view(dtype).view(size), lay["start"], lay["nbytes"]
+        return lay["start"], lay["nbytes"]
 
-    def _buffer(self, n: int) -> memoryview:
-        """n bytes of this thread's entry buffer, grown to the largest entry it has read: reused, so its pages
-        are faulted in once, not once per entry."""
+    def _buffer(self, n: int):
+        """n bytes of this thread's entry buffer (a uint8 tensor), grown to the largest entry it has read into
+        memory: reused, so its pages are faulted in once, and never zero-filled while holding the GIL."""
         buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._local.buf = bytearray(n)
-        return memoryview(buf)[:n]
+        if buf is None or buf.numel() < n:
+            buf = self._local.buf = None
+            buf = self._local.buf = torch.empty(n, dtype=torch.uint8)
+        return buf[:n]
 
-    @staticmethod
-    def _through(f, h, n: int | None, gap: bytearray, progress) -> int:
-        """Hash the next n bytes (None: to the end) in CHUNK pieces; returns how many there were."""
-        view, done = memoryview(gap), 0
-        while n is None or done < n:
-            want = CHUNK if n is None else min(CHUNK, n - done)
-            got = f.readinto(view[:want])
-            if not got:
-                break
-            h.update(view[:got])
-            done += got
-            if progress is not None:
-                progress(got)
-        return done
+    def _piece(self):
+        """This thread's piece buffer (what the hasher reads into)."""
+        p = getattr(self._local, "piece", None)
+        if p is None:
+            p = self._local.piece = torch.empty(PIECE, dtype=torch.uint8)
+        return p
 
-    def _entry(self, buf: memoryview, fqn: str, chunk, item) -> None:
+    def _scratch(self):
+        from scout_ckpt.invariants.stream import Scratch
+
+        s = getattr(self._local, "scratch", None)
+        if s is None:
+            s = self._local.scratch = Scratch()
+        return s
+
+    def _entry(self, buf, fqn: str, chunk, item, st=None) -> None:
         """Open one entry from its buffer and check it (or file it for assembly). Any refusal is recorded and the
         read-back path then reports it exactly as before."""
-        from scout_ckpt.dcp_files import load_entry
+        from scout_ckpt.dcp_entries import load_entry
 
         try:
-            value = load_entry(_Memory(buf), 0, len(buf))
+            value = load_entry(_Memory(buf.numpy()), 0, len(buf))
         except BadInput as e:
             self._fail(f"{fqn}: {e}")
             return
@@ -260,17 +327,17 @@ class StepScan:
                 self._plain[fqn] = value
                 self._seen += 1
             return
-        self._check(fqn, chunk, item, value)
+        if st is None:
+            self._check(fqn, chunk, item, value)
+        elif self._matches(fqn, chunk, item, value):
+            st.update(value.reshape(-1), self._scratch(), 0, chunk)
+            self._streamed(fqn, st)
 
     def _check(self, fqn: str, chunk, item, value) -> None:
         """Check one tensor chunk against its metadata, then its invariants (once its tensor is whole)."""
-        import torch
-
         from scout_ckpt.invariants import run_offline
 
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(chunk.sizes) or \
-                value.dtype != item.properties.dtype:
-            self._fail(f"{fqn}: chunk does not match its metadata")
+        if not self._matches(fqn, chunk, item, value):
             return
         whole = tuple(chunk.sizes) == tuple(item.size)
         if not whole:
@@ -282,6 +349,13 @@ class StepScan:
                     self._results.append(ev)
         with self._lock:
             self._seen += 1
+
+    def _matches(self, fqn: str, chunk, item, value) -> bool:
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(chunk.sizes) or \
+                value.dtype != item.properties.dtype:
+            self._fail(f"{fqn}: chunk does not match its metadata")
+            return False
+        return True
 
     def _assemble(self, fqn: str, chunk, item, value):
         """Copy a chunk into its tensor; the full tensor once its last chunk arrived, else None."""
@@ -309,7 +383,8 @@ class StepScan:
     def invariants(self) -> dict | None:
         """Invariants evidence over every entry seen in the pass; None if the pass could not vouch for all of
         them (then read the tensors back: `certify.offline_invariants`)."""
-        if self._failed is not None or self._seen != self._expected or self._parts:
+        if self._failed is not None or self._seen != self._expected or self._parts or \
+                any(st is not None and not st.done for st in self._streams.values()):
             return None
         from scout_ckpt.invariants import run_offline
 
@@ -340,16 +415,38 @@ def _storage_dtype(name: str):
         return _STORAGE_DTYPES.get(name)
 
 
-def _read_full(f, view: memoryview, h, progress) -> int:
-    """Fill view from f in CHUNK pieces, hashing each piece while it is still in the cache."""
-    got = 0
-    while got < len(view):
-        piece = view[got:got + CHUNK]
-        n = f.readinto(piece)
-        if not n:
-            break
-        h.update(piece[:n])
-        got += n
-        if progress is not None:
-            progress(n)
-    return got
+class _Reader:
+    """The one read loop: the next n bytes of a file in pieces of at most PIECE bytes, each hashed right after
+    it is read (while it is in the cache) and then, optionally, handed to a check. Short reads are completed
+    before a piece is handed on, so a piece holds whole elements."""
+
+    def __init__(self, f, h, progress, piece):
+        self.f, self.h, self.progress = f, h, progress
+        self.piece = piece                       # uint8 tensor of PIECE bytes (this thread's, reused)
+        self.view = memoryview(piece.numpy())
+
+    def pump(self, n: int | None, into=None, each: Callable[[Any, int], None] | None = None) -> int:
+        """Read and hash the next n bytes (None: to the end of the file); returns how many there were. `into`
+        (a uint8 tensor of n bytes) receives them, else they pass through the piece buffer; `each(piece, done)`
+        is called on every piece (a uint8 tensor; `done` bytes came before it)."""
+        dest = memoryview(into.numpy()) if into is not None else None
+        done = 0
+        while n is None or done < n:
+            want = PIECE if n is None else min(PIECE, n - done)
+            view = dest[done:done + want] if dest is not None else self.view[:want]
+            got = 0
+            while got < want:
+                k = self.f.readinto(view[got:])
+                if not k:
+                    break
+                got += k
+            if got:
+                self.h.update(view[:got])
+                if each is not None:
+                    each((into[done:done + got] if into is not None else self.piece[:got]), done)
+                if self.progress is not None:
+                    self.progress(got)
+            done += got
+            if got < want:
+                break
+        return done
