@@ -36,7 +36,6 @@ from torch import nn
 
 from scout_ckpt.consensus.c3 import verdicts_from_gathered
 from scout_ckpt.consensus.signatures import replica_signatures
-from scout_ckpt.consensus.timing import Confirmer, robust_outliers
 from scout_ckpt.replay.capture import ModuleCapture, current_state
 from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module
 from scout_ckpt.replay.optimizer_replay import (
@@ -46,6 +45,7 @@ from scout_ckpt.replay.optimizer_replay import (
     supports,
 )
 from scout_ckpt.replay.schedule import Schedule, Target
+from scout_ckpt.replay.stragglers import StragglerRule
 from scout_ckpt.replay.targets import NoTargets, discover, resolve, sites
 from scout_ckpt.replay.transport import broadcast_payload, host
 
@@ -109,8 +109,7 @@ class ReplayRunner:
         self._next: int | None = None          # the step whose forward comes next (armed for)
         self._replayed: tuple[int, set[str]] = (0, set())  # targets the rotation replayed at that step
         self._events: list[dict] = []
-        self._confirmer = Confirmer(straggler_rounds)
-        self._reported: set[int] = set()
+        self._stragglers = StragglerRule(straggler_rounds)
 
     def targets(self) -> list[Target]:
         """The coverage set: a step certifies only if each has a clean replay (see schedule.coverage)."""
@@ -333,13 +332,8 @@ class ReplayRunner:
         return {r: t.tolist() for r, t in zip(self.peers, out)}
 
     def _timing(self, step: int, target: Target, durations: dict[int, float]) -> None:
-        confirmed = self._confirmer.update(robust_outliers(durations))
-        new = {r: v for r, v in confirmed.items() if r not in self._reported}
-        self._reported = set(confirmed)  # a rank that recovers and slows down again is reported again
-        for rank, slowdown in sorted(new.items()):
-            self._events.append({"kind": "straggler", "ranks": [rank], "step": step,
-                                 "detail": {"slowdown": round(float(slowdown), 3), "source": "replay",
-                                            "target": target[1]}})
+        """Replay durations feed the straggler rule one step at a time (see replay.stragglers)."""
+        self._events.extend(self._stragglers.observe(step, durations, target[1]))
 
 
 def _peer_group(groups, peers: str) -> tuple[Any, list[int]]:
