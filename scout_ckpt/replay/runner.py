@@ -110,6 +110,9 @@ class ReplayRunner:
         self._replayed: tuple[int, set[str]] = (0, set())  # targets the rotation replayed at that step
         self._events: list[dict] = []
         self._stragglers = StragglerRule(straggler_rounds)
+        # Sweep captures keep references to the live inputs (capture.py); a target whose referenced inputs were
+        # written in place before a sweep is captured by clones from then on (on this rank).
+        self._clone_targets: set[str] = set()
 
     def targets(self) -> list[Target]:
         """The coverage set: a step certifies only if each has a clean replay (see schedule.coverage)."""
@@ -189,6 +192,13 @@ class ReplayRunner:
             done = self._replayed[1] if self._replayed[0] == step else set()
             items = [(t, self._done[1][t[1]]) for t in self._targets if t[1] not in done]
             src = self.peers[(step + len(self._saves)) % len(self.peers)]  # the source rotates over saves
+            for t, cap in items:
+                inv = getattr(cap, "invocation", None)
+                if t[0] != "optimizer" and inv is not None and not inv.intact():
+                    self._clone_targets.add(t[1])
+                    warnings.warn(f"replay sweep at step {step}: the inputs captured for {t[1]} were written in "
+                                  f"place after capture; captured by copies from the next save on"
+                                  + (" (not replayed now: coverage incomplete)" if self.rank == src else ""))
             rows = self._replay_batch(step, items, src)
             for row in rows:
                 row["detail"]["sweep"] = True
@@ -227,7 +237,8 @@ class ReplayRunner:
                 caps[name] = OptimizerCapture(self.optimizer, self._opt_elems)
                 caps[name].arm(step)
             else:
-                caps[name] = ModuleCapture(self._sites[name].outer, self._sites[name].inner, params=False)
+                caps[name] = ModuleCapture(self._sites[name].outer, self._sites[name].inner, params=False,
+                                           refs=name not in self._clone_targets)
                 caps[name].arm()
         if self._live is not None:
             for cap in self._live[1].values():
@@ -262,7 +273,10 @@ class ReplayRunner:
         source did not run this step gives no row. Every peer returns the same rows."""
         payloads = None
         if self.rank == src:
-            payloads = [host(cap.invocation if t[0] != "optimizer" else cap.capture) for t, cap in items]
+            # a capture whose referenced live tensors were written since is not sent: no row, coverage incomplete
+            payloads = [host(cap.capture) if t[0] == "optimizer" else
+                        host(cap.invocation) if cap.invocation is not None and cap.invocation.intact() else None
+                        for t, cap in items]
         payloads = broadcast_payload(payloads, src, self.group)
         work = [(t, cap, pl) for (t, cap), pl in zip(items, payloads) if pl is not None]
         results = []
