@@ -271,6 +271,20 @@ def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.contiguous().view(it) != b.contiguous().view(it)).sum())
 
 
+def _all_mismatches(live: list[torch.Tensor], mine: list[torch.Tensor]) -> int:
+    """sum(_mismatches(a, b)) over the pairs, in one comparison per dtype when the shapes pair up (one kernel,
+    not one per tensor: a round compares a few tensors per parameter)."""
+    pairs = list(zip(live, mine))
+    if any(a.shape != b.shape or a.dtype != b.dtype for a, b in pairs):
+        return sum(_mismatches(a, b) for a, b in pairs)
+    bad = 0
+    for dtype in {a.dtype for a, _ in pairs}:
+        sel = [(a, b) for a, b in pairs if a.dtype == dtype and a.numel()]
+        if sel:
+            bad += _mismatches(torch.cat([a.reshape(-1) for a, _ in sel]), torch.cat([b.reshape(-1) for _, b in sel]))
+    return bad
+
+
 def replay_signature_inputs(cls, defaults: dict, source: SliceCapture, own: SliceCapture | None
                             ) -> tuple[list[str], list[torch.Tensor]]:
     """The tensors a peer puts through C3: its replay of the source's slice, and its self-check.
@@ -285,7 +299,7 @@ def replay_signature_inputs(cls, defaults: dict, source: SliceCapture, own: Slic
         missing = 0
         _, live = _flat(own.after_params, own.after_state)
         _, mine = _flat(*replay_update(cls, defaults, own))
-        bad = sum(_mismatches(a, b) for a, b in zip(live, mine)) + abs(len(live) - len(mine))
+        bad = _all_mismatches(live, mine) + abs(len(live) - len(mine))
     labels.append("live_vs_replay")
     tensors.append(torch.tensor([bad, missing], dtype=torch.int64))
     return labels, tensors
