@@ -17,7 +17,12 @@ step, so the checkpoint carries complete replay evidence of its own step (no wai
 Capture for the save step must be armed before its forward: `expect_save(S)`, `save_every=`, or the period of the
 last two saves; until one of these is known every step is captured, so the first saves get a sweep too. Sweep captures hold no parameter copy: the sweep replays each module
 with the parameters it holds when the sweep runs -- the state being saved (under FSDP gathered one target at a
-time) -- so arming every target costs the block inputs and output gradients of one step, not a model copy.
+time) -- so arming every target costs the block inputs and output gradients of one step, not a model copy. And
+they hold references to those tensors, not copies (capture.py): a target whose referenced inputs were written in
+place before its sweep is not replayed at that save (its coverage stays incomplete: never a pass) and is captured
+by copies from then on.
+
+Replay durations also feed a straggler rule (replay.stragglers): one round per step, confirmed over several steps.
 
 All communication is on gloo side groups, never the training group (except the sweep's DTensor gathers of sharded
 parameters, see capture.current_state); live grads, parameters, buffers and RNG streams are never touched (replay
