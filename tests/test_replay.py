@@ -129,6 +129,40 @@ def test_replay_reproduces_the_live_forward_and_backward_bitwise(one_thread):
     assert not torch.equal(bad[0], seen["out"])
 
 
+def test_a_referenced_capture_replays_like_a_copy_and_goes_stale_on_any_in_place_write(one_thread):
+    """refs=True (the sweep's capture): the same replay as a cloned capture while the live tensors are untouched;
+    an in-place write to a captured input or output gradient after capture, or by the module's own forward,
+    makes it not intact (the sweep then does not replay it: never a pass on inputs the forward did not see)."""
+    from scout_ckpt.replay.capture import ModuleCapture
+    from scout_ckpt.replay.runner import replay_module
+
+    torch.manual_seed(0)
+    model = w.TinyLM(2)
+    block = model.blocks[1]
+    ref, cp = ModuleCapture(block, refs=True), ModuleCapture(block)
+    ref.arm(); cp.arm()
+    model(torch.randint(0, w.VOCAB, (2, w.SEQ))).square().mean().backward()
+    ref.disarm(); cp.disarm()
+    assert ref.invocation.intact() and len(ref.invocation.held) == 2   # the input and the output's gradient
+    assert ref.invocation.args[0].data_ptr() != cp.invocation.args[0].data_ptr()
+    a, b = replay_module(block, ref.invocation)[1], replay_module(block, cp.invocation)[1]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with torch.no_grad():
+        ref.invocation.grad_outputs[0].mul_(1.0)   # a write, even of the same values, bumps the version
+    assert not ref.invocation.intact()
+
+    class InPlace(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.relu(x, inplace=True) * 2
+
+    mod = InPlace()
+    cap = ModuleCapture(mod, refs=True, params=False)
+    cap.arm()
+    x = torch.randn(4, requires_grad=True)
+    mod(x * 1.0).sum().backward()
+    assert cap.invocation.mutated_in_forward and not cap.invocation.intact()
+
+
 def test_optimizer_slice_replay_matches_the_live_update_bitwise(one_thread):
     from scout_ckpt.replay.optimizer_replay import (
         OptimizerCapture,
@@ -215,6 +249,7 @@ def test_fsdp_replays_full_parameters_over_the_world():
     outcomes = run_ranks(w.w_fsdp, 3, 8, faults={2: (0, 4, 1.5)}, timeout=120)
     rows = _rows(outcomes)
     assert outcomes[0].result["peers"] == [0, 1, 2]
+    assert all(o.result["gather_exact"] for o in outcomes)  # the sweep's batched gather == full_tensor()
     by_target = {}
     for r in rows:
         by_target.setdefault(r["target"], []).append(r)

@@ -199,4 +199,18 @@ def w_fsdp(rank, world, steps, faults=None):
         opt.step()
         opt.zero_grad()
         rows += runner.on_step(step)
-    return {"rows": rows, "targets": runner.targets(), "peers": runner.peers}
+    return {"rows": rows, "targets": runner.targets(), "peers": runner.peers, "gather_exact": _gather_exact(model, mesh)}
+
+
+def _gather_exact(model, mesh) -> bool:
+    """The sweep's batched gather (capture.gather_full) against DTensor's own full_tensor(), on the model's
+    parameters (dims not divisible by 3 ranks) and on tensors with fewer rows than ranks (empty shards)."""
+    from torch.distributed.tensor import distribute_tensor, Shard
+
+    from scout_ckpt.replay.capture import gather_full
+
+    extra = [distribute_tensor(torch.arange(n * 3, dtype=torch.float32).view(n, 3), mesh, [Shard(0)])
+             for n in (1, 2, 5)] + [distribute_tensor(torch.arange(7.0), mesh, [Shard(0)]), torch.ones(2)]
+    ts = list(model.parameters()) + extra
+    want = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in ts]
+    return all(torch.equal(a, b) for a, b in zip(gather_full(ts), want))

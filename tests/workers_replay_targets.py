@@ -242,15 +242,19 @@ def w_discover_wrapped(rank, world, kind):
     return out
 
 
-def w_sweep(rank, world, steps, save_at, expect=(), faults=None, bitwise=False, unarmed=()):
+def w_sweep(rank, world, steps, save_at, expect=(), faults=None, bitwise=False, unarmed=(), poke=()):
     """The demo-like TinyLM of workers_replay, rotation far apart (interval 1000: only sweeps run). Saves at
     `save_at`: announced with expect_save for the steps in `expect`, the rest must be predicted by the runner
     from the period of the earlier saves (before the first announcement, every step is captured). `unarmed`: steps where sweep is called without any announcement.
-    bitwise: also train without the runner and compare the final state bit for bit."""
+    bitwise: also train without the runner and compare the final state bit for bit. poke: steps after whose
+    optimizer step (before the sweep) user code writes in place into the activation blocks.0 received (kept by a
+    forward hook of its own), as an in-place post-processing of a kept tensor would."""
     from tests import workers_replay as wr
 
     groups = wr.make_groups(world)
     model, opt = wr.setup(rank)
+    kept = []
+    model.blocks[0].register_forward_pre_hook(lambda m, args: kept.append(args[0]))
     runner = _runner(model, opt, groups, interval=1000)
     rows, armed_at = [], {}
     for step in range(1, steps + 1):
@@ -260,8 +264,12 @@ def w_sweep(rank, world, steps, save_at, expect=(), faults=None, bitwise=False, 
         armed_at[step] = live is not None and live[0] == step
         if faults and rank in faults and step == faults[rank][1]:
             model.blocks[faults[rank][0]].fault_scale = faults[rank][2]
+        kept.clear()
         wr.train_step(model, opt, rank, world, step)
         rows += runner.on_step(step)
+        if step in poke:
+            with torch.no_grad():
+                kept[0].add_(1.0)
         if step in save_at or step in unarmed:
             rows += runner.sweep(step)
     out = {"rows": rows, "targets": runner.targets(), "armed_at": armed_at}

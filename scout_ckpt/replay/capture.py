@@ -9,6 +9,14 @@ Hooks go on the module its parent calls (a CheckpointWrapper or a per-block torc
 hooks run eagerly around the live call); parameters are named and replayed on the unwrapped module.
 A capture made with `params=False` (the save-boundary sweep) records no parameters: the sweep replays with the
 parameters the module holds when the sweep runs, i.e. the state being saved, so no copy of the model is kept.
+
+A capture made with `refs=True` (the sweep's, by default) keeps *references* to the live inputs and output
+gradients instead of clones, with each tensor's `_version` (bumped by every in-place write). Autograd keeps most of
+them alive for the backward anyway, so the copy bought nothing but time on the save step. A tensor written in
+place after it was captured (by the module's own forward, a later layer, the optimizer) no longer holds what the
+forward saw: `Invocation.intact()` is then False and the sweep does not replay that target (its coverage of the
+checkpoint stays incomplete, never a pass). `mutated_in_forward` says the module wrote its own input (an in-place
+activation on it): such a target needs clones (`refs=False`) to ever be replayable.
 """
 
 from __future__ import annotations
@@ -17,12 +25,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 
 def _clone(x: Any) -> Any:
     return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+
+def _ref(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -45,20 +58,80 @@ class Invocation:
     device_rng: torch.Tensor | None
     autocast: tuple | None        # (device_type, dtype) when the forward ran under autocast
     grad_outputs: list = field(default_factory=list)  # per flattened output leaf: its grad, or None
+    held: list = field(default_factory=list)          # (live tensor, its _version when captured): refs=True
+    mutated_in_forward: bool = False                  # the module wrote one of its inputs in place
+
+    def intact(self) -> bool:
+        """Does every referenced live tensor still hold what was captured (no in-place write since)?"""
+        return not self.mutated_in_forward and all(t._version == v for t, v in self.held)
 
     def to(self, device: torch.device | str) -> Invocation:
         move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
         return Invocation(
             tree_map(move, self.args), tree_map(move, self.kwargs), self.requires_grad,
             {k: move(v) for k, v in self.params.items()}, {k: move(v) for k, v in self.buffers.items()},
-            self.training, self.rng, self.device_rng, self.autocast, [move(g) for g in self.grad_outputs])
+            self.training, self.rng, self.device_rng, self.autocast,
+            [move(g) for g in self.grad_outputs])  # `held` stays home: it is checked where the capture was made
 
 
 def current_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The module's parameters and buffers as they are now, full (a sharded DTensor is gathered: a collective on
-    its mesh, which every rank reaches in the same order because the sweep walks the targets in one order)."""
-    return ({n: _full(p).detach() for n, p in module.named_parameters()},
-            {n: _full(b).detach() for n, b in module.named_buffers()})
+    its mesh, which every rank reaches in the same order because the sweep walks the targets in one order).
+
+    FSDP2's parameters (dim-0 shards on a 1-D mesh) are gathered together, one all_gather per module and dtype,
+    not one `full_tensor()` each: per-tensor collectives were a third of an FSDP sweep."""
+    named = list(module.named_parameters()) + [("buffer:" + n, b) for n, b in module.named_buffers()]
+    full = gather_full([t for _, t in named])
+    params = {n: t.detach() for (n, _), t in zip(named, full) if not n.startswith("buffer:")}
+    buffers = {n[len("buffer:"):]: t.detach() for (n, _), t in zip(named, full) if n.startswith("buffer:")}
+    return params, buffers
+
+
+def _dim0_sharded(t: torch.Tensor) -> bool:
+    """A DTensor sharded on dim 0 of a 1-D mesh, evenly or as torch.chunk cuts it (FSDP2's layout)."""
+    try:
+        from torch.distributed.tensor import Shard
+    except ImportError:  # a torch without DTensor
+        return False
+    pl = getattr(t, "placements", None)
+    return (pl is not None and len(pl) == 1 and type(pl[0]) is Shard and pl[0].dim == 0
+            and t.device_mesh.ndim == 1 and t.ndim >= 1)
+
+
+def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor full: plain tensors as they are; dim-0 shards of one 1-D mesh and dtype in ONE all_gather
+    (each rank's shard padded to the torch.chunk size, cut back after); any other DTensor by full_tensor()."""
+    out: list = [None] * len(tensors)
+    batches: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if _dim0_sharded(t):
+            batches.setdefault((id(t.device_mesh), t.dtype), []).append(i)
+        else:
+            out[i] = _full(t)
+    for idx in batches.values():   # insertion order: the same on every rank
+        mesh = tensors[idx[0]].device_mesh
+        w = mesh.size()
+        layout = []                # (index, global shape, rows per chunk, elements per row, offset)
+        off = 0
+        for i in idx:
+            shape = tuple(tensors[i].shape)
+            rest = 1
+            for d in shape[1:]:
+                rest *= d
+            chunk = -(-shape[0] // w)
+            layout.append((i, shape, chunk, rest, off))
+            off += chunk * rest
+        local0 = tensors[idx[0]].to_local()
+        buf = torch.zeros(off, dtype=local0.dtype, device=local0.device)
+        for i, shape, chunk, rest, at in layout:
+            loc = tensors[i].to_local().detach().reshape(-1)
+            buf[at:at + loc.numel()].copy_(loc)
+        parts = [torch.empty_like(buf) for _ in range(w)]
+        dist.all_gather(parts, buf, group=mesh.get_group())
+        for i, shape, chunk, rest, at in layout:
+            rows = [max(0, min(chunk, shape[0] - r * chunk)) for r in range(w)]
+            out[i] = torch.cat([parts[r][at:at + n * rest] for r, n in enumerate(rows)]).view(shape)
+    return out
 
 
 def device_of(module: nn.Module) -> torch.device:
@@ -71,12 +144,15 @@ class ModuleCapture:
     """Arm on one module for one step; the first forward of the step (and its backward) is captured.
 
     module: where the hooks go (what the parent calls); inner: the unwrapped module whose parameters are snapshot
-    and which replay re-executes (default: module itself); params: snapshot parameters and buffers."""
+    and which replay re-executes (default: module itself); params: snapshot parameters and buffers; refs: keep
+    references (with their versions) to the inputs and output gradients instead of clones (module docstring)."""
 
-    def __init__(self, module: nn.Module, inner: nn.Module | None = None, *, params: bool = True):
+    def __init__(self, module: nn.Module, inner: nn.Module | None = None, *, params: bool = True,
+                 refs: bool = False):
         self.module = module
         self.inner = inner if inner is not None else module
         self.params = params
+        self.refs = refs
         self.invocation: Invocation | None = None
         self._handles: list = []
         self._pending_output = False  # the captured forward has not returned yet
@@ -108,8 +184,9 @@ class ModuleCapture:
         autocast = None
         if torch.is_autocast_enabled(dev.type):
             autocast = (dev.type, torch.get_autocast_dtype(dev.type))
+        keep = _ref if self.refs else _clone
         self.invocation = Invocation(
-            args=tree_map(_clone, args), kwargs=tree_map(_clone, kwargs),
+            args=tree_map(keep, args), kwargs=tree_map(keep, kwargs),
             requires_grad=tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves),
             params={n: _full(p).detach().clone() for n, p in inner.named_parameters()} if self.params else {},
             buffers={n: _full(b).detach().clone() for n, b in inner.named_buffers()} if self.params else {},
@@ -118,6 +195,8 @@ class ModuleCapture:
             device_rng=torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None,
             autocast=autocast,
         )
+        if self.refs:
+            self.invocation.held = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
         self._pending_output = True
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -125,19 +204,26 @@ class ModuleCapture:
         if inv is None or not self._pending_output:
             return
         self._pending_output = False
+        if inv.held and not inv.intact():  # the forward itself wrote an input: the references are stale already
+            inv.mutated_in_forward = True
         outs, _ = tree_flatten(output)
         inv.grad_outputs = [None] * len(outs)
         for i, o in enumerate(outs):
             if isinstance(o, torch.Tensor) and o.requires_grad:
                 o.register_hook(self._grad_hook(inv, i))
 
-    @staticmethod
-    def _grad_hook(inv: Invocation, i: int):
+    def _grad_hook(self, inv: Invocation, i: int):
+        refs = self.refs
+
         def hook(grad: torch.Tensor) -> None:
             if inv.grad_outputs[i] is None:
-                inv.grad_outputs[i] = grad.detach().clone()
+                if refs:
+                    inv.grad_outputs[i] = grad.detach()
+                    inv.held.append((grad, grad._version))
+                else:
+                    inv.grad_outputs[i] = grad.detach().clone()
             # never change the live gradient
         return hook
 
 
-__all__ = ["Invocation", "ModuleCapture", "current_state", "device_of"]
+__all__ = ["Invocation", "ModuleCapture", "current_state", "device_of", "gather_full"]

@@ -36,6 +36,11 @@ def supports(optimizer) -> bool:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, read directly: `to_local()` is an autograd Function call (~0.1 ms each), and the
+    capture reads several tensors per parameter every armed step (it was most of an armed FSDP step's extra)."""
+    local = getattr(t, "_local_tensor", None)
+    if local is not None:
+        return local
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -45,6 +50,16 @@ DEFAULT_ELEMS = 1 << 16  # elements per round, over all tensors (256 KiB of fp32
 
 def _slice(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
     return _local(t).detach().reshape(-1)[start:start + n].clone()
+
+
+def _windows_of(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Copies of tensors[i].flatten()[s:s+n] for every (s, n) of `spans`, made by one torch.cat (one copy kernel
+    instead of one clone per window; the copies are views into that one buffer). Same dtype and device required;
+    callers fall back to _slice otherwise."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.detach().reshape(-1).narrow(0, s, n) for t, (s, n) in zip(tensors, spans)])
+    return list(torch.split(flat, [n for _, n in spans]))
 
 
 def windows(numels: list[int], budget: int, rnd: int, seed: int = 0) -> list[tuple[int, int, int]]:
@@ -139,13 +154,16 @@ class OptimizerCapture:
             return
         cap = SliceCapture(round=self.round)
         self._chosen = []
-        for gi, pi, p, s, n, w in self._pick():
+        picked = self._pick()
+        locals_ = [_local(p) for _, _, p, *_ in picked]
+        hyper: dict[int, dict] = {}  # one copy per parameter group (its windows share it)
+        for (gi, pi, p, s, n, w), lp in zip(picked, locals_):
             state = {}
             for k, v in opt.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     lv = _local(v)
-                    if lv.shape == _local(p).shape:
-                        state[k] = _slice(v, s, n)
+                    if lv.shape == lp.shape:
+                        state[k] = None   # windowed below, with every other tensor's window of this key
                     elif lv.numel() == 1:
                         state[k] = lv.detach().clone()
                     else:
@@ -153,25 +171,54 @@ class OptimizerCapture:
                 else:
                     state[k] = v
             cap.names.append(f"{gi}.{pi}")
-            cap.hyper.append({k: v for k, v in opt.param_groups[gi].items() if k != "params"})
-            cap.params.append(_slice(p, s, n))
-            cap.grads.append(_slice(p.grad, s, n))
+            if gi not in hyper:
+                hyper[gi] = {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
+            cap.hyper.append(hyper[gi])
             cap.state.append(state)
             cap.starts.append(s)
             cap.cycle = max(cap.cycle, w)
             self._chosen.append((gi, pi, p, s, n))
+        spans = [(s, n) for *_, s, n in self._chosen]
+        cap.params = _batched(locals_, spans)
+        cap.grads = _batched([_local(p.grad) for _, _, p, _, _ in self._chosen], spans)
+        for k in {k for st in cap.state for k, v in st.items() if v is None}:
+            idx = [i for i, st in enumerate(cap.state) if k in st and st[k] is None]
+            for i, t in zip(idx, _batched([_local(opt.state[self._chosen[i][2]][k]) for i in idx],
+                                          [spans[i] for i in idx])):
+                cap.state[i][k] = t
         self.capture = cap
 
     def _post(self, opt, args, kwargs) -> None:
         cap = self.capture
         if cap is None or cap.after_params or len(self._chosen) != len(cap.params):
             return
-        for gi, pi, p, s, n in self._chosen:
-            cap.after_params.append(_slice(p, s, n))
-            cap.after_state.append({k: (_slice(v, s, n) if _local(v).shape == _local(p).shape
-                                        else _local(v).detach().clone())
-                                    for k, v in opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)})
+        spans = [(s, n) for *_, s, n in self._chosen]
+        locals_ = [_local(p) for _, _, p, _, _ in self._chosen]
+        cap.after_params = _batched(locals_, spans)
+        after: list[dict] = [{} for _ in self._chosen]
+        windowed: dict[str, list[int]] = {}
+        for i, ((gi, pi, p, s, n), lp) in enumerate(zip(self._chosen, locals_)):
+            for k, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    lv = _local(v)
+                    if lv.shape == lp.shape:
+                        windowed.setdefault(k, []).append(i)
+                        after[i][k] = None
+                    else:
+                        after[i][k] = lv.detach().clone()
+        for k, idx in windowed.items():
+            for i, t in zip(idx, _batched([_local(opt.state[self._chosen[i][2]][k]) for i in idx],
+                                          [spans[i] for i in idx])):
+                after[i][k] = t
+        cap.after_state = after
         self._chosen = []
+
+
+def _batched(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """_windows_of when every tensor shares one dtype and device, else one _slice each."""
+    if tensors and len({(t.dtype, t.device) for t in tensors}) == 1:
+        return _windows_of(tensors, spans)
+    return [_slice(t, s, n) for t, (s, n) in zip(tensors, spans)]
 
 
 def _fresh(cls, group: dict, defaults: dict):
@@ -224,6 +271,20 @@ def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.contiguous().view(it) != b.contiguous().view(it)).sum())
 
 
+def _all_mismatches(live: list[torch.Tensor], mine: list[torch.Tensor]) -> int:
+    """sum(_mismatches(a, b)) over the pairs, in one comparison per dtype when the shapes pair up (one kernel,
+    not one per tensor: a round compares a few tensors per parameter)."""
+    pairs = list(zip(live, mine))
+    if any(a.shape != b.shape or a.dtype != b.dtype for a, b in pairs):
+        return sum(_mismatches(a, b) for a, b in pairs)
+    bad = 0
+    for dtype in {a.dtype for a, _ in pairs}:
+        sel = [(a, b) for a, b in pairs if a.dtype == dtype and a.numel()]
+        if sel:
+            bad += _mismatches(torch.cat([a.reshape(-1) for a, _ in sel]), torch.cat([b.reshape(-1) for _, b in sel]))
+    return bad
+
+
 def replay_signature_inputs(cls, defaults: dict, source: SliceCapture, own: SliceCapture | None
                             ) -> tuple[list[str], list[torch.Tensor]]:
     """The tensors a peer puts through C3: its replay of the source's slice, and its self-check.
@@ -238,7 +299,7 @@ def replay_signature_inputs(cls, defaults: dict, source: SliceCapture, own: Slic
         missing = 0
         _, live = _flat(own.after_params, own.after_state)
         _, mine = _flat(*replay_update(cls, defaults, own))
-        bad = sum(_mismatches(a, b) for a, b in zip(live, mine)) + abs(len(live) - len(mine))
+        bad = _all_mismatches(live, mine) + abs(len(live) - len(mine))
     labels.append("live_vs_replay")
     tensors.append(torch.tensor([bad, missing], dtype=torch.int64))
     return labels, tensors

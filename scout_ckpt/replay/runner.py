@@ -17,7 +17,12 @@ step, so the checkpoint carries complete replay evidence of its own step (no wai
 Capture for the save step must be armed before its forward: `expect_save(S)`, `save_every=`, or the period of the
 last two saves; until one of these is known every step is captured, so the first saves get a sweep too. Sweep captures hold no parameter copy: the sweep replays each module
 with the parameters it holds when the sweep runs -- the state being saved (under FSDP gathered one target at a
-time) -- so arming every target costs the block inputs and output gradients of one step, not a model copy.
+time) -- so arming every target costs the block inputs and output gradients of one step, not a model copy. And
+they hold references to those tensors, not copies (capture.py): a target whose referenced inputs were written in
+place before its sweep is not replayed at that save (its coverage stays incomplete: never a pass) and is captured
+by copies from then on.
+
+Replay durations also feed a straggler rule (replay.stragglers): one round per step, confirmed over several steps.
 
 All communication is on gloo side groups, never the training group (except the sweep's DTensor gathers of sharded
 parameters, see capture.current_state); live grads, parameters, buffers and RNG streams are never touched (replay
@@ -36,7 +41,6 @@ from torch import nn
 
 from scout_ckpt.consensus.c3 import verdicts_from_gathered
 from scout_ckpt.consensus.signatures import replica_signatures
-from scout_ckpt.consensus.timing import Confirmer, robust_outliers
 from scout_ckpt.replay.capture import ModuleCapture, current_state
 from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module
 from scout_ckpt.replay.optimizer_replay import (
@@ -46,6 +50,7 @@ from scout_ckpt.replay.optimizer_replay import (
     supports,
 )
 from scout_ckpt.replay.schedule import Schedule, Target
+from scout_ckpt.replay.stragglers import StragglerRule
 from scout_ckpt.replay.targets import NoTargets, discover, resolve, sites
 from scout_ckpt.replay.transport import broadcast_payload, host
 
@@ -109,8 +114,10 @@ class ReplayRunner:
         self._next: int | None = None          # the step whose forward comes next (armed for)
         self._replayed: tuple[int, set[str]] = (0, set())  # targets the rotation replayed at that step
         self._events: list[dict] = []
-        self._confirmer = Confirmer(straggler_rounds)
-        self._reported: set[int] = set()
+        self._stragglers = StragglerRule(straggler_rounds)
+        # Sweep captures keep references to the live inputs (capture.py); a target whose referenced inputs were
+        # written in place before a sweep is captured by clones from then on (on this rank).
+        self._clone_targets: set[str] = set()
 
     def targets(self) -> list[Target]:
         """The coverage set: a step certifies only if each has a clean replay (see schedule.coverage)."""
@@ -190,6 +197,13 @@ class ReplayRunner:
             done = self._replayed[1] if self._replayed[0] == step else set()
             items = [(t, self._done[1][t[1]]) for t in self._targets if t[1] not in done]
             src = self.peers[(step + len(self._saves)) % len(self.peers)]  # the source rotates over saves
+            for t, cap in items:
+                inv = getattr(cap, "invocation", None)
+                if t[0] != "optimizer" and inv is not None and not inv.intact():
+                    self._clone_targets.add(t[1])
+                    warnings.warn(f"replay sweep at step {step}: the inputs captured for {t[1]} were written in "
+                                  f"place after capture; captured by copies from the next save on"
+                                  + (" (not replayed now: coverage incomplete)" if self.rank == src else ""))
             rows = self._replay_batch(step, items, src)
             for row in rows:
                 row["detail"]["sweep"] = True
@@ -228,7 +242,8 @@ class ReplayRunner:
                 caps[name] = OptimizerCapture(self.optimizer, self._opt_elems)
                 caps[name].arm(step)
             else:
-                caps[name] = ModuleCapture(self._sites[name].outer, self._sites[name].inner, params=False)
+                caps[name] = ModuleCapture(self._sites[name].outer, self._sites[name].inner, params=False,
+                                           refs=name not in self._clone_targets)
                 caps[name].arm()
         if self._live is not None:
             for cap in self._live[1].values():
@@ -263,7 +278,10 @@ class ReplayRunner:
         source did not run this step gives no row. Every peer returns the same rows."""
         payloads = None
         if self.rank == src:
-            payloads = [host(cap.invocation if t[0] != "optimizer" else cap.capture) for t, cap in items]
+            # a capture whose referenced live tensors were written since is not sent: no row, coverage incomplete
+            payloads = [host(cap.capture) if t[0] == "optimizer" else
+                        host(cap.invocation) if cap.invocation is not None and cap.invocation.intact() else None
+                        for t, cap in items]
         payloads = broadcast_payload(payloads, src, self.group)
         work = [(t, cap, pl) for (t, cap), pl in zip(items, payloads) if pl is not None]
         results = []
@@ -333,13 +351,8 @@ class ReplayRunner:
         return {r: t.tolist() for r, t in zip(self.peers, out)}
 
     def _timing(self, step: int, target: Target, durations: dict[int, float]) -> None:
-        confirmed = self._confirmer.update(robust_outliers(durations))
-        new = {r: v for r, v in confirmed.items() if r not in self._reported}
-        self._reported = set(confirmed)  # a rank that recovers and slows down again is reported again
-        for rank, slowdown in sorted(new.items()):
-            self._events.append({"kind": "straggler", "ranks": [rank], "step": step,
-                                 "detail": {"slowdown": round(float(slowdown), 3), "source": "replay",
-                                            "target": target[1]}})
+        """Replay durations feed the straggler rule one step at a time (see replay.stragglers)."""
+        self._events.extend(self._stragglers.observe(step, durations, target[1]))
 
 
 def _peer_group(groups, peers: str) -> tuple[Any, list[int]]:
