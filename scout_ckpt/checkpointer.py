@@ -3,7 +3,8 @@
 A save boundary is the commit protocol of scout_ckpt/commit.py (writing row, temp dir with owner record, digests,
 manifest, rename, ledger, retention) around the evidence gathered here: consensus, invariants and signatures on the
 live state, the writers' finite checks, replay coverage. Loading walks back from the newest certified checkpoint
-past any whose bytes or loaded values do not match what was saved, rejecting each in the ledger.
+past any whose bytes or loaded values do not match what was saved, rejecting each in the ledger (the walk-back is
+scout_ckpt/loading.py; this class is the facade over save, load and shutdown).
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import uuid
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.stateful import Stateful
 
 import scout_ckpt
-from scout_ckpt import commit, journal, object_store, placement, policy
+from scout_ckpt import commit, object_store, placement, policy
 from scout_ckpt import invariants as inv
 from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
@@ -31,30 +31,19 @@ from scout_ckpt.consensus.flatten import holds_dtensor
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
-from scout_ckpt.consensus.signatures import REPLICA_PREFIX, full_signatures
+from scout_ckpt.consensus.signatures import full_signatures
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.health_evidence import HealthWindow
 from scout_ckpt.ledger import Ledger, fsdetect
+from scout_ckpt.loading import LatestCleanLoader, LoadVerificationError  # noqa: F401  (re-exported)
+from scout_ckpt.loading import materialize as _materialize
 from scout_ckpt.observer import Observer
-from scout_ckpt.recovery import record_verification_failure, trusted_manifest
 from scout_ckpt.replay_evidence import ReplayEvidence
 from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS
 from scout_ckpt.shard_evidence import ShardEvidence
 from scout_ckpt.storage import FaultHook, ScoutWriter
-from scout_ckpt.verify import verify_files
 
 COORDINATOR = commit.COORDINATOR
-class LoadVerificationError(ScoutError):
-    """The state passed to load_latest_clean cannot take the saved values (the caller's error: the checkpoint
-    keeps its state)."""
-
-
-def _materialize(state: dict) -> dict:
-    """Shallow copy with Stateful values replaced by their state_dict(): what DCP itself would save."""
-    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
-
-
-
 def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
     # Not a bound method of the Checkpointer: a reference cycle would keep its process groups alive past
     # destroy_process_group, and their teardown at interpreter exit then stalls the job's exit by seconds.
@@ -169,6 +158,8 @@ class Checkpointer:
                 **cfg)
         if self.observer is not None and model is not None:
             self.observer.attach(model)
+        self._loader = LatestCleanLoader(self.root, self.rank, self.world_size, self._pg, self.ledger, self.run_id,
+                                         verify_load, _hook_or_noop(fault_hook), store=self.store)
 
     # ---- configuration -------------------------------------------------------------------------------------
 
@@ -478,97 +469,17 @@ class Checkpointer:
         ledger (bytes: the digest reasons; values: `load_mismatch` naming the tensors) and the next older certified
         one is loaded over the same state, in this same call: a restarted job resumes from the earlier step
         instead of crash-looping. Raises LoadVerificationError on every rank, and leaves the checkpoint as it is,
-        when `state` has no place for saved values (the caller built it wrongly)."""
+        when `state` has no place for saved values (the caller built it wrongly). The walk-back itself is
+        scout_ckpt/loading.py."""
         self.wait()
-        below = None
-        t0 = time.monotonic()
-        while True:
-            cand = self._broadcast(self._candidate(below) if self.is_coordinator else None)
-            if cand is None:
-                if self.is_coordinator:
-                    scout_log.fresh_start(self.rank, str(self.root), [
-                        r for r in self.ledger.checkpoints(states=("committed", "writing"))])
-                return None
-            step_dir = self.root / cand["path"] if self.store is None else self.store.uri_of(cand["path"])
-            share = cand["files"][self.rank::self.world_size]
-            ev = (verify_files(step_dir, share, expect_complete=False) if self.store is None
-                  else self.store.verify(cand["path"], share, expect_complete=False))
-            results = [None] * self.world_size
-            dist.all_gather_object(results, ev, group=self._pg)
-            failed = cand["reasons"] + [r for e in results for r in e["reasons"]]
-            if failed:
-                if self.is_coordinator:
-                    record_verification_failure(self.ledger, cand["step"], policy.evidence(policy.FAIL, failed),
-                                                source="load", root=self.root)
-                scout_log.skipped(self.rank, cand["step"], failed)
-                below = cand["step"]
-                continue
-            if self.store is None:
-                dcp.load(state, checkpoint_id=str(step_dir), process_group=self._pg)
-            else:  # .metadata is unpickled only if its digest is the verified one
-                dcp.load(state, storage_reader=self.store.reader(cand["path"], cand["metadata_digest"]),
-                         process_group=self._pg)
-            self._hook("after_load", cand["step"])
-            differ = self._loaded_differences(cand["step"], cand["signatures"], state)
-            if differ:
-                if self.is_coordinator:
-                    self._reject_load_mismatch(cand, differ)
-                scout_log.skipped(self.rank, cand["step"], [{"code": "load_mismatch", "tensors": differ[:4]}])
-                below = cand["step"]
-                continue
-            if self.is_coordinator:
-                self.ledger.set_resumed_from(self.run_id, cand["step"])
-                self.ledger.mark_checked(cand["step"], ("bytes",), source="load")
-            scout_log.resumed(self.rank, cand["step"], str(step_dir), files=len(cand["files"]),
-                              nbytes=sum(f.get("size") or 0 for f in cand["files"]), ranks=self.world_size,
-                              signatures=bool(self.verify_load and cand["signatures"]),
-                              seconds=time.monotonic() - t0)
-            if self.replay is not None:
-                self.replay.begin(cand["step"])
-            if self.shard is not None:
-                self.shard.after_load(cand["step"])
-            return cand["step"]
-
-    def _candidate(self, below: int | None) -> dict | None:
-        """Coordinator: the newest certified step below `below`, its files, and its manifest's signatures (or the
-        reason the manifest cannot be trusted)."""
-        row = self.ledger.latest("certified", below=below)
-        if row is None:
+        step = self._loader.load(state)
+        if step is None:
             return None
-        m, reasons = (trusted_manifest(self.root / row["path"], row) if self.store is None
-                      else self.store.trusted_manifest(row))
-        files = self.ledger.files(row["step"])
-        return {"step": row["step"], "path": row["path"], "files": files,
-                "signatures": (m or {}).get("signatures") or {}, "reasons": reasons,
-                "metadata_digest": next((f["digest"] for f in files if f["path"] == ".metadata"), None)}
-
-    def _loaded_differences(self, step: int, expected: dict, state: dict) -> list[str]:
-        """The saved tensors whose loaded values differ from the full-tensor signatures recorded at save
-        (sharding-independent, so a checkpoint saved on N ranks verifies when loaded on M). The signatures come
-        from one all_reduce, so every rank computes the same list. Raises LoadVerificationError when saved values
-        have no place in `state`."""
-        if not self.verify_load or not expected:
-            return []
-        got = full_signatures(_materialize(state), group=self._pg, plain="replica")
-        absent = sorted(k for k in expected if k not in got)
-        if absent:
-            raise LoadVerificationError(
-                f"checkpoint {step}: {len(absent)} saved value(s) have no place in the state passed to "
-                f"load_latest_clean (e.g. {absent[0]}); build it with torch.distributed.checkpoint.state_dict."
-                "get_state_dict so that optimizer state exists before loading")
-        # A plain tensor's value (xxh3) compares only with a plain tensor's: one that became a DTensor in a
-        # resharded restart is vouched for by the byte digests alone.
-        comparable = [k for k in expected if got[k].startswith(REPLICA_PREFIX) == expected[k].startswith(REPLICA_PREFIX)]
-        return sorted(k for k in comparable if got[k] != expected[k])
-
-    def _reject_load_mismatch(self, cand: dict, differ: list[str]) -> None:
-        """Coordinator: the loaded values are not what was certified; the checkpoint is rejected for good (CAS from
-        certified: an operator's quarantine meanwhile stands), journaled beside the data, and an event recorded."""
-        reasons = [{"code": "load_mismatch", "tensors": differ[:16], "count": len(differ)}]
-        applied = journal.record_transition(self.ledger, self.root, cand["step"], "rejected", reasons,
-                                            source="load", expect="certified")
-        self.ledger.add_event("load_mismatch", step=cand["step"], run_id=self.run_id,
-                              detail={"differ": differ[:16], "count": len(differ), "rejected": applied})
+        if self.replay is not None:
+            self.replay.begin(step)
+        if self.shard is not None:
+            self.shard.after_load(step)
+        return step
 
     # ---- shutdown ------------------------------------------------------------------------------------------
 
