@@ -41,7 +41,7 @@ from scout_ckpt.observer import Observer
 from scout_ckpt.replay_evidence import ReplayEvidence
 from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS
 from scout_ckpt.shard_evidence import ShardEvidence
-from scout_ckpt.storage import FaultHook, ScoutWriter
+from scout_ckpt.storage import FaultHook, ScoutWriter, StagingCache
 
 COORDINATOR = commit.COORDINATOR
 def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
@@ -105,6 +105,7 @@ class Checkpointer:
         self._commit_pg = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
+        self._stage_cache: StagingCache | None = None   # async saves: the host copy reused between saves
         self._last_verdict: dict | None = None
         self._step_started = time.monotonic()
         self._closed = False
@@ -310,6 +311,8 @@ class Checkpointer:
         # Every rank derives the same attempt id (no collective): this incarnation's id and a save counter.
         self._saves += 1
         attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
+        if self.async_save and self.store is None:
+            return self._save_async(step, state, attempt)
         pending = self._committer.begin(step, attempt, self._pg)
         self._hook("before_write", step)
 
@@ -318,26 +321,45 @@ class Checkpointer:
         flat = _materialize(state)
         # Consensus hashing (the one pass over every replicated byte) runs in a background thread while DCP
         # serializes and writes (sync: the training thread is held, so the state cannot change meanwhile).
-        # Async: where nothing else uses the side groups meanwhile, the live evidence is taken from DCP's staged
-        # copy in the commit thread (live=None), so save() blocks no longer than dcp.async_save's staging
-        # (POSIX writer only: the object-store writer keeps no staged copy).
-        staged = self.async_save and self.store is None and self._evidence_from_staged(flat)
-        hashing = None if staged else self._start_consensus(flat, background=not self.async_save)
-        writer = (self.store.writer(pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
-                  if self.store is not None else
-                  ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite,
-                              keep_staged=staged))
-        if self.async_save:
-            live = None if staged else self._live_evidence(step, flat, hashing)
+        hashing = self._start_consensus(flat, background=not self.async_save)
+        if self.store is not None:
+            writer = self.store.writer(pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
+        else:
+            writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
+        if self.async_save:  # object store: the writer keeps no staged copy; evidence from the live state first
+            live = self._live_evidence(step, flat, hashing)
             resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
             upload = getattr(resp, "upload_completion", resp)
-            self._pending = threading.Thread(target=self._commit_async, args=(upload, pending, writer, live),
+            self._pending = threading.Thread(target=self._commit_async_store, args=(upload, pending, writer, live),
                                              name=f"scout-commit-{step}", daemon=True)
             self._pending.start()
             return None
         dcp.save(flat, storage_writer=writer, process_group=self._pg)
         live = self._live_evidence(step, flat, hashing)
         return self._commit(pending, writer, live, self._pg)
+
+    def _save_async(self, step: int, state: dict, attempt: str) -> None:
+        """An async save to a POSIX ROOT. The training thread is held only for what needs the live state: the
+        staged copy (a memory copy into a buffer kept between saves, storage.StagingCache) and, where the evidence
+        cannot come from that copy (`_evidence_from_staged`), the live evidence. Everything else runs in the commit
+        thread, in the order a sync save runs it: the writing row and temp dir (Committer.begin, still before any
+        byte is written), the DCP write of the staged copy with consensus hashing it meanwhile, the evidence, the
+        commit. So save() blocks about as long as dcp.async_save's own staging."""
+        pending = self._committer.pending(step, attempt)
+        if self.shard is not None:
+            self._record_shard_faults(self.shard.flush())
+        flat = _materialize(state)
+        from_staged = self._evidence_from_staged(flat)
+        live = None if from_staged else self._live_evidence(step, flat, self._start_consensus(flat, background=False))
+        if self._stage_cache is None:
+            self._stage_cache = StagingCache()
+        writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite,
+                             stage_cache=self._stage_cache)
+        staged = writer.stage(flat)
+        del flat
+        self._pending = threading.Thread(target=self._commit_async, args=(pending, writer, staged, live),
+                                         name=f"scout-commit-{step}", daemon=True)
+        self._pending.start()
 
     def _start_consensus(self, flat: dict, background: bool):
         """Consensus planned and hashed (local; in a background thread with `background`), or None."""
@@ -368,8 +390,11 @@ class Checkpointer:
         if self.shard is not None:
             ev.update(self.shard.live(step))
         if self.verify_load:
-            ev["signatures"] = full_signatures(flat, group=group, plain="replica",
-                                               known=hashing.replica_rows() if hashing is not None else None)
+            # Where consensus hashed every leaf on every rank (DDP), the signatures need no collective.
+            full = hashing.full_rows() if hashing is not None else None
+            known = full if full is not None else (hashing.replica_rows() if hashing is not None else None)
+            ev["signatures"] = full_signatures(flat, group=group, plain="replica", known=known,
+                                               complete=full is not None)
         if self.replay is not None and self.is_coordinator:
             ev["replay"] = self.replay.evidence(step)
         return ev
@@ -379,21 +404,33 @@ class Checkpointer:
             return False
         return not any(fnmatch.fnmatch(name, pat) for pat in self.consensus_exclude)
 
-    def _commit_async(self, upload, pending, writer, live) -> None:
+    def _commit_async(self, pending, writer, staged: dict, live: dict | None) -> None:
+        """The commit thread of `_save_async`: begin, write, evidence (from the staged copy when `live` is None),
+        commit; every collective on the async side groups, in the same order on every rank."""
         try:
-            if live is None:  # from the staged copy, while the upload runs; the commit waits for both
-                staged, writer.staged = writer.staged, None
-                if staged is None:  # the same on every rank (DCP's staging path), so all raise before a collective
-                    raise ScoutError("dcp.async_save did not stage through the writer: no staged copy to sign")
-                live = self._live_evidence(pending.step, staged, self._start_consensus(staged, background=False),
-                                           group=self._commit_pg)
-                del staged
+            self._committer.begin(pending.step, pending.attempt, self._commit_pg, pending=pending)
+            self._hook("before_write", pending.step)
+            hashing = self._start_consensus(staged, background=True) if live is None else None
+            dcp.save(staged, storage_writer=writer, process_group=self._async_pg)
+            if live is None:  # the staged copy is the state at the save boundary; the commit waits for it
+                live = self._live_evidence(pending.step, staged, hashing, group=self._commit_pg)
+            del staged, hashing
+            self._commit(pending, writer, live, self._commit_pg)
+        except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
+            self._async_failed(e)
+
+    def _commit_async_store(self, upload, pending, writer, live: dict) -> None:
+        """The commit thread of an async save to an object store: waits for dcp.async_save's upload, commits."""
+        try:
             upload.result()
             self._commit(pending, writer, live, self._commit_pg)
         except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
-            self._pending_error = e
-            if self.observer is not None:  # a peer died during the commit: this rank is a victim, not the culprit
-                self.observer.heartbeat.error()
+            self._async_failed(e)
+
+    def _async_failed(self, e: BaseException) -> None:
+        self._pending_error = e
+        if self.observer is not None:  # a peer died during the commit: this rank is a victim, not the culprit
+            self.observer.heartbeat.error()
 
     def _commit(self, pending, writer: ScoutWriter, live: dict, group) -> dict:
         self._hook("after_write", pending.step)
@@ -491,6 +528,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            self._stage_cache = None
             if self.is_coordinator:
                 self._committer.flush()
             if self.replay is not None:

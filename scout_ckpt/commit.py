@@ -5,7 +5,8 @@ Who calls what, in order (ARCHITECTURE.md, "One save boundary"); `Checkpointer` 
   1. Committer.begin        collective. Coordinator: flush any earlier unrecorded commit, ledger row `writing`
                             (refused for a quarantined step), temp dir ROOT/.step-S.tmp-<attempt>/ with its owner
                             record. Then one broadcast: every rank goes on, or every rank raises SaveRefused.
-  2. (Checkpointer)         all ranks: live evidence, then DCP writes into PendingSave.tmp.
+  2. (Checkpointer)         all ranks: live evidence, then DCP writes into PendingSave.tmp. An async save stages
+                            its copy first and runs 1, 2 and 3 in its commit thread (1 still precedes any write).
   3. Committer.finish       collective, once the write has finished everywhere. Every rank: PendingSave.local_files
                             (digests of the files *this rank* wrote) -> gather to the coordinator. Coordinator:
      3a. _publish           the Checkpointer's `assess` turns the gathered digests + live evidence into evidence and
@@ -156,10 +157,12 @@ class Committer:
 
     # ---- 1. begin --------------------------------------------------------------------------------------------
 
-    def begin(self, step: int, attempt: str, group) -> PendingSave:
+    def begin(self, step: int, attempt: str, group, pending=None) -> PendingSave:
         """Collective on `group`: the `writing` row and the temp dir exist before any rank writes data (DCP's
-        central planning waits for the coordinator, which gets there only after this), or every rank raises."""
-        pending = self.pending(step, attempt)
+        central planning waits for the coordinator, which gets there only after this), or every rank raises.
+        `pending` (from `pending(step, attempt)`): an async save names its temp dir, stages and returns to
+        training first, and begins in its commit thread, still before any byte is written."""
+        pending = pending if pending is not None else self.pending(step, attempt)
         refusal = None
         if self.is_coordinator:
             self.flush()
