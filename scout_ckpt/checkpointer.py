@@ -313,15 +313,19 @@ class Checkpointer:
         attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
         if self.async_save and self.store is None:
             return self._save_async(step, state, attempt)
+        flat = _materialize(state)
+        # Sync: consensus hashing (the one pass over every replicated byte) and then its exchange run in a
+        # background thread from here on, through the coordinator's begin and DCP's write (the training thread is
+        # held, so the state cannot change meanwhile). It needs nothing from begin; a refused save leaves it to
+        # finish unread, on every rank alike.
+        hashing = None if self.async_save else self._start_consensus(flat, background=True)
         pending = self._committer.begin(step, attempt, self._pg)
         self._hook("before_write", step)
 
         if self.shard is not None:
             self._record_shard_faults(self.shard.flush())
-        flat = _materialize(state)
-        # Consensus hashing (the one pass over every replicated byte) runs in a background thread while DCP
-        # serializes and writes (sync: the training thread is held, so the state cannot change meanwhile).
-        hashing = self._start_consensus(flat, background=not self.async_save)
+        if self.async_save:
+            hashing = self._start_consensus(flat, background=False)
         if self.store is not None:
             writer = self.store.writer(pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
         else:

@@ -10,10 +10,11 @@ Signatures are replica signatures (`replica_signatures`): xxh3-128 of a CPU tens
 signature on device for an accelerator tensor. Replicas are compared with each other at the same moment on the
 same device type, so additivity is not needed here (full_signatures keeps it for resharded loads).
 
-Two halves (`start_consensus`, then `PendingConsensus.finish`): the hashing, local and optionally in a background
-thread (the Checkpointer overlaps it with DCP's write of a sync save, or runs it on DCP's staged copy in the commit
-thread of an async one), then the exchange. The replica rows of plain state double as the load-verification
-signatures (`replica_rows` -> `full_signatures(known=...)`), so each replicated byte is hashed once per rank.
+Two halves (`start_consensus`, then `PendingConsensus.finish`): the hashing, local, then the exchange; with
+`background` both run in a thread of their own (the Checkpointer overlaps them with DCP's write, of the live state
+in a sync save, of the staged copy in an async save's commit thread). The replica rows of plain state double as
+the load-verification signatures (`replica_rows` -> `full_signatures(known=...)`), so each replicated byte is
+hashed once per rank; where every rank hashed every leaf (`full_rows`), those signatures need no collective.
 
 Collectives, per set of compare dims (the topology's order, the same on every rank), over this rank's group for
 it: one tiny all_gather of a fixed-size header: a structure digest (so that replicas whose state has different
@@ -169,6 +170,7 @@ class PendingConsensus:
     def __init__(self, flat, names, plan, groups, t0, work):
         self._flat, self._names, self._plan, self._groups, self._t0 = flat, names, plan, groups, t0
         self._work = work  # a Future or the (sigs, elapsed) pair itself
+        self._exchanged: Future | None = None   # background: the exchange, queued behind the hashing
         # Local: every leaf of the state is plain and compared as plain state, so replica_rows() holds a signature
         # of every leaf. `everyone_covers` (after finish) says it holds on every rank.
         plain = groups.grid.plain_dims if groups.world_size >= 2 else None
@@ -204,7 +206,14 @@ class PendingConsensus:
         return out
 
     def finish(self) -> dict:
-        """The evidence (see `save_time_consensus`); collective over all ranks, in the same order everywhere."""
+        """The evidence (see `save_time_consensus`); collective over all ranks, in the same order everywhere. With
+        `start_consensus(background=True)` the exchange already ran (or runs) in the hashing thread: this waits
+        for it and re-raises its error."""
+        if self._exchanged is not None:
+            return self._exchanged.result()
+        return self._exchange()
+
+    def _exchange(self) -> dict:
         groups, flat, plan = self._groups, self._flat, self._plan
         if groups.world_size < 2:
             return evidence(NOT_APPLICABLE, [{"code": "no_replicas", "mode": groups.mode,
@@ -248,16 +257,22 @@ def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
                     names_filter: Callable[[str], bool] | Collection[str] | None = None,
                     background: bool = False) -> PendingConsensus:
     """Plan and hash (local, no collective); `finish()` on the result is the collective half. With `background`
-    the hashing runs in a thread of its own and `finish`/`replica_rows` wait for it."""
+    the hashing and then the exchange run in a thread of its own and `finish`/`replica_rows` wait for them; every
+    rank must then make no other call on the consensus groups until `finish` returns."""
     t0 = time.perf_counter()
     if groups.world_size < 2:
         return PendingConsensus({}, [], _Plan(), groups, t0, ({}, 0.0))
     flat = flatten_state(state_dict, keep_dtensor=True)
     names = _select(flat, names_filter)
     plan = _plan(flat, names, groups)
-    work = _hasher().submit(_hash_groups, flat, plan, groups, t0) if background else \
-        _hash_groups(flat, plan, groups, t0)
-    return PendingConsensus(flat, names, plan, groups, t0, work)
+    if not background:
+        return PendingConsensus(flat, names, plan, groups, t0, _hash_groups(flat, plan, groups, t0))
+    pending = PendingConsensus(flat, names, plan, groups, t0, _hasher().submit(_hash_groups, flat, plan, groups, t0))
+    # The exchange follows in the same thread as soon as the hashing is done, so it overlaps DCP's write too. Its
+    # collectives are on the consensus groups only, which nothing else uses during a save (replay uses them at
+    # step() and before a save's write, never while one is in flight), so the order on every rank is fixed.
+    pending._exchanged = _hasher().submit(pending._exchange)
+    return pending
 
 
 def _reasons(entry: dict) -> list[dict]:
