@@ -53,7 +53,9 @@ def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
 class Checkpointer:
     """Certified DCP checkpoints under `root`.
 
-    Options: `async_save` (dcp.async_save on the checkpointer's own gloo group), `keep` (retention after each
+    Options: `async_save` (save() copies the state into a host buffer kept between saves, as DCP's
+    cache_staged_state_dict does, and returns; DCP writes that copy in a commit thread on the checkpointer's own
+    gloo groups; on an object store: dcp.async_save), `keep` (retention after each
     durable commit: the `keep` newest certified checkpoints and every newer one still awaiting evidence),
     `mesh` (the job's DeviceMesh; by default the root mesh of the model's DTensor parameters: replica groups
     follow from it and each DTensor's placements), `mode`/`mesh_shape` (the old names "ddp", "fsdp", "hsdp" +
@@ -282,7 +284,8 @@ class Checkpointer:
         write or retention after the rename is recorded as an event, never raised). Async: returns None at once;
         the commit happens when the upload has completed everywhere, and its failure is raised at the next
         step()/save()/wait(). Raises on every rank: SaveRefused when the coordinator cannot start the save (the
-        step is quarantined), CommitError when nothing was published."""
+        step is quarantined), CommitError when nothing was published; an async save to a POSIX ROOT begins in its
+        commit thread, so both come from its next step()/save()/wait() (as ScoutError, the cause chained)."""
         if self._closed:
             raise ScoutError("Checkpointer is closed")
         t0 = time.monotonic()
