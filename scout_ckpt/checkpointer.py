@@ -3,7 +3,8 @@
 A save boundary is the commit protocol of scout_ckpt/commit.py (writing row, temp dir with owner record, digests,
 manifest, rename, ledger, retention) around the evidence gathered here: consensus, invariants and signatures on the
 live state, the writers' finite checks, replay coverage. Loading walks back from the newest certified checkpoint
-past any whose bytes or loaded values do not match what was saved, rejecting each in the ledger.
+past any whose bytes or loaded values do not match what was saved, rejecting each in the ledger (the walk-back is
+scout_ckpt/loading.py; this class is the facade over save, load and shutdown).
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import uuid
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.stateful import Stateful
 
 import scout_ckpt
-from scout_ckpt import commit, journal, object_store, placement, policy
+from scout_ckpt import commit, object_store, placement, policy
 from scout_ckpt import invariants as inv
 from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
@@ -31,30 +31,19 @@ from scout_ckpt.consensus.flatten import holds_dtensor
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
-from scout_ckpt.consensus.signatures import REPLICA_PREFIX, full_signatures
+from scout_ckpt.consensus.signatures import full_signatures
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.health_evidence import HealthWindow
 from scout_ckpt.ledger import Ledger, fsdetect
+from scout_ckpt.loading import LatestCleanLoader, LoadVerificationError  # noqa: F401  (re-exported)
+from scout_ckpt.loading import materialize as _materialize
 from scout_ckpt.observer import Observer
-from scout_ckpt.recovery import record_verification_failure, trusted_manifest
 from scout_ckpt.replay_evidence import ReplayEvidence
 from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS
 from scout_ckpt.shard_evidence import ShardEvidence
-from scout_ckpt.storage import FaultHook, ScoutWriter
-from scout_ckpt.verify import verify_files
+from scout_ckpt.storage import FaultHook, ScoutWriter, StagingCache
 
 COORDINATOR = commit.COORDINATOR
-class LoadVerificationError(ScoutError):
-    """The state passed to load_latest_clean cannot take the saved values (the caller's error: the checkpoint
-    keeps its state)."""
-
-
-def _materialize(state: dict) -> dict:
-    """Shallow copy with Stateful values replaced by their state_dict(): what DCP itself would save."""
-    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
-
-
-
 def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
     # Not a bound method of the Checkpointer: a reference cycle would keep its process groups alive past
     # destroy_process_group, and their teardown at interpreter exit then stalls the job's exit by seconds.
@@ -64,7 +53,9 @@ def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
 class Checkpointer:
     """Certified DCP checkpoints under `root`.
 
-    Options: `async_save` (dcp.async_save on the checkpointer's own gloo group), `keep` (retention after each
+    Options: `async_save` (save() copies the state into a host buffer kept between saves, as DCP's
+    cache_staged_state_dict does, and returns; DCP writes that copy in a commit thread on the checkpointer's own
+    gloo groups; on an object store: dcp.async_save), `keep` (retention after each
     durable commit: the `keep` newest certified checkpoints and every newer one still awaiting evidence),
     `mesh` (the job's DeviceMesh; by default the root mesh of the model's DTensor parameters: replica groups
     follow from it and each DTensor's placements), `mode`/`mesh_shape` (the old names "ddp", "fsdp", "hsdp" +
@@ -116,6 +107,7 @@ class Checkpointer:
         self._commit_pg = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
+        self._stage_cache: StagingCache | None = None   # async saves: the host copy reused between saves
         self._last_verdict: dict | None = None
         self._step_started = time.monotonic()
         self._closed = False
@@ -169,6 +161,8 @@ class Checkpointer:
                 **cfg)
         if self.observer is not None and model is not None:
             self.observer.attach(model)
+        self._loader = LatestCleanLoader(self.root, self.rank, self.world_size, self._pg, self.ledger, self.run_id,
+                                         verify_load, _hook_or_noop(fault_hook), store=self.store)
 
     # ---- configuration -------------------------------------------------------------------------------------
 
@@ -290,7 +284,8 @@ class Checkpointer:
         write or retention after the rename is recorded as an event, never raised). Async: returns None at once;
         the commit happens when the upload has completed everywhere, and its failure is raised at the next
         step()/save()/wait(). Raises on every rank: SaveRefused when the coordinator cannot start the save (the
-        step is quarantined), CommitError when nothing was published."""
+        step is quarantined), CommitError when nothing was published; an async save to a POSIX ROOT begins in its
+        commit thread, so both come from its next step()/save()/wait() (as ScoutError, the cause chained)."""
         if self._closed:
             raise ScoutError("Checkpointer is closed")
         t0 = time.monotonic()
@@ -319,34 +314,59 @@ class Checkpointer:
         # Every rank derives the same attempt id (no collective): this incarnation's id and a save counter.
         self._saves += 1
         attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
+        if self.async_save and self.store is None:
+            return self._save_async(step, state, attempt)
+        flat = _materialize(state)
+        # Sync: consensus hashing (the one pass over every replicated byte) and then its exchange run in a
+        # background thread from here on, through the coordinator's begin and DCP's write (the training thread is
+        # held, so the state cannot change meanwhile). It needs nothing from begin; a refused save leaves it to
+        # finish unread, on every rank alike.
+        hashing = None if self.async_save else self._start_consensus(flat, background=True)
         pending = self._committer.begin(step, attempt, self._pg)
         self._hook("before_write", step)
 
         if self.shard is not None:
             self._record_shard_faults(self.shard.flush())
-        flat = _materialize(state)
-        # Consensus hashing (the one pass over every replicated byte) runs in a background thread while DCP
-        # serializes and writes (sync: the training thread is held, so the state cannot change meanwhile).
-        # Async: where nothing else uses the side groups meanwhile, the live evidence is taken from DCP's staged
-        # copy in the commit thread (live=None), so save() blocks no longer than dcp.async_save's staging
-        # (POSIX writer only: the object-store writer keeps no staged copy).
-        staged = self.async_save and self.store is None and self._evidence_from_staged(flat)
-        hashing = None if staged else self._start_consensus(flat, background=not self.async_save)
-        writer = (self.store.writer(pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
-                  if self.store is not None else
-                  ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite,
-                              keep_staged=staged))
         if self.async_save:
-            live = None if staged else self._live_evidence(step, flat, hashing)
+            hashing = self._start_consensus(flat, background=False)
+        if self.store is not None:
+            writer = self.store.writer(pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
+        else:
+            writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
+        if self.async_save:  # object store: the writer keeps no staged copy; evidence from the live state first
+            live = self._live_evidence(step, flat, hashing)
             resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
             upload = getattr(resp, "upload_completion", resp)
-            self._pending = threading.Thread(target=self._commit_async, args=(upload, pending, writer, live),
+            self._pending = threading.Thread(target=self._commit_async_store, args=(upload, pending, writer, live),
                                              name=f"scout-commit-{step}", daemon=True)
             self._pending.start()
             return None
         dcp.save(flat, storage_writer=writer, process_group=self._pg)
         live = self._live_evidence(step, flat, hashing)
         return self._commit(pending, writer, live, self._pg)
+
+    def _save_async(self, step: int, state: dict, attempt: str) -> None:
+        """An async save to a POSIX ROOT. The training thread is held only for what needs the live state: the
+        staged copy (a memory copy into a buffer kept between saves, storage.StagingCache) and, where the evidence
+        cannot come from that copy (`_evidence_from_staged`), the live evidence. Everything else runs in the commit
+        thread, in the order a sync save runs it: the writing row and temp dir (Committer.begin, still before any
+        byte is written), the DCP write of the staged copy with consensus hashing it meanwhile, the evidence, the
+        commit. So save() blocks about as long as dcp.async_save's own staging."""
+        pending = self._committer.pending(step, attempt)
+        if self.shard is not None:
+            self._record_shard_faults(self.shard.flush())
+        flat = _materialize(state)
+        from_staged = self._evidence_from_staged(flat)
+        live = None if from_staged else self._live_evidence(step, flat, self._start_consensus(flat, background=False))
+        if self._stage_cache is None:
+            self._stage_cache = StagingCache()
+        writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite,
+                             stage_cache=self._stage_cache)
+        staged = writer.stage(flat)
+        del flat
+        self._pending = threading.Thread(target=self._commit_async, args=(pending, writer, staged, live),
+                                         name=f"scout-commit-{step}", daemon=True)
+        self._pending.start()
 
     def _start_consensus(self, flat: dict, background: bool):
         """Consensus planned and hashed (local; in a background thread with `background`), or None."""
@@ -377,8 +397,11 @@ class Checkpointer:
         if self.shard is not None:
             ev.update(self.shard.live(step))
         if self.verify_load:
-            ev["signatures"] = full_signatures(flat, group=group, plain="replica",
-                                               known=hashing.replica_rows() if hashing is not None else None)
+            # Where consensus hashed every leaf on every rank (DDP), the signatures need no collective.
+            full = hashing.full_rows() if hashing is not None else None
+            known = full if full is not None else (hashing.replica_rows() if hashing is not None else None)
+            ev["signatures"] = full_signatures(flat, group=group, plain="replica", known=known,
+                                               complete=full is not None)
         if self.replay is not None and self.is_coordinator:
             ev["replay"] = self.replay.evidence(step)
         return ev
@@ -388,21 +411,33 @@ class Checkpointer:
             return False
         return not any(fnmatch.fnmatch(name, pat) for pat in self.consensus_exclude)
 
-    def _commit_async(self, upload, pending, writer, live) -> None:
+    def _commit_async(self, pending, writer, staged: dict, live: dict | None) -> None:
+        """The commit thread of `_save_async`: begin, write, evidence (from the staged copy when `live` is None),
+        commit; every collective on the async side groups, in the same order on every rank."""
         try:
-            if live is None:  # from the staged copy, while the upload runs; the commit waits for both
-                staged, writer.staged = writer.staged, None
-                if staged is None:  # the same on every rank (DCP's staging path), so all raise before a collective
-                    raise ScoutError("dcp.async_save did not stage through the writer: no staged copy to sign")
-                live = self._live_evidence(pending.step, staged, self._start_consensus(staged, background=False),
-                                           group=self._commit_pg)
-                del staged
+            self._committer.begin(pending.step, pending.attempt, self._commit_pg, pending=pending)
+            self._hook("before_write", pending.step)
+            hashing = self._start_consensus(staged, background=True) if live is None else None
+            dcp.save(staged, storage_writer=writer, process_group=self._async_pg)
+            if live is None:  # the staged copy is the state at the save boundary; the commit waits for it
+                live = self._live_evidence(pending.step, staged, hashing, group=self._commit_pg)
+            del staged, hashing
+            self._commit(pending, writer, live, self._commit_pg)
+        except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
+            self._async_failed(e)
+
+    def _commit_async_store(self, upload, pending, writer, live: dict) -> None:
+        """The commit thread of an async save to an object store: waits for dcp.async_save's upload, commits."""
+        try:
             upload.result()
             self._commit(pending, writer, live, self._commit_pg)
         except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
-            self._pending_error = e
-            if self.observer is not None:  # a peer died during the commit: this rank is a victim, not the culprit
-                self.observer.heartbeat.error()
+            self._async_failed(e)
+
+    def _async_failed(self, e: BaseException) -> None:
+        self._pending_error = e
+        if self.observer is not None:  # a peer died during the commit: this rank is a victim, not the culprit
+            self.observer.heartbeat.error()
 
     def _commit(self, pending, writer: ScoutWriter, live: dict, group) -> dict:
         self._hook("after_write", pending.step)
@@ -478,97 +513,17 @@ class Checkpointer:
         ledger (bytes: the digest reasons; values: `load_mismatch` naming the tensors) and the next older certified
         one is loaded over the same state, in this same call: a restarted job resumes from the earlier step
         instead of crash-looping. Raises LoadVerificationError on every rank, and leaves the checkpoint as it is,
-        when `state` has no place for saved values (the caller built it wrongly)."""
+        when `state` has no place for saved values (the caller built it wrongly). The walk-back itself is
+        scout_ckpt/loading.py."""
         self.wait()
-        below = None
-        t0 = time.monotonic()
-        while True:
-            cand = self._broadcast(self._candidate(below) if self.is_coordinator else None)
-            if cand is None:
-                if self.is_coordinator:
-                    scout_log.fresh_start(self.rank, str(self.root), [
-                        r for r in self.ledger.checkpoints(states=("committed", "writing"))])
-                return None
-            step_dir = self.root / cand["path"] if self.store is None else self.store.uri_of(cand["path"])
-            share = cand["files"][self.rank::self.world_size]
-            ev = (verify_files(step_dir, share, expect_complete=False) if self.store is None
-                  else self.store.verify(cand["path"], share, expect_complete=False))
-            results = [None] * self.world_size
-            dist.all_gather_object(results, ev, group=self._pg)
-            failed = cand["reasons"] + [r for e in results for r in e["reasons"]]
-            if failed:
-                if self.is_coordinator:
-                    record_verification_failure(self.ledger, cand["step"], policy.evidence(policy.FAIL, failed),
-                                                source="load", root=self.root)
-                scout_log.skipped(self.rank, cand["step"], failed)
-                below = cand["step"]
-                continue
-            if self.store is None:
-                dcp.load(state, checkpoint_id=str(step_dir), process_group=self._pg)
-            else:  # .metadata is unpickled only if its digest is the verified one
-                dcp.load(state, storage_reader=self.store.reader(cand["path"], cand["metadata_digest"]),
-                         process_group=self._pg)
-            self._hook("after_load", cand["step"])
-            differ = self._loaded_differences(cand["step"], cand["signatures"], state)
-            if differ:
-                if self.is_coordinator:
-                    self._reject_load_mismatch(cand, differ)
-                scout_log.skipped(self.rank, cand["step"], [{"code": "load_mismatch", "tensors": differ[:4]}])
-                below = cand["step"]
-                continue
-            if self.is_coordinator:
-                self.ledger.set_resumed_from(self.run_id, cand["step"])
-                self.ledger.mark_checked(cand["step"], ("bytes",), source="load")
-            scout_log.resumed(self.rank, cand["step"], str(step_dir), files=len(cand["files"]),
-                              nbytes=sum(f.get("size") or 0 for f in cand["files"]), ranks=self.world_size,
-                              signatures=bool(self.verify_load and cand["signatures"]),
-                              seconds=time.monotonic() - t0)
-            if self.replay is not None:
-                self.replay.begin(cand["step"])
-            if self.shard is not None:
-                self.shard.after_load(cand["step"])
-            return cand["step"]
-
-    def _candidate(self, below: int | None) -> dict | None:
-        """Coordinator: the newest certified step below `below`, its files, and its manifest's signatures (or the
-        reason the manifest cannot be trusted)."""
-        row = self.ledger.latest("certified", below=below)
-        if row is None:
+        step = self._loader.load(state)
+        if step is None:
             return None
-        m, reasons = (trusted_manifest(self.root / row["path"], row) if self.store is None
-                      else self.store.trusted_manifest(row))
-        files = self.ledger.files(row["step"])
-        return {"step": row["step"], "path": row["path"], "files": files,
-                "signatures": (m or {}).get("signatures") or {}, "reasons": reasons,
-                "metadata_digest": next((f["digest"] for f in files if f["path"] == ".metadata"), None)}
-
-    def _loaded_differences(self, step: int, expected: dict, state: dict) -> list[str]:
-        """The saved tensors whose loaded values differ from the full-tensor signatures recorded at save
-        (sharding-independent, so a checkpoint saved on N ranks verifies when loaded on M). The signatures come
-        from one all_reduce, so every rank computes the same list. Raises LoadVerificationError when saved values
-        have no place in `state`."""
-        if not self.verify_load or not expected:
-            return []
-        got = full_signatures(_materialize(state), group=self._pg, plain="replica")
-        absent = sorted(k for k in expected if k not in got)
-        if absent:
-            raise LoadVerificationError(
-                f"checkpoint {step}: {len(absent)} saved value(s) have no place in the state passed to "
-                f"load_latest_clean (e.g. {absent[0]}); build it with torch.distributed.checkpoint.state_dict."
-                "get_state_dict so that optimizer state exists before loading")
-        # A plain tensor's value (xxh3) compares only with a plain tensor's: one that became a DTensor in a
-        # resharded restart is vouched for by the byte digests alone.
-        comparable = [k for k in expected if got[k].startswith(REPLICA_PREFIX) == expected[k].startswith(REPLICA_PREFIX)]
-        return sorted(k for k in comparable if got[k] != expected[k])
-
-    def _reject_load_mismatch(self, cand: dict, differ: list[str]) -> None:
-        """Coordinator: the loaded values are not what was certified; the checkpoint is rejected for good (CAS from
-        certified: an operator's quarantine meanwhile stands), journaled beside the data, and an event recorded."""
-        reasons = [{"code": "load_mismatch", "tensors": differ[:16], "count": len(differ)}]
-        applied = journal.record_transition(self.ledger, self.root, cand["step"], "rejected", reasons,
-                                            source="load", expect="certified")
-        self.ledger.add_event("load_mismatch", step=cand["step"], run_id=self.run_id,
-                              detail={"differ": differ[:16], "count": len(differ), "rejected": applied})
+        if self.replay is not None:
+            self.replay.begin(step)
+        if self.shard is not None:
+            self.shard.after_load(step)
+        return step
 
     # ---- shutdown ------------------------------------------------------------------------------------------
 
@@ -580,6 +535,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            self._stage_cache = None
             if self.is_coordinator:
                 self._committer.flush()
             if self.replay is not None:

@@ -5,7 +5,8 @@ Who calls what, in order (ARCHITECTURE.md, "One save boundary"); `Checkpointer` 
   1. Committer.begin        collective. Coordinator: flush any earlier unrecorded commit, ledger row `writing`
                             (refused for a quarantined step), temp dir ROOT/.step-S.tmp-<attempt>/ with its owner
                             record. Then one broadcast: every rank goes on, or every rank raises SaveRefused.
-  2. (Checkpointer)         all ranks: live evidence, then DCP writes into PendingSave.tmp.
+  2. (Checkpointer)         all ranks: live evidence, then DCP writes into PendingSave.tmp. An async save stages
+                            its copy first and runs 1, 2 and 3 in its commit thread (1 still precedes any write).
   3. Committer.finish       collective, once the write has finished everywhere. Every rank: PendingSave.local_files
                             (digests of the files *this rank* wrote) -> gather to the coordinator. Coordinator:
      3a. _publish           the Checkpointer's `assess` turns the gathered digests + live evidence into evidence and
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from scout_ckpt import journal, layout, manifest, policy, retention
@@ -156,10 +158,12 @@ class Committer:
 
     # ---- 1. begin --------------------------------------------------------------------------------------------
 
-    def begin(self, step: int, attempt: str, group) -> PendingSave:
+    def begin(self, step: int, attempt: str, group, pending=None) -> PendingSave:
         """Collective on `group`: the `writing` row and the temp dir exist before any rank writes data (DCP's
-        central planning waits for the coordinator, which gets there only after this), or every rank raises."""
-        pending = self.pending(step, attempt)
+        central planning waits for the coordinator, which gets there only after this), or every rank raises.
+        `pending` (from `pending(step, attempt)`): an async save names its temp dir, stages and returns to
+        training first, and begins in its commit thread, still before any byte is written."""
+        pending = pending if pending is not None else self.pending(step, attempt)
         refusal = None
         if self.is_coordinator:
             self.flush()
@@ -314,10 +318,37 @@ def reconcile(ledger: Ledger, root: Path, *, source: str = "startup", store=None
     return {"settled": settled, "removed": removed, "left": left, "time": time.time()}
 
 
+# The first broadcast of _broadcast carries the payload's length and up to this many bytes of it: a refusal or a
+# verdict fits, so the common case is one collective instead of broadcast_object_list's two (size, then data).
+_FIRST = 4096
+
+
 def _broadcast(obj, group):
-    box = [obj]
-    dist.broadcast_object_list(box, src=COORDINATOR, group=group)
-    return box[0]
+    """`obj` from the coordinator on every rank of `group` (pickled, as broadcast_object_list does): one
+    fixed-size broadcast, and a second one only for a payload longer than _FIRST - 8 bytes (every rank reads the
+    length from the first, so all make the same second call or none)."""
+    import pickle
+
+    mine = dist.get_rank() == COORDINATOR
+    buf = torch.zeros(_FIRST, dtype=torch.uint8)
+    data = b""
+    if mine:
+        data = pickle.dumps(obj)
+        head = data[:_FIRST - 8]
+        buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        if head:
+            buf[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    dist.broadcast(buf, src=COORDINATOR, group=group)
+    n = int(buf[:8].view(torch.int64)[0])
+    rest = n - (_FIRST - 8)
+    if rest > 0:
+        tail = (torch.frombuffer(bytearray(data[_FIRST - 8:]), dtype=torch.uint8) if mine
+                else torch.empty(rest, dtype=torch.uint8))
+        dist.broadcast(tail, src=COORDINATOR, group=group)
+    if mine:
+        return obj
+    payload = buf[8:8 + min(n, _FIRST - 8)].numpy().tobytes() + (tail.numpy().tobytes() if rest > 0 else b"")
+    return pickle.loads(payload)  # the coordinator's own pickle, trusted as broadcast_object_list trusts it
 
 
 def _gather(obj, group) -> list | None:

@@ -117,26 +117,72 @@ class WritesRecorded:
         return fut
 
 
+def _layout_key(obj):
+    """What a reused staging copy must match: the nesting, keys, and every plain tensor's dtype and shape (copy_
+    would broadcast or convert silently across a mismatch). None where the state holds anything else (DTensor,
+    ShardedTensor, unknown types): such a state is staged afresh every time."""
+    if type(obj) in (torch.Tensor, torch.nn.Parameter):
+        return ("t", obj.dtype, tuple(obj.shape), obj.device.type)
+    if isinstance(obj, dict):
+        items = [(k, _layout_key(v)) for k, v in obj.items()]
+        return None if any(v is None for _, v in items) else ("d", tuple(items))
+    if isinstance(obj, (list, tuple)):
+        items = [_layout_key(v) for v in obj]
+        return None if any(v is None for v in items) else ("l", tuple(items))
+    if obj is None or isinstance(obj, (int, float, str, bytes, io.BytesIO)):
+        return ("v",)   # taken by reference at every staging, never from the cache
+    return None
+
+
+class StagingCache:
+    """One host copy of a rank's state, reused by every async save of one Checkpointer: the copy is allocated once
+    (the first staging, or when the state's layout changes) and later stagings only copy into it, so an async save
+    blocks training for a memory copy, not for allocating and faulting in a fresh copy of the whole state. This is
+    DCP's own `cache_staged_state_dict` (same torch helpers) without pinned memory, which needs an accelerator.
+
+    Cost: the copy stays allocated between saves (every async save needs it during the save anyway). Safe because
+    a Checkpointer starts a save only after the previous one committed (save() waits), so nothing still reads the
+    copy when the next staging overwrites it."""
+
+    def __init__(self) -> None:
+        self._key = None
+        self._copy = None
+
+    def stage(self, state_dict):
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        key = _layout_key(state_dict)
+        if key is None:
+            self._key = self._copy = None
+            return _copy_state_dict(state_dict, _create_cpu_state_dict(state_dict))
+        if key != self._key:
+            self._key, self._copy = None, _create_cpu_state_dict(state_dict)
+            self._key = key
+        return _copy_state_dict(state_dict, self._copy)
+
+    def clear(self) -> None:
+        self._key = self._copy = None
+
+
 class ScoutWriter(WritesRecorded, FileSystemWriter):
     """FileSystemWriter (single file per rank, fsync on) that records the files it wrote and checks that the
     floating tensors it writes are finite: each rank checks exactly the items DCP assigned to it (replicated
     tensors are de-duplicated across ranks), so the check costs no rank more than its share."""
 
     def __init__(self, path: Path, *, step: int, fault_hook: FaultHook | None = None, check_finite: bool = True,
-                 keep_staged: bool = False):
+                 stage_cache: StagingCache | None = None):
         super().__init__(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
         self.step = step
-        self.keep_staged = keep_staged
-        self.staged = None   # with keep_staged: the copy dcp.async_save staged (evidence is taken from it)
+        self.stage_cache = stage_cache
         self.check_finite = check_finite
         self.written: set[str] = set()
         self.nonfinite: list[str] = []
         self.fs = _DigestingFileSystem((lambda: fault_hook("during_write", step)) if fault_hook else None)
 
     def stage(self, state_dict):
-        """dcp.async_save's staging (a CPU copy of the state), kept with keep_staged for the commit thread."""
-        staged = super().stage(state_dict)
-        if self.keep_staged:
-            self.staged = staged
-        return staged
+        """An async save's staging: a CPU copy of the state (into `stage_cache` when given)."""
+        if self.stage_cache is None:
+            return super().stage(state_dict)
+        self.per_thread_copy_ahead = 0   # as FileSystemWriter.stage: the staged state is already on the host
+        return self.stage_cache.stage(state_dict)
 

@@ -73,6 +73,7 @@ def test_sigkill_during_save_never_leaves_a_bad_checkpoint(tmp_path, point, vict
 
 def test_nonfinite_state_is_rejected_by_the_writing_rank(tmp_path):
     out = run_ranks(w.save_nonfinite, 3, str(tmp_path), timeout=60)
+    assert all(o.result["broadcast_ok"] for o in out)
     assert out[0].result["good"]["state"] == "certified"
     bad = out[0].result["bad"]
     assert bad["state"] == "rejected"
@@ -190,3 +191,31 @@ def test_second_process_on_the_same_root_leaves_a_live_save_intact(tmp_path):
     assert list_tmp_dirs(root) == []
     with Ledger.open(root, readonly=True) as led:
         assert led.checkpoint(2)["state"] == "certified"
+
+
+def test_staging_cache_reuses_its_copy_only_for_the_same_layout():
+    """Async saves stage into one host copy kept between saves (storage.StagingCache): each staging holds the
+    current values, scalars are taken fresh, and a change of layout (shape, dtype, keys) gets a new copy instead of
+    a silent broadcast or conversion by copy_."""
+    import torch
+
+    from scout_ckpt.storage import StagingCache
+
+    cache = StagingCache()
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "step": 1, "extra": [torch.ones(2), None]}
+    a = cache.stage(state)
+    assert a["model"]["w"].equal(state["model"]["w"]) and a["step"] == 1
+    assert a["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()   # a copy, not a view
+    state["model"]["w"].add_(1)
+    state["step"] = 2
+    b = cache.stage(state)
+    assert b["model"]["w"].data_ptr() == a["model"]["w"].data_ptr()       # the same buffer, refilled
+    assert b["model"]["w"].equal(state["model"]["w"]) and b["step"] == 2
+    for changed in ({"model": {"w": torch.zeros(1)}, "step": 3, "extra": [torch.ones(2), None]},
+                    {"model": {"w": torch.zeros(2, 3, dtype=torch.float64)}, "step": 3, "extra": [torch.ones(2), None]},
+                    {"model": {"w": torch.zeros(2, 3), "b": torch.zeros(3)}, "step": 3, "extra": [torch.ones(2), None]}):
+        c = cache.stage(changed)
+        assert c["model"].keys() == changed["model"].keys()
+        for k, v in changed["model"].items():
+            got = c["model"][k]
+            assert got.dtype == v.dtype and got.shape == v.shape and got.equal(v)

@@ -27,12 +27,15 @@ def test_reused_rows_give_the_same_signatures_and_a_divergent_replica_is_attribu
         assert r["n_known"] == r["n_leaves"] > 0       # every plain leaf's row came from the consensus pass
         assert r["reused"] == r["fresh"]               # ... and equals what a second pass computes
         assert r["evidence"] == ev
+        assert r["complete"] is not None and r["odd_covers"] is False   # the same answer on every rank
+    assert out[0].result["complete"] == out[1].result["complete"] != out[2].result["complete"]  # each its own bits
 
 
 def test_healthy_replicas_agree_with_background_hashing():
     out = run_ranks(W.single_pass_consensus, 3, timeout=180)
     assert all(o.result["evidence"]["status"] == "pass" for o in out)
-    assert all(o.result["reused"] == o.result["fresh"] for o in out)
+    assert all(o.result["reused"] == o.result["fresh"] == o.result["complete"] for o in out)
+    assert not any(o.result["odd_covers"] for o in out)
 
 
 def test_one_interior_element_of_a_shard_changes_the_full_signature():

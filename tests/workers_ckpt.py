@@ -170,8 +170,14 @@ def save_nonfinite(rank, world, root):
     with torch.no_grad():
         model[2].weight[1, 3] = float("nan")
     bad = ckpt.save(2, state_of(model, opt))
+    # The commit's broadcast: one collective for a small payload, a second one for a long one (every rank alike).
+    from scout_ckpt.commit import _broadcast
+
+    long = {"reasons": [{"code": "x", "tensors": [f"t{i}" for i in range(2000)]}]}
+    sent = [None, bad, long]
+    got = [_broadcast(obj if rank == 0 else "other", ckpt._pg) for obj in sent]
     ckpt.close()
-    return {"good": good, "bad": bad}
+    return {"good": good, "bad": bad, "broadcast_ok": got == sent}
 
 
 def load_into(rank, world, root, with_moments):

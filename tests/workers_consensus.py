@@ -180,8 +180,14 @@ def single_pass_consensus(rank, world, flip_rank=None):
     evidence = pending.finish()
     reused = full_signatures(state, plain="replica", known=known)
     fresh = full_signatures(state, plain="replica")
+    # Every leaf was hashed on every rank (DDP), so the signatures need no collective (complete=True) ...
+    full = pending.full_rows()
+    complete = full_signatures(state, plain="replica", known=full, complete=True) if full is not None else None
+    # ... unless one rank leaves a leaf out: then no rank may skip the collective (else the others would hang).
+    odd = start_consensus(state, groups, names_filter=(lambda n: not n.endswith("bias")) if rank == 1 else None)
+    odd.finish()
     return {"evidence": evidence, "reused": reused, "fresh": fresh, "n_known": len(known),
-            "n_leaves": len(flat)}
+            "n_leaves": len(flat), "complete": complete, "odd_covers": odd.everyone_covers}
 
 
 def sharded_change_at_load(rank, world):

@@ -62,7 +62,7 @@ REPLICA_PREFIX = "r:"
 
 
 def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive",
-                    known: Mapping[str, torch.Tensor] | None = None) -> dict[str, str]:
+                    known: Mapping[str, torch.Tensor] | None = None, complete: bool = False) -> dict[str, str]:
     """{dotted key: hex} full-tensor signatures of a (sharded) state; collective over `group` (default: world).
 
     Each rank computes the partial signature of what it holds at its global offsets and one all_reduce(SUM) of the
@@ -88,10 +88,19 @@ def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive",
     of its own copy of those plain leaves (save-time consensus hashed every replicated byte; `PendingConsensus.
     replica_rows`); the signing rank takes its value from there instead of hashing the leaf a second time. The
     result is the same: both are `replica_signatures` of the same bits.
+
+    `complete=True` (with plain="replica" and `known`): the caller has established, on every rank alike, that every
+    rank's state is plain leaves all in its `known` (`PendingConsensus.full_rows`: consensus hashed every leaf on
+    every rank and exchanged that fact). Then no rank calls a collective and each returns its own values, which
+    are the signing rank's whenever the replicas agree (and when they do not, consensus rejects the checkpoint).
     """
     import torch.distributed as dist
 
     flat = flatten_state(state_dict, keep_dtensor=True)
+    if complete:
+        if plain != "replica" or known is None or any(is_dtensor(v) or k not in known for k, v in flat.items()):
+            raise ValueError("complete=True needs plain='replica' and a known signature of every plain leaf")
+        return {key: REPLICA_PREFIX + signature_hex(known[key]) for key in flat}
     distributed = dist.is_initialized() and dist.get_world_size(group) > 1
     grank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if distributed else 1

@@ -10,10 +10,11 @@ Signatures are replica signatures (`replica_signatures`): xxh3-128 of a CPU tens
 signature on device for an accelerator tensor. Replicas are compared with each other at the same moment on the
 same device type, so additivity is not needed here (full_signatures keeps it for resharded loads).
 
-Two halves (`start_consensus`, then `PendingConsensus.finish`): the hashing, local and optionally in a background
-thread (the Checkpointer overlaps it with DCP's write of a sync save, or runs it on DCP's staged copy in the commit
-thread of an async one), then the exchange. The replica rows of plain state double as the load-verification
-signatures (`replica_rows` -> `full_signatures(known=...)`), so each replicated byte is hashed once per rank.
+Two halves (`start_consensus`, then `PendingConsensus.finish`): the hashing, local, then the exchange; with
+`background` both run in a thread of their own (the Checkpointer overlaps them with DCP's write, of the live state
+in a sync save, of the staged copy in an async save's commit thread). The replica rows of plain state double as
+the load-verification signatures (`replica_rows` -> `full_signatures(known=...)`), so each replicated byte is
+hashed once per rank; where every rank hashed every leaf (`full_rows`), those signatures need no collective.
 
 Collectives, per set of compare dims (the topology's order, the same on every rank), over this rank's group for
 it: one tiny all_gather of a fixed-size header: a structure digest (so that replicas whose state has different
@@ -114,22 +115,28 @@ def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) ->
 
 
 def _group_verdict(flat: Mapping[str, Any], names: list[str], pg, members: list[int], sigs: torch.Tensor,
-                   elapsed: float, tags: list[str] = ()) -> tuple[GroupVerdict, float, bool]:
+                   elapsed: float, tags: list[str] = (), covers: bool = False
+                   ) -> tuple[GroupVerdict, float, bool, bool]:
     """(verdict of one replica group, the slowest member's time to its signatures, whether the members' structure
-    agreed); identical on every member. One all_gather of a fixed-size header (structure digest, a 128-bit digest
-    of the [n, 2] signature rows, the time taken) decides the healthy case; only when the signature digests differ
-    are the signatures themselves gathered, for per-tensor verdicts."""
+    agreed, whether every member `covers` its whole state); identical on every member. One all_gather of a
+    fixed-size header (structure digest, a 128-bit digest of the [n, 2] signature rows, the time taken, the covers
+    flag) decides the healthy case; only when the signature digests differ are the signatures themselves gathered,
+    for per-tensor verdicts."""
     header = structure_digest(names, flat, tags)
     mine = torch.cat([header, bytes_signature(sigs.numpy().tobytes()),
-                      torch.tensor([elapsed], dtype=torch.float64).view(torch.int64)])
+                      torch.tensor([elapsed], dtype=torch.float64).view(torch.int64),
+                      torch.tensor([int(covers)], dtype=torch.int64)])
     rows = [torch.empty_like(mine) for _ in members]
     dist.all_gather(rows, mine, group=pg)
     slowest = max(float(r[5:6].view(torch.float64)) for r in rows)
+    everyone_covers = all(int(r[6]) == 1 for r in rows)
     if any(not torch.equal(r[:3], rows[0][:3]) for r in rows):
-        return combine([c3_verdict([tuple(r[:3].tolist()) for r in rows])], members, [STRUCTURE]), slowest, False
+        return (combine([c3_verdict([tuple(r[:3].tolist()) for r in rows])], members, [STRUCTURE]), slowest, False,
+                everyone_covers)
     if all(torch.equal(r[3:5], rows[0][3:5]) for r in rows):  # every member holds the same signatures
-        return verdicts_from_gathered(sigs.unsqueeze(0).expand(len(rows), -1, -1), members, names), slowest, True
-    return c3_over_group(sigs, pg, members, names), slowest, True
+        return (verdicts_from_gathered(sigs.unsqueeze(0).expand(len(rows), -1, -1), members, names), slowest, True,
+                everyone_covers)
+    return c3_over_group(sigs, pg, members, names), slowest, True, everyone_covers
 
 
 def _hash_groups(flat: Mapping[str, Any], plan: _Plan, groups: ConsensusGroups, t0: float) -> tuple[dict, float]:
@@ -163,9 +170,24 @@ class PendingConsensus:
     def __init__(self, flat, names, plan, groups, t0, work):
         self._flat, self._names, self._plan, self._groups, self._t0 = flat, names, plan, groups, t0
         self._work = work  # a Future or the (sigs, elapsed) pair itself
+        self._exchanged: Future | None = None   # background: the exchange, queued behind the hashing
+        # Local: every leaf of the state is plain and compared as plain state, so replica_rows() holds a signature
+        # of every leaf. `everyone_covers` (after finish) says it holds on every rank.
+        plain = groups.grid.plain_dims if groups.world_size >= 2 else None
+        self._covers = (groups.world_size >= 2 and len(names) == len(flat) and not plan.problems
+                        and not plan.single and len(plan.by_dims.get(plain, [])) == len(names)
+                        and not any(is_dtensor(v) for v in flat.values()))
+        self.everyone_covers = False
 
     def _hashed(self) -> tuple[dict, float]:
         return self._work.result() if isinstance(self._work, Future) else self._work
+
+    def full_rows(self) -> dict[str, torch.Tensor] | None:
+        """After `finish`: {name: [2] replica signature} of every leaf when every rank's state is plain state
+        compared as plain state (`everyone_covers`, the same answer on every rank, from the exchange), else None.
+        Then every rank already holds a replica signature of every leaf, and `full_signatures(plain="replica",
+        known=..., complete=True)` needs no collective."""
+        return self.replica_rows() if self.everyone_covers else None
 
     def replica_rows(self) -> dict[str, torch.Tensor]:
         """{name: [2] replica signature} of the plain (non-DTensor) state compared as plain state: exactly what
@@ -184,7 +206,14 @@ class PendingConsensus:
         return out
 
     def finish(self) -> dict:
-        """The evidence (see `save_time_consensus`); collective over all ranks, in the same order everywhere."""
+        """The evidence (see `save_time_consensus`); collective over all ranks, in the same order everywhere. With
+        `start_consensus(background=True)` the exchange already ran (or runs) in the hashing thread: this waits
+        for it and re-raises its error."""
+        if self._exchanged is not None:
+            return self._exchanged.result()
+        return self._exchange()
+
+    def _exchange(self) -> dict:
         groups, flat, plan = self._groups, self._flat, self._plan
         if groups.world_size < 2:
             return evidence(NOT_APPLICABLE, [{"code": "no_replicas", "mode": groups.mode,
@@ -192,14 +221,15 @@ class PendingConsensus:
                             mode=groups.mode, groups=[], tensors_compared=0, single_owner=0, duration_s=0.0)
         sigs, elapsed = self._hashed()
         plain = groups.grid.plain_dims
-        entries, structure_ok = [], True
+        entries, structure_ok, covered = [], True, []
         for index, kind in enumerate(groups.kinds):  # the same order on every rank
             if len(kind.members) < 2:
                 continue
             mine = plan.by_dims.get(kind.dims, [])
-            gv, slowest, same = _group_verdict(flat, mine, kind.pg, kind.members, sigs[index], elapsed,
-                                               plan.tags if kind.dims == plain else [])
+            gv, slowest, same, covers = _group_verdict(flat, mine, kind.pg, kind.members, sigs[index], elapsed,
+                                                       plan.tags if kind.dims == plain else [], self._covers)
             structure_ok = structure_ok and same
+            covered.append(covers)
             entries.append({"kind": index, "members": list(gv.group_ranks), "dims": list(kind.names),
                             "verdict": gv.status, "attributed": list(gv.attributed_ranks),
                             "attributed_tensors": gv.attributed_tensors,
@@ -214,9 +244,12 @@ class PendingConsensus:
             if not structure_ok:  # the layouts differ between ranks: report the structure verdict only
                 local.update(single=[], problems=[])
             everyone: list[Any] = [local]
+            self.everyone_covers = bool(covered) and all(covered)   # the world's header said it
         else:
+            local["covers"] = self._covers
             everyone = [None] * groups.world_size
             dist.all_gather_object(everyone, local, group=groups.world_group)
+            self.everyone_covers = all(e["covers"] for e in everyone)
         return _summarise(everyone, groups)
 
 
@@ -224,16 +257,22 @@ def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
                     names_filter: Callable[[str], bool] | Collection[str] | None = None,
                     background: bool = False) -> PendingConsensus:
     """Plan and hash (local, no collective); `finish()` on the result is the collective half. With `background`
-    the hashing runs in a thread of its own and `finish`/`replica_rows` wait for it."""
+    the hashing and then the exchange run in a thread of its own and `finish`/`replica_rows` wait for them; every
+    rank must then make no other call on the consensus groups until `finish` returns."""
     t0 = time.perf_counter()
     if groups.world_size < 2:
         return PendingConsensus({}, [], _Plan(), groups, t0, ({}, 0.0))
     flat = flatten_state(state_dict, keep_dtensor=True)
     names = _select(flat, names_filter)
     plan = _plan(flat, names, groups)
-    work = _hasher().submit(_hash_groups, flat, plan, groups, t0) if background else \
-        _hash_groups(flat, plan, groups, t0)
-    return PendingConsensus(flat, names, plan, groups, t0, work)
+    if not background:
+        return PendingConsensus(flat, names, plan, groups, t0, _hash_groups(flat, plan, groups, t0))
+    pending = PendingConsensus(flat, names, plan, groups, t0, _hasher().submit(_hash_groups, flat, plan, groups, t0))
+    # The exchange follows in the same thread as soon as the hashing is done, so it overlaps DCP's write too. Its
+    # collectives are on the consensus groups only, which nothing else uses during a save (replay uses them at
+    # step() and before a save's write, never while one is in flight), so the order on every rank is fixed.
+    pending._exchanged = _hasher().submit(pending._exchange)
+    return pending
 
 
 def _reasons(entry: dict) -> list[dict]:
