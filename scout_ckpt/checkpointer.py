@@ -31,7 +31,8 @@ from scout_ckpt.consensus.flatten import holds_dtensor
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
-from scout_ckpt.consensus.signatures import full_signatures
+from scout_ckpt.consensus.mesh import full_signable
+from scout_ckpt.consensus.signatures import flatten_state, full_signatures
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.health_evidence import HealthWindow
 from scout_ckpt.ledger import Ledger, fsdetect
@@ -400,8 +401,12 @@ class Checkpointer:
             # Where consensus hashed every leaf on every rank (DDP), the signatures need no collective.
             full = hashing.full_rows() if hashing is not None else None
             known = full if full is not None else (hashing.replica_rows() if hashing is not None else None)
+            # A _StridedShard (FSDP x TP) has no one-box shard to sign: its bytes vouch for it at load instead.
+            unsigned = full_signable(flatten_state(flat, keep_dtensor=True))[1]
             ev["signatures"] = full_signatures(flat, group=group, plain="replica", known=known,
-                                               complete=full is not None)
+                                               complete=full is not None, exclude=unsigned)
+            if unsigned:
+                ev["load_check_unsigned"] = unsigned
         if self.replay is not None and self.is_coordinator:
             ev["replay"] = self.replay.evidence(step)
         return ev
@@ -456,9 +461,12 @@ class Checkpointer:
         files = [f for g in gathered for f in g["files"]]
         live = dict(live)
         signatures = live.pop("signatures", {})
+        unsigned = live.pop("load_check_unsigned", None)
         taken_at = live.pop("_taken_at", None) or time.time()
         ev = {"bytes": policy.evidence(policy.PASS, files=len(files), bytes=sum(f["size"] for f in files),
                                        hashed_by="writers")}
+        if unsigned:
+            ev["bytes"]["load_check_unsigned"] = unsigned[:64]
         if self.finite or self.checks:
             bad = [{"code": "invariant_failed", "check": "finite", "ranks": [g["rank"]], "tensors": g["finite_bad"][:8]}
                    for g in gathered if g["finite_bad"]]

@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from scout_ckpt import journal, policy
 from scout_ckpt import log as scout_log
-from scout_ckpt.consensus.signatures import REPLICA_PREFIX, full_signatures
+from scout_ckpt.consensus.mesh import full_signable
+from scout_ckpt.consensus.signatures import REPLICA_PREFIX, flatten_state, full_signatures
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.recovery import record_verification_failure, trusted_manifest
@@ -142,8 +143,10 @@ class LatestCleanLoader:
         have no place in `state`."""
         if not self.verify_load or not expected:
             return []
-        got = full_signatures(materialize(state), group=self.group, plain="replica")
-        absent = sorted(k for k in expected if k not in got)
+        state = materialize(state)
+        unsigned = full_signable(flatten_state(state, keep_dtensor=True))[1]
+        got = full_signatures(state, group=self.group, plain="replica", exclude=unsigned)
+        absent = sorted(k for k in expected if k not in got and k not in unsigned)
         if absent:
             raise LoadVerificationError(
                 f"checkpoint {step}: {len(absent)} saved value(s) have no place in the state passed to "
@@ -151,7 +154,7 @@ class LatestCleanLoader:
                 "get_state_dict so that optimizer state exists before loading")
         # A plain tensor's value (xxh3) compares only with a plain tensor's: one that became a DTensor in a
         # resharded restart is vouched for by the byte digests alone.
-        comparable = [k for k in expected if got[k].startswith(REPLICA_PREFIX) == expected[k].startswith(REPLICA_PREFIX)]
+        comparable = [k for k in expected if k in got and got[k].startswith(REPLICA_PREFIX) == expected[k].startswith(REPLICA_PREFIX)]
         return sorted(k for k in comparable if got[k] != expected[k])
 
     def _reject_load_mismatch(self, cand: dict, differ: list[str]) -> None:

@@ -3,7 +3,7 @@ the same state loaded on M ranks (one all_reduce of per-rank partial signatures)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -62,7 +62,8 @@ REPLICA_PREFIX = "r:"
 
 
 def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive",
-                    known: Mapping[str, torch.Tensor] | None = None, complete: bool = False) -> dict[str, str]:
+                    known: Mapping[str, torch.Tensor] | None = None, complete: bool = False,
+                    exclude: Collection[str] = ()) -> dict[str, str]:
     """{dotted key: hex} full-tensor signatures of a (sharded) state; collective over `group` (default: world).
 
     Each rank computes the partial signature of what it holds at its global offsets and one all_reduce(SUM) of the
@@ -93,10 +94,16 @@ def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive",
     rank's state is plain leaves all in its `known` (`PendingConsensus.full_rows`: consensus hashed every leaf on
     every rank and exchanged that fact). Then no rank calls a collective and each returns its own values, which
     are the signing rank's whenever the replicas agree (and when they do not, consensus rejects the checkpoint).
+
+    `exclude`: dotted keys left unsigned (`consensus.mesh.full_signable`: a _StridedShard has no one-box shard);
+    the same on every rank.
     """
     import torch.distributed as dist
 
     flat = flatten_state(state_dict, keep_dtensor=True)
+    if exclude:
+        skip = set(exclude)
+        flat = {k: v for k, v in flat.items() if k not in skip}
     if complete:
         if plain != "replica" or known is None or any(is_dtensor(v) or k not in known for k, v in flat.items()):
             raise ValueError("complete=True needs plain='replica' and a known signature of every plain leaf")
