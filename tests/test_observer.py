@@ -313,6 +313,8 @@ def test_ddp_comm_hook_rules_on_real_ddp_modules(tmp_path):
     for res in (o.result for o in outcomes):
         assert res["before_attach"] == 0  # the built-in reducer all-reduces in C++: unseen
         assert (res["given"], res["given_seen"], res["given_called"]) == ("registered", 1, 1)
+        assert (res["default"], res["default_traced"], res["default_hooks"]) == ("counted", 0, 0)
+        assert res["default_counted"] == 1 and res["published"]  # one bucket all-reduce, counted natively
         assert (res["ours"], res["ours_seen"]) == ("registered", 1)
         assert (res["kept"], res["kept_seen"]) == ("user_hook", 1)
         assert res["builtin"] == "builtin_hook" and res["plain_module"] == "not_ddp"
