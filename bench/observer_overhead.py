@@ -4,11 +4,14 @@
 
 Each rank holds identical DDP models (an MLP of `depth` width x width layers) and trains them in alternating
 blocks of steps, the block order rotated every round so that machine load hits all alike:
-  plain     DDP as torch builds it: the reducer all-reduces in C++, the observer sees nothing;
+  plain     DDP as torch builds it: the reducer all-reduces in C++, no observer;
   ref_hook  torch's reference `allreduce_hook` (untraced): what any Python comm hook costs;
-  observed  the observer attached: its comm hook through the collective tracer, the heartbeat, `step()`, and
-            the observer process polling beside it;
+  observed  the observer's default: no hook, DDP's all-reduces counted natively (the sampling thread at
+            100 Hz, observer/counts.py), the heartbeat, `step()`, the observer process polling beside it;
+  traced    the opt-in `ddp_comm_hook="traced"`: the observer's comm hook through the collective tracer, plus
+            everything `observed` has;
   plain2    a second plain model: the two plain models' difference is the noise floor.
+The sampling thread runs only during the observed and traced blocks (it is per process, not per model).
 Times are the rank's process CPU time (all its threads: gloo's completion callbacks are counted) and wall time;
 the ratio is the median over rounds of observed / plain block times (paired within a round), slowest rank.
 The observer process's own CPU is reported apart (bench/hang_latency.py measures it while training).
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
 
-MODES = ("plain", "ref_hook", "observed", "plain2")
+MODES = ("plain", "ref_hook", "observed", "traced", "plain2")
 
 
 def _rank(rank: int, world: int, root: str, width: int, depth: int, batch: int, block: int, rounds: int) -> dict:
@@ -60,6 +63,10 @@ def _rank(rank: int, world: int, root: str, width: int, depth: int, batch: int, 
     models["ref_hook"][0].register_comm_hook(dist.group.WORLD, ref_hook)
     obs = Observer.start(root, rank=rank, world_size=world, run_id=f"overhead-{batch}", stall_s=600.0, poll_s=0.25)
     attached = obs.attach(models["observed"][0])
+    from scout_ckpt.observer.ddp import attach as attach_hook
+
+    traced_attached = attach_hook(models["traced"][0], tracer=obs.tracer)
+    obs.counter.stop()  # sampled only while an observed model trains
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
     n = [0]
 
@@ -70,12 +77,13 @@ def _rank(rank: int, world: int, root: str, width: int, depth: int, batch: int, 
             opt.zero_grad()
             loss.backward()
             opt.step()
-            if name == "observed":
+            if name in ("observed", "traced"):
                 n[0] += 1
                 obs.step(n[0])
 
     for name in MODES:  # warm-up: DDP rebuilds its buckets after the first iteration
         run(name, 5)
+    counted0 = obs.counter.count()
     cpu = {m: [] for m in MODES}
     wall = {m: [] for m in MODES}
     from scout_ckpt.observer.stacks import cpu_seconds
@@ -86,15 +94,23 @@ def _rank(rank: int, world: int, root: str, width: int, depth: int, batch: int, 
         order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
         for name in order:
             dist.barrier()
+            sampled = name in ("observed", "traced")
             c0, w0 = time.process_time(), time.perf_counter()
+            if sampled:
+                obs.counter.start()
             run(name, block)
+            if sampled:
+                obs.counter.stop()
             cpu[name].append((time.process_time() - c0) / block)
             wall[name].append((time.perf_counter() - w0) / block)
     observer_cpu = (cpu_seconds(obs.pid) - ocpu0) / (time.monotonic() - owall0)
     traced = obs.tracer.seq - seq0
+    counted = obs.counter.count() - counted0
     obs.stop()
     dist.barrier()
-    return {"cpu": cpu, "wall": wall, "attached": attached, "traced_per_step": traced / (rounds * block),
+    return {"cpu": cpu, "wall": wall, "attached": attached, "traced_attached": traced_attached,
+            "traced_per_step": traced / (rounds * block),
+            "counted_per_step": counted / (rounds * block * len(MODES)),
             "observer_process_cpu": observer_cpu}
 
 
@@ -116,7 +132,8 @@ def measure(ranks: int, width: int, depth: int, batch: int, block: int, rounds: 
     worst = {kind: {k: max(p[kind][k] for p in per_rank) for k in per_rank[0][kind]} for kind in ("cpu", "wall")}
     step_ms = statistics.median(statistics.median(r["cpu"]["plain"]) for r in outs) * 1e3
     return {"batch": batch, "step_cpu_ms_plain": round(step_ms, 3), "worst_rank": worst, "per_rank": per_rank,
-            "attached": outs[0]["attached"], "traced_per_step": outs[0]["traced_per_step"],
+            "attached": outs[0]["attached"], "traced_attached": outs[0]["traced_attached"],
+            "traced_per_step": outs[0]["traced_per_step"], "counted_per_step": outs[0]["counted_per_step"],
             "observer_process_cpu": max(r["observer_process_cpu"] for r in outs)}
 
 
@@ -144,10 +161,10 @@ def main() -> int:
                          "rounds": args.rounds, **C.load_note()}}
     rows = [[c["batch"], c["step_cpu_ms_plain"], *(round(100 * (c["worst_rank"][kind][f"{m}_vs_plain"] - 1), 2)
                                                    for kind in ("cpu", "wall") for m in ("ref_hook", "observed",
-                                                                                         "plain2"))]
+                                                                                         "traced", "plain2"))]
             for c in configs]
-    C.emit(result, args, rows, ["batch", "step_cpu_ms", "ref_hook_cpu_%", "observed_cpu_%", "noise_cpu_%",
-                                "ref_hook_wall_%", "observed_wall_%", "noise_wall_%"],
+    C.emit(result, args, rows, ["batch", "step_cpu_ms", "ref_hook_cpu_%", "observed_cpu_%", "traced_cpu_%",
+                                "noise_cpu_%", "ref_hook_wall_%", "observed_wall_%", "traced_wall_%", "noise_wall_%"],
            title=f"observer cost per DDP step, {args.ranks} gloo ranks, MLP {args.depth}x{args.width} "
                  f"(% over plain DDP, median of {args.rounds} paired rounds, slowest rank)")
     return 0

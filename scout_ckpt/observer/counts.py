@@ -141,8 +141,10 @@ class CollectiveCounter:
                 time.sleep(self.period)
 
     def start(self) -> "CollectiveCounter":
+        """Starts (or restarts, after `stop`) the sampling thread."""
         self.sample()
-        if self.period > 0:
+        self._stop.clear()
+        if self.period > 0 and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="scout-observer-counts", daemon=True)
             self._thread.start()
         return self

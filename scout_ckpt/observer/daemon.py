@@ -14,15 +14,17 @@ Verdicts (`attribute`, a pure function) use strict majorities over the world siz
   desync  ranks entered the same collective number with different fingerprints (the odd ones out, if one
           fingerprint holds a strict majority); checked first and without waiting for a stall, also on ranks
           that are gone (a mismatched collective may abort its rank), since in SPMD training equal numbers
-          mean the same collective; or, while a majority is stalled, ranks wait in a training collective
-          further on than the waiting majority;
+          mean the same collective; or a Python-level collective at a native position where the others issued
+          a native one (DDP's reducer) or another Python one; or, while a majority is stalled, ranks wait in a
+          training collective further on than the waiting majority;
   crash   a trainer that is gone without a clean close and without having seen a collective fail (a victim of a
-          peer's death has: a sync call raised, or an async one's Work failed), while the survivors and victims
+          peer's death has: a sync call raised, an async one's Work failed, or the trainer died of an uncaught
+          collective error, e.g. DDP's all-reduce raising in backward), while the survivors and victims
           are a strict majority; or, when a teardown (torchrun's) took the others too, the ranks that died
           first, at least 50 ms before anyone else (death times from PR_SET_PDEATHSIG), if the rest are a
           strict majority; else no verdict (a job-wide kill), and the next generation records the run as
           unfinished (observer/aftermath.py);
-  hang    a strict majority is stuck for stall_s at the same (step, seq), waiting in a collective (training or
+  hang    a strict majority is stuck for stall_s at the same progress, waiting in a collective (training or
           side group) or inside a step (an async collective's wait); the ranks behind it are hung. With no
           laggard it is a hang only if the majority sits in one training collective (else: a long save or
           eval). A SIGSTOPped trainer (state T) that made no progress for stall_s is hung whatever its

@@ -1,4 +1,4 @@
-"""The training side's heartbeat: a fixed 128-byte record in a shared-memory file that the observer maps read-only.
+"""The training side's heartbeat: a fixed 512-byte record in a shared-memory file that the observer maps read-only.
 
 Why shared memory and a seqlock: the trainer must publish its progress at the cost of a few stores (no syscall,
 no lock, no GIL hand-off to another thread), and the observer must read it even while the trainer is blocked in C
@@ -7,6 +7,11 @@ it sees the same even version before and after reading, so it never sees a torn 
 and reads fields in order; on x86 stores and loads are not reordered with each other. The version itself is
 stored and loaded through a memoryview of unsigned 64-bit items, one aligned 8-byte access: struct.pack_into
 zero-fills before it writes, which would briefly show an even version 0.)
+
+Two areas, each with one writer and its own version word: the training thread's (step, phase, traced
+collectives, busy time) and the counting thread's (observer/counts.py: the watched groups' native collective
+count, when it changed, and the ring of per-step arrivals). Two writers on one seqlock would tear each other's
+records; two seqlocks cost nothing more.
 
 The file lives in /dev/shm (tmpfs) when there is one, so updates never reach a disk.
 """
