@@ -56,7 +56,7 @@ class Observer:
               exchange_s: float = 0.5, trace: bool = True, ignore_groups=(), straggler: dict | None = None,
               health_poll_s: float = 10.0, linger_s: float = 4.0, ready_timeout_s: float = 60.0,
               local_rank: int | None = None, ddp_comm_hook=None, ddp_comm_state=None,
-              count_hz: float = 100.0) -> "Observer":
+              count_hz: float = 25.0) -> "Observer":
         """Start this rank's observer. `health_source`: where hardware health comes from, described by name
         (the observer process builds it; nothing is pickled): "module:factory" or {"factory": "module:factory",
         "kwargs": {...JSON...}}, the factory returning an object with poll() -> list[dict] (default: NVML for
