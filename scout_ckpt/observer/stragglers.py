@@ -5,6 +5,10 @@ fast ranks wait for the slow one inside the collectives. The heartbeat accumulat
 time spent in traced collectives; over a window of a few steps the monitor compares the per-rank means with
 consensus.timing's robust rule (median + max(k * 1.4826 * MAD, floors)) and reports a rank once it was flagged in
 `rounds` consecutive windows. A rank is reported once per episode: it is re-armed after a window without a flag.
+
+Where a rank's collectives are mostly native (DDP without a comm hook: the tracer sees no waits, so every rank's
+busy time is its whole step), `ArrivalStragglers` compares when each rank issued its first collective of each
+step instead (arrival skew); the observer's judge picks the measure per job (daemon.py).
 """
 
 from __future__ import annotations
