@@ -175,7 +175,11 @@ def main() -> int:
         ratios[f"observed_parts_vs_plain_cpu_b{c['batch']}"] = c["observed_parts_vs_plain_cpu"]
     head = configs[0]["worst_rank"]["cpu"]["observed_vs_plain"]
     result = {"ratio": round(head, 4), "ratios": ratios, "target": "observed_vs_plain_cpu <= 1.01 (cost per step < 1%)",
-              "target_met": head <= 1.01, "configs": configs,
+              "target_met": head <= 1.01,
+              # the paired ratio is within the noise floor (plain2_vs_plain) on a loaded machine; the cost from its
+              # measured parts (the sampling thread's CPU, the per-step calls) is the resolvable figure
+              "target_met_by_parts": all(c["observed_parts_vs_plain_cpu"] <= 1.01 for c in configs),
+              "configs": configs,
               "params": {"ranks": args.ranks, "width": args.width, "depth": args.depth, "block": args.block,
                          "rounds": args.rounds, **C.load_note()}}
     rows = [[c["batch"], c["step_cpu_ms_plain"], *(round(100 * (c["worst_rank"][kind][f"{m}_vs_plain"] - 1), 2)
