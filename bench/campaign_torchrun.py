@@ -37,7 +37,7 @@ PG_TIMEOUT_S = 120.0
 STALL_S = 3.0
 SAVE_EVERY = 5
 COMPUTE_S = 0.05        # per step, on top of the tiny model's own compute, so a slow rank's extra time is real
-SLOW_STEPS = 60         # the straggler rule needs 3 confirmed windows of >= 1 s and >= 3 steps
+SLOW_STEPS = 100        # the straggler rule needs 3 confirmed windows of >= 1 s and >= 6 steps (arrival skew)
 STEPS = 20
 ALARMS = ("hang", "desync", "crash", "straggler", "sdc")
 HANGS = ("hang-before-backward", "hang-in-optimizer")

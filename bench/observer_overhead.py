@@ -4,11 +4,14 @@
 
 Each rank holds identical DDP models (an MLP of `depth` width x width layers) and trains them in alternating
 blocks of steps, the block order rotated every round so that machine load hits all alike:
-  plain     DDP as torch builds it: the reducer all-reduces in C++, the observer sees nothing;
+  plain     DDP as torch builds it: the reducer all-reduces in C++, no observer;
   ref_hook  torch's reference `allreduce_hook` (untraced): what any Python comm hook costs;
-  observed  the observer attached: its comm hook through the collective tracer, the heartbeat, `step()`, and
-            the observer process polling beside it;
+  observed  the observer's default: no hook, DDP's all-reduces counted natively (the sampling thread at
+            25 Hz, observer/counts.py), the heartbeat, `step()`, the observer process polling beside it;
+  traced    the opt-in `ddp_comm_hook="traced"`: the observer's comm hook through the collective tracer, plus
+            everything `observed` has;
   plain2    a second plain model: the two plain models' difference is the noise floor.
+The sampling thread runs only during the observed and traced blocks (it is per process, not per model).
 Times are the rank's process CPU time (all its threads: gloo's completion callbacks are counted) and wall time;
 the ratio is the median over rounds of observed / plain block times (paired within a round), slowest rank.
 The observer process's own CPU is reported apart (bench/hang_latency.py measures it while training).
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C
 
-MODES = ("plain", "ref_hook", "observed", "plain2")
+MODES = ("plain", "ref_hook", "observed", "traced", "plain2")
 
 
 def _rank(rank: int, world: int, root: str, width: int, depth: int, batch: int, block: int, rounds: int) -> dict:
@@ -60,6 +63,10 @@ def _rank(rank: int, world: int, root: str, width: int, depth: int, batch: int, 
     models["ref_hook"][0].register_comm_hook(dist.group.WORLD, ref_hook)
     obs = Observer.start(root, rank=rank, world_size=world, run_id=f"overhead-{batch}", stall_s=600.0, poll_s=0.25)
     attached = obs.attach(models["observed"][0])
+    from scout_ckpt.observer.ddp import attach as attach_hook
+
+    traced_attached = attach_hook(models["traced"][0], tracer=obs.tracer)
+    obs.counter.stop()  # sampled only while an observed model trains
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
     n = [0]
 
@@ -70,12 +77,19 @@ def _rank(rank: int, world: int, root: str, width: int, depth: int, batch: int, 
             opt.zero_grad()
             loss.backward()
             opt.step()
-            if name == "observed":
+            if name in ("observed", "traced"):
                 n[0] += 1
                 obs.step(n[0])
 
     for name in MODES:  # warm-up: DDP rebuilds its buckets after the first iteration
         run(name, 5)
+    counted0 = obs.counter.count()
+    sampler_cpu0, sampled_wall = obs.counter.cpu_s, [0.0]
+    # the default's per-step work on the training thread, alone: heartbeat.step + the count at the boundary
+    t0 = time.perf_counter()
+    for i in range(2000):
+        obs.step(10_000 + i)
+    step_call_s = (time.perf_counter() - t0) / 2000
     cpu = {m: [] for m in MODES}
     wall = {m: [] for m in MODES}
     from scout_ckpt.observer.stacks import cpu_seconds
@@ -86,15 +100,26 @@ def _rank(rank: int, world: int, root: str, width: int, depth: int, batch: int, 
         order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
         for name in order:
             dist.barrier()
+            sampled = name in ("observed", "traced")
             c0, w0 = time.process_time(), time.perf_counter()
+            if sampled:
+                obs.counter.start()
             run(name, block)
+            if sampled:
+                obs.counter.stop()
+                sampled_wall[0] += time.perf_counter() - w0
             cpu[name].append((time.process_time() - c0) / block)
             wall[name].append((time.perf_counter() - w0) / block)
     observer_cpu = (cpu_seconds(obs.pid) - ocpu0) / (time.monotonic() - owall0)
     traced = obs.tracer.seq - seq0
+    counted = obs.counter.count() - counted0
+    sampler_cpu_per_s = (obs.counter.cpu_s - sampler_cpu0) / max(sampled_wall[0], 1e-9)
     obs.stop()
     dist.barrier()
-    return {"cpu": cpu, "wall": wall, "attached": attached, "traced_per_step": traced / (rounds * block),
+    return {"cpu": cpu, "wall": wall, "attached": attached, "traced_attached": traced_attached,
+            "traced_per_step": traced / (rounds * block),
+            "counted_per_step": counted / (rounds * block * len(MODES)),
+            "sampler_cpu_per_s": sampler_cpu_per_s, "step_call_s": step_call_s,
             "observer_process_cpu": observer_cpu}
 
 
@@ -115,8 +140,17 @@ def measure(ranks: int, width: int, depth: int, batch: int, block: int, rounds: 
                          for kind in ("cpu", "wall")})
     worst = {kind: {k: max(p[kind][k] for p in per_rank) for k in per_rank[0][kind]} for kind in ("cpu", "wall")}
     step_ms = statistics.median(statistics.median(r["cpu"]["plain"]) for r in outs) * 1e3
+    # The default's cost from its parts, measured directly (immune to the machine's load, which swamps a 1%
+    # difference of paired step times here): the sampling thread's CPU per second of training times the step's
+    # wall time, plus the per-step calls, over the plain step's CPU time; the slowest rank.
+    parts = max((r["sampler_cpu_per_s"] * statistics.median(r["wall"]["plain"]) + r["step_call_s"])
+                / statistics.median(r["cpu"]["plain"]) for r in outs)
     return {"batch": batch, "step_cpu_ms_plain": round(step_ms, 3), "worst_rank": worst, "per_rank": per_rank,
-            "attached": outs[0]["attached"], "traced_per_step": outs[0]["traced_per_step"],
+            "observed_parts_vs_plain_cpu": round(1 + parts, 5),
+            "sampler_cpu_per_s": max(r["sampler_cpu_per_s"] for r in outs),
+            "step_call_us": round(max(r["step_call_s"] for r in outs) * 1e6, 2),
+            "attached": outs[0]["attached"], "traced_attached": outs[0]["traced_attached"],
+            "traced_per_step": outs[0]["traced_per_step"], "counted_per_step": outs[0]["counted_per_step"],
             "observer_process_cpu": max(r["observer_process_cpu"] for r in outs)}
 
 
@@ -137,17 +171,23 @@ def main() -> int:
         for kind in ("cpu", "wall"):
             for k, v in c["worst_rank"][kind].items():
                 ratios[f"{k}_{kind}_b{c['batch']}"] = round(v, 4)
+    for c in configs:
+        ratios[f"observed_parts_vs_plain_cpu_b{c['batch']}"] = c["observed_parts_vs_plain_cpu"]
     head = configs[0]["worst_rank"]["cpu"]["observed_vs_plain"]
     result = {"ratio": round(head, 4), "ratios": ratios, "target": "observed_vs_plain_cpu <= 1.01 (cost per step < 1%)",
-              "target_met": head <= 1.01, "configs": configs,
+              "target_met": head <= 1.01,
+              # the paired ratio is within the noise floor (plain2_vs_plain) on a loaded machine; the cost from its
+              # measured parts (the sampling thread's CPU, the per-step calls) is the resolvable figure
+              "target_met_by_parts": all(c["observed_parts_vs_plain_cpu"] <= 1.01 for c in configs),
+              "configs": configs,
               "params": {"ranks": args.ranks, "width": args.width, "depth": args.depth, "block": args.block,
                          "rounds": args.rounds, **C.load_note()}}
     rows = [[c["batch"], c["step_cpu_ms_plain"], *(round(100 * (c["worst_rank"][kind][f"{m}_vs_plain"] - 1), 2)
                                                    for kind in ("cpu", "wall") for m in ("ref_hook", "observed",
-                                                                                         "plain2"))]
+                                                                                         "traced", "plain2"))]
             for c in configs]
-    C.emit(result, args, rows, ["batch", "step_cpu_ms", "ref_hook_cpu_%", "observed_cpu_%", "noise_cpu_%",
-                                "ref_hook_wall_%", "observed_wall_%", "noise_wall_%"],
+    C.emit(result, args, rows, ["batch", "step_cpu_ms", "ref_hook_cpu_%", "observed_cpu_%", "traced_cpu_%",
+                                "noise_cpu_%", "ref_hook_wall_%", "observed_wall_%", "traced_wall_%", "noise_wall_%"],
            title=f"observer cost per DDP step, {args.ranks} gloo ranks, MLP {args.depth}x{args.width} "
                  f"(% over plain DDP, median of {args.rounds} paired rounds, slowest rank)")
     return 0

@@ -266,6 +266,20 @@ def _row(step, seq, *, state="running", in_coll=True, age=5.0, fp="a", error=Fal
     ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 9)}, 3, ("hang", [])),
     # a clean close is no fault
     ({0: _row(3, 9, state="closed"), 1: _row(3, 9, in_coll=False), 2: _row(3, 9, in_coll=False)}, 3, None),
+    # DDP without a hook: equal traced numbers, rank 2's native count behind the others' (not in their all-reduce)
+    ({0: _row(7, 4, in_coll=False, phase="backward") | {"cseq": 40}, 1: _row(7, 4, in_coll=False,
+      phase="backward") | {"cseq": 40}, 2: _row(7, 4, in_coll=False) | {"cseq": 37}}, 3, ("hang", [2])),
+    # ... the laggard one step behind (stuck in its optimizer step) while the others wait in the next backward
+    ({0: _row(21, 4, in_coll=False, phase="optimizer") | {"cseq": 66}, 1: _row(22, 4, in_coll=False,
+      phase="backward") | {"cseq": 69}, 2: _row(22, 4, in_coll=False, phase="backward") | {"cseq": 69}}, 3,
+     ("hang", [0])),
+    # a Python all_reduce at native position 31 on rank 1, where ranks 0 and 2 issued a native one (DDP's bucket)
+    ({0: _row(11, 4, in_coll=False, age=0.0) | {"cseq": 33, "pos": 20}, 1: _row(11, 5, state="gone", fp="x")
+      | {"cseq": 31, "pos": 31}, 2: _row(11, 4, in_coll=False, age=0.0) | {"cseq": 31, "pos": 20}}, 3,
+     ("desync", [1])),
+    # the same Python collective at the same position, another rank not there yet: nothing
+    ({0: _row(11, 5, age=0.0) | {"cseq": 31, "pos": 31}, 1: _row(11, 5, age=0.0) | {"cseq": 31, "pos": 31},
+      2: _row(11, 4, in_coll=False, age=0.0) | {"cseq": 30, "pos": 20}}, 3, None),
 ])
 def test_attribution_rule(rows, world, expect):
     verdict = attribute(rows, world, stall_s=2.0)
@@ -298,6 +312,35 @@ def test_attribution_rule_for_deaths(rows, world, expect):
     assert (verdict["kind"], verdict["ranks"]) == expect if expect else verdict is None
 
 
+def test_arrival_skew_names_the_last_to_arrive_and_ignores_save_steps():
+    """Stragglers by arrival skew (DDP without a hook): rank 1 issues its first collective of each step 0.1 s
+    after the others (3x a 0.05 s compute); rank 0 is late once every 5 steps (the coordinator's save work);
+    scheduler jitter of 10 ms on everyone. Only rank 1 is named, with its slowdown, after 3 windows."""
+    import random
+
+    from scout_ckpt.observer.stragglers import ArrivalStragglers
+
+    def run(late: dict[int, float]) -> list[dict]:
+        rng = random.Random(0)
+        mon, events, t = ArrivalStragglers(window_s=0.5), [], 0.0
+        mon.update(0.0, {0, 1, 2})
+        for step in range(1, 80):
+            t += 0.05 + max(late.values(), default=0.0) + 0.01
+            arrivals = {r: t + late.get(r, 0.0) - max(late.values(), default=0.0) + rng.uniform(0, 0.01)
+                        for r in range(3)}
+            if step % 5 == 0:
+                arrivals[0] += 0.3
+            for r, a in arrivals.items():
+                mon.add(r, [(step, a)])
+            events += mon.update(t, {0, 1, 2})
+        return events
+
+    events = run({1: 0.1})
+    assert [e["ranks"] for e in events] == [[1]]
+    assert 2.0 < events[0]["detail"]["slowdown"] < 4.0
+    assert run({}) == []
+
+
 def test_busy_time_subtracts_the_union_of_waits_async_ones_until_completion():
     from scout_ckpt.observer.heartbeat import waited_within
 
@@ -313,6 +356,8 @@ def test_ddp_comm_hook_rules_on_real_ddp_modules(tmp_path):
     for res in (o.result for o in outcomes):
         assert res["before_attach"] == 0  # the built-in reducer all-reduces in C++: unseen
         assert (res["given"], res["given_seen"], res["given_called"]) == ("registered", 1, 1)
+        assert (res["default"], res["default_traced"], res["default_hooks"]) == ("counted", 0, 0)
+        assert res["default_counted"] == 1 and res["published"]  # one bucket all-reduce, counted natively
         assert (res["ours"], res["ours_seen"]) == ("registered", 1)
         assert (res["kept"], res["kept_seen"]) == ("user_hook", 1)
         assert res["builtin"] == "builtin_hook" and res["plain_module"] == "not_ddp"

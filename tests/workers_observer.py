@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from scout_ckpt.observer import Observer
+from scout_ckpt.observer.heartbeat import HeartbeatReader
 from scout_ckpt.observer.stacks import cpu_seconds
 
 
@@ -104,8 +105,9 @@ def tracer_roundtrip(rank: int, world_size: int):
 
 
 def ddp_attach_rules(rank: int, world_size: int, root: str):
-    """The comm-hook composition rule on real DDP modules: ours registered and its all-reduces counted, a
-    user's Python hook kept (and seen), a hook given to the observer registered, a built-in hook reported."""
+    """The comm-hook rules on real DDP modules: by default no hook, the reducer's all-reduces counted natively
+    (and published by the sampler); the opt-in traced hook registered and its all-reduces traced, a user's
+    Python hook kept (and seen), a hook given to the observer registered, a built-in hook reported."""
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -134,7 +136,17 @@ def ddp_attach_rules(rank: int, world_size: int, root: str):
         step(given)
         out["given_seen"] = obs.tracer.seq - seq0
         out["given_called"] = len(obs_hook_calls)
-        obs._ddp_hook = (None, None)  # the default from here on
+        obs._ddp_hook = (None, None)  # the default: no hook, counted natively
+        counted = DDP(nn.Linear(4, 4))
+        out["default"] = obs.attach(counted)
+        seq0, c0 = obs.tracer.seq, obs.counter.count()
+        step(counted)
+        out["default_traced"] = obs.tracer.seq - seq0
+        out["default_counted"] = obs.counter.count() - c0
+        out["default_hooks"] = len(getattr(counted, "_comm_hooks", []) or [])
+        obs.counter.sample()
+        out["published"] = HeartbeatReader(obs.heartbeat.path).snapshot().cseq == obs.counter.count()
+        obs._ddp_hook = ("traced", None)  # the opt-in from here on
         ours = DDP(nn.Linear(4, 4))
         out["ours"] = obs.attach(ours)
         seq0 = obs.tracer.seq

@@ -14,11 +14,13 @@ _LAZY = {
     "HeartbeatReader": "scout_ckpt.observer.heartbeat",
     "PHASES": "scout_ckpt.observer.heartbeat",
     "CollectiveTracer": "scout_ckpt.observer.fingerprints",
+    "CollectiveCounter": "scout_ckpt.observer.counts",
     "Observer": "scout_ckpt.observer.handle",
     "attribute": "scout_ckpt.observer.verdicts",
     "channel_dir": "scout_ckpt.observer.handle",
     "StackDumper": "scout_ckpt.observer.stacks",
     "StragglerMonitor": "scout_ckpt.observer.stragglers",
+    "ArrivalStragglers": "scout_ckpt.observer.stragglers",
     "NvmlHealthSource": "scout_ckpt.observer.health",
     "NullHealthSource": "scout_ckpt.observer.health",
 }

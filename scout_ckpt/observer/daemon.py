@@ -14,15 +14,17 @@ Verdicts (`attribute`, a pure function) use strict majorities over the world siz
   desync  ranks entered the same collective number with different fingerprints (the odd ones out, if one
           fingerprint holds a strict majority); checked first and without waiting for a stall, also on ranks
           that are gone (a mismatched collective may abort its rank), since in SPMD training equal numbers
-          mean the same collective; or, while a majority is stalled, ranks wait in a training collective
-          further on than the waiting majority;
+          mean the same collective; or a Python-level collective at a native position where the others issued
+          a native one (DDP's reducer) or another Python one; or, while a majority is stalled, ranks wait in a
+          training collective further on than the waiting majority;
   crash   a trainer that is gone without a clean close and without having seen a collective fail (a victim of a
-          peer's death has: a sync call raised, or an async one's Work failed), while the survivors and victims
+          peer's death has: a sync call raised, an async one's Work failed, or the trainer died of an uncaught
+          collective error, e.g. DDP's all-reduce raising in backward), while the survivors and victims
           are a strict majority; or, when a teardown (torchrun's) took the others too, the ranks that died
           first, at least 50 ms before anyone else (death times from PR_SET_PDEATHSIG), if the rest are a
           strict majority; else no verdict (a job-wide kill), and the next generation records the run as
           unfinished (observer/aftermath.py);
-  hang    a strict majority is stuck for stall_s at the same (step, seq), waiting in a collective (training or
+  hang    a strict majority is stuck for stall_s at the same progress, waiting in a collective (training or
           side group) or inside a step (an async collective's wait); the ranks behind it are hung. With no
           laggard it is a hang only if the majority sits in one training collective (else: a long save or
           eval). A SIGSTOPped trainer (state T) that made no progress for stall_s is hung whatever its
@@ -83,7 +85,7 @@ class Daemon:
         self.t0 = time.monotonic()
         self.aftermath_pending, self.next_aftermath = True, 0.0
         self.beat = 0
-        self.version = -1
+        self.version = (-1, -1)
         self.last_change = time.monotonic()
         self.snap = self.reader.snapshot()
         self.state = "running"
@@ -100,6 +102,10 @@ class Daemon:
         from scout_ckpt.observer.stragglers import StragglerMonitor
 
         self.stragglers = StragglerMonitor(**cfg["straggler"])
+        from scout_ckpt.observer.stragglers import ArrivalStragglers
+
+        self.arrival_stragglers = ArrivalStragglers(**cfg["straggler"])
+        self.arrivals: dict[int, float] = {}  # this rank's, kept longer than the heartbeat's ring
         self._stop = False
         self._ledger = None
 
@@ -127,8 +133,15 @@ class Daemon:
 
     def _observe(self, now: float) -> None:
         self.snap = self.reader.snapshot()
-        if self.snap.version != self.version:
-            self.version, self.last_change = self.snap.version, now
+        # progress is either heartbeat's: a Python-level event, or a native collective issued (counts.py)
+        version = (self.snap.version, self.snap.cseq)
+        if version != self.version:
+            self.version, self.last_change = version, now
+        for step, t in self.snap.arrivals:
+            self.arrivals[step] = t
+        if len(self.arrivals) > 64:
+            for step in sorted(self.arrivals)[:len(self.arrivals) - 64]:
+                del self.arrivals[step]
         self.state = self._trainer_state()
         if self.state in ("gone", "closed", "aborted") and self.gone_since is None:
             self.gone_since = now
@@ -139,17 +152,19 @@ class Daemon:
             self._capture_stacks()
 
     def _capture_stacks(self) -> None:
-        if self.stacks is not None and self.stacks["hb"] == self.version:
+        if self.stacks is not None and self.stacks["hb"] == list(self.version):
             return
         got = stacks_mod.capture(self.pid, self.channel / f"stacks-{self.rank}.log", self.cfg["signal"])
-        self.stacks = {"hb": self.version, **({"span": list(got)} if isinstance(got, tuple) else {"reason": got})}
+        self.stacks = {"hb": list(self.version), **({"span": list(got)} if isinstance(got, tuple) else {"reason": got})}
         log.info("stacks of trainer %d: %s", self.pid, self.stacks)
 
     def _status(self, now: float) -> dict:
         s = self.snap
         return {"rank": self.rank, "observer_pid": os.getpid(), "pid": self.pid, "beat": self.beat,
                 "state": self.state, "step": s.step, "phase": s.phase, "seq": s.seq_enter, "fp": f"{s.fp_enter:016x}",
-                "seq_left": s.seq_leave, "in_coll": s.in_coll, "in_side": s.in_side, "error": s.coll_error, "hb": self.version,
+                "seq_left": s.seq_leave, "in_coll": s.in_coll, "in_side": s.in_side, "error": s.coll_error, "hb": list(self.version),
+                "cseq": max(s.cseq, s.pos_enter), "pos": s.pos_enter, "t_cseq": s.t_cseq,
+                "arrivals": sorted(self.arrivals.items())[-32:],
                 "age_s": round(now - self.last_change, 3), "t_update": s.t_update, "n_steps": s.n_steps,
                 "busy_sum": s.busy_sum, "dur_sum": s.dur_sum, "last_dur": s.last_dur, "stacks": self.stacks,
                 "wall": time.time(), "torch_imported": "torch" in sys.modules,
@@ -197,7 +212,16 @@ class Daemon:
         running = {r: (row["n_steps"], row["busy_sum"], row["step"]) for r, row in rows.items()
                    if row["state"] == "running" and row["live"]}
         if len(running) == self.world:
-            for ev in self.stragglers.update(now, running):
+            # by arrival skew where most collectives are native, issued where no tracer sees their waits (DDP
+            # without a hook: busy times are all equal there); else by busy time (Python-level collectives,
+            # FSDP2's included, whose waits the tracer sees, side groups' too)
+            if all(rows[r].get("arrivals") and rows[r]["seq"] < 0.5 * (rows[r].get("cseq") or 0) for r in running):
+                for r in running:
+                    self.arrival_stragglers.add(r, rows[r]["arrivals"])
+                found = self.arrival_stragglers.update(now, running)
+            else:
+                found = self.stragglers.update(now, running)
+            for ev in found:
                 key = f"straggler-r{ev['ranks'][0]}-s{ev['step']}"
                 self._publish_event("straggler", ev["ranks"], ev["step"], ev["detail"], key, rows)
         # a row whose observer stopped beating is unknown, unless its last word was final
@@ -231,6 +255,7 @@ class Daemon:
             else:
                 stacks[str(r)] = st["reason"]
         detail = {"attribution": verdict["attribution"], "reason": verdict["reason"], "seq": verdict["seq"],
+                  "cseq": verdict.get("cseq"),
                   "stall_s": self.stall_s, "stacks": stacks, "action": self.cfg["action"]}
         if verdict.get("where"):
             detail["where"] = {str(r): w for r, w in verdict["where"].items()}
@@ -250,7 +275,7 @@ class Daemon:
             json.dump({"kind": kind, "ranks": ranks, "step": step, "observer": self.rank,
                        "progress_max": list(top), "time": time.time()}, f)
         self.known_claims.add(claim.name)
-        table = [{k: row.get(k) for k in ("rank", "state", "step", "phase", "seq", "seq_left", "fp", "in_coll",
+        table = [{k: row.get(k) for k in ("rank", "state", "step", "phase", "seq", "cseq", "pos", "seq_left", "fp", "in_coll",
                                           "in_side", "error", "age_s", "pid", "live")} for _, row in sorted(rows.items())]
         self._write_event(kind, ranks, step, {**detail, "progress": table}, key)
         return True

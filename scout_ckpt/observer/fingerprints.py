@@ -12,8 +12,10 @@ process (only str/bytes hashing is salted per process), which is all the observe
 
 What is seen: every call made through the `torch.distributed` namespace: the user's own, FSDP2's all-gathers
 and reduce-scatters (torch 2.13 issues them as `dist.all_gather_single` / `dist.reduce_scatter_single`), and
-DDP's gradient all-reduces once `observer.ddp.attach` has registered a Python comm hook (DDP's built-in reducer
-all-reduces in C++ otherwise). An `async_op=True` call leaves the "in collective" flag when it is issued; the
+DDP's gradient all-reduces only where the opt-in traced comm hook is registered (`observer.ddp`); by default
+DDP's reducer all-reduces in C++ and is counted, not traced (observer/counts.py). Each traced call on a watched
+group also records its native position (the watched groups' count it takes), so a Python collective can be
+told from a native one issued at the same position on another rank. An `async_op=True` call leaves the "in collective" flag when it is issued; the
 rank's wait for it lasts until its Work completes (a future callback), which is what the busy time subtracts.
 
 Limits: functional collectives (torch.distributed._functional_collectives, compiled code) run in C++ and are
@@ -142,6 +144,7 @@ class CollectiveTracer:
         self._group_refs: list = []
         self._originals: dict[str, object] = {}
         self._wrappers: dict[str, object] = {}
+        self.counter = None  # observer/counts.py: set by Observer.start; gives each call its native position
         self.ignore(*ignore)
 
     @classmethod
@@ -195,6 +198,7 @@ class CollectiveTracer:
 
     def _wrap(self, name: str, orig, spec):
         fp_of = _compile_fp(name, orig, spec, self._ignored, self._group_key, self._group_keys)
+        gidx = list(inspect.signature(orig).parameters).index("group")
         hb = self.hb
         owner = hb.owner if hb is not None else None
         tracer = self
@@ -213,7 +217,9 @@ class CollectiveTracer:
             tracer.seq = seq = tracer.seq + 1
             if hb is None:
                 return orig(*args, **kwargs)
-            hb.enter(seq, fp)
+            counter = tracer.counter
+            hb.enter(seq, fp, 0 if counter is None else counter.position(
+                args[gidx] if len(args) > gidx else kwargs.get("group")))
             try:
                 out = orig(*args, **kwargs)
             except BaseException:
@@ -234,7 +240,9 @@ class CollectiveTracer:
                     tracer.seq += 1
                 return orig(*args, async_op=True, **kwargs), None
             tracer.seq = seq = tracer.seq + 1
-            hb.enter(seq, fp)
+            counter = tracer.counter
+            hb.enter(seq, fp, 0 if counter is None else counter.position(
+                args[gidx] if len(args) > gidx else kwargs.get("group")))
             try:
                 work = orig(*args, async_op=True, **kwargs)
             except BaseException:

@@ -41,11 +41,13 @@ class Observer:
     owns the heartbeat, the stack-dump handler, the collective tracer and the observer process."""
 
     def __init__(self, cfg: dict, heartbeat: Heartbeat, dumper: stacks_mod.StackDumper, proc: subprocess.Popen,
-                 tracer, ddp_hook=None):
+                 tracer, ddp_hook=None, counter=None):
         self.cfg, self.heartbeat, self._dumper, self.proc, self.tracer = cfg, heartbeat, dumper, proc, tracer
+        self.counter = counter
         self.channel = Path(cfg["channel"])
         self.rank = cfg["rank"]
-        self._ddp_hook = ddp_hook or (None, None)  # (hook, state): None = the default, False = register none
+        # (hook, state): None/False = no hook (counted), "traced" = the observer's traced hook, else the user's
+        self._ddp_hook = ddp_hook or (None, None)
         self.attached: str | None = None
 
     @classmethod
@@ -53,15 +55,18 @@ class Observer:
               action: str = "report", poll_s: float = 0.25, health_source=None, store=None,
               exchange_s: float = 0.5, trace: bool = True, ignore_groups=(), straggler: dict | None = None,
               health_poll_s: float = 10.0, linger_s: float = 4.0, ready_timeout_s: float = 60.0,
-              local_rank: int | None = None, ddp_comm_hook=None, ddp_comm_state=None) -> "Observer":
+              local_rank: int | None = None, ddp_comm_hook=None, ddp_comm_state=None,
+              count_hz: float = 25.0) -> "Observer":
         """Start this rank's observer. `health_source`: where hardware health comes from, described by name
         (the observer process builds it; nothing is pickled): "module:factory" or {"factory": "module:factory",
         "kwargs": {...JSON...}}, the factory returning an object with poll() -> list[dict] (default: NVML for
         GPU `local_rank`, quiet without one). `store`: an optional c10d Store used to check that every rank
         uses the same side-channel directory. `ignore_groups`: process groups whose collectives are not training
-        collectives (the checkpointer's side groups). `ddp_comm_hook`/`ddp_comm_state`: the user's own DDP comm
-        hook, registered by `attach` in place of the default (see observer/ddp.py for the rule); False registers
-        none (DDP's gradient all-reduces then stay unseen)."""
+        collectives (the checkpointer's side groups). `ddp_comm_hook`: None (the default) registers no DDP comm
+        hook: DDP's all-reduces are counted natively (observer/counts.py); "traced" registers the observer's
+        traced hook (every bucket fingerprinted, at a cost per step, see observer/ddp.py); a callable is the
+        user's own hook (with `ddp_comm_state`), registered by `attach`. `count_hz`: how often the watched
+        groups' native collective counts are sampled (0: only at step boundaries)."""
         if action not in ("report", "abort"):
             raise ScoutError(f"observer action must be report or abort (got {action!r})")
         health = health_spec(health_source)
@@ -88,7 +93,7 @@ class Observer:
             proc = subprocess.Popen([sys.executable, "-m", "scout_ckpt.observer.daemon", str(cfg_path)],
                                     stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog, env=env,
                                     start_new_session=True, close_fds=True)
-        tracer = None
+        tracer = counter = None
         try:
             if not _wait_for(lambda: (read_json(status) or {}).get("observer_pid") == proc.pid, 30.0,
                              lambda: proc.poll() is not None):
@@ -98,14 +103,21 @@ class Observer:
                 from scout_ckpt.observer.fingerprints import CollectiveTracer
 
                 tracer = CollectiveTracer.install(hb, ignore=ignore_groups)
+            counter = _start_counter(hb, ignore_groups, count_hz)
+            if tracer is not None:
+                tracer.counter = counter
         except BaseException:
+            if counter is not None:
+                counter.stop()
+            if tracer is not None:
+                tracer.uninstall()
             proc.kill()
             proc.wait()
             dumper.close()
             hb.close()
             raise
-        obs = cls(cfg, hb, dumper, proc, tracer, (ddp_comm_hook, ddp_comm_state))
-        _watch_uncaught()
+        obs = cls(cfg, hb, dumper, proc, tracer, (ddp_comm_hook, ddp_comm_state), counter)
+        _watch_uncaught(obs._on_uncaught)
         atexit.register(obs._at_exit)
         missing = obs.wait_peers(ready_timeout_s)
         if missing:
@@ -121,20 +133,41 @@ class Observer:
         return [r for r, p in enumerate(paths) if not p.exists()]
 
     def attach(self, model) -> str:
-        """Make `model`'s own collectives visible (called by the Checkpointer on the model it is given): on a
-        DDP module, registers the tracing comm hook (observer/ddp.py says how a user's own hook composes);
-        FSDP2's collectives are seen without it. Returns what was done; "not_traced" when tracing is off."""
+        """Make `model`'s own collectives visible (called by the Checkpointer, on every rank, on the model it is
+        given): its process groups (DDP's, FSDP2's meshes') are counted natively (observer/counts.py); with
+        `ddp_comm_hook` "traced" or a callable, a DDP module also gets that comm hook (observer/ddp.py).
+        Returns what was done: "counted" (DDP, no hook), "fsdp2", "not_ddp", "registered", "user_hook",
+        "builtin_hook", or "not_traced" when tracing is off and a hook was asked for."""
         hook, state = self._ddp_hook
-        if self.tracer is None:
+        if self.counter is not None:
+            from scout_ckpt.observer.counts import model_groups
+
+            self.counter.watch(*model_groups(model))
+        if hook in (None, False):
+            from scout_ckpt.observer.ddp import kind_of
+
+            self.attached = kind_of(model)
+        elif self.tracer is None:
             self.attached = "not_traced"
-        elif hook is False:
-            self.attached = "hook_disabled"
         else:
             from scout_ckpt.observer.ddp import attach
 
-            self.attached = attach(model, hook, state, tracer=self.tracer)
+            self.attached = attach(model, None if hook == "traced" else hook, state, tracer=self.tracer)
         log.info("observer of rank %d: attach -> %s", self.rank, self.attached)
         return self.attached
+
+    def _on_uncaught(self, exc) -> None:
+        """The trainer is dying of an uncaught exception: publish its last native count (the sampler may not
+        get another turn), and if the exception is a collective's failure (a peer died or mismatched), mark
+        this rank a victim, as a traced collective's failure does; a DDP all-reduce fails inside backward,
+        where no tracer sees it."""
+        try:
+            if self.counter is not None:
+                self.counter.sample()
+            if _collective_failure(exc):
+                self.heartbeat.error()
+        except Exception:
+            pass
 
     @property
     def pid(self) -> int:
@@ -142,6 +175,8 @@ class Observer:
 
     def step(self, n: int, duration_s: float | None = None) -> None:
         self.heartbeat.step(n, duration_s)
+        if self.counter is not None:
+            self.counter.boundary(n)
 
     def phase(self, name: str):
         return self.heartbeat.phase(name)
@@ -155,6 +190,10 @@ class Observer:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Clean shutdown: the closed heartbeat tells the observer (and its peers) this is no crash."""
         atexit.unregister(self._at_exit)
+        _UNCAUGHT_CALLBACKS[:] = [cb for cb in _UNCAUGHT_CALLBACKS if cb != self._on_uncaught]
+        if self.counter is not None:
+            self.counter.stop()
+            self.counter = None
         if self.tracer is not None:
             self.tracer.uninstall()
             self.tracer = None
@@ -170,16 +209,52 @@ class Observer:
 
 
 _UNCAUGHT: list = []
+_UNCAUGHT_CALLBACKS: list = []
 
 
-def _watch_uncaught() -> None:
-    """Chains sys.excepthook once, to note that the interpreter is ending through an uncaught exception."""
+def _start_counter(hb, ignore_groups, hz: float):
+    """The native collective counter on WORLD (the model's groups are added by `attach`); None without a
+    default group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    from scout_ckpt.observer.counts import CollectiveCounter
+
+    return CollectiveCounter(hb, [dist.group.WORLD], hz=hz, ignore=ignore_groups).start()
+
+
+_FAILURE_WORDS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "process group",
+                  "timed out", "watchdog")
+
+
+def _collective_failure(exc) -> bool:
+    """A collective failed under this rank (torch's DistError family, or the runtime errors gloo and NCCL
+    raise), as opposed to a bug of its own."""
+    try:
+        import torch.distributed as dist
+
+        if isinstance(exc, getattr(dist, "DistError", ())):
+            return True
+    except ImportError:
+        return False
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in _FAILURE_WORDS)
+
+
+def _watch_uncaught(callback=None) -> None:
+    """Chains sys.excepthook once, to note that the interpreter is ending through an uncaught exception (and to
+    let each observer publish its last words)."""
+    if callback is not None:
+        _UNCAUGHT_CALLBACKS.append(callback)
     if getattr(sys.excepthook, "__scout__", False):
         return
     previous = sys.excepthook
 
     def hook(tp, value, tb):
         _UNCAUGHT.append(tp.__name__)
+        for cb in list(_UNCAUGHT_CALLBACKS):
+            cb(value)
         previous(tp, value, tb)
 
     hook.__scout__ = True

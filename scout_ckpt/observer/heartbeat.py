@@ -1,4 +1,4 @@
-"""The training side's heartbeat: a fixed 128-byte record in a shared-memory file that the observer maps read-only.
+"""The training side's heartbeat: a fixed 512-byte record in a shared-memory file that the observer maps read-only.
 
 Why shared memory and a seqlock: the trainer must publish its progress at the cost of a few stores (no syscall,
 no lock, no GIL hand-off to another thread), and the observer must read it even while the trainer is blocked in C
@@ -7,6 +7,11 @@ it sees the same even version before and after reading, so it never sees a torn 
 and reads fields in order; on x86 stores and loads are not reordered with each other. The version itself is
 stored and loaded through a memoryview of unsigned 64-bit items, one aligned 8-byte access: struct.pack_into
 zero-fills before it writes, which would briefly show an even version 0.)
+
+Two areas, each with one writer and its own version word: the training thread's (step, phase, traced
+collectives, busy time) and the counting thread's (observer/counts.py: the watched groups' native collective
+count, when it changed, and the ring of per-step arrivals). Two writers on one seqlock would tear each other's
+records; two seqlocks cost nothing more.
 
 The file lives in /dev/shm (tmpfs) when there is one, so updates never reach a disk.
 """
@@ -23,8 +28,8 @@ from pathlib import Path
 
 PHASES = ("idle", "step", "forward", "backward", "optimizer", "data", "checkpoint", "eval")
 _PHASE_ID = {p: i for i, p in enumerate(PHASES)}
-MAGIC = 0x5343_4F55_5448_4231  # "SCOUTHB1"
-SIZE = 128
+MAGIC = 0x5343_4F55_5448_4232  # "SCOUTHB2"
+SIZE = 512
 
 IN_COLL = 1        # inside a traced collective
 COLL_ERROR = 2     # a traced collective raised (a victim of a peer's failure, not a culprit)
@@ -37,6 +42,16 @@ _IDENT = struct.Struct("<qQ")                  # @104: pid, magic
 ASYNC_ERROR_WORD = 15                          # @120: set to 1 (one aligned store, outside the seqlock) by the
                                                # completion callback of an async collective that failed
 _ALL = struct.Struct("<QQdQQQqQddddd" + "qQ")  # version + everything, for readers
+_POS = struct.Struct("<Q")                     # @128 (under the version @0): position of the latest traced
+                                               # collective among the watched groups' native collectives
+# The native-count area, written by the counting thread only (observer/counts.py), under its own version word:
+# @136 version, @144 count (sum of the watched groups' C++ sequence numbers), @152 time it last changed,
+# @160 how many arrivals were written, @168 ring of ARRIVALS (step, time its first collective was issued).
+NATIVE_AT = 136
+ARRIVALS = 16
+_NATIVE = struct.Struct("<QdQ")
+_ARRIVAL = struct.Struct("<qd")
+_RING_AT = 168
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,10 @@ class Snapshot:
     busy_sum: float
     coll_sum: float
     pid: int
+    pos_enter: int = 0        # position (native count) of the latest traced collective; 0 = not on a watched group
+    cseq: int = 0             # collectives issued so far on the watched groups (C++ sequence numbers, summed)
+    t_cseq: float = 0.0       # wall time cseq last changed
+    arrivals: tuple = ()      # ((step, wall time its first collective was issued), ...), oldest first
 
     @property
     def in_coll(self) -> bool:
@@ -116,6 +135,9 @@ class Heartbeat:
         # (its completion callback, on whatever thread completes the work, fills it in: one list-item store)
         self._waits: list[list] = []
         self._last_step_t: float | None = None
+        self._pos_enter = 0
+        self._nv = 0          # the native area's version (its writer: the counting thread)
+        self._n_arrivals = 0
         _IDENT.pack_into(mm, 104, os.getpid(), MAGIC)
         self._write_all(time.time())
 
@@ -132,7 +154,25 @@ class Heartbeat:
         v = self._v
         self._words[0] = v + 1
         _COLL.pack_into(self._mm, 8, self._flags, now, self._seq_enter, self._fp_enter, self._seq_leave)
+        self._words[16] = self._pos_enter
         self._words[0] = self._v = v + 2
+
+    def native(self, count: int, t: float, arrival_step: int | None = None) -> None:
+        """The counting thread's write (observer/counts.py), the only writer of this area: the watched groups'
+        native collective count, when it changed, and, at the first collective issued after a step boundary,
+        that step's arrival time."""
+        try:
+            words = self._words
+            v = self._nv
+            words[NATIVE_AT // 8] = v + 1
+            if arrival_step is not None:
+                i = self._n_arrivals
+                _ARRIVAL.pack_into(self._mm, _RING_AT + 16 * (i % ARRIVALS), arrival_step, t)
+                self._n_arrivals = i + 1
+            _NATIVE.pack_into(self._mm, NATIVE_AT + 8, count, t, self._n_arrivals)
+            words[NATIVE_AT // 8] = self._nv = v + 2
+        except (ValueError, IndexError, TypeError):  # closed meanwhile
+            pass
 
     def _write_all(self, now: float) -> None:
         v = self._v
@@ -140,13 +180,15 @@ class Heartbeat:
         _COLL.pack_into(self._mm, 8, self._flags, now, self._seq_enter, self._fp_enter, self._seq_leave)
         _STEP.pack_into(self._mm, 48, self._step, _PHASE_ID[self._phase], self._last_dur, float(self._n_steps),
                         self._dur_sum, self._busy_sum, self._coll_sum)
+        self._words[16] = self._pos_enter
         self._words[0] = self._v = v + 2
 
-    def enter(self, seq: int, fp: int) -> None:
-        """The trainer enters collective number `seq` with fingerprint `fp`."""
+    def enter(self, seq: int, fp: int, pos: int = 0) -> None:
+        """The trainer enters collective number `seq` with fingerprint `fp`; `pos`: its position among the
+        watched groups' native collectives (observer/counts.py), 0 when its group is not watched."""
         now = time.time()
         self._t_enter = now
-        self._seq_enter, self._fp_enter = seq, fp
+        self._seq_enter, self._fp_enter, self._pos_enter = seq, fp, pos
         self._flags |= IN_COLL
         self._write_coll(now)
 
@@ -300,11 +342,13 @@ class HeartbeatReader:
     def snapshot(self, retries: int = 1000) -> Snapshot:
         """The newest consistent record. A writer stopped (SIGSTOP, SIGKILL) in the middle of an update leaves
         the version odd for good: then the last consistent record this reader saw is returned."""
+        native = self._native(retries)
         for _ in range(retries):
             v1 = self._words[0]
             if v1 & 1:
                 continue
             vals = _ALL.unpack_from(self._mm, 0)
+            pos = self._words[16]
             if self._words[0] == v1 and vals[0] == v1:
                 (v, flags, t_update, seq_enter, fp_enter, seq_leave, step, phase, last_dur, n_steps, dur_sum,
                  busy_sum, coll_sum, pid, _magic) = vals
@@ -312,11 +356,27 @@ class HeartbeatReader:
                     flags |= COLL_ERROR
                 self._last = Snapshot(v, flags, t_update, seq_enter, fp_enter, seq_leave, step,
                                       PHASES[phase] if phase < len(PHASES) else "?", last_dur, int(n_steps),
-                                      dur_sum, busy_sum, coll_sum, pid)
+                                      dur_sum, busy_sum, coll_sum, pid, pos, *native)
                 return self._last
         if self._last is None:
             raise RuntimeError(f"{self.path}: heartbeat never consistent (writer stopped mid-update)")
         return self._last
+
+    def _native(self, retries: int) -> tuple:
+        """(cseq, t_cseq, arrivals) from the counting thread's area (its own seqlock); the last consistent
+        reading if its writer stopped mid-update."""
+        at = NATIVE_AT // 8
+        for _ in range(retries):
+            v1 = self._words[at]
+            if v1 & 1:
+                continue
+            count, t, n = _NATIVE.unpack_from(self._mm, NATIVE_AT + 8)
+            ring = [_ARRIVAL.unpack_from(self._mm, _RING_AT + 16 * (i % ARRIVALS))
+                    for i in range(max(0, n - ARRIVALS), n)]
+            if self._words[at] == v1:
+                self._last_native = (count, t, tuple(ring))
+                return self._last_native
+        return getattr(self, "_last_native", (0, 0.0, ()))
 
     def close(self) -> None:
         self._words.release()

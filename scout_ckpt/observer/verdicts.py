@@ -9,8 +9,10 @@ ABORT_KINDS = ("hang", "desync", "crash")
 INCIDENT_KINDS = ABORT_KINDS
 
 
-def prog(row: dict) -> tuple[int, int]:
-    return (row["step"], row["seq"])
+def prog(row: dict) -> tuple[int, int, int]:
+    """How far a rank got: its step, its native collective count (every collective issued on the watched
+    groups, observer/counts.py; 0 where it is not counted), its traced Python-level collective number."""
+    return (row["step"], max(row.get("cseq") or 0, row.get("pos") or 0), row["seq"])
 
 
 def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_s: float = 0.05) -> dict | None:
@@ -22,7 +24,7 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
     # Ranks that entered the same collective number with different fingerprints: a desync, whatever else
     # followed (a mismatched collective may fail and take its ranks down, or hang). In SPMD training equal
     # numbers mean the same collective, so no stall is needed to be sure.
-    desync = fingerprint_mismatch(rows, majority)
+    desync = fingerprint_mismatch(rows, majority) or position_mismatch(rows, majority)
     if desync:
         return desync
     gone = sorted(r for r, row in rows.items() if row["state"] == "gone")
@@ -52,10 +54,10 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
     counts = Counter(prog(live[r]) for r in busy)
     point, n = counts.most_common(1)[0] if counts else (None, 0)
     if n >= majority:
-        step, seq = point
+        step, cseq, seq = point
         ahead = sorted(r for r in waiting if prog(live[r]) > point and live[r]["in_coll"])
         if ahead:
-            return {"kind": "desync", "ranks": ahead, "step": step, "seq": seq,
+            return {"kind": "desync", "ranks": ahead, "step": step, "seq": seq, "cseq": cseq,
                     "attribution": "strict_majority",
                     "reason": f"the majority waits in collective #{seq} at step {step}; rank(s) {ahead} "
                               f"wait in a later collective"}
@@ -63,11 +65,14 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
         ranks = sorted(set(behind) | set(stopped))
         in_training_coll = sum(1 for r in busy if prog(live[r]) == point and live[r]["in_coll"])
         if ranks or in_training_coll >= majority:
-            reason = (f"{n} of {world_size} ranks are stuck at collective #{seq}, step {step}, for "
-                      f">= {stall_s:g}s; " + (f"rank(s) {ranks} never got there" if behind else
+            at = f"native collective #{cseq}" if cseq else f"collective #{seq}"
+            reason = (f"{n} of {world_size} ranks are stuck at {at}, step {step}, for "
+                      f">= {stall_s:g}s; " + (f"rank(s) {ranks} never got there ("
+                                             + ", ".join(f"rank {r} at {_at(live[r])}" for r in behind) + ")"
+                                             if behind else
                                              f"rank(s) {ranks} are stopped" if ranks else
                                              "every rank is inside it (no laggard)"))
-            return {"kind": "hang", "ranks": ranks, "step": step, "seq": seq,
+            return {"kind": "hang", "ranks": ranks, "step": step, "seq": seq, "cseq": cseq,
                     "attribution": "strict_majority" if ranks else "none", "reason": reason}
         # equal progress, no laggard, and not a training collective (a long save, an eval): no verdict
     if stopped:
@@ -92,6 +97,10 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
     return None
 
 
+def _at(row: dict) -> str:
+    return f"step {row['step']}, native collective #{max(row.get('cseq') or 0, row.get('pos') or 0)}"
+
+
 def where(live: dict[int, dict]) -> dict[int, str]:
     """Where each rank is, in words (for verdicts that cannot name a culprit)."""
     out = {}
@@ -103,7 +112,41 @@ def where(live: dict[int, dict]) -> dict[int, str]:
             out[r] = at + "waiting in a side-group collective"
         else:
             out[r] = at + f"in phase {row.get('phase', '?')} after collective #{row['seq']}"
+        if row.get("cseq"):
+            out[r] += f" (native collectives issued: {row['cseq']})"
     return out
+
+
+def position_mismatch(rows: dict[int, dict], majority: int) -> dict | None:
+    """A Python-level collective at native position P on some ranks, and something else at P on others: a
+    different Python collective (another fingerprint), or a native one (the rank's count passed P, and its
+    latest traced collective is before P: it issued P from C++, e.g. DDP's reducer). In SPMD training every rank
+    issues the same collectives in the same order on the watched groups, so one position holds one collective.
+    A rank that has not reached P, or whose latest traced collective is after P, says nothing about P."""
+    positions = sorted({row["pos"] for row in rows.values() if row.get("pos")})
+    for p in positions:
+        view = {}
+        for r, row in rows.items():
+            pos, count = row.get("pos") or 0, max(row.get("cseq") or 0, row.get("pos") or 0)
+            if pos == p:
+                view[r] = row["fp"]
+            elif pos < p <= count:
+                view[r] = "native"
+        kinds = Counter(view.values())
+        if len(kinds) < 2:
+            continue
+        value, count = kinds.most_common(1)[0]
+        odd = sorted(r for r, v in view.items() if v != value)
+        attributed = count >= majority
+        python = sorted(r for r, v in view.items() if v != "native")
+        step = min(rows[r]["step"] for r in view)
+        return {"kind": "desync", "ranks": odd if attributed else [], "step": step,
+                "seq": max(rows[r]["seq"] for r in python), "cseq": p,
+                "attribution": "strict_majority" if attributed else "inconclusive",
+                "reason": f"native collective #{p}: rank(s) {python} issued a Python-level collective there, "
+                          f"rank(s) {sorted(set(view) - set(python))} another one"
+                          + ("" if attributed else f"; no strict majority (suspects {odd})")}
+    return None
 
 
 def fingerprint_mismatch(live: dict[int, dict], majority: int) -> dict | None:

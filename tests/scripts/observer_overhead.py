@@ -2,9 +2,10 @@
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python tests/scripts/observer_overhead.py [--width 256] [--steps 200]
 
-Without the observer DDP's reducer all-reduces in C++ (no hook); with it, the observer's comm hook (torch's
-reference allreduce_hook through the traced `dist.all_reduce`), the heartbeat writes, the completion callback,
-the busy-time bookkeeping at each step and the observer process polling beside it. Blocks of steps alternate
+Without the observer DDP's reducer all-reduces in C++ (no hook); with it ("full", the observer's default) the
+same reducer, counted natively by the observer's sampling thread (no hook), the heartbeat writes, the
+bookkeeping at each step and the observer process polling beside it; "hook-only" measures torch's reference
+allreduce_hook alone. Blocks of steps alternate
 between two identical models (one attached, one not) so machine load hits both alike; the fastest block of each is compared.
 Step times are this process's CPU time (time.process_time, all its threads), which machine load disturbs less
 than wall time; the observer process's own CPU share is reported apart. Also times one traced async all_reduce
