@@ -74,8 +74,9 @@ def test_damaged_file_is_caught_and_skipped(ckpt_root, damage, which):
     assert res["reasons"][0]["file"] == target.name
     rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
     assert rc == 0 and json.loads(out)["step"] == 3
-    rc, _, _ = run_cli("certify", ckpt_root, "--step", 3)
-    assert rc == 0
+    if (damage, which) == ("bitflip", "shard"):  # the older step is untouched (once: a certify costs seconds)
+        rc, _, _ = run_cli("certify", ckpt_root, "--step", 3)
+        assert rc == 0
 
 
 def test_resume_walks_back_and_records_the_failure(ckpt_root):

@@ -201,7 +201,7 @@ def test_partial_rejects_a_box_outside_the_tensor():
 def test_chunk_size_does_not_matter(monkeypatch):
     t = torch.randn(1000, 37)
     ref = tensor_signature(t)
-    for chunk in (1, 5, 64, 1 << 12):
+    for chunk in (5, 64, 1 << 12):  # 5: chunks that split rows and end mid-row (1 took 10 s of the suite)
         monkeypatch.setitem(S.CHUNK, "cpu", chunk)
         assert torch.equal(tensor_signature(t), ref)
         assert torch.equal(tensor_signature(t[:, 3:20], global_shape=t.shape, global_offset=(0, 3)),

@@ -34,6 +34,7 @@ def test_uninterrupted_run_certifies_every_checkpoint(clean_run):
 
 
 @pytest.mark.slow
+@pytest.mark.scenario  # 27 s; crash-mid-save resumes are also proven by test_torchrun, test_fsdp_torchrun, test_checkpointer
 def test_crash_mid_save_restarts_and_resumes_bitwise(tmp_path, clean_run):
     """Rank 1 dies mid-write of the last checkpoint; step 4 rots on disk after its commit. The restarted job
     resumes from step 8 (the newest clean one) and ends bitwise where the uninterrupted run ended, and the
