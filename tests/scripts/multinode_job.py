@@ -14,7 +14,6 @@ after loading the step and the digest of what it loaded, so a resume is judged b
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import signal
@@ -27,22 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from job_digest import digest  # noqa: E402 (beside this script: torchrun puts its folder on sys.path)
 from scout_ckpt import Checkpointer, ModelOptimizerState
-
-
-def digest(model, opt) -> str:
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    for pid, st in sorted(opt.state_dict()["state"].items()):
-        for k, v in sorted(st.items()):
-            h.update(f"{pid}.{k}".encode())
-            if torch.is_tensor(v):
-                h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            else:
-                h.update(repr(v).encode())
-    return h.hexdigest()
 
 
 def say(**kw) -> None:

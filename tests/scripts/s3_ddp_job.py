@@ -16,7 +16,6 @@ after loading the step and the sha256 of what it loaded, so the test judges a re
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import signal
@@ -26,23 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from job_digest import digest  # noqa: E402 (beside this script: torchrun puts its folder on sys.path)
 from scout_ckpt import Checkpointer, ModelOptimizerState
-
-
-def digest(model, opt) -> str:
-    """sha256 over the model's and the optimizer's tensors (and scalars), in name order."""
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    for pid, st in sorted(opt.state_dict()["state"].items()):
-        for k, v in sorted(st.items()):
-            h.update(f"{pid}.{k}".encode())
-            if torch.is_tensor(v):
-                h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            else:
-                h.update(repr(v).encode())
-    return h.hexdigest()
 
 
 def say(**kw) -> None:

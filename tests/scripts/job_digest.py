@@ -1,0 +1,24 @@
+"""The test jobs' own oracle: sha256 of a DDP job's model and optimizer state, computed without scout-ckpt, printed
+when the job saves and after it loads (the test compares the two, not scout-ckpt's verdicts)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def digest(model, opt) -> str:
+    """sha256 over the model's and the optimizer's tensors (and scalars), in name order."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    for pid, st in sorted(opt.state_dict()["state"].items()):
+        for k, v in sorted(st.items()):
+            h.update(f"{pid}.{k}".encode())
+            if torch.is_tensor(v):
+                h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(v).encode())
+    return h.hexdigest()
