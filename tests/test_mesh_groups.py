@@ -199,8 +199,8 @@ def test_strided_shard_is_a_shard_dim_and_unknown_placements_fail_closed():
     from scout_ckpt.consensus.indexing import dtensor_box
     from scout_ckpt.consensus.mesh import LayoutError, describe_topology, dtensor_dims, full_signable, placement_kind
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
+    # The suite runs ranks in child processes; a group here means an earlier test leaked one (a bug to see).
+    assert not dist.is_initialized(), "an earlier test left a process group initialised in the pytest process"
     dist.init_process_group("fake", rank=5, world_size=8, store=FakeStore())
     try:
         names = ("dp_replicate", "dp_shard", "tp")
