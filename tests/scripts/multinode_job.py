@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from job_digest import digest  # noqa: E402 (beside this script: torchrun puts its folder on sys.path)
+from job_common import digest, train_step  # noqa: E402 (beside this script: torchrun puts its folder on sys.path)
 from scout_ckpt import Checkpointer, ModelOptimizerState
 
 
@@ -66,11 +66,7 @@ def main():
     marker = root / "fault.json"
     g = torch.Generator().manual_seed(1000 + rank)
     for step in range(start + 1, args.steps + 1):
-        x = torch.randn(16, 32, generator=g)
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        train_step(model, opt, g)
         ckpt.step(step)
         time.sleep(args.step_sleep)
         if (args.fault != "none" and step == args.fault_step and node == args.fault_node

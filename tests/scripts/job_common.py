@@ -1,5 +1,6 @@
-"""The test jobs' own oracle: sha256 of a DDP job's model and optimizer state, computed without scout-ckpt, printed
-when the job saves and after it loads (the test compares the two, not scout-ckpt's verdicts)."""
+"""What the S3 and multi-node test jobs share: their own oracle (sha256 of the model and optimizer state, computed
+without scout-ckpt, printed when the job saves and after it loads; the test compares the two, not scout-ckpt's
+verdicts) and their training step. examples/train_ddp.py keeps its own copy: it stays standalone for users."""
 
 from __future__ import annotations
 
@@ -22,3 +23,12 @@ def digest(model, opt) -> str:
             else:
                 h.update(repr(v).encode())
     return h.hexdigest()
+
+
+def train_step(model, opt, g: torch.Generator) -> None:
+    """One step of the jobs' toy regression: a batch from this rank's generator, forward, backward, update."""
+    x = torch.randn(16, 32, generator=g)
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
