@@ -29,9 +29,8 @@ from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
 from scout_ckpt.consensus.flatten import holds_dtensor
 from scout_ckpt.consensus.groups import ConsensusGroups
-from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
+from scout_ckpt.consensus.mesh import describe_topology, full_signable, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
-from scout_ckpt.consensus.mesh import full_signable
 from scout_ckpt.consensus.signatures import flatten_state, full_signatures
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.health_evidence import HealthWindow

@@ -144,7 +144,7 @@ class LatestCleanLoader:
         if not self.verify_load or not expected:
             return []
         state = materialize(state)
-        unsigned = full_signable(flatten_state(state, keep_dtensor=True))[1]
+        unsigned = set(full_signable(flatten_state(state, keep_dtensor=True))[1])
         got = full_signatures(state, group=self.group, plain="replica", exclude=unsigned)
         absent = sorted(k for k in expected if k not in got and k not in unsigned)
         if absent:
