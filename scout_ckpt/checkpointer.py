@@ -4,7 +4,8 @@ A save boundary is the commit protocol of scout_ckpt/commit.py (writing row, tem
 manifest, rename, ledger, retention) around the evidence gathered here: consensus, invariants and signatures on the
 live state, the writers' finite checks, replay coverage. Loading walks back from the newest certified checkpoint
 past any whose bytes or loaded values do not match what was saved, rejecting each in the ledger (the walk-back is
-scout_ckpt/loading.py; this class is the facade over save, load and shutdown).
+scout_ckpt/loading.py; the async save path, its commit thread and latched errors, scout_ckpt/async_save.py; this class
+is the facade over save, load and shutdown).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import datetime
 import fnmatch
 import os
 import platform
-import threading
 import time
 import uuid
 
@@ -27,7 +27,7 @@ from scout_ckpt import commit, object_store, placement, policy
 from scout_ckpt import invariants as inv
 from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
-from scout_ckpt.consensus.flatten import holds_dtensor
+from scout_ckpt.async_save import AsyncSaves
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.mesh import describe_topology, full_signable, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
@@ -41,7 +41,7 @@ from scout_ckpt.observer import Observer
 from scout_ckpt.replay_evidence import ReplayEvidence
 from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS
 from scout_ckpt.shard_evidence import ShardEvidence
-from scout_ckpt.storage import FaultHook, ScoutWriter, StagingCache
+from scout_ckpt.storage import FaultHook, ScoutWriter
 
 COORDINATOR = commit.COORDINATOR
 def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
@@ -103,11 +103,8 @@ class Checkpointer:
         # Side groups are created at startup, in the same order on all ranks (TORCH-NOTES): never the training
         # group, so checkpoint traffic cannot interleave with (or deadlock against) training collectives.
         self._pg = dist.new_group(backend="gloo", timeout=timeout)
-        self._async_pg = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
-        self._commit_pg = dist.new_group(backend="gloo", timeout=timeout) if async_save else None
-        self._pending: threading.Thread | None = None
-        self._pending_error: BaseException | None = None
-        self._stage_cache: StagingCache | None = None   # async saves: the host copy reused between saves
+        # Async saves (scout_ckpt/async_save.py): two more side groups, the commit thread and its latched error.
+        self._async = AsyncSaves(timeout) if async_save else None
         self._last_verdict: dict | None = None
         self._step_started = time.monotonic()
         self._closed = False
@@ -156,7 +153,7 @@ class Checkpointer:
             self.observer = Observer.start(
                 self.root, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
                 stall_s=cfg.pop("stall_s", 60.0), action=cfg.pop("action", "report"),
-                ignore_groups=[g for g in (self._pg, self._async_pg, self._commit_pg) if g is not None]
+                ignore_groups=[self._pg] + (self._async.process_groups if self._async else [])
                 + (self.groups.process_groups if self.groups else []),
                 **cfg)
         if self.observer is not None and model is not None:
@@ -237,7 +234,8 @@ class Checkpointer:
         self.last_step_s = max(0.0, now - self._step_started - self._bookkeeping_s)
         self._step_started = now
         self._bookkeeping_s = 0.0
-        self._raise_pending_error()
+        if self._async is not None:
+            self._async.raise_error()
         if self.observer is not None:
             self.observer.step(step, duration_s=self.last_step_s)
         if self.shard is not None:
@@ -254,8 +252,8 @@ class Checkpointer:
         for r in bad:
             self.ledger.add_event("sdc", step=r.get("step"), ranks=r.get("ranks") or [], run_id=self.run_id,
                                   detail={"source": "shard_replay", "reasons": (r.get("reasons") or [])[:8]})
-        if self._pending is not None:  # an async save still committing may hold the fault: let it land first
-            self._pending.join()
+        if self._async is not None:  # an async save still committing may hold the fault: let it land first
+            self._async.join()
         self.shard.revoke(self.ledger, self.root, bad)
 
     def parameters_written(self) -> None:
@@ -315,7 +313,7 @@ class Checkpointer:
         self._saves += 1
         attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
         if self.async_save and self.store is None:
-            return self._save_async(step, state, attempt)
+            return self._async.start_posix(self, step, state, attempt)
         flat = _materialize(state)
         # Sync: consensus hashing (the one pass over every replicated byte) and then its exchange run in a
         # background thread from here on, through the coordinator's begin and DCP's write (the training thread is
@@ -333,52 +331,17 @@ class Checkpointer:
             writer = self.store.writer(pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
         else:
             writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
-        if self.async_save:  # object store: the writer keeps no staged copy; evidence from the live state first
-            live = self._live_evidence(step, flat, hashing)
-            resp = dcp.async_save(flat, storage_writer=writer, process_group=self._async_pg)
-            upload = getattr(resp, "upload_completion", resp)
-            self._pending = threading.Thread(target=self._commit_async_store, args=(upload, pending, writer, live),
-                                             name=f"scout-commit-{step}", daemon=True)
-            self._pending.start()
-            return None
+        if self.async_save:  # object store: evidence from the live state, then dcp.async_save (async_save.py)
+            return self._async.start_store(self, step, flat, hashing, pending, writer)
         dcp.save(flat, storage_writer=writer, process_group=self._pg)
         live = self._live_evidence(step, flat, hashing)
         return self._commit(pending, writer, live, self._pg)
-
-    def _save_async(self, step: int, state: dict, attempt: str) -> None:
-        """An async save to a POSIX ROOT. The training thread is held only for what needs the live state: the
-        staged copy (a memory copy into a buffer kept between saves, storage.StagingCache) and, where the evidence
-        cannot come from that copy (`_evidence_from_staged`), the live evidence. Everything else runs in the commit
-        thread, in the order a sync save runs it: the writing row and temp dir (Committer.begin, still before any
-        byte is written), the DCP write of the staged copy with consensus hashing it meanwhile, the evidence, the
-        commit. So save() blocks about as long as dcp.async_save's own staging."""
-        pending = self._committer.pending(step, attempt)
-        if self.shard is not None:
-            self._record_shard_faults(self.shard.flush())
-        flat = _materialize(state)
-        from_staged = self._evidence_from_staged(flat)
-        live = None if from_staged else self._live_evidence(step, flat, self._start_consensus(flat, background=False))
-        if self._stage_cache is None:
-            self._stage_cache = StagingCache()
-        writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite,
-                             stage_cache=self._stage_cache)
-        staged = writer.stage(flat)
-        del flat
-        self._pending = threading.Thread(target=self._commit_async, args=(pending, writer, staged, live),
-                                         name=f"scout-commit-{step}", daemon=True)
-        self._pending.start()
 
     def _start_consensus(self, flat: dict, background: bool):
         """Consensus planned and hashed (local; in a background thread with `background`), or None."""
         if not self.consensus:
             return None
         return start_consensus(flat, self.groups, names_filter=self._consensus_names, background=background)
-
-    def _evidence_from_staged(self, flat: dict) -> bool:
-        """Whether an async save may take its live evidence from the staged copy in the commit thread: only when
-        no replay or shard evidence runs collectives on the side groups from the training thread meanwhile, and
-        the state holds no DTensor (DCP's staging of those is not a plain copy)."""
-        return self.replay is None and self.shard is None and not holds_dtensor(flat)
 
     def _live_evidence(self, step: int, flat: dict, hashing, group=None) -> dict:
         """Evidence taken from the state at the save boundary (collective over `group`, default the checkpointer's
@@ -414,34 +377,6 @@ class Checkpointer:
         if self._rank_local and name.startswith(self._rank_local):
             return False
         return not any(fnmatch.fnmatch(name, pat) for pat in self.consensus_exclude)
-
-    def _commit_async(self, pending, writer, staged: dict, live: dict | None) -> None:
-        """The commit thread of `_save_async`: begin, write, evidence (from the staged copy when `live` is None),
-        commit; every collective on the async side groups, in the same order on every rank."""
-        try:
-            self._committer.begin(pending.step, pending.attempt, self._commit_pg, pending=pending)
-            self._hook("before_write", pending.step)
-            hashing = self._start_consensus(staged, background=True) if live is None else None
-            dcp.save(staged, storage_writer=writer, process_group=self._async_pg)
-            if live is None:  # the staged copy is the state at the save boundary; the commit waits for it
-                live = self._live_evidence(pending.step, staged, hashing, group=self._commit_pg)
-            del staged, hashing
-            self._commit(pending, writer, live, self._commit_pg)
-        except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
-            self._async_failed(e)
-
-    def _commit_async_store(self, upload, pending, writer, live: dict) -> None:
-        """The commit thread of an async save to an object store: waits for dcp.async_save's upload, commits."""
-        try:
-            upload.result()
-            self._commit(pending, writer, live, self._commit_pg)
-        except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
-            self._async_failed(e)
-
-    def _async_failed(self, e: BaseException) -> None:
-        self._pending_error = e
-        if self.observer is not None:  # a peer died during the commit: this rank is a victim, not the culprit
-            self.observer.heartbeat.error()
 
     def _commit(self, pending, writer: ScoutWriter, live: dict, group) -> dict:
         self._hook("after_write", pending.step)
@@ -493,16 +428,10 @@ class Checkpointer:
                                      invariants=ev.get("invariants"), vouching=any(c.vouches for c in self.checks))
 
     def wait(self) -> None:
-        """Block until the pending async save is committed (or failed) on this rank."""
-        if self._pending is not None:
-            self._pending.join()
-            self._pending = None
-        self._raise_pending_error()
-
-    def _raise_pending_error(self) -> None:
-        if self._pending_error is not None:
-            e, self._pending_error = self._pending_error, None
-            raise ScoutError(f"async checkpoint failed: {e}") from e
+        """Block until the pending async save is committed (or failed) on this rank; raises its error (as
+        ScoutError, the cause chained) once."""
+        if self._async is not None:
+            self._async.wait()
 
     @property
     def last_verdict(self) -> dict | None:
@@ -542,7 +471,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
-            self._stage_cache = None
+            if self._async is not None:
+                self._async.release()
             if self.is_coordinator:
                 self._committer.flush()
             if self.replay is not None:
