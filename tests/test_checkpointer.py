@@ -15,6 +15,7 @@ def test_ddp_round_trip_is_bitwise(tmp_path, async_save):
     for o in out:
         assert o.result["equal"], "reloaded state differs from saved state"
         assert o.result["loaded_step"] == 4
+        assert o.result["crc_after"] is True, "a save left torch.save's CRC option off"
     with Ledger.open(tmp_path, readonly=True) as led:
         rows = led.checkpoints()
         assert [(r["step"], r["state"]) for r in rows] == [(3, "certified"), (4, "certified")]
@@ -219,3 +220,35 @@ def test_staging_cache_reuses_its_copy_only_for_the_same_layout():
         for k, v in changed["model"].items():
             got = c["model"][k]
             assert got.dtype == v.dtype and got.shape == v.shape and got.equal(v)
+
+
+def test_zip_crc_is_off_only_while_writers_write_and_torch_load_never_checked_it():
+    """The POSIX writer turns torch.save's per-record CRC32 off while DCP writes (storage._without_zip_crc): torch
+    computes it at about 1 GB/s and never checks it, while the file digests, computed as the bytes are written,
+    are checked before every load. The option is thread-local: other threads keep computing it."""
+    import io
+    import threading
+
+    import torch
+
+    from scout_ckpt.storage import _without_zip_crc
+
+    t = torch.arange(1000, dtype=torch.float32)
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    raw = bytearray(buf.getvalue())
+    raw[raw.find(t[500].numpy().tobytes())] ^= 1
+    # why the CRC is no evidence: a record with a flipped bit loads silently
+    assert not torch.load(io.BytesIO(bytes(raw))).equal(t)
+    assert torch.serialization.get_crc32_options() is True
+    seen = []
+    with _without_zip_crc():
+        assert torch.serialization.get_crc32_options() is False
+        th = threading.Thread(target=lambda: seen.append(torch.serialization.get_crc32_options()))
+        th.start()
+        th.join()
+        buf = io.BytesIO()
+        torch.save(t, buf)
+    assert seen == [True]                                       # another thread's torch.save is untouched
+    assert torch.serialization.get_crc32_options() is True     # and this thread's setting is back
+    assert torch.load(io.BytesIO(buf.getvalue())).equal(t)    # written without the CRC, loads as before
