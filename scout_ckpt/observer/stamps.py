@@ -43,12 +43,20 @@ class StepStamps:
         self._owner = hb.owner
         self._pre: tuple[float, int] | None = None
         self._handles: list = []
-        self.on_boundary = optimizer is None  # no optimizer: the step boundary is where the rank left the sync
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(self._forward_pre, prepend=True))
             self._handles.append(model.register_forward_hook(self._forward_post))
-        if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(self._optimizer_pre))
+        hooked = False
+        # a wrapper that never ran Optimizer.__init__ (accelerate's AcceleratedOptimizer) has no hook registry:
+        # the torch optimizer it wraps (`.optimizer`), whose step it calls, gets the hook
+        for opt in (optimizer, getattr(optimizer, "optimizer", None)):
+            try:
+                self._handles.append(opt.register_step_pre_hook(self._optimizer_pre))
+                hooked = True
+                break
+            except (AttributeError, TypeError):
+                continue
+        self.on_boundary = not hooked  # no optimizer: the step boundary is where the rank left the sync
 
     def _count(self) -> int:
         try:
