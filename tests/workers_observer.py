@@ -176,7 +176,8 @@ def ddp_attach_rules(rank: int, world_size: int, root: str):
         out["stamps"] = _step_stamps(obs, rank)
     finally:
         obs.stop()
-    out["hooks_left"] = (len(out["stamps"].pop("model")._forward_hooks), len(out["stamps"].pop("opt")._optimizer_step_pre_hooks))
+    model, opt = out["stamps"].pop("model"), out["stamps"].pop("opt")
+    out["hooks_left"] = (len(model._forward_hooks) + len(model._forward_pre_hooks), len(opt._optimizer_step_pre_hooks))
     # after stop the tracer is gone but the hook stays registered: it averages untraced, still correctly
     for m in (a, b):
         m.zero_grad()
