@@ -57,13 +57,17 @@ def back_to_training_s(root: Path, attempt: int) -> float:
 
 
 def last_generation_busy(root: Path) -> dict:
-    """What the straggler rule saw in the last generation, per rank: (steps, busy seconds, step seconds); printed
-    when a straggler is missed."""
+    """What the straggler rules saw in the last generation, per rank: (steps, busy seconds, step seconds, median
+    compute per step from the step stamps); printed when a straggler is missed."""
+    from statistics import median
+
     channels = sorted((root / "reports" / ".observer").iterdir(), key=lambda p: p.stat().st_mtime)
     rows = {}
     for p in channels[-1].glob("status-*.json"):
         row = json.loads(p.read_text())
-        rows[row["rank"]] = (row["n_steps"], round(row["busy_sum"], 3), round(row["dur_sum"], 3))
+        compute = [a - left for _s, left, a in row.get("stamps") or []]
+        rows[row["rank"]] = (row["n_steps"], round(row["busy_sum"], 3), round(row["dur_sum"], 3),
+                             round(median(compute), 4) if compute else None)
     return rows
 
 
