@@ -222,8 +222,10 @@ class Heartbeat:
         """The trainer enters collective number `seq` with fingerprint `fp`; `pos`: its position among the
         watched groups' native collectives (observer/counts.py), 0 when its group is not watched."""
         now = time.time()
-        if pos and self.left is not None:  # the first traced training collective since this rank left the sync:
-            self.stamp(self.left[0], now)  # its arrival, exactly (FSDP2's first all-gather, a Python all_reduce)
+        if pos and self.left is not None and threading.get_ident() == self.owner:
+            # the first traced training collective since this rank left the sync: its arrival, exactly (FSDP2's
+            # first all-gather, a Python all_reduce)
+            self.stamp(self.left[0], now)
         self._t_enter = now
         self._seq_enter, self._fp_enter, self._pos_enter = seq, fp, pos
         self._flags |= IN_COLL
