@@ -157,7 +157,7 @@ class Checkpointer:
                 + (self.groups.process_groups if self.groups else []),
                 **cfg)
         if self.observer is not None and model is not None:
-            self.observer.attach(model)
+            self.observer.attach(model, optimizer)
         self._loader = LatestCleanLoader(self.root, self.rank, self.world_size, self._pg, self.ledger, self.run_id,
                                          verify_load, _hook_or_noop(fault_hook), store=self.store)
 

@@ -341,6 +341,39 @@ def test_arrival_skew_names_the_last_to_arrive_and_ignores_save_steps():
     assert run({}) == []
 
 
+def test_compute_stamps_name_the_slow_rank_and_ignore_save_steps():
+    """Stragglers by compute per step from step stamps (DDP with an optimizer given): rank 2 computes 3x, 2x
+    or 1.5x a 0.08 s step; rank 0 does 0.3 s of extra work every 5 steps (the coordinator at a save) and every
+    rank waits 0.2 s in the save's side collectives then; 5 ms of jitter. 3x and 2x are named with their
+    slowdown after 3 windows; 1.5x sits at the rule's relative floor (50% above the median) and is not; a healthy
+    run gives nothing."""
+    import random
+
+    from scout_ckpt.observer.stragglers import ComputeStragglers
+
+    def run(factor: float) -> list[dict]:
+        rng = random.Random(1)
+        mon, events, t = ComputeStragglers(window_s=0.5), [], 0.0
+        mon.update(0.0, {0, 1, 2})
+        for step in range(1, 80):
+            compute = {r: 0.08 * (factor if r == 2 else 1.0) + rng.uniform(0, 0.005) for r in range(3)}
+            if step % 5 == 0:
+                compute = {r: c + 0.2 + (0.3 if r == 0 else 0.0) for r, c in compute.items()}
+            t += max(compute.values()) + 0.01
+            for r, c in compute.items():
+                left = 1000.0 * r + t  # each rank's own clock: only differences on one clock enter
+                mon.add(r, [(step, left, left + c)])
+            events += mon.update(t, {0, 1, 2})
+        return events
+
+    for factor, low, high in ((3.0, 2.5, 3.5), (2.0, 1.7, 2.3)):
+        events = run(factor)
+        assert [e["ranks"] for e in events] == [[2]], factor
+        assert low < events[0]["detail"]["slowdown"] < high
+        assert events[0]["detail"]["measure"] == "compute_stamps"
+    assert run(1.5) == [] and run(1.0) == []
+
+
 def test_busy_time_subtracts_the_union_of_waits_async_ones_until_completion():
     from scout_ckpt.observer.heartbeat import waited_within
 
@@ -363,3 +396,11 @@ def test_ddp_comm_hook_rules_on_real_ddp_modules(tmp_path):
         assert res["builtin"] == "builtin_hook" and res["plain_module"] == "not_ddp"
         assert res["grads_close"] and res["grads_close_after_stop"]
         assert res["open_waits"] == 0
+        # step stamps: one per step after the first, the compute from the optimizer step to the next arrival
+        stamps = res["stamps"]
+        assert stamps["steps"] == [2, 3, 4, 5]
+        slow = res["rank"] == 1
+        assert all((c > 0.2) == slow and c >= 0 for c in stamps["compute"].values()), stamps
+        assert 0 <= stamps["at_all_reduce"] < 0.05   # a traced collective before the forward: its issue
+        assert all(0 <= d < 0.05 for d in stamps["at_forward_start"].values())  # DDP's buffer broadcast: forward start
+        assert res["hooks_left"] == (0, 0)  # stop removes the hooks

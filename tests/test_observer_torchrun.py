@@ -57,13 +57,17 @@ def back_to_training_s(root: Path, attempt: int) -> float:
 
 
 def last_generation_busy(root: Path) -> dict:
-    """What the straggler rule saw in the last generation, per rank: (steps, busy seconds, step seconds); printed
-    when a straggler is missed."""
+    """What the straggler rules saw in the last generation, per rank: (steps, busy seconds, step seconds, median
+    compute per step from the step stamps); printed when a straggler is missed."""
+    from statistics import median
+
     channels = sorted((root / "reports" / ".observer").iterdir(), key=lambda p: p.stat().st_mtime)
     rows = {}
     for p in channels[-1].glob("status-*.json"):
         row = json.loads(p.read_text())
-        rows[row["rank"]] = (row["n_steps"], round(row["busy_sum"], 3), round(row["dur_sum"], 3))
+        compute = [a - left for _s, left, a in row.get("stamps") or []]
+        rows[row["rank"]] = (row["n_steps"], round(row["busy_sum"], 3), round(row["dur_sum"], 3),
+                             round(median(compute), 4) if compute else None)
     return rows
 
 
@@ -101,7 +105,9 @@ def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path):
     assert crash["step"] == 15
     assert "injected_hang_in_optimizer" in hang_opt["detail"]["stacks"]["0"]
     assert {row["rank"]: row["phase"] for row in hang_opt["detail"]["progress"]}[0] == "optimizer"
-    assert straggler["detail"]["slowdown"] > 1.8  # 3x its whole step; the busy time excludes its own waits
+    # 3x its whole step: named by its compute per step from the step stamps (the optimizer's step to the next
+    # forward), exact, not by the sampled arrival (was named in 2 of 4 runs at 25 Hz)
+    assert straggler["detail"]["measure"] == "compute_stamps" and straggler["detail"]["slowdown"] > 1.5, straggler
     # each fault in its own generation; the straggler only in the last, where rank 2 was slow
     assert [e["run_id"] for e in events] == run_ids(rep)
     for attempt, ev in ((0, hang), (3, hang_opt)):
@@ -137,7 +143,7 @@ def test_fsdp2_job_hangs_desync_and_straggler_under_torchrun(tmp_path):
     assert table[1]["seq"] == table[2]["seq"] > table[0]["seq"] > 0  # FSDP2's all-gathers are traced
     assert table[1]["cseq"] == table[2]["cseq"] > table[0]["cseq"] > 0  # and counted
     assert "injected_hang_before_backward" in hang_bwd["detail"]["stacks"]["1"]
-    assert straggler["detail"]["slowdown"] > 1.8
+    assert straggler["detail"]["slowdown"] > 1.5, straggler  # busy time: FSDP2's waits are traced
     assert [e["run_id"] for e in events] == run_ids(rep)
     for attempt in (0, 2):
         took = back_to_training_s(root, attempt)

@@ -122,7 +122,7 @@ def ddp_attach_rules(rank: int, world_size: int, root: str):
     def step(model):
         model(torch.ones(2, 4)).sum().backward()
 
-    out = {}
+    out = {"rank": rank}
     obs = Observer.start(root, rank=rank, world_size=world_size, run_id="attach", stall_s=600.0, poll_s=0.1,
                          ddp_comm_hook=users_hook)
     try:
@@ -173,11 +173,46 @@ def ddp_attach_rules(rank: int, world_size: int, root: str):
         out["grads_close"] = all(torch.allclose(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
         # the hook ends the heartbeat's wait for each bucket in its one completion callback
         out["open_waits"] = sum(1 for w in obs.heartbeat._waits if w[1] is None)
+        out["stamps"] = _step_stamps(obs, rank)
     finally:
         obs.stop()
+    model, opt = out["stamps"].pop("model"), out["stamps"].pop("opt")
+    out["hooks_left"] = (len(model._forward_hooks) + len(model._forward_pre_hooks), len(opt._optimizer_step_pre_hooks))
     # after stop the tracer is gone but the hook stays registered: it averages untraced, still correctly
     for m in (a, b):
         m.zero_grad()
         m(x).sum().backward()
     out["grads_close_after_stop"] = all(torch.allclose(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
     return out
+
+
+def _step_stamps(obs, rank: int) -> dict:
+    """The step stamps on a real DDP module and optimizer (observer/stamps.py): rank 1 computes 0.2 s longer
+    between the optimizer step and the next forward; at step 4 every rank issues a Python all_reduce before its
+    forward (the arrival is then that collective's issue, taken by the tracer); a DDP module with a buffer
+    broadcasts it at the forward's start (the arrival is then the forward's start)."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    obs.stamps.remove()
+    obs.stamps = None
+    model = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))  # a buffer: broadcast in every forward
+    model.module[1].eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    obs.attach(model, opt)
+    marks = {}
+    for n in range(1, 6):
+        if n > 1 and rank == 1:
+            time.sleep(0.2)
+        if n == 4:
+            marks["before_all_reduce"] = time.time()
+            dist.all_reduce(torch.ones(1))
+        marks[n] = time.time()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        obs.step(n)
+    stamps = HeartbeatReader(obs.heartbeat.path).snapshot().stamps
+    return {"steps": [s for s, _l, _a in stamps], "compute": {s: a - lt for s, lt, a in stamps},
+            "at_all_reduce": next(a for s, _l, a in stamps if s == 4) - marks["before_all_reduce"],
+            "at_forward_start": {s: a - marks[s] for s, _l, a in stamps if s != 4},
+            "model": model, "opt": opt}

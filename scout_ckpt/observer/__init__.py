@@ -21,6 +21,8 @@ _LAZY = {
     "StackDumper": "scout_ckpt.observer.stacks",
     "StragglerMonitor": "scout_ckpt.observer.stragglers",
     "ArrivalStragglers": "scout_ckpt.observer.stragglers",
+    "ComputeStragglers": "scout_ckpt.observer.stragglers",
+    "StepStamps": "scout_ckpt.observer.stamps",
     "NvmlHealthSource": "scout_ckpt.observer.health",
     "NullHealthSource": "scout_ckpt.observer.health",
 }

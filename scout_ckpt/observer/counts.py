@@ -14,7 +14,9 @@ How it is read: a daemon thread in the trainer (`CollectiveCounter`) samples the
 `1/hz` seconds (default 25 Hz) and, when the sum changed, writes it and the time into the heartbeat's native
 area (its own seqlock, single writer). At a step boundary (`boundary`, called by `Observer.step`) the
 training thread notes the count; the first count above it is that step's *arrival*: the time this rank issued
-its first collective of the step, which the judge compares across ranks (stragglers by arrival skew).
+its first collective of the step, which the judge compares across ranks (stragglers by arrival skew) where a
+job has no step stamps (observer/stamps.py: exact, taken by hooks on the training thread; the sampled arrival
+is the fallback without a model and optimizer).
 
 Safety and cost, measured and read in the source: the call is a plain read of a 64-bit counter (gloo: no lock;
 an aligned load on x86-64, so another thread reads it whole), 0.6 us per group here; a thread blocked in a
@@ -24,7 +26,8 @@ on this loaded 2-core machine (load average ~20), i.e. about 1.3% of a core at 1
 25 Hz (bench/observer_overhead.py reports it as `sampler_cpu_per_s`). Why 25 Hz: hang detection needs far less
 (stall_s is seconds), and an arrival is at most one period late (40 ms at 25 Hz, plus the wait for the GIL, up
 to the 5 ms switch interval, when the trainer computes in Python); the straggler rule takes the median over the
-steps of a window, so a 3x straggler of a 50 ms step (100 ms of skew) stands well above that.
+steps of a window, but that noise was enough to miss a 3x straggler of a 50 ms step in 1 of 3 runs, which is why
+the step stamps replaced it where a model and optimizer are given.
 
 Which groups: WORLD, the DDP module's `process_group`, and every group of an FSDP2 module's device meshes
 (`attach`), never the checkpointer's side groups. The sum over a fixed set is a position in program order that

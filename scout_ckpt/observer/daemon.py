@@ -102,10 +102,12 @@ class Daemon:
         from scout_ckpt.observer.stragglers import StragglerMonitor
 
         self.stragglers = StragglerMonitor(**cfg["straggler"])
-        from scout_ckpt.observer.stragglers import ArrivalStragglers
+        from scout_ckpt.observer.stragglers import ArrivalStragglers, ComputeStragglers
 
         self.arrival_stragglers = ArrivalStragglers(**cfg["straggler"])
+        self.compute_stragglers = ComputeStragglers(**cfg["straggler"])
         self.arrivals: dict[int, float] = {}  # this rank's, kept longer than the heartbeat's ring
+        self.stamps: dict[int, tuple[float, float]] = {}  # this rank's step stamps: step -> (left, arrived)
         self._stop = False
         self._ledger = None
 
@@ -139,9 +141,12 @@ class Daemon:
             self.version, self.last_change = version, now
         for step, t in self.snap.arrivals:
             self.arrivals[step] = t
-        if len(self.arrivals) > 64:
-            for step in sorted(self.arrivals)[:len(self.arrivals) - 64]:
-                del self.arrivals[step]
+        for step, left, arrived in self.snap.stamps:
+            self.stamps[step] = (left, arrived)
+        for kept in (self.arrivals, self.stamps):
+            if len(kept) > 64:
+                for step in sorted(kept)[:len(kept) - 64]:
+                    del kept[step]
         self.state = self._trainer_state()
         if self.state in ("gone", "closed", "aborted") and self.gone_since is None:
             self.gone_since = now
@@ -165,6 +170,7 @@ class Daemon:
                 "seq_left": s.seq_leave, "in_coll": s.in_coll, "in_side": s.in_side, "error": s.coll_error, "hb": list(self.version),
                 "cseq": max(s.cseq, s.pos_enter), "pos": s.pos_enter, "t_cseq": s.t_cseq,
                 "arrivals": sorted(self.arrivals.items())[-32:],
+                "stamps": [[k, *v] for k, v in sorted(self.stamps.items())[-32:]],
                 "age_s": round(now - self.last_change, 3), "t_update": s.t_update, "n_steps": s.n_steps,
                 "busy_sum": s.busy_sum, "dur_sum": s.dur_sum, "last_dur": s.last_dur, "stacks": self.stacks,
                 "wall": time.time(), "torch_imported": "torch" in sys.modules,
@@ -212,10 +218,16 @@ class Daemon:
         running = {r: (row["n_steps"], row["busy_sum"], row["step"]) for r, row in rows.items()
                    if row["state"] == "running" and row["live"]}
         if len(running) == self.world:
-            # by arrival skew where most collectives are native, issued where no tracer sees their waits (DDP
-            # without a hook: busy times are all equal there); else by busy time (Python-level collectives,
-            # FSDP2's included, whose waits the tracer sees, side groups' too)
-            if all(rows[r].get("arrivals") and rows[r]["seq"] < 0.5 * (rows[r].get("cseq") or 0) for r in running):
+            # where most collectives are native, issued where no tracer sees their waits (DDP without a hook:
+            # busy times are all equal there): by compute per step from the ranks' step stamps (exact), or by
+            # arrival skew from the sampled counts where a rank has no stamps; else by busy time (Python-level
+            # collectives, FSDP2's included, whose waits the tracer sees, side groups' too)
+            native = all(rows[r]["seq"] < 0.5 * (rows[r].get("cseq") or 0) for r in running)
+            if native and all(rows[r].get("stamps") for r in running):
+                for r in running:
+                    self.compute_stragglers.add(r, rows[r]["stamps"])
+                found = self.compute_stragglers.update(now, running)
+            elif native and all(rows[r].get("arrivals") for r in running):
                 for r in running:
                     self.arrival_stragglers.add(r, rows[r]["arrivals"])
                 found = self.arrival_stragglers.update(now, running)

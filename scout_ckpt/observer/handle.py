@@ -49,6 +49,7 @@ class Observer:
         # (hook, state): None/False = no hook (counted), "traced" = the observer's traced hook, else the user's
         self._ddp_hook = ddp_hook or (None, None)
         self.attached: str | None = None
+        self.stamps = None  # StepStamps (observer/stamps.py), registered by `attach`
 
     @classmethod
     def start(cls, root: str | os.PathLike, *, rank: int, world_size: int, run_id: str, stall_s: float = 60.0,
@@ -132,10 +133,13 @@ class Observer:
         _wait_for(lambda: all(p.exists() for p in paths), timeout_s)
         return [r for r, p in enumerate(paths) if not p.exists()]
 
-    def attach(self, model) -> str:
-        """Make `model`'s own collectives visible (called by the Checkpointer, on every rank, on the model it is
-        given): its process groups (DDP's, FSDP2's meshes') are counted natively (observer/counts.py); with
-        `ddp_comm_hook` "traced" or a callable, a DDP module also gets that comm hook (observer/ddp.py).
+    def attach(self, model, optimizer=None) -> str:
+        """Make `model`'s own collectives visible (called by the Checkpointer, on every rank, on the model and
+        optimizer it is given): its process groups (DDP's, FSDP2's meshes') are counted natively
+        (observer/counts.py); with `ddp_comm_hook` "traced" or a callable, a DDP module also gets that comm hook
+        (observer/ddp.py). The model's forward and the optimizer's step get the step-stamp hooks
+        (observer/stamps.py: when this rank left each step's synchronisation and reached the next collective,
+        what the straggler rule compares); they are removed by `stop`.
         Returns what was done: "counted" (DDP, no hook), "fsdp2", "not_ddp", "registered", "user_hook",
         "builtin_hook", or "not_traced" when tracing is off and a hook was asked for."""
         hook, state = self._ddp_hook
@@ -143,6 +147,10 @@ class Observer:
             from scout_ckpt.observer.counts import model_groups
 
             self.counter.watch(*model_groups(model))
+            if self.stamps is None:
+                from scout_ckpt.observer.stamps import StepStamps
+
+                self.stamps = StepStamps(self.heartbeat, self.counter, model, optimizer)
         if hook in (None, False):
             from scout_ckpt.observer.ddp import kind_of
 
@@ -177,6 +185,8 @@ class Observer:
         self.heartbeat.step(n, duration_s)
         if self.counter is not None:
             self.counter.boundary(n)
+        if self.stamps is not None and self.stamps.on_boundary:
+            self.stamps.leave()
 
     def phase(self, name: str):
         return self.heartbeat.phase(name)
@@ -191,6 +201,9 @@ class Observer:
         """Clean shutdown: the closed heartbeat tells the observer (and its peers) this is no crash."""
         atexit.unregister(self._at_exit)
         _UNCAUGHT_CALLBACKS[:] = [cb for cb in _UNCAUGHT_CALLBACKS if cb != self._on_uncaught]
+        if self.stamps is not None:
+            self.stamps.remove()
+            self.stamps = None
         if self.counter is not None:
             self.counter.stop()
             self.counter = None

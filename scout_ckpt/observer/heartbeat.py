@@ -1,4 +1,4 @@
-"""The training side's heartbeat: a fixed 512-byte record in a shared-memory file that the observer maps read-only.
+"""The training side's heartbeat: a fixed 1024-byte record in a shared-memory file that the observer maps read-only.
 
 Why shared memory and a seqlock: the trainer must publish its progress at the cost of a few stores (no syscall,
 no lock, no GIL hand-off to another thread), and the observer must read it even while the trainer is blocked in C
@@ -8,10 +8,12 @@ and reads fields in order; on x86 stores and loads are not reordered with each o
 stored and loaded through a memoryview of unsigned 64-bit items, one aligned 8-byte access: struct.pack_into
 zero-fills before it writes, which would briefly show an even version 0.)
 
-Two areas, each with one writer and its own version word: the training thread's (step, phase, traced
-collectives, busy time) and the counting thread's (observer/counts.py: the watched groups' native collective
-count, when it changed, and the ring of per-step arrivals). Two writers on one seqlock would tear each other's
-records; two seqlocks cost nothing more.
+Three areas, each with its own version word: the training thread's (step, phase, traced collectives, busy
+time), the counting thread's (observer/counts.py: the watched groups' native collective count, when it changed,
+and the ring of per-step sampled arrivals) and the training thread's step stamps (observer/stamps.py: per step,
+when this rank left the previous step's synchronisation and when it reached the next step's first collective,
+both read on this rank's clock on the training thread itself). Two writers on one seqlock would tear each
+other's records; a seqlock per area costs nothing more, and keeps the main record's read short.
 
 The file lives in /dev/shm (tmpfs) when there is one, so updates never reach a disk.
 """
@@ -28,8 +30,8 @@ from pathlib import Path
 
 PHASES = ("idle", "step", "forward", "backward", "optimizer", "data", "checkpoint", "eval")
 _PHASE_ID = {p: i for i, p in enumerate(PHASES)}
-MAGIC = 0x5343_4F55_5448_4232  # "SCOUTHB2"
-SIZE = 512
+MAGIC = 0x5343_4F55_5448_4233  # "SCOUTHB3" (HB2: 512 bytes, without the step stamps)
+SIZE = 1024
 
 IN_COLL = 1        # inside a traced collective
 COLL_ERROR = 2     # a traced collective raised (a victim of a peer's failure, not a culprit)
@@ -52,6 +54,13 @@ ARRIVALS = 16
 _NATIVE = struct.Struct("<QdQ")
 _ARRIVAL = struct.Struct("<qd")
 _RING_AT = 168
+# The step stamps, written by the training thread (observer/stamps.py) under their own version word: @512 version,
+# @520 how many were written, @528 ring of STAMPS (step, left the previous step's sync, reached this step's first
+# collective), both wall times of this rank's clock.
+STAMPS_AT = 512
+STAMPS = 16
+_STAMP = struct.Struct("<qdd")
+_STAMP_RING_AT = 528
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,8 @@ class Snapshot:
     pos_enter: int = 0        # position (native count) of the latest traced collective; 0 = not on a watched group
     cseq: int = 0             # collectives issued so far on the watched groups (C++ sequence numbers, summed)
     t_cseq: float = 0.0       # wall time cseq last changed
-    arrivals: tuple = ()      # ((step, wall time its first collective was issued), ...), oldest first
+    arrivals: tuple = ()      # ((step, wall time its first collective was issued), ...), oldest first (sampled)
+    stamps: tuple = ()        # ((step, left the previous sync, reached the first collective), ...), oldest first
 
     @property
     def in_coll(self) -> bool:
@@ -138,6 +148,12 @@ class Heartbeat:
         self._pos_enter = 0
         self._nv = 0          # the native area's version (its writer: the counting thread)
         self._n_arrivals = 0
+        self._sv = 0          # the stamps area's version (its writer: the training thread)
+        self._n_stamps = 0
+        self._stamped = -1    # the newest step stamped (one stamp per step)
+        # (time, native count) when this rank left the last synchronisation (set by StepStamps' hooks); None
+        # once it reached the next collective (`stamp`), and before the first sync
+        self.left: tuple[float, int] | None = None
         _IDENT.pack_into(mm, 104, os.getpid(), MAGIC)
         self._write_all(time.time())
 
@@ -174,6 +190,25 @@ class Heartbeat:
         except (ValueError, IndexError, TypeError):  # closed meanwhile
             pass
 
+    def stamp(self, t_left: float, t_arrived: float) -> None:
+        """This rank reached step (its current step + 1)'s first collective at `t_arrived`, having left the
+        previous step's synchronisation at `t_left` (observer/stamps.py). Training thread only; once per step."""
+        self.left = None
+        step = self._step + 1
+        if step == self._stamped:
+            return
+        self._stamped = step
+        try:
+            v = self._sv
+            self._words[STAMPS_AT // 8] = v + 1
+            i = self._n_stamps
+            _STAMP.pack_into(self._mm, _STAMP_RING_AT + 24 * (i % STAMPS), step, t_left, t_arrived)
+            self._n_stamps = i + 1
+            self._words[STAMPS_AT // 8 + 1] = i + 1
+            self._words[STAMPS_AT // 8] = self._sv = v + 2
+        except (ValueError, IndexError, TypeError):  # closed meanwhile
+            pass
+
     def _write_all(self, now: float) -> None:
         v = self._v
         self._words[0] = v + 1
@@ -187,6 +222,10 @@ class Heartbeat:
         """The trainer enters collective number `seq` with fingerprint `fp`; `pos`: its position among the
         watched groups' native collectives (observer/counts.py), 0 when its group is not watched."""
         now = time.time()
+        if pos and self.left is not None and threading.get_ident() == self.owner:
+            # the first traced training collective since this rank left the sync: its arrival, exactly (FSDP2's
+            # first all-gather, a Python all_reduce)
+            self.stamp(self.left[0], now)
         self._t_enter = now
         self._seq_enter, self._fp_enter, self._pos_enter = seq, fp, pos
         self._flags |= IN_COLL
@@ -343,6 +382,7 @@ class HeartbeatReader:
         """The newest consistent record. A writer stopped (SIGSTOP, SIGKILL) in the middle of an update leaves
         the version odd for good: then the last consistent record this reader saw is returned."""
         native = self._native(retries)
+        stamps = self._stamps(retries)
         for _ in range(retries):
             v1 = self._words[0]
             if v1 & 1:
@@ -356,7 +396,7 @@ class HeartbeatReader:
                     flags |= COLL_ERROR
                 self._last = Snapshot(v, flags, t_update, seq_enter, fp_enter, seq_leave, step,
                                       PHASES[phase] if phase < len(PHASES) else "?", last_dur, int(n_steps),
-                                      dur_sum, busy_sum, coll_sum, pid, pos, *native)
+                                      dur_sum, busy_sum, coll_sum, pid, pos, *native, stamps)
                 return self._last
         if self._last is None:
             raise RuntimeError(f"{self.path}: heartbeat never consistent (writer stopped mid-update)")
@@ -377,6 +417,21 @@ class HeartbeatReader:
                 self._last_native = (count, t, tuple(ring))
                 return self._last_native
         return getattr(self, "_last_native", (0, 0.0, ()))
+
+    def _stamps(self, retries: int) -> tuple:
+        """The ring of step stamps (its own seqlock); the last consistent reading if its writer stopped."""
+        at = STAMPS_AT // 8
+        for _ in range(retries):
+            v1 = self._words[at]
+            if v1 & 1:
+                continue
+            n = self._words[at + 1]
+            ring = tuple(_STAMP.unpack_from(self._mm, _STAMP_RING_AT + 24 * (i % STAMPS))
+                         for i in range(max(0, n - STAMPS), n))
+            if self._words[at] == v1:
+                self._last_stamps = ring
+                return ring
+        return getattr(self, "_last_stamps", ())
 
     def close(self) -> None:
         self._words.release()

@@ -7,8 +7,12 @@ consensus.timing's robust rule (median + max(k * 1.4826 * MAD, floors)) and repo
 `rounds` consecutive windows. A rank is reported once per episode: it is re-armed after a window without a flag.
 
 Where a rank's collectives are mostly native (DDP without a comm hook: the tracer sees no waits, so every rank's
-busy time is its whole step), `ArrivalStragglers` compares when each rank issued its first collective of each
-step instead (arrival skew); the observer's judge picks the measure per job (daemon.py).
+busy time is its whole step), `ComputeStragglers` compares each rank's compute per step from its step stamps
+(observer/stamps.py: from leaving one step's synchronisation to reaching the next step's first collective, both
+taken on the training thread, exact); where a job has no stamps (no model or optimizer given),
+`ArrivalStragglers` compares when each rank issued its first collective of each step, as sampled from the
+native count (arrival skew, up to one sampling period late). The observer's judge picks the measure per job
+(daemon.py).
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ class ArrivalStragglers:
         self._ranks: frozenset = frozenset()
         self._reported: set[int] = set()
 
+    measure = "arrival_skew"
+
     def add(self, rank: int, arrivals) -> None:
         seen = self.arrivals.setdefault(rank, {})
         for step, t in arrivals:
@@ -97,12 +103,9 @@ class ArrivalStragglers:
     def update(self, now: float, ranks) -> list[dict]:
         """`ranks`: the ranks running now (all of them, or no verdict). Returns confirmed straggler events."""
         ranks = frozenset(ranks)
-        if ranks != self._ranks:
-            self._ranks, self._pending, self._t0 = ranks, {}, now
-            self.confirmer.reset()
-            self._done = max((max(self.arrivals.get(r) or {-1: 0.0}) for r in ranks), default=-1)
+        common = self._common(now, ranks)
+        if common is None:
             return []
-        common = set.intersection(*(set(self.arrivals.get(r, {})) for r in ranks)) if ranks else set()
         for step in sorted(s for s in common if s > self._done and s - 1 in common):
             a = {r: self.arrivals[r][step] for r in ranks}
             period = median(a[r] - self.arrivals[r][step - 1] for r in ranks)
@@ -110,6 +113,20 @@ class ArrivalStragglers:
             for r in ranks:
                 self._pending.setdefault(r, []).append(max(0.0, period - (last - a[r])))
             self._done = step
+        return self._window(now)
+
+    def _common(self, now: float, ranks: frozenset) -> set | None:
+        """The steps every running rank reported; None (and a fresh start) when the running ranks changed."""
+        if ranks != self._ranks:
+            self._ranks, self._pending, self._t0 = ranks, {}, now
+            self.confirmer.reset()
+            self._done = max((max(self.arrivals.get(r) or {-1: 0.0}) for r in ranks), default=-1)
+            return None
+        return set.intersection(*(set(self.arrivals.get(r, {})) for r in ranks)) if ranks else set()
+
+    def _window(self, now: float) -> list[dict]:
+        """At a window's end (at least window_s and min_steps of every rank): the per-rank medians of the
+        pending per-step samples through the robust rule, confirmed over rounds."""
         n = min((len(v) for v in self._pending.values()), default=0)
         if self._t0 is None or now - self._t0 < self.window_s or n < self.min_steps:
             return []
@@ -127,5 +144,32 @@ class ArrivalStragglers:
             events.append({"ranks": [r], "step": self._done, "detail": {
                 "slowdown": round(slowdown, 3), "rounds": self.confirmer.rounds, "window_steps": n,
                 "busy_s_per_step": {str(q): round(v, 6) for q, v in sorted(samples.items())},
-                "median_busy_s": round(med, 6), "rule": self.rule, "measure": "arrival_skew"}})
+                "median_busy_s": round(med, 6), "rule": self.rule, "measure": self.measure}})
         return events
+
+
+class ComputeStragglers(ArrivalStragglers):
+    """Stragglers by compute per step, from the ranks' step stamps (observer/stamps.py; issue 13 item 4, issue 15
+    item 4): rank r's sample for step k is arrived_r(k) - left_r(k-1), the time from leaving the previous step's
+    synchronisation (where every rank is released together) to reaching step k's first collective (where the
+    fast ranks then wait for the slow one), both read on r's own clock on its training thread. Windows, medians,
+    the robust rule and the confirmation are ArrivalStragglers': a save step, where the coordinator does extra
+    work, moves one sample of the window, not its median; no cross-host clock enters.
+
+    `add` takes (step, left, arrived) triples; a step counts once every running rank stamped it."""
+
+    measure = "compute_stamps"
+
+    def add(self, rank: int, stamps) -> None:
+        super().add(rank, ((step, arrived - left) for step, left, arrived in stamps))
+
+    def update(self, now: float, ranks) -> list[dict]:
+        ranks = frozenset(ranks)
+        common = self._common(now, ranks)
+        if common is None:
+            return []
+        for step in sorted(s for s in common if s > self._done):
+            for r in ranks:
+                self._pending.setdefault(r, []).append(max(0.0, self.arrivals[r][step]))
+            self._done = step
+        return self._window(now)
