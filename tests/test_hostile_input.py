@@ -230,8 +230,55 @@ for path in sys.argv[1:]:
         out[path] = "loaded"
     except BadInput as e:
         out[path] = "refused: " + str(e)
+out["imported"] = sorted(m for m in ("torch", "torch.distributed.checkpoint") if m in sys.modules)
 print(json.dumps(out))
 """
+
+
+def _genuine_metadata() -> bytes:
+    """A `.metadata` pickled from DCP's own classes, touching every global the unpickler maps to a stand-in: a
+    bf16 tensor in two chunks, a bytes entry, a transform-free storage info, storage_meta with a PosixPath."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    props = TensorProperties(dtype=torch.bfloat16)
+    chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),
+              ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 3]))]
+    md = Metadata(state_dict_metadata={"w": TensorStorageMetadata(props, torch.Size([4, 3]), chunks),
+                                       "step": BytesStorageMetadata()},
+                  storage_data={MetadataIndex("w", [0, 0]): _StorageInfo("__0_0.distcp", 0, 900),
+                                MetadataIndex("w", [2, 0]): _StorageInfo("__1_0.distcp", 0, 900),
+                                MetadataIndex("step"): _StorageInfo("__0_0.distcp", 900, 300)},
+                  storage_meta=StorageMeta(checkpoint_id=Path("/x/step-1"), save_id="s"))
+    return pickle.dumps(md)
+
+
+def test_stand_in_tables_match_torch(tmp_path):
+    """dcp_meta's dtype and layout tables are torch's (a dtype missing there would refuse a genuine checkpoint),
+    and a genuine DCP pickle reads back field for field."""
+    import torch
+
+    from scout_ckpt import dcp_meta
+    from scout_ckpt.dcp_files import load_metadata
+
+    public = {a: v for a in dir(torch) if not a.startswith("_") and isinstance(v := getattr(torch, a), torch.dtype)}
+    assert {a: str(v).removeprefix("torch.") for a, v in public.items()} == \
+        {a: dcp_meta.DTYPE_ALIASES.get(a, a) for a in public}
+    assert dcp_meta.DTYPE_ITEMSIZE == {str(v).removeprefix("torch."): v.itemsize for v in public.values()}
+    assert set(dcp_meta.LAYOUTS) == {str(v) for v in torch.__dict__.values() if isinstance(v, torch.layout)}
+    assert all(dcp_meta.torch_dtype(dcp_meta.dtype(a)) is v for a, v in public.items())
+    (tmp_path / ".metadata").write_bytes(_genuine_metadata())
+    md = load_metadata(tmp_path / ".metadata")
+    w = md.state_dict_metadata["w"]
+    assert type(w.size) is dcp_meta.Size and w.size == (4, 3) and w.properties.dtype.itemsize == 2
+    assert dcp_meta.torch_dtype(w.properties.dtype) is torch.bfloat16 and w.properties.layout is dcp_meta.STRIDED
+    assert [md.storage_data[dcp_meta.MetadataIndex("w", c.offsets)].relative_path for c in w.chunks] == \
+        ["__0_0.distcp", "__1_0.distcp"]
+    assert md.storage_data[dcp_meta.MetadataIndex("step")].offset == 900
+    assert str(md.storage_meta.checkpoint_id) == "/x/step-1"
 
 
 def test_pickle_tricks_beyond_the_allowlist_are_refused_in_bounded_memory(tmp_path):
@@ -246,9 +293,13 @@ def test_pickle_tricks_beyond_the_allowlist_are_refused_in_bounded_memory(tmp_pa
     for name, data in payloads.items():
         (tmp_path / name).write_bytes(data)
         paths.append(tmp_path / name)
-    res = run_measured(*paths, code=_LIBRARY_PROBE)
+    (tmp_path / "genuine").write_bytes(_genuine_metadata())
+    res = run_measured(*paths, tmp_path / "genuine", code=_LIBRARY_PROBE)
     assert res.rc == 0 and res.peak < RSS_LIMIT, res
-    for path, outcome in json.loads(res.out).items():
+    out = json.loads(res.out)
+    assert out.pop(str(tmp_path / "genuine")) == "loaded"
+    assert out.pop("imported") == []    # reading metadata needs neither torch nor DCP (dcp_meta's stand-ins)
+    for path, outcome in out.items():
         assert outcome.startswith("refused: ") and "\n" not in outcome, (path, outcome)
 
 
