@@ -310,19 +310,23 @@ def test_locked_ledger_readers_work_writers_fail_cleanly(ckpt_root):
 
 
 def test_read_only_commands_do_not_import_torch(ckpt_root):
+    """ls, explain and resume import no torch; certify (which checks tensors with torch) reads DCP's metadata
+    through dcp_meta's stand-ins and never imports torch.distributed.checkpoint (2 s of imports)."""
     code = ("import sys\nfrom scout_ckpt.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc, file=sys.stderr)\n")
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH',\n"
+            "      'DCP' if 'torch.distributed.checkpoint' in sys.modules else 'NO-DCP', rc, file=sys.stderr)\n")
 
-    def case(i, cmd, *rest):   # each on its own copy of the run, concurrently
+    def case(i, expect, cmd, *rest):   # each on its own copy of the run, concurrently
         root = copy_root(ckpt_root, ckpt_root.parent / f"ro{i}")
         args = [cmd, root, *rest]
         p = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(REPO)})
-        assert p.stderr.strip().splitlines()[-1] == "NO-TORCH 0", (args, p.stderr)
+        assert p.stderr.strip().splitlines()[-1] == expect, (args, p.stderr)
 
-    run_cases({args[0]: (lambda i=i, a=args: case(i, *a))
-               for i, args in enumerate((["ls"], ["explain", "4"], ["resume", "--latest-clean"]))})
+    cases = (["NO-TORCH NO-DCP 0", "ls"], ["NO-TORCH NO-DCP 0", "explain", "4"],
+             ["NO-TORCH NO-DCP 0", "resume", "--latest-clean"], ["TORCH NO-DCP 0", "certify", "--all"])
+    run_cases({args[1]: (lambda i=i, a=args: case(i, *a)) for i, args in enumerate(cases)})
 
 
 def test_export_cli_round_trips_and_refuses_uncertified(ckpt_root, tmp_path):
