@@ -390,8 +390,17 @@ def ledger_rebuild_cmd(root: Path = typer.Argument(...),
 
 # ---- entry point -----------------------------------------------------------------------------------------------
 
+def _skip_pandas() -> None:
+    """sqlite-utils (the ledger's writes) imports pandas whenever it is installed, 0.7-1 s of a command's start,
+    for DataFrame inserts the ledger never makes. The command-line process marks it absent; a library caller's
+    process is left alone."""
+    sys.modules.setdefault("pandas", None)  # type: ignore[arg-type]
+
+
 def main(argv: List[str] | None = None) -> None:
     """Console script: map errors to exit codes with one line on stderr, never a traceback."""
+    if argv is None:   # this process is the command line (not a caller passing argv): see _skip_pandas
+        _skip_pandas()
     try:
         rc = app(args=argv, standalone_mode=False, prog_name="scout-ckpt")
     except ScoutError as e:

@@ -311,11 +311,13 @@ def test_locked_ledger_readers_work_writers_fail_cleanly(ckpt_root):
 
 def test_read_only_commands_do_not_import_torch(ckpt_root):
     """ls, explain and resume import no torch; certify (which checks tensors with torch) reads DCP's metadata
-    through dcp_meta's stand-ins and never imports torch.distributed.checkpoint (2 s of imports)."""
+    through dcp_meta's stand-ins and never imports torch.distributed.checkpoint (2 s of imports); the command line
+    keeps sqlite-utils from importing pandas (sys.argv: `main()` as the console script calls it)."""
     code = ("import sys\nfrom scout_ckpt.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    rc = e.code\n"
             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH',\n"
-            "      'DCP' if 'torch.distributed.checkpoint' in sys.modules else 'NO-DCP', rc, file=sys.stderr)\n")
+            "      'DCP' if 'torch.distributed.checkpoint' in sys.modules else 'NO-DCP',\n"
+            "      'PANDAS' if sys.modules.get('pandas') else 'NO-PANDAS', rc, file=sys.stderr)\n")
 
     def case(i, expect, cmd, *rest):   # each on its own copy of the run, concurrently
         root = copy_root(ckpt_root, ckpt_root.parent / f"ro{i}")
@@ -324,8 +326,9 @@ def test_read_only_commands_do_not_import_torch(ckpt_root):
                            env={**os.environ, "PYTHONPATH": str(REPO)})
         assert p.stderr.strip().splitlines()[-1] == expect, (args, p.stderr)
 
-    cases = (["NO-TORCH NO-DCP 0", "ls"], ["NO-TORCH NO-DCP 0", "explain", "4"],
-             ["NO-TORCH NO-DCP 0", "resume", "--latest-clean"], ["TORCH NO-DCP 0", "certify", "--all"])
+    cases = (["NO-TORCH NO-DCP NO-PANDAS 0", "ls"], ["NO-TORCH NO-DCP NO-PANDAS 0", "explain", "4"],
+             ["NO-TORCH NO-DCP NO-PANDAS 0", "resume", "--latest-clean"],
+             ["TORCH NO-DCP NO-PANDAS 0", "certify", "--all"])
     run_cases({args[1]: (lambda i=i, a=args: case(i, *a)) for i, args in enumerate(cases)})
 
 
