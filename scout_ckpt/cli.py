@@ -21,8 +21,8 @@ from scout_ckpt.journal import JOURNAL_NAME
 from scout_ckpt.views import (
     STATE_STYLE,
     checked_text,
-    detail_text,
     evidence_marks,
+    explain_lines,
     list_checkpoints,
 )
 from scout_ckpt.views import reason_text as _reason_text
@@ -100,44 +100,17 @@ def explain_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...
     from scout_ckpt.operator import explain
 
     out = explain(root, step)
-    row, evidence, events = out, out["evidence"], out["events"]
-    required = (out["policy"] or {}).get("require", [])
     if as_json:
         _emit(out)
     else:
-        con = _console()
         from scout_ckpt.object_store import location
 
-        con.print(f"step {step}: [{STATE_STYLE.get(row['state'], 'white')}]{row['state']}[/]  "
-                  f"({location(root, row['path'])})")
-        if required:
-            con.print(f"policy requires: {', '.join(required)}")
-        now = time.time()
-        for kind, item in evidence.items():
-            status = item.get("status")
-            checked = checked_text({"by": item.get("source"), "at": item.get("recorded")}, now)
-            con.print(f"  {kind:<11} {status:<15} " + (f"[dim]checked by {checked}[/]" if checked != "-" else ""))
-            for r in item.get("reasons") or []:
-                con.print(f"      - {_escape(_reason_text([r]))}")
-            cov = item.get("coverage")
-            after = item.get("confirmed_after") or {}
-            if isinstance(cov, dict):
-                for target, last in cov.items():
-                    text = f"clean at step {last}" if last is not None else "NOT COVERED"
-                    if target in after:
-                        if after[target] is None:
-                            text += ", awaiting its first replay after the save"
-                        elif after[target] != last:
-                            text += f", clean again at step {after[target]} (after the save)"
-                    con.print(f"      {target:<14} {text}")
-        if row["reasons"]:
-            con.print(f"reasons: {_escape(_reason_text(row['reasons']))}")
-        for e in events:
-            con.print(_escape(f"event: {e['kind']} ranks {e['ranks']}: {detail_text(e['detail'])}"))
-        con.print("[dim]bytes and invariants as last checked; `scout-ckpt certify ROOT --step N` re-checks them now[/]")
-    if row["state"] != "certified":
-        print(f"scout-ckpt: step {step} is {row['state']}" +
-              (f": {_reason_text(row['reasons'])}" if row["reasons"] else ""), file=sys.stderr)
+        con = _console()
+        for line in explain_lines(out, location(root, out["path"]), time.time(), _escape):
+            con.print(line)
+    if out["state"] != "certified":
+        print(f"scout-ckpt: step {step} is {out['state']}" +
+              (f": {_reason_text(out['reasons'])}" if out["reasons"] else ""), file=sys.stderr)
         raise typer.Exit(1)
 
 
@@ -417,8 +390,17 @@ def ledger_rebuild_cmd(root: Path = typer.Argument(...),
 
 # ---- entry point -----------------------------------------------------------------------------------------------
 
+def _skip_pandas() -> None:
+    """sqlite-utils (the ledger's writes) imports pandas whenever it is installed, 0.7-1 s of a command's start,
+    for DataFrame inserts the ledger never makes. The command-line process marks it absent; a library caller's
+    process is left alone."""
+    sys.modules.setdefault("pandas", None)  # type: ignore[arg-type]
+
+
 def main(argv: List[str] | None = None) -> None:
     """Console script: map errors to exit codes with one line on stderr, never a traceback."""
+    if argv is None:   # this process is the command line (not a caller passing argv): see _skip_pandas
+        _skip_pandas()
     try:
         rc = app(args=argv, standalone_mode=False, prog_name="scout-ckpt")
     except ScoutError as e:

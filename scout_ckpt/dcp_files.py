@@ -10,7 +10,7 @@ code, or allocates without bound (`bytearray(1 << 34)` is a 40-byte pickle). `lo
   recording `find_class` on real DDP, FSDP2, optimizer and bytes checkpoints); only the opcodes such a pickle uses
   (no sets, extensions, persistent ids, buffers, INST/OBJ); and each constructor only with the argument types DCP
   gives it (`torch.Size(tuple of ints)`, a path from strings, a dataclass by `__new__` with no arguments and a
-  `BUILD` of its own fields). None of the admitted constructors can allocate more than its arguments' size, so
+  `BUILD` of its own fields). DCP's classes are built as the light stand-ins of `dcp_meta` (no torch import). None of the admitted constructors can allocate more than its arguments' size, so
   memory stays linear in the (bounded) file size. Dictionary keys are checked before they are hashed (a deeply
   nested tuple key would overflow the C stack);
 - then checks the schema of what came out (types, ranks, non-negative sizes, safe file names) before anyone uses it.
@@ -111,9 +111,9 @@ def _field(obj, name: str):
 
 
 def _size_problem(size, what: str) -> str | None:
-    import torch
+    from scout_ckpt.dcp_meta import Size
 
-    if type(size) is not torch.Size:
+    if type(size) is not Size:
         return f"{what} is not a torch.Size"
     if len(size) > MAX_NDIM or any(x < 0 for x in size):
         return f"{what} has more than {MAX_NDIM} or negative dimensions"
@@ -122,11 +122,8 @@ def _size_problem(size, what: str) -> str | None:
 
 def _schema_problem(md) -> str | None:
     """Why `md` is not well-formed DCP Metadata written by FileSystemWriter, or None."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta, TensorProperties,
-                                                       TensorStorageMetadata)
+    from scout_ckpt.dcp_meta import (BytesStorageMetadata, ChunkStorageMetadata, DType, Metadata, MetadataIndex,
+                                     StorageMeta, TensorProperties, TensorStorageMetadata, _StorageInfo)
 
     if type(md) is not Metadata:
         return f"a {clip(type(md).__name__, 60)}"
@@ -142,7 +139,7 @@ def _schema_problem(md) -> str | None:
         if type(item) is not TensorStorageMetadata:
             return f"{name}: a {clip(type(item).__name__, 60)}"
         props = _field(item, "properties")
-        if type(props) is not TensorProperties or not isinstance(_field(props, "dtype"), torch.dtype):
+        if type(props) is not TensorProperties or type(_field(props, "dtype")) is not DType:
             return f"{name}: malformed tensor properties"
         size = _field(item, "size")
         chunks = _field(item, "chunks")
@@ -192,7 +189,7 @@ def storage_problems(step_dir: str | os.PathLike, md) -> list[dict]:
     entry, a chunk declaring more bytes than its entry holds, a tensor its chunks do not cover, entries that overlap
     or lie outside their file, files that are missing, not regular, or outside the step dir. Empty when a reader
     allocating the declared tensors allocates no more than the files hold."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+    from scout_ckpt.dcp_meta import MetadataIndex, TensorStorageMetadata
 
     step_dir = Path(step_dir)
     reasons: list[dict] = []
@@ -304,7 +301,8 @@ def read_tensors(step_dir: str | os.PathLike, prefix: str | None = None, *, incl
     dir, without a process group. Declared sizes are checked against the files before anything is allocated
     (BadMetadata otherwise). Call after the digests matched, for trust."""
     import torch
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    from scout_ckpt.dcp_meta import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata, torch_dtype
 
     step_dir = Path(step_dir)
     md = metadata if metadata is not None else load_metadata(step_dir)
@@ -318,7 +316,7 @@ def read_tensors(step_dir: str | os.PathLike, prefix: str | None = None, *, incl
         if prefix and not fqn.startswith(prefix):
             continue
         if isinstance(item, TensorStorageMetadata):
-            out[fqn] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+            out[fqn] = torch.empty(tuple(item.size), dtype=torch_dtype(item.properties.dtype))
             for chunk in item.chunks:
                 info = md.storage_data[MetadataIndex(fqn, chunk.offsets)]
                 reads.setdefault(info.relative_path, []).append((info.offset, info.length, fqn, chunk, info))

@@ -6,7 +6,10 @@ nested 200,000 tuples deep segfaults it), with the opcode table cut down to what
 BUILD, SETITEM(S) and APPEND(S) replaced by checked versions. Each admitted constructor is admitted only with the
 argument types DCP gives it, so none can allocate more than its arguments' size: memory stays linear in the
 (bounded) input. The allowed globals were listed by recording `find_class` on real DDP, FSDP2 (DTensor),
-optimizer and bytes-object checkpoints written by DCP 2.13.
+optimizer and bytes-object checkpoints written by DCP 2.13. DCP's classes, `torch.Size`, dtypes and layouts are
+mapped to the light stand-ins of `dcp_meta` (same fields), so reading `.metadata` imports neither torch nor DCP
+(about 4.5 s of imports that `certify` and `adopt` paid per command). The entry dry run still imports torch (it
+checks a storage class name against torch's).
 """
 
 from __future__ import annotations
@@ -57,19 +60,18 @@ _SAFE_OPCODES = {
 
 @lru_cache(maxsize=1)
 def _allowed() -> dict:
-    """{(module, name): object} for the globals a `.metadata` may name, and the per-kind sets."""
+    """{(module, name): object} for the globals a `.metadata` may name: DCP's classes map to their light
+    stand-ins (`dcp_meta`), so reading metadata imports neither torch nor DCP."""
     import pathlib
 
-    import torch
-    import torch.distributed.checkpoint.filesystem as fs
-    import torch.distributed.checkpoint.metadata as meta
+    from scout_ckpt import dcp_meta
 
     out: dict[tuple[str, str], Any] = {}
     for mod, name in _DATACLASS_NAMES:
-        out[(mod, name)] = getattr(fs if mod.endswith("filesystem") else meta, name)
-    out[(_META, "_MEM_FORMAT_ENCODING")] = meta._MEM_FORMAT_ENCODING
-    out[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-    out[("torch", "Size")] = torch.Size
+        out[(mod, name)] = getattr(dcp_meta, name)
+    out[(_META, "_MEM_FORMAT_ENCODING")] = dcp_meta._MEM_FORMAT_ENCODING
+    out[("torch.serialization", "_get_layout")] = dcp_meta._get_layout
+    out[("torch", "Size")] = dcp_meta.Size
     for mod in ("pathlib", "pathlib._local"):
         for name, real in _PATH_NAMES.items():
             out[(mod, name)] = getattr(pathlib, real)
@@ -82,10 +84,10 @@ def _find_global(module: str, name: str, what: str):
     if obj is not None:
         return obj
     if module == "torch" and isinstance(name, str) and not name.startswith("_"):
-        import torch
+        from scout_ckpt.dcp_meta import dtype
 
-        obj = getattr(torch, name, None)
-        if isinstance(obj, torch.dtype):
+        obj = dtype(name)
+        if obj is not None:
             return obj
     raise RefusedPickle(f"refusing to unpickle {clip(module, 80)}.{clip(name, 80)} from {what}: "
                         f"not a DCP metadata class")
@@ -104,16 +106,15 @@ def _reduce_rules() -> dict:
     """callable -> predicate on its argument tuple: the only calls a `.metadata` may make."""
     import pathlib
 
-    import torch
-    import torch.distributed.checkpoint.metadata as meta
+    from scout_ckpt import dcp_meta
 
     def path_args(a):
         return len(a) <= 1024 and all(type(x) is str for x in a)
 
     rules = {
-        torch.Size: lambda a: len(a) == 1 and _ints(a[0]),
-        torch.serialization._get_layout: lambda a: len(a) == 1 and type(a[0]) is str and len(a[0]) < 64,
-        meta._MEM_FORMAT_ENCODING: lambda a: len(a) == 1 and _is_int(a[0]),
+        dcp_meta.Size: lambda a: len(a) == 1 and _ints(a[0]),
+        dcp_meta._get_layout: lambda a: len(a) == 1 and type(a[0]) is str and len(a[0]) < 64,
+        dcp_meta._MEM_FORMAT_ENCODING: lambda a: len(a) == 1 and _is_int(a[0]),
     }
     for real in set(_PATH_NAMES.values()):
         rules[getattr(pathlib, real)] = path_args
@@ -133,7 +134,8 @@ def _check_key(key) -> None:
     """Dictionary keys are hashed by the unpickler itself: only flat, hashable-by-value types are admitted."""
     if type(key) in (str, int):
         return
-    MetadataIndex = _build_types()[1]
+    from scout_ckpt.dcp_meta import MetadataIndex
+
     if type(key) is MetadataIndex and type(key.__dict__.get("fqn")) is str:
         return   # its offset and index were checked when it was built
     raise RefusedPickle(f"refusing a {type(key).__name__} dictionary key in .metadata")
@@ -235,24 +237,17 @@ def _name(obj) -> str:
     return clip(getattr(obj, "__qualname__", None) or type(obj).__name__, 80)
 
 
-@lru_cache(maxsize=1)
-def _build_types():
-    import torch
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties, _MEM_FORMAT_ENCODING
-
-    return torch, MetadataIndex, TensorProperties, _MEM_FORMAT_ENCODING
-
-
 def _build(inst, state) -> None:
     """BUILD: set the fields of an allowed dataclass instance (and nothing else)."""
-    torch, MetadataIndex, TensorProperties, _MEM_FORMAT_ENCODING = _build_types()
+    from scout_ckpt.dcp_meta import _MEM_FORMAT_ENCODING, DType, Layout, MetadataIndex, Size, TensorProperties
+
     cls = type(inst)
     fields = _by_identity(_dataclasses(), cls)
     if fields is None:
         raise RefusedPickle(f"refusing to set the state of a {clip(cls.__name__, 60)} in .metadata")
     if cls is TensorProperties:  # pickled through its __getstate__: (dtype, layout, requires_grad, fmt, pin)
-        ok = (type(state) is tuple and len(state) == 5 and isinstance(state[0], torch.dtype)
-              and isinstance(state[1], torch.layout) and type(state[2]) is bool
+        ok = (type(state) is tuple and len(state) == 5 and type(state[0]) is DType
+              and type(state[1]) is Layout and type(state[2]) is bool
               and type(state[3]) is _MEM_FORMAT_ENCODING and type(state[4]) is bool)
         if not ok:
             raise RefusedPickle("refusing malformed TensorProperties state in .metadata")
@@ -261,7 +256,7 @@ def _build(inst, state) -> None:
     if type(state) is not dict or not all(type(k) is str and k in fields for k in state):
         raise RefusedPickle(f"refusing malformed {cls.__name__} state in .metadata")
     if cls is MetadataIndex:   # a dictionary key: hashed over (fqn, offset), so both must be flat now
-        if type(state.get("fqn")) is not str or type(state.get("offset")) not in (torch.Size, type(None)) \
+        if type(state.get("fqn")) is not str or type(state.get("offset")) not in (Size, type(None)) \
                 or type(state.get("index")) not in (int, type(None)):
             raise RefusedPickle("refusing malformed MetadataIndex state in .metadata")
     inst.__dict__.update(state)

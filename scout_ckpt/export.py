@@ -120,7 +120,7 @@ def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLik
     if layout.DCP_METADATA not in verified or not used <= verified:
         raise NotClean(f"{step_dir}: files not covered by the recorded digests: "
                        f"{sorted((used | {layout.DCP_METADATA}) - verified)}")
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from scout_ckpt.dcp_meta import TensorStorageMetadata
 
     keys = [k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
     prefix = detect_prefix(keys) if prefix is None else prefix

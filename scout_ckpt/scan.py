@@ -32,7 +32,7 @@ import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import xxhash
@@ -90,6 +90,12 @@ def _merge(checks: list, results: list[dict]) -> dict:
                     collectives=0, reduced_floats=0)
 
 
+class _Tensor(NamedTuple):
+    """What the pass needs of a tensor's metadata: its torch dtype and its full size."""
+    dtype: Any
+    size: tuple
+
+
 class StepScan:
     """The one pass over one step dir. `hasher` has the signature of `digests.digest_files` and is what
     `verify.verify_files(hasher=...)` calls; `invariants()` gives the invariants evidence afterwards (or None:
@@ -116,9 +122,8 @@ class StepScan:
         self._plan()
 
     def _plan(self) -> None:
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
-
         from scout_ckpt.dcp_files import load_metadata, storage_problems
+        from scout_ckpt.dcp_meta import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata, torch_dtype
         from scout_ckpt.safepaths import inside
 
         try:
@@ -132,6 +137,7 @@ class StepScan:
         for fqn, item in md.state_dict_metadata.items():
             if isinstance(item, TensorStorageMetadata):
                 chunks = [(c, md.storage_data[MetadataIndex(fqn, c.offsets)]) for c in item.chunks]
+                item = _Tensor(torch_dtype(item.properties.dtype), tuple(item.size))
             elif isinstance(item, BytesStorageMetadata):
                 chunks = [(None, md.storage_data[MetadataIndex(fqn)])]
             else:
@@ -212,7 +218,7 @@ class StepScan:
         got = r.pump(start)
         if got != start:
             return got
-        dtype, size = item.properties.dtype, tuple(chunk.sizes)
+        dtype, size = item.dtype, tuple(chunk.sizes)
         if st is not None:              # the checks run on each piece while it is in the cache; nothing is kept
             scratch = self._scratch()
             itemsize = dtype.itemsize
@@ -238,7 +244,7 @@ class StepScan:
         needs the whole tensor (it is then read into memory and given to `run_offline`)."""
         from scout_ckpt.invariants.stream import TensorStream, streams
 
-        dtype = item.properties.dtype
+        dtype = item.dtype
         with self._lock:
             if fqn in self._streams:
                 return self._streams[fqn]
@@ -271,7 +277,7 @@ class StepScan:
             lay = tensor_layout(f, off, length)
         except BadInput:
             return None
-        dtype = item.properties.dtype
+        dtype = item.dtype
         size = tuple(chunk.sizes)
         if lay is None or lay["storage_type"] == "UntypedStorage":
             return None
@@ -352,7 +358,7 @@ class StepScan:
 
     def _matches(self, fqn: str, chunk, item, value) -> bool:
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(chunk.sizes) or \
-                value.dtype != item.properties.dtype:
+                value.dtype != item.dtype:
             self._fail(f"{fqn}: chunk does not match its metadata")
             return False
         return True
@@ -362,7 +368,7 @@ class StepScan:
 
         with self._lock:
             if fqn not in self._parts:
-                self._parts[fqn] = [torch.empty(tuple(item.size), dtype=item.properties.dtype),
+                self._parts[fqn] = [torch.empty(item.size, dtype=item.dtype),
                                     math.prod(item.size)]
             part = self._parts[fqn]
         dst = part[0]

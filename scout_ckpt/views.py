@@ -6,6 +6,7 @@ Shared by the CLI and the demo's summary so that both say the same thing the sam
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 STATUS_MARK = {"pass": "✓", "fail": "✗", "inconclusive": "?", "missing": "…", "not_applicable": "-"}
 STATE_STYLE = {"certified": "green", "committed": "yellow", "rejected": "red", "quarantined": "magenta",
@@ -93,6 +94,41 @@ def detail_text(detail: dict) -> str:
     parts = [str(k).replace("_", " ") if v is True else f"{str(k).replace('_', ' ')}: {value(v)}"
              for k, v in detail.items() if v is not None and v is not False]
     return "; ".join(parts) or "-"
+
+
+def explain_lines(out: dict, where: str, now: float, escape: Callable[[str], str]) -> list[str]:
+    """`explain`'s text (rich markup, one string a line) from `operator.explain`'s document: the state and where
+    it lies, what the policy requires, each piece of evidence with when and by whom it was checked, its reasons
+    and replay coverage, the row's reasons and the events. `escape` quotes recorded text for the markup (the CLI
+    passes rich's: this module stays free of rich)."""
+    step, state = out["step"], out["state"]
+    lines = [f"step {step}: [{STATE_STYLE.get(state, 'white')}]{state}[/]  ({where})"]
+    required = (out["policy"] or {}).get("require", [])
+    if required:
+        lines.append(f"policy requires: {', '.join(required)}")
+    for kind, item in out["evidence"].items():
+        status = item.get("status")
+        checked = checked_text({"by": item.get("source"), "at": item.get("recorded")}, now)
+        lines.append(f"  {kind:<11} {status:<15} " + (f"[dim]checked by {checked}[/]" if checked != "-" else ""))
+        for r in item.get("reasons") or []:
+            lines.append(f"      - {escape(reason_text([r]))}")
+        cov = item.get("coverage")
+        after = item.get("confirmed_after") or {}
+        if isinstance(cov, dict):
+            for target, last in cov.items():
+                text = f"clean at step {last}" if last is not None else "NOT COVERED"
+                if target in after:
+                    if after[target] is None:
+                        text += ", awaiting its first replay after the save"
+                    elif after[target] != last:
+                        text += f", clean again at step {after[target]} (after the save)"
+                lines.append(f"      {target:<14} {text}")
+    if out["reasons"]:
+        lines.append(f"reasons: {escape(reason_text(out['reasons']))}")
+    for e in out["events"]:
+        lines.append(escape(f"event: {e['kind']} ranks {e['ranks']}: {detail_text(e['detail'])}"))
+    lines.append("[dim]bytes and invariants as last checked; `scout-ckpt certify ROOT --step N` re-checks them now[/]")
+    return lines
 
 
 def time_text(t: float | None) -> str:

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from scout_ckpt.layout import LEDGER_NAME, MANIFEST_NAME
+from tests.cli_pool import copy_root, run_cases
 from tests.conftest import REPO, ledger_write_lock, run_cli
 
 
@@ -53,30 +54,37 @@ def test_resume_plain_prints_the_path_alone(ckpt_root):
     assert doc["step"] == 4 and doc["verified"] is True and doc["state"] == "certified"
 
 
-@pytest.mark.parametrize("damage", ["bitflip", "truncate", "delete"])
-@pytest.mark.parametrize("which", ["metadata", "shard"])
-def test_damaged_file_is_caught_and_skipped(ckpt_root, damage, which):
-    files = _files(ckpt_root, 4)
-    target = next(f for f in files if (f.name == ".metadata") == (which == "metadata"))
-    if damage == "bitflip":
-        data = bytearray(target.read_bytes())
-        data[len(data) // 2] ^= 0x10
-        target.write_bytes(bytes(data))
-    elif damage == "truncate":
-        target.write_bytes(target.read_bytes()[:-1])
-    else:
-        target.unlink()
-    code = {"bitflip": "digest_mismatch", "truncate": "truncated_file", "delete": "missing_file"}[damage]
-    rc, out, _ = run_cli("certify", ckpt_root, "--step", 4, "--json")
-    assert rc == 1
-    res = json.loads(out)["results"][0]
-    assert res["state"] == "rejected" and res["reasons"][0]["code"] == code
-    assert res["reasons"][0]["file"] == target.name
-    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
-    assert rc == 0 and json.loads(out)["step"] == 3
-    if (damage, which) == ("bitflip", "shard"):  # the older step is untouched (once: a certify costs seconds)
-        rc, _, _ = run_cli("certify", ckpt_root, "--step", 3)
-        assert rc == 0
+def test_damaged_file_is_caught_and_skipped(ckpt_root, tmp_path):
+    """Each damage (bitflip, truncate, delete) of each kind of file (the metadata, a shard) of step 4: certify
+    rejects it naming the file, resume walks back to step 3. Six cases, each on its own copy of the run,
+    concurrently."""
+
+    def case(damage, which):
+        root = copy_root(ckpt_root, tmp_path / f"{damage}-{which}")
+        files = _files(root, 4)
+        target = next(f for f in files if (f.name == ".metadata") == (which == "metadata"))
+        if damage == "bitflip":
+            data = bytearray(target.read_bytes())
+            data[len(data) // 2] ^= 0x10
+            target.write_bytes(bytes(data))
+        elif damage == "truncate":
+            target.write_bytes(target.read_bytes()[:-1])
+        else:
+            target.unlink()
+        code = {"bitflip": "digest_mismatch", "truncate": "truncated_file", "delete": "missing_file"}[damage]
+        rc, out, _ = run_cli("certify", root, "--step", 4, "--json")
+        assert rc == 1
+        res = json.loads(out)["results"][0]
+        assert res["state"] == "rejected" and res["reasons"][0]["code"] == code
+        assert res["reasons"][0]["file"] == target.name
+        rc, out, _ = run_cli("resume", root, "--latest-clean", "--json")
+        assert rc == 0 and json.loads(out)["step"] == 3
+        if (damage, which) == ("bitflip", "shard"):  # the older step is untouched (once: a certify costs seconds)
+            rc, _, _ = run_cli("certify", root, "--step", 3)
+            assert rc == 0
+
+    run_cases({f"{d} {w}": (lambda d=d, w=w: case(d, w))
+               for d in ("bitflip", "truncate", "delete") for w in ("metadata", "shard")})
 
 
 def test_resume_walks_back_and_records_the_failure(ckpt_root):
@@ -207,14 +215,31 @@ def _assert_bad(args, needle, root=None):
         assert _snapshot(root) == snap
 
 
-@pytest.mark.parametrize("cmd", [["ls"], ["explain", "{root}", "3"], ["certify"], ["resume", "--latest-clean"],
-                                 ["gc", "--keep", "1"], ["quarantine", "{root}", "3", "--reason", "x"]])
-def test_missing_root(tmp_path, cmd):
+def _assert_bad_each(ckpt_root, cases: list[tuple[list, str]]) -> None:
+    """`_assert_bad` for each (args, needle), each on its own copy of the run ("{root}" in args: the copy),
+    concurrently."""
+    def case(i, args, needle):
+        root = copy_root(ckpt_root, ckpt_root.parent / f"bad{i}")
+        _assert_bad([root if a == "{root}" else a for a in args], needle, root=root)
+
+    run_cases({" ".join(map(str, args)): (lambda i=i, a=args, n=needle: case(i, a, n))
+               for i, (args, needle) in enumerate(cases)})
+
+
+MISSING_ROOT_CMDS = [["ls"], ["explain", "{root}", "3"], ["certify"], ["resume", "--latest-clean"],
+                     ["gc", "--keep", "1"], ["quarantine", "{root}", "3", "--reason", "x"]]
+
+
+def test_missing_root(tmp_path):
     root = tmp_path / "missing"
-    args = [a.format(root=root) for a in cmd]
-    if "{root}" not in cmd:
-        args.insert(1, str(root))
-    _assert_bad(args, "no such directory")
+
+    def case(cmd):
+        args = [a.format(root=root) for a in cmd]
+        if "{root}" not in cmd:
+            args.insert(1, str(root))
+        _assert_bad(args, "no such directory")
+
+    run_cases({cmd[0]: (lambda c=cmd: case(c)) for cmd in MISSING_ROOT_CMDS})
 
 
 def test_root_is_a_file(tmp_path):
@@ -258,36 +283,53 @@ def test_missing_and_malformed_manifest(ckpt_root):
 
 
 def test_step_that_does_not_exist(ckpt_root):
-    _assert_bad(["explain", ckpt_root, 99], "no such checkpoint", root=ckpt_root)
-    _assert_bad(["certify", ckpt_root, "--step", 99], "no such checkpoint", root=ckpt_root)
-    _assert_bad(["quarantine", ckpt_root, 99, "--reason", "x"], "no such checkpoint", root=ckpt_root)
+    _assert_bad_each(ckpt_root, [(["explain", "{root}", 99], "no such checkpoint"),
+                                 (["certify", "{root}", "--step", 99], "no such checkpoint"),
+                                 (["quarantine", "{root}", 99, "--reason", "x"], "no such checkpoint")])
 
 
 def test_bad_options(ckpt_root):
-    _assert_bad(["gc", ckpt_root, "--keep", 0], "at least 1", root=ckpt_root)
-    _assert_bad(["ls", ckpt_root, "--bogus"], "No such option", root=ckpt_root)
-    _assert_bad(["resume", ckpt_root], "--latest-clean", root=ckpt_root)
-    _assert_bad(["certify", ckpt_root, "--step", "x"], "", root=ckpt_root)
+    _assert_bad_each(ckpt_root, [(["gc", "{root}", "--keep", 0], "at least 1"),
+                                 (["ls", "{root}", "--bogus"], "No such option"),
+                                 (["resume", "{root}"], "--latest-clean"),
+                                 (["certify", "{root}", "--step", "x"], "")])
 
 
 def test_locked_ledger_readers_work_writers_fail_cleanly(ckpt_root):
     with ledger_write_lock(ckpt_root / LEDGER_NAME, 60):
         env = {"SCOUT_CKPT_BUSY_TIMEOUT": "0.5"}
-        assert run_cli("ls", ckpt_root, "--json", env=env)[0] == 0
-        assert run_cli("resume", ckpt_root, "--latest-clean", env=env)[0] == 0
-        rc, _, err = run_cli("quarantine", ckpt_root, 3, "--reason", "x", env=env)
+        # the three at once: readers beside a writer that waits for the lock do not change what each sees
+        got = run_cases({"ls": lambda: run_cli("ls", ckpt_root, "--json", env=env),
+                         "resume": lambda: run_cli("resume", ckpt_root, "--latest-clean", env=env),
+                         "quarantine": lambda: run_cli("quarantine", ckpt_root, 3, "--reason", "x", env=env)})
+        assert got["ls"][0] == 0, got["ls"]
+        assert got["resume"][0] == 0, got["resume"]
+        rc, _, err = got["quarantine"]
         assert rc == 2 and "locked" in err and len(err.strip().splitlines()) == 1
     assert dict((s, st) for s, st, _ in _ledger_rows(ckpt_root))[3] == "certified"
 
 
 def test_read_only_commands_do_not_import_torch(ckpt_root):
+    """ls, explain and resume import no torch; certify (which checks tensors with torch) reads DCP's metadata
+    through dcp_meta's stand-ins and never imports torch.distributed.checkpoint (2 s of imports); the command line
+    keeps sqlite-utils from importing pandas (sys.argv: `main()` as the console script calls it)."""
     code = ("import sys\nfrom scout_ckpt.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', rc, file=sys.stderr)\n")
-    for args in (["ls", ckpt_root], ["explain", ckpt_root, "4"], ["resume", ckpt_root, "--latest-clean"]):
+            "try:\n    main()\nexcept SystemExit as e:\n    rc = e.code\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH',\n"
+            "      'DCP' if 'torch.distributed.checkpoint' in sys.modules else 'NO-DCP',\n"
+            "      'PANDAS' if sys.modules.get('pandas') else 'NO-PANDAS', rc, file=sys.stderr)\n")
+
+    def case(i, expect, cmd, *rest):   # each on its own copy of the run, concurrently
+        root = copy_root(ckpt_root, ckpt_root.parent / f"ro{i}")
+        args = [cmd, root, *rest]
         p = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(REPO)})
-        assert p.stderr.strip().splitlines()[-1] == "NO-TORCH 0", (args, p.stderr)
+        assert p.stderr.strip().splitlines()[-1] == expect, (args, p.stderr)
+
+    cases = (["NO-TORCH NO-DCP NO-PANDAS 0", "ls"], ["NO-TORCH NO-DCP NO-PANDAS 0", "explain", "4"],
+             ["NO-TORCH NO-DCP NO-PANDAS 0", "resume", "--latest-clean"],
+             ["TORCH NO-DCP NO-PANDAS 0", "certify", "--all"])
+    run_cases({args[1]: (lambda i=i, a=args: case(i, *a)) for i, args in enumerate(cases)})
 
 
 def test_export_cli_round_trips_and_refuses_uncertified(ckpt_root, tmp_path):

@@ -14,7 +14,6 @@ import json
 import os
 import pickle
 import pickletools
-import resource
 import shutil
 import sqlite3
 import struct
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_pool import copy_root, run_cases
 from tests.conftest import CLI, REPO
 
 RSS_LIMIT = 600 << 20
@@ -45,8 +45,9 @@ class Result:
         return f"Result(rc={self.rc}, peak={self.peak >> 20} MiB, out={self.out[-800:]!r}, err={self.err[-1500:]!r})"
 
 
-def _limit_address_space():
-    resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
+# The address-space limit is set by the shell that then execs the command (`ulimit -v`, KiB), not by a preexec_fn:
+# cases run from several threads at once (tests/cli_pool.py), and a preexec_fn may deadlock a forked child there.
+_UNDER_LIMIT = ["/bin/sh", "-c", f'ulimit -v {AS_LIMIT >> 10} && exec "$@"', "sh"]
 
 
 def run_measured(*args, env=None, code: str | None = None, timeout: float = 240) -> Result:
@@ -54,7 +55,7 @@ def run_measured(*args, env=None, code: str | None = None, timeout: float = 240)
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     cmd = [sys.executable, "-c", code, *map(str, args)] if code is not None else [*CLI, *map(str, args)]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=full_env, preexec_fn=_limit_address_space)
+        p = subprocess.Popen([*_UNDER_LIMIT, *cmd], stdout=out, stderr=err, env=full_env)
         deadline = time.monotonic() + timeout
         while True:
             pid, status, usage = os.wait4(p.pid, os.WNOHANG)
@@ -184,39 +185,52 @@ def test_crafted_metadata_through_adopt_export_certify_ls_explain(hostile_root, 
         assert what in json.dumps(adopted[step]["reasons"]), adopted[step]
     assert adopted[105]["state"] == "certified", adopted[105]   # Python 3.13's pathlib._local is accepted
 
-    # export reads .metadata and tensors of a step whose bytes match the ledger: refused, nothing written
-    for step, what in ((101, "refusing to unpickle builtins.bytearray"), (103, "declares 4398046511104 bytes"),
-                       (104, "limit")):
-        before = ledger_bytes(root)
+    # The cases below do not depend on each other: each runs on its own copy of the adopted root, concurrently.
+    def export_refused(step, what):
+        # export reads .metadata and tensors of a step whose bytes match the ledger: refused, nothing written
+        r = copy_root(root, tmp_path / f"export{step}")
+        before = ledger_bytes(r)
         out = tmp_path / f"w{step}.safetensors"
-        res = run_measured("export", root, "--step", step, "--force", "--out", out)
+        res = run_measured("export", r, "--step", step, "--force", "--out", out)
         assert_refused(res, 2, what)
         assert not out.exists() and not list(tmp_path.glob(f".w{step}*"))
-        assert ledger_bytes(root) == before
+        assert ledger_bytes(r) == before
 
-    # offline certify re-runs the adopted run's invariants from the tensors: a refusal, nothing certified
-    for step in (102, 103):
-        before = ledger_bytes(root)
-        res = run_measured("certify", root, "--step", step)
+    def certify_refused(step):
+        # offline certify re-runs the adopted run's invariants from the tensors: a refusal, nothing certified
+        r = copy_root(root, tmp_path / f"certify{step}")
+        before = ledger_bytes(r)
+        res = run_measured("certify", r, "--step", step)
         assert_refused(res, (1, 2))
-        assert states(root)[step] != "certified"
+        assert states(r)[step] != "certified"
         if res.rc == 2:
-            assert ledger_bytes(root) == before
+            assert ledger_bytes(r) == before
 
-    # the genuine Python 3.13 pickle goes all the way: certify and export
-    res = run_measured("certify", root, "--step", 105)
-    assert res.rc == 0 and "Traceback" not in res.err, res
-    res = run_measured("export", root, "--step", 105, "--out", tmp_path / "ok.safetensors")
-    assert res.rc == 0 and (tmp_path / "ok.safetensors").stat().st_size > 0, res
+    def genuine_py313():
+        # the genuine Python 3.13 pickle goes all the way: certify and export
+        r = copy_root(root, tmp_path / "genuine")
+        res = run_measured("certify", r, "--step", 105)
+        assert res.rc == 0 and "Traceback" not in res.err, res
+        res = run_measured("export", r, "--step", 105, "--out", tmp_path / "ok.safetensors")
+        assert res.rc == 0 and (tmp_path / "ok.safetensors").stat().st_size > 0, res
 
-    # read-only views do not read the hostile files and still work
-    before = ledger_bytes(root)
-    res = run_measured("ls", root, "--json")
-    assert res.rc == 0 and res.peak < RSS_LIMIT, res
-    assert {c["step"]: c["state"] for c in json.loads(res.out)["checkpoints"]}[101] == "rejected"
-    res = run_measured("explain", root, 101)
-    assert_refused(res, 1)
-    assert ledger_bytes(root) == before
+    def read_only_views():
+        # read-only views do not read the hostile files and still work
+        r = copy_root(root, tmp_path / "views")
+        before = ledger_bytes(r)
+        res = run_measured("ls", r, "--json")
+        assert res.rc == 0 and res.peak < RSS_LIMIT, res
+        assert {c["step"]: c["state"] for c in json.loads(res.out)["checkpoints"]}[101] == "rejected"
+        res = run_measured("explain", r, 101)
+        assert_refused(res, 1)
+        assert ledger_bytes(r) == before
+
+    cases = {f"export {step}": (lambda s=step, w=what: export_refused(s, w))
+             for step, what in ((101, "refusing to unpickle builtins.bytearray"), (103, "declares 4398046511104 bytes"),
+                                (104, "limit"))}
+    cases.update({f"certify {step}": (lambda s=step: certify_refused(s)) for step in (102, 103)})
+    cases.update({"genuine 3.13 pickle": genuine_py313, "ls and explain": read_only_views})
+    run_cases(cases)
 
 
 _LIBRARY_PROBE = r"""
@@ -230,8 +244,55 @@ for path in sys.argv[1:]:
         out[path] = "loaded"
     except BadInput as e:
         out[path] = "refused: " + str(e)
+out["imported"] = sorted(m for m in ("torch", "torch.distributed.checkpoint") if m in sys.modules)
 print(json.dumps(out))
 """
+
+
+def _genuine_metadata() -> bytes:
+    """A `.metadata` pickled from DCP's own classes, touching every global the unpickler maps to a stand-in: a
+    bf16 tensor in two chunks, a bytes entry, a transform-free storage info, storage_meta with a PosixPath."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    props = TensorProperties(dtype=torch.bfloat16)
+    chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),
+              ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 3]))]
+    md = Metadata(state_dict_metadata={"w": TensorStorageMetadata(props, torch.Size([4, 3]), chunks),
+                                       "step": BytesStorageMetadata()},
+                  storage_data={MetadataIndex("w", [0, 0]): _StorageInfo("__0_0.distcp", 0, 900),
+                                MetadataIndex("w", [2, 0]): _StorageInfo("__1_0.distcp", 0, 900),
+                                MetadataIndex("step"): _StorageInfo("__0_0.distcp", 900, 300)},
+                  storage_meta=StorageMeta(checkpoint_id=Path("/x/step-1"), save_id="s"))
+    return pickle.dumps(md)
+
+
+def test_stand_in_tables_match_torch(tmp_path):
+    """dcp_meta's dtype and layout tables are torch's (a dtype missing there would refuse a genuine checkpoint),
+    and a genuine DCP pickle reads back field for field."""
+    import torch
+
+    from scout_ckpt import dcp_meta
+    from scout_ckpt.dcp_files import load_metadata
+
+    public = {a: v for a in dir(torch) if not a.startswith("_") and isinstance(v := getattr(torch, a), torch.dtype)}
+    assert {a: str(v).removeprefix("torch.") for a, v in public.items()} == \
+        {a: dcp_meta.DTYPE_ALIASES.get(a, a) for a in public}
+    assert dcp_meta.DTYPE_ITEMSIZE == {str(v).removeprefix("torch."): v.itemsize for v in public.values()}
+    assert set(dcp_meta.LAYOUTS) == {str(v) for v in torch.__dict__.values() if isinstance(v, torch.layout)}
+    assert all(dcp_meta.torch_dtype(dcp_meta.dtype(a)) is v for a, v in public.items())
+    (tmp_path / ".metadata").write_bytes(_genuine_metadata())
+    md = load_metadata(tmp_path / ".metadata")
+    w = md.state_dict_metadata["w"]
+    assert type(w.size) is dcp_meta.Size and w.size == (4, 3) and w.properties.dtype.itemsize == 2
+    assert dcp_meta.torch_dtype(w.properties.dtype) is torch.bfloat16 and w.properties.layout is dcp_meta.STRIDED
+    assert [md.storage_data[dcp_meta.MetadataIndex("w", c.offsets)].relative_path for c in w.chunks] == \
+        ["__0_0.distcp", "__1_0.distcp"]
+    assert md.storage_data[dcp_meta.MetadataIndex("step")].offset == 900
+    assert str(md.storage_meta.checkpoint_id) == "/x/step-1"
 
 
 def test_pickle_tricks_beyond_the_allowlist_are_refused_in_bounded_memory(tmp_path):
@@ -246,9 +307,13 @@ def test_pickle_tricks_beyond_the_allowlist_are_refused_in_bounded_memory(tmp_pa
     for name, data in payloads.items():
         (tmp_path / name).write_bytes(data)
         paths.append(tmp_path / name)
-    res = run_measured(*paths, code=_LIBRARY_PROBE)
+    (tmp_path / "genuine").write_bytes(_genuine_metadata())
+    res = run_measured(*paths, tmp_path / "genuine", code=_LIBRARY_PROBE)
     assert res.rc == 0 and res.peak < RSS_LIMIT, res
-    for path, outcome in json.loads(res.out).items():
+    out = json.loads(res.out)
+    assert out.pop(str(tmp_path / "genuine")) == "loaded"
+    assert out.pop("imported") == []    # reading metadata needs neither torch nor DCP (dcp_meta's stand-ins)
+    for path, outcome in out.items():
         assert outcome.startswith("refused: ") and "\n" not in outcome, (path, outcome)
 
 
@@ -272,29 +337,37 @@ def _edit_manifest(step_dir: Path, paths: list[str]) -> None:
     mpath.write_text(json.dumps(m))
 
 
-@pytest.mark.parametrize("bad", ["../step-00000003/.metadata", "/etc/hostname", "a/../../x", "x\u0000y"])
-def test_manifest_file_names_must_stay_inside_the_checkpoint(ckpt_root, bad):
+MANIFEST_ESCAPES = ["../step-00000003/.metadata", "/etc/hostname", "a/../../x", "x\u0000y"]
+
+
+def test_manifest_file_names_must_stay_inside_the_checkpoint(ckpt_root, tmp_path):
     """A manifest edited to name files outside its checkpoint: certify and resume refuse to trust it (its digest
-    no longer matches the ledger, and it cannot even be read), rebuild skips it, nothing is hashed there."""
-    step4 = ckpt_root / "step-00000004"
-    _edit_manifest(step4, [bad])
-    res = run_measured("certify", ckpt_root, "--step", 4, "--json")
-    assert_refused(res, 1)
-    reasons = json.loads(res.out)["results"][0]["reasons"]
-    assert any(r.get("code") in ("bad_manifest", "manifest_mismatch") for r in reasons), reasons
-    assert states(ckpt_root)[4] == "rejected"
+    no longer matches the ledger, and it cannot even be read), rebuild skips it, nothing is hashed there. One case
+    per name, each on its own copy of the run, concurrently."""
 
-    res = run_measured("resume", ckpt_root, "--latest-clean", "--json")
-    assert res.rc == 0 and json.loads(res.out)["step"] == 3, res   # walks back past step 4
+    def case(i, bad):
+        root = copy_root(ckpt_root, tmp_path / f"run{i}")
+        step4 = root / "step-00000004"
+        _edit_manifest(step4, [bad])
+        res = run_measured("certify", root, "--step", 4, "--json")
+        assert_refused(res, 1)
+        reasons = json.loads(res.out)["results"][0]["reasons"]
+        assert any(r.get("code") in ("bad_manifest", "manifest_mismatch") for r in reasons), reasons
+        assert states(root)[4] == "rejected"
 
-    res = run_measured("ledger", "rebuild", ckpt_root, "--json")
-    assert "Traceback" not in res.err and len(res.err.strip().splitlines()) <= 1 and res.peak < RSS_LIMIT, res
-    assert res.rc in (0, 1, 2), res
-    if res.rc == 0:
-        out = json.loads(res.out)
-        skipped = {s["step"]: s["reason"] for s in out["skipped"]}
-        assert "file path escapes the checkpoint" in skipped[4], out
-        assert 4 not in states(ckpt_root) or states(ckpt_root)[4] != "certified"
+        res = run_measured("resume", root, "--latest-clean", "--json")
+        assert res.rc == 0 and json.loads(res.out)["step"] == 3, res   # walks back past step 4
+
+        res = run_measured("ledger", "rebuild", root, "--json")
+        assert "Traceback" not in res.err and len(res.err.strip().splitlines()) <= 1 and res.peak < RSS_LIMIT, res
+        assert res.rc in (0, 1, 2), res
+        if res.rc == 0:
+            out = json.loads(res.out)
+            skipped = {s["step"]: s["reason"] for s in out["skipped"]}
+            assert "file path escapes the checkpoint" in skipped[4], out
+            assert 4 not in states(root) or states(root)[4] != "certified"
+
+    run_cases({repr(bad): (lambda i=i, b=bad: case(i, b)) for i, bad in enumerate(MANIFEST_ESCAPES)})
 
 
 def test_rebuild_with_a_hostile_manifest_is_not_a_success(ckpt_root):
@@ -310,13 +383,15 @@ def test_ledger_file_names_are_checked_before_they_are_joined(ckpt_root):
     with c:
         c.execute("UPDATE files SET path = '../step-00000003/.metadata' WHERE step = 4 AND path = '.metadata'")
     c.close()
-    before = ledger_bytes(ckpt_root)
-    res = run_measured("certify", ckpt_root, "--step", 4)
-    assert_refused(res, 2, "escapes the checkpoint")
-    assert ledger_bytes(ckpt_root) == before and states(ckpt_root)[4] == "certified"
-    res = run_measured("resume", ckpt_root, "--latest-clean")
-    assert_refused(res, 2, "escapes the checkpoint")
-    assert ledger_bytes(ckpt_root) == before
+    def case(i, *args):   # certify and resume, each on its own copy of the tampered run, concurrently
+        root = copy_root(ckpt_root, ckpt_root.parent / f"run{i}")
+        before = ledger_bytes(root)
+        res = run_measured(args[0], root, *args[1:])
+        assert_refused(res, 2, "escapes the checkpoint")
+        assert ledger_bytes(root) == before and states(root)[4] == "certified"
+
+    run_cases({"certify": lambda: case(1, "certify", "--step", 4),
+               "resume": lambda: case(2, "resume", "--latest-clean")})
 
 
 def test_a_symlink_out_of_the_step_dir_is_never_followed(ckpt_root, tmp_path):
@@ -348,30 +423,34 @@ def _entry_blob(data_pkl: bytes) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("payload", ["code", "bytearray"])
-def test_a_hostile_entry_is_not_adopted(ckpt_root, tmp_path, payload):
+def test_a_hostile_entry_is_not_adopted(ckpt_root, tmp_path):
     """`dcp.load` opens non-tensor entries with torch.load(weights_only=False): a foreign folder whose `lr` entry
     runs code (or allocates 16 GiB through weights_only's bytearray) must be rejected at adoption, before any
-    job resumes from it; the payload never runs."""
-    marker = tmp_path / "pwned"
-    pkl = {"code": b"\x80\x02cposix\nsystem\nX" + struct.pack("<I", len(f"touch {marker}")) + f"touch {marker}".encode()
-                   + b"\x85R.",
-           "bytearray": bytearray_bomb(1 << 34)}[payload]
-    d = plain_copy(ckpt_root, 3, 300)
-    md = pickle.loads((d / ".metadata").read_bytes())
-    key = next(k for k in md.storage_data if k.fqn == "optim.param_groups.0.lr")
-    info = md.storage_data[key]
-    blob = _entry_blob(pkl)
-    target = d / info.relative_path
-    info.offset, info.length = target.stat().st_size, len(blob)
-    with open(target, "ab") as f:
-        f.write(blob)
-    (d / ".metadata").write_bytes(pickle.dumps(md))
-    res = run_measured("adopt", ckpt_root, "--json")
-    assert_refused(res, 1)
-    got = {a["step"]: a for a in json.loads(res.out)["adopted"]}[300]
-    assert got["state"] == "rejected" and got["reasons"][0]["code"] == "bad_entry", got
-    assert not marker.exists()
-    res = run_measured("resume", ckpt_root, "--latest-clean", "--json")
-    assert res.rc == 0 and json.loads(res.out)["step"] == 4, res
-    assert not marker.exists()
+    job resumes from it; the payload never runs. Both payloads, each on its own copy of the run, concurrently."""
+
+    def case(payload):
+        root = copy_root(ckpt_root, tmp_path / f"run-{payload}")
+        marker = tmp_path / f"pwned-{payload}"
+        pkl = {"code": b"\x80\x02cposix\nsystem\nX" + struct.pack("<I", len(f"touch {marker}"))
+                       + f"touch {marker}".encode() + b"\x85R.",
+               "bytearray": bytearray_bomb(1 << 34)}[payload]
+        d = plain_copy(root, 3, 300)
+        md = pickle.loads((d / ".metadata").read_bytes())
+        key = next(k for k in md.storage_data if k.fqn == "optim.param_groups.0.lr")
+        info = md.storage_data[key]
+        blob = _entry_blob(pkl)
+        target = d / info.relative_path
+        info.offset, info.length = target.stat().st_size, len(blob)
+        with open(target, "ab") as f:
+            f.write(blob)
+        (d / ".metadata").write_bytes(pickle.dumps(md))
+        res = run_measured("adopt", root, "--json")
+        assert_refused(res, 1)
+        got = {a["step"]: a for a in json.loads(res.out)["adopted"]}[300]
+        assert got["state"] == "rejected" and got["reasons"][0]["code"] == "bad_entry", got
+        assert not marker.exists()
+        res = run_measured("resume", root, "--latest-clean", "--json")
+        assert res.rc == 0 and json.loads(res.out)["step"] == 4, res
+        assert not marker.exists()
+
+    run_cases({p: (lambda p=p: case(p)) for p in ("code", "bytearray")})
