@@ -57,6 +57,22 @@ class _Window(io.RawIOBase):
         return got or 0
 
 
+def _stored(window: _Window, info) -> bytes:
+    """A stored member's bytes, read after its local header. Not zipfile's read, which also checks the CRC32: a
+    scout-ckpt writer leaves it zero (storage._without_zip_crc; torch.load never checks it, the file digests
+    cover every byte)."""
+    window.seek(info.header_offset)
+    head = window.read(30)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile("bad local header")
+    n_name, n_extra = struct.unpack("<HH", head[26:30])
+    window.seek(info.header_offset + 30 + n_name + n_extra)
+    data = window.read(info.file_size)
+    if len(data) != info.file_size:
+        raise zipfile.BadZipFile("truncated member")
+    return data
+
+
 def _archive(window: _Window, length: int):
     """(zip, its members by name, the data.pkl member, data.pkl's bytes) of an entry; RefusedPickle if the zip is
     not what `torch.save` writes (one data.pkl, stored, no duplicate names)."""
@@ -69,7 +85,7 @@ def _archive(window: _Window, length: int):
         info = pkls[0]
         if info.compress_type != zipfile.ZIP_STORED or info.file_size > length:
             raise RefusedPickle("compressed or oversized data.pkl")
-        return z, {i.filename: i for i in infos}, info, z.read(info)
+        return z, {i.filename: i for i in infos}, info, _stored(window, info)
     except BadInput:
         raise
     except Exception as e:
@@ -155,7 +171,7 @@ def tensor_layout(f, offset: int, length: int) -> dict | None:
             return None
         prefix = pkl_info.filename[: -len("data.pkl")]
         order = infos.get(prefix + "byteorder")
-        if order is not None and z.read(order) != b"little":
+        if order is not None and _stored(window, order) != b"little":
             return None
         storage_type, key, (storage_offset, size, stride) = found
         info = infos.get(f"{prefix}data/{key}")

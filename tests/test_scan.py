@@ -17,9 +17,14 @@ SPECS = ["finite", "frobenius_sphere:radius=1.0:params=model.unit"]
 INTERIOR = (3, 5)  # an element inside the tensor, not element 0
 
 
-def _write(d: Path, poison: bool = False) -> tuple[list[dict], torch.Tensor]:
+def _write(d: Path, poison: bool = False, crc: bool = True) -> tuple[list[dict], torch.Tensor]:
+    """crc=False writes as scout-ckpt's writer does: torch.save's per-record zip CRC32 left zero."""
+    import contextlib
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
+
+    from scout_ckpt.storage import _without_zip_crc
 
     g = torch.Generator().manual_seed(0)
     unit = torch.randn(20, 30, generator=g, dtype=torch.float64)
@@ -30,15 +35,34 @@ def _write(d: Path, poison: bool = False) -> tuple[list[dict], torch.Tensor]:
     state = {"model": {"unit": unit, "w": w, "ids": torch.arange(7)}, "step": 4}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=FileSystemWriter(str(d), thread_count=2), no_dist=True)
+        with contextlib.nullcontext() if crc else _without_zip_crc():
+            # the CRC option is per thread: without it, write in this thread as ScoutWriter does (thread_count=1)
+            dcp.save(state, storage_writer=FileSystemWriter(str(d), thread_count=2 if crc else 1), no_dist=True)
     rows = [{"path": p, "size": s, "digest": dg}
             for p, (s, dg) in ((p, digest_files([d / p])[str(d / p)]) for p in relpaths(d))]
     return rows, w
 
 
-def test_clean_step_passes_and_matches_the_read_back(tmp_path):
+def _zip_crcs(d: Path) -> set[int]:
+    """The CRC32 fields of every zip record in the step's data files (DCP appends one torch.save archive per
+    tensor; the central directories are found by their signature, read without checking any CRC)."""
+    import struct
+
+    crcs = set()
+    for p in d.glob("*.distcp"):
+        data = p.read_bytes()
+        at = data.find(b"PK\x01\x02")
+        while at >= 0:
+            crcs.add(struct.unpack("<I", data[at + 16:at + 20])[0])
+            at = data.find(b"PK\x01\x02", at + 4)
+    return crcs
+
+
+@pytest.mark.parametrize("crc", [True, False], ids=["zip_crc", "no_zip_crc"])
+def test_clean_step_passes_and_matches_the_read_back(tmp_path, crc):
     d = tmp_path / "step-1"
-    rows, _ = _write(d)
+    rows, _ = _write(d, crc=crc)
+    assert (_zip_crcs(d) == {0}) is not crc   # what the writer wrote, read independently of the scanner
     scan = StepScan(d, SPECS)
     assert verify_files(d, rows, hasher=scan.hasher)["status"] == "pass"
     assert scan.invariants() == offline_invariants(d, SPECS)
@@ -46,9 +70,10 @@ def test_clean_step_passes_and_matches_the_read_back(tmp_path):
     assert scan.direct == 3   # every tensor read straight from the file into its tensor
 
 
-def test_a_byte_changed_inside_a_tensor_fails_the_digest(tmp_path):
+@pytest.mark.parametrize("crc", [True, False], ids=["zip_crc", "no_zip_crc"])
+def test_a_byte_changed_inside_a_tensor_fails_the_digest(tmp_path, crc):
     d = tmp_path / "step-1"
-    rows, w = _write(d)
+    rows, w = _write(d, crc=crc)
     target = w[INTERIOR].reshape(1).numpy().tobytes() + w.view(-1)[INTERIOR[0] * 9 + INTERIOR[1] + 1:][:3].numpy().tobytes()
     for p in d.glob("*.distcp"):
         data = bytearray(p.read_bytes())
