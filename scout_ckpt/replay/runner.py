@@ -52,7 +52,7 @@ from scout_ckpt.replay.optimizer_replay import (
 from scout_ckpt.replay.schedule import Schedule, Target
 from scout_ckpt.replay.stragglers import StragglerRule
 from scout_ckpt.replay.targets import NoTargets, discover, resolve, sites
-from scout_ckpt.replay.transport import broadcast_payload, host
+from scout_ckpt.replay.transport import broadcast_each, host
 
 # ---- the runner -----------------------------------------------------------------------------------------------
 
@@ -273,21 +273,26 @@ class ReplayRunner:
         return rows[0] if rows else None
 
     def _replay_batch(self, step: int, items: list, src: int) -> list[dict]:
-        """Replay several targets in a fixed number of collectives (whatever their count): one broadcast of the
-        source's captures, one gather of per-target headers, one all_gather of every signature. A target the
-        source did not run this step gives no row. Every peer returns the same rows."""
+        """Replay several targets in a fixed number of blocking collectives (whatever their count): one broadcast
+        of the source's capture structures (their tensors follow asynchronously, one broadcast each: a peer
+        replays a target as soon as its tensors are in), one gather of per-target headers, one all_gather of every
+        signature. A target the source did not run this step gives no row. Every peer returns the same rows."""
         payloads = None
         if self.rank == src:
             # a capture whose referenced live tensors were written since is not sent: no row, coverage incomplete
             payloads = [host(cap.capture) if t[0] == "optimizer" else
                         host(cap.invocation) if cap.invocation is not None and cap.invocation.intact() else None
                         for t, cap in items]
-        payloads = broadcast_payload(payloads, src, self.group)
-        work = [(t, cap, pl) for (t, cap), pl in zip(items, payloads) if pl is not None]
+        # asynchronous: target i is replayed as soon as its own tensors have arrived (transport.Arrivals)
+        arrivals = broadcast_each(payloads, src, self.group)
+        work = [(i, t, cap) for i, (t, cap) in enumerate(items) if arrivals.present(i)]
         results = []
-        for target, cap, payload in work:
+        for i, target, cap in work:
+            payload = None
             t0 = time.perf_counter()
             try:
+                payload = arrivals.get(i)
+                t0 = time.perf_counter()  # the replay's own time (the straggler rule's), not the transfer's
                 if target[0] != "optimizer" and not payload.params and not payload.buffers:
                     # a sweep capture: replay with the parameters held now (the state being saved)
                     payload.params, payload.buffers = current_state(cap.inner)
@@ -296,14 +301,15 @@ class ReplayRunner:
             except Exception as e:  # noqa: BLE001 -- a peer that cannot replay must not leave the others waiting
                 warnings.warn(f"replay of {target[1]} at step {step} failed on rank {self.rank}: {e!r}")
                 labels, sigs = [], None
-            results.append((labels, sigs, time.perf_counter() - t0))
+            results.append((labels, sigs, time.perf_counter() - t0, payload))
+        arrivals.wait_all()
         if not work:
             return []
         # One small gather: per target, every peer's time and whether it has signatures (and how many).
-        header = self._gather([v for lab, sig, dt in results for v in (dt, float(sig is not None), float(len(lab)))])
+        header = self._gather([v for lab, sig, dt, _ in results for v in (dt, float(sig is not None), float(len(lab)))])
         comparable = [all(h[3 * i + 1] for h in header.values()) and len({h[3 * i + 2] for h in header.values()}) == 1
                       for i in range(len(work))]
-        mine = [sig for (lab, sig, dt), ok in zip(results, comparable) if ok]
+        mine = [sig for (lab, sig, dt, _), ok in zip(results, comparable) if ok]
         gathered = None
         if mine:
             flat = torch.cat(mine).to(torch.int64).contiguous()
@@ -311,12 +317,12 @@ class ReplayRunner:
             dist.all_gather(out, flat, group=self.group)
             gathered = torch.stack(out)
         rows, offset = [], 0
-        for i, ((target, cap, payload), (labels, sigs, _)) in enumerate(zip(work, results)):
+        for i, ((_, target, cap), (labels, sigs, _, payload)) in enumerate(zip(work, results)):
             durations = {r: h[3 * i] for r, h in header.items()}
             self._timing(step, target, durations)
             detail: dict = {"source": src, "peers": list(self.peers), "signatures": len(labels),
                             "durations": {str(r): round(d, 6) for r, d in durations.items()}}
-            if target[0] == "optimizer":  # what this round compared: every tensor's window
+            if target[0] == "optimizer" and payload is not None:  # what this round compared: every window
                 detail.update(tensors=len(payload.params), elements=payload.elements, round=payload.round,
                               cycle=payload.cycle)
             if not comparable[i]:
@@ -329,7 +335,7 @@ class ReplayRunner:
                 offset += n
                 status, ranks, why = _summarise(verdict)
                 detail.update(why)
-            if target[0] == "optimizer" and payload.unsupported:
+            if target[0] == "optimizer" and payload is not None and payload.unsupported:
                 status, detail["unsupported"] = "INCONCLUSIVE", payload.unsupported
             rows.append({"step": step, "recipe": target[0], "target": target[1], "status": status, "ranks": ranks,
                          "duration_s": max(durations.values()), "detail": detail})
