@@ -11,6 +11,8 @@ Rotation, driven by `on_step(step)` (called after each optimizer step), one targ
   step S        the hooks clone the target's inputs, parameters, RNG state and output gradient
   on_step(S)    disarm; the source peer (rotating) broadcasts its capture over the peer group; every peer
                 re-executes it on copies; C3 over the signatures -> one replay row, identical on all peers.
+                When a save is known to be due at S, this replay is left to the sweep, which runs it with the
+                other targets in one round of collectives (or on_step(S+1) does, if the save does not come).
 
 Sweep, driven by `sweep(step)` at a save boundary: every target once, on the inputs captured during the save
 step, so the checkpoint carries complete replay evidence of its own step (no waiting for later rotations).
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -113,6 +116,7 @@ class ReplayRunner:
         self._armed: tuple[int, Target] | None = None
         self._next: int | None = None          # the step whose forward comes next (armed for)
         self._replayed: tuple[int, set[str]] = (0, set())  # targets the rotation replayed at that step
+        self._deferred: tuple | None = None   # (step, target, _frozen capture): the rotation's replay left to the sweep
         self._events: list[dict] = []
         self._stragglers = StragglerRule(straggler_rounds)
         # Sweep captures keep references to the live inputs (capture.py); a target whose referenced inputs were
@@ -136,18 +140,24 @@ class ReplayRunner:
     def close(self) -> None:
         for cap in self._captures.values():
             cap.disarm()
-        self._armed = None
+        self._armed = self._deferred = None
         self._live = self._done = None
         self._set_eager()
 
     def on_step(self, step: int) -> list[dict]:
         """Called once per optimizer step, after it, on every rank: replay what step `step` captured, arm next.
         Collective over the peer group at scheduled steps; every peer returns the same rows."""
-        rows: list[dict] = []
+        rows = self._flush_deferred()
         armed, self._armed = self._armed, None
         if armed is not None:
             self._captures[armed[1][1]].disarm()
-            if armed[0] == step:
+            if armed[0] == step and self._live is not None and self._live[0] == step and self._save_due(step, True):
+                # a save is due at this step: the sweep replays this capture with the rest, in its collectives
+                # (one round of them less per save); if the save does not come, the next on_step replays it. The
+                # same decision on every rank: it derives from the save history, as the arming does. What was
+                # captured is kept apart from the capture object, which the next arming resets.
+                self._deferred = (step, armed[1], _frozen(self._captures[armed[1][1]]))
+            elif armed[0] == step:
                 row = self._replay(step, armed[1], self._captures[armed[1][1]])
                 if row is not None:
                     rows.append(row)
@@ -161,6 +171,18 @@ class ReplayRunner:
         self._arm(step + 1)
         self._set_eager()
         return rows
+
+    def _flush_deferred(self) -> list[dict]:
+        """The rotation's replay deferred to a sweep that did not come: replayed now, as on_step would have."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return []
+        step, target, cap = deferred
+        row = self._replay(step, target, cap)
+        if row is None:
+            return []
+        self._replayed = (step, {row["target"]})
+        return [row]
 
     def _set_eager(self) -> None:
         """Under a whole-model torch.compile: run the next step eagerly iff a module capture is armed for it."""
@@ -193,9 +215,14 @@ class ReplayRunner:
         armed = self._done is not None and self._done[0] == step
         everywhere = all(v[0] for v in self._gather([float(armed)]).values())
         rows: list[dict] = []
+        deferred = self._deferred if self._deferred is not None and self._deferred[0] == step else None
         if everywhere:
+            self._deferred = None
             done = self._replayed[1] if self._replayed[0] == step else set()
-            items = [(t, self._done[1][t[1]]) for t in self._targets if t[1] not in done]
+            # the rotation's own capture of its target (taken with the parameters its forward used) replaces the
+            # sweep's: the same replay the rotation would have run, in the sweep's collectives
+            items = [(t, deferred[2] if deferred is not None and t == deferred[1] else self._done[1][t[1]])
+                     for t in self._targets if t[1] not in done]
             src = self.peers[(step + len(self._saves)) % len(self.peers)]  # the source rotates over saves
             for t, cap in items:
                 inv = getattr(cap, "invocation", None)
@@ -205,11 +232,13 @@ class ReplayRunner:
                                   f"place after capture; captured by copies from the next save on"
                                   + (" (not replayed now: coverage incomplete)" if self.rank == src else ""))
             rows = self._replay_batch(step, items, src)
-            for row in rows:
-                row["detail"]["sweep"] = True
-        elif armed or step in self._expected:
-            warnings.warn(f"replay sweep at step {step}: not every peer captured the step; coverage of this "
-                          f"checkpoint waits for the rotation")
+            for row in rows:  # the rotation's replay run here is still the rotation's (its own capture)
+                row["detail"]["sweep"] = deferred is None or row["target"] != deferred[1][1]
+        else:
+            rows = self._flush_deferred() if deferred is not None else []
+            if armed or step in self._expected:
+                warnings.warn(f"replay sweep at step {step}: not every peer captured the step; coverage of this "
+                              f"checkpoint waits for the rotation")
         self._done = None
         self._expected.discard(step)
         if not self._saves or self._saves[-1] < step:
@@ -221,17 +250,17 @@ class ReplayRunner:
         self._set_eager()
         return rows
 
-    def _save_due(self, step: int) -> bool:
+    def _save_due(self, step: int, known: bool = False) -> bool:
         """Will `step` be saved? Said (`expect_save`), configured (`save_every`), the period of the last two
         saves continued, or -- while none of these is known (no save_every, no expect_save yet, fewer than two
-        saves) -- maybe: capture every step, so that even the first saves get a sweep. Every rank derives the same
-        answer from the same calls."""
+        saves) -- maybe: capture every step, so that even the first saves get a sweep (`known`: not on a maybe).
+        Every rank derives the same answer from the same calls."""
         if step in self._expected or (self.save_every and step % self.save_every == 0):
             return True
         if len(self._saves) >= 2:
             period = self._saves[-1] - self._saves[-2]
             return period > 0 and step > self._saves[-1] and (step - self._saves[-1]) % period == 0
-        return self.save_every is None and not self._expected and not self._announced
+        return not known and self.save_every is None and not self._expected and not self._announced
 
     def _arm_sweep(self, step: int) -> None:
         if (self._live is not None and self._live[0] == step) or not self._save_due(step):
@@ -359,6 +388,13 @@ class ReplayRunner:
     def _timing(self, step: int, target: Target, durations: dict[int, float]) -> None:
         """Replay durations feed the straggler rule one step at a time (see replay.stragglers)."""
         self._events.extend(self._stragglers.observe(step, durations, target[1]))
+
+
+def _frozen(cap) -> SimpleNamespace:
+    """What a capture holds now (its invocation, or its optimizer windows), apart from the capture object."""
+    if isinstance(cap, OptimizerCapture):
+        return SimpleNamespace(capture=cap.capture)
+    return SimpleNamespace(invocation=cap.invocation, inner=cap.inner)
 
 
 def _peer_group(groups, peers: str) -> tuple[Any, list[int]]:
