@@ -168,6 +168,7 @@ def test_optimizer_slice_replay_matches_the_live_update_bitwise(one_thread):
         OptimizerCapture,
         replay_signature_inputs,
         replay_update,
+        same_inputs,
     )
 
     model, opt = w.setup(0)
@@ -192,6 +193,19 @@ def test_optimizer_slice_replay_matches_the_live_update_bitwise(one_thread):
     corrupted = copy.deepcopy(c)
     corrupted.after_params[1][0] += 1.0
     assert replay_signature_inputs(type(opt), opt.defaults, c.pre(), corrupted)[1][-1].tolist() == [1, 0]
+    # A source whose windows differ from this rank's (one gradient element, one ulp) is not taken for this rank's
+    # own windows: its replay differs, and the self-check still replays the rank's own (clean: 0). Bits, not
+    # values: 0.0 and -0.0 differ.
+    assert same_inputs(c.pre(), c)
+    other = copy.deepcopy(c.pre())
+    other.grads[-1][-1] = torch.nextafter(other.grads[-1][-1], torch.tensor(1.0))
+    assert not same_inputs(other, c)
+    labels2, tensors2 = replay_signature_inputs(type(opt), opt.defaults, other, c)
+    assert not all(torch.equal(a, b) for a, b in zip(tensors, tensors2))
+    zero, neg = copy.deepcopy(c.pre()), copy.deepcopy(c.pre())
+    zero.grads[0][0], neg.grads[0][0] = 0.0, -0.0
+    assert not same_inputs(zero, neg) and same_inputs(zero, copy.deepcopy(zero))
+    assert labels2 == labels and tensors2[-1].tolist() == [0, 0]
 
 
 # ---- real gloo runs -------------------------------------------------------------------------------------------

@@ -179,12 +179,12 @@ def train_step(model, opt, step: int, rank: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _train(model, opt, runner, rank, steps, save_at=(), faults=None, inner=None):
+def _train(model, opt, runner, rank, steps, save_at=(), faults=None, inner=None, no_show=()):
     """Train `steps` steps; sweep at the steps in save_at (announced with expect_save before their forward).
-    faults: {rank: (block index, from step, scale)}."""
+    faults: {rank: (block index, from step, scale)}. no_show: steps announced as saves whose sweep never comes."""
     rows = []
     for step in range(1, steps + 1):
-        if step in save_at:
+        if step in save_at or step in no_show:
             runner.expect_save(step)
         if faults and rank in faults and step == faults[rank][1]:
             blocks_of(inner)[faults[rank][0]].fault_scale = faults[rank][2]
@@ -235,7 +235,11 @@ def w_discover_wrapped(rank, world, kind):
         found = discover(wrapped)
         opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
         runner = _runner(wrapped, opt, groups, interval=1)
-        rows = _train(wrapped, opt, runner, rank, 2, save_at=(2,), inner=model)
+        # DDP, HF shape: 2 more steps, a save announced at 3 that never comes (its rotation replay, left to
+        # that sweep, is run by on_step(4))
+        more = kind == "ddp" and shape == "hf"
+        rows = _train(wrapped, opt, runner, rank, 4 if more else 2, save_at=(2,), inner=model,
+                      no_show=(3,) if more else ())
         runner.close()
         out[shape] = {"plain": plain, "found": found, "inner": inner_names, "rows": rows,
                       "classes": sorted({type(b).__name__ for b in blocks_of(model)})}

@@ -8,14 +8,13 @@ see replayed tensors as if they were live.
 from __future__ import annotations
 
 import contextlib
-import copy
-from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from scout_ckpt.replay.capture import Invocation, device_of
+from scout_ckpt.replay.targets import original_class
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
                "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -24,61 +23,63 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_
 
 
 def replay_copy(module: nn.Module, inv: Invocation) -> nn.Module:
-    """A deep copy of `module` holding the captured parameters and buffers, without any module hooks.
+    """A copy of `module` holding the captured parameters and buffers, without any module hooks.
 
     Hooks are dropped: FSDP's would issue collectives on the training group, ours would capture again, and a
     user's (activation statistics, logging) would see replayed tensors as if they were live. The replay
     re-executes the module's own forward code.
 
-    The live parameters are not copied at all (the memo maps them to themselves and they are swapped for the
-    snapshot right after), so FSDP's sharded DTensors and their meshes never get deep-copied, and FSDP2 modules
-    come back as their original class."""
-    memo: dict[int, Any] = {}
-    for m in module.modules():
-        for name in _HOOK_DICTS:
-            d = m.__dict__.get(name)
-            if isinstance(d, dict):
-                memo[id(d)] = type(d)()
-        for name, v in m.__dict__.items():  # composable-API registries (FSDP2 state: process groups, meshes)
-            if name.startswith("__composable_api_state_key") and isinstance(v, (dict, list)):
-                memo[id(v)] = type(v)()
-    for t in list(module.parameters()) + list(module.buffers()):
-        memo[id(t)] = t
-    mod = _deepcopy_unwrapped(module, memo)
-    canon = {id(p): n for n, p in mod.named_parameters()}
-    canon_b = {id(b): n for n, b in mod.named_buffers()}
+    The copy is structural, not a `copy.deepcopy`: every submodule is a new object of its author's class (FSDP2's
+    dynamic subclass undone) with its own `_parameters`, `_buffers` and `_modules` dicts, empty hook dicts and
+    composable-API registries (FSDP2 state: process groups, meshes), its plain tensor attributes cloned, and its
+    other attributes shared with the live module (read, not written, by a forward). Parameters and buffers are the
+    capture's, cloned (a forward that writes a buffer -- BatchNorm's running stats -- writes the copy's). A deepcopy
+    walked every attribute of every submodule and was 8% of a DDP sweep."""
+    memo: dict[int, nn.Module] = {}
+    mod = _structural_copy(module, memo)
+    live_names = {id(p): n for n, p in module.named_parameters()}
+    live_bufs = {id(b): n for n, b in module.named_buffers()}
     fresh: dict[str, torch.Tensor] = {}
     for sub in mod.modules():
         for leaf, p in list(sub._parameters.items()):
             if p is not None:
-                n = canon[id(p)]
+                n = live_names[id(p)]
                 if n not in fresh:
                     fresh[n] = nn.Parameter(inv.params[n].clone(), requires_grad=p.requires_grad)
                 sub._parameters[leaf] = fresh[n]
         for leaf, b in list(sub._buffers.items()):
             if b is not None:
-                n = "buffer:" + canon_b[id(b)]
-                if n not in fresh:
-                    fresh[n] = inv.buffers[canon_b[id(b)]].clone()
-                sub._buffers[leaf] = fresh[n]
+                n = live_bufs[id(b)]
+                if "buffer:" + n not in fresh:
+                    fresh["buffer:" + n] = inv.buffers[n].clone()
+                sub._buffers[leaf] = fresh["buffer:" + n]
     for n, m in mod.named_modules():
         m.training = inv.training.get(n, m.training)
     return mod
 
 
-def _deepcopy_unwrapped(module: nn.Module, memo: dict) -> nn.Module:
-    """copy.deepcopy, except that FSDP2 modules (whose __deepcopy__ refuses) come back as their original class."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return copy.deepcopy(module, memo)
-    wrapped = [m for m in module.modules() if isinstance(m, FSDPModule)]
-    for m in wrapped:  # empty shells first, so references between them resolve through the memo
-        cls = type(m).__mro__[type(m)._orig_cls_mro_index]
-        memo[id(m)] = object.__new__(cls)
-    for m in wrapped:
-        memo[id(m)].__dict__.update(copy.deepcopy(m.__dict__, memo))
-    return memo[id(module)] if id(module) in memo else copy.deepcopy(module, memo)
+def _structural_copy(m: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+    """`m` and its submodules as new module objects (see replay_copy); a submodule registered twice is copied
+    once (memo), as deepcopy would."""
+    if id(m) in memo:
+        return memo[id(m)]
+    new = object.__new__(original_class(m))
+    memo[id(m)] = new
+    d = dict(m.__dict__)
+    for name in _HOOK_DICTS:
+        if isinstance(d.get(name), dict):
+            d[name] = type(d[name])()
+    for name, v in d.items():
+        if name.startswith("__composable_api_state_key") and isinstance(v, (dict, list)):
+            d[name] = type(v)()
+        elif isinstance(v, torch.Tensor):
+            d[name] = v.detach().clone()
+    d["_parameters"] = dict(m._parameters)      # the live parameters for now: swapped by replay_copy
+    d["_buffers"] = dict(m._buffers)
+    d["_non_persistent_buffers_set"] = set(m._non_persistent_buffers_set)
+    d["_modules"] = {k: None if c is None else _structural_copy(c, memo) for k, c in m._modules.items()}
+    new.__dict__.update(d)
+    return new
 
 
 @contextlib.contextmanager
@@ -103,9 +104,11 @@ def replay_module(module: nn.Module, inv: Invocation, deterministic: bool = True
     inv = inv.to(device)
     mod = replay_copy(module, inv)
     with replay_mode(device, deterministic):
-        torch.set_rng_state(inv.rng)
+        # own storage: a received state is a view into its transport buffer, and set_rng_state reads the storage
+        # from its start (a view at an offset crashed the process)
+        torch.set_rng_state(inv.rng.clone())
         if inv.device_rng is not None:
-            torch.cuda.set_rng_state(inv.device_rng, device)
+            torch.cuda.set_rng_state(inv.device_rng.cpu().clone(), device)
         leaves, spec = tree_flatten((inv.args, inv.kwargs))
         leaves = [x.detach().clone().requires_grad_(rg) if isinstance(x, torch.Tensor) else x
                   for x, rg in zip(leaves, inv.requires_grad)]

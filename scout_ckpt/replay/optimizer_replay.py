@@ -285,6 +285,40 @@ def _all_mismatches(live: list[torch.Tensor], mine: list[torch.Tensor]) -> int:
     return bad
 
 
+def same_inputs(a: SliceCapture, b: SliceCapture) -> bool:
+    """Do two captures hold the same pre-step windows, bit for bit (and the same names, starts, hyperparameters
+    and scalar state)? Bits, not values: 0.0 and -0.0, or two NaNs, may update differently."""
+    if (a.names != b.names or a.starts != b.starts or a.unsupported != b.unsupported or len(a.params) != len(b.params)
+            or len(a.grads) != len(b.grads) or len(a.state) != len(b.state) or not _same(a.hyper, b.hyper)):
+        return False
+    ta, tb = list(a.params) + list(a.grads), list(b.params) + list(b.grads)
+    for sa, sb in zip(a.state, b.state):
+        if sorted(sa) != sorted(sb):
+            return False
+        for k in sa:
+            if isinstance(sa[k], torch.Tensor) and isinstance(sb[k], torch.Tensor):
+                ta.append(sa[k])
+                tb.append(sb[k])
+            elif not _same(sa[k], sb[k]):
+                return False
+    return all(x.device == y.device for x, y in zip(ta, tb)) and _all_mismatches(ta, tb) == 0
+
+
+def _same(x, y) -> bool:
+    """Plain values (hyperparameters: numbers, tuples, dicts; scalar tensors by bits) equal?"""
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.device == y.device
+                and _mismatches(x.detach().reshape(-1), y.detach().reshape(-1)) == 0)
+    if isinstance(x, dict) and isinstance(y, dict):
+        return sorted(x, key=str) == sorted(y, key=str) and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(_same(u, v) for u, v in zip(x, y))
+    try:
+        return type(x) is type(y) and bool(x == y)
+    except Exception:  # noqa: BLE001 -- an exotic hyperparameter that cannot be compared: replay both
+        return False
+
+
 def replay_signature_inputs(cls, defaults: dict, source: SliceCapture, own: SliceCapture | None
                             ) -> tuple[list[str], list[torch.Tensor]]:
     """The tensors a peer puts through C3: its replay of the source's slice, and its self-check.
@@ -292,13 +326,17 @@ def replay_signature_inputs(cls, defaults: dict, source: SliceCapture, own: Slic
     The self-check is one fixed-shape tensor [elements where live != own replay, live update missing] so that it
     compares across FSDP ranks whose shards (and slice sizes) differ: zeros on every healthy rank.
     """
-    labels, tensors = _flat(*replay_update(cls, defaults, source))
+    replayed = replay_update(cls, defaults, source)
+    labels, tensors = _flat(*replayed)
     labels = [f"replay.{x}" for x in labels]
     bad, missing = 0, 1
     if own is not None and own.after_params and own.unsupported is None:
         missing = 0
         _, live = _flat(own.after_params, own.after_state)
-        _, mine = _flat(*replay_update(cls, defaults, own))
+        # Replicas (DDP, HSDP's replicate dim) hold bit-identical windows: the source's replay is then this rank's
+        # replay of its own windows (the same inputs through the same kernel on the same rank), so it is not run
+        # twice. Shards (FSDP) differ and replay their own.
+        _, mine = _flat(*(replayed if same_inputs(source, own) else replay_update(cls, defaults, own)))
         bad = _all_mismatches(live, mine) + abs(len(live) - len(mine))
     labels.append("live_vs_replay")
     tensors.append(torch.tensor([bad, missing], dtype=torch.int64))
@@ -311,6 +349,7 @@ __all__ = [
     "SliceCapture",
     "replay_signature_inputs",
     "replay_update",
+    "same_inputs",
     "supports",
     "windows",
 ]

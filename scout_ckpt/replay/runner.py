@@ -11,6 +11,8 @@ Rotation, driven by `on_step(step)` (called after each optimizer step), one targ
   step S        the hooks clone the target's inputs, parameters, RNG state and output gradient
   on_step(S)    disarm; the source peer (rotating) broadcasts its capture over the peer group; every peer
                 re-executes it on copies; C3 over the signatures -> one replay row, identical on all peers.
+                When a save is known to be due at S, this replay is left to the sweep, which runs it with the
+                other targets in one round of collectives (or on_step(S+1) does, if the save does not come).
 
 Sweep, driven by `sweep(step)` at a save boundary: every target once, on the inputs captured during the save
 step, so the checkpoint carries complete replay evidence of its own step (no waiting for later rotations).
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -52,7 +55,7 @@ from scout_ckpt.replay.optimizer_replay import (
 from scout_ckpt.replay.schedule import Schedule, Target
 from scout_ckpt.replay.stragglers import StragglerRule
 from scout_ckpt.replay.targets import NoTargets, discover, resolve, sites
-from scout_ckpt.replay.transport import broadcast_payload, host
+from scout_ckpt.replay.transport import broadcast_each, host
 
 # ---- the runner -----------------------------------------------------------------------------------------------
 
@@ -113,6 +116,7 @@ class ReplayRunner:
         self._armed: tuple[int, Target] | None = None
         self._next: int | None = None          # the step whose forward comes next (armed for)
         self._replayed: tuple[int, set[str]] = (0, set())  # targets the rotation replayed at that step
+        self._deferred: tuple | None = None   # (step, target, _frozen capture): the rotation's replay left to the sweep
         self._events: list[dict] = []
         self._stragglers = StragglerRule(straggler_rounds)
         # Sweep captures keep references to the live inputs (capture.py); a target whose referenced inputs were
@@ -136,18 +140,24 @@ class ReplayRunner:
     def close(self) -> None:
         for cap in self._captures.values():
             cap.disarm()
-        self._armed = None
+        self._armed = self._deferred = None
         self._live = self._done = None
         self._set_eager()
 
     def on_step(self, step: int) -> list[dict]:
         """Called once per optimizer step, after it, on every rank: replay what step `step` captured, arm next.
         Collective over the peer group at scheduled steps; every peer returns the same rows."""
-        rows: list[dict] = []
+        rows = self._flush_deferred()
         armed, self._armed = self._armed, None
         if armed is not None:
             self._captures[armed[1][1]].disarm()
-            if armed[0] == step:
+            if armed[0] == step and self._live is not None and self._live[0] == step and self._save_due(step, True):
+                # a save is due at this step: the sweep replays this capture with the rest, in its collectives
+                # (one round of them less per save); if the save does not come, the next on_step replays it. The
+                # same decision on every rank: it derives from the save history, as the arming does. What was
+                # captured is kept apart from the capture object, which the next arming resets.
+                self._deferred = (step, armed[1], _frozen(self._captures[armed[1][1]]))
+            elif armed[0] == step:
                 row = self._replay(step, armed[1], self._captures[armed[1][1]])
                 if row is not None:
                     rows.append(row)
@@ -161,6 +171,18 @@ class ReplayRunner:
         self._arm(step + 1)
         self._set_eager()
         return rows
+
+    def _flush_deferred(self) -> list[dict]:
+        """The rotation's replay deferred to a sweep that did not come: replayed now, as on_step would have."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return []
+        step, target, cap = deferred
+        row = self._replay(step, target, cap)
+        if row is None:
+            return []
+        self._replayed = (step, {row["target"]})
+        return [row]
 
     def _set_eager(self) -> None:
         """Under a whole-model torch.compile: run the next step eagerly iff a module capture is armed for it."""
@@ -193,9 +215,14 @@ class ReplayRunner:
         armed = self._done is not None and self._done[0] == step
         everywhere = all(v[0] for v in self._gather([float(armed)]).values())
         rows: list[dict] = []
+        deferred = self._deferred if self._deferred is not None and self._deferred[0] == step else None
         if everywhere:
+            self._deferred = None
             done = self._replayed[1] if self._replayed[0] == step else set()
-            items = [(t, self._done[1][t[1]]) for t in self._targets if t[1] not in done]
+            # the rotation's own capture of its target (taken with the parameters its forward used) replaces the
+            # sweep's: the same replay the rotation would have run, in the sweep's collectives
+            items = [(t, deferred[2] if deferred is not None and t == deferred[1] else self._done[1][t[1]])
+                     for t in self._targets if t[1] not in done]
             src = self.peers[(step + len(self._saves)) % len(self.peers)]  # the source rotates over saves
             for t, cap in items:
                 inv = getattr(cap, "invocation", None)
@@ -205,11 +232,13 @@ class ReplayRunner:
                                   f"place after capture; captured by copies from the next save on"
                                   + (" (not replayed now: coverage incomplete)" if self.rank == src else ""))
             rows = self._replay_batch(step, items, src)
-            for row in rows:
-                row["detail"]["sweep"] = True
-        elif armed or step in self._expected:
-            warnings.warn(f"replay sweep at step {step}: not every peer captured the step; coverage of this "
-                          f"checkpoint waits for the rotation")
+            for row in rows:  # the rotation's replay run here is still the rotation's (its own capture)
+                row["detail"]["sweep"] = deferred is None or row["target"] != deferred[1][1]
+        else:
+            rows = self._flush_deferred() if deferred is not None else []
+            if armed or step in self._expected:
+                warnings.warn(f"replay sweep at step {step}: not every peer captured the step; coverage of this "
+                              f"checkpoint waits for the rotation")
         self._done = None
         self._expected.discard(step)
         if not self._saves or self._saves[-1] < step:
@@ -221,17 +250,17 @@ class ReplayRunner:
         self._set_eager()
         return rows
 
-    def _save_due(self, step: int) -> bool:
+    def _save_due(self, step: int, known: bool = False) -> bool:
         """Will `step` be saved? Said (`expect_save`), configured (`save_every`), the period of the last two
         saves continued, or -- while none of these is known (no save_every, no expect_save yet, fewer than two
-        saves) -- maybe: capture every step, so that even the first saves get a sweep. Every rank derives the same
-        answer from the same calls."""
+        saves) -- maybe: capture every step, so that even the first saves get a sweep (`known`: not on a maybe).
+        Every rank derives the same answer from the same calls."""
         if step in self._expected or (self.save_every and step % self.save_every == 0):
             return True
         if len(self._saves) >= 2:
             period = self._saves[-1] - self._saves[-2]
             return period > 0 and step > self._saves[-1] and (step - self._saves[-1]) % period == 0
-        return self.save_every is None and not self._expected and not self._announced
+        return not known and self.save_every is None and not self._expected and not self._announced
 
     def _arm_sweep(self, step: int) -> None:
         if (self._live is not None and self._live[0] == step) or not self._save_due(step):
@@ -273,21 +302,26 @@ class ReplayRunner:
         return rows[0] if rows else None
 
     def _replay_batch(self, step: int, items: list, src: int) -> list[dict]:
-        """Replay several targets in a fixed number of collectives (whatever their count): one broadcast of the
-        source's captures, one gather of per-target headers, one all_gather of every signature. A target the
-        source did not run this step gives no row. Every peer returns the same rows."""
+        """Replay several targets in a fixed number of blocking collectives (whatever their count): one broadcast
+        of the source's capture structures (their tensors follow asynchronously, one broadcast each: a peer
+        replays a target as soon as its tensors are in), one gather of per-target headers, one all_gather of every
+        signature. A target the source did not run this step gives no row. Every peer returns the same rows."""
         payloads = None
         if self.rank == src:
             # a capture whose referenced live tensors were written since is not sent: no row, coverage incomplete
             payloads = [host(cap.capture) if t[0] == "optimizer" else
                         host(cap.invocation) if cap.invocation is not None and cap.invocation.intact() else None
                         for t, cap in items]
-        payloads = broadcast_payload(payloads, src, self.group)
-        work = [(t, cap, pl) for (t, cap), pl in zip(items, payloads) if pl is not None]
+        # asynchronous: target i is replayed as soon as its own tensors have arrived (transport.Arrivals)
+        arrivals = broadcast_each(payloads, src, self.group)
+        work = [(i, t, cap) for i, (t, cap) in enumerate(items) if arrivals.present(i)]
         results = []
-        for target, cap, payload in work:
+        for i, target, cap in work:
+            payload = None
             t0 = time.perf_counter()
             try:
+                payload = arrivals.get(i)
+                t0 = time.perf_counter()  # the replay's own time (the straggler rule's), not the transfer's
                 if target[0] != "optimizer" and not payload.params and not payload.buffers:
                     # a sweep capture: replay with the parameters held now (the state being saved)
                     payload.params, payload.buffers = current_state(cap.inner)
@@ -296,14 +330,15 @@ class ReplayRunner:
             except Exception as e:  # noqa: BLE001 -- a peer that cannot replay must not leave the others waiting
                 warnings.warn(f"replay of {target[1]} at step {step} failed on rank {self.rank}: {e!r}")
                 labels, sigs = [], None
-            results.append((labels, sigs, time.perf_counter() - t0))
+            results.append((labels, sigs, time.perf_counter() - t0, payload))
+        arrivals.wait_all()
         if not work:
             return []
         # One small gather: per target, every peer's time and whether it has signatures (and how many).
-        header = self._gather([v for lab, sig, dt in results for v in (dt, float(sig is not None), float(len(lab)))])
+        header = self._gather([v for lab, sig, dt, _ in results for v in (dt, float(sig is not None), float(len(lab)))])
         comparable = [all(h[3 * i + 1] for h in header.values()) and len({h[3 * i + 2] for h in header.values()}) == 1
                       for i in range(len(work))]
-        mine = [sig for (lab, sig, dt), ok in zip(results, comparable) if ok]
+        mine = [sig for (lab, sig, dt, _), ok in zip(results, comparable) if ok]
         gathered = None
         if mine:
             flat = torch.cat(mine).to(torch.int64).contiguous()
@@ -311,12 +346,12 @@ class ReplayRunner:
             dist.all_gather(out, flat, group=self.group)
             gathered = torch.stack(out)
         rows, offset = [], 0
-        for i, ((target, cap, payload), (labels, sigs, _)) in enumerate(zip(work, results)):
+        for i, ((_, target, cap), (labels, sigs, _, payload)) in enumerate(zip(work, results)):
             durations = {r: h[3 * i] for r, h in header.items()}
             self._timing(step, target, durations)
             detail: dict = {"source": src, "peers": list(self.peers), "signatures": len(labels),
                             "durations": {str(r): round(d, 6) for r, d in durations.items()}}
-            if target[0] == "optimizer":  # what this round compared: every tensor's window
+            if target[0] == "optimizer" and payload is not None:  # what this round compared: every window
                 detail.update(tensors=len(payload.params), elements=payload.elements, round=payload.round,
                               cycle=payload.cycle)
             if not comparable[i]:
@@ -329,7 +364,7 @@ class ReplayRunner:
                 offset += n
                 status, ranks, why = _summarise(verdict)
                 detail.update(why)
-            if target[0] == "optimizer" and payload.unsupported:
+            if target[0] == "optimizer" and payload is not None and payload.unsupported:
                 status, detail["unsupported"] = "INCONCLUSIVE", payload.unsupported
             rows.append({"step": step, "recipe": target[0], "target": target[1], "status": status, "ranks": ranks,
                          "duration_s": max(durations.values()), "detail": detail})
@@ -353,6 +388,13 @@ class ReplayRunner:
     def _timing(self, step: int, target: Target, durations: dict[int, float]) -> None:
         """Replay durations feed the straggler rule one step at a time (see replay.stragglers)."""
         self._events.extend(self._stragglers.observe(step, durations, target[1]))
+
+
+def _frozen(cap) -> SimpleNamespace:
+    """What a capture holds now (its invocation, or its optimizer windows), apart from the capture object."""
+    if isinstance(cap, OptimizerCapture):
+        return SimpleNamespace(capture=cap.capture)
+    return SimpleNamespace(invocation=cap.invocation, inner=cap.inner)
 
 
 def _peer_group(groups, peers: str) -> tuple[Any, list[int]]:

@@ -1,5 +1,12 @@
-"""How captures travel from the source peer to the others: host tensors, one pickle for the structure and one
-flat byte buffer for every tensor in it (a broadcast over the replay's gloo group)."""
+"""How captures travel from the source peer to the others: host tensors, one pickle per capture for its structure
+(all of them in one broadcast_object_list), and every tensor in them as its own asynchronous byte broadcast over
+the replay's gloo group: every object's tensors as one asynchronous byte broadcast of their own.
+
+Why asynchronous, one object at a time: a sweep sends every target's block inputs and output gradients. Sent as
+one blocking buffer, every peer waited for all of it before replaying the first target, and the receivers copied
+each tensor out of it again. Now a peer replays target i as soon as target i's buffer has arrived, while gloo's
+threads deliver the rest (`Arrivals.get`), and the receivers' tensors are aligned views of that buffer (no copy).
+"""
 
 from __future__ import annotations
 
@@ -16,9 +23,56 @@ def host(obj: Any) -> Any:
     return None if obj is None else obj.to("cpu")
 
 
-def broadcast_payload(obj: Any, src: int, group) -> Any:
-    """broadcast_object_list, with the tensors sent as one flat byte buffer: pickling each tensor (torch.save
-    per storage) cost more than the replay itself for a sweep of every target."""
+class Arrivals:
+    """The source's objects on every peer, each available (`get(i)`) once its own tensors have arrived.
+
+    `present(i)`: did the source send an object at i (not None)? Known at once, before any tensor arrives.
+    `wait_all()`: wait for every broadcast still in flight (idempotent); callers do before their next collective,
+    so that a peer which skips an object (its replay failed) still completes every receive."""
+
+    def __init__(self, objs: list | None, heads: list, works: list, bufs: list) -> None:
+        self._objs = objs          # the source's own objects (None on the receivers)
+        self._heads = heads        # per object: None, or (pickle bytes, [(dtype, shape, nbytes)])
+        self._works = works        # per object: its pending broadcasts
+        self._bufs = bufs          # per object: the receive buffers (uint8), in pickle order
+        self._done: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self._heads)
+
+    def present(self, i: int) -> bool:
+        return self._heads[i] is not None
+
+    def get(self, i: int) -> Any:
+        """Object i (None when the source sent none), waiting for its tensors only."""
+        if self._heads[i] is None:
+            return None
+        for w in self._works[i]:
+            w.wait()
+        self._works[i] = []
+        if self._objs is not None:
+            return self._objs[i]
+        if i not in self._done:
+            data, metas = self._heads[i]
+            views = [b.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+                     for b, (dtype, shape, nbytes) in zip(self._bufs[i], metas)]
+
+            class _In(pickle.Unpickler):
+                def persistent_load(self, pid):
+                    return views[pid]
+
+            self._done[i] = _In(io.BytesIO(data)).load()
+        return self._done[i]
+
+    def wait_all(self) -> None:
+        for i, works in enumerate(self._works):
+            for w in works:
+                w.wait()
+            self._works[i] = []
+
+
+def _pickled(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """`obj` pickled with its plain tensors left out (persistent ids into the returned list)."""
     tensors: list[torch.Tensor] = []
 
     class _Out(pickle.Pickler):
@@ -28,35 +82,64 @@ def broadcast_payload(obj: Any, src: int, group) -> Any:
                 return len(tensors) - 1
             return None
 
-    head = None
-    if dist.get_rank() == src:
-        buf = io.BytesIO()
-        _Out(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        head = (buf.getvalue(), [(t.dtype, tuple(t.shape), t.numel() * t.element_size()) for t in tensors])
-    box = [head]
+    buf = io.BytesIO()
+    _Out(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue(), tensors
+
+
+_ALIGN = 64  # every tensor starts at a multiple of this in its object's buffer: a view of any dtype, no copy
+
+
+def _layout(metas: list) -> tuple[list[tuple[int, int]], int]:
+    """(offset, nbytes) of each tensor in its object's buffer, and the buffer's size."""
+    spans, at = [], 0
+    for _, _, nbytes in metas:
+        spans.append((at, nbytes))
+        at += -(-nbytes // _ALIGN) * _ALIGN
+    return spans, at
+
+
+def broadcast_each(objs: list | None, src: int, group) -> Arrivals:
+    """Send the source's list of objects (None entries allowed) to every peer: one broadcast_object_list of their
+    structures, then each object's tensors as one asynchronous broadcast of their bytes, in list order (the same
+    order on every peer). `objs` is read on the source only. Returns at once, before the tensors arrive."""
+    me = dist.get_rank()
+    heads: list = []
+    sent: list[list[torch.Tensor]] = []
+    if me == src:
+        for obj in objs:
+            if obj is None:
+                heads.append(None)
+                sent.append([])
+                continue
+            data, tensors = _pickled(obj)
+            heads.append((data, [(t.dtype, tuple(t.shape), t.numel() * t.element_size()) for t in tensors]))
+            sent.append(tensors)
+    box = [heads]
     dist.broadcast_object_list(box, src=src, group=group)
-    data, metas = box[0]
-    total = sum(m[2] for m in metas)
-    if dist.get_rank() == src:
-        flat = (torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors
-                else torch.empty(0, dtype=torch.uint8))
-    else:
-        flat = torch.empty(total, dtype=torch.uint8)
-    if total:
-        dist.broadcast(flat, src=src, group=group)
-    if dist.get_rank() == src:
-        return obj
-    views, at = [], 0
-    for dtype, shape, nbytes in metas:
-        views.append(flat[at:at + nbytes].view(dtype).reshape(shape).clone() if nbytes else
-                     torch.empty(shape, dtype=dtype))
-        at += nbytes
-
-    class _In(pickle.Unpickler):
-        def persistent_load(self, pid):
-            return views[pid]
-
-    return _In(io.BytesIO(data)).load()
+    heads = box[0]
+    works: list[list] = []
+    bufs: list[list[torch.Tensor]] = []
+    for i, head in enumerate(heads):
+        metas = head[1] if head is not None else []
+        spans, total = _layout(metas)
+        if me == src:
+            # one buffer per object: an optimizer capture is hundreds of small windows (one broadcast each was
+            # hundreds of collectives); a block's capture is a few tensors, so the copy costs little
+            flat = torch.empty(total, dtype=torch.uint8)
+            for t, (at, n) in zip(sent[i], spans):
+                if n:
+                    flat[at:at + n].copy_(t.reshape(-1).view(torch.uint8))
+        else:
+            flat = torch.empty(total, dtype=torch.uint8)
+        works.append([dist.broadcast(flat, src=src, group=group, async_op=True)] if total else [])
+        bufs.append([flat[at:at + n] for at, n in spans])
+    return Arrivals(objs if me == src else None, heads, works, bufs)
 
 
-__all__ = ["broadcast_payload", "host"]
+def broadcast_payload(obj: Any, src: int, group) -> Any:
+    """One object from `src` to every peer (broadcast_each of one, waited for)."""
+    return broadcast_each([obj], src, group).get(0)
+
+
+__all__ = ["Arrivals", "broadcast_each", "broadcast_payload", "host"]
