@@ -102,7 +102,10 @@ def plan_incidents(counts: dict[str, int], n_healthy: int, seed: int,
             inc = {"kind": kind, "id": f"{kind}-{i}", "demo": demo}
             r = rng.randrange(ranks)
             if kind == "sdc":
-                demo["inject"] = [f"sdc:rank={r}:step={rng.randint(2, STEPS - 2)}:layer={rng.choice(SDC_LAYERS)}"]
+                # an element of the last position (element 0 of qkv, position 0's query, is ignored by causal
+                # attention: a fault that changes nothing, which no detector can or should see)
+                demo["inject"] = [f"sdc:rank={r}:step={rng.randint(2, STEPS - 2)}:layer={rng.choice(SDC_LAYERS)}"
+                                  f":elem={-rng.randint(1, 64)}"]
                 demo["mode"] = "ddp"
             elif kind == "param":  # FSDP: each rank owns its shard, so only the invariants can see the flip
                 demo.update(mode="fsdp", constraint="sphere")
@@ -210,14 +213,14 @@ def _holds_fault(view: dict, step: int, entry: int, fired: list[dict]) -> bool:
     by such a run. A restart that resumed from before the fault, in a run where the fault did not fire again,
     writes clean state at the same step numbers (a one-shot flip fires once). Unknown writers count as holding."""
     runs = view["runs"]
-    starts = [(r.get("started") or 0, r["run_id"]) for r in runs]
+    starts = [(r.get("started") or 0, r["id"]) for r in runs]
     fired_runs = set()
     for f in fired:
         live = [rid for t, rid in starts if t <= f["time"]]
         if live:
             fired_runs.add(live[-1])
     writer = {c["step"]: c.get("run_id") for c in view["checkpoints"]}
-    by_id = {r["run_id"]: r for r in runs}
+    by_id = {r["id"]: r for r in runs}
 
     def carries(run_id, depth=0):
         if run_id is None or run_id not in by_id or depth > len(runs):

@@ -46,13 +46,13 @@ COORDINATOR_POINTS = ("before_rename", "after_rename")  # the manifest and the r
 KINDS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "crash": (("rank", "step"), {"at": "during_write"}),
     "bitflip": (("step",), {"file": None, "bit": None}),
-    "sdc": (("rank", "step"), {"layer": "blocks.1.mlp.fc1"}),
+    "sdc": (("rank", "step"), {"layer": "blocks.1.mlp.fc1", "elem": 0}),
     "hang": (("rank", "step"), {}),
     "slow": (("rank", "factor"), {}),
     "param": (("rank", "step"), {"name": None, "bit": 30}),
     "drift": (("rank", "step"), {"amount": 0.25}),
 }
-_INT_KEYS = {"rank", "step", "bit"}
+_INT_KEYS = {"rank", "step", "bit", "elem"}
 _FLOAT_KEYS = {"factor", "amount"}
 
 
@@ -110,7 +110,7 @@ def _value(spec: str, key: str, raw: str):
     try:
         if key in _INT_KEYS:
             v = int(raw)
-            if v < 0 or (key == "step" and v < 1):
+            if (v < 0 and key != "elem") or (key == "step" and v < 1):
                 raise ValueError
             return v
         if key in _FLOAT_KEYS:
@@ -187,7 +187,7 @@ class Injector:
                 if f.opts["layer"] not in model.linear_names():
                     raise ValueError(f"sdc layer {f.opts['layer']!r} is not a Linear of the model "
                                      f"({', '.join(model.linear_names())})")
-                set_sdc(f.opts["layer"])
+                set_sdc(f.opts["layer"], f.opts["elem"])
                 self._fired(f, step, layer=f.opts["layer"])
         for f in self._mine("hang", step):
             self._fired(f, step)

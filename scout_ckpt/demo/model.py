@@ -1,7 +1,10 @@
 """A tiny causal transformer whose Linear layers can fail like bad hardware.
 
 `FaultableLinear` reads a per-process switch (`set_sdc`): when its qualified name is the target, every output it
-computes has one element corrupted (the lowest exponent bit of element 0 flipped: the value doubles or halves).
+computes has one element corrupted (the lowest exponent bit of element `elem` of the flattened output flipped, the
+value doubles or halves; `elem` < 0 counts from the end). Element 0 of an attention's qkv output is the query of
+position 0, which causal attention ignores (its only key gets weight 1): that fault changes nothing, so the
+campaign draws elements of the last position instead.
 The fault is deterministic and lives in the process, not in the module, so it survives `copy.deepcopy` and shows
 up again when a replay runner re-executes a copy of the layer -- as a failing multiplier would. The corruption is
 finite on purpose: the job keeps training and only replay/consensus evidence can tell.
@@ -16,13 +19,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 _SDC_TARGET: str | None = None  # qualified name of the Linear that computes wrongly in this process
+_SDC_ELEM = 0                    # which element of its flattened output (negative: from the end)
 _EXP_LSB = 1 << 23               # lowest exponent bit of a float32
 
 
-def set_sdc(target: str | None) -> None:
-    """Make the FaultableLinear named `target` (e.g. "blocks.1.mlp.fc1") corrupt its output from now on."""
-    global _SDC_TARGET
-    _SDC_TARGET = target
+def set_sdc(target: str | None, elem: int = 0) -> None:
+    """Make the FaultableLinear named `target` (e.g. "blocks.1.mlp.fc1") corrupt element `elem` of its output
+    from now on."""
+    global _SDC_TARGET, _SDC_ELEM
+    _SDC_TARGET, _SDC_ELEM = target, elem
 
 
 def sdc_target() -> str | None:
@@ -40,11 +45,12 @@ class FaultableLinear(nn.Linear):
 
 
 def _corrupt(out: torch.Tensor) -> torch.Tensor:
-    # Keep autograd intact: add the (detached) error to element 0, so gradients flow as through the real op.
-    flat = out.detach().reshape(-1)[:1].float()
+    # Keep autograd intact: add the (detached) error to one element, so gradients flow as through the real op.
+    i = _SDC_ELEM % out.numel()
+    flat = out.detach().reshape(-1)[i:i + 1].float()
     bad = (flat.view(torch.int32) ^ _EXP_LSB).view(torch.float32).to(out.dtype)
     delta = torch.zeros_like(out).reshape(-1)
-    delta[:1] = bad - flat.to(out.dtype)
+    delta[i:i + 1] = bad - flat.to(out.dtype)
     return out + delta.view_as(out)
 
 
