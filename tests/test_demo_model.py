@@ -116,6 +116,29 @@ def test_sdc_is_persistent_and_survives_deepcopy():
     bad.sum().backward()  # autograd still flows through the corrupted op
 
 
+def test_sdc_elem_picks_the_element_and_qkv_element_0_leaves_the_forward_unchanged():
+    """`elem` (negative from the end) is the one element that is wrong. Element 0 of an attention's qkv output is
+    the query of position 0, which causal attention gives its only key whatever its value: the model's output does
+    not change, which is why the campaign draws elements of the last position instead."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    x = torch.randint(0, 256, (2, 8))
+    h = torch.randn(2, 8, 64)
+    layer = model.blocks[1].attn.qkv
+    ref = layer(h)
+    set_sdc("blocks.1.attn.qkv", -3)
+    bad = layer(h)
+    assert (bad != ref).nonzero().tolist() == [[1, 7, 3 * 64 - 3]]
+    with torch.no_grad():
+        corrupted_last = model(x)
+        set_sdc("blocks.1.attn.qkv", 0)
+        corrupted_first = model(x)
+        set_sdc(None)
+        clean = model(x)
+    assert not torch.equal(corrupted_last, clean)
+    assert torch.equal(corrupted_first, clean)
+
+
 def test_param_flip_changes_one_element():
     torch.manual_seed(0)
     model = TinyTransformer()
@@ -165,7 +188,8 @@ def test_state_digest_single_process_is_stable(tmp_path):
     ("crash:rank=1:step=20", "crash", 1, 20, {"at": "during_write"}),
     ("crash:rank=0:step=10:at=before_rename", "crash", 0, 10, {"at": "before_rename"}),
     ("bitflip:step=10", "bitflip", None, 10, {"file": None, "bit": None}),
-    ("sdc:rank=2:step=5", "sdc", 2, 5, {"layer": "blocks.1.mlp.fc1"}),
+    ("sdc:rank=2:step=5", "sdc", 2, 5, {"layer": "blocks.1.mlp.fc1", "elem": 0}),
+    ("sdc:rank=1:step=5:layer=blocks.1.attn.qkv:elem=-7", "sdc", 1, 5, {"layer": "blocks.1.attn.qkv", "elem": -7}),
     ("hang:rank=3:step=7", "hang", 3, 7, {}),
     ("slow:rank=1:factor=2.5", "slow", 1, None, {"factor": 2.5}),
     ("param:rank=0:step=4", "param", 0, 4, {"name": None, "bit": 30}),
@@ -180,7 +204,7 @@ def test_parse_valid(spec, kind, rank, step, opts):
     "", "explode:rank=1", "crash:rank=1", "crash:step=3", "crash:rank=x:step=3", "crash:rank=1:step=0",
     "crash:rank=1:step=3:rank=2", "crash:rank=1:step=3:color=red", "crash:rank=1:step=3:at=never",
     "bitflip", "bitflip:step", "bitflip:step=", "slow:rank=1:factor=0.5", "slow:rank=1:factor=fast",
-    "param:rank=0:step=2:bit=40", "hang:rank=-1:step=2",
+    "param:rank=0:step=2:bit=40", "hang:rank=-1:step=2", "sdc:rank=0:step=2:elem=last",
 ])
 def test_parse_invalid_is_one_line_bad_input(spec):
     with pytest.raises(BadInput) as e:
