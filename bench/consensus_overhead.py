@@ -125,7 +125,10 @@ def _worker(rank, world, root, cfg):
     def window(k, on):
         nonlocal step
         nsteps = k * n_targets
-        r = ReplayRunner(model, opt, groups=ckpt.groups, interval=k) if on else None
+        # The rotation alone: with no save period known the runner captures every step for a save-boundary sweep
+        # (until two saves teach it the period; certification_lag.py measures the sweeps), which is not what this
+        # row is about. A save period beyond the window keeps that capture off.
+        r = ReplayRunner(model, opt, groups=ckpt.groups, interval=k, save_every=10**9) if on else None
         if r is not None:
             r.begin(step)
         dist.barrier(group=pg)
