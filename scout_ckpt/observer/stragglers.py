@@ -44,20 +44,27 @@ class StragglerMonitor:
             return []
         samples = {r: db / dn for r, (dn, db) in deltas.items()}
         self._start, self._t0 = {r: (n, b) for r, (n, b, _s) in totals.items()}, now
-        flagged = robust_outliers(samples, **self.rule)
-        confirmed = self.confirmer.update(flagged)
-        self._reported &= set(flagged)
-        events = []
-        med = median(samples.values())
-        for r, slowdown in confirmed.items():
-            if r in self._reported:
-                continue
-            self._reported.add(r)
-            events.append({"ranks": [r], "step": totals[r][2], "detail": {
-                "slowdown": round(slowdown, 3), "rounds": self.confirmer.rounds, "window_steps": deltas[r][0],
-                "busy_s_per_step": {str(q): round(v, 6) for q, v in sorted(samples.items())},
-                "median_busy_s": round(med, 6), "rule": self.rule}})
-        return events
+        return _confirmed_events(self, samples, lambda r: totals[r][2], lambda r: deltas[r][0])
+
+
+def _confirmed_events(mon, samples: dict[int, float], step_of, window_steps_of, **extra) -> list[dict]:
+    """One window's per-rank samples through the monitor's robust rule, confirmed over its rounds; a rank is
+    reported once per episode (re-armed after a window without a flag). `mon` has `rule`, `confirmer` and
+    `_reported`; `extra` goes into each event's detail."""
+    flagged = robust_outliers(samples, **mon.rule)
+    confirmed = mon.confirmer.update(flagged)
+    mon._reported &= set(flagged)
+    med = median(samples.values())
+    events = []
+    for r, slowdown in confirmed.items():
+        if r in mon._reported:
+            continue
+        mon._reported.add(r)
+        events.append({"ranks": [r], "step": step_of(r), "detail": {
+            "slowdown": round(slowdown, 3), "rounds": mon.confirmer.rounds, "window_steps": window_steps_of(r),
+            "busy_s_per_step": {str(q): round(v, 6) for q, v in sorted(samples.items())},
+            "median_busy_s": round(med, 6), "rule": mon.rule, **extra}})
+    return events
 
 
 class ArrivalStragglers:
@@ -132,20 +139,8 @@ class ArrivalStragglers:
             return []
         samples = {r: median(v) for r, v in self._pending.items()}
         self._pending, self._t0 = {}, now
-        flagged = robust_outliers(samples, **self.rule)
-        confirmed = self.confirmer.update(flagged)
-        self._reported &= set(flagged)
-        med = median(samples.values())
-        events = []
-        for r, slowdown in confirmed.items():
-            if r in self._reported:
-                continue
-            self._reported.add(r)
-            events.append({"ranks": [r], "step": self._done, "detail": {
-                "slowdown": round(slowdown, 3), "rounds": self.confirmer.rounds, "window_steps": n,
-                "busy_s_per_step": {str(q): round(v, 6) for q, v in sorted(samples.items())},
-                "median_busy_s": round(med, 6), "rule": self.rule, "measure": self.measure}})
-        return events
+        step = self._done
+        return _confirmed_events(self, samples, lambda r: step, lambda r: n, measure=self.measure)
 
 
 class ComputeStragglers(ArrivalStragglers):
