@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -124,12 +125,17 @@ class WritesRecorded:
     in the bases; the subclass sets `written`, `nonfinite`, `check_finite` and `fs`."""
 
     skip_zip_crc = False   # the POSIX writer's digests cover every byte it writes: see _without_zip_crc
+    # Set when DCP hands this rank its write plan: DCP's planning (collectives, CPU) is done and the write, mostly
+    # waiting on the disk, begins. The Checkpointer holds consensus hashing until then (see Checkpointer._save).
+    write_started: threading.Event | None = None
 
     def file_digests(self) -> dict[str, tuple[int, str]]:
         """(size, digest) of the data files this rank wrote and hashed in flight (others must be read back)."""
         return {f: d for f, d in self.fs.digests.items() if f in self.written}
 
     def write_data(self, plan, planner):
+        if self.write_started is not None:
+            self.write_started.set()
         if self.check_finite:
             for item in plan.items:
                 if item.type != WriteItemType.BYTE_IO:

@@ -34,6 +34,7 @@ def test_reused_rows_give_the_same_signatures_and_a_divergent_replica_is_attribu
 def test_healthy_replicas_agree_with_background_hashing():
     out = run_ranks(W.single_pass_consensus, 3, timeout=180)
     assert all(o.result["evidence"]["status"] == "pass" for o in out)
+    assert all(o.result["held"] for o in out)   # nothing hashed before the gate opened
     assert all(o.result["reused"] == o.result["fresh"] == o.result["complete"] for o in out)
     assert not any(o.result["odd_covers"] for o in out)
 

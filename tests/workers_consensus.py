@@ -175,7 +175,15 @@ def single_pass_consensus(rank, world, flip_rank=None):
     flat = flatten_state(state)
     if flip_rank == rank:
         flip_bit(flat["app.model.0.weight"], element=INTERIOR, bit=9)
-    pending = start_consensus(state, groups, background=True)
+    # The hashing waits for its gate (the Checkpointer's: DCP's write has started): not a byte hashed before.
+    import threading
+    import time as _time
+
+    gate = threading.Event()
+    pending = start_consensus(state, groups, background=True, gate=gate)
+    _time.sleep(0.3)
+    held = not pending._work.done()
+    gate.set()
     known = pending.replica_rows()
     evidence = pending.finish()
     reused = full_signatures(state, plain="replica", known=known)
@@ -186,7 +194,7 @@ def single_pass_consensus(rank, world, flip_rank=None):
     # ... unless one rank leaves a leaf out: then no rank may skip the collective (else the others would hang).
     odd = start_consensus(state, groups, names_filter=(lambda n: not n.endswith("bias")) if rank == 1 else None)
     odd.finish()
-    return {"evidence": evidence, "reused": reused, "fresh": fresh, "n_known": len(known),
+    return {"evidence": evidence, "reused": reused, "fresh": fresh, "n_known": len(known), "held": held,
             "n_leaves": len(flat), "complete": complete, "odd_covers": odd.everyone_covers}
 
 

@@ -35,6 +35,7 @@ under FSDP: `no_replicas`), so only invariants can vouch for them; `pass` every 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from scout_ckpt.consensus.signatures import bytes_signature, flatten_state, repl
 from scout_ckpt.policy import FAIL, INCONCLUSIVE as EV_INCONCLUSIVE, MISSING, NOT_APPLICABLE, PASS, evidence
 
 MAX_NAMES = 8          # tensor names listed per reason
+GATE_S = 60.0          # the longest background hashing waits for its gate: a gate never set only delays it
 STRUCTURE = "(state structure)"
 
 
@@ -139,9 +141,13 @@ def _group_verdict(flat: Mapping[str, Any], names: list[str], pg, members: list[
     return c3_over_group(sigs, pg, members, names), slowest, True, everyone_covers
 
 
-def _hash_groups(flat: Mapping[str, Any], plan: _Plan, groups: ConsensusGroups, t0: float) -> tuple[dict, float]:
+def _hash_groups(flat: Mapping[str, Any], plan: _Plan, groups: ConsensusGroups, t0: float,
+                 gate: threading.Event | None = None) -> tuple[dict, float]:
     """({kind index: [n, 2] replica signatures of the names compared in that kind}, seconds since t0): the only
-    pass over the state's bytes. No collective, so it may run in a background thread."""
+    pass over the state's bytes. No collective, so it may run in a background thread; there it first waits for
+    `gate` (at most GATE_S)."""
+    if gate is not None:
+        gate.wait(GATE_S)
     sigs = {}
     for index, kind in enumerate(groups.kinds):
         if len(kind.members) >= 2:
@@ -255,10 +261,11 @@ class PendingConsensus:
 
 def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
                     names_filter: Callable[[str], bool] | Collection[str] | None = None,
-                    background: bool = False) -> PendingConsensus:
+                    background: bool = False, gate: threading.Event | None = None) -> PendingConsensus:
     """Plan and hash (local, no collective); `finish()` on the result is the collective half. With `background`
     the hashing and then the exchange run in a thread of its own and `finish`/`replica_rows` wait for them; every
-    rank must then make no other call on the consensus groups until `finish` returns."""
+    rank must then make no other call on the consensus groups until `finish` returns. `gate` (background only):
+    the hashing starts when it is set, e.g. when the CPU-bound part of the caller's work is over."""
     t0 = time.perf_counter()
     if groups.world_size < 2:
         return PendingConsensus({}, [], _Plan(), groups, t0, ({}, 0.0))
@@ -267,7 +274,8 @@ def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
     plan = _plan(flat, names, groups)
     if not background:
         return PendingConsensus(flat, names, plan, groups, t0, _hash_groups(flat, plan, groups, t0))
-    pending = PendingConsensus(flat, names, plan, groups, t0, _hasher().submit(_hash_groups, flat, plan, groups, t0))
+    hashing = _hasher().submit(_hash_groups, flat, plan, groups, t0, gate)
+    pending = PendingConsensus(flat, names, plan, groups, t0, hashing)
     # The exchange follows in the same thread as soon as the hashing is done, so it overlaps DCP's write too. Its
     # collectives are on the consensus groups only, which nothing else uses during a save (replay uses them at
     # step() and before a save's write, never while one is in flight), so the order on every rank is fixed.
