@@ -38,7 +38,7 @@ def _worker(rank, world, root, mb, repeats, mode):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from scout_ckpt import checkpointer, commit, layout, manifest, storage
+    from scout_ckpt import checkpointer, commit, layout, manifest, save_evidence, storage
     from scout_ckpt.consensus import save_time
     from scout_ckpt.ledger import Ledger
     wrap(commit.Committer, "begin"); wrap(commit.Committer, "finish"); wrap(commit.Committer, "_publish")
@@ -53,7 +53,7 @@ def _worker(rank, world, root, mb, repeats, mode):
     wrap(checkpointer.Checkpointer, "_save")
     wrap(save_time.PendingConsensus, "finish", "consensus_finish")
     wrap(save_time, "_hash_groups", "consensus_hash(thread)")
-    wrap(checkpointer, "full_signatures")
+    wrap(save_evidence, "full_signatures")
     wrap(storage.ScoutWriter, "write_data"); wrap(storage, "is_finite")
     wrap(dcp, "save", "dcp.save"); wrap(dcp, "async_save", "dcp.async_save")
     wrap(storage.ScoutWriter, "stage")

@@ -1,11 +1,12 @@
 """The save hook a training script holds. Every public method is collective unless it says otherwise.
 
 A save boundary is the commit protocol of scout_ckpt/commit.py (writing row, temp dir with owner record, digests,
-manifest, rename, ledger, retention) around the evidence gathered here: consensus, invariants and signatures on the
-live state, the writers' finite checks, replay coverage. Loading walks back from the newest certified checkpoint
-past any whose bytes or loaded values do not match what was saved, rejecting each in the ledger (the walk-back is
-scout_ckpt/loading.py; the async save path, its commit thread and latched errors, scout_ckpt/async_save.py; this class
-is the facade over save, load and shutdown).
+manifest, rename, ledger, retention) around the evidence of scout_ckpt/save_evidence.py: consensus (hashed here,
+during the write), invariants and signatures on the live state, the writers' finite checks, replay coverage, and the
+verdict they give. Loading walks back from the newest certified checkpoint past any whose bytes or loaded values do
+not match what was saved, rejecting each in the ledger (the walk-back is scout_ckpt/loading.py; the async save path,
+its commit thread and latched errors, scout_ckpt/async_save.py; this class is the facade over save, load and
+shutdown: it decides when each step of a save runs, on which thread and group).
 """
 
 from __future__ import annotations
@@ -30,17 +31,15 @@ from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
 from scout_ckpt.async_save import AsyncSaves
 from scout_ckpt.consensus.groups import ConsensusGroups
-from scout_ckpt.consensus.mesh import describe_topology, full_signable, legacy_topology
+from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
-from scout_ckpt.consensus.signatures import flatten_state, full_signatures
 from scout_ckpt.errors import ScoutError
-from scout_ckpt.health_evidence import HealthWindow
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.loading import LatestCleanLoader, LoadVerificationError  # noqa: F401  (re-exported)
 from scout_ckpt.loading import materialize as _materialize
 from scout_ckpt.observer import Observer
 from scout_ckpt.replay_evidence import ReplayEvidence
-from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS
+from scout_ckpt.save_evidence import SaveEvidence
 from scout_ckpt.shard_evidence import ShardEvidence
 from scout_ckpt.storage import FaultHook, ScoutWriter
 
@@ -114,7 +113,6 @@ class Checkpointer:
         self._rank_local: tuple[str, ...] = ()
         self._save_started = time.monotonic()
         self._save_started_wall = time.time()
-        self._health = HealthWindow()
 
         self.checks = inv.parse_specs(invariants) if invariants else []  # bad specs fail here, not at a save
         self.consensus, self.consensus_exclude, self.verify_load = consensus, tuple(consensus_exclude), verify_load
@@ -123,11 +121,14 @@ class Checkpointer:
         # vouch for them); elsewhere consensus covers replicated state and replay is opt-in (replay=True).
         self.replay = ReplayEvidence.start(replay, model=model, optimizer=optimizer, groups=self.groups,
                                            auto_on=self.groups is not None and self.mode.startswith("fsdp"))
-        self._inv_previous: dict | None = None
         self.shard = ShardEvidence.start(shard_evidence, mode=self.mode, model=model, optimizer=optimizer,
                                          group=self._pg, timeout_s=timeout_s)
-        self.policy = self._policy()
-        self._warn_if_never_certifies()
+        # What this run's saves prove and what "certified" requires of them (save_evidence.py).
+        self._evidence = SaveEvidence(checks=self.checks, finite=finite, consensus=consensus, verify_load=verify_load,
+                                      replay=self.replay, shard=self.shard, mode=self.mode,
+                                      is_coordinator=self.is_coordinator)
+        self.policy = self._evidence.policy
+        self._evidence.warn_if_never_certifies()
         self.topology = {k: topo[k] for k in ("mode", "world_size", "mesh_shape", "mesh_dim_names", "dim_roles",
                                               "compare_dims", "replica_groups", "problems")}
         self.ledger: Ledger | None = None
@@ -140,6 +141,7 @@ class Checkpointer:
             self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology, policy=self.policy,
                                   versions=self._versions())
         self.run_id = self._broadcast(run_id)
+        self._evidence.bind(ledger=self.ledger, run_id=self.run_id)
         if self.replay is not None:
             self.replay.bind(ledger=self.ledger, root=self.root, run_id=self.run_id, policy=self.policy,
                              is_coordinator=self.is_coordinator)
@@ -173,40 +175,6 @@ class Checkpointer:
             return describe_topology(self.model, mesh=mesh, world_size=self.world_size)
         except ValueError as e:
             raise ScoutError(f"topology: {e}") from None
-
-    def _policy(self) -> dict:
-        """What "certified" means for this run, stored in the ledger and every manifest."""
-        require = ["bytes"]
-        if self.finite or self.checks:
-            require.append("invariants")
-        allow_na = []
-        if self.shard is not None:
-            require += list(SHARD_KINDS)
-        if self.consensus:
-            require.append("consensus")
-            # Single-owner shards (pure FSDP) have no replica to compare with: only checks that pin a tensor's
-            # values down can vouch for them (invariants.VOUCHES; `finite` and `monotone` never do), or the
-            # cross-rank replay of every shard's update together with the at-rest check.
-            if any(c.vouches for c in self.checks) or (self.shard is not None and self.mode.startswith("fsdp")):
-                allow_na.append("consensus")
-        if self.replay is not None:
-            require.append("replay")
-        finite = ["finite"] if self.finite and not any(c.kind == "finite" for c in self.checks) else []
-        return {"require": require, "allow_not_applicable": allow_na,
-                "invariants": [c.spec for c in self.checks] + finite,
-                "replay_targets": [list(t) for t in self.replay.targets()] if self.replay else []}
-
-    def _warn_if_never_certifies(self) -> None:
-        """A run whose policy can never be met should say so at start-up, not after a week of `committed`."""
-        single_owner = self.mode.startswith("fsdp")
-        if (single_owner and "consensus" in self.policy["require"]
-                and "consensus" not in self.policy["allow_not_applicable"] and self.rank == COORDINATOR):
-            scout_log.logger.warning(
-                "this configuration can never certify a checkpoint: the %s topology has single-owner shards, so "
-                "consensus is not applicable, and nothing else vouches for the shards. Use a non-fused Adam, "
-                "AdamW or SGD so that shard evidence runs (shard_evidence=True, the default for FSDP), or "
-                "configure an invariant that vouches (e.g. {'check': 'spectral_bound', ...}), or pass "
-                "consensus=False to accept bytes and finite checks alone", self.mode)
 
     def _versions(self) -> dict:
         return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
@@ -358,33 +326,8 @@ class Checkpointer:
 
     def _live_evidence(self, step: int, flat: dict, hashing, group=None) -> dict:
         """Evidence taken from the state at the save boundary (collective over `group`, default the checkpointer's
-        group, and the consensus groups): sync saves gather it after the write, async ones before it or, from
-        the staged copy, in the commit thread; the state is the same either way."""
-        group = group or self._pg
-        # The end of the health window (HealthWindow): the state compared here is the state at the start of this
-        # save (hashing may finish later), so an event after that start counts against the next save.
-        ev: dict = {"_taken_at": self._save_started_wall}
-        if hashing is not None:
-            ev["consensus"] = hashing.finish()
-        if self.checks:
-            res = inv.run_local(self.checks, inv.flatten(flat), group=group, previous=self._inv_previous)
-            self._inv_previous = res.get("values") or self._inv_previous
-            ev["invariants"] = res
-        if self.shard is not None:
-            ev.update(self.shard.live(step))
-        if self.verify_load:
-            # Where consensus hashed every leaf on every rank (DDP), the signatures need no collective.
-            full = hashing.full_rows() if hashing is not None else None
-            known = full if full is not None else (hashing.replica_rows() if hashing is not None else None)
-            # A _StridedShard (FSDP x TP) has no one-box shard to sign: its bytes vouch for it at load instead.
-            unsigned = full_signable(flatten_state(flat, keep_dtensor=True))[1]
-            ev["signatures"] = full_signatures(flat, group=group, plain="replica", known=known,
-                                               complete=full is not None, exclude=unsigned)
-            if unsigned:
-                ev["load_check_unsigned"] = unsigned
-        if self.replay is not None and self.is_coordinator:
-            ev["replay"] = self.replay.evidence(step)
-        return ev
+        group, and the consensus groups; SaveEvidence.live)."""
+        return self._evidence.live(step, flat, hashing, group or self._pg, taken_at=self._save_started_wall)
 
     def _consensus_names(self, name: str) -> bool:
         if self._rank_local and name.startswith(self._rank_local):
@@ -402,43 +345,8 @@ class Checkpointer:
         return verdict
 
     def _assess(self, gathered: list[dict], live: dict) -> tuple[dict, dict, policy.Verdict]:
-        """Coordinator: (evidence, signatures, verdict) from the writers' digests and finite checks plus the live
-        evidence of the boundary. Live evidence is identical on every rank (but `replay`, the coordinator's), so
-        only the coordinator's is used and the others send just what they wrote."""
-        files = [f for g in gathered for f in g["files"]]
-        live = dict(live)
-        signatures = live.pop("signatures", {})
-        unsigned = live.pop("load_check_unsigned", None)
-        taken_at = live.pop("_taken_at", None) or time.time()
-        ev = {"bytes": policy.evidence(policy.PASS, files=len(files), bytes=sum(f["size"] for f in files),
-                                       hashed_by="writers")}
-        if unsigned:
-            ev["bytes"]["load_check_unsigned"] = unsigned[:64]
-        if self.finite or self.checks:
-            bad = [{"code": "invariant_failed", "check": "finite", "ranks": [g["rank"]], "tensors": g["finite_bad"][:8]}
-                   for g in gathered if g["finite_bad"]]
-            checks = live.pop("invariants", None)
-            reasons = bad + (checks["reasons"] if checks else [])
-            status = policy.PASS
-            if checks and checks["status"] != policy.PASS:
-                status = checks["status"]
-            if bad:
-                status = policy.FAIL
-            ev["invariants"] = policy.evidence(status, reasons, specs=self.policy["invariants"],
-                                               values=(checks or {}).get("values"))
-        ev.update(live)
-        ev["health"] = self._health_evidence(ev, taken_at)
-        verdict = policy.evaluate(self.policy, ev)
-        self._health.settled(verdict.state, taken_at)
-        return ev, signatures, verdict
-
-    def _health_evidence(self, ev: dict, until: float) -> dict:
-        """Coordinator: hardware faults and desyncs the observers recorded in this run since the newest certified
-        save's evidence (health evidence fails for the owner's state unless this save's consensus or vouching
-        invariants clear it)."""
-        events = [e for e in self.ledger.events(kinds=("health", "desync")) if e.get("run_id") == self.run_id]
-        return self._health.evidence(events, until=until, mode=self.mode, consensus=ev.get("consensus"),
-                                     invariants=ev.get("invariants"), vouching=any(c.vouches for c in self.checks))
+        """Coordinator: (evidence, signatures, verdict) of the save (SaveEvidence.assess)."""
+        return self._evidence.assess(gathered, live)
 
     def wait(self) -> None:
         """Block until the pending async save is committed (or failed) on this rank; raises its error (as

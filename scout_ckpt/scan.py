@@ -2,10 +2,10 @@
 
 `certify` used to hash every file (one read) and then read every tensor back through the entries (a second read,
 and every tensor of the checkpoint in memory at once). Here each data file is read once, front to back, by one
-loop (`_Reader.pump`): PIECE bytes at a time into the thread's reused buffer, each piece hashed right after the
-read, while it is in the cache. Each storage entry (one tensor chunk or plain value, a `torch.save` archive) is
-first dry-run from a second descriptor (`dcp_entries.tensor_layout`: the zip and inner pickle checks
-`load_entry` makes, and where the one storage lies). Then, for a plain tensor entry:
+loop (scan_reader.py, `Reader.pump`): PIECE bytes at a time into the thread's reused buffer, each piece hashed
+right after the read, while it is in the cache. Each storage entry (one tensor chunk or plain value, a
+`torch.save` archive) is first dry-run from a second descriptor (`dcp_entries.tensor_layout`: the zip and inner
+pickle checks `load_entry` makes, and where the one storage lies). Then, for a plain tensor entry:
 - when every check that applies to it is element-wise (`finite`, `frobenius_sphere`: `invariants.stream`), each
   piece of its bytes is checked right after it was hashed (a sum, a sum of squares; an exact element check only
   when a sum is not finite) and nothing of the tensor is kept;
@@ -28,45 +28,16 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import torch
-import xxhash
 
-from scout_ckpt.digests import ALGO
 from scout_ckpt.errors import BadInput
 from scout_ckpt.policy import FAIL, INCONCLUSIVE, PASS, evidence
-
-# Bytes per read: hashed and checked while in the L2/L3 cache (2 threads x (piece + float32 scratch) fit in L3)
-PIECE = 4 << 20
-
-
-class _Memory:
-    """A read-only seekable file over a buffer (no copy): what `load_entry` reads an entry through."""
-
-    def __init__(self, buf):
-        self._view = memoryview(buf)
-        self._pos = 0
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
-        self._pos = min(max(base + pos, 0), len(self._view))
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = min(len(b), len(self._view) - self._pos)
-        if n <= 0:
-            return 0
-        memoryview(b)[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
+from scout_ckpt.scan_reader import PIECE, Memory, Reader, direct_layout, read_file
 
 
 def _merge(checks: list, results: list[dict]) -> dict:
@@ -180,30 +151,12 @@ class StepScan:
             torch.set_num_threads(before)
 
     def _file(self, path: str, progress) -> tuple[int, str]:
-        """(size, digest) of one file, read once front to back; its entries are checked from the same pieces."""
+        """(size, digest) of one file, read once front to back (scan_reader.read_file); its entries are checked
+        from the same pieces."""
         entries = sorted(self._entries.get(path, []), key=lambda e: e[0]) if self._failed is None else []
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise BadInput(f"{path}: not a regular file; refusing to hash it")
-        h = xxhash.xxh3_128()
-        with open(fd, "rb", buffering=0) as f:
-            r = _Reader(f, h, progress, self._piece())
-            pos = 0
-            if entries:
-                with open(path, "rb") as layout_f:
-                    for off, length, fqn, chunk, item in entries:
-                        pos += r.pump(off - pos)
-                        if pos != off:      # the file ended (or changed) under us: the digest will not match
-                            break
-                        got = self._entry_pass(r, layout_f, off, length, fqn, chunk, item)
-                        pos += got
-                        if got != length:
-                            break
-            pos += r.pump(None)
-        return pos, f"{ALGO}:{h.hexdigest()}"
+        return read_file(path, entries, self._entry_pass, progress, self._piece)
 
-    def _entry_pass(self, r: _Reader, layout_f, off: int, length: int, fqn: str, chunk, item) -> int:
+    def _entry_pass(self, r: Reader, layout_f, off: int, length: int, fqn: str, chunk, item) -> int:
         """Read one entry (hashing it) and check it: streamed piece by piece, read into a tensor over the
         thread's buffer, or opened with `load_entry`. Returns the bytes read."""
         lay = self._direct(layout_f, off, length, chunk, item)
@@ -265,34 +218,15 @@ class StepScan:
                     self._results.append(st.evidence())
 
     def _direct(self, f, off: int, length: int, chunk, item):
-        """(start of the tensor's bytes in the entry, their count) when reading them straight into a tensor of
-        the chunk's shape gives exactly what `torch.load` of the entry would (one storage of the chunk's
-        dtype, the chunk's shape, contiguous, from offset 0); None otherwise, and for any entry the dry run
-        refuses (the `load_entry` path then records why)."""
-        from scout_ckpt.dcp_entries import tensor_layout
-
+        """(start, count) of a tensor entry's bytes when they may be read straight into a tensor of the chunk's
+        shape (scan_reader.direct_layout), else None (and for any non-tensor entry)."""
         if chunk is None:
             return None
-        try:
-            lay = tensor_layout(f, off, length)
-        except BadInput:
-            return None
-        dtype = item.dtype
-        size = tuple(chunk.sizes)
-        if lay is None or lay["storage_type"] == "UntypedStorage":
-            return None
-        if _storage_dtype(lay["storage_type"]) != dtype or lay["storage_offset"] != 0 or tuple(lay["size"]) != size:
-            return None
-        strides, acc = [], 1
-        for n in reversed(size):
-            strides.append(acc)
-            acc *= n
-        n = math.prod(size)
-        if n == 0 or tuple(lay["stride"]) != tuple(reversed(strides)) or lay["nbytes"] != n * dtype.itemsize:
-            return None
-        with self._lock:
-            self.direct += 1
-        return lay["start"], lay["nbytes"]
+        lay = direct_layout(f, off, length, tuple(chunk.sizes), item.dtype)
+        if lay is not None:
+            with self._lock:
+                self.direct += 1
+        return lay
 
     def _buffer(self, n: int):
         """n bytes of this thread's entry buffer (a uint8 tensor), grown to the largest entry it has read into
@@ -324,7 +258,7 @@ class StepScan:
         from scout_ckpt.dcp_entries import load_entry
 
         try:
-            value = load_entry(_Memory(buf.numpy()), 0, len(buf))
+            value = load_entry(Memory(buf.numpy()), 0, len(buf))
         except BadInput as e:
             self._fail(f"{fqn}: {e}")
             return
@@ -400,59 +334,3 @@ class StepScan:
         return _merge(self.checks, results)
 
 
-_STORAGE_DTYPES: dict[str, Any] = {}
-_STORAGE_LOCK = threading.Lock()
-
-
-def _storage_dtype(name: str):
-    """The dtype of a typed-storage class name as torch.save pickles it ("FloatStorage"), or None."""
-    with _STORAGE_LOCK:
-        if not _STORAGE_DTYPES:
-            import warnings
-
-            with warnings.catch_warnings():  # TypedStorage's deprecation warning, once
-                warnings.simplefilter("ignore")
-                for attr in dir(torch):
-                    cls = getattr(torch, attr, None)
-                    if attr.endswith("Storage") and attr != "UntypedStorage" and isinstance(cls, type):
-                        dt = getattr(cls, "dtype", None)
-                        if isinstance(dt, torch.dtype):
-                            _STORAGE_DTYPES[attr] = dt
-        return _STORAGE_DTYPES.get(name)
-
-
-class _Reader:
-    """The one read loop: the next n bytes of a file in pieces of at most PIECE bytes, each hashed right after
-    it is read (while it is in the cache) and then, optionally, handed to a check. Short reads are completed
-    before a piece is handed on, so a piece holds whole elements."""
-
-    def __init__(self, f, h, progress, piece):
-        self.f, self.h, self.progress = f, h, progress
-        self.piece = piece                       # uint8 tensor of PIECE bytes (this thread's, reused)
-        self.view = memoryview(piece.numpy())
-
-    def pump(self, n: int | None, into=None, each: Callable[[Any, int], None] | None = None) -> int:
-        """Read and hash the next n bytes (None: to the end of the file); returns how many there were. `into`
-        (a uint8 tensor of n bytes) receives them, else they pass through the piece buffer; `each(piece, done)`
-        is called on every piece (a uint8 tensor; `done` bytes came before it)."""
-        dest = memoryview(into.numpy()) if into is not None else None
-        done = 0
-        while n is None or done < n:
-            want = PIECE if n is None else min(PIECE, n - done)
-            view = dest[done:done + want] if dest is not None else self.view[:want]
-            got = 0
-            while got < want:
-                k = self.f.readinto(view[got:])
-                if not k:
-                    break
-                got += k
-            if got:
-                self.h.update(view[:got])
-                if each is not None:
-                    each((into[done:done + got] if into is not None else self.piece[:got]), done)
-                if self.progress is not None:
-                    self.progress(got)
-            done += got
-            if got < want:
-                break
-        return done

@@ -99,13 +99,9 @@ class Daemon:
         self.known_claims: set[str] = set()
         self.health = self._health_source()
         self.next_health = 0.0
-        from scout_ckpt.observer.stragglers import StragglerMonitor
+        from scout_ckpt.observer.stragglers import StragglerJudge
 
-        self.stragglers = StragglerMonitor(**cfg["straggler"])
-        from scout_ckpt.observer.stragglers import ArrivalStragglers, ComputeStragglers
-
-        self.arrival_stragglers = ArrivalStragglers(**cfg["straggler"])
-        self.compute_stragglers = ComputeStragglers(**cfg["straggler"])
+        self.stragglers = StragglerJudge(self.world, **cfg["straggler"])  # the measure per job: stragglers.py
         self.arrivals: dict[int, float] = {}  # this rank's, kept longer than the heartbeat's ring
         self.stamps: dict[int, tuple[float, float]] = {}  # this rank's step stamps: step -> (left, arrived)
         self._stop = False
@@ -215,27 +211,9 @@ class Daemon:
         return False
 
     def _judge(self, now: float, rows: dict[int, dict]) -> None:
-        running = {r: (row["n_steps"], row["busy_sum"], row["step"]) for r, row in rows.items()
-                   if row["state"] == "running" and row["live"]}
-        if len(running) == self.world:
-            # where most collectives are native, issued where no tracer sees their waits (DDP without a hook:
-            # busy times are all equal there): by compute per step from the ranks' step stamps (exact), or by
-            # arrival skew from the sampled counts where a rank has no stamps; else by busy time (Python-level
-            # collectives, FSDP2's included, whose waits the tracer sees, side groups' too)
-            native = all(rows[r]["seq"] < 0.5 * (rows[r].get("cseq") or 0) for r in running)
-            if native and all(rows[r].get("stamps") for r in running):
-                for r in running:
-                    self.compute_stragglers.add(r, rows[r]["stamps"])
-                found = self.compute_stragglers.update(now, running)
-            elif native and all(rows[r].get("arrivals") for r in running):
-                for r in running:
-                    self.arrival_stragglers.add(r, rows[r]["arrivals"])
-                found = self.arrival_stragglers.update(now, running)
-            else:
-                found = self.stragglers.update(now, running)
-            for ev in found:
-                key = f"straggler-r{ev['ranks'][0]}-s{ev['step']}"
-                self._publish_event("straggler", ev["ranks"], ev["step"], ev["detail"], key, rows)
+        for ev in self.stragglers.update(now, rows):  # while every rank runs (observer/stragglers.py)
+            key = f"straggler-r{ev['ranks'][0]}-s{ev['step']}"
+            self._publish_event("straggler", ev["ranks"], ev["step"], ev["detail"], key, rows)
         # a row whose observer stopped beating is unknown, unless its last word was final
         known = {r: row for r, row in rows.items() if row["live"] or row["state"] in ("gone", "closed", "aborted")}
         verdict = attribute(known, self.world, self.stall_s)

@@ -11,8 +11,11 @@ busy time is its whole step), `ComputeStragglers` compares each rank's compute p
 (observer/stamps.py: from leaving one step's synchronisation to reaching the next step's first collective, both
 taken on the training thread, exact); where a job has no stamps (no model or optimizer given),
 `ArrivalStragglers` compares when each rank issued its first collective of each step, as sampled from the
-native count (arrival skew, up to one sampling period late). The observer's judge picks the measure per job
-(daemon.py).
+native count (arrival skew, up to one sampling period late). The observer's judge (daemon.py) feeds its rows to
+`StragglerJudge`, which picks the measure per window from what the ranks report.
+
+Why the choice lives here and not in the daemon: which measure fits a topology is a property of the measures
+(what each one can see), and the daemon only publishes what they confirm.
 """
 
 from __future__ import annotations
@@ -168,3 +171,37 @@ class ComputeStragglers(ArrivalStragglers):
                 self._pending.setdefault(r, []).append(max(0.0, self.arrivals[r][step]))
             self._done = step
         return self._window(now)
+
+
+class StragglerJudge:
+    """The judge's three straggler rules, and per window the measure that fits the job. Fed only while every
+    rank runs and its observer beats (a rank gone or stopped leaves every rule where it was): where most
+    collectives are native, issued where no tracer sees their waits (DDP without a hook: busy times are all equal
+    there), by compute per step from the ranks' step stamps (`ComputeStragglers`, exact), or by arrival skew from
+    the sampled counts where a rank has no stamps (`ArrivalStragglers`); else by busy time (`StragglerMonitor`:
+    Python-level collectives, FSDP2's included, whose waits the tracer sees, side groups' too). `rule` is the
+    observer config's `straggler` dict, the same for all three."""
+
+    def __init__(self, world: int, **rule):
+        self.world = world
+        self.busy = StragglerMonitor(**rule)
+        self.arrival = ArrivalStragglers(**rule)
+        self.compute = ComputeStragglers(**rule)
+
+    def update(self, now: float, rows: dict[int, dict]) -> list[dict]:
+        """`rows`: the observers' status rows by rank (daemon.py `_status`, with `live`). Returns the straggler
+        events ({"ranks", "step", "detail"}) confirmed at this call."""
+        running = {r: (row["n_steps"], row["busy_sum"], row["step"]) for r, row in rows.items()
+                   if row["state"] == "running" and row["live"]}
+        if len(running) != self.world:
+            return []
+        native = all(rows[r]["seq"] < 0.5 * (rows[r].get("cseq") or 0) for r in running)
+        if native and all(rows[r].get("stamps") for r in running):
+            for r in running:
+                self.compute.add(r, rows[r]["stamps"])
+            return self.compute.update(now, running)
+        if native and all(rows[r].get("arrivals") for r in running):
+            for r in running:
+                self.arrival.add(r, rows[r]["arrivals"])
+            return self.arrival.update(now, running)
+        return self.busy.update(now, running)
