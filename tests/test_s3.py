@@ -80,8 +80,15 @@ def _load(run, **kw):
     return out[0].result
 
 
-def test_save_certify_resume_load_exactly(run):
-    saved = _save(run, [2, 4])
+def test_save_certify_resume_load_exactly_then_async_saves(run):
+    """Sync saves, the CLI on the ledger_dir, then a restart that loads exactly and goes on with
+    async_save=True as a user would write it: saves at 6 and 8 with training in between (the next optimizer step
+    runs while the upload is in flight), and rank 1's upload of step 10 raises once its first part has been sent.
+    Step 10 commits nothing (no manifest, rank 1's multipart upload aborted, the error raised by the job's
+    wait()); the next restart loads step 8 with exactly the digest the job computed when it saved 8. Every load
+    is judged by the job's own sha256 of the state it saved."""
+    width = 1280  # 6.5 MB per matrix and per AdamW moment: a rank's file spans more than one 5 MiB part
+    saved = _save(run, [2, 4], width=width)
     assert saved["verdicts"] == {2: "certified", 4: "certified"}
     attempts = _attempts(run)
     assert sorted(layout.parse_attempt_dir(a)[0] for a in attempts) == [2, 4]
@@ -98,12 +105,35 @@ def test_save_certify_resume_load_exactly(run):
     assert out.strip().startswith(run["uri"] + "/step-00000004.attempt-"), out
     rc, out, _ = _cli(run, "ls", run["ledger"], "--json")
     assert [(r["step"], r["state"]) for r in json.loads(out)["checkpoints"]] == [(2, "certified"), (4, "certified")]
-
-    loaded = _load(run)
-    assert loaded["step"] == 4 and loaded["digest"] == saved["saved"][4]
-
     rc, _, err = _cli(run, "resume", "s3://" + run["prefix"], "--latest-clean")
     assert rc == 2 and "ledger_dir" in err and "Traceback" not in err
+
+    # The restart: loads 4 exactly, then async saves 6, 8 and a failing 10.
+    out = run_ranks(w.save_steps, 2, run["uri"], run["ledger"], run["ep"], [6, 8, 10], width=width,
+                    resume=True, async_save=True, fail=(10, 1), timeout=240, env=CREDS)
+    assert out[0].result["loaded"] == out[1].result["loaded"] == {"step": 4, "digest": saved["saved"][4]}
+    again = out[0].result
+    assert set(again["verdicts"].values()) == {None}  # async: save() returns at once
+    assert out[1].result["failed"] == [10]
+    # The injected error fires inside torch.save's zip writer, which reports a position mismatch instead.
+    for o in out:
+        assert list(o.result["errors"]) == [10] and "CheckpointException" in o.result["errors"][10], o.result
+    with Ledger.open(run["ledger"], readonly=True) as led:
+        states = {r["step"]: r["state"] for r in led.checkpoints()}
+    assert states == {2: "certified", 4: "certified", 6: "certified", 8: "certified", 10: "writing"}, states
+    committed = [a for a, names in _attempts(run).items() if layout.MANIFEST_NAME in names]
+    assert sorted(layout.parse_attempt_dir(a)[0] for a in committed) == [2, 4, 6, 8]
+    for a, names in _attempts(run).items():
+        if layout.parse_attempt_dir(a)[0] == 10:
+            assert "__1_0.distcp" not in names, names   # no truncated object of the failed upload
+    assert _uploads(run) == []                          # rank 1's multipart upload was aborted
+
+    loaded = _load(run, width=width)
+    assert loaded["step"] == 8 and loaded["digest"] == again["saved"][8], (loaded, again["saved"])
+    with Ledger.open(run["ledger"], readonly=True) as led:
+        st10 = led.checkpoint(10)
+    assert st10["state"] == "rejected" and st10["reasons"][0]["code"] == "save_interrupted", st10
+    assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 4, 6, 8]
 
 
 @pytest.mark.scenario
@@ -196,6 +226,7 @@ def test_writer_killed_mid_upload_is_never_listed_and_its_upload_is_aborted(run)
     assert st4["state"] == "rejected" and st4["reasons"][0]["code"] == "save_interrupted"
     assert {d["what"] for d in deletes} == {"abort_multipart_upload", "delete_prefix"}
     assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 6]
+
 
 
 # ---- a user's DDP script under real torchrun ------------------------------------------------------------------
