@@ -107,3 +107,47 @@ def load_latest(rank, world, uri, ledger_dir, endpoint, *, width=16, then_save=N
         verdict = ckpt.save(then_save, state_of(model, opt))["state"]
     ckpt.close()
     return {"step": step, "digest": got, "verdict": verdict}
+
+
+# ---- FSDP2 (fully_shard at its defaults) on S3 ------------------------------------------------------------------
+
+def fsdp_save(rank, world, uri, ledger_dir, endpoint, *, steps=4, save_every=2, async_save=False):
+    """A user's FSDP2 job: the Checkpointer built before training (its defaults: shard evidence on), a step
+    hook every step, saves every `save_every` steps. Returns {step: sha256 of the full (unsharded) model and
+    optimizer state at the save}, computed by the job itself (every rank takes part in the gather)."""
+    from scout_ckpt import ModelOptimizerState
+    from tests.workers_ckpt import FSDP_CHECKS, _fsdp_model, _fsdp_train, _full_state
+
+    model = _fsdp_model(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=model, optimizer=opt,
+                        invariants=FSDP_CHECKS, async_save=async_save, timeout_s=120)
+    state = {"app": ModelOptimizerState(model, opt)}
+    saved, verdicts = {}, {}
+    for step in range(1, steps + 1):
+        _fsdp_train(model, opt, 1, seed=step)
+        ckpt.step(step)
+        if step % save_every == 0:
+            v = ckpt.save(step, state)
+            verdicts[step] = v["state"] if v else None
+            saved[step] = digest(_full_state(model, opt))
+    ckpt.close()
+    return {"saved": saved, "verdicts": verdicts, "mode": ckpt.mode}
+
+
+def fsdp_load(rank, world, uri, ledger_dir, endpoint):
+    """A restarted FSDP2 job on `world` ranks (the saving job's or another): fresh model, optimizer state
+    materialized, load_latest_clean; the job's sha256 of the full state it loaded, or the error it raised."""
+    from scout_ckpt import ModelOptimizerState
+    from tests.workers_ckpt import FSDP_CHECKS, _fsdp_model, _fsdp_train, _full_state
+
+    model = _fsdp_model(world, seed=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _fsdp_train(model, opt, 1, seed=42)
+    ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=model, optimizer=opt,
+                        invariants=FSDP_CHECKS, timeout_s=120)
+    try:
+        step = ckpt.load_latest_clean({"app": ModelOptimizerState(model, opt)})
+    finally:
+        ckpt.close()
+    return {"step": step, "digest": digest(_full_state(model, opt))}
