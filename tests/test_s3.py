@@ -85,8 +85,9 @@ def test_save_certify_resume_load_exactly_then_async_saves(run):
     async_save=True as a user would write it: saves at 6 and 8 with training in between (the next optimizer step
     runs while the upload is in flight), and rank 1's upload of step 10 raises once its first part has been sent.
     Step 10 commits nothing (no manifest, rank 1's multipart upload aborted, the error raised by the job's
-    wait()); the next restart loads step 8 with exactly the digest the job computed when it saved 8. Every load
-    is judged by the job's own sha256 of the state it saved."""
+    wait()); the next restart loads step 8 with exactly the digest the job computed when it saved 8, and
+    `export --latest-clean` writes step 8's weights. Every load and the export are judged by the job's own
+    sha256 of the state it saved."""
     width = 1280  # 6.5 MB per matrix and per AdamW moment: a rank's file spans more than one 5 MiB part
     saved = _save(run, [2, 4], width=width)
     assert saved["verdicts"] == {2: "certified", 4: "certified"}
@@ -134,6 +135,18 @@ def test_save_certify_resume_load_exactly_then_async_saves(run):
         st10 = led.checkpoint(10)
     assert st10["state"] == "rejected" and st10["reasons"][0]["code"] == "save_interrupted", st10
     assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 4, 6, 8]
+
+    # export from the S3 run: the weights of step 8 exactly as the job held them when it saved (its own sha256).
+    from safetensors.torch import load_file
+
+    dest = os.path.join(os.path.dirname(run["ledger"]), "export")
+    os.mkdir(dest)
+    rc, out, err = _cli(run, "export", run["ledger"], "--latest-clean", "--out", f"{dest}/m.safetensors", "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["step"] == 8 and res["source"].startswith(run["uri"] + "/step-00000008.attempt-"), res
+    assert w.digest(load_file(f"{dest}/m.safetensors")) == again["models"][8]
+    assert os.listdir(dest) == ["m.safetensors"]   # the verified local copy it read from is gone
 
 
 @pytest.mark.scenario

@@ -60,7 +60,7 @@ def save_steps(rank, world, uri, ledger_dir, endpoint, steps, *, width=16, keep=
         train_steps(model, opt, 1, seed=99)   # moments materialized, values unlike the checkpoint's
     ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=model,
                         optimizer=opt, keep=keep, fault_hook=hook, timeout_s=timeout_s, async_save=async_save)
-    saved, verdicts, errors, done, prev, loaded = {}, {}, {}, 0, None, None
+    saved, models, verdicts, errors, done, prev, loaded = {}, {}, {}, {}, 0, None, None
     if resume:
         done = _load_into(ckpt, model, opt) or 0
         loaded = {"step": done, "digest": digest(state_of(model, opt))}
@@ -74,6 +74,7 @@ def save_steps(rank, world, uri, ledger_dir, endpoint, steps, *, width=16, keep=
             v = ckpt.save(s, state_of(model, opt))
         verdicts[s] = v["state"] if v else None
         saved[s], prev = digest(state_of(model, opt)), s
+        models[s] = digest(model.state_dict())   # the weights alone: what `export` must write
     if async_save:
         train_steps(model, opt, 1, seed=1000)          # training goes on while the last upload runs
         try:
@@ -81,7 +82,8 @@ def save_steps(rank, world, uri, ledger_dir, endpoint, steps, *, width=16, keep=
         except ScoutError as e:
             errors[steps[-1]] = str(e)
     ckpt.close()
-    return {"saved": saved, "verdicts": verdicts, "errors": errors, "failed": failed, "loaded": loaded}
+    return {"saved": saved, "models": models, "verdicts": verdicts, "errors": errors, "failed": failed,
+            "loaded": loaded}
 
 
 def _load_into(ckpt, model, opt) -> int | None:
