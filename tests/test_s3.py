@@ -159,6 +159,12 @@ def test_corrupted_object_is_rejected_and_walked_back(run):
     data[len(data) // 2] ^= 0x01  # one interior byte, same size
     run["fs"].pipe_file(key, bytes(data))
 
+    dest = os.path.join(os.path.dirname(run["ledger"]), "export")   # export reads verified bytes only
+    os.mkdir(dest)
+    rc, out, err = _cli(run, "export", run["ledger"], "--step", "6", "--out", f"{dest}/m.safetensors")
+    assert rc == 1 and "__1_0.distcp" in err and "digest_mismatch" in err and err.count("\n") == 1, (out, err)
+    assert os.listdir(dest) == []
+
     loaded = _load(run)  # the job's own walk-back: ranged reads find step 6 changed, step 4 loads exactly
     assert loaded["step"] == 4 and loaded["digest"] == saved["saved"][4]
     rc, out, err = _cli(run, "resume", run["ledger"], "--latest-clean")
@@ -351,7 +357,7 @@ def test_manifest_is_a_conditional_create_and_an_error_mid_upload_commits_nothin
     assert run["fs"].cat_file(path) == data
 
 
-def test_verification_by_ranged_reads_finds_every_kind_of_damage(run):
+def test_verification_by_ranged_reads_finds_every_kind_of_damage(run, tmp_path):
     from scout_ckpt.digests import bytes_digest
 
     store = _store(run)
@@ -361,10 +367,14 @@ def test_verification_by_ranged_reads_finds_every_kind_of_damage(run):
         run["fs"].pipe_file(store.key(name, rel), data)
     files = [{"path": rel, "size": len(d), "digest": bytes_digest(d)} for rel, d in blobs.items()]
     assert store.verify(name, files)["status"] == "pass"
+    assert store.fetch(name, files, tmp_path / "copy") == []   # export's local copy: the same bytes, verified
+    assert {rel: (tmp_path / "copy" / rel).read_bytes() for rel in blobs} == blobs
 
     bad = bytearray(blobs["__0_0.distcp"])
     bad[(9 << 20) + 7] ^= 0x10  # inside the second 8 MiB range
     run["fs"].pipe_file(store.key(name, "__0_0.distcp"), bytes(bad))
+    assert [(r["code"], r["file"]) for r in store.fetch(name, files, tmp_path / "copy2")] == [
+        ("digest_mismatch", "__0_0.distcp")]
     run["fs"].pipe_file(store.key(name, "__1_0.distcp"), b"abc")
     run["fs"].pipe_file(store.key(name, "stray"), b"x")
     run["fs"].rm_file(store.key(name, ".metadata"))
