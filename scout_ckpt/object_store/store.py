@@ -8,6 +8,7 @@ Every network call is here, so the commit protocol (commit.py), settling (settle
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
@@ -245,12 +246,12 @@ class ObjectStore:
         if reasons:
             return reasons
         dest = Path(dest)
-        outs = {}
-        try:
+        with contextlib.ExitStack() as stack:
+            outs = {}
             for f in files:
                 target = dest / f["path"]
                 target.parent.mkdir(parents=True, exist_ok=True)
-                outs[f["path"]] = open(target, "xb")
+                outs[f["path"]] = stack.enter_context(open(target, "xb"))
             try:
                 digests = self._digests(name, files, None, lambda path, data: outs[path].write(data))
             except OSError as e:
@@ -258,9 +259,6 @@ class ObjectStore:
             for out in outs.values():
                 out.flush()
                 os.fsync(out.fileno())
-        finally:
-            for out in outs.values():
-                out.close()
         return [{"code": "digest_mismatch", "file": f["path"], "expected": f["digest"], "actual": digests[f["path"]]}
                 for f in files if digests[f["path"]] != f["digest"]]
 
