@@ -80,15 +80,20 @@ def _load(run, **kw):
     return out[0].result
 
 
-def test_save_certify_resume_load_exactly_then_async_saves(run):
+@pytest.mark.parametrize("width", [16, pytest.param(1280, marks=pytest.mark.scenario)], ids=["small", "multipart"])
+def test_save_certify_resume_load_exactly_then_async_saves(run, width):
     """Sync saves, the CLI on the ledger_dir, then a restart that loads exactly and goes on with
     async_save=True as a user would write it: saves at 6 and 8 with training in between (the next optimizer step
     runs while the upload is in flight), and rank 1's upload of step 10 raises once its first part has been sent.
     Step 10 commits nothing (no manifest, rank 1's multipart upload aborted, the error raised by the job's
     wait()); the next restart loads step 8 with exactly the digest the job computed when it saved 8, and
     `export --latest-clean` writes step 8's weights. Every load and the export are judged by the job's own
-    sha256 of the state it saved."""
-    width = 1280  # 6.5 MB per matrix and per AdamW moment: a rank's file spans more than one 5 MiB part
+    sha256 of the state it saved.
+
+    `multipart` (make scenarios): 6.5 MB per matrix and per AdamW moment, so a rank's file spans more than one
+    5 MiB part and the failing upload has sent a part before it raises. `small`: every file is one buffered
+    request, and the failure comes before it is sent (the abort of a part already sent is also tested
+    in-process, test_manifest_is_a_conditional_create_and_an_error_mid_upload_commits_nothing)."""
     saved = _save(run, [2, 4], width=width)
     assert saved["verdicts"] == {2: "certified", 4: "certified"}
     attempts = _attempts(run)
@@ -109,7 +114,7 @@ def test_save_certify_resume_load_exactly_then_async_saves(run):
     rc, _, err = _cli(run, "resume", "s3://" + run["prefix"], "--latest-clean")
     assert rc == 2 and "ledger_dir" in err and "Traceback" not in err
 
-    # The restart: loads 4 exactly, then async saves 6, 8 and a failing 10.
+    # The restart: loads 4 exactly, then async saves 6, 8 and a failing 10 (its upload raises on rank 1).
     out = run_ranks(w.save_steps, 2, run["uri"], run["ledger"], run["ep"], [6, 8, 10], width=width,
                     resume=True, async_save=True, fail=(10, 1), timeout=240, env=CREDS)
     assert out[0].result["loaded"] == out[1].result["loaded"] == {"step": 4, "digest": saved["saved"][4]}
@@ -127,7 +132,7 @@ def test_save_certify_resume_load_exactly_then_async_saves(run):
     for a, names in _attempts(run).items():
         if layout.parse_attempt_dir(a)[0] == 10:
             assert "__1_0.distcp" not in names, names   # no truncated object of the failed upload
-    assert _uploads(run) == []                          # rank 1's multipart upload was aborted
+    assert _uploads(run) == []                          # rank 1's (multipart) upload was aborted
 
     loaded = _load(run, width=width)
     assert loaded["step"] == 8 and loaded["digest"] == again["saved"][8], (loaded, again["saved"])
@@ -137,13 +142,15 @@ def test_save_certify_resume_load_exactly_then_async_saves(run):
     assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 4, 6, 8]
 
     # export from the S3 run: the weights of step 8 exactly as the job held them when it saved (its own sha256).
+    # In process (the CLI is store_for + this call; a subprocess would cost seconds of imports): the store is
+    # the one the ledger_dir is bound to, credentials from the environment as for the CLI.
     from safetensors.torch import load_file
+
+    from scout_ckpt.export import export
 
     dest = os.path.join(os.path.dirname(run["ledger"]), "export")
     os.mkdir(dest)
-    rc, out, err = _cli(run, "export", run["ledger"], "--latest-clean", "--out", f"{dest}/m.safetensors", "--json")
-    assert rc == 0, err
-    res = json.loads(out)
+    res = export(run["ledger"], None, f"{dest}/m.safetensors")
     assert res["step"] == 8 and res["source"].startswith(run["uri"] + "/step-00000008.attempt-"), res
     assert w.digest(load_file(f"{dest}/m.safetensors")) == again["models"][8]
     assert os.listdir(dest) == ["m.safetensors"]   # the verified local copy it read from is gone
