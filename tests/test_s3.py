@@ -121,9 +121,11 @@ def test_save_certify_resume_load_exactly_then_async_saves(run, width):
     again = out[0].result
     assert set(again["verdicts"].values()) == {None}  # async: save() returns at once
     assert out[1].result["failed"] == [10]
-    # The injected error fires inside torch.save's zip writer, which reports a position mismatch instead.
+    # The injected error fires inside torch.save's zip writer, which loses it (and then reports "unexpected
+    # pos"): every rank's error names the upload's own error.
     for o in out:
-        assert list(o.result["errors"]) == [10] and "CheckpointException" in o.result["errors"][10], o.result
+        assert list(o.result["errors"]) == [10], o.result
+        assert "injected upload failure at step 10 on rank 1" in o.result["errors"][10], o.result["errors"]
     with Ledger.open(run["ledger"], readonly=True) as led:
         states = {r["step"]: r["state"] for r in led.checkpoints()}
     assert states == {2: "certified", 4: "certified", 6: "certified", 8: "certified", 10: "writing"}, states
@@ -355,6 +357,19 @@ def test_manifest_is_a_conditional_create_and_an_error_mid_upload_commits_nothin
                 s.write(os.urandom(size))
                 raise RuntimeError("injected")
         assert not run["fs"].exists(path)  # plain FsspecWriter committed a truncated object here
+    # An upload error inside torch.save's zip writer (DCP writes tensors with torch.save): the writer loses it
+    # and fails with "unexpected pos"; create_stream raises the upload's own error, and commits nothing.
+    import torch
+
+    def fail():
+        raise ConnectionError("injected: the store went away mid-upload")
+
+    failing = _ObjectFileSystem(store.fs, fail)
+    path = store.key(name, "__9_0.distcp")
+    with pytest.raises(ConnectionError, match="went away mid-upload"):
+        with failing.create_stream(path, "wb") as s:
+            torch.save(torch.zeros(2 << 20), s)   # 8 MiB: the hook fires once the first 5 MiB part is sent
+    assert not run["fs"].exists(path)
     assert _uploads(run) == []
     data = os.urandom(7 << 20)
     path = store.key(name, "__0_0.distcp")
