@@ -5,6 +5,8 @@ file the DCP metadata points at must be among those verified; only then are tens
 checks every declared size against the bytes on disk before it allocates (a hostile `.metadata` is refused with
 BadInput, never a MemoryError). A sharded export
 (`model-00001-of-0000N.safetensors` + `model.safetensors.index.json`) commits by writing the index last.
+For an object-store run (ROOT is its ledger_dir) the objects are first copied beside the output, hashed as they
+are written, and only a copy that matches the ledger is read (`_export_from_store`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Checkpoints on S3, end to end against a real S3-compatible HTTP server started here (moto's standalone
-server), with 2 gloo ranks: save, certify, resume (the s3:// URI), load (exact, by the test's own digest), a
-writer SIGKILLed mid-upload, a corrupted object, retention. Skipped when the s3 extra is not installed."""
+server), with 2 gloo ranks: save, certify, resume (the s3:// URI), load (exact, by the job's own digest), async
+saves and a failed async upload, export, FSDP2 with resharding on load, a writer SIGKILLed mid-upload, a
+corrupted object, retention. Skipped when the s3 extra is not installed."""
 
 from __future__ import annotations
 
