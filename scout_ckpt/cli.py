@@ -301,7 +301,7 @@ def export_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Opt
 
     if (step is None) == (not latest_clean):
         raise BadInput("give exactly one of --step N or --latest-clean")
-    roots.store_for(root, refuse="export")
+    roots.store_for(root)   # an object-store run's ledger_dir: the objects are fetched and verified first
     result = export(root, step, out, force=force, prefix=prefix, max_shard_bytes=max_shard_bytes)
     if as_json:
         _emit(result)

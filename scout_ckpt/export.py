@@ -5,6 +5,8 @@ file the DCP metadata points at must be among those verified; only then are tens
 checks every declared size against the bytes on disk before it allocates (a hostile `.metadata` is refused with
 BadInput, never a MemoryError). A sharded export
 (`model-00001-of-0000N.safetensors` + `model.safetensors.index.json`) commits by writing the index last.
+For an object-store run (ROOT is its ledger_dir) the objects are first copied beside the output, hashed as they
+are written, and only a copy that matches the ledger is read (`_export_from_store`).
 """
 
 from __future__ import annotations
@@ -103,14 +105,25 @@ def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLik
     finally:
         if own:
             ledger.close()
+    from scout_ckpt import object_store
+
+    store = object_store.bound_store(root)   # ROOT is the ledger_dir of an object-store run
+    if store is not None:
+        return _export_from_store(store, row, files, Path(out_path), prefix=prefix, max_shard_bytes=max_shard_bytes)
     from scout_ckpt.verify import checkpoint_dir
 
     step_dir = checkpoint_dir(root, row["path"] or layout.step_dirname(step))   # BadInput if it escapes ROOT
     if not step_dir.is_dir():
         raise NotClean(f"{step_dir}: checkpoint directory is missing")
+    return _export_dir(step_dir, row, files, Path(out_path), prefix=prefix, max_shard_bytes=max_shard_bytes)
+
+
+def _export_dir(step_dir: Path, row: dict, files: list[dict], out_path: Path, *, prefix: str | None,
+                max_shard_bytes: int | None) -> dict:
+    """A local checkpoint directory: verified against `files`, then read (DCP, or a Trainer folder)."""
     _verify(step_dir, files)
     if layout.is_folder_dir(step_dir):
-        return _export_folder(step_dir, row, files, Path(out_path), prefix=prefix, max_shard_bytes=max_shard_bytes)
+        return _export_folder(step_dir, row, files, out_path, prefix=prefix, max_shard_bytes=max_shard_bytes)
 
     from scout_ckpt.dcp_files import load_metadata, read_tensors
 
@@ -129,7 +142,48 @@ def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLik
         tensors = {k: v for k, v in tensors.items() if _is_param(k)}
     if not tensors:
         raise BadInput(f"{step_dir}: no tensors under prefix {prefix!r}")
-    return _write(tensors, row, files, Path(out_path), prefix, max_shard_bytes)
+    return _write(tensors, row, files, out_path, prefix, max_shard_bytes)
+
+
+def _export_from_store(store, row: dict, files: list[dict], out_path: Path, *, prefix: str | None,
+                       max_shard_bytes: int | None) -> dict:
+    """An object-store checkpoint (an attempt prefix): its manifest must be the one the ledger recorded (as
+    `resume` checks), then the recorded files are copied into a temp dir beside the output, every byte hashed
+    as it is written, and only a copy whose sizes and digests all match the ledger is read, by the same code as
+    a local step dir. Reading the local copy means the bytes exported are the bytes verified (a ranged read
+    after verification could return an object replaced meanwhile). The copy is removed afterwards; it needs
+    the checkpoint's size in free space beside the output (optimizer state included: DCP rank files mix it with
+    the weights)."""
+    import shutil
+    import tempfile
+
+    from scout_ckpt.safepaths import relpath_problem
+
+    name = row["path"]
+    if not name or relpath_problem(name) is not None or "/" in name:
+        raise BadInput(f"the ledger records a checkpoint path that is not an attempt prefix ({name!r})")
+    where = store.uri_of(name)
+    if not files:
+        raise NotClean(f"{where}: the ledger lists no files for this step; nothing to verify against")
+    if not out_path.parent.is_dir():
+        raise BadInput(f"{out_path.parent}: no such directory")
+    _, reasons = store.trusted_manifest(row)
+    if reasons:
+        raise NotClean(f"{where}: its manifest is not the one the ledger recorded ({reasons[0]['code']})")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.fetch-", dir=out_path.parent))
+    try:
+        local = tmp / name
+        reasons = store.fetch(name, files, local)
+        if reasons:
+            r = reasons[0]
+            what = {"missing_file": "is missing", "digest_mismatch": "does not match its recorded digest"}.get(
+                r["code"], "does not match the record")
+            raise NotClean(f"{where}: {r.get('file') or 'an object'} {what} ({r['code']}); "
+                           "`scout-ckpt certify` records it")
+        result = _export_dir(local, row, files, out_path, prefix=prefix, max_shard_bytes=max_shard_bytes)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {**result, "source": where}
 
 
 def _export_folder(step_dir: Path, row: dict, files: list[dict], out_path: Path, *, prefix: str | None,

@@ -1,6 +1,7 @@
 """Checkpoints on S3, end to end against a real S3-compatible HTTP server started here (moto's standalone
-server), with 2 gloo ranks: save, certify, resume (the s3:// URI), load (exact, by the test's own digest), a
-writer SIGKILLed mid-upload, a corrupted object, retention. Skipped when the s3 extra is not installed."""
+server), with 2 gloo ranks: save, certify, resume (the s3:// URI), load (exact, by the job's own digest), async
+saves and a failed async upload, export, FSDP2 with resharding on load, a writer SIGKILLed mid-upload, a
+corrupted object, retention. Skipped when the s3 extra is not installed."""
 
 from __future__ import annotations
 
@@ -80,8 +81,21 @@ def _load(run, **kw):
     return out[0].result
 
 
-def test_save_certify_resume_load_exactly(run):
-    saved = _save(run, [2, 4])
+@pytest.mark.parametrize("width", [16, pytest.param(1280, marks=pytest.mark.scenario)], ids=["small", "multipart"])
+def test_save_certify_resume_load_exactly_then_async_saves(run, width):
+    """Sync saves, the CLI on the ledger_dir, then a restart that loads exactly and goes on with
+    async_save=True as a user would write it: saves at 6 and 8 with training in between (the next optimizer step
+    runs while the upload is in flight), and rank 1's upload of step 10 raises once its first part has been sent.
+    Step 10 commits nothing (no manifest, rank 1's multipart upload aborted, the error raised by the job's
+    wait()); the next restart loads step 8 with exactly the digest the job computed when it saved 8, and
+    `export --latest-clean` writes step 8's weights. Every load and the export are judged by the job's own
+    sha256 of the state it saved.
+
+    `multipart` (make scenarios): 6.5 MB per matrix and per AdamW moment, so a rank's file spans more than one
+    5 MiB part and the failing upload has sent a part before it raises. `small`: every file is one buffered
+    request, and the failure comes before it is sent (the abort of a part already sent is also tested
+    in-process, test_manifest_is_a_conditional_create_and_an_error_mid_upload_commits_nothing)."""
+    saved = _save(run, [2, 4], width=width)
     assert saved["verdicts"] == {2: "certified", 4: "certified"}
     attempts = _attempts(run)
     assert sorted(layout.parse_attempt_dir(a)[0] for a in attempts) == [2, 4]
@@ -98,12 +112,51 @@ def test_save_certify_resume_load_exactly(run):
     assert out.strip().startswith(run["uri"] + "/step-00000004.attempt-"), out
     rc, out, _ = _cli(run, "ls", run["ledger"], "--json")
     assert [(r["step"], r["state"]) for r in json.loads(out)["checkpoints"]] == [(2, "certified"), (4, "certified")]
-
-    loaded = _load(run)
-    assert loaded["step"] == 4 and loaded["digest"] == saved["saved"][4]
-
     rc, _, err = _cli(run, "resume", "s3://" + run["prefix"], "--latest-clean")
     assert rc == 2 and "ledger_dir" in err and "Traceback" not in err
+
+    # The restart: loads 4 exactly, then async saves 6, 8 and a failing 10 (its upload raises on rank 1).
+    out = run_ranks(w.save_steps, 2, run["uri"], run["ledger"], run["ep"], [6, 8, 10], width=width,
+                    resume=True, async_save=True, fail=(10, 1), timeout=240, env=CREDS)
+    assert out[0].result["loaded"] == out[1].result["loaded"] == {"step": 4, "digest": saved["saved"][4]}
+    again = out[0].result
+    assert set(again["verdicts"].values()) == {None}  # async: save() returns at once
+    assert out[1].result["failed"] == [10]
+    # The injected error fires inside torch.save's zip writer, which loses it (and then reports "unexpected
+    # pos"): every rank's error names the upload's own error.
+    for o in out:
+        assert list(o.result["errors"]) == [10], o.result
+        assert "injected upload failure at step 10 on rank 1" in o.result["errors"][10], o.result["errors"]
+    with Ledger.open(run["ledger"], readonly=True) as led:
+        states = {r["step"]: r["state"] for r in led.checkpoints()}
+    assert states == {2: "certified", 4: "certified", 6: "certified", 8: "certified", 10: "writing"}, states
+    committed = [a for a, names in _attempts(run).items() if layout.MANIFEST_NAME in names]
+    assert sorted(layout.parse_attempt_dir(a)[0] for a in committed) == [2, 4, 6, 8]
+    for a, names in _attempts(run).items():
+        if layout.parse_attempt_dir(a)[0] == 10:
+            assert "__1_0.distcp" not in names, names   # no truncated object of the failed upload
+    assert _uploads(run) == []                          # rank 1's (multipart) upload was aborted
+
+    loaded = _load(run, width=width)
+    assert loaded["step"] == 8 and loaded["digest"] == again["saved"][8], (loaded, again["saved"])
+    with Ledger.open(run["ledger"], readonly=True) as led:
+        st10 = led.checkpoint(10)
+    assert st10["state"] == "rejected" and st10["reasons"][0]["code"] == "save_interrupted", st10
+    assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 4, 6, 8]
+
+    # export from the S3 run: the weights of step 8 exactly as the job held them when it saved (its own sha256).
+    # In process (the CLI is store_for + this call; a subprocess would cost seconds of imports): the store is
+    # the one the ledger_dir is bound to, credentials from the environment as for the CLI.
+    from safetensors.torch import load_file
+
+    from scout_ckpt.export import export
+
+    dest = os.path.join(os.path.dirname(run["ledger"]), "export")
+    os.mkdir(dest)
+    res = export(run["ledger"], None, f"{dest}/m.safetensors")
+    assert res["step"] == 8 and res["source"].startswith(run["uri"] + "/step-00000008.attempt-"), res
+    assert w.digest(load_file(f"{dest}/m.safetensors")) == again["models"][8]
+    assert os.listdir(dest) == ["m.safetensors"]   # the verified local copy it read from is gone
 
 
 @pytest.mark.scenario
@@ -115,6 +168,12 @@ def test_corrupted_object_is_rejected_and_walked_back(run):
     data = bytearray(run["fs"].cat_file(key))
     data[len(data) // 2] ^= 0x01  # one interior byte, same size
     run["fs"].pipe_file(key, bytes(data))
+
+    dest = os.path.join(os.path.dirname(run["ledger"]), "export")   # export reads verified bytes only
+    os.mkdir(dest)
+    rc, out, err = _cli(run, "export", run["ledger"], "--step", "6", "--out", f"{dest}/m.safetensors")
+    assert rc == 1 and "__1_0.distcp" in err and "digest_mismatch" in err and err.count("\n") == 1, (out, err)
+    assert os.listdir(dest) == []
 
     loaded = _load(run)  # the job's own walk-back: ranged reads find step 6 changed, step 4 loads exactly
     assert loaded["step"] == 4 and loaded["digest"] == saved["saved"][4]
@@ -198,6 +257,28 @@ def test_writer_killed_mid_upload_is_never_listed_and_its_upload_is_aborted(run)
     assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 6]
 
 
+
+
+@pytest.mark.scenario
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_fsdp2_saves_certifies_and_loads_back_exactly_and_resharded(run, async_save):
+    """FSDP2 (fully_shard at its defaults, 2 gloo ranks on CPU) through the Checkpointer to S3, sync and async:
+    saves at 2 and 4 certified, `certify` agrees, and restarts on 2, 1 and 3 ranks (DCP resharding through the
+    verified reader; 3 ranks shard 16 rows unevenly) load step 4 with exactly the sha256 the saving job computed of its full state (gathered to rank 0:
+    cpu_offload leaves the other ranks' full state empty)."""
+    saved = run_ranks(w.fsdp_save, 2, run["uri"], run["ledger"], run["ep"], async_save=async_save, timeout=300,
+                      env=CREDS)[0].result
+    assert saved["mode"] == "fsdp", saved
+    assert saved["verdicts"] == ({2: None, 4: None} if async_save else {2: "certified", 4: "certified"}), saved
+    with Ledger.open(run["ledger"], readonly=True) as led:
+        assert {r["step"]: r["state"] for r in led.checkpoints()} == {2: "certified", 4: "certified"}
+    rc, out, err = _cli(run, "certify", run["ledger"], "--json")
+    assert rc == 0 and {r["state"] for r in json.loads(out)["results"]} == {"certified"}, (out, err)
+    for world in (2, 1, 3):
+        got = run_ranks(w.fsdp_load, world, run["uri"], run["ledger"], run["ep"], timeout=300, env=CREDS)
+        assert got[0].result == {"step": 4, "digest": saved["saved"][4]}, (world, got[0].result)
+
+
 # ---- a user's DDP script under real torchrun ------------------------------------------------------------------
 
 def _torchrun(run, *job_args: str, timeout: float = 600):
@@ -277,6 +358,19 @@ def test_manifest_is_a_conditional_create_and_an_error_mid_upload_commits_nothin
                 s.write(os.urandom(size))
                 raise RuntimeError("injected")
         assert not run["fs"].exists(path)  # plain FsspecWriter committed a truncated object here
+    # An upload error inside torch.save's zip writer (DCP writes tensors with torch.save): the writer loses it
+    # and fails with "unexpected pos"; create_stream raises the upload's own error, and commits nothing.
+    import torch
+
+    def fail():
+        raise ConnectionError("injected: the store went away mid-upload")
+
+    failing = _ObjectFileSystem(store.fs, fail)
+    path = store.key(name, "__9_0.distcp")
+    with pytest.raises(ConnectionError, match="went away mid-upload"):
+        with failing.create_stream(path, "wb") as s:
+            torch.save(torch.zeros(2 << 20), s)   # 8 MiB: the hook fires once the first 5 MiB part is sent
+    assert not run["fs"].exists(path)
     assert _uploads(run) == []
     data = os.urandom(7 << 20)
     path = store.key(name, "__0_0.distcp")
@@ -286,7 +380,7 @@ def test_manifest_is_a_conditional_create_and_an_error_mid_upload_commits_nothin
     assert run["fs"].cat_file(path) == data
 
 
-def test_verification_by_ranged_reads_finds_every_kind_of_damage(run):
+def test_verification_by_ranged_reads_finds_every_kind_of_damage(run, tmp_path):
     from scout_ckpt.digests import bytes_digest
 
     store = _store(run)
@@ -296,10 +390,14 @@ def test_verification_by_ranged_reads_finds_every_kind_of_damage(run):
         run["fs"].pipe_file(store.key(name, rel), data)
     files = [{"path": rel, "size": len(d), "digest": bytes_digest(d)} for rel, d in blobs.items()]
     assert store.verify(name, files)["status"] == "pass"
+    assert store.fetch(name, files, tmp_path / "copy") == []   # export's local copy: the same bytes, verified
+    assert {rel: (tmp_path / "copy" / rel).read_bytes() for rel in blobs} == blobs
 
     bad = bytearray(blobs["__0_0.distcp"])
     bad[(9 << 20) + 7] ^= 0x10  # inside the second 8 MiB range
     run["fs"].pipe_file(store.key(name, "__0_0.distcp"), bytes(bad))
+    assert [(r["code"], r["file"]) for r in store.fetch(name, files, tmp_path / "copy2")] == [
+        ("digest_mismatch", "__0_0.distcp")]
     run["fs"].pipe_file(store.key(name, "__1_0.distcp"), b"abc")
     run["fs"].pipe_file(store.key(name, "stray"), b"x")
     run["fs"].rm_file(store.key(name, ".metadata"))

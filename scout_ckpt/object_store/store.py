@@ -8,6 +8,7 @@ Every network call is here, so the commit protocol (commit.py), settling (settle
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
@@ -220,7 +221,48 @@ class ObjectStore:
         return evidence(FAIL if reasons else PASS, reasons, files_checked=len(files),
                         bytes_checked=sum(f["size"] for f in files))
 
-    def _digests(self, name: str, files: list[dict], progress) -> dict[str, str]:
+    def fetch(self, name: str, files: list[dict], dest) -> list[dict]:
+        """Copy an attempt's recorded files to the local directory `dest` (same relative names) with the ranged
+        reads `verify` uses, hashing every byte as it is written. Returns `verify`'s reasons for what was
+        written (sizes from one listing first, then digests): empty means the local copy is exactly what the
+        record vouches for, so a caller that reads only the local copy reads the bytes it verified (no second
+        fetch that could differ)."""
+        import os
+        from pathlib import Path
+
+        for f in files:
+            if relpath_problem(f.get("path")) is not None:
+                raise BadInput(f"{self.uri_of(name)}: a recorded file path escapes the checkpoint "
+                               f"({clip(f.get('path'), 80)})")
+        listed = self.objects(name)
+        reasons = []
+        for f in files:
+            size = listed.get(f["path"])
+            if size is None:
+                reasons.append({"code": "missing_file", "file": f["path"]})
+            elif size != f["size"]:
+                reasons.append({"code": "truncated_file" if size < f["size"] else "size_mismatch",
+                                "file": f["path"], "expected": f["size"], "actual": size})
+        if reasons:
+            return reasons
+        dest = Path(dest)
+        with contextlib.ExitStack() as stack:
+            outs = {}
+            for f in files:
+                target = dest / f["path"]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                outs[f["path"]] = stack.enter_context(open(target, "xb"))
+            try:
+                digests = self._digests(name, files, None, lambda path, data: outs[path].write(data))
+            except OSError as e:
+                return [{"code": "unreadable_file", "detail": clip(str(e), 200)}]
+            for out in outs.values():
+                out.flush()
+                os.fsync(out.fileno())
+        return [{"code": "digest_mismatch", "file": f["path"], "expected": f["digest"], "actual": digests[f["path"]]}
+                for f in files if digests[f["path"]] != f["digest"]]
+
+    def _digests(self, name: str, files: list[dict], progress, sink=None) -> dict[str, str]:
         ranges = [(f["path"], start, min(start + CHUNK, f["size"]))
                   for f in files for start in range(0, max(f["size"], 1), CHUNK)]
         hashers = {f["path"]: xxhash.xxh3_128() for f in files}
@@ -240,16 +282,18 @@ class ObjectStore:
             for r in it:
                 window.append((r, pool.submit(get, r)))
                 if len(window) >= 2 * THREADS:
-                    self._take(window, hashers, progress)
+                    self._take(window, hashers, progress, sink)
             while window:
-                self._take(window, hashers, progress)
+                self._take(window, hashers, progress, sink)
         return {p: f"{ALGO}:{h.hexdigest()}" for p, h in hashers.items()}
 
     @staticmethod
-    def _take(window, hashers, progress) -> None:
+    def _take(window, hashers, progress, sink=None) -> None:
         (path, _, _), fut = window.popleft()
         data = fut.result()
         hashers[path].update(data)
+        if sink is not None:
+            sink(path, data)
         if progress is not None and data:
             progress(len(data))
 

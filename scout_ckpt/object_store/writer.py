@@ -14,6 +14,7 @@ import contextlib
 import io
 import os
 import pickle
+import sys
 from typing import Callable
 
 import xxhash
@@ -39,6 +40,7 @@ class _HashingUpload(io.IOBase):
         self.size = 0
         self._on_upload = on_upload
         self._block = int(getattr(raw, "blocksize", 0) or 0)
+        self.error: BaseException | None = None
 
     def writable(self) -> bool:
         return True
@@ -47,10 +49,16 @@ class _HashingUpload(io.IOBase):
         view = memoryview(data).cast("B")
         self.hasher.update(view)
         self.size += len(view)
-        n = self.raw.write(view)
-        if self._on_upload is not None and self._block and self.size > self._block:
-            hook, self._on_upload = self._on_upload, None
-            hook()
+        try:
+            n = self.raw.write(view)
+            if self._on_upload is not None and self._block and self.size > self._block:
+                hook, self._on_upload = self._on_upload, None
+                hook()
+        except BaseException as e:
+            # torch.save's zip writer calls this from C++ and loses the exception (it then fails with "unexpected
+            # pos"): kept here, create_stream raises it instead, so the user sees the store's own error.
+            self.error = e
+            raise
         return n
 
     def tell(self) -> int:
@@ -101,6 +109,8 @@ class _ObjectFileSystem(FileSystem):
             with contextlib.suppress(Exception):
                 raw.discard()
             raw.closed = True
+            if stream.error is not None and stream.error is not sys.exc_info()[1]:
+                raise stream.error   # the upload's own error, not what torch.save made of it
             raise
         raw.close()
         if path.endswith(".distcp"):
