@@ -21,7 +21,7 @@ def store_for(root: str | os.PathLike, refuse: str | None = None):
     """The object store a ROOT (a ledger_dir) is bound to, or None for a POSIX ROOT.
 
     BadInput (exit 2) for an `s3://` ROOT, for an unreadable binding, and, when `refuse` names a command that
-    does not support object storage yet (adopt, export, ledger rebuild), for a ROOT bound to a store."""
+    does not support object storage yet (adopt, ledger rebuild), for a ROOT bound to a store."""
     from scout_ckpt import object_store
 
     if object_store.looks_like_mangled_uri(root):
