@@ -60,7 +60,10 @@ def _windows_of(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> li
     callers fall back to _slice otherwise."""
     if not tensors:
         return []
-    flat = torch.cat([t.detach().reshape(-1).narrow(0, s, n) for t, (s, n) in zip(tensors, spans)])
+    # a contiguous tensor's window is one as_strided view (one dispatch, not detach+reshape+narrow: a capture
+    # cuts a few windows per parameter every armed step)
+    flat = torch.cat([t.detach().as_strided((n,), (1,), t.storage_offset() + s) if t.is_contiguous()
+                      else t.detach().reshape(-1).narrow(0, s, n) for t, (s, n) in zip(tensors, spans)])
     return list(torch.split(flat, [n for _, n in spans]))
 
 
