@@ -233,6 +233,25 @@ def test_batched_signatures_are_replica_signatures_row_by_row(one_thread):
     assert [len(p) for p in parts] == [3, 0, len(items) - 3] and torch.equal(torch.cat(parts), sigs)
 
 
+def test_a_target_whose_tensors_cannot_be_hashed_alone_loses_its_signatures(one_thread):
+    """Fail closed, one target at a time: when the sweep's batched hashing raises, each target is hashed alone and
+    only the one at fault is left without signatures (its row is then INCONCLUSIVE, never AGREE)."""
+    from types import SimpleNamespace
+
+    from scout_ckpt.consensus.signatures import replica_signatures
+    from scout_ckpt.replay.runner import ReplayRunner
+
+    good = [torch.randn(5), torch.randn(3, 3)]
+    results = [[["a", "b"], list(good), 0.0, None], [["c"], [torch.empty(2, device="meta")], 0.0, None],
+               [["d", "e"], list(good), 0.0, None]]
+    work = [(0, ("block", "x"), None), (1, ("block", "y"), None), (2, ("head", "z"), None)]
+    pending = [0, 1, 2]
+    with pytest.warns(UserWarning, match="replay of y at step 4 failed"):
+        ReplayRunner._sign(SimpleNamespace(rank=0), 4, work, results, pending)
+    assert pending == [] and results[1][:2] == [[], None]
+    assert all(torch.equal(results[k][1], replica_signatures(good)) for k in (0, 2))
+
+
 @pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
                                   "RMSprop", "Rprop"])
 def test_windows_updated_together_land_on_the_live_update_bitwise(name, one_thread):

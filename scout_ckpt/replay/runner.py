@@ -386,7 +386,8 @@ class ReplayRunner:
     def _sign(self, step: int, work: list, results: list[list], pending: list[int]) -> None:
         """Replace the replayed tensors of the `pending` targets by their signatures, hashed in ONE call (per-call
         and per-tensor fixed costs were a tenth of a sweep, see replay.signing). A batch that cannot be hashed is
-        hashed per target, so that only the target whose tensors fail loses its signatures (no row: never a pass)."""
+        hashed per target, so that only the target whose tensors fail loses its signatures (INCONCLUSIVE, as a
+        replay that failed). The straggler rule's durations are the replays' own, without the hashing."""
         if not pending:
             return
         try:
