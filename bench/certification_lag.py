@@ -1,6 +1,7 @@
 """Certification lag and the cost of the save-boundary sweep, in healthy runs with the library defaults.
 
-`python bench/certification_lag.py [--json] [--ranks 2] [--steps 60] [--save-every 10] [--modes ddp,fsdp,ddp+replay]`
+`python bench/certification_lag.py [--json] [--ranks 2] [--steps 60] [--save-every 10] [--modes ddp,fsdp,ddp+replay]
+[--large]`
 
 A user-shaped script (the demo's TinyTransformer trained by a plain loop: `DistributedDataParallel` for ddp,
 FSDP2 `fully_shard` per block and at the root for fsdp) with `Checkpointer(root, model=model, optimizer=opt)` and
@@ -20,7 +21,11 @@ its extra time over a plain step is charged to the sweep too:
 The same ratios from each rank's CPU time (time.process_time: every thread of the process, gloo's and the hash
 pool's included), `*_cpu`: on a shared host wall time also counts the other tenants' work, and these do not.
 
-Targets: lag median and max 0; sweep_amortized_100 < 0.01 (1% of training time).
+--large adds a second configuration, d_model 384 and seq 128 (about 9x the compute per step: the sweep's fixed
+per-target costs weigh less there): its ratios are `large_<key>` beside the default ones (whose keys do not
+change), its per-mode results under "large", and its lags count in lag_median/lag_max/never_certified.
+
+Targets: lag median and max 0; sweep_amortized_100 < 0.01 (1% of training time), in every configuration run.
 """
 
 from __future__ import annotations
@@ -141,28 +146,23 @@ def led_rows(root):
         return [r for r in led.checkpoints() if r["state"] != "certified"]
 
 
-def main() -> None:
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--save-every", type=int, default=10)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--blocks", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--modes", default="ddp,fsdp,ddp+replay")
-    args = p.parse_args()
+LARGE = {"d_model": 384, "seq": 128}   # --large: the second configuration, reported under `large_*` keys
+
+
+def _config(args, d_model: int, seq: int) -> tuple[dict, list, dict, list]:
+    """Every mode of one model size: (per-mode results, table rows, ratios, every checkpoint's lag)."""
     from scout_ckpt.launch import run_ranks
 
     med = statistics.median
     results, rows, ratios = {}, [], {}
     lags_all: list[int | None] = []
     for mode in args.modes.split(","):
-        cfg = {"mode": mode, "steps": args.steps, "save_every": args.save_every, "d_model": args.d_model,
-               "blocks": args.blocks, "seq": args.seq, "batch": args.batch}
+        cfg = {"mode": mode, "steps": args.steps, "save_every": args.save_every, "d_model": d_model,
+               "blocks": args.blocks, "seq": seq, "batch": args.batch}
         root = tempfile.mkdtemp(prefix="scout-lag-")
         try:
-            log(f"{mode}: {args.ranks} ranks, {args.steps} steps, a save every {args.save_every}")
+            log(f"{mode}: {args.ranks} ranks, {args.steps} steps, a save every {args.save_every}, d_model {d_model}, "
+                f"seq {seq}")
             out = run_ranks(_worker, args.ranks, os.path.join(root, "run"), cfg, timeout=3600, pg_timeout_s=600)
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -191,10 +191,36 @@ def main() -> None:
             res.update(sweep_per_save_steps_cpu=per_cpu, sweep_amortized_100_cpu=per_cpu / INTERVAL)
             ratios[f"{mode}_sweep_per_save_steps_cpu"] = per_cpu
         results[mode] = res
-        rows.append([mode, res["lag_median"], res["lag_max"], res["never_certified"], f"{res['step_s']:.4f}",
-                     f"{res['save_s']:.3f}", f"{res.get('sweep_s', 0):.4f}",
+        rows.append([f"{mode} d{d_model}/s{seq}", res["lag_median"], res["lag_max"], res["never_certified"],
+                     f"{res['step_s']:.4f}", f"{res['save_s']:.3f}", f"{res.get('sweep_s', 0):.4f}",
                      f"{res['sweep_per_save_steps']:.2f}" if "sweep_per_save_steps" in res else "-",
                      f"{res['sweep_amortized_100']:.4f}" if "sweep_amortized_100" in res else "-"])
+    return results, rows, ratios, lags_all
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--modes", default="ddp,fsdp,ddp+replay")
+    p.add_argument("--large", action="store_true",
+                   help=f"also run every mode at d_model {LARGE['d_model']}, seq {LARGE['seq']}: its ratios are "
+                        "reported as large_<key>, its modes under \"large\"")
+    args = p.parse_args()
+    med = statistics.median
+    results, rows, ratios, lags_all = _config(args, args.d_model, args.seq)
+    large = None
+    if args.large:
+        l_results, l_rows, l_ratios, l_lags = _config(args, LARGE["d_model"], LARGE["seq"])
+        rows += l_rows
+        lags_all += l_lags
+        ratios.update({f"large_{k}": v for k, v in l_ratios.items()})
+        large = {"modes": l_results, "params": dict(LARGE)}
     done = [x for x in lags_all if x is not None]
     ratios["lag_median_steps"] = med(done) if done else None
     ratios["lag_max_steps"] = max(done) if done else None          # over the checkpoints that certified
@@ -207,6 +233,8 @@ def main() -> None:
               "params": {"ranks": args.ranks, "steps": args.steps, "save_every": args.save_every,
                          "d_model": args.d_model, "blocks": args.blocks, "seq": args.seq, "batch": args.batch},
               "load": load_note()}
+    if large is not None:
+        result["large"] = large
     emit(result, args, rows, ["mode", "lag med", "lag max", "never", "step s", "save s", "sweep s",
                               "sweep/save (steps)", "amortized@100"],
          title="Certification lag (steps from save to certified) and the sweep's cost, library defaults")

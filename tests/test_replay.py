@@ -208,6 +208,79 @@ def test_optimizer_slice_replay_matches_the_live_update_bitwise(one_thread):
     assert labels2 == labels and tensors2[-1].tolist() == [0, 0]
 
 
+def test_batched_signatures_are_replica_signatures_row_by_row(one_thread):
+    """The sweep hashes every target's tensors in one call (replay.signing): each row must be exactly what
+    replica_signatures gives that tensor alone, for every kind of tensor a replay can produce, and one bit flipped
+    in an interior element of the LAST tensor must change that row and no other."""
+    from scout_ckpt.consensus.signatures import replica_signatures
+    from scout_ckpt.replay.signing import SMALL_BYTES, signatures, signatures_of
+
+    g = torch.Generator().manual_seed(3)
+    items = [torch.randn(3, 4, generator=g), torch.randn(5, 7, generator=g).t(), torch.tensor(3.0), torch.zeros(0),
+             torch.randn(SMALL_BYTES // 4 + 5, generator=g), torch.randn(4, requires_grad=True) * 2,
+             torch.randint(0, 9, (6,), generator=g), torch.tensor([True, False]), torch.randn(8).bfloat16(),
+             torch.randn(3, dtype=torch.complex64).conj(), torch.randn(2, 3)[:, 1], b"bytes",
+             torch.randn(2, 3, generator=g)[1], torch.randn(40, 40, generator=g)]
+    sigs = signatures(items)
+    assert torch.equal(sigs, torch.cat([replica_signatures([t]) for t in items]))
+    flipped = list(items)
+    last = items[-1].clone()
+    last.view(-1).view(torch.int32)[last.numel() // 2 + 7] ^= 1   # one low mantissa bit, mid-tensor
+    flipped[-1] = last
+    again = signatures(flipped)
+    assert torch.equal(again[:-1], sigs[:-1]) and not torch.equal(again[-1], sigs[-1])
+    parts = signatures_of([items[:3], [], items[3:]])
+    assert [len(p) for p in parts] == [3, 0, len(items) - 3] and torch.equal(torch.cat(parts), sigs)
+
+
+def test_a_target_whose_tensors_cannot_be_hashed_alone_loses_its_signatures(one_thread):
+    """Fail closed, one target at a time: when the sweep's batched hashing raises, each target is hashed alone and
+    only the one at fault is left without signatures (its row is then INCONCLUSIVE, never AGREE)."""
+    from types import SimpleNamespace
+
+    from scout_ckpt.consensus.signatures import replica_signatures
+    from scout_ckpt.replay.runner import ReplayRunner
+
+    good = [torch.randn(5), torch.randn(3, 3)]
+    results = [[["a", "b"], list(good), 0.0, None], [["c"], [torch.empty(2, device="meta")], 0.0, None],
+               [["d", "e"], list(good), 0.0, None]]
+    work = [(0, ("block", "x"), None), (1, ("block", "y"), None), (2, ("head", "z"), None)]
+    pending = [0, 1, 2]
+    with pytest.warns(UserWarning, match="replay of y at step 4 failed"):
+        ReplayRunner._sign(SimpleNamespace(rank=0), 4, work, results, pending)
+    assert pending == [] and results[1][:2] == [[], None]
+    assert all(torch.equal(results[k][1], replica_signatures(good)) for k in (0, 2))
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
+                                  "RMSprop", "Rprop"])
+def test_windows_updated_together_land_on_the_live_update_bitwise(name, one_thread):
+    """replay_update runs the windows of a group that share their scalar state as one tensor: every window must
+    still land on the live update's bits (the independent oracle: the live optimizer on whole tensors), for every
+    elementwise optimizer, with state and without (first step), and the windows must really be merged."""
+    from scout_ckpt.replay.optimizer_replay import OptimizerCapture, _bucket, replay_update
+
+    kw = {"SGD": {"lr": 0.1, "momentum": 0.9}, "Adam": {"amsgrad": True, "weight_decay": 0.01},
+          "RMSprop": {"momentum": 0.5, "centered": True}}.get(name, {})
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 13), (1000,), (3,), (1,), (64, 64)]]
+    opt = getattr(torch.optim, name)(params, **kw)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        cap = OptimizerCapture(opt, max_elems=500)
+        cap.arm(step)
+        opt.step()
+        cap.disarm()
+        c = cap.capture
+        assert c.unsupported is None and len(c.params) == len(params)
+        assert len({_bucket(c, i) for i in range(len(c.params))}) < len(c.params)  # some windows merged
+        new_p, new_s = replay_update(type(opt), opt.defaults, c)
+        assert all(torch.equal(a, b) for a, b in zip(new_p, c.after_params)), (name, step)
+        assert all(sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+                   for a, b in zip(new_s, c.after_state)), (name, step)
+
+
 # ---- real gloo runs -------------------------------------------------------------------------------------------
 
 def _rows(outcomes):

@@ -57,6 +57,28 @@ class TinyLM(nn.Module):
         return self.head(x)
 
 
+class FaultyHead(nn.Linear):
+    """The head with one interior output element off by `fault_scale` (an attribute, as Block's: the replay's copy
+    computes the same wrong value)."""
+
+    fault_elem: int = 0
+    fault_scale: float = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.fault_scale != 1.0:
+            scale = torch.ones_like(out)
+            scale.view(-1)[self.fault_elem] = self.fault_scale
+            out = out * scale
+        return out
+
+
+def fault_head(model: TinyLM, elem: int, scale: float) -> None:
+    """From now on this rank's head computes output element `elem` wrongly (same parameters, same module)."""
+    model.head.__class__ = FaultyHead
+    model.head.fault_elem, model.head.fault_scale = elem, scale
+
+
 class FaultyAdamW(torch.optim.AdamW):
     """From `corrupt` on, the live update of the first parameter's element 0 is off by a factor (a bad optimizer
     kernel). Instance state, not a hyperparameter: a fresh optimizer of this class computes correctly."""
@@ -106,8 +128,9 @@ def make_runner(model, opt, groups, **kw):
     return ReplayRunner(model, opt, groups=groups, **kw)
 
 
-def run(rank, world, steps, *, runner=None, faults=None, opt_fault=None, seed=0, timings=None):
-    """Train `steps` steps; faults: {rank: (block index, from step, scale)}, opt_fault: (rank, from step)."""
+def run(rank, world, steps, *, runner=None, faults=None, opt_fault=None, seed=0, timings=None, head_fault=None):
+    """Train `steps` steps; faults: {rank: (block index, from step, scale)}, opt_fault: (rank, from step),
+    head_fault: (rank, from step, output element, scale)."""
     model, opt = setup(rank, seed)
     if runner is not None:
         runner = runner(model, opt)
@@ -117,6 +140,8 @@ def run(rank, world, steps, *, runner=None, faults=None, opt_fault=None, seed=0,
             model.blocks[faults[rank][0]].fault_scale = faults[rank][2]
         if opt_fault and rank == opt_fault[0] and step == opt_fault[1]:
             opt.corrupt = True
+        if head_fault and rank == head_fault[0] and step == head_fault[1]:
+            fault_head(model, head_fault[2], head_fault[3])
         t0 = time.perf_counter()
         train_step(model, opt, rank, world, step, seed)
         t1 = time.perf_counter()

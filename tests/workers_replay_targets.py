@@ -246,13 +246,14 @@ def w_discover_wrapped(rank, world, kind):
     return out
 
 
-def w_sweep(rank, world, steps, save_at, expect=(), faults=None, bitwise=False, unarmed=(), poke=()):
+def w_sweep(rank, world, steps, save_at, expect=(), faults=None, bitwise=False, unarmed=(), poke=(), head_fault=None):
     """The demo-like TinyLM of workers_replay, rotation far apart (interval 1000: only sweeps run). Saves at
     `save_at`: announced with expect_save for the steps in `expect`, the rest must be predicted by the runner
     from the period of the earlier saves (before the first announcement, every step is captured). `unarmed`: steps where sweep is called without any announcement.
     bitwise: also train without the runner and compare the final state bit for bit. poke: steps after whose
     optimizer step (before the sweep) user code writes in place into the activation blocks.0 received (kept by a
-    forward hook of its own), as an in-place post-processing of a kept tensor would."""
+    forward hook of its own), as an in-place post-processing of a kept tensor would. head_fault: (rank, from step,
+    output element, scale): the LAST module target computes one interior element wrongly (workers_replay.FaultyHead)."""
     from tests import workers_replay as wr
 
     groups = wr.make_groups(world)
@@ -268,6 +269,8 @@ def w_sweep(rank, world, steps, save_at, expect=(), faults=None, bitwise=False, 
         armed_at[step] = live is not None and live[0] == step
         if faults and rank in faults and step == faults[rank][1]:
             model.blocks[faults[rank][0]].fault_scale = faults[rank][2]
+        if head_fault and rank == head_fault[0] and step == head_fault[1]:
+            wr.fault_head(model, head_fault[2], head_fault[3])
         kept.clear()
         wr.train_step(model, opt, rank, world, step)
         rows += runner.on_step(step)
@@ -280,7 +283,7 @@ def w_sweep(rank, world, steps, save_at, expect=(), faults=None, bitwise=False, 
     if bitwise:
         runner.close()
         state_a = wr._state(model, opt)
-        model_b, opt_b, _, _ = wr.run(rank, world, steps, faults=faults)
+        model_b, opt_b, _, _ = wr.run(rank, world, steps, faults=faults, head_fault=head_fault)
         state_b = wr._state(model_b, opt_b)
         out["bitwise"] = len(state_a) == len(state_b) and all(torch.equal(a, b) for a, b in zip(state_a, state_b))
     return out

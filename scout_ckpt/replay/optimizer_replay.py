@@ -38,6 +38,8 @@ def supports(optimizer) -> bool:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, read directly: `to_local()` is an autograd Function call (~0.1 ms each), and the
     capture reads several tensors per parameter every armed step (it was most of an armed FSDP step's extra)."""
+    if type(t) is torch.Tensor:
+        return t
     local = getattr(t, "_local_tensor", None)
     if local is not None:
         return local
@@ -58,7 +60,10 @@ def _windows_of(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> li
     callers fall back to _slice otherwise."""
     if not tensors:
         return []
-    flat = torch.cat([t.detach().reshape(-1).narrow(0, s, n) for t, (s, n) in zip(tensors, spans)])
+    # a contiguous tensor's window is one as_strided view (one dispatch, not detach+reshape+narrow: a capture
+    # cuts a few windows per parameter every armed step)
+    flat = torch.cat([t.detach().as_strided((n,), (1,), t.storage_offset() + s) if t.is_contiguous()
+                      else t.detach().reshape(-1).narrow(0, s, n) for t, (s, n) in zip(tensors, spans)])
     return list(torch.split(flat, [n for _, n in spans]))
 
 
@@ -231,28 +236,84 @@ def _fresh(cls, group: dict, defaults: dict):
 def replay_update(cls, defaults: dict, cap: SliceCapture) -> tuple[list[torch.Tensor], list[dict]]:
     """Re-run the update of each captured window with a fresh optimizer of class `cls`: new params, new state.
 
-    One fresh optimizer per live parameter group (the windows of a group share its hyperparameters), so a round
-    over every tensor of a large model costs a few optimizer steps, not one per tensor."""
-    groups: dict[str, list[int]] = {}
+    One fresh optimizer per live parameter group (the windows of a group share its hyperparameters), and within a
+    group the windows that agree on everything but their elements (dtypes, devices, state keys, scalar state such
+    as `step`, bit for bit) are updated as ONE tensor, cut back into windows after: the optimizers here are
+    elementwise, so an element's update does not depend on the tensor it sits in, and a round over a model's
+    hundreds of tensors costs a few optimizer kernels instead of a dozen per window (the per-window loop was most
+    of a sweep's optimizer replay). The live update ran on whole tensors, the windows start anywhere in them: the
+    self-check has always relied on that independence of position."""
+    groups: dict[str, dict[tuple, list[int]]] = {}
     for i, name in enumerate(cap.names):
-        groups.setdefault(name.split(".", 1)[0], []).append(i)
+        groups.setdefault(name.split(".", 1)[0], {}).setdefault(_bucket(cap, i), []).append(i)
     out_params: list = [None] * len(cap.params)
     out_state: list = [None] * len(cap.params)
-    for idx in groups.values():
-        ps = []
-        for i in idx:
-            p = torch.nn.Parameter(cap.params[i].clone())
-            p.grad = cap.grads[i].clone()
-            ps.append(p)
-        opt = _fresh(cls, dict(cap.hyper[idx[0]], params=ps), defaults)
-        for i, p in zip(idx, ps):
-            if cap.state[i]:
-                opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in cap.state[i].items()}
+    for buckets in groups.values():
+        ps, members = [], []
+        for idx in buckets.values():
+            ps.append(_merged_param(cap, idx))
+            members.append(idx)
+        first = next(iter(buckets.values()))[0]
+        opt = _fresh(cls, dict(cap.hyper[first], params=ps), defaults)
+        for idx, p in zip(members, ps):
+            st = _merged_state(cap, idx)
+            if st:
+                opt.state[p] = st
         opt.step()
-        for i, p in zip(idx, ps):
-            out_params[i] = p.detach()
-            out_state[i] = {k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+        for idx, p in zip(members, ps):
+            sizes = [cap.params[i].numel() for i in idx]
+            state = {k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+            cut = {k: (v.split(sizes) if len(idx) > 1 and v.shape == p.shape else [v] * len(idx))
+                   for k, v in state.items()}
+            for j, (i, w) in enumerate(zip(idx, p.detach().split(sizes) if len(idx) > 1 else [p.detach()])):
+                out_params[i] = w
+                out_state[i] = {k: parts[j] for k, parts in cut.items()}
     return out_params, out_state
+
+
+def _bucket(cap: SliceCapture, i: int) -> tuple:
+    """Windows with equal keys can be updated as one tensor (replay_update). A window of fewer than 2 elements
+    stays alone: its elementwise state could not be told apart from scalar state by shape."""
+    p, g = cap.params[i], cap.grads[i]
+    if p.ndim != 1 or p.numel() < 2 or g is None or g.shape != p.shape:
+        return ("alone", i)
+    key: list = [p.dtype, p.device, g.dtype, g.device]
+    for k in sorted(cap.state[i]):
+        v = cap.state[i][k]
+        if isinstance(v, torch.Tensor) and v.shape == p.shape:
+            key.append((k, "window", v.dtype, v.device))
+        elif isinstance(v, torch.Tensor):
+            bits = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            key.append((k, "scalar", v.dtype, v.device, tuple(v.shape), bits))
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            key.append((k, "value", type(v).__name__, repr(v)))
+        else:
+            return ("alone", i)
+    return tuple(key)
+
+
+def _merged_param(cap: SliceCapture, idx: list[int]) -> torch.nn.Parameter:
+    if len(idx) == 1:
+        p = torch.nn.Parameter(cap.params[idx[0]].clone())
+        p.grad = cap.grads[idx[0]].clone()
+    else:
+        p = torch.nn.Parameter(torch.cat([cap.params[i] for i in idx]))
+        p.grad = torch.cat([cap.grads[i] for i in idx])
+    return p
+
+
+def _merged_state(cap: SliceCapture, idx: list[int]) -> dict:
+    st0 = cap.state[idx[0]]
+    if len(idx) == 1:
+        return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st0.items()}
+    n = cap.params[idx[0]].shape
+    out = {}
+    for k, v in st0.items():
+        if isinstance(v, torch.Tensor) and v.shape == n:
+            out[k] = torch.cat([cap.state[i][k] for i in idx])
+        else:
+            out[k] = v.clone() if isinstance(v, torch.Tensor) else v
+    return out
 
 
 def _flat(params: list[torch.Tensor], state: list[dict]) -> tuple[list[str], list[torch.Tensor]]:
@@ -268,29 +329,40 @@ def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
     if a.shape != b.shape or a.dtype != b.dtype:
         return max(a.numel(), b.numel(), 1)
     it = _INT[a.element_size()]
-    return int((a.contiguous().view(it) != b.contiguous().view(it)).sum())
+    x, y = a.contiguous().view(it), b.contiguous().view(it)
+    return 0 if torch.equal(x, y) else int((x != y).sum())  # equal (the usual case): no mask, no count
 
 
 def _all_mismatches(live: list[torch.Tensor], mine: list[torch.Tensor]) -> int:
     """sum(_mismatches(a, b)) over the pairs, in one comparison per dtype when the shapes pair up (one kernel,
     not one per tensor: a round compares a few tensors per parameter)."""
     pairs = list(zip(live, mine))
-    if any(a.shape != b.shape or a.dtype != b.dtype for a, b in pairs):
-        return sum(_mismatches(a, b) for a, b in pairs)
-    bad = 0
-    for dtype in {a.dtype for a, _ in pairs}:
-        sel = [(a, b) for a, b in pairs if a.dtype == dtype and a.numel()]
-        if sel:
-            bad += _mismatches(torch.cat([a.reshape(-1) for a, _ in sel]), torch.cat([b.reshape(-1) for _, b in sel]))
-    return bad
+    by_dtype: dict[torch.dtype, tuple[list, list]] = {}
+    for a, b in pairs:
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return sum(_mismatches(a, b) for a, b in pairs)
+        if a.numel():
+            xs, ys = by_dtype.setdefault(a.dtype, ([], []))
+            xs.append(a if a.ndim == 1 else a.reshape(-1))   # windows are 1-D already: no reshape call
+            ys.append(b if b.ndim == 1 else b.reshape(-1))
+    return sum(_mismatches(torch.cat(xs), torch.cat(ys)) for xs, ys in by_dtype.values())
 
 
 def same_inputs(a: SliceCapture, b: SliceCapture) -> bool:
     """Do two captures hold the same pre-step windows, bit for bit (and the same names, starts, hyperparameters
     and scalar state)? Bits, not values: 0.0 and -0.0, or two NaNs, may update differently."""
     if (a.names != b.names or a.starts != b.starts or a.unsupported != b.unsupported or len(a.params) != len(b.params)
-            or len(a.grads) != len(b.grads) or len(a.state) != len(b.state) or not _same(a.hyper, b.hyper)):
+            or len(a.grads) != len(b.grads) or len(a.state) != len(b.state) or len(a.hyper) != len(b.hyper)):
         return False
+    # The windows of one parameter group share one hyperparameter dict (in a capture, and after pickling, which
+    # keeps shared objects shared): each distinct pair is compared once, not once per window (it was half the
+    # cost of a sweep's optimizer replay).
+    seen: set[tuple[int, int]] = set()
+    for x, y in zip(a.hyper, b.hyper):
+        if (id(x), id(y)) not in seen:
+            if not _same(x, y):
+                return False
+            seen.add((id(x), id(y)))
     ta, tb = list(a.params) + list(a.grads), list(b.params) + list(b.grads)
     for sa, sb in zip(a.state, b.state):
         if sorted(sa) != sorted(sb):
