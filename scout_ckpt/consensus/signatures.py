@@ -53,6 +53,7 @@ below and the per-tensor entry points. `flatten_state`, `leaf_bytes`, `full_sign
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -85,6 +86,7 @@ CPU_KERNEL = "numpy"
 THREADS: int | None = None
 # Replica signatures: CPU tensors of at least this many bytes are hashed in the thread pool, smaller ones inline.
 POOL_MIN_BYTES = 1 << 20
+SMALL_PLAIN = 1 << 16   # replica_signatures copies the bytes of a plain CPU tensor below this (see _small_plain)
 
 
 def _chunk_for(device: torch.device) -> int:
@@ -253,6 +255,11 @@ def replica_signatures(items: list) -> torch.Tensor:
     pooled: list[tuple[int, Any]] = []
     device_items: list[tuple[int, torch.Tensor]] = []
     for i, item in enumerate(items):
+        if _small_plain(item):
+            # its own bytes copied out (data_ptr includes the storage offset): a replay's hundreds of small
+            # tensors (optimizer windows, biases) paid tens of microseconds each for the general path below
+            digests[i] = xxhash.xxh3_128_intdigest(ctypes.string_at(item.data_ptr(), item.nbytes))
+            continue
         if isinstance(item, (bytes, bytearray, memoryview)):
             digests[i] = xxhash.xxh3_128_intdigest(bytes(item))
             continue
@@ -283,6 +290,14 @@ def replica_signatures(items: list) -> torch.Tensor:
     if device_items:
         out[[i for i, _ in device_items]] = batch_signatures([t for _, t in device_items])
     return out
+
+
+def _small_plain(t) -> bool:
+    """A plain, dense, contiguous, non-empty CPU tensor under SMALL_PLAIN bytes whose memory holds exactly its
+    row-major bytes (no conjugate or negative bit): hashed from a copy of those bytes, the same digest as
+    `_host_bytes` gives, without its per-tensor torch and numpy calls."""
+    return (type(t) is torch.Tensor and t.is_cpu and t.layout == torch.strided and 0 < t.nbytes < SMALL_PLAIN
+            and t.is_contiguous() and not t.is_quantized and not t.is_conj() and not t.is_neg())
 
 
 def _host_bytes(t: torch.Tensor) -> np.ndarray:

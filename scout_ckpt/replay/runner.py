@@ -53,7 +53,6 @@ from scout_ckpt.replay.optimizer_replay import (
     supports,
 )
 from scout_ckpt.replay.schedule import Schedule, Target
-from scout_ckpt.replay.signing import signatures_of
 from scout_ckpt.replay.stragglers import StragglerRule
 from scout_ckpt.replay.targets import NoTargets, discover, resolve, sites
 from scout_ckpt.replay.transport import broadcast_each, host
@@ -385,14 +384,17 @@ class ReplayRunner:
 
     def _sign(self, step: int, work: list, results: list[list], pending: list[int]) -> None:
         """Replace the replayed tensors of the `pending` targets by their signatures, hashed in ONE call (per-call
-        and per-tensor fixed costs were a tenth of a sweep, see replay.signing). A batch that cannot be hashed is
+        and per-tensor fixed costs were a tenth of a sweep). A batch that cannot be hashed is
         hashed per target, so that only the target whose tensors fail loses its signatures (INCONCLUSIVE, as a
         replay that failed). The straggler rule's durations are the replays' own, without the hashing."""
         if not pending:
             return
         try:
-            for k, sigs in zip(pending, signatures_of([results[k][1] for k in pending])):
-                results[k][1] = sigs
+            sigs = replica_signatures([t for k in pending for t in results[k][1]])
+            at = 0
+            for k in pending:
+                n = len(results[k][1])
+                results[k][1], at = sigs[at:at + n], at + n
         except Exception:  # noqa: BLE001 -- find the target at fault
             for k in pending:
                 try:
