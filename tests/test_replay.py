@@ -367,3 +367,24 @@ def test_a_rank_slow_in_every_replay_is_reported_as_a_straggler():
     assert [e["ranks"] for e in events if 2 in e["ranks"]] == [[2]]
     ev = next(e for e in events if e["ranks"] == [2])
     assert ev["kind"] == "straggler" and ev["step"] == 4 and ev["detail"]["slowdown"] > 1.5
+
+
+def test_save_forecast_said_configured_learned_or_maybe():
+    """Which steps the sweep arms for (replay.schedule.SaveForecast): every step while nothing is known, then the
+    configured multiples, the said steps, or the period of the last two saves; a said step is never a maybe."""
+    from scout_ckpt.replay.schedule import SaveForecast
+
+    f = SaveForecast()
+    assert f.due(3) and not f.due(3, known=True)          # nothing known: maybe every step, never "known"
+    f.saved(10)
+    f.saved(25)
+    assert f.due(40, known=True) and not f.due(39) and not f.due(25)   # the period 15 continued, forward only
+    g = SaveForecast(save_every=8)
+    assert g.due(16, known=True) and not g.due(12)
+    h = SaveForecast()
+    h.expect(7)
+    assert h.due(7, known=True) and not h.due(8)           # said once: no capture on mere suspicion after that
+    h.saved(7)
+    assert 7 not in h.expected and h.saves == [7]
+    with pytest.raises(ValueError, match="save_every must be >= 1"):
+        SaveForecast(save_every=0)

@@ -52,7 +52,7 @@ from scout_ckpt.replay.optimizer_replay import (
     replay_signature_inputs,
     supports,
 )
-from scout_ckpt.replay.schedule import Schedule, Target
+from scout_ckpt.replay.schedule import SaveForecast, Schedule, Target
 from scout_ckpt.replay.stragglers import StragglerRule
 from scout_ckpt.replay.targets import NoTargets, discover, resolve, sites
 from scout_ckpt.replay.transport import broadcast_each, host
@@ -79,8 +79,7 @@ class ReplayRunner:
                  targets: list | None = None, interval: int = 1, deterministic: bool = True,
                  peers: str = "auto", opt_elems: int = DEFAULT_ELEMS, save_every: int | None = None,
                  straggler_rounds: int = 3):
-        if save_every is not None and save_every < 1:
-            raise ValueError(f"replay save_every must be >= 1, got {save_every}")
+        self.forecast = SaveForecast(save_every)   # first: a bad save_every is refused before anything else
         self.model = model
         self.optimizer = optimizer
         self.deterministic = deterministic
@@ -109,10 +108,6 @@ class ReplayRunner:
                 self._captures[name] = OptimizerCapture(optimizer, opt_elems)
             else:
                 self._captures[name] = ModuleCapture(where[name].outer, where[name].inner)
-        self.save_every = save_every
-        self._expected: set[int] = set()
-        self._announced = False                # expect_save was used: no capture on mere suspicion
-        self._saves: list[int] = []            # steps swept so far (predicts the next save)
         # Sweep captures, double-buffered: `_live` has its hooks on for the coming step; `_done` holds the
         # step just finished until its sweep (which comes after on_step, before the next forward).
         self._live: tuple[int, dict[str, Any]] | None = None
@@ -155,7 +150,7 @@ class ReplayRunner:
         armed, self._armed = self._armed, None
         if armed is not None:
             self._captures[armed[1][1]].disarm()
-            if armed[0] == step and self._live is not None and self._live[0] == step and self._save_due(step, True):
+            if armed[0] == step and self._live is not None and self._live[0] == step and self.forecast.due(step, True):
                 # a save is due at this step: the sweep replays this capture with the rest, in its collectives
                 # (one round of them less per save); if the save does not come, the next on_step replays it. The
                 # same decision on every rank: it derives from the save history, as the arming does. What was
@@ -204,8 +199,7 @@ class ReplayRunner:
         """Say that `step` will be saved, before that step's forward (e.g. from the per-step hook of step-1, or
         at start-up): the sweep at that save then has every target's inputs. Local, no communication; every rank
         must say the same (as for any arming decision)."""
-        self._expected.add(step)
-        self._announced = True
+        self.forecast.expect(step)
         if self._next == step:
             self._arm_sweep(step)
             self._set_eager()
@@ -227,7 +221,7 @@ class ReplayRunner:
             # sweep's: the same replay the rotation would have run, in the sweep's collectives
             items = [(t, deferred[2] if deferred is not None and t == deferred[1] else self._done[1][t[1]])
                      for t in self._targets if t[1] not in done]
-            src = self.peers[(step + len(self._saves)) % len(self.peers)]  # the source rotates over saves
+            src = self.peers[(step + len(self.forecast.saves)) % len(self.peers)]  # the source rotates over saves
             for t, cap in items:
                 inv = getattr(cap, "invocation", None)
                 if t[0] != "optimizer" and inv is not None and not inv.intact():
@@ -240,34 +234,29 @@ class ReplayRunner:
                 row["detail"]["sweep"] = deferred is None or row["target"] != deferred[1][1]
         else:
             rows = self._flush_deferred() if deferred is not None else []
-            if armed or step in self._expected:
+            if armed or step in self.forecast.expected:
                 warnings.warn(f"replay sweep at step {step}: not every peer captured the step; coverage of this "
                               f"checkpoint waits for the rotation")
         self._done = None
-        self._expected.discard(step)
-        if not self._saves or self._saves[-1] < step:
-            self._saves.append(step)
-        if self._live is not None and not self._save_due(self._live[0]):
+        self.forecast.saved(step)
+        if self._live is not None and not self.forecast.due(self._live[0]):
             for cap in self._live[1].values():  # armed while learning the save period, which this save taught
                 cap.disarm()
             self._live = None
         self._set_eager()
         return rows
 
-    def _save_due(self, step: int, known: bool = False) -> bool:
-        """Will `step` be saved? Said (`expect_save`), configured (`save_every`), the period of the last two
-        saves continued, or -- while none of these is known (no save_every, no expect_save yet, fewer than two
-        saves) -- maybe: capture every step, so that even the first saves get a sweep (`known`: not on a maybe).
-        Every rank derives the same answer from the same calls."""
-        if step in self._expected or (self.save_every and step % self.save_every == 0):
-            return True
-        if len(self._saves) >= 2:
-            period = self._saves[-1] - self._saves[-2]
-            return period > 0 and step > self._saves[-1] and (step - self._saves[-1]) % period == 0
-        return not known and self.save_every is None and not self._expected and not self._announced
+    @property
+    def save_every(self) -> int | None:
+        """Arm the sweep capture for every multiple of it (None: learn the period from the saves)."""
+        return self.forecast.save_every
+
+    @save_every.setter
+    def save_every(self, value: int | None) -> None:
+        self.forecast.save_every = value
 
     def _arm_sweep(self, step: int) -> None:
-        if (self._live is not None and self._live[0] == step) or not self._save_due(step):
+        if (self._live is not None and self._live[0] == step) or not self.forecast.due(step):
             return
         caps: dict[str, Any] = {}
         for recipe, name in self._targets:

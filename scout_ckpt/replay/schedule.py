@@ -61,6 +61,39 @@ class Schedule:
         return (slot + slot // len(self.targets)) % n_peers
 
 
+
+class SaveForecast:
+    """Which steps will be saved, known before their forward (the sweep's capture must be armed then): said
+    (`expect`), configured (`save_every`), the period of the last two saves continued, or -- while none of these is
+    known (no save_every, nothing said yet, fewer than two saves) -- maybe: every step, so that even the first saves
+    get a sweep. A function of the calls alone, so every rank that makes the same calls gets the same answers."""
+
+    def __init__(self, save_every: int | None = None):
+        if save_every is not None and save_every < 1:
+            raise ValueError(f"replay save_every must be >= 1, got {save_every}")
+        self.save_every = save_every
+        self.expected: set[int] = set()
+        self.announced = False          # expect was used: no capture on mere suspicion
+        self.saves: list[int] = []      # steps saved so far (their period predicts the next)
+
+    def expect(self, step: int) -> None:
+        self.expected.add(step)
+        self.announced = True
+
+    def saved(self, step: int) -> None:
+        self.expected.discard(step)
+        if not self.saves or self.saves[-1] < step:
+            self.saves.append(step)
+
+    def due(self, step: int, known: bool = False) -> bool:
+        """Will `step` be saved? `known`: not on a maybe."""
+        if step in self.expected or (self.save_every and step % self.save_every == 0):
+            return True
+        if len(self.saves) >= 2:
+            period = self.saves[-1] - self.saves[-2]
+            return period > 0 and step > self.saves[-1] and (step - self.saves[-1]) % period == 0
+        return not known and self.save_every is None and not self.expected and not self.announced
+
 def _name(t) -> str:
     return t[1] if isinstance(t, (tuple, list)) else str(t)
 
@@ -121,4 +154,4 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = 
     return evidence(PASS, [], **detail)
 
 
-__all__ = ["OPTIMIZER_TARGET", "RECIPES", "Schedule", "Target", "coverage", "discover_targets"]
+__all__ = ["OPTIMIZER_TARGET", "RECIPES", "SaveForecast", "Schedule", "Target", "coverage", "discover_targets"]
