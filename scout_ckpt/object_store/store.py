@@ -185,33 +185,15 @@ class ObjectStore:
         """verify.verify_files for an attempt prefix. Sizes come from one listing (a missing or short object
         costs no read); then every file is read in CHUNK-sized ranged GETs, THREADS in flight across all files,
         each file hashed in order as its ranges arrive."""
-        for f in files:
-            if relpath_problem(f.get("path")) is not None:
-                raise BadInput(f"{self.uri_of(name)}: a recorded file path escapes the checkpoint "
-                               f"({clip(f.get('path'), 80)})")
-        listed = self.objects(name)
-        reasons: list[dict] = []
+        listed, reasons, todo = self._sizes(name, files)
         if not listed:
             return evidence(FAIL, [{"code": "missing_dir", "path": self.uri_of(name)}], files_checked=0)
-        todo = []
-        for f in files:
-            size = listed.get(f["path"])
-            if size is None:
-                reasons.append({"code": "missing_file", "file": f["path"], "rank": f.get("rank")})
-            elif size != f["size"]:
-                reasons.append({"code": "truncated_file" if size < f["size"] else "size_mismatch",
-                                "file": f["path"], "rank": f.get("rank"), "expected": f["size"], "actual": size})
-            else:
-                todo.append(f)
         try:
             digests = self._digests(name, todo, progress)
         except OSError as e:
             return evidence(FAIL, reasons + [{"code": "unreadable_file", "detail": clip(str(e), 200)}],
                             files_checked=len(files))
-        for f in todo:
-            if digests[f["path"]] != f["digest"]:
-                reasons.append({"code": "digest_mismatch", "file": f["path"], "rank": f.get("rank"),
-                                "expected": f["digest"], "actual": digests[f["path"]]})
+        reasons += _digest_reasons(todo, digests)
         if expect_complete:
             recorded = {f["path"] for f in files}
             if layout.DCP_METADATA not in recorded:
@@ -230,19 +212,7 @@ class ObjectStore:
         import os
         from pathlib import Path
 
-        for f in files:
-            if relpath_problem(f.get("path")) is not None:
-                raise BadInput(f"{self.uri_of(name)}: a recorded file path escapes the checkpoint "
-                               f"({clip(f.get('path'), 80)})")
-        listed = self.objects(name)
-        reasons = []
-        for f in files:
-            size = listed.get(f["path"])
-            if size is None:
-                reasons.append({"code": "missing_file", "file": f["path"]})
-            elif size != f["size"]:
-                reasons.append({"code": "truncated_file" if size < f["size"] else "size_mismatch",
-                                "file": f["path"], "expected": f["size"], "actual": size})
+        _, reasons, _ = self._sizes(name, files)
         if reasons:
             return reasons
         dest = Path(dest)
@@ -259,8 +229,27 @@ class ObjectStore:
             for out in outs.values():
                 out.flush()
                 os.fsync(out.fileno())
-        return [{"code": "digest_mismatch", "file": f["path"], "expected": f["digest"], "actual": digests[f["path"]]}
-                for f in files if digests[f["path"]] != f["digest"]]
+        return _digest_reasons(files, digests)
+
+    def _sizes(self, name: str, files: list[dict]) -> tuple[dict[str, int], list[dict], list[dict]]:
+        """(the attempt's listing, the reasons of missing or wrongly sized files, the files whose size matches):
+        one listing, no read. BadInput first if a recorded path would escape the checkpoint."""
+        for f in files:
+            if relpath_problem(f.get("path")) is not None:
+                raise BadInput(f"{self.uri_of(name)}: a recorded file path escapes the checkpoint "
+                               f"({clip(f.get('path'), 80)})")
+        listed = self.objects(name)
+        reasons, sized = [], []
+        for f in files:
+            size = listed.get(f["path"])
+            if size is None:
+                reasons.append({"code": "missing_file", "file": f["path"], "rank": f.get("rank")})
+            elif size != f["size"]:
+                reasons.append({"code": "truncated_file" if size < f["size"] else "size_mismatch",
+                                "file": f["path"], "rank": f.get("rank"), "expected": f["size"], "actual": size})
+            else:
+                sized.append(f)
+        return listed, reasons, sized
 
     def _digests(self, name: str, files: list[dict], progress, sink=None) -> dict[str, str]:
         ranges = [(f["path"], start, min(start + CHUNK, f["size"]))
@@ -356,3 +345,8 @@ def parse_manifest(data: bytes, where: str) -> dict:
         if type(f["size"]) is not int or f["size"] < 0 or not isinstance(f["digest"], str):
             raise BadInput(f"{where}: malformed manifest: bad size or digest for {clip(f['path'], 80)}")
     return m
+
+
+def _digest_reasons(files: list[dict], digests: dict[str, str]) -> list[dict]:
+    return [{"code": "digest_mismatch", "file": f["path"], "rank": f.get("rank"), "expected": f["digest"],
+             "actual": digests[f["path"]]} for f in files if digests[f["path"]] != f["digest"]]
