@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from scout_ckpt.consensus.flatten import holds_dtensor
+from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.loading import materialize
 from scout_ckpt.storage import ScoutWriter, StagingCache
@@ -95,10 +96,12 @@ class AsyncSaves:
     def _commit_posix(self, ck, pending, writer, staged: dict, live: dict | None) -> None:
         """Begin, write, evidence (from the staged copy when `live` is None), commit; every collective on the
         async side groups, in the same order on every rank."""
+        in_flight = InFlightDigests()   # the staged copy's consensus, partly signed by the writer as it writes
         try:
             ck._committer.begin(pending.step, pending.attempt, self.commit_pg, pending=pending)
             ck._hook("before_write", pending.step)
-            hashing = ck._start_consensus(staged, background=True) if live is None else None
+            hashing = ck._start_consensus(staged, background=True, in_flight=in_flight) if live is None else None
+            writer.in_flight = in_flight
             dcp.save(staged, storage_writer=writer, process_group=self.write_pg)
             if live is None:  # the staged copy is the state at the save boundary; the commit waits for it
                 live = ck._live_evidence(pending.step, staged, hashing, group=self.commit_pg)
@@ -106,6 +109,8 @@ class AsyncSaves:
             ck._commit(pending, writer, live, self.commit_pg)
         except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
             self._failed(ck, e)
+        finally:
+            in_flight.release()
 
     def _commit_store(self, ck, upload, pending, writer, live: dict) -> None:
         """Waits for dcp.async_save's upload, commits."""

@@ -16,7 +16,6 @@ import datetime
 import fnmatch
 import os
 import platform
-import threading
 import time
 import uuid
 
@@ -31,6 +30,7 @@ from scout_ckpt import log as scout_log
 from scout_ckpt.app_state import RankLocal
 from scout_ckpt.async_save import AsyncSaves
 from scout_ckpt.consensus.groups import ConsensusGroups
+from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
 from scout_ckpt.errors import ScoutError
@@ -286,18 +286,19 @@ class Checkpointer:
         flat = _materialize(state)
         # Sync: consensus hashing (the one pass over every replicated byte) and then its exchange run in a
         # background thread, during DCP's write (the training thread is held, so the state cannot change
-        # meanwhile). The hashing waits for the write to start (`gate`, set by the writer): before it, begin and
-        # DCP's planning are CPU-bound and on the critical path, while the write mostly waits on the disk
-        # (bench/_save_phases.py: hashing from the start delayed the write by 60 ms of 4 ranks on 2 cores). A
-        # refused save leaves it to finish unread, on every rank alike.
-        gate = threading.Event()
+        # meanwhile). The hashing waits for the write to start (`in_flight.started`, set by the writer): before
+        # it, begin and DCP's planning are CPU-bound and on the critical path, while the write mostly waits on the
+        # disk (bench/_save_phases.py: hashing from the start delayed the write by 60 ms of 4 ranks on 2 cores);
+        # the tensors this rank writes are signed by the writer as it writes them (consensus/in_flight.py). A
+        # refused save leaves the hashing to finish unread, on every rank alike.
+        in_flight = InFlightDigests()
         try:
-            return self._save_sync_or_store(step, flat, attempt, gate)
+            return self._save_sync_or_store(step, flat, attempt, in_flight)
         finally:
-            gate.set()
+            in_flight.release()
 
-    def _save_sync_or_store(self, step: int, flat: dict, attempt: str, gate: threading.Event) -> dict | None:
-        hashing = None if self.async_save else self._start_consensus(flat, background=True, gate=gate)
+    def _save_sync_or_store(self, step: int, flat: dict, attempt: str, in_flight: InFlightDigests) -> dict | None:
+        hashing = None if self.async_save else self._start_consensus(flat, background=True, in_flight=in_flight)
         pending = self._committer.begin(step, attempt, self._pg)
         self._hook("before_write", step)
 
@@ -309,20 +310,20 @@ class Checkpointer:
             writer = self.store.writer(pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
         else:
             writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
-        writer.write_started = gate
+        writer.in_flight = in_flight
         if self.async_save:  # object store: evidence from the live state, then dcp.async_save (async_save.py)
             return self._async.start_store(self, step, flat, hashing, pending, writer)
         dcp.save(flat, storage_writer=writer, process_group=self._pg)
         live = self._live_evidence(step, flat, hashing)
         return self._commit(pending, writer, live, self._pg)
 
-    def _start_consensus(self, flat: dict, background: bool, gate: threading.Event | None = None):
-        """Consensus planned and hashed (local; in a background thread with `background`, from when `gate` is
-        set), or None."""
+    def _start_consensus(self, flat: dict, background: bool, in_flight: InFlightDigests | None = None):
+        """Consensus planned and hashed (local; in a background thread with `background`, from when the write
+        has started, partly by the writer: `in_flight`), or None."""
         if not self.consensus:
             return None
         return start_consensus(flat, self.groups, names_filter=self._consensus_names, background=background,
-                               gate=gate)
+                               in_flight=in_flight)
 
     def _live_evidence(self, step: int, flat: dict, hashing, group=None) -> dict:
         """Evidence taken from the state at the save boundary (collective over `group`, default the checkpointer's

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import threading
 from pathlib import Path
 from typing import Callable
 
@@ -20,9 +19,13 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import WriteItemType
 
+from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.digests import ALGO
 
 FaultHook = Callable[[str, int], None]
+
+
+PIECE = 1 << 20   # a large write is hashed and written in pieces of this size, each while it is in the cache
 
 
 class _DigestingFile(io.BufferedWriter):
@@ -30,22 +33,46 @@ class _DigestingFile(io.BufferedWriter):
     commit needs no second read of what this rank just wrote. Any seek or positioned access makes the running
     digest unusable; the writer then falls back to reading the file back.
 
+    A large write (a tensor's storage, which torch.save passes as one buffer) goes in PIECE-sized pieces, each
+    hashed and then written while it is in the cache (the kernel's copy reads it from there, not from memory), and
+    also hashed for consensus when `in_flight` expects that tensor (consensus/in_flight.py).
+
     With `on_first_write`, the first write is flushed half-way and control goes to the fault hook (tests and the
     demo SIGKILL a rank in the middle of a file)."""
 
-    def __init__(self, raw, on_first_write: Callable[[], None] | None = None):
+    def __init__(self, raw, on_first_write: Callable[[], None] | None = None,
+                 in_flight: InFlightDigests | None = None):
         super().__init__(raw)
         self._on_first_write = on_first_write
+        self._in_flight = in_flight
         self.hasher = xxhash.xxh3_128()
         self.size = 0
         self.sequential = True
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        if self._on_first_write is not None:
+            return self._write_then_fault(view)
+        n = len(view)
+        tensor = self._in_flight.hasher_for(view) if self._in_flight is not None else None
+        if n <= PIECE and tensor is None:
+            self.hasher.update(view)
+            self.size += n
+            return super().write(view)
+        for start in range(0, n, PIECE):
+            piece = view[start:start + PIECE]
+            self.hasher.update(piece)
+            if tensor is not None:
+                tensor[1].update(piece)
+            super().write(piece)
+        self.size += n
+        if tensor is not None:
+            self._in_flight.record(*tensor)
+        return n
+
+    def _write_then_fault(self, view: memoryview) -> int:
         self.hasher.update(view)
         self.size += len(view)
-        if self._on_first_write is None:
-            return super().write(view)
         hook, self._on_first_write = self._on_first_write, None
         half = max(1, len(view) // 2)
         n = super().write(view[:half])
@@ -71,6 +98,7 @@ class _DigestingFileSystem(FileSystem):
     def __init__(self, on_first_write: Callable[[], None] | None):
         super().__init__()
         self._on_first_write = on_first_write
+        self.in_flight: InFlightDigests | None = None   # this save's, set by the writer when its write begins
         self.digests: dict[str, tuple[int, str]] = {}
 
     @contextlib.contextmanager
@@ -80,7 +108,7 @@ class _DigestingFileSystem(FileSystem):
                 yield stream
             return
         hook, self._on_first_write = self._on_first_write, None
-        with _DigestingFile(io.FileIO(str(path), "w"), hook) as stream:
+        with _DigestingFile(io.FileIO(str(path), "w"), hook, self.in_flight) as stream:
             yield stream
         if stream.sequential:  # DCP may close the stream itself; the running digest outlives it
             self.digests[os.path.basename(path)] = (stream.size, f"{ALGO}:{stream.hasher.hexdigest()}")
@@ -125,25 +153,34 @@ class WritesRecorded:
     in the bases; the subclass sets `written`, `nonfinite`, `check_finite` and `fs`."""
 
     skip_zip_crc = False   # the POSIX writer's digests cover every byte it writes: see _without_zip_crc
-    # Set when DCP hands this rank its write plan: DCP's planning (collectives, CPU) is done and the write, mostly
-    # waiting on the disk, begins. The Checkpointer holds consensus hashing until then (see Checkpointer._save).
-    write_started: threading.Event | None = None
+    signs_in_flight = False  # whether its files sign the tensors consensus expects (the POSIX writer's do)
+    # This save's consensus link (consensus/in_flight.py): `started` is set when DCP hands this rank its write plan
+    # (DCP's planning, collectives and CPU, is done and the write, mostly waiting on the disk, begins; the
+    # Checkpointer holds consensus hashing until then), `done` when the write is over.
+    in_flight: InFlightDigests | None = None
 
     def file_digests(self) -> dict[str, tuple[int, str]]:
         """(size, digest) of the data files this rank wrote and hashed in flight (others must be read back)."""
         return {f: d for f, d in self.fs.digests.items() if f in self.written}
 
     def write_data(self, plan, planner):
-        if self.write_started is not None:
-            self.write_started.set()
-        if self.check_finite:
-            for item in plan.items:
-                if item.type != WriteItemType.BYTE_IO:
-                    data = planner.resolve_data(item)
-                    if isinstance(data, torch.Tensor) and not is_finite(data):
-                        self.nonfinite.append(item.index.fqn)
-        with _without_zip_crc() if self.skip_zip_crc else contextlib.nullcontext():
-            fut = super().write_data(plan, planner)
+        in_flight = self.in_flight
+        try:
+            tensors = [(item.index.fqn, planner.resolve_data(item)) for item in plan.items
+                       if item.type != WriteItemType.BYTE_IO]
+            if in_flight is not None:
+                if self.signs_in_flight:
+                    in_flight.expect(t for _, t in tensors)
+                    self.fs.in_flight = in_flight
+                in_flight.started.set()
+            if self.check_finite:
+                self.nonfinite.extend(fqn for fqn, t in tensors if isinstance(t, torch.Tensor) and not is_finite(t))
+            del tensors
+            with _without_zip_crc() if self.skip_zip_crc else contextlib.nullcontext():
+                fut = super().write_data(plan, planner)
+        finally:
+            if in_flight is not None:
+                in_flight.release()
         self.written.update(wr.storage_data.relative_path for wr in fut.wait())
         return fut
 
@@ -204,6 +241,7 @@ class ScoutWriter(WritesRecorded, FileSystemWriter):
     # it; the xxh3 file digests computed in flight cover every byte. The offline reader (dcp_entries._stored)
     # reads stored members after their local header, so it never relies on the CRC either.
     skip_zip_crc = True
+    signs_in_flight = True
 
     def __init__(self, path: Path, *, step: int, fault_hook: FaultHook | None = None, check_finite: bool = True,
                  stage_cache: StagingCache | None = None):

@@ -62,3 +62,24 @@ def test_a_changed_element_at_load_is_caught_after_a_sync_save(tmp_path):
 
 def test_a_changed_element_at_load_is_caught_after_an_async_save(tmp_path):
     _load_change(tmp_path, async_save=True)
+
+
+# ---- the writer signs what it writes (consensus/in_flight.py) -----------------------------------------------------
+
+def test_tensors_signed_while_written_give_the_same_verdicts(tmp_path):
+    """Healthy: every rank's writer delivers the signatures of the tensors it writes, and the verdict is the same as
+    consensus hashing every byte itself. One rank differing in an interior element of every large tensor: each is
+    attributed to it, including those it wrote and signed in flight."""
+    healthy = run_ranks(W.in_flight_consensus, 3, str(tmp_path / "a"), timeout=180)
+    for o in healthy:
+        r = o.result
+        assert r["evidence"]["status"] == "pass" and r["fresh"]["status"] == "pass", r
+        assert r["delivered"] == r["expected"] >= 1      # the writer signed its share on every rank
+    assert sum(o.result["delivered"] for o in healthy) >= 6   # ... and between them every large contiguous tensor
+    bad = run_ranks(W.in_flight_consensus, 3, str(tmp_path / "b"), flip_rank=1, timeout=180)
+    for o in bad:
+        ev, fresh = o.result["evidence"], o.result["fresh"]
+        assert ev["status"] == "fail" and ev["reasons"] == fresh["reasons"], (ev, fresh)
+        (reason,) = [x for x in ev["reasons"] if x["code"] == "consensus_attributed"]
+        assert reason["ranks"] == [1] and reason["n_tensors"] == 9, reason
+    assert any(o.result["delivered"] for o in bad if o.rank == 1)

@@ -175,15 +175,16 @@ def single_pass_consensus(rank, world, flip_rank=None):
     flat = flatten_state(state)
     if flip_rank == rank:
         flip_bit(flat["app.model.0.weight"], element=INTERIOR, bit=9)
-    # The hashing waits for its gate (the Checkpointer's: DCP's write has started): not a byte hashed before.
-    import threading
+    # The hashing waits for the write to start (the Checkpointer's writer says so): not a byte hashed before.
     import time as _time
 
-    gate = threading.Event()
-    pending = start_consensus(state, groups, background=True, gate=gate)
+    from scout_ckpt.consensus.in_flight import InFlightDigests
+
+    in_flight = InFlightDigests()
+    pending = start_consensus(state, groups, background=True, in_flight=in_flight)
     _time.sleep(0.3)
     held = not pending._work.done()
-    gate.set()
+    in_flight.release()
     known = pending.replica_rows()
     evidence = pending.finish()
     reused = full_signatures(state, plain="replica", known=known)
@@ -248,3 +249,41 @@ def checkpointer_load_change(rank, world, root, async_save):
             out["step2"] = row["state"]
             out["step2_reasons"] = [r["code"] for r in row["reasons"]]
     return out
+
+
+def in_flight_consensus(rank, world, root, flip_rank=None):
+    """A sync save's consensus as the Checkpointer runs it (background hashing, DCP's write through ScoutWriter
+    signing the tensors this rank writes), on a state of large tensors; `flip_rank` flips one bit of an interior
+    element of every large tensor first, so each is written, and signed in flight, by some rank."""
+    import torch.distributed.checkpoint as dcp
+
+    from scout_ckpt.consensus.in_flight import InFlightDigests
+    from scout_ckpt.consensus.save_time import start_consensus
+    from scout_ckpt.storage import ScoutWriter
+
+    torch.manual_seed(4)
+    shared = torch.randn(96, 128)
+    state = {"m": {f"w{i}": torch.randn(128 + i, 160) for i in range(6)},
+             "tied": {"a": shared, "b": shared},               # one memory, two names (tied weights)
+             "cols": torch.randn(160, 130).t(),                 # transposed: DCP writes its storage column-major
+             "small": torch.randn(10), "step": 3}
+    large = [f"m.w{i}" for i in range(6)] + ["tied.a", "tied.b", "cols"]
+    flat = flatten_state(state)
+    if rank == flip_rank:
+        for i, name in enumerate(large):
+            if name != "tied.b":   # tied.a's memory is tied.b's
+                t = flat[name] if flat[name].is_contiguous() else flat[name].t()   # the same memory
+                flip_bit(t, element=t.numel() // 2 + i, bit=11)
+    groups = ConsensusGroups.create("ddp", world, None, timeout_s=60)
+    in_flight = InFlightDigests()
+    try:
+        pending = start_consensus(state, groups, background=True, in_flight=in_flight)
+        writer = ScoutWriter(root, step=1)
+        writer.in_flight = in_flight
+        dcp.save(state, storage_writer=writer)
+    finally:
+        in_flight.release()
+    evidence = pending.finish()
+    fresh = save_time_consensus(state, groups)   # every byte hashed by consensus itself, no writer involved
+    return {"evidence": evidence, "fresh": fresh, "delivered": in_flight.delivered,
+            "expected": len(in_flight._expected)}

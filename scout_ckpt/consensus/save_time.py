@@ -12,7 +12,8 @@ same device type, so additivity is not needed here (full_signatures keeps it for
 
 Two halves (`start_consensus`, then `PendingConsensus.finish`): the hashing, local, then the exchange; with
 `background` both run in a thread of their own (the Checkpointer overlaps them with DCP's write, of the live state
-in a sync save, of the staged copy in an async save's commit thread). The replica rows of plain state double as
+in a sync save, of the staged copy in an async save's commit thread), and the tensors this rank writes are signed
+by the writer as it writes them (`in_flight.py`: one pass over their bytes for the file digest and the signature). The replica rows of plain state double as
 the load-verification signatures (`replica_rows` -> `full_signatures(known=...)`), so each replicated byte is
 hashed once per rank; where every rank hashed every leaf (`full_rows`), those signatures need no collective.
 
@@ -35,7 +36,6 @@ under FSDP: `no_replicas`), so only invariants can vouch for them; `pass` every 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,12 +48,15 @@ from scout_ckpt.consensus.c3 import (
     ATTRIBUTED, INCONCLUSIVE, GroupVerdict, c3_over_group, c3_verdict, combine, verdicts_from_gathered,
 )
 from scout_ckpt.consensus.groups import ConsensusGroups
+from scout_ckpt.consensus.in_flight import InFlightDigests
+from scout_ckpt.consensus.kernels import s64
 from scout_ckpt.consensus.mesh import LayoutError, dtensor_dims_cached, is_dtensor
 from scout_ckpt.consensus.signatures import bytes_signature, flatten_state, replica_signatures
 from scout_ckpt.policy import FAIL, INCONCLUSIVE as EV_INCONCLUSIVE, MISSING, NOT_APPLICABLE, PASS, evidence
 
 MAX_NAMES = 8          # tensor names listed per reason
-GATE_S = 60.0          # the longest background hashing waits for its gate: a gate never set only delays it
+GATE_S = 60.0          # the longest background hashing waits for the write to start: a write never started only
+WRITE_S = 600.0        # delays it; nor does a write that outlasts WRITE_S (its tensors are then hashed here)
 STRUCTURE = "(state structure)"
 
 
@@ -142,16 +145,39 @@ def _group_verdict(flat: Mapping[str, Any], names: list[str], pg, members: list[
 
 
 def _hash_groups(flat: Mapping[str, Any], plan: _Plan, groups: ConsensusGroups, t0: float,
-                 gate: threading.Event | None = None) -> tuple[dict, float]:
+                 in_flight: InFlightDigests | None = None) -> tuple[dict, float]:
     """({kind index: [n, 2] replica signatures of the names compared in that kind}, seconds since t0): the only
-    pass over the state's bytes. No collective, so it may run in a background thread; there it first waits for
-    `gate` (at most GATE_S)."""
-    if gate is not None:
-        gate.wait(GATE_S)
-    sigs = {}
+    pass over the state's bytes. No collective, so it may run in a background thread; with `in_flight` it first
+    waits for the write to start (at most GATE_S), leaves the tensors the writer signs to it, and hashes itself any
+    that the writer did not deliver."""
+    if in_flight is not None:
+        in_flight.started.wait(GATE_S)
+    sigs, deferred = {}, []
     for index, kind in enumerate(groups.kinds):
-        if len(kind.members) >= 2:
-            sigs[index] = replica_signatures([flat[n] for n in plan.by_dims.get(kind.dims, [])])
+        if len(kind.members) < 2:
+            continue
+        items = [flat[n] for n in plan.by_dims.get(kind.dims, [])]
+        later = {i for i, x in enumerate(items) if in_flight.expects(x)} if in_flight is not None else set()
+        rows = torch.zeros(len(items), 2, dtype=torch.int64)
+        now = [i for i in range(len(items)) if i not in later]
+        if now:
+            rows[now] = replica_signatures([items[i] for i in now])
+        deferred += [(rows, i, items[i]) for i in sorted(later)]
+        sigs[index] = rows
+    if deferred:
+        # set when the writer returns or fails (the caller's `release` too); past WRITE_S (a write still going)
+        # the rest is hashed here: the state is held either way, so the signatures are the same
+        in_flight.done.wait(WRITE_S)
+        missing = []
+        for rows, i, item in deferred:
+            digest = in_flight.take(item)
+            if digest is None:
+                missing.append((rows, i, item))
+            else:
+                rows[i] = torch.tensor([s64(digest >> 64), s64(digest)], dtype=torch.int64)
+        if missing:
+            for (rows, i, _), row in zip(missing, replica_signatures([item for _, _, item in missing])):
+                rows[i] = row
     return sigs, time.perf_counter() - t0
 
 
@@ -261,11 +287,12 @@ class PendingConsensus:
 
 def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
                     names_filter: Callable[[str], bool] | Collection[str] | None = None,
-                    background: bool = False, gate: threading.Event | None = None) -> PendingConsensus:
+                    background: bool = False, in_flight: InFlightDigests | None = None) -> PendingConsensus:
     """Plan and hash (local, no collective); `finish()` on the result is the collective half. With `background`
     the hashing and then the exchange run in a thread of its own and `finish`/`replica_rows` wait for them; every
-    rank must then make no other call on the consensus groups until `finish` returns. `gate` (background only):
-    the hashing starts when it is set, e.g. when the CPU-bound part of the caller's work is over."""
+    rank must then make no other call on the consensus groups until `finish` returns. `in_flight` (background
+    only; consensus/in_flight.py): the hashing starts when the caller's write has started, and the tensors the
+    writer signs as it writes them are taken from it; the caller must `release()` it however the write ends."""
     t0 = time.perf_counter()
     if groups.world_size < 2:
         return PendingConsensus({}, [], _Plan(), groups, t0, ({}, 0.0))
@@ -274,7 +301,10 @@ def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
     plan = _plan(flat, names, groups)
     if not background:
         return PendingConsensus(flat, names, plan, groups, t0, _hash_groups(flat, plan, groups, t0))
-    hashing = _hasher().submit(_hash_groups, flat, plan, groups, t0, gate)
+    if in_flight is not None:
+        in_flight.want(flat[n] for kind in groups.kinds if len(kind.members) >= 2
+                       for n in plan.by_dims.get(kind.dims, []))
+    hashing = _hasher().submit(_hash_groups, flat, plan, groups, t0, in_flight)
     pending = PendingConsensus(flat, names, plan, groups, t0, hashing)
     # The exchange follows in the same thread as soon as the hashing is done, so it overlaps DCP's write too. Its
     # collectives are on the consensus groups only, which nothing else uses during a save (replay uses them at

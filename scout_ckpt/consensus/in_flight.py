@@ -1,0 +1,114 @@
+"""Replica signatures taken by the DCP writer while it writes: one pass over a tensor's bytes feeds both the file
+digest and the tensor's consensus signature.
+
+Why: at a sync save each rank hashes every replicated byte for consensus, and writes its own share (DCP
+de-duplicates replicated tensors across ranks) through a file digest. Hashed apart, the bytes a rank writes are
+read from memory three times (consensus, file digest, the kernel's copy); here the writer walks each such tensor in
+1 MiB pieces, and each piece is hashed for the file, hashed for the tensor and written while it is in the cache.
+
+Protocol (one save; `InFlightDigests` is shared by the consensus thread and the writer):
+
+1. Before the write, consensus names the tensors it will sign (`want`): plain contiguous CPU tensors of at least
+   FUSE_MIN bytes, keyed by (address, bytes) -- the memory a row-major signature covers.
+2. When DCP hands the writer its plan, the writer says which of those it will write whole (`expect`): DCP writes a
+   tensor's storage with torch.save, which passes the storage's memory as one buffer; a tensor whose storage holds
+   more than its own bytes is cloned by DCP first and so never matches. Then `started` is set (the hashing gate).
+3. Consensus hashes everything else at once, and the expected tensors' signatures after `done` (set when the
+   writer returns or fails), hashing itself any that the writer did not deliver.
+
+The digest of a tensor delivered this way is xxh3-128 of exactly the memory at its address, the same function
+`replica_signatures` computes of its row-major bytes; the state cannot change meanwhile (a sync save holds the
+training thread; an async save writes a staged copy that nothing else touches).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+import numpy as np
+import torch
+import xxhash
+
+from scout_ckpt.consensus.mesh import is_dtensor
+
+FUSE_MIN = 1 << 16     # smaller tensors are signed by the consensus thread (a per-write lookup would cost more)
+
+
+def _key(t) -> tuple[int, int] | None:
+    """(address, bytes) of a plain CPU tensor (a DTensor: its local tensor) whose memory holds exactly its
+    row-major bytes, else None."""
+    if is_dtensor(t):
+        t = t.to_local()
+    if (type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_cpu or t.layout != torch.strided
+            or t.nbytes < FUSE_MIN or not t.is_contiguous() or t.is_quantized or t.is_conj() or t.is_neg()):
+        return None
+    return (t.data_ptr(), t.nbytes)
+
+
+def _written_key(t) -> tuple[int, int] | None:
+    """(address, bytes) of the buffer torch.save will hand the writer for `t` as DCP writes it (its whole
+    storage, which DCP writes uncloned only when the storage holds exactly the tensor's bytes), else None."""
+    if not isinstance(t, torch.Tensor) or not t.is_cpu or t.layout != torch.strided:
+        return None
+    storage = t.untyped_storage()
+    if storage.nbytes() != t.nbytes or t.nbytes < FUSE_MIN:
+        return None
+    return (storage.data_ptr(), t.nbytes)
+
+
+def buffer_key(view: memoryview) -> tuple[int, int]:
+    return (np.frombuffer(view, np.uint8).ctypes.data, view.nbytes)
+
+
+class InFlightDigests:
+    """What one save's writer and consensus share (see the module docstring). `started`: the write has begun,
+    DCP's planning (collectives, CPU) is over, so the consensus hashing may start; `done`: the writer has written
+    all it will (or failed). `release()` sets both (a save that fails before or during the write must not leave
+    the consensus thread waiting)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.done = threading.Event()
+        self._wanted: frozenset = frozenset()
+        self._expected: frozenset = frozenset()
+        self._digests: dict[tuple[int, int], int] = {}
+        self.delivered = 0      # signatures taken from the writer (tests and benches read it)
+
+    # ---- consensus side -----------------------------------------------------------------------------------
+
+    def want(self, tensors: Iterable) -> None:
+        """Before the write: the tensors consensus will sign."""
+        self._wanted = frozenset(k for k in map(_key, tensors) if k is not None)
+
+    def expects(self, t) -> bool:
+        """After `started`: whether the writer will sign `t` (consensus then leaves it for `take`)."""
+        k = _key(t)
+        return k is not None and k in self._expected
+
+    def take(self, t) -> int | None:
+        """After `done`: the writer's xxh3-128 of `t`'s memory, or None (consensus hashes it itself)."""
+        d = self._digests.get(_key(t))
+        if d is not None:
+            self.delivered += 1
+        return d
+
+    # ---- writer side --------------------------------------------------------------------------------------
+
+    def expect(self, tensors: Iterable) -> None:
+        """At the start of the write (before `started`): the tensors this rank's writer will write."""
+        self._expected = frozenset(k for k in map(_written_key, tensors) if k is not None and k in self._wanted)
+
+    def hasher_for(self, view: memoryview):
+        """(key, a fresh xxh3-128) when `view` is the memory of an expected tensor, else None."""
+        if view.nbytes < FUSE_MIN or not self._expected:
+            return None
+        key = buffer_key(view)
+        return (key, xxhash.xxh3_128()) if key in self._expected else None
+
+    def record(self, key: tuple[int, int], hasher) -> None:
+        self._digests[key] = hasher.intdigest()
+
+    def release(self) -> None:
+        self.started.set()
+        self.done.set()
