@@ -2,116 +2,25 @@
 it writes is finite, and lets a save be interrupted on purpose.
 
 Each rank digests only the files it wrote itself (never one rank re-reading everyone's bytes); DCP's write
-results name them. The fault hook lets tests and the demo SIGKILL a rank in the middle of a file.
+results name them. What is computed from the bytes as they pass through (file digests, consensus signatures,
+finiteness) is write_pass.py. The fault hook lets tests and the demo SIGKILL a rank in the middle of a file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import os
 from pathlib import Path
 from typing import Callable
 
 import torch
-import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from scout_ckpt.consensus.in_flight import InFlightDigests
-from scout_ckpt.digests import ALGO
+from scout_ckpt.write_pass import DigestingFileSystem, WritePass, finite_key
 
 FaultHook = Callable[[str, int], None]
-
-
-PIECE = 1 << 20   # a large write is hashed and written in pieces of this size, each while it is in the cache
-
-
-class _DigestingFile(io.BufferedWriter):
-    """A data file hashed as it is written (xxh3-128 of exactly the bytes passed to write, in order), so the
-    commit needs no second read of what this rank just wrote. Any seek or positioned access makes the running
-    digest unusable; the writer then falls back to reading the file back.
-
-    A large write (a tensor's storage, which torch.save passes as one buffer) goes in PIECE-sized pieces, each
-    hashed and then written while it is in the cache (the kernel's copy reads it from there, not from memory), and
-    also hashed for consensus when `in_flight` expects that tensor (consensus/in_flight.py).
-
-    With `on_first_write`, the first write is flushed half-way and control goes to the fault hook (tests and the
-    demo SIGKILL a rank in the middle of a file)."""
-
-    def __init__(self, raw, on_first_write: Callable[[], None] | None = None,
-                 in_flight: InFlightDigests | None = None):
-        super().__init__(raw)
-        self._on_first_write = on_first_write
-        self._in_flight = in_flight
-        self.hasher = xxhash.xxh3_128()
-        self.size = 0
-        self.sequential = True
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        if self._on_first_write is not None:
-            return self._write_then_fault(view)
-        n = len(view)
-        tensor = self._in_flight.hasher_for(view) if self._in_flight is not None else None
-        if n <= PIECE and tensor is None:
-            self.hasher.update(view)
-            self.size += n
-            return super().write(view)
-        for start in range(0, n, PIECE):
-            piece = view[start:start + PIECE]
-            self.hasher.update(piece)
-            if tensor is not None:
-                tensor[1].update(piece)
-            super().write(piece)
-        self.size += n
-        if tensor is not None:
-            self._in_flight.record(*tensor)
-        return n
-
-    def _write_then_fault(self, view: memoryview) -> int:
-        self.hasher.update(view)
-        self.size += len(view)
-        hook, self._on_first_write = self._on_first_write, None
-        half = max(1, len(view) // 2)
-        n = super().write(view[:half])
-        self.flush()
-        os.fsync(self.fileno())
-        hook()
-        return n + super().write(view[half:])
-
-    def seek(self, *args) -> int:
-        pos = super().seek(*args)
-        if pos != self.size:
-            self.sequential = False
-        return pos
-
-    def writelines(self, lines) -> None:
-        for line in lines:
-            self.write(line)
-
-
-class _DigestingFileSystem(FileSystem):
-    """Opens every `.distcp` written through it as a _DigestingFile and remembers the digests of closed ones."""
-
-    def __init__(self, on_first_write: Callable[[], None] | None):
-        super().__init__()
-        self._on_first_write = on_first_write
-        self.in_flight: InFlightDigests | None = None   # this save's, set by the writer when its write begins
-        self.digests: dict[str, tuple[int, str]] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode):
-        if "w" not in mode or not str(path).endswith(".distcp"):
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        hook, self._on_first_write = self._on_first_write, None
-        with _DigestingFile(io.FileIO(str(path), "w"), hook, self.in_flight) as stream:
-            yield stream
-        if stream.sequential:  # DCP may close the stream itself; the running digest outlives it
-            self.digests[os.path.basename(path)] = (stream.size, f"{ALGO}:{stream.hasher.hexdigest()}")
 
 
 def is_finite(t: torch.Tensor) -> bool:
@@ -168,19 +77,30 @@ class WritesRecorded:
         try:
             tensors = [(item.index.fqn, planner.resolve_data(item)) for item in plan.items
                        if item.type != WriteItemType.BYTE_IO]
-            if in_flight is not None:
-                if self.signs_in_flight:
-                    in_flight.expect(t for _, t in tensors)
-                    self.fs.in_flight = in_flight
-                in_flight.started.set()
+            if in_flight is not None and self.signs_in_flight:
+                in_flight.expect(t for _, t in tensors)
+            # Large floating tensors are checked piece by piece as they are written (write_pass.py), the rest now.
+            checked_later = {}
             if self.check_finite:
-                self.nonfinite.extend(fqn for fqn, t in tensors if isinstance(t, torch.Tensor) and not is_finite(t))
+                for fqn, t in tensors:
+                    key = finite_key(t) if self.signs_in_flight else None
+                    if key is not None:
+                        checked_later[key] = (fqn, t)
+                    elif isinstance(t, torch.Tensor) and not is_finite(t):
+                        self.nonfinite.append(fqn)
+            work = WritePass(in_flight if self.signs_in_flight else None, checked_later)
+            if self.signs_in_flight:
+                self.fs.work = work
             del tensors
+            if in_flight is not None:
+                in_flight.started.set()
             with _without_zip_crc() if self.skip_zip_crc else contextlib.nullcontext():
                 fut = super().write_data(plan, planner)
         finally:
             if in_flight is not None:
                 in_flight.release()
+        self.nonfinite.extend(work.nonfinite)
+        self.nonfinite.extend(fqn for fqn, t in work.unseen() if not is_finite(t))
         self.written.update(wr.storage_data.relative_path for wr in fut.wait())
         return fut
 
@@ -251,7 +171,7 @@ class ScoutWriter(WritesRecorded, FileSystemWriter):
         self.check_finite = check_finite
         self.written: set[str] = set()
         self.nonfinite: list[str] = []
-        self.fs = _DigestingFileSystem((lambda: fault_hook("during_write", step)) if fault_hook else None)
+        self.fs = DigestingFileSystem((lambda: fault_hook("during_write", step)) if fault_hook else None)
 
     def stage(self, state_dict):
         """An async save's staging: a CPU copy of the state (into `stage_cache` when given)."""

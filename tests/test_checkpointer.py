@@ -81,8 +81,14 @@ def test_nonfinite_state_is_rejected_by_the_writing_rank(tmp_path):
     reason = bad["reasons"][0]
     assert reason["code"] == "invariant_failed" and reason["check"] == "finite"
     assert reason["tensors"] == ["model.2.weight"] and len(reason["ranks"]) == 1
+    assert out[0].result["big_ok"]["state"] == "certified"
+    big = out[0].result["big_bad"]
+    assert big["state"] == "rejected"
+    finite = [r for r in big["reasons"] if r["code"] == "invariant_failed" and r["check"] == "finite"]
+    assert sorted(t for r in finite for t in r["tensors"]) == ["big.a", "big.b", "big.c"], big   # not big.d
+    assert all(len(r["ranks"]) == 1 for r in finite)   # each named by the rank that wrote it
     with Ledger.open(tmp_path, readonly=True) as led:
-        assert led.latest()["step"] == 1
+        assert led.latest()["step"] == 3
 
 
 def test_load_mismatch_rejects_and_walks_back_absent_keys_are_the_callers_error(ckpt_root):

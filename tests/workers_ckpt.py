@@ -172,6 +172,18 @@ def save_nonfinite(rank, world, root):
     with torch.no_grad():
         model[2].weight[1, 3] = float("nan")
     bad = ckpt.save(2, state_of(model, opt))
+    # Large tensors are checked piece by piece (1 MiB) as they are written (write_pass.py): a non-finite element in
+    # an interior piece, in a bfloat16 tensor's last piece, and in a transposed tensor (written in storage order).
+    g = torch.Generator().manual_seed(0)
+    big = {"a": torch.randn(700, 900, generator=g), "b": torch.randn(1100, 1000, generator=g).to(torch.bfloat16),
+           "c": torch.randn(800, 600, generator=g).t(), "d": torch.randn(700, 900, generator=g)}
+    with torch.no_grad():
+        model[2].weight[1, 3] = 0.0
+    big_ok = ckpt.save(3, {**state_of(model, opt), "big": big})
+    big["a"].view(-1)[(2 << 20) // 4 + 77] = float("inf")
+    big["b"].view(-1)[-3] = float("nan")
+    big["c"].t()[400, 17] = float("-inf")
+    big_bad = ckpt.save(4, {**state_of(model, opt), "big": big})
     # The commit's broadcast: one collective for a small payload, a second one for a long one (every rank alike).
     from scout_ckpt.commit import _broadcast
 
@@ -179,7 +191,7 @@ def save_nonfinite(rank, world, root):
     sent = [None, bad, long]
     got = [_broadcast(obj if rank == 0 else "other", ckpt._pg) for obj in sent]
     ckpt.close()
-    return {"good": good, "bad": bad, "broadcast_ok": got == sent}
+    return {"good": good, "bad": bad, "broadcast_ok": got == sent, "big_ok": big_ok, "big_bad": big_bad}
 
 
 def load_into(rank, world, root, with_moments):

@@ -46,7 +46,7 @@ def _key(t) -> tuple[int, int] | None:
     return (t.data_ptr(), t.nbytes)
 
 
-def _written_key(t) -> tuple[int, int] | None:
+def written_key(t) -> tuple[int, int] | None:
     """(address, bytes) of the buffer torch.save will hand the writer for `t` as DCP writes it (its whole
     storage, which DCP writes uncloned only when the storage holds exactly the tensor's bytes), else None."""
     if not isinstance(t, torch.Tensor) or not t.is_cpu or t.layout != torch.strided:
@@ -97,14 +97,12 @@ class InFlightDigests:
 
     def expect(self, tensors: Iterable) -> None:
         """At the start of the write (before `started`): the tensors this rank's writer will write."""
-        self._expected = frozenset(k for k in map(_written_key, tensors) if k is not None and k in self._wanted)
+        self._expected = frozenset(k for k in map(written_key, tensors) if k is not None and k in self._wanted)
 
-    def hasher_for(self, view: memoryview):
-        """(key, a fresh xxh3-128) when `view` is the memory of an expected tensor, else None."""
-        if view.nbytes < FUSE_MIN or not self._expected:
-            return None
-        key = buffer_key(view)
-        return (key, xxhash.xxh3_128()) if key in self._expected else None
+    def hasher_for(self, key: tuple[int, int]):
+        """A fresh xxh3-128 when `key` (`buffer_key` of a buffer being written) is an expected tensor's memory,
+        else None."""
+        return xxhash.xxh3_128() if key in self._expected else None
 
     def record(self, key: tuple[int, int], hasher) -> None:
         self._digests[key] = hasher.intdigest()

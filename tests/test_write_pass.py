@@ -1,0 +1,64 @@
+"""What the writer computes from the bytes as they pass through (scout_ckpt/write_pass.py): one process, real DCP
+files; every expected value is computed here from the tensors or the files on disk, not by the code under test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+
+from scout_ckpt.consensus.in_flight import InFlightDigests, written_key
+from scout_ckpt.storage import ScoutWriter
+from scout_ckpt.write_pass import PIECE, WritePass
+
+
+def _row_major(t: torch.Tensor) -> int:
+    t = t.contiguous()
+    return xxhash.xxh3_128_intdigest(t.view(torch.uint8).numpy().tobytes()) if t.dtype == torch.bfloat16 else \
+        xxhash.xxh3_128_intdigest(t.numpy().tobytes())
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_file_digests_and_signatures_taken_in_one_pass(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(900, 700, generator=g)
+    tied = torch.randn(300, 300, generator=g)
+    state = {"big": torch.randn(1000, 700, generator=g),                 # 2.7 MiB: three pieces
+             "bf16": torch.randn(600, 700, generator=g).to(torch.bfloat16),
+             "cols": torch.randn(500, 400, generator=g).t(),              # written in storage order
+             "view": base[100:800],                                      # shares a larger storage: DCP clones it
+             "tied_a": tied, "tied_b": tied,
+             "small": torch.randn(10, generator=g), "step": 7}
+    wanted = [state[k] for k in ("big", "bf16", "cols", "view", "tied_a", "tied_b", "small")]
+    in_flight = InFlightDigests()
+    in_flight.want(wanted)
+    writer = ScoutWriter(tmp_path, step=1)
+    writer.in_flight = in_flight
+    try:
+        dcp.save(state, storage_writer=writer)
+    finally:
+        in_flight.release()
+    assert in_flight.started.is_set() and in_flight.done.is_set()
+    # The file digests are those of the files on disk, read back here.
+    digests = writer.file_digests()
+    assert digests
+    for name, (size, digest) in digests.items():
+        data = (tmp_path / name).read_bytes()
+        assert size == len(data) and digest == f"xxh3_128:{xxhash.xxh3_128_hexdigest(data)}"
+    # Signed while written: the contiguous large tensors (tied ones share one memory), each the xxh3 of its
+    # row-major bytes; never the transposed one (its storage order is not its row-major order), the cloned view,
+    # or a small tensor (consensus hashes those itself).
+    for k in ("big", "bf16", "tied_a", "tied_b"):
+        assert in_flight.expects(state[k]) and in_flight.take(state[k]) == _row_major(state[k]), k
+    for k in ("cols", "view", "small"):
+        assert not in_flight.expects(state[k]) and in_flight.take(state[k]) is None, k
+    assert state["big"].nbytes > 2 * PIECE
+    assert writer.nonfinite == []
+
+
+def test_a_registered_tensor_that_never_passed_through_is_reported_unseen():
+    t = torch.randn(512, 512)
+    key = written_key(t)
+    work = WritePass(None, {key: ("w", t)})
+    assert [fqn for fqn, _ in work.unseen()] == ["w"]   # the writer then checks it itself
