@@ -158,6 +158,71 @@ def test_save_certify_resume_load_exactly_then_async_saves(run, width):
     assert w.digest(load_file(f"{dest}/m.safetensors")) == again["models"][8]
     assert os.listdir(dest) == ["m.safetensors"]   # the verified local copy it read from is gone
 
+    _lose_ledger_dir_and_rebuild(run, again["saved"], width)
+
+
+def _lose_ledger_dir_and_rebuild(run, saved: dict, width: int):
+    """The node holding the ledger_dir died: it is gone, binding, ledger and journal. Step 8 is made uncertified
+    first (one interior byte of one object changes, same size). `ledger rebuild LEDGER_DIR --uri` brings back
+    what the bucket proves: 2, 4 and 6 certified (re-verified by ranged reads, and a certified verdict for that
+    exact manifest in the journal's copy on the bucket), 8 rejected (digest_mismatch); then `resume
+    --latest-clean` (the real command line) returns step 6, whose objects hold exactly the state the job hashed
+    when it saved step 6 (loaded here from the URI resume printed, judged by the job's own sha256)."""
+    import shutil
+
+    from scout_ckpt import journal
+    from scout_ckpt.object_store import bucket_journal
+
+    store = _store(run)
+    # Until journal.append copies each record to the store itself (bucket_journal.mirror), the test copies the
+    # journal there as that call would have, record by record, before the ledger_dir is lost.
+    for rec in journal.read(run["ledger"]):
+        bucket_journal.mirror(run["ledger"], rec, store)
+    (a8,) = store.committed()[8]
+    key = f"{run['prefix']}/{a8}/__0_0.distcp"
+    data = bytearray(run["fs"].cat_file(key))
+    data[len(data) // 2] ^= 0x04
+    run["fs"].pipe_file(key, bytes(data))
+    shutil.rmtree(run["ledger"])
+    before = _attempts(run)
+
+    rc, out, err = _cli(run, "ledger", "rebuild", run["ledger"], "--uri", run["uri"], "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    rows = {r["step"]: r for r in doc["checkpoints"]}
+    assert {s: r["state"] for s, r in rows.items()} == {2: "certified", 4: "certified", 6: "certified",
+                                                        8: "rejected"}, doc
+    assert any(r["code"] == "digest_mismatch" and r["file"] == "__0_0.distcp" for r in rows[8]["reasons"]), rows[8]
+    assert doc["uri"] == run["uri"] and doc["old_ledger"] == "no old ledger" and doc["journal"]["local"] == 0
+    with open(os.path.join(run["ledger"], "scout-storage.json")) as f:
+        assert json.loads(f.read())["uri"] == run["uri"]   # bound again: every command takes the ledger_dir
+    assert _attempts(run) == before                        # nothing on the bucket written or removed
+
+    rc, out, err = _cli(run, "resume", run["ledger"], "--latest-clean")
+    assert rc == 0, err
+    path = out.strip()
+    name = path[len(run["uri"]) + 1:]
+    assert layout.parse_attempt_dir(name)[0] == 6 and name in store.committed()[6], path
+    assert "newer step 8 is rejected" in err and "digest_mismatch" in err, err
+    assert _digest_at(store, name, width) == saved[6]
+
+
+def _digest_at(store, name: str, width: int) -> str:
+    """The job's oracle (workers_s3.digest) of the state stored under one attempt prefix, loaded in this process
+    through the verified reader (the `.metadata` digest from the attempt's manifest)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    m, _ = store.read_manifest(name)
+    (meta,) = [f["digest"] for f in m["files"] if f["path"] == layout.DCP_METADATA]
+    model = w.make_model(seed=7, width=width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.zeros(1, model[0].in_features)).sum().backward()
+    opt.step()   # AdamW's moments exist, with values unlike the checkpoint's
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, storage_reader=store.reader(name, meta))
+    return w.digest(state)
+
 
 @pytest.mark.scenario
 def test_corrupted_object_is_rejected_and_walked_back(run):
