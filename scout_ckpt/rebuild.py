@@ -25,9 +25,9 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from scout_ckpt import journal, manifest, policy
 from scout_ckpt.errors import BadInput, LedgerError, ScoutError

@@ -504,3 +504,114 @@ def test_sweep_removes_dead_attempts_only_after_recording_them(run, tmp_path):
         names[(3, "dead")], names[(3, "old")], f"{prefix}/{names[(3, 'dead')]}/__1_0.distcp"}
     assert sorted(_attempts(run)) == sorted([names[(1, "ok")], names[(2, "live")], names[(9, "x")]])
     assert [u["Key"].split("/")[1] for u in _uploads(run)] == [names[(2, "live")]]
+
+
+# ---- ledger rebuild on an S3 run: bad input, and the journal's copy on the store (in-process, cheap) ------------
+
+def _main(capsys, *args) -> tuple[int, str, str]:
+    """The command line's own entry point (cli.main) in this process: (exit code, stdout, stderr)."""
+    from scout_ckpt.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def _tree(path) -> dict:
+    """{relative path: bytes} of every file under `path` ({} if it does not exist): "nothing modified"."""
+    out = {}
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, path)] = f.read()
+    return out
+
+
+def test_rebuild_refuses_bad_input_with_one_line_and_modifies_nothing(run, tmp_path, capsys, monkeypatch):
+    """Wrong prefix, empty bucket, a foreign prefix (plain DCP folders; attempts that never committed), a
+    --uri that contradicts the ledger_dir's binding, a ROOT holding a POSIX run, a --uri that is not s3://, no
+    --uri for a lost binding; then (real subprocesses, their own environment) no credentials and no endpoint:
+    exit 2, one line on stderr, no traceback, neither the ledger_dir nor the bucket changed."""
+    from scout_ckpt import object_store
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", run["ep"])
+    fs = run["fs"]
+    fs.mkdir("scout-empty")
+    foreign = f"{BUCKET}/foreign-{uuid.uuid4().hex[:6]}"
+    fs.pipe({f"{foreign}/step-4/.metadata": b"m", f"{foreign}/step-4/__0_0.distcp": b"d"})
+    dead = f"{BUCKET}/dead-{uuid.uuid4().hex[:6]}"
+    fs.pipe_file(f"{dead}/{layout.attempt_dirname(2, 'x')}/__0_0.distcp", b"d")   # no manifest: never committed
+    bound = tmp_path / "bound"
+    bound.mkdir()
+    object_store.bind(bound, run["uri"], {})
+    posix = tmp_path / "posix"
+    (posix / layout.step_dirname(2)).mkdir(parents=True)
+    lost = tmp_path / "lost"
+    cases = {
+        "wrong prefix": ((lost, "--uri", f"s3://{BUCKET}/no-such-run"), "nothing under this prefix"),
+        "empty bucket": ((lost, "--uri", "s3://scout-empty"), "nothing under this prefix"),
+        "no bucket": ((lost, "--uri", "s3://scout-no-such-bucket/p"), "nothing under this prefix"),
+        "foreign prefix": ((lost, "--uri", f"s3://{foreign}"), "a foreign prefix: it holds step-4"),
+        "never committed": ((lost, "--uri", f"s3://{dead}"), "attempts that never committed"),
+        "another uri": ((bound, "--uri", f"s3://{BUCKET}/other"), f"belongs to {run['uri']}"),
+        "posix run": ((posix, "--uri", run["uri"]), "a POSIX run"),
+        "not s3": ((lost, "--uri", "/data/ckpt"), "not an object-store URI"),
+        "mangled root": (("s3:/" + run["prefix"],), "give the run's ledger_dir as ROOT"),
+        "lost binding": ((lost,), "no such directory"),
+    }
+    before = {p: _tree(p) for p in (bound, posix)}
+    bucket = sorted(fs.find(BUCKET))
+    for name, (args, words) in cases.items():
+        rc, out, err = _main(capsys, "ledger", "rebuild", *args, "--json")
+        assert rc == 2 and words in err and err.count("\n") == 1 and out == "", (name, rc, out, err)
+    assert not lost.exists() and {p: _tree(p) for p in before} == before
+
+    # No credentials; no endpoint (AWS's own is asked; one attempt, not botocore's retries): the real command.
+    import subprocess
+
+    from tests.cli_pool import run_cases
+    from tests.conftest import CLI, REPO
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    base.update(PYTHONPATH=str(REPO), AWS_EC2_METADATA_DISABLED="true", AWS_MAX_ATTEMPTS="1",
+                AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
+    envs = {"no credentials": ({**base, "AWS_ENDPOINT_URL": run["ep"]}, "NoCredentialsError"),
+            "no endpoint": ({**base, **CREDS}, "no endpoint set")}
+
+    def case(env, words):
+        def go():
+            p = subprocess.run([*CLI, "ledger", "rebuild", str(lost), "--uri", run["uri"]], capture_output=True,
+                               text=True, env=env, timeout=120, check=False)
+            assert p.returncode == 2 and "cannot list" in p.stderr and words in p.stderr, (p.returncode, p.stderr)
+            assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr and p.stdout == "", p.stderr
+        return go
+
+    run_cases({name: case(*v) for name, v in envs.items()})
+    assert not lost.exists() and sorted(fs.find(BUCKET)) == bucket
+
+
+def test_journal_copy_on_the_store(run, tmp_path):
+    """bucket_journal: one object per record, never overwritten, read back in time order; merged with the local
+    journal each record once; not an attempt prefix (listing and sweep ignore it); a record that is not one is
+    skipped. `mirror` writes only for a ledger_dir bound to a store."""
+    from scout_ckpt import object_store
+    from scout_ckpt.object_store import bucket_journal
+
+    store = _store(run)
+    recs = [{"kind": "verdict", "step": s, "state": "certified", "time": 1000.0 + s, "manifest_digest": f"d{s}"}
+            for s in (3, 1, 2)]
+    keys = [bucket_journal.append(store, r) for r in recs]
+    assert len(set(keys)) == 3 and all(k.startswith(f"{run['prefix']}/scout-journal/") for k in keys)
+    run["fs"].pipe_file(f"{run['prefix']}/scout-journal/00000000000000000001-torn.json", b'{"kind": "verd')
+    assert bucket_journal.read(store) == sorted(recs, key=lambda r: r["time"])
+    assert store.attempts() == {} and store.committed() == {}
+    local = [recs[0], {"kind": "quarantine", "step": 2, "reason": "x", "time": 1001.5}]
+    merged = bucket_journal.merge(local, bucket_journal.read(store))
+    assert [(r["kind"], r["step"]) for r in merged] == [("verdict", 1), ("quarantine", 2), ("verdict", 2),
+                                                        ("verdict", 3)]
+    assert bucket_journal.mirror(tmp_path, recs[0]) is None   # a POSIX root: nothing copied
+    object_store.bind(tmp_path, run["uri"], w.options(run["ep"]))
+    assert bucket_journal.mirror(tmp_path, {**recs[0], "time": 2000.0}).startswith(f"{run['prefix']}/scout-journal/")
+    assert len(bucket_journal.read(store)) == 4

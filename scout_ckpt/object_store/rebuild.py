@@ -65,7 +65,8 @@ def collect(store) -> tuple[dict, list[dict], list[dict], set[int]]:
     try:
         committed = store.committed()
     except Exception as e:  # noqa: BLE001 - credentials, endpoint, permissions: the store's own words, one line
-        raise BadInput(f"{store.uri}: cannot list the checkpoints ({_say(e)})") from None
+        raise BadInput(f"{store.uri}: cannot list the checkpoints ({_say(e)}); check the credentials and the "
+                       f"endpoint ({_endpoint(store)})") from None
     if not committed:
         raise BadInput(f"{store.uri}: no committed save attempt (step-N.attempt-X/{layout.MANIFEST_NAME}) to "
                        f"rebuild from{_foreign_hint(store)}")
@@ -138,6 +139,12 @@ def _verify(store, name: str, files: list[dict]) -> dict:
 def _created(m: dict) -> float:
     c = m.get("created")
     return float(c) if isinstance(c, (int, float)) else 0.0
+
+
+def _endpoint(store) -> str:
+    """Where the requests went, for the error line: the configured endpoint, else AWS's default one."""
+    ep = (store.storage_options.get("client_kwargs") or {}).get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
+    return f"endpoint {ep}" if ep else "no endpoint set: AWS itself; AWS_ENDPOINT_URL names another store"
 
 
 def _say(e: Exception) -> str:
