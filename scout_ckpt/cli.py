@@ -271,7 +271,7 @@ def adopt_cmd(root: Path = typer.Argument(...),
     """Take in plain DCP step-N folders written without scout-ckpt: digests, structure check, invariants."""
     from scout_ckpt.adopt import adopt
 
-    roots.store_for(root, refuse="adopt")
+    roots.store_for(root)   # a mangled s3:// ROOT: exit 2; a bound ledger_dir: adopt says why it refuses
     result = adopt(root, invariant_specs=list(invariant) or None)
     if as_json:
         _emit(result)

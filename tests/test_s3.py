@@ -158,16 +158,17 @@ def test_save_certify_resume_load_exactly_then_async_saves(run, width):
     assert w.digest(load_file(f"{dest}/m.safetensors")) == again["models"][8]
     assert os.listdir(dest) == ["m.safetensors"]   # the verified local copy it read from is gone
 
-    _lose_ledger_dir_and_rebuild(run, again["saved"], width)
+    name = _lose_ledger_dir_and_rebuild(run)
+    assert _digest_at(_store(run), name, width) == again["saved"][6]   # the job's own sha256 when it saved step 6
 
 
-def _lose_ledger_dir_and_rebuild(run, saved: dict, width: int):
-    """The node holding the ledger_dir died: it is gone, binding, ledger and journal. Step 8 is made uncertified
-    first (one interior byte of one object changes, same size). `ledger rebuild LEDGER_DIR --uri` brings back
-    what the bucket proves: 2, 4 and 6 certified (re-verified by ranged reads, and a certified verdict for that
-    exact manifest in the journal's copy on the bucket), 8 rejected (digest_mismatch); then `resume
-    --latest-clean` (the real command line) returns step 6, whose objects hold exactly the state the job hashed
-    when it saved step 6 (loaded here from the URI resume printed, judged by the job's own sha256)."""
+def _lose_ledger_dir_and_rebuild(run) -> str:
+    """The node holding the ledger_dir died: it is gone, binding, ledger and journal. Step 8 (the newest) is made
+    uncertified first: one interior byte of one object changes, same size. `ledger rebuild LEDGER_DIR --uri`
+    brings back what the bucket proves: 2, 4 and 6 certified (re-verified by ranged reads, and a certified verdict
+    for that exact manifest in the journal's copy on the bucket), 8 rejected (digest_mismatch). Then `resume
+    --latest-clean` (the real command line) returns an attempt of step 6; its name is returned, for the caller to
+    judge by the job's own digest."""
     import shutil
 
     from scout_ckpt import journal
@@ -202,14 +203,16 @@ def _lose_ledger_dir_and_rebuild(run, saved: dict, width: int):
     assert rc == 0, err
     path = out.strip()
     name = path[len(run["uri"]) + 1:]
-    assert layout.parse_attempt_dir(name)[0] == 6 and name in store.committed()[6], path
+    assert path.startswith(run["uri"] + "/") and name in store.committed()[6], path
     assert "newer step 8 is rejected" in err and "digest_mismatch" in err, err
-    assert _digest_at(store, name, width) == saved[6]
+    return name
 
 
 def _digest_at(store, name: str, width: int) -> str:
     """The job's oracle (workers_s3.digest) of the state stored under one attempt prefix, loaded in this process
     through the verified reader (the `.metadata` digest from the attempt's manifest)."""
+    import warnings
+
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -220,7 +223,9 @@ def _digest_at(store, name: str, width: int) -> str:
     model(torch.zeros(1, model[0].in_features)).sum().backward()
     opt.step()   # AdamW's moments exist, with values unlike the checkpoint's
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(state, storage_reader=store.reader(name, meta))
+    with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=store.reader(name, meta))
     return w.digest(state)
 
 
@@ -392,6 +397,18 @@ def test_torchrun_job_killed_mid_save_resumes_exactly_from_s3(run):
     assert _uploads(run) == []
     rc, out, err = _cli(run, "resume", run["ledger"], "--latest-clean")
     assert rc == 0 and out.strip() == f"{run['uri']}/{latest['path']}", (out, err)
+
+    # The node holding the ledger_dir dies and step 8 is damaged: rebuilt from the bucket, the next launch of the
+    # same job loads step 6 with exactly the digest it printed when it saved step 6, and saves 8 again.
+    name = _lose_ledger_dir_and_rebuild(run)
+    p = _torchrun(run, "--steps", "8", "--save-every", "2")
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("S3-JOB ")]
+    loads = [e for e in lines if e["event"] == "loaded"]
+    assert [(e["step"], e["digest"]) for e in loads] == [(6, second[6]["digest"])], lines
+    assert [(e["step"], e["state"]) for e in lines if e["event"] == "saved"] == [(8, "certified")], lines
+    with Ledger.open(run["ledger"], readonly=True) as led:
+        assert led.checkpoint(6)["path"] == name
 
 
 # ---- in-process: the store's pieces against the same server, no ranks (cheap) -----------------------------------
