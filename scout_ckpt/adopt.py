@@ -51,29 +51,19 @@ def adopt_step(root: Path, step: int, step_dir: Path, run_id: str, attempt: str,
     return m, verdict
 
 
-def refuse_object_store(root: str | os.PathLike) -> None:
-    """BadInput (exit 2) for the ledger_dir of an object-store run, with what to do instead.
-
-    Why adopt stops there: a plain `dcp.save` to S3 writes `step-N/` in place, while an object-store run lists only
-    attempt prefixes `step-N.attempt-X/` committed by their manifest (object_store/__init__.py). Adopting in place
-    would mean writing a manifest into a prefix its writer may still overwrite; adopting properly means copying
-    every object into a fresh attempt prefix and verifying the copy, which is not built yet."""
-    from scout_ckpt.object_store import binding
-
-    b = binding(root)
-    if b is not None:
-        raise BadInput(f"{root}: `adopt` does not support checkpoints on object storage yet ({root} is the "
-                       f"ledger_dir of {b['uri']}): it takes in plain DCP step-N folders on a filesystem; copy them "
-                       "to a local directory and adopt that one, or let the job save new checkpoints with "
-                       "Checkpointer(\"s3://...\", ledger_dir=...)")
-
-
-def adopt(root: str | os.PathLike, *, invariant_specs: list | None = None) -> dict:
-    """Adopt every `step-N` dir under root that has no scout manifest yet."""
+def adopt(root: str | os.PathLike, *, invariant_specs: list | None = None, uri: str | None = None) -> dict:
+    """Adopt every `step-N` dir under root that has no scout manifest yet. ROOT may also be the ledger_dir of an
+    object-store run (bound to its URI, or named by `uri`): the plain `step-N/` folders there are adopted into
+    attempt prefixes (object_store/adopt.py)."""
+    from scout_ckpt import object_store
     from scout_ckpt.invariants import parse_specs
     from scout_ckpt.ledger import Ledger
 
-    refuse_object_store(root)
+    store = object_store.resolve(root, uri)
+    if store is not None:
+        from scout_ckpt.object_store import adopt as on_store
+
+        return on_store.adopt(Path(root), store, invariant_specs=invariant_specs)
     root = Path(root)
     if not root.exists():
         raise BadInput(f"{root}: no such directory")

@@ -267,12 +267,16 @@ def adopt_cmd(root: Path = typer.Argument(...),
               invariant: List[str] = typer.Option([], "--invariant",
                                                   help="Invariant spec, e.g. finite or frobenius_sphere:radius=1:"
                                                        "params=blocks.*.weight (repeatable; default: finite)."),
+              uri: Optional[str] = typer.Option(
+                  None, "--uri", help="s3://bucket/prefix holding plain dcp.save step-N/ folders; ROOT is then the "
+                                      "run's ledger_dir (created and bound to it); endpoint and credentials from "
+                                      "the environment (AWS_ENDPOINT_URL, ...)."),
               as_json: bool = JSON_OPT):
-    """Take in plain DCP step-N folders written without scout-ckpt: digests, structure check, invariants."""
+    """Take in plain DCP step-N folders written without scout-ckpt: digests, structure check, invariants. On an
+    object store each folder is copied into a fresh attempt prefix, verified, and committed by its manifest."""
     from scout_ckpt.adopt import adopt
 
-    roots.store_for(root)   # a mangled s3:// ROOT: exit 2; a bound ledger_dir: adopt says why it refuses
-    result = adopt(root, invariant_specs=list(invariant) or None)
+    result = adopt(root, invariant_specs=list(invariant) or None, uri=uri)   # object_store.resolve checks ROOT
     if as_json:
         _emit(result)
     else:

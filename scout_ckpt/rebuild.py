@@ -172,11 +172,13 @@ def decide(step: int, m: dict, digest: str, fresh_bytes: dict, jview: dict, old:
 def rebuild(root: str | os.PathLike, *, verify: bool = True, uri: str | None = None) -> dict:
     """Rebuild ROOT's ledger. ROOT is a run's checkpoint root, or the `ledger_dir` of an object-store run: bound
     to its URI by scout-storage.json, or, when that file was lost with the ledger, named by `uri`
-    (object_store.rebuild.resolve says which, and refuses a mismatch before anything is read)."""
-    from scout_ckpt.object_store import rebuild as on_store
+    (object_store.resolve says which, and refuses a mismatch before anything is read)."""
+    from scout_ckpt import object_store
 
-    store = on_store.resolve(root, uri)
+    store = object_store.resolve(root, uri)
     if store is not None:
+        from scout_ckpt.object_store import rebuild as on_store
+
         return on_store.rebuild(Path(root), store, verify=verify)
     root = Path(root)
     if not root.is_dir():

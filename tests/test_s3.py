@@ -632,3 +632,64 @@ def test_journal_copy_on_the_store(run, tmp_path):
     object_store.bind(tmp_path, run["uri"], w.options(run["ep"]))
     assert bucket_journal.mirror(tmp_path, {**recs[0], "time": 2000.0}).startswith(f"{run['prefix']}/scout-journal/")
     assert len(bucket_journal.read(store)) == 4
+
+
+def test_adopt_plain_dcp_save_folders_on_s3(run, tmp_path, capsys, monkeypatch):
+    """A user's plain `dcp.save` to S3 (no scout-ckpt, fsspec with the endpoint, one process): folders step-2/ and
+    step-4/, step 4 with a NaN weight. `adopt LEDGER_DIR --uri`: step 2 certified, step 4 rejected (the `finite`
+    invariant), each copied into a fresh attempt prefix committed by its manifest; the plain folders are left as
+    they were. `resume --latest-clean` (real command line) returns step 2's attempt, whose objects hold exactly
+    the state the job hashed when it saved (loaded from that URI). Adopting again skips both (exit 0)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter   # what a user of dcp + S3 writes with
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", run["ep"])
+    saved = {}
+    for step in (2, 4):
+        model = w.make_model(seed=step)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.ones(2, 16)).sum().backward()
+        opt.step()
+        if step == 4:
+            with torch.no_grad():
+                model[0].weight[1, 2] = float("nan")
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        saved[step] = w.digest(state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=FsspecWriter(f"{run['uri']}/step-{step}",
+                                                        client_kwargs={"endpoint_url": run["ep"]}))
+    plain = {h: names for h, names in _attempts(run).items()}
+    assert sorted(plain) == ["step-2", "step-4"]
+
+    ledger = tmp_path / "ledger"
+    rc, out, err = _main(capsys, "adopt", ledger, "--uri", run["uri"], "--json")
+    assert rc == 1 and "1 adopted step(s) not certified; first: step 4 is rejected" in err, (out, err)
+    doc = json.loads(out)
+    assert [(a["step"], a["state"], a["from"]) for a in doc["adopted"]] == [(2, "certified", "step-2"),
+                                                                         (4, "rejected", "step-4")], doc
+    assert doc["adopted"][1]["reasons"][0]["code"] == "invariant_failed"
+    store = _store(run)
+    committed = store.committed()
+    assert sorted(committed) == [2, 4]
+    now = _attempts(run)
+    for step, (name,) in committed.items():
+        assert name == doc["adopted"][[2, 4].index(step)]["path"]
+        assert now[name] == plain[f"step-{step}"] | {layout.MANIFEST_NAME}, now[name]
+        assert store.read_manifest(name)[0]["adopted"] is True
+    assert {h: now[h] for h in plain} == plain            # the plain folders: untouched
+    with open(ledger / "scout-storage.json") as f:
+        assert json.loads(f.read())["uri"] == run["uri"]
+
+    rc, out, err = _cli(run, "resume", ledger, "--latest-clean")
+    assert rc == 0 and out.strip() == f"{run['uri']}/{committed[2][0]}", (out, err)
+    assert "newer step 4 is rejected" in err
+    assert _digest_at(store, committed[2][0], 16) == saved[2]
+
+    rc, out, err = _main(capsys, "adopt", ledger, "--json")
+    assert rc == 0 and json.loads(out)["adopted"] == [], (out, err)
+    assert [(s["step"], s["reason"]) for s in json.loads(out)["skipped"]] == [(2, "has_manifest"), (4, "has_manifest")]
+    assert _attempts(run) == now

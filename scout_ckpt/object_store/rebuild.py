@@ -30,33 +30,6 @@ from scout_ckpt.errors import BadInput, ScoutError
 from scout_ckpt.safepaths import clip
 
 
-def resolve(root: str | os.PathLike, uri: str | None):
-    """The ObjectStore to rebuild ROOT from, or None for a POSIX rebuild (no binding, no `uri`). BadInput for a
-    mangled `s3:/` ROOT, a `uri` that is not an object-store URI or contradicts the binding, and a ROOT that
-    holds checkpoint directories of its own."""
-    from scout_ckpt import object_store
-
-    if object_store.looks_like_mangled_uri(root):
-        raise BadInput(f"{root}: give the run's ledger_dir as ROOT and the checkpoints' location as --uri "
-                       "s3://bucket/prefix")
-    if uri is not None and not object_store.is_uri(uri):
-        raise BadInput(f"--uri {clip(uri, 80)}: not an object-store URI (s3://bucket/prefix)")
-    have = object_store.binding(root)
-    if have is not None:
-        if uri is not None and uri.rstrip("/") != have["uri"].rstrip("/"):
-            raise BadInput(f"{root}: this ledger_dir belongs to {have['uri']}, not {uri.rstrip('/')}")
-        return object_store.bound_store(root)
-    if uri is None:
-        return None
-    p = Path(root)
-    if p.exists() and not p.is_dir():
-        raise BadInput(f"{root}: not a directory")
-    if p.is_dir() and layout.list_checkpoint_dirs(p):
-        raise BadInput(f"{root}: holds checkpoint directories of its own (a POSIX run); --uri is for the "
-                       "ledger_dir of an object-store run")
-    return object_store.open_store(uri.rstrip("/"))
-
-
 def collect(store) -> tuple[dict, list[dict], list[dict], set[int]]:
     """(entries by step, skipped, superseded, steps present) from the store's committed attempts. BadInput if
     the store cannot be listed or holds no committed attempt."""
@@ -65,8 +38,7 @@ def collect(store) -> tuple[dict, list[dict], list[dict], set[int]]:
     try:
         committed = store.committed()
     except Exception as e:  # noqa: BLE001 - credentials, endpoint, permissions: the store's own words, one line
-        raise BadInput(f"{store.uri}: cannot list the checkpoints ({_say(e)}); check the credentials and the "
-                       f"endpoint ({_endpoint(store)})") from None
+        raise cannot_list(store, e) from None
     if not committed:
         raise BadInput(f"{store.uri}: no committed save attempt (step-N.attempt-X/{layout.MANIFEST_NAME}) to "
                        f"rebuild from{_foreign_hint(store)}")
@@ -123,6 +95,12 @@ def rebuild(root: Path, store, *, verify: bool = True) -> dict:
                           before_swap=lambda: object_store.bind(root, store.uri, opts))
     return {**result, "uri": store.uri, "superseded": superseded,
             "journal": {"local": len(local), "store": len(remote), "merged": len(records)}}
+
+
+def cannot_list(store, e: Exception) -> BadInput:
+    """The one-line error for a store that cannot be listed (exit 2): its own words, and where the requests went."""
+    return BadInput(f"{store.uri}: cannot list the checkpoints ({_say(e)}); check the credentials and the endpoint "
+                    f"({_endpoint(store)})")
 
 
 def _verify(store, name: str, files: list[dict]) -> dict:
