@@ -547,9 +547,9 @@ def _tree(path) -> dict:
 
 
 def test_rebuild_refuses_bad_input_with_one_line_and_modifies_nothing(run, tmp_path, capsys, monkeypatch):
-    """Wrong prefix, empty bucket, a foreign prefix (plain DCP folders; attempts that never committed), a
-    --uri that contradicts the ledger_dir's binding, a ROOT holding a POSIX run, a --uri that is not s3://, no
-    --uri for a lost binding; then (real subprocesses, their own environment) no credentials and no endpoint:
+    """`ledger rebuild`: wrong prefix, empty bucket, a foreign prefix (plain DCP folders; attempts that never
+    committed), a --uri that contradicts the ledger_dir's binding, a ROOT holding a POSIX run, a --uri that is not
+    s3://, no --uri for a lost binding (and `adopt`: a prefix with nothing to adopt, another URI); then (real subprocesses, their own environment) no credentials and no endpoint:
     exit 2, one line on stderr, no traceback, neither the ledger_dir nor the bucket changed."""
     from scout_ckpt import object_store
 
@@ -577,11 +577,14 @@ def test_rebuild_refuses_bad_input_with_one_line_and_modifies_nothing(run, tmp_p
         "not s3": ((lost, "--uri", "/data/ckpt"), "not an object-store URI"),
         "mangled root": (("s3:/" + run["prefix"],), "give the run's ledger_dir as ROOT"),
         "lost binding": ((lost,), "no such directory"),
+        "adopt: wrong prefix": (("--adopt", lost, "--uri", f"s3://{BUCKET}/no-such-run"), "no plain DCP step-N/"),
+        "adopt: another uri": (("--adopt", bound, "--uri", f"s3://{foreign}"), f"belongs to {run['uri']}"),
     }
     before = {p: _tree(p) for p in (bound, posix)}
     bucket = sorted(fs.find(BUCKET))
     for name, (args, words) in cases.items():
-        rc, out, err = _main(capsys, "ledger", "rebuild", *args, "--json")
+        cmd = ["adopt", *args[1:]] if args[0] == "--adopt" else ["ledger", "rebuild", *args]
+        rc, out, err = _main(capsys, *cmd, "--json")
         assert rc == 2 and words in err and err.count("\n") == 1 and out == "", (name, rc, out, err)
     assert not lost.exists() and {p: _tree(p) for p in before} == before
 
@@ -638,8 +641,9 @@ def test_adopt_plain_dcp_save_folders_on_s3(run, tmp_path, capsys, monkeypatch):
     """A user's plain `dcp.save` to S3 (no scout-ckpt, fsspec with the endpoint, one process): folders step-2/ and
     step-4/, step 4 with a NaN weight. `adopt LEDGER_DIR --uri`: step 2 certified, step 4 rejected (the `finite`
     invariant), each copied into a fresh attempt prefix committed by its manifest; the plain folders are left as
-    they were. `resume --latest-clean` (real command line) returns step 2's attempt, whose objects hold exactly
-    the state the job hashed when it saved (loaded from that URI). Adopting again skips both (exit 0)."""
+    they were. `resume --latest-clean` returns step 2's attempt, whose objects hold exactly
+    the state the job hashed when it saved (loaded from that URI). Adopting again skips both (exit 0). Then the
+    ledger_dir is lost and rebuilt from the bucket alone."""
     import warnings
 
     import torch
@@ -684,7 +688,7 @@ def test_adopt_plain_dcp_save_folders_on_s3(run, tmp_path, capsys, monkeypatch):
     with open(ledger / "scout-storage.json") as f:
         assert json.loads(f.read())["uri"] == run["uri"]
 
-    rc, out, err = _cli(run, "resume", ledger, "--latest-clean")
+    rc, out, err = _main(capsys, "resume", ledger, "--latest-clean")
     assert rc == 0 and out.strip() == f"{run['uri']}/{committed[2][0]}", (out, err)
     assert "newer step 4 is rejected" in err
     assert _digest_at(store, committed[2][0], 16) == saved[2]
@@ -693,3 +697,16 @@ def test_adopt_plain_dcp_save_folders_on_s3(run, tmp_path, capsys, monkeypatch):
     assert rc == 0 and json.loads(out)["adopted"] == [], (out, err)
     assert [(s["step"], s["reason"]) for s in json.loads(out)["skipped"]] == [(2, "has_manifest"), (4, "has_manifest")]
     assert _attempts(run) == now
+
+    # adopt copies its verdicts to the store itself (bucket_journal): with the ledger_dir lost, `ledger rebuild
+    # --uri` certifies step 2 again from the bucket alone, and step 4 stays rejected.
+    import shutil
+
+    shutil.rmtree(ledger)
+    rc, out, err = _main(capsys, "ledger", "rebuild", ledger, "--uri", run["uri"], "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert [(r["step"], r["state"]) for r in doc["checkpoints"]] == [(2, "certified"), (4, "rejected")], doc
+    assert doc["journal"] == {"local": 0, "store": 2, "merged": 2}
+    rc, out, err = _main(capsys, "resume", ledger, "--latest-clean")
+    assert rc == 0 and out.strip() == f"{run['uri']}/{committed[2][0]}", (out, err)
