@@ -69,18 +69,23 @@ def read(store) -> list[dict]:
         found = store.fs.find(base, detail=True)
     except FileNotFoundError:
         return []
+    paths = sorted(p for p, info in found.items() if info.get("type", "file") == "file" and p.endswith(".json")
+                   and int(info.get("size") or 0) <= MAX_RECORD_BYTES)
+    if not paths:
+        return []
+    # one batch: fsspec fetches the records concurrently (a long run has thousands); a record gone since the
+    # listing is skipped, any other error is the caller's (an unreadable record may be a quarantine)
+    data = store.fs.cat(paths, on_error="return")
     out = []
-    for path in sorted(found):
-        info = found[path]
-        if info.get("type", "file") != "file" or not path.endswith(".json"):
+    for path in paths:
+        got = data.get(path) if isinstance(data, dict) else data
+        if isinstance(got, FileNotFoundError):
             continue
-        if int(info.get("size") or 0) > MAX_RECORD_BYTES:
-            continue
+        if isinstance(got, BaseException):
+            raise got
         try:
-            rec = json.loads(store.fs.cat_file(path))
-        except FileNotFoundError:
-            continue
-        except (ValueError, UnicodeDecodeError, RecursionError):
+            rec = json.loads(got)
+        except (ValueError, UnicodeDecodeError, RecursionError, TypeError):
             continue
         if isinstance(rec, dict) and "kind" in rec and isinstance(rec.get("step"), int):
             out.append(rec)
