@@ -51,11 +51,19 @@ def adopt_step(root: Path, step: int, step_dir: Path, run_id: str, attempt: str,
     return m, verdict
 
 
-def adopt(root: str | os.PathLike, *, invariant_specs: list | None = None) -> dict:
-    """Adopt every `step-N` dir under root that has no scout manifest yet."""
+def adopt(root: str | os.PathLike, *, invariant_specs: list | None = None, uri: str | None = None) -> dict:
+    """Adopt every `step-N` dir under root that has no scout manifest yet. ROOT may also be the ledger_dir of an
+    object-store run (bound to its URI, or named by `uri`): the plain `step-N/` folders there are adopted into
+    attempt prefixes (object_store/adopt.py)."""
+    from scout_ckpt import object_store
     from scout_ckpt.invariants import parse_specs
     from scout_ckpt.ledger import Ledger
 
+    store = object_store.resolve(root, uri)
+    if store is not None:
+        from scout_ckpt.object_store import adopt as on_store
+
+        return on_store.adopt(Path(root), store, invariant_specs=invariant_specs)
     root = Path(root)
     if not root.exists():
         raise BadInput(f"{root}: no such directory")

@@ -267,12 +267,16 @@ def adopt_cmd(root: Path = typer.Argument(...),
               invariant: List[str] = typer.Option([], "--invariant",
                                                   help="Invariant spec, e.g. finite or frobenius_sphere:radius=1:"
                                                        "params=blocks.*.weight (repeatable; default: finite)."),
+              uri: Optional[str] = typer.Option(
+                  None, "--uri", help="s3://bucket/prefix holding plain dcp.save step-N/ folders; ROOT is then the "
+                                      "run's ledger_dir (created and bound to it); endpoint and credentials from "
+                                      "the environment (AWS_ENDPOINT_URL, ...)."),
               as_json: bool = JSON_OPT):
-    """Take in plain DCP step-N folders written without scout-ckpt: digests, structure check, invariants."""
+    """Take in plain DCP step-N folders written without scout-ckpt: digests, structure check, invariants. On an
+    object store each folder is copied into a fresh attempt prefix, verified, and committed by its manifest."""
     from scout_ckpt.adopt import adopt
 
-    roots.store_for(root, refuse="adopt")
-    result = adopt(root, invariant_specs=list(invariant) or None)
+    result = adopt(root, invariant_specs=list(invariant) or None, uri=uri)   # object_store.resolve checks ROOT
     if as_json:
         _emit(result)
     else:
@@ -364,13 +368,18 @@ def demo_cmd(dir: Optional[Path] = typer.Option(None, "--dir", help="Run directo
 @ledger_app.command("rebuild")
 def ledger_rebuild_cmd(root: Path = typer.Argument(...),
                        no_verify: bool = typer.Option(False, "--no-verify", help="Do not re-hash files."),
+                       uri: Optional[str] = typer.Option(
+                           None, "--uri", help="s3://bucket/prefix of an object-store run whose ledger_dir (ROOT) "
+                                               "lost its scout-storage.json; endpoint and credentials from the "
+                                               "environment (AWS_ENDPOINT_URL, ...)."),
                        as_json: bool = JSON_OPT):
     """Rebuild the ledger's checkpoint rows from the checkpoints' manifests and the journal (the old ledger is
-    kept as .bak). Never more trusted than it can re-verify: --json lists what changed (step, before, after, why)."""
+    kept as .bak). Never more trusted than it can re-verify: --json lists what changed (step, before, after, why).
+    On an object-store run ROOT is its ledger_dir: the committed attempts on the store are re-verified by ranged
+    reads, and the journal's copy on the store counts with what survives in ROOT."""
     from scout_ckpt.rebuild import rebuild
 
-    roots.store_for(root, refuse="ledger rebuild")
-    result = rebuild(root, verify=not no_verify)
+    result = rebuild(root, verify=not no_verify, uri=uri)   # object_store.rebuild.resolve checks ROOT and --uri
     if as_json:
         _emit(result)
     else:

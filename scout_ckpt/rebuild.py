@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from scout_ckpt import journal, manifest, policy
@@ -167,42 +169,77 @@ def decide(step: int, m: dict, digest: str, fresh_bytes: dict, jview: dict, old:
             "why": why}
 
 
-def rebuild(root: str | os.PathLike, *, verify: bool = True) -> dict:
+def rebuild(root: str | os.PathLike, *, verify: bool = True, uri: str | None = None) -> dict:
+    """Rebuild ROOT's ledger. ROOT is a run's checkpoint root, or the `ledger_dir` of an object-store run: bound
+    to its URI by scout-storage.json, or, when that file was lost with the ledger, named by `uri`
+    (object_store.resolve says which, and refuses a mismatch before anything is read)."""
+    from scout_ckpt import object_store
+
+    store = object_store.resolve(root, uri)
+    if store is not None:
+        from scout_ckpt.object_store import rebuild as on_store
+
+        return on_store.rebuild(Path(root), store, verify=verify)
     root = Path(root)
     if not root.is_dir():
         raise BadInput(f"{root}: {'not a directory' if root.exists() else 'no such directory'}")
     steps = list_checkpoint_dirs(root)
-    manifests = {}
+    entries = {}
     skipped = []
     for step, d in steps.items():
         try:
-            manifests[step] = manifest.read(d)
+            m, digest = manifest.read(d)
         except BadInput as e:
             skipped.append({"step": step, "reason": str(e)})
-    if not manifests:
+            continue
+        entries[step] = Entry(m, digest, d.name, lambda d=d, m=m: dir_bytes(d),
+                              lambda d=d, m=m: verify_files(d, m["files"]))
+    if not entries:
         raise BadInput(f"{root}: no checkpoint with a scout-manifest.json to rebuild from")
+    return write_ledger(root, entries, skipped, journal.read(root), verify=verify, present=set(steps))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One step to rebuild: its manifest (and the digest of its bytes), the path the ledger row records (the
+    step dir's name, or the attempt prefix on an object store), and how to measure and re-verify it."""
+
+    manifest: dict
+    digest: str
+    path: str
+    nbytes: Callable[[], int]
+    check: Callable[[], dict]
+
+
+def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], records: list[dict], *,
+                 verify: bool, present: set[int], before_swap: Callable[[], None] | None = None) -> dict:
+    """The part of a rebuild common to every storage: decide() each entry against the journal `records` and the
+    old ledger in ROOT, build the new ledger under a temp name in ROOT, keep the old one as .bak, rename.
+    `present`: the steps that exist at all (for `changes`' why of an old row left out: skipped or gone).
+    `before_swap`: called once the new ledger is complete, just before it is renamed into place."""
+    manifests = {step: (e.manifest, e.digest) for step, e in entries.items()}
     old_rows, old_note = _old_ledger(root)
-    records = journal.read(root)
     build_dir = root / f".ledger-rebuild-{os.getpid()}"
     shutil.rmtree(build_dir, ignore_errors=True)
-    build_dir.mkdir()
     rows, changes = [], []
     try:
+        build_dir.mkdir()
         with Ledger.open(build_dir, create=True) as ledger:
             for run_id in sorted({m.get("run_id") or "unknown" for m, _ in manifests.values()}):
                 first = next(m for m, _ in manifests.values() if (m.get("run_id") or "unknown") == run_id)
                 ledger.begin_run(run_id, world_size=first.get("world_size") or 0, topology=first.get("topology", {}),
                                  policy=strictest(first.get("policy"), default_policy(first)), versions=first.get("versions", {}))
             for step, (m, digest) in sorted(manifests.items()):
+                e = entries[step]
                 if verify:
-                    fresh = verify_files(steps[step], m["files"])
+                    fresh = e.check()
                 else:
                     fresh = policy.evidence(policy.MISSING, [{"code": "bytes_unverified"}])
                 d = decide(step, m, digest, fresh, _journal_view(records, step, digest), old_rows.get(step))
                 run_id = m.get("run_id") or "unknown"
                 attempt = m.get("attempt") or f"rebuild-{step}"
-                ledger.record_writing(step, run_id, attempt, steps[step].name, source="rebuild")
-                ledger.record_commit(step, run_id=run_id, path=steps[step].name, nbytes=dir_bytes(steps[step]),
+                ledger.record_writing(step, run_id, attempt, e.path, source="rebuild")
+                ledger.record_commit(step, run_id=run_id, path=e.path, nbytes=e.nbytes(),
                                      manifest_digest=digest, files=m["files"], evidence=d["evidence"],
                                      state=d["state"], reasons=d["reasons"], source="rebuild", attempt=attempt)
                 state, reasons, why = d["state"], d["reasons"], d["why"]
@@ -217,7 +254,9 @@ def rebuild(root: str | os.PathLike, *, verify: bool = True) -> dict:
         for step, old in sorted(old_rows.items()):
             if step not in manifests and old["state"] != "deleted":
                 changes.append({"step": step, "before": old["state"], "after": None,
-                                "why": "skipped" if step in steps else "no_directory"})
+                                "why": "skipped" if step in present else "no_directory"})
+        if before_swap is not None:
+            before_swap()
         final = root / LEDGER_NAME
         backup = None
         # an orphaned -wal/-shm (the database itself lost) must not be replayed into the new ledger: move it too

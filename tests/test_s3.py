@@ -57,11 +57,13 @@ def _cli(run, *args, check_rc=None):
 
 
 def _attempts(run) -> dict[str, set[str]]:
-    """{attempt prefix: {object names}} under the run's prefix."""
+    """{attempt prefix (or plain folder): {object names}} under the run's prefix; the journal's copy
+    (scout-journal/, object_store/bucket_journal.py) is not a checkpoint and is left out."""
     out: dict[str, set[str]] = {}
     for path in run["fs"].find(run["prefix"]):
         head, _, tail = path[len(run["prefix"]) + 1:].partition("/")
-        out.setdefault(head, set()).add(tail)
+        if head != "scout-journal":
+            out.setdefault(head, set()).add(tail)
     return out
 
 
@@ -82,7 +84,7 @@ def _load(run, **kw):
 
 
 @pytest.mark.parametrize("width", [16, pytest.param(1280, marks=pytest.mark.scenario)], ids=["small", "multipart"])
-def test_save_certify_resume_load_exactly_then_async_saves(run, width):
+def test_save_certify_resume_load_exactly_then_async_saves(run, width, capsys, monkeypatch):
     """Sync saves, the CLI on the ledger_dir, then a restart that loads exactly and goes on with
     async_save=True as a user would write it: saves at 6 and 8 with training in between (the next optimizer step
     runs while the upload is in flight), and rank 1's upload of step 10 raises once its first part has been sent.
@@ -157,6 +159,81 @@ def test_save_certify_resume_load_exactly_then_async_saves(run, width):
     assert res["step"] == 8 and res["source"].startswith(run["uri"] + "/step-00000008.attempt-"), res
     assert w.digest(load_file(f"{dest}/m.safetensors")) == again["models"][8]
     assert os.listdir(dest) == ["m.safetensors"]   # the verified local copy it read from is gone
+
+    # the rebuild through cli.main in this process (a subprocess's imports cost seconds of `make test`; the
+    # torchrun scenario runs it as a real command), `resume` as a real command
+    monkeypatch.setenv("AWS_ENDPOINT_URL", run["ep"])
+    name = _lose_ledger_dir_and_rebuild(run, lambda *args: _main(capsys, *args))
+    assert _digest_at(_store(run), name, width) == again["saved"][6]   # the job's own sha256 when it saved step 6
+
+
+def _lose_ledger_dir_and_rebuild(run, rebuild_cli=None) -> str:
+    """The node holding the ledger_dir died: it is gone, binding, ledger and journal. Step 8 (the newest) is made
+    uncertified first: one interior byte of one object changes, same size. `ledger rebuild LEDGER_DIR --uri`
+    brings back what the bucket proves: 2, 4 and 6 certified (re-verified by ranged reads, and a certified verdict
+    for that exact manifest in the journal's copy on the bucket), 8 rejected (digest_mismatch). Then `resume
+    --latest-clean` (the real command line) returns an attempt of step 6; its name is returned, for the caller to
+    judge by the job's own digest. `rebuild_cli(*args)` -> (rc, out, err): how the rebuild is run (default:
+    the real command line in a subprocess)."""
+    import shutil
+
+    from scout_ckpt import journal
+    from scout_ckpt.object_store import bucket_journal
+
+    store = _store(run)
+    # Until journal.append copies each record to the store itself (bucket_journal.mirror), the test copies the
+    # journal there as that call would have, record by record, before the ledger_dir is lost.
+    for rec in journal.read(run["ledger"]):
+        bucket_journal.mirror(run["ledger"], rec, store)
+    (a8,) = store.committed()[8]
+    key = f"{run['prefix']}/{a8}/__0_0.distcp"
+    data = bytearray(run["fs"].cat_file(key))
+    data[len(data) // 2] ^= 0x04
+    run["fs"].pipe_file(key, bytes(data))
+    shutil.rmtree(run["ledger"])
+    before = _attempts(run)
+
+    rc, out, err = (rebuild_cli or (lambda *a: _cli(run, *a)))("ledger", "rebuild", run["ledger"], "--uri",
+                                                               run["uri"], "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    rows = {r["step"]: r for r in doc["checkpoints"]}
+    assert {s: r["state"] for s, r in rows.items()} == {2: "certified", 4: "certified", 6: "certified",
+                                                        8: "rejected"}, doc
+    assert any(r["code"] == "digest_mismatch" and r["file"] == "__0_0.distcp" for r in rows[8]["reasons"]), rows[8]
+    assert doc["uri"] == run["uri"] and doc["old_ledger"] == "no old ledger" and doc["journal"]["local"] == 0
+    with open(os.path.join(run["ledger"], "scout-storage.json")) as f:
+        assert json.loads(f.read())["uri"] == run["uri"]   # bound again: every command takes the ledger_dir
+    assert _attempts(run) == before                        # nothing on the bucket written or removed
+
+    rc, out, err = _cli(run, "resume", run["ledger"], "--latest-clean")
+    assert rc == 0, err
+    path = out.strip()
+    name = path[len(run["uri"]) + 1:]
+    assert path.startswith(run["uri"] + "/") and name in store.committed()[6], path
+    assert "newer step 8 is rejected" in err and "digest_mismatch" in err, err
+    return name
+
+
+def _digest_at(store, name: str, width: int) -> str:
+    """The job's oracle (workers_s3.digest) of the state stored under one attempt prefix, loaded in this process
+    through the verified reader (the `.metadata` digest from the attempt's manifest)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    m, _ = store.read_manifest(name)
+    (meta,) = [f["digest"] for f in m["files"] if f["path"] == layout.DCP_METADATA]
+    model = w.make_model(seed=7, width=width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.zeros(1, model[0].in_features)).sum().backward()
+    opt.step()   # AdamW's moments exist, with values unlike the checkpoint's
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=store.reader(name, meta))
+    return w.digest(state)
 
 
 @pytest.mark.scenario
@@ -328,6 +405,18 @@ def test_torchrun_job_killed_mid_save_resumes_exactly_from_s3(run):
     rc, out, err = _cli(run, "resume", run["ledger"], "--latest-clean")
     assert rc == 0 and out.strip() == f"{run['uri']}/{latest['path']}", (out, err)
 
+    # The node holding the ledger_dir dies and step 8 is damaged: rebuilt from the bucket, the next launch of the
+    # same job loads step 6 with exactly the digest it printed when it saved step 6, and saves 8 again.
+    name = _lose_ledger_dir_and_rebuild(run)
+    p = _torchrun(run, "--steps", "8", "--save-every", "2")
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("S3-JOB ")]
+    loads = [e for e in lines if e["event"] == "loaded"]
+    assert [(e["step"], e["digest"]) for e in loads] == [(6, second[6]["digest"])], lines
+    assert [(e["step"], e["state"]) for e in lines if e["event"] == "saved"] == [(8, "certified")], lines
+    with Ledger.open(run["ledger"], readonly=True) as led:
+        assert led.checkpoint(6)["path"] == name
+
 
 # ---- in-process: the store's pieces against the same server, no ranks (cheap) -----------------------------------
 
@@ -439,3 +528,199 @@ def test_sweep_removes_dead_attempts_only_after_recording_them(run, tmp_path):
         names[(3, "dead")], names[(3, "old")], f"{prefix}/{names[(3, 'dead')]}/__1_0.distcp"}
     assert sorted(_attempts(run)) == sorted([names[(1, "ok")], names[(2, "live")], names[(9, "x")]])
     assert [u["Key"].split("/")[1] for u in _uploads(run)] == [names[(2, "live")]]
+
+
+# ---- ledger rebuild on an S3 run: bad input, and the journal's copy on the store (in-process, cheap) ------------
+
+def _main(capsys, *args) -> tuple[int, str, str]:
+    """The command line's own entry point (cli.main) in this process: (exit code, stdout, stderr)."""
+    from scout_ckpt.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def _tree(path) -> dict:
+    """{relative path: bytes} of every file under `path` ({} if it does not exist): "nothing modified"."""
+    out = {}
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, path)] = f.read()
+    return out
+
+
+def test_rebuild_refuses_bad_input_with_one_line_and_modifies_nothing(run, tmp_path, capsys, monkeypatch):
+    """`ledger rebuild`: wrong prefix, empty bucket, a foreign prefix (plain DCP folders; attempts that never
+    committed), a --uri that contradicts the ledger_dir's binding, a ROOT holding a POSIX run, a --uri that is not
+    s3://, no --uri for a lost binding (and `adopt`: a prefix with nothing to adopt, another URI); then (real subprocesses, their own environment) no credentials and no endpoint:
+    exit 2, one line on stderr, no traceback, neither the ledger_dir nor the bucket changed."""
+    from scout_ckpt import object_store
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", run["ep"])
+    fs = run["fs"]
+    fs.mkdir("scout-empty")
+    foreign = f"{BUCKET}/foreign-{uuid.uuid4().hex[:6]}"
+    fs.pipe({f"{foreign}/step-4/.metadata": b"m", f"{foreign}/step-4/__0_0.distcp": b"d"})
+    dead = f"{BUCKET}/dead-{uuid.uuid4().hex[:6]}"
+    fs.pipe_file(f"{dead}/{layout.attempt_dirname(2, 'x')}/__0_0.distcp", b"d")   # no manifest: never committed
+    bound = tmp_path / "bound"
+    bound.mkdir()
+    object_store.bind(bound, run["uri"], {})
+    posix = tmp_path / "posix"
+    (posix / layout.step_dirname(2)).mkdir(parents=True)
+    lost = tmp_path / "lost"
+    cases = {
+        "wrong prefix": ((lost, "--uri", f"s3://{BUCKET}/no-such-run"), "nothing under this prefix"),
+        "empty bucket": ((lost, "--uri", "s3://scout-empty"), "nothing under this prefix"),
+        "no bucket": ((lost, "--uri", "s3://scout-no-such-bucket/p"), "nothing under this prefix"),
+        "foreign prefix": ((lost, "--uri", f"s3://{foreign}"), "a foreign prefix: it holds step-4"),
+        "never committed": ((lost, "--uri", f"s3://{dead}"), "attempts that never committed"),
+        "another uri": ((bound, "--uri", f"s3://{BUCKET}/other"), f"belongs to {run['uri']}"),
+        "posix run": ((posix, "--uri", run["uri"]), "a POSIX run"),
+        "not s3": ((lost, "--uri", "/data/ckpt"), "not an object-store URI"),
+        "mangled root": (("s3:/" + run["prefix"],), "give the run's ledger_dir as ROOT"),
+        "lost binding": ((lost,), "no such directory"),
+        "adopt: wrong prefix": (("--adopt", lost, "--uri", f"s3://{BUCKET}/no-such-run"), "no plain DCP step-N/"),
+        "adopt: another uri": (("--adopt", bound, "--uri", f"s3://{foreign}"), f"belongs to {run['uri']}"),
+    }
+    before = {p: _tree(p) for p in (bound, posix)}
+    bucket = sorted(fs.find(BUCKET))
+    for name, (args, words) in cases.items():
+        cmd = ["adopt", *args[1:]] if args[0] == "--adopt" else ["ledger", "rebuild", *args]
+        rc, out, err = _main(capsys, *cmd, "--json")
+        assert rc == 2 and words in err and err.count("\n") == 1 and out == "", (name, rc, out, err)
+    assert not lost.exists() and {p: _tree(p) for p in before} == before and sorted(fs.find(BUCKET)) == bucket
+
+
+@pytest.mark.scenario
+def test_rebuild_without_credentials_or_endpoint_is_bad_input(run, tmp_path):
+    """The real command in its own environment: no credentials at all; no endpoint (AWS's own is asked, one
+    attempt instead of botocore's retries): exit 2, one line naming the store's error and where the requests
+    went, no traceback, nothing created, the bucket unchanged."""
+    import subprocess
+
+    from tests.cli_pool import run_cases
+    from tests.conftest import CLI, REPO
+
+    lost = tmp_path / "lost"
+    bucket = sorted(run["fs"].find(BUCKET))
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    base.update(PYTHONPATH=str(REPO), AWS_EC2_METADATA_DISABLED="true", AWS_MAX_ATTEMPTS="1",
+                AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
+    envs = {"no credentials": ({**base, "AWS_ENDPOINT_URL": run["ep"]}, "NoCredentialsError"),
+            "no endpoint": ({**base, **CREDS}, "no endpoint set")}
+
+    def case(env, words):
+        def go():
+            p = subprocess.run([*CLI, "ledger", "rebuild", str(lost), "--uri", run["uri"]], capture_output=True,
+                               text=True, env=env, timeout=120, check=False)
+            assert p.returncode == 2 and "cannot list" in p.stderr and words in p.stderr, (p.returncode, p.stderr)
+            assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr and p.stdout == "", p.stderr
+        return go
+
+    run_cases({name: case(*v) for name, v in envs.items()})
+    assert not lost.exists() and sorted(run["fs"].find(BUCKET)) == bucket
+
+
+def test_journal_copy_on_the_store(run, tmp_path):
+    """bucket_journal: one object per record, never overwritten, read back in time order; merged with the local
+    journal each record once; not an attempt prefix (listing and sweep ignore it); a record that is not one is
+    skipped. `mirror` writes only for a ledger_dir bound to a store."""
+    from scout_ckpt import object_store
+    from scout_ckpt.object_store import bucket_journal
+
+    store = _store(run)
+    recs = [{"kind": "verdict", "step": s, "state": "certified", "time": 1000.0 + s, "manifest_digest": f"d{s}"}
+            for s in (3, 1, 2)]
+    keys = [bucket_journal.append(store, r) for r in recs]
+    assert len(set(keys)) == 3 and all(k.startswith(f"{run['prefix']}/scout-journal/") for k in keys)
+    run["fs"].pipe_file(f"{run['prefix']}/scout-journal/00000000000000000001-torn.json", b'{"kind": "verd')
+    assert bucket_journal.read(store) == sorted(recs, key=lambda r: r["time"])
+    assert store.attempts() == {} and store.committed() == {}
+    local = [recs[0], {"kind": "quarantine", "step": 2, "reason": "x", "time": 1001.5}]
+    merged = bucket_journal.merge(local, bucket_journal.read(store))
+    assert [(r["kind"], r["step"]) for r in merged] == [("verdict", 1), ("quarantine", 2), ("verdict", 2),
+                                                        ("verdict", 3)]
+    assert bucket_journal.mirror(tmp_path, recs[0]) is None   # a POSIX root: nothing copied
+    object_store.bind(tmp_path, run["uri"], w.options(run["ep"]))
+    assert bucket_journal.mirror(tmp_path, {**recs[0], "time": 2000.0}).startswith(f"{run['prefix']}/scout-journal/")
+    assert len(bucket_journal.read(store)) == 4
+
+
+def test_adopt_plain_dcp_save_folders_on_s3(run, tmp_path, capsys, monkeypatch):
+    """A user's plain `dcp.save` to S3 (no scout-ckpt, fsspec with the endpoint, one process): folders step-2/ and
+    step-4/, step 4 with a NaN weight. `adopt LEDGER_DIR --uri`: step 2 certified, step 4 rejected (the `finite`
+    invariant), each copied into a fresh attempt prefix committed by its manifest; the plain folders are left as
+    they were. `resume --latest-clean` returns step 2's attempt, whose objects hold exactly
+    the state the job hashed when it saved (loaded from that URI). Adopting again skips both (exit 0). Then the
+    ledger_dir is lost and rebuilt from the bucket alone."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # what a user of dcp + S3 writes with
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", run["ep"])
+    saved = {}
+    for step in (2, 4):
+        model = w.make_model(seed=step)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.ones(2, 16)).sum().backward()
+        opt.step()
+        if step == 4:
+            with torch.no_grad():
+                model[0].weight[1, 2] = float("nan")
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        saved[step] = w.digest(state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=FsspecWriter(f"{run['uri']}/step-{step}",
+                                                        client_kwargs={"endpoint_url": run["ep"]}))
+    plain = {h: names for h, names in _attempts(run).items()}
+    assert sorted(plain) == ["step-2", "step-4"]
+
+    ledger = tmp_path / "ledger"
+    rc, out, err = _main(capsys, "adopt", ledger, "--uri", run["uri"], "--json")
+    assert rc == 1 and "1 adopted step(s) not certified; first: step 4 is rejected" in err, (out, err)
+    doc = json.loads(out)
+    assert [(a["step"], a["state"], a["from"]) for a in doc["adopted"]] == [(2, "certified", "step-2"),
+                                                                         (4, "rejected", "step-4")], doc
+    assert doc["adopted"][1]["reasons"][0]["code"] == "invariant_failed"
+    store = _store(run)
+    committed = store.committed()
+    assert sorted(committed) == [2, 4]
+    now = _attempts(run)
+    for step, (name,) in committed.items():
+        assert name == doc["adopted"][[2, 4].index(step)]["path"]
+        assert now[name] == plain[f"step-{step}"] | {layout.MANIFEST_NAME}, now[name]
+        assert store.read_manifest(name)[0]["adopted"] is True
+    assert {h: now[h] for h in plain} == plain            # the plain folders: untouched
+    with open(ledger / "scout-storage.json") as f:
+        assert json.loads(f.read())["uri"] == run["uri"]
+
+    rc, out, err = _main(capsys, "resume", ledger, "--latest-clean")
+    assert rc == 0 and out.strip() == f"{run['uri']}/{committed[2][0]}", (out, err)
+    assert "newer step 4 is rejected" in err
+    assert _digest_at(store, committed[2][0], 16) == saved[2]
+
+    rc, out, err = _main(capsys, "adopt", ledger, "--json")
+    assert rc == 0 and json.loads(out)["adopted"] == [], (out, err)
+    assert [(s["step"], s["reason"]) for s in json.loads(out)["skipped"]] == [(2, "has_manifest"), (4, "has_manifest")]
+    assert _attempts(run) == now
+
+    # adopt copies its verdicts to the store itself (bucket_journal): with the ledger_dir lost, `ledger rebuild
+    # --uri` certifies step 2 again from the bucket alone, and step 4 stays rejected.
+    import shutil
+
+    shutil.rmtree(ledger)
+    rc, out, err = _main(capsys, "ledger", "rebuild", ledger, "--uri", run["uri"], "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert [(r["step"], r["state"]) for r in doc["checkpoints"]] == [(2, "certified"), (4, "rejected")], doc
+    assert doc["journal"]["local"] == 0 and doc["journal"]["merged"] == 2 and doc["journal"]["store"] >= 2
+    rc, out, err = _main(capsys, "resume", ledger, "--latest-clean")
+    assert rc == 0 and out.strip() == f"{run['uri']}/{committed[2][0]}", (out, err)

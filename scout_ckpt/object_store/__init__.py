@@ -119,3 +119,32 @@ def location(ledger_root: str | os.PathLike, rel: str) -> str:
     if b is not None:
         return f"{b['uri'].rstrip('/')}/{rel}"
     return str(Path(ledger_root) / rel)
+
+
+def resolve(root: str | os.PathLike, uri: str | None):
+    """For `ledger rebuild` and `adopt`, which may start from a ledger_dir that does not exist yet: the ObjectStore
+    of ROOT (its binding, or `uri`), or None for a POSIX ROOT (no binding, no `uri`). BadInput for a
+    mangled `s3:/` ROOT, a `uri` that is not an object-store URI or contradicts the binding, and a ROOT that
+    holds checkpoint directories of its own."""
+    from scout_ckpt import layout
+    from scout_ckpt.safepaths import clip
+
+    if looks_like_mangled_uri(root):
+        raise BadInput(f"{root}: give the run's ledger_dir as ROOT and the checkpoints' location as --uri "
+                       "s3://bucket/prefix")
+    if uri is not None and not is_uri(uri):
+        raise BadInput(f"--uri {clip(uri, 80)}: not an object-store URI (s3://bucket/prefix)")
+    have = binding(root)
+    if have is not None:
+        if uri is not None and uri.rstrip("/") != have["uri"].rstrip("/"):
+            raise BadInput(f"{root}: this ledger_dir belongs to {have['uri']}, not {uri.rstrip('/')}")
+        return bound_store(root)
+    if uri is None:
+        return None
+    p = Path(root)
+    if p.exists() and not p.is_dir():
+        raise BadInput(f"{root}: not a directory")
+    if p.is_dir() and layout.list_checkpoint_dirs(p):
+        raise BadInput(f"{root}: holds checkpoint directories of its own (a POSIX run); --uri is for the "
+                       "ledger_dir of an object-store run")
+    return open_store(uri.rstrip("/"))

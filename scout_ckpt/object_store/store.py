@@ -52,6 +52,7 @@ class ObjectStore:
         url_to_fs = _import_fsspec()
         self.uri = uri.rstrip("/")
         self.protocol = self.uri.split("://", 1)[0]
+        self.storage_options = dict(storage_options)   # as given (credentials included): never written as is
         opts = dict(storage_options)
         if self.protocol == "s3":
             opts.setdefault("use_listings_cache", False)
