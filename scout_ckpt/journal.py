@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from scout_ckpt.layout import fsync_dir
+from scout_ckpt.object_store import bucket_journal   # imports no fsspec: a store is opened only for a bound root
 
 JOURNAL_NAME = "scout-journal.jsonl"
 
@@ -44,6 +45,10 @@ def append(root: str | os.PathLike, record: dict) -> dict:
         os.close(fd)
     if created:
         fsync_dir(p.parent)
+    # An object-store run's ledger_dir may be lost with its node: the record is copied beside the checkpoints too
+    # (object_store/bucket_journal.py), so that `ledger rebuild` finds it there. A copy that fails raises: a
+    # quarantine or rejection missing from the bucket would let a rebuilt ledger certify the step again.
+    bucket_journal.mirror(root, record)
     return record
 
 

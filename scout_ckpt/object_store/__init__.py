@@ -110,7 +110,26 @@ def locate(root, *, ledger_dir=None, storage_options: dict | None = None, coordi
     if coordinator:
         Path(ledger_dir).mkdir(parents=True, exist_ok=True)
         bind(ledger_dir, root, storage_options)
+    remember(ledger_dir, store)
     return store, Path(ledger_dir)
+
+
+# The stores this process opened, by the real path of their ledger_dir: the journal's copy on the store
+# (bucket_journal.mirror) goes through the Checkpointer's own store, credentials from its storage_options included
+# (the binding never records them).
+_OPEN: dict[str, object] = {}
+
+
+def remember(ledger_dir: str | os.PathLike, store) -> None:
+    _OPEN[os.path.realpath(ledger_dir)] = store
+
+
+def store_of(ledger_dir: str | os.PathLike):
+    """The ObjectStore a ledger_dir is bound to: the one this process opened for it, else opened from the binding
+    and the environment; None for a POSIX root."""
+    if binding(ledger_dir) is None:
+        return None
+    return _OPEN.get(os.path.realpath(ledger_dir)) or bound_store(ledger_dir)
 
 
 def location(ledger_root: str | os.PathLike, rel: str) -> str:

@@ -58,7 +58,6 @@ def adopt(root: Path, store, *, invariant_specs: list | None = None) -> dict:
     from scout_ckpt.adopt import DEFAULT_INVARIANTS, adopt_step
     from scout_ckpt.invariants import parse_specs
     from scout_ckpt.ledger import Ledger
-    from scout_ckpt.object_store import bucket_journal
     from scout_ckpt.object_store.rebuild import cannot_list
     from scout_ckpt.settle import this_process_owner
 
@@ -87,6 +86,7 @@ def adopt(root: Path, store, *, invariant_specs: list | None = None) -> dict:
         raise BadInput(f"{root}: not a directory")
     root.mkdir(parents=True, exist_ok=True)
     object_store.bind(root, store.uri, object_store.public_options(store.storage_options))
+    object_store.remember(root, store)   # journal.append copies each record to it (bucket_journal.mirror)
     run_id = f"adopted-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     world = max((len({m.group(1) for k in objs if (m := DISTCP_RE.match(k))}) for _, objs in todo.values()),
                 default=0)
@@ -112,8 +112,7 @@ def adopt(root: Path, store, *, invariant_specs: list | None = None) -> dict:
             if copied["status"] != policy.PASS:
                 reasons = [{"code": "adopt_copy_mismatch", "from": head}, *copied["reasons"]]
                 if ledger.transition(step, "rejected", reasons, source="adopt", expect="writing", attempt=attempt):
-                    rec = journal.journal_verdict(root, step, attempt, None, "rejected", reasons, "adopt")
-                    bucket_journal.mirror(root, rec, store)
+                    journal.journal_verdict(root, step, attempt, None, "rejected", reasons, "adopt")
                 adopted.append({"step": step, "path": name, "from": head, "state": "rejected", "reasons": reasons})
                 continue
             digest = store.publish_manifest(name, manifest_mod.encode(m))
@@ -121,9 +120,7 @@ def adopt(root: Path, store, *, invariant_specs: list | None = None) -> dict:
                     step, run_id=run_id, path=name, nbytes=sum(f["size"] for f in m["files"]),
                     manifest_digest=digest, files=m["files"], evidence=m["evidence"], state=verdict["state"],
                     reasons=verdict["reasons"], source="adopt", attempt=attempt):
-                rec = journal.journal_verdict(root, step, attempt, digest, verdict["state"], verdict["reasons"],
-                                              "adopt")
-                bucket_journal.mirror(root, rec, store)
+                journal.journal_verdict(root, step, attempt, digest, verdict["state"], verdict["reasons"], "adopt")
             adopted.append({"step": step, "path": name, "from": head, **verdict})
     return {"adopted": adopted, "skipped": skipped, "run_id": run_id, "uri": store.uri}
 

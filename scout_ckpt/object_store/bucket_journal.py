@@ -52,11 +52,11 @@ def mirror(ledger_dir: str | os.PathLike, record: dict, store=None) -> str | Non
     """Copy a record just appended to `ledger_dir`'s journal to the store that ledger_dir is bound to (None for a
     POSIX root: nothing to do). `store`: an already opened ObjectStore for that binding (the Checkpointer's)."""
     if store is None:
-        from scout_ckpt.object_store import binding, bound_store
+        from scout_ckpt.object_store import store_of
 
-        if binding(ledger_dir) is None:
+        store = store_of(ledger_dir)
+        if store is None:
             return None
-        store = bound_store(ledger_dir)
     return append(store, record)
 
 
