@@ -165,7 +165,9 @@ class ScoutWriter(WritesRecorded, FileSystemWriter):
 
     def __init__(self, path: Path, *, step: int, fault_hook: FaultHook | None = None, check_finite: bool = True,
                  stage_cache: StagingCache | None = None):
-        super().__init__(str(path), single_file_per_rank=True, sync_files=True, thread_count=1)
+        # fsync on: done by the file system below at each file's close (write_pass.DigestingFileSystem), not by
+        # DCP, so that the data file can say when the disk's flush begins
+        super().__init__(str(path), single_file_per_rank=True, sync_files=False, thread_count=1)
         self.step = step
         self.stage_cache = stage_cache
         self.check_finite = check_finite

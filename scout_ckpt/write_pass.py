@@ -79,6 +79,11 @@ class WritePass:
         finite = self.finite.get(key)
         return None if signer is None and finite is None else _Tensor(key, signer, finite)
 
+    def flushing(self) -> None:
+        """The file's last byte is with the kernel; the disk's flush follows (InFlightDigests.flushing)."""
+        if self.in_flight is not None:
+            self.in_flight.flushing.set()
+
     def end(self, t: _Tensor) -> None:
         if t.signer is not None:
             self.in_flight.record(t.key, t.signer)
@@ -109,10 +114,12 @@ class _DigestingFile(io.BufferedWriter):
     With `on_first_write`, the first write is flushed half-way and control goes to the fault hook (tests and the
     demo SIGKILL a rank in the middle of a file)."""
 
-    def __init__(self, raw, on_first_write: Callable[[], None] | None = None, work: WritePass | None = None):
+    def __init__(self, raw, on_first_write: Callable[[], None] | None = None, work: WritePass | None = None,
+                 sync: bool = True):
         super().__init__(raw)
         self._on_first_write = on_first_write
         self._work = work
+        self._sync = sync
         self.hasher = xxhash.xxh3_128()
         self.size = 0
         self.sequential = True
@@ -149,6 +156,20 @@ class _DigestingFile(io.BufferedWriter):
         hook()
         return n + super().write(view[half:])
 
+    def close(self) -> None:
+        """Flush, say so (`WritePass.flushing`), fsync, close: durable at close, the bytes DCP's own fsync (taken
+        before the buffer's last flush) would have left out included."""
+        if self.closed:
+            return
+        try:
+            self.flush()
+            if self._sync:
+                if self._work is not None:
+                    self._work.flushing()
+                os.fsync(self.fileno())
+        finally:
+            super().close()
+
     def seek(self, *args) -> int:
         pos = super().seek(*args)
         if pos != self.size:
@@ -161,11 +182,15 @@ class _DigestingFile(io.BufferedWriter):
 
 
 class DigestingFileSystem(FileSystem):
-    """Opens every `.distcp` written through it as a _DigestingFile and remembers the digests of closed ones."""
+    """Opens every `.distcp` written through it as a _DigestingFile and remembers the digests of closed ones. With
+    `sync`, every file written through it is fsynced before it is closed (the writer passes sync_files=False to
+    DCP and lets this do it: the data file says when its flush begins, and DCP's metadata file is flushed before
+    its fsync)."""
 
-    def __init__(self, on_first_write: Callable[[], None] | None):
+    def __init__(self, on_first_write: Callable[[], None] | None, sync: bool = True):
         super().__init__()
         self._on_first_write = on_first_write
+        self._sync = sync
         self.work: WritePass | None = None   # this save's, set by the writer when its write begins
         self.digests: dict[str, tuple[int, str]] = {}
 
@@ -174,9 +199,12 @@ class DigestingFileSystem(FileSystem):
         if "w" not in mode or not str(path).endswith(".distcp"):
             with super().create_stream(path, mode) as stream:
                 yield stream
+                if self._sync and "w" in mode:
+                    stream.flush()
+                    os.fsync(stream.fileno())
             return
         hook, self._on_first_write = self._on_first_write, None
-        with _DigestingFile(io.FileIO(str(path), "w"), hook, self.work) as stream:
+        with _DigestingFile(io.FileIO(str(path), "w"), hook, self.work, self._sync) as stream:
             yield stream
         if stream.sequential:  # DCP may close the stream itself; the running digest outlives it
             self.digests[os.path.basename(path)] = (stream.size, f"{ALGO}:{stream.hasher.hexdigest()}")

@@ -3,6 +3,8 @@ files; every expected value is computed here from the tensors or the files on di
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -20,7 +22,7 @@ def _row_major(t: torch.Tensor) -> int:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_file_digests_and_signatures_taken_in_one_pass(tmp_path):
+def test_file_digests_and_signatures_taken_in_one_pass(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(1)
     base = torch.randn(900, 700, generator=g)
     tied = torch.randn(300, 300, generator=g)
@@ -35,11 +37,26 @@ def test_file_digests_and_signatures_taken_in_one_pass(tmp_path):
     in_flight.want(wanted)
     writer = ScoutWriter(tmp_path, step=1)
     writer.in_flight = in_flight
+    # Every file the writer writes is fsynced (the writer does it, not DCP), each after its last byte; the data
+    # file says first that its flush begins (consensus hashes the rest in the flush's shadow).
+    fsynced, real_fsync = [], os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        fsynced.append((os.path.basename(path), os.fstat(fd).st_size, in_flight.flushing.is_set()))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
     try:
         dcp.save(state, storage_writer=writer)
     finally:
         in_flight.release()
+    monkeypatch.setattr(os, "fsync", real_fsync)
     assert in_flight.started.is_set() and in_flight.done.is_set()
+    sizes = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
+    data = [(n, size, flushing) for n, size, flushing in fsynced if n.endswith(".distcp")]
+    assert data == [(n, sizes[n], True) for n in sorted(sizes) if n.endswith(".distcp")], (fsynced, sizes)
+    assert any(n.startswith(".metadata") for n, _, _ in fsynced), fsynced   # DCP's metadata, before its rename
     # The file digests are those of the files on disk, read back here.
     digests = writer.file_digests()
     assert digests

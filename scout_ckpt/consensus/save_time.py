@@ -148,10 +148,10 @@ def _hash_groups(flat: Mapping[str, Any], plan: _Plan, groups: ConsensusGroups, 
                  in_flight: InFlightDigests | None = None) -> tuple[dict, float]:
     """({kind index: [n, 2] replica signatures of the names compared in that kind}, seconds since t0): the only
     pass over the state's bytes. No collective, so it may run in a background thread; with `in_flight` it first
-    waits for the write to start (at most GATE_S), leaves the tensors the writer signs to it, and hashes itself any
-    that the writer did not deliver."""
+    waits for the writer's CPU-bound part to end (at most GATE_S), leaves the tensors the writer signs to it, and
+    hashes itself any that the writer did not deliver."""
     if in_flight is not None:
-        in_flight.started.wait(GATE_S)
+        in_flight.cpu_free(GATE_S)
     sigs, deferred = {}, []
     for index, kind in enumerate(groups.kinds):
         if len(kind.members) < 2:
