@@ -1,8 +1,8 @@
 """What a command's ROOT may be, in one place: a run's checkpoint root on a POSIX filesystem, or the `ledger_dir`
 of an object-store run (bound to its `s3://` URI by `scout-storage.json`, scout_ckpt/object_store).
 
-Why a module of its own rather than helpers in cli.py: which ROOTs are accepted, which commands refuse an
-object-store run, and how the ledger of a ROOT is opened are rules of the library (STYLE: each CLI command calls
+Why a module of its own rather than helpers in cli.py: which ROOTs are accepted and how the ledger of a ROOT is
+opened are rules of the library (STYLE: each CLI command calls
 one library function; only parsing and formatting live in cli.py). An `s3://` URI is never a ROOT: the ledger of
 an object-store run lives in its ledger_dir, which names the URI, and a URI passed through a shell and pathlib
 arrives as `s3:/bucket/...`, so it is recognised and refused with what to pass instead (exit 2, BadInput).
@@ -17,11 +17,9 @@ import os
 from scout_ckpt.errors import BadInput
 
 
-def store_for(root: str | os.PathLike, refuse: str | None = None):
-    """The object store a ROOT (a ledger_dir) is bound to, or None for a POSIX ROOT.
-
-    BadInput (exit 2) for an `s3://` ROOT, for an unreadable binding, and, when `refuse` names a command that
-    does not support object storage yet (adopt, ledger rebuild), for a ROOT bound to a store."""
+def store_for(root: str | os.PathLike):
+    """The object store a ROOT (a ledger_dir) is bound to, or None for a POSIX ROOT. BadInput (exit 2) for an
+    `s3://` ROOT and for an unreadable binding."""
     from scout_ckpt import object_store
 
     if object_store.looks_like_mangled_uri(root):
@@ -29,8 +27,6 @@ def store_for(root: str | os.PathLike, refuse: str | None = None):
                        "there, and it names the s3:// URI)")
     if object_store.binding(root) is None:
         return None
-    if refuse:
-        raise BadInput(f"{root}: `{refuse}` does not support checkpoints on object storage yet")
     return object_store.bound_store(root)
 
 
