@@ -3,7 +3,13 @@ the numpy kernel, the replica signature (xxh3-128 of the bytes) and raw xxh3_128
 
 Runs are interleaved round-robin so machine noise hits all contenders alike; medians are reported.
 
-    python bench/signature_throughput.py [--json] [--mb 256] [--repeats 3] [--threads 1]
+With `--device cuda` (issue 13, item 5): the signatures of a tensor on the device, computed there without a host
+copy (`replica_signatures` of a device tensor is its additive signature on the device; only the [1, 2] result comes
+back), in GB/s against one read of the same tensor on the device (`sum`, which runs at the memory's bandwidth) and
+a device-to-device copy (two bytes moved per byte), each synchronised; `signature_vs_read` is the fraction of the
+bandwidth a read reaches (goal >= 0.5). `--device cpu` runs the same path on the host (a smoke test of the path).
+
+    python bench/signature_throughput.py [--json] [--mb 256] [--repeats 3] [--threads 1] [--device cuda]
 """
 
 from __future__ import annotations
@@ -22,12 +28,16 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default=None, help="measure on this device (cuda, cuda:1, cpu) instead")
     args = ap.parse_args()
 
     import torch
     import xxhash
 
     from scout_ckpt.consensus import signatures as S
+
+    if args.device is not None:
+        return _on_device(args, torch, S)
 
     torch.set_num_threads(args.threads)
     S.THREADS = args.threads
@@ -70,6 +80,50 @@ def main() -> None:
     rows = [(k, f"{med[k]:.4f}", f"{gbps[k]:.3f}") for k in fns]
     emit(result, args, rows, ["signature", "median s", "GB/s"],
          title=f"signature throughput: {nbytes / 2**20:.0f} MB fp32, {args.threads} thread(s), {args.repeats} rounds")
+
+
+def _on_device(args, torch, S) -> None:
+    from bench._common import fail
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        fail(f"--device {args.device}: no CUDA device on this machine")
+    torch.set_num_threads(args.threads)
+    n = args.mb * 2**20 // 4
+    t = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+    nbytes = t.numel() * t.element_size()
+
+    def synced(fn):
+        def run():
+            out = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return out
+        return run
+
+    fns = {"replica signature on device": synced(lambda: S.replica_signatures([t])),
+           "read (sum)": synced(lambda: t.sum()),
+           "copy (clone)": synced(lambda: t.clone())}
+    sig = fns["replica signature on device"]()
+    if device.type != "cpu":   # on an accelerator: the additive signature, equal to the host's computation of it
+        if torch.equal(sig, S.replica_signatures([t.cpu()])):
+            fail("the device signature equals the host's xxh3: the device path was not taken")
+        if not torch.equal(sig, S.batch_signatures([t.cpu()])):
+            fail("the device signature differs from the same signature computed on the host")
+    log(f"hashing {nbytes / 2**20:.0f} MB fp32 on {device}, {args.repeats} rounds ...")
+    times = interleaved_times(fns, args.repeats, warmup=1)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gbps = {k: (2 if k.startswith("copy") else 1) * nbytes / 1e9 / v for k, v in med.items()}
+    ratio = gbps["replica signature on device"] / gbps["read (sum)"]
+    result = {"ratio": ratio, "ratios": {"signature_vs_read": ratio,
+                                         "signature_vs_copy": gbps["replica signature on device"] / gbps["copy (clone)"]},
+              "median_s": med, "gb_per_s": gbps, "samples_s": times, "bytes": nbytes, "device": str(device),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "host",
+              "repeats": args.repeats, "target": ">= 0.5 of the read's bandwidth", "target_met": ratio >= 0.5,
+              **load_note()}
+    rows = [(k, f"{med[k]:.4f}", f"{gbps[k]:.1f}") for k in fns]
+    emit(result, args, rows, ["on device", "median s", "GB/s (bytes moved)"],
+         title=f"signature throughput on {device}: {nbytes / 2**20:.0f} MB fp32, {args.repeats} rounds")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ class InFlightDigests:
     The consensus thread hashes what the writer does not sign once `flushing` is set (`started` for a writer that
     signs nothing): while the writer copies its bytes into the page cache it is CPU-bound, while the disk flushes
     them it is idle (bench/save_overhead.py, 4 ranks on 2 cores: the default save's cost over the bytes-only save
-    fell from about 50 ms to about 10 ms with the hashing moved into the flush)."""
+    fell from about 50 ms to about 10-20 ms with the hashing moved into the flush)."""
 
     def __init__(self) -> None:
         self.started = threading.Event()
