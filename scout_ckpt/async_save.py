@@ -17,7 +17,9 @@ Protocol (every rank, in the same order): save() waits for the previous async sa
   upload and commits.
 
 Errors are latched, not thrown from the thread: a failed commit thread records its error (and tells the observer
-this rank is a victim), and the training thread raises it as ScoutError at its next step()/save()/wait()/close().
+this rank is a victim; on the coordinator, rejects the attempt's `writing` row, `commit_failed`, and removes what
+it wrote, unless it was published), and the training thread raises it as ScoutError at its next
+step()/save()/wait()/close().
 
 Nothing here holds a reference to the Checkpointer between saves (the commit thread gets it as an argument and
 drops it when it ends): a reference cycle would keep its process groups alive past destroy_process_group.
@@ -108,7 +110,7 @@ class AsyncSaves:
             del staged, hashing
             ck._commit(pending, writer, live, self.commit_pg)
         except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
-            self._failed(ck, e)
+            self._failed(ck, e, pending)
         finally:
             in_flight.release()
 
@@ -118,12 +120,14 @@ class AsyncSaves:
             upload.result()
             ck._commit(pending, writer, live, self.commit_pg)
         except BaseException as e:  # surfaced on the training thread at the next step()/save()/wait()
-            self._failed(ck, e)
+            self._failed(ck, e, pending)
 
-    def _failed(self, ck, e: BaseException) -> None:
+    def _failed(self, ck, e: BaseException, pending) -> None:
         self._error = e
         if ck.observer is not None:  # a peer died during the commit: this rank is a victim, not the culprit
             ck.observer.heartbeat.error()
+        if ck.is_coordinator:   # nothing was published: the row is settled now, not at the next start
+            ck._committer.abandon(pending, e)
 
     # ---- the training thread's side -----------------------------------------------------------------------
 

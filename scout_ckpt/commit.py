@@ -203,7 +203,7 @@ class Committer:
                                evidence=ev, verdict=verdict, signatures=signatures, **self.manifest_fields)
             digest = pending.finalize(m, self.hook)
         except BaseException as e:  # every rank must still reach the verdict broadcast
-            self._after_failed_publish(pending, e)
+            self.abandon(pending, e)
             return {"state": "error", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}
         self.hook("after_rename", pending.step)
         self._record({"step": pending.step, "run_id": self.run_id, "path": pending.name,
@@ -212,7 +212,11 @@ class Committer:
         self._retain(pending.step)
         return verdict
 
-    def _after_failed_publish(self, pending, error: BaseException) -> None:
+    def abandon(self, pending, error: BaseException) -> None:
+        """Coordinator, after a save that failed before its publish (here, or an async save's commit thread): the
+        `writing` row becomes rejected (`commit_failed`, the error) and the temp dir or the attempt's objects go,
+        now rather than at the next start. Nothing is touched if the step was published. Idempotent; never
+        raises (a failure is a `bookkeeping_error` event)."""
         try:
             if pending.published():
                 return  # the commit happened: the step is durable and settle_writing completes it from the manifest

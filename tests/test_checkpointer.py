@@ -258,3 +258,13 @@ def test_zip_crc_is_off_only_while_writers_write_and_torch_load_never_checked_it
     assert seen == [True]                                       # another thread's torch.save is untouched
     assert torch.serialization.get_crc32_options() is True     # and this thread's setting is back
     assert torch.load(io.BytesIO(buf.getvalue())).equal(t)    # written without the CRC, loads as before
+
+
+def test_a_failed_async_save_is_settled_when_it_fails(tmp_path):
+    out = run_ranks(w.async_save_fails, 2, str(tmp_path), timeout=120)
+    for o in out:
+        assert "injected write failure at step 2 on rank 1" in (o.result["error"] or ""), o.result
+    r = out[0].result
+    assert r["row"]["state"] == "rejected" and r["row"]["reasons"][0]["code"] == "commit_failed", r["row"]
+    assert r["temps"] == []                      # its temp dir went with it, before the next start
+    assert r["states"] == {1: "certified", 2: "rejected", 3: "certified"}, r["states"]

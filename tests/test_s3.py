@@ -129,9 +129,13 @@ def test_save_certify_resume_load_exactly_then_async_saves(run, width, capsys, m
     for o in out:
         assert list(o.result["errors"]) == [10], o.result
         assert "injected upload failure at step 10 on rank 1" in o.result["errors"][10], o.result["errors"]
+    # The failed save is settled when it fails (the coordinator's commit thread), not at the next start.
     with Ledger.open(run["ledger"], readonly=True) as led:
         states = {r["step"]: r["state"] for r in led.checkpoints()}
-    assert states == {2: "certified", 4: "certified", 6: "certified", 8: "certified", 10: "writing"}, states
+        st10 = led.checkpoint(10)
+    assert states == {2: "certified", 4: "certified", 6: "certified", 8: "certified", 10: "rejected"}, states
+    assert st10["reasons"][0]["code"] == "commit_failed", st10
+    assert "injected upload failure at step 10 on rank 1" in st10["reasons"][0]["detail"], st10
     committed = [a for a, names in _attempts(run).items() if layout.MANIFEST_NAME in names]
     assert sorted(layout.parse_attempt_dir(a)[0] for a in committed) == [2, 4, 6, 8]
     for a, names in _attempts(run).items():
@@ -143,7 +147,7 @@ def test_save_certify_resume_load_exactly_then_async_saves(run, width, capsys, m
     assert loaded["step"] == 8 and loaded["digest"] == again["saved"][8], (loaded, again["saved"])
     with Ledger.open(run["ledger"], readonly=True) as led:
         st10 = led.checkpoint(10)
-    assert st10["state"] == "rejected" and st10["reasons"][0]["code"] == "save_interrupted", st10
+    assert st10["state"] == "rejected" and st10["reasons"][0]["code"] == "commit_failed", st10
     assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 4, 6, 8]
 
     # export from the S3 run: the weights of step 8 exactly as the job held them when it saved (its own sha256).

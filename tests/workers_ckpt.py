@@ -326,3 +326,36 @@ def open_and_load(rank, world, root):
     step = ckpt.load_latest_clean(state_of(model, opt))
     ckpt.close()
     return step
+
+
+def async_save_fails(rank, world, root):
+    """Async saves; rank 1's write of step 2 raises mid-file (the process lives on). The failure is raised by the
+    next wait() on every rank; the coordinator has already settled step 2 (rejected, its temp dir gone), and the
+    job saves step 3 as usual."""
+    from pathlib import Path
+
+    from scout_ckpt.errors import ScoutError
+
+    def hook(point, step):
+        if point == "during_write" and step == 2 and rank == 1:
+            raise RuntimeError("injected write failure at step 2 on rank 1")
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, async_save=True, fault_hook=hook, timeout_s=60)
+    error = None
+    for step in (1, 2):
+        train_steps(model, opt, 1, seed=step)
+        ckpt.save(step, state_of(model, opt))
+    try:
+        ckpt.wait()
+    except ScoutError as e:
+        error = str(e)
+    row = ckpt.ledger.checkpoint(2) if rank == 0 else None
+    temps = sorted(p.name for p in Path(root).iterdir() if p.name.startswith(".step-2"))
+    train_steps(model, opt, 1, seed=3)
+    ckpt.save(3, state_of(model, opt))
+    ckpt.wait()
+    states = {r["step"]: r["state"] for r in ckpt.ledger.checkpoints()} if rank == 0 else None
+    ckpt.close()
+    return {"error": error, "row": row, "temps": temps, "states": states}
