@@ -18,20 +18,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from scout_ckpt.consensus.in_flight import InFlightDigests
-from scout_ckpt.write_pass import DigestingFileSystem, WritePass, finite_key
+from scout_ckpt.write_pass import DigestingFileSystem, WritePass, finite_key, is_finite
 
 FaultHook = Callable[[str, int], None]
-
-
-def is_finite(t: torch.Tensor) -> bool:
-    """NaN/Inf check at the cost of a vectorized sum (2 ms per 10M fp32 here, against 70 ms for
-    isfinite().all()): NaN and Inf propagate through a sum; only an overflowing sum needs the exact check."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return True
-    acc = torch.float32 if t.element_size() < 4 else t.dtype
-    if bool(torch.isfinite(t.sum(dtype=acc))):
-        return True
-    return bool(torch.isfinite(t).all())
 
 
 @contextlib.contextmanager

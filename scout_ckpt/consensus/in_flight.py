@@ -32,6 +32,7 @@ import torch
 import xxhash
 
 from scout_ckpt.consensus.mesh import is_dtensor
+from scout_ckpt.consensus.signatures import holds_row_major
 
 FUSE_MIN = 1 << 16     # smaller tensors are signed by the consensus thread (a per-write lookup would cost more)
 
@@ -41,8 +42,7 @@ def _key(t) -> tuple[int, int] | None:
     row-major bytes, else None."""
     if is_dtensor(t):
         t = t.to_local()
-    if (type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_cpu or t.layout != torch.strided
-            or t.nbytes < FUSE_MIN or not t.is_contiguous() or t.is_quantized or t.is_conj() or t.is_neg()):
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.nbytes < FUSE_MIN or not holds_row_major(t):
         return None
     return (t.data_ptr(), t.nbytes)
 

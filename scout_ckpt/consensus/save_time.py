@@ -49,9 +49,8 @@ from scout_ckpt.consensus.c3 import (
 )
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
-from scout_ckpt.consensus.kernels import s64
 from scout_ckpt.consensus.mesh import LayoutError, dtensor_dims_cached, is_dtensor
-from scout_ckpt.consensus.signatures import bytes_signature, flatten_state, replica_signatures
+from scout_ckpt.consensus.signatures import bytes_signature, digest_row, flatten_state, replica_signatures
 from scout_ckpt.policy import FAIL, INCONCLUSIVE as EV_INCONCLUSIVE, MISSING, NOT_APPLICABLE, PASS, evidence
 
 MAX_NAMES = 8          # tensor names listed per reason
@@ -174,7 +173,7 @@ def _hash_groups(flat: Mapping[str, Any], plan: _Plan, groups: ConsensusGroups, 
             if digest is None:
                 missing.append((rows, i, item))
             else:
-                rows[i] = torch.tensor([s64(digest >> 64), s64(digest)], dtype=torch.int64)
+                rows[i] = torch.tensor(digest_row(digest), dtype=torch.int64)
         if missing:
             for (rows, i, _), row in zip(missing, replica_signatures([item for _, _, item in missing])):
                 rows[i] = row

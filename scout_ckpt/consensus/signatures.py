@@ -183,10 +183,14 @@ def tensor_signature(
     return total
 
 
+def digest_row(d: int) -> list[int]:
+    """A 128-bit digest as a signature row: its high and low halves, each a signed 64-bit int."""
+    return [s64(d >> 64), s64(d)]
+
+
 def bytes_signature(data: bytes) -> torch.Tensor:
     """[2] int64 (CPU) fingerprint of a byte string: xxh3-128, high and low halves."""
-    d = xxhash.xxh3_128_intdigest(data)
-    return torch.tensor([s64(d >> 64), s64(d)], dtype=torch.int64)
+    return torch.tensor(digest_row(xxhash.xxh3_128_intdigest(data)), dtype=torch.int64)
 
 
 def signature_hex(sig) -> str:
@@ -286,18 +290,23 @@ def replica_signatures(items: list) -> torch.Tensor:
     out = torch.zeros(len(items), 2, dtype=torch.int64)
     if digests:
         idx = list(digests)
-        out[idx] = torch.tensor([[s64(digests[i] >> 64), s64(digests[i])] for i in idx], dtype=torch.int64)
+        out[idx] = torch.tensor([digest_row(digests[i]) for i in idx], dtype=torch.int64)
     if device_items:
         out[[i for i, _ in device_items]] = batch_signatures([t for _, t in device_items])
     return out
 
 
+def holds_row_major(t: torch.Tensor) -> bool:
+    """Whether a CPU tensor's memory, from data_ptr on, holds exactly its row-major bytes: dense, contiguous, not
+    quantized, no conjugate or negative bit. Such memory hashes to its replica signature as it is."""
+    return (t.is_cpu and t.layout == torch.strided and t.is_contiguous() and not t.is_quantized and not t.is_conj()
+            and not t.is_neg())
+
+
 def _small_plain(t) -> bool:
-    """A plain, dense, contiguous, non-empty CPU tensor under SMALL_PLAIN bytes whose memory holds exactly its
-    row-major bytes (no conjugate or negative bit): hashed from a copy of those bytes, the same digest as
-    `_host_bytes` gives, without its per-tensor torch and numpy calls."""
-    return (type(t) is torch.Tensor and t.is_cpu and t.layout == torch.strided and 0 < t.nbytes < SMALL_PLAIN
-            and t.is_contiguous() and not t.is_quantized and not t.is_conj() and not t.is_neg())
+    """A plain, non-empty tensor under SMALL_PLAIN bytes that `holds_row_major`: hashed from a copy of those
+    bytes, the same digest as `_host_bytes` gives, without its per-tensor torch and numpy calls."""
+    return type(t) is torch.Tensor and 0 < t.nbytes < SMALL_PLAIN and holds_row_major(t)
 
 
 def _host_bytes(t: torch.Tensor) -> np.ndarray:

@@ -48,16 +48,13 @@ def append(store, record: dict) -> str:
     return key
 
 
-def mirror(ledger_dir: str | os.PathLike, record: dict, store=None) -> str | None:
-    """Copy a record just appended to `ledger_dir`'s journal to the store that ledger_dir is bound to (None for a
-    POSIX root: nothing to do). `store`: an already opened ObjectStore for that binding (the Checkpointer's)."""
-    if store is None:
-        from scout_ckpt.object_store import store_of
+def mirror(ledger_dir: str | os.PathLike, record: dict) -> str | None:
+    """Copy a record just appended to `ledger_dir`'s journal to the store that ledger_dir is bound to, through the
+    store this process opened for it if any (object_store.store_of); None for a POSIX root: nothing to do."""
+    from scout_ckpt.object_store import store_of
 
-        store = store_of(ledger_dir)
-        if store is None:
-            return None
-    return append(store, record)
+    store = store_of(ledger_dir)
+    return None if store is None else append(store, record)
 
 
 def read(store) -> list[dict]:
