@@ -38,7 +38,10 @@ def _worker(rank, world, root, mb, repeats, mode):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from scout_ckpt import checkpointer, commit, layout, manifest, save_evidence, storage
+    from scout_ckpt import checkpointer
+    from scout_ckpt.save import commit, storage
+    from scout_ckpt.format import layout, manifest
+    from scout_ckpt.save.evidence import boundary as save_evidence
     from scout_ckpt.consensus import save_time
     from scout_ckpt.ledger import Ledger
     wrap(commit.Committer, "begin"); wrap(commit.Committer, "finish"); wrap(commit.Committer, "_publish")
@@ -85,7 +88,7 @@ def _worker(rank, world, root, mb, repeats, mode):
     return rounds
 
 def main():
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
     mode = sys.argv[1]
     reps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     root = tempfile.mkdtemp(prefix="scout-prof-")

@@ -155,7 +155,7 @@ def _ledger_view(root: Path) -> dict:
 
 def _resume(root: Path) -> tuple[dict | None, float]:
     """latest_clean(root) as restart tooling calls it, and how long it took."""
-    from scout_ckpt.recovery import NoCleanCheckpoint, latest_clean
+    from scout_ckpt.ops.recovery import NoCleanCheckpoint, latest_clean
 
     t0 = time.monotonic()
     try:
@@ -168,7 +168,7 @@ def _resume(root: Path) -> tuple[dict | None, float]:
 def _verifies(root: Path, step: int) -> bool:
     from scout_ckpt import policy
     from scout_ckpt.ledger import Ledger
-    from scout_ckpt.recovery import verify_checkpoint
+    from scout_ckpt.ops.recovery import verify_checkpoint
 
     with Ledger.open(root, readonly=True) as led:
         return verify_checkpoint(root, led, step)["status"] == policy.PASS
@@ -343,7 +343,7 @@ def judge_healthy(inc: dict, result: dict) -> dict:
 
 def run_byte_fault(inc: dict, healthy_dir: Path, work: Path) -> dict:
     """Truncate or delete one recorded file of a certified step in a copy of a healthy run, then certify/resume."""
-    from scout_ckpt.certify import certify
+    from scout_ckpt.ops.certify import certify
 
     root = work / inc["id"]
     shutil.copytree(healthy_dir, root)
@@ -394,7 +394,7 @@ def run_quarantine_race(inc: dict, healthy_dir: Path, work: Path) -> dict:
     and `latest_clean` never returns the step."""
     import subprocess
 
-    from scout_ckpt.certify import certify
+    from scout_ckpt.ops.certify import certify
 
     root = work / inc["id"]
     shutil.copytree(healthy_dir, root)

@@ -104,7 +104,7 @@ def _resume(root: Path) -> tuple[int | None, list[str]]:
     """latest_clean(root) and whether it verifies (bad resume otherwise)."""
     from scout_ckpt import policy
     from scout_ckpt.ledger import Ledger
-    from scout_ckpt.recovery import NoCleanCheckpoint, latest_clean, verify_checkpoint
+    from scout_ckpt.ops.recovery import NoCleanCheckpoint, latest_clean, verify_checkpoint
 
     if not (root / "scout-ledger.db").exists():
         return None, []

@@ -151,7 +151,7 @@ LARGE = {"d_model": 384, "seq": 128}   # --large: the second configuration, repo
 
 def _config(args, d_model: int, seq: int) -> tuple[dict, list, dict, list]:
     """Every mode of one model size: (per-mode results, table rows, ratios, every checkpoint's lag)."""
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
 
     med = statistics.median
     results, rows, ratios = {}, [], {}

@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
-from scout_ckpt import digests  # noqa: E402
-from scout_ckpt.dcp_files import check_structure, read_tensors  # noqa: E402
+from scout_ckpt.format import digests  # noqa: E402
+from scout_ckpt.format.dcp_files import check_structure, read_tensors  # noqa: E402
 from scout_ckpt.invariants import parse_specs, run_offline  # noqa: E402
-from scout_ckpt.scan import StepScan  # noqa: E402
-from scout_ckpt.verify import verify_files  # noqa: E402
+from scout_ckpt.format.scan import StepScan  # noqa: E402
+from scout_ckpt.format.verify import verify_files  # noqa: E402
 
 CHUNK = 8 << 20
 
@@ -86,8 +86,8 @@ sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 import torch
 import torch.distributed.checkpoint.filesystem  # what the scan imports, so that it counts in the baseline
-from scout_ckpt.scan import StepScan
-from scout_ckpt.verify import verify_files
+from scout_ckpt.format.scan import StepScan
+from scout_ckpt.format.verify import verify_files
 def status(key):  # kB; VmHWM is this process's own peak (ru_maxrss would keep the forked parent's across exec)
     return int(next(l for l in open("/proc/self/status") if l.startswith(key + ":")).split()[1])
 path, rows, specs = Path(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])

@@ -43,7 +43,7 @@ def _worker(rank, world, root, cfg):
 
     from scout_ckpt.checkpointer import Checkpointer, _materialize
     from scout_ckpt.consensus.save_time import save_time_consensus
-    from scout_ckpt.consensus.signatures import full_signatures
+    from scout_ckpt.consensus.full import full_signatures
     from scout_ckpt.demo.model import TinyTransformer
     from scout_ckpt.demo.train import allreduce_grads
     from scout_ckpt.replay import ReplayRunner
@@ -196,7 +196,7 @@ def main() -> None:
     cfg = {"d_model": args.d_model, "heads": args.heads, "blocks": args.blocks, "seq": args.seq,
            "batch": args.batch, "saves": args.saves, "rounds": args.rounds, "intervals": intervals,
            "max_interval": args.max_interval}
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
 
     root = tempfile.mkdtemp(prefix="scout-bench-consensus-")
     try:

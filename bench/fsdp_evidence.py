@@ -52,7 +52,7 @@ def _worker(rank, world, root, cfg):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from scout_ckpt.at_rest import AtRestGuard
+    from scout_ckpt.save.evidence.at_rest import AtRestGuard
     from scout_ckpt.demo.model import TinyTransformer
     from scout_ckpt.replay.shard_optimizer import ShardUpdateReplay
 
@@ -168,7 +168,7 @@ def main() -> None:
     p.add_argument("--at-rest-every", type=int, default=0,
                    help="AtRestGuard signs after every k-th step (0, the default: only after the steps saves follow)")
     args = p.parse_args()
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
 
     cfg = {"d_model": args.d_model, "blocks": args.blocks, "vocab": args.vocab, "seq": args.seq,
            "batch": args.batch, "windows": args.windows, "window": args.window, "saves": args.saves,

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT_DIR))  # the rank functions live in tests/workers_observer.py
 
-from scout_ckpt.launch import run_ranks  # noqa: E402
+from scout_ckpt.testing.launch import run_ranks  # noqa: E402
 from scout_ckpt.ledger import Ledger  # noqa: E402
 from scout_ckpt.observer.daemon import channel_dir  # noqa: E402
 from scout_ckpt.observer.stacks import proc_state  # noqa: E402

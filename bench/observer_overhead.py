@@ -159,7 +159,7 @@ def _paired(samples: dict[str, list[float]], a: str, b: str) -> float:
 
 
 def measure(ranks: int, width: int, depth: int, batch: int, block: int, rounds: int) -> dict:
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
     from scout_ckpt.ledger import Ledger
 
     with tempfile.TemporaryDirectory(prefix="scout-obs-overhead-") as tmp:

@@ -24,9 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-from scout_ckpt import manifest  # noqa: E402
-from scout_ckpt.digests import file_digest  # noqa: E402
-from scout_ckpt.layout import DCP_METADATA, step_dirname  # noqa: E402
+from scout_ckpt.format import manifest  # noqa: E402
+from scout_ckpt.format.digests import file_digest  # noqa: E402
+from scout_ckpt.format.layout import DCP_METADATA, step_dirname  # noqa: E402
 from scout_ckpt.ledger import Ledger  # noqa: E402
 
 TARGET = 0.25

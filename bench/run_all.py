@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-from scout_ckpt.layout import atomic_write_bytes  # noqa: E402
+from scout_ckpt.format.layout import atomic_write_bytes  # noqa: E402
 
 # Size flags that keep the whole run under the budget.
 FLAGS: dict[str, list[str]] = {

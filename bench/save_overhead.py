@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--async", dest="async_save", action="store_true")
     args = ap.parse_args()
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
 
     root = tempfile.mkdtemp(prefix="scout-bench-save-")
     try:

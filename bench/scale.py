@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 from resume_latency import state_of  # noqa: E402  (the same long run's mix of states)
 
-from scout_ckpt import manifest  # noqa: E402
-from scout_ckpt.layout import DCP_METADATA, LEDGER_NAME, step_dirname  # noqa: E402
+from scout_ckpt.format import manifest  # noqa: E402
+from scout_ckpt.format.layout import DCP_METADATA, LEDGER_NAME, step_dirname  # noqa: E402
 from scout_ckpt.ledger import Ledger  # noqa: E402
 
 KINDS = ("bytes", "consensus", "replay", "invariants")
@@ -151,7 +151,7 @@ def observer_round(base: Path, ranks: int, repeats: int) -> dict:
 
 
 def measure(root: Path, newest: int, repeats: int) -> dict:
-    from scout_ckpt import operator, recovery, views
+    from scout_ckpt.ops import operator, recovery, views
 
     def ls():
         rows, fallback = views.list_checkpoints(root)

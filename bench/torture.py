@@ -2,7 +2,7 @@
 
 `python bench/torture.py [--kills N] [--seed N] [--json] [--out DIR]` (also run by `bench/campaign.py`).
 
-Each chain is one checkpoint root that a 3-rank job (scout_ckpt.launch.run_ranks, a small MLP, AdamW, explicit
+Each chain is one checkpoint root that a 3-rank job (scout_ckpt.testing.launch.run_ranks, a small MLP, AdamW, explicit
 all-reduce, so training is bitwise deterministic in the step number) keeps restarting on, as a crash loop would:
 every iteration loads the latest clean checkpoint, trains, saves a few times (sync or async, with or without
 retention) and has one random rank SIGKILLed, either from the Checkpointer's fault_hook at a random save point
@@ -77,7 +77,7 @@ def torture_rank(rank: int, world: int, root: str, refs: str, plan: dict) -> dic
     import torch
     import torch.distributed as dist
     import torch.nn as nn
-    from scout_ckpt.app_state import ModelOptimizerState
+    from scout_ckpt.save.app_state import ModelOptimizerState
     from scout_ckpt.checkpointer import Checkpointer
 
     torch.manual_seed(0)
@@ -142,11 +142,12 @@ def torture_rank(rank: int, world: int, root: str, refs: str, plan: dict) -> dic
 
 def check_root(root: Path) -> tuple[list[str], dict]:
     """Crash-consistency of one root as a restart would find it: (violations, facts)."""
-    from scout_ckpt import manifest, policy
-    from scout_ckpt.layout import list_step_dirs, step_path
+    from scout_ckpt import policy
+    from scout_ckpt.format import manifest
+    from scout_ckpt.format.layout import list_step_dirs, step_path
     from scout_ckpt.ledger import Ledger
-    from scout_ckpt.recovery import NoCleanCheckpoint, latest_clean, verify_checkpoint
-    from scout_ckpt.verify import verify_files
+    from scout_ckpt.ops.recovery import NoCleanCheckpoint, latest_clean, verify_checkpoint
+    from scout_ckpt.format.verify import verify_files
 
     bad: list[str] = []
     facts = {"dirs": 0, "pending_writing": 0, "never_resumed_dirs": 0}
@@ -208,7 +209,7 @@ def make_plan(rng: random.Random, iteration: int, keep: int | None, kill: bool =
 
 
 def run_chain(chain: int, iterations: int, seed: int, workdir: Path) -> dict:
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
 
     rng = random.Random(f"{seed}-torture-{chain}")
     root, refs = workdir / f"chain{chain}" / "ckpt", workdir / f"chain{chain}" / "refs"
@@ -270,7 +271,7 @@ def run_chain(chain: int, iterations: int, seed: int, workdir: Path) -> dict:
                 viol.append(f"latest_clean went back from {prev_clean} to {facts['latest_clean']}")
             prev_clean = max(prev_clean, facts["latest_clean"])
         if final:
-            from scout_ckpt.certify import certify
+            from scout_ckpt.ops.certify import certify
             from scout_ckpt.ledger import Ledger
 
             with Ledger.open(root, readonly=True) as led:

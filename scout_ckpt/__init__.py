@@ -12,15 +12,15 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Checkpointer": "scout_ckpt.checkpointer",
-    "ModelOptimizerState": "scout_ckpt.app_state",
-    "RNGState": "scout_ckpt.app_state",
-    "RankLocal": "scout_ckpt.app_state",
-    "Scalars": "scout_ckpt.app_state",
+    "ModelOptimizerState": "scout_ckpt.save.app_state",
+    "RNGState": "scout_ckpt.save.app_state",
+    "RankLocal": "scout_ckpt.save.app_state",
+    "Scalars": "scout_ckpt.save.app_state",
     "Ledger": "scout_ckpt.ledger",
     "STATES": "scout_ckpt.ledger",
     "Verdict": "scout_ckpt.policy",
     "evaluate": "scout_ckpt.policy",
-    "latest_clean": "scout_ckpt.recovery",
+    "latest_clean": "scout_ckpt.ops.recovery",
     "ScoutError": "scout_ckpt.errors",
 }
 

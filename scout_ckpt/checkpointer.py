@@ -1,11 +1,11 @@
 """The save hook a training script holds. Every public method is collective unless it says otherwise.
 
-A save boundary is the commit protocol of scout_ckpt/commit.py (writing row, temp dir with owner record, digests,
-manifest, rename, ledger, retention) around the evidence of scout_ckpt/save_evidence.py: consensus (hashed here,
+A save boundary is the commit protocol of scout_ckpt/save/commit.py (writing row, temp dir with owner record, digests,
+manifest, rename, ledger, retention) around the evidence of scout_ckpt/save/evidence/boundary.py: consensus (hashed here,
 during the write), invariants and signatures on the live state, the writers' finite checks, replay coverage, and the
 verdict they give. Loading walks back from the newest certified checkpoint past any whose bytes or loaded values do
-not match what was saved, rejecting each in the ledger (the walk-back is scout_ckpt/loading.py; the async save path,
-its commit thread and latched errors, scout_ckpt/async_save.py; this class is the facade over save, load and
+not match what was saved, rejecting each in the ledger (the walk-back is scout_ckpt/save/loading.py; the async save path,
+its commit thread and latched errors, scout_ckpt/save/async_save.py; this class is the facade over save, load and
 shutdown: it decides when each step of a save runs, on which thread and group).
 """
 
@@ -24,24 +24,25 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import scout_ckpt
-from scout_ckpt import commit, object_store, placement, policy
 from scout_ckpt import invariants as inv
-from scout_ckpt import log as scout_log
-from scout_ckpt.app_state import RankLocal
-from scout_ckpt.async_save import AsyncSaves
+from scout_ckpt import object_store, policy
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger, fsdetect
-from scout_ckpt.loading import LatestCleanLoader, LoadVerificationError  # noqa: F401  (re-exported)
-from scout_ckpt.loading import materialize as _materialize
 from scout_ckpt.observer import Observer
-from scout_ckpt.replay_evidence import ReplayEvidence
-from scout_ckpt.save_evidence import SaveEvidence
-from scout_ckpt.shard_evidence import ShardEvidence
-from scout_ckpt.storage import FaultHook, ScoutWriter
+from scout_ckpt.save import commit, placement
+from scout_ckpt.save import log as scout_log
+from scout_ckpt.save.app_state import RankLocal
+from scout_ckpt.save.async_save import AsyncSaves
+from scout_ckpt.save.evidence.boundary import SaveEvidence
+from scout_ckpt.save.evidence.replay import ReplayEvidence
+from scout_ckpt.save.evidence.shard import ShardEvidence
+from scout_ckpt.save.loading import LatestCleanLoader, LoadVerificationError  # noqa: F401  (re-exported)
+from scout_ckpt.save.loading import materialize as _materialize
+from scout_ckpt.save.storage import FaultHook, ScoutWriter
 
 COORDINATOR = commit.COORDINATOR
 def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
@@ -103,7 +104,7 @@ class Checkpointer:
         # Side groups are created at startup, in the same order on all ranks (TORCH-NOTES): never the training
         # group, so checkpoint traffic cannot interleave with (or deadlock against) training collectives.
         self._pg = dist.new_group(backend="gloo", timeout=timeout)
-        # Async saves (scout_ckpt/async_save.py): two more side groups, the commit thread and its latched error.
+        # Async saves (scout_ckpt/save/async_save.py): two more side groups, the commit thread and its latched error.
         self._async = AsyncSaves(timeout) if async_save else None
         self._last_verdict: dict | None = None
         self._step_started = time.monotonic()
@@ -307,7 +308,9 @@ class Checkpointer:
         if self.async_save:
             hashing = self._start_consensus(flat, background=False)
         if self.store is not None:
-            writer = self.store.writer(pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
+            from scout_ckpt.save.object_store_io import writer_for  # fsspec: imported only for an object store
+
+            writer = writer_for(self.store, pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
         else:
             writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
         writer.in_flight = in_flight
@@ -372,7 +375,7 @@ class Checkpointer:
         one is loaded over the same state, in this same call: a restarted job resumes from the earlier step
         instead of crash-looping. Raises LoadVerificationError on every rank, and leaves the checkpoint as it is,
         when `state` has no place for saved values (the caller built it wrongly). The walk-back itself is
-        scout_ckpt/loading.py."""
+        scout_ckpt/save/loading.py."""
         self.wait()
         step = self._loader.load(state)
         if step is None:

@@ -15,17 +15,18 @@ from typing import List, Optional
 
 import typer
 
-from scout_ckpt import roots
 from scout_ckpt.errors import BadInput, ScoutError
-from scout_ckpt.journal import JOURNAL_NAME
-from scout_ckpt.views import (
+from scout_ckpt.integrations import folders as _folders  # noqa: F401  registers the Trainer's checkpoint-N layout
+from scout_ckpt.ledger.journal import JOURNAL_NAME
+from scout_ckpt.ops import roots
+from scout_ckpt.ops.views import (
     STATE_STYLE,
     checked_text,
     evidence_marks,
     explain_lines,
     list_checkpoints,
 )
-from scout_ckpt.views import reason_text as _reason_text
+from scout_ckpt.ops.views import reason_text as _reason_text
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Certified checkpoints for torch.distributed.checkpoint: resume only from known-good state.")
@@ -97,7 +98,7 @@ def ls_cmd(root: Path = typer.Argument(..., help="The run's checkpoint root."), 
 @app.command("explain")
 def explain_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...), as_json: bool = JSON_OPT):
     """Why STEP is or is not certified: every piece of evidence, missing replay coverage, attributed ranks."""
-    from scout_ckpt.operator import explain
+    from scout_ckpt.ops.operator import explain
 
     out = explain(root, step)
     if as_json:
@@ -121,7 +122,7 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
                 all_: bool = typer.Option(False, "--all", help="Every recorded checkpoint (the default)."),
                 as_json: bool = JSON_OPT):
     """Re-verify bytes (and invariants) offline and record the result; exit 0 only if all are certified."""
-    from scout_ckpt.certify import certify
+    from scout_ckpt.ops.certify import certify
 
     if step is not None and all_:
         raise BadInput("--step and --all are mutually exclusive")
@@ -177,8 +178,8 @@ def resume_cmd(root: Path = typer.Argument(...),
                no_verify: bool = typer.Option(False, "--no-verify", help="Skip re-hashing its files."),
                as_json: bool = JSON_OPT):
     """Print the path of the newest certified checkpoint, re-verified; exit 1 if none."""
-    from scout_ckpt.recovery import NoCleanCheckpoint
-    from scout_ckpt.recovery import latest_clean as find
+    from scout_ckpt.ops.recovery import NoCleanCheckpoint
+    from scout_ckpt.ops.recovery import latest_clean as find
 
     if not latest_clean:
         raise BadInput("resume needs --latest-clean")
@@ -220,7 +221,7 @@ def _say_fallback(why: str | None) -> None:
 def gc_cmd(root: Path = typer.Argument(...), keep: int = typer.Option(..., "--keep", help="Checkpoints to keep."),
            dry_run: bool = typer.Option(False, "--dry-run"), as_json: bool = JSON_OPT):
     """Delete old checkpoints; never the newest certified one; rejected and partial ones first."""
-    from scout_ckpt import retention
+    from scout_ckpt.ops import retention
 
     if keep < 1:
         raise BadInput(f"--keep must be at least 1 (got {keep})")
@@ -237,7 +238,7 @@ def gc_cmd(root: Path = typer.Argument(...), keep: int = typer.Option(..., "--ke
 def quarantine_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...),
                    reason: str = typer.Option(..., "--reason"), as_json: bool = JSON_OPT):
     """Operator override: the step is never resumed from (nor re-saved) until released."""
-    from scout_ckpt.operator import quarantine
+    from scout_ckpt.ops.operator import quarantine
 
     result = quarantine(root, step, reason)
     if as_json:
@@ -250,7 +251,7 @@ def quarantine_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(
 def release_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...),
                 reason: str = typer.Option(..., "--reason"), as_json: bool = JSON_OPT):
     """Operator: end a quarantine; the step becomes what its recorded evidence gives under the run's policy."""
-    from scout_ckpt.operator import release
+    from scout_ckpt.ops.operator import release
 
     result = release(root, step, reason)
     if as_json:
@@ -274,7 +275,7 @@ def adopt_cmd(root: Path = typer.Argument(...),
               as_json: bool = JSON_OPT):
     """Take in plain DCP step-N folders written without scout-ckpt: digests, structure check, invariants. On an
     object store each folder is copied into a fresh attempt prefix, verified, and committed by its manifest."""
-    from scout_ckpt.adopt import adopt
+    from scout_ckpt.ops.adopt import adopt
 
     result = adopt(root, invariant_specs=list(invariant) or None, uri=uri)   # object_store.resolve checks ROOT
     if as_json:
@@ -301,7 +302,7 @@ def export_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Opt
                max_shard_bytes: Optional[int] = typer.Option(None, "--max-shard-bytes"),
                as_json: bool = JSON_OPT):
     """Consolidate a certified checkpoint's model weights into safetensors, with provenance metadata."""
-    from scout_ckpt.export import export
+    from scout_ckpt.ops.export import export
 
     if (step is None) == (not latest_clean):
         raise BadInput("give exactly one of --step N or --latest-clean")
@@ -319,7 +320,7 @@ def export_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Opt
 def report_cmd(root: Path = typer.Argument(...), as_json: bool = JSON_OPT,
                html: Optional[Path] = typer.Option(None, "--html", help="Also write a self-contained HTML page.")):
     """Fault timeline: SDC, hangs, stragglers, crashes, desyncs, health events, with ranks and steps."""
-    from scout_ckpt import report
+    from scout_ckpt.report import timeline as report
 
     with roots.open_ledger(root) as ledger:
         tl = report.timeline(ledger)
@@ -377,7 +378,7 @@ def ledger_rebuild_cmd(root: Path = typer.Argument(...),
     kept as .bak). Never more trusted than it can re-verify: --json lists what changed (step, before, after, why).
     On an object-store run ROOT is its ledger_dir: the committed attempts on the store are re-verified by ranged
     reads, and the journal's copy on the store counts with what survives in ROOT."""
-    from scout_ckpt.rebuild import rebuild
+    from scout_ckpt.ops.rebuild import rebuild
 
     result = rebuild(root, verify=not no_verify, uri=uri)   # object_store.rebuild.resolve checks ROOT and --uri
     if as_json:

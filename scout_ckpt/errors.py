@@ -31,6 +31,16 @@ class NotFound(ScoutError):
     exit_code = 1
 
 
+class NoCleanCheckpoint(NotFound):
+    """No certified checkpoint to resume from; `reasons` says why (what was skipped, what is newer)."""
+
+    def __init__(self, reasons: list[dict]):
+        super().__init__("no certified checkpoint to resume from" + (
+            f" ({len(reasons[0].get('skipped', []))} failed re-verification)" if reasons and reasons[0].get("skipped")
+            else ""))
+        self.reasons = reasons
+
+
 class Quarantined(ScoutError):
     """The step is quarantined by an operator: it is not re-saved or resumed until `scout-ckpt release`."""
 

@@ -48,7 +48,7 @@ def ledger_write_lock(db_path, seconds: float):
 @pytest.fixture(scope="session")
 def _template_root(tmp_path_factory):
     """A real 3-rank run with certified checkpoints at steps 3 and 4 (built once, copied per test)."""
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
     from tests import workers_ckpt
 
     root = tmp_path_factory.mktemp("template") / "run"

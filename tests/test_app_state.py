@@ -3,7 +3,7 @@
 import pytest
 
 from scout_ckpt import Scalars
-from scout_ckpt.launch import run_ranks
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_app_state as w
 
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-from scout_ckpt.launch import run_ranks
-from scout_ckpt.layout import list_step_dirs, list_tmp_dirs
+from scout_ckpt.testing.launch import run_ranks
+from scout_ckpt.format.layout import list_step_dirs, list_tmp_dirs
 from scout_ckpt.ledger import Ledger
-from scout_ckpt.recovery import verify_checkpoint
+from scout_ckpt.ops.recovery import verify_checkpoint
 from tests import workers_ckpt as w
 
 
@@ -95,7 +95,7 @@ def test_load_mismatch_rejects_and_walks_back_absent_keys_are_the_callers_error(
     import json
     import sqlite3
 
-    from scout_ckpt.digests import bytes_digest
+    from scout_ckpt.format.digests import bytes_digest
 
     tmp_path = ckpt_root  # certified checkpoints at steps 3 and 4 (tests/conftest.py)
     # The caller's state has no place for the saved optimizer moments: a clear error, the checkpoint stays.
@@ -123,7 +123,7 @@ def test_load_mismatch_rejects_and_walks_back_absent_keys_are_the_callers_error(
         assert row["reasons"] == [{"code": "load_mismatch", "tensors": [key], "count": 1}]
         assert [e["step"] for e in led.events(("load_mismatch",))] == [4]
         assert led.latest("certified")["step"] == 3
-    from scout_ckpt import journal
+    from scout_ckpt.ledger import journal
 
     assert any(r["step"] == 4 and r.get("state") == "rejected" and r["reasons"][0]["code"] == "load_mismatch"
                for r in journal.read(tmp_path))
@@ -206,7 +206,7 @@ def test_staging_cache_reuses_its_copy_only_for_the_same_layout():
     a silent broadcast or conversion by copy_."""
     import torch
 
-    from scout_ckpt.storage import StagingCache
+    from scout_ckpt.save.storage import StagingCache
 
     cache = StagingCache()
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "step": 1, "extra": [torch.ones(2), None]}
@@ -237,7 +237,7 @@ def test_zip_crc_is_off_only_while_writers_write_and_torch_load_never_checked_it
 
     import torch
 
-    from scout_ckpt.storage import _without_zip_crc
+    from scout_ckpt.save.storage import _without_zip_crc
 
     t = torch.arange(1000, dtype=torch.float32)
     buf = io.BytesIO()

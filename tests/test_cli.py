@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from scout_ckpt.layout import LEDGER_NAME, MANIFEST_NAME
+from scout_ckpt.format.layout import LEDGER_NAME, MANIFEST_NAME
 from tests.cli_pool import copy_root, run_cases
 from tests.conftest import REPO, ledger_write_lock, run_cli
 
@@ -180,7 +180,7 @@ def test_gc_keeps_newest_certified_and_deletes_rejected_first(ckpt_root):
 
 def test_ledger_rebuild_from_manifests(ckpt_root):
     # certify journals its verdicts beside the data: that record is what lets a rebuild certify again
-    from scout_ckpt.certify import certify
+    from scout_ckpt.ops.certify import certify
 
     assert all(r["state"] == "certified" for r in certify(ckpt_root))
     before = [(s, st) for s, st, _ in _ledger_rows(ckpt_root)]
@@ -361,7 +361,7 @@ def test_adopt_cli_on_plain_dcp_folders(tmp_path):
     assert rc == 0 and out.strip().endswith("step-10")
 
 
-# ---- ROOTs of object-store runs (scout_ckpt/roots.py): in-process, no S3 server needed ----------------------------
+# ---- ROOTs of object-store runs (scout_ckpt/ops/roots.py): in-process, no S3 server needed ----------------------------
 
 def _main(capsys, *argv) -> tuple[int, str, str]:
     from scout_ckpt.cli import main

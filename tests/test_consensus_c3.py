@@ -75,7 +75,7 @@ def test_a_rank_alone_agrees_without_a_collective():
 
 
 def test_c3_over_a_gloo_group():
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
     from tests import workers_consensus as W
 
     out = run_ranks(W.c3_direct, 3, 2, 1, timeout=60)

@@ -292,7 +292,7 @@ def test_cuda_matches_cpu():
 
 
 def test_dtensor_full_signature_equals_the_plain_tensor():
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
     from tests import workers_consensus as W
 
     out = run_ranks(W.dtensor_full_signatures, 4, timeout=120)
@@ -310,7 +310,7 @@ def test_dtensor_full_signature_equals_the_plain_tensor():
 def test_saved_on_four_ranks_equals_loaded_without_them(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
     from tests import workers_consensus as W
 
     path = str(tmp_path / "ckpt")
@@ -480,7 +480,7 @@ def ddp_full_signatures(rank, world, odd_shape_rank=None):
 
 
 def test_full_signatures_round_robin_on_four_ranks():
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
     from tests import workers_consensus as W
 
     out = run_ranks(ddp_full_signatures, 4, timeout=120)
@@ -500,7 +500,7 @@ def test_full_signatures_round_robin_on_four_ranks():
 
 
 def test_full_signatures_fall_back_to_rank_zero_when_layouts_differ():
-    from scout_ckpt.launch import run_ranks
+    from scout_ckpt.testing.launch import run_ranks
 
     out = run_ranks(ddp_full_signatures, 4, odd_shape_rank=2, timeout=120)
     first = out[0].result["sigs"]

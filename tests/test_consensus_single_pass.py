@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scout_ckpt.launch import run_ranks
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_consensus as W
 
 

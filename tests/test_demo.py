@@ -138,7 +138,7 @@ def test_generations_are_read_from_torchruns_records_and_the_ledger(tmp_path):
     import time
 
     from scout_ckpt.demo.launch import generations
-    from scout_ckpt.layout import atomic_write_json
+    from scout_ckpt.format.layout import atomic_write_json
 
     def started(gen: int, t: float) -> None:
         for rank in (0, 1):

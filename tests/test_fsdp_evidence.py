@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from scout_ckpt import policy
-from scout_ckpt.launch import run_ranks
+from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.replay import shard_optimizer as so
 from tests import workers_fsdp_evidence as w
 
@@ -97,7 +97,7 @@ class _Guard:
 
 def test_at_rest_signs_every_step_until_a_save_then_only_on_the_save_cadence():
     from scout_ckpt.replay.shard_plan import ShardReplayLog
-    from scout_ckpt.shard_evidence import ShardEvidence
+    from scout_ckpt.save.evidence.shard import ShardEvidence
 
     ev = ShardEvidence(None, ShardReplayLog(4), _Guard())
     assert ev.guard.every == 1                      # before any save: every step
@@ -174,7 +174,7 @@ def test_recompute_of_any_slice_matches_the_live_update_bitwise(cls, kw):
 
 
 def test_at_rest_guard_in_one_process_passes_flags_a_flipped_bit_and_needs_a_signed_step():
-    from scout_ckpt.at_rest import AtRestGuard
+    from scout_ckpt.save.evidence.at_rest import AtRestGuard
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))

@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 
-from scout_ckpt.launch import run_ranks
+from scout_ckpt.testing.launch import run_ranks
 from tests.workers_fsdp_tp import fsdp_tp_save_then_load
 
 

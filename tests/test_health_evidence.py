@@ -1,6 +1,6 @@
 """health evidence from observer events: which events taint a checkpoint, and what clears them (pure)."""
 
-from scout_ckpt.health_evidence import health_evidence, taints
+from scout_ckpt.save.evidence.health import health_evidence, taints
 
 ECC = {"id": 7, "kind": "health", "ranks": [1], "step": 14, "time": 100.0,
        "detail": {"metric": "ecc_uncorrected_volatile", "old": 0, "new": 1, "severity": "fatal"}}
@@ -45,7 +45,7 @@ def test_events_outside_the_window_do_not_count():
 def test_window_runs_from_the_newest_certified_save():
     """An uncleared fault keeps failing later saves of the run (the state it may have corrupted is still there);
     a certified save moves the window on; an event after a save's evidence counts against the next save."""
-    from scout_ckpt.health_evidence import HealthWindow
+    from scout_ckpt.save.evidence.health import HealthWindow
 
     win = HealthWindow()
     kw = dict(mode="fsdp", consensus={"status": "not_applicable"}, invariants=PASSED, vouching=False)

@@ -235,7 +235,7 @@ def test_crafted_metadata_through_adopt_export_certify_ls_explain(hostile_root, 
 
 _LIBRARY_PROBE = r"""
 import json, resource, sys
-from scout_ckpt.dcp_files import load_metadata
+from scout_ckpt.format.dcp_files import load_metadata
 from scout_ckpt.errors import BadInput
 out = {}
 for path in sys.argv[1:]:
@@ -275,8 +275,8 @@ def test_stand_in_tables_match_torch(tmp_path):
     and a genuine DCP pickle reads back field for field."""
     import torch
 
-    from scout_ckpt import dcp_meta
-    from scout_ckpt.dcp_files import load_metadata
+    from scout_ckpt.format import dcp_meta
+    from scout_ckpt.format.dcp_files import load_metadata
 
     public = {a: v for a in dir(torch) if not a.startswith("_") and isinstance(v := getattr(torch, a), torch.dtype)}
     assert {a: str(v).removeprefix("torch.") for a, v in public.items()} == \

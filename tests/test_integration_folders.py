@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from scout_ckpt import manifest, policy
-from scout_ckpt.digests import digest_files
+from scout_ckpt import policy
+from scout_ckpt.format import manifest
+from scout_ckpt.format.digests import digest_files
 from scout_ckpt.integrations import folders
 from scout_ckpt.ledger import Ledger
 

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torchtitan.components.checkpointer")
 
-from scout_ckpt.launch import run_ranks  # noqa: E402
+from scout_ckpt.testing.launch import run_ranks  # noqa: E402
 from scout_ckpt.ledger import Ledger  # noqa: E402
 from tests import workers_torchtitan as w  # noqa: E402
 

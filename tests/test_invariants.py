@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from scout_ckpt import invariants as inv
-from scout_ckpt.dcp_files import check_structure, read_tensors
+from scout_ckpt.format.dcp_files import check_structure, read_tensors
 from scout_ckpt.errors import BadInput
 from scout_ckpt.invariants import parse_specs, run_offline
-from scout_ckpt.launch import run_ranks
+from scout_ckpt.testing.launch import run_ranks
 from tests.workers_invariants import SPECS, flip_bit, sphere_scenarios
 
 
@@ -151,7 +151,7 @@ def test_run_local_on_four_fsdp_ranks(tmp_path):
     assert offline["status"] == "pass", offline
     # certify's one pass over the same sharded files: the weights' chunks (one per rank) checked piece by piece,
     # the oblique and spectral tensors assembled whole; the same verdict as the read-back
-    from scout_ckpt.scan import StepScan
+    from scout_ckpt.format.scan import StepScan
 
     scan = StepScan(tmp_path / "ck", SPECS)
     scan.hasher(sorted(str(p.resolve()) for p in (tmp_path / "ck").iterdir() if p.is_file()))

@@ -3,7 +3,7 @@ import sqlite3
 import pytest
 
 from scout_ckpt.errors import LedgerError
-from scout_ckpt.layout import LEDGER_NAME
+from scout_ckpt.format.layout import LEDGER_NAME
 from scout_ckpt.ledger import SCHEMA_VERSION, Ledger
 from tests.conftest import ledger_write_lock
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scout_ckpt.launch import run_ranks
+from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer.daemon import attribute, channel_dir
 from scout_ckpt.observer.heartbeat import Heartbeat, HeartbeatReader

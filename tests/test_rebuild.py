@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import os
 
-from scout_ckpt import journal, manifest, policy
-from scout_ckpt.certify import certify
-from scout_ckpt.operator import quarantine
-from scout_ckpt.layout import LEDGER_NAME, MANIFEST_NAME, step_dirname
+from scout_ckpt import policy
+from scout_ckpt.ledger import journal
+from scout_ckpt.format import manifest
+from scout_ckpt.ops.certify import certify
+from scout_ckpt.ops.operator import quarantine
+from scout_ckpt.format.layout import LEDGER_NAME, MANIFEST_NAME, step_dirname
 from scout_ckpt.ledger import Ledger
-from scout_ckpt.rebuild import DEFAULT_POLICY, UNVERIFIED, decide, rebuild, strictest
+from scout_ckpt.ops.rebuild import rebuild
+from scout_ckpt.ops.rebuild_ledger import DEFAULT_POLICY, UNVERIFIED, decide, strictest
 from tests.conftest import run_cli
 
 
@@ -112,7 +115,7 @@ def test_default_policy_by_kind_of_checkpoint():
     """Adopted folders and vouched pure-FSDP runs keep a policy they can meet after a rebuild; an FSDP manifest
     whose policy vouched for nothing gets no exemption from consensus."""
     from scout_ckpt import policy
-    from scout_ckpt.rebuild import DEFAULT_POLICY, default_policy, strictest
+    from scout_ckpt.ops.rebuild_ledger import DEFAULT_POLICY, default_policy, strictest
 
     assert default_policy({"topology": {"mode": "adopted"}, "policy": policy.ADOPTED}) == policy.ADOPTED
     shard = {"topology": {"mode": "fsdp"}, "policy": {"require": ["bytes", "shard_replay", "at_rest", "consensus"],

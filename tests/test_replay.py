@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from scout_ckpt.launch import run_ranks
+from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.replay.schedule import Schedule, coverage, discover_targets
 from tests import workers_replay as w
 

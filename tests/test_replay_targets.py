@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from scout_ckpt.errors import ScoutError
-from scout_ckpt.launch import run_ranks
+from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.replay.schedule import coverage
 from scout_ckpt.replay.targets import NoTargets, discover, resolve, sites, user_path
 from tests import workers_replay_targets as w

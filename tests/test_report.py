@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from scout_ckpt import report
-from scout_ckpt.layout import step_dirname
+from scout_ckpt.report import timeline as report
+from scout_ckpt.format.layout import step_dirname
 from scout_ckpt.ledger import Ledger
 
 CHROMIUM = shutil.which("chromium")
@@ -176,7 +176,7 @@ def test_ten_thousand_checkpoints(tmp_path: Path):
 
 def test_report_never_imports_torch(root: Path, tmp_path: Path):
     code = (
-        "import sys, scout_ckpt.report as r\n"
+        "import sys, scout_ckpt.report.timeline as r\n"
         f"tl = r.timeline({str(root)!r})\n"
         "from rich.console import Console; Console(file=open('/dev/null','w')).print(r.render_table(tl))\n"
         f"r.write_html(tl, {str(tmp_path / 'p.html')!r})\n"

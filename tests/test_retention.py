@@ -2,10 +2,11 @@
 
 import pytest
 
-from scout_ckpt import layout, retention
+from scout_ckpt.format import layout
+from scout_ckpt.ops import retention
 from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger import Ledger
-from scout_ckpt.settle import this_process_owner
+from scout_ckpt.ops.settle import this_process_owner
 
 
 def test_keep_counts_certified_checkpoints():

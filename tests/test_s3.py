@@ -14,9 +14,10 @@ import pytest
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-from scout_ckpt import layout  # noqa: E402
-from scout_ckpt.launch import run_ranks  # noqa: E402
+from scout_ckpt.format import layout  # noqa: E402
+from scout_ckpt.testing.launch import run_ranks  # noqa: E402
 from scout_ckpt.ledger import Ledger  # noqa: E402
+from scout_ckpt.save.object_store_io import reader_for  # noqa: E402
 from tests import workers_s3 as w  # noqa: E402
 from tests.conftest import ledger_write_lock, run_cli  # noqa: E402
 
@@ -155,7 +156,7 @@ def test_save_certify_resume_load_exactly_then_async_saves(run, width, capsys, m
     # the one the ledger_dir is bound to, credentials from the environment as for the CLI.
     from safetensors.torch import load_file
 
-    from scout_ckpt.export import export
+    from scout_ckpt.ops.export import export
 
     dest = os.path.join(os.path.dirname(run["ledger"]), "export")
     os.mkdir(dest)
@@ -181,7 +182,7 @@ def _lose_ledger_dir_and_rebuild(run, rebuild_cli=None) -> str:
     the real command line in a subprocess)."""
     import shutil
 
-    from scout_ckpt import journal
+    from scout_ckpt.ledger import journal
     from scout_ckpt.object_store import bucket_journal
 
     store = _store(run)
@@ -235,7 +236,7 @@ def _digest_at(store, name: str, width: int) -> str:
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=store.reader(name, meta))
+        dcp.load(state, storage_reader=reader_for(store, name, meta))
     return w.digest(state)
 
 
@@ -433,7 +434,7 @@ def test_manifest_is_a_conditional_create_and_an_error_mid_upload_commits_nothin
     import xxhash
 
     from scout_ckpt.object_store.store import ManifestExists
-    from scout_ckpt.object_store.writer import _ObjectFileSystem
+    from scout_ckpt.save.object_store_io import _ObjectFileSystem
 
     store = _store(run)
     name = layout.attempt_dirname(1, "a")
@@ -473,7 +474,7 @@ def test_manifest_is_a_conditional_create_and_an_error_mid_upload_commits_nothin
 
 
 def test_verification_by_ranged_reads_finds_every_kind_of_damage(run, tmp_path):
-    from scout_ckpt.digests import bytes_digest
+    from scout_ckpt.format.digests import bytes_digest
 
     store = _store(run)
     name = layout.attempt_dirname(3, "v")
@@ -503,7 +504,7 @@ def test_verification_by_ranged_reads_finds_every_kind_of_damage(run, tmp_path):
 
 def test_sweep_removes_dead_attempts_only_after_recording_them(run, tmp_path):
     from scout_ckpt.object_store.attempts import sweep
-    from scout_ckpt.settle import this_process_owner
+    from scout_ckpt.ops.settle import this_process_owner
 
     store = _store(run)
     names = {k: layout.attempt_dirname(*k) for k in [(1, "ok"), (2, "live"), (3, "dead"), (3, "old"), (9, "x")]}

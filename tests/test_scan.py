@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from scout_ckpt.certify import offline_invariants
-from scout_ckpt.digests import digest_files, relpaths
-from scout_ckpt.scan import StepScan
-from scout_ckpt.verify import verify_files
+from scout_ckpt.ops.certify import offline_invariants
+from scout_ckpt.format.digests import digest_files, relpaths
+from scout_ckpt.format.scan import StepScan
+from scout_ckpt.format.verify import verify_files
 
 SPECS = ["finite", "frobenius_sphere:radius=1.0:params=model.unit"]
 INTERIOR = (3, 5)  # an element inside the tensor, not element 0
@@ -24,7 +24,7 @@ def _write(d: Path, poison: bool = False, crc: bool = True) -> tuple[list[dict],
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from scout_ckpt.storage import _without_zip_crc
+    from scout_ckpt.save.storage import _without_zip_crc
 
     g = torch.Generator().manual_seed(0)
     unit = torch.randn(20, 30, generator=g, dtype=torch.float64)
@@ -127,7 +127,7 @@ def _save(d: Path, state: dict) -> list[dict]:
 
 
 def _last_in_its_file(d: Path) -> str:
-    from scout_ckpt.dcp_files import load_metadata
+    from scout_ckpt.format.dcp_files import load_metadata
 
     md = load_metadata(d)
     return max(md.storage_data.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset))[0].fqn
@@ -135,7 +135,7 @@ def _last_in_its_file(d: Path) -> str:
 
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
 def test_a_non_finite_last_element_of_the_last_tensor_of_a_large_file_is_caught(tmp_path, bad):
-    from scout_ckpt import scan as scan_mod
+    from scout_ckpt.format import scan as scan_mod
 
     per_piece = scan_mod.PIECE // 4
     n = 2 * per_piece + 12345           # three pieces, the last one partial
@@ -155,7 +155,7 @@ def test_a_non_finite_last_element_of_the_last_tensor_of_a_large_file_is_caught(
 
 
 def test_invariant_violations_at_interior_piece_boundaries_are_caught(tmp_path):
-    from scout_ckpt import scan as scan_mod
+    from scout_ckpt.format import scan as scan_mod
 
     per_piece = scan_mod.PIECE // 4
     g = torch.Generator().manual_seed(2)

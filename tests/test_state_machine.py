@@ -15,12 +15,13 @@ import sys
 
 import pytest
 
-from scout_ckpt import journal, manifest
+from scout_ckpt.ledger import journal
+from scout_ckpt.format import manifest
 from scout_ckpt.errors import Quarantined
-from scout_ckpt.layout import LEDGER_NAME, step_dirname
+from scout_ckpt.format.layout import LEDGER_NAME, step_dirname
 from scout_ckpt.ledger import ALLOWED, SCHEMA_VERSION, Ledger
 from scout_ckpt.ledger.schema import MIGRATIONS
-from scout_ckpt.settle import owner_alive, process_start
+from scout_ckpt.ops.settle import owner_alive, process_start
 from tests.conftest import REPO, run_cli
 
 BYTES_PASS = {"bytes": {"status": "pass", "reasons": []}}
@@ -153,7 +154,7 @@ def test_v1_ledger_is_migrated(tmp_path):
 _SLOW_CERTIFY = """
 import json, sys, time
 from pathlib import Path
-from scout_ckpt.certify import certify
+from scout_ckpt.ops.certify import certify
 root, gate = Path(sys.argv[1]), Path(sys.argv[2])
 def factory(total):
     first = [True]

@@ -1,4 +1,4 @@
-"""What the writer computes from the bytes as they pass through (scout_ckpt/write_pass.py): one process, real DCP
+"""What the writer computes from the bytes as they pass through (scout_ckpt/save/write_pass.py): one process, real DCP
 files; every expected value is computed here from the tensors or the files on disk, not by the code under test."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 
 from scout_ckpt.consensus.in_flight import InFlightDigests, written_key
-from scout_ckpt.storage import ScoutWriter
-from scout_ckpt.write_pass import PIECE, WritePass
+from scout_ckpt.save.storage import ScoutWriter
+from scout_ckpt.save.write_pass import PIECE, WritePass
 
 
 def _row_major(t: torch.Tensor) -> int:

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scout_ckpt.app_state import ModelOptimizerState as AppState
+from scout_ckpt.save.app_state import ModelOptimizerState as AppState
 from scout_ckpt.checkpointer import Checkpointer
-from scout_ckpt.layout import list_step_dirs
+from scout_ckpt.format.layout import list_step_dirs
 
 
 def make_model(seed: int = 0, width: int = 16) -> nn.Module:
@@ -185,7 +185,7 @@ def save_nonfinite(rank, world, root):
     big["c"].t()[400, 17] = float("-inf")
     big_bad = ckpt.save(4, {**state_of(model, opt), "big": big})
     # The commit's broadcast: one collective for a small payload, a second one for a long one (every rank alike).
-    from scout_ckpt.commit import _broadcast
+    from scout_ckpt.save.commit import _broadcast
 
     long = {"reasons": [{"code": "x", "tensors": [f"t{i}" for i in range(2000)]}]}
     sent = [None, bad, long]

@@ -9,7 +9,8 @@ import torch.nn as nn
 from scout_ckpt.consensus.c3 import c3_over_group
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.save_time import save_time_consensus
-from scout_ckpt.consensus.signatures import flatten_state, full_signatures, signature_hex, tensor_signature
+from scout_ckpt.consensus.full import full_signatures
+from scout_ckpt.consensus.signatures import flatten_state, signature_hex, tensor_signature
 
 
 class AppState:
@@ -259,7 +260,7 @@ def in_flight_consensus(rank, world, root, flip_rank=None):
 
     from scout_ckpt.consensus.in_flight import InFlightDigests
     from scout_ckpt.consensus.save_time import start_consensus
-    from scout_ckpt.storage import ScoutWriter
+    from scout_ckpt.save.storage import ScoutWriter
 
     torch.manual_seed(4)
     shared = torch.randn(96, 128)

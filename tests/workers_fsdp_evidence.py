@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scout_ckpt.at_rest import AtRestGuard
+from scout_ckpt.save.evidence.at_rest import AtRestGuard
 from scout_ckpt.replay.shard_optimizer import ShardUpdateReplay, digest
 
 VOCAB, SEQ, BATCH = 64, 16, 4

@@ -1,4 +1,4 @@
-"""Rank functions for the invariants and adopt/export tests (run by scout_ckpt.launch.run_ranks)."""
+"""Rank functions for the invariants and adopt/export tests (run by scout_ckpt.testing.launch.run_ranks)."""
 
 from __future__ import annotations
 

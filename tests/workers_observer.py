@@ -1,4 +1,4 @@
-"""Rank functions for the observer tests and bench (run by scout_ckpt.launch.run_ranks on real gloo ranks).
+"""Rank functions for the observer tests and bench (run by scout_ckpt.testing.launch.run_ranks on real gloo ranks).
 
 Every scenario trains a toy loop (sleep as compute, one all_reduce per step) with the observer running, then
 injects one fault on one rank. Blocking functions have telling names, so the tests can find them in the stacks.

@@ -47,8 +47,8 @@ Two kinds of signature, for two jobs:
 
 Modules: kernels.py (the two kernels, raw bits, slicing, packing), indexing.py (DTensor index maths), flatten.py
 (state dicts as flat maps), full.py (full_signatures, collective); this module keeps the definition, the knobs
-below and the per-tensor entry points. `flatten_state`, `leaf_bytes`, `full_signatures`, `assign_replicated` and
-`REPLICA_PREFIX` are still importable from here.
+below and the per-tensor entry points. `flatten_state` and `leaf_bytes` are still importable from here; the collective
+(`full_signatures`, `assign_replicated`, `REPLICA_PREFIX`) is imported from full.py, which stands on this module.
 """
 
 from __future__ import annotations
@@ -66,8 +66,21 @@ import xxhash
 from scout_ckpt.consensus.flatten import flatten_state, leaf_bytes  # noqa: F401  (re-exported)
 from scout_ckpt.consensus.indexing import dtensor_box, global_index, index_map
 from scout_ckpt.consensus.kernels import (
-    LANES, M64, NpWork, TorchWork, bits_view, check_tensor, cpu_sums, np_pack_signatures, numel, pack_signatures,
-    packs, rows_to_host, s64, slices, torch_terms,
+    LANES,
+    M64,
+    NpWork,
+    TorchWork,
+    bits_view,
+    check_tensor,
+    cpu_sums,
+    np_pack_signatures,
+    numel,
+    pack_signatures,
+    packs,
+    rows_to_host,
+    s64,
+    slices,
+    torch_terms,
 )
 from scout_ckpt.consensus.mesh import is_dtensor
 
@@ -82,7 +95,7 @@ SMALL = 1 << 16
 # baseline and the tests' cross-check).
 CPU_KERNEL = "numpy"
 # Threads for CPU signatures (numpy slices of one tensor, xxh3 of many tensors); None: torch.get_num_threads(),
-# so a rank limited to one intra-op thread (scout_ckpt.launch) stays on one thread.
+# so a rank limited to one intra-op thread (scout_ckpt.testing.launch) stays on one thread.
 THREADS: int | None = None
 # Replica signatures: CPU tensors of at least this many bytes are hashed in the thread pool, smaller ones inline.
 POOL_MIN_BYTES = 1 << 20
@@ -321,15 +334,3 @@ def _host_bytes(t: torch.Tensor) -> np.ndarray:
     if t.numel() == 0:
         return np.zeros(0, dtype=np.uint8)
     return t.reshape(-1).view(torch.uint8).numpy()
-
-
-_FROM_FULL = ("full_signatures", "assign_replicated", "REPLICA_PREFIX")
-
-
-def __getattr__(name: str):
-    """The full-signature collective lives in full.py, which imports this module: re-exported lazily."""
-    if name in _FROM_FULL:
-        from scout_ckpt.consensus import full
-
-        return getattr(full, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

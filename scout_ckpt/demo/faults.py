@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from scout_ckpt.errors import BadInput
-from scout_ckpt.layout import atomic_write_json
+from scout_ckpt.format.layout import atomic_write_json
 
 MARKER_DIR = "demo"  # under ROOT: the demo's own files (worker logs, results, injection records)
 
@@ -258,7 +258,7 @@ def drift_mixture(mixer, amount: float) -> None:
 def flip_file_bit(root: str | os.PathLike, step: int, name: str | None = None, bit: int | None = None) -> dict:
     """Flip one bit in the middle of a committed `.distcp` file of `step`, in place (no new inode, no rename):
     what a bad disk sector or a stray write does. Returns what was flipped."""
-    from scout_ckpt.layout import step_path
+    from scout_ckpt.format.layout import step_path
 
     d = step_path(root, step)
     files = sorted(d.glob("*.distcp"), key=lambda p: (-p.stat().st_size, p.name)) if name is None else [d / name]

@@ -36,7 +36,7 @@ from pathlib import Path
 from scout_ckpt.demo import summary
 from scout_ckpt.demo.faults import MARKER_DIR, parse_all
 from scout_ckpt.errors import BadInput
-from scout_ckpt.layout import LEDGER_NAME
+from scout_ckpt.format.layout import LEDGER_NAME
 
 MODES = ("ddp", "fsdp", "hsdp")
 REPLAY_TARGETS = 7   # embedding, 4 blocks, head, optimizer: one replayed per step

@@ -16,8 +16,8 @@ from scout_ckpt.demo.faults import MARKER_DIR, fired_records
 
 def certify_committed(root: Path) -> list[dict]:
     """Re-verify every committed or certified checkpoint offline (what `scout-ckpt certify` does)."""
-    from scout_ckpt.certify import certify
     from scout_ckpt.ledger import Ledger
+    from scout_ckpt.ops.certify import certify
 
     with Ledger.open(root, readonly=True) as ledger:
         steps = [c["step"] for c in ledger.checkpoints(states=("committed", "certified"))]
@@ -27,7 +27,7 @@ def certify_committed(root: Path) -> list[dict]:
 def checkpoint_rows(root: Path) -> list[dict]:
     """The `ls --json` rows."""
     from scout_ckpt.ledger import Ledger
-    from scout_ckpt.views import checkpoint_rows as rows
+    from scout_ckpt.ops.views import checkpoint_rows as rows
 
     with Ledger.open(root, readonly=True) as ledger:
         return rows(ledger)
@@ -45,7 +45,7 @@ def rejections(root: Path) -> list[dict]:
 
 
 def events(root: Path) -> list[dict]:
-    from scout_ckpt.report import timeline
+    from scout_ckpt.report.timeline import timeline
 
     return [{"kind": e["kind"], "ranks": e["ranks"], "step": e["step"], "time": e["time"], "detail": e["detail"]}
             for e in timeline(root)["events"]]
@@ -79,7 +79,7 @@ def print_summary(result: dict, console=None) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from scout_ckpt.views import STATE_STYLE, evidence_marks, reason_text
+    from scout_ckpt.ops.views import STATE_STYLE, evidence_marks, reason_text
 
     console = console or Console()
     table = Table(title=f"scout-ckpt demo: {result['ranks']} ranks, {result['steps']} steps ({result['mode']})")

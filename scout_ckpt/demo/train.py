@@ -33,14 +33,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import xxhash
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_state_dict)
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from scout_ckpt.app_state import RNGState
 from scout_ckpt.demo.data import DataStream, MarkovDomains, OnlineMixer
 from scout_ckpt.demo.faults import MARKER_DIR, Injector, parse_all
 from scout_ckpt.demo.model import TinyTransformer, retract_to_sphere, sphere_deviation
-from scout_ckpt.layout import atomic_write_json
+from scout_ckpt.format.layout import atomic_write_json
+from scout_ckpt.save.app_state import RNGState
 
 MODES = ("ddp", "fsdp", "hsdp")
 

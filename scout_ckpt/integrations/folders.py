@@ -23,12 +23,12 @@ import os
 import re
 from pathlib import Path
 
-from scout_ckpt import journal, retention
-from scout_ckpt.settle import settle_writing
-from scout_ckpt.digests import relpaths
 from scout_ckpt.errors import NotFound
-from scout_ckpt.layout import MANIFEST_NAME, remove_dir, scan_dirs
-from scout_ckpt.ledger import Ledger
+from scout_ckpt.format.digests import relpaths
+from scout_ckpt.format.layout import MANIFEST_NAME, register_folder_layout, remove_dir, scan_dirs
+from scout_ckpt.ledger import Ledger, journal
+from scout_ckpt.ops import retention
+from scout_ckpt.ops.settle import settle_writing
 
 LAYOUT = "hf-trainer"
 PREFIX = "checkpoint"
@@ -48,6 +48,9 @@ def parse_folder(name: str) -> int | None:
 def list_folders(root: str | os.PathLike) -> dict[int, Path]:
     """Every `checkpoint-N` directory under root, by step."""
     return scan_dirs(root, parse_folder)
+
+
+register_folder_layout(LAYOUT, parse_folder)
 
 
 def run_policy(world_size: int, invariant_specs: list) -> dict:
@@ -104,7 +107,7 @@ def latest_clean_row(root: str | os.PathLike, *, verify: bool = True) -> dict | 
     """Core `recovery.latest_clean` ({"step", "path", "state", "verified", "skipped", "newer"}: the newest certified
     checkpoint whose bytes verify, walking back past and rejecting any that fail), or None when there is none or
     no ledger yet (a fresh run)."""
-    from scout_ckpt.recovery import latest_clean
+    from scout_ckpt.ops.recovery import latest_clean
 
     if not (Path(root) / "scout-ledger.db").exists():
         return None

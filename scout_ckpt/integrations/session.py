@@ -31,13 +31,14 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from scout_ckpt import layout, manifest, policy
-from scout_ckpt.digests import digest_files
+from scout_ckpt import policy
 from scout_ckpt.errors import ScoutError
+from scout_ckpt.format import layout, manifest
+from scout_ckpt.format.digests import digest_files
 from scout_ckpt.integrations import folders
-from scout_ckpt.journal import journal_verdict
 from scout_ckpt.ledger import Ledger
-from scout_ckpt.settle import this_process_owner
+from scout_ckpt.ledger.journal import journal_verdict
+from scout_ckpt.ops.settle import this_process_owner
 
 COORDINATOR = 0
 

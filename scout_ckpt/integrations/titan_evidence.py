@@ -21,11 +21,11 @@ which the shard replay cannot reproduce on a slice: use implementation="foreach"
 
 from __future__ import annotations
 
-from scout_ckpt import log as scout_log
 from scout_ckpt.errors import ScoutError
-from scout_ckpt.replay_evidence import ReplayEvidence
-from scout_ckpt.shard_evidence import KINDS as SHARD_KINDS
-from scout_ckpt.shard_evidence import ShardEvidence
+from scout_ckpt.save import log as scout_log
+from scout_ckpt.save.evidence.replay import ReplayEvidence
+from scout_ckpt.save.evidence.shard import KINDS as SHARD_KINDS
+from scout_ckpt.save.evidence.shard import ShardEvidence
 
 __all__ = ["TitanEvidence", "SHARD_KINDS"]
 

@@ -60,12 +60,13 @@ from torchtitan.config.override import derive, override
 
 import scout_ckpt
 from scout_ckpt import invariants as inv
-from scout_ckpt import journal, layout
-from scout_ckpt import log
 from scout_ckpt.errors import ScoutError
+from scout_ckpt.format import layout
 from scout_ckpt.integrations import folders
 from scout_ckpt.integrations.session import IntegrationRun
 from scout_ckpt.integrations.titan_evidence import TitanEvidence
+from scout_ckpt.ledger import journal
+from scout_ckpt.save import log
 
 __all__ = ["ScoutCheckpointManager", "scout_checkpoint", "signable", "titan_topology"]
 
@@ -347,7 +348,7 @@ class ScoutCheckpointManager(CheckpointManager):
         """Coordinator: the newest certified step whose bytes re-verify (core recovery.latest_clean, which
         rejects failures in the ledger and walks back) and the signatures its trusted manifest records."""
         from scout_ckpt.errors import NotFound
-        from scout_ckpt.recovery import latest_clean, trusted_manifest
+        from scout_ckpt.ops.recovery import latest_clean, trusted_manifest
 
         try:
             found = latest_clean(self.root)

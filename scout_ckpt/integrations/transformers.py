@@ -187,7 +187,7 @@ class ScoutTrainerCallback(TrainerCallback):
                              after=lambda v, ev: self._retention(state))
         self.last_verdict = {"step": step, **verdict}
         if run.is_coordinator:
-            from scout_ckpt.views import reason_text
+            from scout_ckpt.ops.views import reason_text
 
             log.warning("scout-ckpt: checkpoint-%d %s%s", step, verdict["state"],
                         f" ({reason_text(verdict['reasons'])})" if verdict["reasons"] else "")

@@ -11,7 +11,7 @@ filesystem, where WAL's shared-memory index is not shared between hosts. A write
 it needs (a new ledger is created in it); on a network filesystem it refuses to write a ledger it cannot take out
 of WAL. Every writer commits with synchronous=FULL. A reader never changes the mode; it refuses (LedgerUnavailable)
 a WAL ledger on a network filesystem, and waits at most SCOUT_CKPT_READ_BUSY_TIMEOUT (default 5 s) for a lock, so
-that restart tooling can fall back to the manifests (scout_ckpt/disk_view.py) instead of blocking.
+that restart tooling can fall back to the manifests (scout_ckpt/ops/disk_view.py) instead of blocking.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import sqlite_utils
 
 from scout_ckpt.errors import LedgerError
-from scout_ckpt.layout import LEDGER_NAME
+from scout_ckpt.format.layout import LEDGER_NAME
 from scout_ckpt.ledger import fsdetect
 from scout_ckpt.ledger.schema import AUX_TABLES, MIGRATIONS, SCHEMA_VERSION
 
@@ -48,7 +48,7 @@ def _busy_timeout(readonly: bool = False) -> float:
 class LedgerUnavailable(LedgerError):
     """The ledger file exists but cannot be read now: locked beyond the busy timeout, corrupt, a hot journal a
     read-only reader cannot roll back, or WAL on a network filesystem. Readers with a fallback (ls, resume) read
-    the checkpoints' manifests and the journal instead (scout_ckpt/disk_view.py)."""
+    the checkpoints' manifests and the journal instead (scout_ckpt/ops/disk_view.py)."""
 
 
 def header_journal(path: Path) -> str | None:

@@ -67,7 +67,7 @@ def binding(ledger_dir: str | os.PathLike) -> dict | None:
 def bind(ledger_dir: str | os.PathLike, uri: str, storage_options: dict | None) -> None:
     """Coordinator, at start-up: record which URI this ledger describes (atomic write). One ledger per URI: a
     ledger_dir bound to another URI is refused, so two runs can never mix their rows."""
-    from scout_ckpt.layout import atomic_write_json
+    from scout_ckpt.format.layout import atomic_write_json
 
     uri = uri.rstrip("/")
     have = binding(ledger_dir)
@@ -145,8 +145,8 @@ def resolve(root: str | os.PathLike, uri: str | None):
     of ROOT (its binding, or `uri`), or None for a POSIX ROOT (no binding, no `uri`). BadInput for a
     mangled `s3:/` ROOT, a `uri` that is not an object-store URI or contradicts the binding, and a ROOT that
     holds checkpoint directories of its own."""
-    from scout_ckpt import layout
-    from scout_ckpt.safepaths import clip
+    from scout_ckpt.format import layout
+    from scout_ckpt.format.safepaths import clip
 
     if looks_like_mangled_uri(root):
         raise BadInput(f"{root}: give the run's ledger_dir as ROOT and the checkpoints' location as --uri "

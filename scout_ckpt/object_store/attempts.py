@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scout_ckpt import layout
-from scout_ckpt import manifest as manifest_mod
-from scout_ckpt.digests import bytes_digest
+from scout_ckpt.format import layout
+from scout_ckpt.format import manifest as manifest_mod
+from scout_ckpt.format.digests import bytes_digest
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The journal's copy on the object store: `URI/scout-journal/<time>-<id>.json`, one object per record.
 
-Why: on an object-store run the journal (scout_ckpt/journal.py) lives in the local `ledger_dir` with the ledger,
+Why: on an object-store run the journal (scout_ckpt/ledger/journal.py) lives in the local `ledger_dir` with the ledger,
 so losing that directory (the node died) loses every verdict on record, and `ledger rebuild`, which certifies a
 step only if a certified verdict for that exact manifest digest is on record, could then certify nothing. A copy
 of each record beside the checkpoints gives an object-store run what a POSIX run has: a record that survives the

@@ -16,12 +16,12 @@ from typing import Callable
 
 import xxhash
 
-from scout_ckpt import layout
-from scout_ckpt import manifest as manifest_mod
-from scout_ckpt.digests import ALGO, CHUNK, bytes_digest
 from scout_ckpt.errors import BadInput, ScoutError
+from scout_ckpt.format import layout
+from scout_ckpt.format import manifest as manifest_mod
+from scout_ckpt.format.digests import ALGO, CHUNK, bytes_digest
+from scout_ckpt.format.safepaths import clip, relpath_problem
 from scout_ckpt.policy import FAIL, PASS, evidence
-from scout_ckpt.safepaths import clip, relpath_problem
 
 # Ranged GETs in flight at once when verifying (each CHUNK bytes): object stores reward parallel requests far
 # more than local disks do; the window bounds memory to THREADS x 2 x CHUNK.
@@ -77,17 +77,6 @@ class ObjectStore:
         return f"{self.uri}/{name}"
 
     # ---- writing -------------------------------------------------------------------------------------------
-
-    def writer(self, name: str, *, step: int, fault_hook=None, check_finite: bool = True):
-        from scout_ckpt.object_store.writer import ObjectStoreWriter
-
-        return ObjectStoreWriter(self.uri_of(name), self.fs, step=step, fault_hook=fault_hook,
-                                 check_finite=check_finite)
-
-    def reader(self, name: str, metadata_digest: str | None):
-        from scout_ckpt.object_store.writer import VerifiedReader
-
-        return VerifiedReader(self.uri_of(name), self.fs, metadata_digest)
 
     def publish_manifest(self, name: str, data: bytes) -> str:
         """Write the commit marker: conditional create (If-None-Match: *) where the store honours it, so a

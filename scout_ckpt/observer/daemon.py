@@ -45,12 +45,11 @@ import sys
 import time
 from pathlib import Path
 
-from scout_ckpt.layout import REPORTS_DIR, atomic_write_json
+from scout_ckpt.format.layout import REPORTS_DIR, atomic_write_json
 from scout_ckpt.observer import stacks as stacks_mod
 from scout_ckpt.observer.handle import Observer, channel_dir, load_factory, read_json  # noqa: F401  (re-exported)
 from scout_ckpt.observer.heartbeat import HeartbeatReader
-from scout_ckpt.observer.verdicts import (ABORT_KINDS, INCIDENT_KINDS, attribute, incident_key,  # noqa: F401
-                                          prog)
+from scout_ckpt.observer.verdicts import ABORT_KINDS, INCIDENT_KINDS, attribute, incident_key, prog  # noqa: F401
 
 log = logging.getLogger("scout_ckpt.observer")
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from scout_ckpt.errors import ScoutError
-from scout_ckpt.layout import REPORTS_DIR, atomic_write_json
+from scout_ckpt.format.layout import REPORTS_DIR, atomic_write_json
 from scout_ckpt.observer import stacks as stacks_mod
 from scout_ckpt.observer.heartbeat import Heartbeat, default_path
 

@@ -1,0 +1,90 @@
+"""The journal: operator decisions and verdicts, durable beside the data (ROOT/scout-journal.jsonl).
+
+The ledger is one SQLite file; if it is lost, `ledger rebuild` recreates its rows from the manifests. A manifest
+can say what its save found, but not what happened later (an operator's quarantine, a load that did not match,
+certify's verdict), and a manifest can be edited. The journal keeps those: one JSON object a line, appended,
+flushed and fsynced, never rewritten. Rebuild replays it: quarantines stand, rejections stand, and a step is
+certified again only if a certified verdict for that very manifest digest is on record.
+
+Record kinds: "verdict" {step, attempt, manifest_digest, state, reasons, source}, "quarantine" {step, attempt,
+manifest_digest, reason}, "release" {step, attempt, manifest_digest, state, reason}; each with "time".
+A torn last line (a crash mid-append) is skipped on reading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from scout_ckpt.format.layout import fsync_dir
+from scout_ckpt.object_store import bucket_journal  # imports no fsspec: a store is opened only for a bound root
+
+JOURNAL_NAME = "scout-journal.jsonl"
+
+
+def path(root: str | os.PathLike) -> Path:
+    return Path(root) / JOURNAL_NAME
+
+
+def append(root: str | os.PathLike, record: dict) -> dict:
+    """Append one record (a "kind" and its fields; "time" is added): one write of one line, then fsync, so a
+    crash leaves the journal with or without the line, at worst a torn last line that `read` skips."""
+    record = {"time": time.time(), **record}
+    if "kind" not in record:
+        raise ValueError("a journal record needs a 'kind'")
+    p = path(root)
+    created = not p.exists()
+    data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if created:
+        fsync_dir(p.parent)
+    # An object-store run's ledger_dir may be lost with its node: the record is copied beside the checkpoints too
+    # (object_store/bucket_journal.py), so that `ledger rebuild` finds it there. A copy that fails raises: a
+    # quarantine or rejection missing from the bucket would let a rebuilt ledger certify the step again.
+    bucket_journal.mirror(root, record)
+    return record
+
+
+def read(root: str | os.PathLike) -> list[dict]:
+    """Every record, in the order written; [] when there is no journal. Lines that do not parse as a JSON
+    object (a torn last line) are skipped."""
+    p = path(root)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in data.splitlines():
+        try:
+            rec = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(rec, dict) and "kind" in rec and isinstance(rec.get("step"), int):
+            out.append(rec)
+    return out
+
+
+def journal_verdict(root: str | os.PathLike, step: int, attempt: str | None, manifest_digest: str | None,
+                    state: str, reasons: list[dict], source: str) -> dict:
+    """Record a verdict applied in the ledger (a commit, certify, a failed re-verification, a load mismatch).
+    Call it after the ledger write succeeded: a verdict the ledger refused is not a verdict."""
+    return append(root, {"kind": "verdict", "step": step, "attempt": attempt, "manifest_digest": manifest_digest,
+                         "state": state, "reasons": reasons, "source": source})
+
+
+def record_transition(ledger, root: str | os.PathLike, step: int, to: str, reasons: list[dict], *, source: str,
+                      expect: str | tuple[str, ...], attempt: str | None = None) -> bool:
+    """`ledger.transition` and, when it applied, the verdict in the journal (with the row's attempt and
+    manifest digest). The one call for a verdict change outside a commit."""
+    applied = ledger.transition(step, to, reasons, source=source, expect=expect, attempt=attempt)
+    if applied:
+        row = ledger.checkpoint(step)
+        journal_verdict(root, step, row["attempt"], row["manifest_digest"], to, reasons, source)
+    return applied

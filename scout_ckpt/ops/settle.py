@@ -1,0 +1,148 @@
+"""Settling `writing` rows: the one function that decides what became of a save nobody finished recording.
+
+A `writing` row is written before any rank writes data, with its owner (host, pid, process start time). Three
+places meet such rows: the Checkpointer's start-up, `certify`, and `gc`. They used to disagree (start-up completed
+a row from its manifest, certify rejected it as incomplete, and either could do so while the save was still
+running in another process). Now all three call `settle_writing`, which acts only on a save whose owner is
+provably dead:
+
+  owner alive, or unknown (another host, no record) -> left as it is: a save may be in flight
+  owner dead, step dir with a manifest of the same attempt whose bytes verify
+                                                      -> committed / certified / rejected, by the run's policy
+                                                         on the manifest's evidence (record_commit, CAS)
+  owner dead, anything else                          -> rejected [save_interrupted] (transition, CAS)
+
+"Provably dead": same host, and the pid is gone, a zombie, or a different process (its start time differs).
+
+On an object store (a ledger_dir bound to a URI, scout_ckpt.object_store) the row's path is the attempt prefix;
+its manifest is read and its bytes verified there by ranged reads. A ROOT bound to a URI is detected here, so
+every caller (certify included) settles against the right storage without knowing about it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from scout_ckpt import policy
+from scout_ckpt.errors import BadInput
+from scout_ckpt.format import layout, manifest
+from scout_ckpt.format.verify import verify_files
+from scout_ckpt.ledger import journal
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/<pid>/stat (after the parenthesised command name), or None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return data[data.rfind(")") + 2:].split()
+
+
+def process_start(pid: int) -> str:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), "" where unknown. With
+    the pid it names one process for good: a recycled pid has a different start time."""
+    fields = _proc_stat(pid)
+    return fields[19] if fields and len(fields) > 19 else ""
+
+
+def this_process_owner() -> dict:
+    """{"host", "pid", "start"} of the calling process: the owner to record with a `writing` row or temp dir."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "start": process_start(pid)}
+
+
+def owner_alive(owner: dict | None) -> bool | None:
+    """True: the owner runs. False: provably dead (same host, and the pid is gone, a zombie, or another process
+    since its start time differs). None: cannot tell (another host, or no owner recorded)."""
+    if not owner or not owner.get("host") or not owner.get("pid"):
+        return None
+    if owner["host"] != socket.gethostname():
+        return None
+    pid = int(owner["pid"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, another user's
+    fields = _proc_stat(pid)
+    if fields is None:  # no /proc to compare start times: the pid exists, so assume the save is in flight
+        return True
+    if fields[0] == "Z":  # killed, not yet reaped: it writes nothing more
+        return False
+    recycled = bool(owner.get("start")) and len(fields) > 19 and fields[19] != str(owner["start"])
+    return not recycled
+
+
+def _owner_of(row: dict) -> dict:
+    return {"host": row.get("owner_host"), "pid": row.get("owner_pid"), "start": row.get("owner_start")}
+
+
+def _run_policy(ledger, row: dict, fallback: dict) -> dict:
+    run = ledger.run(row["run_id"]) if row.get("run_id") else None
+    return (run or {}).get("policy") or fallback
+
+
+def _read_manifest(root: Path, row: dict, store):
+    """(manifest, digest) of the row's step dir or attempt prefix; (None, None) when absent or unreadable."""
+    if not row.get("path"):
+        return None, None
+    try:
+        if store is not None:
+            return store.read_manifest(row["path"]) if store.has_manifest(row["path"]) else (None, None)
+        step_dir = root / row["path"]
+        return manifest.read(step_dir) if step_dir.is_dir() else (None, None)
+    except BadInput:
+        return None, None
+
+
+def settle_writing(ledger, root: str | os.PathLike, *, source: str, store=None) -> list[dict]:
+    """Settle every `writing` row whose owner is provably dead; return what was done, one dict per row:
+    {"step", "attempt", "before": "writing", "after", "why"} ("after" is "writing" for a row left alone).
+    `source` names the caller in the history ("startup", "certify", "gc"). Every change is compare-and-set on
+    (writing, attempt), so two settlers, or a settler and the save itself, cannot both apply a verdict."""
+    root = Path(root)
+    out = []
+    rows = ledger.checkpoints(states=("writing",))
+    if store is None and rows:
+        from scout_ckpt.object_store import bound_store
+
+        store = bound_store(root)
+    for row in rows:
+        step, attempt = row["step"], row["attempt"]
+        alive = owner_alive(_owner_of(row))
+        if alive is not False:
+            out.append({"step": step, "attempt": attempt, "before": "writing", "after": "writing",
+                        "why": "owner_alive" if alive else "owner_unknown"})
+            continue
+        m, digest = _read_manifest(root, row, store)
+        interrupted = [{"code": "save_interrupted", "attempt": attempt}]
+        if m is not None and m.get("attempt") == attempt:
+            ev = dict(m["evidence"])
+            ev["bytes"] = (store.verify(row["path"], m["files"]) if store is not None
+                           else verify_files(root / row["path"], m["files"]))
+            if ev["bytes"]["status"] == policy.PASS:
+                # The run's policy as the ledger holds it (the manifest's only if the run is unknown).
+                v = policy.evaluate(_run_policy(ledger, row, m["policy"]), ev)
+                applied = ledger.record_commit(
+                    step, run_id=m.get("run_id") or row["run_id"], path=row["path"],
+                    nbytes=(sum(f["size"] for f in m["files"]) if store is not None
+                            else layout.dir_bytes(root / row["path"])), manifest_digest=digest, files=m["files"], evidence=ev,
+                    state=v.state, reasons=v.reasons, source=source, attempt=attempt)
+                if applied:
+                    journal.journal_verdict(root, step, attempt, digest, v.state, v.reasons, source)
+                out.append({"step": step, "attempt": attempt, "before": "writing",
+                            "after": v.state if applied else ledger.checkpoint(step)["state"],
+                            "why": "completed_from_manifest" if applied else "superseded"})
+                continue
+            interrupted += ev["bytes"]["reasons"]
+        applied = journal.record_transition(ledger, root, step, "rejected", interrupted, source=source,
+                                            expect="writing", attempt=attempt)
+        out.append({"step": step, "attempt": attempt, "before": "writing",
+                    "after": "rejected" if applied else ledger.checkpoint(step)["state"],
+                    "why": "save_interrupted" if applied else "superseded"})
+    return out

@@ -1,0 +1,147 @@
+"""How checkpoints, evidence and reasons are shown: the `ls --json` rows and their one-line texts.
+
+Shared by the CLI and the demo's summary so that both say the same thing the same way. No torch, no rich.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+STATUS_MARK = {"pass": "✓", "fail": "✗", "inconclusive": "?", "missing": "…", "not_applicable": "-"}
+STATE_STYLE = {"certified": "green", "committed": "yellow", "rejected": "red", "quarantined": "magenta",
+               "writing": "dim", "deleted": "dim"}
+
+
+def checkpoint_rows(ledger) -> list[dict]:
+    """`ls --json` rows: step, state, path, bytes, evidence {kind: status}, reasons."""
+    out = []
+    evidence = ledger.evidence_summary()
+    for r in ledger.checkpoints():
+        ev = evidence.get(r["step"], {})
+        out.append({"step": r["step"], "state": r["state"], "path": r["path"], "bytes": r["bytes"],
+                    "evidence": {k: v["status"] for k, v in ev.items()}, "reasons": r["reasons"] or [],
+                    "run_id": r["run_id"], "committed": r["committed"],
+                    "checked": {k: {"by": v.get("source"), "at": v.get("recorded")} for k, v in ev.items()}})
+    return out
+
+
+def list_checkpoints(root) -> tuple[list[dict], str | None]:
+    """(`ls --json` rows, None) from the ledger; when the ledger cannot be read now (locked beyond the reader's
+    busy timeout, corrupt, WAL on a network filesystem), (rows from the manifests and the journal, why), so
+    that restart tooling never blocks on the ledger (disk_view.py)."""
+    import sqlite3
+
+    from scout_ckpt.ledger import Ledger, LedgerUnavailable
+    from scout_ckpt.ops import disk_view
+
+    try:
+        with Ledger.open(root, readonly=True) as ledger:
+            return checkpoint_rows(ledger), None
+    except LedgerUnavailable as e:
+        why = str(e)
+    except sqlite3.DatabaseError as e:
+        why = f"ledger unreadable ({type(e).__name__}: {e})"
+    return disk_view.checkpoint_rows(root), why
+
+
+def checked_text(checked: dict | None, now: float) -> str:
+    """When a piece of evidence was last checked and by whom: "save 3 min ago", "certify 2 h ago"."""
+    if not checked or not checked.get("at"):
+        return "-"
+    age = max(0.0, now - checked["at"])
+    for unit, secs in (("d", 86400), ("h", 3600), ("min", 60)):
+        if age >= secs:
+            return f"{checked.get('by') or '?'} {age / secs:.0f} {unit} ago"
+    return f"{checked.get('by') or '?'} {age:.0f} s ago"
+
+
+def evidence_marks(evidence: dict[str, str]) -> str:
+    """{"bytes": "pass", "replay": "missing"} -> "bytes✓ replay…"."""
+    return " ".join(f"{k}{STATUS_MARK.get(v, '?')}" for k, v in sorted(evidence.items())) or "-"
+
+
+def reason_text(reasons: list[dict]) -> str:
+    """One line for a list of reasons: code(file/target/check; missing: ...)[ranks ...], deduplicated."""
+    parts: list[str] = []
+    for r in reasons:
+        extra = ",".join(str(r[k]) for k in ("file", "target", "check", "metric") if r.get(k))
+        if r.get("event") is not None:   # health_fault / desync: which ledger event decided
+            extra += (";" if extra else "") + f"event {r['event']}"
+        for k in ("missing", "awaiting"):
+            if r.get(k):
+                extra += (";" if extra else "") + f"{k}: " + ",".join(map(str, r[k]))
+        ranks = r.get("ranks") or ([r["rank"]] if r.get("rank") is not None else [])
+        s = r["code"] + (f"({extra})" if extra else "") + (f"[ranks {','.join(map(str, ranks))}]" if ranks else "")
+        if s not in parts:
+            parts.append(s)
+    return "; ".join(parts)
+
+
+def detail_text(detail: dict) -> str:
+    """A person's reading of an event's detail: `key: value` pairs, lists and nested records spelled out, no
+    JSON punctuation (the --json document keeps the structure)."""
+
+    def value(v) -> str:
+        if isinstance(v, dict):
+            return "; ".join(f"{k} {value(x)}" if x is not True else str(k) for k, x in v.items())
+        if isinstance(v, (list, tuple)):
+            return ", ".join(value(x) for x in v) or "none"
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return str(v)
+
+    parts = [str(k).replace("_", " ") if v is True else f"{str(k).replace('_', ' ')}: {value(v)}"
+             for k, v in detail.items() if v is not None and v is not False]
+    return "; ".join(parts) or "-"
+
+
+def explain_lines(out: dict, where: str, now: float, escape: Callable[[str], str]) -> list[str]:
+    """`explain`'s text (rich markup, one string a line) from `operator.explain`'s document: the state and where
+    it lies, what the policy requires, each piece of evidence with when and by whom it was checked, its reasons
+    and replay coverage, the row's reasons and the events. `escape` quotes recorded text for the markup (the CLI
+    passes rich's: this module stays free of rich)."""
+    step, state = out["step"], out["state"]
+    lines = [f"step {step}: [{STATE_STYLE.get(state, 'white')}]{state}[/]  ({where})"]
+    required = (out["policy"] or {}).get("require", [])
+    if required:
+        lines.append(f"policy requires: {', '.join(required)}")
+    for kind, item in out["evidence"].items():
+        status = item.get("status")
+        checked = checked_text({"by": item.get("source"), "at": item.get("recorded")}, now)
+        lines.append(f"  {kind:<11} {status:<15} " + (f"[dim]checked by {checked}[/]" if checked != "-" else ""))
+        for r in item.get("reasons") or []:
+            lines.append(f"      - {escape(reason_text([r]))}")
+        cov = item.get("coverage")
+        after = item.get("confirmed_after") or {}
+        if isinstance(cov, dict):
+            for target, last in cov.items():
+                text = f"clean at step {last}" if last is not None else "NOT COVERED"
+                if target in after:
+                    if after[target] is None:
+                        text += ", awaiting its first replay after the save"
+                    elif after[target] != last:
+                        text += f", clean again at step {after[target]} (after the save)"
+                lines.append(f"      {target:<14} {text}")
+    if out["reasons"]:
+        lines.append(f"reasons: {escape(reason_text(out['reasons']))}")
+    for e in out["events"]:
+        lines.append(escape(f"event: {e['kind']} ranks {e['ranks']}: {detail_text(e['detail'])}"))
+    lines.append("[dim]bytes and invariants as last checked; `scout-ckpt certify ROOT --step N` re-checks them now[/]")
+    return lines
+
+
+def time_text(t: float | None) -> str:
+    """A recorded time as local "YYYY-MM-DD HH:MM:SS", or "-"."""
+    if t is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """"0,3", "-" for none, the first 8 and the count beyond that."""
+    if not ranks:
+        return "-"
+    if len(ranks) > 8:
+        return f"{','.join(map(str, ranks[:8]))},… ({len(ranks)})"
+    return ",".join(map(str, ranks))

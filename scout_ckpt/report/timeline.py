@@ -1,0 +1,215 @@
+"""The fault timeline: what went wrong, on which ranks, at which steps.
+
+Faults reach the ledger by several roads: the observer writes `events` rows (hang, straggler, crash, desync,
+health, sdc), the replay runner writes `replays` rows, and the save path records verdicts whose reasons name
+attributed ranks or an interrupted save. `timeline` folds all of them into one list of events so that an operator
+reads one story, not four tables. Read-only: it never writes the ledger, and it never imports torch (the CLI's
+`report` runs on machines where a 1.4 s torch import would dominate). The picture and the HTML page are drawn by
+report_page.py (matplotlib imported only there, only when drawing); `render_html`, `render_png` and `write_html`
+are re-exported here for callers of `report.write_html`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rich.table import Table
+
+from scout_ckpt.ledger import Ledger
+from scout_ckpt.ops.views import detail_text, ranks_text, time_text
+from scout_ckpt.report.page import (  # noqa: F401  (re-exported: the page and its styles)
+    DRAW_ORDER,
+    KIND_STYLE,
+    MAX_RANK_LANES,
+    OTHER_STYLE,
+    STATE_STYLE,
+    render_html,
+    render_png,
+    write_html,
+)
+
+KINDS = ("sdc", "hang", "straggler", "crash", "desync", "health")
+SDC_REASONS = ("consensus_attributed", "invariant_failed")
+INTERRUPTED = "save_interrupted"
+
+
+# ---- the timeline ------------------------------------------------------------------------------------------
+
+def _ranks(v: Any) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, (int, float)):
+        return [int(v)]
+    return sorted({int(r) for r in v})
+
+
+def _reason_ranks(reason: dict) -> list[int]:
+    return _ranks(reason.get("ranks", reason.get("rank")))
+
+
+def _checkpoint_time(c: dict) -> float | None:
+    return c.get("committed") or c.get("updated") or c.get("started")
+
+
+def _state_label(c: dict) -> str:
+    """The checkpoint's state, with interrupted saves told apart from rejected ones (the picture draws them
+    hollow, like a save still in flight: there is no state on disk to judge)."""
+    codes = {r.get("code") for r in c.get("reasons") or [] if isinstance(r, dict)}
+    if INTERRUPTED in codes and c["state"] in ("rejected", "writing"):
+        return "interrupted"
+    return c["state"]
+
+
+def _event(kind: str, ranks: list[int], step: int | None, when: float | None, detail: dict, source: str,
+           run_id: str | None = None, **extra) -> dict:
+    return {"kind": kind, "ranks": ranks, "step": step, "time": when, "detail": detail, "source": source,
+            "run_id": run_id, **extra}
+
+
+def timeline(ledger: Ledger | str | os.PathLike) -> dict:
+    """Every fault of a run's ledger as one time-ordered list, plus the checkpoints and runs to draw them against.
+
+    `ledger` is an open Ledger or a ROOT (opened read-only). Shape (the `report --json` document):
+    {"events": [{"kind", "ranks", "step", "time", "detail", "source", "run_id"}], "checkpoints": [{"step",
+    "state", "time", "run_id", "reasons"}], "runs": [...], "summary": {kind: count}}.
+    """
+    if not isinstance(ledger, Ledger):
+        with Ledger.open(ledger, readonly=True) as opened:
+            return timeline(opened)
+
+    events: list[dict] = []
+    interrupted_events: list[dict] = []
+    for e in ledger.events():
+        if e["kind"] == INTERRUPTED:  # the save path's own record: reported as a crash below unless one exists
+            interrupted_events.append(e)
+            continue
+        detail = e.get("detail") if isinstance(e.get("detail"), dict) else {}
+        events.append(_event(e["kind"], _ranks(e.get("ranks")), e.get("step"), e.get("time"), detail, "events",
+                             e.get("run_id"), event_id=e.get("id")))
+
+    # sdc findings already told, by (step, ranks) -> targets named (None: the whole state). A replay row is a
+    # repeat when an sdc event of its step and ranks names its target or no target at all.
+    sdc_told: dict[tuple, set] = {}
+    for e in events:
+        if e["kind"] == "sdc":
+            sdc_told.setdefault((e["step"], tuple(e["ranks"])), set()).add(e["detail"].get("target"))
+
+    for r in ledger.replays():
+        if r.get("status") not in ("ATTRIBUTED", "INCONCLUSIVE"):
+            continue
+        ranks = _ranks(r.get("ranks"))
+        told = sdc_told.setdefault((r["step"], tuple(ranks)), set())
+        if None in told or r.get("target") in told:
+            continue
+        told.add(r.get("target"))
+        detail = {"recipe": r.get("recipe"), "target": r.get("target"), **(r.get("detail") or {})}
+        if r["status"] == "INCONCLUSIVE":
+            detail["inconclusive"] = True
+        events.append(_event("sdc", ranks, r["step"], r.get("time"), detail, "replay", r.get("run_id"),
+                             replay_id=r.get("id")))
+
+    # Checkpoint verdicts: attributed ranks and interrupted saves.
+    checkpoints = ledger.checkpoints()
+    crash_steps = {e["step"] for e in events if e["kind"] == "crash"}
+    interrupted: dict[int, dict] = {}
+    for c in checkpoints:
+        for reason in c.get("reasons") or []:
+            if not isinstance(reason, dict):
+                continue
+            code = reason.get("code")
+            if code in SDC_REASONS:
+                ranks = _reason_ranks(reason)
+                if sdc_told.get((c["step"], tuple(ranks))):
+                    continue
+                sdc_told[(c["step"], tuple(ranks))] = {None}
+                detail = {"reason": code, "state": c["state"],
+                          **{k: v for k, v in reason.items() if k not in ("code", "ranks", "rank")}}
+                events.append(_event("sdc", ranks, c["step"], _checkpoint_time(c), detail, "checkpoint",
+                                     c.get("run_id")))
+            elif code == INTERRUPTED and c["step"] not in interrupted:
+                interrupted[c["step"]] = {"ranks": _reason_ranks(reason), "time": c.get("updated") or
+                                          c.get("started"), "run_id": c.get("run_id"),
+                                          "detail": {k: v for k, v in reason.items() if k not in ("code", "ranks")}}
+    for e in interrupted_events:
+        interrupted.setdefault(e.get("step"), {"ranks": _ranks(e.get("ranks")), "time": e.get("time"),
+                                               "run_id": e.get("run_id"), "detail": e.get("detail") or {}})
+    for step, info in interrupted.items():
+        if step in crash_steps:
+            continue
+        events.append(_event("crash", info["ranks"], step, info["time"], {INTERRUPTED: True, **info["detail"]},
+                             "checkpoint", info["run_id"]))
+
+    attempts = _attempts(ledger, checkpoints)
+    events.sort(key=lambda e: (e["time"] if e["time"] is not None else float("-inf"),
+                               e["step"] if e["step"] is not None else -1, e["kind"]))
+    summary: dict[str, int] = {}
+    for e in events:
+        summary[e["kind"]] = summary.get(e["kind"], 0) + 1
+    return {
+        "events": events,
+        "checkpoints": [{"step": c["step"], "state": c["state"], "label": _state_label(c),
+                         "time": _checkpoint_time(c), "run_id": c.get("run_id"),
+                         "reasons": [r.get("code") for r in c.get("reasons") or [] if isinstance(r, dict)]}
+                        for c in checkpoints],
+        "attempts": attempts,
+        "runs": _runs(ledger.runs(), attempts),
+        "summary": summary,
+    }
+
+
+def _attempt_label(state: str, reasons: list) -> str:
+    codes = {r.get("code") for r in reasons or [] if isinstance(r, dict)}
+    return "interrupted" if INTERRUPTED in codes and state in ("rejected", "writing") else state
+
+
+def _attempts(ledger: Ledger, checkpoints: list[dict]) -> list[dict]:
+    """Every save attempt of every step, oldest first: {"step", "attempt", "state", "label", "time", "run_id",
+    "current"}. A step saved again after a walk-back has several; only the newest is the checkpoint on disk.
+    History rows carry their attempt id (ledger schema v2); older ledgers give one attempt per step."""
+    current = {c["step"]: c for c in checkpoints}
+    runs = {r["id"].rsplit("-", 1)[-1]: r["id"] for r in ledger.runs()}
+    out: dict[tuple, dict] = {}
+    for h in ledger.certifications():
+        if h.get("outcome") not in (None, "applied"):
+            continue  # a verdict that lost a race was never the attempt's state
+        key = (h["step"], h.get("attempt") or (current.get(h["step"]) or {}).get("attempt"))
+        entry = out.setdefault(key, {"step": h["step"], "attempt": key[1], "time": h.get("time")})
+        entry.update(state=h["state"], label=_attempt_label(h["state"], h.get("reasons")), updated=h.get("time"))
+    for c in checkpoints:  # rows with no history yet (a save in flight)
+        key = (c["step"], c.get("attempt"))
+        if key not in out:
+            out[key] = {"step": c["step"], "attempt": c.get("attempt"), "time": _checkpoint_time(c),
+                        "state": c["state"], "label": _state_label(c), "updated": _checkpoint_time(c)}
+    rows = sorted(out.values(), key=lambda a: (a["step"], a["time"] or 0.0))
+    for a in rows:
+        cur = current.get(a["step"]) or {}
+        a["current"] = a["attempt"] == cur.get("attempt") or a is [b for b in rows if b["step"] == a["step"]][-1]
+        a["run_id"] = cur.get("run_id") if a["current"] else runs.get(str(a["attempt"]).split("-")[0])
+    return rows
+
+
+def _runs(runs: list[dict], attempts: list[dict]) -> list[dict]:
+    """Each incarnation of the job: where it resumed from and the steps it saved."""
+    out = []
+    for r in runs:
+        steps = [a["step"] for a in attempts if a.get("run_id") == r["id"]]
+        out.append({"id": r["id"], "started": r.get("started"), "world_size": r.get("world_size"),
+                    "resumed_from": r.get("resumed_from"), "host": r.get("host"),
+                    "first_step": min(steps) if steps else None, "last_step": max(steps) if steps else None})
+    return out
+
+
+# ---- text ---------------------------------------------------------------------------------------------------
+
+def render_table(tl: dict) -> Table:
+    """The events as a rich Table (the CLI's plain output)."""
+    counts = ", ".join(f"{k} {n}" for k, n in sorted(tl.get("summary", {}).items())) or "none"
+    table = Table(title=f"fault timeline ({len(tl['events'])} events: {counts})", title_justify="left")
+    for col, kw in (("time", {}), ("kind", {"style": "bold"}), ("step", {"justify": "right"}), ("ranks", {}),
+                    ("detail", {"overflow": "fold"})):
+        table.add_column(col, **kw)
+    for e in tl["events"]:
+        table.add_row(time_text(e["time"]), e["kind"], "-" if e["step"] is None else str(e["step"]),
+                      ranks_text(e["ranks"]), detail_text(e["detail"]))
+    return table

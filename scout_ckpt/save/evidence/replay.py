@@ -1,0 +1,121 @@
+"""SDC replay as checkpoint evidence: the runner (a rotation every step, a sweep at every save) together with its
+ledger bookkeeping (replay rows, `sdc` events, coverage since the last certified step, re-deciding checkpoints
+that waited on it).
+
+One object, so that every save path (Checkpointer, a framework's checkpoint manager) wires replay with the same
+few calls and no copy of the bookkeeping: `start` at construction, `bind` once the run has a ledger and an id,
+`on_step` after each optimizer step, `sweep` at a save boundary before the write, `evidence` in the save's live
+evidence (coordinator), `begin` after a load, `close`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from scout_ckpt import policy
+from scout_ckpt.ledger import journal
+from scout_ckpt.replay import NoTargets, ReplayRunner
+from scout_ckpt.replay import coverage as replay_coverage
+from scout_ckpt.save import log
+
+# One rotation target every this many steps between saves (earlier detection); the sweep at each save is what
+# certifies, so this interval never delays a certificate.
+DEFAULT_INTERVAL = 10
+
+
+class ReplayEvidence:
+    def __init__(self, runner: ReplayRunner) -> None:
+        self.runner = runner
+        self._events_seen = 0
+        self.ledger = self.root = self.run_id = self.policy = None
+        self.is_coordinator = False
+
+    @classmethod
+    def start(cls, replay, *, model, optimizer, groups, auto_on: bool) -> ReplayEvidence | None:
+        """The replay a configuration asks for, or None. `replay` is None (auto: `auto_on` decides, and a model
+        with no replayable blocks only turns it off with a WARNING), False, True or a dict of runner options (an
+        explicit request for a model with no blocks is an error: NoTargets)."""
+        auto = replay is None
+        if auto:
+            replay = auto_on
+        if not (replay and model is not None):
+            return None
+        cfg = {"interval": DEFAULT_INTERVAL, **(replay if isinstance(replay, dict) else {})}
+        try:
+            runner = ReplayRunner(model, optimizer, groups=groups, **cfg)
+        except NoTargets as e:
+            if not auto:
+                raise
+            log.logger.warning("replay is off: %s", e)
+            return None
+        runner.begin(0)
+        return cls(runner)
+
+    def bind(self, *, ledger, root: Path, run_id: str, policy: dict, is_coordinator: bool) -> None:
+        """Where the bookkeeping goes (the coordinator holds the ledger; the others only replay)."""
+        self.ledger, self.root, self.run_id, self.policy = ledger, root, run_id, policy
+        self.is_coordinator = is_coordinator
+
+    def targets(self) -> list:
+        return self.runner.targets()
+
+    def begin(self, step: int) -> None:
+        """After a load: the schedule and coverage start again from the loaded step."""
+        self.runner.begin(step)
+
+    def on_step(self, step: int) -> float:
+        """The rotation after an optimizer step (collective on the replay's side groups at scheduled steps).
+        Returns the coordinator's bookkeeping seconds (not training time: the straggler rule must not see it)."""
+        return self._record(self.runner.on_step(step))
+
+    def sweep(self, step: int) -> None:
+        """The save-boundary sweep: every target replayed once on this step's captured inputs, so the checkpoint
+        carries complete same-step replay evidence."""
+        self._record(self.runner.sweep(step))
+
+    def _record(self, rows: list[dict]) -> float:
+        events = self.runner.events()
+        new_events, self._events_seen = events[self._events_seen:], len(events)
+        if not (self.is_coordinator and (rows or new_events)):
+            return 0.0
+        t0 = time.monotonic()
+        self.ledger.add_replays([dict(r, run_id=self.run_id) for r in rows])
+        for r in rows:
+            if r["status"] in ("ATTRIBUTED", "INCONCLUSIVE"):
+                self.ledger.add_event("sdc", step=r["step"], ranks=r["ranks"], run_id=self.run_id,
+                                      detail={"source": "replay", "recipe": r["recipe"], "target": r["target"],
+                                              "status": r["status"]})
+        for e in new_events:
+            self.ledger.add_event(e["kind"], step=e.get("step"), ranks=e.get("ranks"), detail=e.get("detail"),
+                                  run_id=self.run_id)
+        self.settle_pending()
+        return time.monotonic() - t0
+
+    def evidence(self, step: int) -> dict:
+        """Coordinator: replay evidence for the state at `step`, from this incarnation's replays since the
+        previous certified step, including those after `step` (a checkpoint waits for each target's next clean
+        replay)."""
+        prev = self.ledger.latest("certified", below=step)
+        rows = self.ledger.replays(run_id=self.run_id, after=prev["step"] if prev else None)
+        return replay_coverage(rows, self.targets(), step=step)
+
+    def settle_pending(self) -> None:
+        """Coordinator: re-decide this incarnation's checkpoints that wait on replay evidence."""
+        for row in self.ledger.checkpoints(states=("committed",)):
+            if row["run_id"] != self.run_id:
+                continue
+            ev = self.ledger.evidence(row["step"])
+            if (ev.get("replay") or {}).get("status") != policy.MISSING:
+                continue
+            new = self.evidence(row["step"])
+            if new["status"] == policy.MISSING and new["reasons"] == ev["replay"].get("reasons"):
+                continue
+            self.ledger.put_evidence(row["step"], {"replay": new}, source="replay")
+            v = policy.evaluate(self.policy, self.ledger.evidence(row["step"]))
+            if v.state != row["state"]:  # reasons alone change with the evidence rows just written
+                journal.record_transition(self.ledger, self.root, row["step"], v.state, v.reasons, source="replay",
+                                          expect="committed", attempt=row["attempt"])
+
+    def close(self) -> None:
+        self.runner.close()

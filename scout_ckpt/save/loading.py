@@ -1,0 +1,170 @@
+"""Loading with walk-back: a restarted job loads the newest certified checkpoint whose bytes and loaded values
+match what was saved, rejecting each one that does not and falling back to the next older one, in one call.
+
+Why a module of its own, beside replay_evidence.py and shard_evidence.py: the load path shares nothing with the
+save path but the process group and the ledger. It has its own protocol (choose on the coordinator, verify bytes
+on every rank, load, compare the loaded values' signatures with the manifest's, reject and walk back) and its own
+failure modes (a damaged candidate is the checkpoint's fault and is rejected; a state without places for the saved
+values is the caller's and raises). Kept apart, `Checkpointer` stays a facade over save, load and shutdown, and a
+framework's checkpoint manager (integrations/) can read one module to do the same walk-back.
+
+Every function here is collective over `LatestCleanLoader.group` unless it says "coordinator"; every rank gets
+the same outcome (the candidate is broadcast, byte verdicts are all_gathered, signatures come from one
+all_reduce), so no rank walks back while another loads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+from scout_ckpt import policy
+from scout_ckpt.consensus.full import REPLICA_PREFIX, full_signatures
+from scout_ckpt.consensus.mesh import full_signable
+from scout_ckpt.consensus.signatures import flatten_state
+from scout_ckpt.errors import ScoutError
+from scout_ckpt.format.verify import verify_files
+from scout_ckpt.ledger import Ledger, journal
+from scout_ckpt.ops.recovery import record_verification_failure, trusted_manifest
+from scout_ckpt.save import log as scout_log
+
+COORDINATOR = 0
+
+
+class LoadVerificationError(ScoutError):
+    """The state passed to load_latest_clean cannot take the saved values (the caller's error: the checkpoint
+    keeps its state)."""
+
+
+def materialize(state: dict) -> dict:
+    """Shallow copy with Stateful values replaced by their state_dict(): what DCP itself would save."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+
+
+@dataclass
+class LatestCleanLoader:
+    """The walk-back load of one Checkpointer. `ledger` is the coordinator's (None on other ranks); `store` the
+    object store when the checkpoints live on one (None: POSIX `root`); `hook(point, step)` the fault hook
+    (called at after_load)."""
+
+    root: Path
+    rank: int
+    world_size: int
+    group: object
+    ledger: Ledger | None
+    run_id: str
+    verify_load: bool
+    hook: Callable[[str, int], None]
+    store: object | None = None
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == COORDINATOR
+
+    def load(self, state: dict) -> int | None:
+        """Collective: load the newest certified checkpoint that verifies into `state`; its step, or None when
+        none is left (see Checkpointer.load_latest_clean)."""
+        below = None
+        t0 = time.monotonic()
+        while True:
+            cand = self._broadcast(self._candidate(below) if self.is_coordinator else None)
+            if cand is None:
+                if self.is_coordinator:
+                    scout_log.fresh_start(self.rank, str(self.root), [
+                        r for r in self.ledger.checkpoints(states=("committed", "writing"))])
+                return None
+            step_dir = self.root / cand["path"] if self.store is None else self.store.uri_of(cand["path"])
+            failed = cand["reasons"] + self._verify_bytes(cand, step_dir)
+            if failed:
+                if self.is_coordinator:
+                    record_verification_failure(self.ledger, cand["step"], policy.evidence(policy.FAIL, failed),
+                                                source="load", root=self.root)
+                scout_log.skipped(self.rank, cand["step"], failed)
+                below = cand["step"]
+                continue
+            if self.store is None:
+                dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
+            else:  # .metadata is unpickled only if its digest is the verified one
+                from scout_ckpt.save.object_store_io import reader_for  # fsspec: only for an object store
+
+                dcp.load(state, storage_reader=reader_for(self.store, cand["path"], cand["metadata_digest"]),
+                         process_group=self.group)
+            self.hook("after_load", cand["step"])
+            differ = self._loaded_differences(cand["step"], cand["signatures"], state)
+            if differ:
+                if self.is_coordinator:
+                    self._reject_load_mismatch(cand, differ)
+                scout_log.skipped(self.rank, cand["step"], [{"code": "load_mismatch", "tensors": differ[:4]}])
+                below = cand["step"]
+                continue
+            if self.is_coordinator:
+                self.ledger.set_resumed_from(self.run_id, cand["step"])
+                self.ledger.mark_checked(cand["step"], ("bytes",), source="load")
+            scout_log.resumed(self.rank, cand["step"], str(step_dir), files=len(cand["files"]),
+                              nbytes=sum(f.get("size") or 0 for f in cand["files"]), ranks=self.world_size,
+                              signatures=bool(self.verify_load and cand["signatures"]),
+                              seconds=time.monotonic() - t0)
+            return cand["step"]
+
+    def _broadcast(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=COORDINATOR, group=self.group)
+        return box[0]
+
+    def _verify_bytes(self, cand: dict, step_dir) -> list[dict]:
+        """Collective: each rank re-hashes a disjoint share of the candidate's files; every rank gets all reasons."""
+        share = cand["files"][self.rank::self.world_size]
+        ev = (verify_files(step_dir, share, expect_complete=False) if self.store is None
+              else self.store.verify(cand["path"], share, expect_complete=False))
+        results = [None] * self.world_size
+        dist.all_gather_object(results, ev, group=self.group)
+        return [r for e in results for r in e["reasons"]]
+
+    def _candidate(self, below: int | None) -> dict | None:
+        """Coordinator: the newest certified step below `below`, its files, and its manifest's signatures (or the
+        reason the manifest cannot be trusted)."""
+        row = self.ledger.latest("certified", below=below)
+        if row is None:
+            return None
+        m, reasons = (trusted_manifest(self.root / row["path"], row) if self.store is None
+                      else self.store.trusted_manifest(row))
+        files = self.ledger.files(row["step"])
+        return {"step": row["step"], "path": row["path"], "files": files,
+                "signatures": (m or {}).get("signatures") or {}, "reasons": reasons,
+                "metadata_digest": next((f["digest"] for f in files if f["path"] == ".metadata"), None)}
+
+    def _loaded_differences(self, step: int, expected: dict, state: dict) -> list[str]:
+        """The saved tensors whose loaded values differ from the full-tensor signatures recorded at save
+        (sharding-independent, so a checkpoint saved on N ranks verifies when loaded on M). The signatures come
+        from one all_reduce, so every rank computes the same list. Raises LoadVerificationError when saved values
+        have no place in `state`."""
+        if not self.verify_load or not expected:
+            return []
+        state = materialize(state)
+        unsigned = set(full_signable(flatten_state(state, keep_dtensor=True))[1])
+        got = full_signatures(state, group=self.group, plain="replica", exclude=unsigned)
+        absent = sorted(k for k in expected if k not in got and k not in unsigned)
+        if absent:
+            raise LoadVerificationError(
+                f"checkpoint {step}: {len(absent)} saved value(s) have no place in the state passed to "
+                f"load_latest_clean (e.g. {absent[0]}); build it with torch.distributed.checkpoint.state_dict."
+                "get_state_dict so that optimizer state exists before loading")
+        # A plain tensor's value (xxh3) compares only with a plain tensor's: one that became a DTensor in a
+        # resharded restart is vouched for by the byte digests alone.
+        comparable = [k for k in expected if k in got and got[k].startswith(REPLICA_PREFIX) == expected[k].startswith(REPLICA_PREFIX)]
+        return sorted(k for k in comparable if got[k] != expected[k])
+
+    def _reject_load_mismatch(self, cand: dict, differ: list[str]) -> None:
+        """Coordinator: the loaded values are not what was certified; the checkpoint is rejected for good (CAS from
+        certified: an operator's quarantine meanwhile stands), journaled beside the data, and an event recorded."""
+        reasons = [{"code": "load_mismatch", "tensors": differ[:16], "count": len(differ)}]
+        applied = journal.record_transition(self.ledger, self.root, cand["step"], "rejected", reasons,
+                                            source="load", expect="certified")
+        self.ledger.add_event("load_mismatch", step=cand["step"], run_id=self.run_id,
+                              detail={"differ": differ[:16], "count": len(differ), "rejected": applied})

@@ -1,0 +1,77 @@
+"""What the library tells a training job's log, through Python `logging` (logger "scout_ckpt").
+
+The library configures no handler and no level: a script that calls `logging.basicConfig(level=logging.INFO)`
+sees these lines, one that does not sees only WARNINGs (Python's last-resort handler). Lines come from the
+coordinator (global rank 0) unless SCOUT_CKPT_LOG_ALL_RANKS=1, since every rank would say the same.
+
+    INFO     scout_ckpt: resumed from step 120 (/ckpt/step-00000120): bytes re-verified (12 files, 201.3 MB,
+             4 ranks), loaded state matches the saved signatures, 1.84 s
+    WARNING  scout_ckpt: skipped step 130 (certified at save): digest_mismatch(__1_0.distcp)[ranks 1]
+    INFO     scout_ckpt: step 140 certified (bytes, consensus, invariants) in 0.42 s
+    WARNING  scout_ckpt: step 150 rejected: consensus_attributed[ranks 2]
+    WARNING  scout_ckpt: no certified checkpoint under /ckpt: starting from scratch although 3 committed
+             checkpoint(s) exist that were never certified: 10 (consensus_not_applicable), ...
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from scout_ckpt.ops.views import reason_text
+
+logger = logging.getLogger("scout_ckpt")
+
+
+def _speaks(rank: int) -> bool:
+    return rank == 0 or os.environ.get("SCOUT_CKPT_LOG_ALL_RANKS") == "1"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def save_verdict(rank: int, step: int, verdict: dict, seconds: float | None = None,
+                 evidence_kinds: list[str] | None = None) -> None:
+    """One line per committed save: INFO when certified or awaiting evidence, WARNING when rejected."""
+    if not _speaks(rank):
+        return
+    took = f" in {seconds:.2f} s" if seconds is not None else ""
+    state, reasons = verdict.get("state"), verdict.get("reasons") or []
+    if state == "certified":
+        kinds = f" ({', '.join(evidence_kinds)})" if evidence_kinds else ""
+        logger.info("step %d certified%s%s", step, kinds, took)
+    elif state == "rejected":
+        logger.warning("step %d rejected%s: %s", step, took, reason_text(reasons))
+    else:
+        logger.info("step %d %s%s, awaiting: %s", step, state, took, reason_text(reasons) or "-")
+
+
+def resumed(rank: int, step: int, path: str, *, files: int, nbytes: int, ranks: int, signatures: bool,
+            seconds: float) -> None:
+    if not _speaks(rank):
+        return
+    sig = ", loaded state matches the saved signatures" if signatures else ""
+    logger.info("resumed from step %d (%s): bytes re-verified (%d files, %s, %d ranks)%s, %.2f s",
+                step, path, files, _mb(nbytes), ranks, sig, seconds)
+
+
+def skipped(rank: int, step: int, reasons: list[dict]) -> None:
+    if _speaks(rank):
+        logger.warning("skipped step %d: %s", step, reason_text(reasons))
+
+
+def fresh_start(rank: int, root: str, uncertified: list[dict]) -> None:
+    """No certified checkpoint: quiet on a new run, a WARNING when committed checkpoints exist that were never
+    certified (a job restarting from scratch over them almost always means a configuration that cannot
+    certify, e.g. pure FSDP without shard evidence)."""
+    if not _speaks(rank):
+        return
+    if not uncertified:
+        logger.info("no checkpoint under %s: starting from step 0", root)
+        return
+    listed = ", ".join(f"{r['step']} ({r['state']}: {reason_text(r.get('reasons') or []) or '-'})"
+                       for r in uncertified[-5:])
+    logger.warning("no certified checkpoint under %s: starting from scratch although %d checkpoint(s) exist that "
+                   "were never certified; newest: %s. `scout-ckpt explain %s STEP` says what each lacks",
+                   root, len(uncertified), listed, root)

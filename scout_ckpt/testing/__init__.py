@@ -1,0 +1,1 @@
+"""Helpers for tests, benches and the campaign: real gloo ranks in child processes (`launch`)."""
