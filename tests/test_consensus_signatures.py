@@ -10,8 +10,9 @@ import torch
 
 from scout_ckpt.consensus import kernels as K
 from scout_ckpt.consensus import signatures as S
+from scout_ckpt.consensus.full import assign_replicated, full_signatures
 from scout_ckpt.consensus.signatures import (
-    add_signatures, batch_signatures, bytes_signature, flatten_state, full_signatures, leaf_bytes, signature_hex,
+    add_signatures, batch_signatures, bytes_signature, flatten_state, leaf_bytes, signature_hex,
     tensor_signature,
 )
 
@@ -438,14 +439,14 @@ def test_replica_signatures_of_cuda_tensors_stay_additive_on_device():
 
 def test_assign_replicated_is_balanced_and_deterministic():
     costs = [100, 1, 50, 50, 30, 20, 0, 100, 7]
-    owners = S.assign_replicated(costs, 4)
-    assert owners == S.assign_replicated(list(costs), 4) and set(owners) <= {0, 1, 2, 3}
+    owners = assign_replicated(costs, 4)
+    assert owners == assign_replicated(list(costs), 4) and set(owners) <= {0, 1, 2, 3}
     loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(4)]
     assert max(loads) <= 100 and min(loads) >= 70 and sum(loads) == sum(costs)
-    assert S.assign_replicated(costs, 1) == [0] * len(costs)
-    assert S.assign_replicated([], 3) == []
+    assert assign_replicated(costs, 1) == [0] * len(costs)
+    assert assign_replicated([], 3) == []
     sizes = [1 << 20] * 8 + [10] * 40  # DDP-like: a few big matrices, many small vectors
-    per_rank = [sum(c for c, o in zip(sizes, S.assign_replicated(sizes, 4)) if o == r) for r in range(4)]
+    per_rank = [sum(c for c, o in zip(sizes, assign_replicated(sizes, 4)) if o == r) for r in range(4)]
     assert max(per_rank) - min(per_rank) <= 10 * 40
 
 
