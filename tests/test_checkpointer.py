@@ -21,7 +21,8 @@ def test_ddp_round_trip_is_bitwise(tmp_path, async_save):
         assert [(r["step"], r["state"]) for r in rows] == [(3, "certified"), (4, "certified")]
         files = led.files(4)
         # every rank hashed what it wrote; the coordinator also wrote .metadata
-        assert {f["rank"] for f in files} <= {0, 1, 2} and any(f["path"] == ".metadata" for f in files)
+        assert {f["path"]: f["rank"] for f in files} == {".metadata": 0, "__0_0.distcp": 0, "__1_0.distcp": 1,
+                                                         "__2_0.distcp": 2}, files
         for r in rows:
             assert verify_checkpoint(tmp_path, led, r["step"])["status"] == "pass"
 

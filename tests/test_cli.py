@@ -292,7 +292,7 @@ def test_bad_options(ckpt_root):
     _assert_bad_each(ckpt_root, [(["gc", "{root}", "--keep", 0], "at least 1"),
                                  (["ls", "{root}", "--bogus"], "No such option"),
                                  (["resume", "{root}"], "--latest-clean"),
-                                 (["certify", "{root}", "--step", "x"], "")])
+                                 (["certify", "{root}", "--step", "x"], "Invalid value for '--step'")])
 
 
 def test_locked_ledger_readers_work_writers_fail_cleanly(ckpt_root):

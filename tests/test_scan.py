@@ -107,7 +107,12 @@ def test_bad_metadata_leaves_the_read_back_path_to_report(tmp_path):
     rows, _ = _write(d)
     (d / ".metadata").write_bytes(b"not a pickle")
     scan = StepScan(d, SPECS)
-    verify_files(d, rows, hasher=scan.hasher)
+    ev = verify_files(d, rows, hasher=scan.hasher)
+    # the bytes verdict is the scan's own: .metadata is not what was written (12 bytes for the recorded size),
+    # the same verdict as hashing alone
+    assert ev["status"] == "fail" and [(r["code"], r["file"]) for r in ev["reasons"]] == \
+        [("truncated_file", ".metadata")], ev
+    assert ev == verify_files(d, rows)
     assert scan.invariants() is None
 
 
