@@ -6,7 +6,9 @@
 `--crash-rank R --crash-step S` SIGKILLs rank R at step S in the first attempt only (torchrun's
 TORCHELASTIC_RESTART_COUNT), to show the restart resuming from the newest certified checkpoint. With
 `--record` rank 0 also keeps a copy of each saved model state (to prove the resumed state is exactly it) and
-prints one line `SCOUT-EXAMPLE {json}` with a digest of the model state at each save and after loading.
+prints one line `SCOUT-EXAMPLE {json}` with a digest of the model and optimizer state at each save and after
+loading: the script's own sha256 of every model tensor and every optimizer state tensor (and scalar), computed
+without scout-ckpt.
 `--corrupt-load S` flips one bit of a weight right after checkpoint S is loaded, in every attempt (as a loader
 bug would): load verification must reject S and resume from the checkpoint before it.
 """
@@ -60,7 +62,7 @@ def main():
             json.dump({"attempt": attempt, "resumed_from": start}, f)
         if start:
             torch.save(model.state_dict(), Path(args.root) / f"loaded-{start}.pt")
-        report("loaded", attempt, start, model)
+        report("loaded", attempt, start, model, opt)
 
     g = torch.Generator().manual_seed(1000 + rank)
     for step in range(start + 1, args.steps + 1):
@@ -76,17 +78,29 @@ def main():
             ckpt.save(step, state)
             if rank == 0 and args.record:
                 torch.save(model.state_dict(), Path(args.root) / f"saved-{step}.pt")
-                report("saved", attempt, step, model)
+                report("saved", attempt, step, model, opt)
     ckpt.close()
     dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
     dist.destroy_process_group()
 
 
-def report(event: str, attempt: int, step: int, model) -> None:
+def report(event: str, attempt: int, step: int, model, opt) -> None:
+    """One `SCOUT-EXAMPLE` line: sha256 over the model's tensors and the optimizer's state (AdamW's step,
+    exp_avg, exp_avg_sq per parameter) and its param groups' hyperparameters, in name order."""
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
         h.update(k.encode())
         h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    osd = opt.state_dict()
+    for pid, st in sorted(osd["state"].items()):
+        for k, v in sorted(st.items()):
+            h.update(f"optim.{pid}.{k}".encode())
+            if torch.is_tensor(v):
+                h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(v).encode())
+    for i, group in enumerate(osd["param_groups"]):
+        h.update(f"optim.param_groups.{i}={sorted(group.items())!r}".encode())
     print("SCOUT-EXAMPLE " + json.dumps({"event": event, "attempt": attempt, "step": step,
                                          "digest": h.hexdigest()}), flush=True)
 

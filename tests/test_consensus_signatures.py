@@ -20,6 +20,9 @@ M64 = (1 << 64) - 1
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
           torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
           torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
+# Signed as well (the signature goes by element size): the other float8 and float4 formats, complex32.
+MORE_DTYPES = [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2,
+               torch.complex32]
 
 
 def random_tensor(dtype, shape=(13, 11), seed=0) -> torch.Tensor:
@@ -70,6 +73,49 @@ def reference_signature(words: list[int]) -> tuple[int, int]:
         c, k = lane[0] & M64, lane[1] & M64
         out.append(sum(_ref_mix((w & M64) ^ ((c * i + k) & M64), lane) for i, w in enumerate(words)) & M64)
     return out[0], out[1]
+
+
+# The lane constants of the definition, copied here (not read from the library): (C, K, M1, M2) per lane.
+DEFINITION_LANES = ((0x9E3779B97F4A7C15, 0x632BE59BD9B4E019, 0xD6E8FEB86659FD93, 0xD6E8FEB86659FD93),
+                    (0xBF58476D1CE4E5B9, 0x8CB92BA72F3D8DD7, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53))
+
+
+def np_reference_hex(t: torch.Tensor) -> str:
+    """The documented definition evaluated with numpy over the tensor's raw bytes in row-major order, none of the
+    library's code involved: words of the element size (a complex element is two words of half its size, real
+    then imaginary: view_as_real's index 2*i + c), 1-byte words zero-extended, 2- and 4-byte ones sign-extended,
+    8-byte ones as is; per lane sum_i mix(b_i ^ (C*i + K)) mod 2^64, mix(x) = xs(xs(xs(x) * M1) * M2)."""
+    import numpy as np
+
+    # reinterpreted as integer words of the same width first (allowed on any layout; some dtypes cannot be
+    # copied), then made row-major; the numpy reference reads only the bytes
+    t = torch.view_as_real(t.detach()) if t.dtype.is_complex else t.detach()
+    word = t.element_size()
+    raw = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word]).contiguous().numpy().tobytes()
+    b = np.frombuffer(raw, dtype={1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[word])
+    b = b.astype(np.int64).view(np.uint64) if word > 1 else b.astype(np.uint64)   # sign- / zero-extension
+    i = np.arange(b.size, dtype=np.uint64)
+    out = []
+    with np.errstate(over="ignore"):
+        for c, k, m1, m2 in DEFINITION_LANES:
+            x = b ^ (i * np.uint64(c) + np.uint64(k))
+            for m in (m1, m2):
+                x = x ^ (x >> np.uint64(32))
+                x = x * np.uint64(m)
+            x = x ^ (x >> np.uint64(32))
+            out.append(int(x.sum(dtype=np.uint64)))
+    return f"{out[0]:016x}{out[1]:016x}"
+
+
+def test_numpy_reference_is_the_python_reference():
+    t = random_tensor(torch.int32, (5, 3))
+    a, b = reference_signature(t.reshape(-1).tolist())
+    assert np_reference_hex(t) == f"{a:016x}{b:016x}"
+    assert np_reference_hex(torch.arange(10, dtype=torch.int32)) == KNOWN_ARANGE10
+    c = torch.tensor([1 + 2j, -3.5 - 0.25j], dtype=torch.complex64)   # complex: real, imag words at 2*i + c
+    words = [struct.unpack("<i", struct.pack("<f", v))[0] for v in (1.0, 2.0, -3.5, -0.25)]
+    a, b = reference_signature(words)
+    assert np_reference_hex(c) == f"{a:016x}{b:016x}"
 
 
 def test_matches_the_documented_definition():
@@ -450,16 +496,58 @@ def test_assign_replicated_is_balanced_and_deterministic():
     assert max(per_rank) - min(per_rank) <= 10 * 40
 
 
-def ddp_full_signatures(rank, world, odd_shape_rank=None):
-    """Rank worker: full_signatures of DDP-style replicated state (plain tensors, scalars) over a gloo group, and
-    how many tensors this rank signed."""
-    import torch.distributed as dist
-
+def every_dtype_state():
+    """DDP-style replicated state: the demo-sized model + Adam, scalars, six float matrices, and every dtype the
+    library signs twice: small (packed with others into shared slices) and large and transposed (signed alone, in
+    bounded row-major blocks of a non-contiguous tensor)."""
     from tests import workers_consensus as W
 
     state = W.replicated_state()
     torch.manual_seed(1)
     state["big"] = {f"w{i}": torch.randn(64, 48 + i) for i in range(6)}
+    every = DTYPES + MORE_DTYPES
+    state["dtypes"] = {str(d).removeprefix("torch."): random_tensor(d, seed=i) for i, d in enumerate(every)}
+    state["dtypes_large"] = {str(d).removeprefix("torch."): random_tensor(d, (180, 200), seed=100 + i).t()
+                             for i, d in enumerate(every)}
+    return state
+
+
+def reference_full_signatures(state) -> dict[str, str]:
+    """{dotted key: hex} computed here from the definitions in signatures.py's docstring: a tensor by
+    np_reference_hex, a non-tensor leaf by xxh3-128 of its stable bytes (the type's name, then its JSON); Stateful
+    objects by their state_dict(), containers by key or position."""
+    import json
+
+    import xxhash
+
+    out = {}
+
+    def walk(obj, key):
+        if isinstance(obj, torch.Tensor):
+            out[key] = np_reference_hex(obj)
+        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+            walk(obj.state_dict(), key)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{key}.{i}" if key else str(i))
+        else:
+            assert obj is None or isinstance(obj, (bool, int, float, str)), (key, obj)
+            out[key] = xxhash.xxh3_128_hexdigest(f"{type(obj).__module__}.{type(obj).__qualname__}:".encode()
+                                                 + json.dumps(obj).encode())
+
+    walk(state, "")
+    return out
+
+
+def ddp_full_signatures(rank, world, odd_shape_rank=None):
+    """Rank worker: full_signatures of DDP-style replicated state (plain tensors of every dtype, scalars) over a
+    gloo group, and how many tensors this rank signed."""
+    import torch.distributed as dist
+
+    state = every_dtype_state()
     if rank == odd_shape_rank:
         state["big"]["w0"] = torch.zeros(3)
     from scout_ckpt.consensus import full as F
@@ -482,17 +570,17 @@ def ddp_full_signatures(rank, world, odd_shape_rank=None):
 
 def test_full_signatures_round_robin_on_four_ranks():
     from scout_ckpt.testing.launch import run_ranks
-    from tests import workers_consensus as W
 
     out = run_ranks(ddp_full_signatures, 4, timeout=120)
-    state = W.replicated_state()
-    torch.manual_seed(1)
-    state["big"] = {f"w{i}": torch.randn(64, 48 + i) for i in range(6)}
-    expected = full_signatures(state)  # no process group: the plain definition, everything signed here
-    for key, leaf in flatten_state(state).items():  # ... which is tensor_signature / bytes_signature of each leaf
-        ref = bytes_signature(leaf) if isinstance(leaf, bytes) else tensor_signature(leaf)
-        assert expected[key] == signature_hex(ref), key
-    assert all(o.result["sigs"] == expected for o in out)
+    state = every_dtype_state()
+    expected = reference_full_signatures(state)   # the test's own oracle, not the library's code
+    assert {k.split(".")[0] for k in expected} == {"app", "step", "lr", "extra", "big", "dtypes", "dtypes_large"}
+    assert len([k for k in expected if k.startswith("dtypes")]) == 2 * len(DTYPES + MORE_DTYPES)
+    for o in out:
+        assert o.result["sigs"].keys() == expected.keys()
+        wrong = sorted(k for k in expected if o.result["sigs"][k] != expected[k])
+        assert not wrong, (o.rank, wrong)
+    assert full_signatures(state) == expected   # no process group: everything signed here, the same values
     # the work is spread: every rank signs something and nobody signs more than about half of the elements
     total = sum(o.result["elements"] for o in out)
     assert all(o.result["signed"] > 0 for o in out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,6 +46,43 @@ CASES = [  # (spec, tensor to corrupt)
 ]
 
 
+def _np(t: torch.Tensor):
+    return np.asarray(t.tolist(), dtype=np.float64)
+
+
+def _sigma_max(t: torch.Tensor) -> float:
+    return float(np.linalg.svd(_np(t).reshape(t.shape[0], -1), compute_uv=False)[0])
+
+
+def _worst(values, target: float = 1.0, rel: float = 1e-9) -> tuple:
+    """(the value farthest from target, target, its index, rel)."""
+    i = int(np.argmax(np.abs(np.asarray(values) - target)))
+    return float(values[i]), target, i, rel
+
+
+# What each check must report for the corrupted tensor, computed here in float64 from its elements (numpy, not the
+# library): (value, expected, index or None, relative tolerance of the value).
+ORACLE = {
+    "finite": lambda t: (float((~np.isfinite(_np(t))).sum()), 0, int(np.flatnonzero(~np.isfinite(_np(t)))[0]), 0),
+    "frobenius_sphere": lambda t: (float(np.linalg.norm(_np(t))), 1.0, None, 1e-9),
+    "spectral_sphere": lambda t: (_sigma_max(t), 1.0, None, 1e-2),    # power iteration (test above)
+    "spectral_bound": lambda t: (_sigma_max(t), [0.0, 1.0], None, 1e-2),
+    "oblique:rows": lambda t: _worst(np.linalg.norm(_np(t), axis=1)),
+    "oblique:cols": lambda t: _worst(np.linalg.norm(_np(t), axis=0)),
+    "simplex:mix": lambda t: _worst(_np(t).sum(axis=-1)),
+    "simplex:gate": lambda t: (float(_np(t).sum()), 1.0, 0, 1e-9),
+}
+
+
+def _oracle_key(spec: str) -> str:
+    kind = spec.split(":")[0]
+    if kind == "oblique":
+        return "oblique:" + spec.rsplit("axis=", 1)[1]
+    if kind == "simplex":
+        return "simplex:" + spec.rsplit("path=", 1)[1]
+    return kind
+
+
 @pytest.mark.parametrize("spec,target", CASES)
 def test_invariant_passes_then_names_the_flipped_tensor(spec, target):
     state = healthy_state()
@@ -59,7 +97,10 @@ def test_invariant_passes_then_names_the_flipped_tensor(spec, target):
     assert [r["tensor"] for r in ev["reasons"]] == [target]
     r = ev["reasons"][0]
     assert r["code"] == "invariant_failed" and r["check"] == checks[0].kind and r["ranks"] == [0]
-    assert r["value"] != r["expected"]
+    value, expected, index, rel = ORACLE[_oracle_key(spec)](bad[target])
+    assert r["expected"] == expected, r
+    assert math.isclose(r["value"], value, rel_tol=rel), (r, value)
+    assert r.get("index") == index, r
 
 
 def test_spectral_power_iteration_against_svd():

@@ -19,7 +19,8 @@ def test_torchrun_restart_walks_back_past_a_load_mismatch_and_resumes_exact_save
            "--record"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    # The job's own record of what it saved and loaded (digests it computed itself, not scout-ckpt's verifier).
+    # The job's own record of what it saved and loaded: sha256 of its model AND optimizer state, computed by the
+    # script itself (examples/train_ddp.py report()), not by scout-ckpt's verifier.
     events = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines()
               if line.startswith("SCOUT-EXAMPLE ")]
     saved = {(e["attempt"], e["step"]): e["digest"] for e in events if e["event"] == "saved"}
