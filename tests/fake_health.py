@@ -5,13 +5,22 @@ from __future__ import annotations
 
 
 class FakeEccSource:
-    """Reports the uncorrectable ECC count going from 0 to 1 at poll number `at`, as NVML's diff would."""
+    """Reports the uncorrectable ECC count going from 0 to 1 at poll number `at`, as NVML's diff would. With
+    `count_file`, each poll first writes its number there (atomically), so a test can wait for the observer to have
+    polled N times instead of sleeping."""
 
-    def __init__(self, at: int = 2, gpu: int = 0):
-        self.polls, self.at, self.gpu = 0, at, gpu
+    def __init__(self, at: int = 2, gpu: int = 0, count_file: str | None = None):
+        self.polls, self.at, self.gpu, self.count_file = 0, at, gpu, count_file
 
     def poll(self) -> list[dict]:
         self.polls += 1
+        if self.count_file:
+            import os
+
+            tmp = f"{self.count_file}.tmp"
+            with open(tmp, "w") as f:
+                f.write(str(self.polls))
+            os.replace(tmp, self.count_file)
         if self.polls == self.at:
             return [{"metric": "ecc_uncorrected_volatile", "gpu": self.gpu, "old": 0, "new": 1, "severity": "fatal",
                      "message": f"GPU {self.gpu}: ecc_uncorrected_volatile 0 -> 1"}]

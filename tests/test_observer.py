@@ -160,20 +160,30 @@ def test_abort_action_kills_every_trainer(tmp_path):
 
 
 def test_slow_rank_is_a_straggler_and_a_healthy_run_has_no_events(tmp_path):
+    # The hang threshold is far above any scheduling delay of a shared 2-core box (a rank descheduled for 1.5 s
+    # is indistinguishable from a hang by design): these runs are about stragglers and false positives of the
+    # verdicts that need no stall (desync, crash, straggler); hangs have their own tests above.
     straggler = {"window_s": 0.5, "min_steps": 3, "rounds": 3}
     healthy = tmp_path / "healthy"
     healthy.mkdir()
-    with Job(healthy, "healthy", steps=40, compute_s=0.05, straggler=straggler) as job:
+    with Job(healthy, "healthy", steps=40, compute_s=0.05, straggler=straggler, stall_s=60.0) as job:
         job.thread.join(180)
-    assert job.events() == []
+    assert not job.thread.is_alive()
     assert [o.exitcode for o in job.outcomes] == [0] * WORLD
     assert [o.result["seq"] for o in job.outcomes] == [40] * WORLD  # side-group collectives not counted
-    assert {row["state"] for row in job.statuses().values()} == {"closed"}
-    assert not any(row["torch_imported"] for row in job.statuses().values())
+    rows = job.statuses()
+    # the positive signal that the observers watched the whole run: every one saw step 40 and its trainer's
+    # clean close, after several rounds of its own, and wrote its final status
+    assert sorted(rows) == list(range(WORLD))
+    assert {row["state"] for row in rows.values()} == {"closed"}
+    assert all(row["step"] == 40 and row["beat"] > 3 for row in rows.values()), rows
+    job.wait_observers_exit()
+    assert job.events() == []
+    assert not any(row["torch_imported"] for row in rows.values())
 
     slow = tmp_path / "slow"
     slow.mkdir()
-    with Job(slow, "slow", steps=40, compute_s=0.05, slow_factor=3.0, straggler=straggler) as job:
+    with Job(slow, "slow", steps=40, compute_s=0.05, slow_factor=3.0, straggler=straggler, stall_s=60.0) as job:
         job.thread.join(180)
     events = job.events()
     assert events and {e["kind"] for e in events} == {"straggler"}
@@ -396,11 +406,21 @@ def test_ddp_comm_hook_rules_on_real_ddp_modules(tmp_path):
         assert res["builtin"] == "builtin_hook" and res["plain_module"] == "not_ddp"
         assert res["grads_close"] and res["grads_close_after_stop"]
         assert res["open_waits"] == 0
-        # step stamps: one per step after the first, the compute from the optimizer step to the next arrival
+        # step stamps: one per step after the first, the compute from the optimizer step to the next arrival;
+        # judged by the order of events in the rank (its own clock marks around each call), never by durations
         stamps = res["stamps"]
         assert stamps["steps"] == [2, 3, 4, 5]
         slow = res["rank"] == 1
-        assert all((c > 0.2) == slow and c >= 0 for c in stamps["compute"].values()), stamps
-        assert 0 <= stamps["at_all_reduce"] < 0.05   # a traced collective before the forward: its issue
-        assert all(0 <= d < 0.05 for d in stamps["at_forward_start"].values())  # DDP's buffer broadcast: forward start
+        for s, c in stamps["compute"].items():
+            lo, hi = stamps["compute_window"][s]
+            assert lo <= c <= hi, (s, c, stamps)    # from within step s-1's optimizer step to step s's arrival
+            assert c >= 0.2 or not slow, (s, c)      # rank 1 slept 0.2 s in between
+        # a traced collective before the forward: the arrival is its issue (after the mark before it, before the
+        # collective returned), not the forward
+        lo, hi = stamps["all_reduce_window"]
+        assert lo <= stamps["arrival"][4] <= hi, stamps
+        # DDP's buffer broadcast: the arrival is the forward's start (after the mark before the forward, before it
+        # returned)
+        for s, (lo, hi) in stamps["forward_window"].items():
+            assert lo <= stamps["arrival"][s] <= hi, (s, stamps)
         assert res["hooks_left"] == (0, 0)  # stop removes the hooks

@@ -26,16 +26,37 @@ def _run_observer(root, run_id, health_source) -> Observer:
                           health_source=health_source, health_poll_s=0.1, trace=False)
 
 
-def test_fake_source_ecc_increase_is_one_health_event(tmp_path):
-    obs = _run_observer(tmp_path, "health-fake", {"factory": "tests.fake_health:FakeEccSource", "kwargs": {"at": 2}})
+def _wait_until(what: str, cond, timeout: float = 60.0):
+    """Poll `cond()` until it returns something truthy, or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    pytest.fail(f"{what}: not within {timeout}s")
+
+
+def _read_int(path) -> int:
     try:
-        deadline = time.monotonic() + 30
-        events = []
-        while time.monotonic() < deadline and not events:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def test_fake_source_ecc_increase_is_one_health_event(tmp_path):
+    polls = tmp_path / "polls"
+    obs = _run_observer(tmp_path, "health-fake", {"factory": "tests.fake_health:FakeEccSource",
+                                                  "kwargs": {"at": 2, "count_file": str(polls)}})
+    try:
+        def event():
             with Ledger.open(tmp_path, readonly=True) as ledger:
-                events = ledger.events()
-            time.sleep(0.1)
-        time.sleep(0.5)  # a few more polls: the fake reports nothing new, so nothing more may appear
+                return ledger.events()
+
+        _wait_until("the health event", event)
+        # nothing more may appear after it: wait until the observer has started poll 5, so polls 3 and 4 (which
+        # report nothing new) have run to the end, their events (none) written
+        _wait_until("three more health polls", lambda: _read_int(polls) >= 5)
     finally:
         obs.stop()
     with Ledger.open(tmp_path, readonly=True) as ledger:
@@ -83,13 +104,28 @@ def test_nvml_source_without_gpu_is_quiet(tmp_path, caplog):
     assert len(lines) == 1 and "not watched" in lines[0].getMessage()
     assert isinstance(default_source(0), NullHealthSource)
 
-    # the observer's default source: one line in its log, no events
+    # the observer's default source: one line in its log, no events, however many rounds the observer runs
     obs = _run_observer(tmp_path, "health-none", None)
-    time.sleep(0.5)
-    obs.stop()
+    log_path = channel_dir(tmp_path, "health-none") / "observer-0.log"
+    status = channel_dir(tmp_path, "health-none") / "status-0.json"
+
+    def beat() -> int:
+        try:
+            return json.loads(status.read_text())["beat"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            return 0
+
+    try:
+        _wait_until("the observer's health line", lambda: log_path.exists()
+                    and "hardware health not watched" in log_path.read_text())
+        first = beat()
+        # three more status rounds (0.5 s apart; a health poll every 0.1 s in between) after the line
+        _wait_until("three more observer rounds", lambda: beat() >= first + 3)
+    finally:
+        obs.stop()
     with Ledger.open(tmp_path, readonly=True) as ledger:
         assert ledger.events() == []
-    log_text = (channel_dir(tmp_path, "health-none") / "observer-0.log").read_text()
+    log_text = log_path.read_text()
     assert log_text.count("hardware health not watched") == 1
 
 

@@ -366,7 +366,12 @@ def test_a_rank_slow_in_every_replay_is_reported_as_a_straggler():
     assert all(o.result["events"] == events for o in outcomes)
     assert [e["ranks"] for e in events if 2 in e["ranks"]] == [[2]]
     ev = next(e for e in events if e["ranks"] == [2])
-    assert ev["kind"] == "straggler" and ev["step"] == 4 and ev["detail"]["slowdown"] > 1.5
+    # Confirmed over 3 rounds (steps with replays): at the third such step at the earliest; which one it is
+    # depends on how the shared box schedules the fast ranks' few milliseconds, so only the bounds are asserted.
+    replay_steps = sorted({r["step"] for r in rows})
+    assert len(replay_steps) >= 3, replay_steps
+    assert ev["kind"] == "straggler" and replay_steps[2] <= ev["step"] <= replay_steps[-1], (ev, replay_steps)
+    assert ev["detail"]["slowdown"] > 1.5 and ev["detail"]["rounds"] == 3
 
 
 def test_save_forecast_said_configured_learned_or_maybe():

@@ -200,19 +200,29 @@ def _step_stamps(obs, rank: int) -> dict:
     model.module[1].eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     obs.attach(model, opt)
-    marks = {}
+    marks = {}  # wall-clock marks (the stamps' clock) around each call, to place each stamp between two of them
     for n in range(1, 6):
         if n > 1 and rank == 1:
             time.sleep(0.2)
         if n == 4:
             marks["before_all_reduce"] = time.time()
             dist.all_reduce(torch.ones(1))
-        marks[n] = time.time()
-        model(torch.ones(2, 4)).sum().backward()
+        marks[n] = time.time()                   # after the all_reduce returned, before the forward
+        y = model(torch.ones(2, 4))
+        marks[("forward_done", n)] = time.time()
+        y.sum().backward()
+        marks[("opt_start", n)] = time.time()
         opt.step()
+        marks[("opt_done", n)] = time.time()
         obs.step(n)
     stamps = HeartbeatReader(obs.heartbeat.path).snapshot().stamps
+    arrived_after = {s: marks["before_all_reduce"] if s == 4 else marks[s] for s, _l, _a in stamps}
     return {"steps": [s for s, _l, _a in stamps], "compute": {s: a - lt for s, lt, a in stamps},
-            "at_all_reduce": next(a for s, _l, a in stamps if s == 4) - marks["before_all_reduce"],
-            "at_forward_start": {s: a - marks[s] for s, _l, a in stamps if s != 4},
+            "arrival": {s: a for s, _l, a in stamps},
+            # compute = arrival(s) - the optimizer step of s-1: at least the gap from the end of that step to the
+            # earliest possible arrival, at most from its start to the end of step s's forward
+            "compute_window": {s: (arrived_after[s] - marks[("opt_done", s - 1)],
+                                   marks[("forward_done", s)] - marks[("opt_start", s - 1)]) for s, _l, _a in stamps},
+            "all_reduce_window": (marks["before_all_reduce"], marks[4]),
+            "forward_window": {s: (marks[s], marks[("forward_done", s)]) for s, _l, _a in stamps if s != 4},
             "model": model, "opt": opt}
