@@ -8,11 +8,13 @@ import json
 
 import pytest
 
-pytest.importorskip("torchtitan.components.checkpointer")
+# `make test` installs torchtitan (the Makefile's integration extras): imported unconditionally, so that a broken
+# install fails here instead of skipping the integration's tests.
+import torchtitan.components.checkpointer  # noqa: F401
 
-from scout_ckpt.testing.launch import run_ranks  # noqa: E402
-from scout_ckpt.ledger import Ledger  # noqa: E402
-from tests import workers_torchtitan as w  # noqa: E402
+from scout_ckpt.testing.launch import run_ranks
+from scout_ckpt.ledger import Ledger
+from tests import workers_torchtitan as w
 
 pytestmark = pytest.mark.slow
 

@@ -11,11 +11,14 @@ import sys
 
 import pytest
 
-pytest.importorskip("transformers")
+# `make test` installs transformers and accelerate (the Makefile's integration extras): imported unconditionally,
+# so that a broken install fails here instead of skipping the integration's tests.
+import accelerate  # noqa: F401
+import transformers  # noqa: F401
 
-from scout_ckpt.integrations.transformers import latest_clean  # noqa: E402
-from scout_ckpt.ledger import Ledger  # noqa: E402
-from tests.conftest import REPO, run_cli  # noqa: E402
+from scout_ckpt.integrations.transformers import latest_clean
+from scout_ckpt.ledger import Ledger
+from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.slow
 SCRIPT = REPO / "examples" / "integrations" / "hf_trainer.py"

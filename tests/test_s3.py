@@ -1,7 +1,8 @@
 """Checkpoints on S3, end to end against a real S3-compatible HTTP server started here (moto's standalone
 server), with 2 gloo ranks: save, certify, resume (the s3:// URI), load (exact, by the job's own digest), async
 saves and a failed async upload, export, FSDP2 with resharding on load, a writer SIGKILLed mid-upload, a
-corrupted object, retention. Skipped when the s3 extra is not installed."""
+corrupted object, retention. `make test` installs s3fs and moto (the Makefile's integration extras): they are
+imported unconditionally, so a broken install fails here instead of skipping."""
 
 from __future__ import annotations
 
@@ -9,17 +10,16 @@ import json
 import os
 import uuid
 
+import moto.server as moto_server
 import pytest
+import s3fs  # noqa: F401
 
-pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-from scout_ckpt.format import layout  # noqa: E402
-from scout_ckpt.testing.launch import run_ranks  # noqa: E402
-from scout_ckpt.ledger import Ledger  # noqa: E402
-from scout_ckpt.save.object_store_io import reader_for  # noqa: E402
-from tests import workers_s3 as w  # noqa: E402
-from tests.conftest import ledger_write_lock, run_cli  # noqa: E402
+from scout_ckpt.format import layout
+from scout_ckpt.testing.launch import run_ranks
+from scout_ckpt.ledger import Ledger
+from scout_ckpt.save.object_store_io import reader_for
+from tests import workers_s3 as w
+from tests.conftest import ledger_write_lock, run_cli
 
 BUCKET = "scout-test"
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
