@@ -1,4 +1,5 @@
-"""Rank functions for the checkpointer tests (module level: run_ranks forks into them)."""
+"""Rank functions for the checkpointer tests (module level: run_ranks forks into them). The DDP jobs train as users
+do: DistributedDataParallel on gloo/CPU, the DDP module handed to the Checkpointer."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scout_ckpt.save.app_state import ModelOptimizerState as AppState
 from scout_ckpt.checkpointer import Checkpointer
@@ -19,17 +21,24 @@ def make_model(seed: int = 0, width: int = 16) -> nn.Module:
     return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 4))
 
 
-def train_steps(model, opt, steps, seed=0):
-    """Explicit per-parameter all_reduce (TORCH-NOTES: bitwise-resumable, unlike DDP's reducer)."""
+def ddp(model: nn.Module) -> DDP:
+    """The model as users train it: DistributedDataParallel over the default (gloo, CPU) process group. The
+    jobs below hand the DDP module to the Checkpointer, as users do, and save the wrapped module's state dict
+    (keys `model.0.weight`, ...: the DCP recipe's plain layout)."""
+    return DDP(model)
+
+
+def train_steps(model: DDP, opt, steps, seed=0):
+    """`steps` optimizer steps as a user's DDP job takes them: DDP's reducer averages the gradients over the
+    ranks in backward, each rank trains on its own batches. (A resumed DDP job is not bitwise equal to the
+    uninterrupted one on its first step, TORCH-NOTES: no test here relies on that.)"""
+    assert isinstance(model, DDP), "train through the DistributedDataParallel module, as users do"
     g = torch.Generator().manual_seed(seed + dist.get_rank())
     for _ in range(steps):
-        x = torch.randn(8, model[0].in_features, generator=g)
+        x = torch.randn(8, model.module[0].in_features, generator=g)
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
         opt.step()
 
 
@@ -50,22 +59,24 @@ def flat_tensors(sd, prefix=""):
 
 def save_and_reload(rank, world, root, async_save, steps=3):
     model = make_model()
+    net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, async_save=async_save)
-    train_steps(model, opt, steps)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, async_save=async_save)
+    train_steps(net, opt, steps)
     verdicts = []
     for s in (steps, steps + 1):
         if s > steps:
-            train_steps(model, opt, 1, seed=s)
+            train_steps(net, opt, 1, seed=s)
         verdicts.append(ckpt.save(s, state_of(model, opt)))
     ckpt.wait()
     saved = flat_tensors(state_of(model, opt))
     ckpt.close()
     # A fresh model/optimizer, loaded from the latest clean checkpoint.
     model2 = make_model(seed=123)
+    net2 = ddp(model2)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-    train_steps(model2, opt2, 1, seed=99)  # materialize optimizer state so keys exist
-    ckpt2 = Checkpointer(root, model=model2, optimizer=opt2)
+    train_steps(net2, opt2, 1, seed=99)  # materialize optimizer state so keys exist
+    ckpt2 = Checkpointer(root, model=net2, optimizer=opt2)
     st = state_of(model2, opt2)
     loaded_step = ckpt2.load_latest_clean(st)
     model2.load_state_dict(st["model"])
@@ -85,10 +96,11 @@ def crash_during_save(rank, world, root, point, victim, crash_step):
             os.kill(os.getpid(), signal.SIGKILL)
 
     model = make_model()
+    net = ddp(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, fault_hook=hook, timeout_s=20)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, fault_hook=hook, timeout_s=20)
     for s in (2, 4):
-        train_steps(model, opt, 2, seed=s)
+        train_steps(net, opt, 2, seed=s)
         ckpt.save(s, state_of(model, opt))
     ckpt.close()
     return True
@@ -97,12 +109,13 @@ def crash_during_save(rank, world, root, point, victim, crash_step):
 def resume_after_crash(rank, world, root):
     """The restarted job: a new Checkpointer on the same root, load_latest_clean, then one more save."""
     model = make_model(seed=7)
+    net = ddp(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, timeout_s=20)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, timeout_s=20)
     st = state_of(model, opt)
     step = ckpt.load_latest_clean(st)
     model.load_state_dict(st["model"])
-    train_steps(model, opt, 1, seed=11)
+    train_steps(net, opt, 1, seed=11)
     verdict = ckpt.save(6, state_of(model, opt))
     ckpt.close()
     return {"loaded": step, "verdict": verdict}
@@ -200,10 +213,11 @@ def load_into(rank, world, root, with_moments):
     from scout_ckpt.checkpointer import LoadVerificationError
 
     model = make_model(seed=3)
+    net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if with_moments:
-        train_steps(model, opt, 1, seed=5)
-    ckpt = Checkpointer(root, model=model, optimizer=opt)
+        train_steps(net, opt, 1, seed=5)
+    ckpt = Checkpointer(root, model=net, optimizer=opt)
     try:
         step = ckpt.load_latest_clean(state_of(model, opt))
         return {"step": step, "error": None}
@@ -233,11 +247,12 @@ def retention_under_replay(rank, world, root, steps=60, save_every=5):
     for keep in (None, 1, 2):
         sub = os.path.join(root, f"keep-{keep}")
         model = make_model()
+        net = ddp(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        ckpt = Checkpointer(sub, model=model, optimizer=opt, keep=keep,
+        ckpt = Checkpointer(sub, model=net, optimizer=opt, keep=keep,
                             replay={"targets": ["0", "2", "optimizer"], "interval": 10})
         for step in range(1, steps + 1):
-            train_steps(model, opt, 1, seed=step)
+            train_steps(net, opt, 1, seed=step)
             ckpt.step(step)
             if step % save_every == 0:
                 ckpt.save(step, state_of(model, opt))
@@ -278,11 +293,12 @@ def bookkeeping_errors(rank, world, root):
             holder["p"].wait()
 
     model = make_model()
+    net = ddp(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, keep=2, fault_hook=hook)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, keep=2, fault_hook=hook)
     verdicts = {}
     for s in (1, 2, 3, 4):
-        train_steps(model, opt, 1, seed=s)
+        train_steps(net, opt, 1, seed=s)
         verdicts[s] = ckpt.save(s, state_of(model, opt))
     if rank == 0:
         ckpt.ledger.transition(4, "quarantined", [{"code": "quarantined", "detail": "test"}], source="operator",
@@ -341,11 +357,12 @@ def async_save_fails(rank, world, root):
             raise RuntimeError("injected write failure at step 2 on rank 1")
 
     model = make_model()
+    net = ddp(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, async_save=True, fault_hook=hook, timeout_s=60)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, async_save=True, fault_hook=hook, timeout_s=60)
     error = None
     for step in (1, 2):
-        train_steps(model, opt, 1, seed=step)
+        train_steps(net, opt, 1, seed=step)
         ckpt.save(step, state_of(model, opt))
     try:
         ckpt.wait()
@@ -353,7 +370,7 @@ def async_save_fails(rank, world, root):
         error = str(e)
     row = ckpt.ledger.checkpoint(2) if rank == 0 else None
     temps = sorted(p.name for p in Path(root).iterdir() if p.name.startswith(".step-2"))
-    train_steps(model, opt, 1, seed=3)
+    train_steps(net, opt, 1, seed=3)
     ckpt.save(3, state_of(model, opt))
     ckpt.wait()
     states = {r["step"]: r["state"] for r in ckpt.ledger.checkpoints()} if rank == 0 else None

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from scout_ckpt.checkpointer import Checkpointer
 from scout_ckpt.errors import ScoutError
-from tests.workers_ckpt import flat_tensors, state_of, train_steps
+from tests.workers_ckpt import ddp, flat_tensors, state_of, train_steps
 
 BLOCK = 5 << 20  # the smallest S3 multipart part: a rank file past it is uploaded in parts
 
@@ -55,17 +55,18 @@ def save_steps(rank, world, uri, ledger_dir, endpoint, steps, *, width=16, keep=
             raise RuntimeError(f"injected upload failure at step {step} on rank {rank}")
 
     model = make_model(seed=7 if resume else 0, width=width)
+    net = ddp(model)   # trained as users train: DDP on gloo (tests/workers_ckpt.py)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if resume:
-        train_steps(model, opt, 1, seed=99)   # moments materialized, values unlike the checkpoint's
-    ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=model,
+        train_steps(net, opt, 1, seed=99)   # moments materialized, values unlike the checkpoint's
+    ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=net,
                         optimizer=opt, keep=keep, fault_hook=hook, timeout_s=timeout_s, async_save=async_save)
     saved, models, verdicts, errors, done, prev, loaded = {}, {}, {}, {}, 0, None, None
     if resume:
         done = _load_into(ckpt, model, opt) or 0
         loaded = {"step": done, "digest": digest(state_of(model, opt))}
     for s in steps:
-        train_steps(model, opt, s - done, seed=s)
+        train_steps(net, opt, s - done, seed=s)
         done = s
         try:
             v = ckpt.save(s, state_of(model, opt))   # async: the previous save's failure is raised here
@@ -76,7 +77,7 @@ def save_steps(rank, world, uri, ledger_dir, endpoint, steps, *, width=16, keep=
         saved[s], prev = digest(state_of(model, opt)), s
         models[s] = digest(model.state_dict())   # the weights alone: what `export` must write
     if async_save:
-        train_steps(model, opt, 1, seed=1000)          # training goes on while the last upload runs
+        train_steps(net, opt, 1, seed=1000)          # training goes on while the last upload runs
         try:
             ckpt.wait()
         except ScoutError as e:
@@ -97,15 +98,16 @@ def _load_into(ckpt, model, opt) -> int | None:
 def load_latest(rank, world, uri, ledger_dir, endpoint, *, width=16, then_save=None):
     """A restarted job: fresh model and AdamW (moments materialized), load_latest_clean; optionally save again."""
     model = make_model(seed=7, width=width)
+    net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train_steps(model, opt, 1, seed=99)
-    ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=model,
+    train_steps(net, opt, 1, seed=99)
+    ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=net,
                         optimizer=opt, timeout_s=60)
     step = _load_into(ckpt, model, opt)
     got = digest(state_of(model, opt))
     verdict = None
     if then_save is not None:
-        train_steps(model, opt, 1, seed=then_save)
+        train_steps(net, opt, 1, seed=then_save)
         verdict = ckpt.save(then_save, state_of(model, opt))["state"]
     ckpt.close()
     return {"step": step, "digest": got, "verdict": verdict}
