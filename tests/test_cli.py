@@ -203,6 +203,30 @@ def test_rebuild_marks_a_damaged_checkpoint(ckpt_root):
     assert doc["changes"] == [{"step": 4, "before": "certified", "after": "rejected", "why": "truncated_file"}]
 
 
+def test_ledger_rebuild_no_verify_hashes_nothing_and_certifies_nothing(ckpt_root):
+    """--no-verify: the manifests are taken in without re-hashing, so bytes evidence is `missing` and no step is
+    certified, not even one whose data is damaged and not rejected either (nothing read it); a later `certify`
+    hashes and decides."""
+    f = _files(ckpt_root, 4)[0]
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01   # same size, other bytes: only hashing can tell
+    f.write_bytes(bytes(data))
+    rc, out, err = run_cli("ledger", "rebuild", ckpt_root, "--no-verify", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["skipped"] == [] and doc["backup"], (rc, err)
+    assert doc["checkpoints"] == [{"step": 3, "state": "committed", "reasons": [{"code": "bytes_unverified"}]},
+                                  {"step": 4, "state": "committed", "reasons": [{"code": "bytes_unverified"}]}]
+    assert [(c["step"], c["why"]) for c in doc["changes"]] == [(3, "bytes_unverified"), (4, "bytes_unverified")]
+    rows = {c["step"]: c for c in json.loads(run_cli("ls", ckpt_root, "--json")[1])["checkpoints"]}
+    assert rows[3]["evidence"]["bytes"] == rows[4]["evidence"]["bytes"] == "missing"
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert rc == 1 and json.loads(out)["step"] is None   # nothing certified to resume from
+    rc, out, _ = run_cli("certify", ckpt_root, "--all", "--json")
+    got = {r["step"]: r for r in json.loads(out)["results"]}
+    assert rc == 1 and got[3]["state"] == "certified"
+    assert got[4]["state"] == "rejected" and got[4]["reasons"][0]["code"] == "digest_mismatch"
+
+
 # ---- bad input: one line on stderr, exit 2, nothing modified --------------------------------------------------
 
 def _assert_bad(args, needle, root=None):
@@ -292,7 +316,9 @@ def test_bad_options(ckpt_root):
     _assert_bad_each(ckpt_root, [(["gc", "{root}", "--keep", 0], "at least 1"),
                                  (["ls", "{root}", "--bogus"], "No such option"),
                                  (["resume", "{root}"], "--latest-clean"),
-                                 (["certify", "{root}", "--step", "x"], "Invalid value for '--step'")])
+                                 (["certify", "{root}", "--step", "x"], "Invalid value for '--step'"),
+                                 (["certify", "{root}", "--step", 3, "--all"], "--step and --all are mutually exclusive"),
+                                 (["certify", "{root}", "--all", "--step", 4, "--json"], "mutually exclusive")])
 
 
 def test_locked_ledger_readers_work_writers_fail_cleanly(ckpt_root):
@@ -345,6 +371,42 @@ def test_export_cli_round_trips_and_refuses_uncertified(ckpt_root, tmp_path):
     rc, _, err = run_cli("export", ckpt_root, "--step", 3, "--out", tmp_path / "q.safetensors")
     assert rc == 1 and "quarantined" in err and not (tmp_path / "q.safetensors").exists()
     _assert_bad(["export", ckpt_root, "--out", tmp_path / "x.safetensors"], "exactly one", root=ckpt_root)
+
+
+def test_export_prefix_selects_and_strips_the_keys(ckpt_root, tmp_path):
+    """--prefix: the tensors under that prefix, the prefix stripped, recorded in the file's metadata; "" takes
+    every model tensor with its full key; a prefix that matches nothing is bad input and writes nothing. The
+    values are checked against DCP's own consolidation of the step (format_utils.dcp_to_torch_save)."""
+    import torch
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    consolidated = tmp_path / "full.pt"
+    dcp_to_torch_save(str(ckpt_root / "step-00000004"), str(consolidated))
+    full = torch.load(consolidated, weights_only=True)["model"]
+
+    def export(prefix, name):
+        out = tmp_path / name
+        return out, run_cli("export", ckpt_root, "--step", 4, "--prefix", prefix, "--out", out, "--json")
+
+    got = run_cases({"layer 0": lambda: export("model.0.", "l0.safetensors"),
+                     "empty": lambda: export("", "all.safetensors"),
+                     "nothing": lambda: export("nothing.", "none.safetensors")})
+    out, (rc, stdout, err) = got["layer 0"]
+    doc = json.loads(stdout)
+    assert rc == 0 and doc["prefix"] == "model.0." and doc["tensors"] == 2, (rc, stdout, err)
+    with safe_open(str(out), "pt") as f:
+        assert sorted(f.keys()) == ["bias", "weight"] and f.metadata()["scout.prefix"] == "model.0."
+        assert f.metadata()["scout.step"] == "4"
+        assert all(f.get_tensor(k).equal(full[f"0.{k}"]) for k in ("weight", "bias"))
+    out, (rc, stdout, err) = got["empty"]
+    assert rc == 0 and json.loads(stdout)["prefix"] == "", (rc, stdout, err)
+    with safe_open(str(out), "pt") as f:   # every model tensor, no optimizer state
+        assert sorted(f.keys()) == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight"]
+        assert all(f.get_tensor(k).equal(full[k.removeprefix("model.")]) for k in f.keys())
+    out, (rc, stdout, err) = got["nothing"]
+    assert rc == 2 and stdout == "" and "no tensors under prefix 'nothing.'" in err and err.count("\n") == 1, err
+    assert not out.exists() and not list(tmp_path.glob(".none.safetensors*"))
 
 
 def test_adopt_cli_on_plain_dcp_folders(tmp_path):

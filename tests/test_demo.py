@@ -85,6 +85,86 @@ def test_ranks_run_under_torchruns_agent(clean_run):
     assert logs == [("attempt_0", "0", "stderr.log"), ("attempt_0", "1", "stderr.log")]
 
 
+CONTRACT_EVENT_KINDS = {"sdc", "hang", "straggler", "crash", "desync", "health"}
+
+
+def _manifest_signatures(root) -> dict:
+    return {int(p.parent.name.split("-")[1]): json.loads(p.read_text())["signatures"]
+            for p in sorted(Path(root).glob("step-*/scout-manifest.json"))}
+
+
+@pytest.mark.slow
+def test_demo_command_json_is_one_document_with_the_contracts_keys(tmp_path, clean_run):
+    """`scout-ckpt demo --json` itself (CONTRACT.md): one JSON document on stdout, its keys, its checkpoints as
+    `ls --json` gives them, its events as `report --json` does; the same job as run_demo's, the same final state."""
+    from tests.conftest import run_cli
+
+    d = tmp_path / "demo"
+    rc, out, err = run_cli("demo", "--dir", d, "--ranks", 2, "--steps", 12, "--save-every", 4, "--json")
+    assert rc == 0, (out[-2000:], err[-3000:])
+    doc = json.loads(out)   # the whole of stdout
+    assert {"dir", "ranks", "steps", "checkpoints", "events", "restarts", "final_digest"} <= set(doc)
+    assert (doc["dir"], doc["ranks"], doc["steps"], doc["restarts"]) == (str(d), 2, 12, 0)
+    rc, ls_out, _ = run_cli("ls", d, "--json")
+    assert rc == 0 and doc["checkpoints"] == json.loads(ls_out)["checkpoints"]
+    assert [(c["step"], c["state"]) for c in doc["checkpoints"]] == [(4, "certified"), (8, "certified"),
+                                                                     (12, "certified")]
+    for c in doc["checkpoints"]:
+        assert {"step", "state", "path", "bytes", "evidence", "reasons"} <= set(c), c
+    rc, rep_out, _ = run_cli("report", d, "--json")
+    assert rc == 0
+    assert doc["events"] == [{k: e[k] for k in ("kind", "ranks", "step", "time", "detail")}
+                             for e in json.loads(rep_out)["events"]]
+    assert {e["kind"] for e in doc["events"]} <= CONTRACT_EVENT_KINDS
+    # final_digest fingerprints the final model and optimizer state: the same job, in-process, ended there too
+    assert doc["final_digest"] == clean_run["final_digest"] and doc["final_digest"].startswith("xxh3_128:")
+
+
+@pytest.mark.slow
+def test_demo_command_summary_with_its_default_four_ranks_in_hsdp(tmp_path):
+    """The plain summary of `scout-ckpt demo --mode hsdp` at the default --ranks (4: a 2x2 replicate x shard
+    mesh), and what HSDP changes in the evidence: consensus across the replicate dim, shard evidence for the
+    shards."""
+    from scout_ckpt.ledger import Ledger
+    from tests.conftest import run_cli
+
+    d = tmp_path / "demo"
+    rc, out, err = run_cli("demo", "--dir", d, "--mode", "hsdp", "--steps", 12, "--save-every", 4,
+                           env={"COLUMNS": "200"})
+    assert rc == 0, (out[-2000:], err[-3000:])
+    assert "scout-ckpt demo: 4 ranks, 12 steps (hsdp)" in out
+    rows = [line.split() for line in out.splitlines()]
+    for step in (4, 8, 12):
+        assert any(str(step) in r and "certified" in r for r in rows), (step, out)
+    assert "restarts: 0" in out and "final digest: xxh3_128:" in out and f"dir: {d}" in out
+    with Ledger.open(d, readonly=True) as led:
+        (run,) = led.runs()
+        states = {c["step"]: c["state"] for c in led.checkpoints()}
+        evidence = {s: led.evidence(s) for s in states}
+    topo = run["topology"]
+    assert (topo["mode"], topo["mesh_shape"], topo["mesh_dim_names"]) == ("hsdp", [2, 2], ["replicate", "shard"])
+    assert topo["replica_groups"] == [[0, 2], [1, 3]]
+    assert {"consensus", "shard_replay", "at_rest"} <= set(run["policy"]["require"])
+    assert states == {4: "certified", 8: "certified", 12: "certified"}
+    for step, ev in evidence.items():
+        assert ev["consensus"]["status"] == ev["shard_replay"]["status"] == ev["at_rest"]["status"] == "pass"
+        assert {(tuple(g["members"]), g["verdict"]) for g in ev["consensus"]["groups"]} >= \
+            {((0, 2), "agree"), ((1, 3), "agree")}, (step, ev["consensus"])
+
+
+@pytest.mark.slow
+def test_demo_async_saves_hold_exactly_the_state_of_their_step(tmp_path, clean_run):
+    """--async: save() returns once the state is staged and training goes on while it is written; every
+    checkpoint still holds the state after its own step (the signatures of each step's state equal the sync
+    run's), is certified, and the job ends in the same final state."""
+    r = run_demo(tmp_path / "run", async_save=True, **SMALL)
+    assert r["completed"] and r["restarts"] == 0 and r["async_save"] is True
+    assert [(c["step"], c["state"]) for c in r["checkpoints"]] == [(4, "certified"), (8, "certified"),
+                                                                   (12, "certified")]
+    assert r["final_digest"] == clean_run["final_digest"]
+    assert _manifest_signatures(r["dir"]) == _manifest_signatures(clean_run["dir"])
+
+
 def test_bad_options_fail_before_starting(tmp_path):
     with pytest.raises(BadInput, match="--mode"):
         run_demo(tmp_path / "a", mode="zero", quiet=True)

@@ -376,3 +376,72 @@ def async_save_fails(rank, world, root):
     states = {r["step"]: r["state"] for r in ckpt.ledger.checkpoints()} if rank == 0 else None
     ckpt.close()
     return {"error": error, "row": row, "temps": temps, "states": states}
+
+
+def option_effects(rank, world, root):
+    """What each evidence option of the Checkpointer changes, on one DDP job (each option on its own ROOT under
+    `root`). The saved state is a copy of the live one, so a fault put into it leaves the training alone:
+    `replica_flip`: rank 1's copy of model.2.weight has one bit flipped (its replica differs from the others');
+    `nan`: every rank's copy holds a NaN. Returns, per case, the save's verdict and (coordinator) what the ledger
+    and the manifest recorded."""
+    import json
+    from pathlib import Path
+
+    from scout_ckpt.ledger import Ledger
+
+    model = make_model()
+    net = ddp(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_steps(net, opt, 2)
+
+    def copy(fault=None):
+        st = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}, "optim": opt.state_dict()}
+        if fault == "replica_flip" and rank == 1:
+            st["model"]["2.weight"].view(-1).view(torch.int32)[3] ^= 1 << 20
+        if fault == "nan":
+            st["model"]["0.weight"][1, 2] = float("nan")
+        return st
+
+    def recorded(sub, step=1):
+        if rank != 0:
+            return None
+        with Ledger.open(sub, readonly=True) as led:
+            run = led.runs()[-1]
+            ev = led.evidence(step)
+        m = json.loads((Path(sub) / f"step-{step:08d}" / "scout-manifest.json").read_text())
+        return {"policy": run["policy"], "evidence": {k: {kk: vv for kk, vv in v.items() if kk != "groups"}
+                                                      for k, v in ev.items()},
+                "signatures": m.get("signatures") or {}}
+
+    out = {}
+    cases = [("default_flip", {}, "replica_flip"), ("no_consensus", {"consensus": False}, "replica_flip"),
+             ("exclude", {"consensus_exclude": ("model.2.weight",)}, "replica_flip"),
+             ("default_nan", {}, "nan"), ("no_finite", {"finite": False}, "nan"),
+             ("no_verify_load", {"verify_load": False}, None), ("journal_delete", {"ledger_journal": "delete"}, None),
+             ("journal_default", {}, None)]
+    for name, opts, fault in cases:
+        sub = os.path.join(root, name)
+        ckpt = Checkpointer(sub, model=net, optimizer=opt, **opts)
+        verdict = ckpt.save(1, copy(fault))
+        ckpt.close()
+        out[name] = {"verdict": verdict, "recorded": recorded(sub)}
+
+    # verify_load=False: the loaded values are not checked against the save's signatures. A loader bug (one bit
+    # of a loaded weight flipped right after dcp.load, the after_load fault point) goes unnoticed.
+    def corrupt(point, step):
+        if point == "after_load":
+            with torch.no_grad():
+                model2[0].weight.view(-1).view(torch.int32)[0] ^= 1
+
+    loads = {}
+    for name, opts in (("no_verify_load", {"verify_load": False}), ("journal_default", {})):
+        model2 = make_model(seed=5)
+        opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+        ckpt = Checkpointer(os.path.join(root, name), model=ddp(model2), optimizer=opt2, fault_hook=corrupt,
+                            **opts)
+        st = state_of(model2, opt2)
+        step = ckpt.load_latest_clean(st)
+        ckpt.close()
+        loads[name] = step
+    out["loads"] = loads
+    return out
