@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EXTRAS := $(VENV)/.integrations
 
-.PHONY: demo test scenarios bench campaign install clean
+.PHONY: demo test scenarios scenarios-ci bench campaign install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ demo: $(STAMP)
 # The whole suite but the long torchrun scenarios (13 minutes on 2 cores, plus about 6 minutes of install).
 test: $(STAMP) $(EXTRAS)
 	$(BIN)/python -m pytest -q -m "not scenario" --durations=25 tests
+
+# The CI tier of the scenarios (.ci/run runs it after `make test`): one scenario per fault class: a SIGKILL
+# inside a save under torchrun (sync and async), an FSDP2 shard fault, a DDP job hanging at 3 ranks (and its
+# desync, crash and straggler), the demo's hang at 3 ranks, an S3 upload killed, a Trainer rank killed mid-save,
+# the README's demo command. docs/tests.md lists them with their times.
+scenarios-ci: $(STAMP) $(EXTRAS)
+	$(BIN)/python -m pytest -q -m scenario_ci --durations=20 tests
 
 # The long end-to-end scenarios under real torchrun (observer hangs/desyncs/crashes/stragglers on DDP and FSDP2,
 # the short fault campaign, wrapped/unwrapped nanoGPT): several minutes each.

@@ -4,7 +4,12 @@
         examples/train_ddp.py /tmp/run --steps 30 --save-every 5
 
 `--crash-rank R --crash-step S` SIGKILLs rank R at step S in the first attempt only (torchrun's
-TORCHELASTIC_RESTART_COUNT), to show the restart resuming from the newest certified checkpoint. With
+TORCHELASTIC_RESTART_COUNT), to show the restart resuming from the newest certified checkpoint: after the
+optimizer step by default, or, with `--crash-point POINT`, inside the save of step S at that point of the
+Checkpointer's fault hook (`during_write`: in the middle of writing its file; `before_rename`: the coordinator,
+rank 0, with every file written, before the checkpoint is published). The killed rank first prints
+`SCOUT-EXAMPLE {"event": "crash", ...}`. `--async` saves with `async_save=True` (the write, and so the crash
+point, runs in the Checkpointer's commit thread while training goes on). With
 `--record` rank 0 also keeps a copy of each saved model state (to prove the resumed state is exactly it) and
 prints one line `SCOUT-EXAMPLE {json}` with a digest of the model and optimizer state at each save and after
 loading: the script's own sha256 of every model tensor and every optimizer state tensor (and scalar), computed
@@ -38,6 +43,8 @@ def main():
     ap.add_argument("--crash-step", type=int, default=-1)
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--corrupt-load", type=int, default=-1)
+    ap.add_argument("--crash-point", default=None, help="a save fault point (during_write, before_rename, ...)")
+    ap.add_argument("--async", dest="async_save", action="store_true")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -48,13 +55,15 @@ def main():
     model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def corrupt_after_load(point, step):
+    def faults(point, step):
         if point == "after_load" and step == args.corrupt_load:
             with torch.no_grad():
                 bits = next(model.parameters()).view(-1).view(torch.int32)
                 bits[0] ^= 1
+        if point == args.crash_point and step == args.crash_step and rank == args.crash_rank and attempt == 0:
+            crash(attempt, step, point)
 
-    ckpt = Checkpointer(args.root, model=model, optimizer=opt, fault_hook=corrupt_after_load)
+    ckpt = Checkpointer(args.root, model=model, optimizer=opt, fault_hook=faults, async_save=args.async_save)
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
     if rank == 0 and args.record:
@@ -72,8 +81,8 @@ def main():
         loss.backward()
         opt.step()
         ckpt.step(step)
-        if attempt == 0 and rank == args.crash_rank and step == args.crash_step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if attempt == 0 and rank == args.crash_rank and step == args.crash_step and args.crash_point is None:
+            crash(attempt, step, "after_optimizer_step")
         if step % args.save_every == 0:
             ckpt.save(step, state)
             if rank == 0 and args.record:
@@ -82,6 +91,13 @@ def main():
     ckpt.close()
     dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
     dist.destroy_process_group()
+
+
+def crash(attempt: int, step: int, point: str) -> None:
+    """SIGKILL this rank (no cleanup, no atexit: as a lost host or the OOM killer would), saying where first."""
+    print("SCOUT-EXAMPLE " + json.dumps({"event": "crash", "attempt": attempt, "step": step, "point": point,
+                                         "rank": dist.get_rank()}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def report(event: str, attempt: int, step: int, model, opt) -> None:

@@ -80,6 +80,7 @@ def history(root, step) -> list[str]:
 
 
 @pytest.mark.scenario
+@pytest.mark.scenario_ci   # the CI tier's FSDP2 shard fault
 def test_a_flipped_low_mantissa_bit_in_one_ranks_shard_is_caught_attributed_and_never_resumed(tmp_path):
     root = tmp_path / "run"
     # Rank 1, after the optimizer step of step 8 (a save step): bit 0 of an interior element of a late parameter.

@@ -135,6 +135,7 @@ def test_bit_flip_in_newest_model_resumes_from_previous_and_finishes(healthy, tm
 
 
 @pytest.mark.scenario
+@pytest.mark.scenario_ci   # the CI tier's Hugging Face Trainer kill
 def test_rank_killed_mid_save_resumes_from_newest_certified_with_the_same_losses(healthy, tmp_path):
     out = tmp_path / "out"
     lf = tmp_path / "losses.jsonl"

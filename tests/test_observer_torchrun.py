@@ -77,6 +77,7 @@ def run_ids(rep: dict) -> list[str]:
 
 
 @pytest.mark.scenario
+@pytest.mark.scenario_ci   # the CI tier's straggler (and a user's DDP job hanging at 3 ranks, desync, crash)
 def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path):
     """3 ranks, DDP: rank 2 hangs before backward; then rank 1 issues an extra all_reduce; then rank 1 is
     SIGKILLed; then rank 0 hangs inside its optimizer step; then rank 2 computes 3x as long every step. Each is

@@ -310,6 +310,7 @@ def test_retention_deletes_objects_only_after_the_ledger_records_it(run):
 
 
 @pytest.mark.scenario
+@pytest.mark.scenario_ci   # the CI tier's S3 fault
 def test_writer_killed_mid_upload_is_never_listed_and_its_upload_is_aborted(run):
     """Rank 1 SIGKILLs itself once the first part of its step-4 file has been uploaded (the file spans several
     5 MiB parts): a multipart upload is left open, no manifest. The restarted job aborts it, removes the dead
