@@ -12,7 +12,7 @@ import uuid
 
 import moto.server as moto_server
 import pytest
-import s3fs  # noqa: F401
+import s3fs
 
 from scout_ckpt.format import layout
 from scout_ckpt.testing.launch import run_ranks
@@ -39,8 +39,6 @@ def endpoint():
 
 
 def _fs(ep):
-    import s3fs
-
     return s3fs.S3FileSystem(client_kwargs={"endpoint_url": ep}, use_listings_cache=False, skip_instance_cache=True)
 
 
