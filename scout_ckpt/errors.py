@@ -15,6 +15,10 @@ class BadInput(ScoutError):
     exit_code = 2
 
 
+class BadOption(BadInput, ValueError):
+    """An API option is misspelled or out of range (scout_ckpt/options.py); the message names the field."""
+
+
 class LedgerError(BadInput):
     """The ledger is missing, not SQLite, of a newer schema, or locked beyond the busy timeout."""
 
