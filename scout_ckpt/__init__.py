@@ -23,6 +23,7 @@ _LAZY = {
     "latest_clean": "scout_ckpt.ops.recovery",
     "ScoutError": "scout_ckpt.errors",
     "BadOption": "scout_ckpt.errors",
+    "LiveStateCorrupt": "scout_ckpt.errors",
     "ReplayOptions": "scout_ckpt.options",
     "ObserverOptions": "scout_ckpt.options",
     "StragglerRule": "scout_ckpt.options",

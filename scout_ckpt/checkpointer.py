@@ -30,7 +30,7 @@ from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
-from scout_ckpt.errors import BadOption, ScoutError
+from scout_ckpt.errors import BadOption, LiveStateCorrupt, ScoutError
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
 from scout_ckpt.options import ObserverOptions, ReplayOptions, ShardEvidenceOptions, StorageOptions
@@ -71,7 +71,8 @@ class Checkpointer:
     it), `finite` (the writers' finite check), `verify_load` (compare loaded values with the signatures recorded
     at save), `timeout_s` (the side groups' timeout), `fault_hook(point, step)` (tests and the demo: called at
     before_write, during_write, after_write, before_rename, after_rename, retention (coordinator), after_commit,
-    and after_load).
+    and after_load). `on_live_fault` ("raise", the default, or "continue"): what a save whose evidence shows the
+    live state bad does (LiveStateCorrupt, see `save`).
 
     Opening a Checkpointer on a ROOT where another process is saving leaves that save alone: start-up settles
     only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile).
@@ -91,6 +92,7 @@ class Checkpointer:
                  consensus_exclude: tuple[str, ...] = (), verify_load: bool = True,
                  fault_hook: FaultHook | None = None, timeout_s: float = 600.0,
                  shard_evidence: ShardEvidenceOptions | dict | bool | None = None,
+                 on_live_fault: str = "raise",
                  storage: StorageOptions | None = None, ledger_journal: str | None = None,
                  ledger_dir: str | os.PathLike | None = None, storage_options: dict | None = None):
         # Every option is checked here, the same on every rank, before anything collective (options.py).
@@ -102,6 +104,8 @@ class Checkpointer:
             raise BadOption(f"keep must be an integer of at least 1 (got {keep!r})")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise BadOption(f"timeout_s must be a number > 0 (got {timeout_s!r})")
+        if on_live_fault not in ("raise", "continue"):
+            raise BadOption(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
         if isinstance(consensus_exclude, str):
             raise BadOption(f"consensus_exclude must be a list of patterns, not one string ({consensus_exclude!r})")
         if not dist.is_initialized():
@@ -117,6 +121,8 @@ class Checkpointer:
             coordinator=self.rank == COORDINATOR)
         self.is_coordinator = self.rank == COORDINATOR
         self.async_save, self.keep, self.fault_hook = async_save, keep, fault_hook
+        self.on_live_fault = on_live_fault
+        self._live_fault: LiveStateCorrupt | None = None   # an async save's, raised on the training thread
         self.finite = finite
         topo = self._topology(mode, mesh_shape, mesh)
         self.mode, self.mesh_shape = topo["mode"], tuple(topo["mesh_shape"])
@@ -224,6 +230,7 @@ class Checkpointer:
         self._bookkeeping_s = 0.0
         if self._async is not None:
             self._async.raise_error()
+        self._raise_live_fault()
         if self.observer is not None:
             self.observer.step(step, duration_s=self.last_step_s)
         if self.shard is not None:
@@ -266,18 +273,32 @@ class Checkpointer:
     def save(self, step: int, state: dict) -> dict | None:
         """Save the state after `step` optimizer steps; every rank calls it with the same step.
 
-        Sync: returns the verdict {"state", "reasons"} on every rank (the manifest's: an error in the ledger
-        write or retention after the rename is recorded as an event, never raised). Async: returns None at once;
-        the commit happens when the upload has completed everywhere, and its failure is raised at the next
-        step()/save()/wait(). Raises on every rank: SaveRefused when the coordinator cannot start the save (the
-        step is quarantined), CommitError when nothing was published; an async save to a POSIX ROOT begins in its
-        commit thread, so both come from its next step()/save()/wait() (as ScoutError, the cause chained)."""
+        Sync: returns the verdict on every rank, the manifest's: {"state": "certified" | "committed" |
+        "rejected", "reasons": [{"code", ...}], "live_fault": [kinds]} ("live_fault" only when the evidence
+        showed the live state bad; an error in the ledger write or retention after the rename is recorded as an
+        event, never raised). Async: returns None at once; the commit happens when the upload has completed
+        everywhere, and its failure is raised at the next step()/save()/wait().
+
+        A verdict with "live_fault" (replicas disagreed, replay or a shard's update did not recompute, a shard
+        changed at rest, non-finite values, a hardware fault) means every later checkpoint descends from bad
+        state: by default (`on_live_fault="raise"`) save raises LiveStateCorrupt on every rank, after the
+        verdict is durable, so the generation ends together and torchrun restarts from the latest clean step
+        (async: at the next step()/save()/wait()). With "continue" training goes on and every later save is
+        rejected (`lineage_tainted`) until `load_latest_clean` loads a clean checkpoint.
+
+        Raises on every rank: SaveRefused when the coordinator cannot start the save (the step is quarantined),
+        CommitError when nothing was published; an async save to a POSIX ROOT begins in its commit thread, so
+        both come from its next step()/save()/wait() (as ScoutError, the cause chained)."""
         if self._closed:
             raise ScoutError("Checkpointer is closed")
         t0 = time.monotonic()
         with self.phase("checkpoint"):
             try:
-                return self._save(step, state)
+                verdict = self._save(step, state)
+                self._raise_live_fault()
+                return verdict
+            except LiveStateCorrupt:
+                raise   # every rank raises it together, by decision: no peer died
             except BaseException:
                 # A collective of ours failed (a peer died mid-save): tell the observer this rank is a victim,
                 # so that only the rank that really died is reported as a crash.
@@ -361,6 +382,11 @@ class Checkpointer:
         verdict = self._committer.finish(pending, writer, group,
                                          assess=lambda gathered: self._assess(gathered, live))
         self._last_verdict = verdict
+        if verdict.get("live_fault"):   # the same on every rank (the coordinator's verdict, broadcast)
+            if self._evidence.tainted is None:
+                self._evidence.tainted = {"step": pending.step, "kinds": list(verdict["live_fault"])}
+            if self.on_live_fault == "raise":
+                self._live_fault = LiveStateCorrupt(pending.step, verdict)
         scout_log.save_verdict(self.rank, pending.step, verdict, time.monotonic() - self._save_started,
                                [k for k in self.policy["require"]])
         self._hook("after_commit", pending.step)
@@ -372,9 +398,15 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the pending async save is committed (or failed) on this rank; raises its error (as
-        ScoutError, the cause chained) once."""
+        ScoutError, the cause chained) once, or LiveStateCorrupt when its verdict showed the live state bad."""
         if self._async is not None:
             self._async.wait()
+        self._raise_live_fault()
+
+    def _raise_live_fault(self) -> None:
+        if self._live_fault is not None:
+            e, self._live_fault = self._live_fault, None
+            raise e
 
     @property
     def last_verdict(self) -> dict | None:
@@ -396,6 +428,8 @@ class Checkpointer:
         scout_ckpt/save/loading.py."""
         self.wait()
         step = self._loader.load(state)
+        # What was loaded (or the fresh start) is the new lineage: nothing before it taints the saves to come.
+        self._evidence.tainted, self._live_fault = None, None
         if step is None:
             return None
         if self.replay is not None:
