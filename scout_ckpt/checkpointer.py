@@ -25,14 +25,15 @@ import torch.distributed.checkpoint as dcp
 
 import scout_ckpt
 from scout_ckpt import invariants as inv
-from scout_ckpt import object_store, policy
+from scout_ckpt import object_store, options, policy
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
-from scout_ckpt.errors import ScoutError
+from scout_ckpt.errors import BadOption, LiveStateCorrupt, ScoutError
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
+from scout_ckpt.options import ObserverOptions, ReplayOptions, ShardEvidenceOptions, StorageOptions
 from scout_ckpt.save import commit, placement
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.app_state import RankLocal
@@ -54,17 +55,24 @@ def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
 class Checkpointer:
     """Certified DCP checkpoints under `root`.
 
-    Options: `async_save` (save() copies the state into a host buffer kept between saves, as DCP's
-    cache_staged_state_dict does, and returns; DCP writes that copy in a commit thread on the checkpointer's own
-    gloo groups; on an object store: dcp.async_save), `keep` (retention after each
+    Options (the grouped ones are frozen dataclasses of scout_ckpt/options.py, a docstring per field; a dict
+    with the same keys, True or False is accepted and converted there, and a misspelled key fails at once):
+    `replay` (ReplayOptions; None: on where the topology has no replicas), `observer` (ObserverOptions with its
+    StragglerRule; None: off), `shard_evidence` (ShardEvidenceOptions; None: on for sharded layouts with a
+    supported optimizer), `storage` (StorageOptions: `ledger_dir`, `storage_options`, `ledger_journal`, which
+    are also accepted as keywords of their own). `async_save` (save() copies the state into a host buffer kept
+    between saves, as DCP's cache_staged_state_dict does, and returns; DCP writes that copy in a commit thread on
+    the checkpointer's own gloo groups; on an object store: dcp.async_save), `keep` (retention after each
     durable commit: the `keep` newest certified checkpoints and every newer one still awaiting evidence),
     `mesh` (the job's DeviceMesh; by default the root mesh of the model's DTensor parameters: replica groups
     follow from it and each DTensor's placements), `mode`/`mesh_shape` (the old names "ddp", "fsdp", "hsdp" +
-    (replicate, shard); only when given do they override what the mesh says), `fault_hook(point, step)`
-    (tests and the demo: called at before_write, during_write, after_write, before_rename, after_rename,
-    retention (coordinator), after_commit, and after_load). `ledger_journal` ("auto" | "wal" | "delete"; default
-    SCOUT_CKPT_LEDGER_JOURNAL, else auto): the ledger's SQLite journal mode; auto picks WAL on a local disk and
-    the rollback journal on a network or FUSE filesystem (ledger/fsdetect.py).
+    (replicate, shard); only when given do they override what the mesh says), `invariants` (specs, e.g.
+    ["finite"]), `consensus`/`consensus_exclude` (replica consensus, and fnmatch patterns of keys left out of
+    it), `finite` (the writers' finite check), `verify_load` (compare loaded values with the signatures recorded
+    at save), `timeout_s` (the side groups' timeout), `fault_hook(point, step)` (tests and the demo: called at
+    before_write, during_write, after_write, before_rename, after_rename, retention (coordinator), after_commit,
+    and after_load). `on_live_fault` ("raise", the default, or "continue"): what a save whose evidence shows the
+    live state bad does (LiveStateCorrupt, see `save`).
 
     Opening a Checkpointer on a ROOT where another process is saving leaves that save alone: start-up settles
     only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile).
@@ -78,25 +86,43 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer | None = None, mode: str | None = None,
                  mesh_shape: tuple[int, ...] | None = None, mesh=None, async_save: bool = False,
                  keep: int | None = None,
-                 replay: dict | bool | None = None, observer: dict | bool | None = None,
+                 replay: ReplayOptions | dict | bool | None = None,
+                 observer: ObserverOptions | dict | bool | None = None,
                  invariants: list | None = None, consensus: bool = True, finite: bool = True,
                  consensus_exclude: tuple[str, ...] = (), verify_load: bool = True,
                  fault_hook: FaultHook | None = None, timeout_s: float = 600.0,
-                 shard_evidence: dict | bool | None = None, ledger_journal: str | None = None,
+                 shard_evidence: ShardEvidenceOptions | dict | bool | None = None,
+                 on_live_fault: str = "raise",
+                 storage: StorageOptions | None = None, ledger_journal: str | None = None,
                  ledger_dir: str | os.PathLike | None = None, storage_options: dict | None = None):
+        # Every option is checked here, the same on every rank, before anything collective (options.py).
+        replay, observer = options.as_replay(replay), options.as_observer(observer)
+        shard_evidence = options.as_shard_evidence(shard_evidence)
+        storage = options.as_storage(storage, ledger_dir=ledger_dir, storage_options=storage_options,
+                                     ledger_journal=ledger_journal)
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise BadOption(f"keep must be an integer of at least 1 (got {keep!r})")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise BadOption(f"timeout_s must be a number > 0 (got {timeout_s!r})")
+        if on_live_fault not in ("raise", "continue"):
+            raise BadOption(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
+        if isinstance(consensus_exclude, str):
+            raise BadOption(f"consensus_exclude must be a list of patterns, not one string ({consensus_exclude!r})")
         if not dist.is_initialized():
             raise ScoutError("Checkpointer needs an initialized default process group (init_process_group)")
-        if keep is not None and keep < 1:
-            raise ScoutError(f"keep must be at least 1 (got {keep})")
         # "auto" | "wal" | "delete" (ledger/fsdetect.py); checked on every rank before anything collective
-        self.ledger_journal = fsdetect.resolve_mode(ledger_journal)
+        self.ledger_journal = fsdetect.resolve_mode(storage.ledger_journal)
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # self.root is where the ledger lives: ROOT itself, or ledger_dir for an object-store URI (self.store).
-        self.store, self.root = object_store.locate(root, ledger_dir=ledger_dir, storage_options=storage_options,
-                                                    coordinator=self.rank == COORDINATOR)
+        self.store, self.root = object_store.locate(
+            root, ledger_dir=storage.ledger_dir,
+            storage_options=dict(storage.storage_options) if storage.storage_options is not None else None,
+            coordinator=self.rank == COORDINATOR)
         self.is_coordinator = self.rank == COORDINATOR
         self.async_save, self.keep, self.fault_hook = async_save, keep, fault_hook
+        self.on_live_fault = on_live_fault
+        self._live_fault: LiveStateCorrupt | None = None   # an async save's, raised on the training thread
         self.finite = finite
         topo = self._topology(mode, mesh_shape, mesh)
         self.mode, self.mesh_shape = topo["mode"], tuple(topo["mesh_shape"])
@@ -153,13 +179,11 @@ class Checkpointer:
                              "invariants": self.policy["invariants"], "versions": self._versions()})
         self.observer = None
         if observer:
-            cfg = {} if observer is True else dict(observer)
             self.observer = Observer.start(
                 self.root, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
-                stall_s=cfg.pop("stall_s", 60.0), action=cfg.pop("action", "report"),
                 ignore_groups=[self._pg] + (self._async.process_groups if self._async else [])
                 + (self.groups.process_groups if self.groups else []),
-                **cfg)
+                **observer.start_kwargs())
         if self.observer is not None and model is not None:
             self.observer.attach(model, optimizer)
         self._loader = LatestCleanLoader(self.root, self.rank, self.world_size, self._pg, self.ledger, self.run_id,
@@ -206,6 +230,7 @@ class Checkpointer:
         self._bookkeeping_s = 0.0
         if self._async is not None:
             self._async.raise_error()
+        self._raise_live_fault()
         if self.observer is not None:
             self.observer.step(step, duration_s=self.last_step_s)
         if self.shard is not None:
@@ -248,18 +273,32 @@ class Checkpointer:
     def save(self, step: int, state: dict) -> dict | None:
         """Save the state after `step` optimizer steps; every rank calls it with the same step.
 
-        Sync: returns the verdict {"state", "reasons"} on every rank (the manifest's: an error in the ledger
-        write or retention after the rename is recorded as an event, never raised). Async: returns None at once;
-        the commit happens when the upload has completed everywhere, and its failure is raised at the next
-        step()/save()/wait(). Raises on every rank: SaveRefused when the coordinator cannot start the save (the
-        step is quarantined), CommitError when nothing was published; an async save to a POSIX ROOT begins in its
-        commit thread, so both come from its next step()/save()/wait() (as ScoutError, the cause chained)."""
+        Sync: returns the verdict on every rank, the manifest's: {"state": "certified" | "committed" |
+        "rejected", "reasons": [{"code", ...}], "live_fault": [kinds]} ("live_fault" only when the evidence
+        showed the live state bad; an error in the ledger write or retention after the rename is recorded as an
+        event, never raised). Async: returns None at once; the commit happens when the upload has completed
+        everywhere, and its failure is raised at the next step()/save()/wait().
+
+        A verdict with "live_fault" (replicas disagreed, replay or a shard's update did not recompute, a shard
+        changed at rest, non-finite values, a hardware fault) means every later checkpoint descends from bad
+        state: by default (`on_live_fault="raise"`) save raises LiveStateCorrupt on every rank, after the
+        verdict is durable, so the generation ends together and torchrun restarts from the latest clean step
+        (async: at the next step()/save()/wait()). With "continue" training goes on and every later save is
+        rejected (`lineage_tainted`) until `load_latest_clean` loads a clean checkpoint.
+
+        Raises on every rank: SaveRefused when the coordinator cannot start the save (the step is quarantined),
+        CommitError when nothing was published; an async save to a POSIX ROOT begins in its commit thread, so
+        both come from its next step()/save()/wait() (as ScoutError, the cause chained)."""
         if self._closed:
             raise ScoutError("Checkpointer is closed")
         t0 = time.monotonic()
         with self.phase("checkpoint"):
             try:
-                return self._save(step, state)
+                verdict = self._save(step, state)
+                self._raise_live_fault()
+                return verdict
+            except LiveStateCorrupt:
+                raise   # every rank raises it together, by decision: no peer died
             except BaseException:
                 # A collective of ours failed (a peer died mid-save): tell the observer this rank is a victim,
                 # so that only the rank that really died is reported as a crash.
@@ -343,6 +382,11 @@ class Checkpointer:
         verdict = self._committer.finish(pending, writer, group,
                                          assess=lambda gathered: self._assess(gathered, live))
         self._last_verdict = verdict
+        if verdict.get("live_fault"):   # the same on every rank (the coordinator's verdict, broadcast)
+            if self._evidence.tainted is None:
+                self._evidence.tainted = {"step": pending.step, "kinds": list(verdict["live_fault"])}
+            if self.on_live_fault == "raise":
+                self._live_fault = LiveStateCorrupt(pending.step, verdict)
         scout_log.save_verdict(self.rank, pending.step, verdict, time.monotonic() - self._save_started,
                                [k for k in self.policy["require"]])
         self._hook("after_commit", pending.step)
@@ -354,9 +398,15 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the pending async save is committed (or failed) on this rank; raises its error (as
-        ScoutError, the cause chained) once."""
+        ScoutError, the cause chained) once, or LiveStateCorrupt when its verdict showed the live state bad."""
         if self._async is not None:
             self._async.wait()
+        self._raise_live_fault()
+
+    def _raise_live_fault(self) -> None:
+        if self._live_fault is not None:
+            e, self._live_fault = self._live_fault, None
+            raise e
 
     @property
     def last_verdict(self) -> dict | None:
@@ -378,6 +428,8 @@ class Checkpointer:
         scout_ckpt/save/loading.py."""
         self.wait()
         step = self._loader.load(state)
+        # What was loaded (or the fresh start) is the new lineage: nothing before it taints the saves to come.
+        self._evidence.tainted, self._live_fault = None, None
         if step is None:
             return None
         if self.replay is not None:

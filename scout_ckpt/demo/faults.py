@@ -6,7 +6,9 @@ step is committed, so a restart or the final certification must catch it).
 
 Transient faults (crash, hang, bitflip, param, drift) fire once per run, in the first generation that reaches their
 step (a `fired-*.json` record under ROOT/demo/ says so), so the restarted job does not meet them again; sdc is
-persistent, as a failing part is, and slow lasts as long as the job.
+persistent, as a failing part is, for the rest of the generation it struck (the Checkpointer ends that generation
+when a save finds it: LiveStateCorrupt), and the restarted generation runs without it, as a job rescheduled away
+from the failing part would; slow lasts as long as the job.
 
 `param:rank=R:step=S` flips a bit of element 0 of rank R's own piece of a weight (its shard under FSDP) right
 before the first save at or after step S: after that save step's optimizer step *and* after the sphere retraction
@@ -28,6 +30,7 @@ The mixer's later updates are multiplicative and identical on every rank, so the
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -149,6 +152,14 @@ class Injector:
         due = [f for f in self.faults if f.kind == kind and self.due_step(f) == step]
         return [f for f in due if not any((self.root / MARKER_DIR).glob(f"fired-{_slug(f)}-gen*.json"))]
 
+    def _struck_before(self, f: Fault) -> bool:
+        """An earlier generation met this fault (its part was drained at the restart)."""
+        for p in (self.root / MARKER_DIR).glob(f"fired-{_slug(f)}-gen*-rank*.json"):
+            m = re.search(r"-gen(\d+)-rank", p.name)
+            if m and int(m.group(1)) < self.generation:
+                return True
+        return False
+
     def due_step(self, f: Fault) -> int | None:
         """The step at which `f` fires: its own, but a `param` flip waits for the first save at or after it."""
         if f.kind != "param" or not self.save_every or f.step is None:
@@ -183,7 +194,7 @@ class Injector:
         from scout_ckpt.demo.model import sdc_target, set_sdc
 
         for f in self.faults:
-            if f.kind == "sdc" and step >= f.step and sdc_target() != f.opts["layer"]:
+            if f.kind == "sdc" and step >= f.step and sdc_target() != f.opts["layer"] and not self._struck_before(f):
                 if f.opts["layer"] not in model.linear_names():
                     raise ValueError(f"sdc layer {f.opts['layer']!r} is not a Linear of the model "
                                      f"({', '.join(model.linear_names())})")

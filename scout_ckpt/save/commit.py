@@ -201,6 +201,9 @@ class Committer:
             files = [f for g in gathered for f in g["files"]]
             ev, signatures, v = assess(gathered)
             verdict = {"state": v.state, "reasons": v.reasons}
+            live_fault = policy.live_faults(ev)
+            if live_fault:   # every rank learns it with the verdict: the lineage is tainted (Checkpointer.save)
+                verdict["live_fault"] = live_fault
             m = manifest.build(step=pending.step, run_id=self.run_id, attempt=pending.attempt, files=files,
                                evidence=ev, verdict=verdict, signatures=signatures, **self.manifest_fields)
             digest = pending.finalize(m, self.hook)
