@@ -38,6 +38,7 @@ from scout_ckpt.save import commit, placement
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.app_state import RankLocal
 from scout_ckpt.save.async_save import AsyncSaves
+from scout_ckpt.save.commit import CommitError
 from scout_ckpt.save.evidence.boundary import SaveEvidence
 from scout_ckpt.save.evidence.replay import ReplayEvidence
 from scout_ckpt.save.evidence.shard import ShardEvidence
@@ -355,7 +356,18 @@ class Checkpointer:
         writer.in_flight = in_flight
         if self.async_save:  # object store: evidence from the live state, then dcp.async_save (async_save.py)
             return self._async.start_store(self, step, flat, hashing, pending, writer)
-        dcp.save(flat, storage_writer=writer, process_group=self._pg)
+        try:
+            dcp.save(flat, storage_writer=writer, process_group=self._pg)
+        except BaseException as e:
+            # DCP gathers every rank's write result and raises the same CheckpointException (a BaseException:
+            # a training loop's `except Exception` would not see it) on every rank. Nothing was published: the
+            # coordinator rejects the `writing` row and removes the temp dir now (a full disk is freed for the
+            # next save), and every rank raises CommitError, an Exception, naming the cause.
+            if self.is_coordinator:
+                self._committer.abandon(pending, e)
+            if not isinstance(e, Exception) and not isinstance(e, dcp.api.CheckpointException):
+                raise   # KeyboardInterrupt, SystemExit: as they came
+            raise CommitError(f"checkpoint {step} not saved: {commit.write_failure(e)}") from e
         live = self._live_evidence(step, flat, hashing)
         return self._commit(pending, writer, live, self._pg)
 

@@ -68,6 +68,23 @@ class CommitError(ScoutError):
     exit_code = 1
 
 
+def write_failure(e: BaseException) -> str:
+    """One line for why a write failed: DCP's CheckpointException carries every failed rank's exception (its own
+    str is their tracebacks); the first distinct causes are named with their ranks."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    causes: dict[str, list[int]] = {}
+    for rank, pair in sorted(failures.items()):
+        exc = pair[0] if isinstance(pair, tuple) else pair
+        seen = exc
+        while seen is not None and not isinstance(seen, OSError):   # torch.save's RuntimeError hides ENOSPC
+            seen = seen.__cause__ or seen.__context__
+        exc = seen if seen is not None else exc
+        causes.setdefault(f"{type(exc).__name__}: {exc}".splitlines()[0][:200], []).append(rank)
+    return "; ".join(f"{cause} (ranks {', '.join(map(str, ranks))})" for cause, ranks in list(causes.items())[:3])
+
+
 @dataclass(frozen=True)
 class PendingSave:
     """One save attempt's temp dir: ROOT/.step-S.tmp-<attempt>/ (Orbax's TemporaryPath, for DCP).
@@ -227,11 +244,18 @@ class Committer:
                 return  # the commit happened: the step is durable and settle_writing completes it from the manifest
         except Exception:
             return  # cannot tell (the store is unreachable): leave it to settle_writing, never delete
-        # The rejection is recorded before anything is deleted (on an object store: the intent comes first).
-        self._guard("commit_failed_cleanup", pending.step, lambda: journal.record_transition(
-            self.ledger, self.root, pending.step, "rejected", [{"code": "commit_failed", "detail": repr(error)}],
-            source="save", expect="writing", attempt=pending.attempt))
+        # The rejection is recorded before anything is deleted (on an object store: the intent comes first). When
+        # the disk is full the record itself may fail: the unpublished data is removed anyway (it never was a
+        # checkpoint), and the record is tried again in the space that freed.
+        def record() -> None:
+            journal.record_transition(self.ledger, self.root, pending.step, "rejected",
+                                      [{"code": "commit_failed", "detail": write_failure(error)}],
+                                      source="save", expect="writing", attempt=pending.attempt)
+
+        recorded = self._guard("commit_failed_cleanup", pending.step, record)
         self._guard("commit_failed_discard", pending.step, pending.discard)
+        if not recorded:
+            self._guard("commit_failed_cleanup", pending.step, record)
 
     # ---- 3b. record ------------------------------------------------------------------------------------------
 
