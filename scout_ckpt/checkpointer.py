@@ -358,15 +358,15 @@ class Checkpointer:
             return self._async.start_store(self, step, flat, hashing, pending, writer)
         try:
             dcp.save(flat, storage_writer=writer, process_group=self._pg)
-        except BaseException as e:
-            # DCP gathers every rank's write result and raises the same CheckpointException (a BaseException:
-            # a training loop's `except Exception` would not see it) on every rank. Nothing was published: the
-            # coordinator rejects the `writing` row and removes the temp dir now (a full disk is freed for the
-            # next save), and every rank raises CommitError, an Exception, naming the cause.
+        except dcp.api.CheckpointException as e:
+            # DCP gathered every rank's write result and raises the same CheckpointException (a BaseException: a
+            # training loop's `except Exception` would not see it) on every rank, e.g. a full disk. Nothing was
+            # published: the coordinator rejects the `writing` row and removes the temp dir now (the space is
+            # freed for the next save), and every rank raises CommitError, an Exception, naming the cause. (A
+            # collective that broke because a peer died raises something else: the row is then settled at the
+            # restart as `save_interrupted`, by commit.reconcile.)
             if self.is_coordinator:
                 self._committer.abandon(pending, e)
-            if not isinstance(e, Exception) and not isinstance(e, dcp.api.CheckpointException):
-                raise   # KeyboardInterrupt, SystemExit: as they came
             raise CommitError(f"checkpoint {step} not saved: {commit.write_failure(e)}") from e
         live = self._live_evidence(step, flat, hashing)
         return self._commit(pending, writer, live, self._pg)

@@ -88,15 +88,12 @@ class LatestCleanLoader:
                 scout_log.skipped(self.rank, cand["step"], failed)
                 below = cand["step"]
                 continue
-            if self.store is None:
-                dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
-            else:  # .metadata is unpickled only if its digest is the verified one
-                from scout_ckpt.save.object_store_io import reader_for  # fsspec: only for an object store
-
-                dcp.load(state, storage_reader=reader_for(self.store, cand["path"], cand["metadata_digest"]),
-                         process_group=self.group)
-            self.hook("after_load", cand["step"])
-            differ = self._loaded_differences(cand["step"], cand["signatures"], state)
+            rank_local = _begin_rank_local(state, cand.get("world_size"))
+            try:
+                differ = self._load_and_check(state, cand, step_dir)
+            finally:
+                for v in rank_local:
+                    v.end_load()
             if differ:
                 if self.is_coordinator:
                     self._reject_load_mismatch(cand, differ)
@@ -111,6 +108,18 @@ class LatestCleanLoader:
                               signatures=bool(self.verify_load and cand["signatures"]),
                               seconds=time.monotonic() - t0)
             return cand["step"]
+
+    def _load_and_check(self, state: dict, cand: dict, step_dir) -> list[str]:
+        """Collective: DCP loads the candidate into `state`; the saved tensors whose loaded values differ."""
+        if self.store is None:
+            dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
+        else:  # .metadata is unpickled only if its digest is the verified one
+            from scout_ckpt.save.object_store_io import reader_for  # fsspec: only for an object store
+
+            dcp.load(state, storage_reader=reader_for(self.store, cand["path"], cand["metadata_digest"]),
+                     process_group=self.group)
+        self.hook("after_load", cand["step"])
+        return self._loaded_differences(cand["step"], cand["signatures"], state)
 
     def _broadcast(self, obj):
         box = [obj]
@@ -135,7 +144,7 @@ class LatestCleanLoader:
         m, reasons = (trusted_manifest(self.root / row["path"], row) if self.store is None
                       else self.store.trusted_manifest(row))
         files = self.ledger.files(row["step"])
-        return {"step": row["step"], "path": row["path"], "files": files,
+        return {"step": row["step"], "path": row["path"], "files": files, "world_size": (m or {}).get("world_size"),
                 "signatures": (m or {}).get("signatures") or {}, "reasons": reasons,
                 "metadata_digest": next((f["digest"] for f in files if f["path"] == ".metadata"), None)}
 
@@ -168,3 +177,15 @@ class LatestCleanLoader:
                                             source="load", expect="certified")
         self.ledger.add_event("load_mismatch", step=cand["step"], run_id=self.run_id,
                               detail={"differ": differ[:16], "count": len(differ), "rejected": applied})
+
+
+def _begin_rank_local(state: dict, saved_world: int | None) -> list:
+    """Every top-level RankLocal of `state`, told the world size its rows were saved by (app_state.RankLocal)."""
+    from scout_ckpt.save.app_state import RankLocal
+
+    out = []
+    for name, v in state.items():
+        if isinstance(v, RankLocal):
+            v.begin_load(saved_world if isinstance(saved_world, int) else None, repr(name))
+            out.append(v)
+    return out
