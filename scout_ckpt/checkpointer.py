@@ -292,14 +292,11 @@ class Checkpointer:
         both come from its next step()/save()/wait() (as ScoutError, the cause chained)."""
         if self._closed:
             raise ScoutError("Checkpointer is closed")
+        self._raise_live_fault()   # the previous async save's, if it found the live state bad
         t0 = time.monotonic()
         with self.phase("checkpoint"):
             try:
                 verdict = self._save(step, state)
-                self._raise_live_fault()
-                return verdict
-            except LiveStateCorrupt:
-                raise   # every rank raises it together, by decision: no peer died
             except BaseException:
                 # A collective of ours failed (a peer died mid-save): tell the observer this rank is a victim,
                 # so that only the rank that really died is reported as a crash.
@@ -310,9 +307,14 @@ class Checkpointer:
                 # The save is not training compute: left in the next step's time, the coordinator's commit
                 # work (manifest, ledger) made it look like a straggler on a loaded machine.
                 self._bookkeeping_s += time.monotonic() - t0
+        self._raise_live_fault()   # outside the phase: it stops the observer (the generation ends by decision)
+        return verdict
 
     def _save(self, step: int, state: dict) -> dict | None:
-        self.wait()
+        if self._async is not None:
+            self._async.wait()
+            if self._live_fault is not None and self.on_live_fault == "raise":
+                return None   # the previous save found the live state bad: save() raises, outside the phase
         self._save_started = time.monotonic()
         self._save_started_wall = time.time()
         if self.replay is not None:
@@ -397,6 +399,8 @@ class Checkpointer:
         if verdict.get("live_fault"):   # the same on every rank (the coordinator's verdict, broadcast)
             if self._evidence.tainted is None:
                 self._evidence.tainted = {"step": pending.step, "kinds": list(verdict["live_fault"])}
+            if self.is_coordinator:   # in the ledger before any rank acts on it
+                self._record_live_fault(pending.step, verdict)
             if self.on_live_fault == "raise":
                 self._live_fault = LiveStateCorrupt(pending.step, verdict)
         scout_log.save_verdict(self.rank, pending.step, verdict, time.monotonic() - self._save_started,
@@ -415,9 +419,27 @@ class Checkpointer:
             self._async.wait()
         self._raise_live_fault()
 
+    def _record_live_fault(self, step: int, verdict: dict) -> None:
+        """Coordinator: a `live_fault` event (the report's timeline, the demo's generation story): which evidence
+        found the live state bad at `step`, the ranks it names, and what the job does about it."""
+        ranks = sorted({r for reason in verdict.get("reasons") or [] for r in reason.get("ranks") or []
+                        if isinstance(r, int)})
+        try:
+            self.ledger.add_event("live_fault", step=step, ranks=ranks, run_id=self.run_id, detail={
+                "kinds": list(verdict["live_fault"]),
+                "codes": sorted({r.get("code") for r in verdict.get("reasons") or []}),
+                "action": "generation ended" if self.on_live_fault == "raise" else "training continued"})
+        except Exception as e:  # noqa: BLE001 - the verdict is in the manifest and the ledger row already
+            scout_log.logger.warning("step %d: the live_fault event was not recorded (%s)", step, e)
+
     def _raise_live_fault(self) -> None:
         if self._live_fault is not None:
             e, self._live_fault = self._live_fault, None
+            # The generation ends by decision, on every rank: the observers are told so (a closed heartbeat), or
+            # the rank that happens to leave first would be reported as a crash.
+            if self.observer is not None:
+                self.observer.stop()
+                self.observer = None
             raise e
 
     @property

@@ -10,9 +10,12 @@ healthy run of the same script."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from scout_ckpt import policy
+from tests.conftest import run_cli
 from tests.test_fsdp_torchrun import FLIP_INDEX, FLIP_PARAM, cli, loaded, run_job, saved_digests, states, verdict
 
 STEPS, EVERY, FLIP_STEP = "30", "5", 15
@@ -95,3 +98,76 @@ def test_with_continue_every_later_save_is_rejected_until_a_clean_load(tmp_path,
                             30: "rejected"}
     rc, out = cli("resume", root, "--latest-clean")
     assert rc == 0 and out["step"] == 10
+
+
+# ---- real gloo ranks, in-process: async saves and the clean load that ends a taint ----------------------------
+
+
+def _diverge(rank, world, root, async_save, on_live_fault):
+    """A replicated model; before the save of step 2 rank 1's copy of one weight drifts by one ulp (replicas
+    disagree: consensus, with 2 peers, is inconclusive). Returns what each call did on this rank."""
+    import torch
+
+    from scout_ckpt import Checkpointer, LiveStateCorrupt, ModelOptimizerState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"app": ModelOptimizerState(model, opt)}
+    ck = Checkpointer(root, model=model, optimizer=opt, async_save=async_save, on_live_fault=on_live_fault)
+    out = []
+
+    def call(name, fn):
+        try:
+            v = fn()
+            out.append((name, (v or {}).get("state"), [r["code"] for r in (v or {}).get("reasons", [])]))
+        except LiveStateCorrupt as e:
+            out.append((name, "raised", e.step))
+
+    call("save1", lambda: ck.save(1, state))
+    ck.wait()
+    if rank == 1:
+        with torch.no_grad():
+            model.weight.view(-1)[5] = torch.nextafter(model.weight.view(-1)[5], torch.tensor(1.0))
+    call("save2", lambda: ck.save(2, state))
+    call("step3", lambda: ck.step(3))
+    call("save3", lambda: ck.save(3, state))
+    call("wait", lambda: ck.wait())
+    call("load", lambda: {"state": str(ck.load_latest_clean(state))})
+    call("save4", lambda: ck.save(4, state))
+    call("wait4", lambda: ck.wait())
+    ck.close()
+    return out
+
+
+def test_an_async_save_that_finds_the_live_state_bad_raises_at_the_next_call_on_every_rank(tmp_path):
+    from scout_ckpt.testing.launch import run_ranks
+
+    out = [o.result for o in run_ranks(_diverge, 2, str(tmp_path), True, "raise", timeout=120)]
+    for calls in out:
+        raised = [c for c in calls if c[1] == "raised"]
+        assert raised and raised[0][2] == 2, calls          # the save of step 2's fault, raised once
+        assert raised[0][0] in ("step3", "save3"), calls     # at the next call after its commit
+        assert ("load", "1", []) in calls                    # the clean load: step 1
+        assert calls[-1] == ("wait4", None, []) and not [c for c in calls[calls.index(("load", "1", [])):]
+                                                          if c[1] == "raised"]
+    rc, stdout, _ = run_cli("ls", tmp_path, "--json", check_rc=0)
+    rows = {c["step"]: c["state"] for c in json.loads(stdout)["checkpoints"]}
+    assert rows[1] == "certified" and rows[2] == "rejected" and rows[4] == "certified" and 3 not in rows
+    rc, stdout, _ = run_cli("report", tmp_path, "--json", check_rc=0)
+    live = [e for e in json.loads(stdout)["events"] if e["kind"] == "live_fault"]
+    assert [(e["step"], e["detail"]["kinds"], e["detail"]["action"]) for e in live] == [
+        (2, ["consensus"], "generation ended")]
+
+
+def test_continue_rejects_the_saves_of_a_tainted_lineage_until_a_clean_load(tmp_path):
+    from scout_ckpt.testing.launch import run_ranks
+
+    out = [o.result for o in run_ranks(_diverge, 2, str(tmp_path), False, "continue", timeout=120)]
+    for calls in out:
+        got = {c[0]: c for c in calls}
+        assert got["save1"][1] == "certified"
+        assert got["save2"][1] == "rejected" and "consensus_inconclusive" in got["save2"][2]
+        assert got["save3"][1:] == ("rejected", ["consensus_inconclusive", "lineage_tainted"])   # still apart
+        assert got["load"][1] == "1"
+        assert got["save4"][1] == "certified"                # the clean load ended the taint
