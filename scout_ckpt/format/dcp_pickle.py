@@ -264,6 +264,10 @@ def _build(inst, state) -> None:
 
 _BLOB_CALLS = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"),
                ("collections", "OrderedDict"), ("_codecs", "encode"), ("torch", "device")}
+# a set (torch.save pickles it as set([...]); torch.load's weights_only admits it) of scalars only: hashing a
+# deeply nested tuple element in the torch.load that follows would overflow the C stack
+_SETS = {("__builtin__", "set"), ("builtins", "set")}
+_SCALARS = (str, int, float, bool, bytes, type(None))
 
 
 class _Stand:
@@ -321,6 +325,8 @@ class _EntryScan(pickle._Unpickler):
 
         if (module, name) in _BLOB_CALLS:
             return _Stand(f"{module}.{name}")
+        if (module, name) in _SETS:
+            return _Stand("builtins.set")
         if module == "torch" and isinstance(name, str) and name.endswith("Storage") \
                 and isinstance(getattr(torch, name, None), type):
             return _Stand("storage_type", name=name)
@@ -346,6 +352,8 @@ class _EntryScan(pickle._Unpickler):
             (what == "torch._utils._rebuild_tensor_v2" and _tensor_v2(args))
             or (what == "torch._utils._rebuild_tensor_v3" and _tensor_v3(args))
             or (what == "collections.OrderedDict" and args == ())
+            or (what == "builtins.set" and (args == () or (len(args) == 1 and type(args[0]) is list
+                                                           and all(type(x) in _SCALARS for x in args[0]))))
             or (what in ("_codecs.encode", "torch.device") and all(type(a) is str for a in args) and len(args) <= 2))
         if not ok:
             raise RefusedPickle(f"refusing a call of {clip(what or type(func).__name__, 80)} in a DCP entry")
