@@ -115,6 +115,7 @@ class Checkpointer:
         self.ledger_journal = fsdetect.resolve_mode(storage.ledger_journal)
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        scout_log.warn_restart_env(self.rank, os.environ)
         # self.root is where the ledger lives: ROOT itself, or ledger_dir for an object-store URI (self.store).
         self.store, self.root = object_store.locate(
             root, ledger_dir=storage.ledger_dir,

@@ -209,3 +209,14 @@ def test_every_documented_spelling_constructs_a_checkpointer(tmp_path):
     assert seen["ledger_journal=delete"]["journal"] == "delete"
     assert seen["storage=StorageOptions"]["journal"] == "delete"
     assert not seen["ledger_journal=delete"]["observer"] and seen["ledger_journal=delete"]["replay_interval"] is None
+
+
+def test_a_torchrun_job_with_restarts_is_told_the_restart_environment_it_needs():
+    from scout_ckpt.save.log import restart_hint
+
+    job = {"TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    hint = restart_hint(job)
+    assert hint is not None and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in hint and "--max-restarts 3" in hint
+    assert restart_hint({**job, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) is None
+    assert restart_hint({**job, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None      # no restart: nothing to say
+    assert restart_hint({"TORCHELASTIC_MAX_RESTARTS": "3"}) is None            # not under torchrun

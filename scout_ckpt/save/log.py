@@ -75,3 +75,29 @@ def fresh_start(rank: int, root: str, uncertified: list[dict]) -> None:
     logger.warning("no certified checkpoint under %s: starting from scratch although %d checkpoint(s) exist that "
                    "were never certified; newest: %s. `scout-ckpt explain %s STEP` says what each lacks",
                    root, len(uncertified), listed, root)
+
+
+RESTART_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def restart_hint(env) -> str | None:
+    """Pure: the warning a job started by `torchrun --max-restarts N` (N > 0) needs when its environment lacks
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it a restarted generation can fail to form its gloo group, or
+    hang, against the previous generation's addresses (TORCH-NOTES, torch 2.13). None when nothing is to say."""
+    if "TORCHELASTIC_RUN_ID" not in env or env.get(RESTART_ENV) == "1":
+        return None
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return None
+    if restarts <= 0:
+        return None
+    return (f"torchrun --max-restarts {restarts} without {RESTART_ENV}=1 in the environment: a restarted "
+            "generation can hang forming its process group; start the job with "
+            f"`{RESTART_ENV}=1 torchrun ...`")
+
+
+def warn_restart_env(rank: int, env) -> None:
+    hint = restart_hint(env)
+    if hint is not None and _speaks(rank):
+        logger.warning(hint)
