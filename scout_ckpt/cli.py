@@ -408,7 +408,8 @@ def _skip_pandas() -> None:
 
 
 def main(argv: List[str] | None = None) -> None:
-    """Console script: map errors to exit codes with one line on stderr, never a traceback."""
+    """Console script: map errors to exit codes with one line on stderr, never a traceback. An OSError that
+    reaches here (a command met a path it cannot read or write) is bad input too: exit 2, one line."""
     if argv is None:   # this process is the command line (not a caller passing argv): see _skip_pandas
         _skip_pandas()
     try:
@@ -425,7 +426,20 @@ def main(argv: List[str] | None = None) -> None:
         sys.exit(getattr(e, "exit_code", 2) or 2)
     except BrokenPipeError:
         sys.exit(0)
+    except OSError as e:  # the world refused (a full disk, a directory where a file goes, EACCES): bad input
+        print(f"scout-ckpt: error: {_os_error_text(e)}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def _os_error_text(e: OSError) -> str:
+    """One line for an OSError: the path(s) and the system's words ("outdir: Is a directory")."""
+    what = e.strerror or str(e) or type(e).__name__
+    if e.filename is not None and e.filename2 is not None:
+        what = f"{e.filename} -> {e.filename2}: {what}"
+    elif e.filename is not None:
+        what = f"{e.filename}: {what}"
+    return " ".join(what.split())
 
 
 if __name__ == "__main__":

@@ -83,12 +83,22 @@ def _atomic_save(tensors: dict, path: Path, metadata: dict) -> None:
             tmp.unlink()
 
 
+def _check_out(out_path: Path) -> None:
+    """BadInput before anything is read or written: the output must be a file in an existing directory (an
+    existing directory as --out made the final rename fail after the whole export, with a traceback)."""
+    if out_path.is_dir():
+        raise BadInput(f"{out_path}: is a directory; --out names the .safetensors file to write")
+    if not out_path.parent.is_dir():
+        raise BadInput(f"{out_path.parent}: no such directory")
+
+
 def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLike, *, force: bool = False,
            ledger=None, prefix: str | None = None, max_shard_bytes: int | None = None) -> dict:
     """Consolidate step's model weights (step None: the newest certified) into out_path (.safetensors)."""
     from scout_ckpt.ledger import Ledger
 
     root = Path(root)
+    _check_out(Path(out_path))
     own = ledger is None
     if own:
         ledger = Ledger.open(root, readonly=True)

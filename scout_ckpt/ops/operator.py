@@ -38,9 +38,13 @@ def quarantine(root: str | os.PathLike, step: int, reason: str) -> dict:
         if row["state"] == "deleted":
             raise BadInput(f"step {step}: deleted; nothing to quarantine")
         reasons = [{"code": "quarantined", "detail": reason}]
-        journal.append(root, {"kind": "quarantine", "step": step, "attempt": row["attempt"],
-                              "manifest_digest": row["manifest_digest"], "reason": reason,
-                              "before": row["state"]})
+        try:  # first: a quarantine the journal cannot hold is not applied (the transaction rolls back)
+            journal.append(root, {"kind": "quarantine", "step": step, "attempt": row["attempt"],
+                                  "manifest_digest": row["manifest_digest"], "reason": reason,
+                                  "before": row["state"]})
+        except OSError as e:
+            raise BadInput(f"{journal.path(root)}: cannot record the quarantine ({e.strerror or e}); "
+                           "nothing changed") from None
         ledger.transition(step, "quarantined", reasons, source="operator", expect=row["state"])
         ledger.add_event("quarantine", step=step, detail={"reason": reason, "before": row["state"]})
     return {"step": step, "state": "quarantined", "before": row["state"], "reason": reason}
@@ -65,6 +69,11 @@ def release(root: str | os.PathLike, step: int, reason: str) -> dict:
             row = _row(ledger, root, step)
             if row["state"] != "quarantined":
                 raise BadInput(f"step {step}: not quarantined (it is {row['state']})")
+            try:  # the journal line follows the commit: a journal that cannot take it stops the release here
+                journal.check_appendable(root)
+            except OSError as e:
+                raise BadInput(f"{journal.path(root)}: cannot record the release ({e.strerror or e}); "
+                               "nothing changed") from None
             v = evidence_state(ledger, row)
             ledger.transition(step, v.state, v.reasons, source="operator", expect="quarantined",
                               attempt=row["attempt"])

@@ -1,0 +1,65 @@
+"""Trust under Murphy: the world misbehaves (a lost ledger, a transient EIO, a directory where a file goes, a gc
+racing a save, containers sharing a host name) and scout-ckpt neither hands out bad state nor loses a good
+checkpoint (ARCHITECTURE.md, "Faults of the world (Murphy)").
+
+Real SQLite files, real CLI subprocesses (tests/conftest.py run_cli), real DCP files (the `ckpt_root` fixture: a
+3-rank run with certified steps 3 and 4); faults injected by real means (a file replaced by a directory, an
+OSError raised by the os-level call inside the process under test, a real child process holding a lease).
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import run_cli
+
+
+def _ls(root) -> dict:
+    rc, out, err = run_cli("ls", root, "--json")
+    assert rc == 0, err
+    return {r["step"]: (r["state"], r["reasons"]) for r in json.loads(out)["checkpoints"]}
+
+
+def _one_clean_line(err: str) -> None:
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---- item 13: an OSError is one line, exit 2, nothing modified --------------------------------------------------
+
+def test_export_to_an_existing_directory_is_bad_input_and_writes_nothing(ckpt_root, tmp_path):
+    out = tmp_path / "weights"
+    out.mkdir()
+    before = _ls(ckpt_root)
+    rc, stdout, err = run_cli("export", ckpt_root, "--step", 4, "--out", out)
+    assert rc == 2 and stdout == ""
+    _one_clean_line(err)
+    assert str(out) in err and "directory" in err
+    assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["run", "weights"]
+    assert _ls(ckpt_root) == before
+
+
+def test_quarantine_whose_journal_cannot_be_appended_changes_nothing(ckpt_root):
+    journal = ckpt_root / "scout-journal.jsonl"
+    records = journal.read_bytes()
+    journal.unlink()
+    journal.mkdir()   # the append fails with EISDIR, as on a read-only or broken mount
+    before = _ls(ckpt_root)
+    rc, stdout, err = run_cli("quarantine", ckpt_root, 4, "--reason", "loss spike")
+    assert rc == 2 and stdout == ""
+    _one_clean_line(err)
+    assert "scout-journal.jsonl" in err
+    assert _ls(ckpt_root) == before and before[4][0] == "certified"
+    journal.rmdir()
+    journal.write_bytes(records)
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert rc == 0 and json.loads(out)["step"] == 4
+
+
+def test_any_other_oserror_a_command_meets_is_one_line_exit_2(ckpt_root, tmp_path):
+    """The generic mapping in cli.main: `report --html` onto a directory is an OSError from deep in the writer."""
+    page = tmp_path / "page.html"
+    page.mkdir()
+    rc, _, err = run_cli("report", ckpt_root, "--html", page)
+    assert rc == 2
+    _one_clean_line(err)
+    assert "Is a directory" in err and str(page.name) in err
