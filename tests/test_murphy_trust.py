@@ -63,3 +63,44 @@ def test_any_other_oserror_a_command_meets_is_one_line_exit_2(ckpt_root, tmp_pat
     assert rc == 2
     _one_clean_line(err)
     assert "Is a directory" in err and str(page.name) in err
+
+
+# ---- item 2: quarantine + release does not launder a rejection -------------------------------------------------
+
+def _reject_as_the_loader_does(root, step):
+    """The job's load found the loaded values differ from the saved signatures: the walk-back's own rejection
+    (LatestCleanLoader._reject_load_mismatch: a transition, journaled, with no evidence row of its own)."""
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.save.loading import LatestCleanLoader
+
+    with Ledger.open(root) as led:
+        loader = LatestCleanLoader(root, 0, 1, None, led, led.run()["id"], True, lambda point, s: None)
+        loader._reject_load_mismatch({"step": step}, ["model.0.weight"])
+        assert led.checkpoint(step)["state"] == "rejected"
+
+
+def test_quarantine_then_release_keeps_a_load_mismatch_rejected(ckpt_root):
+    _reject_as_the_loader_does(ckpt_root, 4)
+    run_cli("quarantine", ckpt_root, 4, "--reason", "look at it", check_rc=0)
+    rc, out, _ = run_cli("release", ckpt_root, 4, "--reason", "looked", "--json")
+    assert rc == 0 and json.loads(out)["state"] == "rejected"
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert rc == 0 and json.loads(out)["step"] == 3
+    state, reasons = _ls(ckpt_root)[4]
+    assert state == "rejected" and reasons[0]["code"] == "load_mismatch"
+
+
+def test_release_of_a_bytes_rejection_and_of_a_certified_step(ckpt_root):
+    """The loader's byte rejection (record_verification_failure) stays rejected too; a step certified before its
+    quarantine comes back certified."""
+    from scout_ckpt import policy
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.ops.recovery import record_verification_failure
+
+    with Ledger.open(ckpt_root) as led:
+        record_verification_failure(led, 4, policy.evidence(policy.FAIL, [{"code": "load_mismatch"}]),
+                                    source="load", root=ckpt_root)
+    for step in (3, 4):
+        run_cli("quarantine", ckpt_root, step, "--reason", "check", check_rc=0)
+        run_cli("release", ckpt_root, step, "--reason", "checked", check_rc=0)
+    assert {s: st for s, (st, _) in _ls(ckpt_root).items()} == {3: "certified", 4: "rejected"}
