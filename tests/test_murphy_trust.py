@@ -104,3 +104,29 @@ def test_release_of_a_bytes_rejection_and_of_a_certified_step(ckpt_root):
         run_cli("quarantine", ckpt_root, step, "--reason", "check", check_rc=0)
         run_cli("release", ckpt_root, step, "--reason", "checked", check_rc=0)
     assert {s: st for s, (st, _) in _ls(ckpt_root).items()} == {3: "certified", 4: "rejected"}
+
+
+# ---- item 10: gc never deletes a save in flight ------------------------------------------------------------------
+
+def test_gc_leaves_a_resave_in_flight_of_an_older_step_alone(ckpt_root):
+    """After a walk-back the job re-saves step 3 (older than the kept step 4) while an operator runs gc: the
+    `writing` row with this live process as its owner, and its temp dir, are left as they are."""
+    from scout_ckpt.format import layout
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.ops.settle import this_process_owner
+
+    owner = this_process_owner()
+    tmp = ckpt_root / layout.tmp_dirname(3, "resave-1")
+    with Ledger.open(ckpt_root) as led:   # what Committer.begin does, in this order
+        run_id = led.run()["id"]
+        led.record_writing(3, run_id, "resave-1", layout.step_dirname(3), owner=owner)
+    layout.create_tmp_dir(tmp, {"run_id": run_id, "attempt": "resave-1", **owner})
+    rc, out, err = run_cli("gc", ckpt_root, "--keep", 1, "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["delete"] == [] and doc["reasons"]["3"] == "save in flight"
+    with Ledger.open(ckpt_root, readonly=True) as led:
+        row = led.checkpoint(3)
+        assert (row["state"], row["attempt"]) == ("writing", "resave-1")
+    assert tmp.is_dir() and (ckpt_root / layout.step_dirname(3)).is_dir()
+    assert [p["alive"] for p in doc["partial"]] == [True]

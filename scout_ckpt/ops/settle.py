@@ -78,6 +78,12 @@ def owner_alive(owner: dict | None) -> bool | None:
     return not recycled
 
 
+def save_alive(root: str | os.PathLike, row: dict) -> bool | None:
+    """Whether the save that wrote a `writing` row may still run: True alive, False provably dead, None cannot
+    tell. The one liveness test of a row, for settle_writing and retention."""
+    return owner_alive(_owner_of(row))
+
+
 def _owner_of(row: dict) -> dict:
     return {"host": row.get("owner_host"), "pid": row.get("owner_pid"), "start": row.get("owner_start")}
 
@@ -114,7 +120,7 @@ def settle_writing(ledger, root: str | os.PathLike, *, source: str, store=None) 
         store = bound_store(root)
     for row in rows:
         step, attempt = row["step"], row["attempt"]
-        alive = owner_alive(_owner_of(row))
+        alive = save_alive(root, row)
         if alive is not False:
             out.append({"step": step, "attempt": attempt, "before": "writing", "after": "writing",
                         "why": "owner_alive" if alive else "owner_unknown"})
