@@ -130,3 +130,92 @@ def test_gc_leaves_a_resave_in_flight_of_an_older_step_alone(ckpt_root):
         assert (row["state"], row["attempt"]) == ("writing", "resave-1")
     assert tmp.is_dir() and (ckpt_root / layout.step_dirname(3)).is_dir()
     assert [p["alive"] for p in doc["partial"]] == [True]
+
+
+# ---- item 11: owner liveness across PID namespaces ---------------------------------------------------------------
+
+_HOLD_LEASE = """
+import sys, time
+from scout_ckpt.ops.settle import take_lease
+lease = take_lease(sys.argv[1], sys.argv[2])   # what Committer.begin does before the `writing` row
+print("leased", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_save_whose_lease_is_held_is_alive_whatever_its_pid_says(ckpt_root):
+    """Another container on this host saves step 5: its lease is held by a real child process, and its owner
+    record names its host (the same host name) and a pid that does not exist in our PID namespace. Neither
+    certify's settling nor start-up's temp-dir sweep nor gc takes it for dead; once it is SIGKILLed they do."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from scout_ckpt.format import layout
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.save.commit import reconcile
+    from tests.conftest import REPO
+
+    attempt = "otherns-1"
+    owner = {"host": socket.gethostname(), "pid": 2 ** 22 + 12345, "start": "1"}   # not a pid here
+    child = subprocess.Popen([sys.executable, "-c", _HOLD_LEASE, str(ckpt_root), attempt], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert child.stdout.readline().strip() == "leased"
+        tmp = ckpt_root / layout.tmp_dirname(5, attempt)
+        with Ledger.open(ckpt_root) as led:
+            led.record_writing(5, led.run()["id"], attempt, layout.step_dirname(5), owner=owner)
+        layout.create_tmp_dir(tmp, {"attempt": attempt, **owner})
+
+        rc, out, _ = run_cli("certify", ckpt_root, "--json")
+        assert rc == 1 and {r["step"]: r["state"] for r in json.loads(out)["results"]}[5] == "writing"
+        rc, out, _ = run_cli("gc", ckpt_root, "--keep", 1, "--dry-run", "--json")
+        assert rc == 0 and [p["alive"] for p in json.loads(out)["partial"]] == [True]
+        with Ledger.open(ckpt_root) as led:
+            assert reconcile(led, ckpt_root)["left"] == [tmp.name]
+            assert led.checkpoint(5)["state"] == "writing"
+        assert tmp.is_dir()
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+    rc, out, _ = run_cli("certify", ckpt_root, "--json")
+    assert {r["step"]: r["state"] for r in json.loads(out)["results"]}[5] == "rejected"
+    with Ledger.open(ckpt_root) as led:
+        assert led.checkpoint(5)["reasons"][0] == {"code": "save_interrupted", "attempt": attempt}
+        assert reconcile(led, ckpt_root)["removed"] == [tmp.name]
+    assert not tmp.exists()
+
+
+def _lease_probe(rank, world, root):
+    """One save; at each fault-hook point the coordinator notes the states of the leases under ROOT/.leases."""
+    from pathlib import Path
+
+    import torch
+
+    from scout_ckpt.checkpointer import Checkpointer
+    from scout_ckpt.ops.settle import lease_state
+    from tests.workers_ckpt import make_model, state_of
+
+    seen = {}
+
+    def hook(point, step):
+        if rank == 0:
+            seen[point] = [lease_state(root, p.stem) for p in sorted((Path(root) / ".leases").glob("*.lock"))]
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, fault_hook=hook)
+    ckpt.save(1, state_of(model, opt))
+    ckpt.close()
+    return seen
+
+
+def test_the_checkpointer_holds_its_lease_for_the_life_of_a_save(tmp_path):
+    from scout_ckpt.testing.launch import run_ranks
+
+    seen = run_ranks(_lease_probe, 2, str(tmp_path / "run"), timeout=120)[0].result
+    assert seen["before_write"] == ["held"] and seen["before_rename"] == ["held"]
+    assert seen["after_commit"] == []   # released (and unlinked) once the commit is recorded

@@ -32,7 +32,7 @@ from pathlib import Path
 from scout_ckpt.errors import BadInput
 from scout_ckpt.format import layout
 from scout_ckpt.ledger import Ledger
-from scout_ckpt.ops.settle import owner_alive, save_alive
+from scout_ckpt.ops.settle import save_alive, tmp_dir_alive
 
 AWAITING = ("committed", "writing")
 
@@ -89,11 +89,10 @@ def partial(root: Path, store=None, ledger: Ledger | None = None) -> list[dict]:
             r = rows.get(name) or {}
             owner = {"host": r.get("owner_host"), "pid": r.get("owner_pid"), "start": r.get("owner_start")}
             out.append({"path": store.uri_of(name), "owner": owner if r else None,
-                        "alive": owner_alive(owner) if r else None})
+                        "alive": save_alive(root, r) if r else None})
         return out
     for tmp in layout.list_tmp_dirs(root):
-        owner = layout.read_owner(tmp)
-        out.append({"path": str(tmp), "owner": owner, "alive": owner_alive(owner)})
+        out.append({"path": str(tmp), "owner": layout.read_owner(tmp), "alive": tmp_dir_alive(root, tmp)})
     return out
 
 
