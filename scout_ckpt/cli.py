@@ -130,17 +130,22 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
     roots.check_writable(root)
     with _progress(not as_json and sys.stderr.isatty()) as progress_factory:
         results = certify(root, [step] if step is not None else None, progress_factory=progress_factory)
-    ok = all(r["state"] == "certified" for r in results)
+    ok = all(r["state"] == "certified" and not r.get("could_not_check") for r in results)
     if as_json:
         _emit({"results": results, "certified": ok})
     else:
         for r in results:
-            print(f"step {r['step']}: {r['state']}" + (f"  {_reason_text(r['reasons'])}" if r["reasons"] else ""))
+            print(f"step {r['step']}: {r['state']}" + (f"  {_reason_text(r['reasons'])}" if r["reasons"] else "")
+                  + (f"  (could not check now: {_reason_text(r['could_not_check'])}; left as it was)"
+                     if r.get("could_not_check") else ""))
     if not ok:
-        bad = [r for r in results if r["state"] != "certified"]
-        print(f"scout-ckpt: {len(bad)} of {len(results)} step(s) not certified; first: step {bad[0]['step']} is "
-              f"{bad[0]['state']}" + (f" ({_reason_text(bad[0]['reasons'])})" if bad[0]["reasons"] else ""),
-              file=sys.stderr)
+        bad = [r for r in results if r["state"] != "certified" or r.get("could_not_check")]
+        first = bad[0]
+        what = (f"could not be checked now ({_reason_text(first['could_not_check'])}); it is still {first['state']}"
+                if first.get("could_not_check") else
+                f"is {first['state']}" + (f" ({_reason_text(first['reasons'])})" if first["reasons"] else ""))
+        print(f"scout-ckpt: {len(bad)} of {len(results)} step(s) not certified now; first: step {first['step']} "
+              f"{what}", file=sys.stderr)
         raise typer.Exit(1)
 
 

@@ -219,3 +219,138 @@ def test_the_checkpointer_holds_its_lease_for_the_life_of_a_save(tmp_path):
     seen = run_ranks(_lease_probe, 2, str(tmp_path / "run"), timeout=120)[0].result
     assert seen["before_write"] == ["held"] and seen["before_rename"] == ["held"]
     assert seen["after_commit"] == []   # released (and unlinked) once the commit is recorded
+
+
+# ---- item 9: a transient EIO is "could not check now", never a rejection ------------------------------------------
+
+_EIO_SITECUSTOMIZE = '''
+import errno, os
+_target = os.environ.get("SCOUT_TEST_EIO_FILE")
+if _target:
+    _real, _done = os.open, []
+
+    def _open(path, flags, *args, **kwargs):   # the first open of the target fails with EIO, as a flaky disk does
+        if not _done and not isinstance(path, int) and os.path.realpath(os.fspath(path)) == _target:
+            _done.append(path)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
+        return _real(path, flags, *args, **kwargs)
+
+    os.open = _open
+'''
+
+
+def _shard(root, step):
+    return next(p for p in sorted((root / f"step-{step:08d}").iterdir()) if p.suffix == ".distcp")
+
+
+def _eio_once(monkeypatch, target):
+    """In this process: the next os.open of `target` (the call digests.file_digest reads through) raises EIO."""
+    import errno
+    import os
+
+    real, hits = os.open, []
+    want = os.path.realpath(target)
+
+    def flaky(path, flags, *args, **kwargs):
+        if not hits and not isinstance(path, int) and os.path.realpath(os.fspath(path)) == want:
+            hits.append(path)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", flaky)
+    return hits
+
+
+def _trust(root, step):
+    """What the ledger holds of a step that a could-not-check must leave alone."""
+    from scout_ckpt.ledger import Ledger
+
+    with Ledger.open(root, readonly=True) as led:
+        row = led.checkpoint(step)
+        return (row["state"], row["reasons"], row["attempt"],
+                {k: v["status"] for k, v in led.evidence(step).items()}, len(led.certifications(step)))
+
+
+def test_a_transient_eio_while_resume_verifies_walks_back_without_rejecting(ckpt_root, monkeypatch):
+    from scout_ckpt.ops.recovery import latest_clean
+
+    before = _trust(ckpt_root, 4)
+    hits = _eio_once(monkeypatch, _shard(ckpt_root, 4))
+    found = latest_clean(ckpt_root)
+    assert hits and found["step"] == 3
+    (skip,) = found["skipped"]
+    assert skip["step"] == 4 and skip["could_not_check"] and skip["reasons"][0]["code"] == "could_not_check"
+    assert skip["reasons"][0]["errno"] == "EIO"
+    assert _trust(ckpt_root, 4) == before and before[0] == "certified"
+    assert latest_clean(ckpt_root)["step"] == 4     # the disk answers again: the newest good one is handed out
+    monkeypatch.undo()
+    rc, out, _ = run_cli("gc", ckpt_root, "--keep", 2, "--json")
+    assert rc == 0 and json.loads(out)["delete"] == [] and (ckpt_root / "step-00000004").is_dir()
+
+
+def test_a_transient_eio_in_the_cli_rejects_nothing_and_gc_keeps_the_step(ckpt_root, tmp_path):
+    import os
+
+    from tests.conftest import REPO
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_EIO_SITECUSTOMIZE)
+    eio = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}",
+           "SCOUT_TEST_EIO_FILE": os.path.realpath(_shard(ckpt_root, 4))}
+    before = _trust(ckpt_root, 4)
+    rc, out, err = run_cli("resume", ckpt_root, "--latest-clean", "--json", env=eio)
+    assert rc == 0 and json.loads(out)["step"] == 3 and "could_not_check" in err, err
+    rc, out, err = run_cli("certify", ckpt_root, "--step", 4, "--json", env=eio)
+    (res,) = json.loads(out)["results"]
+    assert rc == 1 and res["state"] == "certified" and res["could_not_check"][0]["code"] == "could_not_check"
+    assert "could not be checked now" in err and "Traceback" not in err
+    assert _trust(ckpt_root, 4) == before and _ls(ckpt_root)[4][0] == "certified"
+    rc, out, _ = run_cli("gc", ckpt_root, "--keep", 2, "--json")
+    assert rc == 0 and json.loads(out)["delete"] == []
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert rc == 0 and json.loads(out)["step"] == 4
+
+
+def _load_with_eio(rank, world, root, target):
+    """A restarted job whose disk fails one read of one of step 4's files (EIO, in whichever rank reads it)."""
+    import errno
+    import os
+
+    import torch
+
+    from scout_ckpt.checkpointer import Checkpointer
+    from tests.workers_ckpt import make_model, state_of, train_steps
+
+    real, hits = os.open, []
+
+    def flaky(path, flags, *args, **kwargs):
+        if not hits and not isinstance(path, int) and os.path.realpath(os.fspath(path)) == target:
+            hits.append(path)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
+        return real(path, flags, *args, **kwargs)
+
+    os.open = flaky
+    try:
+        model = make_model(seed=5)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        train_steps(model, opt, 1, seed=99)   # optimizer state exists before loading
+        ckpt = Checkpointer(root, model=model, optimizer=opt)
+        step = ckpt.load_latest_clean(state_of(model, opt))
+        ckpt.close()
+    finally:
+        os.open = real
+    return {"step": step, "hit": bool(hits)}
+
+
+def test_a_transient_eio_in_the_jobs_walk_back_rejects_nothing(ckpt_root):
+    import os
+
+    from scout_ckpt.testing.launch import run_ranks
+
+    before = _trust(ckpt_root, 4)
+    out = run_ranks(_load_with_eio, 3, str(ckpt_root), os.path.realpath(_shard(ckpt_root, 4)), timeout=180)
+    assert {o.result["step"] for o in out} == {3} and any(o.result["hit"] for o in out)
+    assert _trust(ckpt_root, 4) == before
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert rc == 0 and json.loads(out)["step"] == 4

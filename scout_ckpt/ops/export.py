@@ -58,11 +58,15 @@ def detect_prefix(keys: list[str]) -> str:
 
 def _verify(step_dir: Path, files: list[dict]) -> None:
     """Refuse to read tensors from files that do not match the ledger (verify_files, the check certify uses)."""
-    from scout_ckpt.format.verify import verify_files
+    from scout_ckpt.format.verify import could_not_check, verify_files
 
     if not files:
         raise NotClean(f"{step_dir}: the ledger lists no files for this step; nothing to verify against")
     ev = verify_files(step_dir, files, expect_complete=False)
+    if could_not_check(ev):   # an I/O error: not a verdict on the checkpoint, and nothing is exported
+        r = ev["reasons"][0]
+        raise BadInput(f"{step_dir}: could not read {r.get('file') or 'a file'} now ({r.get('detail')}); "
+                       "nothing exported")
     if ev["reasons"]:
         r = ev["reasons"][0]
         what = "is missing" if r["code"] == "missing_file" else "does not match its recorded digest"

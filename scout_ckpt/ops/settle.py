@@ -38,7 +38,7 @@ from pathlib import Path
 from scout_ckpt import policy
 from scout_ckpt.errors import BadInput
 from scout_ckpt.format import layout, manifest
-from scout_ckpt.format.verify import verify_files
+from scout_ckpt.format.verify import could_not_check, verify_files
 from scout_ckpt.ledger import journal
 
 
@@ -189,16 +189,21 @@ def _run_policy(ledger, row: dict, fallback: dict) -> dict:
 
 
 def _read_manifest(root: Path, row: dict, store):
-    """(manifest, digest) of the row's step dir or attempt prefix; (None, None) when absent or unreadable."""
+    """(manifest, digest) of the row's step dir or attempt prefix; (None, None) when absent or malformed.
+    ManifestUnreadable (an I/O error: could not check now) is raised to the caller."""
     if not row.get("path"):
         return None, None
     try:
         if store is not None:
             return store.read_manifest(row["path"]) if store.has_manifest(row["path"]) else (None, None)
-        step_dir = root / row["path"]
-        return manifest.read(step_dir) if step_dir.is_dir() else (None, None)
+        return manifest.read(root / row["path"])   # no step dir: BadInput (no manifest); EIO: ManifestUnreadable
+    except manifest.ManifestUnreadable:
+        raise
     except BadInput:
         return None, None
+
+
+_COULD_NOT_CHECK = object()   # settle_writing: the manifest or the bytes could not be read now
 
 
 def settle_writing(ledger, root: str | os.PathLike, *, source: str, store=None) -> list[dict]:
@@ -220,12 +225,22 @@ def settle_writing(ledger, root: str | os.PathLike, *, source: str, store=None) 
             out.append({"step": step, "attempt": attempt, "before": "writing", "after": "writing",
                         "why": "owner_alive" if alive else "owner_unknown"})
             continue
-        m, digest = _read_manifest(root, row, store)
+        try:
+            m, digest = _read_manifest(root, row, store)
+        except manifest.ManifestUnreadable:
+            m, digest = _COULD_NOT_CHECK, None
         interrupted = [{"code": "save_interrupted", "attempt": attempt}]
-        if m is not None and m.get("attempt") == attempt:
+        if m is not _COULD_NOT_CHECK and m is not None and m.get("attempt") == attempt:
             ev = dict(m["evidence"])
             ev["bytes"] = (store.verify(row["path"], m["files"]) if store is not None
                            else verify_files(root / row["path"], m["files"]))
+            if could_not_check(ev["bytes"]):
+                m = _COULD_NOT_CHECK
+        if m is _COULD_NOT_CHECK:   # an I/O error is not evidence: the row waits for a settler that can read
+            out.append({"step": step, "attempt": attempt, "before": "writing", "after": "writing",
+                        "why": "could_not_check"})
+            continue
+        if m is not None and m.get("attempt") == attempt:
             if ev["bytes"]["status"] == policy.PASS:
                 # The run's policy as the ledger holds it (the manifest's only if the run is unknown).
                 v = policy.evaluate(_run_policy(ledger, row, m["policy"]), ev)

@@ -61,6 +61,14 @@ def skipped(rank: int, step: int, reasons: list[dict]) -> None:
         logger.warning("skipped step %d: %s", step, reason_text(reasons))
 
 
+def could_not_check(rank: int, step: int, reasons: list[dict]) -> None:
+    """A certified step whose files could not be read now (an I/O error): passed over for this load, not
+    rejected (it stays certified; the next restart tries it again)."""
+    if _speaks(rank):
+        logger.warning("could not check step %d now (%s): loading an older step; step %d stays certified",
+                       step, reason_text(reasons), step)
+
+
 def fresh_start(rank: int, root: str, uncertified: list[dict]) -> None:
     """No certified checkpoint: quiet on a new run, a WARNING when committed checkpoints exist that were never
     certified (a job restarting from scratch over them almost always means a configuration that cannot
