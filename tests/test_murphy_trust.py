@@ -354,3 +354,132 @@ def test_a_transient_eio_in_the_jobs_walk_back_rejects_nothing(ckpt_root):
     assert _trust(ckpt_root, 4) == before
     rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
     assert rc == 0 and json.loads(out)["step"] == 4
+
+
+# ---- item 8: a lost ledger is rebuilt (or the start refused), never a fresh start ---------------------------------
+
+def _restart(rank, world, root, save_step=None):
+    """A restarted job: a Checkpointer on ROOT, load_latest_clean, optionally one more save; with the library's
+    log records of the coordinator."""
+    import logging
+
+    import torch
+
+    from scout_ckpt.checkpointer import Checkpointer
+    from tests.workers_ckpt import make_model, state_of, train_steps
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append((record.levelname, record.getMessage()))
+
+    log = logging.getLogger("scout_ckpt")
+    log.setLevel(logging.INFO)
+    log.addHandler(Keep())
+    model = make_model(seed=5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 1, seed=99)   # optimizer state exists before loading
+    try:
+        ckpt = Checkpointer(root, model=model, optimizer=opt, timeout_s=60)
+    except Exception as e:   # noqa: BLE001 - the refusal is the result
+        return {"refused": f"{type(e).__name__}: {e}", "log": records}
+    st = state_of(model, opt)
+    loaded = ckpt.load_latest_clean(st)
+    verdict = None
+    if save_step is not None:
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optim"])
+        verdict = ckpt.save(save_step, state_of(model, opt))
+    ckpt.close()
+    return {"loaded": loaded, "verdict": verdict, "log": records}
+
+
+def _lose_ledger(root, how):
+    from scout_ckpt.format.layout import LEDGER_NAME
+
+    db = root / LEDGER_NAME
+    for suffix in ("-wal", "-shm"):
+        side = root / (LEDGER_NAME + suffix)
+        if side.exists():
+            side.unlink()
+    if how == "deleted":
+        db.unlink()
+    elif how == "truncated":
+        db.write_bytes(b"")
+    else:
+        db.write_bytes(b"\0not a database" * 500)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("how", ["deleted", "truncated"])
+def test_a_lost_ledger_is_rebuilt_at_start_up_and_no_certified_step_is_overwritten(ckpt_root, how):
+    from scout_ckpt.format import manifest
+    from scout_ckpt.testing.launch import run_ranks
+
+    digest4 = manifest.read(ckpt_root / "step-00000004")[1]
+    _lose_ledger(ckpt_root, how)
+    # the tools say what the job will do: step 4, from the manifests and the journal
+    rc, out, err = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert rc == 0 and json.loads(out)["step"] == 4 and json.loads(out)["source"] == "manifests", err
+    assert "ledger rebuild" in err
+    rc, out, _ = run_cli("ls", ckpt_root, "--json")
+    assert rc == 0 and [(r["step"], r["state"]) for r in json.loads(out)["checkpoints"]] == [
+        (3, "certified"), (4, "certified")]
+
+    out = run_ranks(_restart, 3, str(ckpt_root), 5, timeout=180)
+    assert [o.result["loaded"] for o in out] == [4, 4, 4]
+    assert out[0].result["verdict"]["state"] == "certified"
+    warnings = [m for level, m in out[0].result["log"] if level == "WARNING"]
+    assert any("rebuilding it from the manifests and the journal" in m and how.replace("deleted", "missing")
+               .replace("truncated", "empty") in m for m in warnings), warnings
+    assert not any(m.startswith(("no checkpoint", "no certified checkpoint")) for _, m in out[0].result["log"])
+    assert manifest.read(ckpt_root / "step-00000004")[1] == digest4
+    assert {s: st for s, (st, _) in _ls(ckpt_root).items()} == {3: "certified", 4: "certified", 5: "certified"}
+
+
+def test_a_ledger_that_is_not_sqlite_is_rebuilt_and_kept_as_bak(ckpt_root, caplog):
+    from scout_ckpt.ops.startup import open_run_ledger
+
+    _lose_ledger(ckpt_root, "garbage")
+    with caplog.at_level("WARNING", logger="scout_ckpt"):
+        with open_run_ledger(ckpt_root) as led:
+            assert {r["step"]: r["state"] for r in led.checkpoints()} == {3: "certified", 4: "certified"}
+    assert "not an SQLite file" in caplog.text
+    (bak,) = ckpt_root.glob("scout-ledger.db.bak-*")
+    assert bak.read_bytes().startswith(b"\0not a database")
+
+
+def test_a_corrupt_ledger_refuses_the_start_on_every_rank_naming_the_command(ckpt_root):
+    from scout_ckpt.format.layout import LEDGER_NAME
+    from scout_ckpt.testing.launch import run_ranks
+
+    db = ckpt_root / LEDGER_NAME
+    data = db.read_bytes()
+    db.write_bytes(data[:100] + b"\xa5" * (len(data) - 100))   # an SQLite header over pages of garbage
+    def files():   # SQLite's -wal/-shm side files aside: opening an SQLite file may create them
+        return {str(p.relative_to(ckpt_root)): p.read_bytes() for p in ckpt_root.rglob("*")
+                if p.is_file() and not p.name.endswith(("-wal", "-shm"))}
+
+    before = files()
+    out = run_ranks(_restart, 3, str(ckpt_root), timeout=180)
+    refused = [o.result.get("refused") for o in out]
+    assert all(r and "scout-ckpt ledger rebuild" in r for r in refused), refused
+    assert files() == before
+
+
+def test_a_restart_past_only_rejected_checkpoints_warns_naming_each_and_why(ckpt_root):
+    from scout_ckpt.ledger import Ledger, journal
+    from scout_ckpt.testing.launch import run_ranks
+
+    with Ledger.open(ckpt_root) as led:
+        for step, code in ((3, "digest_mismatch"), (4, "load_mismatch")):
+            journal.record_transition(led, ckpt_root, step, "rejected", [{"code": code}], source="load",
+                                      expect="certified")
+    (out,) = run_ranks(_restart, 1, str(ckpt_root), timeout=120)
+    assert out.result["loaded"] is None
+    warnings = [m for level, m in out.result["log"] if level == "WARNING"]
+    assert any("rejected" in m and "3 (rejected: digest_mismatch)" in m and "4 (rejected: load_mismatch)" in m
+               for m in warnings), out.result["log"]

@@ -208,7 +208,8 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
                     if could_not_check(fresh):
                         # an I/O error is no verdict: rebuilding the row would demote it for good (the next
                         # rebuild trusts no more than this ledger); left out, the rebuild is not a success
-                        skipped.append({"step": step, "reason": "its bytes could not be read now ("
+                        skipped.append({"step": step, "could_not_check": True,
+                                        "reason": "its bytes could not be read now ("
                                         + "; ".join(str(r.get("detail")) for r in fresh["reasons"]) + ")"})
                         manifests.pop(step)
                         continue

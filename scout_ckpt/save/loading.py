@@ -78,7 +78,7 @@ class LatestCleanLoader:
             if cand is None:
                 if self.is_coordinator:
                     scout_log.fresh_start(self.rank, str(self.root), [
-                        r for r in self.ledger.checkpoints(states=("committed", "writing"))])
+                        r for r in self.ledger.checkpoints(states=("committed", "writing", "rejected"))])
                 return None
             step_dir = self.root / cand["path"] if self.store is None else self.store.uri_of(cand["path"])
             failed = cand["reasons"] + self._verify_bytes(cand, step_dir)
