@@ -6,8 +6,8 @@ save path but the process group and the ledger. It has its own protocol (choose 
 on every rank, load, compare the loaded values' signatures with the manifest's, reject and walk back) and its own
 failure modes (a damaged candidate is the checkpoint's fault and is rejected; one whose files could not be read
 now, an I/O error with no fault found, is passed over for this load and keeps its state; a state without places
-for the saved values is the caller's and raises). Kept apart, `Checkpointer` stays a facade over save, load and shutdown, and a
-framework's checkpoint manager (integrations/) can read one module to do the same walk-back.
+for the saved values is the caller's and raises). Kept apart, `Checkpointer` stays a facade over save, load and
+shutdown, and a framework's checkpoint manager (integrations/) can read one module to do the same walk-back.
 
 Every function here is collective over `LatestCleanLoader.group` unless it says "coordinator"; every rank gets
 the same outcome (the candidate is broadcast, byte verdicts are all_gathered, signatures come from one
