@@ -33,6 +33,7 @@ from scout_ckpt.consensus.save_time import start_consensus
 from scout_ckpt.errors import BadOption, LiveStateCorrupt, ScoutError
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
+from scout_ckpt.ops.startup import StartRefused, open_run_ledger
 from scout_ckpt.options import ObserverOptions, ReplayOptions, ShardEvidenceOptions, StorageOptions
 from scout_ckpt.save import commit, placement
 from scout_ckpt.save import log as scout_log
@@ -76,7 +77,10 @@ class Checkpointer:
     live state bad does (LiveStateCorrupt, see `save`).
 
     Opening a Checkpointer on a ROOT where another process is saving leaves that save alone: start-up settles
-    only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile).
+    only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile). A ledger lost beside
+    checkpoints (missing, empty, not SQLite) is rebuilt from their manifests and the journal first; one that
+    cannot be read otherwise stops the start on every rank with an error naming `scout-ckpt ledger rebuild`
+    (ops/startup.py): a job never trains from step 0 over existing checkpoints.
 
     `root` may be an object-store URI (`s3://bucket/prefix`, the `scout-ckpt[s3]` extra): the ledger then lives
     in `ledger_dir` (local or shared POSIX), `storage_options` go to fsspec (s3fs: client_kwargs=
@@ -161,15 +165,25 @@ class Checkpointer:
         self.topology = {k: topo[k] for k in ("mode", "world_size", "mesh_shape", "mesh_dim_names", "dim_roles",
                                               "compare_dims", "replica_groups", "problems")}
         self.ledger: Ledger | None = None
-        run_id = None
+        run_id, refusal = None, None
         if self.is_coordinator:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self.ledger = Ledger.open(self.root, create=True, journal=self.ledger_journal)
-            commit.reconcile(self.ledger, self.root, store=self.store)
-            run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
-            self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology, policy=self.policy,
-                                  versions=self._versions())
-        self.run_id = self._broadcast(run_id)
+            try:  # a lost ledger beside checkpoints is rebuilt, never started afresh (ops/startup.py)
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.ledger = open_run_ledger(self.root, journal=self.ledger_journal, store=self.store)
+                commit.reconcile(self.ledger, self.root, store=self.store)
+                run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+                self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology,
+                                      policy=self.policy, versions=self._versions())
+            except Exception as e:  # every rank must still reach the broadcast below, and raise with it
+                refusal = e
+        run_id, why = self._broadcast((run_id, None if refusal is None else str(refusal) or type(refusal).__name__))
+        if why is not None:
+            if self.ledger is not None:
+                self.ledger.close()
+            if isinstance(refusal, ScoutError):
+                raise refusal   # the coordinator's own error; every other rank raises StartRefused with its text
+            raise StartRefused(why) from refusal
+        self.run_id = run_id
         self._evidence.bind(ledger=self.ledger, run_id=self.run_id)
         if self.replay is not None:
             self.replay.bind(ledger=self.ledger, root=self.root, run_id=self.run_id, policy=self.policy,
