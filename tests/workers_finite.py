@@ -74,20 +74,25 @@ def healthy_state() -> dict:
 
 def save_cases(rank, world, root, cases):
     """One save per case, step i for cases[i - 1], then a healthy step; returns {case: verdict, "healthy": ...}.
-    Consensus is off (one rank has no replica), so a healthy save is certified."""
+    Consensus is off (one rank has no replica), so a healthy save is certified. Each case has a Checkpointer of
+    its own, as a restarted job would: a save that finds non-finite values ends its generation (LiveStateCorrupt,
+    whose verdict is recorded) and would taint the saves after it."""
+    from scout_ckpt.errors import LiveStateCorrupt
+
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    ckpt = Checkpointer(root, model=model, consensus=False)
     out = {}
-    try:
-        for step, case in enumerate(list(cases) + ["healthy"], start=1):
-            x = healthy_state() if case == "healthy" else case_state(case)
-            try:
-                out[case] = ckpt.save(step, {"model": model.state_dict(), "x": x})
-            except BaseException as e:  # recorded for the test (DCP raises CheckpointException, a BaseException)
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                out[case] = {"raised": f"{type(e).__name__}: {str(e)[-300:]}"}
-    finally:
-        ckpt.close()
+    for step, case in enumerate(list(cases) + ["healthy"], start=1):
+        x = healthy_state() if case == "healthy" else case_state(case)
+        ckpt = Checkpointer(root, model=model, consensus=False)
+        try:
+            out[case] = ckpt.save(step, {"model": model.state_dict(), "x": x})
+        except LiveStateCorrupt as e:
+            out[case] = e.verdict
+        except BaseException as e:  # recorded for the test (DCP raises CheckpointException, a BaseException)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            out[case] = {"raised": f"{type(e).__name__}: {str(e)[-300:]}"}
+        finally:
+            ckpt.close()
     return out
