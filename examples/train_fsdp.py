@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from scout_ckpt import Checkpointer, ModelOptimizerState
+from scout_ckpt import Checkpointer, LiveStateCorrupt, ModelOptimizerState
 
 
 class Block(nn.Module):
@@ -112,6 +112,8 @@ def main():
     ap.add_argument("--update-fault", default=None)
     ap.add_argument("--kill-after-fault", type=int, default=-1)
     ap.add_argument("--final-digest", action="store_true", help="print the full-state digest at the end too")
+    ap.add_argument("--on-live-fault", choices=("raise", "continue"), default="raise",
+                    help="the Checkpointer's on_live_fault (default: its own default)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -155,6 +157,8 @@ def main():
         opt.register_step_post_hook(faulty_update)
 
     kw = {} if args.shard_evidence == "default" else {"shard_evidence": args.shard_evidence == "on"}
+    if args.on_live_fault != "raise":
+        kw["on_live_fault"] = args.on_live_fault
     ckpt = Checkpointer(args.root, model=model, optimizer=opt, **kw)
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
@@ -186,7 +190,13 @@ def main():
             say("crash", rank=rank, step=step, attempt=attempt)
             os.kill(os.getpid(), signal.SIGKILL)
         if step % args.save_every == 0:
-            verdict = ckpt.save(step, state)
+            try:
+                verdict = ckpt.save(step, state)
+            except LiveStateCorrupt as e:   # every rank: the generation ends, torchrun restarts from a clean step
+                if rank == 0:
+                    say("saved", attempt=attempt, step=step, digest=None, state=e.verdict["state"],
+                        reasons=e.verdict["reasons"], live_fault=e.verdict.get("live_fault"))
+                raise
             digest = full_state_digest(model, opt)
             if rank == 0:
                 say("saved", attempt=attempt, step=step, digest=digest, state=(verdict or {}).get("state"),

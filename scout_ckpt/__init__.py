@@ -22,6 +22,13 @@ _LAZY = {
     "evaluate": "scout_ckpt.policy",
     "latest_clean": "scout_ckpt.ops.recovery",
     "ScoutError": "scout_ckpt.errors",
+    "BadOption": "scout_ckpt.errors",
+    "LiveStateCorrupt": "scout_ckpt.errors",
+    "ReplayOptions": "scout_ckpt.options",
+    "ObserverOptions": "scout_ckpt.options",
+    "StragglerRule": "scout_ckpt.options",
+    "ShardEvidenceOptions": "scout_ckpt.options",
+    "StorageOptions": "scout_ckpt.options",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
@@ -29,5 +36,7 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 def __getattr__(name: str):
     if name in _LAZY:
+        if name == "latest_clean":   # a ROOT may hold the Trainer's checkpoint-N folders: register that layout
+            importlib.import_module("scout_ckpt.integrations.folders")
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'scout_ckpt' has no attribute {name!r}")

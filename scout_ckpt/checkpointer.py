@@ -25,18 +25,21 @@ import torch.distributed.checkpoint as dcp
 
 import scout_ckpt
 from scout_ckpt import invariants as inv
-from scout_ckpt import object_store, policy
+from scout_ckpt import object_store, options, policy
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
-from scout_ckpt.errors import ScoutError
+from scout_ckpt.errors import BadOption, LiveStateCorrupt, ScoutError
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
+from scout_ckpt.ops.startup import StartRefused, open_run_ledger
+from scout_ckpt.options import ObserverOptions, ReplayOptions, ShardEvidenceOptions, StorageOptions
 from scout_ckpt.save import commit, placement
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.app_state import RankLocal
 from scout_ckpt.save.async_save import AsyncSaves
+from scout_ckpt.save.commit import CommitError
 from scout_ckpt.save.evidence.boundary import SaveEvidence
 from scout_ckpt.save.evidence.replay import ReplayEvidence
 from scout_ckpt.save.evidence.shard import ShardEvidence
@@ -54,20 +57,30 @@ def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
 class Checkpointer:
     """Certified DCP checkpoints under `root`.
 
-    Options: `async_save` (save() copies the state into a host buffer kept between saves, as DCP's
-    cache_staged_state_dict does, and returns; DCP writes that copy in a commit thread on the checkpointer's own
-    gloo groups; on an object store: dcp.async_save), `keep` (retention after each
+    Options (the grouped ones are frozen dataclasses of scout_ckpt/options.py, a docstring per field; a dict
+    with the same keys, True or False is accepted and converted there, and a misspelled key fails at once):
+    `replay` (ReplayOptions; None: on where the topology has no replicas), `observer` (ObserverOptions with its
+    StragglerRule; None: off), `shard_evidence` (ShardEvidenceOptions; None: on for sharded layouts with a
+    supported optimizer), `storage` (StorageOptions: `ledger_dir`, `storage_options`, `ledger_journal`, which
+    are also accepted as keywords of their own). `async_save` (save() copies the state into a host buffer kept
+    between saves, as DCP's cache_staged_state_dict does, and returns; DCP writes that copy in a commit thread on
+    the checkpointer's own gloo groups; on an object store: dcp.async_save), `keep` (retention after each
     durable commit: the `keep` newest certified checkpoints and every newer one still awaiting evidence),
     `mesh` (the job's DeviceMesh; by default the root mesh of the model's DTensor parameters: replica groups
     follow from it and each DTensor's placements), `mode`/`mesh_shape` (the old names "ddp", "fsdp", "hsdp" +
-    (replicate, shard); only when given do they override what the mesh says), `fault_hook(point, step)`
-    (tests and the demo: called at before_write, during_write, after_write, before_rename, after_rename,
-    retention (coordinator), after_commit, and after_load). `ledger_journal` ("auto" | "wal" | "delete"; default
-    SCOUT_CKPT_LEDGER_JOURNAL, else auto): the ledger's SQLite journal mode; auto picks WAL on a local disk and
-    the rollback journal on a network or FUSE filesystem (ledger/fsdetect.py).
+    (replicate, shard); only when given do they override what the mesh says), `invariants` (specs, e.g.
+    ["finite"]), `consensus`/`consensus_exclude` (replica consensus, and fnmatch patterns of keys left out of
+    it), `finite` (the writers' finite check), `verify_load` (compare loaded values with the signatures recorded
+    at save), `timeout_s` (the side groups' timeout), `fault_hook(point, step)` (tests and the demo: called at
+    before_write, during_write, after_write, before_rename, after_rename, retention (coordinator), after_commit,
+    and after_load). `on_live_fault` ("raise", the default, or "continue"): what a save whose evidence shows the
+    live state bad does (LiveStateCorrupt, see `save`).
 
     Opening a Checkpointer on a ROOT where another process is saving leaves that save alone: start-up settles
-    only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile).
+    only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile). A ledger lost beside
+    checkpoints (missing, empty, not SQLite) is rebuilt from their manifests and the journal first; one that
+    cannot be read otherwise stops the start on every rank with an error naming `scout-ckpt ledger rebuild`
+    (ops/startup.py): a job never trains from step 0 over existing checkpoints.
 
     `root` may be an object-store URI (`s3://bucket/prefix`, the `scout-ckpt[s3]` extra): the ledger then lives
     in `ledger_dir` (local or shared POSIX), `storage_options` go to fsspec (s3fs: client_kwargs=
@@ -78,25 +91,44 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer | None = None, mode: str | None = None,
                  mesh_shape: tuple[int, ...] | None = None, mesh=None, async_save: bool = False,
                  keep: int | None = None,
-                 replay: dict | bool | None = None, observer: dict | bool | None = None,
+                 replay: ReplayOptions | dict | bool | None = None,
+                 observer: ObserverOptions | dict | bool | None = None,
                  invariants: list | None = None, consensus: bool = True, finite: bool = True,
                  consensus_exclude: tuple[str, ...] = (), verify_load: bool = True,
                  fault_hook: FaultHook | None = None, timeout_s: float = 600.0,
-                 shard_evidence: dict | bool | None = None, ledger_journal: str | None = None,
+                 shard_evidence: ShardEvidenceOptions | dict | bool | None = None,
+                 on_live_fault: str = "raise",
+                 storage: StorageOptions | None = None, ledger_journal: str | None = None,
                  ledger_dir: str | os.PathLike | None = None, storage_options: dict | None = None):
+        # Every option is checked here, the same on every rank, before anything collective (options.py).
+        replay, observer = options.as_replay(replay), options.as_observer(observer)
+        shard_evidence = options.as_shard_evidence(shard_evidence)
+        storage = options.as_storage(storage, ledger_dir=ledger_dir, storage_options=storage_options,
+                                     ledger_journal=ledger_journal)
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise BadOption(f"keep must be an integer of at least 1 (got {keep!r})")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise BadOption(f"timeout_s must be a number > 0 (got {timeout_s!r})")
+        if on_live_fault not in ("raise", "continue"):
+            raise BadOption(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
+        if isinstance(consensus_exclude, str):
+            raise BadOption(f"consensus_exclude must be a list of patterns, not one string ({consensus_exclude!r})")
         if not dist.is_initialized():
             raise ScoutError("Checkpointer needs an initialized default process group (init_process_group)")
-        if keep is not None and keep < 1:
-            raise ScoutError(f"keep must be at least 1 (got {keep})")
         # "auto" | "wal" | "delete" (ledger/fsdetect.py); checked on every rank before anything collective
-        self.ledger_journal = fsdetect.resolve_mode(ledger_journal)
+        self.ledger_journal = fsdetect.resolve_mode(storage.ledger_journal)
         self.model, self.optimizer = model, optimizer
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        scout_log.warn_restart_env(self.rank, os.environ)
         # self.root is where the ledger lives: ROOT itself, or ledger_dir for an object-store URI (self.store).
-        self.store, self.root = object_store.locate(root, ledger_dir=ledger_dir, storage_options=storage_options,
-                                                    coordinator=self.rank == COORDINATOR)
+        self.store, self.root = object_store.locate(
+            root, ledger_dir=storage.ledger_dir,
+            storage_options=dict(storage.storage_options) if storage.storage_options is not None else None,
+            coordinator=self.rank == COORDINATOR)
         self.is_coordinator = self.rank == COORDINATOR
         self.async_save, self.keep, self.fault_hook = async_save, keep, fault_hook
+        self.on_live_fault = on_live_fault
+        self._live_fault: LiveStateCorrupt | None = None   # an async save's, raised on the training thread
         self.finite = finite
         topo = self._topology(mode, mesh_shape, mesh)
         self.mode, self.mesh_shape = topo["mode"], tuple(topo["mesh_shape"])
@@ -133,15 +165,25 @@ class Checkpointer:
         self.topology = {k: topo[k] for k in ("mode", "world_size", "mesh_shape", "mesh_dim_names", "dim_roles",
                                               "compare_dims", "replica_groups", "problems")}
         self.ledger: Ledger | None = None
-        run_id = None
+        run_id, refusal = None, None
         if self.is_coordinator:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self.ledger = Ledger.open(self.root, create=True, journal=self.ledger_journal)
-            commit.reconcile(self.ledger, self.root, store=self.store)
-            run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
-            self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology, policy=self.policy,
-                                  versions=self._versions())
-        self.run_id = self._broadcast(run_id)
+            try:  # a lost ledger beside checkpoints is rebuilt, never started afresh (ops/startup.py)
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.ledger = open_run_ledger(self.root, journal=self.ledger_journal, store=self.store)
+                commit.reconcile(self.ledger, self.root, store=self.store)
+                run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+                self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology,
+                                      policy=self.policy, versions=self._versions())
+            except Exception as e:  # every rank must still reach the broadcast below, and raise with it
+                refusal = e
+        run_id, why = self._broadcast((run_id, None if refusal is None else str(refusal) or type(refusal).__name__))
+        if why is not None:
+            if self.ledger is not None:
+                self.ledger.close()
+            if isinstance(refusal, ScoutError):
+                raise refusal   # the coordinator's own error; every other rank raises StartRefused with its text
+            raise StartRefused(why) from refusal
+        self.run_id = run_id
         self._evidence.bind(ledger=self.ledger, run_id=self.run_id)
         if self.replay is not None:
             self.replay.bind(ledger=self.ledger, root=self.root, run_id=self.run_id, policy=self.policy,
@@ -153,13 +195,11 @@ class Checkpointer:
                              "invariants": self.policy["invariants"], "versions": self._versions()})
         self.observer = None
         if observer:
-            cfg = {} if observer is True else dict(observer)
             self.observer = Observer.start(
                 self.root, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
-                stall_s=cfg.pop("stall_s", 60.0), action=cfg.pop("action", "report"),
                 ignore_groups=[self._pg] + (self._async.process_groups if self._async else [])
                 + (self.groups.process_groups if self.groups else []),
-                **cfg)
+                **observer.start_kwargs())
         if self.observer is not None and model is not None:
             self.observer.attach(model, optimizer)
         self._loader = LatestCleanLoader(self.root, self.rank, self.world_size, self._pg, self.ledger, self.run_id,
@@ -206,6 +246,7 @@ class Checkpointer:
         self._bookkeeping_s = 0.0
         if self._async is not None:
             self._async.raise_error()
+        self._raise_live_fault()
         if self.observer is not None:
             self.observer.step(step, duration_s=self.last_step_s)
         if self.shard is not None:
@@ -248,18 +289,29 @@ class Checkpointer:
     def save(self, step: int, state: dict) -> dict | None:
         """Save the state after `step` optimizer steps; every rank calls it with the same step.
 
-        Sync: returns the verdict {"state", "reasons"} on every rank (the manifest's: an error in the ledger
-        write or retention after the rename is recorded as an event, never raised). Async: returns None at once;
-        the commit happens when the upload has completed everywhere, and its failure is raised at the next
-        step()/save()/wait(). Raises on every rank: SaveRefused when the coordinator cannot start the save (the
-        step is quarantined), CommitError when nothing was published; an async save to a POSIX ROOT begins in its
-        commit thread, so both come from its next step()/save()/wait() (as ScoutError, the cause chained)."""
+        Sync: returns the verdict on every rank, the manifest's: {"state": "certified" | "committed" |
+        "rejected", "reasons": [{"code", ...}], "live_fault": [kinds]} ("live_fault" only when the evidence
+        showed the live state bad; an error in the ledger write or retention after the rename is recorded as an
+        event, never raised). Async: returns None at once; the commit happens when the upload has completed
+        everywhere, and its failure is raised at the next step()/save()/wait().
+
+        A verdict with "live_fault" (replicas disagreed, replay or a shard's update did not recompute, a shard
+        changed at rest, non-finite values, a hardware fault) means every later checkpoint descends from bad
+        state: by default (`on_live_fault="raise"`) save raises LiveStateCorrupt on every rank, after the
+        verdict is durable, so the generation ends together and torchrun restarts from the latest clean step
+        (async: at the next step()/save()/wait()). With "continue" training goes on and every later save is
+        rejected (`lineage_tainted`) until `load_latest_clean` loads a clean checkpoint.
+
+        Raises on every rank: SaveRefused when the coordinator cannot start the save (the step is quarantined),
+        CommitError when nothing was published; an async save to a POSIX ROOT begins in its commit thread, so
+        both come from its next step()/save()/wait() (as ScoutError, the cause chained)."""
         if self._closed:
             raise ScoutError("Checkpointer is closed")
+        self._raise_live_fault()   # the previous async save's, if it found the live state bad
         t0 = time.monotonic()
         with self.phase("checkpoint"):
             try:
-                return self._save(step, state)
+                verdict = self._save(step, state)
             except BaseException:
                 # A collective of ours failed (a peer died mid-save): tell the observer this rank is a victim,
                 # so that only the rank that really died is reported as a crash.
@@ -270,9 +322,14 @@ class Checkpointer:
                 # The save is not training compute: left in the next step's time, the coordinator's commit
                 # work (manifest, ledger) made it look like a straggler on a loaded machine.
                 self._bookkeeping_s += time.monotonic() - t0
+        self._raise_live_fault()   # outside the phase: it stops the observer (the generation ends by decision)
+        return verdict
 
     def _save(self, step: int, state: dict) -> dict | None:
-        self.wait()
+        if self._async is not None:
+            self._async.wait()
+            if self._live_fault is not None and self.on_live_fault == "raise":
+                return None   # the previous save found the live state bad: save() raises, outside the phase
         self._save_started = time.monotonic()
         self._save_started_wall = time.time()
         if self.replay is not None:
@@ -316,7 +373,18 @@ class Checkpointer:
         writer.in_flight = in_flight
         if self.async_save:  # object store: evidence from the live state, then dcp.async_save (async_save.py)
             return self._async.start_store(self, step, flat, hashing, pending, writer)
-        dcp.save(flat, storage_writer=writer, process_group=self._pg)
+        try:
+            dcp.save(flat, storage_writer=writer, process_group=self._pg)
+        except dcp.api.CheckpointException as e:
+            # DCP gathered every rank's write result and raises the same CheckpointException (a BaseException: a
+            # training loop's `except Exception` would not see it) on every rank, e.g. a full disk. Nothing was
+            # published: the coordinator rejects the `writing` row and removes the temp dir now (the space is
+            # freed for the next save), and every rank raises CommitError, an Exception, naming the cause. (A
+            # collective that broke because a peer died raises something else: the row is then settled at the
+            # restart as `save_interrupted`, by commit.reconcile.)
+            if self.is_coordinator:
+                self._committer.abandon(pending, e)
+            raise CommitError(f"checkpoint {step} not saved: {commit.write_failure(e)}") from e
         live = self._live_evidence(step, flat, hashing)
         return self._commit(pending, writer, live, self._pg)
 
@@ -343,6 +411,13 @@ class Checkpointer:
         verdict = self._committer.finish(pending, writer, group,
                                          assess=lambda gathered: self._assess(gathered, live))
         self._last_verdict = verdict
+        if verdict.get("live_fault"):   # the same on every rank (the coordinator's verdict, broadcast)
+            if self._evidence.tainted is None:
+                self._evidence.tainted = {"step": pending.step, "kinds": list(verdict["live_fault"])}
+            if self.is_coordinator:   # in the ledger before any rank acts on it
+                self._record_live_fault(pending.step, verdict)
+            if self.on_live_fault == "raise":
+                self._live_fault = LiveStateCorrupt(pending.step, verdict)
         scout_log.save_verdict(self.rank, pending.step, verdict, time.monotonic() - self._save_started,
                                [k for k in self.policy["require"]])
         self._hook("after_commit", pending.step)
@@ -354,9 +429,33 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the pending async save is committed (or failed) on this rank; raises its error (as
-        ScoutError, the cause chained) once."""
+        ScoutError, the cause chained) once, or LiveStateCorrupt when its verdict showed the live state bad."""
         if self._async is not None:
             self._async.wait()
+        self._raise_live_fault()
+
+    def _record_live_fault(self, step: int, verdict: dict) -> None:
+        """Coordinator: a `live_fault` event (the report's timeline, the demo's generation story): which evidence
+        found the live state bad at `step`, the ranks it names, and what the job does about it."""
+        ranks = sorted({r for reason in verdict.get("reasons") or [] for r in reason.get("ranks") or []
+                        if isinstance(r, int)})
+        try:
+            self.ledger.add_event("live_fault", step=step, ranks=ranks, run_id=self.run_id, detail={
+                "kinds": list(verdict["live_fault"]),
+                "codes": sorted({r.get("code") for r in verdict.get("reasons") or []}),
+                "action": "generation ended" if self.on_live_fault == "raise" else "training continued"})
+        except Exception as e:  # noqa: BLE001 - the verdict is in the manifest and the ledger row already
+            scout_log.logger.warning("step %d: the live_fault event was not recorded (%s)", step, e)
+
+    def _raise_live_fault(self) -> None:
+        if self._live_fault is not None:
+            e, self._live_fault = self._live_fault, None
+            # The generation ends by decision, on every rank: the observers are told so (a closed heartbeat), or
+            # the rank that happens to leave first would be reported as a crash.
+            if self.observer is not None:
+                self.observer.stop()
+                self.observer = None
+            raise e
 
     @property
     def last_verdict(self) -> dict | None:
@@ -378,6 +477,8 @@ class Checkpointer:
         scout_ckpt/save/loading.py."""
         self.wait()
         step = self._loader.load(state)
+        # What was loaded (or the fresh start) is the new lineage: nothing before it taints the saves to come.
+        self._evidence.tainted, self._live_fault = None, None
         if step is None:
             return None
         if self.replay is not None:

@@ -130,17 +130,22 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
     roots.check_writable(root)
     with _progress(not as_json and sys.stderr.isatty()) as progress_factory:
         results = certify(root, [step] if step is not None else None, progress_factory=progress_factory)
-    ok = all(r["state"] == "certified" for r in results)
+    ok = all(r["state"] == "certified" and not r.get("could_not_check") for r in results)
     if as_json:
         _emit({"results": results, "certified": ok})
     else:
         for r in results:
-            print(f"step {r['step']}: {r['state']}" + (f"  {_reason_text(r['reasons'])}" if r["reasons"] else ""))
+            print(f"step {r['step']}: {r['state']}" + (f"  {_reason_text(r['reasons'])}" if r["reasons"] else "")
+                  + (f"  (could not check now: {_reason_text(r['could_not_check'])}; left as it was)"
+                     if r.get("could_not_check") else ""))
     if not ok:
-        bad = [r for r in results if r["state"] != "certified"]
-        print(f"scout-ckpt: {len(bad)} of {len(results)} step(s) not certified; first: step {bad[0]['step']} is "
-              f"{bad[0]['state']}" + (f" ({_reason_text(bad[0]['reasons'])})" if bad[0]["reasons"] else ""),
-              file=sys.stderr)
+        bad = [r for r in results if r["state"] != "certified" or r.get("could_not_check")]
+        first = bad[0]
+        what = (f"could not be checked now ({_reason_text(first['could_not_check'])}); it is still {first['state']}"
+                if first.get("could_not_check") else
+                f"is {first['state']}" + (f" ({_reason_text(first['reasons'])})" if first["reasons"] else ""))
+        print(f"scout-ckpt: {len(bad)} of {len(results)} step(s) not certified now; first: step {first['step']} "
+              f"{what}", file=sys.stderr)
         raise typer.Exit(1)
 
 
@@ -408,7 +413,8 @@ def _skip_pandas() -> None:
 
 
 def main(argv: List[str] | None = None) -> None:
-    """Console script: map errors to exit codes with one line on stderr, never a traceback."""
+    """Console script: map errors to exit codes with one line on stderr, never a traceback. An OSError that
+    reaches here (a command met a path it cannot read or write) is bad input too: exit 2, one line."""
     if argv is None:   # this process is the command line (not a caller passing argv): see _skip_pandas
         _skip_pandas()
     try:
@@ -425,7 +431,20 @@ def main(argv: List[str] | None = None) -> None:
         sys.exit(getattr(e, "exit_code", 2) or 2)
     except BrokenPipeError:
         sys.exit(0)
+    except OSError as e:  # the world refused (a full disk, a directory where a file goes, EACCES): bad input
+        print(f"scout-ckpt: error: {_os_error_text(e)}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def _os_error_text(e: OSError) -> str:
+    """One line for an OSError: the path(s) and the system's words ("outdir: Is a directory")."""
+    what = e.strerror or str(e) or type(e).__name__
+    if e.filename is not None and e.filename2 is not None:
+        what = f"{e.filename} -> {e.filename2}: {what}"
+    elif e.filename is not None:
+        what = f"{e.filename}: {what}"
+    return " ".join(what.split())
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ class BadInput(ScoutError):
     exit_code = 2
 
 
+class BadOption(BadInput, ValueError):
+    """An API option is misspelled or out of range (scout_ckpt/options.py); the message names the field."""
+
+
 class LedgerError(BadInput):
     """The ledger is missing, not SQLite, of a newer schema, or locked beyond the busy timeout."""
 
@@ -39,6 +43,24 @@ class NoCleanCheckpoint(NotFound):
             f" ({len(reasons[0].get('skipped', []))} failed re-verification)" if reasons and reasons[0].get("skipped")
             else ""))
         self.reasons = reasons
+
+
+class LiveStateCorrupt(ScoutError):
+    """A save's evidence showed that the live training state is bad (replicas disagreed, replay or a shard's
+    update did not recompute, a shard changed at rest, non-finite values, a hardware fault): every checkpoint
+    the job would save from here on descends from it. `Checkpointer.save` raises it on every rank (async: at the
+    next step()/save()/wait()) so that the generation ends and torchrun restarts from the latest clean
+    checkpoint; `on_live_fault="continue"` keeps training instead (every later save is then rejected,
+    `lineage_tainted`, until a clean checkpoint is loaded). `step` and `verdict` are the save's."""
+
+    exit_code = 1
+
+    def __init__(self, step: int, verdict: dict):
+        kinds = ", ".join(verdict.get("live_fault") or []) or "evidence"
+        codes = ", ".join(sorted({r.get("code", "?") for r in verdict.get("reasons") or []})) or "-"
+        super().__init__(f"checkpoint {step} shows the live training state is bad ({kinds}: {codes}); ending the "
+                         "generation so that it restarts from the latest clean checkpoint")
+        self.step, self.verdict = step, verdict
 
 
 class Quarantined(ScoutError):

@@ -71,3 +71,24 @@ def evaluate(policy: dict, ev: dict[str, dict]) -> Verdict:
     if pending:
         return Verdict("committed", pending)
     return Verdict("certified", [])
+
+
+# Evidence about the files on disk, not the state in memory: a bytes failure leaves the live state as good as it
+# was. `lineage` is this module's own verdict on what came before, not new evidence about the state.
+NOT_LIVE = ("bytes", "lineage")
+
+
+def live_faults(ev: dict[str, dict]) -> list[str]:
+    """The kinds of evidence that found the live state itself bad (fail or inconclusive): every checkpoint saved
+    from that state afterwards descends from it. Sorted; empty when none did."""
+    return sorted(k for k, item in ev.items()
+                  if k not in NOT_LIVE and isinstance(item, dict) and item.get("status") in (FAIL, INCONCLUSIVE))
+
+
+def lineage_evidence(tainted: dict | None) -> dict | None:
+    """The `lineage` evidence of a save made after a live fault ({"step", "kinds"}) and before a clean load: fail."""
+    if tainted is None:
+        return None
+    return evidence(FAIL, [{"code": "lineage_tainted", "since": tainted["step"], "kinds": list(tainted["kinds"]),
+                            "detail": f"the state descends from step {tainted['step']}, whose evidence showed the "
+                                      "live state bad; load a clean checkpoint"}])

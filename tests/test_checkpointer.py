@@ -76,6 +76,8 @@ def test_sigkill_during_save_never_leaves_a_bad_checkpoint(tmp_path, point, vict
 def test_nonfinite_state_is_rejected_by_the_writing_rank(tmp_path):
     out = run_ranks(w.save_nonfinite, 3, str(tmp_path), timeout=60)
     assert all(o.result["broadcast_ok"] for o in out)
+    assert all(o.result["raised"] == [True, True] for o in out)     # LiveStateCorrupt on every rank, by default
+    assert all(o.result["reloaded"] == 1 for o in out)
     assert out[0].result["good"]["state"] == "certified"
     bad = out[0].result["bad"]
     assert bad["state"] == "rejected"

@@ -185,8 +185,9 @@ def test_ledger_rebuild_from_manifests(ckpt_root):
     assert all(r["state"] == "certified" for r in certify(ckpt_root))
     before = [(s, st) for s, st, _ in _ledger_rows(ckpt_root)]
     (ckpt_root / LEDGER_NAME).unlink()
-    rc, _, err = run_cli("ls", ckpt_root)
-    assert rc == 2 and "no scout-ckpt ledger" in err
+    # a ledger lost beside checkpoints is no empty run: ls answers from the manifests and names the remedy
+    rc, out, err = run_cli("ls", ckpt_root, "--json")
+    assert rc == 0 and json.loads(out)["source"] == "manifests" and "scout-ckpt ledger rebuild" in err
     rc, out, _ = run_cli("ledger", "rebuild", ckpt_root, "--json")
     assert rc == 0
     assert [(s, st) for s, st, _ in _ledger_rows(ckpt_root)] == before
@@ -336,7 +337,7 @@ def test_locked_ledger_readers_work_writers_fail_cleanly(ckpt_root):
 
 
 def test_read_only_commands_do_not_import_torch(ckpt_root):
-    """ls, explain and resume import no torch; certify (which checks tensors with torch) reads DCP's metadata
+    """ls, explain, resume and report import no torch; certify (which checks tensors with torch) reads DCP's metadata
     through dcp_meta's stand-ins and never imports torch.distributed.checkpoint (2 s of imports); the command line
     keeps sqlite-utils from importing pandas (sys.argv: `main()` as the console script calls it)."""
     code = ("import sys\nfrom scout_ckpt.cli import main\n"
@@ -353,7 +354,7 @@ def test_read_only_commands_do_not_import_torch(ckpt_root):
         assert p.stderr.strip().splitlines()[-1] == expect, (args, p.stderr)
 
     cases = (["NO-TORCH NO-DCP NO-PANDAS 0", "ls"], ["NO-TORCH NO-DCP NO-PANDAS 0", "explain", "4"],
-             ["NO-TORCH NO-DCP NO-PANDAS 0", "resume", "--latest-clean"],
+             ["NO-TORCH NO-DCP NO-PANDAS 0", "resume", "--latest-clean"], ["NO-TORCH NO-DCP NO-PANDAS 0", "report"],
              ["TORCH NO-DCP NO-PANDAS 0", "certify", "--all"])
     run_cases({args[1]: (lambda i=i, a=args: case(i, *a)) for i, args in enumerate(cases)})
 

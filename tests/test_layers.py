@@ -13,9 +13,10 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "scout_ckpt"
 
-# Lowest first. Top-level modules are wings of their own (errors, policy, checkpointer, cli).
+# Lowest first. Top-level modules are wings of their own (errors, policy, options, checkpointer, cli).
 LAYERS: list[set[str]] = [
     {"errors", "policy"},                  # pure: exit codes, the one policy
+    {"options"},                           # the Checkpointer's options as validated dataclasses
     {"consensus", "invariants"},           # C3 signatures and verdicts; model-intrinsic checks
     {"format"},                            # the on-disk truth: layout, manifest, digests, DCP readers, verify
     {"object_store"},                      # the S3 / fsspec backend of the format

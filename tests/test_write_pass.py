@@ -77,5 +77,38 @@ def test_file_digests_and_signatures_taken_in_one_pass(tmp_path, monkeypatch):
 def test_a_registered_tensor_that_never_passed_through_is_reported_unseen():
     t = torch.randn(512, 512)
     key = written_key(t)
-    work = WritePass(None, {key: ("w", t)})
+    work = WritePass(None, {key: [("w", t)]})
     assert [fqn for fqn, _ in work.unseen()] == ["w"]   # the writer then checks it itself
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("first", ["bf16", "f32"])
+def test_aliases_of_one_storage_are_each_checked_in_their_own_dtype(tmp_path, first):
+    """A bfloat16 tensor holding a NaN and a float32 `.view()` of the same storage: DCP writes the storage once
+    per key, as one buffer each time. The NaN is the low half of a float32 element, so it reads as a finite
+    float32: the writer checks the bytes as every dtype that views them and names exactly the bfloat16 key,
+    once, whichever alias comes first."""
+    a = torch.ones(1 << 17, dtype=torch.bfloat16)
+    a[0] = float("nan")
+    b = a.view(torch.float32)
+    assert bool(torch.isfinite(b).all()) and b.nbytes == a.nbytes and written_key(a) == written_key(b)
+    state = {"bad": a, "view": b} if first == "bf16" else {"view": b, "bad": a}
+    writer = ScoutWriter(tmp_path, step=1)
+    dcp.save(state, storage_writer=writer)
+    assert writer.nonfinite == ["bad"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_large_complex_and_fp8_tensors_are_checked_as_they_are_written(tmp_path):
+    """Non-floating to `is_floating_point` (complex) or without an isfinite kernel (float8_e4m3fn): the pieces of
+    a large one are still checked, in an interior piece."""
+    n = 3 * PIECE // 8
+    c = torch.ones(n, dtype=torch.complex64)
+    torch.view_as_real(c)[n // 2 + 1, 1] = float("-inf")          # an imaginary part, in the second piece
+    f8 = torch.ones(3 * PIECE, dtype=torch.float32).to(torch.float8_e4m3fn)
+    f8.view(torch.uint8)[PIECE + 5] = 0xFF                           # e4m3fn's negative NaN
+    ok = torch.ones(3 * PIECE, dtype=torch.float32).to(torch.float8_e4m3fn)
+    ok.view(torch.uint8)[PIECE + 5] = 0x7E                           # 448, the largest finite e4m3fn
+    writer = ScoutWriter(tmp_path, step=1)
+    dcp.save({"c": c, "f8": f8, "ok": ok}, storage_writer=writer)
+    assert sorted(writer.nonfinite) == ["c", "f8"]

@@ -184,7 +184,9 @@ def save_nonfinite(rank, world, root):
     good = ckpt.save(1, state_of(model, opt))
     with torch.no_grad():
         model[2].weight[1, 3] = float("nan")
-    bad = ckpt.save(2, state_of(model, opt))
+    bad, raised = _live_fault(ckpt, 2, state_of(model, opt))
+    # The live state is bad: the job goes on only from a clean checkpoint (step 1), as a restart would.
+    reloaded = ckpt.load_latest_clean(state_of(model, opt))
     # Large tensors are checked piece by piece (1 MiB) as they are written (write_pass.py): a non-finite element in
     # an interior piece, in a bfloat16 tensor's last piece, and in a transposed tensor (written in storage order).
     g = torch.Generator().manual_seed(0)
@@ -196,7 +198,7 @@ def save_nonfinite(rank, world, root):
     big["a"].view(-1)[(2 << 20) // 4 + 77] = float("inf")
     big["b"].view(-1)[-3] = float("nan")
     big["c"].t()[400, 17] = float("-inf")
-    big_bad = ckpt.save(4, {**state_of(model, opt), "big": big})
+    big_bad, raised_big = _live_fault(ckpt, 4, {**state_of(model, opt), "big": big})
     # The commit's broadcast: one collective for a small payload, a second one for a long one (every rank alike).
     from scout_ckpt.save.commit import _broadcast
 
@@ -204,7 +206,19 @@ def save_nonfinite(rank, world, root):
     sent = [None, bad, long]
     got = [_broadcast(obj if rank == 0 else "other", ckpt._pg) for obj in sent]
     ckpt.close()
-    return {"good": good, "bad": bad, "broadcast_ok": got == sent, "big_ok": big_ok, "big_bad": big_bad}
+    return {"good": good, "bad": bad, "broadcast_ok": got == sent, "big_ok": big_ok, "big_bad": big_bad,
+            "raised": [raised, raised_big], "reloaded": reloaded}
+
+
+def _live_fault(ckpt, step, state):
+    """save() of a state the evidence finds bad: LiveStateCorrupt on every rank, its verdict attached."""
+    from scout_ckpt.errors import LiveStateCorrupt
+
+    try:
+        return ckpt.save(step, state), False
+    except LiveStateCorrupt as e:
+        assert e.step == step
+        return e.verdict, True
 
 
 def load_into(rank, world, root, with_moments):

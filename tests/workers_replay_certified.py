@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 def w_user_script(rank, world, root, mode, steps, save_every, fault=None, replay=None, shard_cycle=None):
     """Train and save every `save_every` steps; returns each save's verdict as `save()` returned it (the commit's
-    verdict) and the run's policy. fault: (rank, block index, from step, scale). replay: the Checkpointer's
+    verdict; a save that raised LiveStateCorrupt ends the loop, `ended`) and the run's policy. fault: (rank, block index, from step, scale). replay: the Checkpointer's
     `replay=` (None: the default). shard_cycle: FSDP shard evidence cycle (None: the default)."""
-    from scout_ckpt import Checkpointer, ModelOptimizerState
+    from scout_ckpt import Checkpointer, LiveStateCorrupt, ModelOptimizerState
     from tests import workers_health as wh
     from tests import workers_replay_targets as wt
 
@@ -25,16 +25,21 @@ def w_user_script(rank, world, root, mode, steps, save_every, fault=None, replay
     ckpt = Checkpointer(root, model=model, optimizer=opt, **kw)
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
-    verdicts = {}
+    verdicts, ended = {}, None
     for step in range(start + 1, steps + 1):
         if fault and rank == fault[0] and step == fault[2]:
             wt.blocks_of(inner)[fault[1]].fault_scale = fault[3]
         wt.train_step(model, opt, step, rank)
         ckpt.step(step)
         if step % save_every == 0:
-            v = ckpt.save(step, state)
+            try:
+                v = ckpt.save(step, state)
+            except LiveStateCorrupt as e:   # the generation ends here on every rank (torchrun would restart it)
+                verdicts[step] = {"state": e.verdict["state"], "reasons": e.verdict["reasons"]}
+                ended = step
+                break
             verdicts[step] = {"state": v["state"], "reasons": v["reasons"]}
-    out = {"verdicts": verdicts, "replay": ckpt.replay is not None, "mode": ckpt.mode,
+    out = {"verdicts": verdicts, "replay": ckpt.replay is not None, "mode": ckpt.mode, "ended": ended,
            "targets": ckpt.replay.targets() if ckpt.replay else []}
     ckpt.close()
     dist.barrier()

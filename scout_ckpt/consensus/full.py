@@ -9,11 +9,13 @@ from typing import Any
 import torch
 import xxhash
 
+from scout_ckpt.consensus.canonical import NotComparable
 from scout_ckpt.consensus.flatten import flatten_state
 from scout_ckpt.consensus.indexing import dtensor_box, dtensor_contributes
 from scout_ckpt.consensus.kernels import rows_to_host
 from scout_ckpt.consensus.mesh import is_dtensor
 from scout_ckpt.consensus.signatures import batch_signatures, replica_signatures, signature_hex, tensor_signature
+
 
 def assign_replicated(costs: list[int], world: int) -> list[int]:
     """Owner rank of each replicated item: greedy longest-processing-time assignment (largest first, ties by
@@ -96,14 +98,14 @@ def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive",
     are the signing rank's whenever the replicas agree (and when they do not, consensus rejects the checkpoint).
 
     `exclude`: dotted keys left unsigned (`consensus.mesh.full_signable`: a _StridedShard has no one-box shard);
-    the same on every rank.
+    the same on every rank. Leaves that have no canonical encoding (`canonical.NotComparable`) are never signed.
     """
     import torch.distributed as dist
 
     flat = flatten_state(state_dict, keep_dtensor=True)
-    if exclude:
-        skip = set(exclude)
-        flat = {k: v for k, v in flat.items() if k not in skip}
+    skip = set(exclude)
+    # a value without a canonical encoding is never signed (canonical.py); full_signable lists it as unsigned
+    flat = {k: v for k, v in flat.items() if k not in skip and not isinstance(v, NotComparable)}
     if complete:
         if plain != "replica" or known is None or any(is_dtensor(v) or k not in known for k, v in flat.items()):
             raise ValueError("complete=True needs plain='replica' and a known signature of every plain leaf")

@@ -189,11 +189,16 @@ def full_signable(flat: dict) -> tuple[dict, list[str]]:
     flattened state. Local, the same on every rank (placements are SPMD). Full signatures need each rank's shard
     to be one box of the global tensor (Shard(dim), Replicate); a _StridedShard (FSDP over a dim TP already
     shards) is not, and consensus.full raises on it: a save path that records load signatures should sign the rest
-    and list these (their bytes still vouch for them at load), instead of failing the save."""
+    and list these (their bytes still vouch for them at load), instead of failing the save. A non-tensor leaf
+    without a canonical encoding (canonical.NotComparable) is listed with them: no signature could compare it."""
+    from scout_ckpt.consensus.canonical import NotComparable
     from scout_ckpt.consensus.indexing import dtensor_box
 
     out, unsigned = {}, []
     for k, v in flat.items():
+        if isinstance(v, NotComparable):
+            unsigned.append(k)
+            continue
         if is_dtensor(v):
             try:
                 dtensor_box(v)

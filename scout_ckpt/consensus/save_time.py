@@ -26,6 +26,11 @@ per-tensor verdicts. Then one all_gather_object of the small group verdicts over
 only group is the world (DDP): every rank already holds the only verdict. A healthy DDP save thus costs one
 collective of 48 bytes per rank. A group that times out raises (gloo's timeout of `ConsensusGroups`).
 
+Non-tensor leaves are compared by their canonical encoding (canonical.py: sets sorted, floats by bits, ...); a leaf
+that has none is not compared: it is listed in the evidence (`not_comparable`: key and why, `n_not_comparable`)
+and changes no status, as a key left out by `consensus_exclude` does. Its bytes are still covered by the file
+digests.
+
 What the status means: `fail` some group ATTRIBUTED; `inconclusive` some group disagreed without a strict
 majority; `missing` a piece's layout could not be determined (`consensus_layout_unknown`) or nothing at all was
 compared (`consensus_nothing_compared`: everything excluded, or only single-owner shards): no evidence, never a
@@ -47,6 +52,7 @@ import torch.distributed as dist
 from scout_ckpt.consensus.c3 import (
     ATTRIBUTED, INCONCLUSIVE, GroupVerdict, c3_over_group, c3_verdict, combine, verdicts_from_gathered,
 )
+from scout_ckpt.consensus.canonical import NotComparable
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.mesh import LayoutError, dtensor_dims_cached, is_dtensor
@@ -89,6 +95,7 @@ class _Plan:
     single: list[str] = field(default_factory=list)   # no replica anywhere
     problems: list[tuple[str, str]] = field(default_factory=list)  # (name, why its layout is unknown)
     tags: list[str] = field(default_factory=list)     # name + layout of every piece not compared as plain state
+    not_comparable: list[tuple[str, str]] = field(default_factory=list)  # (name, why): no canonical encoding
 
 
 def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) -> _Plan:
@@ -97,6 +104,12 @@ def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) ->
     plan = _Plan()
     for n in names:
         leaf = flat[n]
+        if isinstance(leaf, NotComparable):
+            # a value without a canonical encoding (canonical.py): left out, said so in the evidence, never an SDC;
+            # its name still goes into the structure digest, so replicas that disagree on it are seen
+            plan.not_comparable.append((n, leaf.why))
+            plan.tags.append(f"{n}\0not_comparable")
+            continue
         if is_dtensor(leaf):
             try:
                 dims = dtensor_dims_cached(leaf, grid, groups.layouts)
@@ -268,12 +281,13 @@ class PendingConsensus:
                             "tensors_compared": len(gv.per_tensor), "plain": kind.dims == plain,
                             "duration_s": slowest})
         local = {"rank": groups.rank, "entries": entries, "single": plan.single, "problems": plan.problems,
+                 "not_comparable": plan.not_comparable,
                  "n_selected": len(self._names), "duration_s": max([e["duration_s"] for e in entries],
                                                                    default=elapsed)}
         world_only = len(groups.kinds) == 1 and len(groups.kinds[0].members) == groups.world_size
         if world_only:  # DDP: one group of every rank, whose verdict every rank already holds
             if not structure_ok:  # the layouts differ between ranks: report the structure verdict only
-                local.update(single=[], problems=[])
+                local.update(single=[], problems=[], not_comparable=[])
             everyone: list[Any] = [local]
             self.everyone_covers = bool(covered) and all(covered)   # the world's header said it
         else:
@@ -368,6 +382,7 @@ def _summarise(everyone: list[dict], groups: ConsensusGroups) -> dict:
     reasons = [r for g in ordered for r in _reasons(g)]
     problems = _problem_reasons(everyone, groups)
     single = sorted({n for e in everyone for n in e["single"]})
+    not_comparable = sorted({(n, why) for e in everyone for n, why in e.get("not_comparable") or []})
     compared = sum(g["tensors_compared"] for g in ordered)
     verdicts = {g["verdict"] for g in ordered}
     if ATTRIBUTED in verdicts:
@@ -392,6 +407,8 @@ def _summarise(everyone: list[dict], groups: ConsensusGroups) -> dict:
         groups=[{"members": g["members"], "dims": g["dims"], "verdict": g["verdict"], "attributed": g["attributed"],
                  "tensors_compared": g["tensors_compared"]} for g in ordered],
         tensors_compared=compared, single_owner=len(single),
+        not_comparable=[{"key": n, "why": why} for n, why in not_comparable[:MAX_NAMES]],
+        n_not_comparable=len({n for n, _ in not_comparable}),
         plain_state_only=bool(compared and single) and all(g["plain"] or not g["tensors_compared"] for g in ordered),
         duration_s=max(e["duration_s"] for e in everyone),
     )

@@ -6,7 +6,9 @@ step is committed, so a restart or the final certification must catch it).
 
 Transient faults (crash, hang, bitflip, param, drift) fire once per run, in the first generation that reaches their
 step (a `fired-*.json` record under ROOT/demo/ says so), so the restarted job does not meet them again; sdc is
-persistent, as a failing part is, and slow lasts as long as the job.
+persistent, as a failing part is, until a save finds it: the Checkpointer then ends the generation
+(LiveStateCorrupt), and the restarted generation runs without it, as a job rescheduled away from the failing part
+would (`drain` records that); slow lasts as long as the job.
 
 `param:rank=R:step=S` flips a bit of element 0 of rank R's own piece of a weight (its shard under FSDP) right
 before the first save at or after step S: after that save step's optimizer step *and* after the sphere retraction
@@ -149,6 +151,20 @@ class Injector:
         due = [f for f in self.faults if f.kind == kind and self.due_step(f) == step]
         return [f for f in due if not any((self.root / MARKER_DIR).glob(f"fired-{_slug(f)}-gen*.json"))]
 
+    def _struck_before(self, f: Fault) -> bool:
+        """An earlier generation ended on this fault: its part was drained at the restart."""
+        return any((self.root / MARKER_DIR).glob(f"drained-{_slug(f)}-gen*.json"))
+
+    def drain(self) -> None:
+        """The generation ends because a save found the live state bad: this rank's persistent faults that fired
+        are drained, so the restarted job runs on healthy parts."""
+        for f in self.faults:
+            if f.kind == "sdc" and any((self.root / MARKER_DIR).glob(
+                    f"fired-{_slug(f)}-gen{self.generation}-rank{self.rank}.json")):
+                atomic_write_json(self.root / MARKER_DIR / f"drained-{_slug(f)}-gen{self.generation}.json",
+                                  {"spec": f.spec, "rank": self.rank, "generation": self.generation,
+                                   "time": time.time()})
+
     def due_step(self, f: Fault) -> int | None:
         """The step at which `f` fires: its own, but a `param` flip waits for the first save at or after it."""
         if f.kind != "param" or not self.save_every or f.step is None:
@@ -183,7 +199,7 @@ class Injector:
         from scout_ckpt.demo.model import sdc_target, set_sdc
 
         for f in self.faults:
-            if f.kind == "sdc" and step >= f.step and sdc_target() != f.opts["layer"]:
+            if f.kind == "sdc" and step >= f.step and sdc_target() != f.opts["layer"] and not self._struck_before(f):
                 if f.opts["layer"] not in model.linear_names():
                     raise ValueError(f"sdc layer {f.opts['layer']!r} is not a Linear of the model "
                                      f"({', '.join(model.linear_names())})")

@@ -40,7 +40,9 @@ from scout_ckpt.format.layout import LEDGER_NAME
 
 MODES = ("ddp", "fsdp", "hsdp")
 REPLAY_TARGETS = 7   # embedding, 4 blocks, head, optimizer: one replayed per step
-INCIDENT_KINDS = ("crash", "hang", "desync")  # what the observers write about a failed generation
+# What ends a generation: the observers' crash/hang/desync, or the Checkpointer's live_fault (a save found the live
+# state bad and ended the generation on every rank).
+INCIDENT_KINDS = ("crash", "hang", "desync", "live_fault")
 AGENT_STOP_S = 40.0  # torchrun's own worker shutdown: SIGTERM, then SIGKILL after 30 s
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
@@ -221,6 +223,7 @@ def generations(root: Path, rc: int | None, t_end: float) -> list[dict]:
             info.update(event=ev["kind"] if ev else None, ranks=ev["ranks"] if ev else None,
                         step=ev["step"] if ev else None,
                         detected_by=None if ev is None else
+                        "checkpointer" if ev["kind"] == "live_fault" else
                         "previous_generation" if source == "previous_generation" else "observer")
         out.append(info)
     return out

@@ -110,7 +110,8 @@ def print_summary(result: dict, console=None) -> None:
     for g in result.get("generations", []):
         what = "completed" if g["outcome"] == "ok" else g["outcome"]
         if g["outcome"] != "ok":
-            by = {"observer": "its observers", "previous_generation": "the next generation's observer"}
+            by = {"observer": "its observers", "previous_generation": "the next generation's observer",
+                  "checkpointer": "its save, which ended the generation"}
             ranks = ",".join(map(str, g["ranks"] or []))
             what += (f": {g['event']} " + (f"on rank(s) {ranks}" if ranks else "(no rank named)") +
                      f" at step {g['step']}, recorded by {by.get(g['detected_by'], g['detected_by'])}"

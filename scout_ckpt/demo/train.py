@@ -45,6 +45,7 @@ from scout_ckpt.demo.data import DataStream, MarkovDomains, OnlineMixer
 from scout_ckpt.demo.faults import MARKER_DIR, Injector, parse_all
 from scout_ckpt.demo.model import TinyTransformer, retract_to_sphere, sphere_deviation
 from scout_ckpt.format.layout import atomic_write_json
+from scout_ckpt.errors import LiveStateCorrupt
 from scout_ckpt.save.app_state import RNGState
 
 MODES = ("ddp", "fsdp", "hsdp")
@@ -301,7 +302,11 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
             log.write(json.dumps(rec) + "\n")
             log.flush()
         if step % args.save_every == 0 or step == args.steps:
-            ckpt.save(step, state)
+            try:
+                ckpt.save(step, state)
+            except LiveStateCorrupt:   # every rank: the generation ends, torchrun restarts from a clean step
+                injector.drain()
+                raise
 
     ckpt.close()
     digest = state_digest(model, opt)  # collective

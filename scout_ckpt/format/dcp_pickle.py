@@ -262,17 +262,49 @@ def _build(inst, state) -> None:
     inst.__dict__.update(state)
 
 
-_BLOB_CALLS = {("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"), ("_codecs", "encode"),
-               ("torch", "device")}
+_BLOB_CALLS = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"),
+               ("collections", "OrderedDict"), ("_codecs", "encode"), ("torch", "device")}
+# a set (torch.save pickles it as set([...]); torch.load's weights_only admits it) of scalars only: hashing a
+# deeply nested tuple element in the torch.load that follows would overflow the C stack
+_SETS = {("__builtin__", "set"), ("builtins", "set")}
+_SCALARS = (str, int, float, bool, bytes, type(None))
 
 
 class _Stand:
     """A stand-in for a global or a built object during the dry run of an entry's pickle (n: a storage's
-    element count)."""
-    __slots__ = ("what", "n")
+    element count, bytes for an untyped one; a dtype's item size; name: a storage class's name)."""
+    __slots__ = ("n", "name", "what")
 
-    def __init__(self, what: str, n: int = 0):
-        self.what, self.n = what, n
+    def __init__(self, what: str, n: int = 0, name: str = ""):
+        self.what, self.n, self.name = what, n, name
+
+
+def _dtype_itemsize(name: str) -> int | None:
+    """The item size of a torch dtype named by a pickle's `torch.<name>` global, or None if it is no dtype."""
+    from scout_ckpt.format.dcp_meta import dtype
+
+    d = dtype(name) if isinstance(name, str) else None
+    return d.itemsize if d is not None else None
+
+
+def _tensor_v2(args) -> bool:
+    """torch.save's `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])` over a
+    typed storage: a view no larger than its storage (a stride-0 view of a tiny storage can declare 2**40
+    elements, which the checks downstream would then compute over)."""
+    return (len(args) in (6, 7) and type(args[0]) is _Stand and args[0].what == "storage"
+            and type(args[1]) is int and _ints(args[2]) and _ints(args[3])
+            and all(x >= 0 for x in args[2]) and math.prod(args[2]) <= max(args[0].n, 0))
+
+
+def _tensor_v3(args) -> bool:
+    """torch.save's `_rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype[, metadata])`,
+    what it writes for the dtypes that have no typed storage class (float8, uint16/32/64, complex32, float4, ...):
+    an untyped storage (its size in bytes) and a dtype; the view's bytes no more than the storage's."""
+    return (len(args) in (7, 8) and type(args[0]) is _Stand and args[0].what == "storage"
+            and args[0].name == "UntypedStorage" and type(args[1]) is int and args[1] >= 0
+            and _ints(args[2]) and _ints(args[3]) and all(x >= 0 for x in args[2])
+            and type(args[6]) is _Stand and args[6].what == "dtype"
+            and math.prod(args[2]) * args[6].n <= max(args[0].n, 0))
 
 
 class _EntryScan(pickle._Unpickler):
@@ -293,9 +325,15 @@ class _EntryScan(pickle._Unpickler):
 
         if (module, name) in _BLOB_CALLS:
             return _Stand(f"{module}.{name}")
+        if (module, name) in _SETS:
+            return _Stand("builtins.set")
         if module == "torch" and isinstance(name, str) and name.endswith("Storage") \
                 and isinstance(getattr(torch, name, None), type):
-            return _Stand("storage_type")
+            return _Stand("storage_type", name=name)
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return _Stand("storage_type", name=name)
+        if module == "torch" and _dtype_itemsize(name) is not None:
+            return _Stand("dtype", _dtype_itemsize(name))
         raise RefusedPickle(f"refusing {clip(module, 80)}.{clip(name, 80)} in a DCP entry: not a tensor or "
                             f"plain value")
 
@@ -303,7 +341,7 @@ class _EntryScan(pickle._Unpickler):
         if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and type(pid[1]) is _Stand \
                 and pid[1].what == "storage_type" and type(pid[2]) is str and type(pid[3]) is str \
                 and type(pid[4]) is int:
-            return _Stand("storage", pid[4])
+            return _Stand("storage", pid[4], pid[1].name)
         raise RefusedPickle("refusing a persistent id in a DCP entry: not a storage")
 
     def load_reduce(self):
@@ -311,12 +349,11 @@ class _EntryScan(pickle._Unpickler):
         func = self.stack[-1]
         what = func.what if type(func) is _Stand else None
         ok = type(args) is tuple and (
-            # a view of its storage, no larger than it: a stride-0 view of a tiny storage can declare 2**40
-            # elements, which the checks downstream would then compute over
-            (what == "torch._utils._rebuild_tensor_v2" and len(args) in (6, 7) and type(args[0]) is _Stand
-             and args[0].what == "storage" and type(args[1]) is int and _ints(args[2]) and _ints(args[3])
-             and all(x >= 0 for x in args[2]) and math.prod(args[2]) <= max(args[0].n, 0))
+            (what == "torch._utils._rebuild_tensor_v2" and _tensor_v2(args))
+            or (what == "torch._utils._rebuild_tensor_v3" and _tensor_v3(args))
             or (what == "collections.OrderedDict" and args == ())
+            or (what == "builtins.set" and (args == () or (len(args) == 1 and type(args[0]) is list
+                                                           and all(type(x) in _SCALARS for x in args[0]))))
             or (what in ("_codecs.encode", "torch.device") and all(type(a) is str for a in args) and len(args) <= 2))
         if not ok:
             raise RefusedPickle(f"refusing a call of {clip(what or type(func).__name__, 80)} in a DCP entry")

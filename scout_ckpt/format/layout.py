@@ -5,6 +5,8 @@ ROOT/
   .step-00000130.tmp-<id>/  a save in flight; never read. Holds scout-owner.json (who writes it) until just
                             before the rename; removed at a later start only when that owner is provably dead
   scout-ledger.db           the ledger (WAL)
+  .leases/<attempt>.lock    the lease of a save in flight: its coordinator holds an flock on it from before the
+                            `writing` row until the commit is recorded (ops/settle.py: namespace-proof liveness)
   reports/                  observer and campaign reports
 
 On an object store (scout_ckpt.object_store) there is no rename: every save attempt writes under its own prefix
@@ -35,6 +37,8 @@ MANIFEST_NAME = "scout-manifest.json"
 REPORTS_DIR = "reports"
 DCP_METADATA = ".metadata"
 OWNER_NAME = "scout-owner.json"
+LEASES_DIR = ".leases"
+ATTEMPT_ID_RE = re.compile(r"^[0-9a-zA-Z_-]+$")
 
 
 def step_dirname(step: int) -> str:
@@ -43,6 +47,14 @@ def step_dirname(step: int) -> str:
 
 def step_path(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / step_dirname(step)
+
+
+def lease_path(root: str | os.PathLike, attempt: str | None) -> Path | None:
+    """ROOT/.leases/<attempt>.lock, the lease file of a save attempt; None for an attempt id that is not a plain
+    name (a hand-made or hostile row: no lease to look at)."""
+    if not isinstance(attempt, str) or not ATTEMPT_ID_RE.match(attempt):
+        return None
+    return Path(root) / LEASES_DIR / f"{attempt}.lock"
 
 
 def tmp_dirname(step: int, attempt: str) -> str:

@@ -7,6 +7,7 @@ before the rename that publishes the directory (so a published `step-*` always c
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -21,6 +22,15 @@ FORMAT = "scout-manifest/1"
 REQUIRED_KEYS = ("format", "step", "files", "evidence", "policy")
 MAX_MANIFEST_ENV = "SCOUT_CKPT_MAX_MANIFEST_BYTES"
 DEFAULT_MAX_MANIFEST_BYTES = 64 << 20
+
+
+class ManifestUnreadable(BadInput):
+    """The manifest is there but an I/O error (EIO, EACCES, ...) stopped the read: could not check now, which
+    says nothing about the checkpoint (`oserror` is the error). Not a missing or malformed manifest."""
+
+    def __init__(self, message: str, oserror: OSError):
+        super().__init__(message)
+        self.oserror = oserror
 
 
 def max_manifest_bytes() -> int:
@@ -69,7 +79,9 @@ def read(step_dir: Path) -> tuple[dict, str]:
     except ValueError as e:
         raise BadInput(f"{path}: unreadable manifest ({e})") from None
     except OSError as e:
-        raise BadInput(f"{path}: unreadable ({e.strerror})") from None
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise BadInput(f"{step_dir}: no {MANIFEST_NAME}") from None
+        raise ManifestUnreadable(f"{path}: unreadable now ({e.strerror})", e) from None
     try:
         manifest = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:   # JSONDecodeError is a ValueError

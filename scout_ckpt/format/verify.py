@@ -7,19 +7,62 @@ File names come from the ledger or a manifest, which a hostile or damaged run ca
 normalized relative path (`..`, absolute, NUL) is refused as bad input before anything is joined, and a file that
 is a symlink leading out of the step dir, or is not a regular file (a FIFO would block the hash for ever), is
 never opened: it fails verification as `unsafe_file`.
+
+Could not check is not bad (ARCHITECTURE.md, "Faults of the world"): an I/O error other than "no such file" (EIO,
+EACCES, ESTALE, a timeout) while looking at or reading a file says nothing about the bytes. It gives the reason
+`could_not_check` and, unless a real fault was also found, evidence whose status is `missing` with
+"could_not_check": True (`could_not_check(ev)`), never `fail`: callers walk past such a checkpoint for this call
+and record nothing. A missing file, a size or digest mismatch, an unsafe file stay failures (rejections).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 from typing import Callable
 
 from scout_ckpt.errors import BadInput
 from scout_ckpt.format.digests import digest_files, relpaths
 from scout_ckpt.format.layout import DCP_METADATA, MANIFEST_NAME, is_folder_dir
-from scout_ckpt.format.safepaths import clip, inside, is_regular, relpath_problem
-from scout_ckpt.policy import FAIL, PASS, evidence
+from scout_ckpt.format.safepaths import clip, inside, relpath_problem
+from scout_ckpt.policy import FAIL, MISSING, PASS, evidence
+
+COULD_NOT_CHECK = "could_not_check"
+
+
+def is_absent(e: OSError) -> bool:
+    """The error says the file is not there (a missing file is a verdict; any other I/O error is not)."""
+    return isinstance(e, (FileNotFoundError, NotADirectoryError)) or e.errno in (errno.ENOENT, errno.ENOTDIR)
+
+
+def unchecked_reason(e: OSError, file: str | None = None, **extra) -> dict:
+    """The `could_not_check` reason of an I/O error: which file, the errno's name and the system's words."""
+    out = {"code": COULD_NOT_CHECK, "errno": errno.errorcode.get(e.errno or 0, str(e.errno)),
+           "detail": clip(e.strerror or str(e), 200), **extra}
+    if file is not None:
+        out["file"] = file
+    return out
+
+
+def could_not_check(ev: dict | None) -> bool:
+    """Evidence that is only "could not check now": no fault found, some file not checked for an I/O error."""
+    return bool(ev) and ev.get("status") != FAIL and any(
+        r.get("code") == COULD_NOT_CHECK for r in ev.get("reasons") or [])
+
+
+def only_unchecked(reasons: list[dict]) -> bool:
+    """Reasons that all say "could not check" (none a fault): nothing to record, walk past for now."""
+    return bool(reasons) and all(r.get("code") == COULD_NOT_CHECK for r in reasons)
+
+
+def _outcome(reasons: list[dict], unchecked: list[dict], **detail) -> dict:
+    if reasons:
+        return evidence(FAIL, reasons + unchecked, **detail)
+    if unchecked:
+        return evidence(MISSING, unchecked, could_not_check=True, **detail)
+    return evidence(PASS, [], **detail)
 
 
 def checkpoint_dir(root: str | os.PathLike, rel: str) -> Path:
@@ -45,26 +88,54 @@ def verify_files(step_dir: Path, files: list[dict], *, expect_complete: bool = T
         if relpath_problem(f.get("path")) is not None:
             raise BadInput(f"{step_dir}: a recorded file path escapes the checkpoint ({clip(f.get('path'), 80)})")
     reasons: list[dict] = []
-    if not step_dir.is_dir():
-        return evidence(FAIL, [{"code": "missing_dir", "path": str(step_dir)}], files_checked=0)
+    unchecked: list[dict] = []
+    try:
+        if not stat.S_ISDIR(os.stat(step_dir).st_mode):
+            return evidence(FAIL, [{"code": "missing_dir", "path": str(step_dir)}], files_checked=0)
+    except OSError as e:
+        if is_absent(e):
+            return evidence(FAIL, [{"code": "missing_dir", "path": str(step_dir)}], files_checked=0)
+        return _outcome([], [unchecked_reason(e, path=str(step_dir))], files_checked=0)
     present = {}
     for f in files:
         p = step_dir / f["path"]
-        if not os.path.lexists(p):
-            reasons.append({"code": "missing_file", "file": f["path"], "rank": f.get("rank")})
-        elif inside(step_dir, f["path"]) is None:
+        try:
+            os.lstat(p)
+        except OSError as e:
+            if is_absent(e):
+                reasons.append({"code": "missing_file", "file": f["path"], "rank": f.get("rank")})
+            else:
+                unchecked.append(unchecked_reason(e, f["path"], rank=f.get("rank")))
+            continue
+        if inside(step_dir, f["path"]) is None:
             reasons.append({"code": "unsafe_file", "file": f["path"], "rank": f.get("rank"),
                             "detail": "a symlink leading out of the checkpoint"})
-        elif not is_regular(p):
-            reasons.append({"code": "unsafe_file" if p.exists() else "missing_file", "file": f["path"],
-                            "rank": f.get("rank"), "detail": "not a regular file"})
+            continue
+        try:
+            regular = stat.S_ISREG(os.stat(p).st_mode)
+        except OSError as e:
+            if is_absent(e):   # a dangling symlink
+                reasons.append({"code": "missing_file", "file": f["path"], "rank": f.get("rank"),
+                                "detail": "not a regular file"})
+            else:
+                unchecked.append(unchecked_reason(e, f["path"], rank=f.get("rank")))
+            continue
+        if not regular:
+            reasons.append({"code": "unsafe_file", "file": f["path"], "rank": f.get("rank"),
+                            "detail": "not a regular file"})
         else:
             present[str(p)] = (os.path.realpath(p), f)   # hashed where it resolves, never re-resolved
     try:
         digests = (hasher or digest_files)(sorted({real for real, _ in present.values()}), progress=progress)
-    except (OSError, BadInput) as e:  # replaced or removed while hashing
-        return evidence(FAIL, reasons + [{"code": "unreadable_file", "detail": clip(str(e), 200)}],
+    except BadInput as e:  # replaced by something that is not a regular file while hashing
+        return evidence(FAIL, reasons + [{"code": "unreadable_file", "detail": clip(str(e), 200)}] + unchecked,
                         files_checked=len(files))
+    except OSError as e:
+        name = _recorded_name(e, present)
+        if is_absent(e):  # removed while hashing
+            return evidence(FAIL, reasons + [{"code": "missing_file", "file": name, "detail": "removed while "
+                                              "hashing"}] + unchecked, files_checked=len(files))
+        return _outcome(reasons, unchecked + [unchecked_reason(e, name)], files_checked=len(files))
     for real, f in present.values():
         size, digest = digests[real]
         if size != f["size"]:
@@ -81,4 +152,14 @@ def verify_files(step_dir: Path, files: list[dict], *, expect_complete: bool = T
         for extra in sorted(set(relpaths(step_dir)) - recorded - {MANIFEST_NAME}):
             reasons.append({"code": "unexpected_file", "file": extra})
     nbytes = sum(f["size"] for f in files)
-    return evidence(FAIL if reasons else PASS, reasons, files_checked=len(files), bytes_checked=nbytes)
+    return _outcome(reasons, unchecked, files_checked=len(files), bytes_checked=nbytes)
+
+
+def _recorded_name(e: OSError, present: dict) -> str | None:
+    """The recorded name of the file an OSError names (its path as hashed), if it names one."""
+    if e.filename is None:
+        return None
+    for real, f in present.values():
+        if os.fspath(e.filename) == real:
+            return f["path"]
+    return os.path.basename(os.fspath(e.filename))

@@ -125,7 +125,8 @@ def apply_retention(ledger: Ledger, root: Path, keep: int, *, dirs: dict[int, Pa
     model). Each deletion moves the row to `deleted` by compare-and-set on the state the plan saw (journaled), then
     removes the directory. Returns {"delete": [steps deleted], "keep": {step: why}, "protected"}."""
     rows = {r["step"]: r for r in ledger.checkpoints() if r["step"] in dirs}
-    plan = retention.decide({s: r["state"] for s, r in rows.items()}, keep)
+    plan = retention.decide({s: r["state"] for s, r in rows.items()}, keep,
+                            retention.saves_in_flight(list(rows.values()), root))
     kept = dict(plan.keep)
     deleted = []
     for step, seen in sorted(plan.delete.items()):

@@ -7,9 +7,9 @@ the cache, and nothing of the tensor is kept. The other kinds (spectral, oblique
 tensor as a whole: a tensor any of them matches is not streamed (`streams` is False) and goes to `run_offline`.
 
 Per piece, fast reductions decide and an exact element check is taken only when they cannot vouch:
-- finite: a sum propagates NaN and Inf, so a finite sum proves every element finite; a non-finite sum (a NaN or
-  Inf, or finite values whose sum overflows) takes the exact `isfinite` path, which counts the bad elements and
-  finds the first. The same sum of squares the Frobenius check needs proves it too, when both apply.
+- finite: the one finite check (finite.py, the writer's too): a sum, or for one-byte floats a masked reduction
+  of the bits, proves a piece finite; otherwise the exact element check counts the bad elements and finds the
+  first. The same sum of squares the Frobenius check needs proves it too, when both apply.
 - frobenius_sphere: the sum of squares, in float32 with torch's cascade summation (relative error ~1e-8 where
   the float64 norm is ~1e-15, against a default rtol of 1e-3), accumulated over pieces in float64. A square that
   overflows or a piece whose sum lies outside [1e-20, 1e30] (overflow, or underflowed squares that could matter)
@@ -50,15 +50,17 @@ def applicable(checks: list[Check], name: str, dtype) -> list[int]:
 
 
 def streams(checks: list[Check], name: str, dtype) -> bool:
-    """True when every check that applies to this tensor can be checked piece by piece (and its dtype is one
-    the reductions here are written for: float8 and the like go to `run_offline`, which reports what it can)."""
+    """True when every check that applies to this tensor can be checked piece by piece: `finite` for any dtype
+    (finite.py decides each from its bits), `frobenius_sphere` for the dtypes its sums of squares are written
+    for (float8 and the like then go to `run_offline`)."""
     import torch
 
     idx = applicable(checks, name, dtype)
     if any(checks[i].kind not in STREAMABLE for i in idx):
         return False
-    return not idx or dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
-                                torch.complex128)
+    if all(checks[i].kind == "finite" for i in idx):
+        return True
+    return dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128)
 
 
 class Scratch:
@@ -97,25 +99,20 @@ class TensorStream:
         (`chunk`: its ChunkStorageMetadata, None for the whole tensor)."""
         import torch
 
+        from scout_ckpt.invariants.finite import nonfinite
+
         n = piece.numel()
         bad, first, sumsq = 0, None, 0.0
         if n and (self.want_finite or self.want_sumsq):
-            real = torch.view_as_real(piece).reshape(-1) if piece.is_complex() else piece
-            per = 2 if piece.is_complex() else 1
             finite_ok = None
             if self.want_sumsq:
+                real = torch.view_as_real(piece).reshape(-1) if piece.is_complex() else piece
                 sumsq = _sumsq(real, scratch)
                 finite_ok = math.isfinite(sumsq) or None   # not finite: decide below, exactly
             if self.want_finite and finite_ok is None:
-                if math.isfinite(float(_sum(real))):
-                    finite_ok = True
-                else:
-                    mask = ~torch.isfinite(real)
-                    if per == 2:
-                        mask = mask.view(-1, 2).any(dim=1)
-                    bad = int(mask.sum())
-                    if bad:
-                        first = self._flat(start + int(mask.nonzero()[0, 0]), chunk)
+                bad, local = nonfinite(piece)    # the one finite check (finite.py), the writer's too
+                if bad:
+                    first = self._flat(start + local, chunk)
         with self._lock:
             self.bad += bad
             if first is not None and (self.first is None or first < self.first):
@@ -164,12 +161,6 @@ class TensorStream:
         status = FAIL if reasons else INCONCLUSIVE if errors else PASS
         return evidence(status, reasons + errors, checks=[c.spec for c in self.checks], checked=checked, values={},
                         collectives=0, reduced_floats=0)
-
-
-def _sum(x):
-    import torch
-
-    return x.sum(dtype=torch.float32) if x.dtype in (torch.float16, torch.bfloat16) else x.sum()
 
 
 def _sumsq(x, scratch: Scratch) -> float:

@@ -64,6 +64,22 @@ def header_journal(path: Path) -> str | None:
     return "wal" if head[18] == 2 or head[19] == 2 else "delete"
 
 
+def record_beside(root: Path) -> str | None:
+    """What of a run's record lies in ROOT besides the ledger: "N checkpoint(s) with manifests" and/or the
+    journal; None when neither (a new run, or a foreign directory). A ledger missing or empty beside them is a
+    lost ledger, never a fresh start (ARCHITECTURE.md, "Faults of the world")."""
+    from scout_ckpt.format.layout import MANIFEST_NAME, list_checkpoint_dirs
+    from scout_ckpt.ledger.journal import JOURNAL_NAME
+
+    try:
+        n = sum(1 for d in list_checkpoint_dirs(root).values() if (d / MANIFEST_NAME).is_file())
+        journal = (root / JOURNAL_NAME).is_file()
+    except OSError:
+        return None
+    parts = ([f"{n} checkpoint(s) with manifests"] if n else []) + ([JOURNAL_NAME] if journal else [])
+    return " and ".join(parts) or None
+
+
 class LedgerConnection:
     """One connection to ROOT/scout-ledger.db with the ledger's open, journal, migration and transaction rules.
     Not used alone: `Ledger` (ledger/store.py) is what callers open."""
@@ -106,8 +122,14 @@ class LedgerConnection:
         if not root.is_dir():
             raise LedgerError(f"{root}: not a directory")
         path = root / LEDGER_NAME
-        if not path.exists() and not create:
-            raise LedgerError(f"{root}: no scout-ckpt ledger here ({LEDGER_NAME} missing)")
+        if not create and (not path.exists() or (path.is_file() and path.stat().st_size == 0)):
+            what = "missing" if not path.exists() else "empty"
+            beside = record_beside(root)
+            if beside:   # lost beside a run's record: readers fall back to it, writers say how to recover
+                raise LedgerUnavailable(f"{path}: {what} beside {beside}; `scout-ckpt ledger rebuild {root}` "
+                                        "recreates it from them")
+            if what == "missing":
+                raise LedgerError(f"{root}: no scout-ckpt ledger here ({LEDGER_NAME} missing)")
         if path.exists() and not path.is_file():
             raise LedgerError(f"{path}: not a file")
         choice = fsdetect.choose_journal(root, journal)

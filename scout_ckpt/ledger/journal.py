@@ -52,6 +52,14 @@ def append(root: str | os.PathLike, record: dict) -> dict:
     return record
 
 
+def check_appendable(root: str | os.PathLike) -> None:
+    """Raise the OSError an append would meet opening the journal (a directory in its place, a read-only mount),
+    before a caller changes the ledger: a change that must be journaled after its commit (a release) is then not
+    made at all. Creates the journal if it is missing, as the append would."""
+    fd = os.open(path(root), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.close(fd)
+
+
 def read(root: str | os.PathLike) -> list[dict]:
     """Every record, in the order written; [] when there is no journal. Lines that do not parse as a JSON
     object (a torn last line) are skipped."""

@@ -21,7 +21,8 @@ from scout_ckpt.format import layout
 from scout_ckpt.format import manifest as manifest_mod
 from scout_ckpt.format.digests import ALGO, CHUNK, bytes_digest
 from scout_ckpt.format.safepaths import clip, relpath_problem
-from scout_ckpt.policy import FAIL, PASS, evidence
+from scout_ckpt.format.verify import is_absent, unchecked_reason
+from scout_ckpt.policy import FAIL, MISSING, PASS, evidence
 
 # Ranged GETs in flight at once when verifying (each CHUNK bytes): object stores reward parallel requests far
 # more than local disks do; the window bounds memory to THREADS x 2 x CHUNK.
@@ -181,8 +182,13 @@ class ObjectStore:
         try:
             digests = self._digests(name, todo, progress)
         except OSError as e:
-            return evidence(FAIL, reasons + [{"code": "unreadable_file", "detail": clip(str(e), 200)}],
-                            files_checked=len(files))
+            if is_absent(e):   # removed while read: a missing file
+                return evidence(FAIL, reasons + [{"code": "missing_file", "detail": clip(str(e), 200)}],
+                                files_checked=len(files))
+            # a timeout, a 5xx, an unreachable store: could not check now, which is not a fault (format/verify.py)
+            unchecked = [unchecked_reason(e)]
+            return (evidence(FAIL, reasons + unchecked, files_checked=len(files)) if reasons else
+                    evidence(MISSING, unchecked, could_not_check=True, files_checked=len(files)))
         reasons += _digest_reasons(todo, digests)
         if expect_complete:
             recorded = {f["path"] for f in files}

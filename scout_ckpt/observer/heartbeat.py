@@ -123,7 +123,8 @@ class _Phase:
         return self.hb
 
     def __exit__(self, *exc):
-        self.hb._set_phase(self.prev)
+        if not self.hb._mm.closed:   # a phase left after the observer was stopped (the generation ending) writes nothing
+            self.hb._set_phase(self.prev)
 
 
 class Heartbeat:

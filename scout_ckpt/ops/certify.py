@@ -12,6 +12,9 @@ invariants are read back as before (`offline_invariants`).
 `writing` rows are first settled by `settle.settle_writing` (the one settler): a save whose owner is alive is
 left alone. Quarantined, deleted and rejected steps are left as they are: an operator's override is not for
 certify to undo, and nothing raises a rejected attempt back (a re-save is a new attempt).
+
+A step whose bytes could not be checked now (an I/O error other than a missing file: format/verify.py) is left
+exactly as it is, evidence and state; its result carries "could_not_check" and the command exits 1.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from scout_ckpt import object_store, policy
 from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ledger.transitions import allowed
+from scout_ckpt.format.verify import could_not_check
 from scout_ckpt.ops.recovery import verify_checkpoint
 from scout_ckpt.ops.settle import settle_writing
 
@@ -89,6 +93,9 @@ def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int]
     scan = _scan_for(root / row["path"], specs) if store is None else None
     ev = {"bytes": verify_checkpoint(root, ledger, step, progress=progress, store=store,
                                      hasher=scan.hasher if scan is not None else None)}
+    if could_not_check(ev["bytes"]):
+        # an I/O error is not evidence: nothing recorded, the step keeps its state; certify says so (exit 1)
+        return _summary(ledger, step, could_not_check=ev["bytes"]["reasons"])
     if ev["bytes"]["status"] == policy.PASS and store is None:
         inv = scan.invariants() if scan is not None else None
         if inv is None:

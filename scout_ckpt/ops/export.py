@@ -58,11 +58,15 @@ def detect_prefix(keys: list[str]) -> str:
 
 def _verify(step_dir: Path, files: list[dict]) -> None:
     """Refuse to read tensors from files that do not match the ledger (verify_files, the check certify uses)."""
-    from scout_ckpt.format.verify import verify_files
+    from scout_ckpt.format.verify import could_not_check, verify_files
 
     if not files:
         raise NotClean(f"{step_dir}: the ledger lists no files for this step; nothing to verify against")
     ev = verify_files(step_dir, files, expect_complete=False)
+    if could_not_check(ev):   # an I/O error: not a verdict on the checkpoint, and nothing is exported
+        r = ev["reasons"][0]
+        raise BadInput(f"{step_dir}: could not read {r.get('file') or 'a file'} now ({r.get('detail')}); "
+                       "nothing exported")
     if ev["reasons"]:
         r = ev["reasons"][0]
         what = "is missing" if r["code"] == "missing_file" else "does not match its recorded digest"
@@ -83,12 +87,22 @@ def _atomic_save(tensors: dict, path: Path, metadata: dict) -> None:
             tmp.unlink()
 
 
+def _check_out(out_path: Path) -> None:
+    """BadInput before anything is read or written: the output must be a file in an existing directory (an
+    existing directory as --out made the final rename fail after the whole export, with a traceback)."""
+    if out_path.is_dir():
+        raise BadInput(f"{out_path}: is a directory; --out names the .safetensors file to write")
+    if not out_path.parent.is_dir():
+        raise BadInput(f"{out_path.parent}: no such directory")
+
+
 def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLike, *, force: bool = False,
            ledger=None, prefix: str | None = None, max_shard_bytes: int | None = None) -> dict:
     """Consolidate step's model weights (step None: the newest certified) into out_path (.safetensors)."""
     from scout_ckpt.ledger import Ledger
 
     root = Path(root)
+    _check_out(Path(out_path))
     own = ledger is None
     if own:
         ledger = Ledger.open(root, readonly=True)

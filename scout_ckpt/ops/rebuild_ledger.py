@@ -33,6 +33,7 @@ from pathlib import Path
 from scout_ckpt import policy
 from scout_ckpt.errors import LedgerError, ScoutError
 from scout_ckpt.format.layout import LEDGER_NAME, fsync_dir
+from scout_ckpt.format.verify import could_not_check
 from scout_ckpt.ledger import Ledger
 
 DEFAULT_POLICY = {"require": ["bytes", "invariants", "consensus"], "allow_not_applicable": []}
@@ -192,6 +193,7 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
     build_dir = root / f".ledger-rebuild-{os.getpid()}"
     shutil.rmtree(build_dir, ignore_errors=True)
     rows, changes = [], []
+    skipped = list(skipped)
     try:
         build_dir.mkdir()
         with Ledger.open(build_dir, create=True) as ledger:
@@ -203,6 +205,14 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
                 e = entries[step]
                 if verify:
                     fresh = e.check()
+                    if could_not_check(fresh):
+                        # an I/O error is no verdict: rebuilding the row would demote it for good (the next
+                        # rebuild trusts no more than this ledger); left out, the rebuild is not a success
+                        skipped.append({"step": step, "could_not_check": True,
+                                        "reason": "its bytes could not be read now ("
+                                        + "; ".join(str(r.get("detail")) for r in fresh["reasons"]) + ")"})
+                        manifests.pop(step)
+                        continue
                 else:
                     fresh = policy.evidence(policy.MISSING, [{"code": "bytes_unverified"}])
                 d = decide(step, m, digest, fresh, _journal_view(records, step, digest), old_rows.get(step))

@@ -11,7 +11,7 @@ from pathlib import Path
 from scout_ckpt import object_store, policy
 from scout_ckpt.errors import BadInput, LedgerError, NoCleanCheckpoint, ScoutError
 from scout_ckpt.format import manifest as manifest_mod
-from scout_ckpt.format.verify import verify_files
+from scout_ckpt.format.verify import could_not_check, only_unchecked, unchecked_reason, verify_files
 from scout_ckpt.ledger import Ledger, LedgerUnavailable, journal
 from scout_ckpt.ops import disk_view
 
@@ -24,6 +24,8 @@ def trusted_manifest(step_dir: Path, row: dict) -> tuple[dict | None, list[dict]
     reasons not to trust it (manifest_mismatch, bad_manifest)."""
     try:
         m, digest = manifest_mod.read(step_dir)
+    except manifest_mod.ManifestUnreadable as e:   # could not check now: not a bad manifest
+        return None, [unchecked_reason(e.oserror, manifest_mod.MANIFEST_NAME)]
     except BadInput as e:
         return None, [{"code": "bad_manifest", "detail": str(e)}]
     if row.get("manifest_digest") and digest != row["manifest_digest"]:
@@ -46,9 +48,16 @@ def verify_checkpoint(root: Path, ledger: Ledger, step: int, progress=None, hash
         ev = verify_files(step_dir, ledger.files(step), progress=progress, hasher=hasher)
         if step_dir.is_dir():
             _, bad = trusted_manifest(step_dir, row)
-    if bad:
+    if bad and only_unchecked(bad):   # the manifest could not be read now: at most "could not check"
+        if ev["status"] != policy.FAIL:
+            ev = policy.evidence(policy.MISSING, [r for r in ev["reasons"] if r not in bad] + bad,
+                                 **{k: v for k, v in ev.items() if k not in ("status", "reasons")},
+                                 could_not_check=True)
+        else:
+            ev = {**ev, "reasons": ev["reasons"] + bad}
+    elif bad:
         ev = policy.evidence(policy.FAIL, ev["reasons"] + bad,
-                             **{k: v for k, v in ev.items() if k not in ("status", "reasons")})
+                             **{k: v for k, v in ev.items() if k not in ("status", "reasons", "could_not_check")})
     return ev
 
 
@@ -57,9 +66,12 @@ def record_verification_failure(ledger: Ledger, step: int, ev: dict, source: str
     """A checkpoint whose re-verification failed (files missing or changed, manifest mismatched or unreadable) is
     rejected with the reasons, for good: compare-and-set from the certified or committed attempt that was
     checked, so a quarantine or a new save in between is not overwritten. The verdict is journaled under ROOT
-    (default: the ledger's directory). Returns the reasons."""
+    (default: the ledger's directory). Returns the reasons.
+
+    Evidence that says only "could not check now" (format.verify.could_not_check: an I/O error, no fault found)
+    is not a failure: nothing is recorded, the row keeps its state and evidence."""
     row = ledger.checkpoint(step)
-    if row is None:
+    if row is None or could_not_check(ev) or only_unchecked(ev.get("reasons") or []):
         return ev["reasons"]
     with ledger.write():
         if ledger.checkpoint(step)["attempt"] == row["attempt"]:
@@ -160,6 +172,12 @@ def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | Non
             step = row["step"]
             if verify:
                 ev = verify_checkpoint(root, ledger, step, store=store)
+                if could_not_check(ev):
+                    # an I/O error is not evidence: walk past it for this call, record nothing (a later call,
+                    # once the storage answers, hands it out again)
+                    skipped.append({"step": step, "reasons": ev["reasons"], "could_not_check": True})
+                    below = step
+                    continue
                 if ev["status"] != policy.PASS:
                     writer, recorded = _record_failure(root, writer, step, ev)
                     skipped.append({"step": step, "reasons": ev["reasons"],

@@ -7,6 +7,9 @@ Rules (`keep=N` counts certified checkpoints):
     evidence (replay coverage, certify) and may become the next latest clean; deleting it would strand the run;
   * quarantined checkpoints are kept: an operator decision is not retention's to undo (the state table forbids
     quarantined -> deleted);
+  * a `writing` row whose owner may be alive (settle.save_alive: alive or cannot tell) is kept whatever its step:
+    it is a save in flight, e.g. a re-save of an older step after a walk-back, whose commit would otherwise land
+    on a `deleted` row. Retention never deletes on a possibly-live owner;
   * everything else goes: rejected ones, committed ones older than the newest certified, certified ones beyond N.
 
 Retention runs only after a new commit is durable, and its errors never fail a save (the checkpointer records them
@@ -29,7 +32,7 @@ from pathlib import Path
 from scout_ckpt.errors import BadInput
 from scout_ckpt.format import layout
 from scout_ckpt.ledger import Ledger
-from scout_ckpt.ops.settle import owner_alive
+from scout_ckpt.ops.settle import save_alive, tmp_dir_alive
 
 AWAITING = ("committed", "writing")
 
@@ -43,8 +46,9 @@ class Plan:
     protected: int | None = None                               # the newest certified step
 
 
-def decide(states: dict[int, str], keep: int) -> Plan:
-    """Pure: {step: state} of the checkpoints on disk -> Plan. No I/O, no ledger."""
+def decide(states: dict[int, str], keep: int, in_flight: frozenset[int] | set[int] = frozenset()) -> Plan:
+    """Pure: {step: state} of the checkpoints on disk -> Plan. No I/O, no ledger. `in_flight`: the `writing`
+    steps whose save may still be running (`saves_in_flight`), kept whatever their step."""
     if keep < 1:
         raise BadInput(f"--keep must be at least 1 (got {keep}): the newest certified checkpoint is never deleted")
     certified = sorted((s for s, st in states.items() if st == "certified"), reverse=True)
@@ -57,6 +61,8 @@ def decide(states: dict[int, str], keep: int) -> Plan:
             delete[step] = state                      # a crash between ledger and rmtree: finish the removal
         elif state == "quarantined":
             why[step] = "quarantined"
+        elif state == "writing" and step in in_flight:
+            why[step] = "save in flight"
         elif step in kept_certified:
             why[step] = "newest certified" if step == newest else "certified"
         elif state in AWAITING and (newest is None or step > newest):
@@ -64,6 +70,11 @@ def decide(states: dict[int, str], keep: int) -> Plan:
         else:
             delete[step] = state
     return Plan(delete=delete, keep=why, protected=newest)
+
+
+def saves_in_flight(rows: list[dict], root: str | os.PathLike) -> set[int]:
+    """The steps of `writing` rows whose owner may be alive (settle.save_alive is not False)."""
+    return {r["step"] for r in rows if r["state"] == "writing" and save_alive(root, r) is not False}
 
 
 def partial(root: Path, store=None, ledger: Ledger | None = None) -> list[dict]:
@@ -78,11 +89,10 @@ def partial(root: Path, store=None, ledger: Ledger | None = None) -> list[dict]:
             r = rows.get(name) or {}
             owner = {"host": r.get("owner_host"), "pid": r.get("owner_pid"), "start": r.get("owner_start")}
             out.append({"path": store.uri_of(name), "owner": owner if r else None,
-                        "alive": owner_alive(owner) if r else None})
+                        "alive": save_alive(root, r) if r else None})
         return out
     for tmp in layout.list_tmp_dirs(root):
-        owner = layout.read_owner(tmp)
-        out.append({"path": str(tmp), "owner": owner, "alive": owner_alive(owner)})
+        out.append({"path": str(tmp), "owner": layout.read_owner(tmp), "alive": tmp_dir_alive(root, tmp)})
     return out
 
 
@@ -98,15 +108,18 @@ def plan(ledger: Ledger, root: Path, keep: int, store=None) -> dict:
     """{"delete": [steps], "keep": [steps], "protected": step|None, "reasons": {step: why kept},
     "partial": [{"path", "owner", "alive"}]}; no side effects. Directories the ledger does not know (e.g.
     foreign step-N folders) are left alone: not ours to delete."""
+    rows = ledger.checkpoints()
     if store is not None:
         states = _on_store(ledger, store)
     else:
         on_disk = layout.list_checkpoint_dirs(root)
-        states = {r["step"]: r["state"] for r in ledger.checkpoints() if r["step"] in on_disk}
-    p = decide(states, keep)
+        states = {r["step"]: r["state"] for r in rows if r["step"] in on_disk}
+    p = decide(states, keep, saves_in_flight(rows, root))
+    attempts = {r["step"]: r["attempt"] for r in rows}
     return {"delete": sorted(p.delete), "keep": sorted(p.keep), "protected": p.protected,
             "reasons": {str(s): w for s, w in sorted(p.keep.items())}, "partial": partial(Path(root), store, ledger),
-            "seen": {str(s): st for s, st in p.delete.items()}}
+            "seen": {str(s): st for s, st in p.delete.items()},
+            "seen_attempt": {str(s): attempts.get(s) for s in p.delete}}
 
 
 def apply(ledger: Ledger, root: Path, keep: int, *, dry_run: bool = False, store=None, sweep: bool = True) -> dict:
@@ -128,13 +141,16 @@ def apply(ledger: Ledger, root: Path, keep: int, *, dry_run: bool = False, store
     if swept is not None:
         result["swept"] = swept
     if dry_run:
+        result.pop("seen_attempt")
         return {**result, "dry_run": True}
     paths = {r["step"]: r["path"] for r in ledger.checkpoints()}
     deleted = []
+    seen_attempt = result.pop("seen_attempt")
     for step in result["delete"]:
         seen = result["seen"][str(step)]
+        # compare-and-set on the state and the attempt the plan saw: a save of the step begun since wins
         if seen != "deleted" and not ledger.transition(step, "deleted", [{"code": "retention", "keep": keep}],
-                                                       source="gc", expect=seen):
+                                                       source="gc", expect=seen, attempt=seen_attempt[str(step)]):
             continue
         try:
             if store is not None:

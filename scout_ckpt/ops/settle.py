@@ -12,7 +12,14 @@ provably dead:
                                                          on the manifest's evidence (record_commit, CAS)
   owner dead, anything else                          -> rejected [save_interrupted] (transition, CAS)
 
-"Provably dead": same host, and the pid is gone, a zombie, or a different process (its start time differs).
+"Provably dead": the save's lease is free (or the save predates leases), and the owner record says same host, and
+the pid is gone, a zombie, or a different process (its start time differs). The lease is what makes this
+namespace-proof: two containers on one host share the host name but not the pids, so the second one finds no
+process with the first one's pid and would call a live save dead. The coordinator of a save holds an flock
+(LOCK_EX) on ROOT/.leases/<attempt>.lock (`take_lease`) from before its `writing` row until the commit is recorded;
+a kernel drops the lock when the holder dies, however it dies, and every process that sees the file sees the
+lock. A held lease is alive whatever the pid says; a free one is necessary for death, never sufficient alone (the
+pid check stays an extra "alive" signal); a lease that cannot be checked (EACCES, EIO) means "cannot tell".
 
 On an object store (a ledger_dir bound to a URI, scout_ckpt.object_store) the row's path is the attempt prefix;
 its manifest is read and its bytes verified there by ranged reads. A ROOT bound to a URI is detected here, so
@@ -21,6 +28,9 @@ every caller (certify included) settles against the right storage without knowin
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
 import socket
 from pathlib import Path
@@ -28,7 +38,7 @@ from pathlib import Path
 from scout_ckpt import policy
 from scout_ckpt.errors import BadInput
 from scout_ckpt.format import layout, manifest
-from scout_ckpt.format.verify import verify_files
+from scout_ckpt.format.verify import could_not_check, verify_files
 from scout_ckpt.ledger import journal
 
 
@@ -78,6 +88,97 @@ def owner_alive(owner: dict | None) -> bool | None:
     return not recycled
 
 
+# ---- leases ------------------------------------------------------------------------------------------------
+
+HELD, FREE, UNKNOWN = "held", "free", "unknown"
+
+
+class Lease:
+    """A save's lease, held (flock LOCK_EX on an open descriptor) until `release`: unlinked first, so that a
+    checker never finds a free lock on a file that still names a save in flight. Idempotent."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass  # already gone, or a read-only ROOT: the lock goes with the descriptor all the same
+        os.close(self.fd)
+        self.fd = None
+
+
+def take_lease(root: str | os.PathLike, attempt: str) -> Lease:
+    """Coordinator, before the `writing` row of `attempt` exists: create ROOT/.leases/<attempt>.lock and hold an
+    exclusive flock on it (blocking: a checker holds it only for an instant). The file holds the owner record,
+    for a person reading it; only the lock counts."""
+    path = layout.lease_path(root, attempt)
+    if path is None:
+        raise BadInput(f"attempt id {attempt!r} is not a plain name")
+    path.parent.mkdir(exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.write(fd, (json.dumps({"attempt": attempt, **this_process_owner()}) + "\n").encode())
+    except BaseException:
+        os.close(fd)
+        raise
+    return Lease(path, fd)
+
+
+def lease_state(root: str | os.PathLike, attempt: str | None) -> str | None:
+    """HELD (a live process holds the lease), FREE (its holder is gone: the lock could be taken), UNKNOWN (the
+    file is there but could not be checked), or None (no lease: the save predates leases, or finished)."""
+    path = layout.lease_path(root, attempt)
+    if path is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return UNKNOWN
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        return HELD if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else UNKNOWN
+    finally:
+        os.close(fd)   # closing drops the lock if it was taken
+    return FREE
+
+
+def attempt_alive(root: str | os.PathLike, attempt: str | None, owner: dict | None) -> bool | None:
+    """Whether the save `attempt` by `owner` may still run: True alive, False provably dead, None cannot tell.
+    A held lease is alive; a lease that cannot be checked is "cannot tell"; otherwise the owner record decides
+    (owner_alive), so a free lease alone never proves death and an old record without a lease keeps its rules."""
+    lease = lease_state(root, attempt)
+    if lease == HELD:
+        return True
+    if lease == UNKNOWN:
+        return None
+    return owner_alive(owner)
+
+
+def save_alive(root: str | os.PathLike, row: dict) -> bool | None:
+    """Whether the save that wrote a `writing` row may still run (attempt_alive on the row's attempt and owner).
+    The one liveness test of a row, for settle_writing and retention."""
+    return attempt_alive(root, row.get("attempt"), _owner_of(row))
+
+
+def tmp_dir_alive(root: str | os.PathLike, tmp: Path) -> bool | None:
+    """attempt_alive for a temp dir: the attempt from its owner record (or its name), the owner record."""
+    owner = layout.read_owner(tmp)
+    attempt = (owner or {}).get("attempt")
+    if not attempt:
+        m = layout.TMP_RE.match(Path(tmp).name)
+        attempt = m.group(2) if m else None
+    return attempt_alive(root, attempt, owner)
+
+
 def _owner_of(row: dict) -> dict:
     return {"host": row.get("owner_host"), "pid": row.get("owner_pid"), "start": row.get("owner_start")}
 
@@ -88,16 +189,21 @@ def _run_policy(ledger, row: dict, fallback: dict) -> dict:
 
 
 def _read_manifest(root: Path, row: dict, store):
-    """(manifest, digest) of the row's step dir or attempt prefix; (None, None) when absent or unreadable."""
+    """(manifest, digest) of the row's step dir or attempt prefix; (None, None) when absent or malformed.
+    ManifestUnreadable (an I/O error: could not check now) is raised to the caller."""
     if not row.get("path"):
         return None, None
     try:
         if store is not None:
             return store.read_manifest(row["path"]) if store.has_manifest(row["path"]) else (None, None)
-        step_dir = root / row["path"]
-        return manifest.read(step_dir) if step_dir.is_dir() else (None, None)
+        return manifest.read(root / row["path"])   # no step dir: BadInput (no manifest); EIO: ManifestUnreadable
+    except manifest.ManifestUnreadable:
+        raise
     except BadInput:
         return None, None
+
+
+_COULD_NOT_CHECK = object()   # settle_writing: the manifest or the bytes could not be read now
 
 
 def settle_writing(ledger, root: str | os.PathLike, *, source: str, store=None) -> list[dict]:
@@ -114,17 +220,27 @@ def settle_writing(ledger, root: str | os.PathLike, *, source: str, store=None) 
         store = bound_store(root)
     for row in rows:
         step, attempt = row["step"], row["attempt"]
-        alive = owner_alive(_owner_of(row))
+        alive = save_alive(root, row)
         if alive is not False:
             out.append({"step": step, "attempt": attempt, "before": "writing", "after": "writing",
                         "why": "owner_alive" if alive else "owner_unknown"})
             continue
-        m, digest = _read_manifest(root, row, store)
+        try:
+            m, digest = _read_manifest(root, row, store)
+        except manifest.ManifestUnreadable:
+            m, digest = _COULD_NOT_CHECK, None
         interrupted = [{"code": "save_interrupted", "attempt": attempt}]
-        if m is not None and m.get("attempt") == attempt:
+        if m is not _COULD_NOT_CHECK and m is not None and m.get("attempt") == attempt:
             ev = dict(m["evidence"])
             ev["bytes"] = (store.verify(row["path"], m["files"]) if store is not None
                            else verify_files(root / row["path"], m["files"]))
+            if could_not_check(ev["bytes"]):
+                m = _COULD_NOT_CHECK
+        if m is _COULD_NOT_CHECK:   # an I/O error is not evidence: the row waits for a settler that can read
+            out.append({"step": step, "attempt": attempt, "before": "writing", "after": "writing",
+                        "why": "could_not_check"})
+            continue
+        if m is not None and m.get("attempt") == attempt:
             if ev["bytes"]["status"] == policy.PASS:
                 # The run's policy as the ledger holds it (the manifest's only if the run is unknown).
                 v = policy.evaluate(_run_policy(ledger, row, m["policy"]), ev)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import optim
 
+from scout_ckpt.options import DEFAULT_OPT_ELEMS
+
 # Optimizers whose update of one element reads only that element (and scalar state such as `step`).
 ELEMENTWISE = tuple(getattr(optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
@@ -47,7 +49,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 MIN_WINDOW = 64          # smallest window cut from a tensor (or the whole tensor when smaller)
-DEFAULT_ELEMS = 1 << 16  # elements per round, over all tensors (256 KiB of fp32 per replayed quantity)
+DEFAULT_ELEMS = DEFAULT_OPT_ELEMS  # elements per round, over all tensors (declared with the options)
 
 
 def _slice(t: torch.Tensor, start: int, n: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ KIND_STYLE = {  # kind -> (marker, colour)
     "crash": ("P", "#111111"),
     "desync": ("D", "#1f77b4"),
     "health": ("^", "#bcbd22"),
+    "live_fault": ("v", "#e377c2"),
 }
 OTHER_STYLE = ("*", "#7f7f7f")
 DRAW_ORDER = ("deleted", "writing", "committed", "certified", "interrupted", "quarantined", "rejected")

@@ -29,7 +29,7 @@ from scout_ckpt.report.page import (  # noqa: F401  (re-exported: the page and i
     write_html,
 )
 
-KINDS = ("sdc", "hang", "straggler", "crash", "desync", "health")
+KINDS = ("sdc", "hang", "straggler", "crash", "desync", "health", "live_fault")
 SDC_REASONS = ("consensus_attributed", "invariant_failed")
 INTERRUPTED = "save_interrupted"
 

@@ -9,7 +9,9 @@
   in its own data shard). DCP writes one copy of a plain tensor, taken as replicated, and consensus would compare
   the ranks' copies and reject the checkpoint. `RankLocal` saves each rank's values as its row of a DTensor
   sharded over the world (global shape [world, ...]), so every rank gets its own values back and consensus never
-  compares them. Restoring it needs the same world size.
+  compares them. A restart on another world size (an elastic restart: 2 ranks saved, 3 load) restores the rows of
+  the ranks that still exist; a new rank keeps its own fresh values, with one WARNING naming what it did not get
+  back (`RankLocal(..., strict=True)`: a one-line error instead).
 """
 
 from __future__ import annotations
@@ -111,11 +113,39 @@ class RankLocal(Stateful):
 
     Every rank must hold the same keys, shapes and dtypes (RNG states and scalars do). Tensors go through as
     rows of a DTensor sharded on dim 0 over a 1-D world mesh; nothing else is exchanged.
+
+    Loading on another world size: the loader (save/loading.py) calls `begin_load(saved_world, name)` on every rank
+    before DCP reads and `end_load()` after the loaded values were verified. In between, `state_dict()` offers
+    plain tensors of the saved global shape [saved_world, ...] (every rank reads every row: RNG states are a few
+    KiB), and `load_state_dict` hands rank r its row r.
     """
 
-    def __init__(self, inner: Stateful):
-        self.inner = inner
+    def __init__(self, inner: Stateful, *, strict: bool = False):
+        self.inner, self.strict = inner, strict
         self._mesh = None
+        self._loading_from: int | None = None   # the saved world size while a resharding load is in progress
+        self._loaded: dict | None = None        # what that load read, offered back for its verification
+        self.name = "rank-local state"
+
+    def begin_load(self, saved_world: int | None, name: str) -> None:
+        """Collective in effect (every rank, the same arguments): prepare to load rows saved by `saved_world`
+        ranks (None: unknown, taken as this world). ScoutError on every rank when strict and the world changed."""
+        import torch.distributed as dist
+
+        from scout_ckpt.errors import ScoutError
+
+        self.name, self._loaded = name, None
+        world = dist.get_world_size()
+        if saved_world is None or saved_world == world:
+            self._loading_from = None
+            return
+        if self.strict:
+            raise ScoutError(f"{name}: saved by {saved_world} ranks, this job has {world} (RankLocal(strict=False) "
+                             "restores the ranks that still exist)")
+        self._loading_from = saved_world
+
+    def end_load(self) -> None:
+        self._loading_from, self._loaded = None, None
 
     def _rows(self, sd: dict) -> dict:
         from torch.distributed.tensor import DTensor, Shard
@@ -134,10 +164,39 @@ class RankLocal(Stateful):
         return out
 
     def state_dict(self) -> dict:
-        return self._rows(self.inner.state_dict())
+        if self._loading_from is None:
+            return self._rows(self.inner.state_dict())
+        if self._loaded is not None:
+            return self._loaded
+
+        def full(d: dict) -> dict:
+            return {k: full(v) if isinstance(v, dict) else
+                    torch.zeros((self._loading_from, *v.shape), dtype=v.dtype) for k, v in d.items()}
+
+        return full(self.inner.state_dict())
 
     def load_state_dict(self, sd: dict) -> None:
-        def local(d: dict) -> dict:
-            return {k: local(v) if isinstance(v, dict) else v.to_local()[0].cpu() for k, v in d.items()}
+        if self._loading_from is None:
+            def local(d: dict) -> dict:
+                return {k: local(v) if isinstance(v, dict) else v.to_local()[0].cpu() for k, v in d.items()}
 
-        self.inner.load_state_dict(local(sd))
+            self.inner.load_state_dict(local(sd))
+            return
+        import torch.distributed as dist
+
+        from scout_ckpt.save import log
+
+        self._loaded = sd
+        saved, rank, world = self._loading_from, dist.get_rank(), dist.get_world_size()
+
+        def row(d: dict) -> dict:
+            return {k: row(v) if isinstance(v, dict) else v[rank].clone() for k, v in d.items()}
+
+        if rank < saved:
+            self.inner.load_state_dict(row(sd))
+        else:
+            log.logger.warning("rank %d: %s not restored: the checkpoint was saved by %d ranks and has no row for "
+                               "this rank, which keeps its own fresh values", rank, self.name, saved)
+        if rank == 0 and saved > world:
+            log.logger.warning("%s of ranks %d..%d not restored: the checkpoint was saved by %d ranks, this job "
+                               "has %d", self.name, world, saved - 1, saved, world)

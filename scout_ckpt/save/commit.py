@@ -2,9 +2,11 @@
 
 Who calls what, in order (ARCHITECTURE.md, "One save boundary"); `Checkpointer` drives it and owns the evidence:
 
-  1. Committer.begin        collective. Coordinator: flush any earlier unrecorded commit, ledger row `writing`
-                            (refused for a quarantined step), temp dir ROOT/.step-S.tmp-<attempt>/ with its owner
-                            record. Then one broadcast: every rank goes on, or every rank raises SaveRefused.
+  1. Committer.begin        collective. Coordinator: flush any earlier unrecorded commit, the attempt's lease
+                            (settle.take_lease: an flock held until 3b, so that no settler in another PID namespace
+                            takes the save for dead), ledger row `writing` (refused for a quarantined step), temp
+                            dir ROOT/.step-S.tmp-<attempt>/ with its owner record. Then one broadcast: every rank
+                            goes on, or every rank raises SaveRefused.
   2. (Checkpointer)         all ranks: live evidence, then DCP writes into PendingSave.tmp. An async save stages
                             its copy first and runs 1, 2 and 3 in its commit thread (1 still precedes any write).
   3. Committer.finish       collective, once the write has finished everywhere. Every rank: PendingSave.local_files
@@ -51,7 +53,7 @@ from scout_ckpt.format import layout, manifest
 from scout_ckpt.format.digests import digest_files
 from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops import retention
-from scout_ckpt.ops.settle import owner_alive, settle_writing, this_process_owner
+from scout_ckpt.ops.settle import settle_writing, take_lease, this_process_owner, tmp_dir_alive
 
 COORDINATOR = 0
 
@@ -66,6 +68,23 @@ class CommitError(ScoutError):
     """The checkpoint could not be published (nothing at step-S changed); raised on every rank."""
 
     exit_code = 1
+
+
+def write_failure(e: BaseException) -> str:
+    """One line for why a write failed: DCP's CheckpointException carries every failed rank's exception (its own
+    str is their tracebacks); the first distinct causes are named with their ranks."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    causes: dict[str, list[int]] = {}
+    for rank, pair in sorted(failures.items()):
+        exc = pair[0] if isinstance(pair, tuple) else pair
+        seen = exc
+        while seen is not None and not isinstance(seen, OSError):   # torch.save's RuntimeError hides ENOSPC
+            seen = seen.__cause__ or seen.__context__
+        exc = seen if seen is not None else exc
+        causes.setdefault(f"{type(exc).__name__}: {exc}".splitlines()[0][:200], []).append(rank)
+    return "; ".join(f"{cause} (ranks {', '.join(map(str, ranks))})" for cause, ranks in list(causes.items())[:3])
 
 
 @dataclass(frozen=True)
@@ -146,6 +165,7 @@ class Committer:
     unrecorded: list[dict] = field(default_factory=list)   # durable commits the ledger has not taken yet
     unrecorded_events: list[dict] = field(default_factory=list)   # bookkeeping errors the ledger did not take
     store: object | None = None
+    leases: dict = field(default_factory=dict)   # attempt -> settle.Lease held by the coordinator for a save
 
     def pending(self, step: int, attempt: str):
         if self.store is not None:
@@ -171,10 +191,13 @@ class Committer:
             self.flush()
             owner = this_process_owner()
             try:
+                # the lease first: from the moment the `writing` row exists, a held lock says the save is alive
+                self.leases[attempt] = take_lease(self.root, attempt)
                 self.ledger.record_writing(step, self.run_id, attempt, pending.name, owner=owner)
                 pending.create({"run_id": self.run_id, "attempt": attempt, **owner})
             except Exception as e:  # every rank must still reach the broadcast below
                 refusal = str(e) or type(e).__name__
+                self._release_lease(attempt)   # no save in flight: a settler may decide the row by its owner
         refusal = _broadcast(refusal, group)
         if refusal is not None:
             raise SaveRefused(f"checkpoint {step} not saved: {refusal}")
@@ -201,18 +224,30 @@ class Committer:
             files = [f for g in gathered for f in g["files"]]
             ev, signatures, v = assess(gathered)
             verdict = {"state": v.state, "reasons": v.reasons}
+            live_fault = policy.live_faults(ev)
+            if live_fault:   # every rank learns it with the verdict: the lineage is tainted (Checkpointer.save)
+                verdict["live_fault"] = live_fault
             m = manifest.build(step=pending.step, run_id=self.run_id, attempt=pending.attempt, files=files,
                                evidence=ev, verdict=verdict, signatures=signatures, **self.manifest_fields)
             digest = pending.finalize(m, self.hook)
         except BaseException as e:  # every rank must still reach the verdict broadcast
             self.abandon(pending, e)
             return {"state": "error", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}
-        self.hook("after_rename", pending.step)
-        self._record({"step": pending.step, "run_id": self.run_id, "path": pending.name,
-                      "nbytes": pending.nbytes(files), "manifest_digest": digest, "files": files,
-                      "evidence": ev, "state": v.state, "reasons": v.reasons, "attempt": pending.attempt})
+        try:
+            self.hook("after_rename", pending.step)
+            self._record({"step": pending.step, "run_id": self.run_id, "path": pending.name,
+                          "nbytes": pending.nbytes(files), "manifest_digest": digest, "files": files,
+                          "evidence": ev, "state": v.state, "reasons": v.reasons, "attempt": pending.attempt})
+        finally:
+            # published (and recorded, or kept for flush: a settler completes it from the manifest alike)
+            self._release_lease(pending.attempt)
         self._retain(pending.step)
         return verdict
+
+    def _release_lease(self, attempt: str) -> None:
+        lease = self.leases.pop(attempt, None)
+        if lease is not None:
+            lease.release()
 
     def abandon(self, pending, error: BaseException) -> None:
         """Coordinator, after a save that failed before its publish (here, or an async save's commit thread): the
@@ -220,15 +255,25 @@ class Committer:
         now rather than at the next start. Nothing is touched if the step was published. Idempotent; never
         raises (a failure is a `bookkeeping_error` event)."""
         try:
-            if pending.published():
-                return  # the commit happened: the step is durable and settle_writing completes it from the manifest
+            published = pending.published()
         except Exception:
-            return  # cannot tell (the store is unreachable): leave it to settle_writing, never delete
-        # The rejection is recorded before anything is deleted (on an object store: the intent comes first).
-        self._guard("commit_failed_cleanup", pending.step, lambda: journal.record_transition(
-            self.ledger, self.root, pending.step, "rejected", [{"code": "commit_failed", "detail": repr(error)}],
-            source="save", expect="writing", attempt=pending.attempt))
+            return  # cannot tell (the store is unreachable): leave it to settle_writing, never delete (lease held)
+        if published:  # the commit happened: the step is durable and settle_writing completes it from the manifest
+            self._release_lease(pending.attempt)
+            return
+        # The rejection is recorded before anything is deleted (on an object store: the intent comes first). When
+        # the disk is full the record itself may fail: the unpublished data is removed anyway (it never was a
+        # checkpoint), and the record is tried again in the space that freed.
+        def record() -> None:
+            journal.record_transition(self.ledger, self.root, pending.step, "rejected",
+                                      [{"code": "commit_failed", "detail": write_failure(error)}],
+                                      source="save", expect="writing", attempt=pending.attempt)
+
+        recorded = self._guard("commit_failed_cleanup", pending.step, record)
         self._guard("commit_failed_discard", pending.step, pending.discard)
+        if not recorded:
+            self._guard("commit_failed_cleanup", pending.step, record)
+        self._release_lease(pending.attempt)
 
     # ---- 3b. record ------------------------------------------------------------------------------------------
 
@@ -316,7 +361,7 @@ def reconcile(ledger: Ledger, root: Path, *, source: str = "startup", store=None
     settled = settle_writing(ledger, root, source=source)
     removed, left = [], []
     for tmp in layout.list_tmp_dirs(root):
-        if layout.TRASH_RE.match(tmp.name) or owner_alive(layout.read_owner(tmp)) is False:
+        if layout.TRASH_RE.match(tmp.name) or tmp_dir_alive(root, tmp) is False:
             shutil.rmtree(tmp, ignore_errors=True)
             removed.append(tmp.name)
         else:

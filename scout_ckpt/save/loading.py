@@ -4,9 +4,10 @@ match what was saved, rejecting each one that does not and falling back to the n
 Why a module of its own, beside replay_evidence.py and shard_evidence.py: the load path shares nothing with the
 save path but the process group and the ledger. It has its own protocol (choose on the coordinator, verify bytes
 on every rank, load, compare the loaded values' signatures with the manifest's, reject and walk back) and its own
-failure modes (a damaged candidate is the checkpoint's fault and is rejected; a state without places for the saved
-values is the caller's and raises). Kept apart, `Checkpointer` stays a facade over save, load and shutdown, and a
-framework's checkpoint manager (integrations/) can read one module to do the same walk-back.
+failure modes (a damaged candidate is the checkpoint's fault and is rejected; one whose files could not be read
+now, an I/O error with no fault found, is passed over for this load and keeps its state; a state without places
+for the saved values is the caller's and raises). Kept apart, `Checkpointer` stays a facade over save, load and
+shutdown, and a framework's checkpoint manager (integrations/) can read one module to do the same walk-back.
 
 Every function here is collective over `LatestCleanLoader.group` unless it says "coordinator"; every rank gets
 the same outcome (the candidate is broadcast, byte verdicts are all_gathered, signatures come from one
@@ -29,7 +30,7 @@ from scout_ckpt.consensus.full import REPLICA_PREFIX, full_signatures
 from scout_ckpt.consensus.mesh import full_signable
 from scout_ckpt.consensus.signatures import flatten_state
 from scout_ckpt.errors import ScoutError
-from scout_ckpt.format.verify import verify_files
+from scout_ckpt.format.verify import only_unchecked, verify_files
 from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops.recovery import record_verification_failure, trusted_manifest
 from scout_ckpt.save import log as scout_log
@@ -77,26 +78,28 @@ class LatestCleanLoader:
             if cand is None:
                 if self.is_coordinator:
                     scout_log.fresh_start(self.rank, str(self.root), [
-                        r for r in self.ledger.checkpoints(states=("committed", "writing"))])
+                        r for r in self.ledger.checkpoints(states=("committed", "writing", "rejected"))])
                 return None
             step_dir = self.root / cand["path"] if self.store is None else self.store.uri_of(cand["path"])
             failed = cand["reasons"] + self._verify_bytes(cand, step_dir)
             if failed:
-                if self.is_coordinator:
-                    record_verification_failure(self.ledger, cand["step"], policy.evidence(policy.FAIL, failed),
-                                                source="load", root=self.root)
-                scout_log.skipped(self.rank, cand["step"], failed)
+                # the same reasons on every rank (all_gathered), so every rank takes the same branch
+                if only_unchecked(failed):   # an I/O error, no fault found: walk past it now, reject nothing
+                    scout_log.could_not_check(self.rank, cand["step"], failed)
+                else:
+                    if self.is_coordinator:
+                        record_verification_failure(self.ledger, cand["step"],
+                                                    policy.evidence(policy.FAIL, failed), source="load",
+                                                    root=self.root)
+                    scout_log.skipped(self.rank, cand["step"], failed)
                 below = cand["step"]
                 continue
-            if self.store is None:
-                dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
-            else:  # .metadata is unpickled only if its digest is the verified one
-                from scout_ckpt.save.object_store_io import reader_for  # fsspec: only for an object store
-
-                dcp.load(state, storage_reader=reader_for(self.store, cand["path"], cand["metadata_digest"]),
-                         process_group=self.group)
-            self.hook("after_load", cand["step"])
-            differ = self._loaded_differences(cand["step"], cand["signatures"], state)
+            rank_local = _begin_rank_local(state, cand.get("world_size"))
+            try:
+                differ = self._load_and_check(state, cand, step_dir)
+            finally:
+                for v in rank_local:
+                    v.end_load()
             if differ:
                 if self.is_coordinator:
                     self._reject_load_mismatch(cand, differ)
@@ -111,6 +114,18 @@ class LatestCleanLoader:
                               signatures=bool(self.verify_load and cand["signatures"]),
                               seconds=time.monotonic() - t0)
             return cand["step"]
+
+    def _load_and_check(self, state: dict, cand: dict, step_dir) -> list[str]:
+        """Collective: DCP loads the candidate into `state`; the saved tensors whose loaded values differ."""
+        if self.store is None:
+            dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
+        else:  # .metadata is unpickled only if its digest is the verified one
+            from scout_ckpt.save.object_store_io import reader_for  # fsspec: only for an object store
+
+            dcp.load(state, storage_reader=reader_for(self.store, cand["path"], cand["metadata_digest"]),
+                     process_group=self.group)
+        self.hook("after_load", cand["step"])
+        return self._loaded_differences(cand["step"], cand["signatures"], state)
 
     def _broadcast(self, obj):
         box = [obj]
@@ -135,7 +150,7 @@ class LatestCleanLoader:
         m, reasons = (trusted_manifest(self.root / row["path"], row) if self.store is None
                       else self.store.trusted_manifest(row))
         files = self.ledger.files(row["step"])
-        return {"step": row["step"], "path": row["path"], "files": files,
+        return {"step": row["step"], "path": row["path"], "files": files, "world_size": (m or {}).get("world_size"),
                 "signatures": (m or {}).get("signatures") or {}, "reasons": reasons,
                 "metadata_digest": next((f["digest"] for f in files if f["path"] == ".metadata"), None)}
 
@@ -168,3 +183,15 @@ class LatestCleanLoader:
                                             source="load", expect="certified")
         self.ledger.add_event("load_mismatch", step=cand["step"], run_id=self.run_id,
                               detail={"differ": differ[:16], "count": len(differ), "rejected": applied})
+
+
+def _begin_rank_local(state: dict, saved_world: int | None) -> list:
+    """Every top-level RankLocal of `state`, told the world size its rows were saved by (app_state.RankLocal)."""
+    from scout_ckpt.save.app_state import RankLocal
+
+    out = []
+    for name, v in state.items():
+        if isinstance(v, RankLocal):
+            v.begin_load(saved_world if isinstance(saved_world, int) else None, repr(name))
+            out.append(v)
+    return out

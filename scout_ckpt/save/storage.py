@@ -18,7 +18,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from scout_ckpt.consensus.in_flight import InFlightDigests
-from scout_ckpt.save.write_pass import DigestingFileSystem, WritePass, finite_key, is_finite
+from scout_ckpt.invariants.finite import is_finite
+from scout_ckpt.save.write_pass import DigestingFileSystem, WritePass, finite_key
 
 FaultHook = Callable[[str, int], None]
 
@@ -68,13 +69,15 @@ class WritesRecorded:
                        if item.type != WriteItemType.BYTE_IO]
             if in_flight is not None and self.signs_in_flight:
                 in_flight.expect(t for _, t in tensors)
-            # Large floating tensors are checked piece by piece as they are written (write_pass.py), the rest now.
-            checked_later = {}
+            # Large tensors are checked piece by piece as they are written (write_pass.py), the rest now; both with
+            # the one finite check certify runs too (invariants/finite.py). Every tensor of the plan whose storage is
+            # one buffer is kept under its key, so aliases of one storage in other dtypes are checked in each.
+            checked_later: dict = {}
             if self.check_finite:
                 for fqn, t in tensors:
                     key = finite_key(t) if self.signs_in_flight else None
                     if key is not None:
-                        checked_later[key] = (fqn, t)
+                        checked_later.setdefault(key, []).append((fqn, t))
                     elif isinstance(t, torch.Tensor) and not is_finite(t):
                         self.nonfinite.append(fqn)
             work = WritePass(in_flight if self.signs_in_flight else None, checked_later)

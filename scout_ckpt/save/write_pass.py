@@ -6,7 +6,8 @@ pieces, and each piece, while it is in the cache, is
 - hashed into the file's digest (xxh3-128 of exactly the bytes written, in order: the digest that certify, resume
   and load verification check), so the commit needs no second read of what this rank just wrote;
 - hashed into the tensor's consensus signature, when consensus expects that tensor (consensus/in_flight.py);
-- checked to be finite, for a floating tensor the writer registered (`WritePass.finite`);
+- checked to be finite, for a tensor the writer registered (`WritePass.finite`), in the dtype of every tensor of
+  the state that views those bytes (invariants/finite.py: the one finite check, the one `certify` runs too);
 
 and then written, so the kernel's copy also reads it from the cache. Apart, these were four reads of every byte a
 rank writes from memory, which on a loaded host is what a save's CPU time goes to.
@@ -28,44 +29,39 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from scout_ckpt.consensus.in_flight import FUSE_MIN, InFlightDigests, buffer_key, written_key
 from scout_ckpt.format.digests import ALGO
+from scout_ckpt.invariants.finite import bytes_finite, can_be_nonfinite
 
 PIECE = 1 << 20   # bytes per piece: one piece is hashed twice, summed and copied by the kernel while in the cache
 
 
-def is_finite(t: torch.Tensor) -> bool:
-    """NaN/Inf check at the cost of a vectorized sum (2 ms per 10M fp32 here, against 70 ms for
-    isfinite().all()): NaN and Inf propagate through a sum; only an overflowing sum needs the exact check."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return True
-    acc = torch.float32 if t.element_size() < 4 else t.dtype
-    if bool(torch.isfinite(t.sum(dtype=acc))):
-        return True
-    return bool(torch.isfinite(t).all())
-
-
 class _Tensor:
-    """One large write's per-piece work."""
+    """One large write's per-piece work. `aliases` ({dtype: [names]}): every registered tensor whose storage is
+    the buffer being written, by dtype; each piece of the bytes is checked as each of those dtypes."""
 
-    __slots__ = ("key", "signer", "flat", "fqn", "finite")
+    __slots__ = ("aliases", "bad", "key", "raw", "signer")
 
-    def __init__(self, key, signer, finite):
+    def __init__(self, key, signer, raw=None, aliases=None):
         self.key, self.signer = key, signer
-        self.fqn, self.flat = finite if finite is not None else (None, None)
-        self.finite = True
+        self.raw, self.aliases = raw, aliases or {}
+        self.bad: set = set()      # dtypes under which some piece was not finite
 
     def update(self, start: int, piece: memoryview) -> None:
         if self.signer is not None:
             self.signer.update(piece)
-        if self.flat is not None and self.finite:
-            size = self.flat.element_size()
-            self.finite = is_finite(self.flat[start // size:(start + len(piece)) // size])
+        if self.raw is not None:
+            window = self.raw[start:start + len(piece)]
+            for dtype in self.aliases:
+                if dtype not in self.bad and not bytes_finite(window, dtype):
+                    self.bad.add(dtype)
 
 
 class WritePass:
     """The work one save's writer does on the bytes passing through: `in_flight` (consensus signatures; None: none
-    wanted) and `finite` ({buffer key: (name, tensor)} of the large floating tensors whose finiteness is checked
-    piece by piece). Afterwards `nonfinite` names those found not finite, and `unseen()` those never written whole
-    as one buffer (the writer checks them itself)."""
+    wanted) and `finite` ({buffer key: [(name, tensor), ...]} of the large tensors whose finiteness is checked
+    piece by piece: every tensor of the state whose storage is that buffer, so that aliases of one storage in
+    different dtypes -- a bfloat16 tensor and a float32 `.view()` of it -- are each checked in their own dtype).
+    Afterwards `nonfinite` names those found not finite, and `unseen()` those never written whole as one buffer
+    (the writer checks them itself)."""
 
     def __init__(self, in_flight: InFlightDigests | None, finite: dict):
         self.in_flight = in_flight
@@ -78,10 +74,16 @@ class WritePass:
             return None
         key = buffer_key(view)
         signer = self.in_flight.hasher_for(key) if self.in_flight is not None else None
-        finite = self.finite.get(key)
-        if signer is None and finite is None:
+        # a storage DCP writes twice (two aliases) is checked once: its bytes are the same both times
+        tensors = self.finite.get(key) if key not in self.seen else None
+        if signer is None and not tensors:
             return None
-        return _Tensor(key, signer, None if finite is None else (finite[0], _storage_flat(finite[1])))
+        if not tensors:
+            return _Tensor(key, signer)
+        aliases: dict = {}
+        for fqn, t in tensors:
+            aliases.setdefault(t.dtype, []).append(fqn)
+        return _Tensor(key, signer, _storage_bytes(tensors[0][1]), aliases)
 
     def flushing(self) -> None:
         """The file's last byte is with the kernel; the disk's flush follows (InFlightDigests.flushing)."""
@@ -91,24 +93,26 @@ class WritePass:
     def end(self, t: _Tensor) -> None:
         if t.signer is not None:
             self.in_flight.record(t.key, t.signer)
-        if t.flat is not None:
+        if t.raw is not None:
             self.seen.add(t.key)
-            if not t.finite:
-                self.nonfinite.append(t.fqn)
+            for dtype, names in t.aliases.items():
+                if dtype in t.bad:
+                    self.nonfinite.extend(names)
 
     def unseen(self) -> list[tuple[str, torch.Tensor]]:
-        return [v for k, v in self.finite.items() if k not in self.seen]
+        return [v for k, vs in self.finite.items() if k not in self.seen for v in vs]
 
 
-def _storage_flat(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of `t`'s whole storage (the bytes torch.save writes for it), in its dtype."""
-    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (t.numel(),), (1,))
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 view of `t`'s whole storage (the bytes torch.save writes for it)."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def finite_key(t) -> tuple | None:
-    """The buffer key under which a floating tensor's finiteness can be checked as it is written, or None (check it
-    before the write)."""
-    return written_key(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+    """The buffer key under which a tensor that can hold a NaN or an infinity is checked as it is written, or None
+    (check it before the write, or not at all: integers and bool are always finite)."""
+    return written_key(t) if isinstance(t, torch.Tensor) and can_be_nonfinite(t.dtype) else None
 
 
 class _DigestingFile(io.BufferedWriter):

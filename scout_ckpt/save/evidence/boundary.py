@@ -45,6 +45,9 @@ class SaveEvidence:
         self.run_id: str | None = None
         self._inv_previous: dict | None = None
         self._health = HealthWindow()
+        # {"step", "kinds"} once a save's evidence showed the live state bad, until a clean checkpoint is loaded:
+        # every save in between descends from that state and is rejected (`lineage`, policy.lineage_evidence).
+        self.tainted: dict | None = None
 
     def bind(self, *, ledger, run_id: str) -> None:
         """The run, once it is known (after the policy went into the ledger); `ledger` is the coordinator's."""
@@ -148,6 +151,9 @@ class SaveEvidence:
                                                    values=(checks or {}).get("values"))
         ev.update(live)
         ev["health"] = self._health_evidence(ev, taken_at)
+        lineage = policy.lineage_evidence(self.tainted)
+        if lineage is not None:
+            ev["lineage"] = lineage
         verdict = policy.evaluate(self.policy, ev)
         self._health.settled(verdict.state, taken_at)
         return ev, signatures, verdict

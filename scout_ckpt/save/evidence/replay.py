@@ -15,13 +15,10 @@ from pathlib import Path
 
 from scout_ckpt import policy
 from scout_ckpt.ledger import journal
+from scout_ckpt.options import ReplayOptions, as_replay
 from scout_ckpt.replay import NoTargets, ReplayRunner
 from scout_ckpt.replay import coverage as replay_coverage
 from scout_ckpt.save import log
-
-# One rotation target every this many steps between saves (earlier detection); the sweep at each save is what
-# certifies, so this interval never delays a certificate.
-DEFAULT_INTERVAL = 10
 
 
 class ReplayEvidence:
@@ -34,16 +31,17 @@ class ReplayEvidence:
     @classmethod
     def start(cls, replay, *, model, optimizer, groups, auto_on: bool) -> ReplayEvidence | None:
         """The replay a configuration asks for, or None. `replay` is None (auto: `auto_on` decides, and a model
-        with no replayable blocks only turns it off with a WARNING), False, True or a dict of runner options (an
+        with no replayable blocks only turns it off with a WARNING), False, True, a dict of runner options or ReplayOptions (an
         explicit request for a model with no blocks is an error: NoTargets)."""
+        replay = as_replay(replay)   # a misspelled key or a bad value fails here, naming the field
         auto = replay is None
         if auto:
             replay = auto_on
         if not (replay and model is not None):
             return None
-        cfg = {"interval": DEFAULT_INTERVAL, **(replay if isinstance(replay, dict) else {})}
+        opts = replay if isinstance(replay, ReplayOptions) else ReplayOptions()
         try:
-            runner = ReplayRunner(model, optimizer, groups=groups, **cfg)
+            runner = ReplayRunner(model, optimizer, groups=groups, **opts.runner_kwargs())
         except NoTargets as e:
             if not auto:
                 raise

@@ -24,6 +24,7 @@ import math
 
 from scout_ckpt import policy
 from scout_ckpt.errors import ScoutError
+from scout_ckpt.options import ShardEvidenceOptions, as_shard_evidence
 from scout_ckpt.save import log as scout_log
 
 KINDS = ("shard_replay", "at_rest")
@@ -37,9 +38,10 @@ class ShardEvidence:
         self._cadence: int | None = None  # saves fall on multiples of it (learned from the saves so far)
 
     @classmethod
-    def start(cls, cfg: dict | bool | None, *, mode: str, model, optimizer, group,
+    def start(cls, cfg: ShardEvidenceOptions | dict | bool | None, *, mode: str, model, optimizer, group,
               timeout_s: float) -> "ShardEvidence | None":
         """None where it does not apply; creates its side groups now, in the same order on every rank."""
+        cfg = as_shard_evidence(cfg)   # a misspelled key or a bad value fails here, naming the field
         sharded = mode.startswith(("fsdp", "hsdp"))
         asked = cfg is not None
         if not (cfg if asked else sharded) or model is None or optimizer is None:
@@ -48,8 +50,8 @@ class ShardEvidence:
         from scout_ckpt.replay.shard_plan import ShardReplayLog
         from scout_ckpt.save.evidence.at_rest import AtRestGuard
 
-        cfg = dict(cfg) if isinstance(cfg, dict) else {}
-        at_rest_every = cfg.pop("at_rest_every", None)
+        opts = cfg if isinstance(cfg, ShardEvidenceOptions) else ShardEvidenceOptions()
+        at_rest_every = opts.at_rest_every
         try:
             check_supported(optimizer)
         except UnsupportedOptimizer as e:
@@ -57,7 +59,7 @@ class ShardEvidence:
                 raise ScoutError(f"shard evidence: {e}") from None
             scout_log.logger.warning("shard evidence is off: %s", e)
             return None
-        replay = ShardUpdateReplay(optimizer, model, timeout_s=timeout_s, **cfg)
+        replay = ShardUpdateReplay(optimizer, model, timeout_s=timeout_s, **opts.replay_kwargs())
         guard = AtRestGuard(optimizer, model, group=group, every=at_rest_every or 1)
         return cls(replay, ShardReplayLog(replay.cycle), guard, adaptive=at_rest_every is None)
 

@@ -1,0 +1,302 @@
+"""The Checkpointer's grouped options: frozen dataclasses, a docstring per field, checks in `__post_init__`.
+
+Why dataclasses: the options used to be `dict | bool | None` whose keys lived in prose and were checked, if at
+all, deep inside the components (a misspelled observer key surfaced as a TypeError in the observer's start, a
+bad replay interval at the first step). Here a misspelled key or a bad value fails at construction, on every
+rank alike, with one line naming the field (`BadOption`).
+
+The old spellings keep working and are converted in one place, `as_replay`/`as_observer`/`as_shard_evidence`/
+`as_storage`: `replay=True`, `observer={"stall_s": 3, "straggler": {"window_s": 0.5}}`,
+`shard_evidence={"cycle": 4}`. Each converter also takes an instance of its dataclass, None and False.
+
+No torch and nothing above `errors` is imported here: every wing may read these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from scout_ckpt.errors import BadOption
+
+# Replay (one rotation target every this many steps between saves: earlier detection; the sweep at each save is
+# what certifies, so this interval never delays a certificate) and the optimizer window it replays.
+DEFAULT_REPLAY_INTERVAL = 10
+DEFAULT_OPT_ELEMS = 1 << 16      # elements per round, over all tensors (256 KiB of fp32 per replayed quantity)
+
+
+def _positive(owner: str, name: str, value, *, integer: bool = False, allow_zero: bool = False,
+              allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or (not integer and not math.isfinite(value)):
+        raise BadOption(f"{owner}.{name} must be {'an integer' if integer else 'a number'} (got {value!r})")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise BadOption(f"{owner}.{name} must be {'>= 0' if allow_zero else '> 0'} (got {value!r})")
+
+
+def _choice(owner: str, name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise BadOption(f"{owner}.{name} must be one of {', '.join(map(repr, choices))} (got {value!r})")
+
+
+def _from_mapping(cls, owner: str, values: Mapping, **nested):
+    """cls(**values) with one clear line for an unknown key (the known ones listed) or a value of the wrong shape."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise BadOption(f"{owner}: unknown option {unknown[0]!r} (known: {', '.join(sorted(fields))})")
+    kwargs = dict(values)
+    for key, convert in nested.items():
+        if key in kwargs:
+            kwargs[key] = convert(kwargs[key])
+    return cls(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayOptions:
+    """SDC replay of the model's blocks (and the optimizer's elementwise update) across ranks (replay/)."""
+
+    interval: int = DEFAULT_REPLAY_INTERVAL
+    """One rotation target is replayed every `interval` steps between saves; every target is swept at a save."""
+    targets: tuple[str, ...] | None = None
+    """Which targets to replay (module names, or "optimizer"); None: every replayable block, embedding and head."""
+    deterministic: bool = True
+    """Run replays with deterministic kernels, so that healthy replicas agree bit for bit."""
+    peers: str = "auto"
+    """Who replays: "auto" (the replica group with 3+ members, else the world), "replicas" or "world"."""
+    opt_elems: int = DEFAULT_OPT_ELEMS
+    """Optimizer elements replayed per round, over all tensors."""
+    save_every: int | None = None
+    """The save cadence, when the script knows it (the sweep is prepared for those steps); None: learnt."""
+    straggler_rounds: int = 3
+    """Rounds a replay-timing straggler must be confirmed over before it is reported."""
+
+    def __post_init__(self):
+        _positive("replay", "interval", self.interval, integer=True)
+        if self.targets is not None:
+            if isinstance(self.targets, str) or not all(isinstance(t, str) for t in self.targets):
+                raise BadOption(f"replay.targets must be a list of names (got {self.targets!r})")
+            object.__setattr__(self, "targets", tuple(self.targets))
+        if not isinstance(self.deterministic, bool):
+            raise BadOption(f"replay.deterministic must be True or False (got {self.deterministic!r})")
+        _choice("replay", "peers", self.peers, ("auto", "replicas", "world"))
+        _positive("replay", "opt_elems", self.opt_elems, integer=True)
+        _positive("replay", "save_every", self.save_every, integer=True, allow_none=True)
+        _positive("replay", "straggler_rounds", self.straggler_rounds, integer=True)
+
+    def runner_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of replay.ReplayRunner."""
+        out = dataclasses.asdict(self)
+        out["targets"] = list(self.targets) if self.targets is not None else None
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StragglerRule:
+    """When a rank is a straggler: its time per step against the others' median, by k x 1.4826 x MAD with
+    absolute and relative floors, over windows, confirmed over rounds (observer/stragglers.py)."""
+
+    window_s: float = 1.0
+    """Length of one comparison window, seconds."""
+    min_steps: int = 3
+    """Steps a window needs before it is judged."""
+    rounds: int = 3
+    """Consecutive windows that must name the same rank before it is reported."""
+    k: float = 3.0
+    """How many scaled MADs above the median a rank's time must be."""
+    abs_floor_s: float = 0.05
+    """The excess must also be at least this many seconds per step."""
+    rel_floor: float = 0.5
+    """... and at least this fraction of the median."""
+
+    def __post_init__(self):
+        _positive("observer.straggler", "window_s", self.window_s)
+        _positive("observer.straggler", "min_steps", self.min_steps, integer=True)
+        _positive("observer.straggler", "rounds", self.rounds, integer=True)
+        _positive("observer.straggler", "k", self.k)
+        _positive("observer.straggler", "abs_floor_s", self.abs_floor_s, allow_zero=True)
+        _positive("observer.straggler", "rel_floor", self.rel_floor, allow_zero=True)
+
+
+def as_straggler_rule(value) -> StragglerRule:
+    if isinstance(value, StragglerRule):
+        return value
+    if value is None:
+        return StragglerRule()
+    if isinstance(value, Mapping):
+        return _from_mapping(StragglerRule, "observer.straggler", value)
+    raise BadOption(f"observer.straggler must be a StragglerRule or a dict (got {type(value).__name__})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserverOptions:
+    """The out-of-band observer: one process per rank that reports hangs, stragglers, crashes, desyncs and
+    hardware health to the ledger (observer/)."""
+
+    stall_s: float = 60.0
+    """A rank whose progress stopped this long is a hang candidate."""
+    action: str = "report"
+    """On a confirmed hang: "report" (events, stacks) or "abort" (also end the generation so torchrun restarts)."""
+    poll_s: float = 0.25
+    """How often each observer reads its rank's progress."""
+    exchange_s: float = 0.5
+    """How often the observers exchange what they saw over their own side channel."""
+    trace: bool = True
+    """Trace the training process groups' collectives (sequence numbers and fingerprints)."""
+    straggler: StragglerRule = dataclasses.field(default_factory=StragglerRule)
+    """The straggler rule (a dict with the same keys is accepted)."""
+    health_source: Any = None
+    """Where hardware health comes from: None (NVML for the rank's GPU, quiet without one), "module:factory", or
+    {"factory": "module:factory", "kwargs": {...}}."""
+    health_poll_s: float = 10.0
+    """How often hardware health is polled."""
+    linger_s: float = 4.0
+    """How long an observer outlives its rank to record how it ended."""
+    ready_timeout_s: float = 60.0
+    """How long start-up waits for every rank's observer to be ready."""
+    local_rank: int | None = None
+    """The GPU whose health this rank's observer watches; None: LOCAL_RANK."""
+    ddp_comm_hook: Any = None
+    """None: DDP's all-reduces are counted natively; "traced": the observer's traced hook; a callable: the user's
+    own hook, registered by the observer (with `ddp_comm_state`)."""
+    ddp_comm_state: Any = None
+    """The state passed to a user's `ddp_comm_hook`."""
+    count_hz: float = 25.0
+    """How often the watched groups' native collective counts are sampled (0: only at step boundaries)."""
+    store: Any = None
+    """An optional c10d Store used to check that every rank uses the same side-channel directory."""
+
+    def __post_init__(self):
+        _positive("observer", "stall_s", self.stall_s)
+        _choice("observer", "action", self.action, ("report", "abort"))
+        _positive("observer", "poll_s", self.poll_s)
+        _positive("observer", "exchange_s", self.exchange_s)
+        if not isinstance(self.trace, bool):
+            raise BadOption(f"observer.trace must be True or False (got {self.trace!r})")
+        object.__setattr__(self, "straggler", as_straggler_rule(self.straggler))
+        _positive("observer", "health_poll_s", self.health_poll_s)
+        _positive("observer", "linger_s", self.linger_s, allow_zero=True)
+        _positive("observer", "ready_timeout_s", self.ready_timeout_s)
+        _positive("observer", "local_rank", self.local_rank, integer=True, allow_zero=True, allow_none=True)
+        if not (self.ddp_comm_hook in (None, "traced") or callable(self.ddp_comm_hook)):
+            raise BadOption(f"observer.ddp_comm_hook must be None, 'traced' or a callable (got {self.ddp_comm_hook!r})")
+        _positive("observer", "count_hz", self.count_hz, allow_zero=True)
+
+    def start_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of observer.Observer.start (the straggler rule as the dict it takes)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["straggler"] = dataclasses.asdict(self.straggler)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardEvidenceOptions:
+    """Evidence for single-owner shards (FSDP2, HSDP): cross-rank replay of each shard's optimizer update and the
+    at-rest check between the optimizer step and the save (save/evidence/shard.py)."""
+
+    at_rest_every: int | None = None
+    """Sign the shards after every `at_rest_every`-th optimizer step; None: learn the save cadence and sign the
+    steps that precede a save."""
+    chunk: int = 4096
+    """Elements per unit of the update replay."""
+    per_step: int = 4
+    """Units each rank checks per step."""
+    cycle: int | None = None
+    """If given, every unit is checked within `cycle` steps (per_step is raised; the cost grows as model/cycle)."""
+    peers: int = 2
+    """Verifiers per owner besides itself (2 attributes persistent faults on 3+ ranks)."""
+    seed: int = 0
+    """The unit permutation's seed (the same on every rank)."""
+    start_step: int = 0
+    """The step the schedule counts from."""
+    background: bool = True
+    """Run the cross-checks on a background thread."""
+
+    def __post_init__(self):
+        _positive("shard_evidence", "at_rest_every", self.at_rest_every, integer=True, allow_none=True)
+        _positive("shard_evidence", "chunk", self.chunk, integer=True)
+        _positive("shard_evidence", "per_step", self.per_step, integer=True)
+        _positive("shard_evidence", "cycle", self.cycle, integer=True, allow_none=True)
+        _positive("shard_evidence", "peers", self.peers, integer=True)
+        _positive("shard_evidence", "seed", self.seed, integer=True, allow_zero=True)
+        _positive("shard_evidence", "start_step", self.start_step, integer=True, allow_zero=True)
+        if not isinstance(self.background, bool):
+            raise BadOption(f"shard_evidence.background must be True or False (got {self.background!r})")
+
+    def replay_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of replay.shard_optimizer.ShardUpdateReplay (all but at_rest_every)."""
+        out = dataclasses.asdict(self)
+        out.pop("at_rest_every")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageOptions:
+    """Where the checkpoints and the ledger live (docs/storage.md)."""
+
+    ledger_dir: str | None = None
+    """For an object-store ROOT (`s3://bucket/prefix`): the local or shared POSIX directory of the ledger."""
+    storage_options: Mapping[str, Any] | None = None
+    """fsspec options for an object-store ROOT (s3fs: {"client_kwargs": {"endpoint_url": ...}})."""
+    ledger_journal: str | None = None
+    """The ledger's SQLite journal mode: "auto" (WAL on a local disk, the rollback journal on a network or FUSE
+    filesystem), "wal" or "delete"; None: SCOUT_CKPT_LEDGER_JOURNAL, else auto."""
+
+    def __post_init__(self):
+        if self.ledger_dir is not None:
+            object.__setattr__(self, "ledger_dir", str(self.ledger_dir))
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise BadOption(f"storage.storage_options must be a dict (got {type(self.storage_options).__name__})")
+        if self.ledger_journal is not None:
+            journal = self.ledger_journal.lower() if isinstance(self.ledger_journal, str) else self.ledger_journal
+            _choice("storage", "ledger_journal", journal, ("auto", "wal", "delete"))
+            object.__setattr__(self, "ledger_journal", journal)
+
+
+# ---- the old spellings, converted in one place ----------------------------------------------------------------
+
+def _switch(name: str, cls, value, **nested):
+    """None stays None (the component's default decides), False is off, True is cls(), a dict is cls(**dict)."""
+    if value is None or value is False or isinstance(value, cls):
+        return value
+    if value is True:
+        return cls()
+    if isinstance(value, Mapping):
+        return _from_mapping(cls, name, value, **nested)
+    raise BadOption(f"{name} must be True, False, None, a {cls.__name__} or a dict (got {type(value).__name__})")
+
+
+def as_replay(value) -> ReplayOptions | bool | None:
+    """`replay=`: None (on where the topology has no replicas, i.e. pure FSDP), False, True, a dict, ReplayOptions."""
+    return _switch("replay", ReplayOptions, value)
+
+
+def as_observer(value) -> ObserverOptions | bool | None:
+    """`observer=`: None or False (off), True (the defaults), a dict (its `straggler` may be a dict), ObserverOptions."""
+    return _switch("observer", ObserverOptions, value, straggler=as_straggler_rule)
+
+
+def as_shard_evidence(value) -> ShardEvidenceOptions | bool | None:
+    """`shard_evidence=`: None (on for sharded layouts with a supported optimizer), False, True, a dict, options."""
+    return _switch("shard_evidence", ShardEvidenceOptions, value)
+
+
+def as_storage(storage, *, ledger_dir=None, storage_options=None, ledger_journal=None) -> StorageOptions:
+    """`storage=StorageOptions(...)` or the flat keywords `ledger_dir=`, `storage_options=`, `ledger_journal=`
+    (one way or the other: both at once is refused)."""
+    flat = {k: v for k, v in (("ledger_dir", ledger_dir), ("storage_options", storage_options),
+                              ("ledger_journal", ledger_journal)) if v is not None}
+    if storage is None:
+        return StorageOptions(**flat)
+    if flat:
+        raise BadOption(f"storage: pass {', '.join(sorted(flat))} inside storage=StorageOptions(...) or as keywords,"
+                        " not both")
+    if isinstance(storage, StorageOptions):
+        return storage
+    if isinstance(storage, Mapping):
+        return _from_mapping(StorageOptions, "storage", storage)
+    raise BadOption(f"storage must be a StorageOptions or a dict (got {type(storage).__name__})")
