@@ -320,7 +320,7 @@ def _load_with_eio(rank, world, root, target):
     import torch
 
     from scout_ckpt.checkpointer import Checkpointer
-    from tests.workers_ckpt import make_model, state_of, train_steps
+    from tests.workers_ckpt import ddp, make_model, state_of, train_steps
 
     real, hits = os.open, []
 
@@ -333,9 +333,10 @@ def _load_with_eio(rank, world, root, target):
     os.open = flaky
     try:
         model = make_model(seed=5)
+        net = ddp(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        train_steps(model, opt, 1, seed=99)   # optimizer state exists before loading
-        ckpt = Checkpointer(root, model=model, optimizer=opt)
+        train_steps(net, opt, 1, seed=99)   # optimizer state exists before loading
+        ckpt = Checkpointer(root, model=net, optimizer=opt)
         step = ckpt.load_latest_clean(state_of(model, opt))
         ckpt.close()
     finally:
@@ -366,7 +367,7 @@ def _restart(rank, world, root, save_step=None):
     import torch
 
     from scout_ckpt.checkpointer import Checkpointer
-    from tests.workers_ckpt import make_model, state_of, train_steps
+    from tests.workers_ckpt import ddp, make_model, state_of, train_steps
 
     records = []
 
@@ -378,10 +379,11 @@ def _restart(rank, world, root, save_step=None):
     log.setLevel(logging.INFO)
     log.addHandler(Keep())
     model = make_model(seed=5)
+    net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train_steps(model, opt, 1, seed=99)   # optimizer state exists before loading
+    train_steps(net, opt, 1, seed=99)   # optimizer state exists before loading
     try:
-        ckpt = Checkpointer(root, model=model, optimizer=opt, timeout_s=60)
+        ckpt = Checkpointer(root, model=net, optimizer=opt, timeout_s=60)
     except Exception as e:   # noqa: BLE001 - the refusal is the result
         return {"refused": f"{type(e).__name__}: {e}", "log": records}
     st = state_of(model, opt)
