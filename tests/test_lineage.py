@@ -62,6 +62,7 @@ def healthy(tmp_path_factory):
 
 
 @pytest.mark.scenario
+@pytest.mark.scenario_ci
 def test_by_default_the_generation_ends_and_the_restart_finishes_bitwise_like_a_healthy_run(tmp_path, healthy):
     root = tmp_path / "run"
     p, recs = run_job(root, "--steps", STEPS, "--save-every", EVERY, "--flip", FLIP, "--final-digest")
