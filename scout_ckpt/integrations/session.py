@@ -206,7 +206,36 @@ class IntegrationRun:
 
         return self.on_coordinator(f"commit step {step}", publish)
 
-    def close(self) -> None:
+    def close(self, groups=(), *, release: bool = True) -> None:
+        """Every rank, at the framework's train end: the ledger closed and the run's side groups (its own and the
+        `groups` given, e.g. consensus groups) released after a barrier on its own group, so that no gloo group of
+        ours is alive when the interpreter exits. A framework that never destroys the default group (the HF
+        Trainer) otherwise left them to static destruction, where gloo's threads aborted the process one run in
+        four ("terminate called without an active exception") and torchrun called a finished job failed.
+        `release=False` keeps them (a framework whose close may run on some ranks only)."""
         if self.ledger is not None:
             self.ledger.close()
             self.ledger = None
+        if self.pg is None or not release:
+            return
+        pg, self.pg = self.pg, None
+        release_groups(pg, groups)
+
+
+def release_groups(pg, groups=()) -> None:
+    """Barrier on `pg` (every rank has finished with the side groups), then destroy `pg` and `groups` (never the
+    default group). Each destroy is local; a group already gone is passed over."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.barrier(group=pg)
+    except Exception:  # noqa: BLE001 - a peer is gone: the job is ending anyway; destroy what is ours
+        pass
+    default = dist.group.WORLD
+    for g in [*groups, pg]:
+        if g is None or g is default:
+            continue
+        try:
+            dist.destroy_process_group(g)
+        except Exception:  # noqa: BLE001 - already destroyed (a destroy_process_group() of everything first)
+            pass

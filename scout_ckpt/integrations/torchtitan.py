@@ -304,7 +304,7 @@ class ScoutCheckpointManager(CheckpointManager):
         if getattr(self, "evidence", None) is not None:
             self.evidence.close()
         if getattr(self, "run", None) is not None:
-            self.run.close()
+            self.run.close(release=False)   # no barrier here: this close may not run on every rank together
 
     def _commit(self, step: int, attempt: str, name: str, live: dict, model_only: bool) -> None:
         """Collective: every rank's files are written (barrier), hash shares, the coordinator publishes and

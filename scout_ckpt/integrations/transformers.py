@@ -228,6 +228,8 @@ class ScoutTrainerCallback(TrainerCallback):
         return ev
 
     def on_train_end(self, args, state, control, **kwargs):
+        """All ranks: the run's ledger closed and its side groups released (IntegrationRun.close)."""
         if self.run is not None:
-            self.run.close()
+            self.run.close(groups=self.groups.process_groups if self.groups is not None else ())
             self.run = None
+            self.groups = None
