@@ -37,6 +37,18 @@ def supports(optimizer) -> bool:
     return isinstance(optimizer, ELEMENTWISE)
 
 
+def unwrap_optimizer(optimizer):
+    """The torch optimizer inside a framework's wrapper: accelerate's AcceleratedOptimizer (and wrappers like
+    it) subclasses Optimizer without being the optimizer that steps, and keeps that one as `.optimizer`. Replay
+    and shard evidence read and replay the update of the wrapped one; a wrapper left as it is silently turned
+    optimizer replay off. Anything else is returned as it is."""
+    seen = 0
+    while (optimizer is not None and not supports(optimizer) and seen < 4
+           and isinstance(getattr(optimizer, "optimizer", None), optim.Optimizer)):
+        optimizer, seen = optimizer.optimizer, seen + 1
+    return optimizer
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, read directly: `to_local()` is an autograd Function call (~0.1 ms each), and the
     capture reads several tensors per parameter every armed step (it was most of an armed FSDP step's extra)."""

@@ -51,6 +51,7 @@ from scout_ckpt.replay.optimizer_replay import (
     OptimizerCapture,
     replay_signature_inputs,
     supports,
+    unwrap_optimizer,
 )
 from scout_ckpt.replay.schedule import SaveForecast, Schedule, Target
 from scout_ckpt.replay.stragglers import StragglerRule
@@ -80,6 +81,7 @@ class ReplayRunner:
                  peers: str = "auto", opt_elems: int = DEFAULT_ELEMS, save_every: int | None = None,
                  straggler_rounds: int = 3):
         self.forecast = SaveForecast(save_every)   # first: a bad save_every is refused before anything else
+        optimizer = unwrap_optimizer(optimizer)     # accelerate's AcceleratedOptimizer: the torch one it wraps
         self.model = model
         self.optimizer = optimizer
         self.deterministic = deterministic

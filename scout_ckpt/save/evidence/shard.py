@@ -46,10 +46,12 @@ class ShardEvidence:
         asked = cfg is not None
         if not (cfg if asked else sharded) or model is None or optimizer is None:
             return None
+        from scout_ckpt.replay.optimizer_replay import unwrap_optimizer
         from scout_ckpt.replay.shard_optimizer import ShardUpdateReplay, UnsupportedOptimizer, check_supported
         from scout_ckpt.replay.shard_plan import ShardReplayLog
         from scout_ckpt.save.evidence.at_rest import AtRestGuard
 
+        optimizer = unwrap_optimizer(optimizer)   # accelerate's AcceleratedOptimizer: the torch one it wraps
         opts = cfg if isinstance(cfg, ShardEvidenceOptions) else ShardEvidenceOptions()
         at_rest_every = opts.at_rest_every
         try:
