@@ -30,7 +30,7 @@ from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
-from scout_ckpt.errors import BadOption, LiveStateCorrupt, ScoutError
+from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
 from scout_ckpt.ops.startup import StartRefused, open_run_ledger
@@ -43,6 +43,7 @@ from scout_ckpt.save.commit import CommitError
 from scout_ckpt.save.evidence.boundary import SaveEvidence
 from scout_ckpt.save.evidence.replay import ReplayEvidence
 from scout_ckpt.save.evidence.shard import ShardEvidence
+from scout_ckpt.save.lineage import Lineage
 from scout_ckpt.save.loading import LatestCleanLoader, LoadVerificationError  # noqa: F401  (re-exported)
 from scout_ckpt.save.loading import materialize as _materialize
 from scout_ckpt.save.storage import FaultHook, ScoutWriter
@@ -105,14 +106,8 @@ class Checkpointer:
         shard_evidence = options.as_shard_evidence(shard_evidence)
         storage = options.as_storage(storage, ledger_dir=ledger_dir, storage_options=storage_options,
                                      ledger_journal=ledger_journal)
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise BadOption(f"keep must be an integer of at least 1 (got {keep!r})")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise BadOption(f"timeout_s must be a number > 0 (got {timeout_s!r})")
-        if on_live_fault not in ("raise", "continue"):
-            raise BadOption(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
-        if isinstance(consensus_exclude, str):
-            raise BadOption(f"consensus_exclude must be a list of patterns, not one string ({consensus_exclude!r})")
+        options.check_scalars(keep=keep, timeout_s=timeout_s, on_live_fault=on_live_fault,
+                              consensus_exclude=consensus_exclude)
         if not dist.is_initialized():
             raise ScoutError("Checkpointer needs an initialized default process group (init_process_group)")
         # "auto" | "wal" | "delete" (ledger/fsdetect.py); checked on every rank before anything collective
@@ -127,8 +122,7 @@ class Checkpointer:
             coordinator=self.rank == COORDINATOR)
         self.is_coordinator = self.rank == COORDINATOR
         self.async_save, self.keep, self.fault_hook = async_save, keep, fault_hook
-        self.on_live_fault = on_live_fault
-        self._live_fault: LiveStateCorrupt | None = None   # an async save's, raised on the training thread
+        self.lineage = Lineage(on_live_fault)   # a save that finds the live state bad taints what follows it
         self.finite = finite
         topo = self._topology(mode, mesh_shape, mesh)
         self.mode, self.mesh_shape = topo["mode"], tuple(topo["mesh_shape"])
@@ -159,7 +153,7 @@ class Checkpointer:
         # What this run's saves prove and what "certified" requires of them (save_evidence.py).
         self._evidence = SaveEvidence(checks=self.checks, finite=finite, consensus=consensus, verify_load=verify_load,
                                       replay=self.replay, shard=self.shard, mode=self.mode,
-                                      is_coordinator=self.is_coordinator)
+                                      is_coordinator=self.is_coordinator, lineage=self.lineage)
         self.policy = self._evidence.policy
         self._evidence.warn_if_never_certifies()
         self.topology = {k: topo[k] for k in ("mode", "world_size", "mesh_shape", "mesh_dim_names", "dim_roles",
@@ -328,7 +322,7 @@ class Checkpointer:
     def _save(self, step: int, state: dict) -> dict | None:
         if self._async is not None:
             self._async.wait()
-            if self._live_fault is not None and self.on_live_fault == "raise":
+            if self.lineage.pending():
                 return None   # the previous save found the live state bad: save() raises, outside the phase
         self._save_started = time.monotonic()
         self._save_started_wall = time.time()
@@ -411,13 +405,9 @@ class Checkpointer:
         verdict = self._committer.finish(pending, writer, group,
                                          assess=lambda gathered: self._assess(gathered, live))
         self._last_verdict = verdict
-        if verdict.get("live_fault"):   # the same on every rank (the coordinator's verdict, broadcast)
-            if self._evidence.tainted is None:
-                self._evidence.tainted = {"step": pending.step, "kinds": list(verdict["live_fault"])}
-            if self.is_coordinator:   # in the ledger before any rank acts on it
-                self._record_live_fault(pending.step, verdict)
-            if self.on_live_fault == "raise":
-                self._live_fault = LiveStateCorrupt(pending.step, verdict)
+        # the same on every rank (the coordinator's verdict, broadcast); the coordinator's event comes first
+        self.lineage.note(pending.step, verdict, ledger=self.ledger if self.is_coordinator else None,
+                          run_id=self.run_id)
         scout_log.save_verdict(self.rank, pending.step, verdict, time.monotonic() - self._save_started,
                                [k for k in self.policy["require"]])
         self._hook("after_commit", pending.step)
@@ -434,22 +424,9 @@ class Checkpointer:
             self._async.wait()
         self._raise_live_fault()
 
-    def _record_live_fault(self, step: int, verdict: dict) -> None:
-        """Coordinator: a `live_fault` event (the report's timeline, the demo's generation story): which evidence
-        found the live state bad at `step`, the ranks it names, and what the job does about it."""
-        ranks = sorted({r for reason in verdict.get("reasons") or [] for r in reason.get("ranks") or []
-                        if isinstance(r, int)})
-        try:
-            self.ledger.add_event("live_fault", step=step, ranks=ranks, run_id=self.run_id, detail={
-                "kinds": list(verdict["live_fault"]),
-                "codes": sorted({r.get("code") for r in verdict.get("reasons") or []}),
-                "action": "generation ended" if self.on_live_fault == "raise" else "training continued"})
-        except Exception as e:  # noqa: BLE001 - the verdict is in the manifest and the ledger row already
-            scout_log.logger.warning("step %d: the live_fault event was not recorded (%s)", step, e)
-
     def _raise_live_fault(self) -> None:
-        if self._live_fault is not None:
-            e, self._live_fault = self._live_fault, None
+        e = self.lineage.take()
+        if e is not None:
             # The generation ends by decision, on every rank: the observers are told so (a closed heartbeat), or
             # the rank that happens to leave first would be reported as a crash.
             if self.observer is not None:
@@ -478,7 +455,7 @@ class Checkpointer:
         self.wait()
         step = self._loader.load(state)
         # What was loaded (or the fresh start) is the new lineage: nothing before it taints the saves to come.
-        self._evidence.tainted, self._live_fault = None, None
+        self.lineage.clear()
         if step is None:
             return None
         if self.replay is not None:

@@ -300,3 +300,15 @@ def as_storage(storage, *, ledger_dir=None, storage_options=None, ledger_journal
     if isinstance(storage, Mapping):
         return _from_mapping(StorageOptions, "storage", storage)
     raise BadOption(f"storage must be a StorageOptions or a dict (got {type(storage).__name__})")
+
+
+def check_scalars(*, keep, timeout_s, on_live_fault: str, consensus_exclude) -> None:
+    """The Checkpointer's plain keyword options, checked like the grouped ones: BadOption naming the field."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise BadOption(f"keep must be an integer of at least 1 (got {keep!r})")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise BadOption(f"timeout_s must be a number > 0 (got {timeout_s!r})")
+    if on_live_fault not in ("raise", "continue"):
+        raise BadOption(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
+    if isinstance(consensus_exclude, str):
+        raise BadOption(f"consensus_exclude must be a list of patterns, not one string ({consensus_exclude!r})")

@@ -37,7 +37,7 @@ class SaveEvidence:
     `replay`/`shard` the ReplayEvidence/ShardEvidence or None, `mode` the topology's mode name."""
 
     def __init__(self, *, checks: list, finite: bool, consensus: bool, verify_load: bool, replay, shard,
-                 mode: str, is_coordinator: bool):
+                 mode: str, is_coordinator: bool, lineage=None):
         self.checks, self.finite, self.consensus, self.verify_load = checks, finite, consensus, verify_load
         self.replay, self.shard, self.mode, self.is_coordinator = replay, shard, mode, is_coordinator
         self.policy = self._policy()
@@ -45,9 +45,9 @@ class SaveEvidence:
         self.run_id: str | None = None
         self._inv_previous: dict | None = None
         self._health = HealthWindow()
-        # {"step", "kinds"} once a save's evidence showed the live state bad, until a clean checkpoint is loaded:
+        # save/lineage.py: once a save's evidence showed the live state bad, until a clean checkpoint is loaded,
         # every save in between descends from that state and is rejected (`lineage`, policy.lineage_evidence).
-        self.tainted: dict | None = None
+        self.lineage = lineage
 
     def bind(self, *, ledger, run_id: str) -> None:
         """The run, once it is known (after the policy went into the ledger); `ledger` is the coordinator's."""
@@ -151,7 +151,7 @@ class SaveEvidence:
                                                    values=(checks or {}).get("values"))
         ev.update(live)
         ev["health"] = self._health_evidence(ev, taken_at)
-        lineage = policy.lineage_evidence(self.tainted)
+        lineage = policy.lineage_evidence(self.lineage.tainted if self.lineage is not None else None)
         if lineage is not None:
             ev["lineage"] = lineage
         verdict = policy.evaluate(self.policy, ev)
