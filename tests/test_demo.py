@@ -172,8 +172,8 @@ def test_the_readme_demo_command(tmp_path):
     """`scout-ckpt demo --inject crash:rank=1:step=20 --inject bitflip:step=10`, as `make demo` and the README run
     it (4 ranks, 40 steps, a save every 10): rank 1 dies in the middle of the save at step 20, a bit of a
     committed file of step 10 flips; torchrun restarts the job; its load re-verifies step 10, rejects it and,
-    with nothing older, starts afresh; the crash is recorded against rank 1 (4 ranks: a strict majority); every
-    checkpoint of the finished run is certified."""
+    with nothing older, starts afresh; the crash is recorded naming rank 1 (attributed by the live observers, or
+    as the first to stop by the next generation); every checkpoint of the finished run is certified."""
     from tests.conftest import run_cli
 
     d = tmp_path / "demo"
@@ -188,9 +188,17 @@ def test_the_readme_demo_command(tmp_path):
     assert sorted((x["step"], x["source"], x["reasons"]) for x in r["rejections"]) == \
         [(10, "load", ["digest_mismatch"]), (20, "startup", ["save_interrupted"])]
     crashes = [e for e in r["events"] if e["kind"] == "crash"]
-    assert [(e["ranks"], e["step"]) for e in crashes] == [([1], 20)], r["events"]
+    assert [e["step"] for e in crashes] == [20], r["events"]
+    crash = crashes[0]
+    # Rank 1 is named on both roads the crash can take (1 run in 3 took the second here). Live: the other three
+    # observers see it gone and attribute it by strict majority. Afterwards: torchrun tore the others down before
+    # their observers left a final word, so the next generation records the crash from the status files and,
+    # failing closed, blames no rank but says which stopped first (observer/aftermath.py).
+    if crash["ranks"] != [1]:
+        assert crash["ranks"] == [] and crash["detail"]["source"] == "previous_generation", crash
+        assert (crash["detail"]["attribution"], crash["detail"]["first_stopped"]) == ("unattributed", [1]), crash
     g0, g1 = r["generations"]
-    assert (g0["outcome"], g0["event"], g0["ranks"]) == ("failed", "crash", [1])
+    assert (g0["outcome"], g0["event"], g0["ranks"]) == ("failed", "crash", crash["ranks"])
     assert g1["outcome"] == "ok" and g1["resumed_from"] is None   # step 10 rotted: nothing clean before it
 
 
