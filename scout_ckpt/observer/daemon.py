@@ -47,7 +47,7 @@ from pathlib import Path
 
 from scout_ckpt.format.layout import REPORTS_DIR, atomic_write_json
 from scout_ckpt.observer import stacks as stacks_mod
-from scout_ckpt.observer.handle import Observer, channel_dir, load_factory, read_json  # noqa: F401  (re-exported)
+from scout_ckpt.observer.handle import Observer, channel_dir, final_settle_s, load_factory, read_json  # noqa: F401
 from scout_ckpt.observer.heartbeat import HeartbeatReader
 from scout_ckpt.observer.verdicts import ABORT_KINDS, INCIDENT_KINDS, attribute, incident_key, prog  # noqa: F401
 
@@ -336,6 +336,18 @@ class Daemon:
         self.next_aftermath = now + 1.0
         self.aftermath_pending = pending > 0 and now - self.t0 < self.cfg.get("aftermath_s", 120.0)
 
+    def _settle_before_exit(self) -> None:
+        """A run shorter than its predecessor's observers' linger ends while they may still be writing: wait for
+        them (at most `final_settle_s(cfg)`, which Observer.stop waits for) rather than leave the predecessor's
+        crash unrecorded until some later generation."""
+        deadline = time.monotonic() + final_settle_s(self.cfg)
+        while self.aftermath_pending and time.monotonic() < deadline:
+            time.sleep(self.poll_s)
+            self.next_aftermath = 0.0
+            self._settle_previous(time.monotonic())
+        if self.aftermath_pending:
+            log.warning("earlier runs on this ROOT still had live observers at exit; the next generation settles them")
+
     def _reported_in_ledger(self, run_id: str, t_from: float) -> bool:
         """An incident event for that run is in the ledger already: one of its run, or one without a run id
         (a supervisor's own diagnosis) written between that run's start and this one's."""
@@ -398,6 +410,8 @@ class Daemon:
         self.state = "closed" if self._stop and self.state == "running" else self.state
         self.beat += 1
         _write_status(self.status_path, self._status(time.monotonic()))
+        if self.rank == 0 and self.aftermath_pending:
+            self._settle_before_exit()
         if self.state != "closed":
             try:
                 os.unlink(self.cfg["heartbeat"])
@@ -410,6 +424,7 @@ class Daemon:
 
 
 _HOST = os.uname().nodename
+
 
 
 def _set_parent_death_signal(sig: int) -> bool:

@@ -213,12 +213,20 @@ class Observer:
         self.heartbeat.close(unlink=True)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+            if self.cfg["rank"] == 0:  # it may stay to settle earlier runs (daemon._settle_before_exit)
+                timeout_s = max(timeout_s, final_settle_s(self.cfg) + 2.0)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         self._dumper.close()
+
+
+def final_settle_s(cfg: dict) -> float:
+    """How long rank 0's observer may stay after its trainer closed, settling earlier runs: their observers
+    exit `linger_s` after their trainers, plus two exchanges to write their last status."""
+    return float(cfg["linger_s"]) + 2 * float(cfg["exchange_s"]) + 1.0
 
 
 _UNCAUGHT: list = []
