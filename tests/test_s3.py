@@ -630,8 +630,8 @@ def test_rebuild_without_credentials_or_endpoint_is_bad_input(run, tmp_path):
 
 
 def test_journal_copy_on_the_store(run, tmp_path):
-    """bucket_journal: one object per record, never overwritten, read back in time order; merged with the local
-    journal each record once; not an attempt prefix (listing and sweep ignore it); a record that is not one is
+    """bucket_journal: one object per record, never overwritten, read back in name order; merged with the local
+    journal each record once, the local file's order first and never re-sorted by the records' clocks; not an attempt prefix (listing and sweep ignore it); a record that is not one is
     skipped. `mirror` writes only for a ledger_dir bound to a store."""
     from scout_ckpt import object_store
     from scout_ckpt.object_store import bucket_journal
@@ -646,8 +646,8 @@ def test_journal_copy_on_the_store(run, tmp_path):
     assert store.attempts() == {} and store.committed() == {}
     local = [recs[0], {"kind": "quarantine", "step": 2, "reason": "x", "time": 1001.5}]
     merged = bucket_journal.merge(local, bucket_journal.read(store))
-    assert [(r["kind"], r["step"]) for r in merged] == [("verdict", 1), ("quarantine", 2), ("verdict", 2),
-                                                        ("verdict", 3)]
+    assert [(r["kind"], r["step"]) for r in merged] == [("verdict", 3), ("quarantine", 2), ("verdict", 1),
+                                                        ("verdict", 2)]
     assert bucket_journal.mirror(tmp_path, recs[0]) is None   # a POSIX root: nothing copied
     object_store.bind(tmp_path, run["uri"], w.options(run["ep"]))
     assert bucket_journal.mirror(tmp_path, {**recs[0], "time": 2000.0}).startswith(f"{run['prefix']}/scout-journal/")
@@ -727,3 +727,40 @@ def test_adopt_plain_dcp_save_folders_on_s3(run, tmp_path, capsys, monkeypatch):
     assert doc["journal"]["local"] == 0 and doc["journal"]["merged"] == 2 and doc["journal"]["store"] >= 2
     rc, out, err = _main(capsys, "resume", ledger, "--latest-clean")
     assert rc == 0 and out.strip() == f"{run['uri']}/{committed[2][0]}", (out, err)
+
+
+def test_a_rejection_from_a_host_an_hour_slow_outlives_the_certification_after_a_rebuild(run, capsys, monkeypatch):
+    """#25 item 4. Steps 2 and 4 certified by a real 2-rank job. A later generation's coordinator, whose clock
+    is an hour slow, finds step 4's loaded values wrong (the loader's own rejection, journaled and copied to the
+    bucket under a name that embeds its clock, so it sorts before the original certification). The ledger_dir is
+    then lost with its node: `ledger rebuild --uri` must keep 4 rejected and `resume` must give 2, judged by the
+    job's own digest of what it saved at 2."""
+    import shutil
+    import time as time_mod
+
+    from scout_ckpt import object_store
+    from scout_ckpt.object_store import bucket_journal
+    from scout_ckpt.save.loading import LatestCleanLoader
+
+    saved = _save(run, [2, 4])
+    store = _store(run)
+    object_store.remember(run["ledger"], store)   # journal.append copies each record there, as a job's does
+    real = time_mod.time
+    monkeypatch.setattr(time_mod, "time", lambda: real() - 3600.0)
+    with Ledger.open(run["ledger"]) as led:
+        loader = LatestCleanLoader(run["ledger"], 0, 1, None, led, led.run()["id"], True, lambda point, s: None)
+        loader._reject_load_mismatch({"step": 4}, ["model.0.weight"])
+    monkeypatch.setattr(time_mod, "time", real)
+    verdicts = [(r["step"], r["state"]) for r in bucket_journal.read(store) if r["kind"] == "verdict"]
+    assert verdicts.index((4, "rejected")) < verdicts.index((4, "certified")), verdicts   # the clock's order
+    shutil.rmtree(run["ledger"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", run["ep"])
+    rc, out, err = _main(capsys, "ledger", "rebuild", run["ledger"], "--uri", run["uri"], "--json")
+    assert rc == 0, err
+    rows = {r["step"]: r for r in json.loads(out)["checkpoints"]}
+    assert {s: r["state"] for s, r in rows.items()} == {2: "certified", 4: "rejected"}, rows
+    assert rows[4]["reasons"][0]["code"] == "load_mismatch", rows[4]
+    rc, out, err = _main(capsys, "resume", run["ledger"], "--latest-clean", "--json")
+    assert rc == 0, err
+    name = json.loads(out)["path"][len(run["uri"]) + 1:]
+    assert _digest_at(store, name, 16) == saved["saved"][2]

@@ -87,10 +87,50 @@ def journal_verdict(root: str | os.PathLike, step: int, attempt: str | None, man
                          "state": state, "reasons": reasons, "source": source})
 
 
+def standing(records: list[dict], step: int, digest: str | None) -> dict:
+    """What the journal says of one step with this manifest digest, in a way no clock can reorder:
+    {"state", "reasons", "certified", "quarantine"}. "state" is the last verdict (or release) recorded for that
+    digest, except that a rejection of the digest outlives every certification of it, whichever was written
+    first: records are ordered by the file (or, on a store, by names that embed the writer's clock), and a host
+    whose clock is an hour slow must not sort a load mismatch before the certification it overturns.
+    "certified": a certified verdict for this digest is on record (what a rebuild needs to vouch for evidence it
+    cannot re-run). "quarantine": the step's last quarantine not released since, or None."""
+    state, reasons, certified, rejection, quarantine = None, [], False, None, None
+    for rec in records:
+        if rec.get("step") != step:
+            continue
+        kind = rec.get("kind")
+        if kind == "quarantine":
+            quarantine = rec
+        elif kind == "release":
+            quarantine = None
+        if kind in ("verdict", "release") and rec.get("manifest_digest") == digest:
+            state, reasons = rec.get("state"), list(rec.get("reasons") or [])
+            certified = certified or state == "certified"
+            if state == "rejected" and rejection is None:
+                rejection = rec
+    if rejection is not None:
+        state, reasons = "rejected", list(rejection.get("reasons") or [])
+    return {"state": state, "reasons": reasons, "certified": certified, "quarantine": quarantine}
+
+
 def record_transition(ledger, root: str | os.PathLike, step: int, to: str, reasons: list[dict], *, source: str,
                       expect: str | tuple[str, ...], attempt: str | None = None) -> bool:
-    """`ledger.transition` and, when it applied, the verdict in the journal (with the row's attempt and
-    manifest digest). The one call for a verdict change outside a commit."""
+    """`ledger.transition` and its verdict in the journal (with the row's attempt and manifest digest). The one
+    call for a verdict change outside a commit.
+
+    A rejection is journaled *before* the ledger changes: if the append fails (a full disk) the ledger is left as
+    it was and the error is raised, and if the process dies between the two, the journal already holds the
+    rejection (which `standing` lets outlive any certification), so a ledger lost afterwards cannot come back
+    certifying the step. A transition that raises trust is journaled after the ledger took it, as before: a
+    certification the ledger refused is not one."""
+    if to == "rejected":
+        row = ledger.checkpoint(step)
+        allowed = (expect,) if isinstance(expect, str) else tuple(expect)
+        if row is None or row["state"] not in allowed or (attempt is not None and row["attempt"] != attempt):
+            return False
+        journal_verdict(root, step, row["attempt"], row["manifest_digest"], to, reasons, source)
+        return ledger.transition(step, to, reasons, source=source, expect=expect, attempt=attempt)
     applied = ledger.transition(step, to, reasons, source=source, expect=expect, attempt=attempt)
     if applied:
         row = ledger.checkpoint(step)

@@ -58,9 +58,9 @@ def mirror(ledger_dir: str | os.PathLike, record: dict) -> str | None:
 
 
 def read(store) -> list[dict]:
-    """Every record under `URI/scout-journal/`, in name (= time) order. Objects that do not parse as a journal
-    record (a JSON object with a "kind" and an integer "step"), or that are too large, are skipped, as a torn
-    line of the local journal is."""
+    """Every record under `URI/scout-journal/`, in name order (its writer's clock: see merge). Objects that do
+    not parse as a journal record (a JSON object with a "kind" and an integer "step"), or that are too large, are
+    skipped, as a torn line of the local journal is."""
     base = posixpath.join(store.base, PREFIX)
     try:
         found = store.fs.find(base, detail=True)
@@ -90,14 +90,16 @@ def read(store) -> list[dict]:
 
 
 def merge(*sources: list[dict]) -> list[dict]:
-    """One journal from several copies (the local one, the store's): each record once (a record copied to both
-    is the same JSON), in time order; the order within one source is kept for records of equal time."""
+    """One journal from several copies (the local one first, then the store's): each record once (a record copied
+    to both is the same JSON). The first source keeps its own order (the local file's append order); records only
+    a later source has follow, in that source's order. Never sorted by the records' times: those are the writers'
+    clocks, and hosts disagree (journal.standing makes a rejection outlive a certification whatever the order)."""
     seen, out = set(), []
     for src in sources:
-        for i, rec in enumerate(src):
+        for rec in src:
             key = json.dumps(rec, sort_keys=True, default=str)
             if key in seen:
                 continue
             seen.add(key)
-            out.append((rec.get("time") if isinstance(rec.get("time"), (int, float)) else 0.0, len(out), rec))
-    return [rec for _, _, rec in sorted(out, key=lambda x: (x[0], x[1]))]
+            out.append(rec)
+    return out

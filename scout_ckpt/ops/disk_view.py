@@ -30,20 +30,10 @@ NO_VERDICT = "no_verdict_on_record"
 
 
 def journal_state(records: list[dict], step: int, digest: str) -> tuple[str | None, list[dict], dict | None]:
-    """(state, reasons, quarantine record) the journal gives a step with this manifest digest: the last verdict
-    (or release) recorded for that digest, and the last quarantine of the step not released since."""
-    state, reasons, quarantine = None, [], None
-    for rec in records:
-        if rec.get("step") != step:
-            continue
-        kind = rec.get("kind")
-        if kind == "quarantine":
-            quarantine = rec
-        elif kind == "release":
-            quarantine = None
-        if kind in ("verdict", "release") and rec.get("manifest_digest") == digest:
-            state, reasons = rec.get("state"), list(rec.get("reasons") or [])
-    return state, reasons, quarantine
+    """(state, reasons, quarantine record) the journal gives a step with this manifest digest (journal.standing:
+    the last verdict for that digest, a rejection outliving any certification; the last quarantine not released)."""
+    s = journal.standing(records, step, digest)
+    return s["state"], s["reasons"], s["quarantine"]
 
 
 def _row(root: Path, step: int, step_dir: Path, records: list[dict], *, sizes: bool) -> dict:

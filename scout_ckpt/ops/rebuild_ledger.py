@@ -34,7 +34,7 @@ from scout_ckpt import policy
 from scout_ckpt.errors import LedgerError, ScoutError
 from scout_ckpt.format.layout import LEDGER_NAME, fsync_dir
 from scout_ckpt.format.verify import could_not_check
-from scout_ckpt.ledger import Ledger
+from scout_ckpt.ledger import Ledger, journal
 
 DEFAULT_POLICY = {"require": ["bytes", "invariants", "consensus"], "allow_not_applicable": []}
 UNVERIFIED = "unverified_after_rebuild"
@@ -99,22 +99,12 @@ def _old_ledger(root: Path) -> tuple[dict[int, dict], str | None]:
 
 
 def _journal_view(records: list[dict], step: int, digest: str) -> dict:
-    """What the journal says of one step: quarantined (the last operator decision), the last verdict recorded
-    for this manifest digest, and whether a certified verdict for it is on record."""
-    out = {"quarantine": None, "verdict": None, "certified": False}
-    for rec in records:
-        if rec.get("step") != step:
-            continue
-        kind = rec.get("kind")
-        if kind == "quarantine":
-            out["quarantine"] = rec
-        elif kind == "release":
-            out["quarantine"] = None
-        if kind in ("verdict", "release") and rec.get("manifest_digest") == digest:
-            out["verdict"] = rec
-            if rec.get("state") == "certified":
-                out["certified"] = True
-    return out
+    """What the journal says of one step (journal.standing): quarantined (the last operator decision), the
+    standing verdict for this manifest digest (a rejection outlives any certification of it, whatever the
+    writers' clocks), and whether a certified verdict for it is on record."""
+    s = journal.standing(records, step, digest)
+    verdict = {"state": s["state"], "reasons": s["reasons"]} if s["state"] is not None else None
+    return {"quarantine": s["quarantine"], "verdict": verdict, "certified": s["certified"]}
 
 
 def _demote(ev: dict) -> dict:

@@ -73,8 +73,11 @@ class LatestCleanLoader:
         none is left (see Checkpointer.load_latest_clean)."""
         below = None
         t0 = time.monotonic()
+        self._latched: str | None = None
         while True:
-            cand = self._broadcast(self._candidate(below) if self.is_coordinator else None)
+            cand = self._broadcast(self._next(below) if self.is_coordinator else None)
+            if isinstance(cand, dict) and "latched" in cand:  # the same error on every rank, none left waiting
+                raise ScoutError(cand["latched"])
             if cand is None:
                 if self.is_coordinator:
                     scout_log.fresh_start(self.rank, str(self.root), [
@@ -87,10 +90,9 @@ class LatestCleanLoader:
                 if only_unchecked(failed):   # an I/O error, no fault found: walk past it now, reject nothing
                     scout_log.could_not_check(self.rank, cand["step"], failed)
                 else:
-                    if self.is_coordinator:
-                        record_verification_failure(self.ledger, cand["step"],
-                                                    policy.evidence(policy.FAIL, failed), source="load",
-                                                    root=self.root)
+                    self._on_coordinator(cand["step"], lambda: record_verification_failure(
+                        self.ledger, cand["step"], policy.evidence(policy.FAIL, failed), source="load",
+                        root=self.root))
                     scout_log.skipped(self.rank, cand["step"], failed)
                 below = cand["step"]
                 continue
@@ -101,19 +103,45 @@ class LatestCleanLoader:
                 for v in rank_local:
                     v.end_load()
             if differ:
-                if self.is_coordinator:
-                    self._reject_load_mismatch(cand, differ)
+                self._on_coordinator(cand["step"], lambda: self._reject_load_mismatch(cand, differ))
                 scout_log.skipped(self.rank, cand["step"], [{"code": "load_mismatch", "tensors": differ[:4]}])
                 below = cand["step"]
                 continue
             if self.is_coordinator:
-                self.ledger.set_resumed_from(self.run_id, cand["step"])
-                self.ledger.mark_checked(cand["step"], ("bytes",), source="load")
+                try:  # bookkeeping: the load itself stands if it cannot be recorded
+                    self.ledger.set_resumed_from(self.run_id, cand["step"])
+                    self.ledger.mark_checked(cand["step"], ("bytes",), source="load")
+                except Exception as e:  # noqa: BLE001
+                    scout_log.logger.warning("resumed from step %d, but the ledger did not record it: %s: %s",
+                                          cand["step"], type(e).__name__, e)
             scout_log.resumed(self.rank, cand["step"], str(step_dir), files=len(cand["files"]),
                               nbytes=sum(f.get("size") or 0 for f in cand["files"]), ranks=self.world_size,
                               signatures=bool(self.verify_load and cand["signatures"]),
                               seconds=time.monotonic() - t0)
             return cand["step"]
+
+    def _next(self, below: int | None) -> dict | None:
+        """Coordinator: what the next broadcast carries: the next candidate, or {"latched": message} when a
+        coordinator-only step failed (the other ranks are already waiting in this broadcast)."""
+        if self._latched is None:
+            try:
+                return self._candidate(below)
+            except Exception as e:  # noqa: BLE001 - carried to every rank, raised there as a ScoutError
+                self._latched = f"load_latest_clean could not choose a checkpoint: {type(e).__name__}: {e}"
+        return {"latched": self._latched}
+
+    def _on_coordinator(self, step: int, record: Callable[[], None]) -> None:
+        """Coordinator: record a trust-lowering verdict (journal first, then ledger: journal.record_transition).
+        A failure is latched, not raised here: every rank raises it together at the next broadcast, and nothing
+        is loaded from a walk-back whose rejection is not on record."""
+        if not self.is_coordinator or self._latched is not None:
+            return
+        try:
+            record()
+        except Exception as e:  # noqa: BLE001
+            self._latched = (f"could not record that checkpoint {step} failed verification ({type(e).__name__}: "
+                             f"{e}); nothing was loaded. The journal ({journal.JOURNAL_NAME}) and the ledger "
+                             f"under {self.root} must be writable")
 
     def _load_and_check(self, state: dict, cand: dict, step_dir) -> list[str]:
         """Collective: DCP loads the candidate into `state`; the saved tensors whose loaded values differ."""
