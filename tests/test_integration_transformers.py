@@ -134,6 +134,26 @@ def test_bit_flip_in_newest_model_resumes_from_previous_and_finishes(healthy, tm
         assert verdicts[-2:] == ["rejected", "certified"]
 
 
+def test_a_lost_ledger_resumes_from_the_newest_certified_folder_and_is_rebuilt(healthy, tmp_path):
+    """#25 item 8 for the Trainer: scout-ledger.db deleted between runs. latest_clean answers from the manifests
+    and the journal (not None, which would retrain from step 0 and overwrite checkpoint-N), the callback's start
+    rebuilds the ledger, and the resumed run's losses are the uninterrupted run's."""
+    out = tmp_path / "out"
+    shutil.copytree(healthy[0], out)
+    for name in ("scout-ledger.db", "scout-ledger.db-wal", "scout-ledger.db-shm"):
+        if (out / name).exists():
+            (out / name).unlink()
+    assert latest_clean(out) == str((out / "checkpoint-8").resolve())
+    p = torchrun(out, "--losses", tmp_path / "losses.jsonl", "--steps", STEPS + 2)
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"resumed_from": str((out / "checkpoint-8").resolve()),
+                                                              "global_step": STEPS + 2}
+    assert "ledger rebuilt" in p.stderr, p.stderr[-3000:]
+    with Ledger.open(out, readonly=True) as led:
+        states = {r["step"]: r["state"] for r in led.checkpoints()}
+    assert states == {4: "deleted", 6: "certified", 8: "certified", 10: "certified"}, states   # limit 3
+    assert sorted(losses(tmp_path / "losses.jsonl")) == [9, 10]
+
+
 @pytest.mark.scenario
 @pytest.mark.scenario_ci   # the CI tier's Hugging Face Trainer kill
 def test_rank_killed_mid_save_resumes_from_newest_certified_with_the_same_losses(healthy, tmp_path):

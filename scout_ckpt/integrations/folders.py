@@ -107,12 +107,20 @@ def latest_clean_row(root: str | os.PathLike, *, verify: bool = True) -> dict | 
     """Core `recovery.latest_clean` ({"step", "path", "state", "verified", "skipped", "newer"}: the newest certified
     checkpoint whose bytes verify, walking back past and rejecting any that fail), or None when there is none or
     no ledger yet (a fresh run)."""
+    from scout_ckpt.format.layout import LEDGER_NAME, MANIFEST_NAME, list_checkpoint_dirs
+    from scout_ckpt.ops.disk_view import latest_clean as from_manifests
     from scout_ckpt.ops.recovery import latest_clean
 
-    if not (Path(root) / "scout-ledger.db").exists():
-        return None
+    root = Path(root)
     try:
-        return latest_clean(root, verify=verify)
+        if (root / LEDGER_NAME).exists():
+            return latest_clean(root, verify=verify)
+        # No ledger: a fresh run only if no checkpoint carries a manifest. A ledger lost beside checkpoints is
+        # answered from the manifests and the journal (read-only, fail closed), as `scout-ckpt resume` does;
+        # the run's start then rebuilds the ledger (ops/startup.py): never a fresh start over them.
+        if not root.is_dir() or not any((d / MANIFEST_NAME).is_file() for d in list_checkpoint_dirs(root).values()):
+            return None
+        return from_manifests(root, verify=verify)
     except NotFound:
         return None
 

@@ -39,6 +39,7 @@ from scout_ckpt.integrations import folders
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.ledger.journal import journal_verdict
 from scout_ckpt.ops.settle import this_process_owner
+from scout_ckpt.ops.startup import open_run_ledger
 
 COORDINATOR = 0
 
@@ -107,7 +108,8 @@ class IntegrationRun:
         run_id)` runs on the coordinator once the run is begun (e.g. a warning about an uncertified resume)."""
         def begin():
             self.root.mkdir(parents=True, exist_ok=True)
-            self.ledger = Ledger.open(self.root, create=True)
+            # never a fresh ledger over checkpoints: a lost one is rebuilt first, an unreadable one refuses
+            self.ledger = open_run_ledger(self.root)
             self.settled = folders.settle_folders(self.ledger, self.root, source="startup")
             run_id = new_run_id()
             self.ledger.begin_run(run_id, world_size=self.world, topology=topology, policy=policy,
