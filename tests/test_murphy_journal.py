@@ -89,3 +89,32 @@ def test_a_rejection_is_in_the_journal_before_the_ledger_takes_it(ckpt_root, tmp
     rows = {r["step"]: r for r in json.loads(out)["checkpoints"]}
     assert (rows[3]["state"], rows[4]["state"]) == ("certified", "rejected"), rows
     assert rows[4]["reasons"][0]["code"] == "load_mismatch"
+
+
+def test_a_metadata_swapped_after_verification_is_never_unpickled_and_the_load_walks_back(ckpt_root, tmp_path):
+    """#25 item 3. Right after step 4's files pass their byte verification, its `.metadata` is replaced by a
+    pickle that runs code (it creates a file). The loader must not unpickle it: step 4 is rejected
+    (digest_mismatch of .metadata), every rank walks back to step 3 in the same call, and the weights loaded are
+    step 3's as plain DCP reads them from its files."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tests import workers_murphy
+
+    marker = tmp_path / "the-pickle-ran"
+    step4 = ckpt_root / "step-00000004"
+    out = run_ranks(workers_murphy.swap_metadata_after_verification, 3, str(ckpt_root), str(step4), str(marker),
+                    timeout=120)
+    assert not marker.exists()
+    assert [o.result["step"] for o in out] == [3, 3, 3]
+    with Ledger.open(ckpt_root, readonly=True) as led:
+        row = led.checkpoint(4)
+    assert row["state"] == "rejected" and row["reasons"][0]["file"] == ".metadata", row
+    model = w.make_model(seed=11)
+    sd = {"model": model.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # "assuming the intent is to load in a single process"
+        dcp.load(sd, checkpoint_id=str(ckpt_root / "step-00000003"))
+    assert all(torch.equal(torch.tensor(o.result["weight"]), sd["model"]["0.weight"]) for o in out)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from scout_ckpt import policy
@@ -30,10 +31,11 @@ from scout_ckpt.consensus.full import REPLICA_PREFIX, full_signatures
 from scout_ckpt.consensus.mesh import full_signable
 from scout_ckpt.consensus.signatures import flatten_state
 from scout_ckpt.errors import ScoutError
-from scout_ckpt.format.verify import only_unchecked, verify_files
+from scout_ckpt.format.verify import COULD_NOT_CHECK, only_unchecked, verify_files
 from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops.recovery import record_verification_failure, trusted_manifest
 from scout_ckpt.save import log as scout_log
+from scout_ckpt.save.verified_reader import VerifiedFileSystemReader, is_metadata_changed
 
 COORDINATOR = 0
 
@@ -99,6 +101,19 @@ class LatestCleanLoader:
             rank_local = _begin_rank_local(state, cand.get("world_size"))
             try:
                 differ = self._load_and_check(state, cand, step_dir)
+            except CheckpointException as e:  # raised by DCP on every rank alike (it gathers the ranks' errors)
+                failed = self._load_failure(e)
+                if failed is None:
+                    raise
+                if only_unchecked(failed):   # a file gone or unreadable since verification: walk past, no verdict
+                    scout_log.could_not_check(self.rank, cand["step"], failed)
+                else:
+                    self._on_coordinator(cand["step"], lambda: record_verification_failure(
+                        self.ledger, cand["step"], policy.evidence(policy.FAIL, failed), source="load",
+                        root=self.root))
+                    scout_log.skipped(self.rank, cand["step"], failed)
+                below = cand["step"]
+                continue
             finally:
                 for v in rank_local:
                     v.end_load()
@@ -143,10 +158,25 @@ class LatestCleanLoader:
                              f"{e}); nothing was loaded. The journal ({journal.JOURNAL_NAME}) and the ledger "
                              f"under {self.root} must be writable")
 
+    @staticmethod
+    def _load_failure(e: BaseException) -> list[dict] | None:
+        """The reasons of a DCP load that failed for the candidate's sake, or None when it is the caller's (a
+        state that does not fit): a `.metadata` changed since verification is damage (digest_mismatch); a file
+        that could not be opened or read now is could-not-check (the next verification sees what it is)."""
+        if is_metadata_changed(e):
+            return [{"code": "digest_mismatch", "file": ".metadata", "detail": "changed after verification"}]
+        failures = getattr(e, "failures", None) or {}
+        errors = [v for v in failures.values() if isinstance(v, BaseException)]
+        if errors and all(isinstance(x, OSError) for x in errors):
+            return [{"code": COULD_NOT_CHECK, "detail": f"load: {type(errors[0]).__name__}: {errors[0]}"}]
+        return None
+
     def _load_and_check(self, state: dict, cand: dict, step_dir) -> list[str]:
-        """Collective: DCP loads the candidate into `state`; the saved tensors whose loaded values differ."""
+        """Collective: DCP loads the candidate into `state`; the saved tensors whose loaded values differ. The
+        `.metadata` pickle is unpickled only if its bytes hash to the verified digest (save/verified_reader.py)."""
         if self.store is None:
-            dcp.load(state, checkpoint_id=str(step_dir), process_group=self.group)
+            dcp.load(state, storage_reader=VerifiedFileSystemReader(str(step_dir), cand["metadata_digest"]),
+                     process_group=self.group)
         else:  # .metadata is unpickled only if its digest is the verified one
             from scout_ckpt.save.object_store_io import reader_for  # fsspec: only for an object store
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import pickle
 import sys
 from typing import Callable
 
@@ -26,6 +25,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import (
 
 from scout_ckpt.format.digests import ALGO
 from scout_ckpt.save.storage import WritesRecorded
+from scout_ckpt.save.verified_reader import MetadataChanged, unpickle_verified  # noqa: F401  (re-exported)
 
 
 class _HashingUpload(io.IOBase):
@@ -147,23 +147,10 @@ class VerifiedReader(FsspecReader):
         self.metadata_digest = metadata_digest
 
     def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             data = f.read()
-        got = f"{ALGO}:{xxhash.xxh3_128_hexdigest(data)}"
-        if self.metadata_digest is None or got != self.metadata_digest:
-            raise MetadataChanged(f"{path}: .metadata changed after verification (digest {got})")
-        metadata = pickle.loads(data)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class MetadataChanged(RuntimeError):
-    """The `.metadata` read for loading is not the one whose digest was verified."""
+        return unpickle_verified(data, self.metadata_digest, str(path), self.load_id)
 
 
 def writer_for(store, name: str, *, step: int, fault_hook=None, check_finite: bool = True) -> ObjectStoreWriter:
