@@ -196,3 +196,33 @@ def test_zero3_killed_resumed_exactly_then_a_corrupted_shard_walked_past_on_rest
     assert any(r["code"] == "digest_mismatch" for r in verdicts6[-2]["reasons"])
     assert states(save_dir) == {2: "certified", 4: "certified", 6: "certified", 8: "certified"}
     assert (save_dir / "latest").read_text() == "global_step8"
+
+
+# ---- ZeRO-0: everything replicated; ZeRO-1: replicas that disagree ------------------------------------------
+
+@pytest.mark.scenario
+def test_zero0_default_options_compare_model_and_optimizer_and_certify(tmp_path):
+    save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
+    torchrun(save_dir, ev, "--stage", 0, "--steps", 4, "--save-every", 2)
+    assert [(r["step"], r["verdict"], r["latest"]) for r in events(ev, "saved")] == [
+        (2, "certified", "global_step2"), (4, "certified", "global_step4")]
+    with Ledger.open(save_dir, readonly=True) as led:
+        e4, files = led.evidence(4), led.files(4)
+    assert [f["path"] for f in files] == ["mp_rank_00_model_states.pt"]
+    assert e4["consensus"]["status"] == "pass" and e4["zero_partitions"]["status"] == "pass"
+    assert e4["consensus"]["tensors_compared"] >= 4 + 8   # the model's 4 tensors and Adam's 2 moments of each
+
+
+@pytest.mark.scenario
+def test_zero1_replicas_that_disagree_reject_the_tag_and_end_the_generation(tmp_path):
+    save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+           str(save_dir), "--events", str(ev), "--stage", "1", "--steps", "4", "--save-every", "2",
+           "--accept-single-owner", "--diverge-at", "4"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, p.stderr[-3000:]
+    assert [(r["step"], r["verdict"]) for r in events(ev, "live_fault")] == [(4, "rejected")]
+    assert "consensus_inconclusive" in events(ev, "live_fault")[0]["codes"]   # two replicas detect, never attribute
+    assert states(save_dir) == {2: "certified", 4: "rejected"}
+    assert (save_dir / "latest").read_text() == "global_step2"

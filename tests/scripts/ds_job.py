@@ -6,7 +6,8 @@ loaded a checkpoint, and at the end; the test compares those, not scout-ckpt's v
 The user's lines are the two marked "scout-ckpt"; the rest is a plain DeepSpeed loop: initialize, load_checkpoint
 (tag=None: `latest`), train, save_checkpoint every --save-every steps (default tag global_stepN).
 
-Test-only: --crash-at S makes rank 1 SIGKILL itself in the middle of the save of step S (after writing its first
+Test-only: --diverge-at S makes rank 1's copy of one weight differ by one ulp before the save of step S (its
+replicas then disagree). --crash-at S makes rank 1 SIGKILL itself in the middle of the save of step S (after writing its first
 file) on the first attempt (TORCHELASTIC_RESTART_COUNT 0). DeepSpeed's shm comm op is switched off: on CPU it is
 JIT-compiled with g++ at start-up (about 70 s the first time), and gloo does the same work.
 """
@@ -27,6 +28,7 @@ import deepspeed.ops
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # test-only: see the module docstring
 
+from scout_ckpt.errors import LiveStateCorrupt  # noqa: E402
 from scout_ckpt.integrations.deepspeed import install  # noqa: E402  scout-ckpt
 
 
@@ -70,6 +72,7 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--accept-single-owner", action="store_true")
     ap.add_argument("--crash-at", type=int, default=None)
+    ap.add_argument("--diverge-at", type=int, default=None)
     ap.add_argument("--events", required=True)
     args = ap.parse_args()
 
@@ -112,8 +115,17 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         record(event="step", step=step, loss=float(loss))
+        if step == args.diverge_at and rank == 1:
+            with torch.no_grad():
+                w = engine.module[0].weight
+                w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(float("inf")))
         if step % args.save_every == 0:
-            engine.save_checkpoint(args.save_dir)
+            try:
+                engine.save_checkpoint(args.save_dir)
+            except LiveStateCorrupt as e:
+                record(event="live_fault", step=step, verdict=e.verdict["state"],
+                       codes=sorted({r["code"] for r in e.verdict["reasons"]}))
+                raise
             record(event="saved", step=step, digest=state_digest(engine), verdict=scout.last_verdict["state"],
                    latest=open(os.path.join(args.save_dir, "latest")).read()
                    if os.path.exists(os.path.join(args.save_dir, "latest")) else None)
