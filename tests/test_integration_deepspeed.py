@@ -76,7 +76,8 @@ def test_latest_is_replaced_atomically_and_moved_aside_when_nothing_is_certified
 def zero1(tmp_path_factory):
     base = tmp_path_factory.mktemp("ds1")
     save_dir, ev = base / "ck", base / "events.jsonl"
-    torchrun(save_dir, ev, "--stage", 1, "--steps", 6, "--save-every", 2, "--accept-single-owner")
+    torchrun(save_dir, ev, "--stage", 1, "--steps", 6, "--save-every", 2, "--accept-single-owner",
+             "--export", base / "export")
     return save_dir, ev
 
 
@@ -102,6 +103,12 @@ def test_zero1_healthy_run_certifies_every_tag_and_latest_follows(zero1):
     m = json.loads((save_dir / "global_step6" / "scout-manifest.json").read_text())
     assert m["verdict"]["state"] == "certified" and m["layout"] == "deepspeed" and m["tag"] == "global_step6"
     assert (save_dir / "latest").read_text() == "global_step6" and latest_clean(save_dir) == "global_step6"
+    # save_16bit_model (create/save/commit with tag global_step6, into another directory) passed through: the
+    # export is written, the certified tag of the same step untouched
+    assert (save_dir.parent / "export" / "pytorch_model.bin").is_file()
+    assert sorted(p.name for p in (save_dir / "global_step6").iterdir()) == [
+        "mp_rank_00_model_states.pt", "scout-manifest.json", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
 
 def test_zero1_cli_reads_a_deepspeed_save_dir_and_walks_past_a_corrupted_shard(zero1, tmp_path):

@@ -103,8 +103,12 @@ def install(engine, save_dir: str | os.PathLike, *, accept_single_owner: bool = 
 
     def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         # DeepSpeed never writes `latest` (save_latest=False): rank 0 points it at the tag after the verdict
-        out = original(save_dir, tag=tag, client_state=client_state, save_latest=False,
-                       exclude_frozen_parameters=exclude_frozen_parameters)
+        scout.in_save = True
+        try:
+            out = original(save_dir, tag=tag, client_state=client_state, save_latest=False,
+                           exclude_frozen_parameters=exclude_frozen_parameters)
+        finally:
+            scout.in_save, scout._current = False, None
         scout.after_save(save_latest)
         return out
 
@@ -141,6 +145,7 @@ class ScoutCheckpointEngine(CheckpointEngine):
                          "framework": "deepspeed", "layout": LAYOUT, "zero_stage": self.stage,
                          "replica_groups": self.groups.groups if self.groups else None}
         self.last_verdict: dict | None = None
+        self.in_save = False   # inside the wrapped save_checkpoint: only those create/save/commit are a checkpoint
         self._current: tuple[int, str, str] | None = None   # (step, tag, attempt) of the save in progress
         self._written: list[dict] = []
         self._nonfinite: list[str] = []
@@ -201,7 +206,13 @@ class ScoutCheckpointEngine(CheckpointEngine):
     # ---- DeepSpeed's CheckpointEngine ----------------------------------------------------------------------
 
     def create(self, info):
-        """Every rank, before any file of the tag is written: the `writing` row (collective)."""
+        """Every rank, before any file of the tag is written: the `writing` row (collective). Outside
+        save_checkpoint (`save_16bit_model`, an export to a file of the caller's choosing, also calls create / save
+        / commit with tag global_stepN) everything passes through to DeepSpeed's engine unrecorded: that file is
+        not a checkpoint, and the tag folder of the same step must not be touched."""
+        if not self.in_save:
+            self._current = None
+            return self.inner.create(info)
         step = parse_folder(str(info.tag))
         if step is None:
             raise ScoutError(f"scout-ckpt certifies DeepSpeed tags named global_stepN (DeepSpeed's default, "
@@ -237,6 +248,8 @@ class ScoutCheckpointEngine(CheckpointEngine):
     def commit(self, info):
         """Every rank, after its files and before DeepSpeed's barrier: evidence, gather, manifest, ledger verdict
         (collective; every rank gets the same verdict or the same ScoutError)."""
+        if self._current is None:   # outside save_checkpoint (see create)
+            return self.inner.commit(info)
         step, tag, attempt = self._current
         run = self.run
         live = self._live_evidence()

@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--accept-single-owner", action="store_true")
     ap.add_argument("--crash-at", type=int, default=None)
     ap.add_argument("--diverge-at", type=int, default=None)
+    ap.add_argument("--export", default=None, help="save_16bit_model into this directory at the end")
     ap.add_argument("--events", required=True)
     args = ap.parse_args()
 
@@ -130,6 +131,8 @@ def main() -> None:
                    latest=open(os.path.join(args.save_dir, "latest")).read()
                    if os.path.exists(os.path.join(args.save_dir, "latest")) else None)
     record(event="final", step=engine.global_steps, digest=state_digest(engine))
+    if args.export:
+        engine.save_16bit_model(args.export)   # an export, not a checkpoint: passes through unrecorded
     scout.close()
 
 
