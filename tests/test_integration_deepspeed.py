@@ -233,3 +233,23 @@ def test_zero1_replicas_that_disagree_reject_the_tag_and_end_the_generation(tmp_
     assert "consensus_inconclusive" in events(ev, "live_fault")[0]["codes"]   # two replicas detect, never attribute
     assert states(save_dir) == {2: "certified", 4: "rejected"}
     assert (save_dir / "latest").read_text() == "global_step2"
+
+
+@pytest.mark.scenario
+def test_zero1_nan_in_a_single_owner_partition_is_caught_by_its_writer(tmp_path):
+    save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+           str(save_dir), "--events", str(ev), "--stage", "1", "--steps", "4", "--save-every", "2",
+           "--accept-single-owner", "--nan-at", "4"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, p.stderr[-3000:]
+    assert [(r["step"], r["codes"]) for r in events(ev, "live_fault")] == [(4, ["invariant_failed"])]
+    with Ledger.open(save_dir, readonly=True) as led:
+        row, e4 = led.checkpoint(4), led.evidence(4)
+    assert row["state"] == "rejected" and e4["consensus"]["status"] == "pass"   # no replica holds the moments
+    bad = row["reasons"][0]
+    assert bad["code"] == "invariant_failed" and bad["ranks"] == [1]
+    assert bad["tensors"] == ["zero_pp_rank_1_mp_rank_00_optim_states.pt:"
+                              "optimizer_state_dict.base_optimizer_state.state.0.exp_avg"]
+    assert (save_dir / "latest").read_text() == "global_step2"

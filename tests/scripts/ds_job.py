@@ -7,7 +7,7 @@ The user's lines are the two marked "scout-ckpt"; the rest is a plain DeepSpeed 
 (tag=None: `latest`), train, save_checkpoint every --save-every steps (default tag global_stepN).
 
 Test-only: --diverge-at S makes rank 1's copy of one weight differ by one ulp before the save of step S (its
-replicas then disagree). --crash-at S makes rank 1 SIGKILL itself in the middle of the save of step S (after writing its first
+replicas then disagree); --nan-at S puts a NaN into rank 1's partition of the Adam moments (ZeRO 1-2). --crash-at S makes rank 1 SIGKILL itself in the middle of the save of step S (after writing its first
 file) on the first attempt (TORCHELASTIC_RESTART_COUNT 0). DeepSpeed's shm comm op is switched off: on CPU it is
 JIT-compiled with g++ at start-up (about 70 s the first time), and gloo does the same work.
 """
@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--accept-single-owner", action="store_true")
     ap.add_argument("--crash-at", type=int, default=None)
     ap.add_argument("--diverge-at", type=int, default=None)
+    ap.add_argument("--nan-at", type=int, default=None)
     ap.add_argument("--export", default=None, help="save_16bit_model into this directory at the end")
     ap.add_argument("--events", required=True)
     args = ap.parse_args()
@@ -120,6 +121,9 @@ def main() -> None:
             with torch.no_grad():
                 w = engine.module[0].weight
                 w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(float("inf")))
+        if step == args.nan_at and rank == 1:   # one NaN in rank 1's own (single-owner) Adam moment partition
+            moments = next(iter(engine.optimizer.optimizer.state.values()))
+            moments["exp_avg"].view(-1)[0] = float("nan")
         if step % args.save_every == 0:
             try:
                 engine.save_checkpoint(args.save_dir)
