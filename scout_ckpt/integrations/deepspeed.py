@@ -101,12 +101,11 @@ def install(engine, save_dir: str | os.PathLike, *, accept_single_owner: bool = 
     engine.checkpoint_engine = scout
     original = engine.save_checkpoint
 
-    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
         # DeepSpeed never writes `latest` (save_latest=False): rank 0 points it at the tag after the verdict
         scout.in_save = True
         try:
-            out = original(save_dir, tag=tag, client_state=client_state, save_latest=False,
-                           exclude_frozen_parameters=exclude_frozen_parameters)
+            out = original(save_dir, tag=tag, client_state=client_state, save_latest=False, **kwargs)
         finally:
             scout.in_save, scout._current = False, None
         scout.after_save(save_latest)
