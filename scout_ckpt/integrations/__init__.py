@@ -3,6 +3,8 @@
   torchtitan      ScoutCheckpointManager for TorchTitan 0.3 (its DCP CheckpointManager, subclassed)
   titan_evidence  SDC replay and FSDP shard evidence in that manager, with the core Checkpointer's calls; no framework
   transformers    ScoutTrainerCallback for the Hugging Face Trainer, latest_clean(output_dir)
+  deepspeed       install(engine, save_dir): a ScoutCheckpointEngine on a DeepSpeed engine, latest_clean(save_dir)
+  ds_folders      torch-free: DeepSpeed's global_stepN folders (registered for the CLI) and its `latest` pointer
   session         IntegrationRun: the save machinery both share (start-up, writing row, hashing split across the
                   ranks, manifest, commit); imports torch, no framework
   folders         torch-free pieces for non-DCP checkpoint folders (`checkpoint-N`): names, listing, share split,

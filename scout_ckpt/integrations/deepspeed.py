@@ -1,0 +1,355 @@
+"""Certified DeepSpeed checkpoints: `install(engine, save_dir)` once after `deepspeed.initialize`, then the job's own
+`engine.save_checkpoint(save_dir)` and `engine.load_checkpoint(save_dir)`, unchanged.
+
+DeepSpeed (0.19.8) does not use DCP. `save_checkpoint` calls its engine's `CheckpointEngine` on every rank:
+`create(info)`, then `save(state_dict, path)` for each file this rank writes (`torch.save`), then `commit(info)`,
+then rank 0 writes `save_dir/latest` with plain `open()` and all ranks meet at a barrier. `install` puts a
+`ScoutCheckpointEngine` there (wrapping DeepSpeed's own `TorchCheckpointEngine`, which still writes the bytes) and
+wraps the instance's `save_checkpoint`. One save boundary, all ranks:
+
+  1. create: the tag must be DeepSpeed's default `global_stepN` (the ledger is keyed by step); the coordinator
+     records the row `writing` for it and removes a stale folder of an abandoned attempt at the same step
+     (IntegrationRun.begin_save, collective), before any byte is written
+  2. save (each file): DeepSpeed's torch.save, then the writing rank digests the file it has just written and
+     checks every tensor of the state dict it wrote for NaN/Inf (the one finite check, invariants/finite.py): no
+     rank re-reads another rank's files
+  3. commit: consensus (C3 over the data-parallel ranks) on the state every rank holds a full copy of (below); the
+     digests and finite results go to the coordinator (a gather: every rank's files are on disk), which lists the
+     tag folder (a file nobody digested is `missing_file`), writes scout-manifest.json, records the verdict
+     (compare-and-set), journals it; every rank returns the same verdict (IntegrationRun.commit). This is the
+     ledger's own cross-rank agreement: DeepSpeed's barrier comes only after commit
+  4. `latest`: the wrapped save_checkpoint passes save_latest=False to DeepSpeed, so DeepSpeed never writes it;
+     after DeepSpeed's final barrier rank 0 points `latest` at the tag only if the tag was certified
+     (ds_folders.point_latest, atomic). At install, after settling what a crash left, the coordinator points
+     `latest` at the newest certified tag whose bytes re-verify (walking back past any that fail), or moves it
+     aside when there is none: `engine.load_checkpoint(save_dir)` (tag=None reads `latest`) loads certified state
+
+What each ZeRO stage replicates, and so what consensus can compare (measured with DeepSpeed 0.19.8, fp32, CPU):
+  stage 0   every rank holds the whole model, optimizer (moments) and LR scheduler: all compared; certifiable
+  stage 1-2 every rank holds the whole model (gathered after each step) and the scheduler: compared. The
+            optimizer's state (Adam moments, fp32 master partition: `zero_pp_rank_R_mp_rank_00_optim_states.pt`)
+            is partitioned: each rank holds its part alone, so no replica vouches for it
+  stage 3   parameters are partitioned too: only the scheduler and counters have replicas
+Partitioned state is single-owner, as pure FSDP shards are: bytes and finite checks alone do not vouch for it, so
+by default a checkpoint with any (stage 1-3) is `committed`, never certified, reason `zero_single_owner` naming
+the stage and the state. `accept_single_owner=True` accepts bytes + finite checks for it (the run's policy says
+so, in the ledger and every manifest). A fault inside the owner's own optimizer step at stage 1-2 is not seen by
+consensus either way: the owner's updated partition is gathered to every rank, so the copies agree.
+
+Not supported (fail closed): tags other than `global_stepN` (refused at create), MoE or tensor/pipeline model
+parallelism (consensus `topology_unsupported`: the ranks' model states are not replicas), DeepSpeed's decoupled
+or fast writers (install refuses them), files written outside the tag folder (not part of the checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+import scout_ckpt
+from scout_ckpt import policy
+from scout_ckpt.errors import LiveStateCorrupt, ScoutError
+from scout_ckpt.format.digests import digest_files
+from scout_ckpt.integrations import ds_folders
+from scout_ckpt.integrations.ds_folders import LAYOUT, folder_name, parse_folder
+from scout_ckpt.integrations.session import IntegrationRun
+from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
+
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+log = logging.getLogger("scout_ckpt.deepspeed")
+
+__all__ = ["install", "latest_clean", "ScoutCheckpointEngine"]
+
+LIVE_CODES = ("consensus_attributed", "consensus_inconclusive", "invariant_failed")
+
+
+def latest_clean(save_dir: str | os.PathLike, *, verify: bool = True) -> str | None:
+    """The tag of the newest certified checkpoint under save_dir whose bytes still verify (walking back past, and
+    rejecting, any that fail), for `engine.load_checkpoint(save_dir, tag=latest_clean(save_dir))`; None on a fresh
+    run. Not collective: each rank that calls it re-hashes. With `install` this is what `latest` names already."""
+    return ds_folders.latest_clean_tag(save_dir, verify=verify)
+
+
+def install(engine, save_dir: str | os.PathLike, *, accept_single_owner: bool = False, consensus: bool = True,
+            on_live_fault: str = "raise", timeout_s: float = 600.0) -> "ScoutCheckpointEngine":
+    """Collective (every rank, after `deepspeed.initialize`, before `load_checkpoint`): certify every
+    `engine.save_checkpoint(save_dir)` in `save_dir/scout-ledger.db` and keep `save_dir/latest` on the newest
+    certified tag. Returns the installed checkpoint engine (`.last_verdict`, `.close()`).
+
+    accept_single_owner  certify ZeRO 1-3 partitions on bytes + finite checks alone (see the module docstring)
+    consensus            compare the replicated state across data-parallel ranks (needs >= 2 ranks)
+    on_live_fault        "raise": a verdict showing the live state bad (replicas disagree, NaN/Inf) raises
+                         LiveStateCorrupt on every rank after the save, ending the generation; "continue": log it
+    timeout_s            timeout of the integration's own gloo groups (a dead peer fails the save, no hang)
+    """
+    if on_live_fault not in ("raise", "continue"):
+        raise ScoutError(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
+    inner = getattr(engine, "checkpoint_engine", None)
+    if isinstance(inner, ScoutCheckpointEngine):
+        return inner
+    if inner is not None and (inner.is_decoupled() or type(inner) is not TorchCheckpointEngine):
+        raise ScoutError(f"scout-ckpt wraps DeepSpeed's TorchCheckpointEngine; this engine uses "
+                         f"{type(inner).__name__} (remove the checkpoint writer / datastates configuration)")
+    scout = ScoutCheckpointEngine(engine, save_dir, inner=inner, accept_single_owner=accept_single_owner,
+                                  consensus=consensus, on_live_fault=on_live_fault, timeout_s=timeout_s)
+    engine.checkpoint_engine = scout
+    original = engine.save_checkpoint
+
+    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
+        # DeepSpeed never writes `latest` (save_latest=False): rank 0 points it at the tag after the verdict
+        scout.in_save = True
+        try:
+            out = original(save_dir, tag=tag, client_state=client_state, save_latest=False, **kwargs)
+        finally:
+            scout.in_save, scout._current = False, None
+        scout.after_save(save_latest)
+        return out
+
+    save_checkpoint.__doc__ = original.__doc__
+    engine.save_checkpoint = save_checkpoint
+    scout.start()
+    return scout
+
+
+class ScoutCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's CheckpointEngine with scout-ckpt's evidence and commit (see the module docstring); the bytes are
+    written by the wrapped TorchCheckpointEngine. Every method DeepSpeed calls on every rank is collective here
+    where the module docstring says so."""
+
+    def __init__(self, engine, save_dir, *, inner=None, accept_single_owner=False, consensus=True,
+                 on_live_fault="raise", timeout_s=600.0):
+        super().__init__(None)
+        self.name = "ScoutCheckpointEngine"
+        self.engine = engine
+        self.inner = inner if inner is not None else TorchCheckpointEngine(getattr(engine, "_config", None))
+        self.root = Path(save_dir)
+        self.accept_single_owner, self.on_live_fault = accept_single_owner, on_live_fault
+        self.stage = int(engine.zero_optimization_stage())
+        self.run = IntegrationRun(self.root, framework="deepspeed", timeout_s=timeout_s)
+        self.unsupported = self._unsupported_topology()
+        self.groups = None
+        if consensus and self.run.world > 1 and not self.unsupported:
+            from scout_ckpt.consensus.groups import ConsensusGroups
+            from scout_ckpt.consensus.mesh import legacy_topology
+
+            self.groups = ConsensusGroups.from_topology(legacy_topology("ddp", self.run.world), timeout_s=timeout_s)
+        self.policy = self._policy(consensus and self.run.world > 1)
+        self.topology = {"mode": "ddp" if self.run.world > 1 else "single", "world_size": self.run.world,
+                         "framework": "deepspeed", "layout": LAYOUT, "zero_stage": self.stage,
+                         "replica_groups": self.groups.groups if self.groups else None}
+        self.last_verdict: dict | None = None
+        self.in_save = False   # inside the wrapped save_checkpoint: only those create/save/commit are a checkpoint
+        self._current: tuple[int, str, str] | None = None   # (step, tag, attempt) of the save in progress
+        self._written: list[dict] = []
+        self._nonfinite: list[str] = []
+        self._unhashed: list[str] = []
+
+    # ---- set-up ---------------------------------------------------------------------------------------------
+
+    def _unsupported_topology(self) -> str | None:
+        """Why the ranks' model states are not data-parallel replicas of each other, or None."""
+        e = self.engine
+        if getattr(e, "has_moe_layers", False):
+            return "MoE experts differ per rank"
+        try:
+            from deepspeed.utils import groups as ds_groups
+
+            dp = ds_groups._get_data_parallel_world_size()
+        except Exception:  # noqa: BLE001 - an engine without DeepSpeed's groups: say so, fail closed
+            return "the data-parallel world size is unknown"
+        if dp != self.run.world:
+            return f"model or pipeline parallelism (data-parallel size {dp} of world {self.run.world})"
+        return None
+
+    def _policy(self, consensus: bool) -> dict:
+        """What "certified" means for this run: bytes, the writers' finite checks, consensus over replicas, and
+        `zero_partitions` (single-owner partitions vouched for, or accepted by the option)."""
+        require = ["bytes", "invariants"] + (["consensus"] if consensus else []) + ["zero_partitions"]
+        allow_na = ["zero_partitions"] if self.accept_single_owner else []
+        # "invariants": [] -- the finite check is the writers' at save; `certify` re-verifies the bytes and keeps
+        # the recorded invariants (no offline reader for DeepSpeed's pickles: see docs/integrate.md)
+        return {"require": require, "allow_not_applicable": allow_na, "invariants": [], "layout": LAYOUT,
+                "replay_targets": [], "zero_stage": self.stage, "accept_single_owner": self.accept_single_owner}
+
+    def _versions(self) -> dict:
+        import deepspeed
+
+        return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
+                "deepspeed": deepspeed.__version__, "python": platform.python_version()}
+
+    def start(self) -> None:
+        """Collective: open the ledger, settle interrupted saves (their in-place folders removed), begin the run,
+        then point `latest` at the newest certified tag that verifies (or move it aside)."""
+        def after(ledger, run_id):
+            for s in self.run.settled:
+                if s["after"] != "writing":
+                    log.warning("scout-ckpt: step %d of an interrupted save settled: %s (%s)", s["step"],
+                                s["after"], s["why"])
+
+        self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
+        self.run.on_coordinator(f"point {self.root}/latest at a certified tag",
+                                lambda: ds_folders.repoint_latest(self.root))
+
+    def close(self) -> None:
+        """Every rank, at the end of training (optional but recommended): the ledger closed and the side groups
+        released after a barrier on the integration's own group (IntegrationRun.close)."""
+        self.run.close(groups=self.groups.process_groups if self.groups is not None else ())
+        self.groups = None
+
+    # ---- DeepSpeed's CheckpointEngine ----------------------------------------------------------------------
+
+    def create(self, info):
+        """Every rank, before any file of the tag is written: the `writing` row (collective). Outside
+        save_checkpoint (`save_16bit_model`, an export to a file of the caller's choosing, also calls create / save
+        / commit with tag global_stepN) everything passes through to DeepSpeed's engine unrecorded: that file is
+        not a checkpoint, and the tag folder of the same step must not be touched."""
+        if not self.in_save:
+            self._current = None
+            return self.inner.create(info)
+        step = parse_folder(str(info.tag))
+        if step is None:
+            raise ScoutError(f"scout-ckpt certifies DeepSpeed tags named global_stepN (DeepSpeed's default, "
+                             f"save_checkpoint(dir) without tag=); got tag {info.tag!r}")
+        if Path(info.save_dir).resolve() != self.root.resolve():
+            raise ScoutError(f"scout-ckpt was installed for {self.root}; save_checkpoint got {info.save_dir}")
+        self._written, self._nonfinite, self._unhashed = [], [], []
+        attempt = self.run.begin_save(step, folder_name(step), remove_stale=True)
+        self._current = (step, str(info.tag), attempt)
+        self.inner.create(info)
+
+    def makedirs(self, path, exist_ok=False):
+        self.inner.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict, path: str):
+        """This rank's file: DeepSpeed's torch.save, then its digest (the writer's, right after the write) and the
+        finite check of every tensor in what was written."""
+        self.inner.save(state_dict, path)
+        if self._current is None:  # a save outside save_checkpoint (none in DeepSpeed 0.19.8): not ours
+            return
+        step_dir = self.root / self._current[1]
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(step_dir))
+        if rel.startswith(".."):
+            self._unhashed.append(str(path))
+            return
+        size, digest = digest_files([path])[str(path)]
+        self._written.append({"path": Path(rel).as_posix(), "size": size, "digest": digest, "rank": self.run.rank})
+        self._nonfinite += [f"{Path(rel).as_posix()}:{n}" for n in _nonfinite_tensors(state_dict)]
+
+    def load(self, path: str, map_location=None):
+        return self.inner.load(path, map_location=map_location)
+
+    def commit(self, info):
+        """Every rank, after its files and before DeepSpeed's barrier: evidence, gather, manifest, ledger verdict
+        (collective; every rank gets the same verdict or the same ScoutError)."""
+        if self._current is None:   # outside save_checkpoint (see create)
+            return self.inner.commit(info)
+        step, tag, attempt = self._current
+        run = self.run
+        live = self._live_evidence()
+        gathered = run.gather({"rank": run.rank, "files": self._written, "nonfinite": self._nonfinite,
+                               "outside": self._unhashed})
+        files, listing = [], []
+        if run.is_coordinator:
+            files = sorted((f for g in gathered for f in g["files"]), key=lambda f: f["path"])
+            from scout_ckpt.integrations.folders import listing as list_folder
+
+            listing = list_folder(self.root / tag)
+            bad = [{"code": "invariant_failed", "check": "finite", "ranks": [g["rank"]], "tensors": g["nonfinite"][:8],
+                    "n_tensors": len(g["nonfinite"])} for g in gathered if g["nonfinite"]]
+            live["invariants"] = policy.evidence(policy.FAIL if bad else policy.PASS, bad, specs=["finite"],
+                                                 checked_by="writers", checked_at="save")
+            outside = [p for g in gathered for p in g["outside"]]
+            if outside:
+                live["invariants"]["files_outside_tag"] = outside[:8]
+        verdict = run.commit(step, attempt, self.root / tag, files, listing, live, run_policy=self.policy,
+                             topology=self.topology, versions=self._versions(), layout=LAYOUT, tag=tag)
+        self.last_verdict = {"step": step, "tag": tag, **verdict}
+        self._current = None
+        self.inner.commit(info)
+        if run.is_coordinator:
+            from scout_ckpt.ops.views import reason_text
+
+            log.warning("scout-ckpt: %s %s%s", tag, verdict["state"],
+                        f" ({reason_text(verdict['reasons'])})" if verdict["reasons"] else "")
+        return True
+
+    def after_save(self, save_latest: bool) -> None:
+        """Every rank, after DeepSpeed's final barrier: rank 0 points `latest` at the tag if it was certified (a
+        failure to do so leaves the previous certified tag there: logged, not raised); then a verdict showing the
+        live state bad raises LiveStateCorrupt on every rank unless on_live_fault="continue"."""
+        v = self.last_verdict
+        if v is None:
+            return
+        if save_latest and v["state"] == "certified" and self.run.is_coordinator:
+            try:
+                ds_folders.point_latest(self.root, v["tag"])
+            except OSError as e:
+                log.warning("scout-ckpt: could not point %s/latest at %s: %s", self.root, v["tag"], e)
+        live = sorted({r.get("code") for r in v["reasons"] if r.get("code") in LIVE_CODES})
+        if live and self.on_live_fault == "raise":
+            raise LiveStateCorrupt(v["step"], {**v, "live_fault": live})
+
+    # ---- evidence on the live state --------------------------------------------------------------------------
+
+    def _live_evidence(self) -> dict:
+        """Collective: consensus over what every rank holds whole (identical evidence on every rank), and the
+        `zero_partitions` evidence of what only its owner holds."""
+        e = self.engine
+        replicated = {"counters": {"global_steps": int(e.global_steps), "global_samples": int(e.global_samples),
+                                   "skipped_steps": int(getattr(e, "skipped_steps", 0))},
+                      "scheduler": e.lr_scheduler.state_dict() if getattr(e, "lr_scheduler", None) is not None
+                      else {}}
+        single: list[str] = []
+        if self.stage == 0:
+            replicated["module"] = e.module.state_dict()
+            replicated["optimizer"] = e.optimizer.state_dict() if e.optimizer is not None else {}
+        elif self.stage in (1, 2):
+            replicated["module"] = e.module.state_dict()
+            single = ["optimizer: Adam moments and fp32 master weights (each rank's partition)"]
+        else:
+            single = ["module: parameters (each rank's partition)",
+                      "optimizer: Adam moments and fp32 master weights (each rank's partition)"]
+        ev = {}
+        if self.unsupported:
+            ev["consensus"] = policy.evidence(policy.MISSING, [{"code": "topology_unsupported",
+                                                                "detail": self.unsupported}])
+        elif self.groups is not None:
+            from scout_ckpt.consensus.save_time import save_time_consensus
+
+            ev["consensus"] = save_time_consensus(replicated, self.groups)
+        if single:
+            reason = {"code": "zero_single_owner", "stage": self.stage, "state": single,
+                      "ranks": list(range(self.run.world)),
+                      "detail": f"ZeRO stage {self.stage} partitions this state: one rank holds each part, no replica "
+                                "to compare; bytes and finite checks alone do not vouch for it"}
+            status = policy.NOT_APPLICABLE if self.accept_single_owner else policy.MISSING
+            ev["zero_partitions"] = policy.evidence(status, [reason], stage=self.stage,
+                                                    accepted=self.accept_single_owner)
+        else:
+            ev["zero_partitions"] = policy.evidence(policy.PASS, [], stage=self.stage, single_owner=[])
+        return ev
+
+
+def _nonfinite_tensors(obj, prefix: str = "") -> list[str]:
+    """Dotted names of the tensors in a (nested) state dict that hold a NaN or an infinity (the one finite check);
+    a dtype the check cannot decide counts as not finite (fail closed)."""
+    out: list[str] = []
+    if isinstance(obj, torch.Tensor):
+        try:
+            ok = is_finite(obj.detach())
+        except UncheckableDtype:
+            ok = False
+        return [] if ok else [prefix or "<tensor>"]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _nonfinite_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out += _nonfinite_tensors(v, f"{prefix}.{i}" if prefix else str(i))
+    return out
