@@ -30,13 +30,13 @@ pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "scripts" / "ds_job.py"
 
 
-def torchrun(save_dir, events, *extra, restarts=0):
+def torchrun(save_dir, events, *extra, restarts=0, ok=True):
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(save_dir),
            "--events", str(events), *map(str, extra)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=save_dir.parent)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert (p.returncode == 0) == ok, p.stdout[-2000:] + p.stderr[-4000:]
     return p
 
 
@@ -178,6 +178,14 @@ def test_zero3_default_options_never_certify_partitions_and_latest_never_names_t
     assert not (save_dir / "latest").exists() and latest_clean(save_dir) is None
     rc, so, _ = run_cli("resume", save_dir, "--latest-clean", "--json")
     assert rc == 1 and json.loads(so)["step"] is None
+    # the job restarted with the same options: it refuses to train from step 0 over the saved tags, and names
+    # them and the option; nothing is written
+    before = sorted(p.name for p in save_dir.iterdir())
+    p = torchrun(save_dir, ev, "--stage", 3, "--steps", 4, "--save-every", 2, ok=False)
+    assert "does not start from step 0 over them" in p.stderr and "global_step4" in p.stderr, p.stderr[-3000:]
+    assert "accept_single_owner=True" in p.stderr
+    assert sorted(p.name for p in save_dir.iterdir()) == before and states(save_dir) == {2: "committed",
+                                                                                          4: "committed"}
 
 
 @pytest.mark.scenario

@@ -58,6 +58,7 @@ from scout_ckpt.integrations import ds_folders
 from scout_ckpt.integrations.ds_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import IntegrationRun
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
+from scout_ckpt.ops.startup import StartRefused
 
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
@@ -193,8 +194,29 @@ class ScoutCheckpointEngine(CheckpointEngine):
                                 s["after"], s["why"])
 
         self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
-        self.run.on_coordinator(f"point {self.root}/latest at a certified tag",
-                                lambda: ds_folders.repoint_latest(self.root))
+        if self.stage >= 1 and not self.accept_single_owner and self.run.is_coordinator:
+            log.warning("scout-ckpt: ZeRO stage %d keeps single-owner partitions (%s) that no replica can vouch "
+                        "for: its checkpoints are saved and recorded but not certified (zero_single_owner). "
+                        "install(..., accept_single_owner=True) certifies them on bytes + finite checks",
+                        self.stage, "optimizer state" if self.stage < 3 else "parameters and optimizer state")
+        tag = self.run.on_coordinator(f"point {self.root}/latest at a certified tag",
+                                      lambda: ds_folders.repoint_latest(self.root))
+        if tag is None:
+            pending = self.run.on_coordinator(f"read the ledger in {self.root}", self._uncertified_tags)
+            if pending:
+                # never a fresh start over saved state that is only unvouched (not found bad): a person decides
+                raise StartRefused(
+                    f"{self.root}: no certified checkpoint, but {len(pending)} saved tag(s) exist that are not "
+                    f"rejected ({', '.join(pending[-4:])}); the job does not start from step 0 over them. "
+                    "`scout-ckpt ls` shows why each is not certified; install(..., accept_single_owner=True) "
+                    "certifies ZeRO partitions on bytes + finite checks, or load a tag explicitly with "
+                    "engine.load_checkpoint(save_dir, tag=...)")
+
+    def _uncertified_tags(self) -> list[str]:
+        """Coordinator: the tags whose folders exist and whose rows are committed (not certified, not rejected)."""
+        rows = self.run.ledger.checkpoints(states=("committed",))
+        return [f"{r['path']} ({(r['reasons'] or [{}])[0].get('code', 'committed')})" for r in rows
+                if (self.root / r["path"]).is_dir()]
 
     def close(self) -> None:
         """Every rank, at the end of training (optional but recommended): the ledger closed and the side groups
