@@ -118,3 +118,21 @@ def test_a_metadata_swapped_after_verification_is_never_unpickled_and_the_load_w
         warnings.simplefilter("ignore", UserWarning)   # "assuming the intent is to load in a single process"
         dcp.load(sd, checkpoint_id=str(ckpt_root / "step-00000003"))
     assert all(torch.equal(torch.tensor(o.result["weight"]), sd["model"]["0.weight"]) for o in out)
+
+
+def test_a_flip_in_a_frozen_fsdp2_shard_is_caught_at_the_next_save_whenever_it_happened(tmp_path):
+    """#25 item 1. FSDP2 on 2 ranks, a frozen (requires_grad=False) weight in a sharded block, the Checkpointer's
+    defaults. Healthy: both saves certified. One low mantissa bit of rank 1's local shard of the frozen weight
+    flipped after step 4 (between the saves of 3 and 6, not right before one): the save of 6 is rejected
+    `at_rest_changed` naming rank 1 and the frozen tensor, and it raises LiveStateCorrupt on every rank."""
+    from tests import workers_murphy
+
+    healthy = run_ranks(workers_murphy.fsdp2_frozen_weight, 2, str(tmp_path / "healthy"), timeout=240)
+    assert all({s: v["state"] for s, v in o.result.items()} == {3: "certified", 6: "certified"} for o in healthy), \
+        [o.result for o in healthy]
+    out = run_ranks(workers_murphy.fsdp2_frozen_weight, 2, str(tmp_path / "flip"), 4, timeout=240)
+    for o in out:
+        assert o.result[3]["state"] == "certified" and o.result[6]["state"] == "rejected", o.result
+        assert o.result[6]["raised"]
+        why = [r for r in o.result[6]["reasons"] if r.get("code") == "at_rest_changed"]
+        assert why and why[0]["ranks"] == [1] and why[0]["tensors"] == ["blocks.0.fc1.weight (frozen)"], o.result

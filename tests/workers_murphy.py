@@ -49,3 +49,47 @@ def swap_metadata_after_verification(rank, world, root, step_dir, marker):
         return {"step": step, "weight": st["model"]["0.weight"].tolist()}
     finally:
         ckpt.close()
+
+
+def fsdp2_frozen_weight(rank, world, root, flip_step=None, steps=6, save_every=3):
+    """FSDP2 (fully_shard per block and at the root) with a frozen base weight (requires_grad=False, LoRA-style)
+    in a sharded block, trained through the Checkpointer with its defaults. flip_step: after that step's optimizer
+    step, rank 1 flips the lowest mantissa bit of one element of its local shard of the frozen weight. Returns
+    each save's verdict state and reasons (a LiveStateCorrupt ends the run, as it ends the generation)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from scout_ckpt import ModelOptimizerState
+    from scout_ckpt.errors import LiveStateCorrupt
+    from tests.workers_fsdp_evidence import TinyLM, batch, train_step
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    frozen = model.blocks[0].fc1.weight
+    frozen.requires_grad_(False)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ckpt = Checkpointer(root, model=model, optimizer=optimizer, timeout_s=120)
+    state = {"app": ModelOptimizerState(model, optimizer)}
+    saves = {}
+    try:
+        for step in range(1, steps + 1):
+            train_step(model, optimizer, batch(step, rank))
+            ckpt.step(step)
+            if step == flip_step and rank == 1:
+                with torch.no_grad():
+                    local = dict(model.named_parameters())["blocks.0.fc1.weight"].to_local()
+                    local.view(-1).view(torch.int32)[3] ^= 1
+            if step % save_every == 0:
+                try:
+                    v = ckpt.save(step, state)
+                except LiveStateCorrupt as e:
+                    saves[step] = {"state": e.verdict["state"], "reasons": e.verdict["reasons"], "raised": True}
+                    break
+                saves[step] = {"state": v["state"], "reasons": v["reasons"], "raised": False}
+    finally:
+        ckpt.close()
+    return saves

@@ -15,6 +15,13 @@ signed (every > 1 off the cadence, or a save right after a resume) is `missing`.
 
 Legitimate writes after the step (a weight projection, an EMA written into the parameters) must call `resign()`
 after they are done, or they read as faults.
+
+Frozen parameters (the model's parameters the optimizer does not hold: `requires_grad=False`, LoRA-style base
+weights) are saved too, and nothing else vouches for a single-owner shard of one: no update replays it and no
+peer holds it. They are signed once, after the first optimizer step this guard sees (training has begun, so the
+weights are final) and again after every `resign()` (a load, a legitimate write), and every save checks them
+against that signature: a change at any time since, not only between the last step and the save, is
+`at_rest_changed` naming the tensor. Buffers are not covered here (running statistics change in every forward).
 """
 
 from __future__ import annotations
@@ -56,6 +63,9 @@ class AtRestGuard:
         self._signed: tuple[int, list[str], torch.Tensor] | None = None   # (steps, names, signatures)
         self._armed = False
         self.cpu_s = 0.0    # CPU seconds spent signing after steps (for the bench)
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self._frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in held] if model is not None else []
+        self._frozen_signed: torch.Tensor | None = None
         self._handle = optimizer.register_step_post_hook(self._post)
 
     def close(self) -> None:
@@ -84,8 +94,14 @@ class AtRestGuard:
         """Sign after the next optimizer step whatever `every` says (a caller that knows a save follows it)."""
         self._armed = True
 
+    def _sign_frozen(self) -> None:
+        if self._frozen:
+            self._frozen_signed = replica_signatures([_local(p).detach() for _, p in self._frozen])
+
     def _post(self, opt, args, kwargs) -> None:
         self._steps += 1
+        if self._frozen_signed is None:
+            self._sign_frozen()
         armed, self._armed = self._armed, False
         if armed or (self.every is not None and self._steps % self.every == 0):
             c0 = time.thread_time()
@@ -97,17 +113,29 @@ class AtRestGuard:
     def resign(self) -> None:
         """Adopt the current shards as the post-step state (after a legitimate write between step and save)."""
         self._signed = (self._steps, *self._sign())
+        self._sign_frozen()
+
+    def _frozen_changed(self) -> list[str]:
+        if not self._frozen or self._frozen_signed is None:
+            return []
+        sigs = replica_signatures([_local(p).detach() for _, p in self._frozen])
+        diff = (sigs != self._frozen_signed).any(dim=1).nonzero().reshape(-1).tolist()
+        return [f"{self._frozen[i][0]} (frozen)" for i in diff]
 
     def local_check(self) -> dict:
         """This rank's result: {"rank", "status", "changed": [tensor names]}."""
+        frozen = self._frozen_changed()
         if self._signed is None or self._signed[0] != self._steps:
+            if frozen:
+                return {"rank": self.rank, "status": policy.FAIL, "changed": frozen}
             return {"rank": self.rank, "status": policy.MISSING, "changed": []}
         _, names0, sigs0 = self._signed
         names, sigs = self._sign()
         if names != names0 or sigs.shape != sigs0.shape:
             return {"rank": self.rank, "status": policy.FAIL, "changed": ["<set of tensors changed>"]}
         diff = (sigs != sigs0).any(dim=1).nonzero().reshape(-1).tolist()
-        return {"rank": self.rank, "status": policy.FAIL if diff else policy.PASS, "changed": [names[i] for i in diff]}
+        changed = [names[i] for i in diff] + frozen
+        return {"rank": self.rank, "status": policy.FAIL if changed else policy.PASS, "changed": changed}
 
     def check(self, step: int) -> dict:
         """Collective at save time (before the write): evidence for the shards saved at `step`, same on every rank."""
