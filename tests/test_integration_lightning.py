@@ -90,13 +90,14 @@ def test_healthy_ddp_run_certifies_every_checkpoint_and_equals_the_run_without_s
     assert sorted(p.name for p in root.glob("step-*")) == [f"step-{s:08d}" for s in (2, 4, 6, 8)]
     ptr = json.loads((root / "lightning" / "step=8.ckpt").read_text())["scout_ckpt"]
     assert ptr["step"] == 8 and ptr["path"] == "step-00000008"
-    out = run_cli("resume", str(root), "--latest-clean", "--json")
-    assert out.returncode == 0 and json.loads(out.stdout)["step"] == 8
-    assert run_cli("certify", str(root), "--all").returncode == 0
+    rc, out, err = run_cli("resume", str(root), "--latest-clean", "--json")
+    assert rc == 0 and json.loads(out)["step"] == 8, err
+    assert run_cli("certify", str(root), "--all")[0] == 0
     # a fresh run with ckpt_path="latest_clean" started from scratch (nothing loaded)
     assert not [r for r in rs if "loaded" in r]
 
 
+@pytest.mark.scenario
 def test_bitflip_in_the_newest_checkpoint_is_walked_past_on_restart(healthy, plain, tmp_path):
     src, _ = healthy
     root = tmp_path / "root"
@@ -118,6 +119,7 @@ def test_bitflip_in_the_newest_checkpoint_is_walked_past_on_restart(healthy, pla
 
 
 @pytest.mark.scenario
+@pytest.mark.scenario_ci   # the CI tier's Lightning kill
 def test_sigkill_mid_run_resumes_exactly_from_latest_clean(plain, tmp_path):
     """Rank 1 SIGKILLed after optimizer step 5; torchrun restarts both ranks with ckpt_path="latest_clean": the
     restarted job loads step 4 (what it recorded when it saved), trains steps 5..8 on the same samples with the
@@ -155,3 +157,25 @@ def test_model_checkpoint_top_k_and_last_over_20_saves(tmp_path):
     assert on_disk == named | {newest}
     assert all(st[s] == "certified" for s in on_disk)
     assert {s for s, v in st.items() if v == "deleted"} == set(range(1, 21)) - on_disk
+
+
+@pytest.mark.scenario
+def test_model_parallel_fsdp2_certifies_and_resumes_exactly_after_sigkill(tmp_path):
+    """ScoutModelParallelStrategy (fully_shard in configure_model): every save certified with the shard replay and
+    at-rest evidence; rank 1 SIGKILLed after step 5 resumes from step 4 and ends bitwise equal to a plain
+    ModelParallelStrategy run (Lightning's own sharded checkpoints, no scout-ckpt). Gradient clipping on: it runs
+    in Lightning's closure, which the strategy evaluates before the replays capture the gradients."""
+    plain_rec = tmp_path / "plain.jsonl"
+    torchrun(tmp_path / "plain", "--scout", "mp-none", *BASE, "--clip", "0.05", record=plain_rec)
+    plain = rows(plain_rec)
+    root = tmp_path / "root"
+    rec = tmp_path / "rec.jsonl"
+    torchrun(root, "--scout", "mp", *BASE, "--clip", "0.05", "--kill-step", "5", "--ckpt-path", "latest_clean", restarts=1, record=rec)
+    rs = rows(rec)
+    assert [r["loaded"] for r in rs if "loaded" in r] == [4]
+    assert curve(rs, attempt=1) == {s: v for s, v in curve(plain).items() if s > 4}
+    assert final(rs) == final(plain)
+    assert set(states(root).values()) == {"certified"} and set(states(root)) == {2, 4, 6, 8}
+    with Ledger.open(root, readonly=True) as led:
+        ev = led.evidence(8)
+    assert {"shard_replay", "at_rest"} <= set(ev), ev

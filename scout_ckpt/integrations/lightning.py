@@ -225,19 +225,30 @@ class ScoutStrategyMixin:
     # ---- the per-step hook --------------------------------------------------------------------------------
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
-        if self.scout is not None:
-            # Lightning's closure (forward, backward) runs inside optimizer.step, after its step pre-hooks, where
-            # the replays of scout-ckpt capture the gradients the update uses: run it first (same values, same
-            # order of operations), and hand Lightning its result
-            result = closure()
-            closure = lambda: result  # noqa: E731
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.scout is not None:
-            # Lightning counts the step as completed after this returns (LightningOptimizer.step): this is the
-            # number of the optimizer step just taken, i.e. global_step + 1; called once per real optimizer step
-            step = self.lightning_module.trainer.global_step + 1
-            self.scout.step(step)
-            self.scout_steps.append(step)
+        """Every rank, once per real optimizer step. Lightning's 32-bit/bf16 precision runs its closure (forward,
+        backward, `on_before_optimizer_step`, gradient clipping) inside `optimizer.step`, after the optimizer's step
+        pre-hooks, where the replays of scout-ckpt capture the gradients the update will use: here the wrapped
+        closure runs first and `optimizer.step` gets its result (the same operations in the same order; this is
+        `Strategy.optimizer_step` + `Precision.optimizer_step` of lightning 2.6.6). A precision plugin with its
+        own optimizer_step (AMP's MixedPrecision, which evaluates the closure first itself) or DDP's model
+        averager keep Lightning's path."""
+        if self.scout is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        from lightning.pytorch.plugins.precision import Precision
+
+        plugin = self.precision_plugin
+        model = model or self.lightning_module
+        if (type(plugin).optimizer_step is Precision.optimizer_step and hasattr(plugin, "_wrap_closure")
+                and getattr(self, "_model_averager", None) is None):
+            result = plugin._wrap_closure(model, optimizer, closure)
+            out = optimizer.step(closure=lambda: result, **kwargs)
+        else:
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        # Lightning counts the step as completed after this returns (LightningOptimizer.step): this is the number
+        # of the optimizer step just taken
+        step = self.lightning_module.trainer.global_step + 1
+        self.scout.step(step)
+        self.scout_steps.append(step)
         return out
 
     # ---- save ---------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ each rank trained on), at each save {"saved": step, "digest"} (sha256 of the mod
 at the end {"final": digest, "global_step"}, and {"scout_steps": [...]} (the steps Checkpointer.step saw).
 
 --scout ddp|mp|none: ScoutDDPStrategy, ScoutModelParallelStrategy (fully_shard in configure_model, FSDP2), plain
-DDPStrategy with Lightning's own ModelCheckpoint (the run without scout-ckpt). --kill-step S: in the first attempt
+DDPStrategy with Lightning's own ModelCheckpoint (the run without scout-ckpt), mp-none the same for
+ModelParallelStrategy. --kill-step S: in the first attempt
 (TORCHELASTIC_RESTART_COUNT 0) rank 1 SIGKILLs itself after optimizer step S. --ckpt-path: fit(ckpt_path=...).
 """
 
@@ -89,6 +90,9 @@ class Regression(pl.LightningModule):
         self._fp = (self._fp * 1000003 + int(idx.sum())) % (1 << 61)
         return loss
 
+    def on_train_start(self):
+        self._last_step = self.trainer.global_step   # a resumed run starts counting after the loaded step
+
     def on_train_batch_end(self, outputs, batch, batch_idx):
         # once per real optimizer step: the batch whose end follows it (gradient accumulation included)
         step = self.trainer.global_step
@@ -133,7 +137,7 @@ class StepsSeen(Callback):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
-    ap.add_argument("--scout", choices=("ddp", "mp", "none"), default="ddp")
+    ap.add_argument("--scout", choices=("ddp", "mp", "none", "mp-none"), default="ddp")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--top-k", type=int, default=-1)
@@ -143,6 +147,7 @@ def main() -> int:
     ap.add_argument("--kill-step", type=int)
     ap.add_argument("--ckpt-path")
     ap.add_argument("--record")
+    ap.add_argument("--clip", type=float, help="gradient_clip_val")
     ap.add_argument("--no-sched", action="store_true", help="a constant learning rate")
     ap.add_argument("--options", default="{}", help="JSON: the strategy's Checkpointer options")
     a = ap.parse_args()
@@ -153,7 +158,7 @@ def main() -> int:
     y = x.sum(dim=1, keepdim=True).sin()
     data = DataLoader(TensorDataset(x, y, torch.arange(a.samples)), batch_size=4, shuffle=True)
     record = Record(a.record)
-    model = Regression(record, a.kill_step, fsdp2=a.scout == "mp", sched=not a.no_sched)
+    model = Regression(record, a.kill_step, fsdp2=a.scout.startswith("mp"), sched=not a.no_sched)
     opts = json.loads(a.options)
 
     root = Path(a.root)
@@ -166,13 +171,17 @@ def main() -> int:
 
         strategy = ScoutModelParallelStrategy(root=root, data_parallel_size=2, tensor_parallel_size=1,
                                               process_group_backend="gloo", checkpointer=opts)
+    elif a.scout == "mp-none":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
     ckpt_cb = ModelCheckpoint(dirpath=root / "lightning", every_n_train_steps=a.save_every, save_top_k=a.top_k,
                               monitor="train_loss" if a.top_k > 0 else None, save_last=a.save_last or None,
                               filename="{step}")
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=a.steps,
-                         accumulate_grad_batches=a.accum, callbacks=[ckpt_cb, StepsSeen()], logger=False,
+                         accumulate_grad_batches=a.accum, gradient_clip_val=a.clip, callbacks=[ckpt_cb, StepsSeen()], logger=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          default_root_dir=str(root), log_every_n_steps=1, deterministic=True)
     trainer.fit(model, train_dataloaders=data, ckpt_path=a.ckpt_path)
