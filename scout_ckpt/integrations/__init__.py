@@ -3,6 +3,8 @@
   torchtitan      ScoutCheckpointManager for TorchTitan 0.3 (its DCP CheckpointManager, subclassed)
   titan_evidence  SDC replay and FSDP shard evidence in that manager, with the core Checkpointer's calls; no framework
   transformers    ScoutTrainerCallback for the Hugging Face Trainer, latest_clean(output_dir)
+  lightning       ScoutDDPStrategy / ScoutModelParallelStrategy / ScoutFSDPStrategy (a strategy mixin) for
+                  PyTorch Lightning: core `step-N` checkpoints of Lightning's whole dump, ckpt_path="latest_clean"
   session         IntegrationRun: the save machinery both share (start-up, writing row, hashing split across the
                   ranks, manifest, commit); imports torch, no framework
   folders         torch-free pieces for non-DCP checkpoint folders (`checkpoint-N`): names, listing, share split,
