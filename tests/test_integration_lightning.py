@@ -178,3 +178,34 @@ def test_model_parallel_fsdp2_certifies_and_resumes_exactly_after_sigkill(tmp_pa
     with Ledger.open(root, readonly=True) as led:
         ev = led.evidence(8)
     assert {"shard_replay", "at_rest"} <= set(ev), ev
+
+
+def test_fsdp1_strategy_is_refused_on_cpu_with_one_line_and_keep_is_refused():
+    """FSDP1 needs a GPU: ScoutFSDPStrategy stops at setup_environment on CPU (before any process group) with a
+    ScoutError naming the CPU alternative; the Checkpointer option `keep` is refused (ModelCheckpoint retains)."""
+    import lightning.pytorch as pl
+    import torch
+
+    from scout_ckpt.errors import ScoutError
+    from scout_ckpt.integrations.lightning import ScoutDDPStrategy, ScoutFSDPStrategy
+
+    with pytest.raises(ScoutError, match="keep"):
+        ScoutDDPStrategy(checkpointer={"keep": 2})
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(strategy=ScoutFSDPStrategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+    with pytest.raises(ScoutError, match="needs a GPU"):
+        trainer.fit(Tiny(), train_dataloaders=data)
+    assert not torch.distributed.is_initialized()
