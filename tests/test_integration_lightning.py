@@ -1,0 +1,211 @@
+"""Real PyTorch Lightning (Trainer, DDPStrategy, ModelCheckpoint) under real torchrun (2 CPU/gloo ranks) with
+scout_ckpt.integrations.lightning. The job is tests/scripts/lightning_job.py; every judgement comes from what the
+job recorded itself (per-step loss, LR and sample fingerprints, sha256 of the model and optimizer state at each save
+and at the end) or from a run of the same job without scout-ckpt, never from scout-ckpt's own answers alone.
+
+Data position: Lightning resumes mid-epoch exactly only with a resumable dataloader (its own warning says so), so
+the kill tests resume from a checkpoint at an epoch end (4 batches per rank per epoch, accumulate_grad_batches=2:
+2 optimizer steps per epoch, a save every 2 steps)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scout_ckpt.ledger import Ledger
+from tests.conftest import REPO, run_cli
+
+# `make test` installs the lightning extra: under CI a missing lightning is a failure, elsewhere a skip.
+if os.environ.get("CI", "").lower() in ("true", "1"):
+    import lightning  # noqa: F401
+else:
+    pytest.importorskip("lightning")
+
+pytestmark = pytest.mark.slow
+JOB = REPO / "tests" / "scripts" / "lightning_job.py"
+BASE = ("--steps", "8", "--save-every", "2", "--accum", "2")
+
+
+def torchrun(root, *extra, restarts=0, record=None, ok=True):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(JOB), str(root),
+           *(["--record", str(record)] if record else []), *map(str, extra)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root.parent)
+    if ok:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p
+
+
+def rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def curve(rs, attempt=None) -> dict:
+    """{step: (loss, lr, batch fingerprint)} of the optimizer steps recorded (the last attempt's wins)."""
+    return {r["step"]: (r["loss"], r["lr"], r["batch"]) for r in rs
+            if "step" in r and (attempt is None or r["attempt"] == attempt)}
+
+
+def final(rs) -> str:
+    return [r for r in rs if "final" in r][-1]["final"]
+
+
+def saved(rs) -> dict:
+    return {r["saved"]: r["digest"] for r in rs if "saved" in r}
+
+
+def states(root) -> dict:
+    with Ledger.open(root, readonly=True) as led:
+        return {r["step"]: r["state"] for r in led.checkpoints()}
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The same job without scout-ckpt: plain DDPStrategy and Lightning's own ModelCheckpoint files."""
+    base = tmp_path_factory.mktemp("plain")
+    torchrun(base / "root", "--scout", "none", *BASE, record=base / "rec.jsonl")
+    return rows(base / "rec.jsonl")
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory):
+    base = tmp_path_factory.mktemp("healthy")
+    root = base / "root"
+    torchrun(root, *BASE, "--ckpt-path", "latest_clean", record=base / "rec.jsonl")
+    return root, rows(base / "rec.jsonl")
+
+
+def test_healthy_ddp_run_certifies_every_checkpoint_and_equals_the_run_without_scout(healthy, plain):
+    root, rs = healthy
+    assert curve(rs) == curve(plain) and len(curve(rs)) == 8
+    assert final(rs) == final(plain)
+    assert states(root) == {2: "certified", 4: "certified", 6: "certified", 8: "certified"}
+    # the per-step hook follows real optimizer steps: 8 steps over 16 batches (accumulate_grad_batches=2)
+    assert [r["scout_steps"] for r in rs if "scout_steps" in r] == [list(range(1, 9))]
+    # every save is a core step directory, and ModelCheckpoint's names are pointers to them
+    assert sorted(p.name for p in root.glob("step-*")) == [f"step-{s:08d}" for s in (2, 4, 6, 8)]
+    ptr = json.loads((root / "lightning" / "step=8.ckpt").read_text())["scout_ckpt"]
+    assert ptr["step"] == 8 and ptr["path"] == "step-00000008"
+    rc, out, err = run_cli("resume", str(root), "--latest-clean", "--json")
+    assert rc == 0 and json.loads(out)["step"] == 8, err   # re-verifies the digests of step 8's files
+    # a fresh run with ckpt_path="latest_clean" started from scratch (nothing loaded)
+    assert not [r for r in rs if "loaded" in r]
+
+
+@pytest.mark.scenario
+def test_bitflip_in_the_newest_checkpoint_is_walked_past_on_restart(healthy, plain, tmp_path):
+    src, _ = healthy
+    root = tmp_path / "root"
+    subprocess.run(["cp", "-a", str(src), str(root)], check=True)
+    victim = max((root / "step-00000008").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    rec = tmp_path / "rec.jsonl"
+    torchrun(root, *BASE, "--ckpt-path", "latest_clean", record=rec)
+    rs = rows(rec)
+    assert [r["loaded"] for r in rs if "loaded" in r] == [6]   # walked back past 8, the flipped one
+    assert curve(rs) == {s: v for s, v in curve(plain).items() if s > 6}
+    assert final(rs) == final(plain)
+    assert states(root)[8] == "certified"   # saved again by this run, after the rejected one was replaced
+    with Ledger.open(root, readonly=True) as led:
+        hist = [h["state"] for h in led.certifications(8)]
+    assert "rejected" in hist, hist
+
+
+@pytest.mark.scenario
+@pytest.mark.scenario_ci   # the CI tier's Lightning kill
+def test_sigkill_mid_run_resumes_exactly_from_latest_clean(plain, tmp_path):
+    """Rank 1 SIGKILLed after optimizer step 5; torchrun restarts both ranks with ckpt_path="latest_clean": the
+    restarted job loads step 4 (what it recorded when it saved), trains steps 5..8 on the same samples with the
+    same loss and LR, and ends bitwise equal to the uninterrupted run without scout-ckpt."""
+    root = tmp_path / "root"
+    rec = tmp_path / "rec.jsonl"
+    torchrun(root, *BASE, "--kill-step", "5", "--ckpt-path", "latest_clean", restarts=1, record=rec)
+    rs = rows(rec)
+    assert [r["loaded"] for r in rs if "loaded" in r] == [4]
+    first = {r["saved"]: r["digest"] for r in rs if "saved" in r and r["attempt"] == 0}
+    assert first == {s: d for s, d in saved(plain).items() if s <= 4}
+    assert curve(rs, attempt=1) == {s: v for s, v in curve(plain).items() if s > 4}
+    assert final(rs) == final(plain)
+    assert [r["scout_steps"] for r in rs if "scout_steps" in r] == [[5, 6, 7, 8]]
+    assert set(states(root).values()) == {"certified"}
+
+
+@pytest.mark.scenario
+def test_model_checkpoint_top_k_and_last_over_20_saves(tmp_path):
+    """save_top_k=2 on the synced train loss and save_last over 20 saves: the same files (names) as Lightning's
+    own ModelCheckpoint writes without scout-ckpt, each a pointer to a certified step; the step directories on disk
+    are exactly those the pointers name plus the newest certified one; every other step is `deleted`."""
+    args = ("--steps", "20", "--save-every", "1", "--top-k", "2", "--save-last")
+    torchrun(tmp_path / "plain", "--scout", "none", *args)
+    root = tmp_path / "root"
+    torchrun(root, *args, record=tmp_path / "rec.jsonl")
+    names = sorted(p.name for p in (root / "lightning").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "plain" / "lightning").iterdir())
+    assert len(names) == 3 and "last.ckpt" in names
+    named = {json.loads((root / "lightning" / n).read_text())["scout_ckpt"]["step"] for n in names}
+    st = states(root)
+    newest = max(s for s, v in st.items() if v == "certified")
+    assert newest == 20
+    on_disk = {int(p.name.split("-")[1]) for p in root.glob("step-*")}
+    assert on_disk == named | {newest}
+    assert all(st[s] == "certified" for s in on_disk)
+    assert {s for s, v in st.items() if v == "deleted"} == set(range(1, 21)) - on_disk
+
+
+@pytest.mark.scenario
+def test_model_parallel_fsdp2_certifies_and_resumes_exactly_after_sigkill(tmp_path):
+    """ScoutModelParallelStrategy (fully_shard in configure_model): every save certified with the shard replay and
+    at-rest evidence; rank 1 SIGKILLed after step 5 resumes from step 4 and ends bitwise equal to a plain
+    ModelParallelStrategy run (Lightning's own sharded checkpoints, no scout-ckpt). Gradient clipping on: it runs
+    in Lightning's closure, which the strategy evaluates before the replays capture the gradients."""
+    plain_rec = tmp_path / "plain.jsonl"
+    torchrun(tmp_path / "plain", "--scout", "mp-none", *BASE, "--clip", "0.05", record=plain_rec)
+    plain = rows(plain_rec)
+    root = tmp_path / "root"
+    rec = tmp_path / "rec.jsonl"
+    torchrun(root, "--scout", "mp", *BASE, "--clip", "0.05", "--kill-step", "5", "--ckpt-path", "latest_clean", restarts=1, record=rec)
+    rs = rows(rec)
+    assert [r["loaded"] for r in rs if "loaded" in r] == [4]
+    assert curve(rs, attempt=1) == {s: v for s, v in curve(plain).items() if s > 4}
+    assert final(rs) == final(plain)
+    assert set(states(root).values()) == {"certified"} and set(states(root)) == {2, 4, 6, 8}
+    with Ledger.open(root, readonly=True) as led:
+        ev = led.evidence(8)
+    assert {"shard_replay", "at_rest"} <= set(ev), ev
+
+
+def test_fsdp1_strategy_is_refused_on_cpu_with_one_line_and_keep_is_refused():
+    """FSDP1 needs a GPU: ScoutFSDPStrategy stops at setup_environment on CPU (before any process group) with a
+    ScoutError naming the CPU alternative; the Checkpointer option `keep` is refused (ModelCheckpoint retains)."""
+    import lightning.pytorch as pl
+    import torch
+
+    from scout_ckpt.errors import ScoutError
+    from scout_ckpt.integrations.lightning import ScoutDDPStrategy, ScoutFSDPStrategy
+
+    with pytest.raises(ScoutError, match="keep"):
+        ScoutDDPStrategy(checkpointer={"keep": 2})
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(strategy=ScoutFSDPStrategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+    with pytest.raises(ScoutError, match="needs a GPU"):
+        trainer.fit(Tiny(), train_dataloaders=data)
+    assert not torch.distributed.is_initialized()
