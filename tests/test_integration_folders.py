@@ -112,8 +112,9 @@ def test_import_scout_ckpt_imports_no_framework():
 
     from tests.conftest import REPO
 
-    code = ("import sys, scout_ckpt, scout_ckpt.integrations, scout_ckpt.integrations.folders, scout_ckpt.cli; "
-            "bad = [m for m in ('transformers', 'torchtitan', 'accelerate', 'torch') if m in sys.modules]; "
+    code = ("import sys, scout_ckpt, scout_ckpt.integrations, scout_ckpt.integrations.folders, "
+            "scout_ckpt.integrations.ds_folders, scout_ckpt.cli; "
+            "bad = [m for m in ('transformers', 'torchtitan', 'accelerate', 'lightning', 'deepspeed', 'megatron', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(REPO)},
                        timeout=120)
