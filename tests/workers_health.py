@@ -57,6 +57,7 @@ def w_ecc_between_saves(rank, world, root, mode, steps=9, save_every=3, fault_af
     coordinator, the ledger's health events and final states. The one option set: FSDP's shard evidence cycle
     fits the save interval (as the demo does), so that the first save is certifiable at all."""
     from scout_ckpt import Checkpointer, ModelOptimizerState
+    from scout_ckpt.errors import LiveStateCorrupt
     from tests import workers_replay_targets as wt
 
     trigger = os.path.join(root + "-trigger", "ecc")
@@ -74,7 +75,11 @@ def w_ecc_between_saves(rank, world, root, mode, steps=9, save_every=3, fault_af
         wt.train_step(model, opt, step, rank)
         ckpt.step(step)
         if step % save_every == 0:
-            v = ckpt.save(step, state)
+            try:
+                v = ckpt.save(step, state)
+            except LiveStateCorrupt as e:   # the default: a save showing the live state bad ends the generation
+                verdicts[step] = {"state": e.verdict["state"], "reasons": e.verdict["reasons"], "raised": True}
+                break
             verdicts[step] = {"state": v["state"], "reasons": v["reasons"]}
             if step == fault_after:
                 if rank == FAULTY:

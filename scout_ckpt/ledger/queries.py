@@ -126,6 +126,12 @@ class LedgerQueries(LedgerConnection):
 
     # ---- events and replays --------------------------------------------------------------------------------
 
+    def last_event_id(self) -> int:
+        """The id of the newest event received (0: none). Ids are the ledger's receipt order, whatever the clock of
+        the host that wrote an event: what windows over events are measured in (save/evidence/health.py)."""
+        rows = list(self._query("SELECT COALESCE(MAX(id), 0) AS n FROM events"))
+        return int(rows[0]["n"]) if rows else 0
+
     def events(self, kinds: tuple[str, ...] | None = None) -> list[dict]:
         rows = [decode(r) for r in self._query("SELECT * FROM events ORDER BY time, id")]
         return [r for r in rows if kinds is None or r["kind"] in kinds]

@@ -20,8 +20,6 @@ destroy_process_group): the ledger and run id come as plain values (`bind`).
 
 from __future__ import annotations
 
-import time
-
 from scout_ckpt import invariants as inv
 from scout_ckpt import policy
 from scout_ckpt.consensus.full import full_signatures
@@ -100,6 +98,9 @@ class SaveEvidence:
         # The end of the health window (HealthWindow): the state compared here is the state at the start of this
         # save (hashing may finish later), so an event after that start counts against the next save.
         ev: dict = {"_taken_at": taken_at}
+        if self.is_coordinator and self.ledger is not None:
+            # where the health window ends: the ledger's receipt position now, not anyone's clock
+            ev["_events_upto"] = self.ledger.last_event_id()
         if hashing is not None:
             ev["consensus"] = hashing.finish()
         if self.checks:
@@ -132,7 +133,10 @@ class SaveEvidence:
         live = dict(live)
         signatures = live.pop("signatures", {})
         unsigned = live.pop("load_check_unsigned", None)
-        taken_at = live.pop("_taken_at", None) or time.time()
+        live.pop("_taken_at", None)
+        upto = live.pop("_events_upto", None)
+        if upto is None:
+            upto = self.ledger.last_event_id()
         ev = {"bytes": policy.evidence(policy.PASS, files=len(files), bytes=sum(f["size"] for f in files),
                                            hashed_by="writers")}
         if unsigned:
@@ -150,15 +154,15 @@ class SaveEvidence:
             ev["invariants"] = policy.evidence(status, reasons, specs=self.policy["invariants"],
                                                    values=(checks or {}).get("values"))
         ev.update(live)
-        ev["health"] = self._health_evidence(ev, taken_at)
+        ev["health"] = self._health_evidence(ev, upto)
         lineage = policy.lineage_evidence(self.lineage.tainted if self.lineage is not None else None)
         if lineage is not None:
             ev["lineage"] = lineage
         verdict = policy.evaluate(self.policy, ev)
-        self._health.settled(verdict.state, taken_at)
+        self._health.settled(verdict.state, upto)
         return ev, signatures, verdict
 
-    def _health_evidence(self, ev: dict, until: float) -> dict:
+    def _health_evidence(self, ev: dict, until: int) -> dict:
         """Coordinator: hardware faults and desyncs the observers recorded in this run since the newest certified
         save's evidence (health evidence fails for the owner's state unless this save's consensus or vouching
         invariants clear it)."""

@@ -3,7 +3,10 @@
 A hardware fault (uncorrectable ECC, a lost GPU, a failed row remap, NVLink CRC/replay errors, an Xid) or a
 collective desync on a rank during the interval a checkpoint covers may have corrupted the state that rank owns.
 That interval runs from the evidence of the run's newest certified checkpoint (or the run's start) up to the moment
-this save's evidence is taken (HealthWindow): state corrupted at step 15 is still corrupted at step 30 unless
+this save's evidence is taken (HealthWindow), both measured in the ledger's receipt order (event ids as the
+coordinator's ledger assigned them), never by the `time` an event carries: that is the clock of the host whose
+observer wrote it, and a host 120 s behind would otherwise date an Xid before the window and let the next save be
+certified: state corrupted at step 15 is still corrupted at step 30 unless
 something compared it, so a fault uncleared at one save keeps failing the later saves of the same run (a restart
 from the last certified checkpoint starts a new run and a new window). Such a checkpoint's `health` evidence fails
 for that rank's state unless something independent cleared it after the event:
@@ -38,13 +41,14 @@ def taints(event: dict) -> bool:
     return detail.get("metric") in DATA_FAULT_METRICS or "xid" in detail
 
 
-def health_evidence(events: list[dict], *, since: float | None, until: float, mode: str,
+def health_evidence(events: list[dict], *, since: int | None, until: int, mode: str,
                     consensus: dict | None, invariants: dict | None, vouching: bool) -> dict:
-    """`health` evidence of a checkpoint committed at `until`, covering events after `since` (None: the run's
-    start). `mode` is the run's topology ("ddp", "hsdp", "fsdp", ...): where state has replicas, a passing
-    consensus at this save clears it; where it has none, only passing vouching invariants do."""
-    window = [e for e in events if taints(e) and (since is None or (e.get("time") or 0) > since)
-              and (e.get("time") or 0) <= until]
+    """`health` evidence of a checkpoint whose evidence was taken when the ledger's newest event id was `until`,
+    covering events received after id `since` (None: the run's start). `mode` is the run's topology ("ddp",
+    "hsdp", "fsdp", ...): where state has replicas, a passing consensus at this save clears it; where it has
+    none, only passing vouching invariants do."""
+    window = [e for e in events if taints(e) and (since is None or int(e.get("id") or 0) > since)
+              and int(e.get("id") or 0) <= until]
     if not window:
         return evidence(PASS, events_seen=0)
     refs = [{"event": e.get("id"), "kind": e["kind"], "ranks": e.get("ranks") or [], "step": e.get("step"),
@@ -62,19 +66,20 @@ def health_evidence(events: list[dict], *, since: float | None, until: float, mo
 
 
 class HealthWindow:
-    """Which events a save's `health` evidence weighs: those after the evidence time of the run's newest certified
-    checkpoint, up to this save's evidence time. The end is when the save's live evidence (consensus) was taken,
-    not its commit: consensus can only clear what happened before it compared, so an event between the evidence
-    and the commit counts against the next save. Coordinator-only bookkeeping, no I/O."""
+    """Which events a save's `health` evidence weighs: those received after the evidence of the run's newest
+    certified checkpoint, up to this save's evidence (positions in the ledger's receipt order, event ids). The end
+    is when the save's live evidence (consensus) was taken, not its commit: consensus can only clear what was
+    received before it compared, so an event received between the evidence and the commit counts against the next
+    save. Coordinator-only bookkeeping, no I/O."""
 
     def __init__(self) -> None:
-        self.since: float | None = None
+        self.since: int | None = None
 
-    def evidence(self, events: list[dict], *, until: float, **kw) -> dict:
+    def evidence(self, events: list[dict], *, until: int, **kw) -> dict:
         return health_evidence(events, since=self.since, until=until, **kw)
 
-    def settled(self, state: str, until: float) -> None:
-        """The save whose evidence was taken at `until` got `state`: a certified one vouches for everything up to
-        then, so the window moves on."""
+    def settled(self, state: str, until: int) -> None:
+        """The save whose evidence was taken at receipt position `until` got `state`: a certified one vouches for
+        everything received up to then, so the window moves on."""
         if state == "certified" and (self.since is None or until > self.since):
             self.since = until
