@@ -251,3 +251,37 @@ def test_every_attempt_and_run_incarnation_is_in_the_timeline(tmp_path: Path):
     assert runs == {"20261130T000000-aaaa0001": (None, 10, 20), "20261130T000100-bbbb0002": (10, 20, 20)}
     page = report.render_html(tl)
     assert "interrupted then certified" in page and "step 10" in page and "{" not in page.split("<h2>Events")[1]
+    # without an observer, the interrupted attempt is the only record of the crash: the text view says it too
+    assert [(e["kind"], e["step"]) for e in tl["events"]] == [("crash", 20)], tl["events"]
+    console = Console(width=200, record=True, color_system=None)
+    console.print(report.render_table(tl))
+    text = console.export_text()
+    assert "1 events: crash 1" in text and "save interrupted" in text, text
+    assert "2 run(s)" in text and "resumed from step 10" in text, text
+
+
+def test_event_details_read_as_sentences_with_dates_and_durations():
+    """A crash recorded by the next generation: one clause per rank, wall times as dates, durations in units,
+    no all-zero fingerprints."""
+    from scout_ckpt.ops.views import detail_text, time_text
+
+    t = 1796171392.33
+    text = detail_text({"source": "previous_generation", "stall_s": 75.0, "first_stopped": [1], "progress": [
+        {"rank": 1, "state": "gone", "step": 7, "phase": "step", "fp": "0000000000000000", "gone_at": t},
+        {"rank": 0, "state": "gone", "step": 7, "phase": "forward", "fp": "00000000000000a1", "last_heartbeat": t}]})
+    assert f"rank 1: state gone; step 7; phase step; gone at {time_text(t)}" in text, text
+    assert f"| rank 0: state gone; step 7; phase forward; fp 00000000000000a1; last heartbeat {time_text(t)}" in text
+    assert "stall s: 1 min 15 s" in text and "0000000000000000" not in text and "1.8e+09" not in text
+
+
+def test_explain_says_which_replicas_disagreed_on_which_target_and_step():
+    from scout_ckpt.ops.views import explain_lines
+
+    out = {"step": 20, "state": "rejected", "policy": {"require": ["replay"]}, "reasons": [], "events": [],
+           "evidence": {"replay": {"status": "inconclusive", "source": "save", "recorded": None,
+                                   "reasons": [{"code": "replay_inconclusive", "ranks": [0, 1], "target": "h.1",
+                                                "recipe": "block", "step": 18}],
+                                   "coverage": {"h.0": 18, "h.1": None}, "confirmed_after": {"h.0": 20, "h.1": None}}}}
+    text = "\n".join(explain_lines(out, "ROOT/step-00000020", time.time(), lambda s: s))
+    assert "h.1" in text and "replicas DISAGREED at step 18" in text and "no strict majority among ranks 0,1" in text
+    assert "NOT COVERED" not in text and "awaiting its first replay" not in text, text

@@ -82,18 +82,46 @@ def detail_text(detail: dict) -> str:
     """A person's reading of an event's detail: `key: value` pairs, lists and nested records spelled out, no
     JSON punctuation (the --json document keeps the structure)."""
 
-    def value(v) -> str:
+    def value(v, key: str = "") -> str:
         if isinstance(v, dict):
-            return "; ".join(f"{k} {value(x)}" if x is not True else str(k) for k, x in v.items())
+            return "; ".join(f"{k.replace('_', ' ')} {value(x, k)}" if x is not True else str(k)
+                             for k, x in v.items() if x is not None and x is not False and not _noise(k, x))
         if isinstance(v, (list, tuple)):
-            return ", ".join(value(x) for x in v) or "none"
+            if v and all(isinstance(x, dict) and "rank" in x for x in v):   # one record per rank: one clause each
+                return " | ".join(f"rank {x['rank']}: " + value({k: y for k, y in x.items() if k != "rank"})
+                                  for x in v)
+            return ", ".join(value(x, key) for x in v) or "none"
         if isinstance(v, float):
+            if _is_time(key, v):
+                return time_text(v)
+            if key.endswith("_s"):
+                return duration_text(v)
             return f"{v:.3g}"
         return str(v)
 
-    parts = [str(k).replace("_", " ") if v is True else f"{str(k).replace('_', ' ')}: {value(v)}"
-             for k, v in detail.items() if v is not None and v is not False]
+    parts = [str(k).replace("_", " ") if v is True else f"{str(k).replace('_', ' ')}: {value(v, str(k))}"
+             for k, v in detail.items() if v is not None and v is not False and not _noise(str(k), v)]
     return "; ".join(parts) or "-"
+
+
+def _is_time(key: str, v: float) -> bool:
+    """A recorded wall time (seconds since the epoch) rather than a measure."""
+    return v > 1e9 and (key in ("time", "wall", "last_heartbeat", "t_update", "t_start", "t_cseq")
+                        or key.endswith(("_at", "_time")))
+
+
+def _noise(key: str, v) -> bool:
+    """Fields that say nothing to a person: an all-zero fingerprint (no traced collective yet)."""
+    return key == "fp" and isinstance(v, str) and set(v) <= {"0"}
+
+
+def duration_text(s: float) -> str:
+    """0.42 -> "0.42 s", 75 -> "1 min 15 s", 7300 -> "2 h 1 min"."""
+    if s < 60:
+        return f"{s:.3g} s"
+    if s < 3600:
+        return f"{int(s // 60)} min {int(s % 60)} s"
+    return f"{int(s // 3600)} h {int(s % 3600 // 60)} min"
 
 
 def explain_lines(out: dict, where: str, now: float, escape: Callable[[str], str]) -> list[str]:
@@ -114,9 +142,22 @@ def explain_lines(out: dict, where: str, now: float, escape: Callable[[str], str
             lines.append(f"      - {escape(reason_text([r]))}")
         cov = item.get("coverage")
         after = item.get("confirmed_after") or {}
+        disagreed = {}
+        for r in item.get("reasons") or []:
+            if r.get("code") in ("replay_sdc", "replay_inconclusive") and r.get("target"):
+                disagreed.setdefault(r["target"], r)
         if isinstance(cov, dict):
             for target, last in cov.items():
                 text = f"clean at step {last}" if last is not None else "NOT COVERED"
+                if target in disagreed:
+                    r = disagreed[target]
+                    who = ranks_text(r.get("ranks") or [])
+                    text = (f"replicas DISAGREED at step {r.get('step')}: " +
+                            (f"rank(s) {who} computed differently from the majority" if r["code"] == "replay_sdc"
+                             else f"no strict majority among ranks {who}, no rank can be blamed") +
+                            (f"; clean before at step {last}" if last is not None else ""))
+                    lines.append(f"      {target:<14} {text}")
+                    continue
                 if target in after:
                     if after[target] is None:
                         text += ", awaiting its first replay after the save"

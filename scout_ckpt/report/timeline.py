@@ -131,6 +131,13 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
                 interrupted[c["step"]] = {"ranks": _reason_ranks(reason), "time": c.get("updated") or
                                           c.get("started"), "run_id": c.get("run_id"),
                                           "detail": {k: v for k, v in reason.items() if k not in ("code", "ranks")}}
+    # a save interrupted by a crash and saved again by the next generation: the row is certified now, its
+    # history keeps the interrupted attempt (without an observer that is the only record of the crash)
+    attempts = _attempts(ledger, checkpoints)
+    for a in attempts:
+        if a.get("label") == "interrupted" and a["step"] not in interrupted:
+            interrupted[a["step"]] = {"ranks": [], "time": a.get("updated") or a.get("time"), "run_id": a.get("run_id"),
+                                      "detail": {"attempt": a.get("attempt")}}
     for e in interrupted_events:
         interrupted.setdefault(e.get("step"), {"ranks": _ranks(e.get("ranks")), "time": e.get("time"),
                                                "run_id": e.get("run_id"), "detail": e.get("detail") or {}})
@@ -140,7 +147,6 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
         events.append(_event("crash", info["ranks"], step, info["time"], {INTERRUPTED: True, **info["detail"]},
                              "checkpoint", info["run_id"]))
 
-    attempts = _attempts(ledger, checkpoints)
     events.sort(key=lambda e: (e["time"] if e["time"] is not None else float("-inf"),
                                e["step"] if e["step"] is not None else -1, e["kind"]))
     summary: dict[str, int] = {}
@@ -212,4 +218,11 @@ def render_table(tl: dict) -> Table:
     for e in tl["events"]:
         table.add_row(time_text(e["time"]), e["kind"], "-" if e["step"] is None else str(e["step"]),
                       ranks_text(e["ranks"]), detail_text(e["detail"]))
+    restarts = [r for r in tl.get("runs") or [] if r.get("resumed_from") is not None]
+    runs = tl.get("runs") or []
+    if runs:
+        said = [f"{len(runs)} run(s)"] + [f"run {i + 1} started {time_text(r.get('started'))}"
+                                          + (f", resumed from step {r['resumed_from']}" if r in restarts else "")
+                                          for i, r in enumerate(runs) if i > 0]
+        table.caption, table.caption_justify = "; ".join(said), "left"
     return table
