@@ -136,3 +136,17 @@ def test_a_flip_in_a_frozen_fsdp2_shard_is_caught_at_the_next_save_whenever_it_h
         assert o.result[6]["raised"]
         why = [r for r in o.result[6]["reasons"] if r.get("code") == "at_rest_changed"]
         assert why and why[0]["ranks"] == [1] and why[0]["tensors"] == ["blocks.0.fc1.weight (frozen)"], o.result
+
+
+def test_a_run_that_diverged_on_every_rank_is_a_divergence_not_sdc_on_every_rank(tmp_path):
+    """#26 labels: NaN/Inf everywhere (the optimizer blew the weights up on every rank alike) is the training's
+    numerics: one `divergence` event naming every rank, no `sdc` event blaming ranks 0 and 1."""
+    from tests import workers_murphy
+
+    out = run_ranks(workers_murphy.diverge_everywhere, 2, str(tmp_path / "run"), timeout=120)
+    assert [o.result["state"] for o in out] == ["rejected", "rejected"]
+    with Ledger.open(tmp_path / "run", readonly=True) as led:
+        kinds = [(e["kind"], e["ranks"]) for e in led.events() if e["kind"] in ("sdc", "divergence")]
+    assert kinds == [("divergence", [0, 1])], kinds
+    rc, out, _ = run_cli("report", tmp_path / "run", "--json")
+    assert [e["kind"] for e in json.loads(out)["events"] if e["kind"] in ("sdc", "divergence")] == ["divergence"]

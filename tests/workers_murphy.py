@@ -93,3 +93,23 @@ def fsdp2_frozen_weight(rank, world, root, flip_step=None, steps=6, save_every=3
     finally:
         ckpt.close()
     return saves
+
+
+def diverge_everywhere(rank, world, root):
+    """DDP trained normally, then the loss blows up on every rank alike (lr so large the weights overflow): the
+    save is rejected; returns the verdict."""
+    from scout_ckpt.errors import LiveStateCorrupt
+
+    model = make_model(seed=1)
+    net = ddp(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e38)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, timeout_s=60)
+    try:
+        for _ in range(3):
+            train_steps(net, opt, 1, seed=2)
+        try:
+            return ckpt.save(3, state_of(model, opt))
+        except LiveStateCorrupt as e:
+            return e.verdict
+    finally:
+        ckpt.close()

@@ -35,6 +35,7 @@ KIND_STYLE = {  # kind -> (marker, colour)
     "desync": ("D", "#1f77b4"),
     "health": ("^", "#bcbd22"),
     "live_fault": ("v", "#e377c2"),
+    "divergence": ("h", "#ff7f0e"),
 }
 OTHER_STYLE = ("*", "#7f7f7f")
 DRAW_ORDER = ("deleted", "writing", "committed", "certified", "interrupted", "quarantined", "rejected")
@@ -143,9 +144,12 @@ def render_png(tl: dict) -> bytes:
             ax.text(0.5, (len(labels) - 1) / 2, "no checkpoints and no events recorded", ha="center",
                     va="center", color="#777777")
 
+        # the legend names only what the picture shows
+        drawn = {c.get("label") or c.get("state") for c in tl["checkpoints"]} | \
+            {a.get("label") or a.get("state") for a in tl.get("attempts") or []}
         handles = [Line2D([], [], linestyle="", marker="o", markersize=8, markerfacecolor=STATE_STYLE[s][0],
-                          markeredgecolor=STATE_STYLE[s][1], label=s) for s in STATE_STYLE]
-        kinds = list(KIND_STYLE) + sorted(k for k in points if k not in KIND_STYLE)
+                          markeredgecolor=STATE_STYLE[s][1], label=s) for s in STATE_STYLE if s in drawn]
+        kinds = [k for k in KIND_STYLE if k in points] + sorted(k for k in points if k not in KIND_STYLE)
         handles += [Line2D([], [], linestyle="", marker=KIND_STYLE.get(k, OTHER_STYLE)[0], markersize=8,
                            color=KIND_STYLE.get(k, OTHER_STYLE)[1], label=k) for k in kinds]
         if any(r.get("resumed_from") is not None for r in tl["runs"]):

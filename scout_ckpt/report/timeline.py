@@ -29,7 +29,7 @@ from scout_ckpt.report.page import (  # noqa: F401  (re-exported: the page and i
     write_html,
 )
 
-KINDS = ("sdc", "hang", "straggler", "crash", "desync", "health", "live_fault")
+KINDS = ("sdc", "divergence", "hang", "straggler", "crash", "desync", "health", "live_fault")
 SDC_REASONS = ("consensus_attributed", "invariant_failed")
 INTERRUPTED = "save_interrupted"
 
@@ -94,6 +94,8 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
     for e in events:
         if e["kind"] == "sdc":
             sdc_told.setdefault((e["step"], tuple(e["ranks"])), set()).add(e["detail"].get("target"))
+    # a divergence (every rank failed the invariant) already tells each rank's invariant failure at that step
+    diverged = {e["step"] for e in events if e["kind"] == "divergence"}
 
     for r in ledger.replays():
         if r.get("status") not in ("ATTRIBUTED", "INCONCLUSIVE"):
@@ -119,6 +121,8 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
                 continue
             code = reason.get("code")
             if code in SDC_REASONS:
+                if code == "invariant_failed" and c["step"] in diverged:
+                    continue
                 ranks = _reason_ranks(reason)
                 if sdc_told.get((c["step"], tuple(ranks))):
                     continue

@@ -293,9 +293,21 @@ class Committer:
         self._record_live_faults(step, commit["evidence"])
 
     def _record_live_faults(self, step: int, ev: dict) -> None:
-        """A fault found in the live state at a save boundary is also an `sdc` event naming the rank(s)."""
+        """A fault found in the live state at a save boundary is also an event naming the rank(s): `sdc` where some
+        ranks' state is wrong, `divergence` where every rank's state fails the same invariant (NaN everywhere is
+        the training's numerics, not one chip: a restart from the same state diverges again)."""
+        world = int(self.manifest_fields.get("world_size") or 0)
+        failed = [r for r in (ev.get("invariants") or {}).get("reasons") or [] if r.get("code") == "invariant_failed"]
+        everywhere = world > 0 and {x for r in failed for x in (r.get("ranks") or [])} >= set(range(world))
+        if everywhere:
+            checks = sorted({str(r.get("check")) for r in failed})
+            self.ledger.add_event("divergence", step=step, ranks=list(range(world)), run_id=self.run_id,
+                                  detail={"source": "invariants", "checks": checks,
+                                          "tensors": [t for r in failed for t in (r.get("tensors") or [])][:8],
+                                          "reason": "every rank's state fails the invariant: the run diverged"})
         for kind, codes in (("consensus", ("consensus_attributed", "consensus_inconclusive")),
-                            ("invariants", ("invariant_failed",)), ("at_rest", ("at_rest_changed",))):
+                            ("invariants", () if everywhere else ("invariant_failed",)),
+                            ("at_rest", ("at_rest_changed",))):
             for r in (ev.get(kind) or {}).get("reasons") or []:
                 if r.get("code") in codes:
                     self.ledger.add_event("sdc", step=step, ranks=r.get("ranks") or [], run_id=self.run_id,
