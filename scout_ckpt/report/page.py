@@ -36,6 +36,7 @@ KIND_STYLE = {  # kind -> (marker, colour)
     "health": ("^", "#bcbd22"),
     "live_fault": ("v", "#e377c2"),
     "divergence": ("h", "#ff7f0e"),
+    "corrupt_file": ("d", "#7f7f7f"),
 }
 OTHER_STYLE = ("*", "#7f7f7f")
 DRAW_ORDER = ("deleted", "writing", "committed", "certified", "interrupted", "quarantined", "rejected")

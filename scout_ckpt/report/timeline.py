@@ -29,7 +29,9 @@ from scout_ckpt.report.page import (  # noqa: F401  (re-exported: the page and i
     write_html,
 )
 
-KINDS = ("sdc", "divergence", "hang", "straggler", "crash", "desync", "health", "live_fault")
+KINDS = ("sdc", "divergence", "hang", "straggler", "crash", "desync", "health", "live_fault", "corrupt_file")
+# a checkpoint's bytes found damaged on disk (by certify, resume or a job's load): an event of the storage
+BYTES_CODES = ("digest_mismatch", "truncated_file", "size_mismatch", "missing_file", "unexpected_file")
 SDC_REASONS = ("consensus_attributed", "invariant_failed")
 INTERRUPTED = "save_interrupted"
 
@@ -131,6 +133,12 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
                           **{k: v for k, v in reason.items() if k not in ("code", "ranks", "rank")}}
                 events.append(_event("sdc", ranks, c["step"], _checkpoint_time(c), detail, "checkpoint",
                                      c.get("run_id")))
+            elif code in BYTES_CODES:
+                events.append(_event("corrupt_file", _reason_ranks(reason), c["step"], c.get("updated") or
+                                     _checkpoint_time(c), {"reason": code, "state": c["state"],
+                                                           **{k: v for k, v in reason.items()
+                                                              if k not in ("code", "ranks", "rank")}},
+                                     "checkpoint", c.get("run_id")))
             elif code == INTERRUPTED and c["step"] not in interrupted:
                 interrupted[c["step"]] = {"ranks": _reason_ranks(reason), "time": c.get("updated") or
                                           c.get("started"), "run_id": c.get("run_id"),
