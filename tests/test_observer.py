@@ -441,3 +441,14 @@ def test_ddp_comm_hook_rules_on_real_ddp_modules(tmp_path):
         for s, (lo, hi) in stamps["forward_window"].items():
             assert lo <= stamps["arrival"][s] <= hi, (s, stamps)
         assert res["hooks_left"] == (0, 0)  # stop removes the hooks
+        # no collective in forward (DDP without buffers): the arrival is the end of the rank's own backward,
+        # which includes rank 1's slow backward layer and none of rank 0's wait for it in the all-reduce
+        back = res["backward_stamps"]
+        assert back["steps"] == [2, 3, 4, 5], back
+        for s, (lo, hi) in back["backward_window"].items():
+            if s == 2:
+                continue   # DDP's second forward broadcasts its rebuilt buckets: the arrival is that forward's start
+            assert lo <= back["arrival"][s] <= hi, (s, back)
+            assert back["compute"][s] >= 0.2 or not slow, (s, back)
+        # the first step hooks every parameter, then only the last few to get their gradient stay hooked
+        assert back["grad_hooks_kept"] == min(4, back["params"]) and back["grad_hooks_left"] == 0, back
