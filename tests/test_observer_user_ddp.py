@@ -59,16 +59,17 @@ def check_straggler(tmp_path: Path, nproc: int, where: str, *extra: str) -> None
     print(f"{nproc} ranks, slow {where}: job {wall:.1f}s, events",
           [(e["ranks"], e["step"], round(e["time"] - did["time"], 1), e["detail"].get("reason")) for e in found])
     assert did["rank"] == slow
-    assert [e["ranks"] for e in found] == [[did["rank"]]], found
+    # named, and nobody else (a rank near the threshold may be re-armed and named again later in the job)
+    assert found and {r for e in found for r in e["ranks"]} == {did["rank"]}, found
 
 
 # ---- default tier -------------------------------------------------------------------------------------------
 
 
 def test_two_rank_straggler_in_the_data_loader_is_named_with_the_defaults(tmp_path):
-    """A short job (120 steps of about 60 ms, a save every 40): rank 1's data loader takes 3x rank 0's, 20 ms of
-    the step; the default rule names rank 1 ("rank 1 is ...x slower than rank 0") and nobody else."""
-    check_straggler(tmp_path, 2, "data", "--steps", "120", "--save-every", "40", "--work-s", "0.02", "--base-s", "0.04")
+    """A short job (120 steps of about 60 ms, a save every 40): rank 1's data loader takes 3x rank 0's 30 ms; the
+    default rule names rank 1 ("rank 1 is ...x slower than rank 0") and nobody else."""
+    check_straggler(tmp_path, 2, "data", "--steps", "120", "--save-every", "40", "--work-s", "0.03", "--base-s", "0.03")
 
 
 # ---- scenarios ----------------------------------------------------------------------------------------------
@@ -79,8 +80,8 @@ def test_two_rank_straggler_in_the_data_loader_is_named_with_the_defaults(tmp_pa
 @pytest.mark.parametrize("where", ["data", "forward", "backward", "after-step"])
 def test_straggler_anywhere_in_the_step_is_named_with_the_defaults(tmp_path, nproc, where):
     """150 steps, a save every 50, the observer as a user writes it ({"stall_s": 30, "action": "report"}): the
-    last rank spends 3x the others' 20 ms at `where` in steps of about 60 ms."""
-    check_straggler(tmp_path, nproc, where, "--work-s", "0.02", "--base-s", "0.04")
+    last rank spends 3x the others' 30 ms at `where` in steps of about 60 ms."""
+    check_straggler(tmp_path, nproc, where, "--work-s", "0.03", "--base-s", "0.03")
 
 
 @pytest.mark.scenario
@@ -88,7 +89,7 @@ def test_straggler_anywhere_in_the_step_is_named_with_the_defaults(tmp_path, npr
 def test_healthy_run_names_no_straggler(tmp_path, nproc):
     """The same job without a slow rank (150 steps, a save every 50, defaults): no straggler, no hang."""
     root = tmp_path / "run"
-    torchrun(root, nproc, "--work-s", "0.02", "--base-s", "0.04")
+    torchrun(root, nproc, "--work-s", "0.03", "--base-s", "0.03")
     assert events(root, "straggler") == [] and events(root, "hang") == []
 
 
