@@ -67,9 +67,9 @@ def check_straggler(tmp_path: Path, nproc: int, where: str, *extra: str) -> None
 
 
 def test_two_rank_straggler_in_the_data_loader_is_named_with_the_defaults(tmp_path):
-    """A short job (120 steps of about 60 ms, a save every 40): rank 1's data loader takes 3x rank 0's 30 ms; the
+    """A short job (80 steps of about 60 ms, a save every 40): rank 1's data loader takes 3x rank 0's 30 ms; the
     default rule names rank 1 ("rank 1 is ...x slower than rank 0") and nobody else."""
-    check_straggler(tmp_path, 2, "data", "--steps", "120", "--save-every", "40", "--work-s", "0.03", "--base-s", "0.03")
+    check_straggler(tmp_path, 2, "data", "--steps", "80", "--save-every", "40", "--work-s", "0.03", "--base-s", "0.03")
 
 
 # ---- scenarios ----------------------------------------------------------------------------------------------
