@@ -108,10 +108,10 @@ class StragglerRule:
     """Consecutive windows that must name the same rank before it is reported."""
     k: float = 3.0
     """How many scaled MADs above the median a rank's time must be."""
-    abs_floor_s: float = 0.05
-    """The excess must also be at least this many seconds per step."""
+    abs_floor_s: float = 0.01
+    """The excess must also be at least this many seconds per step (with 2 ranks: over the faster rank)."""
     rel_floor: float = 0.5
-    """... and at least this fraction of the median."""
+    """... and at least this fraction of the median (with 2 ranks: of the faster rank's time)."""
 
     def __post_init__(self):
         _positive("observer.straggler", "window_s", self.window_s)

@@ -248,10 +248,27 @@ def _row(step, seq, *, state="running", in_coll=True, age=5.0, fp="a", error=Fal
 @pytest.mark.parametrize("rows, world, expect", [
     # one laggard behind the waiting majority
     ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8, in_coll=False), 3: _row(3, 9)}, 4, ("hang", [2])),
-    # two against two: a hang, seen, not attributed
-    ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8, in_coll=False), 3: _row(3, 8, in_coll=False)}, 4, ("hang", [])),
-    # two peers can detect but never attribute
-    ({0: _row(3, 9), 1: _row(3, 8, in_coll=False)}, 2, ("hang", [])),
+    # two against two: the two that stopped outside any collective, behind the two waiting ones
+    ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8, in_coll=False), 3: _row(3, 8, in_coll=False)}, 4, ("hang", [2, 3])),
+    # two against two, all four waiting in collectives at two points: a hang, seen, not attributed
+    ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8), 3: _row(3, 8)}, 4, ("hang", [])),
+    # two peers: no majority, but the collective sequence names the rank that stopped outside any collective
+    # while the other waits in the next one
+    ({0: _row(3, 9), 1: _row(3, 8, in_coll=False)}, 2, ("hang", [1])),
+    # ... DDP without a hook: rank 0 issued native all-reduces rank 1 never issued (hung before backward)
+    ({0: _row(7, 0, in_coll=False) | {"cseq": 13}, 1: _row(7, 0, in_coll=False) | {"cseq": 12}}, 2, ("hang", [1])),
+    # ... hung in its optimizer: a step behind, the other waiting in the next step's backward
+    ({0: _row(8, 0, in_coll=False, phase="backward") | {"cseq": 15}, 1: _row(7, 0, in_coll=False,
+      phase="optimizer") | {"cseq": 14}}, 2, ("hang", [1])),
+    # ... both waiting, in different collectives: a hang, seen, not attributed
+    ({0: _row(3, 9), 1: _row(3, 8, side=True, in_coll=False)}, 2, ("hang", [])),
+    # ... the rank behind in steps is ahead in the native count: ambiguous, not attributed
+    ({0: _row(8, 0, in_coll=False) | {"cseq": 14}, 1: _row(7, 0, in_coll=False) | {"cseq": 16}}, 2, ("hang", [])),
+    # ... nobody waits (both busy in their own code, e.g. an eval, at different steps): no verdict
+    ({0: _row(8, 0, in_coll=False) | {"cseq": 14}, 1: _row(7, 0, in_coll=False) | {"cseq": 14}}, 2, None),
+    # ... two against two in DDP: ranks 2 and 3 hung before backward, 0 and 1 in the all-reduce
+    ({0: _row(7, 0, in_coll=False) | {"cseq": 13}, 1: _row(7, 0, in_coll=False) | {"cseq": 13},
+      2: _row(7, 0, in_coll=False) | {"cseq": 12}, 3: _row(7, 0, in_coll=False) | {"cseq": 12}}, 4, ("hang", [2, 3])),
     # ... and only once both are stuck
     ({0: _row(3, 9), 1: _row(3, 8, in_coll=False, age=0.5)}, 2, None),
     # two ranks, neither in a collective (a long save on both): no verdict
@@ -424,3 +441,14 @@ def test_ddp_comm_hook_rules_on_real_ddp_modules(tmp_path):
         for s, (lo, hi) in stamps["forward_window"].items():
             assert lo <= stamps["arrival"][s] <= hi, (s, stamps)
         assert res["hooks_left"] == (0, 0)  # stop removes the hooks
+        # no collective in forward (DDP without buffers): the arrival is the end of the rank's own backward,
+        # which includes rank 1's slow backward layer and none of rank 0's wait for it in the all-reduce
+        back = res["backward_stamps"]
+        assert back["steps"] == [2, 3, 4, 5], back
+        for s, (lo, hi) in back["backward_window"].items():
+            if s == 2:
+                continue   # DDP's second forward broadcasts its rebuilt buckets: the arrival is that forward's start
+            assert lo <= back["arrival"][s] <= hi, (s, back)
+            assert back["compute"][s] >= 0.2 or not slow, (s, back)
+        # the first step hooks every parameter, then only the last few to get their gradient stay hooked
+        assert back["grad_hooks_kept"] == min(4, back["params"]) and back["grad_hooks_left"] == 0, back

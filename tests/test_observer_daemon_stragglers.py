@@ -19,14 +19,15 @@ WORLD = 3
 
 
 def _run(*, native: bool, stamps_on: set[int], slow: int | None = 1, down: int | None = None,
-         state: str = "running") -> tuple[StragglerJudge, list[dict]]:
+         state: str = "running", world: int = WORLD, rule: dict | None = None,
+         factor: float = 3.0) -> tuple[StragglerJudge, list[dict]]:
     rng = random.Random(2)
-    judge = StragglerJudge(WORLD, window_s=0.5)
+    judge = StragglerJudge(world, **({"window_s": 0.5} if rule is None else rule))
     rows = {r: {"state": "running", "live": True, "step": 0, "n_steps": 0, "busy_sum": 0.0, "seq": 0, "cseq": 0,
-                "stamps": [], "arrivals": []} for r in range(WORLD)}
+                "stamps": [], "arrivals": []} for r in range(world)}
     events, t = [], 0.0
     for step in range(1, 80):
-        compute = {r: 0.05 * (3.0 if r == slow else 1.0) + rng.uniform(0, 0.005) for r in range(WORLD)}
+        compute = {r: 0.05 * (factor if r == slow else 1.0) + rng.uniform(0, 0.005) for r in range(world)}
         left = t
         t += max(compute.values()) + 0.01
         for r, row in rows.items():
@@ -64,3 +65,14 @@ def test_no_measure_while_a_rank_is_not_running(state):
     judge, events = _run(native=True, stamps_on={0, 1, 2}, down=2, state=state)
     assert events == []
     assert judge.compute.arrivals == {} and judge.arrival.arrivals == {} and judge.busy._start is None
+
+
+@pytest.mark.parametrize("native, stamps_on", [(True, {0, 1}), (True, {0}), (False, {0, 1})])
+def test_two_ranks_the_default_rule_names_the_slower_one(native, stamps_on):
+    """No median exists with 2 ranks: the slower is named when it exceeds the faster by the default floors, with
+    its slowdown over the faster ("rank 1 is 3.0x slower than rank 0"); 1.2x, or equal ranks, name nobody."""
+    _judge, events = _run(native=native, stamps_on=stamps_on, world=2, rule={})
+    assert [e["ranks"] for e in events] == [[1]]
+    assert 2.5 < events[0]["detail"]["slowdown"] < 3.5 and "than rank 0" in events[0]["detail"]["reason"]
+    assert _run(native=native, stamps_on=stamps_on, world=2, rule={}, factor=1.2)[1] == []
+    assert _run(native=native, stamps_on=stamps_on, world=2, rule={}, slow=None)[1] == []

@@ -173,6 +173,7 @@ def ddp_attach_rules(rank: int, world_size: int, root: str):
         out["grads_close"] = all(torch.allclose(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
         # the hook ends the heartbeat's wait for each bucket in its one completion callback
         out["open_waits"] = sum(1 for w in obs.heartbeat._waits if w[1] is None)
+        out["backward_stamps"] = _backward_stamps(obs, rank)
         out["stamps"] = _step_stamps(obs, rank)
     finally:
         obs.stop()
@@ -186,6 +187,56 @@ def ddp_attach_rules(rank: int, world_size: int, root: str):
     return out
 
 
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps `s` seconds (a slow layer's backward)."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.s = s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.s)
+        return g, None
+
+
+def _backward_stamps(obs, rank: int) -> dict:
+    """The step stamps of a DDP module without buffers (nothing issued in forward: the all-reduces come in
+    backward): the arrival is the end of the rank's own backward (its last gradient accumulated), so rank 1's
+    0.2 s longer backward is in its compute, and rank 0's wait for it in the all-reduce is not."""
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    obs.stamps.remove()
+    obs.stamps = None
+    from scout_ckpt.observer.stamps import StepStamps
+
+    inner = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    model = DDP(inner)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    obs.stamps = StepStamps(obs.heartbeat, obs.counter, model, opt)  # attach's stamps, without this observer's
+    # comm hook (a traced hook's first bucket would be the arrival)
+    marks = {}
+    for n in range(1, 6):
+        x = torch.ones(2, 4, requires_grad=False)
+        y = model(x)
+        marks[("forward_done", n)] = time.time()
+        _SlowBackward.apply(y, 0.2 if (rank == 1 and n > 1) else 0.0).sum().backward()
+        marks[("backward_done", n)] = time.time()
+        opt.step()
+        marks[("opt_done", n)] = time.time()
+        obs.step(n)
+    stamps = HeartbeatReader(obs.heartbeat.path).snapshot().stamps
+    out = {"steps": [s for s, _l, _a in stamps], "compute": {s: a - lt for s, lt, a in stamps},
+           "arrival": {s: a for s, _l, a in stamps},
+           "backward_window": {s: (marks[("forward_done", s)], marks[("backward_done", s)]) for s, _l, _a in stamps},
+           "grad_hooks_kept": len(obs.stamps._grad_handles), "params": len(list(model.parameters()))}
+    obs.stamps.remove()
+    out["grad_hooks_left"] = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+    return out
+
+
 def _step_stamps(obs, rank: int) -> dict:
     """The step stamps on a real DDP module and optimizer (observer/stamps.py): rank 1 computes 0.2 s longer
     between the optimizer step and the next forward; at step 4 every rank issues a Python all_reduce before its
@@ -196,6 +247,7 @@ def _step_stamps(obs, rank: int) -> dict:
 
     obs.stamps.remove()
     obs.stamps = None
+    earlier = len(HeartbeatReader(obs.heartbeat.path).snapshot().stamps)  # the heartbeat's ring holds 16
     model = DDP(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))  # a buffer: broadcast in every forward
     model.module[1].eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -215,7 +267,7 @@ def _step_stamps(obs, rank: int) -> dict:
         opt.step()
         marks[("opt_done", n)] = time.time()
         obs.step(n)
-    stamps = HeartbeatReader(obs.heartbeat.path).snapshot().stamps
+    stamps = HeartbeatReader(obs.heartbeat.path).snapshot().stamps[earlier:]
     arrived_after = {s: marks["before_all_reduce"] if s == 4 else marks[s] for s, _l, _a in stamps}
     return {"steps": [s for s, _l, _a in stamps], "compute": {s: a - lt for s, lt, a in stamps},
             "arrival": {s: a for s, _l, a in stamps},

@@ -28,7 +28,10 @@ Verdicts (`attribute`, a pure function) use strict majorities over the world siz
           side group) or inside a step (an async collective's wait); the ranks behind it are hung. With no
           laggard it is a hang only if the majority sits in one training collective (else: a long save or
           eval). A SIGSTOPped trainer (state T) that made no progress for stall_s is hung whatever its
-          progress.
+          progress. Without a strict majority at one point (2 ranks, 2 against 2) the collective sequence
+          decides (verdicts.sequence_hang): every rank stalled for stall_s at different points, the furthest
+          waiting (in a collective, or in a native one the others never issued) and the rest outside any
+          collective: the rest are hung; any other mix of stalled ranks with one waiting is an unattributed hang.
 The judge is the lowest-ranked live observer; an O_EXCL claim file per incident makes the write exactly-once
 even if two observers briefly disagree on who is the judge. Stacks come from each stalled rank's own observer
 (SIGUSR1 -> faulthandler), captured once per stall before any verdict, so the judge rarely waits for them.

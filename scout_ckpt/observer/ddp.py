@@ -9,7 +9,7 @@ Measured (bench/observer_overhead.py, 2 gloo ranks, MLP 4x512, batch 32 / 128): 
 default nothing is registered: DDP's all-reduces are counted from its process group's own C++ sequence number
 (observer/counts.py), which is incremented when each bucket's all-reduce is issued. That is enough to attribute
 a hang (the rank whose count stays behind the others' is not in the collective they wait in), to name a
-straggler (the rank whose compute to its first collective of a step is longest: observer/stamps.py) and to
+straggler (the rank whose compute per step, to the end of its own backward, is longest: observer/stamps.py) and to
 catch a rank-dependent extra Python collective (the others issued a native collective at the position it
 took), and a collective that fails under a rank (a DDP all-reduce raising in backward) marks that rank a victim, not a culprit.
 

@@ -5,6 +5,10 @@ fast ranks wait for the slow one inside the collectives. The heartbeat accumulat
 time spent in traced collectives; over a window of a few steps the monitor compares the per-rank means with
 consensus.timing's robust rule (median + max(k * 1.4826 * MAD, floors)) and reports a rank once it was flagged in
 `rounds` consecutive windows. A rank is reported once per episode: it is re-armed after a window without a flag.
+With 2 ranks no median singles anyone out: the slower rank is flagged when it exceeds the faster by the rule's
+floors (`pair_outlier`: more than max(abs_floor_s, rel_floor x the faster's time); "rank 1 is 3x slower than
+rank 0"), confirmed over the same rounds. The default floors (10 ms, 50%) name a rank whose compute per step is
+over 1.5x the others' in steps of 20 ms and more.
 
 Where a rank's collectives are mostly native (DDP without a comm hook: the tracer sees no waits, so every rank's
 busy time is its whole step), `ComputeStragglers` compares each rank's compute per step from its step stamps
@@ -27,7 +31,7 @@ from scout_ckpt.consensus.timing import Confirmer, robust_outliers
 
 class StragglerMonitor:
     def __init__(self, *, window_s: float = 1.0, min_steps: int = 3, rounds: int = 3, k: float = 3.0,
-                 abs_floor_s: float = 0.05, rel_floor: float = 0.5):
+                 abs_floor_s: float = 0.01, rel_floor: float = 0.5):
         self.window_s, self.min_steps = window_s, min_steps
         self.rule = {"k": k, "abs_floor_s": abs_floor_s, "rel_floor": rel_floor}
         self.confirmer = Confirmer(rounds)
@@ -54,7 +58,7 @@ def _confirmed_events(mon, samples: dict[int, float], step_of, window_steps_of, 
     """One window's per-rank samples through the monitor's robust rule, confirmed over its rounds; a rank is
     reported once per episode (re-armed after a window without a flag). `mon` has `rule`, `confirmer` and
     `_reported`; `extra` goes into each event's detail."""
-    flagged = robust_outliers(samples, **mon.rule)
+    flagged = pair_outlier(samples, **mon.rule) if len(samples) == 2 else robust_outliers(samples, **mon.rule)
     confirmed = mon.confirmer.update(flagged)
     mon._reported &= set(flagged)
     med = median(samples.values())
@@ -63,11 +67,32 @@ def _confirmed_events(mon, samples: dict[int, float], step_of, window_steps_of, 
         if r in mon._reported:
             continue
         mon._reported.add(r)
+        if len(samples) == 2:
+            other = min(samples, key=samples.get)
+            reason = f"rank {r} is {slowdown:.1f}x slower than rank {other}"
+        else:
+            reason = f"rank {r} is {slowdown:.1f}x slower than the median rank"
         events.append({"ranks": [r], "step": step_of(r), "detail": {
+            "reason": reason + f" ({_MEANING.get(extra.get('measure'), 'busy time')} per step, the median of "
+                               f"{window_steps_of(r)} steps, in {mon.confirmer.rounds} windows in a row)",
             "slowdown": round(slowdown, 3), "rounds": mon.confirmer.rounds, "window_steps": window_steps_of(r),
             "busy_s_per_step": {str(q): round(v, 6) for q, v in sorted(samples.items())},
             "median_busy_s": round(med, 6), "rule": mon.rule, **extra}})
     return events
+
+
+_MEANING = {"compute_stamps": "compute", "arrival_skew": "compute by arrival skew"}
+
+
+def pair_outlier(samples: dict[int, float], *, k: float = 3.0, abs_floor_s: float = 0.01,
+                 rel_floor: float = 0.5) -> dict[int, float]:
+    """Two ranks: no median picks an odd one out, but the slower one is a straggler when it exceeds the faster
+    by the rule's floors (more than max(abs_floor_s, rel_floor x the faster)); its slowdown is over the faster
+    rank. `k` (the MAD's multiple) has no meaning with two samples. {rank: slowdown} or {}."""
+    (fast, a), (slow, b) = sorted(samples.items(), key=lambda kv: kv[1])
+    if b - a > max(abs_floor_s, rel_floor * a):
+        return {slow: b / a if a > 0 else float("inf")}
+    return {}
 
 
 class ArrivalStragglers:
@@ -86,7 +111,7 @@ class ArrivalStragglers:
     """
 
     def __init__(self, *, window_s: float = 1.0, min_steps: int = 3, rounds: int = 3, k: float = 3.0,
-                 abs_floor_s: float = 0.05, rel_floor: float = 0.5, keep: int = 256):
+                 abs_floor_s: float = 0.01, rel_floor: float = 0.5, keep: int = 256):
         # at least 6 steps per window: an arrival is sampled up to one period late (40 ms at 25 Hz), and with 3
         # ranks one noisy fast rank sets the MAD, so medians over 3 steps were too scattered to confirm a 3x
         # straggler of a 0.2 s step (tests/test_observer_torchrun.py, once in two runs)

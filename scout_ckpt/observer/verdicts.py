@@ -80,6 +80,10 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
         return {"kind": "hang", "ranks": stopped, "step": live[r0]["step"], "seq": live[r0]["seq"],
                 "attribution": "stopped",
                 "reason": f"trainer process of rank(s) {stopped} is stopped (SIGSTOP) for >= {stall_s:g}s"}
+    if n < majority:
+        seq_verdict = sequence_hang(live, world_size, stall_s)
+        if seq_verdict:
+            return seq_verdict
     if n < majority and len(waiting) >= majority:
         return {"kind": "hang", "ranks": [], "step": max(live[r]["step"] for r in waiting),
                 "seq": max(live[r]["seq"] for r in waiting), "attribution": "inconclusive",
@@ -95,6 +99,57 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
                           f"majority agrees on one: " + "; ".join(f"rank {r} {w}" for r, w in where(live).items()),
                 "where": where(live)}
     return None
+
+
+def _count(row: dict) -> int:
+    return max(row.get("cseq") or 0, row.get("pos") or 0)
+
+
+def sequence_hang(live: dict[int, dict], world_size: int, stall_s: float) -> dict | None:
+    """A hang without a strict majority at one point (2 ranks, or 2 against 2), from the collective sequence.
+
+    Every rank is running and stalled for stall_s, at different points, and at least one of them waits: inside
+    a traced collective, a side-group one, or in a native collective the others never issued (its count is
+    ahead of theirs: it cannot have completed it, a collective needs every rank). The ranks at the furthest
+    point wait for the others; when each of those waits and every rank behind sits outside any collective (its
+    Python progress stopped on its own: a hang before forward, in backward, in the optimizer), the ranks behind
+    are the hung ones ("sequence" attribution). Otherwise the job is hung but nobody can be blamed: an
+    unattributed hang that says where each rank is. Either way action="abort" ends the generation instead of
+    leaving it to the process-group timeout."""
+    if len(live) != world_size or world_size < 2:
+        return None
+    if any(row["age_s"] < stall_s or row["state"] != "running" for row in live.values()):
+        return None
+    points = {r: prog(row) for r, row in live.items()}
+    if len(set(points.values())) < 2:
+        return None
+    low = min(_count(row) for row in live.values())
+
+    def waits(row: dict) -> bool:
+        return bool(row.get("in_coll") or row.get("in_side")) or _count(row) > low
+
+    if not any(waits(row) for row in live.values()):
+        return None   # nobody waits for anybody: every rank busy on its own (not a hang we can tell)
+    top = max(points.values())
+    ahead = sorted(r for r in live if points[r] == top)
+    behind = sorted(r for r in live if points[r] < top)
+    step = live[ahead[0]]["step"]
+    seq, cseq = live[ahead[0]]["seq"], _count(live[ahead[0]])
+    if (all(waits(live[r]) for r in ahead)
+            and all(not live[r].get("in_coll") and not live[r].get("in_side") and _count(live[r]) <= cseq
+                    for r in behind)):
+        return {"kind": "hang", "ranks": behind, "step": step, "seq": seq, "cseq": cseq,
+                "attribution": "sequence",
+                "reason": f"rank(s) {ahead} wait at step {step} (collective #{seq}, native collective #{cseq}) "
+                          f"for >= {stall_s:g}s; rank(s) {behind} never got there and stopped outside any "
+                          f"collective ("
+                          + ", ".join(f"rank {r} at {_at(live[r])}" for r in behind) + ")",
+                "where": where(live)}
+    return {"kind": "hang", "ranks": [], "step": step, "seq": seq, "cseq": cseq, "attribution": "inconclusive",
+            "reason": f"every rank has been stuck for >= {stall_s:g}s at different points and the collective "
+                      f"sequence does not single anyone out: "
+                      + "; ".join(f"rank {r} {w}" for r, w in where(live).items()),
+            "where": where(live)}
 
 
 def _at(row: dict) -> str:
