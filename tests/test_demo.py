@@ -223,9 +223,9 @@ def test_hang_is_detected_killed_and_restarted(tmp_path):
     """Rank 1 blocks forever before step 6's first collective; the observers report it and abort the trainers,
     torchrun restarts the job, the hang is in the ledger against rank 1, and the restarted generation (which does
     not hang again) completes. Persistent faults (sdc, slow) keep firing in every generation.
-    Three ranks: the two waiting in the collective are the strict majority that names the third. With two ranks
-    no verdict is possible (one waits, one is idle): the hang lasts until the process-group timeout, and the next
-    generation records an unattributed crash (the old supervisor wrote its own `hang` event instead)."""
+    Three ranks: the two waiting in the collective are the strict majority that names the third. (With two ranks
+    no majority exists; the sequence rule names the rank that stopped outside any collective while the other waits
+    inside one: observer/verdicts.py sequence_hang.)"""
     r = run_demo(tmp_path / "run", ranks=3, steps=8, save_every=4, quiet=True,
                  inject=["hang:rank=1:step=6", "sdc:rank=0:step=2", "slow:rank=0:factor=1.5"])
     assert r["completed"] and r["restarts"] == 1 and r["final_digest"]

@@ -31,7 +31,7 @@ def channel(base, run_id, rows: dict[int, dict], claims=()):
 
 def settle(base, current="now"):
     written = []
-    pending = aftermath.settle(base, current, lambda *a: written.append(a), HOST)
+    pending = aftermath.settle(base, current, lambda *a, **k: written.append(a + (k.get("when"),)), HOST)
     return pending, written
 
 
@@ -48,7 +48,7 @@ def test_unfinished_run_attributed_by_victims_and_recorded_once(tmp_path):
     channel(tmp_path, "prev", {0: {"error": True}, 1: {"seq": 8}, 2: {"error": True}})
     pending, written = settle(tmp_path)
     assert pending == 0 and len(written) == 1
-    kind, ranks, step, detail, key, run_id = written[0]
+    kind, ranks, step, detail, key, run_id, _when = written[0]
     assert (kind, ranks, run_id) == ("crash", [1], "prev")
     assert detail["source"] == "previous_generation" and detail["attribution"] == "strict_majority"
     assert settle(tmp_path) == (0, [])  # settled exactly once
@@ -59,8 +59,9 @@ def test_unfinished_run_without_final_words_is_unattributed_first_stopped_first(
     channel(tmp_path, "prev", {0: {"state": "running", "t_update": 105.0}, 1: {"state": "running", "t_update": 101.0},
                                2: {"state": "running", "t_update": 103.0}})
     _, written = settle(tmp_path)
-    kind, ranks, _step, detail, _key, _run = written[0]
+    kind, ranks, _step, detail, _key, _run, when = written[0]
     assert (kind, ranks, detail["attribution"]) == ("crash", [], "unattributed")
+    assert when == 101.0   # stamped with when the first rank stopped, not when the next generation settled it
     assert detail["first_stopped"] == [1] and [row["rank"] for row in detail["progress"]] == [1, 2, 0]
 
 
@@ -95,7 +96,7 @@ def test_a_run_a_supervisor_already_diagnosed_gets_no_second_event(tmp_path):
     channel(tmp_path, "prev", {0: {"error": True}, 1: {}, 2: {"error": True}})
     asked = []
     written = []
-    aftermath.settle(tmp_path, "now", lambda *a: written.append(a), HOST,
+    aftermath.settle(tmp_path, "now", lambda *a, **k: written.append(a + (k.get("when"),)), HOST,
                      reported_elsewhere=lambda run_id, t_from: asked.append(run_id) or True)
     assert asked == ["prev"] and written == []
     assert json.loads((tmp_path / "prev" / "settled.json").read_text())["kinds"] == ["elsewhere"]

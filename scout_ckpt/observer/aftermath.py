@@ -108,13 +108,16 @@ def verdict(found: dict) -> dict:
               "reason": reason, "first_stopped": order[:1], "progress": table}
     if missing:
         detail["missing_ranks"] = missing
-    return {"kind": kind, "ranks": ranks, "step": step, "detail": detail}
+    first = order[0] if order else None
+    when = (rows[first].get("gone_at") or rows[first].get("t_update")) if first is not None else None
+    return {"kind": kind, "ranks": ranks, "step": step, "detail": detail, "when": when}
 
 
 def settle(observer_dir: Path, current_run_id: str, write_event, host: str, quiet_s: float = 10.0,
            reported_elsewhere=None) -> int:
     """Settles every earlier run's channel under `observer_dir` that can be settled now; `write_event(kind,
-    ranks, step, detail, key, run_id)` records an unfinished one. Returns how many remain pending."""
+    ranks, step, detail, key, run_id, when=)` records an unfinished one (`when`: when its first rank stopped).
+    Returns how many remain pending."""
     pending = 0
     try:
         channels = sorted(p for p in observer_dir.iterdir() if p.is_dir() and p.name != current_run_id)
@@ -138,5 +141,6 @@ def settle(observer_dir: Path, current_run_id: str, write_event, host: str, quie
                        **({"event": {k: ev[k] for k in ("kind", "ranks", "step")}} if ev else {})}, f)
         if ev is not None:
             key = f"{ev['kind']}-previous-{ch.name}"
-            write_event(ev["kind"], ev["ranks"], ev["step"], ev["detail"], key, found.get("run_id") or ch.name)
+            write_event(ev["kind"], ev["ranks"], ev["step"], ev["detail"], key, found.get("run_id") or ch.name,
+                        when=ev.get("when"))
     return pending

@@ -273,8 +273,10 @@ class Daemon:
         return True
 
     def _write_event(self, kind: str, ranks: list[int], step: int | None, detail: dict, key: str,
-                     run_id: str | None = None) -> None:
-        when = time.time()
+                     run_id: str | None = None, when: float | None = None) -> None:
+        """`when`: the time the event happened where it is known better than now (a crash settled by the next
+        generation: when its first rank stopped); for display only, nothing is ordered by it."""
+        when = when if when is not None else time.time()
         run_id = run_id or self.cfg["run_id"]
         reports = Path(self.cfg["root"]) / REPORTS_DIR
         path = reports / f"{kind}-{run_id}-{key}.json"
