@@ -97,6 +97,7 @@ class ScoutCheckpointing:
         self.extra = dict(extra or {})
         self.loaders: list[TrackedDataLoader] = []
         self.checkpointer: Checkpointer | None = None
+        self._closed = False
         self._state: dict | None = None
         # One instance each for the whole run (RankLocal keeps its world mesh); DataPosition reads self.loaders.
         self._data = RankLocal(DataPosition(self.loaders))
@@ -220,11 +221,11 @@ class ScoutCheckpointing:
         """Collective, after the optimizer step numbered `step` (Checkpointer.save: the verdict, or None when
         async). Refused between optimizer steps under gradient accumulation (`accelerator.sync_gradients` False):
         the gradients accumulated so far are not saved, and a resume would drop them."""
-        ckpt = self._ensure()
-        self._check_loaders()
         if not self.accelerator.sync_gradients:
             raise ScoutError(f"save({step}) between optimizer steps (gradient accumulation): save when "
                              "accelerator.sync_gradients is True, after optimizer.step()")
+        ckpt = self._ensure()
+        self._check_loaders()
         return ckpt.save(step, self.state)
 
     def wait(self) -> None:
@@ -239,9 +240,17 @@ class ScoutCheckpointing:
         return self.checkpointer.last_verdict if self.checkpointer is not None else None
 
     def close(self) -> None:
-        """Wait for a pending async save, release the Checkpointer. Idempotent."""
-        if self.checkpointer is not None:
-            self.checkpointer.close()
+        """Collective: wait for a pending async save, release the Checkpointer, then a barrier on the default
+        group, so that `accelerator.end_training()` (destroy_process_group) can follow: a rank can hang in
+        destroy_process_group without one (TORCH-NOTES). Idempotent."""
+        import torch.distributed as dist
+
+        if self.checkpointer is None or self._closed:
+            return
+        self._closed = True
+        self.checkpointer.close()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
 
     def __enter__(self) -> "ScoutCheckpointing":
         return self

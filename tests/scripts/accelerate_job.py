@@ -140,8 +140,9 @@ def main() -> None:
     log(event="final", step=step, digest=digest(accelerator.unwrap_model(model), optimizer, scheduler))
     if not a.plain:
         ckpt.close()                                                                             # scout 7
-    dist.barrier()
-    dist.destroy_process_group()
+    else:
+        dist.barrier()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
