@@ -98,7 +98,6 @@ class ScoutCheckpointing:
         self.loaders: list[TrackedDataLoader] = []
         self.checkpointer: Checkpointer | None = None
         self._closed = False
-        self._state: dict | None = None
         # One instance each for the whole run (RankLocal keeps its world mesh); DataPosition reads self.loaders.
         self._data = RankLocal(DataPosition(self.loaders))
         self._rng = RankLocal(RNGState())
@@ -109,7 +108,6 @@ class ScoutCheckpointing:
         """`accelerator.prepare(*args)`, the DataLoaders among the results wrapped so their position is saved.
         Collective where Accelerate's prepare is."""
         out = self.accelerator.prepare(*args, device_placement=device_placement)
-        self._state = None   # rebuilt from what the Accelerator now holds
         if len(args) == 1:
             return self._wrap(out)
         return tuple(self._wrap(o) for o in out)
@@ -125,7 +123,6 @@ class ScoutCheckpointing:
                 return t
         t = TrackedDataLoader(dataloader)
         self.loaders.append(t)
-        self._state = None
         return t
 
     def _wrap(self, obj):
@@ -163,9 +160,8 @@ class ScoutCheckpointing:
 
     @property
     def state(self) -> dict:
-        """The DCP state dict a save writes and a load fills (rebuilt after prepare/track)."""
-        if self._state is not None:
-            return self._state
+        """The DCP state dict a save writes and a load fills, built at each call from what the Accelerator holds
+        now (objects only: cheap)."""
         acc = self.accelerator
         st: dict = {}
         for i, (model, opt) in enumerate(self._pairs()):
@@ -184,7 +180,6 @@ class ScoutCheckpointing:
             if k in st:
                 raise ScoutError(f"ScoutCheckpointing: extra state {k!r} clashes with a name it saves itself")
             st[k] = v
-        self._state = st
         return st
 
     def _check_loaders(self) -> None:
