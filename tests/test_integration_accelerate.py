@@ -45,8 +45,8 @@ def torchrun(root, trace, *extra, restarts=0):
     return p
 
 
-def read_trace(trace) -> list[list[dict]]:
-    return [[json.loads(line) for line in open(f"{trace}.rank{r}")] for r in (0, 1)]
+def read_trace(trace, ranks: int = 2) -> list[list[dict]]:
+    return [[json.loads(line) for line in open(f"{trace}.rank{r}")] for r in range(ranks)]
 
 
 def _key(rec):
@@ -80,7 +80,7 @@ def assert_resumed_exactly(plain, run, resumed_from: int, saved_by=None) -> None
     """Both ranks: the job's last attempt loaded exactly what was saved at `resumed_from` (the digest the saving
     attempt printed: an earlier attempt of `run`, or the trace `saved_by`), then took every later step with the
     uninterrupted run's batches, losses and LRs, evaluated alike, and ended with its final digest."""
-    for rank in (0, 1):
+    for rank in range(len(run)):
         recs, oracle = run[rank], training(plain[rank])
         last = max(r["attempt"] for r in recs)
         saver = saved_by[rank] if saved_by is not None else [r for r in recs if r["attempt"] < last]
@@ -190,6 +190,33 @@ def test_the_seedable_sampler_resumes_bitwise_too(tmp_path):
     torchrun(base / "root", base / "trace", "--plain", "--seedable")
     torchrun(tmp_path / "root", tmp_path / "trace", "--seedable", "--kill-step", 10, restarts=1)
     assert_resumed_exactly(read_trace(base / "trace"), read_trace(tmp_path / "trace"), 8)
+
+
+def accelerate_launch(root, trace, *extra, attempt: int = 0):
+    """One process under `accelerate launch --num_processes 1 --cpu` (its simple launcher, no torchrun); 6
+    batches per epoch as under torchrun (12 samples). `attempt` stands for a scheduler's restart count."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+           "--cpu", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(root),
+           "--trace", str(trace), "--save-every", str(EVERY), "--samples", "12", *map(str, extra)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=root.parent)
+
+
+@pytest.mark.scenario
+def test_one_process_under_accelerate_launch_resumes_bitwise(tmp_path):
+    """No process group from Accelerate with one process: the integration makes a 1-rank gloo group. The plain
+    RandomSampler (one process: no generator, its order drawn from torch's RNG) resumes exactly too."""
+    base = tmp_path / "plain"
+    base.mkdir()
+    p = accelerate_launch(base / "root", base / "trace", "--plain")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = accelerate_launch(tmp_path / "root", tmp_path / "trace", "--kill-step", 10, "--kill-rank", 0)
+    assert p.returncode != 0 and len(read_trace(tmp_path / "trace", 1)[0]) > 10
+    p = accelerate_launch(tmp_path / "root", tmp_path / "trace", attempt=1)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert_resumed_exactly(read_trace(base / "trace", 1), read_trace(tmp_path / "trace", 1), 8)
+    assert checkpoints(tmp_path / "root") == {s: "certified" for s in range(EVERY, STEPS + 1, EVERY)}
 
 
 # ---- in process: TrackedDataLoader on one process, and the refusals -------------------------------------------

@@ -196,7 +196,13 @@ class ScoutCheckpointing:
             _process_group(self.accelerator)
             pairs = self._pairs()
             model, opt = pairs[0] if pairs else (None, None)
-            self.checkpointer = Checkpointer(self.root, model=model, optimizer=opt, **self.options)
+            import torch.distributed as dist
+
+            options = dict(self.options)
+            # One process has no replica to compare with: as the Trainer callback, certify on the rest of the
+            # evidence there instead of never (the core's consensus default would leave every save `committed`).
+            options.setdefault("consensus", dist.get_world_size() > 1)
+            self.checkpointer = Checkpointer(self.root, model=model, optimizer=opt, **options)
         return self.checkpointer
 
     # ---- the Checkpointer's calls --------------------------------------------------------------------------

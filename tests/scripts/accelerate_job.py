@@ -7,8 +7,9 @@ JSON lines to TRACE.rank<R>: per step {"attempt", "step", "epoch", "idx" (the da
 and "lr" (float.hex)}, per evaluation {"eval", "epoch", "loss"}, per save and after a load {"event", "step",
 "digest"} (sha256 of the model, optimizer and scheduler state, computed here), and {"event": "final", "digest"}.
 
-Test-only faults, in torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT 0), on rank 1: --kill-step S
-(SIGKILL after optimizer step S) and --kill-save S (SIGKILL in the middle of the write of step S's checkpoint).
+Test-only faults, in torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT 0), on rank --kill-rank (default 1):
+--kill-step S (SIGKILL after optimizer step S) and --kill-save S (SIGKILL in the middle of the write of step S's
+checkpoint).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main() -> None:
     ap.add_argument("--seedable", action="store_true", help="DataLoaderConfiguration(use_seedable_sampler=True)")
     ap.add_argument("--kill-step", type=int, default=None)
     ap.add_argument("--kill-save", type=int, default=None)
+    ap.add_argument("--kill-rank", type=int, default=1)
     a = ap.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -93,7 +95,7 @@ def main() -> None:
                                                 total * accelerator.num_processes)
 
     fault_hook = None
-    if a.kill_save is not None and attempt == 0 and rank == 1:
+    if a.kill_save is not None and attempt == 0 and rank == a.kill_rank:
         def fault_hook(point, step):
             if point == "during_write" and step == a.kill_save:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -130,7 +132,7 @@ def main() -> None:
                     verdict = ckpt.save(step)                                                    # scout 6
                     log(event="save", step=step, state=verdict["state"],
                         digest=digest(accelerator.unwrap_model(model), optimizer, scheduler))
-            if a.kill_step == step and attempt == 0 and rank == 1:
+            if a.kill_step == step and attempt == 0 and rank == a.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
         model.eval()   # the end-of-epoch evaluation: its DataLoader iterator draws from torch's RNG too
         with torch.no_grad():
@@ -140,7 +142,7 @@ def main() -> None:
     log(event="final", step=step, digest=digest(accelerator.unwrap_model(model), optimizer, scheduler))
     if not a.plain:
         ckpt.close()                                                                             # scout 7
-    else:
+    elif dist.is_initialized():
         dist.barrier()
     accelerator.end_training()
 
