@@ -40,6 +40,8 @@ import torch
 from accelerate.data_loader import SeedableRandomSampler, get_sampler, skip_first_batches
 from torch.distributed.checkpoint.stateful import Stateful
 
+from scout_ckpt.errors import ScoutError
+
 _END = object()
 
 
@@ -58,7 +60,7 @@ class TrackedDataLoader:
 
     def __init__(self, inner):
         if getattr(inner, "use_stateful_dataloader", False):
-            raise TypeError("scout-ckpt's Accelerate integration does not track a StatefulDataLoader "
+            raise ScoutError("scout-ckpt's Accelerate integration does not track a StatefulDataLoader "
                             "(use_stateful_dataloader=True); prepare the DataLoader without it")
         self.inner = inner
         sampler = get_sampler(inner)
