@@ -7,6 +7,8 @@
   ds_folders      torch-free: DeepSpeed's global_stepN folders (registered for the CLI) and its `latest` pointer
   lightning       ScoutDDPStrategy / ScoutModelParallelStrategy / ScoutFSDPStrategy (a strategy mixin) for
                   PyTorch Lightning: core `step-N` checkpoints of Lightning's whole dump, ckpt_path="latest_clean"
+  accelerate      ScoutCheckpointing for a loop around Hugging Face Accelerate: the prepared objects' state and
+                  every prepared DataLoader's position (accelerate_data: TrackedDataLoader, DataPosition)
   session         IntegrationRun: the save machinery both share (start-up, writing row, hashing split across the
                   ranks, manifest, commit); imports torch, no framework
   folders         torch-free pieces for non-DCP checkpoint folders (`checkpoint-N`): names, listing, share split,
