@@ -105,6 +105,8 @@ def checkpoints(root) -> dict:
 # ---- default tier: the healthy run ---------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.scenario
+@pytest.mark.scenario_ci   # with the kill below: the plain run is shared (make test's time budget is spent)
 def test_healthy_run_certifies_every_checkpoint_and_is_the_run_without_scout_ckpt(plain, healthy):
     root, run = healthy
     for rank in (0, 1):

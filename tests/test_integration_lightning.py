@@ -79,6 +79,8 @@ def healthy(tmp_path_factory):
     return root, rows(base / "rec.jsonl")
 
 
+@pytest.mark.scenario
+@pytest.mark.scenario_ci   # with the kill below: the plain run is shared (make test's time budget is spent)
 def test_healthy_ddp_run_certifies_every_checkpoint_and_equals_the_run_without_scout(healthy, plain):
     root, rs = healthy
     assert curve(rs) == curve(plain) and len(curve(rs)) == 8
