@@ -408,6 +408,9 @@ class ReplayRunner:
                 offset += n
                 status, ranks, why = _summarise(verdict)
                 detail.update(why)
+                if any(lab.startswith("live:") for lab in labels):   # the source's live step was checked
+                    detail["live_checked"] = src
+                    detail["live_disagree"] = any(n.startswith("live:") for n in verdict.disagreeing_names)
             if target[0] == "optimizer" and payload is not None and payload.unsupported:
                 status, detail["unsupported"] = "INCONCLUSIVE", payload.unsupported
             rows.append({"step": step, "recipe": target[0], "target": target[1], "status": status, "ranks": ranks,
