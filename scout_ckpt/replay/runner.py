@@ -410,7 +410,10 @@ class ReplayRunner:
                 detail.update(why)
                 if any(lab.startswith("live:") for lab in labels):   # the source's live step was checked
                     detail["live_checked"] = src
-                    detail["live_disagree"] = any(n.startswith("live:") for n in verdict.disagreeing_names)
+                    # the live step alone: the replays agree with each other, not with what the source's step made
+                    bad = [labels[j] for j in verdict.disagreeing]
+                    detail["live_disagree"] = (any(n.startswith("live:") for n in bad)
+                                               and not any(n.startswith("output[") for n in bad))
             if target[0] == "optimizer" and payload is not None and payload.unsupported:
                 status, detail["unsupported"] = "INCONCLUSIVE", payload.unsupported
             rows.append({"step": step, "recipe": target[0], "target": target[1], "status": status, "ranks": ranks,
