@@ -1,6 +1,7 @@
 """A user's training script with replay on (the defaults otherwise), run under torchrun, into which a fault of the
 live step is injected the way a test can: a forward hook on ONE rank that adds 1e-3 to one channel of a module's
-output, at one step only (an intermittent fault) or at every step from one on (a persistent one).
+output, in the live forward of one step only (an intermittent fault: the replays of that step do not repeat it)
+or at every call from one step on (a persistent one, which that rank's replays repeat).
 
 Two user shapes: `--model mlp`, a plain DDP MLP (Linear, three residual blocks with dropout, Linear); `--model gpt2`,
 a tiny GPT-2 built from `transformers.GPT2Config` and prepared by `accelerate` (DDP on gloo). Both keep dropout on.
@@ -103,8 +104,14 @@ def main() -> None:
     inner = model.module if hasattr(model, "module") else model
     step_now = [0]
     if args.fault_rank == rank and args.fault_module:
-        def fault(mod, inputs, out):   # one channel of the output, 1e-3 off: at one step, or from it on
-            if step_now[0] == args.fault_step or (args.persistent and step_now[0] >= args.fault_step):
+        fired: set = set()
+
+        def fault(mod, inputs, out):
+            # one channel of the output 1e-3 off: persistent, at every call from the step on (the replays of that
+            # rank included, as failing hardware); or intermittent, at the step's first call only (its live forward)
+            step = step_now[0]
+            if (args.persistent and step >= args.fault_step) or (step == args.fault_step and step not in fired):
+                fired.add(step)
                 out = out.clone()
                 out[..., 3] += 1e-3
                 return out
