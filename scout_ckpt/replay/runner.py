@@ -83,14 +83,16 @@ class ReplayRunner:
     replica group when it has 3+ members and the world group otherwise (pure FSDP, 2-way HSDP); "replicas" or
     "world" force one. targets: (recipe, path) pairs or paths (targets.resolve); default: targets.discover, which
     raises NoTargets (a ScoutError) when the model has no repeated blocks. opt_elems: optimizer elements replayed
-    per round over all parameters. save_every: arm the sweep capture for every multiple of it.
+    per round over all parameters. save_every: arm the sweep capture for every multiple of it. live_check: compare
+    the replays with the source's live outputs (module docstring; False: the sweep replays with the parameters
+    held when it runs, and no parameter copy is kept).
     `on_step` and `sweep` return replay rows for the ledger, identical on all peers.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, groups,
                  targets: list | None = None, interval: int = 1, deterministic: bool = True,
                  peers: str = "auto", opt_elems: int = DEFAULT_ELEMS, save_every: int | None = None,
-                 straggler_rounds: int = 3):
+                 straggler_rounds: int = 3, live_check: bool = True):
         self.forecast = SaveForecast(save_every)   # first: a bad save_every is refused before anything else
         optimizer = unwrap_optimizer(optimizer)     # accelerate's AcceleratedOptimizer: the torch one it wraps
         self.model = model
@@ -115,9 +117,12 @@ class ReplayRunner:
         self._opt_elems = opt_elems
         # Targets whose live output cannot be compared with a replay bit for bit, and why (module docstring).
         # (Under a whole-model compile the capture steps run eagerly, per-block compiled wrappers included.)
+        self.live_check = live_check
         self.live_excluded = {n: "its live forward is compiled; the replay runs eagerly"
                               for r, n in self._targets if r != "optimizer" and not self._under_compile
                               and runs_compiled(where[n].outer)}
+        if not live_check:
+            self.live_excluded = {n: "replay.live_check is off" for r, n in self._targets if r != "optimizer"}
         self._captures: dict[str, Any] = {}   # rotation
         for recipe, name in self._targets:
             if recipe == "optimizer":
@@ -290,7 +295,7 @@ class ReplayRunner:
         if (self._live is not None and self._live[0] == step) or not self.forecast.due(step):
             return
         src = self.sweep_source()
-        me = self.rank == src
+        me = self.rank == src and self.live_check
         caps: dict[str, Any] = {}
         for recipe, name in self._targets:
             if recipe == "optimizer":
