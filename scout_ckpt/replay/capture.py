@@ -154,21 +154,25 @@ class ModuleCapture:
     module: where the hooks go (what the parent calls); inner: the unwrapped module whose parameters are snapshot
     and which replay re-executes (default: module itself); params: snapshot parameters and buffers; refs: keep
     references (with their versions) to the inputs and output gradients instead of clones; live: sign the live
-    output (module docstring). `hook_ids` (pre, post): the ids of the module's other forward hooks that ran between
+    output (module docstring); gather (with params=False): take part in the gathers of parameters still sharded
+    at forward time (tensor parallel) that another rank's params=True capture of the same call makes, so that
+    its collectives are matched. `hook_ids` (pre, post): the ids of the module's other forward hooks that ran between
     the capture and the module's caller -- pre-hooks after the capture's, post-hooks before it, in the order the
     module held them at the captured call -- which the replay runs too (execute.py)."""
 
     def __init__(self, module: nn.Module, inner: nn.Module | None = None, *, params: bool = True,
-                 refs: bool = False, live: bool = False):
+                 refs: bool = False, live: bool = False, gather: bool = False):
         self.module = module
         self.inner = inner if inner is not None else module
         self.params = params
         self.refs = refs
         self.live = live
+        self.gather = gather
         self.hook_ids: tuple[frozenset, frozenset] | None = None
         self.invocation: Invocation | None = None
         self._handles: list = []
         self._pending_output = False  # the captured forward has not returned yet
+        self._sharded_forward = False
 
     @property
     def armed(self) -> bool:
@@ -199,6 +203,13 @@ class ModuleCapture:
         if torch.is_autocast_enabled(dev.type):
             autocast = (dev.type, torch.get_autocast_dtype(dev.type))
         keep = _ref if self.refs else _clone
+        # parameters still sharded at forward time (tensor parallel): the live call computed sharded math, which
+        # the replay of the full module rounds differently -- no live signature then (FSDP2 unshards first)
+        self._sharded_forward = any(hasattr(t, "full_tensor") for t in inner.parameters())
+        if self.gather and not self.params:   # matched with the source's snapshot below: the same order
+            for t in [*inner.parameters(), *inner.buffers()]:
+                if hasattr(t, "full_tensor"):
+                    _full(t)
         self.invocation = Invocation(
             args=tree_map(keep, args), kwargs=tree_map(keep, kwargs),
             requires_grad=tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves),
@@ -228,7 +239,7 @@ class ModuleCapture:
         if inv.held and not inv.intact():  # the forward itself wrote an input: the references are stale already
             inv.mutated_in_forward = True
         outs, _ = tree_flatten(output)
-        if self.live:
+        if self.live and not self._sharded_forward:
             from scout_ckpt.consensus.signatures import replica_signatures
 
             tensors = [o.detach() for o in outs if isinstance(o, torch.Tensor)]

@@ -305,7 +305,8 @@ class ReplayRunner:
                 # the source alone keeps the parameters its forward used: the live check replays exactly that
                 caps[name] = ModuleCapture(self._sites[name].outer, self._sites[name].inner, params=me,
                                            refs=name not in self._clone_targets,
-                                           live=me and name not in self.live_excluded)
+                                           live=me and name not in self.live_excluded,
+                                           gather=self.live_check and not me)
                 caps[name].arm()
         if self._live is not None:
             for cap in self._live[1].values():
