@@ -359,12 +359,13 @@ class ReplayRunner:
                 payload = arrivals.get(i)
                 t0 = time.perf_counter()  # the replay's own time (the straggler rule's), not the transfer's
                 if target[0] != "optimizer" and not payload.params and not payload.buffers:
-                    # a sweep capture: replay with the parameters held now (the state being saved)
+                    # a sweep capture without the source's parameters (live_check off): replay with the parameters
+                    # held now (the state being saved)
                     payload.params, payload.buffers = current_state(cap.inner)
                 labels, tensors = self._execute(target[0], cap, payload)
                 if target[0] != "optimizer" and getattr(payload, "live", None) is not None:
                     live = self._live_votes(labels, payload.live, src)
-                    labels = labels + [f"live:output[{i}]" for i in range(len(live[1]))]
+                    labels = labels + [f"live:output[{j}]" for j in range(len(live[1]))]
             except Exception as e:  # noqa: BLE001 -- a peer that cannot replay must not leave the others waiting
                 warnings.warn(f"replay of {target[1]} at step {step} failed on rank {self.rank}: {e!r}")
                 labels, tensors = [], None
