@@ -12,8 +12,8 @@ from the test, never from scout-ckpt:
   rank; 3 ranks -> replay_sdc naming the faulty rank;
 * persistent (every call from a step on, replays included), at a position inside the target (its MLP's activation),
   not its output: caught at the first save whichever rank is the source, attributed with 3 ranks;
-* healthy controls with a user's forward hook that is part of the model's math (on every rank): every save
-  certified, the live-checked ranks rotating.
+* healthy controls with a user's forward hook that is part of the model's math (on every rank), and GPT-2 under
+  accelerate's bf16 autocast: every save certified, the live-checked ranks rotating.
 
 Not covered, by design (docs/design.md): an intermittent fault at a save whose source is another rank (that rank's
 live step is checked within len(peers) saves, not at every one), an intermittent fault at a step that is not saved
@@ -113,13 +113,15 @@ def test_a_fault_of_one_ranks_live_step_is_attributed_with_3_ranks_gpt2_accelera
 @pytest.mark.scenario
 def test_gpt2_accelerate_live_fault_with_2_ranks_is_inconclusive_and_a_healthy_run_stays_certified(tmp_path):
     """2 ranks, GPT-2 + accelerate: rank 1's live step at 8 faulty -> inconclusive, blocking, generation ended.
-    The same job without the fault (dropout on): every save certified, the live check rotating 0, 1, 0."""
+    The same job without the fault, dropout on and accelerate's bf16 autocast (the live forward's autocast is
+    replayed): every save certified, the live check rotating 0, 1, 0."""
     recs = torchrun(2, tmp_path / "fault", "--model", "gpt2", "--steps", 12, "--save-every", 4,
                     "--fault-rank", 1, "--fault-step", 8, "--fault-module", "transformer.h.1")
     view = ledger_view(tmp_path / "fault")
     _assert_caught(recs, view, 8, "transformer.h.1", ranks=[], code="replay_inconclusive", live_step=True)
 
-    recs = torchrun(2, tmp_path / "healthy", "--model", "gpt2", "--steps", 12, "--save-every", 4)
+    recs = torchrun(2, tmp_path / "healthy", "--model", "gpt2", "--steps", 12, "--save-every", 4,
+                    "--mixed-precision", "bf16")
     view = ledger_view(tmp_path / "healthy")
     assert {s: v["state"] for s, v in view.items()} == {4: "certified", 8: "certified", 12: "certified"}
     assert [view[s]["replay"]["live_checked_ranks"] for s in (4, 8, 12)] == [[0], [1], [0]]

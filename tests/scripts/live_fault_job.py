@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--persistent", action="store_true", help="from --fault-step on, not at that step only")
     ap.add_argument("--math-hook", action="store_true",
                     help="every rank scales one block's output by a forward hook (part of the model's math)")
+    ap.add_argument("--mixed-precision", default="no", help="accelerate's mixed_precision (gpt2): no, bf16")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -76,7 +77,7 @@ def main() -> None:
         from accelerate import Accelerator
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        accelerator = Accelerator(cpu=True)
+        accelerator = Accelerator(cpu=True, mixed_precision=args.mixed_precision)
         cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2)  # dropout 0.1 by default
         model = GPT2LMHeadModel(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
