@@ -112,10 +112,11 @@ def test_a_fault_of_one_ranks_live_step_is_attributed_with_3_ranks_gpt2_accelera
 
 @pytest.mark.scenario
 def test_gpt2_accelerate_live_fault_with_2_ranks_is_inconclusive_and_a_healthy_run_stays_certified(tmp_path):
-    """2 ranks, GPT-2 + accelerate: rank 1's live step at 8 faulty -> inconclusive, blocking, generation ended.
+    """2 ranks, GPT-2 + accelerate with gradient checkpointing (the block's forward runs again in the backward,
+    cleanly): rank 1's live step at 8 faulty -> inconclusive, blocking, generation ended.
     The same job without the fault, dropout on and accelerate's bf16 autocast (the live forward's autocast is
     replayed): every save certified, the live check rotating 0, 1, 0."""
-    recs = torchrun(2, tmp_path / "fault", "--model", "gpt2", "--steps", 12, "--save-every", 4,
+    recs = torchrun(2, tmp_path / "fault", "--model", "gpt2", "--steps", 12, "--save-every", 4, "--grad-ckpt",
                     "--fault-rank", 1, "--fault-step", 8, "--fault-module", "transformer.h.1")
     view = ledger_view(tmp_path / "fault")
     _assert_caught(recs, view, 8, "transformer.h.1", ranks=[], code="replay_inconclusive", live_step=True)

@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--math-hook", action="store_true",
                     help="every rank scales one block's output by a forward hook (part of the model's math)")
     ap.add_argument("--mixed-precision", default="no", help="accelerate's mixed_precision (gpt2): no, bf16")
+    ap.add_argument("--grad-ckpt", action="store_true", help="gpt2: gradient_checkpointing_enable()")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -80,6 +81,8 @@ def main() -> None:
         accelerator = Accelerator(cpu=True, mixed_precision=args.mixed_precision)
         cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2)  # dropout 0.1 by default
         model = GPT2LMHeadModel(cfg)
+        if args.grad_ckpt:
+            model.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = accelerator.prepare(model, opt)
         rank = accelerator.process_index
