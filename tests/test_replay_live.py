@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,14 +44,15 @@ JOB = REPO / "tests" / "scripts" / "live_fault_job.py"
 
 
 def torchrun(n: int, root, *args) -> list[dict]:
-    """The job on `n` ranks under torchrun; its LIVE-FAULT-JOB records, one per rank, by rank."""
+    """The job on `n` ranks under torchrun; its records, one per rank (files: lines of several ranks on one pipe
+    can interleave), by rank."""
+    out = Path(f"{root}.records")
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-           str(JOB), str(root), *map(str, args)]
+           str(JOB), str(root), "--out", str(out), *map(str, args)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
-    recs = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("LIVE-FAULT-JOB ")]
-    assert len(recs) == n, p.stdout[-2000:]
+    recs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
     return sorted(recs, key=lambda r: r["rank"])
 
 

@@ -7,7 +7,8 @@ Two user shapes: `--model mlp`, a plain DDP MLP (Linear, three residual blocks w
 a tiny GPT-2 built from `transformers.GPT2Config` and prepared by `accelerate` (DDP on gloo). Both keep dropout on.
 
 Its own oracle, computed without scout-ckpt: each rank prints the loss of every step and, at every save, the
-sha256 of its model and optimizer state. One JSON line per rank, `LIVE-FAULT-JOB {...}`: the verdict `save()`
+sha256 of its model and optimizer state. One JSON record per rank (a `LIVE-FAULT-JOB {...}` line, and
+OUT/rank<R>.json with --out): the verdict `save()`
 returned at each step, whether a save raised LiveStateCorrupt (the generation ended), the losses, the digests.
 
     torchrun --standalone --nproc-per-node 2 tests/scripts/live_fault_job.py ROOT --model gpt2 \
@@ -69,6 +70,8 @@ def main() -> None:
     ap.add_argument("--math-hook", action="store_true",
                     help="every rank scales one block's output by a forward hook (part of the model's math)")
     ap.add_argument("--mixed-precision", default="no", help="accelerate's mixed_precision (gpt2): no, bf16")
+    ap.add_argument("--out", default="", help="write each rank's record to OUT/rank<R>.json too (whole, unlike "
+                    "lines of several ranks on one pipe, which can interleave)")
     ap.add_argument("--grad-ckpt", action="store_true", help="gpt2: gradient_checkpointing_enable()")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -147,7 +150,12 @@ def main() -> None:
         rec["live_state_corrupt"] = e.step
     finally:
         ckpt.close()
-        print("LIVE-FAULT-JOB " + json.dumps(rec, default=str), flush=True)
+        line = json.dumps(rec, default=str)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+                f.write(line)
+        print("LIVE-FAULT-JOB " + line, flush=True)
         dist.barrier()
         dist.destroy_process_group()
 
