@@ -74,6 +74,9 @@ class ReplayOptions:
     """The save cadence, when the script knows it (the sweep is prepared for those steps); None: learnt."""
     straggler_rounds: int = 3
     """Rounds a replay-timing straggler must be confirmed over before it is reported."""
+    live_check: bool = True
+    """Compare the replays with the output the source rank's live step produced (a fault of the live step only);
+    costs the sweep's source one copy of the targets' parameters per save, sent to the peers."""
 
     def __post_init__(self):
         _positive("replay", "interval", self.interval, integer=True)
@@ -87,6 +90,8 @@ class ReplayOptions:
         _positive("replay", "opt_elems", self.opt_elems, integer=True)
         _positive("replay", "save_every", self.save_every, integer=True, allow_none=True)
         _positive("replay", "straggler_rounds", self.straggler_rounds, integer=True)
+        if not isinstance(self.live_check, bool):
+            raise BadOption(f"replay.live_check must be True or False (got {self.live_check!r})")
 
     def runner_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of replay.ReplayRunner."""

@@ -17,6 +17,12 @@ place after it was captured (by the module's own forward, a later layer, the opt
 forward saw: `Invocation.intact()` is then False and the sweep does not replay that target (its coverage of the
 checkpoint stays incomplete, never a pass). `mutated_in_forward` says the module wrote its own input (an in-place
 activation on it): such a target needs clones (`refs=False`) to ever be replayable.
+
+A capture made with `live=True` also signs what the live forward produced: the output as the module's caller
+received it (after the forward hooks registered before the capture's own, which the replay runs too: execute.py),
+hashed inside the capture's forward hook, before any later in-place write can change it. The replays of the same
+invocation are compared with it (runner.py): a fault that struck only the live step -- the step the checkpoint
+carries -- shows as the source's live output disagreeing with every replay of it.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class Invocation:
     grad_outputs: list = field(default_factory=list)  # per flattened output leaf: its grad, or None
     held: list = field(default_factory=list)          # (live tensor, its _version when captured): refs=True
     mutated_in_forward: bool = False                  # the module wrote one of its inputs in place
+    live: torch.Tensor | None = None                  # [n, 2] signatures of the live output's tensors (live=True)
 
     def intact(self) -> bool:
         """Does every referenced live tensor still hold what was captured (no in-place write since)?"""
@@ -71,7 +78,8 @@ class Invocation:
             tree_map(move, self.args), tree_map(move, self.kwargs), self.requires_grad,
             {k: move(v) for k, v in self.params.items()}, {k: move(v) for k, v in self.buffers.items()},
             self.training, self.rng, self.device_rng, self.autocast,
-            [move(g) for g in self.grad_outputs])  # `held` stays home: it is checked where the capture was made
+            [move(g) for g in self.grad_outputs],  # `held` stays home: it is checked where the capture was made
+            live=self.live)
 
 
 def current_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -145,17 +153,26 @@ class ModuleCapture:
 
     module: where the hooks go (what the parent calls); inner: the unwrapped module whose parameters are snapshot
     and which replay re-executes (default: module itself); params: snapshot parameters and buffers; refs: keep
-    references (with their versions) to the inputs and output gradients instead of clones (module docstring)."""
+    references (with their versions) to the inputs and output gradients instead of clones; live: sign the live
+    output (module docstring); gather (with params=False): take part in the gathers of parameters still sharded
+    at forward time (tensor parallel) that another rank's params=True capture of the same call makes, so that
+    its collectives are matched. `hook_ids` (pre, post): the ids of the module's other forward hooks that ran between
+    the capture and the module's caller -- pre-hooks after the capture's, post-hooks before it, in the order the
+    module held them at the captured call -- which the replay runs too (execute.py)."""
 
     def __init__(self, module: nn.Module, inner: nn.Module | None = None, *, params: bool = True,
-                 refs: bool = False):
+                 refs: bool = False, live: bool = False, gather: bool = False):
         self.module = module
         self.inner = inner if inner is not None else module
         self.params = params
         self.refs = refs
+        self.live = live
+        self.gather = gather
+        self.hook_ids: tuple[frozenset, frozenset] | None = None
         self.invocation: Invocation | None = None
         self._handles: list = []
         self._pending_output = False  # the captured forward has not returned yet
+        self._sharded_forward = False
 
     @property
     def armed(self) -> bool:
@@ -169,6 +186,7 @@ class ModuleCapture:
             self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
             self.module.register_forward_hook(self._post),
         ]
+        self.hook_ids = None
 
     def disarm(self) -> None:
         for h in self._handles:
@@ -185,6 +203,13 @@ class ModuleCapture:
         if torch.is_autocast_enabled(dev.type):
             autocast = (dev.type, torch.get_autocast_dtype(dev.type))
         keep = _ref if self.refs else _clone
+        # parameters still sharded at forward time (tensor parallel): the live call computed sharded math, which
+        # the replay of the full module rounds differently -- no live signature then (FSDP2 unshards first)
+        self._sharded_forward = any(hasattr(t, "full_tensor") for t in inner.parameters())
+        if self.gather and not self.params:   # matched with the source's snapshot below: the same order
+            for t in [*inner.parameters(), *inner.buffers()]:
+                if hasattr(t, "full_tensor"):
+                    _full(t)
         self.invocation = Invocation(
             args=tree_map(keep, args), kwargs=tree_map(keep, kwargs),
             requires_grad=tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves),
@@ -197,6 +222,9 @@ class ModuleCapture:
         )
         if self.refs:
             self.invocation.held = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
+        pre = list(module._forward_pre_hooks)
+        mine = self._handles[0].id
+        self.hook_ids = (frozenset(pre[pre.index(mine) + 1:]) if mine in pre else frozenset(), frozenset())
         self._pending_output = True
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -204,9 +232,21 @@ class ModuleCapture:
         if inv is None or not self._pending_output:
             return
         self._pending_output = False
+        post = list(module._forward_hooks)
+        mine = self._handles[1].id if len(self._handles) > 1 else None
+        if self.hook_ids is not None:
+            self.hook_ids = (self.hook_ids[0], frozenset(post[:post.index(mine)]) if mine in post else frozenset())
         if inv.held and not inv.intact():  # the forward itself wrote an input: the references are stale already
             inv.mutated_in_forward = True
         outs, _ = tree_flatten(output)
+        if self.live and not self._sharded_forward:
+            from scout_ckpt.consensus.signatures import replica_signatures
+
+            tensors = [o.detach() for o in outs if isinstance(o, torch.Tensor)]
+            try:
+                inv.live = replica_signatures(tensors) if tensors else None
+            except Exception:  # noqa: BLE001 -- a tensor that cannot be signed: no live check, never a failed step
+                inv.live = None
         inv.grad_outputs = [None] * len(outs)
         for i, o in enumerate(outs):
             if isinstance(o, torch.Tensor) and o.requires_grad:

@@ -1,13 +1,18 @@
-"""Re-execution of a captured invocation on a hook-free copy of the module: the values replay fingerprints.
+"""Re-execution of a captured invocation on a copy of the module: the values replay fingerprints.
 
-A copy, because the live module must not change by a bit (parameters, .grad, buffers, RNG streams), and hook-free,
-because FSDP's hooks would issue collectives on the training group, ours would capture again, and a user's would
-see replayed tensors as if they were live.
+A copy, because the live module must not change by a bit (parameters, .grad, buffers, RNG streams). The copy keeps
+the forward hooks that are part of the model's math -- the ones a user put on the target or inside it -- and drops
+the plumbing: FSDP's and other frameworks' hooks (torch, deepspeed, megatron, accelerate, transformers, lightning,
+torchtitan: they would issue collectives on the training group or record outputs) and scout-ckpt's own (they
+would capture again). A user's hook that changes a block's output is what the live step computed, so the replay
+must compute it too, or the live check (runner.py) would see every healthy step disagree. A hook that must not
+run on a replay (activation statistics, logging) can ask `replaying()`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -16,18 +21,77 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from scout_ckpt.replay.capture import Invocation, device_of
 from scout_ckpt.replay.targets import original_class
 
+# Forward-hook dicts whose user entries a replay keeps (with their flag dicts, keyed by the same hook ids).
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+# Hooks of these packages are plumbing (collectives, recording, our own capture), never the model's math.
+_PLUMBING = ("torch", "scout_ckpt", "deepspeed", "megatron", "accelerate", "transformers", "lightning",
+             "pytorch_lightning", "torchtitan", "torchft")
+_replaying = 0
+
+
+def replaying() -> bool:
+    """Is a replay running (on this thread's process)? For a user's forward hook that must not see replayed
+    tensors as live (statistics, logging): `if scout_ckpt.replay.replaying(): return`."""
+    return _replaying > 0
+
+
+def _plumbing(hook) -> bool:
+    """Is `hook` a framework's or scout-ckpt's, not the user's? Unknown origins count as plumbing."""
+    fn = hook
+    while True:
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif hasattr(fn, "__func__"):   # a bound method
+            fn = fn.__func__
+        else:
+            break
+    mod = getattr(fn, "__module__", None)
+    if not isinstance(mod, str):
+        return True
+    return mod.split(".", 1)[0] in _PLUMBING
+
+
+def _user_hooks(m: nn.Module, root_ids: tuple[frozenset, frozenset] | None) -> dict:
+    """The forward-hook dicts of a replay copy of `m`: its user hooks only. On the replayed root, whose captured
+    inputs already passed the pre-hooks that ran before the capture's and whose live output is the one the hooks
+    before the capture's post-hook made, only the others (`root_ids`: the ids of the pre-hooks that ran after the
+    capture's, and of the post-hooks that ran before it, as the capture saw them)."""
+    out: dict = {}
+    keep: dict[str, set] = {}
+    for name in _FORWARD_HOOKS:
+        hooks = getattr(m, name, None)
+        if not isinstance(hooks, dict):
+            continue
+        kept = type(hooks)()
+        for hid, h in hooks.items():
+            if _plumbing(h):
+                continue
+            if root_ids is not None and hid not in root_ids[0 if name == "_forward_pre_hooks" else 1]:
+                continue
+            kept[hid] = h
+        out[name], keep[name] = kept, set(kept)
+    for name in _HOOK_FLAGS:
+        flags = getattr(m, name, None)
+        if isinstance(flags, dict):
+            ids = keep.get("_forward_pre_hooks" if "pre" in name else "_forward_hooks", set())
+            out[name] = type(flags)((k, v) for k, v in flags.items() if k in ids)
+    return out
+
+
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
                "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                "_load_state_dict_post_hooks")
 
 
-def replay_copy(module: nn.Module, inv: Invocation) -> nn.Module:
-    """A copy of `module` holding the captured parameters and buffers, without any module hooks.
+def replay_copy(module: nn.Module, inv: Invocation, hook_ids: tuple[frozenset, frozenset] | None = None) -> nn.Module:
+    """A copy of `module` holding the captured parameters and buffers, with its users' forward hooks only.
 
-    Hooks are dropped: FSDP's would issue collectives on the training group, ours would capture again, and a
-    user's (activation statistics, logging) would see replayed tensors as if they were live. The replay
-    re-executes the module's own forward code.
+    Plumbing hooks are dropped (module docstring); a user's forward hooks are kept, on the root only those the
+    live call ran outside the capture (`hook_ids`: ModuleCapture.hook_ids, when the capture sat on `module`
+    itself; None: it sat on a wrapper around it, and every hook of `module` ran inside it).
+    Backward and state-dict hooks are dropped. The replay re-executes the module's own forward code.
 
     The copy is structural, not a `copy.deepcopy`: every submodule is a new object of its author's class (FSDP2's
     dynamic subclass undone) with its own `_parameters`, `_buffers` and `_modules` dicts, empty hook dicts and
@@ -36,7 +100,7 @@ def replay_copy(module: nn.Module, inv: Invocation) -> nn.Module:
     capture's, cloned (a forward that writes a buffer -- BatchNorm's running stats -- writes the copy's). A deepcopy
     walked every attribute of every submodule and was 8% of a DDP sweep."""
     memo: dict[int, nn.Module] = {}
-    mod = _structural_copy(module, memo)
+    mod = _structural_copy(module, memo, hook_ids)
     live_names = {id(p): n for n, p in module.named_parameters()}
     live_bufs = {id(b): n for n, b in module.named_buffers()}
     fresh: dict[str, torch.Tensor] = {}
@@ -58,9 +122,11 @@ def replay_copy(module: nn.Module, inv: Invocation) -> nn.Module:
     return mod
 
 
-def _structural_copy(m: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
+def _structural_copy(m: nn.Module, memo: dict[int, nn.Module], root_ids: tuple[frozenset, frozenset] | None = None
+                     ) -> nn.Module:
     """`m` and its submodules as new module objects (see replay_copy); a submodule registered twice is copied
     once (memo), as deepcopy would."""
+    root = not memo
     if id(m) in memo:
         return memo[id(m)]
     new = object.__new__(original_class(m))
@@ -69,6 +135,7 @@ def _structural_copy(m: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
     for name in _HOOK_DICTS:
         if isinstance(d.get(name), dict):
             d[name] = type(d[name])()
+    d.update(_user_hooks(m, root_ids if root else None))
     for name, v in d.items():
         if name.startswith("__composable_api_state_key") and isinstance(v, (dict, list)):
             d[name] = type(v)()
@@ -87,6 +154,8 @@ def replay_mode(device: torch.device, deterministic: bool):
     """Deterministic algorithms on and RNG streams forked for the duration; both restored after."""
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     devices = [device] if device.type == "cuda" else []
+    global _replaying
+    _replaying += 1
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
             if deterministic:
@@ -94,15 +163,17 @@ def replay_mode(device: torch.device, deterministic: bool):
             with torch.enable_grad():
                 yield
     finally:
+        _replaying -= 1
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
-def replay_module(module: nn.Module, inv: Invocation, deterministic: bool = True
-                  ) -> tuple[list[str], list[torch.Tensor]]:
-    """Forward and backward of the captured invocation on a copy: (labels, tensors) to fingerprint."""
+def replay_module(module: nn.Module, inv: Invocation, deterministic: bool = True,
+                  hook_ids: tuple[frozenset, frozenset] | None = None) -> tuple[list[str], list[torch.Tensor]]:
+    """Forward and backward of the captured invocation on a copy: (labels, tensors) to fingerprint. The first
+    labels, output[i], are the output's tensors in the order the live signatures (Invocation.live) list them."""
     device = device_of(module)
     inv = inv.to(device)
-    mod = replay_copy(module, inv)
+    mod = replay_copy(module, inv, hook_ids)
     with replay_mode(device, deterministic):
         # own storage: a received state is a view into its transport buffer, and set_rng_state reads the storage
         # from its start (a view at an offset crashed the process)
@@ -137,4 +208,4 @@ def replay_module(module: nn.Module, inv: Invocation, deterministic: bool = True
     return labels, tensors
 
 
-__all__ = ["replay_copy", "replay_mode", "replay_module"]
+__all__ = ["replay_copy", "replay_mode", "replay_module", "replaying"]

@@ -17,12 +17,23 @@ Rotation, driven by `on_step(step)` (called after each optimizer step), one targ
 Sweep, driven by `sweep(step)` at a save boundary: every target once, on the inputs captured during the save
 step, so the checkpoint carries complete replay evidence of its own step (no waiting for later rotations).
 Capture for the save step must be armed before its forward: `expect_save(S)`, `save_every=`, or the period of the
-last two saves; until one of these is known every step is captured, so the first saves get a sweep too. Sweep captures hold no parameter copy: the sweep replays each module
-with the parameters it holds when the sweep runs -- the state being saved (under FSDP gathered one target at a
-time) -- so arming every target costs the block inputs and output gradients of one step, not a model copy. And
-they hold references to those tensors, not copies (capture.py): a target whose referenced inputs were written in
-place before its sweep is not replayed at that save (its coverage stays incomplete: never a pass) and is captured
-by copies from then on.
+last two saves; until one of these is known every step is captured, so the first saves get a sweep too. The
+sweep's captures hold references to the block inputs and output gradients, not copies (capture.py): a target whose
+referenced inputs were written in place before its sweep is not replayed at that save (its coverage stays
+incomplete: never a pass) and is captured by copies from then on. Only the sweep's source (one peer) keeps a copy
+of the targets' parameters as its forward used them, and sends it with the inputs.
+
+The live check: replays are compared with each other (a rank that computes differently whenever it computes) AND
+with what the source's live step produced (a fault that struck the live step only, which no replay repeats): the
+source signs each target's live output as its forward returns it (capture.py, live=True), and for those
+signatures the source's vote is its live value while every other peer's is its replay (`live:output[i]` in a
+row's signatures). With 3+ peers a live step that disagrees with the replays is attributed to the source; with 2
+it is inconclusive. Either way the save's replay evidence fails, which policy.live_faults reads as the live state
+being bad. The sweep's source rotates over the peers save by save (`sweep_source`), so every peer's live step at a
+save is checked within len(peers) saves; the rotation's source rotates too, step by step. A target whose live
+forward is compiled (per-block torch.compile, module.compile()) gets no live check: the replay runs it eagerly,
+which rounds differently (`live_excluded`). Not checked live: the live gradients (only the replays' gradients
+are compared), and modules outside every target (a final norm between the last block and the head).
 
 Replay durations also feed a straggler rule (replay.stragglers): one round per step, confirmed over several steps.
 
@@ -55,7 +66,7 @@ from scout_ckpt.replay.optimizer_replay import (
 )
 from scout_ckpt.replay.schedule import SaveForecast, Schedule, Target
 from scout_ckpt.replay.stragglers import StragglerRule
-from scout_ckpt.replay.targets import NoTargets, discover, resolve, sites
+from scout_ckpt.replay.targets import NoTargets, discover, resolve, runs_compiled, sites
 from scout_ckpt.replay.transport import broadcast_each, host
 
 # A sweep hashes its targets' replayed tensors together, in batches of at least this many bytes (bounded: the
@@ -72,14 +83,16 @@ class ReplayRunner:
     replica group when it has 3+ members and the world group otherwise (pure FSDP, 2-way HSDP); "replicas" or
     "world" force one. targets: (recipe, path) pairs or paths (targets.resolve); default: targets.discover, which
     raises NoTargets (a ScoutError) when the model has no repeated blocks. opt_elems: optimizer elements replayed
-    per round over all parameters. save_every: arm the sweep capture for every multiple of it.
+    per round over all parameters. save_every: arm the sweep capture for every multiple of it. live_check: compare
+    the replays with the source's live outputs (module docstring; False: the sweep replays with the parameters
+    held when it runs, and no parameter copy is kept).
     `on_step` and `sweep` return replay rows for the ledger, identical on all peers.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, groups,
                  targets: list | None = None, interval: int = 1, deterministic: bool = True,
                  peers: str = "auto", opt_elems: int = DEFAULT_ELEMS, save_every: int | None = None,
-                 straggler_rounds: int = 3):
+                 straggler_rounds: int = 3, live_check: bool = True):
         self.forecast = SaveForecast(save_every)   # first: a bad save_every is refused before anything else
         optimizer = unwrap_optimizer(optimizer)     # accelerate's AcceleratedOptimizer: the torch one it wraps
         self.model = model
@@ -102,6 +115,14 @@ class ReplayRunner:
         self._eager = False
         self._sites = {n: where[n] for r, n in self._targets if r != "optimizer"}
         self._opt_elems = opt_elems
+        # Targets whose live output cannot be compared with a replay bit for bit, and why (module docstring).
+        # (Under a whole-model compile the capture steps run eagerly, per-block compiled wrappers included.)
+        self.live_check = live_check
+        self.live_excluded = {n: "its live forward is compiled; the replay runs eagerly"
+                              for r, n in self._targets if r != "optimizer" and not self._under_compile
+                              and runs_compiled(where[n].outer)}
+        if not live_check:
+            self.live_excluded = {n: "replay.live_check is off" for r, n in self._targets if r != "optimizer"}
         self._captures: dict[str, Any] = {}   # rotation
         for recipe, name in self._targets:
             if recipe == "optimizer":
@@ -109,11 +130,13 @@ class ReplayRunner:
                     raise NoTargets("replay target 'optimizer' needs the optimizer")
                 self._captures[name] = OptimizerCapture(optimizer, opt_elems)
             else:
-                self._captures[name] = ModuleCapture(where[name].outer, where[name].inner)
+                self._captures[name] = ModuleCapture(where[name].outer, where[name].inner,
+                                                     live=name not in self.live_excluded)
         # Sweep captures, double-buffered: `_live` has its hooks on for the coming step; `_done` holds the
-        # step just finished until its sweep (which comes after on_step, before the next forward).
-        self._live: tuple[int, dict[str, Any]] | None = None
-        self._done: tuple[int, dict[str, Any]] | None = None
+        # step just finished until its sweep (which comes after on_step, before the next forward). With each,
+        # the sweep's source for that step, chosen when it was armed (it alone snapshots parameters).
+        self._live: tuple[int, dict[str, Any], int] | None = None
+        self._done: tuple[int, dict[str, Any], int] | None = None
         self._armed: tuple[int, Target] | None = None
         self._next: int | None = None          # the step whose forward comes next (armed for)
         self._replayed: tuple[int, set[str]] = (0, set())  # targets the rotation replayed at that step
@@ -223,7 +246,7 @@ class ReplayRunner:
             # sweep's: the same replay the rotation would have run, in the sweep's collectives
             items = [(t, deferred[2] if deferred is not None and t == deferred[1] else self._done[1][t[1]])
                      for t in self._targets if t[1] not in done]
-            src = self.peers[(step + len(self.forecast.saves)) % len(self.peers)]  # the source rotates over saves
+            src = self._done[2]   # chosen at arming: the source rotates over saves (sweep_source)
             for t, cap in items:
                 inv = getattr(cap, "invocation", None)
                 if t[0] != "optimizer" and inv is not None and not inv.intact():
@@ -257,22 +280,38 @@ class ReplayRunner:
     def save_every(self, value: int | None) -> None:
         self.forecast.save_every = value
 
+    def sweep_source(self) -> int:
+        """The peer whose live step the sweep of the next step to be saved checks: peers[k % len(peers)], k the
+        saves so far (a save still due whose sweep has not run counted), so consecutive saves take consecutive
+        peers and every peer's live step is checked within len(peers) saves of one incarnation. The same on every
+        rank (a function of the save history, as the arming is)."""
+        k = len(self.forecast.saves)
+        if self._done is not None and self.forecast.due(self._done[0], True) and \
+                (not self.forecast.saves or self._done[0] > self.forecast.saves[-1]):
+            k += 1   # armed for step S+1 before the save of S ran (a save every step)
+        return self.peers[k % len(self.peers)]
+
     def _arm_sweep(self, step: int) -> None:
         if (self._live is not None and self._live[0] == step) or not self.forecast.due(step):
             return
+        src = self.sweep_source()
+        me = self.rank == src and self.live_check
         caps: dict[str, Any] = {}
         for recipe, name in self._targets:
             if recipe == "optimizer":
                 caps[name] = OptimizerCapture(self.optimizer, self._opt_elems)
                 caps[name].arm(step)
             else:
-                caps[name] = ModuleCapture(self._sites[name].outer, self._sites[name].inner, params=False,
-                                           refs=name not in self._clone_targets)
+                # the source alone keeps the parameters its forward used: the live check replays exactly that
+                caps[name] = ModuleCapture(self._sites[name].outer, self._sites[name].inner, params=me,
+                                           refs=name not in self._clone_targets,
+                                           live=me and name not in self.live_excluded,
+                                           gather=self.live_check and not me)
                 caps[name].arm()
         if self._live is not None:
             for cap in self._live[1].values():
                 cap.disarm()
-        self._live = (step, caps)
+        self._live = (step, caps, src)
 
     # ---- arming ------------------------------------------------------------------------------------------------
 
@@ -314,19 +353,23 @@ class ReplayRunner:
         pending: list[int] = []    # targets replayed but not hashed yet
         held = 0                   # bytes of their tensors
         for i, target, cap in work:
-            payload = None
+            payload = live = None
             t0 = time.perf_counter()
             try:
                 payload = arrivals.get(i)
                 t0 = time.perf_counter()  # the replay's own time (the straggler rule's), not the transfer's
                 if target[0] != "optimizer" and not payload.params and not payload.buffers:
-                    # a sweep capture: replay with the parameters held now (the state being saved)
+                    # a sweep capture without the source's parameters (live_check off): replay with the parameters
+                    # held now (the state being saved)
                     payload.params, payload.buffers = current_state(cap.inner)
                 labels, tensors = self._execute(target[0], cap, payload)
+                if target[0] != "optimizer" and getattr(payload, "live", None) is not None:
+                    live = self._live_votes(labels, payload.live, src)
+                    labels = labels + [f"live:output[{j}]" for j in range(len(live[1]))]
             except Exception as e:  # noqa: BLE001 -- a peer that cannot replay must not leave the others waiting
                 warnings.warn(f"replay of {target[1]} at step {step} failed on rank {self.rank}: {e!r}")
                 labels, tensors = [], None
-            results.append([labels, tensors, time.perf_counter() - t0, payload])
+            results.append([labels, tensors, time.perf_counter() - t0, payload, live])
             if tensors is not None:
                 pending.append(len(results) - 1)
                 held += sum(getattr(t, "nbytes", 0) for t in tensors)
@@ -334,14 +377,19 @@ class ReplayRunner:
                     self._sign(step, work, results, pending)
                     held = 0
         self._sign(step, work, results, pending)
+        for res in results:   # the live check's votes, now that the replays' signatures are known
+            if res[4] is not None and res[1] is not None:
+                mine, votes = res[4]
+                res[1] = torch.cat([res[1], votes if mine else res[1][:len(votes)]])
         arrivals.wait_all()
         if not work:
             return []
         # One small gather: per target, every peer's time and whether it has signatures (and how many).
-        header = self._gather([v for lab, sig, dt, _ in results for v in (dt, float(sig is not None), float(len(lab)))])
+        header = self._gather([v for lab, sig, dt, _, _ in results
+                               for v in (dt, float(sig is not None), float(len(lab)))])
         comparable = [all(h[3 * i + 1] for h in header.values()) and len({h[3 * i + 2] for h in header.values()}) == 1
                       for i in range(len(work))]
-        mine = [sig for (lab, sig, dt, _), ok in zip(results, comparable) if ok]
+        mine = [sig for (lab, sig, dt, _, _), ok in zip(results, comparable) if ok]
         gathered = None
         if mine:
             flat = torch.cat(mine).to(torch.int64).contiguous()
@@ -349,7 +397,7 @@ class ReplayRunner:
             dist.all_gather(out, flat, group=self.group)
             gathered = torch.stack(out)
         rows, offset = [], 0
-        for i, ((_, target, cap), (labels, sigs, _, payload)) in enumerate(zip(work, results)):
+        for i, ((_, target, cap), (labels, sigs, _, payload, live)) in enumerate(zip(work, results)):
             durations = {r: h[3 * i] for r, h in header.items()}
             self._timing(step, target, durations)
             detail: dict = {"source": src, "peers": list(self.peers), "signatures": len(labels),
@@ -367,6 +415,12 @@ class ReplayRunner:
                 offset += n
                 status, ranks, why = _summarise(verdict)
                 detail.update(why)
+                if any(lab.startswith("live:") for lab in labels):   # the source's live step was checked
+                    detail["live_checked"] = src
+                    # the live step alone: the replays agree with each other, not with what the source's step made
+                    bad = [labels[j] for j in verdict.disagreeing]
+                    detail["live_disagree"] = (any(n.startswith("live:") for n in bad)
+                                               and not any(n.startswith("output[") for n in bad))
             if target[0] == "optimizer" and payload is not None and payload.unsupported:
                 status, detail["unsupported"] = "INCONCLUSIVE", payload.unsupported
             rows.append({"step": step, "recipe": target[0], "target": target[1], "status": status, "ranks": ranks,
@@ -395,9 +449,20 @@ class ReplayRunner:
                     results[k][0], results[k][1] = [], None
         pending.clear()
 
+    def _live_votes(self, labels: list[str], live: torch.Tensor, src: int) -> tuple[bool, torch.Tensor]:
+        """The live check's votes for `live:output[i]`: the source votes its live output's signatures (mine=True,
+        `live`), every other peer its replay's signatures of output[i], the first signatures of its replay (module
+        docstring). A replay with fewer outputs than the live call votes for none of them: the peers' counts then
+        differ, and the row is inconclusive."""
+        n = int(live.shape[0])
+        if n > sum(lab.startswith("output[") for lab in labels):
+            n = 0
+        return self.rank == src, live[:n].to(torch.int64)
+
     def _execute(self, recipe: str, cap, payload) -> tuple[list[str], list[torch.Tensor]]:
         if recipe != "optimizer":
-            return replay_module(cap.inner, payload, self.deterministic)
+            return replay_module(cap.inner, payload, self.deterministic,
+                                 cap.hook_ids if cap.module is cap.inner else None)
         if payload.unsupported:
             return ["unsupported"], [torch.zeros(1)]
         device = next((p.device for g in self.optimizer.param_groups for p in g["params"]), torch.device("cpu"))
@@ -419,7 +484,7 @@ def _frozen(cap) -> SimpleNamespace:
     """What a capture holds now (its invocation, or its optimizer windows), apart from the capture object."""
     if isinstance(cap, OptimizerCapture):
         return SimpleNamespace(capture=cap.capture)
-    return SimpleNamespace(invocation=cap.invocation, inner=cap.inner)
+    return SimpleNamespace(invocation=cap.invocation, inner=cap.inner, module=cap.module, hook_ids=cap.hook_ids)
 
 
 def _peer_group(groups, peers: str) -> tuple[Any, list[int]]:

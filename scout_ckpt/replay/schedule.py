@@ -98,6 +98,10 @@ def _name(t) -> str:
     return t[1] if isinstance(t, (tuple, list)) else str(t)
 
 
+def _live_flag(row: dict) -> dict:
+    return {"live_step": True} if (row.get("detail") or {}).get("live_disagree") else {}
+
+
 def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = None) -> dict:
     """Replay evidence for the state saved at `step`, from the replays since the previous certified step.
 
@@ -113,7 +117,12 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = 
     last clean replay.
 
     fail: some replay attributed ranks (replay_sdc); inconclusive: no strict majority (replay_inconclusive);
-    missing: replay_coverage_incomplete (no clean replay up to `step`) or replay_pending (none after it yet).
+    missing: replay_coverage_incomplete (no clean replay up to `step`) or replay_pending (none after it yet). A
+    reason from a row whose source's live step disagreed with the replays of it says `live_step: true`.
+
+    With `step`, the detail also says whose live step the replays at `step` checked (`live_checked_ranks`, the
+    sources of the rows that compared a live output) and how often each rank's is (`live_rotation`: the sweep's
+    source rotates over the peers, one per save).
     """
     names = [_name(t) for t in targets]
     rows = sorted(replay_rows, key=lambda r: r["step"])
@@ -132,13 +141,18 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = 
                     confirmed[name] = r["step"]
         elif status == "ATTRIBUTED":
             sdc.append({"code": "replay_sdc", "ranks": sorted(r.get("ranks") or []), "target": name,
-                        "recipe": r.get("recipe"), "step": r["step"]})
+                        "recipe": r.get("recipe"), "step": r["step"], **_live_flag(r)})
         else:
             unsure.append({"code": "replay_inconclusive", "ranks": sorted(r.get("ranks") or []), "target": name,
-                           "recipe": r.get("recipe"), "step": r["step"]})
+                           "recipe": r.get("recipe"), "step": r["step"], **_live_flag(r)})
     detail = {"coverage": last_clean, "replays": len(rows)}
     if step is not None:
         detail["confirmed_after"] = confirmed
+        at = [r for r in rows if r["step"] == step and "live_checked" in (r.get("detail") or {})]
+        detail["live_checked_ranks"] = sorted({r["detail"]["live_checked"] for r in at})
+        peers = max((len(r["detail"].get("peers") or []) for r in at), default=0)
+        if peers:
+            detail["live_rotation"] = f"every rank's live step within {peers} saves"
     if sdc:
         return evidence(FAIL, sdc + unsure, **detail)
     if unsure:

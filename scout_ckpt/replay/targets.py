@@ -82,6 +82,11 @@ def unwrap(m: nn.Module) -> nn.Module:
     return m
 
 
+def runs_compiled(m: nn.Module) -> bool:
+    """Does a call of `m` run compiled code (a torch.compile wrapper in its chain, or `m.compile()`)?"""
+    return _has_compile(m)
+
+
 def original_class(m: nn.Module) -> type:
     """The model author's class: FSDP2 swaps a module's class for a dynamic `FSDP<Name>` subclass."""
     cls = type(m)
@@ -245,7 +250,7 @@ __all__ = [
     "find_embeddings",
     "find_head",
     "original_class",
-    "resolve",
+    "resolve", "runs_compiled",
     "sites",
     "unwrap",
     "user_path",

@@ -83,7 +83,9 @@ class ReplayEvidence:
             if r["status"] in ("ATTRIBUTED", "INCONCLUSIVE"):
                 self.ledger.add_event("sdc", step=r["step"], ranks=r["ranks"], run_id=self.run_id,
                                       detail={"source": "replay", "recipe": r["recipe"], "target": r["target"],
-                                              "status": r["status"]})
+                                              "status": r["status"],
+                                              # the source's live step alone disagreed with every replay of it
+                                              "live_step": bool((r.get("detail") or {}).get("live_disagree"))})
         for e in new_events:
             self.ledger.add_event(e["kind"], step=e.get("step"), ranks=e.get("ranks"), detail=e.get("detail"),
                                   run_id=self.run_id)
