@@ -280,8 +280,10 @@ def test_explain_says_which_replicas_disagreed_on_which_target_and_step():
     out = {"step": 20, "state": "rejected", "policy": {"require": ["replay"]}, "reasons": [], "events": [],
            "evidence": {"replay": {"status": "inconclusive", "source": "save", "recorded": None,
                                    "reasons": [{"code": "replay_inconclusive", "ranks": [0, 1], "target": "h.1",
-                                                "recipe": "block", "step": 18}],
+                                                "recipe": "block", "step": 18, "live_step": True}],
+                                   "live_checked_ranks": [1], "live_rotation": "every rank's live step within 2 saves",
                                    "coverage": {"h.0": 18, "h.1": None}, "confirmed_after": {"h.0": 20, "h.1": None}}}}
     text = "\n".join(explain_lines(out, "ROOT/step-00000020", time.time(), lambda s: s))
     assert "h.1" in text and "replicas DISAGREED at step 18" in text and "no strict majority among ranks 0,1" in text
     assert "NOT COVERED" not in text and "awaiting its first replay" not in text, text
+    assert "not with the live step" in text and "live step checked: rank(s) 1 (every rank's live step within 2" in text

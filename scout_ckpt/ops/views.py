@@ -140,6 +140,9 @@ def explain_lines(out: dict, where: str, now: float, escape: Callable[[str], str
         lines.append(f"  {kind:<11} {status:<15} " + (f"[dim]checked by {checked}[/]" if checked != "-" else ""))
         for r in item.get("reasons") or []:
             lines.append(f"      - {escape(reason_text([r]))}")
+        if item.get("live_checked_ranks") is not None:
+            lines.append(f"      live step checked: rank(s) {ranks_text(item['live_checked_ranks'])}"
+                         + (f" ({item['live_rotation']})" if item.get("live_rotation") else ""))
         cov = item.get("coverage")
         after = item.get("confirmed_after") or {}
         disagreed = {}
@@ -155,6 +158,8 @@ def explain_lines(out: dict, where: str, now: float, escape: Callable[[str], str
                     text = (f"replicas DISAGREED at step {r.get('step')}: " +
                             (f"rank(s) {who} computed differently from the majority" if r["code"] == "replay_sdc"
                              else f"no strict majority among ranks {who}, no rank can be blamed") +
+                            ("; the replays agree with each other, not with the live step" if r.get("live_step")
+                             else "") +
                             (f"; clean before at step {last}" if last is not None else ""))
                     lines.append(f"      {target:<14} {text}")
                     continue
