@@ -24,7 +24,7 @@ FLAGS: dict[str, list[str]] = {
     "consensus_overhead.py": ["--saves", "3", "--rounds", "3"],
 }
 # The fault campaign (with its extension modules) and the crash torture are `make campaign`, not `make bench`.
-SEPARATE = {"campaign.py", "torture.py", "campaign_fsdp.py", "campaign_torchrun.py"}  # the last two: campaign modules
+SEPARATE = {"campaign.py", "torture.py", "campaign_fsdp.py", "campaign_torchrun.py", "campaign_murphy.py"}  # campaign modules
 # Targets of benches that do not state their own (a bench's "target" key wins).
 TARGETS: dict[str, str] = {
     "resume_latency.py": "vs_import_torch < 0.25",

@@ -1,0 +1,250 @@
+"""A whole scout-ckpt save in a user-shaped training script, over plain `dcp.save` of the same state, same run.
+
+Users feel a save as the training time it costs: the Checkpointer with its defaults (the replay sweep, shard
+evidence, consensus, the writers' digests and finite checks, load-verification signatures, the manifest and the
+ledger commit) against what they would otherwise write, `dcp.save(get_state_dict(model, optimizer))`. Two
+scripts, 2 ranks each, shaped as PyTorch's own examples are:
+
+  fsdp  the FSDP2 example's shape: a small transformer (embedding, blocks of attention + MLP, head), `fully_shard`
+        per block and at the root, AdamW; a save every 5 steps
+  ddp   the same model under DistributedDataParallel, as users wrap it; a save every 5 steps
+
+Each round trains 5 steps and then saves, alternating which contender saves (the order rotates), so load from
+other processes hits both alike. Reported per script: the median seconds of a save (the slowest rank), the ratio
+(`whole_save_vs_dcp_fsdp`, `whole_save_vs_dcp_ddp`; goal <= 1.3), the median training step and the save in steps,
+and where a scout-ckpt save spends its time (the medians of its phases: sweep = the replay sweep, shard_flush =
+the shard evidence's exchange, begin = the `writing` row and temp dir, write = DCP's write with the writers'
+digests, evidence = consensus, invariants, at-rest and signatures, commit = gather, manifest, ledger verdict).
+
+    python bench/whole_save.py [--json] [--rounds 6] [--width 256] [--layers 4]
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import emit, load_note, log, parser  # noqa: E402
+
+STEPS_PER_SAVE = 5
+GOAL = 1.3
+
+
+def _model(width: int, layers: int, vocab: int = 512):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, d: int):
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+            self.heads = 4
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+            return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(vocab, width)
+            self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+            self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+        def forward(self, tokens):
+            x = self.embedding(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x))
+
+    torch.manual_seed(0)
+    return LM(), vocab
+
+
+def _timed(owner, name: str, label: str, into: dict) -> None:
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            into[label] = into.get(label, 0.0) + time.perf_counter() - t0
+    setattr(owner, name, wrapper)
+
+
+def _worker(rank, world, root, kind, rounds, width, layers):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.nn.functional as F
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from scout_ckpt import Checkpointer, ModelOptimizerState
+    from scout_ckpt import checkpointer as ck_mod
+    from scout_ckpt.save import commit as commit_mod
+
+    torch.set_num_threads(1)
+    model, vocab = _model(width, layers)
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        net = model
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        net = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    phases: dict[str, float] = {}
+    real_dcp_save = dcp.save
+    for owner, name, label in ((ck_mod.Checkpointer, "_live_evidence", "evidence"),
+                               (ck_mod.Checkpointer, "_commit", "commit"),
+                               (commit_mod.Committer, "begin", "begin")):
+        _timed(owner, name, label, phases)
+
+    def write_timed(*a, **k):   # DCP's write as the Checkpointer calls it (the plain contender calls the original)
+        t0 = time.perf_counter()
+        try:
+            return real_dcp_save(*a, **k)
+        finally:
+            phases["write"] = phases.get("write", 0.0) + time.perf_counter() - t0
+    ck_mod.dcp = type(sys)("dcp_timed")
+    ck_mod.dcp.__dict__.update({k: getattr(dcp, k) for k in dir(dcp) if not k.startswith("__")})
+    ck_mod.dcp.save = write_timed
+
+    ckpt = Checkpointer(os.path.join(root, "scout"), model=net, optimizer=opt, timeout_s=600)
+    if ckpt.replay is not None:
+        _timed(ckpt.replay, "sweep", "sweep", phases)
+    if ckpt.shard is not None:
+        _timed(ckpt.shard, "flush", "shard_flush", phases)
+    state = {"app": ModelOptimizerState(net, opt)}
+    pg = dist.new_group(backend="gloo")
+    g = torch.Generator().manual_seed(rank)
+    step, step_times = 0, []
+
+    def train():
+        nonlocal step
+        for _ in range(STEPS_PER_SAVE):
+            step += 1
+            t0 = time.perf_counter()
+            tokens = torch.randint(0, vocab, (4, 33), generator=g)
+            loss = F.cross_entropy(net(tokens[:, :-1]).reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.step(step)
+            step_times.append(time.perf_counter() - t0)
+
+    def scout_save():
+        phases.clear()
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        verdict = ckpt.save(step, state)
+        dt = time.perf_counter() - t0
+        states.append((verdict or {}).get("state"))
+        return dt, dict(phases)
+
+    def plain_save():
+        d = os.path.join(root, f"plain-{step}")
+        dist.barrier(group=pg)
+        t0 = time.perf_counter()
+        msd, osd = get_state_dict(net, opt)
+        real_dcp_save({"model": msd, "optim": osd}, checkpoint_id=d, process_group=pg)
+        dt = time.perf_counter() - t0
+        dist.barrier(group=pg)
+        if rank == 0:
+            shutil.rmtree(d)
+        return dt
+
+    times = {"scout": [], "dcp": []}
+    breakdown: list[dict] = []
+    states: list[str | None] = []
+    for i in range(rounds + 1):   # round 0 warms up (imports, the first replay capture, page cache)
+        order = ("scout", "dcp") if i % 2 == 0 else ("dcp", "scout")
+        for who in order:
+            train()
+            if who == "scout":
+                dt, ph = scout_save()
+                if i:
+                    times["scout"].append(dt)
+                    breakdown.append(ph)
+            else:
+                dt = plain_save()
+                if i:
+                    times["dcp"].append(dt)
+    ckpt.close()
+    out = {"times": times, "phases": breakdown, "step_s": statistics.median(step_times[STEPS_PER_SAVE:]),
+           "states": states}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, out, group=pg)
+    if rank != 0:
+        return None
+    # the slowest rank decides when a collective save is done
+    merged = {k: [max(g["times"][k][j] for g in gathered) for j in range(rounds)] for k in times}
+    phase_names = sorted({p for g in gathered for ph in g["phases"] for p in ph})
+    phase_med = {p: statistics.median(max(g["phases"][j].get(p, 0.0) for g in gathered) for j in range(rounds))
+                 for p in phase_names}
+    return {"times": merged, "phases": phase_med, "step_s": max(g["step_s"] for g in gathered),
+            "verdicts": out["states"],
+            "nbytes": sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(root, "scout"))
+                          for f in fs if f.endswith(".distcp"))}
+
+
+def main() -> None:
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--kinds", default="fsdp,ddp")
+    args = ap.parse_args()
+    from scout_ckpt.testing.launch import run_ranks
+
+    results, ratios, rows = {}, {}, []
+    for kind in args.kinds.split(","):
+        root = tempfile.mkdtemp(prefix=f"scout-bench-whole-{kind}-")
+        try:
+            log(f"{kind}: {args.rounds} rounds of {STEPS_PER_SAVE} steps + a save, 2 ranks ...")
+            out = run_ranks(_worker, 2, root, kind, args.rounds, args.width, args.layers, timeout=1800,
+                            pg_timeout_s=600)[0].result
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        scout, plain = statistics.median(out["times"]["scout"]), statistics.median(out["times"]["dcp"])
+        ratios[f"whole_save_vs_dcp_{kind}"] = scout / plain
+        results[kind] = {"scout_s": scout, "dcp_s": plain, "step_s": out["step_s"],
+                         "save_in_steps": scout / out["step_s"], "phases_s": out["phases"],
+                         "samples_s": out["times"], "distcp_bytes": out["nbytes"], "verdicts": out["verdicts"]}
+        rows.append((kind, f"{plain:.3f}", f"{scout:.3f}", f"{scout / plain:.2f}", f"{out['step_s']:.3f}",
+                     f"{scout / out['step_s']:.1f}",
+                     " ".join(f"{p} {v:.3f}" for p, v in sorted(out["phases"].items(), key=lambda x: -x[1]))))
+    result = {"ratio": max(ratios.values()), "ratios": ratios, "results": results, "rounds": args.rounds,
+              "width": args.width, "layers": args.layers, "steps_per_save": STEPS_PER_SAVE, "ranks": 2,
+              "target": f"<= {GOAL}", "target_met": all(v <= GOAL for v in ratios.values()), **load_note()}
+    emit(result, args, rows, ["script", "dcp.save s", "scout save s", "ratio", "step s", "save in steps",
+                              "scout phases (median s)"],
+         title="a whole save in user-shaped scripts (2 ranks), scout-ckpt's defaults over plain dcp.save")
+
+
+if __name__ == "__main__":
+    main()
