@@ -139,6 +139,27 @@ def test_sigkill_mid_run_resumes_exactly_from_latest_clean(plain, tmp_path):
 
 
 @pytest.mark.scenario
+def test_sigkill_in_the_middle_of_a_save_resumes_exactly_from_the_previous_one(plain, tmp_path):
+    """Rank 1 SIGKILLed in the middle of writing step 6's checkpoint; the restart records that save as
+    interrupted, loads step 4 (what the job recorded when it saved it), saves 6 and 8 again and ends bitwise equal
+    to the uninterrupted run without scout-ckpt."""
+    root = tmp_path / "root"
+    rec = tmp_path / "rec.jsonl"
+    torchrun(root, *BASE, "--kill-in-save", "6", "--ckpt-path", "latest_clean", restarts=1, record=rec)
+    rs = rows(rec)
+    assert [r["loaded"] for r in rs if "loaded" in r] == [4]
+    # the job records a save as it hands the state over (6 included: rank 1 died while writing it)
+    first = {r["saved"]: r["digest"] for r in rs if "saved" in r and r["attempt"] == 0}
+    assert {s: d for s, d in first.items() if s <= 4} == {s: d for s, d in saved(plain).items() if s <= 4}
+    assert curve(rs, attempt=1) == {s: v for s, v in curve(plain).items() if s > 4}
+    assert final(rs) == final(plain)
+    assert set(states(root).values()) == {"certified"}
+    with Ledger.open(root, readonly=True) as led:
+        hist6 = [h for h in led.certifications(6) if h["state"] != "writing"]
+    assert hist6[0]["state"] == "rejected" and hist6[0]["reasons"][0]["code"] == "save_interrupted", hist6
+
+
+@pytest.mark.scenario
 def test_model_checkpoint_top_k_and_last_over_20_saves(tmp_path):
     """save_top_k=2 on the synced train loss and save_last over 20 saves: the same files (names) as Lightning's
     own ModelCheckpoint writes without scout-ckpt, each a pointer to a certified step; the step directories on disk

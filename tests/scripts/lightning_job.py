@@ -150,6 +150,8 @@ def main() -> int:
     ap.add_argument("--clip", type=float, help="gradient_clip_val")
     ap.add_argument("--no-sched", action="store_true", help="a constant learning rate")
     ap.add_argument("--options", default="{}", help="JSON: the strategy's Checkpointer options")
+    ap.add_argument("--kill-in-save", type=int, help="in the first attempt, rank 1 SIGKILLs itself in the middle "
+                    "of writing this step's checkpoint (the Checkpointer's during_write point)")
     a = ap.parse_args()
 
     pl.seed_everything(1234, verbose=False)
@@ -160,6 +162,11 @@ def main() -> int:
     record = Record(a.record)
     model = Regression(record, a.kill_step, fsdp2=a.scout.startswith("mp"), sched=not a.no_sched)
     opts = json.loads(a.options)
+    if a.kill_in_save is not None:
+        def die_mid_write(point, step, _at=a.kill_in_save):
+            if point == "during_write" and step == _at and ATTEMPT == 0 and RANK == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+        opts["fault_hook"] = die_mid_write
 
     root = Path(a.root)
     if a.scout == "ddp":
