@@ -5,6 +5,8 @@
   transformers    ScoutTrainerCallback for the Hugging Face Trainer, latest_clean(output_dir)
   deepspeed       install(engine, save_dir): a ScoutCheckpointEngine on a DeepSpeed engine, latest_clean(save_dir)
   ds_folders      torch-free: DeepSpeed's global_stepN folders (registered for the CLI) and its `latest` pointer
+  megatron        MegatronCheckpointer: certified dist_checkpointing (torch_dist) saves, latest_clean(save_dir)
+  mg_folders      torch-free: Megatron's iter_NNNNNNN folders (registered for the CLI) and its tracker file
   session         IntegrationRun: the save machinery both share (start-up, writing row, hashing split across the
                   ranks, manifest, commit); imports torch, no framework
   folders         torch-free pieces for non-DCP checkpoint folders (`checkpoint-N`): names, listing, share split,
