@@ -12,7 +12,8 @@ parallel_state + dist_checkpointing.
 Test-only: the CUDA shim below (megatron-core 0.16.1 calls torch.cuda.synchronize()/current_device()
 unconditionally in its torch_dist writer; see TORCH-NOTES "Megatron-Core on CPU"); --crash-at I makes rank 1
 SIGKILL itself after its files of iteration I are written and before the finalize, on the first attempt
-(TORCHELASTIC_RESTART_COUNT 0); --diverge-at I makes rank 1's copy of `b` differ by one ulp before that save.
+(TORCHELASTIC_RESTART_COUNT 0); --diverge-at I makes rank 1's copy of `b` differ by one ulp before that save;
+--gpt makes the state a tiny GPTModel's `sharded_state_dict()` instead (built on CPU; no forward).
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ def digest(tensors: dict) -> str:
     return ":".join(x[:16] for x in every)
 
 
+def gpt_model():
+    """A tiny GPTModel (local spec, no Transformer Engine) built on CPU; its sharded_state_dict is what Megatron-LM
+    saves. Its forward needs CUDA (megatron-core's RNG tracker), so this job updates the parameters directly."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                    max_sequence_length=16)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("save_dir")
@@ -56,6 +69,7 @@ def main() -> None:
     ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--crash-at", type=int, default=None)
     ap.add_argument("--diverge-at", type=int, default=None)
+    ap.add_argument("--gpt", action="store_true", help="the state is a tiny GPTModel's sharded_state_dict")
     ap.add_argument("--events", required=True)
     args = ap.parse_args()
 
@@ -68,8 +82,13 @@ def main() -> None:
     torch.manual_seed(0)
     full_w = torch.randn(8, 16)
     state = {"w": full_w.chunk(tp, dim=0)[tp_rank].clone(), "b": torch.zeros(16)}
+    model = gpt_model() if args.gpt else None
+    if model is not None:   # the state is the model's parameters (no forward on CPU: see the module docstring)
+        state = {k: p.data for k, p in model.named_parameters()}
 
     def sharded():
+        if model is not None:
+            return {"model": model.sharded_state_dict(prefix=""), "iteration": it}
         return {"w": ShardedTensor.from_rank_offsets("w", state["w"], (0, tp_rank, tp), replica_id=dp_rank),
                 "b": ShardedTensor.from_rank_offsets("b", state["b"], replica_id=(0, tp_rank, dp_rank)),
                 "iteration": it}
@@ -85,8 +104,11 @@ def main() -> None:
     if found is not None:
         it, loaded = found
         assert loaded["iteration"] == it
-        state["w"].copy_(loaded["w"])
-        state["b"].copy_(loaded["b"])
+        if model is not None:
+            model.load_state_dict(loaded["model"], strict=False)
+        else:
+            state["w"].copy_(loaded["w"])
+            state["b"].copy_(loaded["b"])
         record(event="resumed", step=it, digest=digest(state))
 
     if args.crash_at is not None and attempt == 0 and rank == 1:
@@ -107,8 +129,12 @@ def main() -> None:
     while it < args.iters:
         it += 1
         g = torch.Generator().manual_seed(1000 * it + tp_rank)
-        state["w"].mul_(0.9).add_(torch.randn(state["w"].shape, generator=g) * 0.1)
-        state["b"].add_(torch.randn(16, generator=torch.Generator().manual_seed(it)) * 0.01)
+        if model is not None:   # a deterministic update of every parameter, the same on replicas
+            for k in sorted(state):
+                state[k].mul_(0.99).add_(torch.randn(state[k].shape, generator=g) * 0.01)
+        else:
+            state["w"].mul_(0.9).add_(torch.randn(state["w"].shape, generator=g) * 0.1)
+            state["b"].add_(torch.randn(16, generator=torch.Generator().manual_seed(it)) * 0.01)
         if it == args.diverge_at and rank == 1:
             state["b"][0] = torch.nextafter(state["b"][0], torch.tensor(float("inf")))
         if it % args.save_every == 0:
