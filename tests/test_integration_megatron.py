@@ -225,3 +225,37 @@ def test_replicas_that_disagree_reject_the_iteration_and_end_the_generation(tmp_
     assert "consensus_inconclusive" in events(ev, "live_fault")[0]["codes"]
     assert states(save_dir) == {2: "certified", 4: "rejected"}
     assert (save_dir / TRACKER).read_text() == "2"
+
+
+@pytest.mark.scenario
+def test_tp2_gptmodel_sharded_state_dict_is_certified_and_resumed_exactly(tmp_path):
+    """A real GPTModel's sharded_state_dict() (built on CPU; updated without a forward, which needs CUDA)."""
+    save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
+    torchrun(save_dir, ev, "--gpt", "--tp", 2, "--iters", 2, "--save-every", 2, "--accept-single-owner")
+    saved = events(ev, "saved")
+    assert [(r["step"], r["verdict"]) for r in saved] == [(2, "certified")]
+    with Ledger.open(save_dir, readonly=True) as led:
+        e2 = led.evidence(2)
+    # the layer norms and the row-parallel biases are replicated over TP (compared); the column/row-parallel
+    # weights and the vocab-parallel embedding are split (single-owner)
+    assert e2["consensus"]["status"] == "pass" and e2["consensus"]["tensors_compared"] >= 4
+    assert {"embedding.word_embeddings.weight", "output_layer.weight"} <= set(e2["single_owner"]["reasons"][0]["keys"])
+    ev2 = tmp_path / "events2.jsonl"
+    torchrun(save_dir, ev2, "--gpt", "--tp", 2, "--iters", 4, "--save-every", 2, "--accept-single-owner")
+    assert [(r["step"], r["digest"]) for r in events(ev2, "resumed")] == [(2, saved[0]["digest"])]
+    ref_dir, ref_ev = tmp_path / "ref", tmp_path / "ref.jsonl"
+    torchrun(ref_dir, ref_ev, "--gpt", "--tp", 2, "--iters", 4, "--save-every", 2, "--accept-single-owner")
+    assert events(ref_ev, "final")[0]["digest"] == events(ev2, "final")[0]["digest"]
+
+
+@pytest.mark.scenario
+def test_tp2_gptmodel_layer_norm_replicas_that_disagree_are_caught(tmp_path):
+    save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
+    torchrun(save_dir, ev, "--gpt", "--tp", 2, "--iters", 2, "--save-every", 2, "--accept-single-owner",
+             "--diverge-at", 2, ok=False)
+    assert [(r["step"], r["verdict"]) for r in events(ev, "live_fault")] == [(2, "rejected")]
+    with Ledger.open(save_dir, readonly=True) as led:
+        reasons = led.checkpoint(2)["reasons"]
+    assert [(r["code"], r["tensor"]) for r in reasons] == [
+        ("consensus_inconclusive", "decoder.final_layernorm.weight@(0,)(16,)")]
+    assert not (save_dir / TRACKER).exists()

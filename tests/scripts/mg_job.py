@@ -12,7 +12,8 @@ parallel_state + dist_checkpointing.
 Test-only: the CUDA shim below (megatron-core 0.16.1 calls torch.cuda.synchronize()/current_device()
 unconditionally in its torch_dist writer; see TORCH-NOTES "Megatron-Core on CPU"); --crash-at I makes rank 1
 SIGKILL itself after its files of iteration I are written and before the finalize, on the first attempt
-(TORCHELASTIC_RESTART_COUNT 0); --diverge-at I makes rank 1's copy of `b` differ by one ulp before that save;
+(TORCHELASTIC_RESTART_COUNT 0); --diverge-at I makes rank 1's copy of `b` (with --gpt: the final layer norm's weight) differ by one ulp before
+that save;
 --gpt makes the state a tiny GPTModel's `sharded_state_dict()` instead (built on CPU; no forward).
 """
 
@@ -129,14 +130,19 @@ def main() -> None:
     while it < args.iters:
         it += 1
         g = torch.Generator().manual_seed(1000 * it + tp_rank)
-        if model is not None:   # a deterministic update of every parameter, the same on replicas
-            for k in sorted(state):
-                state[k].mul_(0.99).add_(torch.randn(state[k].shape, generator=g) * 0.01)
+        if model is not None:   # a deterministic update of every parameter, the same on its replicas: a
+            # tensor-parallel shard's update depends on the TP rank, a TP-replicated one's (layer norms) does not
+            params = dict(model.named_parameters())
+            for i, k in enumerate(sorted(state)):
+                sharded_tp = getattr(params[k], "tensor_model_parallel", False)
+                gk = torch.Generator().manual_seed(100000 * it + 100 * i + (tp_rank if sharded_tp else 0))
+                state[k].mul_(0.99).add_(torch.randn(state[k].shape, generator=gk) * 0.01)
         else:
             state["w"].mul_(0.9).add_(torch.randn(state["w"].shape, generator=g) * 0.1)
             state["b"].add_(torch.randn(16, generator=torch.Generator().manual_seed(it)) * 0.01)
         if it == args.diverge_at and rank == 1:
-            state["b"][0] = torch.nextafter(state["b"][0], torch.tensor(float("inf")))
+            k = "decoder.final_layernorm.weight" if model is not None else "b"   # replicated over TP and DP
+            state[k][0] = torch.nextafter(state[k][0], torch.tensor(float("inf")))
         if it % args.save_every == 0:
             try:
                 if queue is not None:
