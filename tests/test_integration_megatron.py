@@ -173,8 +173,9 @@ def test_rank_killed_mid_save_resumes_exactly_from_the_certified_iteration(tmp_p
 @pytest.mark.scenario
 def test_flipped_bit_in_the_newest_iteration_is_walked_past_by_the_jobs_load(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
-    torchrun(save_dir, ev, "--iters", 4, "--save-every", 2)
+    torchrun(save_dir, ev, "--iters", 4, "--save-every", 2, "--drop-in")   # integrations.megatron.save
     saved = {r["step"]: r for r in events(ev, "saved")}
+    assert [(s, r["verdict"], r["tracker"]) for s, r in saved.items()] == [(2, "certified", "2"), (4, "certified", "4")]
     flip_bit(sorted((save_dir / "iter_0000004").glob("*.distcp"))[0])
     ev2 = tmp_path / "events2.jsonl"
     torchrun(save_dir, ev2, "--iters", 6, "--save-every", 2)

@@ -89,7 +89,8 @@ _CHECKPOINTERS: dict[str, "MegatronCheckpointer"] = {}
 def save(sharded_state_dict, checkpoint_dir: str | os.PathLike, **kwargs):
     """Drop-in for `dist_checkpointing.save(sharded_state_dict, checkpoint_dir, ...)` where checkpoint_dir is
     `SAVE_DIR/iter_NNNNNNN`: the MegatronCheckpointer of SAVE_DIR (made on first use, collective) saves and
-    certifies it. Returns what dist_checkpointing.save returns (the AsyncRequest with scout-ckpt's finalize
+    certifies it (a MegatronCheckpointer already made for SAVE_DIR is the one used). Returns what
+    dist_checkpointing.save returns (the AsyncRequest with scout-ckpt's finalize
     appended when async_sharded_save=True, else None); the verdict is the checkpointer's `last_verdict`."""
     path = Path(checkpoint_dir)
     iteration = parse_folder(path.name)
@@ -122,6 +123,7 @@ class MegatronCheckpointer:
                          "framework": "megatron", "layout": LAYOUT, **_parallel_sizes()}
         self.last_verdict: dict | None = None
         self._start()
+        _CHECKPOINTERS[str(self.root.resolve())] = self   # the drop-in `save` of this save_dir uses this one
 
     # ---- set-up ---------------------------------------------------------------------------------------------
 

@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--crash-at", type=int, default=None)
     ap.add_argument("--diverge-at", type=int, default=None)
+    ap.add_argument("--drop-in", action="store_true", help="save with the drop-in for dist_checkpointing.save")
     ap.add_argument("--gpt", action="store_true", help="the state is a tiny GPTModel's sharded_state_dict")
     ap.add_argument("--events", required=True)
     args = ap.parse_args()
@@ -149,6 +150,10 @@ def main() -> None:
                     request = ckpt.save(it, sharded(), async_save=True)   # scout-ckpt
                     queue.schedule_async_request(request)
                     queue.maybe_finalize_async_calls(blocking=True)
+                elif args.drop_in:   # scout-ckpt: the same save, with dist_checkpointing.save's signature
+                    from scout_ckpt.integrations import megatron as scout_megatron
+
+                    scout_megatron.save(sharded(), os.path.join(args.save_dir, f"iter_{it:07d}"))
                 else:
                     ckpt.save(it, sharded())   # scout-ckpt: was dist_checkpointing.save(sd, iter_dir)
             except LiveStateCorrupt as e:
