@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 # The framework integrations' tests run against the versions they were written with (torch stays pinned).
 $(EXTRAS): $(STAMP)
 	$(BIN)/pip install -q transformers==5.24.0 accelerate==1.15.0 torchtitan==0.3.0 lightning==2.6.6 torch==2.13.0 \
-	  s3fs==2026.2.0 fsspec==2026.2.0 'moto[server]==5.2.5' deepspeed==0.19.8
+	  s3fs==2026.2.0 fsspec==2026.2.0 'moto[server]==5.2.5' deepspeed==0.19.8 \
+	  megatron-core==0.16.1 psutil==7.2.2
 	touch $(EXTRAS)
 
 install: $(STAMP)

@@ -18,6 +18,7 @@ import typer
 from scout_ckpt.errors import BadInput, ScoutError
 from scout_ckpt.integrations import folders as _folders  # noqa: F401  registers the Trainer's checkpoint-N layout
 from scout_ckpt.integrations import ds_folders as _ds_folders  # noqa: F401  and DeepSpeed's global_stepN
+from scout_ckpt.integrations import mg_folders as _mg_folders  # noqa: F401  and Megatron's iter_NNNNNNN
 from scout_ckpt.ledger.journal import JOURNAL_NAME
 from scout_ckpt.ops import roots
 from scout_ckpt.ops.views import (

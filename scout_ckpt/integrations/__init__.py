@@ -9,6 +9,8 @@
                   PyTorch Lightning: core `step-N` checkpoints of Lightning's whole dump, ckpt_path="latest_clean"
   accelerate      ScoutCheckpointing for a loop around Hugging Face Accelerate: the prepared objects' state and
                   every prepared DataLoader's position (accelerate_data: TrackedDataLoader, DataPosition)
+  megatron        MegatronCheckpointer: certified dist_checkpointing (torch_dist) saves, latest_clean(save_dir)
+  mg_folders      torch-free: Megatron's iter_NNNNNNN folders (registered for the CLI) and its tracker file
   session         IntegrationRun: the save machinery both share (start-up, writing row, hashing split across the
                   ranks, manifest, commit); imports torch, no framework
   folders         torch-free pieces for non-DCP checkpoint folders (`checkpoint-N`): names, listing, share split,

@@ -1,0 +1,362 @@
+"""Certified Megatron-Core `dist_checkpointing` saves: `MegatronCheckpointer(save_dir)` once after
+`parallel_state.initialize_model_parallel`, then `ckpt.save(iteration, model.sharded_state_dict())` where the job
+called `dist_checkpointing.save(sharded_state_dict, f"{save_dir}/iter_{iteration:07d}")`, and
+`ckpt.load_latest_clean(sharded_state_dict)` for the resume. `save(sharded_state_dict, checkpoint_dir)` is the same
+as a drop-in for `dist_checkpointing.save` (one checkpointer per save_dir, made on first use).
+
+megatron-core (0.16.1) writes a torch_dist checkpoint through its own async writer (`FileSystemWriterAsync`, not
+`torch.distributed.checkpoint.save`): each rank writes its `__R_I.distcp`, rank 0 `.metadata`, `common.pt` and
+`metadata.json`; with `async_sharded_save=True` it returns an `AsyncRequest` whose finalize functions run on every
+rank after every rank's write is done (the async queue agrees across ranks first); without it the same finalize
+functions run in line. One save, all ranks:
+
+  1. begin: the row `writing` for `iter_NNNNNNN` (IntegrationRun.begin_save: a stale folder of an abandoned attempt
+     at the same iteration removed), then the folder made, before any byte is written
+  2. live evidence, on the state being saved (collective, before the write): each rank digests every ShardedTensor
+     piece it holds (key, global offset, local shape, flattened range) and checks it for NaN/Inf; the digests are
+     gathered (one all_gather of 32-byte digests on the integration's own gloo group). Ranks holding the same piece
+     are its replicas (Megatron gives them different `replica_id`s: data-parallel copies, tensor-parallel-replicated
+     layer norms); every replicated piece is compared (two copies that differ: `consensus_inconclusive`; three or
+     more: the minority attributed, `consensus_attributed`). A piece only one rank holds (tensor-parallel shards at
+     DP=1, the distributed optimizer's flattened ranges) has no replica to vouch for it: `single_owner`
+  3. the write: `dist_checkpointing.save` (torch_dist, unchanged options)
+  4. finalize (appended to the AsyncRequest, or in line): each rank digests its own `__R_*.distcp` (the writing rank,
+     never a rank-0 re-read), rank 0 the files rank 0 wrote; the coordinator lists the folder (a file nobody
+     digested is `missing_file`), writes scout-manifest.json, records the verdict (compare-and-set), journals it;
+     every rank gets the same verdict (IntegrationRun.commit); rank 0 then points
+     `latest_checkpointed_iteration.txt` at the iteration only if it was certified
+  5. at start-up the tracker is pointed at the newest certified iteration that re-verifies (walking back), or moved
+     aside when there is none; `latest_clean(save_dir)` gives that iteration for Megatron-LM's `--ckpt-step`
+
+By default a checkpoint with single-owner pieces is `committed`, never certified (reason `single_owner`, naming how
+many pieces and which keys); `accept_single_owner=True` accepts bytes + finite checks for them (the run's policy
+says so). The consensus compares what the pieces hold at save; a fault before the data-parallel all-reduce that
+every replica then shares is not seen by it (as with DDP).
+
+Not covered here: the Megatron-LM training loop and GPTModel forward need CUDA (see docs/integrate.md); formats
+other than torch_dist (refused); the observer and replay (the core Checkpointer's, not wired for Megatron);
+a filesystem not shared by the ranks (the coordinator's listing must see every rank's files).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import scout_ckpt
+from scout_ckpt import policy
+from scout_ckpt.errors import LiveStateCorrupt, ScoutError
+from scout_ckpt.integrations import mg_folders
+from scout_ckpt.integrations.mg_folders import LAYOUT, folder_name, parse_folder
+from scout_ckpt.integrations.session import COORDINATOR, IntegrationRun
+from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
+from scout_ckpt.ops.startup import StartRefused
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+log = logging.getLogger("scout_ckpt.megatron")
+
+__all__ = ["MegatronCheckpointer", "save", "latest_clean", "write_tracker"]
+
+LIVE_CODES = ("consensus_attributed", "consensus_inconclusive", "invariant_failed")
+DISTCP_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def latest_clean(save_dir: str | os.PathLike, *, verify: bool = True) -> int | None:
+    """The newest certified iteration under save_dir whose bytes still verify (walking back past, and rejecting,
+    any that fail), for Megatron-LM's `--ckpt-step`; None on a fresh run. Not collective."""
+    return mg_folders.latest_clean_iteration(save_dir, verify=verify)
+
+
+def write_tracker(save_dir: str | os.PathLike, *, verify: bool = True) -> int | None:
+    """Point `latest_checkpointed_iteration.txt` at the newest certified iteration that verifies (or move it aside
+    when there is none); returns that iteration. Call it on one rank, after Megatron-LM wrote its tracker."""
+    return mg_folders.repoint_tracker(save_dir, verify=verify)
+
+
+_CHECKPOINTERS: dict[str, "MegatronCheckpointer"] = {}
+
+
+def save(sharded_state_dict, checkpoint_dir: str | os.PathLike, **kwargs):
+    """Drop-in for `dist_checkpointing.save(sharded_state_dict, checkpoint_dir, ...)` where checkpoint_dir is
+    `SAVE_DIR/iter_NNNNNNN`: the MegatronCheckpointer of SAVE_DIR (made on first use, collective) saves and
+    certifies it (a MegatronCheckpointer already made for SAVE_DIR is the one used). Returns what
+    dist_checkpointing.save returns (the AsyncRequest with scout-ckpt's finalize
+    appended when async_sharded_save=True, else None); the verdict is the checkpointer's `last_verdict`."""
+    path = Path(checkpoint_dir)
+    iteration = parse_folder(path.name)
+    if iteration is None:
+        raise ScoutError(f"scout-ckpt certifies Megatron folders named iter_NNNNNNN; got {path.name!r}")
+    key = str(path.parent.resolve())
+    if key not in _CHECKPOINTERS:
+        _CHECKPOINTERS[key] = MegatronCheckpointer(path.parent)
+    ckpt = _CHECKPOINTERS[key]
+    out = ckpt.save(iteration, sharded_state_dict, async_save=kwargs.pop("async_sharded_save", False), **kwargs)
+    return out if not isinstance(out, dict) else None
+
+
+class MegatronCheckpointer:
+    """Certified dist_checkpointing saves under one save_dir (see the module docstring). Collective to construct
+    (every rank, after torch.distributed and parallel_state are initialized): opens the ledger, settles what a crash
+    left, points the tracker at the newest certified iteration."""
+
+    def __init__(self, save_dir: str | os.PathLike, *, accept_single_owner: bool = False, consensus: bool = True,
+                 on_live_fault: str = "raise", update_tracker: bool = True, timeout_s: float = 600.0):
+        if on_live_fault not in ("raise", "continue"):
+            raise ScoutError(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
+        self.root = Path(save_dir)
+        self.accept_single_owner, self.on_live_fault = accept_single_owner, on_live_fault
+        self.update_tracker = update_tracker
+        self.run = IntegrationRun(self.root, framework="megatron", timeout_s=timeout_s)
+        self.consensus = consensus and self.run.world > 1
+        self.policy = self._policy()
+        self.topology = {"mode": "megatron" if self.run.world > 1 else "single", "world_size": self.run.world,
+                         "framework": "megatron", "layout": LAYOUT, **_parallel_sizes()}
+        self.last_verdict: dict | None = None
+        self._start()
+        _CHECKPOINTERS[str(self.root.resolve())] = self   # the drop-in `save` of this save_dir uses this one
+
+    # ---- set-up ---------------------------------------------------------------------------------------------
+
+    def _policy(self) -> dict:
+        """What "certified" means: bytes (each writer's digests), the finite check of every piece, consensus over
+        the pieces that have replicas, and `single_owner` (pieces no replica vouches for, accepted by option)."""
+        require = ["bytes", "invariants"] + (["consensus"] if self.consensus else []) + ["single_owner"]
+        allow_na = ["single_owner", "consensus"] if self.accept_single_owner else []
+        return {"require": require, "allow_not_applicable": allow_na, "invariants": [], "layout": LAYOUT,
+                "replay_targets": [], "accept_single_owner": self.accept_single_owner}
+
+    def _versions(self) -> dict:
+        from importlib.metadata import version
+
+        return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
+                "megatron_core": version("megatron-core"), "python": platform.python_version()}
+
+    def _start(self) -> None:
+        def after(ledger, run_id):
+            for s in self.run.settled:
+                if s["after"] != "writing":
+                    log.warning("scout-ckpt: iteration %d of an interrupted save settled: %s (%s)", s["step"],
+                                s["after"], s["why"])
+
+        self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
+        it = self.run.on_coordinator(f"point {self.root}/{mg_folders.TRACKER} at a certified iteration",
+                                     lambda: mg_folders.repoint_tracker(self.root) if self.update_tracker
+                                     else mg_folders.latest_clean_iteration(self.root))
+        if it is None:
+            pending = self.run.on_coordinator(f"read the ledger in {self.root}", self._uncertified)
+            if pending:
+                # never a fresh start over saved state that is only unvouched (not found bad): a person decides
+                raise StartRefused(
+                    f"{self.root}: no certified checkpoint, but {len(pending)} saved iteration(s) exist that are "
+                    f"not rejected ({', '.join(pending[-4:])}); the job does not start from iteration 0 over them. "
+                    "`scout-ckpt ls` shows why each is not certified; MegatronCheckpointer(..., "
+                    "accept_single_owner=True) certifies single-owner pieces on bytes + finite checks")
+
+    def _uncertified(self) -> list[str]:
+        rows = self.run.ledger.checkpoints(states=("committed",))
+        return [f"{r['path']} ({(r['reasons'] or [{}])[0].get('code', 'committed')})" for r in rows
+                if (self.root / r["path"]).is_dir()]
+
+    def close(self) -> None:
+        """Every rank, at the end of training: the ledger closed, the integration's gloo group released."""
+        self.run.close()
+        _CHECKPOINTERS.pop(str(self.root.resolve()), None)
+
+    # ---- save ------------------------------------------------------------------------------------------------
+
+    def save(self, iteration: int, sharded_state_dict, *, async_save: bool = False, **save_kwargs):
+        """Collective: save `sharded_state_dict` into save_dir/iter_NNNNNNN with dist_checkpointing.save (torch_dist)
+        and certify it. Sync: returns the verdict {"state", "reasons"} (also `last_verdict`). async_save=True:
+        returns the AsyncRequest with scout-ckpt's finalize appended; schedule it as Megatron-LM does
+        (`AsyncCallsQueue.schedule_async_request`); the verdict is `last_verdict` once it is finalized. A verdict
+        that shows the live state bad raises LiveStateCorrupt on every rank unless on_live_fault="continue"."""
+        strategy = save_kwargs.get("sharded_strategy")
+        if strategy is not None:
+            backend = strategy[0] if isinstance(strategy, tuple) else getattr(strategy, "backend", None)
+            if backend != "torch_dist":
+                raise ScoutError(f"scout-ckpt certifies the torch_dist format; got {backend!r}")
+        iteration = int(iteration)
+        name = folder_name(iteration)
+        step_dir = self.root / name
+        attempt = self.run.begin_save(iteration, name, remove_stale=True)
+        self.run.on_coordinator(f"create {step_dir}", lambda: step_dir.mkdir(parents=True, exist_ok=True))
+        live = self._live_evidence(sharded_state_dict)
+        if async_save:
+            request = dist_checkpointing.save(sharded_state_dict, str(step_dir), async_sharded_save=True,
+                                              **save_kwargs)
+            request.add_finalize_fn(lambda: self.finalize(iteration, attempt, live))
+            return request
+        dist_checkpointing.save(sharded_state_dict, str(step_dir), **save_kwargs)
+        return self.finalize(iteration, attempt, live)
+
+    def finalize(self, iteration: int, attempt: str, live: dict) -> dict:
+        """Collective, every rank, after every rank's write (Megatron's own finalize functions first): digests by the
+        writing ranks, manifest, verdict, tracker. Returns the verdict (the same on every rank)."""
+        run = self.run
+        step_dir = self.root / folder_name(iteration)
+        files, listing = run.hash_share(step_dir, writer=_writer_of)
+        verdict = run.commit(iteration, attempt, step_dir, files, listing, live, run_policy=self.policy,
+                             topology=self.topology, versions=self._versions(), need_metadata=True, layout=LAYOUT,
+                             iteration=iteration)
+        self.last_verdict = {"step": iteration, "iteration": iteration, **verdict}
+        if run.is_coordinator:
+            from scout_ckpt.ops.views import reason_text
+
+            log.warning("scout-ckpt: %s %s%s", folder_name(iteration), verdict["state"],
+                        f" ({reason_text(verdict['reasons'])})" if verdict["reasons"] else "")
+            if self.update_tracker and verdict["state"] == "certified":
+                try:
+                    mg_folders.point_tracker(self.root, iteration)
+                except OSError as e:   # the previous certified iteration stays named: logged, not raised
+                    log.warning("scout-ckpt: could not point %s/%s at %d: %s", self.root, mg_folders.TRACKER,
+                                iteration, e)
+        run.barrier()
+        bad = sorted({r.get("code") for r in verdict["reasons"] if r.get("code") in LIVE_CODES})
+        if bad and self.on_live_fault == "raise":
+            raise LiveStateCorrupt(iteration, {**self.last_verdict, "live_fault": bad})
+        return verdict
+
+    # ---- load ------------------------------------------------------------------------------------------------
+
+    def load_latest_clean(self, sharded_state_dict, **load_kwargs):
+        """Collective: (iteration, state dict) of the newest certified iteration whose bytes re-verify (the
+        coordinator walks back past, and rejects, any that fail), loaded with dist_checkpointing.load; None on a
+        fresh run."""
+        def find():
+            found = mg_folders.latest_clean_iteration(self.root)
+            if found is not None and self.update_tracker:
+                mg_folders.point_tracker(self.root, found)
+            return found
+
+        it = self.run.on_coordinator(f"find the newest certified iteration in {self.root}", find)
+        if it is None:
+            return None
+        loaded = dist_checkpointing.load(sharded_state_dict, str(self.root / folder_name(it)), **load_kwargs)
+        return it, loaded
+
+    # ---- evidence on the live state --------------------------------------------------------------------------
+
+    def _live_evidence(self, sharded_state_dict) -> dict:
+        """Collective: consensus over replicated pieces and the finite check of every piece (identical on every
+        rank), and the `single_owner` evidence."""
+        mine: dict[str, str] = {}
+        nonfinite: list[str] = []
+        for st in _sharded_tensors(sharded_state_dict):
+            if st.data is None:
+                continue
+            pid = _piece_id(st)
+            mine[pid] = _tensor_digest(st.data)
+            try:
+                ok = is_finite(st.data.detach())
+            except UncheckableDtype:
+                ok = False
+            if not ok:
+                nonfinite.append(pid)
+        if self.run.distributed:
+            every = [None] * self.run.world
+            dist.all_gather_object(every, {"pieces": mine, "nonfinite": nonfinite}, group=self.run.pg)
+        else:
+            every = [{"pieces": mine, "nonfinite": nonfinite}]
+        return _evidence(every, consensus=self.consensus, accept_single_owner=self.accept_single_owner)
+
+
+# ---- pure helpers ----------------------------------------------------------------------------------------------
+
+def _writer_of(path: str) -> int:
+    """The rank that wrote a file of a torch_dist folder: `__R_I.distcp` rank R, the rest (`.metadata`,
+    `common.pt`, `metadata.json`) rank 0."""
+    m = DISTCP_RE.match(path)
+    return int(m.group(1)) if m else COORDINATOR
+
+
+def _sharded_tensors(obj):
+    if isinstance(obj, ShardedTensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _sharded_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _sharded_tensors(v)
+
+
+def _piece_id(st: ShardedTensor) -> str:
+    fr = st.flattened_range
+    rng = f"[{fr.start}:{fr.stop}]" if fr is not None else ""
+    return f"{st.key}@{tuple(st.global_offset)}{tuple(st.local_shape)}{rng}"
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous()
+    return hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _evidence(every: list[dict], *, consensus: bool, accept_single_owner: bool) -> dict:
+    """Pure: the live evidence from every rank's {"pieces": {piece: digest}, "nonfinite": [piece]}."""
+    holders: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for rank, g in enumerate(every):
+        for pid, d in g["pieces"].items():
+            holders[pid].append((rank, d))
+    ev: dict = {}
+    bad_fin = [{"code": "invariant_failed", "check": "finite", "ranks": [r], "tensors": g["nonfinite"][:8],
+                "n_tensors": len(g["nonfinite"])} for r, g in enumerate(every) if g["nonfinite"]]
+    ev["invariants"] = policy.evidence(policy.FAIL if bad_fin else policy.PASS, bad_fin, specs=["finite"],
+                                       checked_by="writers", checked_at="save")
+    replicated = {p: h for p, h in holders.items() if len(h) > 1}
+    single = sorted(p for p, h in holders.items() if len(h) == 1)
+    if consensus:
+        reasons, status = [], policy.PASS
+        for pid, h in sorted(replicated.items()):
+            counts: dict[str, list[int]] = defaultdict(list)
+            for r, d in h:
+                counts[d].append(r)
+            if len(counts) == 1:
+                continue
+            ranked = sorted(counts.values(), key=len, reverse=True)
+            if len(ranked[0]) * 2 > len(h):   # a strict majority: the others are attributed
+                minority = sorted(r for rs in ranked[1:] for r in rs)
+                reasons.append({"code": "consensus_attributed", "ranks": minority, "tensor": pid})
+                status = policy.FAIL
+            else:
+                reasons.append({"code": "consensus_inconclusive", "ranks": sorted(r for r, _ in h), "tensor": pid})
+                if status == policy.PASS:
+                    status = policy.INCONCLUSIVE
+        groups = sorted({tuple(sorted(r for r, _ in h)) for h in replicated.values()})
+        if not replicated:
+            status = policy.NOT_APPLICABLE
+        ev["consensus"] = policy.evidence(status, reasons, tensors_compared=len(replicated),
+                                          groups=[{"members": list(g)} for g in groups], source="replica_id")
+    if single:
+        reason = {"code": "single_owner", "pieces": len(single), "keys": sorted({p.split("@")[0] for p in single})[:8],
+                  "ranks": sorted({holders[p][0][0] for p in single}),
+                  "detail": "one rank holds each of these pieces (tensor-parallel shards without data-parallel "
+                            "replicas): no replica to compare; bytes and finite checks alone do not vouch for them"}
+        status = policy.NOT_APPLICABLE if accept_single_owner else policy.MISSING
+        ev["single_owner"] = policy.evidence(status, [reason], accepted=accept_single_owner)
+    else:
+        ev["single_owner"] = policy.evidence(policy.PASS, [], pieces=0)
+    return ev
+
+
+def _parallel_sizes() -> dict:
+    """Tensor/pipeline/data-parallel sizes from parallel_state when it is initialized (for the manifest)."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return {}
+        return {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+                "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+                "data_parallel": ps.get_data_parallel_world_size()}
+    except Exception:  # noqa: BLE001 - sizes are descriptive only
+        return {}

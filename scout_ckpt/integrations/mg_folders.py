@@ -1,0 +1,96 @@
+"""Megatron's checkpoint folders in a scout-ckpt ledger: `save_dir/iter_NNNNNNN/` (Megatron-LM's
+`get_checkpoint_name`: seven digits) and the `save_dir/latest_checkpointed_iteration.txt` tracker. Torch-free:
+the CLI imports it so that `scout-ckpt ls/explain/resume/certify SAVE_DIR` read a Megatron run, and
+`latest_clean` runs here.
+
+An `iter_NNNNNNN` folder written by `dist_checkpointing.save` (torch_dist) holds `.metadata`, `__R_I.distcp`,
+`common.pt` and `metadata.json`, written in place (no temp dir + rename), so the core reads it as a registered
+folder layout (`layout.register_folder_layout`); settling, resume and walk-back are the core's
+(integrations/folders.py). The tracker is Megatron-LM's own (written by its training loop, not by megatron-core):
+the iteration as text, or `release`. Here it only ever names a certified iteration: `point_tracker` replaces it
+atomically, and `hide_tracker` moves one that names no certified iteration aside (to
+`latest_checkpointed_iteration.txt.scout-uncertified`, kept) instead of letting Megatron-LM load it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+from scout_ckpt.format.layout import atomic_write_bytes, fsync_dir, register_folder_layout
+
+log = logging.getLogger("scout_ckpt.megatron")
+
+LAYOUT = "megatron"
+TRACKER = "latest_checkpointed_iteration.txt"
+HIDDEN_TRACKER = TRACKER + ".scout-uncertified"
+FOLDER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+def folder_name(iteration: int) -> str:
+    """Megatron-LM's folder name (`checkpointing.get_checkpoint_name`): iter_{:07d}."""
+    return f"iter_{iteration:07d}"
+
+
+def parse_folder(name: str) -> int | None:
+    m = FOLDER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+register_folder_layout(LAYOUT, parse_folder)
+
+
+def read_tracker(save_dir: str | os.PathLike) -> str | None:
+    """What the tracker holds (an iteration as text, or `release`), or None when there is no readable tracker."""
+    try:
+        return (Path(save_dir) / TRACKER).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def point_tracker(save_dir: str | os.PathLike, iteration: int) -> None:
+    """tracker := str(iteration), atomically (a crash leaves the old one or the new one, never a torn file)."""
+    atomic_write_bytes(Path(save_dir) / TRACKER, str(int(iteration)).encode())
+
+
+def hide_tracker(save_dir: str | os.PathLike) -> str | None:
+    """Move the tracker aside (kept, not deleted); returns what it held, or None when there was none."""
+    path = Path(save_dir) / TRACKER
+    if not path.is_file():
+        return None
+    held = read_tracker(save_dir)
+    os.replace(path, Path(save_dir) / HIDDEN_TRACKER)
+    fsync_dir(save_dir)
+    return held
+
+
+def latest_clean_iteration(save_dir: str | os.PathLike, *, verify: bool = True) -> int | None:
+    """The iteration of the newest certified `iter_NNNNNNN` under save_dir whose bytes still verify (core
+    `recovery.latest_clean`: re-hashed, walking back past and rejecting any that fail), or None."""
+    from scout_ckpt.integrations.folders import latest_clean_row
+
+    found = latest_clean_row(save_dir, verify=verify)
+    if not found:
+        return None
+    return parse_folder(Path(found["path"]).name)
+
+
+def repoint_tracker(save_dir: str | os.PathLike, *, verify: bool = True) -> int | None:
+    """The tracker := the newest certified iteration that verifies; with none, a tracker naming anything else is
+    moved aside (hide_tracker), so that Megatron-LM's `--load` starts fresh rather than load uncertified state.
+    Returns the iteration the tracker now names, or None."""
+    it = latest_clean_iteration(save_dir, verify=verify)
+    current = read_tracker(save_dir)
+    if it is not None:
+        if current != str(it):
+            point_tracker(save_dir, it)
+            log.warning("scout-ckpt: %s/%s now names %d, the newest certified iteration (it named %s)",
+                        save_dir, TRACKER, it, current)
+        return it
+    hidden = hide_tracker(save_dir)
+    if hidden is not None:
+        log.warning("scout-ckpt: no certified checkpoint under %s: %s (which named %s) moved to %s", save_dir,
+                    TRACKER, hidden, HIDDEN_TRACKER)
+    return None
