@@ -51,12 +51,27 @@ class LedgerUnavailable(LedgerError):
     the checkpoints' manifests and the journal instead (scout_ckpt/ops/disk_view.py)."""
 
 
+# Descriptors of database files opened to read their header, kept open for the life of the process and never
+# closed. On POSIX, close() of ANY descriptor of a file drops every fcntl lock the process holds on that file,
+# SQLite's included: a header read with open()/close() while a connection of this process had the ledger open
+# silently released that connection's locks, and another process's writer then checkpointed and reset the WAL
+# under it: committed rows of both vanished (two writers, one kept 1 insert of 150). SQLite itself never closes a
+# descriptor of a file it holds locks on; neither does this. Keyed by (device, inode): a file replaced by a rename
+# (a rebuild) gets a new descriptor, the old one is kept (one small descriptor per ledger file per process).
+_HEADER_FDS: dict[tuple[int, int], int] = {}
+
+
 def header_journal(path: Path) -> str | None:
     """"wal" or "delete" from the database header (bytes 18-19: 2 = WAL, 1 = rollback journal) without opening
-    it with SQLite; None if it is not an SQLite file (or empty)."""
+    it with SQLite; None if it is not an SQLite file (or empty). Reads through a descriptor this process keeps
+    open (see _HEADER_FDS): never a close() that would drop a connection's locks."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(100)
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino)
+        fd = _HEADER_FDS.get(key)
+        if fd is None:
+            fd = _HEADER_FDS[key] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        head = os.pread(fd, 100, 0)
     except OSError:
         return None
     if len(head) < 20 or not head.startswith(b"SQLite format 3\0"):
@@ -173,7 +188,8 @@ class LedgerConnection:
         self.conn.execute("PRAGMA synchronous=FULL")
         current = self.conn.execute("PRAGMA journal_mode").fetchone()[0].lower()
         want = choice["mode"]
-        fresh = header_journal(self.path) is None   # a new (empty) file: create it in the chosen mode
+        # a new (empty) file: create it in the chosen mode (asked of the connection: no second descriptor)
+        fresh = self.conn.execute("PRAGMA page_count").fetchone()[0] == 0
         if current == want or (choice["requested"] == "auto" and want == "wal" and not fresh):
             return
         try:
