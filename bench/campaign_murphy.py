@@ -41,8 +41,8 @@ model and AdamW (no scout-ckpt code), digested the way the script digests. Per i
   outcome            "finished" (every generation exited 0), "refused: <the job's error line>" (a scout-ckpt error,
                      one line: the documented answer to a full disk), or "crashed: <line>" otherwise.
 
-`fired` is False when the fault did not happen (gc or certify never overlapped a save in flight, the EIO was never
-hit, no tmpfs). `detected` means handled: wrongly_certified == 0, good_lost == 0 and the outcome is finished or
+`fired` is False when the fault did not happen (gc never met the re-save in flight, no certify run overlapped a
+slowed publish, the EIO was never hit, no tmpfs). `detected` means handled: wrongly_certified == 0, good_lost == 0 and the outcome is finished or
 refused; campaign.py's recall for these kinds is the fraction of incidents handled so.
 """
 
@@ -213,12 +213,13 @@ def _cli_loop(job: Job, *args) -> tuple[threading.Thread, list[dict]]:
 
     def loop():
         while job.proc.poll() is None:
+            start = time.time()
             rc, out, err = _cli(*args, timeout=120)
             try:
                 doc = json.loads(out) if out.strip() else None
             except ValueError:
                 doc = None
-            seen.append({"rc": rc, "doc": doc, "err": err.strip()[-300:], "t": time.monotonic()})
+            seen.append({"rc": rc, "doc": doc, "err": err.strip()[-300:], "start": start, "end": time.time()})
 
     t = threading.Thread(target=loop, daemon=True)
     t.start()
@@ -527,6 +528,8 @@ def _run_second_container(inc: dict, work: Path) -> dict:
     if why:
         return _skipped(inc, f"cannot make a PID namespace here (unshare --pid needs root): {why}")
     root, oracle = _start(inc, work)
+    log = work / "murphy-faults.jsonl"
+    before = len(log.read_text().splitlines()) if log.exists() else 0
     job = Job(work, root, 30, env={"SCOUT_MURPHY_SLOW_PUBLISH_S": str(SLOW_PUBLISH_S)},
               prefix=("unshare", "--pid", "--fork", "--mount-proc"))
     loop, seen = _cli_loop(job, "certify", root, "--json")
@@ -534,12 +537,15 @@ def _run_second_container(inc: dict, work: Path) -> dict:
     loop.join(timeout=180)
     oracle.generation("other-pid-namespace", g)
     final = oracle.final(root)
+    publishes = [json.loads(ln) for ln in log.read_text().splitlines()[before:]] if log.exists() else []
+    windows = [(f["time"], f["time"] + SLOW_PUBLISH_S) for f in publishes if f["what"] == "slow_publish"]
+    overlapped = sum(1 for s in seen if any(s["start"] < w1 and s["end"] > w0 for w0, w1 in windows))
     writing = sum(1 for s in seen if s["doc"] and any(r.get("state") == "writing"
                                                       for r in s["doc"].get("results") or []))
     interrupted = sorted({r["step"] for s in seen if s["doc"] for r in s["doc"].get("results") or []
                           if r.get("state") == "rejected"})
-    return _record(inc, oracle, final, _outcome(g), writing > 0, time.monotonic() - t0, certify_runs=len(seen),
-                   certify_saw_writing=writing, certify_rejected=interrupted,
+    return _record(inc, oracle, final, _outcome(g), overlapped > 0, time.monotonic() - t0, certify_runs=len(seen),
+                   certify_during_a_save=overlapped, certify_saw_writing=writing, certify_rejected=interrupted,
                    restart={"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]})
 
 
