@@ -23,7 +23,7 @@ event or any rejection. Scores per kind: detection recall, attribution precision
 averaged), false positives of that kind's detector on the controls, latency median/p95. Clean checkpoints that a
 detector rejected (state saved before the fault entered) are counted as `clean_rejected` (availability cost, not a
 bad resume). Writes campaign.json and campaign.md to bench/results (or --out). Exit 1 on any bad resume or
-torture violation.
+torture violation, or when a Murphy kind (bench/campaign_murphy.py) misses wrongly_certified 0 or good_lost 0.
 """
 
 from __future__ import annotations
