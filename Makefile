@@ -46,11 +46,14 @@ bench: $(STAMP)
 	$(BIN)/python bench/run_all.py
 
 # The demo's fault kinds and the SIGKILL torture, then users' scripts under real torchrun (FSDP2 shard faults,
-# observer hangs/stragglers/desyncs/crashes) with their own healthy controls: well over an hour on 2 cores.
+# observer hangs/stragglers/desyncs/crashes) with their own healthy controls: well over an hour on 2 cores; then the
+# faults of the world against the DDP example job (bench/campaign_murphy.py: wrongly_certified, good_lost, outcome).
 campaign: scenarios
 	$(BIN)/python bench/campaign.py
 	$(BIN)/python bench/campaign.py --out bench/results/torchrun --healthy 0 --torture 0 --per-kind 2 \
 	  --kinds fsdp_param,fsdp_optim,tr_hang,tr_slow,tr_slow_2x,tr_slow_1.5x,tr_desync,tr_crash
+	$(BIN)/python bench/campaign.py --out bench/results/murphy --healthy 0 --torture 0 --per-kind 2 \
+	  --kinds lost_ledger,transient_eio,enospc,clock_skew,gc_resave,second_container
 
 clean:
 	rm -rf $(VENV) build *.egg-info

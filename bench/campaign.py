@@ -23,7 +23,7 @@ event or any rejection. Scores per kind: detection recall, attribution precision
 averaged), false positives of that kind's detector on the controls, latency median/p95. Clean checkpoints that a
 detector rejected (state saved before the fault entered) are counted as `clean_rejected` (availability cost, not a
 bad resume). Writes campaign.json and campaign.md to bench/results (or --out). Exit 1 on any bad resume or
-torture violation.
+torture violation, or when a Murphy kind (bench/campaign_murphy.py) misses wrongly_certified 0 or good_lost 0.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ KINDS = ("sdc", "param", "hang", "slow", "crash", "bitflip", "truncate", "delete
 # "false_positive": f(healthy_record) -> bool}} and may define HEALTHY = {name: f(work, seed) -> healthy record};
 # records carry the keys run_load_mismatch / judge_healthy produce (healthy ones also id, mode, async, ranks). A
 # module that is absent adds nothing.
-EXTENSIONS = ("campaign_fsdp", "campaign_torchrun")
+EXTENSIONS = ("campaign_fsdp", "campaign_torchrun", "campaign_murphy")
 NON_DEMO = ("truncate", "delete", "quarantine_race", "load_mismatch")  # run outside the demo job
 DETECTOR = {"sdc": ("sdc",), "param": ("sdc",), "hang": ("hang",), "slow": ("straggler",), "crash": ("crash",)}
 ALARM_KINDS = ("sdc", "hang", "straggler", "crash", "desync")
@@ -515,6 +515,11 @@ def score(incidents: list[dict], healthy: list[dict]) -> dict:
             "no_resume": sum(1 for i in mine if i.get("no_resume")),
             "clean_rejected": sum(len(i.get("clean_rejected") or []) for i in mine),
         }
+        murphy = [i for i in incidents if i["kind"] == kind and "wrongly_certified" in i]
+        if murphy:  # faults of the world (campaign_murphy): targets 0 and 0; every incident's outcome, skips too
+            kinds[kind].update(wrongly_certified=sum(i["wrongly_certified"] for i in murphy),
+                               good_lost=sum(i["good_lost"] for i in murphy),
+                               outcomes=[i.get("outcome") for i in murphy])
     return kinds
 
 
@@ -554,8 +559,11 @@ def run_campaign(counts: dict[str, int], n_healthy: int, seed: int, torture_iter
                       f"resume={rec['resume_step']}{' BAD RESUME' if rec.get('bad_resume') else ''}"
                       f" ({time.monotonic() - t1:.0f}s)")
         ext_scenarios, ext_healthy = extensions()
-        if any(inc.get("extension") for inc in plan):
+        planned = {inc["kind"] for inc in plan if inc.get("extension")}
+        if planned:
             for name, make in ext_healthy.items():
+                if not planned & set(getattr(__import__(name.split(":")[0]), "SCENARIOS", {})):
+                    continue  # a module's healthy controls run only when one of its kinds does
                 t1 = time.monotonic()
                 rec = make(work / name.replace(":", "-"), seed)
                 healthy.append(rec)
@@ -570,7 +578,8 @@ def run_campaign(counts: dict[str, int], n_healthy: int, seed: int, torture_iter
                 incidents.append(rec)
                 C.log(f"{inc['id']}: detected={rec['detected']} blamed={rec.get('blamed')} truth={rec.get('truth')} "
                       f"latency={rec.get('latency_s')} resume={rec.get('resume_step')}"
-                      f"{' BAD RESUME' if rec.get('bad_resume') else ''} ({time.monotonic() - t1:.0f}s)")
+                      f"{' BAD RESUME' if rec.get('bad_resume') else ''}"
+                      f"{' outcome=' + str(rec['outcome']) if 'outcome' in rec else ''} ({time.monotonic() - t1:.0f}s)")
                 continue
             if inc["kind"] == "load_mismatch":
                 rec = run_load_mismatch(inc, work)
@@ -653,6 +662,12 @@ def markdown(res: dict) -> str:
         lines += ["", "## False positives on healthy controls", ""] + [
             f"- {h['id']} ({h['mode']}{', async' if h['async'] else ''}, {h['ranks']} ranks): "
             f"{json.dumps(h['alarms'])}" for h in fps]
+    murphy = {k: s for k, s in res["kinds"].items() if "wrongly_certified" in s}
+    if murphy:
+        lines += ["", "## Faults of the world (targets: wrongly_certified 0, good_lost 0)", "",
+                  "| kind | n | wrongly_certified | good_lost | outcomes |", "|---|---|---|---|---|"]
+        lines += [f"| {k} | {s['n']} | {s['wrongly_certified']} | {s['good_lost']} | {'; '.join(map(str, s['outcomes']))} |"
+                  for k, s in murphy.items()]
     bads = [i for i in res["incidents"] + res["healthy_runs"] if i.get("bad_resume")]
     if bads:
         lines += ["", "## Bad resumes", ""] + [f"- {i['id']}: {i.get('bad_resume_detail')}" for i in bads]
@@ -695,13 +710,18 @@ def main(argv=None) -> int:
     C.emit(res, args, table_rows(res), HEADERS, title=f"fault campaign (seed {args.seed}, {res['wall_s']:.0f} s)")
     if not args.json:
         print(f"\nbad resumes: {res['bad_resumes']}")
+        for k, s in res["kinds"].items():
+            if "wrongly_certified" in s:
+                print(f"{k}: wrongly_certified={s['wrongly_certified']} good_lost={s['good_lost']} "
+                      f"outcome={'; '.join(map(str, s['outcomes']))}")
         if res["torture"]:
             print()
             C.print_table(torture.rows(res["torture"]), ["torture", "value"])
             for v in res["torture"]["violations"]:
                 print("VIOLATION", v)
         print(f"\nwrote {out / 'campaign.json'} and {out / 'campaign.md'}")
-    return 1 if res["bad_resumes"] or res["torture_violations"] else 0
+    murphy_missed = any(s.get("wrongly_certified") or s.get("good_lost") for s in res["kinds"].values())
+    return 1 if res["bad_resumes"] or res["torture_violations"] or murphy_missed else 0
 
 
 if __name__ == "__main__":

@@ -35,3 +35,29 @@ def test_campaign_quick_has_no_bad_resume_and_no_torture_violation(tmp_path):
     assert res["healthy"]["n"] == 1 and res["healthy"]["bad_resumes"] == 0
     assert json.loads((tmp_path / "campaign.json").read_text())["bad_resumes"] == 0
     assert "| bitflip |" in (tmp_path / "campaign.md").read_text()
+
+
+def test_murphy_kinds_are_registered_and_scored_with_their_targets():
+    """bench/campaign_murphy.py's kinds are campaign kinds, and score() reports wrongly_certified, good_lost and
+    every incident's outcome per kind (skipped incidents included), beside the usual keys."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import campaign
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    murphy = ("lost_ledger", "transient_eio", "enospc", "clock_skew", "gc_resave", "second_container")
+    assert set(murphy) <= set(campaign.all_kinds())
+    base = {"blamed": [], "truth": [], "latency_s": None, "bad_resume": False, "no_resume": False}
+    incidents = [{**base, "id": "lost_ledger-0", "kind": "lost_ledger", "fired": True, "detected": True,
+                  "wrongly_certified": 0, "good_lost": 0, "outcome": "finished"},
+                 {**base, "id": "lost_ledger-1", "kind": "lost_ledger", "fired": True, "detected": False,
+                  "wrongly_certified": 1, "good_lost": 2, "outcome": "crashed: RuntimeError: x"},
+                 {**base, "id": "enospc-0", "kind": "enospc", "fired": False, "detected": False,
+                  "wrongly_certified": 0, "good_lost": 0, "outcome": "skipped: no tmpfs"},
+                 {**base, "id": "bitflip-0", "kind": "bitflip", "fired": True, "detected": True}]
+    kinds = campaign.score(incidents, [])
+    assert kinds["lost_ledger"]["wrongly_certified"] == 1 and kinds["lost_ledger"]["good_lost"] == 2
+    assert kinds["lost_ledger"]["outcomes"] == ["finished", "crashed: RuntimeError: x"]
+    assert kinds["lost_ledger"]["n"] == 2 and kinds["lost_ledger"]["recall"] == 0.5
+    assert kinds["enospc"]["outcomes"] == ["skipped: no tmpfs"] and kinds["enospc"]["n"] == 0
+    assert "wrongly_certified" not in kinds["bitflip"] and "recall" in kinds["bitflip"]
