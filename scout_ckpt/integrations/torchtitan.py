@@ -61,8 +61,7 @@ from torchtitan.config.override import derive, override
 import scout_ckpt
 from scout_ckpt import invariants as inv
 from scout_ckpt.errors import ScoutError
-from scout_ckpt.format import layout
-from scout_ckpt.integrations import folders
+from scout_ckpt.integrations import titan_next
 from scout_ckpt.integrations.session import IntegrationRun
 from scout_ckpt.integrations.titan_evidence import TitanEvidence
 from scout_ckpt.ledger import journal
@@ -333,8 +332,7 @@ class ScoutCheckpointManager(CheckpointManager):
         if self.keep_latest_k <= 0:
             return
         try:
-            folders.apply_retention(self.ledger, self.root, self.keep_latest_k,
-                                    dirs=layout.list_step_dirs(self.root))
+            titan_next.apply_retention(self.ledger, self.root, self.keep_latest_k)
         except Exception as e:  # noqa: BLE001 -- see the docstring
             self.ledger.add_event("retention_error", run_id=self.run_id, detail={"error": repr(e)})
 
@@ -347,16 +345,14 @@ class ScoutCheckpointManager(CheckpointManager):
     def _candidate(self) -> dict | None:
         """Coordinator: the newest certified step whose bytes re-verify (core recovery.latest_clean, which
         rejects failures in the ledger and walks back) and the signatures its trusted manifest records."""
-        from scout_ckpt.errors import NotFound
-        from scout_ckpt.ops.recovery import latest_clean, trusted_manifest
+        from scout_ckpt.ops.recovery import trusted_manifest
 
-        try:
-            found = latest_clean(self.root)
-        except NotFound:
+        found = titan_next.newest_resumable(self.root)
+        if found is None:
             return None
         row = self.ledger.checkpoint(found["step"])
         m, bad = trusted_manifest(self.root / row["path"], row)
-        return {"step": found["step"], "attempt": row["attempt"], "skipped": [s["step"] for s in found["skipped"]],
+        return {"step": found["step"], "attempt": row["attempt"], "skipped": found["skipped"],
                 "signatures": (m or {}).get("signatures") or {} if not bad else {}}
 
     def _load(self, step: int = -1) -> bool:
