@@ -110,3 +110,12 @@ def test_purge_exempt_keeps_certified_pending_and_quarantined_and_records_what_i
     assert exempt(8) is True
     assert (root / "step-1").is_dir()  # purge_exempt decides; deleting the folder is TorchTitan's purge thread's
 
+
+
+def test_the_03_managers_retention_keeps_a_users_purge_exempt_steps(five, tmp_path):
+    root = staged(five, tmp_path)
+    with Ledger.open(root) as led:
+        out = tn.apply_retention(led, root, 2, also_keep=lambda s: s == 1)  # e.g. a milestone step
+    assert out["keep"][1] == "best model" and 1 not in out["delete"] and (root / "step-1").is_dir()
+    assert 3 in out["delete"] and not (root / "step-3").exists()  # the rejected one goes
+    assert states(root)[3] == "deleted"

@@ -193,12 +193,15 @@ def retention_plan(ledger: Ledger, root: str | os.PathLike, keep: int) -> tuple[
     return plan, rows
 
 
-def apply_retention(ledger: Ledger, root: str | os.PathLike, keep: int) -> dict:
+def apply_retention(ledger: Ledger, root: str | os.PathLike, keep: int, also_keep=None) -> dict:
     """The 0.3 manager's retention: integrations.folders.apply_retention over the `step-N` folders (the same plan
-    as `retention_plan`), deletions through the ledger's compare-and-set."""
+    as `retention_plan`), deletions through the ledger's compare-and-set. `also_keep`: a callable step -> bool
+    (a user's own `purge_exempt`, e.g. milestone steps) whose steps are kept besides."""
     from scout_ckpt.integrations.folders import apply_retention as apply
 
-    return apply(ledger, Path(root), keep, dirs=layout.list_step_dirs(root))
+    dirs = layout.list_step_dirs(root)
+    extra = {s for s in dirs if also_keep(s)} if callable(also_keep) else set()
+    return apply(ledger, Path(root), keep, dirs=dirs, also_keep=extra)
 
 
 def purge_exempt(root: str | os.PathLike, keep: int):
