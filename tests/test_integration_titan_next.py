@@ -119,3 +119,11 @@ def test_the_03_managers_retention_keeps_a_users_purge_exempt_steps(five, tmp_pa
     assert out["keep"][1] == "best model" and 1 not in out["delete"] and (root / "step-1").is_dir()
     assert 3 in out["delete"] and not (root / "step-3").exists()  # the rejected one goes
     assert states(root)[3] == "deleted"
+
+
+def test_find_load_step_collective_gives_every_rank_rank0s_answer(five, tmp_path):
+    root = staged(five, tmp_path)
+    out = run_ranks(w.find_load_step_collective, 2, str(root), 4, timeout=200)
+    assert [o.result for o in out] == [1, 1]  # 4: bytes fail (recorded once, by rank 0), 3 rejected, 2 quarantined
+    with Ledger.open(root, readonly=True) as led:
+        assert sum(h["state"] == "rejected" for h in led.certifications(4)) == 1
