@@ -301,3 +301,10 @@ def train_fsdp(rank, world, root, steps=4, arms=("fault",)):
             res[arm] = _run_fsdp(os.path.join(root, "healthy"), pd, rank, steps + 4, async_mode="async")
         res[arm]["seconds"] = time.monotonic() - t0
     return res
+
+
+def find_load_step_collective(rank, world, root, max_step):
+    """titan_next.find_load_step_collective on every rank: the step each rank got."""
+    from scout_ckpt.integrations import titan_next
+
+    return titan_next.find_load_step_collective(root, max_step)

@@ -38,7 +38,10 @@ them and forbids overriding them):
                      does (the operator's choice). After a load the evidence's schedules restart from its step.
   _purge_stale_checkpoints  core retention (`retention.decide` with keep = keep_latest_k): never the newest
                      certified nor a newer one awaiting evidence, rejected ones first; runs after the commit, never
-                     right after an async dispatch
+                     right after an async dispatch; a `purge_exempt` callable on the manager (TorchTitan main's
+                     option) keeps the steps it names besides
+  _is_valid_checkpoint, _is_resumable_checkpoint  TorchTitan main's hooks, answered by integrations.titan_next
+                     (one definition with the load choice and retention above)
 
 Not covered: a last-step save with `last_save_model_only` (TorchTitan's default) is recorded and hashed but carries
 model evidence only and no load signatures (and, off the save interval, no replay sweep: it stays `committed`
@@ -61,8 +64,7 @@ from torchtitan.config.override import derive, override
 import scout_ckpt
 from scout_ckpt import invariants as inv
 from scout_ckpt.errors import ScoutError
-from scout_ckpt.format import layout
-from scout_ckpt.integrations import folders
+from scout_ckpt.integrations import titan_next
 from scout_ckpt.integrations.session import IntegrationRun
 from scout_ckpt.integrations.titan_evidence import TitanEvidence
 from scout_ckpt.ledger import journal
@@ -323,9 +325,18 @@ class ScoutCheckpointManager(CheckpointManager):
 
     # ---- retention -----------------------------------------------------------------------------------------
 
-    def _purge_stale_checkpoints(self) -> None:
+    def _purge_stale_checkpoints(self, *args, **kwargs) -> None:
         """The parent calls this right after writing (or, async, right after dispatching) a save: nothing is
-        deleted then; retention runs in `_retention`, after the commit is recorded."""
+        deleted then; retention runs in `_retention`, after the commit is recorded. (Any arguments: TorchTitan's
+        later base class passes keywords, `is_save_in_flight=` or `saving_step=`.)"""
+
+    def _is_valid_checkpoint(self, checkpoint_dir: str) -> bool:
+        """TorchTitan main's hook (unused by 0.3): integrations.titan_next.is_valid_checkpoint."""
+        return titan_next.is_valid_checkpoint(self.root, checkpoint_dir)
+
+    def _is_resumable_checkpoint(self, checkpoint_dir: str) -> bool:
+        """TorchTitan main's hook (unused by 0.3): integrations.titan_next.is_resumable_checkpoint."""
+        return titan_next.is_resumable_checkpoint(self.root, checkpoint_dir)
 
     def _retention(self) -> None:
         """Coordinator, after a recorded commit: core retention with keep = keep_latest_k (0: keep all). Errors
@@ -333,30 +344,32 @@ class ScoutCheckpointManager(CheckpointManager):
         if self.keep_latest_k <= 0:
             return
         try:
-            folders.apply_retention(self.ledger, self.root, self.keep_latest_k,
-                                    dirs=layout.list_step_dirs(self.root))
+            titan_next.apply_retention(self.ledger, self.root, self.keep_latest_k,
+                                       also_keep=getattr(self, "purge_exempt", None))
         except Exception as e:  # noqa: BLE001 -- see the docstring
             self.ledger.add_event("retention_error", run_id=self.run_id, detail={"error": repr(e)})
 
     # ---- load ----------------------------------------------------------------------------------------------
 
-    def _find_load_step(self, folder: str = "") -> int:
-        """What the parent's `_load(step=-1)` loads: the step `_load` chose (-1: a fresh start)."""
-        return self._chosen
+    def _find_load_step(self, folder: str = "", max_step: int | None = None) -> int:
+        """What the parent's `_load(step=-1)` loads: the step `_load` chose (-1: a fresh start). With a
+        `max_step` below it (TorchTitan main's signature), collective: the newest certified step <= max_step
+        whose bytes verify (titan_next.find_load_step_collective)."""
+        if max_step is None or self._chosen <= max_step:
+            return self._chosen
+        return titan_next.find_load_step_collective(self.root, max_step)
 
     def _candidate(self) -> dict | None:
         """Coordinator: the newest certified step whose bytes re-verify (core recovery.latest_clean, which
         rejects failures in the ledger and walks back) and the signatures its trusted manifest records."""
-        from scout_ckpt.errors import NotFound
-        from scout_ckpt.ops.recovery import latest_clean, trusted_manifest
+        from scout_ckpt.ops.recovery import trusted_manifest
 
-        try:
-            found = latest_clean(self.root)
-        except NotFound:
+        found = titan_next.newest_resumable(self.root)
+        if found is None:
             return None
         row = self.ledger.checkpoint(found["step"])
         m, bad = trusted_manifest(self.root / row["path"], row)
-        return {"step": found["step"], "attempt": row["attempt"], "skipped": [s["step"] for s in found["skipped"]],
+        return {"step": found["step"], "attempt": row["attempt"], "skipped": found["skipped"],
                 "signatures": (m or {}).get("signatures") or {} if not bad else {}}
 
     def _load(self, step: int = -1) -> bool:
