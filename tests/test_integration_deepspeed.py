@@ -5,8 +5,8 @@ loads). A healthy run certifies every tag and `latest` follows; a flipped bit in
 past; a rank SIGKILLed mid-save resumes from the newest certified tag with the state it saved and the same losses;
 with the default options, ZeRO-3's partitioned state is never certified and `latest` never names its tags.
 
-DeepSpeed is an optional extra (`pip install scout-ckpt[deepspeed]`; `make test` installs it): outside CI a missing
-DeepSpeed skips these tests, under CI (CI=true) it fails them."""
+DeepSpeed is an optional extra (`pip install scout-ckpt[deepspeed]`; `make test` installs it): a missing DeepSpeed
+fails these tests, never skips them."""
 
 import json
 import os
@@ -18,10 +18,9 @@ import pytest
 from scout_ckpt.ledger import Ledger
 from tests.conftest import REPO, run_cli
 
-if os.environ.get("CI", "").lower() in ("true", "1"):
-    import deepspeed  # noqa: F401  CI installs the extras: a broken install fails here, it does not skip
-else:
-    pytest.importorskip("deepspeed")
+# `make test` installs this extra (the Makefile's integration pins): imported unconditionally, so that a
+# broken install fails here instead of skipping the integration's tests.
+import deepspeed  # noqa: F401,E402
 
 from scout_ckpt.integrations import ds_folders  # noqa: E402
 from scout_ckpt.integrations.deepspeed import latest_clean  # noqa: E402

@@ -5,8 +5,8 @@ rank's `__R_*.distcp` digested by that rank, the TP-replicated piece compared, t
 bit in an `iter_*` file walked past by the CLI and by the job's own load; a rank SIGKILLed mid-save resumed from
 the certified iteration with the state it saved; the tracker never names an uncertified iteration.
 
-megatron-core is an optional extra (`pip install scout-ckpt[megatron]`; `make test` installs it): outside CI a
-missing megatron-core skips these tests, under CI (CI=true) it fails them."""
+megatron-core is an optional extra (`pip install scout-ckpt[megatron]`; `make test` installs it): a missing
+megatron-core fails these tests, never skips them."""
 
 import json
 import os
@@ -19,12 +19,10 @@ import pytest
 from scout_ckpt.ledger import Ledger
 from tests.conftest import REPO, run_cli
 
-if os.environ.get("CI", "").lower() in ("true", "1"):
-    import megatron.core  # noqa: F401  CI installs the extras: a broken install fails here, it does not skip
-    import psutil  # noqa: F401  undeclared by megatron-core 0.16.1, needed by its async writer
-else:
-    pytest.importorskip("megatron.core")
-    pytest.importorskip("psutil")
+# `make test` installs this extra (the Makefile's integration pins): imported unconditionally, so that a
+# broken install fails here instead of skipping the integration's tests.
+import megatron.core  # noqa: F401,E402
+import psutil  # noqa: F401,E402
 
 from scout_ckpt.integrations import mg_folders  # noqa: E402
 from scout_ckpt.integrations.megatron import _evidence, latest_clean  # noqa: E402
