@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import pickle
 import pickletools
 import shutil
@@ -48,29 +49,48 @@ class Result:
 # The address-space limit is set by the shell that then execs the command (`ulimit -v`, KiB), not by a preexec_fn:
 # cases run from several threads at once (tests/cli_pool.py), and a preexec_fn may deadlock a forked child there.
 _UNDER_LIMIT = ["/bin/sh", "-c", f'ulimit -v {AS_LIMIT >> 10} && exec "$@"', "sh"]
+# The peak RSS of the command alone. A process started from pytest inherits pytest's resident-set high-water mark
+# (Linux keeps it across fork and exec: a CLI started from a pytest process of 660 MB read as 660 MB however
+# little it used), so a small launcher, exec'd under the limit, forks the command from its own small image and
+# reports what wait4 says of that grandchild (written to the file named first); its exit status is the command's.
+_MEASURE = (
+    "import os, resource, signal, sys\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"
+    "    os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "_, status, usage = os.wait4(pid, 0)\n"
+    "open(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+    "code = os.waitstatus_to_exitcode(status)\n"
+    "if code < 0:\n"
+    "    signal.signal(-code, signal.SIG_DFL)\n"
+    "    os.kill(os.getpid(), -code)\n"
+    "sys.exit(code)\n")
 
 
 def run_measured(*args, env=None, code: str | None = None, timeout: float = 240) -> Result:
     """The CLI (or `python -c code`) in a subprocess under the address-space limit, with its own peak RSS."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     cmd = [sys.executable, "-c", code, *map(str, args)] if code is not None else [*CLI, *map(str, args)]
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.Popen([*_UNDER_LIMIT, *cmd], stdout=out, stderr=err, env=full_env)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r", suffix=".peak") as peak:
+        p = subprocess.Popen([*_UNDER_LIMIT, sys.executable, "-c", _MEASURE, peak.name, *cmd], stdout=out,
+                             stderr=err, env=full_env, start_new_session=True)
         deadline = time.monotonic() + timeout
         while True:
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+            pid, status, _usage = os.wait4(p.pid, os.WNOHANG)
             if pid:
                 break
             if time.monotonic() > deadline:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)   # the launcher and the command it started
                 os.wait4(p.pid, 0)
                 pytest.fail(f"{args} did not finish in {timeout}s")
             time.sleep(0.02)
         p.returncode = os.waitstatus_to_exitcode(status)   # reaped here: keep Popen from waiting again
         out.seek(0)
         err.seek(0)
+        kib = int(peak.read() or 0)
         return Result(p.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"),
-                      usage.ru_maxrss * 1024)
+                      kib * 1024)
 
 
 def assert_refused(res: Result, rc: int | tuple[int, ...], match: str | None = None) -> None:

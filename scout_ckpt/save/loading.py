@@ -89,13 +89,7 @@ class LatestCleanLoader:
             failed = cand["reasons"] + self._verify_bytes(cand, step_dir)
             if failed:
                 # the same reasons on every rank (all_gathered), so every rank takes the same branch
-                if only_unchecked(failed):   # an I/O error, no fault found: walk past it now, reject nothing
-                    scout_log.could_not_check(self.rank, cand["step"], failed)
-                else:
-                    self._on_coordinator(cand["step"], lambda: record_verification_failure(
-                        self.ledger, cand["step"], policy.evidence(policy.FAIL, failed), source="load",
-                        root=self.root))
-                    scout_log.skipped(self.rank, cand["step"], failed)
+                self._walk_past(cand["step"], failed)
                 below = cand["step"]
                 continue
             rank_local = _begin_rank_local(state, cand.get("world_size"))
@@ -105,13 +99,7 @@ class LatestCleanLoader:
                 failed = self._load_failure(e)
                 if failed is None:
                     raise
-                if only_unchecked(failed):   # a file gone or unreadable since verification: walk past, no verdict
-                    scout_log.could_not_check(self.rank, cand["step"], failed)
-                else:
-                    self._on_coordinator(cand["step"], lambda: record_verification_failure(
-                        self.ledger, cand["step"], policy.evidence(policy.FAIL, failed), source="load",
-                        root=self.root))
-                    scout_log.skipped(self.rank, cand["step"], failed)
+                self._walk_past(cand["step"], failed)   # a file gone since verification: could not check
                 below = cand["step"]
                 continue
             finally:
@@ -134,6 +122,17 @@ class LatestCleanLoader:
                               signatures=bool(self.verify_load and cand["signatures"]),
                               seconds=time.monotonic() - t0)
             return cand["step"]
+
+    def _walk_past(self, step: int, failed: list[dict]) -> None:
+        """Every rank, with the same reasons: an I/O error with no fault found is walked past now and rejects
+        nothing (could not check); anything else is recorded as the step's verification failure (coordinator,
+        journal first) and the step is skipped."""
+        if only_unchecked(failed):
+            scout_log.could_not_check(self.rank, step, failed)
+            return
+        self._on_coordinator(step, lambda: record_verification_failure(
+            self.ledger, step, policy.evidence(policy.FAIL, failed), source="load", root=self.root))
+        scout_log.skipped(self.rank, step, failed)
 
     def _next(self, below: int | None) -> dict | None:
         """Coordinator: what the next broadcast carries: the next candidate, or {"latched": message} when a

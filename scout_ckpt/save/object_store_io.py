@@ -25,7 +25,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import (
 
 from scout_ckpt.format.digests import ALGO
 from scout_ckpt.save.storage import WritesRecorded
-from scout_ckpt.save.verified_reader import MetadataChanged, unpickle_verified  # noqa: F401  (re-exported)
+from scout_ckpt.save.verified_reader import MetadataChanged, VerifiedMetadata  # noqa: F401  (re-exported)
 
 
 class _HashingUpload(io.IOBase):
@@ -136,7 +136,7 @@ class ObjectStoreWriter(WritesRecorded, FsspecWriter):
 
 
 
-class VerifiedReader(FsspecReader):
+class VerifiedReader(VerifiedMetadata, FsspecReader):
     """FsspecReader that reads `.metadata` whole, checks its digest against the one the manifest recorded, and
     only then unpickles it: an object replaced after the byte verification is refused, never unpickled."""
 
@@ -145,12 +145,6 @@ class VerifiedReader(FsspecReader):
         self.fs = _ObjectFileSystem(fs, None)
         self.path = uri
         self.metadata_digest = metadata_digest
-
-    def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            data = f.read()
-        return unpickle_verified(data, self.metadata_digest, str(path), self.load_id)
 
 
 def writer_for(store, name: str, *, step: int, fault_hook=None, check_finite: bool = True) -> ObjectStoreWriter:

@@ -59,15 +59,22 @@ def is_metadata_changed(exc: BaseException) -> bool:
     return False
 
 
-class VerifiedFileSystemReader(FileSystemReader):
-    """FileSystemReader whose `.metadata` is read whole and unpickled only with the recorded digest."""
+class VerifiedMetadata:
+    """Mixin for a DCP reader (FileSystemReader, FsspecReader): `.metadata` read whole through the reader's own
+    filesystem and unpickled only with the recorded digest (`self.metadata_digest`)."""
 
-    def __init__(self, path: str, metadata_digest: str | None):
-        super().__init__(path)
-        self.metadata_digest = metadata_digest
+    metadata_digest: str | None = None
 
     def read_metadata(self, *args, **kwargs):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             data = f.read()
         return unpickle_verified(data, self.metadata_digest, str(path), self.load_id)
+
+
+class VerifiedFileSystemReader(VerifiedMetadata, FileSystemReader):
+    """FileSystemReader whose `.metadata` is read whole and unpickled only with the recorded digest."""
+
+    def __init__(self, path: str, metadata_digest: str | None):
+        super().__init__(path)
+        self.metadata_digest = metadata_digest
