@@ -26,14 +26,15 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/scout-ckpt demo --inject crash:rank=1:step=20 --inject bitflip:step=10
 
-# The whole suite but the long torchrun scenarios (12 minutes on 2 cores, measured 2026-12-01, plus about 6 minutes of install).
+# The whole suite but the long torchrun scenarios (14 minutes on 2 cores, measured 2026-12-02, plus about 7 minutes of install).
 test: $(STAMP) $(EXTRAS)
 	$(BIN)/python -m pytest -q -m "not scenario" --durations=25 tests
 
 # The CI tier of the scenarios (.ci/run runs it after `make test`): one scenario per fault class: a SIGKILL
 # inside a save under torchrun (sync and async), an FSDP2 shard fault, a DDP job hanging at 3 ranks (and its
-# desync, crash and straggler), the demo's hang at 3 ranks, an S3 upload killed, a Trainer rank killed mid-save,
-# the README's demo command. docs/tests.md lists them with their times.
+# desync, crash and straggler) and at 2 ranks with the defaults, the demo's hang at 3 ranks, a live-step SDC,
+# an S3 upload killed, a rank killed in the Trainer, Lightning, Accelerate and DeepSpeed, the README's demo
+# command (8 minutes on 2 cores, 2026-12-02). docs/tests.md lists them.
 scenarios-ci: $(STAMP) $(EXTRAS)
 	$(BIN)/python -m pytest -q -m scenario_ci --durations=20 tests
 
