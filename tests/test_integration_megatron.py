@@ -9,15 +9,14 @@ megatron-core is an optional extra (`pip install scout-ckpt[megatron]`; `make te
 megatron-core fails these tests, never skips them."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from scout_ckpt.ledger import Ledger
+from tests import framework_jobs as jobs
 from tests.conftest import REPO, run_cli
+from tests.framework_jobs import events, flip_bit, states
 
 # `make test` installs this extra (the Makefile's integration pins): imported unconditionally, so that a
 # broken install fails here instead of skipping the integration's tests.
@@ -33,29 +32,7 @@ TRACKER = mg_folders.TRACKER
 
 
 def torchrun(save_dir, events, *extra, restarts=0, ok=True):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(save_dir),
-           "--events", str(events), *map(str, extra)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=save_dir.parent)
-    assert (p.returncode == 0) == ok, p.stdout[-2000:] + p.stderr[-4000:]
-    return p
-
-
-def events(path, event=None, attempt=None) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return [r for r in rows if (event is None or r["event"] == event) and (attempt is None or r["attempt"] == attempt)]
-
-
-def flip_bit(path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
-
-
-def states(save_dir) -> dict:
-    with Ledger.open(save_dir, readonly=True) as led:
-        return {r["step"]: r["state"] for r in led.checkpoints()}
+    return jobs.torchrun(SCRIPT, save_dir, events, *extra, restarts=restarts, ok=ok)
 
 
 # ---- pure and torch-free pieces -------------------------------------------------------------------------------
