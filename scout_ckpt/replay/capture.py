@@ -21,7 +21,7 @@ activation on it): such a target needs clones (`refs=False`) to ever be replayab
 A capture made with `live=True` also signs what the live forward produced: the output as the module's caller
 received it (after the forward hooks registered before the capture's own, which the replay runs too: execute.py),
 hashed inside the capture's forward hook, before any later in-place write can change it. The replays of the same
-invocation are compared with it (runner.py): a fault that struck only the live step -- the step the checkpoint
+invocation are compared with it (live.py): a fault that struck only the live step -- the step the checkpoint
 carries -- shows as the source's live output disagreeing with every replay of it.
 """
 

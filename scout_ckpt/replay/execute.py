@@ -5,7 +5,7 @@ the forward hooks that are part of the model's math -- the ones a user put on th
 the plumbing: FSDP's and other frameworks' hooks (torch, deepspeed, megatron, accelerate, transformers, lightning,
 torchtitan: they would issue collectives on the training group or record outputs) and scout-ckpt's own (they
 would capture again). A user's hook that changes a block's output is what the live step computed, so the replay
-must compute it too, or the live check (runner.py) would see every healthy step disagree. A hook that must not
+must compute it too, or the live check (live.py) would see every healthy step disagree. A hook that must not
 run on a replay (activation statistics, logging) can ask `replaying()`.
 """
 
@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from scout_ckpt.replay.capture import Invocation, device_of
+from scout_ckpt.replay.optimizer_replay import replay_signature_inputs
 from scout_ckpt.replay.targets import original_class
 
 # Forward-hook dicts whose user entries a replay keeps (with their flag dicts, keyed by the same hook ids).
@@ -208,4 +209,15 @@ def replay_module(module: nn.Module, inv: Invocation, deterministic: bool = True
     return labels, tensors
 
 
-__all__ = ["replay_copy", "replay_mode", "replay_module", "replaying"]
+def replay_target(recipe: str, cap, payload, deterministic: bool, optimizer) -> tuple[list[str], list[torch.Tensor]]:
+    """One target's replay, whatever its recipe: a module's invocation on a copy (replay_module), or the
+    optimizer's captured windows through a fresh optimizer of the live one's class (optimizer_replay)."""
+    if recipe != "optimizer":
+        return replay_module(cap.inner, payload, deterministic, cap.hook_ids if cap.module is cap.inner else None)
+    if payload.unsupported:
+        return ["unsupported"], [torch.zeros(1)]
+    device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+    return replay_signature_inputs(type(optimizer), optimizer.defaults, payload.to(device), cap.capture)
+
+
+__all__ = ["replay_copy", "replay_mode", "replay_module", "replay_target", "replaying"]

@@ -23,17 +23,9 @@ referenced inputs were written in place before its sweep is not replayed at that
 incomplete: never a pass) and is captured by copies from then on. Only the sweep's source (one peer) keeps a copy
 of the targets' parameters as its forward used them, and sends it with the inputs.
 
-The live check: replays are compared with each other (a rank that computes differently whenever it computes) AND
-with what the source's live step produced (a fault that struck the live step only, which no replay repeats): the
-source signs each target's live output as its forward returns it (capture.py, live=True), and for those
-signatures the source's vote is its live value while every other peer's is its replay (`live:output[i]` in a
-row's signatures). With 3+ peers a live step that disagrees with the replays is attributed to the source; with 2
-it is inconclusive. Either way the save's replay evidence fails, which policy.live_faults reads as the live state
-being bad. The sweep's source rotates over the peers save by save (`sweep_source`), so every peer's live step at a
-save is checked within len(peers) saves; the rotation's source rotates too, step by step. A target whose live
-forward is compiled (per-block torch.compile, module.compile()) gets no live check: the replay runs it eagerly,
-which rounds differently (`live_excluded`). Not checked live: the live gradients (only the replays' gradients
-are compared), and modules outside every target (a final norm between the last block and the head).
+The live check (replay.live): replays are compared with each other AND with what the source's live step
+produced, so a fault that struck the live step only is caught too; the sweep's source rotates over the peers save
+by save (`sweep_source`), so every peer's live step at a save is checked within len(peers) saves.
 
 Replay durations also feed a straggler rule (replay.stragglers): one round per step, confirmed over several steps.
 
@@ -53,21 +45,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scout_ckpt.consensus.c3 import verdicts_from_gathered
-from scout_ckpt.consensus.signatures import replica_signatures
+from scout_ckpt.replay import live as live_step
+from scout_ckpt.replay import rows as replay_rows
 from scout_ckpt.replay.capture import ModuleCapture, current_state
-from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module
+from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module, replay_target
 from scout_ckpt.replay.optimizer_replay import (
     DEFAULT_ELEMS,
     OptimizerCapture,
-    replay_signature_inputs,
     supports,
     unwrap_optimizer,
 )
 from scout_ckpt.replay.schedule import SaveForecast, Schedule, Target
 from scout_ckpt.replay.stragglers import StragglerRule
 from scout_ckpt.replay.targets import NoTargets, discover, resolve, runs_compiled, sites
-from scout_ckpt.replay.transport import broadcast_each, host
+from scout_ckpt.replay.transport import broadcast_each, host, peer_group
 
 # A sweep hashes its targets' replayed tensors together, in batches of at least this many bytes (bounded: the
 # tensors of a batch are held until it is hashed; on a large model one batch per target is no loss).
@@ -106,7 +97,7 @@ class ReplayRunner:
         self._targets = resolve(model, targets, opt) if targets is not None else discover(model, opt)
         self.rank = dist.get_rank()
         self.schedule = Schedule(self._targets, interval)
-        self.group, self.peers = _peer_group(groups, peers)
+        self.group, self.peers = peer_group(groups, peers)
         where = sites(model)
         # A whole-model torch.compile runs no hook added after compiling: steps with a module capture armed run
         # eagerly (torch.compiler.set_stance), the others compiled. Per-block compile needs nothing (hooks sit on
@@ -115,14 +106,12 @@ class ReplayRunner:
         self._eager = False
         self._sites = {n: where[n] for r, n in self._targets if r != "optimizer"}
         self._opt_elems = opt_elems
-        # Targets whose live output cannot be compared with a replay bit for bit, and why (module docstring).
+        # Targets whose live output cannot be compared with a replay bit for bit, and why (replay.live).
         # (Under a whole-model compile the capture steps run eagerly, per-block compiled wrappers included.)
         self.live_check = live_check
-        self.live_excluded = {n: "its live forward is compiled; the replay runs eagerly"
-                              for r, n in self._targets if r != "optimizer" and not self._under_compile
-                              and runs_compiled(where[n].outer)}
-        if not live_check:
-            self.live_excluded = {n: "replay.live_check is off" for r, n in self._targets if r != "optimizer"}
+        modules = [n for r, n in self._targets if r != "optimizer"]
+        self.live_excluded = live_step.excluded(modules, live_check, [
+            n for n in modules if not self._under_compile and runs_compiled(where[n].outer)])
         self._captures: dict[str, Any] = {}   # rotation
         for recipe, name in self._targets:
             if recipe == "optimizer":
@@ -281,15 +270,8 @@ class ReplayRunner:
         self.forecast.save_every = value
 
     def sweep_source(self) -> int:
-        """The peer whose live step the sweep of the next step to be saved checks: peers[k % len(peers)], k the
-        saves so far (a save still due whose sweep has not run counted), so consecutive saves take consecutive
-        peers and every peer's live step is checked within len(peers) saves of one incarnation. The same on every
-        rank (a function of the save history, as the arming is)."""
-        k = len(self.forecast.saves)
-        if self._done is not None and self.forecast.due(self._done[0], True) and \
-                (not self.forecast.saves or self._done[0] > self.forecast.saves[-1]):
-            k += 1   # armed for step S+1 before the save of S ran (a save every step)
-        return self.peers[k % len(self.peers)]
+        """The peer whose live step the sweep of the next step to be saved checks (replay.live.sweep_source)."""
+        return live_step.sweep_source(self.forecast, None if self._done is None else self._done[0], self.peers)
 
     def _arm_sweep(self, step: int) -> None:
         if (self._live is not None and self._live[0] == step) or not self.forecast.due(step):
@@ -362,10 +344,10 @@ class ReplayRunner:
                     # a sweep capture without the source's parameters (live_check off): replay with the parameters
                     # held now (the state being saved)
                     payload.params, payload.buffers = current_state(cap.inner)
-                labels, tensors = self._execute(target[0], cap, payload)
+                labels, tensors = replay_target(target[0], cap, payload, self.deterministic, self.optimizer)
                 if target[0] != "optimizer" and getattr(payload, "live", None) is not None:
-                    live = self._live_votes(labels, payload.live, src)
-                    labels = labels + [f"live:output[{j}]" for j in range(len(live[1]))]
+                    live = live_step.votes(labels, payload.live, self.rank == src)
+                    labels = live_step.vote_labels(labels, live)
             except Exception as e:  # noqa: BLE001 -- a peer that cannot replay must not leave the others waiting
                 warnings.warn(f"replay of {target[1]} at step {step} failed on rank {self.rank}: {e!r}")
                 labels, tensors = [], None
@@ -379,16 +361,13 @@ class ReplayRunner:
         self._sign(step, work, results, pending)
         for res in results:   # the live check's votes, now that the replays' signatures are known
             if res[4] is not None and res[1] is not None:
-                mine, votes = res[4]
-                res[1] = torch.cat([res[1], votes if mine else res[1][:len(votes)]])
+                res[1] = live_step.signed(res[1], res[4])
         arrivals.wait_all()
         if not work:
             return []
         # One small gather: per target, every peer's time and whether it has signatures (and how many).
-        header = self._gather([v for lab, sig, dt, _, _ in results
-                               for v in (dt, float(sig is not None), float(len(lab)))])
-        comparable = [all(h[3 * i + 1] for h in header.values()) and len({h[3 * i + 2] for h in header.values()}) == 1
-                      for i in range(len(work))]
+        header = self._gather(replay_rows.header_values(results))
+        comparable = replay_rows.comparable(header, len(work))
         mine = [sig for (lab, sig, dt, _, _), ok in zip(results, comparable) if ok]
         gathered = None
         if mine:
@@ -396,78 +375,18 @@ class ReplayRunner:
             out = [torch.empty_like(flat) for _ in self.peers]
             dist.all_gather(out, flat, group=self.group)
             gathered = torch.stack(out)
-        rows, offset = [], 0
-        for i, ((_, target, cap), (labels, sigs, _, payload, live)) in enumerate(zip(work, results)):
-            durations = {r: h[3 * i] for r, h in header.items()}
-            self._timing(step, target, durations)
-            detail: dict = {"source": src, "peers": list(self.peers), "signatures": len(labels),
-                            "durations": {str(r): round(d, 6) for r, d in durations.items()}}
-            if target[0] == "optimizer" and payload is not None:  # what this round compared: every window
-                detail.update(tensors=len(payload.params), elements=payload.elements, round=payload.round,
-                              cycle=payload.cycle)
-            if not comparable[i]:
-                status, ranks = "INCONCLUSIVE", []
-                detail["failed_ranks"] = sorted(r for r, h in header.items() if not h[3 * i + 1])
-                detail["counts"] = {str(r): int(h[3 * i + 2]) for r, h in header.items()}
-            else:
-                n = len(labels)
-                verdict = verdicts_from_gathered(gathered[:, offset:offset + n], self.peers, labels)
-                offset += n
-                status, ranks, why = _summarise(verdict)
-                detail.update(why)
-                if any(lab.startswith("live:") for lab in labels):   # the source's live step was checked
-                    detail["live_checked"] = src
-                    # the live step alone: the replays agree with each other, not with what the source's step made
-                    bad = [labels[j] for j in verdict.disagreeing]
-                    detail["live_disagree"] = (any(n.startswith("live:") for n in bad)
-                                               and not any(n.startswith("output[") for n in bad))
-            if target[0] == "optimizer" and payload is not None and payload.unsupported:
-                status, detail["unsupported"] = "INCONCLUSIVE", payload.unsupported
-            rows.append({"step": step, "recipe": target[0], "target": target[1], "status": status, "ranks": ranks,
-                         "duration_s": max(durations.values()), "detail": detail})
-        return rows
+        found, offset = [], 0
+        for i, ((_, target, _), (labels, _, _, payload, _)) in enumerate(zip(work, results)):
+            self._timing(step, target, replay_rows.durations(header, i))
+            sigs = None
+            if comparable[i]:
+                sigs, offset = gathered[:, offset:offset + len(labels)], offset + len(labels)
+            found.append(replay_rows.replay_row(step, target, payload, labels, header, i, sigs, src, self.peers))
+        return found
 
     def _sign(self, step: int, work: list, results: list[list], pending: list[int]) -> None:
-        """Replace the replayed tensors of the `pending` targets by their signatures, hashed in ONE call (per-call
-        and per-tensor fixed costs were a tenth of a sweep). A batch that cannot be hashed is
-        hashed per target, so that only the target whose tensors fail loses its signatures (INCONCLUSIVE, as a
-        replay that failed). The straggler rule's durations are the replays' own, without the hashing."""
-        if not pending:
-            return
-        try:
-            sigs = replica_signatures([t for k in pending for t in results[k][1]])
-            at = 0
-            for k in pending:
-                n = len(results[k][1])
-                results[k][1], at = sigs[at:at + n], at + n
-        except Exception:  # noqa: BLE001 -- find the target at fault
-            for k in pending:
-                try:
-                    results[k][1] = replica_signatures(results[k][1])
-                except Exception as e:  # noqa: BLE001
-                    warnings.warn(f"replay of {work[k][1][1]} at step {step} failed on rank {self.rank}: {e!r}")
-                    results[k][0], results[k][1] = [], None
-        pending.clear()
-
-    def _live_votes(self, labels: list[str], live: torch.Tensor, src: int) -> tuple[bool, torch.Tensor]:
-        """The live check's votes for `live:output[i]`: the source votes its live output's signatures (mine=True,
-        `live`), every other peer its replay's signatures of output[i], the first signatures of its replay (module
-        docstring). A replay with fewer outputs than the live call votes for none of them: the peers' counts then
-        differ, and the row is inconclusive."""
-        n = int(live.shape[0])
-        if n > sum(lab.startswith("output[") for lab in labels):
-            n = 0
-        return self.rank == src, live[:n].to(torch.int64)
-
-    def _execute(self, recipe: str, cap, payload) -> tuple[list[str], list[torch.Tensor]]:
-        if recipe != "optimizer":
-            return replay_module(cap.inner, payload, self.deterministic,
-                                 cap.hook_ids if cap.module is cap.inner else None)
-        if payload.unsupported:
-            return ["unsupported"], [torch.zeros(1)]
-        device = next((p.device for g in self.optimizer.param_groups for p in g["params"]), torch.device("cpu"))
-        return replay_signature_inputs(type(self.optimizer), self.optimizer.defaults, payload.to(device),
-                                       cap.capture)
+        """Sign the pending targets' replayed tensors (replay.rows.sign)."""
+        replay_rows.sign(step, work, results, pending, self.rank)
 
     def _gather(self, values: list[float]) -> dict[int, list[float]]:
         mine = torch.tensor(values, dtype=torch.float64)
@@ -485,30 +404,6 @@ def _frozen(cap) -> SimpleNamespace:
     if isinstance(cap, OptimizerCapture):
         return SimpleNamespace(capture=cap.capture)
     return SimpleNamespace(invocation=cap.invocation, inner=cap.inner, module=cap.module, hook_ids=cap.hook_ids)
-
-
-def _peer_group(groups, peers: str) -> tuple[Any, list[int]]:
-    """The replica group when it can attribute on its own (3+ members, or peers="replicas"), else the world.
-
-    Module targets replay full (unsharded) parameters and the optimizer recipe replays a broadcast slice, so any
-    set of ranks is a valid peer set; the world is used where the replica group is missing (FSDP) or too small to
-    name a culprit (HSDP with 2 replicas)."""
-    if peers not in ("auto", "replicas", "world"):
-        raise ValueError(f"peers must be auto, replicas or world, got {peers!r}")
-    mine = list(groups.group_ranks)
-    if groups.group is not None and len(mine) > 1 and (peers == "replicas" or (peers == "auto" and len(mine) >= 3)):
-        return groups.group, mine
-    return groups.world_group, list(range(groups.world_size))
-
-
-def _summarise(verdict) -> tuple[str, list[int], dict]:
-    """Row status, attributed global ranks, and what disagreed (at most 16 signature names, and how the peers
-    split on the first of them)."""
-    detail: dict = {"disagree": list(verdict.disagreeing_names[:16]), "n_disagree": len(verdict.disagreeing)}
-    if verdict.disagreeing:
-        first = verdict.per_tensor[verdict.disagreeing[0]]
-        detail["split"] = [[verdict.group_ranks[p] for p in cls] for cls in first.classes]
-    return verdict.status.upper(), sorted(verdict.attributed_ranks), detail
 
 
 __all__ = ["ReplayRunner", "replay_copy", "replay_mode", "replay_module"]

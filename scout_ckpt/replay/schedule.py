@@ -18,6 +18,7 @@ from scout_ckpt.policy import (
     PASS,
     evidence,
 )
+from scout_ckpt.replay.live import coverage_detail, reason_flag
 
 RECIPES = ("embedding", "block", "head", "optimizer")
 OPTIMIZER_TARGET = "optimizer"
@@ -98,10 +99,6 @@ def _name(t) -> str:
     return t[1] if isinstance(t, (tuple, list)) else str(t)
 
 
-def _live_flag(row: dict) -> dict:
-    return {"live_step": True} if (row.get("detail") or {}).get("live_disagree") else {}
-
-
 def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = None) -> dict:
     """Replay evidence for the state saved at `step`, from the replays since the previous certified step.
 
@@ -120,9 +117,8 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = 
     missing: replay_coverage_incomplete (no clean replay up to `step`) or replay_pending (none after it yet). A
     reason from a row whose source's live step disagreed with the replays of it says `live_step: true`.
 
-    With `step`, the detail also says whose live step the replays at `step` checked (`live_checked_ranks`, the
-    sources of the rows that compared a live output) and how often each rank's is (`live_rotation`: the sweep's
-    source rotates over the peers, one per save).
+    With `step`, the detail also says whose live step the replays at `step` checked and how often each rank's is
+    (`live_checked_ranks`, `live_rotation`: replay.live.coverage_detail).
     """
     names = [_name(t) for t in targets]
     rows = sorted(replay_rows, key=lambda r: r["step"])
@@ -141,18 +137,14 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = 
                     confirmed[name] = r["step"]
         elif status == "ATTRIBUTED":
             sdc.append({"code": "replay_sdc", "ranks": sorted(r.get("ranks") or []), "target": name,
-                        "recipe": r.get("recipe"), "step": r["step"], **_live_flag(r)})
+                        "recipe": r.get("recipe"), "step": r["step"], **reason_flag(r)})
         else:
             unsure.append({"code": "replay_inconclusive", "ranks": sorted(r.get("ranks") or []), "target": name,
-                           "recipe": r.get("recipe"), "step": r["step"], **_live_flag(r)})
+                           "recipe": r.get("recipe"), "step": r["step"], **reason_flag(r)})
     detail = {"coverage": last_clean, "replays": len(rows)}
     if step is not None:
         detail["confirmed_after"] = confirmed
-        at = [r for r in rows if r["step"] == step and "live_checked" in (r.get("detail") or {})]
-        detail["live_checked_ranks"] = sorted({r["detail"]["live_checked"] for r in at})
-        peers = max((len(r["detail"].get("peers") or []) for r in at), default=0)
-        if peers:
-            detail["live_rotation"] = f"every rank's live step within {peers} saves"
+        detail.update(coverage_detail(r for r in rows if r["step"] == step))
     if sdc:
         return evidence(FAIL, sdc + unsure, **detail)
     if unsure:

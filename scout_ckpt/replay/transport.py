@@ -1,6 +1,7 @@
 """How captures travel from the source peer to the others: host tensors, one pickle per capture for its structure
 (all of them in one broadcast_object_list), and every tensor in them as its own asynchronous byte broadcast over
-the replay's gloo group: every object's tensors as one asynchronous byte broadcast of their own.
+the replay's gloo group: every object's tensors as one asynchronous byte broadcast of their own; and over which
+ranks (`peer_group`: the peers a replay compares).
 
 Why asynchronous, one object at a time: a sweep sends every target's block inputs and output gradients. Sent as
 one blocking buffer, every peer waited for all of it before replaying the first target, and the receivers copied
@@ -142,4 +143,18 @@ def broadcast_payload(obj: Any, src: int, group) -> Any:
     return broadcast_each([obj], src, group).get(0)
 
 
-__all__ = ["Arrivals", "broadcast_each", "broadcast_payload", "host"]
+def peer_group(groups, peers: str) -> tuple[Any, list[int]]:
+    """The replica group when it can attribute on its own (3+ members, or peers="replicas"), else the world.
+
+    Module targets replay full (unsharded) parameters and the optimizer recipe replays a broadcast slice, so any
+    set of ranks is a valid peer set; the world is used where the replica group is missing (FSDP) or too small to
+    name a culprit (HSDP with 2 replicas)."""
+    if peers not in ("auto", "replicas", "world"):
+        raise ValueError(f"peers must be auto, replicas or world, got {peers!r}")
+    mine = list(groups.group_ranks)
+    if groups.group is not None and len(mine) > 1 and (peers == "replicas" or (peers == "auto" and len(mine) >= 3)):
+        return groups.group, mine
+    return groups.world_group, list(range(groups.world_size))
+
+
+__all__ = ["Arrivals", "broadcast_each", "broadcast_payload", "host", "peer_group"]
