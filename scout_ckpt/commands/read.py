@@ -1,0 +1,131 @@
+"""The read-only commands: ls, explain, resume, report. They never write a ROOT and never import torch (a 1.4 s
+import would dominate them; tests/test_cli.py::test_read_only_commands_do_not_import_torch runs each, and
+tests/test_layers.py checks that nothing they import at module level imports it).
+
+Each takes the command line's options and returns its exit code: 0, or 1 when the step asked about is not
+certified or no certified checkpoint exists. A ledger that cannot be read is answered from the checkpoints'
+manifests and the journal, with a warning on stderr and the same exit codes.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from scout_ckpt.commands.output import console, emit, escape, human_bytes
+from scout_ckpt.errors import BadInput
+from scout_ckpt.ledger.journal import JOURNAL_NAME
+from scout_ckpt.ops import roots
+from scout_ckpt.ops.views import (
+    STATE_STYLE,
+    checked_text,
+    evidence_marks,
+    explain_lines,
+    list_checkpoints,
+    reason_text,
+)
+
+
+def ls(root: Path, as_json: bool) -> int:
+    rows, fallback = list_checkpoints(root)
+    if fallback:  # exit code unchanged (0): the rows are what the manifests and the journal record
+        print(f"scout-ckpt: warning: {fallback}; listed from the checkpoints' manifests and {JOURNAL_NAME}",
+              file=sys.stderr)
+    if as_json:
+        emit({"checkpoints": rows, "source": "manifests" if fallback else "ledger", "fallback": fallback})
+        return 0
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for h in ("step", "state", "evidence", "bytes checked", "size", "reasons"):
+        t.add_column(h, justify="right" if h in ("step", "size") else "left")
+    now = time.time()
+    for r in rows:
+        ev = evidence_marks(r["evidence"])
+        t.add_row(str(r["step"]), f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]", ev,
+                  checked_text(r["checked"].get("bytes"), now), human_bytes(r["bytes"]),
+                  escape(reason_text(r["reasons"])))
+    con = console()
+    con.print(t)
+    if rows:
+        con.print("[dim]evidence as last checked; `scout-ckpt certify ROOT` re-checks bytes and invariants now, "
+                  "`resume` re-checks the bytes of the step it returns[/]")
+    return 0
+
+
+def explain(root: Path, step: int, as_json: bool) -> int:
+    from scout_ckpt.ops.operator import explain as explain_step
+
+    out = explain_step(root, step)
+    if as_json:
+        emit(out)
+    else:
+        from scout_ckpt.object_store import location
+
+        con = console()
+        for line in explain_lines(out, location(root, out["path"]), time.time(), escape):
+            con.print(line)
+    if out["state"] != "certified":
+        print(f"scout-ckpt: step {step} is {out['state']}" +
+              (f": {reason_text(out['reasons'])}" if out["reasons"] else ""), file=sys.stderr)
+        return 1
+    return 0
+
+
+def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool) -> int:
+    """stdout is the path alone (restart scripts read it); why newer steps were not chosen goes to stderr."""
+    from scout_ckpt.ops.recovery import NoCleanCheckpoint
+    from scout_ckpt.ops.recovery import latest_clean as find
+
+    if not latest_clean:
+        raise BadInput("resume needs --latest-clean")
+    roots.store_for(root)   # a mangled s3:// ROOT: exit 2 (a bound ledger_dir is handled by latest_clean)
+    try:
+        found = find(root, verify=not no_verify)
+    except NoCleanCheckpoint as e:
+        _say_fallback(getattr(e, "fallback", None))
+        if as_json:
+            emit({"step": None, "path": None, "reasons": e.reasons, "fallback": getattr(e, "fallback", None)})
+        for r in e.reasons:
+            for s in r.get("skipped") or []:
+                print(f"scout-ckpt: skipped step {s['step']}: {reason_text(s['reasons'])}", file=sys.stderr)
+        print(f"scout-ckpt: {e}", file=sys.stderr)
+        return 1
+    _say_fallback(found.get("fallback"))
+    for s in found["skipped"]:
+        print(f"scout-ckpt: skipped step {s['step']}: {reason_text(s['reasons'])}", file=sys.stderr)
+    for s in found.get("newer") or []:
+        print(f"scout-ckpt: newer step {s['step']} is {s['state']}: {reason_text(s['reasons']) or '-'}",
+              file=sys.stderr)
+    if as_json:
+        emit(found)
+    else:
+        print(found["path"])
+    return 0
+
+
+def _say_fallback(why: str | None) -> None:
+    """The ledger could not be read: the answer came from the manifests and the journal (same exit codes)."""
+    if why:
+        print(f"scout-ckpt: warning: {why}; answered from the checkpoints' manifests and {JOURNAL_NAME}",
+              file=sys.stderr)
+
+
+def report(root: Path, as_json: bool, html: Path | None) -> int:
+    from scout_ckpt.report import timeline as fault_timeline
+
+    with roots.open_ledger(root) as ledger:
+        tl = fault_timeline.timeline(ledger)
+    if html is not None:
+        fault_timeline.write_html(tl, html)
+    if as_json:
+        emit(tl)
+    else:
+        console().print(fault_timeline.render_table(tl))
+        if html is not None:
+            print(f"wrote {html}", file=sys.stderr)
+    return 0
+
+
+__all__ = ["explain", "ls", "report", "resume"]
