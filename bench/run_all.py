@@ -3,7 +3,9 @@
 Benches run sequentially (they time processes; running two at once on 2 cores would measure the scheduler).
 Each gets its share of a total time budget, so `make bench` ends within 18 minutes even when one hangs (about 10 when none does). A bench
 that fails, prints no JSON, or runs out of time is reported as failed with its stderr tail, and run_all then
-exits 1. Writes bench/results/summary.json and bench/results/summary.md, and prints the markdown.
+exits 1. Writes bench/results/summary.json and bench/results/summary.md, and prints the markdown: one line with
+the commit measured, the dates and the load average over the run, then per bench its headline beside its target,
+met or missed (the bench's own judgement, `target_met`), the load when it started, the date and the command.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def run_one(script: Path, timeout: float) -> dict:
     cmd = [sys.executable, str(script.relative_to(C.REPO)), *FLAGS.get(script.name, []), "--json"]
     shown = " ".join(["python", *cmd[1:]])
     entry = {"bench": script.name, "command": shown, "date": time.strftime("%Y-%m-%d %H:%M"),
-             "target": TARGETS.get(script.name, "-")}
+             "target": TARGETS.get(script.name, "-"), "loadavg_1m": C.load_note()["loadavg_1m"]}
     C.log(f"== {shown} (limit {timeout:.0f} s)")
     t0 = time.perf_counter()
     try:
@@ -89,11 +91,32 @@ def run_one(script: Path, timeout: float) -> dict:
             "headline": headline(result), "target": result.get("target", entry["target"]), "target_met": met}
 
 
-def markdown(entries: list[dict]) -> str:
-    lines = ["| bench | status | headline | target | date | command |", "|---|---|---|---|---|---|"]
+def commit() -> str:
+    """The commit measured, `+dirty` when the working tree differs from it (then the figures are of no commit)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=C.REPO, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=C.REPO,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if head and dirty else "")
+
+
+def verdict(e: dict) -> str:
+    """met / missed where the bench judged its target, "-" where it states none."""
+    return {True: "met", False: "missed"}.get(e.get("target_met"), "-") if e["status"] != "failed" else "-"
+
+
+def markdown(entries: list[dict], run: dict) -> str:
+    lines = [f"`make bench` at `{run['commit']}`, {run['started']} - {run['ended']} UTC, load average "
+             f"{run['load_start']} - {run['load_end']} on {run['cores']} cores.", "",
+             "| bench | status | headline | target | met/missed | load | date | command |",
+             "|---|---|---|---|---|---|---|---|"]
     for e in entries:
         status = e["status"] if e["status"] != "failed" else f"**failed**: {e['error']}"
-        cells = [e["bench"], status, e.get("headline", "-"), e.get("target", "-"), e["date"], f"`{e['command']}`"]
+        cells = [e["bench"], status, e.get("headline", "-"), e.get("target", "-"), verdict(e),
+                 e.get("loadavg_1m", "-"), e["date"], f"`{e['command']}`"]
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     for e in entries:
         if e["status"] == "failed":
@@ -117,6 +140,8 @@ def main() -> None:
         scripts = [s for s in scripts if s.name in wanted]
 
     deadline = time.monotonic() + args.budget_s
+    run = {"commit": commit(), "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+           "load_start": C.load_note()["loadavg_1m"], "cores": C.load_note()["cores"]}
     entries = []
     for i, script in enumerate(scripts):
         left = deadline - time.monotonic()
@@ -128,9 +153,11 @@ def main() -> None:
             continue
         entries.append(run_one(script, share))
 
-    md = markdown(entries)
+    run.update(ended=time.strftime("%Y-%m-%d %H:%M", time.gmtime()), load_end=C.load_note()["loadavg_1m"])
+    md = markdown(entries, run)
     out = C.results_dir()
-    summary = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "python": sys.version.split()[0], "benches": entries}
+    summary = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "python": sys.version.split()[0], "benches": entries,
+               "run": run}
     atomic_write_bytes(out / "summary.json", (json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n")
                        .encode())
     atomic_write_bytes(out / "summary.md", md.encode())

@@ -128,14 +128,28 @@ def test_checkpointer_refuses_bad_options_before_anything_collective(tmp_path, k
 
 # ---- real ranks: every documented spelling constructs a Checkpointer -------------------------------------------
 
+
+def user_comm_hook(state, bucket):
+    """A user's own DDP comm hook, handed to the observer (docs/integrate.md, DDP comm hooks)."""
+    raise AssertionError("never called: the model here is not DDP")
+
+
+# Every spelling README.md, docs/*.md, examples/ and the demo job (scout_ckpt/demo/train.py) give.
 SPELLINGS = {
     "replay=True": {"replay": True},
     "replay=dict": {"replay": {"targets": ["blocks.0", "head", "optimizer"], "interval": 10}},
+    "replay=dict save_every": {"replay": {"save_every": 4}},
+    "replay=dict demo": {"replay": {"interval": 1, "save_every": 5}},
     "replay=ReplayOptions": {"replay": ReplayOptions(interval=4)},
     "observer=True": {"observer": True},
-    "observer=dict": {"observer": {"stall_s": 5, "action": "abort", "straggler": {"window_s": 0.5}}},
-    "observer=ObserverOptions": {"observer": ObserverOptions(stall_s=30, straggler=StragglerRule(rounds=2))},
+    "observer=dict": {"observer": {"stall_s": 5, "action": "abort", "straggler": {"window_s": 0.5}, "count_hz": 10}},
+    "observer=dict user hook": {"observer": {"ddp_comm_hook": user_comm_hook, "ddp_comm_state": {"k": 1}}},
+    "observer=ObserverOptions": {"observer": ObserverOptions(stall_s=30, straggler=StragglerRule(rounds=2),
+                                                             ddp_comm_hook="traced")},
+    "shard_evidence=True": {"mode": "fsdp", "shard_evidence": True},
+    "shard_evidence=False": {"mode": "fsdp", "shard_evidence": False},
     "shard_evidence=dict": {"mode": "fsdp", "shard_evidence": {"at_rest_every": 2}},
+    "shard_evidence=dict cycle": {"mode": "fsdp", "shard_evidence": {"cycle": 5}},
     "shard_evidence=ShardEvidenceOptions": {"mode": "fsdp", "shard_evidence": ShardEvidenceOptions(cycle=4)},
     "ledger_journal=delete": {"ledger_journal": "delete"},
     "storage=StorageOptions": {"storage": StorageOptions(ledger_journal="delete")},
@@ -183,9 +197,13 @@ def _construct_each(rank: int, world: int, root: str) -> dict:
         try:
             seen[name] = {
                 "replay_interval": ck.replay.runner.schedule.interval if ck.replay is not None else None,
+                "replay_save_every": ck.replay.runner.save_every if ck.replay is not None else None,
                 "observer": ck.observer is not None,
                 "stall_s": ck.observer.cfg["stall_s"] if ck.observer is not None else None,
                 "window_s": ck.observer.cfg["straggler"]["window_s"] if ck.observer is not None else None,
+                "count_period": ck.observer.counter.period if ck.observer is not None else None,
+                "comm_hook": (None if ck.observer is None else
+                              [getattr(h, "__name__", h) for h in ck.observer._ddp_hook]),
                 "shard": ck.shard is not None,
                 "journal": ck.ledger_journal,
             }
@@ -205,7 +223,15 @@ def test_every_documented_spelling_constructs_a_checkpointer(tmp_path):
     assert seen["observer=True"]["observer"] and seen["observer=True"]["stall_s"] == 60.0
     assert (seen["observer=dict"]["stall_s"], seen["observer=dict"]["window_s"]) == (5, 0.5)
     assert (seen["observer=ObserverOptions"]["stall_s"], seen["observer=ObserverOptions"]["window_s"]) == (30, 1.0)
-    assert seen["shard_evidence=dict"]["shard"] and seen["shard_evidence=ShardEvidenceOptions"]["shard"]
+    assert seen["replay=dict save_every"]["replay_save_every"] == 4
+    assert (seen["replay=dict demo"]["replay_interval"], seen["replay=dict demo"]["replay_save_every"]) == (1, 5)
+    assert seen["observer=dict"]["count_period"] == 0.1
+    assert seen["observer=ObserverOptions"]["comm_hook"] == ["traced", None]
+    assert seen["observer=dict user hook"]["comm_hook"] == ["user_comm_hook", {"k": 1}]
+    assert seen["observer=True"]["count_period"] == 1 / 25 and seen["observer=True"]["comm_hook"] == [None, None]
+    assert all(seen[k]["shard"] for k in ("shard_evidence=True", "shard_evidence=dict", "shard_evidence=dict cycle",
+                                          "shard_evidence=ShardEvidenceOptions"))
+    assert not seen["shard_evidence=False"]["shard"]
     assert seen["ledger_journal=delete"]["journal"] == "delete"
     assert seen["storage=StorageOptions"]["journal"] == "delete"
     assert not seen["ledger_journal=delete"]["observer"] and seen["ledger_journal=delete"]["replay_interval"] is None
