@@ -22,6 +22,21 @@ def _reasons_suffix(result: dict) -> str:
     return f"  {reason_text(result['reasons'])}" if result["reasons"] else ""
 
 
+def _step_lines(rows: list[dict]) -> list[str]:
+    """One line a step: `step N: STATE  reasons`."""
+    return [f"step {r['step']}: {r['state']}" + _reasons_suffix(r) for r in rows]
+
+
+def _answer(result: dict, as_json: bool, lines) -> int:
+    """Print a command's result: the JSON document, or the lines `lines(result)` gives; exit 0."""
+    if as_json:
+        emit(result)
+    else:
+        for line in lines(result):
+            print(line)
+    return 0
+
+
 def certify(root: Path, step: int | None, all_: bool, as_json: bool) -> int:
     from scout_ckpt.ops.certify import certify as certify_steps
 
@@ -56,49 +71,31 @@ def gc(root: Path, keep: int, dry_run: bool, as_json: bool) -> int:
 
     if keep < 1:
         raise BadInput(f"--keep must be at least 1 (got {keep})")
-    result = retention.gc(root, keep, dry_run=dry_run)
-    if as_json:
-        emit(result)
-    else:
-        verb = "would delete" if dry_run else "deleted"
-        print(f"{verb}: {', '.join(map(str, result['delete'])) or 'nothing'}; kept: "
-              f"{', '.join(map(str, result['keep'])) or 'nothing'} (protected: {result['protected']})")
-    return 0
+    verb = "would delete" if dry_run else "deleted"
+    return _answer(retention.gc(root, keep, dry_run=dry_run), as_json,
+                   lambda r: [f"{verb}: {', '.join(map(str, r['delete'])) or 'nothing'}; kept: "
+                              f"{', '.join(map(str, r['keep'])) or 'nothing'} (protected: {r['protected']})"])
 
 
 def quarantine(root: Path, step: int, reason: str, as_json: bool) -> int:
     from scout_ckpt.ops.operator import quarantine as quarantine_step
 
-    result = quarantine_step(root, step, reason)
-    if as_json:
-        emit(result)
-    else:
-        print(f"step {step}: quarantined ({reason})")
-    return 0
+    return _answer(quarantine_step(root, step, reason), as_json, lambda r: [f"step {step}: quarantined ({reason})"])
 
 
 def release(root: Path, step: int, reason: str, as_json: bool) -> int:
     from scout_ckpt.ops.operator import release as release_step
 
-    result = release_step(root, step, reason)
-    if as_json:
-        emit(result)
-    else:
-        print(f"step {step}: released, now {result['state']}" + _reasons_suffix(result))
-    return 0
+    return _answer(release_step(root, step, reason), as_json,
+                   lambda r: [f"step {step}: released, now {r['state']}" + _reasons_suffix(r)])
 
 
 def adopt(root: Path, invariant: list[str], uri: str | None, as_json: bool) -> int:
     from scout_ckpt.ops.adopt import adopt as adopt_steps
 
     result = adopt_steps(root, invariant_specs=list(invariant) or None, uri=uri)   # object_store.resolve checks ROOT
-    if as_json:
-        emit(result)
-    else:
-        for r in result["adopted"]:
-            print(f"step {r['step']}: {r['state']}" + _reasons_suffix(r))
-        for r in result["skipped"]:
-            print(f"skipped step {r['step']}: {r.get('reason', '')}")
+    _answer(result, as_json, lambda res: _step_lines(res["adopted"]) +
+            [f"skipped step {r['step']}: {r.get('reason', '')}" for r in res["skipped"]])
     bad = [r for r in result["adopted"] if r["state"] != "certified"]
     if bad:
         print(f"scout-ckpt: {len(bad)} adopted step(s) not certified; first: step {bad[0]['step']} is "
@@ -115,27 +112,17 @@ def export(root: Path, step: int | None, latest_clean: bool, out: Path, force: b
     if (step is None) == (not latest_clean):
         raise BadInput("give exactly one of --step N or --latest-clean")
     roots.store_for(root)   # an object-store run's ledger_dir: the objects are fetched and verified first
-    result = export_step(root, step, out, force=force, prefix=prefix, max_shard_bytes=max_shard_bytes)
-    if as_json:
-        emit(result)
-    else:
-        print(result.get("path") or out)
-    return 0
+    return _answer(export_step(root, step, out, force=force, prefix=prefix, max_shard_bytes=max_shard_bytes),
+                   as_json, lambda r: [r.get("path") or out])
 
 
 def ledger_rebuild(root: Path, no_verify: bool, uri: str | None, as_json: bool) -> int:
     from scout_ckpt.ops.rebuild import rebuild
 
     result = rebuild(root, verify=not no_verify, uri=uri)   # object_store.rebuild.resolve checks ROOT and --uri
-    if as_json:
-        emit(result)
-    else:
-        for r in result["checkpoints"]:
-            print(f"step {r['step']}: {r['state']}" + _reasons_suffix(r))
-        for c in result["changes"]:
-            print(f"changed step {c['step']}: {c['before']} -> {c['after']} ({c['why']})")
-        if result["backup"]:
-            print(f"previous ledger kept as {result['backup']}")
+    _answer(result, as_json, lambda res: _step_lines(res["checkpoints"]) +
+            [f"changed step {c['step']}: {c['before']} -> {c['after']} ({c['why']})" for c in res["changes"]] +
+            ([f"previous ledger kept as {res['backup']}"] if res["backup"] else []))
     if result["skipped"]:
         # A rebuild that left checkpoints out is not a success: restart tooling must not take it for one.
         first = result["skipped"][0]
