@@ -109,7 +109,7 @@ def verdict(e: dict) -> str:
 
 
 def markdown(entries: list[dict], run: dict) -> str:
-    lines = [f"`make bench` at `{run['commit']}`, {run['started']} - {run['ended']} UTC, load average "
+    lines = [f"`{run['command']}` at `{run['commit']}`, {run['started']} - {run['ended']} UTC, load average "
              f"{run['load_start']} - {run['load_end']} on {run['cores']} cores.", "",
              "| bench | status | headline | target | met/missed | load | date | command |",
              "|---|---|---|---|---|---|---|---|"]
@@ -140,7 +140,8 @@ def main() -> None:
         scripts = [s for s in scripts if s.name in wanted]
 
     deadline = time.monotonic() + args.budget_s
-    run = {"commit": commit(), "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+    run = {"command": " ".join(["python bench/run_all.py", *sys.argv[1:]]), "commit": commit(),
+           "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
            "load_start": C.load_note()["loadavg_1m"], "cores": C.load_note()["cores"]}
     entries = []
     for i, script in enumerate(scripts):
