@@ -75,7 +75,7 @@ class ReplayRunner:
     "world" force one. targets: (recipe, path) pairs or paths (targets.resolve); default: targets.discover, which
     raises NoTargets (a ScoutError) when the model has no repeated blocks. opt_elems: optimizer elements replayed
     per round over all parameters. save_every: arm the sweep capture for every multiple of it. live_check: compare
-    the replays with the source's live outputs (module docstring; False: the sweep replays with the parameters
+    the replays with the source's live outputs (replay.live; False: the sweep replays with the parameters
     held when it runs, and no parameter copy is kept).
     `on_step` and `sweep` return replay rows for the ledger, identical on all peers.
     """
