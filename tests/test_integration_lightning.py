@@ -1,4 +1,4 @@
-"""Real PyTorch Lightning (Trainer, DDPStrategy, ModelCheckpoint) under real torchrun (2 CPU/gloo ranks) with
+"""Real PyTorch Lightning (Trainer, DDPStrategy, ModelCheckpoint) under real torchrun (2 and 3 CPU/gloo ranks) with
 scout_ckpt.integrations.lightning. The job is tests/scripts/lightning_job.py; every judgement comes from what the
 job recorded itself (per-step loss, LR and sample fingerprints, sha256 of the model and optimizer state at each save
 and at the end) or from a run of the same job without scout-ckpt, never from scout-ckpt's own answers alone.
