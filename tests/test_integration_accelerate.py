@@ -5,8 +5,8 @@ batch, the loss and the LR (float.hex), its own sha256 of the model, optimizer a
 a load, and at the end. The oracle is the same job with `--plain`: no scout-ckpt at all.
 
 3 epochs of 6 batches per rank (18 optimizer steps), a save every 4 steps: step 4 is mid-epoch 0, 8 mid-epoch 1,
-12 the last batch of epoch 1, 16 mid-epoch 2. Under real torchrun, 2 CPU/gloo ranks (one scenario on 3); SIGKILLs are real, and so are the
-faults of the world between generations (a deleted ledger, an EIO: tests/murphy_env.py).
+12 the last batch of epoch 1, 16 mid-epoch 2. Under real torchrun, 2 CPU/gloo ranks (one scenario on 3); SIGKILLs
+are real, and so are the faults of the world between generations (a deleted ledger, an EIO: tests/murphy_env.py).
 
 The in-process tests at the end drive TrackedDataLoader with one process (accelerate's own single-process loader,
 whose RandomSampler draws its order from torch's global RNG) and the refusals; they need no process group.
