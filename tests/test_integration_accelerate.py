@@ -5,7 +5,8 @@ batch, the loss and the LR (float.hex), its own sha256 of the model, optimizer a
 a load, and at the end. The oracle is the same job with `--plain`: no scout-ckpt at all.
 
 3 epochs of 6 batches per rank (18 optimizer steps), a save every 4 steps: step 4 is mid-epoch 0, 8 mid-epoch 1,
-12 the last batch of epoch 1, 16 mid-epoch 2. Under real torchrun, 2 CPU/gloo ranks; SIGKILLs are real.
+12 the last batch of epoch 1, 16 mid-epoch 2. Under real torchrun, 2 CPU/gloo ranks (one scenario on 3); SIGKILLs
+are real, and so are the faults of the world between generations (a deleted ledger, an EIO: tests/murphy_env.py).
 
 The in-process tests at the end drive TrackedDataLoader with one process (accelerate's own single-process loader,
 whose RandomSampler draws its order from torch's global RNG) and the refusals; they need no process group.
@@ -34,14 +35,14 @@ SCRIPT = REPO / "tests" / "scripts" / "accelerate_job.py"
 STEPS, EVERY = 18, 4
 
 
-def torchrun(root, trace, *extra, restarts=0, nproc=2):
+def torchrun(root, trace, *extra, restarts=0, nproc=2, every=EVERY, env=None, ok=True):
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(root),
-           "--trace", str(trace), "--save-every", str(EVERY), *map(str, extra)]
+           "--trace", str(trace), "--save-every", str(every), *map(str, extra)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=root.parent)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert (p.returncode == 0) == ok, p.stdout[-2000:] + p.stderr[-4000:]
     return p
 
 
@@ -225,6 +226,52 @@ def test_the_seedable_sampler_resumes_bitwise_too(tmp_path):
     torchrun(base / "root", base / "trace", "--plain", "--seedable")
     torchrun(tmp_path / "root", tmp_path / "trace", "--seedable", "--kill-step", 10, restarts=1)
     assert_resumed_exactly(read_trace(base / "trace"), read_trace(tmp_path / "trace"), 8)
+
+
+# ---- Murphy: the world misbehaves between generations (tests/murphy_env.py) --------------------------------------
+
+@pytest.mark.scenario
+def test_a_ledger_deleted_between_generations_is_rebuilt_and_the_restart_resumes_the_newest_certified(plain,
+                                                                                                      tmp_path):
+    """Generation 1 is SIGKILLed after step 10 (certified: 4, 8); the ledger is deleted; generation 2 (a new
+    torchrun, as a scheduler starts it) rebuilds the ledger from the manifests and the journal, says so, and
+    resumes from step 8, never from step 0: exactly the digest generation 1 printed at that save, then the
+    uninterrupted run's batches, losses and LRs bit for bit."""
+    from tests.murphy_env import delete_ledger
+
+    root = tmp_path / "root"
+    torchrun(root, tmp_path / "gen1", "--kill-step", 10, ok=False)
+    assert checkpoints(root) == {4: "certified", 8: "certified"}
+    delete_ledger(root)
+    p = torchrun(root, tmp_path / "gen2")
+    assert "rebuilding it from the manifests and the journal" in p.stderr, p.stderr[-3000:]
+    assert_resumed_exactly(plain, read_trace(tmp_path / "gen2"), 8, saved_by=read_trace(tmp_path / "gen1"))
+    assert checkpoints(root) == {s: "certified" for s in range(EVERY, STEPS + 1, EVERY)}
+
+
+@pytest.mark.scenario
+def test_a_transient_eio_on_the_newest_checkpoint_walks_back_and_leaves_it_certified(plain, healthy, tmp_path):
+    """The job started again on the healthy run's root; its first read of one of step 16's files fails with EIO
+    (every rank's process, whichever verifies it): it resumes from step 12 exactly (the digest the healthy run
+    printed at that save, then the uninterrupted run bit for bit), and step 16 keeps its state, verdicts and
+    attempt: the disk answering again, `ls` shows it certified and `resume --latest-clean` re-verifies and hands it
+    out. The restart does not save (every 100 steps), so that the step 16 on disk afterwards is the one the EIO
+    hit, not a re-save."""
+    from tests.conftest import run_cli
+    from tests.murphy_env import eio_once_env, largest_shard, trust
+
+    root = tmp_path / "root"
+    shutil.copytree(healthy[0], root)
+    before = trust(root, 16)
+    env = eio_once_env(tmp_path / "site", largest_shard(root / "step-00000016"))
+    p = torchrun(root, tmp_path / "trace", every=100, env=env)
+    assert "could not check step 16 now" in p.stderr, p.stderr[-3000:]
+    assert_resumed_exactly(plain, read_trace(tmp_path / "trace"), 12, saved_by=healthy[1])
+    assert trust(root, 16) == before and before[0] == "certified"
+    rc, out, err = run_cli("ls", str(root), "--json")
+    assert rc == 0 and {r["step"]: r["state"] for r in json.loads(out)["checkpoints"]}[16] == "certified", err
+    rc, out, err = run_cli("resume", str(root), "--latest-clean", "--json")
+    assert rc == 0 and json.loads(out)["step"] == 16, err
 
 
 def accelerate_launch(root, trace, *extra, attempt: int = 0):

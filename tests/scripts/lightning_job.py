@@ -1,16 +1,20 @@
-"""A user's Lightning job under torchrun (2 CPU/gloo ranks), for tests/test_integration_lightning.py: a small
-regression LightningModule (Adam, a per-step LambdaLR, gradient accumulation), a shuffled DataLoader (Lightning's
-DistributedSampler), ModelCheckpoint(every_n_train_steps, save_top_k on the synced train loss, save_last).
+"""A user's Lightning job under torchrun (CPU/gloo ranks, as many as torchrun starts), for
+tests/test_integration_lightning.py: a small regression LightningModule (Adam, a per-step LambdaLR, gradient
+accumulation), a shuffled DataLoader (Lightning's DistributedSampler), ModelCheckpoint(every_n_train_steps,
+save_top_k on the synced train loss, save_last).
 
 Its own oracle, computed without scout-ckpt: rank 0 appends JSON lines to --record: per optimizer step
 {"step", "loss", "lr", "batch", "attempt"} (the loss is the all-reduced one, `batch` a fingerprint of the samples
 each rank trained on), at each save {"saved": step, "digest"} (sha256 of the model and optimizer state in memory),
-at the end {"final": digest, "global_step"}, and {"scout_steps": [...]} (the steps Checkpointer.step saw).
+when a resumed run starts training {"started": step, "digest"} (the same sha256 of what it restored), at the end
+{"final": digest, "global_step"}, and {"scout_steps": [...]} (the steps Checkpointer.step saw).
 
 --scout ddp|mp|none: ScoutDDPStrategy, ScoutModelParallelStrategy (fully_shard in configure_model, FSDP2), plain
 DDPStrategy with Lightning's own ModelCheckpoint (the run without scout-ckpt), mp-none the same for
-ModelParallelStrategy. --kill-step S: in the first attempt
-(TORCHELASTIC_RESTART_COUNT 0) rank 1 SIGKILLs itself after optimizer step S. --ckpt-path: fit(ckpt_path=...).
+ModelParallelStrategy. --kill-step S: in the first attempt (TORCHELASTIC_RESTART_COUNT 0) rank 1 SIGKILLs itself
+after optimizer step S. --ckpt-path: fit(ckpt_path=...). The world size is torchrun's (`devices` =
+LOCAL_WORLD_SIZE, FSDP2's data_parallel_size = WORLD_SIZE); --samples defaults to 16 per rank, so that every world
+size has 4 batches of 4 per rank per epoch.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def tensor_bytes(v) -> bytes:
@@ -92,6 +97,8 @@ class Regression(pl.LightningModule):
 
     def on_train_start(self):
         self._last_step = self.trainer.global_step   # a resumed run starts counting after the loaded step
+        if self._last_step:   # what a resumed run trains on: every restore (model, optimizers) is done by now
+            self.record(started=self._last_step, digest=digest(self.net, self.trainer.optimizers[0]))
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         # once per real optimizer step: the batch whose end follows it (gradient accumulation included)
@@ -143,7 +150,7 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--save-last", action="store_true")
     ap.add_argument("--accum", type=int, default=1)
-    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=16 * WORLD)
     ap.add_argument("--kill-step", type=int)
     ap.add_argument("--ckpt-path")
     ap.add_argument("--record")
@@ -176,18 +183,20 @@ def main() -> int:
     elif a.scout == "mp":
         from scout_ckpt.integrations.lightning import ScoutModelParallelStrategy
 
-        strategy = ScoutModelParallelStrategy(root=root, data_parallel_size=2, tensor_parallel_size=1,
+        strategy = ScoutModelParallelStrategy(root=root, data_parallel_size=WORLD, tensor_parallel_size=1,
                                               process_group_backend="gloo", checkpointer=opts)
     elif a.scout == "mp-none":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo")
+        strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1,
+                                         process_group_backend="gloo")
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
     ckpt_cb = ModelCheckpoint(dirpath=root / "lightning", every_n_train_steps=a.save_every, save_top_k=a.top_k,
                               monitor="train_loss" if a.top_k > 0 else None, save_last=a.save_last or None,
                               filename="{step}")
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=a.steps,
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+                         max_steps=a.steps,
                          accumulate_grad_batches=a.accum, gradient_clip_val=a.clip, callbacks=[ckpt_cb, StepsSeen()], logger=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          default_root_dir=str(root), log_every_n_steps=1, deterministic=True)
