@@ -360,7 +360,8 @@ class ScoutStrategyMixin:
 
             return _Fresh({"pytorch-lightning_version": pl.__version__})
         if want != LATEST_CLEAN and step != want:
-            log.warning("scout-ckpt: step %s (from %s) did not verify; resumed from step %d, the latest clean one",
+            log.warning("scout-ckpt: step %s (from %s) was not loadable now (failed or could not be checked: `scout-ckpt "
+                        "explain` says which); resumed from step %d, the latest clean one",
                         want, path, step)
         self._scout_saved = (step, None)   # the state of `step` is on disk: a save at the same step is a pointer
         checkpoint = rest.checkpoint()
