@@ -128,9 +128,11 @@ def _schema_problem(md) -> str | None:
         DType,
         Metadata,
         MetadataIndex,
+        SavePlan,
         StorageMeta,
         TensorProperties,
         TensorStorageMetadata,
+        WriteItem,
         _StorageInfo,
     )
 
@@ -188,6 +190,11 @@ def _schema_problem(md) -> str | None:
         return "malformed storage_meta"
     if _field(md, "version") not in (None, _MISSING) and type(_field(md, "version")) is not str:
         return "malformed version"
+    plans = _field(md, "all_local_plans")   # Megatron-Core's torch_dist writer (dcp_meta); read by nobody here
+    if plans not in (None, _MISSING) and (type(plans) is not list or not all(
+            type(p) is SavePlan and type(_field(p, "items")) is list
+            and all(type(i) is WriteItem for i in _field(p, "items")) for p in plans)):
+        return "malformed all_local_plans"
     return None
 
 

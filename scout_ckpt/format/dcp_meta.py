@@ -9,6 +9,11 @@ DCP 2.13 writes (same names, same defaults, `MetadataIndex` hashed and compared 
 is), `Size` (a tuple), `DType` and `Layout` (a name, an element size). `torch_dtype` turns a `DType` into the
 torch dtype for the readers that build tensors (they import torch anyway). The tables were taken from torch 2.13
 (`tests/test_hostile_input.py` checks them against the installed torch).
+
+Megatron-Core's torch_dist writer (megatron-core 0.16.1, `strategies/state_dict_saver.py`) also pickles the
+ranks' local save plans into the metadata it writes (`global_metadata.all_local_plans`, a list of DCP
+`SavePlan`s of `WriteItem`s), to reuse them at the next save: `Metadata.all_local_plans` and the planner
+stand-ins below hold them; no reader here uses them.
 """
 
 from __future__ import annotations
@@ -144,6 +149,7 @@ class Metadata:
     storage_data: Any = None
     storage_meta: Any = None
     version: Any = None
+    all_local_plans: Any = None   # Megatron-Core's torch_dist writer only (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -166,3 +172,40 @@ class _StorageInfo:
     offset: int
     length: int
     transform_descriptors: Any = None
+
+
+# ---- DCP's planner classes, as Megatron-Core's all_local_plans holds them ------------------------------------
+
+class WriteItemType(enum.Enum):
+    """torch.distributed.checkpoint.planner.WriteItemType (enum.auto values)."""
+    TENSOR = 1
+    SHARD = 2
+    BYTE_IO = 3
+
+
+@dataclass(frozen=True)
+class BytesIOWriteData:
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorWriteData:
+    chunk: ChunkStorageMetadata
+    properties: TensorProperties
+    size: Size
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    index: MetadataIndex
+    type: WriteItemType
+    bytes_io_data: BytesIOWriteData | None = None
+    tensor_data: TensorWriteData | None = None
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    items: list
+    storage_data: Any = None
+    planner_data: Any = None
+    usable: bool = True

@@ -36,10 +36,12 @@ class RefusedPickle(BadMetadata):
 # ---- the restricted unpickler ---------------------------------------------------------------------------------
 
 _META = "torch.distributed.checkpoint.metadata"
+_PLANNER = "torch.distributed.checkpoint.planner"   # in Megatron-Core's torch_dist metadata only (dcp_meta)
 _DATACLASS_NAMES = {(_META, n) for n in ("Metadata", "MetadataIndex", "TensorStorageMetadata",
                                          "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
                                          "StorageMeta")} | {("torch.distributed.checkpoint.filesystem",
-                                                             "_StorageInfo")}
+                                                             "_StorageInfo")} | {
+    (_PLANNER, n) for n in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData")}
 # pathlib classes: storage_meta.checkpoint_id. Python 3.13 moved them to pathlib._local (and pickles that name);
 # 3.11 has no such module, so both names map to the pathlib class. A Windows path cannot be made on POSIX: its
 # pure form carries the same parts.
@@ -70,6 +72,7 @@ def _allowed() -> dict:
     for mod, name in _DATACLASS_NAMES:
         out[(mod, name)] = getattr(dcp_meta, name)
     out[(_META, "_MEM_FORMAT_ENCODING")] = dcp_meta._MEM_FORMAT_ENCODING
+    out[(_PLANNER, "WriteItemType")] = dcp_meta.WriteItemType
     out[("torch.serialization", "_get_layout")] = dcp_meta._get_layout
     out[("torch", "Size")] = dcp_meta.Size
     for mod in ("pathlib", "pathlib._local"):
@@ -115,6 +118,7 @@ def _reduce_rules() -> dict:
         dcp_meta.Size: lambda a: len(a) == 1 and _ints(a[0]),
         dcp_meta._get_layout: lambda a: len(a) == 1 and type(a[0]) is str and len(a[0]) < 64,
         dcp_meta._MEM_FORMAT_ENCODING: lambda a: len(a) == 1 and _is_int(a[0]),
+        dcp_meta.WriteItemType: lambda a: len(a) == 1 and _is_int(a[0]),
     }
     for real in set(_PATH_NAMES.values()):
         rules[getattr(pathlib, real)] = path_args

@@ -82,12 +82,20 @@ def parse_step_dir(name: str) -> int | None:
 # so that this module, which everything stands on, never imports an integration. The CLI imports the torch-free
 # registrations, so `ls`/`resume`/`certify` read such a ROOT; a library caller that reads one imports the
 # integration's folders module first (the integration itself always does).
+# A layout whose folders are DCP under another name (Megatron-Core's torch_dist `iter_NNNNNNN`) registers with
+# dcp=True: listed like the others, but read as DCP (`.metadata` required, tensors read from the DCP entries).
 _FOLDER_LAYOUTS: dict[str, Callable[[str], int | None]] = {}
+_DCP_LAYOUTS: set[str] = set()
 
 
-def register_folder_layout(name: str, parse: Callable[[str], int | None]) -> None:
-    """Declare a non-DCP folder layout: `parse` maps a directory name to its step, or None when not of it."""
+def register_folder_layout(name: str, parse: Callable[[str], int | None], *, dcp: bool = False) -> None:
+    """Declare a framework folder layout: `parse` maps a directory name to its step, or None when not of it;
+    `dcp`: its folders are DCP checkpoints (a `.metadata` and `__R_I.distcp` files), not plain files."""
     _FOLDER_LAYOUTS[name] = parse
+    if dcp:
+        _DCP_LAYOUTS.add(name)
+    else:
+        _DCP_LAYOUTS.discard(name)
 
 
 def parse_folder_dir(name: str) -> int | None:
@@ -101,8 +109,10 @@ def parse_folder_dir(name: str) -> int | None:
 
 def is_folder_dir(path: str | os.PathLike) -> bool:
     """A registered framework folder of plain files (e.g. the Trainer's `checkpoint-N`), which has no DCP
-    `.metadata`; every other checkpoint directory is DCP (fail closed: an unknown name must have one)."""
-    return parse_folder_dir(Path(path).name) is not None
+    `.metadata`; every other checkpoint directory is DCP (fail closed: an unknown name must have one), a folder
+    of a layout registered with dcp=True included."""
+    name = Path(path).name
+    return any(parse(name) is not None for n, parse in _FOLDER_LAYOUTS.items() if n not in _DCP_LAYOUTS)
 
 
 def list_checkpoint_dirs(root: str | os.PathLike) -> dict[int, Path]:

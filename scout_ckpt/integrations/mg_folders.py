@@ -5,21 +5,30 @@ the CLI imports it so that `scout-ckpt ls/explain/resume/certify SAVE_DIR` read 
 
 An `iter_NNNNNNN` folder written by `dist_checkpointing.save` (torch_dist) holds `.metadata`, `__R_I.distcp`,
 `common.pt` and `metadata.json`, written in place (no temp dir + rename), so the core reads it as a registered
-folder layout (`layout.register_folder_layout`); settling, resume and walk-back are the core's
-(integrations/folders.py). The tracker is Megatron-LM's own (written by its training loop, not by megatron-core):
+folder layout whose folders are DCP (`layout.register_folder_layout(..., dcp=True)`); settling, resume and
+walk-back are the core's (integrations/folders.py). The tracker is Megatron-LM's own (written by its training loop, not by megatron-core):
 the iteration as text, or `release`. Here it only ever names a certified iteration: `point_tracker` replaces it
 atomically, and `hide_tracker` moves one that names no certified iteration aside (to
 `latest_checkpointed_iteration.txt.scout-uncertified`, kept) instead of letting Megatron-LM load it.
+
+`scout-ckpt adopt SAVE_DIR` takes in `iter_NNNNNNN` folders written without scout-ckpt (registered here with
+ops/adopt_layouts.py): a DCP folder whose `common.pt` and `metadata.json` (torch_dist) Megatron's own load needs,
+and whose `integrity.json` (Megatron-Core r0.18+, `save(..., verify_integrity=True)`), when usable, is the
+baseline of the bytes evidence: every file's SHA-256 checked against it (ops/adopt_integrity.py). adopt leaves
+the tracker alone; the MegatronCheckpointer points it at a certified iteration when the job starts.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 from pathlib import Path
 
 from scout_ckpt.format.layout import atomic_write_bytes, fsync_dir, register_folder_layout
+from scout_ckpt.format.safepaths import clip, read_bounded
+from scout_ckpt.ops.adopt_layouts import AdoptLayout, register as register_adoptable
 
 log = logging.getLogger("scout_ckpt.megatron")
 
@@ -27,6 +36,9 @@ LAYOUT = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"
 HIDDEN_TRACKER = TRACKER + ".scout-uncertified"
 FOLDER_RE = re.compile(r"^iter_(\d{7,})$")
+COMMON = "common.pt"          # the common (non-sharded) state, torch.save by rank 0
+CONFIG = "metadata.json"      # {"sharded_backend": "torch_dist", ...}: what Megatron's load reads first
+INTEGRITY = "integrity.json"  # Megatron-Core r0.18+: {"algorithm": "sha256", "files": {name: hex}}
 
 
 def folder_name(iteration: int) -> str:
@@ -39,7 +51,23 @@ def parse_folder(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-register_folder_layout(LAYOUT, parse_folder)
+def config_problems(step_dir: Path) -> list[dict]:
+    """Structure reasons from metadata.json: it must say torch_dist, the one format scout-ckpt reads."""
+    try:
+        config = json.loads(read_bounded(Path(step_dir) / CONFIG, 1 << 20, CONFIG))
+    except (OSError, ValueError) as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return [{"code": "bad_metadata", "file": CONFIG, "detail": clip(str(e), 160)}]
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    if backend != "torch_dist":
+        return [{"code": "unsupported_format", "file": CONFIG,
+                 "detail": f"sharded_backend {clip(backend, 40)}; scout-ckpt reads torch_dist"}]
+    return []
+
+
+register_folder_layout(LAYOUT, parse_folder, dcp=True)   # torch_dist folders are DCP: read as such
+register_adoptable(AdoptLayout(LAYOUT, "Megatron iter_NNNNNNN", parse_folder, required=(COMMON, CONFIG),
+                               check=config_problems, integrity=INTEGRITY,
+                               extra=lambda iteration: {"iteration": iteration}))
 
 
 def read_tracker(save_dir: str | os.PathLike) -> str | None:

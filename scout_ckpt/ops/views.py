@@ -140,6 +140,9 @@ def explain_lines(out: dict, where: str, now: float, escape: Callable[[str], str
         lines.append(f"  {kind:<11} {status:<15} " + (f"[dim]checked by {checked}[/]" if checked != "-" else ""))
         for r in item.get("reasons") or []:
             lines.append(f"      - {escape(reason_text([r]))}")
+        for key, label in (("vouched_by", "vouched for by"), ("not_used", "not used")):   # adopt's bytes evidence
+            if item.get(key):
+                lines.append(f"      {label}: {escape(str(item[key]))}")
         if item.get("live_checked_ranks") is not None:
             lines.append(f"      live step checked: rank(s) {ranks_text(item['live_checked_ranks'])}"
                          + (f" ({item['live_rotation']})" if item.get("live_rotation") else ""))
