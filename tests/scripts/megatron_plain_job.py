@@ -11,7 +11,9 @@ folder but integrity.json itself, sorted by path, hashed with SHA-256 in 1 MiB c
 `{"algorithm": "sha256", "files": {name: hex}}` with json.dump(indent=2). It is written here, independently of
 scout-ckpt, so that the test's oracle does not come from the code under test.
 
-Its own oracle: sha256 of every rank's tensors at each save, written to --events (one JSON line per save).
+Its own oracle: sha256 of every rank's tensors at each save, written to --events (one JSON line per save). With
+--load ITER_DIR it saves nothing: it loads that folder with `dist_checkpointing.load` and writes the digest of what
+it loaded (event "loaded"), to compare with the one written when it was saved.
 
 The state is a sharded state dict as Megatron's modules build it: `w` split over the tensor-parallel ranks
 (axis 0), `b` replicated (`replica_id` = (0, TP rank, DP rank), as Megatron's layer norms), `iteration` in
@@ -68,6 +70,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--integrity", action="store_true", help="write integrity.json as Megatron-Core r0.18+ does")
+    ap.add_argument("--load", default=None, help="load this iter_NNNNNNN folder and record its digest; no saves")
     ap.add_argument("--events", required=True)
     args = ap.parse_args()
 
@@ -78,6 +81,21 @@ def main() -> None:
     dp_rank = parallel_state.get_data_parallel_rank()
     torch.manual_seed(0)
     state = {"w": torch.randn(8, 16).chunk(tp, dim=0)[tp_rank].clone(), "b": torch.zeros(16)}
+
+    def sharded(it):
+        return {"w": ShardedTensor.from_rank_offsets("w", state["w"], (0, tp_rank, tp), replica_id=dp_rank),
+                "b": ShardedTensor.from_rank_offsets("b", state["b"], replica_id=(0, tp_rank, dp_rank)),
+                "iteration": it}
+
+    if args.load:
+        loaded = dist_checkpointing.load(sharded(0), args.load)
+        state = {"w": loaded["w"], "b": loaded["b"]}
+        d = digest(state)
+        if rank == 0:
+            with open(args.events, "a") as f:
+                f.write(json.dumps({"event": "loaded", "step": loaded["iteration"], "digest": d}) + "\n")
+        dist.destroy_process_group()
+        return
     for it in range(1, args.iters + 1):
         state["w"].mul_(0.9).add_(torch.randn(state["w"].shape, generator=torch.Generator().manual_seed(it)) * 0.1)
         state["b"].add_(torch.randn(16, generator=torch.Generator().manual_seed(-it)) * 0.01)
@@ -87,10 +105,7 @@ def main() -> None:
         if rank == 0:
             os.makedirs(iter_dir, exist_ok=True)
         dist.barrier()
-        sharded = {"w": ShardedTensor.from_rank_offsets("w", state["w"], (0, tp_rank, tp), replica_id=dp_rank),
-                   "b": ShardedTensor.from_rank_offsets("b", state["b"], replica_id=(0, tp_rank, dp_rank)),
-                   "iteration": it}
-        dist_checkpointing.save(sharded, iter_dir)
+        dist_checkpointing.save(sharded(it), iter_dir)
         if rank == 0:
             if args.integrity:
                 save_integrity_manifest(iter_dir)
