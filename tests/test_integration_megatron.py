@@ -3,7 +3,9 @@ scout_ckpt.integrations.megatron, judged by the digests the job computes itself 
 every rank's tensors, written when it saves and after it loads). Tensor-parallel 2 through parallel_state: each
 rank's `__R_*.distcp` digested by that rank, the TP-replicated piece compared, the TP shards single-owner; a flipped
 bit in an `iter_*` file walked past by the CLI and by the job's own load; a rank SIGKILLed mid-save resumed from
-the certified iteration with the state it saved; the tracker never names an uncertified iteration.
+the certified iteration with the state it saved; the tracker never names an uncertified iteration. At TP=1, DP=3
+(3 ranks, a scenario) every piece has three data-parallel replicas, compared, and a rank killed mid-save resumes
+the certified iteration.
 
 megatron-core is an optional extra (`pip install scout-ckpt[megatron]`; `make test` installs it): a missing
 megatron-core fails these tests, never skips them."""
@@ -31,8 +33,8 @@ SCRIPT = REPO / "tests" / "scripts" / "mg_job.py"
 TRACKER = mg_folders.TRACKER
 
 
-def torchrun(save_dir, events, *extra, restarts=0, ok=True):
-    return jobs.torchrun(SCRIPT, save_dir, events, *extra, restarts=restarts, ok=ok)
+def torchrun(save_dir, events, *extra, restarts=0, ok=True, nproc=2):
+    return jobs.torchrun(SCRIPT, save_dir, events, *extra, restarts=restarts, ok=ok, nproc=nproc)
 
 
 # ---- pure and torch-free pieces -------------------------------------------------------------------------------
@@ -142,6 +144,30 @@ def test_rank_killed_mid_save_resumes_exactly_from_the_certified_iteration(tmp_p
     # a run without the crash reaches the same final state (the resume lost nothing)
     ref_dir, ref_ev = tmp_path / "ref", tmp_path / "ref.jsonl"
     torchrun(ref_dir, ref_ev, "--iters", 6, "--save-every", 2)
+    assert events(ref_ev, "final")[0]["digest"] == events(ev, "final", attempt=1)[0]["digest"]
+
+
+@pytest.mark.scenario
+def test_dp3_replicas_compared_and_a_rank_killed_mid_save_resumes_the_certified_iteration(tmp_path):
+    """TP=1, DP=3: every piece has three data-parallel replicas (default options: nothing single-owner)."""
+    save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
+    # rank 1 SIGKILLs itself after the files of iteration 4 are written, before the finalize; torchrun restarts
+    torchrun(save_dir, ev, "--iters", 6, "--save-every", 2, "--crash-at", 4, restarts=1, nproc=3)
+    first = {r["step"]: r for r in events(ev, "saved", attempt=0)}
+    assert [(s, r["verdict"], r["tracker"]) for s, r in first.items()] == [(2, "certified", "2")]
+    assert len(first[2]["digest"].split(":")) == 3   # the job's digest joins 3 ranks' own
+    assert [(r["step"], r["digest"]) for r in events(ev, "resumed", attempt=1)] == [(2, first[2]["digest"])]
+    with Ledger.open(save_dir, readonly=True) as led:
+        e2, run = led.evidence(2), led.runs()[-1]
+        hist4 = [h for h in led.certifications(4) if h["state"] != "writing"]
+    assert run["topology"]["data_parallel"] == 3 and run["topology"]["tensor_parallel"] == 1
+    assert e2["consensus"]["status"] == "pass" and e2["consensus"]["tensors_compared"] == 2   # w and b
+    assert e2["consensus"]["groups"] == [{"members": [0, 1, 2]}] and e2["single_owner"]["status"] == "pass"
+    assert hist4[0]["state"] == "rejected" and hist4[0]["reasons"][0]["code"] == "save_interrupted"
+    assert states(save_dir) == {2: "certified", 4: "certified", 6: "certified"}
+    assert (save_dir / TRACKER).read_text() == "6"
+    ref_dir, ref_ev = tmp_path / "ref", tmp_path / "ref.jsonl"   # the same job at 3 ranks, never killed
+    torchrun(ref_dir, ref_ev, "--iters", 6, "--save-every", 2, nproc=3)
     assert events(ref_ev, "final")[0]["digest"] == events(ev, "final", attempt=1)[0]["digest"]
 
 

@@ -86,8 +86,11 @@ def _exclusive(root: Path):
 
 def adopt(root: str | os.PathLike, *, invariant_specs: list | None = None, uri: str | None = None) -> dict:
     """Adopt every `step-N` (or registered layout's) folder under root that has no scout manifest yet, and finish
-    what an interrupted adopt left. ROOT may also be the ledger_dir of an object-store run (bound to its URI, or
-    named by `uri`): the plain `step-N/` folders there are adopted into attempt prefixes (ops/adopt_bucket.py)."""
+    what an interrupted adopt left. {"adopted": [{"step", "path", "state", "reasons"}] (every folder whose verdict
+    this call recorded; `"finished": "recorded"` on one an interrupted adopt had judged), "finished": [... the
+    folders an interrupted adopt left, `"finished"`: "recorded" or "journaled"], "skipped", "run_id"}.
+    ROOT may also be the ledger_dir of an object-store run (bound to its URI, or named by `uri`): the plain
+    `step-N/` folders there are adopted into attempt prefixes (ops/adopt_bucket.py)."""
     from scout_ckpt import object_store
     from scout_ckpt.invariants import parse_specs
 
@@ -125,6 +128,8 @@ def _adopt(root: Path, found: dict, checks, specs: list) -> dict:
     adopted: list[dict] = []
     with Ledger.open(root, create=True) as ledger:
         finished, skipped = _finish(ledger, root, {s: f for s, f in found.items() if s not in todo})
+        # a folder whose verdict this call recorded is adopted by it, finished or not (the CLI's exit code)
+        adopted += [f for f in finished if f["finished"] == "recorded"]
         if not todo:
             return {"adopted": adopted, "finished": finished, "skipped": skipped, "run_id": None}
         run_id = f"adopted-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
