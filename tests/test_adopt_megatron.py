@@ -186,7 +186,7 @@ def two(tmp_path, bad: bool = True) -> tuple[Path, dict]:
     """iter 2 as saved (healthy) and, with `bad`, iter 4 flipped after its integrity.json; Megatron's tracker;
     the oracle of a finished adopt."""
     root = tmp_path / "ck"
-    root.mkdir()
+    root.mkdir(parents=True)
     (root / TRACKER).write_text("4")
     for it in (2, 4) if bad else (2,):
         shutil.copytree(iter_dir(DATA, it), iter_dir(root, it))
@@ -250,8 +250,14 @@ def test_adopt_killed_after_writing_a_manifest_is_finished_by_the_next_adopt(tmp
 def test_adopt_killed_at_every_point_and_at_random_times_leaves_old_or_new_state(tmp_path):
     # one ROOT killed at each point in turn, each run resuming what the last one left
     root, oracle = two(tmp_path)
-    for hook in ("kill:judged:2", "kill:manifest:2", "kill:ledger:2", "kill:judged:4", "kill:manifest:4",
-                 "kill:journal:4"):
+    for hook in ("kill:judged:2", "kill:manifest:2", "legacy", "kill:ledger:2", "kill:judged:4",
+                 "kill:manifest:4", "kill:journal:4"):
+        if hook == "legacy":   # what adopt left before it recorded in one transaction: a `writing` row of the
+            # manifest's attempt that nobody owns (Ledger.record_writing without an owner, as it was called)
+            m = json.loads((iter_dir(root, 2) / "scout-manifest.json").read_text())
+            with Ledger.open(root) as led:
+                led.record_writing(2, m["run_id"], m["attempt"], "iter_0000002", source="adopt")
+            continue
         p = adopt_killed(root, hook)
         assert p.returncode == -signal.SIGKILL, (hook, p.stdout + p.stderr)
         assert_old_or_new(root, oracle)

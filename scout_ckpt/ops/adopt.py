@@ -21,7 +21,8 @@ writing anything; then, in order:
 A crash before 1 leaves nothing; after 1 and before 3, a manifest the ledger does not know: never resumed from
 (`resume` reads the ledger; without one, `ls`/`resume` read the journal, which has no certification of it), and
 the next `adopt` finishes it (`_finish`: the bytes re-verified against the manifest, the verdict recorded); after
-3 and before 4, the next adopt journals the verdict. Two adopts on one ROOT would race on the same folders: an
+3 and before 4, the next adopt journals the verdict. It also finishes the ownerless `writing` row that adopt left
+before it recorded this way (a row written before judging, with no owner, so that no settler could decide it). Two adopts on one ROOT would race on the same folders: an
 `flock` on ROOT/.leases/adopt.lock keeps a second one out (one-line error, exit 2).
 
 Test-only: SCOUT_CKPT_TEST_ADOPT_HOOK is read in one place, `_hook`, between these steps (see there).
@@ -172,8 +173,10 @@ def _record(ledger, root: Path, step: int, step_dir: Path, m: dict, digest: str,
         _hook("journal", step)
     try:
         with ledger.write():   # one transaction: no reader ever sees this `writing` row
-            ledger.record_writing(step, m["run_id"], attempt, step_dir.name, owner=this_process_owner(),
-                                  source="adopt")
+            row = ledger.checkpoint(step)
+            if row is None or row["state"] != "writing" or row["attempt"] != attempt:   # else: an older adopt's
+                ledger.record_writing(step, m["run_id"], attempt, step_dir.name, owner=this_process_owner(),
+                                      source="adopt")
             applied = ledger.record_commit(
                 step, run_id=m["run_id"], path=step_dir.name, nbytes=sum(f["size"] for f in m["files"]),
                 manifest_digest=digest, files=m["files"], evidence=m["evidence"], state=state, reasons=reasons,
@@ -205,7 +208,10 @@ def _finish(ledger, root: Path, have_manifest: dict) -> tuple[list[dict], list[d
         if not m.get("adopted") or not m.get("attempt") or (row is not None and row["attempt"] != m["attempt"]):
             skipped.append({**entry, "reason": "has_manifest"})
             continue
-        if row is None:   # interrupted after the manifest, before the ledger: record it now
+        # interrupted after the manifest, before the ledger: record it now. A `writing` row of the same attempt
+        # is what adopt left before it recorded in one transaction (no owner: no settler could ever decide it);
+        # the commit is compare-and-set on it, so an old adopt still running could not also apply a verdict.
+        if row is None or row["state"] == "writing":
             ev = dict(m["evidence"])
             checked = verify_files(step_dir, m["files"])
             if could_not_check(checked):   # an I/O error is not evidence: the next adopt tries again
