@@ -90,6 +90,20 @@ def test_the_kept_folders_are_what_megatron_wrote_and_its_integrity_json_lists_t
     assert (DATA / TRACKER).read_text() == "6" and sorted(SAVED) == [2, 4, 6]
 
 
+def test_megatrons_metadata_with_its_cached_save_plans_is_read_by_the_restricted_unpickler():
+    """megatron-core's torch_dist writer pickles every rank's local SavePlan into `.metadata` (all_local_plans):
+    read through the stand-ins (dcp_meta), never the real pickle; the folder passes the structure check."""
+    from scout_ckpt.format import dcp_meta
+    from scout_ckpt.format.dcp_files import check_structure, load_metadata
+
+    md = load_metadata(iter_dir(DATA, 2))
+    assert [type(p) for p in md.all_local_plans] == [dcp_meta.SavePlan] * 2   # one per rank
+    items = [i for p in md.all_local_plans for i in p.items]
+    assert {i.index.fqn for i in items} == {"w", "b"} and all(type(i) is dcp_meta.WriteItem for i in items)
+    assert {i.type for i in items} <= set(dcp_meta.WriteItemType)
+    assert check_structure(iter_dir(DATA, 2))["status"] == "pass"
+
+
 def test_adopt_checks_every_file_against_integrity_json_and_explain_names_what_vouched(six):
     root = six
     tracker = (root / TRACKER).read_bytes()
