@@ -251,11 +251,13 @@ def test_adopt_killed_after_writing_a_manifest_is_finished_by_the_next_adopt(tmp
     assert (iter_dir(root, 2) / "scout-manifest.json").exists()
     assert_old_or_new(root, oracle)
     assert states(root) == {}                    # the old state: nothing adopted
+    torn = iter_dir(root, 2) / ".scout-manifest.json.tmp-4194303"   # as a kill inside the write
+    torn.write_bytes(b'{"format": "scout-man')                                    # of a manifest leaves it
     rc, so, se = run_cli("adopt", root, "--json")
     assert rc == 0, so + se
     out = json.loads(so)
     assert [(f["step"], f["state"], f["finished"]) for f in out["finished"]] == [(2, "certified", "recorded")]
-    assert out["adopted"] == out["finished"]
+    assert out["adopted"] == out["finished"] and not torn.exists()
     assert_finished(root, oracle)
     assert (root / TRACKER).read_bytes() == tracker
 

@@ -6,15 +6,15 @@ the CLI imports it so that `scout-ckpt ls/explain/resume/certify SAVE_DIR` read 
 An `iter_NNNNNNN` folder written by `dist_checkpointing.save` (torch_dist) holds `.metadata`, `__R_I.distcp`,
 `common.pt` and `metadata.json`, written in place (no temp dir + rename), so the core reads it as a registered
 folder layout whose folders are DCP (`layout.register_folder_layout(..., dcp=True)`); settling, resume and
-walk-back are the core's (integrations/folders.py). The tracker is Megatron-LM's own (written by its training loop, not by megatron-core):
-the iteration as text, or `release`. Here it only ever names a certified iteration: `point_tracker` replaces it
-atomically, and `hide_tracker` moves one that names no certified iteration aside (to
-`latest_checkpointed_iteration.txt.scout-uncertified`, kept) instead of letting Megatron-LM load it.
+walk-back are the core's (integrations/folders.py). The tracker is Megatron-LM's own (written by its training
+loop, not by megatron-core): the iteration as text, or `release`. Here it only ever names a certified
+iteration: `point_tracker` replaces it atomically, and `hide_tracker` moves one that names no certified iteration
+aside (to `latest_checkpointed_iteration.txt.scout-uncertified`, kept) instead of letting Megatron-LM load it.
 
 `scout-ckpt adopt SAVE_DIR` takes in `iter_NNNNNNN` folders written without scout-ckpt (registered here with
 ops/adopt_layouts.py): a DCP folder whose `common.pt` and `metadata.json` (torch_dist) Megatron's own load needs,
-and whose `integrity.json` (Megatron-Core r0.18+, `save(..., verify_integrity=True)`), when usable, is the
-baseline of the bytes evidence: every file's SHA-256 checked against it (ops/adopt_integrity.py). adopt leaves
+and whose `integrity.json` (Megatron-Core r0.18+, `save(..., verify_integrity=True)`), when usable, gives the
+`integrity` evidence: every file's SHA-256 checked against it (ops/adopt_integrity.py). adopt leaves
 the tracker alone; the MegatronCheckpointer points it at a certified iteration when the job starts.
 """
 

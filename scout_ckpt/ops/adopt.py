@@ -12,7 +12,8 @@ checkpoint reads like any other (`ledger rebuild`, `certify`, `export`).
 Crash consistency (a SIGKILL at any line: the old state or the new one). A folder is judged first, without
 writing anything; then, in order:
 
-  1. its manifest (atomic: temp + fsync + rename) -- the folder is "adopted" from here on;
+  1. its manifest (atomic: temp + fsync + rename; the temp file of a write a kill interrupted is removed by the
+     next adopt before it reads the folder) -- the folder is "adopted" from here on;
   2. a rejection goes into the journal first (a trust-lowering verdict is durable before it takes effect);
   3. the ledger row, `writing` and committed with its verdict in ONE transaction, so no reader ever sees an
      adopt's `writing` row and none is left behind without an owner;
@@ -22,8 +23,9 @@ A crash before 1 leaves nothing; after 1 and before 3, a manifest the ledger doe
 (`resume` reads the ledger; without one, `ls`/`resume` read the journal, which has no certification of it), and
 the next `adopt` finishes it (`_finish`: the bytes re-verified against the manifest, the verdict recorded); after
 3 and before 4, the next adopt journals the verdict. It also finishes the ownerless `writing` row that adopt left
-before it recorded this way (a row written before judging, with no owner, so that no settler could decide it). Two adopts on one ROOT would race on the same folders: an
-`flock` on ROOT/.leases/adopt.lock keeps a second one out (one-line error, exit 2).
+before it recorded this way (a row written before judging, with no owner, so that no settler could decide it).
+Two adopts on one ROOT would race on the same folders: an `flock` on ROOT/.leases/adopt.lock keeps a second one
+out (one-line error, exit 2).
 
 Test-only: SCOUT_CKPT_TEST_ADOPT_HOOK is read in one place, `_hook`, between these steps (see there).
 """
@@ -34,6 +36,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import signal
 import sys
 import time
@@ -48,6 +51,8 @@ from scout_ckpt.ops.adopt_step import DEFAULT_INVARIANTS, adopt_step
 
 HOOK_ENV = "SCOUT_CKPT_TEST_ADOPT_HOOK"
 LOCK_NAME = "adopt"
+# what layout.atomic_write_bytes leaves of the manifest when killed between its write and its rename
+TORN_MANIFEST_RE = re.compile(r"^\." + re.escape(layout.MANIFEST_NAME) + r"\.tmp-\d+$")
 
 
 def _hook(point: str, step: int) -> None:
@@ -65,6 +70,15 @@ def _hook(point: str, step: int) -> None:
     elif kind == "pause":
         print(f"adopt-hook {point} {step}", file=sys.stderr, flush=True)
         time.sleep(float(arg or 0))
+
+
+def _drop_torn_manifest(step_dir: Path) -> None:
+    """Remove the temp file of a manifest write that a kill interrupted (only adopt writes manifests into these
+    folders, and it holds the adopt lock): left there, it would be judged a file of the folder, or unexpected."""
+    for entry in os.scandir(step_dir):
+        if TORN_MANIFEST_RE.match(entry.name) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
 
 
 @contextlib.contextmanager
@@ -150,6 +164,7 @@ def _adopt(root: Path, found: dict, checks, specs: list) -> dict:
                 except Quarantined as e:
                     skipped.append({"step": step, "path": step_dir.name, "reason": "quarantined", "detail": str(e)})
                     continue
+            _drop_torn_manifest(step_dir)
             m, verdict = adopt_step(root, step, step_dir, run_id, attempt, checks, specs, run_policy, spec)
             _hook("judged", step)
             digest = manifest.write(step_dir, m)
@@ -212,6 +227,7 @@ def _finish(ledger, root: Path, have_manifest: dict) -> tuple[list[dict], list[d
         # is what adopt left before it recorded in one transaction (no owner: no settler could ever decide it);
         # the commit is compare-and-set on it, so an old adopt still running could not also apply a verdict.
         if row is None or row["state"] == "writing":
+            _drop_torn_manifest(step_dir)
             ev = dict(m["evidence"])
             checked = verify_files(step_dir, m["files"])
             if could_not_check(checked):   # an I/O error is not evidence: the next adopt tries again
