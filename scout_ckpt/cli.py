@@ -107,8 +107,9 @@ def adopt_cmd(root: Path = typer.Argument(...),
                                       "run's ledger_dir (created and bound to it); endpoint and credentials from "
                                       "the environment (AWS_ENDPOINT_URL, ...)."),
               as_json: bool = JSON_OPT):
-    """Take in plain DCP step-N folders written without scout-ckpt: digests, structure check, invariants. On an
-    object store each folder is copied into a fresh attempt prefix, verified, and committed by its manifest."""
+    """Take in plain DCP step-N folders (and Megatron iter_NNNNNNN folders, checked against their integrity.json
+    when present) written without scout-ckpt: digests, structure check, invariants. On an object store (step-N
+    folders) each folder is copied into a fresh attempt prefix, verified, and committed by its manifest."""
     _exit(maintain.adopt(root, invariant, uri, as_json))
 
 
