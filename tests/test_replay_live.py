@@ -3,8 +3,8 @@ carries -- is caught at the save, not certified because every hook-free replay o
 
 User-shaped scripts (tests/scripts/live_fault_job.py: a plain DDP MLP, and a tiny GPT-2 from GPT2Config prepared
 by accelerate), dropout on, `replay=True` and nothing else, under real torchrun. The fault is injected by the test
-(a forward hook on one rank adding 1e-3 to one channel of a module's output), so the expected rank and step come
-from the test, never from scout-ckpt:
+(a forward hook on one rank adding 1e-3 to one channel of a module's output) at a rank and step the session's seed
+places (tests/placement.py), so the expected rank and step come from the test, never from scout-ckpt:
 
 * intermittent (the live forward of one step only: that rank's replays do not repeat it) at a save whose sweep
   source is the faulty rank (the source rotates over the peers, one per save; with 2 ranks saves 4, 8, 12 take
