@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import placement
+
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "scout_ckpt.cli"]
@@ -19,6 +21,34 @@ def run_cli(*args, env=None, check_rc=None):
     if check_rc is not None:
         assert p.returncode == check_rc, (p.returncode, p.stdout, p.stderr)
     return p.returncode, p.stdout, p.stderr
+
+
+def pytest_configure(config):
+    """The fault placement seed of this session (tests/placement.py): SCOUT_TEST_SEED, or drawn once here."""
+    try:
+        placement.configure()
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+def pytest_report_header(config):
+    return placement.header()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Also at the end, where `-q` (which drops the header) still prints it, next to any failure."""
+    terminalreporter.write_line(placement.header())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test that drew fault placements names them, with the seed to rerun them, in its report."""
+    outcome = yield
+    rep = outcome.get_result()
+    drawn = placement.placements_of(item)
+    if drawn and rep.failed:
+        rep.sections.append(("fault placement", "\n".join(
+            [str(p) for p in drawn] + [f"rerun with {placement.ENV}={drawn[0].seed}"])))
 
 
 _HOLD_LOCK = """

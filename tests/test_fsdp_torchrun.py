@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.placement import place
 
 SCRIPT = REPO / "examples" / "train_fsdp.py"
 FLIP_PARAM, FLIP_INDEX = "blocks.1.fc2.weight", 37          # a late parameter, an interior element
@@ -53,20 +54,25 @@ def loaded(recs) -> dict[int, tuple[int, str | None]]:
     return {r["attempt"]: (r["step"], r["digest"]) for r in recs if r["event"] == "loaded"}
 
 
-def test_plain_fsdp_script_certifies_every_checkpoint_and_resumes_exactly_after_a_kill(tmp_path):
+def test_plain_fsdp_script_certifies_every_checkpoint_and_resumes_exactly_after_a_kill(tmp_path, request):
+    # either rank SIGKILLed after the optimizer step of any step after the first save, placed by the seed
+    pl = place(request, ranks=range(2), steps=range(5, 13))
+    resumed = max(s for s in (4, 8, 12) if s < pl.step)   # the newest save before the kill
     root = tmp_path / "run"
-    p, recs = run_job(root, "--steps", 12, "--save-every", 4, "--crash-rank", 1, "--crash-step", 10)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p, recs = run_job(root, "--steps", 12, "--save-every", 4, "--crash-rank", pl.rank, "--crash-step", pl.step)
+    assert p.returncode == 0, (pl, p.stderr[-3000:])
+    assert [(r["rank"], r["step"], r["attempt"]) for r in recs if r["event"] == "crash"] == [(pl.rank, pl.step, 0)], (
+        pl, recs)
     saved = saved_digests(recs)
-    assert {s for _, s in saved} == {4, 8, 12}
-    assert all(r["state"] == "certified" for r in recs if r["event"] == "saved")   # certified at its commit
+    assert {s for _, s in saved} == {4, 8, 12}, pl
+    assert all(r["state"] == "certified" for r in recs if r["event"] == "saved"), (pl, recs)   # at its commit
     got = loaded(recs)
-    assert got[0] == (0, None)
-    assert got[1] == (8, saved[(0, 8)])              # the job's own digest: exactly the state it saved at 8
-    assert states(root) == {4: "certified", 8: "certified", 12: "certified"}
-    rc, out = cli("explain", root, 8)
-    assert rc == 0 and out["evidence"]["consensus"]["status"] == "not_applicable"
-    assert {out["evidence"][k]["status"] for k in ("shard_replay", "at_rest")} == {"pass"}
+    assert got[0] == (0, None), pl
+    assert got[1] == (resumed, saved[(0, resumed)]), (pl, got)   # the job's own digest: exactly the state saved
+    assert states(root) == {4: "certified", 8: "certified", 12: "certified"}, pl
+    rc, out = cli("explain", root, resumed)
+    assert rc == 0 and out["evidence"]["consensus"]["status"] == "not_applicable", (pl, out)
+    assert {out["evidence"][k]["status"] for k in ("shard_replay", "at_rest")} == {"pass"}, (pl, out)
 
 
 def verdict(recs, attempt, step) -> dict:
@@ -81,70 +87,80 @@ def history(root, step) -> list[str]:
 
 @pytest.mark.scenario
 @pytest.mark.scenario_ci   # the CI tier's FSDP2 shard fault
-def test_a_flipped_low_mantissa_bit_in_one_ranks_shard_is_caught_attributed_and_never_resumed(tmp_path):
+def test_a_flipped_low_mantissa_bit_in_one_ranks_shard_is_caught_attributed_and_never_resumed(tmp_path, request):
+    # Either rank (placed by the seed), after the optimizer step of step 8: a save step with a clean save before
+    # it to resume from and one after it (the restart's) in the 12 steps: bit 0 of an interior element of a late
+    # parameter.
+    pl = place(request, ranks=range(2), steps=[8])
     root = tmp_path / "run"
-    # Rank 1, after the optimizer step of step 8 (a save step): bit 0 of an interior element of a late parameter.
-    p, recs = run_job(root, "--steps", 12, "--save-every", 4, "--flip", f"1:8:{FLIP_PARAM}:{FLIP_INDEX}:0",
-                      "--kill-after-fault", 1)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert any(r["event"] == "fault" and r["rank"] == 1 for r in recs)
-    v = verdict(recs, 0, 8)
-    assert v["state"] == "rejected"
-    assert [(r["code"], r["ranks"], r["tensors"]) for r in v["reasons"]] == [("at_rest_changed", [1], [FLIP_PARAM])]
+    p, recs = run_job(root, "--steps", 12, "--save-every", 4, "--flip",
+                      f"{pl.rank}:{pl.step}:{FLIP_PARAM}:{FLIP_INDEX}:0", "--kill-after-fault", 1)
+    assert p.returncode == 0, (pl, p.stderr[-3000:])
+    assert any(r["event"] == "fault" and r["rank"] == pl.rank for r in recs), (pl, recs)
+    v = verdict(recs, 0, pl.step)
+    assert v["state"] == "rejected", (pl, v)
+    assert [(r["code"], r["ranks"], r["tensors"]) for r in v["reasons"]] == [
+        ("at_rest_changed", [pl.rank], [FLIP_PARAM])], (pl, v)
     saved = saved_digests(recs)
-    assert loaded(recs)[1] == (4, saved[(0, 4)])       # resumed before the fault, exactly as saved
-    assert states(root) == {4: "certified", 8: "certified", 12: "certified"}   # 8 re-saved clean after the restart
-    assert history(root, 8) == ["writing", "rejected", "writing", "certified"]
+    assert loaded(recs)[1] == (pl.step - 4, saved[(0, pl.step - 4)]), pl   # resumed before the fault, as saved
+    assert states(root) == {4: "certified", 8: "certified", 12: "certified"}, pl   # re-saved clean after restart
+    assert history(root, pl.step) == ["writing", "rejected", "writing", "certified"], pl
 
 
 @pytest.mark.scenario
-def test_a_wrong_optimizer_update_on_one_rank_is_caught_and_attributed(tmp_path):
+def test_a_wrong_optimizer_update_on_one_rank_is_caught_and_attributed(tmp_path, request):
+    # From a step placed by the seed on, one rank's live AdamW update of one element of its shard lands one ulp
+    # off; the rank dies 6 steps later (the cycle is 4 steps here: the fault is found before). The step is 9 or
+    # 10: more than a cycle after the first save (a clean save before every one the fault may be in), the kill
+    # within the 16 steps, and not a save step (there the save's replay sweep meets the fault first: its
+    # optimizer replays disagree, inconclusive with 2 ranks, and the generation ends at that save).
+    pl = place(request, ranks=range(2), steps=range(9, 11))
     root = tmp_path / "run"
-    # From step 9 on, rank 0's live AdamW update of one element of its shard lands one ulp off; rank 0 dies 6
-    # steps later (the cycle is 4 steps here: the fault is found before).
     p, recs = run_job(root, "--steps", 16, "--save-every", 4, "--update-fault",
-                      f"0:9:{UPDATE_PARAM}:{UPDATE_INDEX}", "--kill-after-fault", 6)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert any(r["event"] == "fault" and r["rank"] == 0 for r in recs)
+                      f"{pl.rank}:{pl.step}:{UPDATE_PARAM}:{UPDATE_INDEX}", "--kill-after-fault", 6)
+    assert p.returncode == 0, (pl, p.stderr[-3000:])
+    assert any(r["event"] == "fault" and r["rank"] == pl.rank for r in recs), (pl, recs)
     _, rep = cli("report", root)
     sdc = [e for e in rep["events"] if e["kind"] == "sdc" and e["detail"].get("source") == "shard_replay"]
-    assert sdc and all(e["ranks"] == [0] for e in sdc), sdc            # attributed to the faulty rank
+    assert sdc and all(e["ranks"] == [pl.rank] for e in sdc), (pl, sdc)            # attributed to the faulty rank
     found = min(e["step"] for e in sdc)
-    assert 9 <= found < 9 + 4
+    assert pl.step <= found < pl.step + 4, (pl, found)
     where = [w for e in sdc for r in e["detail"]["reasons"] for w in r.get("where", [])]
-    assert any(w.startswith(f"{UPDATE_PARAM}[{UPDATE_INDEX}]") for w in where), where
+    assert any(w.startswith(f"{UPDATE_PARAM}[{UPDATE_INDEX}]") for w in where), (pl, where)
     # Every save the fault may be in (a cycle before it was found, and after) is rejected, at commit or revoked.
     first_bad = min(s for s in (4, 8, 12) if s > found - 4)
     for s in (4, 8, 12):
         if s >= first_bad:
-            assert "rejected" in history(root, s), (s, history(root, s))
+            assert "rejected" in history(root, s), (pl, s, history(root, s))
     saved = saved_digests(recs)
     resumed = max(s for s in (4, 8, 12) if s < first_bad)
-    assert loaded(recs)[1] == (resumed, saved[(0, resumed)])         # before the fault, exactly as saved
-    assert resumed < 9
+    assert loaded(recs)[1] == (resumed, saved[(0, resumed)]), pl         # before the fault, exactly as saved
+    assert resumed < pl.step, pl
 
 
 @pytest.mark.scenario
-def test_hsdp_keeps_consensus_across_replicas_and_adds_shard_evidence(tmp_path):
+def test_hsdp_keeps_consensus_across_replicas_and_adds_shard_evidence(tmp_path, request):
+    # 2x2 (replicate, shard); a rank placed by the seed flips a low bit at step 8 (as in the flip test above) and
+    # dies a step later.
+    pl = place(request, ranks=range(4), steps=[8])
     root = tmp_path / "run"
-    # 2x2 (replicate, shard); rank 3 flips a low bit at step 8 and dies a step later.
     p, recs = run_job(root, "--hsdp", "--steps", 12, "--save-every", 4, "--flip",
-                      f"3:8:{FLIP_PARAM}:{FLIP_INDEX}:0", "--kill-after-fault", 1, ranks=4)
-    assert p.returncode == 0, p.stderr[-3000:]
+                      f"{pl.rank}:{pl.step}:{FLIP_PARAM}:{FLIP_INDEX}:0", "--kill-after-fault", 1, ranks=4)
+    assert p.returncode == 0, (pl, p.stderr[-3000:])
     _, out = cli("explain", root, 4)
-    assert out["state"] == "certified"
+    assert out["state"] == "certified", (pl, out)
     assert {k: out["evidence"][k]["status"] for k in ("consensus", "shard_replay", "at_rest")} == \
-        {"consensus": "pass", "shard_replay": "pass", "at_rest": "pass"}
-    assert states(root) == {4: "certified", 8: "certified", 12: "certified"}    # 8 re-saved after the restart
+        {"consensus": "pass", "shard_replay": "pass", "at_rest": "pass"}, (pl, out)
+    assert states(root) == {4: "certified", 8: "certified", 12: "certified"}, pl    # 8 re-saved after the restart
     saved = saved_digests(recs)
-    assert loaded(recs)[1] == (4, saved[(0, 4)])
-    # The rejected attempt of 8: at rest names rank 3; consensus across the replicate dim saw its copy differ
-    # from rank 1's (two copies: detected, not attributable by consensus alone).
-    v = verdict(recs, 0, 8)
-    assert v["state"] == "rejected"
+    assert loaded(recs)[1] == (4, saved[(0, 4)]), pl
+    # The rejected attempt of 8: at rest names the faulty rank; consensus across the replicate dim saw its copy
+    # differ from its replica's (two copies: detected, not attributable by consensus alone).
+    v = verdict(recs, 0, pl.step)
+    assert v["state"] == "rejected", (pl, v)
     codes = {(r["code"], tuple(r.get("ranks") or ())) for r in v["reasons"]}
-    assert ("at_rest_changed", (3,)) in codes, codes
-    assert any(c.startswith("consensus") for c, _ in codes), codes
+    assert ("at_rest_changed", (pl.rank,)) in codes, (pl, codes)
+    assert any(c.startswith("consensus") for c, _ in codes), (pl, codes)
 
 
 @pytest.mark.scenario

@@ -19,8 +19,20 @@ from scout_ckpt.observer.daemon import attribute, channel_dir
 from scout_ckpt.observer.heartbeat import Heartbeat, HeartbeatReader
 from scout_ckpt.observer.stacks import proc_state
 from tests import workers_observer as W
+from tests.placement import place
 
 WORLD = 4
+STEPS = 10   # workers_observer.train's default
+
+
+def fault(request):
+    """The faulty rank and step of this test (tests/placement.py): any rank, from the second step (the last step
+    every rank finished is then a real one) to the last but one."""
+    return place(request, ranks=range(WORLD), steps=range(2, STEPS))
+
+
+def at(pl) -> dict:
+    return {"fault_rank": pl.rank, "fault_step": pl.step}
 
 
 class Job:
@@ -99,67 +111,77 @@ def only(events: list[dict]) -> dict:
 # ---- faults on real gloo ranks ------------------------------------------------------------------------------
 
 
-def test_hang_is_attributed_to_the_blocked_rank_with_its_stack(tmp_path):
-    with Job(tmp_path, "hang") as job:
+def test_hang_is_attributed_to_the_blocked_rank_with_its_stack(tmp_path, request):
+    pl = fault(request)
+    r = pl.rank
+    with Job(tmp_path, "hang", **at(pl)) as job:
         job.wait_event("hang")
         job.kill_trainers()  # the supervisor's kill after a reported hang is not a new crash
     ev = only(job.events())
-    assert ev["kind"] == "hang" and ev["ranks"] == [2] and ev["step"] == 3
-    assert ev["detail"]["attribution"] == "strict_majority"
-    assert "injected_hang_before_all_reduce" in ev["detail"]["stacks"]["2"]
-    assert "thread 0x" in ev["detail"]["stacks"]["2"].lower()  # faulthandler all_threads format
+    # the hung rank never finished its fault step: the last step every rank finished is the one before
+    assert ev["kind"] == "hang" and ev["ranks"] == [r] and ev["step"] == pl.step - 1, (pl, ev)
+    assert ev["detail"]["attribution"] == "strict_majority", pl
+    assert "injected_hang_before_all_reduce" in ev["detail"]["stacks"][str(r)], pl
+    assert "thread 0x" in ev["detail"]["stacks"][str(r)].lower(), pl  # faulthandler all_threads format
     table = {row["rank"]: row for row in ev["detail"]["progress"]}
-    assert [table[r]["in_coll"] for r in range(WORLD)] == [True, True, False, True]
+    assert [table[q]["in_coll"] for q in range(WORLD)] == [q != r for q in range(WORLD)], (pl, table)
     report = report_of(tmp_path, ev)
-    assert report["kind"] == "hang" and report["ranks"] == [2]
+    assert report["kind"] == "hang" and report["ranks"] == [r], (pl, report)
 
 
-def test_desync_names_the_rank_with_the_other_collective(tmp_path):
-    with Job(tmp_path, "desync") as job:
+def test_desync_names_the_rank_with_the_other_collective(tmp_path, request):
+    pl = fault(request)
+    r = pl.rank
+    with Job(tmp_path, "desync", **at(pl)) as job:
         job.wait_event("desync")
         job.kill_trainers()
     ev = only(job.events())
-    assert ev["kind"] == "desync" and ev["ranks"] == [2]
+    assert ev["kind"] == "desync" and ev["ranks"] == [r], (pl, ev)
     table = {row["rank"]: row for row in ev["detail"]["progress"]}
-    assert len({table[r]["seq"] for r in range(WORLD)}) == 1
-    assert len({table[r]["fp"] for r in (0, 1, 3)}) == 1 and table[2]["fp"] != table[0]["fp"]
+    assert len({table[q]["seq"] for q in range(WORLD)}) == 1, (pl, table)
+    others = [q for q in range(WORLD) if q != r]
+    assert len({table[q]["fp"] for q in others}) == 1 and table[r]["fp"] != table[others[0]]["fp"], (pl, table)
 
 
-def test_sigkilled_rank_is_a_crash(tmp_path):
-    with Job(tmp_path, "crash") as job:
+def test_sigkilled_rank_is_a_crash(tmp_path, request):
+    pl = fault(request)
+    with Job(tmp_path, "crash", **at(pl)) as job:
         job.wait_event("crash")
         job.thread.join(180)  # the survivors fail in their collective and exit by themselves
         job.wait_observers_exit()
     ev = only(job.events())
-    assert ev["kind"] == "crash" and ev["ranks"] == [2]
-    assert [o.exitcode for o in job.outcomes] == [1, 1, -signal.SIGKILL, 1]
+    assert ev["kind"] == "crash" and ev["ranks"] == [pl.rank], (pl, ev)
+    assert [o.exitcode for o in job.outcomes] == [-signal.SIGKILL if q == pl.rank else 1 for q in range(WORLD)], pl
 
 
-def test_sigstopped_rank_is_attributed(tmp_path):
-    with Job(tmp_path, "sigstop") as job:
+def test_sigstopped_rank_is_attributed(tmp_path, request):
+    pl = fault(request)
+    with Job(tmp_path, "sigstop", **at(pl)) as job:
         job.wait_event("hang")
         job.kill_trainers()
     ev = only(job.events())
-    assert ev["kind"] == "hang" and ev["ranks"] == [2]
-    assert "stopped" in ev["detail"]["stacks"]["2"]
+    assert ev["kind"] == "hang" and ev["ranks"] == [pl.rank], (pl, ev)
+    assert "stopped" in ev["detail"]["stacks"][str(pl.rank)], pl
 
 
-def test_abort_action_kills_every_trainer(tmp_path):
-    with Job(tmp_path, "hang", action="abort") as job:
+def test_abort_action_kills_every_trainer(tmp_path, request):
+    pl = fault(request)
+    r = pl.rank
+    with Job(tmp_path, "hang", action="abort", **at(pl)) as job:
         job.thread.join(180)  # nobody but the observers kills anything here
-        assert not job.thread.is_alive()
+        assert not job.thread.is_alive(), pl
     # the hung rank can only have been SIGKILLed; the others were killed, or failed in their collective first
     # when a peer's kill reached them
-    assert job.outcomes[2].exitcode == -signal.SIGKILL
-    assert all(o.exitcode in (-signal.SIGKILL, 1) for o in job.outcomes)
+    assert job.outcomes[r].exitcode == -signal.SIGKILL, pl
+    assert all(o.exitcode in (-signal.SIGKILL, 1) for o in job.outcomes), pl
     rows = job.statuses()
-    assert rows[2]["state"] == "aborted"
-    assert all(row["state"] == "aborted" or row["error"] for row in rows.values())
+    assert rows[r]["state"] == "aborted", (pl, rows)
+    assert all(row["state"] == "aborted" or row["error"] for row in rows.values()), (pl, rows)
     ev = only(job.events())
-    assert ev["kind"] == "hang" and ev["ranks"] == [2] and ev["detail"]["action"] == "abort"
+    assert ev["kind"] == "hang" and ev["ranks"] == [r] and ev["detail"]["action"] == "abort", (pl, ev)
 
 
-def test_slow_rank_is_a_straggler_and_a_healthy_run_has_no_events(tmp_path):
+def test_slow_rank_is_a_straggler_and_a_healthy_run_has_no_events(tmp_path, request):
     # The hang threshold is far above any scheduling delay of a shared 2-core box (a rank descheduled for 1.5 s
     # is indistinguishable from a hang by design): these runs are about stragglers and false positives of the
     # verdicts that need no stall (desync, crash, straggler); hangs have their own tests above.
@@ -181,14 +203,16 @@ def test_slow_rank_is_a_straggler_and_a_healthy_run_has_no_events(tmp_path):
     assert job.events() == []
     assert not any(row["torch_imported"] for row in rows.values())
 
+    pl = place(request, ranks=range(WORLD))   # slow at every step
     slow = tmp_path / "slow"
     slow.mkdir()
-    with Job(slow, "slow", steps=40, compute_s=0.05, slow_factor=3.0, straggler=straggler, stall_s=60.0) as job:
+    with Job(slow, "slow", steps=40, compute_s=0.05, slow_factor=3.0, straggler=straggler, stall_s=60.0,
+             fault_rank=pl.rank) as job:
         job.thread.join(180)
     events = job.events()
-    assert events and {e["kind"] for e in events} == {"straggler"}
-    assert all(e["ranks"] == [2] for e in events)
-    assert events[0]["detail"]["slowdown"] > 1
+    assert events and {e["kind"] for e in events} == {"straggler"}, (pl, events)
+    assert all(e["ranks"] == [pl.rank] for e in events), (pl, events)
+    assert events[0]["detail"]["slowdown"] > 1, pl
 
 
 # ---- the tracer ---------------------------------------------------------------------------------------------

@@ -17,10 +17,35 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_cli
+from tests.placement import place
 
 SCRIPT = REPO / "tests" / "scripts" / "observed_job.py"
 PG_TIMEOUT = 120.0
 STALL_S = 3.0
+SAVE_EVERY = 5   # observed_job.py's default
+
+
+def newest_save_before(step: int) -> int:
+    """The step a generation whose fault struck inside `step` resumes from: its save never ran."""
+    return SAVE_EVERY * ((step - 1) // SAVE_EVERY)
+
+
+def fault_plan(request, kinds: list[str], world: int, straggler: bool) -> tuple[str, list, list[int]]:
+    """One fault per generation, each at a rank and step placed by the seed: any rank; a step 6 to 10 steps after
+    the generation's resume (past its first save and DDP's first steps, so the fault's step never is the resume's
+    and the last step every rank finished is one of this generation's). Then, if asked, a straggler for the rest
+    of the run. Returns the --faults text, the placements, and the resume step of every generation."""
+    plan, pls, resumed = [], [], [0]
+    for attempt, kind in enumerate(kinds):
+        pl = place(request, ranks=range(world), steps=range(resumed[-1] + 6, resumed[-1] + 11))
+        plan.append(f"{attempt}:{kind}:{pl.rank}:{pl.step}")
+        pls.append(pl)
+        resumed.append(newest_save_before(pl.step))
+    if straggler:
+        pl = place(request, ranks=range(world))
+        plan.append(f"{len(kinds)}:straggler:{pl.rank}:0")
+        pls.append(pl)
+    return ",".join(plan), pls, resumed
 
 pytestmark = pytest.mark.slow
 
@@ -78,89 +103,99 @@ def run_ids(rep: dict) -> list[str]:
 
 @pytest.mark.scenario
 @pytest.mark.scenario_ci   # the CI tier's straggler (and a user's DDP job hanging at 3 ranks, desync, crash)
-def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path):
-    """3 ranks, DDP: rank 2 hangs before backward; then rank 1 issues an extra all_reduce; then rank 1 is
-    SIGKILLed; then rank 0 hangs inside its optimizer step; then rank 2 computes 3x as long every step. Each is
-    named, each aborted generation is resumed from the newest clean step, and the job finishes."""
+def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path, request):
+    """3 ranks, DDP: a rank hangs before backward; then a rank issues an extra all_reduce; then a rank is
+    SIGKILLed; then a rank hangs inside its optimizer step; then a rank computes 3x as long every step (ranks and
+    steps placed by the seed). Each is named, each aborted generation is resumed from the newest clean step, and
+    the job finishes."""
+    plan, pls, resumed = fault_plan(request, ["hang-before-backward", "extra-collective", "kill",
+                                              "hang-in-optimizer"], 3, straggler=True)
+    p_hang, p_desync, p_kill, p_opt, p_slow = pls
     root = tmp_path / "run"
-    torchrun(root, 3, 4, "--model", "ddp", "--steps", "70", "--compute-s", "0.05",
-             "--faults", "0:hang-before-backward:2:8,1:extra-collective:1:12,2:kill:1:16,3:hang-in-optimizer:0:22,"
-                         "4:straggler:2:0",
+    torchrun(root, 3, 4, "--model", "ddp", "--steps", "70", "--compute-s", "0.05", "--faults", plan,
              "--straggler", json.dumps({"window_s": 0.5}))
     attempts = jsonl(root / "attempts.jsonl")
-    assert [a["resumed_from"] for a in attempts] == [0, 5, 10, 15, 20]
-    assert {a["attached"] for a in attempts} == {"counted"}  # no DDP comm hook: its all-reduces are counted
-    assert max(p["step"] for p in jsonl(root / "progress.jsonl")) == 70
+    assert [a["resumed_from"] for a in attempts] == resumed, (pls, attempts)
+    assert {a["attached"] for a in attempts} == {"counted"}, pls  # no DDP comm hook: its all-reduces are counted
+    assert max(p["step"] for p in jsonl(root / "progress.jsonl")) == 70, pls
     rep = report(root)
     events = sorted(rep["events"], key=lambda e: e["time"])
     kinds = [(e["kind"], e["ranks"]) for e in events]
-    assert kinds == [("hang", [2]), ("desync", [1]), ("crash", [1]), ("hang", [0]), ("straggler", [2])], (
-        kinds, last_generation_busy(root))
+    assert kinds == [("hang", [p_hang.rank]), ("desync", [p_desync.rank]), ("crash", [p_kill.rank]),
+                     ("hang", [p_opt.rank]), ("straggler", [p_slow.rank])], (pls, kinds, last_generation_busy(root))
     hang, desync, crash, hang_opt, straggler = events
-    assert hang["detail"]["attribution"] == "strict_majority" and hang["detail"]["action"] == "abort"
-    assert "injected_hang_before_backward" in hang["detail"]["stacks"]["2"]
-    assert hang["step"] == 7  # the last step every rank finished
+    assert hang["detail"]["attribution"] == "strict_majority" and hang["detail"]["action"] == "abort", pls
+    assert "injected_hang_before_backward" in hang["detail"]["stacks"][str(p_hang.rank)], pls
+    assert hang["step"] == p_hang.step - 1, (pls, hang)  # the last step every rank finished
     counts = {row["rank"]: row["cseq"] for row in hang["detail"]["progress"]}
-    assert counts[0] == counts[1] > counts[2] > 0  # DDP's bucket all-reduces are counted (natively)
-    assert desync["detail"]["attribution"] == "strict_majority"
-    assert crash["step"] == 15
-    assert "injected_hang_in_optimizer" in hang_opt["detail"]["stacks"]["0"]
-    assert {row["rank"]: row["phase"] for row in hang_opt["detail"]["progress"]}[0] == "optimizer"
+    others = {c for r, c in counts.items() if r != p_hang.rank}
+    # DDP's bucket all-reduces are counted (natively): the others issued the ones the hung rank never did
+    assert len(others) == 1 and others.pop() > counts[p_hang.rank] > 0, (pls, counts)
+    assert desync["detail"]["attribution"] == "strict_majority", pls
+    assert crash["step"] == p_kill.step - 1, (pls, crash)
+    assert "injected_hang_in_optimizer" in hang_opt["detail"]["stacks"][str(p_opt.rank)], pls
+    assert {row["rank"]: row["phase"] for row in hang_opt["detail"]["progress"]}[p_opt.rank] == "optimizer", pls
     # 3x its whole step: named by its compute per step from the step stamps (the optimizer's step to the next
     # forward), exact, not by the sampled arrival (was named in 2 of 4 runs at 25 Hz)
-    assert straggler["detail"]["measure"] == "compute_stamps" and straggler["detail"]["slowdown"] > 1.5, straggler
-    # each fault in its own generation; the straggler only in the last, where rank 2 was slow
-    assert [e["run_id"] for e in events] == run_ids(rep)
+    assert straggler["detail"]["measure"] == "compute_stamps" and straggler["detail"]["slowdown"] > 1.5, (
+        pls, straggler)
+    # each fault in its own generation; the straggler only in the last, where its rank was slow
+    assert [e["run_id"] for e in events] == run_ids(rep), pls
     for attempt, ev in ((0, hang), (3, hang_opt)):
         took = back_to_training_s(root, attempt)
         detect = ev["time"] - faults(root)[attempt]["time"]
         print(f"\nDDP hang ({faults(root)[attempt]['fault']}): detected and aborted after {detect:.1f}s "
               f"(stall_s {STALL_S}); training again after {took:.1f}s; process-group timeout {PG_TIMEOUT:.0f}s")
-        assert took < PG_TIMEOUT
+        assert took < PG_TIMEOUT, pls
 
 
 @pytest.mark.scenario
-def test_fsdp2_job_hangs_desync_and_straggler_under_torchrun(tmp_path):
-    """3 ranks, FSDP2 (fully_shard per layer): rank 0 hangs inside its optimizer step; then rank 2 issues an
-    extra all_reduce; then rank 1 hangs before its backward; then rank 1 computes 3x as long every step."""
+def test_fsdp2_job_hangs_desync_and_straggler_under_torchrun(tmp_path, request):
+    """3 ranks, FSDP2 (fully_shard per layer): a rank hangs inside its optimizer step; then a rank issues an
+    extra all_reduce; then a rank hangs before its backward; then a rank computes 3x as long every step (ranks
+    and steps placed by the seed)."""
+    plan, pls, resumed = fault_plan(request, ["hang-in-optimizer", "extra-collective", "hang-before-backward"], 3,
+                                    straggler=True)
+    p_opt, p_desync, p_bwd, p_slow = pls
     root = tmp_path / "run"
-    torchrun(root, 3, 3, "--model", "fsdp", "--steps", "50", "--compute-s", "0.05",
-             "--faults", "0:hang-in-optimizer:0:8,1:extra-collective:2:12,2:hang-before-backward:1:16,"
-                         "3:straggler:1:0",
+    torchrun(root, 3, 3, "--model", "fsdp", "--steps", "50", "--compute-s", "0.05", "--faults", plan,
              "--straggler", json.dumps({"window_s": 0.5}))
     attempts = jsonl(root / "attempts.jsonl")
-    assert [a["resumed_from"] for a in attempts] == [0, 5, 10, 15]
-    assert {a["attached"] for a in attempts} == {"fsdp2"}
-    assert max(p["step"] for p in jsonl(root / "progress.jsonl")) == 50
+    assert [a["resumed_from"] for a in attempts] == resumed, (pls, attempts)
+    assert {a["attached"] for a in attempts} == {"fsdp2"}, pls
+    assert max(p["step"] for p in jsonl(root / "progress.jsonl")) == 50, pls
     rep = report(root)
     events = sorted(rep["events"], key=lambda e: e["time"])
     kinds = [(e["kind"], e["ranks"]) for e in events]
-    assert kinds == [("hang", [0]), ("desync", [2]), ("hang", [1]), ("straggler", [1])], (
-        kinds, last_generation_busy(root))
+    assert kinds == [("hang", [p_opt.rank]), ("desync", [p_desync.rank]), ("hang", [p_bwd.rank]),
+                     ("straggler", [p_slow.rank])], (pls, kinds, last_generation_busy(root))
     hang, _desync, hang_bwd, straggler = events
-    assert "injected_hang_in_optimizer" in hang["detail"]["stacks"]["0"]
+    assert "injected_hang_in_optimizer" in hang["detail"]["stacks"][str(p_opt.rank)], pls
     table = {row["rank"]: row for row in hang["detail"]["progress"]}
-    assert table[0]["phase"] == "optimizer"
-    assert table[1]["seq"] == table[2]["seq"] > table[0]["seq"] > 0  # FSDP2's all-gathers are traced
-    assert table[1]["cseq"] == table[2]["cseq"] > table[0]["cseq"] > 0  # and counted
-    assert "injected_hang_before_backward" in hang_bwd["detail"]["stacks"]["1"]
-    assert straggler["detail"]["slowdown"] > 1.5, straggler  # busy time: FSDP2's waits are traced
-    assert [e["run_id"] for e in events] == run_ids(rep)
+    assert table[p_opt.rank]["phase"] == "optimizer", (pls, table)
+    others = [r for r in range(3) if r != p_opt.rank]
+    for key in ("seq", "cseq"):   # FSDP2's all-gathers are traced, and counted
+        assert table[others[0]][key] == table[others[1]][key] > table[p_opt.rank][key] > 0, (pls, key, table)
+    assert "injected_hang_before_backward" in hang_bwd["detail"]["stacks"][str(p_bwd.rank)], pls
+    assert straggler["detail"]["slowdown"] > 1.5, (pls, straggler)  # busy time: FSDP2's waits are traced
+    assert [e["run_id"] for e in events] == run_ids(rep), pls
     for attempt in (0, 2):
         took = back_to_training_s(root, attempt)
         print(f"\nFSDP2 hang ({faults(root)[attempt]['fault']}): training again after {took:.1f}s; "
               f"process-group timeout {PG_TIMEOUT:.0f}s")
-        assert took < PG_TIMEOUT
+        assert took < PG_TIMEOUT, pls
 
 
-def test_sigkilled_rank_of_two_is_a_crash_after_the_restart(tmp_path):
+def test_sigkilled_rank_of_two_is_a_crash_after_the_restart(tmp_path, request):
     """2 ranks: no strict majority can name the killed rank, but the next generation records the run its
-    predecessor left unfinished: a crash, unattributed, rank 1 first to stop heartbeating."""
+    predecessor left unfinished: a crash, unattributed, the killed rank first to stop heartbeating (rank and
+    step, after the first save, placed by the seed)."""
+    pl = place(request, ranks=range(2), steps=range(SAVE_EVERY + 1, 13))
     root = tmp_path / "run"
-    torchrun(root, 2, 1, "--model", "ddp", "--steps", "12", "--faults", "0:kill:1:8")
+    torchrun(root, 2, 1, "--model", "ddp", "--steps", "12", "--faults", f"0:kill:{pl.rank}:{pl.step}")
     events = report(root)["events"]
-    assert [(e["kind"], e["ranks"]) for e in events] == [("crash", [])], events
+    assert [(e["kind"], e["ranks"]) for e in events] == [("crash", [])], (pl, events)
     detail = events[0]["detail"]
-    assert detail["source"] == "previous_generation" and detail["attribution"] == "unattributed"
-    assert detail["first_stopped"] == [1] and events[0]["step"] == 7
-    assert jsonl(root / "attempts.jsonl")[1]["resumed_from"] == 5
+    assert detail["source"] == "previous_generation" and detail["attribution"] == "unattributed", (pl, detail)
+    assert detail["first_stopped"] == [pl.rank] and events[0]["step"] == pl.step - 1, (pl, events)
+    assert jsonl(root / "attempts.jsonl")[1]["resumed_from"] == newest_save_before(pl.step), pl

@@ -3,8 +3,8 @@ carries -- is caught at the save, not certified because every hook-free replay o
 
 User-shaped scripts (tests/scripts/live_fault_job.py: a plain DDP MLP, and a tiny GPT-2 from GPT2Config prepared
 by accelerate), dropout on, `replay=True` and nothing else, under real torchrun. The fault is injected by the test
-(a forward hook on one rank adding 1e-3 to one channel of a module's output), so the expected rank and step come
-from the test, never from scout-ckpt:
+(a forward hook on one rank adding 1e-3 to one channel of a module's output) at a rank and step the session's seed
+places (tests/placement.py), so the expected rank and step come from the test, never from scout-ckpt:
 
 * intermittent (the live forward of one step only: that rank's replays do not repeat it) at a save whose sweep
   source is the faulty rank (the source rotates over the peers, one per save; with 2 ranks saves 4, 8, 12 take
@@ -39,8 +39,26 @@ from torch import nn
 
 from scout_ckpt.ledger import Ledger
 from tests.conftest import REPO
+from tests.placement import place
 
 JOB = REPO / "tests" / "scripts" / "live_fault_job.py"
+SAVES = (4, 8, 12)   # --steps 12 --save-every 4
+
+
+def source(save: int, world: int) -> int:
+    """The rank whose live step the sweep at `save` checks: peer k mod N at the k-th save of a generation
+    (docs/design.md, "The live check")."""
+    return SAVES.index(save) % world
+
+
+def live_fault(request, world: int):
+    """An intermittent fault of one rank's live step at a save whose source it is (what the live check promises
+    to catch at that save), placed by the seed among the 3 saves."""
+    return place(request, ranks=range(world), steps=SAVES, where=lambda r, s: source(s, world) == r)
+
+
+def first_save_from(step: int) -> int:
+    return min(s for s in SAVES if s >= step)
 
 
 def torchrun(n: int, root, *args) -> list[dict]:
@@ -67,61 +85,72 @@ def _replay_reasons(view: dict, step: int) -> list[dict]:
     return [r for r in view[step]["replay"].get("reasons") or [] if r["code"].startswith("replay_")]
 
 
-def _assert_caught(recs, view, step, target, *, ranks, code, live_step):
+def _assert_caught(recs, view, step, target, *, ranks, code, live_step, pl):
     for r in recs:   # the save's verdict ended the generation on every rank, at that save
-        assert r["live_state_corrupt"] == step, r
-        assert all(v["state"] == "certified" for s, v in r["verdicts"].items() if int(s) < step), r["verdicts"]
-    assert view[step]["state"] == "rejected", view[step]
+        assert r["live_state_corrupt"] == step, (pl, r)
+        assert all(v["state"] == "certified" for s, v in r["verdicts"].items() if int(s) < step), (pl, r["verdicts"])
+    assert view[step]["state"] == "rejected", (pl, view[step])
     reasons = _replay_reasons(view, step)
     assert any(x["code"] == code and x["target"] == target and x["ranks"] == ranks
-               and bool(x.get("live_step")) == live_step for x in reasons), reasons
-    assert max(view) == step   # nothing saved after it
+               and bool(x.get("live_step")) == live_step for x in reasons), (pl, reasons)
+    assert max(view) == step, (pl, view)   # nothing saved after it
 
 
 # ---- default tier: 2 ranks, a plain DDP MLP --------------------------------------------------------------------
 
-def test_a_fault_of_one_ranks_live_step_is_inconclusive_with_2_ranks_and_ends_the_generation(tmp_path):
-    """Rank 1's live forward of step 8 only (the save whose source it is) is off in one channel of blocks.1's
-    output; every rank carries a user's math hook (blocks.0 scaled by 0.5) and dropout. Save 4 is certified (the
-    hook and dropout replayed bit for bit, rank 0's live step checked), save 8 rejected: inconclusive (2 peers),
-    the live step named, LiveStateCorrupt on both ranks."""
+def test_a_fault_of_one_ranks_live_step_is_inconclusive_with_2_ranks_and_ends_the_generation(tmp_path, request):
+    """One rank's live forward of one saved step only (a save whose source it is: placed by the seed) is off in
+    one channel of blocks.1's output; every rank carries a user's math hook (blocks.0 scaled by 0.5) and dropout.
+    The saves before it are certified (the hook and dropout replayed bit for bit, their source's live step
+    checked), that save rejected: inconclusive (2 peers), the live step named, LiveStateCorrupt on both ranks."""
+    pl = live_fault(request, 2)
     root = tmp_path / "run"
     recs = torchrun(2, root, "--model", "mlp", "--steps", 12, "--save-every", 4, "--math-hook",
-                    "--fault-rank", 1, "--fault-step", 8, "--fault-module", "blocks.1")
+                    "--fault-rank", pl.rank, "--fault-step", pl.step, "--fault-module", "blocks.1")
     view = ledger_view(root)
-    assert view[4]["state"] == "certified" and view[4]["replay"]["live_checked_ranks"] == [0]
-    assert "within 2 saves" in view[4]["replay"]["live_rotation"]
-    assert view[8]["replay"]["live_checked_ranks"] == [1]
-    _assert_caught(recs, view, 8, "blocks.1", ranks=[], code="replay_inconclusive", live_step=True)
+    for s in SAVES:
+        if s < pl.step:
+            assert view[s]["state"] == "certified" and view[s]["replay"]["live_checked_ranks"] == [source(s, 2)], (
+                pl, s, view[s])
+    assert "within 2 saves" in view[4]["replay"]["live_rotation"], (pl, view[4])
+    assert view[pl.step]["replay"]["live_checked_ranks"] == [pl.rank], (pl, view[pl.step])
+    _assert_caught(recs, view, pl.step, "blocks.1", ranks=[], code="replay_inconclusive", live_step=True, pl=pl)
 
 
 # ---- scenarios: GPT-2 prepared by accelerate, 2 and 3 ranks; persistent faults; healthy controls --------------
 
 @pytest.mark.scenario
 @pytest.mark.scenario_ci
-def test_a_fault_of_one_ranks_live_step_is_attributed_with_3_ranks_gpt2_accelerate(tmp_path):
-    """The issue's shape: a tiny GPT-2 prepared by accelerate, rank 1's live forward of step 8 off in one channel
-    of transformer.h.1's output. 3 ranks: the save at 8 (rank 1 the source) is rejected, replay_sdc naming rank 1,
-    the live step named; 4 certified."""
+def test_a_fault_of_one_ranks_live_step_is_attributed_with_3_ranks_gpt2_accelerate(tmp_path, request):
+    """The issue's shape: a tiny GPT-2 prepared by accelerate, one rank's live forward of one saved step off in
+    one channel of transformer.h.1's output (rank 0 at 4, 1 at 8 or 2 at 12: the saves whose source it is, placed
+    by the seed). 3 ranks: that save is rejected, replay_sdc naming the rank, the live step named; the saves
+    before it certified."""
+    pl = live_fault(request, 3)
     root = tmp_path / "run"
     recs = torchrun(3, root, "--model", "gpt2", "--steps", 12, "--save-every", 4,
-                    "--fault-rank", 1, "--fault-step", 8, "--fault-module", "transformer.h.1")
-    assert "optimizer" in recs[0]["targets"] and "transformer.h.1" in recs[0]["targets"]
+                    "--fault-rank", pl.rank, "--fault-step", pl.step, "--fault-module", "transformer.h.1")
+    assert "optimizer" in recs[0]["targets"] and "transformer.h.1" in recs[0]["targets"], pl
     view = ledger_view(root)
-    assert view[4]["state"] == "certified"
-    _assert_caught(recs, view, 8, "transformer.h.1", ranks=[1], code="replay_sdc", live_step=True)
+    assert all(view[s]["state"] == "certified" for s in SAVES if s < pl.step), (pl, view)
+    _assert_caught(recs, view, pl.step, "transformer.h.1", ranks=[pl.rank], code="replay_sdc", live_step=True,
+                   pl=pl)
 
 
 @pytest.mark.scenario
-def test_gpt2_accelerate_live_fault_with_2_ranks_is_inconclusive_and_a_healthy_run_stays_certified(tmp_path):
+def test_gpt2_accelerate_live_fault_with_2_ranks_is_inconclusive_and_a_healthy_run_stays_certified(tmp_path,
+                                                                                                 request):
     """2 ranks, GPT-2 + accelerate with gradient checkpointing (the block's forward runs again in the backward,
-    cleanly): rank 1's live step at 8 faulty -> inconclusive, blocking, generation ended.
+    cleanly): one rank's live step at a save whose source it is (placed by the seed) faulty -> inconclusive,
+    blocking, generation ended.
     The same job without the fault, dropout on and accelerate's bf16 autocast (the live forward's autocast is
     replayed): every save certified, the live check rotating 0, 1, 0."""
+    pl = live_fault(request, 2)
     recs = torchrun(2, tmp_path / "fault", "--model", "gpt2", "--steps", 12, "--save-every", 4, "--grad-ckpt",
-                    "--fault-rank", 1, "--fault-step", 8, "--fault-module", "transformer.h.1")
+                    "--fault-rank", pl.rank, "--fault-step", pl.step, "--fault-module", "transformer.h.1")
     view = ledger_view(tmp_path / "fault")
-    _assert_caught(recs, view, 8, "transformer.h.1", ranks=[], code="replay_inconclusive", live_step=True)
+    _assert_caught(recs, view, pl.step, "transformer.h.1", ranks=[], code="replay_inconclusive", live_step=True,
+                   pl=pl)
 
     recs = torchrun(2, tmp_path / "healthy", "--model", "gpt2", "--steps", 12, "--save-every", 4,
                     "--mixed-precision", "bf16")
@@ -133,16 +162,20 @@ def test_gpt2_accelerate_live_fault_with_2_ranks_is_inconclusive_and_a_healthy_r
 
 
 @pytest.mark.scenario
-def test_a_persistent_fault_inside_a_target_is_attributed_at_the_first_save_whatever_the_source(tmp_path):
-    """3 ranks, DDP MLP: rank 2's blocks.2 activation (inside the target, not its output) off from step 4 on, at
-    every call. The save at 4 has rank 0 as its source: rank 2's replays repeat the fault and disagree with the
-    others -> replay_sdc naming rank 2 (not a live-only disagreement), generation ended at 4."""
+def test_a_persistent_fault_inside_a_target_is_attributed_at_the_first_save_whatever_the_source(tmp_path,
+                                                                                                request):
+    """3 ranks, DDP MLP: one rank's blocks.2 activation (inside the target, not its output) off from a step on
+    (rank and step 2-8 placed by the seed), at every call. At the first save from that step, whichever rank is
+    its source, the faulty rank's replays repeat the fault and disagree with the others -> replay_sdc naming it
+    (not a live-only disagreement), generation ended there."""
+    pl = place(request, ranks=range(3), steps=range(2, 9))
+    caught = first_save_from(pl.step)
     root = tmp_path / "run"
     recs = torchrun(3, root, "--model", "mlp", "--steps", 12, "--save-every", 4, "--persistent",
-                    "--fault-rank", 2, "--fault-step", 4, "--fault-module", "blocks.2.act")
+                    "--fault-rank", pl.rank, "--fault-step", pl.step, "--fault-module", "blocks.2.act")
     view = ledger_view(root)
-    assert view[4]["replay"]["live_checked_ranks"] == [0]
-    _assert_caught(recs, view, 4, "blocks.2", ranks=[2], code="replay_sdc", live_step=False)
+    assert view[caught]["replay"]["live_checked_ranks"] == [source(caught, 3)], (pl, view[caught])
+    _assert_caught(recs, view, caught, "blocks.2", ranks=[pl.rank], code="replay_sdc", live_step=False, pl=pl)
 
 
 @pytest.mark.scenario

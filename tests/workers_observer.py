@@ -26,8 +26,9 @@ def injected_hang_before_all_reduce(root: str, rank: int) -> None:
 
 
 def train(rank: int, world_size: int, root: str, run_id: str, scenario: str, opts: dict):
-    """scenario: healthy | hang | desync | crash | sigstop | slow. opts: steps, fault_rank, fault_step,
-    compute_s, slow_factor, stall_s, action, poll_s, straggler, cpu_window (measure the observer's CPU while healthy)."""
+    """scenario: healthy | hang | desync | crash | sigstop | slow. opts: steps, fault_rank, fault_step (the tests
+    draw them from their seed, tests/placement.py; rank 2, step 4 for the bench), compute_s, slow_factor, stall_s,
+    action, poll_s, straggler, cpu_window (measure the observer's CPU while healthy)."""
     steps, fault_rank, fault_step = opts.get("steps", 10), opts.get("fault_rank", 2), opts.get("fault_step", 4)
     compute_s = opts.get("compute_s", 0.02)
     side = dist.new_group(backend="gloo")  # a checkpointer-like side group: its collectives must not count

@@ -266,7 +266,8 @@ class Daemon:
         with os.fdopen(fd, "w") as f:
             json.dump({"kind": kind, "ranks": ranks, "step": step, "observer": self.rank,
                        "progress_max": list(top), "time": time.time()}, f)
-        self.known_claims.add(claim.name)
+        # not marked known here: _check_claims must see the judge's own claim as new, so that with action=abort
+        # the judge kills its own trainer too (the hung rank may be the judge's, the lowest live observer's)
         table = [{k: row.get(k) for k in ("rank", "state", "step", "phase", "seq", "cseq", "pos", "seq_left", "fp", "in_coll",
                                           "in_side", "error", "age_s", "pid", "live")} for _, row in sorted(rows.items())]
         self._write_event(kind, ranks, step, {**detail, "progress": table}, key)
