@@ -132,6 +132,7 @@ class LocalTier:
         self._said_layout = False
         self._warned_no_state = False
         self.last_blocking_s: float | None = None
+        self.last_loaded: dict | None = None   # {"step", "fetched": [ranks whose file came from a peer]}
 
     @property
     def node(self) -> int:

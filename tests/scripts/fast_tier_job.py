@@ -70,7 +70,8 @@ def main():
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
     say(event="loaded", rank=rank, node=node, run_id=ckpt.run_id, step=start, tier=ckpt.loaded_tier,
-        digest=digest(model, opt), world=dist.get_world_size(), time=time.time())
+        digest=digest(model, opt), world=dist.get_world_size(), time=time.time(),
+        fetched=(getattr(ckpt.local, "last_loaded", None) or {}).get("fetched"))
 
     marker = root / "fault.json"
     g = torch.Generator().manual_seed(1000 + rank)
@@ -104,12 +105,12 @@ def main():
             say(event="live_fault", rank=rank, step=step)
             raise
         if verdict is not None:
-            say(event="local_saved", rank=rank, step=step, state=verdict["state"], digest=digest(model, opt),
+            say(event="local_saved", rank=rank, run_id=ckpt.run_id, step=step, state=verdict["state"], digest=digest(model, opt),
                 blocking_s=time.monotonic() - t0)
         if step % args.save_every == 0:
             t0 = time.monotonic()
             v = ckpt.save(step, state)
-            say(event="saved", rank=rank, step=step, state=(v or {}).get("state"), digest=digest(model, opt),
+            say(event="saved", rank=rank, run_id=ckpt.run_id, step=step, state=(v or {}).get("state"), digest=digest(model, opt),
                 blocking_s=time.monotonic() - t0)
     ckpt.close()
     dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
