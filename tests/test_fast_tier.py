@@ -124,8 +124,12 @@ def run_agents(root: Path, local_dirs: list[Path], *job_args: str, max_restarts:
 
 
 def job_lines(results) -> list[dict]:
-    return [json.loads(line.split(" ", 1)[1]) for r in results for line in r.stdout.splitlines()
-            if line.startswith("FT-JOB ")]
+    dec = json.JSONDecoder()
+    out = []
+    for r in results:
+        for chunk in r.stdout.split("FT-JOB ")[1:]:
+            out.append(dec.raw_decode(chunk)[0])
+    return out
 
 
 def saved_digests(lines) -> dict[tuple[int, int], str]:

@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -33,7 +34,9 @@ from scout_ckpt import Checkpointer, LiveStateCorrupt, ModelOptimizerState
 
 
 def say(**kw) -> None:
-    print("FT-JOB " + json.dumps(kw), flush=True)
+    # one write per line: the node's workers share the agent's stdout
+    sys.stdout.write("FT-JOB " + json.dumps(kw) + "\n")
+    sys.stdout.flush()
 
 
 def main():
