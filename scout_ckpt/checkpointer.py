@@ -15,7 +15,6 @@ import contextlib
 import datetime
 import fnmatch
 import os
-import platform
 import time
 import uuid
 
@@ -23,19 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-import scout_ckpt
 from scout_ckpt import invariants as inv
 from scout_ckpt import object_store, options, policy
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
-from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
 from scout_ckpt.ops.startup import StartRefused, open_run_ledger
 from scout_ckpt.options import LocalTierOptions, ObserverOptions, ReplayOptions, ShardEvidenceOptions, StorageOptions
-from scout_ckpt.save import commit, placement
+from scout_ckpt.save import commit, placement, run_facts
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.app_state import RankLocal
 from scout_ckpt.save.async_save import AsyncSaves
@@ -203,21 +200,13 @@ class Checkpointer:
         self._loader = LatestCleanLoader(self.root, self.rank, self.world_size, self._pg, self.ledger, self.run_id,
                                          verify_load, _hook_or_noop(fault_hook), store=self.store, local=self.local)
 
-    # ---- configuration -------------------------------------------------------------------------------------
+    # ---- configuration (save/run_facts.py) -----------------------------------------------------------------
 
     def _topology(self, mode, mesh_shape, mesh) -> dict:
-        """Replica layout (consensus.mesh): from the mesh and the model's DTensor placements, or from an explicit
-        old mode name. Local, identical on every rank; ConsensusGroups.from_topology checks that it is."""
-        try:
-            if mode is not None:
-                return legacy_topology(mode, self.world_size, mesh_shape)
-            return describe_topology(self.model, mesh=mesh, world_size=self.world_size)
-        except ValueError as e:
-            raise ScoutError(f"topology: {e}") from None
+        return run_facts.topology(self.model, mode, mesh_shape, mesh, self.world_size)
 
     def _versions(self) -> dict:
-        return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
-                "python": platform.python_version()}
+        return run_facts.versions()
 
     # ---- small collectives on our own group ----------------------------------------------------------------
 

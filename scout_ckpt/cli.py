@@ -210,7 +210,7 @@ def resume_cmd(root: Path = typer.Argument(...),
         print(f"scout-ckpt: newer step {s['step']} is {s['state']}: {_reason_text(s['reasons']) or '-'}",
               file=sys.stderr)
     if as_json:
-        _emit(found)
+        _emit({**found, "tier": found.get("tier", "durable")})   # the CLI reads the durable tier (design.md#fast-tier)
     else:
         print(found["path"])
 

@@ -28,7 +28,7 @@ import pytest
 from scout_ckpt.errors import BadOption
 from scout_ckpt.options import LocalTierOptions, as_local
 from scout_ckpt.ops.retention import decide_local
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 
 SCRIPT = REPO / "tests" / "scripts" / "fast_tier_job.py"
 NNODES, NPROC = 2, 2
@@ -84,6 +84,12 @@ def test_loaded_values_go_into_the_state_in_place():
     out = _merge(dst, src)
     assert out is dst and dst["model"]["w"] is w and torch.equal(w, torch.ones(3))
     assert dst["optim"]["param_groups"][0]["lr"] == 0.5 and dst["optim"]["state"] == {"w": {"step": 3}}
+
+
+def test_resume_json_names_the_tier(ckpt_root):
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["step"] == 4 and doc["tier"] == "durable"
 
 
 # ---- end to end ------------------------------------------------------------------------------------------------
