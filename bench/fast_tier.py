@@ -16,7 +16,8 @@ durable saves every --save-every) and without it (the durable saves alone). Meas
 The durable tier here is a local POSIX directory, not a shared store: on a real shared filesystem or object store
 its restart is slower, so the restart ratio here is the fast tier's least favourable case.
 
-    python bench/fast_tier.py [--json] [--steps 40] [--save-every 20] [--local-every 2] [--fault-step 39]
+    python bench/fast_tier.py [--json] [--steps 60] [--save-every 30] [--local-every 2] [--fault-step 59]
+                              [--step-sleep 1.0] [--width 32768] [--ranks 2]
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _run(work: Path, fast: bool, args) -> dict:
            "--fault", "crash", "--fault-node", "0", "--fault-local", str(args.ranks - 1),
            "--fault-step", str(args.fault_step), "--step-sleep", str(args.step_sleep), "--width", str(args.width),
            "--async-save"] + ([] if fast else ["--no-local"])
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     res = run_checked(cmd, f"the {'fast-tier' if fast else 'durable-only'} job", timeout=900, env=env)
     lines = [e for e in _lines(res.stdout) if e.get("rank") == 0]
     fault = json.loads((root / "fault.json").read_text())
@@ -68,17 +69,18 @@ def _run(work: Path, fast: bool, args) -> dict:
         "lost_steps": args.fault_step - loaded["step"],
         "local_blocking_s": [e["blocking_s"] for e in lines if e["event"] == "local_saved"],
         "durable_blocking_s": [e["blocking_s"] for e in lines if e["event"] == "saved"],
+        "phases": [e["phases"] for e in lines if e["event"] == "local_saved" and e.get("phases")],
     }
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--save-every", type=int, default=30)
     p.add_argument("--local-every", type=int, default=2)
-    p.add_argument("--fault-step", type=int, default=39)
-    p.add_argument("--step-sleep", type=float, default=0.3)
+    p.add_argument("--fault-step", type=int, default=59)
+    p.add_argument("--step-sleep", type=float, default=1.0)
     p.add_argument("--width", type=int, default=32768, help="hidden width of the job's MLP (state size)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="fast-tier-bench-"))
@@ -99,8 +101,10 @@ def main() -> None:
                                             "step_sleep", "width")}
     state_mb = (32 * args.width + args.width + args.width * 8 + 8) * 4 * 3 / 2**20   # params + AdamW moments
     result = {"ratios": ratios, "goals": GOALS, "met": met, "params": {**params, "state_mb_per_rank": state_mb},
-              "fast": {k: v for k, v in fast.items() if not k.endswith("blocking_s")},
-              "durable": {k: v for k, v in durable.items() if not k.endswith("blocking_s")},
+              "fast": {k: v for k, v in fast.items() if not k.endswith("blocking_s") and k != "phases"},
+              "durable": {k: v for k, v in durable.items() if not k.endswith("blocking_s") and k != "phases"},
+              "local_save_phases_s_median": {k: statistics.median(p[k] for p in fast["phases"])
+                                             for k in (fast["phases"][0] if fast["phases"] else {})},
               "local_save_blocking_s_median": local_blocking, "async_save_blocking_s_median": async_blocking,
               "lost_steps": {"fast": fast["lost_steps"], "durable": durable["lost_steps"]}, "load": load_note()}
     rows = [["fault -> back at the fault step (s)", fast["recovered_s"], durable["recovered_s"]],

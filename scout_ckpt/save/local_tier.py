@@ -132,6 +132,7 @@ class LocalTier:
         self._said_layout = False
         self._warned_no_state = False
         self.last_blocking_s: float | None = None
+        self.last_phases: dict | None = None
         self.last_loaded: dict | None = None   # {"step", "fetched": [ranks whose file came from a peer]}
 
     @property
@@ -170,12 +171,17 @@ class LocalTier:
         ck, t0 = self.ck, time.monotonic()
         ck._begin_boundary(step, state)
         flat = materialize(state)
+        # consensus hashes and exchanges on its own groups in a background thread meanwhile (as during a durable
+        # sync save's write): the training thread is held, so the state cannot change under it
+        hashing = ck._start_consensus(flat, background=True)
+        phases = {"begin": time.monotonic()}
         blob = self._serialize(flat)
         digest = bytes_digest(blob)
         finite_bad = _nonfinite(flat) if ck.finite else []
         rel = f"{ck.run_id}/step-{step:08d}"
         own = self.base / rel / f"rank-{self.rank}.pt"
         _write(own, blob)
+        phases["write"] = time.monotonic()
         table = [None] * self.world
         dist.all_gather_object(table, {"digest": digest, "size": len(blob), "host": self.host,
                                        "dir": str(self.base)}, group=ck._pg)
@@ -189,7 +195,9 @@ class LocalTier:
             copies.append({"rank": owner, "holder": self.rank, "host": self.host, "node": self.node,
                            "path": str(path), "verified": ok})
         del blob
-        live = ck._live_evidence(step, flat, ck._start_consensus(flat, background=False))
+        phases["copies"] = time.monotonic()
+        live = ck._live_evidence(step, flat, hashing)
+        phases["evidence"] = time.monotonic()
         mine = {"rank": self.rank, "finite_bad": finite_bad, "copies": copies,
                 "files": [{"path": f"rank-{self.rank}.pt", "size": table[self.rank]["size"], "digest": digest,
                            "rank": self.rank, "host": self.host, "node": self.node, "where": str(own)}]}
@@ -202,6 +210,11 @@ class LocalTier:
         self._remove(drops)
         ck.lineage.note(step, verdict, ledger=ck.ledger if ck.is_coordinator else None, run_id=ck.run_id)
         self.last_blocking_s = time.monotonic() - t0
+        marks, last = {}, t0
+        for name, at in phases.items():
+            marks[name], last = round(at - last, 4), at
+        marks["commit"] = round(time.monotonic() - last, 4)
+        self.last_phases = marks   # seconds per phase of this save (bench/fast_tier.py reports them)
         if self.rank == COORDINATOR:
             scout_log.logger.info("local step %d: %s in %.3f s (%d peer copies per rank)", step, verdict["state"],
                                   self.last_blocking_s, len(self.holders))

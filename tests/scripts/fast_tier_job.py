@@ -109,7 +109,7 @@ def main():
             raise
         if verdict is not None:
             say(event="local_saved", rank=rank, run_id=ckpt.run_id, step=step, state=verdict["state"], digest=digest(model, opt),
-                blocking_s=time.monotonic() - t0)
+                blocking_s=time.monotonic() - t0, phases=ckpt.local.last_phases)
         if step % args.save_every == 0:
             t0 = time.monotonic()
             v = ckpt.save(step, state)
