@@ -196,7 +196,7 @@ class Checkpointer:
             self.observer.attach(model, optimizer)
         from scout_ckpt.save.local_tier import LocalTier   # the fast tier (local=): its own module
 
-        self.local = LocalTier(local, self) if local is not None else None
+        self.local = LocalTier(local, self, timeout) if local is not None else None
         self._loader = LatestCleanLoader(self.root, self.rank, self.world_size, self._pg, self.ledger, self.run_id,
                                          verify_load, _hook_or_noop(fault_hook), store=self.store, local=self.local)
 
@@ -221,12 +221,13 @@ class Checkpointer:
 
     # ---- per-step hook -------------------------------------------------------------------------------------
 
-    def step(self, step: int, state: dict | None = None) -> dict | None:
+    def step(self, step: int, state: dict | None = None) -> None:
         """Per-step hook, after the optimizer step: records the step's wall time and drives the SDC replay
         schedule (collective on the checkpointer's side groups at scheduled steps, never the training group).
         The time reported to the observer runs from one call to the next, less the coordinator's ledger work.
-        With the fast tier (`local=`), `state` is saved to it when `step % local.every == 0` (collective; the
-        local verdict is returned, None otherwise; LiveStateCorrupt as in `save`)."""
+        With the fast tier (`local=`), `state` is saved to it when `step % local.every == 0` (collective; it
+        blocks for a staging copy and the live evidence, and commits in the background: `local.last_verdict`;
+        a verdict showing the live state bad raises LiveStateCorrupt at the next step() or save())."""
         now = time.monotonic()
         # The coordinator's own ledger bookkeeping (last step's replay rows) is not training time: left in, it
         # would widen the spread the straggler rule measures and hide a real straggler.
@@ -242,13 +243,10 @@ class Checkpointer:
             self._record_shard_faults(self.shard.on_step(step))
         if self.replay is not None:
             self._bookkeeping_s = self.replay.on_step(step)
-        if self.local is None:
-            return None
-        t0 = time.monotonic()
-        verdict = self.local.on_step(step, state)   # a local save is not training time either
-        self._bookkeeping_s += time.monotonic() - t0
-        self._raise_live_fault()
-        return verdict
+        if self.local is not None:
+            t0 = time.monotonic()
+            self.local.on_step(step, state)   # a local save is not training time either
+            self._bookkeeping_s += time.monotonic() - t0
 
     def _record_shard_faults(self, bad: list[dict]) -> None:
         """Coordinator: a shard whose update did not recompute bit for bit is an `sdc` event naming the rank; the
@@ -428,6 +426,8 @@ class Checkpointer:
         ScoutError, the cause chained) once, or LiveStateCorrupt when its verdict showed the live state bad."""
         if self._async is not None:
             self._async.wait()
+        if self.local is not None:
+            self.local.wait()
         self._raise_live_fault()
 
     def _raise_live_fault(self) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from scout_ckpt.errors import ScoutError
 from scout_ckpt.format.digests import bytes_digest
 from scout_ckpt.format.verify import COULD_NOT_CHECK
 from scout_ckpt.invariants.finite import can_be_nonfinite, is_finite
@@ -47,16 +49,17 @@ from scout_ckpt.save.loading import materialize
 COORDINATOR = 0
 
 
-def _local_tree(obj):
-    """The state as this rank holds it: DTensors as their local shards, tensors detached, containers copied."""
+def _local_tree(obj, copy: bool = False):
+    """The state as this rank holds it: DTensors as their local shards, tensors detached (with `copy`: cloned,
+    the staging copy), containers copied."""
     if isinstance(obj, DTensor):
-        return obj.to_local().detach()
+        obj = obj.to_local()
     if isinstance(obj, torch.Tensor):
-        return obj.detach()
+        return obj.detach().clone() if copy else obj.detach()
     if isinstance(obj, dict):
-        return {k: _local_tree(v) for k, v in obj.items()}
+        return {k: _local_tree(v, copy) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_local_tree(v) for v in obj)
+        return type(obj)(_local_tree(v, copy) for v in obj)
     return obj
 
 
@@ -120,8 +123,13 @@ def local_world_size(world: int) -> int:
 class LocalTier:
     """One Checkpointer's fast tier. `ck` is the Checkpointer (its evidence, lineage, ledger and group)."""
 
-    def __init__(self, opts, ck):
+    def __init__(self, opts, ck, timeout):
         self.opts, self.ck = opts, ck
+        # the commit thread's own group (created here, at start-up, in the same order on every rank: TORCH-NOTES)
+        self._group = dist.new_group(backend="gloo", timeout=timeout)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_verdict: dict | None = None
         self.base = Path(opts.dir)
         self.rank, self.world = ck.rank, ck.world_size
         self.local_world = local_world_size(self.world)
@@ -153,8 +161,8 @@ class LocalTier:
 
     # ---- save ----------------------------------------------------------------------------------------------
 
-    def on_step(self, step: int, state: dict | None) -> dict | None:
-        """Checkpointer.step's part: the local save when it is due (its verdict), else None."""
+    def on_step(self, step: int, state: dict | None) -> None:
+        """Checkpointer.step's part: the local save when it is due."""
         if state is None:
             self.warn_no_state()
             return None
@@ -163,31 +171,63 @@ class LocalTier:
         with self.ck.phase("checkpoint"):
             if self.ck._async is not None:
                 self.ck._async.wait()   # an async durable save still committing finishes first
-            return self.save(step, state)
+            self.save(step, state)
 
-    def save(self, step: int, state: dict) -> dict:
-        """Collective: the local save of the state after `step` optimizer steps; returns the verdict on every
-        rank (the module docstring)."""
+    def save(self, step: int, state: dict) -> None:
+        """Collective: the local save of the state after `step` optimizer steps (the module docstring). Blocks
+        for the staging copy and the live evidence; the write, the peer copies and the commit run in this tier's
+        commit thread on its own gloo group, and their outcome reaches the lineage (a live fault is raised at the
+        next step()) and `last_verdict`; an error is raised at the next local save or `wait`."""
         ck, t0 = self.ck, time.monotonic()
+        self.wait()
         ck._begin_boundary(step, state)
         flat = materialize(state)
         # consensus hashes and exchanges on its own groups in a background thread meanwhile (as during a durable
         # sync save's write): the training thread is held, so the state cannot change under it
         hashing = ck._start_consensus(flat, background=True)
         phases = {"begin": time.monotonic()}
-        blob = self._serialize(flat)
+        staged = _local_tree(flat, copy=True)   # the staging copy: training may change `flat` once we return
+        phases["stage"] = time.monotonic()
+        live = ck._live_evidence(step, flat, hashing)
+        phases["evidence"] = time.monotonic()
+        del flat
+        self._thread = threading.Thread(target=self._finish_guarded, args=(step, staged, live, t0, phases),
+                                        name=f"scout-local-{step}", daemon=True)
+        self._thread.start()
+        self.last_blocking_s = time.monotonic() - t0
+
+    def wait(self) -> None:
+        """Block until the pending local commit has finished on this rank; raise its error once."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        e, self._error = self._error, None
+        if e is not None:
+            raise ScoutError(f"local save failed: {type(e).__name__}: {e}") from e
+
+    def _finish_guarded(self, step: int, staged: dict, live: dict, t0: float, phases: dict) -> None:
+        try:
+            self._finish(step, staged, live, t0, phases)
+        except BaseException as e:  # noqa: BLE001 - latched, raised on the training thread (wait)
+            self._error = e
+
+    def _finish(self, step: int, staged: dict, live: dict, t0: float, phases: dict) -> None:
+        """Commit thread, collective on the tier's own group: write, peer copies, verdict, ledger, retention."""
+        ck, group = self.ck, self._group
+        blob = self._serialize(staged)
         digest = bytes_digest(blob)
-        finite_bad = _nonfinite(flat) if ck.finite else []
+        finite_bad = _nonfinite(staged) if ck.finite else []
+        del staged
         rel = f"{ck.run_id}/step-{step:08d}"
         own = self.base / rel / f"rank-{self.rank}.pt"
         _write(own, blob)
         phases["write"] = time.monotonic()
         table = [None] * self.world
         dist.all_gather_object(table, {"digest": digest, "size": len(blob), "host": self.host,
-                                       "dir": str(self.base)}, group=ck._pg)
+                                       "dir": str(self.base)}, group=group)
         copies = []
         for owner, data in peer_copy.ring_exchange(blob, self.rank, self.world, self.local_world,
-                                                   self.opts.replicas, ck._pg).items():
+                                                   self.opts.replicas, group).items():
             ok = bytes_digest(data) == table[owner]["digest"] and len(data) == table[owner]["size"]
             path = self.base / rel / f"peer-rank-{owner}.pt"
             if ok:
@@ -196,29 +236,26 @@ class LocalTier:
                            "path": str(path), "verified": ok})
         del blob
         phases["copies"] = time.monotonic()
-        live = ck._live_evidence(step, flat, hashing)
-        phases["evidence"] = time.monotonic()
         mine = {"rank": self.rank, "finite_bad": finite_bad, "copies": copies,
                 "files": [{"path": f"rank-{self.rank}.pt", "size": table[self.rank]["size"], "digest": digest,
                            "rank": self.rank, "host": self.host, "node": self.node, "where": str(own)}]}
         gathered = [None] * self.world if self.rank == COORDINATOR else None
-        dist.gather_object(mine, gathered, dst=COORDINATOR, group=ck._pg)
+        dist.gather_object(mine, gathered, dst=COORDINATOR, group=group)
         out = self._commit(step, rel, gathered, live) if self.rank == COORDINATOR else None
         box = [out]
-        dist.broadcast_object_list(box, src=COORDINATOR, group=ck._pg)
+        dist.broadcast_object_list(box, src=COORDINATOR, group=group)
         verdict, drops = box[0]
         self._remove(drops)
         ck.lineage.note(step, verdict, ledger=ck.ledger if ck.is_coordinator else None, run_id=ck.run_id)
-        self.last_blocking_s = time.monotonic() - t0
+        self.last_verdict = {"step": step, **verdict}
         marks, last = {}, t0
         for name, at in phases.items():
             marks[name], last = round(at - last, 4), at
         marks["commit"] = round(time.monotonic() - last, 4)
-        self.last_phases = marks   # seconds per phase of this save (bench/fast_tier.py reports them)
+        self.last_phases = marks   # seconds per phase of the last save (bench/fast_tier.py reports them)
         if self.rank == COORDINATOR:
-            scout_log.logger.info("local step %d: %s in %.3f s (%d peer copies per rank)", step, verdict["state"],
-                                  self.last_blocking_s, len(self.holders))
-        return verdict
+            scout_log.logger.info("local step %d: %s, committed %.3f s after the save began (%d peer copies per "
+                                  "rank)", step, verdict["state"], time.monotonic() - t0, len(self.holders))
 
     def _serialize(self, flat: dict) -> bytes:
         buf = io.BytesIO()

@@ -6,12 +6,14 @@
 The node-local directory is SCOUT_TEST_LOCAL_DIR (each agent is given its own, as each node has its own disk),
 else --local-dir. Faults (--fault, at --fault-step on node --fault-node, local rank --fault-local):
 `crash` SIGKILLs that worker once per job (marker file ROOT/fault.json); `node` SIGKILLs that node's agent and
-every worker of the node (each of them, at the same step: the node is gone); `sdc` makes that rank's copy of one
+every worker of the node (each of them, at the same step: the node is gone); both first wait for the last local
+commit to land (`ckpt.wait()`, unless --no-wait), so that the step a restart must load is known; `sdc` makes that rank's copy of one
 weight differ by one ulp just before the local save at the fault step (once per job: the marker file).
 
 Every rank prints `FT-JOB {json}` lines: after each save the digest of the state it just saved (sha256 of the
 model and optimizer, computed without scout-ckpt: the oracle), after loading the step, tier and digest of what it
-loaded, and `at` lines (time and step) that bench/fast_tier.py reads.
+loaded, and `at` lines (time and step) that bench/fast_tier.py reads. A local save commits in the background:
+`local_saved` says the save began (its digest is that of the state it copied), not that it was certified.
 """
 
 import argparse
@@ -49,6 +51,7 @@ def main():
     ap.add_argument("--keep-local", type=int, default=2)
     ap.add_argument("--no-local", action="store_true", help="the same job without the fast tier (the bench)")
     ap.add_argument("--async-save", action="store_true")
+    ap.add_argument("--no-wait", action="store_true", help="fault without waiting for the last local commit")
     ap.add_argument("--fault", choices=["none", "crash", "node", "sdc"], default="none")
     ap.add_argument("--fault-node", type=int, default=1)
     ap.add_argument("--fault-local", type=int, default=0)
@@ -88,6 +91,8 @@ def main():
             with torch.no_grad():   # one ulp on one replica: consensus must see it
                 p = next(model.parameters())
                 p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(float("inf")))
+        if args.fault in ("crash", "node") and here and not args.no_wait:
+            ckpt.wait()   # the last local commit has landed: the oracle knows which step must be resumed
         if args.fault == "crash" and here and local == args.fault_local and not marker.exists():
             marker.write_text(json.dumps({"kind": "crash", "rank": rank, "step": step, "time": time.time()}))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -101,20 +106,20 @@ def main():
             except ProcessLookupError:
                 pass
             os.kill(os.getpid(), signal.SIGKILL)
-        t0 = time.monotonic()
         try:
-            verdict = ckpt.step(step, state)
-        except LiveStateCorrupt:
-            say(event="live_fault", rank=rank, step=step)
-            raise
-        if verdict is not None:
-            say(event="local_saved", rank=rank, run_id=ckpt.run_id, step=step, state=verdict["state"], digest=digest(model, opt),
-                blocking_s=time.monotonic() - t0, phases=ckpt.local.last_phases)
-        if step % args.save_every == 0:
             t0 = time.monotonic()
-            v = ckpt.save(step, state)
-            say(event="saved", rank=rank, run_id=ckpt.run_id, step=step, state=(v or {}).get("state"), digest=digest(model, opt),
-                blocking_s=time.monotonic() - t0)
+            ckpt.step(step, state)
+            if tier and step % args.local_every == 0:
+                say(event="local_saved", rank=rank, run_id=ckpt.run_id, step=step, digest=digest(model, opt),
+                    blocking_s=time.monotonic() - t0, phases=ckpt.local.last_phases)
+            if step % args.save_every == 0:
+                t0 = time.monotonic()
+                v = ckpt.save(step, state)
+                say(event="saved", rank=rank, run_id=ckpt.run_id, step=step, state=(v or {}).get("state"),
+                    digest=digest(model, opt), blocking_s=time.monotonic() - t0)
+        except LiveStateCorrupt as e:
+            say(event="live_fault", rank=rank, run_id=ckpt.run_id, step=step, fault_step=e.step)
+            raise
     ckpt.close()
     dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
     dist.destroy_process_group()
