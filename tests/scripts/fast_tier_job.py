@@ -109,14 +109,16 @@ def main():
         try:
             t0 = time.monotonic()
             ckpt.step(step, state)
+            blocked = time.monotonic() - t0   # taken before the oracle's digest, which is not the save's time
             if tier and step % args.local_every == 0:
                 say(event="local_saved", rank=rank, run_id=ckpt.run_id, step=step, digest=digest(model, opt),
-                    blocking_s=time.monotonic() - t0, phases=ckpt.local.last_phases)
+                    blocking_s=blocked, phases=ckpt.local.last_phases)
             if step % args.save_every == 0:
                 t0 = time.monotonic()
                 v = ckpt.save(step, state)
+                blocked = time.monotonic() - t0
                 say(event="saved", rank=rank, run_id=ckpt.run_id, step=step, state=(v or {}).get("state"),
-                    digest=digest(model, opt), blocking_s=time.monotonic() - t0)
+                    digest=digest(model, opt), blocking_s=blocked)
         except LiveStateCorrupt as e:
             say(event="live_fault", rank=rank, run_id=ckpt.run_id, step=step, fault_step=e.step)
             raise
