@@ -6,15 +6,19 @@ its format or commit: each rank writes its OWN state (its local tensors, DTensor
 torch.save to DIR/RUN_ID/step-NNNNNNNN/rank-R.pt, so restoring needs the same world size, ranks per node and mesh
 (`layout`); a different one skips the tier with one INFO line.
 
-One local save (collective over the Checkpointer's group, on the training thread, at `ckpt.step(step, state)`):
-  1. every rank: serialize its state, digest the bytes (xxh3-128, the durable tier's algorithm) before they are
-     written, write rank-R.pt (temp name + rename), all_gather (digest, size, host);
-  2. peer copies (save/peer_copy.py): each rank's bytes go to the same local rank on the next `replicas` nodes;
+One local save, at `ckpt.step(step, state)`:
+  1. training thread (held), every rank: the live evidence exactly as a durable save takes it
+     (SaveEvidence.live: consensus hashed in the background on its own groups, invariants, signatures, shard and
+     replay evidence) and a staging copy of the rank's own state; then step() returns;
+  2. the tier's commit thread, collective on the tier's own gloo group: serialize the copy, digest the bytes
+     (xxh3-128, the durable tier's algorithm) before they are written, write rank-R.pt (temp name + rename), the
+     finite check, all_gather (digest, size, host);
+  3. peer copies (save/peer_copy.py): each rank's bytes go to the same local rank on the next `replicas` nodes;
      the receiver checks them against the owner's digest and writes peer-rank-R.pt only if they match;
-  3. live evidence and the verdict exactly as a durable save (SaveEvidence.live, then .assess on the
-     coordinator), the ledger row (local_tier_rows: tier `local`, per-rank digests, where each copy lives) and the
-     retention plan (ops/retention.decide_local), broadcast; every rank removes the files of dropped steps;
-  4. the verdict feeds the lineage like a durable one: live state found bad ends the generation.
+  4. the verdict as a durable save's (SaveEvidence.assess on the coordinator), the ledger row (local_tier_rows:
+     tier `local`, per-rank digests, where each copy lives) and the retention plan (ops/retention.decide_local),
+     broadcast; every rank removes the files of dropped steps; the verdict feeds the lineage like a durable one
+     (live state found bad: LiveStateCorrupt at the next step() or save()).
 
 Collision rule: a durable and a local save of the same step coexist (other table, other directory); at load the
 durable one wins. Loading a local candidate (`load`, called by save/loading.py's walk-back) re-verifies every
