@@ -45,6 +45,8 @@ def _lines(out: str) -> list[dict]:
 
 def _run(work: Path, fast: bool, args) -> dict:
     root, local = work / ("fast" if fast else "durable"), work / "local"
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(local, ignore_errors=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--max-restarts",
            "1", "--monitor-interval", "0.2", str(SCRIPT), str(root), "--local-dir", str(local),
            "--steps", str(args.steps), "--save-every", str(args.save_every), "--local-every", str(args.local_every),
@@ -73,6 +75,17 @@ def _run(work: Path, fast: bool, args) -> dict:
     }
 
 
+def _median_of(runs: list[dict]) -> dict:
+    """The runs' medians (times), their lists pooled (blocking times, phases), the rest from the first run."""
+    out = dict(runs[0])
+    for k in ("recovered_s", "first_step_s", "lost_steps"):
+        out[k] = statistics.median(r[k] for r in runs)
+    for k in ("local_blocking_s", "durable_blocking_s", "phases"):
+        out[k] = [x for r in runs for x in r[k]]
+    out["runs_recovered_s"] = [r["recovered_s"] for r in runs]
+    return out
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
@@ -82,15 +95,19 @@ def main() -> None:
     p.add_argument("--fault-step", type=int, default=59)
     p.add_argument("--step-sleep", type=float, default=1.0)
     p.add_argument("--width", type=int, default=32768, help="hidden width of the job's MLP (state size)")
+    p.add_argument("--repeats", type=int, default=2, help="pairs of runs, interleaved; medians are reported")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="fast-tier-bench-"))
+    fasts, durables = [], []
     try:
-        log("fast tier run ...")
-        fast = _run(work, True, args)
-        log("durable-only run ...")
-        durable = _run(work, False, args)
+        for i in range(args.repeats):   # interleaved: a burst of load from other processes hits both alike
+            log(f"round {i + 1}/{args.repeats}: fast tier run ...")
+            fasts.append(_run(work, True, args))
+            log(f"round {i + 1}/{args.repeats}: durable-only run ...")
+            durables.append(_run(work, False, args))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    fast, durable = _median_of(fasts), _median_of(durables)
     async_blocking = statistics.median(fast["durable_blocking_s"] + durable["durable_blocking_s"])
     local_blocking = statistics.median(fast["local_blocking_s"])
     ratios = {"restart_fast_vs_durable": fast["recovered_s"] / durable["recovered_s"],
@@ -98,7 +115,7 @@ def main() -> None:
               "first_step_fast_vs_durable": fast["first_step_s"] / durable["first_step_s"]}
     met = {k: ratios[k] <= g for k, g in GOALS.items()}
     params = {k: getattr(args, k) for k in ("ranks", "steps", "save_every", "local_every", "fault_step",
-                                            "step_sleep", "width")}
+                                            "step_sleep", "width", "repeats")}
     state_mb = (32 * args.width + args.width + args.width * 8 + 8) * 4 * 3 / 2**20   # params + AdamW moments
     result = {"ratios": ratios, "goals": GOALS, "met": met, "params": {**params, "state_mb_per_rank": state_mb},
               "fast": {k: v for k, v in fast.items() if not k.endswith("blocking_s") and k != "phases"},
