@@ -15,7 +15,6 @@ import contextlib
 import datetime
 import fnmatch
 import os
-import platform
 import time
 import uuid
 
@@ -23,19 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-import scout_ckpt
 from scout_ckpt import invariants as inv
 from scout_ckpt import object_store, options, policy
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
-from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
 from scout_ckpt.consensus.save_time import start_consensus
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
 from scout_ckpt.ops.startup import StartRefused, open_run_ledger
-from scout_ckpt.options import ObserverOptions, ReplayOptions, ShardEvidenceOptions, StorageOptions
-from scout_ckpt.save import commit, placement
+from scout_ckpt.options import LocalTierOptions, ObserverOptions, ReplayOptions, ShardEvidenceOptions, StorageOptions
+from scout_ckpt.save import commit, placement, run_facts
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.app_state import RankLocal
 from scout_ckpt.save.async_save import AsyncSaves
@@ -100,10 +97,11 @@ class Checkpointer:
                  shard_evidence: ShardEvidenceOptions | dict | bool | None = None,
                  on_live_fault: str = "raise",
                  storage: StorageOptions | None = None, ledger_journal: str | None = None,
-                 ledger_dir: str | os.PathLike | None = None, storage_options: dict | None = None):
+                 ledger_dir: str | os.PathLike | None = None, storage_options: dict | None = None,
+                 local: LocalTierOptions | dict | None = None):
         # Every option is checked here, the same on every rank, before anything collective (options.py).
         replay, observer = options.as_replay(replay), options.as_observer(observer)
-        shard_evidence = options.as_shard_evidence(shard_evidence)
+        shard_evidence, local = options.as_shard_evidence(shard_evidence), options.as_local(local)
         storage = options.as_storage(storage, ledger_dir=ledger_dir, storage_options=storage_options,
                                      ledger_journal=ledger_journal)
         options.check_scalars(keep=keep, timeout_s=timeout_s, on_live_fault=on_live_fault,
@@ -196,24 +194,19 @@ class Checkpointer:
                 **observer.start_kwargs())
         if self.observer is not None and model is not None:
             self.observer.attach(model, optimizer)
-        self._loader = LatestCleanLoader(self.root, self.rank, self.world_size, self._pg, self.ledger, self.run_id,
-                                         verify_load, _hook_or_noop(fault_hook), store=self.store)
+        from scout_ckpt.save.local_tier import LocalTier   # the fast tier (local=): its own module
 
-    # ---- configuration -------------------------------------------------------------------------------------
+        self.local = LocalTier(local, self, timeout) if local is not None else None
+        self._loader = LatestCleanLoader(self.root, self.rank, self.world_size, self._pg, self.ledger, self.run_id,
+                                         verify_load, _hook_or_noop(fault_hook), store=self.store, local=self.local)
+
+    # ---- configuration (save/run_facts.py) -----------------------------------------------------------------
 
     def _topology(self, mode, mesh_shape, mesh) -> dict:
-        """Replica layout (consensus.mesh): from the mesh and the model's DTensor placements, or from an explicit
-        old mode name. Local, identical on every rank; ConsensusGroups.from_topology checks that it is."""
-        try:
-            if mode is not None:
-                return legacy_topology(mode, self.world_size, mesh_shape)
-            return describe_topology(self.model, mesh=mesh, world_size=self.world_size)
-        except ValueError as e:
-            raise ScoutError(f"topology: {e}") from None
+        return run_facts.topology(self.model, mode, mesh_shape, mesh, self.world_size)
 
     def _versions(self) -> dict:
-        return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
-                "python": platform.python_version()}
+        return run_facts.versions()
 
     # ---- small collectives on our own group ----------------------------------------------------------------
 
@@ -228,10 +221,13 @@ class Checkpointer:
 
     # ---- per-step hook -------------------------------------------------------------------------------------
 
-    def step(self, step: int) -> None:
+    def step(self, step: int, state: dict | None = None) -> None:
         """Per-step hook, after the optimizer step: records the step's wall time and drives the SDC replay
         schedule (collective on the checkpointer's side groups at scheduled steps, never the training group).
-        The time reported to the observer runs from one call to the next, less the coordinator's ledger work."""
+        The time reported to the observer runs from one call to the next, less the coordinator's ledger work.
+        With the fast tier (`local=`), `state` is saved to it when `step % local.every == 0` (collective; it
+        blocks for a staging copy and the live evidence, and commits in the background: `local.last_verdict`;
+        a verdict showing the live state bad raises LiveStateCorrupt at the next step() or save())."""
         now = time.monotonic()
         # The coordinator's own ledger bookkeeping (last step's replay rows) is not training time: left in, it
         # would widen the spread the straggler rule measures and hide a real straggler.
@@ -247,6 +243,10 @@ class Checkpointer:
             self._record_shard_faults(self.shard.on_step(step))
         if self.replay is not None:
             self._bookkeeping_s = self.replay.on_step(step)
+        if self.local is not None:
+            t0 = time.monotonic()
+            self.local.on_step(step, state)   # a local save is not training time either
+            self._bookkeeping_s += time.monotonic() - t0
 
     def _record_shard_faults(self, bad: list[dict]) -> None:
         """Coordinator: a shard whose update did not recompute bit for bit is an `sdc` event naming the rank; the
@@ -324,12 +324,7 @@ class Checkpointer:
             self._async.wait()
             if self.lineage.pending():
                 return None   # the previous save found the live state bad: save() raises, outside the phase
-        self._save_started = time.monotonic()
-        self._save_started_wall = time.time()
-        if self.replay is not None:
-            self.replay.sweep(step)   # complete same-step replay evidence (collective on the replay's side groups)
-        # State that differs by rank on purpose (RankLocal) is saved per rank and never compared across ranks.
-        self._rank_local = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
+        self._begin_boundary(step, state)
         # Every rank derives the same attempt id (no collective): this incarnation's id and a save counter.
         self._saves += 1
         attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
@@ -348,6 +343,15 @@ class Checkpointer:
             return self._save_sync_or_store(step, flat, attempt, in_flight)
         finally:
             in_flight.release()
+
+    def _begin_boundary(self, step: int, state: dict) -> None:
+        """What every save boundary, durable or local (save/local_tier.py), starts with."""
+        self._save_started = time.monotonic()
+        self._save_started_wall = time.time()
+        if self.replay is not None:
+            self.replay.sweep(step)   # complete same-step replay evidence (collective on the replay's side groups)
+        # State that differs by rank on purpose (RankLocal) is saved per rank and never compared across ranks.
+        self._rank_local = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
 
     def _save_sync_or_store(self, step: int, flat: dict, attempt: str, in_flight: InFlightDigests) -> dict | None:
         hashing = None if self.async_save else self._start_consensus(flat, background=True, in_flight=in_flight)
@@ -422,6 +426,8 @@ class Checkpointer:
         ScoutError, the cause chained) once, or LiveStateCorrupt when its verdict showed the live state bad."""
         if self._async is not None:
             self._async.wait()
+        if self.local is not None:
+            self.local.wait()
         self._raise_live_fault()
 
     def _raise_live_fault(self) -> None:
@@ -437,6 +443,11 @@ class Checkpointer:
     @property
     def last_verdict(self) -> dict | None:
         return self._last_verdict
+
+    @property
+    def loaded_tier(self) -> str | None:
+        """The tier the last load_latest_clean loaded from: "durable", "local" or None (nothing loaded)."""
+        return self._loader.last_tier
 
     # ---- load ----------------------------------------------------------------------------------------------
 

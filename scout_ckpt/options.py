@@ -262,6 +262,40 @@ class StorageOptions:
             object.__setattr__(self, "ledger_journal", journal)
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalTierOptions:
+    """The fast tier (save/local_tier.py): frequent saves of each rank's own state to node-local storage, each
+    copied to the same local rank on the next node(s) and certified with the same evidence as a durable save.
+
+    Cadence: `ckpt.step(step, state)` saves to this tier when `step % every == 0`. The per-step hook is the
+    place because every training loop already calls it after each optimizer step with the step number the
+    state has reached; a script that forgets the tier's own `if` cannot save at the wrong step, and one that
+    passes no state to step() gets one WARNING instead of silently no fast tier. A durable `save(step)` at a
+    step the local tier also saved keeps both (separate ledger table and directory); at load the durable one
+    wins."""
+
+    dir: str = ""
+    """Node-local directory (e.g. /dev/shm/ckpt or a local NVMe path; the same string on every node, its own
+    storage on each). Steps go to DIR/RUN_ID/step-NNNNNNNN/rank-R.pt, peer copies beside them."""
+    every: int = 0
+    """Save to the local tier every `every` steps (step % every == 0)."""
+    keep: int = 2
+    """Certified local steps kept; a rejected one is removed at the next local commit."""
+    replicas: int = 1
+    """Peer copies of each rank's file, on the next `replicas` nodes of the ring (capped at nodes - 1; 0: none,
+    and losing a node loses its steps)."""
+
+    def __post_init__(self):
+        if not isinstance(self.dir, str) or not self.dir:
+            if hasattr(self.dir, "__fspath__"):
+                object.__setattr__(self, "dir", str(self.dir))
+            else:
+                raise BadOption(f"local.dir must be a non-empty path (got {self.dir!r})")
+        _positive("local", "every", self.every, integer=True)
+        _positive("local", "keep", self.keep, integer=True)
+        _positive("local", "replicas", self.replicas, integer=True, allow_zero=True)
+
+
 # ---- the old spellings, converted in one place ----------------------------------------------------------------
 
 def _switch(name: str, cls, value, **nested):
@@ -305,6 +339,17 @@ def as_storage(storage, *, ledger_dir=None, storage_options=None, ledger_journal
     if isinstance(storage, Mapping):
         return _from_mapping(StorageOptions, "storage", storage)
     raise BadOption(f"storage must be a StorageOptions or a dict (got {type(storage).__name__})")
+
+
+def as_local(value) -> LocalTierOptions | None:
+    """`local=`: None or False (no fast tier), a dict with `dir` and `every`, or LocalTierOptions."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, LocalTierOptions):
+        return value
+    if isinstance(value, Mapping):
+        return _from_mapping(LocalTierOptions, "local", value)
+    raise BadOption(f"local must be None, a LocalTierOptions or a dict (got {type(value).__name__})")
 
 
 def check_scalars(*, keep, timeout_s, on_live_fault: str, consensus_exclude) -> None:

@@ -99,7 +99,7 @@ def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool) -> in
         print(f"scout-ckpt: newer step {s['step']} is {s['state']}: {reason_text(s['reasons']) or '-'}",
               file=sys.stderr)
     if as_json:
-        emit(found)
+        emit({**found, "tier": found.get("tier", "durable")})   # the CLI reads the durable tier (design.md, "Fast tier")
     else:
         print(found["path"])
     return 0

@@ -114,6 +114,29 @@ AUX_TABLES: dict[str, str] = {
         detail TEXT,                  -- JSON: the rest of torchrun's env (role, local world size, restart count)
         PRIMARY KEY (run_id, rank)
     )""",
+    # The fast tier (save/local_tier.py): one row per (tier, step) of a node-local save, apart from `checkpoints`
+    # so that a durable and a local save of the same step never collide and every durable-tier reader (ls, gc,
+    # certify, resume) is unchanged. `files`: per rank {"rank", "path", "size", "digest"}; `copies`: where each
+    # rank's file lives, [{"rank", "holder", "host", "node", "path", "verified"}]; `signatures`: the full-tensor
+    # signatures of the live state (load verification), `evidence`: as in the manifest.
+    "tier_checkpoints": """
+    CREATE TABLE IF NOT EXISTS tier_checkpoints (
+        tier TEXT NOT NULL,           -- local
+        step INTEGER NOT NULL,
+        run_id TEXT,
+        state TEXT NOT NULL,          -- certified|committed|rejected|deleted
+        dir TEXT,                     -- DIR/RUN_ID/step-NNNNNNNN relative to each node's local dir
+        world_size INTEGER,
+        layout TEXT,                  -- JSON: what restoring needs to be the same (world size, mesh, ranks per node)
+        files TEXT,
+        copies TEXT,
+        evidence TEXT,
+        signatures TEXT,
+        reasons TEXT,
+        committed REAL,
+        updated REAL,
+        PRIMARY KEY (tier, step)
+    )""",
     # Indexes for queries whose cost would otherwise grow with the number of checkpoints x ranks (bench/scale.py).
     "files_rank_index": "CREATE INDEX IF NOT EXISTS files_rank ON files(rank, step)",
     "certifications_step_index": "CREATE INDEX IF NOT EXISTS certifications_step ON certifications(step, id)",

@@ -171,3 +171,25 @@ def gc(root: str | os.PathLike, keep: int, *, dry_run: bool = False) -> dict:
     store = roots.store_for(root)
     with Ledger.open(root, readonly=dry_run) as ledger:
         return apply(ledger, Path(root), keep, dry_run=dry_run, store=store)
+
+
+def decide_local(states: dict[int, str], keep: int) -> list[int]:
+    """The fast tier's plan (pure): the local steps to delete, given {step: state} of the local tier and its
+    `keep`.
+
+    Only certified steps count toward `keep`, so a run of rejected local saves never pushes out the only
+    certified local step newer than the newest durable certified one (the state a restart would otherwise lose:
+    the durable tier does not have it). Kept: the `keep` newest certified local steps, and every `committed` one
+    newer than the newest certified (still awaiting evidence). Deleted: rejected ones, certified ones beyond
+    `keep`, and committed ones older than the newest certified."""
+    certified = sorted((s for s, st in states.items() if st == "certified"), reverse=True)
+    kept = set(certified[:keep])
+    newest = certified[0] if certified else None
+    drop = []
+    for s, st in sorted(states.items()):
+        if s in kept or st == "deleted":
+            continue
+        if st == "committed" and (newest is None or s > newest):
+            continue
+        drop.append(s)
+    return drop

@@ -65,6 +65,11 @@ class LatestCleanLoader:
     verify_load: bool
     hook: Callable[[str, int], None]
     store: object | None = None
+    local: object | None = None   # save/local_tier.LocalTier: its certified steps are candidates too
+
+    @property
+    def last_tier(self) -> str | None:
+        return getattr(self, "_tier", None)
 
     @property
     def is_coordinator(self) -> bool:
@@ -73,13 +78,19 @@ class LatestCleanLoader:
     def load(self, state: dict) -> int | None:
         """Collective: load the newest certified checkpoint that verifies into `state`; its step, or None when
         none is left (see Checkpointer.load_latest_clean)."""
-        below = None
+        below = below_local = None
         t0 = time.monotonic()
         self._latched: str | None = None
+        self._tier = None
         while True:
-            cand = self._broadcast(self._next(below) if self.is_coordinator else None)
+            cand = self._broadcast(self._next(below, below_local) if self.is_coordinator else None)
             if isinstance(cand, dict) and "latched" in cand:  # the same error on every rank, none left waiting
                 raise ScoutError(cand["latched"])
+            if isinstance(cand, dict) and cand.get("tier") == "local":
+                if self._load_local(state, cand, t0):
+                    return cand["step"]
+                below_local = cand["step"]
+                continue
             if cand is None:
                 if self.is_coordinator:
                     scout_log.fresh_start(self.rank, str(self.root), [
@@ -117,6 +128,7 @@ class LatestCleanLoader:
                 except Exception as e:  # noqa: BLE001
                     scout_log.logger.warning("resumed from step %d, but the ledger did not record it: %s: %s",
                                           cand["step"], type(e).__name__, e)
+            self._tier = "durable"
             scout_log.resumed(self.rank, cand["step"], str(step_dir), files=len(cand["files"]),
                               nbytes=sum(f.get("size") or 0 for f in cand["files"]), ranks=self.world_size,
                               signatures=bool(self.verify_load and cand["signatures"]),
@@ -134,12 +146,37 @@ class LatestCleanLoader:
             self.ledger, step, policy.evidence(policy.FAIL, failed), source="load", root=self.root))
         scout_log.skipped(self.rank, step, failed)
 
-    def _next(self, below: int | None) -> dict | None:
-        """Coordinator: what the next broadcast carries: the next candidate, or {"latched": message} when a
+    def _load_local(self, state: dict, cand: dict, t0: float) -> bool:
+        """Collective: a fast-tier candidate (save/local_tier.LocalTier.load re-verifies every rank's bytes); on
+        failure the same reasons on every rank, the step rejected unless nothing could be checked."""
+        failed = self.local.load(state, cand, self)
+        if failed:
+            self._on_coordinator(cand["step"], lambda: self.local.reject(cand, failed))
+            (scout_log.could_not_check if only_unchecked(failed) else scout_log.skipped)(self.rank, cand["step"],
+                                                                                        failed)
+            return False
+        if self.is_coordinator:
+            try:
+                self.ledger.set_resumed_from(self.run_id, cand["step"])
+            except Exception as e:  # noqa: BLE001 - the load stands if it cannot be recorded
+                scout_log.logger.warning("resumed from local step %d, unrecorded: %s", cand["step"], e)
+        self._tier = "local"
+        scout_log.resumed(self.rank, cand["step"], f"local:{cand['path']}", files=len(cand["files"]),
+                          nbytes=sum(f.get("size") or 0 for f in cand["files"]), ranks=self.world_size,
+                          signatures=bool(self.verify_load and cand["signatures"]), seconds=time.monotonic() - t0)
+        return True
+
+    def _next(self, below: int | None, below_local: int | None = None) -> dict | None:
+        """Coordinator: what the next broadcast carries: the next candidate (the newer of the durable tier's and
+        the local tier's; a durable step wins at the same step), or {"latched": message} when a
         coordinator-only step failed (the other ranks are already waiting in this broadcast)."""
         if self._latched is None:
             try:
-                return self._candidate(below)
+                durable = self._candidate(below)
+                local = self.local.candidate(below_local) if self.local is not None else None
+                if local is not None and (durable is None or local["step"] > durable["step"]):
+                    return local
+                return durable
             except Exception as e:  # noqa: BLE001 - carried to every rank, raised there as a ScoutError
                 self._latched = f"load_latest_clean could not choose a checkpoint: {type(e).__name__}: {e}"
         return {"latched": self._latched}

@@ -1,0 +1,425 @@
+"""The fast tier: frequent certified saves of each rank's own state to node-local storage, with peer copies.
+
+Why its own module: a local save shares the durable save's evidence (the Checkpointer's consensus, invariants,
+finite check, replay sweep, shard evidence, verdict, lineage: called through the facade, never forked) but not
+its format or commit: each rank writes its OWN state (its local tensors, DTensors as their local shards) with
+torch.save to DIR/RUN_ID/step-NNNNNNNN/rank-R.pt, so restoring needs the same world size, ranks per node and mesh
+(`layout`); a different one skips the tier with one INFO line.
+
+One local save, at `ckpt.step(step, state)`:
+  1. training thread (held), every rank: the live evidence exactly as a durable save takes it
+     (SaveEvidence.live: consensus hashed in the background on its own groups, invariants, signatures, shard and
+     replay evidence) and a staging copy of the rank's own state; then step() returns;
+  2. the tier's commit thread, collective on the tier's own gloo group: serialize the copy, digest the bytes
+     (xxh3-128, the durable tier's algorithm) before they are written, write rank-R.pt (temp name + rename), the
+     finite check, all_gather (digest, size, host);
+  3. peer copies (save/peer_copy.py): each rank's bytes go to the same local rank on the next `replicas` nodes;
+     the receiver checks them against the owner's digest and writes peer-rank-R.pt only if they match;
+  4. the verdict as a durable save's (SaveEvidence.assess on the coordinator), the ledger row (local_tier_rows:
+     tier `local`, per-rank digests, where each copy lives) and the retention plan (ops/retention.decide_local),
+     broadcast; every rank removes the files of dropped steps; the verdict feeds the lineage like a durable one
+     (live state found bad: LiveStateCorrupt at the next step() or save()).
+
+Collision rule: a durable and a local save of the same step coexist (other table, other directory); at load the
+durable one wins. Loading a local candidate (`load`, called by save/loading.py's walk-back) re-verifies every
+rank's bytes by digest, own node first, else a peer copy fetched over the group; all ranks agree through one
+all_reduce or the candidate is walked past like a durable one.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from scout_ckpt.errors import ScoutError
+from scout_ckpt.format.digests import bytes_digest
+from scout_ckpt.format.verify import COULD_NOT_CHECK
+from scout_ckpt.invariants.finite import can_be_nonfinite, is_finite
+from scout_ckpt.ops.retention import decide_local
+from scout_ckpt.save import local_tier_rows as rows
+from scout_ckpt.save import log as scout_log
+from scout_ckpt.save import peer_copy
+from scout_ckpt.save.loading import materialize
+
+COORDINATOR = 0
+
+
+def _local_tree(obj, copy: bool = False):
+    """The state as this rank holds it: DTensors as their local shards, tensors detached (with `copy`: cloned,
+    the staging copy), containers copied."""
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone() if copy else obj.detach()
+    if isinstance(obj, dict):
+        return {k: _local_tree(v, copy) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local_tree(v, copy) for v in obj)
+    return obj
+
+
+def _nonfinite(obj, prefix: str = "") -> list[str]:
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    if isinstance(obj, torch.Tensor):
+        return [] if not can_be_nonfinite(obj.dtype) or is_finite(obj) else [prefix.rstrip(".")]
+    if isinstance(obj, dict):
+        return [n for k, v in obj.items() for n in _nonfinite(v, f"{prefix}{k}.")]
+    if isinstance(obj, (list, tuple)):
+        return [n for i, v in enumerate(obj) for n in _nonfinite(v, f"{prefix}{i}.")]
+    return []
+
+
+def _merge(dst, src):
+    """Write the loaded `src` into `dst` in place where `dst` has tensors; other leaves are replaced. Returns the
+    merged value (for leaves that are replaced)."""
+    if isinstance(dst, DTensor):
+        dst.to_local().copy_(src)
+        return dst
+    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        with torch.no_grad():
+            dst.copy_(src)
+        return dst
+    if isinstance(dst, dict) and isinstance(src, dict):
+        for k, v in src.items():
+            dst[k] = _merge(dst[k], v) if k in dst else v
+        return dst
+    if isinstance(dst, list) and isinstance(src, list) and len(dst) == len(src):
+        for i, v in enumerate(src):
+            dst[i] = _merge(dst[i], v)
+        return dst
+    return src
+
+
+def _write(path: Path, blob: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(blob)
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def local_world_size(world: int) -> int:
+    """Ranks per node: torchrun's LOCAL_WORLD_SIZE (the same on every node), else the whole world on one node."""
+    try:
+        n = int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return world
+    return n if n > 0 and world % n == 0 else world
+
+
+class LocalTier:
+    """One Checkpointer's fast tier. `ck` is the Checkpointer (its evidence, lineage, ledger and group)."""
+
+    def __init__(self, opts, ck, timeout):
+        self.opts, self.ck = opts, ck
+        # the commit thread's own group (created here, at start-up, in the same order on every rank: TORCH-NOTES)
+        self._group = dist.new_group(backend="gloo", timeout=timeout)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_verdict: dict | None = None
+        self.base = Path(opts.dir)
+        self.rank, self.world = ck.rank, ck.world_size
+        self.local_world = local_world_size(self.world)
+        self.host = socket.gethostname()
+        self.layout = {"world_size": self.world, "local_world_size": self.local_world, "mode": ck.mode,
+                       "mesh_shape": list(ck.mesh_shape)}
+        self.holders = peer_copy.ring_holders(self.rank, self.world, self.local_world, opts.replicas)
+        self._said_layout = False
+        self._warned_no_state = False
+        self.last_blocking_s: float | None = None
+        self.last_phases: dict | None = None
+        self.last_loaded: dict | None = None   # {"step", "fetched": [ranks whose file came from a peer]}
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world
+
+    def due(self, step: int) -> bool:
+        return step % self.opts.every == 0
+
+    def step_dir(self, run_id: str, step: int) -> Path:
+        return self.base / run_id / f"step-{step:08d}"
+
+    def warn_no_state(self) -> None:
+        if not self._warned_no_state:
+            self._warned_no_state = True
+            scout_log.logger.warning("local tier configured (every %d steps) but step() got no state: pass "
+                                     "ckpt.step(step, state) to save to it", self.opts.every)
+
+    # ---- save ----------------------------------------------------------------------------------------------
+
+    def on_step(self, step: int, state: dict | None) -> None:
+        """Checkpointer.step's part: the local save when it is due."""
+        if state is None:
+            self.warn_no_state()
+            return None
+        if not self.due(step):
+            return None
+        with self.ck.phase("checkpoint"):
+            if self.ck._async is not None:
+                self.ck._async.wait()   # an async durable save still committing finishes first
+            self.save(step, state)
+
+    def save(self, step: int, state: dict) -> None:
+        """Collective: the local save of the state after `step` optimizer steps (the module docstring). Blocks
+        for the staging copy and the live evidence; the write, the peer copies and the commit run in this tier's
+        commit thread on its own gloo group, and their outcome reaches the lineage (a live fault is raised at the
+        next step()) and `last_verdict`; an error is raised at the next local save or `wait`."""
+        ck, t0 = self.ck, time.monotonic()
+        self.wait()
+        ck._begin_boundary(step, state)
+        flat = materialize(state)
+        # consensus hashes and exchanges on its own groups in a background thread meanwhile (as during a durable
+        # sync save's write): the training thread is held, so the state cannot change under it
+        hashing = ck._start_consensus(flat, background=True)
+        phases = {"begin": time.monotonic()}
+        staged = _local_tree(flat, copy=True)   # the staging copy: training may change `flat` once we return
+        phases["stage"] = time.monotonic()
+        live = ck._live_evidence(step, flat, hashing)
+        phases["evidence"] = time.monotonic()
+        del flat
+        self._thread = threading.Thread(target=self._finish_guarded, args=(step, staged, live, t0, phases),
+                                        name=f"scout-local-{step}", daemon=True)
+        self._thread.start()
+        self.last_blocking_s = time.monotonic() - t0
+
+    def wait(self) -> None:
+        """Block until the pending local commit has finished on this rank; raise its error once."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        e, self._error = self._error, None
+        if e is not None:
+            raise ScoutError(f"local save failed: {type(e).__name__}: {e}") from e
+
+    def _finish_guarded(self, step: int, staged: dict, live: dict, t0: float, phases: dict) -> None:
+        try:
+            self._finish(step, staged, live, t0, phases)
+        except BaseException as e:  # noqa: BLE001 - latched, raised on the training thread (wait)
+            self._error = e
+
+    def _finish(self, step: int, staged: dict, live: dict, t0: float, phases: dict) -> None:
+        """Commit thread, collective on the tier's own group: write, peer copies, verdict, ledger, retention."""
+        ck, group = self.ck, self._group
+        blob = self._serialize(staged)
+        digest = bytes_digest(blob)
+        finite_bad = _nonfinite(staged) if ck.finite else []
+        del staged
+        rel = f"{ck.run_id}/step-{step:08d}"
+        own = self.base / rel / f"rank-{self.rank}.pt"
+        _write(own, blob)
+        phases["write"] = time.monotonic()
+        table = [None] * self.world
+        dist.all_gather_object(table, {"digest": digest, "size": len(blob), "host": self.host,
+                                       "dir": str(self.base)}, group=group)
+        copies = []
+        for owner, data in peer_copy.ring_exchange(blob, self.rank, self.world, self.local_world,
+                                                   self.opts.replicas, group).items():
+            ok = bytes_digest(data) == table[owner]["digest"] and len(data) == table[owner]["size"]
+            path = self.base / rel / f"peer-rank-{owner}.pt"
+            if ok:
+                _write(path, data)
+            copies.append({"rank": owner, "holder": self.rank, "host": self.host, "node": self.node,
+                           "path": str(path), "verified": ok})
+        del blob
+        phases["copies"] = time.monotonic()
+        mine = {"rank": self.rank, "finite_bad": finite_bad, "copies": copies,
+                "files": [{"path": f"rank-{self.rank}.pt", "size": table[self.rank]["size"], "digest": digest,
+                           "rank": self.rank, "host": self.host, "node": self.node, "where": str(own)}]}
+        gathered = [None] * self.world if self.rank == COORDINATOR else None
+        dist.gather_object(mine, gathered, dst=COORDINATOR, group=group)
+        out = self._commit(step, rel, gathered, live) if self.rank == COORDINATOR else None
+        box = [out]
+        dist.broadcast_object_list(box, src=COORDINATOR, group=group)
+        verdict, drops = box[0]
+        self._remove(drops)
+        ck.lineage.note(step, verdict, ledger=ck.ledger if ck.is_coordinator else None, run_id=ck.run_id)
+        self.last_verdict = {"step": step, **verdict}
+        marks, last = {}, t0
+        for name, at in phases.items():
+            marks[name], last = round(at - last, 4), at
+        marks["commit"] = round(time.monotonic() - last, 4)
+        self.last_phases = marks   # seconds per phase of the last save (bench/fast_tier.py reports them)
+        if self.rank == COORDINATOR:
+            scout_log.logger.info("local step %d: %s, committed %.3f s after the save began (%d peer copies per "
+                                  "rank)", step, verdict["state"], time.monotonic() - t0, len(self.holders))
+
+    def _serialize(self, flat: dict) -> bytes:
+        buf = io.BytesIO()
+        torch.save(_local_tree(flat), buf)
+        return buf.getvalue()
+
+    def _commit(self, step: int, rel: str, gathered: list[dict], live: dict):
+        """Coordinator: evidence and verdict (the durable save's SaveEvidence.assess), the ledger row, the
+        retention plan. Returns (verdict, drops) for the broadcast; an error is a rejected verdict, never raised
+        (every rank is waiting in the broadcast)."""
+        ck = self.ck
+        try:
+            ev, signatures, v = ck._evidence.assess(gathered, live)
+            verdict = {"state": v.state, "reasons": v.reasons}
+            from scout_ckpt import policy
+
+            live_fault = policy.live_faults(ev)
+            if live_fault:
+                verdict["live_fault"] = live_fault
+            files = [f for g in gathered for f in g["files"]]
+            copies = [c for g in gathered for c in g["copies"]]
+            missing = sorted({f["rank"] for f in files} - {c["rank"] for c in copies if c["verified"]})
+            if self.holders and missing:
+                ev["copies"] = {"status": "fail", "ranks_without_verified_copy": missing}
+            previous = rows.row(ck.ledger, step)
+            rows.record(ck.ledger, step=step, run_id=ck.run_id, state=v.state, dir=rel, world_size=self.world,
+                        layout=self.layout, files=files, copies=copies, evidence=ev, signatures=signatures,
+                        reasons=v.reasons)
+            drops = []
+            if previous is not None and previous.get("dir") != rel:
+                drops.append({"step": step, "dir": previous["dir"], "copies": previous.get("copies") or []})
+            every = {r["step"]: r for r in rows.rows(ck.ledger)}
+            for s in decide_local({s: r["state"] for s, r in every.items()}, self.opts.keep):
+                rows.set_state(ck.ledger, s, "deleted", [{"code": "retention", "keep": self.opts.keep}],
+                               expect=every[s]["state"])
+                drops.append({"step": s, "dir": every[s]["dir"], "copies": every[s].get("copies") or []})
+            return verdict, drops
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            scout_log.logger.warning("local step %d not recorded: %s: %s", step, type(e).__name__, e)
+            return {"state": "rejected", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}, []
+
+    def _mine(self, step_dir: Path) -> list[tuple[int, Path]]:
+        """(owner rank, path) of the files in this node's `step_dir` that this rank looks after: those of the
+        ranks with its local rank (its own, and the copies the ring placed here), whatever node numbers the
+        rendezvous gives the nodes this time."""
+        out = []
+        try:
+            names = os.listdir(step_dir)
+        except OSError:
+            return out
+        for name in names:
+            head, _, tail = name.rpartition("rank-")
+            if head not in ("", "peer-") or not tail.endswith(".pt") or not tail[:-3].isdigit():
+                continue
+            owner = int(tail[:-3])
+            if owner % self.local_world == self.rank % self.local_world:
+                out.append((owner, step_dir / name))
+        return sorted(out, key=lambda x: (x[0] != self.rank, x[1].name.startswith("peer-"), x[0]))
+
+    def _remove(self, drops: list[dict]) -> None:
+        """Every rank: its own file and the peer copies it holds of each dropped step; then the emptied dirs."""
+        for d in drops:
+            step_dir = self.base / d["dir"]
+            for _, path in self._mine(step_dir):
+                path.unlink(missing_ok=True)
+            for p in (step_dir, step_dir.parent):
+                try:
+                    p.rmdir()
+                except OSError:
+                    pass
+
+    # ---- load ----------------------------------------------------------------------------------------------
+
+    def candidate(self, below: int | None) -> dict | None:
+        """Coordinator: the newest certified local step below `below` that this job's layout can restore, as the
+        walk-back's candidate (None: none)."""
+        for r in rows.rows(self.ck.ledger, states=("certified",)):
+            if below is not None and r["step"] >= below:
+                continue
+            if r.get("layout") != self.layout:
+                if not self._said_layout:
+                    self._said_layout = True
+                    scout_log.logger.info("local tier skipped: its steps were saved by %s, this job is %s",
+                                          r.get("layout"), self.layout)
+                return None
+            return {"tier": "local", "step": r["step"], "path": r["dir"], "files": r["files"],
+                    "copies": r.get("copies") or [], "signatures": r.get("signatures") or {}, "reasons": [],
+                    "world_size": r["world_size"]}
+        return None
+
+    def load(self, state: dict, cand: dict, loader) -> list[dict]:
+        """Collective: load `cand` into `state` if every rank gets bytes that hash to its recorded digest (its
+        own node's file, else a peer copy sent over the group) and the loaded values match the recorded
+        signatures. Returns [] when loaded, else the reasons (the same on every rank)."""
+        group = self.ck._pg
+        step_dir = self.base / cand["path"]
+        want = {f["rank"]: f["digest"] for f in cand["files"]}
+        held, bad = {}, []
+        for owner, path in self._mine(step_dir):
+            if owner in held or owner not in want:
+                continue
+            data = _read(path)
+            if data is None:
+                continue
+            if bytes_digest(data) == want[owner]:
+                held[owner] = data
+            else:
+                bad.append(owner)
+        own = held.get(self.rank)
+        own_ok = own is not None
+        table = [None] * self.world
+        dist.all_gather_object(table, {"own": own_ok, "held": sorted(held), "bad": bad}, group=group)
+        plan, reasons = [], []
+        for r in range(self.world):
+            if table[r]["own"]:
+                continue
+            holder = next((h for h in range(self.world) if h != r and r in table[h]["held"]), None)
+            if holder is not None:
+                plan.append((r, holder))
+                continue
+            damaged = any(r in t["bad"] for t in table)
+            reasons.append({"code": "digest_mismatch" if damaged else COULD_NOT_CHECK, "rank": r, "tier": "local",
+                            "detail": "every copy of the rank's file fails its digest" if damaged
+                            else "no copy of the rank's file on any node"})
+        if reasons:
+            return reasons
+        got = peer_copy.fetch(self.rank, plan, held, group)
+        blob = own if own_ok else got
+        held.clear()
+        ok = torch.tensor([1 if blob is not None and bytes_digest(blob) == want.get(self.rank) else 0])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        if not int(ok[0]):
+            return [{"code": "digest_mismatch", "tier": "local", "detail": "a fetched peer copy failed its digest"}]
+        self._apply(state, torch.load(io.BytesIO(blob), weights_only=True))
+        if not own_ok:   # this rank's node lost its copy: keep the fetched one, as its own node's file again
+            _write(step_dir / f"rank-{self.rank}.pt", blob)
+        loader.hook("after_load", cand["step"])
+        differ = loader._loaded_differences(cand["step"], cand["signatures"], state)
+        if differ:
+            return [{"code": "load_mismatch", "tier": "local", "tensors": differ[:16], "count": len(differ)}]
+        self.last_loaded = {"step": cand["step"], "fetched": [r for r, _ in plan]}
+        return []
+
+    @staticmethod
+    def _apply(state: dict, loaded: dict) -> None:
+        for k, v in loaded.items():
+            target = state.get(k)
+            if isinstance(target, Stateful):
+                sd = target.state_dict()
+                target.load_state_dict(_merge(sd, v))
+            elif k in state:
+                state[k] = _merge(target, v)
+
+    def reject(self, cand: dict, reasons: list[dict]) -> None:
+        """Coordinator: a local candidate whose bytes or loaded values failed is rejected for good (CAS from
+        certified), with an event; a could-not-check one keeps its state."""
+        if all(r.get("code") == COULD_NOT_CHECK for r in reasons):
+            return
+        ledger = self.ck.ledger
+        if rows.set_state(ledger, cand["step"], "rejected", reasons, expect="certified"):
+            ledger.add_event("local_rejected", step=cand["step"], run_id=self.ck.run_id,
+                             detail={"reasons": reasons[:8]})
+

@@ -1,0 +1,131 @@
+"""A user's DDP job with the fast tier (tests/test_fast_tier.py, bench/fast_tier.py): durable saves every
+--save-every steps, local saves every --local-every steps through `ckpt.step(step, state)`.
+
+    torchrun --nnodes 2 --nproc-per-node 2 ... tests/scripts/fast_tier_job.py ROOT --local-every 2 --save-every 6
+
+The node-local directory is SCOUT_TEST_LOCAL_DIR (each agent is given its own, as each node has its own disk),
+else --local-dir. Faults (--fault, at --fault-step on node --fault-node, local rank --fault-local):
+`crash` SIGKILLs that worker once per job (marker file ROOT/fault.json); `node` SIGKILLs that node's agent and
+every worker of the node (each of them, at the same step: the node is gone); both first wait for the last local
+commit to land (`ckpt.wait()`, unless --no-wait), so that the step a restart must load is known; `sdc` makes that rank's copy of one
+weight differ by one ulp just before the local save at the fault step (once per job: the marker file).
+
+Every rank prints `FT-JOB {json}` lines: after each save the digest of the state it just saved (sha256 of the
+model and optimizer, computed without scout-ckpt: the oracle), after loading the step, tier and digest of what it
+loaded, and `at` lines (time and step) that bench/fast_tier.py reads. A local save commits in the background:
+`local_saved` says the save began (its digest is that of the state it copied), not that it was certified.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from job_common import digest, train_step  # noqa: E402 (beside this script: torchrun puts its folder on sys.path)
+from scout_ckpt import Checkpointer, LiveStateCorrupt, ModelOptimizerState
+
+
+def say(**kw) -> None:
+    # one write per line: the node's workers share the agent's stdout
+    sys.stdout.write("FT-JOB " + json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("root")
+    ap.add_argument("--local-dir", default=None)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--save-every", type=int, default=6)
+    ap.add_argument("--local-every", type=int, default=2)
+    ap.add_argument("--keep-local", type=int, default=2)
+    ap.add_argument("--no-local", action="store_true", help="the same job without the fast tier (the bench)")
+    ap.add_argument("--async-save", action="store_true")
+    ap.add_argument("--no-wait", action="store_true", help="fault without waiting for the last local commit")
+    ap.add_argument("--fault", choices=["none", "crash", "node", "sdc"], default="none")
+    ap.add_argument("--fault-node", type=int, default=1)
+    ap.add_argument("--fault-local", type=int, default=0)
+    ap.add_argument("--fault-step", type=int, default=7)
+    ap.add_argument("--pg-timeout", type=float, default=60.0)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--width", type=int, default=64)
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    rank = dist.get_rank()
+    node, local = int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
+    root = Path(args.root)
+    local_dir = os.environ.get("SCOUT_TEST_LOCAL_DIR") or args.local_dir
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(32, args.width), nn.ReLU(), nn.Linear(args.width, 8)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tier = None if args.no_local else {"dir": local_dir, "every": args.local_every, "keep": args.keep_local}
+    ckpt = Checkpointer(root, model=model, optimizer=opt, timeout_s=args.pg_timeout, local=tier,
+                        async_save=args.async_save)
+    state = {"app": ModelOptimizerState(model, opt)}
+    start = ckpt.load_latest_clean(state) or 0
+    say(event="loaded", rank=rank, node=node, run_id=ckpt.run_id, step=start, tier=ckpt.loaded_tier,
+        digest=digest(model, opt), world=dist.get_world_size(), time=time.time(),
+        fetched=(getattr(ckpt.local, "last_loaded", None) or {}).get("fetched"))
+
+    marker = root / "fault.json"
+    g = torch.Generator().manual_seed(1000 + rank)
+    for step in range(start + 1, args.steps + 1):
+        train_step(model, opt, g)
+        time.sleep(args.step_sleep)
+        say(event="at", rank=rank, step=step, time=time.time())
+        here = node == args.fault_node and step == args.fault_step
+        if args.fault == "sdc" and here and local == args.fault_local and not marker.exists():
+            marker.write_text(json.dumps({"kind": "sdc", "rank": rank, "step": step}))
+            with torch.no_grad():   # one ulp on one replica: consensus must see it
+                p = next(model.parameters())
+                p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(float("inf")))
+        if args.fault in ("crash", "node") and here and not args.no_wait:
+            ckpt.wait()   # the last local commit has landed: the oracle knows which step must be resumed
+        if args.fault == "crash" and here and local == args.fault_local and not marker.exists():
+            marker.write_text(json.dumps({"kind": "crash", "rank": rank, "step": step, "time": time.time()}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if args.fault == "node" and here:
+            if local == args.fault_local:
+                marker.write_text(json.dumps({"kind": "node", "rank": rank, "node": node, "step": step,
+                                              "local_dir": local_dir, "host": socket.gethostname(),
+                                              "time": time.time()}))
+            try:
+                os.kill(os.getppid(), signal.SIGKILL)   # the agent: nothing restarts this node's workers
+            except ProcessLookupError:
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            t0 = time.monotonic()
+            ckpt.step(step, state)
+            blocked = time.monotonic() - t0   # taken before the oracle's digest, which is not the save's time
+            if tier and step % args.local_every == 0:
+                say(event="local_saved", rank=rank, run_id=ckpt.run_id, step=step, digest=digest(model, opt),
+                    blocking_s=blocked, phases=ckpt.local.last_phases)
+            if step % args.save_every == 0:
+                t0 = time.monotonic()
+                v = ckpt.save(step, state)
+                blocked = time.monotonic() - t0
+                say(event="saved", rank=rank, run_id=ckpt.run_id, step=step, state=(v or {}).get("state"),
+                    digest=digest(model, opt), blocking_s=blocked)
+        except LiveStateCorrupt as e:
+            say(event="live_fault", rank=rank, run_id=ckpt.run_id, step=step, fault_step=e.step)
+            raise
+    ckpt.close()
+    dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""The fast tier (issue 29): node-local certified saves with peer copies, restarts from the newest clean state.
+
+End to end (scenario): two torchrun agents on one host sharing a c10d endpoint, as on two nodes, two workers each,
+each agent with its own "node-local" directory (SCOUT_TEST_LOCAL_DIR), running the user's DDP job
+tests/scripts/fast_tier_job.py. Every resume is judged by the digest the job printed when it saved that step
+(sha256 of its model and optimizer, computed without scout-ckpt), never by scout-ckpt's own verdicts:
+  (a) a SIGKILLed worker: torchrun restarts every worker and they resume from their own node's newest local step;
+  (b) a whole node lost (its agent and workers SIGKILLed, its local directory removed): a fresh launch resumes
+      that node's ranks from the copies their ring peer holds;
+  (c) a bit flipped in a rank's local file and in its peer copy: that step is rejected, the next one is loaded;
+  (d) an SDC (one replica one ulp off) at a local save: the step is in no tier, the job restarts from the one before.
+Fast (default tier): the options' checks, the retention plan, the ring and the state merge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scout_ckpt.errors import BadOption
+from scout_ckpt.options import LocalTierOptions, as_local
+from scout_ckpt.ops.retention import decide_local
+from tests.conftest import REPO, run_cli
+
+SCRIPT = REPO / "tests" / "scripts" / "fast_tier_job.py"
+NNODES, NPROC = 2, 2
+
+
+# ---- fast ------------------------------------------------------------------------------------------------------
+
+def test_local_options_are_checked_and_converted_in_one_place():
+    assert as_local(None) is None and as_local(False) is None
+    o = as_local({"dir": "/dev/shm/x", "every": 5})
+    assert o == LocalTierOptions(dir="/dev/shm/x", every=5) and (o.keep, o.replicas) == (2, 1)
+    assert as_local({"dir": Path("/tmp/x"), "every": 1}).dir == "/tmp/x"
+    for bad, field in [({"dir": "", "every": 2}, "local.dir"), ({"dir": "/x", "every": 0}, "local.every"),
+                       ({"dir": "/x", "every": 2, "keep": 0}, "local.keep"),
+                       ({"dir": "/x", "every": 2, "replicas": -1}, "local.replicas"),
+                       ({"dir": "/x", "every": True}, "local.every"), ({"dir": "/x", "evry": 2}, "evry")]:
+        with pytest.raises(BadOption, match=field):
+            as_local(bad)
+    with pytest.raises(BadOption, match="local must be"):
+        as_local("/dev/shm")
+
+
+def test_local_retention_counts_only_certified_steps():
+    # keep=2: the two newest certified stay; rejected ones go; an older certified beyond keep goes
+    assert decide_local({2: "certified", 4: "certified", 6: "certified"}, 2) == [2]
+    # a run of rejected local saves never pushes out the only certified one
+    assert decide_local({2: "certified", 4: "rejected", 6: "rejected", 8: "rejected"}, 1) == [4, 6, 8]
+    # a committed step newer than the newest certified is awaiting evidence: kept; older: dropped
+    assert decide_local({2: "committed", 4: "certified", 6: "committed"}, 1) == [2]
+    assert decide_local({2: "deleted", 4: "certified"}, 1) == []
+    assert decide_local({}, 2) == []
+
+
+def test_ring_places_copies_on_other_nodes_at_the_same_local_rank():
+    from scout_ckpt.save.peer_copy import ring_holders
+
+    assert ring_holders(0, 4, 2, 1) == [2] and ring_holders(3, 4, 2, 1) == [1]
+    assert ring_holders(1, 6, 2, 2) == [3, 5]
+    assert ring_holders(1, 4, 2, 5) == [3]          # capped at nodes - 1
+    assert ring_holders(0, 2, 2, 1) == []           # one node: no peer
+    assert ring_holders(0, 4, 2, 0) == []
+
+
+def test_loaded_values_go_into_the_state_in_place():
+    import torch
+
+    from scout_ckpt.save.local_tier import _local_tree, _merge
+
+    w = torch.zeros(3)
+    dst = {"model": {"w": w}, "optim": {"param_groups": [{"lr": 0.1, "params": ["w"]}], "state": {}}}
+    src = _local_tree({"model": {"w": torch.ones(3)},
+                       "optim": {"param_groups": [{"lr": 0.5, "params": ["w"]}], "state": {"w": {"step": 3}}}})
+    out = _merge(dst, src)
+    assert out is dst and dst["model"]["w"] is w and torch.equal(w, torch.ones(3))
+    assert dst["optim"]["param_groups"][0]["lr"] == 0.5 and dst["optim"]["state"] == {"w": {"step": 3}}
+
+
+def test_resume_json_names_the_tier(ckpt_root):
+    rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["step"] == 4 and doc["tier"] == "durable"
+
+
+# ---- end to end ------------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_agents(root: Path, local_dirs: list[Path], *job_args: str, max_restarts: int = 2,
+               timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """NNODES torchrun agents as on NNODES hosts (all on 127.0.0.1), each with its own local dir; waits for all.
+    The first agent starts first, so that it hosts the rendezvous store (a killed node is never the host)."""
+    port = _free_port()
+    procs = []
+    for node in range(NNODES):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+               "OMP_NUM_THREADS": "1", "SCOUT_TEST_LOCAL_DIR": str(local_dirs[node])}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NNODES), "--node-rank", str(node),
+               "--nproc-per-node", str(NPROC), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", f"job-{port}", "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
+               str(SCRIPT), str(root), *job_args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        if node == 0:
+            time.sleep(1.0)
+    out = []
+    try:
+        for p in procs:
+            so, se = p.communicate(timeout=timeout)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def job_lines(results) -> list[dict]:
+    dec = json.JSONDecoder()
+    out = []
+    for r in results:
+        for chunk in r.stdout.split("FT-JOB ")[1:]:
+            out.append(dec.raw_decode(chunk)[0])
+    return out
+
+
+def saved_digests(lines) -> dict[tuple[int, int], str]:
+    """{(rank, step): digest} of the state every local save began with, as the job computed it (the oracle;
+    the newest run's, where a step was saved twice)."""
+    return {(e["rank"], e["step"]): e["digest"] for e in lines if e["event"] == "local_saved"}
+
+
+def loads_by_run(lines) -> list[dict[int, dict]]:
+    """The loads, one {rank: event} per incarnation (run), in order."""
+    runs: dict[str, dict[int, dict]] = {}
+    for e in lines:
+        if e["event"] == "loaded":
+            runs.setdefault(e["run_id"], {})[e["rank"]] = e
+    return [runs[k] for k in sorted(runs)]
+
+
+def _tier_rows(root: Path) -> dict[int, dict]:
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.save import local_tier_rows
+
+    with Ledger.open(root, readonly=True) as led:
+        return {r["step"]: r for r in local_tier_rows.rows(led)}
+
+
+def _dirs(tmp_path: Path) -> list[Path]:
+    return [tmp_path / f"node-disk-{i}" for i in range(NNODES)]
+
+
+def _ok(results):
+    for node, r in enumerate(results):
+        assert r.returncode == 0, (node, r.stderr[-4000:])
+
+
+@pytest.mark.scenario
+@pytest.mark.scenario_ci
+def test_sigkilled_rank_resumes_from_its_own_nodes_newest_local_step(tmp_path):
+    root, dirs = tmp_path / "run", _dirs(tmp_path)
+    results = run_agents(root, dirs, "--steps", "10", "--save-every", "6", "--local-every", "2",
+                         "--fault", "crash", "--fault-node", "1", "--fault-step", "9")
+    _ok(results)
+    lines = job_lines(results)
+    first, second = loads_by_run(lines)[:2]
+    assert all(e["step"] == 0 for e in first.values())
+    saved = saved_digests(lines)
+    # newest clean state before the crash at step 9: the local step 8 (the durable tier has 6)
+    assert sorted(second) == list(range(NNODES * NPROC)), second
+    for rank, e in second.items():
+        assert (e["step"], e["tier"]) == (8, "local"), e
+        assert e["digest"] == saved[(rank, 8)], (rank, e)
+        assert e["fetched"] == [], e   # every rank's own node had its file
+    rows = _tier_rows(root)
+    assert rows[8]["state"] == "certified" and rows[10]["state"] == "certified"
+    holders = {(c["rank"], c["holder"]) for c in rows[8]["copies"] if c["verified"]}
+    assert holders == {(r, (r + NPROC) % (NNODES * NPROC)) for r in range(NNODES * NPROC)}
+
+
+@pytest.mark.scenario
+def test_lost_node_resumes_from_the_peer_copy(tmp_path):
+    root, dirs = tmp_path / "run", _dirs(tmp_path)
+    first = run_agents(root, dirs, "--steps", "10", "--save-every", "6", "--local-every", "2", "--fault", "node",
+                       "--fault-node", "1", "--fault-step", "9", max_restarts=0)
+    assert all(r.returncode != 0 for r in first), [r.returncode for r in first]
+    fault = json.loads((root / "fault.json").read_text())
+    lost = Path(fault["local_dir"])
+    assert lost in dirs and any(lost.rglob("rank-*.pt"))
+    shutil.rmtree(lost)          # the node and its disk are gone; a replacement node starts with an empty one
+    (root / "fault.json").unlink()
+    lines1 = job_lines(first)
+    saved = saved_digests(lines1)
+    lost_ranks = sorted({e["rank"] for e in lines1 if e["event"] == "loaded" and e["node"] == fault["node"]})
+    assert len(lost_ranks) == NPROC
+
+    second = run_agents(root, dirs, "--steps", "10", "--save-every", "6", "--local-every", "2")
+    _ok(second)
+    loads = loads_by_run(job_lines(second))[0]
+    assert sorted(loads) == list(range(NNODES * NPROC))
+    fetched = set()
+    for rank, e in loads.items():
+        assert (e["step"], e["tier"]) == (8, "local"), e
+        assert e["digest"] == saved[(rank, 8)], (rank, e)
+        fetched |= set(e["fetched"])
+    assert fetched == set(lost_ranks), (fetched, lost_ranks)   # exactly the lost node's ranks came from peers
+
+
+@pytest.mark.scenario
+def test_bit_flipped_in_a_local_file_and_its_peer_copy_falls_back_to_the_previous_step(tmp_path):
+    root, dirs = tmp_path / "run", _dirs(tmp_path)
+    first = run_agents(root, dirs, "--steps", "10", "--save-every", "100", "--local-every", "2")
+    _ok(first)
+    saved = saved_digests(job_lines(first))
+    copies = [p for d in dirs for p in d.rglob("step-00000010/*rank-1.pt")]
+    assert sorted(p.name for p in copies) == ["peer-rank-1.pt", "rank-1.pt"], copies
+    for p in copies:   # one bit of each copy of rank 1's file
+        data = bytearray(p.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        p.write_bytes(bytes(data))
+
+    # --steps 9: nothing re-saves step 10, so its row keeps the verdict of this load
+    second = run_agents(root, dirs, "--steps", "9", "--save-every", "100", "--local-every", "2")
+    _ok(second)
+    loads = loads_by_run(job_lines(second))[0]
+    for rank, e in loads.items():
+        assert (e["step"], e["tier"]) == (8, "local"), e
+        assert e["digest"] == saved[(rank, 8)], (rank, e)
+    rows = _tier_rows(root)
+    assert rows[10]["state"] == "rejected" and rows[8]["state"] == "certified", rows
+    from scout_ckpt.ledger import Ledger
+
+    with Ledger.open(root, readonly=True) as led:
+        ev = [e for e in led.events(kinds=("local_rejected",)) if e["step"] == 10]
+    assert ev and ev[0]["detail"]["reasons"][0]["code"] == "digest_mismatch", ev
+
+
+@pytest.mark.scenario
+def test_sdc_at_a_local_save_keeps_the_step_out_of_every_tier(tmp_path):
+    root, dirs = tmp_path / "run", _dirs(tmp_path)
+    results = run_agents(root, dirs, "--steps", "8", "--save-every", "6", "--local-every", "2", "--fault", "sdc",
+                         "--fault-node", "1", "--fault-step", "6")
+    _ok(results)
+    lines = job_lines(results)
+    loads = loads_by_run(lines)
+    first_run, second_run = loads[0][0]["run_id"], loads[1][0]["run_id"]
+    # the saves at 6 found the replicas apart: every rank ended the generation for step 6's verdict
+    faults = [e for e in lines if e["event"] == "live_fault" and e["run_id"] == first_run]
+    assert {e["rank"] for e in faults} == set(range(NNODES * NPROC)) and {e["fault_step"] for e in faults} == {6}
+    first = [e for e in lines if e["event"] == "saved" and e["run_id"] == first_run and e["step"] == 6]
+    saved = saved_digests([e for e in lines if e.get("run_id") == first_run])
+    for rank, e in loads[1].items():
+        assert (e["step"], e["tier"]) == (4, "local"), e
+        assert e["digest"] == saved[(rank, 4)], (rank, e)
+    from scout_ckpt.ledger import Ledger
+
+    with Ledger.open(root, readonly=True) as led:
+        durable = {r["step"]: r for r in led.checkpoints()}
+        faults = [e for e in led.events(kinds=("live_fault",)) if e["run_id"] == first_run]
+    assert faults and faults[0]["step"] == 6
+    # step 6 of the first run is in no tier: the durable row of 6 (if any) and the local one are the second run's
+    assert 6 not in durable or durable[6]["run_id"] == second_run, durable.get(6)
+    rows = _tier_rows(root)
+    assert rows[6]["run_id"] == second_run, rows[6]
+    assert not [e for e in first if e["state"] == "certified"], first
