@@ -29,6 +29,7 @@ _LAZY = {
     "StragglerRule": "scout_ckpt.options",
     "ShardEvidenceOptions": "scout_ckpt.options",
     "StorageOptions": "scout_ckpt.options",
+    "LocalTierOptions": "scout_ckpt.options",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
