@@ -108,6 +108,8 @@ class LedgerConnection:
         # write transaction (`write`) holds it, so neither thread ever runs inside the other's transaction.
         self._lock = threading.RLock()
         self.journal: dict = {}  # fsdetect.choose_journal's answer for this ledger's directory
+        self.on_close: list = []  # called once at close (a job's run lease, ops/startup.py)
+        self.run_lease = None     # a job's coordinator: its run lease (ops/startup.py), checked before each save
 
     @property
     def db(self) -> "sqlite_utils.Database":
@@ -258,6 +260,9 @@ class LedgerConnection:
 
     def close(self) -> None:
         self.conn.close()
+        hooks, self.on_close = self.on_close, []
+        for hook in hooks:
+            hook()
 
     def __enter__(self: _L) -> _L:
         return self
