@@ -101,6 +101,7 @@ class ShardEvidence:
         self.replay.begin(step)
         self.log.reset(step)
         self.guard.resign()
+        self.guard.forget()   # changes found between steps before the load do not concern the loaded state
         self._start = step
         self._arm_for(step + 1)
 
