@@ -9,7 +9,7 @@ This bench measures both against the step time of the same run, to size the defa
 User-shaped: PyTorch's FSDP2 example (pytorch/examples distributed/FSDP2: a Transformer, `fully_shard` per block
 and at the root, AdamW, 2 ranks under gloo on CPU), at two widths: `example` (the example's own sizes: 3 blocks,
 vocab 1024, sequence 64; width 64) and `wide` (width 256, 4 blocks, sequence 128, batch 8, the size
-bench/fsdp_evidence.py uses). Per shape and per setting (interval parts = off, 2, 1), windows of `--window`
+bench/fsdp_evidence.py uses). Per shape and per setting (interval parts = off, the default, 1), windows of `--window`
 steps alternate between the settings (a burst of load hits all alike); the guard's own hook time is timed inside
 the hooks (`AtRestGuard.interval_s`: the pre-hook's comparison and the post-hook's signing of the run), so the
 ratio below is measured in the same steps it is charged to. The guard runs as the Checkpointer runs it between

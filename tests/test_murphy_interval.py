@@ -96,3 +96,65 @@ def test_a_flip_in_an_interval_whose_run_does_not_hold_the_tensor_is_not_seen(tm
     got = saved(recs, 0)
     assert got[15]["state"] == "certified"
     assert got[15]["digest"] != ok[15]["digest"]     # unseen: a state the healthy run never had, certified
+    at_rest = cli("explain", root, 15)["evidence"]["at_rest"]
+    assert at_rest["status"] == "pass" and at_rest["interval_parts"] == 4      # and the evidence says what it
+    assert "not seen: a single change" in at_rest["between_steps"], at_rest     # did not look at
+
+
+def test_the_interval_check_in_one_process_sees_its_run_and_reports_at_the_next_save():
+    """The guard alone (a plain model, AdamW, one process), as the Checkpointer runs it between saves
+    (every=None): a flip between two optimizer steps in the run that interval covers is reported by the next
+    check, naming the tensor and the interval; one outside it is not; a legitimate write announced by resign()
+    is not a fault; healthy steps find nothing."""
+    import torch
+
+    from scout_ckpt import policy
+    from scout_ckpt.save.evidence.at_rest import INTERVAL_PARTS, AtRestGuard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = AtRestGuard(opt, model, every=None)
+
+    def step():
+        model(torch.randn(4, 16)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def run_of(s):
+        names, tensors = guard._tensors()
+        return [names[i] for i in guard.part_of(names, tensors, s)]
+
+    def flip(name):
+        with torch.no_grad():
+            dict(model.named_parameters())[name].view(-1).view(torch.int32)[3] ^= 1
+
+    for _ in range(6):
+        step()
+    assert guard.findings == [] and INTERVAL_PARTS == 4
+    assert sorted(sum((run_of(s) for s in range(4)), [])) == sorted(guard._tensors()[0])   # 4 runs cover all
+    s = guard._steps
+    target = next(n for n in run_of(s) if ":" not in n)          # a parameter in the run after step s
+    flip(target)
+    step()
+    step()
+    assert guard.findings == [{"tensor": target, "after_step": s, "before_step": s + 1}]
+    guard.arm_next()
+    step()
+    ev = guard.check(guard._steps)
+    assert ev["status"] == policy.FAIL
+    assert ev["reasons"][0]["tensors"] == [target] and ev["reasons"][0]["between_steps"][0]["after_step"] == s
+    step()
+    assert guard.check(guard._steps)["status"] != policy.FAIL     # reported once, then forgotten
+    s = guard._steps
+    outside = next(n for n in guard._tensors()[0] if ":" not in n and n not in run_of(s))
+    flip(outside)                                                # unseen: not in this interval's run
+    step()
+    assert guard.findings == []
+    s = guard._steps
+    with torch.no_grad():
+        dict(model.named_parameters())[run_of(s)[0]].mul_(0.5)   # a legitimate write (a projection) ...
+    guard.resign()                                               # ... announced
+    step()
+    assert guard.findings == []
+    guard.close()

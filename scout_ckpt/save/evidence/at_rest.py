@@ -253,11 +253,24 @@ class AtRestGuard:
         else:
             every = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(every, mine, group=self.group)
-        return at_rest_evidence(every, step)
+        return at_rest_evidence(every, step, coverage=self.coverage())
+
+    def coverage(self) -> dict:
+        """What the interval check covers between optimizer steps, for the evidence (`explain` shows it)."""
+        k = self.interval_parts
+        if k is None:
+            return {"between_steps": "not checked: a change between two optimizer steps is not seen"}
+        if k == 1:
+            return {"between_steps": "every local tensor, in every interval between optimizer steps"}
+        return {"between_steps": f"1 of {k} runs of the local tensors per interval between optimizer steps (run "
+                                 f"s mod {k} after step s; everything after a step a save follows); not seen: a "
+                                 f"single change, in the interval after any other step, to a tensor outside its "
+                                 "run", "interval_parts": k}
 
 
-def at_rest_evidence(results: list[dict], step: int) -> dict:
-    """Evidence (policy format) from every rank's `local_check`."""
+def at_rest_evidence(results: list[dict], step: int, coverage: dict | None = None) -> dict:
+    """Evidence (policy format) from every rank's `local_check`; `coverage` (AtRestGuard.coverage) goes with a
+    pass, saying what was and was not checked between the saves."""
     failed = [r for r in results if r["status"] == policy.FAIL]
     if failed:
         # "between_steps": the interval check's findings ({"tensor", "after_step", "before_step"}): a change
@@ -269,7 +282,7 @@ def at_rest_evidence(results: list[dict], step: int) -> dict:
     missing = sorted(r["rank"] for r in results if r["status"] == policy.MISSING)
     if missing:
         return policy.evidence(policy.MISSING, [{"code": "at_rest_unsigned", "ranks": missing, "step": step}])
-    return policy.evidence(policy.PASS, [], ranks=sorted(r["rank"] for r in results))
+    return policy.evidence(policy.PASS, [], ranks=sorted(r["rank"] for r in results), **(coverage or {}))
 
 
 __all__ = ["INTERVAL_PARTS", "KIND", "AtRestGuard", "at_rest_evidence"]
