@@ -89,6 +89,7 @@ def main():
             except LiveStateCorrupt as e:   # every rank: the generation ends, torchrun restarts from a clean step
                 example.say("saved", attempt=attempt, step=step, rank=rank, digest=None, state=e.verdict["state"],
                             reasons=e.verdict["reasons"], raised=True)
+                dist.barrier()   # every rank got here (else this hangs): no rank's record is lost to the teardown
                 raise
             digest = example.full_state_digest(model, opt)
             if rank == 0:

@@ -86,10 +86,14 @@ class AtRestGuard:
         if interval_parts is not None and interval_parts < 1:
             raise ValueError("interval_parts must be >= 1 or None")
         self.interval_parts = interval_parts
-        # the interval check's reference: (steps, names, indices into them or None for all, signatures)
+        # the interval check's reference: (steps, names, indices into them or None for all, signatures, label)
         self._ref: tuple[int, list[str], list[int] | None, torch.Tensor] | None = None
         self._parts: tuple[tuple, list[list[int]]] | None = None   # (names and sizes, runs) cache
         self.findings: list[dict] = []   # changes the interval check found, latched until a save reports them
+        # the caller's number for the next optimizer step (ShardEvidence: the training step), else this guard's
+        # own count; the run an interval checks and the findings are numbered by it (torch's optimizer-state
+        # initialisation for DCP runs a step of its own, which the guard's count includes)
+        self.next_step: int | None = None
         self.interval_s = 0.0            # wall seconds spent in the interval check (both hooks; for the bench)
         self.optimizer, self.every, self.include_state = optimizer, every, include_state
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -150,8 +154,9 @@ class AtRestGuard:
                 # the interval after it: everything when a save follows (armed), else this step's run (a subset of
                 # the signatures just taken: no extra pass here)
                 names, sigs = self._signed[1], self._signed[2]
-                idx = None if armed else self.part_of(names, self._tensors()[1], self._steps)
-                self._ref = (self._steps, names, idx, sigs if idx is None else sigs[idx] if idx else None)
+                idx = None if armed else self.part_of(names, self._tensors()[1], self._label(True))
+                self._ref = (self._steps, names, idx, sigs if idx is None else sigs[idx] if idx else None,
+                             self._label(True))
         else:
             self._signed = None
             if self.interval_parts is not None:
@@ -176,10 +181,18 @@ class AtRestGuard:
             self._parts = (key, runs)
         return self._parts[1][step % k]
 
+    def _label(self, in_post: bool = False) -> int:
+        """The number of the optimizer step just taken (`in_post`: inside its post-hook, before the caller has
+        moved `next_step` on) or last taken (elsewhere)."""
+        if self.next_step is None:
+            return self._steps
+        return self.next_step if in_post else self.next_step - 1
+
     def _sign_part(self) -> None:
         names, tensors = self._tensors()
-        idx = self.part_of(names, tensors, self._steps)
-        self._ref = (self._steps, names, idx, replica_signatures([tensors[i] for i in idx]) if idx else None)
+        idx = self.part_of(names, tensors, self._label(True))
+        self._ref = (self._steps, names, idx, replica_signatures([tensors[i] for i in idx]) if idx else None,
+                     self._label(True))
 
     def _pre(self, opt, args, kwargs) -> None:
         """Before optimizer step `_steps + 1`: what the last post-hook (or save check, or resign) signed must be
@@ -188,7 +201,7 @@ class AtRestGuard:
         if ref is None or ref[0] != self._steps or ref[3] is None:
             return
         t0 = time.perf_counter()
-        steps, names0, idx, sigs0 = ref
+        steps, names0, idx, sigs0, label = ref
         names, tensors = self._tensors()
         if names != names0:   # the optimizer's tensors changed (a param group added): cannot compare, not a fault
             return
@@ -196,7 +209,7 @@ class AtRestGuard:
         sigs = replica_signatures([tensors[i] for i in picked])
         if sigs.shape == sigs0.shape:
             for j in (sigs != sigs0).any(dim=1).nonzero().reshape(-1).tolist():
-                self.findings.append({"tensor": names[picked[j]], "after_step": steps, "before_step": steps + 1})
+                self.findings.append({"tensor": names[picked[j]], "after_step": label, "before_step": label + 1})
         self.interval_s += time.perf_counter() - t0
 
     def forget(self) -> None:
@@ -208,7 +221,7 @@ class AtRestGuard:
         self._signed = (self._steps, *self._sign())
         self._sign_frozen()
         if self.interval_parts is not None:
-            self._ref = (self._steps, self._signed[1], None, self._signed[2])
+            self._ref = (self._steps, self._signed[1], None, self._signed[2], self._label())
 
     def _frozen_changed(self) -> list[str]:
         if not self._frozen or self._frozen_signed is None:
@@ -229,7 +242,7 @@ class AtRestGuard:
             if self.interval_parts is not None and self._ref is None:
                 # the save-time state is the reference of the interval after it (the pre-hook of the next step)
                 names, sigs = self._sign()
-                self._ref = (self._steps, names, None, sigs)
+                self._ref = (self._steps, names, None, sigs, self._label())
             if frozen or earlier:
                 return {**out, "status": policy.FAIL, "changed": list(dict.fromkeys(earlier + frozen))}
             return {**out, "status": policy.MISSING, "changed": []}
@@ -238,7 +251,7 @@ class AtRestGuard:
         if self.interval_parts is not None:
             # from here to the next step, the state the save checked is the reference (a change found now is
             # reported now, not again by the interval check)
-            self._ref = (self._steps, names, None, sigs)
+            self._ref = (self._steps, names, None, sigs, self._label())
         if names != names0 or sigs.shape != sigs0.shape:
             return {**out, "status": policy.FAIL, "changed": ["<set of tensors changed>"]}
         diff = (sigs != sigs0).any(dim=1).nonzero().reshape(-1).tolist()
