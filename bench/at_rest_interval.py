@@ -23,7 +23,7 @@ copy), so the cost scales with the shard's bytes over the device's memory bandwi
 scales with tokens per rank times the full model: the ratio falls as the world size grows (each rank hashes
 1/world of the model) and rises with a small batch per rank.
 
-    python bench/at_rest_interval.py [--json] [--ranks 2] [--windows 6] [--window 5] [--shapes example,wide]
+    python bench/at_rest_interval.py [--json] [--ranks 2] [--windows 4] [--window 5] [--shapes example,wide]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _worker(rank, world, cfg):
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--windows", type=int, default=6)
+    p.add_argument("--windows", type=int, default=4)
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--shapes", default="example,wide")
     args = p.parse_args()
