@@ -29,6 +29,7 @@ def test_the_run_lease_is_shared_in_one_process_and_refuses_another(tmp_path):
     a = take_run_lease(tmp_path)
     b = take_run_lease(tmp_path)            # a second Checkpointer of the same process: the same lease
     assert a is b and a.held
+    a.record()                               # what open_run_ledger does once the start succeeded
     code = ("import sys; from scout_ckpt.ops.startup import take_run_lease, RootInUse\n"
             "l = take_run_lease(sys.argv[1], wait_s=0)\n"
             "try:\n    l.check()\nexcept RootInUse as e:\n    print('refused', e)\n")

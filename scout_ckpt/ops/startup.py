@@ -16,8 +16,8 @@ step replaced a certified checkpoint. The coordinator now calls `open_run_ledger
 
 One job per ROOT. Two jobs saving into one ROOT (a second launch pointed at a live run's directory, a copy of a
 launch script left running) would overwrite each other's `step-N` directories and ledger rows. The coordinator
-therefore holds the ROOT's run lease for the life of its ledger: an exclusive flock on ROOT/.leases/run-owner.lock,
-taken before anything is read or written, the holder's identity written into the file (torchrun's
+therefore holds the ROOT's run lease for the life of its ledger: an exclusive flock on ROOT/.leases/run.owner,
+taken before anything is read or written, the holder's identity written into the file once the start succeeded (torchrun's
 TORCHELASTIC_RUN_ID, host, pid). A flock is released by the kernel when its holder dies, whatever PID namespace it
 ran in, so a dead job never blocks a restart. When the lease is held:
 
@@ -68,7 +68,7 @@ class RootInUse(StartRefused):
     checkpoints. Point the second job at its own ROOT, or stop the first."""
 
 
-RUN_LEASE_NAME = "run-owner.lock"
+RUN_LEASE_NAME = "run.owner"   # not *.lock: the saves' own leases beside it are
 RUN_LEASE_WAIT_S = 60.0   # how long a restart of the same job waits for its previous generation to let go
 
 
@@ -92,12 +92,16 @@ class RunLease:
         if self.held:
             return
         if self.fd is not None and _try_lock(self.fd):
-            self._own()
+            self.held, self.holder = True, None
+            self.record()
             return
         raise _in_use(self.root, self.holder or (_holder(self.fd) if self.fd is not None else {}))
 
-    def _own(self) -> None:
-        self.held, self.holder = True, None
+    def record(self) -> None:
+        """Write this process's identity into the held lease (after the start succeeded: a refused start
+        leaves ROOT as it was)."""
+        if not self.held or self.fd is None:
+            return
         rec = json.dumps({"job": _job_id(), "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()})
         try:
             os.ftruncate(self.fd, 0)
@@ -171,7 +175,6 @@ def take_run_lease(root: str | Path, *, wait_s: float = RUN_LEASE_WAIT_S) -> Run
             time.sleep(0.2)   # this job's previous generation is still exiting
         else:
             lease = RunLease(root, key, fd, True)
-            lease._own()
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
@@ -225,6 +228,7 @@ def open_run_ledger(root: str | Path, *, journal: str | None = None, store=None)
         lease.release()
         raise
     ledger.on_close.append(lease.release)
+    lease.record()
     ledger.run_lease = lease   # the committer checks it before every save (save/commit.py, begin)
     return ledger
 
