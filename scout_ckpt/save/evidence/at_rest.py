@@ -29,17 +29,18 @@ optimizer step *pre*-hook therefore re-signs what the previous step's post-hook 
 latched on that rank ({"tensor", "after_step", "before_step"}) and reported by the next save's `check` as
 `at_rest_changed` (the same evidence, so the save is rejected and the Checkpointer ends the generation on every
 rank together; nothing is raised on one rank alone, and no collective runs per step). Two hash passes per step
-over everything would cost about 3.7% of a CPU step of a small transformer (bench/at_rest_interval.py), over the
+over everything cost about 2.5% of a CPU step of a small transformer (bench/at_rest_interval.py), over the
 2% budget, so by default the tensors (in `_tensors` order: each parameter's local shard, then its optimizer state
 tensors) are cut into `interval_parts` = INTERVAL_PARTS consecutive runs of about equal bytes, and the interval
 after optimizer step s checks run s mod K. Seen: a change of any tensor in the interval after a step the save
 cadence armed (a save follows it: everything is signed then, and the pre-hook compares everything with the state
 the save checked); a change in the interval after any other step s to a tensor of run s mod K. Unseen: a change
-made and completed in the interval after a non-save step s to a tensor outside run s mod K (with K = 2: half the
-bytes in every such interval; each tensor is watched in every K-th interval, so a cycle completes every K steps,
-within every save interval of K steps or more). A change that persists across intervals (a stuck bit re-flipped,
-a stray writer that keeps writing) is seen within K steps. `interval_parts=1` covers everything at twice the cost;
-None turns the interval check off.
+made and completed in the interval after a non-save step s to a tensor outside run s mod K (with K = 4: three
+quarters of the bytes in every such interval; each tensor is watched in every K-th interval, so a cycle completes
+every K steps, within every save interval of K steps or more). A change that persists across intervals (a stuck
+bit re-flipped, a stray writer that keeps writing) is seen within K steps. `s` is the training step (ShardEvidence
+sets `next_step`), else the guard's own count of optimizer steps. `interval_parts=1` covers everything at about
+2.5 times the cost; None turns the interval check off.
 """
 
 from __future__ import annotations
