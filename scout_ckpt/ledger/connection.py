@@ -104,8 +104,12 @@ class LedgerConnection:
         self.path = path
         self.readonly = readonly
         self._db: sqlite_utils.Database | None = None
-        self._lock = threading.RLock()  # one connection may serve the training thread and the async committer
+        # One connection may serve the training thread and the async committer: every read (`_query`) and every
+        # write transaction (`write`) holds it, so neither thread ever runs inside the other's transaction.
+        self._lock = threading.RLock()
         self.journal: dict = {}  # fsdetect.choose_journal's answer for this ledger's directory
+        self.on_close: list = []  # called once at close (a job's run lease, ops/startup.py)
+        self.run_lease = None     # a job's coordinator: its run lease (ops/startup.py), checked before each save
 
     @property
     def db(self) -> "sqlite_utils.Database":
@@ -118,9 +122,13 @@ class LedgerConnection:
         return self._db
 
     def _query(self, sql: str, params: list | tuple = ()) -> list[dict]:
-        cur = self.conn.execute(sql, params)
-        cols = [c[0] for c in cur.description]
-        return [dict(zip(cols, row)) for row in cur.fetchall()]
+        """Rows as dicts. Under the connection's lock: the coordinator's one connection serves the training
+        thread and the async commit thread, and a read run while the other thread's write transaction is open
+        would be part of it, seeing rows that are not committed (and may be rolled back)."""
+        with self._lock:
+            cur = self.conn.execute(sql, params)
+            cols = [c[0] for c in cur.description]
+            return [dict(zip(cols, row)) for row in cur.fetchall()]
 
     # ---- opening -------------------------------------------------------------------------------------------
 
@@ -252,6 +260,9 @@ class LedgerConnection:
 
     def close(self) -> None:
         self.conn.close()
+        hooks, self.on_close = self.on_close, []
+        for hook in hooks:
+            hook()
 
     def __enter__(self: _L) -> _L:
         return self

@@ -7,12 +7,22 @@ flushed and fsynced, never rewritten. Rebuild replays it: quarantines stand, rej
 certified again only if a certified verdict for that very manifest digest is on record.
 
 Record kinds: "verdict" {step, attempt, manifest_digest, state, reasons, source}, "quarantine" {step, attempt,
-manifest_digest, reason}, "release" {step, attempt, manifest_digest, state, reason}; each with "time".
+manifest_digest, reason}, "release" {step, attempt, manifest_digest, state, reason}; each with "time" and "seq".
 A torn last line (a crash mid-append) is skipped on reading.
+
+Order. "time" is the writer's clock, and hosts disagree (an hour, after a bad NTP day), so no reader orders by it.
+"seq" is the root's own sequence number: assigned by `append` while it holds an exclusive flock on the journal
+(the last record's seq + 1; the number of records before it for a journal of records without one), so appenders
+on one root (a job's coordinator, the CLI, on any host whose locks reach the file) get increasing numbers in the
+order they wrote. The object store's copy is named by time (object_store/bucket_journal.py); read back without
+the local file, its records are put in seq order again (`ordered`). Records from before seq existed keep their
+place (file order) ahead of the numbered ones. `standing`, through which every reader judges a step, reads in
+that order.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -36,13 +46,15 @@ def append(root: str | os.PathLike, record: dict) -> dict:
         raise ValueError("a journal record needs a 'kind'")
     p = path(root)
     created = not p.exists()
-    data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
-    fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(p, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)   # the seq and the line it numbers are one step for every appender
+        record["seq"] = _next_seq(fd)
+        data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
         os.write(fd, data)
         os.fsync(fd)
     finally:
-        os.close(fd)
+        os.close(fd)   # releases the flock
     if created:
         fsync_dir(p.parent)
     # An object-store run's ledger_dir may be lost with its node: the record is copied beside the checkpoints too
@@ -50,6 +62,47 @@ def append(root: str | os.PathLike, record: dict) -> dict:
     # quarantine or rejection missing from the bucket would let a rebuilt ledger certify the step again.
     bucket_journal.mirror(root, record)
     return record
+
+
+_TAIL = 1 << 16
+
+
+def _parse(line: bytes) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _next_seq(fd: int) -> int:
+    """The seq of the record about to be appended to the journal open at `fd` (its lock held): the last
+    numbered record's seq + 1, read from the file's tail; for a journal whose tail holds no numbered record,
+    from the whole file (the number of records when none has a seq)."""
+    size = os.fstat(fd).st_size
+    tail = os.pread(fd, min(size, _TAIL), max(0, size - _TAIL))
+    lines = tail.splitlines()[1 if size > _TAIL else 0:]   # the first line of a tail may be cut
+    for line in reversed(lines):
+        rec = _parse(line)
+        if rec is not None and isinstance(rec.get("seq"), int):
+            return rec["seq"] + 1
+    best, count = None, 0
+    for line in (os.pread(fd, size, 0) if size > _TAIL else tail).splitlines():
+        rec = _parse(line)
+        if rec is None:
+            continue
+        count += 1
+        if isinstance(rec.get("seq"), int):
+            best = max(best or 0, rec["seq"])
+    return best + 1 if best is not None else count
+
+
+def ordered(records: list[dict]) -> list[dict]:
+    """Records in the root's order: those without a seq (written before it existed) first, in the order given
+    (file order); then the numbered ones by seq (a stable sort: a seq seen twice keeps the order given)."""
+    keyed = sorted(enumerate(records), key=lambda e: (1, e[1]["seq"], e[0]) if isinstance(e[1].get("seq"), int)
+                   else (0, 0, e[0]))
+    return [r for _, r in keyed]
 
 
 def check_appendable(root: str | os.PathLike) -> None:
@@ -91,12 +144,13 @@ def standing(records: list[dict], step: int, digest: str | None) -> dict:
     """What the journal says of one step with this manifest digest, in a way no clock can reorder:
     {"state", "reasons", "certified", "quarantine"}. "state" is the last verdict (or release) recorded for that
     digest, except that a rejection of the digest outlives every certification of it, whichever was written
-    first: records are ordered by the file (or, on a store, by names that embed the writer's clock), and a host
-    whose clock is an hour slow must not sort a load mismatch before the certification it overturns.
+    first: records are read in seq order (`ordered`), but a journal copied from a store may hold records of
+    writers that numbered apart, and a host whose clock is an hour slow must not sort a load mismatch before
+    the certification it overturns. A quarantine and its release are paired in seq order.
     "certified": a certified verdict for this digest is on record (what a rebuild needs to vouch for evidence it
     cannot re-run). "quarantine": the step's last quarantine not released since, or None."""
     state, reasons, certified, rejection, quarantine = None, [], False, None, None
-    for rec in records:
+    for rec in ordered(records):
         if rec.get("step") != step:
             continue
         kind = rec.get("kind")

@@ -94,9 +94,9 @@ class LedgerQueries(LedgerConnection):
         ({step: {kind: {"status", "source", "recorded"}}}): `ls` over N checkpoints is one scan, not N lookups
         (bench/scale.py)."""
         out: dict[int, dict[str, dict]] = {}
-        for step, kind, status, source, recorded in self.conn.execute(
-                "SELECT step, kind, status, source, recorded FROM evidence ORDER BY step, kind"):
-            out.setdefault(step, {})[kind] = {"status": status, "source": source, "recorded": recorded}
+        for r in self._query("SELECT step, kind, status, source, recorded FROM evidence ORDER BY step, kind"):
+            out.setdefault(r["step"], {})[r["kind"]] = {"status": r["status"], "source": r["source"],
+                                                        "recorded": r["recorded"]}
         return out
 
     def certifications(self, step: int | None = None, *, all_outcomes: bool = False) -> list[dict]:

@@ -191,6 +191,8 @@ class Committer:
             self.flush()
             owner = this_process_owner()
             try:
+                if self.ledger.run_lease is not None:   # another job saving into this ROOT: refused
+                    self.ledger.run_lease.check()
                 # the lease first: from the moment the `writing` row exists, a held lock says the save is alive
                 self.leases[attempt] = take_lease(self.root, attempt)
                 self.ledger.record_writing(step, self.run_id, attempt, pending.name, owner=owner)

@@ -73,6 +73,7 @@ class ShardEvidence:
     def on_step(self, step: int) -> list[dict]:
         """After the optimizer step: this step's cross-checks; returns the rows that found a fault."""
         self._arm_for(step + 1)
+        self.guard.next_step = step + 1   # the interval check numbers its runs and findings by training step
         return self.log.add(self.replay.on_step(step))
 
     def _saw_save(self, step: int) -> None:
@@ -100,7 +101,9 @@ class ShardEvidence:
     def after_load(self, step: int) -> None:
         self.replay.begin(step)
         self.log.reset(step)
+        self.guard.next_step = step + 1
         self.guard.resign()
+        self.guard.forget()   # changes found between steps before the load do not concern the loaded state
         self._start = step
         self._arm_for(step + 1)
 
