@@ -24,6 +24,8 @@ _LAZY = {
     "ScoutError": "scout_ckpt.errors",
     "BadOption": "scout_ckpt.errors",
     "LiveStateCorrupt": "scout_ckpt.errors",
+    "StartRefused": "scout_ckpt.ops.startup",
+    "RootInUse": "scout_ckpt.ops.startup",
     "ReplayOptions": "scout_ckpt.options",
     "ObserverOptions": "scout_ckpt.options",
     "StragglerRule": "scout_ckpt.options",

@@ -7,6 +7,9 @@ ROOT/
   scout-ledger.db           the ledger (WAL)
   .leases/<attempt>.lock    the lease of a save in flight: its coordinator holds an flock on it from before the
                             `writing` row until the commit is recorded (ops/settle.py: namespace-proof liveness)
+  .leases/run.owner         the run lease: the coordinator of the job saving here holds an flock on it for the
+                            life of its ledger; another job's saves are refused (ops/startup.py, RootInUse)
+  .leases/adopt.lock        held by the one `scout-ckpt adopt` running on this ROOT
   reports/                  observer and campaign reports
 
 On an object store (scout_ckpt.object_store) there is no rename: every save attempt writes under its own prefix
