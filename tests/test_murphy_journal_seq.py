@@ -73,3 +73,13 @@ def test_appenders_in_several_processes_get_distinct_increasing_seqs_in_file_ord
     recs = journal.read(tmp_path)
     assert len(recs) == 120
     assert [r["seq"] for r in recs] == list(range(120))   # unique, and the file's order is the seq's
+
+
+def test_a_record_appended_after_a_torn_last_line_is_kept_whole(tmp_path):
+    """Power loss can leave the journal's last line cut short (no newline). The next append must not glue its
+    record onto that fragment (which `read` would then skip as one unparseable line, losing a verdict)."""
+    journal.append(tmp_path, {"kind": "quarantine", "step": 4})
+    with open(journal.path(tmp_path), "ab") as f:
+        f.write(b'{"kind": "release", "st')   # a torn line, as a crash mid-write leaves it
+    journal.append(tmp_path, {"kind": "quarantine", "step": 6})
+    assert [(r["kind"], r["step"]) for r in journal.read(tmp_path)] == [("quarantine", 4), ("quarantine", 6)]

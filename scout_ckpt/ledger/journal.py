@@ -51,6 +51,9 @@ def append(root: str | os.PathLike, record: dict) -> dict:
         fcntl.flock(fd, fcntl.LOCK_EX)   # the seq and the line it numbers are one step for every appender
         record["seq"] = _next_seq(fd)
         data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":   # a torn last line (power loss): end it, keep ours whole
+            data = b"\n" + data
         os.write(fd, data)
         os.fsync(fd)
     finally:
