@@ -22,8 +22,8 @@ Verdicts (`attribute`, a pure function) use strict majorities over the world siz
           collective error, e.g. DDP's all-reduce raising in backward), while the survivors and victims
           are a strict majority; or, when a teardown (torchrun's) took the others too, the ranks that died
           first, at least 50 ms before anyone else (death times from PR_SET_PDEATHSIG), if the rest are a
-          strict majority; else no verdict (a job-wide kill), and the next generation records the run as
-          unfinished (observer/aftermath.py);
+          strict majority; in a 1-rank job, its only rank; else no verdict (a job-wide kill), and the next
+          generation records the run as unfinished (observer/aftermath.py, rank 0's observer);
   hang    a strict majority is stuck for stall_s at the same progress, waiting in a collective (training or
           side group) or inside a step (an async collective's wait); the ranks behind it are hung. With no
           laggard it is a hang only if the majority sits in one training collective (else: a long save or
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 from scout_ckpt.observer import stacks as stacks_mod
-from scout_ckpt.observer.channel import REPORTS_DIR, channel_dir, final_settle_s, load_factory, read_json  # noqa: F401
+from scout_ckpt.observer.channel import REPORTS_DIR, channel_dir, load_factory, read_json  # noqa: F401
 from scout_ckpt.observer.heartbeat import HeartbeatReader
 from scout_ckpt.observer.verdicts import ABORT_KINDS, INCIDENT_KINDS, attribute, incident_key, prog  # noqa: F401
 
@@ -92,8 +92,11 @@ class Daemon:
         self.reader = HeartbeatReader(cfg["heartbeat"])
         self.status_path = self.channel / f"status-{self.rank}.json"
         self.t_start = time.time()
-        self.t0 = time.monotonic()
-        self.aftermath_pending, self.next_aftermath = True, 0.0
+        self.aftermath = None  # rank 0: what earlier runs on this ROOT left unfinished (observer/aftermath.py)
+        if self.rank == 0:
+            from scout_ckpt.observer.aftermath import Aftermath
+
+            self.aftermath = Aftermath(self.cfg, self.channel.parent, _HOST, self._write_event, self.t_start)
         self.beat = 0
         self.version = (-1, -1)
         self.last_change = time.monotonic()
@@ -338,44 +341,6 @@ class Daemon:
                 self.state = "aborted"
                 return
 
-    # ---- earlier runs ----------------------------------------------------------------------------------------
-
-    def _settle_previous(self, now: float) -> None:
-        """Rank 0 records what earlier runs on this ROOT left unfinished (observer/aftermath.py), retrying while
-        their observers may still be writing, for at most `aftermath_s`."""
-        from scout_ckpt.observer import aftermath
-
-        try:
-            pending = aftermath.settle(self.channel.parent, self.cfg["run_id"], self._write_event, _HOST,
-                                       reported_elsewhere=self._reported_in_ledger)
-        except Exception as e:  # a malformed old channel must not take the observer down
-            log.warning("settling earlier runs failed: %s: %s", type(e).__name__, e)
-            pending = 0
-        self.next_aftermath = now + 1.0
-        self.aftermath_pending = pending > 0 and now - self.t0 < self.cfg.get("aftermath_s", 120.0)
-
-    def _settle_before_exit(self) -> None:
-        """A run shorter than its predecessor's observers' linger ends while they may still be writing: wait for
-        them (at most `final_settle_s(cfg)`, which Observer.stop waits for) rather than leave the predecessor's
-        crash unrecorded until some later generation."""
-        deadline = time.monotonic() + final_settle_s(self.cfg)
-        while self.aftermath_pending and time.monotonic() < deadline:
-            time.sleep(self.poll_s)
-            self.next_aftermath = 0.0
-            self._settle_previous(time.monotonic())
-        if self.aftermath_pending:
-            log.warning("earlier runs on this ROOT still had live observers at exit; the next generation settles them")
-
-    def _reported_in_ledger(self, run_id: str, t_from: float) -> bool:
-        """An incident event for that run is in the ledger already: one of its run, or one without a run id
-        (a supervisor's own diagnosis) written between that run's start and this one's."""
-        from scout_ckpt.ledger import Ledger
-
-        with Ledger.open(self.cfg["root"], readonly=True) as ledger:
-            events = ledger.events(kinds=INCIDENT_KINDS)
-        return any(e.get("run_id") == run_id or (not e.get("run_id") and t_from <= (e.get("time") or 0) <= self.t_start)
-                   for e in events)
-
     # ---- health --------------------------------------------------------------------------------------------
 
     def _poll_health(self) -> None:
@@ -419,8 +384,8 @@ class Daemon:
                 if rows is not None:
                     self._judge(now, rows)
                 self._check_claims()
-            if self.rank == 0 and self.aftermath_pending and now >= self.next_aftermath:
-                self._settle_previous(now)
+            if self.aftermath is not None:
+                self.aftermath.poll(now)
             if now >= self.next_health and self.state == "running":
                 self.next_health = now + self.cfg["health_poll_s"]
                 self._poll_health()
@@ -431,8 +396,8 @@ class Daemon:
         self.state = "closed" if self._stop and self.state == "running" else self.state
         self.beat += 1
         _write_status(self.status_path, self._status(time.monotonic()))
-        if self.rank == 0 and self.aftermath_pending:
-            self._settle_before_exit()
+        if self.aftermath is not None:
+            self.aftermath.before_exit(self.poll_s)
         if self.state != "closed":
             try:
                 os.unlink(self.cfg["heartbeat"])
