@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer import aftermath
@@ -100,3 +101,13 @@ def test_a_run_a_supervisor_already_diagnosed_gets_no_second_event(tmp_path):
                      reported_elsewhere=lambda run_id, t_from: asked.append(run_id) or True)
     assert asked == ["prev"] and written == []
     assert json.loads((tmp_path / "prev" / "settled.json").read_text())["kinds"] == ["elsewhere"]
+
+
+def test_the_side_channel_lives_under_the_reports_dir_of_the_layout():
+    """observer/channel.py restates the reports folder so the observer process need not import format/: the two
+    must name the same folder, or the next generation would look for earlier runs where none are written."""
+    from scout_ckpt.format.layout import REPORTS_DIR
+    from scout_ckpt.observer import channel
+
+    assert channel.REPORTS_DIR == REPORTS_DIR
+    assert channel.channel_dir("/r", "x") == Path("/r") / REPORTS_DIR / ".observer" / "x"
