@@ -177,7 +177,11 @@ class Observer:
 
     def _at_exit(self) -> None:
         """A normal interpreter exit without Checkpointer.close() is a clean end, not a crash; an exit through an
-        uncaught exception is not (its heartbeat stays open, so the observers judge it)."""
+        uncaught exception is not (its heartbeat stays open, so the observers judge it). A forked child that
+        exits through the interpreter (os.fork, then sys.exit) inherited this handler: it must not close the
+        trainer's heartbeat nor stop the trainer's observer."""
+        if os.getpid() != self.cfg["trainer_pid"]:
+            return
         if not _UNCAUGHT:
             self.stop()
 
