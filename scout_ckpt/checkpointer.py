@@ -58,7 +58,7 @@ class Checkpointer:
     Options (the grouped ones are frozen dataclasses of scout_ckpt/options.py, a docstring per field; a dict
     with the same keys, True or False is accepted and converted there, and a misspelled key fails at once):
     `replay` (ReplayOptions; None: on where the topology has no replicas), `observer` (ObserverOptions with its
-    StragglerRule; None: off), `shard_evidence` (ShardEvidenceOptions; None: on for sharded layouts with a
+    StragglerRule; None: on, at every world size; False: off), `shard_evidence` (ShardEvidenceOptions; None: on for sharded layouts with a
     supported optimizer), `storage` (StorageOptions: `ledger_dir`, `storage_options`, `ledger_journal`, which
     are also accepted as keywords of their own). `async_save` (save() copies the state into a host buffer kept
     between saves, as DCP's cache_staged_state_dict does, and returns; DCP writes that copy in a commit thread on

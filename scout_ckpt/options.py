@@ -140,7 +140,9 @@ def as_straggler_rule(value) -> StragglerRule:
 @dataclasses.dataclass(frozen=True)
 class ObserverOptions:
     """The out-of-band observer: one process per rank that reports hangs, stragglers, crashes, desyncs and
-    hardware health to the ledger (observer/)."""
+    hardware health to the ledger (observer/). On by default (`observer=None`), at every world size: a 1-rank
+    job has no peer to compare for hangs and stragglers, but its crash is still recorded. `observer=False` is
+    the opt-out."""
 
     stall_s: float = 60.0
     """A rank whose progress stopped this long is a hang candidate."""
@@ -314,8 +316,11 @@ def as_replay(value) -> ReplayOptions | bool | None:
     return _switch("replay", ReplayOptions, value)
 
 
-def as_observer(value) -> ObserverOptions | bool | None:
-    """`observer=`: None or False (off), True (the defaults), a dict (its `straggler` may be a dict), ObserverOptions."""
+def as_observer(value) -> ObserverOptions | bool:
+    """`observer=`: None or True (on, the defaults), False (off), a dict (its `straggler` may be a dict),
+    ObserverOptions."""
+    if value is None:
+        return ObserverOptions()
     return _switch("observer", ObserverOptions, value, straggler=as_straggler_rule)
 
 

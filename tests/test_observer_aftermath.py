@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer import aftermath
@@ -100,3 +101,34 @@ def test_a_run_a_supervisor_already_diagnosed_gets_no_second_event(tmp_path):
                      reported_elsewhere=lambda run_id, t_from: asked.append(run_id) or True)
     assert asked == ["prev"] and written == []
     assert json.loads((tmp_path / "prev" / "settled.json").read_text())["kinds"] == ["elsewhere"]
+
+
+def test_the_side_channel_lives_under_the_reports_dir_of_the_layout():
+    """observer/channel.py restates the reports folder so the observer process need not import format/: the two
+    must name the same folder, or the next generation would look for earlier runs where none are written."""
+    from scout_ckpt.format.layout import REPORTS_DIR
+    from scout_ckpt.observer import channel
+
+    assert channel.REPORTS_DIR == REPORTS_DIR
+    assert channel.channel_dir("/r", "x") == Path("/r") / REPORTS_DIR / ".observer" / "x"
+
+
+def test_a_one_rank_jobs_crash_names_its_only_rank_live_and_after_the_restart(tmp_path):
+    """A 1-rank job has no peer to outvote: its trainer gone without a clean close (and without a collective
+    failure, which a lone rank cannot suffer from a peer) is its crash, named by its own observer; a generation
+    that ended that way is recorded by the next one naming the rank too."""
+    from scout_ckpt.observer.verdicts import attribute
+
+    gone = {"rank": 0, "state": "gone", "step": 5, "seq": 0, "fp": "00", "error": False, "age_s": 1.0,
+            "in_coll": False, "phase": "idle"}
+    v = attribute({0: gone}, 1, stall_s=60.0)
+    assert (v["kind"], v["ranks"], v["step"], v["attribution"]) == ("crash", [0], 5, "only_rank")
+    assert attribute({0: {**gone, "state": "closed"}}, 1, stall_s=60.0) is None   # a clean close is no crash
+    ch = tmp_path / "solo"
+    (ch / "claims").mkdir(parents=True)
+    (ch / "observer-0.json").write_text(json.dumps({"world_size": 1, "run_id": "solo", "rank": 0}))
+    (ch / "status-0.json").write_text(json.dumps({**gone, "observer_pid": DEAD_PID, "host": HOST, "t_update": 100.0,
+                                                  "gone_at": 101.0, "wall": time.time(), "pid": 1000}))
+    pending, written = settle(tmp_path)
+    assert pending == 0 and [(w[0], w[1], w[2]) for w in written] == [("crash", [0], 5)]
+    assert written[0][-1] == 101.0   # stamped with when the rank died

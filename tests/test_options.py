@@ -31,6 +31,7 @@ def test_old_spellings_convert_to_the_dataclasses():
     assert obs == ObserverOptions(stall_s=3, action="abort", straggler=StragglerRule(window_s=0.5))
     assert isinstance(obs.straggler, StragglerRule)
     assert options.as_observer(True) == ObserverOptions()
+    assert options.as_observer(None) == ObserverOptions() and options.as_observer(False) is False  # on by default
     assert options.as_shard_evidence({"cycle": 4}) == ShardEvidenceOptions(cycle=4)
     assert options.as_storage(None, ledger_journal="delete") == StorageOptions(ledger_journal="delete")
     given = ReplayOptions(interval=3)
@@ -142,6 +143,7 @@ SPELLINGS = {
     "replay=dict demo": {"replay": {"interval": 1, "save_every": 5}},
     "replay=ReplayOptions": {"replay": ReplayOptions(interval=4)},
     "observer=True": {"observer": True},
+    "observer=False": {"observer": False},
     "observer=dict": {"observer": {"stall_s": 5, "action": "abort", "straggler": {"window_s": 0.5}, "count_hz": 10}},
     "observer=dict user hook": {"observer": {"ddp_comm_hook": user_comm_hook, "ddp_comm_state": {"k": 1}}},
     "observer=ObserverOptions": {"observer": ObserverOptions(stall_s=30, straggler=StragglerRule(rounds=2),
@@ -234,7 +236,9 @@ def test_every_documented_spelling_constructs_a_checkpointer(tmp_path):
     assert not seen["shard_evidence=False"]["shard"]
     assert seen["ledger_journal=delete"]["journal"] == "delete"
     assert seen["storage=StorageOptions"]["journal"] == "delete"
-    assert not seen["ledger_journal=delete"]["observer"] and seen["ledger_journal=delete"]["replay_interval"] is None
+    # the observer is on by default (the defaults' stall_s), observer=False is the opt-out
+    assert seen["ledger_journal=delete"]["observer"] and seen["ledger_journal=delete"]["stall_s"] == 60.0
+    assert not seen["observer=False"]["observer"] and seen["ledger_journal=delete"]["replay_interval"] is None
 
 
 def test_a_torchrun_job_with_restarts_is_told_the_restart_environment_it_needs():

@@ -287,3 +287,50 @@ def test_explain_says_which_replicas_disagreed_on_which_target_and_step():
     assert "h.1" in text and "replicas DISAGREED at step 18" in text and "no strict majority among ranks 0,1" in text
     assert "NOT COVERED" not in text and "awaiting its first replay" not in text, text
     assert "not with the live step" in text and "live step checked: rank(s) 1 (every rank's live step within 2" in text
+
+
+def _svg_group(svg: str, gid: str) -> str:
+    m = re.search(rf'<g id="{re.escape(gid)}">(.*?)\n   </g>', svg, re.S)
+    assert m, f"no mark {gid!r} in the picture"
+    return m.group(1)
+
+
+def _bar_x(svg: str, gid: str) -> tuple[float, float]:
+    """The x extent of a run's bar (a two-point path) in the SVG's own coordinates."""
+    xs = [float(x) for x in re.findall(r"[ML] ([-\d.]+) [-\d.]+", _svg_group(svg, gid))]
+    return min(xs), max(xs)
+
+
+def _marks_x(svg: str, gid: str) -> list[float]:
+    return sorted(float(x) for x in re.findall(r'<use [^>]*\bx="([-\d.]+)"', _svg_group(svg, gid)))
+
+
+def test_a_runs_bar_ends_where_it_died_not_at_its_last_save(tmp_path: Path):
+    """Run 1 saved 10 and 20, then rank 1 died at step 27 (the crash the next generation recorded); run 2
+    resumed from 20 and saved 30. The document says where run 1 died, and in the picture its bar ends at the
+    crash's mark, past its last checkpoint; run 2, which did not die, ends at its last save."""
+    root = tmp_path / "run"
+    root.mkdir()
+    t0 = time.time() - 100
+    with Ledger.open(root, create=True) as lg:
+        lg.begin_run("r1", world_size=2, topology={"mode": "ddp"}, policy={"require": ["bytes"]})
+        _commit(lg, 10, "r1", "certified")
+        _commit(lg, 20, "r1", "certified")
+        lg.add_event("crash", step=27, ranks=[1], detail={"attribution": "first_gone"}, run_id="r1", when=t0 + 27)
+        lg.begin_run("r2", world_size=2, topology={"mode": "ddp"}, policy={"require": ["bytes"]}, resumed_from=20)
+        _commit(lg, 30, "r2", "certified")
+    tl = report.timeline(root)
+    runs = {r["id"]: r for r in tl["runs"]}
+    assert (runs["r1"]["last_step"], runs["r1"]["end_step"]) == (20, 27)
+    assert runs["r1"]["died"] == {"kind": "crash", "step": 27, "time": pytest.approx(t0 + 27), "ranks": [1]}
+    assert (runs["r2"]["last_step"], runs["r2"]["end_step"], runs["r2"]["died"]) == (30, 30, None)
+
+    svg = report.render_svg(tl).decode()
+    saved = _marks_x(svg, "checkpoints-certified")          # steps 10, 20, 30, left to right
+    crash = _marks_x(svg, "kind-crash")
+    assert len(saved) == 3 and len(crash) == 1
+    start1, end1 = _bar_x(svg, "run-1")
+    start2, end2 = _bar_x(svg, "run-2")
+    assert end1 == pytest.approx(crash[0], abs=0.01) and end1 > saved[1] + 1   # past its last save, at the crash
+    assert start2 == pytest.approx(saved[1], abs=0.01) and end2 == pytest.approx(saved[2], abs=0.01)
+    assert "died at step 27" in report.render_html(tl)

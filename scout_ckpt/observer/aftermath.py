@@ -19,11 +19,15 @@ Read only from JSON files; never imports torch.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
 
 from scout_ckpt.observer import stacks as stacks_mod
+from scout_ckpt.observer.channel import final_settle_s
+
+log = logging.getLogger("scout_ckpt.observer")
 
 INCIDENT_KINDS = ("hang", "desync", "crash")
 SETTLED = "settled.json"
@@ -144,3 +148,50 @@ def settle(observer_dir: Path, current_run_id: str, write_event, host: str, quie
             write_event(ev["kind"], ev["ranks"], ev["step"], ev["detail"], key, found.get("run_id") or ch.name,
                         when=ev.get("when"))
     return pending
+
+
+class Aftermath:
+    """Rank 0's observer settling earlier runs on this ROOT (`settle`): at start-up, again every second while
+    their observers may still be writing (for at most `aftermath_s`), and once more before it exits."""
+
+    def __init__(self, cfg: dict, observer_dir: Path, host: str, write_event, t_start: float):
+        self.cfg, self.observer_dir, self.host, self.write_event = cfg, observer_dir, host, write_event
+        self.t_start = t_start  # this run's start: an event without a run id after it is not the earlier run's
+        self.t0 = time.monotonic()
+        self.pending, self.next_at = True, 0.0
+
+    def poll(self, now: float) -> None:
+        """Settle what can be settled now, if a retry is due."""
+        if self.pending and now >= self.next_at:
+            self.settle(now)
+
+    def settle(self, now: float) -> None:
+        try:
+            left = settle(self.observer_dir, self.cfg["run_id"], self.write_event, self.host,
+                          reported_elsewhere=self.reported_in_ledger)
+        except Exception as e:  # a malformed old channel must not take the observer down
+            log.warning("settling earlier runs failed: %s: %s", type(e).__name__, e)
+            left = 0
+        self.next_at = now + 1.0
+        self.pending = left > 0 and now - self.t0 < self.cfg.get("aftermath_s", 120.0)
+
+    def before_exit(self, poll_s: float) -> None:
+        """A run shorter than its predecessor's observers' linger ends while they may still be writing: wait for
+        them (at most `final_settle_s(cfg)`, which Observer.stop waits for) rather than leave the predecessor's
+        crash unrecorded until some later generation."""
+        deadline = time.monotonic() + final_settle_s(self.cfg)
+        while self.pending and time.monotonic() < deadline:
+            time.sleep(poll_s)
+            self.settle(time.monotonic())
+        if self.pending:
+            log.warning("earlier runs on this ROOT still had live observers at exit; the next generation settles them")
+
+    def reported_in_ledger(self, run_id: str, t_from: float) -> bool:
+        """An incident event for that run is in the ledger already: one of its run, or one without a run id
+        (a supervisor's own diagnosis) written between that run's start and this one's."""
+        from scout_ckpt.ledger import Ledger
+
+        with Ledger.open(self.cfg["root"], readonly=True) as ledger:
+            events = ledger.events(kinds=INCIDENT_KINDS)
+        return any(e.get("run_id") == run_id or (not e.get("run_id") and t_from <= (e.get("time") or 0) <= self.t_start)
+                   for e in events)

@@ -22,8 +22,8 @@ Verdicts (`attribute`, a pure function) use strict majorities over the world siz
           collective error, e.g. DDP's all-reduce raising in backward), while the survivors and victims
           are a strict majority; or, when a teardown (torchrun's) took the others too, the ranks that died
           first, at least 50 ms before anyone else (death times from PR_SET_PDEATHSIG), if the rest are a
-          strict majority; else no verdict (a job-wide kill), and the next generation records the run as
-          unfinished (observer/aftermath.py);
+          strict majority; in a 1-rank job, its only rank; else no verdict (a job-wide kill), and the next
+          generation records the run as unfinished (observer/aftermath.py, rank 0's observer);
   hang    a strict majority is stuck for stall_s at the same progress, waiting in a collective (training or
           side group) or inside a step (an async collective's wait); the ranks behind it are hung. With no
           laggard it is a hang only if the majority sits in one training collective (else: a long save or
@@ -39,22 +39,30 @@ even if two observers briefly disagree on who is the judge. Stacks come from eac
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import time
 from pathlib import Path
 
-from scout_ckpt.format.layout import REPORTS_DIR, atomic_write_json
 from scout_ckpt.observer import stacks as stacks_mod
-from scout_ckpt.observer.handle import Observer, channel_dir, final_settle_s, load_factory, read_json  # noqa: F401
+from scout_ckpt.observer.channel import REPORTS_DIR, channel_dir, load_factory, read_json  # noqa: F401
 from scout_ckpt.observer.heartbeat import HeartbeatReader
 from scout_ckpt.observer.verdicts import ABORT_KINDS, INCIDENT_KINDS, attribute, incident_key, prog  # noqa: F401
 
 log = logging.getLogger("scout_ckpt.observer")
+
+
+def __getattr__(name: str):
+    """`Observer` (the training side's handle) is re-exported lazily: the observer process never needs it."""
+    if name == "Observer":
+        from scout_ckpt.observer.handle import Observer
+
+        return Observer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _write_status(path: Path, obj: dict) -> None:
@@ -84,8 +92,11 @@ class Daemon:
         self.reader = HeartbeatReader(cfg["heartbeat"])
         self.status_path = self.channel / f"status-{self.rank}.json"
         self.t_start = time.time()
-        self.t0 = time.monotonic()
-        self.aftermath_pending, self.next_aftermath = True, 0.0
+        self.aftermath = None  # rank 0: what earlier runs on this ROOT left unfinished (observer/aftermath.py)
+        if self.rank == 0:
+            from scout_ckpt.observer.aftermath import Aftermath
+
+            self.aftermath = Aftermath(self.cfg, self.channel.parent, _HOST, self._write_event, self.t_start)
         self.beat = 0
         self.version = (-1, -1)
         self.last_change = time.monotonic()
@@ -99,8 +110,11 @@ class Daemon:
         self.peer_seen: dict[int, tuple[int, float]] = {}
         self.pending: dict[str, tuple[float, dict]] = {}
         self.known_claims: set[str] = set()
-        self.health = self._health_source()
+        # the default source (NVML, quiet without a GPU) is built at its first poll, after the first status: its
+        # probe costs start-up time; a named one is built now, so that a bad name stops the start with its error
+        self.health = self._health_source() if cfg["health"] else None
         self.next_health = 0.0
+        self._wake_r = -1  # the self-pipe a signal writes to, so that a SIGTERM or the trainer's death ends the sleep
         from scout_ckpt.observer.stragglers import StragglerJudge
 
         self.stragglers = StragglerJudge(self.world, **cfg["straggler"])  # the measure per job: stragglers.py
@@ -282,6 +296,8 @@ class Daemon:
         reports = Path(self.cfg["root"]) / REPORTS_DIR
         path = reports / f"{kind}-{run_id}-{key}.json"
         detail = {**detail, "report": str(path.relative_to(self.cfg["root"])), "observer_rank": self.rank}
+        from scout_ckpt.format.layout import atomic_write_json  # an event is rare: its imports wait for it
+
         atomic_write_json(path, {"kind": kind, "ranks": ranks, "step": step, "time": when, "run_id": run_id,
                                  "detail": detail})
         for attempt in range(5):
@@ -326,48 +342,12 @@ class Daemon:
                 self.state = "aborted"
                 return
 
-    # ---- earlier runs ----------------------------------------------------------------------------------------
-
-    def _settle_previous(self, now: float) -> None:
-        """Rank 0 records what earlier runs on this ROOT left unfinished (observer/aftermath.py), retrying while
-        their observers may still be writing, for at most `aftermath_s`."""
-        from scout_ckpt.observer import aftermath
-
-        try:
-            pending = aftermath.settle(self.channel.parent, self.cfg["run_id"], self._write_event, _HOST,
-                                       reported_elsewhere=self._reported_in_ledger)
-        except Exception as e:  # a malformed old channel must not take the observer down
-            log.warning("settling earlier runs failed: %s: %s", type(e).__name__, e)
-            pending = 0
-        self.next_aftermath = now + 1.0
-        self.aftermath_pending = pending > 0 and now - self.t0 < self.cfg.get("aftermath_s", 120.0)
-
-    def _settle_before_exit(self) -> None:
-        """A run shorter than its predecessor's observers' linger ends while they may still be writing: wait for
-        them (at most `final_settle_s(cfg)`, which Observer.stop waits for) rather than leave the predecessor's
-        crash unrecorded until some later generation."""
-        deadline = time.monotonic() + final_settle_s(self.cfg)
-        while self.aftermath_pending and time.monotonic() < deadline:
-            time.sleep(self.poll_s)
-            self.next_aftermath = 0.0
-            self._settle_previous(time.monotonic())
-        if self.aftermath_pending:
-            log.warning("earlier runs on this ROOT still had live observers at exit; the next generation settles them")
-
-    def _reported_in_ledger(self, run_id: str, t_from: float) -> bool:
-        """An incident event for that run is in the ledger already: one of its run, or one without a run id
-        (a supervisor's own diagnosis) written between that run's start and this one's."""
-        from scout_ckpt.ledger import Ledger
-
-        with Ledger.open(self.cfg["root"], readonly=True) as ledger:
-            events = ledger.events(kinds=INCIDENT_KINDS)
-        return any(e.get("run_id") == run_id or (not e.get("run_id") and t_from <= (e.get("time") or 0) <= self.t_start)
-                   for e in events)
-
     # ---- health --------------------------------------------------------------------------------------------
 
     def _poll_health(self) -> None:
         try:
+            if self.health is None:
+                self.health = self._health_source()
             events = self.health.poll()
         except Exception as e:
             log.warning("health source failed: %s: %s", type(e).__name__, e)
@@ -388,6 +368,7 @@ class Daemon:
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGUSR2, self._on_parent_death)
+        self._wake_r = _wakeup_pipe()
         _set_parent_death_signal(signal.SIGUSR2)
         if os.getppid() != self.pid:  # died before the request took effect
             self._death_signal_at = time.time()
@@ -404,26 +385,42 @@ class Daemon:
                 if rows is not None:
                     self._judge(now, rows)
                 self._check_claims()
-            if self.rank == 0 and self.aftermath_pending and now >= self.next_aftermath:
-                self._settle_previous(now)
+            if self.aftermath is not None:
+                self.aftermath.poll(now)
             if now >= self.next_health and self.state == "running":
                 self.next_health = now + self.cfg["health_poll_s"]
                 self._poll_health()
             if self._stop or self.state in ("closed", "aborted") or (
                     self.gone_since is not None and now - self.gone_since >= self.cfg["linger_s"]):
                 break
-            time.sleep(self.poll_s)
+            self._sleep(self.poll_s)
         self.state = "closed" if self._stop and self.state == "running" else self.state
         self.beat += 1
         _write_status(self.status_path, self._status(time.monotonic()))
-        if self.rank == 0 and self.aftermath_pending:
-            self._settle_before_exit()
+        if self.aftermath is not None:
+            self.aftermath.before_exit(self.poll_s)
         if self.state != "closed":
             try:
                 os.unlink(self.cfg["heartbeat"])
             except FileNotFoundError:
                 pass
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
         log.info("observer exits (trainer %s)", self.state)
+
+    def _sleep(self, seconds: float) -> None:
+        """time.sleep that a signal cuts short: Python resumes an interrupted sleep (PEP 475), so a SIGTERM from
+        Observer.stop would otherwise wait out the poll interval, at every Checkpointer.close."""
+        if self._wake_r < 0:
+            time.sleep(seconds)
+            return
+        ready, _, _ = select.select([self._wake_r], [], [], seconds)
+        if ready:
+            try:
+                os.read(self._wake_r, 512)
+            except BlockingIOError:
+                pass
 
     def _on_term(self, *_):
         self._stop = True
@@ -444,10 +441,25 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
+def _wakeup_pipe() -> int:
+    """A non-blocking pipe registered with signal.set_wakeup_fd; its read end (-1 where that fails)."""
+    try:
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        return r
+    except (OSError, ValueError):
+        return -1
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m scout_ckpt.observer.daemon")
-    ap.add_argument("config", help="the JSON config written by Observer.start")
-    cfg = json.loads(Path(ap.parse_args(argv).config).read_text())
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0].startswith("-"):  # argparse costs start-up time at every Checkpointer
+        print("usage: python -m scout_ckpt.observer.daemon CONFIG  (the JSON config written by Observer.start)",
+              file=sys.stderr)
+        return 2
+    cfg = json.loads(Path(args[0]).read_text())
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format=f"%(asctime)s observer[{cfg['rank']}] %(levelname)s %(message)s")
     Daemon(cfg).run()
@@ -455,4 +467,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # What the observer writes is on disk by now (atomic replaces, committed ledger rows): skip the interpreter's
+    # teardown, a tenth of a second on a loaded host that Observer.stop would wait for at every close.
+    os._exit(code)

@@ -6,7 +6,6 @@ The config and the side channel are JSON only (a health source is named, never p
 from __future__ import annotations
 
 import atexit
-import importlib
 import json
 import logging
 import os
@@ -17,23 +16,12 @@ import time
 from pathlib import Path
 
 from scout_ckpt.errors import ScoutError
-from scout_ckpt.format.layout import REPORTS_DIR, atomic_write_json
+from scout_ckpt.format.layout import atomic_write_json
 from scout_ckpt.observer import stacks as stacks_mod
+from scout_ckpt.observer.channel import channel_dir, final_settle_s, load_factory, read_json  # noqa: F401
 from scout_ckpt.observer.heartbeat import Heartbeat, default_path
 
 log = logging.getLogger("scout_ckpt.observer")
-
-
-def channel_dir(root: str | os.PathLike, run_id: str) -> Path:
-    return Path(root) / REPORTS_DIR / ".observer" / run_id
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
 
 
 class Observer:
@@ -89,17 +77,9 @@ class Observer:
                "health": health}
         cfg_path = channel / f"observer-{rank}.json"
         atomic_write_json(cfg_path, cfg)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        with open(channel / f"observer-{rank}.log", "ab") as errlog:
-            proc = subprocess.Popen([sys.executable, "-m", "scout_ckpt.observer.daemon", str(cfg_path)],
-                                    stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog, env=env,
-                                    start_new_session=True, close_fds=True)
+        proc = _spawn(cfg_path, channel / f"observer-{rank}.log", site=health is not None)
         tracer = counter = None
-        try:
-            if not _wait_for(lambda: (read_json(status) or {}).get("observer_pid") == proc.pid, 30.0,
-                             lambda: proc.poll() is not None):
-                raise ScoutError(f"observer of rank {rank} did not start (exit code {proc.poll()}); "
-                                 f"see {channel / f'observer-{rank}.log'}")
+        try:  # the hooks are installed while the observer process starts, then its first status is awaited
             if trace:
                 from scout_ckpt.observer.fingerprints import CollectiveTracer
 
@@ -107,6 +87,10 @@ class Observer:
             counter = _start_counter(hb, ignore_groups, count_hz)
             if tracer is not None:
                 tracer.counter = counter
+            if not _wait_for(lambda: (read_json(status) or {}).get("observer_pid") == proc.pid, 30.0,
+                             lambda: proc.poll() is not None):
+                raise ScoutError(f"observer of rank {rank} did not start (exit code {proc.poll()}); "
+                                 f"see {channel / f'observer-{rank}.log'}")
         except BaseException:
             if counter is not None:
                 counter.stop()
@@ -193,7 +177,11 @@ class Observer:
 
     def _at_exit(self) -> None:
         """A normal interpreter exit without Checkpointer.close() is a clean end, not a crash; an exit through an
-        uncaught exception is not (its heartbeat stays open, so the observers judge it)."""
+        uncaught exception is not (its heartbeat stays open, so the observers judge it). A forked child that
+        exits through the interpreter (os.fork, then sys.exit) inherited this handler: it must not close the
+        trainer's heartbeat nor stop the trainer's observer."""
+        if os.getpid() != self.cfg["trainer_pid"]:
+            return
         if not _UNCAUGHT:
             self.stop()
 
@@ -223,10 +211,21 @@ class Observer:
         self._dumper.close()
 
 
-def final_settle_s(cfg: dict) -> float:
-    """How long rank 0's observer may stay after its trainer closed, settling earlier runs: their observers
-    exit `linger_s` after their trainers, plus two exchanges to write their last status."""
-    return float(cfg["linger_s"]) + 2 * float(cfg["exchange_s"]) + 1.0
+def _spawn(cfg_path: Path, log_path: Path, site: bool) -> subprocess.Popen:
+    """The observer process, in a session of its own (torchrun's kill of the worker group must not reach it).
+    Its import path is the trainer's own (so it runs the same scout_ckpt), with this package's parent first:
+    then `-S` can skip site's start-up (the .pth files an environment accumulates cost a tenth of a second and
+    more on a loaded host). A named health source may live in a package only site's .pth files make
+    importable: then site runs as usual."""
+    import scout_ckpt
+
+    here = str(Path(scout_ckpt.__file__).resolve().parent.parent)
+    path = [here] + [p for p in sys.path if p and p != here]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    argv = [sys.executable, *(() if site else ("-S",)), "-m", "scout_ckpt.observer.daemon", str(cfg_path)]
+    with open(log_path, "ab") as errlog:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog, env=env,
+                                start_new_session=True, close_fds=True)
 
 
 _UNCAUGHT: list = []
@@ -302,15 +301,6 @@ def health_spec(source) -> dict | None:
     if not isinstance(kwargs, dict):
         raise ScoutError("observer health_source kwargs must be a JSON object")
     return {"factory": source["factory"], "kwargs": kwargs}
-
-
-def load_factory(name: str):
-    """'package.module:attr' -> the attribute (what the health spec names)."""
-    module, _, attr = name.partition(":")
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _wait_for(cond, timeout_s: float, abort=lambda: False, every: float = 0.01) -> bool:

@@ -30,6 +30,10 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
     gone = sorted(r for r, row in rows.items() if row["state"] == "gone")
     culprits = [r for r in gone if not row_error(rows[r])]
     if culprits:
+        if world_size == 1:  # a 1-rank job: no peer to outvote, and no peer whose failure could have killed it
+            return {"kind": "crash", "ranks": culprits, "step": rows[culprits[0]]["step"],
+                    "seq": rows[culprits[0]]["seq"], "attribution": "only_rank",
+                    "reason": "the trainer process of the job's only rank is gone without a clean close"}
         if world_size - len(culprits) >= majority:
             last = min(culprits, key=lambda r: prog(rows[r]))
             return {"kind": "crash", "ranks": culprits, "step": rows[last]["step"], "seq": rows[last]["seq"],

@@ -1,4 +1,4 @@
-"""The fault timeline drawn: the picture (PNG, matplotlib) and the self-contained HTML page around it.
+"""The fault timeline drawn: the picture (PNG or SVG, matplotlib) and the self-contained HTML page around it.
 
 Why apart from report.py: report.py folds the ledger into the timeline document (the `report --json` shape) and
 must stay cheap and importable without matplotlib or numpy; this module only draws a finished timeline dict and
@@ -74,6 +74,16 @@ def _event_steps(tl: dict) -> list[float]:
 
 def render_png(tl: dict) -> bytes:
     """The timeline picture: steps across, a checkpoint lane on top, one lane per rank below."""
+    return _render(tl, "png")
+
+
+def render_svg(tl: dict) -> bytes:
+    """The same picture as SVG; its marks carry ids (`run-N`: run N's bar, `kind-K`: the events of kind K,
+    `checkpoints-S`: the checkpoints in state S) so that what is drawn where can be read back."""
+    return _render(tl, "svg")
+
+
+def _render(tl: dict, fmt: str) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -98,25 +108,26 @@ def render_png(tl: dict) -> bytes:
             face, edge = STATE_STYLE.get(label, ("#ffffff", "#000000"))
             if many:
                 ax.scatter(steps, [0] * len(steps), s=80, marker="|", c=edge if face == "none" else face,
-                           linewidths=1.0, zorder=3)
+                           linewidths=1.0, zorder=3, gid=f"checkpoints-{label}")
             else:
                 ax.scatter(steps, [0] * len(steps), s=60, marker="o", facecolors=face, edgecolors=edge,
-                           linewidths=1.2, zorder=3)
+                           linewidths=1.2, zorder=3, gid=f"checkpoints-{label}")
         # Earlier attempts of a step (interrupted, rejected, then saved again) sit just above its checkpoint.
         earlier = [a for a in tl.get("attempts", []) if not a.get("current")]
         for k, a in enumerate(earlier):
             face, edge = STATE_STYLE.get(a["label"], ("#ffffff", "#000000"))
             ax.scatter([a["step"]], [-0.32], s=28, marker="o", facecolors=face, edgecolors=edge, linewidths=1.0,
                        zorder=3)
-        # Each incarnation of the job as a bar from where it resumed to the last step it saved.
+        # Each incarnation of the job as a bar from where it resumed to where it ended: the step it died at
+        # (a crash, an aborted hang) when it died past its last save, else the last step it saved.
         for i, run in enumerate(tl["runs"]):
             start = run.get("resumed_from") or 0
-            end = run.get("last_step")
+            end = run.get("end_step", run.get("last_step"))
             if end is None:
                 end = start
             colour = "#1f77b4" if i % 2 == 0 else "#17becf"
             ax.plot([start, max(end, start + 0.01)], [1, 1], color=colour, linewidth=6, solid_capstyle="butt",
-                    zorder=2, alpha=0.8)
+                    zorder=2, alpha=0.8, gid=f"run-{i + 1}")
             ax.scatter([start], [1], marker="|", s=120, c=colour, zorder=2)
             ax.annotate(f"run {i + 1}" + (f" from {run['resumed_from']}" if run.get("resumed_from") else ""),
                         (start, 1), xytext=(2, 7), textcoords="offset points", fontsize=7, color="#333333")
@@ -129,7 +140,8 @@ def render_png(tl: dict) -> bytes:
             py.extend(lanes)
         for kind, (px, py) in points.items():
             marker, colour = KIND_STYLE.get(kind, OTHER_STYLE)
-            ax.scatter(px, py, s=70, marker=marker, c=colour, zorder=4, edgecolors="white", linewidths=0.5)
+            ax.scatter(px, py, s=70, marker=marker, c=colour, zorder=4, edgecolors="white", linewidths=0.5,
+                       gid=f"kind-{kind}")
         for run in tl["runs"]:
             if run.get("resumed_from") is not None:
                 ax.axvline(run["resumed_from"], color="#1f77b4", linestyle="--", linewidth=0.8, zorder=1)
@@ -162,7 +174,7 @@ def render_png(tl: dict) -> bytes:
         ax.set_title("scout-ckpt fault timeline", loc="left")
         fig.tight_layout()
         buf = io.BytesIO()
-        fig.savefig(buf, format="png")
+        fig.savefig(buf, format=fmt, **({"metadata": {"Date": None}} if fmt == "svg" else {}))
         return buf.getvalue()
     finally:
         plt.close(fig)
@@ -203,7 +215,8 @@ def render_html(tl: dict, title: str = "scout-ckpt fault timeline") -> str:
     run_rows = "\n".join(_row([("num", str(i + 1)), ("", r["id"]), ("", time_text(r.get("started"))),
                                ("", r.get("host") or "-"), ("num", str(r.get("world_size") or "-")),
                                ("", "fresh start" if r.get("resumed_from") is None else f"step {r['resumed_from']}"),
-                               ("", "-" if r.get("first_step") is None else f"{r['first_step']}..{r['last_step']}")])
+                               ("", "-" if r.get("first_step") is None else f"{r['first_step']}..{r['last_step']}"),
+                               ("", _ended_text(r.get("died")))])
                          for i, r in enumerate(tl["runs"]))
     n_ck = len(tl["checkpoints"])
     ck_open = "" if n_ck > 200 else " open"
@@ -222,9 +235,9 @@ Generated {html.escape(time_text(time.time()))}.</p>
 </tbody></table>
 <h2>Runs (incarnations of the job)</h2>
 <table><thead><tr><th>#</th><th>run</th><th>started</th><th>host</th><th>ranks</th><th>resumed from</th>
-<th>steps saved</th></tr></thead>
+<th>steps saved</th><th>ended</th></tr></thead>
 <tbody>
-{run_rows or '<tr><td colspan="7">no runs</td></tr>'}
+{run_rows or '<tr><td colspan="8">no runs</td></tr>'}
 </tbody></table>
 <h2>Checkpoints</h2>
 <details{ck_open}><summary>{n_ck} checkpoints, newest first</summary>
@@ -234,6 +247,15 @@ Generated {html.escape(time_text(time.time()))}.</p>
 </tbody></table></details>
 </body></html>
 """
+
+
+def _ended_text(died: dict | None) -> str:
+    """How a run ended, for its row: where and when it died, or nothing recorded (a clean end, or still running)."""
+    if not died:
+        return "-"
+    where = f" at step {died['step']}" if died.get("step") is not None else ""
+    who = f" (rank {ranks_text(died['ranks'])})" if died.get("ranks") else ""
+    return f"{died['kind'].replace('crash', 'died')}{where}{who}, {time_text(died.get('time'))}"
 
 
 def write_html(tl: dict, path: str | os.PathLike) -> Path:

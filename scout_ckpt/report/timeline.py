@@ -5,8 +5,8 @@ health, sdc), the replay runner writes `replays` rows, and the save path records
 attributed ranks or an interrupted save. `timeline` folds all of them into one list of events so that an operator
 reads one story, not four tables. Read-only: it never writes the ledger, and it never imports torch (the CLI's
 `report` runs on machines where a 1.4 s torch import would dominate). The picture and the HTML page are drawn by
-report_page.py (matplotlib imported only there, only when drawing); `render_html`, `render_png` and `write_html`
-are re-exported here for callers of `report.write_html`.
+report/page.py (matplotlib imported only there, only when drawing); `render_html`, `render_png`, `render_svg` and
+`write_html` are re-exported here for callers of `report.write_html`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from scout_ckpt.report.page import (  # noqa: F401  (re-exported: the page and i
     STATE_STYLE,
     render_html,
     render_png,
+    render_svg,
     write_html,
 )
 
@@ -171,7 +172,7 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
                          "reasons": [r.get("code") for r in c.get("reasons") or [] if isinstance(r, dict)]}
                         for c in checkpoints],
         "attempts": attempts,
-        "runs": _runs(ledger.runs(), attempts),
+        "runs": _runs(ledger.runs(), attempts, events),
         "summary": summary,
     }
 
@@ -207,14 +208,29 @@ def _attempts(ledger: Ledger, checkpoints: list[dict]) -> list[dict]:
     return rows
 
 
-def _runs(runs: list[dict], attempts: list[dict]) -> list[dict]:
-    """Each incarnation of the job: where it resumed from and the steps it saved."""
+def _ended_by(e: dict) -> bool:
+    """An event that ended its run's generation: a crash, or an incident the observer aborted the job for."""
+    return e["kind"] == "crash" or (e["kind"] in ("hang", "desync") and e["detail"].get("action") == "abort")
+
+
+def _runs(runs: list[dict], attempts: list[dict], events: list[dict]) -> list[dict]:
+    """Each incarnation of the job: where it resumed from, the steps it saved, and where it died if it did
+    (`died`: the event that ended it, its step and time; `end_step`: where its bar in the picture ends, the
+    step it died at when that is past its last save)."""
     out = []
     for r in runs:
         steps = [a["step"] for a in attempts if a.get("run_id") == r["id"]]
+        last = max(steps) if steps else None
+        ends = [e for e in events if e.get("run_id") == r["id"] and _ended_by(e)]
+        died = None
+        if ends:  # the first such event: what follows it (a teardown's victims, a settled crash) is its consequence
+            e = min(ends, key=lambda e: (e["time"] if e["time"] is not None else float("inf")))
+            died = {"kind": e["kind"], "step": e["step"], "time": e["time"], "ranks": e["ranks"]}
+        candidates = [x for x in (last, died and died["step"]) if x is not None]
         out.append({"id": r["id"], "started": r.get("started"), "world_size": r.get("world_size"),
                     "resumed_from": r.get("resumed_from"), "host": r.get("host"),
-                    "first_step": min(steps) if steps else None, "last_step": max(steps) if steps else None})
+                    "first_step": min(steps) if steps else None, "last_step": last, "died": died,
+                    "end_step": max(candidates) if candidates else None})
     return out
 
 

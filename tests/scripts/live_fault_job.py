@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -118,6 +119,9 @@ def main() -> None:
             # rank included, as failing hardware); or intermittent, at the step's first call only (its live forward)
             step = step_now[0]
             if (args.persistent and step >= args.fault_step) or (step == args.fault_step and step not in fired):
+                if not fired:   # ROOT/fault.json: when it first struck (a campaign's latency starts there)
+                    with open(os.path.join(args.root, "fault.json"), "w") as f:
+                        json.dump({"rank": rank, "step": step, "module": args.fault_module, "time": time.time()}, f)
                 fired.add(step)
                 out = out.clone()
                 out[..., 3] += 1e-3
