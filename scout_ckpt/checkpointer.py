@@ -464,7 +464,8 @@ class Checkpointer:
         when `state` has no place for saved values (the caller built it wrongly). The walk-back itself is
         scout_ckpt/save/loading.py."""
         self.wait()
-        step = self._loader.load(state)
+        with self.phase("checkpoint"):   # the coordinator's ledger writes after the load run while peers train on
+            step = self._loader.load(state)
         # What was loaded (or the fresh start) is the new lineage: nothing before it taints the saves to come.
         self.lineage.clear()
         if step is None:

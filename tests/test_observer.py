@@ -295,6 +295,10 @@ def _row(step, seq, *, state="running", in_coll=True, age=5.0, fp="a", error=Fal
       2: _row(7, 0, in_coll=False) | {"cseq": 12}, 3: _row(7, 0, in_coll=False) | {"cseq": 12}}, 4, ("hang", [2, 3])),
     # ... and only once both are stuck
     ({0: _row(3, 9), 1: _row(3, 8, in_coll=False, age=0.5)}, 2, None),
+    # two ranks after a load: rank 1 waits in the first all-reduce while rank 0, the coordinator, still writes the
+    # load's verdicts to the ledger (phase "checkpoint"): a slow checkpoint, not a hang of rank 0
+    ({0: _row(5, 0, in_coll=False, phase="checkpoint") | {"cseq": 3}, 1: _row(6, 0, in_coll=False,
+      phase="backward") | {"cseq": 4}}, 2, None),
     # two ranks, neither in a collective (a long save on both): no verdict
     ({0: _row(3, 9, in_coll=False, phase="checkpoint"), 1: _row(3, 8, in_coll=False)}, 2, None),
     # the majority not yet past the threshold

@@ -32,7 +32,6 @@ after the Checkpointer, is the module's, and its collectives are counted (and, w
     `ddp._comm_hooks`), nothing is registered;
   - a built-in C++ hook (`_register_builtin_comm_hook`, e.g. FP16_COMPRESS) holds the reducer: a warning says
     the traced hook could not be registered (its collectives are still counted).
-`observer={"ddp_comm_hook": False}` is the same as the default.
 
 FSDP2 (`fully_shard`) needs nothing: torch 2.13 issues its all-gathers and reduce-scatters as Python calls to
 `dist.all_gather_single` / `dist.reduce_scatter_single`, which the tracer wraps, and its mesh groups are

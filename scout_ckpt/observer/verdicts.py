@@ -137,6 +137,11 @@ def sequence_hang(live: dict[int, dict], world_size: int, stall_s: float) -> dic
     top = max(points.values())
     ahead = sorted(r for r in live if points[r] == top)
     behind = sorted(r for r in live if points[r] < top)
+    if any(live[r].get("phase") == "checkpoint" for r in behind):
+        # The ranks behind are saving or loading (a coordinator's ledger writes after a load can outlast stall_s
+        # while its peer already waits in training): a slow checkpoint, not a hang the sequence can tell. A rank
+        # truly stuck there is ended by the process-group timeout; with 3+ ranks the majority rule still judges.
+        return None
     step = live[ahead[0]]["step"]
     seq, cseq = live[ahead[0]]["seq"], _count(live[ahead[0]])
     if (all(waits(live[r]) for r in ahead)
