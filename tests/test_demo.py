@@ -120,6 +120,8 @@ def test_demo_command_json_is_one_document_with_the_contracts_keys(tmp_path, cle
     assert doc["final_digest"] == clean_run["final_digest"] and doc["final_digest"].startswith("xxh3_128:")
 
 
+@pytest.mark.scenario
+@pytest.mark.scenario_ci   # 15-30 s on 2 cores: CI runs it in its scenario tier, keeping make test within 15 min
 @pytest.mark.slow
 def test_demo_command_summary_with_its_default_four_ranks_in_hsdp(tmp_path):
     """The plain summary of `scout-ckpt demo --mode hsdp` at the default --ranks (4: a 2x2 replicate x shard

@@ -54,6 +54,8 @@ def loaded(recs) -> dict[int, tuple[int, str | None]]:
     return {r["attempt"]: (r["step"], r["digest"]) for r in recs if r["event"] == "loaded"}
 
 
+@pytest.mark.scenario
+@pytest.mark.scenario_ci   # 15-30 s on 2 cores: CI runs it in its scenario tier, keeping make test within 15 min
 def test_plain_fsdp_script_certifies_every_checkpoint_and_resumes_exactly_after_a_kill(tmp_path, request):
     # either rank SIGKILLed after the optimizer step of any step after the first save, placed by the seed
     pl = place(request, ranks=range(2), steps=range(5, 13))

@@ -26,6 +26,8 @@ def _log(out_dir, rank):
     return [json.loads(line) for line in (out_dir / f"log.rank{rank}").read_text().splitlines()]
 
 
+@pytest.mark.scenario
+@pytest.mark.scenario_ci   # 15-30 s on 2 cores: CI runs it in its scenario tier, keeping make test within 15 min
 @pytest.mark.slow
 def test_nanogpt_killed_rank_resumes_exact_saved_state(tmp_path):
     out = tmp_path / "gpt"

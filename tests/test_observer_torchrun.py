@@ -186,6 +186,8 @@ def test_fsdp2_job_hangs_desync_and_straggler_under_torchrun(tmp_path, request):
         assert took < PG_TIMEOUT, pls
 
 
+@pytest.mark.scenario
+@pytest.mark.scenario_ci   # 15-30 s on 2 cores: CI runs it in its scenario tier, keeping make test within 15 min
 def test_sigkilled_rank_of_two_is_a_crash_after_the_restart(tmp_path, request):
     """2 ranks: no strict majority can name the killed rank, but the next generation records the run its
     predecessor left unfinished: a crash, unattributed, the killed rank first to stop heartbeating (rank and

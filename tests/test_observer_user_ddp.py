@@ -66,6 +66,8 @@ def check_straggler(tmp_path: Path, nproc: int, where: str, *extra: str) -> None
 # ---- default tier -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.scenario
+@pytest.mark.scenario_ci   # 15-30 s on 2 cores: CI runs it in its scenario tier, keeping make test within 15 min
 def test_two_rank_straggler_in_the_data_loader_is_named_with_the_defaults(tmp_path):
     """A short job (80 steps of about 60 ms, a save every 40): rank 1's data loader takes 3x rank 0's 30 ms; the
     default rule names rank 1 ("rank 1 is ...x slower than rank 0") and nobody else."""

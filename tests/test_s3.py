@@ -82,7 +82,8 @@ def _load(run, **kw):
     return out[0].result
 
 
-@pytest.mark.parametrize("width", [16, pytest.param(1280, marks=pytest.mark.scenario)], ids=["small", "multipart"])
+@pytest.mark.parametrize("width", [pytest.param(16, marks=(pytest.mark.scenario, pytest.mark.scenario_ci)),   # CI tier
+                                   pytest.param(1280, marks=pytest.mark.scenario)], ids=["small", "multipart"])
 def test_save_certify_resume_load_exactly_then_async_saves(run, width, capsys, monkeypatch):
     """Sync saves, the CLI on the ledger_dir, then a restart that loads exactly and goes on with
     async_save=True as a user would write it: saves at 6 and 8 with training in between (the next optimizer step

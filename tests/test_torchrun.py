@@ -34,6 +34,8 @@ def torchrun_ddp(root, *args) -> list[dict]:
     return [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("SCOUT-EXAMPLE ")]
 
 
+@pytest.mark.scenario
+@pytest.mark.scenario_ci   # 15-30 s on 2 cores: CI runs it in its scenario tier, keeping make test within 15 min
 def test_torchrun_restart_walks_back_past_a_load_mismatch_and_resumes_exact_saved_state(tmp_path, request):
     # Any rank SIGKILLed after the optimizer step of a step past the second save (so the restart has a checkpoint
     # to walk back past, and one before it), placed by the session's seed.
