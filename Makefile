@@ -34,7 +34,7 @@ test: $(STAMP) $(EXTRAS)
 # inside a save under torchrun (sync and async), an FSDP2 shard fault, a DDP job hanging at 3 ranks (and its
 # desync, crash and straggler) and at 2 ranks with the defaults, the demo's hang at 3 ranks, a live-step SDC,
 # an S3 upload killed, a rank killed in the Trainer, Lightning, Accelerate and DeepSpeed, the README's demo
-# command (8 minutes on 2 cores, 2026-12-02). docs/tests.md lists them.
+# command (11 minutes on 2 cores, 2026-12-02). docs/tests.md lists them.
 scenarios-ci: $(STAMP) $(EXTRAS)
 	$(BIN)/python -m pytest -q -m scenario_ci --durations=20 tests
 
