@@ -33,8 +33,6 @@ Test-only: SCOUT_CKPT_TEST_ADOPT_HOOK is read in one place, `_hook`, between the
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import re
 import signal
@@ -48,6 +46,7 @@ from scout_ckpt.format import layout, manifest
 from scout_ckpt.ledger import journal
 from scout_ckpt.ops import adopt_layouts
 from scout_ckpt.ops.adopt_step import DEFAULT_INVARIANTS, adopt_step
+from scout_ckpt.ops.settle import try_exclusive
 
 HOOK_ENV = "SCOUT_CKPT_TEST_ADOPT_HOOK"
 LOCK_NAME = "adopt"
@@ -88,12 +87,8 @@ def _exclusive(root: Path):
     path.parent.mkdir(exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise BadInput(f"{root}: another `scout-ckpt adopt` is running on it") from None
-            raise
+        if not try_exclusive(fd):
+            raise BadInput(f"{root}: another `scout-ckpt adopt` is running on it")
         yield
     finally:
         os.close(fd)   # the lock goes with the descriptor; the file stays (unlinking it would race a second adopt)

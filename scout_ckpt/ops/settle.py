@@ -130,6 +130,18 @@ def take_lease(root: str | os.PathLike, attempt: str) -> Lease:
     return Lease(path, fd)
 
 
+def try_exclusive(fd: int) -> bool:
+    """Take an exclusive flock on `fd` without waiting: True taken, False another descriptor holds it. Any other
+    error is raised: the caller decides what "could not check" means for its lock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
 def lease_state(root: str | os.PathLike, attempt: str | None) -> str | None:
     """HELD (a live process holds the lease), FREE (its holder is gone: the lock could be taken), UNKNOWN (the
     file is there but could not be checked), or None (no lease: the save predates leases, or finished)."""
@@ -143,12 +155,11 @@ def lease_state(root: str | os.PathLike, attempt: str | None) -> str | None:
     except OSError:
         return UNKNOWN
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        return HELD if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else UNKNOWN
+        return FREE if try_exclusive(fd) else HELD
+    except OSError:
+        return UNKNOWN
     finally:
         os.close(fd)   # closing drops the lock if it was taken
-    return FREE
 
 
 def attempt_alive(root: str | os.PathLike, attempt: str | None, owner: dict | None) -> bool | None:

@@ -42,7 +42,6 @@ No torch here.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -55,6 +54,7 @@ from scout_ckpt.errors import LedgerError, ScoutError
 from scout_ckpt.format.layout import LEASES_DIR, LEDGER_NAME, MANIFEST_NAME, list_checkpoint_dirs
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.ledger.connection import header_journal
+from scout_ckpt.ops.settle import try_exclusive
 
 logger = logging.getLogger("scout_ckpt")
 
@@ -91,7 +91,7 @@ class RunLease:
         """Before a save (coordinator): the lease is ours, taken now if its holder has gone; else RootInUse."""
         if self.held:
             return
-        if self.fd is not None and _try_lock(self.fd):
+        if self.fd is not None and try_exclusive(self.fd):
             self.held, self.holder = True, None
             self.record()
             return
@@ -134,14 +134,6 @@ def _holder(fd: int) -> dict:
         return {}
 
 
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-
-
 def _in_use(root: Path, holder: dict) -> RootInUse:
     who = ", ".join(f"{k} {holder[k]}" for k in ("job", "host", "pid") if holder.get(k) is not None)
     return RootInUse(f"{root}: another job is saving checkpoints here ({who or 'holder unknown'}, holds "
@@ -167,7 +159,7 @@ def take_run_lease(root: str | Path, *, wait_s: float = RUN_LEASE_WAIT_S) -> Run
         raise StartRefused(f"{root}: cannot open the run lease {path} ({e})") from None
     me, deadline = _job_id(), time.monotonic() + wait_s
     try:
-        while not _try_lock(fd):
+        while not try_exclusive(fd):
             holder = _holder(fd)
             if me is None or holder.get("job") != me or time.monotonic() >= deadline:
                 lease = RunLease(root, key, fd, False, holder)
