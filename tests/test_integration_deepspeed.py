@@ -31,8 +31,8 @@ pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "scripts" / "ds_job.py"
 
 
-def torchrun(save_dir, events, *extra, restarts=0, ok=True):
-    return jobs.torchrun(SCRIPT, save_dir, events, *extra, restarts=restarts, ok=ok)
+def torchrun(save_dir, events, *extra, restarts=0, ok=True, nproc=2):
+    return jobs.torchrun(SCRIPT, save_dir, events, *extra, restarts=restarts, ok=ok, nproc=nproc)
 
 
 # ---- torch-free pieces ----------------------------------------------------------------------------------------
@@ -115,13 +115,11 @@ def test_zero1_cli_reads_a_deepspeed_save_dir_and_walks_past_a_corrupted_shard(z
 
 # ---- ZeRO-1: a rank killed mid-save, resumed exactly (the CI tier's DeepSpeed kill) -------------------------
 
-@pytest.mark.scenario
-@pytest.mark.scenario_ci   # the CI tier's DeepSpeed kill
-def test_zero1_rank_killed_mid_save_resumes_exactly_from_newest_certified(tmp_path):
+def _zero1_killed_mid_save(tmp_path, nproc):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
-    # rank 1 SIGKILLs itself after writing its optimizer shard of step 4; torchrun restarts both ranks
+    # rank 1 SIGKILLs itself after writing its optimizer shard of step 4; torchrun restarts every rank
     torchrun(save_dir, ev, "--stage", 1, "--steps", 6, "--save-every", 2, "--accept-single-owner",
-             "--crash-at", 4, restarts=1)
+             "--crash-at", 4, restarts=1, nproc=nproc)
     first = {r["step"]: r for r in events(ev, "saved", attempt=0)}
     assert list(first) == [2] and first[2]["latest"] == "global_step2"
     resumed = events(ev, "resumed", attempt=1)
@@ -134,6 +132,17 @@ def test_zero1_rank_killed_mid_save_resumes_exactly_from_newest_certified(tmp_pa
     assert hist4[0]["state"] == "rejected" and hist4[0]["reasons"][0]["code"] == "save_interrupted"
     assert states(save_dir) == {2: "certified", 4: "certified", 6: "certified"}
     assert (save_dir / "latest").read_text() == "global_step6"
+
+
+@pytest.mark.scenario
+@pytest.mark.scenario_ci   # the CI tier's DeepSpeed kill
+def test_zero1_rank_killed_mid_save_resumes_exactly_from_newest_certified(tmp_path):
+    _zero1_killed_mid_save(tmp_path, 2)
+
+
+@pytest.mark.scenario
+def test_zero1_on_three_ranks_killed_mid_save_resumes_exactly_from_newest_certified(tmp_path):
+    _zero1_killed_mid_save(tmp_path, 3)
 
 
 # ---- ZeRO-3 ---------------------------------------------------------------------------------------------------
