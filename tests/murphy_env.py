@@ -1,7 +1,7 @@
 """Faults of the world for a job under torchrun, injected by real means from outside the job: a transient EIO on
-one file (every process of the job, whichever rank reads it) and a lost ledger. For the framework drop-ins' Murphy
-tests (tests/test_integration_lightning.py, tests/test_integration_accelerate.py); the core's are in
-tests/test_murphy_trust.py.
+one file (every process of the job, whichever rank reads it) and a lost ledger. Shared by the framework drop-ins' Murphy
+tests (tests/test_integration_lightning.py, tests/test_integration_accelerate.py) and the core's
+(tests/test_murphy_trust.py).
 
 Why an EIO and not `chmod 000`: the tests run as root here, and root reads a file whatever its mode."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 from tests.conftest import run_cli
+from tests.murphy_env import eio_once_env
 
 
 def _ls(root) -> dict:
@@ -223,22 +224,6 @@ def test_the_checkpointer_holds_its_lease_for_the_life_of_a_save(tmp_path):
 
 # ---- item 9: a transient EIO is "could not check now", never a rejection ------------------------------------------
 
-_EIO_SITECUSTOMIZE = '''
-import errno, os
-_target = os.environ.get("SCOUT_TEST_EIO_FILE")
-if _target:
-    _real, _done = os.open, []
-
-    def _open(path, flags, *args, **kwargs):   # the first open of the target fails with EIO, as a flaky disk does
-        if not _done and not isinstance(path, int) and os.path.realpath(os.fspath(path)) == _target:
-            _done.append(path)
-            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
-        return _real(path, flags, *args, **kwargs)
-
-    os.open = _open
-'''
-
-
 def _shard(root, step):
     return next(p for p in sorted((root / f"step-{step:08d}").iterdir()) if p.suffix == ".distcp")
 
@@ -289,15 +274,7 @@ def test_a_transient_eio_while_resume_verifies_walks_back_without_rejecting(ckpt
 
 
 def test_a_transient_eio_in_the_cli_rejects_nothing_and_gc_keeps_the_step(ckpt_root, tmp_path):
-    import os
-
-    from tests.conftest import REPO
-
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(_EIO_SITECUSTOMIZE)
-    eio = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}",
-           "SCOUT_TEST_EIO_FILE": os.path.realpath(_shard(ckpt_root, 4))}
+    eio = eio_once_env(tmp_path / "site", _shard(ckpt_root, 4))
     before = _trust(ckpt_root, 4)
     rc, out, err = run_cli("resume", ckpt_root, "--latest-clean", "--json", env=eio)
     assert rc == 0 and json.loads(out)["step"] == 3 and "could_not_check" in err, err
