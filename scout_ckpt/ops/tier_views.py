@@ -38,7 +38,8 @@ def local_row(r: dict) -> dict:
                        "path": f.get("where") or f.get("path"), "size": f.get("size"), "digest": f.get("digest")}
                       for f in files],
             "copies": [{"rank": c.get("rank"), "holder": c.get("holder"), "host": c.get("host"),
-                        "node": c.get("node"), "path": c.get("path"), "verified": bool(c.get("verified"))}
+                        "node": c.get("node"), "path": c.get("path"),
+                        "verified": None if c.get("verified") is None else bool(c.get("verified"))}
                        for c in r.get("copies") or []]}
 
 
@@ -52,10 +53,15 @@ def where_text(row: dict) -> str:
     hosts = sorted({str(f["host"]) for f in row["files"] if f.get("host")})
     copies = row["copies"]
     ok = sum(1 for c in copies if c["verified"])
+    unchecked = sum(1 for c in copies if c["verified"] is None)
+    if unchecked:
+        return f"{', '.join(hosts) or '?'}; {len(copies)} copies, {unchecked} unchecked"
     return f"{', '.join(hosts) or '?'}; " + (f"copies {ok}/{len(copies)} ok" if copies else "no peer copy")
 
 
 def _copy_clause(c: dict) -> str:
+    if c["verified"] is None:   # a row rebuilt from the files alone: no digest on record to check it with
+        return f"a copy lies on host {c['host']} at {c['path']}, not checked (no digest on record)"
     state = ("verified against the owner's digest when it was received" if c["verified"] else
              "NOT verified: the bytes received did not hash to the owner's digest")
     return f"rank {c['holder']} on host {c['host']} holds a copy at {c['path']}, {state}"
@@ -147,6 +153,8 @@ def explain_local_lines(doc: dict, escape: Callable[[str], str], *, both: bool) 
                      + "; ".join(said) + more + ".")
     for kind, item in doc["evidence"].items():
         lines.append(escape(_evidence_sentence(kind, item)))
+    if not doc["evidence"]:
+        lines.append("No evidence of this save is on record (no consensus, invariants, finite check or verdict).")
     copies = doc["copies"]
     if copies:
         by_rank = {}
