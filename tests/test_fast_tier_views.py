@@ -87,9 +87,12 @@ def test_ls_lists_local_steps_beside_durable_ones_with_where_each_copy_lives(loc
     assert {(x[0], x[2]) for x in lines if x[1:2] == ["local"]} == {("2", "certified"), ("4", "certified"),
                                                                     ("6", "rejected")}
     flat = _flat(out)
-    own4 = ranks[1]["own"][4]["path"]
-    assert _flat(f"rank 1's file is on host {ranks[1]['host']} at {own4}; rank 0 on host {ranks[0]['host']} holds a "
-                 f"copy at {_peer(local_run, 4, 1)}, verified against the owner's digest") in flat
+    base = local_run["base"]
+    assert _flat("Local step 4 (certified, saved 20") in flat
+    assert _flat(f"{local_run['run_id']}/step-00000004 in each node's local directory: rank 0 on {ranks[0]['host']} "
+                 f"in {base / 'node-0'}, its copy held by rank 1 on {ranks[1]['host']} in {base / 'node-1'} "
+                 f"(verified at save); rank 1 on {ranks[1]['host']} in {base / 'node-1'}, its copy held by rank 0 on "
+                 f"{ranks[0]['host']} in {base / 'node-0'} (verified at save).") in flat
 
 
 def test_explain_says_what_a_local_save_showed_and_both_tiers_when_both_hold_the_step(local_run):

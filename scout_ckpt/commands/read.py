@@ -71,12 +71,18 @@ def ls(root: Path, as_json: bool) -> int:
 
 def _local_rows(root: Path) -> list[dict]:
     """The local tier's rows ([] when the ledger has none); read after list_checkpoints found the ledger
-    readable."""
-    from scout_ckpt.ledger import Ledger
+    readable. A ledger that turned unreadable in between costs the local rows (a warning), never the listing."""
+    import sqlite3
+
+    from scout_ckpt.ledger import Ledger, LedgerUnavailable
     from scout_ckpt.ops.tier_views import local_rows
 
-    with Ledger.open(root, readonly=True) as ledger:
-        return local_rows(ledger)
+    try:
+        with Ledger.open(root, readonly=True) as ledger:
+            return local_rows(ledger)
+    except (LedgerUnavailable, sqlite3.DatabaseError) as e:
+        print(f"scout-ckpt: warning: the local tier's steps not listed: {e}", file=sys.stderr)
+        return []
 
 
 def explain(root: Path, step: int, as_json: bool) -> int:

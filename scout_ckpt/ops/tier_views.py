@@ -67,22 +67,37 @@ def _copy_clause(c: dict) -> str:
     return f"rank {c['holder']} on host {c['host']} holds a copy at {c['path']}, {state}"
 
 
+def _base(path: str | None, rel: str | None) -> str:
+    """The node-local directory of a file recorded as BASE/RUN_ID/step-N/NAME (the path itself if not so)."""
+    p = str(path or "?")
+    head, _, _ = p.rpartition("/")
+    if rel and head.endswith("/" + rel):
+        return head[: -len(rel) - 1] or "/"
+    return p
+
+
 def copies_sentence(row: dict) -> str:
-    """`ls`: one sentence per local step saying where each rank's file and its peer copies live."""
-    saved = time_text(row.get("committed"))
-    parts = []
-    by_rank = {}
+    """`ls`: one sentence per local step saying on which host and in which node-local directory each rank's file
+    and each of its peer copies lie, and whether the copy verified at save."""
+    rel = row.get("dir")
+    by_rank: dict = {}
     for c in row["copies"]:
         by_rank.setdefault(c["rank"], []).append(c)
     files = sorted(row["files"], key=lambda f: (f["rank"] is None, f["rank"]))
+    parts = []
     for f in files[:SHOWN_RANKS]:
-        clause = f"rank {f['rank']}'s file is on host {f['host']} at {f['path']}"
-        held = by_rank.get(f["rank"]) or []
-        clause += ("; " + "; ".join(_copy_clause(c) for c in held)) if held else "; no peer copy"
+        clause = f"rank {f['rank']} on {f['host']} in {_base(f['path'], rel)}"
+        for c in by_rank.get(f["rank"]) or []:
+            state = ("not checked: no digest on record" if c["verified"] is None else
+                     "verified at save" if c["verified"] else "NOT verified at save")
+            holder = f"rank {c['holder']}" if c.get("holder") is not None else "a peer"
+            clause += f", its copy held by {holder} on {c['host']} in {_base(c['path'], rel)} ({state})"
+        if not by_rank.get(f["rank"]):
+            clause += ", no peer copy"
         parts.append(clause)
     more = f"; and {len(files) - SHOWN_RANKS} more ranks (`ls --json` lists them)" if len(files) > SHOWN_RANKS else ""
-    return (f"Local step {row['step']} ({row['state']}, saved {saved}): " + ("; ".join(parts) or "no file recorded")
-            + more + ".")
+    return (f"Local step {row['step']} ({row['state']}, saved {time_text(row.get('committed'))}), {rel} in each "
+            f"node's local directory: " + ("; ".join(parts) or "no file recorded") + more + ".")
 
 
 # ---- explain --------------------------------------------------------------------------------------------------
