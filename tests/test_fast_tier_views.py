@@ -124,6 +124,15 @@ def test_explain_says_what_a_local_save_showed_and_both_tiers_when_both_hold_the
     assert _db(root) == before
 
 
+def test_resume_names_certified_local_steps_newer_than_its_durable_answer(local_run):
+    rc, out, err = run_cli("resume", local_run["root"], "--latest-clean", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and (doc["step"], doc["tier"]) == (2, "durable"), err
+    # local step 4 is what the job's second incarnation loaded (local step 6 was rejected at that restart)
+    assert [r["step"] for r in doc["local_newer"]] == [local_run["ranks"][0]["loaded"]] == [4]
+    assert "newer local step(s) 4 certified in the fast tier" in err
+
+
 def test_report_counts_local_saves_and_rejections(local_run):
     rc, out, err = run_cli("report", local_run["root"], "--json")
     doc = json.loads(out)

@@ -9,6 +9,7 @@ manifests and the journal, with a warning on stderr and the same exit codes.
 
 from __future__ import annotations
 
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -72,8 +73,6 @@ def ls(root: Path, as_json: bool) -> int:
 def _local_rows(root: Path) -> list[dict]:
     """The local tier's rows ([] when the ledger has none); read after list_checkpoints found the ledger
     readable. A ledger that turned unreadable in between costs the local rows (a warning), never the listing."""
-    import sqlite3
-
     from scout_ckpt.ledger import Ledger, LedgerUnavailable
     from scout_ckpt.ops.tier_views import local_rows
 
@@ -152,11 +151,31 @@ def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool) -> in
     for s in found.get("newer") or []:
         print(f"scout-ckpt: newer step {s['step']} is {s['state']}: {reason_text(s['reasons']) or '-'}",
               file=sys.stderr)
+    newer_local = [] if found.get("fallback") else _newer_local(root, found["step"])
+    if newer_local:
+        print(f"scout-ckpt: newer local step(s) {', '.join(str(r['step']) for r in newer_local)} certified in the "
+              f"fast tier: a job restarted on the same layout loads the newest one every rank re-verifies; this "
+              f"command cannot read other nodes' local directories", file=sys.stderr)
     if as_json:
-        emit({**found, "tier": found.get("tier", "durable")})   # the CLI reads the durable tier (design.md, "Fast tier")
+        # the CLI reads the durable tier (design.md, "Fast tier"); newer certified local steps are named beside it
+        emit({**found, "tier": found.get("tier", "durable"), "local_newer": newer_local})
     else:
         print(found["path"])
     return 0
+
+
+def _newer_local(root: Path, step: int) -> list[dict]:
+    """Certified local steps newer than the durable answer, newest first ([] when none or unreadable now)."""
+    from scout_ckpt.errors import ScoutError
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.ledger import tiers
+
+    try:
+        with Ledger.open(root, readonly=True) as ledger:
+            return [{"step": r["step"], "state": r["state"], "run_id": r.get("run_id"), "dir": r.get("dir")}
+                    for r in tiers.rows(ledger) if r["state"] == "certified" and r["step"] > step]
+    except (ScoutError, OSError, sqlite3.DatabaseError):
+        return []
 
 
 def _say_fallback(why: str | None) -> None:
