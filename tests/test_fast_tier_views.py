@@ -204,3 +204,49 @@ def test_ledger_rebuild_restores_local_rows_and_never_certifies_what_it_could_no
     assert sorted(Path(f["path"]).name for f in local[4]["files"]) == ["rank-0.pt", "rank-1.pt"]
     assert all(f["digest"] is None for f in local[4]["files"]) and all(c["verified"] is None
                                                                        for c in local[4]["copies"])
+
+
+# ---- end to end (scenario): two torchrun agents as two nodes, the ledger rebuilt from one node's directory ------
+
+@pytest.mark.scenario
+def test_rebuilt_local_rows_are_what_a_restarted_job_loads_and_a_lost_ledger_certifies_none(tmp_path):
+    """Two agents (tests/test_fast_tier.py's run_agents), 2 workers each, each agent its own local dir; local saves
+    every 2 steps (kept: 8 and 10), durable at 6. With the ring's peer copies, node 0's directory alone holds every
+    rank's file (its own ranks' and node 1's copies): a rebuild that sees only it re-checks every rank and keeps
+    local 8 and 10 certified, and the restarted job loads local step 10 with the digest it printed when it saved
+    it. With the ledger lost, the rebuild lists the local steps but certifies none: the next restart takes durable
+    step 6, again judged by the job's own digest."""
+    from tests.test_fast_tier import _dirs, _ok, job_lines, loads_by_run, run_agents, saved_digests
+
+    root, dirs = tmp_path / "run", _dirs(tmp_path)
+    first = run_agents(root, dirs, "--steps", "10", "--save-every", "6", "--local-every", "2")
+    _ok(first)
+    lines = job_lines(first)
+    saved = saved_digests(lines)
+    durable = {(e["rank"], e["step"]): e["digest"] for e in lines if e["event"] == "saved"}
+
+    rc, out, err = run_cli("ledger", "rebuild", root, "--local-dir", dirs[0], "--json")
+    res = json.loads(out)
+    assert rc == 0, err
+    assert {s: st for s, (st, _) in _local_states(res).items() if st != "deleted"} == {8: "certified",
+                                                                                      10: "certified"}, res["local"]
+    second = run_agents(root, dirs, "--steps", "11", "--save-every", "6", "--local-every", "2")
+    _ok(second)
+    loads = loads_by_run(job_lines(second))[0]
+    assert sorted(loads) == [0, 1, 2, 3]
+    for rank, e in loads.items():
+        assert (e["step"], e["tier"]) == (10, "local"), e
+        assert e["digest"] == saved[(rank, 10)], (rank, e)
+
+    for p in root.glob("scout-ledger.db*"):
+        p.unlink()
+    rc, out, err = run_cli("ledger", "rebuild", root, "--local-dir", dirs[0], "--local-dir", dirs[1], "--json")
+    res = json.loads(out)
+    assert rc == 0, err
+    assert {st for st, _ in _local_states(res).values()} == {"committed"}, res["local"]
+    third = run_agents(root, dirs, "--steps", "7", "--save-every", "6", "--local-every", "2")
+    _ok(third)
+    loads = loads_by_run(job_lines(third))[0]
+    for rank, e in loads.items():
+        assert (e["step"], e["tier"]) == (6, "durable"), e
+        assert e["digest"] == durable[(rank, 6)], (rank, e)
