@@ -165,12 +165,18 @@ def ledger_rebuild_cmd(root: Path = typer.Argument(...),
                            None, "--uri", help="s3://bucket/prefix of an object-store run whose ledger_dir (ROOT) "
                                                "lost its scout-storage.json; endpoint and credentials from the "
                                                "environment (AWS_ENDPOINT_URL, ...)."),
+                       local_dir: List[Path] = typer.Option(
+                           [], "--local-dir", help="A node-local directory of the fast tier (local.dir) that this "
+                                                   "host can read; repeatable. Default: those the old ledger names "
+                                                   "on this host."),
                        as_json: bool = JSON_OPT):
     """Rebuild the ledger's checkpoint rows from the checkpoints' manifests and the journal (the old ledger is
     kept as .bak). Never more trusted than it can re-verify: --json lists what changed (step, before, after, why).
     On an object-store run ROOT is its ledger_dir: the committed attempts on the store are re-verified by ranged
-    reads, and the journal's copy on the store counts with what survives in ROOT."""
-    _exit(maintain.ledger_rebuild(root, no_verify, uri, as_json))
+    reads, and the journal's copy on the store counts with what survives in ROOT. The fast tier's rows are
+    rebuilt from the --local-dir directories: certified only where the old ledger certified them and every
+    rank's file is found and matches its recorded digest."""
+    _exit(maintain.ledger_rebuild(root, no_verify, uri, as_json, local_dir))
 
 
 # ---- entry point -----------------------------------------------------------------------------------------------

@@ -116,20 +116,47 @@ def export(root: Path, step: int | None, latest_clean: bool, out: Path, force: b
                    as_json, lambda r: [r.get("path") or out])
 
 
-def ledger_rebuild(root: Path, no_verify: bool, uri: str | None, as_json: bool) -> int:
+def ledger_rebuild(root: Path, no_verify: bool, uri: str | None, as_json: bool,
+                   local_dir: list[Path] | None = None) -> int:
     from scout_ckpt.ops.rebuild import rebuild
 
-    result = rebuild(root, verify=not no_verify, uri=uri)   # object_store.rebuild.resolve checks ROOT and --uri
+    # object_store.rebuild.resolve checks ROOT and --uri, rebuild_local.check_dirs each --local-dir
+    result = rebuild(root, verify=not no_verify, uri=uri, local_dirs=list(local_dir or []))
+    local = result.get("local") or {}
     _answer(result, as_json, lambda res: _step_lines(res["checkpoints"]) +
             [f"changed step {c['step']}: {c['before']} -> {c['after']} ({c['why']})" for c in res["changes"]] +
+            _local_lines(local) +
             ([f"previous ledger kept as {res['backup']}"] if res["backup"] else []))
+    failed = 0
     if result["skipped"]:
         # A rebuild that left checkpoints out is not a success: restart tooling must not take it for one.
         first = result["skipped"][0]
         more = f" (and {len(result['skipped']) - 1} more)" if len(result["skipped"]) > 1 else ""
         print(f"scout-ckpt: ledger rebuild skipped step {first['step']}: {first['reason']}{more}", file=sys.stderr)
-        return 1
-    return 0
+        failed = 1
+    if local.get("not_checked"):
+        # nor is one that could not check a local step it had on record: it is no longer certified
+        steps = ", ".join(map(str, local["not_checked"]))
+        print(f"scout-ckpt: ledger rebuild could not check local step(s) {steps}: some rank's file is in no "
+              f"local directory given; they are committed, not certified (rebuild again with every node's "
+              f"--local-dir to restore them)", file=sys.stderr)
+        failed = 1
+    return failed
+
+
+def _local_lines(local: dict) -> list[str]:
+    """The fast tier's part of the rebuild, in sentences."""
+    if not local:
+        return []
+    dirs = ", ".join(local.get("dirs") or []) or "none (no --local-dir, and no readable old ledger names one)"
+    lines = [f"Local tier: looked in {dirs}; {len(local.get('rows') or [])} local step(s) recorded."]
+    lines += [f"local step {r['step']}: {r['state']}" + _reasons_suffix(r) for r in local.get("rows") or []]
+    lines += [f"changed local step {c['step']}: {c['before']} -> {c['after']} ({c['why']})"
+              for c in local.get("changes") or []]
+    if local.get("unrecorded"):
+        lines.append("Local directories no row records (an older save of a step recorded from another run): "
+                     + ", ".join(local["unrecorded"]) + ".")
+    return lines
 
 
 def demo(as_json: bool, **options) -> int:

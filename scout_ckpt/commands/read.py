@@ -9,6 +9,7 @@ manifests and the journal, with a warning on stderr and the same exit codes.
 
 from __future__ import annotations
 
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,9 @@ from scout_ckpt.ops.views import (
     explain_lines,
     list_checkpoints,
     reason_text,
+    time_text,
 )
+from scout_ckpt.ops.tier_views import copies_sentence, where_text
 
 
 def ls(root: Path, as_json: bool) -> int:
@@ -32,42 +35,92 @@ def ls(root: Path, as_json: bool) -> int:
     if fallback:  # exit code unchanged (0): the rows are what the manifests and the journal record
         print(f"scout-ckpt: warning: {fallback}; listed from the checkpoints' manifests and {JOURNAL_NAME}",
               file=sys.stderr)
+    local = [] if fallback else _local_rows(root)
     if as_json:
-        emit({"checkpoints": rows, "source": "manifests" if fallback else "ledger", "fallback": fallback})
+        emit({"checkpoints": [{**r, "tier": "durable"} for r in rows], "local": local,
+              "source": "manifests" if fallback else "ledger", "fallback": fallback,
+              **({"local_note": "the local tier's steps are recorded in the ledger only: not listed"}
+                 if fallback else {})})
         return 0
     from rich.table import Table
 
     t = Table(box=None, pad_edge=False)
-    for h in ("step", "state", "evidence", "bytes checked", "size", "reasons"):
+    for h in ("step", "tier", "state", "evidence", "bytes checked", "size", "reasons", "where"):
         t.add_column(h, justify="right" if h in ("step", "size") else "left")
     now = time.time()
-    for r in rows:
+    merged = sorted([(r["step"], 0, r) for r in rows] + [(r["step"], 1, r) for r in local],
+                    key=lambda x: (x[0], x[1]))
+    for _, is_local, r in merged:
         ev = evidence_marks(r["evidence"])
-        t.add_row(str(r["step"]), f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]", ev,
-                  checked_text(r["checked"].get("bytes"), now), human_bytes(r["bytes"]),
-                  escape(reason_text(r["reasons"])))
+        checked = (f"save {time_text(r['committed'])}" if is_local else checked_text(r["checked"].get("bytes"), now))
+        t.add_row(str(r["step"]), "local" if is_local else "durable",
+                  f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]", ev, checked, human_bytes(r["bytes"]),
+                  escape(reason_text(r["reasons"])), escape(where_text(r) if is_local else str(r["path"])))
     con = console()
     con.print(t)
-    if rows:
+    for r in reversed(local):   # oldest first, as in the table
+        if r["state"] != "deleted":
+            con.print(escape(copies_sentence(r)))
+    if fallback:
+        con.print("[dim]The local tier's steps are recorded in the ledger only: not listed while it cannot be "
+                  "read.[/]")
+    if rows or local:
         con.print("[dim]evidence as last checked; `scout-ckpt certify ROOT` re-checks bytes and invariants now, "
                   "`resume` re-checks the bytes of the step it returns[/]")
     return 0
 
 
-def explain(root: Path, step: int, as_json: bool) -> int:
-    from scout_ckpt.ops.operator import explain as explain_step
+def _local_rows(root: Path) -> list[dict]:
+    """The local tier's rows ([] when the ledger has none); read after list_checkpoints found the ledger
+    readable. A ledger that turned unreadable in between costs the local rows (a warning), never the listing."""
+    from scout_ckpt.ledger import Ledger, LedgerUnavailable
+    from scout_ckpt.ops.tier_views import local_rows
 
-    out = explain_step(root, step)
+    try:
+        with Ledger.open(root, readonly=True) as ledger:
+            return local_rows(ledger)
+    except (LedgerUnavailable, sqlite3.DatabaseError) as e:
+        print(f"scout-ckpt: warning: the local tier's steps not listed: {e}", file=sys.stderr)
+        return []
+
+
+def explain(root: Path, step: int, as_json: bool) -> int:
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.ops.operator import explain as explain_step
+    from scout_ckpt.ops.tier_views import explain_local, explain_local_lines
+
+    try:
+        out = explain_step(root, step)
+    except BadInput:
+        out = None   # no durable row: a step the local tier alone holds is explained below
+    with Ledger.open(root, readonly=True) as ledger:
+        local = explain_local(ledger, step)
+    if out is None and local is None:
+        raise BadInput(f"step {step}: no such checkpoint in {root} (neither tier)")
+    if out is None:   # the durable document's keys, from the local row
+        out = {"step": step, "state": local["state"], "path": local["dir"], "evidence": local["evidence"],
+               "reasons": local["reasons"], "policy": None, "run_id": local["run_id"], "attempt": None,
+               "history": [], "events": local["events"], "tier": "local"}
+        tiers = ["local"]
+    else:
+        out["tier"] = "durable"
+        tiers = ["durable"] + (["local"] if local is not None else [])
+    out["local"], out["tiers"] = local, tiers
     if as_json:
         emit(out)
     else:
-        from scout_ckpt.object_store import location
-
         con = console()
-        for line in explain_lines(out, location(root, out["path"]), time.time(), escape):
-            con.print(line)
+        if "durable" in tiers:
+            from scout_ckpt.object_store import location
+
+            for line in explain_lines(out, location(root, out["path"]), time.time(), escape):
+                con.print(line)
+        if local is not None:
+            for line in explain_local_lines(local, escape, both="durable" in tiers):
+                con.print(line)
     if out["state"] != "certified":
-        print(f"scout-ckpt: step {step} is {out['state']}" +
+        what = "" if tiers == ["durable"] else f" in the {tiers[0]} tier"
+        print(f"scout-ckpt: step {step} is {out['state']}{what}" +
               (f": {reason_text(out['reasons'])}" if out["reasons"] else ""), file=sys.stderr)
         return 1
     return 0
@@ -98,11 +151,31 @@ def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool) -> in
     for s in found.get("newer") or []:
         print(f"scout-ckpt: newer step {s['step']} is {s['state']}: {reason_text(s['reasons']) or '-'}",
               file=sys.stderr)
+    newer_local = [] if found.get("fallback") else _newer_local(root, found["step"])
+    if newer_local:
+        print(f"scout-ckpt: newer local step(s) {', '.join(str(r['step']) for r in newer_local)} certified in the "
+              f"fast tier: a job restarted on the same layout loads the newest one every rank re-verifies; this "
+              f"command cannot read other nodes' local directories", file=sys.stderr)
     if as_json:
-        emit({**found, "tier": found.get("tier", "durable")})   # the CLI reads the durable tier (design.md, "Fast tier")
+        # the CLI reads the durable tier (design.md, "Fast tier"); newer certified local steps are named beside it
+        emit({**found, "tier": found.get("tier", "durable"), "local_newer": newer_local})
     else:
         print(found["path"])
     return 0
+
+
+def _newer_local(root: Path, step: int) -> list[dict]:
+    """Certified local steps newer than the durable answer, newest first ([] when none or unreadable now)."""
+    from scout_ckpt.errors import ScoutError
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.ledger import tiers
+
+    try:
+        with Ledger.open(root, readonly=True) as ledger:
+            return [{"step": r["step"], "state": r["state"], "run_id": r.get("run_id"), "dir": r.get("dir")}
+                    for r in tiers.rows(ledger) if r["state"] == "certified" and r["step"] > step]
+    except (ScoutError, OSError, sqlite3.DatabaseError):
+        return []
 
 
 def _say_fallback(why: str | None) -> None:

@@ -18,17 +18,22 @@ from scout_ckpt.ledger import journal
 from scout_ckpt.ops.rebuild_ledger import Entry, write_ledger
 
 
-def rebuild(root: str | os.PathLike, *, verify: bool = True, uri: str | None = None) -> dict:
+def rebuild(root: str | os.PathLike, *, verify: bool = True, uri: str | None = None,
+            local_dirs: list[str | os.PathLike] | None = None) -> dict:
     """Rebuild ROOT's ledger. ROOT is a run's checkpoint root, or the `ledger_dir` of an object-store run: bound
     to its URI by scout-storage.json, or, when that file was lost with the ledger, named by `uri`
-    (object_store.resolve says which, and refuses a mismatch before anything is read)."""
+    (object_store.resolve says which, and refuses a mismatch before anything is read). The fast tier's rows are
+    rebuilt from the node-local directories `local_dirs` (else those the old ledger names on this host):
+    ops/rebuild_local.py says what it can and cannot establish (result key "local")."""
     from scout_ckpt import object_store
+    from scout_ckpt.ops import rebuild_local
 
+    dirs = rebuild_local.check_dirs(local_dirs or [])   # bad input: refused before anything is read or written
     store = object_store.resolve(root, uri)
     if store is not None:
         from scout_ckpt.ops import rebuild_bucket as on_store
 
-        return on_store.rebuild(Path(root), store, verify=verify)
+        return on_store.rebuild(Path(root), store, verify=verify, local_dirs=dirs)
     root = Path(root)
     if not root.is_dir():
         raise BadInput(f"{root}: {'not a directory' if root.exists() else 'no such directory'}")
@@ -45,4 +50,5 @@ def rebuild(root: str | os.PathLike, *, verify: bool = True, uri: str | None = N
                               lambda d=d, m=m: verify_files(d, m["files"]))
     if not entries:
         raise BadInput(f"{root}: no checkpoint with a scout-manifest.json to rebuild from")
-    return write_ledger(root, entries, skipped, journal.read(root), verify=verify, present=set(steps))
+    return write_ledger(root, entries, skipped, journal.read(root), verify=verify, present=set(steps),
+                        local=lambda ledger: rebuild_local.rebuild_rows(root, dirs, ledger))

@@ -69,10 +69,11 @@ def collect(store) -> tuple[dict, list[dict], list[dict], set[int]]:
     return entries, skipped, superseded, set(committed)
 
 
-def rebuild(root: Path, store, *, verify: bool = True) -> dict:
+def rebuild(root: Path, store, *, verify: bool = True, local_dirs: list[Path] | None = None) -> dict:
     """Rebuild ROOT (a ledger_dir) from `store`; rebuild.rebuild's result plus "uri" and "superseded"."""
     from scout_ckpt import object_store
     from scout_ckpt.object_store import bucket_journal
+    from scout_ckpt.ops import rebuild_local
     from scout_ckpt.ops.rebuild_ledger import write_ledger
 
     entries, skipped, superseded, present = collect(store)
@@ -93,7 +94,8 @@ def rebuild(root: Path, store, *, verify: bool = True) -> dict:
         raise BadInput(f"{root}: cannot create the ledger_dir ({e.strerror})") from None
     opts = object_store.public_options(store.storage_options)
     result = write_ledger(root, entries, skipped, records, verify=verify, present=present,
-                          before_swap=lambda: object_store.bind(root, store.uri, opts))
+                          before_swap=lambda: object_store.bind(root, store.uri, opts),
+                          local=lambda ledger: rebuild_local.rebuild_rows(root, list(local_dirs or []), ledger))
     return {**result, "uri": store.uri, "superseded": superseded,
             "journal": {"local": len(local), "store": len(remote), "merged": len(records)}}
 

@@ -173,11 +173,13 @@ class Entry:
 
 
 def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], records: list[dict], *,
-                 verify: bool, present: set[int], before_swap: Callable[[], None] | None = None) -> dict:
+                 verify: bool, present: set[int], before_swap: Callable[[], None] | None = None,
+                 local: Callable[[Ledger], dict] | None = None) -> dict:
     """The part of a rebuild common to every storage: decide() each entry against the journal `records` and the
     old ledger in ROOT, build the new ledger under a temp name in ROOT, keep the old one as .bak, rename.
     `present`: the steps that exist at all (for `changes`' why of an old row left out: skipped or gone).
-    `before_swap`: called once the new ledger is complete, just before it is renamed into place."""
+    `before_swap`: called once the new ledger is complete, just before it is renamed into place. `local`: writes
+    the fast tier's rows into the new ledger (ops/rebuild_local.py) and returns what it did (result key "local")."""
     manifests = {step: (e.manifest, e.digest) for step, e in entries.items()}
     old_rows, old_note = _old_ledger(root)
     build_dir = root / f".ledger-rebuild-{os.getpid()}"
@@ -221,6 +223,7 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
                 before = old_rows.get(step, {}).get("state")
                 if before != state:
                     changes.append({"step": step, "before": before, "after": state, "why": why})
+            local_result = local(ledger) if local is not None else None
         for step, old in sorted(old_rows.items()):
             if step not in manifests and old["state"] != "deleted":
                 changes.append({"step": step, "before": old["state"], "after": None,
@@ -243,4 +246,4 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
         shutil.rmtree(build_dir, ignore_errors=True)
     return {"checkpoints": rows, "changes": sorted(changes, key=lambda c: c["step"]), "skipped": skipped,
             "backup": str(backup) if backup else None, "old_ledger": old_note or "read",
-            "journal_records": len(records)}
+            "journal_records": len(records), "local": local_result}

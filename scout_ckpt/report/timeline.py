@@ -16,7 +16,7 @@ from typing import Any
 
 from rich.table import Table
 
-from scout_ckpt.ledger import Ledger
+from scout_ckpt.ledger import Ledger, tiers
 from scout_ckpt.ops.views import detail_text, ranks_text, time_text
 from scout_ckpt.report.page import (  # noqa: F401  (re-exported: the page and its styles)
     DRAW_ORDER,
@@ -174,7 +174,35 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
         "attempts": attempts,
         "runs": _runs(ledger.runs(), attempts, events),
         "summary": summary,
+        "local": local_summary(ledger),
     }
+
+
+def local_summary(ledger: Ledger) -> dict:
+    """The fast tier's saves: {"saves": rows of the local tier (one per step: a step saved again by a later
+    incarnation counts once, with its newest save), "states": {state: count}, "rejected": local steps now
+    rejected (at save, or when a restart re-verified them), "rejected_at_restart": `local_rejected` events,
+    "steps": [{"step", "state", "time", "run_id", "reasons"}]}. A step retention removed is `deleted`, whatever
+    its verdict was (the row keeps retention's reason)."""
+    rows = sorted(tiers.rows(ledger), key=lambda r: r["step"])
+    states: dict[str, int] = {}
+    for r in rows:
+        states[r["state"]] = states.get(r["state"], 0) + 1
+    return {"saves": len(rows), "states": states, "rejected": states.get("rejected", 0),
+            "rejected_at_restart": len(ledger.events(kinds=("local_rejected",))),
+            "steps": [{"step": r["step"], "state": r["state"], "time": r.get("committed"), "run_id": r.get("run_id"),
+                       "reasons": [x.get("code") for x in r.get("reasons") or [] if isinstance(x, dict)]}
+                      for r in rows]}
+
+
+def local_text(local: dict | None) -> str | None:
+    """One sentence for the report's caption: how many local saves, in which states, how many rejected."""
+    if not local or not local.get("saves"):
+        return None
+    states = ", ".join(f"{n} {s}" for s, n in sorted(local["states"].items()))
+    again = local.get("rejected_at_restart") or 0
+    return (f"Local tier: {local['saves']} step(s) saved ({states}); {local['rejected']} now rejected; "
+            f"{again} rejection(s) when a restart re-verified the files (event local_rejected).")
 
 
 def _attempt_label(state: str, reasons: list) -> str:
@@ -253,4 +281,8 @@ def render_table(tl: dict) -> Table:
                                           + (f", resumed from step {r['resumed_from']}" if r in restarts else "")
                                           for i, r in enumerate(runs) if i > 0]
         table.caption, table.caption_justify = "; ".join(said), "left"
+    local = local_text(tl.get("local"))
+    if local:
+        table.caption = (f"{table.caption}. " if table.caption else "") + local
+        table.caption_justify = "left"
     return table
