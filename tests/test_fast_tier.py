@@ -86,6 +86,77 @@ def test_loaded_values_go_into_the_state_in_place():
     assert dst["optim"]["param_groups"][0]["lr"] == 0.5 and dst["optim"]["state"] == {"w": {"step": 3}}
 
 
+def test_staging_copies_into_the_same_buffers_until_a_shape_changes():
+    import torch
+
+    from scout_ckpt.save.local_staging import StagingBuffers
+
+    st = StagingBuffers()
+    w, m = torch.arange(6.0).reshape(2, 3), torch.zeros(4, dtype=torch.float64)
+    state = {"model": {"w": w}, "optim": {"state": {0: {"exp_avg": m, "step": 3}}, "param_groups": [{"lr": 0.1}]}}
+    a = st.stage(state)
+    assert a["model"]["w"] is not w and torch.equal(a["model"]["w"], w) and st.allocations == 2
+    assert a["optim"]["state"][0]["step"] == 3 and a["optim"]["param_groups"] == [{"lr": 0.1}]
+    buf = a["model"]["w"]
+    w += 1                                   # training moves on: the copy taken is unchanged
+    assert torch.equal(buf, torch.arange(6.0).reshape(2, 3))
+    b = st.stage(state)                      # the next save: the same buffers, the new values
+    assert b["model"]["w"] is buf and torch.equal(buf, w) and st.allocations == 2
+    assert b["optim"]["state"][0]["exp_avg"] is a["optim"]["state"][0]["exp_avg"]
+    state["model"]["w"] = torch.ones(3, 3)   # a shape changes: that buffer only is allocated again
+    c = st.stage(state)
+    assert c["model"]["w"] is not buf and torch.equal(c["model"]["w"], torch.ones(3, 3)) and st.allocations == 3
+    state["model"]["w"] = torch.ones(3, 3, dtype=torch.bfloat16)   # a dtype changes: likewise
+    d = st.stage(state)
+    assert d["model"]["w"].dtype == torch.bfloat16 and st.allocations == 4
+    del state["optim"]                       # a position leaves the state: its buffer is freed
+    st.stage(state)
+    assert len(st._bufs) == 1
+
+
+def _dead_writer(run_dir: Path, rank: int = 0) -> None:
+    """A writer lease taken by a process that has exited (its flock dropped, its pid gone): a dead writer."""
+    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from scout_ckpt.save.local_orphans "
+                    "import WriterLease; WriterLease.take(Path(sys.argv[1]), int(sys.argv[2]))", str(run_dir),
+                    str(rank)], check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+
+
+def _step(base: Path, rel: str, *names: str) -> Path:
+    d = base / rel
+    d.mkdir(parents=True)
+    for n in names:
+        (d / n).write_bytes(b"x")
+    return d
+
+
+def test_orphan_sweep_removes_only_unrecorded_folders_of_dead_earlier_runs(tmp_path):
+    from scout_ckpt.save.local_orphans import WriterLease, sweep
+
+    base = tmp_path / "node-disk"
+    for run in ("dead", "gone", "other-job"):
+        _dead_writer(base / run)
+    _dead_writer(base / "dead", 1)
+    live_writer = WriterLease.take(base / "live", 0)          # a writer of an earlier run still running here
+    _step(base, "dead/step-00000002", "rank-0.pt", "peer-rank-2.pt")          # its row is certified
+    orphan = _step(base, "dead/step-00000004", "rank-0.pt", "peer-rank-2.pt", "rank-1.pt.tmp-77")  # no row
+    deleted = _step(base, "dead/step-00000006", "rank-0.pt")                  # a `deleted` row: not live
+    foreign = _step(base, "dead/step-00000008", "rank-0.pt", "notes.txt")     # no row, a file not ours
+    kept = [_step(base, "live/step-00000004", "rank-0.pt"),                   # its writer holds the lease
+            _step(base, "other-job/step-00000004", "rank-0.pt"),             # a run this ledger does not know
+            _step(base, "nolease/step-00000004", "rank-0.pt"),               # no lease file: could not check
+            _step(base, "mine/step-00000004", "rank-0.pt")]                  # this run's own
+    _step(base, "gone/step-00000002", "rank-0.pt")                            # a dead run with orphans only
+    removed = sweep(base, "mine", {"dead", "live", "nolease", "gone", "mine"}, {"dead/step-00000002"})
+    assert sorted(removed) == ["dead/step-00000004", "dead/step-00000006", "gone/step-00000002"], removed
+    assert not orphan.exists() and not deleted.exists() and not (base / "gone").exists()
+    assert (base / "dead/step-00000002/rank-0.pt").exists()
+    assert sorted(os.listdir(foreign)) == ["notes.txt"]                       # ours removed, the rest stays
+    assert all((d / "rank-0.pt").exists() for d in kept)
+    live_writer.release()                                      # that writer is gone: its orphan goes next time
+    _dead_writer(base / "live")                                # (the lease file names a dead process now)
+    assert sweep(base, "mine", {"live"}, set()) == ["live/step-00000004"]
+
+
 def test_resume_json_names_the_tier(ckpt_root):
     rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
     doc = json.loads(out)
