@@ -349,3 +349,27 @@ def test_sdc_at_a_local_save_keeps_the_step_out_of_every_tier(tmp_path):
     rows = _tier_rows(root)
     assert rows[6]["run_id"] == second_run, rows[6]
     assert not [e for e in first if e["state"] == "certified"], first
+
+
+@pytest.mark.scenario
+def test_a_local_save_killed_before_its_commit_leaves_no_folder_behind(tmp_path):
+    root, dirs = tmp_path / "run", _dirs(tmp_path)
+    results = run_agents(root, dirs, "--steps", "10", "--save-every", "100", "--local-every", "2",
+                         "--fault", "midsave", "--fault-node", "1", "--fault-step", "8")
+    _ok(results)
+    lines = job_lines(results)
+    fault = json.loads((root / "fault.json").read_text())
+    runs = loads_by_run(lines)
+    first_run = runs[0][0]["run_id"]
+    # the killed rank's file of step 8 was on its node's disk, in the first run's folder, when it died
+    assert fault["written"] == [str(dirs[1] / first_run / "step-00000008" / f"rank-{fault['rank']}.pt")], fault
+    saved = saved_digests([e for e in lines if e.get("run_id") == first_run])
+    for rank, e in runs[1].items():   # step 8 was never recorded: the restart loads 6, as saved
+        assert (e["step"], e["tier"]) == (6, "local"), e
+        assert e["digest"] == saved[(rank, 6)], (rank, e)
+    # the first run's step-8 folders are gone from both nodes; every step folder left is a live row's
+    assert not [d for d in dirs if (d / first_run / "step-00000008").exists()]
+    live = {r["dir"] for r in _tier_rows(root).values() if r["state"] != "deleted"}
+    left = {f"{p.parent.name}/{p.name}" for d in dirs for p in d.glob("*/step-*")}
+    assert left <= live, (left - live, live)
+    assert "step-00000008" in {p.name for p in dirs[1].glob(f"{runs[1][0]['run_id']}/step-*")}   # saved again

@@ -266,6 +266,7 @@ class LocalTier:
         rel = f"{ck.run_id}/step-{step:08d}"
         own = self.base / rel / f"rank-{self.rank}.pt"
         _write(own, blob)
+        ck._hook("local_written", step)   # fault injection (tests): the rank's file is written, nothing recorded
         phases["write"] = time.monotonic()
         table = [None] * self.world
         dist.all_gather_object(table, {"digest": digest, "size": len(blob), "host": self.host,
