@@ -3,7 +3,8 @@
 
     torchrun --nnodes 2 --nproc-per-node 2 ... tests/scripts/fast_tier_job.py ROOT --local-every 2 --save-every 6
 
-The node-local directory is SCOUT_TEST_LOCAL_DIR (each agent is given its own, as each node has its own disk),
+The durable tier is ROOT, or with --uri s3://BUCKET/PREFIX --endpoint URL an object store (ROOT then holds the
+ledger, as `ledger_dir`). The node-local directory is SCOUT_TEST_LOCAL_DIR (each agent is given its own, as each node has its own disk),
 else --local-dir. Faults (--fault, at --fault-step on node --fault-node, local rank --fault-local):
 `crash` SIGKILLs that worker once per job (marker file ROOT/fault.json); `midsave` SIGKILLs it once per job
 in the commit of the fault step's local save (a local-save step), once its own file is written and before the
@@ -77,6 +78,9 @@ def main():
     ap.add_argument("--pg-timeout", type=float, default=60.0)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--uri", default=None, help="durable tier on an object store (s3://...): ROOT is then the "
+                                                "ledger_dir; with --endpoint (the S3 server's URL)")
+    ap.add_argument("--endpoint", default=None)
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -90,8 +94,10 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tier = None if args.no_local else {"dir": local_dir, "every": args.local_every, "keep": args.keep_local}
     marker = root / "fault.json"
-    ckpt = Checkpointer(root, model=model, optimizer=opt, timeout_s=args.pg_timeout, local=tier,
-                        async_save=args.async_save,
+    durable = ({"ledger_dir": root, "storage_options": {"client_kwargs": {"endpoint_url": args.endpoint}}}
+               if args.uri else {})
+    ckpt = Checkpointer(args.uri or root, model=model, optimizer=opt, timeout_s=args.pg_timeout, local=tier,
+                        async_save=args.async_save, **durable,
                         fault_hook=_mid_save_killer(args, rank, node, local, marker, local_dir))
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
