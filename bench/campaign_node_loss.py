@@ -126,6 +126,8 @@ def _run(inc: dict, work: Path) -> dict:
     marker = root / "fault.json"
     fault = json.loads(marker.read_text()) if marker.exists() else None
     out = {"id": inc["id"], "kind": "node_loss", "ranks": NNODES * NPROC, "fault_step": fault_step,
+           "job": {"nodes": NNODES, "per_node": NPROC, "steps": STEPS, "save_every": SAVE_EVERY,
+                   "local_every": LOCAL_EVERY, "step_sleep_s": STEP_SLEEP},
            "truth": list(range(LOST_NODE * NPROC, (LOST_NODE + 1) * NPROC)), "fired": fault is not None,
            "detected": False, "blamed": [], "latency_s": None, "resume_step": None, "no_resume": True,
            "bad_resume": False, "bad_resume_detail": [], "clean_rejected": []}

@@ -104,6 +104,10 @@ def _run(work: Path, fast: bool, args, s3: S3Server | None = None) -> dict:
     return {
         "recovered_s": back["time"] - fault["time"],
         "first_step_s": first["time"] - fault["time"],
+        # fault -> the Checkpointer's start-up begins (torchrun's respawn, imports, the process group), -> it
+        # ends, -> the load has ended
+        "began_s": loaded["began"] - fault["time"], "ready_s": loaded["ready"] - fault["time"],
+        "loaded_s": loaded["time"] - fault["time"],
         "loaded_step": loaded["step"], "tier": loaded["tier"],
         "lost_steps": args.fault_step - loaded["step"],
         "local_blocking_s": [e["blocking_s"] for e in lines if e["event"] == "local_saved"],
@@ -123,7 +127,7 @@ class _Nothing:
 def _median_of(runs: list[dict]) -> dict:
     """The runs' medians (times), their lists pooled (blocking times, phases), the rest from the first run."""
     out = dict(runs[0])
-    for k in ("recovered_s", "first_step_s", "lost_steps"):
+    for k in ("recovered_s", "first_step_s", "began_s", "ready_s", "loaded_s", "lost_steps"):
         out[k] = statistics.median(r[k] for r in runs)
     for k in ("local_blocking_s", "durable_blocking_s", "phases"):
         out[k] = [x for r in runs for x in r[k]]

@@ -94,15 +94,17 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tier = None if args.no_local else {"dir": local_dir, "every": args.local_every, "keep": args.keep_local}
     marker = root / "fault.json"
+    began = time.time()   # after the imports and the process group: the Checkpointer's start-up begins
     durable = ({"ledger_dir": root, "storage_options": {"client_kwargs": {"endpoint_url": args.endpoint}}}
                if args.uri else {})
     ckpt = Checkpointer(args.uri or root, model=model, optimizer=opt, timeout_s=args.pg_timeout, local=tier,
                         async_save=args.async_save, **durable,
                         fault_hook=_mid_save_killer(args, rank, node, local, marker, local_dir))
     state = {"app": ModelOptimizerState(model, opt)}
+    ready = time.time()
     start = ckpt.load_latest_clean(state) or 0
     say(event="loaded", rank=rank, node=node, run_id=ckpt.run_id, step=start, tier=ckpt.loaded_tier,
-        digest=digest(model, opt), world=dist.get_world_size(), time=time.time(),
+        digest=digest(model, opt), world=dist.get_world_size(), time=time.time(), began=began, ready=ready,
         fetched=(getattr(ckpt.local, "last_loaded", None) or {}).get("fetched"))
 
     g = torch.Generator().manual_seed(1000 + rank)
