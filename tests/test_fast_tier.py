@@ -133,8 +133,10 @@ def test_orphan_sweep_removes_only_unrecorded_folders_of_dead_earlier_runs(tmp_p
     from scout_ckpt.save.local_orphans import WriterLease, sweep
 
     base = tmp_path / "node-disk"
-    for run in ("dead", "gone", "other-job"):
+    for run in ("dead", "gone", "other-job", "elsewhere"):
         _dead_writer(base / run)
+    lease = base / "elsewhere" / ".writers" / "rank-0.lock"       # a record from another host: cannot tell
+    lease.write_text(json.dumps({**json.loads(lease.read_text()), "host": "another-host"}))
     _dead_writer(base / "dead", 1)
     live_writer = WriterLease.take(base / "live", 0)          # a writer of an earlier run still running here
     _step(base, "dead/step-00000002", "rank-0.pt", "peer-rank-2.pt")          # its row is certified
@@ -144,9 +146,10 @@ def test_orphan_sweep_removes_only_unrecorded_folders_of_dead_earlier_runs(tmp_p
     kept = [_step(base, "live/step-00000004", "rank-0.pt"),                   # its writer holds the lease
             _step(base, "other-job/step-00000004", "rank-0.pt"),             # a run this ledger does not know
             _step(base, "nolease/step-00000004", "rank-0.pt"),               # no lease file: could not check
+            _step(base, "elsewhere/step-00000004", "rank-0.pt"),             # its writer's host is not this one
             _step(base, "mine/step-00000004", "rank-0.pt")]                  # this run's own
     _step(base, "gone/step-00000002", "rank-0.pt")                            # a dead run with orphans only
-    removed = sweep(base, "mine", {"dead", "live", "nolease", "gone", "mine"}, {"dead/step-00000002"})
+    removed = sweep(base, "mine", {"dead", "live", "nolease", "gone", "elsewhere", "mine"}, {"dead/step-00000002"})
     assert sorted(removed) == ["dead/step-00000004", "dead/step-00000006", "gone/step-00000002"], removed
     assert not orphan.exists() and not deleted.exists() and not (base / "gone").exists()
     assert (base / "dead/step-00000002/rank-0.pt").exists()

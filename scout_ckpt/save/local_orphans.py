@@ -11,10 +11,11 @@ DIR, the step folders that are provably nobody's:
     row); the coordinator reads the ledger and broadcasts (run ids, live dirs);
   * no ledger row names the folder, or only a `deleted` one (retention's removal interrupted);
   * nobody on this node is writing into that run's directory. Every rank holds a writer lease from before it
-    writes anything under DIR/RUN_ID until its Checkpointer closes (or it dies: the kernel drops a flock however
-    the holder dies): an exclusive flock on DIR/RUN_ID/.writers/rank-R.lock, whose file stays (free) after
-    close. The sweep takes every lease file of the run without waiting and holds them while it removes; a lease
-    held by someone, one that cannot be checked, a record naming a process that still runs, or a run directory
+    writes anything under DIR/RUN_ID until the tier closes (LocalTier.close) or its process exits, however it
+    exits (the kernel drops a flock with its holder): an exclusive flock on DIR/RUN_ID/.writers/rank-R.lock,
+    whose file stays (free) afterwards. The sweep takes every lease file of the run without waiting and holds
+    them while it removes; a lease held by someone, one that cannot be checked, a record naming a process not
+    provably gone (one that still runs, one on another host: a DIR shared between hosts), or a run directory
     with no lease file at all (written by an older scout-ckpt, or restored there by a load) is "could not
     check": that run's folders stay.
 
@@ -67,7 +68,8 @@ class WriterLease:
 
 def _hold_writers(run_dir: Path) -> list[int] | None:
     """The descriptors of every writer lease of `run_dir`, each locked here; None (nothing held) when one is held
-    by another descriptor, cannot be checked, names a live process, or there is no lease file at all."""
+    by another descriptor, cannot be checked, names a process not provably gone (alive, another host's, or no
+    readable record), or there is no lease file at all."""
     try:
         names = sorted(n for n in os.listdir(run_dir / WRITERS) if n.endswith(".lock"))
     except OSError:
@@ -85,8 +87,8 @@ def _hold_writers(run_dir: Path) -> list[int] | None:
                 owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
             except ValueError:
                 owner = {}
-            if owner_alive(owner):   # True: a process with that pid and start time runs (a free lock notwithstanding)
-                raise BlockingIOError
+            if owner_alive(owner) is not False:   # a free lock is not enough: its process must be provably gone
+                raise BlockingIOError             # (same host, pid gone or reused); another host's: cannot tell
     except OSError:
         for fd in fds:
             os.close(fd)
