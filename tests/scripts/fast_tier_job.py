@@ -139,7 +139,7 @@ def main():
             blocked = time.monotonic() - t0   # taken before the oracle's digest, which is not the save's time
             if tier and step % args.local_every == 0:
                 say(event="local_saved", rank=rank, run_id=ckpt.run_id, step=step, digest=digest(model, opt),
-                    blocking_s=blocked, phases=ckpt.local.last_phases)
+                    blocking_s=blocked, own_s=ckpt.local.last_blocking_s, phases=ckpt.local.last_phases)
             if step % args.save_every == 0:
                 t0 = time.monotonic()
                 v = ckpt.save(step, state)
