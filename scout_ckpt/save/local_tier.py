@@ -151,7 +151,11 @@ class LocalTier:
         self.staging = StagingBuffers()   # reused from save to save (save/local_staging.py)
         # this rank's writer lease on DIR/RUN_ID, before it writes anything there; then the orphans of earlier
         # incarnations go (save/local_orphans.py)
-        self.writer_lease = WriterLease.take(self.base / ck.run_id, self.rank)
+        try:
+            self.writer_lease: WriterLease | None = WriterLease.take(self.base / ck.run_id, self.rank)
+        except OSError as e:   # never raised here: the other ranks are about to meet in the sweep's broadcast
+            self.writer_lease = None   # (a DIR this rank cannot write fails its first local save, as before)
+            scout_log.logger.warning("local tier: no writer lease in %s: %s", self.base / ck.run_id, e)
         self.swept = self._sweep_orphans()
 
     @property
@@ -194,7 +198,8 @@ class LocalTier:
         try:
             self.wait()
         finally:
-            self.writer_lease.release()
+            if self.writer_lease is not None:
+                self.writer_lease.release()
 
     def warn_no_state(self) -> None:
         if not self._warned_no_state:
