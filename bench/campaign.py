@@ -48,7 +48,7 @@ KINDS = ("sdc", "param", "hang", "slow", "crash", "bitflip", "truncate", "delete
 # "false_positive": f(healthy_record) -> bool}} and may define HEALTHY = {name: f(work, seed) -> healthy record};
 # records carry the keys run_load_mismatch / judge_healthy produce (healthy ones also id, mode, async, ranks). A
 # module that is absent adds nothing.
-EXTENSIONS = ("campaign_fsdp", "campaign_torchrun", "campaign_users", "campaign_murphy")
+EXTENSIONS = ("campaign_fsdp", "campaign_torchrun", "campaign_users", "campaign_murphy", "campaign_node_loss")
 NON_DEMO = ("truncate", "delete", "quarantine_race", "load_mismatch")  # run outside the demo job
 DETECTOR = {"sdc": ("sdc",), "param": ("sdc",), "hang": ("hang",), "slow": ("straggler",), "crash": ("crash",)}
 ALARM_KINDS = ("sdc", "hang", "straggler", "crash", "desync")

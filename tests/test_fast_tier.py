@@ -86,6 +86,80 @@ def test_loaded_values_go_into_the_state_in_place():
     assert dst["optim"]["param_groups"][0]["lr"] == 0.5 and dst["optim"]["state"] == {"w": {"step": 3}}
 
 
+def test_staging_copies_into_the_same_buffers_until_a_shape_changes():
+    import torch
+
+    from scout_ckpt.save.local_staging import StagingBuffers
+
+    st = StagingBuffers()
+    w, m = torch.arange(6.0).reshape(2, 3), torch.zeros(4, dtype=torch.float64)
+    state = {"model": {"w": w}, "optim": {"state": {0: {"exp_avg": m, "step": 3}}, "param_groups": [{"lr": 0.1}]}}
+    a = st.stage(state)
+    assert a["model"]["w"] is not w and torch.equal(a["model"]["w"], w) and st.allocations == 2
+    assert a["optim"]["state"][0]["step"] == 3 and a["optim"]["param_groups"] == [{"lr": 0.1}]
+    buf = a["model"]["w"]
+    w += 1                                   # training moves on: the copy taken is unchanged
+    assert torch.equal(buf, torch.arange(6.0).reshape(2, 3))
+    b = st.stage(state)                      # the next save: the same buffers, the new values
+    assert b["model"]["w"] is buf and torch.equal(buf, w) and st.allocations == 2
+    assert b["optim"]["state"][0]["exp_avg"] is a["optim"]["state"][0]["exp_avg"]
+    state["model"]["w"] = torch.ones(3, 3)   # a shape changes: that buffer only is allocated again
+    c = st.stage(state)
+    assert c["model"]["w"] is not buf and torch.equal(c["model"]["w"], torch.ones(3, 3)) and st.allocations == 3
+    state["model"]["w"] = torch.ones(3, 3, dtype=torch.bfloat16)   # a dtype changes: likewise
+    d = st.stage(state)
+    assert d["model"]["w"].dtype == torch.bfloat16 and st.allocations == 4
+    del state["optim"]                       # a position leaves the state: its buffer is freed
+    st.stage(state)
+    assert len(st._bufs) == 1
+
+
+def _dead_writer(run_dir: Path, rank: int = 0) -> None:
+    """A writer lease taken by a process that has exited (its flock dropped, its pid gone): a dead writer."""
+    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from scout_ckpt.save.local_orphans "
+                    "import WriterLease; WriterLease.take(Path(sys.argv[1]), int(sys.argv[2]))", str(run_dir),
+                    str(rank)], check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+
+
+def _step(base: Path, rel: str, *names: str) -> Path:
+    d = base / rel
+    d.mkdir(parents=True)
+    for n in names:
+        (d / n).write_bytes(b"x")
+    return d
+
+
+def test_orphan_sweep_removes_only_unrecorded_folders_of_dead_earlier_runs(tmp_path):
+    from scout_ckpt.save.local_orphans import WriterLease, sweep
+
+    base = tmp_path / "node-disk"
+    for run in ("dead", "gone", "other-job", "elsewhere"):
+        _dead_writer(base / run)
+    lease = base / "elsewhere" / ".writers" / "rank-0.lock"       # a record from another host: cannot tell
+    lease.write_text(json.dumps({**json.loads(lease.read_text()), "host": "another-host"}))
+    _dead_writer(base / "dead", 1)
+    live_writer = WriterLease.take(base / "live", 0)          # a writer of an earlier run still running here
+    _step(base, "dead/step-00000002", "rank-0.pt", "peer-rank-2.pt")          # its row is certified
+    orphan = _step(base, "dead/step-00000004", "rank-0.pt", "peer-rank-2.pt", "rank-1.pt.tmp-77")  # no row
+    deleted = _step(base, "dead/step-00000006", "rank-0.pt")                  # a `deleted` row: not live
+    foreign = _step(base, "dead/step-00000008", "rank-0.pt", "notes.txt")     # no row, a file not ours
+    kept = [_step(base, "live/step-00000004", "rank-0.pt"),                   # its writer holds the lease
+            _step(base, "other-job/step-00000004", "rank-0.pt"),             # a run this ledger does not know
+            _step(base, "nolease/step-00000004", "rank-0.pt"),               # no lease file: could not check
+            _step(base, "elsewhere/step-00000004", "rank-0.pt"),             # its writer's host is not this one
+            _step(base, "mine/step-00000004", "rank-0.pt")]                  # this run's own
+    _step(base, "gone/step-00000002", "rank-0.pt")                            # a dead run with orphans only
+    removed = sweep(base, "mine", {"dead", "live", "nolease", "gone", "elsewhere", "mine"}, {"dead/step-00000002"})
+    assert sorted(removed) == ["dead/step-00000004", "dead/step-00000006", "gone/step-00000002"], removed
+    assert not orphan.exists() and not deleted.exists() and not (base / "gone").exists()
+    assert (base / "dead/step-00000002/rank-0.pt").exists()
+    assert sorted(os.listdir(foreign)) == ["notes.txt"]                       # ours removed, the rest stays
+    assert all((d / "rank-0.pt").exists() for d in kept)
+    live_writer.release()                                      # that writer is gone: its orphan goes next time
+    _dead_writer(base / "live")                                # (the lease file names a dead process now)
+    assert sweep(base, "mine", {"live"}, set()) == ["live/step-00000004"]
+
+
 def test_resume_json_names_the_tier(ckpt_root):
     rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
     doc = json.loads(out)
@@ -278,3 +352,27 @@ def test_sdc_at_a_local_save_keeps_the_step_out_of_every_tier(tmp_path):
     rows = _tier_rows(root)
     assert rows[6]["run_id"] == second_run, rows[6]
     assert not [e for e in first if e["state"] == "certified"], first
+
+
+@pytest.mark.scenario
+def test_a_local_save_killed_before_its_commit_leaves_no_folder_behind(tmp_path):
+    root, dirs = tmp_path / "run", _dirs(tmp_path)
+    results = run_agents(root, dirs, "--steps", "10", "--save-every", "100", "--local-every", "2",
+                         "--fault", "midsave", "--fault-node", "1", "--fault-step", "8")
+    _ok(results)
+    lines = job_lines(results)
+    fault = json.loads((root / "fault.json").read_text())
+    runs = loads_by_run(lines)
+    first_run = runs[0][0]["run_id"]
+    # the killed rank's file of step 8 was on its node's disk, in the first run's folder, when it died
+    assert fault["written"] == [str(dirs[1] / first_run / "step-00000008" / f"rank-{fault['rank']}.pt")], fault
+    saved = saved_digests([e for e in lines if e.get("run_id") == first_run])
+    for rank, e in runs[1].items():   # step 8 was never recorded: the restart loads 6, as saved
+        assert (e["step"], e["tier"]) == (6, "local"), e
+        assert e["digest"] == saved[(rank, 6)], (rank, e)
+    # the first run's step-8 folders are gone from both nodes; every step folder left is a live row's
+    assert not [d for d in dirs if (d / first_run / "step-00000008").exists()]
+    live = {r["dir"] for r in _tier_rows(root).values() if r["state"] != "deleted"}
+    left = {f"{p.parent.name}/{p.name}" for d in dirs for p in d.glob("*/step-*")}
+    assert left <= live, (left - live, live)
+    assert "step-00000008" in {p.name for p in dirs[1].glob(f"{runs[1][0]['run_id']}/step-*")}   # saved again

@@ -9,7 +9,8 @@ torch.save to DIR/RUN_ID/step-NNNNNNNN/rank-R.pt, so restoring needs the same wo
 One local save, at `ckpt.step(step, state)`:
   1. training thread (held), every rank: the live evidence exactly as a durable save takes it
      (SaveEvidence.live: consensus hashed in the background on its own groups, invariants, signatures, shard and
-     replay evidence) and a staging copy of the rank's own state; then step() returns;
+     replay evidence) and a staging copy of the rank's own state, into buffers reused from the previous local
+     save (save/local_staging.py); then step() returns;
   2. the tier's commit thread, collective on the tier's own gloo group: serialize the copy, digest the bytes
      (xxh3-128, the durable tier's algorithm) before they are written, write rank-R.pt (temp name + rename), the
      finite check, all_gather (digest, size, host);
@@ -46,6 +47,8 @@ from scout_ckpt.format.verify import COULD_NOT_CHECK
 from scout_ckpt.invariants.finite import can_be_nonfinite, is_finite
 from scout_ckpt.ops.retention import decide_local
 from scout_ckpt.save import local_tier_rows as rows
+from scout_ckpt.save.local_orphans import WriterLease, sweep
+from scout_ckpt.save.local_staging import StagingBuffers
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save import peer_copy
 from scout_ckpt.save.loading import materialize
@@ -53,17 +56,16 @@ from scout_ckpt.save.loading import materialize
 COORDINATOR = 0
 
 
-def _local_tree(obj, copy: bool = False):
-    """The state as this rank holds it: DTensors as their local shards, tensors detached (with `copy`: cloned,
-    the staging copy), containers copied."""
+def _local_tree(obj):
+    """The state as this rank holds it: DTensors as their local shards, tensors detached, containers copied."""
     if isinstance(obj, DTensor):
         obj = obj.to_local()
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone() if copy else obj.detach()
+        return obj.detach()
     if isinstance(obj, dict):
-        return {k: _local_tree(v, copy) for k, v in obj.items()}
+        return {k: _local_tree(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_local_tree(v, copy) for v in obj)
+        return type(obj)(_local_tree(v) for v in obj)
     return obj
 
 
@@ -146,6 +148,15 @@ class LocalTier:
         self.last_blocking_s: float | None = None
         self.last_phases: dict | None = None
         self.last_loaded: dict | None = None   # {"step", "fetched": [ranks whose file came from a peer]}
+        self.staging = StagingBuffers()   # reused from save to save (save/local_staging.py)
+        # this rank's writer lease on DIR/RUN_ID, before it writes anything there; then the orphans of earlier
+        # incarnations go (save/local_orphans.py)
+        try:
+            self.writer_lease: WriterLease | None = WriterLease.take(self.base / ck.run_id, self.rank)
+        except OSError as e:   # never raised here: the other ranks are about to meet in the sweep's broadcast
+            self.writer_lease = None   # (a DIR this rank cannot write fails its first local save, as before)
+            scout_log.logger.warning("local tier: no writer lease in %s: %s", self.base / ck.run_id, e)
+        self.swept = self._sweep_orphans()
 
     @property
     def node(self) -> int:
@@ -156,6 +167,39 @@ class LocalTier:
 
     def step_dir(self, run_id: str, step: int) -> Path:
         return self.base / run_id / f"step-{step:08d}"
+
+    def _sweep_orphans(self) -> list[str]:
+        """Collective on the tier's group: the coordinator names this ROOT's earlier runs and the live rows'
+        folders (nothing, when it does not hold ROOT's run lease or cannot read the ledger: could not check);
+        local rank 0 of each node removes that node's orphaned step folders (local_orphans.sweep)."""
+        known = None
+        if self.rank == COORDINATOR:
+            try:
+                lease = getattr(self.ck.ledger, "run_lease", None)
+                if lease is not None and lease.held:
+                    earlier = {r["id"] for r in self.ck.ledger.runs()} - {self.ck.run_id}
+                    live = {r["dir"] for r in rows.rows(self.ck.ledger) if r["state"] != "deleted"}
+                    known = (earlier, live)
+            except Exception as e:  # noqa: BLE001 - could not check: nothing is removed
+                scout_log.logger.warning("local tier: orphaned step folders not checked: %s: %s",
+                                         type(e).__name__, e)
+        box = [known]
+        dist.broadcast_object_list(box, src=COORDINATOR, group=self._group)
+        if box[0] is None or self.rank % self.local_world != 0:
+            return []
+        removed = sweep(self.base, self.ck.run_id, *box[0])
+        if removed:
+            scout_log.logger.info("local tier: removed %d orphaned step folder(s) of earlier runs on node %d "
+                                  "(killed before their commit): %s", len(removed), self.node, ", ".join(removed))
+        return removed
+
+    def close(self) -> None:
+        """Wait for the pending commit, then free this rank's writer lease (its file stays, free)."""
+        try:
+            self.wait()
+        finally:
+            if self.writer_lease is not None:
+                self.writer_lease.release()
 
     def warn_no_state(self) -> None:
         if not self._warned_no_state:
@@ -190,7 +234,9 @@ class LocalTier:
         # sync save's write): the training thread is held, so the state cannot change under it
         hashing = ck._start_consensus(flat, background=True)
         phases = {"begin": time.monotonic()}
-        staged = _local_tree(flat, copy=True)   # the staging copy: training may change `flat` once we return
+        # the staging copy (training may change `flat` once we return), into the buffers of the previous save:
+        # its commit thread, the buffers' only other reader, was joined by wait() above
+        staged = self.staging.stage(flat)
         phases["stage"] = time.monotonic()
         live = ck._live_evidence(step, flat, hashing)
         phases["evidence"] = time.monotonic()
@@ -225,6 +271,7 @@ class LocalTier:
         rel = f"{ck.run_id}/step-{step:08d}"
         own = self.base / rel / f"rank-{self.rank}.pt"
         _write(own, blob)
+        ck._hook("local_written", step)   # fault injection (tests): the rank's file is written, nothing recorded
         phases["write"] = time.monotonic()
         table = [None] * self.world
         dist.all_gather_object(table, {"digest": digest, "size": len(blob), "host": self.host,

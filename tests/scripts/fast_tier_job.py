@@ -3,9 +3,12 @@
 
     torchrun --nnodes 2 --nproc-per-node 2 ... tests/scripts/fast_tier_job.py ROOT --local-every 2 --save-every 6
 
-The node-local directory is SCOUT_TEST_LOCAL_DIR (each agent is given its own, as each node has its own disk),
+The durable tier is ROOT, or with --uri s3://BUCKET/PREFIX --endpoint URL an object store (ROOT then holds the
+ledger, as `ledger_dir`). The node-local directory is SCOUT_TEST_LOCAL_DIR (each agent is given its own, as each node has its own disk),
 else --local-dir. Faults (--fault, at --fault-step on node --fault-node, local rank --fault-local):
-`crash` SIGKILLs that worker once per job (marker file ROOT/fault.json); `node` SIGKILLs that node's agent and
+`crash` SIGKILLs that worker once per job (marker file ROOT/fault.json); `midsave` SIGKILLs it once per job
+in the commit of the fault step's local save (a local-save step), once its own file is written and before the
+step can be recorded (the Checkpointer's fault hook, point `local_written`: the folders left are orphans); `node` SIGKILLs that node's agent and
 every worker of the node (each of them, at the same step: the node is gone); both first wait for the last local
 commit to land (`ckpt.wait()`, unless --no-wait), so that the step a restart must load is known; `sdc` makes that rank's copy of one
 weight differ by one ulp just before the local save at the fault step (once per job: the marker file).
@@ -41,6 +44,22 @@ def say(**kw) -> None:
     sys.stdout.flush()
 
 
+def _mid_save_killer(args, rank: int, node: int, local: int, marker: Path, local_dir: str):
+    """The Checkpointer's fault hook for --fault midsave: SIGKILL this worker in its local save's commit thread,
+    once its own file is written and before anything is recorded (the commit needs every rank), so the step's
+    folders on every node are left with no ledger row."""
+    if args.fault != "midsave" or node != args.fault_node or local != args.fault_local:
+        return None
+
+    def hook(point: str, step: int) -> None:
+        if point == "local_written" and step == args.fault_step and not marker.exists():
+            written = sorted(str(p) for p in Path(local_dir).glob(f"*/step-{step:08d}/rank-{rank}.pt"))
+            marker.write_text(json.dumps({"kind": "midsave", "rank": rank, "node": node, "step": step,
+                                          "local_dir": local_dir, "written": written, "time": time.time()}))
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
@@ -52,13 +71,16 @@ def main():
     ap.add_argument("--no-local", action="store_true", help="the same job without the fast tier (the bench)")
     ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--no-wait", action="store_true", help="fault without waiting for the last local commit")
-    ap.add_argument("--fault", choices=["none", "crash", "node", "sdc"], default="none")
+    ap.add_argument("--fault", choices=["none", "crash", "midsave", "node", "sdc"], default="none")
     ap.add_argument("--fault-node", type=int, default=1)
     ap.add_argument("--fault-local", type=int, default=0)
     ap.add_argument("--fault-step", type=int, default=7)
     ap.add_argument("--pg-timeout", type=float, default=60.0)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--uri", default=None, help="durable tier on an object store (s3://...): ROOT is then the "
+                                                "ledger_dir; with --endpoint (the S3 server's URL)")
+    ap.add_argument("--endpoint", default=None)
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -71,15 +93,20 @@ def main():
     model = DDP(nn.Sequential(nn.Linear(32, args.width), nn.ReLU(), nn.Linear(args.width, 8)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tier = None if args.no_local else {"dir": local_dir, "every": args.local_every, "keep": args.keep_local}
-    ckpt = Checkpointer(root, model=model, optimizer=opt, timeout_s=args.pg_timeout, local=tier,
-                        async_save=args.async_save)
+    marker = root / "fault.json"
+    began = time.time()   # after the imports and the process group: the Checkpointer's start-up begins
+    durable = ({"ledger_dir": root, "storage_options": {"client_kwargs": {"endpoint_url": args.endpoint}}}
+               if args.uri else {})
+    ckpt = Checkpointer(args.uri or root, model=model, optimizer=opt, timeout_s=args.pg_timeout, local=tier,
+                        async_save=args.async_save, **durable,
+                        fault_hook=_mid_save_killer(args, rank, node, local, marker, local_dir))
     state = {"app": ModelOptimizerState(model, opt)}
+    ready = time.time()
     start = ckpt.load_latest_clean(state) or 0
     say(event="loaded", rank=rank, node=node, run_id=ckpt.run_id, step=start, tier=ckpt.loaded_tier,
-        digest=digest(model, opt), world=dist.get_world_size(), time=time.time(),
+        digest=digest(model, opt), world=dist.get_world_size(), time=time.time(), began=began, ready=ready,
         fetched=(getattr(ckpt.local, "last_loaded", None) or {}).get("fetched"))
 
-    marker = root / "fault.json"
     g = torch.Generator().manual_seed(1000 + rank)
     for step in range(start + 1, args.steps + 1):
         train_step(model, opt, g)
@@ -112,7 +139,7 @@ def main():
             blocked = time.monotonic() - t0   # taken before the oracle's digest, which is not the save's time
             if tier and step % args.local_every == 0:
                 say(event="local_saved", rank=rank, run_id=ckpt.run_id, step=step, digest=digest(model, opt),
-                    blocking_s=blocked, phases=ckpt.local.last_phases)
+                    blocking_s=blocked, own_s=ckpt.local.last_blocking_s, phases=ckpt.local.last_phases)
             if step % args.save_every == 0:
                 t0 = time.monotonic()
                 v = ckpt.save(step, state)
