@@ -498,6 +498,8 @@ class Checkpointer:
                 self.observer.stop()
             if self.ledger is not None:
                 self.ledger.close()
+            if self.local is not None:   # last: everything above is released even if its wait raises again
+                self.local.close()   # frees this rank's writer lease: the orphan sweep may then take its folders
 
     def __enter__(self) -> "Checkpointer":
         return self
