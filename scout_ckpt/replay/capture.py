@@ -23,6 +23,20 @@ received it (after the forward hooks registered before the capture's own, which 
 hashed inside the capture's forward hook, before any later in-place write can change it. The replays of the same
 invocation are compared with it (live.py): a fault that struck only the live step -- the step the checkpoint
 carries -- shows as the source's live output disagreeing with every replay of it.
+
+A capture made with `grads=True` (every rank's sweep capture, for the self-check: live.py) also signs what the
+live backward computed for this invocation, inside the backward, before DDP's all-reduce or any accumulation:
+- `grad_input[i]`, the gradient of each captured input that requires grad *through this module only*. The
+  pre-hook hands the forward an identity view of such an input (same storage, same version counter, same values)
+  and hooks the view: a hook on the input itself would see the sum over every use of that tensor (an encoder
+  output fed to every decoder block), which no replay of one module computes.
+- `grad_param:NAME`, for the parameters named in `grad_params` (plain tensors: not FSDP2's or any DTensor's,
+  whose gradient is reduce-scattered from an unsharded copy; not tied to a module outside the target, whose
+  gradient is the sum of both uses): `Tensor.register_hook` on a leaf runs before its AccumulateGrad, so before
+  DDP's reducer (a post-accumulate hook) averages it. When the module is called again in a forward before that
+  backward has reached its parameters (a block reused, a second micro-batch before the first's backward), the
+  hook would see the sum over the calls: its parameters' gradients are then not signed (`grad_note`).
+Each is hashed as the hook receives it (the incoming gradient may become `.grad` and be written in place later).
 """
 
 from __future__ import annotations
@@ -67,6 +81,8 @@ class Invocation:
     held: list = field(default_factory=list)          # (live tensor, its _version when captured): refs=True
     mutated_in_forward: bool = False                  # the module wrote one of its inputs in place
     live: torch.Tensor | None = None                  # [n, 2] signatures of the live output's tensors (live=True)
+    live_grads: dict = field(default_factory=dict)    # label -> [2] signature of a live gradient (grads=True)
+    grad_note: str | None = None                      # why some live gradients of this call are not signed
 
     def intact(self) -> bool:
         """Does every referenced live tensor still hold what was captured (no in-place write since)?"""
@@ -161,13 +177,18 @@ class ModuleCapture:
     module held them at the captured call -- which the replay runs too (execute.py)."""
 
     def __init__(self, module: nn.Module, inner: nn.Module | None = None, *, params: bool = True,
-                 refs: bool = False, live: bool = False, gather: bool = False):
+                 refs: bool = False, live: bool = False, gather: bool = False, grads: bool = False,
+                 grad_params: frozenset | None = None):
         self.module = module
         self.inner = inner if inner is not None else module
         self.params = params
         self.refs = refs
         self.live = live
         self.gather = gather
+        self.grads = grads                      # sign the live backward's gradients (module docstring)
+        self.grad_params = grad_params or frozenset()
+        self._grad_handles: list = []
+        self._awaited: set[str] = set()          # live gradients hooked and not signed yet
         self.hook_ids: tuple[frozenset, frozenset] | None = None
         self.invocation: Invocation | None = None
         self._handles: list = []
@@ -182,6 +203,7 @@ class ModuleCapture:
         self.disarm()
         self.invocation = None
         self._pending_output = False
+        self._awaited = set()
         self._handles = [
             self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
             self.module.register_forward_hook(self._post),
@@ -189,13 +211,19 @@ class ModuleCapture:
         self.hook_ids = None
 
     def disarm(self) -> None:
-        for h in self._handles:
+        for h in self._handles + self._grad_handles:
             h.remove()
-        self._handles = []
+        self._handles, self._grad_handles = [], []
 
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.invocation is not None:  # activation recompute or a second micro-batch: keep the first
-            return
+            inv = self.invocation
+            if (self._grad_handles and torch._C._current_graph_task_id() == -1 and inv.grad_note is None
+                    and any(lab.startswith("grad_param:") for lab in self._awaited)):
+                # called again in a forward before the first call's backward reached its parameters: their hooks
+                # would see the sum over both calls (a recompute runs inside the backward, and does not count)
+                inv.grad_note = "the module ran again before its backward reached its parameters"
+            return None
         leaves, _ = tree_flatten((args, kwargs))
         inner = self.inner
         dev = device_of(inner)
@@ -226,6 +254,52 @@ class ModuleCapture:
         mine = self._handles[0].id
         self.hook_ids = (frozenset(pre[pre.index(mine) + 1:]) if mine in pre else frozenset(), frozenset())
         self._pending_output = True
+        if self.grads and self.live and not self._sharded_forward and torch.is_grad_enabled():
+            if dev.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+                # atomics (index_add, embedding backward) make a healthy live backward differ from its replay
+                self.invocation.grad_note = "live backward on CUDA without deterministic algorithms"
+                return None
+            return self._hook_grads(self.invocation, args, kwargs)
+        return None
+
+    def _hook_grads(self, inv: Invocation, args: tuple, kwargs: dict):
+        """Hooks that sign this call's live gradients (module docstring); the forward gets identity views of the
+        inputs that require grad (returned to the module's call), so that their hooks see this module's share."""
+        self._awaited: set[str] = set()
+        leaves, spec = tree_flatten((args, kwargs))
+        k = 0
+        for j, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                view = x.view_as(x)
+                view.register_hook(self._sign_hook(inv, f"grad_input[{k}]"))   # dies with the view's graph
+                self._awaited.add(f"grad_input[{k}]")
+                leaves[j] = view
+                k += 1
+        for name, p in self.inner.named_parameters():
+            if name in self.grad_params and p.requires_grad and not hasattr(p, "full_tensor"):
+                self._grad_handles.append(p.register_hook(self._sign_hook(inv, f"grad_param:{name}")))
+                self._awaited.add(f"grad_param:{name}")
+        if not k:
+            return None
+        from torch.utils._pytree import tree_unflatten
+
+        return tree_unflatten(leaves, spec)
+
+    def _sign_hook(self, inv: Invocation, label: str):
+        def hook(grad: torch.Tensor) -> None:
+            if label in inv.live_grads or label not in self._awaited:
+                return   # a second backward through the same parameter (a later call): not this invocation's
+            self._awaited.discard(label)
+            if label.startswith("grad_param:") and inv.grad_note is not None:
+                return
+            from scout_ckpt.consensus.signatures import replica_signatures
+
+            try:
+                inv.live_grads[label] = replica_signatures([grad.detach()])[0]
+            except Exception:  # noqa: BLE001 -- a gradient that cannot be signed is not checked, never a failed step
+                pass
+            # never change the live gradient
+        return hook
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
         inv = self.invocation
