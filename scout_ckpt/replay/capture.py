@@ -26,10 +26,15 @@ carries -- shows as the source's live output disagreeing with every replay of it
 
 A capture made with `grads=True` (every rank's sweep capture, for the self-check: live.py) also signs what the
 live backward computed for this invocation, inside the backward, before DDP's all-reduce or any accumulation:
-- `grad_input[i]`, the gradient of each captured input that requires grad *through this module only*. The
-  pre-hook hands the forward an identity view of such an input (same storage, same version counter, same values)
-  and hooks the view: a hook on the input itself would see the sum over every use of that tensor (an encoder
-  output fed to every decoder block), which no replay of one module computes.
+- `grad_input[i]`, the gradient of each captured input that requires grad *through this module only*: a hook on
+  the input tensor itself would see the sum over every use of it (a skip around the block, an encoder output fed
+  to every decoder block), which no replay of one module computes; an identity view handed to the forward would
+  isolate the share but change the order in which autograd sums the input's gradient (the live training's bits).
+  So after the forward the capture walks the autograd graph the module's call built (nodes numbered since the
+  call began), finds the edges that lead into each input, and hooks those nodes (hooks that only read): the
+  module's share is the sum of what they send along those edges, added in the order they run -- the order the
+  engine adds them in the replay's graph too. An input passed twice (the same tensor as two arguments) is not
+  signed (the replay treats them as two tensors).
 - `grad_param:NAME`, for the parameters named in `grad_params` (plain tensors: not FSDP2's or any DTensor's,
   whose gradient is reduce-scattered from an unsharded copy; not tied to a module outside the target, whose
   gradient is the sum of both uses): `Tensor.register_hook` on a leaf runs before its AccumulateGrad, so before
@@ -158,6 +163,12 @@ def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _next_sequence_nr() -> int:
+    """The sequence number the next autograd node made on this thread gets (one throwaway node is made to read
+    it: later nodes' numbers all shift by one, so their relative order -- the backward's -- is unchanged)."""
+    return torch.zeros((), requires_grad=True).view(()).grad_fn._sequence_nr() + 1
+
+
 def device_of(module: nn.Module) -> torch.device:
     for t in module.parameters():
         return getattr(t, "device", torch.device("cpu"))
@@ -189,6 +200,8 @@ class ModuleCapture:
         self.grad_params = grad_params or frozenset()
         self._grad_handles: list = []
         self._awaited: set[str] = set()          # live gradients hooked and not signed yet
+        self._grad_inputs: list = []              # (k, input tensor) whose share of the gradient is signed
+        self._seq0 = 0
         self.hook_ids: tuple[frozenset, frozenset] | None = None
         self.invocation: Invocation | None = None
         self._handles: list = []
@@ -254,36 +267,73 @@ class ModuleCapture:
         mine = self._handles[0].id
         self.hook_ids = (frozenset(pre[pre.index(mine) + 1:]) if mine in pre else frozenset(), frozenset())
         self._pending_output = True
+        self._grad_inputs = []
         if self.grads and self.live and not self._sharded_forward and torch.is_grad_enabled():
             if dev.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
                 # atomics (index_add, embedding backward) make a healthy live backward differ from its replay
                 self.invocation.grad_note = "live backward on CUDA without deterministic algorithms"
-                return None
-            return self._hook_grads(self.invocation, args, kwargs)
-        return None
+            else:
+                self._hook_param_grads(self.invocation)
+                ins = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+                twice = {id(x) for x in ins if sum(y is x for y in ins) > 1}
+                self._grad_inputs = [(k, x) for k, x in enumerate(ins) if id(x) not in twice]
+                self._seq0 = _next_sequence_nr()
 
-    def _hook_grads(self, inv: Invocation, args: tuple, kwargs: dict):
-        """Hooks that sign this call's live gradients (module docstring); the forward gets identity views of the
-        inputs that require grad (returned to the module's call), so that their hooks see this module's share."""
-        self._awaited: set[str] = set()
-        leaves, spec = tree_flatten((args, kwargs))
-        k = 0
-        for j, x in enumerate(leaves):
-            if isinstance(x, torch.Tensor) and x.requires_grad:
-                view = x.view_as(x)
-                view.register_hook(self._sign_hook(inv, f"grad_input[{k}]"))   # dies with the view's graph
-                self._awaited.add(f"grad_input[{k}]")
-                leaves[j] = view
-                k += 1
+    def _hook_param_grads(self, inv: Invocation) -> None:
+        """Hooks that sign this call's parameters' live gradients (module docstring)."""
         for name, p in self.inner.named_parameters():
             if name in self.grad_params and p.requires_grad and not hasattr(p, "full_tensor"):
                 self._grad_handles.append(p.register_hook(self._sign_hook(inv, f"grad_param:{name}")))
                 self._awaited.add(f"grad_param:{name}")
-        if not k:
-            return None
-        from torch.utils._pytree import tree_unflatten
 
-        return tree_unflatten(leaves, spec)
+    def _hook_input_grads(self, inv: Invocation, outs: list) -> None:
+        """Hooks on the nodes of this call's graph that feed each input (module docstring): what they send into
+        input k, summed in the order they run, is the module's share of its gradient, signed once all arrived."""
+        if not self._grad_inputs:
+            return
+        seq0 = self._seq0
+        grad_fns = {}
+        for k, x in self._grad_inputs:
+            grad_fns[(id(x.grad_fn), x.output_nr) if x.grad_fn is not None else ("leaf", id(x))] = k
+        edges: dict[int, list] = {}     # input k -> [(node, edge index)]
+        seen, stack = set(), [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            for j, (nxt, nr) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                var = getattr(nxt, "variable", None)
+                key = ("leaf", id(var)) if var is not None else (id(nxt), nr)
+                if key in grad_fns:
+                    edges.setdefault(grad_fns[key], []).append((node, j))
+                elif var is None and nxt._sequence_nr() >= seq0:   # made by this call: walk on
+                    stack.append(nxt)
+        for k, pairs in edges.items():
+            label = f"grad_input[{k}]"
+            self._awaited.add(label)
+            state = {"left": len(pairs), "sum": None}
+            by_node: dict[int, list[int]] = {}
+            for node, j in pairs:
+                by_node.setdefault(id(node), []).append(j)
+            for node, _ in {id(n): (n, j) for n, j in pairs}.values():
+                node.register_hook(self._edge_hook(inv, label, state, by_node[id(node)]))   # freed with the graph
+
+    def _edge_hook(self, inv: Invocation, label: str, state: dict, idx: list[int]):
+        sign = self._sign_hook(inv, label)
+
+        def hook(grad_inputs, grad_outputs) -> None:
+            for j in idx:
+                g = grad_inputs[j]
+                state["left"] -= 1
+                if g is not None:
+                    state["sum"] = g if state["sum"] is None else state["sum"] + g
+            if state["left"] == 0 and state["sum"] is not None:
+                sign(state["sum"])
+            # never change the live gradient
+        return hook
 
     def _sign_hook(self, inv: Invocation, label: str):
         def hook(grad: torch.Tensor) -> None:
@@ -321,6 +371,12 @@ class ModuleCapture:
                 inv.live = replica_signatures(tensors) if tensors else None
             except Exception:  # noqa: BLE001 -- a tensor that cannot be signed: no live check, never a failed step
                 inv.live = None
+        if self._grad_inputs:
+            try:
+                self._hook_input_grads(inv, outs)
+            except Exception:  # noqa: BLE001 -- an unusual graph: its input gradients are not signed, never a failed step
+                pass
+            self._grad_inputs = []
         inv.grad_outputs = [None] * len(outs)
         for i, o in enumerate(outs):
             if isinstance(o, torch.Tensor) and o.requires_grad:

@@ -16,7 +16,8 @@ optimizer sees it).
 Its own oracle, computed without scout-ckpt: each rank prints the loss of every step and, at every save, the
 sha256 of its model and optimizer state. One JSON record per rank (a `LIVE-FAULT-JOB {...}` line, and
 OUT/rank<R>.json with --out): the verdict `save()`
-returned at each step, whether a save raised LiveStateCorrupt (the generation ended), the losses, the digests.
+returned at each step, whether a save raised LiveStateCorrupt (the generation ended), the losses, the digests,
+and, after LiveStateCorrupt, the step `load_latest_clean` loaded and the digest of the state it loaded.
 
     torchrun --standalone --nproc-per-node 2 tests/scripts/live_fault_job.py ROOT --model gpt2 \
         --fault-rank 1 --fault-step 10 --fault-module transformer.h.1 [--persistent]
@@ -200,7 +201,7 @@ def main() -> None:
     ckpt = Checkpointer(args.root, model=model, optimizer=opt, replay=True)
     g = torch.Generator().manual_seed(1000 + rank)
     rec: dict = {"rank": rank, "world": dist.get_world_size(), "losses": {}, "verdicts": {}, "digests": {},
-                 "live_state_corrupt": None, "targets": [t[1] for t in ckpt.replay.targets()] if ckpt.replay else []}
+                 "live_state_corrupt": None, "resumed_step": None, "resumed_digest": None, "targets": [t[1] for t in ckpt.replay.targets()] if ckpt.replay else []}
     try:
         for step in range(1, args.steps + 1):
             step_now[0] = step
@@ -216,6 +217,10 @@ def main() -> None:
                 rec["verdicts"][step] = v
     except LiveStateCorrupt as e:
         rec["live_state_corrupt"] = e.step
+        # what a user does next (here, or after torchrun's restart): load the newest certified state; its digest
+        # is judged against the one this job printed when it saved that step
+        rec["resumed_step"] = ckpt.load_latest_clean(state)
+        rec["resumed_digest"] = digest(inner, opt.optimizer if hasattr(opt, "optimizer") else opt)
     finally:
         ckpt.close()
         line = json.dumps(rec, default=str)
