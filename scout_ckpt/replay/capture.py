@@ -292,16 +292,23 @@ class ModuleCapture:
         if not self._grad_inputs:
             return
         seq0 = self._seq0
-        grad_fns = {}
+        # Nodes are compared by the id of their Python objects, which stay the same only while one is alive:
+        # every node object met is held (`held`, `seen`) until the walk ends.
+        grad_fns, held = {}, []
         for k, x in self._grad_inputs:
-            grad_fns[(id(x.grad_fn), x.output_nr) if x.grad_fn is not None else ("leaf", id(x))] = k
+            if x.grad_fn is not None:
+                held.append(x.grad_fn)
+                grad_fns[(id(held[-1]), x.output_nr)] = k
+            else:
+                grad_fns[("leaf", id(x))] = k
         edges: dict[int, list] = {}     # input k -> [(node, edge index)]
-        seen, stack = set(), [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+        seen: dict[int, Any] = {}
+        stack = [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
         while stack:
             node = stack.pop()
             if id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             for j, (nxt, nr) in enumerate(node.next_functions):
                 if nxt is None:
                     continue
