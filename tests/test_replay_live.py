@@ -322,10 +322,11 @@ def test_a_live_only_fault_differs_from_the_replay_and_plumbing_hooks_are_not_re
     assert not _plumbing(lambda *a: None) and not _plumbing(_Block().forward)
 
 
-def _grad_run(capture: bool, grad_fault: bool = False):
+def _grad_run(capture: bool, grad_fault: bool = False, input_fault: bool = False):
     """Three blocks, the middle one's input also used outside it (a skip around it); the middle block captured
     with live gradients signed when `capture`. `grad_fault`: a hook on its fc2 weight adds 1e-3 to the gradient
-    (registered before the capture's, as a user's would be). Returns (every parameter's .grad, the capture)."""
+    (registered before the capture's, as a user's would be); `input_fault`: a full backward hook on the target
+    adds 1e-3 to the gradient it passes to its input (its parameters' gradients untouched). Returns (every parameter's .grad, the capture)."""
     from scout_ckpt.replay.capture import ModuleCapture
 
     torch.manual_seed(0)
@@ -334,6 +335,8 @@ def _grad_run(capture: bool, grad_fault: bool = False):
     target.register_forward_hook(lambda m, a, out: out * 0.5)   # the user's math
     if grad_fault:
         target.fc2.weight.register_hook(lambda g: g + 1e-3)
+    if input_fault:
+        target.register_full_backward_hook(lambda m, gi, go: (gi[0] + 1e-3,))
     cap = None
     if capture:
         names = frozenset(n for n, _ in target.named_parameters())
@@ -366,9 +369,10 @@ def test_the_live_gradients_are_this_modules_share_and_the_replay_reproduces_the
     j = labels.index("grad_input[0]")
     assert torch.equal(replica_signatures([tensors[j]])[0], inv.live_grads["grad_input[0]"])
 
-    _, cap, target = _grad_run(capture=True, grad_fault=True)   # the live backward alone altered
-    labels, tensors = replay_module(target, cap.invocation, hook_ids=cap.hook_ids)
-    assert live.self_check(labels, replica_signatures(tensors), cap.invocation) == live.SELF_GRAD
+    for fault in ("grad_fault", "input_fault"):   # the live backward alone altered: a parameter's, the input's
+        _, cap, target = _grad_run(capture=True, **{fault: True})
+        labels, tensors = replay_module(target, cap.invocation, hook_ids=cap.hook_ids)
+        assert live.self_check(labels, replica_signatures(tensors), cap.invocation) == live.SELF_GRAD, fault
 
 
 def test_a_live_output_fault_fails_the_self_check_and_a_module_run_twice_signs_no_parameter_gradient(one_thread):
