@@ -26,7 +26,8 @@ every rank a copy of the targets' parameters at the save step and one more repla
 with `:noself` (`fsdp:noself`, `ddp+replay:noself`) runs the same with `replay.self_check` off (the source's live
 step only, as before the self-check), so one run gives both. `param_copy_mb` is the largest copy of the targets'
 parameters (and buffers) a rank held at a save (full size under FSDP2: the parameters as the forward used them),
-beside `params_mb`, the model's parameters; target: at most one copy of the targets' parameters per rank
+beside `params_mb`, the model's parameters, and `param_copy_all_ranks_mb` the copies of every rank together at
+the last save; target: at most one copy of the targets' parameters per rank
 (param_copy_mb <= params_mb), freed when the sweep ends.
 
 --large adds a second configuration, d_model 384 and seq 128 (about 9x the compute per step: the sweep's fixed
@@ -211,8 +212,11 @@ def _config(args, d_model: int, seq: int) -> tuple[dict, list, dict, list]:
             res.update(sweep_per_save_steps_cpu=per_cpu, sweep_amortized_100_cpu=per_cpu / INTERVAL)
             ratios[f"{mode}_sweep_per_save_steps_cpu"] = per_cpu
             copy = max(max(o.result["copies"] or [0]) for o in out) / 2**20
-            res.update(param_copy_mb=copy, params_mb=r0["params_bytes"] / 2**20)
+            # over every rank at the last save: how much the job held in all (the self-check: every rank a copy)
+            total = sum((o.result["copies"] or [0])[-1] for o in out) / 2**20
+            res.update(param_copy_mb=copy, param_copy_all_ranks_mb=total, params_mb=r0["params_bytes"] / 2**20)
             ratios[f"{mode}_param_copy_mb"] = copy
+            ratios[f"{mode}_param_copy_all_ranks_mb"] = total
         results[mode] = res
         rows.append([f"{mode} d{d_model}/s{seq}", res["lag_median"], res["lag_max"], res["never_certified"],
                      f"{res['step_s']:.4f}", f"{res['save_s']:.3f}", f"{res.get('sweep_s', 0):.4f}",
