@@ -395,3 +395,13 @@ def test_a_live_output_fault_fails_the_self_check_and_a_module_run_twice_signs_n
     block(block(x)).sum().backward()      # reused before its backward: the hooks would see both calls' sum
     cap.disarm()
     assert cap.invocation.grad_note and not any(k.startswith("grad_param:") for k in cap.invocation.live_grads)
+
+
+def test_the_self_check_is_on_by_default_and_a_bad_value_names_the_field():
+    from scout_ckpt import options
+    from scout_ckpt.errors import BadOption
+
+    assert options.ReplayOptions().self_check is True and options.ReplayOptions().runner_kwargs()["self_check"]
+    assert options.as_replay({"self_check": False}).self_check is False
+    with pytest.raises(BadOption, match="replay.self_check"):
+        options.as_replay({"self_check": "yes"})
