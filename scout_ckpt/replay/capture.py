@@ -63,6 +63,41 @@ def _ref(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) else x
 
 
+def _is_hf_cache(x: Any) -> bool:
+    """A transformers KV cache (cache_utils.Cache), without importing transformers."""
+    return any(c.__name__ == "Cache" and (c.__module__ or "").startswith("transformers")
+               for c in type(x).__mro__)
+
+
+def _layer_idx(module: nn.Module) -> int | None:
+    for m in module.modules():
+        if isinstance(getattr(m, "layer_idx", None), int):
+            return m.layer_idx
+    return None
+
+
+def _without_empty_cache(tree: Any, module: nn.Module) -> Any:
+    """The captured arguments with a transformers KV cache that holds nothing yet for this block's layer (a training
+    forward: every layer's entry is written by its own block, in that call) replaced by None. The cache is a live
+    object the block's forward appends its keys and values to, so by the time of any replay it holds the live
+    call's: a replay that is handed it attends over those and its own (the output's bits can survive the
+    duplication, the keys' and values' gradients do not), and appends to the live cache again. With None the block
+    computes exactly what the live call did on its empty entry. A cache with earlier entries for the layer is kept
+    as it is (its state at the call cannot be rebuilt)."""
+    idx = None
+
+    def fix(x):
+        nonlocal idx
+        if x is None or isinstance(x, (torch.Tensor, bool, int, float, str)) or not _is_hf_cache(x):
+            return x
+        idx = _layer_idx(module) if idx is None else idx
+        try:
+            return None if idx is not None and int(x.get_seq_length(idx)) == 0 else x
+        except Exception:  # noqa: BLE001 -- a cache of another shape: kept
+            return x
+    return tree_map(fix, tree)
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     # A parameter still sharded at forward time (no unshard hook ran): gather it. Collective, but every rank
     # captures the same target in the same step, so it is matched.
@@ -252,7 +287,8 @@ class ModuleCapture:
                 if hasattr(t, "full_tensor"):
                     _full(t)
         self.invocation = Invocation(
-            args=tree_map(keep, args), kwargs=tree_map(keep, kwargs),
+            args=_without_empty_cache(tree_map(keep, args), inner),
+            kwargs=_without_empty_cache(tree_map(keep, kwargs), inner),
             requires_grad=tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves),
             params={n: _full(p).detach().clone() for n, p in inner.named_parameters()} if self.params else {},
             buffers={n: _full(b).detach().clone() for n, b in inner.named_buffers()} if self.params else {},
