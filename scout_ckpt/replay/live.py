@@ -4,11 +4,12 @@ Replays compared with each other catch a rank that computes differently whenever
 the live step only -- the step the checkpoint carries -- is repeated by no replay, so the replays are also compared
 with the live step: the source signs each target's live output as its forward returns it (capture.py, live=True),
 and for those signatures the source's vote is its live value while every other peer's is its replay
-(`live:output[i]` in a row's signatures). With 3+ peers a live step that disagrees with the replays is attributed
-to the source; with 2 it is inconclusive. Either way the save's replay evidence fails, which policy.live_faults
-reads as the live state being bad. The sweep's source rotates over the peers save by save (`sweep_source`), so
-every peer's live step at a save is checked within len(peers) saves (`live_rotation` in the coverage detail,
-`live_checked_ranks` the sources checked at the saved step); the rotation's source rotates too, step by step.
+(`live:output[i]` in a row's signatures): the cross-check. Alone, with 3+ peers a live step that disagrees with
+the replays is attributed to the source, with 2 it is inconclusive (the source's own self-check, below, then
+names it). Either way the save's replay evidence fails, which policy.live_faults reads as the live state being
+bad. The sweep's source rotates over the peers save by save (`sweep_source`), so every peer's live step is
+cross-checked within len(peers) saves; the rotation's source rotates too, step by step. `live_checked_ranks` in
+the coverage detail: the ranks whose live step the replays at the saved step checked, by either check.
 
 The self-check: every rank's own live step at every save. The cross-check above sees the source's live step only,
 so an intermittent fault in another rank's live step at that save would go unchecked there (and be saved). So at
