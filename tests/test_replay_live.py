@@ -405,3 +405,30 @@ def test_the_self_check_is_on_by_default_and_a_bad_value_names_the_field():
     assert options.as_replay({"self_check": False}).self_check is False
     with pytest.raises(BadOption, match="replay.self_check"):
         options.as_replay({"self_check": "yes"})
+
+
+def test_a_gpt2_block_handed_a_kv_cache_reproduces_its_live_step(one_thread):
+    """transformers' GPT-2 hands each block the forward's DynamicCache, which the block appends its keys and values
+    to: by the time of a replay it holds the live call's. The capture takes a cache with no entry yet for the
+    block's layer as None, so the replay computes what the live call did: outputs and every gradient bit-equal
+    (handed the live cache, the replay attended over the live keys and its own, and the keys' and values'
+    gradients differed on every healthy step)."""
+    transformers = pytest.importorskip("transformers")
+    from scout_ckpt.consensus.signatures import replica_signatures
+    from scout_ckpt.replay import live
+    from scout_ckpt.replay.capture import ModuleCapture
+    from scout_ckpt.replay.execute import replay_module
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32,
+                                                                  n_layer=2, n_head=2))
+    block = model.transformer.h[1]
+    cap = ModuleCapture(block, live=True, refs=True, grads=True,
+                        grad_params=frozenset(n for n, _ in block.named_parameters()))
+    cap.arm()
+    ids = torch.randint(0, 128, (4, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    cap.disarm()
+    assert any(k.startswith("grad_param:attn.c_attn") for k in cap.invocation.live_grads)
+    labels, tensors = replay_module(block, cap.invocation, hook_ids=cap.hook_ids)
+    assert live.self_check(labels, replica_signatures(tensors), cap.invocation) == live.SELF_AGREE
