@@ -18,9 +18,10 @@ of the straggler rule is tuned, no poll or exchange interval is set; the only ob
             ranks: a forward hook on one rank adds 1e-3 to one channel of a block's output, either in the live
             forward of one save's step only (intermittent) or at every call from a drawn step on (persistent,
             the replays of that rank included). A save must be rejected with a replay reason at or after the
-            fault (attributed to the rank with 3 ranks; inconclusive, blaming no one, with 2). latency_s: from
-            the fault to that rejection. An intermittent fault on a rank that is not that save's replay source
-            is not checked by design (the source rotates, docs/replay.md): the recall says how often that is.
+            fault, attributed to the rank (with 2 ranks too: every rank's self-check replays its own capture of
+            the save step against its own live step, docs/replay.md), so an intermittent fault on any rank,
+            the save's replay source or not, is checked at that save. latency_s: from the fault to that
+            rejection.
 
 Judged from what the job itself did (its ROOT/fault.json: the rank, the place, the step and the time the fault
 struck) against the ledger. HEALTHY: user_ddp_job.py on 2 ranks and live_fault_job.py on 3 ranks, no fault: any

@@ -77,6 +77,11 @@ class ReplayOptions:
     live_check: bool = True
     """Compare the replays with the output the source rank's live step produced (a fault of the live step only);
     costs the sweep's source one copy of the targets' parameters per save, sent to the peers."""
+    self_check: bool = True
+    """Every rank replays its own capture of the save step and compares it with its own live outputs and gradients
+    (a fault of any rank's live step, caught at that save; needs live_check); costs every rank a copy of the
+    targets' parameters at the save step and one more replay per target per save. False: only the rotating
+    source's live step is checked at each save."""
 
     def __post_init__(self):
         _positive("replay", "interval", self.interval, integer=True)
@@ -92,6 +97,8 @@ class ReplayOptions:
         _positive("replay", "straggler_rounds", self.straggler_rounds, integer=True)
         if not isinstance(self.live_check, bool):
             raise BadOption(f"replay.live_check must be True or False (got {self.live_check!r})")
+        if not isinstance(self.self_check, bool):
+            raise BadOption(f"replay.self_check must be True or False (got {self.self_check!r})")
 
     def runner_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of replay.ReplayRunner."""

@@ -23,6 +23,25 @@ received it (after the forward hooks registered before the capture's own, which 
 hashed inside the capture's forward hook, before any later in-place write can change it. The replays of the same
 invocation are compared with it (live.py): a fault that struck only the live step -- the step the checkpoint
 carries -- shows as the source's live output disagreeing with every replay of it.
+
+A capture made with `grads=True` (every rank's sweep capture, for the self-check: live.py) also signs what the
+live backward computed for this invocation, inside the backward, before DDP's all-reduce or any accumulation:
+- `grad_input[i]`, the gradient of each captured input that requires grad *through this module only*: a hook on
+  the input tensor itself would see the sum over every use of it (a skip around the block, an encoder output fed
+  to every decoder block), which no replay of one module computes; an identity view handed to the forward would
+  isolate the share but change the order in which autograd sums the input's gradient (the live training's bits).
+  So after the forward the capture walks the autograd graph the module's call built (nodes numbered since the
+  call began), finds the edges that lead into each input, and hooks those nodes (hooks that only read): the
+  module's share is the sum of what they send along those edges, added in the order they run -- the order the
+  engine adds them in the replay's graph too. An input passed twice (the same tensor as two arguments) is not
+  signed (the replay treats them as two tensors).
+- `grad_param:NAME`, for the parameters named in `grad_params` (plain tensors: not FSDP2's or any DTensor's,
+  whose gradient is reduce-scattered from an unsharded copy; not tied to a module outside the target, whose
+  gradient is the sum of both uses): `Tensor.register_hook` on a leaf runs before its AccumulateGrad, so before
+  DDP's reducer (a post-accumulate hook) averages it. When the module is called again in a forward before that
+  backward has reached its parameters (a block reused, a second micro-batch before the first's backward), the
+  hook would see the sum over the calls: its parameters' gradients are then not signed (`grad_note`).
+Each is hashed as the hook receives it (the incoming gradient may become `.grad` and be written in place later).
 """
 
 from __future__ import annotations
@@ -42,6 +61,41 @@ def _clone(x: Any) -> Any:
 
 def _ref(x: Any) -> Any:
     return x.detach() if isinstance(x, torch.Tensor) else x
+
+
+def _is_hf_cache(x: Any) -> bool:
+    """A transformers KV cache (cache_utils.Cache), without importing transformers."""
+    return any(c.__name__ == "Cache" and (c.__module__ or "").startswith("transformers")
+               for c in type(x).__mro__)
+
+
+def _layer_idx(module: nn.Module) -> int | None:
+    for m in module.modules():
+        if isinstance(getattr(m, "layer_idx", None), int):
+            return m.layer_idx
+    return None
+
+
+def _without_empty_cache(tree: Any, module: nn.Module) -> Any:
+    """The captured arguments with a transformers KV cache that holds nothing yet for this block's layer (a training
+    forward: every layer's entry is written by its own block, in that call) replaced by None. The cache is a live
+    object the block's forward appends its keys and values to, so by the time of any replay it holds the live
+    call's: a replay that is handed it attends over those and its own (the output's bits can survive the
+    duplication, the keys' and values' gradients do not), and appends to the live cache again. With None the block
+    computes exactly what the live call did on its empty entry. A cache with earlier entries for the layer is kept
+    as it is (its state at the call cannot be rebuilt)."""
+    idx = None
+
+    def fix(x):
+        nonlocal idx
+        if x is None or isinstance(x, (torch.Tensor, bool, int, float, str)) or not _is_hf_cache(x):
+            return x
+        idx = _layer_idx(module) if idx is None else idx
+        try:
+            return None if idx is not None and int(x.get_seq_length(idx)) == 0 else x
+        except Exception:  # noqa: BLE001 -- a cache of another shape: kept
+            return x
+    return tree_map(fix, tree)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -67,6 +121,8 @@ class Invocation:
     held: list = field(default_factory=list)          # (live tensor, its _version when captured): refs=True
     mutated_in_forward: bool = False                  # the module wrote one of its inputs in place
     live: torch.Tensor | None = None                  # [n, 2] signatures of the live output's tensors (live=True)
+    live_grads: dict = field(default_factory=dict)    # label -> [2] signature of a live gradient (grads=True)
+    grad_note: str | None = None                      # why some live gradients of this call are not signed
 
     def intact(self) -> bool:
         """Does every referenced live tensor still hold what was captured (no in-place write since)?"""
@@ -142,6 +198,12 @@ def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _next_sequence_nr() -> int:
+    """The sequence number the next autograd node made on this thread gets (one throwaway node is made to read
+    it: later nodes' numbers all shift by one, so their relative order -- the backward's -- is unchanged)."""
+    return torch.zeros((), requires_grad=True).view(()).grad_fn._sequence_nr() + 1
+
+
 def device_of(module: nn.Module) -> torch.device:
     for t in module.parameters():
         return getattr(t, "device", torch.device("cpu"))
@@ -161,13 +223,20 @@ class ModuleCapture:
     module held them at the captured call -- which the replay runs too (execute.py)."""
 
     def __init__(self, module: nn.Module, inner: nn.Module | None = None, *, params: bool = True,
-                 refs: bool = False, live: bool = False, gather: bool = False):
+                 refs: bool = False, live: bool = False, gather: bool = False, grads: bool = False,
+                 grad_params: frozenset | None = None):
         self.module = module
         self.inner = inner if inner is not None else module
         self.params = params
         self.refs = refs
         self.live = live
         self.gather = gather
+        self.grads = grads                      # sign the live backward's gradients (module docstring)
+        self.grad_params = grad_params or frozenset()
+        self._grad_handles: list = []
+        self._awaited: set[str] = set()          # live gradients hooked and not signed yet
+        self._grad_inputs: list = []              # (k, input tensor) whose share of the gradient is signed
+        self._seq0 = 0
         self.hook_ids: tuple[frozenset, frozenset] | None = None
         self.invocation: Invocation | None = None
         self._handles: list = []
@@ -182,6 +251,7 @@ class ModuleCapture:
         self.disarm()
         self.invocation = None
         self._pending_output = False
+        self._awaited = set()
         self._handles = [
             self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
             self.module.register_forward_hook(self._post),
@@ -189,13 +259,19 @@ class ModuleCapture:
         self.hook_ids = None
 
     def disarm(self) -> None:
-        for h in self._handles:
+        for h in self._handles + self._grad_handles:
             h.remove()
-        self._handles = []
+        self._handles, self._grad_handles = [], []
 
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.invocation is not None:  # activation recompute or a second micro-batch: keep the first
-            return
+            inv = self.invocation
+            if (self._grad_handles and torch._C._current_graph_task_id() == -1 and inv.grad_note is None
+                    and any(lab.startswith("grad_param:") for lab in self._awaited)):
+                # called again in a forward before the first call's backward reached its parameters: their hooks
+                # would see the sum over both calls (a recompute runs inside the backward, and does not count)
+                inv.grad_note = "the module ran again before its backward reached its parameters"
+            return None
         leaves, _ = tree_flatten((args, kwargs))
         inner = self.inner
         dev = device_of(inner)
@@ -211,7 +287,8 @@ class ModuleCapture:
                 if hasattr(t, "full_tensor"):
                     _full(t)
         self.invocation = Invocation(
-            args=tree_map(keep, args), kwargs=tree_map(keep, kwargs),
+            args=_without_empty_cache(tree_map(keep, args), inner),
+            kwargs=_without_empty_cache(tree_map(keep, kwargs), inner),
             requires_grad=tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves),
             params={n: _full(p).detach().clone() for n, p in inner.named_parameters()} if self.params else {},
             buffers={n: _full(b).detach().clone() for n, b in inner.named_buffers()} if self.params else {},
@@ -226,6 +303,96 @@ class ModuleCapture:
         mine = self._handles[0].id
         self.hook_ids = (frozenset(pre[pre.index(mine) + 1:]) if mine in pre else frozenset(), frozenset())
         self._pending_output = True
+        self._grad_inputs = []
+        if self.grads and self.live and not self._sharded_forward and torch.is_grad_enabled():
+            if dev.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+                # atomics (index_add, embedding backward) make a healthy live backward differ from its replay
+                self.invocation.grad_note = "live backward on CUDA without deterministic algorithms"
+            else:
+                self._hook_param_grads(self.invocation)
+                ins = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+                twice = {id(x) for x in ins if sum(y is x for y in ins) > 1}
+                self._grad_inputs = [(k, x) for k, x in enumerate(ins) if id(x) not in twice]
+                self._seq0 = _next_sequence_nr()
+
+    def _hook_param_grads(self, inv: Invocation) -> None:
+        """Hooks that sign this call's parameters' live gradients (module docstring)."""
+        for name, p in self.inner.named_parameters():
+            if name in self.grad_params and p.requires_grad and not hasattr(p, "full_tensor"):
+                self._grad_handles.append(p.register_hook(self._sign_hook(inv, f"grad_param:{name}")))
+                self._awaited.add(f"grad_param:{name}")
+
+    def _hook_input_grads(self, inv: Invocation, outs: list) -> None:
+        """Hooks on the nodes of this call's graph that feed each input (module docstring): what they send into
+        input k, summed in the order they run, is the module's share of its gradient, signed once all arrived."""
+        if not self._grad_inputs:
+            return
+        seq0 = self._seq0
+        # Nodes are compared by the id of their Python objects, which stay the same only while one is alive:
+        # every node object met is held (`held`, `seen`) until the walk ends.
+        grad_fns, held = {}, []
+        for k, x in self._grad_inputs:
+            if x.grad_fn is not None:
+                held.append(x.grad_fn)
+                grad_fns[(id(held[-1]), x.output_nr)] = k
+            else:
+                grad_fns[("leaf", id(x))] = k
+        edges: dict[int, list] = {}     # input k -> [(node, edge index)]
+        seen: dict[int, Any] = {}
+        stack = [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen[id(node)] = node
+            for j, (nxt, nr) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                var = getattr(nxt, "variable", None)
+                key = ("leaf", id(var)) if var is not None else (id(nxt), nr)
+                if key in grad_fns:
+                    edges.setdefault(grad_fns[key], []).append((node, j))
+                elif var is None and nxt._sequence_nr() >= seq0:   # made by this call: walk on
+                    stack.append(nxt)
+        for k, pairs in edges.items():
+            label = f"grad_input[{k}]"
+            self._awaited.add(label)
+            state = {"left": len(pairs), "sum": None}
+            by_node: dict[int, list[int]] = {}
+            for node, j in pairs:
+                by_node.setdefault(id(node), []).append(j)
+            for node, _ in {id(n): (n, j) for n, j in pairs}.values():
+                node.register_hook(self._edge_hook(inv, label, state, by_node[id(node)]))   # freed with the graph
+
+    def _edge_hook(self, inv: Invocation, label: str, state: dict, idx: list[int]):
+        sign = self._sign_hook(inv, label)
+
+        def hook(grad_inputs, grad_outputs) -> None:
+            for j in idx:
+                g = grad_inputs[j]
+                state["left"] -= 1
+                if g is not None:
+                    state["sum"] = g if state["sum"] is None else state["sum"] + g
+            if state["left"] == 0 and state["sum"] is not None:
+                sign(state["sum"])
+            # never change the live gradient
+        return hook
+
+    def _sign_hook(self, inv: Invocation, label: str):
+        def hook(grad: torch.Tensor) -> None:
+            if label in inv.live_grads or label not in self._awaited:
+                return   # a second backward through the same parameter (a later call): not this invocation's
+            self._awaited.discard(label)
+            if label.startswith("grad_param:") and inv.grad_note is not None:
+                return
+            from scout_ckpt.consensus.signatures import replica_signatures
+
+            try:
+                inv.live_grads[label] = replica_signatures([grad.detach()])[0]
+            except Exception:  # noqa: BLE001 -- a gradient that cannot be signed is not checked, never a failed step
+                pass
+            # never change the live gradient
+        return hook
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
         inv = self.invocation
@@ -247,6 +414,12 @@ class ModuleCapture:
                 inv.live = replica_signatures(tensors) if tensors else None
             except Exception:  # noqa: BLE001 -- a tensor that cannot be signed: no live check, never a failed step
                 inv.live = None
+        if self._grad_inputs:
+            try:
+                self._hook_input_grads(inv, outs)
+            except Exception:  # noqa: BLE001 -- an unusual graph: its input gradients are not signed, never a failed step
+                pass
+            self._grad_inputs = []
         inv.grad_outputs = [None] * len(outs)
         for i, o in enumerate(outs):
             if isinstance(o, torch.Tensor) and o.requires_grad:

@@ -7,7 +7,9 @@ replayed the target and signed as many tensors), the verdict, the attributed ran
 shape of a `replays` row (what `explain`, `report` and schedule.coverage read) is written in one place.
 
 A round's per-target results are lists [labels, tensors -> their signatures, seconds, payload, live votes]; the
-header every peer gathers holds, per target, (seconds, has signatures, how many) (`header_values`).
+header every peer gathers holds, per target, (seconds, has signatures, how many, this rank's self-check outcome)
+(`header_values`): the self-check (replay.live) needs no collective of its own, every peer learns every other's
+outcome in the gather the round makes anyway, so every peer writes the same row.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from scout_ckpt.consensus.c3 import verdicts_from_gathered
 from scout_ckpt.consensus.signatures import replica_signatures
 from scout_ckpt.replay import live as live_step
 
-HEADER_SLOTS = 3   # per target in the gathered header: seconds, has signatures (0/1), how many signatures
+HEADER_SLOTS = 4   # per target: seconds, has signatures (0/1), how many signatures, self-check (live.SELF_*)
 
 
-def header_values(results: list[list]) -> list[float]:
-    """This peer's part of the round's one small gather: per target its time, whether it has signatures, and
-    how many."""
-    return [v for lab, sig, dt, _, _ in results for v in (dt, float(sig is not None), float(len(lab)))]
+def header_values(results: list[list], selfc: list[int] | None = None) -> list[float]:
+    """This peer's part of the round's one small gather: per target its time, whether it has signatures, how
+    many, and its self-check's outcome (`selfc`, live.SELF_*; SELF_NONE when it ran none)."""
+    selfc = selfc if selfc is not None else [live_step.SELF_NONE] * len(results)
+    return [v for (lab, sig, dt, _, _), sc in zip(results, selfc)
+            for v in (dt, float(sig is not None), float(len(lab)), float(sc))]
 
 
 def comparable(header: dict[int, list[float]], n_targets: int) -> list[bool]:
@@ -63,9 +67,12 @@ def sign(step: int, work: list, results: list[list], pending: list[int], rank: i
 
 
 def replay_row(step: int, target, payload, labels: list[str], header: dict[int, list[float]], i: int,
-               signatures, src: int, peers: list[int]) -> dict:
+               signatures, src: int, peers: list[int], grad_notes: list[str] | None = None) -> dict:
     """The ledger row of target i of a round. `signatures`: every peer's signatures of it (one row per peer),
-    or None when the target is not comparable (some peer failed, or the counts differ): INCONCLUSIVE."""
+    or None when the target is not comparable (some peer failed, or the counts differ): INCONCLUSIVE. A peer
+    whose self-check found its own live step differing from its replay (live.self_check) makes the row
+    ATTRIBUTED to it, whatever the rest says (replay.live: the rule); `grad_notes`: the live gradients its
+    self-check does not sign, and why."""
     took = durations(header, i)
     detail: dict = {"source": src, "peers": list(peers), "signatures": len(labels),
                     "durations": {str(r): round(d, 6) for r, d in took.items()}}
@@ -81,6 +88,14 @@ def replay_row(step: int, target, payload, labels: list[str], header: dict[int, 
         status, ranks, why = summarise(verdict)
         detail.update(why)
         detail.update(live_step.row_detail(labels, verdict.disagreeing, src))
+    selfc = live_step.self_detail({r: int(h[HEADER_SLOTS * i + 3]) for r, h in header.items()})
+    if selfc:
+        detail.update(selfc)
+        detail.update(live_step.grads_detail(grad_notes or []))
+        failed = live_step.self_failed(detail)
+        if failed:   # a rank's live step disagreed with its own replay: that rank, with 2 peers too
+            status, ranks = "ATTRIBUTED", sorted(set(ranks) | set(failed))
+            detail["live_disagree"] = True
     if target[0] == "optimizer" and payload is not None and payload.unsupported:
         status, detail["unsupported"] = "INCONCLUSIVE", payload.unsupported
     return {"step": step, "recipe": target[0], "target": target[1], "status": status, "ranks": ranks,

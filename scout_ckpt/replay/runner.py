@@ -20,12 +20,14 @@ Capture for the save step must be armed before its forward: `expect_save(S)`, `s
 last two saves; until one of these is known every step is captured, so the first saves get a sweep too. The
 sweep's captures hold references to the block inputs and output gradients, not copies (capture.py): a target whose
 referenced inputs were written in place before its sweep is not replayed at that save (its coverage stays
-incomplete: never a pass) and is captured by copies from then on. Only the sweep's source (one peer) keeps a copy
-of the targets' parameters as its forward used them, and sends it with the inputs.
+incomplete: never a pass) and is captured by copies from then on. Every rank keeps a copy of the targets'
+parameters as its forward used them (the self-check replays it; the source also sends its copy with the inputs);
+with the self-check off, only the source does.
 
 The live check (replay.live): replays are compared with each other AND with what the source's live step
-produced, so a fault that struck the live step only is caught too; the sweep's source rotates over the peers save
-by save (`sweep_source`), so every peer's live step at a save is checked within len(peers) saves.
+produced (the cross-check; the sweep's source rotates over the peers save by save, `sweep_source`), and every
+rank replays its own capture once more and compares that with its own live outputs and gradients (the
+self-check), so a fault that struck any rank's live step at a save is caught at that save.
 
 Replay durations also feed a straggler rule (replay.stragglers): one round per step, confirmed over several steps.
 
@@ -45,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scout_ckpt.consensus.signatures import replica_signatures
 from scout_ckpt.replay import live as live_step
 from scout_ckpt.replay import rows as replay_rows
 from scout_ckpt.replay.capture import ModuleCapture, current_state
@@ -76,14 +79,16 @@ class ReplayRunner:
     raises NoTargets (a ScoutError) when the model has no repeated blocks. opt_elems: optimizer elements replayed
     per round over all parameters. save_every: arm the sweep capture for every multiple of it. live_check: compare
     the replays with the source's live outputs (replay.live; False: the sweep replays with the parameters
-    held when it runs, and no parameter copy is kept).
+    held when it runs, and no parameter copy is kept). self_check: every rank replays its own sweep capture and
+    compares it with its own live step (replay.live; needs live_check; costs every rank a parameter copy of the
+    targets at the save step and one more replay per target per save).
     `on_step` and `sweep` return replay rows for the ledger, identical on all peers.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, groups,
                  targets: list | None = None, interval: int = 1, deterministic: bool = True,
                  peers: str = "auto", opt_elems: int = DEFAULT_ELEMS, save_every: int | None = None,
-                 straggler_rounds: int = 3, live_check: bool = True):
+                 straggler_rounds: int = 3, live_check: bool = True, self_check: bool = True):
         self.forecast = SaveForecast(save_every)   # first: a bad save_every is refused before anything else
         optimizer = unwrap_optimizer(optimizer)     # accelerate's AcceleratedOptimizer: the torch one it wraps
         self.model = model
@@ -112,6 +117,8 @@ class ReplayRunner:
         modules = [n for r, n in self._targets if r != "optimizer"]
         self.live_excluded = live_step.excluded(modules, live_check, [
             n for n in modules if not self._under_compile and runs_compiled(where[n].outer)])
+        self.self_check = live_check and self_check
+        self._grad_params, self.grad_notes = _live_grad_params(model, self._sites)
         self._captures: dict[str, Any] = {}   # rotation
         for recipe, name in self._targets:
             if recipe == "optimizer":
@@ -243,7 +250,7 @@ class ReplayRunner:
                     warnings.warn(f"replay sweep at step {step}: the inputs captured for {t[1]} were written in "
                                   f"place after capture; captured by copies from the next save on"
                                   + (" (not replayed now: coverage incomplete)" if self.rank == src else ""))
-            rows = self._replay_batch(step, items, src)
+            rows = self._replay_batch(step, items, src, own=self.self_check)
             for row in rows:  # the rotation's replay run here is still the rotation's (its own capture)
                 row["detail"]["sweep"] = deferred is None or row["target"] != deferred[1][1]
         else:
@@ -278,17 +285,20 @@ class ReplayRunner:
             return
         src = self.sweep_source()
         me = self.rank == src and self.live_check
+        own = me or self.self_check   # keeps its parameters and signs its live step (the self-check: replay.live)
         caps: dict[str, Any] = {}
         for recipe, name in self._targets:
             if recipe == "optimizer":
                 caps[name] = OptimizerCapture(self.optimizer, self._opt_elems)
                 caps[name].arm(step)
             else:
-                # the source alone keeps the parameters its forward used: the live check replays exactly that
-                caps[name] = ModuleCapture(self._sites[name].outer, self._sites[name].inner, params=me,
+                # the parameters its forward used: the live checks replay exactly that (every rank with the
+                # self-check, else the source alone; the others then join the source's gathers of TP shards)
+                caps[name] = ModuleCapture(self._sites[name].outer, self._sites[name].inner, params=own,
                                            refs=name not in self._clone_targets,
-                                           live=me and name not in self.live_excluded,
-                                           gather=self.live_check and not me)
+                                           live=own and name not in self.live_excluded,
+                                           gather=self.live_check and not own,
+                                           grads=self.self_check, grad_params=self._grad_params.get(name))
                 caps[name].arm()
         if self._live is not None:
             for cap in self._live[1].values():
@@ -317,12 +327,15 @@ class ReplayRunner:
         rows = self._replay_batch(step, [(target, cap)], src)
         return rows[0] if rows else None
 
-    def _replay_batch(self, step: int, items: list, src: int) -> list[dict]:
+    def _replay_batch(self, step: int, items: list, src: int, own: bool = False) -> list[dict]:
         """Replay several targets in a fixed number of blocking collectives (whatever their count): one broadcast
         of the source's capture structures (their tensors follow asynchronously, one broadcast each: a peer
         replays a target as soon as its tensors are in), one gather of per-target headers, one all_gather of every
-        signature. A target the source did not run this step gives no row. Every peer returns the same rows."""
+        signature. A target the source did not run this step gives no row. Every peer returns the same rows.
+        `own`: every peer also self-checks its own capture of each module target (replay.live), its outcome in
+        the header gather (no collective more)."""
         payloads = None
+        self._src_of_round = src
         if self.rank == src:
             # a capture whose referenced live tensors were written since is not sent: no row, coverage incomplete
             payloads = [host(cap.capture) if t[0] == "optimizer" else
@@ -334,8 +347,12 @@ class ReplayRunner:
         results: list[list] = []   # per target: [labels, its replayed tensors -> their signatures, seconds, payload]
         pending: list[int] = []    # targets replayed but not hashed yet
         held = 0                   # bytes of their tensors
+        selfc: list[int] = []      # per target: this rank's self-check outcome (live.SELF_*)
         for i, target, cap in work:
             payload = live = None
+            # before waiting for the source's tensors: the self-replay overlaps their transfer
+            selfc.append(self._self_check(step, target, cap) if own and target[0] != "optimizer"
+                         else live_step.SELF_NONE)
             t0 = time.perf_counter()
             try:
                 payload = arrivals.get(i)
@@ -359,6 +376,11 @@ class ReplayRunner:
                     self._sign(step, work, results, pending)
                     held = 0
         self._sign(step, work, results, pending)
+        for k, (_, target, cap) in enumerate(work):   # the source's self-check is its own cross replay
+            if selfc[k] == _SELF_IS_CROSS:
+                labels, sigs = results[k][0], results[k][1]
+                selfc[k] = (live_step.self_check(labels, sigs, cap.invocation) if sigs is not None
+                            else live_step.SELF_UNCHECKED)
         for res in results:   # the live check's votes, now that the replays' signatures are known
             if res[4] is not None and res[1] is not None:
                 res[1] = live_step.signed(res[1], res[4])
@@ -366,7 +388,7 @@ class ReplayRunner:
         if not work:
             return []
         # One small gather: per target, every peer's time and whether it has signatures (and how many).
-        header = self._gather(replay_rows.header_values(results))
+        header = self._gather(replay_rows.header_values(results, selfc))
         comparable = replay_rows.comparable(header, len(work))
         mine = [sig for (lab, sig, dt, _, _), ok in zip(results, comparable) if ok]
         gathered = None
@@ -381,8 +403,24 @@ class ReplayRunner:
             sigs = None
             if comparable[i]:
                 sigs, offset = gathered[:, offset:offset + len(labels)], offset + len(labels)
-            found.append(replay_rows.replay_row(step, target, payload, labels, header, i, sigs, src, self.peers))
+            found.append(replay_rows.replay_row(step, target, payload, labels, header, i, sigs, src, self.peers,
+                                                self.grad_notes.get(target[1])))
         return found
+
+    def _self_check(self, step: int, target: Target, cap) -> int:
+        """This rank's own capture of `target` replayed on a copy and compared with its own live signatures
+        (replay.live.self_check). The source's is its cross replay, compared once signed (_SELF_IS_CROSS)."""
+        inv = getattr(cap, "invocation", None)
+        if inv is None or inv.live is None or not inv.intact() or not inv.params:
+            return live_step.SELF_UNCHECKED
+        if self.rank == self._src_of_round:
+            return _SELF_IS_CROSS
+        try:
+            labels, tensors = replay_target(target[0], cap, inv, self.deterministic, self.optimizer)
+            return live_step.self_check(labels, replica_signatures(tensors), inv)
+        except Exception as e:  # noqa: BLE001 -- not checked, never a failed step
+            warnings.warn(f"self-check replay of {target[1]} at step {step} failed on rank {self.rank}: {e!r}")
+            return live_step.SELF_UNCHECKED
 
     def _sign(self, step: int, work: list, results: list[list], pending: list[int]) -> None:
         """Sign the pending targets' replayed tensors (replay.rows.sign)."""
@@ -397,6 +435,42 @@ class ReplayRunner:
     def _timing(self, step: int, target: Target, durations: dict[int, float]) -> None:
         """Replay durations feed the straggler rule one step at a time (see replay.stragglers)."""
         self._events.extend(self._stragglers.observe(step, durations, target[1]))
+
+
+_SELF_IS_CROSS = -1   # the source: its self-check is read from its cross replay, once signed
+
+
+def _live_grad_params(model: nn.Module, sites: dict) -> tuple[dict[str, frozenset], dict[str, list[str]]]:
+    """Per module target: the parameters whose live gradient the self-check signs (capture.py), and what it does
+    not sign, and why (the same on every rank: configuration). Not signed: a parameter sharded as a DTensor
+    (FSDP2: its gradient is reduce-scattered from an unsharded copy), one that a module outside the target also
+    holds (tied weights: its gradient sums both uses)."""
+    owners: dict[int, set[int]] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(id(m))
+    signed: dict[str, frozenset] = {}
+    notes: dict[str, list[str]] = {}
+    for name, site in sites.items():
+        inside = {id(m) for m in site.inner.modules()}
+        names, sharded, tied = set(), [], []
+        for n, p in site.inner.named_parameters():
+            if hasattr(p, "full_tensor"):
+                sharded.append(n)
+            elif owners.get(id(p), set()) - inside:
+                tied.append(n)
+            else:
+                names.add(n)
+        signed[name] = frozenset(names)
+        why = []
+        if sharded:
+            why.append(f"{len(sharded)} sharded parameters' gradients (DTensor/FSDP2: reduce-scattered from an "
+                       "unsharded copy)")
+        if tied:
+            why.append(f"gradients of parameters shared with a module outside the target: {', '.join(tied[:4])}")
+        notes[name] = why
+    return signed, notes
 
 
 def _frozen(cap) -> SimpleNamespace:
