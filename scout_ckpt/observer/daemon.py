@@ -119,7 +119,7 @@ class Daemon:
 
         self.stragglers = StragglerJudge(self.world, **cfg["straggler"])  # the measure per job: stragglers.py
         self.arrivals: dict[int, float] = {}  # this rank's, kept longer than the heartbeat's ring
-        self.stamps: dict[int, tuple[float, float]] = {}  # this rank's step stamps: step -> (left, arrived)
+        self.stamps: dict[int, tuple] = {}  # this rank's step stamps: step -> (left, arrived, waited for a CPU)
         self._stop = False
         self._ledger = None
 
@@ -153,8 +153,8 @@ class Daemon:
             self.version, self.last_change = version, now
         for step, t in self.snap.arrivals:
             self.arrivals[step] = t
-        for step, left, arrived in self.snap.stamps:
-            self.stamps[step] = (left, arrived)
+        for step, *stamp in self.snap.stamps:
+            self.stamps[step] = tuple(stamp)
         for kept in (self.arrivals, self.stamps):
             if len(kept) > 64:
                 for step in sorted(kept)[:len(kept) - 64]:

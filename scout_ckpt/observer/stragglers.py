@@ -2,7 +2,9 @@
 
 Why busy time and not step time: in synchronous training every rank's wall time per step is the same, since the
 fast ranks wait for the slow one inside the collectives. The heartbeat accumulates each step's duration minus the
-time spent in traced collectives; over a window of a few steps the monitor compares the per-rank means with
+time spent in traced collectives and minus the training thread's wait for a CPU (observer/cpuwait.py: on a
+loaded host that wait falls unevenly on healthy ranks and, counted, can make the 2-rank pair rule name a healthy
+rank); over a window of a few steps the monitor compares the per-rank means with
 consensus.timing's robust rule (median + max(k * 1.4826 * MAD, floors)) and reports a rank once it was flagged in
 `rounds` consecutive windows. A rank is reported once per episode: it is re-armed after a window without a flag.
 With 2 ranks no median singles anyone out: the slower rank is flagged when it exceeds the faster by the rule's
@@ -81,7 +83,7 @@ def _confirmed_events(mon, samples: dict[int, float], step_of, window_steps_of, 
     return events
 
 
-_MEANING = {"compute_stamps": "compute", "arrival_skew": "compute by arrival skew"}
+_MEANING = {"compute_stamps": "compute, less the waits for a CPU", "arrival_skew": "compute by arrival skew"}
 
 
 def pair_outlier(samples: dict[int, float], *, k: float = 3.0, abs_floor_s: float = 0.01,
@@ -179,12 +181,18 @@ class ComputeStragglers(ArrivalStragglers):
     the robust rule and the confirmation are ArrivalStragglers': a save step, where the coordinator does extra
     work, moves one sample of the window, not its median; no cross-host clock enters.
 
-    `add` takes (step, left, arrived) triples; a step counts once every running rank stamped it."""
+    The training thread's wait for a CPU between the two stamps (observer/cpuwait.py) is not compute: on a
+    loaded host the scheduler serves two healthy ranks unevenly for seconds at a time, and as wall time the one
+    it served less read as 1.5x slower than its peer (a 2-rank healthy run at load average 25-28); a straggler's
+    extra time is its own (sleeping in a data loader, computing in a slow layer) and stays.
+
+    `add` takes (step, left, arrived[, waited]) stamps; a step counts once every running rank stamped it."""
 
     measure = "compute_stamps"
 
     def add(self, rank: int, stamps) -> None:
-        super().add(rank, ((step, arrived - left) for step, left, arrived in stamps))
+        super().add(rank, ((step, arrived - left - (waited[0] if waited else 0.0))
+                           for step, left, arrived, *waited in stamps))
 
     def update(self, now: float, ranks) -> list[dict]:
         ranks = frozenset(ranks)
