@@ -159,8 +159,7 @@ class Heartbeat:
         # (time, native count) when this rank left the last synchronisation (set by StepStamps' hooks); None
         # once it reached the next collective (`stamp`), and before the first sync
         self.left: tuple[float, int, float] | None = None  # (time, native count, run-queue wait so far)
-        self.cpu_wait = RunQueueWait()  # the training thread's wait for a CPU (observer/cpuwait.py)
-        self._wait_at_step = self.cpu_wait.seconds()
+        self.cpu_wait = RunQueueWait()  # the training thread's wait for a CPU (observer/cpuwait.py), for the stamps
         _IDENT.pack_into(mm, 104, os.getpid(), MAGIC)
         self._write_all(time.time())
 
@@ -310,11 +309,10 @@ class Heartbeat:
         """Step `n` is done. Its busy time (duration minus the time spent waiting for collectives to complete:
         the union of the waiting intervals, async ones up to their completion) is what the straggler rule
         compares: in synchronous training every rank's wall time per step is the same, but a straggler's
-        compute between one collective and its arrival at the next is longer. The training thread's wait for a
-        CPU since the last step (observer/cpuwait.py) is not busy time either: a loaded host is not a slow rank."""
+        compute between one collective and its arrival at the next is longer. (The training thread's wait for a
+        CPU is not taken out here, unlike in the step stamps: part of it falls inside the collectives' waiting
+        intervals, where it is out already, and which part cannot be told without a read at every collective.)"""
         now = time.time()
-        cpu_wait = self.cpu_wait.seconds()
-        queued, self._wait_at_step = max(0.0, cpu_wait - self._wait_at_step), cpu_wait
         if duration_s is None and self._last_step_t is not None:
             duration_s = max(0.0, now - self._last_step_t)
         if duration_s is not None:
@@ -323,7 +321,7 @@ class Heartbeat:
             self._n_steps += 1
             self._dur_sum += duration_s
             self._coll_sum += waited
-            self._busy_sum += max(0.0, duration_s - waited - queued)
+            self._busy_sum += max(0.0, duration_s - waited)
         else:
             self._waits = [b for b in self._waits if b[1] is None]
         self._last_step_t = now

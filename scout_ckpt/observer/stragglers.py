@@ -2,9 +2,7 @@
 
 Why busy time and not step time: in synchronous training every rank's wall time per step is the same, since the
 fast ranks wait for the slow one inside the collectives. The heartbeat accumulates each step's duration minus the
-time spent in traced collectives and minus the training thread's wait for a CPU (observer/cpuwait.py: on a
-loaded host that wait falls unevenly on healthy ranks and, counted, can make the 2-rank pair rule name a healthy
-rank); over a window of a few steps the monitor compares the per-rank means with
+time spent in traced collectives; over a window of a few steps the monitor compares the per-rank means with
 consensus.timing's robust rule (median + max(k * 1.4826 * MAD, floors)) and reports a rank once it was flagged in
 `rounds` consecutive windows. A rank is reported once per episode: it is re-armed after a window without a flag.
 With 2 ranks no median singles anyone out: the slower rank is flagged when it exceeds the faster by the rule's
