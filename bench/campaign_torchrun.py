@@ -25,13 +25,13 @@ straggler event there is a false positive.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _campaign_common as C  # noqa: E402
+
+REPO = C.REPO
 SCRIPT = REPO / "tests" / "scripts" / "observed_job.py"
 PG_TIMEOUT_S = 120.0
 STALL_S = 3.0
@@ -71,17 +71,9 @@ def _plan_crash(i, rng, world_sizes):
 
 
 def _torchrun(root: Path, nproc: int, args: list[str], timeout: float = 900.0) -> tuple[int, float, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", "1", "--monitor-interval", "0.5", str(SCRIPT), str(root), "--stall-s", str(STALL_S),
-           "--pg-timeout", str(PG_TIMEOUT_S), "--action", "abort", "--save-every", str(SAVE_EVERY), *args]
-    t0 = time.monotonic()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
-        rc, err = p.returncode, p.stderr[-2000:]
-    except subprocess.TimeoutExpired:
-        rc, err = 124, "timed out"
-    return rc, time.monotonic() - t0, err
+    return C.torchrun(SCRIPT, root, nproc, ["--stall-s", str(STALL_S), "--pg-timeout", str(PG_TIMEOUT_S),
+                                            "--action", "abort", "--save-every", str(SAVE_EVERY), *args],
+                      restarts=1, timeout=timeout)
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -89,32 +81,6 @@ def _jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except FileNotFoundError:
         return []
-
-
-def _events(root: Path) -> list[dict]:
-    from scout_ckpt.ledger import Ledger
-
-    if not (root / "scout-ledger.db").exists():
-        return []
-    with Ledger.open(root, readonly=True) as led:
-        return led.events()
-
-
-def _resume(root: Path) -> tuple[int | None, list[str]]:
-    """latest_clean(root) and whether it verifies (bad resume otherwise)."""
-    from scout_ckpt import policy
-    from scout_ckpt.ledger import Ledger
-    from scout_ckpt.ops.recovery import NoCleanCheckpoint, latest_clean, verify_checkpoint
-
-    if not (root / "scout-ledger.db").exists():
-        return None, []
-    try:
-        step = latest_clean(root)["step"]
-    except NoCleanCheckpoint:
-        return None, []
-    with Ledger.open(root, readonly=True) as led:
-        ok = verify_checkpoint(root, led, step)["status"] == policy.PASS
-    return step, [] if ok else [f"latest_clean returned step {step}, which does not verify"]
 
 
 def _run(kind: str, detector: tuple[str, ...]):
@@ -135,22 +101,19 @@ def _run(kind: str, detector: tuple[str, ...]):
             out["factor"] = inc["factor"]
         if rc != 0:
             out["stderr_tail"] = err[-600:]
-        events = sorted((e for e in _events(root) if e["kind"] in detector), key=lambda e: e["time"] or 0)
-        hits = [e for e in events if fault is not None and (e["time"] or 0) >= fault["time"] - 0.05]
+        hits, blamed, detect = C.score(C.ledger(root)[0], detector, fault)
         out["events"] = [{"kind": e["kind"], "ranks": e["ranks"], "step": e["step"],
                           "t": round(e["time"] - fault["time"], 3) if fault else None,
                           "source": (e.get("detail") or {}).get("source"),
                           "first_stopped": (e.get("detail") or {}).get("first_stopped"),
                           "slowdown": (e.get("detail") or {}).get("slowdown")} for e in hits][:8]
-        blamed = sorted({r for e in hits[:1] for r in e["ranks"] or []})
-        detect = (hits[0]["time"] - fault["time"]) if hits else None
         latency = detect
         attempts = _jsonl(root / "attempts.jsonl")
         resumed = [a["resumed_from"] for a in attempts[1:]]
         if kind == "tr_hang" and fault is not None:
             nxt = [p["time"] for p in _jsonl(root / "progress.jsonl") if p["attempt"] == 1]
             latency = (min(nxt) - fault["time"]) if nxt else None
-        resume_step, bad = _resume(root)
+        resume_step, bad = C.resume(root)
         if fault is not None and inc["fault"] != "straggler":
             bad += [f"a restart resumed from step {s}, after the fault at step {inc['step']}" for s in resumed
                     if s >= inc["step"]]
@@ -168,12 +131,8 @@ def _healthy(model: str):
     def make(work: Path, seed: int) -> dict:
         root = work
         rc, wall, _err = _torchrun(root, 3, ["--model", model, "--steps", "40", "--compute-s", str(COMPUTE_S)])
-        events = _events(root)
-        counts: dict[str, int] = {}
-        for e in events:
-            if e["kind"] in ALARMS:
-                counts[e["kind"]] = counts.get(e["kind"], 0) + 1
-        resume_step, bad = _resume(root)
+        counts = C.alarm_counts(C.ledger(root)[0], ALARMS)
+        resume_step, bad = C.resume(root)
         attempts = _jsonl(root / "attempts.jsonl")
         return {"id": f"tr_healthy-{model}", "kind": "healthy", "mode": f"torchrun-{model}", "async": False,
                 "ranks": 3, "rc": rc, "wall_s": round(wall, 1), "restarts": max(0, len(attempts) - 1),

@@ -31,13 +31,13 @@ hang, desync, crash or straggler event, or any rejected save, is a false positiv
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _campaign_common as C  # noqa: E402
+
+REPO = C.REPO
 USER_DDP = REPO / "tests" / "scripts" / "user_ddp_job.py"
 LIVE = REPO / "tests" / "scripts" / "live_fault_job.py"
 STALL_S = 30.0                      # the user's choice (user_ddp_job.py's default observer option)
@@ -50,46 +50,7 @@ ALARMS = ("hang", "desync", "crash", "straggler", "sdc")
 REPLAY_CODES = ("replay_sdc", "replay_inconclusive")
 
 
-def _torchrun(script: Path, root: Path, nproc: int, args: list[str], restarts: int = 0,
-              timeout: float = 900.0) -> tuple[int, float, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(script), str(root), *args]
-    t0 = time.monotonic()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
-        rc, err = p.returncode, p.stderr[-2000:]
-    except subprocess.TimeoutExpired:
-        rc, err = 124, "timed out"
-    return rc, time.monotonic() - t0, err
-
-
-def _ledger(root: Path) -> tuple[list[dict], list[dict], list[dict]]:
-    """(events, checkpoints with their replay evidence, runs) of ROOT's ledger."""
-    from scout_ckpt.ledger import Ledger
-
-    if not (root / "scout-ledger.db").exists():
-        return [], [], []
-    with Ledger.open(root, readonly=True) as led:
-        cks = [{**c, "replay": led.evidence(c["step"]).get("replay") or {}} for c in led.checkpoints()]
-        return led.events(), cks, led.runs()
-
-
-def _resume(root: Path) -> tuple[int | None, list[str]]:
-    """latest_clean(root) and whether it verifies (a bad resume otherwise)."""
-    from scout_ckpt import policy
-    from scout_ckpt.ledger import Ledger
-    from scout_ckpt.ops.recovery import NoCleanCheckpoint, latest_clean, verify_checkpoint
-
-    if not (root / "scout-ledger.db").exists():
-        return None, []
-    try:
-        step = latest_clean(root)["step"]
-    except NoCleanCheckpoint:
-        return None, []
-    with Ledger.open(root, readonly=True) as led:
-        ok = verify_checkpoint(root, led, step)["status"] == policy.PASS
-    return step, [] if ok else [f"latest_clean returned step {step}, which does not verify"]
+_torchrun, _ledger, _resume = C.torchrun, C.ledger, C.resume
 
 
 def _fault(root: Path) -> dict | None:
@@ -139,10 +100,7 @@ def _observer_run(kind: str, detector: str):
         rc, wall, err = _torchrun(USER_DDP, root, inc["ranks"], args, restarts=restarts)
         fault = _fault(root)
         events, _cks, runs = _ledger(root)
-        hits = sorted((e for e in events if e["kind"] == detector and fault is not None
-                       and (e["time"] or 0) >= fault["time"] - 0.05), key=lambda e: e["time"] or 0)
-        blamed = sorted({r for e in hits[:1] for r in e["ranks"] or []})
-        latency = (hits[0]["time"] - fault["time"]) if hits else None
+        hits, blamed, latency = C.score(events, (detector,), fault)
         resume_step, bad = _resume(root)
         out = {"id": inc["id"], "kind": kind, "ranks": inc["ranks"], "truth": [inc["rank"]], "fired": fault is not None,
                "rc": rc, "wall_s": round(wall, 1), "stall_s": STALL_S, "detected": bool(hits), "blamed": blamed,
@@ -209,10 +167,7 @@ def _live_run(inc: dict, work: Path) -> dict:
 
 def _healthy_record(name: str, mode: str, ranks: int, root: Path, rc: int, wall: float) -> dict:
     events, cks, runs = _ledger(root)
-    counts: dict[str, int] = {}
-    for e in events:
-        if e["kind"] in ALARMS:
-            counts[e["kind"]] = counts.get(e["kind"], 0) + 1
+    counts = C.alarm_counts(events, ALARMS)
     rejections: dict[str, int] = {}
     for c in cks:
         if c["state"] == "rejected":

@@ -478,5 +478,6 @@ def test_ddp_comm_hook_rules_on_real_ddp_modules(tmp_path):
                 continue   # DDP's second forward broadcasts its rebuilt buckets: the arrival is that forward's start
             assert lo <= back["arrival"][s] <= hi, (s, back)
             assert back["compute"][s] >= 0.2 or not slow, (s, back)
+            assert 0.0 <= back["cpu_wait"][s] <= back["compute"][s], (s, back)  # a wait for a CPU, within the span
         # the first step hooks every parameter, then only the last few to get their gradient stay hooked
         assert back["grad_hooks_kept"] == min(4, back["params"]) and back["grad_hooks_left"] == 0, back

@@ -76,3 +76,44 @@ def test_two_ranks_the_default_rule_names_the_slower_one(native, stamps_on):
     assert 2.5 < events[0]["detail"]["slowdown"] < 3.5 and "than rank 0" in events[0]["detail"]["reason"]
     assert _run(native=native, stamps_on=stamps_on, world=2, rule={}, factor=1.2)[1] == []
     assert _run(native=native, stamps_on=stamps_on, world=2, rule={}, slow=None)[1] == []
+
+
+def _loaded_pair(*, slow: int | None, discount: bool, seconds: float = 12.0) -> list[dict]:
+    """Two ranks of a DDP job (native collectives, step stamps) on a host so loaded that the scheduler serves rank
+    0 less than rank 1 for the whole run: each step both ranks do 55 ms of their own work (a data loader's sleep,
+    the model), and rank 0's training thread then waits 35-70 ms per step for a CPU, rank 1's 0-15 ms. `slow`: a
+    rank whose own work is 3x (its data loader). `discount`: the stamps carry the run-queue wait (as the heartbeat
+    writes them); without it they are the wall times alone, as a rule blind to the wait sees them."""
+    rng = random.Random(7)
+    judge = StragglerJudge(2)                          # the defaults, as a user runs them
+    rows = {r: {"state": "running", "live": True, "step": 0, "n_steps": 0, "busy_sum": 0.0, "seq": 0, "cseq": 0,
+                "stamps": [], "arrivals": []} for r in range(2)}
+    events, t, step = [], 0.0, 0
+    while t < seconds:
+        step += 1
+        own = {r: 0.055 * (3.0 if r == slow else 1.0) for r in range(2)}
+        queued = {0: rng.uniform(0.035, 0.070), 1: rng.uniform(0.0, 0.015)}
+        left = t
+        t += max(own[r] + queued[r] for r in range(2)) + 0.005
+        for r, row in rows.items():
+            arrived = left + own[r] + queued[r]
+            stamp = [step, left, arrived, queued[r]] if discount else [step, left, arrived]
+            row["step"], row["n_steps"], row["cseq"] = step, step, row["cseq"] + 10
+            row["stamps"] = (row["stamps"] + [stamp])[-32:]
+        events += judge.update(t, {r: dict(row) for r, row in rows.items()})
+    return events
+
+
+def test_two_ranks_on_a_loaded_host_name_no_straggler_but_a_3x_rank_still():
+    """The 2-rank pair rule on a loaded host: as wall time, rank 0's waits for a CPU make it 1.6-2x rank 1 for
+    the whole run and the rule names it (the false straggler of a healthy 2-rank run at load average 25-28);
+    with the waits subtracted (the stamps as the heartbeat writes them) nobody is named, and a rank whose own
+    work is 3x is still named, as the slower one by its own work ("rank 1 is 3.0x slower than rank 0")."""
+    blind = _loaded_pair(slow=None, discount=False)
+    assert [e["ranks"] for e in blind] == [[0]], blind      # the trap is real: wall time names the unlucky rank
+    assert _loaded_pair(slow=None, discount=True) == []
+    for slow in (0, 1):                                    # the unlucky rank slow, or the lucky one
+        named = _loaded_pair(slow=slow, discount=True)
+        assert [e["ranks"] for e in named] == [[slow]], (slow, named)
+        assert 2.5 < named[0]["detail"]["slowdown"] < 3.5 and f"than rank {1 - slow}" in named[0]["detail"]["reason"]
+        assert "less the waits for a CPU" in named[0]["detail"]["reason"]

@@ -229,9 +229,9 @@ def _backward_stamps(obs, rank: int) -> dict:
         marks[("opt_done", n)] = time.time()
         obs.step(n)
     stamps = HeartbeatReader(obs.heartbeat.path).snapshot().stamps
-    out = {"steps": [s for s, _l, _a in stamps], "compute": {s: a - lt for s, lt, a in stamps},
-           "arrival": {s: a for s, _l, a in stamps},
-           "backward_window": {s: (marks[("forward_done", s)], marks[("backward_done", s)]) for s, _l, _a in stamps},
+    out = {"steps": [s for s, *_ in stamps], "compute": {s: a - lt for s, lt, a, _w in stamps},
+           "arrival": {s: a for s, _l, a, _w in stamps}, "cpu_wait": {s: w for s, _l, _a, w in stamps},
+           "backward_window": {s: (marks[("forward_done", s)], marks[("backward_done", s)]) for s, *_ in stamps},
            "grad_hooks_kept": len(obs.stamps._grad_handles), "params": len(list(model.parameters()))}
     obs.stamps.remove()
     out["grad_hooks_left"] = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
@@ -269,13 +269,13 @@ def _step_stamps(obs, rank: int) -> dict:
         marks[("opt_done", n)] = time.time()
         obs.step(n)
     stamps = HeartbeatReader(obs.heartbeat.path).snapshot().stamps[earlier:]
-    arrived_after = {s: marks["before_all_reduce"] if s == 4 else marks[s] for s, _l, _a in stamps}
-    return {"steps": [s for s, _l, _a in stamps], "compute": {s: a - lt for s, lt, a in stamps},
-            "arrival": {s: a for s, _l, a in stamps},
+    arrived_after = {s: marks["before_all_reduce"] if s == 4 else marks[s] for s, *_ in stamps}
+    return {"steps": [s for s, *_ in stamps], "compute": {s: a - lt for s, lt, a, _w in stamps},
+            "arrival": {s: a for s, _l, a, _w in stamps},
             # compute = arrival(s) - the optimizer step of s-1: at least the gap from the end of that step to the
             # earliest possible arrival, at most from its start to the end of step s's forward
             "compute_window": {s: (arrived_after[s] - marks[("opt_done", s - 1)],
-                                   marks[("forward_done", s)] - marks[("opt_start", s - 1)]) for s, _l, _a in stamps},
+                                   marks[("forward_done", s)] - marks[("opt_start", s - 1)]) for s, *_ in stamps},
             "all_reduce_window": (marks["before_all_reduce"], marks[4]),
-            "forward_window": {s: (marks[s], marks[("forward_done", s)]) for s, _l, _a in stamps if s != 4},
+            "forward_window": {s: (marks[s], marks[("forward_done", s)]) for s, *_ in stamps if s != 4},
             "model": model, "opt": opt}

@@ -33,7 +33,8 @@ Verdicts (`attribute`, a pure function) use strict majorities over the world siz
           waiting (in a collective, or in a native one the others never issued) and the rest outside any
           collective: the rest are hung; any other mix of stalled ranks with one waiting is an unattributed hang.
 The judge is the lowest-ranked live observer; an O_EXCL claim file per incident makes the write exactly-once
-even if two observers briefly disagree on who is the judge. Stacks come from each stalled rank's own observer
+even if two observers briefly disagree on who is the judge (observer/incidents.py: the claim, the report, the
+abort every observer takes from it). Stacks come from each stalled rank's own observer
 (SIGUSR1 -> faulthandler), captured once per stall before any verdict, so the judge rarely waits for them.
 """
 
@@ -51,6 +52,7 @@ from pathlib import Path
 from scout_ckpt.observer import stacks as stacks_mod
 from scout_ckpt.observer.channel import REPORTS_DIR, channel_dir, load_factory, read_json  # noqa: F401
 from scout_ckpt.observer.heartbeat import HeartbeatReader
+from scout_ckpt.observer.incidents import Incidents
 from scout_ckpt.observer.verdicts import ABORT_KINDS, INCIDENT_KINDS, attribute, incident_key, prog  # noqa: F401
 
 log = logging.getLogger("scout_ckpt.observer")
@@ -81,8 +83,7 @@ class Daemon:
         self.cfg = cfg
         self.rank, self.world = cfg["rank"], cfg["world_size"]
         self.channel = Path(cfg["channel"])
-        self.claims = self.channel / "claims"
-        self.claims.mkdir(exist_ok=True)
+        self.incidents = Incidents(cfg, self.rank, self.channel / "claims")  # the claim protocol, the reports
         self.pid = cfg["trainer_pid"]
         self.stall_s = cfg["stall_s"]
         self.poll_s, self.exchange_s = cfg["poll_s"], cfg["exchange_s"]
@@ -96,7 +97,7 @@ class Daemon:
         if self.rank == 0:
             from scout_ckpt.observer.aftermath import Aftermath
 
-            self.aftermath = Aftermath(self.cfg, self.channel.parent, _HOST, self._write_event, self.t_start)
+            self.aftermath = Aftermath(self.cfg, self.channel.parent, _HOST, self.incidents.write_event, self.t_start)
         self.beat = 0
         self.version = (-1, -1)
         self.last_change = time.monotonic()
@@ -109,7 +110,6 @@ class Daemon:
         self.stacks: dict | None = None
         self.peer_seen: dict[int, tuple[int, float]] = {}
         self.pending: dict[str, tuple[float, dict]] = {}
-        self.known_claims: set[str] = set()
         # the default source (NVML, quiet without a GPU) is built at its first poll, after the first status: its
         # probe costs start-up time; a named one is built now, so that a bad name stops the start with its error
         self.health = self._health_source() if cfg["health"] else None
@@ -119,9 +119,8 @@ class Daemon:
 
         self.stragglers = StragglerJudge(self.world, **cfg["straggler"])  # the measure per job: stragglers.py
         self.arrivals: dict[int, float] = {}  # this rank's, kept longer than the heartbeat's ring
-        self.stamps: dict[int, tuple[float, float]] = {}  # this rank's step stamps: step -> (left, arrived)
+        self.stamps: dict[int, tuple] = {}  # this rank's step stamps: step -> (left, arrived, waited for a CPU)
         self._stop = False
-        self._ledger = None
 
     def _health_source(self):
         spec = self.cfg["health"]
@@ -153,8 +152,8 @@ class Daemon:
             self.version, self.last_change = version, now
         for step, t in self.snap.arrivals:
             self.arrivals[step] = t
-        for step, left, arrived in self.snap.stamps:
-            self.stamps[step] = (left, arrived)
+        for step, *stamp in self.snap.stamps:
+            self.stamps[step] = tuple(stamp)
         for kept in (self.arrivals, self.stamps):
             if len(kept) > 64:
                 for step in sorted(kept)[:len(kept) - 64]:
@@ -216,20 +215,10 @@ class Daemon:
 
     # ---- verdicts ------------------------------------------------------------------------------------------
 
-    def _unresolved_incident(self, rows: dict[int, dict]) -> bool:
-        """An incident was already reported and no rank got past it since: later deaths are its consequence
-        (the supervisor's kill), not new faults."""
-        top = max((prog(r) for r in rows.values()), default=(0, 0))
-        for name in self.known_claims:
-            claim = read_json(self.claims / name)
-            if claim and claim.get("kind") in INCIDENT_KINDS and tuple(claim.get("progress_max", (0, 0))) >= top:
-                return True
-        return False
-
     def _judge(self, now: float, rows: dict[int, dict]) -> None:
         for ev in self.stragglers.update(now, rows):  # while every rank runs (observer/stragglers.py)
             key = f"straggler-r{ev['ranks'][0]}-s{ev['step']}"
-            self._publish_event("straggler", ev["ranks"], ev["step"], ev["detail"], key, rows)
+            self.incidents.publish("straggler", ev["ranks"], ev["step"], ev["detail"], key, rows)
         # a row whose observer stopped beating is unknown, unless its last word was final
         known = {r: row for r, row in rows.items() if row["live"] or row["state"] in ("gone", "closed", "aborted")}
         verdict = attribute(known, self.world, self.stall_s)
@@ -237,7 +226,7 @@ class Daemon:
             self.pending.clear()
             return
         key = incident_key(verdict)
-        if (self.claims / f"{key}.json").exists() or self._unresolved_incident(rows):
+        if self.incidents.claimed(key) or self.incidents.unresolved(rows):
             return
         first, _ = self.pending.get(key, (now, verdict))
         self.pending = {key: (first, verdict)}
@@ -265,82 +254,26 @@ class Daemon:
                   "stall_s": self.stall_s, "stacks": stacks, "action": self.cfg["action"]}
         if verdict.get("where"):
             detail["where"] = {str(r): w for r, w in verdict["where"].items()}
-        self._publish_event(verdict["kind"], verdict["ranks"], verdict["step"], detail, key, rows)
+        self.incidents.publish(verdict["kind"], verdict["ranks"], verdict["step"], detail, key, rows)
         self.pending.clear()
 
-    def _publish_event(self, kind: str, ranks: list[int], step: int | None, detail: dict, key: str,
-                       rows: dict[int, dict]) -> bool:
-        """Claim the incident (O_EXCL: exactly one writer), then write the JSON report and the ledger row."""
-        claim = self.claims / f"{key}.json"
-        try:
-            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        top = max((prog(r) for r in rows.values()), default=(0, 0))
-        with os.fdopen(fd, "w") as f:
-            json.dump({"kind": kind, "ranks": ranks, "step": step, "observer": self.rank,
-                       "progress_max": list(top), "time": time.time()}, f)
-        # not marked known here: _check_claims must see the judge's own claim as new, so that with action=abort
-        # the judge kills its own trainer too (the hung rank may be the judge's, the lowest live observer's)
-        table = [{k: row.get(k) for k in ("rank", "state", "step", "phase", "seq", "cseq", "pos", "seq_left", "fp", "in_coll",
-                                          "in_side", "error", "age_s", "pid", "live")} for _, row in sorted(rows.items())]
-        self._write_event(kind, ranks, step, {**detail, "progress": table}, key)
-        return True
-
-    def _write_event(self, kind: str, ranks: list[int], step: int | None, detail: dict, key: str,
-                     run_id: str | None = None, when: float | None = None) -> None:
-        """`when`: the time the event happened where it is known better than now (a crash settled by the next
-        generation: when its first rank stopped); for display only, nothing is ordered by it."""
-        when = when if when is not None else time.time()
-        run_id = run_id or self.cfg["run_id"]
-        reports = Path(self.cfg["root"]) / REPORTS_DIR
-        path = reports / f"{kind}-{run_id}-{key}.json"
-        detail = {**detail, "report": str(path.relative_to(self.cfg["root"])), "observer_rank": self.rank}
-        from scout_ckpt.format.layout import atomic_write_json  # an event is rare: its imports wait for it
-
-        atomic_write_json(path, {"kind": kind, "ranks": ranks, "step": step, "time": when, "run_id": run_id,
-                                 "detail": detail})
-        for attempt in range(5):
-            try:
-                if self._ledger is None:
-                    from scout_ckpt.ledger import Ledger
-
-                    self._ledger = Ledger.open(self.cfg["root"], create=True)
-                self._ledger.add_event(kind, step=step, ranks=ranks, detail=detail, run_id=run_id, when=when)
-                log.info("event %s ranks=%s step=%s written (%s)", kind, ranks, step, path.name)
-                return
-            except Exception as e:  # LedgerError ("database is locked" beyond the busy timeout) and the like
-                log.warning("ledger write of %s failed (attempt %d): %s", kind, attempt + 1, e)
-                if self._ledger is not None:
-                    self._ledger.close()
-                    self._ledger = None
-                time.sleep(0.2 * (attempt + 1))
-        log.error("event %s kept only in %s: the ledger stayed unwritable", kind, path)
-
     def _check_claims(self) -> None:
-        """Act on incidents the judge published: with action=abort every observer kills its own trainer."""
+        """Act on incidents the judge published (observer/incidents.py): with action=abort every observer kills
+        its own trainer."""
+        claim = self.incidents.new_abort(self.cfg["action"] == "abort" and not self.aborted
+                                         and self.state in ("running", "stopped"))
+        if claim is None:
+            return
+        if self.state == "running" and time.monotonic() - self.last_change >= self.stall_s:
+            self._capture_stacks()
+        log.info("abort: %s reported by observer %s; killing trainer %d", claim["kind"], claim.get("observer"),
+                 self.pid)
         try:
-            names = set(os.listdir(self.claims))
-        except FileNotFoundError:
-            return
-        new = names - self.known_claims
-        self.known_claims |= new
-        if self.cfg["action"] != "abort" or self.aborted or self.state not in ("running", "stopped"):
-            return
-        for name in new:
-            claim = read_json(self.claims / name)
-            if claim and claim.get("kind") in ABORT_KINDS:
-                if self.state == "running" and time.monotonic() - self.last_change >= self.stall_s:
-                    self._capture_stacks()
-                log.info("abort: %s reported by observer %s; killing trainer %d", claim["kind"],
-                         claim.get("observer"), self.pid)
-                try:
-                    os.kill(self.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.aborted = True
-                self.state = "aborted"
-                return
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.aborted = True
+        self.state = "aborted"
 
     # ---- health --------------------------------------------------------------------------------------------
 
@@ -354,7 +287,7 @@ class Daemon:
             return
         for ev in events:
             key = f"health-r{self.rank}-{ev.get('metric', 'x')}-{time.time_ns()}"
-            self._write_event("health", [self.rank], self.snap.step, dict(ev), key)
+            self.incidents.write_event("health", [self.rank], self.snap.step, dict(ev), key)
 
     # ---- main loop -----------------------------------------------------------------------------------------
 
@@ -404,9 +337,7 @@ class Daemon:
                 os.unlink(self.cfg["heartbeat"])
             except FileNotFoundError:
                 pass
-        if self._ledger is not None:
-            self._ledger.close()
-            self._ledger = None
+        self.incidents.close()
         log.info("observer exits (trainer %s)", self.state)
 
     def _sleep(self, seconds: float) -> None:

@@ -1,4 +1,4 @@
-"""The training side's heartbeat: a fixed 1024-byte record in a shared-memory file that the observer maps read-only.
+"""The training side's heartbeat: a fixed 2048-byte record in a shared-memory file that the observer maps read-only.
 
 Why shared memory and a seqlock: the trainer must publish its progress at the cost of a few stores (no syscall,
 no lock, no GIL hand-off to another thread), and the observer must read it even while the trainer is blocked in C
@@ -12,7 +12,8 @@ Three areas, each with its own version word: the training thread's (step, phase,
 time), the counting thread's (observer/counts.py: the watched groups' native collective count, when it changed,
 and the ring of per-step sampled arrivals) and the training thread's step stamps (observer/stamps.py: per step,
 when this rank left the previous step's synchronisation and when it reached the next step's first collective,
-both read on this rank's clock on the training thread itself). Two writers on one seqlock would tear each
+both read on this rank's clock on the training thread itself, and how long the training thread waited for a CPU
+in between: observer/cpuwait.py). Two writers on one seqlock would tear each
 other's records; a seqlock per area costs nothing more, and keeps the main record's read short.
 
 The file lives in /dev/shm (tmpfs) when there is one, so updates never reach a disk.
@@ -28,10 +29,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from scout_ckpt.observer.cpuwait import RunQueueWait
+
 PHASES = ("idle", "step", "forward", "backward", "optimizer", "data", "checkpoint", "eval")
 _PHASE_ID = {p: i for i, p in enumerate(PHASES)}
-MAGIC = 0x5343_4F55_5448_4233  # "SCOUTHB3" (HB2: 512 bytes, without the step stamps)
-SIZE = 1024
+MAGIC = 0x5343_4F55_5448_4234  # "SCOUTHB4" (HB3: 1024 bytes, stamps without the run-queue wait)
+SIZE = 2048
 
 IN_COLL = 1        # inside a traced collective
 COLL_ERROR = 2     # a traced collective raised (a victim of a peer's failure, not a culprit)
@@ -56,10 +59,10 @@ _ARRIVAL = struct.Struct("<qd")
 _RING_AT = 168
 # The step stamps, written by the training thread (observer/stamps.py) under their own version word: @512 version,
 # @520 how many were written, @528 ring of STAMPS (step, left the previous step's sync, reached this step's first
-# collective), both wall times of this rank's clock.
+# collective, seconds the training thread waited for a CPU in between), wall times of this rank's clock.
 STAMPS_AT = 512
 STAMPS = 16
-_STAMP = struct.Struct("<qdd")
+_STAMP = struct.Struct("<qddd")
 _STAMP_RING_AT = 528
 
 
@@ -85,7 +88,8 @@ class Snapshot:
     cseq: int = 0             # collectives issued so far on the watched groups (C++ sequence numbers, summed)
     t_cseq: float = 0.0       # wall time cseq last changed
     arrivals: tuple = ()      # ((step, wall time its first collective was issued), ...), oldest first (sampled)
-    stamps: tuple = ()        # ((step, left the previous sync, reached the first collective), ...), oldest first
+    stamps: tuple = ()        # ((step, left the previous sync, reached the first collective, waited for a CPU in
+                              # between), ...), oldest first
 
     @property
     def in_coll(self) -> bool:
@@ -154,7 +158,8 @@ class Heartbeat:
         self._stamped = -1    # the newest step stamped (one stamp per step)
         # (time, native count) when this rank left the last synchronisation (set by StepStamps' hooks); None
         # once it reached the next collective (`stamp`), and before the first sync
-        self.left: tuple[float, int] | None = None
+        self.left: tuple[float, int, float] | None = None  # (time, native count, run-queue wait so far)
+        self.cpu_wait = RunQueueWait()  # the training thread's wait for a CPU (observer/cpuwait.py), for the stamps
         _IDENT.pack_into(mm, 104, os.getpid(), MAGIC)
         self._write_all(time.time())
 
@@ -191,9 +196,10 @@ class Heartbeat:
         except (ValueError, IndexError, TypeError):  # closed meanwhile
             pass
 
-    def stamp(self, t_left: float, t_arrived: float) -> None:
+    def stamp(self, t_left: float, t_arrived: float, waited: float = 0.0) -> None:
         """This rank reached step (its current step + 1)'s first collective at `t_arrived`, having left the
-        previous step's synchronisation at `t_left` (observer/stamps.py). Training thread only; once per step."""
+        previous step's synchronisation at `t_left`, its training thread waiting `waited` seconds for a CPU in
+        between (observer/stamps.py). Training thread only; once per step."""
         self.left = None
         step = self._step + 1
         if step == self._stamped:
@@ -203,7 +209,8 @@ class Heartbeat:
             v = self._sv
             self._words[STAMPS_AT // 8] = v + 1
             i = self._n_stamps
-            _STAMP.pack_into(self._mm, _STAMP_RING_AT + 24 * (i % STAMPS), step, t_left, t_arrived)
+            _STAMP.pack_into(self._mm, _STAMP_RING_AT + _STAMP.size * (i % STAMPS), step, t_left, t_arrived,
+                             max(0.0, waited))
             self._n_stamps = i + 1
             self._words[STAMPS_AT // 8 + 1] = i + 1
             self._words[STAMPS_AT // 8] = self._sv = v + 2
@@ -226,7 +233,7 @@ class Heartbeat:
         if pos and self.left is not None and threading.get_ident() == self.owner:
             # the first traced training collective since this rank left the sync: its arrival, exactly (FSDP2's
             # first all-gather, a Python all_reduce)
-            self.stamp(self.left[0], now)
+            self.stamp(self.left[0], now, self.cpu_wait.seconds() - self.left[2])
         self._t_enter = now
         self._seq_enter, self._fp_enter, self._pos_enter = seq, fp, pos
         self._flags |= IN_COLL
@@ -302,7 +309,9 @@ class Heartbeat:
         """Step `n` is done. Its busy time (duration minus the time spent waiting for collectives to complete:
         the union of the waiting intervals, async ones up to their completion) is what the straggler rule
         compares: in synchronous training every rank's wall time per step is the same, but a straggler's
-        compute between one collective and its arrival at the next is longer."""
+        compute between one collective and its arrival at the next is longer. (The training thread's wait for a
+        CPU is not taken out here, unlike in the step stamps: part of it falls inside the collectives' waiting
+        intervals, where it is out already, and which part cannot be told without a read at every collective.)"""
         now = time.time()
         if duration_s is None and self._last_step_t is not None:
             duration_s = max(0.0, now - self._last_step_t)
@@ -347,6 +356,7 @@ class Heartbeat:
         self._words.release()
         self._mm.close()
         os.close(self._fd)
+        self.cpu_wait.close()
         if unlink:
             try:
                 os.unlink(self.path)
@@ -427,7 +437,7 @@ class HeartbeatReader:
             if v1 & 1:
                 continue
             n = self._words[at + 1]
-            ring = tuple(_STAMP.unpack_from(self._mm, _STAMP_RING_AT + 24 * (i % STAMPS))
+            ring = tuple(_STAMP.unpack_from(self._mm, _STAMP_RING_AT + _STAMP.size * (i % STAMPS))
                          for i in range(max(0, n - STAMPS), n))
             if self._words[at] == v1:
                 self._last_stamps = ring

@@ -25,14 +25,17 @@ compute before it is exact:
            the step gets no stamp.
 
 Both on one clock per rank (no cross-host skew); each rank's stamps go into its heartbeat (a ring per step) and
-the judge compares the ranks' median compute over windows (observer/stragglers.py, `ComputeStragglers`).
+the judge compares the ranks' median compute over windows (observer/stragglers.py, `ComputeStragglers`). With
+each pair of stamps goes the training thread's run-queue delay between them (observer/cpuwait.py, read at both
+stamps), which the judge subtracts: on a loaded host the scheduler serves the ranks unevenly, and a healthy
+rank's wait for a core is not its compute.
 A rank that is waiting between the two stamps is counted as computing: a collective on a side group (the
 checkpointer's save) synchronises the ranks again, so on a save step every rank's compute includes the save and
 the coordinator's extra work; medians over windows of several steps are what keep that from flagging anyone.
 
 Cost: two forward hooks, one optimizer hook and, after the first step, gradient hooks on the `KEEP_GRAD_HOOKS`
 parameters whose gradients came last (the first step hooks every parameter to learn which), a few microseconds
-each per step (bench/observer_overhead.py reports `stamp_hooks_us`). Gradient hooks may run on autograd's
+each per step, each with one read of the run-queue delay (a pread, about 2 us) (bench/observer_overhead.py reports `stamp_hooks_us`). Gradient hooks may run on autograd's
 device threads: they only store a time; only the heartbeat's writer thread stamps. Hooks are removed by `remove`
 (close). On GPUs the times are the host's (kernel launches), as every stamp here.
 """
@@ -54,10 +57,12 @@ class StepStamps:
     def __init__(self, hb, counter, model=None, optimizer=None):
         self.hb, self.counter = hb, counter
         self._owner = hb.owner
-        self._pre: tuple[float, int] | None = None
-        self._fwd_end: float | None = None   # the forward ended with nothing issued since `left`: arrival pending
+        self._pre: tuple[float, int, float] | None = None
+        self._fwd_end: tuple[float, float] | None = None  # the forward ended with nothing issued since `left`:
+        # arrival pending; (time, run-queue wait then)
         self._handles: list = []
-        self._grad_t: list[float] = []       # per hooked parameter: when its gradient was last accumulated
+        self._grad_t: list[tuple[float, float]] = []  # per hooked parameter: (when its gradient was last
+        self._wait = hb.cpu_wait                       # accumulated, the run-queue wait then)
         self._grad_handles: dict[int, object] = {}
         self._learned = False
         if model is not None:
@@ -83,7 +88,7 @@ class StepStamps:
             return
         for p in params:
             i = len(self._grad_t)
-            self._grad_t.append(0.0)
+            self._grad_t.append((0.0, 0.0))
             try:
                 self._grad_handles[i] = p.register_post_accumulate_grad_hook(self._grad_hook(i))
             except (AttributeError, RuntimeError):
@@ -91,18 +96,19 @@ class StepStamps:
                 break
 
     def _grad_hook(self, i: int):
-        times = self._grad_t
+        times, wait = self._grad_t, self._wait
 
         def hook(_param) -> None:
-            times[i] = time.time()
+            times[i] = (time.time(), wait.seconds())
         return hook
 
-    def _last_grad(self, since: float) -> float | None:
-        """The end of this rank's own backward since `since`, or None (no gradient hook fired). After the first
-        step that saw gradients, only the KEEP_GRAD_HOOKS parameters whose gradients came last stay hooked."""
+    def _last_grad(self, since: float) -> tuple[float, float] | None:
+        """(the end of this rank's own backward since `since`, the run-queue wait then), or None (no gradient
+        hook fired). After the first step that saw gradients, only the KEEP_GRAD_HOOKS parameters whose
+        gradients came last stay hooked."""
         if not self._grad_t:
             return None
-        fired = [(t, i) for i, t in enumerate(self._grad_t) if t > since]
+        fired = [(t, i) for i, (t, _w) in enumerate(self._grad_t) if t > since]
         if not fired:
             return None
         if not self._learned:
@@ -112,7 +118,7 @@ class StepStamps:
                 if i not in keep:
                     h.remove()
                     del self._grad_handles[i]
-        return max(t for t, _i in fired)
+        return self._grad_t[max(fired)[1]]
 
     def _count(self) -> int:
         try:
@@ -129,10 +135,10 @@ class StepStamps:
             return
         fwd_end, self._fwd_end = self._fwd_end, None
         if hb.left is not None and fwd_end is not None:
-            grad = self._last_grad(fwd_end)
-            hb.stamp(hb.left[0], grad if grad is not None else fwd_end)
+            t, waited = self._last_grad(fwd_end[0]) or fwd_end
+            hb.stamp(hb.left[0], t, waited - hb.left[2])
         if hb.left is None:
-            hb.left = (time.time(), self._count())
+            hb.left = (time.time(), self._count(), self._wait.seconds())
             self._pre = None
 
     def _optimizer_pre(self, optimizer, args, kwargs) -> None:
@@ -140,7 +146,7 @@ class StepStamps:
 
     def _forward_pre(self, module, args) -> None:
         if self.hb.left is not None and threading.get_ident() == self._owner:
-            self._pre = (time.time(), self._count())
+            self._pre = (time.time(), self._count(), self._wait.seconds())
 
     def _forward_post(self, module, args, output) -> None:
         hb = self.hb
@@ -151,10 +157,10 @@ class StepStamps:
         pre, self._pre = self._pre, None
         if self._count() == left[1]:
             if self._fwd_end is None:     # nothing issued yet: the first collective comes in backward
-                self._fwd_end = now       # (several forwards before a step, gradient accumulation: the first)
+                self._fwd_end = (now, self._wait.seconds())  # (several forwards before a step: the first)
         elif pre is not None and pre[1] == left[1]:
             self._fwd_end = None
-            hb.stamp(left[0], pre[0])     # the forward issued it (DDP's buffer broadcast): its start
+            hb.stamp(left[0], pre[0], pre[2] - left[2])  # the forward issued it (DDP's buffer broadcast): its start
         else:
             self._fwd_end = None
             hb.left = None                # a native collective before the forward: no stamp this step

@@ -81,7 +81,7 @@ def _confirmed_events(mon, samples: dict[int, float], step_of, window_steps_of, 
     return events
 
 
-_MEANING = {"compute_stamps": "compute", "arrival_skew": "compute by arrival skew"}
+_MEANING = {"compute_stamps": "compute, less the waits for a CPU", "arrival_skew": "compute by arrival skew"}
 
 
 def pair_outlier(samples: dict[int, float], *, k: float = 3.0, abs_floor_s: float = 0.01,
@@ -179,12 +179,18 @@ class ComputeStragglers(ArrivalStragglers):
     the robust rule and the confirmation are ArrivalStragglers': a save step, where the coordinator does extra
     work, moves one sample of the window, not its median; no cross-host clock enters.
 
-    `add` takes (step, left, arrived) triples; a step counts once every running rank stamped it."""
+    The training thread's wait for a CPU between the two stamps (observer/cpuwait.py) is not compute: on a
+    loaded host the scheduler serves two healthy ranks unevenly for seconds at a time, and as wall time the one
+    it served less read as 1.5x slower than its peer (a 2-rank healthy run at load average 25-28); a straggler's
+    extra time is its own (sleeping in a data loader, computing in a slow layer) and stays.
+
+    `add` takes (step, left, arrived[, waited]) stamps; a step counts once every running rank stamped it."""
 
     measure = "compute_stamps"
 
     def add(self, rank: int, stamps) -> None:
-        super().add(rank, ((step, arrived - left) for step, left, arrived in stamps))
+        super().add(rank, ((step, arrived - left - (waited[0] if waited else 0.0))
+                           for step, left, arrived, *waited in stamps))
 
     def update(self, now: float, ranks) -> list[dict]:
         ranks = frozenset(ranks)
