@@ -119,15 +119,21 @@ def take_lease(root: str | os.PathLike, attempt: str) -> Lease:
     if path is None:
         raise BadInput(f"attempt id {attempt!r} is not a plain name")
     path.parent.mkdir(exist_ok=True)
+    return Lease(path, hold_with_record(path, {"attempt": attempt}))
+
+
+def hold_with_record(path: Path, record: dict) -> int:
+    """Open (creating) `path`, hold an exclusive flock on it (blocking) and write `record` with this process as
+    its owner: the descriptor, which holds the lock until it is closed. Nothing stays open if any step fails."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.ftruncate(fd, 0)
-        os.write(fd, (json.dumps({"attempt": attempt, **this_process_owner()}) + "\n").encode())
+        os.write(fd, (json.dumps({**record, **this_process_owner()}) + "\n").encode())
     except BaseException:
         os.close(fd)
         raise
-    return Lease(path, fd)
+    return fd
 
 
 def try_exclusive(fd: int) -> bool:

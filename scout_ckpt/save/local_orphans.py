@@ -26,13 +26,12 @@ No torch here.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
 from pathlib import Path
 
-from scout_ckpt.ops.settle import owner_alive, this_process_owner, try_exclusive
+from scout_ckpt.ops.settle import hold_with_record, owner_alive, try_exclusive
 
 WRITERS = ".writers"
 STEP_RE = re.compile(r"^step-\d{8}$")
@@ -50,15 +49,8 @@ class WriterLease:
     def take(cls, run_dir: Path, rank: int) -> "WriterLease":
         path = run_dir / WRITERS / f"rank-{rank}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)   # blocking: a sweep holds it only while it removes
-            os.ftruncate(fd, 0)
-            os.write(fd, (json.dumps({"rank": rank, **this_process_owner()}) + "\n").encode())
-        except BaseException:
-            os.close(fd)
-            raise
-        return cls(path, fd)
+        # blocking: a sweep holds it only while it removes
+        return cls(path, hold_with_record(path, {"rank": rank}))
 
     def release(self) -> None:
         if self.fd is not None:
