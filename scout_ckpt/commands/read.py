@@ -20,6 +20,7 @@ from scout_ckpt.ledger.journal import JOURNAL_NAME
 from scout_ckpt.ops import roots
 from scout_ckpt.ops.views import (
     STATE_STYLE,
+    as_listed,
     checked_text,
     evidence_marks,
     explain_lines,
@@ -37,7 +38,7 @@ def ls(root: Path, as_json: bool) -> int:
               file=sys.stderr)
     local = [] if fallback else _local_rows(root)
     if as_json:
-        emit({"checkpoints": [{**r, "tier": "durable"} for r in rows], "local": local,
+        emit({"checkpoints": as_listed(rows), "local": local,
               "source": "manifests" if fallback else "ledger", "fallback": fallback,
               **({"local_note": "the local tier's steps are recorded in the ledger only: not listed"}
                  if fallback else {})})

@@ -27,10 +27,10 @@ def certify_committed(root: Path) -> list[dict]:
 def checkpoint_rows(root: Path) -> list[dict]:
     """The `ls --json` rows."""
     from scout_ckpt.ledger import Ledger
-    from scout_ckpt.ops.views import checkpoint_rows as rows
+    from scout_ckpt.ops.views import as_listed, checkpoint_rows as rows
 
     with Ledger.open(root, readonly=True) as ledger:
-        return rows(ledger)
+        return as_listed(rows(ledger))
 
 
 def rejections(root: Path) -> list[dict]:

@@ -45,6 +45,11 @@ def list_checkpoints(root) -> tuple[list[dict], str | None]:
     return disk_view.checkpoint_rows(root), why
 
 
+def as_listed(rows: list[dict]) -> list[dict]:
+    """The durable rows as `ls --json` lists them: each with its tier, beside the local tier's rows."""
+    return [{**r, "tier": "durable"} for r in rows]
+
+
 def checked_text(checked: dict | None, now: float) -> str:
     """When a piece of evidence was last checked and by whom: "save 3 min ago", "certify 2 h ago"."""
     if not checked or not checked.get("at"):
