@@ -29,11 +29,7 @@ restart, a live fault, a rejected local step, or a relaunch that does not load t
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -49,41 +45,17 @@ def _plan(i, rng, world_sizes):
     return {"ranks": NNODES * NPROC, "step": rng.randint(3, STEPS - 1)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _agents(root: Path, dirs: list[Path], args: list[str], max_restarts: int, timeout: float = 900.0):
-    """NNODES torchrun agents as on NNODES hosts; [(returncode, stdout, stderr)] per node, after all exit."""
-    port = _free_port()
-    procs = []
-    for node in range(NNODES):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-               "OMP_NUM_THREADS": "1", "SCOUT_TEST_LOCAL_DIR": str(dirs[node])}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NNODES), "--node-rank", str(node),
-               "--nproc-per-node", str(NPROC), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", f"job-{port}", "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
-               str(SCRIPT), str(root), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--local-every",
-               str(LOCAL_EVERY), "--step-sleep", str(STEP_SLEEP), *args]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-        if node == 0:
-            time.sleep(1.0)
-    out = []
-    try:
-        for p in procs:
-            try:
-                so, se = p.communicate(timeout=timeout)
-                out.append((p.returncode, so, se))
-            except subprocess.TimeoutExpired:
-                out.append((124, "", "timed out"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    """NNODES torchrun agents as on NNODES hosts; [(returncode, stdout, stderr)] per node, after all exit (124:
+    timed out)."""
+    from scout_ckpt.testing.agents import run_agents
+
+    job = [root, "--steps", STEPS, "--save-every", SAVE_EVERY, "--local-every", LOCAL_EVERY, "--step-sleep",
+           STEP_SLEEP, *args]
+    done = run_agents(SCRIPT, job, nnodes=NNODES, nproc=NPROC, repo=REPO, max_restarts=max_restarts,
+                      node_env={n: {"SCOUT_TEST_LOCAL_DIR": str(d)} for n, d in enumerate(dirs)},
+                      first_hosts=True, timeout=timeout, timed_out_rc=124)
+    return [(r.returncode, r.stdout, r.stderr) for r in done]
 
 
 def _lines(results) -> list[dict]:

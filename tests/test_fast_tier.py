@@ -17,10 +17,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +26,7 @@ import pytest
 from scout_ckpt.errors import BadOption
 from scout_ckpt.options import LocalTierOptions, as_local
 from scout_ckpt.ops.retention import decide_local
+from scout_ckpt.testing import agents
 from tests.conftest import REPO, run_cli
 
 SCRIPT = REPO / "tests" / "scripts" / "fast_tier_job.py"
@@ -168,39 +167,13 @@ def test_resume_json_names_the_tier(ckpt_root):
 
 # ---- end to end ------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_agents(root: Path, local_dirs: list[Path], *job_args: str, max_restarts: int = 2,
                timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """NNODES torchrun agents as on NNODES hosts (all on 127.0.0.1), each with its own local dir; waits for all.
     The first agent starts first, so that it hosts the rendezvous store (a killed node is never the host)."""
-    port = _free_port()
-    procs = []
-    for node in range(NNODES):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-               "OMP_NUM_THREADS": "1", "SCOUT_TEST_LOCAL_DIR": str(local_dirs[node])}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NNODES), "--node-rank", str(node),
-               "--nproc-per-node", str(NPROC), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", f"job-{port}", "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
-               str(SCRIPT), str(root), *job_args]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-        if node == 0:
-            time.sleep(1.0)
-    out = []
-    try:
-        for p in procs:
-            so, se = p.communicate(timeout=timeout)
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    return agents.run_agents(SCRIPT, [root, *job_args], nnodes=NNODES, nproc=NPROC, repo=REPO,
+                             max_restarts=max_restarts, first_hosts=True, timeout=timeout,
+                             node_env={n: {"SCOUT_TEST_LOCAL_DIR": str(d)} for n, d in enumerate(local_dirs)})
 
 
 def job_lines(results) -> list[dict]:

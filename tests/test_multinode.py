@@ -11,15 +11,13 @@ global rank with its host and node rank (the job's own fault.json is the oracle)
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from scout_ckpt.ledger import Ledger
+from scout_ckpt.testing import agents
 from tests.conftest import REPO, run_cli
 from tests.placement import place
 
@@ -29,34 +27,9 @@ NNODES, NPROC = 2, 2
 pytestmark = pytest.mark.scenario
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_agents(root: Path, *job_args: str, timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """NNODES torchrun agents as on NNODES hosts (here all on 127.0.0.1), started together; waits for all."""
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    procs = []
-    for node in range(NNODES):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NNODES), "--node-rank", str(node),
-               "--nproc-per-node", str(NPROC), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", f"job-{port}", "--max-restarts", "2", "--monitor-interval", "0.5", str(SCRIPT),
-               str(root), *job_args]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    out = []
-    try:
-        for node, p in enumerate(procs):
-            so, se = p.communicate(timeout=timeout)
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    return agents.run_agents(SCRIPT, [root, *job_args], nnodes=NNODES, nproc=NPROC, repo=REPO, timeout=timeout)
 
 
 def job_lines(results) -> list[dict]:
