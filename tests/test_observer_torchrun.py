@@ -112,8 +112,7 @@ def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path, reque
                                               "hang-in-optimizer"], 3, straggler=True)
     p_hang, p_desync, p_kill, p_opt, p_slow = pls
     root = tmp_path / "run"
-    torchrun(root, 3, 4, "--model", "ddp", "--steps", "70", "--compute-s", "0.05", "--faults", plan,
-             "--straggler", json.dumps({"window_s": 0.5}))
+    torchrun(root, 3, 4, "--model", "ddp", "--steps", "70", "--compute-s", "0.05", "--faults", plan)
     attempts = jsonl(root / "attempts.jsonl")
     assert [a["resumed_from"] for a in attempts] == resumed, (pls, attempts)
     assert {a["attached"] for a in attempts} == {"counted"}, pls  # no DDP comm hook: its all-reduces are counted
@@ -158,8 +157,7 @@ def test_fsdp2_job_hangs_desync_and_straggler_under_torchrun(tmp_path, request):
                                     straggler=True)
     p_opt, p_desync, p_bwd, p_slow = pls
     root = tmp_path / "run"
-    torchrun(root, 3, 3, "--model", "fsdp", "--steps", "50", "--compute-s", "0.05", "--faults", plan,
-             "--straggler", json.dumps({"window_s": 0.5}))
+    torchrun(root, 3, 3, "--model", "fsdp", "--steps", "50", "--compute-s", "0.05", "--faults", plan)
     attempts = jsonl(root / "attempts.jsonl")
     assert [a["resumed_from"] for a in attempts] == resumed, (pls, attempts)
     assert {a["attached"] for a in attempts} == {"fsdp2"}, pls
