@@ -115,6 +115,45 @@ def run_ids(rep: dict) -> list[str]:
     return [r["id"] for r in sorted(rep["runs"], key=lambda r: r["started"])]
 
 
+def test_fsdp2_ranks_inside_a_save_while_a_peer_hangs_in_its_optimizer_are_no_desync(tmp_path):
+    """The table the FSDP2 scenario's observers saw (seed 237106): ranks 0 and 1 finished step 10 and wait in the
+    save's gather, off the watched groups; rank 2 hangs in its optimizer step, its latest traced collective the
+    backward's reduce-scatter at native position 90, which ranks 0 and 1 issued too. Their heartbeats keep
+    position 90 and say their fingerprint is a later one's (OFF_WATCH): no position says "native" against rank
+    2's fingerprint, and after stall_s it is a hang of rank 2, not a desync. Read back through a real heartbeat."""
+    from scout_ckpt.observer.heartbeat import Heartbeat, HeartbeatReader
+    from scout_ckpt.observer.verdicts import attribute
+
+    hb = Heartbeat.create(str(tmp_path / "hb"))
+    hb.enter(108, 0xA, pos=90)   # the reduce-scatter, on a watched group
+    hb.leave(108)
+    hb.enter(109, 0xB)           # the save's gather, off them
+    snap = HeartbeatReader(str(tmp_path / "hb")).snapshot()
+    assert (snap.pos_enter, snap.off_watch, snap.fp_enter, snap.in_coll) == (90, True, 0xB, True)
+    hb.leave(109)
+    hb.enter(110, 0xC, pos=91)   # the next forward's all-gather: its fingerprint is position 91's again
+    snap = HeartbeatReader(str(tmp_path / "hb")).snapshot()
+    assert (snap.pos_enter, snap.off_watch) == (91, False)
+    hb.close()
+
+    def row(rank, seq, fp, *, in_coll, off_watch, phase, step, age):
+        return {"rank": rank, "state": "running", "step": step, "seq": seq, "fp": fp, "in_coll": in_coll,
+                "in_side": False, "error": False, "phase": phase, "cseq": 90, "pos": 90, "off_watch": off_watch,
+                "age_s": age}
+    for age in (2.0, 4.0):   # before and after stall_s (3 s)
+        rows = {0: row(0, 109, "9051", in_coll=True, off_watch=True, phase="checkpoint", step=10, age=age),
+                1: row(1, 109, "9051", in_coll=True, off_watch=True, phase="checkpoint", step=10, age=age),
+                2: row(2, 108, "2b12", in_coll=False, off_watch=False, phase="optimizer", step=9, age=age)}
+        verdict = attribute(rows, 3, 3.0)
+        assert (verdict or {}).get("kind") != "desync", verdict
+        if age > 3.0:
+            assert verdict["kind"] == "hang" and verdict["ranks"] == [2], verdict
+    # the rule needs the kept position: with 0 there (as for a rank that never traced a watched collective)
+    # ranks 0 and 1 read as "native" at 90 against rank 2's fingerprint, a desync
+    rows = {r: {**v, "off_watch": False, "pos": v["pos"] if r == 2 else 0} for r, v in rows.items()}
+    assert attribute(rows, 3, 3.0)["kind"] == "desync"
+
+
 @pytest.mark.scenario
 @pytest.mark.scenario_ci   # the CI tier's straggler (and a user's DDP job hanging at 3 ranks, desync, crash)
 def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path, request):
