@@ -2,7 +2,8 @@
 
 Loaded by bench/campaign.py (`--kinds tr_hang,tr_slow,tr_desync,tr_crash`). Every incident is one
 `torchrun --standalone --max-restarts 1` job of tests/scripts/observed_job.py with one fault in its first
-generation, DDP and FSDP2 alternating:
+generation, DDP and FSDP2 alternating. The observer is configured as a user would: `stall_s` and `action` only
+(the straggler rule, the poll and exchange intervals and the count sampling are the product's defaults):
 
   tr_hang     a rank blocks forever before its backward or inside its optimizer step (alternating); the
               observers name it, `action="abort"` ends the generation, torchrun restarts it from the newest clean

@@ -40,6 +40,7 @@ IN_COLL = 1        # inside a traced collective
 COLL_ERROR = 2     # a traced collective raised (a victim of a peer's failure, not a culprit)
 CLOSED = 4         # the trainer closed the heartbeat cleanly
 IN_SIDE = 8        # inside a collective on an ignored (side) group: waiting, but not a training collective
+OFF_WATCH = 16     # the latest traced collective is off the watched groups: fp_enter is not the one at pos_enter
 
 _COLL = struct.Struct("<QdQQQ")                # @8: flags, t_update, seq_enter, fp_enter, seq_leave
 _STEP = struct.Struct("<qQddddd")              # @48: step, phase, last_dur, n_steps(as float), dur_sum, busy_sum, coll_sum
@@ -102,6 +103,10 @@ class Snapshot:
     @property
     def coll_error(self) -> bool:
         return bool(self.flags & COLL_ERROR)
+
+    @property
+    def off_watch(self) -> bool:
+        return bool(self.flags & OFF_WATCH)
 
     @property
     def closed(self) -> bool:
@@ -228,15 +233,16 @@ class Heartbeat:
 
     def enter(self, seq: int, fp: int, pos: int = 0) -> None:
         """The trainer enters collective number `seq` with fingerprint `fp`; `pos`: its position among the
-        watched groups' native collectives (observer/counts.py), 0 when its group is not watched."""
+        watched groups' native collectives (observer/counts.py), 0 off them (a save's group): then the latest
+        watched position is kept and OFF_WATCH says `fp` is not its (verdicts.position_mismatch)."""
         now = time.time()
         if pos and self.left is not None and threading.get_ident() == self.owner:
             # the first traced training collective since this rank left the sync: its arrival, exactly (FSDP2's
             # first all-gather, a Python all_reduce)
             self.stamp(self.left[0], now, self.cpu_wait.seconds() - self.left[2])
         self._t_enter = now
-        self._seq_enter, self._fp_enter, self._pos_enter = seq, fp, pos
-        self._flags |= IN_COLL
+        self._seq_enter, self._fp_enter, self._pos_enter = seq, fp, pos or self._pos_enter
+        self._flags = (self._flags | IN_COLL) & ~OFF_WATCH if pos else self._flags | IN_COLL | OFF_WATCH
         self._write_coll(now)
 
     def leave(self, seq: int, work=None) -> None:

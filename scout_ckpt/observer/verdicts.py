@@ -186,14 +186,18 @@ def position_mismatch(rows: dict[int, dict], majority: int) -> dict | None:
     different Python collective (another fingerprint), or a native one (the rank's count passed P, and its
     latest traced collective is before P: it issued P from C++, e.g. DDP's reducer). In SPMD training every rank
     issues the same collectives in the same order on the watched groups, so one position holds one collective.
-    A rank that has not reached P, or whose latest traced collective is after P, says nothing about P."""
+    A rank that has not reached P, or whose latest traced collective is after P, says nothing about P; nor does
+    one whose latest traced collective at P was followed by one off the watched groups (`off_watch`: its
+    fingerprint is that later one's, e.g. FSDP2 ranks inside a save's gather while a peer hangs in its optimizer
+    step)."""
     positions = sorted({row["pos"] for row in rows.values() if row.get("pos")})
     for p in positions:
         view = {}
         for r, row in rows.items():
             pos, count = row.get("pos") or 0, max(row.get("cseq") or 0, row.get("pos") or 0)
             if pos == p:
-                view[r] = row["fp"]
+                if not row.get("off_watch"):
+                    view[r] = row["fp"]
             elif pos < p <= count:
                 view[r] = "native"
         kinds = Counter(view.values())

@@ -80,7 +80,6 @@ def main():
     ap.add_argument("--stall-s", type=float, default=3.0)
     ap.add_argument("--action", default="abort")
     ap.add_argument("--pg-timeout", type=float, default=90.0)
-    ap.add_argument("--straggler", default=None, help="JSON options of the straggler rule (default: the defaults)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -89,11 +88,9 @@ def main():
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     model, opt = build(args.model, rank)
     # pure FSDP shards have no replica to compare: the finite check vouches for them, so saves can be certified
-    # the observer as a user configures it: the stall and the action (which the docs leave to the user), nothing
-    # else tuned unless a test asks for a straggler rule of its own
+    # the observer as a user configures it: the stall and the action (which the docs leave to the user); the
+    # straggler rule, the poll and exchange intervals and the count sampling are the product's defaults
     observer = {"stall_s": args.stall_s, "action": args.action}
-    if args.straggler is not None:
-        observer["straggler"] = json.loads(args.straggler)
     ckpt = Checkpointer(args.root, model=model, optimizer=opt, timeout_s=args.pg_timeout,
                         invariants=["finite"] if args.model == "fsdp" else None, observer=observer)
     state = {"app": ModelOptimizerState(model, opt)}
