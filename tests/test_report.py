@@ -334,3 +334,26 @@ def test_a_runs_bar_ends_where_it_died_not_at_its_last_save(tmp_path: Path):
     assert end1 == pytest.approx(crash[0], abs=0.01) and end1 > saved[1] + 1   # past its last save, at the crash
     assert start2 == pytest.approx(saved[1], abs=0.01) and end2 == pytest.approx(saved[2], abs=0.01)
     assert "died at step 27" in report.render_html(tl)
+
+
+def test_a_save_interrupted_by_the_observers_abort_is_not_a_second_fault(tmp_path: Path):
+    """Run 1 saved 10; rank 1 hung at step 13 and the observer aborted the job while the others were inside the
+    save of step 14. The report tells one incident, the hang, and keeps the save's attempt as interrupted; a
+    save interrupted in run 2, which no recorded incident ended, is still the crash it is."""
+    root = tmp_path / "run"
+    root.mkdir()
+    t0 = time.time() - 100
+    with Ledger.open(root, create=True) as lg:
+        lg.begin_run("r1", world_size=3, topology={"mode": "ddp"}, policy={"require": ["bytes"]})
+        _commit(lg, 10, "r1", "certified")
+        lg.add_event("hang", step=13, ranks=[1], detail={"attribution": "strict_majority", "action": "abort"},
+                     run_id="r1", when=t0 + 14)
+        lg.record_writing(14, "r1", "r1-2", step_dirname(14))
+        lg.transition(14, "rejected", [{"code": "save_interrupted"}], source="startup", expect="writing")
+        lg.begin_run("r2", world_size=3, topology={"mode": "ddp"}, policy={"require": ["bytes"]}, resumed_from=10)
+        lg.record_writing(20, "r2", "r2-1", step_dirname(20))
+        lg.transition(20, "rejected", [{"code": "save_interrupted"}], source="startup", expect="writing")
+    tl = report.timeline(root)
+    assert [(e["kind"], e["step"], e["run_id"]) for e in tl["events"]] == [("hang", 13, "r1"), ("crash", 20, "r2")]
+    assert [(a["step"], a["label"]) for a in tl["attempts"]] == [(10, "certified"), (14, "interrupted"),
+                                                                 (20, "interrupted")], tl["attempts"]

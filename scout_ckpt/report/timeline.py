@@ -154,8 +154,11 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
     for e in interrupted_events:
         interrupted.setdefault(e.get("step"), {"ranks": _ranks(e.get("ranks")), "time": e.get("time"),
                                                "run_id": e.get("run_id"), "detail": e.get("detail") or {}})
+    # a save the observer's abort interrupted is that incident's consequence, not a second fault: the run's end is
+    # told by the hang or desync that ended it (the attempt stays in `attempts`, labelled interrupted)
+    aborted_runs = {e["run_id"] for e in events if e.get("run_id") and e["kind"] != "crash" and _ended_by(e)}
     for step, info in interrupted.items():
-        if step in crash_steps:
+        if step in crash_steps or (info["run_id"] and info["run_id"] in aborted_runs):
             continue
         events.append(_event("crash", info["ranks"], step, info["time"], {INTERRUPTED: True, **info["detail"]},
                              "checkpoint", info["run_id"]))
