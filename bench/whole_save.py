@@ -14,7 +14,11 @@ from other processes hits both alike and the scout saves fall on the regular cad
 (`whole_save_vs_dcp_fsdp`, `whole_save_vs_dcp_ddp`; goal <= 1.3), the median training step and the save in steps,
 and where a scout-ckpt save spends its time (the medians of its phases: sweep = the replay sweep, shard_flush =
 the shard evidence's exchange, begin = the `writing` row and temp dir, write = DCP's write with the writers'
-digests, evidence = consensus, invariants, at-rest and signatures, commit = gather, manifest, ledger verdict).
+digests, evidence = consensus, invariants, at-rest and signatures, commit = gather, manifest, ledger verdict; the
+consensus thread's work during the write, DTensor shards' load signatures included, counts in `write`, and in
+`evidence` only as far as the evidence waits for it). Beside the wall times, `cpu_s`: the CPU seconds a save takes
+on the busier rank (the process's, every thread), per contender, and their ratio `cpu_vs_dcp`: on a shared host the
+CPU a save costs moves less than its wall time.
 
     python bench/whole_save.py [--json] [--rounds 6] [--width 256] [--layers 4]
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -74,6 +79,12 @@ def _model(width: int, layers: int, vocab: int = 512):
 
     torch.manual_seed(0)
     return LM(), vocab
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this rank's process so far, every thread (the consensus thread, gloo's) included."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _timed(owner, name: str, label: str, into: dict) -> None:
@@ -160,25 +171,28 @@ def _worker(rank, world, root, kind, rounds, width, layers):
     def scout_save():
         phases.clear()
         dist.barrier(group=pg)
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_s(), time.perf_counter()
         verdict = ckpt.save(step, state)
         dt = time.perf_counter() - t0
+        cpu["scout"].append(_cpu_s() - c0)
         states.append((verdict or {}).get("state"))
         return dt, dict(phases)
 
     def plain_save():
         d = os.path.join(root, f"plain-{step}")
         dist.barrier(group=pg)
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_s(), time.perf_counter()
         msd, osd = get_state_dict(net, opt)
         real_dcp_save({"model": msd, "optim": osd}, checkpoint_id=d, process_group=pg)
         dt = time.perf_counter() - t0
+        cpu["dcp"].append(_cpu_s() - c0)
         dist.barrier(group=pg)
         if rank == 0:
             shutil.rmtree(d)
         return dt
 
     times = {"scout": [], "dcp": []}
+    cpu = {"scout": [], "dcp": []}   # every round's, round 0 included (dropped below)
     breakdown: list[dict] = []
     states: list[str | None] = []
     for i in range(rounds + 1):   # round 0 warms up (imports, the first replay capture, page cache)
@@ -198,17 +212,19 @@ def _worker(rank, world, root, kind, rounds, width, layers):
                     times["dcp"].append(dt)
     ckpt.close()
     out = {"times": times, "phases": breakdown, "step_s": statistics.median(step_times[STEPS_PER_SAVE:]),
-           "states": states}
+           "states": states, "cpu": {k: v[1:] for k, v in cpu.items()}}
     gathered = [None] * world
     dist.all_gather_object(gathered, out, group=pg)
     if rank != 0:
         return None
     # the slowest rank decides when a collective save is done
     merged = {k: [max(g["times"][k][j] for g in gathered) for j in range(rounds)] for k in times}
+    # CPU: the busier rank's, per round (on a shared host the CPU a save takes moves less than its wall time)
+    cpu_med = {k: statistics.median(max(g["cpu"][k][j] for g in gathered) for j in range(rounds)) for k in cpu}
     phase_names = sorted({p for g in gathered for ph in g["phases"] for p in ph})
     phase_med = {p: statistics.median(max(g["phases"][j].get(p, 0.0) for g in gathered) for j in range(rounds))
                  for p in phase_names}
-    return {"times": merged, "phases": phase_med, "step_s": max(g["step_s"] for g in gathered),
+    return {"times": merged, "phases": phase_med, "step_s": max(g["step_s"] for g in gathered), "cpu_s": cpu_med,
             "verdicts": out["states"],
             "nbytes": sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(root, "scout"))
                           for f in fs if f.endswith(".distcp"))}
@@ -236,14 +252,17 @@ def main() -> None:
         ratios[f"whole_save_vs_dcp_{kind}"] = scout / plain
         results[kind] = {"scout_s": scout, "dcp_s": plain, "step_s": out["step_s"],
                          "save_in_steps": scout / out["step_s"], "phases_s": out["phases"],
-                         "samples_s": out["times"], "distcp_bytes": out["nbytes"], "verdicts": out["verdicts"]}
-        rows.append((kind, f"{plain:.3f}", f"{scout:.3f}", f"{scout / plain:.2f}", f"{out['step_s']:.3f}",
+                         "samples_s": out["times"], "distcp_bytes": out["nbytes"], "verdicts": out["verdicts"],
+                         "cpu_s": out["cpu_s"], "cpu_vs_dcp": out["cpu_s"]["scout"] / out["cpu_s"]["dcp"]}
+        rows.append((kind, f"{plain:.3f}", f"{scout:.3f}", f"{scout / plain:.2f}",
+                     f"{out['cpu_s']['dcp']:.3f} / {out['cpu_s']['scout']:.3f}", f"{out['step_s']:.3f}",
                      f"{scout / out['step_s']:.1f}",
                      " ".join(f"{p} {v:.3f}" for p, v in sorted(out["phases"].items(), key=lambda x: -x[1]))))
     result = {"ratio": max(ratios.values()), "ratios": ratios, "results": results, "rounds": args.rounds,
               "width": args.width, "layers": args.layers, "steps_per_save": STEPS_PER_SAVE, "ranks": 2,
               "target": f"<= {GOAL}", "target_met": all(v <= GOAL for v in ratios.values()), **load_note()}
-    emit(result, args, rows, ["script", "dcp.save s", "scout save s", "ratio", "step s", "save in steps",
+    emit(result, args, rows, ["script", "dcp.save s", "scout save s", "ratio", "CPU s dcp / scout", "step s",
+                              "save in steps",
                               "scout phases (median s)"],
          title="a whole save in user-shaped scripts (2 ranks), scout-ckpt's defaults over plain dcp.save")
 

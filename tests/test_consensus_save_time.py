@@ -142,6 +142,21 @@ def test_fsdp_plain_state_that_drifts_on_one_rank_is_attributed():
     assert ev["reasons"][0]["ranks"] == [2] and ev["reasons"][0]["tensors"] == ["lr"]
 
 
+def test_shard_partials_computed_in_the_background_equal_the_full_signatures():
+    """A sync save's consensus thread signs the DTensor shards during the write once load verification asked for
+    them; the rows it gives are the ones full_signatures takes, and the result is the whole tensors' signatures."""
+    out = run_ranks(W.shard_partials_in_background, 2, timeout=60)
+    for o in out:
+        r = o.result
+        assert r[False] == [] and r[True] == ["r", "v", "w"]   # only when asked, every DTensor leaf
+        assert r["same_as_inline"]
+        assert r["with_partials"] == r["inline"]
+        for k in ("w", "v", "r"):
+            assert r["inline"][k] == r["whole"][k], k   # saved on 2 ranks, equal to the unsharded tensor's
+        assert r["tampered"] != r["inline"]["w"]
+    assert out[0].result["inline"] == out[1].result["inline"]
+
+
 # ---- replica signatures: xxh3 over CPU tensors, large ones in a thread pool ------------------------------------
 
 

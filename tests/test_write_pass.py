@@ -112,3 +112,24 @@ def test_large_complex_and_fp8_tensors_are_checked_as_they_are_written(tmp_path)
     writer = ScoutWriter(tmp_path, step=1)
     dcp.save({"c": c, "f8": f8, "ok": ok}, storage_writer=writer)
     assert sorted(writer.nonfinite) == ["c", "f8"]
+
+
+def test_the_file_digest_covers_writes_of_every_size_and_format(tmp_path):
+    """Small writes gathered in the buffer, typed buffers, writes past the buffer and past PIECE without a tensor
+    to sign: the running digest and size are those of the file on disk, read back here."""
+    import numpy as np
+
+    from scout_ckpt.save.write_pass import DigestingFileSystem
+
+    fs = DigestingFileSystem(None, sync=False)
+    g = np.random.default_rng(3)
+    chunks = [b"PK\x03\x04", bytes(range(256)) * 3, np.arange(10_000, dtype=np.int32),
+              g.integers(0, 255, 70_000, dtype=np.uint8), b"", memoryview(np.ones((40, 30), dtype=np.float64)),
+              g.integers(0, 255, PIECE * 2 + 17, dtype=np.uint8), b"tail"]
+    path = tmp_path / "__0_0.distcp"
+    with fs.create_stream(path, "wb") as f:
+        for c in chunks:
+            f.write(c)
+    data = path.read_bytes()
+    assert data == b"".join(memoryview(c).cast("B").tobytes() for c in chunks)
+    assert fs.digests["__0_0.distcp"] == (len(data), f"xxh3_128:{xxhash.xxh3_128_hexdigest(data)}")

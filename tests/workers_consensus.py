@@ -288,3 +288,41 @@ def in_flight_consensus(rank, world, root, flip_rank=None):
     fresh = save_time_consensus(state, groups)   # every byte hashed by consensus itself, no writer involved
     return {"evidence": evidence, "fresh": fresh, "delivered": in_flight.delivered,
             "expected": len(in_flight._expected)}
+
+
+def shard_partials_in_background(rank, world):
+    """The DTensor partial signatures the consensus thread computes during a sync save's write (start_consensus
+    with ConsensusGroups.sign_partials), against the full signatures of the whole tensors, computed apart."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from scout_ckpt.consensus.full import shard_partials
+    from scout_ckpt.consensus.in_flight import InFlightDigests
+    from scout_ckpt.consensus.save_time import start_consensus
+
+    groups = ConsensusGroups.create("fsdp", world, timeout_s=30)
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(7)
+    whole = {"w": torch.randn(9, 5, generator=g), "v": torch.randn(4, 7, generator=g).to(torch.bfloat16),
+             "r": torch.randn(6, generator=g)}
+    state = {"w": distribute_tensor(whole["w"], mesh, [Shard(0)]),     # uneven: 5 + 4 rows
+             "v": distribute_tensor(whole["v"], mesh, [Shard(1)]),
+             "r": distribute_tensor(whole["r"], mesh, [Replicate()]), "lr": torch.tensor([1e-3]), "step": 3}
+    out = {}
+    for want in (False, True):
+        groups.sign_partials = want
+        in_flight = InFlightDigests()
+        pending = start_consensus(state, groups, background=True, in_flight=in_flight)
+        in_flight.release()   # no writer in this test: the hashing gate opens at once
+        partials = pending.shard_partials()
+        pending.finish()
+        out[want] = sorted(partials)
+        if want:
+            out["same_as_inline"] = all(torch.equal(partials[k], v)
+                                        for k, v in shard_partials(flatten_state(state, keep_dtensor=True)).items())
+            out["with_partials"] = full_signatures(state, plain="replica", partials=partials)
+            bad = dict(partials, w=partials["w"] + 1)   # a wrong row must show: the rows are really taken
+            out["tampered"] = full_signatures(state, plain="replica", partials=bad)["w"]
+    out["inline"] = full_signatures(state, plain="replica")
+    out["whole"] = {k: full_signatures({k: v})[k] for k, v in whole.items()}
+    return out

@@ -63,9 +63,35 @@ def _same_everywhere(value: int, group) -> bool:
 REPLICA_PREFIX = "r:"
 
 
+def _partial(leaf, zero: torch.Tensor) -> torch.Tensor:
+    """This rank's contribution to the full signature of DTensor `leaf` (zero where another rank of its Replicate
+    group counts its elements, or where this rank is outside its mesh)."""
+    box = dtensor_box(leaf)  # on every rank: a placement it cannot handle fails everywhere, not in a hang
+    if box is None or not dtensor_contributes(leaf):
+        return zero
+    return tensor_signature(box[0], global_shape=box[1], global_offset=box[2])
+
+
+def shard_partials(flat: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """{dotted key: [2] partial signature} of every DTensor leaf of a flattened state (keep_dtensor), exactly the
+    row `full_signatures` computes for it before its all_reduce; local, so it may run in a background thread while
+    the state is held (a sync save's write). A leaf it cannot sign is left out: `full_signatures` then meets it
+    itself and raises there, on every rank alike."""
+    zero = torch.zeros(2, dtype=torch.int64)
+    out = {}
+    for key, leaf in flat.items():
+        if is_dtensor(leaf):
+            try:
+                out[key] = _partial(leaf, zero)
+            except (ValueError, TypeError):
+                continue
+    return out
+
+
 def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive",
                     known: Mapping[str, torch.Tensor] | None = None, complete: bool = False,
-                    exclude: Collection[str] = ()) -> dict[str, str]:
+                    exclude: Collection[str] = (), partials: Mapping[str, torch.Tensor] | None = None
+                    ) -> dict[str, str]:
     """{dotted key: hex} full-tensor signatures of a (sharded) state; collective over `group` (default: world).
 
     Each rank computes the partial signature of what it holds at its global offsets and one all_reduce(SUM) of the
@@ -97,6 +123,9 @@ def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive",
     every rank and exchanged that fact). Then no rank calls a collective and each returns its own values, which
     are the signing rank's whenever the replicas agree (and when they do not, consensus rejects the checkpoint).
 
+    `partials` ({dotted key: [2] row}, from `shard_partials` of the same state while it was held): this rank's
+    rows of those DTensor leaves, taken instead of computed; the same values, so the same result.
+
     `exclude`: dotted keys left unsigned (`consensus.mesh.full_signable`: a _StridedShard has no one-box shard);
     the same on every rank. Leaves that have no canonical encoding (`canonical.NotComparable`) are never signed.
     """
@@ -116,11 +145,11 @@ def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive",
     rows: list[torch.Tensor] = []
     replicated: list[int] = []
     zero = torch.zeros(2, dtype=torch.int64)
-    for i, leaf in enumerate(flat.values()):
+    partials = partials or {}
+    for i, (key, leaf) in enumerate(flat.items()):
         if is_dtensor(leaf):
-            box = dtensor_box(leaf)  # on every rank: a placement it cannot handle fails everywhere, not in a hang
-            rows.append(tensor_signature(box[0], global_shape=box[1], global_offset=box[2])
-                        if box is not None and dtensor_contributes(leaf) else zero)
+            row = partials.get(key)
+            rows.append(row if row is not None else _partial(leaf, zero))
         else:
             rows.append(zero)
             replicated.append(i)

@@ -61,6 +61,10 @@ class ConsensusGroups:
     kinds: list[KindGroups] = field(default_factory=list)
     topology: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict, repr=False)  # (mesh, placements) -> compare dims, see mesh.py
+    # Set once a save's evidence has used load-verification signatures (SaveEvidence.live): later background
+    # consensus also computes this rank's partial signatures of its DTensor shards, in the write's flush
+    # (save_time.start_consensus, full.shard_partials).
+    sign_partials: bool = field(default=False, repr=False)
 
     @property
     def has_replicas(self) -> bool:

@@ -46,23 +46,63 @@ def global_index(j: torch.Tensor, base: int, dims: list[tuple[int, int]]) -> tor
     return g
 
 
+# (global shape, mesh id, placements) -> (local shape, global offset) or the ValueError to raise: a save sees the
+# same few hundred DTensors of the same shapes every time, and torch's placement maths cost tens of microseconds a
+# tensor, twice a save (full_signable, then full_signatures). Each entry keeps its mesh alive, so an id is never
+# reused while its entry exists; the cache is emptied when it grows past _BOX_MAX (a job that keeps making meshes).
+_BOXES: dict = {}
+_BOX_MAX = 1 << 14
+
+
+def _box_of(dt) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = dt.device_mesh, tuple(dt.placements)
+    key = (tuple(dt.shape), id(mesh), placements)
+    hit = _BOXES.get(key)
+    if hit is None:
+        try:
+            for p in placements:
+                _check_placement(p)
+            shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, placements)
+            result = (tuple(int(s) for s in shape), tuple(int(o) for o in offset))
+        except ValueError as e:
+            result = e
+        if len(_BOXES) >= _BOX_MAX:
+            _BOXES.clear()
+        _BOXES[key] = hit = (mesh, result)
+    if isinstance(hit[1], ValueError):
+        raise ValueError(str(hit[1]))
+    return hit[1]
+
+
 def dtensor_box(dt) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | None:
     """(local tensor, global shape, global offset) of a DTensor with Shard/Replicate placements; None on a rank
-    outside its mesh."""
+    outside its mesh. The placement maths are remembered per (global shape, mesh, placements) (`_BOXES`)."""
+    if dt.device_mesh.get_coordinate() is None:
+        for p in dt.placements:   # refused the same on every rank, inside the mesh or not
+            _check_placement(p)
+        return None
+    shape, offset = _box_of(dt)
+    local = _local(dt)
+    if shape != tuple(local.shape):
+        raise ValueError(f"local shard shape {tuple(local.shape)} differs from the placement's {shape}")
+    return local, tuple(dt.shape), offset
+
+
+def _check_placement(p) -> None:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    for p in dt.placements:
-        if isinstance(p, _StridedShard) or not isinstance(p, (Shard, Replicate)):
-            raise ValueError(f"full signatures support Shard(dim) and Replicate placements, not {p}")
-    if dt.device_mesh.get_coordinate() is None:
-        return None
-    local = dt.to_local()
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    if tuple(shape) != tuple(local.shape):
-        raise ValueError(f"local shard shape {tuple(local.shape)} differs from the placement's {tuple(shape)}")
-    return local, tuple(dt.shape), tuple(offset)
+    if isinstance(p, _StridedShard) or not isinstance(p, (Shard, Replicate)):
+        raise ValueError(f"full signatures support Shard(dim) and Replicate placements, not {p}")
+
+
+def _local(dt) -> torch.Tensor:
+    """A DTensor's local tensor, the very object it holds: the same bits as `to_local()`, which is an autograd
+    call costing tens of microseconds a tensor."""
+    local = getattr(dt, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else dt.to_local()
 
 
 def dtensor_contributes(dt) -> bool:

@@ -53,6 +53,7 @@ from scout_ckpt.consensus.c3 import (
     ATTRIBUTED, INCONCLUSIVE, GroupVerdict, c3_over_group, c3_verdict, combine, verdicts_from_gathered,
 )
 from scout_ckpt.consensus.canonical import NotComparable
+from scout_ckpt.consensus.full import shard_partials
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.mesh import LayoutError, dtensor_dims_cached, is_dtensor
@@ -215,6 +216,7 @@ class PendingConsensus:
         self._flat, self._names, self._plan, self._groups, self._t0 = flat, names, plan, groups, t0
         self._work = work  # a Future or the (sigs, elapsed) pair itself
         self._exchanged: Future | None = None   # background: the exchange, queued behind the hashing
+        self._partials: Future | None = None    # background: this rank's DTensor partial signatures (full.py)
         # Local: every leaf of the state is plain and compared as plain state, so replica_rows() holds a signature
         # of every leaf. `everyone_covers` (after finish) says it holds on every rank.
         plain = groups.grid.plain_dims if groups.world_size >= 2 else None
@@ -222,6 +224,22 @@ class PendingConsensus:
                         and not plan.single and len(plan.by_dims.get(plain, [])) == len(names)
                         and not any(is_dtensor(v) for v in flat.values()))
         self.everyone_covers = False
+
+    def shard_partials(self) -> dict[str, torch.Tensor]:
+        """{key: [2] partial signature} of this rank's DTensor leaves, computed in the hashing thread during the
+        write (`full.shard_partials`), for `full_signatures(partials=...)`; {} when none were computed or their
+        computation failed (the caller then computes them itself). Waits for them; local."""
+        if self._partials is None:
+            return {}
+        try:
+            return self._partials.result()
+        except Exception:   # fail closed: full_signatures signs the leaves itself (and raises where they raise)
+            return {}
+
+    def keep_partials(self) -> None:
+        """The caller signs this state for load verification: later saves' background hashing also computes the
+        DTensor partial signatures (ConsensusGroups.sign_partials), off the critical path."""
+        self._groups.sign_partials = True
 
     def _hashed(self) -> tuple[dict, float]:
         return self._work.result() if isinstance(self._work, Future) else self._work
@@ -319,6 +337,11 @@ def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
                        for n in plan.by_dims.get(kind.dims, []))
     hashing = _hasher().submit(_hash_groups, flat, plan, groups, t0, in_flight)
     pending = PendingConsensus(flat, names, plan, groups, t0, hashing)
+    if groups.sign_partials and any(is_dtensor(v) for v in flat.values()):
+        # after the hashing, so also once the writer's CPU-bound part is over (the disk's flush, the other ranks'
+        # writes and DCP's metadata round leave this rank's CPU idle), and before the exchange, whose collectives
+        # wait for the slowest rank anyway
+        pending._partials = _hasher().submit(shard_partials, flat)
     # The exchange follows in the same thread as soon as the hashing is done, so it overlaps DCP's write too. Its
     # collectives are on the consensus groups only, which nothing else uses during a save (replay uses them at
     # step() and before a save's write, never while one is in flight), so the order on every rank is fixed.

@@ -68,12 +68,12 @@ from scout_ckpt.consensus.indexing import dtensor_box, global_index, index_map
 from scout_ckpt.consensus.kernels import (
     LANES,
     M64,
-    NpWork,
     TorchWork,
     bits_view,
     check_tensor,
     cpu_sums,
     np_pack_signatures,
+    np_work,
     numel,
     pack_signatures,
     packs,
@@ -248,7 +248,7 @@ def batch_signatures(items: list) -> torch.Tensor:
         large = [(i, t) for i, t in entries if numel(t) > limit]
         need = max([sum(numel(t) for _, t in small)] + [numel(t) for _, t in large])
         cpu = device.type == "cpu" and CPU_KERNEL == "numpy"
-        w = NpWork(max(1, min(chunk, need))) if cpu else TorchWork(device, max(1, min(chunk, need)))
+        w = np_work(max(1, min(chunk, need))) if cpu else TorchWork(device, max(1, min(chunk, need)))
         for i, t in large:
             rows[i] = tensor_signature(t) if cpu else tensor_signature(t, _work=w)
         for pack in packs(small, w.n):

@@ -177,8 +177,9 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """temp + fsync + rename + fsync(dir): readers see the old file or the new one, never a torn one."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, sync_dir: bool = True) -> None:
+    """temp + fsync + rename + fsync(dir): readers see the old file or the new one, never a torn one.
+    `sync_dir=False` leaves the directory's fsync to the caller, who takes one next anyway (`commit_dir`)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -186,7 +187,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 def atomic_write_json(path: str | os.PathLike, obj) -> None:

@@ -59,10 +59,12 @@ def encode(manifest: dict) -> bytes:
     return (json.dumps(manifest, indent=1, sort_keys=True, default=str) + "\n").encode()
 
 
-def write(step_dir: Path, manifest: dict) -> str:
-    """Write atomically (temp + fsync + rename); return the digest of the bytes written."""
+def write(step_dir: Path, manifest: dict, *, sync_dir: bool = True) -> str:
+    """Write atomically (temp + fsync + rename); return the digest of the bytes written. `sync_dir=False`: the
+    caller fsyncs `step_dir` itself before anything depends on the manifest's entry (a save's temp dir, which
+    `layout.commit_dir` fsyncs before its rename)."""
     data = encode(manifest)
-    atomic_write_bytes(step_dir / MANIFEST_NAME, data)
+    atomic_write_bytes(step_dir / MANIFEST_NAME, data, sync_dir=sync_dir)
     return bytes_digest(data)
 
 

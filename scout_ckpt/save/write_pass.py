@@ -3,14 +3,16 @@
 torch.save hands the writer each tensor's storage as one buffer. A large buffer goes to the file in PIECE-sized
 pieces, and each piece, while it is in the cache, is
 
-- hashed into the file's digest (xxh3-128 of exactly the bytes written, in order: the digest that certify, resume
-  and load verification check), so the commit needs no second read of what this rank just wrote;
 - hashed into the tensor's consensus signature, when consensus expects that tensor (consensus/in_flight.py);
 - checked to be finite, for a tensor the writer registered (`WritePass.finite`), in the dtype of every tensor of
   the state that views those bytes (invariants/finite.py: the one finite check, the one `certify` runs too);
+- written, and hashed into the file's digest as it reaches the file (`_HashedRaw`: xxh3-128 of exactly the bytes
+  written, in order: the digest that certify, resume and load verification check), so the commit needs no second
+  read of what this rank just wrote.
 
-and then written, so the kernel's copy also reads it from the cache. Apart, these were four reads of every byte a
-rank writes from memory, which on a loaded host is what a save's CPU time goes to.
+Apart, these were four reads of every byte a rank writes from memory, which on a loaded host is what a save's CPU
+time goes to. The small writes between tensors (zip records, pickles, small tensors) go through the buffer and
+are hashed a buffer at a time.
 
 Fail closed: a tensor whose buffer never passed through (DCP cloned it, or wrote it some other way) is checked by
 the writer afterwards (`WritePass.unseen`), and consensus hashes any signature the writer did not deliver.
@@ -115,47 +117,75 @@ def finite_key(t) -> tuple | None:
     return written_key(t) if isinstance(t, torch.Tensor) and can_be_nonfinite(t.dtype) else None
 
 
+class _HashedRaw(io.FileIO):
+    """The file under a _DigestingFile: every byte that reaches it is hashed here, in file order, as the buffered
+    layer hands it over. torch.save makes thousands of small writes a save (zip headers, pickles, small tensors);
+    gathered in the buffer first, they are hashed a buffer at a time instead of one Python call each."""
+
+    def __init__(self, path: str):
+        super().__init__(path, "w")
+        self.hasher = xxhash.xxh3_128()
+        self.size = 0
+
+    def write(self, b) -> int:
+        n = super().write(b)
+        if n:
+            view = memoryview(b)
+            if view.format != "B" or view.ndim != 1:
+                view = view.cast("B")
+            self.hasher.update(view[:n] if n < view.nbytes else view)
+            self.size += n
+        return n
+
+
 class _DigestingFile(io.BufferedWriter):
-    """A data file hashed as it is written (the module docstring). Any seek or positioned access makes the running
-    digest unusable; the writer then falls back to reading the file back.
+    """A data file hashed as it is written (the module docstring; the file digest is taken by `_HashedRaw` below
+    the buffer). Any seek or positioned access makes the running digest unusable; the writer then falls back to
+    reading the file back.
 
     With `on_first_write`, the first write is flushed half-way and control goes to the fault hook (tests and the
     demo SIGKILL a rank in the middle of a file)."""
 
-    def __init__(self, raw, on_first_write: Callable[[], None] | None = None, work: WritePass | None = None,
-                 sync: bool = True):
+    def __init__(self, raw: _HashedRaw, on_first_write: Callable[[], None] | None = None,
+                 work: WritePass | None = None, sync: bool = True):
         super().__init__(raw)
         self._on_first_write = on_first_write
         self._work = work
         self._sync = sync
-        self.hasher = xxhash.xxh3_128()
-        self.size = 0
         self.sequential = True
 
+    @property
+    def hasher(self):
+        return self.raw.hasher
+
+    @property
+    def size(self) -> int:
+        return self.raw.size
+
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
         if self._on_first_write is not None:
-            return self._write_then_fault(view)
-        n = len(view)
+            return self._write_then_fault(memoryview(data).cast("B"))
+        view = memoryview(data)
+        n = view.nbytes
+        if n < FUSE_MIN:   # no tensor buffer the write pass looks at (WritePass.begin): straight into the buffer
+            return super().write(view)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
         tensor = self._work.begin(view) if self._work is not None else None
         if n <= PIECE and tensor is None:
-            self.hasher.update(view)
-            self.size += n
             return super().write(view)
+        # piece by piece: each piece is signed and checked, then copied by the kernel and hashed into the file's
+        # digest (_HashedRaw) while it is in the cache
         for start in range(0, n, PIECE):
             piece = view[start:start + PIECE]
-            self.hasher.update(piece)
             if tensor is not None:
                 tensor.update(start, piece)
             super().write(piece)
-        self.size += n
         if tensor is not None:
             self._work.end(tensor)
         return n
 
     def _write_then_fault(self, view: memoryview) -> int:
-        self.hasher.update(view)
-        self.size += len(view)
         hook, self._on_first_write = self._on_first_write, None
         half = max(1, len(view) // 2)
         n = super().write(view[:half])
@@ -212,7 +242,7 @@ class DigestingFileSystem(FileSystem):
                     os.fsync(stream.fileno())
             return
         hook, self._on_first_write = self._on_first_write, None
-        with _DigestingFile(io.FileIO(str(path), "w"), hook, self.work, self._sync) as stream:
+        with _DigestingFile(_HashedRaw(str(path)), hook, self.work, self._sync) as stream:
             yield stream
         if stream.sequential:  # DCP may close the stream itself; the running digest outlives it
             self.digests[os.path.basename(path)] = (stream.size, f"{ALGO}:{stream.hasher.hexdigest()}")

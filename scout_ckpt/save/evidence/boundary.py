@@ -115,8 +115,12 @@ class SaveEvidence:
             known = full if full is not None else (hashing.replica_rows() if hashing is not None else None)
             # A _StridedShard (FSDP x TP) has no one-box shard to sign: its bytes vouch for it at load instead.
             unsigned = full_signable(flatten_state(flat, keep_dtensor=True))[1]
+            # The DTensor shards' partial signatures, where the consensus thread computed them during the write
+            partials = hashing.shard_partials() if hashing is not None else None
             ev["signatures"] = full_signatures(flat, group=group, plain="replica", known=known,
-                                               complete=full is not None, exclude=unsigned)
+                                               complete=full is not None, exclude=unsigned, partials=partials)
+            if hashing is not None:
+                hashing.keep_partials()   # from the next save on
             if unsigned:
                 ev["load_check_unsigned"] = unsigned
         if self.replay is not None and self.is_coordinator:
