@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scout_ckpt.consensus.signatures import replica_signatures
 from scout_ckpt.replay import live as live_step
 from scout_ckpt.replay import rows as replay_rows
+from scout_ckpt.replay import self_check as own_round  # the self-check round (self_check.py)
 from scout_ckpt.replay.capture import ModuleCapture, current_state
 from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module, replay_target
 from scout_ckpt.replay.optimizer_replay import (
@@ -118,7 +118,7 @@ class ReplayRunner:
         self.live_excluded = live_step.excluded(modules, live_check, [
             n for n in modules if not self._under_compile and runs_compiled(where[n].outer)])
         self.self_check = live_check and self_check
-        self._grad_params, self.grad_notes = _live_grad_params(model, self._sites)
+        self._grad_params, self.grad_notes = own_round.live_grad_params(model, self._sites)
         self._captures: dict[str, Any] = {}   # rotation
         for recipe, name in self._targets:
             if recipe == "optimizer":
@@ -335,7 +335,6 @@ class ReplayRunner:
         `own`: every peer also self-checks its own capture of each module target (replay.live), its outcome in
         the header gather (no collective more)."""
         payloads = None
-        self._src_of_round = src
         if self.rank == src:
             # a capture whose referenced live tensors were written since is not sent: no row, coverage incomplete
             payloads = [host(cap.capture) if t[0] == "optimizer" else
@@ -351,8 +350,9 @@ class ReplayRunner:
         for i, target, cap in work:
             payload = live = None
             # before waiting for the source's tensors: the self-replay overlaps their transfer
-            selfc.append(self._self_check(step, target, cap) if own and target[0] != "optimizer"
-                         else live_step.SELF_NONE)
+            selfc.append(own_round.check_own(step, target, cap, rank=self.rank, src=src,
+                                              deterministic=self.deterministic, optimizer=self.optimizer)
+                         if own and target[0] != "optimizer" else live_step.SELF_NONE)
             t0 = time.perf_counter()
             try:
                 payload = arrivals.get(i)
@@ -376,11 +376,7 @@ class ReplayRunner:
                     self._sign(step, work, results, pending)
                     held = 0
         self._sign(step, work, results, pending)
-        for k, (_, target, cap) in enumerate(work):   # the source's self-check is its own cross replay
-            if selfc[k] == _SELF_IS_CROSS:
-                labels, sigs = results[k][0], results[k][1]
-                selfc[k] = (live_step.self_check(labels, sigs, cap.invocation) if sigs is not None
-                            else live_step.SELF_UNCHECKED)
+        own_round.settle(work, results, selfc)   # the source's self-check is its own cross replay
         for res in results:   # the live check's votes, now that the replays' signatures are known
             if res[4] is not None and res[1] is not None:
                 res[1] = live_step.signed(res[1], res[4])
@@ -407,21 +403,6 @@ class ReplayRunner:
                                                 self.grad_notes.get(target[1])))
         return found
 
-    def _self_check(self, step: int, target: Target, cap) -> int:
-        """This rank's own capture of `target` replayed on a copy and compared with its own live signatures
-        (replay.live.self_check). The source's is its cross replay, compared once signed (_SELF_IS_CROSS)."""
-        inv = getattr(cap, "invocation", None)
-        if inv is None or inv.live is None or not inv.intact() or not inv.params:
-            return live_step.SELF_UNCHECKED
-        if self.rank == self._src_of_round:
-            return _SELF_IS_CROSS
-        try:
-            labels, tensors = replay_target(target[0], cap, inv, self.deterministic, self.optimizer)
-            return live_step.self_check(labels, replica_signatures(tensors), inv)
-        except Exception as e:  # noqa: BLE001 -- not checked, never a failed step
-            warnings.warn(f"self-check replay of {target[1]} at step {step} failed on rank {self.rank}: {e!r}")
-            return live_step.SELF_UNCHECKED
-
     def _sign(self, step: int, work: list, results: list[list], pending: list[int]) -> None:
         """Sign the pending targets' replayed tensors (replay.rows.sign)."""
         replay_rows.sign(step, work, results, pending, self.rank)
@@ -435,42 +416,6 @@ class ReplayRunner:
     def _timing(self, step: int, target: Target, durations: dict[int, float]) -> None:
         """Replay durations feed the straggler rule one step at a time (see replay.stragglers)."""
         self._events.extend(self._stragglers.observe(step, durations, target[1]))
-
-
-_SELF_IS_CROSS = -1   # the source: its self-check is read from its cross replay, once signed
-
-
-def _live_grad_params(model: nn.Module, sites: dict) -> tuple[dict[str, frozenset], dict[str, list[str]]]:
-    """Per module target: the parameters whose live gradient the self-check signs (capture.py), and what it does
-    not sign, and why (the same on every rank: configuration). Not signed: a parameter sharded as a DTensor
-    (FSDP2: its gradient is reduce-scattered from an unsharded copy), one that a module outside the target also
-    holds (tied weights: its gradient sums both uses)."""
-    owners: dict[int, set[int]] = {}
-    for m in model.modules():
-        for p in m._parameters.values():
-            if p is not None:
-                owners.setdefault(id(p), set()).add(id(m))
-    signed: dict[str, frozenset] = {}
-    notes: dict[str, list[str]] = {}
-    for name, site in sites.items():
-        inside = {id(m) for m in site.inner.modules()}
-        names, sharded, tied = set(), [], []
-        for n, p in site.inner.named_parameters():
-            if hasattr(p, "full_tensor"):
-                sharded.append(n)
-            elif owners.get(id(p), set()) - inside:
-                tied.append(n)
-            else:
-                names.add(n)
-        signed[name] = frozenset(names)
-        why = []
-        if sharded:
-            why.append(f"{len(sharded)} sharded parameters' gradients (DTensor/FSDP2: reduce-scattered from an "
-                       "unsharded copy)")
-        if tied:
-            why.append(f"gradients of parameters shared with a module outside the target: {', '.join(tied[:4])}")
-        notes[name] = why
-    return signed, notes
 
 
 def _frozen(cap) -> SimpleNamespace:
