@@ -49,7 +49,8 @@ from torch import nn
 
 from scout_ckpt.replay import live as live_step
 from scout_ckpt.replay import rows as replay_rows
-from scout_ckpt.replay import self_check as own_round  # the self-check round (self_check.py)
+from scout_ckpt.replay import self_check as own_round   # the self-check round
+from scout_ckpt.replay import shared_params
 from scout_ckpt.replay.capture import ModuleCapture, current_state
 from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module, replay_target
 from scout_ckpt.replay.optimizer_replay import (
@@ -232,17 +233,23 @@ class ReplayRunner:
         replayed at this step is not replayed again. When the capture was not armed for `step` on every peer,
         nothing is replayed and [] is returned: that checkpoint then waits for the rotation (coverage)."""
         armed = self._done is not None and self._done[0] == step
-        everywhere = all(v[0] for v in self._gather([float(armed)]).values())
-        rows: list[dict] = []
         deferred = self._deferred if self._deferred is not None and self._deferred[0] == step else None
-        if everywhere:
-            self._deferred = None
+        items: list = []
+        if armed:
             done = self._replayed[1] if self._replayed[0] == step else set()
             # the rotation's own capture of its target (taken with the parameters its forward used) replaces the
             # sweep's: the same replay the rotation would have run, in the sweep's collectives
             items = [(t, deferred[2] if deferred is not None and t == deferred[1] else self._done[1][t[1]])
                      for t in self._targets if t[1] not in done]
+        # one gather: armed everywhere?, and the digests of every rank's parameter copies (shared_params.py)
+        words = self._gather_words([int(armed)] + shared_params.digest_words(
+            self._targets, {t[1]: cap for t, cap in items} if armed else None))
+        everywhere = all(v[0] for v in words.values())
+        rows: list[dict] = []
+        if everywhere:
+            self._deferred = None
             src = self._done[2]   # chosen at arming: the source rotates over saves (sweep_source)
+            share = shared_params.shared(words, self._targets, src, offset=1)
             for t, cap in items:
                 inv = getattr(cap, "invocation", None)
                 if t[0] != "optimizer" and inv is not None and not inv.intact():
@@ -250,7 +257,7 @@ class ReplayRunner:
                     warnings.warn(f"replay sweep at step {step}: the inputs captured for {t[1]} were written in "
                                   f"place after capture; captured by copies from the next save on"
                                   + (" (not replayed now: coverage incomplete)" if self.rank == src else ""))
-            rows = self._replay_batch(step, items, src, own=self.self_check)
+            rows = self._replay_batch(step, items, src, own=self.self_check, share=share)
             for row in rows:  # the rotation's replay run here is still the rotation's (its own capture)
                 row["detail"]["sweep"] = deferred is None or row["target"] != deferred[1][1]
         else:
@@ -327,18 +334,22 @@ class ReplayRunner:
         rows = self._replay_batch(step, [(target, cap)], src)
         return rows[0] if rows else None
 
-    def _replay_batch(self, step: int, items: list, src: int, own: bool = False) -> list[dict]:
+    def _replay_batch(self, step: int, items: list, src: int, own: bool = False,
+                      share: set[str] = frozenset()) -> list[dict]:
         """Replay several targets in a fixed number of blocking collectives (whatever their count): one broadcast
         of the source's capture structures (their tensors follow asynchronously, one broadcast each: a peer
         replays a target as soon as its tensors are in), one gather of per-target headers, one all_gather of every
         signature. A target the source did not run this step gives no row. Every peer returns the same rows.
         `own`: every peer also self-checks its own capture of each module target (replay.live), its outcome in
-        the header gather (no collective more)."""
+        the header gather (no collective more). `share`: the targets sent without parameters, replayed by every
+        peer with its own copy (shared_params.py)."""
         payloads = None
         if self.rank == src:
             # a capture whose referenced live tensors were written since is not sent: no row, coverage incomplete
             payloads = [host(cap.capture) if t[0] == "optimizer" else
-                        host(cap.invocation) if cap.invocation is not None and cap.invocation.intact() else None
+                        None if cap.invocation is None or not cap.invocation.intact() else
+                        host(shared_params.without_params(cap.invocation)) if t[1] in share else
+                        host(cap.invocation)
                         for t, cap in items]
         # asynchronous: target i is replayed as soon as its own tensors have arrived (transport.Arrivals)
         arrivals = broadcast_each(payloads, src, self.group)
@@ -357,6 +368,8 @@ class ReplayRunner:
             try:
                 payload = arrivals.get(i)
                 t0 = time.perf_counter()  # the replay's own time (the straggler rule's), not the transfer's
+                if target[1] in share:
+                    payload = shared_params.with_own(payload, cap)
                 if target[0] != "optimizer" and not payload.params and not payload.buffers:
                     # a sweep capture without the source's parameters (live_check off): replay with the parameters
                     # held now (the state being saved)
@@ -406,6 +419,12 @@ class ReplayRunner:
     def _sign(self, step: int, work: list, results: list[list], pending: list[int]) -> None:
         """Sign the pending targets' replayed tensors (replay.rows.sign)."""
         replay_rows.sign(step, work, results, pending, self.rank)
+
+    def _gather_words(self, values: list[int]) -> dict[int, list[int]]:
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.zeros_like(mine) for _ in self.peers]
+        dist.all_gather(out, mine, group=self.group)
+        return {r: t.tolist() for r, t in zip(self.peers, out)}
 
     def _gather(self, values: list[float]) -> dict[int, list[float]]:
         mine = torch.tensor(values, dtype=torch.float64)
