@@ -21,8 +21,9 @@ last two saves; until one of these is known every step is captured, so the first
 sweep's captures hold references to the block inputs and output gradients, not copies (capture.py): a target whose
 referenced inputs were written in place before its sweep is not replayed at that save (its coverage stays
 incomplete: never a pass) and is captured by copies from then on. Every rank keeps a copy of the targets'
-parameters as its forward used them (the self-check replays it; the source also sends its copy with the inputs);
-with the self-check off, only the source does.
+parameters as its forward used them (the self-check replays it, self_check.py; the source sends its copy with the
+inputs only where some peer's own copy differs from it, shared_params.py); with the self-check off, only the source
+keeps one.
 
 The live check (replay.live): replays are compared with each other AND with what the source's live step
 produced (the cross-check; the sweep's source rotates over the peers save by save, `sweep_source`), and every
