@@ -198,6 +198,17 @@ def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _signature(t: torch.Tensor) -> torch.Tensor:
+    """replica_signatures([t])[0], a dense CPU tensor's without that function's per-call setup (one per gradient)."""
+    from scout_ckpt.consensus.signatures import digest_row, holds_row_major, replica_signatures
+
+    if type(t) is torch.Tensor and t.numel() and holds_row_major(t):
+        import xxhash
+        return torch.tensor(digest_row(xxhash.xxh3_128_intdigest(t.reshape(-1).view(torch.uint8).numpy())),
+                            dtype=torch.int64)
+    return replica_signatures([t])[0]
+
+
 def _next_sequence_nr() -> int:
     """The sequence number the next autograd node made on this thread gets (one throwaway node is made to read
     it: later nodes' numbers all shift by one, so their relative order -- the backward's -- is unchanged)."""
@@ -385,10 +396,8 @@ class ModuleCapture:
             self._awaited.discard(label)
             if label.startswith("grad_param:") and inv.grad_note is not None:
                 return
-            from scout_ckpt.consensus.signatures import replica_signatures
-
             try:
-                inv.live_grads[label] = replica_signatures([grad.detach()])[0]
+                inv.live_grads[label] = _signature(grad.detach())
             except Exception:  # noqa: BLE001 -- a gradient that cannot be signed is not checked, never a failed step
                 pass
             # never change the live gradient

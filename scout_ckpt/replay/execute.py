@@ -100,33 +100,16 @@ def replay_copy(module: nn.Module, inv: Invocation, hook_ids: tuple[frozenset, f
     other attributes shared with the live module (read, not written, by a forward). Parameters and buffers are the
     capture's, cloned (a forward that writes a buffer -- BatchNorm's running stats -- writes the copy's). A deepcopy
     walked every attribute of every submodule and was 8% of a DDP sweep."""
-    memo: dict[int, nn.Module] = {}
-    mod = _structural_copy(module, memo, hook_ids)
-    live_names = {id(p): n for n, p in module.named_parameters()}
-    live_bufs = {id(b): n for n, b in module.named_buffers()}
-    fresh: dict[str, torch.Tensor] = {}
-    for sub in mod.modules():
-        for leaf, p in list(sub._parameters.items()):
-            if p is not None:
-                n = live_names[id(p)]
-                if n not in fresh:
-                    fresh[n] = nn.Parameter(inv.params[n].clone(), requires_grad=p.requires_grad)
-                sub._parameters[leaf] = fresh[n]
-        for leaf, b in list(sub._buffers.items()):
-            if b is not None:
-                n = live_bufs[id(b)]
-                if "buffer:" + n not in fresh:
-                    fresh["buffer:" + n] = inv.buffers[n].clone()
-                sub._buffers[leaf] = fresh["buffer:" + n]
-    for n, m in mod.named_modules():
-        m.training = inv.training.get(n, m.training)
-    return mod
+    return _structural_copy(module, {}, hook_ids, "", (inv, {}, {}))
 
 
-def _structural_copy(m: nn.Module, memo: dict[int, nn.Module], root_ids: tuple[frozenset, frozenset] | None = None
-                     ) -> nn.Module:
-    """`m` and its submodules as new module objects (see replay_copy); a submodule registered twice is copied
-    once (memo), as deepcopy would."""
+def _structural_copy(m: nn.Module, memo: dict[int, nn.Module], root_ids: tuple[frozenset, frozenset] | None,
+                     prefix: str, swap: tuple) -> nn.Module:
+    """`m` (named `prefix` under the replayed root) and its submodules as new module objects (see replay_copy); a
+    submodule registered twice is copied once (memo), as deepcopy would. The walk visits the modules in the order
+    `named_modules` does and each parameter (buffer) under the first name it meets it by, the order and names of
+    `named_parameters` (`named_buffers`), which name the capture's copies: so the copy's parameters, buffers and
+    training flags are set in this one walk (`swap`: the invocation, name by live tensor, fresh tensor by name)."""
     root = not memo
     if id(m) in memo:
         return memo[id(m)]
@@ -142,10 +125,29 @@ def _structural_copy(m: nn.Module, memo: dict[int, nn.Module], root_ids: tuple[f
             d[name] = type(v)()
         elif isinstance(v, torch.Tensor):
             d[name] = v.detach().clone()
-    d["_parameters"] = dict(m._parameters)      # the live parameters for now: swapped by replay_copy
-    d["_buffers"] = dict(m._buffers)
+    inv, names, fresh = swap
+    dot = prefix + "." if prefix else ""
+    params = {}
+    for leaf, p in m._parameters.items():
+        if p is not None:
+            n = names.setdefault(id(p), dot + leaf)
+            if n not in fresh:
+                fresh[n] = nn.Parameter(inv.params[n].clone(), requires_grad=p.requires_grad)
+            p = fresh[n]
+        params[leaf] = p
+    bufs = {}
+    for leaf, b in m._buffers.items():
+        if b is not None:
+            n = "buffer:" + names.setdefault(("buffer", id(b)), dot + leaf)
+            if n not in fresh:
+                fresh[n] = inv.buffers[n[len("buffer:"):]].clone()
+            b = fresh[n]
+        bufs[leaf] = b
+    d["_parameters"], d["_buffers"] = params, bufs
     d["_non_persistent_buffers_set"] = set(m._non_persistent_buffers_set)
-    d["_modules"] = {k: None if c is None else _structural_copy(c, memo) for k, c in m._modules.items()}
+    d["training"] = inv.training.get(prefix, m.training)
+    d["_modules"] = {k: None if c is None else _structural_copy(c, memo, None, dot + k, swap)
+                     for k, c in m._modules.items()}
     new.__dict__.update(d)
     return new
 
@@ -194,8 +196,8 @@ def replay_module(module: nn.Module, inv: Invocation, deterministic: bool = True
         roots = [(o, g) for o, g in zip(outs, inv.grad_outputs)
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         x_in = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
-        names = [n for n, p in mod.named_parameters() if p.requires_grad]
-        params = [p for p in mod.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in mod.named_parameters() if p.requires_grad]   # one walk of the copy
+        names, params = [n for n, _ in named], [p for _, p in named]
         grads: tuple = ()
         if roots and (x_in or params):
             grads = torch.autograd.grad([o for o, _ in roots], x_in + params, [g for _, g in roots],

@@ -21,8 +21,9 @@ last two saves; until one of these is known every step is captured, so the first
 sweep's captures hold references to the block inputs and output gradients, not copies (capture.py): a target whose
 referenced inputs were written in place before its sweep is not replayed at that save (its coverage stays
 incomplete: never a pass) and is captured by copies from then on. Every rank keeps a copy of the targets'
-parameters as its forward used them (the self-check replays it; the source also sends its copy with the inputs);
-with the self-check off, only the source does.
+parameters as its forward used them (the self-check replays it, self_check.py; the source sends its copy with the
+inputs only where some peer's own copy differs from it, shared_params.py); with the self-check off, only the source
+keeps one.
 
 The live check (replay.live): replays are compared with each other AND with what the source's live step
 produced (the cross-check; the sweep's source rotates over the peers save by save, `sweep_source`), and every
@@ -47,9 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scout_ckpt.consensus.signatures import replica_signatures
 from scout_ckpt.replay import live as live_step
 from scout_ckpt.replay import rows as replay_rows
+from scout_ckpt.replay import self_check as own_round   # the self-check round
+from scout_ckpt.replay import shared_params
 from scout_ckpt.replay.capture import ModuleCapture, current_state
 from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module, replay_target
 from scout_ckpt.replay.optimizer_replay import (
@@ -118,7 +120,7 @@ class ReplayRunner:
         self.live_excluded = live_step.excluded(modules, live_check, [
             n for n in modules if not self._under_compile and runs_compiled(where[n].outer)])
         self.self_check = live_check and self_check
-        self._grad_params, self.grad_notes = _live_grad_params(model, self._sites)
+        self._grad_params, self.grad_notes = own_round.live_grad_params(model, self._sites)
         self._captures: dict[str, Any] = {}   # rotation
         for recipe, name in self._targets:
             if recipe == "optimizer":
@@ -232,17 +234,23 @@ class ReplayRunner:
         replayed at this step is not replayed again. When the capture was not armed for `step` on every peer,
         nothing is replayed and [] is returned: that checkpoint then waits for the rotation (coverage)."""
         armed = self._done is not None and self._done[0] == step
-        everywhere = all(v[0] for v in self._gather([float(armed)]).values())
-        rows: list[dict] = []
         deferred = self._deferred if self._deferred is not None and self._deferred[0] == step else None
-        if everywhere:
-            self._deferred = None
+        items: list = []
+        if armed:
             done = self._replayed[1] if self._replayed[0] == step else set()
             # the rotation's own capture of its target (taken with the parameters its forward used) replaces the
             # sweep's: the same replay the rotation would have run, in the sweep's collectives
             items = [(t, deferred[2] if deferred is not None and t == deferred[1] else self._done[1][t[1]])
                      for t in self._targets if t[1] not in done]
+        # one gather: armed everywhere?, and the digests of every rank's parameter copies (shared_params.py)
+        words = self._gather_words([int(armed)] + shared_params.digest_words(
+            self._targets, {t[1]: cap for t, cap in items} if armed else None))
+        everywhere = all(v[0] for v in words.values())
+        rows: list[dict] = []
+        if everywhere:
+            self._deferred = None
             src = self._done[2]   # chosen at arming: the source rotates over saves (sweep_source)
+            share = shared_params.shared(words, self._targets, src, offset=1)
             for t, cap in items:
                 inv = getattr(cap, "invocation", None)
                 if t[0] != "optimizer" and inv is not None and not inv.intact():
@@ -250,7 +258,7 @@ class ReplayRunner:
                     warnings.warn(f"replay sweep at step {step}: the inputs captured for {t[1]} were written in "
                                   f"place after capture; captured by copies from the next save on"
                                   + (" (not replayed now: coverage incomplete)" if self.rank == src else ""))
-            rows = self._replay_batch(step, items, src, own=self.self_check)
+            rows = self._replay_batch(step, items, src, own=self.self_check, share=share)
             for row in rows:  # the rotation's replay run here is still the rotation's (its own capture)
                 row["detail"]["sweep"] = deferred is None or row["target"] != deferred[1][1]
         else:
@@ -327,19 +335,22 @@ class ReplayRunner:
         rows = self._replay_batch(step, [(target, cap)], src)
         return rows[0] if rows else None
 
-    def _replay_batch(self, step: int, items: list, src: int, own: bool = False) -> list[dict]:
+    def _replay_batch(self, step: int, items: list, src: int, own: bool = False,
+                      share: set[str] = frozenset()) -> list[dict]:
         """Replay several targets in a fixed number of blocking collectives (whatever their count): one broadcast
         of the source's capture structures (their tensors follow asynchronously, one broadcast each: a peer
         replays a target as soon as its tensors are in), one gather of per-target headers, one all_gather of every
         signature. A target the source did not run this step gives no row. Every peer returns the same rows.
         `own`: every peer also self-checks its own capture of each module target (replay.live), its outcome in
-        the header gather (no collective more)."""
+        the header gather (no collective more). `share`: the targets sent without parameters, replayed by every
+        peer with its own copy (shared_params.py)."""
         payloads = None
-        self._src_of_round = src
         if self.rank == src:
             # a capture whose referenced live tensors were written since is not sent: no row, coverage incomplete
             payloads = [host(cap.capture) if t[0] == "optimizer" else
-                        host(cap.invocation) if cap.invocation is not None and cap.invocation.intact() else None
+                        None if cap.invocation is None or not cap.invocation.intact() else
+                        host(shared_params.without_params(cap.invocation)) if t[1] in share else
+                        host(cap.invocation)
                         for t, cap in items]
         # asynchronous: target i is replayed as soon as its own tensors have arrived (transport.Arrivals)
         arrivals = broadcast_each(payloads, src, self.group)
@@ -351,12 +362,15 @@ class ReplayRunner:
         for i, target, cap in work:
             payload = live = None
             # before waiting for the source's tensors: the self-replay overlaps their transfer
-            selfc.append(self._self_check(step, target, cap) if own and target[0] != "optimizer"
-                         else live_step.SELF_NONE)
+            selfc.append(own_round.check_own(step, target, cap, rank=self.rank, src=src,
+                                              deterministic=self.deterministic, optimizer=self.optimizer)
+                         if own and target[0] != "optimizer" else live_step.SELF_NONE)
             t0 = time.perf_counter()
             try:
                 payload = arrivals.get(i)
                 t0 = time.perf_counter()  # the replay's own time (the straggler rule's), not the transfer's
+                if target[1] in share:
+                    payload = shared_params.with_own(payload, cap)
                 if target[0] != "optimizer" and not payload.params and not payload.buffers:
                     # a sweep capture without the source's parameters (live_check off): replay with the parameters
                     # held now (the state being saved)
@@ -376,11 +390,7 @@ class ReplayRunner:
                     self._sign(step, work, results, pending)
                     held = 0
         self._sign(step, work, results, pending)
-        for k, (_, target, cap) in enumerate(work):   # the source's self-check is its own cross replay
-            if selfc[k] == _SELF_IS_CROSS:
-                labels, sigs = results[k][0], results[k][1]
-                selfc[k] = (live_step.self_check(labels, sigs, cap.invocation) if sigs is not None
-                            else live_step.SELF_UNCHECKED)
+        own_round.settle(work, results, selfc)   # the source's self-check is its own cross replay
         for res in results:   # the live check's votes, now that the replays' signatures are known
             if res[4] is not None and res[1] is not None:
                 res[1] = live_step.signed(res[1], res[4])
@@ -407,24 +417,15 @@ class ReplayRunner:
                                                 self.grad_notes.get(target[1])))
         return found
 
-    def _self_check(self, step: int, target: Target, cap) -> int:
-        """This rank's own capture of `target` replayed on a copy and compared with its own live signatures
-        (replay.live.self_check). The source's is its cross replay, compared once signed (_SELF_IS_CROSS)."""
-        inv = getattr(cap, "invocation", None)
-        if inv is None or inv.live is None or not inv.intact() or not inv.params:
-            return live_step.SELF_UNCHECKED
-        if self.rank == self._src_of_round:
-            return _SELF_IS_CROSS
-        try:
-            labels, tensors = replay_target(target[0], cap, inv, self.deterministic, self.optimizer)
-            return live_step.self_check(labels, replica_signatures(tensors), inv)
-        except Exception as e:  # noqa: BLE001 -- not checked, never a failed step
-            warnings.warn(f"self-check replay of {target[1]} at step {step} failed on rank {self.rank}: {e!r}")
-            return live_step.SELF_UNCHECKED
-
     def _sign(self, step: int, work: list, results: list[list], pending: list[int]) -> None:
         """Sign the pending targets' replayed tensors (replay.rows.sign)."""
         replay_rows.sign(step, work, results, pending, self.rank)
+
+    def _gather_words(self, values: list[int]) -> dict[int, list[int]]:
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.zeros_like(mine) for _ in self.peers]
+        dist.all_gather(out, mine, group=self.group)
+        return {r: t.tolist() for r, t in zip(self.peers, out)}
 
     def _gather(self, values: list[float]) -> dict[int, list[float]]:
         mine = torch.tensor(values, dtype=torch.float64)
@@ -435,42 +436,6 @@ class ReplayRunner:
     def _timing(self, step: int, target: Target, durations: dict[int, float]) -> None:
         """Replay durations feed the straggler rule one step at a time (see replay.stragglers)."""
         self._events.extend(self._stragglers.observe(step, durations, target[1]))
-
-
-_SELF_IS_CROSS = -1   # the source: its self-check is read from its cross replay, once signed
-
-
-def _live_grad_params(model: nn.Module, sites: dict) -> tuple[dict[str, frozenset], dict[str, list[str]]]:
-    """Per module target: the parameters whose live gradient the self-check signs (capture.py), and what it does
-    not sign, and why (the same on every rank: configuration). Not signed: a parameter sharded as a DTensor
-    (FSDP2: its gradient is reduce-scattered from an unsharded copy), one that a module outside the target also
-    holds (tied weights: its gradient sums both uses)."""
-    owners: dict[int, set[int]] = {}
-    for m in model.modules():
-        for p in m._parameters.values():
-            if p is not None:
-                owners.setdefault(id(p), set()).add(id(m))
-    signed: dict[str, frozenset] = {}
-    notes: dict[str, list[str]] = {}
-    for name, site in sites.items():
-        inside = {id(m) for m in site.inner.modules()}
-        names, sharded, tied = set(), [], []
-        for n, p in site.inner.named_parameters():
-            if hasattr(p, "full_tensor"):
-                sharded.append(n)
-            elif owners.get(id(p), set()) - inside:
-                tied.append(n)
-            else:
-                names.add(n)
-        signed[name] = frozenset(names)
-        why = []
-        if sharded:
-            why.append(f"{len(sharded)} sharded parameters' gradients (DTensor/FSDP2: reduce-scattered from an "
-                       "unsharded copy)")
-        if tied:
-            why.append(f"gradients of parameters shared with a module outside the target: {', '.join(tied[:4])}")
-        notes[name] = why
-    return signed, notes
 
 
 def _frozen(cap) -> SimpleNamespace:
