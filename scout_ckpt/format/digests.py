@@ -21,8 +21,8 @@ CHUNK = 8 << 20
 
 
 def file_digest(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
-    """(size, "xxh3_128:hex") of one file, read in chunks of at most 8 MiB into one reused buffer. BadInput if it is not a
-    regular file (checked on the open descriptor: a FIFO would block for ever, /dev/zero never ends)."""
+    """(size, "xxh3_128:hex") of one file, read in chunks of at most 8 MiB into one reused buffer. BadInput if it
+    is not a regular file (checked on the open descriptor: a FIFO would block for ever, /dev/zero never ends)."""
     h = xxhash.xxh3_128()
     size = 0
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
