@@ -20,7 +20,8 @@ consensus thread's work during the write, DTensor shards' load signatures includ
 on the busier rank (the process's, every thread), per contender, and their ratio `cpu_vs_dcp`: on a shared host the
 CPU a save costs moves less than its wall time.
 
-    python bench/whole_save.py [--json] [--rounds 6] [--width 256] [--layers 4]
+    python bench/whole_save.py [--json] [--rounds 6] [--width 256] [--layers 4] [--scripts fsdp,ddp]
+                               [--profile DIR]
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ def _timed(owner, name: str, label: str, into: dict) -> None:
     setattr(owner, name, wrapper)
 
 
-def _worker(rank, world, root, kind, rounds, width, layers):
+def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
+    import cProfile
+
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -168,11 +171,17 @@ def _worker(rank, world, root, kind, rounds, width, layers):
             ckpt.step(step)
             step_times.append(time.perf_counter() - t0)
 
+    profiles = {"scout": cProfile.Profile(), "dcp": cProfile.Profile()} if profile else None
+
     def scout_save():
         phases.clear()
         dist.barrier(group=pg)
         c0, t0 = _cpu_s(), time.perf_counter()
+        if profiles:
+            profiles["scout"].enable()
         verdict = ckpt.save(step, state)
+        if profiles:
+            profiles["scout"].disable()
         dt = time.perf_counter() - t0
         cpu["scout"].append(_cpu_s() - c0)
         states.append((verdict or {}).get("state"))
@@ -182,8 +191,12 @@ def _worker(rank, world, root, kind, rounds, width, layers):
         d = os.path.join(root, f"plain-{step}")
         dist.barrier(group=pg)
         c0, t0 = _cpu_s(), time.perf_counter()
+        if profiles:
+            profiles["dcp"].enable()
         msd, osd = get_state_dict(net, opt)
         real_dcp_save({"model": msd, "optim": osd}, checkpoint_id=d, process_group=pg)
+        if profiles:
+            profiles["dcp"].disable()
         dt = time.perf_counter() - t0
         cpu["dcp"].append(_cpu_s() - c0)
         dist.barrier(group=pg)
@@ -211,6 +224,8 @@ def _worker(rank, world, root, kind, rounds, width, layers):
                 if i:
                     times["dcp"].append(dt)
     ckpt.close()
+    for who, prof in (profiles or {}).items():   # the calling thread's profile of every round (round 0 included)
+        prof.dump_stats(os.path.join(profile, f"{kind}-{who}-rank{rank}.prof"))
     out = {"times": times, "phases": breakdown, "step_s": statistics.median(step_times[STEPS_PER_SAVE:]),
            "states": states, "cpu": {k: v[1:] for k, v in cpu.items()}}
     gathered = [None] * world
@@ -235,7 +250,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--kinds", default="fsdp,ddp")
+    ap.add_argument("--kinds", default="fsdp,ddp", help="the scripts to run, comma-separated (fsdp, ddp)")
+    ap.add_argument("--scripts", dest="kinds", help="the same as --kinds")
+    ap.add_argument("--profile", metavar="DIR", help="write cProfile stats of each contender's saves (the calling "
+                    "thread, every round) per rank to DIR/KIND-CONTENDER-rankR.prof")
     args = ap.parse_args()
     from scout_ckpt.testing.launch import run_ranks
 
@@ -244,7 +262,8 @@ def main() -> None:
         root = tempfile.mkdtemp(prefix=f"scout-bench-whole-{kind}-")
         try:
             log(f"{kind}: {args.rounds} rounds of {STEPS_PER_SAVE} steps + a save, 2 ranks ...")
-            out = run_ranks(_worker, 2, root, kind, args.rounds, args.width, args.layers, timeout=1800,
+            out = run_ranks(_worker, 2, root, kind, args.rounds, args.width, args.layers,
+                            os.path.abspath(args.profile) if args.profile else None, timeout=1800,
                             pg_timeout_s=600)[0].result
         finally:
             shutil.rmtree(root, ignore_errors=True)

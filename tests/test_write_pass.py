@@ -133,3 +133,16 @@ def test_the_file_digest_covers_writes_of_every_size_and_format(tmp_path):
     data = path.read_bytes()
     assert data == b"".join(memoryview(c).cast("B").tobytes() for c in chunks)
     assert fs.digests["__0_0.distcp"] == (len(data), f"xxh3_128:{xxhash.xxh3_128_hexdigest(data)}")
+
+
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 200])
+def test_a_file_digest_is_that_of_every_byte_whatever_the_size_against_the_chunk(tmp_path, monkeypatch, size):
+    """The read buffer is sized to the file (the coordinator reads .metadata back at every save): files smaller
+    than, as large as and larger than a chunk (64 bytes here) hash to xxh3-128 of their bytes."""
+    from scout_ckpt.format import digests
+
+    monkeypatch.setattr(digests, "CHUNK", 64)
+    data = os.urandom(size)
+    p = tmp_path / "f.bin"
+    p.write_bytes(data)
+    assert digests.file_digest(p) == (size, f"xxh3_128:{xxhash.xxh3_128_hexdigest(data)}")

@@ -90,8 +90,8 @@ def shard_partials(flat: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive",
                     known: Mapping[str, torch.Tensor] | None = None, complete: bool = False,
-                    exclude: Collection[str] = (), partials: Mapping[str, torch.Tensor] | None = None
-                    ) -> dict[str, str]:
+                    exclude: Collection[str] = (), partials: Mapping[str, torch.Tensor] | None = None,
+                    flat: Mapping | None = None) -> dict[str, str]:
     """{dotted key: hex} full-tensor signatures of a (sharded) state; collective over `group` (default: world).
 
     Each rank computes the partial signature of what it holds at its global offsets and one all_reduce(SUM) of the
@@ -128,10 +128,13 @@ def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive",
 
     `exclude`: dotted keys left unsigned (`consensus.mesh.full_signable`: a _StridedShard has no one-box shard);
     the same on every rank. Leaves that have no canonical encoding (`canonical.NotComparable`) are never signed.
+
+    `flat`: `flatten_state(state_dict, keep_dtensor=True)` where the caller holds it already (a save's consensus
+    flattened the same state: `PendingConsensus.flattened`); not modified.
     """
     import torch.distributed as dist
 
-    flat = flatten_state(state_dict, keep_dtensor=True)
+    flat = flat if flat is not None else flatten_state(state_dict, keep_dtensor=True)
     skip = set(exclude)
     # a value without a canonical encoding is never signed (canonical.py); full_signable lists it as unsigned
     flat = {k: v for k, v in flat.items() if k not in skip and not isinstance(v, NotComparable)}

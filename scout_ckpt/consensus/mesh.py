@@ -31,6 +31,7 @@ placements and the root grid, the same on every rank of an SPMD job.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -40,8 +41,6 @@ TP_NAMES = ("tp", "tensor", "model", "sp")
 
 def is_dtensor(obj: Any) -> bool:
     """isinstance(obj, DTensor) without importing torch.distributed.tensor (about 1 s) where none can exist."""
-    import sys
-
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(obj, mod.DTensor)
 

@@ -103,6 +103,10 @@ def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) ->
     grid = groups.grid
     plain = grid.plain_dims
     plan = _Plan()
+    # every plain leaf goes where `plain` goes: decided once, not per leaf (hundreds of leaves a save)
+    plain_single = grid.group_size(plain) < 2
+    plain_known = groups.kind_of(plain) is not None
+    plain_names = plan.by_dims.setdefault(plain, []) if not plain_single and plain_known else None
     for n in names:
         leaf = flat[n]
         if isinstance(leaf, NotComparable):
@@ -118,6 +122,9 @@ def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) ->
                 plan.problems.append((n, str(e)))
                 plan.tags.append(f"{n}\0problem")
                 continue
+        elif plain_names is not None:
+            plain_names.append(n)
+            continue
         else:
             dims = plain
         if grid.group_size(dims) < 2:
@@ -129,6 +136,8 @@ def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) ->
             plan.by_dims.setdefault(dims, []).append(n)
         if dims != plain:
             plan.tags.append(f"{n}\0{_kind(leaf)}\0{grid.dim_names(dims)}")
+    if plain_names is not None and not plain_names:
+        del plan.by_dims[plain]   # as before: a dims entry only where some piece goes
     return plan
 
 
@@ -214,6 +223,7 @@ class PendingConsensus:
 
     def __init__(self, flat, names, plan, groups, t0, work):
         self._flat, self._names, self._plan, self._groups, self._t0 = flat, names, plan, groups, t0
+        self._source = None   # the state dict `flat` was flattened from (start_consensus sets it)
         self._work = work  # a Future or the (sigs, elapsed) pair itself
         self._exchanged: Future | None = None   # background: the exchange, queued behind the hashing
         self._partials: Future | None = None    # background: this rank's DTensor partial signatures (full.py)
@@ -224,6 +234,12 @@ class PendingConsensus:
                         and not plan.single and len(plan.by_dims.get(plain, [])) == len(names)
                         and not any(is_dtensor(v) for v in flat.values()))
         self.everyone_covers = False
+
+    def flattened(self, state_dict) -> dict | None:
+        """`flatten_state(state_dict, keep_dtensor=True)` as this consensus took it, when `state_dict` is the very
+        object it was started with (held unchanged until the save ends), else None. A save's load signatures
+        reuse it: flattening walks every leaf and encodes every non-tensor one, a few ms a save on a loaded host."""
+        return self._flat if self._source is not None and state_dict is self._source else None
 
     def shard_partials(self) -> dict[str, torch.Tensor]:
         """{key: [2] partial signature} of this rank's DTensor leaves, computed in the hashing thread during the
@@ -331,12 +347,15 @@ def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
     names = _select(flat, names_filter)
     plan = _plan(flat, names, groups)
     if not background:
-        return PendingConsensus(flat, names, plan, groups, t0, _hash_groups(flat, plan, groups, t0))
+        pending = PendingConsensus(flat, names, plan, groups, t0, _hash_groups(flat, plan, groups, t0))
+        pending._source = state_dict
+        return pending
     if in_flight is not None:
         in_flight.want(flat[n] for kind in groups.kinds if len(kind.members) >= 2
                        for n in plan.by_dims.get(kind.dims, []))
     hashing = _hasher().submit(_hash_groups, flat, plan, groups, t0, in_flight)
     pending = PendingConsensus(flat, names, plan, groups, t0, hashing)
+    pending._source = state_dict
     if groups.sign_partials and any(is_dtensor(v) for v in flat.values()):
         # after the hashing, so also once the writer's CPU-bound part is over (the disk's flush, the other ranks'
         # writes and DCP's metadata round leave this rank's CPU idle), and before the exchange, whose collectives

@@ -138,6 +138,9 @@ class _HashedRaw(io.FileIO):
         return n
 
 
+_BUFFERED_WRITE = io.BufferedWriter.write
+
+
 class _DigestingFile(io.BufferedWriter):
     """A data file hashed as it is written (the module docstring; the file digest is taken by `_HashedRaw` below
     the buffer). Any seek or positioned access makes the running digest unusable; the writer then falls back to
@@ -165,10 +168,12 @@ class _DigestingFile(io.BufferedWriter):
     def write(self, data) -> int:
         if self._on_first_write is not None:
             return self._write_then_fault(memoryview(data).cast("B"))
-        view = memoryview(data)
+        # torch.save hands over memoryviews, thousands a save, most of them small: the common case costs one type
+        # check and the buffer's own write
+        view = data if type(data) is memoryview else memoryview(data)
         n = view.nbytes
         if n < FUSE_MIN:   # no tensor buffer the write pass looks at (WritePass.begin): straight into the buffer
-            return super().write(view)
+            return _BUFFERED_WRITE(self, view)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         tensor = self._work.begin(view) if self._work is not None else None

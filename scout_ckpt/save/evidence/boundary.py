@@ -114,11 +114,16 @@ class SaveEvidence:
             full = hashing.full_rows() if hashing is not None else None
             known = full if full is not None else (hashing.replica_rows() if hashing is not None else None)
             # A _StridedShard (FSDP x TP) has no one-box shard to sign: its bytes vouch for it at load instead.
-            unsigned = full_signable(flatten_state(flat, keep_dtensor=True))[1]
+            # one flattening of the state a save: consensus's, where it took one of this very state
+            flattened = hashing.flattened(flat) if hashing is not None else None
+            if flattened is None:
+                flattened = flatten_state(flat, keep_dtensor=True)
+            unsigned = full_signable(flattened)[1]
             # The DTensor shards' partial signatures, where the consensus thread computed them during the write
             partials = hashing.shard_partials() if hashing is not None else None
             ev["signatures"] = full_signatures(flat, group=group, plain="replica", known=known,
-                                               complete=full is not None, exclude=unsigned, partials=partials)
+                                               complete=full is not None, exclude=unsigned, partials=partials,
+                                               flat=flattened)
             if hashing is not None:
                 hashing.keep_partials()   # from the next save on
             if unsigned:
