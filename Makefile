@@ -26,7 +26,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/scout-ckpt demo --inject crash:rank=1:step=20 --inject bitflip:step=10
 
-# The whole suite but the long torchrun scenarios (13 minutes on 2 cores, measured 2026-12-02, plus about 7 minutes of install).
+# The whole suite but the long torchrun scenarios (8-12 minutes on 2 cores, measured 2026-12-02, plus about 7 minutes of install).
 test: $(STAMP) $(EXTRAS)
 	$(BIN)/python -m pytest -q -m "not scenario" --durations=25 tests
 
@@ -34,7 +34,7 @@ test: $(STAMP) $(EXTRAS)
 # inside a save under torchrun (sync and async), an FSDP2 shard fault, a DDP job hanging at 3 ranks (and its
 # desync, crash and straggler) and at 2 ranks with the defaults, the demo's hang at 3 ranks, a live-step SDC,
 # an S3 upload killed, a rank killed in the Trainer, Lightning, Accelerate and DeepSpeed, the README's demo
-# command (11 minutes on 2 cores, 2026-12-02). docs/tests.md lists them.
+# command (7-11 minutes on 2 cores, 2026-12-02). docs/tests.md lists them.
 scenarios-ci: $(STAMP) $(EXTRAS)
 	$(BIN)/python -m pytest -q -m scenario_ci --durations=20 tests
 
