@@ -38,9 +38,10 @@ def test_a_flattening_is_reused_only_for_the_state_it_was_taken_of():
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         groups = ConsensusGroups.create("ddp", 1, None, timeout_s=30)
-        pending = PendingConsensus(flat, sorted(flat), _plan(flat, sorted(flat), groups), groups, 0.0, ({}, 0.0))
+        plan = _plan(flat, sorted(flat), groups)
+        pending = PendingConsensus(flat, sorted(flat), plan, groups, 0.0, ({}, 0.0))
         assert pending.flattened(state) is None          # not started from a state: nothing to reuse
-        pending._source = state
+        pending = PendingConsensus(flat, sorted(flat), plan, groups, 0.0, ({}, 0.0), source=state)
         assert pending.flattened(state) is flat
         assert pending.flattened(_state()) is None       # an equal state, but another object
         assert pending.flattened(dict(state)) is None

@@ -221,12 +221,12 @@ class PendingConsensus:
     exchanges and decides (collective). The state must not change in between (a sync save holds the training
     thread; an async save hashes its staged copy)."""
 
-    def __init__(self, flat, names, plan, groups, t0, work):
+    def __init__(self, flat, names, plan, groups, t0, work, *, source=None, partials: Future | None = None):
         self._flat, self._names, self._plan, self._groups, self._t0 = flat, names, plan, groups, t0
-        self._source = None   # the state dict `flat` was flattened from (start_consensus sets it)
+        self._source = source   # the state dict `flat` was flattened from (None: not reusable, `flattened`)
         self._work = work  # a Future or the (sigs, elapsed) pair itself
         self._exchanged: Future | None = None   # background: the exchange, queued behind the hashing
-        self._partials: Future | None = None    # background: this rank's DTensor partial signatures (full.py)
+        self._partials = partials   # background: this rank's DTensor partial signatures (full.py)
         # Local: every leaf of the state is plain and compared as plain state, so replica_rows() holds a signature
         # of every leaf. `everyone_covers` (after finish) says it holds on every rank.
         plain = groups.grid.plain_dims if groups.world_size >= 2 else None
@@ -347,20 +347,18 @@ def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
     names = _select(flat, names_filter)
     plan = _plan(flat, names, groups)
     if not background:
-        pending = PendingConsensus(flat, names, plan, groups, t0, _hash_groups(flat, plan, groups, t0))
-        pending._source = state_dict
-        return pending
+        return PendingConsensus(flat, names, plan, groups, t0, _hash_groups(flat, plan, groups, t0),
+                                source=state_dict)
     if in_flight is not None:
         in_flight.want(flat[n] for kind in groups.kinds if len(kind.members) >= 2
                        for n in plan.by_dims.get(kind.dims, []))
     hashing = _hasher().submit(_hash_groups, flat, plan, groups, t0, in_flight)
-    pending = PendingConsensus(flat, names, plan, groups, t0, hashing)
-    pending._source = state_dict
-    if groups.sign_partials and any(is_dtensor(v) for v in flat.values()):
-        # after the hashing, so also once the writer's CPU-bound part is over (the disk's flush, the other ranks'
-        # writes and DCP's metadata round leave this rank's CPU idle), and before the exchange, whose collectives
-        # wait for the slowest rank anyway
-        pending._partials = _hasher().submit(shard_partials, flat)
+    # after the hashing, so also once the writer's CPU-bound part is over (the disk's flush, the other ranks'
+    # writes and DCP's metadata round leave this rank's CPU idle), and before the exchange, whose collectives
+    # wait for the slowest rank anyway
+    partials = (_hasher().submit(shard_partials, flat)
+                if groups.sign_partials and any(is_dtensor(v) for v in flat.values()) else None)
+    pending = PendingConsensus(flat, names, plan, groups, t0, hashing, source=state_dict, partials=partials)
     # The exchange follows in the same thread as soon as the hashing is done, so it overlaps DCP's write too. Its
     # collectives are on the consensus groups only, which nothing else uses during a save (replay uses them at
     # step() and before a save's write, never while one is in flight), so the order on every rank is fixed.
