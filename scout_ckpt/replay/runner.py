@@ -243,8 +243,8 @@ class ReplayRunner:
             items = [(t, deferred[2] if deferred is not None and t == deferred[1] else self._done[1][t[1]])
                      for t in self._targets if t[1] not in done]
         # one gather: armed everywhere?, and the digests of every rank's parameter copies (shared_params.py)
-        words = self._gather_words([int(armed)] + shared_params.digest_words(
-            self._targets, {t[1]: cap for t, cap in items} if armed else None))
+        words = self._gather([int(armed)] + shared_params.digest_words(
+            self._targets, {t[1]: cap for t, cap in items} if armed else None), dtype=torch.int64)
         everywhere = all(v[0] for v in words.values())
         rows: list[dict] = []
         if everywhere:
@@ -421,14 +421,9 @@ class ReplayRunner:
         """Sign the pending targets' replayed tensors (replay.rows.sign)."""
         replay_rows.sign(step, work, results, pending, self.rank)
 
-    def _gather_words(self, values: list[int]) -> dict[int, list[int]]:
-        mine = torch.tensor(values, dtype=torch.int64)
-        out = [torch.zeros_like(mine) for _ in self.peers]
-        dist.all_gather(out, mine, group=self.group)
-        return {r: t.tolist() for r, t in zip(self.peers, out)}
-
-    def _gather(self, values: list[float]) -> dict[int, list[float]]:
-        mine = torch.tensor(values, dtype=torch.float64)
+    def _gather(self, values: list, dtype: torch.dtype = torch.float64) -> dict[int, list]:
+        """Every peer's `values` (the same length everywhere); int64 for words that must stay exact (digests)."""
+        mine = torch.tensor(values, dtype=dtype)
         out = [torch.zeros_like(mine) for _ in self.peers]
         dist.all_gather(out, mine, group=self.group)
         return {r: t.tolist() for r, t in zip(self.peers, out)}
