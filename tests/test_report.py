@@ -29,6 +29,12 @@ def _commit(ledger: Ledger, step: int, run_id: str, state: str, reasons: list[di
                          evidence=BYTES_PASS, state=state, reasons=reasons or [])
 
 
+def _interrupted(ledger: Ledger, step: int, run_id: str, attempt: str) -> None:
+    """A save of `step` begun and never committed, judged interrupted at the next start-up (no crash event)."""
+    ledger.record_writing(step, run_id, attempt, step_dirname(step))
+    ledger.transition(step, "rejected", [{"code": "save_interrupted"}], source="startup", expect="writing")
+
+
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     """A run of 4 ranks with one restart: checkpoints in every state, events of every kind, replay verdicts."""
@@ -235,8 +241,7 @@ def test_every_attempt_and_run_incarnation_is_in_the_timeline(tmp_path: Path):
         lg.record_writing(10, "20261130T000000-aaaa0001", "aaaa0001-1", step_dirname(10))
         lg.record_commit(10, run_id="20261130T000000-aaaa0001", path=step_dirname(10), nbytes=1, manifest_digest="m",
                          files=[], evidence=BYTES_PASS, state="certified", reasons=[], attempt="aaaa0001-1")
-        lg.record_writing(20, "20261130T000000-aaaa0001", "aaaa0001-2", step_dirname(20))
-        lg.transition(20, "rejected", [{"code": "save_interrupted"}], source="startup", expect="writing")
+        _interrupted(lg, 20, "20261130T000000-aaaa0001", "aaaa0001-2")
         lg.begin_run("20261130T000100-bbbb0002", world_size=2, topology={"mode": "ddp"}, policy={"require": ["bytes"]},
                      resumed_from=10)
         lg.record_writing(20, "20261130T000100-bbbb0002", "bbbb0002-1", step_dirname(20))
@@ -348,11 +353,9 @@ def test_a_save_interrupted_by_the_observers_abort_is_not_a_second_fault(tmp_pat
         _commit(lg, 10, "r1", "certified")
         lg.add_event("hang", step=13, ranks=[1], detail={"attribution": "strict_majority", "action": "abort"},
                      run_id="r1", when=t0 + 14)
-        lg.record_writing(14, "r1", "r1-2", step_dirname(14))
-        lg.transition(14, "rejected", [{"code": "save_interrupted"}], source="startup", expect="writing")
+        _interrupted(lg, 14, "r1", "r1-2")
         lg.begin_run("r2", world_size=3, topology={"mode": "ddp"}, policy={"require": ["bytes"]}, resumed_from=10)
-        lg.record_writing(20, "r2", "r2-1", step_dirname(20))
-        lg.transition(20, "rejected", [{"code": "save_interrupted"}], source="startup", expect="writing")
+        _interrupted(lg, 20, "r2", "r2-1")
     tl = report.timeline(root)
     assert [(e["kind"], e["step"], e["run_id"]) for e in tl["events"]] == [("hang", 13, "r1"), ("crash", 20, "r2")]
     assert [(a["step"], a["label"]) for a in tl["attempts"]] == [(10, "certified"), (14, "interrupted"),
