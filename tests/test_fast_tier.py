@@ -74,7 +74,8 @@ def test_ring_places_copies_on_other_nodes_at_the_same_local_rank():
 def test_loaded_values_go_into_the_state_in_place():
     import torch
 
-    from scout_ckpt.save.local_tier import _local_tree, _merge
+    from scout_ckpt.save.local_restore import _merge
+    from scout_ckpt.save.local_tier import _local_tree
 
     w = torch.zeros(3)
     dst = {"model": {"w": w}, "optim": {"param_groups": [{"lr": 0.1, "params": ["w"]}], "state": {}}}

@@ -22,9 +22,9 @@ One local save, at `ckpt.step(step, state)`:
      (live state found bad: LiveStateCorrupt at the next step() or save()).
 
 Collision rule: a durable and a local save of the same step coexist (other table, other directory); at load the
-durable one wins. Loading a local candidate (`load`, called by save/loading.py's walk-back) re-verifies every
-rank's bytes by digest, own node first, else a peer copy fetched over the group; all ranks agree through one
-all_reduce or the candidate is walked past like a durable one.
+durable one wins. Loading a local candidate (save/local_restore.py, called by save/loading.py's walk-back through
+`LocalTier.load`) re-verifies every rank's bytes by digest, own node first, else a peer copy fetched over the
+group; all ranks agree through one all_reduce or the candidate is walked past like a durable one.
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.format.digests import bytes_digest
-from scout_ckpt.format.verify import COULD_NOT_CHECK
 from scout_ckpt.invariants.finite import can_be_nonfinite, is_finite
 from scout_ckpt.ops.retention import decide_local
+from scout_ckpt.save import local_restore
 from scout_ckpt.save import local_tier_rows as rows
+from scout_ckpt.save.local_files import rank_files, write_file
 from scout_ckpt.save.local_orphans import WriterLease, sweep
 from scout_ckpt.save.local_staging import StagingBuffers
 from scout_ckpt.save import log as scout_log
@@ -81,42 +81,6 @@ def _nonfinite(obj, prefix: str = "") -> list[str]:
     return []
 
 
-def _merge(dst, src):
-    """Write the loaded `src` into `dst` in place where `dst` has tensors; other leaves are replaced. Returns the
-    merged value (for leaves that are replaced)."""
-    if isinstance(dst, DTensor):
-        dst.to_local().copy_(src)
-        return dst
-    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
-        with torch.no_grad():
-            dst.copy_(src)
-        return dst
-    if isinstance(dst, dict) and isinstance(src, dict):
-        for k, v in src.items():
-            dst[k] = _merge(dst[k], v) if k in dst else v
-        return dst
-    if isinstance(dst, list) and isinstance(src, list) and len(dst) == len(src):
-        for i, v in enumerate(src):
-            dst[i] = _merge(dst[i], v)
-        return dst
-    return src
-
-
-def _write(path: Path, blob: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(blob)
-    os.replace(tmp, path)
-
-
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except OSError:
-        return None
-
-
 def local_world_size(world: int) -> int:
     """Ranks per node: torchrun's LOCAL_WORLD_SIZE (the same on every node), else the whole world on one node."""
     try:
@@ -143,7 +107,7 @@ class LocalTier:
         self.layout = {"world_size": self.world, "local_world_size": self.local_world, "mode": ck.mode,
                        "mesh_shape": list(ck.mesh_shape)}
         self.holders = peer_copy.ring_holders(self.rank, self.world, self.local_world, opts.replicas)
-        self._said_layout = False
+        self.layout_told = False   # the INFO line of a layout that cannot restore: once (local_restore)
         self._warned_no_state = False
         self.last_blocking_s: float | None = None
         self.last_phases: dict | None = None
@@ -270,7 +234,7 @@ class LocalTier:
         del staged
         rel = f"{ck.run_id}/step-{step:08d}"
         own = self.base / rel / f"rank-{self.rank}.pt"
-        _write(own, blob)
+        write_file(own, blob)
         ck._hook("local_written", step)   # fault injection (tests): the rank's file is written, nothing recorded
         phases["write"] = time.monotonic()
         table = [None] * self.world
@@ -282,7 +246,7 @@ class LocalTier:
             ok = bytes_digest(data) == table[owner]["digest"] and len(data) == table[owner]["size"]
             path = self.base / rel / f"peer-rank-{owner}.pt"
             if ok:
-                _write(path, data)
+                write_file(path, data)
             copies.append({"rank": owner, "holder": self.rank, "host": self.host, "node": self.node,
                            "path": str(path), "verified": ok})
         del blob
@@ -348,29 +312,11 @@ class LocalTier:
             scout_log.logger.warning("local step %d not recorded: %s: %s", step, type(e).__name__, e)
             return {"state": "rejected", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}, []
 
-    def _mine(self, step_dir: Path) -> list[tuple[int, Path]]:
-        """(owner rank, path) of the files in this node's `step_dir` that this rank looks after: those of the
-        ranks with its local rank (its own, and the copies the ring placed here), whatever node numbers the
-        rendezvous gives the nodes this time."""
-        out = []
-        try:
-            names = os.listdir(step_dir)
-        except OSError:
-            return out
-        for name in names:
-            head, _, tail = name.rpartition("rank-")
-            if head not in ("", "peer-") or not tail.endswith(".pt") or not tail[:-3].isdigit():
-                continue
-            owner = int(tail[:-3])
-            if owner % self.local_world == self.rank % self.local_world:
-                out.append((owner, step_dir / name))
-        return sorted(out, key=lambda x: (x[0] != self.rank, x[1].name.startswith("peer-"), x[0]))
-
     def _remove(self, drops: list[dict]) -> None:
         """Every rank: its own file and the peer copies it holds of each dropped step; then the emptied dirs."""
         for d in drops:
             step_dir = self.base / d["dir"]
-            for _, path in self._mine(step_dir):
+            for _, path in rank_files(step_dir, self.rank, self.local_world):
                 path.unlink(missing_ok=True)
             for p in (step_dir, step_dir.parent):
                 try:
@@ -378,95 +324,16 @@ class LocalTier:
                 except OSError:
                     pass
 
-    # ---- load ----------------------------------------------------------------------------------------------
+    # ---- load (save/local_restore.py) ----------------------------------------------------------------------
 
     def candidate(self, below: int | None) -> dict | None:
-        """Coordinator: the newest certified local step below `below` that this job's layout can restore, as the
-        walk-back's candidate (None: none)."""
-        for r in rows.rows(self.ck.ledger, states=("certified",)):
-            if below is not None and r["step"] >= below:
-                continue
-            if r.get("layout") != self.layout:
-                if not self._said_layout:
-                    self._said_layout = True
-                    scout_log.logger.info("local tier skipped: its steps were saved by %s, this job is %s",
-                                          r.get("layout"), self.layout)
-                return None
-            return {"tier": "local", "step": r["step"], "path": r["dir"], "files": r["files"],
-                    "copies": r.get("copies") or [], "signatures": r.get("signatures") or {}, "reasons": [],
-                    "world_size": r["world_size"]}
-        return None
+        """Coordinator: the newest certified local step below `below` that this job's layout can restore."""
+        return local_restore.candidate(self, below)
 
     def load(self, state: dict, cand: dict, loader) -> list[dict]:
-        """Collective: load `cand` into `state` if every rank gets bytes that hash to its recorded digest (its
-        own node's file, else a peer copy sent over the group) and the loaded values match the recorded
-        signatures. Returns [] when loaded, else the reasons (the same on every rank)."""
-        group = self.ck._pg
-        step_dir = self.base / cand["path"]
-        want = {f["rank"]: f["digest"] for f in cand["files"]}
-        held, bad = {}, []
-        for owner, path in self._mine(step_dir):
-            if owner in held or owner not in want:
-                continue
-            data = _read(path)
-            if data is None:
-                continue
-            if bytes_digest(data) == want[owner]:
-                held[owner] = data
-            else:
-                bad.append(owner)
-        own = held.get(self.rank)
-        own_ok = own is not None
-        table = [None] * self.world
-        dist.all_gather_object(table, {"own": own_ok, "held": sorted(held), "bad": bad}, group=group)
-        plan, reasons = [], []
-        for r in range(self.world):
-            if table[r]["own"]:
-                continue
-            holder = next((h for h in range(self.world) if h != r and r in table[h]["held"]), None)
-            if holder is not None:
-                plan.append((r, holder))
-                continue
-            damaged = any(r in t["bad"] for t in table)
-            reasons.append({"code": "digest_mismatch" if damaged else COULD_NOT_CHECK, "rank": r, "tier": "local",
-                            "detail": "every copy of the rank's file fails its digest" if damaged
-                            else "no copy of the rank's file on any node"})
-        if reasons:
-            return reasons
-        got = peer_copy.fetch(self.rank, plan, held, group)
-        blob = own if own_ok else got
-        held.clear()
-        ok = torch.tensor([1 if blob is not None and bytes_digest(blob) == want.get(self.rank) else 0])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        if not int(ok[0]):
-            return [{"code": "digest_mismatch", "tier": "local", "detail": "a fetched peer copy failed its digest"}]
-        self._apply(state, torch.load(io.BytesIO(blob), weights_only=True))
-        if not own_ok:   # this rank's node lost its copy: keep the fetched one, as its own node's file again
-            _write(step_dir / f"rank-{self.rank}.pt", blob)
-        loader.hook("after_load", cand["step"])
-        differ = loader._loaded_differences(cand["step"], cand["signatures"], state)
-        if differ:
-            return [{"code": "load_mismatch", "tier": "local", "tensors": differ[:16], "count": len(differ)}]
-        self.last_loaded = {"step": cand["step"], "fetched": [r for r, _ in plan]}
-        return []
-
-    @staticmethod
-    def _apply(state: dict, loaded: dict) -> None:
-        for k, v in loaded.items():
-            target = state.get(k)
-            if isinstance(target, Stateful):
-                sd = target.state_dict()
-                target.load_state_dict(_merge(sd, v))
-            elif k in state:
-                state[k] = _merge(target, v)
+        """Collective: load `cand` into `state` re-verified by digest ([] when loaded, else the reasons)."""
+        return local_restore.load(self, state, cand, loader)
 
     def reject(self, cand: dict, reasons: list[dict]) -> None:
-        """Coordinator: a local candidate whose bytes or loaded values failed is rejected for good (CAS from
-        certified), with an event; a could-not-check one keeps its state."""
-        if all(r.get("code") == COULD_NOT_CHECK for r in reasons):
-            return
-        ledger = self.ck.ledger
-        if rows.set_state(ledger, cand["step"], "rejected", reasons, expect="certified"):
-            ledger.add_event("local_rejected", step=cand["step"], run_id=self.ck.run_id,
-                             detail={"reasons": reasons[:8]})
-
+        """Coordinator: a local candidate whose bytes or loaded values failed is rejected for good."""
+        local_restore.reject(self, cand, reasons)
