@@ -352,14 +352,14 @@ class Checkpointer:
             self.replay.sweep(step)   # complete same-step replay evidence (collective on the replay's side groups)
         # State that differs by rank on purpose (RankLocal) is saved per rank and never compared across ranks.
         self._rank_local = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
+        if self.shard is not None:   # the shard replay of this step's update, in flight: decided before the evidence
+            self._record_shard_faults(self.shard.flush())
 
     def _save_sync_or_store(self, step: int, flat: dict, attempt: str, in_flight: InFlightDigests) -> dict | None:
         hashing = None if self.async_save else self._start_consensus(flat, background=True, in_flight=in_flight)
         pending = self._committer.begin(step, attempt, self._pg)
         self._hook("before_write", step)
 
-        if self.shard is not None:
-            self._record_shard_faults(self.shard.flush())
         if self.async_save:
             hashing = self._start_consensus(flat, background=False)
         if self.store is not None:

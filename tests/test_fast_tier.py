@@ -221,9 +221,20 @@ def _ok(results):
 @pytest.mark.scenario
 @pytest.mark.scenario_ci
 def test_sigkilled_rank_resumes_from_its_own_nodes_newest_local_step(tmp_path):
+    check_sigkilled_rank(tmp_path)
+
+
+@pytest.mark.scenario
+def test_sigkilled_fsdp2_rank_resumes_its_shards_from_its_own_nodes_newest_local_step(tmp_path):
+    """The same under FSDP2 (fully_shard per Linear and at the root, a frozen bias beside trainable weights): each
+    rank's local file holds its own shards, and each resumes exactly the shards it printed at the save."""
+    check_sigkilled_rank(tmp_path, "--model", "fsdp")
+
+
+def check_sigkilled_rank(tmp_path: Path, *model: str) -> None:
     root, dirs = tmp_path / "run", _dirs(tmp_path)
     results = run_agents(root, dirs, "--steps", "10", "--save-every", "6", "--local-every", "2",
-                         "--fault", "crash", "--fault-node", "1", "--fault-step", "9")
+                         "--fault", "crash", "--fault-node", "1", "--fault-step", "9", *model)
     _ok(results)
     lines = job_lines(results)
     first, second = loads_by_run(lines)[:2]

@@ -1,4 +1,4 @@
-"""A user's DDP job with the fast tier (tests/test_fast_tier.py, bench/fast_tier.py): durable saves every
+"""A user's DDP job (or, with --model fsdp, FSDP2 with frozen and trainable parameters) with the fast tier (tests/test_fast_tier.py, bench/fast_tier.py): durable saves every
 --save-every steps, local saves every --local-every steps through `ckpt.step(step, state)`.
 
     torchrun --nnodes 2 --nproc-per-node 2 ... tests/scripts/fast_tier_job.py ROOT --local-every 2 --save-every 6
@@ -78,6 +78,8 @@ def main():
     ap.add_argument("--pg-timeout", type=float, default=60.0)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--model", choices=["ddp", "fsdp"], default="ddp",
+                    help="fsdp: fully_shard per Linear and at the root, the first Linear's bias frozen")
     ap.add_argument("--uri", default=None, help="durable tier on an object store (s3://...): ROOT is then the "
                                                 "ledger_dir; with --endpoint (the S3 server's URL)")
     ap.add_argument("--endpoint", default=None)
@@ -90,8 +92,19 @@ def main():
     root = Path(args.root)
     local_dir = os.environ.get("SCOUT_TEST_LOCAL_DIR") or args.local_dir
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(32, args.width), nn.ReLU(), nn.Linear(args.width, 8)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    net = nn.Sequential(nn.Linear(32, args.width), nn.ReLU(), nn.Linear(args.width, 8))
+    if args.model == "fsdp":   # FSDP2 as users write it, with a frozen parameter beside the trainable ones
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        net[0].bias.requires_grad_(False)
+        for m in (net[0], net[2]):
+            fully_shard(m, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
+    else:
+        model = DDP(net)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     tier = None if args.no_local else {"dir": local_dir, "every": args.local_every, "keep": args.keep_local}
     marker = root / "fault.json"
     began = time.time()   # after the imports and the process group: the Checkpointer's start-up begins
