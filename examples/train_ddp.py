@@ -96,7 +96,7 @@ def main():
 def crash(attempt: int, step: int, point: str) -> None:
     """SIGKILL this rank (no cleanup, no atexit: as a lost host or the OOM killer would), saying where first."""
     print("SCOUT-EXAMPLE " + json.dumps({"event": "crash", "attempt": attempt, "step": step, "point": point,
-                                         "rank": dist.get_rank()}), flush=True)
+                                         "rank": dist.get_rank()}) + "\n", end="", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -118,7 +118,7 @@ def report(event: str, attempt: int, step: int, model, opt) -> None:
     for i, group in enumerate(osd["param_groups"]):
         h.update(f"optim.param_groups.{i}={sorted(group.items())!r}".encode())
     print("SCOUT-EXAMPLE " + json.dumps({"event": event, "attempt": attempt, "step": step,
-                                         "digest": h.hexdigest()}), flush=True)
+                                         "digest": h.hexdigest()}) + "\n", end="", flush=True)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,9 @@ def full_state_digest(model, opt) -> str | None:
 
 
 def say(event: str, **kw) -> None:
-    print("SCOUT-FSDP " + json.dumps({"event": event, "t": round(time.time(), 3), **kw}), flush=True)
+    # the line and its newline in one write: the ranks share torchrun's stdout, and print's separate write of
+    # the newline lets another rank's line land between them
+    print("SCOUT-FSDP " + json.dumps({"event": event, "t": round(time.time(), 3), **kw}) + "\n", end="", flush=True)
 
 
 def main():

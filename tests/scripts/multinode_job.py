@@ -31,7 +31,7 @@ from scout_ckpt import Checkpointer, ModelOptimizerState
 
 
 def say(**kw) -> None:
-    print("MN-JOB " + json.dumps(kw), flush=True)
+    print("MN-JOB " + json.dumps(kw) + "\n", end="", flush=True)   # one write: the ranks share stdout
 
 
 def main():

@@ -30,7 +30,7 @@ from scout_ckpt import Checkpointer, ModelOptimizerState
 
 
 def say(**kw) -> None:
-    print("S3-JOB " + json.dumps(kw), flush=True)
+    print("S3-JOB " + json.dumps(kw) + "\n", end="", flush=True)   # one write: the ranks share stdout
 
 
 def main():
