@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.torchrun_errors import why_failed
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -20,7 +22,7 @@ def test_campaign_quick_has_no_bad_resume_and_no_torture_violation(tmp_path):
     cmd = [sys.executable, str(REPO / "bench" / "campaign.py"), "--quick", "--json", "--seed", "3",
            "--kinds", "bitflip,truncate,delete", "--healthy", "1", "--torture", "5", "--out", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, why_failed(p.stderr)
     res = json.loads(p.stdout)  # exactly one JSON object on stdout
     assert res["bad_resumes"] == 0
     assert res["torture_violations"] == 0 and res["torture"]["n_violations"] == 0

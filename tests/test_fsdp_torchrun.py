@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.placement import place
+from tests.torchrun_errors import why_failed
 
 SCRIPT = REPO / "examples" / "train_fsdp.py"
 FLIP_PARAM, FLIP_INDEX = "blocks.1.fc2.weight", 37          # a late parameter, an interior element
@@ -26,7 +27,7 @@ UPDATE_PARAM, UPDATE_INDEX = "blocks.1.fc1.weight", 517
 def run_job(root, *args, ranks=2, restarts=1, timeout=600):
     """torchrun the example; returns (completed process, the job's SCOUT-FSDP records)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore"}
+           "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}   # a fatal signal prints every thread's stack
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(root), *map(str, args)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
@@ -62,7 +63,7 @@ def test_plain_fsdp_script_certifies_every_checkpoint_and_resumes_exactly_after_
     resumed = max(s for s in (4, 8, 12) if s < pl.step)   # the newest save before the kill
     root = tmp_path / "run"
     p, recs = run_job(root, "--steps", 12, "--save-every", 4, "--crash-rank", pl.rank, "--crash-step", pl.step)
-    assert p.returncode == 0, (pl, p.stderr[-3000:])
+    assert p.returncode == 0, (pl, why_failed(p.stderr))
     assert [(r["rank"], r["step"], r["attempt"]) for r in recs if r["event"] == "crash"] == [(pl.rank, pl.step, 0)], (
         pl, recs)
     saved = saved_digests(recs)
@@ -97,7 +98,7 @@ def test_a_flipped_low_mantissa_bit_in_one_ranks_shard_is_caught_attributed_and_
     root = tmp_path / "run"
     p, recs = run_job(root, "--steps", 12, "--save-every", 4, "--flip",
                       f"{pl.rank}:{pl.step}:{FLIP_PARAM}:{FLIP_INDEX}:0", "--kill-after-fault", 1)
-    assert p.returncode == 0, (pl, p.stderr[-3000:])
+    assert p.returncode == 0, (pl, why_failed(p.stderr))
     assert any(r["event"] == "fault" and r["rank"] == pl.rank for r in recs), (pl, recs)
     v = verdict(recs, 0, pl.step)
     assert v["state"] == "rejected", (pl, v)
@@ -120,7 +121,7 @@ def test_a_wrong_optimizer_update_on_one_rank_is_caught_and_attributed(tmp_path,
     root = tmp_path / "run"
     p, recs = run_job(root, "--steps", 16, "--save-every", 4, "--update-fault",
                       f"{pl.rank}:{pl.step}:{UPDATE_PARAM}:{UPDATE_INDEX}", "--kill-after-fault", 6)
-    assert p.returncode == 0, (pl, p.stderr[-3000:])
+    assert p.returncode == 0, (pl, why_failed(p.stderr))
     assert any(r["event"] == "fault" and r["rank"] == pl.rank for r in recs), (pl, recs)
     _, rep = cli("report", root)
     sdc = [e for e in rep["events"] if e["kind"] == "sdc" and e["detail"].get("source") == "shard_replay"]
@@ -148,7 +149,7 @@ def test_hsdp_keeps_consensus_across_replicas_and_adds_shard_evidence(tmp_path, 
     root = tmp_path / "run"
     p, recs = run_job(root, "--hsdp", "--steps", 12, "--save-every", 4, "--flip",
                       f"{pl.rank}:{pl.step}:{FLIP_PARAM}:{FLIP_INDEX}:0", "--kill-after-fault", 1, ranks=4)
-    assert p.returncode == 0, (pl, p.stderr[-3000:])
+    assert p.returncode == 0, (pl, why_failed(p.stderr))
     _, out = cli("explain", root, 4)
     assert out["state"] == "certified", (pl, out)
     assert {k: out["evidence"][k]["status"] for k in ("consensus", "shard_replay", "at_rest")} == \
@@ -169,7 +170,7 @@ def test_hsdp_keeps_consensus_across_replicas_and_adds_shard_evidence(tmp_path, 
 def test_the_first_save_is_certified_at_its_commit_when_the_cycle_is_longer_than_the_save_interval(tmp_path):
     root = tmp_path / "run"
     p, recs = run_job(root, "--d-model", 256, "--steps", 20, "--save-every", 10)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, why_failed(p.stderr)
     assert [(r["step"], r["state"]) for r in recs if r["event"] == "saved"] == [(10, "certified"), (20, "certified")]
     _, out = cli("explain", root, 10)
     ev = out["evidence"]["shard_replay"]

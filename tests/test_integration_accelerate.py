@@ -30,6 +30,7 @@ import transformers  # noqa: F401
 
 from scout_ckpt.ledger import Ledger
 from tests.conftest import REPO
+from tests.torchrun_errors import why_failed
 
 SCRIPT = REPO / "tests" / "scripts" / "accelerate_job.py"
 STEPS, EVERY = 18, 4
@@ -244,7 +245,7 @@ def test_a_ledger_deleted_between_generations_is_rebuilt_and_the_restart_resumes
     assert checkpoints(root) == {4: "certified", 8: "certified"}
     delete_ledger(root)
     p = torchrun(root, tmp_path / "gen2")
-    assert "rebuilding it from the manifests and the journal" in p.stderr, p.stderr[-3000:]
+    assert "rebuilding it from the manifests and the journal" in p.stderr, why_failed(p.stderr)
     assert_resumed_exactly(plain, read_trace(tmp_path / "gen2"), 8, saved_by=read_trace(tmp_path / "gen1"))
     assert checkpoints(root) == {s: "certified" for s in range(EVERY, STEPS + 1, EVERY)}
 
@@ -265,7 +266,7 @@ def test_a_transient_eio_on_the_newest_checkpoint_walks_back_and_leaves_it_certi
     before = trust(root, 16)
     env = eio_once_env(tmp_path / "site", largest_shard(root / "step-00000016"))
     p = torchrun(root, tmp_path / "trace", every=100, env=env)
-    assert "could not check step 16 now" in p.stderr, p.stderr[-3000:]
+    assert "could not check step 16 now" in p.stderr, why_failed(p.stderr)
     assert_resumed_exactly(plain, read_trace(tmp_path / "trace"), 12, saved_by=healthy[1])
     assert trust(root, 16) == before and before[0] == "certified"
     rc, out, err = run_cli("ls", str(root), "--json")
@@ -292,11 +293,11 @@ def test_one_process_under_accelerate_launch_resumes_bitwise(tmp_path):
     base = tmp_path / "plain"
     base.mkdir()
     p = accelerate_launch(base / "root", base / "trace", "--plain")
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, why_failed(p.stderr)
     p = accelerate_launch(tmp_path / "root", tmp_path / "trace", "--kill-step", 10, "--kill-rank", 0)
     assert p.returncode != 0 and len(read_trace(tmp_path / "trace", 1)[0]) > 10
     p = accelerate_launch(tmp_path / "root", tmp_path / "trace", attempt=1)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, why_failed(p.stderr)
     assert_resumed_exactly(read_trace(base / "trace", 1), read_trace(tmp_path / "trace", 1), 8)
     assert checkpoints(tmp_path / "root") == {s: "certified" for s in range(EVERY, STEPS + 1, EVERY)}
 

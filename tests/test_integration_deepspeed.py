@@ -19,6 +19,7 @@ from scout_ckpt.ledger import Ledger
 from tests import framework_jobs as jobs
 from tests.conftest import REPO, run_cli
 from tests.framework_jobs import events, flip_bit, states
+from tests.torchrun_errors import why_failed
 
 # `make test` installs this extra (the Makefile's integration pins): imported unconditionally, so that a
 # broken install fails here instead of skipping the integration's tests.
@@ -170,7 +171,7 @@ def test_zero3_default_options_never_certify_partitions_and_latest_never_names_t
     # them and the option; nothing is written
     before = sorted(p.name for p in save_dir.iterdir())
     p = torchrun(save_dir, ev, "--stage", 3, "--steps", 4, "--save-every", 2, ok=False)
-    assert "does not start from step 0 over them" in p.stderr and "global_step4" in p.stderr, p.stderr[-3000:]
+    assert "does not start from step 0 over them" in p.stderr and "global_step4" in p.stderr, why_failed(p.stderr)
     assert "accept_single_owner=True" in p.stderr
     assert sorted(p.name for p in save_dir.iterdir()) == before and states(save_dir) == {2: "committed",
                                                                                           4: "committed"}
@@ -224,7 +225,7 @@ def test_zero1_replicas_that_disagree_reject_the_tag_and_end_the_generation(tmp_
            str(save_dir), "--events", str(ev), "--stage", "1", "--steps", "4", "--save-every", "2",
            "--accept-single-owner", "--diverge-at", "4"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
-    assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, p.stderr[-3000:]
+    assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, why_failed(p.stderr)
     assert [(r["step"], r["verdict"]) for r in events(ev, "live_fault")] == [(4, "rejected")]
     assert "consensus_inconclusive" in events(ev, "live_fault")[0]["codes"]   # two replicas detect, never attribute
     assert states(save_dir) == {2: "certified", 4: "rejected"}
@@ -239,7 +240,7 @@ def test_zero1_nan_in_a_single_owner_partition_is_caught_by_its_writer(tmp_path)
            str(save_dir), "--events", str(ev), "--stage", "1", "--steps", "4", "--save-every", "2",
            "--accept-single-owner", "--nan-at", "4"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
-    assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, p.stderr[-3000:]
+    assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, why_failed(p.stderr)
     assert [(r["step"], r["codes"]) for r in events(ev, "live_fault")] == [(4, ["invariant_failed"])]
     with Ledger.open(save_dir, readonly=True) as led:
         row, e4 = led.checkpoint(4), led.evidence(4)

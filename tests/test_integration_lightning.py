@@ -16,6 +16,7 @@ import pytest
 
 from scout_ckpt.ledger import Ledger
 from tests.conftest import REPO, run_cli
+from tests.torchrun_errors import why_failed
 
 # `make test` installs this extra (the Makefile's integration pins): imported unconditionally, so that a
 # broken install fails here instead of skipping the integration's tests.
@@ -354,7 +355,7 @@ def test_a_ledger_deleted_between_generations_is_rebuilt_and_the_restart_resumes
     assert states(root) == {2: "certified", 4: "certified"}
     delete_ledger(root)
     p = torchrun(root, *BASE, "--ckpt-path", "latest_clean", record=rec2)
-    assert "rebuilding it from the manifests and the journal" in p.stderr, p.stderr[-3000:]
+    assert "rebuilding it from the manifests and the journal" in p.stderr, why_failed(p.stderr)
     gen1, gen2 = rows(rec1), rows(rec2)
     assert saved(gen1) == {s: d for s, d in saved(plain).items() if s <= 4}
     assert [r["loaded"] for r in gen2 if "loaded" in r] == [4]
@@ -381,7 +382,7 @@ def test_a_transient_eio_on_the_newest_checkpoint_walks_back_and_leaves_it_certi
     rec = tmp_path / "rec.jsonl"
     p = torchrun(root, "--steps", "8", "--save-every", "3", "--accum", "2", "--ckpt-path", "latest_clean",
                  record=rec, env=env)
-    assert "could not check step 8 now" in p.stderr, p.stderr[-3000:]
+    assert "could not check step 8 now" in p.stderr, why_failed(p.stderr)
     rs = rows(rec)
     assert [r["loaded"] for r in rs if "loaded" in r] == [6]
     assert started(rs) == [(6, saved(healthy_rs)[6])]

@@ -17,6 +17,7 @@ import pytest
 from scout_ckpt import policy
 from tests.conftest import run_cli
 from tests.test_fsdp_torchrun import FLIP_INDEX, FLIP_PARAM, cli, loaded, run_job, saved_digests, states, verdict
+from tests.torchrun_errors import why_failed
 
 STEPS, EVERY, FLIP_STEP = "30", "5", 15
 
@@ -57,7 +58,7 @@ def healthy(tmp_path_factory):
     """The same script with no fault: the digests a correct run has."""
     p, recs = run_job(tmp_path_factory.mktemp("healthy") / "run", "--steps", STEPS, "--save-every", EVERY,
                       "--final-digest", restarts=0)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, why_failed(p.stderr)
     return recs
 
 
@@ -66,7 +67,7 @@ def healthy(tmp_path_factory):
 def test_by_default_the_generation_ends_and_the_restart_finishes_bitwise_like_a_healthy_run(tmp_path, healthy):
     root = tmp_path / "run"
     p, recs = run_job(root, "--steps", STEPS, "--save-every", EVERY, "--flip", FLIP, "--final-digest")
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, why_failed(p.stderr)
     assert [r["step"] for r in recs if r["event"] == "fault"] == [FLIP_STEP]
     v = verdict(recs, 0, FLIP_STEP)
     assert v["state"] == "rejected" and v["live_fault"] == ["at_rest"]
@@ -88,7 +89,7 @@ def test_with_continue_every_later_save_is_rejected_until_a_clean_load(tmp_path,
     root = tmp_path / "run"
     p, recs = run_job(root, "--steps", STEPS, "--save-every", EVERY, "--flip", FLIP, "--final-digest",
                       "--on-live-fault", "continue", restarts=0)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, why_failed(p.stderr)
     assert final(recs) != final(healthy)                               # the job's state really carries the flip
     got = {r["step"]: r for r in recs if r["event"] == "saved"}
     assert got[FLIP_STEP]["state"] == "rejected"

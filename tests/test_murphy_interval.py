@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.torchrun_errors import why_failed
 
 SCRIPT = REPO / "tests" / "scripts" / "fsdp_interval_job.py"
 PARAM, INDEX = "blocks.0.fc2.weight", 11     # an early trainable weight: in run 0 of rank 1's tensors
@@ -50,7 +51,7 @@ def covered(recs, rank) -> list[str]:
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
     p, recs = run_job(tmp_path_factory.mktemp("healthy") / "run", "--steps", 15, "--save-every", 5)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, why_failed(p.stderr)
     return recs
 
 
@@ -61,7 +62,7 @@ def test_a_flip_between_two_saves_is_caught_ends_the_generation_and_the_restart_
     assert {s: v["state"] for s, v in ok.items()} == {5: "certified", 10: "certified", 15: "certified"}
     root = tmp_path / "run"
     p, recs = run_job(root, "--steps", 15, "--save-every", 5, "--flip", f"1:12:{PARAM}:{INDEX}", "--show-runs", 12)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, why_failed(p.stderr)
     assert PARAM in covered(recs, 1)            # the schedule covers this tensor between steps 12 and 13
     first = saved(recs, 0)
     assert first[10]["digest"] == ok[10]["digest"] and first[10]["state"] == "certified"   # before the flip
@@ -91,7 +92,7 @@ def test_a_flip_in_an_interval_whose_run_does_not_hold_the_tensor_is_not_seen(tm
     root = tmp_path / "run"
     p, recs = run_job(root, "--steps", 15, "--save-every", 5, "--flip", f"1:13:{PARAM}:{INDEX}", "--show-runs", 13,
                       restarts=0)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, why_failed(p.stderr)
     assert PARAM not in covered(recs, 1)
     got = saved(recs, 0)
     assert got[15]["state"] == "certified"

@@ -13,6 +13,7 @@ import pytest
 from scout_ckpt.ledger import Ledger
 from tests.conftest import REPO
 from tests.placement import place
+from tests.torchrun_errors import why_failed
 
 WORLD, STEPS, SAVE_EVERY = 3, 16, 5
 SAVES = range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)   # 5, 10, 15
@@ -30,7 +31,7 @@ def torchrun_ddp(root, *args) -> list[dict]:
            "--max-restarts", "2", "--monitor-interval", "0.5", str(REPO / "examples" / "train_ddp.py"), str(root),
            *map(str, args), "--record"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, why_failed(p.stderr)
     return [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("SCOUT-EXAMPLE ")]
 
 
