@@ -23,6 +23,28 @@ def run_cli(*args, env=None, check_rc=None):
     return p.returncode, p.stdout, p.stderr
 
 
+@contextlib.contextmanager
+def tmpfs(size: str):
+    """A real tmpfs of `size` (e.g. "3M") at a fresh directory, for a disk that fills up; skipped where mounting
+    is not allowed, and a failure under CI (which runs as root on this machine class: a mount that fails there is
+    a broken CI, not a reason to go quiet)."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="scout-tmpfs-")
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", d], capture_output=True, text=True)
+    if p.returncode != 0:
+        os.rmdir(d)
+        why = f"cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN): {p.stderr.strip()}"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    try:
+        yield Path(d)
+    finally:
+        subprocess.run(["umount", "-l", d], check=False)
+        os.rmdir(d)
+
+
 def pytest_configure(config):
     """The fault placement seed of this session (tests/placement.py): SCOUT_TEST_SEED, or drawn once here."""
     try:

@@ -9,30 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import tempfile
 
 import pytest
 
 from scout_ckpt.testing.launch import run_ranks
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tmpfs
 
 
 @pytest.fixture
 def tiny_fs():
-    d = tempfile.mkdtemp(prefix="scout-enospc-")
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", d], capture_output=True, text=True)
-    if p.returncode != 0:
-        os.rmdir(d)
-        why = f"cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN): {p.stderr.strip()}"
-        if os.environ.get("CI"):   # CI runs as root on this machine class: a mount that fails is a broken CI
-            pytest.fail(why)
-        pytest.skip(why)
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", d], check=False)
-        os.rmdir(d)
+    with tmpfs("3M") as d:
+        yield str(d)
 
 
 def _fill_the_disk(rank, world, root):

@@ -132,3 +132,34 @@ def test_a_one_rank_jobs_crash_names_its_only_rank_live_and_after_the_restart(tm
     pending, written = settle(tmp_path)
     assert pending == 0 and [(w[0], w[1], w[2]) for w in written] == [("crash", [0], 5)]
     assert written[0][-1] == 101.0   # stamped with when the rank died
+
+
+def test_another_hosts_clock_never_decides_whether_its_observer_still_writes(tmp_path):
+    """Nothing is ordered by another host's clock: a row from another host is judged by its heartbeat as seen
+    from here. Its clock an hour behind made a live observer look dead (its run settled as a crash while it was
+    still writing); an hour ahead kept a dead one 'alive' for the hour."""
+    behind = channel(tmp_path, "behind", {0: {"host": "elsewhere", "wall": time.time() - 3600, "beat": 1}, 1: {}, 2: {}})
+    ahead = channel(tmp_path / "b", "ahead", {0: {"host": "elsewhere", "wall": time.time() + 3600, "beat": 7},
+                                              1: {}, 2: {}})
+    seen: dict = {}
+
+    def settle_with(base):
+        written = []
+        pending = aftermath.settle(base, "now", lambda *a, **k: written.append(a), HOST, quiet_s=0.5, seen=seen)
+        return pending, written
+
+    deadline = time.monotonic() + 1.5   # three quiet periods: the live one beats throughout
+    beat = 1
+    while time.monotonic() < deadline:
+        assert settle_with(tmp_path) == (1, []), "an observer still beating was judged gone"
+        beat += 1
+        row = json.loads((behind / "status-0.json").read_text())
+        (behind / "status-0.json").write_text(json.dumps({**row, "beat": beat}))
+        time.sleep(0.1)
+    assert not (behind / "settled.json").exists()
+    # the other one never beat again: pending only until its heartbeat has been still for quiet_s here
+    assert settle_with(tmp_path / "b")[0] == 1     # first seen now: it may still be writing
+    time.sleep(0.6)
+    pending, written = settle_with(tmp_path / "b")
+    assert pending == 0 and [w[0] for w in written] == ["crash"]
+    assert json.loads((ahead / "settled.json").read_text())["outcome"] == "unfinished"

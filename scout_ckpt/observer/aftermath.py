@@ -40,11 +40,19 @@ def _read(path: Path) -> dict | None:
         return None
 
 
-def _observer_alive(row: dict, host: str, quiet_s: float) -> bool:
-    """Could this row's observer still write? Same host: its process exists and is an observer; another host:
-    its last status is younger than `quiet_s`."""
+def _observer_alive(row: dict, host: str, quiet_s: float, seen: dict, key) -> bool:
+    """Could this row's observer still write? Same host: its process exists and is an observer. Another host: its
+    heartbeat (`beat`, bumped at every status it writes) changed within the last `quiet_s` of this host's
+    monotonic clock, counted from when this process first saw that beat (`seen`, kept by the caller between
+    calls): never the row's own wall time, which is another host's clock (an hour behind made a live observer
+    look dead, an hour ahead a dead one live). A row first seen now may still be writing."""
     if row.get("host") not in (None, host):
-        return time.time() - float(row.get("wall") or 0) < quiet_s
+        now, beat = time.monotonic(), row.get("beat")
+        first = seen.get(key)
+        if first is None or first[0] != beat:
+            seen[key] = (beat, now)
+            return True
+        return now - first[1] < quiet_s
     pid = row.get("observer_pid")
     if not isinstance(pid, int) or stacks_mod.proc_state(pid) in (None, "Z", "X"):
         return False
@@ -55,15 +63,19 @@ def _observer_alive(row: dict, host: str, quiet_s: float) -> bool:
         return False
 
 
-def examine(channel: Path, host: str, quiet_s: float = 10.0, reported_elsewhere=None) -> dict | None:
+def examine(channel: Path, host: str, quiet_s: float = 10.0, reported_elsewhere=None,
+            seen: dict | None = None) -> dict | None:
     """The outcome of one earlier run's channel, or None while its observers may still be writing.
-    `reported_elsewhere(run_id, t_from)`: whether the ledger already holds an incident for that run."""
+    `reported_elsewhere(run_id, t_from)`: whether the ledger already holds an incident for that run. `seen`: the
+    other hosts' heartbeats as first seen (`_observer_alive`), kept between calls by the caller; without it a
+    row of another host is never judged quiet."""
+    seen = {} if seen is None else seen
     cfgs = [c for c in (_read(p) for p in sorted(channel.glob("observer-*.json"))) if c]
     if not cfgs:
         return {"outcome": "empty"}
     world = int(cfgs[0]["world_size"])
     rows = {r: row for r in range(world) if (row := _read(channel / f"status-{r}.json"))}
-    if any(_observer_alive(row, host, quiet_s) for row in rows.values()):
+    if any(_observer_alive(row, host, quiet_s, seen, (channel.name, r)) for r, row in rows.items()):
         return None
     claims = [c for c in (_read(p) for p in sorted((channel / "claims").glob("*.json"))) if c]
     reported = [c for c in claims if c.get("kind") in INCIDENT_KINDS]
@@ -118,10 +130,10 @@ def verdict(found: dict) -> dict:
 
 
 def settle(observer_dir: Path, current_run_id: str, write_event, host: str, quiet_s: float = 10.0,
-           reported_elsewhere=None) -> int:
+           reported_elsewhere=None, seen: dict | None = None) -> int:
     """Settles every earlier run's channel under `observer_dir` that can be settled now; `write_event(kind,
     ranks, step, detail, key, run_id, when=)` records an unfinished one (`when`: when its first rank stopped).
-    Returns how many remain pending."""
+    `seen` as for `examine` (the caller's, kept between calls). Returns how many remain pending."""
     pending = 0
     try:
         channels = sorted(p for p in observer_dir.iterdir() if p.is_dir() and p.name != current_run_id)
@@ -130,7 +142,7 @@ def settle(observer_dir: Path, current_run_id: str, write_event, host: str, quie
     for ch in channels:
         if (ch / SETTLED).exists():
             continue
-        found = examine(ch, host, quiet_s, reported_elsewhere)
+        found = examine(ch, host, quiet_s, reported_elsewhere, seen)
         if found is None:
             pending += 1
             continue
@@ -159,6 +171,7 @@ class Aftermath:
         self.t_start = t_start  # this run's start: an event without a run id after it is not the earlier run's
         self.t0 = time.monotonic()
         self.pending, self.next_at = True, 0.0
+        self.seen: dict = {}   # other hosts' heartbeats as first seen here (aftermath._observer_alive)
 
     def poll(self, now: float) -> None:
         """Settle what can be settled now, if a retry is due."""
@@ -168,7 +181,7 @@ class Aftermath:
     def settle(self, now: float) -> None:
         try:
             left = settle(self.observer_dir, self.cfg["run_id"], self.write_event, self.host,
-                          reported_elsewhere=self.reported_in_ledger)
+                          reported_elsewhere=self.reported_in_ledger, seen=self.seen)
         except Exception as e:  # a malformed old channel must not take the observer down
             log.warning("settling earlier runs failed: %s: %s", type(e).__name__, e)
             left = 0

@@ -13,11 +13,29 @@ from pathlib import Path
 
 
 def write_file(path: Path, blob: bytes) -> None:
+    """Temp name + rename; a write that fails removes its temp file (a full disk keeps no half file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(blob)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
+
+
+def try_write(path: Path, blob: bytes) -> str | None:
+    """write_file; None when written, else one line for why not (ENOSPC, EIO, EACCES: the node's disk, not the
+    state)."""
+    try:
+        write_file(path, blob)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    return None
 
 
 def read_file(path: Path) -> bytes | None:

@@ -21,7 +21,7 @@ from scout_ckpt.format.verify import COULD_NOT_CHECK
 from scout_ckpt.save import local_tier_rows as rows
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save import peer_copy
-from scout_ckpt.save.local_files import rank_files, read_file, write_file
+from scout_ckpt.save.local_files import rank_files, read_file, try_write
 
 
 def candidate(tier, below: int | None) -> dict | None:
@@ -86,7 +86,10 @@ def load(tier, state: dict, cand: dict, loader) -> list[dict]:
         return [{"code": "digest_mismatch", "tier": "local", "detail": "a fetched peer copy failed its digest"}]
     _apply(state, torch.load(io.BytesIO(blob), weights_only=True))
     if not own_ok:   # this rank's node lost its copy: keep the fetched one, as its own node's file again
-        write_file(step_dir / f"rank-{tier.rank}.pt", blob)
+        error = try_write(step_dir / f"rank-{tier.rank}.pt", blob)
+        if error:   # the load stands: the copy back is for the next restart, which can fetch it again
+            scout_log.logger.warning("local step %d: the fetched copy of rank %d's file was not written back to its "
+                               "node (%s)", cand["step"], tier.rank, error)
     loader.hook("after_load", cand["step"])
     differ = loader._loaded_differences(cand["step"], cand["signatures"], state)
     if differ:

@@ -44,9 +44,9 @@ from scout_ckpt.errors import ScoutError
 from scout_ckpt.format.digests import bytes_digest
 from scout_ckpt.invariants.finite import can_be_nonfinite, is_finite
 from scout_ckpt.ops.retention import decide_local
-from scout_ckpt.save import local_restore
+from scout_ckpt.save import local_files, local_restore
 from scout_ckpt.save import local_tier_rows as rows
-from scout_ckpt.save.local_files import rank_files, write_file
+from scout_ckpt.save.local_files import rank_files
 from scout_ckpt.save.local_orphans import WriterLease, sweep
 from scout_ckpt.save.local_staging import StagingBuffers
 from scout_ckpt.save import log as scout_log
@@ -234,26 +234,35 @@ class LocalTier:
         del staged
         rel = f"{ck.run_id}/step-{step:08d}"
         own = self.base / rel / f"rank-{self.rank}.pt"
-        write_file(own, blob)
+        # A write that fails (a full or failing node-local disk) must not leave the other ranks in the gather
+        # below: every rank goes through the whole protocol and the step is rejected for it (save/local_files).
+        failed = local_files.try_write(own, blob)
         ck._hook("local_written", step)   # fault injection (tests): the rank's file is written, nothing recorded
         phases["write"] = time.monotonic()
         table = [None] * self.world
         dist.all_gather_object(table, {"digest": digest, "size": len(blob), "host": self.host,
-                                       "dir": str(self.base)}, group=group)
+                                       "dir": str(self.base), "failed": failed}, group=group)
         copies = []
-        for owner, data in peer_copy.ring_exchange(blob, self.rank, self.world, self.local_world,
-                                                   self.opts.replicas, group).items():
-            ok = bytes_digest(data) == table[owner]["digest"] and len(data) == table[owner]["size"]
-            path = self.base / rel / f"peer-rank-{owner}.pt"
-            if ok:
-                write_file(path, data)
-            copies.append({"rank": owner, "holder": self.rank, "host": self.host, "node": self.node,
-                           "path": str(path), "verified": ok})
+        # the same table on every rank: all skip the exchange alike when a rank's own file is missing (the step is
+        # rejected: copies of it would only take space on disks that may be as full)
+        if not any(t["failed"] for t in table):
+            for owner, data in peer_copy.ring_exchange(blob, self.rank, self.world, self.local_world,
+                                                       self.opts.replicas, group).items():
+                ok = bytes_digest(data) == table[owner]["digest"] and len(data) == table[owner]["size"]
+                path = self.base / rel / f"peer-rank-{owner}.pt"
+                copy = {"rank": owner, "holder": self.rank, "host": self.host, "node": self.node, "path": str(path),
+                        "verified": ok}
+                if ok:
+                    error = local_files.try_write(path, data)
+                    if error:   # the owner's own file stands; this copy is missing (`copies` evidence)
+                        copy.update(verified=False, error=error)
+                copies.append(copy)
         del blob
         phases["copies"] = time.monotonic()
-        mine = {"rank": self.rank, "finite_bad": finite_bad, "copies": copies,
-                "files": [{"path": f"rank-{self.rank}.pt", "size": table[self.rank]["size"], "digest": digest,
-                           "rank": self.rank, "host": self.host, "node": self.node, "where": str(own)}]}
+        mine = {"rank": self.rank, "finite_bad": finite_bad, "copies": copies, "failed": failed,
+                "files": [] if failed else [{
+                    "path": f"rank-{self.rank}.pt", "size": table[self.rank]["size"], "digest": digest,
+                    "rank": self.rank, "host": self.host, "node": self.node, "where": str(own)}]}
         gathered = [None] * self.world if self.rank == COORDINATOR else None
         dist.gather_object(mine, gathered, dst=COORDINATOR, group=group)
         out = self._commit(step, rel, gathered, live) if self.rank == COORDINATOR else None
@@ -282,6 +291,9 @@ class LocalTier:
         retention plan. Returns (verdict, drops) for the broadcast; an error is a rejected verdict, never raised
         (every rank is waiting in the broadcast)."""
         ck = self.ck
+        failed = {g["rank"]: g["failed"] for g in gathered if g.get("failed")}
+        if failed:
+            return self._reject_unwritten(step, rel, gathered, failed)
         try:
             ev, signatures, v = ck._evidence.assess(gathered, live)
             verdict = {"state": v.state, "reasons": v.reasons}
@@ -304,13 +316,40 @@ class LocalTier:
                 drops.append({"step": step, "dir": previous["dir"], "copies": previous.get("copies") or []})
             every = {r["step"]: r for r in rows.rows(ck.ledger)}
             for s in decide_local({s: r["state"] for s, r in every.items()}, self.opts.keep):
-                rows.set_state(ck.ledger, s, "deleted", [{"code": "retention", "keep": self.opts.keep}],
+                # a rejected step keeps why it was rejected beside why it went (`ls`, `explain` still say it)
+                kept = (every[s].get("reasons") or [])[:8] if every[s]["state"] == "rejected" else []
+                rows.set_state(ck.ledger, s, "deleted", [{"code": "retention", "keep": self.opts.keep}, *kept],
                                expect=every[s]["state"])
                 drops.append({"step": s, "dir": every[s]["dir"], "copies": every[s].get("copies") or []})
             return verdict, drops
         except Exception as e:  # noqa: BLE001 - see the docstring
             scout_log.logger.warning("local step %d not recorded: %s: %s", step, type(e).__name__, e)
             return {"state": "rejected", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}, []
+
+    def _reject_unwritten(self, step: int, rel: str, gathered: list[dict], failed: dict[int, str]):
+        """Coordinator: a rank could not write its file (a full node-local disk): nothing about the state was
+        found wrong, so no live fault and training goes on; the step is rejected (`commit_failed`, the causes
+        with their ranks, as a durable save's write failure) and every rank removes what it wrote of it. The
+        next local save tries again."""
+        causes: dict[str, list[int]] = {}
+        for r, why in sorted(failed.items()):
+            causes.setdefault(why, []).append(r)
+        detail = "; ".join(f"{why} (ranks {', '.join(map(str, ranks))})" for why, ranks in causes.items())
+        reasons = [{"code": "commit_failed", "ranks": sorted(failed), "detail": detail}]
+        scout_log.logger.warning("local step %d not saved: %s; training goes on, the next local save tries again",
+                                 step, detail)
+        try:
+            previous = rows.row(self.ck.ledger, step)
+            # an earlier run's row of this step, in a folder of its own, stays as it is (its files are untouched)
+            if previous is None or previous.get("dir") == rel:
+                rows.record(self.ck.ledger, step=step, run_id=self.ck.run_id, state="rejected", dir=rel,
+                            world_size=self.world, layout=self.layout,
+                            files=[f for g in gathered for f in g["files"]], copies=[], evidence={}, signatures={},
+                            reasons=reasons)
+        except Exception as e:  # noqa: BLE001 - the files go anyway: they never were a checkpoint
+            scout_log.logger.warning("local step %d: its rejection was not recorded: %s: %s", step,
+                                     type(e).__name__, e)
+        return {"state": "rejected", "reasons": reasons}, [{"step": step, "dir": rel, "copies": []}]
 
     def _remove(self, drops: list[dict]) -> None:
         """Every rank: its own file and the peer copies it holds of each dropped step; then the emptied dirs."""
