@@ -84,7 +84,12 @@ def write_failure(e: BaseException) -> str:
             seen = seen.__cause__ or seen.__context__
         exc = seen if seen is not None else exc
         causes.setdefault(f"{type(exc).__name__}: {exc}".splitlines()[0][:200], []).append(rank)
-    return "; ".join(f"{cause} (ranks {', '.join(map(str, ranks))})" for cause, ranks in list(causes.items())[:3])
+    return ranked_causes(causes, limit=3)
+
+
+def ranked_causes(causes: dict[str, list[int]], limit: int | None = None) -> str:
+    """{cause: [ranks]} as one line, "cause (ranks 0, 1); other (ranks 2)", the first `limit` causes."""
+    return "; ".join(f"{cause} (ranks {', '.join(map(str, ranks))})" for cause, ranks in list(causes.items())[:limit])
 
 
 @dataclass(frozen=True)

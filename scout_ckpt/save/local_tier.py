@@ -45,6 +45,7 @@ from scout_ckpt.format.digests import bytes_digest
 from scout_ckpt.invariants.finite import can_be_nonfinite, is_finite
 from scout_ckpt.ops.retention import decide_local
 from scout_ckpt.save import local_files, local_restore
+from scout_ckpt.save.commit import ranked_causes
 from scout_ckpt.save import local_tier_rows as rows
 from scout_ckpt.save.local_files import rank_files
 from scout_ckpt.save.local_orphans import WriterLease, sweep
@@ -259,13 +260,14 @@ class LocalTier:
                 copies.append(copy)
         del blob
         phases["copies"] = time.monotonic()
-        mine = {"rank": self.rank, "finite_bad": finite_bad, "copies": copies, "failed": failed,
+        mine = {"rank": self.rank, "finite_bad": finite_bad, "copies": copies,
                 "files": [] if failed else [{
                     "path": f"rank-{self.rank}.pt", "size": table[self.rank]["size"], "digest": digest,
                     "rank": self.rank, "host": self.host, "node": self.node, "where": str(own)}]}
         gathered = [None] * self.world if self.rank == COORDINATOR else None
         dist.gather_object(mine, gathered, dst=COORDINATOR, group=group)
-        out = self._commit(step, rel, gathered, live) if self.rank == COORDINATOR else None
+        unwritten = {r: t["failed"] for r, t in enumerate(table) if t["failed"]}
+        out = self._commit(step, rel, gathered, live, unwritten) if self.rank == COORDINATOR else None
         box = [out]
         dist.broadcast_object_list(box, src=COORDINATOR, group=group)
         verdict, drops = box[0]
@@ -286,14 +288,13 @@ class LocalTier:
         torch.save(_local_tree(flat), buf)
         return buf.getvalue()
 
-    def _commit(self, step: int, rel: str, gathered: list[dict], live: dict):
+    def _commit(self, step: int, rel: str, gathered: list[dict], live: dict, unwritten: dict[int, str]):
         """Coordinator: evidence and verdict (the durable save's SaveEvidence.assess), the ledger row, the
         retention plan. Returns (verdict, drops) for the broadcast; an error is a rejected verdict, never raised
         (every rank is waiting in the broadcast)."""
         ck = self.ck
-        failed = {g["rank"]: g["failed"] for g in gathered if g.get("failed")}
-        if failed:
-            return self._reject_unwritten(step, rel, gathered, failed)
+        if unwritten:   # {rank: why its own file could not be written}, from the table every rank gathered
+            return self._reject_unwritten(step, rel, gathered, unwritten)
         try:
             ev, signatures, v = ck._evidence.assess(gathered, live)
             verdict = {"state": v.state, "reasons": v.reasons}
@@ -334,7 +335,7 @@ class LocalTier:
         causes: dict[str, list[int]] = {}
         for r, why in sorted(failed.items()):
             causes.setdefault(why, []).append(r)
-        detail = "; ".join(f"{why} (ranks {', '.join(map(str, ranks))})" for why, ranks in causes.items())
+        detail = ranked_causes(causes)
         reasons = [{"code": "commit_failed", "ranks": sorted(failed), "detail": detail}]
         scout_log.logger.warning("local step %d not saved: %s; training goes on, the next local save tries again",
                                  step, detail)
