@@ -142,10 +142,11 @@ class Checkpointer:
         self.checks = inv.parse_specs(invariants) if invariants else []  # bad specs fail here, not at a save
         self.consensus, self.consensus_exclude, self.verify_load = consensus, tuple(consensus_exclude), verify_load
         self.groups = ConsensusGroups.from_topology(topo, timeout_s=timeout_s) if (consensus or replay) else None
-        # Replay by default where the topology has no replicas (pure FSDP: single-owner shards, no consensus to
-        # vouch for them); elsewhere consensus covers replicated state and replay is opt-in (replay=True).
+        # Replay by default at every topology with two or more ranks: consensus alone cannot see a rank whose
+        # forward or backward is wrong (its gradient is averaged into every replica, which then agree on it), so
+        # replicated topologies (DDP, HSDP, the frameworks' DDP) need replay as much as single-owner shards do.
         self.replay = ReplayEvidence.start(replay, model=model, optimizer=optimizer, groups=self.groups,
-                                           auto_on=self.groups is not None and self.mode.startswith("fsdp"))
+                                           auto_on=self.groups is not None)
         self.shard = ShardEvidence.start(shard_evidence, mode=self.mode, model=model, optimizer=optimizer,
                                          group=self._pg, timeout_s=timeout_s)
         # What this run's saves prove and what "certified" requires of them (save_evidence.py).

@@ -67,9 +67,12 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
 def resume_cmd(root: Path = typer.Argument(...),
                latest_clean: bool = typer.Option(False, "--latest-clean", help="The newest certified checkpoint."),
                no_verify: bool = typer.Option(False, "--no-verify", help="Skip re-hashing its files."),
+               require: List[str] = typer.Option(
+                   [], "--require", help="Evidence that must have passed outright (repeatable): replay (full replay "
+                                         "coverage), consensus, bytes, invariants, shard_replay, at_rest, health."),
                as_json: bool = JSON_OPT):
     """Print the path of the newest certified checkpoint, re-verified; exit 1 if none."""
-    _exit(read.resume(root, latest_clean, no_verify, as_json))
+    _exit(read.resume(root, latest_clean, no_verify, as_json, require))
 
 
 # ---- gc / quarantine -------------------------------------------------------------------------------------------

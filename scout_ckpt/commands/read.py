@@ -127,16 +127,18 @@ def explain(root: Path, step: int, as_json: bool) -> int:
     return 0
 
 
-def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool) -> int:
+def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool, require: list[str] | None = None) -> int:
     """stdout is the path alone (restart scripts read it); why newer steps were not chosen goes to stderr."""
     from scout_ckpt.ops.recovery import NoCleanCheckpoint
+    from scout_ckpt.ops.recovery import check_require
     from scout_ckpt.ops.recovery import latest_clean as find
 
     if not latest_clean:
         raise BadInput("resume needs --latest-clean")
+    require = check_require(require)   # an unknown kind: exit 2 before anything is read
     roots.store_for(root)   # a mangled s3:// ROOT: exit 2 (a bound ledger_dir is handled by latest_clean)
     try:
-        found = find(root, verify=not no_verify)
+        found = find(root, verify=not no_verify, require=require)
     except NoCleanCheckpoint as e:
         _say_fallback(getattr(e, "fallback", None))
         if as_json:

@@ -64,7 +64,7 @@ class TitanEvidence:
                 raise ScoutError("replay needs 2 or more ranks")
         else:
             replay = ReplayEvidence.start(config.replay, model=model, optimizer=opt, groups=mgr.groups,
-                                          auto_on=mgr.mode.startswith("fsdp"))
+                                          auto_on=True)
             if replay is not None and replay.runner.save_every is None:
                 replay.runner.save_every = config.interval  # saves fall on TorchTitan's interval: sweep those
         shard = ShardEvidence.start(config.shard_evidence, mode=mgr.mode, model=model, optimizer=opt,

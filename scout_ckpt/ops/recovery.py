@@ -107,8 +107,34 @@ def _newer_uncertified(ledger: Ledger, step: int, skipped: list[dict]) -> list[d
             for r in ledger.checkpoints(after=step) if r["step"] not in told and r["state"] != "deleted"]
 
 
+# Evidence kinds `require=` can name: a certified step is handed out only where each of them passed outright.
+REQUIRABLE = ("bytes", "consensus", "replay", "invariants", "shard_replay", "at_rest", "health")
+
+
+def unmet(evidence: dict[str, dict], require: tuple[str, ...]) -> list[dict]:
+    """The reasons a step's recorded evidence falls short of `require` (each named kind must be `pass`: not
+    `not_applicable`, which the run's policy may have accepted, nor anything weaker); [] when it meets them."""
+    out = []
+    for kind in require:
+        ev = evidence.get(kind) or {}
+        status = ev.get("status") or policy.MISSING
+        if status != policy.PASS:
+            out.append({"code": "requirement_not_met", "kind": kind, "status": status,
+                        **({"reasons": ev["reasons"][:4]} if ev.get("reasons") else {})})
+    return out
+
+
+def check_require(require) -> tuple[str, ...]:
+    """`require=` as a tuple of known kinds, or BadInput (exit 2) naming the unknown one."""
+    require = tuple(require or ())
+    for kind in require:
+        if kind not in REQUIRABLE:
+            raise BadInput(f"--require {kind!r}: not an evidence kind (one of {', '.join(REQUIRABLE)})")
+    return require
+
+
 def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledger | None = None,
-                 fallback: bool = True) -> dict:
+                 fallback: bool = True, require: tuple[str, ...] = ()) -> dict:
     """The newest certified checkpoint whose bytes verify: {"step", "path", "state", "verified", "skipped",
     "newer", "source"}.
 
@@ -119,18 +145,27 @@ def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledg
     When the ledger cannot be read (locked beyond the reader's busy timeout, corrupt, WAL on a network
     filesystem: LedgerUnavailable, or an SQLite error mid-walk) and `fallback`, the answer comes from the
     manifests and the journal (disk_view.latest_clean): "source" is then "manifests" and "fallback" says why.
+    `require` (evidence kinds, see REQUIRABLE): a certified step is walked past unless each of those kinds passed
+    outright (e.g. ("replay",): full replay coverage, not a step certified without it); the manifests' fallback
+    carries no evidence detail, so a requirement there is refused (NoCleanCheckpoint), never waived.
     A ledger_dir bound to an object store hands out the `s3://` URI, verified by ranged reads (no fallback: its
     manifests are not on this disk).
     """
+    require = check_require(require)
     store = object_store.bound_store(root)
     try:
-        found = _latest_clean_ledger(Path(root), verify, readonly_ledger, store)
+        found = _latest_clean_ledger(Path(root), verify, readonly_ledger, store, require)
         found["source"] = "ledger"
         return found
     except (LedgerUnavailable, sqlite3.DatabaseError) as e:
         if not fallback or readonly_ledger is not None or store is not None:
             raise
         why = _unavailable_text(e)
+    if require:
+        e = NoCleanCheckpoint([{"code": "requirement_not_checkable", "require": list(require),
+                                "detail": "the ledger is unreadable and the manifests carry no evidence detail"}])
+        e.fallback = why
+        raise e
     try:
         found = disk_view.latest_clean(root, verify=verify)
     except NoCleanCheckpoint as e:
@@ -157,7 +192,8 @@ def _record_failure(root: Path, writer: Ledger | None, step: int, ev: dict) -> t
         return writer, False
 
 
-def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | None, store=None) -> dict:
+def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | None, store=None,
+                         require: tuple[str, ...] = ()) -> dict:
     ledger = readonly_ledger or Ledger.open(root, readonly=True)
     writer: Ledger | None = None
     skipped: list[dict] = []
@@ -170,6 +206,11 @@ def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | Non
                     {"code": "all_certified_failed_verification", "skipped": skipped}]
                 raise NoCleanCheckpoint(reasons)
             step = row["step"]
+            short = unmet(ledger.evidence(step), require)
+            if short:   # certified under the run's policy, short of what this caller requires
+                skipped.append({"step": step, "reasons": short})
+                below = step
+                continue
             if verify:
                 ev = verify_checkpoint(root, ledger, step, store=store)
                 if could_not_check(ev):

@@ -161,6 +161,16 @@ def find_blocks(all_sites: dict[str, Site]) -> list[str]:
     return [f"{c}.{k}" for c in named for k in _homogeneous(all_sites[c])]
 
 
+def find_layers(all_sites: dict[str, Site]) -> list[str]:
+    """A model without repeated blocks (a user's `nn.Sequential(Linear, ReLU, Linear)`, a small custom net):
+    every child of the root that holds parameters, in registration order, each a target of its own, so that
+    such a model is covered layer by layer instead of not at all. Parameters held by the root itself are
+    outside every target (coverage names them)."""
+    root = all_sites[""].inner
+    return [name for name, child in root._modules.items()
+            if child is not None and any(True for _ in unwrap(child).parameters())]
+
+
 def find_embeddings(all_sites: dict[str, Site], blocks: list[str]) -> list[str]:
     """Every nn.Embedding outside the blocks (token and learned position embeddings), in registration order."""
     return [p for p, s in all_sites.items()
@@ -191,6 +201,10 @@ def discover(model: nn.Module, optimizer=None) -> list[tuple[str, str]]:
     all_sites = sites(model)
     blocks = find_blocks(all_sites)
     if not blocks:
+        layers = find_layers(all_sites)
+        if layers:
+            targets = [("embedding" if isinstance(all_sites[p].inner, nn.Embedding) else "block", p) for p in layers]
+            return targets + ([("optimizer", OPTIMIZER)] if optimizer is not None else [])
         root = original_class(all_sites[""].inner).__name__
         raise NoTargets(
             f"replay found no repeated blocks in {root} (looked for a ModuleList/ModuleDict/Sequential of "
@@ -249,6 +263,7 @@ __all__ = [
     "find_blocks",
     "find_embeddings",
     "find_head",
+    "find_layers",
     "original_class",
     "resolve", "runs_compiled",
     "sites",

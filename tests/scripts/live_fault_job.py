@@ -1,5 +1,5 @@
-"""A user's training script with replay on (the defaults otherwise), run under torchrun, into which a fault of the
-live step is injected the way a test can: a forward hook on ONE rank that adds 1e-3 to one channel of a module's
+"""A user's training script with the defaults (replay is on at every topology), run under torchrun, into which a
+fault of the live step is injected the way a test can: a forward hook on ONE rank that adds 1e-3 to one channel of a module's
 output, in the live forward of one step only (an intermittent fault: the replays of that step do not repeat it)
 or at every call from one step on (a persistent one, which that rank's replays repeat).
 
@@ -198,7 +198,7 @@ def main() -> None:
         inner.get_submodule(name).register_forward_hook(lambda mod, inputs, out: out * 0.5)
 
     state = {"app": ModelOptimizerState(model, opt)}
-    ckpt = Checkpointer(args.root, model=model, optimizer=opt, replay=True)
+    ckpt = Checkpointer(args.root, model=model, optimizer=opt)   # the defaults: replay on at every topology
     g = torch.Generator().manual_seed(1000 + rank)
     rec: dict = {"rank": rank, "world": dist.get_world_size(), "losses": {}, "verdicts": {}, "digests": {},
                  "live_state_corrupt": None, "resumed_step": None, "resumed_digest": None, "targets": [t[1] for t in ckpt.replay.targets()] if ckpt.replay else []}
