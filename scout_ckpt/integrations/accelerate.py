@@ -97,6 +97,7 @@ class ScoutCheckpointing:
         self.extra = dict(extra or {})
         self.loaders: list[TrackedDataLoader] = []
         self.checkpointer: Checkpointer | None = None
+        self._wrappers: dict[int, torch.nn.Module] = {}   # id(bare model) -> the DDP wrapper prepare returned
         self._closed = False
         # One instance each for the whole run (RankLocal keeps its world mesh); DataPosition reads self.loaders.
         self._data = RankLocal(DataPosition(self.loaders))
@@ -108,9 +109,20 @@ class ScoutCheckpointing:
         """`accelerator.prepare(*args)`, the DataLoaders among the results wrapped so their position is saved.
         Collective where Accelerate's prepare is."""
         out = self.accelerator.prepare(*args, device_placement=device_placement)
+        for o in (out,) if len(args) == 1 else out:
+            self._note_wrapper(o)
         if len(args) == 1:
             return self._wrap(out)
         return tuple(self._wrap(o) for o in out)
+
+    def _note_wrapper(self, obj) -> None:
+        """Accelerate keeps the bare model in `_models` and hands the caller DDP's wrapper of it: remember the
+        wrapper, so that the Checkpointer (and so the observer, which counts DDP's collectives and stamps its
+        steps) gets the module that trains."""
+        inner = getattr(obj, "module", None)
+        if isinstance(obj, torch.nn.Module) and isinstance(inner, torch.nn.Module) and any(
+                inner is m for m in self.accelerator._models):
+            self._wrappers[id(inner)] = obj
 
     def track(self, dataloader) -> TrackedDataLoader:
         """Wrap a DataLoader already returned by `accelerator.prepare`; iterate the result instead."""
@@ -196,6 +208,8 @@ class ScoutCheckpointing:
             _process_group(self.accelerator)
             pairs = self._pairs()
             model, opt = pairs[0] if pairs else (None, None)
+            if model is not None:   # DDP's wrapper: the one ckpt.prepare saw, else found once from the bare model
+                model = self._wrappers.get(id(model)) or _ddp_wrapper_of(model) or model
             import torch.distributed as dist
 
             options = dict(self.options)
@@ -258,3 +272,19 @@ class ScoutCheckpointing:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _ddp_wrapper_of(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The DistributedDataParallel that wraps `model`, when `accelerator.prepare` was called directly (Accelerate
+    keeps only the bare model): the wrapper holds the model in its `_modules` dict, so it is a referrer of that
+    dict. One scan of the referrers at start-up, never per step."""
+    import gc
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    for holder in gc.get_referrers(model):
+        if not isinstance(holder, dict) or holder.get("module") is not model:
+            continue
+        for owner in gc.get_referrers(holder):
+            if isinstance(owner, ddp) and owner.module is model:
+                return owner
+    return None

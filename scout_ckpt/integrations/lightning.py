@@ -208,8 +208,10 @@ class ScoutStrategyMixin:
             root = self.broadcast(str(Path(self.scout_root).absolute()))
             self.scout_root = Path(root)
             opts = self._scout_optimizers()
-            self.scout = Checkpointer(root, model=self.lightning_module, optimizer=opts[0] if len(opts) == 1 else None,
-                                      **self.scout_options)
+            # the strategy's model: DDP's wrapper where there is one (the observer counts its collectives and stamps
+            # its steps; replay's targets are found through it, by the same user paths as on the bare module)
+            self.scout = Checkpointer(root, model=self.model if self.model is not None else self.lightning_module,
+                                      optimizer=opts[0] if len(opts) == 1 else None, **self.scout_options)
         return self.scout
 
     def _scout_optimizers(self) -> list:

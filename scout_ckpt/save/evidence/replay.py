@@ -27,6 +27,10 @@ class ReplayEvidence:
         self._events_seen = 0
         self.ledger = self.root = self.run_id = self.policy = None
         self.is_coordinator = False
+        # Replay captures from the per-step hook: a script that never calls ckpt.step() gets no replay, and its
+        # saves say so (`not_applicable`, replay_no_step_hook) instead of waiting forever on coverage.
+        self.stepped = False
+        self._warned_unstepped = False
 
     @classmethod
     def start(cls, replay, *, model, optimizer, groups, auto_on: bool) -> ReplayEvidence | None:
@@ -65,6 +69,7 @@ class ReplayEvidence:
     def on_step(self, step: int) -> float:
         """The rotation after an optimizer step (collective on the replay's side groups at scheduled steps).
         Returns the coordinator's bookkeeping seconds (not training time: the straggler rule must not see it)."""
+        self.stepped = True
         return self._record(self.runner.on_step(step))
 
     def sweep(self, step: int) -> None:
@@ -95,7 +100,18 @@ class ReplayEvidence:
     def evidence(self, step: int) -> dict:
         """Coordinator: replay evidence for the state at `step`, from this incarnation's replays since the
         previous certified step, including those after `step` (a checkpoint waits for each target's next clean
-        replay)."""
+        replay). A run that never called the per-step hook has no replay at all: `not_applicable`, saying why
+        (the run's policy accepts it; `resume --latest-clean --require replay` does not), with one WARNING."""
+        if not self.stepped:
+            if not self._warned_unstepped:
+                self._warned_unstepped = True
+                log.logger.warning(
+                    "replay covers nothing: ckpt.step(step) was never called before the save of step %d (replay "
+                    "captures from it). Saves are certified without SDC coverage (evidence: replay not_applicable, "
+                    "replay_no_step_hook); call ckpt.step(step) after each optimizer step", step)
+            return policy.evidence(policy.NOT_APPLICABLE, [{
+                "code": "replay_no_step_hook", "targets": [t[1] for t in self.targets()],
+                "detail": "ckpt.step() was never called: no step was captured, no target replayed"}])
         prev = self.ledger.latest("certified", below=step)
         rows = self.ledger.replays(run_id=self.run_id, after=prev["step"] if prev else None)
         return replay_coverage(rows, self.targets(), step=step)
