@@ -60,7 +60,7 @@ def test_finite_false_drops_the_writers_finite_check(effects):
     got = r["no_finite"]
     assert got["verdict"]["state"] == "certified" and got["verdict"]["reasons"] == [], got["verdict"]
     assert got["recorded"]["policy"]["invariants"] == []
-    assert got["recorded"]["policy"]["require"] == ["bytes", "consensus"]
+    assert got["recorded"]["policy"]["require"] == ["bytes", "consensus", "replay"]   # replay: on by default
     assert "invariants" not in got["recorded"]["evidence"]
 
 

@@ -26,10 +26,10 @@ SCRIPT = REPO / "examples" / "integrations" / "hf_trainer.py"
 STEPS, EVERY, LIMIT = 8, 2, 3
 
 
-def torchrun(out, *extra, restarts=0, cwd=None):
+def torchrun(out, *extra, restarts=0, cwd=None, ranks=2):
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(out),
            "--steps", str(STEPS), "--save-every", str(EVERY), "--limit", str(LIMIT), *map(str, extra)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=cwd or out.parent)
@@ -62,7 +62,10 @@ def test_healthy_run_certifies_every_checkpoint_and_takes_retention_over(healthy
     assert states == {2: "deleted", 4: "certified", 6: "certified", 8: "certified"}
     assert all("certified" in h for h in history.values()), history
     assert sorted(p.name for p in out.iterdir() if p.is_dir() and p.name != ".leases") == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
-    assert run["policy"]["require"] == ["bytes", "invariants", "consensus"] and run["world_size"] == 2
+    # replay is on by default with replicas: every target of the GPT-2 and its optimizer replayed at each save
+    assert run["policy"]["require"] == ["bytes", "invariants", "consensus", "replay"] and run["world_size"] == 2
+    assert ev["replay"]["status"] == "pass", ev["replay"]
+    assert {t for t, _ in run["policy"]["replay_targets"]} == {"embedding", "block", "head", "optimizer"}
     assert ev["consensus"]["status"] == "pass" and ev["consensus"]["groups"][0]["members"] == [0, 1]
     assert ev["consensus"]["tensors_compared"] > 50  # model, optimizer moments, scheduler, step
     assert ev["invariants"]["status"] == "pass"
@@ -199,6 +202,50 @@ def test_a_resume_from_an_uncertified_folder_says_how_to_switch(tmp_path, caplog
     assert "from scout_ckpt.integrations.transformers import latest_clean" in text
     assert f"scout-ckpt resume {tmp_path} --latest-clean" in text
     assert [e["step"] for e in events] == [8, 12]
+
+
+def _sdc_run(tmp_path, ranks: int):
+    """The example with rank 1's transformer.h.1 computing wrongly from step 3 (every call), no option changed:
+    (its final JSON line, {step: (state, reasons)} from the ledger)."""
+    out = tmp_path / "out"
+    p = torchrun(out, "--sdc-rank", 1, "--sdc-step", 3, "--no-resume", ranks=ranks)
+    final = json.loads(p.stdout.strip().splitlines()[-1])
+    with Ledger.open(out, readonly=True) as led:
+        rows = {r["step"]: (r["state"], r["reasons"]) for r in led.checkpoints()}
+    return out, final, rows
+
+
+def test_an_sdc_on_one_rank_is_never_certified_with_the_defaults_2_ranks(tmp_path):
+    """2 ranks: DDP averages the faulty rank's gradient into both replicas, which then agree (consensus passes);
+    replay, on by default, sees the replays of transformer.h.1 disagree from the first save after the fault (two
+    peers detect without naming: inconclusive), so no step >= 3 is certified and `resume --latest-clean` gives
+    checkpoint-2, saved before the fault. The observer watched DDP's wrapper (the callbacks get the bare model)."""
+    out, final, rows = _sdc_run(tmp_path, 2)
+    assert final["observer_attached"] == "counted", final
+    assert rows[2][0] == "certified"
+    for step in (4, 6, 8):
+        state, reasons = rows[step]
+        assert state != "certified", (step, rows)
+        assert any(r["code"] in ("replay_sdc", "replay_inconclusive") and r.get("target") == "transformer.h.1"
+                   for r in reasons), (step, reasons)
+    rc, so, _ = run_cli("resume", out, "--latest-clean")
+    assert rc == 0 and so.strip().endswith("checkpoint-2")
+
+
+@pytest.mark.scenario
+def test_an_sdc_on_one_rank_is_attributed_with_the_defaults_3_ranks(tmp_path):
+    """3 ranks: the same fault is attributed to rank 1 by strict majority at checkpoint-4, every later checkpoint
+    is rejected, and the resume goes to checkpoint-2."""
+    out, final, rows = _sdc_run(tmp_path, 3)
+    assert final["observer_attached"] == "counted", final
+    assert rows[2][0] == "certified"
+    for step in (4, 6, 8):
+        state, reasons = rows[step]
+        assert state == "rejected", (step, rows)
+        assert {(r.get("target"), tuple(r.get("ranks") or ())) for r in reasons if r["code"] == "replay_sdc"} == {
+            ("transformer.h.1", (1,))}, (step, reasons)
+    rc, so, _ = run_cli("resume", out, "--latest-clean")
+    assert rc == 0 and so.strip().endswith("checkpoint-2")
 
 
 @pytest.mark.scenario

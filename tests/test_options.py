@@ -165,6 +165,7 @@ SPELLINGS = {
     "shard_evidence=dict cycle": {"mode": "fsdp", "shard_evidence": {"cycle": 5}},
     "shard_evidence=ShardEvidenceOptions": {"mode": "fsdp", "shard_evidence": ShardEvidenceOptions(cycle=4)},
     "ledger_journal=delete": {"ledger_journal": "delete"},
+    "replay=False": {"replay": False},
     "storage=StorageOptions": {"storage": StorageOptions(ledger_journal="delete")},
 }
 
@@ -249,7 +250,9 @@ def test_every_documented_spelling_constructs_a_checkpointer(tmp_path):
     assert seen["storage=StorageOptions"]["journal"] == "delete"
     # the observer is on by default (the defaults' stall_s), observer=False is the opt-out
     assert seen["ledger_journal=delete"]["observer"] and seen["ledger_journal=delete"]["stall_s"] == 60.0
-    assert not seen["observer=False"]["observer"] and seen["ledger_journal=delete"]["replay_interval"] is None
+    assert not seen["observer=False"]["observer"]
+    # replay is on by default at 2 ranks (DDP here), with the default interval; replay=False is the opt-out
+    assert seen["ledger_journal=delete"]["replay_interval"] == 10 and seen["replay=False"]["replay_interval"] is None
 
 
 def test_a_torchrun_job_with_restarts_is_told_the_restart_environment_it_needs():

@@ -70,17 +70,27 @@ def test_torch_compile_is_unwrapped_whole_model_and_per_block(shape, one_thread)
     assert site.under_compile and not sites(model)[block].under_compile
 
 
-def test_a_model_without_blocks_is_refused_at_construction(one_thread):
+def test_a_model_without_blocks_is_covered_layer_by_layer(one_thread):
+    """A user's net with nothing repeated (fc1, an activation, fc2; a DDP-wrapped nn.Sequential of Linear and
+    ReLU): every child that holds parameters is a target, in order; parameter-free layers are not."""
+    assert discover(w.NoBlocks()) == [("block", "fc1"), ("block", "fc2")]
+    seq = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert discover(seq, optimizer=object()) == [("embedding", "0"), ("block", "1"), ("block", "3"),
+                                                 ("optimizer", "optimizer")]
+
+
+def test_a_model_with_nothing_to_cover_is_refused_at_construction(one_thread):
+    """A bare Linear (its parameters on the root itself): no block and no child to replay -> NoTargets, one line
+    that says how to name targets or turn replay off, and the runner refuses before touching a process group."""
     with pytest.raises(NoTargets) as e:
-        discover(w.NoBlocks())
+        discover(nn.Linear(4, 4))
     msg = str(e.value)
     assert isinstance(e.value, ScoutError) and "\n" not in msg
-    assert "targets=" in msg and "fc1" in msg  # says how, with the model's own paths
-    # the runner refuses at construction, before it touches any process group
+    assert "targets=" in msg and "replay=False" in msg
     from scout_ckpt.replay.runner import ReplayRunner
 
     with pytest.raises(NoTargets):
-        ReplayRunner(w.NoBlocks(), groups=None)
+        ReplayRunner(nn.Linear(4, 4), groups=None)
 
 
 def test_targets_override_accepts_user_paths_raw_paths_and_pairs(one_thread):

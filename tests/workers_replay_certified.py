@@ -46,8 +46,10 @@ def w_user_script(rank, world, root, mode, steps, save_every, fault=None, replay
     return out
 
 
-def w_sdc_and_healthy(rank, world, root_fault, root_healthy, steps, save_every, fault, shard_cycle):
-    """Both scenarios in one start-up: FSDP2 defaults with a fault, then DDP with replay=True, healthy."""
+def w_sdc_and_healthy(rank, world, root_fault, root_healthy, root_ddp_fault, steps, save_every, fault, shard_cycle):
+    """Three scenarios in one start-up, all with the defaults: FSDP2 with a fault, DDP healthy, DDP with the same
+    fault (replay is on for replicas too: consensus alone would agree on the averaged, poisoned state)."""
     return {"fault": w_user_script(rank, world, root_fault, "fsdp", steps, save_every, fault=fault,
                                    shard_cycle=shard_cycle),
-            "healthy": w_user_script(rank, world, root_healthy, "ddp", steps, save_every, replay=True)}
+            "healthy": w_user_script(rank, world, root_healthy, "ddp", steps, save_every),
+            "ddp_fault": w_user_script(rank, world, root_ddp_fault, "ddp", steps, save_every, fault=fault)}

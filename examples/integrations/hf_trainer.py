@@ -5,7 +5,9 @@
 A tiny GPT-2 built from a config (no download) learns random tokens on CPU (gloo). On a restart it resumes from
 the newest *certified* checkpoint-N, never merely the newest folder. Test-only options: --kill-rank/--kill-step
 SIGKILL a rank in the middle of a save (after the Trainer wrote the folder, before scout-ckpt certified it), only
-in torchrun's first attempt; --losses appends {"step", "loss", "attempt"} lines (rank 0).
+in torchrun's first attempt; --sdc-rank/--sdc-step make one rank's transformer.h.1 compute wrongly from a step on
+(every call, as failing hardware); --losses appends {"step", "loss", "attempt"} lines (rank 0). Rank 0 ends with
+one JSON line: where it resumed from, the last step, and what the observer watched ("counted": DDP's wrapper).
 """
 
 from __future__ import annotations
@@ -37,10 +39,28 @@ class Record(TrainerCallback):
     """Test support: loss lines, and a SIGKILL in the middle of a save (placed before ScoutTrainerCallback, so it
     runs after the Trainer wrote checkpoint-N and before scout-ckpt hashed and certified it)."""
 
-    def __init__(self, losses: str | None, kill_rank: int | None, kill_step: int | None):
+    def __init__(self, losses: str | None, kill_rank: int | None, kill_step: int | None,
+                 sdc_rank: int | None = None, sdc_step: int | None = None):
         self.losses, self.kill_rank, self.kill_step = losses, kill_rank, kill_step
+        self.sdc_rank, self.sdc_step = sdc_rank, sdc_step
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.rank = int(os.environ.get("RANK", "0"))
+        self.step = 0   # the optimizer step being taken (global_step + 1 during its forward)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """--sdc-rank/--sdc-step: from that step on, this rank's transformer.h.1 computes one output channel
+        1e-3 off at every call (its replays too), as failing hardware would."""
+        if self.rank == self.sdc_rank and model is not None:
+            def fault(mod, inputs, out):
+                if self.step < self.sdc_step:
+                    return None
+                hidden = out[0].clone() if isinstance(out, tuple) else out.clone()
+                hidden[..., 3] += 1e-3
+                return (hidden, *out[1:]) if isinstance(out, tuple) else hidden
+            model.transformer.h[1].register_forward_hook(fault)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step + 1
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.losses and self.rank == 0 and logs and "loss" in logs:
@@ -62,6 +82,8 @@ def main() -> None:
     ap.add_argument("--losses", default=None)
     ap.add_argument("--kill-rank", type=int, default=None)
     ap.add_argument("--kill-step", type=int, default=None)
+    ap.add_argument("--sdc-rank", type=int, default=None)
+    ap.add_argument("--sdc-step", type=int, default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -74,12 +96,14 @@ def main() -> None:
         save_total_limit=a.limit, per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
         report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
         ddp_timeout=300, ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
+    scout = ScoutTrainerCallback()                                                                       # (1)
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(512, 16, 64),
-                      callbacks=[Record(a.losses, a.kill_rank, a.kill_step), ScoutTrainerCallback()])  # (1)
+                      callbacks=[Record(a.losses, a.kill_rank, a.kill_step, a.sdc_rank, a.sdc_step), scout])
     resume = None if a.no_resume else latest_clean(a.output_dir)                                          # (2)
     trainer.train(resume_from_checkpoint=resume)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({"resumed_from": resume, "global_step": trainer.state.global_step}))
+        print(json.dumps({"resumed_from": resume, "global_step": trainer.state.global_step,
+                          "observer_attached": scout.observer_attached}))
 
 
 if __name__ == "__main__":

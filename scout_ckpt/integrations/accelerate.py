@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader
 
 from scout_ckpt.checkpointer import Checkpointer
 from scout_ckpt.errors import ScoutError
+from scout_ckpt.integrations.wrappers import ddp_wrapper_of
 from scout_ckpt.integrations.accelerate_data import DataPosition, TrackedDataLoader
 from scout_ckpt.replay.optimizer_replay import unwrap_optimizer
 from scout_ckpt.save.app_state import ModelOptimizerState, RankLocal, RNGState
@@ -209,7 +210,7 @@ class ScoutCheckpointing:
             pairs = self._pairs()
             model, opt = pairs[0] if pairs else (None, None)
             if model is not None:   # DDP's wrapper: the one ckpt.prepare saw, else found once from the bare model
-                model = self._wrappers.get(id(model)) or _ddp_wrapper_of(model) or model
+                model = self._wrappers.get(id(model)) or ddp_wrapper_of(model) or model
             import torch.distributed as dist
 
             options = dict(self.options)
@@ -273,18 +274,3 @@ class ScoutCheckpointing:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _ddp_wrapper_of(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The DistributedDataParallel that wraps `model`, when `accelerator.prepare` was called directly (Accelerate
-    keeps only the bare model): the wrapper holds the model in its `_modules` dict, so it is a referrer of that
-    dict. One scan of the referrers at start-up, never per step."""
-    import gc
-
-    ddp = torch.nn.parallel.DistributedDataParallel
-    for holder in gc.get_referrers(model):
-        if not isinstance(holder, dict) or holder.get("module") is not model:
-            continue
-        for owner in gc.get_referrers(holder):
-            if isinstance(owner, ddp) and owner.module is model:
-                return owner
-    return None

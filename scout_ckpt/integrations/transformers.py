@@ -66,16 +66,27 @@ class ScoutTrainerCallback(TrainerCallback):
 
     invariants  invariant specs run on the live model and optimizer state at each save (default ["finite"])
     consensus   compare the live state across the data-parallel replicas (default True; needs >= 2 ranks)
+    replay      SDC replay of the model's blocks and the optimizer's update across the replicas (the core's
+                ReplayOptions, a dict of them, True or False; default: on with 2 or more ranks, as the core's)
+    observer    the out-of-band hang/straggler/crash observer (the core's ObserverOptions, a dict, True or False;
+                default: on, as the core's)
     stop_on_reject  stop training (control.should_training_stop) when a checkpoint is rejected
     timeout_s   timeout of the callback's own gloo groups (a dead peer fails the save instead of hanging)
     """
 
     def __init__(self, *, invariants: list | None = None, consensus: bool = True, stop_on_reject: bool = False,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, replay=None, observer=None):
+        from scout_ckpt import options
+
         specs = ["finite"] if invariants is None else list(invariants)
         self.checks = inv.parse_specs(specs)  # a bad spec fails here, not at the first save
         self.specs = [c.spec for c in self.checks]
         self.consensus, self.stop_on_reject, self.timeout_s = consensus, stop_on_reject, timeout_s
+        self.replay_option, self.observer_option = options.as_replay(replay), options.as_observer(observer)
+        self.replay = None
+        self.observer = None
+        self.observer_attached: str | None = None   # what the observer found to watch ("counted": DDP's wrapper)
+        self._step_started: float | None = None
         self.limit: int | None = None
         self.last_verdict: dict | None = None
         self.run: IntegrationRun | None = None
@@ -120,7 +131,12 @@ class ScoutTrainerCallback(TrainerCallback):
             from scout_ckpt.consensus.mesh import legacy_topology
 
             self.groups = ConsensusGroups.from_topology(legacy_topology("ddp", run.world), timeout_s=self.timeout_s)
+        self._start_replay(args, kwargs.get("model"), kwargs.get("optimizer"))
         self.policy = folders.run_policy(run.world if self.groups else 1, self.specs)
+        if self.replay is not None:   # required where it runs; not_applicable only without on_step_end calls
+            self.policy["require"].append("replay")
+            self.policy["allow_not_applicable"].append("replay")
+            self.policy["replay_targets"] = [list(t) for t in self.replay.targets()]
         self.topology = {"mode": "ddp" if run.world > 1 else "single", "world_size": run.world,
                          "framework": "transformers", "layout": folders.LAYOUT,
                          "replica_groups": self.groups.groups if self.groups else None}
@@ -132,6 +148,43 @@ class ScoutTrainerCallback(TrainerCallback):
                 log.warning("scout-ckpt: step %d of an interrupted save settled: %s (%s)", s["step"], s["after"],
                             s["why"])
         self.run = run
+        if self.replay is not None:
+            self.replay.bind(ledger=run.ledger, root=run.root, run_id=run.run_id, policy=self.policy,
+                             is_coordinator=run.is_coordinator)
+            self.replay.begin(state.global_step or 0)
+        self._start_observer(run, kwargs.get("model"), kwargs.get("optimizer"))
+
+    def _start_replay(self, args, model, optimizer) -> None:
+        """Every rank: the core's replay (save/evidence/replay.py) on the Trainer's model and optimizer, on by
+        default where replicas exist (a rank computing wrongly is averaged into every replica, which consensus
+        then sees agree); the sweep is armed for the Trainer's save steps."""
+        from scout_ckpt.save.evidence.replay import ReplayEvidence
+
+        self.replay = None
+        if self.groups is None:
+            if self.replay_option:
+                raise ScoutError("replay needs 2 or more ranks and consensus=True")
+            return
+        self.replay = ReplayEvidence.start(self.replay_option, model=model, optimizer=optimizer,
+                                           groups=self.groups, auto_on=True)
+        steps = getattr(args, "save_steps", None)
+        if self.replay is not None and str(getattr(args, "save_strategy", "")).endswith("steps") and \
+                isinstance(steps, int) and steps >= 1 and self.replay.runner.save_every is None:
+            self.replay.runner.save_every = steps
+
+    def _start_observer(self, run: IntegrationRun, model, optimizer) -> None:
+        """Every rank: the core's out-of-band observer (hangs, desyncs, crashes, stragglers), watching the DDP
+        module the Trainer trains (its wrapper, found from the bare model the callbacks receive)."""
+        from scout_ckpt.integrations.wrappers import ddp_wrapper_of
+        from scout_ckpt.observer import Observer
+
+        if not self.observer_option or not run.distributed:
+            return
+        ignore = [run.pg] + (self.groups.process_groups if self.groups is not None else [])
+        self.observer = Observer.start(run.root, rank=run.rank, world_size=run.world, run_id=run.run_id,
+                                       ignore_groups=ignore, **self.observer_option.start_kwargs())
+        if model is not None:
+            self.observer_attached = self.observer.attach(ddp_wrapper_of(model) or model, optimizer)
 
     def _check_resume(self, ledger, step: int, run_id: str) -> None:
         """Coordinator: a run resumed (resume_from_checkpoint=True takes the newest folder, certified or not) from
@@ -158,6 +211,17 @@ class ScoutTrainerCallback(TrainerCallback):
     # ---- the save boundary ---------------------------------------------------------------------------------
 
     def on_step_end(self, args, state, control, **kwargs):
+        """Every rank, after each optimizer step: the observer's heartbeat, the replay schedule (collective on the
+        replay's side groups at scheduled steps), then the `writing` row when the Trainer will save."""
+        import time
+
+        now = time.monotonic()
+        if self.observer is not None:
+            took = now - self._step_started if self._step_started is not None else None
+            self.observer.step(state.global_step, duration_s=took)
+        self._step_started = now
+        if self.replay is not None:
+            self.replay.on_step(state.global_step)
         if control.should_save:
             self._begin(state.global_step, before_write=True)
 
@@ -179,6 +243,8 @@ class ScoutTrainerCallback(TrainerCallback):
         self._begin(step, before_write=False)  # save_strategy "best": decided after on_step_end
         attempt = self._attempts.pop(step)
         run.barrier()  # every rank's files (rng_state_R.pth) are written before anyone lists or hashes
+        if self.replay is not None:
+            self.replay.sweep(step)   # every target replayed on the save step's capture (collective)
         live = self._live_evidence(state, model, optimizer, lr_scheduler)
         step_dir = run.root / folders.folder_name(step)
         files, listing = run.hash_share(step_dir)
@@ -225,11 +291,19 @@ class ScoutTrainerCallback(TrainerCallback):
                                                     "optimizer": live_state["optimizer"]}).items()
                     if isinstance(v, torch.Tensor)}
             ev["invariants"] = inv.run_local(self.checks, flat, group=self.run.pg if self.run.distributed else False)
+        if self.replay is not None and self.run.is_coordinator:
+            ev["replay"] = self.replay.evidence(state.global_step)
         return ev
 
     def on_train_end(self, args, state, control, **kwargs):
         """All ranks: the run's ledger closed and its side groups released (IntegrationRun.close)."""
         if self.run is not None:
+            if self.replay is not None:
+                self.replay.close()
+                self.replay = None
+            if self.observer is not None:
+                self.observer.stop()
+                self.observer = None
             self.run.close(groups=self.groups.process_groups if self.groups is not None else ())
             self.run = None
             self.groups = None

@@ -36,7 +36,9 @@ from scout_ckpt.format.layout import LEDGER_NAME, fsync_dir
 from scout_ckpt.format.verify import could_not_check
 from scout_ckpt.ledger import Ledger, journal
 
-DEFAULT_POLICY = {"require": ["bytes", "invariants", "consensus"], "allow_not_applicable": []}
+# Replay may be not applicable where the run's own policy allowed it (a script that never called ckpt.step():
+# replay_no_step_hook); the certified verdict on record for that manifest still has to vouch for it.
+DEFAULT_POLICY = {"require": ["bytes", "invariants", "consensus"], "allow_not_applicable": ["replay"]}
 UNVERIFIED = "unverified_after_rebuild"
 # Evidence kinds a rebuild re-establishes itself; the others it can only take on the record's word.
 REVERIFIED = ("bytes",)
@@ -64,7 +66,7 @@ def default_policy(m: dict) -> dict:
         if {"shard_replay", "at_rest"} <= req or kinds & set(VOUCHING_KINDS):
             base = dict(DEFAULT_POLICY)
             extra = ["shard_replay", "at_rest"] if {"shard_replay", "at_rest"} <= req else []
-            return {"require": [*base["require"], *extra], "allow_not_applicable": ["consensus"]}
+            return {"require": [*base["require"], *extra], "allow_not_applicable": ["consensus", "replay"]}
     return DEFAULT_POLICY
 
 

@@ -202,8 +202,10 @@ def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | Non
         while True:
             row = ledger.latest("certified", below=below)
             if row is None:
+                short = all(r.get("code") == "requirement_not_met" for s in skipped for r in s["reasons"])
                 reasons = [{"code": "no_certified_checkpoint"}] if not skipped else [
-                    {"code": "all_certified_failed_verification", "skipped": skipped}]
+                    {"code": "no_certified_checkpoint_meets_requirement" if short and require
+                     else "all_certified_failed_verification", "skipped": skipped}]
                 raise NoCleanCheckpoint(reasons)
             step = row["step"]
             short = unmet(ledger.evidence(step), require)

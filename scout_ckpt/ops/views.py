@@ -71,6 +71,8 @@ def reason_text(reasons: list[dict]) -> str:
     parts: list[str] = []
     for r in reasons:
         extra = ",".join(str(r[k]) for k in ("file", "target", "check", "metric") if r.get(k))
+        if r.get("code") == "requirement_not_met":   # which evidence fell short, and how
+            extra += f"{r.get('kind')} {r.get('status')}"
         if r.get("event") is not None:   # health_fault / desync: which ledger event decided
             extra += (";" if extra else "") + f"event {r['event']}"
         for k in ("missing", "awaiting"):

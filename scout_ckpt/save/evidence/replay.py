@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from scout_ckpt import policy
 from scout_ckpt.ledger import journal
 from scout_ckpt.options import ReplayOptions, as_replay
@@ -33,14 +35,19 @@ class ReplayEvidence:
         self._warned_unstepped = False
 
     @classmethod
-    def start(cls, replay, *, model, optimizer, groups, auto_on: bool) -> ReplayEvidence | None:
-        """The replay a configuration asks for, or None. `replay` is None (auto: `auto_on` decides, and a model
-        with no replayable blocks only turns it off with a WARNING), False, True, a dict of runner options or ReplayOptions (an
-        explicit request for a model with no blocks is an error: NoTargets)."""
+    def start(cls, replay, *, model, optimizer, groups, auto_on: bool,
+              off_reason: str | None = None) -> ReplayEvidence | None:
+        """The replay a configuration asks for, or None. `replay` is None (auto: `auto_on` decides, with a
+        WARNING naming `off_reason` where it is off, and a model with nothing to replay only turns it off with a
+        WARNING), False, True, a dict of runner options or ReplayOptions (an explicit request for a model with
+        nothing to replay is an error: NoTargets)."""
         replay = as_replay(replay)   # a misspelled key or a bad value fails here, naming the field
         auto = replay is None
+        first = not dist.is_initialized() or dist.get_rank() == 0   # one WARNING per job, not one per rank
         if auto:
             replay = auto_on
+            if not auto_on and off_reason and model is not None and first:
+                log.logger.warning("replay is off (%s): a rank computing wrongly (SDC) is not detected", off_reason)
         if not (replay and model is not None):
             return None
         opts = replay if isinstance(replay, ReplayOptions) else ReplayOptions()
@@ -49,7 +56,8 @@ class ReplayEvidence:
         except NoTargets as e:
             if not auto:
                 raise
-            log.logger.warning("replay is off: %s", e)
+            if first:
+                log.logger.warning("replay is off, SDC is not detected: %s", e)
             return None
         runner.begin(0)
         return cls(runner)
