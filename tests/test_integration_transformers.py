@@ -26,12 +26,13 @@ SCRIPT = REPO / "examples" / "integrations" / "hf_trainer.py"
 STEPS, EVERY, LIMIT = 8, 2, 3
 
 
-def torchrun(out, *extra, restarts=0, cwd=None, ranks=2):
+def torchrun(out, *extra, restarts=0, cwd=None, ranks=2, limit=LIMIT):
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(out),
-           "--steps", str(STEPS), "--save-every", str(EVERY), "--limit", str(LIMIT), *map(str, extra)]
+           "--steps", str(STEPS), "--save-every", str(EVERY), *(["--limit", str(limit)] if limit else []),
+           *map(str, extra)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=cwd or out.parent)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return p
@@ -61,7 +62,8 @@ def test_healthy_run_certifies_every_checkpoint_and_takes_retention_over(healthy
     # save_total_limit=3 taken over: the oldest went after the 4th save, by the callback, after certification
     assert states == {2: "deleted", 4: "certified", 6: "certified", 8: "certified"}
     assert all("certified" in h for h in history.values()), history
-    assert sorted(p.name for p in out.iterdir() if p.is_dir() and p.name != ".leases") == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir() and p.name not in (".leases", "reports")) == [
+        "checkpoint-4", "checkpoint-6", "checkpoint-8"]
     # replay is on by default with replicas: every target of the GPT-2 and its optimizer replayed at each save
     assert run["policy"]["require"] == ["bytes", "invariants", "consensus", "replay"] and run["world_size"] == 2
     assert ev["replay"]["status"] == "pass", ev["replay"]
@@ -128,7 +130,7 @@ def test_bit_flip_in_newest_model_resumes_from_previous_and_finishes(healthy, tm
     assert row["reasons"][0]["file"] == "model.safetensors"
     p = torchrun(out, "--losses", tmp_path / "losses.jsonl")
     assert json.loads(p.stdout.strip().splitlines()[-1]) == {"resumed_from": str((out / "checkpoint-6").resolve()),
-                                                              "global_step": STEPS}
+                                                              "global_step": STEPS, "observer_attached": "counted"}
     after = losses(tmp_path / "losses.jsonl")
     assert sorted(after) == [7, 8]
     assert after == pytest.approx({s: healthy[1][s] for s in after}, rel=1e-6, abs=0)
@@ -150,7 +152,7 @@ def test_a_lost_ledger_resumes_from_the_newest_certified_folder_and_is_rebuilt(h
     assert latest_clean(out) == str((out / "checkpoint-8").resolve())
     p = torchrun(out, "--losses", tmp_path / "losses.jsonl", "--steps", STEPS + 2)
     assert json.loads(p.stdout.strip().splitlines()[-1]) == {"resumed_from": str((out / "checkpoint-8").resolve()),
-                                                              "global_step": STEPS + 2}
+                                                              "global_step": STEPS + 2, "observer_attached": "counted"}
     assert "ledger rebuilt" in p.stderr, why_failed(p.stderr)
     with Ledger.open(out, readonly=True) as led:
         states = {r["step"]: r["state"] for r in led.checkpoints()}
@@ -208,7 +210,7 @@ def _sdc_run(tmp_path, ranks: int):
     """The example with rank 1's transformer.h.1 computing wrongly from step 3 (every call), no option changed:
     (its final JSON line, {step: (state, reasons)} from the ledger)."""
     out = tmp_path / "out"
-    p = torchrun(out, "--sdc-rank", 1, "--sdc-step", 3, "--no-resume", ranks=ranks)
+    p = torchrun(out, "--sdc-rank", 1, "--sdc-step", 3, "--no-resume", ranks=ranks, limit=None)
     final = json.loads(p.stdout.strip().splitlines()[-1])
     with Ledger.open(out, readonly=True) as led:
         rows = {r["step"]: (r["state"], r["reasons"]) for r in led.checkpoints()}
