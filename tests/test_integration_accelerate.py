@@ -129,8 +129,11 @@ def test_healthy_run_certifies_every_checkpoint_and_is_the_run_without_scout_ckp
     with Ledger.open(root, readonly=True) as led:
         ev = led.evidence(STEPS - STEPS % EVERY)
         run_row = led.runs()[-1]
-    assert run_row["world_size"] == 2 and "consensus" in run_row["policy"]["require"]
+    assert run_row["world_size"] == 2 and {"consensus", "replay"} <= set(run_row["policy"]["require"])
     assert ev["consensus"]["status"] == "pass" and ev["bytes"]["status"] == "pass"
+    assert ev["replay"]["status"] == "pass", ev["replay"]   # on by default: every target replayed at each save
+    # the observer watches the module that trains: DDP's wrapper (Accelerate keeps only the bare model)
+    assert all(events(run[rank], "observer")[0]["attached"] == "counted" for rank in (0, 1))
     meta = (root / "step-00000016" / ".metadata").read_bytes()
     for key in (b"app.model.transformer.h.0.attn.c_attn.weight", b"app.optim.state", b"scheduler.last_epoch",
                 b"data.dl0.start_rng", b"data.dl0.pos", b"rng.torch", b"accelerator.step"):

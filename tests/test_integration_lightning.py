@@ -91,6 +91,10 @@ def test_healthy_ddp_run_certifies_every_checkpoint_and_equals_the_run_without_s
     assert states(root) == {2: "certified", 4: "certified", 6: "certified", 8: "certified"}
     # the per-step hook follows real optimizer steps: 8 steps over 16 batches (accumulate_grad_batches=2)
     assert [r["scout_steps"] for r in rs if "scout_steps" in r] == [list(range(1, 9))]
+    # the observer watches the strategy's DDP wrapper, and replay (on by default) covered every save
+    assert [r["observer_attached"] for r in rs if "observer_attached" in r] == ["counted"]
+    with Ledger.open(root, readonly=True) as led:
+        assert led.evidence(8)["replay"]["status"] == "pass"
     # every save is a core step directory, and ModelCheckpoint's names are pointers to them
     assert sorted(p.name for p in root.glob("step-*")) == [f"step-{s:08d}" for s in (2, 4, 6, 8)]
     ptr = json.loads((root / "lightning" / "step=8.ckpt").read_text())["scout_ckpt"]
@@ -265,6 +269,8 @@ def test_three_ranks_ddp_healthy_run_certifies_every_checkpoint_and_equals_the_r
     with Ledger.open(root, readonly=True) as led:
         assert led.runs()[-1]["world_size"] == 3
         assert led.evidence(8)["consensus"]["status"] == "pass"
+        assert led.evidence(8)["replay"]["status"] == "pass"
+    assert [r["observer_attached"] for r in rs if "observer_attached" in r] == ["counted"]
 
 
 @pytest.mark.scenario

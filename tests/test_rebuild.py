@@ -35,9 +35,14 @@ def _states(root):
 
 
 def test_strictest_policy_is_the_union_of_requirements():
-    assert strictest({"require": [], "allow_not_applicable": ["consensus", "bytes"]}) == DEFAULT_POLICY
+    # what the manifest allows as not applicable survives only where the default allows it too
+    assert strictest({"require": [], "allow_not_applicable": ["consensus", "bytes"]}) == {
+        "require": DEFAULT_POLICY["require"], "allow_not_applicable": []}
     p = strictest({"require": ["bytes", "replay"], "allow_not_applicable": ["consensus"], "invariants": ["finite"]})
     assert p["require"] == ["bytes", "invariants", "consensus", "replay"] and p["allow_not_applicable"] == []
+    # replay not applicable (a run that never called ckpt.step) where the run's own policy allowed it
+    p = strictest({"require": ["bytes", "replay"], "allow_not_applicable": ["replay", "bytes"]})
+    assert p["allow_not_applicable"] == ["replay"]
     assert p["invariants"] == ["finite"]
     assert strictest("garbage")["require"] == DEFAULT_POLICY["require"]
 

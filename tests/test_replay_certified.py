@@ -109,6 +109,26 @@ def test_healthy_user_script_certifies_every_checkpoint_at_its_commit(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.scenario   # 4 ranks (HSDP 2 x 2), two runs: make scenarios
+def test_sdc_in_an_hsdp_job_with_the_defaults_is_attributed_and_a_healthy_one_certifies(tmp_path):
+    """HSDP on a 2 x 2 (replicate, shard) mesh, the defaults: rank 1's layers.1 computes wrongly from step 6 ->
+    save 8 rejected at its commit (replay_sdc naming layers.1 and rank 1: four peers, a strict majority), the
+    generation ended there; the same job without the fault certifies every save."""
+    out = run_ranks(W.w_user_script, 4, str(tmp_path / "fault"), "hsdp", STEPS, SAVE_EVERY, fault=FAULT,
+                    timeout=900, pg_timeout_s=300)
+    for o in out:
+        r = o.result
+        assert r["mode"].startswith("hsdp") and r["replay"], r["mode"]
+        assert {s: v["state"] for s, v in r["verdicts"].items()} == {4: "certified", 8: "rejected"}, r["verdicts"]
+    reasons = out[0].result["verdicts"][8]["reasons"]
+    assert {(x["target"], tuple(x["ranks"])) for x in reasons if x["code"] == "replay_sdc"} == {("layers.1", (1,))}
+    out = run_ranks(W.w_user_script, 4, str(tmp_path / "healthy"), "hsdp", STEPS, SAVE_EVERY, timeout=900,
+                    pg_timeout_s=300)
+    assert all({s: v["state"] for s, v in o.result["verdicts"].items()} == {4: "certified", 8: "certified",
+                                                                             12: "certified"} for o in out)
+
+
+@pytest.mark.slow
 @pytest.mark.scenario  # a whole FSDP demo job and the offline certify (11 min at load 40): make scenarios
 def test_healthy_demo_with_the_defaults_certifies_every_checkpoint(tmp_path):
     from scout_ckpt.demo import run_demo

@@ -18,7 +18,8 @@ SOURCE = "tests.fake_health:FakeEccWhenFileAppears"
 
 
 def _model(mode: str, world: int):
-    """The TorchTitan-shaped test model: DDP-wrapped, or FSDP2 per block and at the root."""
+    """The TorchTitan-shaped test model: DDP-wrapped, or FSDP2 per block and at the root (`hsdp`: on a 2-D
+    (replicate, shard) mesh of world // 2 x 2)."""
     from tests import workers_replay_targets as wt
 
     model = wt.build("titan")
@@ -29,7 +30,10 @@ def _model(mode: str, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    if mode == "hsdp":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

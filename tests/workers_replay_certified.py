@@ -17,7 +17,7 @@ def w_user_script(rank, world, root, mode, steps, save_every, fault=None, replay
     from tests import workers_replay_targets as wt
 
     model = wh._model(mode, world)
-    inner = model.module if mode == "ddp" else model
+    inner = model.module if mode == "ddp" else model   # ddp, fsdp or hsdp (tests/workers_health._model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     kw = {} if replay is None else {"replay": replay}
     if shard_cycle is not None:

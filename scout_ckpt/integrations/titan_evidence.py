@@ -63,8 +63,12 @@ class TitanEvidence:
             if config.replay:
                 raise ScoutError("replay needs 2 or more ranks")
         else:
+            # on by default at every topology but a tensor-parallel one (as the core Checkpointer)
+            tp = "+tp" in mgr.mode
             replay = ReplayEvidence.start(config.replay, model=model, optimizer=opt, groups=mgr.groups,
-                                          auto_on=True)
+                                          auto_on=not tp,
+                                          off_reason="tensor-parallel mesh: a TP-sharded block is not replayed"
+                                          if tp else None)
             if replay is not None and replay.runner.save_every is None:
                 replay.runner.save_every = config.interval  # saves fall on TorchTitan's interval: sweep those
         shard = ShardEvidence.start(config.shard_evidence, mode=mgr.mode, model=model, optimizer=opt,

@@ -112,6 +112,8 @@ def main() -> None:
             model, optimizer, train_dl, eval_dl, scheduler)
         step = ckpt.load_latest_clean() or 0                                                     # scout 3
         start_epoch = ckpt.epoch                                                                 # scout 4
+        obs = ckpt.checkpointer.observer
+        log(event="observer", attached=obs.attached if obs is not None else None)   # DDP's wrapper: "counted"
         if step:
             log(event="loaded", step=step, digest=digest(accelerator.unwrap_model(model), optimizer, scheduler))
 

@@ -139,6 +139,9 @@ class StepsSeen(Callback):
         seen = getattr(trainer.strategy, "scout_steps", None)
         if seen is not None:
             pl_module.record(scout_steps=seen)
+        scout = getattr(trainer.strategy, "scout", None)
+        if scout is not None:   # what the observer watches: "counted" is DDP's wrapper, "fsdp2" FSDP2's groups
+            pl_module.record(observer_attached=scout.observer.attached if scout.observer is not None else None)
 
 
 def main() -> int:
