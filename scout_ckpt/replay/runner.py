@@ -104,6 +104,7 @@ class ReplayRunner:
         self._targets = resolve(model, targets, opt) if targets is not None else discover(model, opt)
         self.rank = dist.get_rank()
         self.schedule = Schedule(self._targets, interval)
+        self._interval = interval   # the configured rotation interval (stretched to the save period: _arm)
         self.group, self.peers = peer_group(groups, peers)
         where = sites(model)
         # A whole-model torch.compile runs no hook added after compiling: steps with a module capture armed run
@@ -317,6 +318,11 @@ class ReplayRunner:
 
     def _arm(self, step: int) -> None:
         self._next = step
+        # Once the save period P is known, the sweep at each save covers every target: the rotation between saves
+        # is then an early warning, not what certifies, and runs every max(interval, P // 2) steps (its rounds on
+        # save steps join the sweep's collectives), so that replay costs about one sweep per save interval.
+        period = self.forecast.period()
+        self.schedule.interval = max(self._interval, period // 2) if period else self._interval
         target = self.schedule.target_for(step)
         if target is not None:
             cap = self._captures[target[1]]

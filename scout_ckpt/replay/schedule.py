@@ -86,6 +86,14 @@ class SaveForecast:
         if not self.saves or self.saves[-1] < step:
             self.saves.append(step)
 
+    def period(self) -> int | None:
+        """The save period when it is known (configured, or the last two saves'), else None."""
+        if self.save_every:
+            return self.save_every
+        if len(self.saves) >= 2 and self.saves[-1] > self.saves[-2]:
+            return self.saves[-1] - self.saves[-2]
+        return None
+
     def due(self, step: int, known: bool = False) -> bool:
         """Will `step` be saved? `known`: not on a maybe."""
         if step in self.expected or (self.save_every and step % self.save_every == 0):
