@@ -26,6 +26,7 @@ _LAZY = {
     "LiveStateCorrupt": "scout_ckpt.errors",
     "StartRefused": "scout_ckpt.ops.startup",
     "RootInUse": "scout_ckpt.ops.startup",
+    "CheckpointsUnreadable": "scout_ckpt.ops.startup",
     "ReplayOptions": "scout_ckpt.options",
     "ObserverOptions": "scout_ckpt.options",
     "StragglerRule": "scout_ckpt.options",

@@ -193,12 +193,19 @@ class Checkpointer:
             manifest_fields={"world_size": self.world_size, "topology": self.topology, "policy": self.policy,
                              "invariants": self.policy["invariants"], "versions": self._versions()})
         self.observer = None
-        if observer:
-            self.observer = Observer.start(
-                self.root, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
-                ignore_groups=[self._pg] + (self._async.process_groups if self._async else [])
-                + (self.groups.process_groups if self.groups else []),
-                **observer.start_kwargs())
+        self._shared_observer = None
+        side_groups = [self._pg] + (self._async.process_groups if self._async else []) \
+            + (self.groups.process_groups if self.groups else [])
+        if observer and Observer.running() is not None:
+            # One observer per process: a second Checkpointer here (a teacher beside a student, a second ROOT)
+            # shares the one that watches this process, and its side groups are not training collectives.
+            self._shared_observer = Observer.running()
+            self._shared_observer.ignore(*side_groups)
+            scout_log.logger.info("observer: this process's observer (started by an earlier Checkpointer) watches "
+                                  "this one too")
+        elif observer:
+            self.observer = Observer.start(self.root, rank=self.rank, world_size=self.world_size,
+                                           run_id=self.run_id, ignore_groups=side_groups, **observer.start_kwargs())
         if self.observer is not None and model is not None:
             self.observer.attach(model, optimizer)
         from scout_ckpt.save.local_tier import LocalTier   # the fast tier (local=): its own module

@@ -271,3 +271,13 @@ def test_a_failed_async_save_is_settled_when_it_fails(tmp_path):
     assert r["row"]["state"] == "rejected" and r["row"]["reasons"][0]["code"] == "commit_failed", r["row"]
     assert r["temps"] == []                      # its temp dir went with it, before the next start
     assert r["states"] == {1: "certified", 2: "rejected", 3: "certified"}, r["states"]
+
+
+def test_two_checkpointers_in_one_process_share_its_observer_and_both_certify(tmp_path):
+    """A teacher and a student (two models, two ROOTs) in one process with the defaults: the second Checkpointer
+    shares the observer the first started (one per process: it wraps the process's collectives), and every save
+    of both is certified."""
+    out = run_ranks(w.two_checkpointers, 2, str(tmp_path), timeout=300)
+    for o in out:
+        assert o.result["shared"], o.result
+        assert o.result["verdicts"] == [("certified", "certified")] * 2, o.result

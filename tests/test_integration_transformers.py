@@ -251,6 +251,26 @@ def test_an_sdc_on_one_rank_is_attributed_with_the_defaults_3_ranks(tmp_path):
 
 
 @pytest.mark.scenario
+def test_a_hung_rank_is_named_by_the_callbacks_observer_and_the_restart_finishes(tmp_path):
+    """2 ranks: rank 1 blocks forever before step 5's forward (the job's own fault.json says when). The callback's
+    observer watches DDP's wrapper, names rank 1 from the collective sequence (no majority with two), and with
+    action "abort" ends the generation; torchrun's restart resumes from checkpoint-4 and finishes. No crash is
+    blamed on the other rank."""
+    out = tmp_path / "out"
+    observer = json.dumps({"stall_s": 3, "action": "abort"})
+    p = torchrun(out, "--hang-rank", 1, "--hang-step", 5, "--observer", observer, restarts=1, limit=None)
+    final = json.loads(p.stdout.strip().splitlines()[-1])
+    assert final["resumed_from"] == str((out / "checkpoint-4").resolve()) and final["global_step"] == STEPS, final
+    did = json.loads((out / "fault.json").read_text())
+    assert did["rank"] == 1 and did["step"] == 5
+    rc, so, err = run_cli("report", out, "--json")
+    assert rc == 0, err
+    events = json.loads(so)["events"]
+    assert [e["ranks"] for e in events if e["kind"] == "hang"] == [[1]], events
+    assert not [e for e in events if e["kind"] == "crash"], events
+
+
+@pytest.mark.scenario
 def test_a_finished_trainer_job_exits_cleanly_every_time(tmp_path):
     """The example calls no destroy_process_group (as HF users' scripts do not): the callback releases its own
     side groups at train end, so no gloo group of scout-ckpt's is left to static destruction, where gloo aborted

@@ -334,6 +334,63 @@ def test_a_transient_eio_in_the_jobs_walk_back_rejects_nothing(ckpt_root):
     assert rc == 0 and json.loads(out)["step"] == 4
 
 
+def _load_with_eio_everywhere(rank, world, root):
+    """A restarted job while every step folder's data files answer EIO (a storage outage): what
+    load_latest_clean did ({"step"} or {"refused": message}), and whether it saved anything."""
+    import errno
+    import os
+
+    import torch
+
+    from scout_ckpt.checkpointer import Checkpointer
+    from scout_ckpt.ops.startup import CheckpointsUnreadable
+    from tests.workers_ckpt import ddp, make_model, state_of, train_steps
+
+    real = os.open
+
+    def flaky(path, flags, *args, **kwargs):
+        if not isinstance(path, int) and "/step-" in os.fspath(path) and os.fspath(path).endswith(".distcp"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
+        return real(path, flags, *args, **kwargs)
+
+    model = make_model(seed=5)
+    net = ddp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(net, opt, 1, seed=99)
+    ckpt = Checkpointer(root, model=net, optimizer=opt)
+    os.open = flaky
+    try:
+        return {"step": ckpt.load_latest_clean(state_of(model, opt))}
+    except CheckpointsUnreadable as e:
+        return {"refused": str(e), "exit_code": e.exit_code}
+    finally:
+        os.open = real
+        ckpt.close()
+
+
+def test_a_storage_outage_on_every_checkpoint_refuses_the_start_instead_of_starting_from_step_0(ckpt_root):
+    """Every certified step's files answer EIO: load_latest_clean walks past each (could not check: nothing
+    rejected) and then, with none left, refuses on every rank alike (CheckpointsUnreadable, exit code 2, naming
+    the steps and the cause) instead of returning None, which would have the job train from step 0 and save over
+    the certified steps. Once the storage answers, resume hands out the newest again."""
+    before = {s: _trust(ckpt_root, s) for s in (3, 4)}
+    out = run_ranks_(_load_with_eio_everywhere, 2, str(ckpt_root))
+    for o in out:
+        r = o.result
+        assert "refused" in r and r["exit_code"] == 2, r
+        assert "refusing to start from step 0" in r["refused"] and "4, 3" in r["refused"], r
+        assert "\n" not in r["refused"] and "could_not_check" in r["refused"], r
+    assert {s: _trust(ckpt_root, s) for s in (3, 4)} == before
+    rc, out_, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
+    assert rc == 0 and json.loads(out_)["step"] == 4
+
+
+def run_ranks_(fn, n, *args):
+    from scout_ckpt.testing.launch import run_ranks
+
+    return run_ranks(fn, n, *args, timeout=180)
+
+
 # ---- item 8: a lost ledger is rebuilt (or the start refused), never a fresh start ---------------------------------
 
 def _restart(rank, world, root, save_step=None):

@@ -464,3 +464,25 @@ def option_effects(rank, world, root):
         loads[name] = step
     out["loads"] = loads
     return out
+
+
+def two_checkpointers(rank, world, root):
+    """A teacher and a student in one process, each with its own Checkpointer and ROOT, the defaults (observer
+    on): both save and certify; the second shares the process's observer."""
+    teacher, student = ddp(make_model(seed=1)), ddp(make_model(seed=2))
+    t_opt = torch.optim.AdamW(teacher.parameters(), lr=1e-2)
+    s_opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    t_ckpt = Checkpointer(os.path.join(root, "teacher"), model=teacher, optimizer=t_opt)
+    s_ckpt = Checkpointer(os.path.join(root, "student"), model=student, optimizer=s_opt)
+    shared = s_ckpt.observer is None and s_ckpt._shared_observer is t_ckpt.observer is not None
+    verdicts = []
+    for step in (1, 2):
+        train_steps(teacher, t_opt, 1, seed=step)
+        train_steps(student, s_opt, 1, seed=step)
+        t_ckpt.step(step)
+        s_ckpt.step(step)
+        verdicts.append((t_ckpt.save(step, state_of(teacher, t_opt))["state"],
+                         s_ckpt.save(step, state_of(student, s_opt))["state"]))
+    s_ckpt.close()
+    t_ckpt.close()
+    return {"verdicts": verdicts, "shared": shared}

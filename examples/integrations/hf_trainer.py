@@ -6,7 +6,8 @@ A tiny GPT-2 built from a config (no download) learns random tokens on CPU (gloo
 the newest *certified* checkpoint-N, never merely the newest folder. Test-only options: --kill-rank/--kill-step
 SIGKILL a rank in the middle of a save (after the Trainer wrote the folder, before scout-ckpt certified it), only
 in torchrun's first attempt; --sdc-rank/--sdc-step make one rank's transformer.h.1 compute wrongly from a step on
-(every call, as failing hardware); --losses appends {"step", "loss", "attempt"} lines (rank 0). Rank 0 ends with
+(every call, as failing hardware); --hang-rank/--hang-step block one rank forever before a step's forward in
+the first attempt (writing OUTPUT_DIR/fault.json), and --observer passes the callback's observer options; --losses appends {"step", "loss", "attempt"} lines (rank 0). Rank 0 ends with
 one JSON line: where it resumed from, the last step, and what the observer watched ("counted": DDP's wrapper).
 """
 
@@ -16,6 +17,8 @@ import argparse
 import json
 import os
 import signal
+import threading
+import time
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -40,9 +43,11 @@ class Record(TrainerCallback):
     runs after the Trainer wrote checkpoint-N and before scout-ckpt hashed and certified it)."""
 
     def __init__(self, losses: str | None, kill_rank: int | None, kill_step: int | None,
-                 sdc_rank: int | None = None, sdc_step: int | None = None):
+                 sdc_rank: int | None = None, sdc_step: int | None = None,
+                 hang_rank: int | None = None, hang_step: int | None = None, output_dir: str = "."):
         self.losses, self.kill_rank, self.kill_step = losses, kill_rank, kill_step
         self.sdc_rank, self.sdc_step = sdc_rank, sdc_step
+        self.hang_rank, self.hang_step, self.output_dir = hang_rank, hang_step, output_dir
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.step = 0   # the optimizer step being taken (global_step + 1 during its forward)
@@ -61,6 +66,11 @@ class Record(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.step = state.global_step + 1
+        if self.attempt == 0 and self.rank == self.hang_rank and self.step == self.hang_step:
+            # --hang-rank/--hang-step: this rank blocks forever before the step's forward, in the first attempt
+            with open(os.path.join(self.output_dir, "fault.json"), "w") as f:
+                json.dump({"rank": self.rank, "step": self.step, "time": time.time()}, f)
+            threading.Event().wait()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.losses and self.rank == 0 and logs and "loss" in logs:
@@ -84,6 +94,9 @@ def main() -> None:
     ap.add_argument("--kill-step", type=int, default=None)
     ap.add_argument("--sdc-rank", type=int, default=None)
     ap.add_argument("--sdc-step", type=int, default=None)
+    ap.add_argument("--hang-rank", type=int, default=None)
+    ap.add_argument("--hang-step", type=int, default=None)
+    ap.add_argument("--observer", default=None, help="JSON: the callback's observer options (default: its own)")
     a = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -96,9 +109,10 @@ def main() -> None:
         save_total_limit=a.limit, per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
         report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
         ddp_timeout=300, ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
-    scout = ScoutTrainerCallback()                                                                       # (1)
-    trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(512, 16, 64),
-                      callbacks=[Record(a.losses, a.kill_rank, a.kill_step, a.sdc_rank, a.sdc_step), scout])
+    scout = ScoutTrainerCallback(**({"observer": json.loads(a.observer)} if a.observer else {}))           # (1)
+    record = Record(a.losses, a.kill_rank, a.kill_step, a.sdc_rank, a.sdc_step, a.hang_rank, a.hang_step,
+                    a.output_dir)
+    trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(512, 16, 64), callbacks=[record, scout])
     resume = None if a.no_resume else latest_clean(a.output_dir)                                          # (2)
     trainer.train(resume_from_checkpoint=resume)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -95,6 +95,11 @@ class CollectiveCounter:
         self._fns = tuple(fns)  # one reference store: the sampler sees the old or the new tuple, never half
         return list(self._groups)
 
+    def ignore(self, *groups) -> None:
+        """Side groups that `watch` must refuse from now on (a second Checkpointer's, sharing this process's
+        observer)."""
+        self._ignored.update(id(g) for g in groups if g is not None)
+
     def watches(self, group) -> bool:
         return id(group) in self._ids
 

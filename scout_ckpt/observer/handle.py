@@ -23,6 +23,11 @@ from scout_ckpt.observer.heartbeat import Heartbeat, default_path
 
 log = logging.getLogger("scout_ckpt.observer")
 
+# The observer running in this process (one per process: it watches the process's one heartbeat and wraps the
+# process's collectives). A second Checkpointer in the same process (a teacher and a student, a second ROOT for
+# evaluation state) shares it instead of starting another: Observer.running().
+_RUNNING: list["Observer"] = []
+
 
 class Observer:
     """Started by every rank after init_process_group (collective in the sense that every rank must start one);
@@ -102,6 +107,7 @@ class Observer:
             hb.close()
             raise
         obs = cls(cfg, hb, dumper, proc, tracer, (ddp_comm_hook, ddp_comm_state), counter)
+        _RUNNING.append(obs)
         _watch_uncaught(obs._on_uncaught)
         atexit.register(obs._at_exit)
         missing = obs.wait_peers(ready_timeout_s)
@@ -185,8 +191,23 @@ class Observer:
         if not _UNCAUGHT:
             self.stop()
 
+    @classmethod
+    def running(cls) -> "Observer | None":
+        """The observer this process already runs (started by another Checkpointer), or None."""
+        return _RUNNING[-1] if _RUNNING else None
+
+    def ignore(self, *groups) -> None:
+        """More process groups whose collectives are not training collectives (a second Checkpointer's side
+        groups, when it shares this observer)."""
+        if self.tracer is not None:
+            self.tracer.ignore(*groups)
+        if self.counter is not None:
+            self.counter.ignore(*groups)
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Clean shutdown: the closed heartbeat tells the observer (and its peers) this is no crash."""
+        if self in _RUNNING:
+            _RUNNING.remove(self)
         atexit.unregister(self._at_exit)
         _UNCAUGHT_CALLBACKS[:] = [cb for cb in _UNCAUGHT_CALLBACKS if cb != self._on_uncaught]
         if self.stamps is not None:

@@ -63,6 +63,13 @@ class StartRefused(LedgerError):
     """The job must not start on this ROOT's ledger as it is; the message says what to run."""
 
 
+class CheckpointsUnreadable(StartRefused):
+    """Certified checkpoints exist but none could be read now (an I/O error, a missing peer, an unreachable
+    store): the job refuses to start from step 0 over them (exit code 2, on every rank alike). "Could not check" is
+    no evidence of a bad checkpoint: torchrun's next restart (or the operator, once the storage answers) tries
+    them again."""
+
+
 class RootInUse(StartRefused):
     """Another job's Checkpointer holds this ROOT's run lease (exit code 2): two jobs would overwrite each other's
     checkpoints. Point the second job at its own ROOT, or stop the first."""

@@ -34,6 +34,7 @@ from scout_ckpt.errors import ScoutError
 from scout_ckpt.format.verify import COULD_NOT_CHECK, only_unchecked, verify_files
 from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops.recovery import record_verification_failure, trusted_manifest
+from scout_ckpt.ops.startup import CheckpointsUnreadable
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.verified_reader import VerifiedFileSystemReader, is_metadata_changed
 
@@ -82,6 +83,9 @@ class LatestCleanLoader:
         t0 = time.monotonic()
         self._latched: str | None = None
         self._tier = None
+        # certified steps passed over because they could not be read now (the same list on every rank: the
+        # reasons are all-gathered); none left to load then is a refusal, never a fresh start over them
+        self._unchecked: list[tuple[int, str, list[dict]]] = []
         while True:
             cand = self._broadcast(self._next(below, below_local) if self.is_coordinator else None)
             if isinstance(cand, dict) and "latched" in cand:  # the same error on every rank, none left waiting
@@ -92,6 +96,8 @@ class LatestCleanLoader:
                 below_local = cand["step"]
                 continue
             if cand is None:
+                if self._unchecked:
+                    raise CheckpointsUnreadable(self._unreadable_text())
                 if self.is_coordinator:
                     scout_log.fresh_start(self.rank, str(self.root), [
                         r for r in self.ledger.checkpoints(states=("committed", "writing", "rejected"))])
@@ -141,10 +147,21 @@ class LatestCleanLoader:
         journal first) and the step is skipped."""
         if only_unchecked(failed):
             scout_log.could_not_check(self.rank, step, failed)
+            self._unchecked.append((step, "durable", failed))
             return
         self._on_coordinator(step, lambda: record_verification_failure(
             self.ledger, step, policy.evidence(policy.FAIL, failed), source="load", root=self.root))
         scout_log.skipped(self.rank, step, failed)
+
+    def _unreadable_text(self) -> str:
+        """One line: which certified steps could not be read, why, and what to do."""
+        from scout_ckpt.ops.views import reason_text
+
+        steps = ", ".join(f"{s}" + (" (local)" if tier == "local" else "") for s, tier, _ in self._unchecked)
+        return (f"refusing to start from step 0: certified checkpoint(s) {steps} under {self.root} could not be "
+                f"read now ({reason_text(self._unchecked[0][2])}); nothing was rejected. Retry once the storage "
+                f"answers (torchrun --max-restarts retries the job), or check it with `scout-ckpt resume "
+                f"{self.root} --latest-clean`")
 
     def _load_local(self, state: dict, cand: dict, t0: float) -> bool:
         """Collective: a fast-tier candidate (save/local_tier.LocalTier.load re-verifies every rank's bytes); on
@@ -154,6 +171,8 @@ class LatestCleanLoader:
             self._on_coordinator(cand["step"], lambda: self.local.reject(cand, failed))
             (scout_log.could_not_check if only_unchecked(failed) else scout_log.skipped)(self.rank, cand["step"],
                                                                                         failed)
+            if only_unchecked(failed):
+                self._unchecked.append((cand["step"], "local", failed))
             return False
         if self.is_coordinator:
             try:
