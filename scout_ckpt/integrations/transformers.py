@@ -9,7 +9,9 @@ every rank. One save boundary with this callback, all ranks (every method below 
      `writing` for "checkpoint-N" (attempt id identical on every rank) and removes a stale folder of an abandoned
      attempt at the same step; a barrier keeps every rank from writing before that
   2. the Trainer writes the folder
-  3. on_save: a barrier (every rank's rng_state file is on disk), then evidence on the live state: consensus of the
+  3. on_save: a barrier (every rank's rng_state file is on disk), then evidence on the live state: the replay
+     sweep (every block, the embeddings, the head and the optimizer's update replayed on every replica with the
+     save step's captured inputs; on by default with 2+ ranks, captured from on_step_end), consensus of the
      model, optimizer, LR scheduler and global step across the data-parallel replicas (C3 over the DDP world), and
      the configured invariants (finite by default)
   4. the files are split over the ranks by size; each rank hashes its share; digests go to the coordinator
@@ -28,6 +30,9 @@ and, after each commit, applies the core retention rule with keep = the same lim
 limit's newest certified folders, never the newest certified one, nor one newer that awaits evidence, nor a
 quarantined one; rejected ones go first), and never the Trainer's best-model folder.
 
+The core's out-of-band observer (hangs, desyncs, crashes, stragglers) runs on by default, watching the DDP wrapper
+the Trainer trains (the callbacks receive the bare model: integrations.wrappers finds the wrapper).
+
 Supported: one process, or DDP under torchrun (every rank holds the whole model). FSDP and DeepSpeed write
 per-rank shards the callback does not compare; it refuses them rather than certify what it did not check.
 """
@@ -37,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -213,8 +219,6 @@ class ScoutTrainerCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         """Every rank, after each optimizer step: the observer's heartbeat, the replay schedule (collective on the
         replay's side groups at scheduled steps), then the `writing` row when the Trainer will save."""
-        import time
-
         now = time.monotonic()
         if self.observer is not None:
             took = now - self._step_started if self._step_started is not None else None
