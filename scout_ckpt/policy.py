@@ -19,6 +19,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PASS, FAIL, INCONCLUSIVE, MISSING, NOT_APPLICABLE = "pass", "fail", "inconclusive", "missing", "not_applicable"
+
+# Reasons that concern one copy's bytes (its files, its manifest, its write), not the state the step holds: a
+# step rejected only for these may still be good in another copy (the fast tier's node-local files). Any other
+# reason of a rejection (replay, consensus, invariants, shard evidence, lineage, load_mismatch, health) and a
+# quarantine concern the step, wherever its bytes live.
+COPY_REASONS = frozenset({
+    "digest_mismatch", "missing_file", "missing_dir", "truncated_file", "unreadable_file", "unexpected_file",
+    "unsafe_file", "manifest_mismatch", "bad_manifest", "bad_metadata", "bad_entry", "no_files_recorded",
+    "save_interrupted", "commit_failed", "could_not_check", "retention",
+})
+
+
+def step_distrusted(state: str, reasons: list[dict]) -> bool:
+    """Does this row's verdict speak against the step itself (a quarantine, or a rejection for anything but one
+    copy's bytes), so that no copy of the step may be handed out?"""
+    if state == "quarantined":
+        return True
+    return state == "rejected" and any((r or {}).get("code") not in COPY_REASONS for r in reasons or [{}])
 STATUSES = (PASS, FAIL, INCONCLUSIVE, MISSING, NOT_APPLICABLE)
 
 # Policies of the runs scout-ckpt knows; a run may store its own.

@@ -361,3 +361,75 @@ def test_a_local_save_killed_before_its_commit_leaves_no_folder_behind(tmp_path)
     left = {f"{p.parent.name}/{p.name}" for d in dirs for p in d.glob("*/step-*")}
     assert left <= live, (left - live, live)
     assert "step-00000008" in {p.name for p in dirs[1].glob(f"{runs[1][0]['run_id']}/step-*")}   # saved again
+
+
+# ---- one truth per step: a verdict on the step holds for its local copies -------------------------------------
+
+def _durable(led, step: int, state: str, reasons: list[dict]) -> None:
+    """A durable row of `step` committed as `state` (a real ledger, its real compare-and-set)."""
+    led.record_writing(step, "r1", f"a{step}", f"step-{step:08d}")
+    led.record_commit(step, run_id="r1", path=f"step-{step:08d}", nbytes=1, manifest_digest="m", files=[],
+                      evidence={}, state="certified" if state == "quarantined" else state,
+                      reasons=[] if state == "quarantined" else reasons, attempt=f"a{step}")
+    if state == "quarantined":
+        led.transition(step, "quarantined", reasons, source="operator", expect="certified")
+
+
+def test_a_local_copy_is_never_the_candidate_of_a_step_its_durable_row_distrusts(tmp_path):
+    """Local steps 2, 4, 6, 8 certified in the fast tier; the durable rows say: 8 quarantined by the operator,
+    6 rejected by replay (the state is bad), 4 rejected for its own folder's bytes (digest_mismatch: the local
+    copy may be good), 2 certified. The walk-back's local candidates: 4 (its copy's bytes are its own), then 2;
+    never 8 or 6. A local row of another layout (an elastic restart) is passed over, not the end of the walk."""
+    from types import SimpleNamespace
+
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.save import local_restore
+    from scout_ckpt.save import local_tier_rows as rows
+
+    layout = {"world": 2, "nodes": 1}
+    with Ledger.open(tmp_path, create=True) as led:
+        led.begin_run("r1", world_size=2, topology={}, policy={"require": ["bytes"]})
+        for step in (1, 2, 4, 6, 8):
+            rows.record(led, step=step, run_id="r1", state="certified", dir=f"step-{step}", world_size=2,
+                        layout=layout if step != 1 else {"world": 4, "nodes": 2}, files=[], copies=[],
+                        evidence={}, signatures={}, reasons=[])
+        _durable(led, 8, "quarantined", [{"code": "quarantined", "detail": "operator"}])
+        _durable(led, 6, "rejected", [{"code": "replay_sdc", "ranks": [1], "target": "layers.1"}])
+        _durable(led, 4, "rejected", [{"code": "digest_mismatch", "file": "__0_0.distcp"}])
+        _durable(led, 2, "certified", [])
+        rows.record(led, step=0, run_id="r1", state="certified", dir="step-0", world_size=2, layout=layout,
+                    files=[], copies=[], evidence={}, signatures={}, reasons=[])
+        tier = SimpleNamespace(ck=SimpleNamespace(ledger=led), layout=layout, layout_told=False)
+        walked, below = [], None
+        while (cand := local_restore.candidate(tier, below)) is not None:
+            walked.append(cand["step"])
+            below = cand["step"]
+    assert walked == [4, 2, 0]
+
+
+def test_a_shard_fault_revokes_the_local_copies_of_the_steps_it_may_be_in(tmp_path):
+    """An update fault found at step 15 with a shard-replay cycle of 4 may be in every step of (11, 15]: the
+    revocation rejects durable step 12 and the fast tier's local steps 12, 13 and 14 (the state is bad wherever its
+    bytes live), journal first for the durable row; local step 10, before the window, stays certified."""
+    from types import SimpleNamespace
+
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.save import local_tier_rows as rows
+    from scout_ckpt.save.evidence.shard import ShardEvidence
+
+    with Ledger.open(tmp_path, create=True) as led:
+        led.begin_run("r1", world_size=2, topology={}, policy={"require": ["bytes"]})
+        for step in (10, 12, 13, 14):
+            rows.record(led, step=step, run_id="r1", state="certified", dir=f"step-{step}", world_size=2,
+                        layout={}, files=[], copies=[], evidence={}, signatures={}, reasons=[])
+        _durable(led, 12, "certified", [])
+        shard = ShardEvidence.__new__(ShardEvidence)
+        shard.log = SimpleNamespace(cycle=4)
+        bad = [{"step": 15, "status": "fail", "ranks": [1],
+                "reasons": [{"code": "shard_replay_mismatch", "ranks": [1]}]}]
+        revoked = shard.revoke(led, tmp_path, bad)
+        local = {r["step"]: r["state"] for r in rows.rows(led)}
+        durable = led.checkpoint(12)["state"]
+    assert revoked == [12, 13, 14]
+    assert durable == "rejected" and local == {10: "certified", 12: "rejected", 13: "rejected", 14: "rejected"}
+    assert '"step": 12' in (tmp_path / "scout-journal.jsonl").read_text()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from scout_ckpt import policy
 from scout_ckpt.format.digests import bytes_digest
 from scout_ckpt.format.verify import COULD_NOT_CHECK
 from scout_ckpt.save import local_tier_rows as rows
@@ -26,16 +27,24 @@ from scout_ckpt.save.local_files import rank_files, read_file, try_write
 
 def candidate(tier, below: int | None) -> dict | None:
     """Coordinator: the newest certified local step below `below` that this job's layout can restore, as the
-    walk-back's candidate (None: none)."""
-    for r in rows.rows(tier.ck.ledger, states=("certified",)):
+    walk-back's candidate (None: none). A step whose durable row speaks against the step itself (quarantined, or
+    rejected for anything but that copy's bytes: policy.step_distrusted) is passed over: a verdict on a step holds
+    for every copy of it. Rows of another layout (an elastic restart) are passed over, older ones still tried."""
+    ledger = tier.ck.ledger
+    for r in rows.rows(ledger, states=("certified",)):
         if below is not None and r["step"] >= below:
             continue
         if r.get("layout") != tier.layout:
             if not tier.layout_told:
                 tier.layout_told = True
-                scout_log.logger.info("local tier skipped: its steps were saved by %s, this job is %s",
+                scout_log.logger.info("local tier: steps saved by %s skipped, this job is %s",
                                       r.get("layout"), tier.layout)
-            return None
+            continue
+        durable = ledger.checkpoint(r["step"])
+        if durable is not None and policy.step_distrusted(durable["state"], durable.get("reasons") or []):
+            scout_log.logger.info("local step %d skipped: its durable row is %s (%s)", r["step"],
+                                  durable["state"], ", ".join(x.get("code", "?") for x in durable["reasons"] or []))
+            continue
         return {"tier": "local", "step": r["step"], "path": r["dir"], "files": r["files"],
                 "copies": r.get("copies") or [], "signatures": r.get("signatures") or {}, "reasons": [],
                 "world_size": r["world_size"]}

@@ -113,6 +113,7 @@ class ShardEvidence:
         becomes the fault's."""
         from scout_ckpt.ledger import journal
         from scout_ckpt.replay.shard_plan import charged_steps
+        from scout_ckpt.save import local_tier_rows as local_rows
 
         out = []
         for r in bad_rows:
@@ -130,7 +131,14 @@ class ShardEvidence:
                 if journal.record_transition(ledger, root, row["step"], "rejected", reasons, source=source,
                                              expect=(row["state"],), attempt=row["attempt"]):
                     out.append(row["step"])
-        return out
+            # the fast tier's copies of the same steps: the fault is in the state, wherever its bytes live
+            for row in local_rows.rows(ledger, states=("certified", "committed")):
+                if lo < row["step"] <= hi and local_rows.set_state(ledger, row["step"], "rejected", reasons,
+                                                                   expect=row["state"]):
+                    ledger.add_event("local_rejected", step=row["step"], detail={"reasons": reasons[:8],
+                                                                                  "source": source})
+                    out.append(row["step"])
+        return sorted(set(out))
 
     def close(self) -> None:
         self.log.add(self.replay.close())
