@@ -242,7 +242,8 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
         root, model=model, optimizer=opt, mode=args.mode,
         mesh_shape=(args.mesh_shape or default_mesh_shape(world)) if args.mode == "hsdp" else None,
         async_save=args.async_save,
-        replay={"interval": 1, "save_every": args.save_every} if args.replay else None,
+        # --no-replay (the demo's default for short save intervals) is the library's opt-out, replay=False
+        replay={"interval": 1, "save_every": args.save_every} if args.replay else False,
         # every shard's update replayed within one save interval, so each save is certified at its commit
         shard_evidence={"cycle": args.save_every} if args.mode != "ddp" else None,
         observer={"stall_s": args.stall_s, "action": "abort"}, invariants=invariants_for(args, model),
