@@ -60,8 +60,10 @@ def _from_mapping(cls, owner: str, values: Mapping, **nested):
 class ReplayOptions:
     """SDC replay of the model's blocks (and the optimizer's elementwise update) across ranks (replay/)."""
 
-    interval: int = DEFAULT_REPLAY_INTERVAL
-    """One rotation target is replayed every `interval` steps between saves; every target is swept at a save."""
+    interval: int | None = None
+    """One rotation target is replayed every `interval` steps between saves; every target is swept at a save.
+    None (auto): every DEFAULT_REPLAY_INTERVAL steps until the save period P is known, then every
+    max(DEFAULT_REPLAY_INTERVAL, P // 2) steps (the sweep certifies; the rotation is an early warning, kept to about one round per interval)."""
     targets: tuple[str, ...] | None = None
     """Which targets to replay (module names, or "optimizer"); None: every replayable block, embedding and head."""
     deterministic: bool = True
@@ -84,7 +86,7 @@ class ReplayOptions:
     source's live step is checked at each save."""
 
     def __post_init__(self):
-        _positive("replay", "interval", self.interval, integer=True)
+        _positive("replay", "interval", self.interval, integer=True, allow_none=True)
         if self.targets is not None:
             if isinstance(self.targets, str) or not all(isinstance(t, str) for t in self.targets):
                 raise BadOption(f"replay.targets must be a list of names (got {self.targets!r})")

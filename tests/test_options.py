@@ -58,7 +58,7 @@ def test_defaults_are_the_components_defaults():
     assert defaults(StragglerMonitor.__init__, dataclasses.asdict(StragglerRule())) == dataclasses.asdict(
         StragglerRule())
     rep = ReplayOptions().runner_kwargs()
-    assert rep.pop("interval") == 10
+    assert rep.pop("interval") is None   # automatic: 10 until the save period is known, then stretched to it
     assert defaults(ReplayRunner.__init__, rep) == rep
     shard = ShardEvidenceOptions().replay_kwargs()
     assert defaults(ShardUpdateReplay.__init__, shard) == shard

@@ -394,3 +394,20 @@ def test_save_forecast_said_configured_learned_or_maybe():
     assert 7 not in h.expected and h.saves == [7]
     with pytest.raises(ValueError, match="save_every must be >= 1"):
         SaveForecast(save_every=0)
+
+
+
+def test_the_automatic_rotation_interval_follows_the_save_period_and_an_explicit_one_is_kept():
+    """interval=None (the Checkpointer's default): every 10 steps until two saves show the period P, then every
+    max(10, P // 2) steps, so that replay costs about one sweep per save interval; an explicit interval is kept."""
+    from scout_ckpt.replay.schedule import SaveForecast, rotation_interval
+
+    f = SaveForecast(None)
+    assert f.period() is None and rotation_interval(None, f.period()) == 10
+    f.saved(100)
+    assert f.period() is None                      # one save: the period is not known yet
+    f.saved(200)
+    assert f.period() == 100 and rotation_interval(None, f.period()) == 50
+    assert rotation_interval(None, 400) == 200 and rotation_interval(None, 12) == 10
+    assert rotation_interval(1, 400) == 1 and rotation_interval(10, 400) == 10
+    assert SaveForecast(25).period() == 25         # a configured save_every is the period at once

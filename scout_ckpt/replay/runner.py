@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scout_ckpt.options import DEFAULT_REPLAY_INTERVAL as AUTO_INTERVAL   # until the save period is known
 from scout_ckpt.replay import live as live_step
 from scout_ckpt.replay import rows as replay_rows
 from scout_ckpt.replay import self_check as own_round   # the self-check round
@@ -60,10 +61,11 @@ from scout_ckpt.replay.optimizer_replay import (
     supports,
     unwrap_optimizer,
 )
-from scout_ckpt.replay.schedule import SaveForecast, Schedule, Target
+from scout_ckpt.replay.schedule import SaveForecast, Schedule, Target, rotation_interval
 from scout_ckpt.replay.stragglers import StragglerRule
 from scout_ckpt.replay.targets import NoTargets, discover, resolve, runs_compiled, sites
 from scout_ckpt.replay.transport import broadcast_each, host, peer_group
+
 
 # A sweep hashes its targets' replayed tensors together, in batches of at least this many bytes (bounded: the
 # tensors of a batch are held until it is hashed; on a large model one batch per target is no loss).
@@ -88,7 +90,7 @@ class ReplayRunner:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, groups,
-                 targets: list | None = None, interval: int = 1, deterministic: bool = True,
+                 targets: list | None = None, interval: int | None = 1, deterministic: bool = True,
                  peers: str = "auto", opt_elems: int = DEFAULT_ELEMS, save_every: int | None = None,
                  straggler_rounds: int = 3, live_check: bool = True, self_check: bool = True):
         self.forecast = SaveForecast(save_every)   # first: a bad save_every is refused before anything else
@@ -103,8 +105,10 @@ class ReplayRunner:
         # first, before any process group is touched: a model replay cannot cover is refused at once
         self._targets = resolve(model, targets, opt) if targets is not None else discover(model, opt)
         self.rank = dist.get_rank()
-        self.schedule = Schedule(self._targets, interval)
-        self._interval = interval   # the configured rotation interval (stretched to the save period: _arm)
+        # interval None (the Checkpointer's default): AUTO_INTERVAL until the save period is known, then
+        # stretched to it (_arm); an explicit interval is kept as given
+        self._interval = interval
+        self.schedule = Schedule(self._targets, interval or AUTO_INTERVAL)
         self.group, self.peers = peer_group(groups, peers)
         where = sites(model)
         # A whole-model torch.compile runs no hook added after compiling: steps with a module capture armed run
@@ -318,11 +322,7 @@ class ReplayRunner:
 
     def _arm(self, step: int) -> None:
         self._next = step
-        # Once the save period P is known, the sweep at each save covers every target: the rotation between saves
-        # is then an early warning, not what certifies, and runs every max(interval, P // 2) steps (its rounds on
-        # save steps join the sweep's collectives), so that replay costs about one sweep per save interval.
-        period = self.forecast.period()
-        self.schedule.interval = max(self._interval, period // 2) if period else self._interval
+        self.schedule.interval = rotation_interval(self._interval, self.forecast.period(), AUTO_INTERVAL)
         target = self.schedule.target_for(step)
         if target is not None:
             cap = self._captures[target[1]]

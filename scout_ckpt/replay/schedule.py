@@ -63,6 +63,15 @@ class Schedule:
 
 
 
+def rotation_interval(configured: int | None, period: int | None, auto: int = 10) -> int:
+    """Steps between two rotation replays: the configured interval as given; None (automatic): `auto` until the
+    save period is known, then max(auto, period // 2) (the sweep at each save certifies; between saves the
+    rotation is an early warning, about one round per interval, and its rounds on save steps join the sweep)."""
+    if configured is not None:
+        return configured
+    return max(auto, period // 2) if period else auto
+
+
 class SaveForecast:
     """Which steps will be saved, known before their forward (the sweep's capture must be armed then): said
     (`expect`), configured (`save_every`), the period of the last two saves continued, or -- while none of these is
