@@ -195,7 +195,8 @@ class Checkpointer:
         self.observer = None
         self._shared_observer = None
         side_groups = [self._pg] + (self._async.process_groups if self._async else []) \
-            + (self.groups.process_groups if self.groups else [])
+            + (self.groups.process_groups if self.groups else []) \
+            + (self.replay.process_groups if self.replay is not None else [])
         if observer and Observer.running() is not None:
             # One observer per process: a second Checkpointer here (a teacher beside a student, a second ROOT)
             # shares the one that watches this process, and its side groups are not training collectives.

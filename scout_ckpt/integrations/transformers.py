@@ -186,7 +186,8 @@ class ScoutTrainerCallback(TrainerCallback):
 
         if not self.observer_option or not run.distributed:
             return
-        ignore = [run.pg] + (self.groups.process_groups if self.groups is not None else [])
+        ignore = [run.pg] + (self.groups.process_groups if self.groups is not None else []) \
+            + (self.replay.process_groups if self.replay is not None else [])
         self.observer = Observer.start(run.root, rank=run.rank, world_size=run.world, run_id=run.run_id,
                                        ignore_groups=ignore, **self.observer_option.start_kwargs())
         if model is not None:
@@ -302,12 +303,14 @@ class ScoutTrainerCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         """All ranks: the run's ledger closed and its side groups released (IntegrationRun.close)."""
         if self.run is not None:
+            groups = list(self.groups.process_groups) if self.groups is not None else []
             if self.replay is not None:
+                groups += self.replay.process_groups
                 self.replay.close()
                 self.replay = None
             if self.observer is not None:
                 self.observer.stop()
                 self.observer = None
-            self.run.close(groups=self.groups.process_groups if self.groups is not None else ())
+            self.run.close(groups=groups)
             self.run = None
             self.groups = None

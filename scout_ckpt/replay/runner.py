@@ -150,6 +150,11 @@ class ReplayRunner:
         # written in place before a sweep is captured by clones from then on (on this rank).
         self._clone_targets: set[str] = set()
 
+    @property
+    def process_groups(self) -> list:
+        """The gloo group replay's collectives run on (transport.peer_group), e.g. for an observer to ignore."""
+        return [self.group] if self.group is not None else []
+
     def targets(self) -> list[Target]:
         """The coverage set: a step certifies only if each has a clean replay (see schedule.coverage)."""
         return list(self._targets)

@@ -144,17 +144,36 @@ def broadcast_payload(obj: Any, src: int, group) -> Any:
 
 
 def peer_group(groups, peers: str) -> tuple[Any, list[int]]:
-    """The replica group when it can attribute on its own (3+ members, or peers="replicas"), else the world.
+    """The replica group when it can attribute on its own (3+ members, or peers="replicas"), else the world: a
+    gloo group of replay's own over those ranks, and its members.
 
     Module targets replay full (unsharded) parameters and the optimizer recipe replays a broadcast slice, so any
     set of ranks is a valid peer set; the world is used where the replica group is missing (FSDP) or too small to
-    name a culprit (HSDP with 2 replicas)."""
+    name a culprit (HSDP with 2 replicas).
+
+    Why groups of its own: save-time consensus exchanges on the consensus groups from a background thread (during
+    a sync save's write, after a refused save, in an async save's commit thread), while replay's collectives run
+    on the training thread (the sweep, the rotation in `step()`). Two threads' collectives on one gloo group
+    interleave differently on different ranks ("Received data size doesn't match expected size"); on groups of
+    their own they cannot. Collective over the world (new_group), in the same order on every rank."""
+    import datetime
+
     if peers not in ("auto", "replicas", "world"):
         raise ValueError(f"peers must be auto, replicas or world, got {peers!r}")
+    timeout = datetime.timedelta(seconds=groups.timeout_s)
     mine = list(groups.group_ranks)
+    # the same decision on every rank: the replica groups partition the grid, so all have this one's size
     if groups.group is not None and len(mine) > 1 and (peers == "replicas" or (peers == "auto" and len(mine) >= 3)):
-        return groups.group, mine
-    return groups.world_group, list(range(groups.world_size))
+        handle = None
+        for ranks in groups.groups:   # every replica group, created by every rank in the same order
+            if len(ranks) < 2:
+                continue
+            pg = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout)
+            if groups.rank in ranks:
+                handle = pg
+        return handle, mine
+    everyone = list(range(groups.world_size))
+    return dist.new_group(ranks=everyone, backend="gloo", timeout=timeout), everyone
 
 
 __all__ = ["Arrivals", "broadcast_each", "broadcast_payload", "host", "peer_group"]

@@ -141,5 +141,10 @@ class ReplayEvidence:
                 journal.record_transition(self.ledger, self.root, row["step"], v.state, v.reasons, source="replay",
                                           expect="committed", attempt=row["attempt"])
 
+    @property
+    def process_groups(self) -> list:
+        """Replay's own gloo group (not training collectives: an observer ignores it)."""
+        return self.runner.process_groups
+
     def close(self) -> None:
         self.runner.close()
