@@ -145,12 +145,8 @@ class Checkpointer:
         # Replay by default at every topology with two or more ranks: consensus alone cannot see a rank whose
         # forward or backward is wrong (its gradient is averaged into every replica, which then agree on it), so
         # replicated topologies (DDP, HSDP, the frameworks' DDP) need replay as much as single-owner shards do.
-        # One rank has no peer to replay on, and a block sharded by tensor parallelism computes a shard of its
-        # output on each rank, which a replay of the whole block does not reproduce bit for bit: replay stays off
-        # by default there, and start() says so once (replay=True still asks for it).
-        tensor_parallel = "tensor_parallel" in (topo.get("dim_roles") or {}).values()
-        off = ("one rank: no peer to replay on" if self.world_size == 1 else
-               "tensor-parallel mesh: a TP-sharded block is not replayed" if tensor_parallel else None)
+        # Where it stays off by default (off_by_default), start() says so once (replay=True still asks for it).
+        off = ReplayEvidence.off_by_default(self.world_size, self.mode)
         self.replay = ReplayEvidence.start(replay, model=model, optimizer=optimizer, groups=self.groups,
                                            auto_on=self.groups is not None and off is None, off_reason=off)
         self.shard = ShardEvidence.start(shard_evidence, mode=self.mode, model=model, optimizer=optimizer,

@@ -38,8 +38,8 @@ from torch.utils.data import DataLoader
 
 from scout_ckpt.checkpointer import Checkpointer
 from scout_ckpt.errors import ScoutError
-from scout_ckpt.integrations.wrappers import ddp_wrapper_of
 from scout_ckpt.integrations.accelerate_data import DataPosition, TrackedDataLoader
+from scout_ckpt.integrations.wrappers import ddp_wrapper_of
 from scout_ckpt.replay.optimizer_replay import unwrap_optimizer
 from scout_ckpt.save.app_state import ModelOptimizerState, RankLocal, RNGState
 
@@ -98,7 +98,6 @@ class ScoutCheckpointing:
         self.extra = dict(extra or {})
         self.loaders: list[TrackedDataLoader] = []
         self.checkpointer: Checkpointer | None = None
-        self._wrappers: dict[int, torch.nn.Module] = {}   # id(bare model) -> the DDP wrapper prepare returned
         self._closed = False
         # One instance each for the whole run (RankLocal keeps its world mesh); DataPosition reads self.loaders.
         self._data = RankLocal(DataPosition(self.loaders))
@@ -110,20 +109,9 @@ class ScoutCheckpointing:
         """`accelerator.prepare(*args)`, the DataLoaders among the results wrapped so their position is saved.
         Collective where Accelerate's prepare is."""
         out = self.accelerator.prepare(*args, device_placement=device_placement)
-        for o in (out,) if len(args) == 1 else out:
-            self._note_wrapper(o)
         if len(args) == 1:
             return self._wrap(out)
         return tuple(self._wrap(o) for o in out)
-
-    def _note_wrapper(self, obj) -> None:
-        """Accelerate keeps the bare model in `_models` and hands the caller DDP's wrapper of it: remember the
-        wrapper, so that the Checkpointer (and so the observer, which counts DDP's collectives and stamps its
-        steps) gets the module that trains."""
-        inner = getattr(obj, "module", None)
-        if isinstance(obj, torch.nn.Module) and isinstance(inner, torch.nn.Module) and any(
-                inner is m for m in self.accelerator._models):
-            self._wrappers[id(inner)] = obj
 
     def track(self, dataloader) -> TrackedDataLoader:
         """Wrap a DataLoader already returned by `accelerator.prepare`; iterate the result instead."""
@@ -209,8 +197,10 @@ class ScoutCheckpointing:
             _process_group(self.accelerator)
             pairs = self._pairs()
             model, opt = pairs[0] if pairs else (None, None)
-            if model is not None:   # DDP's wrapper: the one ckpt.prepare saw, else found once from the bare model
-                model = self._wrappers.get(id(model)) or ddp_wrapper_of(model) or model
+            # Accelerate keeps the bare model: the Checkpointer (and so the observer, which counts DDP's
+            # collectives and stamps its steps) gets the DDP wrapper that trains
+            if model is not None:
+                model = ddp_wrapper_of(model) or model
             import torch.distributed as dist
 
             options = dict(self.options)
@@ -273,4 +263,3 @@ class ScoutCheckpointing:
 
     def __exit__(self, *exc) -> None:
         self.close()
-

@@ -63,12 +63,9 @@ class TitanEvidence:
             if config.replay:
                 raise ScoutError("replay needs 2 or more ranks")
         else:
-            # on by default at every topology but a tensor-parallel one (as the core Checkpointer)
-            tp = "+tp" in mgr.mode
+            off = ReplayEvidence.off_by_default(mgr.groups.world_size, mgr.mode)   # as the core Checkpointer
             replay = ReplayEvidence.start(config.replay, model=model, optimizer=opt, groups=mgr.groups,
-                                          auto_on=not tp,
-                                          off_reason="tensor-parallel mesh: a TP-sharded block is not replayed"
-                                          if tp else None)
+                                          auto_on=off is None, off_reason=off)
             if replay is not None and replay.runner.save_every is None:
                 replay.runner.save_every = config.interval  # saves fall on TorchTitan's interval: sweep those
         shard = ShardEvidence.start(config.shard_evidence, mode=mgr.mode, model=model, optimizer=opt,

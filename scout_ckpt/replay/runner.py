@@ -66,7 +66,6 @@ from scout_ckpt.replay.stragglers import StragglerRule
 from scout_ckpt.replay.targets import NoTargets, discover, resolve, runs_compiled, sites
 from scout_ckpt.replay.transport import broadcast_each, host, peer_group
 
-
 # A sweep hashes its targets' replayed tensors together, in batches of at least this many bytes (bounded: the
 # tensors of a batch are held until it is hashed; on a large model one batch per target is no loss).
 HASH_BATCH_BYTES = 256 << 20

@@ -34,6 +34,17 @@ class ReplayEvidence:
         self.stepped = False
         self._warned_unstepped = False
 
+    @staticmethod
+    def off_by_default(world_size: int, mode: str) -> str | None:
+        """Why replay stays off by default for this job, or None where it is on (every topology of 2+ ranks).
+        One rank has no peer to replay on; a block sharded by tensor parallelism (a mode with "+tp") computes a
+        shard of its output on each rank, which a replay of the whole block does not reproduce bit for bit."""
+        if world_size < 2:
+            return "one rank: no peer to replay on"
+        if "+tp" in mode:
+            return "tensor-parallel mesh: a TP-sharded block is not replayed"
+        return None
+
     @classmethod
     def start(cls, replay, *, model, optimizer, groups, auto_on: bool,
               off_reason: str | None = None) -> ReplayEvidence | None:
