@@ -10,8 +10,9 @@ and prepared by `accelerate` (DDP on gloo). All keep dropout on.
 
 `--fault-kind` says where the fault strikes: `forward` (the module's output, above), `grad-input` (a full
 backward hook on the module adds 1e-3 to one channel of the gradient it passes to its input: the live backward
-only, the forward untouched) or `grad-param` (a hook on the module's weight adds 1e-3 to its gradient before the
-optimizer sees it).
+only, the forward untouched), `grad-param` (a hook on the module's weight adds 1e-3 to its gradient before the
+optimizer sees it) or `optimizer` (after the optimizer's step, one element of the module's weight -- of this
+rank's shard under FSDP2 -- is 1e-3 off: a wrong update on one rank).
 
 Its own oracle, computed without scout-ckpt: each rank prints the loss of every step and, at every save, the
 sha256 of its model and optimizer state. One JSON record per rank (a `LIVE-FAULT-JOB {...}` line, and
@@ -87,7 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
     ap.add_argument("--model", choices=("mlp", "fsdp", "gpt2"), default="mlp")
-    ap.add_argument("--fault-kind", choices=("forward", "grad-input", "grad-param"), default="forward")
+    ap.add_argument("--fault-kind", choices=("forward", "grad-input", "grad-param", "optimizer"), default="forward")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--save-every", type=int, default=4)
     ap.add_argument("--fault-rank", type=int, default=-1)
@@ -186,8 +187,20 @@ def main() -> None:
                 out[..., 3] += 1e-3
                 return out
             return None
+        def optimizer_fault(optimizer, a, kw):   # after the update: one element of the module's weight off
+            if not grad_fault(step_now[0]):
+                return
+            record(step_now[0])
+            with torch.no_grad():
+                w = target.weight
+                local = w.to_local() if hasattr(w, "to_local") else w
+                if local.numel():
+                    local.view(-1)[0] += 1e-3
+
         target = inner.get_submodule(args.fault_module)
-        if args.fault_kind == "forward":
+        if args.fault_kind == "optimizer":
+            (opt.optimizer if hasattr(opt, "optimizer") else opt).register_step_post_hook(optimizer_fault)
+        elif args.fault_kind == "forward":
             target.register_forward_hook(fault)
         elif args.fault_kind == "grad-input":
             target.register_full_backward_hook(grad_input_fault)
