@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"format"},                            # the on-disk truth: layout, manifest, digests, DCP readers, verify
     {"object_store"},                      # the S3 / fsspec backend of the format
     {"ledger"},                            # the SQLite ledger and the journal beside the data
-    {"ops", "observer", "replay"},         # offline operations on a ROOT; the observer; SDC replay
+    {"ops", "observer", "replay", "fleet"},  # offline operations on a ROOT; the observer; SDC replay; fleet memory
     {"save", "report"},                    # what runs inside a job; the fault timeline
     {"checkpointer"},                      # the facade a training script holds
     {"integrations", "testing"},           # optional framework drop-ins; gloo ranks for tests and benches
