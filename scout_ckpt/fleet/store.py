@@ -36,7 +36,7 @@ CREATE TABLE IF NOT EXISTS verdicts (
     recorded REAL,                -- when it reached the fleet store
     root TEXT, job TEXT, run_id TEXT, step INTEGER, event_id INTEGER,
     kind TEXT NOT NULL,           -- sdc|hang|crash|desync|straggler|health
-    source TEXT,                  -- sdc: replay|consensus|shard_replay|...; observer kinds: observer
+    source TEXT,                  -- sdc: replay|consensus|shard_replay|..., observer kinds: observer
     class TEXT,                   -- persistent|transient|not_hardware (triage), NULL: not triaged
     rank INTEGER,
     host TEXT, local_rank INTEGER, device TEXT, uuid TEXT, serial TEXT,   -- NULL for not_hardware
