@@ -19,6 +19,7 @@ runs with on_live_fault="continue" so that the job ends normally whatever its sa
 import argparse
 import datetime
 import json
+import logging
 import os
 import random
 from pathlib import Path
@@ -79,6 +80,7 @@ def main():
     ap.add_argument("--on-suspect", default="warn")
     args = ap.parse_args()
 
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
