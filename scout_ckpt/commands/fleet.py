@@ -9,7 +9,8 @@ from pathlib import Path
 
 from scout_ckpt.commands.output import console, emit, escape
 from scout_ckpt.errors import BadInput
-from scout_ckpt.fleet import operator, suspects as rule
+from scout_ckpt.fleet import operator
+from scout_ckpt.fleet import suspects as rule
 
 FORMATS = ("slurm", "k8s")
 

@@ -35,13 +35,13 @@ def cpu_device(host: str, local_rank: int | None) -> str:
 def _nvml(index: int) -> dict:
     """{"uuid", "serial", "name"} of GPU `index` (the CUDA device of this local rank), {} without NVML."""
     try:
-        import pynvml as nv
+        import pynvml as nv  # type: ignore[import-untyped]
 
         nv.nvmlInit()
         if index >= nv.nvmlDeviceGetCount():
             return {}
         h = nv.nvmlDeviceGetHandleByIndex(index)
-        out = {"uuid": _text(nv.nvmlDeviceGetUUID(h)), "name": _text(nv.nvmlDeviceGetName(h))}
+        out: dict[str, str | None] = {"uuid": _text(nv.nvmlDeviceGetUUID(h)), "name": _text(nv.nvmlDeviceGetName(h))}
         try:
             out["serial"] = _text(nv.nvmlDeviceGetSerial(h))
         except Exception:  # noqa: BLE001 - consumer boards have no serial (NVMLError_NotSupported)

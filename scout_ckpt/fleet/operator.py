@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from scout_ckpt.errors import BadInput, NotFound
-from scout_ckpt.fleet import records, suspects as rule
+from scout_ckpt.fleet import records
+from scout_ckpt.fleet import suspects as rule
 from scout_ckpt.fleet.recorder import sync_root
 from scout_ckpt.fleet.store import FleetStore, configured
 from scout_ckpt.options import FLEET_ENV

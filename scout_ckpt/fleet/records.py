@@ -33,15 +33,16 @@ def _class(detail: dict, rank: int) -> str | None:
     return c if c in CLASSES else None
 
 
-def from_events(root: str, events: list[dict], places: dict[tuple[str, int], dict]) -> list[dict]:
+def from_events(root: str, events: list[dict], places: dict[tuple[str | None, int], dict]) -> list[dict]:
     """Pure: ledger events (decoded: "ranks" a list, "detail" a dict) -> fleet records. `places`: (run_id, rank)
     -> the run_ranks row ({"host", "local_rank", "device": identity dict or None})."""
     out = []
     for e in events:
         if e.get("kind") not in KINDS or not e.get("ranks"):
             continue
-        detail = e.get("detail") if isinstance(e.get("detail"), dict) else {}
-        devices = detail.get("devices") if isinstance(detail.get("devices"), dict) else {}
+        raw = e.get("detail")
+        detail: dict = raw if isinstance(raw, dict) else {}
+        devices: dict = detail["devices"] if isinstance(detail.get("devices"), dict) else {}
         for rank in e["ranks"]:
             cls = _class(detail, rank)
             place = places.get((e.get("run_id"), rank)) or {}
@@ -75,7 +76,7 @@ def read_root(root: str | Path, after: int = 0) -> tuple[list[dict], int]:
     with Ledger.open(root, readonly=True) as led:
         events = [e for e in led.events(KINDS) if int(e["id"]) > after]
         last = max([after] + [int(e["id"]) for e in events])
-        places: dict[tuple[str, int], dict] = {}
+        places: dict[tuple[str | None, int], dict] = {}
         for run in {e.get("run_id") for e in events if e.get("run_id")}:
             for p in led.rank_places(run):
                 places[(run, p["rank"])] = p

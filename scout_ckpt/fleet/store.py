@@ -24,6 +24,7 @@ from typing import Iterator
 from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger import fsdetect
 from scout_ckpt.options import FLEET_ENV
+
 JOB_BUSY_TIMEOUT_S = 2.0       # a job's recorder: a busy store is retried at its next round
 CLI_BUSY_TIMEOUT_S = 10.0
 

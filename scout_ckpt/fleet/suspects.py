@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from typing import Any
 
 KIND_WEIGHT = {"sdc": 3.0, "crash": 2.0, "hang": 2.0, "health": 2.0, "desync": 1.0, "straggler": 0.5}
 CLASS_WEIGHT = {"persistent": 2.0, None: 1.0, "transient": 0.25}
@@ -34,7 +35,7 @@ def rank(rows: list[dict], *, min_score: float = 0.0) -> list[dict]:
         if r.get("class") == "not_hardware" or not r.get("device"):
             continue
         by_device[r["device"]].append(r)
-    out = []
+    out: list[dict[str, Any]] = []
     for device, rs in by_device.items():
         jobs = sorted({str(r.get("job")) for r in rs})
         counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))

@@ -34,7 +34,7 @@ MAX_RANKS = 4
 RUNS = 2   # executions of the work on each of the two ranks
 
 
-def classify(on_rank: list, on_other: list) -> str | None:
+def classify(on_rank: list[tuple | None], on_other: list[tuple | None]) -> str | None:
     """Pure: `on_rank` and `on_other` are the signatures of RUNS executions of the same work on the attributed
     rank and on the other rank (None for an execution that failed). The class, or None when a run failed."""
     if any(s is None for s in on_rank + on_other) or not on_rank or not on_other:
@@ -63,14 +63,14 @@ def _digest(sigs) -> tuple:
     return tuple(int(v) for v in sigs.reshape(-1).tolist())
 
 
-def _runs(recipe: str, cap, payload, deterministic: bool, optimizer) -> list:
-    out = []
+def _runs(recipe: str, cap, payload, deterministic: bool, optimizer) -> list[tuple | None]:
+    out: list[tuple | None] = []
     for _ in range(RUNS):
         try:
             _, tensors = replay_target(recipe, cap, payload, deterministic, optimizer)
             out.append(_digest(replica_signatures(tensors)))
         except Exception as e:  # noqa: BLE001 - every peer must still reach the gather below
-            warnings.warn(f"triage replay failed: {e!r}")
+            warnings.warn(f"triage replay failed: {e!r}", stacklevel=2)
             out.append(None)
     return out
 
@@ -78,7 +78,7 @@ def _runs(recipe: str, cap, payload, deterministic: bool, optimizer) -> list:
 def after_round(runner, step: int, work: list, results: list[list], rows: list[dict]) -> None:
     """Classify the attributed ranks of this round's module rows, in place (row["detail"]["triage"]).
     `work[k]` = (index, target, capture), `results[k][3]` the source's payload as this peer received it."""
-    todo = []   # (k, R, own): own = R's own capture (a self-check disagreement)
+    todo: list[tuple[int, int, bool]] = []   # (k, R, own): own = R's own capture (a self-check disagreement)
     for k, row in enumerate(rows):
         if row["status"] != "ATTRIBUTED" or row["recipe"] == "optimizer" or len(runner.peers) < 2:
             continue
@@ -105,10 +105,10 @@ def after_round(runner, step: int, work: list, results: list[list], rows: list[d
     for n, (k, r, own) in enumerate(todo):
         q = other_rank(r, runner.peers, nodes, set(rows[k]["ranks"]))
         on_rank = (by_rank.get(r) or {}).get(n) or []
-        on_other = (by_rank.get(q) or {}).get(n) or []
+        on_other = (by_rank.get(q) or {}).get(n) or [] if q is not None else []
         cls = classify(on_rank, on_other)
         tri = rows[k]["detail"].setdefault("triage", {"ranks": {}})
-        tri["ranks"][str(r)] = {"class": cls, "other": q, "other_node": nodes.get(q),
+        tri["ranks"][str(r)] = {"class": cls, "other": q, "other_node": None if q is None else nodes.get(q),
                                 "work": "own capture" if own else "source capture"}
     for row in rows:
         tri = row["detail"].get("triage")
