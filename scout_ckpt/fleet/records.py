@@ -74,6 +74,8 @@ def read_root(root: str | Path, after: int = 0) -> tuple[list[dict], int]:
 
     key = root_key(root)
     with Ledger.open(root, readonly=True) as led:
+        if led.last_event_id() <= after:   # nothing new: the common round of a job's recorder, one small query
+            return [], after
         events = [e for e in led.events(KINDS) if int(e["id"]) > after]
         last = max([after] + [int(e["id"]) for e in events])
         places: dict[tuple[str | None, int], dict] = {}
