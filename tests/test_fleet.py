@@ -354,3 +354,26 @@ def test_fleet_import_of_a_missing_root_exits_2(tmp_path):
 def test_fleet_import_without_a_root_exits_2(tmp_path):
     rc, _, err = run_cli("fleet", "import", "--fleet", tmp_path / "f.db")
     assert (rc, len(err.strip().splitlines())) == (2, 1)
+
+
+def test_an_event_naming_a_rank_records_its_device(tmp_path):
+    root = _root(tmp_path)
+    with Ledger.open(root, readonly=True) as led:
+        (e,) = led.events(("sdc",))
+    assert e["detail"]["devices"]["1"]["device"] == "node-a:cpu1"
+
+
+def test_a_run_without_device_identity_is_named_by_host_and_local_rank():
+    from scout_ckpt.fleet.records import from_events
+
+    events = [{"id": 7, "kind": "hang", "ranks": [3], "run_id": "r", "step": 9, "time": 1.0, "detail": {}}]
+    (rec,) = from_events("/ckpt/a", events, {("r", 3): {"host": "old-host", "local_rank": 1, "device": None}})
+    assert (rec["device"], rec["job"], rec["source"]) == ("old-host:cpu1", "/ckpt/a", "observer")
+
+
+def test_events_that_name_no_rank_or_no_hardware_kind_are_not_fleet_records():
+    from scout_ckpt.fleet.records import from_events
+
+    events = [{"id": 1, "kind": "hang", "ranks": [], "run_id": "r", "detail": {}},
+              {"id": 2, "kind": "quarantine", "ranks": [0], "run_id": "r", "detail": {}}]
+    assert from_events("/ckpt/a", events, {}) == []
