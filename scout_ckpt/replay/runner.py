@@ -456,7 +456,7 @@ class ReplayRunner:
                                                 self.grad_notes.get(target[1])))
         # triage (replay/triage.py): an attributed rank's work executed again on it and on another rank, and the
         # row's detail classified persistent / transient / not_hardware; no collective when nothing is attributed
-        triage.after_round(self, step, work, results, found)
+        triage.after_round(self, step, found, {t[1]: (t, cap, res[3]) for (_, t, cap), res in zip(work, results)})
         return found
 
     def _sign(self, step: int, work: list, results: list[list], pending: list[int]) -> None:

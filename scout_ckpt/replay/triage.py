@@ -3,8 +3,8 @@
 When a round attributes a module target to a rank R (its replay disagreed with the majority, or its live step
 with its own replay), the disagreeing work is executed again with the same captured inputs and parameters: twice
 on R, and twice on another peer Q (on another node where the job has one, named by torchrun's GROUP_RANK). The
-work is the source's capture for a cross-check disagreement (every peer already holds it) and R's own capture for
-a self-check one (R sends it). Exact signatures (consensus.signatures) of the four results decide (`classify`):
+work is the source's capture for a broadcast round's cross-check disagreement (every peer already holds it), and
+R's own capture for a self-check disagreement or a ring row (R sends it). Exact signatures (consensus.signatures) of the four results decide (`classify`):
 
 - Q gives two different answers to the same work: the disagreement is reproduced off R, by a rank the round did
   not blame: numerics or data (a nondeterministic layer), `not_hardware`;
@@ -75,28 +75,30 @@ def _runs(recipe: str, cap, payload, deterministic: bool, optimizer) -> list[tup
     return out
 
 
-def after_round(runner, step: int, work: list, results: list[list], rows: list[dict]) -> None:
-    """Classify the attributed ranks of this round's module rows, in place (row["detail"]["triage"]).
-    `work[k]` = (index, target, capture), `results[k][3]` the source's payload as this peer received it."""
-    todo: list[tuple[int, int, bool]] = []   # (k, R, own): own = R's own capture (a self-check disagreement)
+def after_round(runner, step: int, rows: list[dict], items: dict[str, tuple], own_capture: bool = False) -> None:
+    """Classify the attributed ranks of a round's module rows, in place (row["detail"]["triage"]). `items`:
+    target name -> (target, this rank's capture, the payload this rank replayed in the round: the source's
+    capture, or None). `own_capture`: the disagreeing work is always the attributed rank's own capture (the
+    ring's rows); else it is for a self-check disagreement, and the source's capture otherwise."""
+    todo: list[tuple[int, int, bool]] = []   # (row index, R, own)
     for k, row in enumerate(rows):
-        if row["status"] != "ATTRIBUTED" or row["recipe"] == "optimizer" or len(runner.peers) < 2:
+        if row["status"] != "ATTRIBUTED" or row["recipe"] == "optimizer" or row["target"] not in items \
+                or len(runner.peers) < 2:
             continue
         failed = set(live_step.self_failed(row["detail"]))
         for r in row["ranks"]:
             if len(todo) < MAX_RANKS and r in runner.peers:
-                todo.append((k, r, r in failed))
+                todo.append((k, r, own_capture or r in failed or items[row["target"]][2] is None))
     if not todo:
         return
     nodes = _nodes(runner.group, runner.peers)
     mine: dict[int, list] = {}
     for n, (k, r, own) in enumerate(todo):
-        _, target, cap = work[k]
+        target, cap, payload = items[rows[k]["target"]]
         q = other_rank(r, runner.peers, nodes, set(rows[k]["ranks"]))
-        payload = results[k][3]
         if own:   # R's own capture: only R holds it
             inv = getattr(cap, "invocation", None) if runner.rank == r else None
-            payload = broadcast_payload(host(inv) if runner.rank == r else None, r, runner.group)
+            payload = broadcast_payload(host(inv) if inv is not None else None, r, runner.group)
         if runner.rank in (r, q) and payload is not None:
             mine[n] = _runs(target[0], cap, payload, runner.deterministic, runner.optimizer)
     everyone: list = [None] * len(runner.peers)
@@ -106,9 +108,9 @@ def after_round(runner, step: int, work: list, results: list[list], rows: list[d
         q = other_rank(r, runner.peers, nodes, set(rows[k]["ranks"]))
         on_rank = (by_rank.get(r) or {}).get(n) or []
         on_other = (by_rank.get(q) or {}).get(n) or [] if q is not None else []
-        cls = classify(on_rank, on_other)
         tri = rows[k]["detail"].setdefault("triage", {"ranks": {}})
-        tri["ranks"][str(r)] = {"class": cls, "other": q, "other_node": None if q is None else nodes.get(q),
+        tri["ranks"][str(r)] = {"class": classify(on_rank, on_other), "other": q,
+                                "other_node": None if q is None else nodes.get(q),
                                 "work": "own capture" if own else "source capture"}
     for row in rows:
         tri = row["detail"].get("triage")
