@@ -377,3 +377,35 @@ def test_events_that_name_no_rank_or_no_hardware_kind_are_not_fleet_records():
     events = [{"id": 1, "kind": "hang", "ranks": [], "run_id": "r", "detail": {}},
               {"id": 2, "kind": "quarantine", "ranks": [0], "run_id": "r", "detail": {}}]
     assert from_events("/ckpt/a", events, {}) == []
+
+
+def _row(status, ranks, pairs=None):
+    detail = {"ring": {"failed_pairs": pairs}} if pairs is not None else {}
+    return {"status": status, "ranks": ranks, "recipe": "block", "target": "layers.1", "detail": detail}
+
+
+def test_triage_runs_an_attributed_rows_ranks():
+    from scout_ckpt.replay.triage import suspects as triaged
+
+    assert triaged(_row("ATTRIBUTED", [2])) == [2]
+
+
+def test_triage_runs_the_disputed_rank_when_every_ring_pair_disagrees():
+    from scout_ckpt.replay.triage import suspects as triaged
+
+    assert triaged(_row("INCONCLUSIVE", [], [[2, 0, "output"], [0, 1, "output"], [1, 2, "output"]])) == [2]
+
+
+def test_triage_leaves_two_ranks_accusing_each_other():
+    from scout_ckpt.replay.triage import suspects as triaged
+
+    assert triaged(_row("INCONCLUSIVE", [], [[1, 0, "output"], [0, 1, "output"]])) == []
+
+
+def test_an_inconclusive_event_is_recorded_for_the_rank_triage_ran():
+    from scout_ckpt.fleet.records import from_events
+
+    detail = {"source": "replay", "triage": {"class": "not_hardware", "ranks": {"2": {"class": "not_hardware"}}}}
+    events = [{"id": 1, "kind": "sdc", "ranks": [], "run_id": "r", "step": 4, "time": 1.0, "detail": detail}]
+    (rec,) = from_events("/ckpt/a", events, {("r", 2): {"host": "h", "local_rank": 2, "device": None}})
+    assert (rec["rank"], rec["class"], rec["device"]) == (2, "not_hardware", None)

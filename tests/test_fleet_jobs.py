@@ -90,7 +90,7 @@ def test_persistent_in_two_jobs_transient_once_healthy_never(tmp_path, request):
 
 def test_a_layer_no_rank_reproduces_is_not_hardware_and_lists_no_device(tmp_path):
     store, root = tmp_path / "fleet.db", tmp_path / "job-n"
-    r = one_host_job(root, store, "node-c", "job-n", "--fault", "numerics")
+    r = one_host_job(root, store, "node-c", "job-n", "--fault", "numerics", nproc=3)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((root / "fault.json").read_text())["kind"] == "numerics"
     _, out, _ = run_cli("suspects", "--json", "--fleet", store, check_rc=0)

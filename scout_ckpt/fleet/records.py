@@ -38,12 +38,15 @@ def from_events(root: str, events: list[dict], places: dict[tuple[str | None, in
     -> the run_ranks row ({"host", "local_rank", "device": identity dict or None})."""
     out = []
     for e in events:
-        if e.get("kind") not in KINDS or not e.get("ranks"):
+        if e.get("kind") not in KINDS:
             continue
         raw = e.get("detail")
         detail: dict = raw if isinstance(raw, dict) else {}
         devices: dict = detail["devices"] if isinstance(detail.get("devices"), dict) else {}
-        for rank in e["ranks"]:
+        # an inconclusive replay row names no rank; the rank its triage ran again stands in (replay/triage.py)
+        triaged = (detail.get("triage") or {}).get("ranks") if isinstance(detail.get("triage"), dict) else None
+        ranks = e.get("ranks") or sorted(int(r) for r in (triaged or {}))
+        for rank in ranks:
             cls = _class(detail, rank)
             place = places.get((e.get("run_id"), rank)) or {}
             ident = devices.get(str(rank)) or place.get("device") or {}
@@ -61,6 +64,7 @@ def from_events(root: str, events: list[dict], places: dict[tuple[str | None, in
                               if k in detail}}
             if cls == "not_hardware":   # the other rank reproduced it: no device is to blame; where it ran, kept apart
                 rec["detail"]["ran_on"] = hw
+                rec.update(dict.fromkeys(hw))
             else:
                 rec.update(hw)
             out.append(rec)

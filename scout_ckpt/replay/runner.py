@@ -289,6 +289,9 @@ class ReplayRunner:
                     found = ring.run(step, ringed, peers=self.peers, group=self.group, words=words,
                                      targets=self._targets, offset=1, deterministic=self.deterministic,
                                      gather=self._gather)
+                    # triage (replay/triage.py): an attributed rank's own capture executed again, on it and another
+                    triage.after_round(self, step, found, {t[1]: (t, cap, None) for t, cap in ringed},
+                                       own_capture=True)
                     for (t, _), row in zip(ringed, found):
                         self._timing(step, t, {int(r): d for r, d in row["detail"]["durations"].items()})
                         row["detail"].update(live_step.grads_detail(self.grad_notes.get(t[1]) or []))

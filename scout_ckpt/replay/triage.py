@@ -59,6 +59,19 @@ def other_rank(rank: int, peers: list[int], nodes: dict[int, int | None], avoid:
     return None
 
 
+def suspects(row: dict) -> list[int]:
+    """Pure: the ranks of a round's row whose work triage runs again. An ATTRIBUTED row's ranks; a ring row in
+    which several pairs disagree and none is named (every rank's live step disputed: several faults at once, or a
+    layer no rank reproduces) the rank whose live step the first disagreeing pair disputes. Two ranks that accuse
+    each other name no one (INCONCLUSIVE, no ranks): with two, hardware on either side is the same observation."""
+    if row["status"] == "ATTRIBUTED":
+        return list(row["ranks"])
+    pairs = ((row.get("detail") or {}).get("ring") or {}).get("failed_pairs") or []
+    if row["status"] == "INCONCLUSIVE" and not row["ranks"] and len(pairs) >= 3:
+        return [pairs[0][0]]
+    return []
+
+
 def _digest(sigs) -> tuple:
     return tuple(int(v) for v in sigs.reshape(-1).tolist())
 
@@ -82,11 +95,10 @@ def after_round(runner, step: int, rows: list[dict], items: dict[str, tuple], ow
     ring's rows); else it is for a self-check disagreement, and the source's capture otherwise."""
     todo: list[tuple[int, int, bool]] = []   # (row index, R, own)
     for k, row in enumerate(rows):
-        if row["status"] != "ATTRIBUTED" or row["recipe"] == "optimizer" or row["target"] not in items \
-                or len(runner.peers) < 2:
+        if row["recipe"] == "optimizer" or row["target"] not in items or len(runner.peers) < 2:
             continue
         failed = set(live_step.self_failed(row["detail"]))
-        for r in row["ranks"]:
+        for r in suspects(row):
             if len(todo) < MAX_RANKS and r in runner.peers:
                 todo.append((k, r, own_capture or r in failed or items[row["target"]][2] is None))
     if not todo:
