@@ -1,7 +1,8 @@
-"""Triage of an attributed replay row: is the disagreement the rank's hardware, now or for good, or not hardware?
+"""Triage of a disputed replay row: is the disagreement the rank's hardware, now or for good, or not hardware?
 
-When a round attributes a module target to a rank R (its replay disagreed with the majority, or its live step
-with its own replay), the disagreeing work is executed again with the same captured inputs and parameters: twice
+When a round attributes a module target to a rank R (the ring's two disagreeing pairs around it, its replay
+disagreeing with the majority, or its live step with its own replay), or a ring round finds every pair in
+disagreement (`suspects`), the disputed work is executed again with the same captured inputs and parameters: twice
 on R, and twice on another peer Q (on another node where the job has one, named by torchrun's GROUP_RANK). The
 work is the source's capture for a broadcast round's cross-check disagreement (every peer already holds it), and
 R's own capture for a self-check disagreement or a ring row (R sends it). Exact signatures (consensus.signatures) of the four results decide (`classify`):
@@ -13,8 +14,8 @@ R's own capture for a self-check disagreement or a ring row (R sends it). Exact 
 
 Collective over the round's peer group; every peer calls `after_round` with the same rows (they are identical on
 every peer) and ends with the same classes in them. Never raises: a replay that fails leaves its rank's class
-unset (the row keeps its attribution). Runs only when a round attributed a module target, at most MAX_RANKS
-ranks per round.
+unset (the row keeps its attribution). Runs only when a round disputes a rank on a module target, at most
+MAX_RANKS ranks per round.
 """
 
 from __future__ import annotations
