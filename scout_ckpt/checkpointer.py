@@ -31,7 +31,14 @@ from scout_ckpt.errors import ScoutError
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
 from scout_ckpt.ops.startup import StartRefused, open_run_ledger
-from scout_ckpt.options import LocalTierOptions, ObserverOptions, ReplayOptions, ShardEvidenceOptions, StorageOptions
+from scout_ckpt.options import (
+    FleetOptions,
+    LocalTierOptions,
+    ObserverOptions,
+    ReplayOptions,
+    ShardEvidenceOptions,
+    StorageOptions,
+)
 from scout_ckpt.save import commit, placement, run_facts
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.app_state import RankLocal
@@ -72,7 +79,10 @@ class Checkpointer:
     at save), `timeout_s` (the side groups' timeout), `fault_hook(point, step)` (tests and the demo: called at
     before_write, during_write, after_write, before_rename, after_rename, retention (coordinator), after_commit,
     and after_load). `on_live_fault` ("raise", the default, or "continue"): what a save whose evidence shows the
-    live state bad does (LiveStateCorrupt, see `save`).
+    live state bad does (LiveStateCorrupt, see `save`). `fleet` (FleetOptions, a path or a dict; None:
+    SCOUT_CKPT_FLEET, else off; False: off): the fleet record shared by jobs (docs/fleet.md): at start each rank
+    checks whether its device is a persistent suspect there (`on_suspect`), and the coordinator's recorder thread
+    appends this run's attributed verdicts with the hardware they name.
 
     Opening a Checkpointer on a ROOT where another process is saving leaves that save alone: start-up settles
     only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile). A ledger lost beside
@@ -98,7 +108,8 @@ class Checkpointer:
                  on_live_fault: str = "raise",
                  storage: StorageOptions | None = None, ledger_journal: str | None = None,
                  ledger_dir: str | os.PathLike | None = None, storage_options: dict | None = None,
-                 local: LocalTierOptions | dict | None = None):
+                 local: LocalTierOptions | dict | None = None,
+                 fleet: FleetOptions | dict | str | os.PathLike | bool | None = None):
         # Every option is checked here, the same on every rank, before anything collective (options.py).
         replay, observer = options.as_replay(replay), options.as_observer(observer)
         shard_evidence, local = options.as_shard_evidence(shard_evidence), options.as_local(local)
@@ -106,8 +117,13 @@ class Checkpointer:
                                      ledger_journal=ledger_journal)
         options.check_scalars(keep=keep, timeout_s=timeout_s, on_live_fault=on_live_fault,
                               consensus_exclude=consensus_exclude)
+        fleet = options.as_fleet(fleet)
         if not dist.is_initialized():
             raise ScoutError("Checkpointer needs an initialized default process group (init_process_group)")
+        if fleet is not None:   # before any collective: a rank on a persistent suspect device may exit here
+            from scout_ckpt.fleet.startup import check_this_rank
+
+            check_this_rank(fleet, dist.get_rank())
         # "auto" | "wal" | "delete" (ledger/fsdetect.py); checked on every rank before anything collective
         self.ledger_journal = fsdetect.resolve_mode(storage.ledger_journal)
         self.model, self.optimizer = model, optimizer
@@ -184,6 +200,11 @@ class Checkpointer:
             self.replay.bind(ledger=self.ledger, root=self.root, run_id=self.run_id, policy=self.policy,
                              is_coordinator=self.is_coordinator)
         placement.record(self.ledger, self.run_id, self.rank, self._pg)   # host / node / local rank of every rank
+        self._fleet = None
+        if fleet is not None and self.is_coordinator:   # the fleet record, from a thread of its own (docs/fleet.md)
+            from scout_ckpt.fleet.recorder import FleetRecorder
+
+            self._fleet = FleetRecorder(fleet.path, self.root, fleet.interval_s)
         self._committer = commit.Committer(
             self.root, self.run_id, self.rank, self.ledger, keep=keep, hook=_hook_or_noop(fault_hook), store=self.store,
             manifest_fields={"world_size": self.world_size, "topology": self.topology, "policy": self.policy,
@@ -425,6 +446,8 @@ class Checkpointer:
                           run_id=self.run_id)
         scout_log.save_verdict(self.rank, pending.step, verdict, time.monotonic() - self._save_started,
                                [k for k in self.policy["require"]])
+        if self._fleet is not None:
+            self._fleet.nudge()   # the save's events reach the fleet store now, from the recorder's thread
         self._hook("after_commit", pending.step)
         return verdict
 
@@ -507,6 +530,8 @@ class Checkpointer:
                 self.shard.close()
             if self.observer is not None:
                 self.observer.stop()
+            if self._fleet is not None:
+                self._fleet.close()
             if self.ledger is not None:
                 self.ledger.close()
             if self.local is not None:   # last: everything above is released even if its wait raises again

@@ -16,6 +16,7 @@ from typing import List, Optional
 
 import typer
 
+from scout_ckpt.commands import fleet as fleet_cmds
 from scout_ckpt.commands import maintain, read
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.integrations import folders as _folders  # noqa: F401  registers the Trainer's checkpoint-N layout
@@ -26,6 +27,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Certified checkpoints for torch.distributed.checkpoint: resume only from known-good state.")
 ledger_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Ledger maintenance.")
 app.add_typer(ledger_app, name="ledger")
+fleet_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The fleet record shared by jobs.")
+app.add_typer(fleet_app, name="fleet")
 
 JSON_OPT = typer.Option(False, "--json", help="Print one JSON document on stdout.")
 
@@ -180,6 +183,31 @@ def ledger_rebuild_cmd(root: Path = typer.Argument(...),
     rebuilt from the --local-dir directories: certified only where the old ledger certified them and every
     rank's file is found and matches its recorded digest."""
     _exit(maintain.ledger_rebuild(root, no_verify, uri, as_json, local_dir))
+
+
+# ---- fleet -----------------------------------------------------------------------------------------------------
+
+FLEET_OPT = typer.Option(None, "--fleet", help="The fleet store (default: $SCOUT_CKPT_FLEET).")
+
+
+@app.command("suspects")
+def suspects_cmd(since: Optional[str] = typer.Option(None, "--since", help="Only verdicts since T: 7d, 12h, an ISO "
+                                                     "date or time (UTC), or epoch seconds."),
+                 min_score: float = typer.Option(0.0, "--min-score", help="Leave out devices scoring below S."),
+                 fmt: Optional[str] = typer.Option(None, "--format", help="slurm|k8s: print (never run) the drain "
+                                                   "commands for the persistent suspects' hosts."),
+                 explain: Optional[str] = typer.Option(None, "--explain", help="The verdicts behind DEVICE, each "
+                                                       "with its ROOT and step."),
+                 store: Optional[Path] = FLEET_OPT, as_json: bool = JSON_OPT):
+    """Devices ranked by the attributed verdicts of every job in the fleet store, most suspect first."""
+    _exit(fleet_cmds.suspects(store, since, min_score, as_json, fmt, explain))
+
+
+@fleet_app.command("import")
+def fleet_import_cmd(roots: List[Path] = typer.Argument(..., help="Checkpoint roots whose history to bring in."),
+                     store: Optional[Path] = FLEET_OPT, as_json: bool = JSON_OPT):
+    """Bring the attributed verdicts recorded in ROOTs' ledgers into the fleet store (idempotent)."""
+    _exit(fleet_cmds.fleet_import(store, roots, as_json))
 
 
 # ---- entry point -----------------------------------------------------------------------------------------------

@@ -313,6 +313,55 @@ class LocalTierOptions:
         _positive("local", "replicas", self.replicas, integer=True, allow_zero=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class FleetOptions:
+    """The fleet record (docs/fleet.md): attributed verdicts, with the hardware they name, appended to a store
+    shared by jobs, from a background thread of the coordinator."""
+
+    path: str = ""
+    """The fleet store: an SQLite file on a filesystem every job can reach (created when missing; its directory
+    must exist)."""
+    interval_s: float = 2.0
+    """Seconds between the recorder's rounds (a save's verdict is copied at once)."""
+    on_suspect: str = "warn"
+    """At start-up, a rank whose device is a persistent suspect in the store: "warn" (an ERROR line naming the
+    evidence) or "exit" (the same line, then the process exits with EXIT_SUSPECT_DEVICE, which a launcher maps
+    to "replace this node")."""
+
+    def __post_init__(self):
+        if hasattr(self.path, "__fspath__"):
+            object.__setattr__(self, "path", str(self.path))
+        if not isinstance(self.path, str) or not self.path:
+            raise BadOption(f"fleet.path must be a non-empty path (got {self.path!r})")
+        _positive("fleet", "interval_s", self.interval_s)
+        _choice("fleet", "on_suspect", self.on_suspect, ("warn", "exit"))
+
+
+# The exit code of a rank that refuses to train on a persistent suspect device (fleet.on_suspect="exit"): not
+# 0, 1, 2 (the CLI's), 130 (interrupted) or a signal's 128+N; a launcher or scheduler maps it to "replace this node".
+EXIT_SUSPECT_DEVICE = 87
+FLEET_ENV = "SCOUT_CKPT_FLEET"
+
+
+def as_fleet(value, environ: Mapping[str, str] | None = None) -> FleetOptions | None:
+    """`fleet=`: None (SCOUT_CKPT_FLEET names the store, else off), False (off, whatever the environment), a path,
+    a dict, FleetOptions."""
+    import os
+
+    if value is False:
+        return None
+    if value is None:
+        env = (os.environ if environ is None else environ).get(FLEET_ENV)
+        return FleetOptions(path=env) if env else None
+    if isinstance(value, FleetOptions):
+        return value
+    if isinstance(value, str) or hasattr(value, "__fspath__"):
+        return FleetOptions(path=str(value))
+    if isinstance(value, Mapping):
+        return _from_mapping(FleetOptions, "fleet", value)
+    raise BadOption(f"fleet must be None, False, a path, a FleetOptions or a dict (got {type(value).__name__})")
+
+
 # ---- the old spellings, converted in one place ----------------------------------------------------------------
 
 def _switch(name: str, cls, value, **nested):

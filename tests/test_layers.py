@@ -6,7 +6,7 @@ module may take part in an import cycle, inside a wing or across wings. docs/des
 the layers; a change that needs an upward import registers what it adds with the lower layer instead (as the
 Hugging Face folder layout does with format/layout.py).
 
-The read-only commands (ls, explain, resume, report) never import torch: from each command's function in cli.py,
+The read-only commands (ls, explain, resume, report, suspects) never import torch: from each command's function in cli.py,
 every package function or class it may call is followed (names bound by imports, module-level or lazy, and the
 module's own definitions; a class counts with all its methods), and neither the imports those functions make nor
 what their modules import when loaded may reach torch. An over-approximation (a branch not taken still counts),
@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"format"},                            # the on-disk truth: layout, manifest, digests, DCP readers, verify
     {"object_store"},                      # the S3 / fsspec backend of the format
     {"ledger"},                            # the SQLite ledger and the journal beside the data
-    {"ops", "observer", "replay"},         # offline operations on a ROOT; the observer; SDC replay
+    {"ops", "observer", "replay", "fleet"},  # offline operations on a ROOT; the observer; SDC replay; fleet memory
     {"save", "report"},                    # what runs inside a job; the fault timeline
     {"checkpointer"},                      # the facade a training script holds
     {"integrations", "testing"},           # optional framework drop-ins; gloo ranks for tests and benches
@@ -188,7 +188,7 @@ def test_the_checker_sees_a_cycle_and_an_upward_import():
 
 # ---- the read-only commands never import torch -----------------------------------------------------------------
 
-READ_ONLY_COMMANDS = ("ls", "explain", "resume", "report")
+READ_ONLY_COMMANDS = ("ls", "explain", "resume", "report", "suspects")
 
 
 def _outside_functions(nodes):

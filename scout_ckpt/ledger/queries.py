@@ -113,16 +113,23 @@ class LedgerQueries(LedgerConnection):
     # ---- where ranks ran ------------------------------------------------------------------------------------
 
     def rank_places(self, run_id: str | None, ranks: list[int] | None = None) -> list[dict]:
-        """[{"rank", "host", "node_rank", "local_rank", "pid"}] of a run, all ranks or the given ones; [] for a
-        ledger written before run_ranks existed."""
+        """[{"rank", "host", "node_rank", "local_rank", "pid", "device"}] of a run, all ranks or the given ones
+        ("device": the rank's hardware identity, fleet/identity.py, None where not recorded); [] for a ledger
+        written before run_ranks existed."""
         if run_id is None or not self._has_table("run_ranks"):
             return []
-        sql = "SELECT rank, host, node_rank, local_rank, pid FROM run_ranks WHERE run_id=?"
+        sql = "SELECT rank, host, node_rank, local_rank, pid, detail FROM run_ranks WHERE run_id=?"
         params: list = [run_id]
         if ranks is not None:
             sql += f" AND rank IN ({','.join('?' * len(ranks))})"
             params += list(ranks)
-        return self._query(sql + " ORDER BY rank", params)
+        rows = self._query(sql + " ORDER BY rank", params)
+        for r in rows:
+            try:
+                r["device"] = json.loads(r.pop("detail") or "{}").get("device")
+            except (ValueError, AttributeError):
+                r["device"] = None
+        return rows
 
     # ---- events and replays --------------------------------------------------------------------------------
 

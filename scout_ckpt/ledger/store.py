@@ -211,12 +211,16 @@ class Ledger(LedgerQueries):
                   detail: dict | None = None, run_id: str | None = None, when: float | None = None) -> int:
         """One event. Where the run recorded its ranks' places (record_ranks) and the detail does not say, the
         event's detail gains "nodes": {rank: "host/node N/local L"} for its ranks, so `report` names the node of
-        a dead or hung rank in a multi-node job."""
+        a dead or hung rank in a multi-node job, and "devices": {rank: {"host", "local_rank", "device", "uuid",
+        "serial", "job"}}."""
         detail = dict(detail or {})
         if ranks and "nodes" not in detail:
             places = self.rank_places(run_id, sorted(ranks))
             if places:
                 detail["nodes"] = {str(p["rank"]): place_text(p) for p in places}
+                devices = {str(p["rank"]): p["device"] for p in places if p.get("device")}
+                if devices:   # the hardware each named rank ran on (fleet/identity.py): what an operator drains
+                    detail["devices"] = devices
         with self.write():
             return self.db["events"].insert({
                 "time": when if when is not None else time.time(), "run_id": run_id, "kind": kind, "step": step,

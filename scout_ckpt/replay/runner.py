@@ -58,6 +58,7 @@ from scout_ckpt.replay import ring
 from scout_ckpt.replay import rows as replay_rows
 from scout_ckpt.replay import self_check as own_round   # the self-check round
 from scout_ckpt.replay import shared_params
+from scout_ckpt.replay import triage   # re-execution of an attributed rank's work: persistent / transient / not hw
 from scout_ckpt.replay.capture import ModuleCapture, current_state
 from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module, replay_target
 from scout_ckpt.replay.optimizer_replay import (
@@ -288,6 +289,9 @@ class ReplayRunner:
                     found = ring.run(step, ringed, peers=self.peers, group=self.group, words=words,
                                      targets=self._targets, offset=1, deterministic=self.deterministic,
                                      gather=self._gather)
+                    # triage (replay/triage.py): an attributed rank's own capture executed again, on it and another
+                    triage.after_round(self, step, found, {t[1]: (t, cap, None) for t, cap in ringed},
+                                       own_capture=True)
                     for (t, _), row in zip(ringed, found):
                         self._timing(step, t, {int(r): d for r, d in row["detail"]["durations"].items()})
                         row["detail"].update(live_step.grads_detail(self.grad_notes.get(t[1]) or []))
@@ -453,6 +457,9 @@ class ReplayRunner:
                 sigs, offset = gathered[:, offset:offset + len(labels)], offset + len(labels)
             found.append(replay_rows.replay_row(step, target, payload, labels, header, i, sigs, src, self.peers,
                                                 self.grad_notes.get(target[1])))
+        # triage (replay/triage.py): an attributed rank's work executed again on it and on another rank, and the
+        # row's detail classified persistent / transient / not_hardware; no collective when nothing is attributed
+        triage.after_round(self, step, found, {t[1]: (t, cap, res[3]) for (_, t, cap), res in zip(work, results)})
         return found
 
     def _sign(self, step: int, work: list, results: list[list], pending: list[int]) -> None:

@@ -25,10 +25,13 @@ def _int(name: str) -> int | None:
 
 
 def this_rank(rank: int) -> dict:
-    """This process's place: {"rank", "host", "pid", "node_rank", "local_rank", ...} (None where not launched by
-    torchrun)."""
-    return {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
-            **{k: _int(v) for k, v in _ENV.items()}}
+    """This process's place: {"rank", "host", "pid", "node_rank", "local_rank", ..., "device"} (None where not
+    launched by torchrun); "device" is the hardware identity the fleet record uses (fleet/identity.py)."""
+    from scout_ckpt.fleet.identity import this_device
+
+    env = {k: _int(v) for k, v in _ENV.items()}
+    return {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), **env,
+            "device": this_device(env["local_rank"])}
 
 
 def record(ledger, run_id: str, rank: int, group, coordinator: int = 0) -> list[dict] | None:

@@ -109,7 +109,10 @@ class ReplayEvidence:
                                       detail={"source": "replay", "recipe": r["recipe"], "target": r["target"],
                                               "status": r["status"],
                                               # the source's live step alone disagreed with every replay of it
-                                              "live_step": bool((r.get("detail") or {}).get("live_disagree"))})
+                                              "live_step": bool((r.get("detail") or {}).get("live_disagree")),
+                                              # replay/triage.py: persistent / transient / not_hardware per rank
+                                              **({"triage": r["detail"]["triage"]}
+                                                 if (r.get("detail") or {}).get("triage") else {})})
         for e in new_events:
             self.ledger.add_event(e["kind"], step=e.get("step"), ranks=e.get("ranks"), detail=e.get("detail"),
                                   run_id=self.run_id)
