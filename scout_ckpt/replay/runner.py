@@ -292,7 +292,9 @@ class ReplayRunner:
                     # triage (replay/triage.py): an attributed rank's own capture executed again, on it and another
                     triage.after_round(self, step, found, {t[1]: (t, cap, None) for t, cap in ringed},
                                        own_capture=True)
-                    for (t, _), row in zip(ringed, found):
+                    by_name = {t[1]: t for t, _ in ringed}   # a target no rank could check has no row
+                    for row in found:
+                        t = by_name[row["target"]]
                         self._timing(step, t, {int(r): d for r, d in row["detail"]["durations"].items()})
                         row["detail"].update(live_step.grads_detail(self.grad_notes.get(t[1]) or []))
                     rows += found
