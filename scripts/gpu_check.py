@@ -381,7 +381,7 @@ class Check:
             raise Refused(f"this Python lacks {', '.join(needed)} and {wheels} holds no wheels: run `make gpu-wheels` "
                           "on a machine with network and carry the folder (docs/gpu.md)")
         SITE.mkdir(parents=True, exist_ok=True)
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--find-links", str(wheels),
+        pip = [sys.executable, "-m", "pip", "--isolated", "install", "-q", "--no-deps", "--no-index", "--find-links", str(wheels),
                "--target", str(SITE), "--upgrade"]
         log = self.work / "install.log"
         if missing:
@@ -556,8 +556,14 @@ def main(argv: list[str]) -> int:
     bad = [s for s in only if s not in STAGES]
     if bad:
         raise Refused(f"unknown stage {bad[0]!r} (stages: {', '.join(STAGES)})")
+    if SITE.is_dir():   # what an earlier install put there (numpy, for one) serves this process too
+        sys.path.append(str(SITE))
     try:
-        import torch
+        import warnings
+
+        with warnings.catch_warnings():   # e.g. "Failed to initialize NumPy" on a bare machine: not a refusal
+            warnings.simplefilter("ignore")
+            import torch
     except ImportError as e:
         raise Refused(f"torch is not importable with {sys.executable} ({e}); run it with the GPU machine's Python") from None
     if a.device == "cuda" and not torch.cuda.is_available():
