@@ -30,7 +30,8 @@ state, computed without scout-ckpt; the CLI's JSON; NVML's own readings; a timed
 The results file (--out, JSON) holds every stage's outcome and figures, written after each stage, for
 docs/benchmarks.md. Exit 0: every stage passed; 1: some stage failed; 2: nothing could run here (no CUDA device, no
 torch, a missing wheel folder, a bad option), said in one line on stderr. `--device cpu` runs the same stages on
-the host (nvml is skipped; the bench runs as a smoke test): the CPU tests use it.
+the host (nvml is skipped; the bench runs as a smoke test): the CPU tests use it. `--budget-s` (480) bounds the
+whole run: no subprocess outlives it, and a stage that would start past it fails as out of time.
 
 The script is also its own job (`job`), replay probe (`replays`) and NVML probe (`nvml-probe`), run as
 subprocesses, so that the whole check is this one file.
@@ -53,6 +54,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SITE = REPO / ".gpu-check" / "site"
 TAG = "GPU-CHECK "
+DEADLINE: list[float] = []   # monotonic time by which every stage must be done (--budget-s): no subprocess outlives it
 STAGES = ("env", "install", "tests", "resume_1", "resume_2", "bitflip", "sdc", "replay", "nvml", "bench")
 
 
@@ -89,7 +91,8 @@ def child_env(extra: dict | None = None) -> dict:
     """The environment of every subprocess: the checkout first on the path (tests/ and bench/ import from it), then
     the folder the install stage filled; one thread per rank; torchrun's restarts made reliable (docs/integrate.md)."""
     env = dict(os.environ)
-    path = [str(REPO)] + ([str(SITE)] if SITE.is_dir() else []) + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = [str(REPO)] + ([str(SITE)] if SITE.is_dir() else [])
+    path += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env.update(PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     env.update(extra or {})
@@ -113,6 +116,8 @@ def run(cmd: list[str], timeout: float, log: Path | None = None, env: dict | Non
         stdout_only: bool = False) -> tuple[int, str]:
     """A subprocess to its end (killed as a group past `timeout`): (return code, its stdout and stderr together,
     or with `stdout_only` its stdout alone: a command's --json document). Both go to `log`."""
+    if DEADLINE:
+        timeout = max(1.0, min(timeout, DEADLINE[0] - time.monotonic()))
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE if stdout_only else subprocess.STDOUT,
                          text=True, cwd=REPO, env=env or child_env(), start_new_session=True)
     try:
@@ -330,7 +335,10 @@ class Check:
         t = time.monotonic()
         print(f"gpu-check: {name} ...", file=sys.stderr, flush=True)
         try:
-            res = fn()
+            if name != "env" and DEADLINE and time.monotonic() > DEADLINE[0] - 5:
+                res = {"ok": False, "why": f"out of time (--budget-s {self.a.budget_s:.0f})"}
+            else:
+                res = fn()
         except Refused:
             raise
         except Exception as e:  # noqa: BLE001 -- a stage that breaks is a failed stage; the others still run
@@ -381,8 +389,8 @@ class Check:
             raise Refused(f"this Python lacks {', '.join(needed)} and {wheels} holds no wheels: run `make gpu-wheels` "
                           "on a machine with network and carry the folder (docs/gpu.md)")
         SITE.mkdir(parents=True, exist_ok=True)
-        pip = [sys.executable, "-m", "pip", "--isolated", "install", "-q", "--no-deps", "--no-index", "--find-links", str(wheels),
-               "--target", str(SITE), "--upgrade"]
+        pip = [sys.executable, "-m", "pip", "--isolated", "install", "-q", "--no-deps", "--no-index",
+               "--find-links", str(wheels), "--target", str(SITE), "--upgrade"]
         log = self.work / "install.log"
         if missing:
             rc, out = run(pip + missing, 600, log)
@@ -428,7 +436,8 @@ class Check:
         checks = {
             "job_completed": rc == 0,
             "killed_once": len(crashed) == 1,
-            "restart_loaded_step_8": sorted(loaded) == list(range(nproc)) and all(e["step"] == 8 for e in loaded.values()),
+            "restart_loaded_step_8": sorted(loaded) == list(range(nproc))
+                                     and all(e["step"] == 8 for e in loaded.values()),
             "loaded_digest_is_saved_digest": bool(saved8) and all(loaded.get(r, {}).get("digest") == d
                                                                   for r, d in saved8.items()),
             "final_equals_uninterrupted_run": rc_ref == 0 and bool(final) and final == final_ref,
@@ -455,7 +464,8 @@ class Check:
             got = json.loads(out)
         except ValueError:
             return {"ok": False, "why": "resume printed no JSON", "tail": out[-1500:]}
-        checks = {"resume_exit_0": rc == 0, "walked_past_step_16": got.get("step") == 12, "verified": bool(got.get("verified"))}
+        checks = {"resume_exit_0": rc == 0, "walked_past_step_16": got.get("step") == 12,
+                  "verified": bool(got.get("verified"))}
         return {"ok": all(checks.values()), "checks": checks, "flipped": flipped,
                 "resume": got}
 
@@ -551,6 +561,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--only", default=None, help=f"comma-separated stages of {', '.join(STAGES)}")
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--bench-mb", type=int, default=1024)
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="every stage done within this many seconds (a stage past it fails, out of time)")
     a = ap.parse_args(argv)
     only = STAGES if a.only is None else tuple(s.strip() for s in a.only.split(",") if s.strip())
     bad = [s for s in only if s not in STAGES]
@@ -565,10 +577,12 @@ def main(argv: list[str]) -> int:
             warnings.simplefilter("ignore")
             import torch
     except ImportError as e:
-        raise Refused(f"torch is not importable with {sys.executable} ({e}); run it with the GPU machine's Python") from None
+        raise Refused(f"torch is not importable with {sys.executable} ({e}); "
+                      "run it with the GPU machine's Python") from None
     if a.device == "cuda" and not torch.cuda.is_available():
         raise Refused(f"no CUDA device here (torch {torch.__version__}: torch.cuda.is_available() is False); "
                       "nothing was run")
+    DEADLINE.append(time.monotonic() + a.budget_s)
     c = Check(a)
     steps = {"env": c.env, "install": c.install, "tests": c.tests, "resume_1": lambda: c.resume(1),
              "resume_2": lambda: c.resume(2), "bitflip": c.bitflip, "sdc": c.sdc, "replay": c.replay,

@@ -57,7 +57,8 @@ def test_a_transformer_block_on_the_device_replays_its_live_step_100_times_bit_f
 def test_the_comparison_names_the_settings_the_device_ran_under():
     from scout_ckpt.replay import determinism
 
-    expected = determinism.CUDA_DETERMINISTIC if determinism.settings("cuda").deterministic else determinism.CUDA_DEFAULT
+    deterministic = determinism.settings("cuda").deterministic
+    expected = determinism.CUDA_DETERMINISTIC if deterministic else determinism.CUDA_DEFAULT
     assert determinism.comparison("cuda") == expected
 
 

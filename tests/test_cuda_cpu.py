@@ -44,8 +44,10 @@ def _env(**extra) -> dict:
 @pytest.mark.skipif("_has_cuda()", reason="a CUDA device is present: the cuda tests run instead")
 @pytest.mark.parametrize("require", [False, True])
 def test_the_cuda_tests_skip_with_their_reason_and_fail_under_scout_require_gpu(require):
-    env = _env(**({"SCOUT_REQUIRE_GPU": "1"} if require else {}))
-    env.pop("SCOUT_REQUIRE_GPU", None) if not require else None
+    env = _env()
+    env.pop("SCOUT_REQUIRE_GPU", None)
+    if require:
+        env["SCOUT_REQUIRE_GPU"] = "1"
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py",
                         "-k", "nvml_reads_the_real_device or flipped_bit"], capture_output=True, text=True,
                        cwd=REPO, env=env, timeout=300)
@@ -285,7 +287,8 @@ def test_the_signature_bench_measures_against_a_device_copy_in_the_same_run():
 def _stages(tmp_path: Path, only: str) -> dict:
     out = tmp_path / "results.json"
     p = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--no-install", "--only", only,
-                        "--out", str(out)], capture_output=True, text=True, cwd=REPO, env=_env(), timeout=1500)
+                        "--out", str(out), "--budget-s", "1400"], capture_output=True, text=True, cwd=REPO,
+                       env=_env(), timeout=1500)
     res = json.loads(out.read_text())
     assert p.returncode == (0 if res["ok"] else 1)
     return res["stages"]
