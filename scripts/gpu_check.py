@@ -11,7 +11,7 @@ state, computed without scout-ckpt; the CLI's JSON; NVML's own readings; a timed
   install   the distributions this Python lacks, from the wheel folder (`pip install --no-deps --no-index
             --find-links DIR --target .gpu-check/site`), then the project itself the same way: the machine's torch
             is never touched, nothing is downloaded (`make gpu-wheels` fills DIR beforehand, on a machine with network)
-  tests     the suite's CUDA tests (`pytest -m cuda`) with SCOUT_REQUIRE_GPU=1, so a skip is a failure
+  tests     the suite's CUDA tests (`pytest -m cuda tests/test_cuda*.py`) with SCOUT_REQUIRE_GPU=1: a skip fails
   resume_1  a one-GPU job under torchrun saves, is SIGKILLed, restarts and loads exactly the state it saved, and ends
             where an uninterrupted run of it ends (its own digests)
   resume_2  the same with two processes sharing the GPU over gloo with CUDA tensors (NCCL refuses two ranks on one
@@ -406,8 +406,9 @@ class Check:
     def tests(self) -> dict:
         xml = self.work / "cuda-tests.xml"
         env = child_env({"SCOUT_REQUIRE_GPU": "1"} if self.device == "cuda" else {})
+        files = sorted(str(p.relative_to(REPO)) for p in REPO.glob("tests/test_cuda*.py"))
         rc, out = run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                       f"--junitxml={xml}", "tests/test_cuda.py"], 420, self.work / "cuda-tests.log", env)
+                       f"--junitxml={xml}", *files], 420, self.work / "cuda-tests.log", env)
         counts = _junit_counts(xml)
         ok = rc == 0 if self.device == "cuda" else rc in (0, 5) and counts.get("failures", 0) == 0
         return {"ok": ok, "rc": rc, **counts, "tail": out[-1500:]}

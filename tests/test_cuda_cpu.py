@@ -177,6 +177,18 @@ def test_no_driver_means_no_source():
     assert not src.available and src.poll() == []
 
 
+def test_an_error_code_without_a_subclass_drops_the_metric_like_any_nvml_error():
+    from scout_ckpt.observer.health import NvmlHealthSource, RecordedNvml
+
+    rec = json.loads((FIXTURES / "h100_healthy.json").read_text())
+    for c in rec["calls"]:
+        if c["call"].startswith("nvmlDeviceGetRemappedRows"):
+            c.pop("result")
+            c["error"] = "NVMLError"   # pynvml raises the base class for a code it has no subclass for
+    src = NvmlHealthSource(0, nvml=RecordedNvml(rec))
+    assert src.poll() == [] and "remap" in src._unsupported
+
+
 def test_a_recording_of_a_recording_replays_to_the_same_events():
     """The recorder the device run wraps around pynvml, here around a replayed H100: what it records replays the
     same (the device run's recording is a fixture of this form)."""

@@ -247,6 +247,8 @@ class RecordedNvml:
             self._error(name)
 
     def _error(self, name: str) -> type:
+        if name == "NVMLError":   # an error code pynvml has no subclass for: the base class itself
+            return _NvmlError
         if name not in self._errors:
             self._errors[name] = type(name, (_NvmlError,), {})
             setattr(self, name, self._errors[name])
