@@ -20,8 +20,8 @@ state, computed without scout-ckpt; the CLI's JSON; NVML's own readings; a timed
   sdc       three processes on the GPU, one computing a block wrongly from step S: replay rejects the first save at or
             after S and names that rank
   replay    N replays (100) of captured live steps of the demo transformer's pieces on the device, under the default
-            and under the deterministic settings (replay/determinism.py): no replay differs from its live step or
-            from another replay
+            settings, determinism.enable() and enable(warn_only=False) (replay/determinism.py): no replay differs
+            from its live step or from another replay
   nvml      the health source on the real device: what it reads, the events of its polls, the raw recording (the
             same form as tests/data/nvml/), replayed through the parsing to the same readings
   bench     bench/signature_throughput.py --device cuda --json: the signature's GB/s over a device-to-device copy's
@@ -174,19 +174,19 @@ def job(argv: list[str]) -> int:
     ap.add_argument("--sdc-rank", type=int, default=-1)
     ap.add_argument("--sdc-step", type=int, default=-1)
     ap.add_argument("--sdc-layer", default="blocks.1.mlp.fc1")
-    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="determinism.enable(warn_only=False): the whole step deterministic, live gradients signed")
     a = ap.parse_args(argv)
 
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from scout_ckpt import Checkpointer, LiveStateCorrupt, ModelOptimizerState
     from scout_ckpt.demo.model import TinyTransformer, sdc_target, set_sdc
     from scout_ckpt.replay import determinism
 
-    if a.deterministic:
-        determinism.enable()   # before the first CUDA matmul: the cuBLAS workspace size is read once
+    if a.deterministic:   # before the first CUDA matmul: the cuBLAS workspace size is read once
+        determinism.enable(warn_only=False)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -214,8 +214,9 @@ def job(argv: list[str]) -> int:
                 say("sdc", rank=rank, attempt=attempt, step=step, layer=a.sdc_layer)
             g = torch.Generator().manual_seed(1_000_003 * step + rank)   # the data of a step: the same after a restart
             tokens = torch.randint(0, 256, (8, 32), generator=g).to(dev)
-            logits = model(tokens)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            # cross entropy by hand: torch has no deterministic NLLLoss on CUDA, and strict mode refuses it
+            logp = torch.log_softmax(model(tokens)[:, :-1].float(), dim=-1)
+            loss = -logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).mean()
             opt.zero_grad()
             loss.backward()
             if world > 1:
@@ -249,19 +250,20 @@ def job(argv: list[str]) -> int:
 
 def replays_probe(argv: list[str]) -> int:
     """`replays`: determinism.repeat_check on the demo transformer's embedding, blocks (with and without bf16
-    autocast) and head on the device, under this process's settings (--deterministic: determinism.enable() first)."""
+    autocast) and head on the device, under --settings: the defaults, determinism.enable() (`deterministic`), or
+    determinism.enable(warn_only=False) (`strict`, the live gradients signed too)."""
     ap = argparse.ArgumentParser(prog="gpu_check.py replays")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("-n", type=int, default=100)
-    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--settings", choices=("default", "deterministic", "strict"), default="default")
     a = ap.parse_args(argv)
     import torch
 
     from scout_ckpt.demo.model import TinyTransformer
     from scout_ckpt.replay import determinism
 
-    if a.deterministic:
-        determinism.enable()
+    if a.settings != "default":   # before the first CUDA matmul
+        determinism.enable(warn_only=a.settings == "deterministic")
     torch.set_num_threads(1)
     dev = torch.device(a.device)
     torch.manual_seed(0)
@@ -500,10 +502,10 @@ class Check:
         n = self.a.replays
         out: dict = {"replays": n}
         ok = True
-        for mode in ("default", "deterministic"):
-            args = [sys.executable, str(Path(__file__).resolve()), "replays", "--device", self.device, "-n", str(n)]
-            rc, text = run(args + (["--deterministic"] if mode == "deterministic" else []), 420,
-                           self.work / f"replays-{mode}.log")
+        for mode in ("default", "deterministic", "strict"):
+            args = [sys.executable, str(Path(__file__).resolve()), "replays", "--device", self.device, "-n", str(n),
+                    "--settings", mode]
+            rc, text = run(args, 420, self.work / f"replays-{mode}.log")
             got = [e for e in tagged(text) if e["event"] == "replays"]
             if rc or not got:
                 out[mode] = {"ok": False, "rc": rc, "tail": text[-1500:]}

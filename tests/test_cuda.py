@@ -78,10 +78,10 @@ def test_a_fault_of_the_live_forward_on_the_device_fails_every_replays_self_chec
     assert res["self_check_failed"] == {"output": 5}
 
 
-def test_deterministic_settings_sign_the_live_gradients_on_the_device():
-    """In a fresh process: determinism.enable() before the first matmul, then the live gradients are signed and
-    100 replays reproduce them."""
-    code = ("import torch, json; from scout_ckpt.replay import determinism as d; s = d.enable(); "
+def test_strict_deterministic_settings_sign_the_live_gradients_on_the_device():
+    """In a fresh process: determinism.enable(warn_only=False) before the first matmul, then the live gradients are
+    signed and 100 replays reproduce them."""
+    code = ("import torch, json; from scout_ckpt.replay import determinism as d; s = d.enable(warn_only=False); "
             "from tests.test_cuda import _block; x = torch.randn(8, 64, 128, device='cuda', requires_grad=True); "
             "r = d.repeat_check(_block(), (x,), 100); print(json.dumps([s.comparison, r]))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)

@@ -207,12 +207,31 @@ def test_the_comparison_is_named_per_device_and_settings():
     from scout_ckpt.replay import determinism as d
 
     assert d.settings("cpu").comparison == d.CPU
-    base = dict(device="cuda", deterministic_algorithms=True, warn_only=True, cublas_workspace=":4096:8",
+    base = dict(device="cuda", deterministic_algorithms=True, warn_only=False, cublas_workspace=":4096:8",
                 cudnn_deterministic=True, cudnn_benchmark=False)
     assert d.Settings(**base).comparison == d.CUDA_DETERMINISTIC
-    for off in ({"deterministic_algorithms": False}, {"cublas_workspace": None}, {"cudnn_benchmark": True},
-                {"cudnn_deterministic": False}, {"cublas_workspace": ":1:1"}):
+    for off in ({"deterministic_algorithms": False}, {"warn_only": True}, {"cublas_workspace": None},
+                {"cudnn_benchmark": True}, {"cudnn_deterministic": False}, {"cublas_workspace": ":1:1"}):
         assert d.Settings(**{**base, **off}).comparison == d.CUDA_DEFAULT, off
+
+
+def test_replays_are_strict_on_cuda_and_as_before_on_the_host():
+    from scout_ckpt.replay import determinism as d
+
+    assert d.replay_warn_only("cuda:0") is False and d.replay_warn_only("cpu") is True
+
+
+def test_a_replay_on_the_host_runs_warn_only_and_restores_the_callers_settings(one_thread):
+    import torch
+
+    from scout_ckpt.replay.execute import replay_mode
+
+    seen = []
+    with replay_mode(torch.device("cpu"), True):
+        seen.append((torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled()))
+    assert seen == [(True, True)]
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_enable_sets_what_it_documents_in_a_fresh_process():
