@@ -161,7 +161,8 @@ def say(event: str, **fields) -> None:
 
 def job(argv: list[str]) -> int:
     """One rank of the check's training job: the demo's tiny transformer on this rank's device, gradients averaged
-    by explicit all_reduce over gloo (CUDA tensors), the Checkpointer's defaults; prints its digest at every save,
+    by explicit all_reduce over gloo (CUDA tensors), the Checkpointer's defaults (consensus off on one rank, which
+    has no replica to compare); prints its digest at every save,
     after loading and at the end; SIGKILLs itself at --kill-step in the first attempt; computes one Linear wrongly
     from --sdc-step on --sdc-rank (the demo's persistent fault)."""
     ap = argparse.ArgumentParser(prog="gpu_check.py job")

@@ -318,8 +318,8 @@ def test_the_signature_bench_measures_against_a_device_copy_in_the_same_run():
 def _stages(tmp_path: Path, only: str) -> dict:
     out = tmp_path / "results.json"
     p = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--no-install", "--only", only,
-                        "--out", str(out), "--budget-s", "1400"], capture_output=True, text=True, cwd=REPO,
-                       env=_env(), timeout=1500)
+                        "--out", str(out), "--budget-s", "1400", "--replays", "10"], capture_output=True, text=True,
+                       cwd=REPO, env=_env(), timeout=1500)
     res = json.loads(out.read_text())
     assert p.returncode == (0 if res["ok"] else 1)
     return res["stages"]
