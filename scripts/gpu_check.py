@@ -53,6 +53,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SITE = REPO / ".gpu-check" / "site"
+NO_SITE = "SCOUT_GPU_CHECK_NO_SITE"   # set by --no-install: this Python's packages as they are, in every subprocess
 TAG = "GPU-CHECK "
 DEADLINE: list[float] = []   # monotonic time by which every stage must be done (--budget-s): no subprocess outlives it
 STAGES = ("env", "install", "tests", "resume_1", "resume_2", "bitflip", "sdc", "replay", "nvml", "bench")
@@ -91,7 +92,7 @@ def child_env(extra: dict | None = None) -> dict:
     """The environment of every subprocess: the checkout first on the path (tests/ and bench/ import from it), then
     the folder the install stage filled; one thread per rank; torchrun's restarts made reliable (docs/integrate.md)."""
     env = dict(os.environ)
-    path = [str(REPO)] + ([str(SITE)] if SITE.is_dir() else [])
+    path = [str(REPO)] + ([str(SITE)] if SITE.is_dir() and os.environ.get(NO_SITE) != "1" else [])
     path += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env.update(PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -326,7 +327,7 @@ class Check:
         self.work = REPO / ".gpu-check" / "runs" / time.strftime("%Y%m%dT%H%M%S")
         self.out = Path(a.out)
         self.results: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": a.device,
-                              "stages": {}}
+                              "logs": str(self.work), "stages": {}}
 
     def save(self) -> None:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -400,7 +401,14 @@ class Check:
             if rc:
                 return {"ok": False, "why": "pip could not install the missing wheels", "missing": missing,
                         "tail": out[-2000:]}
-        rc, out = run(pip + [str(REPO)], 600, self.work / "install-project.log")
+        # the project: built by this Python's own setuptools where it can build a wheel alone (70.1 and later; a
+        # pip-installed torch requires 77 or later), else in an isolated build environment from the carried wheel
+        try:
+            have_st = tuple(int(x) for x in metadata.version("setuptools").split(".")[:2])
+        except (metadata.PackageNotFoundError, ValueError):
+            have_st = (0, 0)
+        build = ["--no-build-isolation"] if have_st >= (70, 1) else []
+        rc, out = run(pip + build + [str(REPO)], 600, self.work / "install-project.log")
         return {"ok": rc == 0, "installed": missing, "already_there": sorted(names & have), "project": rc == 0,
                 "site": str(SITE), **({} if rc == 0 else {"tail": out[-2000:]})}
 
@@ -572,7 +580,9 @@ def main(argv: list[str]) -> int:
     bad = [s for s in only if s not in STAGES]
     if bad:
         raise Refused(f"unknown stage {bad[0]!r} (stages: {', '.join(STAGES)})")
-    if SITE.is_dir():   # what an earlier install put there (numpy, for one) serves this process too
+    if a.no_install:
+        os.environ[NO_SITE] = "1"
+    elif SITE.is_dir():   # what an earlier install put there (numpy, for one) serves this process too
         sys.path.append(str(SITE))
     try:
         import warnings
