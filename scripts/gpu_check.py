@@ -251,7 +251,7 @@ def job(argv: list[str]) -> int:
 # ---- the probes (subprocesses) -----------------------------------------------------------------------------------
 
 def replays_probe(argv: list[str]) -> int:
-    """`replays`: determinism.repeat_check on the demo transformer's embedding, blocks (with and without bf16
+    """`replays`: replay.repeat.repeat_check on the demo transformer's embedding, blocks (with and without bf16
     autocast) and head on the device, under --settings: the defaults, determinism.enable() (`deterministic`), or
     determinism.enable(warn_only=False) (`strict`, the live gradients signed too)."""
     ap = argparse.ArgumentParser(prog="gpu_check.py replays")
@@ -263,6 +263,7 @@ def replays_probe(argv: list[str]) -> int:
 
     from scout_ckpt.demo.model import TinyTransformer
     from scout_ckpt.replay import determinism
+    from scout_ckpt.replay.repeat import repeat_check
 
     if a.settings != "default":   # before the first CUDA matmul
         determinism.enable(warn_only=a.settings == "deterministic")
@@ -276,10 +277,10 @@ def replays_probe(argv: list[str]) -> int:
              "head": (model.head, (x,))}
     out = {}
     for name, (mod, args) in cases.items():
-        out[name] = determinism.repeat_check(mod, args, a.n)
+        out[name] = repeat_check(mod, args, a.n)
     if dev.type == "cuda":
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out["block_bf16_autocast"] = determinism.repeat_check(model.blocks[1], (x,), a.n)
+            out["block_bf16_autocast"] = repeat_check(model.blocks[1], (x,), a.n)
     say("replays", device=str(dev), n=a.n, cases=out, settings=determinism.settings(dev).as_dict())
     return 0
 

@@ -47,10 +47,10 @@ def test_a_flipped_bit_on_the_device_changes_the_signature():
 
 
 def test_a_transformer_block_on_the_device_replays_its_live_step_100_times_bit_for_bit():
-    from scout_ckpt.replay import determinism
+    from scout_ckpt.replay.repeat import repeat_check
 
     x = torch.randn(8, 64, 128, device="cuda", requires_grad=True)
-    res = determinism.repeat_check(_block(), (x,), 100)
+    res = repeat_check(_block(), (x,), 100)
     assert res["self_check_failed"] == {} and res["replays_differ"] == 0, res
 
 
@@ -63,7 +63,7 @@ def test_the_comparison_names_the_settings_the_device_ran_under():
 
 
 def test_a_fault_of_the_live_forward_on_the_device_fails_every_replays_self_check():
-    from scout_ckpt.replay import determinism
+    from scout_ckpt.replay.repeat import repeat_check
 
     block = _block()
     calls = []
@@ -74,7 +74,7 @@ def test_a_fault_of_the_live_forward_on_the_device_fails_every_replays_self_chec
 
     block.mlp.fc2.register_forward_hook(once)
     x = torch.randn(8, 64, 128, device="cuda", requires_grad=True)
-    res = determinism.repeat_check(block, (x,), 5)
+    res = repeat_check(block, (x,), 5)
     assert res["self_check_failed"] == {"output": 5}
 
 
@@ -83,7 +83,8 @@ def test_strict_deterministic_settings_sign_the_live_gradients_on_the_device():
     signed and 100 replays reproduce them."""
     code = ("import torch, json; from scout_ckpt.replay import determinism as d; s = d.enable(warn_only=False); "
             "from tests.test_cuda import _block; x = torch.randn(8, 64, 128, device='cuda', requires_grad=True); "
-            "r = d.repeat_check(_block(), (x,), 100); print(json.dumps([s.comparison, r]))")
+            "from scout_ckpt.replay.repeat import repeat_check; r = repeat_check(_block(), (x,), 100); "
+            "print(json.dumps([s.comparison, r]))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     import json

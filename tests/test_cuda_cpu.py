@@ -267,9 +267,9 @@ def _block():
 def test_repeat_check_on_the_host_finds_no_difference_in_a_healthy_block(one_thread):
     import torch
 
-    from scout_ckpt.replay import determinism
+    from scout_ckpt.replay.repeat import repeat_check
 
-    res = determinism.repeat_check(_block(), (torch.randn(2, 8, 32, requires_grad=True),), 3)
+    res = repeat_check(_block(), (torch.randn(2, 8, 32, requires_grad=True),), 3)
     assert res["self_check_failed"] == {} and res["replays_differ"] == 0 and res["comparison"] == "bitwise (cpu)"
     assert any(k.startswith("grad_param:") for k in res["live_signed"])
 
@@ -277,11 +277,11 @@ def test_repeat_check_on_the_host_finds_no_difference_in_a_healthy_block(one_thr
 def test_repeat_check_names_a_fault_of_the_live_step_in_every_replay(one_thread):
     import torch
 
-    from scout_ckpt.replay import determinism
+    from scout_ckpt.replay.repeat import repeat_check
 
     block, calls = _block(), []
     block.mlp.fc1.register_forward_hook(lambda m, a, out: (calls.append(1), out + 1e-3 if len(calls) == 1 else None)[1])
-    res = determinism.repeat_check(block, (torch.randn(2, 8, 32, requires_grad=True),), 3)
+    res = repeat_check(block, (torch.randn(2, 8, 32, requires_grad=True),), 3)
     assert res["self_check_failed"] == {"output": 3}
 
 

@@ -26,9 +26,9 @@ bit is well inside it). Why the live step is not made strict for the user: torch
 common training operations on CUDA (NLLLoss, so cross_entropy), so `enable()` defaults to `warn_only=True`, which
 still fixes the cuBLAS workspace and cuDNN's choice for the live forward.
 
-`repeat_check` is the oracle for "never a false SDC on a healthy device": one live step captured, then replayed N
-times, every replay compared with the live signatures and with the first replay (scripts/gpu_check.py runs it 100
-times on the device, under each setting).
+`replay.repeat.repeat_check` is the oracle for "never a false SDC on a healthy device": one live step captured, then
+replayed N times, every replay compared with the live signatures and with the first replay (scripts/gpu_check.py
+runs it 100 times on the device, under each setting).
 """
 
 from __future__ import annotations
@@ -131,51 +131,5 @@ def enable(warn_only: bool = True) -> Settings:
     return settings("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def repeat_check(module, args: tuple, n: int, grads: bool = True) -> dict:
-    """The healthy-device oracle: one live forward and backward of `module` on `args` captured as a save step's
-    would be (capture.ModuleCapture, live signatures on), then `n` replays of that capture on copies, each compared
-    with the live signatures (live.self_check) and with the first replay's signatures. On a healthy device every
-    count but `replays` is 0. Returns {"replays", "self_check_failed": {outcome name: count}, "replays_differ",
-    "signatures", "grad_note", "comparison", "settings"}."""
-    import torch
-
-    from scout_ckpt.consensus.signatures import replica_signatures
-    from scout_ckpt.replay import live
-    from scout_ckpt.replay.capture import ModuleCapture, device_of
-    from scout_ckpt.replay.execute import replay_module
-
-    names = frozenset(n_ for n_, _ in module.named_parameters())
-    cap = ModuleCapture(module, live=True, refs=False, grads=grads, grad_params=names if grads else None)
-    cap.arm()
-    try:
-        out = module(*args)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        out.float().square().mean().backward()
-    finally:
-        cap.disarm()
-    inv = cap.invocation
-    outcome = {live.SELF_AGREE: "agree", live.SELF_OUTPUT: "output", live.SELF_GRAD: "gradient",
-               live.SELF_UNCHECKED: "unchecked"}
-    failed: dict[str, int] = {}
-    first = None
-    differ = 0
-    sigs = None
-    for _ in range(n):
-        labels, tensors = replay_module(module, inv, hook_ids=cap.hook_ids)
-        sigs = replica_signatures(tensors)
-        code = live.self_check(labels, sigs, inv)
-        if code != live.SELF_AGREE:
-            name = outcome.get(code, str(code))
-            failed[name] = failed.get(name, 0) + 1
-        if first is None:
-            first = sigs
-        elif not torch.equal(first, sigs):
-            differ += 1
-    dev = device_of(module)
-    return {"replays": n, "self_check_failed": failed, "replays_differ": differ,
-            "signatures": 0 if sigs is None else int(sigs.shape[0]), "live_signed": sorted(inv.live_grads or {}),
-            "grad_note": inv.grad_note, "comparison": comparison(dev), "settings": settings(dev).as_dict()}
-
-
 __all__ = ["CPU", "CUBLAS_WORKSPACE", "CUDA_DEFAULT", "CUDA_DETERMINISTIC", "Settings", "comparison", "enable",
-           "live_grads_reproducible", "repeat_check", "replay_warn_only", "settings"]
+           "live_grads_reproducible", "replay_warn_only", "settings"]
