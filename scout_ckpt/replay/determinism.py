@@ -13,7 +13,8 @@ on; each replay row and the save's replay evidence carry that name (`comparison`
   step, every peer's replay and the self-check run the same deterministic kernels: outputs and gradients compared.
 - `bitwise (cuda, deterministic replays; live gradients not signed)`: any other CUDA job. Replays run under strict
   deterministic algorithms (`replay_warn_only`), so peers' replays of one capture agree bit for bit, gradients
-  included; the live outputs are compared with them bit for bit; the live gradients are not signed (capture.py),
+  included (the rotation compares them); the live outputs are compared with replays bit for bit (the save's ring
+  check, the self-check); the live gradients are not signed (capture.py),
   because a backward outside strict mode adds with atomics: attention's backward (memory-efficient and flash
   kernels split the keys and accumulate) differs from run to run even under `warn_only=True`.
 
