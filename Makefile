@@ -58,3 +58,26 @@ campaign: scenarios
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# ---- The GPU proof (docs/gpu.md) ----------------------------------------------------------------------------------
+# `make gpu-wheels`, on a machine with network: the wheels a bare GPU machine may lack (the project's dependencies but
+# torch, pytest, and setuptools to build the project), for its Python and platform, into $(WHEELHOUSE); carry that
+# folder with the checkout. `make gpu-check`, on the GPU machine (no network): scripts/gpu_check.py with that
+# machine's own Python and CUDA torch, which it never touches; without a GPU it fails with one line.
+GPU_PYTHON ?= python3
+WHEELHOUSE ?= wheelhouse
+GPU_PY_VERSION ?= 3.12
+GPU_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+GPU_CHECK_OUT ?= gpu-check-results.json
+GPU_WHEELS := 'safetensors>=0.4' 'numpy>=1.26' 'nvidia-ml-py>=12' 'sqlite-utils>=3.36' 'typer>=0.12' 'rich>=13' \
+  'xxhash>=3.4' 'matplotlib>=3.8' 'pytest>=8' 'setuptools>=68'
+
+.PHONY: gpu-check gpu-wheels
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --only-binary=:all: --implementation cp --python-version $(GPU_PY_VERSION) \
+	  $(foreach p,$(GPU_PLATFORMS),--platform $(p)) -d $(WHEELHOUSE) $(GPU_WHEELS)
+	@echo "$(WHEELHOUSE): $$(ls $(WHEELHOUSE) | wc -l) wheels, $$(du -sh $(WHEELHOUSE) | cut -f1)"
+
+gpu-check:
+	@$(GPU_PYTHON) scripts/gpu_check.py --wheels $(WHEELHOUSE) --out $(GPU_CHECK_OUT)

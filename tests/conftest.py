@@ -62,6 +62,41 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(placement.header())
 
 
+_NO_CUDA: list = []   # [why] once known: None where a CUDA device is usable
+
+
+def _no_cuda() -> str | None:
+    """Why the `cuda` tests cannot run here (None where they can); torch is imported only when one is collected."""
+    if not _NO_CUDA:
+        import torch
+
+        _NO_CUDA.append(None if torch.cuda.is_available() else
+                        f"no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False)")
+    return _NO_CUDA[0]
+
+
+def _require_gpu() -> bool:
+    return os.environ.get("SCOUT_REQUIRE_GPU") == "1"
+
+
+def pytest_runtest_setup(item):
+    """`cuda` tests: skipped without a device, with the reason; a failure instead under SCOUT_REQUIRE_GPU=1
+    (pytest_pyfunc_call), so that a GPU run (make gpu-check) cannot pass by skipping them."""
+    if item.get_closest_marker("cuda") is not None and not _require_gpu():
+        why = _no_cuda()
+        if why is not None:
+            pytest.skip(why)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Under SCOUT_REQUIRE_GPU=1 a `cuda` test without a device fails in its call (a failed test, not an error)."""
+    if pyfuncitem.get_closest_marker("cuda") is not None and _require_gpu():
+        why = _no_cuda()
+        if why is not None:
+            pytest.fail(f"SCOUT_REQUIRE_GPU=1 but {why}", pytrace=False)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failing test that drew fault placements names them, with the seed to rerun them, in its report."""

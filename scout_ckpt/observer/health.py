@@ -9,10 +9,15 @@ NVLink error counters, and the device falling off the bus (NVMLError_GpuIsLost).
 (nvmlInit raises NVMLError, e.g. NVMLError_LibraryNotFound) it logs one line and reports nothing, ever.
 Every metric a GPU does not support (NVMLError_NotSupported, e.g. ECC off, no NVLink) is dropped at the first
 poll. These GPU paths only run where NVML initialises; on CPU machines only the fallback runs.
+
+Recordings: what one source read from a real GPU, call by call (`NvmlRecorder`, which scripts/gpu_check.py wraps
+around pynvml on the device), replays through the same parsing on any machine (`RecordedNvml`, passed as
+`NvmlHealthSource(nvml=...)`): the tests judge the parsing by real return values without a GPU.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Protocol
 
@@ -38,14 +43,17 @@ def _nvlink_counters(nv) -> dict[str, int]:
 class NvmlHealthSource:
     """One GPU (by NVML index) of this host."""
 
-    def __init__(self, index: int = 0):
+    def __init__(self, index: int = 0, nvml=None):
+        """`nvml`: the pynvml module to read through (default: import it); a RecordedNvml or an NvmlRecorder."""
         self.index = index
         self.available = False
         self.lost = False
         self._last: dict[str, float] = {}
         self._unsupported: set[str] = set()
         try:
-            import pynvml as nv
+            if nvml is None:
+                import pynvml as nvml
+            nv = nvml
 
             nv.nvmlInit()
             count = nv.nvmlDeviceGetCount()
@@ -159,7 +167,112 @@ class NvmlHealthSource:
         return None
 
 
+# ---- recordings ------------------------------------------------------------------------------------------------
+
+_HANDLE = "<handle>"
+
+
+def _key(name: str, args: tuple) -> str:
+    """A call's key in a recording: its name and its arguments, the device handle written as <handle>."""
+    shown = (_HANDLE if a == _HANDLE or not isinstance(a, (int, float, str)) else repr(a) for a in args)
+    return f"{name}({', '.join(shown)})"
+
+
+class NvmlRecorder:
+    """A pynvml stand-in that forwards every call to the real module and records what came back (a value, or the
+    NVMLError subclass raised), per poll, in the form RecordedNvml replays. Constants and error classes pass
+    through."""
+
+    def __init__(self, nv):
+        self._nv = nv
+        self.calls: list[dict] = []
+
+    def __getattr__(self, name: str):
+        real = getattr(self._nv, name)
+        if not name.startswith("nvml") or not callable(real):
+            return real
+
+        def call(*args):
+            try:
+                value = real(*args)
+            except self._nv.NVMLError as e:
+                self.calls.append({"call": _key(name, args), "error": type(e).__name__})
+                raise
+            if isinstance(value, tuple):
+                shown = list(value)
+            elif value is None or isinstance(value, (int, float, str)):
+                shown = value
+            elif isinstance(value, bytes):
+                shown = value.decode(errors="replace")
+            else:   # a device handle (a ctypes pointer)
+                shown = _HANDLE
+            self.calls.append({"call": _key(name, args), "result": shown})
+            return value
+        return call
+
+    def recording(self, **about) -> dict:
+        """The recording: `about` (device name, driver, ...), the NVML_* constants the parsing reads, the calls."""
+        consts = {n: getattr(self._nv, n) for n in dir(self._nv)
+                  if n.startswith(("NVML_MEMORY_ERROR_TYPE_", "NVML_VOLATILE_ECC", "NVML_AGGREGATE_ECC",
+                                   "NVML_TEMPERATURE_", "NVML_NVLINK_MAX_LINKS", "NVML_NVLINK_ERROR_DL_"))
+                  and isinstance(getattr(self._nv, n), int)}
+        return {**about, "constants": consts, "calls": self.calls}
+
+
+class _NvmlError(Exception):
+    """pynvml.NVMLError's stand-in in a replay."""
+
+
+class RecordedNvml:
+    """Replays a recording (NvmlRecorder.recording, or a JSON file of one) as the pynvml module: each call returns
+    the next value recorded for the same call and arguments (the last one again once they run out), or raises the
+    NVMLError subclass of that name. A call never recorded raises NVMLError_NotSupported, as NVML does for a
+    metric a GPU lacks."""
+
+    def __init__(self, recording: dict | str):
+        if not isinstance(recording, dict):
+            with open(recording) as f:
+                recording = json.load(f)
+        self.recording = recording
+        for name, value in recording.get("constants", {}).items():
+            setattr(self, name, value)
+        self.NVMLError = _NvmlError
+        self._errors: dict[str, type] = {}
+        self._queues: dict[str, list] = {}
+        for c in recording["calls"]:
+            self._queues.setdefault(c["call"], []).append(c)
+            if "error" in c:
+                self._error(c["error"])
+        for name in ("NVMLError_NotSupported", "NVMLError_GpuIsLost", "NVMLError_LibraryNotFound"):
+            self._error(name)
+
+    def _error(self, name: str) -> type:
+        if name == "NVMLError":   # an error code pynvml has no subclass for: the base class itself
+            return _NvmlError
+        if name not in self._errors:
+            self._errors[name] = type(name, (_NvmlError,), {})
+            setattr(self, name, self._errors[name])
+        return self._errors[name]
+
+    def __getattr__(self, name: str):
+        if not name.startswith("nvml"):
+            raise AttributeError(name)
+
+        def call(*args):
+            q = self._queues.get(_key(name, args))
+            if not q:
+                raise self._error("NVMLError_NotSupported")(f"{_key(name, args)} not in the recording")
+            c = q.pop(0) if len(q) > 1 else q[0]
+            if "error" in c:
+                raise self._error(c["error"])(c["call"])
+            return tuple(c["result"]) if isinstance(c["result"], list) else c["result"]
+        return call
+
+
 def default_source(local_rank: int | None) -> HealthSource:
     """The source an observer uses when given none: NVML for this process's GPU, or nothing."""
     src = NvmlHealthSource(local_rank or 0)
     return src if src.available else NullHealthSource()
+
+
+__all__ = ["HealthSource", "NullHealthSource", "NvmlHealthSource", "NvmlRecorder", "RecordedNvml", "default_source"]

@@ -54,6 +54,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from scout_ckpt.replay import determinism
+
 
 def _clone(x: Any) -> Any:
     return x.detach().clone() if isinstance(x, torch.Tensor) else x
@@ -316,9 +318,9 @@ class ModuleCapture:
         self._pending_output = True
         self._grad_inputs = []
         if self.grads and self.live and not self._sharded_forward and torch.is_grad_enabled():
-            if dev.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
-                # atomics (index_add, embedding backward) make a healthy live backward differ from its replay
-                self.invocation.grad_note = "live backward on CUDA without deterministic algorithms"
+            if dev.type == "cuda" and not determinism.live_grads_reproducible():
+                # atomics (attention's backward, index_add) make a healthy live backward differ from its replay
+                self.invocation.grad_note = "live backward on CUDA without strict deterministic settings"
             else:
                 self._hook_param_grads(self.invocation)
                 ins = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]

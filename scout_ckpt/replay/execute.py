@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from scout_ckpt.replay import determinism
 from scout_ckpt.replay.capture import Invocation, device_of
 from scout_ckpt.replay.optimizer_replay import replay_signature_inputs
 from scout_ckpt.replay.targets import original_class
@@ -161,8 +162,8 @@ def replay_mode(device: torch.device, deterministic: bool):
     _replaying += 1
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-            if deterministic:
-                torch.use_deterministic_algorithms(True, warn_only=True)
+            if deterministic:   # strict on CUDA: warn-only leaves attention's backward non-deterministic
+                torch.use_deterministic_algorithms(True, warn_only=determinism.replay_warn_only(device))
             with torch.enable_grad():
                 yield
     finally:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from scout_ckpt.consensus.signatures import replica_signatures
+from scout_ckpt.replay import determinism
 from scout_ckpt.replay import live as live_step
 from scout_ckpt.replay import shared_params
 from scout_ckpt.replay.execute import replay_target
@@ -221,7 +222,8 @@ def run(step: int, items: list, *, peers: list[int], group, words: dict[int, lis
             continue   # no rank's capture could be checked: no row (coverage incomplete), never a clean one
         took = {r: h[2 * i] for r, h in header.items()}
         detail.update({"check": "ring", "peers": list(peers),
-                       "durations": {str(r): round(d, 6) for r, d in took.items()}})
+                       "durations": {str(r): round(d, 6) for r, d in took.items()},
+                       "comparison": determinism.comparison()})   # what bitwise rests on (determinism.py)
         rows.append({"step": step, "recipe": target[0], "target": target[1], "status": status, "ranks": ranks,
                      "duration_s": max(took.values()), "detail": detail})
     return rows

@@ -18,6 +18,7 @@ import warnings
 
 from scout_ckpt.consensus.c3 import verdicts_from_gathered
 from scout_ckpt.consensus.signatures import replica_signatures
+from scout_ckpt.replay import determinism
 from scout_ckpt.replay import live as live_step
 
 HEADER_SLOTS = 4   # per target: seconds, has signatures (0/1), how many signatures, self-check (live.SELF_*)
@@ -75,7 +76,8 @@ def replay_row(step: int, target, payload, labels: list[str], header: dict[int, 
     self-check does not sign, and why."""
     took = durations(header, i)
     detail: dict = {"source": src, "peers": list(peers), "signatures": len(labels),
-                    "durations": {str(r): round(d, 6) for r, d in took.items()}}
+                    "durations": {str(r): round(d, 6) for r, d in took.items()},
+                    "comparison": determinism.comparison()}   # what bitwise rests on here (determinism.py)
     if target[0] == "optimizer" and payload is not None:  # what this round compared: every window
         detail.update(tensors=len(payload.params), elements=payload.elements, round=payload.round,
                       cycle=payload.cycle)

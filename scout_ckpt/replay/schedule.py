@@ -116,6 +116,12 @@ def _name(t) -> str:
     return t[1] if isinstance(t, (tuple, list)) else str(t)
 
 
+def _comparison(row: dict) -> dict:
+    """{"comparison": ...} of a row that recorded one (replay/determinism.py), else {}."""
+    c = (row.get("detail") or {}).get("comparison")
+    return {"comparison": c} if c else {}
+
+
 def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = None) -> dict:
     """Replay evidence for the state saved at `step`, from the replays since the previous certified step.
 
@@ -154,7 +160,7 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = 
                     confirmed[name] = r["step"]
         elif status == "ATTRIBUTED":
             sdc.append({"code": "replay_sdc", "ranks": sorted(r.get("ranks") or []), "target": name,
-                        "recipe": r.get("recipe"), "step": r["step"], **reason_flag(r)})
+                        "recipe": r.get("recipe"), "step": r["step"], **reason_flag(r), **_comparison(r)})
         else:
             unsure.append({"code": "replay_inconclusive", "ranks": sorted(r.get("ranks") or []), "target": name,
                            "recipe": r.get("recipe"), "step": r["step"], **reason_flag(r)})
@@ -162,6 +168,9 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = 
     if step is not None:
         detail["confirmed_after"] = confirmed
         detail.update(coverage_detail(r for r in rows if r["step"] == step))
+        compared = sorted({c for r in rows if r["step"] == step for c in _comparison(r).values()})
+        if compared:   # what the bitwise comparison at the save rested on (replay/determinism.py)
+            detail["comparison"] = compared
     if sdc:
         return evidence(FAIL, sdc + unsure, **detail)
     if unsure:
