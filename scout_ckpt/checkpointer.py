@@ -170,7 +170,8 @@ class Checkpointer:
         # What this run's saves prove and what "certified" requires of them (save_evidence.py).
         self._evidence = SaveEvidence(checks=self.checks, finite=finite, consensus=consensus, verify_load=verify_load,
                                       replay=self.replay, shard=self.shard, mode=self.mode,
-                                      is_coordinator=self.is_coordinator, lineage=self.lineage)
+                                      is_coordinator=self.is_coordinator, lineage=self.lineage,
+                                      world_size=self.world_size)
         self.policy = self._evidence.policy
         self._evidence.warn_if_never_certifies()
         self.topology = {k: topo[k] for k in ("mode", "world_size", "mesh_shape", "mesh_dim_names", "dim_roles",

@@ -7,6 +7,7 @@ from scout_ckpt.format.layout import list_step_dirs, list_tmp_dirs
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.ops.recovery import verify_checkpoint
 from tests import workers_ckpt as w
+from tests.conftest import run_cli
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -281,3 +282,16 @@ def test_two_checkpointers_in_one_process_share_its_observer_and_both_certify(tm
     for o in out:
         assert o.result["shared"], o.result
         assert o.result["verdicts"] == [("certified", "certified")] * 2, o.result
+
+
+def test_one_rank_with_the_defaults_certifies_on_bytes_and_says_what_it_cannot_check(tmp_path):
+    """One process (a single-GPU job): no replica to compare, no peer to replay on. Its saves are certified on their
+    bytes and finite checks, resumed bit for bit (the values the job held when it saved), consensus recorded
+    not_applicable, and `resume --require consensus` refuses them (the gap is the user's to accept)."""
+    out = run_ranks(w.save_and_reload, 1, str(tmp_path), False, timeout=120)[0].result
+    assert [v["state"] for v in out["verdicts"]] == ["certified", "certified"]
+    assert out["loaded_step"] == 4 and out["equal"] is True
+    with Ledger.open(tmp_path, readonly=True) as led:
+        assert led.evidence(4)["consensus"]["status"] == "not_applicable"
+    assert run_cli("resume", str(tmp_path), "--latest-clean", "--require", "consensus")[0] == 1
+    assert run_cli("resume", str(tmp_path), "--latest-clean")[1].strip().endswith("step-00000004")

@@ -35,9 +35,10 @@ class SaveEvidence:
     `replay`/`shard` the ReplayEvidence/ShardEvidence or None, `mode` the topology's mode name."""
 
     def __init__(self, *, checks: list, finite: bool, consensus: bool, verify_load: bool, replay, shard,
-                 mode: str, is_coordinator: bool, lineage=None):
+                 mode: str, is_coordinator: bool, lineage=None, world_size: int = 2):
         self.checks, self.finite, self.consensus, self.verify_load = checks, finite, consensus, verify_load
         self.replay, self.shard, self.mode, self.is_coordinator = replay, shard, mode, is_coordinator
+        self.world_size = world_size
         self.policy = self._policy()
         self.ledger = None
         self.run_id: str | None = None
@@ -68,6 +69,10 @@ class SaveEvidence:
             # cross-rank replay of every shard's update together with the at-rest check.
             if any(c.vouches for c in self.checks) or (self.shard is not None and self.mode.startswith("fsdp")):
                 allow_na.append("consensus")
+            elif self.world_size < 2:
+                # one rank has no replica: certified on bytes and the finite checks, the gap named at start
+                # (warn_if_never_certifies) and in the evidence; `resume --require consensus` refuses such steps
+                allow_na.append("consensus")
         if self.replay is not None:
             require.append("replay")
             # not_applicable only where the script never called ckpt.step() (replay_no_step_hook): certified on
@@ -81,6 +86,11 @@ class SaveEvidence:
     def warn_if_never_certifies(self) -> None:
         """A run whose policy can never be met should say so at start-up, not after a week of `committed`
         (on the coordinator only)."""
+        if self.world_size < 2 and self.consensus and self.is_coordinator:
+            scout_log.logger.warning(
+                "one rank: no replica to compare and no peer to replay on, so silent data corruption is not "
+                "detected; checkpoints are certified on their bytes and finite checks alone (consensus "
+                "not_applicable; `scout-ckpt resume --latest-clean --require consensus` refuses them)")
         single_owner = self.mode.startswith("fsdp")
         if (single_owner and "consensus" in self.policy["require"]
                 and "consensus" not in self.policy["allow_not_applicable"] and self.is_coordinator):
