@@ -56,9 +56,13 @@ class LiveStateCorrupt(ScoutError):
     exit_code = 1
 
     def __init__(self, step: int, verdict: dict):
-        kinds = ", ".join(verdict.get("live_fault") or []) or "evidence"
-        codes = ", ".join(sorted({r.get("code", "?") for r in verdict.get("reasons") or []})) or "-"
-        super().__init__(f"checkpoint {step} shows the live training state is bad ({kinds}: {codes}); ending the "
+        kinds = list(verdict.get("live_fault") or [])
+        codes = sorted({r.get("code", "?") for r in verdict.get("reasons") or []})
+        # kinds of evidence and the reasons' codes; said once where they are the same words (an integration's
+        # live_fault lists the codes themselves)
+        same = bool(kinds) and set(kinds) <= set(codes)
+        what = ", ".join(kinds or ["evidence"]) + ("" if same else f": {', '.join(codes) or '-'}")
+        super().__init__(f"checkpoint {step} shows the live training state is bad ({what}); ending the "
                          "generation so that it restarts from the latest clean checkpoint")
         self.step, self.verdict = step, verdict
 
