@@ -71,3 +71,46 @@ class Quarantined(ScoutError):
     """The step is quarantined by an operator: it is not re-saved or resumed until `scout-ckpt release`."""
 
     exit_code = 1
+
+
+# Refusals every rank raises alike (the same broadcast decision): the one line is printed by rank 0 alone.
+_COLLECTIVE = ("StartRefused", "CheckpointsUnreadable", "LiveStateCorrupt")
+
+
+def one_line_refusals() -> None:
+    """Chains sys.excepthook once (the integrations' entry points and the Checkpointer call it): a ScoutError that
+    ends the program uncaught is printed as one line, `scout-ckpt: <Class>: <message>` (which names the cause and
+    the fix), instead of a traceback per rank. A refusal every rank raises alike (StartRefused, LiveStateCorrupt) is
+    printed by rank 0 only; any other ScoutError by each rank that raised it, with its rank. Other exceptions, and
+    one a script catches, are untouched; the process exits 1 as for any uncaught exception, and the observer's own
+    hook (observer/handle.py) still sees it. SCOUT_CKPT_TRACEBACK=1 keeps the full traceback."""
+    import os
+    import sys
+
+    if getattr(sys.excepthook, "__scout_one_line__", False) or os.environ.get("SCOUT_CKPT_TRACEBACK") == "1":
+        return
+    previous = sys.excepthook
+
+    def hook(tp, value, tb):
+        if not (isinstance(tp, type) and issubclass(tp, ScoutError)):
+            return previous(tp, value, tb)
+        rank = os.environ.get("RANK")
+        collective = any(c.__name__ in _COLLECTIVE for c in tp.__mro__)
+        try:   # the observer's last words (its hook may sit outside this one and have run them already)
+            from scout_ckpt.observer import handle
+
+            if not handle._UNCAUGHT:
+                handle._UNCAUGHT.append(tp.__name__)
+                for cb in list(handle._UNCAUGHT_CALLBACKS):
+                    cb(value)
+        except Exception:  # noqa: BLE001 - the line below is what matters
+            pass
+        if collective and rank not in (None, "0"):
+            return
+        where = "" if collective or rank is None else f" (rank {rank})"
+        text = " ".join(str(value).split())
+        sys.stderr.write(f"scout-ckpt{where}: {tp.__name__}: {text}\n")
+        sys.stderr.flush()
+
+    hook.__scout_one_line__ = True
+    sys.excepthook = hook

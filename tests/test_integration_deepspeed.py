@@ -175,6 +175,24 @@ def test_zero3_default_options_never_certify_partitions_and_latest_never_names_t
     assert "accept_single_owner=True" in p.stderr
     assert sorted(p.name for p in save_dir.iterdir()) == before and states(save_dir) == {2: "committed",
                                                                                           4: "committed"}
+    # the refusal is one line from rank 0, not a traceback per rank
+    assert p.stderr.count("scout-ckpt: StartRefused: ") == 1, p.stderr[-3000:]
+    assert "raise StartRefused" not in p.stderr, p.stderr[-3000:]
+    # the advice followed: the same job with accept_single_owner=True re-judges the saved tags under its own
+    # policy and resumes from the newest with the state it saved (the job's own digest)
+    ev2 = tmp_path / "events2.jsonl"
+    torchrun(save_dir, ev2, "--stage", 3, "--steps", 6, "--save-every", 2, "--accept-single-owner")
+    saved4 = events(ev, "saved")[-1]
+    assert [(r["step"], r["digest"]) for r in events(ev2, "resumed")] == [(4, saved4["digest"])]
+    assert [(r["step"], r["verdict"]) for r in events(ev2, "saved")] == [(6, "certified")]
+    assert states(save_dir) == {2: "certified", 4: "certified", 6: "certified"}
+    with Ledger.open(save_dir, readonly=True) as led:
+        hist4, e4, last_run = ([h for h in led.certifications(4) if h["state"] != "writing"], led.evidence(4),
+                               led.runs()[-1])
+    assert [(h["state"], h["source"]) for h in hist4] == [("committed", "save"), ("certified", "rejudge")]
+    assert e4["zero_partitions"]["status"] == "not_applicable" and e4["zero_partitions"]["was"] == "missing"
+    assert e4["zero_partitions"]["rejudged_by"] == last_run["id"] and last_run["policy"]["accept_single_owner"]
+    assert (save_dir / "latest").read_text() == "global_step6"
 
 
 @pytest.mark.scenario

@@ -56,7 +56,7 @@ from scout_ckpt.errors import LiveStateCorrupt, ScoutError
 from scout_ckpt.format.digests import digest_files
 from scout_ckpt.integrations import ds_folders
 from scout_ckpt.integrations.ds_folders import LAYOUT, folder_name, parse_folder
-from scout_ckpt.integrations.session import IntegrationRun
+from scout_ckpt.integrations.session import IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
 from scout_ckpt.ops.startup import StartRefused
 
@@ -192,6 +192,10 @@ class ScoutCheckpointEngine(CheckpointEngine):
                 if s["after"] != "writing":
                     log.warning("scout-ckpt: step %d of an interrupted save settled: %s (%s)", s["step"],
                                 s["after"], s["why"])
+            again = rejudge_committed(ledger, self.root, run_id, self.policy, "zero_partitions")
+            if again:
+                log.warning("scout-ckpt: %s re-judged under this run's policy (accept_single_owner=True): "
+                            "certified on their recorded bytes + finite checks", ", ".join(map(folder_name, again)))
 
         self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
         if self.stage >= 1 and not self.accept_single_owner and self.run.is_coordinator:
@@ -208,9 +212,9 @@ class ScoutCheckpointEngine(CheckpointEngine):
                 raise StartRefused(
                     f"{self.root}: no certified checkpoint, but {len(pending)} saved tag(s) exist that are not "
                     f"rejected ({', '.join(pending[-4:])}); the job does not start from step 0 over them. "
-                    "`scout-ckpt ls` shows why each is not certified; install(..., accept_single_owner=True) "
-                    "certifies ZeRO partitions on bytes + finite checks, or load a tag explicitly with "
-                    "engine.load_checkpoint(save_dir, tag=...)")
+                    "Fix: install(..., accept_single_owner=True) re-judges them on bytes + finite checks and "
+                    "resumes from the newest (`scout-ckpt ls` shows why each is not certified), or move them out "
+                    "of the save_dir to start over")
 
     def _uncertified_tags(self) -> list[str]:
         """Coordinator: the tags whose folders exist and whose rows are committed (not certified, not rejected)."""
