@@ -75,6 +75,7 @@ class Quarantined(ScoutError):
 
 # Refusals every rank raises alike (the same broadcast decision): the one line is printed by rank 0 alone.
 _COLLECTIVE = ("StartRefused", "CheckpointsUnreadable", "LiveStateCorrupt")
+_HOOKED = False
 
 
 def one_line_refusals() -> None:
@@ -82,13 +83,16 @@ def one_line_refusals() -> None:
     ends the program uncaught is printed as one line, `scout-ckpt: <Class>: <message>` (which names the cause and
     the fix), instead of a traceback per rank. A refusal every rank raises alike (StartRefused, LiveStateCorrupt) is
     printed by rank 0 only; any other ScoutError by each rank that raised it, with its rank. Other exceptions, and
-    one a script catches, are untouched; the process exits 1 as for any uncaught exception, and the observer's own
-    hook (observer/handle.py) still sees it. SCOUT_CKPT_TRACEBACK=1 keeps the full traceback."""
+    one a script catches, are untouched; the process exits 1 as for any uncaught exception. Installed once, before
+    the observer's own hook (observer/handle.py), which chains outside it and so still sees every exception.
+    SCOUT_CKPT_TRACEBACK=1 keeps the full traceback."""
     import os
     import sys
 
-    if getattr(sys.excepthook, "__scout_one_line__", False) or os.environ.get("SCOUT_CKPT_TRACEBACK") == "1":
+    global _HOOKED
+    if _HOOKED or os.environ.get("SCOUT_CKPT_TRACEBACK") == "1":
         return
+    _HOOKED = True
     previous = sys.excepthook
 
     def hook(tp, value, tb):
@@ -96,15 +100,6 @@ def one_line_refusals() -> None:
             return previous(tp, value, tb)
         rank = os.environ.get("RANK")
         collective = any(c.__name__ in _COLLECTIVE for c in tp.__mro__)
-        try:   # the observer's last words (its hook may sit outside this one and have run them already)
-            from scout_ckpt.observer import handle
-
-            if not handle._UNCAUGHT:
-                handle._UNCAUGHT.append(tp.__name__)
-                for cb in list(handle._UNCAUGHT_CALLBACKS):
-                    cb(value)
-        except Exception:  # noqa: BLE001 - the line below is what matters
-            pass
         if collective and rank not in (None, "0"):
             return
         where = "" if collective or rank is None else f" (rank {rank})"
@@ -112,5 +107,4 @@ def one_line_refusals() -> None:
         sys.stderr.write(f"scout-ckpt{where}: {tp.__name__}: {text}\n")
         sys.stderr.flush()
 
-    hook.__scout_one_line__ = True
     sys.excepthook = hook
