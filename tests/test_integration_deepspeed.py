@@ -109,9 +109,18 @@ def test_zero1_cli_reads_a_deepspeed_save_dir_and_walks_past_a_corrupted_shard(z
     assert row["state"] == "rejected" and row["reasons"][0]["code"] == "digest_mismatch"
     assert row["reasons"][0]["file"] == "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     assert latest_clean(save_dir) == "global_step4"
-    # the job's next start points `latest` back at the newest certified tag (here without a job: the same call)
-    assert ds_folders.repoint_latest(save_dir) == "global_step4"
+    # the command that rejected the tag moved `latest` at once (DeepSpeed's own loader and zero_to_fp32.py read it)
     assert (save_dir / "latest").read_text() == "global_step4"
+    assert "latest now names global_step4" in se, se
+    # so does an operator's quarantine, and a certify that finds nothing newer leaves it where it is
+    rc, so, se = run_cli("quarantine", save_dir, 4, "--reason", "suspect host")
+    assert rc == 0 and (save_dir / "latest").read_text() == "global_step2", so + se
+    rc, so, se = run_cli("certify", save_dir, "--json")
+    assert (save_dir / "latest").read_text() == "global_step2" and "latest" not in se, so + se
+    # with nothing certified left, `latest` is moved aside (kept), so that load_checkpoint starts fresh
+    rc, so, se = run_cli("quarantine", save_dir, 2, "--reason", "suspect host")
+    assert rc == 0 and not (save_dir / "latest").exists(), so + se
+    assert (save_dir / ds_folders.HIDDEN_LATEST).read_text() == "global_step2"
 
 
 # ---- ZeRO-1: a rank killed mid-save, resumed exactly (the CI tier's DeepSpeed kill) -------------------------
@@ -178,6 +187,9 @@ def test_zero3_default_options_never_certify_partitions_and_latest_never_names_t
     # the refusal is one line from rank 0, not a traceback per rank
     assert p.stderr.count("scout-ckpt: StartRefused: ") == 1, p.stderr[-3000:]
     assert "raise StartRefused" not in p.stderr, p.stderr[-3000:]
+    # plain `explain` says what --json holds: why the tag is not certified, and which state no replica vouches for
+    rc, so, se = run_cli("explain", save_dir, 4)
+    assert rc == 1 and "ZeRO stage 3 partitions this state" in so and "module: parameters" in so, so + se
     # the advice followed: the same job with accept_single_owner=True re-judges the saved tags under its own
     # policy and resumes from the newest with the state it saved (the job's own digest)
     ev2 = tmp_path / "events2.jsonl"
