@@ -193,7 +193,7 @@ def test_zero3_default_options_never_certify_partitions_and_latest_never_names_t
     # the advice followed: the same job with accept_single_owner=True re-judges the saved tags under its own
     # policy and resumes from the newest with the state it saved (the job's own digest)
     ev2 = tmp_path / "events2.jsonl"
-    torchrun(save_dir, ev2, "--stage", 3, "--steps", 6, "--save-every", 2, "--accept-single-owner")
+    torchrun(save_dir, ev2, "--stage", 3, "--steps", 6, "--save-every", 2, "--accept-single-owner", "--no-close")
     saved4 = events(ev, "saved")[-1]
     assert [(r["step"], r["digest"]) for r in events(ev2, "resumed")] == [(4, saved4["digest"])]
     assert [(r["step"], r["verdict"]) for r in events(ev2, "saved")] == [(6, "certified")]
@@ -205,6 +205,8 @@ def test_zero3_default_options_never_certify_partitions_and_latest_never_names_t
     assert e4["zero_partitions"]["status"] == "not_applicable" and e4["zero_partitions"]["was"] == "missing"
     assert e4["zero_partitions"]["rejudged_by"] == last_run["id"] and last_run["policy"]["accept_single_owner"]
     assert (save_dir / "latest").read_text() == "global_step6"
+    # a job that never called close() left no SQLite sidecars in the save_dir: the ledger was closed at exit
+    assert not [p.name for p in save_dir.iterdir() if p.name.endswith(("-wal", "-shm"))]
 
 
 @pytest.mark.scenario

@@ -202,7 +202,7 @@ def test_async_save_with_top_k_1_leaves_only_named_steps_and_warns_that_one_is_k
     newest = max(s for s, v in st.items() if v == "certified")
     on_disk = {int(d.name.split("-")[1]) for d in root.glob("step-*")}
     assert on_disk == named | {newest}, (on_disk, named, st)
-    assert {s for s, v in st.items() if v == "deleted"} == {2, 4, 6} - on_disk
+    assert {s for s, v in st.items() if v == "deleted"} == set(st) - on_disk, st   # a step top-k skipped: no row
 
 
 @pytest.mark.scenario

@@ -24,6 +24,7 @@ catches, and the broadcast that follows carries the error to all ranks (the torc
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import uuid
 from pathlib import Path
@@ -120,7 +121,19 @@ class IntegrationRun:
             return run_id
 
         self.run_id = self.on_coordinator(f"open the ledger in {self.root}", begin)
+        if self.is_coordinator:
+            # a script that never calls close() (DeepSpeed's, Megatron's: optional there) still closes the ledger
+            # cleanly at exit, so that SQLite folds its -wal/-shm sidecars back into the ledger file
+            atexit.register(self._close_ledger)
         return self.run_id
+
+    def _close_ledger(self) -> None:
+        if self.ledger is not None:
+            ledger, self.ledger = self.ledger, None
+            try:
+                ledger.close()
+            except Exception:  # noqa: BLE001 - at exit: the ledger's data is committed either way
+                pass
 
     # ---- one save ------------------------------------------------------------------------------------------
 
@@ -216,9 +229,8 @@ class IntegrationRun:
         Trainer) otherwise left them to static destruction, where gloo's threads aborted the process one run in
         four ("terminate called without an active exception") and torchrun called a finished job failed.
         `release=False` keeps them (a framework whose close may run on some ranks only)."""
-        if self.ledger is not None:
-            self.ledger.close()
-            self.ledger = None
+        self._close_ledger()
+        atexit.unregister(self._close_ledger)
         if self.pg is None or not release:
             return
         pg, self.pg = self.pg, None

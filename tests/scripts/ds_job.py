@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--diverge-at", type=int, default=None)
     ap.add_argument("--nan-at", type=int, default=None)
     ap.add_argument("--export", default=None, help="save_16bit_model into this directory at the end")
+    ap.add_argument("--no-close", action="store_true", help="end without scout.close() (it is optional)")
     ap.add_argument("--events", required=True)
     args = ap.parse_args()
 
@@ -137,7 +138,8 @@ def main() -> None:
     record(event="final", step=engine.global_steps, digest=state_digest(engine))
     if args.export:
         engine.save_16bit_model(args.export)   # an export, not a checkpoint: passes through unrecorded
-    scout.close()
+    if not args.no_close:
+        scout.close()
 
 
 if __name__ == "__main__":
