@@ -56,7 +56,7 @@ from scout_ckpt import policy
 from scout_ckpt.errors import LiveStateCorrupt, ScoutError
 from scout_ckpt.integrations import mg_folders
 from scout_ckpt.integrations.mg_folders import LAYOUT, folder_name, parse_folder
-from scout_ckpt.integrations.session import COORDINATOR, IntegrationRun
+from scout_ckpt.integrations.session import COORDINATOR, IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
 from scout_ckpt.ops.startup import StartRefused
 
