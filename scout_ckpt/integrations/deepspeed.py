@@ -174,7 +174,7 @@ class ScoutCheckpointEngine(CheckpointEngine):
         require = ["bytes", "invariants"] + (["consensus"] if consensus else []) + ["zero_partitions"]
         allow_na = ["zero_partitions"] if self.accept_single_owner else []
         # "invariants": [] -- the finite check is the writers' at save; `certify` re-verifies the bytes and keeps
-        # the recorded invariants (no offline reader for DeepSpeed's pickles: see docs/integrate.md)
+        # the recorded invariants (no offline reader for DeepSpeed's pickles: see docs/integrations/deepspeed.md)
         return {"require": require, "allow_not_applicable": allow_na, "invariants": [], "layout": LAYOUT,
                 "replay_targets": [], "zero_stage": self.stage, "accept_single_owner": self.accept_single_owner}
 
