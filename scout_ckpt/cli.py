@@ -93,7 +93,9 @@ def gc_cmd(root: Path = typer.Argument(...), keep: int = typer.Option(..., "--ke
            dry_run: bool = typer.Option(False, "--dry-run"), as_json: bool = JSON_OPT):
     """Delete old checkpoints; never the newest certified one; rejected and partial ones first."""
     code = maintain.gc(root, keep, dry_run, as_json)
-    _exit(code) if dry_run else _pointers_then_exit(root, code)
+    if dry_run:
+        _exit(code)
+    _pointers_then_exit(root, code)
 
 
 @app.command("quarantine")

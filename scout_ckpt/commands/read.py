@@ -56,8 +56,8 @@ def ls(root: Path, as_json: bool) -> int:
     for _, is_local, r in merged:
         ev = evidence_marks(r["evidence"])
         checked = (f"save {time_text(r['committed'])}" if is_local else checked_text(r["checked"].get("bytes"), now))
-        t.add_row(str(r["step"]), "local" if is_local else "durable",
-                  f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]" + _level_word(r), ev, checked, human_bytes(r["bytes"]),
+        state = f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]" + _level_word(r)
+        t.add_row(str(r["step"]), "local" if is_local else "durable", state, ev, checked, human_bytes(r["bytes"]),
                   escape(reason_text(r["reasons"])), escape(where_text(r) if is_local else str(r["path"])))
     con = console()
     con.print(t)

@@ -33,8 +33,8 @@ many pieces and which keys); `accept_single_owner=True` accepts bytes + finite c
 says so). The consensus compares what the pieces hold at save; a fault before the data-parallel all-reduce that
 every replica then shares is not seen by it (as with DDP).
 
-Not covered here: the Megatron-LM training loop and GPTModel forward need CUDA (see docs/integrations/megatron.md); formats
-other than torch_dist (refused); the observer and replay (the core Checkpointer's, not wired for Megatron);
+Not covered here: the Megatron-LM training loop and GPTModel forward need CUDA (see
+docs/integrations/megatron.md); formats other than torch_dist (refused); the observer and replay (the core Checkpointer's, not wired for Megatron);
 a filesystem not shared by the ranks (the coordinator's listing must see every rank's files).
 """
 
