@@ -104,6 +104,7 @@ def one_line_refusals() -> None:
             return
         where = "" if collective or rank is None else f" (rank {rank})"
         text = " ".join(str(value).split())
+        text = text[len("scout-ckpt: "):] if text.startswith("scout-ckpt: ") else text
         sys.stderr.write(f"scout-ckpt{where}: {tp.__name__}: {text}\n")
         sys.stderr.flush()
 

@@ -369,8 +369,11 @@ class ScoutStrategyMixin:
             return super().load_checkpoint(path, weights_only=weights_only)
         newest = self.broadcast(self._scout_newest() if scout.is_coordinator else None)
         if want != LATEST_CLEAN and newest is not None and want < newest:
-            raise ScoutError(f"scout-ckpt: {path} is step {want}, older than the latest clean checkpoint (step "
-                             f"{newest}); the strategy loads the latest clean state only (ckpt_path=\"latest_clean\")")
+            from scout_ckpt.ops.startup import StartRefused   # every rank alike: one line, from rank 0
+
+            raise StartRefused(f"scout-ckpt: {path} is step {want}, older than the latest clean checkpoint (step "
+                               f"{newest}); the strategy loads the latest clean state only: pass "
+                               "ckpt_path=\"latest_clean\"")
         app = _ModelOptimizers(self.model, self._scout_optimizers())
         rest = _Remainder()
         step = scout.load_latest_clean({"app": app, "lightning": rest})
