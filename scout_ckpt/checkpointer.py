@@ -27,7 +27,7 @@ from scout_ckpt import object_store, options, policy
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.save_time import start_consensus
-from scout_ckpt.errors import ScoutError
+from scout_ckpt.errors import ScoutError, one_line_refusals
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
 from scout_ckpt.ops.startup import StartRefused, open_run_ledger
@@ -110,6 +110,7 @@ class Checkpointer:
                  ledger_dir: str | os.PathLike | None = None, storage_options: dict | None = None,
                  local: LocalTierOptions | dict | None = None,
                  fleet: FleetOptions | dict | str | os.PathLike | bool | None = None):
+        one_line_refusals()   # an uncaught refusal (StartRefused, LiveStateCorrupt) ends the job as one line
         # Every option is checked here, the same on every rank, before anything collective (options.py).
         replay, observer = options.as_replay(replay), options.as_observer(observer)
         shard_evidence, local = options.as_shard_evidence(shard_evidence), options.as_local(local)

@@ -39,6 +39,16 @@ def _exit(code: int) -> None:
         raise typer.Exit(code)
 
 
+def _pointers_then_exit(root: Path, code: int) -> None:
+    """After a command that may have changed a verdict: the framework pointers under ROOT (DeepSpeed's `latest`,
+    Megatron's tracker) name the newest certified step (integrations/pointers.py; a line on stderr per change),
+    then the command's own exit code."""
+    from scout_ckpt.integrations.pointers import refresh_quietly
+
+    refresh_quietly(root, lambda line: print(line, file=sys.stderr))
+    _exit(code)
+
+
 # ---- ls / explain ----------------------------------------------------------------------------------------------
 
 @app.command("ls")
@@ -61,7 +71,7 @@ def certify_cmd(root: Path = typer.Argument(...), step: Optional[int] = typer.Op
                 all_: bool = typer.Option(False, "--all", help="Every recorded checkpoint (the default)."),
                 as_json: bool = JSON_OPT):
     """Re-verify bytes (and invariants) offline and record the result; exit 0 only if all are certified."""
-    _exit(maintain.certify(root, step, all_, as_json))
+    _pointers_then_exit(root, maintain.certify(root, step, all_, as_json))
 
 
 # ---- resume ----------------------------------------------------------------------------------------------------
@@ -72,10 +82,11 @@ def resume_cmd(root: Path = typer.Argument(...),
                no_verify: bool = typer.Option(False, "--no-verify", help="Skip re-hashing its files."),
                require: List[str] = typer.Option(
                    [], "--require", help="Evidence that must have passed outright (repeatable): replay (full replay "
-                                         "coverage), consensus, bytes, invariants, shard_replay, at_rest, health."),
+                                         "coverage), consensus, bytes, invariants, shard_replay, at_rest, health, "
+                                         "source_digests (digests written at save, not only adopt's)."),
                as_json: bool = JSON_OPT):
     """Print the path of the newest certified checkpoint, re-verified; exit 1 if none."""
-    _exit(read.resume(root, latest_clean, no_verify, as_json, require))
+    _pointers_then_exit(root, read.resume(root, latest_clean, no_verify, as_json, require))
 
 
 # ---- gc / quarantine -------------------------------------------------------------------------------------------
@@ -84,21 +95,24 @@ def resume_cmd(root: Path = typer.Argument(...),
 def gc_cmd(root: Path = typer.Argument(...), keep: int = typer.Option(..., "--keep", help="Checkpoints to keep."),
            dry_run: bool = typer.Option(False, "--dry-run"), as_json: bool = JSON_OPT):
     """Delete old checkpoints; never the newest certified one; rejected and partial ones first."""
-    _exit(maintain.gc(root, keep, dry_run, as_json))
+    code = maintain.gc(root, keep, dry_run, as_json)
+    if dry_run:
+        _exit(code)
+    _pointers_then_exit(root, code)
 
 
 @app.command("quarantine")
 def quarantine_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...),
                    reason: str = typer.Option(..., "--reason"), as_json: bool = JSON_OPT):
     """Operator override: the step is never resumed from (nor re-saved) until released."""
-    _exit(maintain.quarantine(root, step, reason, as_json))
+    _pointers_then_exit(root, maintain.quarantine(root, step, reason, as_json))
 
 
 @app.command("release")
 def release_cmd(root: Path = typer.Argument(...), step: int = typer.Argument(...),
                 reason: str = typer.Option(..., "--reason"), as_json: bool = JSON_OPT):
     """Operator: end a quarantine; the step becomes what its recorded evidence gives under the run's policy."""
-    _exit(maintain.release(root, step, reason, as_json))
+    _pointers_then_exit(root, maintain.release(root, step, reason, as_json))
 
 
 # ---- adopt / export --------------------------------------------------------------------------------------------
@@ -182,7 +196,7 @@ def ledger_rebuild_cmd(root: Path = typer.Argument(...),
     reads, and the journal's copy on the store counts with what survives in ROOT. The fast tier's rows are
     rebuilt from the --local-dir directories: certified only where the old ledger certified them and every
     rank's file is found and matches its recorded digest."""
-    _exit(maintain.ledger_rebuild(root, no_verify, uri, as_json, local_dir))
+    _pointers_then_exit(root, maintain.ledger_rebuild(root, no_verify, uri, as_json, local_dir))
 
 
 # ---- fleet -----------------------------------------------------------------------------------------------------

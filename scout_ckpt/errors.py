@@ -56,9 +56,13 @@ class LiveStateCorrupt(ScoutError):
     exit_code = 1
 
     def __init__(self, step: int, verdict: dict):
-        kinds = ", ".join(verdict.get("live_fault") or []) or "evidence"
-        codes = ", ".join(sorted({r.get("code", "?") for r in verdict.get("reasons") or []})) or "-"
-        super().__init__(f"checkpoint {step} shows the live training state is bad ({kinds}: {codes}); ending the "
+        kinds = list(verdict.get("live_fault") or [])
+        codes = sorted({r.get("code", "?") for r in verdict.get("reasons") or []})
+        # kinds of evidence and the reasons' codes; said once where they are the same words (an integration's
+        # live_fault lists the codes themselves)
+        same = bool(kinds) and set(kinds) <= set(codes)
+        what = ", ".join(kinds or ["evidence"]) + ("" if same else f": {', '.join(codes) or '-'}")
+        super().__init__(f"checkpoint {step} shows the live training state is bad ({what}); ending the "
                          "generation so that it restarts from the latest clean checkpoint")
         self.step, self.verdict = step, verdict
 
@@ -67,3 +71,41 @@ class Quarantined(ScoutError):
     """The step is quarantined by an operator: it is not re-saved or resumed until `scout-ckpt release`."""
 
     exit_code = 1
+
+
+# Refusals every rank raises alike (the same broadcast decision): the one line is printed by rank 0 alone.
+_COLLECTIVE = ("StartRefused", "CheckpointsUnreadable", "LiveStateCorrupt")
+_HOOKED = False
+
+
+def one_line_refusals() -> None:
+    """Chains sys.excepthook once (the integrations' entry points and the Checkpointer call it): a ScoutError that
+    ends the program uncaught is printed as one line, `scout-ckpt: <Class>: <message>` (which names the cause and
+    the fix), instead of a traceback per rank. A refusal every rank raises alike (StartRefused, LiveStateCorrupt) is
+    printed by rank 0 only; any other ScoutError by each rank that raised it, with its rank. Other exceptions, and
+    one a script catches, are untouched; the process exits 1 as for any uncaught exception. Installed once, before
+    the observer's own hook (observer/handle.py), which chains outside it and so still sees every exception.
+    SCOUT_CKPT_TRACEBACK=1 keeps the full traceback."""
+    import os
+    import sys
+
+    global _HOOKED
+    if _HOOKED or os.environ.get("SCOUT_CKPT_TRACEBACK") == "1":
+        return
+    _HOOKED = True
+    previous = sys.excepthook
+
+    def hook(tp, value, tb):
+        if not (isinstance(tp, type) and issubclass(tp, ScoutError)):
+            return previous(tp, value, tb)
+        rank = os.environ.get("RANK")
+        collective = any(c.__name__ in _COLLECTIVE for c in tp.__mro__)
+        if collective and rank not in (None, "0"):
+            return
+        where = "" if collective or rank is None else f" (rank {rank})"
+        text = " ".join(str(value).split())
+        text = text[len("scout-ckpt: "):] if text.startswith("scout-ckpt: ") else text
+        sys.stderr.write(f"scout-ckpt{where}: {tp.__name__}: {text}\n")
+        sys.stderr.flush()
+
+    sys.excepthook = hook

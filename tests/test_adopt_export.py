@@ -53,9 +53,44 @@ def test_adopt_certifies_plain_dcp_folders(plain):
     manifest = json.loads((root / "step-20" / MANIFEST_NAME).read_text())
     assert manifest["format"] == "scout-manifest/1" and manifest["adopted"] is True
     assert manifest["step"] == 20 and manifest["invariants"] == [{"check": "finite", "params": "*"}]
-    assert set(manifest["evidence"]) == {"bytes", "structure", "invariants"}
+    assert set(manifest["evidence"]) == {"bytes", "structure", "invariants", "source_digests"}
+    assert manifest["evidence"]["source_digests"]["status"] == "missing"   # recorded, not required by the policy
     again = adopt(root)                    # idempotent: folders with a manifest are left alone
     assert again["adopted"] == [] and [s["step"] for s in again["skipped"]] == STEPS
+
+
+def test_adopted_without_source_digests_is_shown_as_such_and_refused_under_require_source_digests(plain):
+    """A bit flipped before adoption (no integrity.json): adopt's own digests vouch for the folder as found, so the
+    step is certified; `ls` and `resume` say "adopted", and `--require source_digests` does not hand it out."""
+    from tests.conftest import run_cli
+
+    root, saved = plain
+    shard = saved[20]["layers.0.weight"][8:].contiguous()   # rank 1's rows, as the oracle saved them
+    f = root / "step-20" / "__1_0.distcp"
+    data = bytearray(f.read_bytes())
+    at = bytes(data).find(shard.numpy().tobytes())
+    assert at >= 0
+    data[at] ^= 0x01   # the lowest mantissa bit of one weight: still finite, a different number
+    f.write_bytes(bytes(data))
+    assert [(a["step"], a["state"]) for a in adopt(root)["adopted"]] == [(10, "certified"), (20, "certified")]
+    rc, so, se = run_cli("ls", root, "--json")
+    rows = {r["step"]: r for r in json.loads(so)["checkpoints"]}
+    assert rc == 0 and rows[20]["evidence_level"] == "adopted" and rows[20]["state"] == "certified", so + se
+    rc, so, se = run_cli("ls", root)
+    assert rc == 0 and "certified (adopted)" in so, so + se
+    rc, so, se = run_cli("resume", root, "--latest-clean")
+    assert rc == 0 and so.strip().endswith("step-20") and "step 20 is adopted" in se, so + se
+    rc, so, se = run_cli("resume", root, "--latest-clean", "--json")
+    assert rc == 0 and json.loads(so)["evidence_level"] == "adopted", so + se
+    rc, so, se = run_cli("resume", root, "--latest-clean", "--require", "source_digests", "--json")
+    out = json.loads(so)
+    assert rc == 1 and out["step"] is None, so + se
+    # the step adopt certified does hold other numbers than the job saved (the job's own tensors are the oracle)
+    import torch.distributed.checkpoint as dcp
+
+    back = {"model": {"layers.0.weight": torch.empty(16, 8)}}
+    dcp.load(back, checkpoint_id=str(root / "step-20"), no_dist=True)
+    assert not torch.equal(back["model"]["layers.0.weight"], saved[20]["layers.0.weight"])
 
 
 def test_adopt_rejects_truncated_and_missing_files(plain):

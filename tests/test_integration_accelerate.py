@@ -360,6 +360,25 @@ def test_a_tracked_loader_resumes_the_exact_stream_in_one_process(at, epoch):
     assert sum(1 for b, _ in whole if b == "end") == 2 and len({tuple(b) for b, _ in whole if b != "end"}) > 5
 
 
+def test_accelerates_own_skip_first_batches_kept_beside_the_drop_in_is_ignored_with_a_warning(tmp_path, caplog):
+    """Accelerate's resume recipe (`accelerator.skip_first_batches(dl, n)`) left in a script that uses the drop-in
+    would skip the resumed batches a second time: on a tracked loader it is ignored (the same stream as without
+    it), with a warning naming the line to remove."""
+    from scout_ckpt.integrations.accelerate import ScoutCheckpointing
+    from scout_ckpt.integrations.accelerate_data import TrackedDataLoader
+
+    _, dl = _loader()
+    whole, _ = _walk(TrackedDataLoader(dl), 6, epoch_end_draw=False)
+    acc, dl = _loader()
+    ckpt = ScoutCheckpointing(acc, tmp_path / "root")
+    tracked = ckpt.track(dl)
+    with caplog.at_level("WARNING", logger="scout_ckpt.accelerate"):
+        skipped = acc.skip_first_batches(tracked, 3)
+    assert skipped is tracked
+    assert "skip the batches twice" in caplog.text
+    assert _walk(skipped, 6, epoch_end_draw=False)[0] == whole
+
+
 def test_a_dataloader_prepared_directly_is_refused_before_anything_is_saved(tmp_path):
     from scout_ckpt.errors import ScoutError
     from scout_ckpt.integrations.accelerate import ScoutCheckpointing

@@ -111,9 +111,18 @@ def test_zero1_cli_reads_a_deepspeed_save_dir_and_walks_past_a_corrupted_shard(z
     assert row["state"] == "rejected" and row["reasons"][0]["code"] == "digest_mismatch"
     assert row["reasons"][0]["file"] == "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     assert latest_clean(save_dir) == "global_step4"
-    # the job's next start points `latest` back at the newest certified tag (here without a job: the same call)
-    assert ds_folders.repoint_latest(save_dir) == "global_step4"
+    # the command that rejected the tag moved `latest` at once (DeepSpeed's own loader and zero_to_fp32.py read it)
     assert (save_dir / "latest").read_text() == "global_step4"
+    assert "latest now names global_step4" in se, se
+    # so does an operator's quarantine, and a certify that finds nothing newer leaves it where it is
+    rc, so, se = run_cli("quarantine", save_dir, 4, "--reason", "suspect host")
+    assert rc == 0 and (save_dir / "latest").read_text() == "global_step2", so + se
+    rc, so, se = run_cli("certify", save_dir, "--json")
+    assert (save_dir / "latest").read_text() == "global_step2" and "latest" not in se, so + se
+    # with nothing certified left, `latest` is moved aside (kept), so that load_checkpoint starts fresh
+    rc, so, se = run_cli("quarantine", save_dir, 2, "--reason", "suspect host")
+    assert rc == 0 and not (save_dir / "latest").exists(), so + se
+    assert (save_dir / ds_folders.HIDDEN_LATEST).read_text() == "global_step2"
 
 
 # ---- ZeRO-1: a rank killed mid-save, resumed exactly (the CI tier's DeepSpeed kill) -------------------------
@@ -171,12 +180,37 @@ def test_zero3_default_options_never_certify_partitions_and_latest_never_names_t
     assert rc == 1 and json.loads(so)["step"] is None
     # the job restarted with the same options: it refuses to train from step 0 over the saved tags, and names
     # them and the option; nothing is written
-    before = sorted(p.name for p in save_dir.iterdir())
+    def names():   # SQLite's -wal/-shm sidecars come and go with the readers' connections: not data
+        return sorted(p.name for p in save_dir.iterdir() if not p.name.endswith(("-wal", "-shm")))
+
+    before = names()
     p = torchrun(save_dir, ev, "--stage", 3, "--steps", 4, "--save-every", 2, ok=False)
     assert "does not start from step 0 over them" in p.stderr and "global_step4" in p.stderr, why_failed(p.stderr)
     assert "accept_single_owner=True" in p.stderr
-    assert sorted(p.name for p in save_dir.iterdir()) == before and states(save_dir) == {2: "committed",
-                                                                                          4: "committed"}
+    assert names() == before and states(save_dir) == {2: "committed", 4: "committed"}
+    # the refusal is one line from rank 0, not a traceback per rank
+    assert p.stderr.count("scout-ckpt: StartRefused: ") == 1, p.stderr[-3000:]
+    assert "raise StartRefused" not in p.stderr, p.stderr[-3000:]
+    # plain `explain` says what --json holds: why the tag is not certified, and which state no replica vouches for
+    rc, so, se = run_cli("explain", save_dir, 4)
+    assert rc == 1 and "ZeRO stage 3 partitions this state" in so and "module: parameters" in so, so + se
+    # the advice followed: the same job with accept_single_owner=True re-judges the saved tags under its own
+    # policy and resumes from the newest with the state it saved (the job's own digest)
+    ev2 = tmp_path / "events2.jsonl"
+    torchrun(save_dir, ev2, "--stage", 3, "--steps", 6, "--save-every", 2, "--accept-single-owner", "--no-close")
+    # a job that never called close() left no SQLite sidecars in the save_dir: the ledger was closed at exit
+    assert not [p.name for p in save_dir.iterdir() if p.name.endswith(("-wal", "-shm"))]
+    saved4 = events(ev, "saved")[-1]
+    assert [(r["step"], r["digest"]) for r in events(ev2, "resumed")] == [(4, saved4["digest"])]
+    assert [(r["step"], r["verdict"]) for r in events(ev2, "saved")] == [(6, "certified")]
+    assert states(save_dir) == {2: "certified", 4: "certified", 6: "certified"}
+    with Ledger.open(save_dir, readonly=True) as led:
+        hist4, e4, last_run = ([h for h in led.certifications(4) if h["state"] != "writing"], led.evidence(4),
+                               led.runs()[-1])
+    assert [(h["state"], h["source"]) for h in hist4] == [("committed", "save"), ("certified", "rejudge")]
+    assert e4["zero_partitions"]["status"] == "not_applicable" and e4["zero_partitions"]["was"] == "missing"
+    assert e4["zero_partitions"]["rejudged_by"] == last_run["id"] and last_run["policy"]["accept_single_owner"]
+    assert (save_dir / "latest").read_text() == "global_step6"
 
 
 @pytest.mark.scenario

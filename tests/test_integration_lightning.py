@@ -189,6 +189,23 @@ def test_model_checkpoint_top_k_and_last_over_20_saves(tmp_path):
 
 
 @pytest.mark.scenario
+def test_async_save_with_top_k_1_leaves_only_named_steps_and_warns_that_one_is_kept(tmp_path):
+    """async_save: the last save's verdict comes after ModelCheckpoint dropped the previous pointer; retention runs
+    once more at teardown, so no step directory is left that no pointer names (but the newest certified).
+    save_top_k=1 is warned about at fit start (nothing certified to walk back to)."""
+    root = tmp_path / "root"
+    p = torchrun(root, "--steps", "6", "--save-every", "2", "--top-k", "1", "--options", '{"async_save": true}',
+                 record=tmp_path / "rec.jsonl")
+    assert p.stderr.count("keeps one checkpoint") == 1, p.stderr[-3000:]
+    named = {json.loads(f.read_text())["scout_ckpt"]["step"] for f in (root / "lightning").iterdir()}
+    st = states(root)
+    newest = max(s for s, v in st.items() if v == "certified")
+    on_disk = {int(d.name.split("-")[1]) for d in root.glob("step-*")}
+    assert on_disk == named | {newest}, (on_disk, named, st)
+    assert {s for s, v in st.items() if v == "deleted"} == set(st) - on_disk, st   # a step top-k skipped: no row
+
+
+@pytest.mark.scenario
 def test_model_parallel_fsdp2_certifies_and_resumes_exactly_after_sigkill(tmp_path):
     """ScoutModelParallelStrategy (fully_shard in configure_model): every save certified with the shard replay and
     at-rest evidence; rank 1 SIGKILLed after step 5 resumes from step 4 and ends bitwise equal to a plain

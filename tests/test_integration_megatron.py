@@ -123,7 +123,11 @@ def test_tp2_cli_reads_iter_folders_and_walks_past_a_flipped_bit(tp2, tmp_path):
     assert row["state"] == "rejected" and row["reasons"][0]["code"] == "digest_mismatch"
     assert row["reasons"][0]["file"] == bad.name
     assert latest_clean(save_dir) == 2
-    assert mg_folders.repoint_tracker(save_dir) == 2 and (save_dir / TRACKER).read_text() == "2"
+    # the command that rejected the iteration moved the tracker at once (Megatron-LM's `--load` reads it)
+    assert (save_dir / TRACKER).read_text() == "2" and f"{TRACKER} now names 2" in se, se
+    rc, so, se = run_cli("quarantine", save_dir, 2, "--reason", "suspect host")
+    assert rc == 0 and not (save_dir / TRACKER).exists(), so + se   # nothing certified left: moved aside
+    assert (save_dir / mg_folders.HIDDEN_TRACKER).read_text() == "2"
 
 
 # ---- scenarios: kill mid-save, the job's own walk-back, default options at TP=2, async, replicas disagree ---
@@ -206,6 +210,18 @@ def test_tp2_default_options_never_certify_shards_and_the_tracker_never_names_th
     p = torchrun(save_dir, ev, "--tp", 2, "--iters", 4, "--save-every", 2, ok=False)
     assert "does not start from iteration 0 over them" in p.stderr and "iter_0000004" in p.stderr
     assert names() == before and states(save_dir) == {2: "committed", 4: "committed"}
+    assert p.stderr.count("scout-ckpt: StartRefused: ") == 1 and "raise StartRefused" not in p.stderr
+    # the advice followed: accept_single_owner=True re-judges the saved iterations under that policy and resumes
+    # from the newest with the state the job saved (its own digest)
+    ev2 = tmp_path / "events2.jsonl"
+    torchrun(save_dir, ev2, "--tp", 2, "--iters", 6, "--save-every", 2, "--accept-single-owner")
+    saved4 = events(ev, "saved")[-1]
+    assert [(r["step"], r["digest"]) for r in events(ev2, "resumed")] == [(4, saved4["digest"])]
+    assert states(save_dir) == {2: "certified", 4: "certified", 6: "certified"}
+    with Ledger.open(save_dir, readonly=True) as led:
+        hist4 = [(h["state"], h["source"]) for h in led.certifications(4) if h["state"] != "writing"]
+    assert hist4 == [("committed", "save"), ("certified", "rejudge")]
+    assert (save_dir / TRACKER).read_text() == "6"
 
 
 @pytest.mark.scenario

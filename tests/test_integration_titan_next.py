@@ -108,7 +108,9 @@ def test_purge_exempt_keeps_certified_pending_and_quarantined_and_records_what_i
     # 8's owner is dead, but it is newer than the newest certified: retention leaves it to the start-up's settling
     # (is_valid_checkpoint is False for it: TorchTitan's purge removes it as abandoned, without asking).
     assert exempt(8) is True
-    assert (root / "step-1").is_dir()  # purge_exempt decides; deleting the folder is TorchTitan's purge thread's
+    # a row recorded deleted has no folder left, whoever asked (TorchTitan's purge then finds nothing to remove)
+    assert not (root / "step-1").exists() and not (root / "step-3").exists()
+    assert (root / "step-4").is_dir() and (root / "step-2").is_dir()
 
 
 

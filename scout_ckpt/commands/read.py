@@ -18,6 +18,7 @@ from scout_ckpt.commands.output import console, emit, escape, human_bytes
 from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger.journal import JOURNAL_NAME
 from scout_ckpt.ops import roots
+from scout_ckpt.ops.adopt_step import evidence_level
 from scout_ckpt.ops.views import (
     STATE_STYLE,
     as_listed,
@@ -37,6 +38,7 @@ def ls(root: Path, as_json: bool) -> int:
         print(f"scout-ckpt: warning: {fallback}; listed from the checkpoints' manifests and {JOURNAL_NAME}",
               file=sys.stderr)
     local = [] if fallback else _local_rows(root)
+    rows = [{**r, "evidence_level": evidence_level(r.get("evidence") or {})} for r in rows]
     if as_json:
         emit({"checkpoints": as_listed(rows), "local": local,
               "source": "manifests" if fallback else "ledger", "fallback": fallback,
@@ -54,8 +56,8 @@ def ls(root: Path, as_json: bool) -> int:
     for _, is_local, r in merged:
         ev = evidence_marks(r["evidence"])
         checked = (f"save {time_text(r['committed'])}" if is_local else checked_text(r["checked"].get("bytes"), now))
-        t.add_row(str(r["step"]), "local" if is_local else "durable",
-                  f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]", ev, checked, human_bytes(r["bytes"]),
+        state = f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]" + _level_word(r)
+        t.add_row(str(r["step"]), "local" if is_local else "durable", state, ev, checked, human_bytes(r["bytes"]),
                   escape(reason_text(r["reasons"])), escape(where_text(r) if is_local else str(r["path"])))
     con = console()
     con.print(t)
@@ -159,12 +161,38 @@ def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool, requi
         print(f"scout-ckpt: newer local step(s) {', '.join(str(r['step']) for r in newer_local)} certified in the "
               f"fast tier: a job restarted on the same layout loads the newest one every rank re-verifies; this "
               f"command cannot read other nodes' local directories", file=sys.stderr)
+    found["evidence_level"] = _found_level(root, found)
+    if found["evidence_level"] == "adopted":
+        print(f"scout-ckpt: step {found['step']} is adopted: its bytes are vouched for only by adopt's own digests "
+              "of the folder as found, not digests written at save; `--require source_digests` walks past such "
+              "steps", file=sys.stderr)
     if as_json:
         # the CLI reads the durable tier (design.md, "Fast tier"); newer certified local steps are named beside it
         emit({**found, "tier": found.get("tier", "durable"), "local_newer": newer_local})
     else:
         print(found["path"])
     return 0
+
+
+def _level_word(row: dict) -> str:
+    """` adopted` after the state of a step certified on foreign evidence (ops/adopt_step.evidence_level)."""
+    level = row.get("evidence_level", "scout-ckpt")
+    return "" if level == "scout-ckpt" or row.get("tier") == "local" else f" [dim]({level})[/]"
+
+
+def _found_level(root: Path, found: dict) -> str:
+    """The evidence level of the step resume hands out (the ledger's evidence; "scout-ckpt" when the answer came
+    from the manifests, which carry no evidence detail)."""
+    if found.get("source") != "ledger":
+        return "scout-ckpt"
+    from scout_ckpt.ledger import Ledger
+
+    try:
+        with Ledger.open(root, readonly=True) as ledger:
+            statuses = {k: v["status"] for k, v in ledger.evidence(found["step"]).items()}
+    except Exception:  # noqa: BLE001 - the answer stands; the word is what could not be read
+        return "unknown"
+    return evidence_level(statuses)
 
 
 def _newer_local(root: Path, step: int) -> list[dict]:

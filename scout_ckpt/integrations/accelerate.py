@@ -31,6 +31,7 @@ initializes the default process group, the Checkpointer adds its own gloo groups
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -44,6 +45,8 @@ from scout_ckpt.replay.optimizer_replay import unwrap_optimizer
 from scout_ckpt.save.app_state import ModelOptimizerState, RankLocal, RNGState
 
 __all__ = ["ScoutCheckpointing", "TrackedDataLoader"]
+
+log = logging.getLogger("scout_ckpt.accelerate")
 
 
 def _process_group(accelerator) -> None:
@@ -102,6 +105,30 @@ class ScoutCheckpointing:
         # One instance each for the whole run (RankLocal keeps its world mesh); DataPosition reads self.loaders.
         self._data = RankLocal(DataPosition(self.loaders))
         self._rng = RankLocal(RNGState())
+        self._guard_skip_first_batches()
+
+    def _guard_skip_first_batches(self) -> None:
+        """Accelerate's own resume recipe (`accelerator.skip_first_batches(dl, n)` after `load_state`) kept beside
+        the drop-in would skip the batches twice (the tracked loader already resumes at its saved position): on a
+        tracked loader it is ignored, with a warning; any other loader goes to Accelerate as before."""
+        acc = self.accelerator
+        original = getattr(acc, "skip_first_batches", None)
+        if original is None or getattr(original, "__scout__", False):
+            return
+        loaders = self.loaders
+
+        def skip_first_batches(dataloader, num_batches: int = 0):
+            tracked = next((t for t in loaders if dataloader is t or dataloader is t.inner), None)
+            if tracked is None or not num_batches:
+                return original(dataloader, num_batches)
+            log.warning("scout-ckpt: accelerator.skip_first_batches(..., %d) ignored: ScoutCheckpointing resumes "
+                        "this DataLoader at its saved position itself (keeping both would skip the batches twice); "
+                        "remove the skip_first_batches line", num_batches)
+            return tracked
+
+        skip_first_batches.__scout__ = True
+        skip_first_batches.__doc__ = original.__doc__
+        acc.skip_first_batches = skip_first_batches
 
     # ---- preparing -----------------------------------------------------------------------------------------
 

@@ -64,7 +64,7 @@ from scout_ckpt.errors import LiveStateCorrupt, ScoutError
 from scout_ckpt.format.digests import digest_files
 from scout_ckpt.integrations import ds_folders
 from scout_ckpt.integrations.ds_folders import LAYOUT, folder_name, parse_folder
-from scout_ckpt.integrations.session import IntegrationRun
+from scout_ckpt.integrations.session import IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
 from scout_ckpt.ops.startup import StartRefused
 
@@ -219,7 +219,7 @@ class ScoutCheckpointEngine(CheckpointEngine):
         require = ["bytes", "invariants"] + (["consensus"] if consensus else []) + ["zero_partitions"]
         allow_na = ["zero_partitions"] if self.accept_single_owner else []
         # "invariants": [] -- the finite check is the writers' at save; `certify` re-verifies the bytes and keeps
-        # the recorded invariants (no offline reader for DeepSpeed's pickles: see docs/integrate.md)
+        # the recorded invariants (no offline reader for DeepSpeed's pickles: see docs/integrations/deepspeed.md)
         if self.replay is not None:   # required where it runs; not_applicable only without engine.step() calls
             require.append("replay")
             allow_na.append("replay")
@@ -259,6 +259,10 @@ class ScoutCheckpointEngine(CheckpointEngine):
                 if s["after"] != "writing":
                     log.warning("scout-ckpt: step %d of an interrupted save settled: %s (%s)", s["step"],
                                 s["after"], s["why"])
+            again = rejudge_committed(ledger, self.root, run_id, self.policy, "zero_partitions")
+            if again:
+                log.warning("scout-ckpt: %s re-judged under this run's policy (accept_single_owner=True): "
+                            "certified on their recorded bytes + finite checks", ", ".join(map(folder_name, again)))
 
         self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
         if self.replay is not None:
@@ -279,9 +283,9 @@ class ScoutCheckpointEngine(CheckpointEngine):
                 raise StartRefused(
                     f"{self.root}: no certified checkpoint, but {len(pending)} saved tag(s) exist that are not "
                     f"rejected ({', '.join(pending[-4:])}); the job does not start from step 0 over them. "
-                    "`scout-ckpt ls` shows why each is not certified; install(..., accept_single_owner=True) "
-                    "certifies ZeRO partitions on bytes + finite checks, or load a tag explicitly with "
-                    "engine.load_checkpoint(save_dir, tag=...)")
+                    "Fix: install(..., accept_single_owner=True) re-judges them on bytes + finite checks and "
+                    "resumes from the newest (`scout-ckpt ls` shows why each is not certified), or move them out "
+                    "of the save_dir to start over")
 
     def _uncertified_tags(self) -> list[str]:
         """Coordinator: the tags whose folders exist and whose rows are committed (not certified, not rejected)."""

@@ -137,6 +137,18 @@ class _Fresh(dict):
         return False
 
 
+def _warn_single_checkpoint(trainer) -> None:
+    """Rank 0, at fit start: ModelCheckpoint keeping fewer than 2 checkpoints (Lightning's default save_top_k=1)
+    leaves the walk-back nothing certified to fall back to when the one kept fails re-verification."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    cbs = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+    if cbs and all(0 <= cb.save_top_k < 2 for cb in cbs):
+        log.warning("scout-ckpt: ModelCheckpoint(save_top_k=%s) keeps one checkpoint: if it fails re-verification "
+                    "there is no certified one to walk back to and the run starts from step 0; use save_top_k >= 2 "
+                    "(-1 keeps all)", ", ".join(str(cb.save_top_k) for cb in cbs))
+
+
 # ---- pointers (rank 0) ----------------------------------------------------------------------------------------
 
 def read_pointer(path: str | os.PathLike) -> dict | None:
@@ -197,6 +209,8 @@ class ScoutStrategyMixin:
 
         if trainer.state.fn == TrainerFn.FITTING:
             self._scout_open()
+            if self.scout.is_coordinator:
+                _warn_single_checkpoint(trainer)
 
     def _scout_open(self):
         """Collective: the Checkpointer on the strategy's model and optimizers (once per fit)."""
@@ -219,8 +233,14 @@ class ScoutStrategyMixin:
 
     def teardown(self) -> None:
         if self.scout is not None:
-            scout, self.scout = self.scout, None
-            scout.close()
+            scout = self.scout
+            try:
+                scout.wait()   # an async save's verdict is recorded: retention can now judge the step before it
+                if scout.is_coordinator and self.scout_root is not None:
+                    self._retention(_load_pointers(self.scout_root))
+            finally:
+                self.scout = None
+                scout.close()
         self._scout_saved = None
         super().teardown()
 
@@ -349,8 +369,11 @@ class ScoutStrategyMixin:
             return super().load_checkpoint(path, weights_only=weights_only)
         newest = self.broadcast(self._scout_newest() if scout.is_coordinator else None)
         if want != LATEST_CLEAN and newest is not None and want < newest:
-            raise ScoutError(f"scout-ckpt: {path} is step {want}, older than the latest clean checkpoint (step "
-                             f"{newest}); the strategy loads the latest clean state only (ckpt_path=\"latest_clean\")")
+            from scout_ckpt.ops.startup import StartRefused   # every rank alike: one line, from rank 0
+
+            raise StartRefused(f"scout-ckpt: {path} is step {want}, older than the latest clean checkpoint (step "
+                               f"{newest}); the strategy loads the latest clean state only: pass "
+                               "ckpt_path=\"latest_clean\"")
         app = _ModelOptimizers(self.model, self._scout_optimizers())
         rest = _Remainder()
         step = scout.load_latest_clean({"app": app, "lightning": rest})

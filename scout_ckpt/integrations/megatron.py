@@ -33,8 +33,8 @@ many pieces and which keys); `accept_single_owner=True` accepts bytes + finite c
 says so). The consensus compares what the pieces hold at save; a fault before the data-parallel all-reduce that
 every replica then shares is not seen by it (as with DDP).
 
-Not covered here: the Megatron-LM training loop and GPTModel forward need CUDA (see docs/integrate.md); formats
-other than torch_dist (refused); the observer and replay (the core Checkpointer's, not wired for Megatron);
+Not covered here: the Megatron-LM training loop and GPTModel forward need CUDA (see
+docs/integrations/megatron.md); formats other than torch_dist (refused); the observer and replay (the core Checkpointer's, not wired for Megatron);
 a filesystem not shared by the ranks (the coordinator's listing must see every rank's files).
 """
 
@@ -56,7 +56,7 @@ from scout_ckpt import policy
 from scout_ckpt.errors import LiveStateCorrupt, ScoutError
 from scout_ckpt.integrations import mg_folders
 from scout_ckpt.integrations.mg_folders import LAYOUT, folder_name, parse_folder
-from scout_ckpt.integrations.session import COORDINATOR, IntegrationRun
+from scout_ckpt.integrations.session import COORDINATOR, IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
 from scout_ckpt.ops.startup import StartRefused
 
@@ -147,6 +147,10 @@ class MegatronCheckpointer:
                 if s["after"] != "writing":
                     log.warning("scout-ckpt: iteration %d of an interrupted save settled: %s (%s)", s["step"],
                                 s["after"], s["why"])
+            again = rejudge_committed(ledger, self.root, run_id, self.policy, "single_owner")
+            if again:
+                log.warning("scout-ckpt: %s re-judged under this run's policy (accept_single_owner=True): "
+                            "certified on their recorded bytes + finite checks", ", ".join(map(folder_name, again)))
 
         self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
         it = self.run.on_coordinator(f"point {self.root}/{mg_folders.TRACKER} at a certified iteration",
@@ -159,8 +163,9 @@ class MegatronCheckpointer:
                 raise StartRefused(
                     f"{self.root}: no certified checkpoint, but {len(pending)} saved iteration(s) exist that are "
                     f"not rejected ({', '.join(pending[-4:])}); the job does not start from iteration 0 over them. "
-                    "`scout-ckpt ls` shows why each is not certified; MegatronCheckpointer(..., "
-                    "accept_single_owner=True) certifies single-owner pieces on bytes + finite checks")
+                    "Fix: MegatronCheckpointer(..., accept_single_owner=True) re-judges them on bytes + finite "
+                    "checks and resumes from the newest (`scout-ckpt ls` shows why each is not certified), or "
+                    "move them out of the save_dir to start over")
 
     def _uncertified(self) -> list[str]:
         rows = self.run.ledger.checkpoints(states=("committed",))

@@ -24,6 +24,7 @@ catches, and the broadcast that follows carries the error to all ranks (the torc
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import uuid
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from scout_ckpt import policy
-from scout_ckpt.errors import ScoutError
+from scout_ckpt.errors import ScoutError, one_line_refusals
 from scout_ckpt.format import layout, manifest
 from scout_ckpt.format.digests import digest_files
 from scout_ckpt.integrations import folders
@@ -52,6 +53,7 @@ class IntegrationRun:
     """The ledger, the run id and the side group of one framework run (see the module docstring)."""
 
     def __init__(self, root: str | Path, *, framework: str, timeout_s: float = 600.0):
+        one_line_refusals()   # an uncaught refusal ends the job as one line, not a traceback per rank
         self.root = Path(root)
         self.framework = framework
         self.timeout_s = timeout_s
@@ -119,7 +121,19 @@ class IntegrationRun:
             return run_id
 
         self.run_id = self.on_coordinator(f"open the ledger in {self.root}", begin)
+        if self.is_coordinator:
+            # a script that never calls close() (DeepSpeed's, Megatron's: optional there) still closes the ledger
+            # cleanly at exit, so that SQLite folds its -wal/-shm sidecars back into the ledger file
+            atexit.register(self._close_ledger)
         return self.run_id
+
+    def _close_ledger(self) -> None:
+        if self.ledger is not None:
+            ledger, self.ledger = self.ledger, None
+            try:
+                ledger.close()
+            except Exception:  # noqa: BLE001 - at exit: the ledger's data is committed either way
+                pass
 
     # ---- one save ------------------------------------------------------------------------------------------
 
@@ -215,13 +229,49 @@ class IntegrationRun:
         Trainer) otherwise left them to static destruction, where gloo's threads aborted the process one run in
         four ("terminate called without an active exception") and torchrun called a finished job failed.
         `release=False` keeps them (a framework whose close may run on some ranks only)."""
-        if self.ledger is not None:
-            self.ledger.close()
-            self.ledger = None
+        self._close_ledger()
+        atexit.unregister(self._close_ledger)
         if self.pg is None or not release:
             return
         pg, self.pg = self.pg, None
         release_groups(pg, groups)
+
+
+def rejudge_committed(ledger: Ledger, root: Path, run_id: str, run_policy: dict, kind: str) -> list[int]:
+    """Coordinator, at start-up of a run whose policy accepts `kind` as not applicable (`accept_single_owner=True`):
+    each `committed` step (folder present) that an earlier run's stricter policy left uncertified only because
+    `kind` was missing (single-owner state no replica vouched for) is re-judged under this run's policy, with the
+    same recorded evidence: `kind` becomes not_applicable, accepted by this run (`rejudged_by` names it), and the
+    verdict is applied by compare-and-set with source "rejudge" (ledger history and journal). Nothing but that
+    one kind changes: any other missing, failed or inconclusive evidence keeps the step where it is. Bytes are
+    re-verified when a step is handed out (resume, `latest`), as for any certified step. Returns the steps
+    certified."""
+    from scout_ckpt.ledger import journal
+
+    if kind not in run_policy.get("allow_not_applicable", []):
+        return []
+    out = []
+    for row in ledger.checkpoints(states=("committed",)):
+        if not row.get("path") or not (Path(root) / row["path"]).is_dir():
+            continue
+        ev = ledger.evidence(row["step"])
+        item = ev.get(kind)
+        if item is None or item.get("status") != policy.MISSING:
+            continue
+        accepted = {**item, "status": policy.NOT_APPLICABLE, "accepted": True, "rejudged_by": run_id,
+                    "was": policy.MISSING}
+        verdict = policy.evaluate(run_policy, {**ev, kind: accepted})
+        if verdict.state != "certified":
+            continue
+        with ledger.write():
+            now = ledger.checkpoint(row["step"])
+            if now is None or now["state"] != "committed" or now["attempt"] != row["attempt"]:
+                continue
+            ledger.put_evidence(row["step"], {kind: accepted}, source="rejudge")
+            if journal.record_transition(ledger, root, row["step"], "certified", [], source="rejudge",
+                                         expect="committed", attempt=row["attempt"]):
+                out.append(row["step"])
+    return out
 
 
 def release_groups(pg, groups=()) -> None:

@@ -22,8 +22,9 @@ commit, and copies of the later base class) decides three things from hooks a su
                                             newer ones awaiting evidence, quarantined ones, saves in flight) and
                                             steps the ledger does not know (not ours); for any other step it moves
                                             the ledger row to `deleted` by compare-and-set first and answers False
-                                            only if that applied, so the ledger never says certified about a folder
-                                            TorchTitan removed
+                                            only if that applied, then removes the folder itself, so the ledger
+                                            never says certified about a folder TorchTitan removed, nor deleted
+                                            about one still on disk
 
 `find_load_step` hashes the step's files: called on every rank it would hash them once per rank, and ranks could
 disagree if the disk changes between them; `find_load_step_collective` decides on rank 0 and broadcasts.
@@ -208,8 +209,9 @@ def purge_exempt(root: str | os.PathLike, keep: int):
     """The callable for TorchTitan's `purge_exempt` (keep = its keep_latest_k). Called on the purging rank for a
     valid step beyond keep_latest_k: True keeps it. True for what core retention keeps and for a step the ledger
     does not know; otherwise the row moves to `deleted` (compare-and-set on the state and attempt the plan saw,
-    journaled) and the answer is False, so TorchTitan deletes a folder only after the ledger recorded it; a row
-    that changed meanwhile (a quarantine, a new verdict, a re-save) is kept."""
+    journaled), then its folder is removed and the answer is False: the ledger records a deletion before the
+    folder goes, and never says `deleted` about a folder still there, whoever called it; a row that changed
+    meanwhile (a quarantine, a new verdict, a re-save) is kept."""
     root = Path(root)
 
     def exempt(step: int) -> bool:
@@ -220,10 +222,17 @@ def purge_exempt(root: str | os.PathLike, keep: int):
             if step not in rows or step in plan.keep:
                 return True
             seen = plan.delete.get(step)
-            if seen == "deleted":
-                return False
-            return not journal.record_transition(ledger, root, step, "deleted", [{"code": "retention", "keep": keep}],
-                                                 source="gc", expect=seen, attempt=rows[step]["attempt"])
+            if seen != "deleted" and not journal.record_transition(
+                    ledger, root, step, "deleted", [{"code": "retention", "keep": keep}], source="gc", expect=seen,
+                    attempt=rows[step]["attempt"]):
+                return True   # the row changed since the plan (a quarantine, a verdict, a re-save): kept
+        # the row says deleted: the folder goes now, whoever asked (TorchTitan's purge, which then finds nothing to
+        # remove -- its local rmtree ignores a missing path -- or a script asking), so that the ledger and the disk
+        # never disagree about it
+        folder = root / rows[step]["path"]
+        if folder.is_dir():
+            layout.remove_dir(folder)
+        return False
 
     exempt.__qualname__ = f"purge_exempt({str(root)!r}, keep={keep})"
     return exempt

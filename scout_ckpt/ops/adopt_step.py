@@ -57,6 +57,29 @@ def bytes_evidence(step_dir: Path, rels: list[str], spec: AdoptLayout | None
                            vouched_by=OWN_DIGESTS), integrity
 
 
+def source_digests_evidence(integrity: dict | None) -> dict:
+    """`source_digests`: were the bytes vouched for by digests written when they were saved? pass when the
+    framework's own digest file (integrity.json) matched every file; else missing: adopt's own digests only
+    describe the folder as found (a bit flipped before adoption is certified with it). Not required by the ADOPTED
+    policy; `ls` and `resume` show such a step as `adopted`, and `resume --latest-clean --require source_digests`
+    walks past it (ops/recovery.py)."""
+    if integrity is not None and integrity.get("status") == PASS:
+        return evidence(PASS, vouched_by=integrity.get("vouched_by"))
+    return evidence(MISSING, [{"code": "adopted_without_source_digests",
+                               "detail": "no digests written at save: the bytes are vouched for only by adopt's own "
+                                         "digests of the folder as found"}], vouched_by=OWN_DIGESTS)
+
+
+def evidence_level(statuses: dict[str, str]) -> str:
+    """The word `ls`/`resume` show for what vouches for a step's bytes, from its evidence statuses ({kind:
+    status}): "scout-ckpt" (digested by the ranks that wrote it, at save), "adopted" (adopted; digests only from
+    adoption), "adopted+source" (adopted, matched against the framework's digests written at save)."""
+    level = statuses.get("source_digests")
+    if level is None:
+        return "scout-ckpt"
+    return "adopted+source" if level == PASS else "adopted"
+
+
 def structure_evidence(step_dir: Path, spec: AdoptLayout | None) -> dict:
     """DCP's structure check (format/dcp_files.check_structure), then the layout's own files and checks."""
     from scout_ckpt.format.dcp_files import check_structure
@@ -79,6 +102,7 @@ def adopt_step(root: Path, step: int, step_dir: Path, run_id: str, attempt: str,
     ev = {"bytes": bytes_ev, "structure": structure, "invariants": _invariants(step_dir, checks, structure)}
     if integrity is not None:   # not required by the policy: a fail rejects, not_applicable changes nothing
         ev["integrity"] = integrity
+    ev["source_digests"] = source_digests_evidence(integrity)
     v = policy.evaluate(run_policy, ev)
     verdict = {"state": v.state, "reasons": v.reasons}
     extra = {} if spec is None else {"layout": spec.name, **(spec.extra(step) if spec.extra else {})}

@@ -108,7 +108,10 @@ def _newer_uncertified(ledger: Ledger, step: int, skipped: list[dict]) -> list[d
 
 
 # Evidence kinds `require=` can name: a certified step is handed out only where each of them passed outright.
-REQUIRABLE = ("bytes", "consensus", "replay", "invariants", "shard_replay", "at_rest", "health")
+# `source_digests`: the bytes were digested when they were written (a scout-ckpt save, or an adopted folder whose
+# framework digest file matched), not only by `adopt` as found; a scout-ckpt save records no such kind (its bytes
+# evidence is the writers' own digests), so there its absence passes.
+REQUIRABLE = ("bytes", "consensus", "replay", "invariants", "shard_replay", "at_rest", "health", "source_digests")
 
 
 def unmet(evidence: dict[str, dict], require: tuple[str, ...]) -> list[dict]:
@@ -117,6 +120,8 @@ def unmet(evidence: dict[str, dict], require: tuple[str, ...]) -> list[dict]:
     out = []
     for kind in require:
         ev = evidence.get(kind) or {}
+        if kind == "source_digests" and kind not in evidence and "bytes" in evidence:
+            ev = {"status": policy.MISSING if evidence["bytes"].get("baseline") == "adoption" else policy.PASS}
         status = ev.get("status") or policy.MISSING
         if status != policy.PASS:
             out.append({"code": "requirement_not_met", "kind": kind, "status": status,

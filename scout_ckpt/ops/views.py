@@ -147,6 +147,9 @@ def explain_lines(out: dict, where: str, now: float, escape: Callable[[str], str
         lines.append(f"  {kind:<11} {status:<15} " + (f"[dim]checked by {checked}[/]" if checked != "-" else ""))
         for r in item.get("reasons") or []:
             lines.append(f"      - {escape(reason_text([r]))}")
+            for said in ([r["detail"]] if isinstance(r.get("detail"), str) else []) + (
+                    [f"not vouched for: {'; '.join(map(str, r['state']))}"] if isinstance(r.get("state"), list) else []):
+                lines.append(f"        {escape(said)}")   # what --json holds: why, and which state (single owner)
         for key, label in (("vouched_by", "vouched for by"), ("not_used", "not used")):   # adopt's bytes evidence
             if item.get(key):
                 lines.append(f"      {label}: {escape(str(item[key]))}")

@@ -83,6 +83,25 @@ def render_svg(tl: dict) -> bytes:
     return _render(tl, "svg")
 
 
+_RUN_OFFSETS = (0.0, 0.22, -0.22, 0.11, -0.11)
+
+
+def run_bar_ys(runs: list[dict]) -> list[float]:
+    """The y of each run's bar in the runs lane: 1, or beside it when its steps overlap an earlier run's bar (two
+    fresh starts at step 0 would otherwise draw one bar over the other)."""
+    placed: list[tuple[float, float, int]] = []
+    out = []
+    for run in runs:
+        start = run.get("resumed_from") or 0
+        end = run.get("end_step", run.get("last_step"))
+        end = start if end is None else end
+        used = {lvl for s, e, lvl in placed if s <= end and start <= e}
+        level = next(k for k in range(len(placed) + 1) if k not in used)
+        placed.append((start, end, level))
+        out.append(1 + _RUN_OFFSETS[level % len(_RUN_OFFSETS)])
+    return out
+
+
 def _render(tl: dict, fmt: str) -> bytes:
     import matplotlib
 
@@ -120,17 +139,17 @@ def _render(tl: dict, fmt: str) -> bytes:
                        zorder=3)
         # Each incarnation of the job as a bar from where it resumed to where it ended: the step it died at
         # (a crash, an aborted hang) when it died past its last save, else the last step it saved.
-        for i, run in enumerate(tl["runs"]):
+        for i, (run, y) in enumerate(zip(tl["runs"], run_bar_ys(tl["runs"]))):
             start = run.get("resumed_from") or 0
             end = run.get("end_step", run.get("last_step"))
             if end is None:
                 end = start
             colour = "#1f77b4" if i % 2 == 0 else "#17becf"
-            ax.plot([start, max(end, start + 0.01)], [1, 1], color=colour, linewidth=6, solid_capstyle="butt",
-                    zorder=2, alpha=0.8, gid=f"run-{i + 1}")
-            ax.scatter([start], [1], marker="|", s=120, c=colour, zorder=2)
+            ax.plot([start, max(end, start + 0.01)], [y, y], color=colour, linewidth=6 if y == 1 else 4,
+                    solid_capstyle="butt", zorder=2, alpha=0.8, gid=f"run-{i + 1}")
+            ax.scatter([start], [y], marker="|", s=120, c=colour, zorder=2)
             ax.annotate(f"run {i + 1}" + (f" from {run['resumed_from']}" if run.get("resumed_from") else ""),
-                        (start, 1), xytext=(2, 7), textcoords="offset points", fontsize=7, color="#333333")
+                        (start, y), xytext=(2, 7), textcoords="offset points", fontsize=7, color="#333333")
         xs = _event_steps(tl)
         points: dict[str, tuple[list[float], list[float]]] = {}
         for x, e in zip(xs, tl["events"]):
@@ -202,8 +221,8 @@ def render_html(tl: dict, title: str = "scout-ckpt fault timeline") -> str:
     counts = ", ".join(f"{k}: {n}" for k, n in sorted(tl.get("summary", {}).items())) or "no fault events"
     ev_rows = "\n".join(_row([("", time_text(e["time"])), (f"k-{e['kind']}", e["kind"]),
                               ("num", "-" if e["step"] is None else str(e["step"])),
-                              ("", ranks_text(e["ranks"])), ("", e["source"]),
-                              ("", detail_text(e["detail"]))]) for e in tl["events"])
+                              ("", ranks_text(e["ranks"])), ("", e["source"])])[:-5] + _detail_cell(e) + "</tr>"
+                        for e in tl["events"])
     tries: dict[int, list[str]] = {}
     for a in tl.get("attempts", []):
         tries.setdefault(a["step"], []).append(a["label"])
@@ -247,6 +266,15 @@ Generated {html.escape(time_text(time.time()))}.</p>
 </tbody></table></details>
 </body></html>
 """
+
+
+def _detail_cell(e: dict) -> str:
+    """The event's one sentence, its recorded fields behind a disclosure."""
+    fields = html.escape(detail_text(e["detail"]))
+    said = e.get("summary")
+    if not said:
+        return f"<td>{fields}</td>"
+    return f"<td>{html.escape(said)}<details><summary>fields</summary>{fields}</details></td>"
 
 
 def _ended_text(died: dict | None) -> str:

@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from scout_ckpt.ledger import Ledger, tiers
 from scout_ckpt.ops.views import detail_text, ranks_text, time_text
+from scout_ckpt.report.sentences import event_sentence
 from scout_ckpt.report.page import (  # noqa: F401  (re-exported: the page and its styles)
     DRAW_ORDER,
     KIND_STYLE,
@@ -166,8 +168,15 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
     events.sort(key=lambda e: (e["time"] if e["time"] is not None else float("-inf"),
                                e["step"] if e["step"] is not None else -1, e["kind"]))
     summary: dict[str, int] = {}
+    hosts: dict[str | None, dict[int, str]] = {}
     for e in events:
         summary[e["kind"]] = summary.get(e["kind"], 0) + 1
+        if e.get("run_id") not in hosts:
+            hosts[e.get("run_id")] = {p["rank"]: p["host"] for p in ledger.rank_places(e.get("run_id"))
+                                      if p.get("host")}
+        e["summary"] = event_sentence(e, hosts[e.get("run_id")])
+        if isinstance(e["detail"].get("reason"), str):   # the observer's own account first among the fields
+            e["detail"] = {"reason": e["detail"]["reason"], **e["detail"]}
     return {
         "events": events,
         "checkpoints": [{"step": c["step"], "state": c["state"], "label": _state_label(c),
@@ -275,8 +284,10 @@ def render_table(tl: dict) -> Table:
                     ("detail", {"overflow": "fold"})):
         table.add_column(col, **kw)
     for e in tl["events"]:
+        said = e.get("summary")
+        fields = detail_text(e["detail"])
         table.add_row(time_text(e["time"]), e["kind"], "-" if e["step"] is None else str(e["step"]),
-                      ranks_text(e["ranks"]), detail_text(e["detail"]))
+                      ranks_text(e["ranks"]), f"{escape(said)}\n[dim]{escape(fields)}[/]" if said else escape(fields))
     restarts = [r for r in tl.get("runs") or [] if r.get("resumed_from") is not None]
     runs = tl.get("runs") or []
     if runs:

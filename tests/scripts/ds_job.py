@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--sdc-from", type=int, default=None, help="...from this step on (one channel off by 1e-3)")
     ap.add_argument("--no-replay", action="store_true")
     ap.add_argument("--export", default=None, help="save_16bit_model into this directory at the end")
+    ap.add_argument("--no-close", action="store_true", help="end without scout.close() (it is optional)")
     ap.add_argument("--events", required=True)
     args = ap.parse_args()
 
@@ -152,7 +153,8 @@ def main() -> None:
     record(event="final", step=engine.global_steps, digest=state_digest(engine))
     if args.export:
         engine.save_16bit_model(args.export)   # an export, not a checkpoint: passes through unrecorded
-    scout.close()
+    if not args.no_close:
+        scout.close()
 
 
 if __name__ == "__main__":
