@@ -95,10 +95,12 @@ def test_fsdp_healthy_checkpoints_are_certified_without_replicas(fsdp_clean):
 @pytest.mark.slow
 def test_fsdp_param_flip_is_attributed_and_crash_resume_is_bitwise(tmp_path, fsdp_clean):
     """Rank 1's shard of a sphere-constrained matrix gets a high exponent bit flipped (asked for step 13, it lands
-    right before the next save, step 16): the sphere invariant rejects step 16 naming rank 1. Rank 2 then dies mid-save at step 24; the
-    restarted job resumes from step 8 (16 is rejected) and ends bitwise equal to the uninterrupted run."""
+    right before the next save, step 16): the sphere invariant rejects step 16 naming rank 1, and that verdict ends
+    the generation (the live state is bad). The restarted job resumes from step 8 (16 is rejected); rank 2 dies
+    mid-save at step 24 in that generation; the next resumes from 16 (certified this time) and ends bitwise equal
+    to the uninterrupted run."""
     r = run_demo(tmp_path / "run", inject=["param:rank=1:step=13", "crash:rank=2:step=24"], **FSDP)
-    assert r["completed"] and r["restarts"] == 1
+    assert r["completed"] and r["restarts"] == 2
 
     rejected16 = [x for x in r["rejections"] if x["step"] == 16]
     assert rejected16 and "invariant_failed" in rejected16[0]["reasons"]
@@ -107,14 +109,14 @@ def test_fsdp_param_flip_is_attributed_and_crash_resume_is_bitwise(tmp_path, fsd
         failed = [x for c in verdicts for x in c["reasons"] or []
                   if x.get("code") == "invariant_failed" and x.get("check") == "frobenius_sphere"]
         assert failed and all(x["ranks"] == [1] for x in failed)
-        assert [run["resumed_from"] for run in ledger.runs()] == [None, 8]
+        assert [run["resumed_from"] for run in ledger.runs()] == [None, 8, 16]
     events = _sdc(r, 16, "invariants")
     assert events and all(e["ranks"] == [1] for e in events if e["detail"]["check"] == "frobenius_sphere")
     assert any(e["detail"]["check"] == "frobenius_sphere" for e in events)
     fired = {f["kind"]: f["fired"] for f in r["injections"]}
     # asked for step 13, it landed right before the save of step 16 (after that step's retraction)
     assert [(x["rank"], x["requested_step"], x["step"], x["generation"]) for x in fired["param"]] == [(1, 13, 16, 0)]
-    assert [(x["rank"], x["generation"]) for x in fired["crash"]] == [(2, 0)]
+    assert [(x["rank"], x["generation"]) for x in fired["crash"]] == [(2, 1)]
 
     # the restarted generation redid 9..24 without the (transient) flip: its checkpoints are healthy
     rows = {c["step"]: c for c in r["checkpoints"]}
@@ -126,10 +128,11 @@ def test_fsdp_param_flip_is_attributed_and_crash_resume_is_bitwise(tmp_path, fsd
 @pytest.mark.slow
 def test_ddp_mixing_drift_is_named_by_consensus_and_crash_resume_is_bitwise(tmp_path, ddp_clean):
     """Rank 2's mixture weights drift after step 6 (still on the simplex): consensus at the step-8 save names
-    rank 2 on the mixing weights. Rank 1 dies mid-save at step 12; the restarted job resumes from step 4 (8 is
-    rejected), and ends bitwise equal to the uninterrupted run."""
+    rank 2 on the mixing weights, and that verdict ends the generation. The restarted job resumes from step 4 (8
+    is rejected); rank 1 dies mid-save at step 12 in that generation; the next resumes from 8 and ends bitwise
+    equal to the uninterrupted run."""
     r = run_demo(tmp_path / "run", inject=["drift:rank=2:step=6", "crash:rank=1:step=12"], **DDP)
-    assert r["completed"] and r["restarts"] == 1
+    assert r["completed"] and r["restarts"] == 2
 
     with Ledger.open(r["dir"], readonly=True) as ledger:
         verdicts = [c for c in ledger.certifications() if c["step"] == 8 and c["state"] == "rejected"]
@@ -138,7 +141,7 @@ def test_ddp_mixing_drift_is_named_by_consensus_and_crash_resume_is_bitwise(tmp_
         assert attributed and all(x["ranks"] == [2] for x in attributed), reasons
         assert any(t.endswith("mixing.weights") for x in attributed for t in x["tensors"])
         assert "invariant_failed" not in _codes(reasons)   # a drifted mixture is still a distribution
-        assert [run["resumed_from"] for run in ledger.runs()] == [None, 4]
+        assert [run["resumed_from"] for run in ledger.runs()] == [None, 4, 8]
     events = _sdc(r, 8, "consensus")
     assert events and all(e["ranks"] == [2] for e in events)
     fired = {f["kind"]: f["fired"] for f in r["injections"]}
