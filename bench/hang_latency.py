@@ -125,7 +125,7 @@ def main() -> int:
                     help="a tiny size that runs in seconds (make bench-smoke); its figures mean nothing")
     args = ap.parse_args()
     if args.smoke:
-        args.runs, args.healthy_steps, args.stall_s = 1, 10, 1.0
+        args.runs, args.healthy_steps = 1, 10
 
     with tempfile.TemporaryDirectory(prefix="scout-hang-bench-") as tmp:
         base = Path(tmp)
