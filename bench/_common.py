@@ -105,7 +105,7 @@ def run_checked(cmd: Sequence[str], what: str, timeout: float = 300, env: dict |
     except OSError as e:
         fail(f"{what}: cannot run {cmd[0]}: {e.strerror}")
     if res.returncode != 0:
-        tail = "\n  ".join((res.stderr or res.stdout).strip().splitlines()[-8:])
+        tail = "\n  ".join((res.stderr or res.stdout).strip().splitlines()[-30:])   # past torchrun's summary
         fail(f"{what} exited {res.returncode}: {' '.join(cmd)}\n  {tail}")
     return res
 

@@ -91,7 +91,7 @@ def headline(result: dict) -> str:
     return "-"
 
 
-def tail(text: str, lines: int = 15) -> str:
+def tail(text: str, lines: int = 40) -> str:
     return "\n".join((text or "").strip().splitlines()[-lines:])
 
 
