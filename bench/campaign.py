@@ -1,6 +1,6 @@
 """Fault campaign: seeded incidents through the real demo job, scored from the ledger; then the SIGKILL torture.
 
-`python bench/campaign.py [--quick] [--json] [--seed N] [--out DIR] [--kinds a,b] [--per-kind N] [--torture N]`
+`python bench/campaign.py [--quick | --smoke] [--json] [--seed N] [--out DIR] [--kinds a,b] [--per-kind N] [--torture N]`
 
 Every incident is a real `run_demo` job (worker processes, gloo, SIGKILL, restarts; 3 or 4 ranks, each in its
 own temp dir) with one `--inject` spec whose rank/step are drawn from the seed, or, for `truncate` and `delete`,

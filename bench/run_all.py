@@ -9,7 +9,7 @@ the commit measured, the dates and the load average over the run, then per bench
 met or missed (the bench's own judgement, `target_met`), the load when it started, the date and the command.
 
 `--smoke` runs every bench, the campaign and the torture included, with its `--smoke` flag (bench/replay_cost.py:
-its `--quick`): seconds each, a few minutes in all. A bench fails the smoke run when it exits non-zero, prints
+its `--quick`), a tiny size each, one after another. A bench fails the smoke run when it exits non-zero, prints
 no JSON object, or leaves out a key CONTRACT_KEYS names for it (keys that readers of the JSON rely on); a missed
 target never fails it (a smoke run's figures mean nothing: targets are `make bench`'s). The campaign's extension
 modules (bench/campaign_*.py) are not run alone: the campaign imports every one of them and runs one incident.

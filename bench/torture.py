@@ -1,6 +1,6 @@
 """Crash-consistency torture: SIGKILL a random rank at a random instant of sync and async saves, over and over.
 
-`python bench/torture.py [--kills N] [--seed N] [--json] [--out DIR]` (also run by `bench/campaign.py`).
+`python bench/torture.py [--kills N] [--seed N] [--json] [--out DIR] [--smoke]` (also run by `bench/campaign.py`).
 
 Each chain is one checkpoint root that a 3-rank job (scout_ckpt.testing.launch.run_ranks, a small MLP, AdamW, explicit
 all-reduce, so training is bitwise deterministic in the step number) keeps restarting on, as a crash loop would:
