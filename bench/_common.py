@@ -33,6 +33,19 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(p: argparse.ArgumentParser, smoke: dict[str, Any], argv: Sequence[str] | None = None
+               ) -> argparse.Namespace:
+    """Parse a bench's options, adding `--smoke`: the bench at a tiny size (`smoke`, option destinations to
+    values), so that `make bench-smoke` runs every bench in seconds to prove it runs and prints its JSON. Options
+    given on the command line still win. A smoke run's figures mean nothing: its JSON says `"smoke": true`."""
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny size that runs in seconds (make bench-smoke); its figures mean nothing")
+    known, _ = p.parse_known_args(argv)
+    if known.smoke:
+        p.set_defaults(**smoke)
+    return p.parse_args(argv)
+
+
 def log(*parts: Any) -> None:
     """Progress for a person; stderr, so --json output stays one clean object."""
     print(*parts, file=sys.stderr, flush=True)
@@ -92,7 +105,7 @@ def run_checked(cmd: Sequence[str], what: str, timeout: float = 300, env: dict |
     except OSError as e:
         fail(f"{what}: cannot run {cmd[0]}: {e.strerror}")
     if res.returncode != 0:
-        tail = "\n  ".join((res.stderr or res.stdout).strip().splitlines()[-8:])
+        tail = "\n  ".join((res.stderr or res.stdout).strip().splitlines()[-30:])   # past torchrun's summary
         fail(f"{what} exited {res.returncode}: {' '.join(cmd)}\n  {tail}")
     return res
 
@@ -117,6 +130,8 @@ def print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str], file=None
 def emit(result: dict, args: argparse.Namespace, rows: Sequence[Sequence[Any]], headers: Sequence[str],
          title: str | None = None) -> None:
     """--json: the one object; otherwise the title, the table and the headline ratio(s)."""
+    if getattr(args, "smoke", False):
+        result = {**result, "smoke": True}
     if args.json:
         print(json.dumps(result, sort_keys=True, default=str))
         return

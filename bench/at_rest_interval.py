@@ -24,6 +24,7 @@ scales with tokens per rank times the full model: the ratio falls as the world s
 1/world of the model) and rises with a small batch per rank.
 
     python bench/at_rest_interval.py [--json] [--ranks 2] [--windows 4] [--window 5] [--shapes example,wide]
+    [--smoke]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emit, load_note, log, parser
+from bench._common import emit, load_note, log, parse_args, parser
 
 TARGET = 0.02
 SHAPES = {
@@ -118,7 +119,7 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--shapes", default="example,wide")
-    args = p.parse_args()
+    args = parse_args(p, {"windows": 1, "window": 2, "shapes": "example"})
     from scout_ckpt.save.evidence.at_rest import INTERVAL_PARTS
     from scout_ckpt.testing.launch import run_ranks
 

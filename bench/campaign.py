@@ -1,6 +1,6 @@
 """Fault campaign: seeded incidents through the real demo job, scored from the ledger; then the SIGKILL torture.
 
-`python bench/campaign.py [--quick] [--json] [--seed N] [--out DIR] [--kinds a,b] [--per-kind N] [--torture N]`
+`python bench/campaign.py [--quick | --smoke] [--json] [--seed N] [--out DIR] [--kinds a,b] [--per-kind N] [--torture N]`
 
 Every incident is a real `run_demo` job (worker processes, gloo, SIGKILL, restarts; 3 or 4 ranks, each in its
 own temp dir) with one `--inject` spec whose rank/step are drawn from the seed, or, for `truncate` and `delete`,
@@ -685,7 +685,10 @@ def main(argv=None) -> int:
                                                               f"--quick {QUICK_PER_KIND})")
     p.add_argument("--healthy", type=int, default=None, help="healthy control runs (default 6, --quick 1)")
     p.add_argument("--torture", type=int, default=None, help="SIGKILLs the torture must land (default 100, --quick 5); details in torture.json")
-    args = p.parse_args(argv)
+    # --smoke (make bench-smoke): one incident of a user's script under torchrun, no healthy control, no torture
+    # (bench/torture.py --smoke runs that); every extension module is still imported by the --kinds check
+    args = C.parse_args(p, {"kinds": "load_mismatch", "per_kind": 1, "healthy": 0, "torture": 0, "quick": True},
+                        argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in all_kinds()]
     if unknown:

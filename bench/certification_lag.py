@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import emit, load_note, log, parser
+from bench._common import emit, load_note, log, parse_args, parser
 
 AMORTIZED_TARGET = 0.01
 INTERVAL = 100
@@ -238,7 +238,8 @@ def main() -> None:
     p.add_argument("--large", action="store_true",
                    help=f"also run every mode at d_model {LARGE['d_model']}, seq {LARGE['seq']}: its ratios are "
                         "reported as large_<key>, its modes under \"large\"")
-    args = p.parse_args()
+    args = parse_args(p, {"steps": 6, "save_every": 3, "d_model": 32, "blocks": 1, "seq": 16, "batch": 2,
+                          "modes": "fsdp,ddp+replay"})
     med = statistics.median
     results, rows, ratios, lags_all = _config(args, args.d_model, args.seq)
     large = None

@@ -136,7 +136,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny size that runs in seconds (make bench-smoke); its figures mean nothing")
     args = ap.parse_args()
+    if args.smoke:
+        args.size_mb, args.reps = min(args.size_mb, 4), 1
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     base = Path(tempfile.mkdtemp(prefix="scout-bench-", dir=args.dir))
     try:
@@ -165,6 +169,8 @@ def main() -> None:
         "checks": [ch.spec for ch in checks], "cpus": os.cpu_count(), "torch": torch.__version__,
         "loadavg_1m": os.getloadavg()[0], **peak,
     }
+    if args.smoke:
+        result["smoke"] = True
     if args.json:
         print(json.dumps(result))
         return

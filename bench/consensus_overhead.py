@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emit, load_note, log, parser  # noqa: E402
+from bench._common import emit, load_note, log, parse_args, parser  # noqa: E402
 
 SAVE_TARGET = 0.02
 REPLAY_TARGET = 0.03
@@ -191,7 +191,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="on/off window pairs per replay interval")
     ap.add_argument("--intervals", default="1,auto", help="comma-separated replay intervals; 'auto' as above")
     ap.add_argument("--max-interval", type=int, default=64)
-    args = ap.parse_args()
+    args = parse_args(ap, {"ranks": 2, "d_model": 32, "blocks": 1, "seq": 16, "batch": 2, "saves": 1, "rounds": 1,
+                           "intervals": "1"})
     intervals = [v.strip() if v.strip() == "auto" else int(v) for v in args.intervals.split(",") if v.strip()]
     cfg = {"d_model": args.d_model, "heads": args.heads, "blocks": args.blocks, "seq": args.seq,
            "batch": args.batch, "saves": args.saves, "rounds": args.rounds, "intervals": intervals,

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import REPO, emit, load_note, log, parser, run_checked  # noqa: E402
+from bench._common import REPO, emit, load_note, log, parse_args, parser, run_checked  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "fast_tier_job.py"
 GOALS = {"restart_fast_vs_durable": 0.5, "restart_fast_vs_durable_s3": 0.5, "save_blocking_local_vs_async": 1.0}
@@ -152,7 +152,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="pairs of runs, interleaved; medians are reported")
     p.add_argument("--durable", choices=["both", "posix", "s3"], default="both",
                    help="where the durable tier lives: a local directory, moto's S3 server, or each in turn")
-    args = p.parse_args()
+    args = parse_args(p, {"steps": 6, "save_every": 3, "local_every": 1, "fault_step": 5, "step_sleep": 0.01,
+                          "width": 64, "repeats": 1, "durable": "posix"})
     work = Path(tempfile.mkdtemp(prefix="fast-tier-bench-"))
     places = ["posix", "s3"] if args.durable == "both" else [args.durable]
     runs: dict[tuple[str, bool], list[dict]] = {(pl, f): [] for pl in places for f in (True, False)}

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emit, load_note, log, parser
+from bench._common import emit, load_note, log, parse_args, parser
 
 TARGET = 0.02
 
@@ -167,7 +167,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=4096, help="ShardUpdateReplay elements per unit (default 4096)")
     p.add_argument("--at-rest-every", type=int, default=0,
                    help="AtRestGuard signs after every k-th step (0, the default: only after the steps saves follow)")
-    args = p.parse_args()
+    args = parse_args(p, {"d_model": 32, "blocks": 1, "vocab": 64, "seq": 16, "batch": 2, "windows": 2, "window": 2,
+                          "saves": 1, "save_every": 4})
     from scout_ckpt.testing.launch import run_ranks
 
     cfg = {"d_model": args.d_model, "blocks": args.blocks, "vocab": args.vocab, "seq": args.seq,

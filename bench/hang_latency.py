@@ -121,7 +121,11 @@ def main() -> int:
     ap.add_argument("--stall-s", type=float, default=2.0)
     ap.add_argument("--healthy-steps", type=int, default=150)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny size that runs in seconds (make bench-smoke); its figures mean nothing")
     args = ap.parse_args()
+    if args.smoke:
+        args.runs, args.healthy_steps = 1, 10
 
     with tempfile.TemporaryDirectory(prefix="scout-hang-bench-") as tmp:
         base = Path(tmp)
@@ -144,6 +148,8 @@ def main() -> int:
         "target_latency_s": args.stall_s + 2.0, "within_target": lat[-1] <= args.stall_s + 2.0,
         "healthy": cpu, **tracer,
     }
+    if args.smoke:
+        result["smoke"] = True
     if args.json:
         print(json.dumps(result))
         return 0

@@ -194,7 +194,7 @@ def main() -> int:
     p.add_argument("--batch", default="32,256", help="comma-separated batch sizes; the first is the headline")
     p.add_argument("--block", type=int, default=10)
     p.add_argument("--rounds", type=int, default=12)
-    args = p.parse_args()
+    args = C.parse_args(p, {"width": 32, "depth": 1, "batch": "4", "block": 2, "rounds": 1})
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     configs = [measure(args.ranks, args.width, args.depth, int(b), args.block, args.rounds)
                for b in args.batch.split(",")]

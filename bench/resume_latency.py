@@ -130,7 +130,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7, help="timed runs per command (default 7)")
     p.add_argument("--file-mib", type=float, default=1.0, help="size of each of the 2 real files (default 1 MiB)")
     p.add_argument("--keep", action="store_true", help="keep the ROOT (its path goes to stderr)")
-    args = p.parse_args()
+    args = C.parse_args(p, {"checkpoints": 20, "repeats": 1, "file_mib": 0.0625})
     if args.checkpoints < 1 or args.repeats < 1:
         C.fail("--checkpoints and --repeats must be at least 1")
 

@@ -1,4 +1,5 @@
 """`make bench`: every bench script, one after another, each with --json; one summary table.
+`make bench-smoke` (`--smoke`): every bench at a tiny size, to prove each still runs and prints its JSON.
 
 Benches run sequentially (they time processes; running two at once on 2 cores would measure the scheduler).
 Each gets its share of a total time budget, so `make bench` ends within 18 minutes even when one hangs (about 10 when none does). A bench
@@ -6,6 +7,14 @@ that fails, prints no JSON, or runs out of time is reported as failed with its s
 exits 1. Writes bench/results/summary.json and bench/results/summary.md, and prints the markdown: one line with
 the commit measured, the dates and the load average over the run, then per bench its headline beside its target,
 met or missed (the bench's own judgement, `target_met`), the load when it started, the date and the command.
+
+`--smoke` runs every bench, the campaign and the torture included, with its `--smoke` flag (bench/replay_cost.py:
+its `--quick`), a tiny size each, one after another. A bench fails the smoke run when it exits non-zero, prints
+no JSON object, or leaves out a key CONTRACT_KEYS names for it (keys that readers of the JSON rely on); a missed
+target never fails it (a smoke run's figures mean nothing: targets are `make bench`'s). The campaign's extension
+modules (bench/campaign_*.py) are not run alone: the campaign imports every one of them and runs one incident.
+Writes bench/results/smoke.json and smoke.md instead of the summary, and the campaign's and torture's own
+results to a temporary directory, so that a smoke run never overwrites the figures of a real one.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,20 +35,43 @@ from scout_ckpt.format.layout import atomic_write_bytes  # noqa: E402
 FLAGS: dict[str, list[str]] = {
     "consensus_overhead.py": ["--saves", "3", "--rounds", "3"],
 }
-# The fault campaign (with its extension modules) and the crash torture are `make campaign`, not `make bench`.
-SEPARATE = {"campaign.py", "torture.py", "campaign_fsdp.py", "campaign_torchrun.py", "campaign_murphy.py"}  # campaign modules
+# The fault campaign and the crash torture are `make campaign`, not `make bench` (--smoke runs them at a tiny size).
+SEPARATE = {"campaign.py", "torture.py"}
+# The campaign's extension modules (campaign_*.py): the campaign imports and runs them; none is a bench of its own.
+EXTENSION_PREFIX = "campaign_"
 # Targets of benches that do not state their own (a bench's "target" key wins).
 TARGETS: dict[str, str] = {
     "resume_latency.py": "vs_import_torch < 0.25",
     "campaign.py": "recall 1.0 and bad_resumes 0",
 }
 PER_BENCH_CAP_S = 300.0
+# --smoke: the flag each bench shrinks itself with (default --smoke). Each bench may take SMOKE_CAP_S (a guard
+# against a hang, not a share of a budget: on a loaded machine a smoke run is slower, not wrong).
+SMOKE_FLAGS: dict[str, list[str]] = {"replay_cost.py": ["--quick"]}
+SMOKE_CAP_S = 300.0
+# Keys of a bench's JSON that others read (the documented ratio keys): --smoke fails a bench that leaves one out.
+# A dotted path descends into objects; "*" stands for every value of an object (at least one).
+CONTRACT_KEYS: dict[str, list[str]] = {
+    "save_overhead.py": ["ratios.scout_full_vs_dcp", "ratios.scout_bytes_vs_dcp", "ratios.async_blocking_vs_dcp_async"],
+    "certify_throughput.py": ["ratios.vs_xxh3_read", "ratios.vs_serial_sha256"],
+    "consensus_overhead.py": ["ratio", "ratios.consensus_vs_save", "ratios.replay_interval_1"],
+    "fast_tier.py": ["ratios.restart_fast_vs_durable", "ratios.save_blocking_local_vs_async"],
+    "whole_save.py": ["ratios.whole_save_vs_dcp_fsdp", "ratios.whole_save_vs_dcp_ddp"],
+    "replay_cost.py": [f"ratios.{k}_{shape}" for shape in ("ddp", "fsdp", "gpt2")
+                       for k in ("amortized_share", "save_blocking_steps")],
+    "campaign.py": ["bad_resumes", "kinds.*.recall", "kinds.*.precision", "kinds.*.false_positives",
+                    "kinds.*.latency_s_median"],
+    "torture.py": ["n_violations"],
+}
 
 
-def bench_scripts() -> list[Path]:
+def bench_scripts(smoke: bool = False) -> list[Path]:
+    """The benches `make bench` runs; with `smoke`, the campaign and the torture too (not the campaign's
+    extension modules: the campaign imports them)."""
     me = Path(__file__).resolve()
+    skip = set() if smoke else SEPARATE
     return sorted(p for p in C.BENCH_DIR.glob("*.py")
-                  if not p.name.startswith("_") and p.resolve() != me and p.name not in SEPARATE)
+                  if not p.name.startswith(("_", EXTENSION_PREFIX)) and p.resolve() != me and p.name not in skip)
 
 
 def headline(result: dict) -> str:
@@ -58,12 +91,27 @@ def headline(result: dict) -> str:
     return "-"
 
 
-def tail(text: str, lines: int = 15) -> str:
+def tail(text: str, lines: int = 40) -> str:
     return "\n".join((text or "").strip().splitlines()[-lines:])
 
 
-def run_one(script: Path, timeout: float) -> dict:
-    cmd = [sys.executable, str(script.relative_to(C.REPO)), *FLAGS.get(script.name, []), "--json"]
+def missing_keys(result: dict, paths: list[str]) -> list[str]:
+    """The dotted paths (CONTRACT_KEYS) that `result` does not hold."""
+    def has(obj, parts: list[str]) -> bool:
+        if not parts:
+            return True
+        if not isinstance(obj, dict):
+            return False
+        if parts[0] == "*":
+            return bool(obj) and all(has(v, parts[1:]) for v in obj.values())
+        return parts[0] in obj and has(obj[parts[0]], parts[1:])
+    return [p for p in paths if not has(result, p.split("."))]
+
+
+def run_one(script: Path, timeout: float, smoke_flags: list[str] | None = None) -> dict:
+    """One bench with --json; `smoke_flags` (a smoke run): those instead of its size flags, and no target judged."""
+    flags = FLAGS.get(script.name, []) if smoke_flags is None else smoke_flags
+    cmd = [sys.executable, str(script.relative_to(C.REPO)), *flags, "--json"]
     shown = " ".join(["python", *cmd[1:]])
     entry = {"bench": script.name, "command": shown, "date": time.strftime("%Y-%m-%d %H:%M"),
              "target": TARGETS.get(script.name, "-"), "loadavg_1m": C.load_note()["loadavg_1m"]}
@@ -86,6 +134,12 @@ def run_one(script: Path, timeout: float) -> dict:
     except ValueError:
         return {**entry, "status": "failed", "error": "stdout is not one JSON object",
                 "stderr_tail": tail(res.stderr) or tail(res.stdout)}
+    if smoke_flags is not None:
+        missing = missing_keys(result, CONTRACT_KEYS.get(script.name, []))
+        if missing:
+            return {**entry, "status": "failed", "error": f"JSON without {', '.join(missing)}",
+                    "stderr_tail": tail(res.stdout, 3)}
+        return {**entry, "status": "ok", "headline": headline(result), "keys": sorted(result)}
     met = result.get("target_met")
     return {**entry, "status": "ok" if met is not False else "target missed", "result": result,
             "headline": headline(result), "target": result.get("target", entry["target"]), "target_met": met}
@@ -110,13 +164,14 @@ def verdict(e: dict) -> str:
 
 def markdown(entries: list[dict], run: dict) -> str:
     lines = [f"`{run['command']}` at `{run['commit']}`, {run['started']} - {run['ended']} UTC, load average "
-             f"{run['load_start']} - {run['load_end']} on {run['cores']} cores.", "",
-             "| bench | status | headline | target | met/missed | load | date | command |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{run['load_start']} - {run['load_end']} on {run['cores']} cores, {run['wall_s']:.0f} s.", "",
+             "| bench | status | headline | target | met/missed | load | seconds | date | command |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         status = e["status"] if e["status"] != "failed" else f"**failed**: {e['error']}"
         cells = [e["bench"], status, e.get("headline", "-"), e.get("target", "-"), verdict(e),
-                 e.get("loadavg_1m", "-"), e["date"], f"`{e['command']}`"]
+                 e.get("loadavg_1m", "-"), f"{e['duration_s']:.0f}" if "duration_s" in e else "-", e["date"],
+                 f"`{e['command']}`"]
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     for e in entries:
         if e["status"] == "failed":
@@ -128,10 +183,15 @@ def markdown(entries: list[dict], run: dict) -> str:
 def main() -> None:
     p = C.parser(__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", metavar="NAME", help="run only these benches (file names or stems)")
-    p.add_argument("--budget-s", type=float, default=1080.0, help="time for all benches together (default 1080)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="time for all benches together (default 1080; --smoke: 1800)")
+    p.add_argument("--smoke", action="store_true", help="every bench at a tiny size (make bench-smoke): fails only "
+                   "on a bench that errs, prints no JSON object or leaves out a documented key")
     args = p.parse_args()
+    if args.budget_s is None:
+        args.budget_s = 1800.0 if args.smoke else 1080.0
 
-    scripts = bench_scripts()
+    scripts = bench_scripts(args.smoke)
     if args.only:
         wanted = {n if n.endswith(".py") else f"{n}.py" for n in args.only}
         unknown = wanted - {s.name for s in scripts}
@@ -144,29 +204,41 @@ def main() -> None:
            "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
            "load_start": C.load_note()["loadavg_1m"], "cores": C.load_note()["cores"]}
     entries = []
-    for i, script in enumerate(scripts):
-        left = deadline - time.monotonic()
-        share = min(PER_BENCH_CAP_S, left / (len(scripts) - i) * 2, left)  # may borrow from later benches
-        if share < 5:
-            entries.append({"bench": script.name, "command": f"python bench/{script.name}", "status": "failed",
-                            "error": "time budget spent", "date": time.strftime("%Y-%m-%d %H:%M"),
-                            "target": TARGETS.get(script.name, "-")})
-            continue
-        entries.append(run_one(script, share))
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="scout-bench-smoke-") as scratch:
+        for i, script in enumerate(scripts):
+            left = deadline - time.monotonic()
+            if args.smoke:
+                share = min(SMOKE_CAP_S, left)
+            else:
+                share = min(PER_BENCH_CAP_S, left / (len(scripts) - i) * 2, left)  # may borrow from later benches
+            if share < 5:
+                entries.append({"bench": script.name, "command": f"python bench/{script.name}", "status": "failed",
+                                "error": "time budget spent", "date": time.strftime("%Y-%m-%d %H:%M"),
+                                "target": TARGETS.get(script.name, "-")})
+                continue
+            smoke_flags = None
+            if args.smoke:
+                smoke_flags = SMOKE_FLAGS.get(script.name, ["--smoke"])
+                if script.name in ("campaign.py", "torture.py"):   # their result files: not over a real run's
+                    smoke_flags = [*smoke_flags, "--out", str(Path(scratch, script.stem))]
+            entries.append(run_one(script, share, smoke_flags))
+    run["wall_s"] = round(time.monotonic() - t0, 1)
 
     run.update(ended=time.strftime("%Y-%m-%d %H:%M", time.gmtime()), load_end=C.load_note()["loadavg_1m"])
     md = markdown(entries, run)
     out = C.results_dir()
     summary = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "python": sys.version.split()[0], "benches": entries,
                "run": run}
-    atomic_write_bytes(out / "summary.json", (json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n")
+    name = "smoke" if args.smoke else "summary"
+    atomic_write_bytes(out / f"{name}.json", (json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n")
                        .encode())
-    atomic_write_bytes(out / "summary.md", md.encode())
+    atomic_write_bytes(out / f"{name}.md", md.encode())
     if args.json:
         print(json.dumps(summary, sort_keys=True, default=str))
     else:
         print(md, end="")
-        print(f"\nwritten: {out / 'summary.md'}, {out / 'summary.json'}")
+        print(f"\nwritten: {out / f'{name}.md'}, {out / f'{name}.json'}")
     failed = [e["bench"] for e in entries if e["status"] == "failed"]
     if failed:
         C.log(f"failed: {', '.join(failed)}")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emit, load_note, log, parser  # noqa: E402
+from bench._common import emit, load_note, log, parse_args, parser  # noqa: E402
 
 
 def _sha256_manifest(d: Path) -> dict:
@@ -151,7 +151,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--async", dest="async_save", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(ap, {"mb": 2, "ranks": 2, "repeats": 1})
     from scout_ckpt.testing.launch import run_ranks
 
     root = tempfile.mkdtemp(prefix="scout-bench-save-")

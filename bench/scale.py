@@ -195,7 +195,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cli", action="store_true", help="also time the CLI processes")
     p.add_argument("--keep", action="store_true", help="keep the ledgers (paths on stderr)")
-    args = p.parse_args()
+    args = C.parse_args(p, {"ranks": "4,8", "checkpoints": 10, "repeats": 1})
     try:
         ranks = sorted({int(x) for x in args.ranks.split(",") if x.strip()})
     except ValueError:

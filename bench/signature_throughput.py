@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emit, interleaved_times, load_note, log, parser  # noqa: E402
+from bench._common import emit, interleaved_times, load_note, log, parse_args, parser  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default=None, help="measure on this device (cuda, cuda:1, cpu) instead")
-    args = ap.parse_args()
+    args = parse_args(ap, {"mb": 4, "repeats": 1})
 
     import torch
     import xxhash

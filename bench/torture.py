@@ -1,6 +1,6 @@
 """Crash-consistency torture: SIGKILL a random rank at a random instant of sync and async saves, over and over.
 
-`python bench/torture.py [--kills N] [--seed N] [--json] [--out DIR]` (also run by `bench/campaign.py`).
+`python bench/torture.py [--kills N] [--seed N] [--json] [--out DIR] [--smoke]` (also run by `bench/campaign.py`).
 
 Each chain is one checkpoint root that a 3-rank job (scout_ckpt.testing.launch.run_ranks, a small MLP, AdamW, explicit
 all-reduce, so training is bitwise deterministic in the step number) keeps restarting on, as a crash loop would:
@@ -346,13 +346,14 @@ def main(argv=None) -> int:
     p.add_argument("--chain-len", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="directory for torture.json (default bench/results)")
-    args = p.parse_args(argv)
+    args = C.parse_args(p, {"kills": 2, "chain_len": 2}, argv)
     t = run_torture(args.kills, args.seed, args.chain_len)
     out = args.out or C.results_dir()
     out.mkdir(parents=True, exist_ok=True)
     (out / "torture.json").write_text(json.dumps(t, indent=1, default=str))
     if args.json:
-        print(json.dumps({k: v for k, v in t.items() if k != "detail"}, sort_keys=True, default=str))
+        print(json.dumps({k: v for k, v in t.items() if k != "detail"} | ({"smoke": True} if args.smoke else {}),
+                         sort_keys=True, default=str))
     else:
         C.print_table(rows(t), ["torture", "value"])
         for v in t["violations"]:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import emit, load_note, log, parser  # noqa: E402
+from bench._common import emit, load_note, log, parse_args, parser  # noqa: E402
 
 STEPS_PER_SAVE = 5
 GOAL = 1.3
@@ -254,7 +254,7 @@ def main() -> None:
     ap.add_argument("--scripts", dest="kinds", help="the same as --kinds")
     ap.add_argument("--profile", metavar="DIR", help="write cProfile stats of each contender's saves (the calling "
                     "thread, every round) per rank to DIR/KIND-CONTENDER-rankR.prof")
-    args = ap.parse_args()
+    args = parse_args(ap, {"rounds": 1, "width": 32, "layers": 1})
     from scout_ckpt.testing.launch import run_ranks
 
     results, ratios, rows = {}, {}, []

@@ -116,6 +116,7 @@ def _store_naming(tmp_path: Path, host: str, local: int) -> Path:
     return store
 
 
+@pytest.mark.scenario_ci   # the CI tier's fleet scenario: one 2-rank job that refuses to start
 def test_a_rank_on_a_persistent_suspect_exits_with_the_replace_node_code(tmp_path):
     store = _store_naming(tmp_path, "node-d", 1)
     r = one_host_job(tmp_path / "job-3", store, "node-d", "job-3", "--on-suspect", "exit")

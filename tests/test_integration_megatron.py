@@ -236,6 +236,7 @@ def test_async_save_is_certified_in_the_async_requests_finalize(tmp_path):
 
 
 @pytest.mark.scenario
+@pytest.mark.scenario_ci   # the CI tier's Megatron-Core scenario: one 2-rank job
 def test_replicas_that_disagree_reject_the_iteration_and_end_the_generation(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
     torchrun(save_dir, ev, "--iters", 4, "--save-every", 2, "--diverge-at", 4, ok=False)

@@ -121,6 +121,7 @@ def test_async_with_pinned_mem_commits_only_after_the_upload_on_cpu(tmp_path):
 
 
 @pytest.mark.scenario
+@pytest.mark.scenario_ci
 def test_torchtitan_mesh_with_tp_consensus_over_its_replica_dims(tmp_path):
     out = run_ranks(w.train_tp, 4, str(tmp_path), timeout=600)
     res = [o.result for o in out]
@@ -162,6 +163,7 @@ def test_torchtitan_mesh_with_tp_consensus_over_its_replica_dims(tmp_path):
 
 
 @pytest.mark.scenario  # 3 manager runs with replay and shard evidence on 2 ranks: about 40 s on 2 loaded cores
+@pytest.mark.scenario_ci
 def test_fsdp_on_torchtitans_mesh_gets_replay_and_shard_evidence(tmp_path):
     out = run_ranks(w.train_fsdp, 2, str(tmp_path), arms=("healthy", "resumed", "fault"), timeout=600)
     res = [o.result for o in out]

@@ -42,6 +42,7 @@ def newest_save_before(step: int, save_every: int) -> int:
     return save_every * ((step - 1) // save_every)
 
 
+@pytest.mark.scenario_ci   # the CI tier's many-node scenario (the hang's twin below takes longer)
 def test_sigkill_on_node_1_restarts_every_agent_resumes_exact_state_and_names_the_node(tmp_path, request):
     # either worker of node 1 (placed as its local rank), at any step after the first save
     pl = place(request, ranks=range(NPROC), steps=range(4, 13))
