@@ -244,12 +244,26 @@ def test_batched_signatures_are_replica_signatures_row_by_row(one_thread):
     assert torch.equal(again[:-1], sigs[:-1]) and not torch.equal(again[-1], sigs[-1])
 
 
+def _xxh3_signatures(tensors: list) -> torch.Tensor:
+    """[n, 2] int64: a CPU tensor's replica signature by its definition (docs/design.md), computed with xxhash
+    directly: xxh3-128 of the row-major bytes, the high half then the low half, each as a signed 64-bit word."""
+    import xxhash
+
+    def signed(v: int) -> int:
+        return v - (1 << 64) if v >= 1 << 63 else v
+
+    rows = []
+    for t in tensors:
+        d = xxhash.xxh3_128_intdigest(t.detach().contiguous().numpy().tobytes())
+        rows.append([signed(d >> 64), signed(d & ((1 << 64) - 1))])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 def test_a_target_whose_tensors_cannot_be_hashed_alone_loses_its_signatures(one_thread):
     """Fail closed, one target at a time: when the sweep's batched hashing raises, each target is hashed alone and
     only the one at fault is left without signatures (its row is then INCONCLUSIVE, never AGREE)."""
     from types import SimpleNamespace
 
-    from scout_ckpt.consensus.signatures import replica_signatures
     from scout_ckpt.replay.runner import ReplayRunner
 
     good = [torch.randn(5), torch.randn(3, 3)]
@@ -259,8 +273,11 @@ def test_a_target_whose_tensors_cannot_be_hashed_alone_loses_its_signatures(one_
     pending = [0, 1, 2]
     with pytest.warns(UserWarning, match="replay of y at step 4 failed"):
         ReplayRunner._sign(SimpleNamespace(rank=0), 4, work, results, pending)
-    assert pending == [] and results[1][:2] == [[], None]
-    assert all(torch.equal(results[k][1], replica_signatures(good)) for k in (0, 2))
+    assert pending == []
+    assert results[1][:2] == [[], None]
+    # the others keep what hashing their tensors alone gives, by the signature's definition computed here
+    assert torch.equal(results[0][1], _xxh3_signatures(good))
+    assert torch.equal(results[2][1], _xxh3_signatures(good))
 
 
 @pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
