@@ -125,7 +125,7 @@ class Checkpointer:
         topo = self._topology(mode, mesh_shape, mesh)
         self.mode, self.mesh_shape = topo["mode"], tuple(topo["mesh_shape"])
         timeout = datetime.timedelta(seconds=timeout_s)
-        # Side groups are created at startup, in the same order on all ranks (TORCH-NOTES): never the training
+        # Side groups are created at startup, in the same order on all ranks (docs/pytorch-facts.md): never the training
         # group, so checkpoint traffic cannot interleave with (or deadlock against) training collectives.
         self._pg = dist.new_group(backend="gloo", timeout=timeout)
         # Async saves (scout_ckpt/save/async_save.py): two more side groups, the commit thread and its latched error.

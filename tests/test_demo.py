@@ -130,7 +130,7 @@ def _manifest_signatures(root) -> dict:
 
 @pytest.mark.slow
 def test_demo_command_json_is_one_document_with_the_contracts_keys(tmp_path, clean_run):
-    """`scout-ckpt demo --json` itself (CONTRACT.md): one JSON document on stdout, its keys, its checkpoints as
+    """`scout-ckpt demo --json` itself (docs/operations.md, "JSON shapes"): one JSON document on stdout, its keys, its checkpoints as
     `ls --json` gives them, its events as `report --json` does; the same job as run_demo's, the same final state."""
     from tests.conftest import run_cli
 

@@ -211,7 +211,7 @@ def test_enabled_by_configuration_alone_through_torchtitans_override():
     from scout_ckpt.integrations.torchtitan import ScoutCheckpointManager
 
     @dataclass(kw_only=True, slots=True)
-    class Root(Configurable.Config):  # stands for Trainer.Config, whose import needs triton (TORCH-NOTES)
+    class Root(Configurable.Config):  # stands for Trainer.Config, whose import needs triton (docs/pytorch-facts.md)
         checkpoint: BaseCheckpointManager.Config = field(
             default_factory=lambda: CheckpointManager.Config(enable=True, folder="ck", interval=7, keep_latest_k=2))
 

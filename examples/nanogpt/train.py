@@ -211,5 +211,5 @@ while True:
         os.kill(os.getpid(), signal.SIGKILL)
 
 ckpt.close()  # scout-ckpt
-dist.barrier()  # scout-ckpt: without it destroy_process_group can hang at exit (TORCH-NOTES)
+dist.barrier()  # scout-ckpt: without it destroy_process_group can hang at exit (docs/pytorch-facts.md)
 destroy_process_group()

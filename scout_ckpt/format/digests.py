@@ -1,7 +1,7 @@
 """File digests: xxh3-128 over fixed-size chunks.
 
-xxhash releases the GIL while hashing, so a thread pool scales across cores (TORCH-NOTES: 10.7 GB/s on one
-core, 21 GB/s on two). Digest strings carry their algorithm: "xxh3_128:<hex>".
+xxhash releases the GIL while hashing, so a thread pool scales across cores (docs/pytorch-facts.md,
+"Hashing": 10.7 GB/s on one core, 21 GB/s on two). Digest strings carry their algorithm: "xxh3_128:<hex>".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ledger a job starts on: never a fresh one over existing checkpoints (ARCHITECTURE.md, "Faults of the world").
+"""The ledger a job starts on: never a fresh one over existing checkpoints (docs/design.md, "Faults of the world").
 
 A Checkpointer used to open ROOT's ledger with `create=True`: a deleted or truncated scout-ledger.db became an
 empty ledger, `load_latest_clean` found nothing, the job trained from step 0, and its next save at an existing

@@ -96,7 +96,7 @@ class LocalTier:
 
     def __init__(self, opts, ck, timeout):
         self.opts, self.ck = opts, ck
-        # the commit thread's own group (created here, at start-up, in the same order on every rank: TORCH-NOTES)
+        # the commit thread's own group (created here, at start-up, in the same order on every rank: docs/pytorch-facts.md)
         self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

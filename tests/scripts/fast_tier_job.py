@@ -163,7 +163,7 @@ def main():
             say(event="live_fault", rank=rank, run_id=ckpt.run_id, step=step, fault_step=e.step)
             raise
     ckpt.close()
-    dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
+    dist.barrier()  # without it destroy_process_group can hang at exit
     dist.destroy_process_group()
 
 

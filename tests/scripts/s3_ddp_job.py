@@ -80,7 +80,7 @@ def main():
                 say(event="saved", run_id=ckpt.run_id, step=step, digest=digest(model, opt),
                     state=verdict["state"])
     ckpt.close()
-    dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
+    dist.barrier()  # without it destroy_process_group can hang at exit
     dist.destroy_process_group()
 
 
