@@ -205,7 +205,7 @@ class Checkpointer:
                                            run_id=self.run_id, ignore_groups=side_groups, **observer.start_kwargs())
         if self.observer is not None and model is not None:
             self.observer.attach(model, optimizer)
-        from scout_ckpt.save.local_tier import LocalTier   # the fast tier (local=): its own module
+        from scout_ckpt.save.local_tier import LocalTier  # the fast tier (local=): its own module
 
         self.local = LocalTier(local, self, timeout) if local is not None else None
         self._loader = LatestCleanLoader(self.root, self.rank, self.world_size, self._pg, self.ledger, self.run_id,

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.ledger import Ledger
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_health as W
 from tests.conftest import run_cli
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import pickle
 import pickletools
 import shutil
+import signal
 import sqlite3
 import struct
 import subprocess
@@ -286,9 +286,15 @@ def _genuine_metadata() -> bytes:
     bf16 tensor in two chunks, a bytes entry, a transform-free storage info, storage_meta with a PosixPath."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta, TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     props = TensorProperties(dtype=torch.bfloat16)
     chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),

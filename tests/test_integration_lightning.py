@@ -12,15 +12,14 @@ import os
 import subprocess
 import sys
 
+# `make test` installs this extra (the Makefile's integration pins): imported unconditionally, so that a
+# broken install fails here instead of skipping the integration's tests.
+import lightning  # noqa: F401,E402
 import pytest
 
 from scout_ckpt.ledger import Ledger
 from tests.conftest import REPO, run_cli
 from tests.torchrun_errors import why_failed
-
-# `make test` installs this extra (the Makefile's integration pins): imported unconditionally, so that a
-# broken install fails here instead of skipping the integration's tests.
-import lightning  # noqa: F401,E402
 
 pytestmark = pytest.mark.slow
 JOB = REPO / "tests" / "scripts" / "lightning_job.py"

@@ -12,8 +12,8 @@ import pytest
 # install fails here instead of skipping the integration's tests.
 import torchtitan.components.checkpointer  # noqa: F401
 
-from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.ledger import Ledger
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_torchtitan as w
 
 pytestmark = pytest.mark.slow

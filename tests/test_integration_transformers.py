@@ -9,11 +9,10 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 # `make test` installs transformers and accelerate (the Makefile's integration extras): imported unconditionally,
 # so that a broken install fails here instead of skipping the integration's tests.
 import accelerate  # noqa: F401
+import pytest
 import transformers  # noqa: F401
 
 from scout_ckpt.integrations.transformers import latest_clean

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer.daemon import attribute, channel_dir
 from scout_ckpt.observer.heartbeat import Heartbeat, HeartbeatReader
 from scout_ckpt.observer.stacks import proc_state
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_observer as W
 from tests.placement import place
 

@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.replay.schedule import Schedule, coverage, discover_targets
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_replay as w
 
 TARGETS = [("embedding", "embedding"), ("block", "blocks.0"), ("block", "blocks.1"), ("head", "head"),
@@ -63,7 +63,9 @@ def test_coverage_with_a_save_boundary_sweep():
     """A sweep at the save step S (a clean replay of every target AT S) completes the evidence at once; a fault
     found later counts only against checkpoints after the target's last clean replay; a fault found at S itself
     counts against S even when another replay of the target at S was clean."""
-    sweep = lambda s: [row(s, t) for _, t in TARGETS]
+    def sweep(s):
+        return [row(s, t) for _, t in TARGETS]
+
     assert coverage(sweep(10), TARGETS, step=10)["status"] == "pass"
     assert coverage(sweep(10)[:-1], TARGETS, step=10)["reasons"][0]["code"] == "replay_coverage_incomplete"
     later = sweep(10) + [row(15, "blocks.1", "ATTRIBUTED", [2])] + sweep(20)
@@ -141,9 +143,11 @@ def test_a_referenced_capture_replays_like_a_copy_and_goes_stale_on_any_in_place
     model = w.TinyLM(2)
     block = model.blocks[1]
     ref, cp = ModuleCapture(block, refs=True), ModuleCapture(block)
-    ref.arm(); cp.arm()
+    ref.arm()
+    cp.arm()
     model(torch.randint(0, w.VOCAB, (2, w.SEQ))).square().mean().backward()
-    ref.disarm(); cp.disarm()
+    ref.disarm()
+    cp.disarm()
     assert ref.invocation.intact() and len(ref.invocation.held) == 2   # the input and the output's gradient
     assert ref.invocation.args[0].data_ptr() != cp.invocation.args[0].data_ptr()
     a, b = replay_module(block, ref.invocation)[1], replay_module(block, cp.invocation)[1]

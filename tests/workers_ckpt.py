@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scout_ckpt.save.app_state import ModelOptimizerState as AppState
 from scout_ckpt.checkpointer import Checkpointer
 from scout_ckpt.format.layout import list_step_dirs
+from scout_ckpt.save.app_state import ModelOptimizerState as AppState
 
 
 def make_model(seed: int = 0, width: int = 16) -> nn.Module:

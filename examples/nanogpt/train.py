@@ -137,7 +137,8 @@ def state_digest():
             for k in sorted(obj, key=str):
                 walk(f"{prefix}.{k}", obj[k])
         elif isinstance(obj, torch.Tensor):
-            h.update(prefix.encode()); h.update(obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(prefix.encode())
+            h.update(obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         else:
             h.update(f"{prefix}={obj!r}".encode())
 

@@ -18,6 +18,7 @@ from scout_ckpt.commands.output import console, emit, escape, human_bytes
 from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger.journal import JOURNAL_NAME
 from scout_ckpt.ops import roots
+from scout_ckpt.ops.tier_views import copies_sentence, where_text
 from scout_ckpt.ops.views import (
     STATE_STYLE,
     as_listed,
@@ -28,7 +29,6 @@ from scout_ckpt.ops.views import (
     reason_text,
     time_text,
 )
-from scout_ckpt.ops.tier_views import copies_sentence, where_text
 
 
 def ls(root: Path, as_json: bool) -> int:
@@ -129,8 +129,7 @@ def explain(root: Path, step: int, as_json: bool) -> int:
 
 def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool, require: list[str] | None = None) -> int:
     """stdout is the path alone (restart scripts read it); why newer steps were not chosen goes to stderr."""
-    from scout_ckpt.ops.recovery import NoCleanCheckpoint
-    from scout_ckpt.ops.recovery import check_require
+    from scout_ckpt.ops.recovery import NoCleanCheckpoint, check_require
     from scout_ckpt.ops.recovery import latest_clean as find
 
     if not latest_clean:
@@ -170,8 +169,7 @@ def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool, requi
 def _newer_local(root: Path, step: int) -> list[dict]:
     """Certified local steps newer than the durable answer, newest first ([] when none or unreadable now)."""
     from scout_ckpt.errors import ScoutError
-    from scout_ckpt.ledger import Ledger
-    from scout_ckpt.ledger import tiers
+    from scout_ckpt.ledger import Ledger, tiers
 
     try:
         with Ledger.open(root, readonly=True) as ledger:

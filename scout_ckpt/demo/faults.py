@@ -118,7 +118,7 @@ def _value(spec: str, key: str, raw: str):
         if key in _FLOAT_KEYS:
             return float(raw)
     except ValueError:
-        raise BadInput(f"--inject {spec!r}: {key}={raw!r} is not a valid {'step' if key == 'step' else 'number'}")
+        raise BadInput(f"--inject {spec!r}: {key}={raw!r} is not a valid {'step' if key == 'step' else 'number'}") from None
     return raw
 
 

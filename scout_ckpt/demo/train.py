@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from scout_ckpt.demo.data import DataStream, MarkovDomains, OnlineMixer
 from scout_ckpt.demo.faults import MARKER_DIR, Injector, parse_all
 from scout_ckpt.demo.model import TinyTransformer, retract_to_sphere, sphere_deviation
-from scout_ckpt.format.layout import atomic_write_json
 from scout_ckpt.errors import LiveStateCorrupt
+from scout_ckpt.format.layout import atomic_write_json
 from scout_ckpt.save.app_state import RNGState
 
 MODES = ("ddp", "fsdp", "hsdp")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import sys
 from typing import Callable
 
 import xxhash
@@ -103,14 +102,14 @@ class _ObjectFileSystem(FileSystem):
         try:
             yield stream
             stream.fire_pending_hook()
-        except BaseException:
+        except BaseException as e:
             # Never complete a partial upload: abort it (the multipart upload goes away, a buffered small file
             # is never sent). The attempt's prefix then lacks the file, and no manifest will list it.
             with contextlib.suppress(Exception):
                 raw.discard()
             raw.closed = True
-            if stream.error is not None and stream.error is not sys.exc_info()[1]:
-                raise stream.error   # the upload's own error, not what torch.save made of it
+            if stream.error is not None and stream.error is not e:
+                raise stream.error from e   # the upload's own error, not what torch.save made of it
             raise
         raw.close()
         if path.endswith(".distcp"):
