@@ -68,7 +68,7 @@ def _confirmed_events(mon, samples: dict[int, float], step_of, window_steps_of, 
             continue
         mon._reported.add(r)
         if len(samples) == 2:
-            other = min(samples, key=samples.get)
+            other = min(samples, key=lambda q: samples[q])
             reason = f"rank {r} is {slowdown:.1f}x slower than rank {other}"
         else:
             reason = f"rank {r} is {slowdown:.1f}x slower than the median rank"
