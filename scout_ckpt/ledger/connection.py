@@ -21,7 +21,7 @@ import os
 import sqlite3
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -109,7 +109,7 @@ class LedgerConnection:
         self._lock = threading.RLock()
         self.journal: dict = {}  # fsdetect.choose_journal's answer for this ledger's directory
         self.on_close: list = []  # called once at close (a job's run lease, ops/startup.py)
-        self.run_lease = None     # a job's coordinator: its run lease (ops/startup.py), checked before each save
+        self.run_lease: Any = None     # a job's coordinator: its run lease (ops/startup.py), checked before each save
 
     @property
     def db(self) -> "sqlite_utils.Database":

@@ -97,7 +97,7 @@ class Lease:
     checker never finds a free lock on a file that still names a save in flight. Idempotent."""
 
     def __init__(self, path: Path, fd: int):
-        self.path, self.fd = path, fd
+        self.path, self.fd = path, fd  # type: Path, int | None
 
     def release(self) -> None:
         if self.fd is None:

@@ -179,7 +179,7 @@ class OptimizerCapture:
         locals_ = [_local(p) for _, _, p, *_ in picked]
         hyper: dict[int, dict] = {}  # one copy per parameter group (its windows share it)
         for (gi, pi, p, s, n, w), lp in zip(picked, locals_):
-            state = {}
+            state: dict = {}
             for k, v in opt.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     lv = _local(v)
