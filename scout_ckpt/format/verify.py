@@ -48,8 +48,9 @@ def unchecked_reason(e: OSError, file: str | None = None, **extra) -> dict:
 
 def could_not_check(ev: dict | None) -> bool:
     """Evidence that is only "could not check now": no fault found, some file not checked for an I/O error."""
-    return bool(ev) and ev.get("status") != FAIL and any(
-        r.get("code") == COULD_NOT_CHECK for r in ev.get("reasons") or [])
+    if not ev:
+        return False
+    return ev.get("status") != FAIL and any(r.get("code") == COULD_NOT_CHECK for r in ev.get("reasons") or [])
 
 
 def only_unchecked(reasons: list[dict]) -> bool:
