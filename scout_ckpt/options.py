@@ -83,6 +83,11 @@ class ReplayOptions:
     (a fault of any rank's live step, caught at that save; needs live_check); costs every rank a copy of the
     targets' parameters at the save step and one more replay per target per save. False: only the rotating
     source's live step is checked at each save."""
+    sweep: str = "ring"
+    """How a save's sweep checks the module targets. "ring" (with live_check and self_check on): every rank's
+    capture is replayed by its successor and compared with the live step it came from, one replay per target per
+    rank (replay/ring.py). "broadcast": every peer replays the rotating source's capture (compared with each
+    other) and then its own (the self-check): two replays per target on most ranks."""
 
     def __post_init__(self):
         _positive("replay", "interval", self.interval, integer=True, allow_none=True)
@@ -100,6 +105,7 @@ class ReplayOptions:
             raise BadOption(f"replay.live_check must be True or False (got {self.live_check!r})")
         if not isinstance(self.self_check, bool):
             raise BadOption(f"replay.self_check must be True or False (got {self.self_check!r})")
+        _choice("replay", "sweep", self.sweep, ("ring", "broadcast"))
 
     def runner_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of replay.ReplayRunner."""

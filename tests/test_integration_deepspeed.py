@@ -67,8 +67,10 @@ def test_zero1_healthy_run_certifies_every_tag_and_latest_follows(zero1):
     assert states(save_dir) == {2: "certified", 4: "certified", 6: "certified"}
     with Ledger.open(save_dir, readonly=True) as led:
         e6, files, run = led.evidence(6), led.files(6), led.runs()[-1]
-    assert run["policy"]["require"] == ["bytes", "invariants", "consensus", "zero_partitions"]
-    assert run["policy"]["zero_stage"] == 1 and run["policy"]["allow_not_applicable"] == ["zero_partitions"]
+    # replay on by default (ZeRO-1, 2 ranks): required, not_applicable only for a job that never steps
+    assert run["policy"]["require"] == ["bytes", "invariants", "consensus", "zero_partitions", "replay"]
+    assert run["policy"]["zero_stage"] == 1 and run["policy"]["allow_not_applicable"] == ["zero_partitions", "replay"]
+    assert e6["replay"]["status"] == "pass"
     # every file of the tag digested by the rank that wrote it: rank 0 the model states and its optimizer shard
     assert {f["path"]: f["rank"] for f in files} == {"mp_rank_00_model_states.pt": 0,
                                                      "zero_pp_rank_0_mp_rank_00_optim_states.pt": 0,
@@ -248,3 +250,46 @@ def test_zero1_nan_in_a_single_owner_partition_is_caught_by_its_writer(tmp_path)
     assert bad["tensors"] == ["zero_pp_rank_1_mp_rank_00_optim_states.pt:"
                               "optimizer_state_dict.base_optimizer_state.state.0.exp_avg"]
     assert (save_dir / "latest").read_text() == "global_step2"
+
+
+# ---- replay: an SDC that consensus cannot see (every replica averages it in) --------------------------------
+
+def _sdc_events(save_dir):
+    with Ledger.open(save_dir, readonly=True) as led:
+        return [e for e in led.events() if e["kind"] == "sdc"]
+
+
+@pytest.mark.scenario
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_zero1_sdc_in_one_ranks_forward_is_never_certified_with_the_defaults(tmp_path, nproc):
+    """Rank 1's first layer computes one channel off by 1e-3 from step 3 on. Its gradient is averaged into every
+    replica, so the replicas agree (consensus passes); replay (on by default) must keep every step >= 3 from being
+    certified and end the generation; at 3 ranks it names rank 1. Judged by where the fault was placed."""
+    save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT),
+           str(save_dir), "--events", str(ev), "--stage", "1", "--steps", "6", "--save-every", "2",
+           "--accept-single-owner", "--sdc-rank", "1", "--sdc-from", "3"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, why_failed(p.stderr)
+    assert states(save_dir) == {2: "certified", 4: "rejected"}
+    assert (save_dir / "latest").read_text() == "global_step2"
+    with Ledger.open(save_dir, readonly=True) as led:
+        e4 = led.evidence(4)
+    assert e4["consensus"]["status"] == "pass"   # the replicas agree on the poisoned state: consensus is blind
+    assert e4["replay"]["status"] == ("fail" if nproc == 3 else "inconclusive")
+    if nproc == 3:
+        assert {tuple(e["ranks"]) for e in _sdc_events(save_dir)} == {(1,)}
+
+
+@pytest.mark.scenario
+def test_zero1_healthy_run_with_replay_certifies_every_tag_with_replay_evidence(tmp_path):
+    save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
+    torchrun(save_dir, ev, "--stage", 1, "--steps", 6, "--save-every", 2, "--accept-single-owner", nproc=3)
+    assert [(r["step"], r["verdict"]) for r in events(ev, "saved")] == [
+        (2, "certified"), (4, "certified"), (6, "certified")]
+    with Ledger.open(save_dir, readonly=True) as led:
+        ev6 = led.evidence(6)
+    assert ev6["replay"]["status"] == "pass"
+    assert set(ev6["replay"]["coverage"]) >= {"0", "2"}   # both Linear layers of the job's Sequential
+    assert _sdc_events(save_dir) == []

@@ -243,12 +243,15 @@ def test_sweep_certifies_each_save_at_once_and_attributes_a_fault_from_the_save_
     for s in (7, 9):
         bad = [r for r in by_step[s] if r["status"] != "AGREE"]
         # from 9 on rank 2's head (the last module target, before the optimizer) is off in one interior output
-        # element: the sweep's signatures, hashed in one batch for every target, name it and only it
+        # element: the sweep names it and only it
         assert [(r["target"], r["status"], r["ranks"]) for r in bad] == [("blocks.1", "ATTRIBUTED", [1])] + (
             [("head", "ATTRIBUTED", [2])] if s == 9 else [])
         assert all(r["detail"]["sweep"] for r in by_step[s])
     head9 = next(r for r in by_step[9] if r["target"] == "head")
-    assert head9["detail"]["disagree"][0] == "output[0]" and head9["detail"]["split"] == [[0, 1], [2]]
+    # the ring (the default sweep): rank 2's replay of rank 1's step and rank 0's replay of rank 2's step both
+    # disagree in the output, the pairs around rank 2
+    assert head9["detail"]["check"] == "ring"
+    assert head9["detail"]["ring"]["failed_pairs"] == [[2, 0, "output"], [1, 2, "output"]]
     ev = coverage([r for r in rows if r["step"] > 5], targets, step=7)
     assert ev["status"] == "fail" and ev["reasons"][0]["ranks"] == [1] and ev["reasons"][0]["target"] == "blocks.1"
     # the fault found later does not reach back to the checkpoints the sweep cleared

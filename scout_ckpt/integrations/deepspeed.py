@@ -36,6 +36,14 @@ the stage and the state. `accept_single_owner=True` accepts bytes + finite check
 so, in the ledger and every manifest). A fault inside the owner's own optimizer step at stage 1-2 is not seen by
 consensus either way: the owner's updated partition is gathered to every rank, so the copies agree.
 
+Replay (on by default at stages 0-2 with 2+ ranks; `install(..., replay=False)` turns it off): a rank whose
+forward or backward computes wrongly has its gradient averaged into every replica, so the replicas agree and
+consensus passes. `install` wraps the engine's `step` (after an optimizer step, at a gradient-accumulation
+boundary: the rotation, and the capture armed for the next step) and `load_checkpoint` (the schedule restarts
+from the loaded step); `save_checkpoint` runs the sweep before any byte is written, and the save's verdict
+requires replay evidence (save/evidence/replay.py, as the core Checkpointer). A replay that disagrees is a live
+fault: LiveStateCorrupt, as for consensus. Stage 3 partitions the parameters: replay is off (one WARNING).
+
 Not supported (fail closed): tags other than `global_stepN` (refused at create), MoE or tensor/pipeline model
 parallelism (consensus `topology_unsupported`: the ranks' model states are not replicas), DeepSpeed's decoupled
 or fast writers (install refuses them), files written outside the tag folder (not part of the checkpoint).
@@ -66,7 +74,8 @@ log = logging.getLogger("scout_ckpt.deepspeed")
 
 __all__ = ["install", "latest_clean", "ScoutCheckpointEngine"]
 
-LIVE_CODES = ("consensus_attributed", "consensus_inconclusive", "invariant_failed")
+LIVE_CODES = ("consensus_attributed", "consensus_inconclusive", "invariant_failed", "replay_sdc",
+              "replay_inconclusive")
 
 
 def latest_clean(save_dir: str | os.PathLike, *, verify: bool = True) -> str | None:
@@ -77,16 +86,21 @@ def latest_clean(save_dir: str | os.PathLike, *, verify: bool = True) -> str | N
 
 
 def install(engine, save_dir: str | os.PathLike, *, accept_single_owner: bool = False, consensus: bool = True,
-            on_live_fault: str = "raise", timeout_s: float = 600.0) -> "ScoutCheckpointEngine":
+            on_live_fault: str = "raise", timeout_s: float = 600.0, replay=None) -> "ScoutCheckpointEngine":
     """Collective (every rank, after `deepspeed.initialize`, before `load_checkpoint`): certify every
     `engine.save_checkpoint(save_dir)` in `save_dir/scout-ledger.db` and keep `save_dir/latest` on the newest
     certified tag. Returns the installed checkpoint engine (`.last_verdict`, `.close()`).
 
     accept_single_owner  certify ZeRO 1-3 partitions on bytes + finite checks alone (see the module docstring)
     consensus            compare the replicated state across data-parallel ranks (needs >= 2 ranks)
-    on_live_fault        "raise": a verdict showing the live state bad (replicas disagree, NaN/Inf) raises
+    on_live_fault        "raise": a verdict showing the live state bad (replicas disagree, replay, NaN/Inf) raises
                          LiveStateCorrupt on every rank after the save, ending the generation; "continue": log it
     timeout_s            timeout of the integration's own gloo groups (a dead peer fails the save, no hang)
+    replay               SDC replay of the model's layers (and the optimizer's update where DeepSpeed steps a torch
+                         optimizer) across the data-parallel ranks: the core's ReplayOptions, a dict of them, True
+                         or False; default on at ZeRO stages 0-2 with 2+ ranks (a rank computing wrongly is
+                         averaged into every replica, which consensus then sees agree), off at stage 3 (its
+                         parameters are partitioned) with one WARNING
     """
     if on_live_fault not in ("raise", "continue"):
         raise ScoutError(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
@@ -96,13 +110,18 @@ def install(engine, save_dir: str | os.PathLike, *, accept_single_owner: bool = 
     if inner is not None and (inner.is_decoupled() or type(inner) is not TorchCheckpointEngine):
         raise ScoutError(f"scout-ckpt wraps DeepSpeed's TorchCheckpointEngine; this engine uses "
                          f"{type(inner).__name__} (remove the checkpoint writer / datastates configuration)")
+    from scout_ckpt import options
+
+    replay = options.as_replay(replay)   # a misspelled key fails here, before anything is installed
     scout = ScoutCheckpointEngine(engine, save_dir, inner=inner, accept_single_owner=accept_single_owner,
-                                  consensus=consensus, on_live_fault=on_live_fault, timeout_s=timeout_s)
+                                  consensus=consensus, on_live_fault=on_live_fault, timeout_s=timeout_s,
+                                  replay=replay)
     engine.checkpoint_engine = scout
     original = engine.save_checkpoint
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         # DeepSpeed never writes `latest` (save_latest=False): rank 0 points it at the tag after the verdict
+        scout.sweep()   # before any byte: every target replayed on the save step's capture (collective)
         scout.in_save = True
         try:
             out = original(save_dir, tag=tag, client_state={} if client_state is None else client_state,
@@ -114,8 +133,33 @@ def install(engine, save_dir: str | os.PathLike, *, accept_single_owner: bool = 
 
     save_checkpoint.__doc__ = original.__doc__
     engine.save_checkpoint = save_checkpoint
+    if scout.replay is not None:
+        _wrap_for_replay(engine, scout)
     scout.start()
     return scout
+
+
+def _wrap_for_replay(engine, scout: "ScoutCheckpointEngine") -> None:
+    """Replay's two per-step calls, on the job's own `engine.step()` and `engine.load_checkpoint()`: after an
+    optimizer step (DeepSpeed counts `global_steps` at gradient-accumulation boundaries only) the rotation and the
+    arming of the next step's capture; after a load, the schedule starts again from the loaded step."""
+    step_fn, load_fn = engine.step, engine.load_checkpoint
+
+    def step(*args, **kwargs):
+        before = engine.global_steps
+        out = step_fn(*args, **kwargs)
+        if engine.global_steps != before and scout.replay is not None:
+            scout.replay.on_step(int(engine.global_steps))
+        return out
+
+    def load_checkpoint(*args, **kwargs):
+        out = load_fn(*args, **kwargs)
+        if scout.replay is not None:
+            scout.replay.begin(int(engine.global_steps))
+        return out
+
+    step.__doc__, load_checkpoint.__doc__ = step_fn.__doc__, load_fn.__doc__
+    engine.step, engine.load_checkpoint = step, load_checkpoint
 
 
 class ScoutCheckpointEngine(CheckpointEngine):
@@ -124,7 +168,7 @@ class ScoutCheckpointEngine(CheckpointEngine):
     where the module docstring says so."""
 
     def __init__(self, engine, save_dir, *, inner=None, accept_single_owner=False, consensus=True,
-                 on_live_fault="raise", timeout_s=600.0):
+                 on_live_fault="raise", timeout_s=600.0, replay=None):
         super().__init__(None)
         self.name = "ScoutCheckpointEngine"
         self.engine = engine
@@ -140,6 +184,7 @@ class ScoutCheckpointEngine(CheckpointEngine):
             from scout_ckpt.consensus.mesh import legacy_topology
 
             self.groups = ConsensusGroups.from_topology(legacy_topology("ddp", self.run.world), timeout_s=timeout_s)
+        self.replay = self._start_replay(replay)
         self.policy = self._policy(consensus and self.run.world > 1)
         self.topology = {"mode": "ddp" if self.run.world > 1 else "single", "world_size": self.run.world,
                          "framework": "deepspeed", "layout": LAYOUT, "zero_stage": self.stage,
@@ -175,8 +220,30 @@ class ScoutCheckpointEngine(CheckpointEngine):
         allow_na = ["zero_partitions"] if self.accept_single_owner else []
         # "invariants": [] -- the finite check is the writers' at save; `certify` re-verifies the bytes and keeps
         # the recorded invariants (no offline reader for DeepSpeed's pickles: see docs/integrate.md)
+        if self.replay is not None:   # required where it runs; not_applicable only without engine.step() calls
+            require.append("replay")
+            allow_na.append("replay")
         return {"require": require, "allow_not_applicable": allow_na, "invariants": [], "layout": LAYOUT,
-                "replay_targets": [], "zero_stage": self.stage, "accept_single_owner": self.accept_single_owner}
+                "replay_targets": [list(t) for t in self.replay.targets()] if self.replay is not None else [],
+                "zero_stage": self.stage, "accept_single_owner": self.accept_single_owner}
+
+    def _start_replay(self, replay):
+        """Every rank: the core's replay (save/evidence/replay.py) on the engine's module, where the data-parallel
+        ranks compute the same functions on whole parameters (ZeRO 0-2) and consensus groups exist."""
+        from scout_ckpt.save.evidence.replay import ReplayEvidence
+
+        off = ("ZeRO stage 3 partitions the parameters: no layer is replayed" if self.stage >= 3 else
+               f"the ranks are not data-parallel replicas ({self.unsupported})" if self.unsupported else
+               ReplayEvidence.off_by_default(self.run.world, "ddp") or
+               ("consensus=False: replay runs on the consensus groups" if self.groups is None else None))
+        if off is not None:
+            if replay:
+                raise ScoutError(f"replay was asked for but cannot run here: {off}")
+            if replay is None and self.run.rank == 0:
+                log.warning("scout-ckpt: replay is off (%s): a rank computing wrongly (SDC) is not detected", off)
+            return None
+        return ReplayEvidence.start(replay, model=self.engine.module, optimizer=_torch_optimizer(self.engine),
+                                    groups=self.groups, auto_on=True)
 
     def _versions(self) -> dict:
         import deepspeed
@@ -194,6 +261,10 @@ class ScoutCheckpointEngine(CheckpointEngine):
                                 s["after"], s["why"])
 
         self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
+        if self.replay is not None:
+            self.replay.bind(ledger=self.run.ledger, root=self.root, run_id=self.run.run_id, policy=self.policy,
+                             is_coordinator=self.run.is_coordinator)
+            self.replay.begin(int(self.engine.global_steps))
         if self.stage >= 1 and not self.accept_single_owner and self.run.is_coordinator:
             log.warning("scout-ckpt: ZeRO stage %d keeps single-owner partitions (%s) that no replica can vouch "
                         "for: its checkpoints are saved and recorded but not certified (zero_single_owner). "
@@ -221,8 +292,19 @@ class ScoutCheckpointEngine(CheckpointEngine):
     def close(self) -> None:
         """Every rank, at the end of training (optional but recommended): the ledger closed and the side groups
         released after a barrier on the integration's own group (IntegrationRun.close)."""
-        self.run.close(groups=self.groups.process_groups if self.groups is not None else ())
+        groups = list(self.groups.process_groups) if self.groups is not None else []
+        if self.replay is not None:
+            groups += self.replay.process_groups
+            self.replay.close()
+            self.replay = None
+        self.run.close(groups=groups)
         self.groups = None
+
+    def sweep(self) -> None:
+        """Every rank, at the start of save_checkpoint (after the step it saves, before any byte is written): the
+        replay sweep of the save step."""
+        if self.replay is not None:
+            self.replay.sweep(int(self.engine.global_steps))
 
     # ---- DeepSpeed's CheckpointEngine ----------------------------------------------------------------------
 
@@ -289,6 +371,8 @@ class ScoutCheckpointEngine(CheckpointEngine):
             outside = [p for g in gathered for p in g["outside"]]
             if outside:
                 live["invariants"]["files_outside_tag"] = outside[:8]
+            if self.replay is not None:
+                live["replay"] = self.replay.evidence(step)
         verdict = run.commit(step, attempt, self.root / tag, files, listing, live, run_policy=self.policy,
                              topology=self.topology, versions=self._versions(), layout=LAYOUT, tag=tag)
         self.last_verdict = {"step": step, "tag": tag, **verdict}
@@ -356,6 +440,13 @@ class ScoutCheckpointEngine(CheckpointEngine):
         else:
             ev["zero_partitions"] = policy.evidence(policy.PASS, [], stage=self.stage, single_owner=[])
         return ev
+
+
+def _torch_optimizer(engine):
+    """The torch optimizer DeepSpeed steps, for replay of its elementwise update (stage 0: the optimizer itself;
+    stages 1-2: the one ZeRO wraps, stepping this rank's partition), or None."""
+    opt = getattr(engine, "optimizer", None)
+    return opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", None)
 
 
 def _nonfinite_tensors(obj, prefix: str = "") -> list[str]:

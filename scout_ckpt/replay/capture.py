@@ -137,7 +137,7 @@ class Invocation:
             {k: move(v) for k, v in self.params.items()}, {k: move(v) for k, v in self.buffers.items()},
             self.training, self.rng, self.device_rng, self.autocast,
             [move(g) for g in self.grad_outputs],  # `held` stays home: it is checked where the capture was made
-            live=self.live)
+            live=self.live, live_grads={k: move(v) for k, v in self.live_grads.items()}, grad_note=self.grad_note)
 
 
 def current_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -178,10 +178,24 @@ def coverage_detail(rows_at_step: Iterable[dict]) -> dict:
     rows_at_step = list(rows_at_step)
     at = [r for r in rows_at_step if "live_checked" in (r.get("detail") or {})]
     selfc = [r for r in rows_at_step if "self_check" in (r.get("detail") or {})]
+    ringed = [r for r in rows_at_step if "ring" in (r.get("detail") or {})]
     ranks = {r["detail"]["live_checked"] for r in at}
     for r in selfc:
         ranks.update(r["detail"]["self_check"]["checked"])
+    for r in ringed:
+        ranks.update(r["detail"]["ring"]["checked"])
     detail: dict = {"live_checked_ranks": sorted(ranks)}
+    if ringed:
+        detail["live_rotation"] = ("every rank's live step at every save (each rank's capture replayed by the next "
+                                   "rank in a ring)")
+        unchecked = {r["target"]: r["detail"]["ring"]["unchecked"] for r in ringed if r["detail"]["ring"]["unchecked"]}
+        if unchecked:
+            detail["live_unchecked"] = unchecked
+        grads = {r["target"]: r["detail"]["live_grads"]["not_signed"] for r in ringed
+                 if (r["detail"].get("live_grads") or {}).get("not_signed")}
+        if grads:
+            detail["live_grads_not_signed"] = grads
+        return detail
     peers = max((len(r["detail"].get("peers") or []) for r in at + selfc), default=0)
     if selfc:
         detail["live_rotation"] = ("every rank's live step at every save (each rank replays its own capture); "

@@ -25,10 +25,14 @@ parameters as its forward used them (the self-check replays it, self_check.py; t
 inputs only where some peer's own copy differs from it, shared_params.py); with the self-check off, only the source
 keeps one.
 
-The live check (replay.live): replays are compared with each other AND with what the source's live step
-produced (the cross-check; the sweep's source rotates over the peers save by save, `sweep_source`), and every
-rank replays its own capture once more and compares that with its own live outputs and gradients (the
-self-check), so a fault that struck any rank's live step at a save is caught at that save.
+The sweep's module targets are checked in a ring by default (replay.ring): each rank replays its predecessor's
+capture against the predecessor's live outputs and gradients, one replay per target per rank, so a fault that
+struck any rank's live step at a save, or a rank that computes wrongly, is caught at that save. The optimizer
+target, targets without a live check and a deferred rotation capture go through the broadcast round: every peer
+replays the source's capture, compared with each other AND with what the source's live step produced (the
+cross-check, replay.live; the sweep's source rotates over the peers save by save, `sweep_source`).
+`sweep="broadcast"` checks the module targets that way too, then every rank replays its own capture once more
+against its own live step (the self-check).
 
 Replay durations also feed a straggler rule (replay.stragglers): one round per step, confirmed over several steps.
 
@@ -50,6 +54,7 @@ from torch import nn
 
 from scout_ckpt.options import DEFAULT_REPLAY_INTERVAL as AUTO_INTERVAL  # until the save period is known
 from scout_ckpt.replay import live as live_step
+from scout_ckpt.replay import ring
 from scout_ckpt.replay import rows as replay_rows
 from scout_ckpt.replay import self_check as own_round  # the self-check round
 from scout_ckpt.replay import shared_params
@@ -91,7 +96,8 @@ class ReplayRunner:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, groups,
                  targets: list | None = None, interval: int | None = 1, deterministic: bool = True,
                  peers: str = "auto", opt_elems: int = DEFAULT_ELEMS, save_every: int | None = None,
-                 straggler_rounds: int = 3, live_check: bool = True, self_check: bool = True):
+                 straggler_rounds: int = 3, live_check: bool = True, self_check: bool = True,
+                 sweep: str = "ring"):
         self.forecast = SaveForecast(save_every)   # first: a bad save_every is refused before anything else
         optimizer = unwrap_optimizer(optimizer)     # accelerate's AcceleratedOptimizer: the torch one it wraps
         self.model = model
@@ -124,6 +130,10 @@ class ReplayRunner:
         self.live_excluded = live_step.excluded(modules, live_check, [
             n for n in modules if not self._under_compile and runs_compiled(where[n].outer)])
         self.self_check = live_check and self_check
+        if sweep not in ("ring", "broadcast"):
+            raise ValueError(f"replay sweep must be 'ring' or 'broadcast', got {sweep!r}")
+        # the ring needs every rank's live capture (the self-check's arming) and 2+ peers
+        self.ring_sweep = sweep == "ring" and self.self_check and len(self.peers) >= 2
         self._grad_params, self.grad_notes = own_round.live_grad_params(model, self._sites)
         self._captures: dict[str, Any] = {}   # rotation
         for recipe, name in self._targets:
@@ -267,7 +277,25 @@ class ReplayRunner:
                     warnings.warn(f"replay sweep at step {step}: the inputs captured for {t[1]} were written in "
                                   f"place after capture; captured by copies from the next save on"
                                   + (" (not replayed now: coverage incomplete)" if self.rank == src else ""))
-            rows = self._replay_batch(step, items, src, own=self.self_check, share=share)
+            if self.ring_sweep:
+                # module targets with a live check: the ring (one replay each per rank); the optimizer, targets
+                # without a live check and the rotation's deferred capture: the broadcast round, no self-check
+                ringed = [(t, cap) for t, cap in items if t[0] != "optimizer" and t[1] not in self.live_excluded
+                          and (deferred is None or t != deferred[1])]
+                rest = [(t, cap) for t, cap in items if all(t != r[0] for r in ringed)]
+                rows = self._replay_batch(step, rest, src, share=share) if rest else []
+                if ringed:
+                    found = ring.run(step, ringed, peers=self.peers, group=self.group, words=words,
+                                     targets=self._targets, offset=1, deterministic=self.deterministic,
+                                     gather=self._gather)
+                    for (t, _), row in zip(ringed, found):
+                        self._timing(step, t, {int(r): d for r, d in row["detail"]["durations"].items()})
+                        row["detail"].update(live_step.grads_detail(self.grad_notes.get(t[1]) or []))
+                    rows += found
+                    order = {t[1]: i for i, t in enumerate(self._targets)}
+                    rows.sort(key=lambda r: order.get(r["target"], len(order)))
+            else:
+                rows = self._replay_batch(step, items, src, own=self.self_check, share=share)
             for row in rows:  # the rotation's replay run here is still the rotation's (its own capture)
                 row["detail"]["sweep"] = deferred is None or row["target"] != deferred[1][1]
         else:

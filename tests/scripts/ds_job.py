@@ -6,7 +6,8 @@ loaded a checkpoint, and at the end; the test compares those, not scout-ckpt's v
 The user's lines are the two marked "scout-ckpt"; the rest is a plain DeepSpeed loop: initialize, load_checkpoint
 (tag=None: `latest`), train, save_checkpoint every --save-every steps (default tag global_stepN).
 
-Test-only: --diverge-at S makes rank 1's copy of one weight differ by one ulp before the save of step S (its
+Test-only: --sdc-rank R --sdc-from S makes rank R's first layer compute one output channel off by 1e-3 in every
+forward from step S on (failing arithmetic: every replica then averages it in and still agrees); --diverge-at S makes rank 1's copy of one weight differ by one ulp before the save of step S (its
 replicas then disagree); --nan-at S puts a NaN into rank 1's partition of the Adam moments (ZeRO 1-2). --crash-at S makes rank 1 SIGKILL itself in the middle of the save of step S (after writing its first
 file) on the first attempt (TORCHELASTIC_RESTART_COUNT 0). DeepSpeed's shm comm op is switched off: on CPU it is
 JIT-compiled with g++ at start-up (about 70 s the first time), and gloo does the same work.
@@ -73,6 +74,9 @@ def main() -> None:
     ap.add_argument("--crash-at", type=int, default=None)
     ap.add_argument("--diverge-at", type=int, default=None)
     ap.add_argument("--nan-at", type=int, default=None)
+    ap.add_argument("--sdc-rank", type=int, default=None, help="this rank computes the first layer wrongly...")
+    ap.add_argument("--sdc-from", type=int, default=None, help="...from this step on (one channel off by 1e-3)")
+    ap.add_argument("--no-replay", action="store_true")
     ap.add_argument("--export", default=None, help="save_16bit_model into this directory at the end")
     ap.add_argument("--events", required=True)
     args = ap.parse_args()
@@ -87,7 +91,17 @@ def main() -> None:
               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
               "zero_optimization": {"stage": args.stage}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    scout = install(engine, args.save_dir, accept_single_owner=args.accept_single_owner)  # scout-ckpt
+    scout = install(engine, args.save_dir, accept_single_owner=args.accept_single_owner,  # scout-ckpt
+                    **({"replay": False} if args.no_replay else {}))
+    faulty = [False]   # test-only: set by the loop from the forward of step --sdc-from on, on --sdc-rank
+    if args.sdc_rank == rank:   # failing arithmetic in one rank's forward (any replay of it on this rank too)
+        def sdc(module, inputs, output):
+            if faulty[0]:
+                output = output.clone()
+                output[..., 0] += 1e-3
+            return output
+
+        engine.module[0].register_forward_hook(sdc)
 
     def record(**row):
         if rank == 0:
@@ -112,6 +126,7 @@ def main() -> None:
     for step in range(start + 1, args.steps + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(4, 16, generator=g)
+        faulty[0] = args.sdc_from is not None and step >= args.sdc_from
         loss = engine(x).pow(2).mean()
         engine.backward(loss)
         engine.step()
