@@ -90,3 +90,17 @@ gpu-wheels:
 
 gpu-check:
 	@$(GPU_PYTHON) scripts/gpu_check.py --wheels $(WHEELHOUSE) --out $(GPU_CHECK_OUT)
+
+# Lint: ruff (check, format --check) over the repository and mypy over the package, at the versions the `lint`
+# extra pins (pyproject.toml configures all three).
+LINT := $(VENV)/.lint
+
+$(LINT): $(STAMP)
+	$(BIN)/pip install -q -e '.[lint]'
+	touch $(LINT)
+
+.PHONY: lint
+lint: $(LINT)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy scout_ckpt

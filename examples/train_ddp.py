@@ -89,7 +89,7 @@ def main():
                 torch.save(model.state_dict(), Path(args.root) / f"saved-{step}.pt")
                 report("saved", attempt, step, model, opt)
     ckpt.close()
-    dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
+    dist.barrier()  # without it destroy_process_group can hang at exit (docs/pytorch-facts.md)
     dist.destroy_process_group()
 
 

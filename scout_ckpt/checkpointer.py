@@ -142,7 +142,7 @@ class Checkpointer:
         topo = self._topology(mode, mesh_shape, mesh)
         self.mode, self.mesh_shape = topo["mode"], tuple(topo["mesh_shape"])
         timeout = datetime.timedelta(seconds=timeout_s)
-        # Side groups are created at startup, in the same order on all ranks (TORCH-NOTES): never the training
+        # Side groups are created at startup, in the same order on all ranks (docs/pytorch-facts.md): never the training
         # group, so checkpoint traffic cannot interleave with (or deadlock against) training collectives.
         self._pg = dist.new_group(backend="gloo", timeout=timeout)
         # Async saves (scout_ckpt/save/async_save.py): two more side groups, the commit thread and its latched error.
@@ -228,7 +228,7 @@ class Checkpointer:
                                            run_id=self.run_id, ignore_groups=side_groups, **observer.start_kwargs())
         if self.observer is not None and model is not None:
             self.observer.attach(model, optimizer)
-        from scout_ckpt.save.local_tier import LocalTier   # the fast tier (local=): its own module
+        from scout_ckpt.save.local_tier import LocalTier  # the fast tier (local=): its own module
 
         self.local = LocalTier(local, self, timeout) if local is not None else None
         self._loader = LatestCleanLoader(self.root, self.rank, self.world_size, self._pg, self.ledger, self.run_id,

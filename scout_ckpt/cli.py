@@ -19,9 +19,9 @@ import typer
 from scout_ckpt.commands import fleet as fleet_cmds
 from scout_ckpt.commands import maintain, read
 from scout_ckpt.errors import ScoutError
+from scout_ckpt.integrations import ds_folders as _ds_folders  # noqa: F401  registers DeepSpeed's global_stepN
 from scout_ckpt.integrations import folders as _folders  # noqa: F401  registers the Trainer's checkpoint-N layout
-from scout_ckpt.integrations import ds_folders as _ds_folders  # noqa: F401  and DeepSpeed's global_stepN
-from scout_ckpt.integrations import mg_folders as _mg_folders  # noqa: F401  and Megatron's iter_NNNNNNN
+from scout_ckpt.integrations import mg_folders as _mg_folders  # noqa: F401  registers Megatron's iter_NNNNNNN
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Certified checkpoints for torch.distributed.checkpoint: resume only from known-good state.")

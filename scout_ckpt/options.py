@@ -1,13 +1,12 @@
 """The Checkpointer's grouped options: frozen dataclasses, a docstring per field, checks in `__post_init__`.
 
-Why dataclasses: the options used to be `dict | bool | None` whose keys lived in prose and were checked, if at
-all, deep inside the components (a misspelled observer key surfaced as a TypeError in the observer's start, a
-bad replay interval at the first step). Here a misspelled key or a bad value fails at construction, on every
-rank alike, with one line naming the field (`BadOption`).
+Why dataclasses: a misspelled key or a bad value fails at construction, on every rank alike, with one line naming
+the field (`BadOption`), instead of deep inside a component (a TypeError in the observer's start, a bad replay
+interval at the first step).
 
-The old spellings keep working and are converted in one place, `as_replay`/`as_observer`/`as_shard_evidence`/
-`as_storage`: `replay=True`, `observer={"stall_s": 3, "straggler": {"window_s": 0.5}}`,
-`shard_evidence={"cycle": 4}`. Each converter also takes an instance of its dataclass, None and False.
+The short spellings are converted in one place, `as_replay`/`as_observer`/`as_shard_evidence`/`as_storage`:
+`replay=True`, `observer={"stall_s": 3, "straggler": {"window_s": 0.5}}`, `shard_evidence={"cycle": 4}`. Each
+converter also takes an instance of its dataclass, None and False.
 
 No torch and nothing above `errors` is imported here: every wing may read these.
 """

@@ -9,7 +9,6 @@ import pytest
 
 from tests import placement
 
-
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "scout_ckpt.cli"]
 

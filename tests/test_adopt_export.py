@@ -12,13 +12,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from scout_ckpt.ops.adopt import adopt
-from scout_ckpt.format.dcp_files import load_metadata
 from scout_ckpt.errors import BadInput, NotClean
-from scout_ckpt.ops.export import export
-from scout_ckpt.testing.launch import run_ranks
+from scout_ckpt.format.dcp_files import load_metadata
 from scout_ckpt.format.layout import MANIFEST_NAME
 from scout_ckpt.ledger import Ledger
+from scout_ckpt.ops.adopt import adopt
+from scout_ckpt.ops.export import export
+from scout_ckpt.testing.launch import run_ranks
 from tests.workers_invariants import plain_dcp_save
 
 STEPS = [10, 20]

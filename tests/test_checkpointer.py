@@ -2,10 +2,10 @@
 
 import pytest
 
-from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.format.layout import list_step_dirs, list_tmp_dirs
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.ops.recovery import verify_checkpoint
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_ckpt as w
 from tests.conftest import run_cli
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from scout_ckpt.consensus.groups import replica_groups
-from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.policy import evaluate
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_consensus as W
 
 WEIGHT = "app.model.0.weight"

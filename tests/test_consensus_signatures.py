@@ -12,7 +12,12 @@ from scout_ckpt.consensus import kernels as K
 from scout_ckpt.consensus import signatures as S
 from scout_ckpt.consensus.full import assign_replicated, full_signatures
 from scout_ckpt.consensus.signatures import (
-    add_signatures, batch_signatures, bytes_signature, flatten_state, leaf_bytes, signature_hex,
+    add_signatures,
+    batch_signatures,
+    bytes_signature,
+    flatten_state,
+    leaf_bytes,
+    signature_hex,
     tensor_signature,
 )
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from scout_ckpt.errors import BadOption
-from scout_ckpt.options import LocalTierOptions, as_local
 from scout_ckpt.ops.retention import decide_local
+from scout_ckpt.options import LocalTierOptions, as_local
 from scout_ckpt.testing import agents
 from tests.conftest import REPO, run_cli
 

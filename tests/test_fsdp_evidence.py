@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from scout_ckpt import policy
-from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.replay import shard_optimizer as so
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_fsdp_evidence as w
 
 FAULT_PARAM, FAULT_INDEX = "blocks.1.fc1.weight", 517      # not element 0 of parameter 0

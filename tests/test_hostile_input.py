@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import pickle
 import pickletools
 import shutil
+import signal
 import sqlite3
 import struct
 import subprocess
@@ -286,9 +286,15 @@ def _genuine_metadata() -> bytes:
     bf16 tensor in two chunks, a bytes entry, a transform-free storage info, storage_meta with a PosixPath."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, StorageMeta, TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     props = TensorProperties(dtype=torch.bfloat16)
     chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),
@@ -384,7 +390,8 @@ def test_manifest_file_names_must_stay_inside_the_checkpoint(ckpt_root, tmp_path
         res = run_measured("certify", root, "--step", 4, "--json")
         assert_refused(res, 1)
         reasons = json.loads(res.out)["results"][0]["reasons"]
-        assert any(r.get("code") in ("bad_manifest", "manifest_mismatch") for r in reasons), reasons
+        # the manifest cannot even be read (a name escapes the checkpoint): bad_manifest, before any digest compare
+        assert "bad_manifest" in [r.get("code") for r in reasons], reasons
         assert states(root)[4] == "rejected"
 
         res = run_measured("resume", root, "--latest-clean", "--json")

@@ -20,11 +20,10 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 # `make test` installs transformers and accelerate (the Makefile's integration extras): imported unconditionally,
 # so that a broken install fails here instead of skipping the integration's tests.
 import accelerate  # noqa: F401
+import pytest
 import torch
 import transformers  # noqa: F401
 

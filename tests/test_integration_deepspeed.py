@@ -13,20 +13,18 @@ import os
 import subprocess
 import sys
 
+# `make test` installs this extra (the Makefile's integration pins): imported unconditionally, so that a
+# broken install fails here instead of skipping the integration's tests.
+import deepspeed  # noqa: F401,E402
 import pytest
 
+from scout_ckpt.integrations import ds_folders  # noqa: E402
+from scout_ckpt.integrations.deepspeed import latest_clean  # noqa: E402
 from scout_ckpt.ledger import Ledger
 from tests import framework_jobs as jobs
 from tests.conftest import REPO, run_cli
 from tests.framework_jobs import events, flip_bit, states
 from tests.torchrun_errors import why_failed
-
-# `make test` installs this extra (the Makefile's integration pins): imported unconditionally, so that a
-# broken install fails here instead of skipping the integration's tests.
-import deepspeed  # noqa: F401,E402
-
-from scout_ckpt.integrations import ds_folders  # noqa: E402
-from scout_ckpt.integrations.deepspeed import latest_clean  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "scripts" / "ds_job.py"

@@ -12,15 +12,14 @@ import os
 import subprocess
 import sys
 
+# `make test` installs this extra (the Makefile's integration pins): imported unconditionally, so that a
+# broken install fails here instead of skipping the integration's tests.
+import lightning  # noqa: F401,E402
 import pytest
 
 from scout_ckpt.ledger import Ledger
 from tests.conftest import REPO, run_cli
 from tests.torchrun_errors import why_failed
-
-# `make test` installs this extra (the Makefile's integration pins): imported unconditionally, so that a
-# broken install fails here instead of skipping the integration's tests.
-import lightning  # noqa: F401,E402
 
 pytestmark = pytest.mark.slow
 JOB = REPO / "tests" / "scripts" / "lightning_job.py"
@@ -262,7 +261,7 @@ def test_fsdp1_strategy_is_refused_on_cpu_with_one_line_and_keep_is_refused():
 # 48 samples, 4 batches of 4 per rank per epoch, as at 2 ranks. Under DDP at 3 ranks, a resumed run is bitwise
 # the run Lightning itself resumes from its own checkpoint, not the uninterrupted one: the DDP reducer built by a
 # restart sums the first step's gradients in its initial bucket order, the uninterrupted one in its rebuilt order
-# (TORCH-NOTES, "bitwise resume"), and with 3 addends the order shows in the last bits (2 addends commute). FSDP2's
+# (docs/pytorch-facts.md, "Bitwise resume"), and with 3 addends the order shows in the last bits (2 addends commute). FSDP2's
 # reduce-scatter has no buckets to rebuild: bitwise there.
 
 @pytest.fixture(scope="module")

@@ -13,20 +13,18 @@ megatron-core fails these tests, never skips them."""
 import json
 import shutil
 
-import pytest
-
-from scout_ckpt.ledger import Ledger
-from tests import framework_jobs as jobs
-from tests.conftest import REPO, run_cli
-from tests.framework_jobs import events, flip_bit, states
-
 # `make test` installs this extra (the Makefile's integration pins): imported unconditionally, so that a
 # broken install fails here instead of skipping the integration's tests.
 import megatron.core  # noqa: F401,E402
 import psutil  # noqa: F401,E402
+import pytest
 
 from scout_ckpt.integrations import mg_folders  # noqa: E402
 from scout_ckpt.integrations.megatron import _evidence, latest_clean  # noqa: E402
+from scout_ckpt.ledger import Ledger
+from tests import framework_jobs as jobs
+from tests.conftest import REPO, run_cli
+from tests.framework_jobs import events, flip_bit, states
 
 pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "scripts" / "mg_job.py"

@@ -9,11 +9,10 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 # `make test` installs transformers and accelerate (the Makefile's integration extras): imported unconditionally,
 # so that a broken install fails here instead of skipping the integration's tests.
 import accelerate  # noqa: F401
+import pytest
 import transformers  # noqa: F401
 
 from scout_ckpt.integrations.transformers import latest_clean
@@ -176,7 +175,7 @@ def test_rank_killed_mid_save_resumes_from_newest_certified_with_the_same_losses
     resumed = losses(lf, attempt=1)
     assert sorted(resumed) == [5, 6, 7, 8]
     # the same curve as the uninterrupted run (observed bitwise equal here; DDP's bucket rebuild may change the
-    # summation order of the first step after a restart, TORCH-NOTES, hence a relative tolerance)
+    # summation order of the first step after a restart, docs/pytorch-facts.md, hence a relative tolerance)
     assert resumed == pytest.approx({s: healthy[1][s] for s in resumed}, rel=1e-6, abs=0)
     assert losses(lf, attempt=0) == pytest.approx({s: healthy[1][s] for s in losses(lf, attempt=0)}, rel=1e-6)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from scout_ckpt import invariants as inv
-from scout_ckpt.format.dcp_files import check_structure, read_tensors
 from scout_ckpt.errors import BadInput
+from scout_ckpt.format.dcp_files import check_structure, read_tensors
 from scout_ckpt.invariants import parse_specs, run_offline
 from scout_ckpt.testing.launch import run_ranks
 from tests.workers_invariants import SPECS, flip_bit, sphere_scenarios

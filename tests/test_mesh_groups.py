@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from scout_ckpt.consensus.mesh import Grid, legacy_topology
-from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.policy import evaluate
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_mesh as W
 
 TIMEOUT = 240

@@ -1,6 +1,6 @@
 """Trust under Murphy: the world misbehaves (a lost ledger, a transient EIO, a directory where a file goes, a gc
 racing a save, containers sharing a host name) and scout-ckpt neither hands out bad state nor loses a good
-checkpoint (ARCHITECTURE.md, "Faults of the world (Murphy)").
+checkpoint (docs/design.md, "Faults of the world").
 
 Real SQLite files, real CLI subprocesses (tests/conftest.py run_cli), real DCP files (the `ckpt_root` fixture: a
 3-rank run with certified steps 3 and 4); faults injected by real means (a file replaced by a directory, an

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer.daemon import attribute, channel_dir
 from scout_ckpt.observer.heartbeat import Heartbeat, HeartbeatReader
 from scout_ckpt.observer.stacks import proc_state
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_observer as W
 from tests.placement import place
 
@@ -173,10 +173,12 @@ def test_abort_action_kills_every_trainer(tmp_path, request):
     # the hung rank can only have been SIGKILLed; the others were killed, or failed in their collective first
     # when a peer's kill reached them
     assert job.outcomes[r].exitcode == -signal.SIGKILL, pl
-    assert all(o.exitcode in (-signal.SIGKILL, 1) for o in job.outcomes), pl
     rows = job.statuses()
     assert rows[r]["state"] == "aborted", (pl, rows)
     assert all(row["state"] == "aborted" or row["error"] for row in rows.values()), (pl, rows)
+    # no trainer finished: each was killed, or failed in its collective first (a race even its own status cannot
+    # settle: an observer can write "aborted" while its trainer is already failing)
+    assert [o.exitcode for o in job.outcomes if o.exitcode == 0 or o.exitcode is None] == [], (pl, rows)
     ev = only(job.events())
     assert ev["kind"] == "hang" and ev["ranks"] == [r] and ev["detail"]["action"] == "abort", (pl, ev)
 

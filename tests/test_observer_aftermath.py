@@ -7,6 +7,7 @@ import json
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer import aftermath
@@ -134,7 +135,7 @@ def test_a_one_rank_jobs_crash_names_its_only_rank_live_and_after_the_restart(tm
     assert written[0][-1] == 101.0   # stamped with when the rank died
 
 
-def test_another_hosts_clock_never_decides_whether_its_observer_still_writes(tmp_path):
+def test_another_hosts_clock_never_decides_whether_its_observer_still_writes(tmp_path, monkeypatch):
     """Nothing is ordered by another host's clock: a row from another host is judged by its heartbeat as seen
     from here. Its clock an hour behind made a live observer look dead (its run settled as a crash while it was
     still writing); an hour ahead kept a dead one 'alive' for the hour."""
@@ -142,24 +143,26 @@ def test_another_hosts_clock_never_decides_whether_its_observer_still_writes(tmp
     ahead = channel(tmp_path / "b", "ahead", {0: {"host": "elsewhere", "wall": time.time() + 3600, "beat": 7},
                                               1: {}, 2: {}})
     seen: dict = {}
+    # this host's monotonic clock, injected: it moves only when the test says so, however loaded the machine
+    clock = [1000.0]
+    monkeypatch.setattr(aftermath, "time", SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
 
     def settle_with(base):
         written = []
         pending = aftermath.settle(base, "now", lambda *a, **k: written.append(a), HOST, quiet_s=0.5, seen=seen)
         return pending, written
 
-    deadline = time.monotonic() + 1.5   # three quiet periods: the live one beats throughout
-    beat = 1
-    while time.monotonic() < deadline:
+    for beat in range(2, 17):   # 1.5 s of this host's clock, three quiet periods: the live one beats throughout
         assert settle_with(tmp_path) == (1, []), "an observer still beating was judged gone"
-        beat += 1
         row = json.loads((behind / "status-0.json").read_text())
         (behind / "status-0.json").write_text(json.dumps({**row, "beat": beat}))
-        time.sleep(0.1)
+        clock[0] += 0.1
     assert not (behind / "settled.json").exists()
     # the other one never beat again: pending only until its heartbeat has been still for quiet_s here
     assert settle_with(tmp_path / "b")[0] == 1     # first seen now: it may still be writing
-    time.sleep(0.6)
+    clock[0] += 0.4
+    assert settle_with(tmp_path / "b")[0] == 1     # still for less than quiet_s
+    clock[0] += 0.2
     pending, written = settle_with(tmp_path / "b")
     assert pending == 0 and [w[0] for w in written] == ["crash"]
     assert json.loads((ahead / "settled.json").read_text())["outcome"] == "unfinished"

@@ -20,7 +20,10 @@ from tests.conftest import REPO, run_cli
 from tests.placement import place
 
 SCRIPT = REPO / "tests" / "scripts" / "observed_job.py"
-PG_TIMEOUT = 120.0
+# Longer than a whole torchrun run may take (its subprocess timeout, 900 s): a hang the observer did not abort
+# outlives the run and fails it, so a finished run proves each hang was ended by the abort, with no duration
+# asserted.
+PG_TIMEOUT = 1200.0
 STALL_S = 3.0
 SAVE_EVERY = 5   # observed_job.py's default
 
@@ -194,8 +197,9 @@ def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path, reque
         took = back_to_training_s(root, attempt)
         detect = ev["time"] - faults(root)[attempt]["time"]
         print(f"\nDDP hang ({faults(root)[attempt]['fault']}): detected and aborted after {detect:.1f}s "
-              f"(stall_s {STALL_S}); training again after {took:.1f}s; process-group timeout {PG_TIMEOUT:.0f}s")
-        assert took < PG_TIMEOUT, pls
+              f"(stall_s {STALL_S}); training again after {took:.1f}s")
+        # the order the records give: the fault, then the observer's event, then the next generation training
+        assert faults(root)[attempt]["time"] < ev["time"] < faults(root)[attempt]["time"] + took, pls
 
 
 @pytest.mark.scenario
@@ -233,11 +237,11 @@ def test_fsdp2_job_hangs_desync_and_straggler_under_torchrun(tmp_path, request):
     assert "injected_hang_before_backward" in hang_bwd["detail"]["stacks"][str(p_bwd.rank)], pls
     assert straggler["detail"]["slowdown"] > 1.5, (pls, straggler)  # busy time: FSDP2's waits are traced
     assert [e["run_id"] for e in events] == run_ids(rep), pls
-    for attempt in (0, 2):
+    for attempt, ev in ((0, hang), (2, hang_bwd)):
         took = back_to_training_s(root, attempt)
-        print(f"\nFSDP2 hang ({faults(root)[attempt]['fault']}): training again after {took:.1f}s; "
-              f"process-group timeout {PG_TIMEOUT:.0f}s")
-        assert took < PG_TIMEOUT, pls
+        print(f"\nFSDP2 hang ({faults(root)[attempt]['fault']}): training again after {took:.1f}s")
+        # the order the records give: the fault, then the observer's event, then the next generation training
+        assert faults(root)[attempt]["time"] < ev["time"] < faults(root)[attempt]["time"] + took, pls
 
 
 @pytest.mark.scenario

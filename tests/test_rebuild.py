@@ -11,12 +11,11 @@ import json
 import os
 
 from scout_ckpt import policy
-from scout_ckpt.ledger import journal
 from scout_ckpt.format import manifest
+from scout_ckpt.format.layout import LEDGER_NAME, MANIFEST_NAME, step_dirname
+from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops.certify import certify
 from scout_ckpt.ops.operator import quarantine
-from scout_ckpt.format.layout import LEDGER_NAME, MANIFEST_NAME, step_dirname
-from scout_ckpt.ledger import Ledger
 from scout_ckpt.ops.rebuild import rebuild
 from scout_ckpt.ops.rebuild_ledger import DEFAULT_POLICY, UNVERIFIED, decide, strictest
 from tests.conftest import run_cli

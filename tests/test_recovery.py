@@ -17,8 +17,7 @@ import json
 
 import pytest
 
-from scout_ckpt.demo import run_demo
-from scout_ckpt.demo import faults
+from scout_ckpt.demo import faults, run_demo
 from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger import Ledger
 

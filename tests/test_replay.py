@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.replay.schedule import Schedule, coverage, discover_targets
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_replay as w
 
 TARGETS = [("embedding", "embedding"), ("block", "blocks.0"), ("block", "blocks.1"), ("head", "head"),
@@ -63,7 +63,9 @@ def test_coverage_with_a_save_boundary_sweep():
     """A sweep at the save step S (a clean replay of every target AT S) completes the evidence at once; a fault
     found later counts only against checkpoints after the target's last clean replay; a fault found at S itself
     counts against S even when another replay of the target at S was clean."""
-    sweep = lambda s: [row(s, t) for _, t in TARGETS]
+    def sweep(s):
+        return [row(s, t) for _, t in TARGETS]
+
     assert coverage(sweep(10), TARGETS, step=10)["status"] == "pass"
     assert coverage(sweep(10)[:-1], TARGETS, step=10)["reasons"][0]["code"] == "replay_coverage_incomplete"
     later = sweep(10) + [row(15, "blocks.1", "ATTRIBUTED", [2])] + sweep(20)
@@ -141,9 +143,11 @@ def test_a_referenced_capture_replays_like_a_copy_and_goes_stale_on_any_in_place
     model = w.TinyLM(2)
     block = model.blocks[1]
     ref, cp = ModuleCapture(block, refs=True), ModuleCapture(block)
-    ref.arm(); cp.arm()
+    ref.arm()
+    cp.arm()
     model(torch.randint(0, w.VOCAB, (2, w.SEQ))).square().mean().backward()
-    ref.disarm(); cp.disarm()
+    ref.disarm()
+    cp.disarm()
     assert ref.invocation.intact() and len(ref.invocation.held) == 2   # the input and the output's gradient
     assert ref.invocation.args[0].data_ptr() != cp.invocation.args[0].data_ptr()
     a, b = replay_module(block, ref.invocation)[1], replay_module(block, cp.invocation)[1]
@@ -244,12 +248,26 @@ def test_batched_signatures_are_replica_signatures_row_by_row(one_thread):
     assert torch.equal(again[:-1], sigs[:-1]) and not torch.equal(again[-1], sigs[-1])
 
 
+def _xxh3_signatures(tensors: list) -> torch.Tensor:
+    """[n, 2] int64: a CPU tensor's replica signature by its definition (docs/design.md), computed with xxhash
+    directly: xxh3-128 of the row-major bytes, the high half then the low half, each as a signed 64-bit word."""
+    import xxhash
+
+    def signed(v: int) -> int:
+        return v - (1 << 64) if v >= 1 << 63 else v
+
+    rows = []
+    for t in tensors:
+        d = xxhash.xxh3_128_intdigest(t.detach().contiguous().numpy().tobytes())
+        rows.append([signed(d >> 64), signed(d & ((1 << 64) - 1))])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 def test_a_target_whose_tensors_cannot_be_hashed_alone_loses_its_signatures(one_thread):
     """Fail closed, one target at a time: when the sweep's batched hashing raises, each target is hashed alone and
     only the one at fault is left without signatures (its row is then INCONCLUSIVE, never AGREE)."""
     from types import SimpleNamespace
 
-    from scout_ckpt.consensus.signatures import replica_signatures
     from scout_ckpt.replay.runner import ReplayRunner
 
     good = [torch.randn(5), torch.randn(3, 3)]
@@ -259,8 +277,11 @@ def test_a_target_whose_tensors_cannot_be_hashed_alone_loses_its_signatures(one_
     pending = [0, 1, 2]
     with pytest.warns(UserWarning, match="replay of y at step 4 failed"):
         ReplayRunner._sign(SimpleNamespace(rank=0), 4, work, results, pending)
-    assert pending == [] and results[1][:2] == [[], None]
-    assert all(torch.equal(results[k][1], replica_signatures(good)) for k in (0, 2))
+    assert pending == []
+    assert results[1][:2] == [[], None]
+    # the others keep what hashing their tensors alone gives, by the signature's definition computed here
+    assert torch.equal(results[0][1], _xxh3_signatures(good))
+    assert torch.equal(results[2][1], _xxh3_signatures(good))
 
 
 @pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",

@@ -19,8 +19,8 @@ import json
 
 import pytest
 
-from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.ledger import Ledger
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_replay_certified as W
 from tests.conftest import run_cli as _run_cli
 

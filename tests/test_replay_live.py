@@ -351,6 +351,33 @@ def _grad_run(capture: bool, grad_fault: bool = False, input_fault: bool = False
     return [p.grad.clone() for p in blocks.parameters()] + [x.grad.clone()], cap, target
 
 
+def _transformers_or_skip():
+    """transformers, an optional extra: skipped on a plain install, but under CI (where `make test` installs
+    the extras) its absence fails, so a broken extra cannot hide behind a skip."""
+    if os.environ.get("CI", "").lower() in ("true", "1"):   # as .ci/run sets it (and tests/test_report.py reads it)
+        import transformers
+
+        return transformers
+    return pytest.importorskip("transformers")
+
+
+def _target_share():
+    """The middle block's own output and gradients, computed without the library: the same seeds and blocks as
+    `_grad_run`, with the skip fed a detached copy of the block's input, so the input's gradient is the block's
+    share alone. {"output[0]", "grad_input[0]", "grad_param:<name>"} -> tensor."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(_Block(), _Block(), _Block())
+    target = blocks[1]
+    target.register_forward_hook(lambda m, a, out: out * 0.5)   # the user's math, as in _grad_run
+    x = torch.randn(4, 16, requires_grad=True)
+    h = blocks[0](x)
+    own = h.detach().requires_grad_()
+    out = target(own)
+    blocks[2](out + 0.3 * h).square().mean().backward()
+    return {"output[0]": out.detach(), "grad_input[0]": own.grad,
+            **{f"grad_param:{n}": p.grad for n, p in target.named_parameters()}}
+
+
 def test_the_live_gradients_are_this_modules_share_and_the_replay_reproduces_them(one_thread):
     from scout_ckpt.consensus.signatures import replica_signatures
     from scout_ckpt.replay import live
@@ -360,18 +387,23 @@ def test_the_live_gradients_are_this_modules_share_and_the_replay_reproduces_the
     grads, cap, target = _grad_run(capture=True)
     # signing the live backward (an identity view handed to the forward, hooks that return None) changes no
     # gradient by a bit
-    assert all(torch.equal(a, b) for a, b in zip(plain, grads))
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True))
     inv = cap.invocation
     assert set(inv.live_grads) == {"grad_input[0]"} | {f"grad_param:{n}" for n, _ in target.named_parameters()}
     labels, tensors = replay_module(target, inv, hook_ids=cap.hook_ids)
+    # the replay computes the block's output and its own share of every gradient, bit for bit (the input's total
+    # gradient, target + skip, is not that share)
+    share = _target_share()
+    assert labels == list(share)
+    for label, t in zip(labels, tensors, strict=True):
+        assert torch.equal(t, share[label]), label
     assert live.self_check(labels, replica_signatures(tensors), inv) == live.SELF_AGREE
-    # the input's own total gradient (target + skip) is not what the replay computes: the view's is
-    j = labels.index("grad_input[0]")
-    assert torch.equal(replica_signatures([tensors[j]])[0], inv.live_grads["grad_input[0]"])
 
     for fault in ("grad_fault", "input_fault"):   # the live backward alone altered: a parameter's, the input's
         _, cap, target = _grad_run(capture=True, **{fault: True})
         labels, tensors = replay_module(target, cap.invocation, hook_ids=cap.hook_ids)
+        for label, t in zip(labels, tensors, strict=True):   # the replay is the healthy computation still
+            assert torch.equal(t, share[label]), (fault, label)
         assert live.self_check(labels, replica_signatures(tensors), cap.invocation) == live.SELF_GRAD, fault
 
 
@@ -413,7 +445,7 @@ def test_a_gpt2_block_handed_a_kv_cache_reproduces_its_live_step(one_thread):
     block's layer as None, so the replay computes what the live call did: outputs and every gradient bit-equal
     (handed the live cache, the replay attended over the live keys and its own, and the keys' and values'
     gradients differed on every healthy step)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = _transformers_or_skip()
     from scout_ckpt.consensus.signatures import replica_signatures
     from scout_ckpt.replay import live
     from scout_ckpt.replay.capture import ModuleCapture
@@ -423,6 +455,18 @@ def test_a_gpt2_block_handed_a_kv_cache_reproduces_its_live_step(one_thread):
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32,
                                                                   n_layer=2, n_head=2))
     block = model.transformer.h[1]
+    seen = {}   # the live call's input and output, kept by the test's own hooks (registered before the capture's)
+
+    def keep(key: str, retain: bool):
+        def hook(m, args, out) -> None:
+            t = out[0] if isinstance(out, tuple) else out
+            if retain:
+                t.retain_grad()
+            seen[key] = t if retain else t.detach().clone()
+        return hook
+
+    model.transformer.h[0].register_forward_hook(keep("input", retain=True))   # the block's input, nobody else's
+    block.register_forward_hook(keep("output", retain=False))
     cap = ModuleCapture(block, live=True, refs=True, grads=True,
                         grad_params=frozenset(n for n, _ in block.named_parameters()))
     cap.arm()
@@ -431,4 +475,11 @@ def test_a_gpt2_block_handed_a_kv_cache_reproduces_its_live_step(one_thread):
     cap.disarm()
     assert any(k.startswith("grad_param:attn.c_attn") for k in cap.invocation.live_grads)
     labels, tensors = replay_module(block, cap.invocation, hook_ids=cap.hook_ids)
+    # the live values, read from the model after its backward (the block runs once per step, and its input feeds
+    # only it): the replay reproduces each bit for bit
+    expected = {"output[0]": seen["output"], "grad_input[0]": seen["input"].grad,
+                **{f"grad_param:{n}": p.grad for n, p in block.named_parameters()}}
+    assert set(labels) <= set(expected), labels
+    for label, t in zip(labels, tensors, strict=True):
+        assert torch.equal(t, expected[label]), label
     assert live.self_check(labels, replica_signatures(tensors), cap.invocation) == live.SELF_AGREE

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from scout_ckpt.report import timeline as report
 from scout_ckpt.format.layout import step_dirname
 from scout_ckpt.ledger import Ledger
+from scout_ckpt.report import timeline as report
 
 CHROMIUM = shutil.which("chromium")
 BYTES_PASS = {"bytes": {"status": "pass", "reasons": []}}

@@ -2,10 +2,10 @@
 
 import pytest
 
-from scout_ckpt.format import layout
-from scout_ckpt.ops import retention
 from scout_ckpt.errors import BadInput
+from scout_ckpt.format import layout
 from scout_ckpt.ledger import Ledger
+from scout_ckpt.ops import retention
 from scout_ckpt.ops.settle import this_process_owner
 
 

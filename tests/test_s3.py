@@ -15,9 +15,9 @@ import pytest
 import s3fs
 
 from scout_ckpt.format import layout
-from scout_ckpt.testing.launch import run_ranks
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.save.object_store_io import reader_for
+from scout_ckpt.testing.launch import run_ranks
 from tests import workers_s3 as w
 from tests.conftest import ledger_write_lock, run_cli
 

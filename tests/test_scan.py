@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from scout_ckpt.ops.certify import offline_invariants
 from scout_ckpt.format.digests import digest_files, relpaths
 from scout_ckpt.format.scan import StepScan
 from scout_ckpt.format.verify import verify_files
+from scout_ckpt.ops.certify import offline_invariants
 
 SPECS = ["finite", "frobenius_sphere:radius=1.0:params=model.unit"]
 INTERIOR = (3, 5)  # an element inside the tensor, not element 0
@@ -223,8 +223,9 @@ def test_stream_matches_run_offline_on_sharded_chunks_and_extreme_values():
     full[4, 2] = float("inf")
     ev, off = _stream_vs_offline(specs, "m", full, chunks, piece=4)
     assert ev["status"] == off["status"] == "fail"
-    strip = lambda e: [{k: v for k, v in r.items() if k != "value" or r["check"] == "finite"}  # noqa: E731
-                       for r in e["reasons"]]
+    def strip(e):
+        return [{k: v for k, v in r.items() if k != "value" or r["check"] == "finite"} for r in e["reasons"]]
+
     assert strip(ev) == strip(off) and ev["reasons"][0]["index"] == 17 and ev["checked"] == off["checked"]
     # float32 squares overflow (1e20 ** 2): the piece is redone in float64 and passes like the read-back
     big = torch.full((64,), 1e20)

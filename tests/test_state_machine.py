@@ -15,11 +15,10 @@ import sys
 
 import pytest
 
-from scout_ckpt.ledger import journal
-from scout_ckpt.format import manifest
 from scout_ckpt.errors import Quarantined
+from scout_ckpt.format import manifest
 from scout_ckpt.format.layout import LEDGER_NAME, step_dirname
-from scout_ckpt.ledger import ALLOWED, SCHEMA_VERSION, Ledger
+from scout_ckpt.ledger import ALLOWED, SCHEMA_VERSION, Ledger, journal
 from scout_ckpt.ledger.schema import MIGRATIONS
 from scout_ckpt.ops.settle import owner_alive, process_start
 from tests.conftest import REPO, run_cli

@@ -25,10 +25,14 @@ def save_then_draw(rank, world, root):
     """Each rank seeds differently (as nanoGPT does), saves at step 3, then records what it draws next."""
     model, opt, extra, local, state = _job(rank, root)
     ckpt = Checkpointer(root, model=model, optimizer=opt)
-    torch.manual_seed(1337 + rank); np.random.seed(rank); random.seed(rank)
+    torch.manual_seed(1337 + rank)
+    np.random.seed(rank)
+    random.seed(rank)
     for step in range(1, 4):
         x = torch.randn(5, 8)
-        model(x).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
         extra["iter_num"] = step
         local["data_pos"] = 100 * rank + step
         local["best_val_loss"] = 1.0 / (rank + step)
@@ -42,7 +46,9 @@ def save_then_draw(rank, world, root):
 def load_then_draw(rank, world, root):
     model, opt, extra, local, state = _job(rank, root)
     ckpt = Checkpointer(root, model=model, optimizer=opt)
-    torch.manual_seed(999); np.random.seed(999); random.seed(999)  # must be overwritten by the load
+    torch.manual_seed(999)  # all three must be overwritten by the load
+    np.random.seed(999)
+    random.seed(999)
     start = ckpt.load_latest_clean(state)
     after = {"torch": torch.rand(3).tolist(), "numpy": np.random.rand(2).tolist(), "python": random.random()}
     ckpt.close()

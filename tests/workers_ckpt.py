@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scout_ckpt.save.app_state import ModelOptimizerState as AppState
 from scout_ckpt.checkpointer import Checkpointer
 from scout_ckpt.format.layout import list_step_dirs
+from scout_ckpt.save.app_state import ModelOptimizerState as AppState
 
 
 def make_model(seed: int = 0, width: int = 16) -> nn.Module:
@@ -31,7 +31,7 @@ def ddp(model: nn.Module) -> DDP:
 def train_steps(model: DDP, opt, steps, seed=0):
     """`steps` optimizer steps as a user's DDP job takes them: DDP's reducer averages the gradients over the
     ranks in backward, each rank trains on its own batches. (A resumed DDP job is not bitwise equal to the
-    uninterrupted one on its first step, TORCH-NOTES: no test here relies on that.)"""
+    uninterrupted one on its first step, docs/pytorch-facts.md, "Bitwise resume": no test here relies on that.)"""
     assert isinstance(model, DDP), "train through the DistributedDataParallel module, as users do"
     g = torch.Generator().manual_seed(seed + dist.get_rank())
     for _ in range(steps):

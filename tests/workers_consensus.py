@@ -7,9 +7,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from scout_ckpt.consensus.c3 import c3_over_group
+from scout_ckpt.consensus.full import full_signatures
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.save_time import save_time_consensus
-from scout_ckpt.consensus.full import full_signatures
 from scout_ckpt.consensus.signatures import flatten_state, signature_hex, tensor_signature
 
 

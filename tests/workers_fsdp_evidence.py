@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scout_ckpt.save.evidence.at_rest import AtRestGuard
 from scout_ckpt.replay.shard_optimizer import ShardUpdateReplay, digest
+from scout_ckpt.save.evidence.at_rest import AtRestGuard
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 

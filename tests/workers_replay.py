@@ -230,7 +230,7 @@ def w_fsdp(rank, world, steps, faults=None):
 def _gather_exact(model, mesh) -> bool:
     """The sweep's batched gather (capture.gather_full) against DTensor's own full_tensor(), on the model's
     parameters (dims not divisible by 3 ranks) and on tensors with fewer rows than ranks (empty shards)."""
-    from torch.distributed.tensor import distribute_tensor, Shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     from scout_ckpt.replay.capture import gather_full
 

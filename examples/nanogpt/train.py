@@ -137,7 +137,8 @@ def state_digest():
             for k in sorted(obj, key=str):
                 walk(f"{prefix}.{k}", obj[k])
         elif isinstance(obj, torch.Tensor):
-            h.update(prefix.encode()); h.update(obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(prefix.encode())
+            h.update(obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         else:
             h.update(f"{prefix}={obj!r}".encode())
 
@@ -211,5 +212,5 @@ while True:
         os.kill(os.getpid(), signal.SIGKILL)
 
 ckpt.close()  # scout-ckpt
-dist.barrier()  # scout-ckpt: without it destroy_process_group can hang at exit (TORCH-NOTES)
+dist.barrier()  # scout-ckpt: without it destroy_process_group can hang at exit (docs/pytorch-facts.md)
 destroy_process_group()

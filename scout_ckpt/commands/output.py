@@ -28,7 +28,7 @@ def escape(text: str) -> str:
     return rich_escape(text)
 
 
-def human_bytes(n: int | None) -> str:
+def human_bytes(n: float | None) -> str:
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

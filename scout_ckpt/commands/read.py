@@ -19,6 +19,7 @@ from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger.journal import JOURNAL_NAME
 from scout_ckpt.ops import roots
 from scout_ckpt.ops.adopt_step import evidence_level
+from scout_ckpt.ops.tier_views import copies_sentence, where_text
 from scout_ckpt.ops.views import (
     STATE_STYLE,
     as_listed,
@@ -29,7 +30,6 @@ from scout_ckpt.ops.views import (
     reason_text,
     time_text,
 )
-from scout_ckpt.ops.tier_views import copies_sentence, where_text
 
 
 def ls(root: Path, as_json: bool) -> int:
@@ -131,8 +131,7 @@ def explain(root: Path, step: int, as_json: bool) -> int:
 
 def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool, require: list[str] | None = None) -> int:
     """stdout is the path alone (restart scripts read it); why newer steps were not chosen goes to stderr."""
-    from scout_ckpt.ops.recovery import NoCleanCheckpoint
-    from scout_ckpt.ops.recovery import check_require
+    from scout_ckpt.ops.recovery import NoCleanCheckpoint, check_require
     from scout_ckpt.ops.recovery import latest_clean as find
 
     if not latest_clean:
@@ -198,8 +197,7 @@ def _found_level(root: Path, found: dict) -> str:
 def _newer_local(root: Path, step: int) -> list[dict]:
     """Certified local steps newer than the durable answer, newest first ([] when none or unreadable now)."""
     from scout_ckpt.errors import ScoutError
-    from scout_ckpt.ledger import Ledger
-    from scout_ckpt.ledger import tiers
+    from scout_ckpt.ledger import Ledger, tiers
 
     try:
         with Ledger.open(root, readonly=True) as ledger:

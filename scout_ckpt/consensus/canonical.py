@@ -65,7 +65,7 @@ class NotComparable:
     def __eq__(self, other) -> bool:
         return isinstance(other, NotComparable) and other.why == self.why
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as equal-by-value objects must be (typeshed: a method)
 
 
 # types whose repr is a function of the value alone (no address, no hash order)

@@ -7,7 +7,7 @@ dims the model's state uses; `ConsensusGroups.from_topology` makes one gloo grou
 ranks, for each of them.
 
 Consensus never runs on the training process groups: the groups are new gloo groups, made at start-up in the same
-order on every rank, with an explicit timeout (TORCH-NOTES: side groups keep working while training groups are
+order on every rank, with an explicit timeout (docs/pytorch-facts.md: side groups keep working while training groups are
 busy, and a PG timeout kills only that group). Before making any, the ranks check (one all_gather of a digest)
 that they all describe the same topology, so a mismatch raises on every rank instead of hanging in new_group.
 """

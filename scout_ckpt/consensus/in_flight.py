@@ -97,7 +97,8 @@ class InFlightDigests:
 
     def take(self, t) -> int | None:
         """After `done`: the writer's xxh3-128 of `t`'s memory, or None (consensus hashes it itself)."""
-        d = self._digests.get(_key(t))
+        k = _key(t)
+        d = self._digests.get(k) if k is not None else None
         if d is not None:
             self.delivered += 1
         return d

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+
 def index_map(local_shape, global_shape, offset) -> tuple[int, list[tuple[int, int]]]:
     """Global flat index of local flat index j: base + sum over (size, stride) of ((j // inner) % size) * stride,
     with adjacent dims merged where the global layout is contiguous. [] or [(n, 1)] means base + j."""
@@ -21,19 +22,19 @@ def index_map(local_shape, global_shape, offset) -> tuple[int, list[tuple[int, i
         acc *= g
     gstrides.reverse()
     base = 0
-    for l, g, o, s in zip(local_shape, global_shape, offset, gstrides):
-        if o < 0 or o + l > g:
+    for n, g, o, s in zip(local_shape, global_shape, offset, gstrides):
+        if o < 0 or o + n > g:
             raise ValueError(f"local shape {tuple(local_shape)} at offset {tuple(offset)} "
                              f"exceeds global shape {tuple(global_shape)}")
         base += o * s
     dims: list[tuple[int, int]] = []
-    for l, s in zip(local_shape, gstrides):
-        if l == 1:
+    for n, s in zip(local_shape, gstrides):
+        if n == 1:
             continue
-        if dims and dims[-1][1] == l * s:
-            dims[-1] = (dims[-1][0] * l, s)
+        if dims and dims[-1][1] == n * s:
+            dims[-1] = (dims[-1][0] * n, s)
         else:
-            dims.append((l, s))
+            dims.append((n, s))
     return base, dims
 
 

@@ -50,7 +50,13 @@ import torch
 import torch.distributed as dist
 
 from scout_ckpt.consensus.c3 import (
-    ATTRIBUTED, INCONCLUSIVE, GroupVerdict, c3_over_group, c3_verdict, combine, verdicts_from_gathered,
+    ATTRIBUTED,
+    INCONCLUSIVE,
+    GroupVerdict,
+    c3_over_group,
+    c3_verdict,
+    combine,
+    verdicts_from_gathered,
 )
 from scout_ckpt.consensus.canonical import NotComparable
 from scout_ckpt.consensus.full import shard_partials
@@ -58,7 +64,8 @@ from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.mesh import LayoutError, dtensor_dims_cached, is_dtensor
 from scout_ckpt.consensus.signatures import bytes_signature, digest_row, flatten_state, replica_signatures
-from scout_ckpt.policy import FAIL, INCONCLUSIVE as EV_INCONCLUSIVE, MISSING, NOT_APPLICABLE, PASS, evidence
+from scout_ckpt.policy import FAIL, MISSING, NOT_APPLICABLE, PASS, evidence
+from scout_ckpt.policy import INCONCLUSIVE as EV_INCONCLUSIVE
 
 MAX_NAMES = 8          # tensor names listed per reason
 GATE_S = 60.0          # the longest background hashing waits for the write to start: a write never started only

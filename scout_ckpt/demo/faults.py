@@ -1,4 +1,4 @@
-"""`--inject` specs (CONTRACT.md: `KIND:key=value:...`) and the mechanics of each fault.
+"""`--inject` specs (docs/operations.md, "The demo": `KIND:key=value:...`) and the mechanics of each fault.
 
 Parsing has no torch import: the CLI validates specs before it starts anything. The mechanics run inside the
 workers (crash, sdc, hang, slow, param, drift, and bitflip, which rank 0 applies on disk right after the
@@ -118,7 +118,7 @@ def _value(spec: str, key: str, raw: str):
         if key in _FLOAT_KEYS:
             return float(raw)
     except ValueError:
-        raise BadInput(f"--inject {spec!r}: {key}={raw!r} is not a valid {'step' if key == 'step' else 'number'}")
+        raise BadInput(f"--inject {spec!r}: {key}={raw!r} is not a valid {'step' if key == 'step' else 'number'}") from None
     return raw
 
 

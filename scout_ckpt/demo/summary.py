@@ -27,7 +27,8 @@ def certify_committed(root: Path) -> list[dict]:
 def checkpoint_rows(root: Path) -> list[dict]:
     """The `ls --json` rows."""
     from scout_ckpt.ledger import Ledger
-    from scout_ckpt.ops.views import as_listed, checkpoint_rows as rows
+    from scout_ckpt.ops.views import as_listed
+    from scout_ckpt.ops.views import checkpoint_rows as rows
 
     with Ledger.open(root, readonly=True) as ledger:
         return as_listed(rows(ledger))

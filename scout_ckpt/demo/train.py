@@ -8,8 +8,8 @@ process started, its pid, torchrun's run id): that is how the demo sees torchrun
 then builds the model for its mode, resumes with `load_latest_clean`, trains, saves every `save_every` steps, and
 on rank 0 writes the loss log and the final result. DDP mode averages gradients with an explicit all-reduce over
 one flat buffer of fixed layout instead of DistributedDataParallel: DDP's reducer rebuilds its buckets after the
-first iteration, which changes the summation order and makes a resumed run differ in the last bits (TORCH-NOTES:
-bitwise resume).
+first iteration, which changes the summation order and makes a resumed run differ in the last bits
+(docs/pytorch-facts.md, "Bitwise resume").
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from scout_ckpt.demo.data import DataStream, MarkovDomains, OnlineMixer
 from scout_ckpt.demo.faults import MARKER_DIR, Injector, parse_all
 from scout_ckpt.demo.model import TinyTransformer, retract_to_sphere, sphere_deviation
-from scout_ckpt.format.layout import atomic_write_json
 from scout_ckpt.errors import LiveStateCorrupt
+from scout_ckpt.format.layout import atomic_write_json
 from scout_ckpt.save.app_state import RNGState
 
 MODES = ("ddp", "fsdp", "hsdp")
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout_s))
     timings["process_group"] = time.time()
     train(args, timings)
-    dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
+    dist.barrier()  # without it destroy_process_group can hang at exit
     dist.destroy_process_group()
     return 0
 

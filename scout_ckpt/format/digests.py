@@ -1,7 +1,7 @@
 """File digests: xxh3-128 over fixed-size chunks.
 
-xxhash releases the GIL while hashing, so a thread pool scales across cores (TORCH-NOTES: 10.7 GB/s on one
-core, 21 GB/s on two). Digest strings carry their algorithm: "xxh3_128:<hex>".
+xxhash releases the GIL while hashing, so a thread pool scales across cores (docs/pytorch-facts.md,
+"Hashing": 10.7 GB/s on one core, 21 GB/s on two). Digest strings carry their algorithm: "xxh3_128:<hex>".
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ def digest_files(
     paths: Iterable[str | os.PathLike], threads: int | None = None, progress: Callable[[int], None] | None = None
 ) -> dict[str, tuple[int, str]]:
     """{str(path): (size, digest)} for many files, hashed in parallel threads (the GIL is released)."""
-    paths = [str(p) for p in paths]
-    if not paths:
+    names = [str(p) for p in paths]
+    if not names:
         return {}
-    threads = threads or min(len(paths), os.cpu_count() or 1, 8)
+    threads = threads or min(len(names), os.cpu_count() or 1, 8)
     if threads <= 1:
-        return {p: file_digest(p, progress) for p in paths}
+        return {p: file_digest(p, progress) for p in names}
     with ThreadPoolExecutor(threads) as pool:
-        return dict(zip(paths, pool.map(lambda p: file_digest(p, progress), paths)))
+        return dict(zip(names, pool.map(lambda p: file_digest(p, progress), names)))
 
 
 def bytes_digest(data: bytes) -> str:

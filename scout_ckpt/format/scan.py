@@ -1,7 +1,7 @@
 """One streaming pass over a DCP step dir: file digests, structure, finiteness and invariants from the same reads.
 
-`certify` used to hash every file (one read) and then read every tensor back through the entries (a second read,
-and every tensor of the checkpoint in memory at once). Here each data file is read once, front to back, by one
+Why one pass: hashing every file and then reading every tensor back through the entries would read the bytes twice
+and hold every tensor of the checkpoint in memory at once. Here each data file is read once, front to back, by one
 loop (scan_reader.py, `Reader.pump`): PIECE bytes at a time into the thread's reused buffer, each piece hashed
 right after the read, while it is in the cache. Each storage entry (one tensor chunk or plain value, a
 `torch.save` archive) is first dry-run from a second descriptor (`dcp_entries.tensor_layout`: the zip and inner

@@ -8,7 +8,7 @@ normalized relative path (`..`, absolute, NUL) is refused as bad input before an
 is a symlink leading out of the step dir, or is not a regular file (a FIFO would block the hash for ever), is
 never opened: it fails verification as `unsafe_file`.
 
-Could not check is not bad (ARCHITECTURE.md, "Faults of the world"): an I/O error other than "no such file" (EIO,
+Could not check is not bad (docs/design.md, "Faults of the world"): an I/O error other than "no such file" (EIO,
 EACCES, ESTALE, a timeout) while looking at or reading a file says nothing about the bytes. It gives the reason
 `could_not_check` and, unless a real fault was also found, evidence whose status is `missing` with
 "could_not_check": True (`could_not_check(ev)`), never `fail`: callers walk past such a checkpoint for this call
@@ -48,8 +48,9 @@ def unchecked_reason(e: OSError, file: str | None = None, **extra) -> dict:
 
 def could_not_check(ev: dict | None) -> bool:
     """Evidence that is only "could not check now": no fault found, some file not checked for an I/O error."""
-    return bool(ev) and ev.get("status") != FAIL and any(
-        r.get("code") == COULD_NOT_CHECK for r in ev.get("reasons") or [])
+    if not ev:
+        return False
+    return ev.get("status") != FAIL and any(r.get("code") == COULD_NOT_CHECK for r in ev.get("reasons") or [])
 
 
 def only_unchecked(reasons: list[dict]) -> bool:

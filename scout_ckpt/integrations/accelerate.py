@@ -25,7 +25,7 @@ the same order), from the first prepared model and its optimizer. A DataLoader p
 directly would resume at its start: load and save refuse it on every rank (ScoutError naming `ckpt.track`).
 
 Launchers: torchrun (CPU, gloo; `accelerate launch --num_processes 2 --cpu` starts one process on a machine without
-an MPI hostfile, TORCH-NOTES) and `accelerate launch` where it starts the processes (GPUs): the Accelerator
+an MPI hostfile, docs/pytorch-facts.md) and `accelerate launch` where it starts the processes (GPUs): the Accelerator
 initializes the default process group, the Checkpointer adds its own gloo groups.
 """
 
@@ -275,7 +275,7 @@ class ScoutCheckpointing:
     def close(self) -> None:
         """Collective: wait for a pending async save, release the Checkpointer, then a barrier on the default
         group, so that `accelerator.end_training()` (destroy_process_group) can follow: a rank can hang in
-        destroy_process_group without one (TORCH-NOTES). Idempotent."""
+        destroy_process_group without one (docs/pytorch-facts.md). Idempotent."""
         import torch.distributed as dist
 
         if self.checkpointer is None or self._closed:

@@ -57,6 +57,8 @@ import platform
 from pathlib import Path
 
 import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 import scout_ckpt
 from scout_ckpt import policy
@@ -67,9 +69,6 @@ from scout_ckpt.integrations.ds_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
 from scout_ckpt.ops.startup import StartRefused
-
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 log = logging.getLogger("scout_ckpt.deepspeed")
 
@@ -120,12 +119,13 @@ def install(engine, save_dir: str | os.PathLike, *, accept_single_owner: bool = 
     engine.checkpoint_engine = scout
     original = engine.save_checkpoint
 
-    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
+    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         # DeepSpeed never writes `latest` (save_latest=False): rank 0 points it at the tag after the verdict
         scout.sweep()   # before any byte: every target replayed on the save step's capture (collective)
         scout.in_save = True
         try:
-            out = original(save_dir, tag=tag, client_state=client_state, save_latest=False, **kwargs)
+            out = original(save_dir, tag=tag, client_state={} if client_state is None else client_state,
+                           save_latest=False, **kwargs)
         finally:
             scout.in_save, scout._current = False, None
         scout.after_save(save_latest)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 from scout_ckpt.errors import NotFound
@@ -126,7 +127,7 @@ def latest_clean_row(root: str | os.PathLike, *, verify: bool = True) -> dict | 
 
 
 def apply_retention(ledger: Ledger, root: Path, keep: int, *, dirs: dict[int, Path],
-                    also_keep: set[int] = frozenset()) -> dict:
+                    also_keep: Collection[int] = frozenset()) -> dict:
     """Core `retention.decide` over `dirs` ({step: directory} of the framework's checkpoints that the ledger
     knows; others are not ours): the `keep` newest certified kept, the newest always, newer ones awaiting evidence
     and quarantined ones kept, rejected ones deleted first. `also_keep` steps are kept besides (the Trainer's best

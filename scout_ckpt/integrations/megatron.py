@@ -50,6 +50,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 import scout_ckpt
 from scout_ckpt import policy
@@ -59,9 +61,6 @@ from scout_ckpt.integrations.mg_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import COORDINATOR, IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
 from scout_ckpt.ops.startup import StartRefused
-
-from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 log = logging.getLogger("scout_ckpt.megatron")
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from scout_ckpt.format.layout import atomic_write_bytes, fsync_dir, register_folder_layout
 from scout_ckpt.format.safepaths import clip, read_bounded
-from scout_ckpt.ops.adopt_layouts import AdoptLayout, register as register_adoptable
+from scout_ckpt.ops.adopt_layouts import AdoptLayout
+from scout_ckpt.ops.adopt_layouts import register as register_adoptable
 
 log = logging.getLogger("scout_ckpt.megatron")
 

@@ -19,7 +19,8 @@ Who calls what (every method marked collective is called by every rank, in the s
                                                   raises the same ScoutError
 
 An error on the coordinator never leaves the other ranks waiting in a collective: every coordinator-only block
-catches, and the broadcast that follows carries the error to all ranks (the torchft habit of STYLE.md).
+catches, and the broadcast that follows carries the error to all ranks. An error is latched and delivered at the
+next collective, never thrown mid-protocol, so the ranks never disagree about how a save ended.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def _table() -> dict:
     with _LOCK:
         if _RULES:
             return _RULES
-        rules = {torch.float16: ("sum", torch.float32), torch.bfloat16: ("sum", torch.float32),
+        rules: dict[torch.dtype, tuple] = {torch.float16: ("sum", torch.float32), torch.bfloat16: ("sum", torch.float32),
                  torch.float32: ("sum", torch.float32), torch.float64: ("sum", torch.float64)}
         for name in ("complex32", "complex64", "complex128"):
             if hasattr(torch, name):

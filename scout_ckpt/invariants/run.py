@@ -100,7 +100,9 @@ def run_local(checks: list[Check], flat_state: dict, *, group=None, previous: di
 
     to_global = (lambda r: dist.get_global_rank(group, r)) if world > 1 and group is not dist.group.WORLD \
         else (lambda r: r)
-    reasons, errors, values = [], [], {}
+    reasons: list[dict] = []
+    errors: list = []
+    values: dict = {}
     li = si = 0
     off = 0
     for ci, name, p in items:

@@ -2,7 +2,7 @@
 transaction. Everything that reads or writes rows builds on `LedgerConnection` (ledger/queries.py reads,
 ledger/store.py writes the state machine), so that these rules are in one place.
 
-Write discipline (TORCH-NOTES, SQLite): one writer at a time, every write in `BEGIN IMMEDIATE` with a busy
+Write discipline (docs/pytorch-facts.md, SQLite): one writer at a time, every write in `BEGIN IMMEDIATE` with a busy
 timeout, because a deferred transaction that reads then writes fails at once under another writer in WAL mode.
 Read-only users open with `mode=ro` and never migrate or modify anything.
 
@@ -21,7 +21,7 @@ import os
 import sqlite3
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -82,7 +82,7 @@ def header_journal(path: Path) -> str | None:
 def record_beside(root: Path) -> str | None:
     """What of a run's record lies in ROOT besides the ledger: "N checkpoint(s) with manifests" and/or the
     journal; None when neither (a new run, or a foreign directory). A ledger missing or empty beside them is a
-    lost ledger, never a fresh start (ARCHITECTURE.md, "Faults of the world")."""
+    lost ledger, never a fresh start (docs/design.md, "Faults of the world")."""
     from scout_ckpt.format.layout import MANIFEST_NAME, list_checkpoint_dirs
     from scout_ckpt.ledger.journal import JOURNAL_NAME
 
@@ -109,7 +109,7 @@ class LedgerConnection:
         self._lock = threading.RLock()
         self.journal: dict = {}  # fsdetect.choose_journal's answer for this ledger's directory
         self.on_close: list = []  # called once at close (a job's run lease, ops/startup.py)
-        self.run_lease = None     # a job's coordinator: its run lease (ops/startup.py), checked before each save
+        self.run_lease: Any = None     # a job's coordinator: its run lease (ops/startup.py), checked before each save
 
     @property
     def db(self) -> "sqlite_utils.Database":

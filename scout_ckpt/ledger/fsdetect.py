@@ -148,7 +148,7 @@ def fs_type(path: str | os.PathLike, *, mountinfo: str | None = None) -> str:
     forced = os.environ.get(FSTYPE_ENV, "").strip()
     if forced:
         return forced
-    p, tail = Path(os.path.abspath(path)), []
+    p, tail = Path(os.path.abspath(path)), list[str]()
     while not p.exists() and p != p.parent:   # a ROOT not created yet: its nearest existing ancestor decides
         tail.insert(0, p.name)
         p = p.parent

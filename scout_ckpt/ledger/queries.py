@@ -63,9 +63,11 @@ class LedgerQueries(LedgerConnection):
         newer than its answer, not all of a long run's: bench/scale.py)."""
         where, params = ["1=1"], []
         if states:
-            where.append(f"state IN ({','.join('?' * len(states))})"); params += list(states)
+            where.append(f"state IN ({','.join('?' * len(states))})")
+            params += list(states)
         if after is not None:
-            where.append("step>?"); params.append(after)
+            where.append("step>?")
+            params.append(after)
         q = self._query(f"SELECT * FROM checkpoints WHERE {' AND '.join(where)} ORDER BY step", params)
         return [decode(r) for r in q]
 
@@ -104,9 +106,11 @@ class LedgerQueries(LedgerConnection):
         concurrent change and refused re-saves (`all_outcomes`)."""
         where, params = ["1=1"], []
         if step is not None:
-            where.append("step=?"); params.append(step)
+            where.append("step=?")
+            params.append(step)
         if not all_outcomes:
-            where.append("(outcome IS NULL OR outcome=?)"); params.append(APPLIED)
+            where.append("(outcome IS NULL OR outcome=?)")
+            params.append(APPLIED)
         q = self._query(f"SELECT * FROM certifications WHERE {' AND '.join(where)} ORDER BY id", params)
         return [decode(r) for r in q]
 
@@ -147,10 +151,13 @@ class LedgerQueries(LedgerConnection):
         """Replays of one incarnation with after < step <= upto (bounds optional)."""
         where, params = ["1=1"], []
         if run_id is not None:
-            where.append("run_id=?"); params.append(run_id)
+            where.append("run_id=?")
+            params.append(run_id)
         if after is not None:
-            where.append("step>?"); params.append(after)
+            where.append("step>?")
+            params.append(after)
         if upto is not None:
-            where.append("step<=?"); params.append(upto)
+            where.append("step<=?")
+            params.append(upto)
         q = self._query(f"SELECT * FROM replays WHERE {' AND '.join(where)} ORDER BY step, id", params)
         return [decode(r) for r in q]

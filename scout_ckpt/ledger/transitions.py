@@ -1,4 +1,4 @@
-"""The checkpoint state machine: which state may follow which (ARCHITECTURE.md, "States").
+"""The checkpoint state machine: which state may follow which (docs/design.md, "States and transitions").
 
 The ledger enforces this table as compare-and-set (`Ledger.transition`): a verdict computed on a row that
 changed meanwhile (an operator quarantined it while certify was hashing, a new save attempt replaced it) is not

@@ -2,7 +2,7 @@
 commit strategy), and how dead ones are cleared (sweep: start-up and `gc`).
 
 Why a second strategy instead of the POSIX one: there is no rename. An attempt writes under its own prefix
-`step-N.attempt-<id>/` that no other attempt ever uses, so nothing is overwritten (TORCH-NOTES: a kill while
+`step-N.attempt-<id>/` that no other attempt ever uses, so nothing is overwritten (docs/pytorch-facts.md: a kill while
 overwriting a DCP step on S3 left it unloadable); the commit is the manifest, written last by the coordinator with
 a conditional create. Before the manifest exists the attempt is invisible; after, it is complete, because the
 manifest lists every file with its size and digest and verification reads them back.

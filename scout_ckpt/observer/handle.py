@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.format.layout import atomic_write_json
@@ -42,7 +43,7 @@ class Observer:
         # (hook, state): None/False = no hook (counted), "traced" = the observer's traced hook, else the user's
         self._ddp_hook = ddp_hook or (None, None)
         self.attached: str | None = None
-        self.stamps = None  # StepStamps (observer/stamps.py), registered by `attach`
+        self.stamps: Any = None  # StepStamps (observer/stamps.py, imported with torch), registered by `attach`
 
     @classmethod
     def start(cls, root: str | os.PathLike, *, rank: int, world_size: int, run_id: str, stall_s: float = 60.0,

@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from scout_ckpt.observer.channel import REPORTS_DIR, read_json
 from scout_ckpt.observer.verdicts import ABORT_KINDS, INCIDENT_KINDS, prog
@@ -41,7 +42,7 @@ class Incidents:
         self.cfg, self.rank, self.claims = cfg, rank, claims
         self.claims.mkdir(exist_ok=True)
         self.known: set[str] = set()
-        self._ledger = None
+        self._ledger: Any = None   # the ledger (scout_ckpt.ledger.Ledger), opened at the first event
 
     def claimed(self, key: str) -> bool:
         return (self.claims / f"{key}.json").exists()

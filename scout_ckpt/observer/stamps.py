@@ -45,7 +45,6 @@ from __future__ import annotations
 import threading
 import time
 
-
 KEEP_GRAD_HOOKS = 4
 
 

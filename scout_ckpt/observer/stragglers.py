@@ -68,12 +68,12 @@ def _confirmed_events(mon, samples: dict[int, float], step_of, window_steps_of, 
             continue
         mon._reported.add(r)
         if len(samples) == 2:
-            other = min(samples, key=samples.get)
+            other = min(samples, key=lambda q: samples[q])
             reason = f"rank {r} is {slowdown:.1f}x slower than rank {other}"
         else:
             reason = f"rank {r} is {slowdown:.1f}x slower than the median rank"
         events.append({"ranks": [r], "step": step_of(r), "detail": {
-            "reason": reason + f" ({_MEANING.get(extra.get('measure'), 'busy time')} per step, the median of "
+            "reason": reason + f" ({_MEANING.get(str(extra.get('measure')), 'busy time')} per step, the median of "
                                f"{window_steps_of(r)} steps, in {mon.confirmer.rounds} windows in a row)",
             "slowdown": round(slowdown, 3), "rounds": mon.confirmer.rounds, "window_steps": window_steps_of(r),
             "busy_s_per_step": {str(q): round(v, 6) for q, v in sorted(samples.items())},

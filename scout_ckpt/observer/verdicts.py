@@ -57,7 +57,7 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
             and (r in waiting or live[r].get("phase", "idle") != "idle")]
     counts = Counter(prog(live[r]) for r in busy)
     point, n = counts.most_common(1)[0] if counts else (None, 0)
-    if n >= majority:
+    if n >= majority and point is not None:   # point is None only when no rank is busy (n == 0)
         step, cseq, seq = point
         ahead = sorted(r for r in waiting if prog(live[r]) > point and live[r]["in_coll"])
         if ahead:

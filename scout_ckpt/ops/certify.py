@@ -24,9 +24,9 @@ from typing import Callable
 
 from scout_ckpt import object_store, policy
 from scout_ckpt.errors import BadInput
+from scout_ckpt.format.verify import could_not_check
 from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ledger.transitions import allowed
-from scout_ckpt.format.verify import could_not_check
 from scout_ckpt.ops.recovery import verify_checkpoint
 from scout_ckpt.ops.settle import settle_writing
 

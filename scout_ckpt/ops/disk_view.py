@@ -48,7 +48,9 @@ def _row(root: Path, step: int, step_dir: Path, records: list[dict], *, sizes: b
         state, reasons = "committed", [{"code": NO_VERDICT}]
     if quarantine is not None:
         state, reasons = "quarantined", [{"code": "quarantined", "detail": quarantine.get("reason")}]
-    ev = m.get("evidence") if isinstance(m.get("evidence"), dict) else {}
+    ev = m.get("evidence")
+    if not isinstance(ev, dict):
+        ev = {}
     return {**base, "state": state, "reasons": reasons, "run_id": m.get("run_id"), "committed": m.get("created"),
             "evidence": {k: v.get("status") for k, v in ev.items() if isinstance(v, dict)},
             "manifest": {"digest": digest, "files": m["files"]}}

@@ -43,9 +43,12 @@ def collect(store) -> tuple[dict, list[dict], list[dict], set[int]]:
     if not committed:
         raise BadInput(f"{store.uri}: no committed save attempt (step-N.attempt-X/{layout.MANIFEST_NAME}) to "
                        f"rebuild from{_foreign_hint(store)}")
-    entries, skipped, superseded = {}, [], []
+    entries: dict[int, Entry] = {}
+    skipped: list[dict] = []
+    superseded: list[dict] = []
     for step, names in committed.items():
-        read, bad = [], []
+        read: list[tuple[dict, str, str]] = []
+        bad: list[dict] = []
         for name in names:
             try:
                 m, digest = store.read_manifest(name)

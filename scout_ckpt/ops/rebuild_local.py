@@ -177,7 +177,8 @@ def rebuild_rows(root: Path, local_dirs: list[Path], new_ledger) -> dict:
     host = socket.gethostname()
     for step, rel in sorted(by_step.items()):
         used.add(rel)
-        files, copies = [], []
+        files: list[dict] = []
+        copies: list = []
         mtimes = []
         for rank, paths in sorted(found[rel].items()):
             for p in paths:

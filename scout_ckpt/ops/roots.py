@@ -2,8 +2,8 @@
 of an object-store run (bound to its `s3://` URI by `scout-storage.json`, scout_ckpt/object_store).
 
 Why a module of its own rather than helpers in cli.py: which ROOTs are accepted and how the ledger of a ROOT is
-opened are rules of the library (STYLE: each CLI command calls
-one library function; only parsing and formatting live in cli.py). An `s3://` URI is never a ROOT: the ledger of
+opened are rules of the library: each CLI command calls
+one library function; only parsing and formatting live in cli.py. An `s3://` URI is never a ROOT: the ledger of
 an object-store run lives in its ledger_dir, which names the URI, and a URI passed through a shell and pathlib
 arrives as `s3:/bucket/...`, so it is recognised and refused with what to pass instead (exit 2, BadInput).
 

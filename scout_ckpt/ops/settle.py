@@ -1,10 +1,9 @@
 """Settling `writing` rows: the one function that decides what became of a save nobody finished recording.
 
 A `writing` row is written before any rank writes data, with its owner (host, pid, process start time). Three
-places meet such rows: the Checkpointer's start-up, `certify`, and `gc`. They used to disagree (start-up completed
-a row from its manifest, certify rejected it as incomplete, and either could do so while the save was still
-running in another process). Now all three call `settle_writing`, which acts only on a save whose owner is
-provably dead:
+places meet such rows: the Checkpointer's start-up, `certify`, and `gc`. All three call `settle_writing`, so they
+cannot reach different verdicts on one row, and it acts only on a save whose owner is provably dead (a save still
+running in another process is never settled under it):
 
   owner alive, or unknown (another host, no record) -> left as it is: a save may be in flight
   owner dead, step dir with a manifest of the same attempt whose bytes verify
@@ -98,7 +97,7 @@ class Lease:
     checker never finds a free lock on a file that still names a save in flight. Idempotent."""
 
     def __init__(self, path: Path, fd: int):
-        self.path, self.fd = path, fd
+        self.path, self.fd = path, fd  # type: Path, int | None
 
     def release(self) -> None:
         if self.fd is None:

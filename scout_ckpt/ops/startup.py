@@ -1,10 +1,10 @@
-"""The ledger a job starts on: never a fresh one over existing checkpoints (ARCHITECTURE.md, "Faults of the world").
+"""The ledger a job starts on: never a fresh one over existing checkpoints (docs/design.md, "Faults of the world").
 
-A Checkpointer used to open ROOT's ledger with `create=True`: a deleted or truncated scout-ledger.db became an
-empty ledger, `load_latest_clean` found nothing, the job trained from step 0, and its next save at an existing
-step replaced a certified checkpoint. The coordinator now calls `open_run_ledger` instead:
+Why: an empty ledger created over a lost one would find nothing to resume, the job would train from step 0, and
+its next save at an existing step would replace a certified checkpoint. So the coordinator opens ROOT's ledger
+with `open_run_ledger`, never with `create=True`:
 
-  ledger readable                          -> opened (an older schema migrated), as before
+  ledger readable                          -> opened (an older schema migrated)
   missing, empty or not SQLite, or SQLite  -> rebuilt from the manifests and the journal first (ops/rebuild.py,
   recording no checkpoint, beside            the same fail-closed rules as `scout-ckpt ledger rebuild`: nothing
   checkpoints with manifests                 certified that the record does not vouch for), with a WARNING; the

@@ -172,7 +172,7 @@ def explain_local_lines(doc: dict, escape: Callable[[str], str], *, both: bool) 
         lines.append("No evidence of this save is on record (no consensus, invariants, finite check or verdict).")
     copies = doc["copies"]
     if copies:
-        by_rank = {}
+        by_rank: dict = {}
         for c in copies:
             by_rank.setdefault(c["rank"], []).append(c)
         said = [f"rank {r}'s file: " + "; ".join(_copy_clause(c) for c in cs)

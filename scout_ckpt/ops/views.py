@@ -158,7 +158,7 @@ def explain_lines(out: dict, where: str, now: float, escape: Callable[[str], str
                          + (f" ({item['live_rotation']})" if item.get("live_rotation") else ""))
         cov = item.get("coverage")
         after = item.get("confirmed_after") or {}
-        disagreed = {}
+        disagreed: dict = {}
         for r in item.get("reasons") or []:
             if r.get("code") in ("replay_sdc", "replay_inconclusive") and r.get("target"):
                 disagreed.setdefault(r["target"], r)

@@ -131,7 +131,9 @@ class Invocation:
         return not self.mutated_in_forward and all(t._version == v for t, v in self.held)
 
     def to(self, device: torch.device | str) -> Invocation:
-        move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x
+        def move(x):
+            return x.to(device) if isinstance(x, torch.Tensor) else x
+
         return Invocation(
             tree_map(move, self.args), tree_map(move, self.kwargs), self.requires_grad,
             {k: move(v) for k, v in self.params.items()}, {k: move(v) for k, v in self.buffers.items()},

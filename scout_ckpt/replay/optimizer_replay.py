@@ -123,7 +123,9 @@ class SliceCapture:
 
     def to(self, device) -> SliceCapture:
         """The pre-step part on `device`: host copies travel to peers, replays run where the live update ran."""
-        mv = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v
+        def mv(v):
+            return v.to(device) if isinstance(v, torch.Tensor) else v
+
         return SliceCapture(self.names, self.hyper, [mv(p) for p in self.params], [mv(g) for g in self.grads],
                             [{k: mv(v) for k, v in st.items()} for st in self.state], unsupported=self.unsupported,
                             starts=self.starts, round=self.round, cycle=self.cycle)
@@ -177,7 +179,7 @@ class OptimizerCapture:
         locals_ = [_local(p) for _, _, p, *_ in picked]
         hyper: dict[int, dict] = {}  # one copy per parameter group (its windows share it)
         for (gi, pi, p, s, n, w), lp in zip(picked, locals_):
-            state = {}
+            state: dict = {}
             for k, v in opt.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     lv = _local(v)
@@ -333,9 +335,11 @@ def _merged_state(cap: SliceCapture, idx: list[int]) -> dict:
 def _flat(params: list[torch.Tensor], state: list[dict]) -> tuple[list[str], list[torch.Tensor]]:
     labels, tensors = [], []
     for i, (p, st) in enumerate(zip(params, state)):
-        labels.append(f"param[{i}]"); tensors.append(p)
+        labels.append(f"param[{i}]")
+        tensors.append(p)
         for k in sorted(st):
-            labels.append(f"state[{i}].{k}"); tensors.append(st[k])
+            labels.append(f"state[{i}].{k}")
+            tensors.append(st[k])
     return labels, tensors
 
 

@@ -34,6 +34,7 @@ import io
 import pickle
 import time
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,8 @@ def exchange(objs: list, peers: list[int], group) -> list:
     same order: a size word, the pickled structures, then one byte buffer per object. Collective over `peers`."""
     me = dist.get_rank()
     nxt, prv = successor(peers, me), predecessor(peers, me)
-    heads, sent = [], []
+    heads: list = []
+    sent: list[list[torch.Tensor]] = []
     for obj in objs:
         if obj is None:
             heads.append(None)
@@ -72,7 +74,7 @@ def exchange(objs: list, peers: list[int], group) -> list:
         sent.append(tensors)
     blob = torch.frombuffer(bytearray(pickle.dumps(heads, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
     size_out, size_in = torch.tensor([blob.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    works = [dist.isend(size_out, nxt, group=group), dist.irecv(size_in, prv, group=group)]
+    works: list[Any] = [dist.isend(size_out, nxt, group=group), dist.irecv(size_in, prv, group=group)]
     for w in works:
         w.wait()
     blob_in = torch.empty(int(size_in.item()), dtype=torch.uint8)
@@ -80,7 +82,7 @@ def exchange(objs: list, peers: list[int], group) -> list:
     for w in works:
         w.wait()
     their_heads = pickle.loads(blob_in.numpy().tobytes())
-    works, bufs = [], []
+    works, bufs = [], list[list[torch.Tensor]]()
     for i, head in enumerate(heads):   # mine out
         spans, total = _layout(head[1] if head is not None else [])
         if total:
@@ -97,7 +99,7 @@ def exchange(objs: list, peers: list[int], group) -> list:
         bufs.append([flat[at:at + n] for at, n in spans])
     for w in works:
         w.wait()
-    out = []
+    out: list = []
     for head, views in zip(their_heads, bufs):
         if head is None:
             out.append(None)
@@ -107,7 +109,7 @@ def exchange(objs: list, peers: list[int], group) -> list:
                    for b, (dtype, shape, nbytes) in zip(views, metas)]
 
         class _In(pickle.Unpickler):
-            def persistent_load(self, pid):
+            def persistent_load(self, pid, tensors=tensors):   # this head's tensors, loaded right below
                 return tensors[pid]
 
         out.append(_In(io.BytesIO(data)).load())
@@ -174,10 +176,12 @@ def judge(outcomes: dict[int, int], peers: list[int], tiebreak: dict[int, int] |
     if len(failed) == 2 and len(common) == 1:
         return "ATTRIBUTED", [common.pop()], detail   # computes wrongly whenever it computes: not the live step alone
     if len(failed) == 1:
-        p, r = pairs[0][0], pairs[0][1]
+        r = failed[0]
+        p = predecessor(peers, r)   # pairs[0]: (its predecessor, r)
         mine = (tiebreak or {}).get(p)
-        detail["ring"]["tiebreak"] = {"rank": p, "outcome": live_step.SELF_WHAT.get(mine, "agree" if mine ==
-                                      live_step.SELF_AGREE else "unchecked")}
+        outcome = "unchecked" if mine is None else live_step.SELF_WHAT.get(
+            mine, "agree" if mine == live_step.SELF_AGREE else "unchecked")
+        detail["ring"]["tiebreak"] = {"rank": p, "outcome": outcome}
         if mine in DISAGREE:
             detail["live_disagree"] = True
             return "ATTRIBUTED", [p], detail

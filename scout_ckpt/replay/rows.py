@@ -82,7 +82,7 @@ def replay_row(step: int, target, payload, labels: list[str], header: dict[int, 
         detail.update(tensors=len(payload.params), elements=payload.elements, round=payload.round,
                       cycle=payload.cycle)
     if signatures is None:
-        status, ranks = "INCONCLUSIVE", []
+        status, ranks = "INCONCLUSIVE", list[int]()
         detail["failed_ranks"] = sorted(r for r, h in header.items() if not h[HEADER_SLOTS * i + 1])
         detail["counts"] = {str(r): int(h[HEADER_SLOTS * i + 2]) for r, h in header.items()}
     else:

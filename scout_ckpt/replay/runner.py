@@ -52,13 +52,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scout_ckpt.options import DEFAULT_REPLAY_INTERVAL as AUTO_INTERVAL   # until the save period is known
+from scout_ckpt.options import DEFAULT_REPLAY_INTERVAL as AUTO_INTERVAL  # until the save period is known
 from scout_ckpt.replay import live as live_step
-from scout_ckpt.replay import ring
+from scout_ckpt.replay import ring, shared_params
 from scout_ckpt.replay import rows as replay_rows
-from scout_ckpt.replay import self_check as own_round   # the self-check round
-from scout_ckpt.replay import shared_params
-from scout_ckpt.replay import triage   # re-execution of an attributed rank's work: persistent / transient / not hw
+from scout_ckpt.replay import self_check as own_round  # the self-check round
+from scout_ckpt.replay import triage  # re-execution of an attributed rank's work: persistent / transient / not hw
 from scout_ckpt.replay.capture import ModuleCapture, current_state
 from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module, replay_target
 from scout_ckpt.replay.optimizer_replay import (

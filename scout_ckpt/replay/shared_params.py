@@ -2,8 +2,8 @@
 
 Why: with the self-check on (replay.live), every rank keeps a copy of each target's parameters and buffers as its
 own forward used them (capture.py), and on healthy replicas (DDP, or FSDP2's unsharded parameters) those copies
-are the same bits on every rank. The source used to send its copy with the inputs anyway: half the bytes of a
-sweep's transfer, copied into the send buffer on the source and out of the socket on every peer. So each rank
+are the same bits on every rank. Sending the source's copy with the inputs regardless would be half the bytes of
+a sweep's transfer, copied into the send buffer on the source and out of the socket on every peer. So each rank
 signs its copies (every tensor's replica signature, then one xxh3-128 over those and the names, shapes and dtypes)
 and the digests ride in the sweep's first gather, which the sweep makes anyway (no collective added). A target
 whose digest is the source's on EVERY peer is sent without parameters, and every peer, the source too, replays

@@ -1,6 +1,6 @@
 """The commit protocol of one save boundary: how the state at step S becomes a durable, recorded checkpoint.
 
-Who calls what, in order (ARCHITECTURE.md, "One save boundary"); `Checkpointer` drives it and owns the evidence:
+Who calls what, in order (docs/design.md, "The commit protocol"); `Checkpointer` drives it and owns the evidence:
 
   1. Committer.begin        collective. Coordinator: flush any earlier unrecorded commit, the attempt's lease
                             (settle.take_lease: an flock held until 3b, so that no settler in another PID namespace

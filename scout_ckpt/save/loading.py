@@ -123,7 +123,7 @@ class LatestCleanLoader:
                 for v in rank_local:
                     v.end_load()
             if differ:
-                self._on_coordinator(cand["step"], lambda: self._reject_load_mismatch(cand, differ))
+                self._on_coordinator(cand["step"], lambda c=cand, d=differ: self._reject_load_mismatch(c, d))
                 scout_log.skipped(self.rank, cand["step"], [{"code": "load_mismatch", "tensors": differ[:4]}])
                 below = cand["step"]
                 continue

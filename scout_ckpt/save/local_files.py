@@ -50,7 +50,7 @@ def rank_files(step_dir: Path, rank: int, local_world: int) -> list[tuple[int, P
     """(owner rank, path) of the files in this node's `step_dir` that `rank` looks after: those of the ranks with
     its local rank (its own, and the copies the ring placed here), whatever node numbers the rendezvous gives the
     nodes this time; its own file first, then owners' files before peer copies."""
-    out = []
+    out: list = []
     try:
         names = os.listdir(step_dir)
     except OSError:

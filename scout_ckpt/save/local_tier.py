@@ -44,15 +44,14 @@ from scout_ckpt.errors import ScoutError
 from scout_ckpt.format.digests import bytes_digest
 from scout_ckpt.invariants.finite import can_be_nonfinite, is_finite
 from scout_ckpt.ops.retention import decide_local
-from scout_ckpt.save import local_files, local_restore
-from scout_ckpt.save.commit import ranked_causes
+from scout_ckpt.save import local_files, local_restore, peer_copy
 from scout_ckpt.save import local_tier_rows as rows
+from scout_ckpt.save import log as scout_log
+from scout_ckpt.save.commit import ranked_causes
+from scout_ckpt.save.loading import materialize
 from scout_ckpt.save.local_files import rank_files
 from scout_ckpt.save.local_orphans import WriterLease, sweep
 from scout_ckpt.save.local_staging import StagingBuffers
-from scout_ckpt.save import log as scout_log
-from scout_ckpt.save import peer_copy
-from scout_ckpt.save.loading import materialize
 
 COORDINATOR = 0
 
@@ -96,7 +95,7 @@ class LocalTier:
 
     def __init__(self, opts, ck, timeout):
         self.opts, self.ck = opts, ck
-        # the commit thread's own group (created here, at start-up, in the same order on every rank: TORCH-NOTES)
+        # the commit thread's own group (created here, at start-up, in the same order on every rank: docs/pytorch-facts.md)
         self._group = dist.new_group(backend="gloo", timeout=timeout)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

@@ -106,7 +106,7 @@ RESTART_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 def restart_hint(env) -> str | None:
     """Pure: the warning a job started by `torchrun --max-restarts N` (N > 0) needs when its environment lacks
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it a restarted generation can fail to form its gloo group, or
-    hang, against the previous generation's addresses (TORCH-NOTES, torch 2.13). None when nothing is to say."""
+    hang, against the previous generation's addresses (docs/pytorch-facts.md, torch 2.13). None when nothing is to say."""
     if "TORCHELASTIC_RUN_ID" not in env or env.get(RESTART_ENV) == "1":
         return None
     try:

@@ -1,7 +1,7 @@
 """DCP's fsspec writer and reader, made safe for an object store: digests while writing, no truncated object on
 an error, and a `.metadata` that is unpickled only once its digest matches the manifest.
 
-Why not plain FsspecWriter (TORCH-NOTES, probed on a local S3 server): its create_stream deletes the file on an
+Why not plain FsspecWriter (docs/pytorch-facts.md, probed on a local S3 server): its create_stream deletes the file on an
 exception *inside* the `with fs.open(...)` block, whose exit then completes the upload, so a Python error mid-write
 committed a truncated `.distcp`. Here an error aborts the upload (`discard`: the multipart upload is aborted, a
 small buffered file is never sent). Each data file is hashed (xxh3-128) from the bytes passed to write, in order,
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import sys
 from typing import Callable
 
 import xxhash
@@ -103,14 +102,14 @@ class _ObjectFileSystem(FileSystem):
         try:
             yield stream
             stream.fire_pending_hook()
-        except BaseException:
+        except BaseException as e:
             # Never complete a partial upload: abort it (the multipart upload goes away, a buffered small file
             # is never sent). The attempt's prefix then lacks the file, and no manifest will list it.
             with contextlib.suppress(Exception):
                 raw.discard()
             raw.closed = True
-            if stream.error is not None and stream.error is not sys.exc_info()[1]:
-                raise stream.error   # the upload's own error, not what torch.save made of it
+            if stream.error is not None and stream.error is not e:
+                raise stream.error from e   # the upload's own error, not what torch.save made of it
             raise
         raw.close()
         if path.endswith(".distcp"):
@@ -119,13 +118,13 @@ class _ObjectFileSystem(FileSystem):
 
 class ObjectStoreWriter(WritesRecorded, FsspecWriter):
     """FsspecWriter into one attempt prefix (never overwritten: overwrite=False), one file per rank, no fsync
-    (TORCH-NOTES: sync_files falls back to os.sync() of the whole host per file; an object is durable once its
+    (docs/pytorch-facts.md: sync_files falls back to os.sync() of the whole host per file; an object is durable once its
     upload completed). Same interface as storage.ScoutWriter: `written`, `nonfinite`, `file_digests()`."""
 
     def __init__(self, uri: str, fs, *, step: int, fault_hook=None, check_finite: bool = True):
         # FsspecWriter.__init__ makes an unconfigured filesystem from the URI (cheap: no request); the store's own,
         # configured one replaces it. Never pass checkpoint_id= with a storage writer: DCP would rebuild the
-        # filesystem without our options and go to real AWS (TORCH-NOTES).
+        # filesystem without our options and go to real AWS (docs/pytorch-facts.md).
         super().__init__(uri, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=False)
         self.step = step
         self.check_finite = check_finite

@@ -41,7 +41,7 @@ def record(ledger, run_id: str, rank: int, group, coordinator: int = 0) -> list[
     import torch.distributed as dist
 
     mine = this_rank(rank)
-    out = [None] * dist.get_world_size(group) if dist.get_rank(group) == coordinator else None
+    out: list | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == coordinator else None
     dist.gather_object(mine, out, dst=coordinator, group=group)
     if out is not None and ledger is not None:
         try:

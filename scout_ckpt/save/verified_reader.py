@@ -44,7 +44,8 @@ def unpickle_verified(data: bytes, expected_digest: str | None, path: str, load_
 def is_metadata_changed(exc: BaseException) -> bool:
     """Whether a DCP load failed because a reader refused a changed `.metadata` (on any rank: DCP wraps each
     rank's exception in a CheckpointException whose text carries it)."""
-    seen, todo = set(), [exc]
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:

@@ -2,7 +2,7 @@
 node-loss campaign.
 
 Each agent is a real `torch.distributed.run` with its own `--node-rank`, all meeting at one c10d rendezvous on
-127.0.0.1 (TORCH-NOTES: two agents on one host). `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is set because
+127.0.0.1 (docs/pytorch-facts.md, "torchrun restarts and exit"). `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is set because
 torchrun's restarts hang without it when the agent's store is shared with the workers. A test that kills a whole
 "node" starts agent 0 first (`first_hosts=True`), so that the agent hosting the rendezvous store is never the one
 killed.

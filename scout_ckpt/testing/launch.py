@@ -1,7 +1,7 @@
 """Run a function on N real gloo ranks in child processes: used by the tests, the benches and the campaign.
 
 The parent hosts the TCPStore (port 0, so no port races) and each child joins with `is_master=False`
-(TORCH-NOTES: rendezvous without port races). Children come from a forkserver that has imported torch once:
+(docs/pytorch-facts.md, "Processes in tests"). Children come from a forkserver that has imported torch once:
 forking the parent itself is unsafe, because the TCPStore server's threads (and any OpenMP pool) can hold a
 libc lock at the instant of fork and deadlock the child; spawn is safe but costs 3-4.5 s per 4 ranks.
 `SCOUT_START_METHOD=spawn|fork` overrides. Worker functions must be importable (module level).
@@ -47,7 +47,7 @@ def _child(fn, rank, world_size, port, args, kwargs, q, env, pg_timeout_s):
         # Plain pickle to bytes: torch's queue reducers would share tensors by fd, which breaks when the child
         # exits before the parent reads.
         q.put((rank, "ok", pickle.dumps(result)))
-        dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
+        dist.barrier()  # without it destroy_process_group can hang at exit
         dist.destroy_process_group()
     except BaseException:  # report, then exit non-zero
         q.put((rank, "err", traceback.format_exc()))

@@ -21,11 +21,10 @@ import json
 import os
 import signal
 
-import torch
-import torch.distributed as dist
-
 import deepspeed
 import deepspeed.ops
+import torch
+import torch.distributed as dist
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # test-only: see the module docstring
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from job_common import digest, train_step  # noqa: E402 (beside this script: torchrun puts its folder on sys.path)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from job_common import digest, train_step  # noqa: E402 (beside this script: torchrun puts its folder on sys.path)
 from scout_ckpt import Checkpointer, LiveStateCorrupt, ModelOptimizerState
 
 
@@ -163,7 +163,7 @@ def main():
             say(event="live_fault", rank=rank, run_id=ckpt.run_id, step=step, fault_step=e.step)
             raise
     ckpt.close()
-    dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
+    dist.barrier()  # without it destroy_process_group can hang at exit
     dist.destroy_process_group()
 
 

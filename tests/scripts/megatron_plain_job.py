@@ -18,7 +18,7 @@ it loaded (event "loaded"), to compare with the one written when it was saved.
 The state is a sharded state dict as Megatron's modules build it: `w` split over the tensor-parallel ranks
 (axis 0), `b` replicated (`replica_id` = (0, TP rank, DP rank), as Megatron's layer norms), `iteration` in
 common.pt. Test-only: the CUDA shim (megatron-core 0.16.1 calls torch.cuda.synchronize()/current_device()
-unconditionally in its torch_dist writer; see TORCH-NOTES "Megatron-Core on CPU")."""
+unconditionally in its torch_dist writer; see docs/pytorch-facts.md, "Megatron-Core 0.16.1")."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ deterministic update (the same on replicas). The user's lines are those marked "
 parallel_state + dist_checkpointing.
 
 Test-only: the CUDA shim below (megatron-core 0.16.1 calls torch.cuda.synchronize()/current_device()
-unconditionally in its torch_dist writer; see TORCH-NOTES "Megatron-Core on CPU"); --crash-at I makes rank 1
+unconditionally in its torch_dist writer; see docs/pytorch-facts.md, "Megatron-Core 0.16.1"); --crash-at I makes rank 1
 SIGKILL itself after its files of iteration I are written and before the finalize, on the first attempt
 (TORCHELASTIC_RESTART_COUNT 0); --diverge-at I makes rank 1's copy of `b` (with --gpt: the final layer norm's weight) differ by one ulp before
 that save;

@@ -142,7 +142,7 @@ def main():
         if step % args.save_every == 0:
             ckpt.save(step, state)
     ckpt.close()
-    dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
+    dist.barrier()  # without it destroy_process_group can hang at exit
     dist.destroy_process_group()
 
 

@@ -23,9 +23,9 @@ import signal
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from job_common import digest, train_step  # noqa: E402 (beside this script: torchrun puts its folder on sys.path)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from job_common import digest, train_step  # noqa: E402 (beside this script: torchrun puts its folder on sys.path)
 from scout_ckpt import Checkpointer, ModelOptimizerState
 
 
@@ -80,7 +80,7 @@ def main():
                 say(event="saved", run_id=ckpt.run_id, step=step, digest=digest(model, opt),
                     state=verdict["state"])
     ckpt.close()
-    dist.barrier()  # TORCH-NOTES: without it destroy_process_group can hang at exit
+    dist.barrier()  # without it destroy_process_group can hang at exit
     dist.destroy_process_group()
 
 

@@ -117,13 +117,13 @@ def main():
         x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
         if hang and step == args.hang_step and args.hang_where == "in-forward":
             pause.forward_s = 0.0
-            pause.register_forward_pre_hook(lambda *_: at("in-forward", step))
+            pause.register_forward_pre_hook(lambda *_, s=step: at("in-forward", s))
         loss = nn.functional.cross_entropy(model(x), y)
         at("before-backward", step)
         opt.zero_grad()
         loss.backward()
         if hang and step == args.hang_step and args.hang_where == "in-optimizer":
-            opt.register_step_pre_hook(lambda *_: at("in-optimizer", step))
+            opt.register_step_pre_hook(lambda *_, s=step: at("in-optimizer", s))
         opt.step()
         time.sleep(work["after-step"] + args.base_s)              # host work after the step (logging, metrics)
         ckpt.step(step)
