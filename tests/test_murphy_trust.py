@@ -377,7 +377,7 @@ def test_a_storage_outage_on_every_checkpoint_refuses_the_start_instead_of_start
     out = run_ranks_(_load_with_eio_everywhere, 2, str(ckpt_root))
     for o in out:
         r = o.result
-        assert "refused" in r and r["exit_code"] == 2, r
+        assert "refused" in r and r["exit_code"] == 75, r
         assert "refusing to start from step 0" in r["refused"] and "4, 3" in r["refused"], r
         assert "\n" not in r["refused"] and "could_not_check" in r["refused"], r
     assert {s: _trust(ckpt_root, s) for s in (3, 4)} == before

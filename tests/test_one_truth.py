@@ -7,6 +7,9 @@ faults placed by real means (a NaN written into a weight, a slow commit thread, 
 from __future__ import annotations
 
 import json
+import shutil
+
+import pytest
 
 from scout_ckpt.testing.launch import run_ranks
 from tests import workers_one_truth as w
@@ -33,3 +36,74 @@ def test_a_durable_save_waits_for_the_local_verdict_it_descends_from(tmp_path):
     assert "lineage_tainted" in {x["code"] for x in r["durable"]["reasons"]}
     row = _ls(root)[3]
     assert row["state"] == "rejected"
+
+
+# ---- a lost ledger costs no certificate; could-not-check never starts from scratch -----------------------------
+
+@pytest.fixture(scope="module")
+def _saved_5_10(tmp_path_factory):
+    """A 2-rank job that saved (and certified) steps 5 and 10, with the digests it printed at each save."""
+    root = tmp_path_factory.mktemp("saved") / "run"
+    out = run_ranks(w.train_and_save, 2, str(root), timeout=240)
+    return root, out[0].result
+
+
+@pytest.fixture
+def saved(_saved_5_10, tmp_path):
+    root = tmp_path / "run"
+    shutil.copytree(_saved_5_10[0], root)
+    return root, _saved_5_10[1]
+
+
+def _lose(root, what):
+    for name in (["scout-ledger.db", "scout-ledger.db-wal", "scout-ledger.db-shm"]
+                 + (["scout-journal.jsonl"] if what == "ledger+journal" else [])):
+        p = root / name
+        if p.exists():
+            p.unlink()
+    if what == "truncated":
+        (root / "scout-ledger.db").write_bytes(b"")
+
+
+def _files(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and "scout-ledger.db" not in p.name and ".leases" not in p.parts}
+
+
+@pytest.mark.parametrize("what", ["deleted", "truncated"])
+def test_a_lost_ledger_restarts_from_the_newest_certified_step(saved, what):
+    """The job certified steps 5 and 10; its ledger file is lost. The restart rebuilds it from the manifests and
+    the journal and loads step 10: the digest it computes after the load is the one the job printed at step 10."""
+    root, printed = saved
+    assert printed[10][0] == "certified" and printed[5][0] == "certified"
+    _lose(root, what)
+    out = run_ranks(w.restart, 2, str(root), timeout=240)
+    assert [o.result.get("loaded") for o in out] == [10, 10]
+    assert {o.result["digest"] for o in out} == {printed[10][1]}
+
+
+def test_steps_a_rebuild_cannot_vouch_for_refuse_the_start_instead_of_step_0(saved):
+    """Ledger and journal both lost: the rebuild cannot re-establish consensus, so steps 5 and 10 are committed
+    (`unverified_after_rebuild`). The start is refused on every rank (CheckpointsUnverified, naming the steps),
+    never a fresh start that would save over them; the checkpoints are left as they were."""
+    root, _ = saved
+    _lose(root, "ledger+journal")
+    out = run_ranks(w.restart, 2, str(root), 5, timeout=240)
+    refused = [o.result.get("refused") for o in out]
+    assert refused == ["CheckpointsUnverified", "CheckpointsUnverified"], [o.result for o in out]
+    assert "10, 5" in out[0].result["message"] and "unverified_after_rebuild" in out[0].result["message"]
+    assert [o.result.get("verdict") for o in out] == [None, None]
+
+
+def test_a_job_that_does_not_load_cannot_save_over_a_certified_step(saved):
+    """A job pointed at ROOT that trains from scratch without loading: its save of step 5 is refused on every
+    rank; step 5's folder and its certified row are left as they were."""
+    root, _ = saved
+    before = _files(root)
+    out = run_ranks(w.restart, 2, str(root), 5, load=False, timeout=240)
+    assert [o.result.get("refused") for o in out] == ["SaveRefused", "SaveRefused"], [o.result for o in out]
+    assert "certified" in out[0].result["message"]
+    assert _ls(root)[5]["state"] == "certified"
+    after = _files(root)
+    assert {k: v for k, v in after.items() if k.startswith("step-")} == {
+        k: v for k, v in before.items() if k.startswith("step-")}

@@ -52,3 +52,50 @@ def local_verdict_races_durable_save(rank, world, root, local_dir):
     local = ckpt.local.last_verdict
     ckpt.close()
     return {"durable": verdict, "local": local}
+
+
+def train_and_save(rank, world, root, steps=10, save_every=5):
+    """A job from step 0: saves every `save_every` steps; returns {step: (verdict state, its own digest)}."""
+    model = make_model(seed=5)
+    net = ddp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, replay=False, observer=False)
+    out = {}
+    for step in range(1, steps + 1):
+        train_steps(net, opt, 1, seed=step)
+        if step % save_every == 0:
+            v = ckpt.save(step, state_of(model, opt))
+            out[step] = (v["state"], digest(model, opt))
+    ckpt.close()
+    return out
+
+
+def restart(rank, world, root, save_step=None, load=True):
+    """A restarted job: load_latest_clean (unless `load` is False), then optionally one save of `save_step`.
+    Returns what it loaded and its own digest after the load, or the refusal (class, message, exit code)."""
+    from scout_ckpt.errors import ScoutError
+
+    model = make_model(seed=6)
+    net = ddp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(net, opt, 1, seed=99)   # optimizer state exists before loading
+    try:
+        ckpt = Checkpointer(root, model=net, optimizer=opt, replay=False, observer=False, timeout_s=60)
+    except ScoutError as e:
+        return {"refused": type(e).__name__, "message": str(e), "exit_code": e.exit_code}
+    out = {}
+    try:
+        if load:
+            st = state_of(model, opt)
+            out["loaded"] = ckpt.load_latest_clean(st)
+            model.load_state_dict(st["model"])
+            opt.load_state_dict(st["optim"])
+            out["digest"] = digest(model, opt)
+        if save_step is not None:
+            train_steps(net, opt, 1, seed=save_step)
+            out["verdict"] = ckpt.save(save_step, state_of(model, opt))
+    except ScoutError as e:
+        out.update(refused=type(e).__name__, message=str(e), exit_code=e.exit_code)
+    finally:
+        ckpt.close()
+    return out

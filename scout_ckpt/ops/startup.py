@@ -65,9 +65,18 @@ class StartRefused(LedgerError):
 
 class CheckpointsUnreadable(StartRefused):
     """Certified checkpoints exist but none could be read now (an I/O error, a missing peer, an unreachable
-    store): the job refuses to start from step 0 over them (exit code 2, on every rank alike). "Could not check" is
-    no evidence of a bad checkpoint: torchrun's next restart (or the operator, once the storage answers) tries
-    them again."""
+    store): the job refuses to start from step 0 over them (exit code 75, EX_TEMPFAIL: try again later; on every
+    rank alike). "Could not check" is no evidence of a bad checkpoint: torchrun's next restart (or the operator,
+    once the storage answers) tries them again."""
+
+    exit_code = 75
+
+
+class CheckpointsUnverified(StartRefused):
+    """Checkpoints exist whose trust a ledger rebuild could not re-establish (`unverified_after_rebuild`: the
+    journal that vouched for their consensus and replay is lost or broken), and no certified one is left: the
+    job refuses to start from step 0 over them (exit code 2, on every rank alike; a retry does not help, a person
+    decides: restore the journal and rebuild, or give the new run its own ROOT)."""
 
 
 class RootInUse(StartRefused):

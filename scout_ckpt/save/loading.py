@@ -33,8 +33,9 @@ from scout_ckpt.consensus.signatures import flatten_state
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.format.verify import COULD_NOT_CHECK, only_unchecked, verify_files
 from scout_ckpt.ledger import Ledger, journal
+from scout_ckpt.ops.rebuild_ledger import UNVERIFIED
 from scout_ckpt.ops.recovery import record_verification_failure, trusted_manifest
-from scout_ckpt.ops.startup import CheckpointsUnreadable
+from scout_ckpt.ops.startup import CheckpointsUnreadable, CheckpointsUnverified
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.verified_reader import VerifiedFileSystemReader, is_metadata_changed
 
@@ -90,6 +91,10 @@ class LatestCleanLoader:
             cand = self._broadcast(self._next(below, below_local) if self.is_coordinator else None)
             if isinstance(cand, dict) and "latched" in cand:  # the same error on every rank, none left waiting
                 raise ScoutError(cand["latched"])
+            if isinstance(cand, dict) and "unverified" in cand:   # none left, but steps a rebuild could not vouch for
+                if self._unchecked:
+                    raise CheckpointsUnreadable(self._unreadable_text())
+                raise CheckpointsUnverified(cand["unverified"])
             if isinstance(cand, dict) and cand.get("tier") == "local":
                 if self._load_local(state, cand, t0):
                     return cand["step"]
@@ -195,10 +200,25 @@ class LatestCleanLoader:
                 local = self.local.candidate(below_local) if self.local is not None else None
                 if local is not None and (durable is None or local["step"] > durable["step"]):
                     return local
-                return durable
+                return durable if durable is not None else self._unverified()
             except Exception as e:  # noqa: BLE001 - carried to every rank, raised there as a ScoutError
                 self._latched = f"load_latest_clean could not choose a checkpoint: {type(e).__name__}: {e}"
         return {"latched": self._latched}
+
+    def _unverified(self) -> dict | None:
+        """Coordinator, when no candidate is left: {"unverified": message} when steps exist whose trust a ledger
+        rebuild could not re-establish (committed, `unverified_after_rebuild`): a fresh start would train over
+        them and replace them. None otherwise (a new run, or only rejected steps: a fresh start is the answer)."""
+        rows = [r for r in self.ledger.checkpoints(states=("committed",))
+                if any(x.get("code") == UNVERIFIED for x in r.get("reasons") or [])]
+        if not rows:
+            return None
+        steps = ", ".join(str(r["step"]) for r in reversed(rows[-8:]))
+        return {"unverified": (
+            f"refusing to start from step 0: checkpoint(s) {steps} under {self.root} exist, but a ledger rebuild "
+            f"could not re-establish their certificates ({UNVERIFIED}: the journal {journal.JOURNAL_NAME} that "
+            f"vouched for them is missing or broken) and no certified checkpoint is left. Restore the journal and "
+            f"run `scout-ckpt ledger rebuild {self.root}`, or give a run that should start afresh its own ROOT")}
 
     def _on_coordinator(self, step: int, record: Callable[[], None]) -> None:
         """Coordinator: record a trust-lowering verdict (journal first, then ledger: journal.record_transition).
