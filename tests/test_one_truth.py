@@ -107,3 +107,47 @@ def test_a_job_that_does_not_load_cannot_save_over_a_certified_step(saved):
     after = _files(root)
     assert {k: v for k, v in after.items() if k.startswith("step-")} == {
         k: v for k, v in before.items() if k.startswith("step-")}
+
+
+# ---- the journal is checkable: a hash chain over its records ---------------------------------------------------
+
+def test_every_record_links_to_the_one_before_and_an_edit_breaks_the_chain_there(tmp_path):
+    from scout_ckpt.ledger import journal
+
+    for step, state in ((5, "certified"), (10, "rejected"), (15, "certified")):
+        journal.journal_verdict(tmp_path, step, f"a{step}", f"d{step}", state, [], "save")
+    recs = journal.read(tmp_path)
+    assert [r["prev"] == (journal.link(recs[i - 1]) if i else "") for i, r in enumerate(recs)] == [True] * 3
+    assert journal.verify(recs)["intact"]
+    p = journal.path(tmp_path)
+    lines = p.read_text().splitlines()
+    p.write_text("\n".join([lines[0], lines[1].replace('"rejected"', '"certified"'), lines[2]]) + "\n")
+    assert journal.verify(journal.read(tmp_path))["broken_at"] == 2
+    p.write_text("\n".join([lines[0], lines[2]]) + "\n")   # the rejection removed
+    assert journal.verify(journal.read(tmp_path))["broken_at"] == 2
+
+
+def test_a_journal_missing_a_rejection_restores_no_certificate(saved):
+    """Step 10 was rejected after the job (a load mismatch, journal first), and the run went on recording; then
+    the rejection's line is removed from the journal and the ledger is lost. The chain is broken, so the rebuild
+    restores no certificate: the restart refuses (never loads step 10, whose rejection was removed), `ledger
+    rebuild` exits 1 naming the break, and `ls` without a ledger certifies nothing."""
+    from scout_ckpt.ledger import Ledger, journal
+
+    root, printed = saved
+    with Ledger.open(root) as led:
+        journal.record_transition(led, root, 10, "rejected", [{"code": "load_mismatch"}], source="load",
+                                  expect="certified")
+        row = led.checkpoint(5)
+        journal.journal_verdict(root, 5, row["attempt"], row["manifest_digest"], "certified", [], "certify")
+    p = journal.path(root)
+    p.write_text("".join(line for line in p.read_text().splitlines(keepends=True) if '"load_mismatch"' not in line))
+    _lose(root, "deleted")
+    rc, out, _ = run_cli("ls", root, "--json")
+    assert rc == 0 and {r["step"]: r["state"] for r in json.loads(out)["checkpoints"]} == {
+        5: "committed", 10: "committed"}
+    out = run_ranks(w.restart, 2, str(root), timeout=240)
+    assert [o.result.get("refused") for o in out] == ["CheckpointsUnverified"] * 2, [o.result for o in out]
+    assert printed[10][1] not in {o.result.get("digest") for o in out}
+    rc, _, err = run_cli("ledger", "rebuild", root)
+    assert rc == 1 and "chain is broken" in err

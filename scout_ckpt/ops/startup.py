@@ -264,6 +264,10 @@ def _open_run_ledger(root: Path, *, journal: str | None, store) -> Ledger:
                                f"`scout-ckpt ledger rebuild {root}` once the storage answers, then restart")
         for s in result["skipped"]:
             logger.warning("%s: ledger rebuild left step %d out: %s", root, s["step"], s["reason"])
+        chain = result.get("journal_chain") or {}
+        if not chain.get("intact", True):
+            logger.warning("%s: the journal's chain is broken (%s): the rebuild restored none of its certificates",
+                           root, chain.get("detail"))
         states = {r["step"]: r["state"] for r in result["checkpoints"]}
         logger.warning("%s: ledger rebuilt: %s%s", root,
                        ", ".join(f"{s} {st}" for s, st in sorted(states.items())) or "no checkpoint",
