@@ -151,3 +151,53 @@ def test_a_journal_missing_a_rejection_restores_no_certificate(saved):
     assert printed[10][1] not in {o.result.get("digest") for o in out}
     rc, _, err = run_cli("ledger", "rebuild", root)
     assert rc == 1 and "chain is broken" in err
+
+
+# ---- a verdict on a step holds for every copy, in every tier ---------------------------------------------------
+
+TWO_NODES = {"LOCAL_WORLD_SIZE": "1"}
+
+
+@pytest.fixture(scope="module")
+def _tiers_template(tmp_path_factory):
+    """2 ranks as 2 nodes: local steps 2, 4, 6 (each rank's file on its node, a peer copy on the other), durable
+    steps 3 and 6; the digests the job printed at every step."""
+    base = tmp_path_factory.mktemp("tiers")
+    out = run_ranks(w.tiers_job, 2, str(base / "run"), str(base / "local"), timeout=300, env=TWO_NODES)
+    r = out[0].result
+    assert r["durable"] == {3: "certified", 6: "certified"} and r["last_local"]["state"] == "certified", r
+    return base, r["digests"]
+
+
+@pytest.fixture
+def tiers_run(_tiers_template, tmp_path):
+    base, printed = _tiers_template
+    shutil.copytree(base / "run", tmp_path / "run")
+    shutil.copytree(base / "local", tmp_path / "local")
+    return tmp_path / "run", tmp_path / "local", printed
+
+
+def _restart_tiers(root, local_dir):
+    out = run_ranks(w.tiers_restart, 2, str(root), str(local_dir), timeout=300, env=TWO_NODES)
+    assert out[0].result.get("loaded") == out[1].result.get("loaded"), [o.result for o in out]
+    return out[0].result
+
+
+def test_a_step_held_only_by_the_local_tier_can_be_quarantined_and_is_never_loaded(tiers_run):
+    """Local step 4 has no durable folder. `quarantine ROOT 4` quarantines it (exit 0; `ls` shows the local row
+    quarantined); the restart loads durable step 3 (its printed digest), never local step 4; `release` gives the
+    local step its state back."""
+    root, local_dir, printed = tiers_run
+    rc, _, err = run_cli("quarantine", root, "4", "--reason", "suspect node")
+    assert rc == 0, err
+    rc, out, _ = run_cli("ls", root, "--json")
+    local = {r["step"]: r["state"] for r in json.loads(out)["local"]}
+    assert local[4] == "quarantined"
+    got = _restart_tiers(root, local_dir)
+    assert (got["loaded"], got["digest"]) == (6, printed[6])   # the newest step is untouched
+    rc, _, err = run_cli("quarantine", root, "6", "--reason", "suspect node")
+    assert rc == 0, err
+    got = _restart_tiers(root, local_dir)
+    assert (got["loaded"], got["tier"], got["digest"]) == (3, "durable", printed[3])
+    rc, out, err = run_cli("release", root, "4", "--reason", "node replaced", "--json")
+    assert rc == 0 and json.loads(out)["state"] == "certified", err

@@ -99,3 +99,53 @@ def restart(rank, world, root, save_step=None, load=True):
     finally:
         ckpt.close()
     return out
+
+
+def _tier_opts(local_dir, rank):
+    """Each rank its own node (LOCAL_WORLD_SIZE=1 in the env) with its own node-local directory: the ring puts
+    each rank's peer copy on the other node."""
+    return {"dir": f"{local_dir}/node{rank}", "every": 2}
+
+
+def tiers_job(rank, world, root, local_dir, steps=6, durable=(3, 6)):
+    """Local saves every 2 steps, durable saves at `durable`; the digest the job computed at every step."""
+    model = make_model(seed=5)
+    net = ddp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, local=_tier_opts(local_dir, rank), replay=False,
+                        observer=False)
+    printed, verdicts = {}, {}
+    for step in range(1, steps + 1):
+        train_steps(net, opt, 1, seed=step)
+        ckpt.step(step, state_of(model, opt))
+        if step in durable:
+            verdicts[step] = ckpt.save(step, state_of(model, opt))["state"]
+        printed[step] = digest(model, opt)
+    ckpt.wait()
+    local = ckpt.local.last_verdict
+    ckpt.close()
+    return {"digests": printed, "durable": verdicts, "last_local": local}
+
+
+def tiers_restart(rank, world, root, local_dir):
+    """A restart with the fast tier: what it loaded, from which tier, and the job's own digest after it."""
+    from scout_ckpt.errors import ScoutError
+
+    model = make_model(seed=6)
+    net = ddp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(net, opt, 1, seed=99)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, local=_tier_opts(local_dir, rank), replay=False,
+                        observer=False, timeout_s=60)
+    st = state_of(model, opt)
+    try:
+        loaded = ckpt.load_latest_clean(st)
+    except ScoutError as e:
+        ckpt.close()
+        return {"refused": type(e).__name__, "message": str(e)}
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optim"])
+    out = {"loaded": loaded, "tier": ckpt.loaded_tier, "digest": digest(model, opt),
+           "fetched": (ckpt.local.last_loaded or {}).get("fetched")}
+    ckpt.close()
+    return out

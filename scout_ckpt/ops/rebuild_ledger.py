@@ -36,7 +36,7 @@ from scout_ckpt import policy
 from scout_ckpt.errors import LedgerError, ScoutError
 from scout_ckpt.format.layout import LEDGER_NAME, fsync_dir
 from scout_ckpt.format.verify import could_not_check
-from scout_ckpt.ledger import Ledger, journal
+from scout_ckpt.ledger import Ledger, journal, tiers
 
 # Replay may be not applicable where the run's own policy allowed it (a script that never called ckpt.step():
 # replay_no_step_hook); the certified verdict on record for that manifest still has to vouch for it.
@@ -166,6 +166,24 @@ def decide(step: int, m: dict, digest: str, fresh_bytes: dict, jview: dict, old:
             "why": why}
 
 
+def _quarantine_copies(ledger: Ledger, records: list[dict], local_result: dict | None) -> None:
+    """A quarantine on record for a step holds for every copy of it: the fast tier's rebuilt rows of a step the
+    journal says is quarantined (and not released since) are quarantined too, their state before kept for a
+    release (ops/operator.py)."""
+    for r in tiers.rows(ledger):
+        q = journal.standing(records, r["step"], None)["quarantine"]
+        if q is None or r["state"] in ("deleted", "quarantined"):
+            continue
+        tiers.set_state(ledger, r["step"], "quarantined", [{"code": "quarantined", "detail": q.get("reason"),
+                                                             "before": r["state"],
+                                                             "before_reasons": r.get("reasons") or []}],
+                        expect=r["state"])
+        if local_result is not None:
+            for row in local_result.get("rows") or []:
+                if row.get("step") == r["step"]:
+                    row.update(state="quarantined", why="quarantine_from_journal")
+
+
 @dataclass(frozen=True)
 class Entry:
     """One step to rebuild: its manifest (and the digest of its bytes), the path the ledger row records (the
@@ -232,6 +250,7 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
                 if before != state:
                     changes.append({"step": step, "before": before, "after": state, "why": why})
             local_result = local(ledger) if local is not None else None
+            _quarantine_copies(ledger, records, local_result)
         for step, old in sorted(old_rows.items()):
             if step not in manifests and old["state"] != "deleted":
                 changes.append({"step": step, "before": old["state"], "after": None,

@@ -36,6 +36,7 @@ from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops.rebuild_ledger import UNVERIFIED
 from scout_ckpt.ops.recovery import record_verification_failure, trusted_manifest
 from scout_ckpt.ops.startup import CheckpointsUnreadable, CheckpointsUnverified
+from scout_ckpt.save import local_tier_rows as local_rows
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.verified_reader import VerifiedFileSystemReader, is_metadata_changed
 
@@ -277,9 +278,18 @@ class LatestCleanLoader:
     def _candidate(self, below: int | None) -> dict | None:
         """Coordinator: the newest certified step below `below`, its files, and its manifest's signatures (or the
         reason the manifest cannot be trusted)."""
-        row = self.ledger.latest("certified", below=below)
-        if row is None:
-            return None
+        while True:
+            row = self.ledger.latest("certified", below=below)
+            if row is None:
+                return None
+            copy = local_rows.row(self.ledger, row["step"])
+            if copy is None or not policy.step_distrusted(copy["state"], copy.get("reasons") or []):
+                break
+            # a verdict on the step reached through its local copy (a quarantine, a revocation, a lineage taint)
+            # holds for the durable folder too
+            scout_log.logger.info("step %d skipped: its local row is %s (%s)", row["step"], copy["state"],
+                                  ", ".join(x.get("code", "?") for x in copy.get("reasons") or []))
+            below = row["step"]
         m, reasons = (trusted_manifest(self.root / row["path"], row) if self.store is None
                       else self.store.trusted_manifest(row))
         files = self.ledger.files(row["step"])
