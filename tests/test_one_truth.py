@@ -201,3 +201,72 @@ def test_a_step_held_only_by_the_local_tier_can_be_quarantined_and_is_never_load
     assert (got["loaded"], got["tier"], got["digest"]) == (3, "durable", printed[3])
     rc, out, err = run_cli("release", root, "4", "--reason", "node replaced", "--json")
     assert rc == 0 and json.loads(out)["state"] == "certified", err
+
+
+def _lower(path: str, root, step: int) -> None:
+    """Lower STEP's trust by one of the paths that do it, each through the function (or command) that path
+    calls; "none" is the control: nothing lowered."""
+    from scout_ckpt.ledger import Ledger, journal
+    from scout_ckpt.save import local_tier_rows as local_rows
+
+    if path == "none":
+        return
+    if path == "quarantine":
+        run_cli("quarantine", root, str(step), "--reason", "matrix", check_rc=0)
+        return
+    with Ledger.open(root) as led:
+        if path == "revocation":   # an update fault found at step+1 with a cycle of 2: steps in (step-1, step+1]
+            from types import SimpleNamespace
+
+            from scout_ckpt.save.evidence.shard import ShardEvidence
+
+            shard = ShardEvidence.__new__(ShardEvidence)
+            shard.log = SimpleNamespace(cycle=2)
+            assert step in shard.revoke(led, root, [{"step": step + 1, "status": "fail", "ranks": [1],
+                                                     "reasons": [{"code": "shard_replay_mismatch", "ranks": [1]}]}])
+        elif path == "local_verdict":   # a step-level verdict reached through the local row (its own consensus)
+            assert local_rows.set_state(led, step, "rejected", [{"code": "consensus_attributed", "ranks": [1]}],
+                                        expect="certified")
+        else:
+            code, source = {"certify": ("invariant_failed", "certify"), "replay": ("replay_sdc", "replay"),
+                            "load_mismatch": ("load_mismatch", "load")}[path]
+            assert journal.record_transition(led, root, step, "rejected", [{"code": code, "ranks": [1]}],
+                                             source=source, expect="certified")
+
+
+def _keep_only(tier: str, root, local_dir, step: int) -> None:
+    """Leave STEP's bytes in one kind of copy: the durable folder; the local files (own node's); or, for rank 0,
+    only the peer copy its ring neighbour holds. The rows stay as they are."""
+    name = f"step-{step:08d}"
+    if tier == "durable":
+        for d in local_dir.glob(f"node*/*/{name}"):
+            shutil.rmtree(d)
+        return
+    shutil.rmtree(root / name)
+    if tier == "peer":
+        (own,) = local_dir.glob(f"node0/*/{name}/rank-0.pt")
+        own.unlink()
+
+
+PATHS = ["none", "quarantine", "revocation", "certify", "replay", "load_mismatch", "local_verdict"]
+TIERS = ["durable", "local", "peer"]
+
+
+@pytest.mark.scenario
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("path", PATHS)
+def test_a_lowered_step_is_never_loaded_from_any_copy(tiers_run, path, tier):
+    """Every trust-lowering path x every kind of copy that could hand out step 6: the restart never loads step
+    6 (judged by the digest the job printed at step 6), and loads local step 4 instead (its printed digest);
+    the control ("none") loads step 6 from that copy."""
+    root, local_dir, printed = tiers_run
+    _keep_only(tier, root, local_dir, 6)
+    _lower(path, root, 6)
+    got = _restart_tiers(root, local_dir)
+    if path == "none":
+        assert (got["loaded"], got["digest"]) == (6, printed[6]), got
+        assert got["tier"] == ("durable" if tier == "durable" else "local"), got
+        assert (got["fetched"] == [0]) == (tier == "peer"), got
+        return
+    assert got["digest"] != printed[6], got
+    assert (got["loaded"], got["digest"]) == (4, printed[4]), got
