@@ -270,3 +270,50 @@ def test_a_lowered_step_is_never_loaded_from_any_copy(tiers_run, path, tier):
         return
     assert got["digest"] != printed[6], got
     assert (got["loaded"], got["digest"]) == (4, printed[4]), got
+
+
+# ---- an object-store run whose ledger_dir is lost, twice -------------------------------------------------------
+
+from tests.test_s3 import _load, _save, endpoint, run  # noqa: E402,F401 - the moto server and a fresh prefix
+
+
+def test_a_lost_ledger_dir_of_an_s3_run_restarts_from_the_newest_certified_step_twice(run):
+    """An S3 run saves steps 2 and 4; its ledger_dir is lost; the next generation rebuilds it from the bucket
+    (manifests and the journal's copy) and loads step 4 (the digest the job printed), then saves step 6. The
+    ledger_dir is lost again: the journal restored from the bucket the first time kept its seq and its chain, so
+    the next generation loads step 6, never starts afresh."""
+    printed = _save(run, [2, 4])["saved"]
+    shutil.rmtree(run["ledger"])
+    got = _load(run, then_save=6)
+    assert (got["step"], got["digest"]) == (4, printed[4])
+    assert got["verdict"] == "certified"
+    shutil.rmtree(run["ledger"])
+    got = _load(run)
+    assert got["step"] == 6
+
+
+# ---- a walk-back that rejects its last candidate leaves no mismatched values to train on ----------------------
+
+def test_a_walk_back_that_rejects_every_candidate_for_load_mismatch_refuses_to_start(saved):
+    """Every load's values differ from the certified signatures (a loader fault after dcp.load): steps 10 and
+    5 are rejected (load_mismatch), and with none left the start is refused on every rank (StateOverwritten, exit
+    code 75) instead of returning None with step 5's mismatched values in the caller's state."""
+    root, _ = saved
+    out = run_ranks(w.restart_with_loader_fault, 2, str(root), timeout=240)
+    assert [o.result.get("refused") for o in out] == ["StateOverwritten"] * 2, [o.result for o in out]
+    assert out[0].result["exit_code"] == 75
+    rows = _ls(root)
+    assert [rows[s]["state"] for s in (5, 10)] == ["rejected", "rejected"]
+    assert {r["code"] for s in (5, 10) for r in rows[s]["reasons"]} == {"load_mismatch"}
+
+
+def test_eio_on_every_copy_of_every_step_refuses_the_start_and_rejects_nothing(tiers_run):
+    """Every durable folder and every node-local file answers EIO: the restart refuses on every rank
+    (CheckpointsUnreadable, exit code 75, naming local and durable steps) instead of starting from step 0;
+    nothing was rejected, so once the storage answers the restart loads step 6 (its printed digest)."""
+    root, local_dir, printed = tiers_run
+    out = run_ranks(w.tiers_restart_eio, 2, str(root), str(local_dir), timeout=300, env=TWO_NODES)
+    assert [o.result.get("refused") for o in out] == ["CheckpointsUnreadable"] * 2, [o.result for o in out]
+    assert "6 (local)" in out[0].result["message"] and "could_not_check" in out[0].result["message"]
+    got = _restart_tiers(root, local_dir)
+    assert (got["loaded"], got["digest"]) == (6, printed[6])

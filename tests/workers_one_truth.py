@@ -149,3 +149,58 @@ def tiers_restart(rank, world, root, local_dir):
            "fetched": (ckpt.local.last_loaded or {}).get("fetched")}
     ckpt.close()
     return out
+
+
+def restart_with_loader_fault(rank, world, root):
+    """A restart whose every load sees one loaded weight changed right after dcp.load (the after_load fault
+    point): every candidate is rejected for load_mismatch. Returns the refusal, or what was loaded."""
+    from scout_ckpt.errors import ScoutError
+
+    model = make_model(seed=6)
+    net = ddp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(net, opt, 1, seed=99)
+
+    def corrupt(point, step):
+        if point == "after_load":
+            with torch.no_grad():
+                model[0].weight.view(-1).view(torch.int32)[0] ^= 1
+
+    ckpt = Checkpointer(root, model=net, optimizer=opt, replay=False, observer=False, fault_hook=corrupt,
+                        timeout_s=60)
+    try:
+        return {"loaded": ckpt.load_latest_clean(state_of(model, opt))}
+    except ScoutError as e:
+        return {"refused": type(e).__name__, "message": str(e), "exit_code": e.exit_code}
+    finally:
+        ckpt.close()
+
+
+def tiers_restart_eio(rank, world, root, local_dir):
+    """tiers_restart while every file under ROOT's step folders and the node-local directories answers EIO (a
+    storage outage): the refusal, or what was loaded."""
+    import errno
+    import os
+
+    real = os.open
+    roots = (os.path.realpath(root) + "/step-", os.path.realpath(local_dir) + "/")
+
+    def flaky(path, flags, *args, **kwargs):
+        if not isinstance(path, int) and os.path.realpath(os.fspath(path)).startswith(roots):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.fspath(path))
+        return real(path, flags, *args, **kwargs)
+
+    from pathlib import Path
+
+    real_read = Path.read_bytes
+
+    def flaky_read(self):   # the local tier reads its files whole, through io.open (not os.open)
+        if os.path.realpath(self).startswith(roots):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(self))
+        return real_read(self)
+
+    os.open, Path.read_bytes = flaky, flaky_read
+    try:
+        return tiers_restart(rank, world, root, local_dir)
+    finally:
+        os.open, Path.read_bytes = real, real_read

@@ -146,6 +146,27 @@ def ordered(records: list[dict]) -> list[dict]:
     return [r for _, r in keyed]
 
 
+def restore(root: str | os.PathLike, records: list[dict]) -> bool:
+    """Write `records` (a store's copy, read back when the ledger_dir was lost with its journal) as ROOT's
+    journal, in seq order, each as the line `append` wrote, so that the next record continues their seq and their
+    chain. Only where ROOT has no journal or an empty one (a journal is never rewritten); whether it wrote. A temp
+    file renamed into place: a crash leaves no journal or the whole one. Nothing is copied to the store again."""
+    p = path(root)
+    if not records or (p.exists() and p.stat().st_size > 0):
+        return False
+    tmp = p.with_name(f".{JOURNAL_NAME}.restore-{os.getpid()}")
+    data = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in ordered(records)).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, p)
+    fsync_dir(p.parent)
+    return True
+
+
 def check_appendable(root: str | os.PathLike) -> None:
     """Raise the OSError an append would meet opening the journal (a directory in its place, a read-only mount),
     before a caller changes the ledger: a change that must be journaled after its commit (a release) is then not

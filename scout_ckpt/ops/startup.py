@@ -79,6 +79,15 @@ class CheckpointsUnverified(StartRefused):
     decides: restore the journal and rebuild, or give the new run its own ROOT)."""
 
 
+class StateOverwritten(StartRefused):
+    """load_latest_clean put a checkpoint's values into the caller's state, found they did not match what was
+    certified (the step is rejected), and no older certified checkpoint was left: the state holds those values,
+    so the job must not train on it (exit code 75, on every rank alike). The next start, in a fresh process,
+    finds the step rejected and starts from fresh state."""
+
+    exit_code = 75
+
+
 class RootInUse(StartRefused):
     """Another job's Checkpointer holds this ROOT's run lease (exit code 2): two jobs would overwrite each other's
     checkpoints. Point the second job at its own ROOT, or stop the first."""

@@ -35,7 +35,7 @@ from scout_ckpt.format.verify import COULD_NOT_CHECK, only_unchecked, verify_fil
 from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops.rebuild_ledger import UNVERIFIED
 from scout_ckpt.ops.recovery import record_verification_failure, trusted_manifest
-from scout_ckpt.ops.startup import CheckpointsUnreadable, CheckpointsUnverified
+from scout_ckpt.ops.startup import CheckpointsUnreadable, CheckpointsUnverified, StateOverwritten
 from scout_ckpt.save import local_tier_rows as local_rows
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.verified_reader import VerifiedFileSystemReader, is_metadata_changed
@@ -88,6 +88,8 @@ class LatestCleanLoader:
         # certified steps passed over because they could not be read now (the same list on every rank: the
         # reasons are all-gathered); none left to load then is a refusal, never a fresh start over them
         self._unchecked: list[tuple[int, str, list[dict]]] = []
+        # the step whose values a load put into `state` before they were found not to match (None: untouched)
+        self._overwritten: int | None = None
         while True:
             cand = self._broadcast(self._next(below, below_local) if self.is_coordinator else None)
             if isinstance(cand, dict) and "latched" in cand:  # the same error on every rank, none left waiting
@@ -104,6 +106,8 @@ class LatestCleanLoader:
             if cand is None:
                 if self._unchecked:
                     raise CheckpointsUnreadable(self._unreadable_text())
+                if self._overwritten is not None:
+                    raise StateOverwritten(self._overwritten_text())
                 if self.is_coordinator:
                     scout_log.fresh_start(self.rank, str(self.root), [
                         r for r in self.ledger.checkpoints(states=("committed", "writing", "rejected"))])
@@ -117,6 +121,7 @@ class LatestCleanLoader:
                 continue
             rank_local = _begin_rank_local(state, cand.get("world_size"))
             try:
+                self._overwritten = cand["step"]   # from here `state` may hold some of its values
                 differ = self._load_and_check(state, cand, step_dir)
             except CheckpointException as e:  # raised by DCP on every rank alike (it gathers the ranks' errors)
                 failed = self._load_failure(e)
@@ -169,10 +174,20 @@ class LatestCleanLoader:
                 f"answers (torchrun --max-restarts retries the job), or check it with `scout-ckpt resume "
                 f"{self.root} --latest-clean`")
 
+    def _overwritten_text(self) -> str:
+        """One line: the state passed in holds a rejected checkpoint's values and no older one is left."""
+        return (f"refusing to start: load_latest_clean loaded checkpoint {self._overwritten} under {self.root} into "
+                f"the state passed in, found its values did not match what was certified (rejected, or could not "
+                f"be loaded whole), and no older certified checkpoint is left; the state holds those values, so "
+                f"the job must not train on it. Restart the job (torchrun --max-restarts does): a fresh process "
+                f"starts from fresh state")
+
     def _load_local(self, state: dict, cand: dict, t0: float) -> bool:
         """Collective: a fast-tier candidate (save/local_tier.LocalTier.load re-verifies every rank's bytes); on
         failure the same reasons on every rank, the step rejected unless nothing could be checked."""
         failed = self.local.load(state, cand, self)
+        if any(r.get("code") == "load_mismatch" for r in failed):   # applied, then found not to match
+            self._overwritten = cand["step"]
         if failed:
             self._on_coordinator(cand["step"], lambda: self.local.reject(cand, failed))
             (scout_log.could_not_check if only_unchecked(failed) else scout_log.skipped)(self.rank, cand["step"],
