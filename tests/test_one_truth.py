@@ -317,3 +317,31 @@ def test_eio_on_every_copy_of_every_step_refuses_the_start_and_rejects_nothing(t
     assert "6 (local)" in out[0].result["message"] and "could_not_check" in out[0].result["message"]
     got = _restart_tiers(root, local_dir)
     assert (got["loaded"], got["digest"]) == (6, printed[6])
+
+
+def test_a_save_of_a_certified_step_or_of_a_step_quarantined_in_either_tier_is_refused(tmp_path):
+    """The ledger's `writing` row is where a save starts: refused for a certified step (a job's save), for a
+    step quarantined in the durable tier, and for one quarantined only in the fast tier; each refusal is in the
+    history and the rows are left as they were."""
+    from scout_ckpt.errors import CertifiedStep, Quarantined
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.ops.operator import quarantine
+    from scout_ckpt.save import local_tier_rows as rows
+
+    with Ledger.open(tmp_path, create=True) as led:
+        led.begin_run("r1", world_size=2, topology={}, policy={"require": ["bytes"]})
+        led.record_writing(3, "r1", "a3", "step-00000003")
+        led.record_commit(3, run_id="r1", path="step-00000003", nbytes=1, manifest_digest="m3", files=[],
+                          evidence={}, state="certified", reasons=[], attempt="a3")
+        rows.record(led, step=4, run_id="r1", state="certified", dir="r1/step-00000004", world_size=2, layout={},
+                    files=[], copies=[], evidence={}, signatures={}, reasons=[])
+    quarantine(tmp_path, 4, "suspect node")
+    with Ledger.open(tmp_path) as led:
+        with pytest.raises(CertifiedStep):
+            led.record_writing(3, "r2", "b3", "step-00000003", keep_certified=True)
+        with pytest.raises(Quarantined):
+            led.record_writing(4, "r2", "b4", "step-00000004", keep_certified=True)
+        assert (led.checkpoint(3)["state"], led.checkpoint(3)["attempt"]) == ("certified", "a3")
+        assert led.checkpoint(4) is None and rows.row(led, 4)["state"] == "quarantined"
+        led.record_writing(3, "r2", "c3", "step-00000003")   # a tool's re-record (adopt) is not a job's save
+        assert led.checkpoint(3)["state"] == "writing"

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from scout_ckpt.errors import CertifiedStep, Quarantined
+from scout_ckpt.ledger import tiers
 from scout_ckpt.ledger.connection import (  # noqa: F401  (re-exported: importers use scout_ckpt.ledger.store)
     DEFAULT_BUSY_TIMEOUT_S,
     DEFAULT_READ_BUSY_TIMEOUT_S,
@@ -75,6 +76,9 @@ class Ledger(LedgerQueries):
         owner = owner or {}
         with self.write():
             row = self.checkpoint(step)
+            copy = tiers.row(self, step)
+            if (row is None or row["state"] != "quarantined") and copy is not None and copy["state"] == "quarantined":
+                row = {**copy, "attempt": None}   # a step quarantined in the fast tier is quarantined: no save
             refused = row is not None and (row["state"] == "quarantined"
                                            or (keep_certified and row["state"] == "certified"))
             if refused:

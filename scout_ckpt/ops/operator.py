@@ -46,7 +46,7 @@ def quarantine(root: str | os.PathLike, step: int, reason: str) -> dict:
     with Ledger.open(root) as ledger, ledger.write():
         row, copy = ledger.checkpoint(step), _copy_row(ledger, step)
         live = {t: r for t, r in (("durable", row), (tiers.LOCAL, copy))
-                if r is not None and r["state"] not in ("deleted", "quarantined")}
+                if r is not None and r["state"] != "deleted"}   # quarantined again: the new reason stands
         if row is None and copy is None:
             raise BadInput(f"step {step}: no such checkpoint in {root}")
         if not live:
@@ -65,9 +65,11 @@ def quarantine(root: str | os.PathLike, step: int, reason: str) -> dict:
         if "durable" in live:
             ledger.transition(step, "quarantined", reasons, source="operator", expect=row["state"])
         if tiers.LOCAL in live:   # its state before is kept in the reason: a release gives it back, never more
-            tiers.set_state(ledger, step, "quarantined", [{**reasons[0], "before": copy["state"],
-                                                          "before_reasons": copy.get("reasons") or []}],
-                            expect=copy["state"])
+            was = next((r for r in copy.get("reasons") or [] if r.get("code") == "quarantined"), None)
+            before_local = ({"before": was.get("before"), "before_reasons": was.get("before_reasons") or []}
+                            if copy["state"] == "quarantined" and was is not None
+                            else {"before": copy["state"], "before_reasons": copy.get("reasons") or []})
+            tiers.set_state(ledger, step, "quarantined", [{**reasons[0], **before_local}], expect=copy["state"])
         ledger.add_event("quarantine", step=step, detail={"reason": reason, "before": first["state"],
                                                           "tiers": before})
     return {"step": step, "state": "quarantined", "before": first["state"], "reason": reason, "tiers": before}
