@@ -14,6 +14,7 @@ import pytest
 from scout_ckpt.testing.launch import run_ranks
 from tests import workers_one_truth as w
 from tests.conftest import run_cli
+from tests.test_s3 import _load, _save, endpoint, run  # noqa: F401 - fixtures: the moto server, a fresh prefix
 
 
 def _ls(root) -> dict:
@@ -274,10 +275,9 @@ def test_a_lowered_step_is_never_loaded_from_any_copy(tiers_run, path, tier):
 
 # ---- an object-store run whose ledger_dir is lost, twice -------------------------------------------------------
 
-from tests.test_s3 import _load, _save, endpoint, run  # noqa: E402,F401 - the moto server and a fresh prefix
 
 
-def test_a_lost_ledger_dir_of_an_s3_run_restarts_from_the_newest_certified_step_twice(run):
+def test_a_lost_ledger_dir_of_an_s3_run_restarts_from_the_newest_certified_step_twice(run):  # noqa: F811
     """An S3 run saves steps 2 and 4; its ledger_dir is lost; the next generation rebuilds it from the bucket
     (manifests and the journal's copy) and loads step 4 (the digest the job printed), then saves step 6. The
     ledger_dir is lost again: the journal restored from the bucket the first time kept its seq and its chain, so
