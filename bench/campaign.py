@@ -519,6 +519,8 @@ def score(incidents: list[dict], healthy: list[dict]) -> dict:
         if murphy:  # faults of the world (campaign_murphy): targets 0 and 0; every incident's outcome, skips too
             kinds[kind].update(wrongly_certified=sum(i["wrongly_certified"] for i in murphy),
                                good_lost=sum(i["good_lost"] for i in murphy),
+                               fresh_start_over_checkpoints=sum(i.get("fresh_start_over_checkpoints", 0)
+                                                                for i in murphy),
                                outcomes=[i.get("outcome") for i in murphy])
     return kinds
 

@@ -1,7 +1,9 @@
 """Campaign scenarios for faults of the world (Murphy), run against a real job: a user's DDP script
 (examples/train_ddp.py, 2 gloo ranks under real `torchrun --standalone`, default Checkpointer options).
 
-Loaded by bench/campaign.py (`--kinds lost_ledger,transient_eio,enospc,clock_skew,gc_resave,second_container`).
+Loaded by bench/campaign.py (`--kinds lost_ledger,transient_eio,enospc,clock_skew,gc_resave,second_container`, and
+the fast tier's `local_quarantine,tier_revocation,eio_every_candidate,local_verdict_race`, described where they
+are defined).
 Every incident starts from a copy of one base run of the job (20 steps, checkpoints 5, 10, 15, 20 certified; built
 once per campaign), then meets one fault of the world, injected by real means, and restarts the job:
 
@@ -286,6 +288,7 @@ class Oracle:
         self.lost: set[int] = set()
         self.loads: list[dict] = []
         self.walked_back = False
+        self.fresh_starts = 0         # generations that started from step 0 while good steps existed
 
     def damage(self, step: int) -> None:
         self.good.discard(step)
@@ -299,6 +302,8 @@ class Oracle:
                 newest = max(self.good, default=0)
                 s = e["step"]
                 rec = {"gen": label, "attempt": e["attempt"], "step": s, "expected": newest}
+                if not s and self.good:
+                    self.fresh_starts += 1
                 if s and e["digest"] != self.saved.get(s):
                     self.wrong.add(s)
                     rec["digest_differs"] = True
@@ -380,11 +385,13 @@ def _outcome(*gens: dict) -> str:
 
 def _record(inc: dict, oracle: Oracle, final: dict, outcome: str, fired: bool, wall: float, **extra) -> dict:
     wrong, lost = sorted(oracle.wrong), sorted(oracle.lost)
-    handled = not wrong and not lost and outcome.split(":")[0] in ("finished", "refused")
+    handled = (not wrong and not lost and not oracle.fresh_starts
+               and outcome.split(":")[0] in ("finished", "refused"))
     return {"id": inc["id"], "kind": inc["kind"], "ranks": RANKS, "fired": fired, "detected": handled,
             "blamed": [], "truth": [], "latency_s": None, "wall_s": round(wall, 1),
             "wrongly_certified": len(wrong), "wrongly_certified_steps": wrong,
             "good_lost": len(lost), "good_lost_steps": lost, "outcome": outcome,
+            "fresh_start_over_checkpoints": oracle.fresh_starts,
             "walked_back": oracle.walked_back, "loads": oracle.loads,
             "resume_step": final.get("resume_latest_clean"), "no_resume": final.get("resume_latest_clean") is None,
             "bad_resume": bool(wrong), "bad_resume_detail": [f"certified or loaded with other state: {wrong}"]
@@ -393,7 +400,8 @@ def _record(inc: dict, oracle: Oracle, final: dict, outcome: str, fired: bool, w
 
 def _skipped(inc: dict, why: str) -> dict:
     return {"id": inc["id"], "kind": inc["kind"], "fired": False, "detected": False, "blamed": [], "truth": [],
-            "latency_s": None, "wrongly_certified": 0, "good_lost": 0, "outcome": f"skipped: {why}",
+            "latency_s": None, "wrongly_certified": 0, "good_lost": 0, "fresh_start_over_checkpoints": 0,
+            "outcome": f"skipped: {why}",
             "bad_resume": False, "no_resume": False, "note": why}
 
 
@@ -549,6 +557,140 @@ def _run_second_container(inc: dict, work: Path) -> dict:
                    restart={"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]})
 
 
+# ---- the fast tier's kinds ------------------------------------------------------------------------------------
+#
+# A 2-rank DDP job as two nodes (LOCAL_WORLD_SIZE=1, each rank its own node-local directory, its peer copy on the
+# other node): local saves at 2, 4, 6, durable saves at 3 and 6, the job's own digest at every step (the workers
+# of tests/workers_one_truth.py, run on real gloo ranks by scout_ckpt.testing.launch). Each incident lowers or hides
+# steps by real means and restarts; judged by the digests the job printed:
+#
+#   local_quarantine      `scout-ckpt quarantine` of step 6 (both tiers) and of step 4 (held by the fast tier
+#                         only): the restart must load durable step 3.
+#   tier_revocation       a shard update fault found at step 7 with a cycle of 2 (ShardEvidence.revoke): step 6 in
+#                         both tiers is in its window; the restart must load local step 4.
+#   eio_every_candidate   every step folder and node-local file answers EIO at the restart: it must refuse (not
+#                         start from step 0) and reject nothing; the next restart (storage back) loads step 6.
+#   local_verdict_race    step 2's local save holds a NaN, its commit slowed by 2 s; the durable save of step 3
+#                         descends from it and must not be certified.
+#
+# wrongly_certified: a restart loaded a lowered step, or a digest other than the one printed at the step it
+# loaded, or a durable save descending from a bad local save was certified. good_lost: a restart loaded an older
+# step than the newest one nothing lowered, or a step was rejected that nothing damaged. fresh_start_over_checkpoints:
+# a restart that returned no step while checkpoints existed.
+
+TIER_ENV = {"LOCAL_WORLD_SIZE": "1"}
+if str(REPO) not in sys.path:   # the workers are importable from the repo root (tests/workers_one_truth.py)
+    sys.path.insert(0, str(REPO))
+
+
+def _tiers_base(work: Path) -> tuple[Path, Path, dict[int, str]]:
+    from scout_ckpt.testing.launch import run_ranks
+    from tests import workers_one_truth as w
+
+    base = work / "murphy-tiers-base"
+    with _BASE_LOCK:
+        done = base / "oracle.json"
+        if not done.exists():
+            shutil.rmtree(base, ignore_errors=True)
+            base.mkdir(parents=True)
+            out = run_ranks(w.tiers_job, RANKS, str(base / "run"), str(base / "local"), timeout=600, env=TIER_ENV)
+            done.write_text(json.dumps(out[0].result["digests"]))
+        return base / "run", base / "local", {int(k): v for k, v in json.loads(done.read_text()).items()}
+
+
+def _tiers_start(inc: dict, work: Path) -> tuple[Path, Path, dict[int, str]]:
+    run, local, printed = _tiers_base(work)
+    dest = work / inc["id"]
+    shutil.copytree(run, dest / "run")
+    shutil.copytree(local, dest / "local")
+    return dest / "run", dest / "local", printed
+
+
+def _tiers_restart(root: Path, local: Path, eio: bool = False) -> dict:
+    from scout_ckpt.testing.launch import run_ranks
+    from tests import workers_one_truth as w
+
+    out = run_ranks(w.tiers_restart_eio if eio else w.tiers_restart, RANKS, str(root), str(local), timeout=600,
+                    env=TIER_ENV, allow_failures=True)
+    results = [o.result or {"crashed": o.error} for o in out]
+    return results[0] if all(r == results[0] for r in results) else {"ranks_disagree": results}
+
+
+def _tiers_record(inc: dict, t0: float, restart: dict, expect: int, printed: dict[int, str], lowered: set[int],
+                  **extra) -> dict:
+    loaded = restart.get("loaded")
+    wrong = sorted({loaded} & lowered) if loaded is not None else []
+    if loaded and restart.get("digest") != printed.get(loaded):
+        wrong = sorted(set(wrong) | {loaded})
+    lost = sorted(s for s in printed if loaded is not None and loaded < s <= expect and s not in lowered)
+    fresh = int("loaded" in restart and not loaded)
+    outcome = ("finished" if "loaded" in restart else f"refused: {restart['refused']}" if "refused" in restart
+               else f"crashed: {str(restart)[:300]}")
+    handled = not wrong and not lost and not fresh and not outcome.startswith("crashed")
+    return {"id": inc["id"], "kind": inc["kind"], "ranks": RANKS, "fired": True, "detected": handled,
+            "blamed": [], "truth": [], "latency_s": None, "wall_s": round(time.monotonic() - t0, 1),
+            "wrongly_certified": len(wrong), "wrongly_certified_steps": wrong, "good_lost": len(lost),
+            "good_lost_steps": lost, "fresh_start_over_checkpoints": fresh, "outcome": outcome,
+            "resume_step": loaded, "no_resume": loaded is None, "bad_resume": bool(wrong),
+            "bad_resume_detail": [f"loaded a lowered step or other state: {wrong}"] if wrong else [],
+            "restart": restart, **extra}
+
+
+def _run_local_quarantine(inc: dict, work: Path) -> dict:
+    t0 = time.monotonic()
+    root, local, printed = _tiers_start(inc, work)
+    rcs = [_cli("quarantine", root, s, "--reason", "campaign")[0] for s in (6, 4)]
+    got = _tiers_restart(root, local)
+    return _tiers_record(inc, t0, got, 3, printed, {4, 6}, quarantine_rc=rcs)
+
+
+def _run_tier_revocation(inc: dict, work: Path) -> dict:
+    from types import SimpleNamespace
+
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.save.evidence.shard import ShardEvidence
+
+    t0 = time.monotonic()
+    root, local, printed = _tiers_start(inc, work)
+    shard = ShardEvidence.__new__(ShardEvidence)
+    shard.log = SimpleNamespace(cycle=2)
+    with Ledger.open(root) as led:
+        revoked = shard.revoke(led, root, [{"step": 7, "status": "fail", "ranks": [1],
+                                            "reasons": [{"code": "shard_replay_mismatch", "ranks": [1]}]}])
+    got = _tiers_restart(root, local)
+    return _tiers_record(inc, t0, got, 4, printed, {6}, revoked=revoked)
+
+
+def _run_eio_every_candidate(inc: dict, work: Path) -> dict:
+    t0 = time.monotonic()
+    root, local, printed = _tiers_start(inc, work)
+    during = _tiers_restart(root, local, eio=True)
+    after = _tiers_restart(root, local)
+    rec = _tiers_record(inc, t0, after, 6, printed, set(), during=during)
+    if "loaded" in during:   # the outage was answered with a start: from step 0, or from a step it could read
+        rec["fresh_start_over_checkpoints"] += int(not during["loaded"])
+        rec["detected"] = False
+    return rec
+
+
+def _run_local_verdict_race(inc: dict, work: Path) -> dict:
+    from scout_ckpt.testing.launch import run_ranks
+    from tests import workers_one_truth as w
+
+    t0 = time.monotonic()
+    dest = work / inc["id"]
+    out = run_ranks(w.local_verdict_races_durable_save, RANKS, str(dest / "run"), str(dest / "local"),
+                    timeout=600)
+    r = out[0].result
+    certified = r["durable"]["state"] == "certified"
+    return {"id": inc["id"], "kind": inc["kind"], "ranks": RANKS, "fired": r["local"]["state"] == "rejected",
+            "detected": not certified, "blamed": [], "truth": [], "latency_s": None,
+            "wall_s": round(time.monotonic() - t0, 1), "wrongly_certified": int(certified),
+            "wrongly_certified_steps": [3] if certified else [], "good_lost": 0, "fresh_start_over_checkpoints": 0,
+            "outcome": "finished", "bad_resume": False, "no_resume": False, "durable": r["durable"],
+            "local": r["local"]}
+
+
 # ---- plans --------------------------------------------------------------------------------------------------
 
 
@@ -579,6 +721,10 @@ SCENARIOS = {
     "clock_skew": {"plan": _plan_skew, "run": _run_clock_skew, "false_positive": _no_fp},
     "gc_resave": {"plan": _plan_none, "run": _run_gc_resave, "false_positive": _no_fp},
     "second_container": {"plan": _plan_none, "run": _run_second_container, "false_positive": _no_fp},
+    "local_quarantine": {"plan": _plan_none, "run": _run_local_quarantine, "false_positive": _no_fp},
+    "tier_revocation": {"plan": _plan_none, "run": _run_tier_revocation, "false_positive": _no_fp},
+    "eio_every_candidate": {"plan": _plan_none, "run": _run_eio_every_candidate, "false_positive": _no_fp},
+    "local_verdict_race": {"plan": _plan_none, "run": _run_local_verdict_race, "false_positive": _no_fp},
 }
 
 

@@ -27,6 +27,8 @@ _LAZY = {
     "StartRefused": "scout_ckpt.ops.startup",
     "RootInUse": "scout_ckpt.ops.startup",
     "CheckpointsUnreadable": "scout_ckpt.ops.startup",
+    "CheckpointsUnverified": "scout_ckpt.ops.startup",
+    "StateOverwritten": "scout_ckpt.ops.startup",
     "ReplayOptions": "scout_ckpt.options",
     "ObserverOptions": "scout_ckpt.options",
     "StragglerRule": "scout_ckpt.options",

@@ -320,8 +320,9 @@ class Checkpointer:
         Sync: returns the verdict on every rank, the manifest's: {"state": "certified" | "committed" |
         "rejected", "reasons": [{"code", ...}], "live_fault": [kinds]} ("live_fault" only when the evidence
         showed the live state bad; an error in the ledger write or retention after the rename is recorded as an
-        event, never raised). Async: returns None at once; the commit happens when the upload has completed
-        everywhere, and its failure is raised at the next step()/save()/wait().
+        event, never raised). With the fast tier, a local save still committing is waited for first: a live fault
+        it found taints this save's lineage. Async: returns None at once; the commit happens when the upload has
+        completed everywhere, and its failure is raised at the next step()/save()/wait().
 
         A verdict with "live_fault" (replicas disagreed, replay or a shard's update did not recompute, a shard
         changed at rest, non-finite values, a hardware fault) means every later checkpoint descends from bad
@@ -335,7 +336,9 @@ class Checkpointer:
         both come from its next step()/save()/wait() (as ScoutError, the cause chained)."""
         if self._closed:
             raise ScoutError("Checkpointer is closed")
-        self._raise_live_fault()   # the previous async save's, if it found the live state bad
+        if self.local is not None:
+            self.local.wait()   # the local save this state descends from: its verdict is assessed with this one
+        self._raise_live_fault()   # the previous async or local save's, if it found the live state bad
         t0 = time.monotonic()
         with self.phase("checkpoint"):
             try:

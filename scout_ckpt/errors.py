@@ -67,6 +67,13 @@ class LiveStateCorrupt(ScoutError):
         self.step, self.verdict = step, verdict
 
 
+class CertifiedStep(ScoutError):
+    """A job's save of a step whose certified row exists: refused, the checkpoint and its row left as they are
+    (a run that trains over certified checkpoints instead of loading them would replace them)."""
+
+    exit_code = 1
+
+
 class Quarantined(ScoutError):
     """The step is quarantined by an operator: it is not re-saved or resumed until `scout-ckpt release`."""
 

@@ -74,8 +74,9 @@ def test_verify_load_false_records_no_signatures_and_loads_unchecked_values(effe
     assert got["verdict"]["state"] == "certified"
     assert got["recorded"]["signatures"] == {}
     # a bit flipped right after dcp.load: the default rejects the step (load_mismatch) and has nothing older to
-    # resume from; verify_load=False resumes from it
-    assert r["loads"] == {"no_verify_load": 1, "journal_default": None}
+    # resume from, and its values are in the state now: the start is refused (StateOverwritten), never a start
+    # from step 0 on them; verify_load=False resumes from it
+    assert r["loads"] == {"no_verify_load": 1, "journal_default": "StateOverwritten"}
     with Ledger.open(root / "journal_default", readonly=True) as led:
         assert led.checkpoint(1)["state"] == "rejected"
         assert led.checkpoint(1)["reasons"][0]["code"] == "load_mismatch"

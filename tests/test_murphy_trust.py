@@ -370,14 +370,14 @@ def _load_with_eio_everywhere(rank, world, root):
 
 def test_a_storage_outage_on_every_checkpoint_refuses_the_start_instead_of_starting_from_step_0(ckpt_root):
     """Every certified step's files answer EIO: load_latest_clean walks past each (could not check: nothing
-    rejected) and then, with none left, refuses on every rank alike (CheckpointsUnreadable, exit code 2, naming
+    rejected) and then, with none left, refuses on every rank alike (CheckpointsUnreadable, exit code 75, naming
     the steps and the cause) instead of returning None, which would have the job train from step 0 and save over
     the certified steps. Once the storage answers, resume hands out the newest again."""
     before = {s: _trust(ckpt_root, s) for s in (3, 4)}
     out = run_ranks_(_load_with_eio_everywhere, 2, str(ckpt_root))
     for o in out:
         r = o.result
-        assert "refused" in r and r["exit_code"] == 2, r
+        assert "refused" in r and r["exit_code"] == 75, r
         assert "refusing to start from step 0" in r["refused"] and "4, 3" in r["refused"], r
         assert "\n" not in r["refused"] and "could_not_check" in r["refused"], r
     assert {s: _trust(ckpt_root, s) for s in (3, 4)} == before

@@ -134,6 +134,12 @@ def ledger_rebuild(root: Path, no_verify: bool, uri: str | None, as_json: bool,
         more = f" (and {len(result['skipped']) - 1} more)" if len(result["skipped"]) > 1 else ""
         print(f"scout-ckpt: ledger rebuild skipped step {first['step']}: {first['reason']}{more}", file=sys.stderr)
         failed = 1
+    chain = result.get("journal_chain") or {}
+    if chain and not chain.get("intact", True):
+        # nor is one whose journal is broken: the certificates it held are not restored
+        print(f"scout-ckpt: the journal's chain is broken ({chain['detail']}): it vouches for no certificate; "
+              "its rejections and quarantines stand", file=sys.stderr)
+        failed = 1
     if local.get("not_checked"):
         # nor is one that could not check a local step it had on record: it is no longer certified
         steps = ", ".join(map(str, local["not_checked"]))

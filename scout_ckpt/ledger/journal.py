@@ -10,6 +10,14 @@ Record kinds: "verdict" {step, attempt, manifest_digest, state, reasons, source}
 manifest_digest, reason}, "release" {step, attempt, manifest_digest, state, reason}; each with "time" and "seq".
 A torn last line (a crash mid-append) is skipped on reading.
 
+Chain. Each record carries "prev": the link (`link`, a SHA-256 of its canonical JSON) of the record before it,
+"" for the first; `append` computes it under the same flock as the seq. `verify` walks the records in seq order:
+a line edited or removed anywhere but at the end breaks the chain at the next record. A rebuild takes
+certificates from the journal only where the chain is intact (a removed record could have been a rejection of
+any step); rejections and quarantines it takes from every record, intact or not, since they only lower trust.
+Records written before the chain existed carry no "prev" and are not checked. The chain is no signature: whoever
+can write the file can rewrite it whole; it catches a damaged, hand-edited or partly lost journal.
+
 Order. "time" is the writer's clock, and hosts disagree (an hour, after a bad NTP day), so no reader orders by it.
 "seq" is the root's own sequence number: assigned by `append` while it holds an exclusive flock on the journal
 (the last record's seq + 1; the number of records before it for a journal of records without one), so appenders
@@ -23,6 +31,7 @@ that order.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import time
@@ -48,8 +57,9 @@ def append(root: str | os.PathLike, record: dict) -> dict:
     created = not p.exists()
     fd = os.open(p, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)   # the seq and the line it numbers are one step for every appender
-        record["seq"] = _next_seq(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX)   # the seq, the link and the line are one step for every appender
+        record["seq"], last = _next_seq(fd)
+        record["prev"] = link(last) if last is not None else ""
         data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":   # a torn last line (power loss): end it, keep ours whole
@@ -78,26 +88,54 @@ def _parse(line: bytes) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
-def _next_seq(fd: int) -> int:
-    """The seq of the record about to be appended to the journal open at `fd` (its lock held): the last
-    numbered record's seq + 1, read from the file's tail; for a journal whose tail holds no numbered record,
-    from the whole file (the number of records when none has a seq)."""
+def link(record: dict) -> str:
+    """What the next record's "prev" names: the SHA-256 of this record's canonical JSON (the line `append`
+    wrote, without its newline)."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _next_seq(fd: int) -> tuple[int, dict | None]:
+    """(seq, last record) for the record about to be appended to the journal open at `fd` (its lock held): the
+    last numbered record's seq + 1, read from the file's tail; for a journal whose tail holds no numbered
+    record, from the whole file (the number of records when none has a seq). The last record is the one the new
+    record's "prev" links to (None for an empty journal)."""
     size = os.fstat(fd).st_size
     tail = os.pread(fd, min(size, _TAIL), max(0, size - _TAIL))
     lines = tail.splitlines()[1 if size > _TAIL else 0:]   # the first line of a tail may be cut
     for line in reversed(lines):
         rec = _parse(line)
         if rec is not None and isinstance(rec.get("seq"), int):
-            return rec["seq"] + 1
-    best, count = None, 0
+            return rec["seq"] + 1, rec
+    best, count, last = None, 0, None
     for line in (os.pread(fd, size, 0) if size > _TAIL else tail).splitlines():
         rec = _parse(line)
         if rec is None:
             continue
-        count += 1
+        count, last = count + 1, rec
         if isinstance(rec.get("seq"), int):
             best = max(best or 0, rec["seq"])
-    return best + 1 if best is not None else count
+    return (best + 1 if best is not None else count), last
+
+
+def verify(records: list[dict]) -> dict:
+    """Whether the chain over `records` (every record, `read` or a store's copy merged) holds:
+    {"intact": bool, "records": n, "chained": how many carry a "prev", "broken_at": the seq of the first record
+    whose "prev" does not name the record before it in seq order (None when intact), "detail": one line}.
+    Two records claiming one predecessor (two writers that numbered apart) break it too: neither can say what
+    the other wrote."""
+    recs = ordered(records)
+    chained, before = 0, None
+    for rec in recs:
+        prev = rec.get("prev")
+        if isinstance(prev, str):
+            chained += 1
+            if prev != (link(before) if before is not None else ""):
+                where = rec.get("seq")
+                return {"intact": False, "records": len(recs), "chained": chained, "broken_at": where,
+                        "detail": f"record seq {where} (step {rec.get('step')}, {rec.get('kind')}) does not name "
+                                  "the record before it: a record was edited or removed there"}
+        before = rec
+    return {"intact": True, "records": len(recs), "chained": chained, "broken_at": None, "detail": ""}
 
 
 def ordered(records: list[dict]) -> list[dict]:
@@ -106,6 +144,27 @@ def ordered(records: list[dict]) -> list[dict]:
     keyed = sorted(enumerate(records), key=lambda e: (1, e[1]["seq"], e[0]) if isinstance(e[1].get("seq"), int)
                    else (0, 0, e[0]))
     return [r for _, r in keyed]
+
+
+def restore(root: str | os.PathLike, records: list[dict]) -> bool:
+    """Write `records` (a store's copy, read back when the ledger_dir was lost with its journal) as ROOT's
+    journal, in seq order, each as the line `append` wrote, so that the next record continues their seq and their
+    chain. Only where ROOT has no journal or an empty one (a journal is never rewritten); whether it wrote. A temp
+    file renamed into place: a crash leaves no journal or the whole one. Nothing is copied to the store again."""
+    p = path(root)
+    if not records or (p.exists() and p.stat().st_size > 0):
+        return False
+    tmp = p.with_name(f".{JOURNAL_NAME}.restore-{os.getpid()}")
+    data = "".join(json.dumps(r, sort_keys=True, default=str) + "\n" for r in ordered(records)).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, p)
+    fsync_dir(p.parent)
+    return True
 
 
 def check_appendable(root: str | os.PathLike) -> None:

@@ -14,7 +14,8 @@ import socket
 import time
 from typing import Any
 
-from scout_ckpt.errors import Quarantined
+from scout_ckpt.errors import CertifiedStep, Quarantined
+from scout_ckpt.ledger import tiers
 from scout_ckpt.ledger.connection import (  # noqa: F401  (re-exported: importers use scout_ckpt.ledger.store)
     DEFAULT_BUSY_TIMEOUT_S,
     DEFAULT_READ_BUSY_TIMEOUT_S,
@@ -60,11 +61,14 @@ class Ledger(LedgerQueries):
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
     def record_writing(self, step: int, run_id: str, attempt: str, path: str, owner: dict | None = None, *,
-                       source: str = "save") -> None:
+                       source: str = "save", keep_certified: bool = False) -> None:
         """The row written before DCP starts: an interrupted save leaves this record and no step dir.
 
         A quarantined step is refused (`Quarantined`, recorded in the history as 'refused'): the operator's
-        decision stands until released. A row in any other state is replaced by this attempt; its history
+        decision stands until released. With `keep_certified` (a job's save), so is a certified step
+        (`CertifiedStep`): a job that trains over a certified checkpoint instead of loading it would otherwise
+        turn its row into `writing` and its folder into the new attempt's. A row in any other state is replaced by
+        this attempt; its history
         (certifications rows, each with its attempt) is kept, so a re-saved rejected step still shows why the
         earlier attempt was rejected. `owner` ({"host", "pid", "start"}, `settle.this_process_owner()`) lets a
         later settler tell a save in flight from a dead one.
@@ -72,9 +76,13 @@ class Ledger(LedgerQueries):
         owner = owner or {}
         with self.write():
             row = self.checkpoint(step)
-            refused = row is not None and row["state"] == "quarantined"
+            copy = tiers.row(self, step)
+            if (row is None or row["state"] != "quarantined") and copy is not None and copy["state"] == "quarantined":
+                row = {**copy, "attempt": None}   # a step quarantined in the fast tier is quarantined: no save
+            refused = row is not None and (row["state"] == "quarantined"
+                                           or (keep_certified and row["state"] == "certified"))
             if refused:
-                self._certification(step, "writing", [{"code": "quarantined", "attempt": row["attempt"]}],
+                self._certification(step, "writing", [{"code": row["state"], "attempt": row["attempt"]}],
                                     source, attempt=attempt, outcome=REFUSED)
             else:
                 now = time.time()
@@ -86,6 +94,10 @@ class Ledger(LedgerQueries):
                     "manifest_digest": None, "reasons": "[]", "owner_host": owner.get("host"),
                     "owner_pid": owner.get("pid"), "owner_start": owner.get("start")}, replace=True)
                 self._certification(step, "writing", [], source, attempt=attempt)
+        if refused and row["state"] == "certified":
+            raise CertifiedStep(f"step {step} is certified (attempt {row['attempt']}); a save does not replace a "
+                                "certified checkpoint: load it with load_latest_clean, or give a run that starts "
+                                "afresh its own ROOT")
         if refused:
             reason = next((r.get("detail") for r in row["reasons"] or [] if r.get("code") == "quarantined"), None)
             raise Quarantined(f"step {step} is quarantined" + (f" ({reason})" if reason else "")

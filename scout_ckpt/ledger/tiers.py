@@ -59,4 +59,19 @@ def insert(ledger, r: dict) -> None:
                             f"VALUES ({', '.join('?' * len(COLUMNS))})", [vals[k] for k in COLUMNS])
 
 
-__all__ = ["LOCAL", "insert", "row", "rows"]
+def set_state(ledger, step: int, state: str, reasons: list[dict], *, expect: str | None = None,
+              tier: str = LOCAL) -> bool:
+    """Compare-and-set one copy row's state (from `expect` when given), inside the caller's write transaction
+    if there is one; whether it changed. False when the ledger has no such table or row."""
+    if not ledger._has_table("tier_checkpoints"):
+        return False
+    sql = "UPDATE tier_checkpoints SET state=?, reasons=?, updated=? WHERE tier=? AND step=?"
+    args: list = [state, json.dumps(reasons, default=str), time.time(), tier, step]
+    if expect is not None:
+        sql += " AND state=?"
+        args.append(expect)
+    with ledger.write():
+        return ledger.conn.execute(sql, args).rowcount > 0
+
+
+__all__ = ["LOCAL", "insert", "row", "rows", "set_state"]

@@ -7,7 +7,8 @@ ROOT/scout-journal.jsonl holds every verdict the ledger applied after the save (
 failed re-verification, a load mismatch) and every operator quarantine, each keyed by the manifest's digest.
 
 The state of a step here is the last journal verdict for that very manifest digest (a manifest edited since has
-another digest and no verdict), then a quarantine on record for the step, which overrides it. A step with no
+another digest and no verdict), then a quarantine on record for the step, which overrides it; a journal whose
+hash chain is broken (ledger/journal.py) certifies nothing. A step with no
 verdict on record is `committed` (reason `no_verdict_on_record`): never more trusted than the record shows.
 Temp dirs are never listed (a save in flight or a dead one), and a directory without a readable manifest is
 `rejected` (`bad_manifest`). Nothing is written here: a fallback reader has no lock to take.
@@ -29,21 +30,29 @@ SOURCE = "manifests"
 NO_VERDICT = "no_verdict_on_record"
 
 
-def journal_state(records: list[dict], step: int, digest: str) -> tuple[str | None, list[dict], dict | None]:
+BROKEN = "journal_chain_broken"
+
+
+def journal_state(records: list[dict], step: int, digest: str,
+                  intact: bool = True) -> tuple[str | None, list[dict], dict | None]:
     """(state, reasons, quarantine record) the journal gives a step with this manifest digest (journal.standing:
-    the last verdict for that digest, a rejection outliving any certification; the last quarantine not released)."""
+    the last verdict for that digest, a rejection outliving any certification; the last quarantine not released).
+    A journal whose chain is broken (`intact` False, journal.verify) certifies nothing: `committed`, reason
+    `journal_chain_broken`."""
     s = journal.standing(records, step, digest)
+    if not intact and s["state"] == "certified":
+        return "committed", [{"code": BROKEN}], s["quarantine"]
     return s["state"], s["reasons"], s["quarantine"]
 
 
-def _row(root: Path, step: int, step_dir: Path, records: list[dict], *, sizes: bool) -> dict:
+def _row(root: Path, step: int, step_dir: Path, records: list[dict], *, sizes: bool, intact: bool = True) -> dict:
     base = {"step": step, "path": step_dir.name, "bytes": dir_bytes(step_dir) if sizes else None,
             "run_id": None, "committed": None, "checked": {}, "source": SOURCE, "manifest": None}
     try:
         m, digest = manifest_mod.read(step_dir)
     except BadInput as e:
         return {**base, "state": "rejected", "evidence": {}, "reasons": [{"code": "bad_manifest", "detail": str(e)}]}
-    state, reasons, quarantine = journal_state(records, step, digest)
+    state, reasons, quarantine = journal_state(records, step, digest, intact)
     if state is None or state not in STATES:
         state, reasons = "committed", [{"code": NO_VERDICT}]
     if quarantine is not None:
@@ -62,7 +71,8 @@ def checkpoint_rows(root: str | Path, *, sizes: bool = True) -> list[dict]:
     if not root.is_dir():
         raise BadInput(f"{root}: {'not a directory' if root.exists() else 'no such directory'}")
     records = journal.read(root)
-    rows = [_row(root, step, d, records, sizes=sizes) for step, d in list_checkpoint_dirs(root).items()]
+    intact = journal.verify(records)["intact"]
+    rows = [_row(root, step, d, records, sizes=sizes, intact=intact) for step, d in list_checkpoint_dirs(root).items()]
     for r in rows:
         r.pop("manifest")
     return rows
@@ -76,11 +86,12 @@ def latest_clean(root: str | Path, *, verify: bool = True) -> dict:
     if not root.is_dir():
         raise BadInput(f"{root}: {'not a directory' if root.exists() else 'no such directory'}")
     records = journal.read(root)
+    intact = journal.verify(records)["intact"]
     dirs = list_checkpoint_dirs(root)
     skipped: list[dict] = []
     newer: list[dict] = []
     for step in sorted(dirs, reverse=True):
-        row = _row(root, step, dirs[step], records, sizes=False)
+        row = _row(root, step, dirs[step], records, sizes=False, intact=intact)
         if row["state"] != "certified":
             newer.append({"step": step, "state": row["state"], "reasons": row["reasons"]})
             continue

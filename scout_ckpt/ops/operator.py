@@ -20,7 +20,7 @@ from pathlib import Path
 
 from scout_ckpt import policy
 from scout_ckpt.errors import BadInput
-from scout_ckpt.ledger import Ledger, journal
+from scout_ckpt.ledger import Ledger, journal, tiers
 
 EXPLAIN_KINDS = ("bytes", "consensus", "replay", "invariants")
 
@@ -32,24 +32,47 @@ def _row(ledger: Ledger, root: Path, step: int) -> dict:
     return row
 
 
+def _copy_row(ledger: Ledger, step: int) -> dict | None:
+    """The fast tier's row of STEP (its node-local files and peer copies), or None."""
+    return tiers.row(ledger, step)
+
+
 def quarantine(root: str | os.PathLike, step: int, reason: str) -> dict:
-    """Move STEP (any state but deleted) to `quarantined`; returns {"step", "state", "before", "reason"}."""
+    """Move STEP (any state but deleted) to `quarantined`, in every tier that holds it: the durable row and the
+    fast tier's row (node-local files, peer copies) alike, since a verdict on a step holds for every copy. A step
+    held only by the fast tier is quarantined all the same. Returns {"step", "state", "before", "reason",
+    "tiers": {tier: state before}}."""
     root = Path(root)
     with Ledger.open(root) as ledger, ledger.write():
-        row = _row(ledger, root, step)
-        if row["state"] == "deleted":
-            raise BadInput(f"step {step}: deleted; nothing to quarantine")
-        reasons = [{"code": "quarantined", "detail": reason}]
+        row, copy = ledger.checkpoint(step), _copy_row(ledger, step)
+        live = {t: r for t, r in (("durable", row), (tiers.LOCAL, copy))
+                if r is not None and r["state"] != "deleted"}   # quarantined again: the new reason stands
+        if row is None and copy is None:
+            raise BadInput(f"step {step}: no such checkpoint in {root}")
+        if not live:
+            held = (row or copy)["state"]
+            raise BadInput(f"step {step}: {held}; nothing to quarantine")
+        before = {t: r["state"] for t, r in live.items()}
+        first = row if row is not None else copy
         try:  # first: a quarantine the journal cannot hold is not applied (the transaction rolls back)
-            journal.append(root, {"kind": "quarantine", "step": step, "attempt": row["attempt"],
-                                  "manifest_digest": row["manifest_digest"], "reason": reason,
-                                  "before": row["state"]})
+            journal.append(root, {"kind": "quarantine", "step": step, "attempt": (row or {}).get("attempt"),
+                                  "manifest_digest": (row or {}).get("manifest_digest"), "reason": reason,
+                                  "before": first["state"], "tiers": before})
         except OSError as e:
             raise BadInput(f"{journal.path(root)}: cannot record the quarantine ({e.strerror or e}); "
                            "nothing changed") from None
-        ledger.transition(step, "quarantined", reasons, source="operator", expect=row["state"])
-        ledger.add_event("quarantine", step=step, detail={"reason": reason, "before": row["state"]})
-    return {"step": step, "state": "quarantined", "before": row["state"], "reason": reason}
+        reasons = [{"code": "quarantined", "detail": reason}]
+        if "durable" in live:
+            ledger.transition(step, "quarantined", reasons, source="operator", expect=row["state"])
+        if tiers.LOCAL in live:   # its state before is kept in the reason: a release gives it back, never more
+            was = next((r for r in copy.get("reasons") or [] if r.get("code") == "quarantined"), None)
+            before_local = ({"before": was.get("before"), "before_reasons": was.get("before_reasons") or []}
+                            if copy["state"] == "quarantined" and was is not None
+                            else {"before": copy["state"], "before_reasons": copy.get("reasons") or []})
+            tiers.set_state(ledger, step, "quarantined", [{**reasons[0], **before_local}], expect=copy["state"])
+        ledger.add_event("quarantine", step=step, detail={"reason": reason, "before": first["state"],
+                                                          "tiers": before})
+    return {"step": step, "state": "quarantined", "before": first["state"], "reason": reason, "tiers": before}
 
 
 def evidence_state(ledger: Ledger, row: dict) -> policy.Verdict:
@@ -95,21 +118,35 @@ def release(root: str | os.PathLike, step: int, reason: str) -> dict:
     root = Path(root)
     with Ledger.open(root) as ledger:
         with ledger.write():
-            row = _row(ledger, root, step)
-            if row["state"] != "quarantined":
-                raise BadInput(f"step {step}: not quarantined (it is {row['state']})")
+            row, copy = ledger.checkpoint(step), _copy_row(ledger, step)
+            if row is None and copy is None:
+                raise BadInput(f"step {step}: no such checkpoint in {root}")
+            held = {t: r for t, r in (("durable", row), (tiers.LOCAL, copy))
+                    if r is not None and r["state"] == "quarantined"}
+            if not held:
+                raise BadInput(f"step {step}: not quarantined (it is {(row or copy)['state']})")
             try:  # the journal line follows the commit: a journal that cannot take it stops the release here
                 journal.check_appendable(root)
             except OSError as e:
                 raise BadInput(f"{journal.path(root)}: cannot record the release ({e.strerror or e}); "
                                "nothing changed") from None
-            v = release_state(ledger, row)
-            ledger.transition(step, v.state, v.reasons, source="operator", expect="quarantined",
-                              attempt=row["attempt"])
-            ledger.add_event("release", step=step, detail={"reason": reason, "state": v.state})
-        journal.append(root, {"kind": "release", "step": step, "attempt": row["attempt"],
-                              "manifest_digest": row["manifest_digest"], "state": v.state, "reasons": v.reasons,
-                              "reason": reason})
+            v = None
+            if "durable" in held:
+                v = release_state(ledger, row)
+                ledger.transition(step, v.state, v.reasons, source="operator", expect="quarantined",
+                                  attempt=row["attempt"])
+            if tiers.LOCAL in held:
+                q = next((r for r in copy.get("reasons") or [] if r.get("code") == "quarantined"), {})
+                local_v = policy.Verdict(q.get("before") or "committed", list(q.get("before_reasons") or []))
+                if v is not None and policy.step_distrusted(v.state, v.reasons):
+                    local_v = v   # the step's own verdict holds for its copy too
+                tiers.set_state(ledger, step, local_v.state, local_v.reasons, expect="quarantined")
+                v = v or local_v
+            ledger.add_event("release", step=step, detail={"reason": reason, "state": v.state,
+                                                           "tiers": sorted(held)})
+        journal.append(root, {"kind": "release", "step": step, "attempt": (row or {}).get("attempt"),
+                              "manifest_digest": (row or {}).get("manifest_digest"), "state": v.state,
+                              "reasons": v.reasons, "reason": reason})
     return {"step": step, "state": v.state, "reasons": v.reasons, "reason": reason}
 
 

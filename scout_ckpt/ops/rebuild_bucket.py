@@ -96,8 +96,14 @@ def rebuild(root: Path, store, *, verify: bool = True, local_dirs: list[Path] | 
     except OSError as e:
         raise BadInput(f"{root}: cannot create the ledger_dir ({e.strerror})") from None
     opts = object_store.public_options(store.storage_options)
+    def before_swap() -> None:
+        # a ledger_dir that lost its journal gets the store's copy back: the records appended from now on continue
+        # its seq and its hash chain instead of starting both again at 0 beside it
+        journal.restore(root, remote if not local else [])
+        object_store.bind(root, store.uri, opts)
+
     result = write_ledger(root, entries, skipped, records, verify=verify, present=present,
-                          before_swap=lambda: object_store.bind(root, store.uri, opts),
+                          before_swap=before_swap,
                           local=lambda ledger: rebuild_local.rebuild_rows(root, list(local_dirs or []), ledger))
     return {**result, "uri": store.uri, "superseded": superseded,
             "journal": {"local": len(local), "store": len(remote), "merged": len(records)}}

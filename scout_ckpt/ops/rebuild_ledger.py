@@ -12,6 +12,8 @@ makes a checkpoint more trusted than it can establish itself:
   ledger, where it has the step with the same digest, caps the result: what it had not certified is not
   certified now. Evidence the rebuild cannot re-run (consensus, replay) counts only when so vouched for; else it
   is recorded as `missing` (reason `unverified_after_rebuild`), so a later `certify` cannot promote it either;
+- the journal vouches only while its hash chain holds (ledger/journal.py, `verify`): a journal with a record
+  edited or removed vouches for no certificate (result key "journal_chain" says where it breaks);
 - quarantines (and releases) from the journal or the old ledger are restored, and so are rejections
   (e.g. `load_mismatch`) of that manifest;
 - whatever cannot be re-established is `committed` with the reason `unverified_after_rebuild`.
@@ -34,7 +36,7 @@ from scout_ckpt import policy
 from scout_ckpt.errors import LedgerError, ScoutError
 from scout_ckpt.format.layout import LEDGER_NAME, fsync_dir
 from scout_ckpt.format.verify import could_not_check
-from scout_ckpt.ledger import Ledger, journal
+from scout_ckpt.ledger import Ledger, journal, tiers
 
 # Replay may be not applicable where the run's own policy allowed it (a script that never called ckpt.step():
 # replay_no_step_hook); the certified verdict on record for that manifest still has to vouch for it.
@@ -100,13 +102,15 @@ def _old_ledger(root: Path) -> tuple[dict[int, dict], str | None]:
         return {}, f"old ledger unreadable ({e})"
 
 
-def _journal_view(records: list[dict], step: int, digest: str) -> dict:
+def _journal_view(records: list[dict], step: int, digest: str, intact: bool = True) -> dict:
     """What the journal says of one step (journal.standing): quarantined (the last operator decision), the
     standing verdict for this manifest digest (a rejection outlives any certification of it, whatever the
-    writers' clocks), and whether a certified verdict for it is on record."""
+    writers' clocks), and whether a certified verdict for it is on record. A journal whose chain is broken
+    (`intact` False, journal.verify) vouches for no certificate: the record removed or edited could have been a
+    rejection of any step; its rejections and quarantines stand all the same."""
     s = journal.standing(records, step, digest)
     verdict = {"state": s["state"], "reasons": s["reasons"]} if s["state"] is not None else None
-    return {"quarantine": s["quarantine"], "verdict": verdict, "certified": s["certified"]}
+    return {"quarantine": s["quarantine"], "verdict": verdict, "certified": s["certified"] and intact}
 
 
 def _demote(ev: dict) -> dict:
@@ -162,6 +166,24 @@ def decide(step: int, m: dict, digest: str, fresh_bytes: dict, jview: dict, old:
             "why": why}
 
 
+def _quarantine_copies(ledger: Ledger, records: list[dict], local_result: dict | None) -> None:
+    """A quarantine on record for a step holds for every copy of it: the fast tier's rebuilt rows of a step the
+    journal says is quarantined (and not released since) are quarantined too, their state before kept for a
+    release (ops/operator.py)."""
+    for r in tiers.rows(ledger):
+        q = journal.standing(records, r["step"], None)["quarantine"]
+        if q is None or r["state"] in ("deleted", "quarantined"):
+            continue
+        tiers.set_state(ledger, r["step"], "quarantined", [{"code": "quarantined", "detail": q.get("reason"),
+                                                             "before": r["state"],
+                                                             "before_reasons": r.get("reasons") or []}],
+                        expect=r["state"])
+        if local_result is not None:
+            for row in local_result.get("rows") or []:
+                if row.get("step") == r["step"]:
+                    row.update(state="quarantined", why="quarantine_from_journal")
+
+
 @dataclass(frozen=True)
 class Entry:
     """One step to rebuild: its manifest (and the digest of its bytes), the path the ledger row records (the
@@ -184,6 +206,7 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
     the fast tier's rows into the new ledger (ops/rebuild_local.py) and returns what it did (result key "local")."""
     manifests = {step: (e.manifest, e.digest) for step, e in entries.items()}
     old_rows, old_note = _old_ledger(root)
+    chain = journal.verify(records)
     build_dir = root / f".ledger-rebuild-{os.getpid()}"
     shutil.rmtree(build_dir, ignore_errors=True)
     rows, changes = [], []
@@ -209,7 +232,8 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
                         continue
                 else:
                     fresh = policy.evidence(policy.MISSING, [{"code": "bytes_unverified"}])
-                d = decide(step, m, digest, fresh, _journal_view(records, step, digest), old_rows.get(step))
+                d = decide(step, m, digest, fresh, _journal_view(records, step, digest, chain["intact"]),
+                           old_rows.get(step))
                 run_id = m.get("run_id") or "unknown"
                 attempt = m.get("attempt") or f"rebuild-{step}"
                 ledger.record_writing(step, run_id, attempt, e.path, source="rebuild")
@@ -226,6 +250,7 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
                 if before != state:
                     changes.append({"step": step, "before": before, "after": state, "why": why})
             local_result = local(ledger) if local is not None else None
+            _quarantine_copies(ledger, records, local_result)
         for step, old in sorted(old_rows.items()):
             if step not in manifests and old["state"] != "deleted":
                 changes.append({"step": step, "before": old["state"], "after": None,
@@ -248,4 +273,4 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
         shutil.rmtree(build_dir, ignore_errors=True)
     return {"checkpoints": rows, "changes": sorted(changes, key=lambda c: c["step"]), "skipped": skipped,
             "backup": str(backup) if backup else None, "old_ledger": old_note or "read",
-            "journal_records": len(records), "local": local_result}
+            "journal_records": len(records), "journal_chain": chain, "local": local_result}

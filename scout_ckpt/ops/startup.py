@@ -65,9 +65,27 @@ class StartRefused(LedgerError):
 
 class CheckpointsUnreadable(StartRefused):
     """Certified checkpoints exist but none could be read now (an I/O error, a missing peer, an unreachable
-    store): the job refuses to start from step 0 over them (exit code 2, on every rank alike). "Could not check" is
-    no evidence of a bad checkpoint: torchrun's next restart (or the operator, once the storage answers) tries
-    them again."""
+    store): the job refuses to start from step 0 over them (exit code 75, EX_TEMPFAIL: try again later; on every
+    rank alike). "Could not check" is no evidence of a bad checkpoint: torchrun's next restart (or the operator,
+    once the storage answers) tries them again."""
+
+    exit_code = 75
+
+
+class CheckpointsUnverified(StartRefused):
+    """Checkpoints exist whose trust a ledger rebuild could not re-establish (`unverified_after_rebuild`: the
+    journal that vouched for their consensus and replay is lost or broken), and no certified one is left: the
+    job refuses to start from step 0 over them (exit code 2, on every rank alike; a retry does not help, a person
+    decides: restore the journal and rebuild, or give the new run its own ROOT)."""
+
+
+class StateOverwritten(StartRefused):
+    """load_latest_clean put a checkpoint's values into the caller's state, found they did not match what was
+    certified (the step is rejected), and no older certified checkpoint was left: the state holds those values,
+    so the job must not train on it (exit code 75, on every rank alike). The next start, in a fresh process,
+    finds the step rejected and starts from fresh state."""
+
+    exit_code = 75
 
 
 class RootInUse(StartRefused):
@@ -255,6 +273,10 @@ def _open_run_ledger(root: Path, *, journal: str | None, store) -> Ledger:
                                f"`scout-ckpt ledger rebuild {root}` once the storage answers, then restart")
         for s in result["skipped"]:
             logger.warning("%s: ledger rebuild left step %d out: %s", root, s["step"], s["reason"])
+        chain = result.get("journal_chain") or {}
+        if not chain.get("intact", True):
+            logger.warning("%s: the journal's chain is broken (%s): the rebuild restored none of its certificates",
+                           root, chain.get("detail"))
         states = {r["step"]: r["state"] for r in result["checkpoints"]}
         logger.warning("%s: ledger rebuilt: %s%s", root,
                        ", ".join(f"{s} {st}" for s, st in sorted(states.items())) or "no checkpoint",

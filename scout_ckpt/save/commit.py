@@ -202,7 +202,8 @@ class Committer:
                     self.ledger.run_lease.check()
                 # the lease first: from the moment the `writing` row exists, a held lock says the save is alive
                 self.leases[attempt] = take_lease(self.root, attempt)
-                self.ledger.record_writing(step, self.run_id, attempt, pending.name, owner=owner)
+                self.ledger.record_writing(step, self.run_id, attempt, pending.name, owner=owner,
+                                          keep_certified=True)
                 pending.create({"run_id": self.run_id, "attempt": attempt, **owner})
             except Exception as e:  # every rank must still reach the broadcast below
                 refusal = str(e) or type(e).__name__

@@ -33,8 +33,10 @@ from scout_ckpt.consensus.signatures import flatten_state
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.format.verify import COULD_NOT_CHECK, only_unchecked, verify_files
 from scout_ckpt.ledger import Ledger, journal
+from scout_ckpt.ops.rebuild_ledger import UNVERIFIED
 from scout_ckpt.ops.recovery import record_verification_failure, trusted_manifest
-from scout_ckpt.ops.startup import CheckpointsUnreadable
+from scout_ckpt.ops.startup import CheckpointsUnreadable, CheckpointsUnverified, StateOverwritten
+from scout_ckpt.save import local_tier_rows as local_rows
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.verified_reader import VerifiedFileSystemReader, is_metadata_changed
 
@@ -86,10 +88,16 @@ class LatestCleanLoader:
         # certified steps passed over because they could not be read now (the same list on every rank: the
         # reasons are all-gathered); none left to load then is a refusal, never a fresh start over them
         self._unchecked: list[tuple[int, str, list[dict]]] = []
+        # the step whose values a load put into `state` before they were found not to match (None: untouched)
+        self._overwritten: int | None = None
         while True:
             cand = self._broadcast(self._next(below, below_local) if self.is_coordinator else None)
             if isinstance(cand, dict) and "latched" in cand:  # the same error on every rank, none left waiting
                 raise ScoutError(cand["latched"])
+            if isinstance(cand, dict) and "unverified" in cand:   # none left, but steps a rebuild could not vouch for
+                if self._unchecked:
+                    raise CheckpointsUnreadable(self._unreadable_text())
+                raise CheckpointsUnverified(cand["unverified"])
             if isinstance(cand, dict) and cand.get("tier") == "local":
                 if self._load_local(state, cand, t0):
                     return cand["step"]
@@ -98,6 +106,8 @@ class LatestCleanLoader:
             if cand is None:
                 if self._unchecked:
                     raise CheckpointsUnreadable(self._unreadable_text())
+                if self._overwritten is not None:
+                    raise StateOverwritten(self._overwritten_text())
                 if self.is_coordinator:
                     scout_log.fresh_start(self.rank, str(self.root), [
                         r for r in self.ledger.checkpoints(states=("committed", "writing", "rejected"))])
@@ -111,6 +121,7 @@ class LatestCleanLoader:
                 continue
             rank_local = _begin_rank_local(state, cand.get("world_size"))
             try:
+                self._overwritten = cand["step"]   # from here `state` may hold some of its values
                 differ = self._load_and_check(state, cand, step_dir)
             except CheckpointException as e:  # raised by DCP on every rank alike (it gathers the ranks' errors)
                 failed = self._load_failure(e)
@@ -163,10 +174,20 @@ class LatestCleanLoader:
                 f"answers (torchrun --max-restarts retries the job), or check it with `scout-ckpt resume "
                 f"{self.root} --latest-clean`")
 
+    def _overwritten_text(self) -> str:
+        """One line: the state passed in holds a rejected checkpoint's values and no older one is left."""
+        return (f"refusing to start: load_latest_clean loaded checkpoint {self._overwritten} under {self.root} into "
+                f"the state passed in, found its values did not match what was certified (rejected, or could not "
+                f"be loaded whole), and no older certified checkpoint is left; the state holds those values, so "
+                f"the job must not train on it. Restart the job (torchrun --max-restarts does): a fresh process "
+                f"starts from fresh state")
+
     def _load_local(self, state: dict, cand: dict, t0: float) -> bool:
         """Collective: a fast-tier candidate (save/local_tier.LocalTier.load re-verifies every rank's bytes); on
         failure the same reasons on every rank, the step rejected unless nothing could be checked."""
         failed = self.local.load(state, cand, self)
+        if any(r.get("code") == "load_mismatch" for r in failed):   # applied, then found not to match
+            self._overwritten = cand["step"]
         if failed:
             self._on_coordinator(cand["step"], lambda: self.local.reject(cand, failed))
             (scout_log.could_not_check if only_unchecked(failed) else scout_log.skipped)(self.rank, cand["step"],
@@ -195,10 +216,25 @@ class LatestCleanLoader:
                 local = self.local.candidate(below_local) if self.local is not None else None
                 if local is not None and (durable is None or local["step"] > durable["step"]):
                     return local
-                return durable
+                return durable if durable is not None else self._unverified()
             except Exception as e:  # noqa: BLE001 - carried to every rank, raised there as a ScoutError
                 self._latched = f"load_latest_clean could not choose a checkpoint: {type(e).__name__}: {e}"
         return {"latched": self._latched}
+
+    def _unverified(self) -> dict | None:
+        """Coordinator, when no candidate is left: {"unverified": message} when steps exist whose trust a ledger
+        rebuild could not re-establish (committed, `unverified_after_rebuild`): a fresh start would train over
+        them and replace them. None otherwise (a new run, or only rejected steps: a fresh start is the answer)."""
+        rows = [r for r in self.ledger.checkpoints(states=("committed",))
+                if any(x.get("code") == UNVERIFIED for x in r.get("reasons") or [])]
+        if not rows:
+            return None
+        steps = ", ".join(str(r["step"]) for r in reversed(rows[-8:]))
+        return {"unverified": (
+            f"refusing to start from step 0: checkpoint(s) {steps} under {self.root} exist, but a ledger rebuild "
+            f"could not re-establish their certificates ({UNVERIFIED}: the journal {journal.JOURNAL_NAME} that "
+            f"vouched for them is missing or broken) and no certified checkpoint is left. Restore the journal and "
+            f"run `scout-ckpt ledger rebuild {self.root}`, or give a run that should start afresh its own ROOT")}
 
     def _on_coordinator(self, step: int, record: Callable[[], None]) -> None:
         """Coordinator: record a trust-lowering verdict (journal first, then ledger: journal.record_transition).
@@ -257,9 +293,18 @@ class LatestCleanLoader:
     def _candidate(self, below: int | None) -> dict | None:
         """Coordinator: the newest certified step below `below`, its files, and its manifest's signatures (or the
         reason the manifest cannot be trusted)."""
-        row = self.ledger.latest("certified", below=below)
-        if row is None:
-            return None
+        while True:
+            row = self.ledger.latest("certified", below=below)
+            if row is None:
+                return None
+            copy = local_rows.row(self.ledger, row["step"])
+            if copy is None or not policy.step_distrusted(copy["state"], copy.get("reasons") or []):
+                break
+            # a verdict on the step reached through its local copy (a quarantine, a revocation, a lineage taint)
+            # holds for the durable folder too
+            scout_log.logger.info("step %d skipped: its local row is %s (%s)", row["step"], copy["state"],
+                                  ", ".join(x.get("code", "?") for x in copy.get("reasons") or []))
+            below = row["step"]
         m, reasons = (trusted_manifest(self.root / row["path"], row) if self.store is None
                       else self.store.trusted_manifest(row))
         files = self.ledger.files(row["step"])

@@ -308,6 +308,11 @@ class LocalTier:
             if self.holders and missing:
                 ev["copies"] = {"status": "fail", "ranks_without_verified_copy": missing}
             previous = rows.row(ck.ledger, step)
+            if previous is not None and previous["state"] == "quarantined":
+                # the operator's decision on the step stands until released: this save is not recorded over it
+                why = {"code": "quarantined", "detail": "the step is quarantined; `scout-ckpt release` it first"}
+                own = [] if previous.get("dir") == rel else [{"step": step, "dir": rel, "copies": copies}]
+                return {"state": "rejected", "reasons": [why]}, own
             rows.record(ck.ledger, step=step, run_id=ck.run_id, state=v.state, dir=rel, world_size=self.world,
                         layout=self.layout, files=files, copies=copies, evidence=ev, signatures=signatures,
                         reasons=v.reasons)
