@@ -65,6 +65,7 @@ class StepStamps:
         self._wait = hb.cpu_wait                       # accumulated, the run-queue wait then)
         self._grad_handles: dict[int, object] = {}
         self._learned = False
+        hb.count_fn = self._count   # a synchronous traced collective starts a new segment of the step there
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(self._forward_pre, prepend=True))
             self._handles.append(model.register_forward_hook(self._forward_post))
@@ -169,5 +170,5 @@ class StepStamps:
         for h in self._handles + list(self._grad_handles.values()):
             h.remove()
         self._handles, self._grad_handles = [], {}
-        self.hb.left = None
+        self.hb.left, self.hb.count_fn = None, None
         self._fwd_end = None
