@@ -41,6 +41,8 @@ COLL_ERROR = 2     # a traced collective raised (a victim of a peer's failure, n
 CLOSED = 4         # the trainer closed the heartbeat cleanly
 IN_SIDE = 8        # inside a collective on an ignored (side) group: waiting, but not a training collective
 OFF_WATCH = 16     # the latest traced collective is off the watched groups: fp_enter is not the one at pos_enter
+COUNTED = 32       # a DDP module without a hook is watched, with step stamps: its gradient all-reduces are counted,
+                   # their waits unseen by the tracer, so the stamps (not busy time) measure its compute
 
 _COLL = struct.Struct("<QdQQQ")                # @8: flags, t_update, seq_enter, fp_enter, seq_leave
 _STEP = struct.Struct("<qQddddd")              # @48: step, phase, last_dur, n_steps(as float), dur_sum, busy_sum, coll_sum
@@ -107,6 +109,10 @@ class Snapshot:
     @property
     def off_watch(self) -> bool:
         return bool(self.flags & OFF_WATCH)
+
+    @property
+    def counted(self) -> bool:
+        return bool(self.flags & COUNTED)
 
     @property
     def closed(self) -> bool:
@@ -336,6 +342,11 @@ class Heartbeat:
             self._flags &= ~IN_SIDE
             self._waits.append([self._t_side, now])  # waiting is waiting, whatever the group
         self._write_coll(now)
+
+    def mark_counted(self) -> None:
+        """The watched model is a DDP module whose all-reduces are counted, not traced (COUNTED)."""
+        self._flags |= COUNTED
+        self._write_coll(time.time())
 
     def error(self) -> None:
         """A traced collective raised: marks this rank as a victim, so its exit is not counted as a crash."""
