@@ -16,7 +16,8 @@ What is expected, as the README and docs/integrate.md document it:
   `attribution: "inconclusive"`: two ranks, no strict majority); a crash is recorded by the next generation
   without a rank (`ranks == []`, `first_stopped == [R]`); a straggler is named ("over 1.5x the other").
 Every fault but the straggler ends the first generation (the abort, the SIGKILL); torchrun's restart resumes and
-the job must finish. Only kinds and ranks are asserted; detection times are printed, never asserted.
+the job must finish. A healthy 2-rank job of each drop-in (the straggler cells' 40 steps) has no observer event.
+Only kinds and ranks are asserted; detection times are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ SLOW_STEPS, SLOW_S = 40, 0.15               # the straggler cells: the rule need
 
 def _job(framework: str, root: Path, kind: str, nproc: int) -> list[str]:
     """The framework's job, its drop-in on the defaults (plus STALL for a hang or a desync), sized for `kind`."""
-    steps, every = (SLOW_STEPS, SLOW_STEPS) if kind == "slow" else (STEPS, EVERY)
+    steps, every = (SLOW_STEPS, SLOW_STEPS) if kind in ("slow", "none") else (STEPS, EVERY)
     observer = json.dumps(STALL) if kind in ("hang", "desync") else None
     if framework == "transformers":
         return [str(REPO / "examples" / "integrations" / "hf_trainer.py"), str(root), "--steps", str(steps),
@@ -64,9 +65,9 @@ def run_job(framework: str, root: Path, kind: str, nproc: int, rank: int, step: 
     finished it (or, for a straggler, the one generation did)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    fault = (["--slow-rank", str(rank), "--slow-s", str(SLOW_S)] if kind == "slow" else
+    fault = ([] if kind == "none" else ["--slow-rank", str(rank), "--slow-s", str(SLOW_S)] if kind == "slow" else
              [f"--{kind}-rank", str(rank), f"--{kind}-step", str(step)])
-    restarts = 0 if kind == "slow" else 1
+    restarts = 0 if kind in ("slow", "none") else 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", str(restarts), "--monitor-interval", "0.5", *_job(framework, root, kind, nproc), *fault]
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -111,6 +112,18 @@ def check(tmp_path: Path, request, framework: str, kind: str, nproc: int) -> Non
     else:   # a crash of one of two ranks: recorded by the next generation, unattributed, the killed rank first gone
         assert [(e["kind"], e["ranks"]) for e in events] == [("crash", [])], (pl, events)
         assert events[0]["detail"].get("first_stopped") == [pl.rank], (pl, events)
+
+
+@pytest.mark.scenario
+@pytest.mark.parametrize("framework", ["transformers", "accelerate", "lightning"])
+def test_a_healthy_job_through_the_drop_in_has_no_observer_event(tmp_path, framework):
+    """The straggler cells' job (40 steps, 2 ranks, the defaults) with no fault: no hang, desync, crash or
+    straggler (the control for the step stamps' measure, which goes on after a logged loss's gather)."""
+    root = tmp_path / "run"
+    wall = run_job(framework, root, "none", 2, -1, None)
+    events = observer_events(root)
+    print(f"{framework}, 2 ranks, healthy: job {wall:.1f}s; events", events)
+    assert events == [], events
 
 
 FRAMEWORKS = ("transformers", "accelerate", "lightning")

@@ -276,6 +276,10 @@ class Heartbeat:
         except Exception:  # a backend without futures: the wait ends when the call returns
             box[1] = self._t_leave
 
+    def discard(self) -> None:
+        """No stamp this step (StepStamps): its earlier segments are dropped, not added to the next step's."""
+        self._acc = (0.0, 0.0)
+
     def _settle(self, seq: int, synchronous: bool) -> None:
         """Collective `seq`, whose entry was this step's arrival, returned. Async (FSDP2's, a traced DDP hook's):
         the fast ranks wait for it later, so its entry is the arrival: stamped now. Synchronous (a Python

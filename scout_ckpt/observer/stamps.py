@@ -137,6 +137,8 @@ class StepStamps:
         fwd_end, self._fwd_end = self._fwd_end, None
         if hb.left is not None and fwd_end is not None:
             t, waited = self._last_grad(fwd_end[0]) or fwd_end
+            if t < hb.left[0]:   # its own work ended before a synchronous collective it left since (heartbeat
+                t, waited = hb.left[0], hb.left[2]   # `_settle`): nothing more to add to the step
             hb.stamp(hb.left[0], t, waited - hb.left[2])
         if hb.left is None:
             hb.left = (time.time(), self._count(), self._wait.seconds())
@@ -165,6 +167,7 @@ class StepStamps:
         else:
             self._fwd_end = None
             hb.left = None                # a native collective before the forward: no stamp this step
+            hb.discard()
 
     def remove(self) -> None:
         for h in self._handles + list(self._grad_handles.values()):
