@@ -22,7 +22,10 @@ compute before it is exact:
            layer in forward or in backward, host work after the step) is in its compute, and the fast ranks'
            wait for it is not. Without gradient hooks (no parameter fired one: frozen, or sharded by FSDP2) the
            forward's end stands in. When a native collective came before the forward (nothing to time it by),
-           the step gets no stamp.
+           the step gets no stamp. A synchronous traced collective (a Python all_reduce or gather, done on
+           return: a logged loss after the optimizer step) is an arrival that every rank leaves together, like
+           the optimizer step: the compute goes on from its return to the next arrival, the segments added into
+           the step's one stamp (heartbeat `_settle`), its wait left out.
 
 Both on one clock per rank (no cross-host skew); each rank's stamps go into its heartbeat (a ring per step) and
 the judge compares the ranks' median compute over windows (observer/stragglers.py, `ComputeStragglers`). With
