@@ -240,9 +240,11 @@ def _backward_stamps(obs, rank: int) -> dict:
 
 def _step_stamps(obs, rank: int) -> dict:
     """The step stamps on a real DDP module and optimizer (observer/stamps.py): rank 1 computes 0.2 s longer
-    between the optimizer step and the next forward; at step 4 every rank issues a Python all_reduce before its
-    forward (the arrival is then that collective's issue, taken by the tracer); a DDP module with a buffer
-    broadcasts it at the forward's start (the arrival is then the forward's start)."""
+    between the optimizer step and the next forward; at step 4 every rank first issues a Python all_reduce right
+    after the previous step (a logged loss), and rank 1 sleeps after it: the compute goes on after a synchronous
+    collective (every rank leaves it together), so the sleep is in the step's compute and the wait inside the
+    all_reduce is not; a DDP module with a buffer broadcasts it at the forward's start (the arrival is then the
+    forward's start)."""
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -255,12 +257,13 @@ def _step_stamps(obs, rank: int) -> dict:
     obs.attach(model, opt)
     marks = {}  # wall-clock marks (the stamps' clock) around each call, to place each stamp between two of them
     for n in range(1, 6):
-        if n > 1 and rank == 1:
-            time.sleep(0.2)
         if n == 4:
             marks["before_all_reduce"] = time.time()
             dist.all_reduce(torch.ones(1))
-        marks[n] = time.time()                   # after the all_reduce returned, before the forward
+            marks["after_all_reduce"] = time.time()
+        if n > 1 and rank == 1:
+            time.sleep(0.2)
+        marks[n] = time.time()                   # before the forward
         y = model(torch.ones(2, 4))
         marks[("forward_done", n)] = time.time()
         y.sum().backward()
@@ -269,13 +272,13 @@ def _step_stamps(obs, rank: int) -> dict:
         marks[("opt_done", n)] = time.time()
         obs.step(n)
     stamps = HeartbeatReader(obs.heartbeat.path).snapshot().stamps[earlier:]
-    arrived_after = {s: marks["before_all_reduce"] if s == 4 else marks[s] for s, *_ in stamps}
+    in_all_reduce = {s: marks["after_all_reduce"] - marks["before_all_reduce"] if s == 4 else 0.0 for s, *_ in stamps}
     return {"steps": [s for s, *_ in stamps], "compute": {s: a - lt for s, lt, a, _w in stamps},
             "arrival": {s: a for s, _l, a, _w in stamps},
-            # compute = arrival(s) - the optimizer step of s-1: at least the gap from the end of that step to the
-            # earliest possible arrival, at most from its start to the end of step s's forward
-            "compute_window": {s: (arrived_after[s] - marks[("opt_done", s - 1)],
+            # compute = arrival(s) - the optimizer step of s-1, less the wait inside a synchronous collective
+            # between: at least the gap from the end of that step to the earliest possible arrival less that
+            # collective, at most from its start to the end of step s's forward
+            "compute_window": {s: (marks[s] - marks[("opt_done", s - 1)] - in_all_reduce[s],
                                    marks[("forward_done", s)] - marks[("opt_start", s - 1)]) for s, *_ in stamps},
-            "all_reduce_window": (marks["before_all_reduce"], marks[4]),
-            "forward_window": {s: (marks[s], marks[("forward_done", s)]) for s, *_ in stamps if s != 4},
+            "forward_window": {s: (marks[s], marks[("forward_done", s)]) for s, *_ in stamps},
             "model": model, "opt": opt}

@@ -7,7 +7,11 @@ the newest *certified* checkpoint-N, never merely the newest folder. Test-only o
 SIGKILL a rank in the middle of a save (after the Trainer wrote the folder, before scout-ckpt certified it), only
 in torchrun's first attempt; --sdc-rank/--sdc-step make one rank's transformer.h.1 compute wrongly from a step on
 (every call, as failing hardware); --hang-rank/--hang-step block one rank forever before a step's forward in
-the first attempt (writing OUTPUT_DIR/fault.json), and --observer passes the callback's observer options; --losses appends {"step", "loss", "attempt"} lines (rank 0). Rank 0 ends with
+the first attempt (writing OUTPUT_DIR/fault.json), and likewise --crash-rank/--crash-step SIGKILL one rank there,
+--desync-rank/--desync-step make one rank issue an all_reduce the others never do (a rank-dependent branch), and
+--slow-rank/--slow-s make one rank sleep that long before every step's forward (a slow data loader; fault.json
+at its first slow step); --observer passes the callback's observer options; --losses appends {"step", "loss",
+"attempt"} lines (rank 0). Rank 0 ends with
 one JSON line: where it resumed from, the last step, and what the observer watched ("counted": DDP's wrapper).
 """
 
@@ -44,8 +48,10 @@ class Record(TrainerCallback):
 
     def __init__(self, losses: str | None, kill_rank: int | None, kill_step: int | None,
                  sdc_rank: int | None = None, sdc_step: int | None = None,
-                 hang_rank: int | None = None, hang_step: int | None = None, output_dir: str = "."):
+                 hang_rank: int | None = None, hang_step: int | None = None, output_dir: str = ".",
+                 faults: dict | None = None):
         self.losses, self.kill_rank, self.kill_step = losses, kill_rank, kill_step
+        self.faults = faults or {}   # {"crash"|"desync": (rank, step), "slow": (rank, seconds)}
         self.sdc_rank, self.sdc_step = sdc_rank, sdc_step
         self.hang_rank, self.hang_step, self.output_dir = hang_rank, hang_step, output_dir
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -66,11 +72,26 @@ class Record(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.step = state.global_step + 1
-        if self.attempt == 0 and self.rank == self.hang_rank and self.step == self.hang_step:
+        if self.attempt != 0:
+            return
+        if self.rank == self.hang_rank and self.step == self.hang_step:
             # --hang-rank/--hang-step: this rank blocks forever before the step's forward, in the first attempt
-            with open(os.path.join(self.output_dir, "fault.json"), "w") as f:
-                json.dump({"rank": self.rank, "step": self.step, "time": time.time()}, f)
+            self._mark("hang")
             threading.Event().wait()
+        if (self.rank, self.step) == self.faults.get("crash"):
+            self._mark("crash")   # --crash-rank/--crash-step: SIGKILLed before the step's forward
+            os.kill(os.getpid(), signal.SIGKILL)
+        if (self.rank, self.step) == self.faults.get("desync"):
+            self._mark("desync")  # --desync-rank/--desync-step: an all_reduce only this rank issues
+            torch.distributed.all_reduce(torch.ones(3))
+        if self.rank == self.faults.get("slow", (None,))[0]:
+            if not os.path.exists(os.path.join(self.output_dir, "fault.json")):
+                self._mark("slow")
+            time.sleep(self.faults["slow"][1])   # --slow-rank/--slow-s: every step, before its forward
+
+    def _mark(self, kind: str) -> None:
+        with open(os.path.join(self.output_dir, "fault.json"), "w") as f:
+            json.dump({"kind": kind, "rank": self.rank, "step": self.step, "time": time.time()}, f)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.losses and self.rank == 0 and logs and "loss" in logs:
@@ -96,6 +117,12 @@ def main() -> None:
     ap.add_argument("--sdc-step", type=int, default=None)
     ap.add_argument("--hang-rank", type=int, default=None)
     ap.add_argument("--hang-step", type=int, default=None)
+    ap.add_argument("--crash-rank", type=int, default=None)
+    ap.add_argument("--crash-step", type=int, default=None)
+    ap.add_argument("--desync-rank", type=int, default=None)
+    ap.add_argument("--desync-step", type=int, default=None)
+    ap.add_argument("--slow-rank", type=int, default=None)
+    ap.add_argument("--slow-s", type=float, default=0.1)
     ap.add_argument("--observer", default=None, help="JSON: the callback's observer options (default: its own)")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -111,7 +138,8 @@ def main() -> None:
         ddp_timeout=300, ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     scout = ScoutTrainerCallback(**({"observer": json.loads(a.observer)} if a.observer else {}))           # (1)
     record = Record(a.losses, a.kill_rank, a.kill_step, a.sdc_rank, a.sdc_step, a.hang_rank, a.hang_step,
-                    a.output_dir)
+                    a.output_dir, faults={"crash": (a.crash_rank, a.crash_step),
+                                          "desync": (a.desync_rank, a.desync_step), "slow": (a.slow_rank, a.slow_s)})
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(512, 16, 64), callbacks=[record, scout])
     resume = None if a.no_resume else latest_clean(a.output_dir)                                          # (2)
     trainer.train(resume_from_checkpoint=resume)

@@ -179,7 +179,7 @@ class Daemon:
         return {"rank": self.rank, "observer_pid": os.getpid(), "pid": self.pid, "beat": self.beat,
                 "state": self.state, "step": s.step, "phase": s.phase, "seq": s.seq_enter, "fp": f"{s.fp_enter:016x}",
                 "seq_left": s.seq_leave, "in_coll": s.in_coll, "in_side": s.in_side, "error": s.coll_error, "hb": list(self.version),
-                "cseq": max(s.cseq, s.pos_enter), "pos": s.pos_enter, "off_watch": s.off_watch, "t_cseq": s.t_cseq,
+                "cseq": max(s.cseq, s.pos_enter), "pos": s.pos_enter, "off_watch": s.off_watch, "counted": s.counted, "t_cseq": s.t_cseq,
                 "arrivals": sorted(self.arrivals.items())[-32:],
                 "stamps": [[k, *v] for k, v in sorted(self.stamps.items())[-32:]],
                 "age_s": round(now - self.last_change, 3), "t_update": s.t_update, "n_steps": s.n_steps,

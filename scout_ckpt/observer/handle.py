@@ -146,6 +146,8 @@ class Observer:
             from scout_ckpt.observer.ddp import kind_of
 
             self.attached = kind_of(model)
+            if self.attached == "counted" and self.stamps is not None:
+                self.heartbeat.mark_counted()   # the judge measures its stragglers by the stamps (stragglers.py)
         elif self.tracer is None:
             self.attached = "not_traced"
         else:

@@ -41,6 +41,8 @@ COLL_ERROR = 2     # a traced collective raised (a victim of a peer's failure, n
 CLOSED = 4         # the trainer closed the heartbeat cleanly
 IN_SIDE = 8        # inside a collective on an ignored (side) group: waiting, but not a training collective
 OFF_WATCH = 16     # the latest traced collective is off the watched groups: fp_enter is not the one at pos_enter
+COUNTED = 32       # a DDP module without a hook is watched, with step stamps: its gradient all-reduces are counted,
+                   # their waits unseen by the tracer, so the stamps (not busy time) measure its compute
 
 _COLL = struct.Struct("<QdQQQ")                # @8: flags, t_update, seq_enter, fp_enter, seq_leave
 _STEP = struct.Struct("<qQddddd")              # @48: step, phase, last_dur, n_steps(as float), dur_sum, busy_sum, coll_sum
@@ -109,6 +111,10 @@ class Snapshot:
         return bool(self.flags & OFF_WATCH)
 
     @property
+    def counted(self) -> bool:
+        return bool(self.flags & COUNTED)
+
+    @property
     def closed(self) -> bool:
         return bool(self.flags & CLOSED)
 
@@ -165,6 +171,14 @@ class Heartbeat:
         # once it reached the next collective (`stamp`), and before the first sync
         self.left: tuple[float, int, float] | None = None  # (time, native count, run-queue wait so far)
         self.cpu_wait = RunQueueWait()  # the training thread's wait for a CPU (observer/cpuwait.py), for the stamps
+        # A synchronous traced collective between two steps' work (a logged loss gathered after the optimizer
+        # step, as the HF Trainer and Lightning do every logging step): every rank leaves it together, so this
+        # step's compute goes on after it. `_arrived`: (left, arrived, waited, seq) of the traced collective
+        # entered, settled when it returns; `_acc`: (span, CPU wait) of the step's segments before it, added to
+        # its one stamp; `count_fn`: the native count (StepStamps'), for the segment that starts at its return.
+        self._arrived: tuple | None = None
+        self._acc = (0.0, 0.0)
+        self.count_fn = None
         _IDENT.pack_into(mm, 104, os.getpid(), MAGIC)
         self._write_all(time.time())
 
@@ -206,6 +220,8 @@ class Heartbeat:
         previous step's synchronisation at `t_left`, its training thread waiting `waited` seconds for a CPU in
         between (observer/stamps.py). Training thread only; once per step."""
         self.left = None
+        acc, self._acc = self._acc, (0.0, 0.0)
+        t_left, waited = t_left - acc[0], waited + acc[1]   # earlier segments of this step (see `_settle`)
         step = self._step + 1
         if step == self._stamped:
             return
@@ -238,8 +254,9 @@ class Heartbeat:
         now = time.time()
         if pos and self.left is not None and threading.get_ident() == self.owner:
             # the first traced training collective since this rank left the sync: its arrival, exactly (FSDP2's
-            # first all-gather, a Python all_reduce)
-            self.stamp(self.left[0], now, self.cpu_wait.seconds() - self.left[2])
+            # first all-gather, a Python all_reduce), stamped when it returns (`_settle`)
+            self._arrived = (self.left[0], now, self.cpu_wait.seconds() - self.left[2], seq)
+            self.left = None
         self._t_enter = now
         self._seq_enter, self._fp_enter, self._pos_enter = seq, fp, pos or self._pos_enter
         self._flags = (self._flags | IN_COLL) & ~OFF_WATCH if pos else self._flags | IN_COLL | OFF_WATCH
@@ -249,6 +266,7 @@ class Heartbeat:
         """Collective `seq` returned. `work`: the Work of an async_op call, whose completion (not this return)
         ends the rank's wait: DDP's and FSDP2's collectives are async, and the fast ranks wait for their
         completion later, inside backward or the next forward."""
+        self._settle(seq, synchronous=work is None)
         box = self.leave_open(seq)
         if work is None:
             box[1] = self._t_leave
@@ -258,11 +276,34 @@ class Heartbeat:
         except Exception:  # a backend without futures: the wait ends when the call returns
             box[1] = self._t_leave
 
+    def discard(self) -> None:
+        """No stamp this step (StepStamps): its earlier segments are dropped, not added to the next step's."""
+        self._acc = (0.0, 0.0)
+
+    def _settle(self, seq: int, synchronous: bool) -> None:
+        """Collective `seq`, whose entry was this step's arrival, returned. Async (FSDP2's, a traced DDP hook's):
+        the fast ranks wait for it later, so its entry is the arrival: stamped now. Synchronous (a Python
+        all_reduce or gather, completed on return): every rank leaves it together, as from the optimizer step,
+        so the step's compute goes on from here and is stamped at its next arrival, the two segments added:
+        without that, a collective right after the optimizer step (a logged loss) ended every step's
+        measure there and a rank slow anywhere after it (its data loader, forward, backward) was never seen."""
+        arrived = self._arrived
+        if arrived is None or arrived[3] != seq or threading.get_ident() != self.owner:
+            return
+        self._arrived = None
+        count = self.count_fn
+        if synchronous and count is not None:
+            self._acc = (self._acc[0] + arrived[1] - arrived[0], self._acc[1] + arrived[2])
+            self.left = (time.time(), count(), self.cpu_wait.seconds())
+        else:
+            self.stamp(arrived[0], arrived[1], arrived[2])
+
     def leave_open(self, seq: int) -> list:
         """Collective `seq` was issued (async) and returned; the caller ends the rank's wait for it by calling
         `completed(box, failed)` from the completion callback it registers anyway (DDP's comm hook chains one
         with `then`): one Python callback per collective instead of two, which is most of what tracing an
         async collective costs."""
+        self._settle(seq, synchronous=False)
         now = self._t_leave = time.time()
         box = [self._t_enter, None]
         waits = self._waits
@@ -305,6 +346,11 @@ class Heartbeat:
             self._flags &= ~IN_SIDE
             self._waits.append([self._t_side, now])  # waiting is waiting, whatever the group
         self._write_coll(now)
+
+    def mark_counted(self) -> None:
+        """The watched model is a DDP module whose all-reduces are counted, not traced (COUNTED)."""
+        self._flags |= COUNTED
+        self._write_coll(time.time())
 
     def error(self) -> None:
         """A traced collective raised: marks this rank as a victim, so its exit is not counted as a crash."""

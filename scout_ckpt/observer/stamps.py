@@ -22,7 +22,10 @@ compute before it is exact:
            layer in forward or in backward, host work after the step) is in its compute, and the fast ranks'
            wait for it is not. Without gradient hooks (no parameter fired one: frozen, or sharded by FSDP2) the
            forward's end stands in. When a native collective came before the forward (nothing to time it by),
-           the step gets no stamp.
+           the step gets no stamp. A synchronous traced collective (a Python all_reduce or gather, done on
+           return: a logged loss after the optimizer step) is an arrival that every rank leaves together, like
+           the optimizer step: the compute goes on from its return to the next arrival, the segments added into
+           the step's one stamp (heartbeat `_settle`), its wait left out.
 
 Both on one clock per rank (no cross-host skew); each rank's stamps go into its heartbeat (a ring per step) and
 the judge compares the ranks' median compute over windows (observer/stragglers.py, `ComputeStragglers`). With
@@ -64,6 +67,7 @@ class StepStamps:
         self._wait = hb.cpu_wait                       # accumulated, the run-queue wait then)
         self._grad_handles: dict[int, object] = {}
         self._learned = False
+        hb.count_fn = self._count   # a synchronous traced collective starts a new segment of the step there
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(self._forward_pre, prepend=True))
             self._handles.append(model.register_forward_hook(self._forward_post))
@@ -135,6 +139,8 @@ class StepStamps:
         fwd_end, self._fwd_end = self._fwd_end, None
         if hb.left is not None and fwd_end is not None:
             t, waited = self._last_grad(fwd_end[0]) or fwd_end
+            if t < hb.left[0]:   # its own work ended before a synchronous collective it left since (heartbeat
+                t, waited = hb.left[0], hb.left[2]   # `_settle`): nothing more to add to the step
             hb.stamp(hb.left[0], t, waited - hb.left[2])
         if hb.left is None:
             hb.left = (time.time(), self._count(), self._wait.seconds())
@@ -163,10 +169,11 @@ class StepStamps:
         else:
             self._fwd_end = None
             hb.left = None                # a native collective before the forward: no stamp this step
+            hb.discard()
 
     def remove(self) -> None:
         for h in self._handles + list(self._grad_handles.values()):
             h.remove()
         self._handles, self._grad_handles = [], {}
-        self.hb.left = None
+        self.hb.left, self.hb.count_fn = None, None
         self._fwd_end = None

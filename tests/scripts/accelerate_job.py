@@ -9,7 +9,10 @@ and "lr" (float.hex)}, per evaluation {"eval", "epoch", "loss"}, per save and af
 
 Test-only faults, in torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT 0), on rank --kill-rank (default 1):
 --kill-step S (SIGKILL after optimizer step S) and --kill-save S (SIGKILL in the middle of the write of step S's
-checkpoint).
+checkpoint). Observer faults, first attempt only, before a step's forward (the faulty rank writes ROOT/fault.json
+{"kind", "rank", "step", "time"} when it strikes): --hang-rank/--hang-step (blocks forever), --crash-rank/
+--crash-step (SIGKILL), --desync-rank/--desync-step (an all_reduce only this rank issues), --slow-rank/--slow-s
+(sleeps that long before every step's forward); --options: ScoutCheckpointing's options (JSON).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import hashlib
 import json
 import os
 import signal
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -60,6 +65,27 @@ def digest(model, optimizer, scheduler) -> str:
     return h.hexdigest()
 
 
+def observer_fault(a, rank: int, step: int) -> None:
+    """The observer faults, before step `step`'s forward on the faulty rank (first attempt only)."""
+    def mark(kind: str) -> None:
+        with open(os.path.join(a.root, "fault.json"), "w") as f:
+            json.dump({"kind": kind, "rank": rank, "step": step, "time": time.time()}, f)
+
+    if (rank, step) == (a.hang_rank, a.hang_step):
+        mark("hang")
+        threading.Event().wait()
+    if (rank, step) == (a.crash_rank, a.crash_step):
+        mark("crash")
+        os.kill(os.getpid(), signal.SIGKILL)
+    if (rank, step) == (a.desync_rank, a.desync_step):
+        mark("desync")
+        dist.all_reduce(torch.ones(3))   # a rank-dependent branch: the others never issue it
+    if rank == a.slow_rank:
+        if not os.path.exists(os.path.join(a.root, "fault.json")):
+            mark("slow")
+        time.sleep(a.slow_s)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
@@ -72,6 +98,12 @@ def main() -> None:
     ap.add_argument("--kill-step", type=int, default=None)
     ap.add_argument("--kill-save", type=int, default=None)
     ap.add_argument("--kill-rank", type=int, default=1)
+    for kind in ("hang", "crash", "desync"):
+        ap.add_argument(f"--{kind}-rank", type=int)
+        ap.add_argument(f"--{kind}-step", type=int)
+    ap.add_argument("--slow-rank", type=int)
+    ap.add_argument("--slow-s", type=float, default=0.1)
+    ap.add_argument("--options", default="{}")
     a = ap.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -107,7 +139,8 @@ def main() -> None:
     else:
         from scout_ckpt.integrations.accelerate import ScoutCheckpointing
 
-        ckpt = ScoutCheckpointing(accelerator, a.root, fault_hook=fault_hook)                    # scout 1
+        ckpt = ScoutCheckpointing(accelerator, a.root, fault_hook=fault_hook,                    # scout 1
+                                  **json.loads(a.options))
         model, optimizer, train_dl, eval_dl, scheduler = ckpt.prepare(                           # scout 2
             model, optimizer, train_dl, eval_dl, scheduler)
         step = ckpt.load_latest_clean() or 0                                                     # scout 3
@@ -120,6 +153,8 @@ def main() -> None:
     for epoch in range(start_epoch, a.epochs):
         model.train()
         for batch in train_dl:
+            if attempt == 0:
+                observer_fault(a, rank, step + 1)
             out = model(input_ids=batch["input_ids"], labels=batch["labels"])
             accelerator.backward(out.loss)
             optimizer.step()

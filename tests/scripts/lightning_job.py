@@ -12,7 +12,10 @@ when a resumed run starts training {"started": step, "digest"} (the same sha256 
 --scout ddp|mp|none: ScoutDDPStrategy, ScoutModelParallelStrategy (fully_shard in configure_model, FSDP2), plain
 DDPStrategy with Lightning's own ModelCheckpoint (the run without scout-ckpt), mp-none the same for
 ModelParallelStrategy. --kill-step S: in the first attempt (TORCHELASTIC_RESTART_COUNT 0) rank 1 SIGKILLs itself
-after optimizer step S. --ckpt-path: fit(ckpt_path=...). The world size is torchrun's (`devices` =
+after optimizer step S. Observer faults, first attempt only, before a step's forward (the faulty rank writes
+ROOT/fault.json {"kind", "rank", "step", "time"} when it strikes): --hang-rank/--hang-step (blocks forever),
+--crash-rank/--crash-step (SIGKILL), --desync-rank/--desync-step (an all_reduce only this rank issues),
+--slow-rank/--slow-s (sleeps that long before every step's forward). --ckpt-path: fit(ckpt_path=...). The world size is torchrun's (`devices` =
 LOCAL_WORLD_SIZE, FSDP2's data_parallel_size = WORLD_SIZE); --samples defaults to 16 per rank, so that every world
 size has 4 batches of 4 per rank per epoch.
 """
@@ -25,6 +28,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -87,6 +92,25 @@ class Regression(pl.LightningModule):
                     fully_shard(layer, mesh=self.device_mesh["data_parallel"])
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
+    def on_train_batch_start(self, batch, batch_idx):
+        step = self.trainer.global_step + 1   # the optimizer step this batch is for (accumulation aside)
+        f = getattr(self, "faults", None)
+        if f is None or ATTEMPT != 0:
+            return
+        if (RANK, step) == f["hang"]:
+            mark(f["root"], "hang", step)
+            threading.Event().wait()
+        if (RANK, step) == f["crash"]:
+            mark(f["root"], "crash", step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if (RANK, step) == f["desync"]:
+            mark(f["root"], "desync", step)
+            dist.all_reduce(torch.ones(3))   # a rank-dependent branch: the others never issue it
+        if RANK == f["slow"][0]:
+            if not Path(f["root"], "fault.json").exists():
+                mark(f["root"], "slow", step)
+            time.sleep(f["slow"][1])
+
     def training_step(self, batch, batch_idx):
         x, y, idx = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
@@ -132,6 +156,10 @@ class Regression(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+def mark(root, kind: str, step: int) -> None:
+    Path(root, "fault.json").write_text(json.dumps({"kind": kind, "rank": RANK, "step": step, "time": time.time()}))
+
+
 class StepsSeen(Callback):
     """The steps the strategy's Checkpointer.step hook saw (the per-step hook's cadence)."""
 
@@ -159,6 +187,11 @@ def main() -> int:
     ap.add_argument("--record")
     ap.add_argument("--clip", type=float, help="gradient_clip_val")
     ap.add_argument("--no-sched", action="store_true", help="a constant learning rate")
+    for kind in ("hang", "crash", "desync"):
+        ap.add_argument(f"--{kind}-rank", type=int)
+        ap.add_argument(f"--{kind}-step", type=int)
+    ap.add_argument("--slow-rank", type=int)
+    ap.add_argument("--slow-s", type=float, default=0.1)
     ap.add_argument("--options", default="{}", help="JSON: the strategy's Checkpointer options")
     ap.add_argument("--kill-in-save", type=int, help="in the first attempt, rank 1 SIGKILLs itself in the middle "
                     "of writing this step's checkpoint (the Checkpointer's during_write point)")
@@ -171,6 +204,8 @@ def main() -> int:
     data = DataLoader(TensorDataset(x, y, torch.arange(a.samples)), batch_size=4, shuffle=True)
     record = Record(a.record)
     model = Regression(record, a.kill_step, fsdp2=a.scout.startswith("mp"), sched=not a.no_sched)
+    model.faults = {"root": a.root, "hang": (a.hang_rank, a.hang_step), "crash": (a.crash_rank, a.crash_step),
+                    "desync": (a.desync_rank, a.desync_step), "slow": (a.slow_rank, a.slow_s)}
     opts = json.loads(a.options)
     if a.kill_in_save is not None:
         def die_mid_write(point, step, _at=a.kill_in_save):
