@@ -15,15 +15,29 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-EARLY_S = 0.05   # an event this much before the fault's own timestamp still counts (the two clocks' write order)
+EARLY_S = 0.05  # an event this much before the fault's own timestamp still counts (the two clocks' write order)
 
 
-def torchrun(script: Path, root: Path, nproc: int, args: list[str], restarts: int = 0,
-             timeout: float = 900.0) -> tuple[int, float, str]:
+def torchrun(
+    script: Path, root: Path, nproc: int, args: list[str], restarts: int = 0, timeout: float = 900.0
+) -> tuple[int, float, str]:
     """(exit code, wall seconds, the last 2000 characters of stderr) of one job; 124 when it ran past `timeout`."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(script), str(root), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.5",
+        str(script),
+        str(root),
+        *args,
+    ]
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
@@ -76,7 +90,9 @@ def score(events: list[dict], detector, fault: dict | None) -> tuple[list[dict],
     fired (`fault` None)."""
     if fault is None:
         return [], [], None
-    hits = sorted((e for e in events if e["kind"] in detector and (e["time"] or 0) >= fault["time"] - EARLY_S),
-                  key=lambda e: e["time"] or 0)
+    hits = sorted(
+        (e for e in events if e["kind"] in detector and (e["time"] or 0) >= fault["time"] - EARLY_S),
+        key=lambda e: e["time"] or 0,
+    )
     blamed = sorted({r for e in hits[:1] for r in e["ranks"] or []})
     return hits, blamed, (hits[0]["time"] - fault["time"]) if hits else None

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-RESULTS_DIR = BENCH_DIR / "results"   # gitignored
+RESULTS_DIR = BENCH_DIR / "results"  # gitignored
 
 
 def results_dir() -> Path:
@@ -33,13 +33,17 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(p: argparse.ArgumentParser, smoke: dict[str, Any], argv: Sequence[str] | None = None
-               ) -> argparse.Namespace:
+def parse_args(
+    p: argparse.ArgumentParser, smoke: dict[str, Any], argv: Sequence[str] | None = None
+) -> argparse.Namespace:
     """Parse a bench's options, adding `--smoke`: the bench at a tiny size (`smoke`, option destinations to
     values), so that `make bench-smoke` runs every bench in seconds to prove it runs and prints its JSON. Options
     given on the command line still win. A smoke run's figures mean nothing: its JSON says `"smoke": true`."""
-    p.add_argument("--smoke", action="store_true",
-                   help="a tiny size that runs in seconds (make bench-smoke); its figures mean nothing")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny size that runs in seconds (make bench-smoke); its figures mean nothing",
+    )
     known, _ = p.parse_known_args(argv)
     if known.smoke:
         p.set_defaults(**smoke)
@@ -95,8 +99,9 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
     return statistics.median(sample_times(fn, repeats, warmup))
 
 
-def run_checked(cmd: Sequence[str], what: str, timeout: float = 300, env: dict | None = None,
-                cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+def run_checked(
+    cmd: Sequence[str], what: str, timeout: float = 300, env: dict | None = None, cwd: str | os.PathLike | None = None
+) -> subprocess.CompletedProcess:
     """Run a process; on failure end the bench naming `what` and the stderr tail instead of a traceback."""
     try:
         res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
@@ -105,7 +110,7 @@ def run_checked(cmd: Sequence[str], what: str, timeout: float = 300, env: dict |
     except OSError as e:
         fail(f"{what}: cannot run {cmd[0]}: {e.strerror}")
     if res.returncode != 0:
-        tail = "\n  ".join((res.stderr or res.stdout).strip().splitlines()[-30:])   # past torchrun's summary
+        tail = "\n  ".join((res.stderr or res.stdout).strip().splitlines()[-30:])  # past torchrun's summary
         fail(f"{what} exited {res.returncode}: {' '.join(cmd)}\n  {tail}")
     return res
 
@@ -127,8 +132,13 @@ def print_table(rows: Sequence[Sequence[Any]], headers: Sequence[str], file=None
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)), file=file)
 
 
-def emit(result: dict, args: argparse.Namespace, rows: Sequence[Sequence[Any]], headers: Sequence[str],
-         title: str | None = None) -> None:
+def emit(
+    result: dict,
+    args: argparse.Namespace,
+    rows: Sequence[Sequence[Any]],
+    headers: Sequence[str],
+    title: str | None = None,
+) -> None:
     """--json: the one object; otherwise the title, the table and the headline ratio(s)."""
     if getattr(args, "smoke", False):
         result = {**result, "smoke": True}

@@ -62,15 +62,16 @@ def _worker(rank, world, cfg):
     for shape in cfg["shapes"]:
         sc = SHAPES[shape]
         torch.manual_seed(0)
-        model = TinyTransformer(vocab=sc["vocab"], d_model=sc["d_model"], n_heads=4, n_blocks=sc["blocks"],
-                                seq_len=sc["seq"])
+        model = TinyTransformer(
+            vocab=sc["vocab"], d_model=sc["d_model"], n_heads=4, n_blocks=sc["blocks"], seq_len=sc["seq"]
+        )
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
         gen = torch.Generator().manual_seed(1000 + rank)
 
-        def step():
+        def step(sc=sc, gen=gen, model=model, opt=opt):  # bound: called within this iteration only
             x = torch.randint(0, sc["vocab"], (sc["batch"], sc["seq"]), generator=gen)
             logits = model(x)
             F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).backward()
@@ -82,7 +83,7 @@ def _worker(rank, world, cfg):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
             return float(t)
 
-        for _ in range(3):   # warm-up: optimizer state, allocator
+        for _ in range(3):  # warm-up: optimizer state, allocator
             step()
         settings = ["off", *dict.fromkeys([cfg["parts"], 1])]
         step_s = {k: [] for k in settings}
@@ -92,7 +93,7 @@ def _worker(rank, world, cfg):
             for k in order:
                 guard = None if k == "off" else AtRestGuard(opt, model, group=pg, every=None, interval_parts=k)
                 if guard is not None:
-                    step()   # its first post-hook signs (frozen: none; the run of this step)
+                    step()  # its first post-hook signs (frozen: none; the run of this step)
                 dist.barrier(group=pg)
                 h0 = 0.0 if guard is None else guard.interval_s
                 t0 = time.perf_counter()
@@ -100,16 +101,24 @@ def _worker(rank, world, cfg):
                     step()
                 wall = (time.perf_counter() - t0) / cfg["window"]
                 hook = 0.0 if guard is None else (guard.interval_s - h0) / cfg["window"]
-                assert guard is None or not guard.findings, guard.findings   # a healthy run finds nothing
+                assert guard is None or not guard.findings, guard.findings  # a healthy run finds nothing
                 step_s[k].append(slowest(wall - hook))
                 hook_s[k].append(slowest(hook))
                 if guard is not None:
                     guard.close()
         local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        local += sum(v.to_local().numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                     if isinstance(v, torch.Tensor) and v.dim() > 0)
-        out[shape] = {"step_s": {str(k): v for k, v in step_s.items()}, "hook_s": {str(k): v for k, v in hook_s.items()},
-                      "local_bytes": local, "params": sum(p.numel() for p in model.parameters())}
+        local += sum(
+            v.to_local().numel() * v.element_size()
+            for st in opt.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+        out[shape] = {
+            "step_s": {str(k): v for k, v in step_s.items()},
+            "hook_s": {str(k): v for k, v in hook_s.items()},
+            "local_bytes": local,
+            "params": sum(p.numel() for p in model.parameters()),
+        }
     return out
 
 
@@ -139,12 +148,25 @@ def main() -> None:
     headline = ratios.get(f"interval_wide_parts{INTERVAL_PARTS}")
     if headline is not None:
         ratios["interval_default"] = headline
-    result = {"ratios": ratios, "target": TARGET, "target_met": headline is not None and headline < TARGET,
-              "default_parts": INTERVAL_PARTS, "median_s": medians, "raw": r, "ranks": args.ranks, "config": cfg,
-              "shapes": {s: SHAPES[s] for s in shapes}, "load": load_note()}
-    emit(result, args, rows, ["shape", "params", "local bytes (rank 0)", "parts", "step s (no guard)",
-                              "hooks s/step", "ratio"],
-         title=f"at-rest interval check, {args.ranks} ranks, FSDP2 on CPU (default parts {INTERVAL_PARTS})")
+    result = {
+        "ratios": ratios,
+        "target": TARGET,
+        "target_met": headline is not None and headline < TARGET,
+        "default_parts": INTERVAL_PARTS,
+        "median_s": medians,
+        "raw": r,
+        "ranks": args.ranks,
+        "config": cfg,
+        "shapes": {s: SHAPES[s] for s in shapes},
+        "load": load_note(),
+    }
+    emit(
+        result,
+        args,
+        rows,
+        ["shape", "params", "local bytes (rank 0)", "parts", "step s (no guard)", "hooks s/step", "ratio"],
+        title=f"at-rest interval check, {args.ranks} ranks, FSDP2 on CPU (default parts {INTERVAL_PARTS})",
+    )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 import torture  # noqa: E402
 
-KINDS = ("sdc", "param", "hang", "slow", "crash", "bitflip", "truncate", "delete", "quarantine_race",
-         "load_mismatch")
+KINDS = ("sdc", "param", "hang", "slow", "crash", "bitflip", "truncate", "delete", "quarantine_race", "load_mismatch")
 # Scenarios that run outside the demo (users' scripts under real torchrun) live in their own modules next to this
 # one. Each defines SCENARIOS = {kind: {"plan": f(i, rng, world_sizes) -> dict, "run": f(inc, work) -> record,
 # "false_positive": f(healthy_record) -> bool}} and may define HEALTHY = {name: f(work, seed) -> healthy record};
@@ -52,14 +51,28 @@ EXTENSIONS = ("campaign_fsdp", "campaign_torchrun", "campaign_users", "campaign_
 NON_DEMO = ("truncate", "delete", "quarantine_race", "load_mismatch")  # run outside the demo job
 DETECTOR = {"sdc": ("sdc",), "param": ("sdc",), "hang": ("hang",), "slow": ("straggler",), "crash": ("crash",)}
 ALARM_KINDS = ("sdc", "hang", "straggler", "crash", "desync")
-BYTES_CODES = ("digest_mismatch", "truncated_file", "size_mismatch", "missing_file", "missing_dir",
-               "manifest_mismatch", "bad_manifest", "unexpected_file")
+BYTES_CODES = (
+    "digest_mismatch",
+    "truncated_file",
+    "size_mismatch",
+    "missing_file",
+    "missing_dir",
+    "manifest_mismatch",
+    "bad_manifest",
+    "unexpected_file",
+)
 SAVE_POINTS = ("before_write", "during_write", "after_write", "before_rename", "after_rename", "after_commit")
-SDC_LAYERS = ("blocks.0.mlp.fc1", "blocks.1.attn.qkv", "blocks.1.mlp.fc1", "blocks.2.attn.proj",
-              "blocks.3.mlp.fc2", "head")
+SDC_LAYERS = (
+    "blocks.0.mlp.fc1",
+    "blocks.1.attn.qkv",
+    "blocks.1.mlp.fc1",
+    "blocks.2.attn.proj",
+    "blocks.3.mlp.fc2",
+    "head",
+)
 HEALTHY_CONFIGS = ({"mode": "ddp"}, {"mode": "ddp", "async_save": True}, {"mode": "fsdp", "constraint": "sphere"})
-STEPS, SAVE_EVERY = 24, 8   # save_every > 7: the demo's replay runs and covers its 7 targets between saves
-SLOW_STEPS = 48             # the straggler rule needs 3 confirmed windows of >= 1 s and >= 3 steps
+STEPS, SAVE_EVERY = 24, 8  # save_every > 7: the demo's replay runs and covers its 7 targets between saves
+SLOW_STEPS = 48  # the straggler rule needs 3 confirmed windows of >= 1 s and >= 3 steps
 FULL_PER_KIND = 5
 QUICK_PER_KIND = 1
 
@@ -85,15 +98,21 @@ def all_kinds() -> tuple[str, ...]:
     return KINDS + tuple(k for k in extensions()[0] if k not in KINDS)
 
 
-def plan_incidents(counts: dict[str, int], n_healthy: int, seed: int,
-                   world_sizes: tuple[int, ...] = (3, 4)) -> list[dict]:
+def plan_incidents(
+    counts: dict[str, int], n_healthy: int, seed: int, world_sizes: tuple[int, ...] = (3, 4)
+) -> list[dict]:
     """Every incident's demo options, drawn from the seed (the same seed gives the same campaign)."""
     rng = random.Random(seed)
     plan = []
     for i in range(n_healthy):
         cfg = HEALTHY_CONFIGS[i % len(HEALTHY_CONFIGS)]
-        plan.append({"kind": "healthy", "id": f"healthy-{i}", "demo": {"ranks": rng.choice(world_sizes), "steps": STEPS,
-                                                                      "save_every": SAVE_EVERY, **cfg}})
+        plan.append(
+            {
+                "kind": "healthy",
+                "id": f"healthy-{i}",
+                "demo": {"ranks": rng.choice(world_sizes), "steps": STEPS, "save_every": SAVE_EVERY, **cfg},
+            }
+        )
     saves = list(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
     for kind, n in counts.items():
         for i in range(n):
@@ -104,8 +123,10 @@ def plan_incidents(counts: dict[str, int], n_healthy: int, seed: int,
             if kind == "sdc":
                 # an element of the last position (element 0 of qkv, position 0's query, is ignored by causal
                 # attention: a fault that changes nothing, which no detector can or should see)
-                demo["inject"] = [f"sdc:rank={r}:step={rng.randint(2, STEPS - 2)}:layer={rng.choice(SDC_LAYERS)}"
-                                  f":elem={-rng.randint(1, 64)}"]
+                demo["inject"] = [
+                    f"sdc:rank={r}:step={rng.randint(2, STEPS - 2)}:layer={rng.choice(SDC_LAYERS)}"
+                    f":elem={-rng.randint(1, 64)}"
+                ]
                 demo["mode"] = "ddp"
             elif kind == "param":  # FSDP: each rank owns its shard, so only the invariants can see the flip
                 demo.update(mode="fsdp", constraint="sphere")
@@ -148,9 +169,13 @@ def _ledger_view(root: Path) -> dict:
     from scout_ckpt.ledger import Ledger
 
     with Ledger.open(root, readonly=True) as led:
-        return {"certifications": led.certifications(), "runs": led.runs(),
-                "files": {c["step"]: led.files(c["step"]) for c in led.checkpoints()},
-                "checkpoints": led.checkpoints(), "events": led.events()}
+        return {
+            "certifications": led.certifications(),
+            "runs": led.runs(),
+            "files": {c["step"]: led.files(c["step"]) for c in led.checkpoints()},
+            "checkpoints": led.checkpoints(),
+            "events": led.events(),
+        }
 
 
 def _resume(root: Path) -> tuple[dict | None, float]:
@@ -239,15 +264,33 @@ def judge_demo(inc: dict, result: dict) -> dict:
     kind = inc["kind"]
     inj = result["injections"][0]
     fired = sorted(inj["fired"], key=lambda f: f["time"])
-    out = {"id": inc["id"], "kind": kind, "spec": inj["spec"], "ranks": result["ranks"],
-           "mode": result["mode"], "async": result["async_save"], "wall_s": result["wall_s"],
-           "restarts": result["restarts"], "completed": result["completed"], "fired": bool(fired)}
+    out = {
+        "id": inc["id"],
+        "kind": kind,
+        "spec": inj["spec"],
+        "ranks": result["ranks"],
+        "mode": result["mode"],
+        "async": result["async_save"],
+        "wall_s": result["wall_s"],
+        "restarts": result["restarts"],
+        "completed": result["completed"],
+        "fired": bool(fired),
+    }
     if not (root / "scout-ledger.db").exists():
-        out.update(detected=False, blamed=[], truth=[], latency_s=None, bad_resume=False, resume_step=None,
-                   no_resume=True, fired=False, note="no ledger: every generation died before its first save")
+        out.update(
+            detected=False,
+            blamed=[],
+            truth=[],
+            latency_s=None,
+            bad_resume=False,
+            resume_step=None,
+            no_resume=True,
+            fired=False,
+            note="no ledger: every generation died before its first save",
+        )
         return out
     lc, _ = _resume(root)
-    view = _ledger_view(root)   # after latest_clean (which may record failures)
+    view = _ledger_view(root)  # after latest_clean (which may record failures)
     out["resume_step"] = lc["step"]
     resumed = [r["resumed_from"] for r in view["runs"][1:]]
     out["restart_resumed_from"] = resumed
@@ -261,10 +304,24 @@ def judge_demo(inc: dict, result: dict) -> dict:
     if kind in DETECTOR:
         # Attribution is judged on the first detection (the events of its step): later alarms of a fault that
         # was let run on (NaNs spreading to every rank's shard) are its consequences, listed as blamed_later.
-        hits = sorted((e for e in result["events"] if e["kind"] in DETECTOR[kind] and e["time"] is not None
-                       and e["time"] >= t_fire - 0.05), key=lambda e: e["time"])
-        out["events"] = [{"kind": e["kind"], "ranks": e["ranks"], "step": e["step"], "t": round(e["time"] - t_fire, 3),
-                          "source": (e.get("detail") or {}).get("source")} for e in hits][:12]
+        hits = sorted(
+            (
+                e
+                for e in result["events"]
+                if e["kind"] in DETECTOR[kind] and e["time"] is not None and e["time"] >= t_fire - 0.05
+            ),
+            key=lambda e: e["time"],
+        )
+        out["events"] = [
+            {
+                "kind": e["kind"],
+                "ranks": e["ranks"],
+                "step": e["step"],
+                "t": round(e["time"] - t_fire, 3),
+                "source": (e.get("detail") or {}).get("source"),
+            }
+            for e in hits
+        ][:12]
         if hits:
             t_detect = hits[0]["time"]
             blamed.update(r for e in hits if e["step"] == hits[0]["step"] for r in e["ranks"] or [])
@@ -285,21 +342,24 @@ def judge_demo(inc: dict, result: dict) -> dict:
             for r in first["bytes_reasons"]:
                 if r.get("rank") is not None:
                     blamed.add(r["rank"])
-            if first["source"] == "certify":   # the supervisor's final certify began when the job ended
+            if first["source"] == "certify":  # the supervisor's final certify began when the job ended
                 start = result["generations"][-1]["ended"]
-            else:                              # caught by a restarted job's load: from that generation's start
-                start = max((g["started"] for g in result["generations"] if g["started"] <= first["time"]),
-                            default=t_fire)
+            else:  # caught by a restarted job's load: from that generation's start
+                start = max(
+                    (g["started"] for g in result["generations"] if g["started"] <= first["time"]), default=t_fire
+                )
             latency = first["time"] - start
             out["caught_by"] = first["source"]
-    out.update(detected=detected, blamed=sorted(blamed), truth=truth,
-               latency_s=None if latency is None else round(latency, 3))
+    out.update(
+        detected=detected, blamed=sorted(blamed), truth=truth, latency_s=None if latency is None else round(latency, 3)
+    )
     # resumes
     bad = []
     entry = fault_entry_step(kind, fired)
     damaged = fired[0]["step"] if kind == "bitflip" else None
-    candidates = ([("latest_clean", lc["step"])] if lc["step"] is not None else []) + \
-        [("restart", s) for s in resumed if s is not None]
+    candidates = ([("latest_clean", lc["step"])] if lc["step"] is not None else []) + [
+        ("restart", s) for s in resumed if s is not None
+    ]
     for who, s in candidates:
         if entry is not None and s >= entry and _holds_fault(view, s, entry, fired):
             bad.append(f"{who} returned step {s}, whose state holds the {kind} injected at step {entry}")
@@ -330,11 +390,20 @@ def judge_healthy(inc: dict, result: dict) -> dict:
     lc, _ = _resume(root)
     view = _ledger_view(root)
     alarms = _alarms(result, view)
-    out = {"id": inc["id"], "kind": "healthy", "ranks": result["ranks"], "mode": result["mode"],
-           "async": result["async_save"], "constraint": result["constraint"], "wall_s": result["wall_s"],
-           "restarts": result["restarts"], "completed": result["completed"], "alarms": alarms,
-           "resume_step": lc["step"], "certified": [c["step"] for c in result["checkpoints"]
-                                                     if c["state"] == "certified"]}
+    out = {
+        "id": inc["id"],
+        "kind": "healthy",
+        "ranks": result["ranks"],
+        "mode": result["mode"],
+        "async": result["async_save"],
+        "constraint": result["constraint"],
+        "wall_s": result["wall_s"],
+        "restarts": result["restarts"],
+        "completed": result["completed"],
+        "alarms": alarms,
+        "resume_step": lc["step"],
+        "certified": [c["step"] for c in result["checkpoints"] if c["state"] == "certified"],
+    }
     out["false_positive"] = bool(alarms["events"] or alarms["rejections"] or result["restarts"])
     out["bad_resume"] = lc["step"] is not None and not _verifies(root, lc["step"])
     out["no_resume"] = lc["step"] is None
@@ -349,11 +418,22 @@ def run_byte_fault(inc: dict, healthy_dir: Path, work: Path) -> dict:
     shutil.copytree(healthy_dir, root)
     view = _ledger_view(root)
     certified = sorted(c["step"] for c in view["checkpoints"] if c["state"] == "certified")
-    out = {"id": inc["id"], "kind": inc["kind"], "method": inc["method"], "fired": bool(certified),
-           "source_run": healthy_dir.name}
+    out = {
+        "id": inc["id"],
+        "kind": inc["kind"],
+        "method": inc["method"],
+        "fired": bool(certified),
+        "source_run": healthy_dir.name,
+    }
     if not certified:
-        out.update(detected=False, blamed=[], truth=[], latency_s=None, bad_resume=False,
-                   note="the healthy run had no certified step to damage")
+        out.update(
+            detected=False,
+            blamed=[],
+            truth=[],
+            latency_s=None,
+            bad_resume=False,
+            note="the healthy run had no certified step to damage",
+        )
         return out
     # resume: damage the newest certified step (the one a restart would take); certify: any certified step
     step = certified[-1] if inc["method"] == "resume" else certified[int(inc["pick"] * len(certified))]
@@ -376,15 +456,23 @@ def run_byte_fault(inc: dict, healthy_dir: Path, work: Path) -> dict:
         detected = any(c["step"] == step and c["state"] == "rejected" for c in res)
         lc, _ = _resume(root)
     view = _ledger_view(root)
-    blamed = sorted({r["rank"] for c in _bytes_rejections(view, step) for r in c["bytes_reasons"]
-                     if r.get("rank") is not None})
+    blamed = sorted(
+        {r["rank"] for c in _bytes_rejections(view, step) for r in c["bytes_reasons"] if r.get("rank") is not None}
+    )
     bad = []
     if lc["step"] == step:
         bad.append(f"latest_clean returned the damaged step {step}")
     elif lc["step"] is not None and not _verifies(root, lc["step"]):
         bad.append(f"latest_clean returned step {lc['step']}, which does not verify")
-    out.update(detected=detected, blamed=blamed, latency_s=round(dt, 4), resume_step=lc["step"],
-               bad_resume=bool(bad), bad_resume_detail=bad, no_resume=lc["step"] is None)
+    out.update(
+        detected=detected,
+        blamed=blamed,
+        latency_s=round(dt, 4),
+        resume_step=lc["step"],
+        bad_resume=bool(bad),
+        bad_resume_detail=bad,
+        no_resume=lc["step"] is None,
+    )
     return out
 
 
@@ -400,8 +488,14 @@ def run_quarantine_race(inc: dict, healthy_dir: Path, work: Path) -> dict:
     shutil.copytree(healthy_dir, root)
     view = _ledger_view(root)
     certified = sorted(c["step"] for c in view["checkpoints"] if c["state"] == "certified")
-    out = {"id": inc["id"], "kind": inc["kind"], "fired": bool(certified), "truth": [], "blamed": [],
-           "source_run": healthy_dir.name}
+    out = {
+        "id": inc["id"],
+        "kind": inc["kind"],
+        "fired": bool(certified),
+        "truth": [],
+        "blamed": [],
+        "source_run": healthy_dir.name,
+    }
     if not certified:
         out.update(detected=False, latency_s=None, bad_resume=False, note="no certified step to quarantine")
         return out
@@ -411,8 +505,20 @@ def run_quarantine_race(inc: dict, healthy_dir: Path, work: Path) -> dict:
     def tick(_n):
         if not fired:
             fired["t"] = time.monotonic()
-            subprocess.run([sys.executable, "-m", "scout_ckpt.cli", "quarantine", str(root), str(step), "--reason",
-                            "campaign race"], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "scout_ckpt.cli",
+                    "quarantine",
+                    str(root),
+                    str(step),
+                    "--reason",
+                    "campaign race",
+                ],
+                check=True,
+                capture_output=True,
+            )
 
     t0 = time.monotonic()
     certify(root, [step], progress_factory=lambda total: tick)
@@ -420,8 +526,16 @@ def run_quarantine_race(inc: dict, healthy_dir: Path, work: Path) -> dict:
     lc, _ = _resume(root)
     state = next(c["state"] for c in _ledger_view(root)["checkpoints"] if c["step"] == step)
     bad = [f"latest_clean returned the quarantined step {step}"] if lc["step"] == step else []
-    out.update(step=step, raced=bool(fired), detected=state == "quarantined", latency_s=round(dt, 4),
-               resume_step=lc["step"], bad_resume=bool(bad), bad_resume_detail=bad, no_resume=lc["step"] is None)
+    out.update(
+        step=step,
+        raced=bool(fired),
+        detected=state == "quarantined",
+        latency_s=round(dt, 4),
+        resume_step=lc["step"],
+        bad_resume=bool(bad),
+        bad_resume_detail=bad,
+        no_resume=lc["step"] is None,
+    )
     return out
 
 
@@ -436,10 +550,31 @@ def run_load_mismatch(inc: dict, work: Path) -> dict:
     root = work / inc["id"]
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(repo), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(inc["ranks"]),
-           "--max-restarts", "2", "--monitor-interval", "0.5", str(repo / "examples" / "train_ddp.py"), str(root),
-           "--steps", "16", "--save-every", "5", "--crash-rank", "1", "--crash-step", "12", "--corrupt-load", "10",
-           "--record"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(inc["ranks"]),
+        "--max-restarts",
+        "2",
+        "--monitor-interval",
+        "0.5",
+        str(repo / "examples" / "train_ddp.py"),
+        str(root),
+        "--steps",
+        "16",
+        "--save-every",
+        "5",
+        "--crash-rank",
+        "1",
+        "--crash-step",
+        "12",
+        "--corrupt-load",
+        "10",
+        "--record",
+    ]
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     dt = time.monotonic() - t0
@@ -454,10 +589,21 @@ def run_load_mismatch(inc: dict, work: Path) -> dict:
         bad.append("the restart resumed from the corrupted load of step 10")
     elif resumed is not None and loaded[0]["digest"] != saved.get((0, resumed)):
         bad.append(f"the restart resumed from {resumed} with state other than what was saved")
-    return {"id": inc["id"], "kind": inc["kind"], "fired": True, "truth": [], "blamed": [], "step": 10,
-            "detected": bool(mism) and p.returncode == 0, "latency_s": round(dt, 2), "resume_step": resumed,
-            "bad_resume": bool(bad), "bad_resume_detail": bad, "no_resume": resumed is None,
-            "rc": p.returncode}
+    return {
+        "id": inc["id"],
+        "kind": inc["kind"],
+        "fired": True,
+        "truth": [],
+        "blamed": [],
+        "step": 10,
+        "detected": bool(mism) and p.returncode == 0,
+        "latency_s": round(dt, 2),
+        "resume_step": resumed,
+        "bad_resume": bool(bad),
+        "bad_resume_detail": bad,
+        "no_resume": resumed is None,
+        "rc": p.returncode,
+    }
 
 
 # ---- scoring ------------------------------------------------------------------------------------------------
@@ -476,8 +622,12 @@ def _fp_of(kind: str, h: dict) -> bool:
     """Did kind's detector fire on healthy control h?"""
     ev, rej = h["alarms"]["events"], h["alarms"]["rejections"]
     if kind == "sdc":
-        return bool(ev.get("sdc") or rej.get("replay_sdc") or rej.get("consensus_attributed")
-                    or rej.get("consensus_inconclusive"))
+        return bool(
+            ev.get("sdc")
+            or rej.get("replay_sdc")
+            or rej.get("consensus_attributed")
+            or rej.get("consensus_inconclusive")
+        )
     if kind == "param":
         return bool(rej.get("invariant_failed") or rej.get("at_rest_changed"))
     if kind in ("quarantine_race", "load_mismatch"):
@@ -504,8 +654,10 @@ def score(incidents: list[dict], healthy: list[dict]) -> dict:
         n_truth = sum(len(i["truth"]) for i in mine)
         lat = [i["latency_s"] for i in det if i["latency_s"] is not None]
         kinds[kind] = {
-            "n": len(mine), "not_fired": sum(1 for i in incidents if i["kind"] == kind and not i.get("fired")),
-            "detected": len(det), "recall": round(len(det) / len(mine), 3) if mine else None,
+            "n": len(mine),
+            "not_fired": sum(1 for i in incidents if i["kind"] == kind and not i.get("fired")),
+            "detected": len(det),
+            "recall": round(len(det) / len(mine), 3) if mine else None,
             "precision": round(tp / n_blamed, 3) if n_blamed else None,
             "attribution_recall": round(tp / n_truth, 3) if n_truth else None,
             "false_positives": sum(1 for h in healthy if _fp_of(kind, h)),
@@ -517,19 +669,27 @@ def score(incidents: list[dict], healthy: list[dict]) -> dict:
         }
         murphy = [i for i in incidents if i["kind"] == kind and "wrongly_certified" in i]
         if murphy:  # faults of the world (campaign_murphy): targets 0 and 0; every incident's outcome, skips too
-            kinds[kind].update(wrongly_certified=sum(i["wrongly_certified"] for i in murphy),
-                               good_lost=sum(i["good_lost"] for i in murphy),
-                               fresh_start_over_checkpoints=sum(i.get("fresh_start_over_checkpoints", 0)
-                                                                for i in murphy),
-                               outcomes=[i.get("outcome") for i in murphy])
+            kinds[kind].update(
+                wrongly_certified=sum(i["wrongly_certified"] for i in murphy),
+                good_lost=sum(i["good_lost"] for i in murphy),
+                fresh_start_over_checkpoints=sum(i.get("fresh_start_over_checkpoints", 0) for i in murphy),
+                outcomes=[i.get("outcome") for i in murphy],
+            )
     return kinds
 
 
 # ---- driver -------------------------------------------------------------------------------------------------
 
 
-def run_campaign(counts: dict[str, int], n_healthy: int, seed: int, torture_iters: int, out_dir: Path,
-                 chain_len: int = 10, world_sizes: tuple[int, ...] = (3, 4)) -> dict:
+def run_campaign(
+    counts: dict[str, int],
+    n_healthy: int,
+    seed: int,
+    torture_iters: int,
+    out_dir: Path,
+    chain_len: int = 10,
+    world_sizes: tuple[int, ...] = (3, 4),
+) -> dict:
     from scout_ckpt.demo import run_demo
 
     t0 = time.monotonic()
@@ -548,18 +708,22 @@ def run_campaign(counts: dict[str, int], n_healthy: int, seed: int, torture_iter
                 rec = judge_healthy(inc, result)
                 healthy.append(rec)
                 healthy_dirs.append(Path(result["dir"]))
-                C.log(f"[{n + 1}/{len(plan)}] {inc['id']} {kw.get('mode')} ranks={kw['ranks']} "
-                      f"{'async' if kw.get('async_save') else 'sync'}: "
-                      f"{'FALSE POSITIVE ' + json.dumps(rec['alarms']) if rec['false_positive'] else 'clean'}"
-                      f" resume={rec['resume_step']} ({time.monotonic() - t1:.0f}s)")
+                C.log(
+                    f"[{n + 1}/{len(plan)}] {inc['id']} {kw.get('mode')} ranks={kw['ranks']} "
+                    f"{'async' if kw.get('async_save') else 'sync'}: "
+                    f"{'FALSE POSITIVE ' + json.dumps(rec['alarms']) if rec['false_positive'] else 'clean'}"
+                    f" resume={rec['resume_step']} ({time.monotonic() - t1:.0f}s)"
+                )
             else:
                 rec = judge_demo(inc, result)
                 incidents.append(rec)
-                C.log(f"[{n + 1}/{len(plan)}] {inc['id']} {rec['spec']} ranks={kw['ranks']}"
-                      f"{' async' if kw.get('async_save') else ''}: detected={rec['detected']} "
-                      f"blamed={rec['blamed']} truth={rec['truth']} latency={rec['latency_s']} "
-                      f"resume={rec['resume_step']}{' BAD RESUME' if rec.get('bad_resume') else ''}"
-                      f" ({time.monotonic() - t1:.0f}s)")
+                C.log(
+                    f"[{n + 1}/{len(plan)}] {inc['id']} {rec['spec']} ranks={kw['ranks']}"
+                    f"{' async' if kw.get('async_save') else ''}: detected={rec['detected']} "
+                    f"blamed={rec['blamed']} truth={rec['truth']} latency={rec['latency_s']} "
+                    f"resume={rec['resume_step']}{' BAD RESUME' if rec.get('bad_resume') else ''}"
+                    f" ({time.monotonic() - t1:.0f}s)"
+                )
         ext_scenarios, ext_healthy = extensions()
         planned = {inc["kind"] for inc in plan if inc.get("extension")}
         if planned:
@@ -569,8 +733,10 @@ def run_campaign(counts: dict[str, int], n_healthy: int, seed: int, torture_iter
                 t1 = time.monotonic()
                 rec = make(work / name.replace(":", "-"), seed)
                 healthy.append(rec)
-                C.log(f"{rec['id']}: {'FALSE POSITIVE ' + json.dumps(rec['alarms']) if rec['false_positive'] else 'clean'}"
-                      f" resume={rec.get('resume_step')} ({time.monotonic() - t1:.0f}s)")
+                C.log(
+                    f"{rec['id']}: {'FALSE POSITIVE ' + json.dumps(rec['alarms']) if rec['false_positive'] else 'clean'}"
+                    f" resume={rec.get('resume_step')} ({time.monotonic() - t1:.0f}s)"
+                )
         for inc in plan:
             if inc["demo"] is not None:
                 continue
@@ -578,16 +744,20 @@ def run_campaign(counts: dict[str, int], n_healthy: int, seed: int, torture_iter
                 t1 = time.monotonic()
                 rec = ext_scenarios[inc["kind"]]["run"](inc, work)
                 incidents.append(rec)
-                C.log(f"{inc['id']}: detected={rec['detected']} blamed={rec.get('blamed')} truth={rec.get('truth')} "
-                      f"latency={rec.get('latency_s')} resume={rec.get('resume_step')}"
-                      f"{' BAD RESUME' if rec.get('bad_resume') else ''}"
-                      f"{' outcome=' + str(rec['outcome']) if 'outcome' in rec else ''} ({time.monotonic() - t1:.0f}s)")
+                C.log(
+                    f"{inc['id']}: detected={rec['detected']} blamed={rec.get('blamed')} truth={rec.get('truth')} "
+                    f"latency={rec.get('latency_s')} resume={rec.get('resume_step')}"
+                    f"{' BAD RESUME' if rec.get('bad_resume') else ''}"
+                    f"{' outcome=' + str(rec['outcome']) if 'outcome' in rec else ''} ({time.monotonic() - t1:.0f}s)"
+                )
                 continue
             if inc["kind"] == "load_mismatch":
                 rec = run_load_mismatch(inc, work)
                 incidents.append(rec)
-                C.log(f"{inc['id']}: detected={rec['detected']} resumed from {rec['resume_step']}"
-                      f"{' BAD RESUME' if rec.get('bad_resume') else ''} ({rec['latency_s']}s)")
+                C.log(
+                    f"{inc['id']}: detected={rec['detected']} resumed from {rec['resume_step']}"
+                    f"{' BAD RESUME' if rec.get('bad_resume') else ''} ({rec['latency_s']}s)"
+                )
                 continue
             if not healthy_dirs:
                 C.fail(f"{inc['kind']} needs a healthy control run (give --healthy >= 1)")
@@ -595,14 +765,18 @@ def run_campaign(counts: dict[str, int], n_healthy: int, seed: int, torture_iter
             if inc["kind"] == "quarantine_race":
                 rec = run_quarantine_race(inc, src, work)
                 incidents.append(rec)
-                C.log(f"{inc['id']} step {rec.get('step')}: quarantine held={rec['detected']} "
-                      f"resume={rec.get('resume_step')}{' BAD RESUME' if rec.get('bad_resume') else ''}")
+                C.log(
+                    f"{inc['id']} step {rec.get('step')}: quarantine held={rec['detected']} "
+                    f"resume={rec.get('resume_step')}{' BAD RESUME' if rec.get('bad_resume') else ''}"
+                )
                 continue
             rec = run_byte_fault(inc, src, work)
             incidents.append(rec)
-            C.log(f"{inc['id']} ({inc['method']}) step {rec.get('step')} {rec.get('file')}: "
-                  f"detected={rec['detected']} blamed={rec['blamed']} truth={rec['truth']} "
-                  f"resume={rec.get('resume_step')}{' BAD RESUME' if rec.get('bad_resume') else ''}")
+            C.log(
+                f"{inc['id']} ({inc['method']}) step {rec.get('step')} {rec.get('file')}: "
+                f"detected={rec['detected']} blamed={rec['blamed']} truth={rec['truth']} "
+                f"resume={rec.get('resume_step')}{' BAD RESUME' if rec.get('bad_resume') else ''}"
+            )
     campaign_s = time.monotonic() - t0
     tort = torture.run_torture(torture_iters, seed, chain_len) if torture_iters > 0 else None
     if tort:
@@ -610,20 +784,34 @@ def run_campaign(counts: dict[str, int], n_healthy: int, seed: int, torture_iter
         (out_dir / "torture.json").write_text(json.dumps(tort, indent=1, default=str))
     kinds_scores = score(incidents, healthy)
     bad = sum(1 for i in incidents + healthy if i.get("bad_resume"))
-    healthy_summary = {"n": len(healthy), "false_positives": sum(1 for h in healthy if h["false_positive"]),
-                       "no_resume": sum(1 for h in healthy if h["no_resume"]),
-                       "bad_resumes": sum(1 for h in healthy if h["bad_resume"])}
+    healthy_summary = {
+        "n": len(healthy),
+        "false_positives": sum(1 for h in healthy if h["false_positive"]),
+        "no_resume": sum(1 for h in healthy if h["no_resume"]),
+        "bad_resumes": sum(1 for h in healthy if h["bad_resume"]),
+    }
     result = {
-        "kinds": kinds_scores, "bad_resumes": bad, "healthy": healthy_summary,
+        "kinds": kinds_scores,
+        "bad_resumes": bad,
+        "healthy": healthy_summary,
         "false_positive_runs": healthy_summary["false_positives"],
         "torture": {k: v for k, v in tort.items() if k != "detail"} if tort else None,
         "torture_violations": tort["n_violations"] if tort else 0,
-        "incidents": incidents, "healthy_runs": healthy,
-        "params": {"seed": seed, "per_kind": counts, "healthy": n_healthy, "world_sizes": list(world_sizes),
-                   "steps": STEPS,
-                   "save_every": SAVE_EVERY, "slow_steps": SLOW_STEPS, "torture_iterations": torture_iters,
-                   **C.load_note()},
-        "campaign_s": round(campaign_s, 1), "wall_s": round(time.monotonic() - t0, 1),
+        "incidents": incidents,
+        "healthy_runs": healthy,
+        "params": {
+            "seed": seed,
+            "per_kind": counts,
+            "healthy": n_healthy,
+            "world_sizes": list(world_sizes),
+            "steps": STEPS,
+            "save_every": SAVE_EVERY,
+            "slow_steps": SLOW_STEPS,
+            "torture_iterations": torture_iters,
+            **C.load_note(),
+        },
+        "campaign_s": round(campaign_s, 1),
+        "wall_s": round(time.monotonic() - t0, 1),
     }
     return result
 
@@ -631,22 +819,50 @@ def run_campaign(counts: dict[str, int], n_healthy: int, seed: int, torture_iter
 def table_rows(res: dict) -> list[list]:
     rows = []
     for kind, s in res["kinds"].items():
-        rows.append([kind, s["n"], s["recall"], s["precision"], s["attribution_recall"], s["false_positives"],
-                     s["latency_s_median"], s["latency_s_p95"], s["bad_resumes"], s["no_resume"],
-                     s["clean_rejected"]])
+        rows.append(
+            [
+                kind,
+                s["n"],
+                s["recall"],
+                s["precision"],
+                s["attribution_recall"],
+                s["false_positives"],
+                s["latency_s_median"],
+                s["latency_s_p95"],
+                s["bad_resumes"],
+                s["no_resume"],
+                s["clean_rejected"],
+            ]
+        )
     h = res["healthy"]
-    rows.append(["healthy", h["n"], "-", "-", "-", h["false_positives"], "-", "-", h["bad_resumes"],
-                 h["no_resume"], "-"])
+    rows.append(
+        ["healthy", h["n"], "-", "-", "-", h["false_positives"], "-", "-", h["bad_resumes"], h["no_resume"], "-"]
+    )
     return rows
 
 
-HEADERS = ["kind", "n", "recall", "precision", "attr_recall", "false_pos", "latency_med_s", "latency_p95_s",
-           "bad_resumes", "no_resume", "clean_rejected"]
+HEADERS = [
+    "kind",
+    "n",
+    "recall",
+    "precision",
+    "attr_recall",
+    "false_pos",
+    "latency_med_s",
+    "latency_p95_s",
+    "bad_resumes",
+    "no_resume",
+    "clean_rejected",
+]
 
 
 def markdown(res: dict) -> str:
-    lines = [f"# Fault campaign (seed {res['params']['seed']}, {res['wall_s']:.0f} s)", "",
-             "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines = [
+        f"# Fault campaign (seed {res['params']['seed']}, {res['wall_s']:.0f} s)",
+        "",
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "---|" * len(HEADERS),
+    ]
     for r in table_rows(res):
         lines.append("| " + " | ".join(C.fmt(c) if c is not None else "-" for c in r) + " |")
     lines += ["", f"bad resumes: {res['bad_resumes']}"]
@@ -657,19 +873,28 @@ def markdown(res: dict) -> str:
         lines += [f"- VIOLATION {v}" for v in t["violations"]]
     missed = [i for i in res["incidents"] if i.get("fired") and not i["detected"]]
     if missed:
-        lines += ["", "## Missed incidents", ""] + [f"- {i['id']}: {i.get('spec') or i.get('file')} "
-                                                     f"(ranks {i.get('ranks')})" for i in missed]
+        lines += ["", "## Missed incidents", ""] + [
+            f"- {i['id']}: {i.get('spec') or i.get('file')} (ranks {i.get('ranks')})" for i in missed
+        ]
     fps = [h for h in res["healthy_runs"] if h["false_positive"]]
     if fps:
         lines += ["", "## False positives on healthy controls", ""] + [
-            f"- {h['id']} ({h['mode']}{', async' if h['async'] else ''}, {h['ranks']} ranks): "
-            f"{json.dumps(h['alarms'])}" for h in fps]
+            f"- {h['id']} ({h['mode']}{', async' if h['async'] else ''}, {h['ranks']} ranks): {json.dumps(h['alarms'])}"
+            for h in fps
+        ]
     murphy = {k: s for k, s in res["kinds"].items() if "wrongly_certified" in s}
     if murphy:
-        lines += ["", "## Faults of the world (targets: wrongly_certified 0, good_lost 0)", "",
-                  "| kind | n | wrongly_certified | good_lost | outcomes |", "|---|---|---|---|---|"]
-        lines += [f"| {k} | {s['n']} | {s['wrongly_certified']} | {s['good_lost']} | {'; '.join(map(str, s['outcomes']))} |"
-                  for k, s in murphy.items()]
+        lines += [
+            "",
+            "## Faults of the world (targets: wrongly_certified 0, good_lost 0)",
+            "",
+            "| kind | n | wrongly_certified | good_lost | outcomes |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {k} | {s['n']} | {s['wrongly_certified']} | {s['good_lost']} | {'; '.join(map(str, s['outcomes']))} |"
+            for k, s in murphy.items()
+        ]
     bads = [i for i in res["incidents"] + res["healthy_runs"] if i.get("bad_resume")]
     if bads:
         lines += ["", "## Bad resumes", ""] + [f"- {i['id']}: {i.get('bad_resume_detail')}" for i in bads]
@@ -681,16 +906,27 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help=f"{QUICK_PER_KIND} incident per kind, 5 torture iterations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="directory for campaign.json/.md (default bench/results)")
-    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(all_kinds())}"
-                                                            " (default: the demo's and byte kinds)")
-    p.add_argument("--per-kind", type=int, default=None, help=f"incidents per kind (default {FULL_PER_KIND}, "
-                                                              f"--quick {QUICK_PER_KIND})")
+    p.add_argument(
+        "--kinds",
+        default=",".join(KINDS),
+        help=f"comma-separated subset of {','.join(all_kinds())} (default: the demo's and byte kinds)",
+    )
+    p.add_argument(
+        "--per-kind",
+        type=int,
+        default=None,
+        help=f"incidents per kind (default {FULL_PER_KIND}, --quick {QUICK_PER_KIND})",
+    )
     p.add_argument("--healthy", type=int, default=None, help="healthy control runs (default 6, --quick 1)")
-    p.add_argument("--torture", type=int, default=None, help="SIGKILLs the torture must land (default 100, --quick 5); details in torture.json")
+    p.add_argument(
+        "--torture",
+        type=int,
+        default=None,
+        help="SIGKILLs the torture must land (default 100, --quick 5); details in torture.json",
+    )
     # --smoke (make bench-smoke): one incident of a user's script under torchrun, no healthy control, no torture
     # (bench/torture.py --smoke runs that); every extension module is still imported by the --kinds check
-    args = C.parse_args(p, {"kinds": "load_mismatch", "per_kind": 1, "healthy": 0, "torture": 0, "quick": True},
-                        argv)
+    args = C.parse_args(p, {"kinds": "load_mismatch", "per_kind": 1, "healthy": 0, "torture": 0, "quick": True}, argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in all_kinds()]
     if unknown:
@@ -706,8 +942,7 @@ def main(argv=None) -> int:
     counts = {k: max(per_kind, 2) if k == "crash" else per_kind for k in kinds}
     # --quick: 3 ranks only (4 processes on 2 cores cost half as much again) to stay well inside run_all's cap
     out = args.out or C.results_dir()
-    res = run_campaign(counts, n_healthy, args.seed, torture_iters, out,
-                       world_sizes=(3,) if args.quick else (3, 4))
+    res = run_campaign(counts, n_healthy, args.seed, torture_iters, out, world_sizes=(3,) if args.quick else (3, 4))
     res["params"]["quick"] = args.quick
     out.mkdir(parents=True, exist_ok=True)
     (out / "campaign.json").write_text(json.dumps(res, indent=1, sort_keys=True, default=str))
@@ -717,8 +952,10 @@ def main(argv=None) -> int:
         print(f"\nbad resumes: {res['bad_resumes']}")
         for k, s in res["kinds"].items():
             if "wrongly_certified" in s:
-                print(f"{k}: wrongly_certified={s['wrongly_certified']} good_lost={s['good_lost']} "
-                      f"outcome={'; '.join(map(str, s['outcomes']))}")
+                print(
+                    f"{k}: wrongly_certified={s['wrongly_certified']} good_lost={s['good_lost']} "
+                    f"outcome={'; '.join(map(str, s['outcomes']))}"
+                )
         if res["torture"]:
             print()
             C.print_table(torture.rows(res["torture"]), ["torture", "value"])

@@ -32,19 +32,48 @@ SCRIPT = REPO / "examples" / "train_fsdp.py"
 STEPS, SAVE_EVERY = 20, 4
 SAVES = tuple(range(SAVE_EVERY, STEPS + 1, SAVE_EVERY))
 # examples/train_fsdp.py's model at its defaults (d 32, 2 blocks, vocab 64): every parameter's name
-PARAMS = ("embedding.weight",
-          *(f"blocks.{b}.{m}.{k}" for b in range(2) for m in ("norm", "fc1", "fc2") for k in ("weight", "bias")),
-          "head.weight", "head.bias")
-SHARD_CODES = ("at_rest_changed", "shard_update_mismatch", "shard_recompute_mismatch", "shard_replay_inconclusive",
-               "shard_replay_failed")
+PARAMS = (
+    "embedding.weight",
+    *(f"blocks.{b}.{m}.{k}" for b in range(2) for m in ("norm", "fc1", "fc2") for k in ("weight", "bias")),
+    "head.weight",
+    "head.bias",
+)
+SHARD_CODES = (
+    "at_rest_changed",
+    "shard_update_mismatch",
+    "shard_recompute_mismatch",
+    "shard_replay_inconclusive",
+    "shard_replay_failed",
+)
 
 
 def _job(root: Path, ranks: int, args: list, timeout: float = 900.0) -> tuple[subprocess.CompletedProcess, list, float]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           "--max-restarts", "1", "--monitor-interval", "0.5", str(SCRIPT), str(root),
-           "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *map(str, args)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
+        str(SCRIPT),
+        str(root),
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        str(SAVE_EVERY),
+        *map(str, args),
+    ]
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
     recs = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("SCOUT-FSDP ")]
@@ -52,8 +81,14 @@ def _job(root: Path, ranks: int, args: list, timeout: float = 900.0) -> tuple[su
 
 
 def _cli(*args) -> dict:
-    p = subprocess.run([sys.executable, "-m", "scout_ckpt.cli", *map(str, args), "--json"], capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300, check=False)
+    p = subprocess.run(
+        [sys.executable, "-m", "scout_ckpt.cli", *map(str, args), "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+        check=False,
+    )
     try:
         return json.loads(p.stdout)
     except ValueError:
@@ -88,25 +123,54 @@ def _resume_judgement(recs: list, fault_step: int | None) -> tuple[int | None, l
     return step, bad
 
 
-def _record(inc: dict, p, recs: list, wall: float, detected: bool, blamed: list[int], t_detect: float | None,
-            fault_step: int | None) -> dict:
+def _record(
+    inc: dict,
+    p,
+    recs: list,
+    wall: float,
+    detected: bool,
+    blamed: list[int],
+    t_detect: float | None,
+    fault_step: int | None,
+) -> dict:
     fault = next((r for r in recs if r["event"] == "fault"), None)
     resume_step, bad = _resume_judgement(recs, fault_step)
     latency = round(t_detect - fault["t"], 3) if (fault and t_detect is not None) else None
-    return {"id": inc["id"], "kind": inc["kind"], "fired": fault is not None, "truth": [inc["rank"]],
-            "blamed": sorted(set(blamed)), "detected": detected, "latency_s": latency, "resume_step": resume_step,
-            "bad_resume": bool(bad), "bad_resume_detail": bad, "no_resume": resume_step in (None, 0),
-            "ranks": inc["ranks"], "fault": fault, "rc": p.returncode, "wall_s": round(wall, 1),
-            "stderr_tail": p.stderr[-1500:] if p.returncode else ""}
+    return {
+        "id": inc["id"],
+        "kind": inc["kind"],
+        "fired": fault is not None,
+        "truth": [inc["rank"]],
+        "blamed": sorted(set(blamed)),
+        "detected": detected,
+        "latency_s": latency,
+        "resume_step": resume_step,
+        "bad_resume": bool(bad),
+        "bad_resume_detail": bad,
+        "no_resume": resume_step in (None, 0),
+        "ranks": inc["ranks"],
+        "fault": fault,
+        "rc": p.returncode,
+        "wall_s": round(wall, 1),
+        "stderr_tail": p.stderr[-1500:] if p.returncode else "",
+    }
 
 
 # ---- fsdp_param -------------------------------------------------------------------------------------------------
 
+
 def plan_param(i, rng, world_sizes) -> dict:
     ranks = rng.choice(world_sizes)
     bit = rng.randrange(4) if rng.random() < 0.5 else rng.randrange(31)
-    return {"ranks": ranks, "rank": rng.randrange(ranks), "step": rng.choice(SAVES[1:-2]), "param": rng.choice(PARAMS),
-            "index": round(rng.random(), 6), "bit": bit, "kill_after": rng.randint(1, 3)}
+    return {
+        "ranks": ranks,
+        "rank": rng.randrange(ranks),
+        "step": rng.choice(SAVES[1:-2]),
+        "param": rng.choice(PARAMS),
+        "index": round(rng.random(), 6),
+        "bit": bit,
+        "kill_after": rng.randint(1, 3),
+    }
 
 
 def run_param(inc: dict, work: Path) -> dict:
@@ -122,19 +186,28 @@ def run_param(inc: dict, work: Path) -> dict:
 
 # ---- fsdp_optim -------------------------------------------------------------------------------------------------
 
+
 def plan_optim(i, rng, world_sizes) -> dict:
     ranks = rng.choice(world_sizes)
-    return {"ranks": ranks, "rank": rng.randrange(ranks), "step": rng.randint(2 * SAVE_EVERY + 1, 3 * SAVE_EVERY),
-            "param": rng.choice([n for n in PARAMS if n.endswith("weight")]), "index": round(rng.random(), 6),
-            "kill_after": 6}
+    return {
+        "ranks": ranks,
+        "rank": rng.randrange(ranks),
+        "step": rng.randint(2 * SAVE_EVERY + 1, 3 * SAVE_EVERY),
+        "param": rng.choice([n for n in PARAMS if n.endswith("weight")]),
+        "index": round(rng.random(), 6),
+        "kill_after": 6,
+    }
 
 
 def run_optim(inc: dict, work: Path) -> dict:
     root = work / inc["id"]
     fault = f"{inc['rank']}:{inc['step']}:{inc['param']}:{inc['index']}"
     p, recs, wall = _job(root, inc["ranks"], ["--update-fault", fault, "--kill-after-fault", inc["kill_after"]])
-    sdc = [e for e in _cli("report", root).get("events", []) if e["kind"] == "sdc"
-           and (e.get("detail") or {}).get("source") == "shard_replay"]
+    sdc = [
+        e
+        for e in _cli("report", root).get("events", [])
+        if e["kind"] == "sdc" and (e.get("detail") or {}).get("source") == "shard_replay"
+    ]
     blamed = [k for e in sdc for k in e.get("ranks") or []]
     t_detect = min((e["time"] for e in sdc if e.get("time") is not None), default=None)
     return _record(inc, p, recs, wall, bool(sdc) and bool(blamed), blamed, t_detect, inc["step"])
@@ -142,24 +215,40 @@ def run_optim(inc: dict, work: Path) -> dict:
 
 # ---- healthy controls -------------------------------------------------------------------------------------------
 
+
 def _healthy(ranks: int):
     def run(work: Path, seed: int) -> dict:
         root = work
-        p, recs, wall = _job(root, ranks, ["--seed", seed % 1000, "--crash-rank", ranks - 1, "--crash-step",
-                                           2 * SAVE_EVERY + 2])
+        p, recs, wall = _job(
+            root, ranks, ["--seed", seed % 1000, "--crash-rank", ranks - 1, "--crash-step", 2 * SAVE_EVERY + 2]
+        )
         alarms = _alarms(root)
         states = {c["step"]: c["state"] for c in _cli("ls", root).get("checkpoints", [])}
         resume_step, bad = _resume_judgement(recs, None)
         lc = _cli("resume", root, "--latest-clean")
         uncertified = sorted(s for s, st in states.items() if st != "certified")
         rejected_at_save = [r["step"] for r in recs if r["event"] == "saved" and r["state"] != "certified"]
-        return {"id": f"healthy-fsdp-{ranks}ranks", "kind": "healthy", "mode": "fsdp", "async": False,
-                "ranks": ranks, "alarms": alarms,
-                "false_positive": bool(alarms["events"] or alarms["rejections"] or uncertified or rejected_at_save
-                                       or p.returncode),
-                "bad_resume": bool(bad), "bad_resume_detail": bad, "no_resume": lc.get("step") is None,
-                "resume_step": lc.get("step"), "restart_resumed_from": resume_step, "uncertified": uncertified,
-                "rejected_at_save": rejected_at_save, "rc": p.returncode, "wall_s": round(wall, 1)}
+        return {
+            "id": f"healthy-fsdp-{ranks}ranks",
+            "kind": "healthy",
+            "mode": "fsdp",
+            "async": False,
+            "ranks": ranks,
+            "alarms": alarms,
+            "false_positive": bool(
+                alarms["events"] or alarms["rejections"] or uncertified or rejected_at_save or p.returncode
+            ),
+            "bad_resume": bool(bad),
+            "bad_resume_detail": bad,
+            "no_resume": lc.get("step") is None,
+            "resume_step": lc.get("step"),
+            "restart_resumed_from": resume_step,
+            "uncertified": uncertified,
+            "rejected_at_save": rejected_at_save,
+            "rc": p.returncode,
+            "wall_s": round(wall, 1),
+        }
+
     return run
 
 

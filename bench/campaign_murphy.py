@@ -65,10 +65,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_ddp.py"
 CLI = [sys.executable, "-m", "scout_ckpt.cli"]
-RANKS = 2               # the faults are of the world, not of the rank count; consensus still runs over 2 replicas
+RANKS = 2  # the faults are of the world, not of the rank count; consensus still runs over 2 replicas
 SAVE_EVERY = 5
-BASE_STEPS = 20         # the base run certifies 5, 10, 15, 20
-KEEP = 2                # gc_resave's and transient_eio's retention
+BASE_STEPS = 20  # the base run certifies 5, 10, 15, 20
+KEEP = 2  # gc_resave's and transient_eio's retention
 SLOW_PUBLISH_S = 3.0
 TMPFS_SIZE = "16M"
 FILL_LEAVE = 48 * 1024  # less than one checkpoint of this job (~83 KB), more than the ledger needs to say so
@@ -171,15 +171,45 @@ def _error_line(stderr: str) -> str | None:
 class Job:
     """One generation: examples/train_ddp.py under torchrun, in the background; its SCOUT-EXAMPLE records."""
 
-    def __init__(self, work: Path, root: Path, steps: int, save_every: int = SAVE_EVERY, env: dict | None = None,
-                 max_restarts: int = 0, prefix: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        work: Path,
+        root: Path,
+        steps: int,
+        save_every: int = SAVE_EVERY,
+        env: dict | None = None,
+        max_restarts: int = 0,
+        prefix: tuple[str, ...] = (),
+    ):
         self.log = work / "murphy-faults.jsonl"
-        full = {**os.environ, "PYTHONPATH": f"{_site(work)}{os.pathsep}{REPO}",
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "SCOUT_MURPHY_LOG": str(self.log),
-                **(env or {})}
-        cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(RANKS), "--max-restarts", str(max_restarts), "--monitor-interval", "0.5", str(SCRIPT), str(root),
-               "--steps", str(steps), "--save-every", str(save_every), "--record"]
+        full = {
+            **os.environ,
+            "PYTHONPATH": f"{_site(work)}{os.pathsep}{REPO}",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "OMP_NUM_THREADS": "1",
+            "SCOUT_MURPHY_LOG": str(self.log),
+            **(env or {}),
+        }
+        cmd = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(RANKS),
+            "--max-restarts",
+            str(max_restarts),
+            "--monitor-interval",
+            "0.5",
+            str(SCRIPT),
+            str(root),
+            "--steps",
+            str(steps),
+            "--save-every",
+            str(save_every),
+            "--record",
+        ]
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full)
 
@@ -191,9 +221,13 @@ class Job:
             out, err = self.proc.communicate()
         rc = self.proc.returncode
         events = [json.loads(ln.split(" ", 1)[1]) for ln in out.splitlines() if ln.startswith("SCOUT-EXAMPLE ")]
-        return {"rc": rc, "wall_s": round(time.monotonic() - self.t0, 1), "events": events,
-                "error": None if rc == 0 else (_error_line(err) or (err.strip().splitlines() or ["?"])[-1]),
-                "stderr_tail": err[-1500:] if rc != 0 else ""}
+        return {
+            "rc": rc,
+            "wall_s": round(time.monotonic() - self.t0, 1),
+            "events": events,
+            "error": None if rc == 0 else (_error_line(err) or (err.strip().splitlines() or ["?"])[-1]),
+            "stderr_tail": err[-1500:] if rc != 0 else "",
+        }
 
 
 def _run_job(work, root, steps, **kw) -> dict:
@@ -259,7 +293,7 @@ def disk_digest(step_dir: Path) -> str | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load({"app": App()}, storage_reader=dcp.FileSystemReader(str(step_dir)))
-    except BaseException:   # noqa: BLE001 - CheckpointException is a BaseException; any failure: does not load
+    except BaseException:  # noqa: BLE001 - CheckpointException is a BaseException; any failure: does not load
         return None
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
@@ -282,13 +316,13 @@ class Oracle:
     """What the job said it saved and loaded, generation after generation; what must hold afterwards."""
 
     def __init__(self, base: dict[int, str]):
-        self.saved = dict(base)       # step -> digest printed at its latest save
-        self.good = set(base)         # steps whose latest save the job finished (and that nobody damaged)
+        self.saved = dict(base)  # step -> digest printed at its latest save
+        self.good = set(base)  # steps whose latest save the job finished (and that nobody damaged)
         self.wrong: set[int] = set()
         self.lost: set[int] = set()
         self.loads: list[dict] = []
         self.walked_back = False
-        self.fresh_starts = 0         # generations that started from step 0 while good steps existed
+        self.fresh_starts = 0  # generations that started from step 0 while good steps existed
 
     def damage(self, step: int) -> None:
         self.good.discard(step)
@@ -339,10 +373,14 @@ class Oracle:
         newest = max(self.good, default=0)
         if (resume or 0) < newest:
             self.lost.update(g for g in self.good if g > (resume or 0))
-        return {"states": {str(k): v for k, v in sorted(states.items())}, "resume_latest_clean": resume,
-                "resume_rc": rc, "resume_err": err.strip().splitlines()[-1:] if rc else [],
-                "leftover_tmp": sorted(p.name for p in root.glob(".step-*")),
-                "disk_matches": {str(s): disk[s] is not None and disk[s] == self.saved.get(s) for s in disk}}
+        return {
+            "states": {str(k): v for k, v in sorted(states.items())},
+            "resume_latest_clean": resume,
+            "resume_rc": rc,
+            "resume_err": err.strip().splitlines()[-1:] if rc else [],
+            "leftover_tmp": sorted(p.name for p in root.glob(".step-*")),
+            "disk_matches": {str(s): disk[s] is not None and disk[s] == self.saved.get(s) for s in disk},
+        }
 
 
 # ---- the base run -------------------------------------------------------------------------------------------
@@ -362,8 +400,9 @@ def _base(work: Path) -> tuple[Path, dict[int, str]]:
             res = _run_job(work, base / "run", BASE_STEPS)
             saved = {e["step"]: e["digest"] for e in res["events"] if e["event"] == "saved"}
             if res["rc"] != 0 or sorted(saved) != list(range(SAVE_EVERY, BASE_STEPS + 1, SAVE_EVERY)):
-                raise RuntimeError(f"the base run of {SCRIPT.name} failed: rc={res['rc']} {res['error']}\n"
-                                   f"{res['stderr_tail']}")
+                raise RuntimeError(
+                    f"the base run of {SCRIPT.name} failed: rc={res['rc']} {res['error']}\n{res['stderr_tail']}"
+                )
             done.write_text(json.dumps({str(k): v for k, v in saved.items()}))
         return base / "run", {int(k): v for k, v in json.loads(done.read_text()).items()}
 
@@ -385,24 +424,51 @@ def _outcome(*gens: dict) -> str:
 
 def _record(inc: dict, oracle: Oracle, final: dict, outcome: str, fired: bool, wall: float, **extra) -> dict:
     wrong, lost = sorted(oracle.wrong), sorted(oracle.lost)
-    handled = (not wrong and not lost and not oracle.fresh_starts
-               and outcome.split(":")[0] in ("finished", "refused"))
-    return {"id": inc["id"], "kind": inc["kind"], "ranks": RANKS, "fired": fired, "detected": handled,
-            "blamed": [], "truth": [], "latency_s": None, "wall_s": round(wall, 1),
-            "wrongly_certified": len(wrong), "wrongly_certified_steps": wrong,
-            "good_lost": len(lost), "good_lost_steps": lost, "outcome": outcome,
-            "fresh_start_over_checkpoints": oracle.fresh_starts,
-            "walked_back": oracle.walked_back, "loads": oracle.loads,
-            "resume_step": final.get("resume_latest_clean"), "no_resume": final.get("resume_latest_clean") is None,
-            "bad_resume": bool(wrong), "bad_resume_detail": [f"certified or loaded with other state: {wrong}"]
-            if wrong else [], "final": final, **extra}
+    handled = not wrong and not lost and not oracle.fresh_starts and outcome.split(":")[0] in ("finished", "refused")
+    return {
+        "id": inc["id"],
+        "kind": inc["kind"],
+        "ranks": RANKS,
+        "fired": fired,
+        "detected": handled,
+        "blamed": [],
+        "truth": [],
+        "latency_s": None,
+        "wall_s": round(wall, 1),
+        "wrongly_certified": len(wrong),
+        "wrongly_certified_steps": wrong,
+        "good_lost": len(lost),
+        "good_lost_steps": lost,
+        "outcome": outcome,
+        "fresh_start_over_checkpoints": oracle.fresh_starts,
+        "walked_back": oracle.walked_back,
+        "loads": oracle.loads,
+        "resume_step": final.get("resume_latest_clean"),
+        "no_resume": final.get("resume_latest_clean") is None,
+        "bad_resume": bool(wrong),
+        "bad_resume_detail": [f"certified or loaded with other state: {wrong}"] if wrong else [],
+        "final": final,
+        **extra,
+    }
 
 
 def _skipped(inc: dict, why: str) -> dict:
-    return {"id": inc["id"], "kind": inc["kind"], "fired": False, "detected": False, "blamed": [], "truth": [],
-            "latency_s": None, "wrongly_certified": 0, "good_lost": 0, "fresh_start_over_checkpoints": 0,
-            "outcome": f"skipped: {why}",
-            "bad_resume": False, "no_resume": False, "note": why}
+    return {
+        "id": inc["id"],
+        "kind": inc["kind"],
+        "fired": False,
+        "detected": False,
+        "blamed": [],
+        "truth": [],
+        "latency_s": None,
+        "wrongly_certified": 0,
+        "good_lost": 0,
+        "fresh_start_over_checkpoints": 0,
+        "outcome": f"skipped: {why}",
+        "bad_resume": False,
+        "no_resume": False,
+        "note": why,
+    }
 
 
 # ---- the kinds ----------------------------------------------------------------------------------------------
@@ -421,8 +487,16 @@ def _run_lost_ledger(inc: dict, work: Path) -> dict:
     g = _run_job(work, root, 25)
     oracle.generation("restart", g)
     final = oracle.final(root)
-    return _record(inc, oracle, final, _outcome(g), True, time.monotonic() - t0, how=inc["how"],
-                   restart={"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]})
+    return _record(
+        inc,
+        oracle,
+        final,
+        _outcome(g),
+        True,
+        time.monotonic() - t0,
+        how=inc["how"],
+        restart={"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]},
+    )
 
 
 def _run_transient_eio(inc: dict, work: Path) -> dict:
@@ -441,15 +515,25 @@ def _run_transient_eio(inc: dict, work: Path) -> dict:
     g2 = _run_job(work, root, 25)
     oracle.generation("next", g2)
     final = oracle.final(root, keep=KEEP)
-    return _record(inc, oracle, final, _outcome(g1, g2), bool(hits), time.monotonic() - t0,
-                   eio_file=target.name, eio_hits=len(hits), gc_deleted=gc.get("delete"),
-                   generations=[{"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]} for g in (g1, g2)])
+    return _record(
+        inc,
+        oracle,
+        final,
+        _outcome(g1, g2),
+        bool(hits),
+        time.monotonic() - t0,
+        eio_file=target.name,
+        eio_hits=len(hits),
+        gc_deleted=gc.get("delete"),
+        generations=[{"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]} for g in (g1, g2)],
+    )
 
 
 def _mount_tmpfs(where: Path) -> str | None:
     where.mkdir(parents=True, exist_ok=True)
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(where)],
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(where)], capture_output=True, text=True
+    )
     return None if p.returncode == 0 else (p.stderr.strip() or f"mount exited {p.returncode}")
 
 
@@ -464,19 +548,28 @@ def _run_enospc(inc: dict, work: Path) -> dict:
         ballast = mnt / "other-tenant.bin"
         log = work / "murphy-faults.jsonl"
         before = len(log.read_text().splitlines()) if log.exists() else 0
-        g1 = _run_job(work, root, 30, max_restarts=1,
-                      env={"SCOUT_MURPHY_FILL_AT": f".step-00000025|{ballast}|{FILL_LEAVE}"})
+        g1 = _run_job(
+            work, root, 30, max_restarts=1, env={"SCOUT_MURPHY_FILL_AT": f".step-00000025|{ballast}|{FILL_LEAVE}"}
+        )
         fills = [json.loads(ln) for ln in log.read_text().splitlines()[before:]] if log.exists() else []
         fills = [f for f in fills if f["what"] == "fill"]
         oracle.generation("full-disk", g1)
         full_outcome = _outcome(g1)
-        ballast.unlink(missing_ok=True)   # the operator frees the space
+        ballast.unlink(missing_ok=True)  # the operator frees the space
         g2 = _run_job(work, root, 30)
         oracle.generation("after", g2)
         final = oracle.final(root)
-        return _record(inc, oracle, final, full_outcome, bool(fills), time.monotonic() - t0,
-                       fills=len(fills), after_space_freed=_outcome(g2),
-                       generations=[{"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]} for g in (g1, g2)])
+        return _record(
+            inc,
+            oracle,
+            final,
+            full_outcome,
+            bool(fills),
+            time.monotonic() - t0,
+            fills=len(fills),
+            after_space_freed=_outcome(g2),
+            generations=[{"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]} for g in (g1, g2)],
+        )
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False, capture_output=True)
 
@@ -489,23 +582,33 @@ def _run_clock_skew(inc: dict, work: Path) -> dict:
     g2 = _run_job(work, root, 35)
     oracle.generation("true-clock", g2)
     final = oracle.final(root)
-    return _record(inc, oracle, final, _outcome(g1, g2), True, time.monotonic() - t0, skew_s=inc["skew_s"],
-                   generations=[{"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]} for g in (g1, g2)])
+    return _record(
+        inc,
+        oracle,
+        final,
+        _outcome(g1, g2),
+        True,
+        time.monotonic() - t0,
+        skew_s=inc["skew_s"],
+        generations=[{"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]} for g in (g1, g2)],
+    )
 
 
 def _in_flight(gc_doc: dict | None) -> bool:
     if not gc_doc:
         return False
-    return ("save in flight" in (gc_doc.get("reasons") or {}).values()
-            or any(p.get("alive") for p in gc_doc.get("partial") or []))
+    return "save in flight" in (gc_doc.get("reasons") or {}).values() or any(
+        p.get("alive") for p in gc_doc.get("partial") or []
+    )
 
 
 def _run_gc_resave(inc: dict, work: Path) -> dict:
     t0 = time.monotonic()
     root, oracle = _start(inc, work)
-    shard = max((p for p in (root / "step-00000020").iterdir() if p.suffix == ".distcp"),
-                key=lambda p: p.stat().st_size)
-    os.truncate(shard, shard.stat().st_size // 2)   # the restart's load must reject 20 and walk back to 15
+    shard = max(
+        (p for p in (root / "step-00000020").iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size
+    )
+    os.truncate(shard, shard.stat().st_size // 2)  # the restart's load must reject 20 and walk back to 15
     oracle.damage(20)
     job = Job(work, root, 25, env={"SCOUT_MURPHY_SLOW_PUBLISH_S": str(SLOW_PUBLISH_S)})
     loop, seen = _cli_loop(job, "gc", root, "--keep", KEEP, "--json")
@@ -516,15 +619,26 @@ def _run_gc_resave(inc: dict, work: Path) -> dict:
     final = oracle.final(root, keep=KEEP)
     raced = sum(1 for s in seen if _in_flight(s["doc"]))
     deleted = sorted({d for s in seen if s["doc"] for d in s["doc"].get("delete") or []})
-    return _record(inc, oracle, final, _outcome(g), raced > 0, time.monotonic() - t0, gc_runs=len(seen),
-                   gc_saw_in_flight=raced, gc_deleted=deleted, gc_errors=[s["err"] for s in seen if s["rc"] not in (0,)],
-                   restart={"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]})
+    return _record(
+        inc,
+        oracle,
+        final,
+        _outcome(g),
+        raced > 0,
+        time.monotonic() - t0,
+        gc_runs=len(seen),
+        gc_saw_in_flight=raced,
+        gc_deleted=deleted,
+        gc_errors=[s["err"] for s in seen if s["rc"] not in (0,)],
+        restart={"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]},
+    )
 
 
 def _unshare_works() -> str | None:
     try:
-        p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True,
-                           timeout=30)
+        p = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return str(e)
     return None if p.returncode == 0 else (p.stderr.strip() or f"unshare exited {p.returncode}")
@@ -538,8 +652,13 @@ def _run_second_container(inc: dict, work: Path) -> dict:
     root, oracle = _start(inc, work)
     log = work / "murphy-faults.jsonl"
     before = len(log.read_text().splitlines()) if log.exists() else 0
-    job = Job(work, root, 30, env={"SCOUT_MURPHY_SLOW_PUBLISH_S": str(SLOW_PUBLISH_S)},
-              prefix=("unshare", "--pid", "--fork", "--mount-proc"))
+    job = Job(
+        work,
+        root,
+        30,
+        env={"SCOUT_MURPHY_SLOW_PUBLISH_S": str(SLOW_PUBLISH_S)},
+        prefix=("unshare", "--pid", "--fork", "--mount-proc"),
+    )
     loop, seen = _cli_loop(job, "certify", root, "--json")
     g = job.wait()
     loop.join(timeout=180)
@@ -548,13 +667,25 @@ def _run_second_container(inc: dict, work: Path) -> dict:
     publishes = [json.loads(ln) for ln in log.read_text().splitlines()[before:]] if log.exists() else []
     windows = [(f["time"], f["time"] + SLOW_PUBLISH_S) for f in publishes if f["what"] == "slow_publish"]
     overlapped = sum(1 for s in seen if any(s["start"] < w1 and s["end"] > w0 for w0, w1 in windows))
-    writing = sum(1 for s in seen if s["doc"] and any(r.get("state") == "writing"
-                                                      for r in s["doc"].get("results") or []))
-    interrupted = sorted({r["step"] for s in seen if s["doc"] for r in s["doc"].get("results") or []
-                          if r.get("state") == "rejected"})
-    return _record(inc, oracle, final, _outcome(g), overlapped > 0, time.monotonic() - t0, certify_runs=len(seen),
-                   certify_during_a_save=overlapped, certify_saw_writing=writing, certify_rejected=interrupted,
-                   restart={"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]})
+    writing = sum(
+        1 for s in seen if s["doc"] and any(r.get("state") == "writing" for r in s["doc"].get("results") or [])
+    )
+    interrupted = sorted(
+        {r["step"] for s in seen if s["doc"] for r in s["doc"].get("results") or [] if r.get("state") == "rejected"}
+    )
+    return _record(
+        inc,
+        oracle,
+        final,
+        _outcome(g),
+        overlapped > 0,
+        time.monotonic() - t0,
+        certify_runs=len(seen),
+        certify_during_a_save=overlapped,
+        certify_saw_writing=writing,
+        certify_rejected=interrupted,
+        restart={"rc": g["rc"], "wall_s": g["wall_s"], "error": g["error"]},
+    )
 
 
 # ---- the fast tier's kinds ------------------------------------------------------------------------------------
@@ -579,7 +710,7 @@ def _run_second_container(inc: dict, work: Path) -> dict:
 # a restart that returned no step while checkpoints existed.
 
 TIER_ENV = {"LOCAL_WORLD_SIZE": "1"}
-if str(REPO) not in sys.path:   # the workers are importable from the repo root (tests/workers_one_truth.py)
+if str(REPO) not in sys.path:  # the workers are importable from the repo root (tests/workers_one_truth.py)
     sys.path.insert(0, str(REPO))
 
 
@@ -610,30 +741,59 @@ def _tiers_restart(root: Path, local: Path, eio: bool = False) -> dict:
     from scout_ckpt.testing.launch import run_ranks
     from tests import workers_one_truth as w
 
-    out = run_ranks(w.tiers_restart_eio if eio else w.tiers_restart, RANKS, str(root), str(local), timeout=600,
-                    env=TIER_ENV, allow_failures=True)
+    out = run_ranks(
+        w.tiers_restart_eio if eio else w.tiers_restart,
+        RANKS,
+        str(root),
+        str(local),
+        timeout=600,
+        env=TIER_ENV,
+        allow_failures=True,
+    )
     results = [o.result or {"crashed": o.error} for o in out]
     return results[0] if all(r == results[0] for r in results) else {"ranks_disagree": results}
 
 
-def _tiers_record(inc: dict, t0: float, restart: dict, expect: int, printed: dict[int, str], lowered: set[int],
-                  **extra) -> dict:
+def _tiers_record(
+    inc: dict, t0: float, restart: dict, expect: int, printed: dict[int, str], lowered: set[int], **extra
+) -> dict:
     loaded = restart.get("loaded")
     wrong = sorted({loaded} & lowered) if loaded is not None else []
     if loaded and restart.get("digest") != printed.get(loaded):
         wrong = sorted(set(wrong) | {loaded})
     lost = sorted(s for s in printed if loaded is not None and loaded < s <= expect and s not in lowered)
     fresh = int("loaded" in restart and not loaded)
-    outcome = ("finished" if "loaded" in restart else f"refused: {restart['refused']}" if "refused" in restart
-               else f"crashed: {str(restart)[:300]}")
+    outcome = (
+        "finished"
+        if "loaded" in restart
+        else f"refused: {restart['refused']}"
+        if "refused" in restart
+        else f"crashed: {str(restart)[:300]}"
+    )
     handled = not wrong and not lost and not fresh and not outcome.startswith("crashed")
-    return {"id": inc["id"], "kind": inc["kind"], "ranks": RANKS, "fired": True, "detected": handled,
-            "blamed": [], "truth": [], "latency_s": None, "wall_s": round(time.monotonic() - t0, 1),
-            "wrongly_certified": len(wrong), "wrongly_certified_steps": wrong, "good_lost": len(lost),
-            "good_lost_steps": lost, "fresh_start_over_checkpoints": fresh, "outcome": outcome,
-            "resume_step": loaded, "no_resume": loaded is None, "bad_resume": bool(wrong),
-            "bad_resume_detail": [f"loaded a lowered step or other state: {wrong}"] if wrong else [],
-            "restart": restart, **extra}
+    return {
+        "id": inc["id"],
+        "kind": inc["kind"],
+        "ranks": RANKS,
+        "fired": True,
+        "detected": handled,
+        "blamed": [],
+        "truth": [],
+        "latency_s": None,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "wrongly_certified": len(wrong),
+        "wrongly_certified_steps": wrong,
+        "good_lost": len(lost),
+        "good_lost_steps": lost,
+        "fresh_start_over_checkpoints": fresh,
+        "outcome": outcome,
+        "resume_step": loaded,
+        "no_resume": loaded is None,
+        "bad_resume": bool(wrong),
+        "bad_resume_detail": [f"loaded a lowered step or other state: {wrong}"] if wrong else [],
+        "restart": restart,
+        **extra,
+    }
 
 
 def _run_local_quarantine(inc: dict, work: Path) -> dict:
@@ -655,8 +815,11 @@ def _run_tier_revocation(inc: dict, work: Path) -> dict:
     shard = ShardEvidence.__new__(ShardEvidence)
     shard.log = SimpleNamespace(cycle=2)
     with Ledger.open(root) as led:
-        revoked = shard.revoke(led, root, [{"step": 7, "status": "fail", "ranks": [1],
-                                            "reasons": [{"code": "shard_replay_mismatch", "ranks": [1]}]}])
+        revoked = shard.revoke(
+            led,
+            root,
+            [{"step": 7, "status": "fail", "ranks": [1], "reasons": [{"code": "shard_replay_mismatch", "ranks": [1]}]}],
+        )
     got = _tiers_restart(root, local)
     return _tiers_record(inc, t0, got, 4, printed, {6}, revoked=revoked)
 
@@ -667,7 +830,7 @@ def _run_eio_every_candidate(inc: dict, work: Path) -> dict:
     during = _tiers_restart(root, local, eio=True)
     after = _tiers_restart(root, local)
     rec = _tiers_record(inc, t0, after, 6, printed, set(), during=during)
-    if "loaded" in during:   # the outage was answered with a start: from step 0, or from a step it could read
+    if "loaded" in during:  # the outage was answered with a start: from step 0, or from a step it could read
         rec["fresh_start_over_checkpoints"] += int(not during["loaded"])
         rec["detected"] = False
     return rec
@@ -679,16 +842,29 @@ def _run_local_verdict_race(inc: dict, work: Path) -> dict:
 
     t0 = time.monotonic()
     dest = work / inc["id"]
-    out = run_ranks(w.local_verdict_races_durable_save, RANKS, str(dest / "run"), str(dest / "local"),
-                    timeout=600)
+    out = run_ranks(w.local_verdict_races_durable_save, RANKS, str(dest / "run"), str(dest / "local"), timeout=600)
     r = out[0].result
     certified = r["durable"]["state"] == "certified"
-    return {"id": inc["id"], "kind": inc["kind"], "ranks": RANKS, "fired": r["local"]["state"] == "rejected",
-            "detected": not certified, "blamed": [], "truth": [], "latency_s": None,
-            "wall_s": round(time.monotonic() - t0, 1), "wrongly_certified": int(certified),
-            "wrongly_certified_steps": [3] if certified else [], "good_lost": 0, "fresh_start_over_checkpoints": 0,
-            "outcome": "finished", "bad_resume": False, "no_resume": False, "durable": r["durable"],
-            "local": r["local"]}
+    return {
+        "id": inc["id"],
+        "kind": inc["kind"],
+        "ranks": RANKS,
+        "fired": r["local"]["state"] == "rejected",
+        "detected": not certified,
+        "blamed": [],
+        "truth": [],
+        "latency_s": None,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "wrongly_certified": int(certified),
+        "wrongly_certified_steps": [3] if certified else [],
+        "good_lost": 0,
+        "fresh_start_over_checkpoints": 0,
+        "outcome": "finished",
+        "bad_resume": False,
+        "no_resume": False,
+        "durable": r["durable"],
+        "local": r["local"],
+    }
 
 
 # ---- plans --------------------------------------------------------------------------------------------------
@@ -711,7 +887,7 @@ def _plan_skew(i, rng, world_sizes):
 
 
 def _no_fp(h: dict) -> bool:
-    return False   # no Murphy detector runs on a healthy control
+    return False  # no Murphy detector runs on a healthy control
 
 
 SCENARIOS = {
@@ -728,7 +904,7 @@ SCENARIOS = {
 }
 
 
-if __name__ == "__main__":   # one kind by hand: python bench/campaign_murphy.py KIND [WORKDIR]
+if __name__ == "__main__":  # one kind by hand: python bench/campaign_murphy.py KIND [WORKDIR]
     kind = sys.argv[1]
     import random
 

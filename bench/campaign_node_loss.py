@@ -38,7 +38,7 @@ SCRIPT = REPO / "tests" / "scripts" / "fast_tier_job.py"
 NNODES, NPROC = 2, 2
 STEPS, SAVE_EVERY, LOCAL_EVERY = 16, 8, 2
 STEP_SLEEP = 0.1
-LOST_NODE = 1   # node 0's agent hosts the rendezvous store: the lost node is never the host
+LOST_NODE = 1  # node 0's agent hosts the rendezvous store: the lost node is never the host
 
 
 def _plan(i, rng, world_sizes):
@@ -50,11 +50,30 @@ def _agents(root: Path, dirs: list[Path], args: list[str], max_restarts: int, ti
     timed out)."""
     from scout_ckpt.testing.agents import run_agents
 
-    job = [root, "--steps", STEPS, "--save-every", SAVE_EVERY, "--local-every", LOCAL_EVERY, "--step-sleep",
-           STEP_SLEEP, *args]
-    done = run_agents(SCRIPT, job, nnodes=NNODES, nproc=NPROC, repo=REPO, max_restarts=max_restarts,
-                      node_env={n: {"SCOUT_TEST_LOCAL_DIR": str(d)} for n, d in enumerate(dirs)},
-                      first_hosts=True, timeout=timeout, timed_out_rc=124)
+    job = [
+        root,
+        "--steps",
+        STEPS,
+        "--save-every",
+        SAVE_EVERY,
+        "--local-every",
+        LOCAL_EVERY,
+        "--step-sleep",
+        STEP_SLEEP,
+        *args,
+    ]
+    done = run_agents(
+        SCRIPT,
+        job,
+        nnodes=NNODES,
+        nproc=NPROC,
+        repo=REPO,
+        max_restarts=max_restarts,
+        node_env={n: {"SCOUT_TEST_LOCAL_DIR": str(d)} for n, d in enumerate(dirs)},
+        first_hosts=True,
+        timeout=timeout,
+        timed_out_rc=124,
+    )
     return [(r.returncode, r.stdout, r.stderr) for r in done]
 
 
@@ -80,10 +99,16 @@ def _rejected_local(root: Path) -> list[int]:
 
 def _judge_loads(loads: dict[int, dict], saved: dict, expected: int) -> tuple[bool, list[str]]:
     """(every rank loaded `expected` with its saved digest, what is wrong with the loads: bad resumes)."""
-    bad = [f"rank {r} loaded step {e['step']} ({e['tier']}) whose digest is not the one it saved"
-           for r, e in sorted(loads.items()) if e["step"] and e["digest"] != saved.get((r, e["step"]))]
-    bad += [f"rank {r} loaded step {e['step']}, after the newest step saved before the fault ({expected})"
-            for r, e in sorted(loads.items()) if e["step"] > expected]
+    bad = [
+        f"rank {r} loaded step {e['step']} ({e['tier']}) whose digest is not the one it saved"
+        for r, e in sorted(loads.items())
+        if e["step"] and e["digest"] != saved.get((r, e["step"]))
+    ]
+    bad += [
+        f"rank {r} loaded step {e['step']}, after the newest step saved before the fault ({expected})"
+        for r, e in sorted(loads.items())
+        if e["step"] > expected
+    ]
     ok = sorted(loads) == list(range(NNODES * NPROC)) and all(e["step"] == expected for e in loads.values())
     return ok and not bad, bad
 
@@ -93,16 +118,35 @@ def _run(inc: dict, work: Path) -> dict:
     root, dirs = base / "run", [base / f"node-disk-{i}" for i in range(NNODES)]
     fault_step = inc["step"]
     t0 = time.monotonic()
-    first = _agents(root, dirs, ["--fault", "node", "--fault-node", str(LOST_NODE), "--fault-step",
-                                 str(fault_step)], max_restarts=0)
+    first = _agents(
+        root, dirs, ["--fault", "node", "--fault-node", str(LOST_NODE), "--fault-step", str(fault_step)], max_restarts=0
+    )
     marker = root / "fault.json"
     fault = json.loads(marker.read_text()) if marker.exists() else None
-    out = {"id": inc["id"], "kind": "node_loss", "ranks": NNODES * NPROC, "fault_step": fault_step,
-           "job": {"nodes": NNODES, "per_node": NPROC, "steps": STEPS, "save_every": SAVE_EVERY,
-                   "local_every": LOCAL_EVERY, "step_sleep_s": STEP_SLEEP},
-           "truth": list(range(LOST_NODE * NPROC, (LOST_NODE + 1) * NPROC)), "fired": fault is not None,
-           "detected": False, "blamed": [], "latency_s": None, "resume_step": None, "no_resume": True,
-           "bad_resume": False, "bad_resume_detail": [], "clean_rejected": []}
+    out = {
+        "id": inc["id"],
+        "kind": "node_loss",
+        "ranks": NNODES * NPROC,
+        "fault_step": fault_step,
+        "job": {
+            "nodes": NNODES,
+            "per_node": NPROC,
+            "steps": STEPS,
+            "save_every": SAVE_EVERY,
+            "local_every": LOCAL_EVERY,
+            "step_sleep_s": STEP_SLEEP,
+        },
+        "truth": list(range(LOST_NODE * NPROC, (LOST_NODE + 1) * NPROC)),
+        "fired": fault is not None,
+        "detected": False,
+        "blamed": [],
+        "latency_s": None,
+        "resume_step": None,
+        "no_resume": True,
+        "bad_resume": False,
+        "bad_resume_detail": [],
+        "clean_rejected": [],
+    }
     if fault is None:
         out["stderr_tail"] = first[-1][2][-600:]
         return out
@@ -111,7 +155,7 @@ def _run(inc: dict, work: Path) -> dict:
     run1 = next(e["run_id"] for e in lines1 if e["event"] == "loaded")
     before = [s for (_, s) in saved if s < fault_step]
     expected = max(before) if before else 0
-    shutil.rmtree(fault["local_dir"], ignore_errors=True)   # the node and its disk are gone
+    shutil.rmtree(fault["local_dir"], ignore_errors=True)  # the node and its disk are gone
     marker.unlink()
     relaunch_at = time.time()
     second = _agents(root, dirs, [], max_restarts=0)
@@ -123,15 +167,23 @@ def _run(inc: dict, work: Path) -> dict:
     ok, bad = _judge_loads(loads, saved, expected)
     loaded = sorted({(e["step"], e["tier"]) for e in loads.values()})
     out.update(
-        run1=run1, expected_step=expected, loaded=loaded, rc=[r for r, _, _ in first + second],
-        detected=ok, blamed=sorted({r for e in loads.values() for r in (e.get("fetched") or [])}),
-        resume_step=loaded[0][0] if len(loaded) == 1 else None, no_resume=not loads,
+        run1=run1,
+        expected_step=expected,
+        loaded=loaded,
+        rc=[r for r, _, _ in first + second],
+        detected=ok,
+        blamed=sorted({r for e in loads.values() for r in (e.get("fetched") or [])}),
+        resume_step=loaded[0][0] if len(loaded) == 1 else None,
+        no_resume=not loads,
         lost_steps=fault_step - min((e["step"] for e in loads.values()), default=0),
         latency_s=None if first_step is None else round(first_step - fault["time"], 3),
         back_at_fault_step_s=None if back is None else round(back - fault["time"], 3),
         relaunch_gap_s=round(relaunch_at - fault["time"], 3),
         finished=any(e["step"] == STEPS for e in steps) or any(e["step"] == STEPS for e in loads.values()),
-        bad_resume=bool(bad), bad_resume_detail=bad, wall_s=round(time.monotonic() - t0, 1))
+        bad_resume=bool(bad),
+        bad_resume_detail=bad,
+        wall_s=round(time.monotonic() - t0, 1),
+    )
     if any(r != 0 for r, _, _ in second):
         out["stderr_tail"] = next(se for r, _, se in second if r != 0)[-600:]
     return out
@@ -143,7 +195,7 @@ def _healthy(work: Path, seed: int) -> dict:
     first = _agents(root, dirs, [], max_restarts=0)
     lines1 = _lines(first)
     saved = _saved(lines1)
-    second = _agents(root, dirs, [], max_restarts=0)   # nothing left to train: loads the last step and ends
+    second = _agents(root, dirs, [], max_restarts=0)  # nothing left to train: loads the last step and ends
     loads = {e["rank"]: e for e in _lines(second) if e["event"] == "loaded"}
     ok, bad = _judge_loads(loads, saved, STEPS)
     runs = {e["run_id"] for e in lines1 if e["event"] == "loaded"}
@@ -152,12 +204,25 @@ def _healthy(work: Path, seed: int) -> dict:
         events["restart"] = len(runs) - 1
     rejections = {"local_rejected": len(_rejected_local(root))}
     rcs = [r for r, _, _ in first + second]
-    alarms = {"events": {k: v for k, v in events.items() if v}, "rejections": {k: v for k, v in rejections.items() if v}}
-    return {"id": "node_loss_healthy", "kind": "healthy", "mode": "torchrun-2-agents-fast-tier", "async": False,
-            "ranks": NNODES * NPROC, "rc": rcs, "wall_s": round(time.monotonic() - t0, 1), "alarms": alarms,
-            "false_positive": bool(alarms["events"] or alarms["rejections"]) or any(rcs) or not ok,
-            "bad_resume": bool(bad), "bad_resume_detail": bad, "no_resume": not loads,
-            "resume_step": min((e["step"] for e in loads.values()), default=None)}
+    alarms = {
+        "events": {k: v for k, v in events.items() if v},
+        "rejections": {k: v for k, v in rejections.items() if v},
+    }
+    return {
+        "id": "node_loss_healthy",
+        "kind": "healthy",
+        "mode": "torchrun-2-agents-fast-tier",
+        "async": False,
+        "ranks": NNODES * NPROC,
+        "rc": rcs,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "alarms": alarms,
+        "false_positive": bool(alarms["events"] or alarms["rejections"]) or any(rcs) or not ok,
+        "bad_resume": bool(bad),
+        "bad_resume_detail": bad,
+        "no_resume": not loads,
+        "resume_step": min((e["step"] for e in loads.values()), default=None),
+    }
 
 
 def _fp(h: dict) -> bool:

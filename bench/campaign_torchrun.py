@@ -37,8 +37,8 @@ SCRIPT = REPO / "tests" / "scripts" / "observed_job.py"
 PG_TIMEOUT_S = 120.0
 STALL_S = 3.0
 SAVE_EVERY = 5
-COMPUTE_S = 0.05        # per step, on top of the tiny model's own compute, so a slow rank's extra time is real
-SLOW_STEPS = 100        # the straggler rule needs 3 confirmed windows of >= 1 s and >= 6 steps (arrival skew)
+COMPUTE_S = 0.05  # per step, on top of the tiny model's own compute, so a slow rank's extra time is real
+SLOW_STEPS = 100  # the straggler rule needs 3 confirmed windows of >= 1 s and >= 6 steps (arrival skew)
 STEPS = 20
 ALARMS = ("hang", "desync", "crash", "straggler", "sdc")
 HANGS = ("hang-before-backward", "hang-in-optimizer")
@@ -49,32 +49,73 @@ def _models(i: int) -> str:
 
 
 def _plan_hang(i, rng, world_sizes):
-    return {"model": _models(i), "ranks": 3, "fault": HANGS[(i // 2) % 2], "rank": rng.randrange(3),
-            "step": rng.randint(6, 14), "steps": STEPS}
+    return {
+        "model": _models(i),
+        "ranks": 3,
+        "fault": HANGS[(i // 2) % 2],
+        "rank": rng.randrange(3),
+        "step": rng.randint(6, 14),
+        "steps": STEPS,
+    }
 
 
 def _plan_slow(factor):
     def plan(i, rng, world_sizes):
-        return {"model": _models(i), "ranks": 3, "fault": "straggler", "rank": rng.randrange(3), "step": 0,
-                "steps": SLOW_STEPS, "factor": factor}
+        return {
+            "model": _models(i),
+            "ranks": 3,
+            "fault": "straggler",
+            "rank": rng.randrange(3),
+            "step": 0,
+            "steps": SLOW_STEPS,
+            "factor": factor,
+        }
+
     return plan
 
 
 def _plan_desync(i, rng, world_sizes):
-    return {"model": _models(i), "ranks": 3, "fault": "extra-collective", "rank": rng.randrange(3),
-            "step": rng.randint(6, 14), "steps": STEPS}
+    return {
+        "model": _models(i),
+        "ranks": 3,
+        "fault": "extra-collective",
+        "rank": rng.randrange(3),
+        "step": rng.randint(6, 14),
+        "steps": STEPS,
+    }
 
 
 def _plan_crash(i, rng, world_sizes):
     ranks = (3, 2)[i % 2]  # 3 ranks: a strict majority names the rank; 2: the next generation records it
-    return {"model": _models(i // 2), "ranks": ranks, "fault": "kill", "rank": rng.randrange(1, ranks),
-            "step": rng.randint(6, 14), "steps": STEPS}
+    return {
+        "model": _models(i // 2),
+        "ranks": ranks,
+        "fault": "kill",
+        "rank": rng.randrange(1, ranks),
+        "step": rng.randint(6, 14),
+        "steps": STEPS,
+    }
 
 
 def _torchrun(root: Path, nproc: int, args: list[str], timeout: float = 900.0) -> tuple[int, float, str]:
-    return C.torchrun(SCRIPT, root, nproc, ["--stall-s", str(STALL_S), "--pg-timeout", str(PG_TIMEOUT_S),
-                                            "--action", "abort", "--save-every", str(SAVE_EVERY), *args],
-                      restarts=1, timeout=timeout)
+    return C.torchrun(
+        SCRIPT,
+        root,
+        nproc,
+        [
+            "--stall-s",
+            str(STALL_S),
+            "--pg-timeout",
+            str(PG_TIMEOUT_S),
+            "--action",
+            "abort",
+            "--save-every",
+            str(SAVE_EVERY),
+            *args,
+        ],
+        restarts=1,
+        timeout=timeout,
+    )
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -87,27 +128,50 @@ def _jsonl(path: Path) -> list[dict]:
 def _run(kind: str, detector: tuple[str, ...]):
     def run(inc: dict, work: Path) -> dict:
         root = work / inc["id"]
-        args = ["--model", inc["model"], "--steps", str(inc["steps"]),
-                "--faults", f"0:{inc['fault']}:{inc['rank']}:{inc['step']}"]
+        args = [
+            "--model",
+            inc["model"],
+            "--steps",
+            str(inc["steps"]),
+            "--faults",
+            f"0:{inc['fault']}:{inc['rank']}:{inc['step']}",
+        ]
         if inc["fault"] == "straggler":
             args += ["--compute-s", str(COMPUTE_S), "--slow-factor", str(inc["factor"])]
         else:
             args += ["--compute-s", "0.01"]
         rc, wall, err = _torchrun(root, inc["ranks"], args)
         fault = next((json.loads(p.read_text()) for p in root.glob("fault-0.json")), None)
-        out = {"id": inc["id"], "kind": kind, "model": inc["model"], "ranks": inc["ranks"], "fault": inc["fault"],
-               "truth": [inc["rank"]], "fired": fault is not None, "rc": rc, "wall_s": round(wall, 1),
-               "pg_timeout_s": PG_TIMEOUT_S, "stall_s": STALL_S}
+        out = {
+            "id": inc["id"],
+            "kind": kind,
+            "model": inc["model"],
+            "ranks": inc["ranks"],
+            "fault": inc["fault"],
+            "truth": [inc["rank"]],
+            "fired": fault is not None,
+            "rc": rc,
+            "wall_s": round(wall, 1),
+            "pg_timeout_s": PG_TIMEOUT_S,
+            "stall_s": STALL_S,
+        }
         if inc.get("factor"):
             out["factor"] = inc["factor"]
         if rc != 0:
             out["stderr_tail"] = err[-600:]
         hits, blamed, detect = C.score(C.ledger(root)[0], detector, fault)
-        out["events"] = [{"kind": e["kind"], "ranks": e["ranks"], "step": e["step"],
-                          "t": round(e["time"] - fault["time"], 3) if fault else None,
-                          "source": (e.get("detail") or {}).get("source"),
-                          "first_stopped": (e.get("detail") or {}).get("first_stopped"),
-                          "slowdown": (e.get("detail") or {}).get("slowdown")} for e in hits][:8]
+        out["events"] = [
+            {
+                "kind": e["kind"],
+                "ranks": e["ranks"],
+                "step": e["step"],
+                "t": round(e["time"] - fault["time"], 3) if fault else None,
+                "source": (e.get("detail") or {}).get("source"),
+                "first_stopped": (e.get("detail") or {}).get("first_stopped"),
+                "slowdown": (e.get("detail") or {}).get("slowdown"),
+            }
+            for e in hits
+        ][:8]
         latency = detect
         attempts = _jsonl(root / "attempts.jsonl")
         resumed = [a["resumed_from"] for a in attempts[1:]]
@@ -116,15 +180,27 @@ def _run(kind: str, detector: tuple[str, ...]):
             latency = (min(nxt) - fault["time"]) if nxt else None
         resume_step, bad = C.resume(root)
         if fault is not None and inc["fault"] != "straggler":
-            bad += [f"a restart resumed from step {s}, after the fault at step {inc['step']}" for s in resumed
-                    if s >= inc["step"]]
-        out.update(detected=bool(hits), blamed=blamed, latency_s=None if latency is None else round(latency, 3),
-                   detect_s=None if detect is None else round(detect, 3), restart_resumed_from=resumed,
-                   finished=max((p["step"] for p in _jsonl(root / "progress.jsonl")), default=0) == inc["steps"],
-                   resume_step=resume_step, bad_resume=bool(bad), bad_resume_detail=bad, no_resume=resume_step is None)
+            bad += [
+                f"a restart resumed from step {s}, after the fault at step {inc['step']}"
+                for s in resumed
+                if s >= inc["step"]
+            ]
+        out.update(
+            detected=bool(hits),
+            blamed=blamed,
+            latency_s=None if latency is None else round(latency, 3),
+            detect_s=None if detect is None else round(detect, 3),
+            restart_resumed_from=resumed,
+            finished=max((p["step"] for p in _jsonl(root / "progress.jsonl")), default=0) == inc["steps"],
+            resume_step=resume_step,
+            bad_resume=bool(bad),
+            bad_resume_detail=bad,
+            no_resume=resume_step is None,
+        )
         if kind == "tr_hang":
             out["back_to_training_s"] = out["latency_s"]
         return out
+
     return run
 
 
@@ -135,11 +211,22 @@ def _healthy(model: str):
         counts = C.alarm_counts(C.ledger(root)[0], ALARMS)
         resume_step, bad = C.resume(root)
         attempts = _jsonl(root / "attempts.jsonl")
-        return {"id": f"tr_healthy-{model}", "kind": "healthy", "mode": f"torchrun-{model}", "async": False,
-                "ranks": 3, "rc": rc, "wall_s": round(wall, 1), "restarts": max(0, len(attempts) - 1),
-                "alarms": {"events": counts, "rejections": {}},
-                "false_positive": bool(counts) or rc != 0 or len(attempts) > 1, "bad_resume": bool(bad),
-                "no_resume": resume_step is None, "resume_step": resume_step}
+        return {
+            "id": f"tr_healthy-{model}",
+            "kind": "healthy",
+            "mode": f"torchrun-{model}",
+            "async": False,
+            "ranks": 3,
+            "rc": rc,
+            "wall_s": round(wall, 1),
+            "restarts": max(0, len(attempts) - 1),
+            "alarms": {"events": counts, "rejections": {}},
+            "false_positive": bool(counts) or rc != 0 or len(attempts) > 1,
+            "bad_resume": bool(bad),
+            "no_resume": resume_step is None,
+            "resume_step": resume_step,
+        }
+
     return make
 
 
@@ -150,10 +237,16 @@ def _fp(kinds: tuple[str, ...]):
 SCENARIOS = {
     "tr_hang": {"plan": _plan_hang, "run": _run("tr_hang", ("hang",)), "false_positive": _fp(("hang", "desync"))},
     "tr_slow": {"plan": _plan_slow(3.0), "run": _run("tr_slow", ("straggler",)), "false_positive": _fp(("straggler",))},
-    "tr_slow_2x": {"plan": _plan_slow(2.0), "run": _run("tr_slow_2x", ("straggler",)),
-                   "false_positive": _fp(("straggler",))},
-    "tr_slow_1.5x": {"plan": _plan_slow(1.5), "run": _run("tr_slow_1.5x", ("straggler",)),
-                     "false_positive": _fp(("straggler",))},
+    "tr_slow_2x": {
+        "plan": _plan_slow(2.0),
+        "run": _run("tr_slow_2x", ("straggler",)),
+        "false_positive": _fp(("straggler",)),
+    },
+    "tr_slow_1.5x": {
+        "plan": _plan_slow(1.5),
+        "run": _run("tr_slow_1.5x", ("straggler",)),
+        "false_positive": _fp(("straggler",)),
+    },
     "tr_desync": {"plan": _plan_desync, "run": _run("tr_desync", ("desync",)), "false_positive": _fp(("desync",))},
     "tr_crash": {"plan": _plan_crash, "run": _run("tr_crash", ("crash",)), "false_positive": _fp(("crash",))},
 }

@@ -85,14 +85,14 @@ def _worker(rank, world, root, cfg):
     state = {"app": ModelOptimizerState(model, opt)}
     sweeps: list[float] = []
     sweeps_cpu: list[float] = []
-    copies: list[int] = []   # bytes of the targets' parameter copies this rank held at each save
+    copies: list[int] = []  # bytes of the targets' parameter copies this rank held at each save
     if ckpt.replay is not None:
         inner_sweep = ckpt.replay.sweep
 
         def timed_sweep(step):
             done = ckpt.replay.runner._done
             held = 0
-            for cap in (done[1].values() if done is not None else ()):
+            for cap in done[1].values() if done is not None else ():
                 inv = getattr(cap, "invocation", None)
                 if inv is not None and hasattr(inv, "params"):
                     held += sum(t.nbytes for t in [*inv.params.values(), *inv.buffers.values()])
@@ -107,7 +107,7 @@ def _worker(rank, world, root, cfg):
     gen = torch.Generator().manual_seed(1000 + rank)
     plain, armed, saves = [], [], []
     plain_cpu, armed_cpu = [], []
-    pending: dict[int, int] = {}   # save step -> (coordinator) not yet certified
+    pending: dict[int, int] = {}  # save step -> (coordinator) not yet certified
     lag: dict[int, int | None] = {}
 
     def poll(now_step):
@@ -142,12 +142,21 @@ def _worker(rank, world, root, cfg):
             plain.append(dt)
             plain_cpu.append(dc)
     ckpt.close()
-    out = {"sweeps": sweeps, "copies": copies, "plain": plain, "armed": armed, "saves": saves, "sweeps_cpu": sweeps_cpu,
-           "plain_cpu": plain_cpu, "armed_cpu": armed_cpu, "replay": ckpt.replay is not None,
-           "shard_cycle": ckpt.shard.replay.cycle if ckpt.shard is not None else None,
-           "targets": len(ckpt.replay.targets()) if ckpt.replay is not None else 0,
-           "params": sum(p.numel() for p in model.parameters()),  # DTensor numel is the global size
-           "params_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    out = {
+        "sweeps": sweeps,
+        "copies": copies,
+        "plain": plain,
+        "armed": armed,
+        "saves": saves,
+        "sweeps_cpu": sweeps_cpu,
+        "plain_cpu": plain_cpu,
+        "armed_cpu": armed_cpu,
+        "replay": ckpt.replay is not None,
+        "shard_cycle": ckpt.shard.replay.cycle if ckpt.shard is not None else None,
+        "targets": len(ckpt.replay.targets()) if ckpt.replay is not None else 0,
+        "params": sum(p.numel() for p in model.parameters()),  # DTensor numel is the global size
+        "params_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
     if ckpt.is_coordinator:
         from scout_ckpt.ledger import Ledger
 
@@ -167,7 +176,7 @@ def led_rows(root):
         return [r for r in led.checkpoints() if r["state"] != "certified"]
 
 
-LARGE = {"d_model": 384, "seq": 128}   # --large: the second configuration, reported under `large_*` keys
+LARGE = {"d_model": 384, "seq": 128}  # --large: the second configuration, reported under `large_*` keys
 
 
 def _config(args, d_model: int, seq: int) -> tuple[dict, list, dict, list]:
@@ -178,12 +187,21 @@ def _config(args, d_model: int, seq: int) -> tuple[dict, list, dict, list]:
     results, rows, ratios = {}, [], {}
     lags_all: list[int | None] = []
     for mode in args.modes.split(","):
-        cfg = {"mode": mode, "steps": args.steps, "save_every": args.save_every, "d_model": d_model,
-               "blocks": args.blocks, "seq": seq, "batch": args.batch}
+        cfg = {
+            "mode": mode,
+            "steps": args.steps,
+            "save_every": args.save_every,
+            "d_model": d_model,
+            "blocks": args.blocks,
+            "seq": seq,
+            "batch": args.batch,
+        }
         root = tempfile.mkdtemp(prefix="scout-lag-")
         try:
-            log(f"{mode}: {args.ranks} ranks, {args.steps} steps, a save every {args.save_every}, d_model {d_model}, "
-                f"seq {seq}")
+            log(
+                f"{mode}: {args.ranks} ranks, {args.steps} steps, a save every {args.save_every}, d_model {d_model}, "
+                f"seq {seq}"
+            )
             out = run_ranks(_worker, args.ranks, os.path.join(root, "run"), cfg, timeout=3600, pg_timeout_s=600)
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -191,24 +209,41 @@ def _config(args, d_model: int, seq: int) -> tuple[dict, list, dict, list]:
         lag = [r0["lag"][s] for s in sorted(r0["lag"])]
         lags_all += lag
         done = [x for x in lag if x is not None]
-        res = {"lag_steps": {str(s): v for s, v in sorted(r0["lag"].items())},
-               "lag_median": med(done) if done else None, "lag_max": max(done) if done else None,
-               "never_certified": len(lag) - len(done), "states": r0["states"], "not_certified": r0["reasons"],
-               "replay": r0["replay"], "targets": r0["targets"], "shard_cycle": r0["shard_cycle"],
-               "params": r0["params"], "step_s": med(r0["plain"]), "save_s": med(r0["saves"])}
+        res = {
+            "lag_steps": {str(s): v for s, v in sorted(r0["lag"].items())},
+            "lag_median": med(done) if done else None,
+            "lag_max": max(done) if done else None,
+            "never_certified": len(lag) - len(done),
+            "states": r0["states"],
+            "not_certified": r0["reasons"],
+            "replay": r0["replay"],
+            "targets": r0["targets"],
+            "shard_cycle": r0["shard_cycle"],
+            "params": r0["params"],
+            "step_s": med(r0["plain"]),
+            "save_s": med(r0["saves"]),
+        }
         if r0["sweeps"]:
             # the slowest rank's median: a sweep ends when every peer has compared
             sweep = max(med(o.result["sweeps"]) for o in out)
             armed = max(med(o.result["armed"]) for o in out)
             plain = max(med(o.result["plain"]) for o in out)
             per_save = (sweep + armed - plain) / plain
-            res.update(sweep_s=sweep, armed_step_s=armed, plain_step_s=plain, sweep_per_save_steps=per_save,
-                       sweep_amortized_100=per_save / INTERVAL)
+            res.update(
+                sweep_s=sweep,
+                armed_step_s=armed,
+                plain_step_s=plain,
+                sweep_per_save_steps=per_save,
+                sweep_amortized_100=per_save / INTERVAL,
+            )
             ratios[f"{mode}_sweep_per_save_steps"] = per_save
             ratios[f"{mode}_sweep_amortized_100"] = per_save / INTERVAL
             # CPU time: each rank's own ratio (its work, whoever else runs on the host), the larger one reported
-            per_cpu = max((med(o.result["sweeps_cpu"]) + med(o.result["armed_cpu"]) - med(o.result["plain_cpu"]))
-                          / med(o.result["plain_cpu"]) for o in out)
+            per_cpu = max(
+                (med(o.result["sweeps_cpu"]) + med(o.result["armed_cpu"]) - med(o.result["plain_cpu"]))
+                / med(o.result["plain_cpu"])
+                for o in out
+            )
             res.update(sweep_per_save_steps_cpu=per_cpu, sweep_amortized_100_cpu=per_cpu / INTERVAL)
             ratios[f"{mode}_sweep_per_save_steps_cpu"] = per_cpu
             copy = max(max(o.result["copies"] or [0]) for o in out) / 2**20
@@ -218,10 +253,19 @@ def _config(args, d_model: int, seq: int) -> tuple[dict, list, dict, list]:
             ratios[f"{mode}_param_copy_mb"] = copy
             ratios[f"{mode}_param_copy_all_ranks_mb"] = total
         results[mode] = res
-        rows.append([f"{mode} d{d_model}/s{seq}", res["lag_median"], res["lag_max"], res["never_certified"],
-                     f"{res['step_s']:.4f}", f"{res['save_s']:.3f}", f"{res.get('sweep_s', 0):.4f}",
-                     f"{res['sweep_per_save_steps']:.2f}" if "sweep_per_save_steps" in res else "-",
-                     f"{res['sweep_amortized_100']:.4f}" if "sweep_amortized_100" in res else "-"])
+        rows.append(
+            [
+                f"{mode} d{d_model}/s{seq}",
+                res["lag_median"],
+                res["lag_max"],
+                res["never_certified"],
+                f"{res['step_s']:.4f}",
+                f"{res['save_s']:.3f}",
+                f"{res.get('sweep_s', 0):.4f}",
+                f"{res['sweep_per_save_steps']:.2f}" if "sweep_per_save_steps" in res else "-",
+                f"{res['sweep_amortized_100']:.4f}" if "sweep_amortized_100" in res else "-",
+            ]
+        )
     return results, rows, ratios, lags_all
 
 
@@ -235,11 +279,15 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--modes", default="ddp,fsdp,ddp+replay")
-    p.add_argument("--large", action="store_true",
-                   help=f"also run every mode at d_model {LARGE['d_model']}, seq {LARGE['seq']}: its ratios are "
-                        "reported as large_<key>, its modes under \"large\"")
-    args = parse_args(p, {"steps": 6, "save_every": 3, "d_model": 32, "blocks": 1, "seq": 16, "batch": 2,
-                          "modes": "fsdp,ddp+replay"})
+    p.add_argument(
+        "--large",
+        action="store_true",
+        help=f"also run every mode at d_model {LARGE['d_model']}, seq {LARGE['seq']}: its ratios are "
+        'reported as large_<key>, its modes under "large"',
+    )
+    args = parse_args(
+        p, {"steps": 6, "save_every": 3, "d_model": 32, "blocks": 1, "seq": 16, "batch": 2, "modes": "fsdp,ddp+replay"}
+    )
     med = statistics.median
     results, rows, ratios, lags_all = _config(args, args.d_model, args.seq)
     large = None
@@ -251,24 +299,43 @@ def main() -> None:
         large = {"modes": l_results, "params": dict(LARGE)}
     done = [x for x in lags_all if x is not None]
     ratios["lag_median_steps"] = med(done) if done else None
-    ratios["lag_max_steps"] = max(done) if done else None          # over the checkpoints that certified
-    ratios["never_certified"] = len(lags_all) - len(done)           # counted apart: their lag is unbounded
+    ratios["lag_max_steps"] = max(done) if done else None  # over the checkpoints that certified
+    ratios["never_certified"] = len(lags_all) - len(done)  # counted apart: their lag is unbounded
     amortized = [v for k, v in ratios.items() if k.endswith("_amortized_100")]
     copies = [(r["param_copy_mb"], r["params_mb"]) for r in results.values() if "param_copy_mb" in r]
-    met = ratios["lag_max_steps"] == 0 and not ratios["never_certified"] and all(v < AMORTIZED_TARGET
-                                                                                for v in amortized) \
-        and all(c <= 1.1 * m for c, m in copies)   # one copy of the targets' parameters (and buffers) at most
-    result = {"ratios": ratios, "modes": results, "target": "lag median and max 0; sweep amortized over a "
-              f"save every {INTERVAL} steps < {AMORTIZED_TARGET:.0%} of training time; at most one copy of the "
-              "targets' parameters per rank at a save", "target_met": met,
-              "params": {"ranks": args.ranks, "steps": args.steps, "save_every": args.save_every,
-                         "d_model": args.d_model, "blocks": args.blocks, "seq": args.seq, "batch": args.batch},
-              "load": load_note()}
+    met = (
+        ratios["lag_max_steps"] == 0
+        and not ratios["never_certified"]
+        and all(v < AMORTIZED_TARGET for v in amortized)
+        and all(c <= 1.1 * m for c, m in copies)
+    )  # one copy of the targets' parameters (and buffers) at most
+    result = {
+        "ratios": ratios,
+        "modes": results,
+        "target": "lag median and max 0; sweep amortized over a "
+        f"save every {INTERVAL} steps < {AMORTIZED_TARGET:.0%} of training time; at most one copy of the "
+        "targets' parameters per rank at a save",
+        "target_met": met,
+        "params": {
+            "ranks": args.ranks,
+            "steps": args.steps,
+            "save_every": args.save_every,
+            "d_model": args.d_model,
+            "blocks": args.blocks,
+            "seq": args.seq,
+            "batch": args.batch,
+        },
+        "load": load_note(),
+    }
     if large is not None:
         result["large"] = large
-    emit(result, args, rows, ["mode", "lag med", "lag max", "never", "step s", "save s", "sweep s",
-                              "sweep/save (steps)", "amortized@100"],
-         title="Certification lag (steps from save to certified) and the sweep's cost, library defaults")
+    emit(
+        result,
+        args,
+        rows,
+        ["mode", "lag med", "lag max", "never", "step s", "save s", "sweep s", "sweep/save (steps)", "amortized@100"],
+        title="Certification lag (steps from save to certified) and the sweep's cost, library defaults",
+    )
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ import xxhash  # noqa: E402
 
 from scout_ckpt.format import digests  # noqa: E402
 from scout_ckpt.format.dcp_files import check_structure, read_tensors  # noqa: E402
-from scout_ckpt.invariants import parse_specs, run_offline  # noqa: E402
 from scout_ckpt.format.scan import StepScan  # noqa: E402
 from scout_ckpt.format.verify import verify_files  # noqa: E402
+from scout_ckpt.invariants import parse_specs, run_offline  # noqa: E402
 
 CHUNK = 8 << 20
 
@@ -49,17 +49,17 @@ def write_checkpoint(path: Path, size_mb: int) -> list[Path]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    n = size_mb * (1 << 20) // 4 // 4            # elements per tensor
+    n = size_mb * (1 << 20) // 4 // 4  # elements per tensor
     cols = 1024
     g = torch.Generator().manual_seed(0)
     state = {"model": {}}
     for i in range(4):
         t = torch.randn(n // cols, cols, generator=g)
-        if i == 0:   # float64 norm: a float32 t.norm() of 64M elements is 0.5% off on CPU
+        if i == 0:  # float64 norm: a float32 t.norm() of 64M elements is 0.5% off on CPU
             t /= float(torch.linalg.vector_norm(t, dtype=torch.float64))
         state["model"][f"layers.{i}.weight"] = t
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")           # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
         dcp.save(state, storage_writer=FileSystemWriter(str(path), thread_count=4), no_dist=True)
     return sorted(p for p in path.iterdir() if p.is_file())
 
@@ -102,8 +102,20 @@ def peak_rss(path: Path, rows: list[dict], specs) -> dict:
     """Peak resident memory of one certify in a fresh process (MB), and the process's before the call."""
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", _PEAK, str(Path(__file__).resolve().parents[1]), str(path),
-                          json.dumps(rows), json.dumps(specs)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _PEAK,
+            str(Path(__file__).resolve().parents[1]),
+            str(path),
+            json.dumps(rows),
+            json.dumps(specs),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     base, peak = json.loads(out.stdout.strip().splitlines()[-1])
     return {"certify_peak_rss_mb": peak / 1024, "baseline_rss_mb": base / 1024}
 
@@ -136,8 +148,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a tiny size that runs in seconds (make bench-smoke); its figures mean nothing")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny size that runs in seconds (make bench-smoke); its figures mean nothing",
+    )
     args = ap.parse_args()
     if args.smoke:
         args.size_mb, args.reps = min(args.size_mb, 4), 1
@@ -151,39 +166,59 @@ def main() -> None:
         nbytes = sum(p.stat().st_size for p in files)
         specs = ["finite", "frobenius_sphere:radius=1.0:params=layers.0.weight"]
         checks = parse_specs(specs)
-        rows = [{"path": p.name, "size": s, "digest": d}
-                for p, (s, d) in ((p, digests.file_digest(p)) for p in files)]
-        med = timed({"certify": lambda: certify(path, rows, specs),
-                     "xxh3": lambda: hash_files(files, xxhash.xxh3_128),
-                     "sha256": lambda: hash_files(files, hashlib.sha256),
-                     "read_back": lambda: read_back(path, files, checks)}, args.reps)
+        rows = [{"path": p.name, "size": s, "digest": d} for p, (s, d) in ((p, digests.file_digest(p)) for p in files)]
+        med = timed(
+            {
+                "certify": lambda: certify(path, rows, specs),
+                "xxh3": lambda: hash_files(files, xxhash.xxh3_128),
+                "sha256": lambda: hash_files(files, hashlib.sha256),
+                "read_back": lambda: read_back(path, files, checks),
+            },
+            args.reps,
+        )
         a, b, c, a0 = med["certify"], med["xxh3"], med["sha256"], med["read_back"]
         peak = peak_rss(path, rows, specs)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     result = {
         "ratios": {"vs_xxh3_read": a / b, "vs_serial_sha256": a / c},
-        "certify_s_median": a, "read_back_s_median": a0, "read_back_vs_xxh3_read": a0 / b, "xxh3_read_s_median": b, "sha256_serial_s_median": c,
-        "certify_gb_s": nbytes / a / 1e9, "xxh3_read_gb_s": nbytes / b / 1e9, "sha256_gb_s": nbytes / c / 1e9,
-        "bytes": nbytes, "files": len(files), "reps": args.reps, "write_s": write_s,
-        "checks": [ch.spec for ch in checks], "cpus": os.cpu_count(), "torch": torch.__version__,
-        "loadavg_1m": os.getloadavg()[0], **peak,
+        "certify_s_median": a,
+        "read_back_s_median": a0,
+        "read_back_vs_xxh3_read": a0 / b,
+        "xxh3_read_s_median": b,
+        "sha256_serial_s_median": c,
+        "certify_gb_s": nbytes / a / 1e9,
+        "xxh3_read_gb_s": nbytes / b / 1e9,
+        "sha256_gb_s": nbytes / c / 1e9,
+        "bytes": nbytes,
+        "files": len(files),
+        "reps": args.reps,
+        "write_s": write_s,
+        "checks": [ch.spec for ch in checks],
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "loadavg_1m": os.getloadavg()[0],
+        **peak,
     }
     if args.smoke:
         result["smoke"] = True
     if args.json:
         print(json.dumps(result))
         return
-    print(f"checkpoint: {nbytes / 1e9:.2f} GB in {len(files)} files, written in {write_s:.2f} s; "
-          f"median of {args.reps}")
+    print(f"checkpoint: {nbytes / 1e9:.2f} GB in {len(files)} files, written in {write_s:.2f} s; median of {args.reps}")
     print(f"{'path':<46}{'seconds':>10}{'GB/s':>8}{'ratio':>8}")
-    for name, s in [("(a) certify: one pass, files in parallel", a), ("(a0) read-back (previous way)", a0),
-                    ("(b) read + xxh3_128, 1 thread", b),
-                    ("(c) read + sha256, 1 thread", c)]:
+    for name, s in [
+        ("(a) certify: one pass, files in parallel", a),
+        ("(a0) read-back (previous way)", a0),
+        ("(b) read + xxh3_128, 1 thread", b),
+        ("(c) read + sha256, 1 thread", c),
+    ]:
         print(f"{name:<46}{s:>10.3f}{nbytes / s / 1e9:>8.2f}{a / s:>8.2f}")
     print(f"certify / xxh3 read = {a / b:.2f}   certify / serial sha256 = {a / c:.2f}")
-    print(f"certify peak RSS {result['certify_peak_rss_mb']:.0f} MB (process before the call: "
-          f"{result['baseline_rss_mb']:.0f} MB; largest tensor {nbytes / 4 / 2**20:.0f} MB)")
+    print(
+        f"certify peak RSS {result['certify_peak_rss_mb']:.0f} MB (process before the call: "
+        f"{result['baseline_rss_mb']:.0f} MB; largest tensor {nbytes / 4 / 2**20:.0f} MB)"
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ def _worker(rank, world, root, cfg):
     from torch.distributed.checkpoint.stateful import Stateful
 
     from scout_ckpt.checkpointer import Checkpointer, _materialize
-    from scout_ckpt.consensus.save_time import save_time_consensus
     from scout_ckpt.consensus.full import full_signatures
+    from scout_ckpt.consensus.save_time import save_time_consensus
     from scout_ckpt.demo.model import TinyTransformer
     from scout_ckpt.demo.train import allreduce_grads
     from scout_ckpt.replay import ReplayRunner
@@ -60,8 +60,7 @@ def _worker(rank, world, root, cfg):
             set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
     torch.manual_seed(0)  # same seed on every rank: replicas start identical (as build_model in ddp mode)
-    model = TinyTransformer(d_model=cfg["d_model"], n_heads=cfg["heads"], n_blocks=cfg["blocks"],
-                            seq_len=cfg["seq"])
+    model = TinyTransformer(d_model=cfg["d_model"], n_heads=cfg["heads"], n_blocks=cfg["blocks"], seq_len=cfg["seq"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch, as DDP
     app = App(model, opt)
@@ -80,8 +79,10 @@ def _worker(rank, world, root, cfg):
 
     for _ in range(2):  # optimizer state exists before the first save
         train_step()
-    nbytes = sum(t.numel() * t.element_size() for t in
-                 [*model.state_dict().values(), *[v for s in opt.state.values() for v in s.values()]])
+    nbytes = sum(
+        t.numel() * t.element_size()
+        for t in [*model.state_dict().values(), *[v for s in opt.state.values() for v in s.values()]]
+    )
 
     # ---- (a) save-time consensus against a whole Checkpointer.save ---------------------------------------------
     ckpt = Checkpointer(os.path.join(root, "scout"), model=model, optimizer=opt, mode="ddp", keep=2)
@@ -100,19 +101,29 @@ def _worker(rank, world, root, cfg):
             shutil.rmtree(d, ignore_errors=True)
         return dt
 
-    save_rows: dict[str, list[float]] = {"consensus": [], "full_signatures": [], "checkpointer.save": [],
-                                         "dcp.save": [], "consensus in save (duration_s)": []}
+    save_rows: dict[str, list[float]] = {
+        "consensus": [],
+        "full_signatures": [],
+        "checkpointer.save": [],
+        "dcp.save": [],
+        "consensus in save (duration_s)": [],
+    }
     for i in range(cfg["saves"] + 1):  # round 0 warms caches and imports
         flat = _materialize(state)
-        t_cons, ev = timed(lambda: save_time_consensus(flat, ckpt.groups, names_filter=ckpt._consensus_names))
+        t_cons, ev = timed(lambda: save_time_consensus(flat, ckpt.groups, names_filter=ckpt._consensus_names))  # noqa: B023 (called at once)
         assert ev["status"] == "pass", ev
-        t_full, _ = timed(lambda: full_signatures(flat, group=ckpt._pg, plain="replica"))
-        t_save, _ = timed(lambda: ckpt.save(100 + i, state))
+        t_full, _ = timed(lambda: full_signatures(flat, group=ckpt._pg, plain="replica"))  # noqa: B023 (called at once)
+        t_save, _ = timed(lambda: ckpt.save(100 + i, state))  # noqa: B023 (called at once)
         t_dcp = plain_save(i)
         cons_in_save = ckpt.ledger.evidence(100 + i)["consensus"]["duration_s"] if rank == 0 else 0.0
         if i:
-            for k, v in (("consensus", t_cons), ("full_signatures", t_full), ("checkpointer.save", t_save),
-                         ("dcp.save", t_dcp), ("consensus in save (duration_s)", cons_in_save)):
+            for k, v in (
+                ("consensus", t_cons),
+                ("full_signatures", t_full),
+                ("checkpointer.save", t_save),
+                ("dcp.save", t_dcp),
+                ("consensus in save (duration_s)", cons_in_save),
+            ):
                 save_rows[k].append(v)
     ckpt.close()
 
@@ -149,7 +160,7 @@ def _worker(rank, world, root, cfg):
         on, off = [], []
         window(k, True)  # warm-up: the first replay of each target imports and allocates
         for j in range(cfg["rounds"]):
-            for flag in ((True, False) if j % 2 else (False, True)):
+            for flag in (True, False) if j % 2 else (False, True):
                 (on if flag else off).append(window(k, flag))
         return {"on": on, "off": off}
 
@@ -173,10 +184,20 @@ def _worker(rank, world, root, cfg):
         return None
     slowest_save = {k: [max(g["save"][k][j] for g in gathered) for j in range(cfg["saves"])] for k in save_rows}
     slowest_save["consensus in save (duration_s)"] = save_rows["consensus in save (duration_s)"]
-    slowest_replay = {k: {side: [max(g["replay"][k][side][j] for g in gathered) for j in range(cfg["rounds"])]
-                          for side in ("on", "off")} for k in replay}
-    return {"save": slowest_save, "replay": slowest_replay, "bytes": nbytes, "n_targets": n_targets,
-            "params": sum(p.numel() for p in model.parameters())}
+    slowest_replay = {
+        k: {
+            side: [max(g["replay"][k][side][j] for g in gathered) for j in range(cfg["rounds"])]
+            for side in ("on", "off")
+        }
+        for k in replay
+    }
+    return {
+        "save": slowest_save,
+        "replay": slowest_replay,
+        "bytes": nbytes,
+        "n_targets": n_targets,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def main() -> None:
@@ -191,18 +212,29 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="on/off window pairs per replay interval")
     ap.add_argument("--intervals", default="1,auto", help="comma-separated replay intervals; 'auto' as above")
     ap.add_argument("--max-interval", type=int, default=64)
-    args = parse_args(ap, {"ranks": 2, "d_model": 32, "blocks": 1, "seq": 16, "batch": 2, "saves": 1, "rounds": 1,
-                           "intervals": "1"})
+    args = parse_args(
+        ap, {"ranks": 2, "d_model": 32, "blocks": 1, "seq": 16, "batch": 2, "saves": 1, "rounds": 1, "intervals": "1"}
+    )
     intervals = [v.strip() if v.strip() == "auto" else int(v) for v in args.intervals.split(",") if v.strip()]
-    cfg = {"d_model": args.d_model, "heads": args.heads, "blocks": args.blocks, "seq": args.seq,
-           "batch": args.batch, "saves": args.saves, "rounds": args.rounds, "intervals": intervals,
-           "max_interval": args.max_interval}
+    cfg = {
+        "d_model": args.d_model,
+        "heads": args.heads,
+        "blocks": args.blocks,
+        "seq": args.seq,
+        "batch": args.batch,
+        "saves": args.saves,
+        "rounds": args.rounds,
+        "intervals": intervals,
+        "max_interval": args.max_interval,
+    }
     from scout_ckpt.testing.launch import run_ranks
 
     root = tempfile.mkdtemp(prefix="scout-bench-consensus-")
     try:
-        log(f"demo transformer d_model={args.d_model} blocks={args.blocks} on {args.ranks} ranks: "
-            f"{args.saves} saves, replay at intervals {args.intervals} ...")
+        log(
+            f"demo transformer d_model={args.d_model} blocks={args.blocks} on {args.ranks} ranks: "
+            f"{args.saves} saves, replay at intervals {args.intervals} ..."
+        )
         out = run_ranks(_worker, args.ranks, root, cfg, timeout=3600)[0].result
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -215,27 +247,53 @@ def main() -> None:
         r = on / off - 1
         replay_ratios[int(k)] = r
         replay_med[str(k)] = {"on_s_per_step": on, "off_s_per_step": off}
-        replay_rows.append((f"replay interval {k}: step with / without - 1", f"{on:.4f} / {off:.4f}", r,
-                            "< 0.03", "met" if r < REPLAY_TARGET else "NOT met"))
+        replay_rows.append(
+            (
+                f"replay interval {k}: step with / without - 1",
+                f"{on:.4f} / {off:.4f}",
+                r,
+                "< 0.03",
+                "met" if r < REPLAY_TARGET else "NOT met",
+            )
+        )
     meeting = [k for k, r in sorted(replay_ratios.items()) if r < REPLAY_TARGET]
-    ratios = {"consensus_vs_save": save_ratio, "scout_save_vs_dcp": med_save["checkpointer.save"] / med_save["dcp.save"],
-              "full_signatures_vs_save": med_save["full_signatures"] / med_save["checkpointer.save"],
-              **{f"replay_interval_{k}": r for k, r in replay_ratios.items()}}
+    ratios = {
+        "consensus_vs_save": save_ratio,
+        "scout_save_vs_dcp": med_save["checkpointer.save"] / med_save["dcp.save"],
+        "full_signatures_vs_save": med_save["full_signatures"] / med_save["checkpointer.save"],
+        **{f"replay_interval_{k}": r for k, r in replay_ratios.items()},
+    }
     result = {
-        "ratio": save_ratio, "ratios": ratios, "median_s": med_save, "replay_median_s_per_step": replay_med,
-        "samples_s": out["save"], "replay_samples_s_per_step": out["replay"], "bytes": out["bytes"],
-        "params": out["params"], "replay_targets": out["n_targets"], "ranks": args.ranks, "config": cfg,
+        "ratio": save_ratio,
+        "ratios": ratios,
+        "median_s": med_save,
+        "replay_median_s_per_step": replay_med,
+        "samples_s": out["save"],
+        "replay_samples_s_per_step": out["replay"],
+        "bytes": out["bytes"],
+        "params": out["params"],
+        "replay_targets": out["n_targets"],
+        "ranks": args.ranks,
+        "config": cfg,
         "targets": {"consensus_vs_save": f"< {SAVE_TARGET}", "replay": f"< {REPLAY_TARGET}"},
-        "target_met": {"consensus_vs_save": save_ratio < SAVE_TARGET,
-                       "replay_interval_1": replay_ratios.get(1, 1.0) < REPLAY_TARGET},
-        "smallest_interval_meeting_replay_target": meeting[0] if meeting else None, **load_note(),
+        "target_met": {
+            "consensus_vs_save": save_ratio < SAVE_TARGET,
+            "replay_interval_1": replay_ratios.get(1, 1.0) < REPLAY_TARGET,
+        },
+        "smallest_interval_meeting_replay_target": meeting[0] if meeting else None,
+        **load_note(),
     }
     rows = [(k, f"{v:.4f}", v / med_save["checkpointer.save"], "", "") for k, v in med_save.items()]
     rows[0] = rows[0][:3] + ("< 0.02", "met" if save_ratio < SAVE_TARGET else "NOT met")
     rows += replay_rows
-    emit(result, args, rows, ["measure", "median s", "ratio", "target", ""],
-         title=f"consensus overhead: demo transformer, {out['params'] / 1e6:.1f} M params, "
-               f"{out['bytes'] / 2**20:.0f} MB model+optimizer state, {args.ranks} ranks (DDP)")
+    emit(
+        result,
+        args,
+        rows,
+        ["measure", "median s", "ratio", "target", ""],
+        title=f"consensus overhead: demo transformer, {out['params'] / 1e6:.1f} M params, "
+        f"{out['bytes'] / 2**20:.0f} MB model+optimizer state, {args.ranks} ranks (DDP)",
+    )
 
 
 if __name__ == "__main__":

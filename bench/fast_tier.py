@@ -55,7 +55,7 @@ class S3Server:
         import moto.server as moto_server
         import s3fs
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)   # one line per request otherwise, on stderr
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise, on stderr
         os.environ.update(CREDS)
         self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.server.start()
@@ -82,24 +82,58 @@ def _run(work: Path, fast: bool, args, s3: S3Server | None = None) -> dict:
     root, local = work / ("fast" if fast else "durable"), work / "local"
     shutil.rmtree(root, ignore_errors=True)
     shutil.rmtree(local, ignore_errors=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--max-restarts",
-           "1", "--monitor-interval", "0.2", str(SCRIPT), str(root), "--local-dir", str(local),
-           "--steps", str(args.steps), "--save-every", str(args.save_every), "--local-every", str(args.local_every),
-           "--fault", "crash", "--fault-node", "0", "--fault-local", str(args.ranks - 1),
-           "--fault-step", str(args.fault_step), "--step-sleep", str(args.step_sleep), "--width", str(args.width),
-           "--async-save"] + ([] if fast else ["--no-local"])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.ranks),
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.2",
+        str(SCRIPT),
+        str(root),
+        "--local-dir",
+        str(local),
+        "--steps",
+        str(args.steps),
+        "--save-every",
+        str(args.save_every),
+        "--local-every",
+        str(args.local_every),
+        "--fault",
+        "crash",
+        "--fault-node",
+        "0",
+        "--fault-local",
+        str(args.ranks - 1),
+        "--fault-step",
+        str(args.fault_step),
+        "--step-sleep",
+        str(args.step_sleep),
+        "--width",
+        str(args.width),
+        "--async-save",
+    ] + ([] if fast else ["--no-local"])
     if s3 is not None:
         cmd += ["--uri", s3.uri(), "--endpoint", s3.endpoint]
-    env = {**os.environ, **CREDS, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    res = run_checked(cmd, f"the {'fast-tier' if fast else 'durable-only'} job{' (S3)' if s3 else ''}",
-                      timeout=900, env=env)
+    env = {
+        **os.environ,
+        **CREDS,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+    res = run_checked(
+        cmd, f"the {'fast-tier' if fast else 'durable-only'} job{' (S3)' if s3 else ''}", timeout=900, env=env
+    )
     lines = [e for e in _lines(res.stdout) if e.get("rank") == 0]
     fault = json.loads((root / "fault.json").read_text())
     loads = [i for i, e in enumerate(lines) if e["event"] == "loaded"]
     if len(loads) != 2:
         raise SystemExit(f"error: expected one restart, saw {len(loads) - 1}")
-    after = lines[loads[1]:]
+    after = lines[loads[1] :]
     loaded = after[0]
     back = next(e for e in after if e["event"] == "at" and e["step"] == args.fault_step)
     first = next(e for e in after if e["event"] == "at")
@@ -108,9 +142,11 @@ def _run(work: Path, fast: bool, args, s3: S3Server | None = None) -> dict:
         "first_step_s": first["time"] - fault["time"],
         # fault -> the Checkpointer's start-up begins (torchrun's respawn, imports, the process group), -> it
         # ends, -> the load has ended
-        "began_s": loaded["began"] - fault["time"], "ready_s": loaded["ready"] - fault["time"],
+        "began_s": loaded["began"] - fault["time"],
+        "ready_s": loaded["ready"] - fault["time"],
         "loaded_s": loaded["time"] - fault["time"],
-        "loaded_step": loaded["step"], "tier": loaded["tier"],
+        "loaded_step": loaded["step"],
+        "tier": loaded["tier"],
         "lost_steps": args.fault_step - loaded["step"],
         "local_blocking_s": [e["blocking_s"] for e in lines if e["event"] == "local_saved"],
         # LocalTier.save's own time (from its wait for the previous commit to the commit thread's start): step()
@@ -150,28 +186,63 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=1.0)
     p.add_argument("--width", type=int, default=32768, help="hidden width of the job's MLP (state size)")
     p.add_argument("--repeats", type=int, default=2, help="pairs of runs, interleaved; medians are reported")
-    p.add_argument("--durable", choices=["both", "posix", "s3"], default="both",
-                   help="where the durable tier lives: a local directory, moto's S3 server, or each in turn")
-    args = parse_args(p, {"steps": 6, "save_every": 3, "local_every": 1, "fault_step": 5, "step_sleep": 0.01,
-                          "width": 64, "repeats": 1, "durable": "posix"})
+    p.add_argument(
+        "--durable",
+        choices=["both", "posix", "s3"],
+        default="both",
+        help="where the durable tier lives: a local directory, moto's S3 server, or each in turn",
+    )
+    args = parse_args(
+        p,
+        {
+            "steps": 6,
+            "save_every": 3,
+            "local_every": 1,
+            "fault_step": 5,
+            "step_sleep": 0.01,
+            "width": 64,
+            "repeats": 1,
+            "durable": "posix",
+        },
+    )
     work = Path(tempfile.mkdtemp(prefix="fast-tier-bench-"))
     places = ["posix", "s3"] if args.durable == "both" else [args.durable]
     runs: dict[tuple[str, bool], list[dict]] = {(pl, f): [] for pl in places for f in (True, False)}
     try:
-        with (S3Server() if "s3" in places else _Nothing()) as s3:
-            for i in range(args.repeats):   # interleaved: a burst of load from other processes hits all alike
+        with S3Server() if "s3" in places else _Nothing() as s3:
+            for i in range(args.repeats):  # interleaved: a burst of load from other processes hits all alike
                 for pl in places:
                     for fast in (True, False):
-                        log(f"round {i + 1}/{args.repeats}: {'fast tier' if fast else 'durable-only'} run, "
-                            f"durable tier on {pl} ...")
+                        log(
+                            f"round {i + 1}/{args.repeats}: {'fast tier' if fast else 'durable-only'} run, "
+                            f"durable tier on {pl} ..."
+                        )
                         runs[(pl, fast)].append(_run(work, fast, args, s3 if pl == "s3" else None))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    params = {k: getattr(args, k) for k in ("ranks", "steps", "save_every", "local_every", "fault_step",
-                                            "step_sleep", "width", "repeats", "durable")}
-    state_mb = (32 * args.width + args.width + args.width * 8 + 8) * 4 * 3 / 2**20   # params + AdamW moments
-    result = {"ratios": {}, "goals": {}, "met": {}, "params": {**params, "state_mb_per_rank": state_mb},
-              "lost_steps": {}, "load": load_note()}
+    params = {
+        k: getattr(args, k)
+        for k in (
+            "ranks",
+            "steps",
+            "save_every",
+            "local_every",
+            "fault_step",
+            "step_sleep",
+            "width",
+            "repeats",
+            "durable",
+        )
+    }
+    state_mb = (32 * args.width + args.width + args.width * 8 + 8) * 4 * 3 / 2**20  # params + AdamW moments
+    result = {
+        "ratios": {},
+        "goals": {},
+        "met": {},
+        "params": {**params, "state_mb_per_rank": state_mb},
+        "lost_steps": {},
+        "load": load_note(),
+    }
     rows = []
     for pl in places:
         fast, durable = _median_of(runs[(pl, True)]), _median_of(runs[(pl, False)])
@@ -179,26 +250,40 @@ def main() -> None:
         async_blocking = statistics.median(fast["durable_blocking_s"] + durable["durable_blocking_s"])
         local_blocking = statistics.median(fast["local_blocking_s"])
         own_blocking = statistics.median(fast["local_own_blocking_s"]) if fast["local_own_blocking_s"] else None
-        result["ratios"].update({
-            f"restart_fast_vs_durable{sfx}": fast["recovered_s"] / durable["recovered_s"],
-            f"save_blocking_local_vs_async{sfx}": local_blocking / async_blocking,
-            f"first_step_fast_vs_durable{sfx}": fast["first_step_s"] / durable["first_step_s"],
-            f"save_blocking_local_own_vs_async{sfx}": None if own_blocking is None else own_blocking / async_blocking})
+        result["ratios"].update(
+            {
+                f"restart_fast_vs_durable{sfx}": fast["recovered_s"] / durable["recovered_s"],
+                f"save_blocking_local_vs_async{sfx}": local_blocking / async_blocking,
+                f"first_step_fast_vs_durable{sfx}": fast["first_step_s"] / durable["first_step_s"],
+                f"save_blocking_local_own_vs_async{sfx}": None
+                if own_blocking is None
+                else own_blocking / async_blocking,
+            }
+        )
         result[f"fast{sfx}"] = {k: v for k, v in fast.items() if not k.endswith("blocking_s") and k != "phases"}
         result[f"durable{sfx}"] = {k: v for k, v in durable.items() if not k.endswith("blocking_s") and k != "phases"}
-        result[f"local_save_phases_s_median{sfx}"] = {k: statistics.median(p[k] for p in fast["phases"])
-                                                      for k in (fast["phases"][0] if fast["phases"] else {})}
+        result[f"local_save_phases_s_median{sfx}"] = {
+            k: statistics.median(p[k] for p in fast["phases"]) for k in (fast["phases"][0] if fast["phases"] else {})
+        }
         result[f"local_save_blocking_s_median{sfx}"] = local_blocking
         result[f"local_save_own_blocking_s_median{sfx}"] = own_blocking
         result[f"async_save_blocking_s_median{sfx}"] = async_blocking
         result["lost_steps"][pl] = {"fast": fast["lost_steps"], "durable": durable["lost_steps"]}
-        rows += [[f"[{pl}] fault -> back at the fault step (s)", fast["recovered_s"], durable["recovered_s"]],
-                 [f"[{pl}] fault -> first step (s)", fast["first_step_s"], durable["first_step_s"]],
-                 [f"[{pl}] loaded step (tier)", f"{fast['loaded_step']} ({fast['tier']})",
-                  f"{durable['loaded_step']} ({durable['tier']})"],
-                 [f"[{pl}] lost steps (redone)", fast["lost_steps"], durable["lost_steps"]],
-                 [f"[{pl}] save blocks (s, median)", f"{local_blocking:.4f} (local)",
-                  f"{async_blocking:.4f} (async durable)"]]
+        rows += [
+            [f"[{pl}] fault -> back at the fault step (s)", fast["recovered_s"], durable["recovered_s"]],
+            [f"[{pl}] fault -> first step (s)", fast["first_step_s"], durable["first_step_s"]],
+            [
+                f"[{pl}] loaded step (tier)",
+                f"{fast['loaded_step']} ({fast['tier']})",
+                f"{durable['loaded_step']} ({durable['tier']})",
+            ],
+            [f"[{pl}] lost steps (redone)", fast["lost_steps"], durable["lost_steps"]],
+            [
+                f"[{pl}] save blocks (s, median)",
+                f"{local_blocking:.4f} (local)",
+                f"{async_blocking:.4f} (async durable)",
+            ],
+        ]
     goals = {k: g for k, g in GOALS.items() if k in result["ratios"]}
     result["goals"] = goals
     result["met"] = {k: result["ratios"][k] <= g for k, g in goals.items()}

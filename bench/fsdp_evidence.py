@@ -52,17 +52,18 @@ def _worker(rank, world, root, cfg):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from scout_ckpt.save.evidence.at_rest import AtRestGuard
     from scout_ckpt.demo.model import TinyTransformer
     from scout_ckpt.replay.shard_optimizer import ShardUpdateReplay
+    from scout_ckpt.save.evidence.at_rest import AtRestGuard
 
     mesh = init_device_mesh("cpu", (world,))
     pg = dist.new_group(backend="gloo")
 
     def build():
         torch.manual_seed(0)
-        model = TinyTransformer(vocab=cfg["vocab"], d_model=cfg["d_model"], n_heads=4, n_blocks=cfg["blocks"],
-                                seq_len=cfg["seq"])
+        model = TinyTransformer(
+            vocab=cfg["vocab"], d_model=cfg["d_model"], n_heads=4, n_blocks=cfg["blocks"], seq_len=cfg["seq"]
+        )
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -100,7 +101,7 @@ def _worker(rank, world, root, cfg):
     for arm in ("off", "on", "off", "on"):  # warm-up: optimizer state, allocator, imports
         train_step(arm)
     windows = {"off": [], "on": []}
-    cpu = {"off": [], "on": []}   # this process's CPU seconds per step (all threads): robust to a busy machine
+    cpu = {"off": [], "on": []}  # this process's CPU seconds per step (all threads): robust to a busy machine
     exchange_s, phases = [], []
     main_thread.clear()
     replay.flush()
@@ -108,7 +109,7 @@ def _worker(rank, world, root, cfg):
     guard.cpu_s = 0.0
     on_steps0 = steps["on"]
     for i in range(cfg["windows"]):
-        for arm in (("off", "on") if i % 2 == 0 else ("on", "off")):
+        for arm in ("off", "on") if i % 2 == 0 else ("on", "off"):
             dist.barrier(group=pg)
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(cfg["window"]):
@@ -122,8 +123,11 @@ def _worker(rank, world, root, cfg):
             cpu[arm].append(slowest((time.process_time() - c0) / cfg["window"]))
             windows[arm].append(slowest((time.perf_counter() - t0) / cfg["window"]))
     n_on = steps["on"] - on_steps0
-    component_cpu = {"hooks": replay.cpu_s["hooks"] / n_on, "exchange": replay.cpu_s["exchange"] / n_on,
-                     "at_rest_sign": guard.cpu_s / n_on}
+    component_cpu = {
+        "hooks": replay.cpu_s["hooks"] / n_on,
+        "exchange": replay.cpu_s["exchange"] / n_on,
+        "at_rest_sign": guard.cpu_s / n_on,
+    }
     checks, saves, signs, sign_cpu = [], [], [], []
     model, opt = m_on, o_on
     for i in range(cfg["saves"]):
@@ -146,9 +150,22 @@ def _worker(rank, world, root, cfg):
     if not cfg["at_rest_every"]:  # save-cadence signing: one pass per save, spread over the save interval
         component_cpu["at_rest_sign"] = statistics.median(sign_cpu) / cfg["save_every"]
     shard = sum(p.to_local().numel() for p in model.parameters())
-    return {"windows": windows, "cpu": cpu, "component_cpu": component_cpu, "exchange_s": exchange_s, "on_step_main_s": main_thread, "phases": phases, "check_s": checks, "dcp_save_s": saves,
-            "sign_s": signs, "cycle": replay.cycle, "units": replay.unit_counts, "per_step_units": replay.per_step,
-            "shard_elems": shard, "params_total": sum(p.numel() for p in model.parameters())}
+    return {
+        "windows": windows,
+        "cpu": cpu,
+        "component_cpu": component_cpu,
+        "exchange_s": exchange_s,
+        "on_step_main_s": main_thread,
+        "phases": phases,
+        "check_s": checks,
+        "dcp_save_s": saves,
+        "sign_s": signs,
+        "cycle": replay.cycle,
+        "units": replay.unit_counts,
+        "per_step_units": replay.per_step,
+        "shard_elems": shard,
+        "params_total": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def main() -> None:
@@ -165,16 +182,42 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--per-step", type=int, default=4, help="ShardUpdateReplay units per step (default 4)")
     p.add_argument("--chunk", type=int, default=4096, help="ShardUpdateReplay elements per unit (default 4096)")
-    p.add_argument("--at-rest-every", type=int, default=0,
-                   help="AtRestGuard signs after every k-th step (0, the default: only after the steps saves follow)")
-    args = parse_args(p, {"d_model": 32, "blocks": 1, "vocab": 64, "seq": 16, "batch": 2, "windows": 2, "window": 2,
-                          "saves": 1, "save_every": 4})
+    p.add_argument(
+        "--at-rest-every",
+        type=int,
+        default=0,
+        help="AtRestGuard signs after every k-th step (0, the default: only after the steps saves follow)",
+    )
+    args = parse_args(
+        p,
+        {
+            "d_model": 32,
+            "blocks": 1,
+            "vocab": 64,
+            "seq": 16,
+            "batch": 2,
+            "windows": 2,
+            "window": 2,
+            "saves": 1,
+            "save_every": 4,
+        },
+    )
     from scout_ckpt.testing.launch import run_ranks
 
-    cfg = {"d_model": args.d_model, "blocks": args.blocks, "vocab": args.vocab, "seq": args.seq,
-           "batch": args.batch, "windows": args.windows, "window": args.window, "saves": args.saves,
-           "per_step": args.per_step, "chunk": args.chunk, "at_rest_every": args.at_rest_every,
-           "save_every": args.save_every}
+    cfg = {
+        "d_model": args.d_model,
+        "blocks": args.blocks,
+        "vocab": args.vocab,
+        "seq": args.seq,
+        "batch": args.batch,
+        "windows": args.windows,
+        "window": args.window,
+        "saves": args.saves,
+        "per_step": args.per_step,
+        "chunk": args.chunk,
+        "at_rest_every": args.at_rest_every,
+        "save_every": args.save_every,
+    }
     log(f"fsdp_evidence: {args.ranks} ranks, {cfg}")
     with tempfile.TemporaryDirectory() as root:
         out = run_ranks(_worker, args.ranks, root, cfg, timeout=1800, pg_timeout_s=600)
@@ -186,25 +229,54 @@ def main() -> None:
     on_step = statistics.median(r["on_step_main_s"])
     cpu_off, cpu_on = statistics.median(r["cpu"]["off"]), statistics.median(r["cpu"]["on"])
     comp = r["component_cpu"]
-    ratios = {"per_step_components_cpu": sum(comp.values()) / cpu_off,
-              **{f"per_step_cpu.{k}": v / cpu_off for k, v in comp.items()},
-              "per_step": (on - off) / off, "per_step_cpu": (cpu_on - cpu_off) / cpu_off, "per_save": check / (args.save_every * off),
-              "check_vs_dcp": check / dcp_s, "on_step_main_vs_step": on_step / off,
-              "exchange_vs_step": exchange / off, "sign_vs_step": sign / off}
+    ratios = {
+        "per_step_components_cpu": sum(comp.values()) / cpu_off,
+        **{f"per_step_cpu.{k}": v / cpu_off for k, v in comp.items()},
+        "per_step": (on - off) / off,
+        "per_step_cpu": (cpu_on - cpu_off) / cpu_off,
+        "per_save": check / (args.save_every * off),
+        "check_vs_dcp": check / dcp_s,
+        "on_step_main_vs_step": on_step / off,
+        "exchange_vs_step": exchange / off,
+        "sign_vs_step": sign / off,
+    }
     phases = {k: statistics.median(ph[k] for ph in r["phases"]) for k in r["phases"][0]}
-    result = {"ratios": ratios, "target": TARGET,
-              "target_met": ratios["per_step_components_cpu"] < TARGET and ratios["per_save"] < TARGET,
-              "cpu_s_per_step_components": comp, "cpu_s_per_step_off": cpu_off,
-              "median_s": {"step_off": off, "step_on": on, "on_step_main_thread": on_step,
-                           "exchange_background": exchange, "at_rest_check": check,
-                           "at_rest_sign": sign, "dcp_save": dcp_s, **{f"exchange.{k}": v for k, v in phases.items()}},
-              "windows_s": r["windows"], "cpu_s_per_step": r["cpu"], "cycle_steps": r["cycle"], "units_per_rank": r["units"],
-              "units_per_step": r["per_step_units"], "shard_elems_rank0": r["shard_elems"],
-              "params_total": r["params_total"], "ranks": args.ranks, "config": cfg, "save_every": args.save_every,
-              "load": load_note()}
+    result = {
+        "ratios": ratios,
+        "target": TARGET,
+        "target_met": ratios["per_step_components_cpu"] < TARGET and ratios["per_save"] < TARGET,
+        "cpu_s_per_step_components": comp,
+        "cpu_s_per_step_off": cpu_off,
+        "median_s": {
+            "step_off": off,
+            "step_on": on,
+            "on_step_main_thread": on_step,
+            "exchange_background": exchange,
+            "at_rest_check": check,
+            "at_rest_sign": sign,
+            "dcp_save": dcp_s,
+            **{f"exchange.{k}": v for k, v in phases.items()},
+        },
+        "windows_s": r["windows"],
+        "cpu_s_per_step": r["cpu"],
+        "cycle_steps": r["cycle"],
+        "units_per_rank": r["units"],
+        "units_per_step": r["per_step_units"],
+        "shard_elems_rank0": r["shard_elems"],
+        "params_total": r["params_total"],
+        "ranks": args.ranks,
+        "config": cfg,
+        "save_every": args.save_every,
+        "load": load_note(),
+    }
     rows = [[k, v] for k, v in result["median_s"].items()]
-    emit(result, args, rows, ["what", "median s"], title=f"FSDP2 evidence cost, {args.ranks} ranks, "
-         f"{r['params_total']} params, cycle {r['cycle']} steps")
+    emit(
+        result,
+        args,
+        rows,
+        ["what", "median s"],
+        title=f"FSDP2 evidence cost, {args.ranks} ranks, {r['params_total']} params, cycle {r['cycle']} steps",
+    )
 
 
 if __name__ == "__main__":

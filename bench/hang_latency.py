@@ -23,10 +23,10 @@ from pathlib import Path
 ROOT_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT_DIR))  # the rank functions live in tests/workers_observer.py
 
-from scout_ckpt.testing.launch import run_ranks  # noqa: E402
 from scout_ckpt.ledger import Ledger  # noqa: E402
 from scout_ckpt.observer.daemon import channel_dir  # noqa: E402
 from scout_ckpt.observer.stacks import proc_state  # noqa: E402
+from scout_ckpt.testing.launch import run_ranks  # noqa: E402
 from tests import workers_observer as W  # noqa: E402
 
 WORLD = 4
@@ -52,9 +52,16 @@ def one_hang(base: Path, i: int, stall_s: float) -> float:
     root.mkdir()
     Ledger.open(root, create=True).close()
     run_id = f"bench-hang-{i}"
-    run_ranks(W.train, WORLD, str(root), run_id, "hang",
-              {"steps": 10, "fault_step": 4, "stall_s": stall_s, "action": "abort", "poll_s": POLL_S},
-              timeout=60 + 4 * stall_s, allow_failures=True)
+    run_ranks(
+        W.train,
+        WORLD,
+        str(root),
+        run_id,
+        "hang",
+        {"steps": 10, "fault_step": 4, "stall_s": stall_s, "action": "abort", "poll_s": POLL_S},
+        timeout=60 + 4 * stall_s,
+        allow_failures=True,
+    )
     _wait_observers(root, run_id)
     with Ledger.open(root, readonly=True) as ledger:
         hangs = [e for e in ledger.events() if e["kind"] == "hang" and e["ranks"] == [2]]
@@ -68,15 +75,25 @@ def healthy_cpu(base: Path, steps: int, compute_s: float) -> dict:
     root = base / "healthy"
     root.mkdir()
     Ledger.open(root, create=True).close()
-    out = run_ranks(W.train, WORLD, str(root), "bench-healthy", "healthy",
-                    {"steps": steps, "compute_s": compute_s, "cpu_window": True, "stall_s": 2.0,
-                     "poll_s": POLL_S}, timeout=300)
+    out = run_ranks(
+        W.train,
+        WORLD,
+        str(root),
+        "bench-healthy",
+        "healthy",
+        {"steps": steps, "compute_s": compute_s, "cpu_window": True, "stall_s": 2.0, "poll_s": POLL_S},
+        timeout=300,
+    )
     _wait_observers(root, "bench-healthy")
     with Ledger.open(root, readonly=True) as ledger:
         n_events = len(ledger.events())
     fractions = [o.result["observer_cpu_s"] / o.result["wall_s"] for o in out]
-    return {"cpu_fraction_max": max(fractions), "cpu_fraction_median": statistics.median(fractions),
-            "wall_s": statistics.median(o.result["wall_s"] for o in out), "events": n_events}
+    return {
+        "cpu_fraction_max": max(fractions),
+        "cpu_fraction_median": statistics.median(fractions),
+        "wall_s": statistics.median(o.result["wall_s"] for o in out),
+        "events": n_events,
+    }
 
 
 def tracer_cost(rank: int, world_size: int, n: int = 20000, blocks: int = 7) -> dict:
@@ -111,8 +128,11 @@ def tracer_cost(rank: int, world_size: int, n: int = 20000, blocks: int = 7) -> 
         traced.append(per_call(dist.all_reduce, t))
         tracer.uninstall()
     hb.close()
-    return {"tracer_own_ns": own, "all_reduce_ns": statistics.median(plain),
-            "all_reduce_traced_ns": statistics.median(traced)}
+    return {
+        "tracer_own_ns": own,
+        "all_reduce_ns": statistics.median(plain),
+        "all_reduce_traced_ns": statistics.median(traced),
+    }
 
 
 def main() -> int:
@@ -121,8 +141,11 @@ def main() -> int:
     ap.add_argument("--stall-s", type=float, default=2.0)
     ap.add_argument("--healthy-steps", type=int, default=150)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a tiny size that runs in seconds (make bench-smoke); its figures mean nothing")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny size that runs in seconds (make bench-smoke); its figures mean nothing",
+    )
     args = ap.parse_args()
     if args.smoke:
         args.runs, args.healthy_steps = 1, 10
@@ -139,14 +162,24 @@ def main() -> int:
     ratios = [x / args.stall_s for x in latencies]
     result = {
         "ratio": med / args.stall_s,
-        "ratios": {"latency_median_over_threshold": med / args.stall_s,
-                   "latency_p95_over_threshold": p95 / args.stall_s,
-                   "latency_max_over_threshold": lat[-1] / args.stall_s,
-                   "observer_cpu_fraction": cpu["cpu_fraction_max"]},
-        "per_run_ratios": ratios, "latency_s": latencies, "latency_median_s": med, "latency_p95_s": p95,
-        "latency_max_s": lat[-1], "stall_s": args.stall_s, "runs": args.runs, "world_size": WORLD,
-        "target_latency_s": args.stall_s + 2.0, "within_target": lat[-1] <= args.stall_s + 2.0,
-        "healthy": cpu, **tracer,
+        "ratios": {
+            "latency_median_over_threshold": med / args.stall_s,
+            "latency_p95_over_threshold": p95 / args.stall_s,
+            "latency_max_over_threshold": lat[-1] / args.stall_s,
+            "observer_cpu_fraction": cpu["cpu_fraction_max"],
+        },
+        "per_run_ratios": ratios,
+        "latency_s": latencies,
+        "latency_median_s": med,
+        "latency_p95_s": p95,
+        "latency_max_s": lat[-1],
+        "stall_s": args.stall_s,
+        "runs": args.runs,
+        "world_size": WORLD,
+        "target_latency_s": args.stall_s + 2.0,
+        "within_target": lat[-1] <= args.stall_s + 2.0,
+        "healthy": cpu,
+        **tracer,
     }
     if args.smoke:
         result["smoke"] = True
@@ -158,10 +191,14 @@ def main() -> int:
     for name, v in (("median", med), ("p95", p95), ("max", lat[-1])):
         print(f"  {name:22}{v:>10.2f}{v / args.stall_s:>14.2f}")
     print(f"  target: threshold + 2 s = {args.stall_s + 2:.1f}s -> {'met' if result['within_target'] else 'MISSED'}")
-    print(f"observer CPU while healthy ({cpu['wall_s']:.1f}s window, {cpu['events']} events): "
-          f"max {100 * cpu['cpu_fraction_max']:.3f}% of a core, median {100 * cpu['cpu_fraction_median']:.3f}%")
-    print(f"tracer: {tracer['tracer_own_ns']:.0f} CPU ns of its own per call; 1-element all_reduce on 1 rank "
-          f"{tracer['all_reduce_ns'] / 1000:.1f} us plain, {tracer['all_reduce_traced_ns'] / 1000:.1f} us traced")
+    print(
+        f"observer CPU while healthy ({cpu['wall_s']:.1f}s window, {cpu['events']} events): "
+        f"max {100 * cpu['cpu_fraction_max']:.3f}% of a core, median {100 * cpu['cpu_fraction_median']:.3f}%"
+    )
+    print(
+        f"tracer: {tracer['tracer_own_ns']:.0f} CPU ns of its own per call; 1-element all_reduce on 1 rank "
+        f"{tracer['all_reduce_ns'] / 1000:.1f} us plain, {tracer['all_reduce_traced_ns'] / 1000:.1f} us traced"
+    )
     return 0
 
 

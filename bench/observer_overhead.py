@@ -31,7 +31,7 @@ ROOT_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT_DIR))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as C
+import _common as C  # noqa: E402 (after the sys.path entry above)
 
 MODES = ("plain", "ref_hook", "observed", "traced", "plain2")
 
@@ -99,7 +99,7 @@ def _rank(rank: int, world: int, root: str, width: int, depth: int, batch: int, 
     ocpu0, owall0 = cpu_seconds(obs.pid), time.monotonic()
     seq0 = obs.tracer.seq
     for r in range(rounds):
-        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
         for name in order:
             dist.barrier()
             sampled = name in ("observed", "traced")
@@ -118,11 +118,18 @@ def _rank(rank: int, world: int, root: str, width: int, depth: int, batch: int, 
     sampler_cpu_per_s = (obs.counter.cpu_s - sampler_cpu0) / max(sampled_wall[0], 1e-9)
     obs.stop()
     dist.barrier()
-    return {"cpu": cpu, "wall": wall, "attached": attached, "traced_attached": traced_attached,
-            "traced_per_step": traced / (rounds * block),
-            "counted_per_step": counted / (rounds * block * len(MODES)),
-            "sampler_cpu_per_s": sampler_cpu_per_s, "step_call_s": step_call_s, "stamp_hooks_s": stamp_hooks_s,
-            "observer_process_cpu": observer_cpu}
+    return {
+        "cpu": cpu,
+        "wall": wall,
+        "attached": attached,
+        "traced_attached": traced_attached,
+        "traced_per_step": traced / (rounds * block),
+        "counted_per_step": counted / (rounds * block * len(MODES)),
+        "sampler_cpu_per_s": sampler_cpu_per_s,
+        "step_call_s": step_call_s,
+        "stamp_hooks_s": stamp_hooks_s,
+        "observer_process_cpu": observer_cpu,
+    }
 
 
 def _stamp_hooks_cost(obs, n: int = 200, repeats: int = 30) -> float:
@@ -159,31 +166,42 @@ def _paired(samples: dict[str, list[float]], a: str, b: str) -> float:
 
 
 def measure(ranks: int, width: int, depth: int, batch: int, block: int, rounds: int) -> dict:
-    from scout_ckpt.testing.launch import run_ranks
     from scout_ckpt.ledger import Ledger
+    from scout_ckpt.testing.launch import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="scout-obs-overhead-") as tmp:
         Ledger.open(tmp, create=True).close()
         outs = [o.result for o in run_ranks(_rank, ranks, tmp, width, depth, batch, block, rounds, timeout=1800)]
     per_rank = []
     for res in outs:
-        per_rank.append({kind: {f"{m}_vs_plain": _paired(res[kind], m, "plain") for m in MODES[1:]}
-                         for kind in ("cpu", "wall")})
+        per_rank.append(
+            {kind: {f"{m}_vs_plain": _paired(res[kind], m, "plain") for m in MODES[1:]} for kind in ("cpu", "wall")}
+        )
     worst = {kind: {k: max(p[kind][k] for p in per_rank) for k in per_rank[0][kind]} for kind in ("cpu", "wall")}
     step_ms = statistics.median(statistics.median(r["cpu"]["plain"]) for r in outs) * 1e3
     # The default's cost from its parts, measured directly (immune to the machine's load, which swamps a 1%
     # difference of paired step times here): the sampling thread's CPU per second of training times the step's
     # wall time, plus the per-step calls and the step-stamp hooks, over the plain step's CPU time; the slowest rank.
-    parts = max((r["sampler_cpu_per_s"] * statistics.median(r["wall"]["plain"]) + r["step_call_s"]
-                 + r["stamp_hooks_s"]) / statistics.median(r["cpu"]["plain"]) for r in outs)
-    return {"batch": batch, "step_cpu_ms_plain": round(step_ms, 3), "worst_rank": worst, "per_rank": per_rank,
-            "observed_parts_vs_plain_cpu": round(1 + parts, 5),
-            "sampler_cpu_per_s": max(r["sampler_cpu_per_s"] for r in outs),
-            "step_call_us": round(max(r["step_call_s"] for r in outs) * 1e6, 2),
-            "stamp_hooks_us": round(max(r["stamp_hooks_s"] for r in outs) * 1e6, 2),
-            "attached": outs[0]["attached"], "traced_attached": outs[0]["traced_attached"],
-            "traced_per_step": outs[0]["traced_per_step"], "counted_per_step": outs[0]["counted_per_step"],
-            "observer_process_cpu": max(r["observer_process_cpu"] for r in outs)}
+    parts = max(
+        (r["sampler_cpu_per_s"] * statistics.median(r["wall"]["plain"]) + r["step_call_s"] + r["stamp_hooks_s"])
+        / statistics.median(r["cpu"]["plain"])
+        for r in outs
+    )
+    return {
+        "batch": batch,
+        "step_cpu_ms_plain": round(step_ms, 3),
+        "worst_rank": worst,
+        "per_rank": per_rank,
+        "observed_parts_vs_plain_cpu": round(1 + parts, 5),
+        "sampler_cpu_per_s": max(r["sampler_cpu_per_s"] for r in outs),
+        "step_call_us": round(max(r["step_call_s"] for r in outs) * 1e6, 2),
+        "stamp_hooks_us": round(max(r["stamp_hooks_s"] for r in outs) * 1e6, 2),
+        "attached": outs[0]["attached"],
+        "traced_attached": outs[0]["traced_attached"],
+        "traced_per_step": outs[0]["traced_per_step"],
+        "counted_per_step": outs[0]["counted_per_step"],
+        "observer_process_cpu": max(r["observer_process_cpu"] for r in outs),
+    }
 
 
 def main() -> int:
@@ -196,8 +214,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=12)
     args = C.parse_args(p, {"width": 32, "depth": 1, "batch": "4", "block": 2, "rounds": 1})
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    configs = [measure(args.ranks, args.width, args.depth, int(b), args.block, args.rounds)
-               for b in args.batch.split(",")]
+    configs = [
+        measure(args.ranks, args.width, args.depth, int(b), args.block, args.rounds) for b in args.batch.split(",")
+    ]
     ratios = {}
     for c in configs:
         for kind in ("cpu", "wall"):
@@ -206,22 +225,55 @@ def main() -> int:
     for c in configs:
         ratios[f"observed_parts_vs_plain_cpu_b{c['batch']}"] = c["observed_parts_vs_plain_cpu"]
     head = configs[0]["worst_rank"]["cpu"]["observed_vs_plain"]
-    result = {"ratio": round(head, 4), "ratios": ratios, "target": "observed_vs_plain_cpu <= 1.01 (cost per step < 1%)",
-              "target_met": head <= 1.01,
-              # the paired ratio is within the noise floor (plain2_vs_plain) on a loaded machine; the cost from its
-              # measured parts (the sampling thread's CPU, the per-step calls, the stamp hooks) is the resolvable figure
-              "target_met_by_parts": all(c["observed_parts_vs_plain_cpu"] <= 1.01 for c in configs),
-              "configs": configs,
-              "params": {"ranks": args.ranks, "width": args.width, "depth": args.depth, "block": args.block,
-                         "rounds": args.rounds, **C.load_note()}}
-    rows = [[c["batch"], c["step_cpu_ms_plain"], *(round(100 * (c["worst_rank"][kind][f"{m}_vs_plain"] - 1), 2)
-                                                   for kind in ("cpu", "wall") for m in ("ref_hook", "observed",
-                                                                                         "traced", "plain2"))]
-            for c in configs]
-    C.emit(result, args, rows, ["batch", "step_cpu_ms", "ref_hook_cpu_%", "observed_cpu_%", "traced_cpu_%",
-                                "noise_cpu_%", "ref_hook_wall_%", "observed_wall_%", "traced_wall_%", "noise_wall_%"],
-           title=f"observer cost per DDP step, {args.ranks} gloo ranks, MLP {args.depth}x{args.width} "
-                 f"(% over plain DDP, median of {args.rounds} paired rounds, slowest rank)")
+    result = {
+        "ratio": round(head, 4),
+        "ratios": ratios,
+        "target": "observed_vs_plain_cpu <= 1.01 (cost per step < 1%)",
+        "target_met": head <= 1.01,
+        # the paired ratio is within the noise floor (plain2_vs_plain) on a loaded machine; the cost from its
+        # measured parts (the sampling thread's CPU, the per-step calls, the stamp hooks) is the resolvable figure
+        "target_met_by_parts": all(c["observed_parts_vs_plain_cpu"] <= 1.01 for c in configs),
+        "configs": configs,
+        "params": {
+            "ranks": args.ranks,
+            "width": args.width,
+            "depth": args.depth,
+            "block": args.block,
+            "rounds": args.rounds,
+            **C.load_note(),
+        },
+    }
+    rows = [
+        [
+            c["batch"],
+            c["step_cpu_ms_plain"],
+            *(
+                round(100 * (c["worst_rank"][kind][f"{m}_vs_plain"] - 1), 2)
+                for kind in ("cpu", "wall")
+                for m in ("ref_hook", "observed", "traced", "plain2")
+            ),
+        ]
+        for c in configs
+    ]
+    C.emit(
+        result,
+        args,
+        rows,
+        [
+            "batch",
+            "step_cpu_ms",
+            "ref_hook_cpu_%",
+            "observed_cpu_%",
+            "traced_cpu_%",
+            "noise_cpu_%",
+            "ref_hook_wall_%",
+            "observed_wall_%",
+            "traced_wall_%",
+            "noise_wall_%",
+        ],
+        title=f"observer cost per DDP step, {args.ranks} gloo ranks, MLP {args.depth}x{args.width} "
+        f"(% over plain DDP, median of {args.rounds} paired rounds, slowest rank)",
+    )
     return 0
 
 

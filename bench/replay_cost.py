@@ -54,8 +54,9 @@ def _model(shape: str, world: int, cfg: dict):
     if shape == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=cfg["seq"], n_embd=cfg["d_model"],
-                                           n_layer=cfg["blocks"], n_head=4))
+        model = GPT2LMHeadModel(
+            GPT2Config(vocab_size=256, n_positions=cfg["seq"], n_embd=cfg["d_model"], n_layer=cfg["blocks"], n_head=4)
+        )
     else:
         from scout_ckpt.demo.model import TinyTransformer
 
@@ -116,8 +117,13 @@ def _worker(rank, world, root, cfg):
     if ckpt.is_coordinator:
         states = {r["step"]: r["state"] for r in ckpt.ledger.checkpoints()}
     ckpt.close()
-    return {"steps": steps, "saves": saves, "touched": touched, "states": states,
-            "targets": len(runner.targets()) if runner is not None else 0}
+    return {
+        "steps": steps,
+        "saves": saves,
+        "touched": touched,
+        "states": states,
+        "targets": len(runner.targets()) if runner is not None else 0,
+    }
 
 
 def _run(args, shape: str, every: int, replay: bool, cfg: dict) -> list[dict]:
@@ -136,7 +142,7 @@ def _measure(args, shape: str, every: int, cfg: dict) -> dict:
     med = statistics.median
     on = _run(args, shape, every, True, cfg)
     off = _run(args, shape, every, False, cfg)
-    warm = 2 * every   # steps before the third save: the runner is still learning the period
+    warm = 2 * every  # steps before the third save: the runner is still learning the period
     # the slowest rank's view: a step ends when every rank's has (the barriers make them nearly equal)
     n = len(on[0]["steps"])
     step_on = [max(r["steps"][i] for r in on) for i in range(n)]
@@ -149,15 +155,26 @@ def _measure(args, shape: str, every: int, cfg: dict) -> dict:
     save_extra = med(saves_on[2:]) - med(saves_off[2:])
     measured = n - warm
     replay_s = sum(s - plain_on for s, t in zip(step_on[warm:], touched[warm:]) if t) + save_extra * len(saves_on[2:])
-    warm_s = sum(s - plain_on for s, t in zip(step_on[:warm], touched[:warm]) if t) + \
-        sum(a - b for a, b in zip(saves_on[:2], saves_off[:2]))
+    warm_s = sum(s - plain_on for s, t in zip(step_on[:warm], touched[:warm]) if t) + sum(
+        a - b for a, b in zip(saves_on[:2], saves_off[:2])
+    )
     states = on[0]["states"] or {}
-    return {"every": every, "targets": on[0]["targets"], "step_off_s": base, "step_plain_on_s": plain_on,
-            "touched_steps": sum(touched[warm:]), "measured_steps": measured,
-            "save_on_s": med(saves_on[2:]), "save_off_s": med(saves_off[2:]),
-            "replay_s": replay_s, "amortized_share": replay_s / (measured * base),
-            "save_blocking_steps": save_extra / base, "warmup_steps": warm_s / base,
-            "certified": sum(1 for s in states.values() if s == "certified"), "saves": len(states)}
+    return {
+        "every": every,
+        "targets": on[0]["targets"],
+        "step_off_s": base,
+        "step_plain_on_s": plain_on,
+        "touched_steps": sum(touched[warm:]),
+        "measured_steps": measured,
+        "save_on_s": med(saves_on[2:]),
+        "save_off_s": med(saves_off[2:]),
+        "replay_s": replay_s,
+        "amortized_share": replay_s / (measured * base),
+        "save_blocking_steps": save_extra / base,
+        "warmup_steps": warm_s / base,
+        "certified": sum(1 for s in states.values() if s == "certified"),
+        "saves": len(states),
+    }
 
 
 def main() -> None:
@@ -197,19 +214,53 @@ def main() -> None:
             if every == cadences[0]:
                 ratios[f"save_blocking_steps_{shape}"] = r["save_blocking_steps"]
                 ratios[f"warmup_steps_{shape}"] = r["warmup_steps"]
-            rows.append([shape, every, r["targets"], f"{r['step_off_s']:.4f}", f"{r['save_off_s']:.3f}",
-                         f"{r['save_on_s']:.3f}", f"{r['amortized_share']:.4f}", f"{r['save_blocking_steps']:.2f}",
-                         f"{r['certified']}/{r['saves']}"])
-    met = bool(results) and all(
-        r["amortized_share"] <= SHARE_TARGET.get(r["every"], 1.0) and r["save_blocking_steps"] <= BLOCKING_TARGET
-        for r in results.values()) and not args.quick
-    emit({"ratios": ratios, "shapes": results, "skipped": skipped, "target_met": met,
-          "target": "amortized share <= 2% at a save every 100 steps, <= 1% at 200; a save's blocking time added by "
-                    "replay <= 1 training step",
-          "params": {"ranks": args.ranks, "intervals": args.intervals, "every": cadences, **cfg},
-          "load": load_note()}, args, rows,
-         ["shape", "every", "targets", "step s (off)", "save s (off)", "save s (on)", "amortized", "blocking",
-          "certified"], title="Replay's cost with the defaults, against replay=False in the same run")
+            rows.append(
+                [
+                    shape,
+                    every,
+                    r["targets"],
+                    f"{r['step_off_s']:.4f}",
+                    f"{r['save_off_s']:.3f}",
+                    f"{r['save_on_s']:.3f}",
+                    f"{r['amortized_share']:.4f}",
+                    f"{r['save_blocking_steps']:.2f}",
+                    f"{r['certified']}/{r['saves']}",
+                ]
+            )
+    met = (
+        bool(results)
+        and all(
+            r["amortized_share"] <= SHARE_TARGET.get(r["every"], 1.0) and r["save_blocking_steps"] <= BLOCKING_TARGET
+            for r in results.values()
+        )
+        and not args.quick
+    )
+    emit(
+        {
+            "ratios": ratios,
+            "shapes": results,
+            "skipped": skipped,
+            "target_met": met,
+            "target": "amortized share <= 2% at a save every 100 steps, <= 1% at 200; a save's blocking time added by "
+            "replay <= 1 training step",
+            "params": {"ranks": args.ranks, "intervals": args.intervals, "every": cadences, **cfg},
+            "load": load_note(),
+        },
+        args,
+        rows,
+        [
+            "shape",
+            "every",
+            "targets",
+            "step s (off)",
+            "save s (off)",
+            "save s (on)",
+            "amortized",
+            "blocking",
+            "certified",
+        ],
+        title="Replay's cost with the defaults, against replay=False in the same run",
+    )
 
 
 if __name__ == "__main__":

@@ -83,9 +83,17 @@ def build_root(root: Path, n: int, every: int, file_mib: float) -> int:
         fsize, digest = file_digest(d / name)
         files.append({"path": name, "size": fsize, "digest": digest, "rank": rank})
     evidence = {k: {"status": "pass", "reasons": []} for k in EVIDENCE_KINDS}
-    man = manifest.build(step=newest, run_id=run_id, attempt="bench", world_size=2, topology={"mode": "ddp"},
-                         policy=POLICY, files=files, evidence=evidence,
-                         verdict={"state": "certified", "reasons": []})
+    man = manifest.build(
+        step=newest,
+        run_id=run_id,
+        attempt="bench",
+        world_size=2,
+        topology={"mode": "ddp"},
+        policy=POLICY,
+        files=files,
+        evidence=evidence,
+        verdict={"state": "certified", "reasons": []},
+    )
     manifest_digest = manifest.write(d, man)
 
     with Ledger.open(root, create=True) as lg:
@@ -94,18 +102,36 @@ def build_root(root: Path, n: int, every: int, file_mib: float) -> int:
             rows, ev_rows = [], []
             for i, s in enumerate(steps):
                 state = state_of(i, n)
-                reasons = [{"code": "consensus_attributed", "ranks": [1]}] if state == "rejected" else (
-                    [{"code": "replay_missing", "kind": "replay"}] if state == "committed" else [])
+                reasons = (
+                    [{"code": "consensus_attributed", "ranks": [1]}]
+                    if state == "rejected"
+                    else ([{"code": "replay_missing", "kind": "replay"}] if state == "committed" else [])
+                )
                 when = t0 + i * 60
-                rows.append({"step": s, "run_id": run_id, "state": state, "path": step_dirname(s),
-                             "bytes": 2 * size + 4096, "attempt": f"a{s}", "started": when, "committed": when + 1,
-                             "updated": when + 1, "manifest_digest": manifest_digest if s == newest else f"m{s}",
-                             "reasons": json.dumps(reasons)})
+                rows.append(
+                    {
+                        "step": s,
+                        "run_id": run_id,
+                        "state": state,
+                        "path": step_dirname(s),
+                        "bytes": 2 * size + 4096,
+                        "attempt": f"a{s}",
+                        "started": when,
+                        "committed": when + 1,
+                        "updated": when + 1,
+                        "manifest_digest": manifest_digest if s == newest else f"m{s}",
+                        "reasons": json.dumps(reasons),
+                    }
+                )
                 for k in EVIDENCE_KINDS:
-                    status = "fail" if (state == "rejected" and k == "consensus") else (
-                        "missing" if (state == "committed" and k == "replay") else "pass")
-                    ev_rows.append({"step": s, "kind": k, "status": status, "detail": "{}", "source": "save",
-                                    "recorded": when + 1})
+                    status = (
+                        "fail"
+                        if (state == "rejected" and k == "consensus")
+                        else ("missing" if (state == "committed" and k == "replay") else "pass")
+                    )
+                    ev_rows.append(
+                        {"step": s, "kind": k, "status": status, "detail": "{}", "source": "save", "recorded": when + 1}
+                    )
             lg.db["checkpoints"].insert_all(rows, batch_size=2000)
             lg.db["evidence"].insert_all(ev_rows, batch_size=2000)
             lg.db["files"].insert_all([{"step": newest, **f} for f in files])
@@ -115,8 +141,10 @@ def build_root(root: Path, n: int, every: int, file_mib: float) -> int:
 def resume_command() -> list[str]:
     """The console script as installed; `python -m scout_ckpt.cli` if the script is missing."""
     if importlib.util.find_spec("scout_ckpt.cli") is None:
-        C.fail("the `resume` command does not exist yet (scout_ckpt/cli.py is missing); "
-               "this bench measures `scout-ckpt resume ROOT --latest-clean`")
+        C.fail(
+            "the `resume` command does not exist yet (scout_ckpt/cli.py is missing); "
+            "this bench measures `scout-ckpt resume ROOT --latest-clean`"
+        )
     script = Path(sys.executable).parent / "scout-ckpt"
     if script.exists():
         return [str(script)]
@@ -165,15 +193,21 @@ def main() -> None:
         }
         C.log(f"timing {len(commands)} commands, {args.repeats} interleaved rounds ...")
         load_before = C.load_note()
-        samples = C.interleaved_times({name: (lambda cmd=cmd, name=name: C.run_checked(cmd, name))
-                                       for name, cmd in commands.items()}, args.repeats)
+        samples = C.interleaved_times(
+            {name: (lambda cmd=cmd, name=name: C.run_checked(cmd, name)) for name, cmd in commands.items()},
+            args.repeats,
+        )
         load_after = C.load_note()
         if load_before["busy"] or load_after["busy"]:
-            C.log(f"warning: the machine was busy (load {load_before['loadavg_1m']} -> {load_after['loadavg_1m']} "
-                  f"on {load_after['cores']} cores); absolute times are inflated, ratios less so")
+            C.log(
+                f"warning: the machine was busy (load {load_before['loadavg_1m']} -> {load_after['loadavg_1m']} "
+                f"on {load_after['cores']} cores); absolute times are inflated, ratios less so"
+            )
         medians = {k: statistics.median(v) for k, v in samples.items()}
-        ratios = {"vs_import_torch": medians["resume"] / medians["import_torch"],
-                  "vs_dir_scan": medians["resume"] / medians["dir_scan"]}
+        ratios = {
+            "vs_import_torch": medians["resume"] / medians["import_torch"],
+            "vs_dir_scan": medians["resume"] / medians["dir_scan"],
+        }
         result = {
             "bench": "resume_latency",
             "ratios": ratios,
@@ -181,15 +215,26 @@ def main() -> None:
             "target_met": ratios["vs_import_torch"] < TARGET,
             "medians_s": medians,
             "samples_s": samples,
-            "checkpoints": args.checkpoints, "repeats": args.repeats, "file_mib": args.file_mib,
-            "resume_step": expected, "build_s": build_s, "load": {"before": load_before, "after": load_after},
+            "checkpoints": args.checkpoints,
+            "repeats": args.repeats,
+            "file_mib": args.file_mib,
+            "resume_step": expected,
+            "build_s": build_s,
+            "load": {"before": load_before, "after": load_after},
             "command": " ".join(["scout-ckpt", "resume", "ROOT", "--latest-clean"]),
         }
-        rows = [(name, medians[name], min(samples[name]), max(samples[name]),
-                 medians[name] / medians["import_torch"]) for name in commands]
-        C.emit(result, args, rows, ["process", "median_s", "min_s", "max_s", "x import torch"],
-               title=f"resume latency: {args.checkpoints} checkpoints, {args.repeats} runs each, "
-                     f"newest certified = step {expected}\n")
+        rows = [
+            (name, medians[name], min(samples[name]), max(samples[name]), medians[name] / medians["import_torch"])
+            for name in commands
+        ]
+        C.emit(
+            result,
+            args,
+            rows,
+            ["process", "median_s", "min_s", "max_s", "x import torch"],
+            title=f"resume latency: {args.checkpoints} checkpoints, {args.repeats} runs each, "
+            f"newest certified = step {expected}\n",
+        )
     finally:
         if args.keep:
             C.log(f"kept {root}")

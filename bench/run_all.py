@@ -57,10 +57,16 @@ CONTRACT_KEYS: dict[str, list[str]] = {
     "consensus_overhead.py": ["ratio", "ratios.consensus_vs_save", "ratios.replay_interval_1"],
     "fast_tier.py": ["ratios.restart_fast_vs_durable", "ratios.save_blocking_local_vs_async"],
     "whole_save.py": ["ratios.whole_save_vs_dcp_fsdp", "ratios.whole_save_vs_dcp_ddp"],
-    "replay_cost.py": [f"ratios.{k}_{shape}" for shape in ("ddp", "fsdp", "gpt2")
-                       for k in ("amortized_share", "save_blocking_steps")],
-    "campaign.py": ["bad_resumes", "kinds.*.recall", "kinds.*.precision", "kinds.*.false_positives",
-                    "kinds.*.latency_s_median"],
+    "replay_cost.py": [
+        f"ratios.{k}_{shape}" for shape in ("ddp", "fsdp", "gpt2") for k in ("amortized_share", "save_blocking_steps")
+    ],
+    "campaign.py": [
+        "bad_resumes",
+        "kinds.*.recall",
+        "kinds.*.precision",
+        "kinds.*.false_positives",
+        "kinds.*.latency_s_median",
+    ],
     "torture.py": ["n_violations"],
 }
 
@@ -70,8 +76,11 @@ def bench_scripts(smoke: bool = False) -> list[Path]:
     extension modules: the campaign imports them)."""
     me = Path(__file__).resolve()
     skip = set() if smoke else SEPARATE
-    return sorted(p for p in C.BENCH_DIR.glob("*.py")
-                  if not p.name.startswith(("_", EXTENSION_PREFIX)) and p.resolve() != me and p.name not in skip)
+    return sorted(
+        p
+        for p in C.BENCH_DIR.glob("*.py")
+        if not p.name.startswith(("_", EXTENSION_PREFIX)) and p.resolve() != me and p.name not in skip
+    )
 
 
 def headline(result: dict) -> str:
@@ -82,12 +91,16 @@ def headline(result: dict) -> str:
         return ", ".join(f"{k} {C.fmt(v)}" for k, v in result["ratios"].items())
     kinds = result.get("kinds")
     if isinstance(kinds, dict) and kinds:
-        recall = min((k.get("recall") for k in kinds.values() if isinstance(k.get("recall"), (int, float))),
-                     default=None)
-        precision = min((k.get("precision") for k in kinds.values()
-                         if isinstance(k.get("precision"), (int, float))), default=None)
-        return (f"min recall {C.fmt(recall)}, min precision {C.fmt(precision)}, "
-                f"bad_resumes {result.get('bad_resumes', '-')}")
+        recall = min(
+            (k.get("recall") for k in kinds.values() if isinstance(k.get("recall"), (int, float))), default=None
+        )
+        precision = min(
+            (k.get("precision") for k in kinds.values() if isinstance(k.get("precision"), (int, float))), default=None
+        )
+        return (
+            f"min recall {C.fmt(recall)}, min precision {C.fmt(precision)}, "
+            f"bad_resumes {result.get('bad_resumes', '-')}"
+        )
     return "-"
 
 
@@ -97,6 +110,7 @@ def tail(text: str, lines: int = 40) -> str:
 
 def missing_keys(result: dict, paths: list[str]) -> list[str]:
     """The dotted paths (CONTRACT_KEYS) that `result` does not hold."""
+
     def has(obj, parts: list[str]) -> bool:
         if not parts:
             return True
@@ -105,6 +119,7 @@ def missing_keys(result: dict, paths: list[str]) -> list[str]:
         if parts[0] == "*":
             return bool(obj) and all(has(v, parts[1:]) for v in obj.values())
         return parts[0] in obj and has(obj[parts[0]], parts[1:])
+
     return [p for p in paths if not has(result, p.split("."))]
 
 
@@ -113,45 +128,79 @@ def run_one(script: Path, timeout: float, smoke_flags: list[str] | None = None) 
     flags = FLAGS.get(script.name, []) if smoke_flags is None else smoke_flags
     cmd = [sys.executable, str(script.relative_to(C.REPO)), *flags, "--json"]
     shown = " ".join(["python", *cmd[1:]])
-    entry = {"bench": script.name, "command": shown, "date": time.strftime("%Y-%m-%d %H:%M"),
-             "target": TARGETS.get(script.name, "-"), "loadavg_1m": C.load_note()["loadavg_1m"]}
+    entry = {
+        "bench": script.name,
+        "command": shown,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "target": TARGETS.get(script.name, "-"),
+        "loadavg_1m": C.load_note()["loadavg_1m"],
+    }
     C.log(f"== {shown} (limit {timeout:.0f} s)")
     t0 = time.perf_counter()
     try:
         res = subprocess.run(cmd, cwd=C.REPO, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        return {**entry, "status": "failed", "error": f"timed out after {timeout:.0f} s",
-                "stderr_tail": tail(err), "duration_s": time.perf_counter() - t0}
+        return {
+            **entry,
+            "status": "failed",
+            "error": f"timed out after {timeout:.0f} s",
+            "stderr_tail": tail(err),
+            "duration_s": time.perf_counter() - t0,
+        }
     entry["duration_s"] = time.perf_counter() - t0
     if res.returncode != 0:
-        return {**entry, "status": "failed", "error": f"exit code {res.returncode}",
-                "stderr_tail": tail(res.stderr or res.stdout)}
+        return {
+            **entry,
+            "status": "failed",
+            "error": f"exit code {res.returncode}",
+            "stderr_tail": tail(res.stderr or res.stdout),
+        }
     try:
         result = json.loads(res.stdout)
         if not isinstance(result, dict):
             raise ValueError("not an object")
     except ValueError:
-        return {**entry, "status": "failed", "error": "stdout is not one JSON object",
-                "stderr_tail": tail(res.stderr) or tail(res.stdout)}
+        return {
+            **entry,
+            "status": "failed",
+            "error": "stdout is not one JSON object",
+            "stderr_tail": tail(res.stderr) or tail(res.stdout),
+        }
     if smoke_flags is not None:
         missing = missing_keys(result, CONTRACT_KEYS.get(script.name, []))
         if missing:
-            return {**entry, "status": "failed", "error": f"JSON without {', '.join(missing)}",
-                    "stderr_tail": tail(res.stdout, 3)}
+            return {
+                **entry,
+                "status": "failed",
+                "error": f"JSON without {', '.join(missing)}",
+                "stderr_tail": tail(res.stdout, 3),
+            }
         return {**entry, "status": "ok", "headline": headline(result), "keys": sorted(result)}
     met = result.get("target_met")
-    return {**entry, "status": "ok" if met is not False else "target missed", "result": result,
-            "headline": headline(result), "target": result.get("target", entry["target"]), "target_met": met}
+    return {
+        **entry,
+        "status": "ok" if met is not False else "target missed",
+        "result": result,
+        "headline": headline(result),
+        "target": result.get("target", entry["target"]),
+        "target_met": met,
+    }
 
 
 def commit() -> str:
     """The commit measured, `+dirty` when the working tree differs from it (then the figures are of no commit)."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=C.REPO, capture_output=True, text=True,
-                              timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=C.REPO,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=C.REPO, capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=C.REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return (head or "unknown") + ("+dirty" if head and dirty else "")
@@ -163,30 +212,52 @@ def verdict(e: dict) -> str:
 
 
 def markdown(entries: list[dict], run: dict) -> str:
-    lines = [f"`{run['command']}` at `{run['commit']}`, {run['started']} - {run['ended']} UTC, load average "
-             f"{run['load_start']} - {run['load_end']} on {run['cores']} cores, {run['wall_s']:.0f} s.", "",
-             "| bench | status | headline | target | met/missed | load | seconds | date | command |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"`{run['command']}` at `{run['commit']}`, {run['started']} - {run['ended']} UTC, load average "
+        f"{run['load_start']} - {run['load_end']} on {run['cores']} cores, {run['wall_s']:.0f} s.",
+        "",
+        "| bench | status | headline | target | met/missed | load | seconds | date | command |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for e in entries:
         status = e["status"] if e["status"] != "failed" else f"**failed**: {e['error']}"
-        cells = [e["bench"], status, e.get("headline", "-"), e.get("target", "-"), verdict(e),
-                 e.get("loadavg_1m", "-"), f"{e['duration_s']:.0f}" if "duration_s" in e else "-", e["date"],
-                 f"`{e['command']}`"]
+        cells = [
+            e["bench"],
+            status,
+            e.get("headline", "-"),
+            e.get("target", "-"),
+            verdict(e),
+            e.get("loadavg_1m", "-"),
+            f"{e['duration_s']:.0f}" if "duration_s" in e else "-",
+            e["date"],
+            f"`{e['command']}`",
+        ]
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     for e in entries:
         if e["status"] == "failed":
-            lines += ["", f"### {e['bench']} failed ({e['error']})", "", "```", e.get("stderr_tail") or "(no output)",
-                      "```"]
+            lines += [
+                "",
+                f"### {e['bench']} failed ({e['error']})",
+                "",
+                "```",
+                e.get("stderr_tail") or "(no output)",
+                "```",
+            ]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     p = C.parser(__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", metavar="NAME", help="run only these benches (file names or stems)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="time for all benches together (default 1080; --smoke: 1800)")
-    p.add_argument("--smoke", action="store_true", help="every bench at a tiny size (make bench-smoke): fails only "
-                   "on a bench that errs, prints no JSON object or leaves out a documented key")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="time for all benches together (default 1080; --smoke: 1800)"
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every bench at a tiny size (make bench-smoke): fails only "
+        "on a bench that errs, prints no JSON object or leaves out a documented key",
+    )
     args = p.parse_args()
     if args.budget_s is None:
         args.budget_s = 1800.0 if args.smoke else 1080.0
@@ -200,9 +271,13 @@ def main() -> None:
         scripts = [s for s in scripts if s.name in wanted]
 
     deadline = time.monotonic() + args.budget_s
-    run = {"command": " ".join(["python bench/run_all.py", *sys.argv[1:]]), "commit": commit(),
-           "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-           "load_start": C.load_note()["loadavg_1m"], "cores": C.load_note()["cores"]}
+    run = {
+        "command": " ".join(["python bench/run_all.py", *sys.argv[1:]]),
+        "commit": commit(),
+        "started": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "load_start": C.load_note()["loadavg_1m"],
+        "cores": C.load_note()["cores"],
+    }
     entries = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="scout-bench-smoke-") as scratch:
@@ -213,14 +288,21 @@ def main() -> None:
             else:
                 share = min(PER_BENCH_CAP_S, left / (len(scripts) - i) * 2, left)  # may borrow from later benches
             if share < 5:
-                entries.append({"bench": script.name, "command": f"python bench/{script.name}", "status": "failed",
-                                "error": "time budget spent", "date": time.strftime("%Y-%m-%d %H:%M"),
-                                "target": TARGETS.get(script.name, "-")})
+                entries.append(
+                    {
+                        "bench": script.name,
+                        "command": f"python bench/{script.name}",
+                        "status": "failed",
+                        "error": "time budget spent",
+                        "date": time.strftime("%Y-%m-%d %H:%M"),
+                        "target": TARGETS.get(script.name, "-"),
+                    }
+                )
                 continue
             smoke_flags = None
             if args.smoke:
                 smoke_flags = SMOKE_FLAGS.get(script.name, ["--smoke"])
-                if script.name in ("campaign.py", "torture.py"):   # their result files: not over a real run's
+                if script.name in ("campaign.py", "torture.py"):  # their result files: not over a real run's
                     smoke_flags = [*smoke_flags, "--out", str(Path(scratch, script.stem))]
             entries.append(run_one(script, share, smoke_flags))
     run["wall_s"] = round(time.monotonic() - t0, 1)
@@ -228,11 +310,16 @@ def main() -> None:
     run.update(ended=time.strftime("%Y-%m-%d %H:%M", time.gmtime()), load_end=C.load_note()["loadavg_1m"])
     md = markdown(entries, run)
     out = C.results_dir()
-    summary = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "python": sys.version.split()[0], "benches": entries,
-               "run": run}
+    summary = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "python": sys.version.split()[0],
+        "benches": entries,
+        "run": run,
+    }
     name = "smoke" if args.smoke else "summary"
-    atomic_write_bytes(out / f"{name}.json", (json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n")
-                       .encode())
+    atomic_write_bytes(
+        out / f"{name}.json", (json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n").encode()
+    )
     atomic_write_bytes(out / f"{name}.md", md.encode())
     if args.json:
         print(json.dumps(summary, sort_keys=True, default=str))

@@ -54,16 +54,22 @@ def _worker(rank, world, root, mb, repeats, async_save):
     # "bytes": the foundation's evidence (per-rank digests, finite check, manifest, ledger);
     # "full": the default Checkpointer, adding save-time consensus and load-verification signatures.
     ckpts = {
-        "scout save (bytes)": Checkpointer(os.path.join(root, "bytes"), model=model, async_save=async_save,
-                                           consensus=False, verify_load=False),
+        "scout save (bytes)": Checkpointer(
+            os.path.join(root, "bytes"), model=model, async_save=async_save, consensus=False, verify_load=False
+        ),
         "scout save (full)": Checkpointer(os.path.join(root, "full"), model=model, async_save=async_save),
     }
     # Async: how long save() holds the training thread, against how long dcp.async_save does (its staging).
     async_ckpt = Checkpointer(os.path.join(root, "async"), model=model, async_save=True)
     pg = dist.new_group(backend="gloo")
     apg = dist.new_group(backend="gloo")
-    times = {"dcp.save": [], **{k: [] for k in ckpts}, "dcp.save + rank-0 sha256": [],
-             "dcp.async_save (blocking)": [], "scout async save (blocking)": []}
+    times = {
+        "dcp.save": [],
+        **{k: [] for k in ckpts},
+        "dcp.save + rank-0 sha256": [],
+        "dcp.async_save (blocking)": [],
+        "scout async save (blocking)": [],
+    }
 
     def clear(*dirs):
         """Untimed, after every contender alike: its files removed. A write right after 200 MB were deleted costs
@@ -120,11 +126,13 @@ def _worker(rank, world, root, mb, repeats, async_save):
         clear(*committed(ckpts[name]))
         return dt
 
-    contenders = [("dcp.save", lambda i: plain(i, False)),
-                  *[(name, lambda i, name=name: scout(name, i + 1)) for name in ckpts],
-                  ("dcp.save + rank-0 sha256", lambda i: plain(i, True)),
-                  ("dcp.async_save (blocking)", plain_async),
-                  ("scout async save (blocking)", lambda i: scout_async(i + 1))]
+    contenders = [
+        ("dcp.save", lambda i: plain(i, False)),
+        *[(name, lambda i, name=name: scout(name, i + 1)) for name in ckpts],
+        ("dcp.save + rank-0 sha256", lambda i: plain(i, True)),
+        ("dcp.async_save (blocking)", plain_async),
+        ("scout async save (blocking)", lambda i: scout_async(i + 1)),
+    ]
     for i in range(repeats + 1):  # the first round warms the page cache and imports
         # The order rotates every round: a save right after another one (whose files the disk is still writing
         # back, or rank 0 is still deleting) is slower, and a fixed order charged that to the same contender
@@ -164,17 +172,30 @@ def main() -> None:
     ratio = med["scout save (bytes)"] / med["dcp.save"]
     result = {
         "ratio": ratio,
-        "ratios": {"scout_bytes_vs_dcp": ratio, "scout_full_vs_dcp": med["scout save (full)"] / med["dcp.save"],
-                   "sha256_manifest_vs_dcp": med["dcp.save + rank-0 sha256"] / med["dcp.save"],
-                   "async_blocking_vs_dcp_async": med["scout async save (blocking)"]
-                   / med["dcp.async_save (blocking)"]},
-        "median_s": med, "samples_s": {k: v for k, v in out.items() if k != "bytes"}, "bytes": out["bytes"],
-        "ranks": args.ranks, "repeats": args.repeats, "async": args.async_save, "target": "<= 1.05",
-        "target_met": ratio <= 1.05, **load_note(),
+        "ratios": {
+            "scout_bytes_vs_dcp": ratio,
+            "scout_full_vs_dcp": med["scout save (full)"] / med["dcp.save"],
+            "sha256_manifest_vs_dcp": med["dcp.save + rank-0 sha256"] / med["dcp.save"],
+            "async_blocking_vs_dcp_async": med["scout async save (blocking)"] / med["dcp.async_save (blocking)"],
+        },
+        "median_s": med,
+        "samples_s": {k: v for k, v in out.items() if k != "bytes"},
+        "bytes": out["bytes"],
+        "ranks": args.ranks,
+        "repeats": args.repeats,
+        "async": args.async_save,
+        "target": "<= 1.05",
+        "target_met": ratio <= 1.05,
+        **load_note(),
     }
     rows = [(k, f"{v:.3f}", f"{v / med['dcp.save']:.3f}") for k, v in med.items()]
-    emit(result, args, rows, ["save", "median s (slowest rank)", "x dcp.save"],
-         title=f"save overhead: {out['bytes'] / 2**20:.0f} MB state, {args.ranks} ranks, {args.repeats} rounds")
+    emit(
+        result,
+        args,
+        rows,
+        ["save", "median s (slowest rank)", "x dcp.save"],
+        title=f"save overhead: {out['bytes'] / 2**20:.0f} MB state, {args.ranks} ranks, {args.repeats} rounds",
+    )
 
 
 if __name__ == "__main__":

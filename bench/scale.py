@@ -51,8 +51,14 @@ EVERY = 10
 
 def rank_files(rank: int, step: int) -> list[dict]:
     """What one rank reports at a save's gather: its own shard file (rank 0 also `.metadata`)."""
-    out = [{"path": f"__{rank}_0.distcp", "size": 50_000_000 + rank, "digest": f"{(step * 1_000_003 + rank):032x}",
-            "rank": rank}]
+    out = [
+        {
+            "path": f"__{rank}_0.distcp",
+            "size": 50_000_000 + rank,
+            "digest": f"{(step * 1_000_003 + rank):032x}",
+            "rank": rank,
+        }
+    ]
     if rank == 0:
         out.append({"path": DCP_METADATA, "size": 1_000_000, "digest": f"{step:032x}", "rank": 0})
     return out
@@ -62,10 +68,15 @@ def build(root: Path, ranks: int, n: int) -> dict:
     """The ledger described in the module docstring; returns the timing of its parts."""
     t0 = time.perf_counter()
     with Ledger.open(root, create=True) as lg:
-        lg.conn.execute("PRAGMA synchronous=OFF")   # a simulation: building it need not wait for the disk
+        lg.conn.execute("PRAGMA synchronous=OFF")  # a simulation: building it need not wait for the disk
         lg.begin_run(RUN, world_size=ranks, topology={"mode": "ddp", "world_size": ranks}, policy=POLICY)
-        lg.record_ranks(RUN, [{"rank": r, "host": f"node{r // 8:04d}", "node_rank": r // 8, "local_rank": r % 8,
-                               "pid": 1000 + r} for r in range(ranks)])
+        lg.record_ranks(
+            RUN,
+            [
+                {"rank": r, "host": f"node{r // 8:04d}", "node_rank": r // 8, "local_rank": r % 8, "pid": 1000 + r}
+                for r in range(ranks)
+            ],
+        )
         c = lg.conn
         base = time.time() - n * 60
         with lg.write():
@@ -73,29 +84,72 @@ def build(root: Path, ranks: int, n: int) -> dict:
                 s = EVERY * (i + 1)
                 st = state_of(i, n)
                 when = base + i * 60
-                reasons = ([{"code": "consensus_attributed", "ranks": [i % ranks]}] if st == "rejected" else
-                           [{"code": "replay_coverage_incomplete"}] if st == "committed" else [])
-                c.execute("INSERT INTO checkpoints(step, run_id, state, path, bytes, attempt, started, committed, "
-                          "updated, manifest_digest, reasons) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                          (s, RUN, st, step_dirname(s), 50_000_000 * ranks, f"a{s}", when, when + 1, when + 1,
-                           f"m{s}", json.dumps(reasons)))
-                c.executemany("INSERT INTO files(step, path, size, digest, rank) VALUES (?,?,?,?,?)",
-                              [(s, f["path"], f["size"], f["digest"], f["rank"])
-                               for r in range(ranks) for f in rank_files(r, s)])
-                c.executemany("INSERT INTO evidence(step, kind, status, detail, source, recorded) VALUES "
-                              "(?,?,?,?,?,?)",
-                              [(s, k, "fail" if st == "rejected" and k == "consensus" else
-                                "missing" if st == "committed" and k == "replay" else "pass", "{}", "save", when + 1)
-                               for k in KINDS])
+                reasons = (
+                    [{"code": "consensus_attributed", "ranks": [i % ranks]}]
+                    if st == "rejected"
+                    else [{"code": "replay_coverage_incomplete"}]
+                    if st == "committed"
+                    else []
+                )
+                c.execute(
+                    "INSERT INTO checkpoints(step, run_id, state, path, bytes, attempt, started, committed, "
+                    "updated, manifest_digest, reasons) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        s,
+                        RUN,
+                        st,
+                        step_dirname(s),
+                        50_000_000 * ranks,
+                        f"a{s}",
+                        when,
+                        when + 1,
+                        when + 1,
+                        f"m{s}",
+                        json.dumps(reasons),
+                    ),
+                )
+                c.executemany(
+                    "INSERT INTO files(step, path, size, digest, rank) VALUES (?,?,?,?,?)",
+                    [(s, f["path"], f["size"], f["digest"], f["rank"]) for r in range(ranks) for f in rank_files(r, s)],
+                )
+                c.executemany(
+                    "INSERT INTO evidence(step, kind, status, detail, source, recorded) VALUES (?,?,?,?,?,?)",
+                    [
+                        (
+                            s,
+                            k,
+                            "fail"
+                            if st == "rejected" and k == "consensus"
+                            else "missing"
+                            if st == "committed" and k == "replay"
+                            else "pass",
+                            "{}",
+                            "save",
+                            when + 1,
+                        )
+                        for k in KINDS
+                    ],
+                )
                 hist = [("writing", when), (st if st != "deleted" else "certified", when + 1)]
                 if st == "deleted":
                     hist.append(("deleted", when + 3600))
-                c.executemany("INSERT INTO certifications(step, time, source, state, reasons, attempt, outcome) "
-                              "VALUES (?,?,?,?,?,?,?)", [(s, t, "save", h, "[]", f"a{s}", "applied") for h, t in hist])
+                c.executemany(
+                    "INSERT INTO certifications(step, time, source, state, reasons, attempt, outcome) "
+                    "VALUES (?,?,?,?,?,?,?)",
+                    [(s, t, "save", h, "[]", f"a{s}", "applied") for h, t in hist],
+                )
                 if i % 50 == 25:
-                    c.execute("INSERT INTO events(time, run_id, kind, step, ranks, detail) VALUES (?,?,?,?,?,?)",
-                              (when + 30, RUN, "hang" if i % 100 == 25 else "straggler", s,
-                               json.dumps([i % ranks]), json.dumps({"nodes": {str(i % ranks): "node 0"}})))
+                    c.execute(
+                        "INSERT INTO events(time, run_id, kind, step, ranks, detail) VALUES (?,?,?,?,?,?)",
+                        (
+                            when + 30,
+                            RUN,
+                            "hang" if i % 100 == 25 else "straggler",
+                            s,
+                            json.dumps([i % ranks]),
+                            json.dumps({"nodes": {str(i % ranks): "node 0"}}),
+                        ),
+                    )
     return {"build_s": time.perf_counter() - t0, "newest": EVERY * n}
 
 
@@ -104,13 +158,21 @@ def gathered(ranks: int, step: int) -> dict:
     per_rank = [{"rank": r, "files": rank_files(r, step), "finite_bad": []} for r in range(ranks)]
     gather_bytes = sum(len(pickle.dumps(x)) for x in per_rank)
     files = [f for x in per_rank for f in x["files"]]
-    m = manifest.build(step=step, run_id=RUN, attempt="a", world_size=ranks, topology={"mode": "ddp"},
-                       policy=POLICY, files=files, evidence={k: {"status": "pass", "reasons": []} for k in KINDS},
-                       verdict={"state": "certified", "reasons": []})
+    m = manifest.build(
+        step=step,
+        run_id=RUN,
+        attempt="a",
+        world_size=ranks,
+        topology={"mode": "ddp"},
+        policy=POLICY,
+        files=files,
+        evidence={k: {"status": "pass", "reasons": []} for k in KINDS},
+        verdict={"state": "certified", "reasons": []},
+    )
     return {"gather_bytes": gather_bytes, "manifest_bytes": len(manifest.encode(m))}
 
 
-EXCHANGE_S = 0.5      # the observer's status period (observer/daemon.py)
+EXCHANGE_S = 0.5  # the observer's status period (observer/daemon.py)
 RANKS_PER_HOST = 8
 
 
@@ -124,11 +186,34 @@ def observer_round(base: Path, ranks: int, repeats: int) -> dict:
     chan = base / f"chan-{ranks}"
     chan.mkdir()
     for r in range(ranks):
-        row = {"rank": r, "observer_pid": 1, "pid": 2, "beat": 7, "state": "running", "step": 120, "phase": "fwd",
-               "seq": 9000, "fp": "0123456789abcdef", "seq_left": 8999, "in_coll": 1, "in_side": 0, "error": 0,
-               "hb": 3, "age_s": 0.01, "t_update": 1.0, "n_steps": 120, "busy_sum": 10.0, "dur_sum": 12.0,
-               "last_dur": 0.1, "stacks": None, "wall": 1.0, "torch_imported": False, "gone_at": None,
-               "host": f"node{r // RANKS_PER_HOST:04d}", "t_start": 0.0}
+        row = {
+            "rank": r,
+            "observer_pid": 1,
+            "pid": 2,
+            "beat": 7,
+            "state": "running",
+            "step": 120,
+            "phase": "fwd",
+            "seq": 9000,
+            "fp": "0123456789abcdef",
+            "seq_left": 8999,
+            "in_coll": 1,
+            "in_side": 0,
+            "error": 0,
+            "hb": 3,
+            "age_s": 0.01,
+            "t_update": 1.0,
+            "n_steps": 120,
+            "busy_sum": 10.0,
+            "dur_sum": 12.0,
+            "last_dur": 0.1,
+            "stacks": None,
+            "wall": 1.0,
+            "torch_imported": False,
+            "gone_at": None,
+            "host": f"node{r // RANKS_PER_HOST:04d}",
+            "t_start": 0.0,
+        }
         (chan / f"status-{r}.json").write_text(json.dumps(row, separators=(",", ":")))
 
     def judge():
@@ -137,7 +222,7 @@ def observer_round(base: Path, ranks: int, repeats: int) -> dict:
 
     judge()
     cpu = []
-    rounds = max(3, 4096 // ranks)   # a round is milliseconds: time a batch of rounds, report one
+    rounds = max(3, 4096 // ranks)  # a round is milliseconds: time a batch of rounds, report one
     for _ in range(max(3, repeats)):
         c = time.process_time()
         for _ in range(rounds):
@@ -145,9 +230,11 @@ def observer_round(base: Path, ranks: int, repeats: int) -> dict:
         cpu.append((time.process_time() - c) / rounds)
     shutil.rmtree(chan, ignore_errors=True)
     per_round = ranks + min(ranks, RANKS_PER_HOST) - 1
-    return {"observer_judge_round_s": statistics.median(cpu),
-            "observer_files_read_per_s_host0": per_round / EXCHANGE_S,
-            "observer_status_renames_per_s_job": ranks / EXCHANGE_S}
+    return {
+        "observer_judge_round_s": statistics.median(cpu),
+        "observer_files_read_per_s_host0": per_round / EXCHANGE_S,
+        "observer_status_renames_per_s_job": ranks / EXCHANGE_S,
+    }
 
 
 def measure(root: Path, newest: int, repeats: int) -> dict:
@@ -167,24 +254,29 @@ def measure(root: Path, newest: int, repeats: int) -> dict:
     wall: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
-        fn()   # warm-up: page cache, imports
-    for _ in range(repeats):   # round-robin, like C.interleaved_times; CPU time too (the machine may be shared)
+        fn()  # warm-up: page cache, imports
+    for _ in range(repeats):  # round-robin, like C.interleaved_times; CPU time too (the machine may be shared)
         for k, fn in fns.items():
             w, c = time.perf_counter(), time.process_time()
             fn()
             cpu[k].append(time.process_time() - c)
             wall[k].append(time.perf_counter() - w)
-    return {**{k: statistics.median(v) for k, v in cpu.items()},
-            **{f"{k}_wall": statistics.median(v) for k, v in wall.items()}}
+    return {
+        **{k: statistics.median(v) for k, v in cpu.items()},
+        **{f"{k}_wall": statistics.median(v) for k, v in wall.items()},
+    }
 
 
 def cli_times(root: Path, newest: int, repeats: int) -> dict:
     cli = [sys.executable, "-m", "scout_ckpt.cli"]
-    cmds = {"ls_cli": cli + ["ls", str(root), "--json"],
-            "resume_cli": cli + ["resume", str(root), "--latest-clean", "--no-verify"],
-            "explain_cli": cli + ["explain", str(root), str(newest), "--json"]}
-    samples = C.interleaved_times({k: (lambda c=c, k=k: C.run_checked(c, k)) for k, c in cmds.items()}, repeats,
-                                  warmup=0)
+    cmds = {
+        "ls_cli": cli + ["ls", str(root), "--json"],
+        "resume_cli": cli + ["resume", str(root), "--latest-clean", "--no-verify"],
+        "explain_cli": cli + ["explain", str(root), str(newest), "--json"],
+    }
+    samples = C.interleaved_times(
+        {k: (lambda c=c, k=k: C.run_checked(c, k)) for k, c in cmds.items()}, repeats, warmup=0
+    )
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -227,25 +319,71 @@ def main() -> None:
             shutil.rmtree(base, ignore_errors=True)
 
     lo, hi = per[ranks[0]], per[ranks[-1]]
-    keys = ["ls", "resume", "explain", "ledger_bytes", "gather_bytes", "manifest_bytes", "observer_judge_round_s",
-            "observer_files_read_per_s_host0"] + (
-        ["ls_cli", "resume_cli", "explain_cli"] if args.cli else [])
+    keys = [
+        "ls",
+        "resume",
+        "explain",
+        "ledger_bytes",
+        "gather_bytes",
+        "manifest_bytes",
+        "observer_judge_round_s",
+        "observer_files_read_per_s_host0",
+    ] + (["ls_cli", "resume_cli", "explain_cli"] if args.cli else [])
     ratios = {f"{k}_growth": hi[k] / lo[k] for k in keys}
     ratios["rank_growth"] = ranks[-1] / ranks[0]
     # worse than linear: a figure growing faster than R itself (timings: with 50% slack for a shared machine)
-    superlinear = [k for k in keys if hi[k] / lo[k] > ratios["rank_growth"] * (
-        1.5 if k in ("ls", "resume", "explain", "observer_judge_round_s") else 1.05)]
-    result = {"bench": "scale", "ratios": ratios, "ranks": ranks, "checkpoints": args.checkpoints,
-              "repeats": args.repeats, "per_ranks": {str(r): v for r, v in per.items()},
-              "superlinear": superlinear, "target": "no figure grows faster than the rank count",
-              "target_met": not superlinear, "load": C.load_note()}
-    headers = ["ranks", "ls_cpu_s", "resume_cpu_s", "explain_cpu_s", "ledger_MB", "gather_KB/save",
-               "manifest_KB/save", "judge_round_cpu_s", "host0_files/s", "build_s"]
-    rows = [(r, v["ls"], v["resume"], v["explain"], v["ledger_bytes"] / 1e6, v["gather_bytes"] / 1e3,
-             v["manifest_bytes"] / 1e3, v["observer_judge_round_s"], v["observer_files_read_per_s_host0"],
-             v["build_s"]) for r, v in per.items()]
-    C.emit(result, args, rows, headers,
-           title=f"scale: {args.checkpoints} checkpoints, ranks {ranks}, median of {args.repeats}\n")
+    superlinear = [
+        k
+        for k in keys
+        if hi[k] / lo[k]
+        > ratios["rank_growth"] * (1.5 if k in ("ls", "resume", "explain", "observer_judge_round_s") else 1.05)
+    ]
+    result = {
+        "bench": "scale",
+        "ratios": ratios,
+        "ranks": ranks,
+        "checkpoints": args.checkpoints,
+        "repeats": args.repeats,
+        "per_ranks": {str(r): v for r, v in per.items()},
+        "superlinear": superlinear,
+        "target": "no figure grows faster than the rank count",
+        "target_met": not superlinear,
+        "load": C.load_note(),
+    }
+    headers = [
+        "ranks",
+        "ls_cpu_s",
+        "resume_cpu_s",
+        "explain_cpu_s",
+        "ledger_MB",
+        "gather_KB/save",
+        "manifest_KB/save",
+        "judge_round_cpu_s",
+        "host0_files/s",
+        "build_s",
+    ]
+    rows = [
+        (
+            r,
+            v["ls"],
+            v["resume"],
+            v["explain"],
+            v["ledger_bytes"] / 1e6,
+            v["gather_bytes"] / 1e3,
+            v["manifest_bytes"] / 1e3,
+            v["observer_judge_round_s"],
+            v["observer_files_read_per_s_host0"],
+            v["build_s"],
+        )
+        for r, v in per.items()
+    ]
+    C.emit(
+        result,
+        args,
+        rows,
+        headers,
+        title=f"scale: {args.checkpoints} checkpoints, ranks {ranks}, median of {args.repeats}\n",
+    )
 
 
 if __name__ == "__main__":

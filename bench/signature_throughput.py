@@ -56,6 +56,7 @@ def main() -> None:
                 return S.tensor_signature(t)
             finally:
                 S.CPU_KERNEL, S.CHUNK["cpu"] = "numpy", default_chunk
+
         return run
 
     fns = {
@@ -74,14 +75,27 @@ def main() -> None:
     replica = med["replica signature (xxh3-128)"]
     result = {
         "ratio": before / after,
-        "ratios": {"additive_numpy_speedup": before / after, "replica_vs_additive_before": before / replica,
-                   "replica_vs_additive_after": after / replica},
-        "median_s": med, "gb_per_s": gbps, "samples_s": times, "bytes": nbytes, "threads": args.threads,
-        "repeats": args.repeats, **load_note(),
+        "ratios": {
+            "additive_numpy_speedup": before / after,
+            "replica_vs_additive_before": before / replica,
+            "replica_vs_additive_after": after / replica,
+        },
+        "median_s": med,
+        "gb_per_s": gbps,
+        "samples_s": times,
+        "bytes": nbytes,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        **load_note(),
     }
     rows = [(k, f"{med[k]:.4f}", f"{gbps[k]:.3f}") for k in fns]
-    emit(result, args, rows, ["signature", "median s", "GB/s"],
-         title=f"signature throughput: {nbytes / 2**20:.0f} MB fp32, {args.threads} thread(s), {args.repeats} rounds")
+    emit(
+        result,
+        args,
+        rows,
+        ["signature", "median s", "GB/s"],
+        title=f"signature throughput: {nbytes / 2**20:.0f} MB fp32, {args.threads} thread(s), {args.repeats} rounds",
+    )
 
 
 def _on_device(args, torch, S) -> None:
@@ -101,14 +115,17 @@ def _on_device(args, torch, S) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             return out
+
         return run
 
     dst = torch.empty_like(t)
-    fns = {"replica signature on device": synced(lambda: S.replica_signatures([t])),
-           "read (sum)": synced(lambda: t.sum()),
-           "copy (device to device)": synced(lambda: dst.copy_(t))}
+    fns = {
+        "replica signature on device": synced(lambda: S.replica_signatures([t])),
+        "read (sum)": synced(lambda: t.sum()),
+        "copy (device to device)": synced(lambda: dst.copy_(t)),
+    }
     sig = fns["replica signature on device"]()
-    if device.type != "cpu":   # on an accelerator: the additive signature, equal to the host's computation of it
+    if device.type != "cpu":  # on an accelerator: the additive signature, equal to the host's computation of it
         if torch.equal(sig, S.replica_signatures([t.cpu()])):
             fail("the device signature equals the host's xxh3: the device path was not taken")
         if not torch.equal(sig, S.batch_signatures([t.cpu()])):
@@ -121,18 +138,32 @@ def _on_device(args, torch, S) -> None:
     bandwidth = gbps["copy (device to device)"]
     ratio = sig_gbps / bandwidth
     on_gpu = device.type == "cuda"
-    result = {"ratio": ratio, "ratios": {"signature_vs_copy_bandwidth": ratio,
-                                         "signature_vs_read": sig_gbps / gbps["read (sum)"]},
-              "median_s": med, "gb_per_s": gbps, "bandwidth_gb_per_s": bandwidth, "signature_gb_per_s": sig_gbps,
-              "samples_s": times, "bytes": nbytes, "device": str(device),
-              "device_name": torch.cuda.get_device_name(device) if on_gpu else "host",
-              "torch": torch.__version__, "cuda": torch.version.cuda if on_gpu else None,
-              "repeats": args.repeats,
-              "target": ">= 0.5 of the memory bandwidth a device-to-device copy reaches in the same run",
-              "target_met": ratio >= 0.5 if on_gpu else None, **load_note()}
+    result = {
+        "ratio": ratio,
+        "ratios": {"signature_vs_copy_bandwidth": ratio, "signature_vs_read": sig_gbps / gbps["read (sum)"]},
+        "median_s": med,
+        "gb_per_s": gbps,
+        "bandwidth_gb_per_s": bandwidth,
+        "signature_gb_per_s": sig_gbps,
+        "samples_s": times,
+        "bytes": nbytes,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if on_gpu else "host",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if on_gpu else None,
+        "repeats": args.repeats,
+        "target": ">= 0.5 of the memory bandwidth a device-to-device copy reaches in the same run",
+        "target_met": ratio >= 0.5 if on_gpu else None,
+        **load_note(),
+    }
     rows = [(k, f"{med[k]:.4f}", f"{gbps[k]:.1f}") for k in fns]
-    emit(result, args, rows, ["on device", "median s", "GB/s (bytes moved)"],
-         title=f"signature throughput on {device}: {nbytes / 2**20:.0f} MB fp32, {args.repeats} rounds")
+    emit(
+        result,
+        args,
+        rows,
+        ["on device", "median s", "GB/s (bytes moved)"],
+        title=f"signature throughput on {device}: {nbytes / 2**20:.0f} MB fp32, {args.repeats} rounds",
+    )
 
 
 if __name__ == "__main__":

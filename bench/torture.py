@@ -39,7 +39,7 @@ import _common as C  # noqa: E402
 WORLD = 3
 WIDTH = 64
 ALL_POINTS = ("before_write", "during_write", "after_write", "before_rename", "after_rename", "after_commit")
-COORDINATOR_ONLY = ("before_rename", "after_rename")   # _publish runs on rank 0 only
+COORDINATOR_ONLY = ("before_rename", "after_rename")  # _publish runs on rank 0 only
 NEVER_RESUMED = ("rejected", "deleted", "quarantined")
 
 
@@ -77,12 +77,12 @@ def torture_rank(rank: int, world: int, root: str, refs: str, plan: dict) -> dic
     import torch
     import torch.distributed as dist
     import torch.nn as nn
-    from scout_ckpt.save.app_state import ModelOptimizerState
+
     from scout_ckpt.checkpointer import Checkpointer
+    from scout_ckpt.save.app_state import ModelOptimizerState
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
-                          nn.Linear(WIDTH, 8))
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"app": ModelOptimizerState(model, opt)}
     victim = plan["victim"] == rank
@@ -90,8 +90,9 @@ def torture_rank(rank: int, world: int, root: str, refs: str, plan: dict) -> dic
 
     def die(where: str):
         target["fired"] = True
-        Path(refs, f"killed-{plan['iteration']}.json").write_text(json.dumps({"rank": rank, "where": where,
-                                                                               "time": time.time()}))
+        Path(refs, f"killed-{plan['iteration']}.json").write_text(
+            json.dumps({"rank": rank, "where": where, "time": time.time()})
+        )
         os.kill(os.getpid(), signal.SIGKILL)
 
     def hook(point: str, step: int) -> None:
@@ -101,12 +102,14 @@ def torture_rank(rank: int, world: int, root: str, refs: str, plan: dict) -> dic
         if point == plan["point"] or (point == "after_write" and plan["point"] == "during_write"):
             die(f"hook:{point}")
 
-    ckpt = Checkpointer(root, model=model, optimizer=opt, async_save=plan["async"], keep=plan["keep"],
-                        fault_hook=hook, timeout_s=30)
+    ckpt = Checkpointer(
+        root, model=model, optimizer=opt, async_save=plan["async"], keep=plan["keep"], fault_hook=hook, timeout_s=30
+    )
     start = ckpt.load_latest_clean(state) or 0
     if rank == 0:
-        Path(refs, f"loaded-{plan['iteration']}.json").write_text(json.dumps(
-            {"step": start, "digest": _digest(model, opt) if start else None}))
+        Path(refs, f"loaded-{plan['iteration']}.json").write_text(
+            json.dumps({"step": start, "digest": _digest(model, opt) if start else None})
+        )
     step = start
     for k in range(plan["saves"]):
         for _ in range(plan["between"]):
@@ -130,8 +133,9 @@ def torture_rank(rank: int, world: int, root: str, refs: str, plan: dict) -> dic
         if k == plan["kill_save"] and victim:
             target["step"] = step
             if plan["how"] == "timer":
-                threading.Thread(target=lambda: (time.sleep(plan["delay_s"]), die(f"timer:{plan['delay_s']:.3f}s")),
-                                 daemon=True).start()
+                threading.Thread(
+                    target=lambda: (time.sleep(plan["delay_s"]), die(f"timer:{plan['delay_s']:.3f}s")), daemon=True
+                ).start()
         ckpt.save(step, state)
     ckpt.close()
     return {"start": start, "end": step}
@@ -145,9 +149,9 @@ def check_root(root: Path) -> tuple[list[str], dict]:
     from scout_ckpt import policy
     from scout_ckpt.format import manifest
     from scout_ckpt.format.layout import list_step_dirs, step_path
+    from scout_ckpt.format.verify import verify_files
     from scout_ckpt.ledger import Ledger
     from scout_ckpt.ops.recovery import NoCleanCheckpoint, latest_clean, verify_checkpoint
-    from scout_ckpt.format.verify import verify_files
 
     bad: list[str] = []
     facts = {"dirs": 0, "pending_writing": 0, "never_resumed_dirs": 0}
@@ -175,8 +179,9 @@ def check_root(root: Path) -> tuple[list[str], dict]:
                     bad.append(f"step {step} (writing): directory without a readable manifest: {e}")
                     continue
                 if m.get("attempt") != row["attempt"]:
-                    bad.append(f"step {step} (writing): manifest of attempt {m.get('attempt')}, ledger "
-                               f"{row['attempt']}")
+                    bad.append(
+                        f"step {step} (writing): manifest of attempt {m.get('attempt')}, ledger {row['attempt']}"
+                    )
                 elif verify_files(step_path(root, step), m["files"])["status"] != policy.PASS:
                     bad.append(f"step {step} (writing): files do not match its own manifest")
             elif row["state"] in NEVER_RESUMED:
@@ -203,9 +208,18 @@ def make_plan(rng: random.Random, iteration: int, keep: int | None, kill: bool =
     point = rng.choice(ALL_POINTS)
     if kill and point in COORDINATOR_ONLY:
         victim = 0
-    return {"iteration": iteration, "async": rng.random() < 0.5, "keep": keep, "victim": victim, "how": how,
-            "point": point if how == "hook" else None, "kill_save": rng.randrange(3), "saves": 3,
-            "between": rng.choice((1, 2)), "delay_s": round(rng.uniform(0.0, 0.35), 3)}
+    return {
+        "iteration": iteration,
+        "async": rng.random() < 0.5,
+        "keep": keep,
+        "victim": victim,
+        "how": how,
+        "point": point if how == "hook" else None,
+        "kill_save": rng.randrange(3),
+        "saves": 3,
+        "between": rng.choice((1, 2)),
+        "delay_s": round(rng.uniform(0.0, 0.35), 3),
+    }
 
 
 def run_chain(chain: int, iterations: int, seed: int, workdir: Path) -> dict:
@@ -217,12 +231,13 @@ def run_chain(chain: int, iterations: int, seed: int, workdir: Path) -> dict:
     keep = 3 if chain % 2 else None
     out = {"chain": chain, "keep": keep, "iterations": [], "violations": []}
     prev_clean = 0
-    for i in range(iterations + 1):   # the last one runs without a kill and must end certified
+    for i in range(iterations + 1):  # the last one runs without a kill and must end certified
         final = i == iterations
         plan = make_plan(rng, i, keep, kill=not final)
         t0 = time.monotonic()
-        outcomes = run_ranks(torture_rank, WORLD, str(root), str(refs), plan, timeout=90, pg_timeout_s=30,
-                             allow_failures=True)
+        outcomes = run_ranks(
+            torture_rank, WORLD, str(root), str(refs), plan, timeout=90, pg_timeout_s=30, allow_failures=True
+        )
         wall = time.monotonic() - t0
         rec = {"plan": plan, "wall_s": round(wall, 2), "exit_codes": [o.exitcode for o in outcomes]}
         killed_file = refs / f"killed-{i}.json"
@@ -249,9 +264,14 @@ def run_chain(chain: int, iterations: int, seed: int, workdir: Path) -> dict:
             viol.append(f"training not deterministic: {nd.name}")
         if final:
             if any(o.exitcode != 0 or o.error for o in outcomes):
-                viol.append("the clean final run failed: " + "; ".join(
-                    (o.error or f"exit {o.exitcode}").strip().splitlines()[-1] for o in outcomes
-                    if o.exitcode != 0 or o.error))
+                viol.append(
+                    "the clean final run failed: "
+                    + "; ".join(
+                        (o.error or f"exit {o.exitcode}").strip().splitlines()[-1]
+                        for o in outcomes
+                        if o.exitcode != 0 or o.error
+                    )
+                )
         elif rec["killed"] is None:
             if rec["rank_errors"]:
                 viol.append(f"the job failed with no kill: {sorted(rec['rank_errors'].items())[:2]}")
@@ -259,8 +279,11 @@ def run_chain(chain: int, iterations: int, seed: int, workdir: Path) -> dict:
                 rec["note"] = "no kill landed (the job ended first)"
         elif outcomes[rec["killed"]["rank"]].exitcode != -signal.SIGKILL:
             viol.append(f"victim rank {rec['killed']['rank']} exit code {outcomes[rec['killed']['rank']].exitcode}")
-        survivors_stuck = [o.rank for o in outcomes if o.exitcode == -signal.SIGKILL
-                           and not (rec["killed"] and o.rank == rec["killed"]["rank"])]
+        survivors_stuck = [
+            o.rank
+            for o in outcomes
+            if o.exitcode == -signal.SIGKILL and not (rec["killed"] and o.rank == rec["killed"]["rank"])
+        ]
         if survivors_stuck:
             rec["survivors_stuck"] = survivors_stuck  # killed by run_ranks at its deadline
         v2, facts = check_root(root)
@@ -271,14 +294,17 @@ def run_chain(chain: int, iterations: int, seed: int, workdir: Path) -> dict:
                 viol.append(f"latest_clean went back from {prev_clean} to {facts['latest_clean']}")
             prev_clean = max(prev_clean, facts["latest_clean"])
         if final:
-            from scout_ckpt.ops.certify import certify
             from scout_ckpt.ledger import Ledger
+            from scout_ckpt.ops.certify import certify
 
             with Ledger.open(root, readonly=True) as led:
                 before = {c["step"]: c["state"] for c in led.checkpoints()}
             res = certify(root)
-            lost = [(c["step"], before.get(c["step"]), c["state"], [r.get("code") for r in c["reasons"]])
-                    for c in res if before.get(c["step"]) in ("committed", "certified") and c["state"] != "certified"]
+            lost = [
+                (c["step"], before.get(c["step"]), c["state"], [r.get("code") for r in c["reasons"]])
+                for c in res
+                if before.get(c["step"]) in ("committed", "certified") and c["state"] != "certified"
+            ]
             if lost:
                 viol.append(f"after the final clean run, certify rejects committed/certified steps: {lost}")
             if before.get(max(before, default=None)) != "certified":
@@ -287,11 +313,16 @@ def run_chain(chain: int, iterations: int, seed: int, workdir: Path) -> dict:
         rec["violations"] = viol
         out["violations"] += [f"chain {chain} iteration {i}: {v}" for v in viol]
         out["iterations"].append(rec)
-        what = "final clean run" if final else (f"{plan['how']} victim={plan['victim']} "
-                                                 f"{plan['point'] or plan['delay_s']}")
-        C.log(f"torture chain {chain} it {i}: {'async' if plan['async'] else 'sync'} {what} "
-              f"-> killed={bool(rec['killed'])} loaded={rec.get('loaded')} "
-              f"clean={facts.get('latest_clean')} {wall:.1f}s" + (f"  VIOLATION {viol}" if viol else ""))
+        what = (
+            "final clean run"
+            if final
+            else (f"{plan['how']} victim={plan['victim']} {plan['point'] or plan['delay_s']}")
+        )
+        C.log(
+            f"torture chain {chain} it {i}: {'async' if plan['async'] else 'sync'} {what} "
+            f"-> killed={bool(rec['killed'])} loaded={rec.get('loaded')} "
+            f"clean={facts.get('latest_clean')} {wall:.1f}s" + (f"  VIOLATION {viol}" if viol else "")
+        )
     return out
 
 
@@ -318,26 +349,35 @@ def run_torture(kills: int, seed: int, chain_len: int = 10, workdir: Path | None
         by_where[key] = by_where.get(key, 0) + 1
     violations = [v for ch in chains for v in ch["violations"]]
     return {
-        "iterations": len(its), "kills": len(kills), "no_kill": len(its) - len(kills),
+        "iterations": len(its),
+        "kills": len(kills),
+        "no_kill": len(its) - len(kills),
         "kills_sync": sum(1 for r in kills if not r["plan"]["async"]),
         "kills_async": sum(1 for r in kills if r["plan"]["async"]),
         "kills_by_point": dict(sorted(by_where.items())),
         "survivor_timeouts": sum(1 for r in its if r.get("survivors_stuck")),
         "pending_writing_seen": sum(r.get("pending_writing", 0) for r in its),
         "checks": sum(1 + r.get("dirs", 0) for ch in chains for r in ch["iterations"]),
-        "violations": violations, "n_violations": len(violations), "chains": len(chains),
-        "wall_s": round(time.monotonic() - t0, 1), "seed": seed,
+        "violations": violations,
+        "n_violations": len(violations),
+        "chains": len(chains),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "seed": seed,
         "detail": [{k: v for k, v in r.items() if k != "violations"} for ch in chains for r in ch["iterations"]],
     }
 
 
 def rows(t: dict) -> list[list]:
-    return [["iterations (incarnations with a victim)", t["iterations"]], ["kills landed", t["kills"]],
-            ["  sync / async", f"{t['kills_sync']} / {t['kills_async']}"],
-            ["  by point", ", ".join(f"{k.replace('hook:', '')} {v}" for k, v in t["kills_by_point"].items())],
-            ["interrupted saves completed from manifest", t["pending_writing_seen"]],
-            ["survivors killed at deadline", t["survivor_timeouts"]],
-            ["violations", t["n_violations"]], ["wall s", t["wall_s"]]]
+    return [
+        ["iterations (incarnations with a victim)", t["iterations"]],
+        ["kills landed", t["kills"]],
+        ["  sync / async", f"{t['kills_sync']} / {t['kills_async']}"],
+        ["  by point", ", ".join(f"{k.replace('hook:', '')} {v}" for k, v in t["kills_by_point"].items())],
+        ["interrupted saves completed from manifest", t["pending_writing_seen"]],
+        ["survivors killed at deadline", t["survivor_timeouts"]],
+        ["violations", t["n_violations"]],
+        ["wall s", t["wall_s"]],
+    ]
 
 
 def main(argv=None) -> int:
@@ -352,8 +392,13 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "torture.json").write_text(json.dumps(t, indent=1, default=str))
     if args.json:
-        print(json.dumps({k: v for k, v in t.items() if k != "detail"} | ({"smoke": True} if args.smoke else {}),
-                         sort_keys=True, default=str))
+        print(
+            json.dumps(
+                {k: v for k, v in t.items() if k != "detail"} | ({"smoke": True} if args.smoke else {}),
+                sort_keys=True,
+                default=str,
+            )
+        )
     else:
         C.print_table(rows(t), ["torture", "value"])
         for v in t["violations"]:

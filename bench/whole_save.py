@@ -60,8 +60,7 @@ def _model(width: int, layers: int, vocab: int = 512):
         def forward(self, x):
             b, t, d = x.shape
             q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=True)
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
             x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
             return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
@@ -98,6 +97,7 @@ def _timed(owner, name: str, label: str, into: dict) -> None:
             return fn(*a, **k)
         finally:
             into[label] = into.get(label, 0.0) + time.perf_counter() - t0
+
     setattr(owner, name, wrapper)
 
 
@@ -133,17 +133,20 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
 
     phases: dict[str, float] = {}
     real_dcp_save = dcp.save
-    for owner, name, label in ((ck_mod.Checkpointer, "_live_evidence", "evidence"),
-                               (ck_mod.Checkpointer, "_commit", "commit"),
-                               (commit_mod.Committer, "begin", "begin")):
+    for owner, name, label in (
+        (ck_mod.Checkpointer, "_live_evidence", "evidence"),
+        (ck_mod.Checkpointer, "_commit", "commit"),
+        (commit_mod.Committer, "begin", "begin"),
+    ):
         _timed(owner, name, label, phases)
 
-    def write_timed(*a, **k):   # DCP's write as the Checkpointer calls it (the plain contender calls the original)
+    def write_timed(*a, **k):  # DCP's write as the Checkpointer calls it (the plain contender calls the original)
         t0 = time.perf_counter()
         try:
             return real_dcp_save(*a, **k)
         finally:
             phases["write"] = phases.get("write", 0.0) + time.perf_counter() - t0
+
     ck_mod.dcp = type(sys)("dcp_timed")
     ck_mod.dcp.__dict__.update({k: getattr(dcp, k) for k in dir(dcp) if not k.startswith("__")})
     ck_mod.dcp.save = write_timed
@@ -205,10 +208,10 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
         return dt
 
     times = {"scout": [], "dcp": []}
-    cpu = {"scout": [], "dcp": []}   # every round's, round 0 included (dropped below)
+    cpu = {"scout": [], "dcp": []}  # every round's, round 0 included (dropped below)
     breakdown: list[dict] = []
     states: list[str | None] = []
-    for i in range(rounds + 1):   # round 0 warms up (imports, the first replay capture, page cache)
+    for i in range(rounds + 1):  # round 0 warms up (imports, the first replay capture, page cache)
         # both contenders save the same state at the same step, first one then the other (the order alternates):
         # the scout saves fall on a regular cadence, as a user's do (shard evidence learns it)
         train()
@@ -224,10 +227,15 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
                 if i:
                     times["dcp"].append(dt)
     ckpt.close()
-    for who, prof in (profiles or {}).items():   # the calling thread's profile of every round (round 0 included)
+    for who, prof in (profiles or {}).items():  # the calling thread's profile of every round (round 0 included)
         prof.dump_stats(os.path.join(profile, f"{kind}-{who}-rank{rank}.prof"))
-    out = {"times": times, "phases": breakdown, "step_s": statistics.median(step_times[STEPS_PER_SAVE:]),
-           "states": states, "cpu": {k: v[1:] for k, v in cpu.items()}}
+    out = {
+        "times": times,
+        "phases": breakdown,
+        "step_s": statistics.median(step_times[STEPS_PER_SAVE:]),
+        "states": states,
+        "cpu": {k: v[1:] for k, v in cpu.items()},
+    }
     gathered = [None] * world
     dist.all_gather_object(gathered, out, group=pg)
     if rank != 0:
@@ -237,12 +245,23 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
     # CPU: the busier rank's, per round (on a shared host the CPU a save takes moves less than its wall time)
     cpu_med = {k: statistics.median(max(g["cpu"][k][j] for g in gathered) for j in range(rounds)) for k in cpu}
     phase_names = sorted({p for g in gathered for ph in g["phases"] for p in ph})
-    phase_med = {p: statistics.median(max(g["phases"][j].get(p, 0.0) for g in gathered) for j in range(rounds))
-                 for p in phase_names}
-    return {"times": merged, "phases": phase_med, "step_s": max(g["step_s"] for g in gathered), "cpu_s": cpu_med,
-            "verdicts": out["states"],
-            "nbytes": sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(root, "scout"))
-                          for f in fs if f.endswith(".distcp"))}
+    phase_med = {
+        p: statistics.median(max(g["phases"][j].get(p, 0.0) for g in gathered) for j in range(rounds))
+        for p in phase_names
+    }
+    return {
+        "times": merged,
+        "phases": phase_med,
+        "step_s": max(g["step_s"] for g in gathered),
+        "cpu_s": cpu_med,
+        "verdicts": out["states"],
+        "nbytes": sum(
+            os.path.getsize(os.path.join(dp, f))
+            for dp, _, fs in os.walk(os.path.join(root, "scout"))
+            for f in fs
+            if f.endswith(".distcp")
+        ),
+    }
 
 
 def main() -> None:
@@ -252,8 +271,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--kinds", default="fsdp,ddp", help="the scripts to run, comma-separated (fsdp, ddp)")
     ap.add_argument("--scripts", dest="kinds", help="the same as --kinds")
-    ap.add_argument("--profile", metavar="DIR", help="write cProfile stats of each contender's saves (the calling "
-                    "thread, every round) per rank to DIR/KIND-CONTENDER-rankR.prof")
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="write cProfile stats of each contender's saves (the calling "
+        "thread, every round) per rank to DIR/KIND-CONTENDER-rankR.prof",
+    )
     args = parse_args(ap, {"rounds": 1, "width": 32, "layers": 1})
     from scout_ckpt.testing.launch import run_ranks
 
@@ -262,28 +285,75 @@ def main() -> None:
         root = tempfile.mkdtemp(prefix=f"scout-bench-whole-{kind}-")
         try:
             log(f"{kind}: {args.rounds} rounds of {STEPS_PER_SAVE} steps + a save, 2 ranks ...")
-            out = run_ranks(_worker, 2, root, kind, args.rounds, args.width, args.layers,
-                            os.path.abspath(args.profile) if args.profile else None, timeout=1800,
-                            pg_timeout_s=600)[0].result
+            out = run_ranks(
+                _worker,
+                2,
+                root,
+                kind,
+                args.rounds,
+                args.width,
+                args.layers,
+                os.path.abspath(args.profile) if args.profile else None,
+                timeout=1800,
+                pg_timeout_s=600,
+            )[0].result
         finally:
             shutil.rmtree(root, ignore_errors=True)
         scout, plain = statistics.median(out["times"]["scout"]), statistics.median(out["times"]["dcp"])
         ratios[f"whole_save_vs_dcp_{kind}"] = scout / plain
-        results[kind] = {"scout_s": scout, "dcp_s": plain, "step_s": out["step_s"],
-                         "save_in_steps": scout / out["step_s"], "phases_s": out["phases"],
-                         "samples_s": out["times"], "distcp_bytes": out["nbytes"], "verdicts": out["verdicts"],
-                         "cpu_s": out["cpu_s"], "cpu_vs_dcp": out["cpu_s"]["scout"] / out["cpu_s"]["dcp"]}
-        rows.append((kind, f"{plain:.3f}", f"{scout:.3f}", f"{scout / plain:.2f}",
-                     f"{out['cpu_s']['dcp']:.3f} / {out['cpu_s']['scout']:.3f}", f"{out['step_s']:.3f}",
-                     f"{scout / out['step_s']:.1f}",
-                     " ".join(f"{p} {v:.3f}" for p, v in sorted(out["phases"].items(), key=lambda x: -x[1]))))
-    result = {"ratio": max(ratios.values()), "ratios": ratios, "results": results, "rounds": args.rounds,
-              "width": args.width, "layers": args.layers, "steps_per_save": STEPS_PER_SAVE, "ranks": 2,
-              "target": f"<= {GOAL}", "target_met": all(v <= GOAL for v in ratios.values()), **load_note()}
-    emit(result, args, rows, ["script", "dcp.save s", "scout save s", "ratio", "CPU s dcp / scout", "step s",
-                              "save in steps",
-                              "scout phases (median s)"],
-         title="a whole save in user-shaped scripts (2 ranks), scout-ckpt's defaults over plain dcp.save")
+        results[kind] = {
+            "scout_s": scout,
+            "dcp_s": plain,
+            "step_s": out["step_s"],
+            "save_in_steps": scout / out["step_s"],
+            "phases_s": out["phases"],
+            "samples_s": out["times"],
+            "distcp_bytes": out["nbytes"],
+            "verdicts": out["verdicts"],
+            "cpu_s": out["cpu_s"],
+            "cpu_vs_dcp": out["cpu_s"]["scout"] / out["cpu_s"]["dcp"],
+        }
+        rows.append(
+            (
+                kind,
+                f"{plain:.3f}",
+                f"{scout:.3f}",
+                f"{scout / plain:.2f}",
+                f"{out['cpu_s']['dcp']:.3f} / {out['cpu_s']['scout']:.3f}",
+                f"{out['step_s']:.3f}",
+                f"{scout / out['step_s']:.1f}",
+                " ".join(f"{p} {v:.3f}" for p, v in sorted(out["phases"].items(), key=lambda x: -x[1])),
+            )
+        )
+    result = {
+        "ratio": max(ratios.values()),
+        "ratios": ratios,
+        "results": results,
+        "rounds": args.rounds,
+        "width": args.width,
+        "layers": args.layers,
+        "steps_per_save": STEPS_PER_SAVE,
+        "ranks": 2,
+        "target": f"<= {GOAL}",
+        "target_met": all(v <= GOAL for v in ratios.values()),
+        **load_note(),
+    }
+    emit(
+        result,
+        args,
+        rows,
+        [
+            "script",
+            "dcp.save s",
+            "scout save s",
+            "ratio",
+            "CPU s dcp / scout",
+            "step s",
+            "save in steps",
+            "scout phases (median s)",
+        ],
+        title="a whole save in user-shaped scripts (2 ranks), scout-ckpt's defaults over plain dcp.save",
+    )
 
 
 if __name__ == "__main__":

@@ -95,8 +95,13 @@ def main():
 
 def crash(attempt: int, step: int, point: str) -> None:
     """SIGKILL this rank (no cleanup, no atexit: as a lost host or the OOM killer would), saying where first."""
-    print("SCOUT-EXAMPLE " + json.dumps({"event": "crash", "attempt": attempt, "step": step, "point": point,
-                                         "rank": dist.get_rank()}) + "\n", end="", flush=True)
+    print(
+        "SCOUT-EXAMPLE "
+        + json.dumps({"event": "crash", "attempt": attempt, "step": step, "point": point, "rank": dist.get_rank()})
+        + "\n",
+        end="",
+        flush=True,
+    )
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -117,8 +122,13 @@ def report(event: str, attempt: int, step: int, model, opt) -> None:
                 h.update(repr(v).encode())
     for i, group in enumerate(osd["param_groups"]):
         h.update(f"optim.param_groups.{i}={sorted(group.items())!r}".encode())
-    print("SCOUT-EXAMPLE " + json.dumps({"event": event, "attempt": attempt, "step": step,
-                                         "digest": h.hexdigest()}) + "\n", end="", flush=True)
+    print(
+        "SCOUT-EXAMPLE "
+        + json.dumps({"event": event, "attempt": attempt, "step": step, "digest": h.hexdigest()})
+        + "\n",
+        end="",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -114,8 +114,12 @@ def main():
     ap.add_argument("--update-fault", default=None)
     ap.add_argument("--kill-after-fault", type=int, default=-1)
     ap.add_argument("--final-digest", action="store_true", help="print the full-state digest at the end too")
-    ap.add_argument("--on-live-fault", choices=("raise", "continue"), default="raise",
-                    help="the Checkpointer's on_live_fault (default: its own default)")
+    ap.add_argument(
+        "--on-live-fault",
+        choices=("raise", "continue"),
+        default="raise",
+        help="the Checkpointer's on_live_fault (default: its own default)",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -146,6 +150,7 @@ def main():
         return int(float(spec) * local(name).numel()) if "." in spec else int(spec)
 
     if upd and int(upd[0]) == rank:
+
         def faulty_update(o, a, k):  # registered before the Checkpointer's hooks: runs first, inside step()
             if fault["current"] >= int(upd[1]):
                 with torch.no_grad():
@@ -154,8 +159,10 @@ def main():
                     t[i] = torch.nextafter(t[i], torch.tensor(float("inf")))
                 if fault["step"] is None:
                     fault["step"] = fault["current"]
-                    say("fault", kind="update", rank=rank, step=fault["current"], param=upd[2], index=i,
-                        attempt=attempt)
+                    say(
+                        "fault", kind="update", rank=rank, step=fault["current"], param=upd[2], index=i, attempt=attempt
+                    )
+
         opt.register_step_post_hook(faulty_update)
 
     kw = {} if args.shard_evidence == "default" else {"shard_evidence": args.shard_evidence == "on"}
@@ -182,8 +189,7 @@ def main():
                 i = index(flip[2], flip[3])
                 bits[i] ^= 1 << int(flip[4])  # int32 view: bit 31 is the sign, 30..23 the exponent
             fault["step"] = step
-            say("fault", kind="flip", rank=rank, step=step, param=flip[2], index=i, bit=int(flip[4]),
-                attempt=attempt)
+            say("fault", kind="flip", rank=rank, step=step, param=flip[2], index=i, bit=int(flip[4]), attempt=attempt)
         ckpt.step(step)
         if attempt == 0 and rank == args.crash_rank and step == args.crash_step:
             say("crash", rank=rank, step=step, attempt=attempt)
@@ -194,15 +200,28 @@ def main():
         if step % args.save_every == 0:
             try:
                 verdict = ckpt.save(step, state)
-            except LiveStateCorrupt as e:   # every rank: the generation ends, torchrun restarts from a clean step
+            except LiveStateCorrupt as e:  # every rank: the generation ends, torchrun restarts from a clean step
                 if rank == 0:
-                    say("saved", attempt=attempt, step=step, digest=None, state=e.verdict["state"],
-                        reasons=e.verdict["reasons"], live_fault=e.verdict.get("live_fault"))
+                    say(
+                        "saved",
+                        attempt=attempt,
+                        step=step,
+                        digest=None,
+                        state=e.verdict["state"],
+                        reasons=e.verdict["reasons"],
+                        live_fault=e.verdict.get("live_fault"),
+                    )
                 raise
             digest = full_state_digest(model, opt)
             if rank == 0:
-                say("saved", attempt=attempt, step=step, digest=digest, state=(verdict or {}).get("state"),
-                    reasons=(verdict or {}).get("reasons"))
+                say(
+                    "saved",
+                    attempt=attempt,
+                    step=step,
+                    digest=digest,
+                    state=(verdict or {}).get("state"),
+                    reasons=(verdict or {}).get("reasons"),
+                )
     ckpt.close()
     if args.final_digest:
         digest = full_state_digest(model, opt)

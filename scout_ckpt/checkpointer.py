@@ -53,6 +53,8 @@ from scout_ckpt.save.loading import materialize as _materialize
 from scout_ckpt.save.storage import FaultHook, ScoutWriter
 
 COORDINATOR = commit.COORDINATOR
+
+
 def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
     # Not a bound method of the Checkpointer: a reference cycle would keep its process groups alive past
     # destroy_process_group, and their teardown at interpreter exit then stalls the job's exit by seconds.
@@ -95,33 +97,49 @@ class Checkpointer:
     {"endpoint_url": ...}); see scout_ckpt.object_store.
     """
 
-    def __init__(self, root: str | os.PathLike, *, model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, mode: str | None = None,
-                 mesh_shape: tuple[int, ...] | None = None, mesh=None, async_save: bool = False,
-                 keep: int | None = None,
-                 replay: ReplayOptions | dict | bool | None = None,
-                 observer: ObserverOptions | dict | bool | None = None,
-                 invariants: list | None = None, consensus: bool = True, finite: bool = True,
-                 consensus_exclude: tuple[str, ...] = (), verify_load: bool = True,
-                 fault_hook: FaultHook | None = None, timeout_s: float = 600.0,
-                 shard_evidence: ShardEvidenceOptions | dict | bool | None = None,
-                 on_live_fault: str = "raise",
-                 storage: StorageOptions | None = None, ledger_journal: str | None = None,
-                 ledger_dir: str | os.PathLike | None = None, storage_options: dict | None = None,
-                 local: LocalTierOptions | dict | None = None,
-                 fleet: FleetOptions | dict | str | os.PathLike | bool | None = None):
-        one_line_refusals()   # an uncaught refusal (StartRefused, LiveStateCorrupt) ends the job as one line
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        mode: str | None = None,
+        mesh_shape: tuple[int, ...] | None = None,
+        mesh=None,
+        async_save: bool = False,
+        keep: int | None = None,
+        replay: ReplayOptions | dict | bool | None = None,
+        observer: ObserverOptions | dict | bool | None = None,
+        invariants: list | None = None,
+        consensus: bool = True,
+        finite: bool = True,
+        consensus_exclude: tuple[str, ...] = (),
+        verify_load: bool = True,
+        fault_hook: FaultHook | None = None,
+        timeout_s: float = 600.0,
+        shard_evidence: ShardEvidenceOptions | dict | bool | None = None,
+        on_live_fault: str = "raise",
+        storage: StorageOptions | None = None,
+        ledger_journal: str | None = None,
+        ledger_dir: str | os.PathLike | None = None,
+        storage_options: dict | None = None,
+        local: LocalTierOptions | dict | None = None,
+        fleet: FleetOptions | dict | str | os.PathLike | bool | None = None,
+    ):
+        one_line_refusals()  # an uncaught refusal (StartRefused, LiveStateCorrupt) ends the job as one line
         # Every option is checked here, the same on every rank, before anything collective (options.py).
         replay, observer = options.as_replay(replay), options.as_observer(observer)
         shard_evidence, local = options.as_shard_evidence(shard_evidence), options.as_local(local)
-        storage = options.as_storage(storage, ledger_dir=ledger_dir, storage_options=storage_options,
-                                     ledger_journal=ledger_journal)
-        options.check_scalars(keep=keep, timeout_s=timeout_s, on_live_fault=on_live_fault,
-                              consensus_exclude=consensus_exclude)
+        storage = options.as_storage(
+            storage, ledger_dir=ledger_dir, storage_options=storage_options, ledger_journal=ledger_journal
+        )
+        options.check_scalars(
+            keep=keep, timeout_s=timeout_s, on_live_fault=on_live_fault, consensus_exclude=consensus_exclude
+        )
         fleet = options.as_fleet(fleet)
         if not dist.is_initialized():
             raise ScoutError("Checkpointer needs an initialized default process group (init_process_group)")
-        if fleet is not None:   # before any collective: a rank on a persistent suspect device may exit here
+        if fleet is not None:  # before any collective: a rank on a persistent suspect device may exit here
             from scout_ckpt.fleet.startup import check_this_rank
 
             check_this_rank(fleet, dist.get_rank())
@@ -132,12 +150,14 @@ class Checkpointer:
         scout_log.warn_restart_env(self.rank, os.environ)
         # self.root is where the ledger lives: ROOT itself, or ledger_dir for an object-store URI (self.store).
         self.store, self.root = object_store.locate(
-            root, ledger_dir=storage.ledger_dir,
+            root,
+            ledger_dir=storage.ledger_dir,
             storage_options=dict(storage.storage_options) if storage.storage_options is not None else None,
-            coordinator=self.rank == COORDINATOR)
+            coordinator=self.rank == COORDINATOR,
+        )
         self.is_coordinator = self.rank == COORDINATOR
         self.async_save, self.keep, self.fault_hook = async_save, keep, fault_hook
-        self.lineage = Lineage(on_live_fault)   # a save that finds the live state bad taints what follows it
+        self.lineage = Lineage(on_live_fault)  # a save that finds the live state bad taints what follows it
         self.finite = finite
         topo = self._topology(mode, mesh_shape, mesh)
         self.mode, self.mesh_shape = topo["mode"], tuple(topo["mesh_shape"])
@@ -164,19 +184,45 @@ class Checkpointer:
         # replicated topologies (DDP, HSDP, the frameworks' DDP) need replay as much as single-owner shards do.
         # Where it stays off by default (off_by_default), start() says so once (replay=True still asks for it).
         off = ReplayEvidence.off_by_default(self.world_size, self.mode)
-        self.replay = ReplayEvidence.start(replay, model=model, optimizer=optimizer, groups=self.groups,
-                                           auto_on=self.groups is not None and off is None, off_reason=off)
-        self.shard = ShardEvidence.start(shard_evidence, mode=self.mode, model=model, optimizer=optimizer,
-                                         group=self._pg, timeout_s=timeout_s)
+        self.replay = ReplayEvidence.start(
+            replay,
+            model=model,
+            optimizer=optimizer,
+            groups=self.groups,
+            auto_on=self.groups is not None and off is None,
+            off_reason=off,
+        )
+        self.shard = ShardEvidence.start(
+            shard_evidence, mode=self.mode, model=model, optimizer=optimizer, group=self._pg, timeout_s=timeout_s
+        )
         # What this run's saves prove and what "certified" requires of them (save_evidence.py).
-        self._evidence = SaveEvidence(checks=self.checks, finite=finite, consensus=consensus, verify_load=verify_load,
-                                      replay=self.replay, shard=self.shard, mode=self.mode,
-                                      is_coordinator=self.is_coordinator, lineage=self.lineage,
-                                      world_size=self.world_size)
+        self._evidence = SaveEvidence(
+            checks=self.checks,
+            finite=finite,
+            consensus=consensus,
+            verify_load=verify_load,
+            replay=self.replay,
+            shard=self.shard,
+            mode=self.mode,
+            is_coordinator=self.is_coordinator,
+            lineage=self.lineage,
+            world_size=self.world_size,
+        )
         self.policy = self._evidence.policy
         self._evidence.warn_if_never_certifies()
-        self.topology = {k: topo[k] for k in ("mode", "world_size", "mesh_shape", "mesh_dim_names", "dim_roles",
-                                              "compare_dims", "replica_groups", "problems")}
+        self.topology = {
+            k: topo[k]
+            for k in (
+                "mode",
+                "world_size",
+                "mesh_shape",
+                "mesh_dim_names",
+                "dim_roles",
+                "compare_dims",
+                "replica_groups",
+                "problems",
+            )
+        }
         self.ledger: Ledger | None = None
         run_id, refusal = None, None
         if self.is_coordinator:
@@ -185,8 +231,13 @@ class Checkpointer:
                 self.ledger = open_run_ledger(self.root, journal=self.ledger_journal, store=self.store)
                 commit.reconcile(self.ledger, self.root, store=self.store)
                 run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
-                self.ledger.begin_run(run_id, world_size=self.world_size, topology=self.topology,
-                                      policy=self.policy, versions=self._versions())
+                self.ledger.begin_run(
+                    run_id,
+                    world_size=self.world_size,
+                    topology=self.topology,
+                    policy=self.policy,
+                    versions=self._versions(),
+                )
             except Exception as e:  # every rank must still reach the broadcast below, and raise with it
                 refusal = e
         run_id, why = self._broadcast((run_id, None if refusal is None else str(refusal) or type(refusal).__name__))
@@ -194,45 +245,82 @@ class Checkpointer:
             if self.ledger is not None:
                 self.ledger.close()
             if isinstance(refusal, ScoutError):
-                raise refusal   # the coordinator's own error; every other rank raises StartRefused with its text
+                raise refusal  # the coordinator's own error; every other rank raises StartRefused with its text
             raise StartRefused(why) from refusal
         self.run_id = run_id
         self._evidence.bind(ledger=self.ledger, run_id=self.run_id)
         if self.replay is not None:
-            self.replay.bind(ledger=self.ledger, root=self.root, run_id=self.run_id, policy=self.policy,
-                             is_coordinator=self.is_coordinator)
-        placement.record(self.ledger, self.run_id, self.rank, self._pg)   # host / node / local rank of every rank
+            self.replay.bind(
+                ledger=self.ledger,
+                root=self.root,
+                run_id=self.run_id,
+                policy=self.policy,
+                is_coordinator=self.is_coordinator,
+            )
+        placement.record(self.ledger, self.run_id, self.rank, self._pg)  # host / node / local rank of every rank
         self._fleet = None
-        if fleet is not None and self.is_coordinator:   # the fleet record, from a thread of its own (docs/fleet.md)
+        if fleet is not None and self.is_coordinator:  # the fleet record, from a thread of its own (docs/fleet.md)
             from scout_ckpt.fleet.recorder import FleetRecorder
 
             self._fleet = FleetRecorder(fleet.path, self.root, fleet.interval_s)
         self._committer = commit.Committer(
-            self.root, self.run_id, self.rank, self.ledger, keep=keep, hook=_hook_or_noop(fault_hook), store=self.store,
-            manifest_fields={"world_size": self.world_size, "topology": self.topology, "policy": self.policy,
-                             "invariants": self.policy["invariants"], "versions": self._versions()})
+            self.root,
+            self.run_id,
+            self.rank,
+            self.ledger,
+            keep=keep,
+            hook=_hook_or_noop(fault_hook),
+            store=self.store,
+            manifest_fields={
+                "world_size": self.world_size,
+                "topology": self.topology,
+                "policy": self.policy,
+                "invariants": self.policy["invariants"],
+                "versions": self._versions(),
+            },
+        )
         self.observer = None
         self._shared_observer = None
-        side_groups = [self._pg] + (self._async.process_groups if self._async else []) \
-            + (self.groups.process_groups if self.groups else []) \
+        side_groups = (
+            [self._pg]
+            + (self._async.process_groups if self._async else [])
+            + (self.groups.process_groups if self.groups else [])
             + (self.replay.process_groups if self.replay is not None else [])
+        )
         if observer and Observer.running() is not None:
             # One observer per process: a second Checkpointer here (a teacher beside a student, a second ROOT)
             # shares the one that watches this process, and its side groups are not training collectives.
             self._shared_observer = Observer.running()
             self._shared_observer.ignore(*side_groups)
-            scout_log.logger.info("observer: this process's observer (started by an earlier Checkpointer) watches "
-                                  "this one too")
+            scout_log.logger.info(
+                "observer: this process's observer (started by an earlier Checkpointer) watches this one too"
+            )
         elif observer:
-            self.observer = Observer.start(self.root, rank=self.rank, world_size=self.world_size,
-                                           run_id=self.run_id, ignore_groups=side_groups, **observer.start_kwargs())
+            self.observer = Observer.start(
+                self.root,
+                rank=self.rank,
+                world_size=self.world_size,
+                run_id=self.run_id,
+                ignore_groups=side_groups,
+                **observer.start_kwargs(),
+            )
         if self.observer is not None and model is not None:
             self.observer.attach(model, optimizer)
         from scout_ckpt.save.local_tier import LocalTier  # the fast tier (local=): its own module
 
         self.local = LocalTier(local, self, timeout) if local is not None else None
-        self._loader = LatestCleanLoader(self.root, self.rank, self.world_size, self._pg, self.ledger, self.run_id,
-                                         verify_load, _hook_or_noop(fault_hook), store=self.store, local=self.local)
+        self._loader = LatestCleanLoader(
+            self.root,
+            self.rank,
+            self.world_size,
+            self._pg,
+            self.ledger,
+            self.run_id,
+            verify_load,
+            _hook_or_noop(fault_hook),
+            store=self.store,
+            local=self.local,
+        )
 
     # ---- configuration (save/run_facts.py) -----------------------------------------------------------------
 
@@ -279,7 +367,7 @@ class Checkpointer:
             self._bookkeeping_s = self.replay.on_step(step)
         if self.local is not None:
             t0 = time.monotonic()
-            self.local.on_step(step, state)   # a local save is not training time either
+            self.local.on_step(step, state)  # a local save is not training time either
             self._bookkeeping_s += time.monotonic() - t0
 
     def _record_shard_faults(self, bad: list[dict]) -> None:
@@ -289,8 +377,13 @@ class Checkpointer:
         if not (bad and self.is_coordinator):
             return
         for r in bad:
-            self.ledger.add_event("sdc", step=r.get("step"), ranks=r.get("ranks") or [], run_id=self.run_id,
-                                  detail={"source": "shard_replay", "reasons": (r.get("reasons") or [])[:8]})
+            self.ledger.add_event(
+                "sdc",
+                step=r.get("step"),
+                ranks=r.get("ranks") or [],
+                run_id=self.run_id,
+                detail={"source": "shard_replay", "reasons": (r.get("reasons") or [])[:8]},
+            )
         if self._async is not None:  # an async save still committing may hold the fault: let it land first
             self._async.join()
         self.shard.revoke(self.ledger, self.root, bad)
@@ -337,8 +430,8 @@ class Checkpointer:
         if self._closed:
             raise ScoutError("Checkpointer is closed")
         if self.local is not None:
-            self.local.wait()   # the local save this state descends from: its verdict is assessed with this one
-        self._raise_live_fault()   # the previous async or local save's, if it found the live state bad
+            self.local.wait()  # the local save this state descends from: its verdict is assessed with this one
+        self._raise_live_fault()  # the previous async or local save's, if it found the live state bad
         t0 = time.monotonic()
         with self.phase("checkpoint"):
             try:
@@ -353,14 +446,14 @@ class Checkpointer:
                 # The save is not training compute: left in the next step's time, the coordinator's commit
                 # work (manifest, ledger) made it look like a straggler on a loaded machine.
                 self._bookkeeping_s += time.monotonic() - t0
-        self._raise_live_fault()   # outside the phase: it stops the observer (the generation ends by decision)
+        self._raise_live_fault()  # outside the phase: it stops the observer (the generation ends by decision)
         return verdict
 
     def _save(self, step: int, state: dict) -> dict | None:
         if self._async is not None:
             self._async.wait()
             if self.lineage.pending():
-                return None   # the previous save found the live state bad: save() raises, outside the phase
+                return None  # the previous save found the live state bad: save() raises, outside the phase
         self._begin_boundary(step, state)
         # Every rank derives the same attempt id (no collective): this incarnation's id and a save counter.
         self._saves += 1
@@ -386,10 +479,10 @@ class Checkpointer:
         self._save_started = time.monotonic()
         self._save_started_wall = time.time()
         if self.replay is not None:
-            self.replay.sweep(step)   # complete same-step replay evidence (collective on the replay's side groups)
+            self.replay.sweep(step)  # complete same-step replay evidence (collective on the replay's side groups)
         # State that differs by rank on purpose (RankLocal) is saved per rank and never compared across ranks.
         self._rank_local = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
-        if self.shard is not None:   # the shard replay of this step's update, in flight: decided before the evidence
+        if self.shard is not None:  # the shard replay of this step's update, in flight: decided before the evidence
             self._record_shard_faults(self.shard.flush())
 
     def _save_sync_or_store(self, step: int, flat: dict, attempt: str, in_flight: InFlightDigests) -> dict | None:
@@ -402,7 +495,9 @@ class Checkpointer:
         if self.store is not None:
             from scout_ckpt.save.object_store_io import writer_for  # fsspec: imported only for an object store
 
-            writer = writer_for(self.store, pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
+            writer = writer_for(
+                self.store, pending.name, step=step, fault_hook=self.fault_hook, check_finite=self.finite
+            )
         else:
             writer = ScoutWriter(pending.tmp, step=step, fault_hook=self.fault_hook, check_finite=self.finite)
         writer.in_flight = in_flight
@@ -428,8 +523,9 @@ class Checkpointer:
         has started, partly by the writer: `in_flight`), or None."""
         if not self.consensus:
             return None
-        return start_consensus(flat, self.groups, names_filter=self._consensus_names, background=background,
-                               in_flight=in_flight)
+        return start_consensus(
+            flat, self.groups, names_filter=self._consensus_names, background=background, in_flight=in_flight
+        )
 
     def _live_evidence(self, step: int, flat: dict, hashing, group=None) -> dict:
         """Evidence taken from the state at the save boundary (collective over `group`, default the checkpointer's
@@ -443,16 +539,17 @@ class Checkpointer:
 
     def _commit(self, pending, writer: ScoutWriter, live: dict, group) -> dict:
         self._hook("after_write", pending.step)
-        verdict = self._committer.finish(pending, writer, group,
-                                         assess=lambda gathered: self._assess(gathered, live))
+        verdict = self._committer.finish(pending, writer, group, assess=lambda gathered: self._assess(gathered, live))
         self._last_verdict = verdict
         # the same on every rank (the coordinator's verdict, broadcast); the coordinator's event comes first
-        self.lineage.note(pending.step, verdict, ledger=self.ledger if self.is_coordinator else None,
-                          run_id=self.run_id)
-        scout_log.save_verdict(self.rank, pending.step, verdict, time.monotonic() - self._save_started,
-                               [k for k in self.policy["require"]])
+        self.lineage.note(
+            pending.step, verdict, ledger=self.ledger if self.is_coordinator else None, run_id=self.run_id
+        )
+        scout_log.save_verdict(
+            self.rank, pending.step, verdict, time.monotonic() - self._save_started, [k for k in self.policy["require"]]
+        )
         if self._fleet is not None:
-            self._fleet.nudge()   # the save's events reach the fleet store now, from the recorder's thread
+            self._fleet.nudge()  # the save's events reach the fleet store now, from the recorder's thread
         self._hook("after_commit", pending.step)
         return verdict
 
@@ -503,7 +600,7 @@ class Checkpointer:
         when `state` has no place for saved values (the caller built it wrongly). The walk-back itself is
         scout_ckpt/save/loading.py."""
         self.wait()
-        with self.phase("checkpoint"):   # the coordinator's ledger writes after the load run while peers train on
+        with self.phase("checkpoint"):  # the coordinator's ledger writes after the load run while peers train on
             step = self._loader.load(state)
         # What was loaded (or the fresh start) is the new lineage: nothing before it taints the saves to come.
         self.lineage.clear()
@@ -539,8 +636,8 @@ class Checkpointer:
                 self._fleet.close()
             if self.ledger is not None:
                 self.ledger.close()
-            if self.local is not None:   # last: everything above is released even if its wait raises again
-                self.local.close()   # frees this rank's writer lease: the orphan sweep may then take its folders
+            if self.local is not None:  # last: everything above is released even if its wait raises again
+                self.local.close()  # frees this rank's writer lease: the orphan sweep may then take its folders
 
     def __enter__(self) -> "Checkpointer":
         return self

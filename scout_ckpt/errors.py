@@ -39,9 +39,14 @@ class NoCleanCheckpoint(NotFound):
     """No certified checkpoint to resume from; `reasons` says why (what was skipped, what is newer)."""
 
     def __init__(self, reasons: list[dict]):
-        super().__init__("no certified checkpoint to resume from" + (
-            f" ({len(reasons[0].get('skipped', []))} failed re-verification)" if reasons and reasons[0].get("skipped")
-            else ""))
+        super().__init__(
+            "no certified checkpoint to resume from"
+            + (
+                f" ({len(reasons[0].get('skipped', []))} failed re-verification)"
+                if reasons and reasons[0].get("skipped")
+                else ""
+            )
+        )
         self.reasons = reasons
 
 
@@ -62,8 +67,10 @@ class LiveStateCorrupt(ScoutError):
         # live_fault lists the codes themselves)
         same = bool(kinds) and set(kinds) <= set(codes)
         what = ", ".join(kinds or ["evidence"]) + ("" if same else f": {', '.join(codes) or '-'}")
-        super().__init__(f"checkpoint {step} shows the live training state is bad ({what}); ending the "
-                         "generation so that it restarts from the latest clean checkpoint")
+        super().__init__(
+            f"checkpoint {step} shows the live training state is bad ({what}); ending the "
+            "generation so that it restarts from the latest clean checkpoint"
+        )
         self.step, self.verdict = step, verdict
 
 
@@ -111,7 +118,7 @@ def one_line_refusals() -> None:
             return
         where = "" if collective or rank is None else f" (rank {rank})"
         text = " ".join(str(value).split())
-        text = text[len("scout-ckpt: "):] if text.startswith("scout-ckpt: ") else text
+        text = text[len("scout-ckpt: ") :] if text.startswith("scout-ckpt: ") else text
         sys.stderr.write(f"scout-ckpt{where}: {tp.__name__}: {text}\n")
         sys.stderr.flush()
 

@@ -23,11 +23,12 @@ from scout_ckpt.errors import BadOption
 # Replay (one rotation target every this many steps between saves: earlier detection; the sweep at each save is
 # what certifies, so this interval never delays a certificate) and the optimizer window it replays.
 DEFAULT_REPLAY_INTERVAL = 10
-DEFAULT_OPT_ELEMS = 1 << 16      # elements per round, over all tensors (256 KiB of fp32 per replayed quantity)
+DEFAULT_OPT_ELEMS = 1 << 16  # elements per round, over all tensors (256 KiB of fp32 per replayed quantity)
 
 
-def _positive(owner: str, name: str, value, *, integer: bool = False, allow_zero: bool = False,
-              allow_none: bool = False) -> None:
+def _positive(
+    owner: str, name: str, value, *, integer: bool = False, allow_zero: bool = False, allow_none: bool = False
+) -> None:
     if value is None and allow_none:
         return
     kind = int if integer else (int, float)
@@ -363,6 +364,7 @@ def as_fleet(value, environ: Mapping[str, str] | None = None) -> FleetOptions | 
 
 # ---- the old spellings, converted in one place ----------------------------------------------------------------
 
+
 def _switch(name: str, cls, value, **nested):
     """None stays None (the component's default decides), False is off, True is cls(), a dict is cls(**dict)."""
     if value is None or value is False or isinstance(value, cls):
@@ -395,13 +397,21 @@ def as_shard_evidence(value) -> ShardEvidenceOptions | bool | None:
 def as_storage(storage, *, ledger_dir=None, storage_options=None, ledger_journal=None) -> StorageOptions:
     """`storage=StorageOptions(...)` or the flat keywords `ledger_dir=`, `storage_options=`, `ledger_journal=`
     (one way or the other: both at once is refused)."""
-    flat = {k: v for k, v in (("ledger_dir", ledger_dir), ("storage_options", storage_options),
-                              ("ledger_journal", ledger_journal)) if v is not None}
+    flat = {
+        k: v
+        for k, v in (
+            ("ledger_dir", ledger_dir),
+            ("storage_options", storage_options),
+            ("ledger_journal", ledger_journal),
+        )
+        if v is not None
+    }
     if storage is None:
         return StorageOptions(**flat)
     if flat:
-        raise BadOption(f"storage: pass {', '.join(sorted(flat))} inside storage=StorageOptions(...) or as keywords,"
-                        " not both")
+        raise BadOption(
+            f"storage: pass {', '.join(sorted(flat))} inside storage=StorageOptions(...) or as keywords, not both"
+        )
     if isinstance(storage, StorageOptions):
         return storage
     if isinstance(storage, Mapping):

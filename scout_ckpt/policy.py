@@ -24,11 +24,26 @@ PASS, FAIL, INCONCLUSIVE, MISSING, NOT_APPLICABLE = "pass", "fail", "inconclusiv
 # step rejected only for these may still be good in another copy (the fast tier's node-local files). Any other
 # reason of a rejection (replay, consensus, invariants, shard evidence, lineage, load_mismatch, health) and a
 # quarantine concern the step, wherever its bytes live.
-COPY_REASONS = frozenset({
-    "digest_mismatch", "missing_file", "missing_dir", "truncated_file", "unreadable_file", "unexpected_file",
-    "unsafe_file", "manifest_mismatch", "bad_manifest", "bad_metadata", "bad_entry", "no_files_recorded",
-    "save_interrupted", "commit_failed", "could_not_check", "retention",
-})
+COPY_REASONS = frozenset(
+    {
+        "digest_mismatch",
+        "missing_file",
+        "missing_dir",
+        "truncated_file",
+        "unreadable_file",
+        "unexpected_file",
+        "unsafe_file",
+        "manifest_mismatch",
+        "bad_manifest",
+        "bad_metadata",
+        "bad_entry",
+        "no_files_recorded",
+        "save_interrupted",
+        "commit_failed",
+        "could_not_check",
+        "retention",
+    }
+)
 
 
 def step_distrusted(state: str, reasons: list[dict]) -> bool:
@@ -37,6 +52,8 @@ def step_distrusted(state: str, reasons: list[dict]) -> bool:
     if state == "quarantined":
         return True
     return state == "rejected" and any((r or {}).get("code") not in COPY_REASONS for r in reasons or [{}])
+
+
 STATUSES = (PASS, FAIL, INCONCLUSIVE, MISSING, NOT_APPLICABLE)
 
 # Policies of the runs scout-ckpt knows; a run may store its own.
@@ -47,7 +64,7 @@ ADOPTED = {"require": ["bytes", "structure", "invariants"], "allow_not_applicabl
 
 @dataclass(frozen=True)
 class Verdict:
-    state: str                       # certified | committed | rejected
+    state: str  # certified | committed | rejected
     reasons: list[dict] = field(default_factory=list)
 
     @property
@@ -99,14 +116,26 @@ NOT_LIVE = ("bytes", "lineage")
 def live_faults(ev: dict[str, dict]) -> list[str]:
     """The kinds of evidence that found the live state itself bad (fail or inconclusive): every checkpoint saved
     from that state afterwards descends from it. Sorted; empty when none did."""
-    return sorted(k for k, item in ev.items()
-                  if k not in NOT_LIVE and isinstance(item, dict) and item.get("status") in (FAIL, INCONCLUSIVE))
+    return sorted(
+        k
+        for k, item in ev.items()
+        if k not in NOT_LIVE and isinstance(item, dict) and item.get("status") in (FAIL, INCONCLUSIVE)
+    )
 
 
 def lineage_evidence(tainted: dict | None) -> dict | None:
     """The `lineage` evidence of a save made after a live fault ({"step", "kinds"}) and before a clean load: fail."""
     if tainted is None:
         return None
-    return evidence(FAIL, [{"code": "lineage_tainted", "since": tainted["step"], "kinds": list(tainted["kinds"]),
-                            "detail": f"the state descends from step {tainted['step']}, whose evidence showed the "
-                                      "live state bad; load a clean checkpoint"}])
+    return evidence(
+        FAIL,
+        [
+            {
+                "code": "lineage_tainted",
+                "since": tainted["step"],
+                "kinds": list(tainted["kinds"]),
+                "detail": f"the state descends from step {tainted['step']}, whose evidence showed the "
+                "live state bad; load a clean checkpoint",
+            }
+        ],
+    )

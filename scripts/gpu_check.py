@@ -53,9 +53,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SITE = REPO / ".gpu-check" / "site"
-NO_SITE = "SCOUT_GPU_CHECK_NO_SITE"   # set by --no-install: this Python's packages as they are, in every subprocess
+NO_SITE = "SCOUT_GPU_CHECK_NO_SITE"  # set by --no-install: this Python's packages as they are, in every subprocess
 TAG = "GPU-CHECK "
-DEADLINE: list[float] = []   # monotonic time by which every stage must be done (--budget-s): no subprocess outlives it
+DEADLINE: list[float] = []  # monotonic time by which every stage must be done (--budget-s): no subprocess outlives it
 STAGES = ("env", "install", "tests", "resume_1", "resume_2", "bitflip", "sdc", "replay", "nvml", "bench")
 
 
@@ -64,6 +64,7 @@ class Refused(Exception):
 
 
 # ---- the launch plan (pure: tested on CPU with a fake device count) ----------------------------------------------
+
 
 def launch_plan(nproc: int, device: str, device_count: int) -> dict:
     """How `nproc` local ranks run on `device` ("cuda" or "cpu") with `device_count` GPUs: the backend (gloo
@@ -78,14 +79,28 @@ def launch_plan(nproc: int, device: str, device_count: int) -> dict:
         raise Refused(f"--device must be cuda or cpu (got {device!r})")
     if device_count < 1:
         raise Refused("no CUDA device")
-    return {"backend": "gloo", "devices": [f"cuda:{r % device_count}" for r in range(nproc)],
-            "shared": nproc > device_count}
+    return {
+        "backend": "gloo",
+        "devices": [f"cuda:{r % device_count}" for r in range(nproc)],
+        "shared": nproc > device_count,
+    }
 
 
 def torchrun_command(nproc: int, max_restarts: int, job_args: list[str]) -> list[str]:
     """torchrun (as `python -m torch.distributed.run`) running this script's `job` on `nproc` local ranks."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(max_restarts), str(Path(__file__).resolve()), "job", *job_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        str(Path(__file__).resolve()),
+        "job",
+        *job_args,
+    ]
 
 
 def child_env(extra: dict | None = None) -> dict:
@@ -94,8 +109,12 @@ def child_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     path = [str(REPO)] + ([str(SITE)] if SITE.is_dir() and os.environ.get(NO_SITE) != "1" else [])
     path += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env.update(PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env.update(
+        PYTHONPATH=os.pathsep.join(path),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     env.update(extra or {})
     return env
 
@@ -107,20 +126,28 @@ def tagged(text: str) -> list[dict]:
         at = line.find(TAG)
         if at >= 0:
             try:
-                out.append(json.loads(line[at + len(TAG):]))
+                out.append(json.loads(line[at + len(TAG) :]))
             except ValueError:
                 pass
     return out
 
 
-def run(cmd: list[str], timeout: float, log: Path | None = None, env: dict | None = None,
-        stdout_only: bool = False) -> tuple[int, str]:
+def run(
+    cmd: list[str], timeout: float, log: Path | None = None, env: dict | None = None, stdout_only: bool = False
+) -> tuple[int, str]:
     """A subprocess to its end (killed as a group past `timeout`): (return code, its stdout and stderr together,
     or with `stdout_only` its stdout alone: a command's --json document). Both go to `log`."""
     if DEADLINE:
         timeout = max(1.0, min(timeout, DEADLINE[0] - time.monotonic()))
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE if stdout_only else subprocess.STDOUT,
-                         text=True, cwd=REPO, env=env or child_env(), start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if stdout_only else subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        env=env or child_env(),
+        start_new_session=True,
+    )
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -136,6 +163,7 @@ def run(cmd: list[str], timeout: float, log: Path | None = None, env: dict | Non
 
 
 # ---- the job (under torchrun) ------------------------------------------------------------------------------------
+
 
 def state_digest(model, opt) -> str:
     """sha256 of the model's tensors and the optimizer's state, in name order, computed without scout-ckpt: the
@@ -176,8 +204,11 @@ def job(argv: list[str]) -> int:
     ap.add_argument("--sdc-rank", type=int, default=-1)
     ap.add_argument("--sdc-step", type=int, default=-1)
     ap.add_argument("--sdc-layer", default="blocks.1.mlp.fc1")
-    ap.add_argument("--deterministic", action="store_true",
-                    help="determinism.enable(warn_only=False): the whole step deterministic, live gradients signed")
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="determinism.enable(warn_only=False): the whole step deterministic, live gradients signed",
+    )
     a = ap.parse_args(argv)
 
     import torch
@@ -187,7 +218,7 @@ def job(argv: list[str]) -> int:
     from scout_ckpt.demo.model import TinyTransformer, sdc_target, set_sdc
     from scout_ckpt.replay import determinism
 
-    if a.deterministic:   # before the first CUDA matmul: the cuBLAS workspace size is read once
+    if a.deterministic:  # before the first CUDA matmul: the cuBLAS workspace size is read once
         determinism.enable(warn_only=False)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -206,15 +237,23 @@ def job(argv: list[str]) -> int:
     ckpt = Checkpointer(a.root, model=model, optimizer=opt, consensus=world > 1)
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
-    say("loaded", rank=rank, attempt=attempt, step=start, digest=state_digest(model, opt), device=str(dev),
-        plan=plan, comparison=determinism.comparison(dev))
+    say(
+        "loaded",
+        rank=rank,
+        attempt=attempt,
+        step=start,
+        digest=state_digest(model, opt),
+        device=str(dev),
+        plan=plan,
+        comparison=determinism.comparison(dev),
+    )
     rc = 0
     try:
         for step in range(start + 1, a.steps + 1):
             if a.sdc_step > 0 and rank == a.sdc_rank and step >= a.sdc_step and sdc_target() is None:
                 set_sdc(a.sdc_layer, -1)
                 say("sdc", rank=rank, attempt=attempt, step=step, layer=a.sdc_layer)
-            g = torch.Generator().manual_seed(1_000_003 * step + rank)   # the data of a step: the same after a restart
+            g = torch.Generator().manual_seed(1_000_003 * step + rank)  # the data of a step: the same after a restart
             tokens = torch.randint(0, 256, (8, 32), generator=g).to(dev)
             # cross entropy by hand: torch has no deterministic NLLLoss on CUDA, and strict mode refuses it
             logp = torch.log_softmax(model(tokens)[:, :-1].float(), dim=-1)
@@ -222,7 +261,7 @@ def job(argv: list[str]) -> int:
             opt.zero_grad()
             loss.backward()
             if world > 1:
-                for p in model.parameters():   # gloo all_reduce of CUDA tensors, in a fixed order
+                for p in model.parameters():  # gloo all_reduce of CUDA tensors, in a fixed order
                     dist.all_reduce(p.grad)
                     p.grad.div_(world)
             opt.step()
@@ -237,18 +276,26 @@ def job(argv: list[str]) -> int:
                     say("live_fault", rank=rank, attempt=attempt, step=step, error=str(e)[:500])
                     rc = 3
                     break
-                say("saved", rank=rank, attempt=attempt, step=step, digest=state_digest(model, opt),
-                    state=verdict.get("state"), reasons=[r.get("code") for r in verdict.get("reasons", [])])
+                say(
+                    "saved",
+                    rank=rank,
+                    attempt=attempt,
+                    step=step,
+                    digest=state_digest(model, opt),
+                    state=verdict.get("state"),
+                    reasons=[r.get("code") for r in verdict.get("reasons", [])],
+                )
         else:
             say("final", rank=rank, attempt=attempt, step=a.steps, digest=state_digest(model, opt))
     finally:
         ckpt.close()
-        dist.barrier()   # before destroy_process_group: a rank can hang in it without one (README)
+        dist.barrier()  # before destroy_process_group: a rank can hang in it without one (README)
         dist.destroy_process_group()
     return rc
 
 
 # ---- the probes (subprocesses) -----------------------------------------------------------------------------------
+
 
 def replays_probe(argv: list[str]) -> int:
     """`replays`: replay.repeat.repeat_check on the demo transformer's embedding, blocks (with and without bf16
@@ -265,7 +312,7 @@ def replays_probe(argv: list[str]) -> int:
     from scout_ckpt.replay import determinism
     from scout_ckpt.replay.repeat import repeat_check
 
-    if a.settings != "default":   # before the first CUDA matmul
+    if a.settings != "default":  # before the first CUDA matmul
         determinism.enable(warn_only=a.settings == "deterministic")
     torch.set_num_threads(1)
     dev = torch.device(a.device)
@@ -273,8 +320,7 @@ def replays_probe(argv: list[str]) -> int:
     model = TinyTransformer(vocab=256, d_model=128, n_heads=4, n_blocks=2, seq_len=64).to(dev)
     tokens = torch.randint(0, 256, (8, 64), device=dev)
     x = torch.randn(8, 64, 128, device=dev, requires_grad=True)
-    cases = {"embedding": (model.embedding, (tokens,)), "block": (model.blocks[0], (x,)),
-             "head": (model.head, (x,))}
+    cases = {"embedding": (model.embedding, (tokens,)), "block": (model.blocks[0], (x,)), "head": (model.head, (x,))}
     out = {}
     for name, (mod, args) in cases.items():
         out[name] = repeat_check(mod, args, a.n)
@@ -312,12 +358,22 @@ def nvml_probe(argv: list[str]) -> int:
     recording = rec.recording(**about, source="scripts/gpu_check.py nvml-probe")
     again = NvmlHealthSource(0, nvml=RecordedNvml(json.loads(json.dumps(recording))))
     replayed = [again.poll(), again.poll()]
-    say("nvml", available=True, readings=readings, unsupported=sorted(src._unsupported), polls=polls,
-        replayed_polls=replayed, replay_readings_equal=dict(again._last) == readings, recording=recording, **about)
+    say(
+        "nvml",
+        available=True,
+        readings=readings,
+        unsupported=sorted(src._unsupported),
+        polls=polls,
+        replayed_polls=replayed,
+        replay_readings_equal=dict(again._last) == readings,
+        recording=recording,
+        **about,
+    )
     return 0
 
 
 # ---- the stages --------------------------------------------------------------------------------------------------
+
 
 class Check:
     """The run: options, the results written after every stage, the work directory."""
@@ -327,8 +383,12 @@ class Check:
         self.device = a.device
         self.work = REPO / ".gpu-check" / "runs" / time.strftime("%Y%m%dT%H%M%S")
         self.out = Path(a.out)
-        self.results: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": a.device,
-                              "logs": str(self.work), "stages": {}}
+        self.results: dict = {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "device": a.device,
+            "logs": str(self.work),
+            "stages": {},
+        }
 
     def save(self) -> None:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -352,8 +412,11 @@ class Check:
         self.results["stages"][name] = res
         self.save()
         mark = {True: "passed", False: "FAILED", None: "skipped"}[res.get("ok")]
-        print(f"gpu-check: {name} {mark} ({res['seconds']} s){': ' + res['why'] if res.get('why') else ''}",
-              file=sys.stderr, flush=True)
+        print(
+            f"gpu-check: {name} {mark} ({res['seconds']} s){': ' + res['why'] if res.get('why') else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
         return res.get("ok") is not False
 
     # -- env, install ----------------------------------------------------------------------------------------------
@@ -363,15 +426,26 @@ class Check:
 
         import torch
 
-        info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                "host": platform.node()}
+        info = {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "host": platform.node(),
+        }
         if self.device == "cuda":
-            info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
-                        capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-                        memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+            info.update(
+                gpu=torch.cuda.get_device_name(0),
+                gpus=torch.cuda.device_count(),
+                capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+                memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+            )
             try:
-                smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=30)
+                smi = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
                 info["driver"] = smi.stdout.strip()
             except (OSError, subprocess.SubprocessError):
                 info["driver"] = None
@@ -384,24 +458,44 @@ class Check:
         from importlib import metadata
 
         wheels = Path(self.a.wheels)
-        have = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() for d in metadata.distributions()
-                if d.metadata["Name"]}
+        have = {
+            re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() for d in metadata.distributions() if d.metadata["Name"]
+        }
         found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
         names = {re.sub(r"[-_.]+", "-", w.name.split("-")[0]).lower() for w in found}
         missing = sorted(names - have - {"scout-ckpt", "setuptools", "wheel", "torch"})
         needed = [m for m in ("sqlite-utils", "xxhash", "typer", "safetensors", "pytest") if m not in have]
         if needed and not found:
-            raise Refused(f"this Python lacks {', '.join(needed)} and {wheels} holds no wheels: run `make gpu-wheels` "
-                          "on a machine with network and carry the folder (docs/gpu.md)")
+            raise Refused(
+                f"this Python lacks {', '.join(needed)} and {wheels} holds no wheels: run `make gpu-wheels` "
+                "on a machine with network and carry the folder (docs/gpu.md)"
+            )
         SITE.mkdir(parents=True, exist_ok=True)
-        pip = [sys.executable, "-m", "pip", "--isolated", "install", "-q", "--no-deps", "--no-index",
-               "--find-links", str(wheels), "--target", str(SITE), "--upgrade"]
+        pip = [
+            sys.executable,
+            "-m",
+            "pip",
+            "--isolated",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--find-links",
+            str(wheels),
+            "--target",
+            str(SITE),
+            "--upgrade",
+        ]
         log = self.work / "install.log"
         if missing:
             rc, out = run(pip + missing, 600, log)
             if rc:
-                return {"ok": False, "why": "pip could not install the missing wheels", "missing": missing,
-                        "tail": out[-2000:]}
+                return {
+                    "ok": False,
+                    "why": "pip could not install the missing wheels",
+                    "missing": missing,
+                    "tail": out[-2000:],
+                }
         # the project: built by this Python's own setuptools where it can build a wheel alone (70.1 and later; a
         # pip-installed torch requires 77 or later), else in an isolated build environment from the carried wheel
         try:
@@ -410,8 +504,14 @@ class Check:
             have_st = (0, 0)
         build = ["--no-build-isolation"] if have_st >= (70, 1) else []
         rc, out = run(pip + build + [str(REPO)], 600, self.work / "install-project.log")
-        return {"ok": rc == 0, "installed": missing, "already_there": sorted(names & have), "project": rc == 0,
-                "site": str(SITE), **({} if rc == 0 else {"tail": out[-2000:]})}
+        return {
+            "ok": rc == 0,
+            "installed": missing,
+            "already_there": sorted(names & have),
+            "project": rc == 0,
+            "site": str(SITE),
+            **({} if rc == 0 else {"tail": out[-2000:]}),
+        }
 
     # -- tests -----------------------------------------------------------------------------------------------------
 
@@ -419,8 +519,12 @@ class Check:
         xml = self.work / "cuda-tests.xml"
         env = child_env({"SCOUT_REQUIRE_GPU": "1"} if self.device == "cuda" else {})
         files = sorted(str(p.relative_to(REPO)) for p in REPO.glob("tests/test_cuda*.py"))
-        rc, out = run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                       f"--junitxml={xml}", *files], 420, self.work / "cuda-tests.log", env)
+        rc, out = run(
+            [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={xml}", *files],
+            420,
+            self.work / "cuda-tests.log",
+            env,
+        )
         counts = _junit_counts(xml)
         ok = rc == 0 if self.device == "cuda" else rc in (0, 5) and counts.get("failures", 0) == 0
         return {"ok": ok, "rc": rc, **counts, "tail": out[-1500:]}
@@ -437,8 +541,9 @@ class Check:
         """The job killed at step 10 (saves every 4): the restart must load step 8 with the digest printed when 8
         was saved, and end with the digest of the same job run without the kill."""
         tag = f"resume_{nproc}"
-        rc, ev = self._job(tag, nproc, 1, ["--steps", "16", "--save-every", "4", "--kill-rank", str(nproc - 1),
-                                           "--kill-step", "10"])
+        rc, ev = self._job(
+            tag, nproc, 1, ["--steps", "16", "--save-every", "4", "--kill-rank", str(nproc - 1), "--kill-step", "10"]
+        )
         rc_ref, ref = self._job(f"{tag}_reference", nproc, 0, ["--steps", "16", "--save-every", "4"])
         saved8 = {e["rank"]: e["digest"] for e in ev if e["event"] == "saved" and e["attempt"] == 0 and e["step"] == 8}
         loaded = {e["rank"]: e for e in ev if e["event"] == "loaded" and e["attempt"] == 1}
@@ -450,46 +555,71 @@ class Check:
             "job_completed": rc == 0,
             "killed_once": len(crashed) == 1,
             "restart_loaded_step_8": sorted(loaded) == list(range(nproc))
-                                     and all(e["step"] == 8 for e in loaded.values()),
-            "loaded_digest_is_saved_digest": bool(saved8) and all(loaded.get(r, {}).get("digest") == d
-                                                                  for r, d in saved8.items()),
+            and all(e["step"] == 8 for e in loaded.values()),
+            "loaded_digest_is_saved_digest": bool(saved8)
+            and all(loaded.get(r, {}).get("digest") == d for r, d in saved8.items()),
             "final_equals_uninterrupted_run": rc_ref == 0 and bool(final) and final == final_ref,
             "every_save_certified": bool(states) and all(s == "certified" for _, s in states),
         }
         first = next(iter(loaded.values()), {})
-        return {"ok": all(checks.values()), "checks": checks, "ranks": nproc, "plan": first.get("plan"),
-                "comparison": first.get("comparison"), "saves": states, "root": str(self.work / tag)}
+        return {
+            "ok": all(checks.values()),
+            "checks": checks,
+            "ranks": nproc,
+            "plan": first.get("plan"),
+            "comparison": first.get("comparison"),
+            "saves": states,
+            "root": str(self.work / tag),
+        }
 
     def bitflip(self) -> dict:
         root = self.work / "resume_1"
         if not (root / "scout-ledger.db").exists():
             return {"ok": False, "why": "resume_1 left no checkpoints"}
         env = child_env()
-        flip = [sys.executable, "-c", "import json,sys; from scout_ckpt.demo.faults import flip_file_bit; "
-                "print(json.dumps(flip_file_bit(sys.argv[1], 16)))", str(root)]
+        flip = [
+            sys.executable,
+            "-c",
+            "import json,sys; from scout_ckpt.demo.faults import flip_file_bit; "
+            "print(json.dumps(flip_file_bit(sys.argv[1], 16)))",
+            str(root),
+        ]
         rc, out = run(flip, 120, self.work / "bitflip.log", env, stdout_only=True)
         if rc:
             return {"ok": False, "why": "could not flip a bit", "tail": out[-1500:]}
         flipped = json.loads(out)
-        rc, out = run([sys.executable, "-m", "scout_ckpt.cli", "resume", str(root), "--latest-clean", "--json"], 300,
-                      self.work / "bitflip-resume.log", env, stdout_only=True)
+        rc, out = run(
+            [sys.executable, "-m", "scout_ckpt.cli", "resume", str(root), "--latest-clean", "--json"],
+            300,
+            self.work / "bitflip-resume.log",
+            env,
+            stdout_only=True,
+        )
         try:
             got = json.loads(out)
         except ValueError:
             return {"ok": False, "why": "resume printed no JSON", "tail": out[-1500:]}
-        checks = {"resume_exit_0": rc == 0, "walked_past_step_16": got.get("step") == 12,
-                  "verified": bool(got.get("verified"))}
-        return {"ok": all(checks.values()), "checks": checks, "flipped": flipped,
-                "resume": got}
+        checks = {
+            "resume_exit_0": rc == 0,
+            "walked_past_step_16": got.get("step") == 12,
+            "verified": bool(got.get("verified")),
+        }
+        return {"ok": all(checks.values()), "checks": checks, "flipped": flipped, "resume": got}
 
     def sdc(self) -> dict:
         """Three ranks, rank 2 computing blocks.1.mlp.fc1 wrongly from step 6 (saves every 4): step 4 certified,
         the save at 8 rejected by replay with rank 2 named, and the generation ended on every rank."""
-        rc, ev = self._job("sdc", 3, 0, ["--steps", "12", "--save-every", "4", "--sdc-rank", "2", "--sdc-step", "6"],
-                           timeout=360)
+        rc, ev = self._job(
+            "sdc", 3, 0, ["--steps", "12", "--save-every", "4", "--sdc-rank", "2", "--sdc-step", "6"], timeout=360
+        )
         root = self.work / "sdc"
-        rc_ls, out = run([sys.executable, "-m", "scout_ckpt.cli", "ls", str(root), "--json"], 300,
-                         self.work / "sdc-ls.log", child_env(), stdout_only=True)
+        rc_ls, out = run(
+            [sys.executable, "-m", "scout_ckpt.cli", "ls", str(root), "--json"],
+            300,
+            self.work / "sdc-ls.log",
+            child_env(),
+            stdout_only=True,
+        )
         try:
             rows = {r["step"]: r for r in json.loads(out)["checkpoints"]}
         except (ValueError, KeyError):
@@ -503,8 +633,13 @@ class Check:
             "replay_sdc_names_rank_2": any(2 in (x.get("ranks") or []) for x in sdc_reasons),
             "generation_ended_on_every_rank": faults == {0, 1, 2},
         }
-        return {"ok": all(checks.values()), "checks": checks, "job_rc": rc, "reasons_8": r8.get("reasons"),
-                "comparison": sorted({x.get("comparison") for x in sdc_reasons if x.get("comparison")})}
+        return {
+            "ok": all(checks.values()),
+            "checks": checks,
+            "job_rc": rc,
+            "reasons_8": r8.get("reasons"),
+            "comparison": sorted({x.get("comparison") for x in sdc_reasons if x.get("comparison")}),
+        }
 
     # -- replay, nvml, bench ---------------------------------------------------------------------------------------
 
@@ -513,8 +648,17 @@ class Check:
         out: dict = {"replays": n}
         ok = True
         for mode in ("default", "deterministic", "strict"):
-            args = [sys.executable, str(Path(__file__).resolve()), "replays", "--device", self.device, "-n", str(n),
-                    "--settings", mode]
+            args = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "replays",
+                "--device",
+                self.device,
+                "-n",
+                str(n),
+                "--settings",
+                mode,
+            ]
             rc, text = run(args, 420, self.work / f"replays-{mode}.log")
             got = [e for e in tagged(text) if e["event"] == "replays"]
             if rc or not got:
@@ -535,19 +679,49 @@ class Check:
         if rc or not got:
             return {"ok": False, "rc": rc, "tail": text[-1500:]}
         g = got[0]
-        checks = {"available": bool(g.get("available")), "temperature_read": "temperature" in (g.get("readings") or {}),
-                  "recording_replays_to_the_same_readings": bool(g.get("replay_readings_equal"))}
+        checks = {
+            "available": bool(g.get("available")),
+            "temperature_read": "temperature" in (g.get("readings") or {}),
+            "recording_replays_to_the_same_readings": bool(g.get("replay_readings_equal")),
+        }
         return {"ok": all(checks.values()), "checks": checks, **{k: v for k, v in g.items() if k != "event"}}
 
     def bench(self) -> dict:
-        rc, text = run([sys.executable, "bench/signature_throughput.py", "--device", self.device, "--json",
-                        "--mb", str(self.a.bench_mb), "--repeats", "5"], 300, self.work / "bench.log")
+        rc, text = run(
+            [
+                sys.executable,
+                "bench/signature_throughput.py",
+                "--device",
+                self.device,
+                "--json",
+                "--mb",
+                str(self.a.bench_mb),
+                "--repeats",
+                "5",
+            ],
+            300,
+            self.work / "bench.log",
+        )
         try:
-            got = json.loads(text[text.index("{"):text.rindex("}") + 1])
+            got = json.loads(text[text.index("{") : text.rindex("}") + 1])
         except ValueError:
             return {"ok": False, "rc": rc, "tail": text[-1500:]}
-        fig = {k: got.get(k) for k in ("ratio", "ratios", "bandwidth_gb_per_s", "signature_gb_per_s", "gb_per_s",
-                                       "median_s", "bytes", "device_name", "torch", "cuda", "target")}
+        fig = {
+            k: got.get(k)
+            for k in (
+                "ratio",
+                "ratios",
+                "bandwidth_gb_per_s",
+                "signature_gb_per_s",
+                "gb_per_s",
+                "median_s",
+                "bytes",
+                "device_name",
+                "torch",
+                "cuda",
+                "target",
+            )
+        }
         met = got.get("target_met")
         return {"ok": rc == 0 and (met is not False), "target_met": met, **fig}
 
@@ -574,8 +748,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--only", default=None, help=f"comma-separated stages of {', '.join(STAGES)}")
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--bench-mb", type=int, default=1024)
-    ap.add_argument("--budget-s", type=float, default=480.0,
-                    help="every stage done within this many seconds (a stage past it fails, out of time)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=480.0,
+        help="every stage done within this many seconds (a stage past it fails, out of time)",
+    )
     a = ap.parse_args(argv)
     only = STAGES if a.only is None else tuple(s.strip() for s in a.only.split(",") if s.strip())
     bad = [s for s in only if s not in STAGES]
@@ -583,25 +761,36 @@ def main(argv: list[str]) -> int:
         raise Refused(f"unknown stage {bad[0]!r} (stages: {', '.join(STAGES)})")
     if a.no_install:
         os.environ[NO_SITE] = "1"
-    elif SITE.is_dir():   # what an earlier install put there (numpy, for one) serves this process too
+    elif SITE.is_dir():  # what an earlier install put there (numpy, for one) serves this process too
         sys.path.append(str(SITE))
     try:
         import warnings
 
-        with warnings.catch_warnings():   # e.g. "Failed to initialize NumPy" on a bare machine: not a refusal
+        with warnings.catch_warnings():  # e.g. "Failed to initialize NumPy" on a bare machine: not a refusal
             warnings.simplefilter("ignore")
             import torch
     except ImportError as e:
-        raise Refused(f"torch is not importable with {sys.executable} ({e}); "
-                      "run it with the GPU machine's Python") from None
+        raise Refused(
+            f"torch is not importable with {sys.executable} ({e}); run it with the GPU machine's Python"
+        ) from None
     if a.device == "cuda" and not torch.cuda.is_available():
-        raise Refused(f"no CUDA device here (torch {torch.__version__}: torch.cuda.is_available() is False); "
-                      "nothing was run")
+        raise Refused(
+            f"no CUDA device here (torch {torch.__version__}: torch.cuda.is_available() is False); nothing was run"
+        )
     DEADLINE.append(time.monotonic() + a.budget_s)
     c = Check(a)
-    steps = {"env": c.env, "install": c.install, "tests": c.tests, "resume_1": lambda: c.resume(1),
-             "resume_2": lambda: c.resume(2), "bitflip": c.bitflip, "sdc": c.sdc, "replay": c.replay,
-             "nvml": c.nvml, "bench": c.bench}
+    steps = {
+        "env": c.env,
+        "install": c.install,
+        "tests": c.tests,
+        "resume_1": lambda: c.resume(1),
+        "resume_2": lambda: c.resume(2),
+        "bitflip": c.bitflip,
+        "sdc": c.sdc,
+        "replay": c.replay,
+        "nvml": c.nvml,
+        "bench": c.bench,
+    }
     ok = True
     for name in STAGES:
         if name in only or name == "env":

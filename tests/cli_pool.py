@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
-WORKERS = 4   # subprocesses at once: on 2 cores their imports overlap with each other's file I/O and waits
+WORKERS = 4  # subprocesses at once: on 2 cores their imports overlap with each other's file I/O and waits
 
 
 def run_cases(cases: dict[str, Callable[[], T]]) -> dict[str, T]:

@@ -61,7 +61,7 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(placement.header())
 
 
-_NO_CUDA: list = []   # [why] once known: None where a CUDA device is usable
+_NO_CUDA: list = []  # [why] once known: None where a CUDA device is usable
 
 
 def _no_cuda() -> str | None:
@@ -69,8 +69,11 @@ def _no_cuda() -> str | None:
     if not _NO_CUDA:
         import torch
 
-        _NO_CUDA.append(None if torch.cuda.is_available() else
-                        f"no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False)")
+        _NO_CUDA.append(
+            None
+            if torch.cuda.is_available()
+            else f"no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False)"
+        )
     return _NO_CUDA[0]
 
 
@@ -103,8 +106,9 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     drawn = placement.placements_of(item)
     if drawn and rep.failed:
-        rep.sections.append(("fault placement", "\n".join(
-            [str(p) for p in drawn] + [f"rerun with {placement.ENV}={drawn[0].seed}"])))
+        rep.sections.append(
+            ("fault placement", "\n".join([str(p) for p in drawn] + [f"rerun with {placement.ENV}={drawn[0].seed}"]))
+        )
 
 
 _HOLD_LOCK = """
@@ -121,8 +125,9 @@ c.execute("ROLLBACK")
 @contextlib.contextmanager
 def ledger_write_lock(db_path, seconds: float):
     """Another process holds the ledger's write lock (BEGIN IMMEDIATE) for `seconds`, from entry."""
-    p = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(db_path), str(seconds)], stdout=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(db_path), str(seconds)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert p.stdout.readline().strip() == "locked"
         yield p

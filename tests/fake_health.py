@@ -22,8 +22,16 @@ class FakeEccSource:
                 f.write(str(self.polls))
             os.replace(tmp, self.count_file)
         if self.polls == self.at:
-            return [{"metric": "ecc_uncorrected_volatile", "gpu": self.gpu, "old": 0, "new": 1, "severity": "fatal",
-                     "message": f"GPU {self.gpu}: ecc_uncorrected_volatile 0 -> 1"}]
+            return [
+                {
+                    "metric": "ecc_uncorrected_volatile",
+                    "gpu": self.gpu,
+                    "old": 0,
+                    "new": 1,
+                    "severity": "fatal",
+                    "message": f"GPU {self.gpu}: ecc_uncorrected_volatile 0 -> 1",
+                }
+            ]
         return []
 
 
@@ -40,5 +48,13 @@ class FakeEccWhenFileAppears:
         if self.fired or not os.path.exists(self.path):
             return []
         self.fired = True
-        return [{"metric": "ecc_uncorrected_volatile", "gpu": self.gpu, "old": 0, "new": 1, "severity": "fatal",
-                 "message": f"GPU {self.gpu}: ecc_uncorrected_volatile 0 -> 1"}]
+        return [
+            {
+                "metric": "ecc_uncorrected_volatile",
+                "gpu": self.gpu,
+                "old": 0,
+                "new": 1,
+                "severity": "fatal",
+                "message": f"GPU {self.gpu}: ecc_uncorrected_volatile 0 -> 1",
+            }
+        ]

@@ -13,13 +13,26 @@ from scout_ckpt.ledger import Ledger
 from tests.conftest import REPO
 
 
-def torchrun(script: Path, save_dir: Path, events: Path, *extra, restarts: int = 0, ok: bool = True,
-             nproc: int = 2):
+def torchrun(script: Path, save_dir: Path, events: Path, *extra, restarts: int = 0, ok: bool = True, nproc: int = 2):
     """`script SAVE_DIR --events EVENTS ...` on `nproc` ranks under torchrun; asserts it ended as `ok` says."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(script), str(save_dir),
-           "--events", str(events), *map(str, extra)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.5",
+        str(script),
+        str(save_dir),
+        "--events",
+        str(events),
+        *map(str, extra),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=save_dir.parent)
     assert (p.returncode == 0) == ok, p.stdout[-2000:] + p.stderr[-4000:]
     return p

@@ -13,7 +13,7 @@ from pathlib import Path
 from scout_ckpt.format.layout import LEDGER_NAME
 from tests.conftest import REPO
 
-EIO_SITECUSTOMIZE = '''
+EIO_SITECUSTOMIZE = """
 import errno, os
 _target = os.environ.get("SCOUT_TEST_EIO_FILE")
 if _target:
@@ -26,7 +26,7 @@ if _target:
         return _real(path, flags, *args, **kwargs)
 
     os.open = _open
-'''
+"""
 
 
 def eio_once_env(site: Path, target: Path) -> dict:
@@ -57,5 +57,10 @@ def trust(root: Path, step: int) -> tuple:
 
     with Ledger.open(root, readonly=True) as led:
         row = led.checkpoint(step)
-        return (row["state"], row["reasons"], row["attempt"],
-                {k: v["status"] for k, v in led.evidence(step).items()}, len(led.certifications(step)))
+        return (
+            row["state"],
+            row["reasons"],
+            row["attempt"],
+            {k: v["status"] for k, v in led.evidence(step).items()},
+            len(led.certifications(step)),
+        )

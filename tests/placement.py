@@ -52,14 +52,14 @@ def header() -> str:
 @dataclass(frozen=True)
 class Placement:
     rank: int
-    step: int | None   # None: a fault of every step (a straggler), placed by rank only
+    step: int | None  # None: a fault of every step (a straggler), placed by rank only
     seed: int
 
     def __str__(self) -> str:
         at = f"rank {self.rank}" + ("" if self.step is None else f", step {self.step}")
         return f"fault at {at} ({ENV}={self.seed})"
 
-    __repr__ = __str__   # in an assertion message, as a tuple's item too
+    __repr__ = __str__  # in an assertion message, as a tuple's item too
 
 
 def _stream(request) -> random.Random:
@@ -73,8 +73,9 @@ def _stream(request) -> random.Random:
     return rng
 
 
-def place(request, ranks: Iterable[int], steps: Iterable[int] | None = None,
-          where: Callable[[int, int], bool] | None = None) -> Placement:
+def place(
+    request, ranks: Iterable[int], steps: Iterable[int] | None = None, where: Callable[[int, int], bool] | None = None
+) -> Placement:
     """One (rank, step), uniform over the pairs of `ranks` x `steps` that `where(rank, step)` admits (all by
     default); `steps=None` places by rank only. Recorded on the test's node, so a failure's report names it with
     the seed."""

@@ -44,8 +44,10 @@ def test_adopt_certifies_plain_dcp_folders(plain):
     assert [(a["step"], a["state"]) for a in result["adopted"]] == [(10, "certified"), (20, "certified")]
     with Ledger.open(root, readonly=True) as ledger:
         rows = ledger.checkpoints()
-        assert [(r["step"], r["state"], r["path"]) for r in rows] == [(10, "certified", "step-10"),
-                                                                     (20, "certified", "step-20")]
+        assert [(r["step"], r["state"], r["path"]) for r in rows] == [
+            (10, "certified", "step-10"),
+            (20, "certified", "step-20"),
+        ]
         paths = {f["path"] for f in ledger.files(10)}
         assert paths == {".metadata", "__0_0.distcp", "__1_0.distcp"}
         assert ledger.evidence(10)["invariants"]["status"] == "pass"
@@ -54,8 +56,8 @@ def test_adopt_certifies_plain_dcp_folders(plain):
     assert manifest["format"] == "scout-manifest/1" and manifest["adopted"] is True
     assert manifest["step"] == 20 and manifest["invariants"] == [{"check": "finite", "params": "*"}]
     assert set(manifest["evidence"]) == {"bytes", "structure", "invariants", "source_digests"}
-    assert manifest["evidence"]["source_digests"]["status"] == "missing"   # recorded, not required by the policy
-    again = adopt(root)                    # idempotent: folders with a manifest are left alone
+    assert manifest["evidence"]["source_digests"]["status"] == "missing"  # recorded, not required by the policy
+    again = adopt(root)  # idempotent: folders with a manifest are left alone
     assert again["adopted"] == [] and [s["step"] for s in again["skipped"]] == STEPS
 
 
@@ -65,12 +67,12 @@ def test_adopted_without_source_digests_is_shown_as_such_and_refused_under_requi
     from tests.conftest import run_cli
 
     root, saved = plain
-    shard = saved[20]["layers.0.weight"][8:].contiguous()   # rank 1's rows, as the oracle saved them
+    shard = saved[20]["layers.0.weight"][8:].contiguous()  # rank 1's rows, as the oracle saved them
     f = root / "step-20" / "__1_0.distcp"
     data = bytearray(f.read_bytes())
     at = bytes(data).find(shard.numpy().tobytes())
     assert at >= 0
-    data[at] ^= 0x01   # the lowest mantissa bit of one weight: still finite, a different number
+    data[at] ^= 0x01  # the lowest mantissa bit of one weight: still finite, a different number
     f.write_bytes(bytes(data))
     assert [(a["step"], a["state"]) for a in adopt(root)["adopted"]] == [(10, "certified"), (20, "certified")]
     rc, so, se = run_cli("ls", root, "--json")
@@ -158,7 +160,7 @@ def test_export_round_trips_bitwise_with_provenance(plain, tmp_path):
     assert meta["scout.step"] == "20" and meta["scout.run_id"] == row["run_id"]
     assert meta["scout.manifest_digest"] == row["manifest_digest"]
     assert json.loads(meta["scout.files"]) == files
-    assert export(root, None, tmp_path / "latest.safetensors")["step"] == 20     # newest certified
+    assert export(root, None, tmp_path / "latest.safetensors")["step"] == 20  # newest certified
 
 
 def test_export_sharded_with_index(plain, tmp_path):

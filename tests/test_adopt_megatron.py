@@ -37,8 +37,10 @@ from tests.conftest import CLI, REPO, run_cli
 from tests.framework_jobs import flip_bit
 
 DATA = REPO / "tests" / "data" / "megatron_plain"
-SAVED = {r["step"]: r["digest"] for r in map(json.loads, (REPO / "tests" / "data" / "megatron_plain.saved.jsonl")
-                                              .read_text().splitlines())}
+SAVED = {
+    r["step"]: r["digest"]
+    for r in map(json.loads, (REPO / "tests" / "data" / "megatron_plain.saved.jsonl").read_text().splitlines())
+}
 TRACKER = mg_folders.TRACKER
 INTEGRITY = mg_folders.INTEGRITY
 
@@ -97,7 +99,7 @@ def test_megatrons_metadata_with_its_cached_save_plans_is_read_by_the_restricted
     from scout_ckpt.format.dcp_files import check_structure, load_metadata
 
     md = load_metadata(iter_dir(DATA, 2))
-    assert [type(p) for p in md.all_local_plans] == [dcp_meta.SavePlan] * 2   # one per rank
+    assert [type(p) for p in md.all_local_plans] == [dcp_meta.SavePlan] * 2  # one per rank
     items = [i for p in md.all_local_plans for i in p.items]
     assert {i.index.fqn for i in items} == {"w", "b"} and all(type(i) is dcp_meta.WriteItem for i in items)
     assert {i.type for i in items} <= set(dcp_meta.WriteItemType)
@@ -108,34 +110,44 @@ def test_adopt_checks_every_file_against_integrity_json_and_explain_names_what_v
     root = six
     tracker = (root / TRACKER).read_bytes()
     rc, so, se = run_cli("adopt", root, "--json")
-    assert rc == 1, so + se   # some folders are not certified
+    assert rc == 1, so + se  # some folders are not certified
     out = {a["step"]: a for a in json.loads(so)["adopted"]}
-    assert {s: a["state"] for s, a in out.items()} == {2: "certified", 4: "rejected", 6: "certified",
-                                                      8: "rejected", 10: "rejected", 12: "certified"}
+    assert {s: a["state"] for s, a in out.items()} == {
+        2: "certified",
+        4: "rejected",
+        6: "certified",
+        8: "rejected",
+        10: "rejected",
+        12: "certified",
+    }
     assert all(a["path"] == f"iter_{s:07d}" for s, a in out.items())
     assert [(r["code"], r["file"], r["evidence"]) for r in out[4]["reasons"]] == [
-        ("digest_mismatch", "__1_0.distcp", INTEGRITY)]
+        ("digest_mismatch", "__1_0.distcp", INTEGRITY)
+    ]
     assert [(r["code"], r["file"]) for r in out[8]["reasons"]] == [("unexpected_file", "notes.txt")]
     assert ("missing_file", "__0_1.distcp", INTEGRITY) in [
-        (r["code"], r.get("file"), r.get("evidence")) for r in out[10]["reasons"]]
-    assert "Traceback" not in se and se.count("\n") == 1   # one line: the first step not certified
+        (r["code"], r.get("file"), r.get("evidence")) for r in out[10]["reasons"]
+    ]
+    assert "Traceback" not in se and se.count("\n") == 1  # one line: the first step not certified
 
     with Ledger.open(root, readonly=True) as led:
         ev = {s: led.evidence(s) for s in out}
         run = led.runs()[-1]
     assert ev[2]["integrity"]["status"] == "pass" and ev[2]["integrity"]["listed"] == 6
-    assert "integrity" not in ev[6] and ev[6]["bytes"]["status"] == "pass"        # as before integrity.json
+    assert "integrity" not in ev[6] and ev[6]["bytes"]["status"] == "pass"  # as before integrity.json
     assert ev[12]["integrity"]["status"] == "not_applicable" and ev[12]["integrity"]["used"] is False
     assert ev[12]["integrity"]["reasons"][0]["code"] == "integrity_not_used"
     assert run["policy"]["require"] == ["bytes", "structure", "invariants"]
     m = json.loads((iter_dir(root, 2) / "scout-manifest.json").read_text())
     assert m["layout"] == "megatron" and m["iteration"] == 2 and m["adopted"] is True
-    assert {f["path"] for f in m["files"]} == set(json.loads((iter_dir(DATA, 2) / INTEGRITY).read_text())["files"]) \
-        | {INTEGRITY}
+    assert {f["path"] for f in m["files"]} == set(json.loads((iter_dir(DATA, 2) / INTEGRITY).read_text())["files"]) | {
+        INTEGRITY
+    }
 
     rc, text, _ = run_cli("explain", root, 2)
-    assert rc == 0 and "vouched for by: integrity.json: SHA-256 of 6 file(s) written at save, every file matched" \
-        in text, text
+    assert (
+        rc == 0 and "vouched for by: integrity.json: SHA-256 of 6 file(s) written at save, every file matched" in text
+    ), text
     rc, text, _ = run_cli("explain", root, 12)
     assert rc == 0 and "not used: integrity.json: not JSON" in text, text
     assert ev[6]["bytes"]["vouched_by"].startswith("adopt's own digests")
@@ -146,21 +158,24 @@ def test_adopt_checks_every_file_against_integrity_json_and_explain_names_what_v
     assert states(root) == {s: a["state"] for s, a in out.items()}
     rc, so, se = run_cli("resume", root, "--latest-clean", "--json")
     assert rc == 0 and json.loads(so)["step"] == 12 and json.loads(so)["path"].endswith("iter_0000012"), so + se
-    assert (root / TRACKER).read_bytes() == tracker   # adopt leaves Megatron-LM's tracker alone
+    assert (root / TRACKER).read_bytes() == tracker  # adopt leaves Megatron-LM's tracker alone
     assert mg_folders.latest_clean_iteration(root) == 12
 
 
-@pytest.mark.parametrize("content, why", [
-    (b"\xff\xfe garbage", "not JSON"),
-    (b"[1, 2]", "not a JSON object"),
-    (b'{"algorithm": "md5", "files": {"a": "00"}}', "algorithm md5 is not sha256"),
-    (b'{"algorithm": "sha256"}', 'no "files" object'),
-    (b'{"algorithm": "sha256", "files": {}}', "it lists no files"),
-    (b'{"files": {"a": "abc"}}', "the digest of a is not a SHA-256 hex string"),
-    (b'{"files": {"../a": "' + b"0" * 64 + b'"}}', "a file name that is not a plain relative path"),
-    (b'{"files": {"integrity.json": "' + b"0" * 64 + b'"}}', "it lists itself"),
-    (b'{"files": {"a": {"nested": 1}}}', "the digest of a is not a SHA-256 hex string"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b"\xff\xfe garbage", "not JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"algorithm": "md5", "files": {"a": "00"}}', "algorithm md5 is not sha256"),
+        (b'{"algorithm": "sha256"}', 'no "files" object'),
+        (b'{"algorithm": "sha256", "files": {}}', "it lists no files"),
+        (b'{"files": {"a": "abc"}}', "the digest of a is not a SHA-256 hex string"),
+        (b'{"files": {"../a": "' + b"0" * 64 + b'"}}', "a file name that is not a plain relative path"),
+        (b'{"files": {"integrity.json": "' + b"0" * 64 + b'"}}', "it lists itself"),
+        (b'{"files": {"a": {"nested": 1}}}', "the digest of a is not a SHA-256 hex string"),
+    ],
+)
 def test_an_unusable_integrity_json_is_not_evidence_and_says_why(tmp_path, content, why):
     (tmp_path / INTEGRITY).write_bytes(content)
     listing = adopt_integrity.read_listing(tmp_path, INTEGRITY)
@@ -178,11 +193,13 @@ def test_integrity_json_reading_follows_megatron_and_refuses_what_is_not_a_file(
     assert listing.usable and listing.files == {"a": sha256(a)}
     assert adopt_integrity.compare(listing, {"a": sha256(a)}) == ("pass", [])
     status, reasons = adopt_integrity.compare(listing, {"b": sha256(a)})
-    assert status == "fail" and [(r["code"], r["file"]) for r in reasons] == [("missing_file", "a"),
-                                                                            ("unexpected_file", "b")]
+    assert status == "fail" and [(r["code"], r["file"]) for r in reasons] == [
+        ("missing_file", "a"),
+        ("unexpected_file", "b"),
+    ]
     assert not adopt_integrity.read_listing(tmp_path / "nowhere", INTEGRITY).present
     (tmp_path / INTEGRITY).unlink()
-    os.mkfifo(tmp_path / INTEGRITY)   # a FIFO would block a reader for ever
+    os.mkfifo(tmp_path / INTEGRITY)  # a FIFO would block a reader for ever
     assert adopt_integrity.read_listing(tmp_path, INTEGRITY).why == f"{INTEGRITY} is not a regular file"
     (tmp_path / INTEGRITY).unlink()
     os.symlink(tmp_path.parent, tmp_path / INTEGRITY)
@@ -190,6 +207,7 @@ def test_integrity_json_reading_follows_megatron_and_refuses_what_is_not_a_file(
 
 
 # ---- crash consistency: a real SIGKILL of the CLI between the steps of an adopt ----------------------------------
+
 
 def adopt_killed(root: Path, hook: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), HOOK_ENV: hook}
@@ -238,7 +256,7 @@ def assert_finished(root: Path, oracle: dict) -> None:
     assert states(root) == oracle
     records = journal.read(root)
     with Ledger.open(root, readonly=True) as led:
-        for r in led.checkpoints():   # the journal holds each verdict, for a ledger rebuilt from it later
+        for r in led.checkpoints():  # the journal holds each verdict, for a ledger rebuilt from it later
             assert journal.standing(records, r["step"], r["manifest_digest"])["state"] == r["state"]
     assert recovery.latest_clean(root)["step"] == max(s for s, v in oracle.items() if v == "certified")
 
@@ -246,13 +264,13 @@ def assert_finished(root: Path, oracle: dict) -> None:
 def test_adopt_killed_after_writing_a_manifest_is_finished_by_the_next_adopt(tmp_path):
     root, oracle = two(tmp_path, bad=False)
     tracker = (root / TRACKER).read_bytes()
-    p = adopt_killed(root, "kill:manifest:2")   # manifest of iter 2 written, nothing in the ledger yet
+    p = adopt_killed(root, "kill:manifest:2")  # manifest of iter 2 written, nothing in the ledger yet
     assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
     assert (iter_dir(root, 2) / "scout-manifest.json").exists()
     assert_old_or_new(root, oracle)
-    assert states(root) == {}                    # the old state: nothing adopted
-    torn = iter_dir(root, 2) / ".scout-manifest.json.tmp-4194303"   # as a kill inside the write
-    torn.write_bytes(b'{"format": "scout-man')                                    # of a manifest leaves it
+    assert states(root) == {}  # the old state: nothing adopted
+    torn = iter_dir(root, 2) / ".scout-manifest.json.tmp-4194303"  # as a kill inside the write
+    torn.write_bytes(b'{"format": "scout-man')  # of a manifest leaves it
     rc, so, se = run_cli("adopt", root, "--json")
     assert rc == 0, so + se
     out = json.loads(so)
@@ -266,9 +284,16 @@ def test_adopt_killed_after_writing_a_manifest_is_finished_by_the_next_adopt(tmp
 def test_adopt_killed_at_every_point_and_at_random_times_leaves_old_or_new_state(tmp_path):
     # one ROOT killed at each point in turn, each run resuming what the last one left
     root, oracle = two(tmp_path)
-    for hook in ("kill:judged:2", "kill:manifest:2", "legacy", "kill:ledger:2", "kill:judged:4",
-                 "kill:manifest:4", "kill:journal:4"):
-        if hook == "legacy":   # what adopt left before it recorded in one transaction: a `writing` row of the
+    for hook in (
+        "kill:judged:2",
+        "kill:manifest:2",
+        "legacy",
+        "kill:ledger:2",
+        "kill:judged:4",
+        "kill:manifest:4",
+        "kill:journal:4",
+    ):
+        if hook == "legacy":  # what adopt left before it recorded in one transaction: a `writing` row of the
             # manifest's attempt that nobody owns (Ledger.record_writing without an owner, as it was called)
             m = json.loads((iter_dir(root, 2) / "scout-manifest.json").read_text())
             with Ledger.open(root) as led:
@@ -280,7 +305,7 @@ def test_adopt_killed_at_every_point_and_at_random_times_leaves_old_or_new_state
     rc, so, se = run_cli("adopt", root, "--json")
     assert rc == 1 and "Traceback" not in se, so + se
     assert_finished(root, oracle)
-    rc, so, _ = run_cli("adopt", root, "--json")   # nothing left to do
+    rc, so, _ = run_cli("adopt", root, "--json")  # nothing left to do
     assert rc == 0 and json.loads(so)["adopted"] == [] and json.loads(so)["finished"] == [], so
 
     # kills at random times while an adopt pauses between its steps; each time the invariant, then finished
@@ -288,10 +313,11 @@ def test_adopt_killed_at_every_point_and_at_random_times_leaves_old_or_new_state
     for attempt in range(6):
         root, oracle = two(tmp_path / f"r{attempt}")
         env = {**os.environ, "PYTHONPATH": str(REPO), HOOK_ENV: "pause:0.05"}
-        for _ in range(2):   # two kills on the same ROOT, then an adopt that is left to finish
-            p = subprocess.Popen([*CLI, "adopt", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                 text=True, env=env)
-            p.stderr.readline()   # its first line (the first point reached, or a warning): under way
+        for _ in range(2):  # two kills on the same ROOT, then an adopt that is left to finish
+            p = subprocess.Popen(
+                [*CLI, "adopt", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+            )
+            p.stderr.readline()  # its first line (the first point reached, or a warning): under way
             time.sleep(rng.uniform(0, 0.4))
             p.send_signal(signal.SIGKILL)
             p.communicate(timeout=60)
@@ -305,6 +331,7 @@ def test_adopt_killed_at_every_point_and_at_random_times_leaves_old_or_new_state
 
 
 # ---- a fresh Megatron job: adopt, then Megatron loads what `resume --latest-clean` hands out --------------------
+
 
 @pytest.mark.scenario
 def test_fresh_megatron_folders_adopted_and_the_certified_iteration_loads_as_saved(tmp_path):
@@ -323,11 +350,11 @@ def test_fresh_megatron_folders_adopted_and_the_certified_iteration_loads_as_sav
         assert listing == {p.name: sha256(p) for p in d.iterdir() if p.name != INTEGRITY}
     flip_bit(iter_dir(save_dir, 4) / "__1_0.distcp")
     rc, so, se = run_cli("adopt", save_dir, "--json")
-    assert rc == 1 and {a["step"]: a["state"] for a in json.loads(so)["adopted"]} == {2: "certified",
-                                                                                     4: "rejected"}, so + se
+    assert rc == 1 and {a["step"]: a["state"] for a in json.loads(so)["adopted"]} == {2: "certified", 4: "rejected"}, (
+        so + se
+    )
     rc, so, se = run_cli("resume", save_dir, "--latest-clean", "--json")
     assert rc == 0 and json.loads(so)["step"] == 2, so + se
     ev2 = tmp_path / "loaded.jsonl"
     jobs.torchrun(script, save_dir, ev2, "--load", json.loads(so)["path"])
     assert [(r["step"], r["digest"]) for r in jobs.events(ev2, "loaded")] == [(2, saved[2])]
-

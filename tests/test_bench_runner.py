@@ -22,19 +22,22 @@ def test_the_smoke_run_takes_every_bench_the_campaign_and_the_torture_but_no_ext
     smoke = {p.name for p in run_all.bench_scripts(smoke=True)}
     full = {p.name for p in run_all.bench_scripts()}
     extensions = {n for n in on_disk if n.startswith("campaign_")}
-    assert extensions and not extensions & smoke and not extensions & full   # the campaign imports them
+    assert extensions and not extensions & smoke and not extensions & full  # the campaign imports them
     assert smoke == on_disk - extensions - {"run_all.py"}
     assert full == smoke - {"campaign.py", "torture.py"}
     # every key the smoke run demands belongs to a bench it runs
     assert set(run_all.CONTRACT_KEYS) <= smoke
 
 
-@pytest.mark.parametrize("doc, missing", [
-    ({"ratios": {"a": 1.0}, "kinds": {"x": {"recall": 1}, "y": {"recall": 0}}}, []),
-    ({"ratios": {"a": None}, "kinds": {"x": {"recall": 1}, "y": {}}}, ["kinds.*.recall"]),
-    ({"ratios": {}, "kinds": {}}, ["ratios.a", "kinds.*.recall"]),
-    ({"ratios": 3, "kinds": []}, ["ratios.a", "kinds.*.recall"]),
-])
+@pytest.mark.parametrize(
+    "doc, missing",
+    [
+        ({"ratios": {"a": 1.0}, "kinds": {"x": {"recall": 1}, "y": {"recall": 0}}}, []),
+        ({"ratios": {"a": None}, "kinds": {"x": {"recall": 1}, "y": {}}}, ["kinds.*.recall"]),
+        ({"ratios": {}, "kinds": {}}, ["ratios.a", "kinds.*.recall"]),
+        ({"ratios": 3, "kinds": []}, ["ratios.a", "kinds.*.recall"]),
+    ],
+)
 def test_a_documented_key_left_out_is_named(doc, missing):
     assert run_all.missing_keys(doc, ["ratios.a", "kinds.*.recall"]) == missing
 

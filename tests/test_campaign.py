@@ -19,8 +19,22 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.scenario
 @pytest.mark.slow
 def test_campaign_quick_has_no_bad_resume_and_no_torture_violation(tmp_path):
-    cmd = [sys.executable, str(REPO / "bench" / "campaign.py"), "--quick", "--json", "--seed", "3",
-           "--kinds", "bitflip,truncate,delete", "--healthy", "1", "--torture", "5", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(REPO / "bench" / "campaign.py"),
+        "--quick",
+        "--json",
+        "--seed",
+        "3",
+        "--kinds",
+        "bitflip,truncate,delete",
+        "--healthy",
+        "1",
+        "--torture",
+        "5",
+        "--out",
+        str(tmp_path),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert p.returncode == 0, why_failed(p.stderr)
     res = json.loads(p.stdout)  # exactly one JSON object on stdout
@@ -50,13 +64,39 @@ def test_murphy_kinds_are_registered_and_scored_with_their_targets():
     murphy = ("lost_ledger", "transient_eio", "enospc", "clock_skew", "gc_resave", "second_container")
     assert set(murphy) <= set(campaign.all_kinds())
     base = {"blamed": [], "truth": [], "latency_s": None, "bad_resume": False, "no_resume": False}
-    incidents = [{**base, "id": "lost_ledger-0", "kind": "lost_ledger", "fired": True, "detected": True,
-                  "wrongly_certified": 0, "good_lost": 0, "outcome": "finished"},
-                 {**base, "id": "lost_ledger-1", "kind": "lost_ledger", "fired": True, "detected": False,
-                  "wrongly_certified": 1, "good_lost": 2, "outcome": "crashed: RuntimeError: x"},
-                 {**base, "id": "enospc-0", "kind": "enospc", "fired": False, "detected": False,
-                  "wrongly_certified": 0, "good_lost": 0, "outcome": "skipped: no tmpfs"},
-                 {**base, "id": "bitflip-0", "kind": "bitflip", "fired": True, "detected": True}]
+    incidents = [
+        {
+            **base,
+            "id": "lost_ledger-0",
+            "kind": "lost_ledger",
+            "fired": True,
+            "detected": True,
+            "wrongly_certified": 0,
+            "good_lost": 0,
+            "outcome": "finished",
+        },
+        {
+            **base,
+            "id": "lost_ledger-1",
+            "kind": "lost_ledger",
+            "fired": True,
+            "detected": False,
+            "wrongly_certified": 1,
+            "good_lost": 2,
+            "outcome": "crashed: RuntimeError: x",
+        },
+        {
+            **base,
+            "id": "enospc-0",
+            "kind": "enospc",
+            "fired": False,
+            "detected": False,
+            "wrongly_certified": 0,
+            "good_lost": 0,
+            "outcome": "skipped: no tmpfs",
+        },
+        {**base, "id": "bitflip-0", "kind": "bitflip", "fired": True, "detected": True},
+    ]
     kinds = campaign.score(incidents, [])
     assert kinds["lost_ledger"]["wrongly_certified"] == 1 and kinds["lost_ledger"]["good_lost"] == 2
     assert kinds["lost_ledger"]["outcomes"] == ["finished", "crashed: RuntimeError: x"]

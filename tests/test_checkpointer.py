@@ -22,8 +22,12 @@ def test_ddp_round_trip_is_bitwise(tmp_path, async_save):
         assert [(r["step"], r["state"]) for r in rows] == [(3, "certified"), (4, "certified")]
         files = led.files(4)
         # every rank hashed what it wrote; the coordinator also wrote .metadata
-        assert {f["path"]: f["rank"] for f in files} == {".metadata": 0, "__0_0.distcp": 0, "__1_0.distcp": 1,
-                                                         "__2_0.distcp": 2}, files
+        assert {f["path"]: f["rank"] for f in files} == {
+            ".metadata": 0,
+            "__0_0.distcp": 0,
+            "__1_0.distcp": 1,
+            "__2_0.distcp": 2,
+        }, files
         for r in rows:
             assert verify_checkpoint(tmp_path, led, r["step"])["status"] == "pass"
 
@@ -42,8 +46,14 @@ def test_fsdp2_round_trip_and_reshard(tmp_path, async_save):
             assert got["full"][k].equal(ref[k]), k
 
 
-POINTS = [("before_write", 1), ("during_write", 1), ("during_write", 0), ("after_write", 2),
-          ("before_rename", 0), ("after_rename", 0)]
+POINTS = [
+    ("before_write", 1),
+    ("during_write", 1),
+    ("during_write", 0),
+    ("after_write", 2),
+    ("before_rename", 0),
+    ("after_rename", 0),
+]
 
 
 @pytest.mark.parametrize("point,victim", POINTS, ids=[f"{p}-rank{v}" for p, v in POINTS])
@@ -77,7 +87,7 @@ def test_sigkill_during_save_never_leaves_a_bad_checkpoint(tmp_path, point, vict
 def test_nonfinite_state_is_rejected_by_the_writing_rank(tmp_path):
     out = run_ranks(w.save_nonfinite, 3, str(tmp_path), timeout=60)
     assert all(o.result["broadcast_ok"] for o in out)
-    assert all(o.result["raised"] == [True, True] for o in out)     # LiveStateCorrupt on every rank, by default
+    assert all(o.result["raised"] == [True, True] for o in out)  # LiveStateCorrupt on every rank, by default
     assert all(o.result["reloaded"] == 1 for o in out)
     assert out[0].result["good"]["state"] == "certified"
     bad = out[0].result["bad"]
@@ -89,8 +99,8 @@ def test_nonfinite_state_is_rejected_by_the_writing_rank(tmp_path):
     big = out[0].result["big_bad"]
     assert big["state"] == "rejected"
     finite = [r for r in big["reasons"] if r["code"] == "invariant_failed" and r["check"] == "finite"]
-    assert sorted(t for r in finite for t in r["tensors"]) == ["big.a", "big.b", "big.c"], big   # not big.d
-    assert all(len(r["ranks"]) == 1 for r in finite)   # each named by the rank that wrote it
+    assert sorted(t for r in finite for t in r["tensors"]) == ["big.a", "big.b", "big.c"], big  # not big.d
+    assert all(len(r["ranks"]) == 1 for r in finite)  # each named by the rank that wrote it
     with Ledger.open(tmp_path, readonly=True) as led:
         assert led.latest()["step"] == 3
 
@@ -112,8 +122,7 @@ def test_load_mismatch_rejects_and_walks_back_absent_keys_are_the_callers_error(
     mpath = tmp_path / "step-00000004" / "scout-manifest.json"
     m = json.loads(mpath.read_text())
     key = next(k for k in m["signatures"] if k.endswith("exp_avg"))
-    m["signatures"][key] = m["signatures"][key][:-4] + ("0000" if not m["signatures"][key].endswith("0000")
-                                                        else "1111")
+    m["signatures"][key] = m["signatures"][key][:-4] + ("0000" if not m["signatures"][key].endswith("0000") else "1111")
     mpath.write_text(json.dumps(m))
     c = sqlite3.connect(tmp_path / "scout-ledger.db")
     c.execute("UPDATE checkpoints SET manifest_digest=? WHERE step=4", (bytes_digest(mpath.read_bytes()),))
@@ -129,8 +138,10 @@ def test_load_mismatch_rejects_and_walks_back_absent_keys_are_the_callers_error(
         assert led.latest("certified")["step"] == 3
     from scout_ckpt.ledger import journal
 
-    assert any(r["step"] == 4 and r.get("state") == "rejected" and r["reasons"][0]["code"] == "load_mismatch"
-               for r in journal.read(tmp_path))
+    assert any(
+        r["step"] == 4 and r.get("state") == "rejected" and r["reasons"][0]["code"] == "load_mismatch"
+        for r in journal.read(tmp_path)
+    )
 
 
 def test_fsdp_with_only_finite_is_never_certified(tmp_path):
@@ -163,7 +174,12 @@ def test_bookkeeping_errors_after_the_rename_never_fail_the_save(tmp_path):
     out = run_ranks(w.bookkeeping_errors, 2, str(tmp_path), env={"SCOUT_CKPT_BUSY_TIMEOUT": "1"}, timeout=180)
     for o in out:
         assert {s: v["state"] for s, v in o.result["verdicts"].items()} == {
-            1: "certified", 2: "certified", 3: "certified", 4: "certified", 5: "certified"}
+            1: "certified",
+            2: "certified",
+            3: "certified",
+            4: "certified",
+            5: "certified",
+        }
         assert o.result["refused"].startswith("SaveRefused") and "quarantined" in o.result["refused"]
     with Ledger.open(tmp_path, readonly=True) as led:
         states = {r["step"]: r["state"] for r in led.checkpoints()}
@@ -181,8 +197,9 @@ def test_second_process_on_the_same_root_leaves_a_live_save_intact(tmp_path):
     root, signals = tmp_path / "run", tmp_path / "signals"
     signals.mkdir()
     result = {}
-    job = threading.Thread(target=lambda: result.update(out=run_ranks(w.paused_save, 2, str(root), str(signals),
-                                                                      timeout=400)))
+    job = threading.Thread(
+        target=lambda: result.update(out=run_ranks(w.paused_save, 2, str(root), str(signals), timeout=400))
+    )
     job.start()
     try:
         deadline = time.monotonic() + 300
@@ -216,15 +233,17 @@ def test_staging_cache_reuses_its_copy_only_for_the_same_layout():
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "step": 1, "extra": [torch.ones(2), None]}
     a = cache.stage(state)
     assert a["model"]["w"].equal(state["model"]["w"]) and a["step"] == 1
-    assert a["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()   # a copy, not a view
+    assert a["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()  # a copy, not a view
     state["model"]["w"].add_(1)
     state["step"] = 2
     b = cache.stage(state)
-    assert b["model"]["w"].data_ptr() == a["model"]["w"].data_ptr()       # the same buffer, refilled
+    assert b["model"]["w"].data_ptr() == a["model"]["w"].data_ptr()  # the same buffer, refilled
     assert b["model"]["w"].equal(state["model"]["w"]) and b["step"] == 2
-    for changed in ({"model": {"w": torch.zeros(1)}, "step": 3, "extra": [torch.ones(2), None]},
-                    {"model": {"w": torch.zeros(2, 3, dtype=torch.float64)}, "step": 3, "extra": [torch.ones(2), None]},
-                    {"model": {"w": torch.zeros(2, 3), "b": torch.zeros(3)}, "step": 3, "extra": [torch.ones(2), None]}):
+    for changed in (
+        {"model": {"w": torch.zeros(1)}, "step": 3, "extra": [torch.ones(2), None]},
+        {"model": {"w": torch.zeros(2, 3, dtype=torch.float64)}, "step": 3, "extra": [torch.ones(2), None]},
+        {"model": {"w": torch.zeros(2, 3), "b": torch.zeros(3)}, "step": 3, "extra": [torch.ones(2), None]},
+    ):
         c = cache.stage(changed)
         assert c["model"].keys() == changed["model"].keys()
         for k, v in changed["model"].items():
@@ -259,9 +278,9 @@ def test_zip_crc_is_off_only_while_writers_write_and_torch_load_never_checked_it
         th.join()
         buf = io.BytesIO()
         torch.save(t, buf)
-    assert seen == [True]                                       # another thread's torch.save is untouched
-    assert torch.serialization.get_crc32_options() is True     # and this thread's setting is back
-    assert torch.load(io.BytesIO(buf.getvalue())).equal(t)    # written without the CRC, loads as before
+    assert seen == [True]  # another thread's torch.save is untouched
+    assert torch.serialization.get_crc32_options() is True  # and this thread's setting is back
+    assert torch.load(io.BytesIO(buf.getvalue())).equal(t)  # written without the CRC, loads as before
 
 
 def test_a_failed_async_save_is_settled_when_it_fails(tmp_path):
@@ -270,7 +289,7 @@ def test_a_failed_async_save_is_settled_when_it_fails(tmp_path):
         assert "injected write failure at step 2 on rank 1" in (o.result["error"] or ""), o.result
     r = out[0].result
     assert r["row"]["state"] == "rejected" and r["row"]["reasons"][0]["code"] == "commit_failed", r["row"]
-    assert r["temps"] == []                      # its temp dir went with it, before the next start
+    assert r["temps"] == []  # its temp dir went with it, before the next start
     assert r["states"] == {1: "certified", 2: "rejected", 3: "certified"}, r["states"]
 
 

@@ -17,9 +17,10 @@ LEDGER = "scout-ledger.db"
 def effects(tmp_path_factory):
     root = tmp_path_factory.mktemp("options")
     out = run_ranks(w.option_effects, 3, str(root), timeout=300)
-    for o in out[1:]:   # every rank saw the same verdicts
-        assert {k: v["verdict"] for k, v in o.result.items() if k != "loads"} == \
-            {k: v["verdict"] for k, v in out[0].result.items() if k != "loads"}
+    for o in out[1:]:  # every rank saw the same verdicts
+        assert {k: v["verdict"] for k, v in o.result.items() if k != "loads"} == {
+            k: v["verdict"] for k, v in out[0].result.items() if k != "loads"
+        }
     return root, out[0].result
 
 
@@ -49,7 +50,7 @@ def test_consensus_exclude_leaves_only_the_named_tensors_out(effects):
     assert got["verdict"]["state"] == "certified" and got["verdict"]["reasons"] == [], got["verdict"]
     ev = got["recorded"]["evidence"]["consensus"]
     assert ev["status"] == "pass" and "consensus" in got["recorded"]["policy"]["require"]
-    assert ev["tensors_compared"] == base["tensors_compared"] - 1   # model.2.weight alone, the rest compared
+    assert ev["tensors_compared"] == base["tensors_compared"] - 1  # model.2.weight alone, the rest compared
 
 
 def test_finite_false_drops_the_writers_finite_check(effects):
@@ -60,7 +61,7 @@ def test_finite_false_drops_the_writers_finite_check(effects):
     got = r["no_finite"]
     assert got["verdict"]["state"] == "certified" and got["verdict"]["reasons"] == [], got["verdict"]
     assert got["recorded"]["policy"]["invariants"] == []
-    assert got["recorded"]["policy"]["require"] == ["bytes", "consensus", "replay"]   # replay: on by default
+    assert got["recorded"]["policy"]["require"] == ["bytes", "consensus", "replay"]  # replay: on by default
     assert "invariants" not in got["recorded"]["evidence"]
 
 
@@ -68,7 +69,7 @@ def test_verify_load_false_records_no_signatures_and_loads_unchecked_values(effe
     from scout_ckpt.ledger import Ledger
 
     root, r = effects
-    assert r["journal_default"]["recorded"]["signatures"]          # the default signs the saved state
+    assert r["journal_default"]["recorded"]["signatures"]  # the default signs the saved state
     assert "model.0.weight" in r["journal_default"]["recorded"]["signatures"]
     got = r["no_verify_load"]
     assert got["verdict"]["state"] == "certified"
@@ -96,4 +97,4 @@ def test_ledger_journal_delete_keeps_the_ledger_out_of_wal(effects):
 
     assert r["journal_delete"]["verdict"]["state"] == "certified"
     assert header("journal_delete") == 1 and not (root / "journal_delete" / f"{LEDGER}-wal").exists()
-    assert header("journal_default") == 2   # auto on a local disk: WAL
+    assert header("journal_default") == 2  # auto on a local disk: WAL

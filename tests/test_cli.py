@@ -83,8 +83,13 @@ def test_damaged_file_is_caught_and_skipped(ckpt_root, tmp_path):
             rc, _, _ = run_cli("certify", root, "--step", 3)
             assert rc == 0
 
-    run_cases({f"{d} {w}": (lambda d=d, w=w: case(d, w))
-               for d in ("bitflip", "truncate", "delete") for w in ("metadata", "shard")})
+    run_cases(
+        {
+            f"{d} {w}": (lambda d=d, w=w: case(d, w))
+            for d in ("bitflip", "truncate", "delete")
+            for w in ("metadata", "shard")
+        }
+    )
 
 
 def test_resume_walks_back_and_records_the_failure(ckpt_root):
@@ -118,12 +123,14 @@ def test_resume_says_on_stderr_which_steps_it_walked_past_and_why(ckpt_root):
     data[len(data) // 3] ^= 4
     f.write_bytes(bytes(data))
     rc, out, err = run_cli("resume", ckpt_root, "--latest-clean")
-    assert rc == 0 and out == f"{(ckpt_root / 'step-00000003').resolve()}\n"   # stdout: the path alone
+    assert rc == 0 and out == f"{(ckpt_root / 'step-00000003').resolve()}\n"  # stdout: the path alone
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"scout-ckpt: skipped step 4: digest_mismatch({f.name})")
     rc, out, err = run_cli("resume", ckpt_root, "--latest-clean", "--json")
     doc = json.loads(out)
-    assert doc["step"] == 3 and doc["newer"] == [{"step": 4, "state": "rejected", "reasons": doc["newer"][0]["reasons"]}]
+    assert doc["step"] == 3 and doc["newer"] == [
+        {"step": 4, "state": "rejected", "reasons": doc["newer"][0]["reasons"]}
+    ]
     assert doc["newer"][0]["reasons"][0]["code"] == "digest_mismatch"
     assert err.strip().startswith(f"scout-ckpt: newer step 4 is rejected: digest_mismatch({f.name})")
 
@@ -211,18 +218,20 @@ def test_ledger_rebuild_no_verify_hashes_nothing_and_certifies_nothing(ckpt_root
     hashes and decides."""
     f = _files(ckpt_root, 4)[0]
     data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0x01   # same size, other bytes: only hashing can tell
+    data[len(data) // 2] ^= 0x01  # same size, other bytes: only hashing can tell
     f.write_bytes(bytes(data))
     rc, out, err = run_cli("ledger", "rebuild", ckpt_root, "--no-verify", "--json")
     doc = json.loads(out)
     assert rc == 0 and doc["skipped"] == [] and doc["backup"], (rc, err)
-    assert doc["checkpoints"] == [{"step": 3, "state": "committed", "reasons": [{"code": "bytes_unverified"}]},
-                                  {"step": 4, "state": "committed", "reasons": [{"code": "bytes_unverified"}]}]
+    assert doc["checkpoints"] == [
+        {"step": 3, "state": "committed", "reasons": [{"code": "bytes_unverified"}]},
+        {"step": 4, "state": "committed", "reasons": [{"code": "bytes_unverified"}]},
+    ]
     assert [(c["step"], c["why"]) for c in doc["changes"]] == [(3, "bytes_unverified"), (4, "bytes_unverified")]
     rows = {c["step"]: c for c in json.loads(run_cli("ls", ckpt_root, "--json")[1])["checkpoints"]}
     assert rows[3]["evidence"]["bytes"] == rows[4]["evidence"]["bytes"] == "missing"
     rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
-    assert rc == 1 and json.loads(out)["step"] is None   # nothing certified to resume from
+    assert rc == 1 and json.loads(out)["step"] is None  # nothing certified to resume from
     rc, out, _ = run_cli("certify", ckpt_root, "--all", "--json")
     got = {r["step"]: r for r in json.loads(out)["results"]}
     assert rc == 1 and got[3]["state"] == "certified"
@@ -230,6 +239,7 @@ def test_ledger_rebuild_no_verify_hashes_nothing_and_certifies_nothing(ckpt_root
 
 
 # ---- bad input: one line on stderr, exit 2, nothing modified --------------------------------------------------
+
 
 def _assert_bad(args, needle, root=None):
     snap = _snapshot(root) if root else None
@@ -244,16 +254,27 @@ def _assert_bad(args, needle, root=None):
 def _assert_bad_each(ckpt_root, cases: list[tuple[list, str]]) -> None:
     """`_assert_bad` for each (args, needle), each on its own copy of the run ("{root}" in args: the copy),
     concurrently."""
+
     def case(i, args, needle):
         root = copy_root(ckpt_root, ckpt_root.parent / f"bad{i}")
         _assert_bad([root if a == "{root}" else a for a in args], needle, root=root)
 
-    run_cases({" ".join(map(str, args)): (lambda i=i, a=args, n=needle: case(i, a, n))
-               for i, (args, needle) in enumerate(cases)})
+    run_cases(
+        {
+            " ".join(map(str, args)): (lambda i=i, a=args, n=needle: case(i, a, n))
+            for i, (args, needle) in enumerate(cases)
+        }
+    )
 
 
-MISSING_ROOT_CMDS = [["ls"], ["explain", "{root}", "3"], ["certify"], ["resume", "--latest-clean"],
-                     ["gc", "--keep", "1"], ["quarantine", "{root}", "3", "--reason", "x"]]
+MISSING_ROOT_CMDS = [
+    ["ls"],
+    ["explain", "{root}", "3"],
+    ["certify"],
+    ["resume", "--latest-clean"],
+    ["gc", "--keep", "1"],
+    ["quarantine", "{root}", "3", "--reason", "x"],
+]
 
 
 def test_missing_root(tmp_path):
@@ -309,27 +330,41 @@ def test_missing_and_malformed_manifest(ckpt_root):
 
 
 def test_step_that_does_not_exist(ckpt_root):
-    _assert_bad_each(ckpt_root, [(["explain", "{root}", 99], "no such checkpoint"),
-                                 (["certify", "{root}", "--step", 99], "no such checkpoint"),
-                                 (["quarantine", "{root}", 99, "--reason", "x"], "no such checkpoint")])
+    _assert_bad_each(
+        ckpt_root,
+        [
+            (["explain", "{root}", 99], "no such checkpoint"),
+            (["certify", "{root}", "--step", 99], "no such checkpoint"),
+            (["quarantine", "{root}", 99, "--reason", "x"], "no such checkpoint"),
+        ],
+    )
 
 
 def test_bad_options(ckpt_root):
-    _assert_bad_each(ckpt_root, [(["gc", "{root}", "--keep", 0], "at least 1"),
-                                 (["ls", "{root}", "--bogus"], "No such option"),
-                                 (["resume", "{root}"], "--latest-clean"),
-                                 (["certify", "{root}", "--step", "x"], "Invalid value for '--step'"),
-                                 (["certify", "{root}", "--step", 3, "--all"], "--step and --all are mutually exclusive"),
-                                 (["certify", "{root}", "--all", "--step", 4, "--json"], "mutually exclusive")])
+    _assert_bad_each(
+        ckpt_root,
+        [
+            (["gc", "{root}", "--keep", 0], "at least 1"),
+            (["ls", "{root}", "--bogus"], "No such option"),
+            (["resume", "{root}"], "--latest-clean"),
+            (["certify", "{root}", "--step", "x"], "Invalid value for '--step'"),
+            (["certify", "{root}", "--step", 3, "--all"], "--step and --all are mutually exclusive"),
+            (["certify", "{root}", "--all", "--step", 4, "--json"], "mutually exclusive"),
+        ],
+    )
 
 
 def test_locked_ledger_readers_work_writers_fail_cleanly(ckpt_root):
     with ledger_write_lock(ckpt_root / LEDGER_NAME, 60):
         env = {"SCOUT_CKPT_BUSY_TIMEOUT": "0.5"}
         # the three at once: readers beside a writer that waits for the lock do not change what each sees
-        got = run_cases({"ls": lambda: run_cli("ls", ckpt_root, "--json", env=env),
-                         "resume": lambda: run_cli("resume", ckpt_root, "--latest-clean", env=env),
-                         "quarantine": lambda: run_cli("quarantine", ckpt_root, 3, "--reason", "x", env=env)})
+        got = run_cases(
+            {
+                "ls": lambda: run_cli("ls", ckpt_root, "--json", env=env),
+                "resume": lambda: run_cli("resume", ckpt_root, "--latest-clean", env=env),
+                "quarantine": lambda: run_cli("quarantine", ckpt_root, 3, "--reason", "x", env=env),
+            }
+        )
         assert got["ls"][0] == 0, got["ls"]
         assert got["resume"][0] == 0, got["resume"]
         rc, _, err = got["quarantine"]
@@ -341,22 +376,32 @@ def test_read_only_commands_do_not_import_torch(ckpt_root):
     """ls, explain, resume and report import no torch; certify (which checks tensors with torch) reads DCP's metadata
     through dcp_meta's stand-ins and never imports torch.distributed.checkpoint (2 s of imports); the command line
     keeps sqlite-utils from importing pandas (sys.argv: `main()` as the console script calls it)."""
-    code = ("import sys\nfrom scout_ckpt.cli import main\n"
-            "try:\n    main()\nexcept SystemExit as e:\n    rc = e.code\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH',\n"
-            "      'DCP' if 'torch.distributed.checkpoint' in sys.modules else 'NO-DCP',\n"
-            "      'PANDAS' if sys.modules.get('pandas') else 'NO-PANDAS', rc, file=sys.stderr)\n")
+    code = (
+        "import sys\nfrom scout_ckpt.cli import main\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    rc = e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH',\n"
+        "      'DCP' if 'torch.distributed.checkpoint' in sys.modules else 'NO-DCP',\n"
+        "      'PANDAS' if sys.modules.get('pandas') else 'NO-PANDAS', rc, file=sys.stderr)\n"
+    )
 
-    def case(i, expect, cmd, *rest):   # each on its own copy of the run, concurrently
+    def case(i, expect, cmd, *rest):  # each on its own copy of the run, concurrently
         root = copy_root(ckpt_root, ckpt_root.parent / f"ro{i}")
         args = [cmd, root, *rest]
-        p = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        p = subprocess.run(
+            [sys.executable, "-c", code, *map(str, args)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         assert p.stderr.strip().splitlines()[-1] == expect, (args, p.stderr)
 
-    cases = (["NO-TORCH NO-DCP NO-PANDAS 0", "ls"], ["NO-TORCH NO-DCP NO-PANDAS 0", "explain", "4"],
-             ["NO-TORCH NO-DCP NO-PANDAS 0", "resume", "--latest-clean"], ["NO-TORCH NO-DCP NO-PANDAS 0", "report"],
-             ["TORCH NO-DCP NO-PANDAS 0", "certify", "--all"])
+    cases = (
+        ["NO-TORCH NO-DCP NO-PANDAS 0", "ls"],
+        ["NO-TORCH NO-DCP NO-PANDAS 0", "explain", "4"],
+        ["NO-TORCH NO-DCP NO-PANDAS 0", "resume", "--latest-clean"],
+        ["NO-TORCH NO-DCP NO-PANDAS 0", "report"],
+        ["TORCH NO-DCP NO-PANDAS 0", "certify", "--all"],
+    )
     run_cases({args[1]: (lambda i=i, a=args: case(i, *a)) for i, args in enumerate(cases)})
 
 
@@ -391,9 +436,13 @@ def test_export_prefix_selects_and_strips_the_keys(ckpt_root, tmp_path):
         out = tmp_path / name
         return out, run_cli("export", ckpt_root, "--step", 4, "--prefix", prefix, "--out", out, "--json")
 
-    got = run_cases({"layer 0": lambda: export("model.0.", "l0.safetensors"),
-                     "empty": lambda: export("", "all.safetensors"),
-                     "nothing": lambda: export("nothing.", "none.safetensors")})
+    got = run_cases(
+        {
+            "layer 0": lambda: export("model.0.", "l0.safetensors"),
+            "empty": lambda: export("", "all.safetensors"),
+            "nothing": lambda: export("nothing.", "none.safetensors"),
+        }
+    )
     out, (rc, stdout, err) = got["layer 0"]
     doc = json.loads(stdout)
     assert rc == 0 and doc["prefix"] == "model.0." and doc["tensors"] == 2, (rc, stdout, err)
@@ -403,7 +452,7 @@ def test_export_prefix_selects_and_strips_the_keys(ckpt_root, tmp_path):
         assert all(f.get_tensor(k).equal(full[f"0.{k}"]) for k in ("weight", "bias"))
     out, (rc, stdout, err) = got["empty"]
     assert rc == 0 and json.loads(stdout)["prefix"] == "", (rc, stdout, err)
-    with safe_open(str(out), "pt") as f:   # every model tensor, no optimizer state
+    with safe_open(str(out), "pt") as f:  # every model tensor, no optimizer state
         assert sorted(f.keys()) == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight"]
         assert all(f.get_tensor(k).equal(full[k.removeprefix("model.")]) for k in f.keys())
     out, (rc, stdout, err) = got["nothing"]
@@ -426,6 +475,7 @@ def test_adopt_cli_on_plain_dcp_folders(tmp_path):
 
 
 # ---- ROOTs of object-store runs (scout_ckpt/ops/roots.py): in-process, no S3 server needed ----------------------------
+
 
 def _main(capsys, *argv) -> tuple[int, str, str]:
     from scout_ckpt.cli import main
@@ -451,8 +501,17 @@ def test_adopt_rebuild_refuse_another_uri_for_a_bound_ledger_dir(tmp_path, capsy
     assert _snapshot(root) == before
 
 
-@pytest.mark.parametrize("cmd", [["resume", "{root}", "--latest-clean"], ["certify", "{root}"], ["report", "{root}"],
-                                 ["gc", "{root}", "--keep", "1"], ["adopt", "{root}"], ["ledger", "rebuild", "{root}"]])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["resume", "{root}", "--latest-clean"],
+        ["certify", "{root}"],
+        ["report", "{root}"],
+        ["gc", "{root}", "--keep", "1"],
+        ["adopt", "{root}"],
+        ["ledger", "rebuild", "{root}"],
+    ],
+)
 def test_an_s3_uri_as_root_is_bad_input_naming_the_ledger_dir(capsys, cmd):
     rc, out, err = _main(capsys, *[a.format(root="s3://bucket/run") for a in cmd])
     assert rc == 2 and out == "" and "give the run's ledger_dir as ROOT" in err and "Traceback" not in err, err

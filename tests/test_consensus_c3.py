@@ -10,17 +10,20 @@ from scout_ckpt.consensus.c3 import AGREE, ATTRIBUTED, INCONCLUSIVE, C3Result, c
 from scout_ckpt.consensus.timing import Confirmer, robust_outliers, threshold
 
 
-@pytest.mark.parametrize("values, status, attributed, majority", [
-    (["a", "a", "a", "a"], AGREE, (), "a"),
-    (["a", "a", "b", "a"], ATTRIBUTED, (2,), "a"),              # 4 peers, one odd
-    (["b", "a", "a"], ATTRIBUTED, (0,), "a"),                   # 3 peers, one odd
-    (["a", "b"], INCONCLUSIVE, (), None),                       # 2 peers: detect, never attribute
-    (["a", "b", "a", "b"], INCONCLUSIVE, (), None),             # 2-2: no strict majority
-    (["a", "a", "b", "c"], INCONCLUSIVE, (), None),             # 2 of 4 is not > 2
-    (["a", "a", "a", "b", "c"], ATTRIBUTED, (3, 4), "a"),       # 3 of 5 attributes both others
-    (["a", "b", "c"], INCONCLUSIVE, (), None),
-    (["x"], AGREE, (), "x"),                                    # one peer agrees with itself
-])
+@pytest.mark.parametrize(
+    "values, status, attributed, majority",
+    [
+        (["a", "a", "a", "a"], AGREE, (), "a"),
+        (["a", "a", "b", "a"], ATTRIBUTED, (2,), "a"),  # 4 peers, one odd
+        (["b", "a", "a"], ATTRIBUTED, (0,), "a"),  # 3 peers, one odd
+        (["a", "b"], INCONCLUSIVE, (), None),  # 2 peers: detect, never attribute
+        (["a", "b", "a", "b"], INCONCLUSIVE, (), None),  # 2-2: no strict majority
+        (["a", "a", "b", "c"], INCONCLUSIVE, (), None),  # 2 of 4 is not > 2
+        (["a", "a", "a", "b", "c"], ATTRIBUTED, (3, 4), "a"),  # 3 of 5 attributes both others
+        (["a", "b", "c"], INCONCLUSIVE, (), None),
+        (["x"], AGREE, (), "x"),  # one peer agrees with itself
+    ],
+)
 def test_verdict_table(values, status, attributed, majority):
     r = c3_verdict(values)
     assert (r.status, r.attributed, r.majority) == (status, attributed, majority)
@@ -54,7 +57,11 @@ def test_combine_per_tensor_verdicts():
     ranks = [10, 11, 12, 13]
     gv = combine([agree, odd2, agree], ranks, ["w", "b", "step"])
     assert (gv.status, gv.attributed_ranks, gv.attributed_bitmap, gv.disagreeing_names) == (
-        ATTRIBUTED, [12], 0b100, ["b"])
+        ATTRIBUTED,
+        [12],
+        0b100,
+        ["b"],
+    )
     gv = combine([odd2, odd1, split], ranks, ["x", "y", "z"])
     assert gv.status == ATTRIBUTED and gv.attributed_ranks == [11, 12] and gv.attributed_bitmap == 0b110
     assert gv.inconclusive_tensors == ["z"] and gv.disagreeing == [0, 1, 2]
@@ -119,7 +126,7 @@ def test_a_three_times_slower_rank_is_confirmed_after_n_rounds():
 def test_confirmation_needs_consecutive_rounds():
     c = Confirmer(rounds=2)
     assert c.update({1: 3.0}) == {}
-    assert c.update({}) == {}             # the streak breaks
+    assert c.update({}) == {}  # the streak breaks
     assert c.update({1: 3.0}) == {}
     assert c.update({1: 2.5}) == {1: 2.5}
     assert c.update({1: 2.0, 3: 4.0}) == {1: 2.0}

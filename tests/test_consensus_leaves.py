@@ -29,7 +29,7 @@ def test_a_set_in_the_state_is_no_sdc(tmp_path):
     assert all(sorted(o) == sorted(W.TAGS) for o in orders)
     assert len({tuple(o) for o in orders}) > 1, "the ranks' sets iterate alike: the test proves nothing"
     if "PYTHONHASHSEED" not in os.environ:
-        assert len({o.result["hash_of_tag"] for o in out}) > 1   # and their hash seeds differ
+        assert len({o.result["hash_of_tag"] for o in out}) > 1  # and their hash seeds differ
     for o in out:
         assert o.result["plain"]["state"] == "certified", o.result["plain"]
         assert o.result["verdict"]["state"] == "certified", o.result["verdict"]
@@ -51,6 +51,7 @@ def test_a_set_in_the_state_is_no_sdc(tmp_path):
 
 # ---- the encoding itself (no processes) ----------------------------------------------------------------------
 
+
 def test_a_sets_order_and_a_dicts_insertion_order_do_not_change_the_encoding():
     import random
 
@@ -62,10 +63,10 @@ def test_a_sets_order_and_a_dicts_insertion_order_do_not_change_the_encoding():
         order = list(words)
         random.Random(seed).shuffle(order)
         sets.append(set(order))
-    assert len({tuple(s) for s in sets}) > 1            # the sets really iterate in different orders
+    assert len({tuple(s) for s in sets}) > 1  # the sets really iterate in different orders
     assert len({leaf_bytes(s) for s in sets}) == 1
     assert len({leaf_bytes(frozenset(s)) for s in sets}) == 1
-    assert leaf_bytes(set(words)) != leaf_bytes(frozenset(words))      # the type is part of the value
+    assert leaf_bytes(set(words)) != leaf_bytes(frozenset(words))  # the type is part of the value
     assert leaf_bytes(set(words)) != leaf_bytes(set(words[1:]))
     a = {"x": 1, "y": [2, 3], 4: {"z"}}
     b = {4: {"z"}, "y": [2, 3], "x": 1}
@@ -81,8 +82,8 @@ def test_floats_compare_by_their_bits():
     neg_nan = struct.unpack(">d", bytes.fromhex("fff8000000000000"))[0]
     assert math.isnan(other_nan) and math.isnan(neg_nan)
     assert leaf_bytes(0.0) != leaf_bytes(-0.0)
-    assert leaf_bytes(nan) == leaf_bytes(float("nan"))          # a NaN equals itself (nan != nan as a float)
-    assert len({leaf_bytes(nan), leaf_bytes(other_nan), leaf_bytes(neg_nan)}) == 3   # other bits: other values
+    assert leaf_bytes(nan) == leaf_bytes(float("nan"))  # a NaN equals itself (nan != nan as a float)
+    assert len({leaf_bytes(nan), leaf_bytes(other_nan), leaf_bytes(neg_nan)}) == 3  # other bits: other values
     assert leaf_bytes(0.1) != leaf_bytes(math.nextafter(0.1, 1.0))
     assert leaf_bytes({0.0}) != leaf_bytes({-0.0}) and leaf_bytes((nan,)) == leaf_bytes((float("nan"),))
     assert leaf_bytes(float("inf")) != leaf_bytes(float("-inf"))
@@ -107,7 +108,7 @@ def test_containers_are_compared_in_order_and_framed():
 
     assert leaf_bytes((1, 2)) != leaf_bytes((2, 1))
     assert leaf_bytes((1, 2)) != leaf_bytes([1, 2])
-    assert leaf_bytes(("ab", "c")) != leaf_bytes(("a", "bc"))     # each element length-prefixed
+    assert leaf_bytes(("ab", "c")) != leaf_bytes(("a", "bc"))  # each element length-prefixed
     assert leaf_bytes((b"ab", b"c")) != leaf_bytes((b"a", b"bc"))
     assert leaf_bytes(1) != leaf_bytes(1.0) != leaf_bytes(True)
     assert leaf_bytes("a") != leaf_bytes(b"a")
@@ -132,8 +133,15 @@ def test_what_has_no_canonical_encoding_is_not_comparable():
         def utcoffset(self, dt):
             return datetime.timedelta(0)
 
-    for value in (object(), _Opaque(), lambda: 1, np.array([{"a"}], dtype=object), {_Opaque()},
-                  (1, object()), datetime.datetime(2020, 1, 1, tzinfo=Tz())):
+    for value in (
+        object(),
+        _Opaque(),
+        lambda: 1,
+        np.array([{"a"}], dtype=object),
+        {_Opaque()},
+        (1, object()),
+        datetime.datetime(2020, 1, 1, tzinfo=Tz()),
+    ):
         with pytest.raises(NotComparableError):
             leaf_bytes(value)
     deep: tuple = ()
@@ -144,7 +152,7 @@ def test_what_has_no_canonical_encoding_is_not_comparable():
     flat = flatten_state({"step": 3, "obj": _Opaque(), "t": torch.zeros(2)})
     assert isinstance(flat["obj"], NotComparable) and "_Opaque has no canonical encoding" in flat["obj"].why
     assert flat["step"] == leaf_bytes(3)
-    assert full_signable(flat)[1] == ["obj"]                 # load verification leaves it unsigned
+    assert full_signable(flat)[1] == ["obj"]  # load verification leaves it unsigned
     # still comparable: values whose repr depends on the value alone
     assert leaf_bytes(datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc))
     assert leaf_bytes(slice(1, None, 2)) == b"builtins.slice:slice(1, None, 2)"

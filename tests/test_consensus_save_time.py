@@ -50,8 +50,15 @@ def test_ddp_healthy_passes():
     out = run_ranks(W.ddp_consensus, 4, timeout=120)
     ev = evidences(out)
     assert ev["status"] == "pass" and ev["reasons"] == []
-    assert ev["groups"] == [{"members": [0, 1, 2, 3], "dims": ["dp"], "verdict": "agree", "attributed": [],
-                             "tensors_compared": ev["tensors_compared"]}]
+    assert ev["groups"] == [
+        {
+            "members": [0, 1, 2, 3],
+            "dims": ["dp"],
+            "verdict": "agree",
+            "attributed": [],
+            "tensors_compared": ev["tensors_compared"],
+        }
+    ]
     # every parameter, every optimizer state tensor and the scalars (step, lr, param group fields)
     assert ev["tensors_compared"] > 20 and ev["duration_s"] >= 0
     assert [o.result["group_ranks"] for o in out] == [[0, 1, 2, 3]] * 4
@@ -62,8 +69,9 @@ def test_ddp_one_flipped_bit_is_attributed_to_its_rank():
     out = run_ranks(W.ddp_consensus, 4, flips=[(2, WEIGHT)], timeout=120)
     ev = evidences(out)
     assert ev["status"] == "fail"
-    assert ev["reasons"] == [{"code": "consensus_attributed", "ranks": [2], "tensors": [WEIGHT], "n_tensors": 1,
-                              "group": [0, 1, 2, 3]}]
+    assert ev["reasons"] == [
+        {"code": "consensus_attributed", "ranks": [2], "tensors": [WEIGHT], "n_tensors": 1, "group": [0, 1, 2, 3]}
+    ]
     assert ev["groups"][0]["verdict"] == "attributed" and ev["groups"][0]["attributed"] == [2]
     verdict = evaluate({"require": ["consensus"]}, {"consensus": ev})
     assert verdict.state == "rejected" and verdict.reasons[0]["code"] == "consensus_attributed"
@@ -79,9 +87,9 @@ def test_ddp_flips_on_two_ranks_in_different_tensors():
 
 def test_ddp_scalars_are_compared():
     ev = evidences(run_ranks(W.ddp_consensus, 3, flips=[(1, "app.optim.state.0.step")], timeout=120))
-    assert ev["status"] == "fail" and ev["reasons"][0]["ranks"] == [1]    # Adam's step: a 0-d tensor
+    assert ev["status"] == "fail" and ev["reasons"][0]["ranks"] == [1]  # Adam's step: a 0-d tensor
     ev = evidences(run_ranks(W.ddp_consensus, 3, step_rank=0, timeout=120))
-    assert ev["status"] == "fail" and ev["reasons"][0]["ranks"] == [0]    # the training step: a Python int
+    assert ev["status"] == "fail" and ev["reasons"][0]["ranks"] == [0]  # the training step: a Python int
     assert ev["reasons"][0]["tensors"] == ["step"]
 
 
@@ -89,8 +97,9 @@ def test_ddp_two_ranks_detect_but_cannot_attribute():
     out = run_ranks(W.ddp_consensus, 2, flips=[(1, WEIGHT)], timeout=120)
     ev = evidences(out)
     assert ev["status"] == "inconclusive"
-    assert ev["reasons"] == [{"code": "consensus_inconclusive", "ranks": [0, 1], "tensors": [WEIGHT],
-                              "n_tensors": 1, "group": [0, 1]}]
+    assert ev["reasons"] == [
+        {"code": "consensus_inconclusive", "ranks": [0, 1], "tensors": [WEIGHT], "n_tensors": 1, "group": [0, 1]}
+    ]
     assert evaluate({"require": ["consensus"]}, {"consensus": ev}).state == "rejected"  # fail closed
     assert evidences(run_ranks(W.ddp_consensus, 2, timeout=120))["status"] == "pass"
 
@@ -111,15 +120,19 @@ def test_hsdp_2x2_compares_shards_within_replicate_groups():
     assert ev["status"] == "pass"
     # plain state ("step") across the world, the shards within their replicate groups
     assert [(g["members"], g["dims"]) for g in ev["groups"]] == [
-        ([0, 1, 2, 3], ["replicate", "shard"]), ([0, 2], ["replicate"]), ([1, 3], ["replicate"])]
+        ([0, 1, 2, 3], ["replicate", "shard"]),
+        ([0, 2], ["replicate"]),
+        ([1, 3], ["replicate"]),
+    ]
     assert [g["tensors_compared"] for g in ev["groups"]] == [1, 2, 2]
     assert [o.result["group_ranks"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     local = [o.result["local_w"] for o in out]
     assert local[0] == local[2] != local[1] == local[3]  # peers hold the same shard, groups different ones
     ev = evidences(run_ranks(W.hsdp_consensus, 4, flip_rank=3, timeout=120))
     assert ev["status"] == "inconclusive"  # a pair cannot attribute
-    assert ev["reasons"] == [{"code": "consensus_inconclusive", "ranks": [1, 3], "tensors": ["model.w"],
-                              "n_tensors": 1, "group": [1, 3]}]
+    assert ev["reasons"] == [
+        {"code": "consensus_inconclusive", "ranks": [1, 3], "tensors": ["model.w"], "n_tensors": 1, "group": [1, 3]}
+    ]
     assert [g["verdict"] for g in ev["groups"]] == ["agree", "agree", "inconclusive"]
 
 
@@ -148,11 +161,11 @@ def test_shard_partials_computed_in_the_background_equal_the_full_signatures():
     out = run_ranks(W.shard_partials_in_background, 2, timeout=60)
     for o in out:
         r = o.result
-        assert r[False] == [] and r[True] == ["r", "v", "w"]   # only when asked, every DTensor leaf
+        assert r[False] == [] and r[True] == ["r", "v", "w"]  # only when asked, every DTensor leaf
         assert r["same_as_inline"]
         assert r["with_partials"] == r["inline"]
         for k in ("w", "v", "r"):
-            assert r["inline"][k] == r["whole"][k], k   # saved on 2 ranks, equal to the unsharded tensor's
+            assert r["inline"][k] == r["whole"][k], k  # saved on 2 ranks, equal to the unsharded tensor's
         assert r["tampered"] != r["inline"]["w"]
     assert out[0].result["inline"] == out[1].result["inline"]
 
@@ -171,8 +184,10 @@ def big_tensor_consensus(rank, world, flip_rank=None, threads=2):
 
     S.THREADS = threads
     torch.manual_seed(0)
-    state = {"model": {"emb": torch.randn(512, 1024), "w": torch.randn(1024, 300).t(), "b": torch.randn(300)},
-             "step": 9}
+    state = {
+        "model": {"emb": torch.randn(512, 1024), "w": torch.randn(1024, 300).t(), "b": torch.randn(300)},
+        "step": 9,
+    }
     if rank == flip_rank:  # one ulp, in place, in the non-contiguous (transposed) tensor
         w = state["model"]["w"]
         w[100, 500] = torch.nextafter(w[100, 500], torch.tensor(float("inf")))
@@ -185,8 +200,9 @@ def test_large_cpu_tensors_pooled_xxh3():
     assert ev["status"] == "pass" and ev["tensors_compared"] == 4
     ev = evidences(run_ranks(big_tensor_consensus, 3, flip_rank=1, timeout=120))
     assert ev["status"] == "fail"
-    assert ev["reasons"] == [{"code": "consensus_attributed", "ranks": [1], "tensors": ["model.w"], "n_tensors": 1,
-                              "group": [0, 1, 2]}]
+    assert ev["reasons"] == [
+        {"code": "consensus_attributed", "ranks": [1], "tensors": ["model.w"], "n_tensors": 1, "group": [0, 1, 2]}
+    ]
     ev = evidences(run_ranks(big_tensor_consensus, 3, flip_rank=2, threads=1, timeout=120))
     assert ev["status"] == "fail" and ev["reasons"][0]["ranks"] == [2]
 
@@ -210,6 +226,7 @@ def counted_consensus(rank, world, flip_rank=None):
         def call(*a, **k):
             calls[name] += 1
             return real[name](*a, **k)
+
         return call
 
     for name in calls:

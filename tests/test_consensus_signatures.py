@@ -22,12 +22,33 @@ from scout_ckpt.consensus.signatures import (
 )
 
 M64 = (1 << 64) - 1
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
-          torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-          torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 # Signed as well (the signature goes by element size): the other float8 and float4 formats, complex32.
-MORE_DTYPES = [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2,
-               torch.complex32]
+MORE_DTYPES = [
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+    torch.float4_e2m1fn_x2,
+    torch.complex32,
+]
 
 
 def random_tensor(dtype, shape=(13, 11), seed=0) -> torch.Tensor:
@@ -81,8 +102,10 @@ def reference_signature(words: list[int]) -> tuple[int, int]:
 
 
 # The lane constants of the definition, copied here (not read from the library): (C, K, M1, M2) per lane.
-DEFINITION_LANES = ((0x9E3779B97F4A7C15, 0x632BE59BD9B4E019, 0xD6E8FEB86659FD93, 0xD6E8FEB86659FD93),
-                    (0xBF58476D1CE4E5B9, 0x8CB92BA72F3D8DD7, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53))
+DEFINITION_LANES = (
+    (0x9E3779B97F4A7C15, 0x632BE59BD9B4E019, 0xD6E8FEB86659FD93, 0xD6E8FEB86659FD93),
+    (0xBF58476D1CE4E5B9, 0x8CB92BA72F3D8DD7, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53),
+)
 
 
 def np_reference_hex(t: torch.Tensor) -> str:
@@ -98,7 +121,7 @@ def np_reference_hex(t: torch.Tensor) -> str:
     word = t.element_size()
     raw = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word]).contiguous().numpy().tobytes()
     b = np.frombuffer(raw, dtype={1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[word])
-    b = b.astype(np.int64).view(np.uint64) if word > 1 else b.astype(np.uint64)   # sign- / zero-extension
+    b = b.astype(np.int64).view(np.uint64) if word > 1 else b.astype(np.uint64)  # sign- / zero-extension
     i = np.arange(b.size, dtype=np.uint64)
     out = []
     with np.errstate(over="ignore"):
@@ -117,7 +140,7 @@ def test_numpy_reference_is_the_python_reference():
     a, b = reference_signature(t.reshape(-1).tolist())
     assert np_reference_hex(t) == f"{a:016x}{b:016x}"
     assert np_reference_hex(torch.arange(10, dtype=torch.int32)) == KNOWN_ARANGE10
-    c = torch.tensor([1 + 2j, -3.5 - 0.25j], dtype=torch.complex64)   # complex: real, imag words at 2*i + c
+    c = torch.tensor([1 + 2j, -3.5 - 0.25j], dtype=torch.complex64)  # complex: real, imag words at 2*i + c
     words = [struct.unpack("<i", struct.pack("<f", v))[0] for v in (1.0, 2.0, -3.5, -0.25)]
     a, b = reference_signature(words)
     assert np_reference_hex(c) == f"{a:016x}{b:016x}"
@@ -190,9 +213,9 @@ def test_every_bit_of_a_small_tensor():
 def test_same_bits_in_another_layout_or_slicing(small_chunks):
     t = torch.randn(9, 10)
     sig = tensor_signature(t)
-    assert torch.equal(tensor_signature(t.t().contiguous().t()), sig)      # non-contiguous view
-    assert torch.equal(tensor_signature(t.reshape(90)), sig)               # bits and order only, not shape
-    assert not torch.equal(tensor_signature(t.t()), sig)                   # transposed values: other order
+    assert torch.equal(tensor_signature(t.t().contiguous().t()), sig)  # non-contiguous view
+    assert torch.equal(tensor_signature(t.reshape(90)), sig)  # bits and order only, not shape
+    assert not torch.equal(tensor_signature(t.t()), sig)  # transposed values: other order
     big = torch.randn(50, 3).t()
     assert torch.equal(tensor_signature(big), tensor_signature(big.contiguous()))
 
@@ -223,13 +246,16 @@ def _boxes(shape, cuts):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64], ids=str)
-@pytest.mark.parametrize("cuts", [((5,), ()), ((2, 9), ()), ((1, 4, 11), ()), ((), (3,)), ((), (1, 2, 8)),
-                                  ((6,), (4,)), ((3, 7), (2, 5, 9))])
+@pytest.mark.parametrize(
+    "cuts", [((5,), ()), ((2, 9), ()), ((1, 4, 11), ()), ((), (3,)), ((), (1, 2, 8)), ((6,), (4,)), ((3, 7), (2, 5, 9))]
+)
 def test_partials_sum_to_the_whole(dtype, cuts, small_chunks):
     t = random_tensor(dtype, (13, 11))
     whole = tensor_signature(t)
-    parts = [tensor_signature(t[r0:r1, c0:c1], global_shape=t.shape, global_offset=(r0, c0))
-             for (r0, r1), (c0, c1) in _boxes(t.shape, cuts)]
+    parts = [
+        tensor_signature(t[r0:r1, c0:c1], global_shape=t.shape, global_offset=(r0, c0))
+        for (r0, r1), (c0, c1) in _boxes(t.shape, cuts)
+    ]
     assert len(parts) >= 2
     assert torch.equal(add_signatures(*parts), whole)
     assert not torch.equal(add_signatures(*parts[1:]), whole)
@@ -238,10 +264,16 @@ def test_partials_sum_to_the_whole(dtype, cuts, small_chunks):
 def test_partials_of_a_3d_tensor():
     t = torch.randn(4, 6, 5)
     whole = tensor_signature(t)
-    parts = [tensor_signature(t[:, a:b, c:d], global_shape=t.shape, global_offset=(0, a, c))
-             for a, b in [(0, 1), (1, 4), (4, 6)] for c, d in [(0, 5)]]
-    parts2 = [tensor_signature(t[a:b, :, c:d], global_shape=t.shape, global_offset=(a, 0, c))
-              for a, b in [(0, 3), (3, 4)] for c, d in [(0, 2), (2, 5)]]
+    parts = [
+        tensor_signature(t[:, a:b, c:d], global_shape=t.shape, global_offset=(0, a, c))
+        for a, b in [(0, 1), (1, 4), (4, 6)]
+        for c, d in [(0, 5)]
+    ]
+    parts2 = [
+        tensor_signature(t[a:b, :, c:d], global_shape=t.shape, global_offset=(a, 0, c))
+        for a, b in [(0, 3), (3, 4)]
+        for c, d in [(0, 2), (2, 5)]
+    ]
     assert torch.equal(add_signatures(*parts), whole) and torch.equal(add_signatures(*parts2), whole)
 
 
@@ -256,9 +288,12 @@ def test_chunk_size_does_not_matter(monkeypatch):
     for chunk in (5, 64, 1 << 12):  # 5: chunks that split rows and end mid-row (1 took 10 s of the suite)
         monkeypatch.setitem(S.CHUNK, "cpu", chunk)
         assert torch.equal(tensor_signature(t), ref)
-        assert torch.equal(tensor_signature(t[:, 3:20], global_shape=t.shape, global_offset=(0, 3)),
-                           add_signatures(*[tensor_signature(t[:, c:c + 1], global_shape=t.shape,
-                                                             global_offset=(0, c)) for c in range(3, 20)]))
+        assert torch.equal(
+            tensor_signature(t[:, 3:20], global_shape=t.shape, global_offset=(0, 3)),
+            add_signatures(
+                *[tensor_signature(t[:, c : c + 1], global_shape=t.shape, global_offset=(0, c)) for c in range(3, 20)]
+            ),
+        )
 
 
 def test_thread_count_does_not_matter():
@@ -311,11 +346,31 @@ def test_flatten_state():
     from scout_ckpt.consensus.canonical import NotComparable
 
     model = torch.nn.Linear(2, 3)
-    state = {"model": model, "holder": _Holder(), "step": 7, "lr": 0.1, "sched": {"milestones": [1, 2], "name": "x"},
-             "np": np.arange(3), "none": None, "obj": object()}
+    state = {
+        "model": model,
+        "holder": _Holder(),
+        "step": 7,
+        "lr": 0.1,
+        "sched": {"milestones": [1, 2], "name": "x"},
+        "np": np.arange(3),
+        "none": None,
+        "obj": object(),
+    }
     flat = flatten_state(state)
-    assert set(flat) == {"model.weight", "model.bias", "holder.w", "holder.n", "step", "lr", "sched.milestones.0",
-                         "sched.milestones.1", "sched.name", "np", "none", "obj"}
+    assert set(flat) == {
+        "model.weight",
+        "model.bias",
+        "holder.w",
+        "holder.n",
+        "step",
+        "lr",
+        "sched.milestones.0",
+        "sched.milestones.1",
+        "sched.name",
+        "np",
+        "none",
+        "obj",
+    }
     assert isinstance(flat["model.weight"], torch.Tensor) and isinstance(flat["step"], bytes)
     assert flat["lr"] == leaf_bytes(0.1) != leaf_bytes(math.nextafter(0.1, 1.0))  # floats compare exactly
     assert leaf_bytes(1) != leaf_bytes(1.0) != leaf_bytes(True)
@@ -385,10 +440,12 @@ def test_saved_on_four_ranks_equals_loaded_without_them(tmp_path):
 @pytest.fixture
 def torch_kernel(monkeypatch):
     """Run a callable with the torch-op kernel on CPU (what CUDA runs), for cross-checks."""
+
     def run(fn, *args, **kwargs):
         with monkeypatch.context() as m:
             m.setattr(S, "CPU_KERNEL", "torch")
             return fn(*args, **kwargs)
+
     return run
 
 
@@ -411,8 +468,10 @@ def test_numpy_kernel_large_and_threaded(monkeypatch, torch_kernel):
     monkeypatch.setitem(S.CHUNK, "cpu", 1000)  # many slices: split over 4 threads
     assert torch.equal(tensor_signature(t), ref)
     half = t.numel() // 2
-    parts = [tensor_signature(t[:half], global_shape=t.shape, global_offset=(0,)),
-             tensor_signature(t[half:], global_shape=t.shape, global_offset=(half,))]
+    parts = [
+        tensor_signature(t[:half], global_shape=t.shape, global_offset=(0,)),
+        tensor_signature(t[half:], global_shape=t.shape, global_offset=(half,)),
+    ]
     assert torch.equal(add_signatures(*parts), ref)
 
 
@@ -441,8 +500,8 @@ def test_replica_signature_is_xxh3_of_the_bytes():
 def test_replica_signatures_exact_and_order_sensitive(dtype):
     t = random_tensor(dtype, (13, 11), seed=5)
     sig = S.replica_signatures([t])[0]
-    assert torch.equal(S.replica_signatures([t.clone()])[0], sig)                 # equal tensors agree
-    assert torch.equal(S.replica_signatures([t.t().contiguous().t()])[0], sig)   # same bits, other layout
+    assert torch.equal(S.replica_signatures([t.clone()])[0], sig)  # equal tensors agree
+    assert torch.equal(S.replica_signatures([t.t().contiguous().t()])[0], sig)  # same bits, other layout
     n = t.numel()
     bits = 1 if dtype == torch.bool else t.element_size() * 8
     g = torch.Generator().manual_seed(2)
@@ -467,8 +526,16 @@ def test_replica_signatures_exact_and_order_sensitive(dtype):
 def test_replica_signatures_pool_and_batch(monkeypatch):
     monkeypatch.setattr(S, "POOL_MIN_BYTES", 64)
     monkeypatch.setattr(S, "THREADS", 4)
-    items = [torch.randn(50, 40), b"lr=0.1", torch.randn(3), torch.randn(30, 20).t(), torch.zeros(0),
-             torch.nn.Parameter(torch.randn(100)), torch.randn(4, dtype=torch.complex64), torch.randn(200)]
+    items = [
+        torch.randn(50, 40),
+        b"lr=0.1",
+        torch.randn(3),
+        torch.randn(30, 20).t(),
+        torch.zeros(0),
+        torch.nn.Parameter(torch.randn(100)),
+        torch.randn(4, dtype=torch.complex64),
+        torch.randn(200),
+    ]
     pooled = S.replica_signatures(items)
     monkeypatch.setattr(S, "THREADS", 1)
     assert torch.equal(S.replica_signatures(items), pooled)
@@ -485,7 +552,9 @@ def test_replica_signatures_pool_and_batch(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_replica_signatures_of_cuda_tensors_stay_additive_on_device():
     t = torch.randn(1000, 33)
-    assert torch.equal(S.replica_signatures([t.cuda(), b"x"]), torch.stack([tensor_signature(t), bytes_signature(b"x")]))
+    assert torch.equal(
+        S.replica_signatures([t.cuda(), b"x"]), torch.stack([tensor_signature(t), bytes_signature(b"x")])
+    )
 
 
 # ---- full signatures: replicated tensors signed round-robin ------------------------------------------------------
@@ -515,8 +584,9 @@ def every_dtype_state():
     state["big"] = {f"w{i}": torch.randn(64, 48 + i) for i in range(6)}
     every = DTYPES + MORE_DTYPES
     state["dtypes"] = {str(d).removeprefix("torch."): random_tensor(d, seed=i) for i, d in enumerate(every)}
-    state["dtypes_large"] = {str(d).removeprefix("torch."): random_tensor(d, (180, 200), seed=100 + i).t()
-                             for i, d in enumerate(every)}
+    state["dtypes_large"] = {
+        str(d).removeprefix("torch."): random_tensor(d, (180, 200), seed=100 + i).t() for i, d in enumerate(every)
+    }
     return state
 
 
@@ -543,8 +613,9 @@ def reference_full_signatures(state) -> dict[str, str]:
                 walk(v, f"{key}.{i}" if key else str(i))
         else:
             assert obj is None or isinstance(obj, (bool, int, float, str)), (key, obj)
-            out[key] = xxhash.xxh3_128_hexdigest(f"{type(obj).__module__}.{type(obj).__qualname__}:".encode()
-                                                 + json.dumps(obj).encode())
+            out[key] = xxhash.xxh3_128_hexdigest(
+                f"{type(obj).__module__}.{type(obj).__qualname__}:".encode() + json.dumps(obj).encode()
+            )
 
     walk(state, "")
     return out
@@ -581,14 +652,14 @@ def test_full_signatures_round_robin_on_four_ranks():
 
     out = run_ranks(ddp_full_signatures, 4, timeout=120)
     state = every_dtype_state()
-    expected = reference_full_signatures(state)   # the test's own oracle, not the library's code
+    expected = reference_full_signatures(state)  # the test's own oracle, not the library's code
     assert {k.split(".")[0] for k in expected} == {"app", "step", "lr", "extra", "big", "dtypes", "dtypes_large"}
     assert len([k for k in expected if k.startswith("dtypes")]) == 2 * len(DTYPES + MORE_DTYPES)
     for o in out:
         assert o.result["sigs"].keys() == expected.keys()
         wrong = sorted(k for k in expected if o.result["sigs"][k] != expected[k])
         assert not wrong, (o.rank, wrong)
-    assert full_signatures(state) == expected   # no process group: everything signed here, the same values
+    assert full_signatures(state) == expected  # no process group: everything signed here, the same values
     # the work is spread: every rank signs something and nobody signs more than about half of the elements
     total = sum(o.result["elements"] for o in out)
     assert all(o.result["signed"] > 0 for o in out)

@@ -33,8 +33,8 @@ def test_a_device_tensors_signature_is_computed_on_the_device_and_equals_the_hos
 
     t = torch.randn(3_000_001, generator=torch.Generator().manual_seed(1))
     on_device = replica_signatures([t.cuda()])
-    assert torch.equal(on_device, batch_signatures([t]))          # the additive signature, computed on the device
-    assert not torch.equal(on_device, replica_signatures([t]))    # not the host's xxh3: the device path ran
+    assert torch.equal(on_device, batch_signatures([t]))  # the additive signature, computed on the device
+    assert not torch.equal(on_device, replica_signatures([t]))  # not the host's xxh3: the device path ran
 
 
 def test_a_flipped_bit_on_the_device_changes_the_signature():
@@ -68,7 +68,7 @@ def test_a_fault_of_the_live_forward_on_the_device_fails_every_replays_self_chec
     block = _block()
     calls = []
 
-    def once(m, a, out):   # the live forward only: the replays' calls come after it
+    def once(m, a, out):  # the live forward only: the replays' calls come after it
         calls.append(1)
         return out + 1e-3 if len(calls) == 1 else None
 
@@ -81,10 +81,12 @@ def test_a_fault_of_the_live_forward_on_the_device_fails_every_replays_self_chec
 def test_strict_deterministic_settings_sign_the_live_gradients_on_the_device():
     """In a fresh process: determinism.enable(warn_only=False) before the first matmul, then the live gradients are
     signed and 100 replays reproduce them."""
-    code = ("import torch, json; from scout_ckpt.replay import determinism as d; s = d.enable(warn_only=False); "
-            "from tests.test_cuda import _block; x = torch.randn(8, 64, 128, device='cuda', requires_grad=True); "
-            "from scout_ckpt.replay.repeat import repeat_check; r = repeat_check(_block(), (x,), 100); "
-            "print(json.dumps([s.comparison, r]))")
+    code = (
+        "import torch, json; from scout_ckpt.replay import determinism as d; s = d.enable(warn_only=False); "
+        "from tests.test_cuda import _block; x = torch.randn(8, 64, 128, device='cuda', requires_grad=True); "
+        "from scout_ckpt.replay.repeat import repeat_check; r = repeat_check(_block(), (x,), 100); "
+        "print(json.dumps([s.comparison, r]))"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     import json
@@ -125,8 +127,9 @@ def test_cuda_state_saved_and_loaded_in_one_process_is_the_state_saved(tmp_path,
             loss.backward()
             opt.step()
 
-        ckpt = Checkpointer(tmp_path / "run", model=model, optimizer=opt, consensus=False, observer=False,
-                            async_save=async_save)
+        ckpt = Checkpointer(
+            tmp_path / "run", model=model, optimizer=opt, consensus=False, observer=False, async_save=async_save
+        )
         state = {"app": ModelOptimizerState(model, opt)}
         train()
         ckpt.save(1, state)

@@ -41,6 +41,7 @@ def _env(**extra) -> dict:
 
 # ---- the marker and the refusal ----------------------------------------------------------------------------------
 
+
 @pytest.mark.skipif("_has_cuda()", reason="a CUDA device is present: the cuda tests run instead")
 @pytest.mark.parametrize("require", [False, True])
 def test_the_cuda_tests_skip_with_their_reason_and_fail_under_scout_require_gpu(require):
@@ -48,9 +49,25 @@ def test_the_cuda_tests_skip_with_their_reason_and_fail_under_scout_require_gpu(
     env.pop("SCOUT_REQUIRE_GPU", None)
     if require:
         env["SCOUT_REQUIRE_GPU"] = "1"
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_cuda.py",
-                        "-k", "nvml_reads_the_real_device or flipped_bit"], capture_output=True, text=True,
-                       cwd=REPO, env=env, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_cuda.py",
+            "-k",
+            "nvml_reads_the_real_device or flipped_bit",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
     if require:
         assert p.returncode == 1, p.stdout[-2000:]
         assert "2 failed" in p.stdout and "SCOUT_REQUIRE_GPU=1 but no CUDA device" in p.stdout
@@ -61,8 +78,9 @@ def test_the_cuda_tests_skip_with_their_reason_and_fail_under_scout_require_gpu(
 
 @pytest.mark.skipif("_has_cuda()", reason="a CUDA device is present")
 def test_without_a_gpu_the_check_says_so_in_one_line_and_exits_2():
-    p = subprocess.run([sys.executable, str(SCRIPT), "--no-install"], capture_output=True, text=True, cwd=REPO,
-                       env=_env(), timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(SCRIPT), "--no-install"], capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300
+    )
     assert p.returncode == 2
     assert p.stdout == ""
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("gpu-check: no CUDA device here")
@@ -71,8 +89,14 @@ def test_without_a_gpu_the_check_says_so_in_one_line_and_exits_2():
 
 @pytest.mark.skipif("_has_cuda()", reason="a CUDA device is present")
 def test_make_gpu_check_without_a_gpu_fails_with_the_checks_one_line():
-    p = subprocess.run(["make", "-s", "gpu-check", f"GPU_PYTHON={sys.executable}"], capture_output=True, text=True,
-                       cwd=REPO, env=_env(), timeout=300)
+    p = subprocess.run(
+        ["make", "-s", "gpu-check", f"GPU_PYTHON={sys.executable}"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=_env(),
+        timeout=300,
+    )
     assert p.returncode != 0
     assert p.stdout == ""
     ours = [line for line in p.stderr.splitlines() if line.startswith("gpu-check:")]
@@ -80,12 +104,19 @@ def test_make_gpu_check_without_a_gpu_fails_with_the_checks_one_line():
 
 
 def test_a_bad_stage_is_refused_in_one_line():
-    p = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "nope"], capture_output=True,
-                       text=True, cwd=REPO, env=_env(), timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--only", "nope"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=_env(),
+        timeout=300,
+    )
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "unknown stage 'nope'" in p.stderr
 
 
 # ---- the launch plan behind a fake device count ------------------------------------------------------------------
+
 
 def test_two_processes_on_one_gpu_share_it_over_gloo():
     plan = _gpu_check().launch_plan(2, "cuda", device_count=1)
@@ -122,6 +153,7 @@ def test_the_jobs_tagged_lines_are_read_back_from_mixed_output():
 
 # ---- NVML parsing on recorded outputs ----------------------------------------------------------------------------
 
+
 def _source(name: str):
     from scout_ckpt.observer.health import NvmlHealthSource, RecordedNvml
 
@@ -142,15 +174,18 @@ def test_a_healthy_h100s_readings_are_parsed():
     src.poll()
     assert src._last["temperature"] == 33 and src._last["temp_slowdown"] == 89
     assert src._last["remap_pending"] == 0 and src._last["ecc_uncorrected_volatile"] == 0
-    assert sum(k.startswith("nvlink") for k in src._last) == 18 * 4   # 18 links up, 4 counters each
+    assert sum(k.startswith("nvlink") for k in src._last) == 18 * 4  # 18 links up, 4 counters each
 
 
 def test_uncorrectable_ecc_then_a_pending_remap_are_reported_with_their_severity():
     assert _polls("a100_ecc_then_remap", 3) == [
         [],
         [("ecc_uncorrected_volatile", 0, 2, "fatal"), ("ecc_uncorrected_aggregate", 0, 2, "warning")],
-        [("remap_uncorrectable_rows", 0, 2, "warning"), ("remap_pending", 0, 1, "warning"),
-         ("nvlink3_dl_replay", 0, 5, "warning")],
+        [
+            ("remap_uncorrectable_rows", 0, 2, "warning"),
+            ("remap_pending", 0, 1, "warning"),
+            ("nvlink3_dl_replay", 0, 5, "warning"),
+        ],
     ]
 
 
@@ -168,8 +203,11 @@ def test_a_gpu_falling_off_the_bus_is_one_fatal_event_then_silence():
 
 def test_temperature_crossing_the_thresholds_and_back():
     assert _polls("h100_overheating", 4) == [
-        [], [("temperature", 70, 90, "warning")], [("temperature", 90, 93, "fatal")],
-        [("temperature", 93, 80, "info")]]
+        [],
+        [("temperature", 70, 90, "warning")],
+        [("temperature", 90, 93, "fatal")],
+        [("temperature", 93, 80, "info")],
+    ]
 
 
 def test_no_driver_means_no_source():
@@ -184,7 +222,7 @@ def test_an_error_code_without_a_subclass_drops_the_metric_like_any_nvml_error()
     for c in rec["calls"]:
         if c["call"].startswith("nvmlDeviceGetRemappedRows"):
             c.pop("result")
-            c["error"] = "NVMLError"   # pynvml raises the base class for a code it has no subclass for
+            c["error"] = "NVMLError"  # pynvml raises the base class for a code it has no subclass for
     src = NvmlHealthSource(0, nvml=RecordedNvml(rec))
     assert src.poll() == [] and "remap" in src._unsupported
 
@@ -203,15 +241,28 @@ def test_a_recording_of_a_recording_replays_to_the_same_events():
 
 # ---- replay's determinism note -----------------------------------------------------------------------------------
 
+
 def test_the_comparison_is_named_per_device_and_settings():
     from scout_ckpt.replay import determinism as d
 
     assert d.settings("cpu").comparison == d.CPU
-    base = dict(device="cuda", deterministic_algorithms=True, warn_only=False, cublas_workspace=":4096:8",
-                cudnn_deterministic=True, cudnn_benchmark=False)
+    base = dict(
+        device="cuda",
+        deterministic_algorithms=True,
+        warn_only=False,
+        cublas_workspace=":4096:8",
+        cudnn_deterministic=True,
+        cudnn_benchmark=False,
+    )
     assert d.Settings(**base).comparison == d.CUDA_DETERMINISTIC
-    for off in ({"deterministic_algorithms": False}, {"warn_only": True}, {"cublas_workspace": None},
-                {"cudnn_benchmark": True}, {"cudnn_deterministic": False}, {"cublas_workspace": ":1:1"}):
+    for off in (
+        {"deterministic_algorithms": False},
+        {"warn_only": True},
+        {"cublas_workspace": None},
+        {"cudnn_benchmark": True},
+        {"cudnn_deterministic": False},
+        {"cublas_workspace": ":1:1"},
+    ):
         assert d.Settings(**{**base, **off}).comparison == d.CUDA_DEFAULT, off
 
 
@@ -228,16 +279,19 @@ def test_a_replay_on_the_host_runs_warn_only_and_restores_the_callers_settings(o
 
     seen = []
     with replay_mode(torch.device("cpu"), True):
-        seen.append((torch.are_deterministic_algorithms_enabled(),
-                     torch.is_deterministic_algorithms_warn_only_enabled()))
+        seen.append(
+            (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+        )
     assert seen == [(True, True)]
     assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_enable_sets_what_it_documents_in_a_fresh_process():
-    code = ("import os, torch, json; from scout_ckpt.replay import determinism as d; s = d.enable(); "
-            "print(json.dumps([os.environ['CUBLAS_WORKSPACE_CONFIG'], torch.are_deterministic_algorithms_enabled(), "
-            "torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, s.comparison]))")
+    code = (
+        "import os, torch, json; from scout_ckpt.replay import determinism as d; s = d.enable(); "
+        "print(json.dumps([os.environ['CUBLAS_WORKSPACE_CONFIG'], torch.are_deterministic_algorithms_enabled(), "
+        "torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, s.comparison]))"
+    )
     env = _env()
     env.pop("CUBLAS_WORKSPACE_CONFIG", None)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
@@ -293,8 +347,7 @@ def test_a_replay_row_and_the_saves_evidence_say_what_the_comparison_rested_on()
     sig = [[1, 2]]
     import torch
 
-    row = rows.replay_row(8, ("block", "blocks.0"), None, ["output[0]"], header, 0,
-                          torch.tensor([sig, sig]), 0, [0, 1])
+    row = rows.replay_row(8, ("block", "blocks.0"), None, ["output[0]"], header, 0, torch.tensor([sig, sig]), 0, [0, 1])
     assert row["detail"]["comparison"] == "bitwise (cpu)"
     bad = {**row, "status": "ATTRIBUTED", "ranks": [1]}
     ev = coverage([bad], [("block", "blocks.0")], step=8)
@@ -303,23 +356,50 @@ def test_a_replay_row_and_the_saves_evidence_say_what_the_comparison_rested_on()
 
 # ---- the bench's device path, on the host ------------------------------------------------------------------------
 
+
 def test_the_signature_bench_measures_against_a_device_copy_in_the_same_run():
-    p = subprocess.run([sys.executable, "bench/signature_throughput.py", "--device", "cpu", "--json", "--mb", "8",
-                        "--repeats", "2"], capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)
+    p = subprocess.run(
+        [sys.executable, "bench/signature_throughput.py", "--device", "cpu", "--json", "--mb", "8", "--repeats", "2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=_env(),
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(p.stdout)
     assert got["ratio"] == got["ratios"]["signature_vs_copy_bandwidth"]
     assert got["bandwidth_gb_per_s"] == got["gb_per_s"]["copy (device to device)"] > 0
-    assert got["target_met"] is None   # no goal on the host
+    assert got["target_met"] is None  # no goal on the host
 
 
 # ---- the check's own jobs, on CPU under real torchrun --------------------------------------------------------------
 
+
 def _stages(tmp_path: Path, only: str) -> dict:
     out = tmp_path / "results.json"
-    p = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--no-install", "--only", only,
-                        "--out", str(out), "--budget-s", "1400", "--replays", "10"], capture_output=True, text=True,
-                       cwd=REPO, env=_env(), timeout=1500)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--no-install",
+            "--only",
+            only,
+            "--out",
+            str(out),
+            "--budget-s",
+            "1400",
+            "--replays",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=_env(),
+        timeout=1500,
+    )
     res = json.loads(out.read_text())
     assert p.returncode == (0 if res["ok"] else 1)
     return res["stages"]

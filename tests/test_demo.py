@@ -56,8 +56,11 @@ def clean_run(tmp_path_factory):
 def test_uninterrupted_run_certifies_every_checkpoint(clean_run):
     r = clean_run
     assert r["completed"] and r["restarts"] == 0
-    assert [(c["step"], c["state"]) for c in r["checkpoints"]] == [(4, "certified"), (8, "certified"),
-                                                                   (12, "certified")]
+    assert [(c["step"], c["state"]) for c in r["checkpoints"]] == [
+        (4, "certified"),
+        (8, "certified"),
+        (12, "certified"),
+    ]
     assert all(c["evidence"]["bytes"] == "pass" and c["bytes"] > 0 for c in r["checkpoints"])
     assert r["final_digest"].startswith("xxh3_128:")
     assert r["losses"]["last"] < r["losses"]["first"]
@@ -73,8 +76,9 @@ def test_crash_mid_save_restarts_and_resumes_bitwise(tmp_path, clean_run):
     post-run certification rejects the rotten step 4."""
     r = run_demo(tmp_path / "run", inject=["crash:rank=1:step=12", "bitflip:step=4"], **SMALL)
     assert r["completed"] and r["restarts"] == 1
-    assert _final_state_digest(r["dir"], r["checkpoints"]) == \
-        _final_state_digest(clean_run["dir"], clean_run["checkpoints"])
+    assert _final_state_digest(r["dir"], r["checkpoints"]) == _final_state_digest(
+        clean_run["dir"], clean_run["checkpoints"]
+    )
     states = {c["step"]: c for c in r["checkpoints"]}
     assert states[8]["state"] == states[12]["state"] == "certified"
     assert states[4]["state"] == "rejected"
@@ -124,8 +128,10 @@ CONTRACT_EVENT_KINDS = {"sdc", "hang", "straggler", "crash", "desync", "health"}
 
 
 def _manifest_signatures(root) -> dict:
-    return {int(p.parent.name.split("-")[1]): json.loads(p.read_text())["signatures"]
-            for p in sorted(Path(root).glob("step-*/scout-manifest.json"))}
+    return {
+        int(p.parent.name.split("-")[1]): json.loads(p.read_text())["signatures"]
+        for p in sorted(Path(root).glob("step-*/scout-manifest.json"))
+    }
 
 
 @pytest.mark.slow
@@ -137,19 +143,23 @@ def test_demo_command_json_is_one_document_with_the_contracts_keys(tmp_path, cle
     d = tmp_path / "demo"
     rc, out, err = run_cli("demo", "--dir", d, "--ranks", 2, "--steps", 12, "--save-every", 4, "--json")
     assert rc == 0, (out[-2000:], err[-3000:])
-    doc = json.loads(out)   # the whole of stdout
+    doc = json.loads(out)  # the whole of stdout
     assert {"dir", "ranks", "steps", "checkpoints", "events", "restarts", "final_digest"} <= set(doc)
     assert (doc["dir"], doc["ranks"], doc["steps"], doc["restarts"]) == (str(d), 2, 12, 0)
     rc, ls_out, _ = run_cli("ls", d, "--json")
     assert rc == 0 and doc["checkpoints"] == json.loads(ls_out)["checkpoints"]
-    assert [(c["step"], c["state"]) for c in doc["checkpoints"]] == [(4, "certified"), (8, "certified"),
-                                                                     (12, "certified")]
+    assert [(c["step"], c["state"]) for c in doc["checkpoints"]] == [
+        (4, "certified"),
+        (8, "certified"),
+        (12, "certified"),
+    ]
     for c in doc["checkpoints"]:
         assert {"step", "state", "path", "bytes", "evidence", "reasons"} <= set(c), c
     rc, rep_out, _ = run_cli("report", d, "--json")
     assert rc == 0
-    assert doc["events"] == [{k: e[k] for k in ("kind", "ranks", "step", "time", "detail")}
-                             for e in json.loads(rep_out)["events"]]
+    assert doc["events"] == [
+        {k: e[k] for k in ("kind", "ranks", "step", "time", "detail")} for e in json.loads(rep_out)["events"]
+    ]
     assert {e["kind"] for e in doc["events"]} <= CONTRACT_EVENT_KINDS
     # the same job, in-process, ended in the same state (read back from both runs' last checkpoints)
     assert doc["final_digest"].startswith("xxh3_128:")
@@ -157,7 +167,7 @@ def test_demo_command_json_is_one_document_with_the_contracts_keys(tmp_path, cle
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # 15-30 s on 2 cores: CI runs it in its scenario tier, keeping make test within 15 min
+@pytest.mark.scenario_ci  # 15-30 s on 2 cores: CI runs it in its scenario tier, keeping make test within 15 min
 @pytest.mark.slow
 def test_demo_command_summary_with_its_default_four_ranks_in_hsdp(tmp_path):
     """The plain summary of `scout-ckpt demo --mode hsdp` at the default --ranks (4: a 2x2 replicate x shard
@@ -167,8 +177,9 @@ def test_demo_command_summary_with_its_default_four_ranks_in_hsdp(tmp_path):
     from tests.conftest import run_cli
 
     d = tmp_path / "demo"
-    rc, out, err = run_cli("demo", "--dir", d, "--mode", "hsdp", "--steps", 12, "--save-every", 4,
-                           env={"COLUMNS": "200"})
+    rc, out, err = run_cli(
+        "demo", "--dir", d, "--mode", "hsdp", "--steps", 12, "--save-every", 4, env={"COLUMNS": "200"}
+    )
     assert rc == 0, (out[-2000:], err[-3000:])
     assert "scout-ckpt demo: 4 ranks, 12 steps (hsdp)" in out
     rows = [line.split() for line in out.splitlines()]
@@ -186,8 +197,10 @@ def test_demo_command_summary_with_its_default_four_ranks_in_hsdp(tmp_path):
     assert states == {4: "certified", 8: "certified", 12: "certified"}
     for step, ev in evidence.items():
         assert ev["consensus"]["status"] == ev["shard_replay"]["status"] == ev["at_rest"]["status"] == "pass"
-        assert {(tuple(g["members"]), g["verdict"]) for g in ev["consensus"]["groups"]} >= \
-            {((0, 2), "agree"), ((1, 3), "agree")}, (step, ev["consensus"])
+        assert {(tuple(g["members"]), g["verdict"]) for g in ev["consensus"]["groups"]} >= {
+            ((0, 2), "agree"),
+            ((1, 3), "agree"),
+        }, (step, ev["consensus"])
 
 
 @pytest.mark.slow
@@ -197,15 +210,19 @@ def test_demo_async_saves_hold_exactly_the_state_of_their_step(tmp_path, clean_r
     run's), is certified, and the job ends in the same final state."""
     r = run_demo(tmp_path / "run", async_save=True, **SMALL)
     assert r["completed"] and r["restarts"] == 0 and r["async_save"] is True
-    assert [(c["step"], c["state"]) for c in r["checkpoints"]] == [(4, "certified"), (8, "certified"),
-                                                                   (12, "certified")]
-    assert _final_state_digest(r["dir"], r["checkpoints"]) == \
-        _final_state_digest(clean_run["dir"], clean_run["checkpoints"])
+    assert [(c["step"], c["state"]) for c in r["checkpoints"]] == [
+        (4, "certified"),
+        (8, "certified"),
+        (12, "certified"),
+    ]
+    assert _final_state_digest(r["dir"], r["checkpoints"]) == _final_state_digest(
+        clean_run["dir"], clean_run["checkpoints"]
+    )
     assert _manifest_signatures(r["dir"]) == _manifest_signatures(clean_run["dir"])
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # the CI tier's run of the README's (and `make demo`'s) demo command
+@pytest.mark.scenario_ci  # the CI tier's run of the README's (and `make demo`'s) demo command
 @pytest.mark.slow
 def test_the_readme_demo_command(tmp_path):
     """`scout-ckpt demo --inject crash:rank=1:step=20 --inject bitflip:step=10`, as `make demo` and the README run
@@ -216,16 +233,19 @@ def test_the_readme_demo_command(tmp_path):
     from tests.conftest import run_cli
 
     d = tmp_path / "demo"
-    rc, out, err = run_cli("demo", "--dir", d, "--inject", "crash:rank=1:step=20", "--inject", "bitflip:step=10",
-                           "--json")
+    rc, out, err = run_cli(
+        "demo", "--dir", d, "--inject", "crash:rank=1:step=20", "--inject", "bitflip:step=10", "--json"
+    )
     assert rc == 0, (out[-2000:], err[-3000:])
     r = json.loads(out)
     assert r["completed"] and (r["ranks"], r["steps"], r["restarts"]) == (4, 40, 1)
     assert [(c["step"], c["state"]) for c in r["checkpoints"]] == [(s, "certified") for s in (10, 20, 30, 40)]
     fired = {f["kind"]: [(x["rank"], x["step"], x["generation"]) for x in f["fired"]] for f in r["injections"]}
     assert fired == {"crash": [(1, 20, 0)], "bitflip": [(0, 10, 0)]}
-    assert sorted((x["step"], x["source"], x["reasons"]) for x in r["rejections"]) == \
-        [(10, "load", ["digest_mismatch"]), (20, "startup", ["save_interrupted"])]
+    assert sorted((x["step"], x["source"], x["reasons"]) for x in r["rejections"]) == [
+        (10, "load", ["digest_mismatch"]),
+        (20, "startup", ["save_interrupted"]),
+    ]
     crashes = [e for e in r["events"] if e["kind"] == "crash"]
     assert [e["step"] for e in crashes] == [20], r["events"]
     crash = crashes[0]
@@ -238,7 +258,7 @@ def test_the_readme_demo_command(tmp_path):
         assert (crash["detail"]["attribution"], crash["detail"]["first_stopped"]) == ("unattributed", [1]), crash
     g0, g1 = r["generations"]
     assert (g0["outcome"], g0["event"], g0["ranks"]) == ("failed", "crash", crash["ranks"])
-    assert g1["outcome"] == "ok" and g1["resumed_from"] is None   # step 10 rotted: nothing clean before it
+    assert g1["outcome"] == "ok" and g1["resumed_from"] is None  # step 10 rotted: nothing clean before it
 
 
 def test_bad_options_fail_before_starting(tmp_path):
@@ -256,7 +276,7 @@ def test_bad_options_fail_before_starting(tmp_path):
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # the CI tier's DDP hang at 3 ranks (the demo's observers abort, torchrun restarts)
+@pytest.mark.scenario_ci  # the CI tier's DDP hang at 3 ranks (the demo's observers abort, torchrun restarts)
 @pytest.mark.slow
 def test_hang_is_detected_killed_and_restarted(tmp_path):
     """Rank 1 blocks forever before step 6's first collective; the observers report it and abort the trainers,
@@ -265,8 +285,14 @@ def test_hang_is_detected_killed_and_restarted(tmp_path):
     Three ranks: the two waiting in the collective are the strict majority that names the third. (With two ranks
     no majority exists; the sequence rule names the rank that stopped outside any collective while the other waits
     inside one: observer/verdicts.py sequence_hang.)"""
-    r = run_demo(tmp_path / "run", ranks=3, steps=8, save_every=4, quiet=True,
-                 inject=["hang:rank=1:step=6", "sdc:rank=0:step=2", "slow:rank=0:factor=1.5"])
+    r = run_demo(
+        tmp_path / "run",
+        ranks=3,
+        steps=8,
+        save_every=4,
+        quiet=True,
+        inject=["hang:rank=1:step=6", "sdc:rank=0:step=2", "slow:rank=0:factor=1.5"],
+    )
     assert r["completed"] and r["restarts"] == 1 and r["final_digest"]
     hangs = [e for e in r["events"] if e["kind"] == "hang"]
     assert hangs and hangs[0]["ranks"] == [1] and hangs[0]["step"] in (5, 6)
@@ -298,9 +324,17 @@ def test_generations_are_read_from_torchruns_records_and_the_ledger(tmp_path):
 
     def started(gen: int, t: float) -> None:
         for rank in (0, 1):
-            atomic_write_json(tmp_path / "demo" / f"gen{gen}-rank{rank}.json",
-                              {"generation": gen, "rank": rank, "pid": 1, "started": t + rank * 0.01,
-                               "torchelastic_run_id": "tr-1", "max_restarts": 3})
+            atomic_write_json(
+                tmp_path / "demo" / f"gen{gen}-rank{rank}.json",
+                {
+                    "generation": gen,
+                    "rank": rank,
+                    "pid": 1,
+                    "started": t + rank * 0.01,
+                    "torchelastic_run_id": "tr-1",
+                    "max_restarts": 3,
+                },
+            )
 
     # the clock is set, not waited on: generation 0 starts at 1000, its run at 1001; generation 1 at 1010, its run
     # at 1011 (the ledger's start times are rewritten to those instants)
@@ -316,8 +350,14 @@ def test_generations_are_read_from_torchruns_records_and_the_ledger(tmp_path):
                 led.conn.execute("UPDATE runs SET started=? WHERE id=?", (t, run_id))
     t_end = 1020.0
     g0, g1 = generations(tmp_path, 0, t_end)
-    assert (g0["run_id"], g0["outcome"], g0["event"], g0["ranks"], g0["step"], g0["detected_by"]) == \
-        ("run-a", "failed", "crash", [], 12, "previous_generation")
+    assert (g0["run_id"], g0["outcome"], g0["event"], g0["ranks"], g0["step"], g0["detected_by"]) == (
+        "run-a",
+        "failed",
+        "crash",
+        [],
+        12,
+        "previous_generation",
+    )
     assert g0["ended"] == g1["started"] and g1["ended"] == t_end
     assert (g1["run_id"], g1["outcome"], g1["resumed_from"], g1["ranks_started"]) == ("run-b", "ok", 8, [0, 1])
     assert [g["torchelastic"]["restart_count"] for g in (g0, g1)] == [0, 1]

@@ -184,28 +184,47 @@ def test_state_digest_single_process_is_stable(tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("spec,kind,rank,step,opts", [
-    ("crash:rank=1:step=20", "crash", 1, 20, {"at": "during_write"}),
-    ("crash:rank=0:step=10:at=before_rename", "crash", 0, 10, {"at": "before_rename"}),
-    ("bitflip:step=10", "bitflip", None, 10, {"file": None, "bit": None}),
-    ("sdc:rank=2:step=5", "sdc", 2, 5, {"layer": "blocks.1.mlp.fc1", "elem": 0}),
-    ("sdc:rank=1:step=5:layer=blocks.1.attn.qkv:elem=-7", "sdc", 1, 5, {"layer": "blocks.1.attn.qkv", "elem": -7}),
-    ("hang:rank=3:step=7", "hang", 3, 7, {}),
-    ("slow:rank=1:factor=2.5", "slow", 1, None, {"factor": 2.5}),
-    ("param:rank=0:step=4", "param", 0, 4, {"name": None, "bit": 30}),
-])
+@pytest.mark.parametrize(
+    "spec,kind,rank,step,opts",
+    [
+        ("crash:rank=1:step=20", "crash", 1, 20, {"at": "during_write"}),
+        ("crash:rank=0:step=10:at=before_rename", "crash", 0, 10, {"at": "before_rename"}),
+        ("bitflip:step=10", "bitflip", None, 10, {"file": None, "bit": None}),
+        ("sdc:rank=2:step=5", "sdc", 2, 5, {"layer": "blocks.1.mlp.fc1", "elem": 0}),
+        ("sdc:rank=1:step=5:layer=blocks.1.attn.qkv:elem=-7", "sdc", 1, 5, {"layer": "blocks.1.attn.qkv", "elem": -7}),
+        ("hang:rank=3:step=7", "hang", 3, 7, {}),
+        ("slow:rank=1:factor=2.5", "slow", 1, None, {"factor": 2.5}),
+        ("param:rank=0:step=4", "param", 0, 4, {"name": None, "bit": 30}),
+    ],
+)
 def test_parse_valid(spec, kind, rank, step, opts):
     f = faults.parse(spec)
     assert (f.kind, f.rank, f.step, f.opts) == (kind, rank, step, opts)
     assert faults.parse(f.spec) == f
 
 
-@pytest.mark.parametrize("spec", [
-    "", "explode:rank=1", "crash:rank=1", "crash:step=3", "crash:rank=x:step=3", "crash:rank=1:step=0",
-    "crash:rank=1:step=3:rank=2", "crash:rank=1:step=3:color=red", "crash:rank=1:step=3:at=never",
-    "bitflip", "bitflip:step", "bitflip:step=", "slow:rank=1:factor=0.5", "slow:rank=1:factor=fast",
-    "param:rank=0:step=2:bit=40", "hang:rank=-1:step=2", "sdc:rank=0:step=2:elem=last",
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "",
+        "explode:rank=1",
+        "crash:rank=1",
+        "crash:step=3",
+        "crash:rank=x:step=3",
+        "crash:rank=1:step=0",
+        "crash:rank=1:step=3:rank=2",
+        "crash:rank=1:step=3:color=red",
+        "crash:rank=1:step=3:at=never",
+        "bitflip",
+        "bitflip:step",
+        "bitflip:step=",
+        "slow:rank=1:factor=0.5",
+        "slow:rank=1:factor=fast",
+        "param:rank=0:step=2:bit=40",
+        "hang:rank=-1:step=2",
+        "sdc:rank=0:step=2:elem=last",
+    ],
+)
 def test_parse_invalid_is_one_line_bad_input(spec):
     with pytest.raises(BadInput) as e:
         faults.parse(spec)

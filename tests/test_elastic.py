@@ -41,7 +41,7 @@ def _state(strict=False):
 
     from scout_ckpt import ModelOptimizerState, RankLocal, RNGState
 
-    torch.manual_seed(0)   # the model is the same on every rank; the generators are re-seeded per rank after
+    torch.manual_seed(0)  # the model is the same on every rank; the generators are re-seeded per rank after
     model = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     return model, opt, {"app": ModelOptimizerState(model, opt), "rng": RankLocal(RNGState(), strict=strict)}
@@ -55,7 +55,7 @@ def _save(rank, world, root):
     ck = Checkpointer(root, model=model, optimizer=opt)
     import torch
 
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))   # the same batch everywhere: replicas agree
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))  # the same batch everywhere: replicas agree
     model(x).sum().backward()
     opt.step()
     verdict = ck.save(1, state)
@@ -85,12 +85,12 @@ def test_a_restart_on_more_or_fewer_ranks_restores_the_ranks_that_still_exist(tm
     root = str(tmp_path / "run")
     saved = [o.result for o in run_ranks(_save, 2, root, timeout=120)]
     assert [s["state"] for s in saved] == ["certified", "certified"]
-    assert saved[0]["rng"] != saved[1]["rng"]                     # the rows really differ by rank
+    assert saved[0]["rng"] != saved[1]["rng"]  # the rows really differ by rank
 
     grown = [o.result for o in run_ranks(_load, 3, root, False, timeout=120)]
     assert [g.get("step") for g in grown] == [1, 1, 1], grown
-    assert [g["rng"] for g in grown[:2]] == [s["rng"] for s in saved]   # ranks 0 and 1: their own generators
-    assert grown[2]["rng"] == grown[2]["fresh"]                   # the new rank keeps what it had
+    assert [g["rng"] for g in grown[:2]] == [s["rng"] for s in saved]  # ranks 0 and 1: their own generators
+    assert grown[2]["rng"] == grown[2]["fresh"]  # the new rank keeps what it had
 
     shrunk = [o.result for o in run_ranks(_load, 1, root, False, timeout=120)]
     assert shrunk[0]["step"] == 1 and shrunk[0]["rng"] == saved[0]["rng"]
@@ -104,5 +104,7 @@ def test_strict_rank_local_refuses_another_world_size_with_one_line(tmp_path):
     run_ranks(_save, 2, root, timeout=120)
     out = [o.result for o in run_ranks(_load, 3, root, True, timeout=120)]
     for o in out:
-        assert o == {"error": "'rng': saved by 2 ranks, this job has 3 (RankLocal(strict=False) restores the ranks "
-                              "that still exist)"}
+        assert o == {
+            "error": "'rng': saved by 2 ranks, this job has 3 (RankLocal(strict=False) restores the ranks "
+            "that still exist)"
+        }

@@ -33,7 +33,7 @@ def _fill_the_disk(rank, world, root):
     try:
         ck.save(1, {"w": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(rank))})
         out["first"] = None
-    except Exception as e:   # what a training loop catches
+    except Exception as e:  # what a training loop catches
         out["first"] = (type(e).__name__, isinstance(e, CommitError), str(e))
     out["left"] = sorted(n for n in os.listdir(root) if n.startswith((".step-", "step-")))
     out["second"] = ck.save(2, {"w": torch.zeros(4)})["state"]
@@ -49,7 +49,7 @@ def test_a_full_disk_mid_save_cleans_up_and_raises_commit_error_on_every_rank(ti
         assert (name, is_commit_error) == ("CommitError", True), r
         assert msg.startswith("checkpoint 1 not saved: ") and "\n" not in msg, msg
         assert r["second"] == "certified"
-    assert out[0]["left"] == []          # the coordinator removed the partial temp dir before raising
+    assert out[0]["left"] == []  # the coordinator removed the partial temp dir before raising
     rc, stdout, _ = run_cli("ls", root, "--json", check_rc=0)
     rows = {c["step"]: c for c in json.loads(stdout)["checkpoints"]}
     assert rows[1]["state"] == "rejected" and [x["code"] for x in rows[1]["reasons"]] == ["commit_failed"]

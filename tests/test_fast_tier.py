@@ -35,15 +35,20 @@ NNODES, NPROC = 2, 2
 
 # ---- fast ------------------------------------------------------------------------------------------------------
 
+
 def test_local_options_are_checked_and_converted_in_one_place():
     assert as_local(None) is None and as_local(False) is None
     o = as_local({"dir": "/dev/shm/x", "every": 5})
     assert o == LocalTierOptions(dir="/dev/shm/x", every=5) and (o.keep, o.replicas) == (2, 1)
     assert as_local({"dir": Path("/tmp/x"), "every": 1}).dir == "/tmp/x"
-    for bad, field in [({"dir": "", "every": 2}, "local.dir"), ({"dir": "/x", "every": 0}, "local.every"),
-                       ({"dir": "/x", "every": 2, "keep": 0}, "local.keep"),
-                       ({"dir": "/x", "every": 2, "replicas": -1}, "local.replicas"),
-                       ({"dir": "/x", "every": True}, "local.every"), ({"dir": "/x", "evry": 2}, "evry")]:
+    for bad, field in [
+        ({"dir": "", "every": 2}, "local.dir"),
+        ({"dir": "/x", "every": 0}, "local.every"),
+        ({"dir": "/x", "every": 2, "keep": 0}, "local.keep"),
+        ({"dir": "/x", "every": 2, "replicas": -1}, "local.replicas"),
+        ({"dir": "/x", "every": True}, "local.every"),
+        ({"dir": "/x", "evry": 2}, "evry"),
+    ]:
         with pytest.raises(BadOption, match=field):
             as_local(bad)
     with pytest.raises(BadOption, match="local must be"):
@@ -66,8 +71,8 @@ def test_ring_places_copies_on_other_nodes_at_the_same_local_rank():
 
     assert ring_holders(0, 4, 2, 1) == [2] and ring_holders(3, 4, 2, 1) == [1]
     assert ring_holders(1, 6, 2, 2) == [3, 5]
-    assert ring_holders(1, 4, 2, 5) == [3]          # capped at nodes - 1
-    assert ring_holders(0, 2, 2, 1) == []           # one node: no peer
+    assert ring_holders(1, 4, 2, 5) == [3]  # capped at nodes - 1
+    assert ring_holders(0, 2, 2, 1) == []  # one node: no peer
     assert ring_holders(0, 4, 2, 0) == []
 
 
@@ -79,8 +84,12 @@ def test_loaded_values_go_into_the_state_in_place():
 
     w = torch.zeros(3)
     dst = {"model": {"w": w}, "optim": {"param_groups": [{"lr": 0.1, "params": ["w"]}], "state": {}}}
-    src = _local_tree({"model": {"w": torch.ones(3)},
-                       "optim": {"param_groups": [{"lr": 0.5, "params": ["w"]}], "state": {"w": {"step": 3}}}})
+    src = _local_tree(
+        {
+            "model": {"w": torch.ones(3)},
+            "optim": {"param_groups": [{"lr": 0.5, "params": ["w"]}], "state": {"w": {"step": 3}}},
+        }
+    )
     out = _merge(dst, src)
     assert out is dst and dst["model"]["w"] is w and torch.equal(w, torch.ones(3))
     assert dst["optim"]["param_groups"][0]["lr"] == 0.5 and dst["optim"]["state"] == {"w": {"step": 3}}
@@ -98,27 +107,37 @@ def test_staging_copies_into_the_same_buffers_until_a_shape_changes():
     assert a["model"]["w"] is not w and torch.equal(a["model"]["w"], w) and st.allocations == 2
     assert a["optim"]["state"][0]["step"] == 3 and a["optim"]["param_groups"] == [{"lr": 0.1}]
     buf = a["model"]["w"]
-    w += 1                                   # training moves on: the copy taken is unchanged
+    w += 1  # training moves on: the copy taken is unchanged
     assert torch.equal(buf, torch.arange(6.0).reshape(2, 3))
-    b = st.stage(state)                      # the next save: the same buffers, the new values
+    b = st.stage(state)  # the next save: the same buffers, the new values
     assert b["model"]["w"] is buf and torch.equal(buf, w) and st.allocations == 2
     assert b["optim"]["state"][0]["exp_avg"] is a["optim"]["state"][0]["exp_avg"]
-    state["model"]["w"] = torch.ones(3, 3)   # a shape changes: that buffer only is allocated again
+    state["model"]["w"] = torch.ones(3, 3)  # a shape changes: that buffer only is allocated again
     c = st.stage(state)
     assert c["model"]["w"] is not buf and torch.equal(c["model"]["w"], torch.ones(3, 3)) and st.allocations == 3
-    state["model"]["w"] = torch.ones(3, 3, dtype=torch.bfloat16)   # a dtype changes: likewise
+    state["model"]["w"] = torch.ones(3, 3, dtype=torch.bfloat16)  # a dtype changes: likewise
     d = st.stage(state)
     assert d["model"]["w"].dtype == torch.bfloat16 and st.allocations == 4
-    del state["optim"]                       # a position leaves the state: its buffer is freed
+    del state["optim"]  # a position leaves the state: its buffer is freed
     st.stage(state)
     assert len(st._bufs) == 1
 
 
 def _dead_writer(run_dir: Path, rank: int = 0) -> None:
     """A writer lease taken by a process that has exited (its flock dropped, its pid gone): a dead writer."""
-    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from scout_ckpt.save.local_orphans "
-                    "import WriterLease; WriterLease.take(Path(sys.argv[1]), int(sys.argv[2]))", str(run_dir),
-                    str(rank)], check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from scout_ckpt.save.local_orphans "
+            "import WriterLease; WriterLease.take(Path(sys.argv[1]), int(sys.argv[2]))",
+            str(run_dir),
+            str(rank),
+        ],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=60,
+    )
 
 
 def _step(base: Path, rel: str, *names: str) -> Path:
@@ -135,28 +154,30 @@ def test_orphan_sweep_removes_only_unrecorded_folders_of_dead_earlier_runs(tmp_p
     base = tmp_path / "node-disk"
     for run in ("dead", "gone", "other-job", "elsewhere"):
         _dead_writer(base / run)
-    lease = base / "elsewhere" / ".writers" / "rank-0.lock"       # a record from another host: cannot tell
+    lease = base / "elsewhere" / ".writers" / "rank-0.lock"  # a record from another host: cannot tell
     lease.write_text(json.dumps({**json.loads(lease.read_text()), "host": "another-host"}))
     _dead_writer(base / "dead", 1)
-    live_writer = WriterLease.take(base / "live", 0)          # a writer of an earlier run still running here
-    _step(base, "dead/step-00000002", "rank-0.pt", "peer-rank-2.pt")          # its row is certified
+    live_writer = WriterLease.take(base / "live", 0)  # a writer of an earlier run still running here
+    _step(base, "dead/step-00000002", "rank-0.pt", "peer-rank-2.pt")  # its row is certified
     orphan = _step(base, "dead/step-00000004", "rank-0.pt", "peer-rank-2.pt", "rank-1.pt.tmp-77")  # no row
-    deleted = _step(base, "dead/step-00000006", "rank-0.pt")                  # a `deleted` row: not live
-    foreign = _step(base, "dead/step-00000008", "rank-0.pt", "notes.txt")     # no row, a file not ours
-    kept = [_step(base, "live/step-00000004", "rank-0.pt"),                   # its writer holds the lease
-            _step(base, "other-job/step-00000004", "rank-0.pt"),             # a run this ledger does not know
-            _step(base, "nolease/step-00000004", "rank-0.pt"),               # no lease file: could not check
-            _step(base, "elsewhere/step-00000004", "rank-0.pt"),             # its writer's host is not this one
-            _step(base, "mine/step-00000004", "rank-0.pt")]                  # this run's own
-    _step(base, "gone/step-00000002", "rank-0.pt")                            # a dead run with orphans only
+    deleted = _step(base, "dead/step-00000006", "rank-0.pt")  # a `deleted` row: not live
+    foreign = _step(base, "dead/step-00000008", "rank-0.pt", "notes.txt")  # no row, a file not ours
+    kept = [
+        _step(base, "live/step-00000004", "rank-0.pt"),  # its writer holds the lease
+        _step(base, "other-job/step-00000004", "rank-0.pt"),  # a run this ledger does not know
+        _step(base, "nolease/step-00000004", "rank-0.pt"),  # no lease file: could not check
+        _step(base, "elsewhere/step-00000004", "rank-0.pt"),  # its writer's host is not this one
+        _step(base, "mine/step-00000004", "rank-0.pt"),
+    ]  # this run's own
+    _step(base, "gone/step-00000002", "rank-0.pt")  # a dead run with orphans only
     removed = sweep(base, "mine", {"dead", "live", "nolease", "gone", "elsewhere", "mine"}, {"dead/step-00000002"})
     assert sorted(removed) == ["dead/step-00000004", "dead/step-00000006", "gone/step-00000002"], removed
     assert not orphan.exists() and not deleted.exists() and not (base / "gone").exists()
     assert (base / "dead/step-00000002/rank-0.pt").exists()
-    assert sorted(os.listdir(foreign)) == ["notes.txt"]                       # ours removed, the rest stays
+    assert sorted(os.listdir(foreign)) == ["notes.txt"]  # ours removed, the rest stays
     assert all((d / "rank-0.pt").exists() for d in kept)
-    live_writer.release()                                      # that writer is gone: its orphan goes next time
-    _dead_writer(base / "live")                                # (the lease file names a dead process now)
+    live_writer.release()  # that writer is gone: its orphan goes next time
+    _dead_writer(base / "live")  # (the lease file names a dead process now)
     assert sweep(base, "mine", {"live"}, set()) == ["live/step-00000004"]
 
 
@@ -168,13 +189,23 @@ def test_resume_json_names_the_tier(ckpt_root):
 
 # ---- end to end ------------------------------------------------------------------------------------------------
 
-def run_agents(root: Path, local_dirs: list[Path], *job_args: str, max_restarts: int = 2,
-               timeout: float = 600) -> list[subprocess.CompletedProcess]:
+
+def run_agents(
+    root: Path, local_dirs: list[Path], *job_args: str, max_restarts: int = 2, timeout: float = 600
+) -> list[subprocess.CompletedProcess]:
     """NNODES torchrun agents as on NNODES hosts (all on 127.0.0.1), each with its own local dir; waits for all.
     The first agent starts first, so that it hosts the rendezvous store (a killed node is never the host)."""
-    return agents.run_agents(SCRIPT, [root, *job_args], nnodes=NNODES, nproc=NPROC, repo=REPO,
-                             max_restarts=max_restarts, first_hosts=True, timeout=timeout,
-                             node_env={n: {"SCOUT_TEST_LOCAL_DIR": str(d)} for n, d in enumerate(local_dirs)})
+    return agents.run_agents(
+        SCRIPT,
+        [root, *job_args],
+        nnodes=NNODES,
+        nproc=NPROC,
+        repo=REPO,
+        max_restarts=max_restarts,
+        first_hosts=True,
+        timeout=timeout,
+        node_env={n: {"SCOUT_TEST_LOCAL_DIR": str(d)} for n, d in enumerate(local_dirs)},
+    )
 
 
 def job_lines(results) -> list[dict]:
@@ -233,8 +264,23 @@ def test_sigkilled_fsdp2_rank_resumes_its_shards_from_its_own_nodes_newest_local
 
 def check_sigkilled_rank(tmp_path: Path, *model: str) -> None:
     root, dirs = tmp_path / "run", _dirs(tmp_path)
-    results = run_agents(root, dirs, "--steps", "10", "--save-every", "6", "--local-every", "2",
-                         "--fault", "crash", "--fault-node", "1", "--fault-step", "9", *model)
+    results = run_agents(
+        root,
+        dirs,
+        "--steps",
+        "10",
+        "--save-every",
+        "6",
+        "--local-every",
+        "2",
+        "--fault",
+        "crash",
+        "--fault-node",
+        "1",
+        "--fault-step",
+        "9",
+        *model,
+    )
     _ok(results)
     lines = job_lines(results)
     first, second = loads_by_run(lines)[:2]
@@ -245,7 +291,7 @@ def check_sigkilled_rank(tmp_path: Path, *model: str) -> None:
     for rank, e in second.items():
         assert (e["step"], e["tier"]) == (8, "local"), e
         assert e["digest"] == saved[(rank, 8)], (rank, e)
-        assert e["fetched"] == [], e   # every rank's own node had its file
+        assert e["fetched"] == [], e  # every rank's own node had its file
     rows = _tier_rows(root)
     assert rows[8]["state"] == "certified" and rows[10]["state"] == "certified"
     holders = {(c["rank"], c["holder"]) for c in rows[8]["copies"] if c["verified"]}
@@ -255,13 +301,28 @@ def check_sigkilled_rank(tmp_path: Path, *model: str) -> None:
 @pytest.mark.scenario
 def test_lost_node_resumes_from_the_peer_copy(tmp_path):
     root, dirs = tmp_path / "run", _dirs(tmp_path)
-    first = run_agents(root, dirs, "--steps", "10", "--save-every", "6", "--local-every", "2", "--fault", "node",
-                       "--fault-node", "1", "--fault-step", "9", max_restarts=0)
+    first = run_agents(
+        root,
+        dirs,
+        "--steps",
+        "10",
+        "--save-every",
+        "6",
+        "--local-every",
+        "2",
+        "--fault",
+        "node",
+        "--fault-node",
+        "1",
+        "--fault-step",
+        "9",
+        max_restarts=0,
+    )
     assert all(r.returncode != 0 for r in first), [r.returncode for r in first]
     fault = json.loads((root / "fault.json").read_text())
     lost = Path(fault["local_dir"])
     assert lost in dirs and any(lost.rglob("rank-*.pt"))
-    shutil.rmtree(lost)          # the node and its disk are gone; a replacement node starts with an empty one
+    shutil.rmtree(lost)  # the node and its disk are gone; a replacement node starts with an empty one
     (root / "fault.json").unlink()
     lines1 = job_lines(first)
     saved = saved_digests(lines1)
@@ -277,7 +338,7 @@ def test_lost_node_resumes_from_the_peer_copy(tmp_path):
         assert (e["step"], e["tier"]) == (8, "local"), e
         assert e["digest"] == saved[(rank, 8)], (rank, e)
         fetched |= set(e["fetched"])
-    assert fetched == set(lost_ranks), (fetched, lost_ranks)   # exactly the lost node's ranks came from peers
+    assert fetched == set(lost_ranks), (fetched, lost_ranks)  # exactly the lost node's ranks came from peers
 
 
 @pytest.mark.scenario
@@ -288,7 +349,7 @@ def test_bit_flipped_in_a_local_file_and_its_peer_copy_falls_back_to_the_previou
     saved = saved_digests(job_lines(first))
     copies = [p for d in dirs for p in d.rglob("step-00000010/*rank-1.pt")]
     assert sorted(p.name for p in copies) == ["peer-rank-1.pt", "rank-1.pt"], copies
-    for p in copies:   # one bit of each copy of rank 1's file
+    for p in copies:  # one bit of each copy of rank 1's file
         data = bytearray(p.read_bytes())
         data[len(data) // 2] ^= 0x10
         p.write_bytes(bytes(data))
@@ -312,8 +373,22 @@ def test_bit_flipped_in_a_local_file_and_its_peer_copy_falls_back_to_the_previou
 @pytest.mark.scenario
 def test_sdc_at_a_local_save_keeps_the_step_out_of_every_tier(tmp_path):
     root, dirs = tmp_path / "run", _dirs(tmp_path)
-    results = run_agents(root, dirs, "--steps", "8", "--save-every", "6", "--local-every", "2", "--fault", "sdc",
-                         "--fault-node", "1", "--fault-step", "6")
+    results = run_agents(
+        root,
+        dirs,
+        "--steps",
+        "8",
+        "--save-every",
+        "6",
+        "--local-every",
+        "2",
+        "--fault",
+        "sdc",
+        "--fault-node",
+        "1",
+        "--fault-step",
+        "6",
+    )
     _ok(results)
     lines = job_lines(results)
     loads = loads_by_run(lines)
@@ -342,8 +417,22 @@ def test_sdc_at_a_local_save_keeps_the_step_out_of_every_tier(tmp_path):
 @pytest.mark.scenario
 def test_a_local_save_killed_before_its_commit_leaves_no_folder_behind(tmp_path):
     root, dirs = tmp_path / "run", _dirs(tmp_path)
-    results = run_agents(root, dirs, "--steps", "10", "--save-every", "100", "--local-every", "2",
-                         "--fault", "midsave", "--fault-node", "1", "--fault-step", "8")
+    results = run_agents(
+        root,
+        dirs,
+        "--steps",
+        "10",
+        "--save-every",
+        "100",
+        "--local-every",
+        "2",
+        "--fault",
+        "midsave",
+        "--fault-node",
+        "1",
+        "--fault-step",
+        "8",
+    )
     _ok(results)
     lines = job_lines(results)
     fault = json.loads((root / "fault.json").read_text())
@@ -352,7 +441,7 @@ def test_a_local_save_killed_before_its_commit_leaves_no_folder_behind(tmp_path)
     # the killed rank's file of step 8 was on its node's disk, in the first run's folder, when it died
     assert fault["written"] == [str(dirs[1] / first_run / "step-00000008" / f"rank-{fault['rank']}.pt")], fault
     saved = saved_digests([e for e in lines if e.get("run_id") == first_run])
-    for rank, e in runs[1].items():   # step 8 was never recorded: the restart loads 6, as saved
+    for rank, e in runs[1].items():  # step 8 was never recorded: the restart loads 6, as saved
         assert (e["step"], e["tier"]) == (6, "local"), e
         assert e["digest"] == saved[(rank, 6)], (rank, e)
     # the first run's step-8 folders are gone from both nodes; every step folder left is a live row's
@@ -360,17 +449,27 @@ def test_a_local_save_killed_before_its_commit_leaves_no_folder_behind(tmp_path)
     live = {r["dir"] for r in _tier_rows(root).values() if r["state"] != "deleted"}
     left = {f"{p.parent.name}/{p.name}" for d in dirs for p in d.glob("*/step-*")}
     assert left <= live, (left - live, live)
-    assert "step-00000008" in {p.name for p in dirs[1].glob(f"{runs[1][0]['run_id']}/step-*")}   # saved again
+    assert "step-00000008" in {p.name for p in dirs[1].glob(f"{runs[1][0]['run_id']}/step-*")}  # saved again
 
 
 # ---- one truth per step: a verdict on the step holds for its local copies -------------------------------------
 
+
 def _durable(led, step: int, state: str, reasons: list[dict]) -> None:
     """A durable row of `step` committed as `state` (a real ledger, its real compare-and-set)."""
     led.record_writing(step, "r1", f"a{step}", f"step-{step:08d}")
-    led.record_commit(step, run_id="r1", path=f"step-{step:08d}", nbytes=1, manifest_digest="m", files=[],
-                      evidence={}, state="certified" if state == "quarantined" else state,
-                      reasons=[] if state == "quarantined" else reasons, attempt=f"a{step}")
+    led.record_commit(
+        step,
+        run_id="r1",
+        path=f"step-{step:08d}",
+        nbytes=1,
+        manifest_digest="m",
+        files=[],
+        evidence={},
+        state="certified" if state == "quarantined" else state,
+        reasons=[] if state == "quarantined" else reasons,
+        attempt=f"a{step}",
+    )
     if state == "quarantined":
         led.transition(step, "quarantined", reasons, source="operator", expect="certified")
 
@@ -390,15 +489,38 @@ def test_a_local_copy_is_never_the_candidate_of_a_step_its_durable_row_distrusts
     with Ledger.open(tmp_path, create=True) as led:
         led.begin_run("r1", world_size=2, topology={}, policy={"require": ["bytes"]})
         for step in (1, 2, 4, 6, 8):
-            rows.record(led, step=step, run_id="r1", state="certified", dir=f"step-{step}", world_size=2,
-                        layout=layout if step != 1 else {"world": 4, "nodes": 2}, files=[], copies=[],
-                        evidence={}, signatures={}, reasons=[])
+            rows.record(
+                led,
+                step=step,
+                run_id="r1",
+                state="certified",
+                dir=f"step-{step}",
+                world_size=2,
+                layout=layout if step != 1 else {"world": 4, "nodes": 2},
+                files=[],
+                copies=[],
+                evidence={},
+                signatures={},
+                reasons=[],
+            )
         _durable(led, 8, "quarantined", [{"code": "quarantined", "detail": "operator"}])
         _durable(led, 6, "rejected", [{"code": "replay_sdc", "ranks": [1], "target": "layers.1"}])
         _durable(led, 4, "rejected", [{"code": "digest_mismatch", "file": "__0_0.distcp"}])
         _durable(led, 2, "certified", [])
-        rows.record(led, step=0, run_id="r1", state="certified", dir="step-0", world_size=2, layout=layout,
-                    files=[], copies=[], evidence={}, signatures={}, reasons=[])
+        rows.record(
+            led,
+            step=0,
+            run_id="r1",
+            state="certified",
+            dir="step-0",
+            world_size=2,
+            layout=layout,
+            files=[],
+            copies=[],
+            evidence={},
+            signatures={},
+            reasons=[],
+        )
         tier = SimpleNamespace(ck=SimpleNamespace(ledger=led), layout=layout, layout_told=False)
         walked, below = [], None
         while (cand := local_restore.candidate(tier, below)) is not None:
@@ -420,13 +542,26 @@ def test_a_shard_fault_revokes_the_local_copies_of_the_steps_it_may_be_in(tmp_pa
     with Ledger.open(tmp_path, create=True) as led:
         led.begin_run("r1", world_size=2, topology={}, policy={"require": ["bytes"]})
         for step in (10, 12, 13, 14):
-            rows.record(led, step=step, run_id="r1", state="certified", dir=f"step-{step}", world_size=2,
-                        layout={}, files=[], copies=[], evidence={}, signatures={}, reasons=[])
+            rows.record(
+                led,
+                step=step,
+                run_id="r1",
+                state="certified",
+                dir=f"step-{step}",
+                world_size=2,
+                layout={},
+                files=[],
+                copies=[],
+                evidence={},
+                signatures={},
+                reasons=[],
+            )
         _durable(led, 12, "certified", [])
         shard = ShardEvidence.__new__(ShardEvidence)
         shard.log = SimpleNamespace(cycle=4)
-        bad = [{"step": 15, "status": "fail", "ranks": [1],
-                "reasons": [{"code": "shard_replay_mismatch", "ranks": [1]}]}]
+        bad = [
+            {"step": 15, "status": "fail", "ranks": [1], "reasons": [{"code": "shard_replay_mismatch", "ranks": [1]}]}
+        ]
         revoked = shard.revoke(led, tmp_path, bad)
         local = {r["step"]: r["state"] for r in rows.rows(led)}
         durable = led.checkpoint(12)["state"]

@@ -27,13 +27,14 @@ def test_a_full_local_disk_rejects_that_local_step_and_training_and_the_next_loc
     (base / "node-0").mkdir(parents=True)
     with tmpfs("1M") as disk:
         (base / "node-1").symlink_to(disk, target_is_directory=True)
-        out = run_ranks(w.full_local_disk_job, 2, str(tmp_path / "run"), str(base), env={"LOCAL_WORLD_SIZE": "1"},
-                        timeout=180)
+        out = run_ranks(
+            w.full_local_disk_job, 2, str(tmp_path / "run"), str(base), env={"LOCAL_WORLD_SIZE": "1"}, timeout=180
+        )
         seen = {o.rank: o.result for o in out}
         left_on_node_1 = sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.is_file())
     run_id = seen[0]["run_id"]
     assert seen[1]["filled"] > 0
-    assert [r["raised"] for r in seen.values()] == [None, None], seen    # training went on, on every rank
+    assert [r["raised"] for r in seen.values()] == [None, None], seen  # training went on, on every rank
     for r in seen.values():
         assert r["verdicts"][2]["state"] == "rejected" and "live_fault" not in r["verdicts"][2], r["verdicts"]
         assert (r["verdicts"][4]["state"], r["verdicts"][6]["state"]) == ("certified", "certified"), r["verdicts"]

@@ -31,10 +31,11 @@ def local_run(tmp_path_factory):
     from tests import workers_fast_tier_views as w
 
     top = tmp_path_factory.mktemp("fast-tier-views")
-    out = run_ranks(w.local_tier_job, 2, str(top / "run"), str(top / "local"), env={"LOCAL_WORLD_SIZE": "1"},
-                    timeout=240)
+    out = run_ranks(
+        w.local_tier_job, 2, str(top / "run"), str(top / "local"), env={"LOCAL_WORLD_SIZE": "1"}, timeout=240
+    )
     seen = {o.rank: o.result for o in out}
-    assert all(r["loaded"] == 4 and r["tier"] == "local" for r in seen.values()), seen   # the walk-back happened
+    assert all(r["loaded"] == 4 and r["tier"] == "local" for r in seen.values()), seen  # the walk-back happened
     return {"root": top / "run", "base": top / "local", "ranks": seen, "run_id": seen[0]["run_id"]}
 
 
@@ -84,15 +85,23 @@ def test_ls_lists_local_steps_beside_durable_ones_with_where_each_copy_lives(loc
     assert rc == 0
     lines = [line.split() for line in out.splitlines()]
     assert ["2", "durable", "certified"] in [x[:3] for x in lines]
-    assert {(x[0], x[2]) for x in lines if x[1:2] == ["local"]} == {("2", "certified"), ("4", "certified"),
-                                                                    ("6", "rejected")}
+    assert {(x[0], x[2]) for x in lines if x[1:2] == ["local"]} == {
+        ("2", "certified"),
+        ("4", "certified"),
+        ("6", "rejected"),
+    }
     flat = _flat(out)
     base = local_run["base"]
     assert _flat("Local step 4 (certified, saved 20") in flat
-    assert _flat(f"{local_run['run_id']}/step-00000004 in each node's local directory: rank 0 on {ranks[0]['host']} "
-                 f"in {base / 'node-0'}, its copy held by rank 1 on {ranks[1]['host']} in {base / 'node-1'} "
-                 f"(verified at save); rank 1 on {ranks[1]['host']} in {base / 'node-1'}, its copy held by rank 0 on "
-                 f"{ranks[0]['host']} in {base / 'node-0'} (verified at save).") in flat
+    assert (
+        _flat(
+            f"{local_run['run_id']}/step-00000004 in each node's local directory: rank 0 on {ranks[0]['host']} "
+            f"in {base / 'node-0'}, its copy held by rank 1 on {ranks[1]['host']} in {base / 'node-1'} "
+            f"(verified at save); rank 1 on {ranks[1]['host']} in {base / 'node-1'}, its copy held by rank 0 on "
+            f"{ranks[0]['host']} in {base / 'node-0'} (verified at save)."
+        )
+        in flat
+    )
 
 
 def test_explain_says_what_a_local_save_showed_and_both_tiers_when_both_hold_the_step(local_run):
@@ -101,7 +110,7 @@ def test_explain_says_what_a_local_save_showed_and_both_tiers_when_both_hold_the
     assert rc == 0, err
     flat = _flat(out)
     assert _flat("Local tier: step 4 is certified.") in flat
-    for rank, seen in ranks.items():   # each rank's digest, as xxhash computes it over the file on disk
+    for rank, seen in ranks.items():  # each rank's digest, as xxhash computes it over the file on disk
         assert _flat(f"rank {rank} {_xxh(Path(seen['own'][4]['path']))}") in flat
     assert _flat("Consensus: pass") in flat and _flat("every rank's state was finite") in flat
     assert _flat(f"rank 0 on host {ranks[0]['host']} holds a copy at {_peer(local_run, 4, 1)}, verified") in flat
@@ -114,8 +123,9 @@ def test_explain_says_what_a_local_save_showed_and_both_tiers_when_both_hold_the
     assert doc["local"]["state"] == "certified" and doc["local"]["peer_copies"]["ranks_without_verified_copy"] == []
 
     rc, out, err = run_cli("explain", root, "6")
-    assert rc == 1 and err.strip().splitlines() == ["scout-ckpt: step 6 is rejected in the local tier: "
-                                                    "digest_mismatch[ranks 1]"], err
+    assert rc == 1 and err.strip().splitlines() == [
+        "scout-ckpt: step 6 is rejected in the local tier: digest_mismatch[ranks 1]"
+    ], err
     assert _flat("a restart re-verified the step and rejected it (local_rejected)") in _flat(out)
 
     before = _db(root)
@@ -142,8 +152,10 @@ def test_report_counts_local_saves_and_rejections(local_run):
     assert [(s["step"], s["state"]) for s in local["steps"]] == [(2, "certified"), (4, "certified"), (6, "rejected")]
     assert doc["summary"].get("local_rejected") == 1
     rc, out, _ = run_cli("report", local_run["root"])
-    assert rc == 0 and _flat("Local tier: 3 step(s) saved (2 certified, 1 rejected); 1 now rejected; 1 rejection(s) "
-                             "when a restart re-verified the files") in _flat(out)
+    assert rc == 0 and _flat(
+        "Local tier: 3 step(s) saved (2 certified, 1 rejected); 1 now rejected; 1 rejection(s) "
+        "when a restart re-verified the files"
+    ) in _flat(out)
 
 
 def _copy(local_run, tmp_path) -> tuple[Path, Path]:
@@ -165,8 +177,11 @@ def test_ledger_rebuild_restores_local_rows_and_never_certifies_what_it_could_no
     # bad input: one line, exit 2, nothing written (no .bak, the ledger byte for byte)
     before = _db(root)
     rc, out, err = run_cli("ledger", "rebuild", root, "--local-dir", base / "nope")
-    assert rc == 2 and out == "" and err.strip().splitlines() == [f"scout-ckpt: error: --local-dir {base / 'nope'}: "
-                                                                  "no such directory"], err
+    assert (
+        rc == 2
+        and out == ""
+        and err.strip().splitlines() == [f"scout-ckpt: error: --local-dir {base / 'nope'}: no such directory"]
+    ), err
     assert _db(root) == before and not list(root.glob("scout-ledger.db.bak*"))
 
     # only node 0's directory, from which rank 1's copy of step 4 is gone: step 4 cannot be checked (exit 1)
@@ -174,22 +189,27 @@ def test_ledger_rebuild_restores_local_rows_and_never_certifies_what_it_could_no
     rc, out, err = run_cli("ledger", "rebuild", root, "--local-dir", nodes[0], "--json")
     res = json.loads(out)
     assert rc == 1 and "could not check local step(s) 4" in err, err
-    assert _local_states(res) == {2: ("certified", []), 4: ("committed", ["could_not_check"]),
-                                  6: ("rejected", ["digest_mismatch"])}
+    assert _local_states(res) == {
+        2: ("certified", []),
+        4: ("committed", ["could_not_check"]),
+        6: ("rejected", ["digest_mismatch"]),
+    }
     # both directories: every rank's file of step 4 is found again and matches its digest: certified again
     rc, out, err = run_cli("ledger", "rebuild", root, "--local-dir", nodes[0], "--local-dir", nodes[1], "--json")
     assert rc == 0 and _local_states(json.loads(out))[4] == ("certified", []), err
 
     # one bit of both copies of rank 0's step-2 file: the rebuild finds every copy bad and rejects the local step
-    for p in (base / "node-0" / run / "step-00000002" / "rank-0.pt", base / "node-1" / run / "step-00000002" /
-              "peer-rank-0.pt"):
+    for p in (
+        base / "node-0" / run / "step-00000002" / "rank-0.pt",
+        base / "node-1" / run / "step-00000002" / "peer-rank-0.pt",
+    ):
         data = bytearray(p.read_bytes())
         data[len(data) // 3] ^= 0x01
         p.write_bytes(bytes(data))
     rc, out, err = run_cli("ledger", "rebuild", root, "--local-dir", nodes[0], "--local-dir", nodes[1], "--json")
     res = json.loads(out)
     assert rc == 0 and _local_states(res)[2] == ("rejected", ["digest_mismatch"]), err
-    assert res["checkpoints"] == [{"step": 2, "state": "certified", "reasons": []}]   # the durable tier is apart
+    assert res["checkpoints"] == [{"step": 2, "state": "certified", "reasons": []}]  # the durable tier is apart
 
     # the ledger lost: what is on disk is listed, never certified (no record of the save's digests survives)
     for p in root.glob("scout-ledger.db*"):
@@ -202,11 +222,13 @@ def test_ledger_rebuild_restores_local_rows_and_never_certifies_what_it_could_no
     local = {r["step"]: r for r in json.loads(out)["local"]}
     assert {s: r["state"] for s, r in local.items()} == {s: "committed" for s in STEPS}
     assert sorted(Path(f["path"]).name for f in local[4]["files"]) == ["rank-0.pt", "rank-1.pt"]
-    assert all(f["digest"] is None for f in local[4]["files"]) and all(c["verified"] is None
-                                                                       for c in local[4]["copies"])
+    assert all(f["digest"] is None for f in local[4]["files"]) and all(
+        c["verified"] is None for c in local[4]["copies"]
+    )
 
 
 # ---- end to end (scenario): two torchrun agents as two nodes, the ledger rebuilt from one node's directory ------
+
 
 @pytest.mark.scenario
 def test_rebuilt_local_rows_are_what_a_restarted_job_loads_and_a_lost_ledger_certifies_none(tmp_path):
@@ -228,8 +250,10 @@ def test_rebuilt_local_rows_are_what_a_restarted_job_loads_and_a_lost_ledger_cer
     rc, out, err = run_cli("ledger", "rebuild", root, "--local-dir", dirs[0], "--json")
     res = json.loads(out)
     assert rc == 0, err
-    assert {s: st for s, (st, _) in _local_states(res).items() if st != "deleted"} == {8: "certified",
-                                                                                      10: "certified"}, res["local"]
+    assert {s: st for s, (st, _) in _local_states(res).items() if st != "deleted"} == {
+        8: "certified",
+        10: "certified",
+    }, res["local"]
     second = run_agents(root, dirs, "--steps", "11", "--save-every", "6", "--local-every", "2")
     _ok(second)
     loads = loads_by_run(job_lines(second))[0]

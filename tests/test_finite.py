@@ -17,12 +17,15 @@ from tests.conftest import run_cli
 
 # (exponent bits, mantissa bits, how NaN/Inf are encoded) of each floating format
 FORMATS = {
-    "float16": (5, 10, "ieee"), "bfloat16": (8, 7, "ieee"), "float32": (8, 23, "ieee"), "float64": (11, 52, "ieee"),
-    "float8_e5m2": (5, 2, "ieee"),      # Inf: exponent all ones, mantissa 0; NaN: exponent all ones, mantissa != 0
-    "float8_e4m3fn": (4, 3, "fn"),      # no Inf; NaN: exponent and mantissa all ones (0x7F, 0xFF)
+    "float16": (5, 10, "ieee"),
+    "bfloat16": (8, 7, "ieee"),
+    "float32": (8, 23, "ieee"),
+    "float64": (11, 52, "ieee"),
+    "float8_e5m2": (5, 2, "ieee"),  # Inf: exponent all ones, mantissa 0; NaN: exponent all ones, mantissa != 0
+    "float8_e4m3fn": (4, 3, "fn"),  # no Inf; NaN: exponent and mantissa all ones (0x7F, 0xFF)
     "float8_e4m3fnuz": (4, 3, "fnuz"),  # no Inf, no -0; NaN: sign set, all else zero (0x80)
     "float8_e5m2fnuz": (5, 2, "fnuz"),
-    "float8_e8m0fnu": (8, 0, "e8m0"),   # unsigned exponent only; NaN: 0xFF
+    "float8_e8m0fnu": (8, 0, "e8m0"),  # unsigned exponent only; NaN: 0xFF
 }
 NEVER = ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64", "float4_e2m1fn_x2"]
 COMPLEX = {"complex32": "float16", "complex64": "float32", "complex128": "float64"}
@@ -42,7 +45,7 @@ def _oracle(name: str, bits: np.ndarray) -> np.ndarray:
         return (exp == (1 << e) - 1) & (man == (1 << m) - 1)
     if kind == "fnuz":
         return bits == np.uint64(1 << (width - 1))
-    return bits == np.uint64(0xFF)     # e8m0
+    return bits == np.uint64(0xFF)  # e8m0
 
 
 def _patterns(name: str, rng) -> np.ndarray:
@@ -106,7 +109,7 @@ def test_every_path_agrees_with_the_bit_oracle(name, t, mask):
 
     bad, first = int(mask.sum()), _first(mask)
     assert bad == 0 or name not in NEVER
-    assert storage.is_finite(t) == (bad == 0), name                       # the writer's check
+    assert storage.is_finite(t) == (bad == 0), name  # the writer's check
     assert np.array_equal(nonfinite_mask(t).numpy(), mask)
     assert nonfinite(t) == (bad, first)
     # the invariants' check (a float32 beside it, so that the check matches a tensor whatever t's dtype)
@@ -116,7 +119,7 @@ def test_every_path_agrees_with_the_bit_oracle(name, t, mask):
         assert ev["status"] == "fail" and got[0]["value"] == bad and got[0]["index"] == first, ev
     else:
         assert ev["status"] == "pass" and not got, ev
-    checks = parse_specs(["finite"])                                       # certify's streamed check
+    checks = parse_specs(["finite"])  # certify's streamed check
     st = TensorStream(checks, "t", t.dtype, tuple(t.shape))
     half = t.numel() // 2
     st.update(t[:half], Scratch(), 0)
@@ -142,10 +145,10 @@ def test_each_nonfinite_pattern_alone_in_a_large_tensor_is_found(name):
     fill = np.resize(finite, 1 << 16)
     if name in COMPLEX:
         fill = np.resize(finite, 2 << 16)
-    assert storage.is_finite(_tensor(fill, dtype))            # the largest finite values included: sums overflow
+    assert storage.is_finite(_tensor(fill, dtype))  # the largest finite values included: sums overflow
     for p in bits[bad][:300]:
         arr = fill.copy()
-        arr[len(arr) // 2 + 1] = p                             # in a complex tensor: the imaginary part
+        arr[len(arr) // 2 + 1] = p  # in a complex tensor: the imaginary part
         assert not storage.is_finite(_tensor(arr, dtype)), (name, hex(int(p)))
 
 
@@ -159,17 +162,28 @@ def test_every_dtype_dcp_can_save_has_a_rule():
         if not isinstance(dtype, torch.dtype):
             continue
         try:
-            t = torch.zeros(8, dtype=torch.uint8).view(dtype) if dtype.itemsize == 1 else \
-                torch.zeros(8 * dtype.itemsize, dtype=torch.uint8).view(dtype)
+            t = (
+                torch.zeros(8, dtype=torch.uint8).view(dtype)
+                if dtype.itemsize == 1
+                else torch.zeros(8 * dtype.itemsize, dtype=torch.uint8).view(dtype)
+            )
         except (RuntimeError, TypeError):
-            continue        # bits / sub-byte placeholders no tensor can be viewed as
+            continue  # bits / sub-byte placeholders no tensor can be viewed as
         assert is_finite(t) is True, name
 
 
 # ---- real saves: the writer's verdict and certify's ----------------------------------------------------------
 
-CASES_SAVED = ["complex64-real", "complex128-imag", "alias-bf16-first", "alias-f32-first", "fp8-e4m3fn-7f",
-               "fp8-e4m3fn-ff", "fp8-e5m2-7c", "fp8-e5m2-7f"]
+CASES_SAVED = [
+    "complex64-real",
+    "complex128-imag",
+    "alias-bf16-first",
+    "alias-f32-first",
+    "fp8-e4m3fn-7f",
+    "fp8-e4m3fn-ff",
+    "fp8-e5m2-7c",
+    "fp8-e5m2-7f",
+]
 
 
 def test_the_writer_rejects_what_certify_rejects_for_every_dtype(tmp_path):
@@ -251,8 +265,8 @@ def test_the_offline_reader_opens_entries_of_dtypes_without_a_typed_storage(name
     got = load_entry(Memory(np.frombuffer(blob, np.uint8)), 0, len(blob))
     assert got.dtype == dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8))
     pkl_name = next(n for n in members if n.endswith("data.pkl"))
-    assert b"K\x04\x85" in members[pkl_name]           # the size tuple (4,), as BININT1 4, TUPLE1
-    members[pkl_name] = members[pkl_name].replace(b"K\x04\x85", b"K\x40\x85")   # (64,): more than stored
+    assert b"K\x04\x85" in members[pkl_name]  # the size tuple (4,), as BININT1 4, TUPLE1
+    members[pkl_name] = members[pkl_name].replace(b"K\x04\x85", b"K\x40\x85")  # (64,): more than stored
     blob = _archive(members)
     with pytest.raises(RefusedPickle):
         load_entry(Memory(np.frombuffer(blob, np.uint8)), 0, len(blob))

@@ -57,15 +57,26 @@ def test_other_rank_on_one_node_is_the_next_peer():
 
 # ---- suspects: the score rule and the drain commands ----------------------------------------------------------
 
+
 def _v(device, kind="sdc", cls="persistent", job="j1", run="r1", t=100.0, host="h1", local=0):
-    return {"device": device, "kind": kind, "class": cls, "job": job, "run_id": run, "time": t, "host": host,
-            "local_rank": local, "uuid": None, "serial": None}
+    return {
+        "device": device,
+        "kind": kind,
+        "class": cls,
+        "job": job,
+        "run_id": run,
+        "time": t,
+        "host": host,
+        "local_rank": local,
+        "uuid": None,
+        "serial": None,
+    }
 
 
 def test_score_counts_class_kind_and_jobs():
     rows = [_v("d1", job="j1"), _v("d1", job="j2"), _v("d2", cls="transient", host="h2")]
     got = {s["device"]: s for s in rule.rank(rows)}
-    assert got["d1"]["score"] == 3 * 2 + 3 * 2 + 2   # two persistent sdc, one job beyond the first
+    assert got["d1"]["score"] == 3 * 2 + 3 * 2 + 2  # two persistent sdc, one job beyond the first
 
 
 def test_transient_device_scores_a_quarter_weight():
@@ -95,8 +106,11 @@ def test_min_score_leaves_out_low_scores():
 
 
 def test_slurm_lines_parse_back():
-    rows = [_v("GPU-1234", host="node-7", local=3, job="j1"), _v("GPU-1234", host="node-7", local=3, job="j2"),
-            _v("d9", cls="transient", host="node-8")]
+    rows = [
+        _v("GPU-1234", host="node-7", local=3, job="j1"),
+        _v("GPU-1234", host="node-7", local=3, job="j2"),
+        _v("d9", cls="transient", host="node-8"),
+    ]
     lines = rule.slurm(rule.rank(rows))
     assert len(lines) == 1
     words = shlex.split(lines[0])
@@ -116,6 +130,7 @@ def test_a_host_name_cannot_inject_shell():
 
 
 # ---- options ------------------------------------------------------------------------------------------------------
+
 
 def test_fleet_option_from_the_environment():
     assert as_fleet(None, environ={"SCOUT_CKPT_FLEET": "/x/f.db"}).path == "/x/f.db"
@@ -146,6 +161,7 @@ def test_fleet_path_accepts_a_pathlike(tmp_path):
 
 # ---- a real ledger and store ----------------------------------------------------------------------------------
 
+
 def _root(tmp_path: Path, name="run", *, host="node-a", kinds=(("sdc", 1),), cls="persistent") -> Path:
     """A ROOT whose ledger holds one run of 2 ranks on `host` and events naming rank R (written through the
     ledger's own API, as a job writes them)."""
@@ -153,10 +169,27 @@ def _root(tmp_path: Path, name="run", *, host="node-a", kinds=(("sdc", 1),), cls
     root.mkdir()
     with Ledger.open(root, create=True) as led:
         led.begin_run("run-1", world_size=2, topology={}, policy={}, versions={})
-        led.record_ranks("run-1", [{"rank": r, "host": host, "node_rank": 0, "local_rank": r, "pid": 1,
-                                    "device": {"host": host, "local_rank": r, "device": f"{host}:cpu{r}",
-                                               "uuid": None, "serial": None, "job": f"job-{name}"}}
-                                   for r in range(2)])
+        led.record_ranks(
+            "run-1",
+            [
+                {
+                    "rank": r,
+                    "host": host,
+                    "node_rank": 0,
+                    "local_rank": r,
+                    "pid": 1,
+                    "device": {
+                        "host": host,
+                        "local_rank": r,
+                        "device": f"{host}:cpu{r}",
+                        "uuid": None,
+                        "serial": None,
+                        "job": f"job-{name}",
+                    },
+                }
+                for r in range(2)
+            ],
+        )
         for kind, rank in kinds:
             detail = {"source": "replay", "triage": {"class": cls}} if kind == "sdc" else {}
             led.add_event(kind, step=4, ranks=[rank], run_id="run-1", detail=detail)
@@ -168,15 +201,22 @@ def test_import_names_the_device_job_and_root(tmp_path):
     with FleetStore.open(tmp_path / "f.db") as store:
         sync_root(store, root)
         (v,) = store.verdicts()
-    assert (v["device"], v["host"], v["local_rank"], v["job"], v["root"], v["step"], v["class"]) == \
-        ("node-a:cpu1", "node-a", 1, "job-run", str(root.resolve()), 4, "persistent")
+    assert (v["device"], v["host"], v["local_rank"], v["job"], v["root"], v["step"], v["class"]) == (
+        "node-a:cpu1",
+        "node-a",
+        1,
+        "job-run",
+        str(root.resolve()),
+        4,
+        "persistent",
+    )
 
 
 def test_reimport_keeps_one_row_per_event(tmp_path):
     root = _root(tmp_path)
     with FleetStore.open(tmp_path / "f.db") as store:
         sync_root(store, root)
-        store.conn.execute("UPDATE roots SET last_event=0")   # the cursor lost: everything read again
+        store.conn.execute("UPDATE roots SET last_event=0")  # the cursor lost: everything read again
         assert sync_root(store, root) == 0
 
 
@@ -223,7 +263,7 @@ def test_recorder_with_a_locked_store_retries(tmp_path):
     path = tmp_path / "f.db"
     FleetStore.open(path).close()
     holder = sqlite3.connect(str(path), isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")   # another process's writer holding the lock
+    holder.execute("BEGIN EXCLUSIVE")  # another process's writer holding the lock
     rec = FleetRecorder(path, root, interval_s=0.05)
     rec.nudge()
     deadline = time.time() + 15
@@ -256,22 +296,34 @@ def test_recorder_with_an_unwritable_store_never_raises(tmp_path):
 
 # ---- the commands ---------------------------------------------------------------------------------------------
 
+
 def test_fleet_import_then_suspects_json(tmp_path):
     a, b = _root(tmp_path, "a"), _root(tmp_path, "b", host="node-b", kinds=(("hang", 0),))
     store = tmp_path / "f.db"
     run_cli("fleet", "import", a, b, "--fleet", store, check_rc=0)
     rc, out, _ = run_cli("suspects", "--json", env={"SCOUT_CKPT_FLEET": str(store)}, check_rc=0)
     got = json.loads(out)["suspects"]
-    assert [(s["device"], s["class"], s["jobs"]) for s in got] == [("node-a:cpu1", "persistent", ["job-a"]),
-                                                                   ("node-b:cpu0", "transient", ["job-b"])]
+    assert [(s["device"], s["class"], s["jobs"]) for s in got] == [
+        ("node-a:cpu1", "persistent", ["job-a"]),
+        ("node-b:cpu0", "transient", ["job-b"]),
+    ]
 
 
 def test_suspects_json_has_the_contract_keys(tmp_path):
     store = tmp_path / "f.db"
     run_cli("fleet", "import", _root(tmp_path), "--fleet", store, check_rc=0)
     _, out, _ = run_cli("suspects", "--json", "--fleet", store, check_rc=0)
-    assert set(json.loads(out)["suspects"][0]) >= {"host", "local_rank", "device", "class", "jobs", "verdicts",
-                                                   "score", "first_seen", "last_seen"}
+    assert set(json.loads(out)["suspects"][0]) >= {
+        "host",
+        "local_rank",
+        "device",
+        "class",
+        "jobs",
+        "verdicts",
+        "score",
+        "first_seen",
+        "last_seen",
+    }
 
 
 def test_explain_lists_root_and_step(tmp_path):
@@ -318,8 +370,12 @@ def test_suspects_bad_input_exits_2_one_line(tmp_path, args):
     store = _store_with_one(tmp_path)
     before = store.read_bytes()
     rc, out, err = run_cli("suspects", *args, "--fleet", store)
-    assert (rc, len(err.strip().splitlines()), "Traceback" in err, store.read_bytes() == before) == \
-        (2, 1, False, True), err
+    assert (rc, len(err.strip().splitlines()), "Traceback" in err, store.read_bytes() == before) == (
+        2,
+        1,
+        False,
+        True,
+    ), err
 
 
 def test_suspects_without_a_store_exits_2(tmp_path):
@@ -374,8 +430,10 @@ def test_a_run_without_device_identity_is_named_by_host_and_local_rank():
 def test_events_that_name_no_rank_or_no_hardware_kind_are_not_fleet_records():
     from scout_ckpt.fleet.records import from_events
 
-    events = [{"id": 1, "kind": "hang", "ranks": [], "run_id": "r", "detail": {}},
-              {"id": 2, "kind": "quarantine", "ranks": [0], "run_id": "r", "detail": {}}]
+    events = [
+        {"id": 1, "kind": "hang", "ranks": [], "run_id": "r", "detail": {}},
+        {"id": 2, "kind": "quarantine", "ranks": [0], "run_id": "r", "detail": {}},
+    ]
     assert from_events("/ckpt/a", events, {}) == []
 
 

@@ -36,19 +36,49 @@ pytestmark = pytest.mark.scenario
 
 def two_host_job(root: Path, store: Path, job: str, *args: str) -> list[subprocess.CompletedProcess]:
     env = {n: {"SCOUT_CKPT_HOST": h, "SCOUT_CKPT_JOB": job} for n, h in enumerate(HOSTS)}
-    results = agents.run_agents(SCRIPT, [root, "--fleet", store, *args], nnodes=len(HOSTS), nproc=NPROC, repo=REPO,
-                                max_restarts=0, node_env=env, timeout=500)
+    results = agents.run_agents(
+        SCRIPT,
+        [root, "--fleet", store, *args],
+        nnodes=len(HOSTS),
+        nproc=NPROC,
+        repo=REPO,
+        max_restarts=0,
+        node_env=env,
+        timeout=500,
+    )
     for node, r in enumerate(results):
         assert r.returncode == 0, (job, node, r.stderr[-3000:])
     return results
 
 
-def one_host_job(root: Path, store: Path, host: str, job: str, *args: str, nproc: int = 2
-                 ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "SCOUT_CKPT_HOST": host, "SCOUT_CKPT_JOB": job}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", "0", "--monitor-interval", "0.5", str(SCRIPT), str(root), "--fleet", str(store), *args]
+def one_host_job(
+    root: Path, store: Path, host: str, job: str, *args: str, nproc: int = 2
+) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+        "SCOUT_CKPT_HOST": host,
+        "SCOUT_CKPT_JOB": job,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        "0.5",
+        str(SCRIPT),
+        str(root),
+        "--fleet",
+        str(store),
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=500)
 
 
@@ -68,23 +98,46 @@ def test_persistent_in_two_jobs_transient_once_healthy_never(tmp_path, request):
     (bad_host, bad_local), (once_host, once_local) = device_of(bad.rank), device_of(once.rank)
     store = tmp_path / "fleet.db"
     for job in ("job-1", "job-2"):
-        two_host_job(tmp_path / job, store, job, "--fault", "persistent", "--fault-host", bad_host,
-                     "--fault-local", str(bad_local))
-    two_host_job(tmp_path / "job-3", store, "job-3", "--fault", "transient", "--fault-host", once_host,
-                 "--fault-local", str(once_local))
+        two_host_job(
+            tmp_path / job,
+            store,
+            job,
+            "--fault",
+            "persistent",
+            "--fault-host",
+            bad_host,
+            "--fault-local",
+            str(bad_local),
+        )
+    two_host_job(
+        tmp_path / "job-3",
+        store,
+        "job-3",
+        "--fault",
+        "transient",
+        "--fault-host",
+        once_host,
+        "--fault-local",
+        str(once_local),
+    )
     placed = [json.loads((tmp_path / j / "fault.json").read_text()) for j in ("job-1", "job-2", "job-3")]
     assert [(p["host"], p["local_rank"]) for p in placed] == [(bad_host, bad_local)] * 2 + [(once_host, once_local)]
     listed = {(s["host"], s["local_rank"]): s for s in suspects(store)}
-    assert (listed[(bad_host, bad_local)]["class"], listed[(bad_host, bad_local)]["jobs"]) == \
-        ("persistent", ["job-1", "job-2"])
-    assert (listed[(once_host, once_local)]["class"], listed[(once_host, once_local)]["jobs"]) == \
-        ("transient", ["job-3"])
-    assert set(listed) == {(bad_host, bad_local), (once_host, once_local)}   # the healthy devices: never
+    assert (listed[(bad_host, bad_local)]["class"], listed[(bad_host, bad_local)]["jobs"]) == (
+        "persistent",
+        ["job-1", "job-2"],
+    )
+    assert (listed[(once_host, once_local)]["class"], listed[(once_host, once_local)]["jobs"]) == (
+        "transient",
+        ["job-3"],
+    )
+    assert set(listed) == {(bad_host, bad_local), (once_host, once_local)}  # the healthy devices: never
     _, out, _ = run_cli("suspects", "--format", "slurm", "--fleet", store, check_rc=0)
     drained = [dict(w.split("=", 1) for w in shlex.split(line)[2:])["NodeName"] for line in out.splitlines()]
     assert drained == [bad_host]
-    _, out, _ = run_cli("suspects", "--explain", listed[(bad_host, bad_local)]["device"], "--json", "--fleet",
-                        store, check_rc=0)
+    _, out, _ = run_cli(
+        "suspects", "--explain", listed[(bad_host, bad_local)]["device"], "--json", "--fleet", store, check_rc=0
+    )
     assert {(Path(v["root"]).name, v["step"]) for v in json.loads(out)["verdicts"]} >= {("job-1", 4), ("job-2", 4)}
 
 
@@ -107,16 +160,32 @@ def _store_naming(tmp_path: Path, host: str, local: int) -> Path:
         root.mkdir()
         with Ledger.open(root, create=True) as led:
             led.begin_run("run-1", world_size=2, topology={}, policy={}, versions={})
-            led.record_ranks("run-1", [{"rank": r, "host": host, "node_rank": 0, "local_rank": r, "pid": 1,
-                                        "device": {"host": host, "local_rank": r, "device": f"{host}:cpu{r}",
-                                                   "job": job}} for r in range(2)])
-            led.add_event("sdc", step=4, ranks=[local], run_id="run-1",
-                          detail={"source": "replay", "triage": {"class": "persistent"}})
+            led.record_ranks(
+                "run-1",
+                [
+                    {
+                        "rank": r,
+                        "host": host,
+                        "node_rank": 0,
+                        "local_rank": r,
+                        "pid": 1,
+                        "device": {"host": host, "local_rank": r, "device": f"{host}:cpu{r}", "job": job},
+                    }
+                    for r in range(2)
+                ],
+            )
+            led.add_event(
+                "sdc",
+                step=4,
+                ranks=[local],
+                run_id="run-1",
+                detail={"source": "replay", "triage": {"class": "persistent"}},
+            )
         run_cli("fleet", "import", root, "--fleet", store, check_rc=0)
     return store
 
 
-@pytest.mark.scenario_ci   # the CI tier's fleet scenario: one 2-rank job that refuses to start
+@pytest.mark.scenario_ci  # the CI tier's fleet scenario: one 2-rank job that refuses to start
 def test_a_rank_on_a_persistent_suspect_exits_with_the_replace_node_code(tmp_path):
     store = _store_naming(tmp_path, "node-d", 1)
     r = one_host_job(tmp_path / "job-3", store, "node-d", "job-3", "--on-suspect", "exit")
@@ -124,10 +193,10 @@ def test_a_rank_on_a_persistent_suspect_exits_with_the_replace_node_code(tmp_pat
     assert "node-d:cpu1" in next(line for line in r.stderr.splitlines() if "ERROR" in line and "suspect" in line)
 
 
-
 def test_a_fleet_store_that_cannot_be_reached_never_fails_a_save(tmp_path):
     root = tmp_path / "job-h"
     r = one_host_job(root, tmp_path / "no-such-dir" / "fleet.db", "node-e", "job-h")
-    states = [json.loads(line.split(" ", 1)[1])["state"] for line in r.stdout.splitlines()
-              if line.startswith("FLEET-JOB ")]
+    states = [
+        json.loads(line.split(" ", 1)[1])["state"] for line in r.stdout.splitlines() if line.startswith("FLEET-JOB ")
+    ]
     assert (r.returncode, states) == (0, ["certified", "certified"]), r.stderr[-3000:]

@@ -15,17 +15,24 @@ from scout_ckpt.replay import shard_optimizer as so
 from scout_ckpt.testing.launch import run_ranks
 from tests import workers_fsdp_evidence as w
 
-FAULT_PARAM, FAULT_INDEX = "blocks.1.fc1.weight", 517      # not element 0 of parameter 0
+FAULT_PARAM, FAULT_INDEX = "blocks.1.fc1.weight", 517  # not element 0 of parameter 0
 FLIP_PARAM, FLIP_INDEX = "blocks.0.qkv.weight", 301
-HEALTHY_STEPS, FAULTY_STEPS = 6, 9            # with 16 units of 256 elements per step, a cycle is <= 5 steps
+HEALTHY_STEPS, FAULTY_STEPS = 6, 9  # with 16 units of 256 elements per step, a cycle is <= 5 steps
 
 
 # ---- pure parts ------------------------------------------------------------------------------------------------
 
+
 def test_any_cycle_of_consecutive_steps_covers_every_unit():
     units = so.plan_units([("a", 10_000), ("b", 1), ("c", 0), ("d", 8192)], 4096)
     assert [(u.param, u.offset, u.length) for u in units] == [
-        ("a", 0, 4096), ("a", 4096, 4096), ("a", 8192, 1808), ("b", 0, 1), ("d", 0, 4096), ("d", 4096, 4096)]
+        ("a", 0, 4096),
+        ("a", 4096, 4096),
+        ("a", 8192, 1808),
+        ("b", 0, 1),
+        ("d", 0, 4096),
+        ("d", 4096, 4096),
+    ]
     n, per_step = len(units), 4
     cycle = -(-n // per_step)
     for start in range(7):
@@ -46,23 +53,27 @@ def test_verifiers_rotate_and_never_include_the_owner():
 def test_decide_attributes_by_self_check_and_majority():
     ok, bad = ["x", "y"], ["x", "z"]
     assert so.decide(0, ok, {0: ok, 1: ok}) == (policy.PASS, [])
-    st, why = so.decide(1, bad, {1: ok, 0: ok})                  # live differs from the owner's recomputation
+    st, why = so.decide(1, bad, {1: ok, 0: ok})  # live differs from the owner's recomputation
     assert st == policy.FAIL and why[0]["code"] == "shard_update_mismatch" and why[0]["ranks"] == [1]
     assert why[0]["units"] == [1] and why[0]["recomputation_confirmed_by"] == [0]
-    st, why = so.decide(0, bad, {0: bad, 1: ok})                  # 2 ranks, persistent: detected, not attributed
+    st, why = so.decide(0, bad, {0: bad, 1: ok})  # 2 ranks, persistent: detected, not attributed
     assert st == policy.INCONCLUSIVE and why[0]["ranks"] == [0, 1]
-    st, why = so.decide(0, bad, {0: bad, 1: ok, 2: ok})           # peers outvote a persistently wrong owner
+    st, why = so.decide(0, bad, {0: bad, 1: ok, 2: ok})  # peers outvote a persistently wrong owner
     assert st == policy.FAIL and [(r["code"], r["ranks"]) for r in why] == [("shard_update_mismatch", [0])]
-    st, why = so.decide(0, ok, {0: ok, 1: ok, 2: bad})            # a peer computing differently is named
+    st, why = so.decide(0, ok, {0: ok, 1: ok, 2: bad})  # a peer computing differently is named
     assert st == policy.FAIL and [(r["code"], r["ranks"]) for r in why] == [("shard_recompute_mismatch", [2])]
-    st, why = so.decide(0, ok, {0: ok, 1: None})                  # a verifier that failed: fail closed
+    st, why = so.decide(0, ok, {0: ok, 1: None})  # a verifier that failed: fail closed
     assert st == policy.INCONCLUSIVE and why[0]["code"] == "shard_replay_failed"
     assert so.decide(0, None, {})[0] == policy.MISSING
 
 
 def _row(step, status=policy.PASS, ranks=()):
-    return {"step": step, "status": status, "ranks": list(ranks),
-            "reasons": [{"code": "shard_update_mismatch", "ranks": list(ranks)}] if ranks else []}
+    return {
+        "step": step,
+        "status": status,
+        "ranks": list(ranks),
+        "reasons": [{"code": "shard_update_mismatch", "ranks": list(ranks)}] if ranks else [],
+    }
 
 
 def test_evidence_needs_a_clean_cycle_and_charges_faults_to_earlier_saves_within_a_cycle():
@@ -70,20 +81,21 @@ def test_evidence_needs_a_clean_cycle_and_charges_faults_to_earlier_saves_within
     assert so.shard_replay_evidence(rows, 3, cycle=4)["status"] == policy.MISSING
     assert so.shard_replay_evidence(rows, 4, cycle=4)["status"] == policy.PASS
     rows.append(_row(9, policy.FAIL, [2]))
-    assert so.shard_replay_evidence(rows, 5, cycle=4)["status"] == policy.PASS       # fault began after step 5
-    ev = so.shard_replay_evidence(rows, 6, cycle=4)                                  # it may have begun at 6
+    assert so.shard_replay_evidence(rows, 5, cycle=4)["status"] == policy.PASS  # fault began after step 5
+    ev = so.shard_replay_evidence(rows, 6, cycle=4)  # it may have begun at 6
     assert ev["status"] == policy.FAIL and ev["ranks"] == [2] and ev["reasons"][0]["code"] == "shard_update_mismatch"
     assert so.shard_replay_evidence(rows + [_row(s) for s in range(10, 20)], 16, cycle=4)["status"] == policy.FAIL
 
 
 def test_the_first_saves_are_decided_on_the_steps_since_the_start_and_faults_revoke_a_cycle_back():
-    rows = [_row(s) for s in range(11, 14)]                                  # resumed at 10, cycle 40
-    assert so.shard_replay_evidence(rows, 13, cycle=40)["status"] == policy.MISSING   # no start: a full cycle
+    rows = [_row(s) for s in range(11, 14)]  # resumed at 10, cycle 40
+    assert so.shard_replay_evidence(rows, 13, cycle=40)["status"] == policy.MISSING  # no start: a full cycle
     ev = so.shard_replay_evidence(rows, 13, cycle=40, start=10)
     assert ev["status"] == policy.PASS and ev["steps"] == [11, 13] and ev["revocable_until"] == 52
     assert so.shard_replay_evidence(rows[1:], 13, cycle=40, start=10)["status"] == policy.MISSING  # a gap
-    assert so.shard_replay_evidence(rows, 10, cycle=40, start=10)["status"] == policy.MISSING      # nothing since
+    assert so.shard_replay_evidence(rows, 10, cycle=40, start=10)["status"] == policy.MISSING  # nothing since
     from scout_ckpt.replay.shard_plan import charged_steps
+
     assert charged_steps(_row(50, policy.FAIL, [1]), 40) == (10, 50)
 
 
@@ -100,18 +112,18 @@ def test_at_rest_signs_every_step_until_a_save_then_only_on_the_save_cadence():
     from scout_ckpt.save.evidence.shard import ShardEvidence
 
     ev = ShardEvidence(None, ShardReplayLog(4), _Guard())
-    assert ev.guard.every == 1                      # before any save: every step
+    assert ev.guard.every == 1  # before any save: every step
     ev._saw_save(10)
     assert ev.guard.every is None and ev._cadence == 10
     for s, expect in ((18, False), (19, True), (29, True), (24, False)):
         ev.guard.armed = []
         ev._arm_for(s + 1)
         assert bool(ev.guard.armed) == expect, s
-    ev._saw_save(25)                                # off the cadence: the cadence shrinks to fit it
+    ev._saw_save(25)  # off the cadence: the cadence shrinks to fit it
     assert ev._cadence == 5
     resumed = ShardEvidence(None, ShardReplayLog(4), _Guard())
     resumed._start = 8
-    resumed._saw_save(12)                           # resumed at 8, saves every 4
+    resumed._saw_save(12)  # resumed at 8, saves every 4
     assert resumed._cadence == 4
     off = ShardEvidence(None, ShardReplayLog(4), _Guard(), adaptive=False)
     off._saw_save(10)
@@ -139,6 +151,7 @@ def test_unknown_and_fused_optimizers_are_refused_with_the_reason():
 
     class MyAdam(torch.optim.Adam):
         pass
+
     with pytest.raises(so.UnsupportedOptimizer, match="exact classes"):
         so.check_supported(MyAdam(p))
     fused = torch.optim.AdamW(p)
@@ -149,9 +162,15 @@ def test_unknown_and_fused_optimizers_are_refused_with_the_reason():
         so.check_supported(opt)
 
 
-@pytest.mark.parametrize("cls,kw", [(torch.optim.AdamW, {"weight_decay": 0.1}), (torch.optim.AdamW, {"foreach": True}),
-                                    (torch.optim.Adam, {"amsgrad": True}),
-                                    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True})])
+@pytest.mark.parametrize(
+    "cls,kw",
+    [
+        (torch.optim.AdamW, {"weight_decay": 0.1}),
+        (torch.optim.AdamW, {"foreach": True}),
+        (torch.optim.Adam, {"amsgrad": True}),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    ],
+)
 def test_recompute_of_any_slice_matches_the_live_update_bitwise(cls, kw):
     """The oracle behind zero false positives: live (single-tensor or foreach) vs slice recomputation."""
     torch.set_num_threads(1)
@@ -165,11 +184,15 @@ def test_recompute_of_any_slice_matches_the_live_update_bitwise(cls, kw):
         opt.step()
         hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
         for o, n in ((0, 4096), (4096, 4096), (8192, 1815), (13, 77), (5000, 1)):
-            st = {k: v[o:o + n] if isinstance(v, torch.Tensor) and v.shape == p.shape else v for k, v in pre_st.items()}
-            out = so.recompute(cls, hyper, pre_p[o:o + n], pre_g[o:o + n], st)
-            live = [p.detach()[o:o + n]] + [opt.state[p][k][o:o + n] if opt.state[p][k].shape == p.shape
-                                            else opt.state[p][k] for k in sorted(opt.state[p])
-                                            if isinstance(opt.state[p][k], torch.Tensor)]
+            st = {
+                k: v[o : o + n] if isinstance(v, torch.Tensor) and v.shape == p.shape else v for k, v in pre_st.items()
+            }
+            out = so.recompute(cls, hyper, pre_p[o : o + n], pre_g[o : o + n], st)
+            live = [p.detach()[o : o + n]] + [
+                opt.state[p][k][o : o + n] if opt.state[p][k].shape == p.shape else opt.state[p][k]
+                for k in sorted(opt.state[p])
+                if isinstance(opt.state[p][k], torch.Tensor)
+            ]
             assert so.digest(out) == so.digest(live)
 
 
@@ -189,15 +212,15 @@ def test_at_rest_guard_in_one_process_passes_flags_a_flipped_bit_and_needs_a_sig
     step()
     assert guard.check(1)["status"] == policy.PASS
     with torch.no_grad():
-        model[1].weight.view(-1).view(torch.int32)[5] ^= 1                 # lowest mantissa bit
+        model[1].weight.view(-1).view(torch.int32)[5] ^= 1  # lowest mantissa bit
     ev = guard.check(1)
     assert ev["status"] == policy.FAIL and ev["reasons"][0]["tensors"] == ["1.weight"]
-    guard.resign()                                                           # adopt a legitimate write
+    guard.resign()  # adopt a legitimate write
     assert guard.check(1)["status"] == policy.PASS
     guard.close()
     sparse = AtRestGuard(opt, model, every=2)
     step()
-    assert sparse.check(2)["status"] == policy.MISSING                       # the step before the save was not signed
+    assert sparse.check(2)["status"] == policy.MISSING  # the step before the save was not signed
     sparse.arm_next()
     step()
     assert sparse.check(3)["status"] == policy.PASS
@@ -207,6 +230,7 @@ def test_at_rest_guard_in_one_process_passes_flags_a_flipped_bit_and_needs_a_sig
 
 
 # ---- real ranks ------------------------------------------------------------------------------------------------
+
 
 def _fault_plan(world):
     """(rank whose update goes wrong, rank whose shard gets a bit flipped, first faulty step)."""
@@ -220,8 +244,12 @@ def runs(request):
     bad, flipper, since = _fault_plan(world)
     scenarios = {
         "healthy": {"steps": HEALTHY_STEPS, "opt": "adamw" if world == 4 else "sgd", "compare_off": True},
-        "faulty": {"steps": FAULTY_STEPS, "opt": "adam" if world == 2 else "adamw",
-                   "update_fault": (bad, since, FAULT_PARAM, FAULT_INDEX), "flip": (flipper, 6, FLIP_PARAM, FLIP_INDEX)},
+        "faulty": {
+            "steps": FAULTY_STEPS,
+            "opt": "adam" if world == 2 else "adamw",
+            "update_fault": (bad, since, FAULT_PARAM, FAULT_INDEX),
+            "flip": (flipper, 6, FLIP_PARAM, FLIP_INDEX),
+        },
     }
     out = run_ranks(w.w_scenarios, world, scenarios, timeout=600, pg_timeout_s=300)
     return world, [o.result for o in out]
@@ -244,11 +272,11 @@ def test_healthy_fsdp_agrees_everywhere_and_trains_bitwise_as_without_evidence(h
     cycle = results[0]["cycle"]
     assert cycle <= HEALTHY_STEPS
     for res in results:
-        assert res["rows"] == results[0]["rows"]                           # same verdicts on every rank
+        assert res["rows"] == results[0]["rows"]  # same verdicts on every rank
         assert [r["status"] for r in res["rows"]] == [policy.PASS] * HEALTHY_STEPS
         assert all(sum(int(v) for v in r["units"].values()) == 16 * world for r in res["rows"])
         assert [a["status"] for a in res["at_rest"]] == [policy.PASS] * (HEALTHY_STEPS // 3)
-        assert res["digests"] == res["digests_off"]                        # evidence on == off, bit for bit
+        assert res["digests"] == res["digests_off"]  # evidence on == off, bit for bit
     assert so.shard_replay_evidence(results[0]["rows"], HEALTHY_STEPS, cycle)["status"] == policy.PASS
 
 
@@ -269,11 +297,12 @@ def test_a_wrong_update_on_one_rank_is_caught_and_attributed_within_one_cycle(fa
 def test_a_flipped_low_mantissa_bit_between_step_and_save_is_caught_at_rest(faulty):
     _, _, flipper, _, results = faulty
     for res in results:
-        at_rest = res["at_rest"]                                         # save points 3, 6, 9
+        at_rest = res["at_rest"]  # save points 3, 6, 9
         assert [a["status"] for a in at_rest] == [policy.PASS, policy.FAIL, policy.PASS]
         assert at_rest[1]["ranks"] == [flipper]
-        assert at_rest[1]["reasons"] == [{"code": "at_rest_changed", "ranks": [flipper], "step": 6,
-                                          "tensors": [FLIP_PARAM], "n_tensors": 1}]
+        assert at_rest[1]["reasons"] == [
+            {"code": "at_rest_changed", "ranks": [flipper], "step": 6, "tensors": [FLIP_PARAM], "n_tensors": 1}
+        ]
 
 
 @pytest.mark.scenario  # two Checkpointer runs on 2 ranks: ~20 s of CPU (the component-level check above is cheap)
@@ -282,5 +311,5 @@ def test_training_through_the_checkpointer_is_bitwise_identical_with_shard_evide
     for o in out:
         res = o.result
         assert res["on"]["shard"] and not res["off"]["shard"]
-        assert res["on"]["digests"] == res["off"]["digests"]            # every shard, parameters and moments
-        assert res["on"]["verdicts"] == ["certified", "certified"]      # the first save certified at its commit
+        assert res["on"]["digests"] == res["off"]["digests"]  # every shard, parameters and moments
+        assert res["on"]["verdicts"] == ["certified", "certified"]  # the first save certified at its commit

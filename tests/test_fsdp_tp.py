@@ -22,10 +22,11 @@ def test_fsdp_x_tp_saves_certify_and_load_exactly(tmp_path):
     for r in res:
         assert r["loaded_step"] == 2
         assert r["loaded"] == r["saved"][2] != r["saved"][1]
-    ls = subprocess.run([sys.executable, "-m", "scout_ckpt.cli", "ls", str(root), "--json"],
-                        capture_output=True, text=True, timeout=120)
+    ls = subprocess.run(
+        [sys.executable, "-m", "scout_ckpt.cli", "ls", str(root), "--json"], capture_output=True, text=True, timeout=120
+    )
     assert ls.returncode == 0, ls.stderr
-    rows = json.loads(ls.stdout)["checkpoints"]   # docs/operations.md: `ls --json` is {"checkpoints": [...]}
+    rows = json.loads(ls.stdout)["checkpoints"]  # docs/operations.md: `ls --json` is {"checkpoints": [...]}
     assert [(r["step"], r["state"]) for r in rows] == [(1, "certified"), (2, "certified")]
     m = json.loads((root / "step-00000002" / "scout-manifest.json").read_text())
     unsigned = m["evidence"]["bytes"]["load_check_unsigned"]

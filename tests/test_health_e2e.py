@@ -57,15 +57,23 @@ def test_ecc_on_an_fsdp_rank_between_saves_leaves_the_next_checkpoint_uncertifie
     doc = json.loads(out)
     health = doc["evidence"]["health"]
     assert health["status"] == "fail"
-    assert health["reasons"] == [{"code": "health_fault", "ranks": [W.FAULTY], "event": ev["id"],
-                                  "metric": "ecc_uncorrected_volatile", "step": ev["step"]}]
+    assert health["reasons"] == [
+        {
+            "code": "health_fault",
+            "ranks": [W.FAULTY],
+            "event": ev["id"],
+            "metric": "ecc_uncorrected_volatile",
+            "step": ev["step"],
+        }
+    ]
     assert doc["reasons"] == health["reasons"]  # the event decided: nothing else held 6 back
     # the other evidence of 6 is what the same job's certified step 3 had, kind by kind
     rc3, out3, _ = run_cli("explain", root, 3, "--json")
     assert rc3 == 0
     ev3 = json.loads(out3)["evidence"]
-    assert {k: v["status"] for k, v in doc["evidence"].items() if k != "health"} == \
-        {k: v["status"] for k, v in ev3.items() if k != "health"}
+    assert {k: v["status"] for k, v in doc["evidence"].items() if k != "health"} == {
+        k: v["status"] for k, v in ev3.items() if k != "health"
+    }
     rc, text, err = run_cli("explain", root, 6)
     said = f"health_fault(ecc_uncorrected_volatile;event {ev['id']})[ranks {W.FAULTY}]"  # the event that decided
     assert rc == 1 and said in text and said in err

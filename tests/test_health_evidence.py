@@ -2,8 +2,14 @@
 
 from scout_ckpt.save.evidence.health import health_evidence, taints
 
-ECC = {"id": 7, "kind": "health", "ranks": [1], "step": 14, "time": 100.0,
-       "detail": {"metric": "ecc_uncorrected_volatile", "old": 0, "new": 1, "severity": "fatal"}}
+ECC = {
+    "id": 7,
+    "kind": "health",
+    "ranks": [1],
+    "step": 14,
+    "time": 100.0,
+    "detail": {"metric": "ecc_uncorrected_volatile", "old": 0, "new": 1, "severity": "fatal"},
+}
 PASSED = {"status": "pass", "reasons": []}
 
 
@@ -16,30 +22,38 @@ def test_what_taints():
 
 
 def test_fsdp_shard_owner_with_ecc_is_not_certified():
-    ev = health_evidence([ECC], since=5, until=9, mode="fsdp", consensus={"status": "not_applicable"},
-                         invariants=PASSED, vouching=False)
+    ev = health_evidence(
+        [ECC], since=5, until=9, mode="fsdp", consensus={"status": "not_applicable"}, invariants=PASSED, vouching=False
+    )
     assert ev["status"] == "fail"
-    assert ev["reasons"] == [{"code": "health_fault", "ranks": [1], "event": 7, "metric": "ecc_uncorrected_volatile",
-                              "step": 14}]
+    assert ev["reasons"] == [
+        {"code": "health_fault", "ranks": [1], "event": 7, "metric": "ecc_uncorrected_volatile", "step": 14}
+    ]
 
 
 def test_ddp_cleared_by_consensus_after_the_event():
-    ev = health_evidence([ECC], since=5, until=9, mode="ddp", consensus=PASSED, invariants=None,
-                         vouching=False)
+    ev = health_evidence([ECC], since=5, until=9, mode="ddp", consensus=PASSED, invariants=None, vouching=False)
     assert ev["status"] == "pass" and ev["cleared_by"] == "consensus" and ev["events"][0]["event"] == 7
 
 
 def test_fsdp_cleared_by_vouching_invariants_only():
-    ev = health_evidence([ECC], since=5, until=9, mode="fsdp", consensus={"status": "not_applicable"},
-                         invariants=PASSED, vouching=True)
+    ev = health_evidence(
+        [ECC], since=5, until=9, mode="fsdp", consensus={"status": "not_applicable"}, invariants=PASSED, vouching=True
+    )
     assert ev["status"] == "pass" and ev["cleared_by"] == "invariants"
 
 
 def test_events_outside_the_window_do_not_count():
-    assert health_evidence([ECC], since=7, until=9, mode="fsdp", consensus=None, invariants=None,
-                           vouching=False)["status"] == "pass"
-    assert health_evidence([ECC], since=None, until=6, mode="fsdp", consensus=None, invariants=None,
-                           vouching=False)["status"] == "pass"
+    assert (
+        health_evidence([ECC], since=7, until=9, mode="fsdp", consensus=None, invariants=None, vouching=False)["status"]
+        == "pass"
+    )
+    assert (
+        health_evidence([ECC], since=None, until=6, mode="fsdp", consensus=None, invariants=None, vouching=False)[
+            "status"
+        ]
+        == "pass"
+    )
 
 
 def test_window_runs_from_the_newest_certified_save():

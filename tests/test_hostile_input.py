@@ -40,7 +40,7 @@ class Result:
     rc: int
     out: str
     err: str
-    peak: int   # bytes
+    peak: int  # bytes
 
     def __repr__(self):
         return f"Result(rc={self.rc}, peak={self.peak >> 20} MiB, out={self.out[-800:]!r}, err={self.err[-1500:]!r})"
@@ -64,33 +64,43 @@ _MEASURE = (
     "if code < 0:\n"
     "    signal.signal(-code, signal.SIG_DFL)\n"
     "    os.kill(os.getpid(), -code)\n"
-    "sys.exit(code)\n")
+    "sys.exit(code)\n"
+)
 
 
 def run_measured(*args, env=None, code: str | None = None, timeout: float = 240) -> Result:
     """The CLI (or `python -c code`) in a subprocess under the address-space limit, with its own peak RSS."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     cmd = [sys.executable, "-c", code, *map(str, args)] if code is not None else [*CLI, *map(str, args)]
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
-            tempfile.NamedTemporaryFile("r", suffix=".peak") as peak:
-        p = subprocess.Popen([*_UNDER_LIMIT, sys.executable, "-c", _MEASURE, peak.name, *cmd], stdout=out,
-                             stderr=err, env=full_env, start_new_session=True)
+    with (
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+        tempfile.NamedTemporaryFile("r", suffix=".peak") as peak,
+    ):
+        p = subprocess.Popen(
+            [*_UNDER_LIMIT, sys.executable, "-c", _MEASURE, peak.name, *cmd],
+            stdout=out,
+            stderr=err,
+            env=full_env,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while True:
             pid, status, _usage = os.wait4(p.pid, os.WNOHANG)
             if pid:
                 break
             if time.monotonic() > deadline:
-                os.killpg(p.pid, signal.SIGKILL)   # the launcher and the command it started
+                os.killpg(p.pid, signal.SIGKILL)  # the launcher and the command it started
                 os.wait4(p.pid, 0)
                 pytest.fail(f"{args} did not finish in {timeout}s")
             time.sleep(0.02)
-        p.returncode = os.waitstatus_to_exitcode(status)   # reaped here: keep Popen from waiting again
+        p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: keep Popen from waiting again
         out.seek(0)
         err.seek(0)
         kib = int(peak.read() or 0)
-        return Result(p.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"),
-                      kib * 1024)
+        return Result(
+            p.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), kib * 1024
+        )
 
 
 def assert_refused(res: Result, rc: int | tuple[int, ...], match: str | None = None) -> None:
@@ -125,16 +135,17 @@ def states(root: Path) -> dict[int, str]:
 
 # ---- crafted `.metadata` files ----------------------------------------------------------------------------------
 
+
 def bytearray_bomb(n: int) -> bytes:
     """A protocol-2 pickle of `bytearray(n)`: about 40 bytes that allocate n."""
     return b"\x80\x02cbuiltins\nbytearray\n\x8a" + bytes([8]) + n.to_bytes(8, "little") + b"\x85R."
 
 
-MEMO_BOMB = b"\x80\x02Nr" + struct.pack("<I", 1 << 28) + b"."   # C unpickler: a 2**29-slot memo array
+MEMO_BOMB = b"\x80\x02Nr" + struct.pack("<I", 1 << 28) + b"."  # C unpickler: a 2**29-slot memo array
 NESTED_KEY = b"\x80\x02}" + b")" + b"\x85" * 200_000 + b"Ns."  # pickle.loads: hashing the key segfaults
-STRING_BOMB = b"\x80\x04\x8d" + struct.pack("<Q", 1 << 40) + b"."   # BINUNICODE8 declaring 1 TiB
+STRING_BOMB = b"\x80\x04\x8d" + struct.pack("<Q", 1 << 40) + b"."  # BINUNICODE8 declaring 1 TiB
 FRAME_BOMB = b"\x80\x04\x95" + struct.pack("<Q", 1 << 40) + b"N."
-SIZE_CALL = b"\x80\x02ctorch\nSize\n\x8a\x05\x00\x00\x00\x00\x04\x85R."   # torch.Size(2**34)
+SIZE_CALL = b"\x80\x02ctorch\nSize\n\x8a\x05\x00\x00\x00\x00\x04\x85R."  # torch.Size(2**34)
 
 
 def absurd_tensor(md_bytes: bytes) -> bytes:
@@ -163,11 +174,11 @@ def py313_pathlib(md_bytes: bytes) -> bytes:
     out = bytearray(md_bytes)
     old, new = b"\x8c\x07pathlib", b"\x8c\x0epathlib._local"
     for pos in reversed(hits):
-        assert out[pos:pos + len(old)] == old
-        out[pos:pos + len(old)] = new
+        assert out[pos : pos + len(old)] == old
+        out[pos : pos + len(old)] = new
         frame = max(f for f in frames if f < pos)
-        size = struct.unpack("<Q", out[frame + 1:frame + 9])[0]
-        out[frame + 1:frame + 9] = struct.pack("<Q", size + len(new) - len(old))
+        size = struct.unpack("<Q", out[frame + 1 : frame + 9])[0]
+        out[frame + 1 : frame + 9] = struct.pack("<Q", size + len(new) - len(old))
     return bytes(out)
 
 
@@ -196,14 +207,13 @@ def hostile_root(ckpt_root):
 def test_crafted_metadata_through_adopt_export_certify_ls_explain(hostile_root, tmp_path):
     root = hostile_root
     res = run_measured("adopt", root, "--json")
-    assert_refused(res, 1)   # some adopted steps are not clean
+    assert_refused(res, 1)  # some adopted steps are not clean
     adopted = {a["step"]: a for a in json.loads(res.out)["adopted"]}
-    for step, what in ((101, "builtins.bytearray"), (102, "builtins.bytearray"), (103, "declares"),
-                       (104, "over the")):
+    for step, what in ((101, "builtins.bytearray"), (102, "builtins.bytearray"), (103, "declares"), (104, "over the")):
         assert adopted[step]["state"] == "rejected", adopted[step]
         assert adopted[step]["reasons"][0]["code"] == "bad_metadata", adopted[step]
         assert what in json.dumps(adopted[step]["reasons"]), adopted[step]
-    assert adopted[105]["state"] == "certified", adopted[105]   # Python 3.13's pathlib._local is accepted
+    assert adopted[105]["state"] == "certified", adopted[105]  # Python 3.13's pathlib._local is accepted
 
     # The cases below do not depend on each other: each runs on its own copy of the adopted root, concurrently.
     def export_refused(step, what):
@@ -256,11 +266,20 @@ def test_crafted_metadata_through_adopt_export_certify_ls_explain(hostile_root, 
         assert_refused(res, 1)
         assert ledger_bytes(r) == before
 
-    cases = {f"export {step}": (lambda s=step, w=what: export_refused(s, w))
-             for step, what in ((101, "refusing to unpickle builtins.bytearray"), (103, "declares 4398046511104 bytes"),
-                                (104, "limit"))}
-    cases.update({f"certify {step}": (lambda s=step, w=what: certify_refused(s, w))
-                  for step, what in ((102, "refusing to unpickle builtins.bytearray"), (103, "declares 4398046511104"))})
+    cases = {
+        f"export {step}": (lambda s=step, w=what: export_refused(s, w))
+        for step, what in (
+            (101, "refusing to unpickle builtins.bytearray"),
+            (103, "declares 4398046511104 bytes"),
+            (104, "limit"),
+        )
+    }
+    cases.update(
+        {
+            f"certify {step}": (lambda s=step, w=what: certify_refused(s, w))
+            for step, what in ((102, "refusing to unpickle builtins.bytearray"), (103, "declares 4398046511104"))
+        }
+    )
     cases.update({"genuine 3.13 pickle": genuine_py313, "ls and explain": read_only_views})
     run_cases(cases)
 
@@ -297,14 +316,22 @@ def _genuine_metadata() -> bytes:
     )
 
     props = TensorProperties(dtype=torch.bfloat16)
-    chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),
-              ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 3]))]
-    md = Metadata(state_dict_metadata={"w": TensorStorageMetadata(props, torch.Size([4, 3]), chunks),
-                                       "step": BytesStorageMetadata()},
-                  storage_data={MetadataIndex("w", [0, 0]): _StorageInfo("__0_0.distcp", 0, 900),
-                                MetadataIndex("w", [2, 0]): _StorageInfo("__1_0.distcp", 0, 900),
-                                MetadataIndex("step"): _StorageInfo("__0_0.distcp", 900, 300)},
-                  storage_meta=StorageMeta(checkpoint_id=Path("/x/step-1"), save_id="s"))
+    chunks = [
+        ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),
+        ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 3])),
+    ]
+    md = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(props, torch.Size([4, 3]), chunks),
+            "step": BytesStorageMetadata(),
+        },
+        storage_data={
+            MetadataIndex("w", [0, 0]): _StorageInfo("__0_0.distcp", 0, 900),
+            MetadataIndex("w", [2, 0]): _StorageInfo("__1_0.distcp", 0, 900),
+            MetadataIndex("step"): _StorageInfo("__0_0.distcp", 900, 300),
+        },
+        storage_meta=StorageMeta(checkpoint_id=Path("/x/step-1"), save_id="s"),
+    )
     return pickle.dumps(md)
 
 
@@ -317,8 +344,9 @@ def test_stand_in_tables_match_torch(tmp_path):
     from scout_ckpt.format.dcp_files import load_metadata
 
     public = {a: v for a in dir(torch) if not a.startswith("_") and isinstance(v := getattr(torch, a), torch.dtype)}
-    assert {a: str(v).removeprefix("torch.") for a, v in public.items()} == \
-        {a: dcp_meta.DTYPE_ALIASES.get(a, a) for a in public}
+    assert {a: str(v).removeprefix("torch.") for a, v in public.items()} == {
+        a: dcp_meta.DTYPE_ALIASES.get(a, a) for a in public
+    }
     assert dcp_meta.DTYPE_ITEMSIZE == {str(v).removeprefix("torch."): v.itemsize for v in public.values()}
     assert set(dcp_meta.LAYOUTS) == {str(v) for v in torch.__dict__.values() if isinstance(v, torch.layout)}
     assert all(dcp_meta.torch_dtype(dcp_meta.dtype(a)) is v for a, v in public.items())
@@ -327,8 +355,10 @@ def test_stand_in_tables_match_torch(tmp_path):
     w = md.state_dict_metadata["w"]
     assert type(w.size) is dcp_meta.Size and w.size == (4, 3) and w.properties.dtype.itemsize == 2
     assert dcp_meta.torch_dtype(w.properties.dtype) is torch.bfloat16 and w.properties.layout is dcp_meta.STRIDED
-    assert [md.storage_data[dcp_meta.MetadataIndex("w", c.offsets)].relative_path for c in w.chunks] == \
-        ["__0_0.distcp", "__1_0.distcp"]
+    assert [md.storage_data[dcp_meta.MetadataIndex("w", c.offsets)].relative_path for c in w.chunks] == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     assert md.storage_data[dcp_meta.MetadataIndex("step")].offset == 900
     assert str(md.storage_meta.checkpoint_id) == "/x/step-1"
 
@@ -337,10 +367,18 @@ def test_pickle_tricks_beyond_the_allowlist_are_refused_in_bounded_memory(tmp_pa
     """Payloads that a restricted find_class alone does not stop: the C unpickler's memo array, a key whose hash
     recurses 200,000 levels, length fields declaring a TiB, a torch.Size call with an int, opcodes DCP never
     writes (sets, extensions), code execution."""
-    payloads = {"memo": MEMO_BOMB, "nested_key": NESTED_KEY, "string": STRING_BOMB, "frame": FRAME_BOMB,
-                "size_call": SIZE_CALL, "set": b"\x80\x04\x8f(K\x01\x90.", "ext": b"\x80\x02\x82\x01.",
-                "system": pickle.dumps(os.system), "list": b"\x80\x02cbuiltins\nlist\n)R.",
-                "garbage": b"\x00" * 100}
+    payloads = {
+        "memo": MEMO_BOMB,
+        "nested_key": NESTED_KEY,
+        "string": STRING_BOMB,
+        "frame": FRAME_BOMB,
+        "size_call": SIZE_CALL,
+        "set": b"\x80\x04\x8f(K\x01\x90.",
+        "ext": b"\x80\x02\x82\x01.",
+        "system": pickle.dumps(os.system),
+        "list": b"\x80\x02cbuiltins\nlist\n)R.",
+        "garbage": b"\x00" * 100,
+    }
     paths = []
     for name, data in payloads.items():
         (tmp_path / name).write_bytes(data)
@@ -350,7 +388,7 @@ def test_pickle_tricks_beyond_the_allowlist_are_refused_in_bounded_memory(tmp_pa
     assert res.rc == 0 and res.peak < RSS_LIMIT, res
     out = json.loads(res.out)
     assert out.pop(str(tmp_path / "genuine")) == "loaded"
-    assert out.pop("imported") == []    # reading metadata needs neither torch nor DCP (dcp_meta's stand-ins)
+    assert out.pop("imported") == []  # reading metadata needs neither torch nor DCP (dcp_meta's stand-ins)
     for path, outcome in out.items():
         assert outcome.startswith("refused: ") and "\n" not in outcome, (path, outcome)
 
@@ -362,8 +400,16 @@ def test_metadata_size_limit_is_configurable(ckpt_root, tmp_path):
     assert_refused(res, 1)
     got = {a["step"]: a for a in json.loads(res.out)["adopted"]}[200]
     assert got["state"] == "rejected" and "SCOUT_CKPT_MAX_METADATA_BYTES" in got["reasons"][0]["detail"], got
-    res = run_measured("export", ckpt_root, "--step", 200, "--force", "--out", tmp_path / "x.safetensors",
-                       env={"SCOUT_CKPT_MAX_METADATA_BYTES": "banana"})
+    res = run_measured(
+        "export",
+        ckpt_root,
+        "--step",
+        200,
+        "--force",
+        "--out",
+        tmp_path / "x.safetensors",
+        env={"SCOUT_CKPT_MAX_METADATA_BYTES": "banana"},
+    )
     assert_refused(res, 2, "SCOUT_CKPT_MAX_METADATA_BYTES")
 
 
@@ -395,7 +441,7 @@ def test_manifest_file_names_must_stay_inside_the_checkpoint(ckpt_root, tmp_path
         assert states(root)[4] == "rejected"
 
         res = run_measured("resume", root, "--latest-clean", "--json")
-        assert res.rc == 0 and json.loads(res.out)["step"] == 3, res   # walks back past step 4
+        assert res.rc == 0 and json.loads(res.out)["step"] == 3, res  # walks back past step 4
 
         # rebuild skips the step (a rebuild that left a checkpoint out is not a success: exit 1, one line) and
         # writes the ledger without it; step 3 is rebuilt as before
@@ -423,15 +469,17 @@ def test_ledger_file_names_are_checked_before_they_are_joined(ckpt_root):
     with c:
         c.execute("UPDATE files SET path = '../step-00000003/.metadata' WHERE step = 4 AND path = '.metadata'")
     c.close()
-    def case(i, *args):   # certify and resume, each on its own copy of the tampered run, concurrently
+
+    def case(i, *args):  # certify and resume, each on its own copy of the tampered run, concurrently
         root = copy_root(ckpt_root, ckpt_root.parent / f"run{i}")
         before = ledger_bytes(root)
         res = run_measured(args[0], root, *args[1:])
         assert_refused(res, 2, "escapes the checkpoint")
         assert ledger_bytes(root) == before and states(root)[4] == "certified"
 
-    run_cases({"certify": lambda: case(1, "certify", "--step", 4),
-               "resume": lambda: case(2, "resume", "--latest-clean")})
+    run_cases(
+        {"certify": lambda: case(1, "certify", "--step", 4), "resume": lambda: case(2, "resume", "--latest-clean")}
+    )
 
 
 def test_a_symlink_out_of_the_step_dir_is_never_followed(ckpt_root, tmp_path):
@@ -471,9 +519,13 @@ def test_a_hostile_entry_is_not_adopted(ckpt_root, tmp_path):
     def case(payload):
         root = copy_root(ckpt_root, tmp_path / f"run-{payload}")
         marker = tmp_path / f"pwned-{payload}"
-        pkl = {"code": b"\x80\x02cposix\nsystem\nX" + struct.pack("<I", len(f"touch {marker}"))
-                       + f"touch {marker}".encode() + b"\x85R.",
-               "bytearray": bytearray_bomb(1 << 34)}[payload]
+        pkl = {
+            "code": b"\x80\x02cposix\nsystem\nX"
+            + struct.pack("<I", len(f"touch {marker}"))
+            + f"touch {marker}".encode()
+            + b"\x85R.",
+            "bytearray": bytearray_bomb(1 << 34),
+        }[payload]
         d = plain_copy(root, 3, 300)
         md = pickle.loads((d / ".metadata").read_bytes())
         key = next(k for k in md.storage_data if k.fqn == "optim.param_groups.0.lr")

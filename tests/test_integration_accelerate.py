@@ -36,11 +36,34 @@ STEPS, EVERY = 18, 4
 
 
 def torchrun(root, trace, *extra, restarts=0, nproc=2, every=EVERY, env=None, ok=True):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(root),
-           "--trace", str(trace), "--save-every", str(every), *map(str, extra)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        **(env or {}),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.5",
+        str(SCRIPT),
+        str(root),
+        "--trace",
+        str(trace),
+        "--save-every",
+        str(every),
+        *map(str, extra),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=root.parent)
     assert (p.returncode == 0) == ok, p.stdout[-2000:] + p.stderr[-4000:]
     return p
@@ -94,7 +117,7 @@ def assert_resumed_exactly(plain, run, resumed_from: int, saved_by=None) -> None
         after = training(resumed)
         steps = sorted(k[1] for k in after if k[0] == "step")
         assert steps == list(range(resumed_from + 1, last_step(plain[rank]) + 1)), steps
-        assert after == {k: oracle[k] for k in after}, rank   # idx, loss, lr, eval losses: bit for bit
+        assert after == {k: oracle[k] for k in after}, rank  # idx, loss, lr, eval losses: bit for bit
         assert events(resumed, "final")[-1]["digest"] == events(plain[rank], "final")[-1]["digest"]
 
 
@@ -111,17 +134,19 @@ def checkpoints(root) -> dict:
 
 # ---- default tier: the healthy run ---------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # with the kill below: the plain run is shared (make test's time budget is spent)
+@pytest.mark.scenario_ci  # with the kill below: the plain run is shared (make test's time budget is spent)
 def test_healthy_run_certifies_every_checkpoint_and_is_the_run_without_scout_ckpt(plain, healthy):
     root, run = healthy
     for rank in (0, 1):
-        assert training(run[rank]) == training(plain[rank]), rank       # every step and evaluation, bitwise
+        assert training(run[rank]) == training(plain[rank]), rank  # every step and evaluation, bitwise
         assert len(training(run[rank])) == STEPS + 3
         assert events(run[rank], "final")[0]["digest"] == events(plain[rank], "final")[0]["digest"]
         assert [(r["step"], r["state"]) for r in events(run[rank], "save")] == [
-            (s, "certified") for s in range(EVERY, STEPS + 1, EVERY)]
+            (s, "certified") for s in range(EVERY, STEPS + 1, EVERY)
+        ]
     # the two ranks really trained on different batches (a job Accelerate did not distribute would not)
     assert training(run[0])[("step", 1)]["idx"] != training(run[1])[("step", 1)]["idx"]
     assert checkpoints(root) == {s: "certified" for s in range(EVERY, STEPS + 1, EVERY)}
@@ -130,16 +155,24 @@ def test_healthy_run_certifies_every_checkpoint_and_is_the_run_without_scout_ckp
         run_row = led.runs()[-1]
     assert run_row["world_size"] == 2 and {"consensus", "replay"} <= set(run_row["policy"]["require"])
     assert ev["consensus"]["status"] == "pass" and ev["bytes"]["status"] == "pass"
-    assert ev["replay"]["status"] == "pass", ev["replay"]   # on by default: every target replayed at each save
+    assert ev["replay"]["status"] == "pass", ev["replay"]  # on by default: every target replayed at each save
     # the observer watches the module that trains: DDP's wrapper (Accelerate keeps only the bare model)
     assert all(events(run[rank], "observer")[0]["attached"] == "counted" for rank in (0, 1))
     meta = (root / "step-00000016" / ".metadata").read_bytes()
-    for key in (b"app.model.transformer.h.0.attn.c_attn.weight", b"app.optim.state", b"scheduler.last_epoch",
-                b"data.dl0.start_rng", b"data.dl0.pos", b"rng.torch", b"accelerator.step"):
+    for key in (
+        b"app.model.transformer.h.0.attn.c_attn.weight",
+        b"app.optim.state",
+        b"scheduler.last_epoch",
+        b"data.dl0.start_rng",
+        b"data.dl0.pos",
+        b"rng.torch",
+        b"accelerator.step",
+    ):
         assert key in meta, key
 
 
 # ---- scenarios: SIGKILLs and a flipped bit --------------------------------------------------------------------
+
 
 @pytest.mark.scenario
 def test_three_ranks_a_rank_killed_mid_epoch_resumes_the_saved_state_and_data_order(tmp_path):
@@ -163,13 +196,13 @@ def test_three_ranks_a_rank_killed_mid_epoch_resumes_the_saved_state_and_data_or
             want = oracle[k]
             assert {f: v for f, v in rec.items() if f != "loss"} == {f: v for f, v in want.items() if f != "loss"}
             got, exp = rec.get("loss"), want.get("loss")
-            got, exp = ([got], [exp]) if isinstance(got, str) else (got, exp)   # an evaluation: a list of losses
+            got, exp = ([got], [exp]) if isinstance(got, str) else (got, exp)  # an evaluation: a list of losses
             assert [float.fromhex(x) for x in got] == pytest.approx([float.fromhex(x) for x in exp], rel=1e-5), k
     assert checkpoints(tmp_path / "root") == {s: "certified" for s in range(EVERY, last + 1, EVERY)}
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # the CI tier's Accelerate kill
+@pytest.mark.scenario_ci  # the CI tier's Accelerate kill
 def test_a_rank_killed_mid_epoch_resumes_bitwise(plain, tmp_path):
     # rank 1 dies after step 10 (epoch 1, 4 batches in); the restart loads step 8 (epoch 1, 2 batches in)
     torchrun(tmp_path / "root", tmp_path / "trace", "--kill-step", 10, restarts=1)
@@ -217,7 +250,7 @@ def test_a_flipped_bit_in_the_newest_checkpoint_is_walked_past(plain, healthy, t
     assert_resumed_exactly(plain, read_trace(tmp_path / "trace"), 12, saved_by=healthy[1])
     with Ledger.open(root, readonly=True) as led:
         verdicts = [h for h in led.certifications(16) if h["state"] != "writing"]
-        assert led.checkpoint(16)["state"] == "certified"   # re-saved by the resumed run, a new attempt
+        assert led.checkpoint(16)["state"] == "certified"  # re-saved by the resumed run, a new attempt
     assert [h["state"] for h in verdicts][-2:] == ["rejected", "certified"]
     assert verdicts[-2]["reasons"][0]["code"] == "digest_mismatch"
 
@@ -233,9 +266,9 @@ def test_the_seedable_sampler_resumes_bitwise_too(tmp_path):
 
 # ---- Murphy: the world misbehaves between generations (tests/murphy_env.py) --------------------------------------
 
+
 @pytest.mark.scenario
-def test_a_ledger_deleted_between_generations_is_rebuilt_and_the_restart_resumes_the_newest_certified(plain,
-                                                                                                      tmp_path):
+def test_a_ledger_deleted_between_generations_is_rebuilt_and_the_restart_resumes_the_newest_certified(plain, tmp_path):
     """Generation 1 is SIGKILLed after step 10 (certified: 4, 8); the ledger is deleted; generation 2 (a new
     torchrun, as a scheduler starts it) rebuilds the ledger from the manifests and the journal, says so, and
     resumes from step 8, never from step 0: exactly the digest generation 1 printed at that save, then the
@@ -280,11 +313,36 @@ def test_a_transient_eio_on_the_newest_checkpoint_walks_back_and_leaves_it_certi
 def accelerate_launch(root, trace, *extra, attempt: int = 0):
     """One process under `accelerate launch --num_processes 1 --cpu` (its simple launcher, no torchrun); 6
     batches per epoch as under torchrun (12 samples). `attempt` stands for a scheduler's restart count."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TORCHELASTIC_RESTART_COUNT": str(attempt)}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-           "--cpu", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(root),
-           "--trace", str(trace), "--save-every", str(EVERY), "--samples", "12", *map(str, extra)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--cpu",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(SCRIPT),
+        str(root),
+        "--trace",
+        str(trace),
+        "--save-every",
+        str(EVERY),
+        "--samples",
+        "12",
+        *map(str, extra),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=root.parent)
 
 
@@ -305,6 +363,7 @@ def test_one_process_under_accelerate_launch_resumes_bitwise(tmp_path):
 
 
 # ---- in process: TrackedDataLoader on one process, and the refusals -------------------------------------------
+
 
 def _loader(seed: int = 0):
     from accelerate import Accelerator
@@ -334,7 +393,7 @@ def _walk(tracked, batches: int, epoch_end_draw: bool = True) -> list:
     return seen, it
 
 
-@pytest.mark.parametrize("at,epoch", [(3, 0), (5, 0), (7, 1)])   # mid-pass; a pass's last batch; 2nd pass
+@pytest.mark.parametrize("at,epoch", [(3, 0), (5, 0), (7, 1)])  # mid-pass; a pass's last batch; 2nd pass
 def test_a_tracked_loader_resumes_the_exact_stream_in_one_process(at, epoch):
     """One process: accelerate's loader keeps the plain RandomSampler, whose order is drawn from torch's global RNG
     when a pass starts, and creating an iterator draws from it too. The resumed stream (batches and the draws
@@ -349,7 +408,7 @@ def test_a_tracked_loader_resumes_the_exact_stream_in_one_process(at, epoch):
     saved, rng = first.state_dict(), torch.get_rng_state()
     assert first.epoch == epoch
     del it
-    _, dl = _loader(seed=123)   # a new process would rebuild the loader; a different seed shows nothing leaks
+    _, dl = _loader(seed=123)  # a new process would rebuild the loader; a different seed shows nothing leaks
     second = TrackedDataLoader(dl)
     second.load_state_dict({k: v.clone() for k, v in saved.items()})
     assert second.epoch == epoch

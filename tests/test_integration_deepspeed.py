@@ -36,26 +36,39 @@ def torchrun(save_dir, events, *extra, restarts=0, ok=True, nproc=2):
 
 # ---- torch-free pieces ----------------------------------------------------------------------------------------
 
+
 def test_latest_is_replaced_atomically_and_moved_aside_when_nothing_is_certified(tmp_path):
     assert ds_folders.parse_folder("global_step12") == 12 and ds_folders.parse_folder("global_step") is None
     assert ds_folders.parse_folder("checkpoint-12") is None and ds_folders.folder_name(7) == "global_step7"
-    (tmp_path / "latest").write_text("global_step9")   # DeepSpeed's own pointer, no ledger beside it
+    (tmp_path / "latest").write_text("global_step9")  # DeepSpeed's own pointer, no ledger beside it
     assert ds_folders.repoint_latest(tmp_path) is None
     assert not (tmp_path / "latest").exists()
-    assert (tmp_path / ds_folders.HIDDEN_LATEST).read_text() == "global_step9"   # kept, not deleted
+    assert (tmp_path / ds_folders.HIDDEN_LATEST).read_text() == "global_step9"  # kept, not deleted
     ds_folders.point_latest(tmp_path, "global_step4")
-    assert (tmp_path / "latest").read_bytes() == b"global_step4"   # as DeepSpeed writes it: no newline
+    assert (tmp_path / "latest").read_bytes() == b"global_step4"  # as DeepSpeed writes it: no newline
     assert ds_folders.read_latest(tmp_path) == "global_step4"
 
 
 # ---- ZeRO-1: healthy run, CLI, a corrupted shard walked past (default tier: one torchrun) -------------------
 
+
 @pytest.fixture(scope="module")
 def zero1(tmp_path_factory):
     base = tmp_path_factory.mktemp("ds1")
     save_dir, ev = base / "ck", base / "events.jsonl"
-    torchrun(save_dir, ev, "--stage", 1, "--steps", 6, "--save-every", 2, "--accept-single-owner",
-             "--export", base / "export")
+    torchrun(
+        save_dir,
+        ev,
+        "--stage",
+        1,
+        "--steps",
+        6,
+        "--save-every",
+        2,
+        "--accept-single-owner",
+        "--export",
+        base / "export",
+    )
     return save_dir, ev
 
 
@@ -63,7 +76,10 @@ def test_zero1_healthy_run_certifies_every_tag_and_latest_follows(zero1):
     save_dir, ev = zero1
     saved = events(ev, "saved")
     assert [(r["step"], r["verdict"], r["latest"]) for r in saved] == [
-        (2, "certified", "global_step2"), (4, "certified", "global_step4"), (6, "certified", "global_step6")]
+        (2, "certified", "global_step2"),
+        (4, "certified", "global_step4"),
+        (6, "certified", "global_step6"),
+    ]
     assert states(save_dir) == {2: "certified", 4: "certified", 6: "certified"}
     with Ledger.open(save_dir, readonly=True) as led:
         e6, files, run = led.evidence(6), led.files(6), led.runs()[-1]
@@ -72,11 +88,13 @@ def test_zero1_healthy_run_certifies_every_tag_and_latest_follows(zero1):
     assert run["policy"]["zero_stage"] == 1 and run["policy"]["allow_not_applicable"] == ["zero_partitions", "replay"]
     assert e6["replay"]["status"] == "pass"
     # every file of the tag digested by the rank that wrote it: rank 0 the model states and its optimizer shard
-    assert {f["path"]: f["rank"] for f in files} == {"mp_rank_00_model_states.pt": 0,
-                                                     "zero_pp_rank_0_mp_rank_00_optim_states.pt": 0,
-                                                     "zero_pp_rank_1_mp_rank_00_optim_states.pt": 1}
+    assert {f["path"]: f["rank"] for f in files} == {
+        "mp_rank_00_model_states.pt": 0,
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt": 0,
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt": 1,
+    }
     assert e6["consensus"]["status"] == "pass" and e6["consensus"]["groups"][0]["members"] == [0, 1]
-    assert e6["consensus"]["tensors_compared"] >= 4   # the model's 4 tensors, replicated at ZeRO-1
+    assert e6["consensus"]["tensors_compared"] >= 4  # the model's 4 tensors, replicated at ZeRO-1
     assert e6["invariants"]["status"] == "pass"
     assert e6["zero_partitions"]["status"] == "not_applicable" and e6["zero_partitions"]["accepted"] is True
     assert e6["zero_partitions"]["reasons"][0]["code"] == "zero_single_owner"
@@ -87,8 +105,11 @@ def test_zero1_healthy_run_certifies_every_tag_and_latest_follows(zero1):
     # export is written, the certified tag of the same step untouched
     assert (save_dir.parent / "export" / "pytorch_model.bin").is_file()
     assert sorted(p.name for p in (save_dir / "global_step6").iterdir()) == [
-        "mp_rank_00_model_states.pt", "scout-manifest.json", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+        "mp_rank_00_model_states.pt",
+        "scout-manifest.json",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
 
 
 def test_zero1_cli_reads_a_deepspeed_save_dir_and_walks_past_a_corrupted_shard(zero1, tmp_path):
@@ -125,18 +146,32 @@ def test_zero1_cli_reads_a_deepspeed_save_dir_and_walks_past_a_corrupted_shard(z
 
 # ---- ZeRO-1: a rank killed mid-save, resumed exactly (the CI tier's DeepSpeed kill) -------------------------
 
+
 def _zero1_killed_mid_save(tmp_path, nproc):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
     # rank 1 SIGKILLs itself after writing its optimizer shard of step 4; torchrun restarts every rank
-    torchrun(save_dir, ev, "--stage", 1, "--steps", 6, "--save-every", 2, "--accept-single-owner",
-             "--crash-at", 4, restarts=1, nproc=nproc)
+    torchrun(
+        save_dir,
+        ev,
+        "--stage",
+        1,
+        "--steps",
+        6,
+        "--save-every",
+        2,
+        "--accept-single-owner",
+        "--crash-at",
+        4,
+        restarts=1,
+        nproc=nproc,
+    )
     first = {r["step"]: r for r in events(ev, "saved", attempt=0)}
     assert list(first) == [2] and first[2]["latest"] == "global_step2"
     resumed = events(ev, "resumed", attempt=1)
-    assert [(r["step"], r["digest"]) for r in resumed] == [(2, first[2]["digest"])]   # the state it saved, exactly
+    assert [(r["step"], r["digest"]) for r in resumed] == [(2, first[2]["digest"])]  # the state it saved, exactly
     loss0 = {r["step"]: r["loss"] for r in events(ev, "step", attempt=0)}
     loss1 = {r["step"]: r["loss"] for r in events(ev, "step", attempt=1)}
-    assert sorted(loss1) == [3, 4, 5, 6] and all(loss1[s] == loss0[s] for s in (3, 4))   # bitwise the same curve
+    assert sorted(loss1) == [3, 4, 5, 6] and all(loss1[s] == loss0[s] for s in (3, 4))  # bitwise the same curve
     with Ledger.open(save_dir, readonly=True) as led:
         hist4 = [h for h in led.certifications(4) if h["state"] != "writing"]
     assert hist4[0]["state"] == "rejected" and hist4[0]["reasons"][0]["code"] == "save_interrupted"
@@ -145,7 +180,7 @@ def _zero1_killed_mid_save(tmp_path, nproc):
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # the CI tier's DeepSpeed kill
+@pytest.mark.scenario_ci  # the CI tier's DeepSpeed kill
 def test_zero1_rank_killed_mid_save_resumes_exactly_from_newest_certified(tmp_path):
     _zero1_killed_mid_save(tmp_path, 2)
 
@@ -157,28 +192,33 @@ def test_zero1_on_three_ranks_killed_mid_save_resumes_exactly_from_newest_certif
 
 # ---- ZeRO-3 ---------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.scenario
 def test_zero3_default_options_never_certify_partitions_and_latest_never_names_them(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
     torchrun(save_dir, ev, "--stage", 3, "--steps", 4, "--save-every", 2)
     assert [(r["step"], r["verdict"], r["latest"]) for r in events(ev, "saved")] == [
-        (2, "committed", None), (4, "committed", None)]
+        (2, "committed", None),
+        (4, "committed", None),
+    ]
     with Ledger.open(save_dir, readonly=True) as led:
         row, e4, files = led.checkpoint(4), led.evidence(4), led.files(4)
     # what is certified at ZeRO-3: the bytes (each rank's own files) and the finite check; what is not: the
     # partitioned parameters and optimizer state, named in the reason
     assert e4["bytes"]["status"] == "pass" and e4["invariants"]["status"] == "pass"
-    assert {f["path"]: f["rank"] for f in files} == {f"zero_pp_rank_{r}_mp_rank_00_{k}_states.pt": r
-                                                     for r in (0, 1) for k in ("model", "optim")}
+    assert {f["path"]: f["rank"] for f in files} == {
+        f"zero_pp_rank_{r}_mp_rank_00_{k}_states.pt": r for r in (0, 1) for k in ("model", "optim")
+    }
     codes = [r["code"] for r in row["reasons"]]
     assert codes == ["zero_single_owner"] and row["reasons"][0]["stage"] == 3
     assert any(s.startswith("module: parameters") for s in row["reasons"][0]["state"])
     assert not (save_dir / "latest").exists() and latest_clean(save_dir) is None
     rc, so, _ = run_cli("resume", save_dir, "--latest-clean", "--json")
     assert rc == 1 and json.loads(so)["step"] is None
+
     # the job restarted with the same options: it refuses to train from step 0 over the saved tags, and names
     # them and the option; nothing is written
-    def names():   # SQLite's -wal/-shm sidecars come and go with the readers' connections: not data
+    def names():  # SQLite's -wal/-shm sidecars come and go with the readers' connections: not data
         return sorted(p.name for p in save_dir.iterdir() if not p.name.endswith(("-wal", "-shm")))
 
     before = names()
@@ -203,8 +243,11 @@ def test_zero3_default_options_never_certify_partitions_and_latest_never_names_t
     assert [(r["step"], r["verdict"]) for r in events(ev2, "saved")] == [(6, "certified")]
     assert states(save_dir) == {2: "certified", 4: "certified", 6: "certified"}
     with Ledger.open(save_dir, readonly=True) as led:
-        hist4, e4, last_run = ([h for h in led.certifications(4) if h["state"] != "writing"], led.evidence(4),
-                               led.runs()[-1])
+        hist4, e4, last_run = (
+            [h for h in led.certifications(4) if h["state"] != "writing"],
+            led.evidence(4),
+            led.runs()[-1],
+        )
     assert [(h["state"], h["source"]) for h in hist4] == [("committed", "save"), ("certified", "rejudge")]
     assert e4["zero_partitions"]["status"] == "not_applicable" and e4["zero_partitions"]["was"] == "missing"
     assert e4["zero_partitions"]["rejudged_by"] == last_run["id"] and last_run["policy"]["accept_single_owner"]
@@ -214,8 +257,20 @@ def test_zero3_default_options_never_certify_partitions_and_latest_never_names_t
 @pytest.mark.scenario
 def test_zero3_killed_resumed_exactly_then_a_corrupted_shard_walked_past_on_restart(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
-    torchrun(save_dir, ev, "--stage", 3, "--steps", 6, "--save-every", 2, "--accept-single-owner",
-             "--crash-at", 4, restarts=1)
+    torchrun(
+        save_dir,
+        ev,
+        "--stage",
+        3,
+        "--steps",
+        6,
+        "--save-every",
+        2,
+        "--accept-single-owner",
+        "--crash-at",
+        4,
+        restarts=1,
+    )
     saved = {(r["attempt"], r["step"]): r for r in events(ev, "saved")}
     assert sorted(saved) == [(0, 2), (1, 4), (1, 6)]
     assert [(r["step"], r["digest"]) for r in events(ev, "resumed")] == [(2, saved[0, 2]["digest"])]
@@ -230,7 +285,7 @@ def test_zero3_killed_resumed_exactly_then_a_corrupted_shard_walked_past_on_rest
     assert sorted(loss2) == [5, 6, 7, 8] and all(loss2[s] == loss1[s] for s in (5, 6))
     with Ledger.open(save_dir, readonly=True) as led:
         verdicts6 = [h for h in led.certifications(6) if h["state"] != "writing"]
-    assert [h["state"] for h in verdicts6][-2:] == ["rejected", "certified"]   # rejected, then re-saved
+    assert [h["state"] for h in verdicts6][-2:] == ["rejected", "certified"]  # rejected, then re-saved
     assert any(r["code"] == "digest_mismatch" for r in verdicts6[-2]["reasons"])
     assert states(save_dir) == {2: "certified", 4: "certified", 6: "certified", 8: "certified"}
     assert (save_dir / "latest").read_text() == "global_step8"
@@ -238,30 +293,51 @@ def test_zero3_killed_resumed_exactly_then_a_corrupted_shard_walked_past_on_rest
 
 # ---- ZeRO-0: everything replicated; ZeRO-1: replicas that disagree ------------------------------------------
 
+
 @pytest.mark.scenario
 def test_zero0_default_options_compare_model_and_optimizer_and_certify(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
     torchrun(save_dir, ev, "--stage", 0, "--steps", 4, "--save-every", 2)
     assert [(r["step"], r["verdict"], r["latest"]) for r in events(ev, "saved")] == [
-        (2, "certified", "global_step2"), (4, "certified", "global_step4")]
+        (2, "certified", "global_step2"),
+        (4, "certified", "global_step4"),
+    ]
     with Ledger.open(save_dir, readonly=True) as led:
         e4, files = led.evidence(4), led.files(4)
     assert [f["path"] for f in files] == ["mp_rank_00_model_states.pt"]
     assert e4["consensus"]["status"] == "pass" and e4["zero_partitions"]["status"] == "pass"
-    assert e4["consensus"]["tensors_compared"] >= 4 + 8   # the model's 4 tensors and Adam's 2 moments of each
+    assert e4["consensus"]["tensors_compared"] >= 4 + 8  # the model's 4 tensors and Adam's 2 moments of each
 
 
 @pytest.mark.scenario
 def test_zero1_replicas_that_disagree_reject_the_tag_and_end_the_generation(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-           str(save_dir), "--events", str(ev), "--stage", "1", "--steps", "4", "--save-every", "2",
-           "--accept-single-owner", "--diverge-at", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        str(save_dir),
+        "--events",
+        str(ev),
+        "--stage",
+        "1",
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        "--accept-single-owner",
+        "--diverge-at",
+        "4",
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, why_failed(p.stderr)
     assert [(r["step"], r["verdict"]) for r in events(ev, "live_fault")] == [(4, "rejected")]
-    assert "consensus_inconclusive" in events(ev, "live_fault")[0]["codes"]   # two replicas detect, never attribute
+    assert "consensus_inconclusive" in events(ev, "live_fault")[0]["codes"]  # two replicas detect, never attribute
     assert states(save_dir) == {2: "certified", 4: "rejected"}
     assert (save_dir / "latest").read_text() == "global_step2"
 
@@ -270,23 +346,43 @@ def test_zero1_replicas_that_disagree_reject_the_tag_and_end_the_generation(tmp_
 def test_zero1_nan_in_a_single_owner_partition_is_caught_by_its_writer(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-           str(save_dir), "--events", str(ev), "--stage", "1", "--steps", "4", "--save-every", "2",
-           "--accept-single-owner", "--nan-at", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        str(save_dir),
+        "--events",
+        str(ev),
+        "--stage",
+        "1",
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        "--accept-single-owner",
+        "--nan-at",
+        "4",
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, why_failed(p.stderr)
     assert [(r["step"], r["codes"]) for r in events(ev, "live_fault")] == [(4, ["invariant_failed"])]
     with Ledger.open(save_dir, readonly=True) as led:
         row, e4 = led.checkpoint(4), led.evidence(4)
-    assert row["state"] == "rejected" and e4["consensus"]["status"] == "pass"   # no replica holds the moments
+    assert row["state"] == "rejected" and e4["consensus"]["status"] == "pass"  # no replica holds the moments
     bad = row["reasons"][0]
     assert bad["code"] == "invariant_failed" and bad["ranks"] == [1]
-    assert bad["tensors"] == ["zero_pp_rank_1_mp_rank_00_optim_states.pt:"
-                              "optimizer_state_dict.base_optimizer_state.state.0.exp_avg"]
+    assert bad["tensors"] == [
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt:optimizer_state_dict.base_optimizer_state.state.0.exp_avg"
+    ]
     assert (save_dir / "latest").read_text() == "global_step2"
 
 
 # ---- replay: an SDC that consensus cannot see (every replica averages it in) --------------------------------
+
 
 def _sdc_events(save_dir):
     with Ledger.open(save_dir, readonly=True) as led:
@@ -301,16 +397,36 @@ def test_zero1_sdc_in_one_ranks_forward_is_never_certified_with_the_defaults(tmp
     certified and end the generation; at 3 ranks it names rank 1. Judged by where the fault was placed."""
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT),
-           str(save_dir), "--events", str(ev), "--stage", "1", "--steps", "6", "--save-every", "2",
-           "--accept-single-owner", "--sdc-rank", "1", "--sdc-from", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(SCRIPT),
+        str(save_dir),
+        "--events",
+        str(ev),
+        "--stage",
+        "1",
+        "--steps",
+        "6",
+        "--save-every",
+        "2",
+        "--accept-single-owner",
+        "--sdc-rank",
+        "1",
+        "--sdc-from",
+        "3",
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, why_failed(p.stderr)
     assert states(save_dir) == {2: "certified", 4: "rejected"}
     assert (save_dir / "latest").read_text() == "global_step2"
     with Ledger.open(save_dir, readonly=True) as led:
         e4 = led.evidence(4)
-    assert e4["consensus"]["status"] == "pass"   # the replicas agree on the poisoned state: consensus is blind
+    assert e4["consensus"]["status"] == "pass"  # the replicas agree on the poisoned state: consensus is blind
     assert e4["replay"]["status"] == ("fail" if nproc == 3 else "inconclusive")
     if nproc == 3:
         assert {tuple(e["ranks"]) for e in _sdc_events(save_dir)} == {(1,)}
@@ -321,9 +437,12 @@ def test_zero1_healthy_run_with_replay_certifies_every_tag_with_replay_evidence(
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
     torchrun(save_dir, ev, "--stage", 1, "--steps", 6, "--save-every", 2, "--accept-single-owner", nproc=3)
     assert [(r["step"], r["verdict"]) for r in events(ev, "saved")] == [
-        (2, "certified"), (4, "certified"), (6, "certified")]
+        (2, "certified"),
+        (4, "certified"),
+        (6, "certified"),
+    ]
     with Ledger.open(save_dir, readonly=True) as led:
         ev6 = led.evidence(6)
     assert ev6["replay"]["status"] == "pass"
-    assert set(ev6["replay"]["coverage"]) >= {"0", "2"}   # both Linear layers of the job's Sequential
+    assert set(ev6["replay"]["coverage"]) >= {"0", "2"}  # both Linear layers of the job's Sequential
     assert _sdc_events(save_dir) == []

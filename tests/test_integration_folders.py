@@ -14,8 +14,14 @@ from scout_ckpt.ledger import Ledger
 
 
 def test_shares_balance_bytes_and_cover_every_file_once():
-    files = [("model.safetensors", 1000), ("optimizer.pt", 2000), ("rng_state_0.pth", 10), ("rng_state_1.pth", 10),
-             ("scheduler.pt", 5), ("trainer_state.json", 7)]
+    files = [
+        ("model.safetensors", 1000),
+        ("optimizer.pt", 2000),
+        ("rng_state_0.pth", 10),
+        ("rng_state_1.pth", 10),
+        ("scheduler.pt", 5),
+        ("trainer_state.json", 7),
+    ]
     shares = folders.assign_shares(files, 2)
     assert sorted(p for s in shares for p in s) == sorted(p for p, _ in files)
     assert shares[0] == ["optimizer.pt"]  # the largest alone; everything else to the other rank
@@ -34,11 +40,30 @@ def _commit(root: Path, ledger: Ledger, step: int, run_id: str, attempt: str, pa
     got = digest_files([d / p for p, _ in folders.listing(d)])
     files = [{"path": Path(p).name, "size": s, "digest": g, "rank": 0} for p, (s, g) in got.items()]
     ev = {"bytes": policy.evidence(policy.PASS)}
-    m = manifest.build(step=step, run_id=run_id, attempt=attempt, world_size=1, topology={}, policy=pol,
-                       files=files, evidence=ev, verdict={"state": "certified", "reasons": []})
+    m = manifest.build(
+        step=step,
+        run_id=run_id,
+        attempt=attempt,
+        world_size=1,
+        topology={},
+        policy=pol,
+        files=files,
+        evidence=ev,
+        verdict={"state": "certified", "reasons": []},
+    )
     digest = manifest.write(d, m)
-    ledger.record_commit(step, run_id=run_id, path=d.name, nbytes=1, manifest_digest=digest, files=files,
-                         evidence=ev, state="certified", reasons=[], attempt=attempt)
+    ledger.record_commit(
+        step,
+        run_id=run_id,
+        path=d.name,
+        nbytes=1,
+        manifest_digest=digest,
+        files=files,
+        evidence=ev,
+        state="certified",
+        reasons=[],
+        attempt=attempt,
+    )
 
 
 @pytest.fixture
@@ -86,10 +111,12 @@ def test_settle_rejects_and_removes_an_interrupted_save_and_completes_a_lost_com
         led.record_writing(6, "r2", "b-1", "checkpoint-6", owner=_dead_owner())  # killed while the Trainer wrote
         (root / "checkpoint-6").mkdir()
         (root / "checkpoint-6" / "model.safetensors").write_bytes(b"half")
-        _commit(root, led, 8, "r2", "b-2", b"whole")               # manifest written, ledger commit lost:
+        _commit(root, led, 8, "r2", "b-2", b"whole")  # manifest written, ledger commit lost:
         dead = _dead_owner()
-        led.conn.execute("UPDATE checkpoints SET state='writing', owner_host=?, owner_pid=?, owner_start=? "
-                         "WHERE step=8", (dead["host"], dead["pid"], dead["start"]))
+        led.conn.execute(
+            "UPDATE checkpoints SET state='writing', owner_host=?, owner_pid=?, owner_start=? WHERE step=8",
+            (dead["host"], dead["pid"], dead["start"]),
+        )
         settled = folders.settle_folders(led, root)
         assert {s["step"]: s["after"] for s in settled} == {6: "rejected", 8: "certified"}
         assert led.checkpoint(6)["reasons"][0]["code"] == "save_interrupted"
@@ -112,12 +139,15 @@ def test_import_scout_ckpt_imports_no_framework():
 
     from tests.conftest import REPO
 
-    code = ("import sys, scout_ckpt, scout_ckpt.integrations, scout_ckpt.integrations.folders, "
-            "scout_ckpt.integrations.ds_folders, scout_ckpt.cli; "
-            "bad = [m for m in ('transformers', 'torchtitan', 'accelerate', 'lightning', 'deepspeed', 'megatron', 'torch') if m in sys.modules]; "
-            "assert not bad, bad")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(REPO)},
-                       timeout=120)
+    code = (
+        "import sys, scout_ckpt, scout_ckpt.integrations, scout_ckpt.integrations.folders, "
+        "scout_ckpt.integrations.ds_folders, scout_ckpt.cli; "
+        "bad = [m for m in ('transformers', 'torchtitan', 'accelerate', 'lightning', 'deepspeed', 'megatron', 'torch') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONPATH": str(REPO)}, timeout=120
+    )
     assert p.returncode == 0, p.stderr
 
 

@@ -27,11 +27,30 @@ BASE = ("--steps", "8", "--save-every", "2", "--accum", "2")
 
 
 def torchrun(root, *extra, restarts=0, record=None, ok=True, nproc=2, env=None):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore", **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(JOB), str(root),
-           *(["--record", str(record)] if record else []), *map(str, extra)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        **(env or {}),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.5",
+        str(JOB),
+        str(root),
+        *(["--record", str(record)] if record else []),
+        *map(str, extra),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root.parent)
     assert (p.returncode == 0) == ok, p.stdout[-2000:] + p.stderr[-4000:]
     return p
@@ -43,8 +62,11 @@ def rows(path) -> list[dict]:
 
 def curve(rs, attempt=None) -> dict:
     """{step: (loss, lr, batch fingerprint)} of the optimizer steps recorded (the last attempt's wins)."""
-    return {r["step"]: (r["loss"], r["lr"], r["batch"]) for r in rs
-            if "step" in r and (attempt is None or r["attempt"] == attempt)}
+    return {
+        r["step"]: (r["loss"], r["lr"], r["batch"])
+        for r in rs
+        if "step" in r and (attempt is None or r["attempt"] == attempt)
+    }
 
 
 def final(rs) -> str:
@@ -82,7 +104,7 @@ def healthy(tmp_path_factory):
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # with the kill below: the plain run is shared (make test's time budget is spent)
+@pytest.mark.scenario_ci  # with the kill below: the plain run is shared (make test's time budget is spent)
 def test_healthy_ddp_run_certifies_every_checkpoint_and_equals_the_run_without_scout(healthy, plain):
     root, rs = healthy
     assert curve(rs) == curve(plain) and len(curve(rs)) == 8
@@ -99,7 +121,7 @@ def test_healthy_ddp_run_certifies_every_checkpoint_and_equals_the_run_without_s
     ptr = json.loads((root / "lightning" / "step=8.ckpt").read_text())["scout_ckpt"]
     assert ptr["step"] == 8 and ptr["path"] == "step-00000008"
     rc, out, err = run_cli("resume", str(root), "--latest-clean", "--json")
-    assert rc == 0 and json.loads(out)["step"] == 8, err   # re-verifies the digests of step 8's files
+    assert rc == 0 and json.loads(out)["step"] == 8, err  # re-verifies the digests of step 8's files
     # a fresh run with ckpt_path="latest_clean" started from scratch (nothing loaded)
     assert not [r for r in rs if "loaded" in r]
 
@@ -116,17 +138,17 @@ def test_bitflip_in_the_newest_checkpoint_is_walked_past_on_restart(healthy, pla
     rec = tmp_path / "rec.jsonl"
     torchrun(root, *BASE, "--ckpt-path", "latest_clean", record=rec)
     rs = rows(rec)
-    assert [r["loaded"] for r in rs if "loaded" in r] == [6]   # walked back past 8, the flipped one
+    assert [r["loaded"] for r in rs if "loaded" in r] == [6]  # walked back past 8, the flipped one
     assert curve(rs) == {s: v for s, v in curve(plain).items() if s > 6}
     assert final(rs) == final(plain)
-    assert states(root)[8] == "certified"   # saved again by this run, after the rejected one was replaced
+    assert states(root)[8] == "certified"  # saved again by this run, after the rejected one was replaced
     with Ledger.open(root, readonly=True) as led:
         hist = [h["state"] for h in led.certifications(8)]
     assert "rejected" in hist, hist
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # the CI tier's Lightning kill
+@pytest.mark.scenario_ci  # the CI tier's Lightning kill
 def test_sigkill_mid_run_resumes_exactly_from_latest_clean(plain, tmp_path):
     """Rank 1 SIGKILLed after optimizer step 5; torchrun restarts both ranks with ckpt_path="latest_clean": the
     restarted job loads step 4 (what it recorded when it saved), trains steps 5..8 on the same samples with the
@@ -193,15 +215,25 @@ def test_async_save_with_top_k_1_leaves_only_named_steps_and_warns_that_one_is_k
     once more at teardown, so no step directory is left that no pointer names (but the newest certified).
     save_top_k=1 is warned about at fit start (nothing certified to walk back to)."""
     root = tmp_path / "root"
-    p = torchrun(root, "--steps", "6", "--save-every", "2", "--top-k", "1", "--options", '{"async_save": true}',
-                 record=tmp_path / "rec.jsonl")
+    p = torchrun(
+        root,
+        "--steps",
+        "6",
+        "--save-every",
+        "2",
+        "--top-k",
+        "1",
+        "--options",
+        '{"async_save": true}',
+        record=tmp_path / "rec.jsonl",
+    )
     assert p.stderr.count("keeps one checkpoint") == 1, p.stderr[-3000:]
     named = {json.loads(f.read_text())["scout_ckpt"]["step"] for f in (root / "lightning").iterdir()}
     st = states(root)
     newest = max(s for s, v in st.items() if v == "certified")
     on_disk = {int(d.name.split("-")[1]) for d in root.glob("step-*")}
     assert on_disk == named | {newest}, (on_disk, named, st)
-    assert {s for s, v in st.items() if v == "deleted"} == set(st) - on_disk, st   # a step top-k skipped: no row
+    assert {s for s, v in st.items() if v == "deleted"} == set(st) - on_disk, st  # a step top-k skipped: no row
 
 
 @pytest.mark.scenario
@@ -215,7 +247,20 @@ def test_model_parallel_fsdp2_certifies_and_resumes_exactly_after_sigkill(tmp_pa
     plain = rows(plain_rec)
     root = tmp_path / "root"
     rec = tmp_path / "rec.jsonl"
-    torchrun(root, "--scout", "mp", *BASE, "--clip", "0.05", "--kill-step", "5", "--ckpt-path", "latest_clean", restarts=1, record=rec)
+    torchrun(
+        root,
+        "--scout",
+        "mp",
+        *BASE,
+        "--clip",
+        "0.05",
+        "--kill-step",
+        "5",
+        "--ckpt-path",
+        "latest_clean",
+        restarts=1,
+        record=rec,
+    )
     rs = rows(rec)
     assert [r["loaded"] for r in rs if "loaded" in r] == [4]
     assert curve(rs, attempt=1) == {s: v for s, v in curve(plain).items() if s > 4}
@@ -249,8 +294,16 @@ def test_fsdp1_strategy_is_refused_on_cpu_with_one_line_and_keep_is_refused():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = pl.Trainer(strategy=ScoutFSDPStrategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
-                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        strategy=ScoutFSDPStrategy(),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
     with pytest.raises(ScoutError, match="needs a GPU"):
         trainer.fit(Tiny(), train_dataloaders=data)
@@ -263,6 +316,7 @@ def test_fsdp1_strategy_is_refused_on_cpu_with_one_line_and_keep_is_refused():
 # restart sums the first step's gradients in its initial bucket order, the uninterrupted one in its rebuilt order
 # (docs/pytorch-facts.md, "Bitwise resume"), and with 3 addends the order shows in the last bits (2 addends commute). FSDP2's
 # reduce-scatter has no buckets to rebuild: bitwise there.
+
 
 @pytest.fixture(scope="module")
 def plain3(tmp_path_factory):
@@ -279,7 +333,7 @@ def test_three_ranks_ddp_healthy_run_certifies_every_checkpoint_and_equals_the_r
     rec = tmp_path / "rec.jsonl"
     torchrun(root, *BASE, "--ckpt-path", "latest_clean", record=rec, nproc=3)
     rs = rows(rec)
-    assert curve(rs) == curve(plain) and len(curve(rs)) == 8   # bitwise: no restart, no rebuilt reducer
+    assert curve(rs) == curve(plain) and len(curve(rs)) == 8  # bitwise: no restart, no rebuilt reducer
     assert saved(rs) == saved(plain) and final(rs) == final(plain)
     assert states(root) == {2: "certified", 4: "certified", 6: "certified", 8: "certified"}
     with Ledger.open(root, readonly=True) as led:
@@ -300,8 +354,16 @@ def test_three_ranks_ddp_sigkill_mid_run_resumes_the_saved_state_and_is_lightnin
     rec = tmp_path / "rec.jsonl"
     torchrun(root, *BASE, "--kill-step", "5", "--ckpt-path", "latest_clean", restarts=1, record=rec, nproc=3)
     own_rec = tmp_path / "own.jsonl"
-    torchrun(tmp_path / "own", "--scout", "none", *BASE, "--ckpt-path", plain_root / "lightning" / "step=4.ckpt",
-             record=own_rec, nproc=3)
+    torchrun(
+        tmp_path / "own",
+        "--scout",
+        "none",
+        *BASE,
+        "--ckpt-path",
+        plain_root / "lightning" / "step=4.ckpt",
+        record=own_rec,
+        nproc=3,
+    )
     rs, own = rows(rec), rows(own_rec)
     first = {r["saved"]: r["digest"] for r in rs if "saved" in r and r["attempt"] == 0}
     assert first == {s: d for s, d in saved(plain).items() if s <= 4}
@@ -324,8 +386,9 @@ def plain3_fsdp2(tmp_path_factory):
 
 
 @pytest.mark.scenario
-def test_three_ranks_fsdp2_healthy_run_certifies_every_checkpoint_and_equals_the_run_without_scout(plain3_fsdp2,
-                                                                                                    tmp_path):
+def test_three_ranks_fsdp2_healthy_run_certifies_every_checkpoint_and_equals_the_run_without_scout(
+    plain3_fsdp2, tmp_path
+):
     """fully_shard over 3 ranks: Linear(32, 1)'s one row leaves two ranks with empty shards."""
     root = tmp_path / "root"
     rec = tmp_path / "rec.jsonl"
@@ -346,8 +409,19 @@ def test_three_ranks_fsdp2_sigkill_in_the_middle_of_a_save_resumes_bitwise(plain
     exactly the digest the job printed at step 4's save, and ends bit for bit the uninterrupted run."""
     root = tmp_path / "root"
     rec = tmp_path / "rec.jsonl"
-    torchrun(root, "--scout", "mp", *BASE, "--kill-in-save", "6", "--ckpt-path", "latest_clean", restarts=1,
-             record=rec, nproc=3)
+    torchrun(
+        root,
+        "--scout",
+        "mp",
+        *BASE,
+        "--kill-in-save",
+        "6",
+        "--ckpt-path",
+        "latest_clean",
+        restarts=1,
+        record=rec,
+        nproc=3,
+    )
     rs = rows(rec)
     first = {r["saved"]: r["digest"] for r in rs if "saved" in r and r["attempt"] == 0}
     assert [r["loaded"] for r in rs if "loaded" in r] == [4]
@@ -362,9 +436,9 @@ def test_three_ranks_fsdp2_sigkill_in_the_middle_of_a_save_resumes_bitwise(plain
 
 # ---- Murphy: the world misbehaves between generations (tests/murphy_env.py) --------------------------------------
 
+
 @pytest.mark.scenario
-def test_a_ledger_deleted_between_generations_is_rebuilt_and_the_restart_resumes_the_newest_certified(plain,
-                                                                                                      tmp_path):
+def test_a_ledger_deleted_between_generations_is_rebuilt_and_the_restart_resumes_the_newest_certified(plain, tmp_path):
     """Generation 1 is SIGKILLed after step 5 (certified: 2, 4); the ledger is deleted; generation 2 (a new
     torchrun, as a scheduler starts it) rebuilds the ledger from the manifests and the journal, says so, resumes
     from step 4 (never from step 0) with the digest generation 1 printed at that save, and ends bitwise equal to
@@ -402,8 +476,9 @@ def test_a_transient_eio_on_the_newest_checkpoint_walks_back_and_leaves_it_certi
     before = trust(root, 8)
     env = eio_once_env(tmp_path / "site", largest_shard(root / "step-00000008"))
     rec = tmp_path / "rec.jsonl"
-    p = torchrun(root, "--steps", "8", "--save-every", "3", "--accum", "2", "--ckpt-path", "latest_clean",
-                 record=rec, env=env)
+    p = torchrun(
+        root, "--steps", "8", "--save-every", "3", "--accum", "2", "--ckpt-path", "latest_clean", record=rec, env=env
+    )
     assert "could not check step 8 now" in p.stderr, why_failed(p.stderr)
     rs = rows(rec)
     assert [r["loaded"] for r in rs if "loaded" in r] == [6]

@@ -37,13 +37,14 @@ def torchrun(save_dir, events, *extra, restarts=0, ok=True, nproc=2):
 
 # ---- pure and torch-free pieces -------------------------------------------------------------------------------
 
+
 def test_tracker_is_replaced_atomically_and_moved_aside_when_nothing_is_certified(tmp_path):
     assert mg_folders.parse_folder("iter_0000012") == 12 and mg_folders.folder_name(7) == "iter_0000007"
     assert mg_folders.parse_folder("iter_12") is None and mg_folders.parse_folder("global_step12") is None
-    (tmp_path / TRACKER).write_text("9")   # Megatron-LM's own tracker, no ledger beside it
+    (tmp_path / TRACKER).write_text("9")  # Megatron-LM's own tracker, no ledger beside it
     assert mg_folders.repoint_tracker(tmp_path) is None
     assert not (tmp_path / TRACKER).exists()
-    assert (tmp_path / mg_folders.HIDDEN_TRACKER).read_text() == "9"   # kept, not deleted
+    assert (tmp_path / mg_folders.HIDDEN_TRACKER).read_text() == "9"  # kept, not deleted
     mg_folders.point_tracker(tmp_path, 4)
     assert (tmp_path / TRACKER).read_text() == "4" and mg_folders.read_tracker(tmp_path) == "4"
 
@@ -51,15 +52,20 @@ def test_tracker_is_replaced_atomically_and_moved_aside_when_nothing_is_certifie
 def test_replicas_from_replica_id_are_compared_and_a_lone_piece_is_single_owner():
     a, b = "a" * 64, "b" * 64
     # two replicas of `b` that differ: detected, not attributed; `w` pieces held once each: single-owner
-    two = [{"pieces": {"w@(0,)(4,)": a, "b@(0,)(16,)": a}, "nonfinite": []},
-           {"pieces": {"w@(4,)(4,)": b, "b@(0,)(16,)": b}, "nonfinite": []}]
+    two = [
+        {"pieces": {"w@(0,)(4,)": a, "b@(0,)(16,)": a}, "nonfinite": []},
+        {"pieces": {"w@(4,)(4,)": b, "b@(0,)(16,)": b}, "nonfinite": []},
+    ]
     ev = _evidence(two, consensus=True, accept_single_owner=False)
     assert ev["consensus"]["status"] == "inconclusive"
     assert ev["consensus"]["reasons"] == [{"code": "consensus_inconclusive", "ranks": [0, 1], "tensor": "b@(0,)(16,)"}]
     assert ev["single_owner"]["status"] == "missing" and ev["single_owner"]["reasons"][0]["pieces"] == 2
     # three replicas, one differs: that rank is attributed
-    three = [{"pieces": {"b": a}, "nonfinite": []}, {"pieces": {"b": b}, "nonfinite": ["b"]},
-             {"pieces": {"b": a}, "nonfinite": []}]
+    three = [
+        {"pieces": {"b": a}, "nonfinite": []},
+        {"pieces": {"b": b}, "nonfinite": ["b"]},
+        {"pieces": {"b": a}, "nonfinite": []},
+    ]
     ev = _evidence(three, consensus=True, accept_single_owner=False)
     assert ev["consensus"]["status"] == "fail" and ev["consensus"]["reasons"][0]["ranks"] == [1]
     assert ev["invariants"]["status"] == "fail" and ev["invariants"]["reasons"][0]["ranks"] == [1]
@@ -70,6 +76,7 @@ def test_replicas_from_replica_id_are_compared_and_a_lone_piece_is_single_owner(
 
 
 # ---- TP=2: healthy run, per-rank digests, CLI, a flipped bit walked past (default tier: one torchrun) --------
+
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
@@ -82,7 +89,9 @@ def tp2(tmp_path_factory):
 def test_tp2_healthy_run_certifies_every_iteration_each_rank_digesting_its_own_files(tp2):
     save_dir, ev = tp2
     assert [(r["step"], r["verdict"], r["tracker"]) for r in events(ev, "saved")] == [
-        (2, "certified", "2"), (4, "certified", "4")]
+        (2, "certified", "2"),
+        (4, "certified", "4"),
+    ]
     assert states(save_dir) == {2: "certified", 4: "certified"}
     with Ledger.open(save_dir, readonly=True) as led:
         e4, files, run = led.evidence(4), led.files(4), led.runs()[-1]
@@ -92,8 +101,7 @@ def test_tp2_healthy_run_certifies_every_iteration_each_rank_digesting_its_own_f
     # every __R_*.distcp digested by rank R (the writer); rank 0 the files rank 0 wrote
     distcp = {p: r for p, r in by_rank.items() if p.endswith(".distcp")}
     assert distcp and all(r == int(p.split("_")[2]) for p, r in distcp.items()) and set(distcp.values()) == {0, 1}
-    assert {p for p, r in by_rank.items() if not p.endswith(".distcp")} == {".metadata", "common.pt",
-                                                                            "metadata.json"}
+    assert {p for p, r in by_rank.items() if not p.endswith(".distcp")} == {".metadata", "common.pt", "metadata.json"}
     assert by_rank[".metadata"] == 0
     # `b` is replicated over TP (replica_id (0, tp_rank, 0)): compared; `w`'s two TP shards have no replica
     assert e4["consensus"]["status"] == "pass" and e4["consensus"]["tensors_compared"] == 1
@@ -112,7 +120,7 @@ def test_tp2_cli_reads_iter_folders_and_walks_past_a_flipped_bit(tp2, tmp_path):
     assert rc == 0 and rows[4]["path"] == "iter_0000004" and rows[4]["state"] == "certified", so + se
     rc, so, se = run_cli("certify", save_dir, "--json")
     assert rc == 0, so + se
-    bad = sorted((save_dir / "iter_0000004").glob("__1_*.distcp"))[0]   # rank 1's own shard
+    bad = sorted((save_dir / "iter_0000004").glob("__1_*.distcp"))[0]  # rank 1's own shard
     flip_bit(bad)
     rc, so, se = run_cli("resume", save_dir, "--latest-clean", "--json")
     assert rc == 0 and json.loads(so)["step"] == 2 and json.loads(so)["path"].endswith("iter_0000002"), so + se
@@ -124,11 +132,12 @@ def test_tp2_cli_reads_iter_folders_and_walks_past_a_flipped_bit(tp2, tmp_path):
     # the command that rejected the iteration moved the tracker at once (Megatron-LM's `--load` reads it)
     assert (save_dir / TRACKER).read_text() == "2" and f"{TRACKER} now names 2" in se, se
     rc, so, se = run_cli("quarantine", save_dir, 2, "--reason", "suspect host")
-    assert rc == 0 and not (save_dir / TRACKER).exists(), so + se   # nothing certified left: moved aside
+    assert rc == 0 and not (save_dir / TRACKER).exists(), so + se  # nothing certified left: moved aside
     assert (save_dir / mg_folders.HIDDEN_TRACKER).read_text() == "2"
 
 
 # ---- scenarios: kill mid-save, the job's own walk-back, default options at TP=2, async, replicas disagree ---
+
 
 @pytest.mark.scenario
 def test_rank_killed_mid_save_resumes_exactly_from_the_certified_iteration(tmp_path):
@@ -157,18 +166,18 @@ def test_dp3_replicas_compared_and_a_rank_killed_mid_save_resumes_the_certified_
     torchrun(save_dir, ev, "--iters", 6, "--save-every", 2, "--crash-at", 4, restarts=1, nproc=3)
     first = {r["step"]: r for r in events(ev, "saved", attempt=0)}
     assert [(s, r["verdict"], r["tracker"]) for s, r in first.items()] == [(2, "certified", "2")]
-    assert len(first[2]["digest"].split(":")) == 3   # the job's digest joins 3 ranks' own
+    assert len(first[2]["digest"].split(":")) == 3  # the job's digest joins 3 ranks' own
     assert [(r["step"], r["digest"]) for r in events(ev, "resumed", attempt=1)] == [(2, first[2]["digest"])]
     with Ledger.open(save_dir, readonly=True) as led:
         e2, run = led.evidence(2), led.runs()[-1]
         hist4 = [h for h in led.certifications(4) if h["state"] != "writing"]
     assert run["topology"]["data_parallel"] == 3 and run["topology"]["tensor_parallel"] == 1
-    assert e2["consensus"]["status"] == "pass" and e2["consensus"]["tensors_compared"] == 2   # w and b
+    assert e2["consensus"]["status"] == "pass" and e2["consensus"]["tensors_compared"] == 2  # w and b
     assert e2["consensus"]["groups"] == [{"members": [0, 1, 2]}] and e2["single_owner"]["status"] == "pass"
     assert hist4[0]["state"] == "rejected" and hist4[0]["reasons"][0]["code"] == "save_interrupted"
     assert states(save_dir) == {2: "certified", 4: "certified", 6: "certified"}
     assert (save_dir / TRACKER).read_text() == "6"
-    ref_dir, ref_ev = tmp_path / "ref", tmp_path / "ref.jsonl"   # the same job at 3 ranks, never killed
+    ref_dir, ref_ev = tmp_path / "ref", tmp_path / "ref.jsonl"  # the same job at 3 ranks, never killed
     torchrun(ref_dir, ref_ev, "--iters", 6, "--save-every", 2, nproc=3)
     assert events(ref_ev, "final")[0]["digest"] == events(ev, "final", attempt=1)[0]["digest"]
 
@@ -176,7 +185,7 @@ def test_dp3_replicas_compared_and_a_rank_killed_mid_save_resumes_the_certified_
 @pytest.mark.scenario
 def test_flipped_bit_in_the_newest_iteration_is_walked_past_by_the_jobs_load(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
-    torchrun(save_dir, ev, "--iters", 4, "--save-every", 2, "--drop-in")   # integrations.megatron.save
+    torchrun(save_dir, ev, "--iters", 4, "--save-every", 2, "--drop-in")  # integrations.megatron.save
     saved = {r["step"]: r for r in events(ev, "saved")}
     assert [(s, r["verdict"], r["tracker"]) for s, r in saved.items()] == [(2, "certified", "2"), (4, "certified", "4")]
     flip_bit(sorted((save_dir / "iter_0000004").glob("*.distcp"))[0])
@@ -186,7 +195,7 @@ def test_flipped_bit_in_the_newest_iteration_is_walked_past_by_the_jobs_load(tmp
     assert events(ev2, "saved")[0]["step"] == 4 and events(ev2, "saved")[0]["digest"] == saved[4]["digest"]
     with Ledger.open(save_dir, readonly=True) as led:
         verdicts4 = [h["state"] for h in led.certifications(4) if h["state"] != "writing"]
-    assert verdicts4[-2:] == ["rejected", "certified"]   # rejected by the walk-back, then saved again
+    assert verdicts4[-2:] == ["rejected", "certified"]  # rejected by the walk-back, then saved again
     assert states(save_dir) == {2: "certified", 4: "certified", 6: "certified"}
 
 
@@ -195,13 +204,15 @@ def test_tp2_default_options_never_certify_shards_and_the_tracker_never_names_th
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
     torchrun(save_dir, ev, "--tp", 2, "--iters", 4, "--save-every", 2)
     assert [(r["step"], r["verdict"], r["tracker"]) for r in events(ev, "saved")] == [
-        (2, "committed", None), (4, "committed", None)]
+        (2, "committed", None),
+        (4, "committed", None),
+    ]
     with Ledger.open(save_dir, readonly=True) as led:
         row = led.checkpoint(4)
     assert [r["code"] for r in row["reasons"]] == ["single_owner"]
     assert latest_clean(save_dir) is None
 
-    def names():   # SQLite's -wal/-shm sidecars come and go with connections: not data
+    def names():  # SQLite's -wal/-shm sidecars come and go with connections: not data
         return sorted(p.name for p in save_dir.iterdir() if not p.name.endswith(("-wal", "-shm")))
 
     before = names()
@@ -227,14 +238,16 @@ def test_async_save_is_certified_in_the_async_requests_finalize(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
     torchrun(save_dir, ev, "--iters", 4, "--save-every", 2, "--async-save")
     assert [(r["step"], r["verdict"], r["tracker"]) for r in events(ev, "saved")] == [
-        (2, "certified", "2"), (4, "certified", "4")]
+        (2, "certified", "2"),
+        (4, "certified", "4"),
+    ]
     ev2 = tmp_path / "events2.jsonl"
     torchrun(save_dir, ev2, "--iters", 4, "--save-every", 2)
-    assert events(ev2, "resumed")[0]["digest"] == events(ev, "saved")[-1]["digest"]   # a sync job loads it
+    assert events(ev2, "resumed")[0]["digest"] == events(ev, "saved")[-1]["digest"]  # a sync job loads it
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # the CI tier's Megatron-Core scenario: one 2-rank job
+@pytest.mark.scenario_ci  # the CI tier's Megatron-Core scenario: one 2-rank job
 def test_replicas_that_disagree_reject_the_iteration_and_end_the_generation(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
     torchrun(save_dir, ev, "--iters", 4, "--save-every", 2, "--diverge-at", 4, ok=False)
@@ -268,11 +281,25 @@ def test_tp2_gptmodel_sharded_state_dict_is_certified_and_resumed_exactly(tmp_pa
 @pytest.mark.scenario
 def test_tp2_gptmodel_layer_norm_replicas_that_disagree_are_caught(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
-    torchrun(save_dir, ev, "--gpt", "--tp", 2, "--iters", 2, "--save-every", 2, "--accept-single-owner",
-             "--diverge-at", 2, ok=False)
+    torchrun(
+        save_dir,
+        ev,
+        "--gpt",
+        "--tp",
+        2,
+        "--iters",
+        2,
+        "--save-every",
+        2,
+        "--accept-single-owner",
+        "--diverge-at",
+        2,
+        ok=False,
+    )
     assert [(r["step"], r["verdict"]) for r in events(ev, "live_fault")] == [(2, "rejected")]
     with Ledger.open(save_dir, readonly=True) as led:
         reasons = led.checkpoint(2)["reasons"]
     assert [(r["code"], r["tensor"]) for r in reasons] == [
-        ("consensus_inconclusive", "decoder.final_layernorm.weight@(0,)(16,)")]
+        ("consensus_inconclusive", "decoder.final_layernorm.weight@(0,)(16,)")
+    ]
     assert not (save_dir / TRACKER).exists()

@@ -22,8 +22,17 @@ def _root(tmp_path: Path, name) -> Path:
         for step in (2, 4, 6):
             (root / name(step)).mkdir()
             lg.record_writing(step, "r1", f"a{step}", name(step))
-            lg.record_commit(step, run_id="r1", path=name(step), nbytes=1, manifest_digest="m", files=[],
-                             evidence=BYTES_PASS, state="certified", reasons=[])
+            lg.record_commit(
+                step,
+                run_id="r1",
+                path=name(step),
+                nbytes=1,
+                manifest_digest="m",
+                files=[],
+                evidence=BYTES_PASS,
+                state="certified",
+                reasons=[],
+            )
     return root
 
 
@@ -53,7 +62,7 @@ def test_with_nothing_certified_the_tracker_is_moved_aside_and_comes_back_when_o
         _set(root, step, "quarantined", "certified")
     refresh(root)
     assert not (root / mg_folders.TRACKER).exists() and (root / mg_folders.HIDDEN_TRACKER).read_text() == "6"
-    _set(root, 4, "certified", "quarantined")   # an operator's release
+    _set(root, 4, "certified", "quarantined")  # an operator's release
     refresh(root)
     assert mg_folders.read_tracker(root) == "4"
 

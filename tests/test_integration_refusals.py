@@ -26,8 +26,10 @@ def _run(env_extra: dict) -> subprocess.CompletedProcess:
 
 def test_an_uncaught_start_refusal_is_one_line_naming_cause_and_fix():
     p = _run({"RANK": "0"})
-    assert p.returncode == 1 and p.stderr == ("scout-ckpt: StartRefused: ROOT: no certified checkpoint, but 2 saved "
-                                              "tag(s) exist. Fix: accept_single_owner=True\n"), p.stderr
+    assert p.returncode == 1 and p.stderr == (
+        "scout-ckpt: StartRefused: ROOT: no certified checkpoint, but 2 saved "
+        "tag(s) exist. Fix: accept_single_owner=True\n"
+    ), p.stderr
 
 
 def test_the_other_ranks_stay_silent_about_a_refusal_every_rank_raises_alike():

@@ -42,8 +42,16 @@ def staged(five, tmp_path):
     shutil.copytree(five, root)
     quarantine(root, 2, "held for an investigation")
     with Ledger.open(root) as led:
-        assert journal.record_transition(led, root, 3, "rejected", [{"code": "load_mismatch"}], source="load",
-                                         expect="certified", attempt=led.checkpoint(3)["attempt"])
+        assert journal.record_transition(
+            led,
+            root,
+            3,
+            "rejected",
+            [{"code": "load_mismatch"}],
+            source="load",
+            expect="certified",
+            attempt=led.checkpoint(3)["attempt"],
+        )
         f = root / "step-4" / "__1_0.distcp"
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0x04
@@ -52,9 +60,18 @@ def staged(five, tmp_path):
         for step, owner in ((6, this_process_owner()), (7, this_process_owner()), (8, dead_owner())):
             shutil.copytree(root / "step-5", root / f"step-{step}")
             led.record_writing(step, row5["run_id"], f"attempt-{step}", f"step-{step}", owner)
-        assert led.record_commit(7, run_id=row5["run_id"], path="step-7", nbytes=row5["bytes"],
-                                 manifest_digest=row5["manifest_digest"], files=files5, evidence={},
-                                 state="committed", reasons=[{"code": "replay_missing"}], attempt="attempt-7")
+        assert led.record_commit(
+            7,
+            run_id=row5["run_id"],
+            path="step-7",
+            nbytes=row5["bytes"],
+            manifest_digest=row5["manifest_digest"],
+            files=files5,
+            evidence={},
+            state="committed",
+            reasons=[{"code": "replay_missing"}],
+            attempt="attempt-7",
+        )
     shutil.copytree(root / "step-5", root / "step-9")
     shutil.copytree(root / "step-5", root / "step-10")
     (root / "step-10" / ".metadata").unlink()
@@ -103,15 +120,20 @@ def test_purge_exempt_keeps_certified_pending_and_quarantined_and_records_what_i
     assert exempt(3) is False
     st = states(root)
     assert (st[1], st[3]) == ("deleted", "deleted")  # in the ledger before TorchTitan removes the folders
-    assert {s: st[s] for s in (2, 4, 5, 6, 7, 8)} == {2: "quarantined", 4: "certified", 5: "certified",
-                                                      6: "writing", 7: "committed", 8: "writing"}
+    assert {s: st[s] for s in (2, 4, 5, 6, 7, 8)} == {
+        2: "quarantined",
+        4: "certified",
+        5: "certified",
+        6: "writing",
+        7: "committed",
+        8: "writing",
+    }
     # 8's owner is dead, but it is newer than the newest certified: retention leaves it to the start-up's settling
     # (is_valid_checkpoint is False for it: TorchTitan's purge removes it as abandoned, without asking).
     assert exempt(8) is True
     # a row recorded deleted has no folder left, whoever asked (TorchTitan's purge then finds nothing to remove)
     assert not (root / "step-1").exists() and not (root / "step-3").exists()
     assert (root / "step-4").is_dir() and (root / "step-2").is_dir()
-
 
 
 def test_the_03_managers_retention_keeps_a_users_purge_exempt_steps(five, tmp_path):

@@ -33,14 +33,22 @@ def saved(tmp_path_factory):
 def test_every_save_certified_and_purge_keeps_newest(saved):
     root, (r0, r1) = saved
     assert r0["verdicts"] == r1["verdicts"]
-    assert {s: v["state"] for s, v in r0["verdicts"].items()} == {1: "certified", 2: "certified", 3: "certified",
-                                                                  4: "certified"}
+    assert {s: v["state"] for s, v in r0["verdicts"].items()} == {
+        1: "certified",
+        2: "certified",
+        3: "certified",
+        4: "certified",
+    }
     with Ledger.open(root / "ckpt", readonly=True) as led:
         states = {r["step"]: r["state"] for r in led.checkpoints()}
         ev = led.evidence(4)
         files = led.files(4)
     assert states == {1: "deleted", 2: "certified", 3: "certified", 4: "certified"}
-    assert sorted(p.name for p in (root / "ckpt").iterdir() if p.is_dir() and p.name != ".leases") == ["step-2", "step-3", "step-4"]
+    assert sorted(p.name for p in (root / "ckpt").iterdir() if p.is_dir() and p.name != ".leases") == [
+        "step-2",
+        "step-3",
+        "step-4",
+    ]
     assert ev["consensus"]["status"] == "pass" and ev["invariants"]["status"] == "pass"
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {f["path"] for f in files}
     by = {f["path"]: f["rank"] for f in files}
@@ -174,8 +182,9 @@ def test_fsdp_on_torchtitans_mesh_gets_replay_and_shard_evidence(tmp_path):
     assert {"shard_replay", "at_rest", "replay", "consensus"} <= set(h["policy"]["require"])
     assert h["policy"]["allow_not_applicable"] == ["consensus"]  # single-owner shards: shard evidence vouches
     # healthy: every save certified at its commit (the verdict the sync save returned), on every rank alike
-    assert [x["healthy"]["verdicts"] for x in res] == [{2: {"step": 2, "state": "certified", "reasons": []},
-                                                        4: {"step": 4, "state": "certified", "reasons": []}}] * 2
+    assert [x["healthy"]["verdicts"] for x in res] == [
+        {2: {"step": 2, "state": "certified", "reasons": []}, 4: {"step": 4, "state": "certified", "reasons": []}}
+    ] * 2
     with Ledger.open(tmp_path / "healthy" / "ckpt", readonly=True) as led:
         ev = led.evidence(4)
     assert all(ev[k]["status"] == "pass" for k in ("shard_replay", "at_rest", "replay", "bytes", "invariants"))
@@ -197,8 +206,9 @@ def test_fsdp_on_torchtitans_mesh_gets_replay_and_shard_evidence(tmp_path):
     upd = [x for x in f["verdicts"][4]["reasons"] if x["code"] == "shard_update_mismatch"]
     assert upd and all(x["ranks"] == [1] for x in upd) and upd[0]["where"] == ["blocks.0.fc1.weight[5]:param"]
     with Ledger.open(tmp_path / "fault" / "ckpt", readonly=True) as led:
-        sdc = [e for e in led.events()
-               if e["kind"] == "sdc" and (e.get("detail") or {}).get("source") == "shard_replay"]
+        sdc = [
+            e for e in led.events() if e["kind"] == "sdc" and (e.get("detail") or {}).get("source") == "shard_replay"
+        ]
         assert {r["step"]: r["state"] for r in led.checkpoints()} == {2: "rejected", 4: "rejected"}
     assert sdc and sdc[0]["ranks"] == [1] and sdc[0]["step"] == 3
 
@@ -215,12 +225,14 @@ def test_enabled_by_configuration_alone_through_torchtitans_override():
     @dataclass(kw_only=True, slots=True)
     class Root(Configurable.Config):  # stands for Trainer.Config, whose import needs triton (docs/pytorch-facts.md)
         checkpoint: BaseCheckpointManager.Config = field(
-            default_factory=lambda: CheckpointManager.Config(enable=True, folder="ck", interval=7, keep_latest_k=2))
+            default_factory=lambda: CheckpointManager.Config(enable=True, folder="ck", interval=7, keep_latest_k=2)
+        )
 
     root = Root()
     target = "scout_ckpt.integrations.torchtitan.scout_checkpoint"
-    apply_overrides(OverrideConfig(imports=[(target, {"invariants": ["finite", "frobenius_sphere:params=w:radius=1"]})]),
-                    root)
+    apply_overrides(
+        OverrideConfig(imports=[(target, {"invariants": ["finite", "frobenius_sphere:params=w:radius=1"]})]), root
+    )
     cfg = root.checkpoint
     assert type(cfg) is ScoutCheckpointManager.Config and cfg._owner is ScoutCheckpointManager
     assert (cfg.enable, cfg.folder, cfg.interval, cfg.keep_latest_k) == (True, "ck", 7, 2)

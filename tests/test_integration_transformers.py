@@ -26,12 +26,34 @@ STEPS, EVERY, LIMIT = 8, 2, 3
 
 
 def torchrun(out, *extra, restarts=0, cwd=None, ranks=2, limit=LIMIT):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(out),
-           "--steps", str(STEPS), "--save-every", str(EVERY), *(["--limit", str(limit)] if limit else []),
-           *map(str, extra)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.5",
+        str(SCRIPT),
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        str(EVERY),
+        *(["--limit", str(limit)] if limit else []),
+        *map(str, extra),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=cwd or out.parent)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return p
@@ -62,7 +84,10 @@ def test_healthy_run_certifies_every_checkpoint_and_takes_retention_over(healthy
     assert states == {2: "deleted", 4: "certified", 6: "certified", 8: "certified"}
     assert all("certified" in h for h in history.values()), history
     assert sorted(p.name for p in out.iterdir() if p.is_dir() and p.name not in (".leases", "reports")) == [
-        "checkpoint-4", "checkpoint-6", "checkpoint-8"]
+        "checkpoint-4",
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
     # replay is on by default with replicas: every target of the GPT-2 and its optimizer replayed at each save
     assert run["policy"]["require"] == ["bytes", "invariants", "consensus", "replay"] and run["world_size"] == 2
     assert ev["replay"]["status"] == "pass", ev["replay"]
@@ -71,8 +96,14 @@ def test_healthy_run_certifies_every_checkpoint_and_takes_retention_over(healthy
     assert ev["consensus"]["tensors_compared"] > 50  # model, optimizer moments, scheduler, step
     assert ev["invariants"]["status"] == "pass"
     names = {f["path"] for f in files}
-    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth",
-            "rng_state_1.pth"} <= names
+    assert {
+        "model.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "trainer_state.json",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    } <= names
     assert {f["rank"] for f in files} == {0, 1}  # the digests were split across the ranks
     m = json.loads((out / "checkpoint-8" / "scout-manifest.json").read_text())
     assert m["verdict"]["state"] == "certified" and m["layout"] == "hf-trainer"
@@ -128,8 +159,11 @@ def test_bit_flip_in_newest_model_resumes_from_previous_and_finishes(healthy, tm
     assert row["state"] == "rejected" and row["reasons"][0]["code"] == "digest_mismatch"
     assert row["reasons"][0]["file"] == "model.safetensors"
     p = torchrun(out, "--losses", tmp_path / "losses.jsonl")
-    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"resumed_from": str((out / "checkpoint-6").resolve()),
-                                                              "global_step": STEPS, "observer_attached": "counted"}
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {
+        "resumed_from": str((out / "checkpoint-6").resolve()),
+        "global_step": STEPS,
+        "observer_attached": "counted",
+    }
     after = losses(tmp_path / "losses.jsonl")
     assert sorted(after) == [7, 8]
     assert after == pytest.approx({s: healthy[1][s] for s in after}, rel=1e-6, abs=0)
@@ -150,17 +184,20 @@ def test_a_lost_ledger_resumes_from_the_newest_certified_folder_and_is_rebuilt(h
             (out / name).unlink()
     assert latest_clean(out) == str((out / "checkpoint-8").resolve())
     p = torchrun(out, "--losses", tmp_path / "losses.jsonl", "--steps", STEPS + 2)
-    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"resumed_from": str((out / "checkpoint-8").resolve()),
-                                                              "global_step": STEPS + 2, "observer_attached": "counted"}
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {
+        "resumed_from": str((out / "checkpoint-8").resolve()),
+        "global_step": STEPS + 2,
+        "observer_attached": "counted",
+    }
     assert "ledger rebuilt" in p.stderr, why_failed(p.stderr)
     with Ledger.open(out, readonly=True) as led:
         states = {r["step"]: r["state"] for r in led.checkpoints()}
-    assert states == {4: "deleted", 6: "certified", 8: "certified", 10: "certified"}, states   # limit 3
+    assert states == {4: "deleted", 6: "certified", 8: "certified", 10: "certified"}, states  # limit 3
     assert sorted(losses(tmp_path / "losses.jsonl")) == [9, 10]
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # the CI tier's Hugging Face Trainer kill
+@pytest.mark.scenario_ci  # the CI tier's Hugging Face Trainer kill
 def test_rank_killed_mid_save_resumes_from_newest_certified_with_the_same_losses(healthy, tmp_path):
     out = tmp_path / "out"
     lf = tmp_path / "losses.jsonl"
@@ -227,8 +264,9 @@ def test_an_sdc_on_one_rank_is_never_certified_with_the_defaults_2_ranks(tmp_pat
     for step in (4, 6, 8):
         state, reasons = rows[step]
         assert state != "certified", (step, rows)
-        assert any(r["code"] in ("replay_sdc", "replay_inconclusive") and r.get("target") == "transformer.h.1"
-                   for r in reasons), (step, reasons)
+        assert any(
+            r["code"] in ("replay_sdc", "replay_inconclusive") and r.get("target") == "transformer.h.1" for r in reasons
+        ), (step, reasons)
     rc, so, _ = run_cli("resume", out, "--latest-clean")
     assert rc == 0 and so.strip().endswith("checkpoint-2")
 
@@ -244,7 +282,8 @@ def test_an_sdc_on_one_rank_is_attributed_with_the_defaults_3_ranks(tmp_path):
         state, reasons = rows[step]
         assert state == "rejected", (step, rows)
         assert {(r.get("target"), tuple(r.get("ranks") or ())) for r in reasons if r["code"] == "replay_sdc"} == {
-            ("transformer.h.1", (1,))}, (step, reasons)
+            ("transformer.h.1", (1,))
+        }, (step, reasons)
     rc, so, _ = run_cli("resume", out, "--latest-clean")
     assert rc == 0 and so.strip().endswith("checkpoint-2")
 
@@ -281,4 +320,5 @@ def test_a_finished_trainer_job_exits_cleanly_every_time(tmp_path):
         assert "terminate called" not in p.stderr, (i, why_failed(p.stderr))
         with Ledger.open(out, readonly=True) as led:
             assert {r["step"]: r["state"] for r in led.checkpoints() if r["state"] != "deleted"} == {
-                s: "certified" for s in range(STEPS - (LIMIT - 1) * EVERY, STEPS + 1, EVERY)}
+                s: "certified" for s in range(STEPS - (LIMIT - 1) * EVERY, STEPS + 1, EVERY)
+            }

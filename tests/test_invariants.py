@@ -22,14 +22,14 @@ def healthy_state() -> dict:
     w = torch.randn(48, 24, generator=g)
     orth = torch.linalg.qr(torch.randn(40, 16, generator=g))[0].contiguous()
     return {
-        "model.blocks.0.weight": w / w.norm(),                                             # Frobenius sphere
-        "model.blocks.1.weight": (w / torch.linalg.matrix_norm(w, ord=2)).contiguous(),    # spectral norm 1
-        "model.orth": orth,                                                                # all sigma = 1
+        "model.blocks.0.weight": w / w.norm(),  # Frobenius sphere
+        "model.blocks.1.weight": (w / torch.linalg.matrix_norm(w, ord=2)).contiguous(),  # spectral norm 1
+        "model.orth": orth,  # all sigma = 1
         "model.emb": torch.nn.functional.normalize(torch.randn(32, 12, generator=g), dim=1),  # unit rows
         "model.cols": torch.nn.functional.normalize(torch.randn(12, 32, generator=g), dim=0),  # unit cols
-        "model.mix": torch.softmax(torch.randn(6, 5, generator=g), dim=-1),               # simplex rows
-        "model.gate": torch.softmax(torch.randn(7, generator=g), dim=0),                  # one simplex
-        "model.one": torch.full((10,), 1.5),                                               # for NaN/Inf flips
+        "model.mix": torch.softmax(torch.randn(6, 5, generator=g), dim=-1),  # simplex rows
+        "model.gate": torch.softmax(torch.randn(7, generator=g), dim=0),  # one simplex
+        "model.one": torch.full((10,), 1.5),  # for NaN/Inf flips
         "step": 12,
     }
 
@@ -65,7 +65,7 @@ def _worst(values, target: float = 1.0, rel: float = 1e-9) -> tuple:
 ORACLE = {
     "finite": lambda t: (float((~np.isfinite(_np(t))).sum()), 0, int(np.flatnonzero(~np.isfinite(_np(t)))[0]), 0),
     "frobenius_sphere": lambda t: (float(np.linalg.norm(_np(t))), 1.0, None, 1e-9),
-    "spectral_sphere": lambda t: (_sigma_max(t), 1.0, None, 1e-2),    # power iteration (test above)
+    "spectral_sphere": lambda t: (_sigma_max(t), 1.0, None, 1e-2),  # power iteration (test above)
     "spectral_bound": lambda t: (_sigma_max(t), [0.0, 1.0], None, 1e-2),
     "oblique:rows": lambda t: _worst(np.linalg.norm(_np(t), axis=1)),
     "oblique:cols": lambda t: _worst(np.linalg.norm(_np(t), axis=0)),
@@ -91,7 +91,7 @@ def test_invariant_passes_then_names_the_flipped_tensor(spec, target):
     assert ev["status"] == "pass", ev
     bad = dict(state)
     bad[target] = state[target].clone().contiguous()
-    flip_bit(bad[target], 3)          # bit 30: the top exponent bit of a float32
+    flip_bit(bad[target], 3)  # bit 30: the top exponent bit of a float32
     ev = run_offline(checks, bad)
     assert ev["status"] == "fail"
     assert [r["tensor"] for r in ev["reasons"]] == [target]
@@ -136,7 +136,7 @@ def test_monotone():
     state = {"step": 12, "train_state.tokens": torch.tensor(1000)}
     ev = run_offline(checks, state, previous={"step": 10, "train_state.tokens": 900})
     assert ev["status"] == "pass" and ev["values"] == {"step": 12.0, "train_state.tokens": 1000.0}
-    ev = run_offline(checks, state)                # first manifest: nothing to compare with
+    ev = run_offline(checks, state)  # first manifest: nothing to compare with
     assert ev["status"] == "pass"
     ev = run_offline(checks, state, previous={"step": 13, "train_state.tokens": 1000})
     assert ev["status"] == "fail"
@@ -149,11 +149,12 @@ def test_no_match_is_inconclusive():
 
 
 def test_parse_specs():
-    checks = parse_specs(["finite", "frobenius_sphere:radius=2.5:params=blocks.*.weight",
-                          {"check": "simplex", "params": "mix"}])
+    checks = parse_specs(
+        ["finite", "frobenius_sphere:radius=2.5:params=blocks.*.weight", {"check": "simplex", "params": "mix"}]
+    )
     assert checks[1].args == {"params": "blocks.*.weight", "radius": 2.5, "rtol": 1e-3}
     assert checks[2].spec == {"check": "simplex", "path": "mix", "atol": 1e-5}
-    assert parse_specs([c.spec for c in checks]) == checks            # specs round-trip through JSON
+    assert parse_specs([c.spec for c in checks]) == checks  # specs round-trip through JSON
     assert checks[1].matches("model.blocks.3.weight") and not checks[1].matches("model.head.weight")
     bad = [
         ("sphere", "unknown invariant check 'sphere'"),
@@ -178,15 +179,16 @@ def test_run_local_on_four_fsdp_ranks(tmp_path):
     out = run_ranks(sphere_scenarios, 4, str(tmp_path / "ck"), start_method="spawn", timeout=300)  # load 20: > 90 s
     healthy = [o.result[0] for o in out]
     flipped = [o.result[1] for o in out]
-    assert all(ev == healthy[0] for ev in healthy)            # the same evidence on every rank
+    assert all(ev == healthy[0] for ev in healthy)  # the same evidence on every rank
     assert healthy[0]["status"] == "pass", healthy[0]
-    assert healthy[0]["collectives"] == 2                     # layout guard + the one data all_reduce
+    assert healthy[0]["collectives"] == 2  # layout guard + the one data all_reduce
     assert healthy[0]["checked"]["frobenius_sphere(model.*.weight)"] == 2
     assert all(ev == flipped[0] for ev in flipped)
     ev = flipped[0]
     assert ev["status"] == "fail"
-    assert [(r["check"], r["tensor"], r["ranks"]) for r in ev["reasons"]] == \
-        [("frobenius_sphere", "model.0.weight", [2])]
+    assert [(r["check"], r["tensor"], r["ranks"]) for r in ev["reasons"]] == [
+        ("frobenius_sphere", "model.0.weight", [2])
+    ]
     assert check_structure(tmp_path / "ck")["status"] == "pass"
     offline = run_offline(parse_specs(SPECS), read_tensors(tmp_path / "ck", include_bytes=True))
     assert offline["status"] == "pass", offline
@@ -201,12 +203,25 @@ def test_run_local_on_four_fsdp_ranks(tmp_path):
 
 
 def test_only_value_pinning_checks_vouch_for_single_owner_shards():
-    specs = ["finite", "monotone:path=step", "frobenius_sphere:params=*.weight:radius=1",
-             "spectral_sphere:params=w:radius=1", "spectral_bound:params=w:hi=3", "oblique:params=w",
-             "simplex:path=mix"]
+    specs = [
+        "finite",
+        "monotone:path=step",
+        "frobenius_sphere:params=*.weight:radius=1",
+        "spectral_sphere:params=w:radius=1",
+        "spectral_bound:params=w:hi=3",
+        "oblique:params=w",
+        "simplex:path=mix",
+    ]
     vouch = {c.kind: c.vouches for c in inv.parse_specs(specs)}
-    assert vouch == {"finite": False, "monotone": False, "frobenius_sphere": True, "spectral_sphere": True,
-                     "spectral_bound": True, "oblique": True, "simplex": True}
+    assert vouch == {
+        "finite": False,
+        "monotone": False,
+        "frobenius_sphere": True,
+        "spectral_sphere": True,
+        "spectral_bound": True,
+        "oblique": True,
+        "simplex": True,
+    }
     assert set(inv.VOUCHES) == set(inv.KINDS)
     # A spec may decline to vouch; finite and monotone may not claim to.
     (c,) = inv.parse_specs([{"check": "simplex", "path": "mix", "vouches": False}])

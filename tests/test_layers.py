@@ -22,19 +22,19 @@ PKG = Path(__file__).resolve().parent.parent / "scout_ckpt"
 
 # Lowest first. Top-level modules are wings of their own (errors, policy, options, checkpointer, cli).
 LAYERS: list[set[str]] = [
-    {"errors", "policy"},                  # pure: exit codes, the one policy
-    {"options"},                           # the Checkpointer's options as validated dataclasses
-    {"consensus", "invariants"},           # C3 signatures and verdicts; model-intrinsic checks
-    {"format"},                            # the on-disk truth: layout, manifest, digests, DCP readers, verify
-    {"object_store"},                      # the S3 / fsspec backend of the format
-    {"ledger"},                            # the SQLite ledger and the journal beside the data
+    {"errors", "policy"},  # pure: exit codes, the one policy
+    {"options"},  # the Checkpointer's options as validated dataclasses
+    {"consensus", "invariants"},  # C3 signatures and verdicts; model-intrinsic checks
+    {"format"},  # the on-disk truth: layout, manifest, digests, DCP readers, verify
+    {"object_store"},  # the S3 / fsspec backend of the format
+    {"ledger"},  # the SQLite ledger and the journal beside the data
     {"ops", "observer", "replay", "fleet"},  # offline operations on a ROOT; the observer; SDC replay; fleet memory
-    {"save", "report"},                    # what runs inside a job; the fault timeline
-    {"checkpointer"},                      # the facade a training script holds
-    {"integrations", "testing"},           # optional framework drop-ins; gloo ranks for tests and benches
-    {"demo"},                              # the runnable job with fault injection
-    {"commands"},                          # what each CLI command prints and the exit code it returns
-    {"cli"},                               # the thin command line: the commands' names, options, help
+    {"save", "report"},  # what runs inside a job; the fault timeline
+    {"checkpointer"},  # the facade a training script holds
+    {"integrations", "testing"},  # optional framework drop-ins; gloo ranks for tests and benches
+    {"demo"},  # the runnable job with fault injection
+    {"commands"},  # what each CLI command prints and the exit code it returns
+    {"cli"},  # the thin command line: the commands' names, options, help
 ]
 LEVEL = {wing: i for i, layer in enumerate(LAYERS) for wing in layer}
 
@@ -98,7 +98,7 @@ def _imports(mod: str, path: Path) -> set[str]:
             if t.split(".")[0] != "scout_ckpt":
                 continue
             r = _resolve(t)
-            if r is not None and r != mod and r != "scout_ckpt":   # the root package imports nothing eagerly
+            if r is not None and r != mod and r != "scout_ckpt":  # the root package imports nothing eagerly
                 found.add(r)
     return found
 
@@ -224,7 +224,7 @@ def _bindings(mod: str, nodes) -> dict[str, str]:
 
 
 TREES = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
-LOADS = {m: _bindings(m, _outside_functions(TREES[m].body)) for m in MODULES}   # what importing m binds
+LOADS = {m: _bindings(m, _outside_functions(TREES[m].body)) for m in MODULES}  # what importing m binds
 DEFS = {m: {n.name: n for n in TREES[m].body if isinstance(n, (ast.FunctionDef, ast.ClassDef))} for m in MODULES}
 
 
@@ -283,7 +283,7 @@ def _reached_externals(start: str) -> dict[str, str]:
             if t.split(".")[0] != "scout_ckpt":
                 out.setdefault(t.split(".")[0], dotted)
         names = {**LOADS[mod], **{k: f"{mod}.{k}" for k in DEFS[mod]}, **lazy}
-        for n in ast.walk(node):   # calls and references (a function handed on is called too)
+        for n in ast.walk(node):  # calls and references (a function handed on is called too)
             if isinstance(n, ast.Name) and n.id in names:
                 todo.append(names[n.id])
             elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in names:
@@ -309,7 +309,8 @@ def test_read_only_commands_never_reach_torch():
         if "torch" in reached:
             bad[command] = reached["torch"]
     assert not bad, "read-only commands that may import torch (command: through):\n" + "\n".join(
-        f"{c}: {why}" for c, why in sorted(bad.items()))
+        f"{c}: {why}" for c, why in sorted(bad.items())
+    )
 
 
 def test_the_torch_check_sees_a_command_that_imports_torch():

@@ -17,10 +17,18 @@ def _make(root):
 
 def test_create_write_read(tmp_path):
     led = _make(tmp_path)
-    led.record_commit(10, run_id="r1", path="step-00000010", nbytes=7, manifest_digest="m",
-                      files=[{"path": ".metadata", "size": 7, "digest": "d", "rank": 0}],
-                      evidence={"bytes": {"status": "pass", "reasons": []}}, state="certified", reasons=[],
-                      attempt="a1")
+    led.record_commit(
+        10,
+        run_id="r1",
+        path="step-00000010",
+        nbytes=7,
+        manifest_digest="m",
+        files=[{"path": ".metadata", "size": 7, "digest": "d", "rank": 0}],
+        evidence={"bytes": {"status": "pass", "reasons": []}},
+        state="certified",
+        reasons=[],
+        attempt="a1",
+    )
     led.add_event("hang", step=10, ranks=[3, 1], detail={"stack": "x"})
     led.close()
     ro = Ledger.open(tmp_path, readonly=True)
@@ -28,7 +36,9 @@ def test_create_write_read(tmp_path):
     assert ro.files(10)[0]["digest"] == "d"
     assert ro.events()[0]["ranks"] == [1, 3]
     assert [(c["state"], c["attempt"], c["outcome"]) for c in ro.certifications(10)] == [
-        ("writing", "a1", "applied"), ("certified", "a1", "applied")]
+        ("writing", "a1", "applied"),
+        ("certified", "a1", "applied"),
+    ]
     assert ro.run("r1")["policy"] == {"require": ["bytes"]}
     with pytest.raises(LedgerError):
         ro.transition(10, "rejected", [], source="x", expect="certified")
@@ -41,10 +51,13 @@ def test_wal_mode_and_version(tmp_path):
     assert conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
 
 
-@pytest.mark.parametrize("content,needle", [
-    (b"this is not a database at all" * 100, "not a readable scout-ckpt ledger"),
-    (None, "not a scout-ckpt ledger"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (b"this is not a database at all" * 100, "not a readable scout-ckpt ledger"),
+        (None, "not a scout-ckpt ledger"),
+    ],
+)
 def test_foreign_files_are_refused_untouched(tmp_path, content, needle):
     path = tmp_path / LEDGER_NAME
     if content is None:
@@ -109,10 +122,15 @@ def test_events_name_the_node_of_their_ranks(tmp_path):
     """run_ranks (placement.record at start-up) lets every event say where its ranks ran: the host, torchrun's
     node rank (GROUP_RANK) and the local rank, so `report` names the machine of a dead or hung rank."""
     led = _make(tmp_path)
-    led.record_ranks("r1", [{"rank": r, "host": f"h{r // 2}", "node_rank": r // 2, "local_rank": r % 2, "pid": r,
-                             "restart_count": 0} for r in range(4)])
+    led.record_ranks(
+        "r1",
+        [
+            {"rank": r, "host": f"h{r // 2}", "node_rank": r // 2, "local_rank": r % 2, "pid": r, "restart_count": 0}
+            for r in range(4)
+        ],
+    )
     led.add_event("crash", step=10, ranks=[3], run_id="r1")
-    led.add_event("hang", step=10, ranks=[1], run_id="other-run")            # no places recorded: unchanged
+    led.add_event("hang", step=10, ranks=[1], run_id="other-run")  # no places recorded: unchanged
     led.add_event("hang", step=10, ranks=[2], run_id="r1", detail={"nodes": {"2": "told"}})
     ev = led.events()
     assert ev[0]["detail"]["nodes"] == {"3": "h1 node 1 local 1"}

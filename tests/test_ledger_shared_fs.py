@@ -32,6 +32,7 @@ def _mode(root) -> str:
 
 # ---- detection -------------------------------------------------------------------------------------------------
 
+
 def test_real_detection_on_this_machine(tmp_path):
     """/ and the test's tmp dir, through /proc/self/mountinfo; statfs(2) agrees where it knows the magic."""
     for p in ("/", tmp_path, tmp_path / "not" / "yet" / "created"):
@@ -40,7 +41,7 @@ def test_real_detection_on_this_machine(tmp_path):
         magic = fsdetect._statfs_type(str(tmp_path if p != "/" else p))
         if magic and not magic.startswith("magic-") and t in fsdetect.LOCAL_TYPES:
             assert fsdetect.is_network(magic) is False
-    assert not fsdetect.is_network(fsdetect.fs_type(tmp_path))   # this machine's disks are local
+    assert not fsdetect.is_network(fsdetect.fs_type(tmp_path))  # this machine's disks are local
     assert fsdetect.choose_journal(tmp_path)["mode"] == "wal"
     Ledger.open(tmp_path, create=True).close()
     assert _mode(tmp_path) == "wal"
@@ -54,8 +55,25 @@ MOUNTINFO = """\
 """
 
 
-@pytest.mark.parametrize("fstype", ["nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "ceph", "9p",
-                                    "fuse.sshfs", "fuse.s3fs", "fuse", "virtiofs", "somethingnew"])
+@pytest.mark.parametrize(
+    "fstype",
+    [
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "9p",
+        "fuse.sshfs",
+        "fuse.s3fs",
+        "fuse",
+        "virtiofs",
+        "somethingnew",
+    ],
+)
 def test_network_and_fuse_types_choose_delete(fstype):
     info = MOUNTINFO.format(fstype=fstype)
     got = fsdetect.choose_journal("/mnt/shared/runs/job1", mountinfo=info)
@@ -81,7 +99,7 @@ def test_overrides_and_bad_values(tmp_path, monkeypatch):
     assert got["why"] == "nfs4 is a network, FUSE or unknown filesystem"
     monkeypatch.setenv("SCOUT_CKPT_LEDGER_JOURNAL", "wal")
     assert fsdetect.choose_journal(tmp_path)["mode"] == "wal"
-    assert fsdetect.choose_journal(tmp_path, "delete")["mode"] == "delete"   # the caller's option wins
+    assert fsdetect.choose_journal(tmp_path, "delete")["mode"] == "delete"  # the caller's option wins
     monkeypatch.setenv("SCOUT_CKPT_LEDGER_JOURNAL", "truncate")
     with pytest.raises(BadInput, match="SCOUT_CKPT_LEDGER_JOURNAL"):
         fsdetect.choose_journal(tmp_path)
@@ -91,11 +109,12 @@ def test_overrides_and_bad_values(tmp_path, monkeypatch):
 
 # ---- the ledger's journal mode ---------------------------------------------------------------------------------
 
+
 def test_network_ledger_is_created_and_kept_in_delete_mode(tmp_path, monkeypatch):
     monkeypatch.setenv("SCOUT_CKPT_FSTYPE", "lustre")
     with Ledger.open(tmp_path, create=True) as led:
         led.begin_run("r", world_size=2, topology={}, policy={})
-        assert led.conn.execute("PRAGMA synchronous").fetchone()[0] == 2   # FULL
+        assert led.conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     assert _mode(tmp_path) == "delete" and header_journal(tmp_path / LEDGER_NAME) == "delete"
     assert not (tmp_path / (LEDGER_NAME + "-wal")).exists()
     with Ledger.open(tmp_path, readonly=True) as ro:
@@ -119,7 +138,7 @@ def test_wal_ledger_moved_to_delete_by_its_next_writer(tmp_path, monkeypatch):
 
 def test_writer_refuses_a_wal_ledger_it_cannot_switch(tmp_path, monkeypatch):
     Ledger.open(tmp_path, create=True).close()
-    other = sqlite3.connect(tmp_path / LEDGER_NAME)   # another process's open connection, mid-read
+    other = sqlite3.connect(tmp_path / LEDGER_NAME)  # another process's open connection, mid-read
     other.execute("BEGIN")
     other.execute("SELECT * FROM meta").fetchall()
     try:
@@ -201,12 +220,13 @@ def test_readers_work_while_a_writer_holds_the_lock(ckpt_root, monkeypatch):
         ls1, res1, path1, err1, err2 = _answers(ckpt_root, NFS)
         assert ls1["source"] == "ledger" and res1["source"] == "ledger" and path1 == path0
     with _Holder(ckpt_root / LEDGER_NAME, "EXCLUSIVE"):
-        ls2, res2, path2, err1, err2 = _answers(ckpt_root, NFS)   # never blocked: each answers from the manifests
+        ls2, res2, path2, err1, err2 = _answers(ckpt_root, NFS)  # never blocked: each answers from the manifests
     assert ls2["source"] == "manifests" and "locked" in ls2["fallback"] and "manifests" in err1
     assert res2["source"] == "manifests" and "locked" in res2["fallback"] and "manifests" in err2
     assert path2 == path0 and res2["step"] == res0["step"] and res2["verified"] is True
-    assert [(r["step"], r["state"]) for r in ls2["checkpoints"]] == [(r["step"], r["state"])
-                                                                     for r in ls0["checkpoints"]]
+    assert [(r["step"], r["state"]) for r in ls2["checkpoints"]] == [
+        (r["step"], r["state"]) for r in ls0["checkpoints"]
+    ]
 
 
 def test_corrupt_ledger_resume_falls_back_fail_closed(ckpt_root):

@@ -36,15 +36,18 @@ def test_two_writer_processes_keep_every_committed_row(tmp_path):
     with Ledger.open(tmp_path, create=True) as led:
         led.begin_run("r1", world_size=1, topology={"mode": "ddp"}, policy={"require": ["bytes"]})
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_keep_one_open, args=(str(tmp_path), 200)),
-             ctx.Process(target=_open_insert_close, args=(str(tmp_path), 100))]
+    procs = [
+        ctx.Process(target=_keep_one_open, args=(str(tmp_path), 200)),
+        ctx.Process(target=_open_insert_close, args=(str(tmp_path), 100)),
+    ]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
     assert [p.exitcode for p in procs] == [0, 0]
     c = sqlite3.connect(tmp_path / "scout-ledger.db")
-    kept = {side: c.execute("SELECT count(*) FROM meta WHERE key LIKE ?", (f"{side}-%",)).fetchone()[0]
-            for side in "ab"}
+    kept = {
+        side: c.execute("SELECT count(*) FROM meta WHERE key LIKE ?", (f"{side}-%",)).fetchone()[0] for side in "ab"
+    }
     c.close()
     assert kept == {"a": 200, "b": 100}, kept

@@ -30,13 +30,15 @@ def final(recs, attempt=None) -> str:
 
 
 def test_live_faults_are_the_kinds_that_found_the_state_bad():
-    ev = {"bytes": policy.evidence(policy.FAIL, [{"code": "digest_mismatch"}]),
-          "consensus": policy.evidence(policy.INCONCLUSIVE, [{"code": "consensus_inconclusive"}]),
-          "at_rest": policy.evidence(policy.FAIL, [{"code": "at_rest_changed"}]),
-          "replay": policy.evidence(policy.MISSING),
-          "invariants": policy.evidence(policy.PASS),
-          "lineage": policy.evidence(policy.FAIL, [{"code": "lineage_tainted"}])}
-    assert policy.live_faults(ev) == ["at_rest", "consensus"]   # bytes are the disk's, lineage is not new evidence
+    ev = {
+        "bytes": policy.evidence(policy.FAIL, [{"code": "digest_mismatch"}]),
+        "consensus": policy.evidence(policy.INCONCLUSIVE, [{"code": "consensus_inconclusive"}]),
+        "at_rest": policy.evidence(policy.FAIL, [{"code": "at_rest_changed"}]),
+        "replay": policy.evidence(policy.MISSING),
+        "invariants": policy.evidence(policy.PASS),
+        "lineage": policy.evidence(policy.FAIL, [{"code": "lineage_tainted"}]),
+    }
+    assert policy.live_faults(ev) == ["at_rest", "consensus"]  # bytes are the disk's, lineage is not new evidence
     assert policy.live_faults({"bytes": policy.evidence(policy.FAIL)}) == []
 
 
@@ -56,8 +58,15 @@ FLIP = f"1:{FLIP_STEP}:{FLIP_PARAM}:{FLIP_INDEX}:0"
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
     """The same script with no fault: the digests a correct run has."""
-    p, recs = run_job(tmp_path_factory.mktemp("healthy") / "run", "--steps", STEPS, "--save-every", EVERY,
-                      "--final-digest", restarts=0)
+    p, recs = run_job(
+        tmp_path_factory.mktemp("healthy") / "run",
+        "--steps",
+        STEPS,
+        "--save-every",
+        EVERY,
+        "--final-digest",
+        restarts=0,
+    )
     assert p.returncode == 0, why_failed(p.stderr)
     return recs
 
@@ -76,10 +85,10 @@ def test_by_default_the_generation_ends_and_the_restart_finishes_bitwise_like_a_
     assert max(r["step"] for r in recs if r["event"] == "saved" and r["attempt"] == 0) == FLIP_STEP
     assert "LiveStateCorrupt" in p.stderr
     saved = saved_digests(recs)
-    assert loaded(recs)[1] == (10, saved[(0, 10)])                     # resumed from the latest clean step
-    assert final(recs, attempt=1) == final(healthy)                    # and finished as a healthy run does
+    assert loaded(recs)[1] == (10, saved[(0, 10)])  # resumed from the latest clean step
+    assert final(recs, attempt=1) == final(healthy)  # and finished as a healthy run does
     assert saved[(1, 30)] == saved_digests(healthy)[(0, 30)]
-    assert states(root) == {s: "certified" for s in (5, 10, 15, 20, 25, 30)}   # 15 re-saved from clean state
+    assert states(root) == {s: "certified" for s in (5, 10, 15, 20, 25, 30)}  # 15 re-saved from clean state
     rc, out = cli("resume", root, "--latest-clean")
     assert rc == 0 and out["step"] == 30
 
@@ -87,17 +96,34 @@ def test_by_default_the_generation_ends_and_the_restart_finishes_bitwise_like_a_
 @pytest.mark.scenario
 def test_with_continue_every_later_save_is_rejected_until_a_clean_load(tmp_path, healthy):
     root = tmp_path / "run"
-    p, recs = run_job(root, "--steps", STEPS, "--save-every", EVERY, "--flip", FLIP, "--final-digest",
-                      "--on-live-fault", "continue", restarts=0)
+    p, recs = run_job(
+        root,
+        "--steps",
+        STEPS,
+        "--save-every",
+        EVERY,
+        "--flip",
+        FLIP,
+        "--final-digest",
+        "--on-live-fault",
+        "continue",
+        restarts=0,
+    )
     assert p.returncode == 0, why_failed(p.stderr)
-    assert final(recs) != final(healthy)                               # the job's state really carries the flip
+    assert final(recs) != final(healthy)  # the job's state really carries the flip
     got = {r["step"]: r for r in recs if r["event"] == "saved"}
     assert got[FLIP_STEP]["state"] == "rejected"
     for s in (20, 25, 30):
         assert got[s]["state"] == "rejected", got[s]
         assert [(r["code"], r["since"]) for r in got[s]["reasons"]] == [("lineage_tainted", FLIP_STEP)]
-    assert states(root) == {5: "certified", 10: "certified", 15: "rejected", 20: "rejected", 25: "rejected",
-                            30: "rejected"}
+    assert states(root) == {
+        5: "certified",
+        10: "certified",
+        15: "rejected",
+        20: "rejected",
+        25: "rejected",
+        30: "rejected",
+    }
     rc, out = cli("resume", root, "--latest-clean")
     assert rc == 0 and out["step"] == 10
 
@@ -148,18 +174,20 @@ def test_an_async_save_that_finds_the_live_state_bad_raises_at_the_next_call_on_
     out = [o.result for o in run_ranks(_diverge, 2, str(tmp_path), True, "raise", timeout=120)]
     for calls in out:
         raised = [c for c in calls if c[1] == "raised"]
-        assert raised and raised[0][2] == 2, calls          # the save of step 2's fault, raised once
-        assert raised[0][0] in ("step3", "save3"), calls     # at the next call after its commit
-        assert ("load", "1", []) in calls                    # the clean load: step 1
-        assert calls[-1] == ("wait4", None, []) and not [c for c in calls[calls.index(("load", "1", [])):]
-                                                          if c[1] == "raised"]
+        assert raised and raised[0][2] == 2, calls  # the save of step 2's fault, raised once
+        assert raised[0][0] in ("step3", "save3"), calls  # at the next call after its commit
+        assert ("load", "1", []) in calls  # the clean load: step 1
+        assert calls[-1] == ("wait4", None, []) and not [
+            c for c in calls[calls.index(("load", "1", [])) :] if c[1] == "raised"
+        ]
     rc, stdout, _ = run_cli("ls", tmp_path, "--json", check_rc=0)
     rows = {c["step"]: c["state"] for c in json.loads(stdout)["checkpoints"]}
     assert rows[1] == "certified" and rows[2] == "rejected" and rows[4] == "certified" and 3 not in rows
     rc, stdout, _ = run_cli("report", tmp_path, "--json", check_rc=0)
     live = [e for e in json.loads(stdout)["events"] if e["kind"] == "live_fault"]
     assert [(e["step"], e["detail"]["kinds"], e["detail"]["action"]) for e in live] == [
-        (2, ["consensus"], "generation ended")]
+        (2, ["consensus"], "generation ended")
+    ]
 
 
 def test_continue_rejects_the_saves_of_a_tainted_lineage_until_a_clean_load(tmp_path):
@@ -170,6 +198,6 @@ def test_continue_rejects_the_saves_of_a_tainted_lineage_until_a_clean_load(tmp_
         got = {c[0]: c for c in calls}
         assert got["save1"][1] == "certified"
         assert got["save2"][1] == "rejected" and "consensus_inconclusive" in got["save2"][2]
-        assert got["save3"][1:] == ("rejected", ["consensus_inconclusive", "lineage_tainted"])   # still apart
+        assert got["save3"][1:] == ("rejected", ["consensus_inconclusive", "lineage_tainted"])  # still apart
         assert got["load"][1] == "1"
-        assert got["save4"][1] == "certified"                # the clean load ended the taint
+        assert got["save4"][1] == "certified"  # the clean load ended the taint

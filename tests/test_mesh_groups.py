@@ -75,17 +75,26 @@ def test_ddp_x_tp():
     assert topo["primary"] == ["dp"] and topo["replica_groups"] == [[0, 2], [1, 3]]
     for key in ("healthy", "healthy_again"):
         assert ev[key]["status"] == "pass", ev[key]
-        assert groups_of(ev[key]) == [([0, 1, 2, 3], ["dp", "tp"], "agree"), ([0, 2], ["dp"], "agree"),
-                                      ([1, 3], ["dp"], "agree")]
+        assert groups_of(ev[key]) == [
+            ([0, 1, 2, 3], ["dp", "tp"], "agree"),
+            ([0, 2], ["dp"], "agree"),
+            ([1, 3], ["dp"], "agree"),
+        ]
     # Replicate on tp and copied along dp: 4 replicas, the odd one named
     assert reason(ev["tp_replicated"], "consensus_attributed") == {
-        "code": "consensus_attributed", "ranks": [3], "tensors": ["model.down.bias"], "n_tensors": 1,
-        "group": [0, 1, 2, 3]}
+        "code": "consensus_attributed",
+        "ranks": [3],
+        "tensors": ["model.down.bias"],
+        "n_tensors": 1,
+        "group": [0, 1, 2, 3],
+    }
     assert reason(ev["plain_param"], "consensus_attributed")["ranks"] == [1]
     assert reason(ev["plain_param"], "consensus_attributed")["tensors"] == ["model.norm.weight"]
     # a TP shard has one copy per dp replica: the pair that differs is found, no culprit can be named
-    for key, pair, tensor in (("tp_shard", [0, 2], "model.up.weight"),
-                              ("optim_shard", [1, 3], "optim.state.2.exp_avg")):
+    for key, pair, tensor in (
+        ("tp_shard", [0, 2], "model.up.weight"),
+        ("optim_shard", [1, 3], "optim.state.2.exp_avg"),
+    ):
         assert ev[key]["status"] == "inconclusive"
         r = reason(ev[key], "consensus_inconclusive")
         assert r["group"] == pair and r["tensors"] == [tensor], (key, r)
@@ -110,8 +119,11 @@ def test_fsdp_x_tp(fsdp_runs):
     assert topo["compare_dims"] == [["dp", "tp"], ["tp"]] and topo["problems"] == []
     # the old 2-D inference called this HSDP and compared ranks 0,2 (different FSDP shards): every save rejected
     healthy = ev["healthy"]
-    assert groups_of(healthy) == [([0, 1, 2, 3], ["dp", "tp"], "agree"), ([0, 1], ["tp"], "agree"),
-                                  ([2, 3], ["tp"], "agree")]
+    assert groups_of(healthy) == [
+        ([0, 1, 2, 3], ["dp", "tp"], "agree"),
+        ([0, 1], ["tp"], "agree"),
+        ([2, 3], ["tp"], "agree"),
+    ]
     # TP-and-FSDP-sharded weights have no replica: agreement leaves them unvouched
     assert healthy["status"] == "not_applicable" and healthy["single_owner"] > 0
     assert "model.up.weight" in reason(healthy, "no_replicas")["tensors"]
@@ -128,8 +140,10 @@ def test_fsdp_x_tp(fsdp_runs):
     nothing = ev["everything_excluded"]
     assert nothing["status"] == "missing" and nothing["tensors_compared"] == 0
     assert [r["code"] for r in nothing["reasons"]] == ["consensus_nothing_compared"]
-    assert evaluate({"require": ["consensus"], "allow_not_applicable": ["consensus"]},
-                    {"consensus": nothing}).state == "committed"
+    assert (
+        evaluate({"require": ["consensus"], "allow_not_applicable": ["consensus"]}, {"consensus": nothing}).state
+        == "committed"
+    )
 
 
 # ---- HSDP x TP (8 ranks) ----------------------------------------------------------------------------------------
@@ -146,11 +160,15 @@ def test_hsdp_x_tp_8_ranks():
     healthy = ev["healthy"]
     assert healthy["status"] == "pass" and stable(ev["healthy_again"]) == stable(healthy)
     assert groups_of(healthy) == [(list(range(8)), ["replicate", "shard", "tp"], "agree")] + [
-        (g, ["replicate"], "agree") for g in ([0, 4], [1, 5], [2, 6], [3, 7])] + [
-        (g, ["replicate", "tp"], "agree") for g in ([0, 1, 4, 5], [2, 3, 6, 7])]
+        (g, ["replicate"], "agree") for g in ([0, 4], [1, 5], [2, 6], [3, 7])
+    ] + [(g, ["replicate", "tp"], "agree") for g in ([0, 1, 4, 5], [2, 3, 6, 7])]
     assert reason(ev["norm"], "consensus_attributed") == {
-        "code": "consensus_attributed", "ranks": [5], "tensors": ["model.norm"], "n_tensors": 1,
-        "group": [0, 1, 4, 5]}
+        "code": "consensus_attributed",
+        "ranks": [5],
+        "tensors": ["model.norm"],
+        "n_tensors": 1,
+        "group": [0, 1, 4, 5],
+    }
     assert reason(ev["plain"], "consensus_attributed")["ranks"] == [4]
     r = reason(ev["tp_shard"], "consensus_inconclusive")
     assert r["group"] == [2, 6] and r["tensors"] == ["model.w"]

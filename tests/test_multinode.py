@@ -33,8 +33,12 @@ def run_agents(root: Path, *job_args: str, timeout: float = 600) -> list[subproc
 
 
 def job_lines(results) -> list[dict]:
-    return [json.loads(line.split(" ", 1)[1]) for r in results for line in r.stdout.splitlines()
-            if line.startswith("MN-JOB ")]
+    return [
+        json.loads(line.split(" ", 1)[1])
+        for r in results
+        for line in r.stdout.splitlines()
+        if line.startswith("MN-JOB ")
+    ]
 
 
 def newest_save_before(step: int, save_every: int) -> int:
@@ -42,30 +46,45 @@ def newest_save_before(step: int, save_every: int) -> int:
     return save_every * ((step - 1) // save_every)
 
 
-@pytest.mark.scenario_ci   # the CI tier's many-node scenario (the hang's twin below takes longer)
+@pytest.mark.scenario_ci  # the CI tier's many-node scenario (the hang's twin below takes longer)
 def test_sigkill_on_node_1_restarts_every_agent_resumes_exact_state_and_names_the_node(tmp_path, request):
     # either worker of node 1 (placed as its local rank), at any step after the first save
     pl = place(request, ranks=range(NPROC), steps=range(4, 13))
     resumed = newest_save_before(pl.step, 3)
     root = tmp_path / "run"
-    results = run_agents(root, "--steps", "12", "--save-every", "3", "--fault", "crash", "--fault-node", "1",
-                         "--fault-local", str(pl.rank), "--fault-step", str(pl.step))
+    results = run_agents(
+        root,
+        "--steps",
+        "12",
+        "--save-every",
+        "3",
+        "--fault",
+        "crash",
+        "--fault-node",
+        "1",
+        "--fault-local",
+        str(pl.rank),
+        "--fault-step",
+        str(pl.step),
+    )
     for node, r in enumerate(results):
         assert r.returncode == 0, (node, r.stderr[-4000:])
     fault = json.loads((root / "fault.json").read_text())
-    assert (fault["node_rank"], fault["local_rank"], fault["step"], fault["kind"]) == (1, pl.rank, pl.step,
-                                                                                       "crash"), (pl, fault)
+    assert (fault["node_rank"], fault["local_rank"], fault["step"], fault["kind"]) == (1, pl.rank, pl.step, "crash"), (
+        pl,
+        fault,
+    )
     lines = job_lines(results)
     loads = [e for e in lines if e["event"] == "loaded"]
     runs = [e["run_id"] for e in loads]
-    assert len(loads) == 2 and loads[0]["step"] == 0 and all(e["world"] == NNODES * NPROC for e in loads), (
-        pl, lines)
+    assert len(loads) == 2 and loads[0]["step"] == 0 and all(e["world"] == NNODES * NPROC for e in loads), (pl, lines)
     first_saves = {e["step"]: e["digest"] for e in lines if e["event"] == "saved" and e["run_id"] == runs[0]}
     # Newest clean step saved before the crash. The restart loaded exactly what the job saved there.
     assert max(first_saves) == resumed and loads[1]["step"] == resumed, (pl, lines)
     assert loads[1]["digest"] == first_saves[resumed], pl
     assert {e["step"] for e in lines if e["event"] == "saved" and e["run_id"] == runs[1]} == {
-        s for s in (3, 6, 9, 12) if s > resumed}, (pl, lines)
+        s for s in (3, 6, 9, 12) if s > resumed
+    }, (pl, lines)
 
     with Ledger.open(root, readonly=True) as led:
         states = {r["step"]: r["state"] for r in led.checkpoints()}
@@ -101,8 +120,23 @@ def test_hang_on_node_1_is_attributed_with_its_node_and_the_job_resumes(tmp_path
     pl = place(request, ranks=range(NPROC), steps=(4, 5, 7, 8))
     resumed = newest_save_before(pl.step, 3)
     root = tmp_path / "run"
-    results = run_agents(root, "--steps", "10", "--save-every", "3", "--fault", "hang", "--fault-node", "1",
-                         "--fault-local", str(pl.rank), "--fault-step", str(pl.step), "--stall-s", "4")
+    results = run_agents(
+        root,
+        "--steps",
+        "10",
+        "--save-every",
+        "3",
+        "--fault",
+        "hang",
+        "--fault-node",
+        "1",
+        "--fault-local",
+        str(pl.rank),
+        "--fault-step",
+        str(pl.step),
+        "--stall-s",
+        "4",
+    )
     for node, r in enumerate(results):
         assert r.returncode == 0, (pl, node, r.stderr[-4000:])
     fault = json.loads((root / "fault.json").read_text())

@@ -21,22 +21,46 @@ from tests.conftest import REPO
 from tests.torchrun_errors import why_failed
 
 SCRIPT = REPO / "tests" / "scripts" / "fsdp_interval_job.py"
-PARAM, INDEX = "blocks.0.fc2.weight", 11     # an early trainable weight: in run 0 of rank 1's tensors
+PARAM, INDEX = "blocks.0.fc2.weight", 11  # an early trainable weight: in run 0 of rank 1's tensors
 
 
 def run_job(root, *args, restarts=1, timeout=900):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(root), *map(str, args)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.5",
+        str(SCRIPT),
+        str(root),
+        *map(str, args),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
     recs = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("SCOUT-FSDP ")]
     return p, recs
 
 
 def cli(*args) -> dict:
-    p = subprocess.run([sys.executable, "-m", "scout_ckpt.cli", *map(str, args), "--json"], capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120, check=False)
+    p = subprocess.run(
+        [sys.executable, "-m", "scout_ckpt.cli", *map(str, args), "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+        check=False,
+    )
     return json.loads(p.stdout)
 
 
@@ -57,15 +81,16 @@ def healthy(tmp_path_factory):
 
 @pytest.mark.scenario
 def test_a_flip_between_two_saves_is_caught_ends_the_generation_and_the_restart_matches_a_healthy_run(
-        tmp_path, healthy):
+    tmp_path, healthy
+):
     ok = saved(healthy, 0)
     assert {s: v["state"] for s, v in ok.items()} == {5: "certified", 10: "certified", 15: "certified"}
     root = tmp_path / "run"
     p, recs = run_job(root, "--steps", 15, "--save-every", 5, "--flip", f"1:12:{PARAM}:{INDEX}", "--show-runs", 12)
     assert p.returncode == 0, why_failed(p.stderr)
-    assert PARAM in covered(recs, 1)            # the schedule covers this tensor between steps 12 and 13
+    assert PARAM in covered(recs, 1)  # the schedule covers this tensor between steps 12 and 13
     first = saved(recs, 0)
-    assert first[10]["digest"] == ok[10]["digest"] and first[10]["state"] == "certified"   # before the flip
+    assert first[10]["digest"] == ok[10]["digest"] and first[10]["state"] == "certified"  # before the flip
     raised = [r for r in recs if r["event"] == "saved" and r["attempt"] == 0 and r["step"] == 15]
     assert sorted(r["rank"] for r in raised) == [0, 1] and all(r["raised"] for r in raised)  # every rank
     for r in raised:
@@ -74,12 +99,11 @@ def test_a_flip_between_two_saves_is_caught_ends_the_generation_and_the_restart_
         assert why["ranks"] == [1] and why["tensors"] == [PARAM], why
         assert why["between_steps"] == [{"tensor": PARAM, "after_step": 12, "before_step": 13}], why
     loaded = next(r for r in recs if r["event"] == "loaded" and r["attempt"] == 1)
-    assert (loaded["step"], loaded["digest"]) == (10, first[10]["digest"])   # the latest clean step, as saved
+    assert (loaded["step"], loaded["digest"]) == (10, first[10]["digest"])  # the latest clean step, as saved
     again = saved(recs, 1)
-    assert again[15]["state"] == "certified" and again[15]["digest"] == ok[15]["digest"]   # the healthy run's
+    assert again[15]["state"] == "certified" and again[15]["digest"] == ok[15]["digest"]  # the healthy run's
     out = cli("ls", root)
-    assert {c["step"]: c["state"] for c in out["checkpoints"]} == {5: "certified", 10: "certified",
-                                                                   15: "certified"}
+    assert {c["step"]: c["state"] for c in out["checkpoints"]} == {5: "certified", 10: "certified", 15: "certified"}
     assert "rejected" in [h["state"] for h in cli("explain", root, 15)["history"]]
     assert cli("resume", root, "--latest-clean")["step"] == 15
 
@@ -90,16 +114,17 @@ def test_a_flip_in_an_interval_whose_run_does_not_hold_the_tensor_is_not_seen(tm
     updates after it fold the flip in. Step 15 is certified although it differs from the healthy run's."""
     ok = saved(healthy, 0)
     root = tmp_path / "run"
-    p, recs = run_job(root, "--steps", 15, "--save-every", 5, "--flip", f"1:13:{PARAM}:{INDEX}", "--show-runs", 13,
-                      restarts=0)
+    p, recs = run_job(
+        root, "--steps", 15, "--save-every", 5, "--flip", f"1:13:{PARAM}:{INDEX}", "--show-runs", 13, restarts=0
+    )
     assert p.returncode == 0, why_failed(p.stderr)
     assert PARAM not in covered(recs, 1)
     got = saved(recs, 0)
     assert got[15]["state"] == "certified"
-    assert got[15]["digest"] != ok[15]["digest"]     # unseen: a state the healthy run never had, certified
+    assert got[15]["digest"] != ok[15]["digest"]  # unseen: a state the healthy run never had, certified
     at_rest = cli("explain", root, 15)["evidence"]["at_rest"]
-    assert at_rest["status"] == "pass" and at_rest["interval_parts"] == 4      # and the evidence says what it
-    assert "not seen: a single change" in at_rest["between_steps"], at_rest     # did not look at
+    assert at_rest["status"] == "pass" and at_rest["interval_parts"] == 4  # and the evidence says what it
+    assert "not seen: a single change" in at_rest["between_steps"], at_rest  # did not look at
 
 
 def test_the_interval_check_in_one_process_sees_its_run_and_reports_at_the_next_save():
@@ -133,9 +158,9 @@ def test_the_interval_check_in_one_process_sees_its_run_and_reports_at_the_next_
     for _ in range(6):
         step()
     assert guard.findings == [] and INTERVAL_PARTS == 4
-    assert sorted(sum((run_of(s) for s in range(4)), [])) == sorted(guard._tensors()[0])   # 4 runs cover all
+    assert sorted(sum((run_of(s) for s in range(4)), [])) == sorted(guard._tensors()[0])  # 4 runs cover all
     s = guard._steps
-    target = next(n for n in run_of(s) if ":" not in n)          # a parameter in the run after step s
+    target = next(n for n in run_of(s) if ":" not in n)  # a parameter in the run after step s
     flip(target)
     step()
     step()
@@ -146,16 +171,16 @@ def test_the_interval_check_in_one_process_sees_its_run_and_reports_at_the_next_
     assert ev["status"] == policy.FAIL
     assert ev["reasons"][0]["tensors"] == [target] and ev["reasons"][0]["between_steps"][0]["after_step"] == s
     step()
-    assert guard.check(guard._steps)["status"] != policy.FAIL     # reported once, then forgotten
+    assert guard.check(guard._steps)["status"] != policy.FAIL  # reported once, then forgotten
     s = guard._steps
     outside = next(n for n in guard._tensors()[0] if ":" not in n and n not in run_of(s))
-    flip(outside)                                                # unseen: not in this interval's run
+    flip(outside)  # unseen: not in this interval's run
     step()
     assert guard.findings == []
     s = guard._steps
     with torch.no_grad():
-        dict(model.named_parameters())[run_of(s)[0]].mul_(0.5)   # a legitimate write (a projection) ...
-    guard.resign()                                               # ... announced
+        dict(model.named_parameters())[run_of(s)[0]].mul_(0.5)  # a legitimate write (a projection) ...
+    guard.resign()  # ... announced
     step()
     assert guard.findings == []
     guard.close()

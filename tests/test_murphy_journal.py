@@ -46,11 +46,12 @@ def test_a_rejection_the_journal_cannot_take_is_the_same_error_on_every_rank_and
     jpath.mkdir()
     out = run_ranks(w.load_into, 3, str(ckpt_root), True, timeout=90, allow_failures=True)
     errors = [o.error or "" for o in out]
-    assert all("could not record that checkpoint 4 failed verification" in e and "nothing was loaded" in e
-               for e in errors), errors   # every rank, none left in a collective until the timeout
+    assert all(
+        "could not record that checkpoint 4 failed verification" in e and "nothing was loaded" in e for e in errors
+    ), errors  # every rank, none left in a collective until the timeout
     assert all("ScoutError" in e for e in errors), errors
     with Ledger.open(ckpt_root, readonly=True) as led:
-        assert led.checkpoint(4)["state"] == "certified"   # not rejected without its journal record
+        assert led.checkpoint(4)["state"] == "certified"  # not rejected without its journal record
         assert led.events(("load_mismatch",)) == []
     jpath.rmdir()
     jpath.write_bytes(records)
@@ -105,8 +106,9 @@ def test_a_metadata_swapped_after_verification_is_never_unpickled_and_the_load_w
 
     marker = tmp_path / "the-pickle-ran"
     step4 = ckpt_root / "step-00000004"
-    out = run_ranks(workers_murphy.swap_metadata_after_verification, 3, str(ckpt_root), str(step4), str(marker),
-                    timeout=120)
+    out = run_ranks(
+        workers_murphy.swap_metadata_after_verification, 3, str(ckpt_root), str(step4), str(marker), timeout=120
+    )
     assert not marker.exists()
     assert [o.result["step"] for o in out] == [3, 3, 3]
     with Ledger.open(ckpt_root, readonly=True) as led:
@@ -115,7 +117,7 @@ def test_a_metadata_swapped_after_verification_is_never_unpickled_and_the_load_w
     model = w.make_model(seed=11)
     sd = {"model": model.state_dict()}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)   # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
         dcp.load(sd, checkpoint_id=str(ckpt_root / "step-00000003"))
     assert all(torch.equal(torch.tensor(o.result["weight"]), sd["model"]["0.weight"]) for o in out)
 
@@ -128,8 +130,9 @@ def test_a_flip_in_a_frozen_fsdp2_shard_is_caught_at_the_next_save_whenever_it_h
     from tests import workers_murphy
 
     healthy = run_ranks(workers_murphy.fsdp2_frozen_weight, 2, str(tmp_path / "healthy"), timeout=240)
-    assert all({s: v["state"] for s, v in o.result.items()} == {3: "certified", 6: "certified"} for o in healthy), \
-        [o.result for o in healthy]
+    assert all({s: v["state"] for s, v in o.result.items()} == {3: "certified", 6: "certified"} for o in healthy), [
+        o.result for o in healthy
+    ]
     out = run_ranks(workers_murphy.fsdp2_frozen_weight, 2, str(tmp_path / "flip"), 4, timeout=240)
     for o in out:
         assert o.result[3]["state"] == "certified" and o.result[6]["state"] == "rejected", o.result

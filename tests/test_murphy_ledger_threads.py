@@ -40,8 +40,8 @@ def test_a_read_never_sees_another_threads_uncommitted_write(tmp_path):
         t.start()
     for t in threads:
         t.join(30)
-    assert seen["events"] == []          # the rolled-back event was never visible to the other thread
+    assert seen["events"] == []  # the rolled-back event was never visible to the other thread
     assert led.events() == []
-    led.add_event("sdc", step=8, ranks=[0])    # the connection is usable by both afterwards
+    led.add_event("sdc", step=8, ranks=[0])  # the connection is usable by both afterwards
     assert [e["step"] for e in led.events()] == [8]
     led.close()

@@ -27,17 +27,19 @@ SCRIPT_ARGS = ("--save-every", 5)
 
 def test_the_run_lease_is_shared_in_one_process_and_refuses_another(tmp_path):
     a = take_run_lease(tmp_path)
-    b = take_run_lease(tmp_path)            # a second Checkpointer of the same process: the same lease
+    b = take_run_lease(tmp_path)  # a second Checkpointer of the same process: the same lease
     assert a is b and a.held
-    a.record()                               # what open_run_ledger does once the start succeeded
-    code = ("import sys; from scout_ckpt.ops.startup import take_run_lease, RootInUse\n"
-            "l = take_run_lease(sys.argv[1], wait_s=0)\n"
-            "try:\n    l.check()\nexcept RootInUse as e:\n    print('refused', e)\n")
+    a.record()  # what open_run_ledger does once the start succeeded
+    code = (
+        "import sys; from scout_ckpt.ops.startup import take_run_lease, RootInUse\n"
+        "l = take_run_lease(sys.argv[1], wait_s=0)\n"
+        "try:\n    l.check()\nexcept RootInUse as e:\n    print('refused', e)\n"
+    )
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert p.stdout.startswith("refused") and "another job is saving checkpoints here" in p.stdout, p
     assert f"pid {os.getpid()}" in p.stdout
     a.release()
-    b.release()                              # the last user lets go: another process may take it now
+    b.release()  # the last user lets go: another process may take it now
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout == "", p
     assert issubclass(RootInUse, Exception)
@@ -48,11 +50,20 @@ def test_a_second_job_on_a_live_root_is_refused_and_the_first_stays_certified(tm
     root, signals = tmp_path / "run", tmp_path / "signals"
     signals.mkdir()
     first = subprocess.Popen(
-        [sys.executable, "-c", "import sys, json; from tests.test_murphy_interval import run_job\n"
-         "p, recs = run_job(sys.argv[1], '--steps', 10, '--save-every', 5, '--pause-after', '5:' + sys.argv[2],"
-         " restarts=0)\nprint(json.dumps({'rc': p.returncode, 'recs': recs, 'err': p.stderr[-3000:]}))",
-         str(root), str(signals)], stdout=subprocess.PIPE, text=True, cwd=str(REPO),
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        [
+            sys.executable,
+            "-c",
+            "import sys, json; from tests.test_murphy_interval import run_job\n"
+            "p, recs = run_job(sys.argv[1], '--steps', 10, '--save-every', 5, '--pause-after', '5:' + sys.argv[2],"
+            " restarts=0)\nprint(json.dumps({'rc': p.returncode, 'recs': recs, 'err': p.stderr[-3000:]}))",
+            str(root),
+            str(signals),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(REPO),
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         deadline = time.monotonic() + 600
         while len(list(signals.glob("paused-*"))) < 2 and time.monotonic() < deadline and first.poll() is None:
@@ -60,10 +71,11 @@ def test_a_second_job_on_a_live_root_is_refused_and_the_first_stays_certified(tm
         assert len(list(signals.glob("paused-*"))) == 2, "the first job never reached its pause"
         p, recs = run_job(root, "--steps", 10, *SCRIPT_ARGS, restarts=0)
         assert p.returncode != 0
-        assert "another job is saving checkpoints here" in p.stderr and "checkpoint 10 not saved" in p.stderr, \
-            p.stderr[-3000:]
-        assert not [r for r in recs if r["event"] == "saved"]      # nothing saved into the first job's ROOT
-        assert next(r for r in recs if r["event"] == "loaded")["step"] == 5   # it could load what is certified
+        assert "another job is saving checkpoints here" in p.stderr and "checkpoint 10 not saved" in p.stderr, p.stderr[
+            -3000:
+        ]
+        assert not [r for r in recs if r["event"] == "saved"]  # nothing saved into the first job's ROOT
+        assert next(r for r in recs if r["event"] == "loaded")["step"] == 5  # it could load what is certified
     finally:
         (signals / "go").touch()
         out, _ = first.communicate(timeout=900)

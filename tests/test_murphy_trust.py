@@ -27,6 +27,7 @@ def _one_clean_line(err: str) -> None:
 
 # ---- item 13: an OSError is one line, exit 2, nothing modified --------------------------------------------------
 
+
 def test_export_to_an_existing_directory_is_bad_input_and_writes_nothing(ckpt_root, tmp_path):
     out = tmp_path / "weights"
     out.mkdir()
@@ -43,7 +44,7 @@ def test_quarantine_whose_journal_cannot_be_appended_changes_nothing(ckpt_root):
     journal = ckpt_root / "scout-journal.jsonl"
     records = journal.read_bytes()
     journal.unlink()
-    journal.mkdir()   # the append fails with EISDIR, as on a read-only or broken mount
+    journal.mkdir()  # the append fails with EISDIR, as on a read-only or broken mount
     before = _ls(ckpt_root)
     rc, stdout, err = run_cli("quarantine", ckpt_root, 4, "--reason", "loss spike")
     assert rc == 2 and stdout == ""
@@ -67,6 +68,7 @@ def test_any_other_oserror_a_command_meets_is_one_line_exit_2(ckpt_root, tmp_pat
 
 
 # ---- item 2: quarantine + release does not launder a rejection -------------------------------------------------
+
 
 def _reject_as_the_loader_does(root, step):
     """The job's load found the loaded values differ from the saved signatures: the walk-back's own rejection
@@ -99,8 +101,9 @@ def test_release_of_a_bytes_rejection_and_of_a_certified_step(ckpt_root):
     from scout_ckpt.ops.recovery import record_verification_failure
 
     with Ledger.open(ckpt_root) as led:
-        record_verification_failure(led, 4, policy.evidence(policy.FAIL, [{"code": "load_mismatch"}]),
-                                    source="load", root=ckpt_root)
+        record_verification_failure(
+            led, 4, policy.evidence(policy.FAIL, [{"code": "load_mismatch"}]), source="load", root=ckpt_root
+        )
     for step in (3, 4):
         run_cli("quarantine", ckpt_root, step, "--reason", "check", check_rc=0)
         run_cli("release", ckpt_root, step, "--reason", "checked", check_rc=0)
@@ -108,6 +111,7 @@ def test_release_of_a_bytes_rejection_and_of_a_certified_step(ckpt_root):
 
 
 # ---- item 10: gc never deletes a save in flight ------------------------------------------------------------------
+
 
 def test_gc_leaves_a_resave_in_flight_of_an_older_step_alone(ckpt_root):
     """After a walk-back the job re-saves step 3 (older than the kept step 4) while an operator runs gc: the
@@ -118,7 +122,7 @@ def test_gc_leaves_a_resave_in_flight_of_an_older_step_alone(ckpt_root):
 
     owner = this_process_owner()
     tmp = ckpt_root / layout.tmp_dirname(3, "resave-1")
-    with Ledger.open(ckpt_root) as led:   # what Committer.begin does, in this order
+    with Ledger.open(ckpt_root) as led:  # what Committer.begin does, in this order
         run_id = led.run()["id"]
         led.record_writing(3, run_id, "resave-1", layout.step_dirname(3), owner=owner)
     layout.create_tmp_dir(tmp, {"run_id": run_id, "attempt": "resave-1", **owner})
@@ -160,9 +164,13 @@ def test_a_save_whose_lease_is_held_is_alive_whatever_its_pid_says(ckpt_root):
     from tests.conftest import REPO
 
     attempt = "otherns-1"
-    owner = {"host": socket.gethostname(), "pid": 2 ** 22 + 12345, "start": "1"}   # not a pid here
-    child = subprocess.Popen([sys.executable, "-c", _HOLD_LEASE, str(ckpt_root), attempt], stdout=subprocess.PIPE,
-                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    owner = {"host": socket.gethostname(), "pid": 2**22 + 12345, "start": "1"}  # not a pid here
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LEASE, str(ckpt_root), attempt],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert child.stdout.readline().strip() == "leased"
         tmp = ckpt_root / layout.tmp_dirname(5, attempt)
@@ -219,10 +227,11 @@ def test_the_checkpointer_holds_its_lease_for_the_life_of_a_save(tmp_path):
 
     seen = run_ranks(_lease_probe, 2, str(tmp_path / "run"), timeout=120)[0].result
     assert seen["before_write"] == ["held"] and seen["before_rename"] == ["held"]
-    assert seen["after_commit"] == []   # released (and unlinked) once the commit is recorded
+    assert seen["after_commit"] == []  # released (and unlinked) once the commit is recorded
 
 
 # ---- item 9: a transient EIO is "could not check now", never a rejection ------------------------------------------
+
 
 def _shard(root, step):
     return next(p for p in sorted((root / f"step-{step:08d}").iterdir()) if p.suffix == ".distcp")
@@ -252,8 +261,13 @@ def _trust(root, step):
 
     with Ledger.open(root, readonly=True) as led:
         row = led.checkpoint(step)
-        return (row["state"], row["reasons"], row["attempt"],
-                {k: v["status"] for k, v in led.evidence(step).items()}, len(led.certifications(step)))
+        return (
+            row["state"],
+            row["reasons"],
+            row["attempt"],
+            {k: v["status"] for k, v in led.evidence(step).items()},
+            len(led.certifications(step)),
+        )
 
 
 def test_a_transient_eio_while_resume_verifies_walks_back_without_rejecting(ckpt_root, monkeypatch):
@@ -267,7 +281,7 @@ def test_a_transient_eio_while_resume_verifies_walks_back_without_rejecting(ckpt
     assert skip["step"] == 4 and skip["could_not_check"] and skip["reasons"][0]["code"] == "could_not_check"
     assert skip["reasons"][0]["errno"] == "EIO"
     assert _trust(ckpt_root, 4) == before and before[0] == "certified"
-    assert latest_clean(ckpt_root)["step"] == 4     # the disk answers again: the newest good one is handed out
+    assert latest_clean(ckpt_root)["step"] == 4  # the disk answers again: the newest good one is handed out
     monkeypatch.undo()
     rc, out, _ = run_cli("gc", ckpt_root, "--keep", 2, "--json")
     assert rc == 0 and json.loads(out)["delete"] == [] and (ckpt_root / "step-00000004").is_dir()
@@ -312,7 +326,7 @@ def _load_with_eio(rank, world, root, target):
         model = make_model(seed=5)
         net = ddp(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        train_steps(net, opt, 1, seed=99)   # optimizer state exists before loading
+        train_steps(net, opt, 1, seed=99)  # optimizer state exists before loading
         ckpt = Checkpointer(root, model=net, optimizer=opt)
         step = ckpt.load_latest_clean(state_of(model, opt))
         ckpt.close()
@@ -393,6 +407,7 @@ def run_ranks_(fn, n, *args):
 
 # ---- item 8: a lost ledger is rebuilt (or the start refused), never a fresh start ---------------------------------
 
+
 def _restart(rank, world, root, save_step=None):
     """A restarted job: a Checkpointer on ROOT, load_latest_clean, optionally one more save; with the library's
     log records of the coordinator."""
@@ -415,10 +430,10 @@ def _restart(rank, world, root, save_step=None):
     model = make_model(seed=5)
     net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train_steps(net, opt, 1, seed=99)   # optimizer state exists before loading
+    train_steps(net, opt, 1, seed=99)  # optimizer state exists before loading
     try:
         ckpt = Checkpointer(root, model=net, optimizer=opt, timeout_s=60)
-    except Exception as e:   # noqa: BLE001 - the refusal is the result
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
         return {"refused": f"{type(e).__name__}: {e}", "log": records}
     st = state_of(model, opt)
     loaded = ckpt.load_latest_clean(st)
@@ -463,14 +478,19 @@ def test_a_lost_ledger_is_rebuilt_at_start_up_and_no_certified_step_is_overwritt
     assert "ledger rebuild" in err
     rc, out, _ = run_cli("ls", ckpt_root, "--json")
     assert rc == 0 and [(r["step"], r["state"]) for r in json.loads(out)["checkpoints"]] == [
-        (3, "certified"), (4, "certified")]
+        (3, "certified"),
+        (4, "certified"),
+    ]
 
     out = run_ranks(_restart, 3, str(ckpt_root), 5, timeout=180)
     assert [o.result["loaded"] for o in out] == [4, 4, 4]
     assert out[0].result["verdict"]["state"] == "certified"
     warnings = [m for level, m in out[0].result["log"] if level == "WARNING"]
-    assert any("rebuilding it from the manifests and the journal" in m and how.replace("deleted", "missing")
-               .replace("truncated", "empty") in m for m in warnings), warnings
+    assert any(
+        "rebuilding it from the manifests and the journal" in m
+        and how.replace("deleted", "missing").replace("truncated", "empty") in m
+        for m in warnings
+    ), warnings
     assert not any(m.startswith(("no checkpoint", "no certified checkpoint")) for _, m in out[0].result["log"])
     assert manifest.read(ckpt_root / "step-00000004")[1] == digest4
     assert {s: st for s, (st, _) in _ls(ckpt_root).items()} == {3: "certified", 4: "certified", 5: "certified"}
@@ -494,10 +514,14 @@ def test_a_corrupt_ledger_refuses_the_start_on_every_rank_naming_the_command(ckp
 
     db = ckpt_root / LEDGER_NAME
     data = db.read_bytes()
-    db.write_bytes(data[:100] + b"\xa5" * (len(data) - 100))   # an SQLite header over pages of garbage
-    def files():   # SQLite's -wal/-shm side files aside: opening an SQLite file may create them
-        return {str(p.relative_to(ckpt_root)): p.read_bytes() for p in ckpt_root.rglob("*")
-                if p.is_file() and not p.name.endswith(("-wal", "-shm"))}
+    db.write_bytes(data[:100] + b"\xa5" * (len(data) - 100))  # an SQLite header over pages of garbage
+
+    def files():  # SQLite's -wal/-shm side files aside: opening an SQLite file may create them
+        return {
+            str(p.relative_to(ckpt_root)): p.read_bytes()
+            for p in ckpt_root.rglob("*")
+            if p.is_file() and not p.name.endswith(("-wal", "-shm"))
+        }
 
     before = files()
     out = run_ranks(_restart, 3, str(ckpt_root), timeout=180)
@@ -512,10 +536,13 @@ def test_a_restart_past_only_rejected_checkpoints_warns_naming_each_and_why(ckpt
 
     with Ledger.open(ckpt_root) as led:
         for step, code in ((3, "digest_mismatch"), (4, "load_mismatch")):
-            journal.record_transition(led, ckpt_root, step, "rejected", [{"code": code}], source="load",
-                                      expect="certified")
+            journal.record_transition(
+                led, ckpt_root, step, "rejected", [{"code": code}], source="load", expect="certified"
+            )
     (out,) = run_ranks(_restart, 1, str(ckpt_root), timeout=120)
     assert out.result["loaded"] is None
     warnings = [m for level, m in out.result["log"] if level == "WARNING"]
-    assert any("rejected" in m and "3 (rejected: digest_mismatch)" in m and "4 (rejected: load_mismatch)" in m
-               for m in warnings), out.result["log"]
+    assert any(
+        "rejected" in m and "3 (rejected: digest_mismatch)" in m and "4 (rejected: load_mismatch)" in m
+        for m in warnings
+    ), out.result["log"]

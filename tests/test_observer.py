@@ -22,7 +22,7 @@ from tests import workers_observer as W
 from tests.placement import place
 
 WORLD = 4
-STEPS = 10   # workers_observer.train's default
+STEPS = 10  # workers_observer.train's default
 
 
 def fault(request):
@@ -47,8 +47,9 @@ class Job:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        self.outcomes = run_ranks(W.train, WORLD, str(self.root), self.run_id, self.scenario, self.opts,
-                                  timeout=150, allow_failures=True)
+        self.outcomes = run_ranks(
+            W.train, WORLD, str(self.root), self.run_id, self.scenario, self.opts, timeout=150, allow_failures=True
+        )
 
     def __enter__(self):
         self.thread.start()
@@ -205,11 +206,12 @@ def test_slow_rank_is_a_straggler_and_a_healthy_run_has_no_events(tmp_path, requ
     assert job.events() == []
     assert not any(row["torch_imported"] for row in rows.values())
 
-    pl = place(request, ranks=range(WORLD))   # slow at every step
+    pl = place(request, ranks=range(WORLD))  # slow at every step
     slow = tmp_path / "slow"
     slow.mkdir()
-    with Job(slow, "slow", steps=40, compute_s=0.05, slow_factor=3.0, straggler=straggler, stall_s=60.0,
-             fault_rank=pl.rank) as job:
+    with Job(
+        slow, "slow", steps=40, compute_s=0.05, slow_factor=3.0, straggler=straggler, stall_s=60.0, fault_rank=pl.rank
+    ) as job:
         job.thread.join(180)
     events = job.events()
     assert events and {e["kind"] for e in events} == {"straggler"}, (pl, events)
@@ -267,77 +269,153 @@ def test_heartbeat_reader_never_sees_a_torn_record(tmp_path):
 
 
 def _row(step, seq, *, state="running", in_coll=True, age=5.0, fp="a", error=False, phase="step", side=False):
-    return {"state": state, "step": step, "seq": seq, "in_coll": in_coll, "age_s": age, "fp": fp, "error": error,
-            "phase": phase, "in_side": side}
+    return {
+        "state": state,
+        "step": step,
+        "seq": seq,
+        "in_coll": in_coll,
+        "age_s": age,
+        "fp": fp,
+        "error": error,
+        "phase": phase,
+        "in_side": side,
+    }
 
 
-@pytest.mark.parametrize("rows, world, expect", [
-    # one laggard behind the waiting majority
-    ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8, in_coll=False), 3: _row(3, 9)}, 4, ("hang", [2])),
-    # two against two: the two that stopped outside any collective, behind the two waiting ones
-    ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8, in_coll=False), 3: _row(3, 8, in_coll=False)}, 4, ("hang", [2, 3])),
-    # two against two, all four waiting in collectives at two points: a hang, seen, not attributed
-    ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8), 3: _row(3, 8)}, 4, ("hang", [])),
-    # two peers: no majority, but the collective sequence names the rank that stopped outside any collective
-    # while the other waits in the next one
-    ({0: _row(3, 9), 1: _row(3, 8, in_coll=False)}, 2, ("hang", [1])),
-    # ... DDP without a hook: rank 0 issued native all-reduces rank 1 never issued (hung before backward)
-    ({0: _row(7, 0, in_coll=False) | {"cseq": 13}, 1: _row(7, 0, in_coll=False) | {"cseq": 12}}, 2, ("hang", [1])),
-    # ... hung in its optimizer: a step behind, the other waiting in the next step's backward
-    ({0: _row(8, 0, in_coll=False, phase="backward") | {"cseq": 15}, 1: _row(7, 0, in_coll=False,
-      phase="optimizer") | {"cseq": 14}}, 2, ("hang", [1])),
-    # ... both waiting, in different collectives: a hang, seen, not attributed
-    ({0: _row(3, 9), 1: _row(3, 8, side=True, in_coll=False)}, 2, ("hang", [])),
-    # ... the rank behind in steps is ahead in the native count: ambiguous, not attributed
-    ({0: _row(8, 0, in_coll=False) | {"cseq": 14}, 1: _row(7, 0, in_coll=False) | {"cseq": 16}}, 2, ("hang", [])),
-    # ... nobody waits (both busy in their own code, e.g. an eval, at different steps): no verdict
-    ({0: _row(8, 0, in_coll=False) | {"cseq": 14}, 1: _row(7, 0, in_coll=False) | {"cseq": 14}}, 2, None),
-    # ... two against two in DDP: ranks 2 and 3 hung before backward, 0 and 1 in the all-reduce
-    ({0: _row(7, 0, in_coll=False) | {"cseq": 13}, 1: _row(7, 0, in_coll=False) | {"cseq": 13},
-      2: _row(7, 0, in_coll=False) | {"cseq": 12}, 3: _row(7, 0, in_coll=False) | {"cseq": 12}}, 4, ("hang", [2, 3])),
-    # ... and only once both are stuck
-    ({0: _row(3, 9), 1: _row(3, 8, in_coll=False, age=0.5)}, 2, None),
-    # two ranks after a load: rank 1 waits in the first all-reduce while rank 0, the coordinator, still writes the
-    # load's verdicts to the ledger (phase "checkpoint"): a slow checkpoint, not a hang of rank 0
-    ({0: _row(5, 0, in_coll=False, phase="checkpoint") | {"cseq": 3}, 1: _row(6, 0, in_coll=False,
-      phase="backward") | {"cseq": 4}}, 2, None),
-    # two ranks, neither in a collective (a long save on both): no verdict
-    ({0: _row(3, 9, in_coll=False, phase="checkpoint"), 1: _row(3, 8, in_coll=False)}, 2, None),
-    # the majority not yet past the threshold
-    ({0: _row(3, 9, age=0.5), 1: _row(3, 9, age=0.5), 2: _row(3, 8, in_coll=False)}, 3, None),
-    # different fingerprints at the same point
-    ({0: _row(3, 9), 1: _row(3, 9, fp="b"), 2: _row(3, 9)}, 3, ("desync", [1])),
-    # a dead rank among live ones; victims of its death do not count
-    ({0: _row(3, 9, state="gone", error=True), 1: _row(3, 9), 2: _row(3, 8, state="gone")}, 3, ("crash", [2])),
-    # everyone gone without a word: a job-wide kill, not attributable
-    ({0: _row(3, 9, state="gone"), 1: _row(3, 9, state="gone"), 2: _row(3, 9)}, 3, None),
-    # a stopped rank inside the collective
-    ({0: _row(3, 9), 1: _row(3, 9, state="stopped"), 2: _row(3, 9)}, 3, ("hang", [1])),
-    # stuck inside DDP's C++ all-reduce (no traced collective open), one rank behind: still a hang
-    ({0: _row(3, 9, in_coll=False, phase="backward"), 1: _row(3, 9, in_coll=False, phase="backward"),
-      2: _row(3, 7, in_coll=False)}, 3, ("hang", [2])),
-    # a long save: everyone waits in a side-group collective at the same point, no laggard: no verdict
-    ({0: _row(3, 9, in_coll=False, side=True), 1: _row(3, 9, in_coll=False, side=True),
-      2: _row(3, 9, in_coll=False, phase="checkpoint")}, 3, None),
-    # every rank inside the same training collective: a hang with nobody to blame
-    ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 9)}, 3, ("hang", [])),
-    # a clean close is no fault
-    ({0: _row(3, 9, state="closed"), 1: _row(3, 9, in_coll=False), 2: _row(3, 9, in_coll=False)}, 3, None),
-    # DDP without a hook: equal traced numbers, rank 2's native count behind the others' (not in their all-reduce)
-    ({0: _row(7, 4, in_coll=False, phase="backward") | {"cseq": 40}, 1: _row(7, 4, in_coll=False,
-      phase="backward") | {"cseq": 40}, 2: _row(7, 4, in_coll=False) | {"cseq": 37}}, 3, ("hang", [2])),
-    # ... the laggard one step behind (stuck in its optimizer step) while the others wait in the next backward
-    ({0: _row(21, 4, in_coll=False, phase="optimizer") | {"cseq": 66}, 1: _row(22, 4, in_coll=False,
-      phase="backward") | {"cseq": 69}, 2: _row(22, 4, in_coll=False, phase="backward") | {"cseq": 69}}, 3,
-     ("hang", [0])),
-    # a Python all_reduce at native position 31 on rank 1, where ranks 0 and 2 issued a native one (DDP's bucket)
-    ({0: _row(11, 4, in_coll=False, age=0.0) | {"cseq": 33, "pos": 20}, 1: _row(11, 5, state="gone", fp="x")
-      | {"cseq": 31, "pos": 31}, 2: _row(11, 4, in_coll=False, age=0.0) | {"cseq": 31, "pos": 20}}, 3,
-     ("desync", [1])),
-    # the same Python collective at the same position, another rank not there yet: nothing
-    ({0: _row(11, 5, age=0.0) | {"cseq": 31, "pos": 31}, 1: _row(11, 5, age=0.0) | {"cseq": 31, "pos": 31},
-      2: _row(11, 4, in_coll=False, age=0.0) | {"cseq": 30, "pos": 20}}, 3, None),
-])
+@pytest.mark.parametrize(
+    "rows, world, expect",
+    [
+        # one laggard behind the waiting majority
+        ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8, in_coll=False), 3: _row(3, 9)}, 4, ("hang", [2])),
+        # two against two: the two that stopped outside any collective, behind the two waiting ones
+        (
+            {0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8, in_coll=False), 3: _row(3, 8, in_coll=False)},
+            4,
+            ("hang", [2, 3]),
+        ),
+        # two against two, all four waiting in collectives at two points: a hang, seen, not attributed
+        ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 8), 3: _row(3, 8)}, 4, ("hang", [])),
+        # two peers: no majority, but the collective sequence names the rank that stopped outside any collective
+        # while the other waits in the next one
+        ({0: _row(3, 9), 1: _row(3, 8, in_coll=False)}, 2, ("hang", [1])),
+        # ... DDP without a hook: rank 0 issued native all-reduces rank 1 never issued (hung before backward)
+        ({0: _row(7, 0, in_coll=False) | {"cseq": 13}, 1: _row(7, 0, in_coll=False) | {"cseq": 12}}, 2, ("hang", [1])),
+        # ... hung in its optimizer: a step behind, the other waiting in the next step's backward
+        (
+            {
+                0: _row(8, 0, in_coll=False, phase="backward") | {"cseq": 15},
+                1: _row(7, 0, in_coll=False, phase="optimizer") | {"cseq": 14},
+            },
+            2,
+            ("hang", [1]),
+        ),
+        # ... both waiting, in different collectives: a hang, seen, not attributed
+        ({0: _row(3, 9), 1: _row(3, 8, side=True, in_coll=False)}, 2, ("hang", [])),
+        # ... the rank behind in steps is ahead in the native count: ambiguous, not attributed
+        ({0: _row(8, 0, in_coll=False) | {"cseq": 14}, 1: _row(7, 0, in_coll=False) | {"cseq": 16}}, 2, ("hang", [])),
+        # ... nobody waits (both busy in their own code, e.g. an eval, at different steps): no verdict
+        ({0: _row(8, 0, in_coll=False) | {"cseq": 14}, 1: _row(7, 0, in_coll=False) | {"cseq": 14}}, 2, None),
+        # ... two against two in DDP: ranks 2 and 3 hung before backward, 0 and 1 in the all-reduce
+        (
+            {
+                0: _row(7, 0, in_coll=False) | {"cseq": 13},
+                1: _row(7, 0, in_coll=False) | {"cseq": 13},
+                2: _row(7, 0, in_coll=False) | {"cseq": 12},
+                3: _row(7, 0, in_coll=False) | {"cseq": 12},
+            },
+            4,
+            ("hang", [2, 3]),
+        ),
+        # ... and only once both are stuck
+        ({0: _row(3, 9), 1: _row(3, 8, in_coll=False, age=0.5)}, 2, None),
+        # two ranks after a load: rank 1 waits in the first all-reduce while rank 0, the coordinator, still writes the
+        # load's verdicts to the ledger (phase "checkpoint"): a slow checkpoint, not a hang of rank 0
+        (
+            {
+                0: _row(5, 0, in_coll=False, phase="checkpoint") | {"cseq": 3},
+                1: _row(6, 0, in_coll=False, phase="backward") | {"cseq": 4},
+            },
+            2,
+            None,
+        ),
+        # two ranks, neither in a collective (a long save on both): no verdict
+        ({0: _row(3, 9, in_coll=False, phase="checkpoint"), 1: _row(3, 8, in_coll=False)}, 2, None),
+        # the majority not yet past the threshold
+        ({0: _row(3, 9, age=0.5), 1: _row(3, 9, age=0.5), 2: _row(3, 8, in_coll=False)}, 3, None),
+        # different fingerprints at the same point
+        ({0: _row(3, 9), 1: _row(3, 9, fp="b"), 2: _row(3, 9)}, 3, ("desync", [1])),
+        # a dead rank among live ones; victims of its death do not count
+        ({0: _row(3, 9, state="gone", error=True), 1: _row(3, 9), 2: _row(3, 8, state="gone")}, 3, ("crash", [2])),
+        # everyone gone without a word: a job-wide kill, not attributable
+        ({0: _row(3, 9, state="gone"), 1: _row(3, 9, state="gone"), 2: _row(3, 9)}, 3, None),
+        # a stopped rank inside the collective
+        ({0: _row(3, 9), 1: _row(3, 9, state="stopped"), 2: _row(3, 9)}, 3, ("hang", [1])),
+        # stuck inside DDP's C++ all-reduce (no traced collective open), one rank behind: still a hang
+        (
+            {
+                0: _row(3, 9, in_coll=False, phase="backward"),
+                1: _row(3, 9, in_coll=False, phase="backward"),
+                2: _row(3, 7, in_coll=False),
+            },
+            3,
+            ("hang", [2]),
+        ),
+        # a long save: everyone waits in a side-group collective at the same point, no laggard: no verdict
+        (
+            {
+                0: _row(3, 9, in_coll=False, side=True),
+                1: _row(3, 9, in_coll=False, side=True),
+                2: _row(3, 9, in_coll=False, phase="checkpoint"),
+            },
+            3,
+            None,
+        ),
+        # every rank inside the same training collective: a hang with nobody to blame
+        ({0: _row(3, 9), 1: _row(3, 9), 2: _row(3, 9)}, 3, ("hang", [])),
+        # a clean close is no fault
+        ({0: _row(3, 9, state="closed"), 1: _row(3, 9, in_coll=False), 2: _row(3, 9, in_coll=False)}, 3, None),
+        # DDP without a hook: equal traced numbers, rank 2's native count behind the others' (not in their all-reduce)
+        (
+            {
+                0: _row(7, 4, in_coll=False, phase="backward") | {"cseq": 40},
+                1: _row(7, 4, in_coll=False, phase="backward") | {"cseq": 40},
+                2: _row(7, 4, in_coll=False) | {"cseq": 37},
+            },
+            3,
+            ("hang", [2]),
+        ),
+        # ... the laggard one step behind (stuck in its optimizer step) while the others wait in the next backward
+        (
+            {
+                0: _row(21, 4, in_coll=False, phase="optimizer") | {"cseq": 66},
+                1: _row(22, 4, in_coll=False, phase="backward") | {"cseq": 69},
+                2: _row(22, 4, in_coll=False, phase="backward") | {"cseq": 69},
+            },
+            3,
+            ("hang", [0]),
+        ),
+        # a Python all_reduce at native position 31 on rank 1, where ranks 0 and 2 issued a native one (DDP's bucket)
+        (
+            {
+                0: _row(11, 4, in_coll=False, age=0.0) | {"cseq": 33, "pos": 20},
+                1: _row(11, 5, state="gone", fp="x") | {"cseq": 31, "pos": 31},
+                2: _row(11, 4, in_coll=False, age=0.0) | {"cseq": 31, "pos": 20},
+            },
+            3,
+            ("desync", [1]),
+        ),
+        # the same Python collective at the same position, another rank not there yet: nothing
+        (
+            {
+                0: _row(11, 5, age=0.0) | {"cseq": 31, "pos": 31},
+                1: _row(11, 5, age=0.0) | {"cseq": 31, "pos": 31},
+                2: _row(11, 4, in_coll=False, age=0.0) | {"cseq": 30, "pos": 20},
+            },
+            3,
+            None,
+        ),
+    ],
+)
 def test_attribution_rule(rows, world, expect):
     verdict = attribute(rows, world, stall_s=2.0)
     if expect is None:
@@ -345,25 +423,49 @@ def test_attribution_rule(rows, world, expect):
     else:
         assert (verdict["kind"], verdict["ranks"]) == expect
         if not verdict["ranks"] and verdict["kind"] == "hang" and verdict["attribution"] == "inconclusive":
-            assert set(verdict["where"]) == set(rows)   # an unattributed hang says where every rank is
+            assert set(verdict["where"]) == set(rows)  # an unattributed hang says where every rank is
 
 
 # ---- crash order, desync of dead ranks ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rows, world, expect", [
-    # torchrun tore everyone down, but rank 1 died 0.4 s before the others: it is named
-    ({0: _row(3, 9, state="gone") | {"gone_at": 100.4}, 1: _row(3, 8, state="gone") | {"gone_at": 100.0},
-      2: _row(3, 9, state="gone") | {"gone_at": 100.41}}, 3, ("crash", [1])),
-    # all within milliseconds (a job-wide kill): nobody is named
-    ({0: _row(3, 9, state="gone") | {"gone_at": 100.001}, 1: _row(3, 8, state="gone") | {"gone_at": 100.0},
-      2: _row(3, 9, state="gone") | {"gone_at": 100.002}}, 3, None),
-    # two of three died first: no strict majority is left to name them
-    ({0: _row(3, 9, state="gone") | {"gone_at": 100.4}, 1: _row(3, 8, state="gone") | {"gone_at": 100.0},
-      2: _row(3, 9, state="gone") | {"gone_at": 100.01}}, 3, None),
-    # a mismatched collective that killed its rank (gloo aborts): still a desync, no stall needed
-    ({0: _row(3, 9, age=0.0), 1: _row(3, 9, state="gone", fp="b"), 2: _row(3, 9, age=0.0)}, 3, ("desync", [1])),
-])
+@pytest.mark.parametrize(
+    "rows, world, expect",
+    [
+        # torchrun tore everyone down, but rank 1 died 0.4 s before the others: it is named
+        (
+            {
+                0: _row(3, 9, state="gone") | {"gone_at": 100.4},
+                1: _row(3, 8, state="gone") | {"gone_at": 100.0},
+                2: _row(3, 9, state="gone") | {"gone_at": 100.41},
+            },
+            3,
+            ("crash", [1]),
+        ),
+        # all within milliseconds (a job-wide kill): nobody is named
+        (
+            {
+                0: _row(3, 9, state="gone") | {"gone_at": 100.001},
+                1: _row(3, 8, state="gone") | {"gone_at": 100.0},
+                2: _row(3, 9, state="gone") | {"gone_at": 100.002},
+            },
+            3,
+            None,
+        ),
+        # two of three died first: no strict majority is left to name them
+        (
+            {
+                0: _row(3, 9, state="gone") | {"gone_at": 100.4},
+                1: _row(3, 8, state="gone") | {"gone_at": 100.0},
+                2: _row(3, 9, state="gone") | {"gone_at": 100.01},
+            },
+            3,
+            None,
+        ),
+        # a mismatched collective that killed its rank (gloo aborts): still a desync, no stall needed
+        ({0: _row(3, 9, age=0.0), 1: _row(3, 9, state="gone", fp="b"), 2: _row(3, 9, age=0.0)}, 3, ("desync", [1])),
+    ],
+)
 def test_attribution_rule_for_deaths(rows, world, expect):
     verdict = attribute(rows, world, stall_s=2.0)
     assert (verdict["kind"], verdict["ranks"]) == expect if expect else verdict is None
@@ -383,8 +485,9 @@ def test_arrival_skew_names_the_last_to_arrive_and_ignores_save_steps():
         mon.update(0.0, {0, 1, 2})
         for step in range(1, 80):
             t += 0.05 + max(late.values(), default=0.0) + 0.01
-            arrivals = {r: t + late.get(r, 0.0) - max(late.values(), default=0.0) + rng.uniform(0, 0.01)
-                        for r in range(3)}
+            arrivals = {
+                r: t + late.get(r, 0.0) - max(late.values(), default=0.0) + rng.uniform(0, 0.01) for r in range(3)
+            }
             if step % 5 == 0:
                 arrivals[0] += 0.3
             for r, a in arrivals.items():
@@ -460,8 +563,8 @@ def test_ddp_comm_hook_rules_on_real_ddp_modules(tmp_path):
         slow = res["rank"] == 1
         for s, c in stamps["compute"].items():
             lo, hi = stamps["compute_window"][s]
-            assert lo <= c <= hi, (s, c, stamps)    # from within step s-1's optimizer step to step s's arrival
-            assert c >= 0.2 or not slow, (s, c)      # rank 1 slept 0.2 s in between (at step 4: after a
+            assert lo <= c <= hi, (s, c, stamps)  # from within step s-1's optimizer step to step s's arrival
+            assert c >= 0.2 or not slow, (s, c)  # rank 1 slept 0.2 s in between (at step 4: after a
             # synchronous all_reduce, which does not end the step's compute)
         # DDP's buffer broadcast: the arrival is the forward's start (after the mark before the forward, before it
         # returned)
@@ -474,7 +577,7 @@ def test_ddp_comm_hook_rules_on_real_ddp_modules(tmp_path):
         assert back["steps"] == [2, 3, 4, 5], back
         for s, (lo, hi) in back["backward_window"].items():
             if s == 2:
-                continue   # DDP's second forward broadcasts its rebuilt buckets: the arrival is that forward's start
+                continue  # DDP's second forward broadcasts its rebuilt buckets: the arrival is that forward's start
             assert lo <= back["arrival"][s] <= hi, (s, back)
             assert back["compute"][s] >= 0.2 or not slow, (s, back)
             assert 0.0 <= back["cpu_wait"][s] <= back["compute"][s], (s, back)  # a wait for a CPU, within the span

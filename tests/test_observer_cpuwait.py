@@ -43,12 +43,12 @@ def test_a_thread_sharing_its_cpu_waits_and_a_sleeping_one_does_not():
     spinner = subprocess.Popen([sys.executable, "-c", SPINNER % cpu], stdout=subprocess.PIPE, text=True)
     before = os.sched_getaffinity(0)
     try:
-        assert spinner.stdout.readline().strip() == "spinning"   # pinned and running: no sleep stands for it
+        assert spinner.stdout.readline().strip() == "spinning"  # pinned and running: no sleep stands for it
         os.sched_setaffinity(0, {cpu})
         wait = RunQueueWait()
         # the wall clock is read first and last, so it brackets the other two readings
         t0, w0, c0 = time.monotonic(), wait.seconds(), time.thread_time()
-        deadline = t0 + 120.0   # only a broken reader gets here: the spinner shares the CPU from the start
+        deadline = t0 + 120.0  # only a broken reader gets here: the spinner shares the CPU from the start
         while wait.seconds() == w0 and time.monotonic() < deadline:
             pass
         w1, c1, t1 = wait.seconds(), time.thread_time(), time.monotonic()

@@ -18,13 +18,33 @@ from scout_ckpt.observer.stragglers import StragglerJudge
 WORLD = 3
 
 
-def _run(*, native: bool, stamps_on: set[int], slow: int | None = 1, down: int | None = None,
-         state: str = "running", world: int = WORLD, rule: dict | None = None,
-         factor: float = 3.0) -> tuple[StragglerJudge, list[dict]]:
+def _run(
+    *,
+    native: bool,
+    stamps_on: set[int],
+    slow: int | None = 1,
+    down: int | None = None,
+    state: str = "running",
+    world: int = WORLD,
+    rule: dict | None = None,
+    factor: float = 3.0,
+) -> tuple[StragglerJudge, list[dict]]:
     rng = random.Random(2)
     judge = StragglerJudge(world, **({"window_s": 0.5} if rule is None else rule))
-    rows = {r: {"state": "running", "live": True, "step": 0, "n_steps": 0, "busy_sum": 0.0, "seq": 0, "cseq": 0,
-                "stamps": [], "arrivals": []} for r in range(world)}
+    rows = {
+        r: {
+            "state": "running",
+            "live": True,
+            "step": 0,
+            "n_steps": 0,
+            "busy_sum": 0.0,
+            "seq": 0,
+            "cseq": 0,
+            "stamps": [],
+            "arrivals": [],
+        }
+        for r in range(world)
+    }
     events, t = [], 0.0
     for step in range(1, 80):
         compute = {r: 0.05 * (factor if r == slow else 1.0) + rng.uniform(0, 0.005) for r in range(world)}
@@ -34,7 +54,7 @@ def _run(*, native: bool, stamps_on: set[int], slow: int | None = 1, down: int |
             row["step"], row["n_steps"] = step, step
             row["busy_sum"] += compute[r]
             row["cseq"] += 10
-            row["seq"] = 0 if native else row["cseq"]          # native: the tracer saw almost none of them
+            row["seq"] = 0 if native else row["cseq"]  # native: the tracer saw almost none of them
             row["arrivals"] = (row["arrivals"] + [[step, left + compute[r]]])[-32:]
             if r in stamps_on:
                 row["stamps"] = (row["stamps"] + [[step, 1000.0 * r + left, 1000.0 * r + left + compute[r]]])[-32:]
@@ -44,11 +64,14 @@ def _run(*, native: bool, stamps_on: set[int], slow: int | None = 1, down: int |
     return judge, events
 
 
-@pytest.mark.parametrize("native, stamps_on, measure", [
-    (True, {0, 1, 2}, "compute_stamps"),
-    (True, {0, 2}, "arrival_skew"),       # rank 1 has no stamps (no model or optimizer given there)
-    (False, {0, 1, 2}, None),             # Python-level collectives: busy time, whatever else the rows carry
-])
+@pytest.mark.parametrize(
+    "native, stamps_on, measure",
+    [
+        (True, {0, 1, 2}, "compute_stamps"),
+        (True, {0, 2}, "arrival_skew"),  # rank 1 has no stamps (no model or optimizer given there)
+        (False, {0, 1, 2}, None),  # Python-level collectives: busy time, whatever else the rows carry
+    ],
+)
 def test_the_rows_choose_the_measure_and_it_names_the_slow_rank(native, stamps_on, measure):
     judge, events = _run(native=native, stamps_on=stamps_on)
     assert [e["ranks"] for e in events] == [[1]]
@@ -85,9 +108,21 @@ def _loaded_pair(*, slow: int | None, discount: bool, seconds: float = 12.0) -> 
     rank whose own work is 3x (its data loader). `discount`: the stamps carry the run-queue wait (as the heartbeat
     writes them); without it they are the wall times alone, as a rule blind to the wait sees them."""
     rng = random.Random(7)
-    judge = StragglerJudge(2)                          # the defaults, as a user runs them
-    rows = {r: {"state": "running", "live": True, "step": 0, "n_steps": 0, "busy_sum": 0.0, "seq": 0, "cseq": 0,
-                "stamps": [], "arrivals": []} for r in range(2)}
+    judge = StragglerJudge(2)  # the defaults, as a user runs them
+    rows = {
+        r: {
+            "state": "running",
+            "live": True,
+            "step": 0,
+            "n_steps": 0,
+            "busy_sum": 0.0,
+            "seq": 0,
+            "cseq": 0,
+            "stamps": [],
+            "arrivals": [],
+        }
+        for r in range(2)
+    }
     events, t, step = [], 0.0, 0
     while t < seconds:
         step += 1
@@ -110,9 +145,9 @@ def test_two_ranks_on_a_loaded_host_name_no_straggler_but_a_3x_rank_still():
     with the waits subtracted (the stamps as the heartbeat writes them) nobody is named, and a rank whose own
     work is 3x is still named, as the slower one by its own work ("rank 1 is 3.0x slower than rank 0")."""
     blind = _loaded_pair(slow=None, discount=False)
-    assert [e["ranks"] for e in blind] == [[0]], blind      # the trap is real: wall time names the unlucky rank
+    assert [e["ranks"] for e in blind] == [[0]], blind  # the trap is real: wall time names the unlucky rank
     assert _loaded_pair(slow=None, discount=True) == []
-    for slow in (0, 1):                                    # the unlucky rank slow, or the lucky one
+    for slow in (0, 1):  # the unlucky rank slow, or the lucky one
         named = _loaded_pair(slow=slow, discount=True)
         assert [e["ranks"] for e in named] == [[slow]], (slow, named)
         assert 2.5 < named[0]["detail"]["slowdown"] < 3.5 and f"than rank {1 - slow}" in named[0]["detail"]["reason"]

@@ -22,8 +22,17 @@ def _nvml_present() -> bool:
 def _run_observer(root, run_id, health_source) -> Observer:
     """One observer (world of one, no process group needed), watched for a few health polls."""
     Ledger.open(root, create=True).close()
-    return Observer.start(root, rank=0, world_size=1, run_id=run_id, stall_s=600.0, poll_s=0.05,
-                          health_source=health_source, health_poll_s=0.1, trace=False)
+    return Observer.start(
+        root,
+        rank=0,
+        world_size=1,
+        run_id=run_id,
+        stall_s=600.0,
+        poll_s=0.05,
+        health_source=health_source,
+        health_poll_s=0.1,
+        trace=False,
+    )
 
 
 def _wait_until(what: str, cond, timeout: float = 60.0):
@@ -46,9 +55,13 @@ def _read_int(path) -> int:
 
 def test_fake_source_ecc_increase_is_one_health_event(tmp_path):
     polls = tmp_path / "polls"
-    obs = _run_observer(tmp_path, "health-fake", {"factory": "tests.fake_health:FakeEccSource",
-                                                  "kwargs": {"at": 2, "count_file": str(polls)}})
+    obs = _run_observer(
+        tmp_path,
+        "health-fake",
+        {"factory": "tests.fake_health:FakeEccSource", "kwargs": {"at": 2, "count_file": str(polls)}},
+    )
     try:
+
         def event():
             with Ledger.open(tmp_path, readonly=True) as ledger:
                 return ledger.events()
@@ -73,8 +86,15 @@ class _Unpicklable:
         return []
 
 
-@pytest.mark.parametrize("source", [_Unpicklable(), {"factory": "no-colon"}, {"factory": "m:f", "kwargs": {"x": object()}},
-                                    {"factory": "m:f", "extra": 1}])
+@pytest.mark.parametrize(
+    "source",
+    [
+        _Unpicklable(),
+        {"factory": "no-colon"},
+        {"factory": "m:f", "kwargs": {"x": object()}},
+        {"factory": "m:f", "extra": 1},
+    ],
+)
 def test_health_source_must_be_a_json_description(tmp_path, source):
     """The observer's config and side channel are JSON only: an object (which would need a pickle) is refused
     before any process starts, and nothing is written."""
@@ -116,8 +136,10 @@ def test_nvml_source_without_gpu_is_quiet(tmp_path, caplog):
             return 0
 
     try:
-        _wait_until("the observer's health line", lambda: log_path.exists()
-                    and "hardware health not watched" in log_path.read_text())
+        _wait_until(
+            "the observer's health line",
+            lambda: log_path.exists() and "hardware health not watched" in log_path.read_text(),
+        )
         first = beat()
         # three more status rounds (0.5 s apart; a health poll every 0.1 s in between) after the line
         _wait_until("three more observer rounds", lambda: beat() >= first + 3)

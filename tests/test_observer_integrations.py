@@ -37,9 +37,9 @@ from tests.placement import place
 pytestmark = pytest.mark.slow
 
 OBSERVER_KINDS = ("hang", "desync", "crash", "straggler")
-STALL = {"stall_s": 5, "action": "abort"}   # hang and desync cells only; crash and straggler: no option at all
-STEPS, EVERY = 8, 4                         # the fault cells: one save before the fault, the restart resumes there
-SLOW_STEPS, SLOW_S = 40, 0.15               # the straggler cells: the rule needs 3 windows of >= 6 steps and 1 s
+STALL = {"stall_s": 5, "action": "abort"}  # hang and desync cells only; crash and straggler: no option at all
+STEPS, EVERY = 8, 4  # the fault cells: one save before the fault, the restart resumes there
+SLOW_STEPS, SLOW_S = 40, 0.15  # the straggler cells: the rule needs 3 windows of >= 6 steps and 1 s
 
 
 def _job(framework: str, root: Path, kind: str, nproc: int) -> list[str]:
@@ -47,29 +47,77 @@ def _job(framework: str, root: Path, kind: str, nproc: int) -> list[str]:
     steps, every = (SLOW_STEPS, SLOW_STEPS) if kind in ("slow", "none") else (STEPS, EVERY)
     observer = json.dumps(STALL) if kind in ("hang", "desync") else None
     if framework == "transformers":
-        return [str(REPO / "examples" / "integrations" / "hf_trainer.py"), str(root), "--steps", str(steps),
-                "--save-every", str(every), *(["--observer", observer] if observer else [])]
+        return [
+            str(REPO / "examples" / "integrations" / "hf_trainer.py"),
+            str(root),
+            "--steps",
+            str(steps),
+            "--save-every",
+            str(every),
+            *(["--observer", observer] if observer else []),
+        ]
     if framework == "lightning":
         # 16 samples per rank in batches of 4: 4 optimizer steps per epoch at every world size
-        return [str(REPO / "tests" / "scripts" / "lightning_job.py"), str(root), "--steps", str(steps),
-                "--save-every", str(every), "--ckpt-path", "latest_clean",
-                *(["--options", json.dumps({"observer": STALL})] if observer else [])]
+        return [
+            str(REPO / "tests" / "scripts" / "lightning_job.py"),
+            str(root),
+            "--steps",
+            str(steps),
+            "--save-every",
+            str(every),
+            "--ckpt-path",
+            "latest_clean",
+            *(["--options", json.dumps({"observer": STALL})] if observer else []),
+        ]
     # accelerate: batches of 2 per rank, one epoch of `steps` steps
-    return [str(REPO / "tests" / "scripts" / "accelerate_job.py"), str(root), "--trace", str(root.parent / "trace"),
-            "--epochs", "1", "--samples", str(2 * nproc * steps), "--save-every", str(every),
-            *(["--options", json.dumps({"observer": STALL})] if observer else [])]
+    return [
+        str(REPO / "tests" / "scripts" / "accelerate_job.py"),
+        str(root),
+        "--trace",
+        str(root.parent / "trace"),
+        "--epochs",
+        "1",
+        "--samples",
+        str(2 * nproc * steps),
+        "--save-every",
+        str(every),
+        *(["--options", json.dumps({"observer": STALL})] if observer else []),
+    ]
 
 
 def run_job(framework: str, root: Path, kind: str, nproc: int, rank: int, step: int | None) -> float:
     """The job under torchrun with one fault on `rank`; returns its wall time. It must exit 0: the restart
     finished it (or, for a straggler, the one generation did)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    fault = ([] if kind == "none" else ["--slow-rank", str(rank), "--slow-s", str(SLOW_S)] if kind == "slow" else
-             [f"--{kind}-rank", str(rank), f"--{kind}-step", str(step)])
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+    }
+    fault = (
+        []
+        if kind == "none"
+        else ["--slow-rank", str(rank), "--slow-s", str(SLOW_S)]
+        if kind == "slow"
+        else [f"--{kind}-rank", str(rank), f"--{kind}-step", str(step)]
+    )
     restarts = 0 if kind in ("slow", "none") else 1
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), "--monitor-interval", "0.5", *_job(framework, root, kind, nproc), *fault]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.5",
+        *_job(framework, root, kind, nproc),
+        *fault,
+    ]
     root.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root.parent)
@@ -86,16 +134,20 @@ def observer_events(root: Path) -> list[dict]:
 def check(tmp_path: Path, request, framework: str, kind: str, nproc: int) -> None:
     if kind == "slow":
         pl = place(request, ranks=range(nproc))
-    else:   # after the first save (step EVERY), before the last step: the restart resumes from that save
+    else:  # after the first save (step EVERY), before the last step: the restart resumes from that save
         pl = place(request, ranks=range(nproc), steps=range(EVERY + 1, STEPS))
     root = tmp_path / "run"
     wall = run_job(framework, root, kind, nproc, pl.rank, pl.step)
     did = json.loads((root / "fault.json").read_text())
     events = observer_events(root)
-    print(f"{framework}, {nproc} ranks, {kind} on {pl}: job {wall:.1f}s; events",
-          [(e["kind"], e["ranks"], e["step"], round(e["time"] - did["time"], 1), e["detail"].get("attribution"))
-           for e in events])
-    assert (did["kind"], did["rank"]) == (kind, pl.rank), (pl, did)   # the job struck where the test placed it
+    print(
+        f"{framework}, {nproc} ranks, {kind} on {pl}: job {wall:.1f}s; events",
+        [
+            (e["kind"], e["ranks"], e["step"], round(e["time"] - did["time"], 1), e["detail"].get("attribution"))
+            for e in events
+        ],
+    )
+    assert (did["kind"], did["rank"]) == (kind, pl.rank), (pl, did)  # the job struck where the test placed it
     if kind == "slow":
         # named, and nobody else (a rank near the threshold may be re-armed and named again later in the job)
         assert {e["kind"] for e in events} == {"straggler"}, (pl, events)
@@ -103,13 +155,13 @@ def check(tmp_path: Path, request, framework: str, kind: str, nproc: int) -> Non
         return
     if nproc == 3:
         assert [(e["kind"], e["ranks"]) for e in events] == [(kind, [pl.rank])], (pl, events)
-    elif kind == "hang":   # two ranks: the collective sequence names the rank outside any collective
+    elif kind == "hang":  # two ranks: the collective sequence names the rank outside any collective
         assert [(e["kind"], e["ranks"]) for e in events] == [("hang", [pl.rank])], (pl, events)
         assert events[0]["detail"]["attribution"] == "sequence", (pl, events)
-    elif kind == "desync":   # two ranks: detected, nobody blamed
+    elif kind == "desync":  # two ranks: detected, nobody blamed
         assert [(e["kind"], e["ranks"]) for e in events] == [("desync", [])], (pl, events)
         assert events[0]["detail"]["attribution"] == "inconclusive", (pl, events)
-    else:   # a crash of one of two ranks: recorded by the next generation, unattributed, the killed rank first gone
+    else:  # a crash of one of two ranks: recorded by the next generation, unattributed, the killed rank first gone
         assert [(e["kind"], e["ranks"]) for e in events] == [("crash", [])], (pl, events)
         assert events[0]["detail"].get("first_stopped") == [pl.rank], (pl, events)
 

@@ -25,7 +25,7 @@ SCRIPT = REPO / "tests" / "scripts" / "observed_job.py"
 # asserted.
 PG_TIMEOUT = 1200.0
 STALL_S = 3.0
-SAVE_EVERY = 5   # observed_job.py's default
+SAVE_EVERY = 5  # observed_job.py's default
 
 
 def newest_save_before(step: int) -> int:
@@ -50,14 +50,33 @@ def fault_plan(request, kinds: list[str], world: int, straggler: bool) -> tuple[
         pls.append(pl)
     return ",".join(plan), pls, resumed
 
+
 pytestmark = pytest.mark.slow
 
 
 def torchrun(root: Path, nproc: int, restarts: int, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(root),
-           "--stall-s", str(STALL_S), "--pg-timeout", str(PG_TIMEOUT), "--action", "abort", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.5",
+        str(SCRIPT),
+        str(root),
+        "--stall-s",
+        str(STALL_S),
+        "--pg-timeout",
+        str(PG_TIMEOUT),
+        "--action",
+        "abort",
+        *args,
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     return p
@@ -95,8 +114,12 @@ def last_generation_busy(root: Path) -> dict:
     for p in channels[-1].glob("status-*.json"):
         row = json.loads(p.read_text())
         compute = [a - left - waited for _s, left, a, waited in row.get("stamps") or []]
-        rows[row["rank"]] = (row["n_steps"], round(row["busy_sum"], 3), round(row["dur_sum"], 3),
-                             round(median(compute), 4) if compute else None)
+        rows[row["rank"]] = (
+            row["n_steps"],
+            round(row["busy_sum"], 3),
+            round(row["dur_sum"], 3),
+            round(median(compute), 4) if compute else None,
+        )
     return rows
 
 
@@ -125,25 +148,40 @@ def test_fsdp2_ranks_inside_a_save_while_a_peer_hangs_in_its_optimizer_are_no_de
     from scout_ckpt.observer.verdicts import attribute
 
     hb = Heartbeat.create(str(tmp_path / "hb"))
-    hb.enter(108, 0xA, pos=90)   # the reduce-scatter, on a watched group
+    hb.enter(108, 0xA, pos=90)  # the reduce-scatter, on a watched group
     hb.leave(108)
-    hb.enter(109, 0xB)           # the save's gather, off them
+    hb.enter(109, 0xB)  # the save's gather, off them
     snap = HeartbeatReader(str(tmp_path / "hb")).snapshot()
     assert (snap.pos_enter, snap.off_watch, snap.fp_enter, snap.in_coll) == (90, True, 0xB, True)
     hb.leave(109)
-    hb.enter(110, 0xC, pos=91)   # the next forward's all-gather: its fingerprint is position 91's again
+    hb.enter(110, 0xC, pos=91)  # the next forward's all-gather: its fingerprint is position 91's again
     snap = HeartbeatReader(str(tmp_path / "hb")).snapshot()
     assert (snap.pos_enter, snap.off_watch) == (91, False)
     hb.close()
 
     def row(rank, seq, fp, *, in_coll, off_watch, phase, step, age):
-        return {"rank": rank, "state": "running", "step": step, "seq": seq, "fp": fp, "in_coll": in_coll,
-                "in_side": False, "error": False, "phase": phase, "cseq": 90, "pos": 90, "off_watch": off_watch,
-                "age_s": age}
-    for age in (2.0, 4.0):   # before and after stall_s (3 s)
-        rows = {0: row(0, 109, "9051", in_coll=True, off_watch=True, phase="checkpoint", step=10, age=age),
-                1: row(1, 109, "9051", in_coll=True, off_watch=True, phase="checkpoint", step=10, age=age),
-                2: row(2, 108, "2b12", in_coll=False, off_watch=False, phase="optimizer", step=9, age=age)}
+        return {
+            "rank": rank,
+            "state": "running",
+            "step": step,
+            "seq": seq,
+            "fp": fp,
+            "in_coll": in_coll,
+            "in_side": False,
+            "error": False,
+            "phase": phase,
+            "cseq": 90,
+            "pos": 90,
+            "off_watch": off_watch,
+            "age_s": age,
+        }
+
+    for age in (2.0, 4.0):  # before and after stall_s (3 s)
+        rows = {
+            0: row(0, 109, "9051", in_coll=True, off_watch=True, phase="checkpoint", step=10, age=age),
+            1: row(1, 109, "9051", in_coll=True, off_watch=True, phase="checkpoint", step=10, age=age),
+            2: row(2, 108, "2b12", in_coll=False, off_watch=False, phase="optimizer", step=9, age=age),
+        }
         verdict = attribute(rows, 3, 3.0)
         assert (verdict or {}).get("kind") != "desync", verdict
         if age > 3.0:
@@ -155,14 +193,15 @@ def test_fsdp2_ranks_inside_a_save_while_a_peer_hangs_in_its_optimizer_are_no_de
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # the CI tier's straggler (and a user's DDP job hanging at 3 ranks, desync, crash)
+@pytest.mark.scenario_ci  # the CI tier's straggler (and a user's DDP job hanging at 3 ranks, desync, crash)
 def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path, request):
     """3 ranks, DDP: a rank hangs before backward; then a rank issues an extra all_reduce; then a rank is
     SIGKILLed; then a rank hangs inside its optimizer step; then a rank computes 3x as long every step (ranks and
     steps placed by the seed). Each is named, each aborted generation is resumed from the newest clean step, and
     the job finishes."""
-    plan, pls, resumed = fault_plan(request, ["hang-before-backward", "extra-collective", "kill",
-                                              "hang-in-optimizer"], 3, straggler=True)
+    plan, pls, resumed = fault_plan(
+        request, ["hang-before-backward", "extra-collective", "kill", "hang-in-optimizer"], 3, straggler=True
+    )
     p_hang, p_desync, p_kill, p_opt, p_slow = pls
     root = tmp_path / "run"
     torchrun(root, 3, 4, "--model", "ddp", "--steps", "70", "--compute-s", "0.05", "--faults", plan)
@@ -173,8 +212,13 @@ def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path, reque
     rep = report(root)
     events = observer_events(rep, [p_opt])
     kinds = [(e["kind"], e["ranks"]) for e in events]
-    assert kinds == [("hang", [p_hang.rank]), ("desync", [p_desync.rank]), ("crash", [p_kill.rank]),
-                     ("hang", [p_opt.rank]), ("straggler", [p_slow.rank])], (pls, kinds, last_generation_busy(root))
+    assert kinds == [
+        ("hang", [p_hang.rank]),
+        ("desync", [p_desync.rank]),
+        ("crash", [p_kill.rank]),
+        ("hang", [p_opt.rank]),
+        ("straggler", [p_slow.rank]),
+    ], (pls, kinds, last_generation_busy(root))
     hang, desync, crash, hang_opt, straggler = events
     assert hang["detail"]["attribution"] == "strict_majority" and hang["detail"]["action"] == "abort", pls
     assert "injected_hang_before_backward" in hang["detail"]["stacks"][str(p_hang.rank)], pls
@@ -190,14 +234,18 @@ def test_ddp_job_hangs_desync_crash_and_straggler_under_torchrun(tmp_path, reque
     # 3x its whole step: named by its compute per step from the step stamps (the optimizer's step to the next
     # forward), exact, not by the sampled arrival (was named in 2 of 4 runs at 25 Hz)
     assert straggler["detail"]["measure"] == "compute_stamps" and straggler["detail"]["slowdown"] > 1.5, (
-        pls, straggler)
+        pls,
+        straggler,
+    )
     # each fault in its own generation; the straggler only in the last, where its rank was slow
     assert [e["run_id"] for e in events] == run_ids(rep), pls
     for attempt, ev in ((0, hang), (3, hang_opt)):
         took = back_to_training_s(root, attempt)
         detect = ev["time"] - faults(root)[attempt]["time"]
-        print(f"\nDDP hang ({faults(root)[attempt]['fault']}): detected and aborted after {detect:.1f}s "
-              f"(stall_s {STALL_S}); training again after {took:.1f}s")
+        print(
+            f"\nDDP hang ({faults(root)[attempt]['fault']}): detected and aborted after {detect:.1f}s "
+            f"(stall_s {STALL_S}); training again after {took:.1f}s"
+        )
         # the order the records give: the fault, then the observer's event, then the next generation training
         assert faults(root)[attempt]["time"] < ev["time"] < faults(root)[attempt]["time"] + took, pls
 
@@ -207,8 +255,9 @@ def test_fsdp2_job_hangs_desync_and_straggler_under_torchrun(tmp_path, request):
     """3 ranks, FSDP2 (fully_shard per layer): a rank hangs inside its optimizer step; then a rank issues an
     extra all_reduce; then a rank hangs before its backward; then a rank computes 3x as long every step (ranks
     and steps placed by the seed)."""
-    plan, pls, resumed = fault_plan(request, ["hang-in-optimizer", "extra-collective", "hang-before-backward"], 3,
-                                    straggler=True)
+    plan, pls, resumed = fault_plan(
+        request, ["hang-in-optimizer", "extra-collective", "hang-before-backward"], 3, straggler=True
+    )
     p_opt, p_desync, p_bwd, p_slow = pls
     root = tmp_path / "run"
     torchrun(root, 3, 3, "--model", "fsdp", "--steps", "50", "--compute-s", "0.05", "--faults", plan)
@@ -219,8 +268,12 @@ def test_fsdp2_job_hangs_desync_and_straggler_under_torchrun(tmp_path, request):
     rep = report(root)
     events = observer_events(rep, [p_opt])
     kinds = [(e["kind"], e["ranks"]) for e in events]
-    assert kinds == [("hang", [p_opt.rank]), ("desync", [p_desync.rank]), ("hang", [p_bwd.rank]),
-                     ("straggler", [p_slow.rank])], (pls, kinds, last_generation_busy(root))
+    assert kinds == [
+        ("hang", [p_opt.rank]),
+        ("desync", [p_desync.rank]),
+        ("hang", [p_bwd.rank]),
+        ("straggler", [p_slow.rank]),
+    ], (pls, kinds, last_generation_busy(root))
     hang, _desync, hang_bwd, straggler = events
     assert "injected_hang_in_optimizer" in hang["detail"]["stacks"][str(p_opt.rank)], pls
     table = {row["rank"]: row for row in hang["detail"]["progress"]}
@@ -245,7 +298,7 @@ def test_fsdp2_job_hangs_desync_and_straggler_under_torchrun(tmp_path, request):
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # 15-30 s on 2 cores: CI runs it in its scenario tier, keeping make test within 15 min
+@pytest.mark.scenario_ci  # 15-30 s on 2 cores: CI runs it in its scenario tier, keeping make test within 15 min
 def test_sigkilled_rank_of_two_is_a_crash_after_the_restart(tmp_path, request):
     """2 ranks: no strict majority can name the killed rank, but the next generation records the run its
     predecessor left unfinished: a crash, unattributed, the killed rank first to stop heartbeating (rank and

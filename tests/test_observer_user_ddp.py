@@ -32,8 +32,21 @@ pytestmark = pytest.mark.slow
 
 def torchrun(root: Path, nproc: int, *args: str, restarts: int = 1, timeout: float = 280.0):
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(restarts), "--monitor-interval", "0.5", str(SCRIPT), str(root), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        "--monitor-interval",
+        "0.5",
+        str(SCRIPT),
+        str(root),
+        *args,
+    ]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -56,8 +69,10 @@ def check_straggler(tmp_path: Path, nproc: int, where: str, *extra: str) -> None
     wall = torchrun(root, nproc, "--slow-rank", str(slow), "--slow-where", where, "--slow-factor", "3", *extra)
     did = fault(root)
     found = events(root, "straggler")
-    print(f"{nproc} ranks, slow {where}: job {wall:.1f}s, events",
-          [(e["ranks"], e["step"], round(e["time"] - did["time"], 1), e["detail"].get("reason")) for e in found])
+    print(
+        f"{nproc} ranks, slow {where}: job {wall:.1f}s, events",
+        [(e["ranks"], e["step"], round(e["time"] - did["time"], 1), e["detail"].get("reason")) for e in found],
+    )
     assert did["rank"] == slow
     # named, and nobody else (a rank near the threshold may be re-armed and named again later in the job)
     assert found and {r for e in found for r in e["ranks"]} == {did["rank"]}, found
@@ -67,7 +82,7 @@ def check_straggler(tmp_path: Path, nproc: int, where: str, *extra: str) -> None
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # 15-30 s on 2 cores: CI runs it in its scenario tier, keeping make test within 15 min
+@pytest.mark.scenario_ci  # 15-30 s on 2 cores: CI runs it in its scenario tier, keeping make test within 15 min
 def test_two_rank_straggler_in_the_data_loader_is_named_with_the_defaults(tmp_path):
     """A short job (80 steps of about 60 ms, a save every 40): rank 1's data loader takes 3x rank 0's 30 ms; the
     default rule names rank 1 ("rank 1 is ...x slower than rank 0") and nobody else."""
@@ -98,31 +113,54 @@ def test_healthy_run_names_no_straggler(tmp_path, nproc):
 def check_hang(tmp_path: Path, where: str, how: str, *extra: str) -> None:
     root = tmp_path / "run"
     observer = {"stall_s": 3, "action": "abort", **json.loads(next(iter(extra), "{}"))}
-    wall = torchrun(root, 2, "--hang-rank", "1", "--hang-where", where, "--hang-how", how, "--hang-step", "8",
-                    "--steps", "30", "--save-every", "5", "--work-s", "0.01", "--observer", json.dumps(observer))
+    wall = torchrun(
+        root,
+        2,
+        "--hang-rank",
+        "1",
+        "--hang-where",
+        where,
+        "--hang-how",
+        how,
+        "--hang-step",
+        "8",
+        "--steps",
+        "30",
+        "--save-every",
+        "5",
+        "--work-s",
+        "0.01",
+        "--observer",
+        json.dumps(observer),
+    )
     did = fault(root)
     hangs = events(root, "hang")
-    print(f"2 ranks, hang {where} ({how}): job {wall:.1f}s (process-group timeout 300 s), events",
-          [(e["ranks"], e["step"], round(e["time"] - did["time"], 1), e["detail"].get("reason")) for e in hangs])
+    print(
+        f"2 ranks, hang {where} ({how}): job {wall:.1f}s (process-group timeout 300 s), events",
+        [(e["ranks"], e["step"], round(e["time"] - did["time"], 1), e["detail"].get("reason")) for e in hangs],
+    )
     assert did["rank"] == 1
     assert [e["ranks"] for e in hangs] == [[1]], hangs
     assert hangs[0]["detail"]["attribution"] == "sequence"
-    assert events(root, "crash") == []      # the abort ended the generation: not a crash of the wrong rank
+    assert events(root, "crash") == []  # the abort ended the generation: not a crash of the wrong rank
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # the CI tier's 2-rank DDP hang: attributed without a majority, aborted, restarted
+@pytest.mark.scenario_ci  # the CI tier's 2-rank DDP hang: attributed without a majority, aborted, restarted
 def test_two_rank_ddp_hang_before_backward_is_named_and_aborted(tmp_path):
     check_hang(tmp_path, "before-backward", "event")
 
 
 @pytest.mark.scenario
-@pytest.mark.parametrize("where, how, observer", [
-    ("before-forward", "event", "{}"),
-    ("in-forward", "sleep", "{}"),
-    ("in-optimizer", "event", "{}"),
-    ("before-backward", "sleep", '{"ddp_comm_hook": "traced"}'),
-    ("in-optimizer", "event", '{"ddp_comm_hook": "traced"}'),
-])
+@pytest.mark.parametrize(
+    "where, how, observer",
+    [
+        ("before-forward", "event", "{}"),
+        ("in-forward", "sleep", "{}"),
+        ("in-optimizer", "event", "{}"),
+        ("before-backward", "sleep", '{"ddp_comm_hook": "traced"}'),
+        ("in-optimizer", "event", '{"ddp_comm_hook": "traced"}'),
+    ],
+)
 def test_two_rank_ddp_hang_anywhere_is_named_and_aborted(tmp_path, where, how, observer):
     check_hang(tmp_path, where, how, observer)

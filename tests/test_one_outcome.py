@@ -20,8 +20,25 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 
 # Outcomes that exclude one another: an assertion accepting two of them accepts both answers to one question.
-STATES = {"pass", "fail", "not_applicable", "inconclusive", "missing", "certified", "rejected", "committed",
-          "quarantined", "writing", "deleted", "partial", "ok", "failed", "timeout", "agree", "disagree"}
+STATES = {
+    "pass",
+    "fail",
+    "not_applicable",
+    "inconclusive",
+    "missing",
+    "certified",
+    "rejected",
+    "committed",
+    "quarantined",
+    "writing",
+    "deleted",
+    "partial",
+    "ok",
+    "failed",
+    "timeout",
+    "agree",
+    "disagree",
+}
 ROADS = {"save", "load", "observer", "previous_generation", "checkpointer", "live", "aftermath"}
 EXIT_NAMES = ("rc", "returncode", "exitcode", "exit_code", "code", "status")
 
@@ -121,9 +138,9 @@ def test_the_checker_catches_both_outcome_assertions_and_passes_single_ones():
     ]
     passed = [
         "assert rc == 0",
-        "assert step in (11, 12)",                                      # numbers that are not exit codes
+        "assert step in (11, 12)",  # numbers that are not exit codes
         "assert not [e for e in evs if e['kind'] in ('crash', 'hang')]",  # a filter selects, it does not judge
-        "assert x in (0, 1)",                                           # not named as an exit code
+        "assert x in (0, 1)",  # not named as an exit code
         "assert ev['status'] == 'pass'",
         "assert name in ('a', 'b')",
     ]

@@ -25,6 +25,7 @@ def _ls(root) -> dict:
 
 # ---- a save never outruns a verdict it could depend on ---------------------------------------------------------
 
+
 def test_a_durable_save_waits_for_the_local_verdict_it_descends_from(tmp_path):
     """Step 2's local save holds a NaN and its commit thread is slowed by 2 s; the NaN is gone again before the
     durable save of step 3, which descends from it. The durable save sees the local verdict first: step 3 is
@@ -40,6 +41,7 @@ def test_a_durable_save_waits_for_the_local_verdict_it_descends_from(tmp_path):
 
 
 # ---- a lost ledger costs no certificate; could-not-check never starts from scratch -----------------------------
+
 
 @pytest.fixture(scope="module")
 def _saved_5_10(tmp_path_factory):
@@ -57,8 +59,9 @@ def saved(_saved_5_10, tmp_path):
 
 
 def _lose(root, what):
-    for name in (["scout-ledger.db", "scout-ledger.db-wal", "scout-ledger.db-shm"]
-                 + (["scout-journal.jsonl"] if what == "ledger+journal" else [])):
+    for name in ["scout-ledger.db", "scout-ledger.db-wal", "scout-ledger.db-shm"] + (
+        ["scout-journal.jsonl"] if what == "ledger+journal" else []
+    ):
         p = root / name
         if p.exists():
             p.unlink()
@@ -67,8 +70,11 @@ def _lose(root, what):
 
 
 def _files(root) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and "scout-ledger.db" not in p.name and ".leases" not in p.parts}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "scout-ledger.db" not in p.name and ".leases" not in p.parts
+    }
 
 
 @pytest.mark.parametrize("what", ["deleted", "truncated"])
@@ -107,10 +113,12 @@ def test_a_job_that_does_not_load_cannot_save_over_a_certified_step(saved):
     assert _ls(root)[5]["state"] == "certified"
     after = _files(root)
     assert {k: v for k, v in after.items() if k.startswith("step-")} == {
-        k: v for k, v in before.items() if k.startswith("step-")}
+        k: v for k, v in before.items() if k.startswith("step-")
+    }
 
 
 # ---- the journal is checkable: a hash chain over its records ---------------------------------------------------
+
 
 def test_every_record_links_to_the_one_before_and_an_edit_breaks_the_chain_there(tmp_path):
     from scout_ckpt.ledger import journal
@@ -124,7 +132,7 @@ def test_every_record_links_to_the_one_before_and_an_edit_breaks_the_chain_there
     lines = p.read_text().splitlines()
     p.write_text("\n".join([lines[0], lines[1].replace('"rejected"', '"certified"'), lines[2]]) + "\n")
     assert journal.verify(journal.read(tmp_path))["broken_at"] == 2
-    p.write_text("\n".join([lines[0], lines[2]]) + "\n")   # the rejection removed
+    p.write_text("\n".join([lines[0], lines[2]]) + "\n")  # the rejection removed
     assert journal.verify(journal.read(tmp_path))["broken_at"] == 2
 
 
@@ -137,8 +145,9 @@ def test_a_journal_missing_a_rejection_restores_no_certificate(saved):
 
     root, printed = saved
     with Ledger.open(root) as led:
-        journal.record_transition(led, root, 10, "rejected", [{"code": "load_mismatch"}], source="load",
-                                  expect="certified")
+        journal.record_transition(
+            led, root, 10, "rejected", [{"code": "load_mismatch"}], source="load", expect="certified"
+        )
         row = led.checkpoint(5)
         journal.journal_verdict(root, 5, row["attempt"], row["manifest_digest"], "certified", [], "certify")
     p = journal.path(root)
@@ -146,7 +155,9 @@ def test_a_journal_missing_a_rejection_restores_no_certificate(saved):
     _lose(root, "deleted")
     rc, out, _ = run_cli("ls", root, "--json")
     assert rc == 0 and {r["step"]: r["state"] for r in json.loads(out)["checkpoints"]} == {
-        5: "committed", 10: "committed"}
+        5: "committed",
+        10: "committed",
+    }
     out = run_ranks(w.restart, 2, str(root), timeout=240)
     assert [o.result.get("refused") for o in out] == ["CheckpointsUnverified"] * 2, [o.result for o in out]
     assert printed[10][1] not in {o.result.get("digest") for o in out}
@@ -195,7 +206,7 @@ def test_a_step_held_only_by_the_local_tier_can_be_quarantined_and_is_never_load
     local = {r["step"]: r["state"] for r in json.loads(out)["local"]}
     assert local[4] == "quarantined"
     got = _restart_tiers(root, local_dir)
-    assert (got["loaded"], got["digest"]) == (6, printed[6])   # the newest step is untouched
+    assert (got["loaded"], got["digest"]) == (6, printed[6])  # the newest step is untouched
     rc, _, err = run_cli("quarantine", root, "6", "--reason", "suspect node")
     assert rc == 0, err
     got = _restart_tiers(root, local_dir)
@@ -216,23 +227,38 @@ def _lower(path: str, root, step: int) -> None:
         run_cli("quarantine", root, str(step), "--reason", "matrix", check_rc=0)
         return
     with Ledger.open(root) as led:
-        if path == "revocation":   # an update fault found at step+1 with a cycle of 2: steps in (step-1, step+1]
+        if path == "revocation":  # an update fault found at step+1 with a cycle of 2: steps in (step-1, step+1]
             from types import SimpleNamespace
 
             from scout_ckpt.save.evidence.shard import ShardEvidence
 
             shard = ShardEvidence.__new__(ShardEvidence)
             shard.log = SimpleNamespace(cycle=2)
-            assert step in shard.revoke(led, root, [{"step": step + 1, "status": "fail", "ranks": [1],
-                                                     "reasons": [{"code": "shard_replay_mismatch", "ranks": [1]}]}])
-        elif path == "local_verdict":   # a step-level verdict reached through the local row (its own consensus)
-            assert local_rows.set_state(led, step, "rejected", [{"code": "consensus_attributed", "ranks": [1]}],
-                                        expect="certified")
+            assert step in shard.revoke(
+                led,
+                root,
+                [
+                    {
+                        "step": step + 1,
+                        "status": "fail",
+                        "ranks": [1],
+                        "reasons": [{"code": "shard_replay_mismatch", "ranks": [1]}],
+                    }
+                ],
+            )
+        elif path == "local_verdict":  # a step-level verdict reached through the local row (its own consensus)
+            assert local_rows.set_state(
+                led, step, "rejected", [{"code": "consensus_attributed", "ranks": [1]}], expect="certified"
+            )
         else:
-            code, source = {"certify": ("invariant_failed", "certify"), "replay": ("replay_sdc", "replay"),
-                            "load_mismatch": ("load_mismatch", "load")}[path]
-            assert journal.record_transition(led, root, step, "rejected", [{"code": code, "ranks": [1]}],
-                                             source=source, expect="certified")
+            code, source = {
+                "certify": ("invariant_failed", "certify"),
+                "replay": ("replay_sdc", "replay"),
+                "load_mismatch": ("load_mismatch", "load"),
+            }[path]
+            assert journal.record_transition(
+                led, root, step, "rejected", [{"code": code, "ranks": [1]}], source=source, expect="certified"
+            )
 
 
 def _keep_only(tier: str, root, local_dir, step: int) -> None:
@@ -276,7 +302,6 @@ def test_a_lowered_step_is_never_loaded_from_any_copy(tiers_run, path, tier):
 # ---- an object-store run whose ledger_dir is lost, twice -------------------------------------------------------
 
 
-
 def test_a_lost_ledger_dir_of_an_s3_run_restarts_from_the_newest_certified_step_twice(run):  # noqa: F811
     """An S3 run saves steps 2 and 4; its ledger_dir is lost; the next generation rebuilds it from the bucket
     (manifests and the journal's copy) and loads step 4 (the digest the job printed), then saves step 6. The
@@ -293,6 +318,7 @@ def test_a_lost_ledger_dir_of_an_s3_run_restarts_from_the_newest_certified_step_
 
 
 # ---- a walk-back that rejects its last candidate leaves no mismatched values to train on ----------------------
+
 
 def test_a_walk_back_that_rejects_every_candidate_for_load_mismatch_refuses_to_start(saved):
     """Every load's values differ from the certified signatures (a loader fault after dcp.load): steps 10 and
@@ -331,10 +357,32 @@ def test_a_save_of_a_certified_step_or_of_a_step_quarantined_in_either_tier_is_r
     with Ledger.open(tmp_path, create=True) as led:
         led.begin_run("r1", world_size=2, topology={}, policy={"require": ["bytes"]})
         led.record_writing(3, "r1", "a3", "step-00000003")
-        led.record_commit(3, run_id="r1", path="step-00000003", nbytes=1, manifest_digest="m3", files=[],
-                          evidence={}, state="certified", reasons=[], attempt="a3")
-        rows.record(led, step=4, run_id="r1", state="certified", dir="r1/step-00000004", world_size=2, layout={},
-                    files=[], copies=[], evidence={}, signatures={}, reasons=[])
+        led.record_commit(
+            3,
+            run_id="r1",
+            path="step-00000003",
+            nbytes=1,
+            manifest_digest="m3",
+            files=[],
+            evidence={},
+            state="certified",
+            reasons=[],
+            attempt="a3",
+        )
+        rows.record(
+            led,
+            step=4,
+            run_id="r1",
+            state="certified",
+            dir="r1/step-00000004",
+            world_size=2,
+            layout={},
+            files=[],
+            copies=[],
+            evidence={},
+            signatures={},
+            reasons=[],
+        )
     quarantine(tmp_path, 4, "suspect node")
     with Ledger.open(tmp_path) as led:
         with pytest.raises(CertifiedStep):
@@ -343,5 +391,5 @@ def test_a_save_of_a_certified_step_or_of_a_step_quarantined_in_either_tier_is_r
             led.record_writing(4, "r2", "b4", "step-00000004", keep_certified=True)
         assert (led.checkpoint(3)["state"], led.checkpoint(3)["attempt"]) == ("certified", "a3")
         assert led.checkpoint(4) is None and rows.row(led, 4)["state"] == "quarantined"
-        led.record_writing(3, "r2", "c3", "step-00000003")   # a tool's re-record (adopt) is not a job's save
+        led.record_writing(3, "r2", "c3", "step-00000003")  # a tool's re-record (adopt) is not a job's save
         assert led.checkpoint(3)["state"] == "writing"

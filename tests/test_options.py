@@ -26,7 +26,8 @@ def test_old_spellings_convert_to_the_dataclasses():
     assert options.as_replay(None) is None and options.as_replay(False) is False
     assert options.as_replay(True) == ReplayOptions()
     assert options.as_replay({"targets": ["0", "2", "optimizer"], "interval": 10}) == ReplayOptions(
-        targets=("0", "2", "optimizer"), interval=10)
+        targets=("0", "2", "optimizer"), interval=10
+    )
     obs = options.as_observer({"stall_s": 3, "action": "abort", "straggler": {"window_s": 0.5}})
     assert obs == ObserverOptions(stall_s=3, action="abort", straggler=StragglerRule(window_s=0.5))
     assert isinstance(obs.straggler, StragglerRule)
@@ -56,42 +57,46 @@ def test_defaults_are_the_components_defaults():
     obs.pop("straggler")
     assert defaults(Observer.start, obs) == obs
     assert defaults(StragglerMonitor.__init__, dataclasses.asdict(StragglerRule())) == dataclasses.asdict(
-        StragglerRule())
+        StragglerRule()
+    )
     rep = ReplayOptions().runner_kwargs()
-    assert rep.pop("interval") is None   # automatic: 10 until the save period is known, then stretched to it
+    assert rep.pop("interval") is None  # automatic: 10 until the save period is known, then stretched to it
     assert defaults(ReplayRunner.__init__, rep) == rep
     shard = ShardEvidenceOptions().replay_kwargs()
     assert defaults(ShardUpdateReplay.__init__, shard) == shard
 
 
-@pytest.mark.parametrize("convert, value, field", [
-    (options.as_observer, {"stal_s": 3}, "'stal_s'"),
-    (options.as_observer, {"straggler": {"windw_s": 0.5}}, "observer.straggler: unknown option 'windw_s'"),
-    (options.as_observer, {"action": "kill"}, "observer.action"),
-    (options.as_observer, {"stall_s": -1}, "observer.stall_s"),
-    (options.as_observer, {"stall_s": float("nan")}, "observer.stall_s"),
-    (options.as_observer, {"straggler": {"rounds": 0}}, "observer.straggler.rounds"),
-    (options.as_observer, {"ddp_comm_hook": "fast"}, "observer.ddp_comm_hook"),
-    (options.as_observer, "abort", "observer must be"),
-    (options.as_replay, {"intervall": 5}, "replay: unknown option 'intervall'"),
-    (options.as_replay, {"interval": 0}, "replay.interval"),
-    (options.as_replay, {"interval": 2.5}, "replay.interval"),
-    (options.as_replay, {"peers": "some"}, "replay.peers"),
-    (options.as_replay, {"targets": "0"}, "replay.targets"),
-    (options.as_replay, {"save_every": True}, "replay.save_every"),
-    (options.as_replay, {"self_check": "yes"}, "replay.self_check"),
-    (options.as_replay, {"self_check": 1}, "replay.self_check"),
-    (options.as_replay, {"live_check": None}, "replay.live_check"),
-    (options.as_local, {"dir": "/dev/shm/x"}, "local.every"),
-    (options.as_local, {"dir": "", "every": 5}, "local.dir"),
-    (options.as_local, {"dir": "/dev/shm/x", "every": 5, "keep": 0}, "local.keep"),
-    (options.as_local, {"dir": "/dev/shm/x", "every": 5, "replicas": -1}, "local.replicas"),
-    (options.as_local, {"dir": "/dev/shm/x", "every": 5, "replica": 1}, "local: unknown option 'replica'"),
-    (options.as_local, "/dev/shm/x", "local must be"),
-    (options.as_shard_evidence, {"cycel": 4}, "shard_evidence: unknown option 'cycel'"),
-    (options.as_shard_evidence, {"at_rest_every": 0}, "shard_evidence.at_rest_every"),
-    (options.as_shard_evidence, 3, "shard_evidence must be"),
-])
+@pytest.mark.parametrize(
+    "convert, value, field",
+    [
+        (options.as_observer, {"stal_s": 3}, "'stal_s'"),
+        (options.as_observer, {"straggler": {"windw_s": 0.5}}, "observer.straggler: unknown option 'windw_s'"),
+        (options.as_observer, {"action": "kill"}, "observer.action"),
+        (options.as_observer, {"stall_s": -1}, "observer.stall_s"),
+        (options.as_observer, {"stall_s": float("nan")}, "observer.stall_s"),
+        (options.as_observer, {"straggler": {"rounds": 0}}, "observer.straggler.rounds"),
+        (options.as_observer, {"ddp_comm_hook": "fast"}, "observer.ddp_comm_hook"),
+        (options.as_observer, "abort", "observer must be"),
+        (options.as_replay, {"intervall": 5}, "replay: unknown option 'intervall'"),
+        (options.as_replay, {"interval": 0}, "replay.interval"),
+        (options.as_replay, {"interval": 2.5}, "replay.interval"),
+        (options.as_replay, {"peers": "some"}, "replay.peers"),
+        (options.as_replay, {"targets": "0"}, "replay.targets"),
+        (options.as_replay, {"save_every": True}, "replay.save_every"),
+        (options.as_replay, {"self_check": "yes"}, "replay.self_check"),
+        (options.as_replay, {"self_check": 1}, "replay.self_check"),
+        (options.as_replay, {"live_check": None}, "replay.live_check"),
+        (options.as_local, {"dir": "/dev/shm/x"}, "local.every"),
+        (options.as_local, {"dir": "", "every": 5}, "local.dir"),
+        (options.as_local, {"dir": "/dev/shm/x", "every": 5, "keep": 0}, "local.keep"),
+        (options.as_local, {"dir": "/dev/shm/x", "every": 5, "replicas": -1}, "local.replicas"),
+        (options.as_local, {"dir": "/dev/shm/x", "every": 5, "replica": 1}, "local: unknown option 'replica'"),
+        (options.as_local, "/dev/shm/x", "local must be"),
+        (options.as_shard_evidence, {"cycel": 4}, "shard_evidence: unknown option 'cycel'"),
+        (options.as_shard_evidence, {"at_rest_every": 0}, "shard_evidence.at_rest_every"),
+        (options.as_shard_evidence, 3, "shard_evidence must be"),
+    ],
+)
 def test_a_misspelled_key_or_bad_value_names_the_field(convert, value, field):
     with pytest.raises(BadOption) as e:
         convert(value)
@@ -117,17 +122,20 @@ def test_options_are_frozen():
         ReplayOptions().interval = 3
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"observer": {"stal_s": 3}}, "stal_s"),
-    ({"replay": {"interval": -2}}, "replay.interval"),
-    ({"shard_evidence": {"peer": 2}}, "'peer'"),
-    ({"keep": 0}, "keep"),
-    ({"timeout_s": 0}, "timeout_s"),
-    ({"consensus_exclude": "rng.*"}, "consensus_exclude"),
-    ({"ledger_journal": "wall"}, "ledger_journal"),
-    ({"replay": {"self_check": "on"}}, "replay.self_check"),
-    ({"local": {"dir": "x", "every": 0}}, "local.every"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"observer": {"stal_s": 3}}, "stal_s"),
+        ({"replay": {"interval": -2}}, "replay.interval"),
+        ({"shard_evidence": {"peer": 2}}, "'peer'"),
+        ({"keep": 0}, "keep"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"consensus_exclude": "rng.*"}, "consensus_exclude"),
+        ({"ledger_journal": "wall"}, "ledger_journal"),
+        ({"replay": {"self_check": "on"}}, "replay.self_check"),
+        ({"local": {"dir": "x", "every": 0}}, "local.every"),
+    ],
+)
 def test_checkpointer_refuses_bad_options_before_anything_collective(tmp_path, kwargs, field):
     """No process group is initialized here: the option is refused before the Checkpointer even asks for one,
     and nothing is created under ROOT."""
@@ -157,8 +165,9 @@ SPELLINGS = {
     "observer=False": {"observer": False},
     "observer=dict": {"observer": {"stall_s": 5, "action": "abort", "straggler": {"window_s": 0.5}, "count_hz": 10}},
     "observer=dict user hook": {"observer": {"ddp_comm_hook": user_comm_hook, "ddp_comm_state": {"k": 1}}},
-    "observer=ObserverOptions": {"observer": ObserverOptions(stall_s=30, straggler=StragglerRule(rounds=2),
-                                                             ddp_comm_hook="traced")},
+    "observer=ObserverOptions": {
+        "observer": ObserverOptions(stall_s=30, straggler=StragglerRule(rounds=2), ddp_comm_hook="traced")
+    },
     "shard_evidence=True": {"mode": "fsdp", "shard_evidence": True},
     "shard_evidence=False": {"mode": "fsdp", "shard_evidence": False},
     "shard_evidence=dict": {"mode": "fsdp", "shard_evidence": {"at_rest_every": 2}},
@@ -216,8 +225,9 @@ def _construct_each(rank: int, world: int, root: str) -> dict:
                 "stall_s": ck.observer.cfg["stall_s"] if ck.observer is not None else None,
                 "window_s": ck.observer.cfg["straggler"]["window_s"] if ck.observer is not None else None,
                 "count_period": ck.observer.counter.period if ck.observer is not None else None,
-                "comm_hook": (None if ck.observer is None else
-                              [getattr(h, "__name__", h) for h in ck.observer._ddp_hook]),
+                "comm_hook": (
+                    None if ck.observer is None else [getattr(h, "__name__", h) for h in ck.observer._ddp_hook]
+                ),
                 "shard": ck.shard is not None,
                 "journal": ck.ledger_journal,
             }
@@ -230,7 +240,7 @@ def _construct_each(rank: int, world: int, root: str) -> dict:
 def test_every_documented_spelling_constructs_a_checkpointer(tmp_path):
     results = [o.result for o in run_ranks(_construct_each, 2, str(tmp_path), timeout=300)]
     seen = results[0]
-    assert results[1] == seen                              # every rank configured alike
+    assert results[1] == seen  # every rank configured alike
     assert seen["replay=True"]["replay_interval"] == 10
     assert seen["replay=dict"]["replay_interval"] == 10
     assert seen["replay=ReplayOptions"]["replay_interval"] == 4
@@ -243,8 +253,15 @@ def test_every_documented_spelling_constructs_a_checkpointer(tmp_path):
     assert seen["observer=ObserverOptions"]["comm_hook"] == ["traced", None]
     assert seen["observer=dict user hook"]["comm_hook"] == ["user_comm_hook", {"k": 1}]
     assert seen["observer=True"]["count_period"] == 1 / 25 and seen["observer=True"]["comm_hook"] == [None, None]
-    assert all(seen[k]["shard"] for k in ("shard_evidence=True", "shard_evidence=dict", "shard_evidence=dict cycle",
-                                          "shard_evidence=ShardEvidenceOptions"))
+    assert all(
+        seen[k]["shard"]
+        for k in (
+            "shard_evidence=True",
+            "shard_evidence=dict",
+            "shard_evidence=dict cycle",
+            "shard_evidence=ShardEvidenceOptions",
+        )
+    )
     assert not seen["shard_evidence=False"]["shard"]
     assert seen["ledger_journal=delete"]["journal"] == "delete"
     assert seen["storage=StorageOptions"]["journal"] == "delete"
@@ -262,5 +279,5 @@ def test_a_torchrun_job_with_restarts_is_told_the_restart_environment_it_needs()
     hint = restart_hint(job)
     assert hint is not None and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in hint and "--max-restarts 3" in hint
     assert restart_hint({**job, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) is None
-    assert restart_hint({**job, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None      # no restart: nothing to say
-    assert restart_hint({"TORCHELASTIC_MAX_RESTARTS": "3"}) is None            # not under torchrun
+    assert restart_hint({**job, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None  # no restart: nothing to say
+    assert restart_hint({"TORCHELASTIC_MAX_RESTARTS": "3"}) is None  # not under torchrun

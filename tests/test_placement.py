@@ -16,7 +16,7 @@ def seed_42():
     before = placement._seed
     placement.configure({placement.ENV: "42"})
     yield
-    placement._seed = before   # the session's own seed, for every other test
+    placement._seed = before  # the session's own seed, for every other test
 
 
 def draws(nodeid: str, n: int = 3) -> list:
@@ -26,7 +26,7 @@ def draws(nodeid: str, n: int = 3) -> list:
 
 def test_the_same_seed_and_node_give_the_same_placements_whatever_ran_before(seed_42):
     first = draws("tests/test_x.py::test_a")
-    draws("tests/test_x.py::test_b")           # another test drawing in between changes nothing
+    draws("tests/test_x.py::test_b")  # another test drawing in between changes nothing
     assert draws("tests/test_x.py::test_a") == first
     assert all(p.seed == 42 and p.rank in range(4) and p.step in range(2, 10) for p in first)
     # 100 node ids: each placement is drawn over the whole range, not stuck on one value
@@ -36,8 +36,13 @@ def test_the_same_seed_and_node_give_the_same_placements_whatever_ran_before(see
 
 def test_where_restricts_the_pairs_and_an_empty_range_is_refused(seed_42):
     req = fake_request("t::where")
-    got = {(p.rank, p.step) for p in (placement.place(req, ranks=range(3), steps=(4, 8, 12),
-                                                      where=lambda r, s: (s // 4 - 1) % 3 == r) for _ in range(30))}
+    got = {
+        (p.rank, p.step)
+        for p in (
+            placement.place(req, ranks=range(3), steps=(4, 8, 12), where=lambda r, s: (s // 4 - 1) % 3 == r)
+            for _ in range(30)
+        )
+    }
     assert got == {(0, 4), (1, 8), (2, 12)}
     assert placement.place(req, ranks=[1]).step is None
     with pytest.raises(ValueError):

@@ -37,8 +37,11 @@ def test_not_applicable_passes_only_where_allowed():
 
 
 def test_unrequired_failure_still_rejects():
-    ev = {"bytes": evidence("pass"), "invariants": evidence("pass"),
-          "replay": evidence("fail", [{"code": "replay_sdc", "ranks": [1]}])}
+    ev = {
+        "bytes": evidence("pass"),
+        "invariants": evidence("pass"),
+        "replay": evidence("fail", [{"code": "replay_sdc", "ranks": [1]}]),
+    }
     assert evaluate(policy.FOUNDATION, ev).state == "rejected"
 
 

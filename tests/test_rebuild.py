@@ -36,13 +36,16 @@ def _states(root):
 def test_strictest_policy_is_the_union_of_requirements():
     # what the manifest allows as not applicable survives only where the default allows it too
     assert strictest({"require": [], "allow_not_applicable": ["consensus", "bytes"]}) == {
-        "require": DEFAULT_POLICY["require"], "allow_not_applicable": []}
+        "require": DEFAULT_POLICY["require"],
+        "allow_not_applicable": [],
+    }
     p = strictest({"require": ["bytes", "replay"], "allow_not_applicable": ["consensus"], "invariants": ["finite"]})
     assert p["require"] == ["bytes", "invariants", "consensus", "replay"] and p["allow_not_applicable"] == []
     assert p["invariants"] == ["finite"]
     # replay not applicable (a run that never called ckpt.step) where the run's own policy allowed it
     assert strictest({"require": ["bytes", "replay"], "allow_not_applicable": ["replay", "bytes"]})[
-        "allow_not_applicable"] == ["replay"]
+        "allow_not_applicable"
+    ] == ["replay"]
     assert strictest("garbage")["require"] == DEFAULT_POLICY["require"]
 
 
@@ -66,8 +69,15 @@ def test_rebuild_restores_quarantine_and_rejections_from_the_journal(ckpt_root):
     quarantined. Neither may come back as certified; releasing step 4 gives what its evidence gives."""
     assert all(r["state"] == "certified" for r in certify(ckpt_root))  # certified verdicts journaled
     with Ledger.open(ckpt_root) as led:  # what the checkpointer's load does on a mismatch (issue 9 item 4)
-        journal.record_transition(led, ckpt_root, 3, "rejected", [{"code": "load_mismatch", "differ": ["w"]}],
-                                  source="load", expect="certified")
+        journal.record_transition(
+            led,
+            ckpt_root,
+            3,
+            "rejected",
+            [{"code": "load_mismatch", "differ": ["w"]}],
+            source="load",
+            expect="certified",
+        )
     quarantine(ckpt_root, 4, "bad data")
     _lose_ledger(ckpt_root)
     rc, out, err = run_cli("ledger", "rebuild", ckpt_root, "--json")
@@ -76,8 +86,10 @@ def test_rebuild_restores_quarantine_and_rejections_from_the_journal(ckpt_root):
     rows = {r["step"]: r for r in doc["checkpoints"]}
     assert rows[3]["state"] == "rejected" and rows[3]["reasons"][0]["code"] == "load_mismatch"
     assert rows[4]["state"] == "quarantined" and rows[4]["reasons"][0]["detail"] == "bad data"
-    assert {(c["step"], c["before"], c["after"]) for c in doc["changes"]} == {(3, None, "rejected"),
-                                                                            (4, None, "quarantined")}
+    assert {(c["step"], c["before"], c["after"]) for c in doc["changes"]} == {
+        (3, None, "rejected"),
+        (4, None, "quarantined"),
+    }
     rc, out, _ = run_cli("resume", ckpt_root, "--latest-clean", "--json")
     assert rc == 1 and json.loads(out)["step"] is None
     rc, out, _ = run_cli("release", ckpt_root, 4, "--reason", "checked", "--json")
@@ -122,14 +134,24 @@ def test_default_policy_by_kind_of_checkpoint():
     from scout_ckpt.ops.rebuild_ledger import DEFAULT_POLICY, default_policy, strictest
 
     assert default_policy({"topology": {"mode": "adopted"}, "policy": policy.ADOPTED}) == policy.ADOPTED
-    shard = {"topology": {"mode": "fsdp"}, "policy": {"require": ["bytes", "shard_replay", "at_rest", "consensus"],
-                                                       "allow_not_applicable": ["consensus"]}}
+    shard = {
+        "topology": {"mode": "fsdp"},
+        "policy": {"require": ["bytes", "shard_replay", "at_rest", "consensus"], "allow_not_applicable": ["consensus"]},
+    }
     pol = strictest(shard["policy"], default_policy(shard))
     assert "consensus" in pol["allow_not_applicable"] and {"shard_replay", "at_rest"} <= set(pol["require"])
-    vouched = {"topology": {"mode": "fsdp"}, "policy": {"require": ["bytes"], "allow_not_applicable": ["consensus"],
-                                                         "invariants": [{"check": "spectral_bound", "hi": 9}]}}
+    vouched = {
+        "topology": {"mode": "fsdp"},
+        "policy": {
+            "require": ["bytes"],
+            "allow_not_applicable": ["consensus"],
+            "invariants": [{"check": "spectral_bound", "hi": 9}],
+        },
+    }
     assert "consensus" in strictest(vouched["policy"], default_policy(vouched))["allow_not_applicable"]
-    bare = {"topology": {"mode": "fsdp"}, "policy": {"require": [], "allow_not_applicable": ["consensus"],
-                                                      "invariants": ["finite"]}}
+    bare = {
+        "topology": {"mode": "fsdp"},
+        "policy": {"require": [], "allow_not_applicable": ["consensus"], "invariants": ["finite"]},
+    }
     assert default_policy(bare) == DEFAULT_POLICY
     assert strictest(bare["policy"], default_policy(bare))["allow_not_applicable"] == []

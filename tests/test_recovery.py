@@ -41,8 +41,11 @@ def _codes(reasons) -> set[str]:
 
 
 def _sdc(result, step, source):
-    return [e for e in result["events"] if e["kind"] == "sdc" and e["step"] == step
-            and (e["detail"] or {}).get("source") == source]
+    return [
+        e
+        for e in result["events"]
+        if e["kind"] == "sdc" and e["step"] == step and (e["detail"] or {}).get("source") == source
+    ]
 
 
 def _assert_same_final_state(run, clean):
@@ -85,12 +88,19 @@ def test_fsdp_healthy_checkpoints_are_certified_without_replicas(fsdp_clean):
             assert sum(n for k, n in checked.items() if k.startswith("frobenius_sphere")) == 16
             # every replay target (blocks, embedding, head, optimizer) confirmed at or after the save
             replay = ev["replay"]
-            assert set(replay["confirmed_after"]) == {"embedding", "blocks.0", "blocks.1", "blocks.2", "blocks.3",
-                                                      "head", "optimizer"}
+            assert set(replay["confirmed_after"]) == {
+                "embedding",
+                "blocks.0",
+                "blocks.1",
+                "blocks.2",
+                "blocks.3",
+                "head",
+                "optimizer",
+            }
             assert min(replay["confirmed_after"].values()) >= step
 
 
-@pytest.mark.scenario   # 50 s; the same faults under real torchrun: tests/test_fsdp_torchrun.py
+@pytest.mark.scenario  # 50 s; the same faults under real torchrun: tests/test_fsdp_torchrun.py
 @pytest.mark.slow
 def test_fsdp_param_flip_is_attributed_and_crash_resume_is_bitwise(tmp_path, fsdp_clean):
     """Rank 1's shard of a sphere-constrained matrix gets a high exponent bit flipped (asked for step 13, it lands
@@ -105,8 +115,12 @@ def test_fsdp_param_flip_is_attributed_and_crash_resume_is_bitwise(tmp_path, fsd
     assert rejected16 and "invariant_failed" in rejected16[0]["reasons"]
     with Ledger.open(r["dir"], readonly=True) as ledger:
         verdicts = [c for c in ledger.certifications() if c["step"] == 16 and c["state"] == "rejected"]
-        failed = [x for c in verdicts for x in c["reasons"] or []
-                  if x.get("code") == "invariant_failed" and x.get("check") == "frobenius_sphere"]
+        failed = [
+            x
+            for c in verdicts
+            for x in c["reasons"] or []
+            if x.get("code") == "invariant_failed" and x.get("check") == "frobenius_sphere"
+        ]
         assert failed and all(x["ranks"] == [1] for x in failed)
         assert [run["resumed_from"] for run in ledger.runs()] == [None, 8, 16]
     events = _sdc(r, 16, "invariants")
@@ -139,7 +153,7 @@ def test_ddp_mixing_drift_is_named_by_consensus_and_crash_resume_is_bitwise(tmp_
         attributed = [x for x in reasons if x.get("code") == "consensus_attributed"]
         assert attributed and all(x["ranks"] == [2] for x in attributed), reasons
         assert any(t.endswith("mixing.weights") for x in attributed for t in x["tensors"])
-        assert "invariant_failed" not in _codes(reasons)   # a drifted mixture is still a distribution
+        assert "invariant_failed" not in _codes(reasons)  # a drifted mixture is still a distribution
         assert [run["resumed_from"] for run in ledger.runs()] == [None, 4, 8]
     events = _sdc(r, 8, "consensus")
     assert events and all(e["ranks"] == [2] for e in events)
@@ -159,22 +173,31 @@ def test_issue5_injection_options_fail_before_starting(tmp_path):
     with pytest.raises(BadInput, match="needs --mixing online"):
         run_demo(tmp_path / "b", ranks=3, steps=8, save_every=4, inject=["drift:rank=1:step=2"], quiet=True)
     with pytest.raises(BadInput, match="amount"):
-        run_demo(tmp_path / "c", ranks=3, steps=8, save_every=4, mixing="online",
-                 inject=["drift:rank=1:step=2:amount=0"], quiet=True)
+        run_demo(
+            tmp_path / "c",
+            ranks=3,
+            steps=8,
+            save_every=4,
+            mixing="online",
+            inject=["drift:rank=1:step=2:amount=0"],
+            quiet=True,
+        )
     with pytest.raises(BadInput, match="rank 3 does not exist"):
-        run_demo(tmp_path / "d", ranks=3, steps=8, save_every=4, mixing="online",
-                 inject=["drift:rank=3:step=2"], quiet=True)
+        run_demo(
+            tmp_path / "d", ranks=3, steps=8, save_every=4, mixing="online", inject=["drift:rank=3:step=2"], quiet=True
+        )
     assert not any((tmp_path / d).exists() for d in "abcd")
 
 
 def test_param_flip_waits_for_the_next_save_boundary(tmp_path):
     """A flip before a retraction would be rescaled away or smeared over every rank (faults.py): it lands right
     before the first save at or after its step; other faults keep their own step."""
-    fs = faults.parse_all(["param:rank=1:step=13", "param:rank=1:step=16", "param:rank=1:step=23",
-                           "hang:rank=1:step=13"])
+    fs = faults.parse_all(
+        ["param:rank=1:step=13", "param:rank=1:step=16", "param:rank=1:step=23", "hang:rank=1:step=13"]
+    )
     inj = faults.Injector(fs, rank=1, generation=0, root=tmp_path, save_every=8, steps=22)
     assert [inj.due_step(f) for f in fs] == [16, 16, 22, 13]
-    assert faults.Injector(fs, 1, 0, tmp_path).due_step(fs[0]) == 13   # no save schedule known: its own step
+    assert faults.Injector(fs, 1, 0, tmp_path).due_step(fs[0]) == 13  # no save schedule known: its own step
 
 
 def test_drift_spec_round_trips():

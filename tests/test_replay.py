@@ -12,8 +12,13 @@ from scout_ckpt.replay.schedule import Schedule, coverage, discover_targets
 from scout_ckpt.testing.launch import run_ranks
 from tests import workers_replay as w
 
-TARGETS = [("embedding", "embedding"), ("block", "blocks.0"), ("block", "blocks.1"), ("head", "head"),
-           ("optimizer", "optimizer")]
+TARGETS = [
+    ("embedding", "embedding"),
+    ("block", "blocks.0"),
+    ("block", "blocks.1"),
+    ("head", "head"),
+    ("optimizer", "optimizer"),
+]
 
 
 @pytest.fixture
@@ -32,15 +37,22 @@ def row(step, target, status="AGREE", ranks=()):
 
 # ---- coverage and schedule (pure) -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows, status, codes", [
-    ([], "missing", ["replay_coverage_incomplete"]),
-    ([row(i + 1, t) for i, (_, t) in enumerate(TARGETS)], "pass", []),
-    ([row(i + 1, t) for i, (_, t) in enumerate(TARGETS[:-1])], "missing", ["replay_coverage_incomplete"]),
-    ([row(1, t) for _, t in TARGETS] + [row(7, "blocks.1", "ATTRIBUTED", [2])], "fail", ["replay_sdc"]),
-    ([row(1, t) for _, t in TARGETS] + [row(7, "head", "INCONCLUSIVE")], "inconclusive", ["replay_inconclusive"]),
-    ([row(3, "head", "INCONCLUSIVE"), row(4, "blocks.0", "ATTRIBUTED", [1])], "fail",
-     ["replay_sdc", "replay_inconclusive"]),
-])
+
+@pytest.mark.parametrize(
+    "rows, status, codes",
+    [
+        ([], "missing", ["replay_coverage_incomplete"]),
+        ([row(i + 1, t) for i, (_, t) in enumerate(TARGETS)], "pass", []),
+        ([row(i + 1, t) for i, (_, t) in enumerate(TARGETS[:-1])], "missing", ["replay_coverage_incomplete"]),
+        ([row(1, t) for _, t in TARGETS] + [row(7, "blocks.1", "ATTRIBUTED", [2])], "fail", ["replay_sdc"]),
+        ([row(1, t) for _, t in TARGETS] + [row(7, "head", "INCONCLUSIVE")], "inconclusive", ["replay_inconclusive"]),
+        (
+            [row(3, "head", "INCONCLUSIVE"), row(4, "blocks.0", "ATTRIBUTED", [1])],
+            "fail",
+            ["replay_sdc", "replay_inconclusive"],
+        ),
+    ],
+)
 def test_coverage_table(rows, status, codes):
     ev = coverage(rows, TARGETS)
     assert ev["status"] == status
@@ -52,8 +64,9 @@ def test_coverage_details():
     rows = [row(2, "blocks.0"), row(9, "blocks.0"), row(5, "head"), row(6, "blocks.1", "ATTRIBUTED", [3, 1])]
     ev = coverage(rows, TARGETS)
     assert ev["coverage"] == {"embedding": None, "blocks.0": 9, "blocks.1": None, "head": 5, "optimizer": None}
-    assert ev["reasons"] == [{"code": "replay_sdc", "ranks": [1, 3], "target": "blocks.1", "recipe": "block",
-                              "step": 6}]
+    assert ev["reasons"] == [
+        {"code": "replay_sdc", "ranks": [1, 3], "target": "blocks.1", "recipe": "block", "step": 6}
+    ]
     missing = coverage([row(2, "blocks.0")], TARGETS)["reasons"][0]
     assert missing["missing"] == ["embedding", "blocks.1", "head", "optimizer"]
     assert coverage([], [])["status"] == "not_applicable"
@@ -63,16 +76,22 @@ def test_coverage_with_a_save_boundary_sweep():
     """A sweep at the save step S (a clean replay of every target AT S) completes the evidence at once; a fault
     found later counts only against checkpoints after the target's last clean replay; a fault found at S itself
     counts against S even when another replay of the target at S was clean."""
+
     def sweep(s):
         return [row(s, t) for _, t in TARGETS]
 
     assert coverage(sweep(10), TARGETS, step=10)["status"] == "pass"
     assert coverage(sweep(10)[:-1], TARGETS, step=10)["reasons"][0]["code"] == "replay_coverage_incomplete"
     later = sweep(10) + [row(15, "blocks.1", "ATTRIBUTED", [2])] + sweep(20)
-    assert coverage(later, TARGETS, step=10)["status"] == "pass"        # the fault began after 10's sweep
+    assert coverage(later, TARGETS, step=10)["status"] == "pass"  # the fault began after 10's sweep
     ev = coverage([r for r in later if r["step"] > 10], TARGETS, step=20)  # 20's clean sweep does not clear it
-    assert ev["status"] == "fail" and ev["reasons"][0] == {"code": "replay_sdc", "ranks": [2], "target": "blocks.1",
-                                                           "recipe": "block", "step": 15}
+    assert ev["status"] == "fail" and ev["reasons"][0] == {
+        "code": "replay_sdc",
+        "ranks": [2],
+        "target": "blocks.1",
+        "recipe": "block",
+        "step": 15,
+    }
     same_step = sweep(10) + [row(10, "head", "ATTRIBUTED", [1])]
     assert coverage(same_step, TARGETS, step=10)["status"] == "fail"
 
@@ -99,6 +118,7 @@ def test_discover_targets_on_test_and_demo_models(one_thread):
 
 # ---- exactness of capture and re-execution (one process) ------------------------------------------------------
 
+
 def test_replay_reproduces_the_live_forward_and_backward_bitwise(one_thread):
     """The replay of a captured block (dropout on, so RNG matters) gives the live output and gradients exactly,
     and the capture changes nothing in the live run."""
@@ -116,7 +136,7 @@ def test_replay_reproduces_the_live_forward_and_backward_bitwise(one_thread):
     model(tokens).square().mean().backward()
     cap.disarm()
     assert not cap.armed and len(block._forward_pre_hooks) == 0
-    live_out = seen["out"]   # the user's hook runs on replays too (part of the model's math): keep the live value
+    live_out = seen["out"]  # the user's hook runs on replays too (part of the model's math): keep the live value
     live_grads = {n: p.grad.clone() for n, p in block.named_parameters()}
     rng_before = torch.get_rng_state()
     labels, tensors = replay_module(block, cap.invocation)
@@ -148,12 +168,12 @@ def test_a_referenced_capture_replays_like_a_copy_and_goes_stale_on_any_in_place
     model(torch.randint(0, w.VOCAB, (2, w.SEQ))).square().mean().backward()
     ref.disarm()
     cp.disarm()
-    assert ref.invocation.intact() and len(ref.invocation.held) == 2   # the input and the output's gradient
+    assert ref.invocation.intact() and len(ref.invocation.held) == 2  # the input and the output's gradient
     assert ref.invocation.args[0].data_ptr() != cp.invocation.args[0].data_ptr()
     a, b = replay_module(block, ref.invocation)[1], replay_module(block, cp.invocation)[1]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     with torch.no_grad():
-        ref.invocation.grad_outputs[0].mul_(1.0)   # a write, even of the same values, bumps the version
+        ref.invocation.grad_outputs[0].mul_(1.0)  # a write, even of the same values, bumps the version
     assert not ref.invocation.intact()
 
     class InPlace(torch.nn.Module):
@@ -232,17 +252,28 @@ def test_batched_signatures_are_replica_signatures_row_by_row(one_thread):
         return [s64(d >> 64), s64(d)]
 
     g = torch.Generator().manual_seed(3)
-    items = [torch.randn(3, 4, generator=g), torch.randn(5, 7, generator=g).t(), torch.tensor(3.0), torch.zeros(0),
-             torch.randn(SMALL_PLAIN // 4 + 5, generator=g), torch.randn(4, requires_grad=True) * 2,
-             torch.randint(0, 9, (6,), generator=g), torch.tensor([True, False]), torch.randn(8).bfloat16(),
-             torch.randn(3, dtype=torch.complex64).conj(), torch.randn(2, 3)[:, 1], b"bytes",
-             torch.randn(2, 3, generator=g)[1], torch.randn(40, 40, generator=g)]
+    items = [
+        torch.randn(3, 4, generator=g),
+        torch.randn(5, 7, generator=g).t(),
+        torch.tensor(3.0),
+        torch.zeros(0),
+        torch.randn(SMALL_PLAIN // 4 + 5, generator=g),
+        torch.randn(4, requires_grad=True) * 2,
+        torch.randint(0, 9, (6,), generator=g),
+        torch.tensor([True, False]),
+        torch.randn(8).bfloat16(),
+        torch.randn(3, dtype=torch.complex64).conj(),
+        torch.randn(2, 3)[:, 1],
+        b"bytes",
+        torch.randn(2, 3, generator=g)[1],
+        torch.randn(40, 40, generator=g),
+    ]
     sigs = replica_signatures(items)
     assert sigs.tolist() == [oracle(t) for t in items]
     assert torch.equal(sigs, torch.cat([replica_signatures([t]) for t in items]))
     flipped = list(items)
     last = items[-1].clone()
-    last.view(-1).view(torch.int32)[last.numel() // 2 + 7] ^= 1   # one low mantissa bit, mid-tensor
+    last.view(-1).view(torch.int32)[last.numel() // 2 + 7] ^= 1  # one low mantissa bit, mid-tensor
     flipped[-1] = last
     again = replica_signatures(flipped)
     assert torch.equal(again[:-1], sigs[:-1]) and not torch.equal(again[-1], sigs[-1])
@@ -271,8 +302,11 @@ def test_a_target_whose_tensors_cannot_be_hashed_alone_loses_its_signatures(one_
     from scout_ckpt.replay.runner import ReplayRunner
 
     good = [torch.randn(5), torch.randn(3, 3)]
-    results = [[["a", "b"], list(good), 0.0, None], [["c"], [torch.empty(2, device="meta")], 0.0, None],
-               [["d", "e"], list(good), 0.0, None]]
+    results = [
+        [["a", "b"], list(good), 0.0, None],
+        [["c"], [torch.empty(2, device="meta")], 0.0, None],
+        [["d", "e"], list(good), 0.0, None],
+    ]
     work = [(0, ("block", "x"), None), (1, ("block", "y"), None), (2, ("head", "z"), None)]
     pending = [0, 1, 2]
     with pytest.warns(UserWarning, match="replay of y at step 4 failed"):
@@ -284,16 +318,20 @@ def test_a_target_whose_tensors_cannot_be_hashed_alone_loses_its_signatures(one_
     assert torch.equal(results[2][1], _xxh3_signatures(good))
 
 
-@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
-                                  "RMSprop", "Rprop"])
+@pytest.mark.parametrize(
+    "name", ["SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop"]
+)
 def test_windows_updated_together_land_on_the_live_update_bitwise(name, one_thread):
     """replay_update runs the windows of a group that share their scalar state as one tensor: every window must
     still land on the live update's bits (the independent oracle: the live optimizer on whole tensors), for every
     elementwise optimizer, with state and without (first step), and the windows must really be merged."""
     from scout_ckpt.replay.optimizer_replay import OptimizerCapture, _bucket, replay_update
 
-    kw = {"SGD": {"lr": 0.1, "momentum": 0.9}, "Adam": {"amsgrad": True, "weight_decay": 0.01},
-          "RMSprop": {"momentum": 0.5, "centered": True}}.get(name, {})
+    kw = {
+        "SGD": {"lr": 0.1, "momentum": 0.9},
+        "Adam": {"amsgrad": True, "weight_decay": 0.01},
+        "RMSprop": {"momentum": 0.5, "centered": True},
+    }.get(name, {})
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 13), (1000,), (3,), (1,), (64, 64)]]
     opt = getattr(torch.optim, name)(params, **kw)
@@ -309,11 +347,13 @@ def test_windows_updated_together_land_on_the_live_update_bitwise(name, one_thre
         assert len({_bucket(c, i) for i in range(len(c.params))}) < len(c.params)  # some windows merged
         new_p, new_s = replay_update(type(opt), opt.defaults, c)
         assert all(torch.equal(a, b) for a, b in zip(new_p, c.after_params)), (name, step)
-        assert all(sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
-                   for a, b in zip(new_s, c.after_state)), (name, step)
+        assert all(
+            sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b) for a, b in zip(new_s, c.after_state)
+        ), (name, step)
 
 
 # ---- real gloo runs -------------------------------------------------------------------------------------------
+
 
 def _rows(outcomes):
     rows = [o.result["rows"] for o in outcomes]
@@ -339,8 +379,10 @@ def test_healthy_run_agrees_everywhere_and_never_perturbs_training():
 def test_one_rank_computing_a_block_wrongly_is_attributed():
     rows = _rows(run_ranks(w.w_sdc, 3, 12, faults={1: (1, 3, 1.5)}, timeout=120))
     bad = [r for r in rows if r["status"] != "AGREE"]
-    assert bad and all(r["status"] == "ATTRIBUTED" and r["ranks"] == [1] and r["recipe"] == "block"
-                       and r["target"] == "blocks.1" for r in bad)
+    assert bad and all(
+        r["status"] == "ATTRIBUTED" and r["ranks"] == [1] and r["recipe"] == "block" and r["target"] == "blocks.1"
+        for r in bad
+    )
     assert [r["step"] for r in bad] == [r["step"] for r in rows if r["target"] == "blocks.1" and r["step"] >= 3]
     assert "output[0]" in bad[0]["detail"]["disagree"]
     ev = coverage(rows, TARGETS)
@@ -350,8 +392,7 @@ def test_one_rank_computing_a_block_wrongly_is_attributed():
 def test_two_ranks_with_the_same_fault_are_inconclusive():
     rows = _rows(run_ranks(w.w_sdc, 4, 8, faults={1: (0, 2, 1.5), 2: (0, 2, 1.5)}, timeout=120))
     bad = [r for r in rows if r["status"] != "AGREE"]
-    assert bad and all(r["status"] == "INCONCLUSIVE" and r["ranks"] == [] and r["target"] == "blocks.0"
-                       for r in bad)
+    assert bad and all(r["status"] == "INCONCLUSIVE" and r["ranks"] == [] and r["target"] == "blocks.0" for r in bad)
     assert sorted(map(sorted, bad[0]["detail"]["split"])) == [[0, 3], [1, 2]]
     assert coverage(rows, TARGETS)["status"] == "inconclusive"
 
@@ -373,15 +414,18 @@ def test_fsdp_replays_full_parameters_over_the_world():
     for r in rows:
         by_target.setdefault(r["target"], []).append(r)
     assert all(r["status"] == "AGREE" for t, rs in by_target.items() if t != "blocks.0" for r in rs)
-    assert [(r["step"], r["status"], r["ranks"]) for r in by_target["blocks.0"]] == [(2, "AGREE", []),
-                                                                                    (7, "ATTRIBUTED", [2])]
+    assert [(r["step"], r["status"], r["ranks"]) for r in by_target["blocks.0"]] == [
+        (2, "AGREE", []),
+        (7, "ATTRIBUTED", [2]),
+    ]
 
 
 def test_a_rank_slow_in_every_replay_is_reported_as_a_straggler():
     """The statistical rule (median + MAD with floors, confirmed over 3 rounds) on replay timings: 0.25 s extra
     per block forward on rank 2 against a few milliseconds of replay elsewhere."""
-    outcomes = run_ranks(w.w_sdc, 3, 6, slow=(2, 0.25), targets=[("block", "blocks.0"), ("block", "blocks.1")],
-                         timeout=120)
+    outcomes = run_ranks(
+        w.w_sdc, 3, 6, slow=(2, 0.25), targets=[("block", "blocks.0"), ("block", "blocks.1")], timeout=120
+    )
     rows = _rows(outcomes)
     assert {r["status"] for r in rows} == {"AGREE"}  # slow is not wrong
     events = outcomes[0].result["events"]
@@ -402,20 +446,19 @@ def test_save_forecast_said_configured_learned_or_maybe():
     from scout_ckpt.replay.schedule import SaveForecast
 
     f = SaveForecast()
-    assert f.due(3) and not f.due(3, known=True)          # nothing known: maybe every step, never "known"
+    assert f.due(3) and not f.due(3, known=True)  # nothing known: maybe every step, never "known"
     f.saved(10)
     f.saved(25)
-    assert f.due(40, known=True) and not f.due(39) and not f.due(25)   # the period 15 continued, forward only
+    assert f.due(40, known=True) and not f.due(39) and not f.due(25)  # the period 15 continued, forward only
     g = SaveForecast(save_every=8)
     assert g.due(16, known=True) and not g.due(12)
     h = SaveForecast()
     h.expect(7)
-    assert h.due(7, known=True) and not h.due(8)           # said once: no capture on mere suspicion after that
+    assert h.due(7, known=True) and not h.due(8)  # said once: no capture on mere suspicion after that
     h.saved(7)
     assert 7 not in h.expected and h.saves == [7]
     with pytest.raises(ValueError, match="save_every must be >= 1"):
         SaveForecast(save_every=0)
-
 
 
 def test_the_automatic_rotation_interval_follows_the_save_period_and_an_explicit_one_is_kept():
@@ -426,9 +469,9 @@ def test_the_automatic_rotation_interval_follows_the_save_period_and_an_explicit
     f = SaveForecast(None)
     assert f.period() is None and rotation_interval(None, f.period()) == 10
     f.saved(100)
-    assert f.period() is None                      # one save: the period is not known yet
+    assert f.period() is None  # one save: the period is not known yet
     f.saved(200)
     assert f.period() == 100 and rotation_interval(None, f.period()) == 50
     assert rotation_interval(None, 400) == 200 and rotation_interval(None, 12) == 10
     assert rotation_interval(1, 400) == 1 and rotation_interval(10, 400) == 10
-    assert SaveForecast(25).period() == 25         # a configured save_every is the period at once
+    assert SaveForecast(25).period() == 25  # a configured save_every is the period at once

@@ -34,9 +34,16 @@ def run_cli(*args):
 
     if args[0] != "certify":
         return _run_cli(*args)
-    p = subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=600, check=False,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    p = subprocess.run(
+        [*CLI, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     return p.returncode, p.stdout, p.stderr
+
 
 STEPS, SAVE_EVERY, FAULT = 12, 4, (1, 1, 6, 1.5)
 
@@ -45,16 +52,27 @@ STEPS, SAVE_EVERY, FAULT = 12, 4, (1, 1, 6, 1.5)
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("certified")
     roots = base / "fault", base / "healthy", base / "ddp_fault"
-    out = run_ranks(W.w_sdc_and_healthy, 3, *map(str, roots), STEPS, SAVE_EVERY, FAULT, SAVE_EVERY - 1,
-                    timeout=900, pg_timeout_s=300)
+    out = run_ranks(
+        W.w_sdc_and_healthy,
+        3,
+        *map(str, roots),
+        STEPS,
+        SAVE_EVERY,
+        FAULT,
+        SAVE_EVERY - 1,
+        timeout=900,
+        pg_timeout_s=300,
+    )
     return roots, [o.result for o in out]
 
 
 def _first_verdicts(root):
     """The first recorded state of each step: what its commit decided, before any later evidence."""
     with Ledger.open(root, readonly=True) as led:
-        return {r["step"]: next(h["state"] for h in led.certifications(r["step"]) if h["state"] != "writing")
-                for r in led.checkpoints()}
+        return {
+            r["step"]: next(h["state"] for h in led.certifications(r["step"]) if h["state"] != "writing")
+            for r in led.checkpoints()
+        }
 
 
 @pytest.mark.slow
@@ -62,7 +80,7 @@ def test_sdc_between_two_saves_rejects_the_next_checkpoint_at_its_commit(runs):
     (root, _, _), results = runs
     res = [r["fault"] for r in results]
     assert res[0]["mode"] == "fsdp" and res[0]["replay"]
-    for r in res:   # the live state is bad: save 8 raised LiveStateCorrupt on every rank, the generation ended
+    for r in res:  # the live state is bad: save 8 raised LiveStateCorrupt on every rank, the generation ended
         assert {s: v["state"] for s, v in r["verdicts"].items()} == {4: "certified", 8: "rejected"}
         assert r["ended"] == 8
     sdc = [x for x in res[0]["verdicts"][8]["reasons"] if x["code"] == "replay_sdc"]
@@ -85,7 +103,7 @@ def test_sdc_in_a_ddp_job_with_the_defaults_is_attributed_and_never_certified(ru
         assert r["ended"] == 8
     reasons = res[0]["verdicts"][8]["reasons"]
     assert {(x["target"], tuple(x["ranks"])) for x in reasons if x["code"] == "replay_sdc"} == {("layers.1", (1,))}
-    assert not any(x["code"].startswith("consensus") for x in reasons), reasons   # the replicas agreed
+    assert not any(x["code"].startswith("consensus") for x in reasons), reasons  # the replicas agreed
     rc, out, _ = run_cli("resume", root, "--latest-clean")
     assert rc == 0 and out.strip().endswith("step-00000004")
 
@@ -96,8 +114,7 @@ def test_healthy_user_script_certifies_every_checkpoint_at_its_commit(runs):
     res = [r["healthy"] for r in results]
     assert res[0]["mode"] == "ddp" and res[0]["replay"]
     for r in res:
-        assert {s: v["state"] for s, v in r["verdicts"].items()} == {4: "certified", 8: "certified",
-                                                                     12: "certified"}
+        assert {s: v["state"] for s, v in r["verdicts"].items()} == {4: "certified", 8: "certified", 12: "certified"}
         assert r["ended"] is None
     assert _first_verdicts(root) == {4: "certified", 8: "certified", 12: "certified"}
     rc, out, _ = run_cli("resume", root, "--latest-clean", "--require", "replay")
@@ -109,23 +126,35 @@ def test_healthy_user_script_certifies_every_checkpoint_at_its_commit(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.scenario   # 4 ranks (HSDP 2 x 2), two runs: make scenarios
+@pytest.mark.scenario  # 4 ranks (HSDP 2 x 2), two runs: make scenarios
 def test_sdc_in_an_hsdp_job_with_the_defaults_is_attributed_and_a_healthy_one_certifies(tmp_path):
     """HSDP on a 2 x 2 (replicate, shard) mesh, the defaults: rank 1's layers.1 computes wrongly from step 6 ->
     save 8 rejected at its commit (replay_sdc naming layers.1 and rank 1: four peers, a strict majority), the
     generation ended there; the same job without the fault certifies every save."""
-    out = run_ranks(W.w_user_script, 4, str(tmp_path / "fault"), "hsdp", STEPS, SAVE_EVERY, fault=FAULT,
-                    timeout=900, pg_timeout_s=300)
+    out = run_ranks(
+        W.w_user_script,
+        4,
+        str(tmp_path / "fault"),
+        "hsdp",
+        STEPS,
+        SAVE_EVERY,
+        fault=FAULT,
+        timeout=900,
+        pg_timeout_s=300,
+    )
     for o in out:
         r = o.result
         assert r["mode"].startswith("hsdp") and r["replay"], r["mode"]
         assert {s: v["state"] for s, v in r["verdicts"].items()} == {4: "certified", 8: "rejected"}, r["verdicts"]
     reasons = out[0].result["verdicts"][8]["reasons"]
     assert {(x["target"], tuple(x["ranks"])) for x in reasons if x["code"] == "replay_sdc"} == {("layers.1", (1,))}
-    out = run_ranks(W.w_user_script, 4, str(tmp_path / "healthy"), "hsdp", STEPS, SAVE_EVERY, timeout=900,
-                    pg_timeout_s=300)
-    assert all({s: v["state"] for s, v in o.result["verdicts"].items()} == {4: "certified", 8: "certified",
-                                                                             12: "certified"} for o in out)
+    out = run_ranks(
+        W.w_user_script, 4, str(tmp_path / "healthy"), "hsdp", STEPS, SAVE_EVERY, timeout=900, pg_timeout_s=300
+    )
+    assert all(
+        {s: v["state"] for s, v in o.result["verdicts"].items()} == {4: "certified", 8: "certified", 12: "certified"}
+        for o in out
+    )
 
 
 @pytest.mark.slow
@@ -136,8 +165,11 @@ def test_healthy_demo_with_the_defaults_certifies_every_checkpoint(tmp_path):
     # a generous stall threshold: a false hang on a loaded machine would restart the job (not what is tested)
     r = run_demo(tmp_path / "run", ranks=2, steps=12, save_every=4, mode="fsdp", quiet=True, stall_s=30.0)
     assert r["completed"] and r["restarts"] == 0, r["generations"]
-    assert [(c["step"], c["state"]) for c in r["checkpoints"]] == [(4, "certified"), (8, "certified"),
-                                                                   (12, "certified")]
+    assert [(c["step"], c["state"]) for c in r["checkpoints"]] == [
+        (4, "certified"),
+        (8, "certified"),
+        (12, "certified"),
+    ]
     assert _first_verdicts(r["dir"]) == {4: "certified", 8: "certified", 12: "certified"}
     with Ledger.open(r["dir"], readonly=True) as led:
         assert "replay" in led.runs()[0]["policy"]["require"]  # the library default for FSDP

@@ -47,7 +47,7 @@ from tests.conftest import REPO
 from tests.placement import place
 
 JOB = REPO / "tests" / "scripts" / "live_fault_job.py"
-SAVES = (4, 8, 12)   # --steps 12 --save-every 4
+SAVES = (4, 8, 12)  # --steps 12 --save-every 4
 
 
 def source(save: int, world: int) -> int:
@@ -71,8 +71,19 @@ def torchrun(n: int, root, *args) -> list[dict]:
     can interleave), by rank."""
     out = Path(f"{root}.records")
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-           str(JOB), str(root), "--out", str(out), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(n),
+        str(JOB),
+        str(root),
+        "--out",
+        str(out),
+        *map(str, args),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     recs = [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
@@ -82,8 +93,14 @@ def torchrun(n: int, root, *args) -> list[dict]:
 def ledger_view(root) -> dict:
     """Per saved step: its state, its reasons and its replay evidence, from the ledger."""
     with Ledger.open(root, readonly=True) as led:
-        return {r["step"]: {"state": r["state"], "replay": led.evidence(r["step"]).get("replay") or {},
-                            "reasons": (r.get("reasons") or [])} for r in led.checkpoints()}
+        return {
+            r["step"]: {
+                "state": r["state"],
+                "replay": led.evidence(r["step"]).get("replay") or {},
+                "reasons": (r.get("reasons") or []),
+            }
+            for r in led.checkpoints()
+        }
 
 
 def _replay_reasons(view: dict, step: int) -> list[dict]:
@@ -91,14 +108,16 @@ def _replay_reasons(view: dict, step: int) -> list[dict]:
 
 
 def _assert_caught(recs, view, step, target, *, ranks, code, live_step, pl):
-    for r in recs:   # the save's verdict ended the generation on every rank, at that save
+    for r in recs:  # the save's verdict ended the generation on every rank, at that save
         assert r["live_state_corrupt"] == step, (pl, r)
         assert all(v["state"] == "certified" for s, v in r["verdicts"].items() if int(s) < step), (pl, r["verdicts"])
     assert view[step]["state"] == "rejected", (pl, view[step])
     reasons = _replay_reasons(view, step)
-    assert any(x["code"] == code and x["target"] == target and x["ranks"] == ranks
-               and bool(x.get("live_step")) == live_step for x in reasons), (pl, reasons)
-    assert max(view) == step, (pl, view)   # nothing saved after it
+    assert any(
+        x["code"] == code and x["target"] == target and x["ranks"] == ranks and bool(x.get("live_step")) == live_step
+        for x in reasons
+    ), (pl, reasons)
+    assert max(view) == step, (pl, view)  # nothing saved after it
     _assert_resumed_before(recs, step, pl)
 
 
@@ -122,6 +141,7 @@ def _assert_every_rank_checked(view, steps, world, pl=None):
 
 # ---- default tier: 2 ranks, a plain DDP MLP --------------------------------------------------------------------
 
+
 def test_a_fault_of_a_non_source_ranks_live_step_is_attributed_at_that_save_with_2_ranks(tmp_path, request):
     """One rank's live forward of one saved step only (8 or 12, a save whose sweep source is the OTHER rank:
     placed by the seed) is off in one channel of blocks.1's output; every rank carries a user's math hook
@@ -131,8 +151,23 @@ def test_a_fault_of_a_non_source_ranks_live_step_is_attributed_at_that_save_with
     before, the digest the job printed then."""
     pl = non_source_fault(request, 2, saves=(8, 12))
     root = tmp_path / "run"
-    recs = torchrun(2, root, "--model", "mlp", "--steps", 12, "--save-every", 4, "--math-hook",
-                    "--fault-rank", pl.rank, "--fault-step", pl.step, "--fault-module", "blocks.1")
+    recs = torchrun(
+        2,
+        root,
+        "--model",
+        "mlp",
+        "--steps",
+        12,
+        "--save-every",
+        4,
+        "--math-hook",
+        "--fault-rank",
+        pl.rank,
+        "--fault-step",
+        pl.step,
+        "--fault-module",
+        "blocks.1",
+    )
     view = ledger_view(root)
     assert all(view[s]["state"] == "certified" for s in SAVES if s < pl.step), (pl, view)
     _assert_every_rank_checked(view, [s for s in SAVES if s <= pl.step], 2, pl)
@@ -152,10 +187,12 @@ LIVE_CASES = [  # (model, ranks, fault kind, the module it strikes, the target t
 
 
 @pytest.mark.scenario
-@pytest.mark.parametrize("model,world,kind,module,target", LIVE_CASES,
-                         ids=[f"{m}-{w}ranks-{k}" for m, w, k, _, _ in LIVE_CASES])
-def test_a_live_step_fault_on_a_non_source_rank_is_attributed_at_that_save(tmp_path, request, model, world, kind,
-                                                                          module, target):
+@pytest.mark.parametrize(
+    "model,world,kind,module,target", LIVE_CASES, ids=[f"{m}-{w}ranks-{k}" for m, w, k, _, _ in LIVE_CASES]
+)
+def test_a_live_step_fault_on_a_non_source_rank_is_attributed_at_that_save(
+    tmp_path, request, model, world, kind, module, target
+):
     """DDP MLP and FSDP2 (frozen parameters beside trainable ones), 2 and 3 ranks: one rank's live forward
     (`forward`) or live backward only (`grad-input`: a full backward hook on the block alters the gradient it
     passes to its input; `grad-param`: a hook on a block's weight alters its gradient before DDP averages it) at
@@ -164,8 +201,24 @@ def test_a_live_step_fault_on_a_non_source_rank_is_attributed_at_that_save(tmp_p
     before (its printed digest)."""
     pl = non_source_fault(request, world)
     root = tmp_path / "run"
-    recs = torchrun(world, root, "--model", model, "--steps", 12, "--save-every", 4, "--fault-kind", kind,
-                    "--fault-rank", pl.rank, "--fault-step", pl.step, "--fault-module", module)
+    recs = torchrun(
+        world,
+        root,
+        "--model",
+        model,
+        "--steps",
+        12,
+        "--save-every",
+        4,
+        "--fault-kind",
+        kind,
+        "--fault-rank",
+        pl.rank,
+        "--fault-step",
+        pl.step,
+        "--fault-module",
+        module,
+    )
     view = ledger_view(root)
     _assert_every_rank_checked(view, [s for s in SAVES if s <= pl.step], world, pl)
     _assert_caught(recs, view, pl.step, target, ranks=[pl.rank], code="replay_sdc", live_step=True, pl=pl)
@@ -180,32 +233,59 @@ def test_a_fault_of_one_ranks_live_step_is_attributed_with_3_ranks_gpt2_accelera
     the save before."""
     pl = place(request, ranks=range(3), steps=SAVES)
     root = tmp_path / "run"
-    recs = torchrun(3, root, "--model", "gpt2", "--steps", 12, "--save-every", 4,
-                    "--fault-rank", pl.rank, "--fault-step", pl.step, "--fault-module", "transformer.h.1")
+    recs = torchrun(
+        3,
+        root,
+        "--model",
+        "gpt2",
+        "--steps",
+        12,
+        "--save-every",
+        4,
+        "--fault-rank",
+        pl.rank,
+        "--fault-step",
+        pl.step,
+        "--fault-module",
+        "transformer.h.1",
+    )
     assert "optimizer" in recs[0]["targets"] and "transformer.h.1" in recs[0]["targets"], pl
     view = ledger_view(root)
     assert all(view[s]["state"] == "certified" for s in SAVES if s < pl.step), (pl, view)
-    _assert_caught(recs, view, pl.step, "transformer.h.1", ranks=[pl.rank], code="replay_sdc", live_step=True,
-                   pl=pl)
+    _assert_caught(recs, view, pl.step, "transformer.h.1", ranks=[pl.rank], code="replay_sdc", live_step=True, pl=pl)
 
 
 @pytest.mark.scenario
-def test_gpt2_accelerate_live_fault_with_2_ranks_is_attributed_and_a_healthy_run_stays_certified(tmp_path,
-                                                                                                request):
+def test_gpt2_accelerate_live_fault_with_2_ranks_is_attributed_and_a_healthy_run_stays_certified(tmp_path, request):
     """2 ranks, GPT-2 + accelerate with gradient checkpointing (the block's forward runs again in the backward,
     cleanly): one rank's live step at a save (either rank, either role: placed by the seed) faulty -> that rank
     named (it disagrees with its own replay), generation ended.
     The same job without the fault, dropout on and accelerate's bf16 autocast (the live forward's autocast is
     replayed): every save certified, both ranks' live steps checked at every save."""
     pl = place(request, ranks=range(2), steps=SAVES)
-    recs = torchrun(2, tmp_path / "fault", "--model", "gpt2", "--steps", 12, "--save-every", 4, "--grad-ckpt",
-                    "--fault-rank", pl.rank, "--fault-step", pl.step, "--fault-module", "transformer.h.1")
+    recs = torchrun(
+        2,
+        tmp_path / "fault",
+        "--model",
+        "gpt2",
+        "--steps",
+        12,
+        "--save-every",
+        4,
+        "--grad-ckpt",
+        "--fault-rank",
+        pl.rank,
+        "--fault-step",
+        pl.step,
+        "--fault-module",
+        "transformer.h.1",
+    )
     view = ledger_view(tmp_path / "fault")
-    _assert_caught(recs, view, pl.step, "transformer.h.1", ranks=[pl.rank], code="replay_sdc", live_step=True,
-                   pl=pl)
+    _assert_caught(recs, view, pl.step, "transformer.h.1", ranks=[pl.rank], code="replay_sdc", live_step=True, pl=pl)
 
-    recs = torchrun(2, tmp_path / "healthy", "--model", "gpt2", "--steps", 12, "--save-every", 4,
-                    "--mixed-precision", "bf16")
+    recs = torchrun(
+        2, tmp_path / "healthy", "--model", "gpt2", "--steps", 12, "--save-every", 4, "--mixed-precision", "bf16"
+    )
     view = ledger_view(tmp_path / "healthy")
     assert {s: v["state"] for s, v in view.items()} == {4: "certified", 8: "certified", 12: "certified"}
     _assert_every_rank_checked(view, SAVES, 2)
@@ -214,8 +294,7 @@ def test_gpt2_accelerate_live_fault_with_2_ranks_is_attributed_and_a_healthy_run
 
 
 @pytest.mark.scenario
-def test_a_persistent_fault_inside_a_target_is_attributed_at_the_first_save_whatever_the_source(tmp_path,
-                                                                                                request):
+def test_a_persistent_fault_inside_a_target_is_attributed_at_the_first_save_whatever_the_source(tmp_path, request):
     """3 ranks, DDP MLP: one rank's blocks.2 activation (inside the target, not its output) off from a step on
     (rank and step 2-8 placed by the seed), at every call. At the first save from that step, whichever rank is
     its source, the faulty rank's replays repeat the fault and disagree with the others -> replay_sdc naming it
@@ -223,8 +302,23 @@ def test_a_persistent_fault_inside_a_target_is_attributed_at_the_first_save_what
     pl = place(request, ranks=range(3), steps=range(2, 9))
     caught = first_save_from(pl.step)
     root = tmp_path / "run"
-    recs = torchrun(3, root, "--model", "mlp", "--steps", 12, "--save-every", 4, "--persistent",
-                    "--fault-rank", pl.rank, "--fault-step", pl.step, "--fault-module", "blocks.2.act")
+    recs = torchrun(
+        3,
+        root,
+        "--model",
+        "mlp",
+        "--steps",
+        12,
+        "--save-every",
+        4,
+        "--persistent",
+        "--fault-rank",
+        pl.rank,
+        "--fault-step",
+        pl.step,
+        "--fault-module",
+        "blocks.2.act",
+    )
     view = ledger_view(root)
     _assert_every_rank_checked(view, [caught], 3, pl)
     _assert_caught(recs, view, caught, "blocks.2", ranks=[pl.rank], code="replay_sdc", live_step=False, pl=pl)
@@ -247,6 +341,7 @@ def test_a_healthy_run_with_a_math_hook_and_dropout_stays_certified(tmp_path, mo
 
 
 # ---- one process: the live signature and its replay, bit for bit ----------------------------------------------
+
 
 @pytest.fixture
 def one_thread():
@@ -277,13 +372,14 @@ def _capture_and_replay(autocast: bool = False, fault_once: bool = False):
     torch.manual_seed(0)
     blocks = nn.Sequential(_Block(), _Block(), _Block())
     target = blocks[1]
-    target.register_forward_hook(lambda m, a, out: out * 0.5)        # the user's math: before the capture's hook
+    target.register_forward_hook(lambda m, a, out: out * 0.5)  # the user's math: before the capture's hook
     target.fc1.register_forward_hook(lambda m, a, out: out + 0.25)  # inside the target: replayed too
     calls = []
 
-    def once(m, a, out):   # a fault of the live forward only: the replay's call is the second
+    def once(m, a, out):  # a fault of the live forward only: the replay's call is the second
         calls.append(1)
         return out + 1e-3 if fault_once and len(calls) == 1 else None
+
     target.fc2.register_forward_hook(once)
     cap = ModuleCapture(target, live=True, refs=True)
     cap.arm()
@@ -311,7 +407,7 @@ def test_a_live_only_fault_differs_from_the_replay_and_plumbing_hooks_are_not_re
     from scout_ckpt.replay.execute import _plumbing, replay_module, replaying
 
     live, replayed, target, cap = _capture_and_replay(fault_once=True)
-    assert not torch.equal(live, replayed)   # the live step's fault, which its replay does not repeat
+    assert not torch.equal(live, replayed)  # the live step's fault, which its replay does not repeat
     # a user's hook can tell a replay from the live step
     seen = []
     target.fc2.register_forward_hook(lambda m, a, out: seen.append(replaying()))
@@ -332,7 +428,7 @@ def _grad_run(capture: bool, grad_fault: bool = False, input_fault: bool = False
     torch.manual_seed(0)
     blocks = nn.Sequential(_Block(), _Block(), _Block())
     target = blocks[1]
-    target.register_forward_hook(lambda m, a, out: out * 0.5)   # the user's math
+    target.register_forward_hook(lambda m, a, out: out * 0.5)  # the user's math
     if grad_fault:
         target.fc2.weight.register_hook(lambda g: g + 1e-3)
     if input_fault:
@@ -344,7 +440,7 @@ def _grad_run(capture: bool, grad_fault: bool = False, input_fault: bool = False
         cap.arm()
     x = torch.randn(4, 16, requires_grad=True)
     h = blocks[0](x)
-    y = blocks[2](target(h) + 0.3 * h)     # h feeds the target AND the skip: its total gradient is not the target's
+    y = blocks[2](target(h) + 0.3 * h)  # h feeds the target AND the skip: its total gradient is not the target's
     y.square().mean().backward()
     if cap is not None:
         cap.disarm()
@@ -354,7 +450,7 @@ def _grad_run(capture: bool, grad_fault: bool = False, input_fault: bool = False
 def _transformers_or_skip():
     """transformers, an optional extra: skipped on a plain install, but under CI (where `make test` installs
     the extras) its absence fails, so a broken extra cannot hide behind a skip."""
-    if os.environ.get("CI", "").lower() in ("true", "1"):   # as .ci/run sets it (and tests/test_report.py reads it)
+    if os.environ.get("CI", "").lower() in ("true", "1"):  # as .ci/run sets it (and tests/test_report.py reads it)
         import transformers
 
         return transformers
@@ -368,14 +464,17 @@ def _target_share():
     torch.manual_seed(0)
     blocks = nn.Sequential(_Block(), _Block(), _Block())
     target = blocks[1]
-    target.register_forward_hook(lambda m, a, out: out * 0.5)   # the user's math, as in _grad_run
+    target.register_forward_hook(lambda m, a, out: out * 0.5)  # the user's math, as in _grad_run
     x = torch.randn(4, 16, requires_grad=True)
     h = blocks[0](x)
     own = h.detach().requires_grad_()
     out = target(own)
     blocks[2](out + 0.3 * h).square().mean().backward()
-    return {"output[0]": out.detach(), "grad_input[0]": own.grad,
-            **{f"grad_param:{n}": p.grad for n, p in target.named_parameters()}}
+    return {
+        "output[0]": out.detach(),
+        "grad_input[0]": own.grad,
+        **{f"grad_param:{n}": p.grad for n, p in target.named_parameters()},
+    }
 
 
 def test_the_live_gradients_are_this_modules_share_and_the_replay_reproduces_them(one_thread):
@@ -399,10 +498,10 @@ def test_the_live_gradients_are_this_modules_share_and_the_replay_reproduces_the
         assert torch.equal(t, share[label]), label
     assert live.self_check(labels, replica_signatures(tensors), inv) == live.SELF_AGREE
 
-    for fault in ("grad_fault", "input_fault"):   # the live backward alone altered: a parameter's, the input's
+    for fault in ("grad_fault", "input_fault"):  # the live backward alone altered: a parameter's, the input's
         _, cap, target = _grad_run(capture=True, **{fault: True})
         labels, tensors = replay_module(target, cap.invocation, hook_ids=cap.hook_ids)
-        for label, t in zip(labels, tensors, strict=True):   # the replay is the healthy computation still
+        for label, t in zip(labels, tensors, strict=True):  # the replay is the healthy computation still
             assert torch.equal(t, share[label]), (fault, label)
         assert live.self_check(labels, replica_signatures(tensors), cap.invocation) == live.SELF_GRAD, fault
 
@@ -420,11 +519,12 @@ def test_a_live_output_fault_fails_the_self_check_and_a_module_run_twice_signs_n
 
     torch.manual_seed(0)
     block = _Block()
-    cap = ModuleCapture(block, live=True, refs=True, grads=True,
-                        grad_params=frozenset(n for n, _ in block.named_parameters()))
+    cap = ModuleCapture(
+        block, live=True, refs=True, grads=True, grad_params=frozenset(n for n, _ in block.named_parameters())
+    )
     cap.arm()
     x = torch.randn(4, 16, requires_grad=True)
-    block(block(x)).sum().backward()      # reused before its backward: the hooks would see both calls' sum
+    block(block(x)).sum().backward()  # reused before its backward: the hooks would see both calls' sum
     cap.disarm()
     assert cap.invocation.grad_note and not any(k.startswith("grad_param:") for k in cap.invocation.live_grads)
 
@@ -452,10 +552,11 @@ def test_a_gpt2_block_handed_a_kv_cache_reproduces_its_live_step(one_thread):
     from scout_ckpt.replay.execute import replay_module
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32,
-                                                                  n_layer=2, n_head=2))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    )
     block = model.transformer.h[1]
-    seen = {}   # the live call's input and output, kept by the test's own hooks (registered before the capture's)
+    seen = {}  # the live call's input and output, kept by the test's own hooks (registered before the capture's)
 
     def keep(key: str, retain: bool):
         def hook(m, args, out) -> None:
@@ -463,12 +564,14 @@ def test_a_gpt2_block_handed_a_kv_cache_reproduces_its_live_step(one_thread):
             if retain:
                 t.retain_grad()
             seen[key] = t if retain else t.detach().clone()
+
         return hook
 
-    model.transformer.h[0].register_forward_hook(keep("input", retain=True))   # the block's input, nobody else's
+    model.transformer.h[0].register_forward_hook(keep("input", retain=True))  # the block's input, nobody else's
     block.register_forward_hook(keep("output", retain=False))
-    cap = ModuleCapture(block, live=True, refs=True, grads=True,
-                        grad_params=frozenset(n for n, _ in block.named_parameters()))
+    cap = ModuleCapture(
+        block, live=True, refs=True, grads=True, grad_params=frozenset(n for n, _ in block.named_parameters())
+    )
     cap.arm()
     ids = torch.randint(0, 128, (4, 16))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -477,8 +580,11 @@ def test_a_gpt2_block_handed_a_kv_cache_reproduces_its_live_step(one_thread):
     labels, tensors = replay_module(block, cap.invocation, hook_ids=cap.hook_ids)
     # the live values, read from the model after its backward (the block runs once per step, and its input feeds
     # only it): the replay reproduces each bit for bit
-    expected = {"output[0]": seen["output"], "grad_input[0]": seen["input"].grad,
-                **{f"grad_param:{n}": p.grad for n, p in block.named_parameters()}}
+    expected = {
+        "output[0]": seen["output"],
+        "grad_input[0]": seen["input"].grad,
+        **{f"grad_param:{n}": p.grad for n, p in block.named_parameters()},
+    }
     assert set(labels) <= set(expected), labels
     for label, t in zip(labels, tensors, strict=True):
         assert torch.equal(t, expected[label]), label

@@ -27,7 +27,7 @@ def outcomes_for(peers, live_wrong=(), compute_wrong=()):
 @pytest.mark.parametrize("n", [3, 4, 5])
 def test_a_rank_that_computes_wrongly_everywhere_is_named_with_3_or_more(n):
     peers = list(range(n))
-    for k in peers:   # a persistent fault: its live step and its replays are wrong
+    for k in peers:  # a persistent fault: its live step and its replays are wrong
         status, ranks, detail = judge(outcomes_for(peers, live_wrong={k}, compute_wrong={k}), peers)
         assert (status, ranks) == ("ATTRIBUTED", [k])
         assert "live_disagree" not in detail
@@ -39,14 +39,14 @@ def test_a_live_step_wrong_once_is_named_by_its_own_tiebreak(n):
     for k in peers:
         o = outcomes_for(peers, live_wrong={k})
         assert needs_tiebreak(o, peers) == k
-        status, ranks, detail = judge(o, peers, {k: OUT})   # k's own replay differs from its live step
+        status, ranks, detail = judge(o, peers, {k: OUT})  # k's own replay differs from its live step
         assert (status, ranks) == ("ATTRIBUTED", [k]) and detail["live_disagree"] is True
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_a_replay_wrong_once_is_inconclusive_naming_both_ranks_of_the_pair(n):
     peers = list(range(n))
-    for k in peers:   # k's arithmetic was wrong once, in its replay of its predecessor's step
+    for k in peers:  # k's arithmetic was wrong once, in its replay of its predecessor's step
         o = outcomes_for(peers, compute_wrong={k})
         p = needs_tiebreak(o, peers)
         assert p == predecessor(peers, k)
@@ -84,6 +84,7 @@ def test_two_faults_at_once_never_name_a_healthy_rank():
             p = needs_tiebreak(o, peers)
             tb = {p: OUT if p in live - comp else A} if p is not None else None
             status, ranks, _ = judge(o, peers, tb)
-            assert set(ranks) <= {a, b} | ({successor(peers, a), successor(peers, b)} if status == "INCONCLUSIVE"
-                                           else set()), (a, b, kind_a, kind_b, status, ranks)
+            assert set(ranks) <= {a, b} | (
+                {successor(peers, a), successor(peers, b)} if status == "INCONCLUSIVE" else set()
+            ), (a, b, kind_a, kind_b, status, ranks)
             assert status != "AGREE"

@@ -41,11 +41,13 @@ def _words(caps: dict) -> list[int]:
 def test_a_target_travels_without_parameters_only_when_every_peer_holds_the_sources_bits():
     a0, a1, a2 = _block(), _block(), _block()
     b0, b1 = _block(), _block()
-    with torch.no_grad():   # rank 1's copy of b differs from the source's in one bit of one element
+    with torch.no_grad():  # rank 1's copy of b differs from the source's in one bit of one element
         w = b1[2].weight.view(-1).view(torch.int32)
         w[5] ^= 1
-    ranks = {0: {"a": _captured(a0, 0), "b": _captured(b0, 0)},
-             1: {"a": _captured(a1, 1), "b": _captured(b1, 1)}}   # other inputs, same parameters for a
+    ranks = {
+        0: {"a": _captured(a0, 0), "b": _captured(b0, 0)},
+        1: {"a": _captured(a1, 1), "b": _captured(b1, 1)},
+    }  # other inputs, same parameters for a
     gathered = {r: [1] + _words(c) for r, c in ranks.items()}
     assert len(gathered[0]) == 1 + shared_params.WORDS * len(TARGETS)
     assert shared_params.shared(gathered, TARGETS, src=0, offset=1) == {"a"}
@@ -68,7 +70,7 @@ def test_a_capture_without_parameters_or_written_since_has_no_copy_to_share():
     x = torch.randn(3, 8)
     block(x)
     refs.disarm()
-    x.add_(1.0)   # the referenced input written in place after the capture: not intact, never replayed
+    x.add_(1.0)  # the referenced input written in place after the capture: not intact, never replayed
     assert _words({"a": refs, "b": refs})[:3] == [0, 0, 0]
 
 
@@ -76,7 +78,7 @@ def test_a_stripped_payload_completed_with_a_peers_own_copy_replays_to_the_same_
     src_block, peer_block = _block(), _block()
     src, peer = _captured(src_block, 0), _captured(peer_block, 7)
     sent = shared_params.without_params(src.invocation)
-    assert sent.params == {} and sent.buffers == {} and src.invocation.params   # the capture keeps its copy
+    assert sent.params == {} and sent.buffers == {} and src.invocation.params  # the capture keeps its copy
     whole = replica_signatures(replay_module(src_block, src.invocation)[1])
     completed = shared_params.with_own(sent, peer)
     assert completed.params is peer.invocation.params

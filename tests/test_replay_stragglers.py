@@ -13,8 +13,15 @@ from scout_ckpt.consensus.timing import Confirmer, robust_outliers
 from scout_ckpt.replay.stragglers import StragglerRule
 
 TARGETS = ["embedding", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head", "optimizer"]
-BASE = {"embedding": 0.001, "blocks.0": 0.035, "blocks.1": 0.038, "blocks.2": 0.041, "blocks.3": 0.047,
-        "head": 0.008, "optimizer": 0.012}
+BASE = {
+    "embedding": 0.001,
+    "blocks.0": 0.035,
+    "blocks.1": 0.038,
+    "blocks.2": 0.041,
+    "blocks.3": 0.047,
+    "head": 0.008,
+    "optimizer": 0.012,
+}
 
 
 def _sequence(ranks: int, steps: int, *, slow: int | None = None, seed: int = 0, burst_every: int = 1):

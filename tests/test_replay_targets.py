@@ -32,6 +32,7 @@ def _same_rows(outcomes, key=None):
 
 # ---- discovery (one process) ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shape", sorted(w.SHAPES))
 def test_discovery_finds_blocks_embedding_and_head_of_each_shape(shape, one_thread):
     model = w.build(shape)
@@ -55,7 +56,7 @@ def test_torch_compile_is_unwrapped_whole_model_and_per_block(shape, one_thread)
     assert type(compiled).__name__ == "OptimizedModule" and compiled._orig_mod is model
     assert discover(compiled) == w.EXPECTED[shape]
     # TorchTitan compiles each block and puts the compiled module back in its container
-    holder = (model.model.layers if shape == "hf" else model.transformer.h if shape == "gpt2" else model.layers)
+    holder = model.model.layers if shape == "hf" else model.transformer.h if shape == "gpt2" else model.layers
     for name, block in list(holder.named_children()):
         holder.register_module(name, torch.compile(block))
     assert discover(model) == w.EXPECTED[shape]
@@ -74,8 +75,12 @@ def test_a_model_without_blocks_is_covered_layer_by_layer(one_thread):
     ReLU): every child that holds parameters is a target, in order; parameter-free layers are not."""
     assert discover(w.NoBlocks()) == [("block", "fc1"), ("block", "fc2")]
     seq = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    assert discover(seq, optimizer=object()) == [("embedding", "0"), ("block", "1"), ("block", "3"),
-                                                 ("optimizer", "optimizer")]
+    assert discover(seq, optimizer=object()) == [
+        ("embedding", "0"),
+        ("block", "1"),
+        ("block", "3"),
+        ("optimizer", "optimizer"),
+    ]
 
 
 def test_a_model_with_nothing_to_cover_is_refused_at_construction(one_thread):
@@ -97,9 +102,14 @@ def test_targets_override_accepts_user_paths_raw_paths_and_pairs(one_thread):
     ddp_like = nn.Module()
     ddp_like.inner = model  # not a wrapper: `inner` is an ordinary child and stays in the path
     assert resolve(model, ["transformer.h.1", "transformer.wte", "optimizer"]) == [
-        ("block", "transformer.h.1"), ("embedding", "transformer.wte"), ("optimizer", "optimizer")]
+        ("block", "transformer.h.1"),
+        ("embedding", "transformer.wte"),
+        ("optimizer", "optimizer"),
+    ]
     assert resolve(torch.compile(model), ["_orig_mod.lm_head", ("head", "lm_head")]) == [
-        ("block", "lm_head"), ("head", "lm_head")]
+        ("block", "lm_head"),
+        ("head", "lm_head"),
+    ]
     assert resolve(ddp_like, ["inner.lm_head"]) == [("block", "inner.lm_head")]
     with pytest.raises(NoTargets, match="not a submodule"):
         resolve(model, ["transformer.h.9"])
@@ -124,10 +134,17 @@ def test_demo_model_blocks_are_still_found(one_thread):
     from scout_ckpt.demo.model import TinyTransformer
 
     assert [t for _, t in discover(TinyTransformer(n_blocks=4))] == [
-        "embedding", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+        "embedding",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+        "blocks.3",
+        "head",
+    ]
 
 
 # ---- optimizer windows (one process) -----------------------------------------------------------------------------
+
 
 def test_optimizer_windows_cover_every_element_of_every_parameter_in_one_cycle(one_thread):
     from scout_ckpt.replay.optimizer_replay import (
@@ -154,7 +171,7 @@ def test_optimizer_windows_cover_every_element_of_every_parameter_in_one_cycle(o
         assert len(c.params) == len(params) and c.cycle == cycle  # every tensor, every round
         assert c.elements <= budget + 64 * len(params)
         for i, (s, p) in enumerate(zip(c.starts, c.params)):
-            seen[i][s:s + p.numel()] = True
+            seen[i][s : s + p.numel()] = True
         new_p, _ = replay_update(type(opt), opt.defaults, c)
         assert all(torch.equal(a, b) for a, b in zip(new_p, c.after_params))  # bitwise, grouped replay
     assert all(bool(s.all()) for s in seen), "every element of every parameter within one cycle"
@@ -165,6 +182,7 @@ def test_optimizer_windows_cover_every_element_of_every_parameter_in_one_cycle(o
 
 
 # ---- real gloo runs ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_wrapped_models_are_discovered_and_replayed_on_two_ranks(kind):
@@ -178,8 +196,7 @@ def test_wrapped_models_are_discovered_and_replayed_on_two_ranks(kind):
         assert sorted(at2) == sorted((t, "AGREE") for _, t in want), shape
         assert sum(1 for x in r["rows"] if x["step"] == 2 and not x["detail"].get("sweep")) == 1
         if kind == "ddp" and shape == "hf":  # a save announced at 3 never came: its rotation replay still ran
-            at3 = [(x["target"], x["status"], x["detail"].get("sweep"))
-                   for x in r["rows"] if x["step"] == 3]
+            at3 = [(x["target"], x["status"], x["detail"].get("sweep")) for x in r["rows"] if x["step"] == 3]
             assert at3 == [(want[(3 - 1) % len(want)][1], "AGREE", None)], at3
             assert [x["step"] for x in r["rows"]][-2:] == [3, 4]
         if kind == "fsdp":
@@ -205,11 +222,22 @@ def test_whole_model_compile_under_ddp_is_captured_on_eager_steps():
 @pytest.fixture(scope="module")
 def three_ranks():
     """The sweep and the optimizer scenarios share one 3-rank start-up."""
-    outcomes = run_ranks(w.w_sweep_and_optimizer, 3,
-                         sweep_kw={"steps": 9, "save_at": (3, 5, 7, 9), "expect": (3, 5), "faults": {1: (1, 7, 1.5)},
-                                   "unarmed": (1,), "bitwise": True, "poke": (5,),
-                                   "head_fault": (2, 9, 2083, 1.5)},
-                         opt_kw={"steps": 14, "bad_rank": 2, "from_step": 2, "opt_elems": 1500}, timeout=300)
+    outcomes = run_ranks(
+        w.w_sweep_and_optimizer,
+        3,
+        sweep_kw={
+            "steps": 9,
+            "save_at": (3, 5, 7, 9),
+            "expect": (3, 5),
+            "faults": {1: (1, 7, 1.5)},
+            "unarmed": (1,),
+            "bitwise": True,
+            "poke": (5,),
+            "head_fault": (2, 9, 2083, 1.5),
+        },
+        opt_kw={"steps": 14, "bad_rank": 2, "from_step": 2, "opt_elems": 1500},
+        timeout=300,
+    )
     return outcomes
 
 
@@ -237,15 +265,17 @@ def test_sweep_certifies_each_save_at_once_and_attributes_a_fault_from_the_save_
     assert ev["status"] == "pass", ev  # lag 0: nothing after the save was needed
     assert {(r["target"], r["status"]) for r in by_step[5]} == {(n, "AGREE") for n in names - {"blocks.0"}}
     ev = coverage([r for r in rows if 3 < r["step"] <= 5], targets, step=5)
-    assert ev["status"] == "missing" and ev["reasons"] == [{"code": "replay_coverage_incomplete",
-                                                             "missing": ["blocks.0"]}], ev
+    assert ev["status"] == "missing" and ev["reasons"] == [
+        {"code": "replay_coverage_incomplete", "missing": ["blocks.0"]}
+    ], ev
     assert ("blocks.0", "AGREE") in {(r["target"], r["status"]) for r in by_step[7]}
     for s in (7, 9):
         bad = [r for r in by_step[s] if r["status"] != "AGREE"]
         # from 9 on rank 2's head (the last module target, before the optimizer) is off in one interior output
         # element: the sweep names it and only it
         assert [(r["target"], r["status"], r["ranks"]) for r in bad] == [("blocks.1", "ATTRIBUTED", [1])] + (
-            [("head", "ATTRIBUTED", [2])] if s == 9 else [])
+            [("head", "ATTRIBUTED", [2])] if s == 9 else []
+        )
         assert all(r["detail"]["sweep"] for r in by_step[s])
     head9 = next(r for r in by_step[9] if r["target"] == "head")
     # the ring (the default sweep): rank 2's replay of rank 1's step and rank 0's replay of rank 2's step both

@@ -19,8 +19,7 @@ def test_checkpoints_awaiting_evidence_newer_than_newest_certified_are_kept():
     states = {5: "certified", 10: "committed", 15: "committed", 20: "writing"}
     p = retention.decide(states, keep=1)
     assert p.delete == {} and p.protected == 5
-    assert p.keep == {5: "newest certified", 10: "awaiting evidence", 15: "awaiting evidence",
-                      20: "awaiting evidence"}
+    assert p.keep == {5: "newest certified", 10: "awaiting evidence", 15: "awaiting evidence", 20: "awaiting evidence"}
 
 
 def test_no_certified_checkpoint_yet_keeps_everything_awaiting():
@@ -52,8 +51,18 @@ def test_keep_below_one_is_refused():
 def _commit(led, root, step, state, run_id="r"):
     led.record_writing(step, run_id, f"a{step}", layout.step_dirname(step), owner=this_process_owner())
     (root / layout.step_dirname(step)).mkdir()
-    led.record_commit(step, run_id=run_id, path=layout.step_dirname(step), nbytes=0, manifest_digest="d",
-                      files=[], evidence={}, state=state, reasons=[], attempt=f"a{step}")
+    led.record_commit(
+        step,
+        run_id=run_id,
+        path=layout.step_dirname(step),
+        nbytes=0,
+        manifest_digest="d",
+        files=[],
+        evidence={},
+        state=state,
+        reasons=[],
+        attempt=f"a{step}",
+    )
 
 
 def test_apply_deletes_through_the_ledger_and_lists_temp_dirs_with_owner(tmp_path):

@@ -46,8 +46,13 @@ def _fs(ep):
 def run(endpoint, tmp_path):
     """A fresh prefix on the bucket and a local ledger_dir."""
     prefix = f"{BUCKET}/run-{uuid.uuid4().hex[:8]}"
-    return {"uri": f"s3://{prefix}", "prefix": prefix, "ledger": str(tmp_path / "ledger"), "ep": endpoint,
-            "fs": _fs(endpoint)}
+    return {
+        "uri": f"s3://{prefix}",
+        "prefix": prefix,
+        "ledger": str(tmp_path / "ledger"),
+        "ep": endpoint,
+        "fs": _fs(endpoint),
+    }
 
 
 def _cli(run, *args, check_rc=None):
@@ -60,7 +65,7 @@ def _attempts(run) -> dict[str, set[str]]:
     (scout-journal/, object_store/bucket_journal.py) is not a checkpoint and is left out."""
     out: dict[str, set[str]] = {}
     for path in run["fs"].find(run["prefix"]):
-        head, _, tail = path[len(run["prefix"]) + 1:].partition("/")
+        head, _, tail = path[len(run["prefix"]) + 1 :].partition("/")
         if head != "scout-journal":
             out.setdefault(head, set()).add(tail)
     return out
@@ -82,8 +87,14 @@ def _load(run, **kw):
     return out[0].result
 
 
-@pytest.mark.parametrize("width", [pytest.param(16, marks=(pytest.mark.scenario, pytest.mark.scenario_ci)),   # CI tier
-                                   pytest.param(1280, marks=pytest.mark.scenario)], ids=["small", "multipart"])
+@pytest.mark.parametrize(
+    "width",
+    [
+        pytest.param(16, marks=(pytest.mark.scenario, pytest.mark.scenario_ci)),  # CI tier
+        pytest.param(1280, marks=pytest.mark.scenario),
+    ],
+    ids=["small", "multipart"],
+)
 def test_save_certify_resume_load_exactly_then_async_saves(run, width, capsys, monkeypatch):
     """Sync saves, the CLI on the ledger_dir, then a restart that loads exactly and goes on with
     async_save=True as a user would write it: saves at 6 and 8 with training in between (the next optimizer step
@@ -118,8 +129,20 @@ def test_save_certify_resume_load_exactly_then_async_saves(run, width, capsys, m
     assert rc == 2 and "ledger_dir" in err and "Traceback" not in err
 
     # The restart: loads 4 exactly, then async saves 6, 8 and a failing 10 (its upload raises on rank 1).
-    out = run_ranks(w.save_steps, 2, run["uri"], run["ledger"], run["ep"], [6, 8, 10], width=width,
-                    resume=True, async_save=True, fail=(10, 1), timeout=240, env=CREDS)
+    out = run_ranks(
+        w.save_steps,
+        2,
+        run["uri"],
+        run["ledger"],
+        run["ep"],
+        [6, 8, 10],
+        width=width,
+        resume=True,
+        async_save=True,
+        fail=(10, 1),
+        timeout=240,
+        env=CREDS,
+    )
     assert out[0].result["loaded"] == out[1].result["loaded"] == {"step": 4, "digest": saved["saved"][4]}
     again = out[0].result
     assert set(again["verdicts"].values()) == {None}  # async: save() returns at once
@@ -140,8 +163,8 @@ def test_save_certify_resume_load_exactly_then_async_saves(run, width, capsys, m
     assert sorted(layout.parse_attempt_dir(a)[0] for a in committed) == [2, 4, 6, 8]
     for a, names in _attempts(run).items():
         if layout.parse_attempt_dir(a)[0] == 10:
-            assert "__1_0.distcp" not in names, names   # no truncated object of the failed upload
-    assert _uploads(run) == []                          # rank 1's (multipart) upload was aborted
+            assert "__1_0.distcp" not in names, names  # no truncated object of the failed upload
+    assert _uploads(run) == []  # rank 1's (multipart) upload was aborted
 
     loaded = _load(run, width=width)
     assert loaded["step"] == 8 and loaded["digest"] == again["saved"][8], (loaded, again["saved"])
@@ -162,13 +185,13 @@ def test_save_certify_resume_load_exactly_then_async_saves(run, width, capsys, m
     res = export(run["ledger"], None, f"{dest}/m.safetensors")
     assert res["step"] == 8 and res["source"].startswith(run["uri"] + "/step-00000008.attempt-"), res
     assert w.digest(load_file(f"{dest}/m.safetensors")) == again["models"][8]
-    assert os.listdir(dest) == ["m.safetensors"]   # the verified local copy it read from is gone
+    assert os.listdir(dest) == ["m.safetensors"]  # the verified local copy it read from is gone
 
     # the rebuild through cli.main in this process (a subprocess's imports cost seconds of `make test`; the
     # torchrun scenario runs it as a real command), `resume` as a real command
     monkeypatch.setenv("AWS_ENDPOINT_URL", run["ep"])
     name = _lose_ledger_dir_and_rebuild(run, lambda *args: _main(capsys, *args))
-    assert _digest_at(_store(run), name, width) == again["saved"][6]   # the job's own sha256 when it saved step 6
+    assert _digest_at(_store(run), name, width) == again["saved"][6]  # the job's own sha256 when it saved step 6
 
 
 def _lose_ledger_dir_and_rebuild(run, rebuild_cli=None) -> str:
@@ -196,23 +219,28 @@ def _lose_ledger_dir_and_rebuild(run, rebuild_cli=None) -> str:
     shutil.rmtree(run["ledger"])
     before = _attempts(run)
 
-    rc, out, err = (rebuild_cli or (lambda *a: _cli(run, *a)))("ledger", "rebuild", run["ledger"], "--uri",
-                                                               run["uri"], "--json")
+    rc, out, err = (rebuild_cli or (lambda *a: _cli(run, *a)))(
+        "ledger", "rebuild", run["ledger"], "--uri", run["uri"], "--json"
+    )
     assert rc == 0, err
     doc = json.loads(out)
     rows = {r["step"]: r for r in doc["checkpoints"]}
-    assert {s: r["state"] for s, r in rows.items()} == {2: "certified", 4: "certified", 6: "certified",
-                                                        8: "rejected"}, doc
+    assert {s: r["state"] for s, r in rows.items()} == {
+        2: "certified",
+        4: "certified",
+        6: "certified",
+        8: "rejected",
+    }, doc
     assert any(r["code"] == "digest_mismatch" and r["file"] == "__0_0.distcp" for r in rows[8]["reasons"]), rows[8]
     assert doc["uri"] == run["uri"] and doc["old_ledger"] == "no old ledger" and doc["journal"]["local"] == 0
     with open(os.path.join(run["ledger"], "scout-storage.json")) as f:
-        assert json.loads(f.read())["uri"] == run["uri"]   # bound again: every command takes the ledger_dir
-    assert _attempts(run) == before                        # nothing on the bucket written or removed
+        assert json.loads(f.read())["uri"] == run["uri"]  # bound again: every command takes the ledger_dir
+    assert _attempts(run) == before  # nothing on the bucket written or removed
 
     rc, out, err = _cli(run, "resume", run["ledger"], "--latest-clean")
     assert rc == 0, err
     path = out.strip()
-    name = path[len(run["uri"]) + 1:]
+    name = path[len(run["uri"]) + 1 :]
     assert path.startswith(run["uri"] + "/") and name in store.committed()[6], path
     assert "newer step 8 is rejected" in err and "digest_mismatch" in err, err
     return name
@@ -231,9 +259,9 @@ def _digest_at(store, name: str, width: int) -> str:
     model = w.make_model(seed=7, width=width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.zeros(1, model[0].in_features)).sum().backward()
-    opt.step()   # AdamW's moments exist, with values unlike the checkpoint's
+    opt.step()  # AdamW's moments exist, with values unlike the checkpoint's
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    with warnings.catch_warnings():   # "assuming the intent is to load in a single process": it is
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=reader_for(store, name, meta))
     return w.digest(state)
@@ -249,7 +277,7 @@ def test_corrupted_object_is_rejected_and_walked_back(run):
     data[len(data) // 2] ^= 0x01  # one interior byte, same size
     run["fs"].pipe_file(key, bytes(data))
 
-    dest = os.path.join(os.path.dirname(run["ledger"]), "export")   # export reads verified bytes only
+    dest = os.path.join(os.path.dirname(run["ledger"]), "export")  # export reads verified bytes only
     os.mkdir(dest)
     rc, out, err = _cli(run, "export", run["ledger"], "--step", "6", "--out", f"{dest}/m.safetensors")
     assert rc == 1 and "__1_0.distcp" in err and "digest_mismatch" in err and err.count("\n") == 1, (out, err)
@@ -309,15 +337,27 @@ def test_retention_deletes_objects_only_after_the_ledger_records_it(run):
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci   # the CI tier's S3 fault
+@pytest.mark.scenario_ci  # the CI tier's S3 fault
 def test_writer_killed_mid_upload_is_never_listed_and_its_upload_is_aborted(run):
     """Rank 1 SIGKILLs itself once the first part of its step-4 file has been uploaded (the file spans several
     5 MiB parts): a multipart upload is left open, no manifest. The restarted job aborts it, removes the dead
     attempt's objects, resumes from step 2 exactly and saves again."""
     width = 2048  # 16 MiB per weight and per AdamW moment: every rank's file spans several 5 MiB parts
     saved = _save(run, [2], width=width)
-    out = run_ranks(w.save_steps, 2, run["uri"], run["ledger"], run["ep"], [4], width=width, kill=(4, 1),
-                    timeout_s=20, timeout=240, env=CREDS, allow_failures=True)
+    out = run_ranks(
+        w.save_steps,
+        2,
+        run["uri"],
+        run["ledger"],
+        run["ep"],
+        [4],
+        width=width,
+        kill=(4, 1),
+        timeout_s=20,
+        timeout=240,
+        env=CREDS,
+        allow_failures=True,
+    )
     assert out[1].exitcode == -9
     uploads = _uploads(run)
     assert uploads and all(".attempt-" in u["Key"] and "/step-00000004." in u["Key"] for u in uploads), uploads
@@ -326,8 +366,9 @@ def test_writer_killed_mid_upload_is_never_listed_and_its_upload_is_aborted(run)
     rc, out_, _ = _cli(run, "resume", run["ledger"], "--latest-clean")
     assert rc == 0 and "/step-00000002.attempt-" in out_
 
-    res = run_ranks(w.load_latest, 2, run["uri"], run["ledger"], run["ep"], width=width, then_save=6,
-                    timeout=240, env=CREDS)[0].result
+    res = run_ranks(
+        w.load_latest, 2, run["uri"], run["ledger"], run["ep"], width=width, then_save=6, timeout=240, env=CREDS
+    )[0].result
     assert res["step"] == 2 and res["digest"] == saved["saved"][2] and res["verdict"] == "certified"
     assert _uploads(run) == []
     with Ledger.open(run["ledger"], readonly=True) as led:
@@ -338,8 +379,6 @@ def test_writer_killed_mid_upload_is_never_listed_and_its_upload_is_aborted(run)
     assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 6]
 
 
-
-
 @pytest.mark.scenario
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_fsdp2_saves_certifies_and_loads_back_exactly_and_resharded(run, async_save):
@@ -347,8 +386,9 @@ def test_fsdp2_saves_certifies_and_loads_back_exactly_and_resharded(run, async_s
     saves at 2 and 4 certified, `certify` agrees, and restarts on 2, 1 and 3 ranks (DCP resharding through the
     verified reader; 3 ranks shard 16 rows unevenly) load step 4 with exactly the sha256 the saving job computed of its full state (gathered to rank 0:
     cpu_offload leaves the other ranks' full state empty)."""
-    saved = run_ranks(w.fsdp_save, 2, run["uri"], run["ledger"], run["ep"], async_save=async_save, timeout=300,
-                      env=CREDS)[0].result
+    saved = run_ranks(
+        w.fsdp_save, 2, run["uri"], run["ledger"], run["ep"], async_save=async_save, timeout=300, env=CREDS
+    )[0].result
     assert saved["mode"] == "fsdp", saved
     assert saved["verdicts"] == ({2: None, 4: None} if async_save else {2: "certified", 4: "certified"}), saved
     with Ledger.open(run["ledger"], readonly=True) as led:
@@ -362,6 +402,7 @@ def test_fsdp2_saves_certifies_and_loads_back_exactly_and_resharded(run, async_s
 
 # ---- a user's DDP script under real torchrun ------------------------------------------------------------------
 
+
 def _torchrun(run, *job_args: str, timeout: float = 600):
     """`torchrun --standalone --nproc-per-node 2 --max-restarts 1 tests/scripts/s3_ddp_job.py URI LEDGER_DIR`
     against this module's moto server; returns the CompletedProcess."""
@@ -370,11 +411,31 @@ def _torchrun(run, *job_args: str, timeout: float = 600):
 
     from tests.conftest import REPO
 
-    env = {**os.environ, **CREDS, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--monitor-interval", "0.5", str(REPO / "tests" / "scripts" / "s3_ddp_job.py"),
-           run["uri"], run["ledger"], "--endpoint", run["ep"], *job_args]
+    env = {
+        **os.environ,
+        **CREDS,
+        "PYTHONPATH": str(REPO),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
+        str(REPO / "tests" / "scripts" / "s3_ddp_job.py"),
+        run["uri"],
+        run["ledger"],
+        "--endpoint",
+        run["ep"],
+        *job_args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -384,8 +445,7 @@ def test_torchrun_job_killed_mid_save_resumes_exactly_from_s3(run):
     steps to s3://; rank 1 is SIGKILLed in the middle of the save of step 6 (its file written, not yet sent;
     rank 0's may be on the store already, with no manifest). torchrun restarts both workers once: the job loads step 4 with exactly the digest it printed when it saved step 4, saves 6 and 8 again, and
     `ls --json` on the ledger_dir shows 2, 4, 6, 8 certified; the dead attempt's objects and upload are gone."""
-    p = _torchrun(run, "--steps", "8", "--save-every", "2", "--kill-rank", "1", "--kill-step", "6",
-                  "--kill-at", "save")
+    p = _torchrun(run, "--steps", "8", "--save-every", "2", "--kill-rank", "1", "--kill-step", "6", "--kill-at", "save")
     assert p.returncode == 0, p.stderr[-4000:]
     lines = [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("S3-JOB ")]
     loads = [e for e in lines if e["event"] == "loaded"]
@@ -393,7 +453,7 @@ def test_torchrun_job_killed_mid_save_resumes_exactly_from_s3(run):
     first = {e["step"]: e for e in lines if e["event"] == "saved" and e["run_id"] == loads[0]["run_id"]}
     second = {e["step"]: e for e in lines if e["event"] == "saved" and e["run_id"] == loads[1]["run_id"]}
     assert sorted(first) == [2, 4] and sorted(second) == [6, 8], lines
-    assert loads[1]["digest"] == first[4]["digest"]          # the job's own oracle: exactly the state it saved
+    assert loads[1]["digest"] == first[4]["digest"]  # the job's own oracle: exactly the state it saved
     assert all(e["state"] == "certified" for e in [*first.values(), *second.values()]), lines
 
     rc, out, err = _cli(run, "ls", run["ledger"], "--json")
@@ -403,7 +463,7 @@ def test_torchrun_job_killed_mid_save_resumes_exactly_from_s3(run):
     with Ledger.open(run["ledger"], readonly=True) as led:
         history6 = [(h["state"], [r["code"] for r in h["reasons"]]) for h in led.certifications(6)]
         latest = led.latest()
-    assert ("rejected", ["save_interrupted"]) in history6, history6   # the killed attempt, kept in the history
+    assert ("rejected", ["save_interrupted"]) in history6, history6  # the killed attempt, kept in the history
     assert sorted(layout.parse_attempt_dir(a)[0] for a in _attempts(run)) == [2, 4, 6, 8]
     assert _uploads(run) == []
     rc, out, err = _cli(run, "resume", run["ledger"], "--latest-clean")
@@ -423,6 +483,7 @@ def test_torchrun_job_killed_mid_save_resumes_exactly_from_s3(run):
 
 
 # ---- in-process: the store's pieces against the same server, no ranks (cheap) -----------------------------------
+
 
 def _store(run):
     from scout_ckpt.object_store import open_store
@@ -462,7 +523,7 @@ def test_manifest_is_a_conditional_create_and_an_error_mid_upload_commits_nothin
     path = store.key(name, "__9_0.distcp")
     with pytest.raises(ConnectionError, match="went away mid-upload"):
         with failing.create_stream(path, "wb") as s:
-            torch.save(torch.zeros(2 << 20), s)   # 8 MiB: the hook fires once the first 5 MiB part is sent
+            torch.save(torch.zeros(2 << 20), s)  # 8 MiB: the hook fires once the first 5 MiB part is sent
     assert not run["fs"].exists(path)
     assert _uploads(run) == []
     data = os.urandom(7 << 20)
@@ -483,22 +544,26 @@ def test_verification_by_ranged_reads_finds_every_kind_of_damage(run, tmp_path):
         run["fs"].pipe_file(store.key(name, rel), data)
     files = [{"path": rel, "size": len(d), "digest": bytes_digest(d)} for rel, d in blobs.items()]
     assert store.verify(name, files)["status"] == "pass"
-    assert store.fetch(name, files, tmp_path / "copy") == []   # export's local copy: the same bytes, verified
+    assert store.fetch(name, files, tmp_path / "copy") == []  # export's local copy: the same bytes, verified
     assert {rel: (tmp_path / "copy" / rel).read_bytes() for rel in blobs} == blobs
 
     bad = bytearray(blobs["__0_0.distcp"])
     bad[(9 << 20) + 7] ^= 0x10  # inside the second 8 MiB range
     run["fs"].pipe_file(store.key(name, "__0_0.distcp"), bytes(bad))
     assert [(r["code"], r["file"]) for r in store.fetch(name, files, tmp_path / "copy2")] == [
-        ("digest_mismatch", "__0_0.distcp")]
+        ("digest_mismatch", "__0_0.distcp")
+    ]
     run["fs"].pipe_file(store.key(name, "__1_0.distcp"), b"abc")
     run["fs"].pipe_file(store.key(name, "stray"), b"x")
     run["fs"].rm_file(store.key(name, ".metadata"))
     ev = store.verify(name, files)
     codes = sorted((r["code"], r.get("file")) for r in ev["reasons"])
-    assert codes == [("digest_mismatch", "__0_0.distcp"), ("missing_file", ".metadata"),
-                     ("truncated_file", "__1_0.distcp"),
-                     ("unexpected_file", "stray")], codes
+    assert codes == [
+        ("digest_mismatch", "__0_0.distcp"),
+        ("missing_file", ".metadata"),
+        ("truncated_file", "__1_0.distcp"),
+        ("unexpected_file", "stray"),
+    ], codes
     assert store.verify(layout.attempt_dirname(4, "none"), files)["reasons"][0]["code"] == "missing_dir"
 
 
@@ -517,8 +582,18 @@ def test_sweep_removes_dead_attempts_only_after_recording_them(run, tmp_path):
         run["fs"].call_s3("create_multipart_upload", Bucket=bucket, Key=f"{prefix}/{names[key]}/__1_0.distcp")
     with Ledger.open(tmp_path, create=True) as led:
         led.record_writing(1, "r", "ok", names[(1, "ok")])
-        led.record_commit(1, run_id="r", path=names[(1, "ok")], nbytes=4, manifest_digest="d", files=[],
-                          evidence={}, state="certified", reasons=[], attempt="ok")
+        led.record_commit(
+            1,
+            run_id="r",
+            path=names[(1, "ok")],
+            nbytes=4,
+            manifest_digest="d",
+            files=[],
+            evidence={},
+            state="certified",
+            reasons=[],
+            attempt="ok",
+        )
         led.record_writing(2, "r", "live", names[(2, "live")], owner=this_process_owner())
         led.record_writing(3, "r", "old", names[(3, "old")])
         led.record_writing(3, "r", "dead", names[(3, "dead")])  # a re-save of step 3, then it died
@@ -526,15 +601,21 @@ def test_sweep_removes_dead_attempts_only_after_recording_them(run, tmp_path):
         out = sweep(led, store, source="gc")
         events = [e["detail"] for e in led.events(("object_delete",))]
     assert sorted((r["attempt"], r["why"]) for r in out["removed"]) == [
-        (names[(3, "dead")], "interrupted"), (names[(3, "old")], "superseded")]
+        (names[(3, "dead")], "interrupted"),
+        (names[(3, "old")], "superseded"),
+    ]
     assert [a["attempt"] for a in out["aborted"]] == [names[(3, "dead")]]
     assert {d.get("prefix") or d.get("key") for d in events} == {
-        names[(3, "dead")], names[(3, "old")], f"{prefix}/{names[(3, 'dead')]}/__1_0.distcp"}
+        names[(3, "dead")],
+        names[(3, "old")],
+        f"{prefix}/{names[(3, 'dead')]}/__1_0.distcp",
+    }
     assert sorted(_attempts(run)) == sorted([names[(1, "ok")], names[(2, "live")], names[(9, "x")]])
     assert [u["Key"].split("/")[1] for u in _uploads(run)] == [names[(2, "live")]]
 
 
 # ---- ledger rebuild on an S3 run: bad input, and the journal's copy on the store (in-process, cheap) ------------
+
 
 def _main(capsys, *args) -> tuple[int, str, str]:
     """The command line's own entry point (cli.main) in this process: (exit code, stdout, stderr)."""
@@ -570,7 +651,7 @@ def test_rebuild_refuses_bad_input_with_one_line_and_modifies_nothing(run, tmp_p
     foreign = f"{BUCKET}/foreign-{uuid.uuid4().hex[:6]}"
     fs.pipe({f"{foreign}/step-4/.metadata": b"m", f"{foreign}/step-4/__0_0.distcp": b"d"})
     dead = f"{BUCKET}/dead-{uuid.uuid4().hex[:6]}"
-    fs.pipe_file(f"{dead}/{layout.attempt_dirname(2, 'x')}/__0_0.distcp", b"d")   # no manifest: never committed
+    fs.pipe_file(f"{dead}/{layout.attempt_dirname(2, 'x')}/__0_0.distcp", b"d")  # no manifest: never committed
     bound = tmp_path / "bound"
     bound.mkdir()
     object_store.bind(bound, run["uri"], {})
@@ -613,17 +694,31 @@ def test_rebuild_without_credentials_or_endpoint_is_bad_input(run, tmp_path):
     lost = tmp_path / "lost"
     bucket = sorted(run["fs"].find(BUCKET))
     base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    base.update(PYTHONPATH=str(REPO), AWS_EC2_METADATA_DISABLED="true", AWS_MAX_ATTEMPTS="1",
-                AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_CONFIG_FILE=str(tmp_path / "none"))
-    envs = {"no credentials": ({**base, "AWS_ENDPOINT_URL": run["ep"]}, "NoCredentialsError"),
-            "no endpoint": ({**base, **CREDS}, "no endpoint set")}
+    base.update(
+        PYTHONPATH=str(REPO),
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_MAX_ATTEMPTS="1",
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+    )
+    envs = {
+        "no credentials": ({**base, "AWS_ENDPOINT_URL": run["ep"]}, "NoCredentialsError"),
+        "no endpoint": ({**base, **CREDS}, "no endpoint set"),
+    }
 
     def case(env, words):
         def go():
-            p = subprocess.run([*CLI, "ledger", "rebuild", str(lost), "--uri", run["uri"]], capture_output=True,
-                               text=True, env=env, timeout=120, check=False)
+            p = subprocess.run(
+                [*CLI, "ledger", "rebuild", str(lost), "--uri", run["uri"]],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=120,
+                check=False,
+            )
             assert p.returncode == 2 and "cannot list" in p.stderr and words in p.stderr, (p.returncode, p.stderr)
             assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr and p.stdout == "", p.stderr
+
         return go
 
     run_cases({name: case(*v) for name, v in envs.items()})
@@ -638,8 +733,10 @@ def test_journal_copy_on_the_store(run, tmp_path):
     from scout_ckpt.object_store import bucket_journal
 
     store = _store(run)
-    recs = [{"kind": "verdict", "step": s, "state": "certified", "time": 1000.0 + s, "manifest_digest": f"d{s}"}
-            for s in (3, 1, 2)]
+    recs = [
+        {"kind": "verdict", "step": s, "state": "certified", "time": 1000.0 + s, "manifest_digest": f"d{s}"}
+        for s in (3, 1, 2)
+    ]
     keys = [bucket_journal.append(store, r) for r in recs]
     assert len(set(keys)) == 3 and all(k.startswith(f"{run['prefix']}/scout-journal/") for k in keys)
     run["fs"].pipe_file(f"{run['prefix']}/scout-journal/00000000000000000001-torn.json", b'{"kind": "verd')
@@ -647,9 +744,13 @@ def test_journal_copy_on_the_store(run, tmp_path):
     assert store.attempts() == {} and store.committed() == {}
     local = [recs[0], {"kind": "quarantine", "step": 2, "reason": "x", "time": 1001.5}]
     merged = bucket_journal.merge(local, bucket_journal.read(store))
-    assert [(r["kind"], r["step"]) for r in merged] == [("verdict", 3), ("quarantine", 2), ("verdict", 1),
-                                                        ("verdict", 2)]
-    assert bucket_journal.mirror(tmp_path, recs[0]) is None   # a POSIX root: nothing copied
+    assert [(r["kind"], r["step"]) for r in merged] == [
+        ("verdict", 3),
+        ("quarantine", 2),
+        ("verdict", 1),
+        ("verdict", 2),
+    ]
+    assert bucket_journal.mirror(tmp_path, recs[0]) is None  # a POSIX root: nothing copied
     object_store.bind(tmp_path, run["uri"], w.options(run["ep"]))
     assert bucket_journal.mirror(tmp_path, {**recs[0], "time": 2000.0}).startswith(f"{run['prefix']}/scout-journal/")
     assert len(bucket_journal.read(store)) == 4
@@ -682,8 +783,10 @@ def test_adopt_plain_dcp_save_folders_on_s3(run, tmp_path, capsys, monkeypatch):
         saved[step] = w.digest(state)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(state, storage_writer=FsspecWriter(f"{run['uri']}/step-{step}",
-                                                        client_kwargs={"endpoint_url": run["ep"]}))
+            dcp.save(
+                state,
+                storage_writer=FsspecWriter(f"{run['uri']}/step-{step}", client_kwargs={"endpoint_url": run["ep"]}),
+            )
     plain = {h: names for h, names in _attempts(run).items()}
     assert sorted(plain) == ["step-2", "step-4"]
 
@@ -691,8 +794,10 @@ def test_adopt_plain_dcp_save_folders_on_s3(run, tmp_path, capsys, monkeypatch):
     rc, out, err = _main(capsys, "adopt", ledger, "--uri", run["uri"], "--json")
     assert rc == 1 and "1 adopted step(s) not certified; first: step 4 is rejected" in err, (out, err)
     doc = json.loads(out)
-    assert [(a["step"], a["state"], a["from"]) for a in doc["adopted"]] == [(2, "certified", "step-2"),
-                                                                         (4, "rejected", "step-4")], doc
+    assert [(a["step"], a["state"], a["from"]) for a in doc["adopted"]] == [
+        (2, "certified", "step-2"),
+        (4, "rejected", "step-4"),
+    ], doc
     assert doc["adopted"][1]["reasons"][0]["code"] == "invariant_failed"
     store = _store(run)
     committed = store.committed()
@@ -702,7 +807,7 @@ def test_adopt_plain_dcp_save_folders_on_s3(run, tmp_path, capsys, monkeypatch):
         assert name == doc["adopted"][[2, 4].index(step)]["path"]
         assert now[name] == plain[f"step-{step}"] | {layout.MANIFEST_NAME}, now[name]
         assert store.read_manifest(name)[0]["adopted"] is True
-    assert {h: now[h] for h in plain} == plain            # the plain folders: untouched
+    assert {h: now[h] for h in plain} == plain  # the plain folders: untouched
     with open(ledger / "scout-storage.json") as f:
         assert json.loads(f.read())["uri"] == run["uri"]
 
@@ -745,7 +850,7 @@ def test_a_rejection_from_a_host_an_hour_slow_outlives_the_certification_after_a
 
     saved = _save(run, [2, 4])
     store = _store(run)
-    object_store.remember(run["ledger"], store)   # journal.append copies each record there, as a job's does
+    object_store.remember(run["ledger"], store)  # journal.append copies each record there, as a job's does
     real = time_mod.time
     monkeypatch.setattr(time_mod, "time", lambda: real() - 3600.0)
     with Ledger.open(run["ledger"]) as led:
@@ -753,7 +858,7 @@ def test_a_rejection_from_a_host_an_hour_slow_outlives_the_certification_after_a
         loader._reject_load_mismatch({"step": 4}, ["model.0.weight"])
     monkeypatch.setattr(time_mod, "time", real)
     verdicts = [(r["step"], r["state"]) for r in bucket_journal.read(store) if r["kind"] == "verdict"]
-    assert verdicts.index((4, "rejected")) < verdicts.index((4, "certified")), verdicts   # the clock's order
+    assert verdicts.index((4, "rejected")) < verdicts.index((4, "certified")), verdicts  # the clock's order
     shutil.rmtree(run["ledger"])
     monkeypatch.setenv("AWS_ENDPOINT_URL", run["ep"])
     rc, out, err = _main(capsys, "ledger", "rebuild", run["ledger"], "--uri", run["uri"], "--json")
@@ -763,5 +868,5 @@ def test_a_rejection_from_a_host_an_hour_slow_outlives_the_certification_after_a
     assert rows[4]["reasons"][0]["code"] == "load_mismatch", rows[4]
     rc, out, err = _main(capsys, "resume", run["ledger"], "--latest-clean", "--json")
     assert rc == 0, err
-    name = json.loads(out)["path"][len(run["uri"]) + 1:]
+    name = json.loads(out)["path"][len(run["uri"]) + 1 :]
     assert _digest_at(store, name, 16) == saved["saved"][2]

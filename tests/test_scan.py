@@ -38,8 +38,10 @@ def _write(d: Path, poison: bool = False, crc: bool = True) -> tuple[list[dict],
         with contextlib.nullcontext() if crc else _without_zip_crc():
             # the CRC option is per thread: without it, write in this thread as ScoutWriter does (thread_count=1)
             dcp.save(state, storage_writer=FileSystemWriter(str(d), thread_count=2 if crc else 1), no_dist=True)
-    rows = [{"path": p, "size": s, "digest": dg}
-            for p, (s, dg) in ((p, digest_files([d / p])[str(d / p)]) for p in relpaths(d))]
+    rows = [
+        {"path": p, "size": s, "digest": dg}
+        for p, (s, dg) in ((p, digest_files([d / p])[str(d / p)]) for p in relpaths(d))
+    ]
     return rows, w
 
 
@@ -53,7 +55,7 @@ def _zip_crcs(d: Path) -> set[int]:
         data = p.read_bytes()
         at = data.find(b"PK\x01\x02")
         while at >= 0:
-            crcs.add(struct.unpack("<I", data[at + 16:at + 20])[0])
+            crcs.add(struct.unpack("<I", data[at + 16 : at + 20])[0])
             at = data.find(b"PK\x01\x02", at + 4)
     return crcs
 
@@ -62,24 +64,26 @@ def _zip_crcs(d: Path) -> set[int]:
 def test_clean_step_passes_and_matches_the_read_back(tmp_path, crc):
     d = tmp_path / "step-1"
     rows, _ = _write(d, crc=crc)
-    assert (_zip_crcs(d) == {0}) is not crc   # what the writer wrote, read independently of the scanner
+    assert (_zip_crcs(d) == {0}) is not crc  # what the writer wrote, read independently of the scanner
     scan = StepScan(d, SPECS)
     assert verify_files(d, rows, hasher=scan.hasher)["status"] == "pass"
     assert scan.invariants() == offline_invariants(d, SPECS)
     assert scan.invariants()["checked"] == {"finite(*)": 2, "frobenius_sphere(model.unit)": 1}
-    assert scan.direct == 3   # every tensor read straight from the file into its tensor
+    assert scan.direct == 3  # every tensor read straight from the file into its tensor
 
 
 @pytest.mark.parametrize("crc", [True, False], ids=["zip_crc", "no_zip_crc"])
 def test_a_byte_changed_inside_a_tensor_fails_the_digest(tmp_path, crc):
     d = tmp_path / "step-1"
     rows, w = _write(d, crc=crc)
-    target = w[INTERIOR].reshape(1).numpy().tobytes() + w.view(-1)[INTERIOR[0] * 9 + INTERIOR[1] + 1:][:3].numpy().tobytes()
+    target = (
+        w[INTERIOR].reshape(1).numpy().tobytes() + w.view(-1)[INTERIOR[0] * 9 + INTERIOR[1] + 1 :][:3].numpy().tobytes()
+    )
     for p in d.glob("*.distcp"):
         data = bytearray(p.read_bytes())
         at = data.find(target)
         if at > 0:
-            data[at + 1] ^= 0x10   # one bit of element (3, 5) of w
+            data[at + 1] ^= 0x10  # one bit of element (3, 5) of w
             p.write_bytes(bytes(data))
             break
     else:
@@ -94,7 +98,7 @@ def test_a_non_finite_interior_element_fails_the_invariants_from_the_same_read(t
     d = tmp_path / "step-1"
     rows, _ = _write(d, poison=True)
     scan = StepScan(d, SPECS)
-    assert verify_files(d, rows, hasher=scan.hasher)["status"] == "pass"   # the bytes are what was written
+    assert verify_files(d, rows, hasher=scan.hasher)["status"] == "pass"  # the bytes are what was written
     inv = scan.invariants()
     assert inv["status"] == "fail"
     bad = [r for r in inv["reasons"] if r["check"] == "finite"]
@@ -110,14 +114,14 @@ def test_bad_metadata_leaves_the_read_back_path_to_report(tmp_path):
     ev = verify_files(d, rows, hasher=scan.hasher)
     # the bytes verdict is the scan's own: .metadata is not what was written (12 bytes for the recorded size),
     # the same verdict as hashing alone
-    assert ev["status"] == "fail" and [(r["code"], r["file"]) for r in ev["reasons"]] == \
-        [("truncated_file", ".metadata")], ev
+    assert ev["status"] == "fail" and [(r["code"], r["file"]) for r in ev["reasons"]] == [
+        ("truncated_file", ".metadata")
+    ], ev
     assert ev == verify_files(d, rows)
     assert scan.invariants() is None
 
 
 # ---- the fast path: tensors larger than a read piece are checked piece by piece, never held whole -------------
-
 
 
 def _save(d: Path, state: dict) -> list[dict]:
@@ -127,8 +131,10 @@ def _save(d: Path, state: dict) -> list[dict]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, storage_writer=FileSystemWriter(str(d), thread_count=1), no_dist=True)
-    return [{"path": p, "size": s, "digest": dg}
-            for p, (s, dg) in ((p, digest_files([d / p])[str(d / p)]) for p in relpaths(d))]
+    return [
+        {"path": p, "size": s, "digest": dg}
+        for p, (s, dg) in ((p, digest_files([d / p])[str(d / p)]) for p in relpaths(d))
+    ]
 
 
 def _last_in_its_file(d: Path) -> str:
@@ -143,16 +149,16 @@ def test_a_non_finite_last_element_of_the_last_tensor_of_a_large_file_is_caught(
     from scout_ckpt.format import scan as scan_mod
 
     per_piece = scan_mod.PIECE // 4
-    n = 2 * per_piece + 12345           # three pieces, the last one partial
+    n = 2 * per_piece + 12345  # three pieces, the last one partial
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(n // 1024, 1024, generator=g), torch.randn(n, generator=g)
-    b[-1] = bad                         # the oracle: this tensor, this element
+    b[-1] = bad  # the oracle: this tensor, this element
     d = tmp_path / "step-1"
     rows = _save(d, {"a": a, "b": b})
     assert _last_in_its_file(d) == "b"  # DCP writes in state-dict order: b is the file's last bytes
     scan = StepScan(d, ["finite"])
     assert verify_files(d, rows, hasher=scan.hasher)["status"] == "pass"
-    assert scan.streamed == 2           # both went through the piece-by-piece path
+    assert scan.streamed == 2  # both went through the piece-by-piece path
     inv = scan.invariants()
     assert inv["status"] == "fail"
     [r] = inv["reasons"]
@@ -166,10 +172,10 @@ def test_invariant_violations_at_interior_piece_boundaries_are_caught(tmp_path):
     g = torch.Generator().manual_seed(2)
     unit = torch.randn(2 * per_piece, generator=g, dtype=torch.float32)
     unit /= float(torch.linalg.vector_norm(unit, dtype=torch.float64))
-    unit[per_piece] = 0.5                # first element of the second piece: the norm leaves the sphere
+    unit[per_piece] = 0.5  # first element of the second piece: the norm leaves the sphere
     w = torch.randn(per_piece + 99, generator=g)
-    w[per_piece - 1] = float("nan")      # last element of the first piece
-    w[per_piece] = float("inf")          # first element of the second (partial) one
+    w[per_piece - 1] = float("nan")  # last element of the first piece
+    w[per_piece] = float("inf")  # first element of the second (partial) one
     d = tmp_path / "step-1"
     rows = _save(d, {"unit": unit, "w": w})
     specs = ["finite", "frobenius_sphere:radius=1.0:params=unit"]
@@ -181,12 +187,13 @@ def test_invariant_violations_at_interior_piece_boundaries_are_caught(tmp_path):
     by = {(r["check"], r["tensor"]): r for r in inv["reasons"]}
     assert set(by) == {("finite", "w"), ("frobenius_sphere", "unit")}
     assert by[("finite", "w")]["index"] == per_piece - 1 and by[("finite", "w")]["value"] == 2.0
-    norm = float(torch.linalg.vector_norm(unit, dtype=torch.float64))   # the constructed tensor's norm
+    norm = float(torch.linalg.vector_norm(unit, dtype=torch.float64))  # the constructed tensor's norm
     assert norm > 1.001 and by[("frobenius_sphere", "unit")]["value"] == pytest.approx(norm, rel=1e-6)
     # the read-back path agrees on everything but the Frobenius value's last digits
     back = offline_invariants(d, specs)
-    assert [(r["check"], r["tensor"], r.get("index")) for r in back["reasons"]] == \
-        [(r["check"], r["tensor"], r.get("index")) for r in inv["reasons"]]
+    assert [(r["check"], r["tensor"], r.get("index")) for r in back["reasons"]] == [
+        (r["check"], r["tensor"], r.get("index")) for r in inv["reasons"]
+    ]
 
 
 def _stream_vs_offline(specs, name, full, chunks, piece):
@@ -206,7 +213,7 @@ def _stream_vs_offline(specs, name, full, chunks, piece):
         flat = part.contiguous().reshape(-1)
         meta = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
         for start in range(0, flat.numel(), piece):
-            st.update(flat[start:start + piece], scratch, start, meta)
+            st.update(flat[start : start + piece], scratch, start, meta)
     assert st.done
     return st.evidence(), run_offline(checks, {name: full})
 
@@ -223,6 +230,7 @@ def test_stream_matches_run_offline_on_sharded_chunks_and_extreme_values():
     full[4, 2] = float("inf")
     ev, off = _stream_vs_offline(specs, "m", full, chunks, piece=4)
     assert ev["status"] == off["status"] == "fail"
+
     def strip(e):
         return [{k: v for k, v in r.items() if k != "value" or r["check"] == "finite"} for r in e["reasons"]]
 
@@ -237,10 +245,11 @@ def test_stream_matches_run_offline_on_sharded_chunks_and_extreme_values():
     ev, off = _stream_vs_offline(["finite"], "m", huge, [((0,), (64,))], piece=16)
     assert ev["status"] == off["status"] == "pass"
     # bf16: squares are taken in float32 (a bf16 square keeps 8 bits), so the norm is the read-back's
-    half = (torch.randn(1000, generator=g) / 1000 ** 0.5).to(torch.bfloat16)
+    half = (torch.randn(1000, generator=g) / 1000**0.5).to(torch.bfloat16)
     r = float(torch.linalg.vector_norm(half, dtype=torch.float64))
-    ev, off = _stream_vs_offline([f"frobenius_sphere:radius={r!r}:rtol=1e-6:params=m"], "m", half,
-                                 [((0,), (1000,))], piece=100)
+    ev, off = _stream_vs_offline(
+        [f"frobenius_sphere:radius={r!r}:rtol=1e-6:params=m"], "m", half, [((0,), (1000,))], piece=100
+    )
     assert ev["status"] == off["status"] == "pass"
 
 

@@ -29,33 +29,45 @@ from tests.test_replay_live import ledger_view, torchrun
 
 STEPS, EVERY = 12, 4
 SAVES = (4, 8, 12)
-MODULES = {   # where each placement strikes, per shape
-    ("mlp", "forward"): "blocks.1", ("mlp", "grad-input"): "blocks.1", ("mlp", "grad-param"): "blocks.1.fc",
+MODULES = {  # where each placement strikes, per shape
+    ("mlp", "forward"): "blocks.1",
+    ("mlp", "grad-input"): "blocks.1",
+    ("mlp", "grad-param"): "blocks.1.fc",
     ("mlp", "optimizer"): "blocks.1.fc",
-    ("fsdp", "forward"): "blocks.1", ("fsdp", "grad-input"): "blocks.1", ("fsdp", "grad-param"): "blocks.1.fc",
+    ("fsdp", "forward"): "blocks.1",
+    ("fsdp", "grad-input"): "blocks.1",
+    ("fsdp", "grad-param"): "blocks.1.fc",
     ("fsdp", "optimizer"): "blocks.1.fc",
-    ("gpt2", "forward"): "transformer.h.1", ("gpt2", "grad-input"): "transformer.h.1",
-    ("gpt2", "grad-param"): "transformer.h.1.mlp.c_fc", ("gpt2", "optimizer"): "transformer.h.1.mlp.c_fc",
+    ("gpt2", "forward"): "transformer.h.1",
+    ("gpt2", "grad-input"): "transformer.h.1",
+    ("gpt2", "grad-param"): "transformer.h.1.mlp.c_fc",
+    ("gpt2", "optimizer"): "transformer.h.1.mlp.c_fc",
 }
-WHEN = {"persistent": 6, "at-save": 8, "between": 6}   # the fault's step (6: no rotation step before step 10)
+WHEN = {"persistent": 6, "at-save": 8, "between": 6}  # the fault's step (6: no rotation step before step 10)
 
 
 def expected(model: str, kind: str, when: str) -> str:
     """The documented outcome of a placement: "caught" or "not_caught" (README, docs/replay.md)."""
     if when == "between" and kind != "optimizer":
-        return "not_caught"   # averaged into every replica before any save; no replay saw that step
+        return "not_caught"  # averaged into every replica before any save; no replay saw that step
     if model == "fsdp" and kind == "grad-param":
-        return "not_caught"   # a sharded parameter's gradient is not signed (docs/replay.md, Not covered)
+        return "not_caught"  # a sharded parameter's gradient is not signed (docs/replay.md, Not covered)
     return "caught"
 
 
-CELLS = [(m, n, k, w) for m, n, k, w in itertools.product(("mlp", "fsdp", "gpt2"), (2, 3),
-                                                            ("forward", "grad-input", "grad-param", "optimizer"),
-                                                            ("persistent", "at-save", "between"))
-         if not (w == "between" and k not in ("forward", "optimizer"))   # one placement shows the between-saves gap
-         # FSDP2, a shard written wrongly between saves: the at-rest guard checks a slice of the single-owner state
-         # per interval (README), so whether that save sees it depends on the slice: no single documented outcome
-         and not (m == "fsdp" and k == "optimizer" and w == "between")]
+CELLS = [
+    (m, n, k, w)
+    for m, n, k, w in itertools.product(
+        ("mlp", "fsdp", "gpt2"),
+        (2, 3),
+        ("forward", "grad-input", "grad-param", "optimizer"),
+        ("persistent", "at-save", "between"),
+    )
+    if not (w == "between" and k not in ("forward", "optimizer"))  # one placement shows the between-saves gap
+    # FSDP2, a shard written wrongly between saves: the at-rest guard checks a slice of the single-owner state
+    # per interval (README), so whether that save sees it depends on the slice: no single documented outcome
+    and not (m == "fsdp" and k == "optimizer" and w == "between")
+]
 
 
 @pytest.mark.scenario
@@ -63,8 +75,22 @@ CELLS = [(m, n, k, w) for m, n, k, w in itertools.product(("mlp", "fsdp", "gpt2"
 def test_a_fault_placed_on_one_rank_meets_its_documented_outcome(tmp_path, model, world, kind, when):
     rank, step = world - 1, WHEN[when]
     root = tmp_path / "run"
-    args = ["--model", model, "--steps", STEPS, "--save-every", EVERY, "--fault-kind", kind, "--fault-rank", rank,
-            "--fault-step", step, "--fault-module", MODULES[(model, kind)]]
+    args = [
+        "--model",
+        model,
+        "--steps",
+        STEPS,
+        "--save-every",
+        EVERY,
+        "--fault-kind",
+        kind,
+        "--fault-rank",
+        rank,
+        "--fault-step",
+        step,
+        "--fault-module",
+        MODULES[(model, kind)],
+    ]
     recs = torchrun(world, root, *args, *(["--persistent"] if when == "persistent" else []))
     view = ledger_view(root)
     first = min(s for s in SAVES if s >= step)

@@ -28,9 +28,19 @@ FILES = [{"path": ".metadata", "size": 7, "digest": "d", "rank": 0}]
 
 
 def _commit(led, step, attempt, state="certified", reasons=None, **kw):
-    return led.record_commit(step, run_id="r1", path=f"step-{step}", nbytes=7, manifest_digest=f"m-{attempt}",
-                             files=FILES, evidence=BYTES_PASS, state=state, reasons=reasons or [], attempt=attempt,
-                             **kw)
+    return led.record_commit(
+        step,
+        run_id="r1",
+        path=f"step-{step}",
+        nbytes=7,
+        manifest_digest=f"m-{attempt}",
+        files=FILES,
+        evidence=BYTES_PASS,
+        state=state,
+        reasons=reasons or [],
+        attempt=attempt,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -57,8 +67,13 @@ def test_transition_is_compare_and_set_and_keeps_the_superseded_verdict(led):
     led.record_writing(10, "r1", "a1", "step-10")
     assert _commit(led, 10, "a1", "committed", [{"code": "replay_missing"}])
     # an operator quarantines while a (slow) evidence check is still computing its verdict on `committed`
-    assert led.transition(10, "quarantined", [{"code": "quarantined", "detail": "x"}], source="operator",
-                          expect=("committed", "certified"))
+    assert led.transition(
+        10,
+        "quarantined",
+        [{"code": "quarantined", "detail": "x"}],
+        source="operator",
+        expect=("committed", "certified"),
+    )
     assert not led.transition(10, "certified", [], source="certify", expect="committed", attempt="a1")
     row = led.checkpoint(10)
     assert row["state"] == "quarantined"
@@ -86,8 +101,9 @@ def test_disallowed_moves_are_refused(led):
 def test_resave_of_a_quarantined_step_is_refused(led):
     led.record_writing(10, "r1", "a1", "step-10")
     _commit(led, 10, "a1")
-    led.transition(10, "quarantined", [{"code": "quarantined", "detail": "loss spike"}], source="operator",
-                   expect="certified")
+    led.transition(
+        10, "quarantined", [{"code": "quarantined", "detail": "loss spike"}], source="operator", expect="certified"
+    )
     with pytest.raises(Quarantined, match="loss spike") as e:
         led.record_writing(10, "r1", "a2", "step-10")
     assert e.value.exit_code == 1
@@ -103,12 +119,21 @@ def test_resave_of_a_rejected_step_is_a_new_attempt_that_keeps_the_rejection(led
     led.record_writing(10, "r1", "a2", "step-10", owner={"host": "h", "pid": 42, "start": "7"})
     row = led.checkpoint(10)
     assert (row["state"], row["attempt"], row["owner_host"], row["owner_pid"], row["owner_start"]) == (
-        "writing", "a2", "h", 42, "7")
+        "writing",
+        "a2",
+        "h",
+        42,
+        "7",
+    )
     assert _commit(led, 10, "a2")
     row = led.checkpoint(10)
     assert (row["state"], row["owner_pid"]) == ("certified", None)
-    assert _history(led, 10) == [("writing", "a1", "applied"), ("rejected", "a1", "applied"),
-                                 ("writing", "a2", "applied"), ("certified", "a2", "applied")]
+    assert _history(led, 10) == [
+        ("writing", "a1", "applied"),
+        ("rejected", "a1", "applied"),
+        ("writing", "a2", "applied"),
+        ("certified", "a2", "applied"),
+    ]
     rejected = [c for c in led.certifications(10) if c["state"] == "rejected"]
     assert rejected[0]["reasons"] == [{"code": "consensus_attributed", "ranks": [2]}]
 
@@ -170,9 +195,13 @@ print(json.dumps(certify(root, [int(sys.argv[3])], progress_factory=factory)), f
 
 def test_certify_racing_a_quarantine_does_not_overwrite_it(ckpt_root, tmp_path):
     gate = tmp_path / "go"
-    p = subprocess.Popen([sys.executable, "-c", _SLOW_CERTIFY, str(ckpt_root), str(gate), "4"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    p = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CERTIFY, str(ckpt_root), str(gate), "4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert p.stdout.readline().strip() == "hashing", p.stderr.read()
         run_cli("quarantine", ckpt_root, 4, "--reason", "loss spike at 4", check_rc=0)
@@ -219,8 +248,8 @@ def test_settle_writing_rows_by_owner_liveness(ckpt_root):
             run_id = led.checkpoint(4)["run_id"]
             # step 4: renamed, but the ledger commit was lost when its owner died
             led.record_writing(4, run_id, m["attempt"], step_dirname(4), owner=dead_owner)
-            led.record_writing(5, run_id, "live-1", step_dirname(5), owner=live_owner)   # a save in flight
-            led.record_writing(7, run_id, "dead-1", step_dirname(7), owner=dead_owner)   # died before rename
+            led.record_writing(5, run_id, "live-1", step_dirname(5), owner=live_owner)  # a save in flight
+            led.record_writing(7, run_id, "dead-1", step_dirname(7), owner=dead_owner)  # died before rename
         rc, out, _ = run_cli("certify", ckpt_root, "--json")
         assert rc == 1  # step 5 is not certified (yet)
         states = {r["step"]: r["state"] for r in json.loads(out)["results"]}

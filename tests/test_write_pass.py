@@ -17,8 +17,11 @@ from scout_ckpt.save.write_pass import PIECE, WritePass
 
 def _row_major(t: torch.Tensor) -> int:
     t = t.contiguous()
-    return xxhash.xxh3_128_intdigest(t.view(torch.uint8).numpy().tobytes()) if t.dtype == torch.bfloat16 else \
-        xxhash.xxh3_128_intdigest(t.numpy().tobytes())
+    return (
+        xxhash.xxh3_128_intdigest(t.view(torch.uint8).numpy().tobytes())
+        if t.dtype == torch.bfloat16
+        else xxhash.xxh3_128_intdigest(t.numpy().tobytes())
+    )
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -26,12 +29,16 @@ def test_file_digests_and_signatures_taken_in_one_pass(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(1)
     base = torch.randn(900, 700, generator=g)
     tied = torch.randn(300, 300, generator=g)
-    state = {"big": torch.randn(1000, 700, generator=g),                 # 2.7 MiB: three pieces
-             "bf16": torch.randn(600, 700, generator=g).to(torch.bfloat16),
-             "cols": torch.randn(500, 400, generator=g).t(),              # written in storage order
-             "view": base[100:800],                                      # shares a larger storage: DCP clones it
-             "tied_a": tied, "tied_b": tied,
-             "small": torch.randn(10, generator=g), "step": 7}
+    state = {
+        "big": torch.randn(1000, 700, generator=g),  # 2.7 MiB: three pieces
+        "bf16": torch.randn(600, 700, generator=g).to(torch.bfloat16),
+        "cols": torch.randn(500, 400, generator=g).t(),  # written in storage order
+        "view": base[100:800],  # shares a larger storage: DCP clones it
+        "tied_a": tied,
+        "tied_b": tied,
+        "small": torch.randn(10, generator=g),
+        "step": 7,
+    }
     wanted = [state[k] for k in ("big", "bf16", "cols", "view", "tied_a", "tied_b", "small")]
     in_flight = InFlightDigests()
     in_flight.want(wanted)
@@ -56,7 +63,7 @@ def test_file_digests_and_signatures_taken_in_one_pass(tmp_path, monkeypatch):
     sizes = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
     data = [(n, size, flushing) for n, size, flushing in fsynced if n.endswith(".distcp")]
     assert data == [(n, sizes[n], True) for n in sorted(sizes) if n.endswith(".distcp")], (fsynced, sizes)
-    assert any(n.startswith(".metadata") for n, _, _ in fsynced), fsynced   # DCP's metadata, before its rename
+    assert any(n.startswith(".metadata") for n, _, _ in fsynced), fsynced  # DCP's metadata, before its rename
     # The file digests are those of the files on disk, read back here.
     digests = writer.file_digests()
     assert digests
@@ -78,7 +85,7 @@ def test_a_registered_tensor_that_never_passed_through_is_reported_unseen():
     t = torch.randn(512, 512)
     key = written_key(t)
     work = WritePass(None, {key: [("w", t)]})
-    assert [fqn for fqn, _ in work.unseen()] == ["w"]   # the writer then checks it itself
+    assert [fqn for fqn, _ in work.unseen()] == ["w"]  # the writer then checks it itself
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -104,11 +111,11 @@ def test_large_complex_and_fp8_tensors_are_checked_as_they_are_written(tmp_path)
     a large one are still checked, in an interior piece."""
     n = 3 * PIECE // 8
     c = torch.ones(n, dtype=torch.complex64)
-    torch.view_as_real(c)[n // 2 + 1, 1] = float("-inf")          # an imaginary part, in the second piece
+    torch.view_as_real(c)[n // 2 + 1, 1] = float("-inf")  # an imaginary part, in the second piece
     f8 = torch.ones(3 * PIECE, dtype=torch.float32).to(torch.float8_e4m3fn)
-    f8.view(torch.uint8)[PIECE + 5] = 0xFF                           # e4m3fn's negative NaN
+    f8.view(torch.uint8)[PIECE + 5] = 0xFF  # e4m3fn's negative NaN
     ok = torch.ones(3 * PIECE, dtype=torch.float32).to(torch.float8_e4m3fn)
-    ok.view(torch.uint8)[PIECE + 5] = 0x7E                           # 448, the largest finite e4m3fn
+    ok.view(torch.uint8)[PIECE + 5] = 0x7E  # 448, the largest finite e4m3fn
     writer = ScoutWriter(tmp_path, step=1)
     dcp.save({"c": c, "f8": f8, "ok": ok}, storage_writer=writer)
     assert sorted(writer.nonfinite) == ["c", "f8"]
@@ -123,9 +130,16 @@ def test_the_file_digest_covers_writes_of_every_size_and_format(tmp_path):
 
     fs = DigestingFileSystem(None, sync=False)
     g = np.random.default_rng(3)
-    chunks = [b"PK\x03\x04", bytes(range(256)) * 3, np.arange(10_000, dtype=np.int32),
-              g.integers(0, 255, 70_000, dtype=np.uint8), b"", memoryview(np.ones((40, 30), dtype=np.float64)),
-              g.integers(0, 255, PIECE * 2 + 17, dtype=np.uint8), b"tail"]
+    chunks = [
+        b"PK\x03\x04",
+        bytes(range(256)) * 3,
+        np.arange(10_000, dtype=np.int32),
+        g.integers(0, 255, 70_000, dtype=np.uint8),
+        b"",
+        memoryview(np.ones((40, 30), dtype=np.float64)),
+        g.integers(0, 255, PIECE * 2 + 17, dtype=np.uint8),
+        b"tail",
+    ]
     path = tmp_path / "__0_0.distcp"
     with fs.create_stream(path, "wb") as f:
         for c in chunks:

@@ -14,14 +14,14 @@ import re
 _RANK = re.compile(r"^\[rank(\d+)\]:(.*)$")
 _NATIVE = ("terminate called", "enforce fail", "what():", "Fatal Python error", "Segmentation fault")
 _FAULTHANDLER = "Fatal Python error"
-_STACK_LINES = 40   # of faulthandler's report: the current thread's stack and the other threads' tops
+_STACK_LINES = 40  # of faulthandler's report: the current thread's stack and the other threads' tops
 _AGENT = ("failed (exitcode", "Signal ", "exitcode  :", "rank      :", "error_file:", "Root Cause")
 
 
 def why_failed(stderr: str, tail: int = 1200, limit: int = 4000) -> str:
     lines = stderr.splitlines()
     keep: list[str] = []
-    last: dict[str, str] = {}     # rank -> the last line of its traceback so far
+    last: dict[str, str] = {}  # rank -> the last line of its traceback so far
     stack = 0
     for line in lines:
         if _FAULTHANDLER in line:

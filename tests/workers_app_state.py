@@ -16,8 +16,12 @@ def _job(rank, root):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     extra = {"iter_num": 0, "best_val_loss": 1e9}
     local = {"data_pos": 0, "best_val_loss": 1e9}
-    state = {"app": ModelOptimizerState(model, opt), "extra": Scalars(extra),
-             "rng": RankLocal(RNGState()), "local": RankLocal(Scalars(local))}
+    state = {
+        "app": ModelOptimizerState(model, opt),
+        "extra": Scalars(extra),
+        "rng": RankLocal(RNGState()),
+        "local": RankLocal(Scalars(local)),
+    }
     return model, opt, extra, local, state
 
 

@@ -85,12 +85,17 @@ def save_and_reload(rank, world, root, async_save, steps=3):
     ckpt2.close()
     equal = sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved)
     # the writers turn torch.save's zip CRC off only while they write (storage._without_zip_crc)
-    return {"verdicts": verdicts, "loaded_step": loaded_step, "equal": equal,
-            "crc_after": torch.serialization.get_crc32_options()}
+    return {
+        "verdicts": verdicts,
+        "loaded_step": loaded_step,
+        "equal": equal,
+        "crc_after": torch.serialization.get_crc32_options(),
+    }
 
 
 def crash_during_save(rank, world, root, point, victim, crash_step):
     """Save at steps 2 and 4; `victim` SIGKILLs itself at `point` of the save at crash_step."""
+
     def hook(p, step):
         if p == point and step == crash_step and rank == victim:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -158,8 +163,15 @@ def fsdp_save(rank, world, root, async_save):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _fsdp_train(model, opt, 3, seed=0)
     # Pure FSDP has no replicas: a model-intrinsic check must vouch for the single-owner shards.
-    ckpt = Checkpointer(root, model=model, optimizer=opt, async_save=async_save, invariants=FSDP_CHECKS,
-                        replay=False, shard_evidence=False)  # built after training: no step observed
+    ckpt = Checkpointer(
+        root,
+        model=model,
+        optimizer=opt,
+        async_save=async_save,
+        invariants=FSDP_CHECKS,
+        replay=False,
+        shard_evidence=False,
+    )  # built after training: no step observed
     ckpt.save(3, {"app": AppState(model, opt)})
     ckpt.close()
     full = _full_state(model, opt)
@@ -190,8 +202,12 @@ def save_nonfinite(rank, world, root):
     # Large tensors are checked piece by piece (1 MiB) as they are written (write_pass.py): a non-finite element in
     # an interior piece, in a bfloat16 tensor's last piece, and in a transposed tensor (written in storage order).
     g = torch.Generator().manual_seed(0)
-    big = {"a": torch.randn(700, 900, generator=g), "b": torch.randn(1100, 1000, generator=g).to(torch.bfloat16),
-           "c": torch.randn(800, 600, generator=g).t(), "d": torch.randn(700, 900, generator=g)}
+    big = {
+        "a": torch.randn(700, 900, generator=g),
+        "b": torch.randn(1100, 1000, generator=g).to(torch.bfloat16),
+        "c": torch.randn(800, 600, generator=g).t(),
+        "d": torch.randn(700, 900, generator=g),
+    }
     with torch.no_grad():
         model[2].weight[1, 3] = 0.0
     big_ok = ckpt.save(3, {**state_of(model, opt), "big": big})
@@ -206,8 +222,15 @@ def save_nonfinite(rank, world, root):
     sent = [None, bad, long]
     got = [_broadcast(obj if rank == 0 else "other", ckpt._pg) for obj in sent]
     ckpt.close()
-    return {"good": good, "bad": bad, "broadcast_ok": got == sent, "big_ok": big_ok, "big_bad": big_bad,
-            "raised": [raised, raised_big], "reloaded": reloaded}
+    return {
+        "good": good,
+        "bad": bad,
+        "broadcast_ok": got == sent,
+        "big_ok": big_ok,
+        "big_bad": big_bad,
+        "raised": [raised, raised_big],
+        "reloaded": reloaded,
+    }
 
 
 def _live_fault(ckpt, step, state):
@@ -245,8 +268,7 @@ def fsdp_save_unvouched(rank, world, root, invariants=None):
     model = _fsdp_model(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _fsdp_train(model, opt, 1, seed=0)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, invariants=invariants, shard_evidence=False,
-                        replay=False)
+    ckpt = Checkpointer(root, model=model, optimizer=opt, invariants=invariants, shard_evidence=False, replay=False)
     verdict = ckpt.save(1, {"app": AppState(model, opt)})
     ckpt.close()
     return verdict
@@ -263,8 +285,9 @@ def retention_under_replay(rank, world, root, steps=60, save_every=5):
         model = make_model()
         net = ddp(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        ckpt = Checkpointer(sub, model=net, optimizer=opt, keep=keep,
-                            replay={"targets": ["0", "2", "optimizer"], "interval": 10})
+        ckpt = Checkpointer(
+            sub, model=net, optimizer=opt, keep=keep, replay={"targets": ["0", "2", "optimizer"], "interval": 10}
+        )
         for step in range(1, steps + 1):
             train_steps(net, opt, 1, seed=step)
             ckpt.step(step)
@@ -274,10 +297,12 @@ def retention_under_replay(rank, world, root, steps=60, save_every=5):
         if rank == 0:
             with Ledger.open(sub, readonly=True) as led:
                 latest = led.latest("certified")
-                out[keep] = {"latest": latest["step"] if latest else None,
-                             "states": {r["step"]: r["state"] for r in led.checkpoints()},
-                             "on_disk": sorted(list_step_dirs(sub)),
-                             "errors": [e["detail"] for e in led.events(("bookkeeping_error",))]}
+                out[keep] = {
+                    "latest": latest["step"] if latest else None,
+                    "states": {r["step"]: r["state"] for r in led.checkpoints()},
+                    "on_disk": sorted(list_step_dirs(sub)),
+                    "errors": [e["detail"] for e in led.events(("bookkeeping_error",))],
+                }
     return out
 
 
@@ -298,8 +323,11 @@ def bookkeeping_errors(rank, world, root):
         if point == "retention" and step == 2:
             raise RuntimeError("injected retention failure")
         if point == "after_rename" and step == 3:
-            p = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, os.path.join(root, "scout-ledger.db"), "120"],
-                                 stdout=subprocess.PIPE, text=True)
+            p = subprocess.Popen(
+                [sys.executable, "-c", _HOLD_LOCK, os.path.join(root, "scout-ledger.db"), "120"],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             assert p.stdout.readline().strip() == "locked"
             holder["p"] = p
         if point == "after_commit" and step == 3:
@@ -315,8 +343,9 @@ def bookkeeping_errors(rank, world, root):
         train_steps(net, opt, 1, seed=s)
         verdicts[s] = ckpt.save(s, state_of(model, opt))
     if rank == 0:
-        ckpt.ledger.transition(4, "quarantined", [{"code": "quarantined", "detail": "test"}], source="operator",
-                               expect="certified")
+        ckpt.ledger.transition(
+            4, "quarantined", [{"code": "quarantined", "detail": "test"}], source="operator", expect="certified"
+        )
     dist.barrier()
     try:
         ckpt.save(4, state_of(model, opt))
@@ -423,16 +452,23 @@ def option_effects(rank, world, root):
             run = led.runs()[-1]
             ev = led.evidence(step)
         m = json.loads((Path(sub) / f"step-{step:08d}" / "scout-manifest.json").read_text())
-        return {"policy": run["policy"], "evidence": {k: {kk: vv for kk, vv in v.items() if kk != "groups"}
-                                                      for k, v in ev.items()},
-                "signatures": m.get("signatures") or {}}
+        return {
+            "policy": run["policy"],
+            "evidence": {k: {kk: vv for kk, vv in v.items() if kk != "groups"} for k, v in ev.items()},
+            "signatures": m.get("signatures") or {},
+        }
 
     out = {}
-    cases = [("default_flip", {}, "replica_flip"), ("no_consensus", {"consensus": False}, "replica_flip"),
-             ("exclude", {"consensus_exclude": ("model.2.weight",)}, "replica_flip"),
-             ("default_nan", {}, "nan"), ("no_finite", {"finite": False}, "nan"),
-             ("no_verify_load", {"verify_load": False}, None), ("journal_delete", {"ledger_journal": "delete"}, None),
-             ("journal_default", {}, None)]
+    cases = [
+        ("default_flip", {}, "replica_flip"),
+        ("no_consensus", {"consensus": False}, "replica_flip"),
+        ("exclude", {"consensus_exclude": ("model.2.weight",)}, "replica_flip"),
+        ("default_nan", {}, "nan"),
+        ("no_finite", {"finite": False}, "nan"),
+        ("no_verify_load", {"verify_load": False}, None),
+        ("journal_delete", {"ledger_journal": "delete"}, None),
+        ("journal_default", {}, None),
+    ]
     from scout_ckpt.errors import LiveStateCorrupt
 
     for name, opts, fault in cases:
@@ -440,7 +476,7 @@ def option_effects(rank, world, root):
         ckpt = Checkpointer(sub, model=net, optimizer=opt, **opts)
         try:
             verdict = ckpt.save(1, copy(fault))
-        except LiveStateCorrupt as e:   # the default on a state found bad: every rank raises, with the verdict
+        except LiveStateCorrupt as e:  # the default on a state found bad: every rank raises, with the verdict
             verdict = {k: v for k, v in e.verdict.items() if k != "live_fault"}
         ckpt.close()
         out[name] = {"verdict": verdict, "recorded": recorded(sub)}
@@ -458,12 +494,11 @@ def option_effects(rank, world, root):
     for name, opts in (("no_verify_load", {"verify_load": False}), ("journal_default", {})):
         model2 = make_model(seed=5)
         opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
-        ckpt = Checkpointer(os.path.join(root, name), model=ddp(model2), optimizer=opt2, fault_hook=corrupt,
-                            **opts)
+        ckpt = Checkpointer(os.path.join(root, name), model=ddp(model2), optimizer=opt2, fault_hook=corrupt, **opts)
         st = state_of(model2, opt2)
         try:
             step = ckpt.load_latest_clean(st)
-        except StateOverwritten as e:   # the only step, rejected after its values went into the state
+        except StateOverwritten as e:  # the only step, rejected after its values went into the state
             step = type(e).__name__
         ckpt.close()
         loads[name] = step
@@ -486,8 +521,9 @@ def two_checkpointers(rank, world, root):
         train_steps(student, s_opt, 1, seed=step)
         t_ckpt.step(step)
         s_ckpt.step(step)
-        verdicts.append((t_ckpt.save(step, state_of(teacher, t_opt))["state"],
-                         s_ckpt.save(step, state_of(student, s_opt))["state"]))
+        verdicts.append(
+            (t_ckpt.save(step, state_of(teacher, t_opt))["state"], s_ckpt.save(step, state_of(student, s_opt))["state"])
+        )
     s_ckpt.close()
     t_ckpt.close()
     return {"verdicts": verdicts, "shared": shared}

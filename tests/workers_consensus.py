@@ -56,8 +56,12 @@ def ddp_consensus(rank, world, flips=(), extra_key_rank=None, step_rank=None, mo
             flip_bit(t, element=min(1, t.numel() - 1), bit=17 if t.element_size() >= 4 else 3)
     if extra_key_rank == rank:
         state["surprise"] = torch.zeros(2)
-    return {"evidence": save_time_consensus(state, groups), "group_ranks": groups.group_ranks,
-            "has_replicas": groups.has_replicas, "groups": groups.groups}
+    return {
+        "evidence": save_time_consensus(state, groups),
+        "group_ranks": groups.group_ranks,
+        "has_replicas": groups.has_replicas,
+        "groups": groups.groups,
+    }
 
 
 def hsdp_consensus(rank, world, flip_rank=None):
@@ -68,13 +72,21 @@ def hsdp_consensus(rank, world, flip_rank=None):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     w, b = torch.randn(6, 5), torch.randn(6)
-    state = {"model": {"w": distribute_tensor(w, mesh, [Replicate(), Shard(0)]),
-                       "b": distribute_tensor(b, mesh, [Replicate(), Shard(0)])}, "step": 3}
+    state = {
+        "model": {
+            "w": distribute_tensor(w, mesh, [Replicate(), Shard(0)]),
+            "b": distribute_tensor(b, mesh, [Replicate(), Shard(0)]),
+        },
+        "step": 3,
+    }
     if rank == flip_rank:
         flip_bit(state["model"]["w"].to_local(), element=2, bit=30)
     groups = ConsensusGroups.create("hsdp", world, (2, 2), timeout_s=30)
-    return {"evidence": save_time_consensus(state, groups), "group_ranks": groups.group_ranks,
-            "local_w": signature_hex(tensor_signature(state["model"]["w"].to_local()))}
+    return {
+        "evidence": save_time_consensus(state, groups),
+        "group_ranks": groups.group_ranks,
+        "local_w": signature_hex(tensor_signature(state["model"]["w"].to_local())),
+    }
 
 
 def fsdp_consensus(rank, world, drift_rank=None):
@@ -97,8 +109,7 @@ def c3_direct(rank, world, odd_rank, odd_tensor):
     if rank == odd_rank:
         sigs[odd_tensor, 1] += 1
     gv = c3_over_group(sigs, groups.group, groups.group_ranks, names=[f"t{i}" for i in range(5)])
-    return {**gv.to_dict(), "per_tensor": [[r.status, list(r.attributed)] for r in gv.per_tensor],
-            "status": gv.status}
+    return {**gv.to_dict(), "per_tensor": [[r.status, list(r.attributed)] for r in gv.per_tensor], "status": gv.status}
 
 
 def _dtensor_cases(t: torch.Tensor):
@@ -109,13 +120,16 @@ def _dtensor_cases(t: torch.Tensor):
     mesh4 = init_device_mesh("cpu", (4,))
     mesh22 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     d4 = distribute_tensor(t, mesh4, [Shard(0)])
-    cases = [("4:S0", d4), ("4:S1", distribute_tensor(t, mesh4, [Shard(1)])),
-             ("4:R", distribute_tensor(t, mesh4, [Replicate()])),
-             ("4:S0->S1", d4.redistribute(mesh4, [Shard(1)])),
-             ("22:R,S0", distribute_tensor(t, mesh22, [Replicate(), Shard(0)])),
-             ("22:S0,S1", distribute_tensor(t, mesh22, [Shard(0), Shard(1)])),
-             ("22:S1,S1", distribute_tensor(t, mesh22, [Shard(1), Shard(1)])),
-             ("22:S1,R", distribute_tensor(t, mesh22, [Shard(1), Replicate()]))]
+    cases = [
+        ("4:S0", d4),
+        ("4:S1", distribute_tensor(t, mesh4, [Shard(1)])),
+        ("4:R", distribute_tensor(t, mesh4, [Replicate()])),
+        ("4:S0->S1", d4.redistribute(mesh4, [Shard(1)])),
+        ("22:R,S0", distribute_tensor(t, mesh22, [Replicate(), Shard(0)])),
+        ("22:S0,S1", distribute_tensor(t, mesh22, [Shard(0), Shard(1)])),
+        ("22:S1,S1", distribute_tensor(t, mesh22, [Shard(1), Shard(1)])),
+        ("22:S1,R", distribute_tensor(t, mesh22, [Shard(1), Replicate()])),
+    ]
     # 4 shards -> 2 shards (each held by a replicate pair), by redistribution on the 2x2 mesh
     d22 = distribute_tensor(t, mesh22, [Shard(0), Shard(1)])
     cases.append(("22:S0,S1->R,S0", d22.redistribute(mesh22, [Replicate(), Shard(0)])))
@@ -125,15 +139,20 @@ def _dtensor_cases(t: torch.Tensor):
 def dtensor_full_signatures(rank, world):
     """Full signatures of tensors of several dtypes and shapes as plain tensors and under each DTensor placement."""
     torch.manual_seed(0)
-    tensors = {"f32": torch.randn(10, 7), "bf16": torch.randn(5, 9).to(torch.bfloat16),
-               "i64": torch.randint(-2**40, 2**40, (6, 3, 5)), "c64": torch.randn(7, 4, dtype=torch.complex64),
-               "u8": torch.randint(0, 256, (9, 2), dtype=torch.uint8)}
+    tensors = {
+        "f32": torch.randn(10, 7),
+        "bf16": torch.randn(5, 9).to(torch.bfloat16),
+        "i64": torch.randint(-(2**40), 2**40, (6, 3, 5)),
+        "c64": torch.randn(7, 4, dtype=torch.complex64),
+        "u8": torch.randint(0, 256, (9, 2), dtype=torch.uint8),
+    }
     out = {"plain": full_signatures(tensors)}
     for name, t in tensors.items():
         for label, dt in _dtensor_cases(t):
             out.setdefault(label, {})[name] = full_signatures({name: dt})[name]
-    out["local_partial"] = {name: signature_hex(tensor_signature(dt)) for name, dt in
-                            [("f32", _dtensor_cases(tensors["f32"])[0][1])]}
+    out["local_partial"] = {
+        name: signature_hex(tensor_signature(dt)) for name, dt in [("f32", _dtensor_cases(tensors["f32"])[0][1])]
+    }
     from torch.distributed.tensor import DTensor, Partial
 
     pending = DTensor.from_local(torch.ones(2), _dtensor_cases(tensors["u8"])[0][1].device_mesh, [Partial()])
@@ -153,8 +172,12 @@ def dcp_save_sharded(rank, world, path):
 
     torch.manual_seed(1)
     mesh = init_device_mesh("cpu", (world,))
-    state = {"model": {"w": distribute_tensor(torch.randn(6, 10), mesh, [Shard(1)]),
-                       "b": distribute_tensor(torch.randn(10), mesh, [Shard(0)])}}
+    state = {
+        "model": {
+            "w": distribute_tensor(torch.randn(6, 10), mesh, [Shard(1)]),
+            "b": distribute_tensor(torch.randn(10), mesh, [Shard(0)]),
+        }
+    }
     sigs = full_signatures(state)
     dcp.save(state, checkpoint_id=path)
     dist.barrier()
@@ -196,8 +219,16 @@ def single_pass_consensus(rank, world, flip_rank=None):
     # ... unless one rank leaves a leaf out: then no rank may skip the collective (else the others would hang).
     odd = start_consensus(state, groups, names_filter=(lambda n: not n.endswith("bias")) if rank == 1 else None)
     odd.finish()
-    return {"evidence": evidence, "reused": reused, "fresh": fresh, "n_known": len(known), "held": held,
-            "n_leaves": len(flat), "complete": complete, "odd_covers": odd.everyone_covers}
+    return {
+        "evidence": evidence,
+        "reused": reused,
+        "fresh": fresh,
+        "n_known": len(known),
+        "held": held,
+        "n_leaves": len(flat),
+        "complete": complete,
+        "odd_covers": odd.everyone_covers,
+    }
 
 
 def sharded_change_at_load(rank, world):
@@ -264,16 +295,19 @@ def in_flight_consensus(rank, world, root, flip_rank=None):
 
     torch.manual_seed(4)
     shared = torch.randn(96, 128)
-    state = {"m": {f"w{i}": torch.randn(128 + i, 160) for i in range(6)},
-             "tied": {"a": shared, "b": shared},               # one memory, two names (tied weights)
-             "cols": torch.randn(160, 130).t(),                 # transposed: DCP writes its storage column-major
-             "small": torch.randn(10), "step": 3}
+    state = {
+        "m": {f"w{i}": torch.randn(128 + i, 160) for i in range(6)},
+        "tied": {"a": shared, "b": shared},  # one memory, two names (tied weights)
+        "cols": torch.randn(160, 130).t(),  # transposed: DCP writes its storage column-major
+        "small": torch.randn(10),
+        "step": 3,
+    }
     large = [f"m.w{i}" for i in range(6)] + ["tied.a", "tied.b", "cols"]
     flat = flatten_state(state)
     if rank == flip_rank:
         for i, name in enumerate(large):
-            if name != "tied.b":   # tied.a's memory is tied.b's
-                t = flat[name] if flat[name].is_contiguous() else flat[name].t()   # the same memory
+            if name != "tied.b":  # tied.a's memory is tied.b's
+                t = flat[name] if flat[name].is_contiguous() else flat[name].t()  # the same memory
                 flip_bit(t, element=t.numel() // 2 + i, bit=11)
     groups = ConsensusGroups.create("ddp", world, None, timeout_s=60)
     in_flight = InFlightDigests()
@@ -285,9 +319,13 @@ def in_flight_consensus(rank, world, root, flip_rank=None):
     finally:
         in_flight.release()
     evidence = pending.finish()
-    fresh = save_time_consensus(state, groups)   # every byte hashed by consensus itself, no writer involved
-    return {"evidence": evidence, "fresh": fresh, "delivered": in_flight.delivered,
-            "expected": len(in_flight._expected)}
+    fresh = save_time_consensus(state, groups)  # every byte hashed by consensus itself, no writer involved
+    return {
+        "evidence": evidence,
+        "fresh": fresh,
+        "delivered": in_flight.delivered,
+        "expected": len(in_flight._expected),
+    }
 
 
 def shard_partials_in_background(rank, world):
@@ -303,25 +341,33 @@ def shard_partials_in_background(rank, world):
     groups = ConsensusGroups.create("fsdp", world, timeout_s=30)
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(7)
-    whole = {"w": torch.randn(9, 5, generator=g), "v": torch.randn(4, 7, generator=g).to(torch.bfloat16),
-             "r": torch.randn(6, generator=g)}
-    state = {"w": distribute_tensor(whole["w"], mesh, [Shard(0)]),     # uneven: 5 + 4 rows
-             "v": distribute_tensor(whole["v"], mesh, [Shard(1)]),
-             "r": distribute_tensor(whole["r"], mesh, [Replicate()]), "lr": torch.tensor([1e-3]), "step": 3}
+    whole = {
+        "w": torch.randn(9, 5, generator=g),
+        "v": torch.randn(4, 7, generator=g).to(torch.bfloat16),
+        "r": torch.randn(6, generator=g),
+    }
+    state = {
+        "w": distribute_tensor(whole["w"], mesh, [Shard(0)]),  # uneven: 5 + 4 rows
+        "v": distribute_tensor(whole["v"], mesh, [Shard(1)]),
+        "r": distribute_tensor(whole["r"], mesh, [Replicate()]),
+        "lr": torch.tensor([1e-3]),
+        "step": 3,
+    }
     out = {}
     for want in (False, True):
         groups.sign_partials = want
         in_flight = InFlightDigests()
         pending = start_consensus(state, groups, background=True, in_flight=in_flight)
-        in_flight.release()   # no writer in this test: the hashing gate opens at once
+        in_flight.release()  # no writer in this test: the hashing gate opens at once
         partials = pending.shard_partials()
         pending.finish()
         out[want] = sorted(partials)
         if want:
-            out["same_as_inline"] = all(torch.equal(partials[k], v)
-                                        for k, v in shard_partials(flatten_state(state, keep_dtensor=True)).items())
+            out["same_as_inline"] = all(
+                torch.equal(partials[k], v) for k, v in shard_partials(flatten_state(state, keep_dtensor=True)).items()
+            )
             out["with_partials"] = full_signatures(state, plain="replica", partials=partials)
-            bad = dict(partials, w=partials["w"] + 1)   # a wrong row must show: the rows are really taken
+            bad = dict(partials, w=partials["w"] + 1)  # a wrong row must show: the rows are really taken
             out["tampered"] = full_signatures(state, plain="replica", partials=bad)["w"]
     out["inline"] = full_signatures(state, plain="replica")
     out["whole"] = {k: full_signatures({k: v})[k] for k, v in whole.items()}

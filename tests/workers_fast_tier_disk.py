@@ -30,8 +30,11 @@ def state_digest(model, opt) -> str:
     for pid, st in sorted(opt.state_dict()["state"].items()):
         for k, v in sorted(st.items()):
             h.update(f"{pid}.{k}".encode())
-            h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                     if isinstance(v, torch.Tensor) else repr(v).encode())
+            h.update(
+                v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                if isinstance(v, torch.Tensor)
+                else repr(v).encode()
+            )
     return h.hexdigest()
 
 
@@ -45,7 +48,7 @@ def fill(path: Path) -> int:
             except OSError as e:
                 if e.errno != errno.ENOSPC:
                     raise
-                try:   # the last partial chunk
+                try:  # the last partial chunk
                     n += f.write(b"\0" * 512)
                 except OSError:
                     pass
@@ -79,7 +82,7 @@ def full_local_disk_job(rank, world, root, base):
     model2 = make_model(seed=123)
     net2 = ddp(model2)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-    train_steps(net2, opt2, 1, seed=99)   # optimizer state exists before loading, as in a restarted job
+    train_steps(net2, opt2, 1, seed=99)  # optimizer state exists before loading, as in a restarted job
     ckpt2 = Checkpointer(root, model=net2, optimizer=opt2, local=local)
     out["loaded"] = ckpt2.load_latest_clean(state_of(model2, opt2))
     out["tier"] = ckpt2.loaded_tier

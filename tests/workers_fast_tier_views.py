@@ -42,7 +42,7 @@ def local_tier_job(rank, world, root, base):
         p = Path(local["dir"]) / run_id / f"step-{s:08d}" / f"rank-{rank}.pt"
         own[s] = {"path": str(p), "sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
     dist.barrier()
-    if rank == 0:   # one bit of every copy of rank 1's file of step 6 (its own node's and its peer's)
+    if rank == 0:  # one bit of every copy of rank 1's file of step 6 (its own node's and its peer's)
         for p in Path(base).rglob("step-00000006/*rank-1.pt"):
             data = bytearray(p.read_bytes())
             data[len(data) // 2] ^= 0x10
@@ -57,5 +57,11 @@ def local_tier_job(rank, world, root, base):
     loaded = ckpt2.load_latest_clean(st)
     tier = ckpt2.loaded_tier
     ckpt2.close()
-    return {"run_id": run_id, "host": socket.gethostname(), "own": own, "loaded": loaded, "tier": tier,
-            "pid": os.getpid()}
+    return {
+        "run_id": run_id,
+        "host": socket.gethostname(),
+        "own": own,
+        "loaded": loaded,
+        "tier": tier,
+        "pid": os.getpid(),
+    }

@@ -6,7 +6,7 @@ import torch
 
 from scout_ckpt.checkpointer import Checkpointer
 
-BIG = 1 << 17     # elements: large enough (>= FUSE_MIN bytes) to be checked piece by piece as it is written
+BIG = 1 << 17  # elements: large enough (>= FUSE_MIN bytes) to be checked piece by piece as it is written
 
 
 def _bits(dtype, n: int, bad_index: int, bad_bits: int) -> torch.Tensor:
@@ -30,15 +30,16 @@ def case_state(case: str) -> dict:
         out = {}
         for size, key in ((16, "bad_small"), (BIG, "bad_large")):
             t = torch.ones(size, dtype=dtype)
-            torch.view_as_real(t)[size // 2, 0 if part == "real" else 1] = \
+            torch.view_as_real(t)[size // 2, 0 if part == "real" else 1] = (
                 float("nan") if part == "real" else float("inf")
+            )
             out[key] = t
         return out
     if case.startswith("alias"):
         a = torch.ones(BIG, dtype=torch.bfloat16)
         a[0] = float("nan")
         b = a.view(torch.float32)
-        assert bool(torch.isfinite(b).all())     # the float32 alias is finite
+        assert bool(torch.isfinite(b).all())  # the float32 alias is finite
         return {"bad": a, "view": b} if case == "alias-bf16-first" else {"view": b, "bad": a}
     if case.startswith("fp8"):
         _, fmt, bits = case.split("-")
@@ -56,8 +57,20 @@ def healthy_state() -> dict:
     the cases), each small and large; a bf16 tensor and its float32 alias."""
     g = torch.Generator().manual_seed(0)
     out = {}
-    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-                 "complex64", "complex128", "float16", "bfloat16", "float32", "float64", "uint16"):
+    for name in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "complex64",
+        "complex128",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "uint16",
+    ):
         dtype = getattr(torch, name)
         for size, key in ((16, "small"), (BIG, "large")):
             if dtype.is_complex:

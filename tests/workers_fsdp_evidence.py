@@ -92,8 +92,20 @@ def _local(model, name: str) -> torch.Tensor:
     return dict(model.named_parameters())[name].to_local()
 
 
-def w_train(rank, world, steps, *, evidence=True, opt="adamw", update_fault=None, flip=None, save_every=3,
-            chunk=256, per_step=16, compare_off=False):
+def w_train(
+    rank,
+    world,
+    steps,
+    *,
+    evidence=True,
+    opt="adamw",
+    update_fault=None,
+    flip=None,
+    save_every=3,
+    chunk=256,
+    per_step=16,
+    compare_off=False,
+):
     """Train `steps` steps with the evidence on; save points every `save_every` steps run the at-rest check.
 
     update_fault = (rank, from_step, param, index): from that step on, that rank's live update of one element of
@@ -110,6 +122,7 @@ def w_train(rank, world, steps, *, evidence=True, opt="adamw", update_fault=None
                 with torch.no_grad():
                     t = _local(model, pname).view(-1)
                     t[idx] = torch.nextafter(t[idx], torch.tensor(float("inf")))
+
         optimizer.register_step_post_hook(faulty)
     replay = guard = None
     if evidence:
@@ -129,8 +142,13 @@ def w_train(rank, world, steps, *, evidence=True, opt="adamw", update_fault=None
             at_rest.append(guard.check(step))
     if replay is not None:
         rows += replay.close()
-    out = {"rows": rows, "at_rest": at_rest, "digests": state_digests(model, optimizer),
-           "cycle": replay.cycle if replay else None, "units": replay.unit_counts if replay else None}
+    out = {
+        "rows": rows,
+        "at_rest": at_rest,
+        "digests": state_digests(model, optimizer),
+        "cycle": replay.cycle if replay else None,
+        "units": replay.unit_counts if replay else None,
+    }
     if compare_off:
         m2, o2 = build(world, opt=opt)
         for step in range(1, steps + 1):
@@ -161,6 +179,5 @@ def w_checkpointer_on_off(rank, world, root, steps=6, save_every=3):
             if step % save_every == 0:
                 verdicts.append(ckpt.save(step, state)["state"])
         ckpt.close()
-        out[arm] = {"digests": state_digests(model, optimizer), "verdicts": verdicts,
-                    "shard": ckpt.shard is not None}
+        out[arm] = {"digests": state_digests(model, optimizer), "verdicts": verdicts, "shard": ckpt.shard is not None}
     return out

@@ -69,9 +69,13 @@ def w_ecc_between_saves(rank, world, root, mode, steps=9, save_every=3, fault_af
     model = _model(mode, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     health = {"factory": SOURCE, "kwargs": {"path": trigger}} if rank == FAULTY else None
-    ckpt = Checkpointer(root, model=model, optimizer=opt,
-                        shard_evidence={"cycle": save_every - 1} if mode == "fsdp" else None,
-                        observer={"stall_s": 120.0, "health_source": health, "health_poll_s": 0.1})
+    ckpt = Checkpointer(
+        root,
+        model=model,
+        optimizer=opt,
+        shard_evidence={"cycle": save_every - 1} if mode == "fsdp" else None,
+        observer={"stall_s": 120.0, "health_source": health, "health_poll_s": 0.1},
+    )
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
     verdicts, events = {}, []
@@ -81,7 +85,7 @@ def w_ecc_between_saves(rank, world, root, mode, steps=9, save_every=3, fault_af
         if step % save_every == 0:
             try:
                 v = ckpt.save(step, state)
-            except LiveStateCorrupt as e:   # the default: a save showing the live state bad ends the generation
+            except LiveStateCorrupt as e:  # the default: a save showing the live state bad ends the generation
                 verdicts[step] = {"state": e.verdict["state"], "reasons": e.verdict["reasons"], "raised": True}
                 break
             verdicts[step] = {"state": v["state"], "reasons": v["reasons"]}
@@ -89,8 +93,13 @@ def w_ecc_between_saves(rank, world, root, mode, steps=9, save_every=3, fault_af
                 if rank == FAULTY:
                     open(trigger, "w").close()
                 events = _wait_for_event(ckpt)
-    out = {"verdicts": verdicts, "events": events, "mode": ckpt.mode, "replay": ckpt.replay is not None,
-           "policy": ckpt.policy}
+    out = {
+        "verdicts": verdicts,
+        "events": events,
+        "mode": ckpt.mode,
+        "replay": ckpt.replay is not None,
+        "policy": ckpt.policy,
+    }
     ckpt.close()
     dist.barrier()
     return out

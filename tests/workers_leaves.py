@@ -52,5 +52,11 @@ def save_with_a_set(rank, world, root):
         loaded = ckpt.load_latest_clean(into)
     finally:
         ckpt.close()
-    return {"plain": plain, "verdict": verdict, "order": list(meta["tags"]), "hash_of_tag": hash(TAGS[0]),
-            "loaded": loaded, "tags_loaded": sorted(into["meta"]["tags"]) == sorted(TAGS)}
+    return {
+        "plain": plain,
+        "verdict": verdict,
+        "order": list(meta["tags"]),
+        "hash_of_tag": hash(TAGS[0]),
+        "loaded": loaded,
+        "tags_loaded": sorted(into["meta"]["tags"]) == sorted(TAGS),
+    }

@@ -83,12 +83,18 @@ def ddp_tp(rank, world):
     opt = _train_step(model, torch.randn(4, 8))
     topo = describe_topology(model)
     groups = ConsensusGroups.from_topology(topo, timeout_s=TIMEOUT_S)
-    flips = [("tp_shard", model.up.weight, 2),              # replicated along dp only: pairs (0,2), (1,3)
-             ("tp_replicated", model.down.bias, 3),          # Replicate on tp, copies along dp: all 4 ranks
-             ("plain_param", model.norm.weight, 1),          # a plain tensor: the world
-             ("optim_shard", opt.state[model.down.weight]["exp_avg"], 1)]
-    return {"topology": topo, "evidence": _scenarios(rank, model, opt, groups, flips),
-            "kinds": [[list(k.names), k.members] for k in groups.kinds], "group_ranks": groups.group_ranks}
+    flips = [
+        ("tp_shard", model.up.weight, 2),  # replicated along dp only: pairs (0,2), (1,3)
+        ("tp_replicated", model.down.bias, 3),  # Replicate on tp, copies along dp: all 4 ranks
+        ("plain_param", model.norm.weight, 1),  # a plain tensor: the world
+        ("optim_shard", opt.state[model.down.weight]["exp_avg"], 1),
+    ]
+    return {
+        "topology": topo,
+        "evidence": _scenarios(rank, model, opt, groups, flips),
+        "kinds": [[list(k.names), k.members] for k in groups.kinds],
+        "group_ranks": groups.group_ranks,
+    }
 
 
 def fsdp_tp(rank, world):
@@ -117,8 +123,12 @@ def fsdp_tp(rank, world):
     pending = DTensor.from_local(torch.ones(3), mesh, [Partial(), Partial()])
     out["partial"] = save_time_consensus({"model": model.state_dict(), "pending": pending, "step": 7}, groups)
     out["everything_excluded"] = _consensus(model, opt, groups, names_filter=lambda name: False)
-    return {"topology": topo, "evidence": out, "kinds": [[list(k.names), k.members] for k in groups.kinds],
-            "group_ranks": groups.group_ranks}
+    return {
+        "topology": topo,
+        "evidence": out,
+        "kinds": [[list(k.names), k.members] for k in groups.kinds],
+        "group_ranks": groups.group_ranks,
+    }
 
 
 def hsdp_tp(rank, world):
@@ -138,8 +148,12 @@ def hsdp_tp(rank, world):
     topo = describe_topology(model)
     groups = ConsensusGroups.from_topology(topo, timeout_s=TIMEOUT_S)
     flips = [("norm", model.norm, 5), ("tp_shard", model.w, 6), ("plain", model.seen, 4)]
-    return {"topology": topo, "evidence": _scenarios(rank, model, None, groups, flips),
-            "kinds": [[list(k.names), k.members] for k in groups.kinds], "group_ranks": groups.group_ranks}
+    return {
+        "topology": topo,
+        "evidence": _scenarios(rank, model, None, groups, flips),
+        "kinds": [[list(k.names), k.members] for k in groups.kinds],
+        "group_ranks": groups.group_ranks,
+    }
 
 
 def fsdp_only(rank, world):
@@ -163,8 +177,12 @@ def fsdp_only(rank, world):
         out["plain_step"] = _consensus(model, opt, groups)
         step_tensor.sub_(1 if rank == 3 else 0)
     out["shards_only"] = save_time_consensus({"model": model.state_dict()}, groups)
-    return {"topology": topo, "evidence": out, "kinds": [[list(k.names), k.members] for k in groups.kinds],
-            "group_ranks": groups.group_ranks}
+    return {
+        "topology": topo,
+        "evidence": out,
+        "kinds": [[list(k.names), k.members] for k in groups.kinds],
+        "group_ranks": groups.group_ranks,
+    }
 
 
 def fsdp_runs(rank, world):

@@ -32,9 +32,18 @@ def train(rank: int, world_size: int, root: str, run_id: str, scenario: str, opt
     steps, fault_rank, fault_step = opts.get("steps", 10), opts.get("fault_rank", 2), opts.get("fault_step", 4)
     compute_s = opts.get("compute_s", 0.02)
     side = dist.new_group(backend="gloo")  # a checkpointer-like side group: its collectives must not count
-    obs = Observer.start(root, rank=rank, world_size=world_size, run_id=run_id, stall_s=opts.get("stall_s", 1.5),
-                         action=opts.get("action", "report"), poll_s=opts.get("poll_s", 0.1), ignore_groups=(side,), linger_s=2.5,
-                         straggler=opts.get("straggler"))
+    obs = Observer.start(
+        root,
+        rank=rank,
+        world_size=world_size,
+        run_id=run_id,
+        stall_s=opts.get("stall_s", 1.5),
+        action=opts.get("action", "report"),
+        poll_s=opts.get("poll_s", 0.1),
+        ignore_groups=(side,),
+        linger_s=2.5,
+        straggler=opts.get("straggler"),
+    )
     t = torch.ones(4)
     cpu0 = wall0 = None
     for step in range(1, steps + 1):
@@ -94,15 +103,24 @@ def tracer_roundtrip(rank: int, world_size: int):
         "bcast0": tracer.fingerprint("broadcast", (torch.ones(5),), {"src": 0}),
         "bcast1": tracer.fingerprint("broadcast", (torch.ones(5),), {"src": 1}),
         # the src-only scatter list is rank-dependent and must not count
-        "scatter": tracer.fingerprint("scatter", (torch.ones(2), [torch.ones(2)] * world_size if rank == 0 else None),
-                                      {"src": 0}),
+        "scatter": tracer.fingerprint(
+            "scatter", (torch.ones(2), [torch.ones(2)] * world_size if rank == 0 else None), {"src": 0}
+        ),
     }
     seq = tracer.seq
     tracer.uninstall()
     restored = all(getattr(dist, n) is f for n, f in before.items())
     hb.close()
-    return {"replaced": replaced, "seq": seq, "hb_seq": snap.seq_enter, "hb_left": snap.seq_leave,
-            "hb_fp": snap.fp_enter, "fps": fps, "restored": restored, "in_coll": snap.in_coll}
+    return {
+        "replaced": replaced,
+        "seq": seq,
+        "hb_seq": snap.seq_enter,
+        "hb_left": snap.seq_leave,
+        "hb_fp": snap.fp_enter,
+        "fps": fps,
+        "restored": restored,
+        "in_coll": snap.in_coll,
+    }
 
 
 def ddp_attach_rules(rank: int, world_size: int, root: str):
@@ -124,8 +142,9 @@ def ddp_attach_rules(rank: int, world_size: int, root: str):
         model(torch.ones(2, 4)).sum().backward()
 
     out = {"rank": rank}
-    obs = Observer.start(root, rank=rank, world_size=world_size, run_id="attach", stall_s=600.0, poll_s=0.1,
-                         ddp_comm_hook=users_hook)
+    obs = Observer.start(
+        root, rank=rank, world_size=world_size, run_id="attach", stall_s=600.0, poll_s=0.1, ddp_comm_hook=users_hook
+    )
     try:
         plain = DDP(nn.Linear(4, 4))
         seq0 = obs.tracer.seq
@@ -229,10 +248,15 @@ def _backward_stamps(obs, rank: int) -> dict:
         marks[("opt_done", n)] = time.time()
         obs.step(n)
     stamps = HeartbeatReader(obs.heartbeat.path).snapshot().stamps
-    out = {"steps": [s for s, *_ in stamps], "compute": {s: a - lt for s, lt, a, _w in stamps},
-           "arrival": {s: a for s, _l, a, _w in stamps}, "cpu_wait": {s: w for s, _l, _a, w in stamps},
-           "backward_window": {s: (marks[("forward_done", s)], marks[("backward_done", s)]) for s, *_ in stamps},
-           "grad_hooks_kept": len(obs.stamps._grad_handles), "params": len(list(model.parameters()))}
+    out = {
+        "steps": [s for s, *_ in stamps],
+        "compute": {s: a - lt for s, lt, a, _w in stamps},
+        "arrival": {s: a for s, _l, a, _w in stamps},
+        "cpu_wait": {s: w for s, _l, _a, w in stamps},
+        "backward_window": {s: (marks[("forward_done", s)], marks[("backward_done", s)]) for s, *_ in stamps},
+        "grad_hooks_kept": len(obs.stamps._grad_handles),
+        "params": len(list(model.parameters())),
+    }
     obs.stamps.remove()
     out["grad_hooks_left"] = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
     return out
@@ -263,7 +287,7 @@ def _step_stamps(obs, rank: int) -> dict:
             marks["after_all_reduce"] = time.time()
         if n > 1 and rank == 1:
             time.sleep(0.2)
-        marks[n] = time.time()                   # before the forward
+        marks[n] = time.time()  # before the forward
         y = model(torch.ones(2, 4))
         marks[("forward_done", n)] = time.time()
         y.sum().backward()
@@ -273,12 +297,21 @@ def _step_stamps(obs, rank: int) -> dict:
         obs.step(n)
     stamps = HeartbeatReader(obs.heartbeat.path).snapshot().stamps[earlier:]
     in_all_reduce = {s: marks["after_all_reduce"] - marks["before_all_reduce"] if s == 4 else 0.0 for s, *_ in stamps}
-    return {"steps": [s for s, *_ in stamps], "compute": {s: a - lt for s, lt, a, _w in stamps},
-            "arrival": {s: a for s, _l, a, _w in stamps},
-            # compute = arrival(s) - the optimizer step of s-1, less the wait inside a synchronous collective
-            # between: at least the gap from the end of that step to the earliest possible arrival less that
-            # collective, at most from its start to the end of step s's forward
-            "compute_window": {s: (marks[s] - marks[("opt_done", s - 1)] - in_all_reduce[s],
-                                   marks[("forward_done", s)] - marks[("opt_start", s - 1)]) for s, *_ in stamps},
-            "forward_window": {s: (marks[s], marks[("forward_done", s)]) for s, *_ in stamps},
-            "model": model, "opt": opt}
+    return {
+        "steps": [s for s, *_ in stamps],
+        "compute": {s: a - lt for s, lt, a, _w in stamps},
+        "arrival": {s: a for s, _l, a, _w in stamps},
+        # compute = arrival(s) - the optimizer step of s-1, less the wait inside a synchronous collective
+        # between: at least the gap from the end of that step to the earliest possible arrival less that
+        # collective, at most from its start to the end of step s's forward
+        "compute_window": {
+            s: (
+                marks[s] - marks[("opt_done", s - 1)] - in_all_reduce[s],
+                marks[("forward_done", s)] - marks[("opt_start", s - 1)],
+            )
+            for s, *_ in stamps
+        },
+        "forward_window": {s: (marks[s], marks[("forward_done", s)]) for s, *_ in stamps},
+        "model": model,
+        "opt": opt,
+    }

@@ -17,7 +17,7 @@ def digest(model, opt) -> str:
     for part in (model.state_dict(), opt.state_dict()["state"]):
         for k in sorted(part, key=str):
             v = part[k]
-            for t in (v.values() if isinstance(v, dict) else [v]):
+            for t in v.values() if isinstance(v, dict) else [v]:
                 if isinstance(t, torch.Tensor):
                     h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -26,6 +26,7 @@ def digest(model, opt) -> str:
 def local_verdict_races_durable_save(rank, world, root, local_dir):
     """Local save at step 2 of a state with a NaN (its commit slowed by 2 s on the commit thread), the NaN gone
     again before the durable save of step 3: the durable save must see the local verdict first."""
+
     def slow(point, step):
         if point == "local_written":
             time.sleep(2.0)
@@ -33,15 +34,23 @@ def local_verdict_races_durable_save(rank, world, root, local_dir):
     model = make_model(seed=3)
     net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt = Checkpointer(root, model=net, optimizer=opt, local={"dir": local_dir, "every": 2},
-                        on_live_fault="continue", fault_hook=slow, replay=False, observer=False)
+    ckpt = Checkpointer(
+        root,
+        model=net,
+        optimizer=opt,
+        local={"dir": local_dir, "every": 2},
+        on_live_fault="continue",
+        fault_hook=slow,
+        replay=False,
+        observer=False,
+    )
     train_steps(net, opt, 1, seed=1)
     ckpt.step(1, state_of(model, opt))
     train_steps(net, opt, 1, seed=2)
     with torch.no_grad():
         keep = model[2].weight[1, 3].item()
         model[2].weight[1, 3] = float("nan")
-    ckpt.step(2, state_of(model, opt))   # the local save: staged with the NaN, committing in the background
+    ckpt.step(2, state_of(model, opt))  # the local save: staged with the NaN, committing in the background
     with torch.no_grad():
         model[2].weight[1, 3] = keep
     verdict = ckpt.save(3, state_of(model, opt))
@@ -78,7 +87,7 @@ def restart(rank, world, root, save_step=None, load=True):
     model = make_model(seed=6)
     net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train_steps(net, opt, 1, seed=99)   # optimizer state exists before loading
+    train_steps(net, opt, 1, seed=99)  # optimizer state exists before loading
     try:
         ckpt = Checkpointer(root, model=net, optimizer=opt, replay=False, observer=False, timeout_s=60)
     except ScoutError as e:
@@ -112,8 +121,7 @@ def tiers_job(rank, world, root, local_dir, steps=6, durable=(3, 6)):
     model = make_model(seed=5)
     net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt = Checkpointer(root, model=net, optimizer=opt, local=_tier_opts(local_dir, rank), replay=False,
-                        observer=False)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, local=_tier_opts(local_dir, rank), replay=False, observer=False)
     printed, verdicts = {}, {}
     for step in range(1, steps + 1):
         train_steps(net, opt, 1, seed=step)
@@ -135,8 +143,9 @@ def tiers_restart(rank, world, root, local_dir):
     net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_steps(net, opt, 1, seed=99)
-    ckpt = Checkpointer(root, model=net, optimizer=opt, local=_tier_opts(local_dir, rank), replay=False,
-                        observer=False, timeout_s=60)
+    ckpt = Checkpointer(
+        root, model=net, optimizer=opt, local=_tier_opts(local_dir, rank), replay=False, observer=False, timeout_s=60
+    )
     st = state_of(model, opt)
     try:
         loaded = ckpt.load_latest_clean(st)
@@ -145,8 +154,12 @@ def tiers_restart(rank, world, root, local_dir):
         return {"refused": type(e).__name__, "message": str(e)}
     model.load_state_dict(st["model"])
     opt.load_state_dict(st["optim"])
-    out = {"loaded": loaded, "tier": ckpt.loaded_tier, "digest": digest(model, opt),
-           "fetched": (ckpt.local.last_loaded or {}).get("fetched")}
+    out = {
+        "loaded": loaded,
+        "tier": ckpt.loaded_tier,
+        "digest": digest(model, opt),
+        "fetched": (ckpt.local.last_loaded or {}).get("fetched"),
+    }
     ckpt.close()
     return out
 
@@ -166,8 +179,7 @@ def restart_with_loader_fault(rank, world, root):
             with torch.no_grad():
                 model[0].weight.view(-1).view(torch.int32)[0] ^= 1
 
-    ckpt = Checkpointer(root, model=net, optimizer=opt, replay=False, observer=False, fault_hook=corrupt,
-                        timeout_s=60)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, replay=False, observer=False, fault_hook=corrupt, timeout_s=60)
     try:
         return {"loaded": ckpt.load_latest_clean(state_of(model, opt))}
     except ScoutError as e:
@@ -194,7 +206,7 @@ def tiers_restart_eio(rank, world, root, local_dir):
 
     real_read = Path.read_bytes
 
-    def flaky_read(self):   # the local tier reads its files whole, through io.open (not os.open)
+    def flaky_read(self):  # the local tier reads its files whole, through io.open (not os.open)
         if os.path.realpath(self).startswith(roots):
             raise OSError(errno.EIO, os.strerror(errno.EIO), str(self))
         return real_read(self)

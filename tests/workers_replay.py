@@ -161,6 +161,7 @@ def _state(model, opt) -> list[torch.Tensor]:
 
 # ---- workers (module level: run_ranks forks them) -------------------------------------------------------------
 
+
 def w_healthy_bitwise(rank, world, steps):
     """The same seeded run with and without the runner: rows of the first, bitwise equality of the two."""
     from scout_ckpt.replay.schedule import coverage
@@ -171,10 +172,16 @@ def w_healthy_bitwise(rank, world, steps):
     model_b, opt_b, _, _ = run(rank, world, steps)
     rng_b = torch.get_rng_state()
     a, b = _state(model_a, opt_a), _state(model_b, opt_b)
-    return {"rows": rows, "targets": runner.targets(), "coverage": coverage(rows, runner.targets()),
-            "n_state": len(a), "bitwise": len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)),
-            "grads_none": all(p.grad is None for p in model_a.parameters()),
-            "rng_equal": torch.equal(rng_a, rng_b), "events": runner.events()}
+    return {
+        "rows": rows,
+        "targets": runner.targets(),
+        "coverage": coverage(rows, runner.targets()),
+        "n_state": len(a),
+        "bitwise": len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)),
+        "grads_none": all(p.grad is None for p in model_a.parameters()),
+        "rng_equal": torch.equal(rng_a, rng_b),
+        "events": runner.events(),
+    }
 
 
 def w_sdc(rank, world, steps, faults=None, opt_fault=None, slow=None, targets=None):
@@ -224,7 +231,12 @@ def w_fsdp(rank, world, steps, faults=None):
         opt.step()
         opt.zero_grad()
         rows += runner.on_step(step)
-    return {"rows": rows, "targets": runner.targets(), "peers": runner.peers, "gather_exact": _gather_exact(model, mesh)}
+    return {
+        "rows": rows,
+        "targets": runner.targets(),
+        "peers": runner.peers,
+        "gather_exact": _gather_exact(model, mesh),
+    }
 
 
 def _gather_exact(model, mesh) -> bool:
@@ -234,8 +246,9 @@ def _gather_exact(model, mesh) -> bool:
 
     from scout_ckpt.replay.capture import gather_full
 
-    extra = [distribute_tensor(torch.arange(n * 3, dtype=torch.float32).view(n, 3), mesh, [Shard(0)])
-             for n in (1, 2, 5)] + [distribute_tensor(torch.arange(7.0), mesh, [Shard(0)]), torch.ones(2)]
+    extra = [
+        distribute_tensor(torch.arange(n * 3, dtype=torch.float32).view(n, 3), mesh, [Shard(0)]) for n in (1, 2, 5)
+    ] + [distribute_tensor(torch.arange(7.0), mesh, [Shard(0)]), torch.ones(2)]
     ts = list(model.parameters()) + extra
     want = [t.full_tensor() if hasattr(t, "full_tensor") else t for t in ts]
     return all(torch.equal(a, b) for a, b in zip(gather_full(ts), want))

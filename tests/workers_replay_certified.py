@@ -17,7 +17,7 @@ def w_user_script(rank, world, root, mode, steps, save_every, fault=None, replay
     from tests import workers_replay_targets as wt
 
     model = wh._model(mode, world)
-    inner = model.module if mode == "ddp" else model   # ddp, fsdp or hsdp (tests/workers_health._model)
+    inner = model.module if mode == "ddp" else model  # ddp, fsdp or hsdp (tests/workers_health._model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     kw = {} if replay is None else {"replay": replay}
     if shard_cycle is not None:
@@ -34,13 +34,18 @@ def w_user_script(rank, world, root, mode, steps, save_every, fault=None, replay
         if step % save_every == 0:
             try:
                 v = ckpt.save(step, state)
-            except LiveStateCorrupt as e:   # the generation ends here on every rank (torchrun would restart it)
+            except LiveStateCorrupt as e:  # the generation ends here on every rank (torchrun would restart it)
                 verdicts[step] = {"state": e.verdict["state"], "reasons": e.verdict["reasons"]}
                 ended = step
                 break
             verdicts[step] = {"state": v["state"], "reasons": v["reasons"]}
-    out = {"verdicts": verdicts, "replay": ckpt.replay is not None, "mode": ckpt.mode, "ended": ended,
-           "targets": ckpt.replay.targets() if ckpt.replay else []}
+    out = {
+        "verdicts": verdicts,
+        "replay": ckpt.replay is not None,
+        "mode": ckpt.mode,
+        "ended": ended,
+        "targets": ckpt.replay.targets() if ckpt.replay else [],
+    }
     ckpt.close()
     dist.barrier()
     return out
@@ -49,7 +54,10 @@ def w_user_script(rank, world, root, mode, steps, save_every, fault=None, replay
 def w_sdc_and_healthy(rank, world, root_fault, root_healthy, root_ddp_fault, steps, save_every, fault, shard_cycle):
     """Three scenarios in one start-up, all with the defaults: FSDP2 with a fault, DDP healthy, DDP with the same
     fault (replay is on for replicas too: consensus alone would agree on the averaged, poisoned state)."""
-    return {"fault": w_user_script(rank, world, root_fault, "fsdp", steps, save_every, fault=fault,
-                                   shard_cycle=shard_cycle),
-            "healthy": w_user_script(rank, world, root_healthy, "ddp", steps, save_every),
-            "ddp_fault": w_user_script(rank, world, root_ddp_fault, "ddp", steps, save_every, fault=fault)}
+    return {
+        "fault": w_user_script(
+            rank, world, root_fault, "fsdp", steps, save_every, fault=fault, shard_cycle=shard_cycle
+        ),
+        "healthy": w_user_script(rank, world, root_healthy, "ddp", steps, save_every),
+        "ddp_fault": w_user_script(rank, world, root_ddp_fault, "ddp", steps, save_every, fault=fault),
+    }

@@ -80,9 +80,15 @@ class GPT2(nn.Module):
 
     def __init__(self, vocab: int = VOCAB, d: int = D, seq: int = SEQ, layers: int = LAYERS):
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(  # noqa: C408 -- nanoGPT's own spelling
-            wte=nn.Embedding(vocab, d), wpe=nn.Embedding(seq, d), drop=nn.Dropout(0.0),
-            h=nn.ModuleList(DecoderLayer(d) for _ in range(layers)), ln_f=nn.LayerNorm(d)))
+        self.transformer = nn.ModuleDict(
+            dict(  # noqa: C408 -- nanoGPT's own spelling
+                wte=nn.Embedding(vocab, d),
+                wpe=nn.Embedding(seq, d),
+                drop=nn.Dropout(0.0),
+                h=nn.ModuleList(DecoderLayer(d) for _ in range(layers)),
+                ln_f=nn.LayerNorm(d),
+            )
+        )
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
 
@@ -124,12 +130,15 @@ class NoBlocks(nn.Module):
 
 SHAPES = {"hf": HFCausalLM, "gpt2": GPT2, "titan": Titan}
 EXPECTED = {
-    "hf": [("embedding", "model.embed_tokens")] + [("block", f"model.layers.{i}") for i in range(LAYERS)]
-          + [("head", "lm_head")],
+    "hf": [("embedding", "model.embed_tokens")]
+    + [("block", f"model.layers.{i}") for i in range(LAYERS)]
+    + [("head", "lm_head")],
     "gpt2": [("embedding", "transformer.wte"), ("embedding", "transformer.wpe")]
-            + [("block", f"transformer.h.{i}") for i in range(LAYERS)] + [("head", "lm_head")],
-    "titan": [("embedding", "tok_embeddings")] + [("block", f"layers.{i}") for i in range(LAYERS)]
-             + [("head", "output")],
+    + [("block", f"transformer.h.{i}") for i in range(LAYERS)]
+    + [("head", "lm_head")],
+    "titan": [("embedding", "tok_embeddings")]
+    + [("block", f"layers.{i}") for i in range(LAYERS)]
+    + [("head", "output")],
 }
 
 
@@ -148,8 +157,11 @@ def wrap_blocks_with_checkpointing(model: nn.Module) -> None:
         checkpoint_wrapper,
     )
 
-    holder = model.model.layers if isinstance(model, HFCausalLM) else (
-        model.transformer.h if isinstance(model, GPT2) else model.layers)
+    holder = (
+        model.model.layers
+        if isinstance(model, HFCausalLM)
+        else (model.transformer.h if isinstance(model, GPT2) else model.layers)
+    )
     for name, block in list(holder.named_children()):
         holder.register_module(name, checkpoint_wrapper(block))
 
@@ -203,6 +215,7 @@ def _runner(model, opt, groups, **kw):
 
 # ---- workers (module level: run_ranks starts them) -----------------------------------------------------------
 
+
 def w_discover_wrapped(rank, world, kind):
     """For each shape: targets found on the wrapped model (DDP or FSDP2, blocks checkpoint-wrapped for Titan as
     TorchTitan does), equal to those of the unwrapped model; then 2 steps with a sweep at step 2: every target
@@ -225,8 +238,9 @@ def w_discover_wrapped(rank, world, kind):
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh("cpu", (world,))
-            holder = {"hf": lambda m: m.model.layers, "gpt2": lambda m: m.transformer.h,
-                      "titan": lambda m: m.layers}[shape](model)
+            holder = {"hf": lambda m: m.model.layers, "gpt2": lambda m: m.transformer.h, "titan": lambda m: m.layers}[
+                shape
+            ](model)
             for block in holder.children():
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -238,11 +252,17 @@ def w_discover_wrapped(rank, world, kind):
         # DDP, HF shape: 2 more steps, a save announced at 3 that never comes (its rotation replay, left to
         # that sweep, is run by on_step(4))
         more = kind == "ddp" and shape == "hf"
-        rows = _train(wrapped, opt, runner, rank, 4 if more else 2, save_at=(2,), inner=model,
-                      no_show=(3,) if more else ())
+        rows = _train(
+            wrapped, opt, runner, rank, 4 if more else 2, save_at=(2,), inner=model, no_show=(3,) if more else ()
+        )
         runner.close()
-        out[shape] = {"plain": plain, "found": found, "inner": inner_names, "rows": rows,
-                      "classes": sorted({type(b).__name__ for b in blocks_of(model)})}
+        out[shape] = {
+            "plain": plain,
+            "found": found,
+            "inner": inner_names,
+            "rows": rows,
+            "classes": sorted({type(b).__name__ for b in blocks_of(model)}),
+        }
     return out
 
 
@@ -374,10 +394,16 @@ def w_sweep_cost(rank, world, which, steps, saves):
         elif i:
             plain.append(t1 - t0)
     med = statistics.median
-    return {"which": which, "params": sum(p.numel() for p in model.parameters()),
-            "targets": len(runner.targets()), "step_s": med(plain), "armed_step_s": med(armed),
-            "sweep_s": med(sweep), "sweep_per_step": med(sweep) / med(plain),
-            "amortized_100": (med(sweep) + med(armed) - med(plain)) / (100 * med(plain))}
+    return {
+        "which": which,
+        "params": sum(p.numel() for p in model.parameters()),
+        "targets": len(runner.targets()),
+        "step_s": med(plain),
+        "armed_step_s": med(armed),
+        "sweep_s": med(sweep),
+        "sweep_per_step": med(sweep) / med(plain),
+        "amortized_100": (med(sweep) + med(armed) - med(plain)) / (100 * med(plain)),
+    }
 
 
 def w_nanogpt_compiled(rank, world, steps, save_at):

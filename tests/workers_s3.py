@@ -35,8 +35,22 @@ def digest(sd) -> str:
     return h.hexdigest()
 
 
-def save_steps(rank, world, uri, ledger_dir, endpoint, steps, *, width=16, keep=None, kill=None, fail=None,
-               async_save=False, resume=False, timeout_s=60.0):
+def save_steps(
+    rank,
+    world,
+    uri,
+    ledger_dir,
+    endpoint,
+    steps,
+    *,
+    width=16,
+    keep=None,
+    kill=None,
+    fail=None,
+    async_save=False,
+    resume=False,
+    timeout_s=60.0,
+):
     """Train and save at each step in `steps`; returns {step: oracle digest} of the state saved. `resume`: a
     restarted job (as load_latest) that loads the latest clean step first and trains on from it. `kill` =
     (step, rank): that rank SIGKILLs itself in the middle of its upload at that step (a part already sent);
@@ -55,12 +69,21 @@ def save_steps(rank, world, uri, ledger_dir, endpoint, steps, *, width=16, keep=
             raise RuntimeError(f"injected upload failure at step {step} on rank {rank}")
 
     model = make_model(seed=7 if resume else 0, width=width)
-    net = ddp(model)   # trained as users train: DDP on gloo (tests/workers_ckpt.py)
+    net = ddp(model)  # trained as users train: DDP on gloo (tests/workers_ckpt.py)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if resume:
-        train_steps(net, opt, 1, seed=99)   # moments materialized, values unlike the checkpoint's
-    ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=net,
-                        optimizer=opt, keep=keep, fault_hook=hook, timeout_s=timeout_s, async_save=async_save)
+        train_steps(net, opt, 1, seed=99)  # moments materialized, values unlike the checkpoint's
+    ckpt = Checkpointer(
+        uri,
+        ledger_dir=ledger_dir,
+        storage_options=options(endpoint),
+        model=net,
+        optimizer=opt,
+        keep=keep,
+        fault_hook=hook,
+        timeout_s=timeout_s,
+        async_save=async_save,
+    )
     saved, models, verdicts, errors, done, prev, loaded = {}, {}, {}, {}, 0, None, None
     if resume:
         done = _load_into(ckpt, model, opt) or 0
@@ -69,22 +92,28 @@ def save_steps(rank, world, uri, ledger_dir, endpoint, steps, *, width=16, keep=
         train_steps(net, opt, s - done, seed=s)
         done = s
         try:
-            v = ckpt.save(s, state_of(model, opt))   # async: the previous save's failure is raised here
+            v = ckpt.save(s, state_of(model, opt))  # async: the previous save's failure is raised here
         except ScoutError as e:
             errors[prev] = str(e)
             v = ckpt.save(s, state_of(model, opt))
         verdicts[s] = v["state"] if v else None
         saved[s], prev = digest(state_of(model, opt)), s
-        models[s] = digest(model.state_dict())   # the weights alone: what `export` must write
+        models[s] = digest(model.state_dict())  # the weights alone: what `export` must write
     if async_save:
-        train_steps(net, opt, 1, seed=1000)          # training goes on while the last upload runs
+        train_steps(net, opt, 1, seed=1000)  # training goes on while the last upload runs
         try:
             ckpt.wait()
         except ScoutError as e:
             errors[steps[-1]] = str(e)
     ckpt.close()
-    return {"saved": saved, "models": models, "verdicts": verdicts, "errors": errors, "failed": failed,
-            "loaded": loaded}
+    return {
+        "saved": saved,
+        "models": models,
+        "verdicts": verdicts,
+        "errors": errors,
+        "failed": failed,
+        "loaded": loaded,
+    }
 
 
 def _load_into(ckpt, model, opt) -> int | None:
@@ -101,8 +130,9 @@ def load_latest(rank, world, uri, ledger_dir, endpoint, *, width=16, then_save=N
     net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_steps(net, opt, 1, seed=99)
-    ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=net,
-                        optimizer=opt, timeout_s=60)
+    ckpt = Checkpointer(
+        uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=net, optimizer=opt, timeout_s=60
+    )
     step = _load_into(ckpt, model, opt)
     got = digest(state_of(model, opt))
     verdict = None
@@ -115,6 +145,7 @@ def load_latest(rank, world, uri, ledger_dir, endpoint, *, width=16, then_save=N
 
 # ---- FSDP2 (fully_shard at its defaults) on S3 ------------------------------------------------------------------
 
+
 def fsdp_save(rank, world, uri, ledger_dir, endpoint, *, steps=4, save_every=2, async_save=False):
     """A user's FSDP2 job: the Checkpointer built before training (its defaults: shard evidence on), a step
     hook every step, saves every `save_every` steps. Returns {step: sha256 of the full (unsharded) model and
@@ -124,8 +155,16 @@ def fsdp_save(rank, world, uri, ledger_dir, endpoint, *, steps=4, save_every=2, 
 
     model = _fsdp_model(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=model, optimizer=opt,
-                        invariants=FSDP_CHECKS, async_save=async_save, timeout_s=120)
+    ckpt = Checkpointer(
+        uri,
+        ledger_dir=ledger_dir,
+        storage_options=options(endpoint),
+        model=model,
+        optimizer=opt,
+        invariants=FSDP_CHECKS,
+        async_save=async_save,
+        timeout_s=120,
+    )
     state = {"app": ModelOptimizerState(model, opt)}
     saved, verdicts = {}, {}
     for step in range(1, steps + 1):
@@ -148,8 +187,15 @@ def fsdp_load(rank, world, uri, ledger_dir, endpoint):
     model = _fsdp_model(world, seed=5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _fsdp_train(model, opt, 1, seed=42)
-    ckpt = Checkpointer(uri, ledger_dir=ledger_dir, storage_options=options(endpoint), model=model, optimizer=opt,
-                        invariants=FSDP_CHECKS, timeout_s=120)
+    ckpt = Checkpointer(
+        uri,
+        ledger_dir=ledger_dir,
+        storage_options=options(endpoint),
+        model=model,
+        optimizer=opt,
+        invariants=FSDP_CHECKS,
+        timeout_s=120,
+    )
     try:
         step = ckpt.load_latest_clean({"app": ModelOptimizerState(model, opt)})
     finally:

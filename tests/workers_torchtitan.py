@@ -20,8 +20,9 @@ class TrainState:
         self.step = int(sd["step"])
 
 
-def build(root: str, keep: int = 0, kill: tuple | None = None, async_mode: str = "disabled",
-          corrupt_write: int | None = None):
+def build(
+    root: str, keep: int = 0, kill: tuple | None = None, async_mode: str = "disabled", corrupt_write: int | None = None
+):
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import default_adamw
 
@@ -61,10 +62,15 @@ def build(root: str, keep: int = 0, kill: tuple | None = None, async_mode: str =
     sched = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opt, training_steps=20)
     ts = TrainState()
     cls = Killing if kill else CorruptWrite if corrupt_write else ScoutCheckpointManager
-    mgr = cls.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=keep,
-                     async_mode=async_mode).build(
-        dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched, states={"train_state": ts},
-        sd_adapter=None, base_folder=root)
+    mgr = cls.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=keep, async_mode=async_mode).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=opt,
+        lr_schedulers=sched,
+        states={"train_state": ts},
+        sd_adapter=None,
+        base_folder=root,
+    )
     return model, opt, sched, ts, mgr
 
 
@@ -106,6 +112,7 @@ def train(rank, world, root, steps, keep=0, kill=None, async_mode="disabled", co
 
 # ---- TorchTitan's own mesh: ParallelDims, TP and FSDP on 4 ranks --------------------------------------------------
 
+
 class TitanState(TrainState):
     """Stands for TorchTitan's Trainer, which passes itself as `states["train_state"]` and holds `parallel_dims`."""
 
@@ -134,8 +141,16 @@ def build_mesh(dp_replicate: int, dp_shard: int, tp: int, world: int):
     import torchtitan.distributed.parallel_dims as pdm
 
     pdm.device_type = "cpu"
-    pd = pdm.ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1, world_size=world,
-                          spmd_backend="partial_dtensor")
+    pd = pdm.ParallelDims(
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+        cp=1,
+        tp=tp,
+        pp=1,
+        ep=1,
+        world_size=world,
+        spmd_backend="partial_dtensor",
+    )
     pd.build_mesh()
     return pd
 
@@ -160,8 +175,14 @@ def build_tp(root: str, pd, keep: int = 0, implementation: str = "fused"):
     sched = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=opt, training_steps=20)
     ts = TitanState(pd)
     mgr = ScoutCheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=keep).build(
-        dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched, states={"train_state": ts},
-        sd_adapter=None, base_folder=root)
+        dataloader=None,
+        model_parts=[model],
+        optimizers=opt,
+        lr_schedulers=sched,
+        states={"train_state": ts},
+        sd_adapter=None,
+        base_folder=root,
+    )
     return model, opt, sched, ts, mgr
 
 
@@ -202,16 +223,22 @@ def train_tp(rank, world, root, flip_rank=3, flip_step=2):
     opt.step()
     ts.step = 1
     mgr.save(1)
-    out["b"] = {"topology": mgr.topology, "verdict": dict(mgr.last_verdict), "policy": mgr.scout_policy,
-                "placements": {n: [type(p).__name__ for p in t.placements] for n, t in model.named_parameters()}}
+    out["b"] = {
+        "topology": mgr.topology,
+        "verdict": dict(mgr.last_verdict),
+        "policy": mgr.scout_policy,
+        "placements": {n: [type(p).__name__ for p in t.placements] for n, t in model.named_parameters()},
+    }
     mgr.close()
     return out
 
 
 # ---- FSDP2 on TorchTitan's mesh: replay and shard evidence in the manager ---------------------------------------
 
-def build_fsdp(root: str, pd, *, interval: int = 2, fault: tuple | None = None, shard_evidence=None,
-               async_mode: str = "disabled"):
+
+def build_fsdp(
+    root: str, pd, *, interval: int = 2, fault: tuple | None = None, shard_evidence=None, async_mode: str = "disabled"
+):
     """TorchTitan's pure-FSDP layout (dp_shard = world): a tiny LM with repeated blocks, `fully_shard` per block and
     at the root on its `fsdp` mesh, TorchTitan's AdamW container with implementation="foreach" (its default
     "fused" cannot be recomputed on a slice), its LR schedulers, and the manager at its defaults (replay and shard
@@ -243,12 +270,20 @@ def build_fsdp(root: str, pd, *, interval: int = 2, fault: tuple | None = None, 
                 with torch.no_grad():
                     t = dict(model.named_parameters())[pname].to_local().view(-1)
                     t[idx] = torch.nextafter(t[idx], torch.tensor(float("inf")))
+
         opt.optimizers[0].register_step_post_hook(faulty)
     extra = {} if shard_evidence is None else {"shard_evidence": shard_evidence}
-    mgr = ScoutCheckpointManager.Config(enable=True, folder="ckpt", interval=interval, keep_latest_k=0,
-                                        async_mode=async_mode, **extra).build(
-        dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched, states={"train_state": ts},
-        sd_adapter=None, base_folder=root)
+    mgr = ScoutCheckpointManager.Config(
+        enable=True, folder="ckpt", interval=interval, keep_latest_k=0, async_mode=async_mode, **extra
+    ).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=opt,
+        lr_schedulers=sched,
+        states={"train_state": ts},
+        sd_adapter=None,
+        base_folder=root,
+    )
     return model, opt, sched, ts, mgr
 
 
@@ -260,8 +295,14 @@ def _run_fsdp(root, pd, rank, steps, flip=None, **kw):
 
     model, opt, sched, ts, mgr = build_fsdp(root, pd, **kw)
     mgr.load(step=-1)
-    out = {"start": ts.step, "policy": mgr.scout_policy, "mode": mgr.mode, "verdicts": {}, "fingerprints": {},
-           "engines": [mgr.evidence.replay is not None, mgr.evidence.shard is not None]}
+    out = {
+        "start": ts.step,
+        "policy": mgr.scout_policy,
+        "mode": mgr.mode,
+        "verdicts": {},
+        "fingerprints": {},
+        "engines": [mgr.evidence.replay is not None, mgr.evidence.shard is not None],
+    }
     out["fingerprints"][ts.step] = local_fingerprint(model, opt)
     for step in range(ts.step + 1, steps + 1):
         lm_step(model, opt, batch(step, rank))  # forward, backward, optimizer.step (the container), zero_grad
@@ -293,8 +334,15 @@ def train_fsdp(rank, world, root, steps=4, arms=("fault",)):
     for arm in arms:
         t0 = time.monotonic()
         if arm == "fault":
-            res[arm] = _run_fsdp(os.path.join(root, "fault"), pd, rank, steps, flip=(0, 2, "head.weight", 7),
-                                 fault=(1, 3, "blocks.0.fc1.weight", 5), shard_evidence={"per_step": 64})
+            res[arm] = _run_fsdp(
+                os.path.join(root, "fault"),
+                pd,
+                rank,
+                steps,
+                flip=(0, 2, "head.weight", 7),
+                fault=(1, 3, "blocks.0.fc1.weight", 5),
+                shard_evidence={"per_step": 64},
+            )
         elif arm == "healthy":
             res[arm] = _run_fsdp(os.path.join(root, "healthy"), pd, rank, steps)
         else:  # resumed, with TorchTitan's async mode: the evidence runs while the upload is in flight

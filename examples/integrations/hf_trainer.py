@@ -46,28 +46,38 @@ class Record(TrainerCallback):
     """Test support: loss lines, and a SIGKILL in the middle of a save (placed before ScoutTrainerCallback, so it
     runs after the Trainer wrote checkpoint-N and before scout-ckpt hashed and certified it)."""
 
-    def __init__(self, losses: str | None, kill_rank: int | None, kill_step: int | None,
-                 sdc_rank: int | None = None, sdc_step: int | None = None,
-                 hang_rank: int | None = None, hang_step: int | None = None, output_dir: str = ".",
-                 faults: dict | None = None):
+    def __init__(
+        self,
+        losses: str | None,
+        kill_rank: int | None,
+        kill_step: int | None,
+        sdc_rank: int | None = None,
+        sdc_step: int | None = None,
+        hang_rank: int | None = None,
+        hang_step: int | None = None,
+        output_dir: str = ".",
+        faults: dict | None = None,
+    ):
         self.losses, self.kill_rank, self.kill_step = losses, kill_rank, kill_step
-        self.faults = faults or {}   # {"crash"|"desync": (rank, step), "slow": (rank, seconds)}
+        self.faults = faults or {}  # {"crash"|"desync": (rank, step), "slow": (rank, seconds)}
         self.sdc_rank, self.sdc_step = sdc_rank, sdc_step
         self.hang_rank, self.hang_step, self.output_dir = hang_rank, hang_step, output_dir
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.rank = int(os.environ.get("RANK", "0"))
-        self.step = 0   # the optimizer step being taken (global_step + 1 during its forward)
+        self.step = 0  # the optimizer step being taken (global_step + 1 during its forward)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         """--sdc-rank/--sdc-step: from that step on, this rank's transformer.h.1 computes one output channel
         1e-3 off at every call (its replays too), as failing hardware would."""
         if self.rank == self.sdc_rank and model is not None:
+
             def fault(mod, inputs, out):
                 if self.step < self.sdc_step:
                     return None
                 hidden = out[0].clone() if isinstance(out, tuple) else out.clone()
                 hidden[..., 3] += 1e-3
                 return (hidden, *out[1:]) if isinstance(out, tuple) else hidden
+
             model.transformer.h[1].register_forward_hook(fault)
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -79,7 +89,7 @@ class Record(TrainerCallback):
             self._mark("hang")
             threading.Event().wait()
         if (self.rank, self.step) == self.faults.get("crash"):
-            self._mark("crash")   # --crash-rank/--crash-step: SIGKILLed before the step's forward
+            self._mark("crash")  # --crash-rank/--crash-step: SIGKILLed before the step's forward
             os.kill(os.getpid(), signal.SIGKILL)
         if (self.rank, self.step) == self.faults.get("desync"):
             self._mark("desync")  # --desync-rank/--desync-step: an all_reduce only this rank issues
@@ -87,7 +97,7 @@ class Record(TrainerCallback):
         if self.rank == self.faults.get("slow", (None,))[0]:
             if not os.path.exists(os.path.join(self.output_dir, "fault.json")):
                 self._mark("slow")
-            time.sleep(self.faults["slow"][1])   # --slow-rank/--slow-s: every step, before its forward
+            time.sleep(self.faults["slow"][1])  # --slow-rank/--slow-s: every step, before its forward
 
     def _mark(self, kind: str) -> None:
         with open(os.path.join(self.output_dir, "fault.json"), "w") as f:
@@ -127,25 +137,57 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
 
-    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)
     args = TrainingArguments(
-        output_dir=a.output_dir, max_steps=a.steps, save_strategy="steps", save_steps=a.save_every,
-        save_total_limit=a.limit, per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
-        report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
-        ddp_timeout=300, ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
-    scout = ScoutTrainerCallback(**({"observer": json.loads(a.observer)} if a.observer else {}))           # (1)
-    record = Record(a.losses, a.kill_rank, a.kill_step, a.sdc_rank, a.sdc_step, a.hang_rank, a.hang_step,
-                    a.output_dir, faults={"crash": (a.crash_rank, a.crash_step),
-                                          "desync": (a.desync_rank, a.desync_step), "slow": (a.slow_rank, a.slow_s)})
+        output_dir=a.output_dir,
+        max_steps=a.steps,
+        save_strategy="steps",
+        save_steps=a.save_every,
+        save_total_limit=a.limit,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        ddp_timeout=300,
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+    )
+    scout = ScoutTrainerCallback(**({"observer": json.loads(a.observer)} if a.observer else {}))  # (1)
+    record = Record(
+        a.losses,
+        a.kill_rank,
+        a.kill_step,
+        a.sdc_rank,
+        a.sdc_step,
+        a.hang_rank,
+        a.hang_step,
+        a.output_dir,
+        faults={
+            "crash": (a.crash_rank, a.crash_step),
+            "desync": (a.desync_rank, a.desync_step),
+            "slow": (a.slow_rank, a.slow_s),
+        },
+    )
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(512, 16, 64), callbacks=[record, scout])
-    resume = None if a.no_resume else latest_clean(a.output_dir)                                          # (2)
+    resume = None if a.no_resume else latest_clean(a.output_dir)  # (2)
     trainer.train(resume_from_checkpoint=resume)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({"resumed_from": resume, "global_step": trainer.state.global_step,
-                          "observer_attached": scout.observer_attached}))
+        print(
+            json.dumps(
+                {
+                    "resumed_from": resume,
+                    "global_step": trainer.state.global_step,
+                    "observer_attached": scout.observer_attached,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

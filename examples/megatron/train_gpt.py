@@ -59,20 +59,22 @@ def main() -> int:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     model_parallel_cuda_manual_seed(0)
     rank = dist.get_rank()
-    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-                               pipeline_dtype=torch.float32)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True, pipeline_dtype=torch.float32
+    )
     vocab, seq = 128, 32
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
-                     max_sequence_length=seq).cuda()
+    model = GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq
+    ).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def sharded(iteration):
         return {"model": model.sharded_state_dict(prefix=""), "iteration": iteration}
 
-    ckpt = MegatronCheckpointer(args.save_dir)   # scout-ckpt: TP shards are single-owner: committed by default,
+    ckpt = MegatronCheckpointer(args.save_dir)  # scout-ckpt: TP shards are single-owner: committed by default,
     # MegatronCheckpointer(args.save_dir, accept_single_owner=True) certifies them on bytes + finite checks
     it = 0
-    found = ckpt.load_latest_clean(sharded(0))   # scout-ckpt
+    found = ckpt.load_latest_clean(sharded(0))  # scout-ckpt
     if found is not None:
         it, loaded = found
         model.load_state_dict(loaded["model"], strict=False)
@@ -95,12 +97,15 @@ def main() -> int:
         opt.step()
         if it % args.save_every == 0:
             if queue is not None:
-                queue.schedule_async_request(ckpt.save(it, sharded(it), async_save=True))   # scout-ckpt
+                queue.schedule_async_request(ckpt.save(it, sharded(it), async_save=True))  # scout-ckpt
                 queue.maybe_finalize_async_calls(blocking=False)
             else:
-                ckpt.save(it, sharded(it))   # scout-ckpt: was dist_checkpointing.save(sd, iter_dir)
-                print(f"rank {rank} saved iteration {it} ({ckpt.last_verdict['state']}) digest "
-                      f"{state_digest(model)} loss {float(loss):.6f}", flush=True)
+                ckpt.save(it, sharded(it))  # scout-ckpt: was dist_checkpointing.save(sd, iter_dir)
+                print(
+                    f"rank {rank} saved iteration {it} ({ckpt.last_verdict['state']}) digest "
+                    f"{state_digest(model)} loss {float(loss):.6f}",
+                    flush=True,
+                )
     if queue is not None:
         queue.maybe_finalize_async_calls(blocking=True)
         queue.close()

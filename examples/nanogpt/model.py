@@ -66,13 +66,15 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-            drop=nn.Dropout(cfg.dropout),
-            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
-            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            )
+        )
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as GPT-2
         self.apply(self._init_weights)

@@ -37,7 +37,7 @@ out_dir = "out"
 eval_interval = 10
 log_interval = 1
 eval_iters = 4
-dataset_dir = ""          # holds train.bin / val.bin (uint16 tokens); made from random tokens when empty
+dataset_dir = ""  # holds train.bin / val.bin (uint16 tokens); made from random tokens when empty
 gradient_accumulation_steps = 2
 batch_size = 4
 block_size = 16
@@ -56,8 +56,8 @@ warmup_iters = 4
 lr_decay_iters = 40
 min_lr = 6e-5
 backend = "gloo"
-pass_unwrapped = False    # give Checkpointer model.module instead of the DDP wrapper (both work the same)
-replay = False            # scout-ckpt's SDC replay of every block, the embedding, the head and the optimizer
+pass_unwrapped = False  # give Checkpointer model.module instead of the DDP wrapper (both work the same)
+replay = False  # scout-ckpt's SDC replay of every block, the embedding, the head and the optimizer
 crash_rank = -1
 crash_iter = -1
 log_file = ""
@@ -92,15 +92,24 @@ dist.barrier()
 def get_batch(split):
     data = np.memmap(data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
     ix = torch.randint(len(data) - block_size, (batch_size,))
-    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
-    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+    x = torch.stack([torch.from_numpy(data[i : i + block_size].astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block_size].astype(np.int64)) for i in ix])
     return x, y
 
 
 iter_num = 0
 best_val_loss = 1e9
-model = GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                      n_embd=n_embd, dropout=dropout, bias=bias))
+model = GPT(
+    GPTConfig(
+        block_size=block_size,
+        vocab_size=vocab_size,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        dropout=dropout,
+        bias=bias,
+    )
+)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
 model = DDP(model)
 raw_model = model.module
@@ -117,12 +126,19 @@ class PrefetchedBatch(Stateful):  # scout-ckpt: the batch drawn before the save,
         X, Y = sd["x"], sd["y"]
 
 
-ckpt = Checkpointer(out_dir, model=raw_model if pass_unwrapped else model, optimizer=optimizer,  # scout-ckpt
-                    replay=replay or None)
+ckpt = Checkpointer(
+    out_dir,
+    model=raw_model if pass_unwrapped else model,
+    optimizer=optimizer,  # scout-ckpt
+    replay=replay or None,
+)
 extra = {"best_val_loss": best_val_loss}  # scout-ckpt: only rank 0 evaluates, so this is rank-local
-state = {"app": ModelOptimizerState(model, optimizer),  # scout-ckpt
-         "rng": RankLocal(RNGState()), "batch": RankLocal(PrefetchedBatch()),  # scout-ckpt
-         "extra": RankLocal(Scalars(extra))}  # scout-ckpt
+state = {
+    "app": ModelOptimizerState(model, optimizer),  # scout-ckpt
+    "rng": RankLocal(RNGState()),
+    "batch": RankLocal(PrefetchedBatch()),  # scout-ckpt
+    "extra": RankLocal(Scalars(extra)),
+}  # scout-ckpt
 iter_num = ckpt.load_latest_clean(state) or 0  # scout-ckpt
 best_val_loss = extra["best_val_loss"]  # scout-ckpt
 

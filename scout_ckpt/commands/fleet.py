@@ -21,8 +21,9 @@ def _when(t: float | None) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def suspects(store: Path | None, since: str | None, min_score: float, as_json: bool, fmt: str | None,
-             explain: str | None) -> int:
+def suspects(
+    store: Path | None, since: str | None, min_score: float, as_json: bool, fmt: str | None, explain: str | None
+) -> int:
     if fmt is not None and fmt not in FORMATS:
         raise BadInput(f"--format must be one of {', '.join(FORMATS)} (got {fmt!r})")
     if fmt is not None and (explain is not None or as_json):
@@ -30,7 +31,7 @@ def suspects(store: Path | None, since: str | None, min_score: float, as_json: b
     if explain is not None:
         return _explain(store, explain, since, as_json)
     out = operator.suspects(store, since, min_score)
-    if fmt is not None:   # printed, never run
+    if fmt is not None:  # printed, never run
         for line in (rule.slurm if fmt == "slurm" else rule.k8s)(out["suspects"]):
             print(line)
         return 0
@@ -44,16 +45,26 @@ def suspects(store: Path | None, since: str | None, min_score: float, as_json: b
         table.add_column(col)
     for s in out["suspects"]:
         kinds = ", ".join(f"{k} {sum(v.values())}" for k, v in s["verdicts"].items())
-        table.add_row(escape(str(s["host"])), str(s["local_rank"]), escape(s["device"]), s["class"],
-                      f"{s['score']:g}", str(len(s["jobs"])), kinds, _when(s["first_seen"]), _when(s["last_seen"]))
+        table.add_row(
+            escape(str(s["host"])),
+            str(s["local_rank"]),
+            escape(s["device"]),
+            s["class"],
+            f"{s['score']:g}",
+            str(len(s["jobs"])),
+            kinds,
+            _when(s["first_seen"]),
+            _when(s["last_seen"]),
+        )
     con = console()
     if out["suspects"]:
         con.print(table)
     else:
         con.print("no suspect device" + (f" at score >= {min_score:g}" if min_score else ""))
     if out["not_hardware"]:
-        con.print(f"{len(out['not_hardware'])} verdict(s) triaged not_hardware (reproduced on another rank): "
-                  "no device blamed")
+        con.print(
+            f"{len(out['not_hardware'])} verdict(s) triaged not_hardware (reproduced on another rank): no device blamed"
+        )
     return 0
 
 
@@ -64,9 +75,11 @@ def _explain(store: Path | None, device: str, since: str | None, as_json: bool) 
         return 0
     con = console()
     for v in out["verdicts"]:
-        con.print(f"{_when(v['time'])}  {v['kind']:<9} {v['class'] or 'untriaged':<11} step {v['step']}  rank "
-                  f"{v['rank']}  {escape(str(v['host']))}:{v['local_rank']}  job {escape(str(v['job']))}  "
-                  f"{escape(str(v['root']))}" + (f"  ({v['source']})" if v.get("source") else ""))
+        con.print(
+            f"{_when(v['time'])}  {v['kind']:<9} {v['class'] or 'untriaged':<11} step {v['step']}  rank "
+            f"{v['rank']}  {escape(str(v['host']))}:{v['local_rank']}  job {escape(str(v['job']))}  "
+            f"{escape(str(v['root']))}" + (f"  ({v['source']})" if v.get("source") else "")
+        )
     return 0
 
 

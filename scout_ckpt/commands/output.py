@@ -48,8 +48,14 @@ def progress(enabled: bool):
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-    bar = Progress("[progress.description]verifying", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                   transient=True, console=Console(stderr=True))
+    bar = Progress(
+        "[progress.description]verifying",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        transient=True,
+        console=Console(stderr=True),
+    )
 
     def make(total: int):
         if total < (64 << 20):

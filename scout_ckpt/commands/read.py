@@ -35,15 +35,26 @@ from scout_ckpt.ops.views import (
 def ls(root: Path, as_json: bool) -> int:
     rows, fallback = list_checkpoints(root)
     if fallback:  # exit code unchanged (0): the rows are what the manifests and the journal record
-        print(f"scout-ckpt: warning: {fallback}; listed from the checkpoints' manifests and {JOURNAL_NAME}",
-              file=sys.stderr)
+        print(
+            f"scout-ckpt: warning: {fallback}; listed from the checkpoints' manifests and {JOURNAL_NAME}",
+            file=sys.stderr,
+        )
     local = [] if fallback else _local_rows(root)
     rows = [{**r, "evidence_level": evidence_level(r.get("evidence") or {})} for r in rows]
     if as_json:
-        emit({"checkpoints": as_listed(rows), "local": local,
-              "source": "manifests" if fallback else "ledger", "fallback": fallback,
-              **({"local_note": "the local tier's steps are recorded in the ledger only: not listed"}
-                 if fallback else {})})
+        emit(
+            {
+                "checkpoints": as_listed(rows),
+                "local": local,
+                "source": "manifests" if fallback else "ledger",
+                "fallback": fallback,
+                **(
+                    {"local_note": "the local tier's steps are recorded in the ledger only: not listed"}
+                    if fallback
+                    else {}
+                ),
+            }
+        )
         return 0
     from rich.table import Table
 
@@ -51,25 +62,33 @@ def ls(root: Path, as_json: bool) -> int:
     for h in ("step", "tier", "state", "evidence", "bytes checked", "size", "reasons", "where"):
         t.add_column(h, justify="right" if h in ("step", "size") else "left")
     now = time.time()
-    merged = sorted([(r["step"], 0, r) for r in rows] + [(r["step"], 1, r) for r in local],
-                    key=lambda x: (x[0], x[1]))
+    merged = sorted([(r["step"], 0, r) for r in rows] + [(r["step"], 1, r) for r in local], key=lambda x: (x[0], x[1]))
     for _, is_local, r in merged:
         ev = evidence_marks(r["evidence"])
-        checked = (f"save {time_text(r['committed'])}" if is_local else checked_text(r["checked"].get("bytes"), now))
+        checked = f"save {time_text(r['committed'])}" if is_local else checked_text(r["checked"].get("bytes"), now)
         state = f"[{STATE_STYLE.get(r['state'], 'white')}]{r['state']}[/]" + _level_word(r)
-        t.add_row(str(r["step"]), "local" if is_local else "durable", state, ev, checked, human_bytes(r["bytes"]),
-                  escape(reason_text(r["reasons"])), escape(where_text(r) if is_local else str(r["path"])))
+        t.add_row(
+            str(r["step"]),
+            "local" if is_local else "durable",
+            state,
+            ev,
+            checked,
+            human_bytes(r["bytes"]),
+            escape(reason_text(r["reasons"])),
+            escape(where_text(r) if is_local else str(r["path"])),
+        )
     con = console()
     con.print(t)
-    for r in reversed(local):   # oldest first, as in the table
+    for r in reversed(local):  # oldest first, as in the table
         if r["state"] != "deleted":
             con.print(escape(copies_sentence(r)))
     if fallback:
-        con.print("[dim]The local tier's steps are recorded in the ledger only: not listed while it cannot be "
-                  "read.[/]")
+        con.print("[dim]The local tier's steps are recorded in the ledger only: not listed while it cannot be read.[/]")
     if rows or local:
-        con.print("[dim]evidence as last checked; `scout-ckpt certify ROOT` re-checks bytes and invariants now, "
-                  "`resume` re-checks the bytes of the step it returns[/]")
+        con.print(
+            "[dim]evidence as last checked; `scout-ckpt certify ROOT` re-checks bytes and invariants now, "
+            "`resume` re-checks the bytes of the step it returns[/]"
+        )
     return 0
 
 
@@ -95,15 +114,25 @@ def explain(root: Path, step: int, as_json: bool) -> int:
     try:
         out = explain_step(root, step)
     except BadInput:
-        out = None   # no durable row: a step the local tier alone holds is explained below
+        out = None  # no durable row: a step the local tier alone holds is explained below
     with Ledger.open(root, readonly=True) as ledger:
         local = explain_local(ledger, step)
     if out is None and local is None:
         raise BadInput(f"step {step}: no such checkpoint in {root} (neither tier)")
-    if out is None:   # the durable document's keys, from the local row
-        out = {"step": step, "state": local["state"], "path": local["dir"], "evidence": local["evidence"],
-               "reasons": local["reasons"], "policy": None, "run_id": local["run_id"], "attempt": None,
-               "history": [], "events": local["events"], "tier": "local"}
+    if out is None:  # the durable document's keys, from the local row
+        out = {
+            "step": step,
+            "state": local["state"],
+            "path": local["dir"],
+            "evidence": local["evidence"],
+            "reasons": local["reasons"],
+            "policy": None,
+            "run_id": local["run_id"],
+            "attempt": None,
+            "history": [],
+            "events": local["events"],
+            "tier": "local",
+        }
         tiers = ["local"]
     else:
         out["tier"] = "durable"
@@ -123,8 +152,11 @@ def explain(root: Path, step: int, as_json: bool) -> int:
                 con.print(line)
     if out["state"] != "certified":
         what = "" if tiers == ["durable"] else f" in the {tiers[0]} tier"
-        print(f"scout-ckpt: step {step} is {out['state']}{what}" +
-              (f": {reason_text(out['reasons'])}" if out["reasons"] else ""), file=sys.stderr)
+        print(
+            f"scout-ckpt: step {step} is {out['state']}{what}"
+            + (f": {reason_text(out['reasons'])}" if out["reasons"] else ""),
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -136,8 +168,8 @@ def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool, requi
 
     if not latest_clean:
         raise BadInput("resume needs --latest-clean")
-    require = check_require(require)   # an unknown kind: exit 2 before anything is read
-    roots.store_for(root)   # a mangled s3:// ROOT: exit 2 (a bound ledger_dir is handled by latest_clean)
+    require = check_require(require)  # an unknown kind: exit 2 before anything is read
+    roots.store_for(root)  # a mangled s3:// ROOT: exit 2 (a bound ledger_dir is handled by latest_clean)
     try:
         found = find(root, verify=not no_verify, require=require)
     except NoCleanCheckpoint as e:
@@ -153,18 +185,25 @@ def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool, requi
     for s in found["skipped"]:
         print(f"scout-ckpt: skipped step {s['step']}: {reason_text(s['reasons'])}", file=sys.stderr)
     for s in found.get("newer") or []:
-        print(f"scout-ckpt: newer step {s['step']} is {s['state']}: {reason_text(s['reasons']) or '-'}",
-              file=sys.stderr)
+        print(
+            f"scout-ckpt: newer step {s['step']} is {s['state']}: {reason_text(s['reasons']) or '-'}", file=sys.stderr
+        )
     newer_local = [] if found.get("fallback") else _newer_local(root, found["step"])
     if newer_local:
-        print(f"scout-ckpt: newer local step(s) {', '.join(str(r['step']) for r in newer_local)} certified in the "
-              f"fast tier: a job restarted on the same layout loads the newest one every rank re-verifies; this "
-              f"command cannot read other nodes' local directories", file=sys.stderr)
+        print(
+            f"scout-ckpt: newer local step(s) {', '.join(str(r['step']) for r in newer_local)} certified in the "
+            f"fast tier: a job restarted on the same layout loads the newest one every rank re-verifies; this "
+            f"command cannot read other nodes' local directories",
+            file=sys.stderr,
+        )
     found["evidence_level"] = _found_level(root, found)
     if found["evidence_level"] == "adopted":
-        print(f"scout-ckpt: step {found['step']} is adopted: its bytes are vouched for only by adopt's own digests "
-              "of the folder as found, not digests written at save; `--require source_digests` walks past such "
-              "steps", file=sys.stderr)
+        print(
+            f"scout-ckpt: step {found['step']} is adopted: its bytes are vouched for only by adopt's own digests "
+            "of the folder as found, not digests written at save; `--require source_digests` walks past such "
+            "steps",
+            file=sys.stderr,
+        )
     if as_json:
         # the CLI reads the durable tier (design.md, "Fast tier"); newer certified local steps are named beside it
         emit({**found, "tier": found.get("tier", "durable"), "local_newer": newer_local})
@@ -201,8 +240,11 @@ def _newer_local(root: Path, step: int) -> list[dict]:
 
     try:
         with Ledger.open(root, readonly=True) as ledger:
-            return [{"step": r["step"], "state": r["state"], "run_id": r.get("run_id"), "dir": r.get("dir")}
-                    for r in tiers.rows(ledger) if r["state"] == "certified" and r["step"] > step]
+            return [
+                {"step": r["step"], "state": r["state"], "run_id": r.get("run_id"), "dir": r.get("dir")}
+                for r in tiers.rows(ledger)
+                if r["state"] == "certified" and r["step"] > step
+            ]
     except (ScoutError, OSError, sqlite3.DatabaseError):
         return []
 
@@ -210,8 +252,9 @@ def _newer_local(root: Path, step: int) -> list[dict]:
 def _say_fallback(why: str | None) -> None:
     """The ledger could not be read: the answer came from the manifests and the journal (same exit codes)."""
     if why:
-        print(f"scout-ckpt: warning: {why}; answered from the checkpoints' manifests and {JOURNAL_NAME}",
-              file=sys.stderr)
+        print(
+            f"scout-ckpt: warning: {why}; answered from the checkpoints' manifests and {JOURNAL_NAME}", file=sys.stderr
+        )
 
 
 def report(root: Path, as_json: bool, html: Path | None) -> int:

@@ -19,10 +19,10 @@ AGREE, ATTRIBUTED, INCONCLUSIVE = "agree", "attributed", "inconclusive"
 
 @dataclass(frozen=True)
 class C3Result:
-    status: str                          # agree | attributed | inconclusive
-    attributed: tuple[int, ...] = ()     # indices of the peers that differ from the majority
-    majority: Any = None                 # the value held by a strict majority (None if there is none)
-    evidence: tuple[str, ...] = ()       # what was seen, in order, for a person
+    status: str  # agree | attributed | inconclusive
+    attributed: tuple[int, ...] = ()  # indices of the peers that differ from the majority
+    majority: Any = None  # the value held by a strict majority (None if there is none)
+    evidence: tuple[str, ...] = ()  # what was seen, in order, for a person
     classes: tuple[tuple[int, ...], ...] = ()  # peers grouped by equal value, in order of first appearance
 
 
@@ -51,11 +51,14 @@ def c3_verdict(values: Sequence[Any]) -> C3Result:
     largest = max(groups, key=len)  # first-appearing on ties: deterministic
     if 2 * len(largest) > n:
         odd = tuple(sorted(i for peers in groups if peers is not largest for i in peers))
-        evidence.append(f"peers {list(largest)} are a strict majority ({len(largest)} of {n} > {n / 2:g}); "
-                        f"attributed: {list(odd)}")
+        evidence.append(
+            f"peers {list(largest)} are a strict majority ({len(largest)} of {n} > {n / 2:g}); attributed: {list(odd)}"
+        )
         return C3Result(ATTRIBUTED, odd, values[largest[0]], tuple(evidence), groups)
-    evidence.append(f"no value is held by a strict majority (largest: {len(largest)} of {n}, "
-                    f"needs > {n / 2:g}): the odd peer cannot be named")
+    evidence.append(
+        f"no value is held by a strict majority (largest: {len(largest)} of {n}, "
+        f"needs > {n / 2:g}): the odd peer cannot be named"
+    )
     return C3Result(INCONCLUSIVE, (), None, tuple(evidence), groups)
 
 
@@ -63,35 +66,42 @@ def c3_verdict(values: Sequence[Any]) -> C3Result:
 class GroupVerdict:
     """C3 over one replica group for a batch of tensors. Identical on every member."""
 
-    status: str                                   # agree | attributed | inconclusive (overall)
-    group_ranks: list[int]                        # global ranks of the members, in group-rank order
-    per_tensor: list[C3Result]                    # one per tensor of the batch
+    status: str  # agree | attributed | inconclusive (overall)
+    group_ranks: list[int]  # global ranks of the members, in group-rank order
+    per_tensor: list[C3Result]  # one per tensor of the batch
     attributed_ranks: list[int] = field(default_factory=list)  # global ranks attributed on some tensor
-    attributed_bitmap: int = 0                    # bit p set: member p (group rank p) attributed
-    disagreeing: list[int] = field(default_factory=list)        # indices of tensors whose peers differ
+    attributed_bitmap: int = 0  # bit p set: member p (group rank p) attributed
+    disagreeing: list[int] = field(default_factory=list)  # indices of tensors whose peers differ
     disagreeing_names: list[str] = field(default_factory=list)
-    attributed_tensors: list[str] = field(default_factory=list)   # names of tensors with an ATTRIBUTED verdict
+    attributed_tensors: list[str] = field(default_factory=list)  # names of tensors with an ATTRIBUTED verdict
     inconclusive_tensors: list[str] = field(default_factory=list)  # names of tensors with an INCONCLUSIVE one
 
     def to_dict(self) -> dict:
-        return {"status": self.status, "members": list(self.group_ranks),
-                "attributed": list(self.attributed_ranks), "attributed_bitmap": self.attributed_bitmap,
-                "disagreeing": list(self.disagreeing_names), "attributed_tensors": list(self.attributed_tensors),
-                "inconclusive_tensors": list(self.inconclusive_tensors)}
+        return {
+            "status": self.status,
+            "members": list(self.group_ranks),
+            "attributed": list(self.attributed_ranks),
+            "attributed_bitmap": self.attributed_bitmap,
+            "disagreeing": list(self.disagreeing_names),
+            "attributed_tensors": list(self.attributed_tensors),
+            "inconclusive_tensors": list(self.inconclusive_tensors),
+        }
 
 
-def combine(per_tensor: list[C3Result], group_ranks: Sequence[int], names: Sequence[str] | None = None
-            ) -> GroupVerdict:
+def combine(per_tensor: list[C3Result], group_ranks: Sequence[int], names: Sequence[str] | None = None) -> GroupVerdict:
     """Overall verdict of a group from its per-tensor verdicts: ATTRIBUTED if any tensor names an odd peer (a
     proven fault; the union of attributed peers), else INCONCLUSIVE if any tensor disagrees, else AGREE."""
     names = list(names) if names is not None else [str(i) for i in range(len(per_tensor))]
     disagreeing = [i for i, r in enumerate(per_tensor) if r.status != AGREE]
     attributed_peers = sorted({p for r in per_tensor for p in r.attributed})
     gv = GroupVerdict(
-        status=AGREE, group_ranks=list(group_ranks), per_tensor=per_tensor,
+        status=AGREE,
+        group_ranks=list(group_ranks),
+        per_tensor=per_tensor,
         attributed_ranks=[group_ranks[p] for p in attributed_peers],
         attributed_bitmap=sum(1 << p for p in attributed_peers),
-        disagreeing=disagreeing, disagreeing_names=[names[i] for i in disagreeing],
+        disagreeing=disagreeing,
+        disagreeing_names=[names[i] for i in disagreeing],
         attributed_tensors=[names[i] for i in disagreeing if per_tensor[i].status == ATTRIBUTED],
         inconclusive_tensors=[names[i] for i in disagreeing if per_tensor[i].status == INCONCLUSIVE],
     )
@@ -102,8 +112,7 @@ def combine(per_tensor: list[C3Result], group_ranks: Sequence[int], names: Seque
     return gv
 
 
-def verdicts_from_gathered(gathered, group_ranks: Sequence[int], names: Sequence[str] | None = None
-                           ) -> GroupVerdict:
+def verdicts_from_gathered(gathered, group_ranks: Sequence[int], names: Sequence[str] | None = None) -> GroupVerdict:
     """Per-tensor and overall verdicts from gathered signatures [members, n, 2] (a CPU tensor)."""
     members, n = gathered.shape[0], gathered.shape[1]
     if members != len(group_ranks):
@@ -114,16 +123,23 @@ def verdicts_from_gathered(gathered, group_ranks: Sequence[int], names: Sequence
     per_tensor: list[C3Result] = []
     for i in range(n):
         if equal[i]:
-            per_tensor.append(C3Result(AGREE, (), tuple(gathered[0, i].tolist()),
-                                       (f"all {members} peers hold the same value",),
-                                       (tuple(range(members)),)))
+            per_tensor.append(
+                C3Result(
+                    AGREE,
+                    (),
+                    tuple(gathered[0, i].tolist()),
+                    (f"all {members} peers hold the same value",),
+                    (tuple(range(members)),),
+                )
+            )
         else:
             per_tensor.append(c3_verdict([tuple(row) for row in gathered[:, i].tolist()]))
     return combine(per_tensor, group_ranks, names)
 
 
-def c3_over_group(sigs, group, group_ranks: Sequence[int] | None = None, names: Sequence[str] | None = None
-                  ) -> GroupVerdict:
+def c3_over_group(
+    sigs, group, group_ranks: Sequence[int] | None = None, names: Sequence[str] | None = None
+) -> GroupVerdict:
     """All-gather this rank's [n, 2] int64 signatures over `group` (one collective for the whole batch) and return
     the verdicts. Every member must call it with the same n. `group_ranks` are the members' global ranks in
     group-rank order (torch sorts them); by default they are read from the group. group=None is the default

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-MAX_DEPTH = 64   # containers nested deeper than this are not comparable (no recursion without bound)
+MAX_DEPTH = 64  # containers nested deeper than this are not comparable (no recursion without bound)
 _ADDR = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -69,8 +69,19 @@ class NotComparable:
 
 
 # types whose repr is a function of the value alone (no address, no hash order)
-_BY_REPR = (complex, enum.Enum, torch.dtype, torch.device, range, type(Ellipsis), decimal.Decimal,
-            fractions.Fraction, datetime.date, datetime.time, datetime.timedelta)
+_BY_REPR = (
+    complex,
+    enum.Enum,
+    torch.dtype,
+    torch.device,
+    range,
+    type(Ellipsis),
+    decimal.Decimal,
+    fractions.Fraction,
+    datetime.date,
+    datetime.time,
+    datetime.timedelta,
+)
 
 
 def _head(obj: Any) -> bytes:
@@ -93,7 +104,7 @@ def _encode(obj: Any, depth: int) -> bytes:
     if depth > MAX_DEPTH:
         raise NotComparableError(f"nested deeper than {MAX_DEPTH}")
     head = _head(obj)
-    if obj is None or isinstance(obj, (bool, int, str)):   # IntEnum and StrEnum members too, as always
+    if obj is None or isinstance(obj, (bool, int, str)):  # IntEnum and StrEnum members too, as always
         return head + json.dumps(obj).encode()
     if isinstance(obj, float):
         return head + _float(obj)
@@ -120,7 +131,7 @@ def _encode(obj: Any, depth: int) -> bytes:
         return head + b"[" + _framed([_encode(x, depth + 1) for x in (obj.start, obj.stop, obj.step)])
     if isinstance(obj, (*_BY_REPR, slice)):
         text = repr(obj)
-        if _ADDR.search(text):     # e.g. a datetime whose tzinfo is an object without a repr of its own
+        if _ADDR.search(text):  # e.g. a datetime whose tzinfo is an object without a repr of its own
             raise NotComparableError(f"the repr of {type(obj).__qualname__} holds an object address")
         return head + text.encode()
     typ = type(obj)
@@ -141,5 +152,5 @@ def comparable_leaf(obj: Any) -> bytes | NotComparable:
         return NotComparable(str(e))
     except RecursionError:
         return NotComparable("nested too deeply")
-    except ValueError as e:    # an int past Python's digit limit for str conversion
+    except ValueError as e:  # an int past Python's digit limit for str conversion
         return NotComparable(f"{type(obj).__qualname__}: {e}")

@@ -19,8 +19,11 @@ from scout_ckpt.consensus.mesh import is_dtensor
 def _is_stateful(obj: Any) -> bool:
     """DCP's Stateful protocol (state_dict + load_state_dict), checked by duck typing as its runtime_checkable
     isinstance does, without importing torch.distributed.checkpoint."""
-    return (not isinstance(obj, (torch.Tensor, Mapping, type)) and callable(getattr(obj, "state_dict", None))
-            and callable(getattr(obj, "load_state_dict", None)))
+    return (
+        not isinstance(obj, (torch.Tensor, Mapping, type))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
 
 
 def _walk(obj: Any, key: str, out: dict, keep_dtensor: bool) -> None:

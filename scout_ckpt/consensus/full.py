@@ -88,10 +88,17 @@ def shard_partials(flat: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def full_signatures(state_dict: Mapping, group=None, *, plain: str = "additive",
-                    known: Mapping[str, torch.Tensor] | None = None, complete: bool = False,
-                    exclude: Collection[str] = (), partials: Mapping[str, torch.Tensor] | None = None,
-                    flat: Mapping | None = None) -> dict[str, str]:
+def full_signatures(
+    state_dict: Mapping,
+    group=None,
+    *,
+    plain: str = "additive",
+    known: Mapping[str, torch.Tensor] | None = None,
+    complete: bool = False,
+    exclude: Collection[str] = (),
+    partials: Mapping[str, torch.Tensor] | None = None,
+    flat: Mapping | None = None,
+) -> dict[str, str]:
     """{dotted key: hex} full-tensor signatures of a (sharded) state; collective over `group` (default: world).
 
     Each rank computes the partial signature of what it holds at its global offsets and one all_reduce(SUM) of the

@@ -35,10 +35,10 @@ def replica_groups(mode: str, world_size: int, mesh_shape: Sequence[int] | None 
 class KindGroups:
     """One set of compare dims: its replica groups, this rank's group and its gloo group (None when alone)."""
 
-    dims: tuple[int, ...]          # indices into the topology grid
-    names: tuple[str, ...]         # their dim names
+    dims: tuple[int, ...]  # indices into the topology grid
+    names: tuple[str, ...]  # their dim names
     groups: list[list[int]]
-    members: list[int]             # this rank's group (global ranks, sorted)
+    members: list[int]  # this rank's group (global ranks, sorted)
     pg: Any = None
 
 
@@ -52,9 +52,9 @@ class ConsensusGroups:
     world_size: int
     rank: int
     groups: list[list[int]]
-    group_ranks: list[int]              # members of this rank's primary replica group (global ranks, sorted)
-    group: Any = None                   # gloo process group of that group; None if alone
-    world_group: Any = None             # gloo process group of all ranks
+    group_ranks: list[int]  # members of this rank's primary replica group (global ranks, sorted)
+    group: Any = None  # gloo process group of that group; None if alone
+    world_group: Any = None  # gloo process group of all ranks
     mesh_shape: tuple[int, ...] | None = None
     timeout_s: float = 60.0
     grid: Grid | None = None
@@ -90,8 +90,9 @@ class ConsensusGroups:
         return next((k for k in self.kinds if k.dims == dims), None)
 
     @classmethod
-    def create(cls, mode: str, world_size: int, mesh_shape: Sequence[int] | None = None,
-               timeout_s: float = 60.0) -> "ConsensusGroups":
+    def create(
+        cls, mode: str, world_size: int, mesh_shape: Sequence[int] | None = None, timeout_s: float = 60.0
+    ) -> "ConsensusGroups":
         """Collective: the groups of an old mode name (ddp, hsdp with mesh_shape, fsdp); see `from_topology`."""
         return cls.from_topology(legacy_topology(mode, world_size, mesh_shape), timeout_s=timeout_s)
 
@@ -119,8 +120,10 @@ class ConsensusGroups:
         dist.all_gather(seen, mine, group=world)
         if any(int(s) != digest for s in seen):
             odd = [r for r, s in enumerate(seen) if int(s) != int(seen[0])]
-            raise ValueError(f"ranks describe different topologies (ranks {odd} differ from rank 0): consensus "
-                             "needs the same mesh and parameter layouts on every rank")
+            raise ValueError(
+                f"ranks describe different topologies (ranks {odd} differ from rank 0): consensus "
+                "needs the same mesh and parameter layouts on every rank"
+            )
         grid = grid_of_topology(topology)
         kinds: list[KindGroups] = []
         everyone = list(range(world_size))
@@ -140,7 +143,17 @@ class ConsensusGroups:
         groups = grid.partition(primary)
         members = next(g for g in groups if rank in g)
         kind = next((k for k in kinds if k.dims == primary), None)
-        return cls(mode=topology["mode"], world_size=world_size, rank=rank, groups=groups, group_ranks=members,
-                   group=kind.pg if kind is not None and len(members) > 1 else None, world_group=world,
-                   mesh_shape=tuple(topology["mesh_shape"]), timeout_s=timeout_s, grid=grid, kinds=kinds,
-                   topology=topology)
+        return cls(
+            mode=topology["mode"],
+            world_size=world_size,
+            rank=rank,
+            groups=groups,
+            group_ranks=members,
+            group=kind.pg if kind is not None and len(members) > 1 else None,
+            world_group=world,
+            mesh_shape=tuple(topology["mesh_shape"]),
+            timeout_s=timeout_s,
+            grid=grid,
+            kinds=kinds,
+            topology=topology,
+        )

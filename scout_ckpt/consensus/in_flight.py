@@ -34,7 +34,7 @@ import xxhash
 from scout_ckpt.consensus.mesh import is_dtensor
 from scout_ckpt.consensus.signatures import holds_row_major
 
-FUSE_MIN = 1 << 16     # smaller tensors are signed by the consensus thread (a per-write lookup would cost more)
+FUSE_MIN = 1 << 16  # smaller tensors are signed by the consensus thread (a per-write lookup would cost more)
 
 
 def _key(t) -> tuple[int, int] | None:
@@ -78,11 +78,11 @@ class InFlightDigests:
         self.started = threading.Event()
         self.flushing = threading.Event()
         self.done = threading.Event()
-        self.flushes = False    # a signing writer will set `flushing` (expect() says so)
+        self.flushes = False  # a signing writer will set `flushing` (expect() says so)
         self._wanted: frozenset = frozenset()
         self._expected: frozenset = frozenset()
         self._digests: dict[tuple[int, int], int] = {}
-        self.delivered = 0      # signatures taken from the writer (tests and benches read it)
+        self.delivered = 0  # signatures taken from the writer (tests and benches read it)
 
     # ---- consensus side -----------------------------------------------------------------------------------
 

@@ -14,8 +14,10 @@ def index_map(local_shape, global_shape, offset) -> tuple[int, list[tuple[int, i
     """Global flat index of local flat index j: base + sum over (size, stride) of ((j // inner) % size) * stride,
     with adjacent dims merged where the global layout is contiguous. [] or [(n, 1)] means base + j."""
     if len(local_shape) != len(global_shape) or len(offset) != len(global_shape):
-        raise ValueError(f"shape/offset ranks differ: local {tuple(local_shape)}, global {tuple(global_shape)}, "
-                         f"offset {tuple(offset)}")
+        raise ValueError(
+            f"shape/offset ranks differ: local {tuple(local_shape)}, global {tuple(global_shape)}, "
+            f"offset {tuple(offset)}"
+        )
     gstrides, acc = [], 1
     for g in reversed(global_shape):
         gstrides.append(acc)
@@ -24,8 +26,9 @@ def index_map(local_shape, global_shape, offset) -> tuple[int, list[tuple[int, i
     base = 0
     for n, g, o, s in zip(local_shape, global_shape, offset, gstrides):
         if o < 0 or o + n > g:
-            raise ValueError(f"local shape {tuple(local_shape)} at offset {tuple(offset)} "
-                             f"exceeds global shape {tuple(global_shape)}")
+            raise ValueError(
+                f"local shape {tuple(local_shape)} at offset {tuple(offset)} exceeds global shape {tuple(global_shape)}"
+            )
         base += o * s
     dims: list[tuple[int, int]] = []
     for n, s in zip(local_shape, gstrides):
@@ -81,7 +84,7 @@ def dtensor_box(dt) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]] | N
     """(local tensor, global shape, global offset) of a DTensor with Shard/Replicate placements; None on a rank
     outside its mesh. The placement maths are remembered per (global shape, mesh, placements) (`_BOXES`)."""
     if dt.device_mesh.get_coordinate() is None:
-        for p in dt.placements:   # refused the same on every rank, inside the mesh or not
+        for p in dt.placements:  # refused the same on every rank, inside the mesh or not
             _check_placement(p)
         return None
     shape, offset = _box_of(dt)

@@ -71,8 +71,9 @@ def _mix_into(x: torch.Tensor, lane) -> None:
     _xorshift32(x)
 
 
-def torch_terms(bits: torch.Tensor, w: TorchWork, lane_no: int, *, start: int | None = None,
-           idx: torch.Tensor | None = None) -> torch.Tensor:
+def torch_terms(
+    bits: torch.Tensor, w: TorchWork, lane_no: int, *, start: int | None = None, idx: torch.Tensor | None = None
+) -> torch.Tensor:
     """mix_lane(bits ^ (C*i + K)) for one slice, in w.x[:m]; i = start + j (contiguous) or idx[j]."""
     lane = LANES[lane_no]
     c, k, _, _ = lane
@@ -135,8 +136,7 @@ def _np_xorshift32(x: np.ndarray, tmp: np.ndarray) -> None:
         np.bitwise_xor(x, tmp, out=x)
 
 
-def _np_terms(bits: np.ndarray, w: NpWork, *, start: int | None = None,
-              idx: np.ndarray | None = None) -> np.ndarray:
+def _np_terms(bits: np.ndarray, w: NpWork, *, start: int | None = None, idx: np.ndarray | None = None) -> np.ndarray:
     """[lanes, m] uint64: mix_lane(bits ^ (C*i + K)) for one slice, in w.x; i = start + j or idx[j]. `bits` are
     the raw words (uint8, int16, int32 or int64): numpy widens them as the definition says (zero / sign
     extension) when xor-ing them into the int64 keys."""
@@ -206,13 +206,13 @@ def slices(t: torch.Tensor, chunk: int, start: int = 0) -> Iterator[tuple[int, t
     if t.is_contiguous() or n <= chunk:
         flat = t.reshape(-1)
         for c0 in range(0, n, chunk):
-            yield start + c0, flat[c0:c0 + chunk]
+            yield start + c0, flat[c0 : c0 + chunk]
         return
     rows = t.shape[0]
     per_row = n // rows
     step = max(1, chunk // per_row)
     for r0 in range(0, rows, step):
-        yield from slices(t[r0:r0 + step] if step > 1 else t[r0], chunk, start + r0 * per_row)
+        yield from slices(t[r0 : r0 + step] if step > 1 else t[r0], chunk, start + r0 * per_row)
 
 
 def numel(t: torch.Tensor) -> int:
@@ -264,7 +264,7 @@ def pack_signatures(tensors: list[torch.Tensor], w: TorchWork) -> torch.Tensor:
     for t, n in zip(tensors, sizes):
         if n:
             real = torch.view_as_real(t) if t.is_complex() else t
-            bits[o:o + n].copy_(bits_view(real.reshape(-1)))
+            bits[o : o + n].copy_(bits_view(real.reshape(-1)))
         o += n
     counts = torch.tensor(sizes, dtype=torch.int64, device=device)
     seg = torch.repeat_interleave(torch.arange(len(tensors), device=device), counts, output_size=m)
@@ -289,7 +289,7 @@ def np_pack_signatures(tensors: list[torch.Tensor], w: NpWork) -> torch.Tensor:
         starts[j] = o
         if n:
             real = torch.view_as_real(t) if t.is_complex() else t
-            bits[o:o + n] = np_bits(real.detach().reshape(-1))  # widens: sign / zero extension
+            bits[o : o + n] = np_bits(real.detach().reshape(-1))  # widens: sign / zero extension
         o += n
     sizes_np = np.asarray(sizes, dtype=np.int64)
     idx = np.arange(m, dtype=np.int64) - np.repeat(starts, sizes_np)

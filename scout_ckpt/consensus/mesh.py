@@ -56,7 +56,7 @@ class Grid:
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
-    ranks: tuple[int, ...]                     # row-major, every rank of the world once
+    ranks: tuple[int, ...]  # row-major, every rank of the world once
     coords: dict = field(default_factory=dict, compare=False, hash=False)  # rank -> coordinate
 
     @classmethod
@@ -97,11 +97,13 @@ class Grid:
 
     def nested(self) -> list:
         """The rank grid as nested lists (JSON)."""
+
         def build(dim: int, offset: int) -> list:
-            inner = math.prod(self.shape[dim + 1:])
+            inner = math.prod(self.shape[dim + 1 :])
             if dim == self.ndim - 1:
-                return list(self.ranks[offset:offset + self.shape[dim]])
+                return list(self.ranks[offset : offset + self.shape[dim]])
             return [build(dim + 1, offset + i * inner) for i in range(self.shape[dim])]
+
         return build(0, 0)
 
     def partition(self, dims: Sequence[int]) -> list[list[int]]:
@@ -129,7 +131,7 @@ class LayoutError(ValueError):
 
 
 def placement_kind(p) -> str:
-    """"replicate", "shard" (Shard and _StridedShard), "partial", or "unknown" (fails closed in dtensor_dims).
+    """ "replicate", "shard" (Shard and _StridedShard), "partial", or "unknown" (fails closed in dtensor_dims).
     _StridedShard is not a Shard subclass in torch 2.13 and its is_shard() is False, so it is named explicitly."""
     if p.is_replicate():
         return "replicate"
@@ -167,8 +169,10 @@ def dtensor_dims(dt, grid: Grid) -> tuple[int, ...]:
         cs = [grid.coords[r] for r in fiber]
         varied = {d for d in range(grid.ndim) if len({c[d] for c in cs}) > 1}
         if len(set(fiber)) != len(fiber) or grid.group_size(varied) != len(fiber) or varied & spanned:
-            raise LayoutError(f"mesh dim {names[i]!r} (ranks {fiber[:8]}) does not align with the topology mesh "
-                              f"{dict(zip(grid.names, grid.shape))}")
+            raise LayoutError(
+                f"mesh dim {names[i]!r} (ranks {fiber[:8]}) does not align with the topology mesh "
+                f"{dict(zip(grid.names, grid.shape))}"
+            )
         spanned |= varied
         kind = placement_kind(p)
         if kind == "replicate":
@@ -178,8 +182,10 @@ def dtensor_dims(dt, grid: Grid) -> tuple[int, ...]:
             continue
         if kind == "partial":
             raise LayoutError(f"placement {p} on mesh dim {names[i]!r}: a pending reduction has no value to compare")
-        raise LayoutError(f"placement {p!r} ({type(p).__name__}) on mesh dim {names[i]!r} is not one scout-ckpt can "
-                          "map to replica groups (known: Replicate, Shard, _StridedShard, Partial)")
+        raise LayoutError(
+            f"placement {p!r} ({type(p).__name__}) on mesh dim {names[i]!r} is not one scout-ckpt can "
+            "map to replica groups (known: Replicate, Shard, _StridedShard, Partial)"
+        )
     return tuple(d for d in range(grid.ndim) if d not in shard and d not in grid.distinct_dims)
 
 
@@ -237,8 +243,10 @@ def _grid_of(mesh, world_size: int) -> Grid:
     root = _root_mesh(mesh)
     grid = Grid.make(tuple(root.mesh.shape), root.mesh_dim_names, root.mesh.reshape(-1).tolist())
     if sorted(grid.ranks) != list(range(world_size)):
-        raise LayoutError(f"the root mesh {dict(zip(grid.names, grid.shape))} does not hold every rank of the "
-                          f"world of {world_size} exactly once")
+        raise LayoutError(
+            f"the root mesh {dict(zip(grid.names, grid.shape))} does not hold every rank of the "
+            f"world of {world_size} exactly once"
+        )
     return grid
 
 
@@ -261,8 +269,9 @@ def _mode(roles: list[str]) -> str:
     return base + ("+tp" if "tensor_parallel" in has else "") + ("+pp" if "pipeline" in has else "")
 
 
-def describe_topology(model=None, *, mesh=None, world_size: int | None = None, grid: Grid | None = None,
-                      roles: dict | None = None) -> dict:
+def describe_topology(
+    model=None, *, mesh=None, world_size: int | None = None, grid: Grid | None = None, roles: dict | None = None
+) -> dict:
     """The training topology as consensus sees it (JSON, identical on every rank of an SPMD job; no collective).
 
     mesh: the job's DeviceMesh (any submesh of it will do: its root is used); by default the root mesh of the
@@ -319,11 +328,18 @@ def describe_topology(model=None, *, mesh=None, world_size: int | None = None, g
     compare = [plain] + sorted((d for d in weights if d != plain), key=lambda d: (len(d), d))
     primary = max(weights, key=lambda d: (weights[d], d)) if weights else plain
     roles = [(roles or {}).get(n) or _role(n, sharded[d], replicated[d]) for d, n in enumerate(grid.names)]
-    return {"mode": _mode(roles) if tensors or mesh is not None or given else "ddp", "world_size": world_size,
-            "mesh_shape": list(grid.shape), "mesh_dim_names": list(grid.names), "mesh": grid.nested(),
-            "dim_roles": dict(zip(grid.names, roles)),
-            "compare_dims": [grid.dim_names(d) for d in compare if grid.group_size(d) > 1],
-            "primary": grid.dim_names(primary), "replica_groups": grid.partition(primary), "problems": problems}
+    return {
+        "mode": _mode(roles) if tensors or mesh is not None or given else "ddp",
+        "world_size": world_size,
+        "mesh_shape": list(grid.shape),
+        "mesh_dim_names": list(grid.names),
+        "mesh": grid.nested(),
+        "dim_roles": dict(zip(grid.names, roles)),
+        "compare_dims": [grid.dim_names(d) for d in compare if grid.group_size(d) > 1],
+        "primary": grid.dim_names(primary),
+        "replica_groups": grid.partition(primary),
+        "problems": problems,
+    }
 
 
 def legacy_topology(mode: str, world_size: int, mesh_shape: Sequence[int] | None = None) -> dict:
@@ -347,10 +363,18 @@ def legacy_topology(mode: str, world_size: int, mesh_shape: Sequence[int] | None
     else:
         raise ValueError(f"unknown mode {mode!r}; expected one of ddp, hsdp, fsdp")
     compare = [grid.plain_dims] + [d for d in extra if d != grid.plain_dims]
-    return {"mode": mode, "world_size": world_size, "mesh_shape": list(grid.shape),
-            "mesh_dim_names": list(grid.names), "mesh": grid.nested(), "dim_roles": dict(zip(grid.names, roles)),
-            "compare_dims": [grid.dim_names(d) for d in compare if grid.group_size(d) > 1],
-            "primary": grid.dim_names(primary), "replica_groups": grid.partition(primary), "problems": []}
+    return {
+        "mode": mode,
+        "world_size": world_size,
+        "mesh_shape": list(grid.shape),
+        "mesh_dim_names": list(grid.names),
+        "mesh": grid.nested(),
+        "dim_roles": dict(zip(grid.names, roles)),
+        "compare_dims": [grid.dim_names(d) for d in compare if grid.group_size(d) > 1],
+        "primary": grid.dim_names(primary),
+        "replica_groups": grid.partition(primary),
+        "problems": [],
+    }
 
 
 def grid_of_topology(topo: dict) -> Grid:
@@ -363,5 +387,6 @@ def grid_of_topology(topo: dict) -> Grid:
                 walk(y)
         else:
             flat.append(int(x))
+
     walk(topo["mesh"])
     return Grid.make(topo["mesh_shape"], topo["mesh_dim_names"], flat)

@@ -67,9 +67,9 @@ from scout_ckpt.consensus.signatures import bytes_signature, digest_row, flatten
 from scout_ckpt.policy import FAIL, MISSING, NOT_APPLICABLE, PASS, evidence
 from scout_ckpt.policy import INCONCLUSIVE as EV_INCONCLUSIVE
 
-MAX_NAMES = 8          # tensor names listed per reason
-GATE_S = 60.0          # the longest background hashing waits for the write to start: a write never started only
-WRITE_S = 600.0        # delays it; nor does a write that outlasts WRITE_S (its tensors are then hashed here)
+MAX_NAMES = 8  # tensor names listed per reason
+GATE_S = 60.0  # the longest background hashing waits for the write to start: a write never started only
+WRITE_S = 600.0  # delays it; nor does a write that outlasts WRITE_S (its tensors are then hashed here)
 STRUCTURE = "(state structure)"
 
 
@@ -99,10 +99,10 @@ def structure_digest(names: list[str], flat: Mapping[str, Any], tags: list[str] 
 class _Plan:
     """Where each selected piece of state goes: compared across some dims, single-owner, or a problem."""
 
-    by_dims: dict = field(default_factory=dict)      # compare dims -> names
-    single: list[str] = field(default_factory=list)   # no replica anywhere
+    by_dims: dict = field(default_factory=dict)  # compare dims -> names
+    single: list[str] = field(default_factory=list)  # no replica anywhere
     problems: list[tuple[str, str]] = field(default_factory=list)  # (name, why its layout is unknown)
-    tags: list[str] = field(default_factory=list)     # name + layout of every piece not compared as plain state
+    tags: list[str] = field(default_factory=list)  # name + layout of every piece not compared as plain state
     not_comparable: list[tuple[str, str]] = field(default_factory=list)  # (name, why): no canonical encoding
 
 
@@ -137,44 +137,70 @@ def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) ->
         if grid.group_size(dims) < 2:
             plan.single.append(n)
         elif groups.kind_of(dims) is None:
-            plan.problems.append((n, f"compared across {grid.dim_names(dims)}, a layout the topology does not "
-                                     "list (no side group was made for it at start-up)"))
+            plan.problems.append(
+                (
+                    n,
+                    f"compared across {grid.dim_names(dims)}, a layout the topology does not "
+                    "list (no side group was made for it at start-up)",
+                )
+            )
         else:
             plan.by_dims.setdefault(dims, []).append(n)
         if dims != plain:
             plan.tags.append(f"{n}\0{_kind(leaf)}\0{grid.dim_names(dims)}")
     if plain_names is not None and not plain_names:
-        del plan.by_dims[plain]   # as before: a dims entry only where some piece goes
+        del plan.by_dims[plain]  # as before: a dims entry only where some piece goes
     return plan
 
 
-def _group_verdict(flat: Mapping[str, Any], names: list[str], pg, members: list[int], sigs: torch.Tensor,
-                   elapsed: float, tags: list[str] = (), covers: bool = False
-                   ) -> tuple[GroupVerdict, float, bool, bool]:
+def _group_verdict(
+    flat: Mapping[str, Any],
+    names: list[str],
+    pg,
+    members: list[int],
+    sigs: torch.Tensor,
+    elapsed: float,
+    tags: list[str] = (),
+    covers: bool = False,
+) -> tuple[GroupVerdict, float, bool, bool]:
     """(verdict of one replica group, the slowest member's time to its signatures, whether the members' structure
     agreed, whether every member `covers` its whole state); identical on every member. One all_gather of a
     fixed-size header (structure digest, a 128-bit digest of the [n, 2] signature rows, the time taken, the covers
     flag) decides the healthy case; only when the signature digests differ are the signatures themselves gathered,
     for per-tensor verdicts."""
     header = structure_digest(names, flat, tags)
-    mine = torch.cat([header, bytes_signature(sigs.numpy().tobytes()),
-                      torch.tensor([elapsed], dtype=torch.float64).view(torch.int64),
-                      torch.tensor([int(covers)], dtype=torch.int64)])
+    mine = torch.cat(
+        [
+            header,
+            bytes_signature(sigs.numpy().tobytes()),
+            torch.tensor([elapsed], dtype=torch.float64).view(torch.int64),
+            torch.tensor([int(covers)], dtype=torch.int64),
+        ]
+    )
     rows = [torch.empty_like(mine) for _ in members]
     dist.all_gather(rows, mine, group=pg)
     slowest = max(float(r[5:6].view(torch.float64)) for r in rows)
     everyone_covers = all(int(r[6]) == 1 for r in rows)
     if any(not torch.equal(r[:3], rows[0][:3]) for r in rows):
-        return (combine([c3_verdict([tuple(r[:3].tolist()) for r in rows])], members, [STRUCTURE]), slowest, False,
-                everyone_covers)
+        return (
+            combine([c3_verdict([tuple(r[:3].tolist()) for r in rows])], members, [STRUCTURE]),
+            slowest,
+            False,
+            everyone_covers,
+        )
     if all(torch.equal(r[3:5], rows[0][3:5]) for r in rows):  # every member holds the same signatures
-        return (verdicts_from_gathered(sigs.unsqueeze(0).expand(len(rows), -1, -1), members, names), slowest, True,
-                everyone_covers)
+        return (
+            verdicts_from_gathered(sigs.unsqueeze(0).expand(len(rows), -1, -1), members, names),
+            slowest,
+            True,
+            everyone_covers,
+        )
     return c3_over_group(sigs, pg, members, names), slowest, True, everyone_covers
 
 
-def _hash_groups(flat: Mapping[str, Any], plan: _Plan, groups: ConsensusGroups, t0: float,
-                 in_flight: InFlightDigests | None = None) -> tuple[dict, float]:
+def _hash_groups(
+    flat: Mapping[str, Any], plan: _Plan, groups: ConsensusGroups, t0: float, in_flight: InFlightDigests | None = None
+) -> tuple[dict, float]:
     """({kind index: [n, 2] replica signatures of the names compared in that kind}, seconds since t0): the only
     pass over the state's bytes. No collective, so it may run in a background thread; with `in_flight` it first
     waits for the writer's CPU-bound part to end (at most GATE_S), leaves the tensors the writer signs to it, and
@@ -230,16 +256,21 @@ class PendingConsensus:
 
     def __init__(self, flat, names, plan, groups, t0, work, *, source=None, partials: Future | None = None):
         self._flat, self._names, self._plan, self._groups, self._t0 = flat, names, plan, groups, t0
-        self._source = source   # the state dict `flat` was flattened from (None: not reusable, `flattened`)
+        self._source = source  # the state dict `flat` was flattened from (None: not reusable, `flattened`)
         self._work = work  # a Future or the (sigs, elapsed) pair itself
-        self._exchanged: Future | None = None   # background: the exchange, queued behind the hashing
-        self._partials = partials   # background: this rank's DTensor partial signatures (full.py)
+        self._exchanged: Future | None = None  # background: the exchange, queued behind the hashing
+        self._partials = partials  # background: this rank's DTensor partial signatures (full.py)
         # Local: every leaf of the state is plain and compared as plain state, so replica_rows() holds a signature
         # of every leaf. `everyone_covers` (after finish) says it holds on every rank.
         plain = groups.grid.plain_dims if groups.world_size >= 2 else None
-        self._covers = (groups.world_size >= 2 and len(names) == len(flat) and not plan.problems
-                        and not plan.single and len(plan.by_dims.get(plain, [])) == len(names)
-                        and not any(is_dtensor(v) for v in flat.values()))
+        self._covers = (
+            groups.world_size >= 2
+            and len(names) == len(flat)
+            and not plan.problems
+            and not plan.single
+            and len(plan.by_dims.get(plain, [])) == len(names)
+            and not any(is_dtensor(v) for v in flat.values())
+        )
         self.everyone_covers = False
 
     def flattened(self, state_dict) -> dict | None:
@@ -256,7 +287,7 @@ class PendingConsensus:
             return {}
         try:
             return self._partials.result()
-        except Exception:   # fail closed: full_signatures signs the leaves itself (and raises where they raise)
+        except Exception:  # fail closed: full_signatures signs the leaves itself (and raises where they raise)
             return {}
 
     def keep_partials(self) -> None:
@@ -301,9 +332,15 @@ class PendingConsensus:
     def _exchange(self) -> dict:
         groups, flat, plan = self._groups, self._flat, self._plan
         if groups.world_size < 2:
-            return evidence(NOT_APPLICABLE, [{"code": "no_replicas", "mode": groups.mode,
-                                              "detail": "single process"}],
-                            mode=groups.mode, groups=[], tensors_compared=0, single_owner=0, duration_s=0.0)
+            return evidence(
+                NOT_APPLICABLE,
+                [{"code": "no_replicas", "mode": groups.mode, "detail": "single process"}],
+                mode=groups.mode,
+                groups=[],
+                tensors_compared=0,
+                single_owner=0,
+                duration_s=0.0,
+            )
         sigs, elapsed = self._hashed()
         plain = groups.grid.plain_dims
         entries, structure_ok, covered = [], True, []
@@ -311,26 +348,47 @@ class PendingConsensus:
             if len(kind.members) < 2:
                 continue
             mine = plan.by_dims.get(kind.dims, [])
-            gv, slowest, same, covers = _group_verdict(flat, mine, kind.pg, kind.members, sigs[index], elapsed,
-                                                       plan.tags if kind.dims == plain else [], self._covers)
+            gv, slowest, same, covers = _group_verdict(
+                flat,
+                mine,
+                kind.pg,
+                kind.members,
+                sigs[index],
+                elapsed,
+                plan.tags if kind.dims == plain else [],
+                self._covers,
+            )
             structure_ok = structure_ok and same
             covered.append(covers)
-            entries.append({"kind": index, "members": list(gv.group_ranks), "dims": list(kind.names),
-                            "verdict": gv.status, "attributed": list(gv.attributed_ranks),
-                            "attributed_tensors": gv.attributed_tensors,
-                            "inconclusive_tensors": gv.inconclusive_tensors,
-                            "tensors_compared": len(gv.per_tensor), "plain": kind.dims == plain,
-                            "duration_s": slowest})
-        local = {"rank": groups.rank, "entries": entries, "single": plan.single, "problems": plan.problems,
-                 "not_comparable": plan.not_comparable,
-                 "n_selected": len(self._names), "duration_s": max([e["duration_s"] for e in entries],
-                                                                   default=elapsed)}
+            entries.append(
+                {
+                    "kind": index,
+                    "members": list(gv.group_ranks),
+                    "dims": list(kind.names),
+                    "verdict": gv.status,
+                    "attributed": list(gv.attributed_ranks),
+                    "attributed_tensors": gv.attributed_tensors,
+                    "inconclusive_tensors": gv.inconclusive_tensors,
+                    "tensors_compared": len(gv.per_tensor),
+                    "plain": kind.dims == plain,
+                    "duration_s": slowest,
+                }
+            )
+        local = {
+            "rank": groups.rank,
+            "entries": entries,
+            "single": plan.single,
+            "problems": plan.problems,
+            "not_comparable": plan.not_comparable,
+            "n_selected": len(self._names),
+            "duration_s": max([e["duration_s"] for e in entries], default=elapsed),
+        }
         world_only = len(groups.kinds) == 1 and len(groups.kinds[0].members) == groups.world_size
         if world_only:  # DDP: one group of every rank, whose verdict every rank already holds
             if not structure_ok:  # the layouts differ between ranks: report the structure verdict only
                 local.update(single=[], problems=[], not_comparable=[])
             everyone: list[Any] = [local]
-            self.everyone_covers = bool(covered) and all(covered)   # the world's header said it
+            self.everyone_covers = bool(covered) and all(covered)  # the world's header said it
         else:
             local["covers"] = self._covers
             everyone = [None] * groups.world_size
@@ -339,9 +397,14 @@ class PendingConsensus:
         return _summarise(everyone, groups)
 
 
-def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
-                    names_filter: Callable[[str], bool] | Collection[str] | None = None,
-                    background: bool = False, in_flight: InFlightDigests | None = None) -> PendingConsensus:
+def start_consensus(
+    state_dict: Mapping,
+    groups: ConsensusGroups,
+    *,
+    names_filter: Callable[[str], bool] | Collection[str] | None = None,
+    background: bool = False,
+    in_flight: InFlightDigests | None = None,
+) -> PendingConsensus:
     """Plan and hash (local, no collective); `finish()` on the result is the collective half. With `background`
     the hashing and then the exchange run in a thread of its own and `finish`/`replica_rows` wait for them; every
     rank must then make no other call on the consensus groups until `finish` returns. `in_flight` (background
@@ -354,17 +417,20 @@ def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
     names = _select(flat, names_filter)
     plan = _plan(flat, names, groups)
     if not background:
-        return PendingConsensus(flat, names, plan, groups, t0, _hash_groups(flat, plan, groups, t0),
-                                source=state_dict)
+        return PendingConsensus(flat, names, plan, groups, t0, _hash_groups(flat, plan, groups, t0), source=state_dict)
     if in_flight is not None:
-        in_flight.want(flat[n] for kind in groups.kinds if len(kind.members) >= 2
-                       for n in plan.by_dims.get(kind.dims, []))
+        in_flight.want(
+            flat[n] for kind in groups.kinds if len(kind.members) >= 2 for n in plan.by_dims.get(kind.dims, [])
+        )
     hashing = _hasher().submit(_hash_groups, flat, plan, groups, t0, in_flight)
     # after the hashing, so also once the writer's CPU-bound part is over (the disk's flush, the other ranks'
     # writes and DCP's metadata round leave this rank's CPU idle), and before the exchange, whose collectives
     # wait for the slowest rank anyway
-    partials = (_hasher().submit(shard_partials, flat)
-                if groups.sign_partials and any(is_dtensor(v) for v in flat.values()) else None)
+    partials = (
+        _hasher().submit(shard_partials, flat)
+        if groups.sign_partials and any(is_dtensor(v) for v in flat.values())
+        else None
+    )
     pending = PendingConsensus(flat, names, plan, groups, t0, hashing, source=state_dict, partials=partials)
     # The exchange follows in the same thread as soon as the hashing is done, so it overlaps DCP's write too. Its
     # collectives are on the consensus groups only, which nothing else uses during a save (replay uses them at
@@ -376,31 +442,52 @@ def start_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
 def _reasons(entry: dict) -> list[dict]:
     reasons = []
     if entry["attributed_tensors"]:
-        reasons.append({"code": "consensus_attributed", "ranks": entry["attributed"],
-                        "tensors": entry["attributed_tensors"][:MAX_NAMES],
-                        "n_tensors": len(entry["attributed_tensors"]), "group": entry["members"]})
+        reasons.append(
+            {
+                "code": "consensus_attributed",
+                "ranks": entry["attributed"],
+                "tensors": entry["attributed_tensors"][:MAX_NAMES],
+                "n_tensors": len(entry["attributed_tensors"]),
+                "group": entry["members"],
+            }
+        )
     if entry["inconclusive_tensors"]:
-        reasons.append({"code": "consensus_inconclusive", "ranks": entry["members"],
-                        "tensors": entry["inconclusive_tensors"][:MAX_NAMES],
-                        "n_tensors": len(entry["inconclusive_tensors"]), "group": entry["members"]})
+        reasons.append(
+            {
+                "code": "consensus_inconclusive",
+                "ranks": entry["members"],
+                "tensors": entry["inconclusive_tensors"][:MAX_NAMES],
+                "n_tensors": len(entry["inconclusive_tensors"]),
+                "group": entry["members"],
+            }
+        )
     return reasons
 
 
 def _problem_reasons(everyone: list[dict], groups: ConsensusGroups) -> list[dict]:
     """Pieces whose layout is unknown, from the topology (the same everywhere) and from every rank's plan."""
-    reasons = [{"code": "consensus_layout_unknown", **{k: v for k, v in p.items() if k != "code"}}
-               for p in groups.problems]
+    reasons = [
+        {"code": "consensus_layout_unknown", **{k: v for k, v in p.items() if k != "code"}} for p in groups.problems
+    ]
     ranks = sorted(e["rank"] for e in everyone if e["problems"])
     if ranks:
         names = sorted({n for e in everyone for n, _ in e["problems"]})
         first = next(e["problems"][0][1] for e in everyone if e["problems"])
-        reasons.append({"code": "consensus_layout_unknown", "ranks": ranks, "tensors": names[:MAX_NAMES],
-                        "n_tensors": len(names), "detail": first})
+        reasons.append(
+            {
+                "code": "consensus_layout_unknown",
+                "ranks": ranks,
+                "tensors": names[:MAX_NAMES],
+                "n_tensors": len(names),
+                "detail": first,
+            }
+        )
     return reasons
 
 
-def save_time_consensus(state_dict: Mapping, groups: ConsensusGroups, *,
-                        names_filter: Callable[[str], bool] | Collection[str] | None = None) -> dict:
+def save_time_consensus(
+    state_dict: Mapping, groups: ConsensusGroups, *, names_filter: Callable[[str], bool] | Collection[str] | None = None
+) -> dict:
     """Consensus evidence, in the policy's format, identical on every rank. Collective over all ranks (every
     rank calls it at the same save, with the same `groups`); a group that times out raises on its members.
 
@@ -424,8 +511,9 @@ def _summarise(everyone: list[dict], groups: ConsensusGroups) -> dict:
     for local in everyone:  # members of a group hold the same verdict; keep the first
         for entry in local["entries"]:
             by_group.setdefault((entry["kind"], tuple(entry["members"])), entry)
-    ordered = [by_group[(i, tuple(g))] for i, k in enumerate(groups.kinds) for g in k.groups
-               if (i, tuple(g)) in by_group]
+    ordered = [
+        by_group[(i, tuple(g))] for i, k in enumerate(groups.kinds) for g in k.groups if (i, tuple(g)) in by_group
+    ]
     reasons = [r for g in ordered for r in _reasons(g)]
     problems = _problem_reasons(everyone, groups)
     single = sorted({n for e in everyone for n in e["single"]})
@@ -440,20 +528,37 @@ def _summarise(everyone: list[dict], groups: ConsensusGroups) -> dict:
         status = MISSING
     elif compared == 0:
         status = MISSING
-        reasons = [{"code": "consensus_nothing_compared", "n_selected": max(e["n_selected"] for e in everyone),
-                    "single_owner": len(single),
-                    "detail": "no piece of state had a replica to compare with (all excluded, or single-owner)"}]
+        reasons = [
+            {
+                "code": "consensus_nothing_compared",
+                "n_selected": max(e["n_selected"] for e in everyone),
+                "single_owner": len(single),
+                "detail": "no piece of state had a replica to compare with (all excluded, or single-owner)",
+            }
+        ]
     elif single:
         status = NOT_APPLICABLE
-        reasons = [{"code": "no_replicas", "mode": groups.mode, "tensors": single[:MAX_NAMES],
-                    "n_tensors": len(single)}]
+        reasons = [
+            {"code": "no_replicas", "mode": groups.mode, "tensors": single[:MAX_NAMES], "n_tensors": len(single)}
+        ]
     else:
         status = PASS
     return evidence(
-        status, reasons + problems, mode=groups.mode,
-        groups=[{"members": g["members"], "dims": g["dims"], "verdict": g["verdict"], "attributed": g["attributed"],
-                 "tensors_compared": g["tensors_compared"]} for g in ordered],
-        tensors_compared=compared, single_owner=len(single),
+        status,
+        reasons + problems,
+        mode=groups.mode,
+        groups=[
+            {
+                "members": g["members"],
+                "dims": g["dims"],
+                "verdict": g["verdict"],
+                "attributed": g["attributed"],
+                "tensors_compared": g["tensors_compared"],
+            }
+            for g in ordered
+        ],
+        tensors_compared=compared,
+        single_owner=len(single),
         not_comparable=[{"key": n, "why": why} for n, why in not_comparable[:MAX_NAMES]],
         n_not_comparable=len({n for n, _ in not_comparable}),
         plain_state_only=bool(compared and single) and all(g["plain"] or not g["tensors_compared"] for g in ordered),

@@ -99,7 +99,7 @@ CPU_KERNEL = "numpy"
 THREADS: int | None = None
 # Replica signatures: CPU tensors of at least this many bytes are hashed in the thread pool, smaller ones inline.
 POOL_MIN_BYTES = 1 << 20
-SMALL_PLAIN = 1 << 16   # replica_signatures copies the bytes of a plain CPU tensor below this (see _small_plain)
+SMALL_PLAIN = 1 << 16  # replica_signatures copies the bytes of a plain CPU tensor below this (see _small_plain)
 
 
 def _chunk_for(device: torch.device) -> int:
@@ -119,8 +119,10 @@ def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None or _POOL[0] != os.getpid():
-            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
-                                                     thread_name_prefix="scout-sig"))
+            _POOL = (
+                os.getpid(),
+                ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="scout-sig"),
+            )
         return _POOL[1]
 
 
@@ -133,8 +135,10 @@ def _cpu_signature(t: torch.Tensor, base: int, dims, contiguous: bool) -> torch.
         sums = cpu_sums(pieces, base, dims, contiguous, chunk)
     else:
         share = -(-len(pieces) // threads)
-        futures = [_pool().submit(cpu_sums, pieces[i:i + share], base, dims, contiguous, chunk)
-                   for i in range(0, len(pieces), share)]
+        futures = [
+            _pool().submit(cpu_sums, pieces[i : i + share], base, dims, contiguous, chunk)
+            for i in range(0, len(pieces), share)
+        ]
         parts = [f.result() for f in futures]
         sums = [sum(p[lane] for p in parts) & M64 for lane in range(len(LANES))]
     return torch.tensor([s64(v) for v in sums], dtype=torch.int64)
@@ -312,8 +316,14 @@ def replica_signatures(items: list) -> torch.Tensor:
 def holds_row_major(t: torch.Tensor) -> bool:
     """Whether a CPU tensor's memory, from data_ptr on, holds exactly its row-major bytes: dense, contiguous, not
     quantized, no conjugate or negative bit. Such memory hashes to its replica signature as it is."""
-    return (t.is_cpu and t.layout == torch.strided and t.is_contiguous() and not t.is_quantized and not t.is_conj()
-            and not t.is_neg())
+    return (
+        t.is_cpu
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.is_quantized
+        and not t.is_conj()
+        and not t.is_neg()
+    )
 
 
 def _small_plain(t) -> bool:

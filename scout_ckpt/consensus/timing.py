@@ -17,8 +17,7 @@ MAD_SCALE = 1.4826
 MIN_SAMPLES = 3  # as with C3: with two samples neither is the odd one out
 
 
-def threshold(samples: dict[int, float], *, k: float = 3.0, abs_floor_s: float = 0.01,
-              rel_floor: float = 0.5) -> float:
+def threshold(samples: dict[int, float], *, k: float = 3.0, abs_floor_s: float = 0.01, rel_floor: float = 0.5) -> float:
     """The time above which a sample counts as slow."""
     values = list(samples.values())
     med = median(values)
@@ -26,8 +25,9 @@ def threshold(samples: dict[int, float], *, k: float = 3.0, abs_floor_s: float =
     return med + max(k * MAD_SCALE * mad, abs_floor_s, rel_floor * med)
 
 
-def robust_outliers(samples: dict[int, float], *, k: float = 3.0, abs_floor_s: float = 0.01,
-                    rel_floor: float = 0.5) -> dict[int, float]:
+def robust_outliers(
+    samples: dict[int, float], *, k: float = 3.0, abs_floor_s: float = 0.01, rel_floor: float = 0.5
+) -> dict[int, float]:
     """{rank: slowdown ratio (sample / median)} of the slow samples; {} with fewer than MIN_SAMPLES samples.
 
     Defaults: k = 3 robust standard deviations, at least 10 ms and at least 50% above the median. The ratio is

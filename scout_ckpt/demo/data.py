@@ -42,8 +42,16 @@ class DataStream(Stateful):
     """Global batch `step` of the run is samples [step*B, (step+1)*B); this rank reads its contiguous slice.
     `position` (the number of global batches consumed) is the checkpointed state."""
 
-    def __init__(self, domains: MarkovDomains, seq_len: int, global_batch: int, rank: int, world: int,
-                 seed: int = 0, mixer: "OnlineMixer | None" = None):
+    def __init__(
+        self,
+        domains: MarkovDomains,
+        seq_len: int,
+        global_batch: int,
+        rank: int,
+        world: int,
+        seed: int = 0,
+        mixer: "OnlineMixer | None" = None,
+    ):
         if global_batch % world:
             raise ValueError(f"global batch {global_batch} is not divisible by {world} ranks")
         self.domains, self.seq_len, self.global_batch = domains, seq_len, global_batch
@@ -66,8 +74,10 @@ class DataStream(Stateful):
         return x[:, :-1].contiguous(), x[:, 1:].contiguous(), torch.tensor(doms, dtype=torch.int64)
 
     def state_dict(self) -> dict:
-        return {"position": torch.tensor(self.position, dtype=torch.int64),
-                "seed": torch.tensor(self.seed, dtype=torch.int64)}
+        return {
+            "position": torch.tensor(self.position, dtype=torch.int64),
+            "seed": torch.tensor(self.seed, dtype=torch.int64),
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         self.position = int(sd["position"])

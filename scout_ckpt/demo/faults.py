@@ -118,12 +118,15 @@ def _value(spec: str, key: str, raw: str):
         if key in _FLOAT_KEYS:
             return float(raw)
     except ValueError:
-        raise BadInput(f"--inject {spec!r}: {key}={raw!r} is not a valid {'step' if key == 'step' else 'number'}") from None
+        raise BadInput(
+            f"--inject {spec!r}: {key}={raw!r} is not a valid {'step' if key == 'step' else 'number'}"
+        ) from None
     return raw
 
 
-def parse_all(specs: list[str] | tuple[str, ...] | None, ranks: int | None = None,
-              steps: int | None = None) -> list[Fault]:
+def parse_all(
+    specs: list[str] | tuple[str, ...] | None, ranks: int | None = None, steps: int | None = None
+) -> list[Fault]:
     """Parse every spec and check ranks/steps against the job's size."""
     faults = [parse(s) for s in (specs or [])]
     for f in faults:
@@ -137,8 +140,15 @@ def parse_all(specs: list[str] | tuple[str, ...] | None, ranks: int | None = Non
 class Injector:
     """The worker-side mechanics for one rank of one generation."""
 
-    def __init__(self, faults: list[Fault], rank: int, generation: int, root: str | os.PathLike,
-                 save_every: int | None = None, steps: int | None = None):
+    def __init__(
+        self,
+        faults: list[Fault],
+        rank: int,
+        generation: int,
+        root: str | os.PathLike,
+        save_every: int | None = None,
+        steps: int | None = None,
+    ):
         self.rank, self.generation, self.root = rank, generation, Path(root)
         self.save_every, self.steps = save_every, steps
         self.faults = [f for f in faults if f.rank is None or f.rank == rank]
@@ -159,11 +169,13 @@ class Injector:
         """The generation ends because a save found the live state bad: this rank's persistent faults that fired
         are drained, so the restarted job runs on healthy parts."""
         for f in self.faults:
-            if f.kind == "sdc" and any((self.root / MARKER_DIR).glob(
-                    f"fired-{_slug(f)}-gen{self.generation}-rank{self.rank}.json")):
-                atomic_write_json(self.root / MARKER_DIR / f"drained-{_slug(f)}-gen{self.generation}.json",
-                                  {"spec": f.spec, "rank": self.rank, "generation": self.generation,
-                                   "time": time.time()})
+            if f.kind == "sdc" and any(
+                (self.root / MARKER_DIR).glob(f"fired-{_slug(f)}-gen{self.generation}-rank{self.rank}.json")
+            ):
+                atomic_write_json(
+                    self.root / MARKER_DIR / f"drained-{_slug(f)}-gen{self.generation}.json",
+                    {"spec": f.spec, "rank": self.rank, "generation": self.generation, "time": time.time()},
+                )
 
     def due_step(self, f: Fault) -> int | None:
         """The step at which `f` fires: its own, but a `param` flip waits for the first save at or after it."""
@@ -190,9 +202,18 @@ class Injector:
     def _fired(self, f: Fault, step: int, **detail) -> None:
         """Record that a fault fired (the campaign measures detection latency from this time)."""
         name = f"fired-{_slug(f)}-gen{self.generation}-rank{self.rank}.json"
-        atomic_write_json(self.root / MARKER_DIR / name, {
-            "kind": f.kind, "spec": f.spec, "rank": self.rank, "step": step, "generation": self.generation,
-            "time": time.time(), **detail})
+        atomic_write_json(
+            self.root / MARKER_DIR / name,
+            {
+                "kind": f.kind,
+                "spec": f.spec,
+                "rank": self.rank,
+                "step": step,
+                "generation": self.generation,
+                "time": time.time(),
+                **detail,
+            },
+        )
 
     def before_step(self, step: int, model) -> None:
         """At the start of step `step`: turn on a persistent SDC; block forever for a hang."""
@@ -201,8 +222,10 @@ class Injector:
         for f in self.faults:
             if f.kind == "sdc" and step >= f.step and sdc_target() != f.opts["layer"] and not self._struck_before(f):
                 if f.opts["layer"] not in model.linear_names():
-                    raise ValueError(f"sdc layer {f.opts['layer']!r} is not a Linear of the model "
-                                     f"({', '.join(model.linear_names())})")
+                    raise ValueError(
+                        f"sdc layer {f.opts['layer']!r} is not a Linear of the model "
+                        f"({', '.join(model.linear_names())})"
+                    )
                 set_sdc(f.opts["layer"], f.opts["elem"])
                 self._fired(f, step, layer=f.opts["layer"])
         for f in self._mine("hang", step):

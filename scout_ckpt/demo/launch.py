@@ -39,7 +39,7 @@ from scout_ckpt.errors import BadInput
 from scout_ckpt.format.layout import LEDGER_NAME
 
 MODES = ("ddp", "fsdp", "hsdp")
-REPLAY_TARGETS = 7   # embedding, 4 blocks, head, optimizer: one replayed per step
+REPLAY_TARGETS = 7  # embedding, 4 blocks, head, optimizer: one replayed per step
 # What ends a generation: the observers' crash/hang/desync, or the Checkpointer's live_fault (a save found the live
 # state bad and ended the generation on every rank).
 INCIDENT_KINDS = ("crash", "hang", "desync", "live_fault")
@@ -99,15 +99,34 @@ def _prepare_dir(dir: str | os.PathLike | None, quiet: bool) -> Path:
 
 def torchrun_command(root: Path, ranks: int, max_restarts: int, worker_args: str) -> list[str]:
     """The torchrun command line of the demo job (what the README tells users to run, with the demo's worker)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-            "--max-restarts", str(max_restarts), "--log-dir", str(root / MARKER_DIR / "torchrun"), "--redirects", "3",
-            "-m", "scout_ckpt.demo.train", "--args-json", worker_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        "--max-restarts",
+        str(max_restarts),
+        "--log-dir",
+        str(root / MARKER_DIR / "torchrun"),
+        "--redirects",
+        "3",
+        "-m",
+        "scout_ckpt.demo.train",
+        "--args-json",
+        worker_args,
+    ]
 
 
 def _environment() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")])))
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [PACKAGE_PARENT, os.environ.get("PYTHONPATH")])),
+    )
     return env
 
 
@@ -160,8 +179,14 @@ def _run_agent(cmd: list[str], root: Path, deadline: float, quiet: bool) -> tupl
     """Run torchrun to its end or the deadline: (its exit code or None after the deadline, when it ended).
     While it runs, say when a new generation starts (from the start records); nothing here acts on the job."""
     with open(root / MARKER_DIR / "torchrun.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=_environment(), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=_environment(),
+            start_new_session=True,
+        )
         seen = 0
         while True:
             try:
@@ -211,29 +236,57 @@ def generations(root: Path, rc: int | None, t_end: float) -> list[dict]:
         started = min(r["started"] for r in recs)
         ended = t_end if last else min(r["started"] for r in starts[numbers[i + 1]])
         run = next((r for r in runs if started <= (r.get("started") or 0) < ended), None)
-        info = {"generation": n, "started": started, "ended": ended,
-                "outcome": ("ok" if rc == 0 else "timeout" if rc is None else "failed") if last else "failed",
-                "run_id": run["id"] if run else None, "resumed_from": run.get("resumed_from") if run else None,
-                "torchelastic": {"run_id": recs[0].get("torchelastic_run_id"), "restart_count": n,
-                                 "max_restarts": recs[0].get("max_restarts")},
-                "ranks_started": sorted(r["rank"] for r in recs)}
+        info = {
+            "generation": n,
+            "started": started,
+            "ended": ended,
+            "outcome": ("ok" if rc == 0 else "timeout" if rc is None else "failed") if last else "failed",
+            "run_id": run["id"] if run else None,
+            "resumed_from": run.get("resumed_from") if run else None,
+            "torchelastic": {
+                "run_id": recs[0].get("torchelastic_run_id"),
+                "restart_count": n,
+                "max_restarts": recs[0].get("max_restarts"),
+            },
+            "ranks_started": sorted(r["rank"] for r in recs),
+        }
         if info["outcome"] != "ok":
             ev = next((e for e in incidents if run and e.get("run_id") == run["id"]), None)
             source = (ev.get("detail") or {}).get("source") if ev else None
-            info.update(event=ev["kind"] if ev else None, ranks=ev["ranks"] if ev else None,
-                        step=ev["step"] if ev else None,
-                        detected_by=None if ev is None else
-                        "checkpointer" if ev["kind"] == "live_fault" else
-                        "previous_generation" if source == "previous_generation" else "observer")
+            info.update(
+                event=ev["kind"] if ev else None,
+                ranks=ev["ranks"] if ev else None,
+                step=ev["step"] if ev else None,
+                detected_by=None
+                if ev is None
+                else "checkpointer"
+                if ev["kind"] == "live_fault"
+                else "previous_generation"
+                if source == "previous_generation"
+                else "observer",
+            )
         out.append(info)
     return out
 
 
-def run_demo(dir: str | os.PathLike | None = None, ranks: int = 4, steps: int = 40, save_every: int = 10,
-             async_save: bool = False, mode: str = "ddp", inject: list[str] | tuple[str, ...] = (),
-             constraint: str | None = None, mixing: str | None = None, max_restarts: int = 3,
-             stall_s: float = 3.0, quiet: bool = False, replay: bool | None = None, seed: int = 0,
-             timeout_s: float = 900.0, pg_timeout_s: float = 120.0) -> dict:
+def run_demo(
+    dir: str | os.PathLike | None = None,
+    ranks: int = 4,
+    steps: int = 40,
+    save_every: int = 10,
+    async_save: bool = False,
+    mode: str = "ddp",
+    inject: list[str] | tuple[str, ...] = (),
+    constraint: str | None = None,
+    mixing: str | None = None,
+    max_restarts: int = 3,
+    stall_s: float = 3.0,
+    quiet: bool = False,
+    replay: bool | None = None,
+    seed: int = 0,
+    timeout_s: float = 900.0,
+    pg_timeout_s: float = 120.0,
+) -> dict:
     """Run the demo job under torchrun (which restarts it after crashes and, through the observer's abort, hangs)
     and return the `demo --json` document. Raises BadInput for bad options before starting anything.
 
@@ -247,19 +300,40 @@ def run_demo(dir: str | os.PathLike | None = None, ranks: int = 4, steps: int = 
     if replay is None:
         replay = save_every > REPLAY_TARGETS
     # train.WorkerArgs as JSON (built here without importing train.py, which imports torch)
-    args = {"root": str(root), "steps": steps, "save_every": save_every, "mode": mode, "async_save": async_save,
-            "inject": [f.spec for f in faults], "constraint": constraint, "mixing": mixing, "stall_s": stall_s,
-            "replay": replay, "seed": seed, "global_batch": ranks * max(1, 16 // ranks), "pg_timeout_s": pg_timeout_s}
+    args = {
+        "root": str(root),
+        "steps": steps,
+        "save_every": save_every,
+        "mode": mode,
+        "async_save": async_save,
+        "inject": [f.spec for f in faults],
+        "constraint": constraint,
+        "mixing": mixing,
+        "stall_s": stall_s,
+        "replay": replay,
+        "seed": seed,
+        "global_batch": ranks * max(1, 16 // ranks),
+        "pg_timeout_s": pg_timeout_s,
+    }
     cmd = torchrun_command(root, ranks, max_restarts, json.dumps(args))
-    _say(quiet, f"running {ranks} {mode} ranks under torchrun --standalone --max-restarts {max_restarts}"
-                f" (agent log: {root / MARKER_DIR / 'torchrun.log'})")
+    _say(
+        quiet,
+        f"running {ranks} {mode} ranks under torchrun --standalone --max-restarts {max_restarts}"
+        f" (agent log: {root / MARKER_DIR / 'torchrun.log'})",
+    )
     rc, t_end = _run_agent(cmd, root, t0 + timeout_s, quiet)
     gens = generations(root, rc, t_end)
     for g in gens:
         if g["outcome"] != "ok":
-            _say(quiet, f"generation {g['generation']}: {g['outcome']}, "
-                        + (f"{g['event']} on rank(s) {g['ranks']} at step {g['step']} (recorded by {g['detected_by']})"
-                           if g["event"] else "no incident recorded in the ledger"))
+            _say(
+                quiet,
+                f"generation {g['generation']}: {g['outcome']}, "
+                + (
+                    f"{g['event']} on rank(s) {g['ranks']} at step {g['step']} (recorded by {g['detected_by']})"
+                    if g["event"]
+                    else "no incident recorded in the ledger"
+                ),
+            )
     completed = rc == 0
 
     has_ledger = (root / LEDGER_NAME).exists()  # absent only if every generation died before its first save
@@ -267,17 +341,33 @@ def run_demo(dir: str | os.PathLike | None = None, ranks: int = 4, steps: int = 
     worker = _read_json(root / MARKER_DIR / "result.json") if completed else None
     worker = worker or {}
     result = {
-        "dir": str(root), "ranks": ranks, "steps": steps, "save_every": save_every, "mode": mode,
-        "async_save": async_save, "constraint": constraint, "mixing": mixing, "replay": replay,
+        "dir": str(root),
+        "ranks": ranks,
+        "steps": steps,
+        "save_every": save_every,
+        "mode": mode,
+        "async_save": async_save,
+        "constraint": constraint,
+        "mixing": mixing,
+        "replay": replay,
         "checkpoints": summary.checkpoint_rows(root) if has_ledger else [],
         "events": summary.events(root) if has_ledger else [],
         "restarts": gens[-1]["generation"] if gens else 0,  # TORCHELASTIC_RESTART_COUNT of the last generation
-        "final_digest": worker.get("final_digest"), "completed": completed, "losses": summary.losses(root),
-        "wall_s": round(time.monotonic() - t0, 2), "injections": summary.injections(root, faults),
-        "generations": gens, "rejections": summary.rejections(root) if has_ledger else [],
+        "final_digest": worker.get("final_digest"),
+        "completed": completed,
+        "losses": summary.losses(root),
+        "wall_s": round(time.monotonic() - t0, 2),
+        "injections": summary.injections(root, faults),
+        "generations": gens,
+        "rejections": summary.rejections(root) if has_ledger else [],
         "certify": [{"step": c["step"], "state": c["state"], "reasons": c["reasons"]} for c in certified],
-        "launcher": {"command": "torchrun", "argv": cmd[1:-1] + ["<worker args>"], "exit_code": rc,
-                     "max_restarts": max_restarts, "log": str(root / MARKER_DIR / "torchrun.log")},
+        "launcher": {
+            "command": "torchrun",
+            "argv": cmd[1:-1] + ["<worker args>"],
+            "exit_code": rc,
+            "max_restarts": max_restarts,
+            "log": str(root / MARKER_DIR / "torchrun.log"),
+        },
     }
     if "mixing" in worker:
         result["mixing_weights"] = worker["mixing"]

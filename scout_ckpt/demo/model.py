@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 _SDC_TARGET: str | None = None  # qualified name of the Linear that computes wrongly in this process
-_SDC_ELEM = 0                    # which element of its flattened output (negative: from the end)
-_EXP_LSB = 1 << 23               # lowest exponent bit of a float32
+_SDC_ELEM = 0  # which element of its flattened output (negative: from the end)
+_EXP_LSB = 1 << 23  # lowest exponent bit of a float32
 
 
 def set_sdc(target: str | None, elem: int = 0) -> None:
@@ -47,10 +47,10 @@ class FaultableLinear(nn.Linear):
 def _corrupt(out: torch.Tensor) -> torch.Tensor:
     # Keep autograd intact: add the (detached) error to one element, so gradients flow as through the real op.
     i = _SDC_ELEM % out.numel()
-    flat = out.detach().reshape(-1)[i:i + 1].float()
+    flat = out.detach().reshape(-1)[i : i + 1].float()
     bad = (flat.view(torch.int32) ^ _EXP_LSB).view(torch.float32).to(out.dtype)
     delta = torch.zeros_like(out).reshape(-1)
-    delta[i:i + 1] = bad - flat.to(out.dtype)
+    delta[i : i + 1] = bad - flat.to(out.dtype)
     return out + delta.view_as(out)
 
 

@@ -40,16 +40,25 @@ def rejections(root: Path) -> list[dict]:
     from scout_ckpt.ledger import Ledger
 
     with Ledger.open(root, readonly=True) as ledger:
-        return [{"step": c["step"], "source": c["source"], "time": c["time"],
-                 "reasons": [r.get("code") for r in c["reasons"] or [] if isinstance(r, dict)]}
-                for c in ledger.certifications() if c["state"] == "rejected"]
+        return [
+            {
+                "step": c["step"],
+                "source": c["source"],
+                "time": c["time"],
+                "reasons": [r.get("code") for r in c["reasons"] or [] if isinstance(r, dict)],
+            }
+            for c in ledger.certifications()
+            if c["state"] == "rejected"
+        ]
 
 
 def events(root: Path) -> list[dict]:
     from scout_ckpt.report.timeline import timeline
 
-    return [{"kind": e["kind"], "ranks": e["ranks"], "step": e["step"], "time": e["time"], "detail": e["detail"]}
-            for e in timeline(root)["events"]]
+    return [
+        {"kind": e["kind"], "ranks": e["ranks"], "step": e["step"], "time": e["time"], "detail": e["detail"]}
+        for e in timeline(root)["events"]
+    ]
 
 
 def losses(root: Path) -> dict:
@@ -89,8 +98,9 @@ def print_summary(result: dict, console=None) -> None:
     for c in result["checkpoints"]:
         reasons = escape(reason_text(c["reasons"])) or "-"
         state = f"[{STATE_STYLE.get(c['state'], 'white')}]{c['state']}[/]"
-        table.add_row(str(c["step"]), state, evidence_marks(c["evidence"]), f"{c['bytes']:,}" if c["bytes"] else "-",
-                      reasons)
+        table.add_row(
+            str(c["step"]), state, evidence_marks(c["evidence"]), f"{c['bytes']:,}" if c["bytes"] else "-", reasons
+        )
     console.print(table)
     if result["events"]:
         ev_table = Table(title="events")
@@ -99,8 +109,13 @@ def print_summary(result: dict, console=None) -> None:
         for e in result["events"]:
             when = datetime.datetime.fromtimestamp(e["time"]).strftime("%H:%M:%S") if e["time"] else "-"
             detail = {k: v for k, v in (e["detail"] or {}).items() if k not in ("log_tail", "progress")}
-            ev_table.add_row(when, e["kind"], ",".join(map(str, e["ranks"] or [])) or "-",
-                             "-" if e["step"] is None else str(e["step"]), json.dumps(detail)[:70])
+            ev_table.add_row(
+                when,
+                e["kind"],
+                ",".join(map(str, e["ranks"] or [])) or "-",
+                "-" if e["step"] is None else str(e["step"]),
+                json.dumps(detail)[:70],
+            )
         console.print(ev_table)
     for r in result.get("rejections", []):
         console.print(f"step {r['step']} rejected by {r['source']}: {', '.join(r['reasons']) or '?'}")
@@ -111,12 +126,19 @@ def print_summary(result: dict, console=None) -> None:
     for g in result.get("generations", []):
         what = "completed" if g["outcome"] == "ok" else g["outcome"]
         if g["outcome"] != "ok":
-            by = {"observer": "its observers", "previous_generation": "the next generation's observer",
-                  "checkpointer": "its save, which ended the generation"}
+            by = {
+                "observer": "its observers",
+                "previous_generation": "the next generation's observer",
+                "checkpointer": "its save, which ended the generation",
+            }
             ranks = ",".join(map(str, g["ranks"] or []))
-            what += (f": {g['event']} " + (f"on rank(s) {ranks}" if ranks else "(no rank named)") +
-                     f" at step {g['step']}, recorded by {by.get(g['detected_by'], g['detected_by'])}"
-                     if g.get("event") else ": no incident recorded in the ledger")
+            what += (
+                f": {g['event']} "
+                + (f"on rank(s) {ranks}" if ranks else "(no rank named)")
+                + f" at step {g['step']}, recorded by {by.get(g['detected_by'], g['detected_by'])}"
+                if g.get("event")
+                else ": no incident recorded in the ledger"
+            )
         start = f"resumed from step {g['resumed_from']}" if g.get("resumed_from") else "fresh start"
         console.print(f"generation {g['generation']} (torchrun restart {g['generation']}, {start}): {escape(what)}")
     limit = (result.get("launcher") or {}).get("max_restarts")

@@ -55,6 +55,7 @@ MODES = ("ddp", "fsdp", "hsdp")
 class WorkerArgs:
     """The job's options (the same for every rank, written by launch.py). rank, world and generation are not
     options: main() fills them from torchrun's environment."""
+
     root: str
     rank: int = 0
     world: int = 1
@@ -64,9 +65,9 @@ class WorkerArgs:
     mode: str = "ddp"
     async_save: bool = False
     inject: list[str] = field(default_factory=list)
-    constraint: str | None = None      # None | "sphere"
-    mixing: str | None = None          # None | "online"
-    n_domains: int = 4                 # used with mixing="online"
+    constraint: str | None = None  # None | "sphere"
+    mixing: str | None = None  # None | "online"
+    n_domains: int = 4  # used with mixing="online"
     stall_s: float = 3.0
     replay: bool = False
     seed: int = 0
@@ -106,10 +107,14 @@ class AppState(Stateful):
 
     def state_dict(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        sd = {"model": model_sd, "optim": optim_sd,
-              "lr_schedule": {"last_epoch": torch.tensor(self.scheduler.last_epoch, dtype=torch.int64)},
-              "rng": self.rng.state_dict(), "data": self.data.state_dict(),
-              "step": torch.tensor(self.step, dtype=torch.int64)}
+        sd = {
+            "model": model_sd,
+            "optim": optim_sd,
+            "lr_schedule": {"last_epoch": torch.tensor(self.scheduler.last_epoch, dtype=torch.int64)},
+            "rng": self.rng.state_dict(),
+            "data": self.data.state_dict(),
+            "step": torch.tensor(self.step, dtype=torch.int64),
+        }
         if self.mixer is not None:
             sd["mixing"] = self.mixer.state_dict()
         return sd
@@ -134,6 +139,7 @@ def warmup_cosine(total_steps: int, warmup: int | None = None, floor: float = 0.
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return factor
 
 
@@ -152,8 +158,9 @@ def build_model(mode: str, world: int, seed: int, mesh_shape: tuple[int, int] | 
     if mode == "fsdp":
         mesh = init_device_mesh("cpu", (world,))
     elif mode == "hsdp":
-        mesh = init_device_mesh("cpu", tuple(mesh_shape or default_mesh_shape(world)),
-                                mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            "cpu", tuple(mesh_shape or default_mesh_shape(world)), mesh_dim_names=("replicate", "shard")
+        )
     else:
         raise ValueError(f"unknown mode {mode!r}")
     for block in model.blocks:
@@ -170,7 +177,7 @@ def allreduce_grads(model: torch.nn.Module, world: int) -> None:
     flat.div_(world)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -208,8 +215,10 @@ def invariants_for(args: WorkerArgs, model) -> list | None:
     compared with, so some model-intrinsic check must vouch for them (a flipped exponent bit breaks it)."""
     specs: list = []
     if args.constraint == "sphere":
-        specs += [{"check": "frobenius_sphere", "params": name, "radius": radius, "rtol": 1e-3}
-                  for name, radius in model.sphere_radii.items()]
+        specs += [
+            {"check": "frobenius_sphere", "params": name, "radius": radius, "rtol": 1e-3}
+            for name, radius in model.sphere_radii.items()
+        ]
     elif args.mode == "fsdp":
         specs += [{"check": "spectral_bound", "params": name, "hi": 100.0} for name in model.sphere_radii]
     if args.mixing == "online":
@@ -239,17 +248,23 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
     state = {"app": app}
 
     ckpt = Checkpointer(
-        root, model=model, optimizer=opt, mode=args.mode,
+        root,
+        model=model,
+        optimizer=opt,
+        mode=args.mode,
         mesh_shape=(args.mesh_shape or default_mesh_shape(world)) if args.mode == "hsdp" else None,
         async_save=args.async_save,
         # --no-replay (the demo's default when a save comes every 7 steps or fewer): replay off for ddp and hsdp;
         # pure FSDP keeps the library's default (on), which its shard evidence was measured with
-        replay=({"interval": 1, "save_every": args.save_every} if args.replay
-                else None if args.mode == "fsdp" else False),
+        replay=(
+            {"interval": 1, "save_every": args.save_every} if args.replay else None if args.mode == "fsdp" else False
+        ),
         # every shard's update replayed within one save interval, so each save is certified at its commit
         shard_evidence={"cycle": args.save_every} if args.mode != "ddp" else None,
-        observer={"stall_s": args.stall_s, "action": "abort"}, invariants=invariants_for(args, model),
-        fault_hook=injector.fault_hook)
+        observer={"stall_s": args.stall_s, "action": "abort"},
+        invariants=invariants_for(args, model),
+        fault_hook=injector.fault_hook,
+    )
     timings["checkpointer"] = time.time()
     start = ckpt.load_latest_clean(state) or 0
     timings["loaded"] = time.time()
@@ -257,9 +272,19 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
     log = open(log_path, "a") if rank == 0 else None
     if log:
         born = timings.get("process", _T_START)
-        log.write(json.dumps({"event": "start", "step": start, "generation": args.generation, "time": time.time(),
-                              "run_id": ckpt.run_id,
-                              "startup_s": {k: round(v - born, 3) for k, v in timings.items()}}) + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "event": "start",
+                    "step": start,
+                    "generation": args.generation,
+                    "time": time.time(),
+                    "run_id": ckpt.run_id,
+                    "startup_s": {k: round(v - born, 3) for k, v in timings.items()},
+                }
+            )
+            + "\n"
+        )
         log.flush()
 
     losses: dict[int, float] = {}
@@ -270,8 +295,11 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
             x, y, dom = data.next_batch()
         with ckpt.phase("forward"):
             logits = model(x)
-            per_sample = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                         reduction="none").view(y.shape).mean(1)
+            per_sample = (
+                F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+                .view(y.shape)
+                .mean(1)
+            )
             loss = per_sample.mean()
         with ckpt.phase("backward"):
             loss.backward()
@@ -288,8 +316,12 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
         injector.after_optimizer_step(step, model)
         injector.slow_down(step, time.perf_counter() - t0)
         with ckpt.phase("step"):
-            metrics = torch.cat([loss.detach().double().view(1),
-                                 (mixer.domain_stats(per_sample, dom) if mixer else torch.zeros(0)).view(-1)])
+            metrics = torch.cat(
+                [
+                    loss.detach().double().view(1),
+                    (mixer.domain_stats(per_sample, dom) if mixer else torch.zeros(0)).view(-1),
+                ]
+            )
             dist.all_reduce(metrics)
         global_loss = float(metrics[0]) / world
         if mixer is not None:
@@ -307,7 +339,7 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
         if step % args.save_every == 0 or step == args.steps:
             try:
                 ckpt.save(step, state)
-            except LiveStateCorrupt:   # every rank: the generation ends, torchrun restarts from a clean step
+            except LiveStateCorrupt:  # every rank: the generation ends, torchrun restarts from a clean step
                 injector.drain()
                 raise
 
@@ -316,9 +348,16 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
     deviation = sphere_deviation(model) if args.constraint == "sphere" else None  # collective under FSDP
     if rank != 0:
         return None
-    result = {"final_digest": digest, "generation": args.generation, "start_step": start, "steps": args.steps,
-              "mode": args.mode, "world": world, "losses": {str(k): v for k, v in sorted(losses.items())},
-              "time": time.time()}
+    result = {
+        "final_digest": digest,
+        "generation": args.generation,
+        "start_step": start,
+        "steps": args.steps,
+        "mode": args.mode,
+        "world": world,
+        "losses": {str(k): v for k, v in sorted(losses.items())},
+        "time": time.time(),
+    }
     if mixer is not None:
         result["mixing"] = mixer.weights.tolist()
     if deviation is not None:
@@ -331,15 +370,22 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
 def torchrun_place() -> dict:
     """This process's place in the job, as torchrun's agent sets it in the environment."""
     env = os.environ
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
-               if k not in env]
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT") if k not in env
+    ]
     if missing:
-        raise SystemExit(f"scout_ckpt.demo.train: not started by torchrun ({', '.join(missing)} unset); "
-                         "run `scout-ckpt demo`")
-    return {"rank": int(env["RANK"]), "world": int(env["WORLD_SIZE"]), "local_rank": int(env.get("LOCAL_RANK", 0)),
-            "generation": int(env["TORCHELASTIC_RESTART_COUNT"]),
-            "max_restarts": int(env.get("TORCHELASTIC_MAX_RESTARTS", -1)),
-            "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID"), "master_port": int(env["MASTER_PORT"])}
+        raise SystemExit(
+            f"scout_ckpt.demo.train: not started by torchrun ({', '.join(missing)} unset); run `scout-ckpt demo`"
+        )
+    return {
+        "rank": int(env["RANK"]),
+        "world": int(env["WORLD_SIZE"]),
+        "local_rank": int(env.get("LOCAL_RANK", 0)),
+        "generation": int(env["TORCHELASTIC_RESTART_COUNT"]),
+        "max_restarts": int(env.get("TORCHELASTIC_MAX_RESTARTS", -1)),
+        "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID"),
+        "master_port": int(env["MASTER_PORT"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,8 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     args = WorkerArgs.from_json(parser.parse_args(argv).args_json)
     place = torchrun_place()
     args.rank, args.world, args.generation = place["rank"], place["world"], place["generation"]
-    atomic_write_json(Path(args.root) / MARKER_DIR / f"gen{args.generation}-rank{args.rank}.json",
-                      {**place, "pid": os.getpid(), "started": _T_START})
+    atomic_write_json(
+        Path(args.root) / MARKER_DIR / f"gen{args.generation}-rank{args.rank}.json",
+        {**place, "pid": os.getpid(), "started": _T_START},
+    )
     torch.set_num_threads(1)
     timings = {"process": _T_START, "imported": time.time()}
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout_s))

@@ -35,7 +35,7 @@ def cpu_device(host: str, local_rank: int | None) -> str:
 def _nvml(index: int) -> dict:
     """{"uuid", "serial", "name"} of GPU `index` (the CUDA device of this local rank), {} without NVML."""
     try:
-        import pynvml as nv  # type: ignore[import-untyped]
+        import pynvml as nv
 
         nv.nvmlInit()
         if index >= nv.nvmlDeviceGetCount():
@@ -80,5 +80,12 @@ def this_device(local_rank: int | None) -> dict:
     if index is not None:
         gpu = _nvml(index)
     uuid = gpu.get("uuid")
-    return {"host": host, "local_rank": local_rank, "device": uuid or cpu_device(host, local_rank),
-            "uuid": uuid, "serial": gpu.get("serial"), "gpu": gpu.get("name"), "job": job_id()}
+    return {
+        "host": host,
+        "local_rank": local_rank,
+        "device": uuid or cpu_device(host, local_rank),
+        "uuid": uuid,
+        "serial": gpu.get("serial"),
+        "gpu": gpu.get("name"),
+        "job": job_id(),
+    }

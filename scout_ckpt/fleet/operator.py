@@ -44,15 +44,14 @@ def parse_since(text: str | None, now: float | None = None) -> float | None:
     try:
         d = datetime.datetime.fromisoformat(t)
     except ValueError:
-        raise BadInput(f"--since {text!r}: not a time (30m, 12h, 7d, an ISO date or time, or epoch seconds)") \
-            from None
+        raise BadInput(f"--since {text!r}: not a time (30m, 12h, 7d, an ISO date or time, or epoch seconds)") from None
     if d.tzinfo is None:
         d = d.replace(tzinfo=datetime.timezone.utc)
     return d.timestamp()
 
 
 def check_min_score(value: float) -> float:
-    if not value >= 0:   # NaN too
+    if not value >= 0:  # NaN too
         raise BadInput(f"--min-score must be a number >= 0 (got {value})")
     return value
 
@@ -62,16 +61,22 @@ def suspects(path: str | Path | None, since: str | None = None, min_score: float
     when, min_score = parse_since(since), check_min_score(min_score)
     with FleetStore.open(store_path(path), readonly=True) as store:
         rows = store.verdicts(since=when)
-    return {"store": str(store_path(path)), "since": when, "min_score": min_score,
-            "suspects": rule.rank(rows, min_score=min_score), "not_hardware": rule.not_hardware(rows)}
+    return {
+        "store": str(store_path(path)),
+        "since": when,
+        "min_score": min_score,
+        "suspects": rule.rank(rows, min_score=min_score),
+        "not_hardware": rule.not_hardware(rows),
+    }
 
 
 def explain(path: str | Path | None, device: str, since: str | None = None) -> dict:
     """{"device", "verdicts": [...]} behind DEVICE; NotFound (exit 1) when none names it."""
     when = parse_since(since)
     if not device.strip():
-        raise BadInput("--explain needs a device (as `scout-ckpt suspects` lists it, a GPU UUID or serial, or "
-                       "HOST:LOCAL_RANK)")
+        raise BadInput(
+            "--explain needs a device (as `scout-ckpt suspects` lists it, a GPU UUID or serial, or HOST:LOCAL_RANK)"
+        )
     with FleetStore.open(store_path(path), readonly=True) as store:
         found = rule.explain(store.verdicts(since=when), device)
     if not found:
@@ -86,7 +91,7 @@ def import_roots(path: str | Path | None, roots: list[Path]) -> dict:
     if not roots:
         raise BadInput("fleet import needs at least one ROOT")
     for root in roots:
-        records.read_root(root, after=2 ** 62)   # opens the ledger read-only: LedgerError / LedgerUnavailable
+        records.read_root(root, after=2**62)  # opens the ledger read-only: LedgerError / LedgerUnavailable
     out = []
     with FleetStore.open(target) as store:
         for root in roots:

@@ -51,7 +51,7 @@ class FleetRecorder:
             self._wake.wait(self.interval_s)
             self._wake.clear()
             self.round()
-            if self._stop.is_set():   # close() asked: the round above was the last
+            if self._stop.is_set():  # close() asked: the round above was the last
                 return
 
     def round(self) -> bool:

@@ -52,17 +52,30 @@ def from_events(root: str, events: list[dict], places: dict[tuple[str | None, in
             ident = devices.get(str(rank)) or place.get("device") or {}
             host = ident.get("host") or place.get("host")
             local = ident.get("local_rank", place.get("local_rank"))
-            hw = {"host": host, "local_rank": local,
-                  "device": ident.get("device") or (cpu_device(host, local) if host else None),
-                  "uuid": ident.get("uuid"), "serial": ident.get("serial")}
-            rec = {"key": f"{root}|{e.get('run_id')}|{e.get('id')}|{rank}", "time": e.get("time"), "root": root,
-                   "job": ident.get("job") or root, "run_id": e.get("run_id"), "step": e.get("step"),
-                   "event_id": e.get("id"), "kind": e["kind"],
-                   "source": detail.get("source") or ("observer" if e["kind"] in OBSERVER_KINDS else None),
-                   "class": cls, "rank": rank,
-                   "detail": {k: detail[k] for k in ("target", "recipe", "status", "triage", "reason", "metric")
-                              if k in detail}}
-            if cls == "not_hardware":   # the other rank reproduced it: no device is to blame; where it ran, kept apart
+            hw = {
+                "host": host,
+                "local_rank": local,
+                "device": ident.get("device") or (cpu_device(host, local) if host else None),
+                "uuid": ident.get("uuid"),
+                "serial": ident.get("serial"),
+            }
+            rec = {
+                "key": f"{root}|{e.get('run_id')}|{e.get('id')}|{rank}",
+                "time": e.get("time"),
+                "root": root,
+                "job": ident.get("job") or root,
+                "run_id": e.get("run_id"),
+                "step": e.get("step"),
+                "event_id": e.get("id"),
+                "kind": e["kind"],
+                "source": detail.get("source") or ("observer" if e["kind"] in OBSERVER_KINDS else None),
+                "class": cls,
+                "rank": rank,
+                "detail": {
+                    k: detail[k] for k in ("target", "recipe", "status", "triage", "reason", "metric") if k in detail
+                },
+            }
+            if cls == "not_hardware":  # the other rank reproduced it: no device is to blame; where it ran, kept apart
                 rec["detail"]["ran_on"] = hw
                 rec.update(dict.fromkeys(hw))
             else:
@@ -78,7 +91,7 @@ def read_root(root: str | Path, after: int = 0) -> tuple[list[dict], int]:
 
     key = root_key(root)
     with Ledger.open(root, readonly=True) as led:
-        if led.last_event_id() <= after:   # nothing new: the common round of a job's recorder, one small query
+        if led.last_event_id() <= after:  # nothing new: the common round of a job's recorder, one small query
             return [], after
         events = [e for e in led.events(KINDS) if int(e["id"]) > after]
         last = max([after] + [int(e["id"]) for e in events])

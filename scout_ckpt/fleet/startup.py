@@ -43,11 +43,22 @@ def check_this_rank(opts: FleetOptions, rank: int) -> dict | None:
     if entry is None:
         return None
     kinds = ", ".join(f"{k} {sum(v.values())}" for k, v in entry["verdicts"].items())
-    log.error("fleet: rank %d runs on %s (host %s, local rank %s), a persistent suspect in %s: %s in %d job(s) "
-              "(%s), score %g, last seen %s; `scout-ckpt suspects --explain %s` lists the verdicts%s", rank,
-              ident["device"], ident["host"], local_rank, opts.path, kinds, len(entry["jobs"]),
-              ", ".join(entry["jobs"][:4]), entry["score"], entry["last_seen"], ident["device"],
-              f"; exiting with {EXIT_SUSPECT_DEVICE} (replace this node)" if opts.on_suspect == "exit" else "")
+    log.error(
+        "fleet: rank %d runs on %s (host %s, local rank %s), a persistent suspect in %s: %s in %d job(s) "
+        "(%s), score %g, last seen %s; `scout-ckpt suspects --explain %s` lists the verdicts%s",
+        rank,
+        ident["device"],
+        ident["host"],
+        local_rank,
+        opts.path,
+        kinds,
+        len(entry["jobs"]),
+        ", ".join(entry["jobs"][:4]),
+        entry["score"],
+        entry["last_seen"],
+        ident["device"],
+        f"; exiting with {EXIT_SUSPECT_DEVICE} (replace this node)" if opts.on_suspect == "exit" else "",
+    )
     if opts.on_suspect == "exit":
         for h in logging.getLogger("scout_ckpt").handlers + logging.getLogger().handlers:
             h.flush()

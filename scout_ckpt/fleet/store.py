@@ -25,7 +25,7 @@ from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger import fsdetect
 from scout_ckpt.options import FLEET_ENV
 
-JOB_BUSY_TIMEOUT_S = 2.0       # a job's recorder: a busy store is retried at its next round
+JOB_BUSY_TIMEOUT_S = 2.0  # a job's recorder: a busy store is retried at its next round
 CLI_BUSY_TIMEOUT_S = 10.0
 
 SCHEMA = """
@@ -46,8 +46,26 @@ CREATE TABLE IF NOT EXISTS verdicts (
 CREATE INDEX IF NOT EXISTS verdicts_device ON verdicts(device, time);
 CREATE TABLE IF NOT EXISTS roots (root TEXT PRIMARY KEY, last_event INTEGER NOT NULL, updated REAL);
 """
-COLUMNS = ("key", "time", "recorded", "root", "job", "run_id", "step", "event_id", "kind", "source", "class", "rank",
-           "host", "local_rank", "device", "uuid", "serial", "detail")
+COLUMNS = (
+    "key",
+    "time",
+    "recorded",
+    "root",
+    "job",
+    "run_id",
+    "step",
+    "event_id",
+    "kind",
+    "source",
+    "class",
+    "rank",
+    "host",
+    "local_rank",
+    "device",
+    "uuid",
+    "serial",
+    "detail",
+)
 
 
 class FleetUnavailable(BadInput):
@@ -67,8 +85,15 @@ class FleetStore:
         self.conn, self.path, self.readonly = conn, path, readonly
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, readonly: bool = False, create: bool = True,
-             busy_timeout: float = CLI_BUSY_TIMEOUT_S, journal: str | None = None) -> "FleetStore":
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        readonly: bool = False,
+        create: bool = True,
+        busy_timeout: float = CLI_BUSY_TIMEOUT_S,
+        journal: str | None = None,
+    ) -> "FleetStore":
         path = Path(path)
         if path.is_dir():
             raise FleetUnavailable(f"{path}: a directory, not a fleet store file")
@@ -78,11 +103,15 @@ class FleetStore:
             raise FleetUnavailable(f"{path}: no fleet store here")
         try:
             if readonly:
-                conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=busy_timeout, isolation_level=None,
-                                       check_same_thread=False)
+                conn = sqlite3.connect(
+                    f"file:{path}?mode=ro",
+                    uri=True,
+                    timeout=busy_timeout,
+                    isolation_level=None,
+                    check_same_thread=False,
+                )
             else:
-                conn = sqlite3.connect(str(path), timeout=busy_timeout, isolation_level=None,
-                                       check_same_thread=False)
+                conn = sqlite3.connect(str(path), timeout=busy_timeout, isolation_level=None, check_same_thread=False)
             conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
             store = cls(conn, path, readonly)
             if not readonly:
@@ -96,7 +125,7 @@ class FleetStore:
         self.conn.execute("PRAGMA synchronous=FULL")
         want = fsdetect.choose_journal(self.path.parent, journal)["mode"]
         if self.conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != want:
-            with contextlib.suppress(sqlite3.OperationalError):   # another connection holds it: keep its mode
+            with contextlib.suppress(sqlite3.OperationalError):  # another connection holds it: keep its mode
                 self.conn.execute(f"PRAGMA journal_mode={want.upper()}")
         have = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         if not {"verdicts", "roots"} <= have:
@@ -134,16 +163,24 @@ class FleetStore:
         """Add `records` (fleet/records.py) and move ROOT's cursor to `last_event`, in one transaction; a record
         already present (same key) is left as it is. Returns how many were new."""
         now = time.time()
-        rows = [tuple(json.dumps(r.get(c) or {}, sort_keys=True) if c == "detail" else
-                      now if c == "recorded" else r.get(c) for c in COLUMNS) for r in records]
+        rows = [
+            tuple(
+                json.dumps(r.get(c) or {}, sort_keys=True) if c == "detail" else now if c == "recorded" else r.get(c)
+                for c in COLUMNS
+            )
+            for r in records
+        ]
         with self.write():
             before = self.conn.total_changes
-            self.conn.executemany(f"INSERT OR IGNORE INTO verdicts({', '.join(COLUMNS)}) "
-                                  f"VALUES ({', '.join('?' * len(COLUMNS))})", rows)
+            self.conn.executemany(
+                f"INSERT OR IGNORE INTO verdicts({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})", rows
+            )
             added = self.conn.total_changes - before
-            self.conn.execute("INSERT INTO roots(root, last_event, updated) VALUES (?, ?, ?) ON CONFLICT(root) DO "
-                              "UPDATE SET last_event=MAX(last_event, excluded.last_event), updated=excluded.updated",
-                              (root, last_event, now))
+            self.conn.execute(
+                "INSERT INTO roots(root, last_event, updated) VALUES (?, ?, ?) ON CONFLICT(root) DO "
+                "UPDATE SET last_event=MAX(last_event, excluded.last_event), updated=excluded.updated",
+                (root, last_event, now),
+            )
         return added
 
     # ---- reads -------------------------------------------------------------------------------------------------

@@ -45,12 +45,22 @@ def rank(rows: list[dict], *, min_score: float = 0.0) -> list[dict]:
         persistent = any(r.get("class") == "persistent" for r in rs) or len(untriaged_runs) >= 2
         score = sum(weight(r["kind"], r.get("class")) for r in rs) + JOB_BONUS * (len(jobs) - 1)
         last = max(rs, key=lambda r: r.get("time") or 0)
-        out.append({"host": last.get("host"), "local_rank": last.get("local_rank"), "device": device,
-                    "uuid": last.get("uuid"), "serial": last.get("serial"),
-                    "class": "persistent" if persistent else "transient", "jobs": jobs,
-                    "verdicts": {k: dict(v) for k, v in sorted(counts.items())}, "count": len(rs),
-                    "score": round(score, 3), "first_seen": min(r.get("time") or 0 for r in rs),
-                    "last_seen": last.get("time")})
+        out.append(
+            {
+                "host": last.get("host"),
+                "local_rank": last.get("local_rank"),
+                "device": device,
+                "uuid": last.get("uuid"),
+                "serial": last.get("serial"),
+                "class": "persistent" if persistent else "transient",
+                "jobs": jobs,
+                "verdicts": {k: dict(v) for k, v in sorted(counts.items())},
+                "count": len(rs),
+                "score": round(score, 3),
+                "first_seen": min(r.get("time") or 0 for r in rs),
+                "last_seen": last.get("time"),
+            }
+        )
     out = [s for s in out if s["score"] >= min_score]
     out.sort(key=lambda s: (s["class"] != "persistent", -s["score"], -(s["last_seen"] or 0), s["device"]))
     return out
@@ -58,20 +68,38 @@ def rank(rows: list[dict], *, min_score: float = 0.0) -> list[dict]:
 
 def not_hardware(rows: list[dict]) -> list[dict]:
     """The verdicts triage cleared of hardware blame (another rank reproduced them): numerics or data."""
-    return [{k: r.get(k) for k in ("kind", "source", "job", "root", "run_id", "step", "time")}
-            for r in rows if r.get("class") == "not_hardware"]
+    return [
+        {k: r.get(k) for k in ("kind", "source", "job", "root", "run_id", "step", "time")}
+        for r in rows
+        if r.get("class") == "not_hardware"
+    ]
 
 
 def explain(rows: list[dict], device: str) -> list[dict]:
     """The verdicts behind DEVICE (its name as listed, its GPU UUID or serial, or `host:local_rank`), oldest
     first, each with its ROOT and step."""
+
     def names(r):
         return {r.get("device"), r.get("uuid"), r.get("serial"), f"{r.get('host')}:{r.get('local_rank')}"}
 
-    keep = ("time", "kind", "source", "class", "job", "root", "run_id", "step", "rank", "host", "local_rank",
-            "device", "uuid", "serial", "detail")
-    return [{k: r.get(k) for k in keep} for r in rows
-            if r.get("class") != "not_hardware" and device in names(r)]
+    keep = (
+        "time",
+        "kind",
+        "source",
+        "class",
+        "job",
+        "root",
+        "run_id",
+        "step",
+        "rank",
+        "host",
+        "local_rank",
+        "device",
+        "uuid",
+        "serial",
+        "detail",
+    )
+    return [{k: r.get(k) for k in keep} for r in rows if r.get("class") != "not_hardware" and device in names(r)]
 
 
 # ---- drain commands (printed, never run) -----------------------------------------------------------------------
@@ -83,8 +111,10 @@ def _reason(hosted: list[dict]) -> str:
     parts = []
     for s in hosted:
         kinds = "+".join(sorted(s["verdicts"]))
-        parts.append(f"{s['class']} {kinds} on {s['device']} (local {s['local_rank']}), {len(s['jobs'])} job(s), "
-                     f"score {s['score']:g}")
+        parts.append(
+            f"{s['class']} {kinds} on {s['device']} (local {s['local_rank']}), {len(s['jobs'])} job(s), "
+            f"score {s['score']:g}"
+        )
     return _SAFE.sub("", "scout-ckpt: " + "; ".join(parts))
 
 
@@ -102,8 +132,10 @@ def _node(host: str) -> str:
 
 def slurm(suspects: list[dict]) -> list[str]:
     """One `scontrol update ... State=DRAIN` line per host holding a persistent suspect."""
-    return [f'scontrol update NodeName={_node(h)} State=DRAIN Reason="{_reason(ss)}"'
-            for h, ss in _by_host(suspects).items()]
+    return [
+        f'scontrol update NodeName={_node(h)} State=DRAIN Reason="{_reason(ss)}"'
+        for h, ss in _by_host(suspects).items()
+    ]
 
 
 def k8s(suspects: list[dict]) -> list[str]:
@@ -112,8 +144,7 @@ def k8s(suspects: list[dict]) -> list[str]:
     for h, ss in _by_host(suspects).items():
         devices = ",".join(s["device"] for s in ss)
         out.append(f"kubectl cordon {_node(h)}")
-        out.append(f"kubectl taint nodes {_node(h)} scout-ckpt/suspect={_taint_value(devices)}:NoSchedule "
-                   "--overwrite")
+        out.append(f"kubectl taint nodes {_node(h)} scout-ckpt/suspect={_taint_value(devices)}:NoSchedule --overwrite")
     return out
 
 

@@ -119,11 +119,13 @@ def load_entry(f, offset: int, length: int):
     try:
         return torch.load(window, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise BadMetadata(f"unreadable DCP entry ({type(e).__name__}: "
-                          f"{clip(str(e).splitlines()[0] if str(e) else '', 200)})") from None
+        raise BadMetadata(
+            f"unreadable DCP entry ({type(e).__name__}: {clip(str(e).splitlines()[0] if str(e) else '', 200)})"
+        ) from None
 
 
 # ---- where a tensor entry's bytes lie (certify's one pass reads them straight into the tensor) --------------------
+
 
 class _LayoutScan(_EntryScan):
     """The entry dry run (`_EntryScan`, every refusal kept) recording the storage and the view it builds."""
@@ -154,6 +156,7 @@ class _LayoutScan(_EntryScan):
         if getattr(func, "what", None) == "torch._utils._rebuild_tensor_v2":
             self.rebuilds.append((args[1], tuple(args[2]), tuple(args[3])))
             self.built = self.stack[-1]
+
     dispatch[pickle.REDUCE[0]] = load_reduce
 
 
@@ -165,7 +168,7 @@ def tensor_layout(f, offset: int, length: int) -> dict | None:
     BadInput if the entry is refused (the same dry run as `load_entry`)."""
     window = _Window(f, offset, length)
     z, infos, pkl_info, data = _archive(window, length)
-    found = _pickle_layout(data)      # the dry run (refusals raise), once per distinct data.pkl
+    found = _pickle_layout(data)  # the dry run (refusals raise), once per distinct data.pkl
     try:
         if found is None:
             return None
@@ -185,8 +188,14 @@ def tensor_layout(f, offset: int, length: int) -> dict | None:
         start = info.header_offset + 30 + n_name + n_extra
         if start + info.file_size > length:
             return None
-        return {"start": start, "nbytes": info.file_size, "storage_type": storage_type,
-                "storage_offset": storage_offset, "size": size, "stride": stride}
+        return {
+            "start": start,
+            "nbytes": info.file_size,
+            "storage_type": storage_type,
+            "storage_offset": storage_offset,
+            "size": size,
+            "stride": stride,
+        }
     except BadInput:
         raise
     except Exception:  # anything unexpected: the caller takes the torch.load path, which reports it

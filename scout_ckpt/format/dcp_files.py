@@ -64,7 +64,7 @@ def load_metadata(path: str | os.PathLike):
     """DCP Metadata from a step dir (or a `.metadata` file), via the restricted unpickler, schema-checked.
     BadInput (BadMetadata) if refused, too large, unreadable or not DCP metadata."""
     path = Path(path)
-    if path.is_dir():   # the .metadata of a step dir must be its own, not a symlink to a file elsewhere
+    if path.is_dir():  # the .metadata of a step dir must be its own, not a symlink to a file elsewhere
         if inside(path, DCP_METADATA) is None:
             raise BadMetadata(f"{path / DCP_METADATA}: resolves outside the checkpoint directory")
         path = path / DCP_METADATA
@@ -89,8 +89,10 @@ def load_metadata(path: str | os.PathLike):
     except MemoryError:
         raise BadMetadata(f"{path}: unreadable DCP metadata (out of memory)") from None
     except Exception as e:  # truncated or garbage pickle, or a constructor rejecting its arguments
-        raise BadMetadata(f"{path}: unreadable DCP metadata ({type(e).__name__}: "
-                          f"{clip(str(e).splitlines()[0] if str(e) else '', 160)})") from None
+        raise BadMetadata(
+            f"{path}: unreadable DCP metadata ({type(e).__name__}: "
+            f"{clip(str(e).splitlines()[0] if str(e) else '', 160)})"
+        ) from None
     finally:
         del data
     problem = _schema_problem(md)
@@ -190,15 +192,22 @@ def _schema_problem(md) -> str | None:
         return "malformed storage_meta"
     if _field(md, "version") not in (None, _MISSING) and type(_field(md, "version")) is not str:
         return "malformed version"
-    plans = _field(md, "all_local_plans")   # Megatron-Core's torch_dist writer (dcp_meta); read by nobody here
-    if plans not in (None, _MISSING) and (type(plans) is not list or not all(
-            type(p) is SavePlan and type(_field(p, "items")) is list
-            and all(type(i) is WriteItem for i in _field(p, "items")) for p in plans)):
+    plans = _field(md, "all_local_plans")  # Megatron-Core's torch_dist writer (dcp_meta); read by nobody here
+    if plans not in (None, _MISSING) and (
+        type(plans) is not list
+        or not all(
+            type(p) is SavePlan
+            and type(_field(p, "items")) is list
+            and all(type(i) is WriteItem for i in _field(p, "items"))
+            for p in plans
+        )
+    ):
         return "malformed all_local_plans"
     return None
 
 
 # ---- declared sizes against the bytes on disk --------------------------------------------------------------------
+
 
 def storage_problems(step_dir: str | os.PathLike, md) -> list[dict]:
     """Reasons the metadata's declared tensors cannot be read from the files as they are: a chunk without a storage
@@ -234,8 +243,10 @@ def storage_problems(step_dir: str | os.PathLike, md) -> list[dict]:
             volume = math.prod(chunk.sizes)
             covered += volume
             if volume * itemsize > info.length:
-                bad(f"{name} chunk at {list(key)} declares {volume * itemsize} bytes but its storage entry "
-                    f"holds {info.length}")
+                bad(
+                    f"{name} chunk at {list(key)} declares {volume * itemsize} bytes but its storage entry "
+                    f"holds {info.length}"
+                )
         total = math.prod(item.size)
         if total > covered:
             bad(f"{name} declares {total} elements ({total * itemsize} bytes) but its chunks hold {covered}")
@@ -307,12 +318,13 @@ def entry_problems(step_dir: str | os.PathLike, md) -> list[dict]:
                     _scan_entry(_Window(f, off, length), length)
                 except BadInput as e:
                     reasons.append({"code": "bad_entry", "file": rel, "tensor": clip(fqn, 80), "detail": str(e)})
-                    return reasons   # one is enough to refuse the checkpoint
+                    return reasons  # one is enough to refuse the checkpoint
     return reasons
 
 
-def read_tensors(step_dir: str | os.PathLike, prefix: str | None = None, *, include_bytes: bool = False,
-                 metadata=None) -> dict[str, Any]:
+def read_tensors(
+    step_dir: str | os.PathLike, prefix: str | None = None, *, include_bytes: bool = False, metadata=None
+) -> dict[str, Any]:
     """Full tensors {fqn: Tensor} (and, with include_bytes, plain values such as a saved `step` int) of a step
     dir, without a process group. Declared sizes are checked against the files before anything is allocated
     (BadMetadata otherwise). Call after the digests matched, for trust."""
@@ -327,7 +339,7 @@ def read_tensors(step_dir: str | os.PathLike, prefix: str | None = None, *, incl
         p = problems[0]
         raise BadMetadata(f"{step_dir}: {p.get('detail') or p['code']} ({p['code']}, {clip(p.get('file'), 80)})")
     out: dict[str, Any] = {}
-    reads: dict[str, list[tuple]] = {}   # file -> [(offset, length, fqn, chunk or None, storage info)]
+    reads: dict[str, list[tuple]] = {}  # file -> [(offset, length, fqn, chunk or None, storage info)]
     for fqn, item in md.state_dict_metadata.items():
         if prefix and not fqn.startswith(prefix):
             continue
@@ -340,7 +352,7 @@ def read_tensors(step_dir: str | os.PathLike, prefix: str | None = None, *, incl
             info = md.storage_data[MetadataIndex(fqn)]
             reads.setdefault(info.relative_path, []).append((info.offset, info.length, fqn, None, info))
     for rel, items in reads.items():
-        path = inside(step_dir, rel)   # checked by storage_problems; re-checked where it is opened
+        path = inside(step_dir, rel)  # checked by storage_problems; re-checked where it is opened
         if path is None:
             raise BadMetadata(f"{step_dir}: storage file {clip(rel, 80)} lies outside the checkpoint")
         with open(path, "rb") as f:
@@ -348,7 +360,7 @@ def read_tensors(step_dir: str | os.PathLike, prefix: str | None = None, *, incl
                 if getattr(info, "transform_descriptors", None):
                     raise BadMetadata(f"{path}: {clip(fqn, 80)} is stored with transforms; not supported offline")
                 try:
-                    value = load_entry(f, off, length)   # one copy: page cache -> tensor
+                    value = load_entry(f, off, length)  # one copy: page cache -> tensor
                 except BadInput as e:
                     raise BadMetadata(f"{path}: entry {clip(fqn, 80)}: {e}") from None
                 if chunk is None:
@@ -358,7 +370,7 @@ def read_tensors(step_dir: str | os.PathLike, prefix: str | None = None, *, incl
                     raise BadMetadata(f"{path}: {clip(fqn, 80)} chunk does not match its metadata")
                 dst = out[fqn]
                 if tuple(dst.shape) == tuple(value.shape) and value.dtype == dst.dtype and value.is_contiguous():
-                    out[fqn] = value      # the chunk is the whole tensor: keep it, skip a copy
+                    out[fqn] = value  # the chunk is the whole tensor: keep it, skip a copy
                     continue
                 for d, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes)):
                     dst = dst.narrow(d, o, n)

@@ -24,24 +24,82 @@ from typing import Any
 
 # canonical dtype name (what `torch.dtype.__reduce__` pickles) -> element size in bytes
 DTYPE_ITEMSIZE = {
-    "bfloat16": 2, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bool": 1, "complex128": 16,
-    "complex32": 4, "complex64": 8, "float16": 2, "float32": 4, "float4_e2m1fn_x2": 1, "float64": 8,
-    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
-    "int1": 1, "int16": 2, "int2": 1, "int3": 1, "int32": 4, "int4": 1, "int5": 1, "int6": 1, "int64": 8, "int7": 1,
-    "int8": 1, "qint32": 4, "qint8": 1, "quint2x4": 1, "quint4x2": 1, "quint8": 1, "uint1": 1, "uint16": 2,
-    "uint2": 1, "uint3": 1, "uint32": 4, "uint4": 1, "uint5": 1, "uint6": 1, "uint64": 8, "uint7": 1, "uint8": 1,
+    "bfloat16": 2,
+    "bits16": 2,
+    "bits1x8": 1,
+    "bits2x4": 1,
+    "bits4x2": 1,
+    "bits8": 1,
+    "bool": 1,
+    "complex128": 16,
+    "complex32": 4,
+    "complex64": 8,
+    "float16": 2,
+    "float32": 4,
+    "float4_e2m1fn_x2": 1,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "int1": 1,
+    "int16": 2,
+    "int2": 1,
+    "int3": 1,
+    "int32": 4,
+    "int4": 1,
+    "int5": 1,
+    "int6": 1,
+    "int64": 8,
+    "int7": 1,
+    "int8": 1,
+    "qint32": 4,
+    "qint8": 1,
+    "quint2x4": 1,
+    "quint4x2": 1,
+    "quint8": 1,
+    "uint1": 1,
+    "uint16": 2,
+    "uint2": 1,
+    "uint3": 1,
+    "uint32": 4,
+    "uint4": 1,
+    "uint5": 1,
+    "uint6": 1,
+    "uint64": 8,
+    "uint7": 1,
+    "uint8": 1,
 }
 # torch's public aliases of those (a pickle may name `torch.float`; the unpickler admitted every public dtype)
-DTYPE_ALIASES = {"bit": "uint1", "cdouble": "complex128", "cfloat": "complex64", "chalf": "complex32",
-                 "double": "float64", "float": "float32", "half": "float16", "int": "int32", "long": "int64",
-                 "short": "int16"}
+DTYPE_ALIASES = {
+    "bit": "uint1",
+    "cdouble": "complex128",
+    "cfloat": "complex64",
+    "chalf": "complex32",
+    "double": "float64",
+    "float": "float32",
+    "half": "float16",
+    "int": "int32",
+    "long": "int64",
+    "short": "int16",
+}
 # str(layout) for every torch.layout (what torch.serialization._get_layout is called with)
-LAYOUTS = ("torch._mkldnn", "torch.jagged", "torch.sparse_bsc", "torch.sparse_bsr", "torch.sparse_coo",
-           "torch.sparse_csc", "torch.sparse_csr", "torch.strided")
+LAYOUTS = (
+    "torch._mkldnn",
+    "torch.jagged",
+    "torch.sparse_bsc",
+    "torch.sparse_bsr",
+    "torch.sparse_coo",
+    "torch.sparse_csc",
+    "torch.sparse_csr",
+    "torch.strided",
+)
 
 
 class Size(tuple):
     """torch.Size as the metadata uses it: a tuple of ints."""
+
     __slots__ = ()
 
     def __repr__(self) -> str:
@@ -50,6 +108,7 @@ class Size(tuple):
 
 class DType:
     """A torch dtype by name: what the metadata's TensorProperties.dtype holds here."""
+
     __slots__ = ("name", "itemsize")
 
     def __init__(self, name: str, itemsize: int):
@@ -64,6 +123,7 @@ class DType:
 
 class Layout:
     """A torch layout by name ("torch.strided")."""
+
     __slots__ = ("name",)
 
     def __init__(self, name: str):
@@ -99,6 +159,7 @@ def torch_dtype(d: DType):
 
 class _MEM_FORMAT_ENCODING(enum.Enum):
     """DCP's encoding of a tensor's memory format (TensorProperties pickles it instead of the format)."""
+
     TORCH_CONTIGUOUS_FORMAT = 0
     TORCH_CHANNELS_LAST = 1
     TORCH_PRESERVE_FORMAT = 2
@@ -115,7 +176,7 @@ class TensorProperties:
     dtype: DType = field(default_factory=lambda: _DTYPES["float32"])
     layout: Layout = STRIDED
     requires_grad: bool = False
-    memory_format: Any = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT   # the encoding, not a torch format
+    memory_format: Any = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT  # the encoding, not a torch format
     pin_memory: bool = False
 
     def __setstate__(self, state) -> None:
@@ -149,12 +210,13 @@ class Metadata:
     storage_data: Any = None
     storage_meta: Any = None
     version: Any = None
-    all_local_plans: Any = None   # Megatron-Core's torch_dist writer only (see the module docstring)
+    all_local_plans: Any = None  # Megatron-Core's torch_dist writer only (see the module docstring)
 
 
 @dataclass(frozen=True)
 class MetadataIndex:
     """The key of `Metadata.storage_data`: hashed and compared over (fqn, offset), as DCP's."""
+
     fqn: str
     offset: Size | None = None
     index: int | None = field(hash=False, compare=False, default=None)
@@ -176,8 +238,10 @@ class _StorageInfo:
 
 # ---- DCP's planner classes, as Megatron-Core's all_local_plans holds them ------------------------------------
 
+
 class WriteItemType(enum.Enum):
     """torch.distributed.checkpoint.planner.WriteItemType (enum.auto values)."""
+
     TENSOR = 1
     SHARD = 2
     BYTE_IO = 3

@@ -25,6 +25,7 @@ from scout_ckpt.format.safepaths import clip
 
 MAX_NDIM = 64
 
+
 class BadMetadata(BadInput):
     """A DCP `.metadata` (or an entry it points at) that is malformed, inconsistent with the files, or hostile."""
 
@@ -36,27 +37,87 @@ class RefusedPickle(BadMetadata):
 # ---- the restricted unpickler ---------------------------------------------------------------------------------
 
 _META = "torch.distributed.checkpoint.metadata"
-_PLANNER = "torch.distributed.checkpoint.planner"   # in Megatron-Core's torch_dist metadata only (dcp_meta)
-_DATACLASS_NAMES = {(_META, n) for n in ("Metadata", "MetadataIndex", "TensorStorageMetadata",
-                                         "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                                         "StorageMeta")} | {("torch.distributed.checkpoint.filesystem",
-                                                             "_StorageInfo")} | {
-    (_PLANNER, n) for n in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData")}
+_PLANNER = "torch.distributed.checkpoint.planner"  # in Megatron-Core's torch_dist metadata only (dcp_meta)
+_DATACLASS_NAMES = (
+    {
+        (_META, n)
+        for n in (
+            "Metadata",
+            "MetadataIndex",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+        )
+    }
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+    | {(_PLANNER, n) for n in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData")}
+)
 # pathlib classes: storage_meta.checkpoint_id. Python 3.13 moved them to pathlib._local (and pickles that name);
 # 3.11 has no such module, so both names map to the pathlib class. A Windows path cannot be made on POSIX: its
 # pure form carries the same parts.
-_PATH_NAMES = {"PosixPath": "PosixPath", "PurePosixPath": "PurePosixPath", "PureWindowsPath": "PureWindowsPath",
-               "WindowsPath": "PureWindowsPath", "PurePath": "PurePosixPath", "Path": "PosixPath"}
+_PATH_NAMES = {
+    "PosixPath": "PosixPath",
+    "PurePosixPath": "PurePosixPath",
+    "PureWindowsPath": "PureWindowsPath",
+    "WindowsPath": "PureWindowsPath",
+    "PurePath": "PurePosixPath",
+    "Path": "PosixPath",
+}
 
 # Opcodes a DCP `.metadata` pickle (protocol 2 to 5) can use. Everything else is refused.
 _SAFE_OPCODES = {
-    "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP",
-    "NONE", "NEWTRUE", "NEWFALSE", "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT",
-    "BINFLOAT", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "BINBYTES", "SHORT_BINBYTES",
-    "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST", "APPEND", "APPENDS", "LIST",
-    "EMPTY_DICT", "DICT", "SETITEM", "SETITEMS",
-    "GET", "BINGET", "LONG_BINGET", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE",
-    "GLOBAL", "STACK_GLOBAL", "REDUCE", "NEWOBJ", "BUILD",
+    "PROTO",
+    "FRAME",
+    "STOP",
+    "MARK",
+    "POP",
+    "POP_MARK",
+    "DUP",
+    "NONE",
+    "NEWTRUE",
+    "NEWFALSE",
+    "INT",
+    "BININT",
+    "BININT1",
+    "BININT2",
+    "LONG",
+    "LONG1",
+    "LONG4",
+    "FLOAT",
+    "BINFLOAT",
+    "UNICODE",
+    "BINUNICODE",
+    "SHORT_BINUNICODE",
+    "BINUNICODE8",
+    "BINBYTES",
+    "SHORT_BINBYTES",
+    "EMPTY_TUPLE",
+    "TUPLE",
+    "TUPLE1",
+    "TUPLE2",
+    "TUPLE3",
+    "EMPTY_LIST",
+    "APPEND",
+    "APPENDS",
+    "LIST",
+    "EMPTY_DICT",
+    "DICT",
+    "SETITEM",
+    "SETITEMS",
+    "GET",
+    "BINGET",
+    "LONG_BINGET",
+    "PUT",
+    "BINPUT",
+    "LONG_BINPUT",
+    "MEMOIZE",
+    "GLOBAL",
+    "STACK_GLOBAL",
+    "REDUCE",
+    "NEWOBJ",
+    "BUILD",
 }
 
 
@@ -92,8 +153,9 @@ def _find_global(module: str, name: str, what: str):
         obj = dtype(name)
         if obj is not None:
             return obj
-    raise RefusedPickle(f"refusing to unpickle {clip(module, 80)}.{clip(name, 80)} from {what}: "
-                        f"not a DCP metadata class")
+    raise RefusedPickle(
+        f"refusing to unpickle {clip(module, 80)}.{clip(name, 80)} from {what}: not a DCP metadata class"
+    )
 
 
 def _is_int(x) -> bool:
@@ -130,8 +192,7 @@ def _dataclasses() -> dict:
     """dataclass -> the field names a BUILD may set."""
     import dataclasses
 
-    return {cls: {f.name for f in dataclasses.fields(cls)}
-            for cls in (_allowed()[k] for k in _DATACLASS_NAMES)}
+    return {cls: {f.name for f in dataclasses.fields(cls)} for cls in (_allowed()[k] for k in _DATACLASS_NAMES)}
 
 
 def _check_key(key) -> None:
@@ -141,13 +202,14 @@ def _check_key(key) -> None:
     from scout_ckpt.format.dcp_meta import MetadataIndex
 
     if type(key) is MetadataIndex and type(key.__dict__.get("fqn")) is str:
-        return   # its offset and index were checked when it was built
+        return  # its offset and index were checked when it was built
     raise RefusedPickle(f"refusing a {type(key).__name__} dictionary key in .metadata")
 
 
 def _refuse_opcode(name: str):
     def refuse(self):
         raise RefusedPickle(f"refusing pickle opcode {name} in .metadata: not used by DCP")
+
     return refuse
 
 
@@ -172,6 +234,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: see t
         if rule is None or type(args) is not tuple or not rule(args):
             raise RefusedPickle(f"refusing a call of {_name(func)} in .metadata: not a call DCP makes")
         stack[-1] = func(*args)
+
     dispatch[pickle.REDUCE[0]] = load_reduce
 
     def load_newobj(self):
@@ -180,12 +243,14 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: see t
         if _by_identity(_dataclasses(), cls) is None or args != ():
             raise RefusedPickle(f"refusing to construct {_name(cls)} in .metadata")
         self.append(cls.__new__(cls))
+
     dispatch[pickle.NEWOBJ[0]] = load_newobj
 
     def load_build(self):
         state = self.stack.pop()
         inst = self.stack[-1]
         _build(inst, state)
+
     dispatch[pickle.BUILD[0]] = load_build
 
     def load_setitem(self):
@@ -197,6 +262,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: see t
             raise RefusedPickle("refusing SETITEM on a non-dict in .metadata")
         _check_key(key)
         target[key] = value
+
     dispatch[pickle.SETITEM[0]] = load_setitem
 
     def load_setitems(self):
@@ -207,6 +273,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: see t
         for i in range(0, len(items) - 1, 2):
             _check_key(items[i])
             target[items[i]] = items[i + 1]
+
     dispatch[pickle.SETITEMS[0]] = load_setitems
 
     def load_dict(self):
@@ -214,6 +281,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: see t
         for i in range(0, len(items) - 1, 2):
             _check_key(items[i])
         self.append({items[i]: items[i + 1] for i in range(0, len(items) - 1, 2)})
+
     dispatch[pickle.DICT[0]] = load_dict
 
     def load_append(self):
@@ -221,6 +289,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: see t
         if type(self.stack[-1]) is not list:
             raise RefusedPickle("refusing APPEND on a non-list in .metadata")
         self.stack[-1].append(value)
+
     dispatch[pickle.APPEND[0]] = load_append
 
     def load_appends(self):
@@ -228,6 +297,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: see t
         if type(self.stack[-1]) is not list:
             raise RefusedPickle("refusing APPENDS on a non-list in .metadata")
         self.stack[-1].extend(items)
+
     dispatch[pickle.APPENDS[0]] = load_appends
 
 
@@ -250,24 +320,38 @@ def _build(inst, state) -> None:
     if fields is None:
         raise RefusedPickle(f"refusing to set the state of a {clip(cls.__name__, 60)} in .metadata")
     if cls is TensorProperties:  # pickled through its __getstate__: (dtype, layout, requires_grad, fmt, pin)
-        ok = (type(state) is tuple and len(state) == 5 and type(state[0]) is DType
-              and type(state[1]) is Layout and type(state[2]) is bool
-              and type(state[3]) is _MEM_FORMAT_ENCODING and type(state[4]) is bool)
+        ok = (
+            type(state) is tuple
+            and len(state) == 5
+            and type(state[0]) is DType
+            and type(state[1]) is Layout
+            and type(state[2]) is bool
+            and type(state[3]) is _MEM_FORMAT_ENCODING
+            and type(state[4]) is bool
+        )
         if not ok:
             raise RefusedPickle("refusing malformed TensorProperties state in .metadata")
         inst.__setstate__(state)
         return
     if type(state) is not dict or not all(type(k) is str and k in fields for k in state):
         raise RefusedPickle(f"refusing malformed {cls.__name__} state in .metadata")
-    if cls is MetadataIndex:   # a dictionary key: hashed over (fqn, offset), so both must be flat now
-        if type(state.get("fqn")) is not str or type(state.get("offset")) not in (Size, type(None)) \
-                or type(state.get("index")) not in (int, type(None)):
+    if cls is MetadataIndex:  # a dictionary key: hashed over (fqn, offset), so both must be flat now
+        if (
+            type(state.get("fqn")) is not str
+            or type(state.get("offset")) not in (Size, type(None))
+            or type(state.get("index")) not in (int, type(None))
+        ):
             raise RefusedPickle("refusing malformed MetadataIndex state in .metadata")
     inst.__dict__.update(state)
 
 
-_BLOB_CALLS = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"),
-               ("collections", "OrderedDict"), ("_codecs", "encode"), ("torch", "device")}
+_BLOB_CALLS = {
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_tensor_v3"),
+    ("collections", "OrderedDict"),
+    ("_codecs", "encode"),
+    ("torch", "device"),
+}
 # a set (torch.save pickles it as set([...]); torch.load's weights_only admits it) of scalars only: hashing a
 # deeply nested tuple element in the torch.load that follows would overflow the C stack
 _SETS = {("__builtin__", "set"), ("builtins", "set")}
@@ -277,6 +361,7 @@ _SCALARS = (str, int, float, bool, bytes, type(None))
 class _Stand:
     """A stand-in for a global or a built object during the dry run of an entry's pickle (n: a storage's
     element count, bytes for an untyped one; a dtype's item size; name: a storage class's name)."""
+
     __slots__ = ("n", "name", "what")
 
     def __init__(self, what: str, n: int = 0, name: str = ""):
@@ -295,20 +380,36 @@ def _tensor_v2(args) -> bool:
     """torch.save's `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])` over a
     typed storage: a view no larger than its storage (a stride-0 view of a tiny storage can declare 2**40
     elements, which the checks downstream would then compute over)."""
-    return (len(args) in (6, 7) and type(args[0]) is _Stand and args[0].what == "storage"
-            and type(args[1]) is int and _ints(args[2]) and _ints(args[3])
-            and all(x >= 0 for x in args[2]) and math.prod(args[2]) <= max(args[0].n, 0))
+    return (
+        len(args) in (6, 7)
+        and type(args[0]) is _Stand
+        and args[0].what == "storage"
+        and type(args[1]) is int
+        and _ints(args[2])
+        and _ints(args[3])
+        and all(x >= 0 for x in args[2])
+        and math.prod(args[2]) <= max(args[0].n, 0)
+    )
 
 
 def _tensor_v3(args) -> bool:
     """torch.save's `_rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype[, metadata])`,
     what it writes for the dtypes that have no typed storage class (float8, uint16/32/64, complex32, float4, ...):
     an untyped storage (its size in bytes) and a dtype; the view's bytes no more than the storage's."""
-    return (len(args) in (7, 8) and type(args[0]) is _Stand and args[0].what == "storage"
-            and args[0].name == "UntypedStorage" and type(args[1]) is int and args[1] >= 0
-            and _ints(args[2]) and _ints(args[3]) and all(x >= 0 for x in args[2])
-            and type(args[6]) is _Stand and args[6].what == "dtype"
-            and math.prod(args[2]) * args[6].n <= max(args[0].n, 0))
+    return (
+        len(args) in (7, 8)
+        and type(args[0]) is _Stand
+        and args[0].what == "storage"
+        and args[0].name == "UntypedStorage"
+        and type(args[1]) is int
+        and args[1] >= 0
+        and _ints(args[2])
+        and _ints(args[3])
+        and all(x >= 0 for x in args[2])
+        and type(args[6]) is _Stand
+        and args[6].what == "dtype"
+        and math.prod(args[2]) * args[6].n <= max(args[0].n, 0)
+    )
 
 
 class _EntryScan(pickle._Unpickler):
@@ -320,7 +421,10 @@ class _EntryScan(pickle._Unpickler):
     dispatch = dict(pickle._Unpickler.dispatch)
     for _op in pickletools.opcodes:
         if _op.name not in _SAFE_OPCODES | {"BINPERSID", "BINSTRING", "SHORT_BINSTRING"} or _op.name in (
-                "NEWOBJ", "BUILD", "STACK_GLOBAL"):
+            "NEWOBJ",
+            "BUILD",
+            "STACK_GLOBAL",
+        ):
             dispatch[_op.code.encode("latin-1")[0]] = _refuse_opcode(_op.name)
     del _op
 
@@ -331,20 +435,30 @@ class _EntryScan(pickle._Unpickler):
             return _Stand(f"{module}.{name}")
         if (module, name) in _SETS:
             return _Stand("builtins.set")
-        if module == "torch" and isinstance(name, str) and name.endswith("Storage") \
-                and isinstance(getattr(torch, name, None), type):
+        if (
+            module == "torch"
+            and isinstance(name, str)
+            and name.endswith("Storage")
+            and isinstance(getattr(torch, name, None), type)
+        ):
             return _Stand("storage_type", name=name)
         if (module, name) == ("torch.storage", "UntypedStorage"):
             return _Stand("storage_type", name=name)
         if module == "torch" and _dtype_itemsize(name) is not None:
             return _Stand("dtype", _dtype_itemsize(name))
-        raise RefusedPickle(f"refusing {clip(module, 80)}.{clip(name, 80)} in a DCP entry: not a tensor or "
-                            f"plain value")
+        raise RefusedPickle(f"refusing {clip(module, 80)}.{clip(name, 80)} in a DCP entry: not a tensor or plain value")
 
     def persistent_load(self, pid):
-        if type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and type(pid[1]) is _Stand \
-                and pid[1].what == "storage_type" and type(pid[2]) is str and type(pid[3]) is str \
-                and type(pid[4]) is int:
+        if (
+            type(pid) is tuple
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and type(pid[1]) is _Stand
+            and pid[1].what == "storage_type"
+            and type(pid[2]) is str
+            and type(pid[3]) is str
+            and type(pid[4]) is int
+        ):
             return _Stand("storage", pid[4], pid[1].name)
         raise RefusedPickle("refusing a persistent id in a DCP entry: not a storage")
 
@@ -356,12 +470,19 @@ class _EntryScan(pickle._Unpickler):
             (what == "torch._utils._rebuild_tensor_v2" and _tensor_v2(args))
             or (what == "torch._utils._rebuild_tensor_v3" and _tensor_v3(args))
             or (what == "collections.OrderedDict" and args == ())
-            or (what == "builtins.set" and (args == () or (len(args) == 1 and type(args[0]) is list
-                                                           and all(type(x) in _SCALARS for x in args[0]))))
-            or (what in ("_codecs.encode", "torch.device") and all(type(a) is str for a in args) and len(args) <= 2))
+            or (
+                what == "builtins.set"
+                and (
+                    args == ()
+                    or (len(args) == 1 and type(args[0]) is list and all(type(x) in _SCALARS for x in args[0]))
+                )
+            )
+            or (what in ("_codecs.encode", "torch.device") and all(type(a) is str for a in args) and len(args) <= 2)
+        )
         if not ok:
             raise RefusedPickle(f"refusing a call of {clip(what or type(func).__name__, 80)} in a DCP entry")
         self.stack[-1] = {} if what == "collections.OrderedDict" else _Stand("value")
+
     dispatch[pickle.REDUCE[0]] = load_reduce
 
     def load_setitem(self):
@@ -369,19 +490,23 @@ class _EntryScan(pickle._Unpickler):
         if type(self.stack[-1]) is not dict or type(key) not in (str, int, float, bool, bytes, type(None)):
             raise RefusedPickle("refusing a dictionary item in a DCP entry")
         self.stack[-1][key] = value
+
     dispatch[pickle.SETITEM[0]] = load_setitem
 
     def load_setitems(self):
         items = self.pop_mark()
         if type(self.stack[-1]) is not dict or not all(
-                type(k) in (str, int, float, bool, bytes, type(None)) for k in items[::2]):
+            type(k) in (str, int, float, bool, bytes, type(None)) for k in items[::2]
+        ):
             raise RefusedPickle("refusing dictionary items in a DCP entry")
         for i in range(0, len(items) - 1, 2):
             self.stack[-1][items[i]] = items[i + 1]
+
     dispatch[pickle.SETITEMS[0]] = load_setitems
 
     def load_dict(self):
         raise RefusedPickle("refusing pickle opcode DICT in a DCP entry")
+
     dispatch[pickle.DICT[0]] = load_dict
 
     def load_append(self):
@@ -389,6 +514,7 @@ class _EntryScan(pickle._Unpickler):
         if type(self.stack[-1]) is not list:
             raise RefusedPickle("refusing APPEND on a non-list in a DCP entry")
         self.stack[-1].append(value)
+
     dispatch[pickle.APPEND[0]] = load_append
 
     def load_appends(self):
@@ -396,4 +522,5 @@ class _EntryScan(pickle._Unpickler):
         if type(self.stack[-1]) is not list:
             raise RefusedPickle("refusing APPENDS on a non-list in a DCP entry")
         self.stack[-1].extend(items)
+
     dispatch[pickle.APPENDS[0]] = load_appends

@@ -44,14 +44,38 @@ def max_manifest_bytes() -> int:
     return int(raw)
 
 
-def build(*, step: int, run_id: str | None, attempt: str | None, world_size: int, topology: dict, policy: dict,
-          files: list[dict], evidence: dict, verdict: dict, signatures: dict | None = None,
-          invariants: list | None = None, versions: dict | None = None, **extra) -> dict:
+def build(
+    *,
+    step: int,
+    run_id: str | None,
+    attempt: str | None,
+    world_size: int,
+    topology: dict,
+    policy: dict,
+    files: list[dict],
+    evidence: dict,
+    verdict: dict,
+    signatures: dict | None = None,
+    invariants: list | None = None,
+    versions: dict | None = None,
+    **extra,
+) -> dict:
     return {
-        "format": FORMAT, "step": step, "run_id": run_id, "attempt": attempt, "created": time.time(),
-        "world_size": world_size, "topology": topology, "policy": policy,
-        "files": sorted(files, key=lambda f: f["path"]), "evidence": evidence, "verdict": verdict,
-        "signatures": signatures or {}, "invariants": invariants or [], "versions": versions or {}, **extra,
+        "format": FORMAT,
+        "step": step,
+        "run_id": run_id,
+        "attempt": attempt,
+        "created": time.time(),
+        "world_size": world_size,
+        "topology": topology,
+        "policy": policy,
+        "files": sorted(files, key=lambda f: f["path"]),
+        "evidence": evidence,
+        "verdict": verdict,
+        "signatures": signatures or {},
+        "invariants": invariants or [],
+        "versions": versions or {},
+        **extra,
     }
 
 
@@ -86,14 +110,17 @@ def read(step_dir: Path) -> tuple[dict, str]:
         raise ManifestUnreadable(f"{path}: unreadable now ({e.strerror})", e) from None
     try:
         manifest = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:   # JSONDecodeError is a ValueError
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise BadInput(f"{path}: malformed manifest ({clip(type(e).__name__ + ': ' + str(e), 160)})") from None
     if not isinstance(manifest, dict) or any(k not in manifest for k in REQUIRED_KEYS):
         raise BadInput(f"{path}: malformed manifest (missing keys)")
     if manifest["format"] != FORMAT:
         raise BadInput(f"{path}: unknown manifest format {clip(manifest['format'], 60)}")
-    if type(manifest["step"]) is not int or not isinstance(manifest["evidence"], dict) \
-            or not isinstance(manifest["policy"], dict):
+    if (
+        type(manifest["step"]) is not int
+        or not isinstance(manifest["evidence"], dict)
+        or not isinstance(manifest["policy"], dict)
+    ):
         raise BadInput(f"{path}: malformed manifest (step, evidence or policy of the wrong type)")
     problem = files_problem(step_dir, manifest["files"])
     if problem:

@@ -51,18 +51,32 @@ def _merge(checks: list, results: list[dict]) -> dict:
     checked = {c.label: sum((ev.get("checked") or {}).get(c.label, 0) for ev in results) for c in checks}
     for c in checks:
         if checked[c.label] == 0:
-            errors.append({"code": "invariant_no_match", "check": c.kind, "spec": c.label,
-                           "detail": f"no tensor matches {c.glob!r}"})
+            errors.append(
+                {
+                    "code": "invariant_no_match",
+                    "check": c.kind,
+                    "spec": c.label,
+                    "detail": f"no tensor matches {c.glob!r}",
+                }
+            )
     values: dict = {}
     for ev in results:
         values.update(ev.get("values") or {})
     status = FAIL if reasons else INCONCLUSIVE if errors else PASS
-    return evidence(status, reasons + errors, checks=[c.spec for c in checks], checked=checked, values=values,
-                    collectives=0, reduced_floats=0)
+    return evidence(
+        status,
+        reasons + errors,
+        checks=[c.spec for c in checks],
+        checked=checked,
+        values=values,
+        collectives=0,
+        reduced_floats=0,
+    )
 
 
 class _Tensor(NamedTuple):
     """What the pass needs of a tensor's metadata: its torch dtype and its full size."""
+
     dtype: Any
     size: tuple
 
@@ -80,14 +94,14 @@ class StepScan:
         self.threads = threads
         self._lock = threading.Lock()
         self._local = threading.local()
-        self.direct = 0                         # entries read straight into their tensor
-        self.streamed = 0                       # entries checked piece by piece (nothing of them kept)
+        self.direct = 0  # entries read straight into their tensor
+        self.streamed = 0  # entries checked piece by piece (nothing of them kept)
         self._results: list[dict] = []
-        self._plain: dict[str, Any] = {}        # non-tensor entries (a saved step counter, ...)
-        self._parts: dict[str, list] = {}       # fqn -> [tensor being assembled, elements still missing]
-        self._streams: dict[str, Any] = {}      # fqn -> its TensorStream, or None (checked whole)
-        self._entries: dict[str, list] = {}     # real path of a data file -> [(offset, length, fqn, chunk)]
-        self._expected = 0                      # entries declared; _seen counts those parsed
+        self._plain: dict[str, Any] = {}  # non-tensor entries (a saved step counter, ...)
+        self._parts: dict[str, list] = {}  # fqn -> [tensor being assembled, elements still missing]
+        self._streams: dict[str, Any] = {}  # fqn -> its TensorStream, or None (checked whole)
+        self._entries: dict[str, list] = {}  # real path of a data file -> [(offset, length, fqn, chunk)]
+        self._expected = 0  # entries declared; _seen counts those parsed
         self._seen = 0
         self._failed: str | None = None
         self._plan()
@@ -122,13 +136,15 @@ class StepScan:
                     self._failed = "storage file outside the checkpoint"
                     return
                 self._entries.setdefault(os.path.realpath(path), []).append(
-                    (info.offset, info.length, fqn, chunk, item))
+                    (info.offset, info.length, fqn, chunk, item)
+                )
                 self._expected += 1
 
     # ---- the pass ----------------------------------------------------------------------------------------------
 
-    def hasher(self, paths, threads: int | None = None,
-               progress: Callable[[int], None] | None = None) -> dict[str, tuple[int, str]]:
+    def hasher(
+        self, paths, threads: int | None = None, progress: Callable[[int], None] | None = None
+    ) -> dict[str, tuple[int, str]]:
         """{str(path): (size, "xxh3_128:hex")} of every path, as `digest_files` gives it; the data files' entries
         are checked on the way."""
         paths = [str(p) for p in paths]
@@ -144,8 +160,9 @@ class StepScan:
         # the caller's own, if it has not run a parallel op yet): the caller's value is read first and put back.
         before = torch.get_num_threads()
         try:
-            with ThreadPoolExecutor(n, thread_name_prefix="scout-scan", initializer=torch.set_num_threads,
-                                    initargs=(1,)) as pool:
+            with ThreadPoolExecutor(
+                n, thread_name_prefix="scout-scan", initializer=torch.set_num_threads, initargs=(1,)
+            ) as pool:
                 return dict(zip(order, pool.map(lambda p: self._file(p, progress), order)))
         finally:
             torch.set_num_threads(before)
@@ -161,7 +178,7 @@ class StepScan:
         thread's buffer, or opened with `load_entry`. Returns the bytes read."""
         lay = self._direct(layout_f, off, length, chunk, item)
         st = self._stream(fqn, item) if chunk is not None else None
-        if lay is None:                 # a plain value or an unusual layout: through torch.load (weights_only)
+        if lay is None:  # a plain value or an unusual layout: through torch.load (weights_only)
             buf = self._buffer(length)
             got = r.pump(length, into=buf)
             if got == length:
@@ -172,17 +189,18 @@ class StepScan:
         if got != start:
             return got
         dtype, size = item.dtype, tuple(chunk.sizes)
-        if st is not None:              # the checks run on each piece while it is in the cache; nothing is kept
+        if st is not None:  # the checks run on each piece while it is in the cache; nothing is kept
             scratch = self._scratch()
             itemsize = dtype.itemsize
 
             def each(piece, done: int) -> None:
                 if len(piece) % itemsize == 0:
                     st.update(piece.view(dtype), scratch, done // itemsize, chunk)
+
             n = r.pump(nbytes, each=each)
             if n == nbytes:
                 self._streamed(fqn, st)
-        else:                           # checks that need the whole tensor: fill it straight from the file
+        else:  # checks that need the whole tensor: fill it straight from the file
             raw = self._buffer(nbytes)
             n = r.pump(nbytes, into=raw)
             if n == nbytes:
@@ -291,8 +309,7 @@ class StepScan:
             self._seen += 1
 
     def _matches(self, fqn: str, chunk, item, value) -> bool:
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(chunk.sizes) or \
-                value.dtype != item.dtype:
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(chunk.sizes) or value.dtype != item.dtype:
             self._fail(f"{fqn}: chunk does not match its metadata")
             return False
         return True
@@ -302,8 +319,7 @@ class StepScan:
 
         with self._lock:
             if fqn not in self._parts:
-                self._parts[fqn] = [torch.empty(item.size, dtype=item.dtype),
-                                    math.prod(item.size)]
+                self._parts[fqn] = [torch.empty(item.size, dtype=item.dtype), math.prod(item.size)]
             part = self._parts[fqn]
         dst = part[0]
         for d, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes)):
@@ -323,8 +339,12 @@ class StepScan:
     def invariants(self) -> dict | None:
         """Invariants evidence over every entry seen in the pass; None if the pass could not vouch for all of
         them (then read the tensors back: `certify.offline_invariants`)."""
-        if self._failed is not None or self._seen != self._expected or self._parts or \
-                any(st is not None and not st.done for st in self._streams.values()):
+        if (
+            self._failed is not None
+            or self._seen != self._expected
+            or self._parts
+            or any(st is not None and not st.done for st in self._streams.values())
+        ):
             return None
         from scout_ckpt.invariants import run_offline
 
@@ -332,5 +352,3 @@ class StepScan:
         if self._plain and self.checks:
             results.append(run_offline(self.checks, dict(self._plain)))
         return _merge(self.checks, results)
-
-

@@ -47,7 +47,7 @@ def read_file(path: str, entries: list, entry_pass: Callable, progress, piece: C
             with open(path, "rb") as layout_f:
                 for off, length, fqn, chunk, item in entries:
                     pos += r.pump(off - pos)
-                    if pos != off:      # the file ended (or changed) under us: the digest will not match
+                    if pos != off:  # the file ended (or changed) under us: the digest will not match
                         break
                     got = entry_pass(r, layout_f, off, length, fqn, chunk, item)
                     pos += got
@@ -64,7 +64,7 @@ class Reader:
 
     def __init__(self, f, h, progress, piece):
         self.f, self.h, self.progress = f, h, progress
-        self.piece = piece                       # uint8 tensor of PIECE bytes (this thread's, reused)
+        self.piece = piece  # uint8 tensor of PIECE bytes (this thread's, reused)
         self.view = memoryview(piece.numpy())
 
     def pump(self, n: int | None, into=None, each: Callable[[Any, int], None] | None = None) -> int:
@@ -75,7 +75,7 @@ class Reader:
         done = 0
         while n is None or done < n:
             want = PIECE if n is None else min(PIECE, n - done)
-            view = dest[done:done + want] if dest is not None else self.view[:want]
+            view = dest[done : done + want] if dest is not None else self.view[:want]
             got = 0
             while got < want:
                 k = self.f.readinto(view[got:])
@@ -85,7 +85,7 @@ class Reader:
             if got:
                 self.h.update(view[:got])
                 if each is not None:
-                    each((into[done:done + got] if into is not None else self.piece[:got]), done)
+                    each((into[done : done + got] if into is not None else self.piece[:got]), done)
                 if self.progress is not None:
                     self.progress(got)
             done += got
@@ -159,6 +159,6 @@ class Memory:
         n = min(len(b), len(self._view) - self._pos)
         if n <= 0:
             return 0
-        memoryview(b)[:n] = self._view[self._pos:self._pos + n]
+        memoryview(b)[:n] = self._view[self._pos : self._pos + n]
         self._pos += n
         return n

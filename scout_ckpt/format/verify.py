@@ -39,8 +39,12 @@ def is_absent(e: OSError) -> bool:
 
 def unchecked_reason(e: OSError, file: str | None = None, **extra) -> dict:
     """The `could_not_check` reason of an I/O error: which file, the errno's name and the system's words."""
-    out = {"code": COULD_NOT_CHECK, "errno": errno.errorcode.get(e.errno or 0, str(e.errno)),
-           "detail": clip(e.strerror or str(e), 200), **extra}
+    out = {
+        "code": COULD_NOT_CHECK,
+        "errno": errno.errorcode.get(e.errno or 0, str(e.errno)),
+        "detail": clip(e.strerror or str(e), 200),
+        **extra,
+    }
     if file is not None:
         out["file"] = file
     return out
@@ -74,9 +78,15 @@ def checkpoint_dir(root: str | os.PathLike, rel: str) -> Path:
     return Path(root) / rel
 
 
-def verify_files(step_dir: Path, files: list[dict], *, expect_complete: bool = True,
-                 progress: Callable[[int], None] | None = None, dcp: bool | None = None,
-                 hasher: Callable[..., dict] | None = None) -> dict:
+def verify_files(
+    step_dir: Path,
+    files: list[dict],
+    *,
+    expect_complete: bool = True,
+    progress: Callable[[int], None] | None = None,
+    dcp: bool | None = None,
+    hasher: Callable[..., dict] | None = None,
+) -> dict:
     """Bytes evidence: every recorded file present with its size and digest; nothing missing or extra.
 
     `files` are {"path", "size", "digest"} rows (from the ledger or the manifest). With expect_complete the
@@ -109,42 +119,70 @@ def verify_files(step_dir: Path, files: list[dict], *, expect_complete: bool = T
                 unchecked.append(unchecked_reason(e, f["path"], rank=f.get("rank")))
             continue
         if inside(step_dir, f["path"]) is None:
-            reasons.append({"code": "unsafe_file", "file": f["path"], "rank": f.get("rank"),
-                            "detail": "a symlink leading out of the checkpoint"})
+            reasons.append(
+                {
+                    "code": "unsafe_file",
+                    "file": f["path"],
+                    "rank": f.get("rank"),
+                    "detail": "a symlink leading out of the checkpoint",
+                }
+            )
             continue
         try:
             regular = stat.S_ISREG(os.stat(p).st_mode)
         except OSError as e:
-            if is_absent(e):   # a dangling symlink
-                reasons.append({"code": "missing_file", "file": f["path"], "rank": f.get("rank"),
-                                "detail": "not a regular file"})
+            if is_absent(e):  # a dangling symlink
+                reasons.append(
+                    {"code": "missing_file", "file": f["path"], "rank": f.get("rank"), "detail": "not a regular file"}
+                )
             else:
                 unchecked.append(unchecked_reason(e, f["path"], rank=f.get("rank")))
             continue
         if not regular:
-            reasons.append({"code": "unsafe_file", "file": f["path"], "rank": f.get("rank"),
-                            "detail": "not a regular file"})
+            reasons.append(
+                {"code": "unsafe_file", "file": f["path"], "rank": f.get("rank"), "detail": "not a regular file"}
+            )
         else:
-            present[str(p)] = (os.path.realpath(p), f)   # hashed where it resolves, never re-resolved
+            present[str(p)] = (os.path.realpath(p), f)  # hashed where it resolves, never re-resolved
     try:
         digests = (hasher or digest_files)(sorted({real for real, _ in present.values()}), progress=progress)
     except BadInput as e:  # replaced by something that is not a regular file while hashing
-        return evidence(FAIL, reasons + [{"code": "unreadable_file", "detail": clip(str(e), 200)}] + unchecked,
-                        files_checked=len(files))
+        return evidence(
+            FAIL,
+            reasons + [{"code": "unreadable_file", "detail": clip(str(e), 200)}] + unchecked,
+            files_checked=len(files),
+        )
     except OSError as e:
         name = _recorded_name(e, present)
         if is_absent(e):  # removed while hashing
-            return evidence(FAIL, reasons + [{"code": "missing_file", "file": name, "detail": "removed while "
-                                              "hashing"}] + unchecked, files_checked=len(files))
+            return evidence(
+                FAIL,
+                reasons + [{"code": "missing_file", "file": name, "detail": "removed while hashing"}] + unchecked,
+                files_checked=len(files),
+            )
         return _outcome(reasons, unchecked + [unchecked_reason(e, name)], files_checked=len(files))
     for real, f in present.values():
         size, digest = digests[real]
         if size != f["size"]:
-            reasons.append({"code": "truncated_file" if size < f["size"] else "size_mismatch", "file": f["path"],
-                            "rank": f.get("rank"), "expected": f["size"], "actual": size})
+            reasons.append(
+                {
+                    "code": "truncated_file" if size < f["size"] else "size_mismatch",
+                    "file": f["path"],
+                    "rank": f.get("rank"),
+                    "expected": f["size"],
+                    "actual": size,
+                }
+            )
         elif digest != f["digest"]:
-            reasons.append({"code": "digest_mismatch", "file": f["path"], "rank": f.get("rank"),
-                            "expected": f["digest"], "actual": digest})
+            reasons.append(
+                {
+                    "code": "digest_mismatch",
+                    "file": f["path"],
+                    "rank": f.get("rank"),
+                    "expected": f["digest"],
+                    "actual": digest,
+                }
+            )
     if expect_complete:
         recorded = {f["path"] for f in files}
         # a Trainer checkpoint-N folder has no DCP .metadata; any other directory must (fail closed)

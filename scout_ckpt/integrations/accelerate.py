@@ -61,9 +61,11 @@ def _process_group(accelerator) -> None:
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 or accelerator.num_processes > 1:
-        raise ScoutError(f"this process is one of {world} (WORLD_SIZE) but Accelerate did not start a distributed "
-                         "job: each process would train alone. Without GPUs, use Accelerator(cpu=True) under "
-                         "torchrun")
+        raise ScoutError(
+            f"this process is one of {world} (WORLD_SIZE) but Accelerate did not start a distributed "
+            "job: each process would train alone. Without GPUs, use Accelerator(cpu=True) under "
+            "torchrun"
+        )
     fd, path = tempfile.mkstemp(prefix="scout-ckpt-pg-")
     os.close(fd)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
@@ -121,9 +123,12 @@ class ScoutCheckpointing:
             tracked = next((t for t in loaders if dataloader is t or dataloader is t.inner), None)
             if tracked is None or not num_batches:
                 return original(dataloader, num_batches)
-            log.warning("scout-ckpt: accelerator.skip_first_batches(..., %d) ignored: ScoutCheckpointing resumes "
-                        "this DataLoader at its saved position itself (keeping both would skip the batches twice); "
-                        "remove the skip_first_batches line", num_batches)
+            log.warning(
+                "scout-ckpt: accelerator.skip_first_batches(..., %d) ignored: ScoutCheckpointing resumes "
+                "this DataLoader at its saved position itself (keeping both would skip the batches twice); "
+                "remove the skip_first_batches line",
+                num_batches,
+            )
             return tracked
 
         skip_first_batches.__scout__ = True
@@ -181,8 +186,10 @@ class ScoutCheckpointing:
             first = next((p for g in opt.param_groups for p in g["params"]), None)
             i = owner.get(id(first)) if first is not None else None
             if i is None or pairs[i][1] is not None:
-                raise ScoutError("ScoutCheckpointing: an optimizer whose parameters are not those of one prepared "
-                                 "model (prepare the model with it), or two optimizers of one model: not supported")
+                raise ScoutError(
+                    "ScoutCheckpointing: an optimizer whose parameters are not those of one prepared "
+                    "model (prepare the model with it), or two optimizers of one model: not supported"
+                )
             pairs[i][1] = opt
         return [tuple(p) for p in pairs]
 
@@ -211,12 +218,13 @@ class ScoutCheckpointing:
         return st
 
     def _check_loaders(self) -> None:
-        untracked = [d for d in self.accelerator._dataloaders
-                     if not any(t.inner is d for t in self.loaders)]
+        untracked = [d for d in self.accelerator._dataloaders if not any(t.inner is d for t in self.loaders)]
         if untracked:
-            raise ScoutError(f"{len(untracked)} DataLoader(s) prepared by accelerator.prepare directly: their "
-                             "position would not be saved and a resumed run would restart them from their first "
-                             "batch; prepare them with ckpt.prepare(...) or wrap them with dl = ckpt.track(dl)")
+            raise ScoutError(
+                f"{len(untracked)} DataLoader(s) prepared by accelerator.prepare directly: their "
+                "position would not be saved and a resumed run would restart them from their first "
+                "batch; prepare them with ckpt.prepare(...) or wrap them with dl = ckpt.track(dl)"
+            )
 
     def _ensure(self) -> Checkpointer:
         if self.checkpointer is None:
@@ -255,8 +263,10 @@ class ScoutCheckpointing:
         async). Refused between optimizer steps under gradient accumulation (`accelerator.sync_gradients` False):
         the gradients accumulated so far are not saved, and a resume would drop them."""
         if not self.accelerator.sync_gradients:
-            raise ScoutError(f"save({step}) between optimizer steps (gradient accumulation): save when "
-                             "accelerator.sync_gradients is True, after optimizer.step()")
+            raise ScoutError(
+                f"save({step}) between optimizer steps (gradient accumulation): save when "
+                "accelerator.sync_gradients is True, after optimizer.step()"
+            )
         ckpt = self._ensure()
         self._check_loaders()
         return ckpt.save(step, self.state)

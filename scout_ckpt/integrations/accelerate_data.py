@@ -60,23 +60,28 @@ class TrackedDataLoader:
 
     def __init__(self, inner):
         if getattr(inner, "use_stateful_dataloader", False):
-            raise ScoutError("scout-ckpt's Accelerate integration does not track a StatefulDataLoader "
-                            "(use_stateful_dataloader=True); prepare the DataLoader without it")
+            raise ScoutError(
+                "scout-ckpt's Accelerate integration does not track a StatefulDataLoader "
+                "(use_stateful_dataloader=True); prepare the DataLoader without it"
+            )
         self.inner = inner
         sampler = get_sampler(inner)
         self._seedable = sampler if isinstance(sampler, SeedableRandomSampler) else None
         gens, seen = [], set()
         # The generators that shape the order, fixed here so the saved structure never changes: the sampler's
         # (unless it reseeds itself every pass), the DataLoader's own, the one accelerate synchronizes.
-        cands = [None if self._seedable is not None else getattr(sampler, "generator", None),
-                 getattr(inner, "generator", None), getattr(inner, "synchronized_generator", None)]
+        cands = [
+            None if self._seedable is not None else getattr(sampler, "generator", None),
+            getattr(inner, "generator", None),
+            getattr(inner, "synchronized_generator", None),
+        ]
         for g in cands:
             if isinstance(g, torch.Generator) and id(g) not in seen:
                 seen.add(id(g))
                 gens.append(g)
         self.generators: list[torch.Generator] = gens
-        self.passes = 0            # passes started
-        self.consumed = 0          # batches handed out in the current (or last) pass
+        self.passes = 0  # passes started
+        self.consumed = 0  # batches handed out in the current (or last) pass
         self.in_progress = False
         self._start_rng = torch.get_rng_state()
         self._start_gens = [g.get_state() for g in gens]
@@ -130,7 +135,7 @@ class TrackedDataLoader:
             self.inner.iteration = r["iteration"]
             it = iter(skip_first_batches(self.inner, r["consumed"]))
             try:
-                first = next(it, _END)   # the pass's draws (sync, base seed, order) happen here
+                first = next(it, _END)  # the pass's draws (sync, base seed, order) happen here
             finally:
                 torch.set_rng_state(now)
             if first is not _END:
@@ -139,14 +144,14 @@ class TrackedDataLoader:
                 for batch in it:
                     self.consumed += 1
                     yield batch
-            self.inner.iteration = r["iteration"] + 1   # as DataLoaderShard counts a finished pass
+            self.inner.iteration = r["iteration"] + 1  # as DataLoaderShard counts a finished pass
         finally:
             self.in_progress = False
 
     # ---- saved state ---------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        if self._resume is not None:   # loaded, not yet iterated: what was loaded is still the position
+        if self._resume is not None:  # loaded, not yet iterated: what was loaded is still the position
             r = self._resume
             pos = [r["passes"], r["consumed"], int(r["in_progress"]), r["iteration"]]
             start_rng, start_gens, gens = r["start_rng"], r["start_gens"], r["gens"]
@@ -165,9 +170,15 @@ class TrackedDataLoader:
     def load_state_dict(self, sd: dict) -> None:
         passes, consumed, in_progress, iteration = (int(v) for v in sd["pos"].tolist())
         n = len(self.generators)
-        r = {"passes": passes, "consumed": consumed, "in_progress": bool(in_progress), "iteration": iteration,
-             "start_rng": sd["start_rng"].clone(), "start_gens": [sd[f"start_gen_{i}"].clone() for i in range(n)],
-             "gens": [sd[f"gen_{i}"].clone() for i in range(n)]}
+        r = {
+            "passes": passes,
+            "consumed": consumed,
+            "in_progress": bool(in_progress),
+            "iteration": iteration,
+            "start_rng": sd["start_rng"].clone(),
+            "start_gens": [sd[f"start_gen_{i}"].clone() for i in range(n)],
+            "gens": [sd[f"gen_{i}"].clone() for i in range(n)],
+        }
         if self._seedable is not None:
             self._seedable.initial_seed = _u64(int(sd["initial_seed"]))
         for g, s in zip(self.generators, r["gens"]):

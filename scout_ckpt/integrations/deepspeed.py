@@ -74,8 +74,7 @@ log = logging.getLogger("scout_ckpt.deepspeed")
 
 __all__ = ["install", "latest_clean", "ScoutCheckpointEngine"]
 
-LIVE_CODES = ("consensus_attributed", "consensus_inconclusive", "invariant_failed", "replay_sdc",
-              "replay_inconclusive")
+LIVE_CODES = ("consensus_attributed", "consensus_inconclusive", "invariant_failed", "replay_sdc", "replay_inconclusive")
 
 
 def latest_clean(save_dir: str | os.PathLike, *, verify: bool = True) -> str | None:
@@ -85,8 +84,16 @@ def latest_clean(save_dir: str | os.PathLike, *, verify: bool = True) -> str | N
     return ds_folders.latest_clean_tag(save_dir, verify=verify)
 
 
-def install(engine, save_dir: str | os.PathLike, *, accept_single_owner: bool = False, consensus: bool = True,
-            on_live_fault: str = "raise", timeout_s: float = 600.0, replay=None) -> "ScoutCheckpointEngine":
+def install(
+    engine,
+    save_dir: str | os.PathLike,
+    *,
+    accept_single_owner: bool = False,
+    consensus: bool = True,
+    on_live_fault: str = "raise",
+    timeout_s: float = 600.0,
+    replay=None,
+) -> "ScoutCheckpointEngine":
     """Collective (every rank, after `deepspeed.initialize`, before `load_checkpoint`): certify every
     `engine.save_checkpoint(save_dir)` in `save_dir/scout-ledger.db` and keep `save_dir/latest` on the newest
     certified tag. Returns the installed checkpoint engine (`.last_verdict`, `.close()`).
@@ -108,24 +115,38 @@ def install(engine, save_dir: str | os.PathLike, *, accept_single_owner: bool = 
     if isinstance(inner, ScoutCheckpointEngine):
         return inner
     if inner is not None and (inner.is_decoupled() or type(inner) is not TorchCheckpointEngine):
-        raise ScoutError(f"scout-ckpt wraps DeepSpeed's TorchCheckpointEngine; this engine uses "
-                         f"{type(inner).__name__} (remove the checkpoint writer / datastates configuration)")
+        raise ScoutError(
+            f"scout-ckpt wraps DeepSpeed's TorchCheckpointEngine; this engine uses "
+            f"{type(inner).__name__} (remove the checkpoint writer / datastates configuration)"
+        )
     from scout_ckpt import options
 
-    replay = options.as_replay(replay)   # a misspelled key fails here, before anything is installed
-    scout = ScoutCheckpointEngine(engine, save_dir, inner=inner, accept_single_owner=accept_single_owner,
-                                  consensus=consensus, on_live_fault=on_live_fault, timeout_s=timeout_s,
-                                  replay=replay)
+    replay = options.as_replay(replay)  # a misspelled key fails here, before anything is installed
+    scout = ScoutCheckpointEngine(
+        engine,
+        save_dir,
+        inner=inner,
+        accept_single_owner=accept_single_owner,
+        consensus=consensus,
+        on_live_fault=on_live_fault,
+        timeout_s=timeout_s,
+        replay=replay,
+    )
     engine.checkpoint_engine = scout
     original = engine.save_checkpoint
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         # DeepSpeed never writes `latest` (save_latest=False): rank 0 points it at the tag after the verdict
-        scout.sweep()   # before any byte: every target replayed on the save step's capture (collective)
+        scout.sweep()  # before any byte: every target replayed on the save step's capture (collective)
         scout.in_save = True
         try:
-            out = original(save_dir, tag=tag, client_state={} if client_state is None else client_state,
-                           save_latest=False, **kwargs)
+            out = original(
+                save_dir,
+                tag=tag,
+                client_state={} if client_state is None else client_state,
+                save_latest=False,
+                **kwargs,
+            )
         finally:
             scout.in_save, scout._current = False, None
         scout.after_save(save_latest)
@@ -167,8 +188,18 @@ class ScoutCheckpointEngine(CheckpointEngine):
     written by the wrapped TorchCheckpointEngine. Every method DeepSpeed calls on every rank is collective here
     where the module docstring says so."""
 
-    def __init__(self, engine, save_dir, *, inner=None, accept_single_owner=False, consensus=True,
-                 on_live_fault="raise", timeout_s=600.0, replay=None):
+    def __init__(
+        self,
+        engine,
+        save_dir,
+        *,
+        inner=None,
+        accept_single_owner=False,
+        consensus=True,
+        on_live_fault="raise",
+        timeout_s=600.0,
+        replay=None,
+    ):
         super().__init__(None)
         self.name = "ScoutCheckpointEngine"
         self.engine = engine
@@ -186,12 +217,17 @@ class ScoutCheckpointEngine(CheckpointEngine):
             self.groups = ConsensusGroups.from_topology(legacy_topology("ddp", self.run.world), timeout_s=timeout_s)
         self.replay = self._start_replay(replay)
         self.policy = self._policy(consensus and self.run.world > 1)
-        self.topology = {"mode": "ddp" if self.run.world > 1 else "single", "world_size": self.run.world,
-                         "framework": "deepspeed", "layout": LAYOUT, "zero_stage": self.stage,
-                         "replica_groups": self.groups.groups if self.groups else None}
+        self.topology = {
+            "mode": "ddp" if self.run.world > 1 else "single",
+            "world_size": self.run.world,
+            "framework": "deepspeed",
+            "layout": LAYOUT,
+            "zero_stage": self.stage,
+            "replica_groups": self.groups.groups if self.groups else None,
+        }
         self.last_verdict: dict | None = None
-        self.in_save = False   # inside the wrapped save_checkpoint: only those create/save/commit are a checkpoint
-        self._current: tuple[int, str, str] | None = None   # (step, tag, attempt) of the save in progress
+        self.in_save = False  # inside the wrapped save_checkpoint: only those create/save/commit are a checkpoint
+        self._current: tuple[int, str, str] | None = None  # (step, tag, attempt) of the save in progress
         self._written: list[dict] = []
         self._nonfinite: list[str] = []
         self._unhashed: list[str] = []
@@ -220,62 +256,91 @@ class ScoutCheckpointEngine(CheckpointEngine):
         allow_na = ["zero_partitions"] if self.accept_single_owner else []
         # "invariants": [] -- the finite check is the writers' at save; `certify` re-verifies the bytes and keeps
         # the recorded invariants (no offline reader for DeepSpeed's pickles: see docs/integrations/deepspeed.md)
-        if self.replay is not None:   # required where it runs; not_applicable only without engine.step() calls
+        if self.replay is not None:  # required where it runs; not_applicable only without engine.step() calls
             require.append("replay")
             allow_na.append("replay")
-        return {"require": require, "allow_not_applicable": allow_na, "invariants": [], "layout": LAYOUT,
-                "replay_targets": [list(t) for t in self.replay.targets()] if self.replay is not None else [],
-                "zero_stage": self.stage, "accept_single_owner": self.accept_single_owner}
+        return {
+            "require": require,
+            "allow_not_applicable": allow_na,
+            "invariants": [],
+            "layout": LAYOUT,
+            "replay_targets": [list(t) for t in self.replay.targets()] if self.replay is not None else [],
+            "zero_stage": self.stage,
+            "accept_single_owner": self.accept_single_owner,
+        }
 
     def _start_replay(self, replay):
         """Every rank: the core's replay (save/evidence/replay.py) on the engine's module, where the data-parallel
         ranks compute the same functions on whole parameters (ZeRO 0-2) and consensus groups exist."""
         from scout_ckpt.save.evidence.replay import ReplayEvidence
 
-        off = ("ZeRO stage 3 partitions the parameters: no layer is replayed" if self.stage >= 3 else
-               f"the ranks are not data-parallel replicas ({self.unsupported})" if self.unsupported else
-               ReplayEvidence.off_by_default(self.run.world, "ddp") or
-               ("consensus=False: replay runs on the consensus groups" if self.groups is None else None))
+        off = (
+            "ZeRO stage 3 partitions the parameters: no layer is replayed"
+            if self.stage >= 3
+            else f"the ranks are not data-parallel replicas ({self.unsupported})"
+            if self.unsupported
+            else ReplayEvidence.off_by_default(self.run.world, "ddp")
+            or ("consensus=False: replay runs on the consensus groups" if self.groups is None else None)
+        )
         if off is not None:
             if replay:
                 raise ScoutError(f"replay was asked for but cannot run here: {off}")
             if replay is None and self.run.rank == 0:
                 log.warning("scout-ckpt: replay is off (%s): a rank computing wrongly (SDC) is not detected", off)
             return None
-        return ReplayEvidence.start(replay, model=self.engine.module, optimizer=_torch_optimizer(self.engine),
-                                    groups=self.groups, auto_on=True)
+        return ReplayEvidence.start(
+            replay, model=self.engine.module, optimizer=_torch_optimizer(self.engine), groups=self.groups, auto_on=True
+        )
 
     def _versions(self) -> dict:
         import deepspeed
 
-        return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
-                "deepspeed": deepspeed.__version__, "python": platform.python_version()}
+        return {
+            "scout_ckpt": scout_ckpt.__version__,
+            "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__,
+            "python": platform.python_version(),
+        }
 
     def start(self) -> None:
         """Collective: open the ledger, settle interrupted saves (their in-place folders removed), begin the run,
         then point `latest` at the newest certified tag that verifies (or move it aside)."""
+
         def after(ledger, run_id):
             for s in self.run.settled:
                 if s["after"] != "writing":
-                    log.warning("scout-ckpt: step %d of an interrupted save settled: %s (%s)", s["step"],
-                                s["after"], s["why"])
+                    log.warning(
+                        "scout-ckpt: step %d of an interrupted save settled: %s (%s)", s["step"], s["after"], s["why"]
+                    )
             again = rejudge_committed(ledger, self.root, run_id, self.policy, "zero_partitions")
             if again:
-                log.warning("scout-ckpt: %s re-judged under this run's policy (accept_single_owner=True): "
-                            "certified on their recorded bytes + finite checks", ", ".join(map(folder_name, again)))
+                log.warning(
+                    "scout-ckpt: %s re-judged under this run's policy (accept_single_owner=True): "
+                    "certified on their recorded bytes + finite checks",
+                    ", ".join(map(folder_name, again)),
+                )
 
         self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
         if self.replay is not None:
-            self.replay.bind(ledger=self.run.ledger, root=self.root, run_id=self.run.run_id, policy=self.policy,
-                             is_coordinator=self.run.is_coordinator)
+            self.replay.bind(
+                ledger=self.run.ledger,
+                root=self.root,
+                run_id=self.run.run_id,
+                policy=self.policy,
+                is_coordinator=self.run.is_coordinator,
+            )
             self.replay.begin(int(self.engine.global_steps))
         if self.stage >= 1 and not self.accept_single_owner and self.run.is_coordinator:
-            log.warning("scout-ckpt: ZeRO stage %d keeps single-owner partitions (%s) that no replica can vouch "
-                        "for: its checkpoints are saved and recorded but not certified (zero_single_owner). "
-                        "install(..., accept_single_owner=True) certifies them on bytes + finite checks",
-                        self.stage, "optimizer state" if self.stage < 3 else "parameters and optimizer state")
-        tag = self.run.on_coordinator(f"point {self.root}/latest at a certified tag",
-                                      lambda: ds_folders.repoint_latest(self.root))
+            log.warning(
+                "scout-ckpt: ZeRO stage %d keeps single-owner partitions (%s) that no replica can vouch "
+                "for: its checkpoints are saved and recorded but not certified (zero_single_owner). "
+                "install(..., accept_single_owner=True) certifies them on bytes + finite checks",
+                self.stage,
+                "optimizer state" if self.stage < 3 else "parameters and optimizer state",
+            )
+        tag = self.run.on_coordinator(
+            f"point {self.root}/latest at a certified tag", lambda: ds_folders.repoint_latest(self.root)
+        )
         if tag is None:
             pending = self.run.on_coordinator(f"read the ledger in {self.root}", self._uncertified_tags)
             if pending:
@@ -285,13 +350,17 @@ class ScoutCheckpointEngine(CheckpointEngine):
                     f"rejected ({', '.join(pending[-4:])}); the job does not start from step 0 over them. "
                     "Fix: install(..., accept_single_owner=True) re-judges them on bytes + finite checks and "
                     "resumes from the newest (`scout-ckpt ls` shows why each is not certified), or move them out "
-                    "of the save_dir to start over")
+                    "of the save_dir to start over"
+                )
 
     def _uncertified_tags(self) -> list[str]:
         """Coordinator: the tags whose folders exist and whose rows are committed (not certified, not rejected)."""
         rows = self.run.ledger.checkpoints(states=("committed",))
-        return [f"{r['path']} ({(r['reasons'] or [{}])[0].get('code', 'committed')})" for r in rows
-                if (self.root / r["path"]).is_dir()]
+        return [
+            f"{r['path']} ({(r['reasons'] or [{}])[0].get('code', 'committed')})"
+            for r in rows
+            if (self.root / r["path"]).is_dir()
+        ]
 
     def close(self) -> None:
         """Every rank, at the end of training (optional but recommended): the ledger closed and the side groups
@@ -322,8 +391,10 @@ class ScoutCheckpointEngine(CheckpointEngine):
             return self.inner.create(info)
         step = parse_folder(str(info.tag))
         if step is None:
-            raise ScoutError(f"scout-ckpt certifies DeepSpeed tags named global_stepN (DeepSpeed's default, "
-                             f"save_checkpoint(dir) without tag=); got tag {info.tag!r}")
+            raise ScoutError(
+                f"scout-ckpt certifies DeepSpeed tags named global_stepN (DeepSpeed's default, "
+                f"save_checkpoint(dir) without tag=); got tag {info.tag!r}"
+            )
         if Path(info.save_dir).resolve() != self.root.resolve():
             raise ScoutError(f"scout-ckpt was installed for {self.root}; save_checkpoint got {info.save_dir}")
         self._written, self._nonfinite, self._unhashed = [], [], []
@@ -355,38 +426,64 @@ class ScoutCheckpointEngine(CheckpointEngine):
     def commit(self, info):
         """Every rank, after its files and before DeepSpeed's barrier: evidence, gather, manifest, ledger verdict
         (collective; every rank gets the same verdict or the same ScoutError)."""
-        if self._current is None:   # outside save_checkpoint (see create)
+        if self._current is None:  # outside save_checkpoint (see create)
             return self.inner.commit(info)
         step, tag, attempt = self._current
         run = self.run
         live = self._live_evidence()
-        gathered = run.gather({"rank": run.rank, "files": self._written, "nonfinite": self._nonfinite,
-                               "outside": self._unhashed})
+        gathered = run.gather(
+            {"rank": run.rank, "files": self._written, "nonfinite": self._nonfinite, "outside": self._unhashed}
+        )
         files, listing = [], []
         if run.is_coordinator:
             files = sorted((f for g in gathered for f in g["files"]), key=lambda f: f["path"])
             from scout_ckpt.integrations.folders import listing as list_folder
 
             listing = list_folder(self.root / tag)
-            bad = [{"code": "invariant_failed", "check": "finite", "ranks": [g["rank"]], "tensors": g["nonfinite"][:8],
-                    "n_tensors": len(g["nonfinite"])} for g in gathered if g["nonfinite"]]
-            live["invariants"] = policy.evidence(policy.FAIL if bad else policy.PASS, bad, specs=["finite"],
-                                                 checked_by="writers", checked_at="save")
+            bad = [
+                {
+                    "code": "invariant_failed",
+                    "check": "finite",
+                    "ranks": [g["rank"]],
+                    "tensors": g["nonfinite"][:8],
+                    "n_tensors": len(g["nonfinite"]),
+                }
+                for g in gathered
+                if g["nonfinite"]
+            ]
+            live["invariants"] = policy.evidence(
+                policy.FAIL if bad else policy.PASS, bad, specs=["finite"], checked_by="writers", checked_at="save"
+            )
             outside = [p for g in gathered for p in g["outside"]]
             if outside:
                 live["invariants"]["files_outside_tag"] = outside[:8]
             if self.replay is not None:
                 live["replay"] = self.replay.evidence(step)
-        verdict = run.commit(step, attempt, self.root / tag, files, listing, live, run_policy=self.policy,
-                             topology=self.topology, versions=self._versions(), layout=LAYOUT, tag=tag)
+        verdict = run.commit(
+            step,
+            attempt,
+            self.root / tag,
+            files,
+            listing,
+            live,
+            run_policy=self.policy,
+            topology=self.topology,
+            versions=self._versions(),
+            layout=LAYOUT,
+            tag=tag,
+        )
         self.last_verdict = {"step": step, "tag": tag, **verdict}
         self._current = None
         self.inner.commit(info)
         if run.is_coordinator:
             from scout_ckpt.ops.views import reason_text
 
-            log.warning("scout-ckpt: %s %s%s", tag, verdict["state"],
-                        f" ({reason_text(verdict['reasons'])})" if verdict["reasons"] else "")
+            log.warning(
+                "scout-ckpt: %s %s%s",
+                tag,
+                verdict["state"],
+                f" ({reason_text(verdict['reasons'])})" if verdict["reasons"] else "",
+            )
         return True
 
     def after_save(self, save_latest: bool) -> None:
@@ -411,10 +508,14 @@ class ScoutCheckpointEngine(CheckpointEngine):
         """Collective: consensus over what every rank holds whole (identical evidence on every rank), and the
         `zero_partitions` evidence of what only its owner holds."""
         e = self.engine
-        replicated = {"counters": {"global_steps": int(e.global_steps), "global_samples": int(e.global_samples),
-                                   "skipped_steps": int(getattr(e, "skipped_steps", 0))},
-                      "scheduler": e.lr_scheduler.state_dict() if getattr(e, "lr_scheduler", None) is not None
-                      else {}}
+        replicated = {
+            "counters": {
+                "global_steps": int(e.global_steps),
+                "global_samples": int(e.global_samples),
+                "skipped_steps": int(getattr(e, "skipped_steps", 0)),
+            },
+            "scheduler": e.lr_scheduler.state_dict() if getattr(e, "lr_scheduler", None) is not None else {},
+        }
         single: list[str] = []
         if self.stage == 0:
             replicated["module"] = e.module.state_dict()
@@ -423,24 +524,32 @@ class ScoutCheckpointEngine(CheckpointEngine):
             replicated["module"] = e.module.state_dict()
             single = ["optimizer: Adam moments and fp32 master weights (each rank's partition)"]
         else:
-            single = ["module: parameters (each rank's partition)",
-                      "optimizer: Adam moments and fp32 master weights (each rank's partition)"]
+            single = [
+                "module: parameters (each rank's partition)",
+                "optimizer: Adam moments and fp32 master weights (each rank's partition)",
+            ]
         ev = {}
         if self.unsupported:
-            ev["consensus"] = policy.evidence(policy.MISSING, [{"code": "topology_unsupported",
-                                                                "detail": self.unsupported}])
+            ev["consensus"] = policy.evidence(
+                policy.MISSING, [{"code": "topology_unsupported", "detail": self.unsupported}]
+            )
         elif self.groups is not None:
             from scout_ckpt.consensus.save_time import save_time_consensus
 
             ev["consensus"] = save_time_consensus(replicated, self.groups)
         if single:
-            reason = {"code": "zero_single_owner", "stage": self.stage, "state": single,
-                      "ranks": list(range(self.run.world)),
-                      "detail": f"ZeRO stage {self.stage} partitions this state: one rank holds each part, no replica "
-                                "to compare; bytes and finite checks alone do not vouch for it"}
+            reason = {
+                "code": "zero_single_owner",
+                "stage": self.stage,
+                "state": single,
+                "ranks": list(range(self.run.world)),
+                "detail": f"ZeRO stage {self.stage} partitions this state: one rank holds each part, no replica "
+                "to compare; bytes and finite checks alone do not vouch for it",
+            }
             status = policy.NOT_APPLICABLE if self.accept_single_owner else policy.MISSING
-            ev["zero_partitions"] = policy.evidence(status, [reason], stage=self.stage,
-                                                    accepted=self.accept_single_owner)
+            ev["zero_partitions"] = policy.evidence(
+                status, [reason], stage=self.stage, accepted=self.accept_single_owner
+            )
         else:
             ev["zero_partitions"] = policy.evidence(policy.PASS, [], stage=self.stage, single_owner=[])
         return ev

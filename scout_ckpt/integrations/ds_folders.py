@@ -84,11 +84,20 @@ def repoint_latest(save_dir: str | os.PathLike, *, verify: bool = True) -> str |
     if tag is not None:
         if current != tag:
             point_latest(save_dir, tag)
-            log.warning("scout-ckpt: %s/latest now names %s, the newest certified checkpoint (it named %s)",
-                        save_dir, tag, current)
+            log.warning(
+                "scout-ckpt: %s/latest now names %s, the newest certified checkpoint (it named %s)",
+                save_dir,
+                tag,
+                current,
+            )
         return tag
     hidden = hide_latest(save_dir)
     if hidden is not None:
-        log.warning("scout-ckpt: no certified checkpoint under %s: `latest` (which named %s) moved to %s; "
-                    "load_checkpoint starts fresh", save_dir, hidden, HIDDEN_LATEST)
+        log.warning(
+            "scout-ckpt: no certified checkpoint under %s: `latest` (which named %s) moved to %s; "
+            "load_checkpoint starts fresh",
+            save_dir,
+            hidden,
+            HIDDEN_LATEST,
+        )
     return None

@@ -59,11 +59,17 @@ def run_policy(world_size: int, invariant_specs: list) -> dict:
     data-parallel replicas, consensus of the live model and optimizer state. One process has no replica to
     compare with: consensus is then not required (and the policy says so)."""
     require = ["bytes"] + (["invariants"] if invariant_specs else []) + (["consensus"] if world_size > 1 else [])
-    return {"require": require, "allow_not_applicable": [], "invariants": list(invariant_specs),
-            "layout": LAYOUT, "replay_targets": []}
+    return {
+        "require": require,
+        "allow_not_applicable": [],
+        "invariants": list(invariant_specs),
+        "layout": LAYOUT,
+        "replay_targets": [],
+    }
 
 
 # ---- file digests split across ranks --------------------------------------------------------------------------
+
 
 def assign_shares(files: list[tuple[str, int]], world: int) -> list[list[str]]:
     """Pure: split files over `world` ranks so that each reads about the same number of bytes (largest first,
@@ -89,6 +95,7 @@ def listing(step_dir: Path) -> list[tuple[str, int]]:
 
 
 # ---- settle, resume, retention: the core's, plus what in-place writers need ----------------------------------
+
 
 def settle_folders(ledger: Ledger, root: Path, *, source: str = "startup") -> list[dict]:
     """Coordinator, at start-up: core `settle.settle_writing` (rows whose owner is provably dead: completed from
@@ -126,16 +133,18 @@ def latest_clean_row(root: str | os.PathLike, *, verify: bool = True) -> dict | 
         return None
 
 
-def apply_retention(ledger: Ledger, root: Path, keep: int, *, dirs: dict[int, Path],
-                    also_keep: Collection[int] = frozenset()) -> dict:
+def apply_retention(
+    ledger: Ledger, root: Path, keep: int, *, dirs: dict[int, Path], also_keep: Collection[int] = frozenset()
+) -> dict:
     """Core `retention.decide` over `dirs` ({step: directory} of the framework's checkpoints that the ledger
     knows; others are not ours): the `keep` newest certified kept, the newest always, newer ones awaiting evidence
     and quarantined ones kept, rejected ones deleted first. `also_keep` steps are kept besides (the Trainer's best
     model). Each deletion moves the row to `deleted` by compare-and-set on the state the plan saw (journaled), then
     removes the directory. Returns {"delete": [steps deleted], "keep": {step: why}, "protected"}."""
     rows = {r["step"]: r for r in ledger.checkpoints() if r["step"] in dirs}
-    plan = retention.decide({s: r["state"] for s, r in rows.items()}, keep,
-                            retention.saves_in_flight(list(rows.values()), root))
+    plan = retention.decide(
+        {s: r["state"] for s, r in rows.items()}, keep, retention.saves_in_flight(list(rows.values()), root)
+    )
     kept = dict(plan.keep)
     deleted = []
     for step, seen in sorted(plan.delete.items()):
@@ -143,8 +152,15 @@ def apply_retention(ledger: Ledger, root: Path, keep: int, *, dirs: dict[int, Pa
             kept[step] = "best model"
             continue
         if seen != "deleted" and not journal.record_transition(
-                ledger, root, step, "deleted", [{"code": "retention", "keep": keep}], source="gc", expect=seen,
-                attempt=rows[step]["attempt"]):
+            ledger,
+            root,
+            step,
+            "deleted",
+            [{"code": "retention", "keep": keep}],
+            source="gc",
+            expect=seen,
+            attempt=rows[step]["attempt"],
+        ):
             continue  # the row changed since the plan: a quarantine or a verdict wins
         try:
             remove_dir(dirs[step])

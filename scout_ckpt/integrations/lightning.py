@@ -65,13 +65,20 @@ from scout_ckpt.format import layout
 
 log = logging.getLogger("scout_ckpt.lightning")
 
-__all__ = ["ScoutStrategyMixin", "ScoutDDPStrategy", "ScoutModelParallelStrategy", "ScoutFSDPStrategy",
-           "latest_clean", "LATEST_CLEAN", "POINTERS_NAME"]
+__all__ = [
+    "ScoutStrategyMixin",
+    "ScoutDDPStrategy",
+    "ScoutModelParallelStrategy",
+    "ScoutFSDPStrategy",
+    "latest_clean",
+    "LATEST_CLEAN",
+    "POINTERS_NAME",
+]
 
 LATEST_CLEAN = "latest_clean"
 POINTERS_NAME = "lightning-pointers.json"
-_MARK = "scout_ckpt"   # key of a pointer file, and of the dict load_checkpoint hands to Lightning
-_SPLIT_OUT = ("state_dict", "optimizer_states")   # saved through DCP as app.model / app.optim
+_MARK = "scout_ckpt"  # key of a pointer file, and of the dict load_checkpoint hands to Lightning
+_SPLIT_OUT = ("state_dict", "optimizer_states")  # saved through DCP as app.model / app.optim
 
 
 def latest_clean(root: str | os.PathLike, *, verify: bool = True) -> str | None:
@@ -85,6 +92,7 @@ def latest_clean(root: str | os.PathLike, *, verify: bool = True) -> str | None:
 
 
 # ---- the state handed to the Checkpointer ---------------------------------------------------------------------
+
 
 class _ModelOptimizers(Stateful):
     """The DCP recipe's model + optimizers, for several optimizers: `get_state_dict` creates the optimizers' state
@@ -144,12 +152,16 @@ def _warn_single_checkpoint(trainer) -> None:
 
     cbs = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
     if cbs and all(0 <= cb.save_top_k < 2 for cb in cbs):
-        log.warning("scout-ckpt: ModelCheckpoint(save_top_k=%s) keeps one checkpoint: if it fails re-verification "
-                    "there is no certified one to walk back to and the run starts from step 0; use save_top_k >= 2 "
-                    "(-1 keeps all)", ", ".join(str(cb.save_top_k) for cb in cbs))
+        log.warning(
+            "scout-ckpt: ModelCheckpoint(save_top_k=%s) keeps one checkpoint: if it fails re-verification "
+            "there is no certified one to walk back to and the run starts from step 0; use save_top_k >= 2 "
+            "(-1 keeps all)",
+            ", ".join(str(cb.save_top_k) for cb in cbs),
+        )
 
 
 # ---- pointers (rank 0) ----------------------------------------------------------------------------------------
+
 
 def read_pointer(path: str | os.PathLike) -> dict | None:
     """{"root", "step", "path"} of a pointer file written by the strategy, or None for anything else."""
@@ -177,6 +189,7 @@ def _save_pointers(root: Path, doc: dict) -> None:
 
 # ---- the mixin ------------------------------------------------------------------------------------------------
 
+
 class ScoutStrategyMixin:
     """Certified checkpoints for a Lightning strategy (see the module docstring). Put it first:
     `class S(ScoutStrategyMixin, DDPStrategy)`.
@@ -189,12 +202,14 @@ class ScoutStrategyMixin:
         super().__init__(*args, **kwargs)
         self.scout_root = Path(root) if root is not None else None
         self.scout_options = dict(checkpointer or {})
-        self.scout = None   # the Checkpointer, open while fitting
-        self._scout_saved: tuple[int, dict | None] | None = None   # (step, verdict) of this process's last save
-        self.scout_steps: list[int] = []   # the steps given to Checkpointer.step in this process (diagnostics)
+        self.scout = None  # the Checkpointer, open while fitting
+        self._scout_saved: tuple[int, dict | None] | None = None  # (step, verdict) of this process's last save
+        self.scout_steps: list[int] = []  # the steps given to Checkpointer.step in this process (diagnostics)
         if "keep" in self.scout_options:
-            raise ScoutError("scout-ckpt's Lightning strategy takes retention from ModelCheckpoint (save_top_k, "
-                             "save_last): leave out the Checkpointer option `keep`")
+            raise ScoutError(
+                "scout-ckpt's Lightning strategy takes retention from ModelCheckpoint (save_top_k, "
+                "save_last): leave out the Checkpointer option `keep`"
+            )
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
 
@@ -224,8 +239,12 @@ class ScoutStrategyMixin:
             opts = self._scout_optimizers()
             # the strategy's model: DDP's wrapper where there is one (the observer counts its collectives and stamps
             # its steps; replay's targets are found through it, by the same user paths as on the bare module)
-            self.scout = Checkpointer(root, model=self.model if self.model is not None else self.lightning_module,
-                                      optimizer=opts[0] if len(opts) == 1 else None, **self.scout_options)
+            self.scout = Checkpointer(
+                root,
+                model=self.model if self.model is not None else self.lightning_module,
+                optimizer=opts[0] if len(opts) == 1 else None,
+                **self.scout_options,
+            )
         return self.scout
 
     def _scout_optimizers(self) -> list:
@@ -235,7 +254,7 @@ class ScoutStrategyMixin:
         if self.scout is not None:
             scout = self.scout
             try:
-                scout.wait()   # an async save's verdict is recorded: retention can now judge the step before it
+                scout.wait()  # an async save's verdict is recorded: retention can now judge the step before it
                 if scout.is_coordinator and self.scout_root is not None:
                     self._retention(_load_pointers(self.scout_root))
             finally:
@@ -260,8 +279,11 @@ class ScoutStrategyMixin:
 
         plugin = self.precision_plugin
         model = model or self.lightning_module
-        if (type(plugin).optimizer_step is Precision.optimizer_step and hasattr(plugin, "_wrap_closure")
-                and getattr(self, "_model_averager", None) is None):
+        if (
+            type(plugin).optimizer_step is Precision.optimizer_step
+            and hasattr(plugin, "_wrap_closure")
+            and getattr(self, "_model_averager", None) is None
+        ):
             result = plugin._wrap_closure(model, optimizer, closure)
             out = optimizer.step(closure=lambda: result, **kwargs)
         else:
@@ -279,14 +301,15 @@ class ScoutStrategyMixin:
         """Collective (Lightning calls it on every rank): the certified save of the state after `global_step`
         optimizer steps, then rank 0 writes the pointer at `filepath` (ModelCheckpoint's name)."""
         if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: "
-                            "scout-ckpt writes the checkpoint itself")
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: "
+                "scout-ckpt writes the checkpoint itself"
+            )
         scout = self._scout_open()
         filepath = str(Path(self.broadcast(str(filepath))).absolute())
         step = int(checkpoint["global_step"])
         if self._scout_saved is None or self._scout_saved[0] != step:
-            state = {"app": _ModelOptimizers(self.model, self._scout_optimizers()),
-                     "lightning": _Remainder(checkpoint)}
+            state = {"app": _ModelOptimizers(self.model, self._scout_optimizers()), "lightning": _Remainder(checkpoint)}
             verdict = scout.save(step, state)
             self._scout_saved = (step, verdict)
         self._scout_on_coordinator(lambda: self._write_pointer(filepath, step))
@@ -347,10 +370,14 @@ class ScoutStrategyMixin:
 
         scout = self.scout
         try:
-            dirs = {s: layout.step_path(self.scout_root, s) for s in doc["managed"]
-                    if layout.step_path(self.scout_root, s).is_dir()}
-            folders.apply_retention(scout.ledger, self.scout_root, 1, dirs=dirs,
-                                    also_keep=set(doc["pointers"].values()))
+            dirs = {
+                s: layout.step_path(self.scout_root, s)
+                for s in doc["managed"]
+                if layout.step_path(self.scout_root, s).is_dir()
+            }
+            folders.apply_retention(
+                scout.ledger, self.scout_root, 1, dirs=dirs, also_keep=set(doc["pointers"].values())
+            )
         except Exception as e:  # noqa: BLE001 -- see the docstring
             scout.ledger.add_event("retention_error", run_id=scout.run_id, detail={"error": repr(e)})
 
@@ -369,26 +396,34 @@ class ScoutStrategyMixin:
             return super().load_checkpoint(path, weights_only=weights_only)
         newest = self.broadcast(self._scout_newest() if scout.is_coordinator else None)
         if want != LATEST_CLEAN and newest is not None and want < newest:
-            from scout_ckpt.ops.startup import StartRefused   # every rank alike: one line, from rank 0
+            from scout_ckpt.ops.startup import StartRefused  # every rank alike: one line, from rank 0
 
-            raise StartRefused(f"scout-ckpt: {path} is step {want}, older than the latest clean checkpoint (step "
-                               f"{newest}); the strategy loads the latest clean state only: pass "
-                               "ckpt_path=\"latest_clean\"")
+            raise StartRefused(
+                f"scout-ckpt: {path} is step {want}, older than the latest clean checkpoint (step "
+                f"{newest}); the strategy loads the latest clean state only: pass "
+                'ckpt_path="latest_clean"'
+            )
         app = _ModelOptimizers(self.model, self._scout_optimizers())
         rest = _Remainder()
         step = scout.load_latest_clean({"app": app, "lightning": rest})
         if step is None:
             if want != LATEST_CLEAN:
-                raise ScoutError(f"scout-ckpt: {path} names step {want}, but no certified checkpoint verifies "
-                                 f"under {self.scout_root}")
+                raise ScoutError(
+                    f"scout-ckpt: {path} names step {want}, but no certified checkpoint verifies "
+                    f"under {self.scout_root}"
+                )
             import lightning.pytorch as pl
 
             return _Fresh({"pytorch-lightning_version": pl.__version__})
         if want != LATEST_CLEAN and step != want:
-            log.warning("scout-ckpt: step %s (from %s) was not loadable now (failed or could not be checked: `scout-ckpt "
-                        "explain` says which); resumed from step %d, the latest clean one",
-                        want, path, step)
-        self._scout_saved = (step, None)   # the state of `step` is on disk: a save at the same step is a pointer
+            log.warning(
+                "scout-ckpt: step %s (from %s) was not loadable now (failed or could not be checked: `scout-ckpt "
+                "explain` says which); resumed from step %d, the latest clean one",
+                want,
+                path,
+                step,
+            )
+        self._scout_saved = (step, None)  # the state of `step` is on disk: a save at the same step is a pointer
         checkpoint = rest.checkpoint()
         checkpoint[_MARK] = {"step": step, "root": str(self.scout_root)}
         checkpoint["state_dict"] = self.lightning_module.state_dict()
@@ -403,8 +438,9 @@ class ScoutStrategyMixin:
         ptr = read_pointer(p)
         if ptr is not None:
             if Path(ptr.get("root", "")).absolute() != Path(self.scout_root).absolute():
-                raise ScoutError(f"scout-ckpt: {path} points into {ptr.get('root')}, not this strategy's root "
-                                 f"{self.scout_root}")
+                raise ScoutError(
+                    f"scout-ckpt: {path} points into {ptr.get('root')}, not this strategy's root {self.scout_root}"
+                )
             return int(ptr["step"])
         step = layout.parse_step_dir(p.name)
         if step is not None and p.absolute().parent == Path(self.scout_root).absolute():
@@ -417,12 +453,12 @@ class ScoutStrategyMixin:
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         if _MARK in checkpoint:
-            return   # loaded in place by load_checkpoint
+            return  # loaded in place by load_checkpoint
         super().load_model_state_dict(checkpoint, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         if _MARK in checkpoint:
-            return   # loaded in place by load_checkpoint
+            return  # loaded in place by load_checkpoint
         super().load_optimizer_state_dict(checkpoint)
 
 
@@ -440,7 +476,8 @@ class ScoutFSDPStrategy(ScoutStrategyMixin, FSDPStrategy):
 
     def setup_environment(self) -> None:
         if self.root_device.type == "cpu":
-            raise ScoutError("ScoutFSDPStrategy (FSDP1) needs a GPU; on CPU use ScoutModelParallelStrategy with "
-                             "fully_shard in configure_model (FSDP2)")
+            raise ScoutError(
+                "ScoutFSDPStrategy (FSDP1) needs a GPU; on CPU use ScoutModelParallelStrategy with "
+                "fully_shard in configure_model (FSDP2)"
+            )
         super().setup_environment()
-

@@ -108,8 +108,16 @@ class MegatronCheckpointer:
     (every rank, after torch.distributed and parallel_state are initialized): opens the ledger, settles what a crash
     left, points the tracker at the newest certified iteration."""
 
-    def __init__(self, save_dir: str | os.PathLike, *, accept_single_owner: bool = False, consensus: bool = True,
-                 on_live_fault: str = "raise", update_tracker: bool = True, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        save_dir: str | os.PathLike,
+        *,
+        accept_single_owner: bool = False,
+        consensus: bool = True,
+        on_live_fault: str = "raise",
+        update_tracker: bool = True,
+        timeout_s: float = 600.0,
+    ):
         if on_live_fault not in ("raise", "continue"):
             raise ScoutError(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
         self.root = Path(save_dir)
@@ -118,11 +126,16 @@ class MegatronCheckpointer:
         self.run = IntegrationRun(self.root, framework="megatron", timeout_s=timeout_s)
         self.consensus = consensus and self.run.world > 1
         self.policy = self._policy()
-        self.topology = {"mode": "megatron" if self.run.world > 1 else "single", "world_size": self.run.world,
-                         "framework": "megatron", "layout": LAYOUT, **_parallel_sizes()}
+        self.topology = {
+            "mode": "megatron" if self.run.world > 1 else "single",
+            "world_size": self.run.world,
+            "framework": "megatron",
+            "layout": LAYOUT,
+            **_parallel_sizes(),
+        }
         self.last_verdict: dict | None = None
         self._start()
-        _CHECKPOINTERS[str(self.root.resolve())] = self   # the drop-in `save` of this save_dir uses this one
+        _CHECKPOINTERS[str(self.root.resolve())] = self  # the drop-in `save` of this save_dir uses this one
 
     # ---- set-up ---------------------------------------------------------------------------------------------
 
@@ -131,30 +144,52 @@ class MegatronCheckpointer:
         the pieces that have replicas, and `single_owner` (pieces no replica vouches for, accepted by option)."""
         require = ["bytes", "invariants"] + (["consensus"] if self.consensus else []) + ["single_owner"]
         allow_na = ["single_owner", "consensus"] if self.accept_single_owner else []
-        return {"require": require, "allow_not_applicable": allow_na, "invariants": [], "layout": LAYOUT,
-                "replay_targets": [], "accept_single_owner": self.accept_single_owner}
+        return {
+            "require": require,
+            "allow_not_applicable": allow_na,
+            "invariants": [],
+            "layout": LAYOUT,
+            "replay_targets": [],
+            "accept_single_owner": self.accept_single_owner,
+        }
 
     def _versions(self) -> dict:
         from importlib.metadata import version
 
-        return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
-                "megatron_core": version("megatron-core"), "python": platform.python_version()}
+        return {
+            "scout_ckpt": scout_ckpt.__version__,
+            "torch": torch.__version__,
+            "megatron_core": version("megatron-core"),
+            "python": platform.python_version(),
+        }
 
     def _start(self) -> None:
         def after(ledger, run_id):
             for s in self.run.settled:
                 if s["after"] != "writing":
-                    log.warning("scout-ckpt: iteration %d of an interrupted save settled: %s (%s)", s["step"],
-                                s["after"], s["why"])
+                    log.warning(
+                        "scout-ckpt: iteration %d of an interrupted save settled: %s (%s)",
+                        s["step"],
+                        s["after"],
+                        s["why"],
+                    )
             again = rejudge_committed(ledger, self.root, run_id, self.policy, "single_owner")
             if again:
-                log.warning("scout-ckpt: %s re-judged under this run's policy (accept_single_owner=True): "
-                            "certified on their recorded bytes + finite checks", ", ".join(map(folder_name, again)))
+                log.warning(
+                    "scout-ckpt: %s re-judged under this run's policy (accept_single_owner=True): "
+                    "certified on their recorded bytes + finite checks",
+                    ", ".join(map(folder_name, again)),
+                )
 
         self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
-        it = self.run.on_coordinator(f"point {self.root}/{mg_folders.TRACKER} at a certified iteration",
-                                     lambda: mg_folders.repoint_tracker(self.root) if self.update_tracker
-                                     else mg_folders.latest_clean_iteration(self.root))
+        it = self.run.on_coordinator(
+            f"point {self.root}/{mg_folders.TRACKER} at a certified iteration",
+            lambda: (
+                mg_folders.repoint_tracker(self.root)
+                if self.update_tracker
+                else mg_folders.latest_clean_iteration(self.root)
+            ),
+        )
         if it is None:
             pending = self.run.on_coordinator(f"read the ledger in {self.root}", self._uncertified)
             if pending:
@@ -164,12 +199,16 @@ class MegatronCheckpointer:
                     f"not rejected ({', '.join(pending[-4:])}); the job does not start from iteration 0 over them. "
                     "Fix: MegatronCheckpointer(..., accept_single_owner=True) re-judges them on bytes + finite "
                     "checks and resumes from the newest (`scout-ckpt ls` shows why each is not certified), or "
-                    "move them out of the save_dir to start over")
+                    "move them out of the save_dir to start over"
+                )
 
     def _uncertified(self) -> list[str]:
         rows = self.run.ledger.checkpoints(states=("committed",))
-        return [f"{r['path']} ({(r['reasons'] or [{}])[0].get('code', 'committed')})" for r in rows
-                if (self.root / r["path"]).is_dir()]
+        return [
+            f"{r['path']} ({(r['reasons'] or [{}])[0].get('code', 'committed')})"
+            for r in rows
+            if (self.root / r["path"]).is_dir()
+        ]
 
     def close(self) -> None:
         """Every rank, at the end of training: the ledger closed, the integration's gloo group released."""
@@ -196,8 +235,7 @@ class MegatronCheckpointer:
         self.run.on_coordinator(f"create {step_dir}", lambda: step_dir.mkdir(parents=True, exist_ok=True))
         live = self._live_evidence(sharded_state_dict)
         if async_save:
-            request = dist_checkpointing.save(sharded_state_dict, str(step_dir), async_sharded_save=True,
-                                              **save_kwargs)
+            request = dist_checkpointing.save(sharded_state_dict, str(step_dir), async_sharded_save=True, **save_kwargs)
             request.add_finalize_fn(lambda: self.finalize(iteration, attempt, live))
             return request
         dist_checkpointing.save(sharded_state_dict, str(step_dir), **save_kwargs)
@@ -209,21 +247,37 @@ class MegatronCheckpointer:
         run = self.run
         step_dir = self.root / folder_name(iteration)
         files, listing = run.hash_share(step_dir, writer=_writer_of)
-        verdict = run.commit(iteration, attempt, step_dir, files, listing, live, run_policy=self.policy,
-                             topology=self.topology, versions=self._versions(), need_metadata=True, layout=LAYOUT,
-                             iteration=iteration)
+        verdict = run.commit(
+            iteration,
+            attempt,
+            step_dir,
+            files,
+            listing,
+            live,
+            run_policy=self.policy,
+            topology=self.topology,
+            versions=self._versions(),
+            need_metadata=True,
+            layout=LAYOUT,
+            iteration=iteration,
+        )
         self.last_verdict = {"step": iteration, "iteration": iteration, **verdict}
         if run.is_coordinator:
             from scout_ckpt.ops.views import reason_text
 
-            log.warning("scout-ckpt: %s %s%s", folder_name(iteration), verdict["state"],
-                        f" ({reason_text(verdict['reasons'])})" if verdict["reasons"] else "")
+            log.warning(
+                "scout-ckpt: %s %s%s",
+                folder_name(iteration),
+                verdict["state"],
+                f" ({reason_text(verdict['reasons'])})" if verdict["reasons"] else "",
+            )
             if self.update_tracker and verdict["state"] == "certified":
                 try:
                     mg_folders.point_tracker(self.root, iteration)
-                except OSError as e:   # the previous certified iteration stays named: logged, not raised
-                    log.warning("scout-ckpt: could not point %s/%s at %d: %s", self.root, mg_folders.TRACKER,
-                                iteration, e)
+                except OSError as e:  # the previous certified iteration stays named: logged, not raised
+                    log.warning(
+                        "scout-ckpt: could not point %s/%s at %d: %s", self.root, mg_folders.TRACKER, iteration, e
+                    )
         run.barrier()
         bad = sorted({r.get("code") for r in verdict["reasons"] if r.get("code") in LIVE_CODES})
         if bad and self.on_live_fault == "raise":
@@ -236,6 +290,7 @@ class MegatronCheckpointer:
         """Collective: (iteration, state dict) of the newest certified iteration whose bytes re-verify (the
         coordinator walks back past, and rejects, any that fail), loaded with dist_checkpointing.load; None on a
         fresh run."""
+
         def find():
             found = mg_folders.latest_clean_iteration(self.root)
             if found is not None and self.update_tracker:
@@ -276,6 +331,7 @@ class MegatronCheckpointer:
 
 # ---- pure helpers ----------------------------------------------------------------------------------------------
 
+
 def _writer_of(path: str) -> int:
     """The rank that wrote a file of a torch_dist folder: `__R_I.distcp` rank R, the rest (`.metadata`,
     `common.pt`, `metadata.json`) rank 0."""
@@ -312,10 +368,20 @@ def _evidence(every: list[dict], *, consensus: bool, accept_single_owner: bool) 
         for pid, d in g["pieces"].items():
             holders[pid].append((rank, d))
     ev: dict = {}
-    bad_fin = [{"code": "invariant_failed", "check": "finite", "ranks": [r], "tensors": g["nonfinite"][:8],
-                "n_tensors": len(g["nonfinite"])} for r, g in enumerate(every) if g["nonfinite"]]
-    ev["invariants"] = policy.evidence(policy.FAIL if bad_fin else policy.PASS, bad_fin, specs=["finite"],
-                                       checked_by="writers", checked_at="save")
+    bad_fin = [
+        {
+            "code": "invariant_failed",
+            "check": "finite",
+            "ranks": [r],
+            "tensors": g["nonfinite"][:8],
+            "n_tensors": len(g["nonfinite"]),
+        }
+        for r, g in enumerate(every)
+        if g["nonfinite"]
+    ]
+    ev["invariants"] = policy.evidence(
+        policy.FAIL if bad_fin else policy.PASS, bad_fin, specs=["finite"], checked_by="writers", checked_at="save"
+    )
     replicated = {p: h for p, h in holders.items() if len(h) > 1}
     single = sorted(p for p, h in holders.items() if len(h) == 1)
     if consensus:
@@ -327,7 +393,7 @@ def _evidence(every: list[dict], *, consensus: bool, accept_single_owner: bool) 
             if len(counts) == 1:
                 continue
             ranked = sorted(counts.values(), key=len, reverse=True)
-            if len(ranked[0]) * 2 > len(h):   # a strict majority: the others are attributed
+            if len(ranked[0]) * 2 > len(h):  # a strict majority: the others are attributed
                 minority = sorted(r for rs in ranked[1:] for r in rs)
                 reasons.append({"code": "consensus_attributed", "ranks": minority, "tensor": pid})
                 status = policy.FAIL
@@ -338,13 +404,22 @@ def _evidence(every: list[dict], *, consensus: bool, accept_single_owner: bool) 
         groups = sorted({tuple(sorted(r for r, _ in h)) for h in replicated.values()})
         if not replicated:
             status = policy.NOT_APPLICABLE
-        ev["consensus"] = policy.evidence(status, reasons, tensors_compared=len(replicated),
-                                          groups=[{"members": list(g)} for g in groups], source="replica_id")
+        ev["consensus"] = policy.evidence(
+            status,
+            reasons,
+            tensors_compared=len(replicated),
+            groups=[{"members": list(g)} for g in groups],
+            source="replica_id",
+        )
     if single:
-        reason = {"code": "single_owner", "pieces": len(single), "keys": sorted({p.split("@")[0] for p in single})[:8],
-                  "ranks": sorted({holders[p][0][0] for p in single}),
-                  "detail": "one rank holds each of these pieces (tensor-parallel shards without data-parallel "
-                            "replicas): no replica to compare; bytes and finite checks alone do not vouch for them"}
+        reason = {
+            "code": "single_owner",
+            "pieces": len(single),
+            "keys": sorted({p.split("@")[0] for p in single})[:8],
+            "ranks": sorted({holders[p][0][0] for p in single}),
+            "detail": "one rank holds each of these pieces (tensor-parallel shards without data-parallel "
+            "replicas): no replica to compare; bytes and finite checks alone do not vouch for them",
+        }
         status = policy.NOT_APPLICABLE if accept_single_owner else policy.MISSING
         ev["single_owner"] = policy.evidence(status, [reason], accepted=accept_single_owner)
     else:
@@ -359,8 +434,10 @@ def _parallel_sizes() -> dict:
 
         if not ps.model_parallel_is_initialized():
             return {}
-        return {"tensor_parallel": ps.get_tensor_model_parallel_world_size(),
-                "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
-                "data_parallel": ps.get_data_parallel_world_size()}
+        return {
+            "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+            "data_parallel": ps.get_data_parallel_world_size(),
+        }
     except Exception:  # noqa: BLE001 - sizes are descriptive only
         return {}

@@ -37,8 +37,8 @@ LAYOUT = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"
 HIDDEN_TRACKER = TRACKER + ".scout-uncertified"
 FOLDER_RE = re.compile(r"^iter_(\d{7,})$")
-COMMON = "common.pt"          # the common (non-sharded) state, torch.save by rank 0
-CONFIG = "metadata.json"      # {"sharded_backend": "torch_dist", ...}: what Megatron's load reads first
+COMMON = "common.pt"  # the common (non-sharded) state, torch.save by rank 0
+CONFIG = "metadata.json"  # {"sharded_backend": "torch_dist", ...}: what Megatron's load reads first
 INTEGRITY = "integrity.json"  # Megatron-Core r0.18+: {"algorithm": "sha256", "files": {name: hex}}
 
 
@@ -56,19 +56,32 @@ def config_problems(step_dir: Path) -> list[dict]:
     """Structure reasons from metadata.json: it must say torch_dist, the one format scout-ckpt reads."""
     try:
         config = json.loads(read_bounded(Path(step_dir) / CONFIG, 1 << 20, CONFIG))
-    except (OSError, ValueError) as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return [{"code": "bad_metadata", "file": CONFIG, "detail": clip(str(e), 160)}]
     backend = config.get("sharded_backend") if isinstance(config, dict) else None
     if backend != "torch_dist":
-        return [{"code": "unsupported_format", "file": CONFIG,
-                 "detail": f"sharded_backend {clip(backend, 40)}; scout-ckpt reads torch_dist"}]
+        return [
+            {
+                "code": "unsupported_format",
+                "file": CONFIG,
+                "detail": f"sharded_backend {clip(backend, 40)}; scout-ckpt reads torch_dist",
+            }
+        ]
     return []
 
 
-register_folder_layout(LAYOUT, parse_folder, dcp=True)   # torch_dist folders are DCP: read as such
-register_adoptable(AdoptLayout(LAYOUT, "Megatron iter_NNNNNNN", parse_folder, required=(COMMON, CONFIG),
-                               check=config_problems, integrity=INTEGRITY,
-                               extra=lambda iteration: {"iteration": iteration}))
+register_folder_layout(LAYOUT, parse_folder, dcp=True)  # torch_dist folders are DCP: read as such
+register_adoptable(
+    AdoptLayout(
+        LAYOUT,
+        "Megatron iter_NNNNNNN",
+        parse_folder,
+        required=(COMMON, CONFIG),
+        check=config_problems,
+        integrity=INTEGRITY,
+        extra=lambda iteration: {"iteration": iteration},
+    )
+)
 
 
 def read_tracker(save_dir: str | os.PathLike) -> str | None:
@@ -115,11 +128,21 @@ def repoint_tracker(save_dir: str | os.PathLike, *, verify: bool = True) -> int 
     if it is not None:
         if current != str(it):
             point_tracker(save_dir, it)
-            log.warning("scout-ckpt: %s/%s now names %d, the newest certified iteration (it named %s)",
-                        save_dir, TRACKER, it, current)
+            log.warning(
+                "scout-ckpt: %s/%s now names %d, the newest certified iteration (it named %s)",
+                save_dir,
+                TRACKER,
+                it,
+                current,
+            )
         return it
     hidden = hide_tracker(save_dir)
     if hidden is not None:
-        log.warning("scout-ckpt: no certified checkpoint under %s: %s (which named %s) moved to %s", save_dir,
-                    TRACKER, hidden, HIDDEN_TRACKER)
+        log.warning(
+            "scout-ckpt: no certified checkpoint under %s: %s (which named %s) moved to %s",
+            save_dir,
+            TRACKER,
+            hidden,
+            HIDDEN_TRACKER,
+        )
     return None

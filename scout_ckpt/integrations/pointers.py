@@ -36,15 +36,29 @@ def refresh(root: str | os.PathLike) -> list[str]:
         return []
     out = []
     if (root / ds_folders.LATEST).is_file() or (root / ds_folders.HIDDEN_LATEST).is_file():
-        out += _repoint(root, ds_folders.LATEST, ds_folders.HIDDEN_LATEST, ds_folders.read_latest(root),
-                        ds_folders.parse_folder, ds_folders.latest_clean_tag,
-                        lambda tag: ds_folders.point_latest(root, tag), lambda: ds_folders.hide_latest(root))
+        out += _repoint(
+            root,
+            ds_folders.LATEST,
+            ds_folders.HIDDEN_LATEST,
+            ds_folders.read_latest(root),
+            ds_folders.parse_folder,
+            ds_folders.latest_clean_tag,
+            lambda tag: ds_folders.point_latest(root, tag),
+            lambda: ds_folders.hide_latest(root),
+        )
     if (root / mg_folders.TRACKER).is_file() or (root / mg_folders.HIDDEN_TRACKER).is_file():
         held = mg_folders.read_tracker(root)
-        if held != "release":   # a release checkpoint is not one of the run's iterations
-            out += _repoint(root, mg_folders.TRACKER, mg_folders.HIDDEN_TRACKER, held, _iteration,
-                            lambda r, verify: _str(mg_folders.latest_clean_iteration(r, verify=verify)),
-                            lambda it: mg_folders.point_tracker(root, int(it)), lambda: mg_folders.hide_tracker(root))
+        if held != "release":  # a release checkpoint is not one of the run's iterations
+            out += _repoint(
+                root,
+                mg_folders.TRACKER,
+                mg_folders.HIDDEN_TRACKER,
+                held,
+                _iteration,
+                lambda r, verify: _str(mg_folders.latest_clean_iteration(r, verify=verify)),
+                lambda it: mg_folders.point_tracker(root, int(it)),
+                lambda: mg_folders.hide_tracker(root),
+            )
     return out
 
 
@@ -63,8 +77,7 @@ def _certified(root: Path) -> set[int]:
         return {r["step"] for r in ledger.checkpoints(states=("certified",))}
 
 
-def _repoint(root: Path, name: str, hidden_name: str, current: str | None, step_of, newest, point, hide
-             ) -> list[str]:
+def _repoint(root: Path, name: str, hidden_name: str, current: str | None, step_of, newest, point, hide) -> list[str]:
     """`name` := newest(root) (the ledger's newest certified, not re-hashed here) unless it names a certified step;
     hidden when there is none."""
     if current is not None and step_of(current) in _certified(root):

@@ -54,7 +54,7 @@ class IntegrationRun:
     """The ledger, the run id and the side group of one framework run (see the module docstring)."""
 
     def __init__(self, root: str | Path, *, framework: str, timeout_s: float = 600.0):
-        one_line_refusals()   # an uncaught refusal ends the job as one line, not a traceback per rank
+        one_line_refusals()  # an uncaught refusal ends the job as one line, not a traceback per rank
         self.root = Path(root)
         self.framework = framework
         self.timeout_s = timeout_s
@@ -105,18 +105,32 @@ class IntegrationRun:
 
     # ---- start-up ------------------------------------------------------------------------------------------
 
-    def start(self, *, topology: dict, policy: dict, versions: dict, resumed_from: int | None = None,
-              after: Callable[[Ledger, str], None] | None = None) -> str:
+    def start(
+        self,
+        *,
+        topology: dict,
+        policy: dict,
+        versions: dict,
+        resumed_from: int | None = None,
+        after: Callable[[Ledger, str], None] | None = None,
+    ) -> str:
         """Collective: open the ledger, settle interrupted saves, begin the run; returns the run id. `after(ledger,
         run_id)` runs on the coordinator once the run is begun (e.g. a warning about an uncertified resume)."""
+
         def begin():
             self.root.mkdir(parents=True, exist_ok=True)
             # never a fresh ledger over checkpoints: a lost one is rebuilt first, an unreadable one refuses
             self.ledger = open_run_ledger(self.root)
             self.settled = folders.settle_folders(self.ledger, self.root, source="startup")
             run_id = new_run_id()
-            self.ledger.begin_run(run_id, world_size=self.world, topology=topology, policy=policy,
-                                  versions=versions, resumed_from=resumed_from)
+            self.ledger.begin_run(
+                run_id,
+                world_size=self.world,
+                topology=topology,
+                policy=policy,
+                versions=versions,
+                resumed_from=resumed_from,
+            )
             if after is not None:
                 after(self.ledger, run_id)
             return run_id
@@ -154,8 +168,9 @@ class IntegrationRun:
         self.on_coordinator(f"begin the save of step {step}", record)
         return attempt
 
-    def hash_share(self, step_dir: Path, writer: Callable[[str], int | None] | None = None
-                   ) -> tuple[list[dict], list[tuple[str, int]]]:
+    def hash_share(
+        self, step_dir: Path, writer: Callable[[str], int | None] | None = None
+    ) -> tuple[list[dict], list[tuple[str, int]]]:
         """Collective: (files hashed, listing) on the coordinator, ([], listing) elsewhere. A file whose writing
         rank `writer(path)` names is hashed by that rank (DCP's `__R_0.distcp`); the others are split over the
         ranks by size. What a rank cannot see comes back unhashed and the coordinator hashes it."""
@@ -167,8 +182,11 @@ class IntegrationRun:
         mine = sorted(rest + [p for p in owned if owners[p] == self.rank])
         visible = [p for p in mine if (step_dir / p).is_file()]
         got = digest_files([step_dir / p for p in visible])
-        rows = [{"path": p, "size": got[str(step_dir / p)][0], "digest": got[str(step_dir / p)][1],
-                 "rank": self.rank} for p in visible if str(step_dir / p) in got]
+        rows = [
+            {"path": p, "size": got[str(step_dir / p)][0], "digest": got[str(step_dir / p)][1], "rank": self.rank}
+            for p in visible
+            if str(step_dir / p) in got
+        ]
         gathered = self.gather({"files": rows, "unseen": sorted(set(mine) - {r["path"] for r in rows})})
         if not self.is_coordinator:
             return [], listing
@@ -176,17 +194,34 @@ class IntegrationRun:
         unseen = [p for g in gathered for p in g["unseen"]]
         if unseen:
             got = digest_files([step_dir / p for p in unseen if (step_dir / p).is_file()])
-            files += [{"path": p, "size": got[k][0], "digest": got[k][1], "rank": self.rank}
-                      for p in unseen if (k := str(step_dir / p)) in got]
+            files += [
+                {"path": p, "size": got[k][0], "digest": got[k][1], "rank": self.rank}
+                for p in unseen
+                if (k := str(step_dir / p)) in got
+            ]
         return sorted(files, key=lambda f: f["path"]), listing
 
-    def commit(self, step: int, attempt: str, step_dir: Path, files: list[dict], listing, live: dict, *,
-               run_policy: dict, topology: dict, versions: dict, need_metadata: bool = False,
-               signatures: dict | None = None, after: Callable[[dict, dict], None] | None = None,
-               **manifest_extra) -> dict:
+    def commit(
+        self,
+        step: int,
+        attempt: str,
+        step_dir: Path,
+        files: list[dict],
+        listing,
+        live: dict,
+        *,
+        run_policy: dict,
+        topology: dict,
+        versions: dict,
+        need_metadata: bool = False,
+        signatures: dict | None = None,
+        after: Callable[[dict, dict], None] | None = None,
+        **manifest_extra,
+    ) -> dict:
         """Collective: the coordinator publishes (bytes evidence from the hashed files against the listing, the
         live evidence, the run's policy) and runs `after(verdict, evidence)` once the verdict is recorded (events,
         retention); every rank returns {"state", "reasons"} or raises the same ScoutError."""
+
         def publish():
             hashed = {f["path"] for f in files}
             reasons = [{"code": "missing_file", "file": p} for p, _ in listing if p not in hashed]
@@ -194,20 +229,47 @@ class IntegrationRun:
                 reasons.append({"code": "missing_file", "file": layout.DCP_METADATA})
             if not files:
                 reasons.append({"code": "no_files_recorded"})
-            ev = {"bytes": policy.evidence(policy.FAIL if reasons else policy.PASS, reasons, files=len(files),
-                                           bytes=sum(f["size"] for f in files), hashed_by="ranks",
-                                           ranks=sorted({f["rank"] for f in files})), **live}
+            ev = {
+                "bytes": policy.evidence(
+                    policy.FAIL if reasons else policy.PASS,
+                    reasons,
+                    files=len(files),
+                    bytes=sum(f["size"] for f in files),
+                    hashed_by="ranks",
+                    ranks=sorted({f["rank"] for f in files}),
+                ),
+                **live,
+            }
             v = policy.evaluate(run_policy, ev)
             verdict = {"state": v.state, "reasons": v.reasons}
-            m = manifest.build(step=step, run_id=self.run_id, attempt=attempt, world_size=self.world,
-                               topology=topology, policy=run_policy, files=files, evidence=ev, verdict=verdict,
-                               signatures=signatures, invariants=run_policy.get("invariants"), versions=versions,
-                               **manifest_extra)
+            m = manifest.build(
+                step=step,
+                run_id=self.run_id,
+                attempt=attempt,
+                world_size=self.world,
+                topology=topology,
+                policy=run_policy,
+                files=files,
+                evidence=ev,
+                verdict=verdict,
+                signatures=signatures,
+                invariants=run_policy.get("invariants"),
+                versions=versions,
+                **manifest_extra,
+            )
             digest = manifest.write(step_dir, m)
-            applied = self.ledger.record_commit(step, run_id=self.run_id, path=Path(step_dir).name,
-                                                nbytes=layout.dir_bytes(step_dir), manifest_digest=digest,
-                                                files=files, evidence=ev, state=v.state, reasons=v.reasons,
-                                                attempt=attempt)
+            applied = self.ledger.record_commit(
+                step,
+                run_id=self.run_id,
+                path=Path(step_dir).name,
+                nbytes=layout.dir_bytes(step_dir),
+                manifest_digest=digest,
+                files=files,
+                evidence=ev,
+                state=v.state,
+                reasons=v.reasons,
+                attempt=attempt,
+            )
             if not applied:  # the row changed meanwhile (compare-and-set): what the ledger holds stands
                 row = self.ledger.checkpoint(step)
                 return {"state": row["state"], "reasons": row["reasons"]}
@@ -215,8 +277,13 @@ class IntegrationRun:
             for kind in ("consensus", "invariants"):
                 for r in (ev.get(kind) or {}).get("reasons") or []:
                     if r.get("code") in ("consensus_attributed", "consensus_inconclusive", "invariant_failed"):
-                        self.ledger.add_event("sdc", step=step, ranks=r.get("ranks") or [], run_id=self.run_id,
-                                              detail={"source": kind, **{k: x for k, x in r.items() if k != "ranks"}})
+                        self.ledger.add_event(
+                            "sdc",
+                            step=step,
+                            ranks=r.get("ranks") or [],
+                            run_id=self.run_id,
+                            detail={"source": kind, **{k: x for k, x in r.items() if k != "ranks"}},
+                        )
             if after is not None:
                 after(verdict, ev)
             return verdict
@@ -259,8 +326,13 @@ def rejudge_committed(ledger: Ledger, root: Path, run_id: str, run_policy: dict,
         item = ev.get(kind)
         if item is None or item.get("status") != policy.MISSING:
             continue
-        accepted = {**item, "status": policy.NOT_APPLICABLE, "accepted": True, "rejudged_by": run_id,
-                    "was": policy.MISSING}
+        accepted = {
+            **item,
+            "status": policy.NOT_APPLICABLE,
+            "accepted": True,
+            "rejudged_by": run_id,
+            "was": policy.MISSING,
+        }
         verdict = policy.evaluate(run_policy, {**ev, kind: accepted})
         if verdict.state != "certified":
             continue
@@ -269,8 +341,9 @@ def rejudge_committed(ledger: Ledger, root: Path, run_id: str, run_policy: dict,
             if now is None or now["state"] != "committed" or now["attempt"] != row["attempt"]:
                 continue
             ledger.put_evidence(row["step"], {kind: accepted}, source="rejudge")
-            if journal.record_transition(ledger, root, row["step"], "certified", [], source="rejudge",
-                                         expect="committed", attempt=row["attempt"]):
+            if journal.record_transition(
+                ledger, root, row["step"], "certified", [], source="rejudge", expect="committed", attempt=row["attempt"]
+            ):
                 out.append(row["step"])
     return out
 

@@ -35,8 +35,14 @@ def _single(mgr) -> tuple[object | None, object | None, str | None]:
     parts = list(mgr.states["model"].model)
     opts = list(getattr(mgr.states.get("optimizer"), "optimizers", None) or [])
     if len(parts) != 1 or len(opts) != 1:
-        return None, None, (f"{len(parts)} model part(s) and {len(opts)} optimizer(s): replay and shard evidence "
-                            "need exactly one of each (no pipeline stages, one optimizer factory)")
+        return (
+            None,
+            None,
+            (
+                f"{len(parts)} model part(s) and {len(opts)} optimizer(s): replay and shard evidence "
+                "need exactly one of each (no pipeline stages, one optimizer factory)"
+            ),
+        )
     return parts[0], opts[0], None
 
 
@@ -63,13 +69,20 @@ class TitanEvidence:
             if config.replay:
                 raise ScoutError("replay needs 2 or more ranks")
         else:
-            off = ReplayEvidence.off_by_default(mgr.groups.world_size, mgr.mode)   # as the core Checkpointer
-            replay = ReplayEvidence.start(config.replay, model=model, optimizer=opt, groups=mgr.groups,
-                                          auto_on=off is None, off_reason=off)
+            off = ReplayEvidence.off_by_default(mgr.groups.world_size, mgr.mode)  # as the core Checkpointer
+            replay = ReplayEvidence.start(
+                config.replay, model=model, optimizer=opt, groups=mgr.groups, auto_on=off is None, off_reason=off
+            )
             if replay is not None and replay.runner.save_every is None:
                 replay.runner.save_every = config.interval  # saves fall on TorchTitan's interval: sweep those
-        shard = ShardEvidence.start(config.shard_evidence, mode=mgr.mode, model=model, optimizer=opt,
-                                    group=mgr.run.pg, timeout_s=config.scout_timeout_s)
+        shard = ShardEvidence.start(
+            config.shard_evidence,
+            mode=mgr.mode,
+            model=model,
+            optimizer=opt,
+            group=mgr.run.pg,
+            timeout_s=config.scout_timeout_s,
+        )
         return cls(mgr, replay, shard)
 
     # ---- policy ----------------------------------------------------------------------------------------------
@@ -88,8 +101,13 @@ class TitanEvidence:
     def bind(self) -> None:
         if self.replay is not None:
             m = self.mgr
-            self.replay.bind(ledger=m.run.ledger, root=m.root, run_id=m.run_id, policy=m.scout_policy,
-                             is_coordinator=m.is_coordinator)
+            self.replay.bind(
+                ledger=m.run.ledger,
+                root=m.root,
+                run_id=m.run_id,
+                policy=m.scout_policy,
+                is_coordinator=m.is_coordinator,
+            )
 
     # ---- the hooks -------------------------------------------------------------------------------------------
 
@@ -140,8 +158,13 @@ class TitanEvidence:
 
         def record():
             for r in bad:
-                m.ledger.add_event("sdc", step=r.get("step"), ranks=r.get("ranks") or [], run_id=m.run_id,
-                                   detail={"source": "shard_replay", "reasons": (r.get("reasons") or [])[:8]})
+                m.ledger.add_event(
+                    "sdc",
+                    step=r.get("step"),
+                    ranks=r.get("ranks") or [],
+                    run_id=m.run_id,
+                    detail={"source": "shard_replay", "reasons": (r.get("reasons") or [])[:8]},
+                )
             return self.shard.revoke(m.ledger, m.root, bad)
 
         m.run.on_coordinator("record a shard replay fault", record)

@@ -42,10 +42,18 @@ from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops import retention
 from scout_ckpt.ops.settle import save_alive
 
-__all__ = ["find_load_step", "find_load_step_collective", "is_resumable_checkpoint", "is_valid_checkpoint",
-           "newest_resumable", "purge_exempt", "retention_plan", "step_of"]
+__all__ = [
+    "find_load_step",
+    "find_load_step_collective",
+    "is_resumable_checkpoint",
+    "is_valid_checkpoint",
+    "newest_resumable",
+    "purge_exempt",
+    "retention_plan",
+    "step_of",
+]
 
-KEPT_STATES = ("certified", "committed", "quarantined")   # rows retention may keep: never abandoned outright
+KEPT_STATES = ("certified", "committed", "quarantined")  # rows retention may keep: never abandoned outright
 
 
 def step_of(checkpoint_dir: str | os.PathLike) -> int | None:
@@ -70,6 +78,7 @@ def _row_for(ledger: Ledger, root: Path, checkpoint_dir) -> dict | None:
 
 # ---- valid: what retention counts and must not delete as abandoned ----------------------------------------------
 
+
 def is_valid_checkpoint(root: str | os.PathLike, checkpoint_dir: str | os.PathLike) -> bool:
     """Coordinator, local (one ledger read): False only for a `step-N` that is provably not worth keeping: its row
     is rejected or deleted, or `writing` with an owner provably dead (settle.save_alive is False). True for
@@ -93,6 +102,7 @@ def is_valid_checkpoint(root: str | os.PathLike, checkpoint_dir: str | os.PathLi
 
 # ---- resumable: certified and the bytes re-verify ----------------------------------------------------------------
 
+
 def _verified(root: Path, ledger: Ledger, row: dict, *, record: bool) -> tuple[bool, dict | None]:
     """(handed out?, failed evidence or None): the bytes of a certified row re-verify and the row is unchanged
     after hashing. A failure is recorded (rejected, journaled) when `record`; "could not check" is neither a pass
@@ -109,8 +119,7 @@ def _verified(root: Path, ledger: Ledger, row: dict, *, record: bool) -> tuple[b
     return (now is not None and now["state"] == "certified" and now["attempt"] == row["attempt"]), None
 
 
-def is_resumable_checkpoint(root: str | os.PathLike, checkpoint_dir: str | os.PathLike, *,
-                            record: bool = True) -> bool:
+def is_resumable_checkpoint(root: str | os.PathLike, checkpoint_dir: str | os.PathLike, *, record: bool = True) -> bool:
     """Whether automatic loading may pick this `step-N`: its ledger row is certified, names this directory, and its
     files and manifest re-verify against the digests the ledger recorded (ops.recovery.verify_checkpoint). A
     failure is recorded as the rejection `resume` records (unless `record=False`); an I/O error answers False and
@@ -139,8 +148,12 @@ def newest_resumable(root: str | os.PathLike, max_step: int | None = None) -> di
             return None
         with Ledger.open(root, readonly=True) as ledger:
             row = ledger.checkpoint(found["step"])
-        return {"step": found["step"], "attempt": row["attempt"] if row else None, "path": found["path"],
-                "skipped": [s["step"] for s in found["skipped"]]}
+        return {
+            "step": found["step"],
+            "attempt": row["attempt"] if row else None,
+            "path": found["path"],
+            "skipped": [s["step"] for s in found["skipped"]],
+        }
     if not _has_ledger(root):
         return None
     skipped: list[int] = []
@@ -150,8 +163,12 @@ def newest_resumable(root: str | os.PathLike, max_step: int | None = None) -> di
             below = row["step"]
             ok, _ = _verified(root, ledger, row, record=True)
             if ok:
-                return {"step": row["step"], "attempt": row["attempt"], "path": str((root / row["path"]).resolve()),
-                        "skipped": skipped}
+                return {
+                    "step": row["step"],
+                    "attempt": row["attempt"],
+                    "path": str((root / row["path"]).resolve()),
+                    "skipped": skipped,
+                }
             skipped.append(row["step"])
     return None
 
@@ -185,12 +202,14 @@ def find_load_step_collective(root: str | os.PathLike, max_step: int | None = No
 
 # ---- retention: purge_exempt --------------------------------------------------------------------------------------
 
+
 def retention_plan(ledger: Ledger, root: str | os.PathLike, keep: int) -> tuple[retention.Plan, dict[int, dict]]:
     """(core retention.decide over the `step-N` folders the ledger knows, their rows)."""
     dirs = layout.list_step_dirs(root)
     rows = {r["step"]: r for r in ledger.checkpoints() if r["step"] in dirs}
-    plan = retention.decide({s: r["state"] for s, r in rows.items()}, max(1, keep),
-                            retention.saves_in_flight(list(rows.values()), root))
+    plan = retention.decide(
+        {s: r["state"] for s, r in rows.items()}, max(1, keep), retention.saves_in_flight(list(rows.values()), root)
+    )
     return plan, rows
 
 
@@ -223,9 +242,16 @@ def purge_exempt(root: str | os.PathLike, keep: int):
                 return True
             seen = plan.delete.get(step)
             if seen != "deleted" and not journal.record_transition(
-                    ledger, root, step, "deleted", [{"code": "retention", "keep": keep}], source="gc", expect=seen,
-                    attempt=rows[step]["attempt"]):
-                return True   # the row changed since the plan (a quarantine, a verdict, a re-save): kept
+                ledger,
+                root,
+                step,
+                "deleted",
+                [{"code": "retention", "keep": keep}],
+                source="gc",
+                expect=seen,
+                attempt=rows[step]["attempt"],
+            ):
+                return True  # the row changed since the plan (a quarantine, a verdict, a re-save): kept
         # the row says deleted: the folder goes now, whoever asked (TorchTitan's purge, which then finds nothing to
         # remove -- its local rmtree ignores a missing path -- or a script asking), so that the ledger and the disk
         # never disagree about it

@@ -73,8 +73,13 @@ from scout_ckpt.save import log
 __all__ = ["ScoutCheckpointManager", "scout_checkpoint", "signable", "titan_topology"]
 
 TITAN_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # TorchTitan's dense mesh, row-major over the world
-DIM_ROLES = {"pp": "pipeline", "dp_replicate": "replicate", "dp_shard": "shard", "cp": "context_parallel",
-             "tp": "tensor_parallel"}
+DIM_ROLES = {
+    "pp": "pipeline",
+    "dp_replicate": "replicate",
+    "dp_shard": "shard",
+    "cp": "context_parallel",
+    "tp": "tensor_parallel",
+}
 PER_RANK = ("dataloader",)
 DCP_DATA = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's data file, written by rank \1
 
@@ -82,7 +87,9 @@ DCP_DATA = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP's data file, written by r
 def dcp_writer(path: str) -> int | None:
     """The rank that wrote a DCP data file (it hashes it: digests by the writing ranks), None for others."""
     m = DCP_DATA.match(path)
-    return int(m.group(1)) if m else None  # TorchTitan keys the dataloader's state by dp rank: it differs per rank by design
+    return (
+        int(m.group(1)) if m else None
+    )  # TorchTitan keys the dataloader's state by dp rank: it differs per rank by design
 
 
 def titan_topology(model_parts: list, parallel_dims=None, world_size: int | None = None) -> dict:
@@ -116,8 +123,7 @@ def signable(states: dict, skip: tuple[str, ...] = ()) -> tuple[dict, list[str]]
     from scout_ckpt.consensus.flatten import flatten_state
     from scout_ckpt.consensus.mesh import full_signable
 
-    return full_signable(flatten_state({k: v for k, v in states.items() if not k.startswith(skip)},
-                                       keep_dtensor=True))
+    return full_signable(flatten_state({k: v for k, v in states.items() if not k.startswith(skip)}, keep_dtensor=True))
 
 
 class ScoutCheckpointManager(CheckpointManager):
@@ -175,9 +181,22 @@ class ScoutCheckpointManager(CheckpointManager):
         self.evidence = TitanEvidence.start(self, config)
         self.scout_policy = self._policy()
         self._warn_if_never_certifies()
-        self.topology = {**{k: topo[k] for k in ("mode", "world_size", "mesh_shape", "mesh_dim_names", "dim_roles",
-                                                 "compare_dims", "replica_groups", "problems")},
-                         "framework": "torchtitan"}
+        self.topology = {
+            **{
+                k: topo[k]
+                for k in (
+                    "mode",
+                    "world_size",
+                    "mesh_shape",
+                    "mesh_dim_names",
+                    "dim_roles",
+                    "compare_dims",
+                    "replica_groups",
+                    "problems",
+                )
+            },
+            "framework": "torchtitan",
+        }
         self._pending: tuple | None = None
         self._purging = False
         self._chosen = -1
@@ -209,8 +228,11 @@ class ScoutCheckpointManager(CheckpointManager):
             return
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
-                                                   use_async_staging=True, use_non_blocking_copy=False))
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=False
+            )
+        )
 
     def _policy(self) -> dict:
         """As the core Checkpointer's: consensus required; single-owner shards (no replica anywhere) may pass it as
@@ -224,25 +246,40 @@ class ScoutCheckpointManager(CheckpointManager):
             if any(c.vouches for c in self.checks):
                 allow_na.append("consensus")
         extra = self.evidence.policy(require, allow_na)
-        return {"require": require, "allow_not_applicable": allow_na, "invariants": [c.spec for c in self.checks],
-                "layout": "dcp", **extra}
+        return {
+            "require": require,
+            "allow_not_applicable": allow_na,
+            "invariants": [c.spec for c in self.checks],
+            "layout": "dcp",
+            **extra,
+        }
 
     def _warn_if_never_certifies(self) -> None:
         """A run whose policy can never be met says so at start-up (as the core Checkpointer does)."""
         p = self.scout_policy
-        if (self.mode.startswith("fsdp") and "consensus" in p["require"]
-                and "consensus" not in p["allow_not_applicable"] and self.is_coordinator):
+        if (
+            self.mode.startswith("fsdp")
+            and "consensus" in p["require"]
+            and "consensus" not in p["allow_not_applicable"]
+            and self.is_coordinator
+        ):
             log.logger.warning(
                 "this configuration can never certify a checkpoint: the %s layout has single-owner shards, so "
                 "consensus is not applicable, and nothing else vouches for them. Use a non-fused AdamW, Adam or SGD "
-                "(TorchTitan's optimizer implementation=\"foreach\") so that shard evidence runs, or configure an "
-                "invariant that vouches, or consensus=False to accept bytes and invariants alone", self.mode)
+                '(TorchTitan\'s optimizer implementation="foreach") so that shard evidence runs, or configure an '
+                "invariant that vouches, or consensus=False to accept bytes and invariants alone",
+                self.mode,
+            )
 
     def _versions(self) -> dict:
         import torchtitan
 
-        return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
-                "torchtitan": getattr(torchtitan, "__version__", "0.3"), "python": platform.python_version()}
+        return {
+            "scout_ckpt": scout_ckpt.__version__,
+            "torch": torch.__version__,
+            "torchtitan": getattr(torchtitan, "__version__", "0.3"),
+            "python": platform.python_version(),
+        }
 
     # ---- save ----------------------------------------------------------------------------------------------
 
@@ -280,8 +317,9 @@ class ScoutCheckpointManager(CheckpointManager):
         if self.consensus:
             from scout_ckpt.consensus.save_time import save_time_consensus
 
-            ev["consensus"] = save_time_consensus(states, self.groups,
-                                                  names_filter=lambda n: not n.startswith(PER_RANK))
+            ev["consensus"] = save_time_consensus(
+                states, self.groups, names_filter=lambda n: not n.startswith(PER_RANK)
+            )
         if self.checks:
             flat = {k: v for k, v in inv.flatten(states).items() if isinstance(v, torch.Tensor)}
             ev["invariants"] = inv.run_local(self.checks, flat, group=self.run.pg)
@@ -306,7 +344,7 @@ class ScoutCheckpointManager(CheckpointManager):
         if getattr(self, "evidence", None) is not None:
             self.evidence.close()
         if getattr(self, "run", None) is not None:
-            self.run.close(release=False)   # no barrier here: this close may not run on every rank together
+            self.run.close(release=False)  # no barrier here: this close may not run on every rank together
 
     def _commit(self, step: int, attempt: str, name: str, live: dict, model_only: bool) -> None:
         """Collective: every rank's files are written (barrier), hash shares, the coordinator publishes and
@@ -317,10 +355,22 @@ class ScoutCheckpointManager(CheckpointManager):
         live = dict(live)
         signatures = live.pop("signatures", None)
         unsigned = live.pop("unsigned", [])
-        verdict = self.run.commit(step, attempt, step_dir, files, listing, live, run_policy=self.scout_policy,
-                                  topology=self.topology, versions=self._versions(), need_metadata=True,
-                                  signatures=signatures, after=lambda v, ev: self._retention(),
-                                  model_only=model_only, load_check_unsigned=unsigned[:64])
+        verdict = self.run.commit(
+            step,
+            attempt,
+            step_dir,
+            files,
+            listing,
+            live,
+            run_policy=self.scout_policy,
+            topology=self.topology,
+            versions=self._versions(),
+            need_metadata=True,
+            signatures=signatures,
+            after=lambda v, ev: self._retention(),
+            model_only=model_only,
+            load_check_unsigned=unsigned[:64],
+        )
         self.last_verdict = {"step": step, **verdict}
 
     # ---- retention -----------------------------------------------------------------------------------------
@@ -344,8 +394,9 @@ class ScoutCheckpointManager(CheckpointManager):
         if self.keep_latest_k <= 0:
             return
         try:
-            titan_next.apply_retention(self.ledger, self.root, self.keep_latest_k,
-                                       also_keep=getattr(self, "purge_exempt", None))
+            titan_next.apply_retention(
+                self.ledger, self.root, self.keep_latest_k, also_keep=getattr(self, "purge_exempt", None)
+            )
         except Exception as e:  # noqa: BLE001 -- see the docstring
             self.ledger.add_event("retention_error", run_id=self.run_id, detail={"error": repr(e)})
 
@@ -369,8 +420,12 @@ class ScoutCheckpointManager(CheckpointManager):
             return None
         row = self.ledger.checkpoint(found["step"])
         m, bad = trusted_manifest(self.root / row["path"], row)
-        return {"step": found["step"], "attempt": row["attempt"], "skipped": found["skipped"],
-                "signatures": (m or {}).get("signatures") or {} if not bad else {}}
+        return {
+            "step": found["step"],
+            "attempt": row["attempt"],
+            "skipped": found["skipped"],
+            "signatures": (m or {}).get("signatures") or {} if not bad else {},
+        }
 
     def _load(self, step: int = -1) -> bool:
         """Collective. step -1: load the newest certified step whose bytes and loaded values verify (walking back
@@ -396,8 +451,9 @@ class ScoutCheckpointManager(CheckpointManager):
                 self.evidence.after_load(cand["step"])
                 return ok
             skipped.append({"step": cand["step"], "code": "load_mismatch", "tensors": differ[:4]})
-            self.run.on_coordinator(f"reject step {cand['step']}",
-                                    lambda c=cand, d=differ: self._reject_load_mismatch(c, d))
+            self.run.on_coordinator(
+                f"reject step {cand['step']}", lambda c=cand, d=differ: self._reject_load_mismatch(c, d)
+            )
 
     def _loaded_differences(self, expected: dict) -> list[str]:
         """Collective: the saved values whose loaded signature differs from the one recorded at save (the same
@@ -413,14 +469,29 @@ class ScoutCheckpointManager(CheckpointManager):
         """Coordinator: the loaded values are not what was certified: rejected for good (compare-and-set from the
         certified attempt that was loaded), journaled, and a `load_mismatch` event."""
         reasons = [{"code": "load_mismatch", "tensors": differ[:16], "count": len(differ)}]
-        applied = journal.record_transition(self.ledger, self.root, cand["step"], "rejected", reasons,
-                                            source="load", expect="certified", attempt=cand["attempt"])
-        self.ledger.add_event("load_mismatch", step=cand["step"], run_id=self.run_id,
-                              detail={"differ": differ[:16], "count": len(differ), "rejected": applied})
+        applied = journal.record_transition(
+            self.ledger,
+            self.root,
+            cand["step"],
+            "rejected",
+            reasons,
+            source="load",
+            expect="certified",
+            attempt=cand["attempt"],
+        )
+        self.ledger.add_event(
+            "load_mismatch",
+            step=cand["step"],
+            run_id=self.run_id,
+            detail={"differ": differ[:16], "count": len(differ), "rejected": applied},
+        )
 
 
-@override(target=CheckpointManager.Config, exact=True,
-          description="scout-ckpt: certified checkpoints (evidence per save, load the newest certified step)")
+@override(
+    target=CheckpointManager.Config,
+    exact=True,
+    description="scout-ckpt: certified checkpoints (evidence per save, load the newest certified step)",
+)
 def scout_checkpoint(cfg: CheckpointManager.Config, **options) -> ScoutCheckpointManager.Config:
     """`--override.imports scout_ckpt.integrations.torchtitan.scout_checkpoint` (options as JSON:
     `'scout_ckpt.integrations.torchtitan.scout_checkpoint={"invariants": ["finite"]}'`): the run's checkpoint

@@ -80,8 +80,16 @@ class ScoutTrainerCallback(TrainerCallback):
     timeout_s   timeout of the callback's own gloo groups (a dead peer fails the save instead of hanging)
     """
 
-    def __init__(self, *, invariants: list | None = None, consensus: bool = True, stop_on_reject: bool = False,
-                 timeout_s: float = 600.0, replay=None, observer=None):
+    def __init__(
+        self,
+        *,
+        invariants: list | None = None,
+        consensus: bool = True,
+        stop_on_reject: bool = False,
+        timeout_s: float = 600.0,
+        replay=None,
+        observer=None,
+    ):
         from scout_ckpt import options
 
         specs = ["finite"] if invariants is None else list(invariants)
@@ -91,7 +99,7 @@ class ScoutTrainerCallback(TrainerCallback):
         self.replay_option, self.observer_option = options.as_replay(replay), options.as_observer(observer)
         self.replay = None
         self.observer = None
-        self.observer_attached: str | None = None   # what the observer found to watch ("counted": DDP's wrapper)
+        self.observer_attached: str | None = None  # what the observer found to watch ("counted": DDP's wrapper)
         self._step_started: float | None = None
         self.limit: int | None = None
         self.last_verdict: dict | None = None
@@ -116,9 +124,11 @@ class ScoutTrainerCallback(TrainerCallback):
     @staticmethod
     def _refuse_sharded(args) -> None:
         if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
-            raise ScoutError("ScoutTrainerCallback supports one process or DDP; with FSDP or DeepSpeed each rank "
-                             "writes its own shard, which the callback does not compare (remove the callback or "
-                             "the sharding option)")
+            raise ScoutError(
+                "ScoutTrainerCallback supports one process or DDP; with FSDP or DeepSpeed each rank "
+                "writes its own shard, which the callback does not compare (remove the callback or "
+                "the sharding option)"
+            )
 
     def on_init_end(self, args, state, control, **kwargs):
         self._refuse_sharded(args)
@@ -139,24 +149,38 @@ class ScoutTrainerCallback(TrainerCallback):
             self.groups = ConsensusGroups.from_topology(legacy_topology("ddp", run.world), timeout_s=self.timeout_s)
         self._start_replay(args, kwargs.get("model"), kwargs.get("optimizer"))
         self.policy = folders.run_policy(run.world if self.groups else 1, self.specs)
-        if self.replay is not None:   # required where it runs; not_applicable only without on_step_end calls
+        if self.replay is not None:  # required where it runs; not_applicable only without on_step_end calls
             self.policy["require"].append("replay")
             self.policy["allow_not_applicable"].append("replay")
             self.policy["replay_targets"] = [list(t) for t in self.replay.targets()]
-        self.topology = {"mode": "ddp" if run.world > 1 else "single", "world_size": run.world,
-                         "framework": "transformers", "layout": folders.LAYOUT,
-                         "replica_groups": self.groups.groups if self.groups else None}
-        run.start(topology=self.topology, policy=self.policy, versions=self._versions(),
-                  resumed_from=state.global_step or None,
-                  after=lambda ledger, run_id: self._check_resume(ledger, state.global_step, run_id))
+        self.topology = {
+            "mode": "ddp" if run.world > 1 else "single",
+            "world_size": run.world,
+            "framework": "transformers",
+            "layout": folders.LAYOUT,
+            "replica_groups": self.groups.groups if self.groups else None,
+        }
+        run.start(
+            topology=self.topology,
+            policy=self.policy,
+            versions=self._versions(),
+            resumed_from=state.global_step or None,
+            after=lambda ledger, run_id: self._check_resume(ledger, state.global_step, run_id),
+        )
         for s in run.settled:
             if s["after"] != "writing":
-                log.warning("scout-ckpt: step %d of an interrupted save settled: %s (%s)", s["step"], s["after"],
-                            s["why"])
+                log.warning(
+                    "scout-ckpt: step %d of an interrupted save settled: %s (%s)", s["step"], s["after"], s["why"]
+                )
         self.run = run
         if self.replay is not None:
-            self.replay.bind(ledger=run.ledger, root=run.root, run_id=run.run_id, policy=self.policy,
-                             is_coordinator=run.is_coordinator)
+            self.replay.bind(
+                ledger=run.ledger,
+                root=run.root,
+                run_id=run.run_id,
+                policy=self.policy,
+                is_coordinator=run.is_coordinator,
+            )
             self.replay.begin(state.global_step or 0)
         self._start_observer(run, kwargs.get("model"), kwargs.get("optimizer"))
 
@@ -171,11 +195,17 @@ class ScoutTrainerCallback(TrainerCallback):
             if self.replay_option:
                 raise ScoutError("replay needs 2 or more ranks and consensus=True")
             return
-        self.replay = ReplayEvidence.start(self.replay_option, model=model, optimizer=optimizer,
-                                           groups=self.groups, auto_on=True)
+        self.replay = ReplayEvidence.start(
+            self.replay_option, model=model, optimizer=optimizer, groups=self.groups, auto_on=True
+        )
         steps = getattr(args, "save_steps", None)
-        if self.replay is not None and str(getattr(args, "save_strategy", "")).endswith("steps") and \
-                isinstance(steps, int) and steps >= 1 and self.replay.runner.save_every is None:
+        if (
+            self.replay is not None
+            and str(getattr(args, "save_strategy", "")).endswith("steps")
+            and isinstance(steps, int)
+            and steps >= 1
+            and self.replay.runner.save_every is None
+        ):
             self.replay.runner.save_every = steps
 
     def _start_observer(self, run: IntegrationRun, model, optimizer) -> None:
@@ -186,10 +216,19 @@ class ScoutTrainerCallback(TrainerCallback):
 
         if not self.observer_option or not run.distributed:
             return
-        ignore = [run.pg] + (self.groups.process_groups if self.groups is not None else []) \
+        ignore = (
+            [run.pg]
+            + (self.groups.process_groups if self.groups is not None else [])
             + (self.replay.process_groups if self.replay is not None else [])
-        self.observer = Observer.start(run.root, rank=run.rank, world_size=run.world, run_id=run.run_id,
-                                       ignore_groups=ignore, **self.observer_option.start_kwargs())
+        )
+        self.observer = Observer.start(
+            run.root,
+            rank=run.rank,
+            world_size=run.world,
+            run_id=run.run_id,
+            ignore_groups=ignore,
+            **self.observer_option.start_kwargs(),
+        )
         if model is not None:
             self.observer_attached = self.observer.attach(ddp_wrapper_of(model) or model, optimizer)
 
@@ -203,17 +242,25 @@ class ScoutTrainerCallback(TrainerCallback):
             return
         state = row["state"] if row else "unknown to the ledger"
         ledger.add_event("uncertified_resume", step=step, run_id=run_id, detail={"state": state})
-        log.warning("scout-ckpt: this run resumed from %s, which is %s (resume_from_checkpoint=True takes the "
-                    "newest folder, certified or not); switch to `from scout_ckpt.integrations.transformers import "
-                    "latest_clean` and trainer.train(resume_from_checkpoint=latest_clean(args.output_dir)), or pass "
-                    "the folder `scout-ckpt resume %s --latest-clean` prints", folders.folder_name(step), state,
-                    Path(ledger.path).parent)
+        log.warning(
+            "scout-ckpt: this run resumed from %s, which is %s (resume_from_checkpoint=True takes the "
+            "newest folder, certified or not); switch to `from scout_ckpt.integrations.transformers import "
+            "latest_clean` and trainer.train(resume_from_checkpoint=latest_clean(args.output_dir)), or pass "
+            "the folder `scout-ckpt resume %s --latest-clean` prints",
+            folders.folder_name(step),
+            state,
+            Path(ledger.path).parent,
+        )
 
     def _versions(self) -> dict:
         import transformers
 
-        return {"scout_ckpt": scout_ckpt.__version__, "torch": torch.__version__,
-                "transformers": transformers.__version__, "python": platform.python_version()}
+        return {
+            "scout_ckpt": scout_ckpt.__version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        }
 
     # ---- the save boundary ---------------------------------------------------------------------------------
 
@@ -249,19 +296,33 @@ class ScoutTrainerCallback(TrainerCallback):
         attempt = self._attempts.pop(step)
         run.barrier()  # every rank's files (rng_state_R.pth) are written before anyone lists or hashes
         if self.replay is not None:
-            self.replay.sweep(step)   # every target replayed on the save step's capture (collective)
+            self.replay.sweep(step)  # every target replayed on the save step's capture (collective)
         live = self._live_evidence(state, model, optimizer, lr_scheduler)
         step_dir = run.root / folders.folder_name(step)
         files, listing = run.hash_share(step_dir)
-        verdict = run.commit(step, attempt, step_dir, files, listing, live, run_policy=self.policy,
-                             topology=self.topology, versions=self._versions(), layout=folders.LAYOUT,
-                             after=lambda v, ev: self._retention(state))
+        verdict = run.commit(
+            step,
+            attempt,
+            step_dir,
+            files,
+            listing,
+            live,
+            run_policy=self.policy,
+            topology=self.topology,
+            versions=self._versions(),
+            layout=folders.LAYOUT,
+            after=lambda v, ev: self._retention(state),
+        )
         self.last_verdict = {"step": step, **verdict}
         if run.is_coordinator:
             from scout_ckpt.ops.views import reason_text
 
-            log.warning("scout-ckpt: checkpoint-%d %s%s", step, verdict["state"],
-                        f" ({reason_text(verdict['reasons'])})" if verdict["reasons"] else "")
+            log.warning(
+                "scout-ckpt: checkpoint-%d %s%s",
+                step,
+                verdict["state"],
+                f" ({reason_text(verdict['reasons'])})" if verdict["reasons"] else "",
+            )
         if verdict["state"] == "rejected" and self.stop_on_reject:
             control.should_training_stop = True
         return control
@@ -273,17 +334,24 @@ class ScoutTrainerCallback(TrainerCallback):
             return
         best = folders.parse_folder(Path(state.best_model_checkpoint).name) if state.best_model_checkpoint else None
         try:
-            folders.apply_retention(self.run.ledger, self.run.root, self.limit,
-                                    dirs=folders.list_folders(self.run.root), also_keep={best} if best else set())
+            folders.apply_retention(
+                self.run.ledger,
+                self.run.root,
+                self.limit,
+                dirs=folders.list_folders(self.run.root),
+                also_keep={best} if best else set(),
+            )
         except Exception as e:  # noqa: BLE001 -- see the docstring
             self.run.ledger.add_event("retention_error", run_id=self.run.run_id, detail={"error": repr(e)})
 
     def _live_evidence(self, state, model, optimizer, lr_scheduler) -> dict:
         """Collective: consensus and invariants on the state in memory (identical evidence on every rank)."""
-        live_state = {"model": model.state_dict() if model is not None else {},
-                      "optimizer": optimizer.state_dict() if optimizer is not None else {},
-                      "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else {},
-                      "trainer": {"global_step": state.global_step}}
+        live_state = {
+            "model": model.state_dict() if model is not None else {},
+            "optimizer": optimizer.state_dict() if optimizer is not None else {},
+            "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else {},
+            "trainer": {"global_step": state.global_step},
+        }
         ev = {}
         if self.groups is not None:
             from scout_ckpt.consensus.save_time import save_time_consensus
@@ -292,9 +360,11 @@ class ScoutTrainerCallback(TrainerCallback):
         if self.checks:
             from scout_ckpt.consensus.signatures import flatten_state
 
-            flat = {k: v for k, v in flatten_state({"model": live_state["model"],
-                                                    "optimizer": live_state["optimizer"]}).items()
-                    if isinstance(v, torch.Tensor)}
+            flat = {
+                k: v
+                for k, v in flatten_state({"model": live_state["model"], "optimizer": live_state["optimizer"]}).items()
+                if isinstance(v, torch.Tensor)
+            }
             ev["invariants"] = inv.run_local(self.checks, flat, group=self.run.pg if self.run.distributed else False)
         if self.replay is not None and self.run.is_coordinator:
             ev["replay"] = self.replay.evidence(state.global_step)

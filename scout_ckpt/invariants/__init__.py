@@ -21,5 +21,15 @@ from scout_ckpt.invariants.checks import SPECTRAL_GRAM_MAX, View
 from scout_ckpt.invariants.run import flatten, run_local, run_offline
 from scout_ckpt.invariants.specs import KINDS, VOUCHES, Check, Param, parse_specs
 
-__all__ = ["KINDS", "SPECTRAL_GRAM_MAX", "VOUCHES", "Check", "Param", "View", "flatten", "parse_specs",
-           "run_local", "run_offline"]
+__all__ = [
+    "KINDS",
+    "SPECTRAL_GRAM_MAX",
+    "VOUCHES",
+    "Check",
+    "Param",
+    "View",
+    "flatten",
+    "parse_specs",
+    "run_local",
+    "run_offline",
+]

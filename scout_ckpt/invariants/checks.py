@@ -10,10 +10,11 @@ from typing import Any
 
 from scout_ckpt.invariants.specs import Check
 
-SPECTRAL_GRAM_MAX = 1 << 22   # largest Gram matrix (elements) all-reduced for a sharded spectral check
+SPECTRAL_GRAM_MAX = 1 << 22  # largest Gram matrix (elements) all-reduced for a sharded spectral check
 
 
 # ---- tensors as seen from one rank -------------------------------------------------------------------------
+
 
 @dataclass
 class View:
@@ -22,9 +23,9 @@ class View:
     local: Any
     shape: tuple
     offset: tuple
-    replicas: int = 1                      # ranks holding this same piece (Replicate mesh dims)
-    split: frozenset = frozenset()         # tensor dims sharded across ranks
-    unsupported: str | None = None         # why this view cannot be combined (Partial, strided shards)
+    replicas: int = 1  # ranks holding this same piece (Replicate mesh dims)
+    split: frozenset = frozenset()  # tensor dims sharded across ranks
+    unsupported: str | None = None  # why this view cannot be combined (Partial, strided shards)
 
     @property
     def sharded(self) -> bool:
@@ -57,9 +58,11 @@ def _view(value) -> View:
 
 # ---- plans: what each (check, tensor) needs --------------------------------------------------------------
 
+
 @dataclass
 class Local:
     """Decided on this rank: ok=0, fail=1, error=2; value and index describe the worst finding."""
+
     code: int
     value: float = 0.0
     index: float = -1.0
@@ -69,8 +72,9 @@ class Local:
 @dataclass
 class Reduce:
     """Needs a sum over ranks. scalar: per-rank slots (attributable); vector: one summed segment."""
-    partial: Any                        # float64 tensor, already weighted by 1/replicas
-    finalize: Callable[[Any, Any], Local]   # (total, per_rank or None) -> Local
+
+    partial: Any  # float64 tensor, already weighted by 1/replicas
+    finalize: Callable[[Any, Any], Local]  # (total, per_rank or None) -> Local
     scalar: bool = False
 
 
@@ -79,7 +83,7 @@ def _floating(t) -> bool:
 
 
 def _within(value: float, lo: float, hi: float) -> bool:
-    return lo <= value <= hi   # False for NaN
+    return lo <= value <= hi  # False for NaN
 
 
 def _power_sigma(matvec, rmatvec, n: int, iters: int, seed: int) -> float:
@@ -165,6 +169,7 @@ def _frobenius(check: Check, v: View) -> list:
         if _within(n, lo, hi):
             return Local(0, n, expected=r)
         return Local(1, n, expected=r)
+
     return [Reduce(torch.tensor([sumsq / v.replicas], dtype=torch.float64), finalize, scalar=True)]
 
 
@@ -192,10 +197,10 @@ def _spectral(check: Check, v: View) -> list:
         return [Local(2, expected="sharded spectral check needs a 2-D row- or column-sharded matrix")]
     w = t.to(torch.float64)
     m, n = v.shape
-    if v.split == {0} and n * n <= SPECTRAL_GRAM_MAX:      # rows split: A^T A = sum of the ranks' W_r^T W_r
+    if v.split == {0} and n * n <= SPECTRAL_GRAM_MAX:  # rows split: A^T A = sum of the ranks' W_r^T W_r
         gram, dim = torch.zeros(n, n, dtype=torch.float64), n
         gram += w.T @ w
-    elif v.split == {1} and m * m <= SPECTRAL_GRAM_MAX:    # columns split: A A^T = sum of W_r W_r^T
+    elif v.split == {1} and m * m <= SPECTRAL_GRAM_MAX:  # columns split: A A^T = sum of W_r W_r^T
         gram, dim = torch.zeros(m, m, dtype=torch.float64), m
         gram += w @ w.T
     else:
@@ -203,18 +208,23 @@ def _spectral(check: Check, v: View) -> list:
 
     def finalize(total, per_rank):
         return verdict(_sigma_of_gram(total.reshape(dim, dim), a["iters"], a["seed"]))
+
     return [Reduce((gram / v.replicas).reshape(-1), finalize)]
 
 
-def _slices(check: Check, v: View, values, reduce_dim: int, expected, ok: Callable[[Any], Any],
-            transform: Callable[[Any], Any]) -> list:
+def _slices(
+    check: Check, v: View, values, reduce_dim: int, expected, ok: Callable[[Any], Any], transform: Callable[[Any], Any]
+) -> list:
     """Per-slice sums of `values` along reduce_dim of a 2-D view, checked with `ok` after `transform`."""
     import torch
 
     keep = 1 - reduce_dim
-    if reduce_dim not in v.split:       # complete slices on this rank: decide here
-        sums = values.sum(dim=reduce_dim, dtype=torch.float64) if values.numel() else \
-            torch.zeros(values.shape[keep], dtype=torch.float64)
+    if reduce_dim not in v.split:  # complete slices on this rank: decide here
+        sums = (
+            values.sum(dim=reduce_dim, dtype=torch.float64)
+            if values.numel()
+            else torch.zeros(values.shape[keep], dtype=torch.float64)
+        )
         got = transform(sums)
         bad = ~ok(got)
         if not bool(bad.any()):
@@ -226,7 +236,7 @@ def _slices(check: Check, v: View, values, reduce_dim: int, expected, ok: Callab
     full = torch.zeros(v.shape[keep], dtype=torch.float64)
     if values.numel():
         part = values.sum(dim=reduce_dim, dtype=torch.float64) / v.replicas
-        full[v.offset[keep]: v.offset[keep] + part.shape[0]] = part
+        full[v.offset[keep] : v.offset[keep] + part.shape[0]] = part
 
     def finalize(total, per_rank):
         got = transform(total)
@@ -235,6 +245,7 @@ def _slices(check: Check, v: View, values, reduce_dim: int, expected, ok: Callab
             return Local(0)
         i = int(bad.nonzero()[0, 0])
         return Local(1, float(got[i]), float(i), expected)
+
     return [Reduce(full, finalize)]
 
 
@@ -248,8 +259,7 @@ def _oblique(check: Check, v: View) -> list:
     t = _matrix(v.local)
     sq = t.to(torch.float64) ** 2
     reduce_dim = 1 if a["axis"] == "rows" else 0
-    return _slices(check, v, sq, reduce_dim, r, lambda n: (n >= r * (1 - rtol)) & (n <= r * (1 + rtol)),
-                   torch.sqrt)
+    return _slices(check, v, sq, reduce_dim, r, lambda n: (n >= r * (1 - rtol)) & (n <= r * (1 + rtol)), torch.sqrt)
 
 
 def _simplex(check: Check, v: View) -> list:
@@ -259,18 +269,24 @@ def _simplex(check: Check, v: View) -> list:
         return []
     atol = check.args["atol"]
     out = []
-    neg = ~(t >= -atol)                  # local: every element non-negative (NaN fails)
+    neg = ~(t >= -atol)  # local: every element non-negative (NaN fails)
     if bool(neg.any()):
         i = int(neg.reshape(-1).nonzero()[0, 0])
         out.append(Local(1, float(t.reshape(-1)[i]), _global_flat_index(v, i), expected=">= 0"))
     else:
         out.append(Local(0))
-    if len(v.shape) == 1:            # one distribution: a single row
-        vv = View(t.reshape(1, -1), (1,) + v.shape, (0,) + v.offset, v.replicas,
-                  frozenset(d + 1 for d in v.split), v.unsupported)
-    elif len(v.shape) == 2:          # one distribution per row
+    if len(v.shape) == 1:  # one distribution: a single row
+        vv = View(
+            t.reshape(1, -1),
+            (1,) + v.shape,
+            (0,) + v.offset,
+            v.replicas,
+            frozenset(d + 1 for d in v.split),
+            v.unsupported,
+        )
+    elif len(v.shape) == 2:  # one distribution per row
         vv = v
-    elif not v.sharded:              # leading dims flattened: one distribution per last-dim slice
+    elif not v.sharded:  # leading dims flattened: one distribution per last-dim slice
         vv = View(t.reshape(-1, t.shape[-1]), (math.prod(v.shape[:-1]), v.shape[-1]), (0, 0))
     else:
         return out + [Local(2, expected="simplex on a sharded tensor of more than 2 dims")]
@@ -289,5 +305,11 @@ def _monotone(check: Check, value, previous) -> Local:
     return Local(0 if ok else 1, x, expected=(">" if check.args["strict"] else ">=") + f" {previous}")
 
 
-_PLANNERS = {"finite": _finite, "frobenius_sphere": _frobenius, "spectral_sphere": _spectral,
-             "spectral_bound": _spectral, "oblique": _oblique, "simplex": _simplex}
+_PLANNERS = {
+    "finite": _finite,
+    "frobenius_sphere": _frobenius,
+    "spectral_sphere": _spectral,
+    "spectral_bound": _spectral,
+    "oblique": _oblique,
+    "simplex": _simplex,
+}

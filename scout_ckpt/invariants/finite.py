@@ -49,14 +49,22 @@ def _table() -> dict:
     with _LOCK:
         if _RULES:
             return _RULES
-        rules: dict[torch.dtype, tuple] = {torch.float16: ("sum", torch.float32), torch.bfloat16: ("sum", torch.float32),
-                 torch.float32: ("sum", torch.float32), torch.float64: ("sum", torch.float64)}
+        rules: dict[torch.dtype, tuple] = {
+            torch.float16: ("sum", torch.float32),
+            torch.bfloat16: ("sum", torch.float32),
+            torch.float32: ("sum", torch.float32),
+            torch.float64: ("sum", torch.float64),
+        }
         for name in ("complex32", "complex64", "complex128"):
             if hasattr(torch, name):
                 rules[getattr(torch, name)] = ("complex",)
-        for name, mask, pattern in (("float8_e5m2", 0x7C, 0x7C), ("float8_e4m3fn", 0x7F, 0x7F),
-                                    ("float8_e4m3fnuz", 0xFF, 0x80), ("float8_e5m2fnuz", 0xFF, 0x80),
-                                    ("float8_e8m0fnu", 0xFF, 0xFF)):
+        for name, mask, pattern in (
+            ("float8_e5m2", 0x7C, 0x7C),
+            ("float8_e4m3fn", 0x7F, 0x7F),
+            ("float8_e4m3fnuz", 0xFF, 0x80),
+            ("float8_e5m2fnuz", 0xFF, 0x80),
+            ("float8_e8m0fnu", 0xFF, 0xFF),
+        ):
             if hasattr(torch, name):
                 rules[getattr(torch, name)] = ("bits", mask, pattern)
         if hasattr(torch, "float4_e2m1fn_x2"):
@@ -73,7 +81,7 @@ def _rule(dtype) -> tuple:
         return ("widen_complex",)
     if dtype.is_floating_point:
         return ("widen",)
-    return ("never",)   # bool, integers, quantized, bits and sub-byte placeholders
+    return ("never",)  # bool, integers, quantized, bits and sub-byte placeholders
 
 
 def can_be_nonfinite(dtype) -> bool:

@@ -22,14 +22,28 @@ class Param:
 # Each kind: its parameters and the key its glob is stored under.
 KINDS: dict[str, dict[str, Param]] = {
     "finite": {"params": Param("*", kind=str)},
-    "frobenius_sphere": {"params": Param(required=True, kind=str), "radius": Param(required=True),
-                         "rtol": Param(1e-3)},
-    "spectral_sphere": {"params": Param(required=True, kind=str), "radius": Param(required=True),
-                        "rtol": Param(1e-2), "iters": Param(100, kind=int), "seed": Param(0, kind=int)},
-    "spectral_bound": {"params": Param(required=True, kind=str), "lo": Param(0.0), "hi": Param(math.inf),
-                       "rtol": Param(1e-2), "iters": Param(100, kind=int), "seed": Param(0, kind=int)},
-    "oblique": {"params": Param(required=True, kind=str), "axis": Param("rows", kind=str),
-                "radius": Param(1.0), "rtol": Param(1e-3)},
+    "frobenius_sphere": {"params": Param(required=True, kind=str), "radius": Param(required=True), "rtol": Param(1e-3)},
+    "spectral_sphere": {
+        "params": Param(required=True, kind=str),
+        "radius": Param(required=True),
+        "rtol": Param(1e-2),
+        "iters": Param(100, kind=int),
+        "seed": Param(0, kind=int),
+    },
+    "spectral_bound": {
+        "params": Param(required=True, kind=str),
+        "lo": Param(0.0),
+        "hi": Param(math.inf),
+        "rtol": Param(1e-2),
+        "iters": Param(100, kind=int),
+        "seed": Param(0, kind=int),
+    },
+    "oblique": {
+        "params": Param(required=True, kind=str),
+        "axis": Param("rows", kind=str),
+        "radius": Param(1.0),
+        "rtol": Param(1e-3),
+    },
     "simplex": {"path": Param(required=True, kind=str), "atol": Param(1e-5)},
     "monotone": {"path": Param(required=True, kind=str), "strict": Param(False, kind=bool)},
 }
@@ -40,15 +54,22 @@ KINDS: dict[str, dict[str, Param]] = {
 # tightly enough that a flipped exponent or mantissa bit breaks it. `finite` misses a huge but finite flipped
 # exponent and `monotone` looks at one counter, so they never stand in for consensus. A spec may set
 # `vouches=False`; `vouches=True` is refused for the kinds that cannot vouch.
-VOUCHES: dict[str, bool] = {"finite": False, "frobenius_sphere": True, "spectral_sphere": True,
-                            "spectral_bound": True, "oblique": True, "simplex": True, "monotone": False}
+VOUCHES: dict[str, bool] = {
+    "finite": False,
+    "frobenius_sphere": True,
+    "spectral_sphere": True,
+    "spectral_bound": True,
+    "oblique": True,
+    "simplex": True,
+    "monotone": False,
+}
 
 
 @dataclass(frozen=True)
 class Check:
     kind: str
     args: dict = field(hash=False)
-    vouches_override: bool | None = None   # from the spec's `vouches`, if given
+    vouches_override: bool | None = None  # from the spec's `vouches`, if given
 
     @property
     def vouches(self) -> bool:
@@ -76,6 +97,7 @@ class Check:
 
 
 # ---- parsing -----------------------------------------------------------------------------------------------
+
 
 def _coerce(kind: str, key: str, value: Any, p: Param) -> Any:
     if value is None and p.kind is float and key == "hi":
@@ -123,15 +145,18 @@ def _parse_one(spec: dict | str) -> Check:
     raw.pop("check")
     vouches = _coerce(kind, "vouches", raw.pop("vouches"), Param(kind=bool)) if "vouches" in raw else None
     if vouches and not VOUCHES[kind]:
-        raise BadInput(f"invariant {kind} cannot vouch for a tensor's values (vouches=true is only for "
-                       f"{', '.join(k for k, v in VOUCHES.items() if v)})")
-    for alias in ("params", "path"):   # either name is accepted for the glob
+        raise BadInput(
+            f"invariant {kind} cannot vouch for a tensor's values (vouches=true is only for "
+            f"{', '.join(k for k, v in VOUCHES.items() if v)})"
+        )
+    for alias in ("params", "path"):  # either name is accepted for the glob
         if alias in raw and alias != glob_key:
             raw[glob_key] = raw.pop(alias)
     unknown = set(raw) - set(params)
     if unknown:
-        raise BadInput(f"invariant {kind}: unknown parameter(s) {', '.join(sorted(unknown))} "
-                       f"(allowed: {', '.join(params)})")
+        raise BadInput(
+            f"invariant {kind}: unknown parameter(s) {', '.join(sorted(unknown))} (allowed: {', '.join(params)})"
+        )
     args = {}
     for key, p in params.items():
         if key in raw:

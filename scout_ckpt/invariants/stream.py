@@ -28,8 +28,8 @@ from scout_ckpt.invariants.specs import Check
 from scout_ckpt.policy import FAIL, INCONCLUSIVE, PASS, evidence
 
 STREAMABLE = ("finite", "frobenius_sphere")
-_LO, _HI = 1e-20, 1e30   # a float32 piece sum of squares outside this range is recomputed in float64
-SMALL = 1 << 16           # pieces of at most this many elements are summed in float64 (cheap; exact figures)
+_LO, _HI = 1e-20, 1e30  # a float32 piece sum of squares outside this range is recomputed in float64
+SMALL = 1 << 16  # pieces of at most this many elements are summed in float64 (cheap; exact figures)
 
 
 def _floating(dtype) -> bool:
@@ -89,10 +89,10 @@ class TensorStream:
         self.want_sumsq = "frobenius_sphere" in kinds
         self.missing = math.prod(self.size)
         self._lock = threading.Lock()
-        self.bad = 0               # non-finite elements
-        self.first: int | None = None   # flat index (in the whole tensor) of the first one
+        self.bad = 0  # non-finite elements
+        self.first: int | None = None  # flat index (in the whole tensor) of the first one
         self.sumsq = 0.0
-        self.reported = False      # evidence handed out (by the scanner, once)
+        self.reported = False  # evidence handed out (by the scanner, once)
 
     def update(self, piece, scratch: Scratch, start: int = 0, chunk=None) -> None:
         """Check one flat piece (a 1-D tensor of this tensor's dtype): elements [start, start + n) of the chunk
@@ -108,9 +108,9 @@ class TensorStream:
             if self.want_sumsq:
                 real = torch.view_as_real(piece).reshape(-1) if piece.is_complex() else piece
                 sumsq = _sumsq(real, scratch)
-                finite_ok = math.isfinite(sumsq) or None   # not finite: decide below, exactly
+                finite_ok = math.isfinite(sumsq) or None  # not finite: decide below, exactly
             if self.want_finite and finite_ok is None:
-                bad, local = nonfinite(piece)    # the one finite check (finite.py), the writer's too
+                bad, local = nonfinite(piece)  # the one finite check (finite.py), the writer's too
                 if bad:
                     first = self._flat(start + local, chunk)
         with self._lock:
@@ -146,21 +146,48 @@ class TensorStream:
             checked[c.label] += 1
             if c.kind == "finite":
                 if self.bad:
-                    reasons.append({"code": "invariant_failed", "check": c.kind, "spec": c.label,
-                                    "tensor": self.name, "value": float(self.bad), "expected": 0, "ranks": [0],
-                                    "index": int(self.first)})
+                    reasons.append(
+                        {
+                            "code": "invariant_failed",
+                            "check": c.kind,
+                            "spec": c.label,
+                            "tensor": self.name,
+                            "value": float(self.bad),
+                            "expected": 0,
+                            "ranks": [0],
+                            "index": int(self.first),
+                        }
+                    )
             else:
                 r, rtol = c.args["radius"], c.args["rtol"]
                 n = math.sqrt(self.sumsq) if self.sumsq >= 0 else float("nan")
                 if not (r * (1 - rtol) <= n <= r * (1 + rtol)):
-                    reasons.append({"code": "invariant_failed", "check": c.kind, "spec": c.label,
-                                    "tensor": self.name, "value": n if math.isfinite(n) else str(n),
-                                    "expected": r, "ranks": [0]})
-        errors = [{"code": "invariant_no_match", "check": c.kind, "spec": c.label,
-                   "detail": f"no tensor matches {c.glob!r}"} for c in self.checks if not checked[c.label]]
+                    reasons.append(
+                        {
+                            "code": "invariant_failed",
+                            "check": c.kind,
+                            "spec": c.label,
+                            "tensor": self.name,
+                            "value": n if math.isfinite(n) else str(n),
+                            "expected": r,
+                            "ranks": [0],
+                        }
+                    )
+        errors = [
+            {"code": "invariant_no_match", "check": c.kind, "spec": c.label, "detail": f"no tensor matches {c.glob!r}"}
+            for c in self.checks
+            if not checked[c.label]
+        ]
         status = FAIL if reasons else INCONCLUSIVE if errors else PASS
-        return evidence(status, reasons + errors, checks=[c.spec for c in self.checks], checked=checked, values={},
-                        collectives=0, reduced_floats=0)
+        return evidence(
+            status,
+            reasons + errors,
+            checks=[c.spec for c in self.checks],
+            checked=checked,
+            values={},
+            collectives=0,
+            reduced_floats=0,
+        )
 
 
 def _sumsq(x, scratch: Scratch) -> float:
@@ -173,13 +200,13 @@ def _sumsq(x, scratch: Scratch) -> float:
     sq = scratch.get(x.numel())
     if x.dtype == torch.float32:
         torch.mul(x, x, out=sq)
-    else:                      # bf16, fp16 (and float8): widen exactly, then square
+    else:  # bf16, fp16 (and float8): widen exactly, then square
         sq.copy_(x)
         sq.mul_(sq)
     s = float(sq.sum())
     if _LO <= s <= _HI:
         return s
-    if s == 0.0 and not bool(x.any()):   # all zeros: exact
+    if s == 0.0 and not bool(x.any()):  # all zeros: exact
         return 0.0
     return _sumsq64(x)
 

@@ -62,7 +62,7 @@ _HEADER_FDS: dict[tuple[int, int], int] = {}
 
 
 def header_journal(path: Path) -> str | None:
-    """"wal" or "delete" from the database header (bytes 18-19: 2 = WAL, 1 = rollback journal) without opening
+    """ "wal" or "delete" from the database header (bytes 18-19: 2 = WAL, 1 = rollback journal) without opening
     it with SQLite; None if it is not an SQLite file (or empty). Reads through a descriptor this process keeps
     open (see _HEADER_FDS): never a close() that would drop a connection's locks."""
     try:
@@ -109,7 +109,7 @@ class LedgerConnection:
         self._lock = threading.RLock()
         self.journal: dict = {}  # fsdetect.choose_journal's answer for this ledger's directory
         self.on_close: list = []  # called once at close (a job's run lease, ops/startup.py)
-        self.run_lease: Any = None     # a job's coordinator: its run lease (ops/startup.py), checked before each save
+        self.run_lease: Any = None  # a job's coordinator: its run lease (ops/startup.py), checked before each save
 
     @property
     def db(self) -> "sqlite_utils.Database":
@@ -133,8 +133,15 @@ class LedgerConnection:
     # ---- opening -------------------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls: type[_L], root: str | os.PathLike, *, readonly: bool = False, create: bool = False,
-             journal: str | None = None, busy_timeout: float | None = None) -> _L:
+    def open(
+        cls: type[_L],
+        root: str | os.PathLike,
+        *,
+        readonly: bool = False,
+        create: bool = False,
+        journal: str | None = None,
+        busy_timeout: float | None = None,
+    ) -> _L:
         """`journal`: "auto" (default; SCOUT_CKPT_LEDGER_JOURNAL overrides it), "wal" or "delete", for writers
         (fsdetect.choose_journal). `busy_timeout` (seconds): at most this long a wait for a lock (best-effort
         writers that must not hold up a restart). Raises LedgerError (exit 2) for a missing or foreign file, LedgerUnavailable
@@ -148,9 +155,10 @@ class LedgerConnection:
         if not create and (not path.exists() or (path.is_file() and path.stat().st_size == 0)):
             what = "missing" if not path.exists() else "empty"
             beside = record_beside(root)
-            if beside:   # lost beside a run's record: readers fall back to it, writers say how to recover
-                raise LedgerUnavailable(f"{path}: {what} beside {beside}; `scout-ckpt ledger rebuild {root}` "
-                                        "recreates it from them")
+            if beside:  # lost beside a run's record: readers fall back to it, writers say how to recover
+                raise LedgerUnavailable(
+                    f"{path}: {what} beside {beside}; `scout-ckpt ledger rebuild {root}` recreates it from them"
+                )
             if what == "missing":
                 raise LedgerError(f"{root}: no scout-ckpt ledger here ({LEDGER_NAME} missing)")
         if path.exists() and not path.is_file():
@@ -161,18 +169,27 @@ class LedgerConnection:
 
             logging.getLogger("scout_ckpt").warning(
                 "%s: mounted with %s: file locks do not reach other hosts; keep every ledger writer on one host",
-                root, ",".join(choice["local_lock_options"]))
-        if readonly and header_journal(path) == "wal" and fsdetect.is_network(choice["fstype"]) \
-                and choice["requested"] != "wal":
-            raise LedgerUnavailable(f"{path}: a WAL ledger on {choice['fstype']} (a network filesystem) cannot be "
-                                    "read safely from another host; its next writer switches it to DELETE")
+                root,
+                ",".join(choice["local_lock_options"]),
+            )
+        if (
+            readonly
+            and header_journal(path) == "wal"
+            and fsdetect.is_network(choice["fstype"])
+            and choice["requested"] != "wal"
+        ):
+            raise LedgerUnavailable(
+                f"{path}: a WAL ledger on {choice['fstype']} (a network filesystem) cannot be "
+                "read safely from another host; its next writer switches it to DELETE"
+            )
         timeout = _busy_timeout(readonly)
         if busy_timeout is not None:
             timeout = min(timeout, busy_timeout)
         try:
             if readonly:
-                conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=timeout, isolation_level=None,
-                                       check_same_thread=False)
+                conn = sqlite3.connect(
+                    f"file:{path}?mode=ro", uri=True, timeout=timeout, isolation_level=None, check_same_thread=False
+                )
             else:
                 conn = sqlite3.connect(str(path), timeout=timeout, isolation_level=None, check_same_thread=False)
             conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
@@ -207,7 +224,8 @@ class LedgerConnection:
         if got != want:
             raise LedgerUnavailable(
                 f"{self.path}: cannot switch the ledger from {current} to {want} journal mode ({choice['why']}; "
-                f"got {got}): another process holds it open; retry when it has closed")
+                f"got {got}): another process holds it open; retry when it has closed"
+            )
 
     def _version(self) -> int:
         tables = {r["name"] for r in self._query("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -225,29 +243,37 @@ class LedgerConnection:
         if version > SCHEMA_VERSION:
             raise LedgerError(
                 f"{self.path}: ledger schema v{version} is newer than this scout-ckpt understands "
-                f"(v{SCHEMA_VERSION}); upgrade scout-ckpt")
+                f"(v{SCHEMA_VERSION}); upgrade scout-ckpt"
+            )
         if version == SCHEMA_VERSION:
             if not self.readonly:
                 self._ensure_aux()
             return
         if self.readonly or (version == 0 and not create):
-            raise LedgerError(f"{self.path}: ledger schema v{version} needs migration to v{SCHEMA_VERSION}; "
-                              "run a read-write command (e.g. certify) first")
+            raise LedgerError(
+                f"{self.path}: ledger schema v{version} needs migration to v{SCHEMA_VERSION}; "
+                "run a read-write command (e.g. certify) first"
+            )
         with self.write():
             version = self._version()  # re-read under the write lock: another process may have migrated
             for i in range(version, SCHEMA_VERSION):
                 for stmt in MIGRATIONS[i].split(";"):
                     if stmt.strip():
                         self.conn.execute(stmt)
-            self.conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', ?)",
-                              (str(SCHEMA_VERSION),))
+            self.conn.execute(
+                "INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+            )
         self._ensure_aux()
 
     def _ensure_aux(self) -> None:
         """Create the side tables and indexes (schema.AUX_TABLES) that are missing; one read when none is."""
         have = {r["name"] for r in self._query("SELECT name FROM sqlite_master WHERE type IN ('table', 'index')")}
-        names = {"run_ranks": "run_ranks", "files_rank_index": "files_rank",
-                 "certifications_step_index": "certifications_step", "events_run_index": "events_run"}
+        names = {
+            "run_ranks": "run_ranks",
+            "files_rank_index": "files_rank",
+            "certifications_step_index": "certifications_step",
+            "events_run_index": "events_run",
+        }
         missing = [ddl for key, ddl in AUX_TABLES.items() if names.get(key, key) not in have]
         if missing:
             with self.write():
@@ -255,8 +281,10 @@ class LedgerConnection:
                     self.conn.execute(ddl)
 
     def _has_table(self, name: str) -> bool:
-        return self.conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone() \
+        return (
+            self.conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone()
             is not None
+        )
 
     def close(self) -> None:
         self.conn.close()

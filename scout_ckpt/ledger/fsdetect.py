@@ -34,23 +34,101 @@ FSTYPE_ENV = "SCOUT_CKPT_FSTYPE"
 MODES = ("auto", "wal", "delete")
 
 # Local, block-device or memory filesystems on which WAL's shared-memory index is sound.
-LOCAL_TYPES = frozenset({
-    "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "jfs", "reiserfs", "bcachefs", "tmpfs", "ramfs",
-    "overlay", "overlayfs", "vfat", "exfat", "ntfs", "ntfs3", "hfs", "hfsplus", "apfs", "squashfs", "erofs",
-    "devtmpfs", "nilfs2", "udf", "iso9660", "rootfs", "shm"})
+LOCAL_TYPES = frozenset(
+    {
+        "ext2",
+        "ext3",
+        "ext4",
+        "xfs",
+        "btrfs",
+        "zfs",
+        "f2fs",
+        "jfs",
+        "reiserfs",
+        "bcachefs",
+        "tmpfs",
+        "ramfs",
+        "overlay",
+        "overlayfs",
+        "vfat",
+        "exfat",
+        "ntfs",
+        "ntfs3",
+        "hfs",
+        "hfsplus",
+        "apfs",
+        "squashfs",
+        "erofs",
+        "devtmpfs",
+        "nilfs2",
+        "udf",
+        "iso9660",
+        "rootfs",
+        "shm",
+    }
+)
 # Known network / cluster / FUSE types (documentation and tests; anything not local counts as network anyway).
-NETWORK_TYPES = frozenset({
-    "nfs", "nfs4", "cifs", "smb", "smb2", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "cephfs",
-    "9p", "glusterfs", "afs", "ocfs2", "gfs2", "orangefs", "pvfs2", "panfs", "wekafs", "virtiofs", "fuse",
-    "fuseblk", "davfs", "sshfs", "s3fs", "gcsfuse", "juicefs", "quobyte", "vboxsf", "nfsd"})
+NETWORK_TYPES = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb",
+        "smb2",
+        "smb3",
+        "smbfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "cephfs",
+        "9p",
+        "glusterfs",
+        "afs",
+        "ocfs2",
+        "gfs2",
+        "orangefs",
+        "pvfs2",
+        "panfs",
+        "wekafs",
+        "virtiofs",
+        "fuse",
+        "fuseblk",
+        "davfs",
+        "sshfs",
+        "s3fs",
+        "gcsfuse",
+        "juicefs",
+        "quobyte",
+        "vboxsf",
+        "nfsd",
+    }
+)
 
 # statfs(2) f_type magic numbers (linux/magic.h and the filesystems' own headers), used when mountinfo is absent.
 _MAGIC = {
-    0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x2FC12FC1: "zfs", 0x01021994: "tmpfs",
-    0x858458F6: "ramfs", 0x794C7630: "overlay", 0xF2F52010: "f2fs",
-    0x6969: "nfs", 0x517B: "smb", 0xFF534D42: "cifs", 0xFE534D42: "smb2", 0x0BD00BD0: "lustre",
-    0x47504653: "gpfs", 0x19830326: "beegfs", 0x00C36400: "ceph", 0x01021997: "9p", 0x65735546: "fuse",
-    0x5346414F: "afs", 0x7461636F: "ocfs2", 0x01161970: "gfs2", 0x6E667364: "nfsd",
+    0xEF53: "ext4",
+    0x58465342: "xfs",
+    0x9123683E: "btrfs",
+    0x2FC12FC1: "zfs",
+    0x01021994: "tmpfs",
+    0x858458F6: "ramfs",
+    0x794C7630: "overlay",
+    0xF2F52010: "f2fs",
+    0x6969: "nfs",
+    0x517B: "smb",
+    0xFF534D42: "cifs",
+    0xFE534D42: "smb2",
+    0x0BD00BD0: "lustre",
+    0x47504653: "gpfs",
+    0x19830326: "beegfs",
+    0x00C36400: "ceph",
+    0x01021997: "9p",
+    0x65735546: "fuse",
+    0x5346414F: "afs",
+    0x7461636F: "ocfs2",
+    0x01161970: "gfs2",
+    0x6E667364: "nfsd",
 }
 
 
@@ -64,8 +142,8 @@ def _unescape(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as \\040, \\011, \\012, \\134."""
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and len(field[i + 1:i + 4]) == 3 and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
+        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
             i += 4
         else:
             out.append(field[i])
@@ -149,7 +227,7 @@ def fs_type(path: str | os.PathLike, *, mountinfo: str | None = None) -> str:
     if forced:
         return forced
     p, tail = Path(os.path.abspath(path)), list[str]()
-    while not p.exists() and p != p.parent:   # a ROOT not created yet: its nearest existing ancestor decides
+    while not p.exists() and p != p.parent:  # a ROOT not created yet: its nearest existing ancestor decides
         tail.insert(0, p.name)
         p = p.parent
     real = os.path.join(os.path.realpath(p), *tail)
@@ -175,17 +253,25 @@ def resolve_mode(requested: str | None) -> str:
     return mode
 
 
-def choose_journal(root: str | os.PathLike, requested: str | None = None, *,
-                   mountinfo: str | None = None) -> dict:
+def choose_journal(root: str | os.PathLike, requested: str | None = None, *, mountinfo: str | None = None) -> dict:
     """{"mode": "wal"|"delete", "requested", "fstype", "why"}: the journal mode for a ledger under `root`."""
     req = resolve_mode(requested)
     fstype = fs_type(root, mountinfo=mountinfo)
     network = is_network(fstype)
-    local_locks = sorted(o for o in mount_options(root, mountinfo=mountinfo) if o in LOCAL_LOCK_OPTIONS) \
-        if network else []
-    out = {"mode": req, "requested": req, "fstype": fstype, "why": "requested",
-           "cross_host_locks": not local_locks, "local_lock_options": local_locks}
+    local_locks = (
+        sorted(o for o in mount_options(root, mountinfo=mountinfo) if o in LOCAL_LOCK_OPTIONS) if network else []
+    )
+    out = {
+        "mode": req,
+        "requested": req,
+        "fstype": fstype,
+        "why": "requested",
+        "cross_host_locks": not local_locks,
+        "local_lock_options": local_locks,
+    }
     if req == "auto":
-        out.update(mode="delete" if network else "wal",
-                   why=f"{fstype} is {'a network, FUSE or unknown' if network else 'a local'} filesystem")
+        out.update(
+            mode="delete" if network else "wal",
+            why=f"{fstype} is {'a network, FUSE or unknown' if network else 'a local'} filesystem",
+        )
     return out

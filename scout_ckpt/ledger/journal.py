@@ -57,17 +57,17 @@ def append(root: str | os.PathLike, record: dict) -> dict:
     created = not p.exists()
     fd = os.open(p, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)   # the seq, the link and the line are one step for every appender
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the seq, the link and the line are one step for every appender
         record["seq"], last = _next_seq(fd)
         record["prev"] = link(last) if last is not None else ""
         data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
         size = os.fstat(fd).st_size
-        if size and os.pread(fd, 1, size - 1) != b"\n":   # a torn last line (power loss): end it, keep ours whole
+        if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn last line (power loss): end it, keep ours whole
             data = b"\n" + data
         os.write(fd, data)
         os.fsync(fd)
     finally:
-        os.close(fd)   # releases the flock
+        os.close(fd)  # releases the flock
     if created:
         fsync_dir(p.parent)
     # An object-store run's ledger_dir may be lost with its node: the record is copied beside the checkpoints too
@@ -101,7 +101,7 @@ def _next_seq(fd: int) -> tuple[int, dict | None]:
     record's "prev" links to (None for an empty journal)."""
     size = os.fstat(fd).st_size
     tail = os.pread(fd, min(size, _TAIL), max(0, size - _TAIL))
-    lines = tail.splitlines()[1 if size > _TAIL else 0:]   # the first line of a tail may be cut
+    lines = tail.splitlines()[1 if size > _TAIL else 0 :]  # the first line of a tail may be cut
     for line in reversed(lines):
         rec = _parse(line)
         if rec is not None and isinstance(rec.get("seq"), int):
@@ -131,9 +131,14 @@ def verify(records: list[dict]) -> dict:
             chained += 1
             if prev != (link(before) if before is not None else ""):
                 where = rec.get("seq")
-                return {"intact": False, "records": len(recs), "chained": chained, "broken_at": where,
-                        "detail": f"record seq {where} (step {rec.get('step')}, {rec.get('kind')}) does not name "
-                                  "the record before it: a record was edited or removed there"}
+                return {
+                    "intact": False,
+                    "records": len(recs),
+                    "chained": chained,
+                    "broken_at": where,
+                    "detail": f"record seq {where} (step {rec.get('step')}, {rec.get('kind')}) does not name "
+                    "the record before it: a record was edited or removed there",
+                }
         before = rec
     return {"intact": True, "records": len(recs), "chained": chained, "broken_at": None, "detail": ""}
 
@@ -141,8 +146,9 @@ def verify(records: list[dict]) -> dict:
 def ordered(records: list[dict]) -> list[dict]:
     """Records in the root's order: those without a seq (written before it existed) first, in the order given
     (file order); then the numbered ones by seq (a stable sort: a seq seen twice keeps the order given)."""
-    keyed = sorted(enumerate(records), key=lambda e: (1, e[1]["seq"], e[0]) if isinstance(e[1].get("seq"), int)
-                   else (0, 0, e[0]))
+    keyed = sorted(
+        enumerate(records), key=lambda e: (1, e[1]["seq"], e[0]) if isinstance(e[1].get("seq"), int) else (0, 0, e[0])
+    )
     return [r for _, r in keyed]
 
 
@@ -194,12 +200,29 @@ def read(root: str | os.PathLike) -> list[dict]:
     return out
 
 
-def journal_verdict(root: str | os.PathLike, step: int, attempt: str | None, manifest_digest: str | None,
-                    state: str, reasons: list[dict], source: str) -> dict:
+def journal_verdict(
+    root: str | os.PathLike,
+    step: int,
+    attempt: str | None,
+    manifest_digest: str | None,
+    state: str,
+    reasons: list[dict],
+    source: str,
+) -> dict:
     """Record a verdict applied in the ledger (a commit, certify, a failed re-verification, a load mismatch).
     Call it after the ledger write succeeded: a verdict the ledger refused is not a verdict."""
-    return append(root, {"kind": "verdict", "step": step, "attempt": attempt, "manifest_digest": manifest_digest,
-                         "state": state, "reasons": reasons, "source": source})
+    return append(
+        root,
+        {
+            "kind": "verdict",
+            "step": step,
+            "attempt": attempt,
+            "manifest_digest": manifest_digest,
+            "state": state,
+            "reasons": reasons,
+            "source": source,
+        },
+    )
 
 
 def standing(records: list[dict], step: int, digest: str | None) -> dict:
@@ -230,8 +253,17 @@ def standing(records: list[dict], step: int, digest: str | None) -> dict:
     return {"state": state, "reasons": reasons, "certified": certified, "quarantine": quarantine}
 
 
-def record_transition(ledger, root: str | os.PathLike, step: int, to: str, reasons: list[dict], *, source: str,
-                      expect: str | tuple[str, ...], attempt: str | None = None) -> bool:
+def record_transition(
+    ledger,
+    root: str | os.PathLike,
+    step: int,
+    to: str,
+    reasons: list[dict],
+    *,
+    source: str,
+    expect: str | tuple[str, ...],
+    attempt: str | None = None,
+) -> bool:
     """`ledger.transition` and its verdict in the journal (with the row's attempt and manifest digest). The one
     call for a verdict change outside a commit.
 

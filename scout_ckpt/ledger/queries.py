@@ -74,11 +74,13 @@ class LedgerQueries(LedgerConnection):
     def latest(self, state: str = "certified", below: int | None = None) -> dict | None:
         """The newest checkpoint in `state` (strictly below `below` if given). Uses the (state, step) index."""
         if below is None:
-            rows = list(self._query(
-                "SELECT * FROM checkpoints WHERE state=? ORDER BY step DESC LIMIT 1", [state]))
+            rows = list(self._query("SELECT * FROM checkpoints WHERE state=? ORDER BY step DESC LIMIT 1", [state]))
         else:
-            rows = list(self._query(
-                "SELECT * FROM checkpoints WHERE state=? AND step<? ORDER BY step DESC LIMIT 1", [state, below]))
+            rows = list(
+                self._query(
+                    "SELECT * FROM checkpoints WHERE state=? AND step<? ORDER BY step DESC LIMIT 1", [state, below]
+                )
+            )
         return decode(rows[0]) if rows else None
 
     def files(self, step: int) -> list[dict]:
@@ -97,8 +99,11 @@ class LedgerQueries(LedgerConnection):
         (bench/scale.py)."""
         out: dict[int, dict[str, dict]] = {}
         for r in self._query("SELECT step, kind, status, source, recorded FROM evidence ORDER BY step, kind"):
-            out.setdefault(r["step"], {})[r["kind"]] = {"status": r["status"], "source": r["source"],
-                                                        "recorded": r["recorded"]}
+            out.setdefault(r["step"], {})[r["kind"]] = {
+                "status": r["status"],
+                "source": r["source"],
+                "recorded": r["recorded"],
+            }
         return out
 
     def certifications(self, step: int | None = None, *, all_outcomes: bool = False) -> list[dict]:

@@ -46,13 +46,30 @@ class Ledger(LedgerQueries):
 
     # ---- runs ----------------------------------------------------------------------------------------------
 
-    def begin_run(self, run_id: str, *, world_size: int, topology: dict, policy: dict,
-                  versions: dict | None = None, resumed_from: int | None = None) -> None:
+    def begin_run(
+        self,
+        run_id: str,
+        *,
+        world_size: int,
+        topology: dict,
+        policy: dict,
+        versions: dict | None = None,
+        resumed_from: int | None = None,
+    ) -> None:
         with self.write():
-            self.db["runs"].insert({
-                "id": run_id, "started": time.time(), "world_size": world_size, "topology": _dumps(topology),
-                "policy": _dumps(policy), "versions": _dumps(versions or {}), "resumed_from": resumed_from,
-                "host": socket.gethostname()}, replace=True)
+            self.db["runs"].insert(
+                {
+                    "id": run_id,
+                    "started": time.time(),
+                    "world_size": world_size,
+                    "topology": _dumps(topology),
+                    "policy": _dumps(policy),
+                    "versions": _dumps(versions or {}),
+                    "resumed_from": resumed_from,
+                    "host": socket.gethostname(),
+                },
+                replace=True,
+            )
 
     def set_resumed_from(self, run_id: str, step: int | None) -> None:
         with self.write():
@@ -60,8 +77,17 @@ class Ledger(LedgerQueries):
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
-    def record_writing(self, step: int, run_id: str, attempt: str, path: str, owner: dict | None = None, *,
-                       source: str = "save", keep_certified: bool = False) -> None:
+    def record_writing(
+        self,
+        step: int,
+        run_id: str,
+        attempt: str,
+        path: str,
+        owner: dict | None = None,
+        *,
+        source: str = "save",
+        keep_certified: bool = False,
+    ) -> None:
         """The row written before DCP starts: an interrupted save leaves this record and no step dir.
 
         A quarantined step is refused (`Quarantined`, recorded in the history as 'refused'): the operator's
@@ -78,34 +104,72 @@ class Ledger(LedgerQueries):
             row = self.checkpoint(step)
             copy = tiers.row(self, step)
             if (row is None or row["state"] != "quarantined") and copy is not None and copy["state"] == "quarantined":
-                row = {**copy, "attempt": None}   # a step quarantined in the fast tier is quarantined: no save
-            refused = row is not None and (row["state"] == "quarantined"
-                                           or (keep_certified and row["state"] == "certified"))
+                row = {**copy, "attempt": None}  # a step quarantined in the fast tier is quarantined: no save
+            refused = row is not None and (
+                row["state"] == "quarantined" or (keep_certified and row["state"] == "certified")
+            )
             if refused:
-                self._certification(step, "writing", [{"code": row["state"], "attempt": row["attempt"]}],
-                                    source, attempt=attempt, outcome=REFUSED)
+                self._certification(
+                    step,
+                    "writing",
+                    [{"code": row["state"], "attempt": row["attempt"]}],
+                    source,
+                    attempt=attempt,
+                    outcome=REFUSED,
+                )
             else:
                 now = time.time()
                 self.conn.execute("DELETE FROM files WHERE step=?", (step,))
                 self.conn.execute("DELETE FROM evidence WHERE step=?", (step,))
-                self.db["checkpoints"].insert({
-                    "step": step, "run_id": run_id, "state": "writing", "path": path, "bytes": None,
-                    "attempt": attempt, "started": now, "committed": None, "updated": now,
-                    "manifest_digest": None, "reasons": "[]", "owner_host": owner.get("host"),
-                    "owner_pid": owner.get("pid"), "owner_start": owner.get("start")}, replace=True)
+                self.db["checkpoints"].insert(
+                    {
+                        "step": step,
+                        "run_id": run_id,
+                        "state": "writing",
+                        "path": path,
+                        "bytes": None,
+                        "attempt": attempt,
+                        "started": now,
+                        "committed": None,
+                        "updated": now,
+                        "manifest_digest": None,
+                        "reasons": "[]",
+                        "owner_host": owner.get("host"),
+                        "owner_pid": owner.get("pid"),
+                        "owner_start": owner.get("start"),
+                    },
+                    replace=True,
+                )
                 self._certification(step, "writing", [], source, attempt=attempt)
         if refused and row["state"] == "certified":
-            raise CertifiedStep(f"step {step} is certified (attempt {row['attempt']}); a save does not replace a "
-                                "certified checkpoint: load it with load_latest_clean, or give a run that starts "
-                                "afresh its own ROOT")
+            raise CertifiedStep(
+                f"step {step} is certified (attempt {row['attempt']}); a save does not replace a "
+                "certified checkpoint: load it with load_latest_clean, or give a run that starts "
+                "afresh its own ROOT"
+            )
         if refused:
             reason = next((r.get("detail") for r in row["reasons"] or [] if r.get("code") == "quarantined"), None)
-            raise Quarantined(f"step {step} is quarantined" + (f" ({reason})" if reason else "")
-                              + "; `scout-ckpt release` it before saving that step again")
+            raise Quarantined(
+                f"step {step} is quarantined"
+                + (f" ({reason})" if reason else "")
+                + "; `scout-ckpt release` it before saving that step again"
+            )
 
-    def record_commit(self, step: int, *, run_id: str | None, path: str, nbytes: int, manifest_digest: str,
-                      files: list[dict], evidence: dict[str, dict], state: str, reasons: list[dict],
-                      source: str = "save", attempt: str | None = None) -> bool:
+    def record_commit(
+        self,
+        step: int,
+        *,
+        run_id: str | None,
+        path: str,
+        nbytes: int,
+        manifest_digest: str,
+        files: list[dict],
+        evidence: dict[str, dict],
+        state: str,
+        reasons: list[dict],
+        source: str = "save",
+        attempt: str | None = None,
+    ) -> bool:
         """Files, evidence and verdict of a committed checkpoint, in one transaction; compare-and-set.
 
         Applies only if the row is `writing` with this attempt, and returns True. Otherwise the verdict is kept in
@@ -124,41 +188,70 @@ class Ledger(LedgerQueries):
             if same_attempt:
                 self.conn.execute("DELETE FROM files WHERE step=?", (step,))
                 self.db["files"].insert_all(
-                    [{"step": step, "path": f["path"], "size": f["size"], "digest": f["digest"],
-                      "rank": f.get("rank")} for f in files])
+                    [
+                        {
+                            "step": step,
+                            "path": f["path"],
+                            "size": f["size"],
+                            "digest": f["digest"],
+                            "rank": f.get("rank"),
+                        }
+                        for f in files
+                    ]
+                )
                 self.put_evidence(step, evidence, source=source)
                 self.conn.execute(
                     "UPDATE checkpoints SET run_id=?, path=?, bytes=?, committed=?, updated=?, manifest_digest=? "
-                    "WHERE step=? AND attempt=?", (run_id, path, nbytes, now, now, manifest_digest, step, attempt))
+                    "WHERE step=? AND attempt=?",
+                    (run_id, path, nbytes, now, now, manifest_digest, step, attempt),
+                )
             if applied:
-                self.conn.execute("UPDATE checkpoints SET state=?, reasons=?, owner_host=NULL, owner_pid=NULL, "
-                                  "owner_start=NULL WHERE step=? AND state='writing' AND attempt=?",
-                                  (state, _dumps(reasons), step, attempt))
+                self.conn.execute(
+                    "UPDATE checkpoints SET state=?, reasons=?, owner_host=NULL, owner_pid=NULL, "
+                    "owner_start=NULL WHERE step=? AND state='writing' AND attempt=?",
+                    (state, _dumps(reasons), step, attempt),
+                )
                 self._certification(step, state, reasons, source, attempt=attempt)
             else:
-                self._certification(step, state, reasons + [_found(row)], source, attempt=attempt,
-                                    outcome=SUPERSEDED)
+                self._certification(step, state, reasons + [_found(row)], source, attempt=attempt, outcome=SUPERSEDED)
         return applied
 
     def put_evidence(self, step: int, evidence: dict[str, dict], source: str) -> None:
         now = time.time()
         with self.write():
             for kind, ev in evidence.items():
-                self.db["evidence"].insert({
-                    "step": step, "kind": kind, "status": ev["status"],
-                    "detail": _dumps({k: v for k, v in ev.items() if k != "status"}),
-                    "source": source, "recorded": now}, replace=True)
+                self.db["evidence"].insert(
+                    {
+                        "step": step,
+                        "kind": kind,
+                        "status": ev["status"],
+                        "detail": _dumps({k: v for k, v in ev.items() if k != "status"}),
+                        "source": source,
+                        "recorded": now,
+                    },
+                    replace=True,
+                )
 
     def mark_checked(self, step: int, kinds: tuple[str, ...], source: str) -> None:
         """Evidence that passed again (e.g. `resume` re-hashed the bytes): only who checked it and when change.
         Plain SQL, no sqlite-utils: `resume` stays fast."""
         with self.write():
             for kind in kinds:
-                self.conn.execute("UPDATE evidence SET source=?, recorded=? WHERE step=? AND kind=?",
-                                  (source, time.time(), step, kind))
+                self.conn.execute(
+                    "UPDATE evidence SET source=?, recorded=? WHERE step=? AND kind=?",
+                    (source, time.time(), step, kind),
+                )
 
-    def transition(self, step: int, to: str, reasons: list[dict], *, source: str,
-                   expect: str | tuple[str, ...], attempt: str | None = None) -> bool:
+    def transition(
+        self,
+        step: int,
+        to: str,
+        reasons: list[dict],
+        *,
+        source: str,
+        expect: str | tuple[str, ...],
+        attempt: str | None = None,
+    ) -> bool:
         """Compare-and-set state change: `UPDATE ... WHERE step=? AND state IN expect [AND attempt=?]`.
 
         `expect` is the state (or states) the caller based its verdict on; `attempt`, if given, the save
@@ -184,8 +277,14 @@ class Ledger(LedgerQueries):
             if applied:
                 self._certification(step, to, reasons, source, attempt=row["attempt"])
             else:
-                self._certification(step, to, reasons + [_found(row)], source,
-                                    attempt=attempt or (row or {}).get("attempt"), outcome=SUPERSEDED)
+                self._certification(
+                    step,
+                    to,
+                    reasons + [_found(row)],
+                    source,
+                    attempt=attempt or (row or {}).get("attempt"),
+                    outcome=SUPERSEDED,
+                )
         return applied
 
     def set_state(self, step: int, state: str, reasons: list[dict], source: str) -> None:
@@ -193,16 +292,34 @@ class Ledger(LedgerQueries):
         refuses moves the state machine does not allow and does not overwrite a row that changed meanwhile)."""
         assert state in STATES, state
         with self.write():
-            self.conn.execute("UPDATE checkpoints SET state=?, reasons=?, updated=? WHERE step=?",
-                              (state, _dumps(reasons), time.time(), step))
+            self.conn.execute(
+                "UPDATE checkpoints SET state=?, reasons=?, updated=? WHERE step=?",
+                (state, _dumps(reasons), time.time(), step),
+            )
             row = self.checkpoint(step)
             self._certification(step, state, reasons, source, attempt=(row or {}).get("attempt"))
 
-    def _certification(self, step: int, state: str, reasons: list[dict], source: str, *,
-                       attempt: str | None = None, outcome: str = APPLIED) -> None:
+    def _certification(
+        self,
+        step: int,
+        state: str,
+        reasons: list[dict],
+        source: str,
+        *,
+        attempt: str | None = None,
+        outcome: str = APPLIED,
+    ) -> None:
         self.db["certifications"].insert(
-            {"step": step, "time": time.time(), "source": source, "state": state, "reasons": _dumps(reasons),
-             "attempt": attempt, "outcome": outcome})
+            {
+                "step": step,
+                "time": time.time(),
+                "source": source,
+                "state": state,
+                "reasons": _dumps(reasons),
+                "attempt": attempt,
+                "outcome": outcome,
+            }
+        )
 
     # ---- where ranks ran ------------------------------------------------------------------------------------
 
@@ -214,13 +331,24 @@ class Ledger(LedgerQueries):
             self.conn.executemany(
                 "INSERT OR REPLACE INTO run_ranks(run_id, rank, host, node_rank, local_rank, pid, detail) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [(run_id, *(r.get(k) for k in base), _dumps({k: v for k, v in r.items() if k not in base}))
-                 for r in rows])
+                [
+                    (run_id, *(r.get(k) for k in base), _dumps({k: v for k, v in r.items() if k not in base}))
+                    for r in rows
+                ],
+            )
 
     # ---- events and replays --------------------------------------------------------------------------------
 
-    def add_event(self, kind: str, *, step: int | None = None, ranks: list[int] | None = None,
-                  detail: dict | None = None, run_id: str | None = None, when: float | None = None) -> int:
+    def add_event(
+        self,
+        kind: str,
+        *,
+        step: int | None = None,
+        ranks: list[int] | None = None,
+        detail: dict | None = None,
+        run_id: str | None = None,
+        when: float | None = None,
+    ) -> int:
         """One event. Where the run recorded its ranks' places (record_ranks) and the detail does not say, the
         event's detail gains "nodes": {rank: "host/node N/local L"} for its ranks, so `report` names the node of
         a dead or hung rank in a multi-node job, and "devices": {rank: {"host", "local_rank", "device", "uuid",
@@ -231,18 +359,41 @@ class Ledger(LedgerQueries):
             if places:
                 detail["nodes"] = {str(p["rank"]): place_text(p) for p in places}
                 devices = {str(p["rank"]): p["device"] for p in places if p.get("device")}
-                if devices:   # the hardware each named rank ran on (fleet/identity.py): what an operator drains
+                if devices:  # the hardware each named rank ran on (fleet/identity.py): what an operator drains
                     detail["devices"] = devices
         with self.write():
-            return self.db["events"].insert({
-                "time": when if when is not None else time.time(), "run_id": run_id, "kind": kind, "step": step,
-                "ranks": _dumps(sorted(ranks or [])), "detail": _dumps(detail or {})}).last_pk
+            return (
+                self.db["events"]
+                .insert(
+                    {
+                        "time": when if when is not None else time.time(),
+                        "run_id": run_id,
+                        "kind": kind,
+                        "step": step,
+                        "ranks": _dumps(sorted(ranks or [])),
+                        "detail": _dumps(detail or {}),
+                    }
+                )
+                .last_pk
+            )
 
     def add_replays(self, rows: list[dict]) -> None:
         """Replay outcomes: {run_id, step, recipe, target, status, ranks, duration_s, detail}."""
         now = time.time()
         with self.write():
-            self.db["replays"].insert_all([{
-                "run_id": r.get("run_id"), "step": r["step"], "recipe": r["recipe"], "target": r["target"],
-                "status": r["status"], "ranks": _dumps(r.get("ranks") or []), "duration_s": r.get("duration_s"),
-                "time": r.get("time", now), "detail": _dumps(r.get("detail") or {})} for r in rows])
+            self.db["replays"].insert_all(
+                [
+                    {
+                        "run_id": r.get("run_id"),
+                        "step": r["step"],
+                        "recipe": r["recipe"],
+                        "target": r["target"],
+                        "status": r["status"],
+                        "ranks": _dumps(r.get("ranks") or []),
+                        "duration_s": r.get("duration_s"),
+                        "time": r.get("time", now),
+                        "detail": _dumps(r.get("detail") or {}),
+                    }
+                    for r in rows
+                ]
+            )

@@ -14,8 +14,22 @@ import time
 
 LOCAL = "local"
 JSON_COLUMNS = ("layout", "files", "copies", "evidence", "signatures", "reasons")
-COLUMNS = ("tier", "step", "run_id", "state", "dir", "world_size", "layout", "files", "copies", "evidence",
-           "signatures", "reasons", "committed", "updated")
+COLUMNS = (
+    "tier",
+    "step",
+    "run_id",
+    "state",
+    "dir",
+    "world_size",
+    "layout",
+    "files",
+    "copies",
+    "evidence",
+    "signatures",
+    "reasons",
+    "committed",
+    "updated",
+)
 
 
 def _decode(row: dict) -> dict:
@@ -24,7 +38,7 @@ def _decode(row: dict) -> dict:
         if isinstance(out.get(k), str):
             try:
                 out[k] = json.loads(out[k])
-            except ValueError:   # a damaged cell is shown as missing, never as evidence
+            except ValueError:  # a damaged cell is shown as missing, never as evidence
                 out[k] = None
     return out
 
@@ -33,8 +47,9 @@ def rows(ledger, tier: str = LOCAL) -> list[dict]:
     """The tier's rows, newest step first ([] when the ledger has no such table)."""
     if not ledger._has_table("tier_checkpoints"):
         return []
-    return [_decode(r) for r in ledger._query("SELECT * FROM tier_checkpoints WHERE tier=? ORDER BY step DESC",
-                                              (tier,))]
+    return [
+        _decode(r) for r in ledger._query("SELECT * FROM tier_checkpoints WHERE tier=? ORDER BY step DESC", (tier,))
+    ]
 
 
 def row(ledger, step: int, tier: str = LOCAL) -> dict | None:
@@ -47,20 +62,28 @@ def row(ledger, step: int, tier: str = LOCAL) -> dict | None:
 def insert(ledger, r: dict) -> None:
     """Write one whole row (a rebuilt one) into a ledger opened for writing; its times are kept when given."""
     now = time.time()
-    vals = {**{k: None for k in COLUMNS}, "tier": LOCAL, "committed": now, "updated": now,
-            **{k: v for k, v in r.items() if k in COLUMNS}}
+    vals = {
+        **{k: None for k in COLUMNS},
+        "tier": LOCAL,
+        "committed": now,
+        "updated": now,
+        **{k: v for k, v in r.items() if k in COLUMNS},
+    }
     for k in JSON_COLUMNS:
         v = vals[k]
-        if v is None and k != "layout":   # an unknown layout stays NULL: no job's layout equals it
+        if v is None and k != "layout":  # an unknown layout stays NULL: no job's layout equals it
             v = {} if k in ("evidence", "signatures") else []
         vals[k] = None if v is None else json.dumps(v, sort_keys=k == "layout", default=str)
     with ledger.write():
-        ledger.conn.execute(f"INSERT OR REPLACE INTO tier_checkpoints({', '.join(COLUMNS)}) "
-                            f"VALUES ({', '.join('?' * len(COLUMNS))})", [vals[k] for k in COLUMNS])
+        ledger.conn.execute(
+            f"INSERT OR REPLACE INTO tier_checkpoints({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
+            [vals[k] for k in COLUMNS],
+        )
 
 
-def set_state(ledger, step: int, state: str, reasons: list[dict], *, expect: str | None = None,
-              tier: str = LOCAL) -> bool:
+def set_state(
+    ledger, step: int, state: str, reasons: list[dict], *, expect: str | None = None, tier: str = LOCAL
+) -> bool:
     """Compare-and-set one copy row's state (from `expect` when given), inside the caller's write transaction
     if there is one; whether it changed. False when the ledger has no such table or row."""
     if not ledger._has_table("tier_checkpoints"):

@@ -19,8 +19,8 @@ ALLOWED: dict[str, set[str]] = {
     "committed": {"certified", "rejected", "quarantined", "deleted"},
     "certified": {"rejected", "quarantined", "deleted"},
     "rejected": {"quarantined", "deleted"},
-    "quarantined": set(),      # leaves only by an operator release
-    "deleted": set(),          # final: the row stays, the directory is gone
+    "quarantined": set(),  # leaves only by an operator release
+    "deleted": set(),  # final: the row stays, the directory is gone
 }
 
 # Outcomes of a verdict in the history (certifications.outcome).

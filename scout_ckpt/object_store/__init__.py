@@ -40,6 +40,7 @@ def looks_like_mangled_uri(root) -> bool:
 
 def public_options(storage_options: dict | None) -> dict:
     """The storage options that may be written to disk (endpoint, block size), never credentials."""
+
     def clean(d):
         out = {}
         for k, v in (d or {}).items():
@@ -47,6 +48,7 @@ def public_options(storage_options: dict | None) -> dict:
                 continue
             out[k] = clean(v) if isinstance(v, dict) else v
         return out
+
     return clean(storage_options)
 
 
@@ -104,8 +106,10 @@ def locate(root, *, ledger_dir=None, storage_options: dict | None = None, coordi
             raise ScoutError("storage_options is for object-store roots (s3://...)")
         return None, Path(root)
     if ledger_dir is None:
-        raise ScoutError(f"{root}: an object-store root needs ledger_dir= (a local or shared POSIX directory for "
-                         "the ledger: SQLite cannot live on an object store)")
+        raise ScoutError(
+            f"{root}: an object-store root needs ledger_dir= (a local or shared POSIX directory for "
+            "the ledger: SQLite cannot live on an object store)"
+        )
     store = open_store(root, storage_options)
     if coordinator:
         Path(ledger_dir).mkdir(parents=True, exist_ok=True)
@@ -149,8 +153,9 @@ def resolve(root: str | os.PathLike, uri: str | None):
     from scout_ckpt.format.safepaths import clip
 
     if looks_like_mangled_uri(root):
-        raise BadInput(f"{root}: give the run's ledger_dir as ROOT and the checkpoints' location as --uri "
-                       "s3://bucket/prefix")
+        raise BadInput(
+            f"{root}: give the run's ledger_dir as ROOT and the checkpoints' location as --uri s3://bucket/prefix"
+        )
     if uri is not None and not is_uri(uri):
         raise BadInput(f"--uri {clip(uri, 80)}: not an object-store URI (s3://bucket/prefix)")
     have = binding(root)
@@ -164,6 +169,8 @@ def resolve(root: str | os.PathLike, uri: str | None):
     if p.exists() and not p.is_dir():
         raise BadInput(f"{root}: not a directory")
     if p.is_dir() and layout.list_checkpoint_dirs(p):
-        raise BadInput(f"{root}: holds checkpoint directories of its own (a POSIX run); --uri is for the "
-                       "ledger_dir of an object-store run")
+        raise BadInput(
+            f"{root}: holds checkpoint directories of its own (a POSIX run); --uri is for the "
+            "ledger_dir of an object-store run"
+        )
     return open_store(uri.rstrip("/"))

@@ -60,7 +60,7 @@ class ObjectPendingSave:
 
     def finalize(self, m: dict, hook) -> str:
         data = manifest_mod.encode(m)
-        hook("before_rename", self.step)   # the same fault point as POSIX: everything written but the commit
+        hook("before_rename", self.step)  # the same fault point as POSIX: everything written but the commit
         return self.store.publish_manifest(self.name, data)
 
     def published(self) -> bool:
@@ -96,16 +96,16 @@ def sweep(ledger, store, *, source: str, dry_run: bool = False) -> dict:
         step, _ = layout.parse_attempt_dir(name)
         row = rows.get(step)
         if row is None:
-            return None                                  # unknown step: left alone
+            return None  # unknown step: left alone
         if row["path"] == name:
             if row["state"] == "writing":
-                return None                              # in flight (owner alive or unknown)
+                return None  # in flight (owner alive or unknown)
             if row["state"] == "deleted":
-                return "retention"                       # intent recorded, removal unfinished
+                return "retention"  # intent recorded, removal unfinished
             if not has_manifest:
-                return "interrupted"                     # settled as rejected: never committed
-            return None                                  # committed: retention decides
-        return "superseded"                              # an older attempt of a step saved again
+                return "interrupted"  # settled as rejected: never committed
+            return None  # committed: retention decides
+        return "superseded"  # an older attempt of a step saved again
 
     aborted, removed, left = [], [], []
     for u in uploads:
@@ -115,9 +115,11 @@ def sweep(ledger, store, *, source: str, dry_run: bool = False) -> dict:
             left.append({"upload": u["key"], "attempt": u["attempt"]})
             continue
         if not dry_run:
-            ledger.add_event("object_delete", step=parsed[0],
-                             detail={"what": "abort_multipart_upload", "key": u["key"], "why": why,
-                                     "source": source})
+            ledger.add_event(
+                "object_delete",
+                step=parsed[0],
+                detail={"what": "abort_multipart_upload", "key": u["key"], "why": why, "source": source},
+            )
             store.abort_upload(u)
         aborted.append({"key": u["key"], "attempt": u["attempt"], "why": why})
     for name, has_manifest in sorted(attempts.items()):
@@ -126,8 +128,11 @@ def sweep(ledger, store, *, source: str, dry_run: bool = False) -> dict:
             left.append({"attempt": name, "manifest": has_manifest})
             continue
         if not dry_run:
-            ledger.add_event("object_delete", step=layout.parse_attempt_dir(name)[0],
-                             detail={"what": "delete_prefix", "prefix": name, "why": why, "source": source})
+            ledger.add_event(
+                "object_delete",
+                step=layout.parse_attempt_dir(name)[0],
+                detail={"what": "delete_prefix", "prefix": name, "why": why, "source": source},
+            )
             store.delete_attempt(name)
         removed.append({"attempt": name, "why": why})
     return {"aborted": aborted, "removed": removed, "left": left}

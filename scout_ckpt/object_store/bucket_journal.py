@@ -66,8 +66,11 @@ def read(store) -> list[dict]:
         found = store.fs.find(base, detail=True)
     except FileNotFoundError:
         return []
-    paths = sorted(p for p, info in found.items() if info.get("type", "file") == "file" and p.endswith(".json")
-                   and int(info.get("size") or 0) <= MAX_RECORD_BYTES)
+    paths = sorted(
+        p
+        for p, info in found.items()
+        if info.get("type", "file") == "file" and p.endswith(".json") and int(info.get("size") or 0) <= MAX_RECORD_BYTES
+    )
     if not paths:
         return []
     # one batch: fsspec fetches the records concurrently (a long run has thousands); a record gone since the

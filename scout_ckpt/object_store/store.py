@@ -53,7 +53,7 @@ class ObjectStore:
         url_to_fs = _import_fsspec()
         self.uri = uri.rstrip("/")
         self.protocol = self.uri.split("://", 1)[0]
-        self.storage_options = dict(storage_options)   # as given (credentials included): never written as is
+        self.storage_options = dict(storage_options)  # as given (credentials included): never written as is
         opts = dict(storage_options)
         if self.protocol == "s3":
             opts.setdefault("use_listings_cache", False)
@@ -146,7 +146,7 @@ class ObjectStore:
         for path, info in found.items():
             if info.get("type", "file") != "file":
                 continue
-            rel = path[len(base):].lstrip("/") if path.startswith(base) else path
+            rel = path[len(base) :].lstrip("/") if path.startswith(base) else path
             out[rel] = int(info.get("size") or 0)
         return out
 
@@ -171,8 +171,14 @@ class ObjectStore:
 
     # ---- verification: parallel ranged reads ---------------------------------------------------------------
 
-    def verify(self, name: str, files: list[dict], *, expect_complete: bool = True,
-               progress: Callable[[int], None] | None = None) -> dict:
+    def verify(
+        self,
+        name: str,
+        files: list[dict],
+        *,
+        expect_complete: bool = True,
+        progress: Callable[[int], None] | None = None,
+    ) -> dict:
         """verify.verify_files for an attempt prefix. Sizes come from one listing (a missing or short object
         costs no read); then every file is read in CHUNK-sized ranged GETs, THREADS in flight across all files,
         each file hashed in order as its ranges arrive."""
@@ -182,13 +188,17 @@ class ObjectStore:
         try:
             digests = self._digests(name, todo, progress)
         except OSError as e:
-            if is_absent(e):   # removed while read: a missing file
-                return evidence(FAIL, reasons + [{"code": "missing_file", "detail": clip(str(e), 200)}],
-                                files_checked=len(files))
+            if is_absent(e):  # removed while read: a missing file
+                return evidence(
+                    FAIL, reasons + [{"code": "missing_file", "detail": clip(str(e), 200)}], files_checked=len(files)
+                )
             # a timeout, a 5xx, an unreachable store: could not check now, which is not a fault (format/verify.py)
             unchecked = [unchecked_reason(e)]
-            return (evidence(FAIL, reasons + unchecked, files_checked=len(files)) if reasons else
-                    evidence(MISSING, unchecked, could_not_check=True, files_checked=len(files)))
+            return (
+                evidence(FAIL, reasons + unchecked, files_checked=len(files))
+                if reasons
+                else evidence(MISSING, unchecked, could_not_check=True, files_checked=len(files))
+            )
         reasons += _digest_reasons(todo, digests)
         if expect_complete:
             recorded = {f["path"] for f in files}
@@ -196,8 +206,9 @@ class ObjectStore:
                 reasons.append({"code": "missing_file", "file": layout.DCP_METADATA})
             for extra in sorted(set(listed) - recorded - {layout.MANIFEST_NAME}):
                 reasons.append({"code": "unexpected_file", "file": extra})
-        return evidence(FAIL if reasons else PASS, reasons, files_checked=len(files),
-                        bytes_checked=sum(f["size"] for f in files))
+        return evidence(
+            FAIL if reasons else PASS, reasons, files_checked=len(files), bytes_checked=sum(f["size"] for f in files)
+        )
 
     def fetch(self, name: str, files: list[dict], dest) -> list[dict]:
         """Copy an attempt's recorded files to the local directory `dest` (same relative names) with the ranged
@@ -232,8 +243,9 @@ class ObjectStore:
         one listing, no read. BadInput first if a recorded path would escape the checkpoint."""
         for f in files:
             if relpath_problem(f.get("path")) is not None:
-                raise BadInput(f"{self.uri_of(name)}: a recorded file path escapes the checkpoint "
-                               f"({clip(f.get('path'), 80)})")
+                raise BadInput(
+                    f"{self.uri_of(name)}: a recorded file path escapes the checkpoint ({clip(f.get('path'), 80)})"
+                )
         listed = self.objects(name)
         reasons, sized = [], []
         for f in files:
@@ -241,15 +253,25 @@ class ObjectStore:
             if size is None:
                 reasons.append({"code": "missing_file", "file": f["path"], "rank": f.get("rank")})
             elif size != f["size"]:
-                reasons.append({"code": "truncated_file" if size < f["size"] else "size_mismatch",
-                                "file": f["path"], "rank": f.get("rank"), "expected": f["size"], "actual": size})
+                reasons.append(
+                    {
+                        "code": "truncated_file" if size < f["size"] else "size_mismatch",
+                        "file": f["path"],
+                        "rank": f.get("rank"),
+                        "expected": f["size"],
+                        "actual": size,
+                    }
+                )
             else:
                 sized.append(f)
         return listed, reasons, sized
 
     def _digests(self, name: str, files: list[dict], progress, sink=None) -> dict[str, str]:
-        ranges = [(f["path"], start, min(start + CHUNK, f["size"]))
-                  for f in files for start in range(0, max(f["size"], 1), CHUNK)]
+        ranges = [
+            (f["path"], start, min(start + CHUNK, f["size"]))
+            for f in files
+            for start in range(0, max(f["size"], 1), CHUNK)
+        ]
         hashers = {f["path"]: xxhash.xxh3_128() for f in files}
 
         def get(r):
@@ -304,10 +326,11 @@ class ObjectStore:
         while True:
             resp = self.fs.call_s3("list_multipart_uploads", **kw)
             for u in resp.get("Uploads") or []:
-                rel = u["Key"][len(kw["Prefix"]):]
+                rel = u["Key"][len(kw["Prefix"]) :]
                 head = rel.split("/", 1)[0]
-                out.append({"key": u["Key"], "upload_id": u["UploadId"], "attempt": head,
-                            "initiated": str(u.get("Initiated"))})
+                out.append(
+                    {"key": u["Key"], "upload_id": u["UploadId"], "attempt": head, "initiated": str(u.get("Initiated"))}
+                )
             if not resp.get("IsTruncated"):
                 return out
             kw.update(KeyMarker=resp.get("NextKeyMarker"), UploadIdMarker=resp.get("NextUploadIdMarker"))
@@ -344,5 +367,14 @@ def parse_manifest(data: bytes, where: str) -> dict:
 
 
 def _digest_reasons(files: list[dict], digests: dict[str, str]) -> list[dict]:
-    return [{"code": "digest_mismatch", "file": f["path"], "rank": f.get("rank"), "expected": f["digest"],
-             "actual": digests[f["path"]]} for f in files if digests[f["path"]] != f["digest"]]
+    return [
+        {
+            "code": "digest_mismatch",
+            "file": f["path"],
+            "rank": f.get("rank"),
+            "expected": f["digest"],
+            "actual": digests[f["path"]],
+        }
+        for f in files
+        if digests[f["path"]] != f["digest"]
+    ]

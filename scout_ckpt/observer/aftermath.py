@@ -63,8 +63,9 @@ def _observer_alive(row: dict, host: str, quiet_s: float, seen: dict, key) -> bo
         return False
 
 
-def examine(channel: Path, host: str, quiet_s: float = 10.0, reported_elsewhere=None,
-            seen: dict | None = None) -> dict | None:
+def examine(
+    channel: Path, host: str, quiet_s: float = 10.0, reported_elsewhere=None, seen: dict | None = None
+) -> dict | None:
     """The outcome of one earlier run's channel, or None while its observers may still be writing.
     `reported_elsewhere(run_id, t_from)`: whether the ledger already holds an incident for that run. `seen`: the
     other hosts' heartbeats as first seen (`_observer_alive`), kept between calls by the caller; without it a
@@ -105,10 +106,21 @@ def verdict(found: dict) -> dict:
         return row.get("gone_at") or row.get("t_update") or row.get("wall") or 0.0
 
     order = sorted(rows, key=stopped_at)
-    table = [{"rank": r, "state": rows[r].get("state"), "step": rows[r].get("step"), "phase": rows[r].get("phase"),
-              "seq": rows[r].get("seq"), "fp": rows[r].get("fp"), "error": rows[r].get("error"),
-              "last_heartbeat": rows[r].get("t_update"), "gone_at": rows[r].get("gone_at"), "pid": rows[r].get("pid")}
-             for r in order]
+    table = [
+        {
+            "rank": r,
+            "state": rows[r].get("state"),
+            "step": rows[r].get("step"),
+            "phase": rows[r].get("phase"),
+            "seq": rows[r].get("seq"),
+            "fp": rows[r].get("fp"),
+            "error": rows[r].get("error"),
+            "last_heartbeat": rows[r].get("t_update"),
+            "gone_at": rows[r].get("gone_at"),
+            "pid": rows[r].get("pid"),
+        }
+        for r in order
+    ]
     missing = sorted(set(range(world)) - set(rows))
     if v is not None:
         kind, ranks, attribution, reason = v["kind"], v["ranks"], v["attribution"], v["reason"]
@@ -117,11 +129,20 @@ def verdict(found: dict) -> dict:
         kind, ranks, attribution = "crash", [], "unattributed"
         first = order[0] if order else None
         step = rows[first].get("step") if first is not None else None
-        reason = ("the run ended without a clean close and without a reported incident; no strict majority "
-                  f"points at a rank (first to stop heartbeating: rank {first})" if first is not None else
-                  "the run ended without any observer status")
-    detail = {"source": "previous_generation", "previous_run_id": found.get("run_id"), "attribution": attribution,
-              "reason": reason, "first_stopped": order[:1], "progress": table}
+        reason = (
+            "the run ended without a clean close and without a reported incident; no strict majority "
+            f"points at a rank (first to stop heartbeating: rank {first})"
+            if first is not None
+            else "the run ended without any observer status"
+        )
+    detail = {
+        "source": "previous_generation",
+        "previous_run_id": found.get("run_id"),
+        "attribution": attribution,
+        "reason": reason,
+        "first_stopped": order[:1],
+        "progress": table,
+    }
     if missing:
         detail["missing_ranks"] = missing
     first = order[0] if order else None
@@ -129,8 +150,15 @@ def verdict(found: dict) -> dict:
     return {"kind": kind, "ranks": ranks, "step": step, "detail": detail, "when": when}
 
 
-def settle(observer_dir: Path, current_run_id: str, write_event, host: str, quiet_s: float = 10.0,
-           reported_elsewhere=None, seen: dict | None = None) -> int:
+def settle(
+    observer_dir: Path,
+    current_run_id: str,
+    write_event,
+    host: str,
+    quiet_s: float = 10.0,
+    reported_elsewhere=None,
+    seen: dict | None = None,
+) -> int:
     """Settles every earlier run's channel under `observer_dir` that can be settled now; `write_event(kind,
     ranks, step, detail, key, run_id, when=)` records an unfinished one (`when`: when its first rank stopped).
     `seen` as for `examine` (the caller's, kept between calls). Returns how many remain pending."""
@@ -152,13 +180,27 @@ def settle(observer_dir: Path, current_run_id: str, write_event, host: str, quie
             continue
         ev = verdict(found) if found["outcome"] == "unfinished" else None
         with os.fdopen(fd, "w") as f:
-            json.dump({"outcome": found["outcome"], "by_run": current_run_id, "time": time.time(),
-                       **({"kinds": found["kinds"]} if "kinds" in found else {}),
-                       **({"event": {k: ev[k] for k in ("kind", "ranks", "step")}} if ev else {})}, f)
+            json.dump(
+                {
+                    "outcome": found["outcome"],
+                    "by_run": current_run_id,
+                    "time": time.time(),
+                    **({"kinds": found["kinds"]} if "kinds" in found else {}),
+                    **({"event": {k: ev[k] for k in ("kind", "ranks", "step")}} if ev else {}),
+                },
+                f,
+            )
         if ev is not None:
             key = f"{ev['kind']}-previous-{ch.name}"
-            write_event(ev["kind"], ev["ranks"], ev["step"], ev["detail"], key, found.get("run_id") or ch.name,
-                        when=ev.get("when"))
+            write_event(
+                ev["kind"],
+                ev["ranks"],
+                ev["step"],
+                ev["detail"],
+                key,
+                found.get("run_id") or ch.name,
+                when=ev.get("when"),
+            )
     return pending
 
 
@@ -171,7 +213,7 @@ class Aftermath:
         self.t_start = t_start  # this run's start: an event without a run id after it is not the earlier run's
         self.t0 = time.monotonic()
         self.pending, self.next_at = True, 0.0
-        self.seen: dict = {}   # other hosts' heartbeats as first seen here (aftermath._observer_alive)
+        self.seen: dict = {}  # other hosts' heartbeats as first seen here (aftermath._observer_alive)
 
     def poll(self, now: float) -> None:
         """Settle what can be settled now, if a retry is due."""
@@ -180,8 +222,14 @@ class Aftermath:
 
     def settle(self, now: float) -> None:
         try:
-            left = settle(self.observer_dir, self.cfg["run_id"], self.write_event, self.host,
-                          reported_elsewhere=self.reported_in_ledger, seen=self.seen)
+            left = settle(
+                self.observer_dir,
+                self.cfg["run_id"],
+                self.write_event,
+                self.host,
+                reported_elsewhere=self.reported_in_ledger,
+                seen=self.seen,
+            )
         except Exception as e:  # a malformed old channel must not take the observer down
             log.warning("settling earlier runs failed: %s: %s", type(e).__name__, e)
             left = 0
@@ -206,5 +254,7 @@ class Aftermath:
 
         with Ledger.open(self.cfg["root"], readonly=True) as ledger:
             events = ledger.events(kinds=INCIDENT_KINDS)
-        return any(e.get("run_id") == run_id or (not e.get("run_id") and t_from <= (e.get("time") or 0) <= self.t_start)
-                   for e in events)
+        return any(
+            e.get("run_id") == run_id or (not e.get("run_id") and t_from <= (e.get("time") or 0) <= self.t_start)
+            for e in events
+        )

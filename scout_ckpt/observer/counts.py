@@ -54,8 +54,11 @@ def _reader(group):
         fn()
         return fn
     except (AttributeError, RuntimeError) as e:
-        log.warning("observer: cannot read the collective count of a process group (%s); its native "
-                    "collectives are not counted", e)
+        log.warning(
+            "observer: cannot read the collective count of a process group (%s); its native "
+            "collectives are not counted",
+            e,
+        )
         return None
 
 
@@ -69,7 +72,7 @@ class CollectiveCounter:
         self._groups: list = []
         self._ids: set[int] = set()
         self._fns: tuple = ()
-        self._boundary: tuple[int, int] | None = None   # (next step, count at the previous step's end)
+        self._boundary: tuple[int, int] | None = None  # (next step, count at the previous step's end)
         self._arrived: int | None = None
         self._last = -1
         self._stop = threading.Event()

@@ -156,7 +156,7 @@ class Daemon:
             self.stamps[step] = tuple(stamp)
         for kept in (self.arrivals, self.stamps):
             if len(kept) > 64:
-                for step in sorted(kept)[:len(kept) - 64]:
+                for step in sorted(kept)[: len(kept) - 64]:
                     del kept[step]
         self.state = self._trainer_state()
         if self.state in ("gone", "closed", "aborted") and self.gone_since is None:
@@ -176,16 +176,41 @@ class Daemon:
 
     def _status(self, now: float) -> dict:
         s = self.snap
-        return {"rank": self.rank, "observer_pid": os.getpid(), "pid": self.pid, "beat": self.beat,
-                "state": self.state, "step": s.step, "phase": s.phase, "seq": s.seq_enter, "fp": f"{s.fp_enter:016x}",
-                "seq_left": s.seq_leave, "in_coll": s.in_coll, "in_side": s.in_side, "error": s.coll_error, "hb": list(self.version),
-                "cseq": max(s.cseq, s.pos_enter), "pos": s.pos_enter, "off_watch": s.off_watch, "counted": s.counted, "t_cseq": s.t_cseq,
-                "arrivals": sorted(self.arrivals.items())[-32:],
-                "stamps": [[k, *v] for k, v in sorted(self.stamps.items())[-32:]],
-                "age_s": round(now - self.last_change, 3), "t_update": s.t_update, "n_steps": s.n_steps,
-                "busy_sum": s.busy_sum, "dur_sum": s.dur_sum, "last_dur": s.last_dur, "stacks": self.stacks,
-                "wall": time.time(), "torch_imported": "torch" in sys.modules,
-                "gone_at": self.gone_at, "host": _HOST, "t_start": self.t_start}
+        return {
+            "rank": self.rank,
+            "observer_pid": os.getpid(),
+            "pid": self.pid,
+            "beat": self.beat,
+            "state": self.state,
+            "step": s.step,
+            "phase": s.phase,
+            "seq": s.seq_enter,
+            "fp": f"{s.fp_enter:016x}",
+            "seq_left": s.seq_leave,
+            "in_coll": s.in_coll,
+            "in_side": s.in_side,
+            "error": s.coll_error,
+            "hb": list(self.version),
+            "cseq": max(s.cseq, s.pos_enter),
+            "pos": s.pos_enter,
+            "off_watch": s.off_watch,
+            "counted": s.counted,
+            "t_cseq": s.t_cseq,
+            "arrivals": sorted(self.arrivals.items())[-32:],
+            "stamps": [[k, *v] for k, v in sorted(self.stamps.items())[-32:]],
+            "age_s": round(now - self.last_change, 3),
+            "t_update": s.t_update,
+            "n_steps": s.n_steps,
+            "busy_sum": s.busy_sum,
+            "dur_sum": s.dur_sum,
+            "last_dur": s.last_dur,
+            "stacks": self.stacks,
+            "wall": time.time(),
+            "torch_imported": "torch" in sys.modules,
+            "gone_at": self.gone_at,
+            "host": _HOST,
+            "t_start": self.t_start,
+        }
 
     # ---- peers ---------------------------------------------------------------------------------------------
 
@@ -233,8 +258,11 @@ class Daemon:
         if verdict["kind"] == "crash" and now - first < self.crash_confirm_s:
             return
         named = verdict["ranks"] or sorted(rows)
-        fresh = {r: rows[r].get("stacks") for r in named
-                 if rows[r].get("stacks") and rows[r]["stacks"]["hb"] == rows[r]["hb"]}
+        fresh = {
+            r: rows[r].get("stacks")
+            for r in named
+            if rows[r].get("stacks") and rows[r]["stacks"]["hb"] == rows[r]["hb"]
+        }
         needs = [r for r in named if rows[r]["state"] == "running" and r not in fresh]
         if needs and verdict["kind"] != "crash" and now - first < self.stacks_wait_s:
             return
@@ -249,9 +277,15 @@ class Daemon:
                 stacks[str(r)] = stacks_mod.read_dump(self.channel / f"stacks-{r}.log", tuple(st["span"]))
             else:
                 stacks[str(r)] = st["reason"]
-        detail = {"attribution": verdict["attribution"], "reason": verdict["reason"], "seq": verdict["seq"],
-                  "cseq": verdict.get("cseq"),
-                  "stall_s": self.stall_s, "stacks": stacks, "action": self.cfg["action"]}
+        detail = {
+            "attribution": verdict["attribution"],
+            "reason": verdict["reason"],
+            "seq": verdict["seq"],
+            "cseq": verdict.get("cseq"),
+            "stall_s": self.stall_s,
+            "stacks": stacks,
+            "action": self.cfg["action"],
+        }
         if verdict.get("where"):
             detail["where"] = {str(r): w for r, w in verdict["where"].items()}
         self.incidents.publish(verdict["kind"], verdict["ranks"], verdict["step"], detail, key, rows)
@@ -260,14 +294,16 @@ class Daemon:
     def _check_claims(self) -> None:
         """Act on incidents the judge published (observer/incidents.py): with action=abort every observer kills
         its own trainer."""
-        claim = self.incidents.new_abort(self.cfg["action"] == "abort" and not self.aborted
-                                         and self.state in ("running", "stopped"))
+        claim = self.incidents.new_abort(
+            self.cfg["action"] == "abort" and not self.aborted and self.state in ("running", "stopped")
+        )
         if claim is None:
             return
         if self.state == "running" and time.monotonic() - self.last_change >= self.stall_s:
             self._capture_stacks()
-        log.info("abort: %s reported by observer %s; killing trainer %d", claim["kind"], claim.get("observer"),
-                 self.pid)
+        log.info(
+            "abort: %s reported by observer %s; killing trainer %d", claim["kind"], claim.get("observer"), self.pid
+        )
         try:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -323,8 +359,11 @@ class Daemon:
             if now >= self.next_health and self.state == "running":
                 self.next_health = now + self.cfg["health_poll_s"]
                 self._poll_health()
-            if self._stop or self.state in ("closed", "aborted") or (
-                    self.gone_since is not None and now - self.gone_since >= self.cfg["linger_s"]):
+            if (
+                self._stop
+                or self.state in ("closed", "aborted")
+                or (self.gone_since is not None and now - self.gone_since >= self.cfg["linger_s"])
+            ):
                 break
             self._sleep(self.poll_s)
         self.state = "closed" if self._stop and self.state == "running" else self.state
@@ -360,7 +399,6 @@ class Daemon:
 _HOST = os.uname().nodename
 
 
-
 def _set_parent_death_signal(sig: int) -> bool:
     """prctl(PR_SET_PDEATHSIG, sig) on Linux; False where it is not available (the poll still sees the death)."""
     try:
@@ -387,12 +425,15 @@ def _wakeup_pipe() -> int:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0].startswith("-"):  # argparse costs start-up time at every Checkpointer
-        print("usage: python -m scout_ckpt.observer.daemon CONFIG  (the JSON config written by Observer.start)",
-              file=sys.stderr)
+        print(
+            "usage: python -m scout_ckpt.observer.daemon CONFIG  (the JSON config written by Observer.start)",
+            file=sys.stderr,
+        )
         return 2
     cfg = json.loads(Path(args[0]).read_text())
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format=f"%(asctime)s observer[{cfg['rank']}] %(levelname)s %(message)s")
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format=f"%(asctime)s observer[{cfg['rank']}] %(levelname)s %(message)s"
+    )
     Daemon(cfg).run()
     return 0
 

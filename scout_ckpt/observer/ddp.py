@@ -107,8 +107,11 @@ def observed_allreduce_hook(state: HookState, bucket):
 def _narrow():
     import torch
 
-    return frozenset(t for t in (torch.float16, getattr(torch, "float8_e4m3fn", None),
-                                 getattr(torch, "float8_e5m2", None)) if t is not None)
+    return frozenset(
+        t
+        for t in (torch.float16, getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None))
+        if t is not None
+    )
 
 
 _NARROW: frozenset = frozenset()  # fp16 and fp8: divided before the sum (filled at the first attach)
@@ -145,8 +148,10 @@ def attach(model, hook=None, state=None, tracer=None) -> str:
         return "not_ddp"
     if getattr(model, "_comm_hooks", None):
         if hook is not None:
-            log.warning("observer: the DDP module already has a comm hook; the one given to the observer is "
-                        "not registered (torch allows one)")
+            log.warning(
+                "observer: the DDP module already has a comm hook; the one given to the observer is "
+                "not registered (torch allows one)"
+            )
         return "user_hook"
     if hook is None:
         _NARROW = _NARROW or _narrow()
@@ -154,7 +159,10 @@ def attach(model, hook=None, state=None, tracer=None) -> str:
     try:
         model.register_comm_hook(state, hook)
     except RuntimeError as e:  # the reducer already holds a built-in (C++) hook
-        log.warning("observer: cannot register a comm hook on the DDP module (%s); its gradient all-reduces "
-                    "are counted, not traced (no fingerprints per bucket)", e)
+        log.warning(
+            "observer: cannot register a comm hook on the DDP module (%s); its gradient all-reduces "
+            "are counted, not traced (no fingerprints per bucket)",
+            e,
+        )
         return "builtin_hook"
     return "registered"

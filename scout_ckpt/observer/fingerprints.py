@@ -109,11 +109,13 @@ def _compile_fp(name: str, orig, spec, ignored: set, group_key, group_keys: dict
     params = list(sig)
     defaults = {p: (None if sig[p].default is inspect.Parameter.empty else sig[p].default) for p in params}
     gidx = params.index("group")
-    lines = ["def fp_of(args, kwargs):",
-             "    n = len(args)",
-             f"    g = args[{gidx}] if n > {gidx} else kwargs.get('group')",
-             "    if g is not None and id(g) in IGNORED:",
-             "        return None"]
+    lines = [
+        "def fp_of(args, kwargs):",
+        "    n = len(args)",
+        f"    g = args[{gidx}] if n > {gidx} else kwargs.get('group')",
+        "    if g is not None and id(g) in IGNORED:",
+        "        return None",
+    ]
     feats = []
     for j, (p, kind) in enumerate(spec):
         i = params.index(p)
@@ -121,8 +123,17 @@ def _compile_fp(name: str, orig, spec, ignored: set, group_key, group_keys: dict
         feats.append(_KIND_EXPR[kind].format(v=f"a{j}"))
     lines.append("    gk = GROUP_KEYS.get(id(g) if g is not None else None) or GROUP_KEY(g)")
     lines.append(f"    return hash((OP, gk, ({', '.join(feats)}{',' if feats else ''}))) & MASK64")
-    ns = {"IGNORED": ignored, "OP": stable_id(name), "GROUP_KEY": group_key, "GROUP_KEYS": group_keys, "ABSENT": ABSENT, "DT": _DTYPE_IDS,
-          "VALUE": _value, "MASK64": MASK64, **{f"D{j}": defaults[p] for j, (p, _k) in enumerate(spec)}}
+    ns = {
+        "IGNORED": ignored,
+        "OP": stable_id(name),
+        "GROUP_KEY": group_key,
+        "GROUP_KEYS": group_keys,
+        "ABSENT": ABSENT,
+        "DT": _DTYPE_IDS,
+        "VALUE": _value,
+        "MASK64": MASK64,
+        **{f"D{j}": defaults[p] for j, (p, _k) in enumerate(spec)},
+    }
     exec(compile("\n".join(lines), f"<scout fingerprint of {name}>", "exec"), ns)
     return ns["fp_of"]
 
@@ -218,8 +229,11 @@ class CollectiveTracer:
             if hb is None:
                 return orig(*args, **kwargs)
             counter = tracer.counter
-            hb.enter(seq, fp, 0 if counter is None else counter.position(
-                args[gidx] if len(args) > gidx else kwargs.get("group")))
+            hb.enter(
+                seq,
+                fp,
+                0 if counter is None else counter.position(args[gidx] if len(args) > gidx else kwargs.get("group")),
+            )
             try:
                 out = orig(*args, **kwargs)
             except BaseException:
@@ -241,8 +255,11 @@ class CollectiveTracer:
                 return orig(*args, async_op=True, **kwargs), None
             tracer.seq = seq = tracer.seq + 1
             counter = tracer.counter
-            hb.enter(seq, fp, 0 if counter is None else counter.position(
-                args[gidx] if len(args) > gidx else kwargs.get("group")))
+            hb.enter(
+                seq,
+                fp,
+                0 if counter is None else counter.position(args[gidx] if len(args) > gidx else kwargs.get("group")),
+            )
             try:
                 work = orig(*args, async_op=True, **kwargs)
             except BaseException:

@@ -34,8 +34,16 @@ class Observer:
     """Started by every rank after init_process_group (collective in the sense that every rank must start one);
     owns the heartbeat, the stack-dump handler, the collective tracer and the observer process."""
 
-    def __init__(self, cfg: dict, heartbeat: Heartbeat, dumper: stacks_mod.StackDumper, proc: subprocess.Popen,
-                 tracer, ddp_hook=None, counter=None):
+    def __init__(
+        self,
+        cfg: dict,
+        heartbeat: Heartbeat,
+        dumper: stacks_mod.StackDumper,
+        proc: subprocess.Popen,
+        tracer,
+        ddp_hook=None,
+        counter=None,
+    ):
         self.cfg, self.heartbeat, self._dumper, self.proc, self.tracer = cfg, heartbeat, dumper, proc, tracer
         self.counter = counter
         self.channel = Path(cfg["channel"])
@@ -46,12 +54,30 @@ class Observer:
         self.stamps: Any = None  # StepStamps (observer/stamps.py, imported with torch), registered by `attach`
 
     @classmethod
-    def start(cls, root: str | os.PathLike, *, rank: int, world_size: int, run_id: str, stall_s: float = 60.0,
-              action: str = "report", poll_s: float = 0.25, health_source=None, store=None,
-              exchange_s: float = 0.5, trace: bool = True, ignore_groups=(), straggler: dict | None = None,
-              health_poll_s: float = 10.0, linger_s: float = 4.0, ready_timeout_s: float = 60.0,
-              local_rank: int | None = None, ddp_comm_hook=None, ddp_comm_state=None,
-              count_hz: float = 25.0) -> "Observer":
+    def start(
+        cls,
+        root: str | os.PathLike,
+        *,
+        rank: int,
+        world_size: int,
+        run_id: str,
+        stall_s: float = 60.0,
+        action: str = "report",
+        poll_s: float = 0.25,
+        health_source=None,
+        store=None,
+        exchange_s: float = 0.5,
+        trace: bool = True,
+        ignore_groups=(),
+        straggler: dict | None = None,
+        health_poll_s: float = 10.0,
+        linger_s: float = 4.0,
+        ready_timeout_s: float = 60.0,
+        local_rank: int | None = None,
+        ddp_comm_hook=None,
+        ddp_comm_state=None,
+        count_hz: float = 25.0,
+    ) -> "Observer":
         """Start this rank's observer. `health_source`: where hardware health comes from, described by name
         (the observer process builds it; nothing is pickled): "module:factory" or {"factory": "module:factory",
         "kwargs": {...JSON...}}, the factory returning an object with poll() -> list[dict] (default: NVML for
@@ -75,12 +101,25 @@ class Observer:
         dumper = stacks_mod.StackDumper(channel / f"stacks-{rank}.log")
         if local_rank is None:
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        cfg = {"root": str(Path(root).resolve()), "rank": rank, "world_size": world_size, "run_id": run_id,
-               "channel": str(channel.resolve()), "trainer_pid": os.getpid(), "heartbeat": str(hb.path),
-               "stall_s": stall_s, "action": action, "poll_s": poll_s, "exchange_s": exchange_s,
-               "straggler": straggler or {}, "health_poll_s": health_poll_s, "linger_s": linger_s,
-               "local_rank": local_rank, "signal": int(dumper.sig),
-               "health": health}
+        cfg = {
+            "root": str(Path(root).resolve()),
+            "rank": rank,
+            "world_size": world_size,
+            "run_id": run_id,
+            "channel": str(channel.resolve()),
+            "trainer_pid": os.getpid(),
+            "heartbeat": str(hb.path),
+            "stall_s": stall_s,
+            "action": action,
+            "poll_s": poll_s,
+            "exchange_s": exchange_s,
+            "straggler": straggler or {},
+            "health_poll_s": health_poll_s,
+            "linger_s": linger_s,
+            "local_rank": local_rank,
+            "signal": int(dumper.sig),
+            "health": health,
+        }
         cfg_path = channel / f"observer-{rank}.json"
         atomic_write_json(cfg_path, cfg)
         proc = _spawn(cfg_path, channel / f"observer-{rank}.log", site=health is not None)
@@ -93,10 +132,13 @@ class Observer:
             counter = _start_counter(hb, ignore_groups, count_hz)
             if tracer is not None:
                 tracer.counter = counter
-            if not _wait_for(lambda: (read_json(status) or {}).get("observer_pid") == proc.pid, 30.0,
-                             lambda: proc.poll() is not None):
-                raise ScoutError(f"observer of rank {rank} did not start (exit code {proc.poll()}); "
-                                 f"see {channel / f'observer-{rank}.log'}")
+            if not _wait_for(
+                lambda: (read_json(status) or {}).get("observer_pid") == proc.pid, 30.0, lambda: proc.poll() is not None
+            ):
+                raise ScoutError(
+                    f"observer of rank {rank} did not start (exit code {proc.poll()}); "
+                    f"see {channel / f'observer-{rank}.log'}"
+                )
         except BaseException:
             if counter is not None:
                 counter.stop()
@@ -113,8 +155,12 @@ class Observer:
         atexit.register(obs._at_exit)
         missing = obs.wait_peers(ready_timeout_s)
         if missing:
-            log.warning("observer: no status from rank(s) %s after %.0fs in %s (is ROOT shared by every host?)",
-                        missing, ready_timeout_s, channel)
+            log.warning(
+                "observer: no status from rank(s) %s after %.0fs in %s (is ROOT shared by every host?)",
+                missing,
+                ready_timeout_s,
+                channel,
+            )
         return obs
 
     def wait_peers(self, timeout_s: float) -> list[int]:
@@ -147,7 +193,7 @@ class Observer:
 
             self.attached = kind_of(model)
             if self.attached == "counted" and self.stamps is not None:
-                self.heartbeat.mark_counted()   # the judge measures its stragglers by the stamps (stragglers.py)
+                self.heartbeat.mark_counted()  # the judge measures its stragglers by the stamps (stragglers.py)
         elif self.tracer is None:
             self.attached = "not_traced"
         else:
@@ -248,8 +294,15 @@ def _spawn(cfg_path: Path, log_path: Path, site: bool) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     argv = [sys.executable, *(() if site else ("-S",)), "-m", "scout_ckpt.observer.daemon", str(cfg_path)]
     with open(log_path, "ab") as errlog:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog, env=env,
-                                start_new_session=True, close_fds=True)
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=errlog,
+            stderr=errlog,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
 
 
 _UNCAUGHT: list = []
@@ -268,8 +321,15 @@ def _start_counter(hb, ignore_groups, hz: float):
     return CollectiveCounter(hb, [dist.group.WORLD], hz=hz, ignore=ignore_groups).start()
 
 
-_FAILURE_WORDS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "process group",
-                  "timed out", "watchdog")
+_FAILURE_WORDS = (
+    "gloo",
+    "nccl",
+    "connection closed by peer",
+    "connection reset by peer",
+    "process group",
+    "timed out",
+    "watchdog",
+)
 
 
 def _collective_failure(exc) -> bool:
@@ -313,10 +373,16 @@ def health_spec(source) -> dict | None:
         return None
     if isinstance(source, str):
         source = {"factory": source}
-    if not isinstance(source, dict) or set(source) - {"factory", "kwargs"} or not isinstance(
-            source.get("factory"), str) or ":" not in source["factory"]:
-        raise ScoutError("observer health_source must be 'module:factory' or {'factory': 'module:factory', "
-                         f"'kwargs': {{...}}}} (got {type(source).__name__})")
+    if (
+        not isinstance(source, dict)
+        or set(source) - {"factory", "kwargs"}
+        or not isinstance(source.get("factory"), str)
+        or ":" not in source["factory"]
+    ):
+        raise ScoutError(
+            "observer health_source must be 'module:factory' or {'factory': 'module:factory', "
+            f"'kwargs': {{...}}}} (got {type(source).__name__})"
+        )
     kwargs = source.get("kwargs", {})
     try:
         json.dumps(kwargs)

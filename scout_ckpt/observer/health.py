@@ -52,7 +52,9 @@ class NvmlHealthSource:
         self._unsupported: set[str] = set()
         try:
             if nvml is None:
-                import pynvml as nvml
+                import pynvml
+
+                nvml = pynvml
             nv = nvml
 
             nv.nvmlInit()
@@ -74,15 +76,15 @@ class NvmlHealthSource:
         nv, h = self.nv, self.handle
         probes = {
             "ecc_uncorrected_volatile": lambda: nv.nvmlDeviceGetTotalEccErrors(
-                h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC),
+                h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC
+            ),
             "ecc_uncorrected_aggregate": lambda: nv.nvmlDeviceGetTotalEccErrors(
-                h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_AGGREGATE_ECC),
+                h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_AGGREGATE_ECC
+            ),
             "remap": lambda: nv.nvmlDeviceGetRemappedRows(h),
             "temperature": lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
-            "temp_slowdown": lambda: nv.nvmlDeviceGetTemperatureThreshold(
-                h, nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
-            "temp_shutdown": lambda: nv.nvmlDeviceGetTemperatureThreshold(
-                h, nv.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
+            "temp_slowdown": lambda: nv.nvmlDeviceGetTemperatureThreshold(h, nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+            "temp_shutdown": lambda: nv.nvmlDeviceGetTemperatureThreshold(h, nv.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
         }
         out: dict[str, float] = {}
         for name, probe in probes.items():
@@ -130,8 +132,16 @@ class NvmlHealthSource:
             now = self._metrics()
         except self.nv.NVMLError_GpuIsLost as e:
             self.lost = True
-            return [{"metric": "gpu_lost", "gpu": self.index, "old": 0, "new": 1, "severity": "fatal",
-                     "message": f"GPU {self.index} fell off the bus ({e})"}]
+            return [
+                {
+                    "metric": "gpu_lost",
+                    "gpu": self.index,
+                    "old": 0,
+                    "new": 1,
+                    "severity": "fatal",
+                    "message": f"GPU {self.index} fell off the bus ({e})",
+                }
+            ]
         events = []
         first = not self._last
         for name, value in now.items():
@@ -147,19 +157,30 @@ class NvmlHealthSource:
         if name == "temperature":
             slow, shut = now.get("temp_slowdown"), now.get("temp_shutdown")
             level = "shutdown" if shut and new >= shut else "slowdown" if slow and new >= slow else None
-            old_level = ("shutdown" if shut and old is not None and old >= shut else
-                         "slowdown" if slow and old is not None and old >= slow else None)
+            old_level = (
+                "shutdown"
+                if shut and old is not None and old >= shut
+                else "slowdown"
+                if slow and old is not None and old >= slow
+                else None
+            )
             if level != old_level and (level or not first):
-                return {**ev, "severity": "fatal" if level == "shutdown" else "warning" if level else "info",
-                        "message": f"GPU {self.index} at {new} C: "
-                                   + (f"at or above the {level} threshold" if level else "back below thresholds")}
+                return {
+                    **ev,
+                    "severity": "fatal" if level == "shutdown" else "warning" if level else "info",
+                    "message": f"GPU {self.index} at {new} C: "
+                    + (f"at or above the {level} threshold" if level else "back below thresholds"),
+                }
             return None
         if name in ("temp_slowdown", "temp_shutdown"):
             return None
         if first:  # report standing faults once; counters that are merely nonzero are history
             if name in ("remap_pending", "remap_failure") and new:
-                return {**ev, "severity": "fatal" if name == "remap_failure" else "warning",
-                        "message": f"GPU {self.index}: {name.replace('_', ' ')}"}
+                return {
+                    **ev,
+                    "severity": "fatal" if name == "remap_failure" else "warning",
+                    "message": f"GPU {self.index}: {name.replace('_', ' ')}",
+                }
             return None
         if new != old and new > (old or 0):
             severity = "fatal" if name in ("ecc_uncorrected_volatile", "remap_failure") else "warning"
@@ -204,18 +225,30 @@ class NvmlRecorder:
                 shown = value
             elif isinstance(value, bytes):
                 shown = value.decode(errors="replace")
-            else:   # a device handle (a ctypes pointer)
+            else:  # a device handle (a ctypes pointer)
                 shown = _HANDLE
             self.calls.append({"call": _key(name, args), "result": shown})
             return value
+
         return call
 
     def recording(self, **about) -> dict:
         """The recording: `about` (device name, driver, ...), the NVML_* constants the parsing reads, the calls."""
-        consts = {n: getattr(self._nv, n) for n in dir(self._nv)
-                  if n.startswith(("NVML_MEMORY_ERROR_TYPE_", "NVML_VOLATILE_ECC", "NVML_AGGREGATE_ECC",
-                                   "NVML_TEMPERATURE_", "NVML_NVLINK_MAX_LINKS", "NVML_NVLINK_ERROR_DL_"))
-                  and isinstance(getattr(self._nv, n), int)}
+        consts = {
+            n: getattr(self._nv, n)
+            for n in dir(self._nv)
+            if n.startswith(
+                (
+                    "NVML_MEMORY_ERROR_TYPE_",
+                    "NVML_VOLATILE_ECC",
+                    "NVML_AGGREGATE_ECC",
+                    "NVML_TEMPERATURE_",
+                    "NVML_NVLINK_MAX_LINKS",
+                    "NVML_NVLINK_ERROR_DL_",
+                )
+            )
+            and isinstance(getattr(self._nv, n), int)
+        }
         return {**about, "constants": consts, "calls": self.calls}
 
 
@@ -230,10 +263,13 @@ class RecordedNvml:
     metric a GPU lacks."""
 
     def __init__(self, recording: dict | str):
-        if not isinstance(recording, dict):
+        if isinstance(recording, dict):
+            data: dict = recording
+        else:
             with open(recording) as f:
-                recording = json.load(f)
-        self.recording = recording
+                data = json.load(f)
+        recording = data
+        self.recording = data
         for name, value in recording.get("constants", {}).items():
             setattr(self, name, value)
         self.NVMLError = _NvmlError
@@ -247,7 +283,7 @@ class RecordedNvml:
             self._error(name)
 
     def _error(self, name: str) -> type:
-        if name == "NVMLError":   # an error code pynvml has no subclass for: the base class itself
+        if name == "NVMLError":  # an error code pynvml has no subclass for: the base class itself
             return _NvmlError
         if name not in self._errors:
             self._errors[name] = type(name, (_NvmlError,), {})
@@ -266,6 +302,7 @@ class RecordedNvml:
             if "error" in c:
                 raise self._error(c["error"])(c["call"])
             return tuple(c["result"]) if isinstance(c["result"], list) else c["result"]
+
         return call
 
 

@@ -36,22 +36,22 @@ _PHASE_ID = {p: i for i, p in enumerate(PHASES)}
 MAGIC = 0x5343_4F55_5448_4234  # "SCOUTHB4" (HB3: 1024 bytes, stamps without the run-queue wait)
 SIZE = 2048
 
-IN_COLL = 1        # inside a traced collective
-COLL_ERROR = 2     # a traced collective raised (a victim of a peer's failure, not a culprit)
-CLOSED = 4         # the trainer closed the heartbeat cleanly
-IN_SIDE = 8        # inside a collective on an ignored (side) group: waiting, but not a training collective
-OFF_WATCH = 16     # the latest traced collective is off the watched groups: fp_enter is not the one at pos_enter
-COUNTED = 32       # a DDP module without a hook is watched, with step stamps: its gradient all-reduces are counted,
-                   # their waits unseen by the tracer, so the stamps (not busy time) measure its compute
+IN_COLL = 1  # inside a traced collective
+COLL_ERROR = 2  # a traced collective raised (a victim of a peer's failure, not a culprit)
+CLOSED = 4  # the trainer closed the heartbeat cleanly
+IN_SIDE = 8  # inside a collective on an ignored (side) group: waiting, but not a training collective
+OFF_WATCH = 16  # the latest traced collective is off the watched groups: fp_enter is not the one at pos_enter
+COUNTED = 32  # a DDP module without a hook is watched, with step stamps: its gradient all-reduces are counted,
+# their waits unseen by the tracer, so the stamps (not busy time) measure its compute
 
-_COLL = struct.Struct("<QdQQQ")                # @8: flags, t_update, seq_enter, fp_enter, seq_leave
-_STEP = struct.Struct("<qQddddd")              # @48: step, phase, last_dur, n_steps(as float), dur_sum, busy_sum, coll_sum
-_IDENT = struct.Struct("<qQ")                  # @104: pid, magic
-ASYNC_ERROR_WORD = 15                          # @120: set to 1 (one aligned store, outside the seqlock) by the
-                                               # completion callback of an async collective that failed
+_COLL = struct.Struct("<QdQQQ")  # @8: flags, t_update, seq_enter, fp_enter, seq_leave
+_STEP = struct.Struct("<qQddddd")  # @48: step, phase, last_dur, n_steps(as float), dur_sum, busy_sum, coll_sum
+_IDENT = struct.Struct("<qQ")  # @104: pid, magic
+ASYNC_ERROR_WORD = 15  # @120: set to 1 (one aligned store, outside the seqlock) by the
+# completion callback of an async collective that failed
 _ALL = struct.Struct("<QQdQQQqQddddd" + "qQ")  # version + everything, for readers
-_POS = struct.Struct("<Q")                     # @128 (under the version @0): position of the latest traced
-                                               # collective among the watched groups' native collectives
+_POS = struct.Struct("<Q")  # @128 (under the version @0): position of the latest traced
+# collective among the watched groups' native collectives
 # The native-count area, written by the counting thread only (observer/counts.py), under its own version word:
 # @136 version, @144 count (sum of the watched groups' C++ sequence numbers), @152 time it last changed,
 # @160 how many arrivals were written, @168 ring of ARRIVALS (step, time its first collective was issued).
@@ -87,12 +87,12 @@ class Snapshot:
     busy_sum: float
     coll_sum: float
     pid: int
-    pos_enter: int = 0        # position (native count) of the latest traced collective; 0 = not on a watched group
-    cseq: int = 0             # collectives issued so far on the watched groups (C++ sequence numbers, summed)
-    t_cseq: float = 0.0       # wall time cseq last changed
-    arrivals: tuple = ()      # ((step, wall time its first collective was issued), ...), oldest first (sampled)
-    stamps: tuple = ()        # ((step, left the previous sync, reached the first collective, waited for a CPU in
-                              # between), ...), oldest first
+    pos_enter: int = 0  # position (native count) of the latest traced collective; 0 = not on a watched group
+    cseq: int = 0  # collectives issued so far on the watched groups (C++ sequence numbers, summed)
+    t_cseq: float = 0.0  # wall time cseq last changed
+    arrivals: tuple = ()  # ((step, wall time its first collective was issued), ...), oldest first (sampled)
+    stamps: tuple = ()  # ((step, left the previous sync, reached the first collective, waited for a CPU in
+    # between), ...), oldest first
 
     @property
     def in_coll(self) -> bool:
@@ -120,8 +120,11 @@ class Snapshot:
 
 
 def default_path(run_id: str, rank: int) -> Path:
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else Path(
-        os.environ.get("TMPDIR", "/tmp"))
+    base = (
+        Path("/dev/shm")
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+        else Path(os.environ.get("TMPDIR", "/tmp"))
+    )
     return base / f"scout-hb-{run_id}-r{rank}-{os.getpid()}"
 
 
@@ -138,7 +141,7 @@ class _Phase:
         return self.hb
 
     def __exit__(self, *exc):
-        if not self.hb._mm.closed:   # a phase left after the observer was stopped (the generation ending) writes nothing
+        if not self.hb._mm.closed:  # a phase left after the observer was stopped (the generation ending) writes nothing
             self.hb._set_phase(self.prev)
 
 
@@ -162,11 +165,11 @@ class Heartbeat:
         self._waits: list[list] = []
         self._last_step_t: float | None = None
         self._pos_enter = 0
-        self._nv = 0          # the native area's version (its writer: the counting thread)
+        self._nv = 0  # the native area's version (its writer: the counting thread)
         self._n_arrivals = 0
-        self._sv = 0          # the stamps area's version (its writer: the training thread)
+        self._sv = 0  # the stamps area's version (its writer: the training thread)
         self._n_stamps = 0
-        self._stamped = -1    # the newest step stamped (one stamp per step)
+        self._stamped = -1  # the newest step stamped (one stamp per step)
         # (time, native count) when this rank left the last synchronisation (set by StepStamps' hooks); None
         # once it reached the next collective (`stamp`), and before the first sync
         self.left: tuple[float, int, float] | None = None  # (time, native count, run-queue wait so far)
@@ -221,7 +224,7 @@ class Heartbeat:
         between (observer/stamps.py). Training thread only; once per step."""
         self.left = None
         acc, self._acc = self._acc, (0.0, 0.0)
-        t_left, waited = t_left - acc[0], waited + acc[1]   # earlier segments of this step (see `_settle`)
+        t_left, waited = t_left - acc[0], waited + acc[1]  # earlier segments of this step (see `_settle`)
         step = self._step + 1
         if step == self._stamped:
             return
@@ -230,8 +233,9 @@ class Heartbeat:
             v = self._sv
             self._words[STAMPS_AT // 8] = v + 1
             i = self._n_stamps
-            _STAMP.pack_into(self._mm, _STAMP_RING_AT + _STAMP.size * (i % STAMPS), step, t_left, t_arrived,
-                             max(0.0, waited))
+            _STAMP.pack_into(
+                self._mm, _STAMP_RING_AT + _STAMP.size * (i % STAMPS), step, t_left, t_arrived, max(0.0, waited)
+            )
             self._n_stamps = i + 1
             self._words[STAMPS_AT // 8 + 1] = i + 1
             self._words[STAMPS_AT // 8] = self._sv = v + 2
@@ -242,8 +246,17 @@ class Heartbeat:
         v = self._v
         self._words[0] = v + 1
         _COLL.pack_into(self._mm, 8, self._flags, now, self._seq_enter, self._fp_enter, self._seq_leave)
-        _STEP.pack_into(self._mm, 48, self._step, _PHASE_ID[self._phase], self._last_dur, float(self._n_steps),
-                        self._dur_sum, self._busy_sum, self._coll_sum)
+        _STEP.pack_into(
+            self._mm,
+            48,
+            self._step,
+            _PHASE_ID[self._phase],
+            self._last_dur,
+            float(self._n_steps),
+            self._dur_sum,
+            self._busy_sum,
+            self._coll_sum,
+        )
         self._words[16] = self._pos_enter
         self._words[0] = self._v = v + 2
 
@@ -453,13 +466,44 @@ class HeartbeatReader:
             vals = _ALL.unpack_from(self._mm, 0)
             pos = self._words[16]
             if self._words[0] == v1 and vals[0] == v1:
-                (v, flags, t_update, seq_enter, fp_enter, seq_leave, step, phase, last_dur, n_steps, dur_sum,
-                 busy_sum, coll_sum, pid, _magic) = vals
+                (
+                    v,
+                    flags,
+                    t_update,
+                    seq_enter,
+                    fp_enter,
+                    seq_leave,
+                    step,
+                    phase,
+                    last_dur,
+                    n_steps,
+                    dur_sum,
+                    busy_sum,
+                    coll_sum,
+                    pid,
+                    _magic,
+                ) = vals
                 if self._words[ASYNC_ERROR_WORD]:
                     flags |= COLL_ERROR
-                self._last = Snapshot(v, flags, t_update, seq_enter, fp_enter, seq_leave, step,
-                                      PHASES[phase] if phase < len(PHASES) else "?", last_dur, int(n_steps),
-                                      dur_sum, busy_sum, coll_sum, pid, pos, *native, stamps)
+                self._last = Snapshot(
+                    v,
+                    flags,
+                    t_update,
+                    seq_enter,
+                    fp_enter,
+                    seq_leave,
+                    step,
+                    PHASES[phase] if phase < len(PHASES) else "?",
+                    last_dur,
+                    int(n_steps),
+                    dur_sum,
+                    busy_sum,
+                    coll_sum,
+                    pid,
+                    pos,
+                    *native,
+                    stamps,
+                )
                 return self._last
         if self._last is None:
             raise RuntimeError(f"{self.path}: heartbeat never consistent (writer stopped mid-update)")
@@ -474,8 +518,9 @@ class HeartbeatReader:
             if v1 & 1:
                 continue
             count, t, n = _NATIVE.unpack_from(self._mm, NATIVE_AT + 8)
-            ring = [_ARRIVAL.unpack_from(self._mm, _RING_AT + 16 * (i % ARRIVALS))
-                    for i in range(max(0, n - ARRIVALS), n)]
+            ring = [
+                _ARRIVAL.unpack_from(self._mm, _RING_AT + 16 * (i % ARRIVALS)) for i in range(max(0, n - ARRIVALS), n)
+            ]
             if self._words[at] == v1:
                 self._last_native = (count, t, tuple(ring))
                 return self._last_native
@@ -489,8 +534,10 @@ class HeartbeatReader:
             if v1 & 1:
                 continue
             n = self._words[at + 1]
-            ring = tuple(_STAMP.unpack_from(self._mm, _STAMP_RING_AT + _STAMP.size * (i % STAMPS))
-                         for i in range(max(0, n - STAMPS), n))
+            ring = tuple(
+                _STAMP.unpack_from(self._mm, _STAMP_RING_AT + _STAMP.size * (i % STAMPS))
+                for i in range(max(0, n - STAMPS), n)
+            )
             if self._words[at] == v1:
                 self._last_stamps = ring
                 return ring

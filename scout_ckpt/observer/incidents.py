@@ -30,8 +30,23 @@ from scout_ckpt.observer.verdicts import ABORT_KINDS, INCIDENT_KINDS, prog
 
 log = logging.getLogger("scout_ckpt.observer")
 
-PROGRESS_KEYS = ("rank", "state", "step", "phase", "seq", "cseq", "pos", "seq_left", "fp", "in_coll", "in_side",
-                 "error", "age_s", "pid", "live")
+PROGRESS_KEYS = (
+    "rank",
+    "state",
+    "step",
+    "phase",
+    "seq",
+    "cseq",
+    "pos",
+    "seq_left",
+    "fp",
+    "in_coll",
+    "in_side",
+    "error",
+    "age_s",
+    "pid",
+    "live",
+)
 
 
 class Incidents:
@@ -42,7 +57,7 @@ class Incidents:
         self.cfg, self.rank, self.claims = cfg, rank, claims
         self.claims.mkdir(exist_ok=True)
         self.known: set[str] = set()
-        self._ledger: Any = None   # the ledger (scout_ckpt.ledger.Ledger), opened at the first event
+        self._ledger: Any = None  # the ledger (scout_ckpt.ledger.Ledger), opened at the first event
 
     def claimed(self, key: str) -> bool:
         return (self.claims / f"{key}.json").exists()
@@ -57,8 +72,9 @@ class Incidents:
                 return True
         return False
 
-    def publish(self, kind: str, ranks: list[int], step: int | None, detail: dict, key: str,
-                rows: dict[int, dict]) -> bool:
+    def publish(
+        self, kind: str, ranks: list[int], step: int | None, detail: dict, key: str, rows: dict[int, dict]
+    ) -> bool:
         """Claim the incident (O_EXCL: exactly one writer), then write the JSON report and the ledger row."""
         claim = self.claims / f"{key}.json"
         try:
@@ -67,16 +83,33 @@ class Incidents:
             return False
         top = max((prog(r) for r in rows.values()), default=(0, 0))
         with os.fdopen(fd, "w") as f:
-            json.dump({"kind": kind, "ranks": ranks, "step": step, "observer": self.rank,
-                       "progress_max": list(top), "time": time.time()}, f)
+            json.dump(
+                {
+                    "kind": kind,
+                    "ranks": ranks,
+                    "step": step,
+                    "observer": self.rank,
+                    "progress_max": list(top),
+                    "time": time.time(),
+                },
+                f,
+            )
         # not marked known here: `new_abort` must see the judge's own claim as new, so that with action=abort
         # the judge kills its own trainer too (the hung rank may be the judge's, the lowest live observer's)
         table = [{k: row.get(k) for k in PROGRESS_KEYS} for _, row in sorted(rows.items())]
         self.write_event(kind, ranks, step, {**detail, "progress": table}, key)
         return True
 
-    def write_event(self, kind: str, ranks: list[int], step: int | None, detail: dict, key: str,
-                    run_id: str | None = None, when: float | None = None) -> None:
+    def write_event(
+        self,
+        kind: str,
+        ranks: list[int],
+        step: int | None,
+        detail: dict,
+        key: str,
+        run_id: str | None = None,
+        when: float | None = None,
+    ) -> None:
         """`when`: the time the event happened where it is known better than now (a crash settled by the next
         generation: when its first rank stopped); for display only, nothing is ordered by it."""
         when = when if when is not None else time.time()
@@ -86,8 +119,9 @@ class Incidents:
         detail = {**detail, "report": str(path.relative_to(self.cfg["root"])), "observer_rank": self.rank}
         from scout_ckpt.format.layout import atomic_write_json  # an event is rare: its imports wait for it
 
-        atomic_write_json(path, {"kind": kind, "ranks": ranks, "step": step, "time": when, "run_id": run_id,
-                                 "detail": detail})
+        atomic_write_json(
+            path, {"kind": kind, "ranks": ranks, "step": step, "time": when, "run_id": run_id, "detail": detail}
+        )
         for attempt in range(5):
             try:
                 if self._ledger is None:

@@ -39,7 +39,7 @@ def proc_state(pid: int) -> str | None:
             data = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return data[data.rindex(b")") + 2:data.rindex(b")") + 3].decode()
+    return data[data.rindex(b")") + 2 : data.rindex(b")") + 3].decode()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -49,8 +49,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def capture(pid: int, path: str | os.PathLike, sig: int = DEFAULT_SIGNAL, timeout_s: float = 1.0,
-            settle_s: float = 0.05) -> tuple[int, int] | str:
+def capture(
+    pid: int, path: str | os.PathLike, sig: int = DEFAULT_SIGNAL, timeout_s: float = 1.0, settle_s: float = 0.05
+) -> tuple[int, int] | str:
     """Signal `pid` to dump its stacks into `path`; returns the (start, end) byte range of the new dump, or a
     one-line reason why there is none."""
     state = proc_state(pid)

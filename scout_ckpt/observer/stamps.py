@@ -64,10 +64,10 @@ class StepStamps:
         # arrival pending; (time, run-queue wait then)
         self._handles: list = []
         self._grad_t: list[tuple[float, float]] = []  # per hooked parameter: (when its gradient was last
-        self._wait = hb.cpu_wait                       # accumulated, the run-queue wait then)
+        self._wait = hb.cpu_wait  # accumulated, the run-queue wait then)
         self._grad_handles: dict[int, object] = {}
         self._learned = False
-        hb.count_fn = self._count   # a synchronous traced collective starts a new segment of the step there
+        hb.count_fn = self._count  # a synchronous traced collective starts a new segment of the step there
         if model is not None:
             self._handles.append(model.register_forward_pre_hook(self._forward_pre, prepend=True))
             self._handles.append(model.register_forward_hook(self._forward_post))
@@ -103,6 +103,7 @@ class StepStamps:
 
         def hook(_param) -> None:
             times[i] = (time.time(), wait.seconds())
+
         return hook
 
     def _last_grad(self, since: float) -> tuple[float, float] | None:
@@ -139,8 +140,8 @@ class StepStamps:
         fwd_end, self._fwd_end = self._fwd_end, None
         if hb.left is not None and fwd_end is not None:
             t, waited = self._last_grad(fwd_end[0]) or fwd_end
-            if t < hb.left[0]:   # its own work ended before a synchronous collective it left since (heartbeat
-                t, waited = hb.left[0], hb.left[2]   # `_settle`): nothing more to add to the step
+            if t < hb.left[0]:  # its own work ended before a synchronous collective it left since (heartbeat
+                t, waited = hb.left[0], hb.left[2]  # `_settle`): nothing more to add to the step
             hb.stamp(hb.left[0], t, waited - hb.left[2])
         if hb.left is None:
             hb.left = (time.time(), self._count(), self._wait.seconds())
@@ -161,14 +162,14 @@ class StepStamps:
         now = time.time()
         pre, self._pre = self._pre, None
         if self._count() == left[1]:
-            if self._fwd_end is None:     # nothing issued yet: the first collective comes in backward
+            if self._fwd_end is None:  # nothing issued yet: the first collective comes in backward
                 self._fwd_end = (now, self._wait.seconds())  # (several forwards before a step: the first)
         elif pre is not None and pre[1] == left[1]:
             self._fwd_end = None
             hb.stamp(left[0], pre[0], pre[2] - left[2])  # the forward issued it (DDP's buffer broadcast): its start
         else:
             self._fwd_end = None
-            hb.left = None                # a native collective before the forward: no stamp this step
+            hb.left = None  # a native collective before the forward: no stamp this step
             hb.discard()
 
     def remove(self) -> None:

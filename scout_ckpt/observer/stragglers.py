@@ -30,8 +30,16 @@ from scout_ckpt.consensus.timing import Confirmer, robust_outliers
 
 
 class StragglerMonitor:
-    def __init__(self, *, window_s: float = 1.0, min_steps: int = 3, rounds: int = 3, k: float = 3.0,
-                 abs_floor_s: float = 0.01, rel_floor: float = 0.5):
+    def __init__(
+        self,
+        *,
+        window_s: float = 1.0,
+        min_steps: int = 3,
+        rounds: int = 3,
+        k: float = 3.0,
+        abs_floor_s: float = 0.01,
+        rel_floor: float = 0.5,
+    ):
         self.window_s, self.min_steps = window_s, min_steps
         self.rule = {"k": k, "abs_floor_s": abs_floor_s, "rel_floor": rel_floor}
         self.confirmer = Confirmer(rounds)
@@ -72,20 +80,33 @@ def _confirmed_events(mon, samples: dict[int, float], step_of, window_steps_of, 
             reason = f"rank {r} is {slowdown:.1f}x slower than rank {other}"
         else:
             reason = f"rank {r} is {slowdown:.1f}x slower than the median rank"
-        events.append({"ranks": [r], "step": step_of(r), "detail": {
-            "reason": reason + f" ({_MEANING.get(str(extra.get('measure')), 'busy time')} per step, the median of "
-                               f"{window_steps_of(r)} steps, in {mon.confirmer.rounds} windows in a row)",
-            "slowdown": round(slowdown, 3), "rounds": mon.confirmer.rounds, "window_steps": window_steps_of(r),
-            "busy_s_per_step": {str(q): round(v, 6) for q, v in sorted(samples.items())},
-            "median_busy_s": round(med, 6), "rule": mon.rule, **extra}})
+        events.append(
+            {
+                "ranks": [r],
+                "step": step_of(r),
+                "detail": {
+                    "reason": reason
+                    + f" ({_MEANING.get(str(extra.get('measure')), 'busy time')} per step, the median of "
+                    f"{window_steps_of(r)} steps, in {mon.confirmer.rounds} windows in a row)",
+                    "slowdown": round(slowdown, 3),
+                    "rounds": mon.confirmer.rounds,
+                    "window_steps": window_steps_of(r),
+                    "busy_s_per_step": {str(q): round(v, 6) for q, v in sorted(samples.items())},
+                    "median_busy_s": round(med, 6),
+                    "rule": mon.rule,
+                    **extra,
+                },
+            }
+        )
     return events
 
 
 _MEANING = {"compute_stamps": "compute, less the waits for a CPU", "arrival_skew": "compute by arrival skew"}
 
 
-def pair_outlier(samples: dict[int, float], *, k: float = 3.0, abs_floor_s: float = 0.01,
-                 rel_floor: float = 0.5) -> dict[int, float]:
+def pair_outlier(
+    samples: dict[int, float], *, k: float = 3.0, abs_floor_s: float = 0.01, rel_floor: float = 0.5
+) -> dict[int, float]:
     """Two ranks: no median picks an odd one out, but the slower one is a straggler when it exceeds the faster
     by the rule's floors (more than max(abs_floor_s, rel_floor x the faster)); its slowdown is over the faster
     rank. `k` (the MAD's multiple) has no meaning with two samples. {rank: slowdown} or {}."""
@@ -110,8 +131,17 @@ class ArrivalStragglers:
     skew (NTP keeps them within a few ms of each other; the rule's absolute floor is 50 ms).
     """
 
-    def __init__(self, *, window_s: float = 1.0, min_steps: int = 3, rounds: int = 3, k: float = 3.0,
-                 abs_floor_s: float = 0.01, rel_floor: float = 0.5, keep: int = 256):
+    def __init__(
+        self,
+        *,
+        window_s: float = 1.0,
+        min_steps: int = 3,
+        rounds: int = 3,
+        k: float = 3.0,
+        abs_floor_s: float = 0.01,
+        rel_floor: float = 0.5,
+        keep: int = 256,
+    ):
         # at least 6 steps per window: an arrival is sampled up to one period late (40 ms at 25 Hz), and with 3
         # ranks one noisy fast rank sets the MAD, so medians over 3 steps were too scattered to confirm a 3x
         # straggler of a 0.2 s step (tests/test_observer_torchrun.py, once in two runs)
@@ -119,7 +149,7 @@ class ArrivalStragglers:
         self.rule = {"k": k, "abs_floor_s": abs_floor_s, "rel_floor": rel_floor}
         self.confirmer = Confirmer(rounds)
         self.arrivals: dict[int, dict[int, float]] = {}
-        self._done = -1          # the newest step already used
+        self._done = -1  # the newest step already used
         self._pending: dict[int, list[float]] = {}
         self._t0: float | None = None
         self._ranks: frozenset = frozenset()
@@ -132,7 +162,7 @@ class ArrivalStragglers:
         for step, t in arrivals:
             seen[int(step)] = float(t)
         if len(seen) > self.keep:
-            for s in sorted(seen)[:len(seen) - self.keep]:
+            for s in sorted(seen)[: len(seen) - self.keep]:
                 del seen[s]
 
     def update(self, now: float, ranks) -> list[dict]:
@@ -189,8 +219,9 @@ class ComputeStragglers(ArrivalStragglers):
     measure = "compute_stamps"
 
     def add(self, rank: int, stamps) -> None:
-        super().add(rank, ((step, arrived - left - (waited[0] if waited else 0.0))
-                           for step, left, arrived, *waited in stamps))
+        super().add(
+            rank, ((step, arrived - left - (waited[0] if waited else 0.0)) for step, left, arrived, *waited in stamps)
+        )
 
     def update(self, now: float, ranks) -> list[dict]:
         ranks = frozenset(ranks)
@@ -222,8 +253,11 @@ class StragglerJudge:
     def update(self, now: float, rows: dict[int, dict]) -> list[dict]:
         """`rows`: the observers' status rows by rank (daemon.py `_status`, with `live`). Returns the straggler
         events ({"ranks", "step", "detail"}) confirmed at this call."""
-        running = {r: (row["n_steps"], row["busy_sum"], row["step"]) for r, row in rows.items()
-                   if row["state"] == "running" and row["live"]}
+        running = {
+            r: (row["n_steps"], row["busy_sum"], row["step"])
+            for r, row in rows.items()
+            if row["state"] == "running" and row["live"]
+        }
         if len(running) != self.world:
             return []
         # a DDP module without a hook (`counted`) is native whatever the Python collectives beside it: the HF

@@ -31,77 +31,122 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
     culprits = [r for r in gone if not row_error(rows[r])]
     if culprits:
         if world_size == 1:  # a 1-rank job: no peer to outvote, and no peer whose failure could have killed it
-            return {"kind": "crash", "ranks": culprits, "step": rows[culprits[0]]["step"],
-                    "seq": rows[culprits[0]]["seq"], "attribution": "only_rank",
-                    "reason": "the trainer process of the job's only rank is gone without a clean close"}
+            return {
+                "kind": "crash",
+                "ranks": culprits,
+                "step": rows[culprits[0]]["step"],
+                "seq": rows[culprits[0]]["seq"],
+                "attribution": "only_rank",
+                "reason": "the trainer process of the job's only rank is gone without a clean close",
+            }
         if world_size - len(culprits) >= majority:
             last = min(culprits, key=lambda r: prog(rows[r]))
-            return {"kind": "crash", "ranks": culprits, "step": rows[last]["step"], "seq": rows[last]["seq"],
-                    "attribution": "strict_majority",
-                    "reason": f"trainer process of rank(s) {culprits} is gone without a clean close "
-                              f"({len(gone) - len(culprits)} other(s) died after a collective failed)"}
+            return {
+                "kind": "crash",
+                "ranks": culprits,
+                "step": rows[last]["step"],
+                "seq": rows[last]["seq"],
+                "attribution": "strict_majority",
+                "reason": f"trainer process of rank(s) {culprits} is gone without a clean close "
+                f"({len(gone) - len(culprits)} other(s) died after a collective failed)",
+            }
         first = first_gone(rows, culprits, order_gap_s)
         if first and world_size - len(first) >= majority:
             last = min(first, key=lambda r: prog(rows[r]))
-            return {"kind": "crash", "ranks": first, "step": rows[last]["step"], "seq": rows[last]["seq"],
-                    "attribution": "first_gone",
-                    "reason": f"trainer process of rank(s) {first} died first, >= {order_gap_s:g}s before any "
-                              f"other rank (the others were torn down after it, e.g. by torchrun)"}
+            return {
+                "kind": "crash",
+                "ranks": first,
+                "step": rows[last]["step"],
+                "seq": rows[last]["seq"],
+                "attribution": "first_gone",
+                "reason": f"trainer process of rank(s) {first} died first, >= {order_gap_s:g}s before any "
+                f"other rank (the others were torn down after it, e.g. by torchrun)",
+            }
         return None
     live = {r: row for r, row in rows.items() if row["state"] in ("running", "stopped")}
     stalled = [r for r, row in live.items() if row["age_s"] >= stall_s]
     stopped = sorted(r for r in stalled if live[r]["state"] == "stopped")
     waiting = [r for r in stalled if live[r]["state"] == "running" and (live[r]["in_coll"] or live[r].get("in_side"))]
     # stalled and busy: waiting in a collective we see, or inside a step (e.g. in DDP's C++ all-reduce)
-    busy = [r for r in stalled if live[r]["state"] == "running"
-            and (r in waiting or live[r].get("phase", "idle") != "idle")]
+    busy = [
+        r for r in stalled if live[r]["state"] == "running" and (r in waiting or live[r].get("phase", "idle") != "idle")
+    ]
     counts = Counter(prog(live[r]) for r in busy)
     point, n = counts.most_common(1)[0] if counts else (None, 0)
-    if n >= majority and point is not None:   # point is None only when no rank is busy (n == 0)
+    if n >= majority and point is not None:  # point is None only when no rank is busy (n == 0)
         step, cseq, seq = point
         ahead = sorted(r for r in waiting if prog(live[r]) > point and live[r]["in_coll"])
         if ahead:
-            return {"kind": "desync", "ranks": ahead, "step": step, "seq": seq, "cseq": cseq,
-                    "attribution": "strict_majority",
-                    "reason": f"the majority waits in collective #{seq} at step {step}; rank(s) {ahead} "
-                              f"wait in a later collective"}
+            return {
+                "kind": "desync",
+                "ranks": ahead,
+                "step": step,
+                "seq": seq,
+                "cseq": cseq,
+                "attribution": "strict_majority",
+                "reason": f"the majority waits in collective #{seq} at step {step}; rank(s) {ahead} "
+                f"wait in a later collective",
+            }
         behind = sorted(r for r in live if prog(live[r]) < point)
         ranks = sorted(set(behind) | set(stopped))
         in_training_coll = sum(1 for r in busy if prog(live[r]) == point and live[r]["in_coll"])
         if ranks or in_training_coll >= majority:
             at = f"native collective #{cseq}" if cseq else f"collective #{seq}"
-            reason = (f"{n} of {world_size} ranks are stuck at {at}, step {step}, for "
-                      f">= {stall_s:g}s; " + (f"rank(s) {ranks} never got there ("
-                                             + ", ".join(f"rank {r} at {_at(live[r])}" for r in behind) + ")"
-                                             if behind else
-                                             f"rank(s) {ranks} are stopped" if ranks else
-                                             "every rank is inside it (no laggard)"))
-            return {"kind": "hang", "ranks": ranks, "step": step, "seq": seq, "cseq": cseq,
-                    "attribution": "strict_majority" if ranks else "none", "reason": reason}
+            reason = f"{n} of {world_size} ranks are stuck at {at}, step {step}, for >= {stall_s:g}s; " + (
+                f"rank(s) {ranks} never got there (" + ", ".join(f"rank {r} at {_at(live[r])}" for r in behind) + ")"
+                if behind
+                else f"rank(s) {ranks} are stopped"
+                if ranks
+                else "every rank is inside it (no laggard)"
+            )
+            return {
+                "kind": "hang",
+                "ranks": ranks,
+                "step": step,
+                "seq": seq,
+                "cseq": cseq,
+                "attribution": "strict_majority" if ranks else "none",
+                "reason": reason,
+            }
         # equal progress, no laggard, and not a training collective (a long save, an eval): no verdict
     if stopped:
         r0 = stopped[0]
-        return {"kind": "hang", "ranks": stopped, "step": live[r0]["step"], "seq": live[r0]["seq"],
-                "attribution": "stopped",
-                "reason": f"trainer process of rank(s) {stopped} is stopped (SIGSTOP) for >= {stall_s:g}s"}
+        return {
+            "kind": "hang",
+            "ranks": stopped,
+            "step": live[r0]["step"],
+            "seq": live[r0]["seq"],
+            "attribution": "stopped",
+            "reason": f"trainer process of rank(s) {stopped} is stopped (SIGSTOP) for >= {stall_s:g}s",
+        }
     if n < majority:
         seq_verdict = sequence_hang(live, world_size, stall_s)
         if seq_verdict:
             return seq_verdict
     if n < majority and len(waiting) >= majority:
-        return {"kind": "hang", "ranks": [], "step": max(live[r]["step"] for r in waiting),
-                "seq": max(live[r]["seq"] for r in waiting), "attribution": "inconclusive",
-                "reason": "a majority waits in collectives, but at different points: no strict majority",
-                "where": where(live)}
+        return {
+            "kind": "hang",
+            "ranks": [],
+            "step": max(live[r]["step"] for r in waiting),
+            "seq": max(live[r]["seq"] for r in waiting),
+            "attribution": "inconclusive",
+            "reason": "a majority waits in collectives, but at different points: no strict majority",
+            "where": where(live),
+        }
     if n < majority and waiting and len(live) == world_size and set(busy) == set(live):
         # Every rank stuck, one of them inside a collective, and no point holds a majority (two ranks, or two
         # against two): the job is hung, but nobody can be blamed. Say so and say where each rank is, rather
         # than wait for the process-group timeout.
-        return {"kind": "hang", "ranks": [], "step": max(live[r]["step"] for r in waiting),
-                "seq": max(live[r]["seq"] for r in waiting), "attribution": "inconclusive",
-                "reason": f"every rank has been stuck for >= {stall_s:g}s at different points and no strict "
-                          f"majority agrees on one: " + "; ".join(f"rank {r} {w}" for r, w in where(live).items()),
-                "where": where(live)}
+        return {
+            "kind": "hang",
+            "ranks": [],
+            "step": max(live[r]["step"] for r in waiting),
+            "seq": max(live[r]["seq"] for r in waiting),
+            "attribution": "inconclusive",
+            "reason": f"every rank has been stuck for >= {stall_s:g}s at different points and no strict "
+            f"majority agrees on one: " + "; ".join(f"rank {r} {w}" for r, w in where(live).items()),
+            "where": where(live),
+        }
     return None
 
 
@@ -133,7 +178,7 @@ def sequence_hang(live: dict[int, dict], world_size: int, stall_s: float) -> dic
         return bool(row.get("in_coll") or row.get("in_side")) or _count(row) > low
 
     if not any(waits(row) for row in live.values()):
-        return None   # nobody waits for anybody: every rank busy on its own (not a hang we can tell)
+        return None  # nobody waits for anybody: every rank busy on its own (not a hang we can tell)
     top = max(points.values())
     ahead = sorted(r for r in live if points[r] == top)
     behind = sorted(r for r in live if points[r] < top)
@@ -144,21 +189,32 @@ def sequence_hang(live: dict[int, dict], world_size: int, stall_s: float) -> dic
         return None
     step = live[ahead[0]]["step"]
     seq, cseq = live[ahead[0]]["seq"], _count(live[ahead[0]])
-    if (all(waits(live[r]) for r in ahead)
-            and all(not live[r].get("in_coll") and not live[r].get("in_side") and _count(live[r]) <= cseq
-                    for r in behind)):
-        return {"kind": "hang", "ranks": behind, "step": step, "seq": seq, "cseq": cseq,
-                "attribution": "sequence",
-                "reason": f"rank(s) {ahead} wait at step {step} (collective #{seq}, native collective #{cseq}) "
-                          f"for >= {stall_s:g}s; rank(s) {behind} never got there and stopped outside any "
-                          f"collective ("
-                          + ", ".join(f"rank {r} at {_at(live[r])}" for r in behind) + ")",
-                "where": where(live)}
-    return {"kind": "hang", "ranks": [], "step": step, "seq": seq, "cseq": cseq, "attribution": "inconclusive",
-            "reason": f"every rank has been stuck for >= {stall_s:g}s at different points and the collective "
-                      f"sequence does not single anyone out: "
-                      + "; ".join(f"rank {r} {w}" for r, w in where(live).items()),
-            "where": where(live)}
+    if all(waits(live[r]) for r in ahead) and all(
+        not live[r].get("in_coll") and not live[r].get("in_side") and _count(live[r]) <= cseq for r in behind
+    ):
+        return {
+            "kind": "hang",
+            "ranks": behind,
+            "step": step,
+            "seq": seq,
+            "cseq": cseq,
+            "attribution": "sequence",
+            "reason": f"rank(s) {ahead} wait at step {step} (collective #{seq}, native collective #{cseq}) "
+            f"for >= {stall_s:g}s; rank(s) {behind} never got there and stopped outside any "
+            f"collective (" + ", ".join(f"rank {r} at {_at(live[r])}" for r in behind) + ")",
+            "where": where(live),
+        }
+    return {
+        "kind": "hang",
+        "ranks": [],
+        "step": step,
+        "seq": seq,
+        "cseq": cseq,
+        "attribution": "inconclusive",
+        "reason": f"every rank has been stuck for >= {stall_s:g}s at different points and the collective "
+        f"sequence does not single anyone out: " + "; ".join(f"rank {r} {w}" for r, w in where(live).items()),
+        "where": where(live),
+    }
 
 
 def _at(row: dict) -> str:
@@ -208,12 +264,17 @@ def position_mismatch(rows: dict[int, dict], majority: int) -> dict | None:
         attributed = count >= majority
         python = sorted(r for r, v in view.items() if v != "native")
         step = min(rows[r]["step"] for r in view)
-        return {"kind": "desync", "ranks": odd if attributed else [], "step": step,
-                "seq": max(rows[r]["seq"] for r in python), "cseq": p,
-                "attribution": "strict_majority" if attributed else "inconclusive",
-                "reason": f"native collective #{p}: rank(s) {python} issued a Python-level collective there, "
-                          f"rank(s) {sorted(set(view) - set(python))} another one"
-                          + ("" if attributed else f"; no strict majority (suspects {odd})")}
+        return {
+            "kind": "desync",
+            "ranks": odd if attributed else [],
+            "step": step,
+            "seq": max(rows[r]["seq"] for r in python),
+            "cseq": p,
+            "attribution": "strict_majority" if attributed else "inconclusive",
+            "reason": f"native collective #{p}: rank(s) {python} issued a Python-level collective there, "
+            f"rank(s) {sorted(set(view) - set(python))} another one"
+            + ("" if attributed else f"; no strict majority (suspects {odd})"),
+        }
     return None
 
 
@@ -231,10 +292,15 @@ def fingerprint_mismatch(live: dict[int, dict], majority: int) -> dict | None:
         odd = sorted(r for r in ranks if live[r]["fp"] != fp)
         attributed = count >= majority
         step = min(live[r]["step"] for r in ranks)
-        return {"kind": "desync", "ranks": odd if attributed else [], "step": step, "seq": seq,
-                "attribution": "strict_majority" if attributed else "inconclusive",
-                "reason": f"collective #{seq}: ranks entered collectives with {len(fps)} different fingerprints"
-                          + ("" if attributed else f"; no strict majority (suspects {odd})")}
+        return {
+            "kind": "desync",
+            "ranks": odd if attributed else [],
+            "step": step,
+            "seq": seq,
+            "attribution": "strict_majority" if attributed else "inconclusive",
+            "reason": f"collective #{seq}: ranks entered collectives with {len(fps)} different fingerprints"
+            + ("" if attributed else f"; no strict majority (suspects {odd})"),
+        }
     return None
 
 

@@ -91,7 +91,7 @@ def _exclusive(root: Path):
             raise BadInput(f"{root}: another `scout-ckpt adopt` is running on it")
         yield
     finally:
-        os.close(fd)   # the lock goes with the descriptor; the file stays (unlinking it would race a second adopt)
+        os.close(fd)  # the lock goes with the descriptor; the file stays (unlinking it would race a second adopt)
 
 
 def adopt(root: str | os.PathLike, *, invariant_specs: list | None = None, uri: str | None = None) -> dict:
@@ -117,15 +117,20 @@ def adopt(root: str | os.PathLike, *, invariant_specs: list | None = None, uri: 
     found = adopt_layouts.folders(root)
     if not found:
         names = [s.label for s in adopt_layouts.registered()]
-        raise BadInput(f"{root}: no step-N checkpoint folders to adopt"
-                       + (f" (nor {', '.join(names)} folders)" if names else ""))
+        raise BadInput(
+            f"{root}: no step-N checkpoint folders to adopt" + (f" (nor {', '.join(names)} folders)" if names else "")
+        )
     specs = list(invariant_specs) if invariant_specs is not None else list(DEFAULT_INVARIANTS)
     checks = parse_specs(specs)
     specs = [c.spec for c in checks]
     todo = {s: f for s, f in found.items() if not (f[0] / layout.MANIFEST_NAME).exists()}
     if not todo and not (root / layout.LEDGER_NAME).exists():
-        return {"adopted": [], "finished": [], "run_id": None,
-                "skipped": [{"step": s, "path": d.name, "reason": "has_manifest"} for s, (d, _) in found.items()]}
+        return {
+            "adopted": [],
+            "finished": [],
+            "run_id": None,
+            "skipped": [{"step": s, "path": d.name, "reason": "has_manifest"} for s, (d, _) in found.items()],
+        }
     with _exclusive(root):
         return _adopt(root, found, checks, specs)
 
@@ -153,9 +158,10 @@ def _adopt(root: Path, found: dict, checks, specs: list) -> dict:
             attempt = f"{run_id}-{step}"
             row = ledger.checkpoint(step)
             if row is not None and row["state"] == "quarantined":
-                try:   # the operator's decision stands: not adopted over it (the refusal is in the history)
-                    ledger.record_writing(step, run_id, attempt, step_dir.name, owner=this_process_owner(),
-                                          source="adopt")
+                try:  # the operator's decision stands: not adopted over it (the refusal is in the history)
+                    ledger.record_writing(
+                        step, run_id, attempt, step_dir.name, owner=this_process_owner(), source="adopt"
+                    )
                 except Quarantined as e:
                     skipped.append({"step": step, "path": step_dir.name, "reason": "quarantined", "detail": str(e)})
                     continue
@@ -182,15 +188,25 @@ def _record(ledger, root: Path, step: int, step_dir: Path, m: dict, digest: str,
         journal.journal_verdict(root, step, attempt, digest, state, reasons, "adopt")
         _hook("journal", step)
     try:
-        with ledger.write():   # one transaction: no reader ever sees this `writing` row
+        with ledger.write():  # one transaction: no reader ever sees this `writing` row
             row = ledger.checkpoint(step)
-            if row is None or row["state"] != "writing" or row["attempt"] != attempt:   # else: an older adopt's
-                ledger.record_writing(step, m["run_id"], attempt, step_dir.name, owner=this_process_owner(),
-                                      source="adopt")
+            if row is None or row["state"] != "writing" or row["attempt"] != attempt:  # else: an older adopt's
+                ledger.record_writing(
+                    step, m["run_id"], attempt, step_dir.name, owner=this_process_owner(), source="adopt"
+                )
             applied = ledger.record_commit(
-                step, run_id=m["run_id"], path=step_dir.name, nbytes=sum(f["size"] for f in m["files"]),
-                manifest_digest=digest, files=m["files"], evidence=m["evidence"], state=state, reasons=reasons,
-                source="adopt", attempt=attempt)
+                step,
+                run_id=m["run_id"],
+                path=step_dir.name,
+                nbytes=sum(f["size"] for f in m["files"]),
+                manifest_digest=digest,
+                files=m["files"],
+                evidence=m["evidence"],
+                state=state,
+                reasons=reasons,
+                source="adopt",
+                attempt=attempt,
+            )
     except Quarantined:
         return False
     _hook("ledger", step)
@@ -211,7 +227,7 @@ def _finish(ledger, root: Path, have_manifest: dict) -> tuple[list[dict], list[d
         entry = {"step": step, "path": step_dir.name}
         try:
             m, digest = manifest.read(step_dir)
-        except BadInput:   # a manifest nobody can read is not adopt's to repair: `certify`/`ls` report it
+        except BadInput:  # a manifest nobody can read is not adopt's to repair: `certify`/`ls` report it
             skipped.append({**entry, "reason": "has_manifest"})
             continue
         row = ledger.checkpoint(step)
@@ -225,7 +241,7 @@ def _finish(ledger, root: Path, have_manifest: dict) -> tuple[list[dict], list[d
             _drop_torn_manifest(step_dir)
             ev = dict(m["evidence"])
             checked = verify_files(step_dir, m["files"])
-            if could_not_check(checked):   # an I/O error is not evidence: the next adopt tries again
+            if could_not_check(checked):  # an I/O error is not evidence: the next adopt tries again
                 skipped.append({**entry, "reason": "could_not_check", "detail": checked["reasons"]})
                 continue
             if checked["status"] != policy.PASS:
@@ -240,7 +256,7 @@ def _finish(ledger, root: Path, have_manifest: dict) -> tuple[list[dict], list[d
             continue
         if row["state"] in ("certified", "committed", "rejected"):
             records = journal.read(root) if records is None else records
-            if journal.standing(records, step, digest)["state"] is None:   # interrupted before the journal
+            if journal.standing(records, step, digest)["state"] is None:  # interrupted before the journal
                 journal.journal_verdict(root, step, row["attempt"], digest, row["state"], row["reasons"], "adopt")
                 finished.append({**entry, "state": row["state"], "reasons": row["reasons"], "finished": "journaled"})
                 continue

@@ -47,7 +47,7 @@ def plain_folders(store) -> dict[int, tuple[str, dict[str, int]]]:
         if step is None or not tail:
             continue
         have = out.get(step)
-        if have is not None and have[0] != head:   # step-4/ and step-0004/: which one is the step cannot be told
+        if have is not None and have[0] != head:  # step-4/ and step-0004/: which one is the step cannot be told
             raise BadInput(f"{store.uri}: two folders for step {step} ({have[0]}, {head})")
         out.setdefault(step, (head, {}))[1][tail] = size
     return dict(sorted(out.items()))
@@ -88,10 +88,9 @@ def adopt(root: Path, store, *, invariant_specs: list | None = None) -> dict:
         raise BadInput(f"{root}: not a directory")
     root.mkdir(parents=True, exist_ok=True)
     object_store.bind(root, store.uri, object_store.public_options(store.storage_options))
-    object_store.remember(root, store)   # journal.append copies each record to it (bucket_journal.mirror)
+    object_store.remember(root, store)  # journal.append copies each record to it (bucket_journal.mirror)
     run_id = f"adopted-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-    world = max((len({m.group(1) for k in objs if (m := DISTCP_RE.match(k))}) for _, objs in todo.values()),
-                default=0)
+    world = max((len({m.group(1) for k in objs if (m := DISTCP_RE.match(k))}) for _, objs in todo.values()), default=0)
     run_policy = {**policy.ADOPTED, "invariants": specs}
     with Ledger.open(root, create=True) as ledger:
         ledger.begin_run(run_id, world_size=world, topology={"mode": "adopted"}, policy=run_policy)
@@ -119,9 +118,18 @@ def adopt(root: Path, store, *, invariant_specs: list | None = None) -> dict:
                 continue
             digest = store.publish_manifest(name, manifest_mod.encode(m))
             if ledger.record_commit(
-                    step, run_id=run_id, path=name, nbytes=sum(f["size"] for f in m["files"]),
-                    manifest_digest=digest, files=m["files"], evidence=m["evidence"], state=verdict["state"],
-                    reasons=verdict["reasons"], source="adopt", attempt=attempt):
+                step,
+                run_id=run_id,
+                path=name,
+                nbytes=sum(f["size"] for f in m["files"]),
+                manifest_digest=digest,
+                files=m["files"],
+                evidence=m["evidence"],
+                state=verdict["state"],
+                reasons=verdict["reasons"],
+                source="adopt",
+                attempt=attempt,
+            ):
                 journal.journal_verdict(root, step, attempt, digest, verdict["state"], verdict["reasons"], "adopt")
             adopted.append({"step": step, "path": name, "from": head, **verdict})
     return {"adopted": adopted, "skipped": skipped, "run_id": run_id, "uri": store.uri}

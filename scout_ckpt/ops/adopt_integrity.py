@@ -80,12 +80,12 @@ def read_listing(step_dir: Path, name: str) -> Listing:
         return Listing(name, why=f"not JSON ({clip(type(e).__name__ + ': ' + str(e), 100)})")
     if not isinstance(doc, dict):
         return Listing(name, why="not a JSON object")
-    algorithm = doc.get("algorithm", "sha256")   # Megatron's verifier: a missing algorithm is sha256
+    algorithm = doc.get("algorithm", "sha256")  # Megatron's verifier: a missing algorithm is sha256
     if algorithm != "sha256":
         return Listing(name, why=f"algorithm {clip(algorithm, 40)} is not sha256")
     files = doc.get("files")
     if not isinstance(files, dict):
-        return Listing(name, why="no \"files\" object")
+        return Listing(name, why='no "files" object')
     if not files:
         return Listing(name, why="it lists no files")
     out: dict[str, str] = {}
@@ -136,13 +136,26 @@ def compare(listing: Listing, sha: dict[str, str]) -> tuple[str, list[dict]]:
     for rel in sorted(set(sha) | set(listing.files)):
         want, got = listing.files.get(rel), sha.get(rel)
         if want is None:
-            reasons.append({"code": "unexpected_file", "file": rel, "evidence": listing.name,
-                            "detail": f"not listed in {listing.name}: nothing written at save vouches for it"})
+            reasons.append(
+                {
+                    "code": "unexpected_file",
+                    "file": rel,
+                    "evidence": listing.name,
+                    "detail": f"not listed in {listing.name}: nothing written at save vouches for it",
+                }
+            )
         elif got is None:
             reasons.append({"code": "missing_file", "file": rel, "evidence": listing.name})
         elif got != want:
-            reasons.append({"code": "digest_mismatch", "file": rel, "evidence": listing.name,
-                            "expected": f"sha256:{want}", "actual": f"sha256:{got}"})
+            reasons.append(
+                {
+                    "code": "digest_mismatch",
+                    "file": rel,
+                    "evidence": listing.name,
+                    "expected": f"sha256:{want}",
+                    "actual": f"sha256:{got}",
+                }
+            )
     return (FAIL if reasons else PASS), reasons
 
 
@@ -150,9 +163,21 @@ def integrity_evidence(listing: Listing, sha: dict[str, str] | None) -> dict:
     """The `integrity` evidence of a folder with a digest file: the comparison (`sha`: the files' SHA-256) when
     the listing is usable, else not_applicable with why it was not used."""
     if not listing.usable:
-        return evidence(NOT_APPLICABLE, [{"code": "integrity_not_used", "file": listing.name, "detail": listing.why}],
-                        file=listing.name, used=False, not_used=f"{listing.name}: {listing.why}")
+        return evidence(
+            NOT_APPLICABLE,
+            [{"code": "integrity_not_used", "file": listing.name, "detail": listing.why}],
+            file=listing.name,
+            used=False,
+            not_used=f"{listing.name}: {listing.why}",
+        )
     status, reasons = compare(listing, sha or {})
-    return evidence(status, reasons, file=listing.name, used=True, algorithm="sha256", listed=len(listing.files),
-                    vouched_by=f"{listing.name}: SHA-256 of {len(listing.files)} file(s) written at save"
-                               + (", every file matched" if status == PASS else ""))
+    return evidence(
+        status,
+        reasons,
+        file=listing.name,
+        used=True,
+        algorithm="sha256",
+        listed=len(listing.files),
+        vouched_by=f"{listing.name}: SHA-256 of {len(listing.files)} file(s) written at save"
+        + (", every file matched" if status == PASS else ""),
+    )

@@ -58,8 +58,9 @@ def folders(root: str | os.PathLike) -> dict[int, tuple[Path, AdoptLayout | None
     for spec in _LAYOUTS.values():
         for step, d in layout.scan_dirs(root, spec.parse).items():
             if step in out:
-                raise BadInput(f"{root}: two folders for step {step} ({out[step][0].name}, {d.name}); "
-                               "adopt one at a time")
+                raise BadInput(
+                    f"{root}: two folders for step {step} ({out[step][0].name}, {d.name}); adopt one at a time"
+                )
             out[step] = (d, spec)
     return dict(sorted(out.items()))
 
@@ -68,8 +69,11 @@ def missing_required(step_dir: Path, spec: AdoptLayout | None) -> list[dict]:
     """The structure reasons of a registered layout's own: required files absent, then its check's problems."""
     if spec is None:
         return []
-    reasons = [{"code": "missing_file", "file": f, "detail": f"{spec.label} folders need it to load"}
-               for f in spec.required if not (step_dir / f).is_file()]
+    reasons = [
+        {"code": "missing_file", "file": f, "detail": f"{spec.label} folders need it to load"}
+        for f in spec.required
+        if not (step_dir / f).is_file()
+    ]
     if spec.check is not None and not reasons:
         reasons += spec.check(step_dir)
     return reasons

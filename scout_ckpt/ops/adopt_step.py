@@ -36,13 +36,11 @@ def _invariants(step_dir: Path, checks, structure: dict) -> dict:
     return run_offline(checks, tensors)
 
 
-def bytes_evidence(step_dir: Path, rels: list[str], spec: AdoptLayout | None
-                   ) -> tuple[list[dict], dict, dict | None]:
+def bytes_evidence(step_dir: Path, rels: list[str], spec: AdoptLayout | None) -> tuple[list[dict], dict, dict | None]:
     """(the manifest's file rows, the bytes evidence, the integrity evidence or None) of a folder's files `rels`:
     adopt's own digests, and, when the layout's digest file is there, the files checked against it (each file read
     once for both hashes when it is usable)."""
-    listing = (adopt_integrity.read_listing(step_dir, spec.integrity)
-               if spec is not None and spec.integrity else None)
+    listing = adopt_integrity.read_listing(step_dir, spec.integrity) if spec is not None and spec.integrity else None
     if listing is not None and listing.usable:
         got = adopt_integrity.hash_files(step_dir, rels)
         found = {r: got[r][:2] for r in rels}
@@ -50,11 +48,17 @@ def bytes_evidence(step_dir: Path, rels: list[str], spec: AdoptLayout | None
     else:
         hashed = digests.digest_files([step_dir / r for r in rels])
         found = {r: hashed[str(step_dir / r)] for r in rels}
-        integrity = (adopt_integrity.integrity_evidence(listing, None)
-                     if listing is not None and listing.present else None)
+        integrity = (
+            adopt_integrity.integrity_evidence(listing, None) if listing is not None and listing.present else None
+        )
     files = [{"path": r, "size": found[r][0], "digest": found[r][1], "rank": None} for r in rels]
-    return files, evidence(PASS, baseline="adoption", files=len(files), nbytes=sum(f["size"] for f in files),
-                           vouched_by=OWN_DIGESTS), integrity
+    return (
+        files,
+        evidence(
+            PASS, baseline="adoption", files=len(files), nbytes=sum(f["size"] for f in files), vouched_by=OWN_DIGESTS
+        ),
+        integrity,
+    )
 
 
 def source_digests_evidence(integrity: dict | None) -> dict:
@@ -65,9 +69,17 @@ def source_digests_evidence(integrity: dict | None) -> dict:
     walks past it (ops/recovery.py)."""
     if integrity is not None and integrity.get("status") == PASS:
         return evidence(PASS, vouched_by=integrity.get("vouched_by"))
-    return evidence(MISSING, [{"code": "adopted_without_source_digests",
-                               "detail": "no digests written at save: the bytes are vouched for only by adopt's own "
-                                         "digests of the folder as found"}], vouched_by=OWN_DIGESTS)
+    return evidence(
+        MISSING,
+        [
+            {
+                "code": "adopted_without_source_digests",
+                "detail": "no digests written at save: the bytes are vouched for only by adopt's own "
+                "digests of the folder as found",
+            }
+        ],
+        vouched_by=OWN_DIGESTS,
+    )
 
 
 def evidence_level(statuses: dict[str, str]) -> str:
@@ -91,8 +103,17 @@ def structure_evidence(step_dir: Path, spec: AdoptLayout | None) -> dict:
     return {**structure, "status": FAIL, "reasons": [*structure["reasons"], *extra]}
 
 
-def adopt_step(root: Path, step: int, step_dir: Path, run_id: str, attempt: str, checks, specs: list,
-               run_policy: dict, spec: AdoptLayout | None = None) -> tuple[dict, dict]:
+def adopt_step(
+    root: Path,
+    step: int,
+    step_dir: Path,
+    run_id: str,
+    attempt: str,
+    checks,
+    specs: list,
+    run_policy: dict,
+    spec: AdoptLayout | None = None,
+) -> tuple[dict, dict]:
     """(manifest, verdict) for one foreign folder; builds the manifest (manifest.build), writes nothing."""
     from scout_ckpt.format.dcp_files import ranks_of
 
@@ -100,13 +121,24 @@ def adopt_step(root: Path, step: int, step_dir: Path, run_id: str, attempt: str,
     files, bytes_ev, integrity = bytes_evidence(step_dir, rels, spec)
     structure = structure_evidence(step_dir, spec)
     ev = {"bytes": bytes_ev, "structure": structure, "invariants": _invariants(step_dir, checks, structure)}
-    if integrity is not None:   # not required by the policy: a fail rejects, not_applicable changes nothing
+    if integrity is not None:  # not required by the policy: a fail rejects, not_applicable changes nothing
         ev["integrity"] = integrity
     ev["source_digests"] = source_digests_evidence(integrity)
     v = policy.evaluate(run_policy, ev)
     verdict = {"state": v.state, "reasons": v.reasons}
     extra = {} if spec is None else {"layout": spec.name, **(spec.extra(step) if spec.extra else {})}
-    m = manifest.build(step=step, run_id=run_id, attempt=attempt, world_size=len(ranks_of(step_dir)),
-                       topology={"mode": "adopted"}, policy=run_policy, files=files, evidence=ev, verdict=verdict,
-                       invariants=specs, adopted=True, **extra)
+    m = manifest.build(
+        step=step,
+        run_id=run_id,
+        attempt=attempt,
+        world_size=len(ranks_of(step_dir)),
+        topology={"mode": "adopted"},
+        policy=run_policy,
+        files=files,
+        evidence=ev,
+        verdict=verdict,
+        invariants=specs,
+        adopted=True,
+        **extra,
+    )
     return m, verdict

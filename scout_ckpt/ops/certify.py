@@ -72,12 +72,18 @@ def _scan_for(step_dir: Path, specs: list):
 
 def _summary(ledger: Ledger, step: int, **extra) -> dict:
     row = ledger.checkpoint(step)
-    return {"step": step, "state": row["state"], "reasons": row["reasons"],
-            "evidence": {k: v["status"] for k, v in ledger.evidence(step).items()}, **extra}
+    return {
+        "step": step,
+        "state": row["state"],
+        "reasons": row["reasons"],
+        "evidence": {k: v["status"] for k, v in ledger.evidence(step).items()},
+        **extra,
+    }
 
 
-def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int], None] | None = None,
-                 store=None) -> dict:
+def certify_step(
+    root: Path, ledger: Ledger, step: int, progress: Callable[[int], None] | None = None, store=None
+) -> dict:
     """Re-verify one step and record the result; returns {"step", "state", "reasons", "evidence"} (plus
     "skipped" when the step was left as it is, "superseded" when the row changed while certify hashed).
     On an object store (`store`) the bytes and the manifest are re-verified by ranged reads; the invariants
@@ -91,8 +97,11 @@ def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int]
     run_pol = run_policy(ledger, row)
     specs = run_pol.get("invariants") or []
     scan = _scan_for(root / row["path"], specs) if store is None else None
-    ev = {"bytes": verify_checkpoint(root, ledger, step, progress=progress, store=store,
-                                     hasher=scan.hasher if scan is not None else None)}
+    ev = {
+        "bytes": verify_checkpoint(
+            root, ledger, step, progress=progress, store=store, hasher=scan.hasher if scan is not None else None
+        )
+    }
     if could_not_check(ev["bytes"]):
         # an I/O error is not evidence: nothing recorded, the step keeps its state; certify says so (exit 1)
         return _summary(ledger, step, could_not_check=ev["bytes"]["reasons"])
@@ -114,10 +123,12 @@ def certify_step(root: Path, ledger: Ledger, step: int, progress: Callable[[int]
         if not allowed(seen, verdict.state, "certify"):
             # e.g. certified -> committed: evidence went missing, nothing was found wrong; the state stays.
             return _summary(ledger, step, refused={"state": verdict.state, "reasons": verdict.reasons})
-        applied = journal.record_transition(ledger, root, step, verdict.state, verdict.reasons, source="certify",
-                                            expect=seen, attempt=attempt)
-    return _summary(ledger, step, **({} if applied else {"superseded": {"state": verdict.state,
-                                                                       "reasons": verdict.reasons}}))
+        applied = journal.record_transition(
+            ledger, root, step, verdict.state, verdict.reasons, source="certify", expect=seen, attempt=attempt
+        )
+    return _summary(
+        ledger, step, **({} if applied else {"superseded": {"state": verdict.state, "reasons": verdict.reasons}})
+    )
 
 
 def certify(root: Path, steps: list[int] | None = None, progress_factory=None) -> list[dict]:

@@ -33,8 +33,9 @@ NO_VERDICT = "no_verdict_on_record"
 BROKEN = "journal_chain_broken"
 
 
-def journal_state(records: list[dict], step: int, digest: str,
-                  intact: bool = True) -> tuple[str | None, list[dict], dict | None]:
+def journal_state(
+    records: list[dict], step: int, digest: str, intact: bool = True
+) -> tuple[str | None, list[dict], dict | None]:
     """(state, reasons, quarantine record) the journal gives a step with this manifest digest (journal.standing:
     the last verdict for that digest, a rejection outliving any certification; the last quarantine not released).
     A journal whose chain is broken (`intact` False, journal.verify) certifies nothing: `committed`, reason
@@ -46,8 +47,16 @@ def journal_state(records: list[dict], step: int, digest: str,
 
 
 def _row(root: Path, step: int, step_dir: Path, records: list[dict], *, sizes: bool, intact: bool = True) -> dict:
-    base = {"step": step, "path": step_dir.name, "bytes": dir_bytes(step_dir) if sizes else None,
-            "run_id": None, "committed": None, "checked": {}, "source": SOURCE, "manifest": None}
+    base = {
+        "step": step,
+        "path": step_dir.name,
+        "bytes": dir_bytes(step_dir) if sizes else None,
+        "run_id": None,
+        "committed": None,
+        "checked": {},
+        "source": SOURCE,
+        "manifest": None,
+    }
     try:
         m, digest = manifest_mod.read(step_dir)
     except BadInput as e:
@@ -60,9 +69,15 @@ def _row(root: Path, step: int, step_dir: Path, records: list[dict], *, sizes: b
     ev = m.get("evidence")
     if not isinstance(ev, dict):
         ev = {}
-    return {**base, "state": state, "reasons": reasons, "run_id": m.get("run_id"), "committed": m.get("created"),
-            "evidence": {k: v.get("status") for k, v in ev.items() if isinstance(v, dict)},
-            "manifest": {"digest": digest, "files": m["files"]}}
+    return {
+        **base,
+        "state": state,
+        "reasons": reasons,
+        "run_id": m.get("run_id"),
+        "committed": m.get("created"),
+        "evidence": {k: v.get("status") for k, v in ev.items() if isinstance(v, dict)},
+        "manifest": {"digest": digest, "files": m["files"]},
+    }
 
 
 def checkpoint_rows(root: str | Path, *, sizes: bool = True) -> list[dict]:
@@ -100,7 +115,17 @@ def latest_clean(root: str | Path, *, verify: bool = True) -> dict:
             if ev["status"] != policy.PASS:
                 skipped.append({"step": step, "reasons": ev["reasons"]})
                 continue
-        return {"step": step, "path": str(dirs[step].resolve()), "state": "certified", "verified": verify,
-                "skipped": skipped, "newer": newer, "source": SOURCE}
-    raise NoCleanCheckpoint([{"code": "no_certified_checkpoint", "source": SOURCE}] if not skipped else
-                            [{"code": "all_certified_failed_verification", "skipped": skipped, "source": SOURCE}])
+        return {
+            "step": step,
+            "path": str(dirs[step].resolve()),
+            "state": "certified",
+            "verified": verify,
+            "skipped": skipped,
+            "newer": newer,
+            "source": SOURCE,
+        }
+    raise NoCleanCheckpoint(
+        [{"code": "no_certified_checkpoint", "source": SOURCE}]
+        if not skipped
+        else [{"code": "all_certified_failed_verification", "skipped": skipped, "source": SOURCE}]
+    )

@@ -20,8 +20,20 @@ from scout_ckpt.errors import BadInput, NotClean, NotFound
 from scout_ckpt.format import layout
 
 # Top-level components (and suffixes) that hold training state rather than model weights.
-_NOT_MODEL = {"optim", "optimizer", "optimizers", "opt", "lr_scheduler", "lr_schedulers", "scheduler",
-              "dataloader", "train_state", "rng", "rng_state", "param_groups"}
+_NOT_MODEL = {
+    "optim",
+    "optimizer",
+    "optimizers",
+    "opt",
+    "lr_scheduler",
+    "lr_schedulers",
+    "scheduler",
+    "dataloader",
+    "train_state",
+    "rng",
+    "rng_state",
+    "param_groups",
+}
 _OPT_LEAVES = {"exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq", "sum", "square_avg"}
 
 
@@ -63,10 +75,11 @@ def _verify(step_dir: Path, files: list[dict]) -> None:
     if not files:
         raise NotClean(f"{step_dir}: the ledger lists no files for this step; nothing to verify against")
     ev = verify_files(step_dir, files, expect_complete=False)
-    if could_not_check(ev):   # an I/O error: not a verdict on the checkpoint, and nothing is exported
+    if could_not_check(ev):  # an I/O error: not a verdict on the checkpoint, and nothing is exported
         r = ev["reasons"][0]
-        raise BadInput(f"{step_dir}: could not read {r.get('file') or 'a file'} now ({r.get('detail')}); "
-                       "nothing exported")
+        raise BadInput(
+            f"{step_dir}: could not read {r.get('file') or 'a file'} now ({r.get('detail')}); nothing exported"
+        )
     if ev["reasons"]:
         r = ev["reasons"][0]
         what = "is missing" if r["code"] == "missing_file" else "does not match its recorded digest"
@@ -96,8 +109,16 @@ def _check_out(out_path: Path) -> None:
         raise BadInput(f"{out_path.parent}: no such directory")
 
 
-def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLike, *, force: bool = False,
-           ledger=None, prefix: str | None = None, max_shard_bytes: int | None = None) -> dict:
+def export(
+    root: str | os.PathLike,
+    step: int | None,
+    out_path: str | os.PathLike,
+    *,
+    force: bool = False,
+    ledger=None,
+    prefix: str | None = None,
+    max_shard_bytes: int | None = None,
+) -> dict:
     """Consolidate step's model weights (step None: the newest certified) into out_path (.safetensors)."""
     from scout_ckpt.ledger import Ledger
 
@@ -109,8 +130,9 @@ def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLik
     try:
         row = ledger.checkpoint(step) if step is not None else ledger.latest("certified")
         if row is None:
-            raise NotFound(f"{root}: no checkpoint for step {step}" if step is not None
-                           else f"{root}: no certified checkpoint")
+            raise NotFound(
+                f"{root}: no checkpoint for step {step}" if step is not None else f"{root}: no certified checkpoint"
+            )
         step = row["step"]
         if row["state"] != "certified" and not force:
             codes = ", ".join(r.get("code", "?") for r in row.get("reasons") or []) or "no reasons recorded"
@@ -121,19 +143,20 @@ def export(root: str | os.PathLike, step: int | None, out_path: str | os.PathLik
             ledger.close()
     from scout_ckpt import object_store
 
-    store = object_store.bound_store(root)   # ROOT is the ledger_dir of an object-store run
+    store = object_store.bound_store(root)  # ROOT is the ledger_dir of an object-store run
     if store is not None:
         return _export_from_store(store, row, files, Path(out_path), prefix=prefix, max_shard_bytes=max_shard_bytes)
     from scout_ckpt.format.verify import checkpoint_dir
 
-    step_dir = checkpoint_dir(root, row["path"] or layout.step_dirname(step))   # BadInput if it escapes ROOT
+    step_dir = checkpoint_dir(root, row["path"] or layout.step_dirname(step))  # BadInput if it escapes ROOT
     if not step_dir.is_dir():
         raise NotClean(f"{step_dir}: checkpoint directory is missing")
     return _export_dir(step_dir, row, files, Path(out_path), prefix=prefix, max_shard_bytes=max_shard_bytes)
 
 
-def _export_dir(step_dir: Path, row: dict, files: list[dict], out_path: Path, *, prefix: str | None,
-                max_shard_bytes: int | None) -> dict:
+def _export_dir(
+    step_dir: Path, row: dict, files: list[dict], out_path: Path, *, prefix: str | None, max_shard_bytes: int | None
+) -> dict:
     """A local checkpoint directory: verified against `files`, then read (DCP, or a Trainer folder)."""
     _verify(step_dir, files)
     if layout.is_folder_dir(step_dir):
@@ -145,13 +168,15 @@ def _export_dir(step_dir: Path, row: dict, files: list[dict], out_path: Path, *,
     verified = {f["path"] for f in files}
     used = {info.relative_path for info in md.storage_data.values()}
     if layout.DCP_METADATA not in verified or not used <= verified:
-        raise NotClean(f"{step_dir}: files not covered by the recorded digests: "
-                       f"{sorted((used | {layout.DCP_METADATA}) - verified)}")
+        raise NotClean(
+            f"{step_dir}: files not covered by the recorded digests: "
+            f"{sorted((used | {layout.DCP_METADATA}) - verified)}"
+        )
     from scout_ckpt.format.dcp_meta import TensorStorageMetadata
 
     keys = [k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
     prefix = detect_prefix(keys) if prefix is None else prefix
-    tensors = {k[len(prefix):]: v for k, v in read_tensors(step_dir, prefix or None, metadata=md).items()}
+    tensors = {k[len(prefix) :]: v for k, v in read_tensors(step_dir, prefix or None, metadata=md).items()}
     if prefix == "":
         tensors = {k: v for k, v in tensors.items() if _is_param(k)}
     if not tensors:
@@ -159,8 +184,9 @@ def _export_dir(step_dir: Path, row: dict, files: list[dict], out_path: Path, *,
     return _write(tensors, row, files, out_path, prefix, max_shard_bytes)
 
 
-def _export_from_store(store, row: dict, files: list[dict], out_path: Path, *, prefix: str | None,
-                       max_shard_bytes: int | None) -> dict:
+def _export_from_store(
+    store, row: dict, files: list[dict], out_path: Path, *, prefix: str | None, max_shard_bytes: int | None
+) -> dict:
     """An object-store checkpoint (an attempt prefix): its manifest must be the one the ledger recorded (as
     `resume` checks), then the recorded files are copied into a temp dir beside the output, every byte hashed
     as it is written, and only a copy whose sizes and digests all match the ledger is read, by the same code as
@@ -191,39 +217,49 @@ def _export_from_store(store, row: dict, files: list[dict], out_path: Path, *, p
         if reasons:
             r = reasons[0]
             what = {"missing_file": "is missing", "digest_mismatch": "does not match its recorded digest"}.get(
-                r["code"], "does not match the record")
-            raise NotClean(f"{where}: {r.get('file') or 'an object'} {what} ({r['code']}); "
-                           "`scout-ckpt certify` records it")
+                r["code"], "does not match the record"
+            )
+            raise NotClean(
+                f"{where}: {r.get('file') or 'an object'} {what} ({r['code']}); `scout-ckpt certify` records it"
+            )
         result = _export_dir(local, row, files, out_path, prefix=prefix, max_shard_bytes=max_shard_bytes)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {**result, "source": where}
 
 
-def _export_folder(step_dir: Path, row: dict, files: list[dict], out_path: Path, *, prefix: str | None,
-                   max_shard_bytes: int | None) -> dict:
+def _export_folder(
+    step_dir: Path, row: dict, files: list[dict], out_path: Path, *, prefix: str | None, max_shard_bytes: int | None
+) -> dict:
     """A Trainer `checkpoint-N` folder: its model safetensors files, once verified, are the weights."""
     from scout_ckpt.format.folder_tensors import model_files, read_model_tensors
 
     used = set(model_files(step_dir))
     if not used <= {f["path"] for f in files}:
-        raise NotClean(f"{step_dir}: files not covered by the recorded digests: "
-                       f"{sorted(used - {f['path'] for f in files})}")
+        raise NotClean(
+            f"{step_dir}: files not covered by the recorded digests: {sorted(used - {f['path'] for f in files})}"
+        )
     tensors = read_model_tensors(step_dir)
     if prefix:
-        tensors = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
     if not tensors:
         raise BadInput(f"{step_dir}: no tensors under prefix {prefix!r}")
     return _write(tensors, row, files, out_path, prefix or "", max_shard_bytes)
 
 
-def _write(tensors: dict, row: dict, files: list[dict], out_path: Path, prefix: str,
-           max_shard_bytes: int | None) -> dict:
+def _write(
+    tensors: dict, row: dict, files: list[dict], out_path: Path, prefix: str, max_shard_bytes: int | None
+) -> dict:
     step = row["step"]
-    meta = {"format": "pt", "scout.step": str(step), "scout.run_id": str(row.get("run_id")),
-            "scout.state": str(row["state"]), "scout.manifest_digest": str(row.get("manifest_digest")),
-            "scout.prefix": prefix, "scout.files": json.dumps({f["path"]: f["digest"] for f in files},
-                                                               sort_keys=True)}
+    meta = {
+        "format": "pt",
+        "scout.step": str(step),
+        "scout.run_id": str(row.get("run_id")),
+        "scout.state": str(row["state"]),
+        "scout.manifest_digest": str(row.get("manifest_digest")),
+        "scout.prefix": prefix,
+        "scout.files": json.dumps({f["path"]: f["digest"] for f in files}, sort_keys=True),
+    }
     out_path = Path(out_path)
     if not out_path.parent.is_dir():
         raise BadInput(f"{out_path.parent}: no such directory")
@@ -254,5 +290,13 @@ def _write(tensors: dict, row: dict, files: list[dict], out_path: Path, prefix: 
         layout.atomic_write_json(index, {"metadata": {"total_size": total, **meta}, "weight_map": weight_map})
         written.append(str(index))
     layout.fsync_dir(out_path.parent)
-    return {"step": step, "state": row["state"], "run_id": row.get("run_id"), "prefix": prefix,
-            "tensors": len(tensors), "bytes": total, "files": written, "forced": row["state"] != "certified"}
+    return {
+        "step": step,
+        "state": row["state"],
+        "run_id": row.get("run_id"),
+        "prefix": prefix,
+        "tensors": len(tensors),
+        "bytes": total,
+        "files": written,
+        "forced": row["state"] != "certified",
+    }

@@ -45,33 +45,48 @@ def quarantine(root: str | os.PathLike, step: int, reason: str) -> dict:
     root = Path(root)
     with Ledger.open(root) as ledger, ledger.write():
         row, copy = ledger.checkpoint(step), _copy_row(ledger, step)
-        live = {t: r for t, r in (("durable", row), (tiers.LOCAL, copy))
-                if r is not None and r["state"] != "deleted"}   # quarantined again: the new reason stands
+        live = {
+            t: r for t, r in (("durable", row), (tiers.LOCAL, copy)) if r is not None and r["state"] != "deleted"
+        }  # quarantined again: the new reason stands
         if row is None and copy is None:
             raise BadInput(f"step {step}: no such checkpoint in {root}")
         if not live:
-            held = (row or copy)["state"]
+            held = (row or copy or {}).get("state")
             raise BadInput(f"step {step}: {held}; nothing to quarantine")
         before = {t: r["state"] for t, r in live.items()}
         first = row if row is not None else copy
+        assert first is not None  # one of them exists: checked above
         try:  # first: a quarantine the journal cannot hold is not applied (the transaction rolls back)
-            journal.append(root, {"kind": "quarantine", "step": step, "attempt": (row or {}).get("attempt"),
-                                  "manifest_digest": (row or {}).get("manifest_digest"), "reason": reason,
-                                  "before": first["state"], "tiers": before})
+            journal.append(
+                root,
+                {
+                    "kind": "quarantine",
+                    "step": step,
+                    "attempt": (row or {}).get("attempt"),
+                    "manifest_digest": (row or {}).get("manifest_digest"),
+                    "reason": reason,
+                    "before": first["state"],
+                    "tiers": before,
+                },
+            )
         except OSError as e:
-            raise BadInput(f"{journal.path(root)}: cannot record the quarantine ({e.strerror or e}); "
-                           "nothing changed") from None
+            raise BadInput(
+                f"{journal.path(root)}: cannot record the quarantine ({e.strerror or e}); nothing changed"
+            ) from None
         reasons = [{"code": "quarantined", "detail": reason}]
         if "durable" in live:
+            assert row is not None
             ledger.transition(step, "quarantined", reasons, source="operator", expect=row["state"])
-        if tiers.LOCAL in live:   # its state before is kept in the reason: a release gives it back, never more
+        if tiers.LOCAL in live:  # its state before is kept in the reason: a release gives it back, never more
+            assert copy is not None
             was = next((r for r in copy.get("reasons") or [] if r.get("code") == "quarantined"), None)
-            before_local = ({"before": was.get("before"), "before_reasons": was.get("before_reasons") or []}
-                            if copy["state"] == "quarantined" and was is not None
-                            else {"before": copy["state"], "before_reasons": copy.get("reasons") or []})
+            before_local = (
+                {"before": was.get("before"), "before_reasons": was.get("before_reasons") or []}
+                if copy["state"] == "quarantined" and was is not None
+                else {"before": copy["state"], "before_reasons": copy.get("reasons") or []}
+            )
             tiers.set_state(ledger, step, "quarantined", [{**reasons[0], **before_local}], expect=copy["state"])
-        ledger.add_event("quarantine", step=step, detail={"reason": reason, "before": first["state"],
-                                                          "tiers": before})
+        ledger.add_event("quarantine", step=step, detail={"reason": reason, "before": first["state"], "tiers": before})
     return {"step": step, "state": "quarantined", "before": first["state"], "reason": reason, "tiers": before}
 
 
@@ -104,8 +119,12 @@ def release_state(ledger: Ledger, row: dict) -> policy.Verdict:
     v = evidence_state(ledger, row)
     before, before_reasons = state_before_quarantine(ledger, row)
     if before == "rejected":
-        return policy.Verdict("rejected", before_reasons + [r for r in v.reasons if r not in before_reasons]
-                              if v.state == "rejected" else before_reasons)
+        return policy.Verdict(
+            "rejected",
+            before_reasons + [r for r in v.reasons if r not in before_reasons]
+            if v.state == "rejected"
+            else before_reasons,
+        )
     if before == "committed" and v.state == "certified":
         return policy.Verdict("committed", before_reasons + [{"code": "not_raised_by_release", "before": before}])
     return v
@@ -121,32 +140,48 @@ def release(root: str | os.PathLike, step: int, reason: str) -> dict:
             row, copy = ledger.checkpoint(step), _copy_row(ledger, step)
             if row is None and copy is None:
                 raise BadInput(f"step {step}: no such checkpoint in {root}")
-            held = {t: r for t, r in (("durable", row), (tiers.LOCAL, copy))
-                    if r is not None and r["state"] == "quarantined"}
+            held = {
+                t: r
+                for t, r in (("durable", row), (tiers.LOCAL, copy))
+                if r is not None and r["state"] == "quarantined"
+            }
             if not held:
-                raise BadInput(f"step {step}: not quarantined (it is {(row or copy)['state']})")
+                raise BadInput(f"step {step}: not quarantined (it is {(row or copy or {}).get('state')})")
             try:  # the journal line follows the commit: a journal that cannot take it stops the release here
                 journal.check_appendable(root)
             except OSError as e:
-                raise BadInput(f"{journal.path(root)}: cannot record the release ({e.strerror or e}); "
-                               "nothing changed") from None
-            v = None
+                raise BadInput(
+                    f"{journal.path(root)}: cannot record the release ({e.strerror or e}); nothing changed"
+                ) from None
+            v: policy.Verdict | None = None
             if "durable" in held:
+                assert row is not None
                 v = release_state(ledger, row)
-                ledger.transition(step, v.state, v.reasons, source="operator", expect="quarantined",
-                                  attempt=row["attempt"])
+                ledger.transition(
+                    step, v.state, v.reasons, source="operator", expect="quarantined", attempt=row["attempt"]
+                )
             if tiers.LOCAL in held:
-                q = next((r for r in copy.get("reasons") or [] if r.get("code") == "quarantined"), {})
+                assert copy is not None
+                q: dict = next((r for r in copy.get("reasons") or [] if r.get("code") == "quarantined"), {})
                 local_v = policy.Verdict(q.get("before") or "committed", list(q.get("before_reasons") or []))
                 if v is not None and policy.step_distrusted(v.state, v.reasons):
-                    local_v = v   # the step's own verdict holds for its copy too
+                    local_v = v  # the step's own verdict holds for its copy too
                 tiers.set_state(ledger, step, local_v.state, local_v.reasons, expect="quarantined")
                 v = v or local_v
-            ledger.add_event("release", step=step, detail={"reason": reason, "state": v.state,
-                                                           "tiers": sorted(held)})
-        journal.append(root, {"kind": "release", "step": step, "attempt": (row or {}).get("attempt"),
-                              "manifest_digest": (row or {}).get("manifest_digest"), "state": v.state,
-                              "reasons": v.reasons, "reason": reason})
+            assert v is not None  # held names the durable row or the local one
+            ledger.add_event("release", step=step, detail={"reason": reason, "state": v.state, "tiers": sorted(held)})
+        journal.append(
+            root,
+            {
+                "kind": "release",
+                "step": step,
+                "attempt": (row or {}).get("attempt"),
+                "manifest_digest": (row or {}).get("manifest_digest"),
+                "state": v.state,
+                "reasons": v.reasons,
+                "reason": reason,
+            },
+        )
     return {"step": step, "state": v.state, "reasons": v.reasons, "reason": reason}
 
 
@@ -162,12 +197,28 @@ def explain(root: str | os.PathLike, step: int) -> dict:
         history = ledger.certifications(step, all_outcomes=True)
         events = [e for e in ledger.events() if e["step"] == step]
     required = (run or {}).get("policy", {}).get("require", [])
-    evidence = {k: ev.get(k) or {"status": "required_missing" if k in required else "not_required"}
-                for k in EXPLAIN_KINDS}
+    evidence = {
+        k: ev.get(k) or {"status": "required_missing" if k in required else "not_required"} for k in EXPLAIN_KINDS
+    }
     evidence.update({k: v for k, v in ev.items() if k not in evidence})
-    return {"step": step, "state": row["state"], "path": row["path"], "evidence": evidence,
-            "reasons": row["reasons"], "policy": (run or {}).get("policy"), "run_id": row["run_id"],
-            "attempt": row["attempt"],
-            "history": [{"time": h["time"], "source": h["source"], "state": h["state"], "attempt": h["attempt"],
-                         "outcome": h["outcome"] or "applied"} for h in history],
-            "events": events}
+    return {
+        "step": step,
+        "state": row["state"],
+        "path": row["path"],
+        "evidence": evidence,
+        "reasons": row["reasons"],
+        "policy": (run or {}).get("policy"),
+        "run_id": row["run_id"],
+        "attempt": row["attempt"],
+        "history": [
+            {
+                "time": h["time"],
+                "source": h["source"],
+                "state": h["state"],
+                "attempt": h["attempt"],
+                "outcome": h["outcome"] or "applied",
+            }
+            for h in history
+        ],
+        "events": events,
+    }

@@ -18,8 +18,13 @@ from scout_ckpt.ledger import journal
 from scout_ckpt.ops.rebuild_ledger import Entry, write_ledger
 
 
-def rebuild(root: str | os.PathLike, *, verify: bool = True, uri: str | None = None,
-            local_dirs: list[str | os.PathLike] | None = None) -> dict:
+def rebuild(
+    root: str | os.PathLike,
+    *,
+    verify: bool = True,
+    uri: str | None = None,
+    local_dirs: list[str | os.PathLike] | None = None,
+) -> dict:
     """Rebuild ROOT's ledger. ROOT is a run's checkpoint root, or the `ledger_dir` of an object-store run: bound
     to its URI by scout-storage.json, or, when that file was lost with the ledger, named by `uri`
     (object_store.resolve says which, and refuses a mismatch before anything is read). The fast tier's rows are
@@ -28,7 +33,7 @@ def rebuild(root: str | os.PathLike, *, verify: bool = True, uri: str | None = N
     from scout_ckpt import object_store
     from scout_ckpt.ops import rebuild_local
 
-    dirs = rebuild_local.check_dirs(local_dirs or [])   # bad input: refused before anything is read or written
+    dirs = rebuild_local.check_dirs(local_dirs or [])  # bad input: refused before anything is read or written
     store = object_store.resolve(root, uri)
     if store is not None:
         from scout_ckpt.ops import rebuild_bucket as on_store
@@ -46,9 +51,17 @@ def rebuild(root: str | os.PathLike, *, verify: bool = True, uri: str | None = N
         except BadInput as e:
             skipped.append({"step": step, "reason": str(e)})
             continue
-        entries[step] = Entry(m, digest, d.name, lambda d=d, m=m: dir_bytes(d),
-                              lambda d=d, m=m: verify_files(d, m["files"]))
+        entries[step] = Entry(
+            m, digest, d.name, lambda d=d, m=m: dir_bytes(d), lambda d=d, m=m: verify_files(d, m["files"])
+        )
     if not entries:
         raise BadInput(f"{root}: no checkpoint with a scout-manifest.json to rebuild from")
-    return write_ledger(root, entries, skipped, journal.read(root), verify=verify, present=set(steps),
-                        local=lambda ledger: rebuild_local.rebuild_rows(root, dirs, ledger))
+    return write_ledger(
+        root,
+        entries,
+        skipped,
+        journal.read(root),
+        verify=verify,
+        present=set(steps),
+        local=lambda ledger: rebuild_local.rebuild_rows(root, dirs, ledger),
+    )

@@ -41,8 +41,10 @@ def collect(store) -> tuple[dict, list[dict], list[dict], set[int]]:
     except Exception as e:  # noqa: BLE001 - credentials, endpoint, permissions: the store's own words, one line
         raise cannot_list(store, e) from None
     if not committed:
-        raise BadInput(f"{store.uri}: no committed save attempt (step-N.attempt-X/{layout.MANIFEST_NAME}) to "
-                       f"rebuild from{_foreign_hint(store)}")
+        raise BadInput(
+            f"{store.uri}: no committed save attempt (step-N.attempt-X/{layout.MANIFEST_NAME}) to "
+            f"rebuild from{_foreign_hint(store)}"
+        )
     entries: dict[int, Entry] = {}
     skipped: list[dict] = []
     superseded: list[dict] = []
@@ -56,8 +58,13 @@ def collect(store) -> tuple[dict, list[dict], list[dict], set[int]]:
                 bad.append({"step": step, "path": name, "reason": str(e)})
                 continue
             if m["step"] != step:
-                bad.append({"step": step, "path": name, "reason": f"{store.uri_of(name)}: its manifest is for "
-                            f"step {m['step']}"})
+                bad.append(
+                    {
+                        "step": step,
+                        "path": name,
+                        "reason": f"{store.uri_of(name)}: its manifest is for step {m['step']}",
+                    }
+                )
                 continue
             read.append((m, digest, name))
         if bad:  # fail closed: which attempt is the step's cannot be told when one of them cannot be read
@@ -67,8 +74,13 @@ def collect(store) -> tuple[dict, list[dict], list[dict], set[int]]:
         m, digest, name = read[-1]
         superseded.extend({"step": step, "path": n} for _, _, n in read[:-1])
         files = m["files"]
-        entries[step] = Entry(m, digest, name, lambda files=files: sum(f["size"] for f in files),
-                              lambda name=name, files=files: _verify(store, name, files))
+        entries[step] = Entry(
+            m,
+            digest,
+            name,
+            lambda files=files: sum(f["size"] for f in files),
+            lambda name=name, files=files: _verify(store, name, files),
+        )
     return entries, skipped, superseded, set(committed)
 
 
@@ -81,8 +93,10 @@ def rebuild(root: Path, store, *, verify: bool = True, local_dirs: list[Path] | 
 
     entries, skipped, superseded, present = collect(store)
     if not entries:
-        raise BadInput(f"{store.uri}: no committed attempt with a readable manifest to rebuild from "
-                       f"(first: {skipped[0]['reason']})")
+        raise BadInput(
+            f"{store.uri}: no committed attempt with a readable manifest to rebuild from "
+            f"(first: {skipped[0]['reason']})"
+        )
     try:
         remote = bucket_journal.read(store)
     except Exception as e:  # noqa: BLE001 - as for the listing
@@ -96,23 +110,37 @@ def rebuild(root: Path, store, *, verify: bool = True, local_dirs: list[Path] | 
     except OSError as e:
         raise BadInput(f"{root}: cannot create the ledger_dir ({e.strerror})") from None
     opts = object_store.public_options(store.storage_options)
+
     def before_swap() -> None:
         # a ledger_dir that lost its journal gets the store's copy back: the records appended from now on continue
         # its seq and its hash chain instead of starting both again at 0 beside it
         journal.restore(root, remote if not local else [])
         object_store.bind(root, store.uri, opts)
 
-    result = write_ledger(root, entries, skipped, records, verify=verify, present=present,
-                          before_swap=before_swap,
-                          local=lambda ledger: rebuild_local.rebuild_rows(root, list(local_dirs or []), ledger))
-    return {**result, "uri": store.uri, "superseded": superseded,
-            "journal": {"local": len(local), "store": len(remote), "merged": len(records)}}
+    result = write_ledger(
+        root,
+        entries,
+        skipped,
+        records,
+        verify=verify,
+        present=present,
+        before_swap=before_swap,
+        local=lambda ledger: rebuild_local.rebuild_rows(root, list(local_dirs or []), ledger),
+    )
+    return {
+        **result,
+        "uri": store.uri,
+        "superseded": superseded,
+        "journal": {"local": len(local), "store": len(remote), "merged": len(records)},
+    }
 
 
 def cannot_list(store, e: Exception) -> BadInput:
     """The one-line error for a store that cannot be listed (exit 2): its own words, and where the requests went."""
-    return BadInput(f"{store.uri}: cannot list the checkpoints ({_say(e)}); check the credentials and the endpoint "
-                    f"({_endpoint(store)})")
+    return BadInput(
+        f"{store.uri}: cannot list the checkpoints ({_say(e)}); check the credentials and the endpoint "
+        f"({_endpoint(store)})"
+    )
 
 
 def _verify(store, name: str, files: list[dict]) -> dict:

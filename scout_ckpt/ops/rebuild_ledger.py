@@ -118,12 +118,12 @@ def _demote(ev: dict) -> dict:
     stays a failure (it only lowers trust)."""
     out = {}
     for kind, item in ev.items():
-        if kind in REVERIFIED or not isinstance(item, dict) or item.get("status") in (policy.FAIL,
-                                                                                        policy.INCONCLUSIVE):
+        if kind in REVERIFIED or not isinstance(item, dict) or item.get("status") in (policy.FAIL, policy.INCONCLUSIVE):
             out[kind] = item
         else:
-            out[kind] = policy.evidence(policy.MISSING, [{"code": UNVERIFIED, "kind": kind,
-                                                          "claimed": item.get("status")}])
+            out[kind] = policy.evidence(
+                policy.MISSING, [{"code": UNVERIFIED, "kind": kind, "claimed": item.get("status")}]
+            )
     return out
 
 
@@ -162,8 +162,7 @@ def decide(step: int, m: dict, digest: str, fresh_bytes: dict, jview: dict, old:
         quarantine = {"reason": detail, "from": "old_ledger"}
     if state == "certified":
         why = "vouched"
-    return {"state": state, "reasons": reasons, "evidence": ev, "policy": pol, "quarantine": quarantine,
-            "why": why}
+    return {"state": state, "reasons": reasons, "evidence": ev, "policy": pol, "quarantine": quarantine, "why": why}
 
 
 def _quarantine_copies(ledger: Ledger, records: list[dict], local_result: dict | None) -> None:
@@ -174,10 +173,20 @@ def _quarantine_copies(ledger: Ledger, records: list[dict], local_result: dict |
         q = journal.standing(records, r["step"], None)["quarantine"]
         if q is None or r["state"] in ("deleted", "quarantined"):
             continue
-        tiers.set_state(ledger, r["step"], "quarantined", [{"code": "quarantined", "detail": q.get("reason"),
-                                                             "before": r["state"],
-                                                             "before_reasons": r.get("reasons") or []}],
-                        expect=r["state"])
+        tiers.set_state(
+            ledger,
+            r["step"],
+            "quarantined",
+            [
+                {
+                    "code": "quarantined",
+                    "detail": q.get("reason"),
+                    "before": r["state"],
+                    "before_reasons": r.get("reasons") or [],
+                }
+            ],
+            expect=r["state"],
+        )
         if local_result is not None:
             for row in local_result.get("rows") or []:
                 if row.get("step") == r["step"]:
@@ -196,9 +205,17 @@ class Entry:
     check: Callable[[], dict]
 
 
-def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], records: list[dict], *,
-                 verify: bool, present: set[int], before_swap: Callable[[], None] | None = None,
-                 local: Callable[[Ledger], dict] | None = None) -> dict:
+def write_ledger(
+    root: Path,
+    entries: dict[int, Entry],
+    skipped: list[dict],
+    records: list[dict],
+    *,
+    verify: bool,
+    present: set[int],
+    before_swap: Callable[[], None] | None = None,
+    local: Callable[[Ledger], dict] | None = None,
+) -> dict:
     """The part of a rebuild common to every storage: decide() each entry against the journal `records` and the
     old ledger in ROOT, build the new ledger under a temp name in ROOT, keep the old one as .bak, rename.
     `present`: the steps that exist at all (for `changes`' why of an old row left out: skipped or gone).
@@ -216,8 +233,13 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
         with Ledger.open(build_dir, create=True) as ledger:
             for run_id in sorted({m.get("run_id") or "unknown" for m, _ in manifests.values()}):
                 first = next(m for m, _ in manifests.values() if (m.get("run_id") or "unknown") == run_id)
-                ledger.begin_run(run_id, world_size=first.get("world_size") or 0, topology=first.get("topology", {}),
-                                 policy=strictest(first.get("policy"), default_policy(first)), versions=first.get("versions", {}))
+                ledger.begin_run(
+                    run_id,
+                    world_size=first.get("world_size") or 0,
+                    topology=first.get("topology", {}),
+                    policy=strictest(first.get("policy"), default_policy(first)),
+                    versions=first.get("versions", {}),
+                )
             for step, (m, digest) in sorted(manifests.items()):
                 e = entries[step]
                 if verify:
@@ -225,21 +247,38 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
                     if could_not_check(fresh):
                         # an I/O error is no verdict: rebuilding the row would demote it for good (the next
                         # rebuild trusts no more than this ledger); left out, the rebuild is not a success
-                        skipped.append({"step": step, "could_not_check": True,
-                                        "reason": "its bytes could not be read now ("
-                                        + "; ".join(str(r.get("detail")) for r in fresh["reasons"]) + ")"})
+                        skipped.append(
+                            {
+                                "step": step,
+                                "could_not_check": True,
+                                "reason": "its bytes could not be read now ("
+                                + "; ".join(str(r.get("detail")) for r in fresh["reasons"])
+                                + ")",
+                            }
+                        )
                         manifests.pop(step)
                         continue
                 else:
                     fresh = policy.evidence(policy.MISSING, [{"code": "bytes_unverified"}])
-                d = decide(step, m, digest, fresh, _journal_view(records, step, digest, chain["intact"]),
-                           old_rows.get(step))
+                d = decide(
+                    step, m, digest, fresh, _journal_view(records, step, digest, chain["intact"]), old_rows.get(step)
+                )
                 run_id = m.get("run_id") or "unknown"
                 attempt = m.get("attempt") or f"rebuild-{step}"
                 ledger.record_writing(step, run_id, attempt, e.path, source="rebuild")
-                ledger.record_commit(step, run_id=run_id, path=e.path, nbytes=e.nbytes(),
-                                     manifest_digest=digest, files=m["files"], evidence=d["evidence"],
-                                     state=d["state"], reasons=d["reasons"], source="rebuild", attempt=attempt)
+                ledger.record_commit(
+                    step,
+                    run_id=run_id,
+                    path=e.path,
+                    nbytes=e.nbytes(),
+                    manifest_digest=digest,
+                    files=m["files"],
+                    evidence=d["evidence"],
+                    state=d["state"],
+                    reasons=d["reasons"],
+                    source="rebuild",
+                    attempt=attempt,
+                )
                 state, reasons, why = d["state"], d["reasons"], d["why"]
                 if d["quarantine"] is not None:
                     reasons = [{"code": "quarantined", "detail": d["quarantine"]["reason"]}]
@@ -253,8 +292,14 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
             _quarantine_copies(ledger, records, local_result)
         for step, old in sorted(old_rows.items()):
             if step not in manifests and old["state"] != "deleted":
-                changes.append({"step": step, "before": old["state"], "after": None,
-                                "why": "skipped" if step in present else "no_directory"})
+                changes.append(
+                    {
+                        "step": step,
+                        "before": old["state"],
+                        "after": None,
+                        "why": "skipped" if step in present else "no_directory",
+                    }
+                )
         if before_swap is not None:
             before_swap()
         final = root / LEDGER_NAME
@@ -271,6 +316,13 @@ def write_ledger(root: Path, entries: dict[int, Entry], skipped: list[dict], rec
         raise ScoutError(f"{root}: ledger rebuild failed ({e.strerror})") from None
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)
-    return {"checkpoints": rows, "changes": sorted(changes, key=lambda c: c["step"]), "skipped": skipped,
-            "backup": str(backup) if backup else None, "old_ledger": old_note or "read",
-            "journal_records": len(records), "journal_chain": chain, "local": local_result}
+    return {
+        "checkpoints": rows,
+        "changes": sorted(changes, key=lambda c: c["step"]),
+        "skipped": skipped,
+        "backup": str(backup) if backup else None,
+        "old_ledger": old_note or "read",
+        "journal_records": len(records),
+        "journal_chain": chain,
+        "local": local_result,
+    }

@@ -39,8 +39,9 @@ UNVERIFIED = "unverified_after_rebuild"
 NOT_CHECKED = "could_not_check"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 RANK_FILE = re.compile(r"^(peer-)?rank-(\d+)\.pt$")
-NO_RECORD = ("no record of this local save's digests, evidence or verdict survives: the local tier writes none "
-             "beside its files")
+NO_RECORD = (
+    "no record of this local save's digests, evidence or verdict survives: the local tier writes none beside its files"
+)
 
 
 def check_dirs(dirs: list[str | os.PathLike]) -> list[Path]:
@@ -116,13 +117,16 @@ def _hash(path: Path) -> tuple[int, str] | None:
 def _recheck(r: dict, on_disk: dict[int, list[Path]]) -> tuple[str, list[dict], str]:
     """(state, reasons, why) of an old row re-checked against the files found for it."""
     before = r["state"]
-    vouched = before == "certified" or (before == "committed" and any(
-        x.get("code") == NOT_CHECKED and x.get("before") == "certified" for x in r.get("reasons") or []))
+    vouched = before == "certified" or (
+        before == "committed"
+        and any(x.get("code") == NOT_CHECKED and x.get("before") == "certified" for x in r.get("reasons") or [])
+    )
     want = {f["rank"]: f.get("digest") for f in r.get("files") or [] if f.get("rank") is not None}
-    if not any(want.values()):   # a row an earlier rebuild made from the files alone: nothing to check against
+    if not any(want.values()):  # a row an earlier rebuild made from the files alone: nothing to check against
         return before, list(r.get("reasons") or []), "as_recorded"
-    expected = {rank: 1 + sum(1 for c in r.get("copies") or [] if c.get("rank") == rank and c.get("verified"))
-                for rank in want}
+    expected = {
+        rank: 1 + sum(1 for c in r.get("copies") or [] if c.get("rank") == rank and c.get("verified")) for rank in want
+    }
     damaged, unseen = [], []
     for rank, digest in sorted(want.items()):
         paths = on_disk.get(rank) or []
@@ -135,13 +139,34 @@ def _recheck(r: dict, on_disk: dict[int, list[Path]]) -> tuple[str, list[dict], 
         else:
             unseen.append(rank)
     if damaged:
-        return "rejected", [{"code": "digest_mismatch", "tier": "local", "ranks": damaged, "source": "rebuild",
-                             "detail": "every copy of the rank's file fails its recorded digest"}], "digest_mismatch"
+        return (
+            "rejected",
+            [
+                {
+                    "code": "digest_mismatch",
+                    "tier": "local",
+                    "ranks": damaged,
+                    "source": "rebuild",
+                    "detail": "every copy of the rank's file fails its recorded digest",
+                }
+            ],
+            "digest_mismatch",
+        )
     if unseen:
-        return "committed", [{"code": NOT_CHECKED, "tier": "local", "ranks": unseen,
-                              "before": "certified" if vouched else before,
-                              "detail": "no file of these ranks that matches its digest was found in the local "
-                                        "directories given (another host's: give it with --local-dir)"}], NOT_CHECKED
+        return (
+            "committed",
+            [
+                {
+                    "code": NOT_CHECKED,
+                    "tier": "local",
+                    "ranks": unseen,
+                    "before": "certified" if vouched else before,
+                    "detail": "no file of these ranks that matches its digest was found in the local "
+                    "directories given (another host's: give it with --local-dir)",
+                }
+            ],
+            NOT_CHECKED,
+        )
     if vouched:
         return "certified", [], "vouched"
     return before, list(r.get("reasons") or []), "as_recorded"
@@ -173,7 +198,7 @@ def rebuild_rows(root: Path, local_dirs: list[Path], new_ledger) -> dict:
     for rel in sorted(found):
         step = int(rel.rsplit("step-", 1)[1])
         if step not in old:
-            by_step[step] = rel   # sorted: a later run id (they begin with their start time) wins
+            by_step[step] = rel  # sorted: a later run id (they begin with their start time) wins
     host = socket.gethostname()
     for step, rel in sorted(by_step.items()):
         used.add(rel)
@@ -188,23 +213,51 @@ def rebuild_rows(root: Path, local_dirs: list[Path], new_ledger) -> dict:
                     mtimes.append(st.st_mtime)
                 except OSError:
                     size = None
-                if p.name.startswith("peer-"):   # verified None: not checked (no digest on record to check with)
-                    copies.append({"rank": rank, "holder": None, "host": host, "node": None, "path": str(p),
-                                   "verified": None})
+                if p.name.startswith("peer-"):  # verified None: not checked (no digest on record to check with)
+                    copies.append(
+                        {"rank": rank, "holder": None, "host": host, "node": None, "path": str(p), "verified": None}
+                    )
                 elif not any(f["rank"] == rank for f in files):
-                    files.append({"rank": rank, "path": p.name, "size": size, "digest": None, "host": host,
-                                  "node": None, "where": str(p)})
+                    files.append(
+                        {
+                            "rank": rank,
+                            "path": p.name,
+                            "size": size,
+                            "digest": None,
+                            "host": host,
+                            "node": None,
+                            "where": str(p),
+                        }
+                    )
         reasons = [{"code": UNVERIFIED, "tier": "local", "detail": NO_RECORD}]
-        tiers.insert(new_ledger, {"step": step, "run_id": rel.split("/", 1)[0], "state": "committed", "dir": rel,
-                                  "world_size": None, "layout": None, "files": files, "copies": copies,
-                                  "evidence": {}, "signatures": {}, "reasons": reasons,
-                                  # when the files were written (the save's own time is on no record)
-                                  "committed": max(mtimes) if mtimes else None})
+        tiers.insert(
+            new_ledger,
+            {
+                "step": step,
+                "run_id": rel.split("/", 1)[0],
+                "state": "committed",
+                "dir": rel,
+                "world_size": None,
+                "layout": None,
+                "files": files,
+                "copies": copies,
+                "evidence": {},
+                "signatures": {},
+                "reasons": reasons,
+                # when the files were written (the save's own time is on no record)
+                "committed": max(mtimes) if mtimes else None,
+            },
+        )
         out_rows.append({"step": step, "state": "committed", "reasons": reasons, "why": UNVERIFIED})
         changes.append({"step": step, "before": None, "after": "committed", "why": UNVERIFIED})
-    return {"dirs": [str(b) for b in bases], "rows": sorted(out_rows, key=lambda x: x["step"]),
-            "changes": changes, "not_checked": not_checked, "unrecorded": sorted(set(found) - used),
-            "old_ledger": note or "read"}
+    return {
+        "dirs": [str(b) for b in bases],
+        "rows": sorted(out_rows, key=lambda x: x["step"]),
+        "changes": changes,
+        "not_checked": not_checked,
+        "unrecorded": sorted(set(found) - used),
+        "old_ledger": note or "read",
+    }
 
 
 __all__ = ["check_dirs", "rebuild_rows", "scan"]

@@ -24,7 +24,7 @@ def trusted_manifest(step_dir: Path, row: dict) -> tuple[dict | None, list[dict]
     reasons not to trust it (manifest_mismatch, bad_manifest)."""
     try:
         m, digest = manifest_mod.read(step_dir)
-    except manifest_mod.ManifestUnreadable as e:   # could not check now: not a bad manifest
+    except manifest_mod.ManifestUnreadable as e:  # could not check now: not a bad manifest
         return None, [unchecked_reason(e.oserror, manifest_mod.MANIFEST_NAME)]
     except BadInput as e:
         return None, [{"code": "bad_manifest", "detail": str(e)}]
@@ -48,21 +48,28 @@ def verify_checkpoint(root: Path, ledger: Ledger, step: int, progress=None, hash
         ev = verify_files(step_dir, ledger.files(step), progress=progress, hasher=hasher)
         if step_dir.is_dir():
             _, bad = trusted_manifest(step_dir, row)
-    if bad and only_unchecked(bad):   # the manifest could not be read now: at most "could not check"
+    if bad and only_unchecked(bad):  # the manifest could not be read now: at most "could not check"
         if ev["status"] != policy.FAIL:
-            ev = policy.evidence(policy.MISSING, [r for r in ev["reasons"] if r not in bad] + bad,
-                                 **{k: v for k, v in ev.items() if k not in ("status", "reasons")},
-                                 could_not_check=True)
+            ev = policy.evidence(
+                policy.MISSING,
+                [r for r in ev["reasons"] if r not in bad] + bad,
+                **{k: v for k, v in ev.items() if k not in ("status", "reasons")},
+                could_not_check=True,
+            )
         else:
             ev = {**ev, "reasons": ev["reasons"] + bad}
     elif bad:
-        ev = policy.evidence(policy.FAIL, ev["reasons"] + bad,
-                             **{k: v for k, v in ev.items() if k not in ("status", "reasons", "could_not_check")})
+        ev = policy.evidence(
+            policy.FAIL,
+            ev["reasons"] + bad,
+            **{k: v for k, v in ev.items() if k not in ("status", "reasons", "could_not_check")},
+        )
     return ev
 
 
-def record_verification_failure(ledger: Ledger, step: int, ev: dict, source: str, *,
-                                root: str | Path | None = None) -> list[dict]:
+def record_verification_failure(
+    ledger: Ledger, step: int, ev: dict, source: str, *, root: str | Path | None = None
+) -> list[dict]:
     """A checkpoint whose re-verification failed (files missing or changed, manifest mismatched or unreadable) is
     rejected with the reasons, for good: compare-and-set from the certified or committed attempt that was
     checked, so a quarantine or a new save in between is not overwritten. The verdict is journaled under ROOT
@@ -76,8 +83,16 @@ def record_verification_failure(ledger: Ledger, step: int, ev: dict, source: str
     with ledger.write():
         if ledger.checkpoint(step)["attempt"] == row["attempt"]:
             ledger.put_evidence(step, {"bytes": ev}, source=source)
-        journal.record_transition(ledger, root or ledger.path.parent, step, "rejected", ev["reasons"],
-                                  source=source, expect=("certified", "committed"), attempt=row["attempt"])
+        journal.record_transition(
+            ledger,
+            root or ledger.path.parent,
+            step,
+            "rejected",
+            ev["reasons"],
+            source=source,
+            expect=("certified", "committed"),
+            attempt=row["attempt"],
+        )
     return ev["reasons"]
 
 
@@ -103,8 +118,11 @@ def _mark_verified(root: Path, step: int, writer: Ledger | None) -> None:
 def _newer_uncertified(ledger: Ledger, step: int, skipped: list[dict]) -> list[dict]:
     """Checkpoints newer than the one handed out that were not skipped by verification: why each is not it."""
     told = {s["step"] for s in skipped}
-    return [{"step": r["step"], "state": r["state"], "reasons": r["reasons"] or []}
-            for r in ledger.checkpoints(after=step) if r["step"] not in told and r["state"] != "deleted"]
+    return [
+        {"step": r["step"], "state": r["state"], "reasons": r["reasons"] or []}
+        for r in ledger.checkpoints(after=step)
+        if r["step"] not in told and r["state"] != "deleted"
+    ]
 
 
 # Evidence kinds `require=` can name: a certified step is handed out only where each of them passed outright.
@@ -124,8 +142,14 @@ def unmet(evidence: dict[str, dict], require: tuple[str, ...]) -> list[dict]:
             ev = {"status": policy.MISSING if evidence["bytes"].get("baseline") == "adoption" else policy.PASS}
         status = ev.get("status") or policy.MISSING
         if status != policy.PASS:
-            out.append({"code": "requirement_not_met", "kind": kind, "status": status,
-                        **({"reasons": ev["reasons"][:4]} if ev.get("reasons") else {})})
+            out.append(
+                {
+                    "code": "requirement_not_met",
+                    "kind": kind,
+                    "status": status,
+                    **({"reasons": ev["reasons"][:4]} if ev.get("reasons") else {}),
+                }
+            )
     return out
 
 
@@ -138,8 +162,14 @@ def check_require(require) -> tuple[str, ...]:
     return require
 
 
-def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledger | None = None,
-                 fallback: bool = True, require: tuple[str, ...] = ()) -> dict:
+def latest_clean(
+    root: str | Path,
+    *,
+    verify: bool = True,
+    readonly_ledger: Ledger | None = None,
+    fallback: bool = True,
+    require: tuple[str, ...] = (),
+) -> dict:
     """The newest certified checkpoint whose bytes verify: {"step", "path", "state", "verified", "skipped",
     "newer", "source"}.
 
@@ -167,8 +197,15 @@ def latest_clean(root: str | Path, *, verify: bool = True, readonly_ledger: Ledg
             raise
         why = _unavailable_text(e)
     if require:
-        e = NoCleanCheckpoint([{"code": "requirement_not_checkable", "require": list(require),
-                                "detail": "the ledger is unreadable and the manifests carry no evidence detail"}])
+        e = NoCleanCheckpoint(
+            [
+                {
+                    "code": "requirement_not_checkable",
+                    "require": list(require),
+                    "detail": "the ledger is unreadable and the manifests carry no evidence detail",
+                }
+            ]
+        )
         e.fallback = why
         raise e
     try:
@@ -197,8 +234,9 @@ def _record_failure(root: Path, writer: Ledger | None, step: int, ev: dict) -> t
         return writer, False
 
 
-def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | None, store=None,
-                         require: tuple[str, ...] = ()) -> dict:
+def _latest_clean_ledger(
+    root: Path, verify: bool, readonly_ledger: Ledger | None, store=None, require: tuple[str, ...] = ()
+) -> dict:
     ledger = readonly_ledger or Ledger.open(root, readonly=True)
     writer: Ledger | None = None
     skipped: list[dict] = []
@@ -208,13 +246,22 @@ def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | Non
             row = ledger.latest("certified", below=below)
             if row is None:
                 short = all(r.get("code") == "requirement_not_met" for s in skipped for r in s["reasons"])
-                reasons = [{"code": "no_certified_checkpoint"}] if not skipped else [
-                    {"code": "no_certified_checkpoint_meets_requirement" if short and require
-                     else "all_certified_failed_verification", "skipped": skipped}]
+                reasons = (
+                    [{"code": "no_certified_checkpoint"}]
+                    if not skipped
+                    else [
+                        {
+                            "code": "no_certified_checkpoint_meets_requirement"
+                            if short and require
+                            else "all_certified_failed_verification",
+                            "skipped": skipped,
+                        }
+                    ]
+                )
                 raise NoCleanCheckpoint(reasons)
             step = row["step"]
             short = unmet(ledger.evidence(step), require)
-            if short:   # certified under the run's policy, short of what this caller requires
+            if short:  # certified under the run's policy, short of what this caller requires
                 skipped.append({"step": step, "reasons": short})
                 below = step
                 continue
@@ -228,22 +275,33 @@ def _latest_clean_ledger(root: Path, verify: bool, readonly_ledger: Ledger | Non
                     continue
                 if ev["status"] != policy.PASS:
                     writer, recorded = _record_failure(root, writer, step, ev)
-                    skipped.append({"step": step, "reasons": ev["reasons"],
-                                    **({} if recorded else {"unrecorded": True})})
+                    skipped.append(
+                        {"step": step, "reasons": ev["reasons"], **({} if recorded else {"unrecorded": True})}
+                    )
                     below = step
                     continue
             # Hashing takes time: an operator may have quarantined the step, or a new save replaced it, meanwhile.
             now = ledger.checkpoint(step)
             if now is None or now["state"] != "certified" or now["attempt"] != row["attempt"]:
-                skipped.append({"step": step, "reasons": [{"code": "changed_during_verification",
-                                                           "state": (now or {}).get("state")}]})
+                skipped.append(
+                    {
+                        "step": step,
+                        "reasons": [{"code": "changed_during_verification", "state": (now or {}).get("state")}],
+                    }
+                )
                 below = step
                 continue
             if verify:
                 _mark_verified(root, step, writer)
             path = store.uri_of(row["path"]) if store is not None else str((root / row["path"]).resolve())
-            return {"step": step, "path": path, "state": row["state"],
-                    "verified": verify, "skipped": skipped, "newer": _newer_uncertified(ledger, step, skipped)}
+            return {
+                "step": step,
+                "path": path,
+                "state": row["state"],
+                "verified": verify,
+                "skipped": skipped,
+                "newer": _newer_uncertified(ledger, step, skipped),
+            }
     finally:
         if writer is not None:
             writer.close()

@@ -41,9 +41,9 @@ AWAITING = ("committed", "writing")
 class Plan:
     """The outcome of `decide`: steps to delete (with the state each was seen in) and steps kept, with why."""
 
-    delete: dict[int, str] = field(default_factory=dict)      # step -> state seen
-    keep: dict[int, str] = field(default_factory=dict)        # step -> why kept
-    protected: int | None = None                               # the newest certified step
+    delete: dict[int, str] = field(default_factory=dict)  # step -> state seen
+    keep: dict[int, str] = field(default_factory=dict)  # step -> why kept
+    protected: int | None = None  # the newest certified step
 
 
 def decide(states: dict[int, str], keep: int, in_flight: frozenset[int] | set[int] = frozenset()) -> Plan:
@@ -58,7 +58,7 @@ def decide(states: dict[int, str], keep: int, in_flight: frozenset[int] | set[in
     why: dict[int, str] = {}
     for step, state in sorted(states.items()):
         if state == "deleted":
-            delete[step] = state                      # a crash between ledger and rmtree: finish the removal
+            delete[step] = state  # a crash between ledger and rmtree: finish the removal
         elif state == "quarantined":
             why[step] = "quarantined"
         elif state == "writing" and step in in_flight:
@@ -88,8 +88,9 @@ def partial(root: Path, store=None, ledger: Ledger | None = None) -> list[dict]:
                 continue
             r = rows.get(name) or {}
             owner = {"host": r.get("owner_host"), "pid": r.get("owner_pid"), "start": r.get("owner_start")}
-            out.append({"path": store.uri_of(name), "owner": owner if r else None,
-                        "alive": save_alive(root, r) if r else None})
+            out.append(
+                {"path": store.uri_of(name), "owner": owner if r else None, "alive": save_alive(root, r) if r else None}
+            )
         return out
     for tmp in layout.list_tmp_dirs(root):
         out.append({"path": str(tmp), "owner": layout.read_owner(tmp), "alive": tmp_dir_alive(root, tmp)})
@@ -100,8 +101,11 @@ def _on_store(ledger: Ledger, store) -> dict[int, str]:
     """{step: state} of the rows whose attempt has a manifest on the store (or whose removal is unfinished)."""
     committed = {name for names in store.committed().values() for name in names}
     present = set(store.attempts())
-    return {r["step"]: r["state"] for r in ledger.checkpoints()
-            if r["path"] in committed or (r["state"] == "deleted" and r["path"] in present)}
+    return {
+        r["step"]: r["state"]
+        for r in ledger.checkpoints()
+        if r["path"] in committed or (r["state"] == "deleted" and r["path"] in present)
+    }
 
 
 def plan(ledger: Ledger, root: Path, keep: int, store=None) -> dict:
@@ -116,10 +120,15 @@ def plan(ledger: Ledger, root: Path, keep: int, store=None) -> dict:
         states = {r["step"]: r["state"] for r in rows if r["step"] in on_disk}
     p = decide(states, keep, saves_in_flight(rows, root))
     attempts = {r["step"]: r["attempt"] for r in rows}
-    return {"delete": sorted(p.delete), "keep": sorted(p.keep), "protected": p.protected,
-            "reasons": {str(s): w for s, w in sorted(p.keep.items())}, "partial": partial(Path(root), store, ledger),
-            "seen": {str(s): st for s, st in p.delete.items()},
-            "seen_attempt": {str(s): attempts.get(s) for s in p.delete}}
+    return {
+        "delete": sorted(p.delete),
+        "keep": sorted(p.keep),
+        "protected": p.protected,
+        "reasons": {str(s): w for s, w in sorted(p.keep.items())},
+        "partial": partial(Path(root), store, ledger),
+        "seen": {str(s): st for s, st in p.delete.items()},
+        "seen_attempt": {str(s): attempts.get(s) for s in p.delete},
+    }
 
 
 def apply(ledger: Ledger, root: Path, keep: int, *, dry_run: bool = False, store=None, sweep: bool = True) -> dict:
@@ -149,8 +158,14 @@ def apply(ledger: Ledger, root: Path, keep: int, *, dry_run: bool = False, store
     for step in result["delete"]:
         seen = result["seen"][str(step)]
         # compare-and-set on the state and the attempt the plan saw: a save of the step begun since wins
-        if seen != "deleted" and not ledger.transition(step, "deleted", [{"code": "retention", "keep": keep}],
-                                                       source="gc", expect=seen, attempt=seen_attempt[str(step)]):
+        if seen != "deleted" and not ledger.transition(
+            step,
+            "deleted",
+            [{"code": "retention", "keep": keep}],
+            source="gc",
+            expect=seen,
+            attempt=seen_attempt[str(step)],
+        ):
             continue
         try:
             if store is not None:

@@ -23,8 +23,10 @@ def store_for(root: str | os.PathLike):
     from scout_ckpt import object_store
 
     if object_store.looks_like_mangled_uri(root):
-        raise BadInput(f"{root}: give the run's ledger_dir as ROOT (the ledger of an object-store run lives "
-                       "there, and it names the s3:// URI)")
+        raise BadInput(
+            f"{root}: give the run's ledger_dir as ROOT (the ledger of an object-store run lives "
+            "there, and it names the s3:// URI)"
+        )
     if object_store.binding(root) is None:
         return None
     return object_store.bound_store(root)

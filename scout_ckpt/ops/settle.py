@@ -48,7 +48,7 @@ def _proc_stat(pid: int) -> list[str] | None:
             data = f.read().decode(errors="replace")
     except OSError:
         return None
-    return data[data.rfind(")") + 2:].split()
+    return data[data.rfind(")") + 2 :].split()
 
 
 def process_start(pid: int) -> str:
@@ -164,7 +164,7 @@ def lease_state(root: str | os.PathLike, attempt: str | None) -> str | None:
     except OSError:
         return UNKNOWN
     finally:
-        os.close(fd)   # closing drops the lock if it was taken
+        os.close(fd)  # closing drops the lock if it was taken
 
 
 def attempt_alive(root: str | os.PathLike, attempt: str | None, owner: dict | None) -> bool | None:
@@ -212,14 +212,14 @@ def _read_manifest(root: Path, row: dict, store):
     try:
         if store is not None:
             return store.read_manifest(row["path"]) if store.has_manifest(row["path"]) else (None, None)
-        return manifest.read(root / row["path"])   # no step dir: BadInput (no manifest); EIO: ManifestUnreadable
+        return manifest.read(root / row["path"])  # no step dir: BadInput (no manifest); EIO: ManifestUnreadable
     except manifest.ManifestUnreadable:
         raise
     except BadInput:
         return None, None
 
 
-_COULD_NOT_CHECK = object()   # settle_writing: the manifest or the bytes could not be read now
+_COULD_NOT_CHECK = object()  # settle_writing: the manifest or the bytes could not be read now
 
 
 def settle_writing(ledger, root: str | os.PathLike, *, source: str, store=None) -> list[dict]:
@@ -238,8 +238,15 @@ def settle_writing(ledger, root: str | os.PathLike, *, source: str, store=None) 
         step, attempt = row["step"], row["attempt"]
         alive = save_alive(root, row)
         if alive is not False:
-            out.append({"step": step, "attempt": attempt, "before": "writing", "after": "writing",
-                        "why": "owner_alive" if alive else "owner_unknown"})
+            out.append(
+                {
+                    "step": step,
+                    "attempt": attempt,
+                    "before": "writing",
+                    "after": "writing",
+                    "why": "owner_alive" if alive else "owner_unknown",
+                }
+            )
             continue
         try:
             m, digest = _read_manifest(root, row, store)
@@ -248,33 +255,62 @@ def settle_writing(ledger, root: str | os.PathLike, *, source: str, store=None) 
         interrupted = [{"code": "save_interrupted", "attempt": attempt}]
         if m is not _COULD_NOT_CHECK and m is not None and m.get("attempt") == attempt:
             ev = dict(m["evidence"])
-            ev["bytes"] = (store.verify(row["path"], m["files"]) if store is not None
-                           else verify_files(root / row["path"], m["files"]))
+            ev["bytes"] = (
+                store.verify(row["path"], m["files"])
+                if store is not None
+                else verify_files(root / row["path"], m["files"])
+            )
             if could_not_check(ev["bytes"]):
                 m = _COULD_NOT_CHECK
-        if m is _COULD_NOT_CHECK:   # an I/O error is not evidence: the row waits for a settler that can read
-            out.append({"step": step, "attempt": attempt, "before": "writing", "after": "writing",
-                        "why": "could_not_check"})
+        if m is _COULD_NOT_CHECK:  # an I/O error is not evidence: the row waits for a settler that can read
+            out.append(
+                {"step": step, "attempt": attempt, "before": "writing", "after": "writing", "why": "could_not_check"}
+            )
             continue
         if m is not None and m.get("attempt") == attempt:
             if ev["bytes"]["status"] == policy.PASS:
                 # The run's policy as the ledger holds it (the manifest's only if the run is unknown).
                 v = policy.evaluate(_run_policy(ledger, row, m["policy"]), ev)
                 applied = ledger.record_commit(
-                    step, run_id=m.get("run_id") or row["run_id"], path=row["path"],
-                    nbytes=(sum(f["size"] for f in m["files"]) if store is not None
-                            else layout.dir_bytes(root / row["path"])), manifest_digest=digest, files=m["files"], evidence=ev,
-                    state=v.state, reasons=v.reasons, source=source, attempt=attempt)
+                    step,
+                    run_id=m.get("run_id") or row["run_id"],
+                    path=row["path"],
+                    nbytes=(
+                        sum(f["size"] for f in m["files"])
+                        if store is not None
+                        else layout.dir_bytes(root / row["path"])
+                    ),
+                    manifest_digest=digest,
+                    files=m["files"],
+                    evidence=ev,
+                    state=v.state,
+                    reasons=v.reasons,
+                    source=source,
+                    attempt=attempt,
+                )
                 if applied:
                     journal.journal_verdict(root, step, attempt, digest, v.state, v.reasons, source)
-                out.append({"step": step, "attempt": attempt, "before": "writing",
-                            "after": v.state if applied else ledger.checkpoint(step)["state"],
-                            "why": "completed_from_manifest" if applied else "superseded"})
+                out.append(
+                    {
+                        "step": step,
+                        "attempt": attempt,
+                        "before": "writing",
+                        "after": v.state if applied else ledger.checkpoint(step)["state"],
+                        "why": "completed_from_manifest" if applied else "superseded",
+                    }
+                )
                 continue
             interrupted += ev["bytes"]["reasons"]
-        applied = journal.record_transition(ledger, root, step, "rejected", interrupted, source=source,
-                                            expect="writing", attempt=attempt)
-        out.append({"step": step, "attempt": attempt, "before": "writing",
-                    "after": "rejected" if applied else ledger.checkpoint(step)["state"],
-                    "why": "save_interrupted" if applied else "superseded"})
+        applied = journal.record_transition(
+            ledger, root, step, "rejected", interrupted, source=source, expect="writing", attempt=attempt
+        )
+        out.append(
+            {
+                "step": step,
+                "attempt": attempt,
+                "before": "writing",
+                "after": "rejected" if applied else ledger.checkpoint(step)["state"],
+                "why": "save_interrupted" if applied else "superseded",
+            }
+        )
     return out

@@ -93,8 +93,8 @@ class RootInUse(StartRefused):
     checkpoints. Point the second job at its own ROOT, or stop the first."""
 
 
-RUN_LEASE_NAME = "run.owner"   # not *.lock: the saves' own leases beside it are
-RUN_LEASE_WAIT_S = 60.0   # how long a restart of the same job waits for its previous generation to let go
+RUN_LEASE_NAME = "run.owner"  # not *.lock: the saves' own leases beside it are
+RUN_LEASE_WAIT_S = 60.0  # how long a restart of the same job waits for its previous generation to let go
 
 
 def run_lease_path(root: str | Path) -> Path:
@@ -132,7 +132,7 @@ class RunLease:
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, rec.encode(), 0)
         except OSError:
-            pass   # the identity is for the refusal's message and the same-job wait: the lock is what counts
+            pass  # the identity is for the refusal's message and the same-job wait: the lock is what counts
 
     def release(self) -> None:
         with _LEASES_LOCK:
@@ -142,7 +142,7 @@ class RunLease:
             if _LEASES.get(self.key) is self:
                 _LEASES.pop(self.key)
             if self.fd is not None:
-                os.close(self.fd)   # releases the flock
+                os.close(self.fd)  # releases the flock
                 self.fd = None
 
 
@@ -161,9 +161,11 @@ def _holder(fd: int) -> dict:
 
 def _in_use(root: Path, holder: dict) -> RootInUse:
     who = ", ".join(f"{k} {holder[k]}" for k in ("job", "host", "pid") if holder.get(k) is not None)
-    return RootInUse(f"{root}: another job is saving checkpoints here ({who or 'holder unknown'}, holds "
-                     f"{run_lease_path(root)}); two jobs on one ROOT would overwrite each other's checkpoints: give "
-                     "this job its own ROOT, or stop the other one first")
+    return RootInUse(
+        f"{root}: another job is saving checkpoints here ({who or 'holder unknown'}, holds "
+        f"{run_lease_path(root)}); two jobs on one ROOT would overwrite each other's checkpoints: give "
+        "this job its own ROOT, or stop the other one first"
+    )
 
 
 def take_run_lease(root: str | Path, *, wait_s: float = RUN_LEASE_WAIT_S) -> RunLease:
@@ -189,14 +191,18 @@ def take_run_lease(root: str | Path, *, wait_s: float = RUN_LEASE_WAIT_S) -> Run
             if me is None or holder.get("job") != me or time.monotonic() >= deadline:
                 lease = RunLease(root, key, fd, False, holder)
                 break
-            time.sleep(0.2)   # this job's previous generation is still exiting
+            time.sleep(0.2)  # this job's previous generation is still exiting
         else:
             lease = RunLease(root, key, fd, True)
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-            logger.warning("%s: file locks are not available here (%s): the run lease is not held, so a second "
-                           "job on this ROOT would not be refused", root, e)
+            logger.warning(
+                "%s: file locks are not available here (%s): the run lease is not held, so a second "
+                "job on this ROOT would not be refused",
+                root,
+                e,
+            )
             return RunLease(root, key, None, True)
         raise StartRefused(f"{root}: cannot take the run lease {path} ({e})") from None
     with _LEASES_LOCK:
@@ -205,7 +211,7 @@ def take_run_lease(root: str | Path, *, wait_s: float = RUN_LEASE_WAIT_S) -> Run
 
 
 def _ledger_file(root: Path) -> str:
-    """"missing", "empty", "not_sqlite" or "sqlite" (by the header, without opening it)."""
+    """ "missing", "empty", "not_sqlite" or "sqlite" (by the header, without opening it)."""
     path = root / LEDGER_NAME
     if not path.exists():
         return "missing"
@@ -229,24 +235,24 @@ def _records_nothing(root: Path) -> bool:
         with Ledger.open(root, readonly=True) as led:
             return not led.checkpoints()
     except (ScoutError, OSError):
-        return False   # unreadable or to be migrated: Ledger.open below decides
+        return False  # unreadable or to be migrated: Ledger.open below decides
 
 
 def open_run_ledger(root: str | Path, *, journal: str | None = None, store=None) -> Ledger:
     """Coordinator, at start-up: ROOT's ledger opened read-write (created for a new run), rebuilt first when it
     was lost beside checkpoints with manifests; StartRefused when it cannot be used (see the module docstring)."""
     root = Path(root)
-    lease = take_run_lease(root)   # before anything is written: another job's rebuild or save must not race ours
+    lease = take_run_lease(root)  # before anything is written: another job's rebuild or save must not race ours
     try:
         if not lease.held and (_ledger_file(root) != "sqlite" or _records_nothing(root)):
-            lease.check()   # never rebuild the ledger of a job that is alive
+            lease.check()  # never rebuild the ledger of a job that is alive
         ledger = _open_run_ledger(root, journal=journal, store=store)
     except BaseException:
         lease.release()
         raise
     ledger.on_close.append(lease.release)
     lease.record()
-    ledger.run_lease = lease   # the committer checks it before every save (save/commit.py, begin)
+    ledger.run_lease = lease  # the committer checks it before every save (save/commit.py, begin)
     return ledger
 
 
@@ -254,36 +260,58 @@ def _open_run_ledger(root: Path, *, journal: str | None, store) -> Ledger:
     kind = _ledger_file(root)
     steps = _manifest_steps(root, store) if kind != "sqlite" or _records_nothing(root) else []
     if steps:
-        why = {"missing": "missing", "empty": "empty", "not_sqlite": "not an SQLite file",
-               "sqlite": "records no checkpoint"}[kind]
-        logger.warning("%s: the ledger is %s beside %d checkpoint(s) with manifests (steps %s): rebuilding it from "
-                       "the manifests and the journal, as `scout-ckpt ledger rebuild` does, instead of starting "
-                       "from step 0", root / LEDGER_NAME, why, len(steps), ", ".join(map(str, steps[-8:])))
+        why = {
+            "missing": "missing",
+            "empty": "empty",
+            "not_sqlite": "not an SQLite file",
+            "sqlite": "records no checkpoint",
+        }[kind]
+        logger.warning(
+            "%s: the ledger is %s beside %d checkpoint(s) with manifests (steps %s): rebuilding it from "
+            "the manifests and the journal, as `scout-ckpt ledger rebuild` does, instead of starting "
+            "from step 0",
+            root / LEDGER_NAME,
+            why,
+            len(steps),
+            ", ".join(map(str, steps[-8:])),
+        )
         from scout_ckpt.ops.rebuild import rebuild
 
         try:
             result = rebuild(root)
         except (ScoutError, OSError) as e:
-            raise StartRefused(f"{root}: the ledger is {why} beside checkpoints and rebuilding it failed ({e}); "
-                               f"run `scout-ckpt ledger rebuild {root}` and restart") from None
+            raise StartRefused(
+                f"{root}: the ledger is {why} beside checkpoints and rebuilding it failed ({e}); "
+                f"run `scout-ckpt ledger rebuild {root}` and restart"
+            ) from None
         unread = [s for s in result["skipped"] if s.get("could_not_check")]
         if unread:
-            raise StartRefused(f"{root}: rebuilt the lost ledger, but step {unread[0]['step']} could not be read "
-                               f"now ({unread[0]['reason']}); the job does not start without it: run "
-                               f"`scout-ckpt ledger rebuild {root}` once the storage answers, then restart")
+            raise StartRefused(
+                f"{root}: rebuilt the lost ledger, but step {unread[0]['step']} could not be read "
+                f"now ({unread[0]['reason']}); the job does not start without it: run "
+                f"`scout-ckpt ledger rebuild {root}` once the storage answers, then restart"
+            )
         for s in result["skipped"]:
             logger.warning("%s: ledger rebuild left step %d out: %s", root, s["step"], s["reason"])
         chain = result.get("journal_chain") or {}
         if not chain.get("intact", True):
-            logger.warning("%s: the journal's chain is broken (%s): the rebuild restored none of its certificates",
-                           root, chain.get("detail"))
+            logger.warning(
+                "%s: the journal's chain is broken (%s): the rebuild restored none of its certificates",
+                root,
+                chain.get("detail"),
+            )
         states = {r["step"]: r["state"] for r in result["checkpoints"]}
-        logger.warning("%s: ledger rebuilt: %s%s", root,
-                       ", ".join(f"{s} {st}" for s, st in sorted(states.items())) or "no checkpoint",
-                       f"; the unreadable ledger is kept as {result['backup']}" if result["backup"] else "")
+        logger.warning(
+            "%s: ledger rebuilt: %s%s",
+            root,
+            ", ".join(f"{s} {st}" for s, st in sorted(states.items())) or "no checkpoint",
+            f"; the unreadable ledger is kept as {result['backup']}" if result["backup"] else "",
+        )
     try:
         return Ledger.open(root, create=True, journal=journal)
     except LedgerError as e:
-        raise StartRefused(f"{root}: the ledger cannot be opened ({e}); the job does not start over checkpoints "
-                           f"it cannot account for: run `scout-ckpt ledger rebuild {root}` (the old ledger is kept "
-                           "as .bak), then restart") from None
+        raise StartRefused(
+            f"{root}: the ledger cannot be opened ({e}); the job does not start over checkpoints "
+            f"it cannot account for: run `scout-ckpt ledger rebuild {root}` (the old ledger is kept "
+            "as .bak), then restart"
+        ) from None

@@ -9,8 +9,14 @@ import time
 from typing import Callable
 
 STATUS_MARK = {"pass": "✓", "fail": "✗", "inconclusive": "?", "missing": "…", "not_applicable": "-"}
-STATE_STYLE = {"certified": "green", "committed": "yellow", "rejected": "red", "quarantined": "magenta",
-               "writing": "dim", "deleted": "dim"}
+STATE_STYLE = {
+    "certified": "green",
+    "committed": "yellow",
+    "rejected": "red",
+    "quarantined": "magenta",
+    "writing": "dim",
+    "deleted": "dim",
+}
 
 
 def checkpoint_rows(ledger) -> list[dict]:
@@ -19,10 +25,19 @@ def checkpoint_rows(ledger) -> list[dict]:
     evidence = ledger.evidence_summary()
     for r in ledger.checkpoints():
         ev = evidence.get(r["step"], {})
-        out.append({"step": r["step"], "state": r["state"], "path": r["path"], "bytes": r["bytes"],
-                    "evidence": {k: v["status"] for k, v in ev.items()}, "reasons": r["reasons"] or [],
-                    "run_id": r["run_id"], "committed": r["committed"],
-                    "checked": {k: {"by": v.get("source"), "at": v.get("recorded")} for k, v in ev.items()}})
+        out.append(
+            {
+                "step": r["step"],
+                "state": r["state"],
+                "path": r["path"],
+                "bytes": r["bytes"],
+                "evidence": {k: v["status"] for k, v in ev.items()},
+                "reasons": r["reasons"] or [],
+                "run_id": r["run_id"],
+                "committed": r["committed"],
+                "checked": {k: {"by": v.get("source"), "at": v.get("recorded")} for k, v in ev.items()},
+            }
+        )
     return out
 
 
@@ -71,9 +86,9 @@ def reason_text(reasons: list[dict]) -> str:
     parts: list[str] = []
     for r in reasons:
         extra = ",".join(str(r[k]) for k in ("file", "target", "check", "metric") if r.get(k))
-        if r.get("code") == "requirement_not_met":   # which evidence fell short, and how
+        if r.get("code") == "requirement_not_met":  # which evidence fell short, and how
             extra += f"{r.get('kind')} {r.get('status')}"
-        if r.get("event") is not None:   # health_fault / desync: which ledger event decided
+        if r.get("event") is not None:  # health_fault / desync: which ledger event decided
             extra += (";" if extra else "") + f"event {r['event']}"
         for k in ("missing", "awaiting"):
             if r.get(k):
@@ -91,12 +106,14 @@ def detail_text(detail: dict) -> str:
 
     def value(v, key: str = "") -> str:
         if isinstance(v, dict):
-            return "; ".join(f"{k.replace('_', ' ')} {value(x, k)}" if x is not True else str(k)
-                             for k, x in v.items() if x is not None and x is not False and not _noise(k, x))
+            return "; ".join(
+                f"{k.replace('_', ' ')} {value(x, k)}" if x is not True else str(k)
+                for k, x in v.items()
+                if x is not None and x is not False and not _noise(k, x)
+            )
         if isinstance(v, (list, tuple)):
-            if v and all(isinstance(x, dict) and "rank" in x for x in v):   # one record per rank: one clause each
-                return " | ".join(f"rank {x['rank']}: " + value({k: y for k, y in x.items() if k != "rank"})
-                                  for x in v)
+            if v and all(isinstance(x, dict) and "rank" in x for x in v):  # one record per rank: one clause each
+                return " | ".join(f"rank {x['rank']}: " + value({k: y for k, y in x.items() if k != "rank"}) for x in v)
             return ", ".join(value(x, key) for x in v) or "none"
         if isinstance(v, float):
             if _is_time(key, v):
@@ -106,15 +123,19 @@ def detail_text(detail: dict) -> str:
             return f"{v:.3g}"
         return str(v)
 
-    parts = [str(k).replace("_", " ") if v is True else f"{str(k).replace('_', ' ')}: {value(v, str(k))}"
-             for k, v in detail.items() if v is not None and v is not False and not _noise(str(k), v)]
+    parts = [
+        str(k).replace("_", " ") if v is True else f"{str(k).replace('_', ' ')}: {value(v, str(k))}"
+        for k, v in detail.items()
+        if v is not None and v is not False and not _noise(str(k), v)
+    ]
     return "; ".join(parts) or "-"
 
 
 def _is_time(key: str, v: float) -> bool:
     """A recorded wall time (seconds since the epoch) rather than a measure."""
-    return v > 1e9 and (key in ("time", "wall", "last_heartbeat", "t_update", "t_start", "t_cseq")
-                        or key.endswith(("_at", "_time")))
+    return v > 1e9 and (
+        key in ("time", "wall", "last_heartbeat", "t_update", "t_start", "t_cseq") or key.endswith(("_at", "_time"))
+    )
 
 
 def _noise(key: str, v) -> bool:
@@ -148,14 +169,17 @@ def explain_lines(out: dict, where: str, now: float, escape: Callable[[str], str
         for r in item.get("reasons") or []:
             lines.append(f"      - {escape(reason_text([r]))}")
             for said in ([r["detail"]] if isinstance(r.get("detail"), str) else []) + (
-                    [f"not vouched for: {'; '.join(map(str, r['state']))}"] if isinstance(r.get("state"), list) else []):
-                lines.append(f"        {escape(said)}")   # what --json holds: why, and which state (single owner)
-        for key, label in (("vouched_by", "vouched for by"), ("not_used", "not used")):   # adopt's bytes evidence
+                [f"not vouched for: {'; '.join(map(str, r['state']))}"] if isinstance(r.get("state"), list) else []
+            ):
+                lines.append(f"        {escape(said)}")  # what --json holds: why, and which state (single owner)
+        for key, label in (("vouched_by", "vouched for by"), ("not_used", "not used")):  # adopt's bytes evidence
             if item.get(key):
                 lines.append(f"      {label}: {escape(str(item[key]))}")
         if item.get("live_checked_ranks") is not None:
-            lines.append(f"      live step checked: rank(s) {ranks_text(item['live_checked_ranks'])}"
-                         + (f" ({item['live_rotation']})" if item.get("live_rotation") else ""))
+            lines.append(
+                f"      live step checked: rank(s) {ranks_text(item['live_checked_ranks'])}"
+                + (f" ({item['live_rotation']})" if item.get("live_rotation") else "")
+            )
         cov = item.get("coverage")
         after = item.get("confirmed_after") or {}
         disagreed: dict = {}
@@ -168,12 +192,16 @@ def explain_lines(out: dict, where: str, now: float, escape: Callable[[str], str
                 if target in disagreed:
                     r = disagreed[target]
                     who = ranks_text(r.get("ranks") or [])
-                    text = (f"replicas DISAGREED at step {r.get('step')}: " +
-                            (f"rank(s) {who} computed differently from the majority" if r["code"] == "replay_sdc"
-                             else f"no strict majority among ranks {who}, no rank can be blamed") +
-                            ("; the replays agree with each other, not with the live step" if r.get("live_step")
-                             else "") +
-                            (f"; clean before at step {last}" if last is not None else ""))
+                    text = (
+                        f"replicas DISAGREED at step {r.get('step')}: "
+                        + (
+                            f"rank(s) {who} computed differently from the majority"
+                            if r["code"] == "replay_sdc"
+                            else f"no strict majority among ranks {who}, no rank can be blamed"
+                        )
+                        + ("; the replays agree with each other, not with the live step" if r.get("live_step") else "")
+                        + (f"; clean before at step {last}" if last is not None else "")
+                    )
                     lines.append(f"      {target:<14} {text}")
                     continue
                 if target in after:
@@ -198,7 +226,7 @@ def time_text(t: float | None) -> str:
 
 
 def ranks_text(ranks: list[int]) -> str:
-    """"0,3", "-" for none, the first 8 and the count beyond that."""
+    """ "0,3", "-" for none, the first 8 and the count beyond that."""
     if not ranks:
         return "-"
     if len(ranks) > 8:

@@ -67,8 +67,7 @@ def _ref(x: Any) -> Any:
 
 def _is_hf_cache(x: Any) -> bool:
     """A transformers KV cache (cache_utils.Cache), without importing transformers."""
-    return any(c.__name__ == "Cache" and (c.__module__ or "").startswith("transformers")
-               for c in type(x).__mro__)
+    return any(c.__name__ == "Cache" and (c.__module__ or "").startswith("transformers") for c in type(x).__mro__)
 
 
 def _layer_idx(module: nn.Module) -> int | None:
@@ -97,6 +96,7 @@ def _without_empty_cache(tree: Any, module: nn.Module) -> Any:
             return None if idx is not None and int(x.get_seq_length(idx)) == 0 else x
         except Exception:  # noqa: BLE001 -- a cache of another shape: kept
             return x
+
     return tree_map(fix, tree)
 
 
@@ -112,19 +112,19 @@ class Invocation:
 
     args: tuple
     kwargs: dict
-    requires_grad: tuple          # per flattened (args, kwargs) leaf: did the live input require grad
+    requires_grad: tuple  # per flattened (args, kwargs) leaf: did the live input require grad
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
-    training: dict[str, bool]     # submodule name -> .training at capture time
-    rng: torch.Tensor             # CPU generator state before the forward
+    training: dict[str, bool]  # submodule name -> .training at capture time
+    rng: torch.Tensor  # CPU generator state before the forward
     device_rng: torch.Tensor | None
-    autocast: tuple | None        # (device_type, dtype) when the forward ran under autocast
+    autocast: tuple | None  # (device_type, dtype) when the forward ran under autocast
     grad_outputs: list = field(default_factory=list)  # per flattened output leaf: its grad, or None
-    held: list = field(default_factory=list)          # (live tensor, its _version when captured): refs=True
-    mutated_in_forward: bool = False                  # the module wrote one of its inputs in place
-    live: torch.Tensor | None = None                  # [n, 2] signatures of the live output's tensors (live=True)
-    live_grads: dict = field(default_factory=dict)    # label -> [2] signature of a live gradient (grads=True)
-    grad_note: str | None = None                      # why some live gradients of this call are not signed
+    held: list = field(default_factory=list)  # (live tensor, its _version when captured): refs=True
+    mutated_in_forward: bool = False  # the module wrote one of its inputs in place
+    live: torch.Tensor | None = None  # [n, 2] signatures of the live output's tensors (live=True)
+    live_grads: dict = field(default_factory=dict)  # label -> [2] signature of a live gradient (grads=True)
+    grad_note: str | None = None  # why some live gradients of this call are not signed
 
     def intact(self) -> bool:
         """Does every referenced live tensor still hold what was captured (no in-place write since)?"""
@@ -135,11 +135,20 @@ class Invocation:
             return x.to(device) if isinstance(x, torch.Tensor) else x
 
         return Invocation(
-            tree_map(move, self.args), tree_map(move, self.kwargs), self.requires_grad,
-            {k: move(v) for k, v in self.params.items()}, {k: move(v) for k, v in self.buffers.items()},
-            self.training, self.rng, self.device_rng, self.autocast,
+            tree_map(move, self.args),
+            tree_map(move, self.kwargs),
+            self.requires_grad,
+            {k: move(v) for k, v in self.params.items()},
+            {k: move(v) for k, v in self.buffers.items()},
+            self.training,
+            self.rng,
+            self.device_rng,
+            self.autocast,
             [move(g) for g in self.grad_outputs],  # `held` stays home: it is checked where the capture was made
-            live=self.live, live_grads={k: move(v) for k, v in self.live_grads.items()}, grad_note=self.grad_note)
+            live=self.live,
+            live_grads={k: move(v) for k, v in self.live_grads.items()},
+            grad_note=self.grad_note,
+        )
 
 
 def current_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -151,7 +160,7 @@ def current_state(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
     named = list(module.named_parameters()) + [("buffer:" + n, b) for n, b in module.named_buffers()]
     full = gather_full([t for _, t in named])
     params = {n: t.detach() for (n, _), t in zip(named, full) if not n.startswith("buffer:")}
-    buffers = {n[len("buffer:"):]: t.detach() for (n, _), t in zip(named, full) if n.startswith("buffer:")}
+    buffers = {n[len("buffer:") :]: t.detach() for (n, _), t in zip(named, full) if n.startswith("buffer:")}
     return params, buffers
 
 
@@ -162,8 +171,14 @@ def _dim0_sharded(t: torch.Tensor) -> bool:
     except ImportError:  # a torch without DTensor
         return False
     pl = getattr(t, "placements", None)
-    return (pl is not None and len(pl) == 1 and type(pl[0]) is Shard and pl[0].dim == 0
-            and t.device_mesh.ndim == 1 and t.ndim >= 1)
+    return (
+        pl is not None
+        and len(pl) == 1
+        and type(pl[0]) is Shard
+        and pl[0].dim == 0
+        and t.device_mesh.ndim == 1
+        and t.ndim >= 1
+    )
 
 
 def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -176,10 +191,10 @@ def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             batches.setdefault((id(t.device_mesh), t.dtype), []).append(i)
         else:
             out[i] = _full(t)
-    for idx in batches.values():   # insertion order: the same on every rank
+    for idx in batches.values():  # insertion order: the same on every rank
         mesh = tensors[idx[0]].device_mesh
         w = mesh.size()
-        layout = []                # (index, global shape, rows per chunk, elements per row, offset)
+        layout = []  # (index, global shape, rows per chunk, elements per row, offset)
         off = 0
         for i in idx:
             shape = tuple(tensors[i].shape)
@@ -193,12 +208,12 @@ def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         buf = torch.zeros(off, dtype=local0.dtype, device=local0.device)
         for i, shape, chunk, rest, at in layout:
             loc = tensors[i].to_local().detach().reshape(-1)
-            buf[at:at + loc.numel()].copy_(loc)
+            buf[at : at + loc.numel()].copy_(loc)
         parts = [torch.empty_like(buf) for _ in range(w)]
         dist.all_gather(parts, buf, group=mesh.get_group())
         for i, shape, chunk, rest, at in layout:
             rows = [max(0, min(chunk, shape[0] - r * chunk)) for r in range(w)]
-            out[i] = torch.cat([parts[r][at:at + n * rest] for r, n in enumerate(rows)]).view(shape)
+            out[i] = torch.cat([parts[r][at : at + n * rest] for r, n in enumerate(rows)]).view(shape)
     return out
 
 
@@ -208,8 +223,10 @@ def _signature(t: torch.Tensor) -> torch.Tensor:
 
     if type(t) is torch.Tensor and t.numel() and holds_row_major(t):
         import xxhash
-        return torch.tensor(digest_row(xxhash.xxh3_128_intdigest(t.reshape(-1).view(torch.uint8).numpy())),
-                            dtype=torch.int64)
+
+        return torch.tensor(
+            digest_row(xxhash.xxh3_128_intdigest(t.reshape(-1).view(torch.uint8).numpy())), dtype=torch.int64
+        )
     return replica_signatures([t])[0]
 
 
@@ -237,20 +254,29 @@ class ModuleCapture:
     the capture and the module's caller -- pre-hooks after the capture's, post-hooks before it, in the order the
     module held them at the captured call -- which the replay runs too (execute.py)."""
 
-    def __init__(self, module: nn.Module, inner: nn.Module | None = None, *, params: bool = True,
-                 refs: bool = False, live: bool = False, gather: bool = False, grads: bool = False,
-                 grad_params: frozenset | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        inner: nn.Module | None = None,
+        *,
+        params: bool = True,
+        refs: bool = False,
+        live: bool = False,
+        gather: bool = False,
+        grads: bool = False,
+        grad_params: frozenset | None = None,
+    ):
         self.module = module
         self.inner = inner if inner is not None else module
         self.params = params
         self.refs = refs
         self.live = live
         self.gather = gather
-        self.grads = grads                      # sign the live backward's gradients (module docstring)
+        self.grads = grads  # sign the live backward's gradients (module docstring)
         self.grad_params = grad_params or frozenset()
         self._grad_handles: list = []
-        self._awaited: set[str] = set()          # live gradients hooked and not signed yet
-        self._grad_inputs: list = []              # (k, input tensor) whose share of the gradient is signed
+        self._awaited: set[str] = set()  # live gradients hooked and not signed yet
+        self._grad_inputs: list = []  # (k, input tensor) whose share of the gradient is signed
         self._seq0 = 0
         self.hook_ids: tuple[frozenset, frozenset] | None = None
         self.invocation: Invocation | None = None
@@ -281,8 +307,12 @@ class ModuleCapture:
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.invocation is not None:  # activation recompute or a second micro-batch: keep the first
             inv = self.invocation
-            if (self._grad_handles and torch._C._current_graph_task_id() == -1 and inv.grad_note is None
-                    and any(lab.startswith("grad_param:") for lab in self._awaited)):
+            if (
+                self._grad_handles
+                and torch._C._current_graph_task_id() == -1
+                and inv.grad_note is None
+                and any(lab.startswith("grad_param:") for lab in self._awaited)
+            ):
                 # called again in a forward before the first call's backward reached its parameters: their hooks
                 # would see the sum over both calls (a recompute runs inside the backward, and does not count)
                 inv.grad_note = "the module ran again before its backward reached its parameters"
@@ -297,7 +327,7 @@ class ModuleCapture:
         # parameters still sharded at forward time (tensor parallel): the live call computed sharded math, which
         # the replay of the full module rounds differently -- no live signature then (FSDP2 unshards first)
         self._sharded_forward = any(hasattr(t, "full_tensor") for t in inner.parameters())
-        if self.gather and not self.params:   # matched with the source's snapshot below: the same order
+        if self.gather and not self.params:  # matched with the source's snapshot below: the same order
             for t in [*inner.parameters(), *inner.buffers()]:
                 if hasattr(t, "full_tensor"):
                     _full(t)
@@ -316,7 +346,7 @@ class ModuleCapture:
             self.invocation.held = [(x, x._version) for x in leaves if isinstance(x, torch.Tensor)]
         pre = list(module._forward_pre_hooks)
         mine = self._handles[0].id
-        self.hook_ids = (frozenset(pre[pre.index(mine) + 1:]) if mine in pre else frozenset(), frozenset())
+        self.hook_ids = (frozenset(pre[pre.index(mine) + 1 :]) if mine in pre else frozenset(), frozenset())
         self._pending_output = True
         self._grad_inputs = []
         if self.grads and self.live and not self._sharded_forward and torch.is_grad_enabled():
@@ -352,7 +382,7 @@ class ModuleCapture:
                 grad_fns[(id(held[-1]), x.output_nr)] = k
             else:
                 grad_fns[("leaf", id(x))] = k
-        edges: dict[int, list] = {}     # input k -> [(node, edge index)]
+        edges: dict[int, list] = {}  # input k -> [(node, edge index)]
         seen: dict[int, Any] = {}
         stack = [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
         while stack:
@@ -367,7 +397,7 @@ class ModuleCapture:
                 key = ("leaf", id(var)) if var is not None else (id(nxt), nr)
                 if key in grad_fns:
                     edges.setdefault(grad_fns[key], []).append((node, j))
-                elif var is None and nxt._sequence_nr() >= seq0:   # made by this call: walk on
+                elif var is None and nxt._sequence_nr() >= seq0:  # made by this call: walk on
                     stack.append(nxt)
         for k, pairs in edges.items():
             label = f"grad_input[{k}]"
@@ -377,7 +407,7 @@ class ModuleCapture:
             for node, j in pairs:
                 by_node.setdefault(id(node), []).append(j)
             for node, _ in {id(n): (n, j) for n, j in pairs}.values():
-                node.register_hook(self._edge_hook(inv, label, state, by_node[id(node)]))   # freed with the graph
+                node.register_hook(self._edge_hook(inv, label, state, by_node[id(node)]))  # freed with the graph
 
     def _edge_hook(self, inv: Invocation, label: str, state: dict, idx: list[int]):
         sign = self._sign_hook(inv, label)
@@ -391,12 +421,13 @@ class ModuleCapture:
             if state["left"] == 0 and state["sum"] is not None:
                 sign(state["sum"])
             # never change the live gradient
+
         return hook
 
     def _sign_hook(self, inv: Invocation, label: str):
         def hook(grad: torch.Tensor) -> None:
             if label in inv.live_grads or label not in self._awaited:
-                return   # a second backward through the same parameter (a later call): not this invocation's
+                return  # a second backward through the same parameter (a later call): not this invocation's
             self._awaited.discard(label)
             if label.startswith("grad_param:") and inv.grad_note is not None:
                 return
@@ -405,6 +436,7 @@ class ModuleCapture:
             except Exception:  # noqa: BLE001 -- a gradient that cannot be signed is not checked, never a failed step
                 pass
             # never change the live gradient
+
         return hook
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -415,7 +447,7 @@ class ModuleCapture:
         post = list(module._forward_hooks)
         mine = self._handles[1].id if len(self._handles) > 1 else None
         if self.hook_ids is not None:
-            self.hook_ids = (self.hook_ids[0], frozenset(post[:post.index(mine)]) if mine in post else frozenset())
+            self.hook_ids = (self.hook_ids[0], frozenset(post[: post.index(mine)]) if mine in post else frozenset())
         if inv.held and not inv.intact():  # the forward itself wrote an input: the references are stale already
             inv.mutated_in_forward = True
         outs, _ = tree_flatten(output)
@@ -449,6 +481,7 @@ class ModuleCapture:
                 else:
                     inv.grad_outputs[i] = grad.detach().clone()
             # never change the live gradient
+
         return hook
 
 

@@ -51,19 +51,23 @@ _VALID_WORKSPACES = (":4096:8", ":16:8")
 class Settings:
     """The process-wide flags the comparison depends on, as read now (torch's own getters, nothing changed)."""
 
-    device: str                     # "cpu" or "cuda"
+    device: str  # "cpu" or "cuda"
     deterministic_algorithms: bool  # torch.use_deterministic_algorithms
     warn_only: bool
-    cublas_workspace: str | None    # CUBLAS_WORKSPACE_CONFIG in this process's environment
+    cublas_workspace: str | None  # CUBLAS_WORKSPACE_CONFIG in this process's environment
     cudnn_deterministic: bool
     cudnn_benchmark: bool
 
     @property
     def deterministic(self) -> bool:
         """Every setting `enable(warn_only=False)` makes is in effect (on CPU: nothing is needed)."""
-        return self.device == "cpu" or (self.deterministic_algorithms and not self.warn_only
-                                        and self.cublas_workspace in _VALID_WORKSPACES
-                                        and self.cudnn_deterministic and not self.cudnn_benchmark)
+        return self.device == "cpu" or (
+            self.deterministic_algorithms
+            and not self.warn_only
+            and self.cublas_workspace in _VALID_WORKSPACES
+            and self.cudnn_deterministic
+            and not self.cudnn_benchmark
+        )
 
     @property
     def comparison(self) -> str:
@@ -86,12 +90,14 @@ def settings(device=None) -> Settings:
     else:
         kind = torch.device(device).type
     kind = "cpu" if kind == "cpu" else "cuda"
-    return Settings(device=kind,
-                    deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
-                    warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
-                    cublas_workspace=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-                    cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
-                    cudnn_benchmark=bool(torch.backends.cudnn.benchmark))
+    return Settings(
+        device=kind,
+        deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+        warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+        cublas_workspace=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
+        cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
+    )
 
 
 def comparison(device=None) -> str:
@@ -132,5 +138,15 @@ def enable(warn_only: bool = True) -> Settings:
     return settings("cuda" if torch.cuda.is_available() else "cpu")
 
 
-__all__ = ["CPU", "CUBLAS_WORKSPACE", "CUDA_DEFAULT", "CUDA_DETERMINISTIC", "Settings", "comparison", "enable",
-           "live_grads_reproducible", "replay_warn_only", "settings"]
+__all__ = [
+    "CPU",
+    "CUBLAS_WORKSPACE",
+    "CUDA_DEFAULT",
+    "CUDA_DETERMINISTIC",
+    "Settings",
+    "comparison",
+    "enable",
+    "live_grads_reproducible",
+    "replay_warn_only",
+    "settings",
+]

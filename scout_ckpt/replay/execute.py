@@ -27,8 +27,18 @@ from scout_ckpt.replay.targets import original_class
 _FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
 _HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 # Hooks of these packages are plumbing (collectives, recording, our own capture), never the model's math.
-_PLUMBING = ("torch", "scout_ckpt", "deepspeed", "megatron", "accelerate", "transformers", "lightning",
-             "pytorch_lightning", "torchtitan", "torchft")
+_PLUMBING = (
+    "torch",
+    "scout_ckpt",
+    "deepspeed",
+    "megatron",
+    "accelerate",
+    "transformers",
+    "lightning",
+    "pytorch_lightning",
+    "torchtitan",
+    "torchft",
+)
 _replaying = 0
 
 
@@ -44,7 +54,7 @@ def _plumbing(hook) -> bool:
     while True:
         if isinstance(fn, functools.partial):
             fn = fn.func
-        elif hasattr(fn, "__func__"):   # a bound method
+        elif hasattr(fn, "__func__"):  # a bound method
             fn = fn.__func__
         else:
             break
@@ -81,10 +91,19 @@ def _user_hooks(m: nn.Module, root_ids: tuple[frozenset, frozenset] | None) -> d
     return out
 
 
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
-               "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 
 def replay_copy(module: nn.Module, inv: Invocation, hook_ids: tuple[frozenset, frozenset] | None = None) -> nn.Module:
@@ -104,8 +123,9 @@ def replay_copy(module: nn.Module, inv: Invocation, hook_ids: tuple[frozenset, f
     return _structural_copy(module, {}, hook_ids, "", (inv, {}, {}))
 
 
-def _structural_copy(m: nn.Module, memo: dict[int, nn.Module], root_ids: tuple[frozenset, frozenset] | None,
-                     prefix: str, swap: tuple) -> nn.Module:
+def _structural_copy(
+    m: nn.Module, memo: dict[int, nn.Module], root_ids: tuple[frozenset, frozenset] | None, prefix: str, swap: tuple
+) -> nn.Module:
     """`m` (named `prefix` under the replayed root) and its submodules as new module objects (see replay_copy); a
     submodule registered twice is copied once (memo), as deepcopy would. The walk visits the modules in the order
     `named_modules` does and each parameter (buffer) under the first name it meets it by, the order and names of
@@ -141,14 +161,15 @@ def _structural_copy(m: nn.Module, memo: dict[int, nn.Module], root_ids: tuple[f
         if b is not None:
             n = "buffer:" + names.setdefault(("buffer", id(b)), dot + leaf)
             if n not in fresh:
-                fresh[n] = inv.buffers[n[len("buffer:"):]].clone()
+                fresh[n] = inv.buffers[n[len("buffer:") :]].clone()
             b = fresh[n]
         bufs[leaf] = b
     d["_parameters"], d["_buffers"] = params, bufs
     d["_non_persistent_buffers_set"] = set(m._non_persistent_buffers_set)
     d["training"] = inv.training.get(prefix, m.training)
-    d["_modules"] = {k: None if c is None else _structural_copy(c, memo, None, dot + k, swap)
-                     for k, c in m._modules.items()}
+    d["_modules"] = {
+        k: None if c is None else _structural_copy(c, memo, None, dot + k, swap) for k, c in m._modules.items()
+    }
     new.__dict__.update(d)
     return new
 
@@ -162,7 +183,7 @@ def replay_mode(device: torch.device, deterministic: bool):
     _replaying += 1
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-            if deterministic:   # strict on CUDA: warn-only leaves attention's backward non-deterministic
+            if deterministic:  # strict on CUDA: warn-only leaves attention's backward non-deterministic
                 torch.use_deterministic_algorithms(True, warn_only=determinism.replay_warn_only(device))
             with torch.enable_grad():
                 yield
@@ -171,8 +192,9 @@ def replay_mode(device: torch.device, deterministic: bool):
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
-def replay_module(module: nn.Module, inv: Invocation, deterministic: bool = True,
-                  hook_ids: tuple[frozenset, frozenset] | None = None) -> tuple[list[str], list[torch.Tensor]]:
+def replay_module(
+    module: nn.Module, inv: Invocation, deterministic: bool = True, hook_ids: tuple[frozenset, frozenset] | None = None
+) -> tuple[list[str], list[torch.Tensor]]:
     """Forward and backward of the captured invocation on a copy: (labels, tensors) to fingerprint. The first
     labels, output[i], are the output's tensors in the order the live signatures (Invocation.live) list them."""
     device = device_of(module)
@@ -185,24 +207,31 @@ def replay_module(module: nn.Module, inv: Invocation, deterministic: bool = True
         if inv.device_rng is not None:
             torch.cuda.set_rng_state(inv.device_rng.cpu().clone(), device)
         leaves, spec = tree_flatten((inv.args, inv.kwargs))
-        leaves = [x.detach().clone().requires_grad_(rg) if isinstance(x, torch.Tensor) else x
-                  for x, rg in zip(leaves, inv.requires_grad)]
+        leaves = [
+            x.detach().clone().requires_grad_(rg) if isinstance(x, torch.Tensor) else x
+            for x, rg in zip(leaves, inv.requires_grad)
+        ]
         args, kwargs = tree_unflatten(leaves, spec)
         # the live forward's autocast state, whatever the caller of on_step has on
-        ac = (torch.autocast(inv.autocast[0], dtype=inv.autocast[1]) if inv.autocast
-              else torch.autocast(device.type, enabled=False))
+        ac = (
+            torch.autocast(inv.autocast[0], dtype=inv.autocast[1])
+            if inv.autocast
+            else torch.autocast(device.type, enabled=False)
+        )
         with ac:
             out = mod(*args, **kwargs)
         outs, _ = tree_flatten(out)
-        roots = [(o, g) for o, g in zip(outs, inv.grad_outputs)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        roots = [
+            (o, g)
+            for o, g in zip(outs, inv.grad_outputs)
+            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+        ]
         x_in = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
-        named = [(n, p) for n, p in mod.named_parameters() if p.requires_grad]   # one walk of the copy
+        named = [(n, p) for n, p in mod.named_parameters() if p.requires_grad]  # one walk of the copy
         names, params = [n for n, _ in named], [p for _, p in named]
         grads: tuple = ()
         if roots and (x_in or params):
-            grads = torch.autograd.grad([o for o, _ in roots], x_in + params, [g for _, g in roots],
-                                        allow_unused=True)
+            grads = torch.autograd.grad([o for o, _ in roots], x_in + params, [g for _, g in roots], allow_unused=True)
     empty = torch.zeros(0)
     labels = [f"output[{i}]" for i, o in enumerate(outs) if isinstance(o, torch.Tensor)]
     tensors = [o.detach() for o in outs if isinstance(o, torch.Tensor)]

@@ -132,7 +132,7 @@ def signed(sigs, vote: tuple[bool, object]):
     import torch
 
     mine, live = vote
-    return torch.cat([sigs, live if mine else sigs[:len(live)]])
+    return torch.cat([sigs, live if mine else sigs[: len(live)]])
 
 
 def row_detail(labels: list[str], disagreeing: Iterable[int], src: int) -> dict:
@@ -142,9 +142,12 @@ def row_detail(labels: list[str], disagreeing: Iterable[int], src: int) -> dict:
     if not any(lab.startswith(LIVE_PREFIX) for lab in labels):
         return {}
     bad = [labels[j] for j in disagreeing]
-    return {"live_checked": src,
-            "live_disagree": (any(n.startswith(LIVE_PREFIX) for n in bad)
-                              and not any(n.startswith("output[") for n in bad))}
+    return {
+        "live_checked": src,
+        "live_disagree": (
+            any(n.startswith(LIVE_PREFIX) for n in bad) and not any(n.startswith("output[") for n in bad)
+        ),
+    }
 
 
 def grads_detail(notes: list[str]) -> dict:
@@ -159,9 +162,12 @@ def sweep_source(forecast, done_step: int | None, peers: list[int]) -> int:
     function of the save history, as the arming is). `forecast`: the runner's schedule.SaveForecast; `done_step`:
     the step whose sweep capture is complete and not yet swept, if any."""
     k = len(forecast.saves)
-    if done_step is not None and forecast.due(done_step, True) and \
-            (not forecast.saves or done_step > forecast.saves[-1]):
-        k += 1   # armed for step S+1 before the save of S ran (a save every step)
+    if (
+        done_step is not None
+        and forecast.due(done_step, True)
+        and (not forecast.saves or done_step > forecast.saves[-1])
+    ):
+        k += 1  # armed for step S+1 before the save of S ran (a save every step)
     return peers[k % len(peers)]
 
 
@@ -186,27 +192,37 @@ def coverage_detail(rows_at_step: Iterable[dict]) -> dict:
         ranks.update(r["detail"]["ring"]["checked"])
     detail: dict = {"live_checked_ranks": sorted(ranks)}
     if ringed:
-        detail["live_rotation"] = ("every rank's live step at every save (each rank's capture replayed by the next "
-                                   "rank in a ring)")
+        detail["live_rotation"] = (
+            "every rank's live step at every save (each rank's capture replayed by the next rank in a ring)"
+        )
         unchecked = {r["target"]: r["detail"]["ring"]["unchecked"] for r in ringed if r["detail"]["ring"]["unchecked"]}
         if unchecked:
             detail["live_unchecked"] = unchecked
-        grads = {r["target"]: r["detail"]["live_grads"]["not_signed"] for r in ringed
-                 if (r["detail"].get("live_grads") or {}).get("not_signed")}
+        grads = {
+            r["target"]: r["detail"]["live_grads"]["not_signed"]
+            for r in ringed
+            if (r["detail"].get("live_grads") or {}).get("not_signed")
+        }
         if grads:
             detail["live_grads_not_signed"] = grads
         return detail
     peers = max((len(r["detail"].get("peers") or []) for r in at + selfc), default=0)
     if selfc:
-        detail["live_rotation"] = ("every rank's live step at every save (each rank replays its own capture); "
-                                   f"the source's live step against the others' replays: every rank's within "
-                                   f"{peers} saves")
-        unchecked = {r["target"]: r["detail"]["self_check"]["unchecked"] for r in selfc
-                     if r["detail"]["self_check"]["unchecked"]}
+        detail["live_rotation"] = (
+            "every rank's live step at every save (each rank replays its own capture); "
+            f"the source's live step against the others' replays: every rank's within "
+            f"{peers} saves"
+        )
+        unchecked = {
+            r["target"]: r["detail"]["self_check"]["unchecked"] for r in selfc if r["detail"]["self_check"]["unchecked"]
+        }
         if unchecked:
             detail["live_unchecked"] = unchecked
-        grads = {r["target"]: r["detail"]["live_grads"]["not_signed"] for r in selfc
-                 if (r["detail"].get("live_grads") or {}).get("not_signed")}
+        grads = {
+            r["target"]: r["detail"]["live_grads"]["not_signed"]
+            for r in selfc
+            if (r["detail"].get("live_grads") or {}).get("not_signed")
+        }
         if grads:
             detail["live_grads_not_signed"] = grads
     elif peers:
@@ -214,6 +230,22 @@ def coverage_detail(rows_at_step: Iterable[dict]) -> dict:
     return detail
 
 
-__all__ = ["SELF_AGREE", "SELF_GRAD", "SELF_NONE", "SELF_OUTPUT", "SELF_UNCHECKED", "coverage_detail", "excluded",
-           "grads_detail", "reason_flag", "row_detail", "self_check", "self_detail", "self_failed", "signed",
-           "sweep_source", "vote_labels", "votes"]
+__all__ = [
+    "SELF_AGREE",
+    "SELF_GRAD",
+    "SELF_NONE",
+    "SELF_OUTPUT",
+    "SELF_UNCHECKED",
+    "coverage_detail",
+    "excluded",
+    "grads_detail",
+    "reason_flag",
+    "row_detail",
+    "self_check",
+    "self_detail",
+    "self_failed",
+    "signed",
+    "sweep_source",
+    "vote_labels",
+    "votes",
+]

@@ -27,9 +27,11 @@ from torch import optim
 from scout_ckpt.options import DEFAULT_OPT_ELEMS
 
 # Optimizers whose update of one element reads only that element (and scalar state such as `step`).
-ELEMENTWISE = tuple(getattr(optim, n) for n in (
-    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
-    if hasattr(optim, n))
+ELEMENTWISE = tuple(
+    getattr(optim, n)
+    for n in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop")
+    if hasattr(optim, n)
+)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -43,8 +45,12 @@ def unwrap_optimizer(optimizer):
     and shard evidence read and replay the update of the wrapped one; a wrapper left as it is silently turned
     optimizer replay off. Anything else is returned as it is."""
     seen = 0
-    while (optimizer is not None and not supports(optimizer) and seen < 4
-           and isinstance(getattr(optimizer, "optimizer", None), optim.Optimizer)):
+    while (
+        optimizer is not None
+        and not supports(optimizer)
+        and seen < 4
+        and isinstance(getattr(optimizer, "optimizer", None), optim.Optimizer)
+    ):
         optimizer, seen = optimizer.optimizer, seen + 1
     return optimizer
 
@@ -60,12 +66,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-MIN_WINDOW = 64          # smallest window cut from a tensor (or the whole tensor when smaller)
+MIN_WINDOW = 64  # smallest window cut from a tensor (or the whole tensor when smaller)
 DEFAULT_ELEMS = DEFAULT_OPT_ELEMS  # elements per round, over all tensors (declared with the options)
 
 
 def _slice(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    return _local(t).detach().reshape(-1)[start:start + n].clone()
+    return _local(t).detach().reshape(-1)[start : start + n].clone()
 
 
 def _windows_of(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -76,8 +82,14 @@ def _windows_of(tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> li
         return []
     # a contiguous tensor's window is one as_strided view (one dispatch, not detach+reshape+narrow: a capture
     # cuts a few windows per parameter every armed step)
-    flat = torch.cat([t.detach().as_strided((n,), (1,), t.storage_offset() + s) if t.is_contiguous()
-                      else t.detach().reshape(-1).narrow(0, s, n) for t, (s, n) in zip(tensors, spans)])
+    flat = torch.cat(
+        [
+            t.detach().as_strided((n,), (1,), t.storage_offset() + s)
+            if t.is_contiguous()
+            else t.detach().reshape(-1).narrow(0, s, n)
+            for t, (s, n) in zip(tensors, spans)
+        ]
+    )
     return list(torch.split(flat, [n for _, n in spans]))
 
 
@@ -99,7 +111,7 @@ def windows(numels: list[int], budget: int, rnd: int, seed: int = 0) -> list[tup
 class SliceCapture:
     """Pre-step inputs of the update (hyperparameters, parameter, grad and state windows) and the live result."""
 
-    names: list[str] = field(default_factory=list)       # "group.index" of each windowed parameter
+    names: list[str] = field(default_factory=list)  # "group.index" of each windowed parameter
     hyper: list[dict] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
@@ -107,9 +119,9 @@ class SliceCapture:
     after_params: list[torch.Tensor] = field(default_factory=list)
     after_state: list[dict] = field(default_factory=list)
     unsupported: str | None = None
-    starts: list[int] = field(default_factory=list)       # each window's first element (of the local tensor)
+    starts: list[int] = field(default_factory=list)  # each window's first element (of the local tensor)
     round: int = 0
-    cycle: int = 1                                         # rounds after which every element was covered
+    cycle: int = 1  # rounds after which every element was covered
 
     @property
     def elements(self) -> int:
@@ -118,17 +130,35 @@ class SliceCapture:
 
     def pre(self) -> SliceCapture:
         """What a peer needs to replay it (the live results stay home)."""
-        return SliceCapture(self.names, self.hyper, self.params, self.grads, self.state, unsupported=self.unsupported,
-                            starts=self.starts, round=self.round, cycle=self.cycle)
+        return SliceCapture(
+            self.names,
+            self.hyper,
+            self.params,
+            self.grads,
+            self.state,
+            unsupported=self.unsupported,
+            starts=self.starts,
+            round=self.round,
+            cycle=self.cycle,
+        )
 
     def to(self, device) -> SliceCapture:
         """The pre-step part on `device`: host copies travel to peers, replays run where the live update ran."""
+
         def mv(v):
             return v.to(device) if isinstance(v, torch.Tensor) else v
 
-        return SliceCapture(self.names, self.hyper, [mv(p) for p in self.params], [mv(g) for g in self.grads],
-                            [{k: mv(v) for k, v in st.items()} for st in self.state], unsupported=self.unsupported,
-                            starts=self.starts, round=self.round, cycle=self.cycle)
+        return SliceCapture(
+            self.names,
+            self.hyper,
+            [mv(p) for p in self.params],
+            [mv(g) for g in self.grads],
+            [{k: mv(v) for k, v in st.items()} for st in self.state],
+            unsupported=self.unsupported,
+            starts=self.starts,
+            round=self.round,
+            cycle=self.cycle,
+        )
 
 
 class OptimizerCapture:
@@ -155,8 +185,10 @@ class OptimizerCapture:
         self.disarm()
         self.capture = None
         self.round = rnd
-        self._handles = [self.optimizer.register_step_pre_hook(self._pre),
-                         self.optimizer.register_step_post_hook(self._post)]
+        self._handles = [
+            self.optimizer.register_step_pre_hook(self._pre),
+            self.optimizer.register_step_post_hook(self._post),
+        ]
 
     def disarm(self) -> None:
         for h in self._handles:
@@ -165,8 +197,12 @@ class OptimizerCapture:
 
     def _pick(self) -> list[tuple[int, int, torch.Tensor, int, int, int]]:
         """(group, index, param, start, length, n_windows) for every parameter that will be updated."""
-        cands = [(gi, pi, p) for gi, g in enumerate(self.optimizer.param_groups) for pi, p in enumerate(g["params"])
-                 if p.grad is not None and _local(p).numel() > 0]
+        cands = [
+            (gi, pi, p)
+            for gi, g in enumerate(self.optimizer.param_groups)
+            for pi, p in enumerate(g["params"])
+            if p.grad is not None and _local(p).numel() > 0
+        ]
         wins = windows([_local(p).numel() for _, _, p in cands], self.max_elems, self.round, self.seed)
         return [(gi, pi, p, s, n, w) for (gi, pi, p), (s, n, w) in zip(cands, wins)]
 
@@ -184,7 +220,7 @@ class OptimizerCapture:
                 if isinstance(v, torch.Tensor):
                     lv = _local(v)
                     if lv.shape == lp.shape:
-                        state[k] = None   # windowed below, with every other tensor's window of this key
+                        state[k] = None  # windowed below, with every other tensor's window of this key
                     elif lv.numel() == 1:
                         state[k] = lv.detach().clone()
                     else:
@@ -204,8 +240,9 @@ class OptimizerCapture:
         cap.grads = _batched([_local(p.grad) for _, _, p, _, _ in self._chosen], spans)
         for k in {k for st in cap.state for k, v in st.items() if v is None}:
             idx = [i for i, st in enumerate(cap.state) if k in st and st[k] is None]
-            for i, t in zip(idx, _batched([_local(opt.state[self._chosen[i][2]][k]) for i in idx],
-                                          [spans[i] for i in idx])):
+            for i, t in zip(
+                idx, _batched([_local(opt.state[self._chosen[i][2]][k]) for i in idx], [spans[i] for i in idx])
+            ):
                 cap.state[i][k] = t
         self.capture = cap
 
@@ -228,8 +265,9 @@ class OptimizerCapture:
                     else:
                         after[i][k] = lv.detach().clone()
         for k, idx in windowed.items():
-            for i, t in zip(idx, _batched([_local(opt.state[self._chosen[i][2]][k]) for i in idx],
-                                          [spans[i] for i in idx])):
+            for i, t in zip(
+                idx, _batched([_local(opt.state[self._chosen[i][2]][k]) for i in idx], [spans[i] for i in idx])
+            ):
                 after[i][k] = t
         cap.after_state = after
         self._chosen = []
@@ -279,8 +317,9 @@ def replay_update(cls, defaults: dict, cap: SliceCapture) -> tuple[list[torch.Te
         for idx, p in zip(members, ps):
             sizes = [cap.params[i].numel() for i in idx]
             state = {k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
-            cut = {k: (v.split(sizes) if len(idx) > 1 and v.shape == p.shape else [v] * len(idx))
-                   for k, v in state.items()}
+            cut = {
+                k: (v.split(sizes) if len(idx) > 1 and v.shape == p.shape else [v] * len(idx)) for k, v in state.items()
+            }
             for j, (i, w) in enumerate(zip(idx, p.detach().split(sizes) if len(idx) > 1 else [p.detach()])):
                 out_params[i] = w
                 out_state[i] = {k: parts[j] for k, parts in cut.items()}
@@ -361,7 +400,7 @@ def _all_mismatches(live: list[torch.Tensor], mine: list[torch.Tensor]) -> int:
             return sum(_mismatches(a, b) for a, b in pairs)
         if a.numel():
             xs, ys = by_dtype.setdefault(a.dtype, ([], []))
-            xs.append(a if a.ndim == 1 else a.reshape(-1))   # windows are 1-D already: no reshape call
+            xs.append(a if a.ndim == 1 else a.reshape(-1))  # windows are 1-D already: no reshape call
             ys.append(b if b.ndim == 1 else b.reshape(-1))
     return sum(_mismatches(torch.cat(xs), torch.cat(ys)) for xs, ys in by_dtype.values())
 
@@ -383,8 +422,15 @@ def _all_equal(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
 def same_inputs(a: SliceCapture, b: SliceCapture) -> bool:
     """Do two captures hold the same pre-step windows, bit for bit (and the same names, starts, hyperparameters
     and scalar state)? Bits, not values: 0.0 and -0.0, or two NaNs, may update differently."""
-    if (a.names != b.names or a.starts != b.starts or a.unsupported != b.unsupported or len(a.params) != len(b.params)
-            or len(a.grads) != len(b.grads) or len(a.state) != len(b.state) or len(a.hyper) != len(b.hyper)):
+    if (
+        a.names != b.names
+        or a.starts != b.starts
+        or a.unsupported != b.unsupported
+        or len(a.params) != len(b.params)
+        or len(a.grads) != len(b.grads)
+        or len(a.state) != len(b.state)
+        or len(a.hyper) != len(b.hyper)
+    ):
         return False
     # The windows of one parameter group share one hyperparameter dict (in a capture, and after pickling, which
     # keeps shared objects shared): each distinct pair is compared once, not once per window (it was half the
@@ -411,8 +457,12 @@ def same_inputs(a: SliceCapture, b: SliceCapture) -> bool:
 def _same(x, y) -> bool:
     """Plain values (hyperparameters: numbers, tuples, dicts; scalar tensors by bits) equal?"""
     if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.device == y.device
-                and _mismatches(x.detach().reshape(-1), y.detach().reshape(-1)) == 0)
+        return (
+            isinstance(x, torch.Tensor)
+            and isinstance(y, torch.Tensor)
+            and x.device == y.device
+            and _mismatches(x.detach().reshape(-1), y.detach().reshape(-1)) == 0
+        )
     if isinstance(x, dict) and isinstance(y, dict):
         return sorted(x, key=str) == sorted(y, key=str) and all(_same(x[k], y[k]) for k in x)
     if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
@@ -423,8 +473,9 @@ def _same(x, y) -> bool:
         return False
 
 
-def replay_signature_inputs(cls, defaults: dict, source: SliceCapture, own: SliceCapture | None
-                            ) -> tuple[list[str], list[torch.Tensor]]:
+def replay_signature_inputs(
+    cls, defaults: dict, source: SliceCapture, own: SliceCapture | None
+) -> tuple[list[str], list[torch.Tensor]]:
     """The tensors a peer puts through C3: its replay of the source's slice, and its self-check.
 
     The self-check is one fixed-shape tensor [elements where live != own replay, live update missing] so that it
@@ -447,5 +498,13 @@ def replay_signature_inputs(cls, defaults: dict, source: SliceCapture, own: Slic
     return labels, tensors
 
 
-__all__ = ["ELEMENTWISE", "OptimizerCapture", "SliceCapture", "replay_signature_inputs", "replay_update",
-           "same_inputs", "supports", "windows"]
+__all__ = [
+    "ELEMENTWISE",
+    "OptimizerCapture",
+    "SliceCapture",
+    "replay_signature_inputs",
+    "replay_update",
+    "same_inputs",
+    "supports",
+    "windows",
+]

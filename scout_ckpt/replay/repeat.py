@@ -31,8 +31,14 @@ def repeat_check(module, args: tuple, n: int, grads: bool = True) -> dict:
     finally:
         cap.disarm()
     inv = cap.invocation
-    outcome = {live.SELF_AGREE: "agree", live.SELF_OUTPUT: "output", live.SELF_GRAD: "gradient",
-               live.SELF_UNCHECKED: "unchecked"}
+    if inv is None:
+        raise RuntimeError("the module's forward was not captured (no call reached it)")
+    outcome = {
+        live.SELF_AGREE: "agree",
+        live.SELF_OUTPUT: "output",
+        live.SELF_GRAD: "gradient",
+        live.SELF_UNCHECKED: "unchecked",
+    }
     failed: dict[str, int] = {}
     first = None
     differ = 0
@@ -49,10 +55,16 @@ def repeat_check(module, args: tuple, n: int, grads: bool = True) -> dict:
         elif not torch.equal(first, sigs):
             differ += 1
     dev = device_of(module)
-    return {"replays": n, "self_check_failed": failed, "replays_differ": differ,
-            "signatures": 0 if sigs is None else int(sigs.shape[0]), "live_signed": sorted(inv.live_grads or {}),
-            "grad_note": inv.grad_note, "comparison": determinism.comparison(dev),
-            "settings": determinism.settings(dev).as_dict()}
+    return {
+        "replays": n,
+        "self_check_failed": failed,
+        "replays_differ": differ,
+        "signatures": 0 if sigs is None else int(sigs.shape[0]),
+        "live_signed": sorted(inv.live_grads or {}),
+        "grad_note": inv.grad_note,
+        "comparison": determinism.comparison(dev),
+        "settings": determinism.settings(dev).as_dict(),
+    }
 
 
 __all__ = ["repeat_check"]

@@ -40,9 +40,8 @@ import torch
 import torch.distributed as dist
 
 from scout_ckpt.consensus.signatures import replica_signatures
-from scout_ckpt.replay import determinism
+from scout_ckpt.replay import determinism, shared_params
 from scout_ckpt.replay import live as live_step
-from scout_ckpt.replay import shared_params
 from scout_ckpt.replay.execute import replay_target
 from scout_ckpt.replay.transport import _layout, _pickled, host
 
@@ -83,20 +82,20 @@ def exchange(objs: list, peers: list[int], group) -> list:
         w.wait()
     their_heads = pickle.loads(blob_in.numpy().tobytes())
     works, bufs = [], list[list[torch.Tensor]]()
-    for i, head in enumerate(heads):   # mine out
+    for i, head in enumerate(heads):  # mine out
         spans, total = _layout(head[1] if head is not None else [])
         if total:
             flat = torch.empty(total, dtype=torch.uint8)
             for t, (at, n) in zip(sent[i], spans):
                 if n:
-                    flat[at:at + n].copy_(t.reshape(-1).view(torch.uint8))
+                    flat[at : at + n].copy_(t.reshape(-1).view(torch.uint8))
             works.append(dist.isend(flat, nxt, group=group))
-    for head in their_heads:           # theirs in
+    for head in their_heads:  # theirs in
         spans, total = _layout(head[1] if head is not None else [])
         flat = torch.empty(total, dtype=torch.uint8)
         if total:
             works.append(dist.irecv(flat, prv, group=group))
-        bufs.append([flat[at:at + n] for at, n in spans])
+        bufs.append([flat[at : at + n] for at, n in spans])
     for w in works:
         w.wait()
     out: list = []
@@ -105,11 +104,13 @@ def exchange(objs: list, peers: list[int], group) -> list:
             out.append(None)
             continue
         data, metas = head
-        tensors = [b.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
-                   for b, (dtype, shape, nbytes) in zip(views, metas)]
+        tensors = [
+            b.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+            for b, (dtype, shape, nbytes) in zip(views, metas)
+        ]
 
         class _In(pickle.Unpickler):
-            def persistent_load(self, pid, tensors=tensors):   # this head's tensors, loaded right below
+            def persistent_load(self, pid, tensors=tensors):  # this head's tensors, loaded right below
                 return tensors[pid]
 
         out.append(_In(io.BytesIO(data)).load())
@@ -130,8 +131,8 @@ def pair_shared(words: dict[int, list[int]], targets: list, a: int, b: int, offs
     out = set()
     for k, t in enumerate(targets):
         at = offset + shared_params.WORDS * k
-        mine = words[a][at:at + shared_params.WORDS]
-        if mine[0] and words[b][at:at + shared_params.WORDS] == mine:
+        mine = words[a][at : at + shared_params.WORDS]
+        if mine[0] and words[b][at : at + shared_params.WORDS] == mine:
             out.add(t[1])
     return out
 
@@ -174,13 +175,16 @@ def judge(outcomes: dict[int, int], peers: list[int], tiebreak: dict[int, int] |
     accused = [{p, r} for p, r, _ in pairs]
     common = set.intersection(*accused)
     if len(failed) == 2 and len(common) == 1:
-        return "ATTRIBUTED", [common.pop()], detail   # computes wrongly whenever it computes: not the live step alone
+        return "ATTRIBUTED", [common.pop()], detail  # computes wrongly whenever it computes: not the live step alone
     if len(failed) == 1:
         r = failed[0]
-        p = predecessor(peers, r)   # pairs[0]: (its predecessor, r)
+        p = predecessor(peers, r)  # pairs[0]: (its predecessor, r)
         mine = (tiebreak or {}).get(p)
-        outcome = "unchecked" if mine is None else live_step.SELF_WHAT.get(
-            mine, "agree" if mine == live_step.SELF_AGREE else "unchecked")
+        outcome = (
+            "unchecked"
+            if mine is None
+            else live_step.SELF_WHAT.get(mine, "agree" if mine == live_step.SELF_AGREE else "unchecked")
+        )
         detail["ring"]["tiebreak"] = {"rank": p, "outcome": outcome}
         if mine in DISAGREE:
             detail["live_disagree"] = True
@@ -195,8 +199,18 @@ def needs_tiebreak(outcomes: dict[int, int], peers: list[int]) -> int | None:
     return predecessor(peers, failed[0]) if len(failed) == 1 else None
 
 
-def run(step: int, items: list, *, peers: list[int], group, words: dict[int, list[int]], targets: list,
-        offset: int, deterministic: bool, gather) -> list[dict]:
+def run(
+    step: int,
+    items: list,
+    *,
+    peers: list[int],
+    group,
+    words: dict[int, list[int]],
+    targets: list,
+    offset: int,
+    deterministic: bool,
+    gather,
+) -> list[dict]:
     """One ring round over the module targets `items` ((target, this rank's capture) pairs, the same targets in
     the same order on every rank): exchange, replay, one gather of outcomes, the tie-break where one pair
     disagrees (one more replay on one rank, one more gather), rows. `gather(values)` is the runner's all_gather
@@ -215,21 +229,39 @@ def run(step: int, items: list, *, peers: list[int], group, words: dict[int, lis
     who = [needs_tiebreak(o, peers) for o in outcomes]
     tiebreaks: list[dict[int, int] | None] = [None] * len(items)
     if any(w is not None for w in who):
-        mine = [float(own_check(step, t, cap, rank=me, deterministic=deterministic)) if w == me
-                else float(live_step.SELF_NONE) for (t, cap), w in zip(items, who)]
+        mine = [
+            float(own_check(step, t, cap, rank=me, deterministic=deterministic))
+            if w == me
+            else float(live_step.SELF_NONE)
+            for (t, cap), w in zip(items, who)
+        ]
         again = gather(mine)
         tiebreaks = [{w: int(again[w][i])} if w is not None else None for i, w in enumerate(who)]
     rows = []
     for i, (target, _) in enumerate(items):
         status, ranks, detail = judge(outcomes[i], peers, tiebreaks[i])
         if not detail["ring"]["checked"]:
-            continue   # no rank's capture could be checked: no row (coverage incomplete), never a clean one
+            continue  # no rank's capture could be checked: no row (coverage incomplete), never a clean one
         took = {r: h[2 * i] for r, h in header.items()}
-        detail.update({"check": "ring", "peers": list(peers),
-                       "durations": {str(r): round(d, 6) for r, d in took.items()},
-                       "comparison": determinism.comparison()})   # what bitwise rests on (determinism.py)
-        rows.append({"step": step, "recipe": target[0], "target": target[1], "status": status, "ranks": ranks,
-                     "duration_s": max(took.values()), "detail": detail})
+        detail.update(
+            {
+                "check": "ring",
+                "peers": list(peers),
+                "durations": {str(r): round(d, 6) for r, d in took.items()},
+                "comparison": determinism.comparison(),
+            }
+        )  # what bitwise rests on (determinism.py)
+        rows.append(
+            {
+                "step": step,
+                "recipe": target[0],
+                "target": target[1],
+                "status": status,
+                "ranks": ranks,
+                "duration_s": max(took.values()),
+                "detail": detail,
+            }
+        )
     return rows
 
 

@@ -21,22 +21,27 @@ from scout_ckpt.consensus.signatures import replica_signatures
 from scout_ckpt.replay import determinism
 from scout_ckpt.replay import live as live_step
 
-HEADER_SLOTS = 4   # per target: seconds, has signatures (0/1), how many signatures, self-check (live.SELF_*)
+HEADER_SLOTS = 4  # per target: seconds, has signatures (0/1), how many signatures, self-check (live.SELF_*)
 
 
 def header_values(results: list[list], selfc: list[int] | None = None) -> list[float]:
     """This peer's part of the round's one small gather: per target its time, whether it has signatures, how
     many, and its self-check's outcome (`selfc`, live.SELF_*; SELF_NONE when it ran none)."""
     selfc = selfc if selfc is not None else [live_step.SELF_NONE] * len(results)
-    return [v for (lab, sig, dt, _, _), sc in zip(results, selfc)
-            for v in (dt, float(sig is not None), float(len(lab)), float(sc))]
+    return [
+        v
+        for (lab, sig, dt, _, _), sc in zip(results, selfc)
+        for v in (dt, float(sig is not None), float(len(lab)), float(sc))
+    ]
 
 
 def comparable(header: dict[int, list[float]], n_targets: int) -> list[bool]:
     """Per target: did every peer sign it, with the same number of signatures (else the row is inconclusive)."""
     k = HEADER_SLOTS
-    return [all(h[k * i + 1] for h in header.values()) and len({h[k * i + 2] for h in header.values()}) == 1
-            for i in range(n_targets)]
+    return [
+        all(h[k * i + 1] for h in header.values()) and len({h[k * i + 2] for h in header.values()}) == 1
+        for i in range(n_targets)
+    ]
 
 
 def durations(header: dict[int, list[float]], i: int) -> dict[int, float]:
@@ -56,7 +61,7 @@ def sign(step: int, work: list, results: list[list], pending: list[int], rank: i
         at = 0
         for k in pending:
             n = len(results[k][1])
-            results[k][1], at = sigs[at:at + n], at + n
+            results[k][1], at = sigs[at : at + n], at + n
     except Exception:  # noqa: BLE001 -- find the target at fault
         for k in pending:
             try:
@@ -67,20 +72,33 @@ def sign(step: int, work: list, results: list[list], pending: list[int], rank: i
     pending.clear()
 
 
-def replay_row(step: int, target, payload, labels: list[str], header: dict[int, list[float]], i: int,
-               signatures, src: int, peers: list[int], grad_notes: list[str] | None = None) -> dict:
+def replay_row(
+    step: int,
+    target,
+    payload,
+    labels: list[str],
+    header: dict[int, list[float]],
+    i: int,
+    signatures,
+    src: int,
+    peers: list[int],
+    grad_notes: list[str] | None = None,
+) -> dict:
     """The ledger row of target i of a round. `signatures`: every peer's signatures of it (one row per peer),
     or None when the target is not comparable (some peer failed, or the counts differ): INCONCLUSIVE. A peer
     whose self-check found its own live step differing from its replay (live.self_check) makes the row
     ATTRIBUTED to it, whatever the rest says (replay.live: the rule); `grad_notes`: the live gradients its
     self-check does not sign, and why."""
     took = durations(header, i)
-    detail: dict = {"source": src, "peers": list(peers), "signatures": len(labels),
-                    "durations": {str(r): round(d, 6) for r, d in took.items()},
-                    "comparison": determinism.comparison()}   # what bitwise rests on here (determinism.py)
+    detail: dict = {
+        "source": src,
+        "peers": list(peers),
+        "signatures": len(labels),
+        "durations": {str(r): round(d, 6) for r, d in took.items()},
+        "comparison": determinism.comparison(),
+    }  # what bitwise rests on here (determinism.py)
     if target[0] == "optimizer" and payload is not None:  # what this round compared: every window
-        detail.update(tensors=len(payload.params), elements=payload.elements, round=payload.round,
-                      cycle=payload.cycle)
+        detail.update(tensors=len(payload.params), elements=payload.elements, round=payload.round, cycle=payload.cycle)
     if signatures is None:
         status, ranks = "INCONCLUSIVE", list[int]()
         detail["failed_ranks"] = sorted(r for r, h in header.items() if not h[HEADER_SLOTS * i + 1])
@@ -95,13 +113,20 @@ def replay_row(step: int, target, payload, labels: list[str], header: dict[int, 
         detail.update(selfc)
         detail.update(live_step.grads_detail(grad_notes or []))
         failed = live_step.self_failed(detail)
-        if failed:   # a rank's live step disagreed with its own replay: that rank, with 2 peers too
+        if failed:  # a rank's live step disagreed with its own replay: that rank, with 2 peers too
             status, ranks = "ATTRIBUTED", sorted(set(ranks) | set(failed))
             detail["live_disagree"] = True
     if target[0] == "optimizer" and payload is not None and payload.unsupported:
         status, detail["unsupported"] = "INCONCLUSIVE", payload.unsupported
-    return {"step": step, "recipe": target[0], "target": target[1], "status": status, "ranks": ranks,
-            "duration_s": max(took.values()), "detail": detail}
+    return {
+        "step": step,
+        "recipe": target[0],
+        "target": target[1],
+        "status": status,
+        "ranks": ranks,
+        "duration_s": max(took.values()),
+        "detail": detail,
+    }
 
 
 def summarise(verdict) -> tuple[str, list[int], dict]:

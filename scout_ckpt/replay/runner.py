@@ -54,10 +54,13 @@ from torch import nn
 
 from scout_ckpt.options import DEFAULT_REPLAY_INTERVAL as AUTO_INTERVAL  # until the save period is known
 from scout_ckpt.replay import live as live_step
-from scout_ckpt.replay import ring, shared_params
+from scout_ckpt.replay import (
+    ring,
+    shared_params,
+    triage,  # re-execution of an attributed rank's work: persistent / transient / not hw
+)
 from scout_ckpt.replay import rows as replay_rows
 from scout_ckpt.replay import self_check as own_round  # the self-check round
-from scout_ckpt.replay import triage  # re-execution of an attributed rank's work: persistent / transient / not hw
 from scout_ckpt.replay.capture import ModuleCapture, current_state
 from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module, replay_target
 from scout_ckpt.replay.optimizer_replay import (
@@ -77,6 +80,7 @@ HASH_BATCH_BYTES = 256 << 20
 
 # ---- the runner -----------------------------------------------------------------------------------------------
 
+
 class ReplayRunner:
     """Replays one scheduled target per `interval` steps across the peer group, and every target at a save
     (`sweep`); see the module docstring.
@@ -93,20 +97,35 @@ class ReplayRunner:
     `on_step` and `sweep` return replay rows for the ledger, identical on all peers.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, groups,
-                 targets: list | None = None, interval: int | None = 1, deterministic: bool = True,
-                 peers: str = "auto", opt_elems: int = DEFAULT_ELEMS, save_every: int | None = None,
-                 straggler_rounds: int = 3, live_check: bool = True, self_check: bool = True,
-                 sweep: str = "ring"):
-        self.forecast = SaveForecast(save_every)   # first: a bad save_every is refused before anything else
-        optimizer = unwrap_optimizer(optimizer)     # accelerate's AcceleratedOptimizer: the torch one it wraps
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        groups,
+        targets: list | None = None,
+        interval: int | None = 1,
+        deterministic: bool = True,
+        peers: str = "auto",
+        opt_elems: int = DEFAULT_ELEMS,
+        save_every: int | None = None,
+        straggler_rounds: int = 3,
+        live_check: bool = True,
+        self_check: bool = True,
+        sweep: str = "ring",
+    ):
+        self.forecast = SaveForecast(save_every)  # first: a bad save_every is refused before anything else
+        optimizer = unwrap_optimizer(optimizer)  # accelerate's AcceleratedOptimizer: the torch one it wraps
         self.model = model
         self.optimizer = optimizer
         self.deterministic = deterministic
         opt = optimizer if optimizer is not None and supports(optimizer) else None
         # What replay does not check, for `explain`: an optimizer whose update is not elementwise.
-        self.not_covered = [] if optimizer is None or opt is not None else [
-            f"optimizer {type(optimizer).__name__} (not elementwise: window replay does not apply)"]
+        self.not_covered = (
+            []
+            if optimizer is None or opt is not None
+            else [f"optimizer {type(optimizer).__name__} (not elementwise: window replay does not apply)"]
+        )
         # first, before any process group is touched: a model replay cannot cover is refused at once
         self._targets = resolve(model, targets, opt) if targets is not None else discover(model, opt)
         self.rank = dist.get_rank()
@@ -127,32 +146,34 @@ class ReplayRunner:
         # (Under a whole-model compile the capture steps run eagerly, per-block compiled wrappers included.)
         self.live_check = live_check
         modules = [n for r, n in self._targets if r != "optimizer"]
-        self.live_excluded = live_step.excluded(modules, live_check, [
-            n for n in modules if not self._under_compile and runs_compiled(where[n].outer)])
+        self.live_excluded = live_step.excluded(
+            modules, live_check, [n for n in modules if not self._under_compile and runs_compiled(where[n].outer)]
+        )
         self.self_check = live_check and self_check
         if sweep not in ("ring", "broadcast"):
             raise ValueError(f"replay sweep must be 'ring' or 'broadcast', got {sweep!r}")
         # the ring needs every rank's live capture (the self-check's arming) and 2+ peers
         self.ring_sweep = sweep == "ring" and self.self_check and len(self.peers) >= 2
         self._grad_params, self.grad_notes = own_round.live_grad_params(model, self._sites)
-        self._captures: dict[str, Any] = {}   # rotation
+        self._captures: dict[str, Any] = {}  # rotation
         for recipe, name in self._targets:
             if recipe == "optimizer":
                 if optimizer is None:
                     raise NoTargets("replay target 'optimizer' needs the optimizer")
                 self._captures[name] = OptimizerCapture(optimizer, opt_elems)
             else:
-                self._captures[name] = ModuleCapture(where[name].outer, where[name].inner,
-                                                     live=name not in self.live_excluded)
+                self._captures[name] = ModuleCapture(
+                    where[name].outer, where[name].inner, live=name not in self.live_excluded
+                )
         # Sweep captures, double-buffered: `_live` has its hooks on for the coming step; `_done` holds the
         # step just finished until its sweep (which comes after on_step, before the next forward). With each,
         # the sweep's source for that step, chosen when it was armed (it alone snapshots parameters).
         self._live: tuple[int, dict[str, Any], int] | None = None
         self._done: tuple[int, dict[str, Any], int] | None = None
         self._armed: tuple[int, Target] | None = None
-        self._next: int | None = None          # the step whose forward comes next (armed for)
+        self._next: int | None = None  # the step whose forward comes next (armed for)
         self._replayed: tuple[int, set[str]] = (0, set())  # targets the rotation replayed at that step
-        self._deferred: tuple | None = None   # (step, target, _frozen capture): the rotation's replay left to the sweep
+        self._deferred: tuple | None = None  # (step, target, _frozen capture): the rotation's replay left to the sweep
         self._events: list[dict] = []
         self._stragglers = StragglerRule(straggler_rounds)
         # Sweep captures keep references to the live inputs (capture.py); a target whose referenced inputs were
@@ -229,8 +250,9 @@ class ReplayRunner:
         """Under a whole-model torch.compile: run the next step eagerly iff a module capture is armed for it."""
         if not self._under_compile:
             return
-        need = (self._live is not None or
-                any(self._captures[name].armed for recipe, name in self._targets if recipe != "optimizer"))
+        need = self._live is not None or any(
+            self._captures[name].armed for recipe, name in self._targets if recipe != "optimizer"
+        )
         if need != self._eager:
             torch.compiler.set_stance("force_eager" if need else "default")
             self._eager = need
@@ -259,39 +281,57 @@ class ReplayRunner:
             done = self._replayed[1] if self._replayed[0] == step else set()
             # the rotation's own capture of its target (taken with the parameters its forward used) replaces the
             # sweep's: the same replay the rotation would have run, in the sweep's collectives
-            items = [(t, deferred[2] if deferred is not None and t == deferred[1] else self._done[1][t[1]])
-                     for t in self._targets if t[1] not in done]
+            items = [
+                (t, deferred[2] if deferred is not None and t == deferred[1] else self._done[1][t[1]])
+                for t in self._targets
+                if t[1] not in done
+            ]
         # one gather: armed everywhere?, and the digests of every rank's parameter copies (shared_params.py)
-        words = self._gather([int(armed)] + shared_params.digest_words(
-            self._targets, {t[1]: cap for t, cap in items} if armed else None), dtype=torch.int64)
+        words = self._gather(
+            [int(armed)]
+            + shared_params.digest_words(self._targets, {t[1]: cap for t, cap in items} if armed else None),
+            dtype=torch.int64,
+        )
         everywhere = all(v[0] for v in words.values())
         rows: list[dict] = []
         if everywhere:
             self._deferred = None
-            src = self._done[2]   # chosen at arming: the source rotates over saves (sweep_source)
+            src = self._done[2]  # chosen at arming: the source rotates over saves (sweep_source)
             share = shared_params.shared(words, self._targets, src, offset=1)
             for t, cap in items:
                 inv = getattr(cap, "invocation", None)
                 if t[0] != "optimizer" and inv is not None and not inv.intact():
                     self._clone_targets.add(t[1])
-                    warnings.warn(f"replay sweep at step {step}: the inputs captured for {t[1]} were written in "
-                                  f"place after capture; captured by copies from the next save on"
-                                  + (" (not replayed now: coverage incomplete)" if self.rank == src else ""))
+                    warnings.warn(
+                        f"replay sweep at step {step}: the inputs captured for {t[1]} were written in "
+                        f"place after capture; captured by copies from the next save on"
+                        + (" (not replayed now: coverage incomplete)" if self.rank == src else "")
+                    )
             if self.ring_sweep:
                 # module targets with a live check: the ring (one replay each per rank); the optimizer, targets
                 # without a live check and the rotation's deferred capture: the broadcast round, no self-check
-                ringed = [(t, cap) for t, cap in items if t[0] != "optimizer" and t[1] not in self.live_excluded
-                          and (deferred is None or t != deferred[1])]
+                ringed = [
+                    (t, cap)
+                    for t, cap in items
+                    if t[0] != "optimizer" and t[1] not in self.live_excluded and (deferred is None or t != deferred[1])
+                ]
                 rest = [(t, cap) for t, cap in items if all(t != r[0] for r in ringed)]
                 rows = self._replay_batch(step, rest, src, share=share) if rest else []
                 if ringed:
-                    found = ring.run(step, ringed, peers=self.peers, group=self.group, words=words,
-                                     targets=self._targets, offset=1, deterministic=self.deterministic,
-                                     gather=self._gather)
+                    found = ring.run(
+                        step,
+                        ringed,
+                        peers=self.peers,
+                        group=self.group,
+                        words=words,
+                        targets=self._targets,
+                        offset=1,
+                        deterministic=self.deterministic,
+                        gather=self._gather,
+                    )
                     # triage (replay/triage.py): an attributed rank's own capture executed again, on it and another
-                    triage.after_round(self, step, found, {t[1]: (t, cap, None) for t, cap in ringed},
-                                       own_capture=True)
-                    by_name = {t[1]: t for t, _ in ringed}   # a target no rank could check has no row
+                    triage.after_round(self, step, found, {t[1]: (t, cap, None) for t, cap in ringed}, own_capture=True)
+                    by_name = {t[1]: t for t, _ in ringed}  # a target no rank could check has no row
                     for row in found:
                         t = by_name[row["target"]]
                         self._timing(step, t, {int(r): d for r, d in row["detail"]["durations"].items()})
@@ -306,8 +346,10 @@ class ReplayRunner:
         else:
             rows = self._flush_deferred() if deferred is not None else []
             if armed or step in self.forecast.expected:
-                warnings.warn(f"replay sweep at step {step}: not every peer captured the step; coverage of this "
-                              f"checkpoint waits for the rotation")
+                warnings.warn(
+                    f"replay sweep at step {step}: not every peer captured the step; coverage of this "
+                    f"checkpoint waits for the rotation"
+                )
         self._done = None
         self.forecast.saved(step)
         if self._live is not None and not self.forecast.due(self._live[0]):
@@ -335,7 +377,7 @@ class ReplayRunner:
             return
         src = self.sweep_source()
         me = self.rank == src and self.live_check
-        own = me or self.self_check   # keeps its parameters and signs its live step (the self-check: replay.live)
+        own = me or self.self_check  # keeps its parameters and signs its live step (the self-check: replay.live)
         caps: dict[str, Any] = {}
         for recipe, name in self._targets:
             if recipe == "optimizer":
@@ -344,11 +386,16 @@ class ReplayRunner:
             else:
                 # the parameters its forward used: the live checks replay exactly that (every rank with the
                 # self-check, else the source alone; the others then join the source's gathers of TP shards)
-                caps[name] = ModuleCapture(self._sites[name].outer, self._sites[name].inner, params=own,
-                                           refs=name not in self._clone_targets,
-                                           live=own and name not in self.live_excluded,
-                                           gather=self.live_check and not own,
-                                           grads=self.self_check, grad_params=self._grad_params.get(name))
+                caps[name] = ModuleCapture(
+                    self._sites[name].outer,
+                    self._sites[name].inner,
+                    params=own,
+                    refs=name not in self._clone_targets,
+                    live=own and name not in self.live_excluded,
+                    gather=self.live_check and not own,
+                    grads=self.self_check,
+                    grad_params=self._grad_params.get(name),
+                )
                 caps[name].arm()
         if self._live is not None:
             for cap in self._live[1].values():
@@ -378,8 +425,9 @@ class ReplayRunner:
         rows = self._replay_batch(step, [(target, cap)], src)
         return rows[0] if rows else None
 
-    def _replay_batch(self, step: int, items: list, src: int, own: bool = False,
-                      share: set[str] = frozenset()) -> list[dict]:
+    def _replay_batch(
+        self, step: int, items: list, src: int, own: bool = False, share: set[str] = frozenset()
+    ) -> list[dict]:
         """Replay several targets in a fixed number of blocking collectives (whatever their count): one broadcast
         of the source's capture structures (their tensors follow asynchronously, one broadcast each: a peer
         replays a target as soon as its tensors are in), one gather of per-target headers, one all_gather of every
@@ -390,24 +438,39 @@ class ReplayRunner:
         payloads = None
         if self.rank == src:
             # a capture whose referenced live tensors were written since is not sent: no row, coverage incomplete
-            payloads = [host(cap.capture) if t[0] == "optimizer" else
-                        None if cap.invocation is None or not cap.invocation.intact() else
-                        host(shared_params.without_params(cap.invocation)) if t[1] in share else
-                        host(cap.invocation)
-                        for t, cap in items]
+            payloads = [
+                host(cap.capture)
+                if t[0] == "optimizer"
+                else None
+                if cap.invocation is None or not cap.invocation.intact()
+                else host(shared_params.without_params(cap.invocation))
+                if t[1] in share
+                else host(cap.invocation)
+                for t, cap in items
+            ]
         # asynchronous: target i is replayed as soon as its own tensors have arrived (transport.Arrivals)
         arrivals = broadcast_each(payloads, src, self.group)
         work = [(i, t, cap) for i, (t, cap) in enumerate(items) if arrivals.present(i)]
-        results: list[list] = []   # per target: [labels, its replayed tensors -> their signatures, seconds, payload]
-        pending: list[int] = []    # targets replayed but not hashed yet
-        held = 0                   # bytes of their tensors
-        selfc: list[int] = []      # per target: this rank's self-check outcome (live.SELF_*)
+        results: list[list] = []  # per target: [labels, its replayed tensors -> their signatures, seconds, payload]
+        pending: list[int] = []  # targets replayed but not hashed yet
+        held = 0  # bytes of their tensors
+        selfc: list[int] = []  # per target: this rank's self-check outcome (live.SELF_*)
         for i, target, cap in work:
             payload = live = None
             # before waiting for the source's tensors: the self-replay overlaps their transfer
-            selfc.append(own_round.check_own(step, target, cap, rank=self.rank, src=src,
-                                              deterministic=self.deterministic, optimizer=self.optimizer)
-                         if own and target[0] != "optimizer" else live_step.SELF_NONE)
+            selfc.append(
+                own_round.check_own(
+                    step,
+                    target,
+                    cap,
+                    rank=self.rank,
+                    src=src,
+                    deterministic=self.deterministic,
+                    optimizer=self.optimizer,
+                )
+                if own and target[0] != "optimizer"
+                else live_step.SELF_NONE
+            )
             t0 = time.perf_counter()
             try:
                 payload = arrivals.get(i)
@@ -433,8 +496,8 @@ class ReplayRunner:
                     self._sign(step, work, results, pending)
                     held = 0
         self._sign(step, work, results, pending)
-        own_round.settle(work, results, selfc)   # the source's self-check is its own cross replay
-        for res in results:   # the live check's votes, now that the replays' signatures are known
+        own_round.settle(work, results, selfc)  # the source's self-check is its own cross replay
+        for res in results:  # the live check's votes, now that the replays' signatures are known
             if res[4] is not None and res[1] is not None:
                 res[1] = live_step.signed(res[1], res[4])
         arrivals.wait_all()
@@ -455,9 +518,12 @@ class ReplayRunner:
             self._timing(step, target, replay_rows.durations(header, i))
             sigs = None
             if comparable[i]:
-                sigs, offset = gathered[:, offset:offset + len(labels)], offset + len(labels)
-            found.append(replay_rows.replay_row(step, target, payload, labels, header, i, sigs, src, self.peers,
-                                                self.grad_notes.get(target[1])))
+                sigs, offset = gathered[:, offset : offset + len(labels)], offset + len(labels)
+            found.append(
+                replay_rows.replay_row(
+                    step, target, payload, labels, header, i, sigs, src, self.peers, self.grad_notes.get(target[1])
+                )
+            )
         # triage (replay/triage.py): an attributed rank's work executed again on it and on another rank, and the
         # row's detail classified persistent / transient / not_hardware; no collective when nothing is attributed
         triage.after_round(self, step, found, {t[1]: (t, cap, res[3]) for (_, t, cap), res in zip(work, results)})

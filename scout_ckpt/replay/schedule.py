@@ -62,7 +62,6 @@ class Schedule:
         return (slot + slot // len(self.targets)) % n_peers
 
 
-
 def rotation_interval(configured: int | None, period: int | None, auto: int = 10) -> int:
     """Steps between two rotation replays: the configured interval as given; None (automatic): `auto` until the
     save period is known, then max(auto, period // 2) (the sweep at each save certifies; between saves the
@@ -83,8 +82,8 @@ class SaveForecast:
             raise ValueError(f"replay save_every must be >= 1, got {save_every}")
         self.save_every = save_every
         self.expected: set[int] = set()
-        self.announced = False          # expect was used: no capture on mere suspicion
-        self.saves: list[int] = []      # steps saved so far (their period predicts the next)
+        self.announced = False  # expect was used: no capture on mere suspicion
+        self.saves: list[int] = []  # steps saved so far (their period predicts the next)
 
     def expect(self, step: int) -> None:
         self.expected.add(step)
@@ -111,6 +110,7 @@ class SaveForecast:
             period = self.saves[-1] - self.saves[-2]
             return period > 0 and step > self.saves[-1] and (step - self.saves[-1]) % period == 0
         return not known and self.save_every is None and not self.expected and not self.announced
+
 
 def _name(t) -> str:
     return t[1] if isinstance(t, (tuple, list)) else str(t)
@@ -159,17 +159,34 @@ def coverage(replay_rows: Iterable[dict], targets: Iterable, step: int | None = 
                 if step is not None and r["step"] >= step:
                     confirmed[name] = r["step"]
         elif status == "ATTRIBUTED":
-            sdc.append({"code": "replay_sdc", "ranks": sorted(r.get("ranks") or []), "target": name,
-                        "recipe": r.get("recipe"), "step": r["step"], **reason_flag(r), **_comparison(r)})
+            sdc.append(
+                {
+                    "code": "replay_sdc",
+                    "ranks": sorted(r.get("ranks") or []),
+                    "target": name,
+                    "recipe": r.get("recipe"),
+                    "step": r["step"],
+                    **reason_flag(r),
+                    **_comparison(r),
+                }
+            )
         else:
-            unsure.append({"code": "replay_inconclusive", "ranks": sorted(r.get("ranks") or []), "target": name,
-                           "recipe": r.get("recipe"), "step": r["step"], **reason_flag(r)})
+            unsure.append(
+                {
+                    "code": "replay_inconclusive",
+                    "ranks": sorted(r.get("ranks") or []),
+                    "target": name,
+                    "recipe": r.get("recipe"),
+                    "step": r["step"],
+                    **reason_flag(r),
+                }
+            )
     detail = {"coverage": last_clean, "replays": len(rows)}
     if step is not None:
         detail["confirmed_after"] = confirmed
         detail.update(coverage_detail(r for r in rows if r["step"] == step))
         compared = sorted({c for r in rows if r["step"] == step for c in _comparison(r).values()})
-        if compared:   # what the bitwise comparison at the save rested on (replay/determinism.py)
+        if compared:  # what the bitwise comparison at the save rested on (replay/determinism.py)
             detail["comparison"] = compared
     if sdc:
         return evidence(FAIL, sdc + unsure, **detail)

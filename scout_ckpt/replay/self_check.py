@@ -47,8 +47,9 @@ def settle(work: list, results: list[list], selfc: list[int]) -> None:
     for k, (_, _, cap) in enumerate(work):
         if selfc[k] == SELF_IS_CROSS:
             labels, sigs = results[k][0], results[k][1]
-            selfc[k] = (live_step.self_check(labels, sigs, cap.invocation) if sigs is not None
-                        else live_step.SELF_UNCHECKED)
+            selfc[k] = (
+                live_step.self_check(labels, sigs, cap.invocation) if sigs is not None else live_step.SELF_UNCHECKED
+            )
 
 
 def live_grad_params(model: nn.Module, sites: dict) -> tuple[dict[str, frozenset], dict[str, list[str]]]:
@@ -76,8 +77,9 @@ def live_grad_params(model: nn.Module, sites: dict) -> tuple[dict[str, frozenset
         signed[name] = frozenset(names)
         why = []
         if sharded:
-            why.append(f"{len(sharded)} sharded parameters' gradients (DTensor/FSDP2: reduce-scattered from an "
-                       "unsharded copy)")
+            why.append(
+                f"{len(sharded)} sharded parameters' gradients (DTensor/FSDP2: reduce-scattered from an unsharded copy)"
+            )
         if tied:
             why.append(f"gradients of parameters shared with a module outside the target: {', '.join(tied[:4])}")
         notes[name] = why

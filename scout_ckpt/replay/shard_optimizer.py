@@ -83,12 +83,14 @@ def check_supported(optimizer: optim.Optimizer) -> None:
     if cls not in SUPPORTED:
         raise UnsupportedOptimizer(
             f"shard update replay supports {', '.join(c.__name__ for c in SUPPORTED)} (exact classes), not "
-            f"{cls.__module__}.{cls.__qualname__}: its update cannot be recomputed on a slice")
+            f"{cls.__module__}.{cls.__qualname__}: its update cannot be recomputed on a slice"
+        )
     for gi, g in enumerate(optimizer.param_groups):
         if g.get("fused"):
             raise UnsupportedOptimizer(
                 f"param group {gi} uses fused=True: fused kernels are not bitwise reproducible on a slice; "
-                "use the default (foreach) or foreach=False to enable shard update replay")
+                "use the default (foreach) or foreach=False to enable shard update replay"
+            )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -96,6 +98,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- recomputation -------------------------------------------------------------------------------------------
+
 
 def digest(tensors: list[torch.Tensor]) -> str:
     """xxh3-128 of the tensors' raw bytes, in order (host copies: slices are small)."""
@@ -109,8 +112,9 @@ def _result(param: torch.Tensor, state: dict) -> list[torch.Tensor]:
     return [param] + [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
 
 
-def recompute_group(cls, hyper: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict],
-                    device=None) -> list[list[torch.Tensor]]:
+def recompute_group(
+    cls, hyper: dict, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], device=None
+) -> list[list[torch.Tensor]]:
     """Units of one param group, recomputed by one fresh `cls` on the single-tensor path (it loops over its
     parameters, so each unit sees exactly the arithmetic it would alone): per unit [param] + state (sorted keys)."""
     mv = (lambda v: v.to(device)) if device is not None else (lambda v: v)
@@ -131,8 +135,9 @@ def recompute_group(cls, hyper: dict, params: list[torch.Tensor], grads: list[to
     return [_result(p.detach(), opt.state[p]) for p in ps]
 
 
-def recompute(cls, hyper: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, device=None
-              ) -> list[torch.Tensor]:
+def recompute(
+    cls, hyper: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, device=None
+) -> list[torch.Tensor]:
     """One unit's update, recomputed by a fresh `cls` on the single-tensor path: [param] + state (sorted keys)."""
     return recompute_group(cls, hyper, [param], [grad], [state], device)[0]
 
@@ -152,9 +157,16 @@ class _Capture:
     def pre(self) -> dict:
         """What travels to the verifiers: pre-step slices as raw host bytes (pickling tensors costs 10x more),
         live digests (the live tensors stay home). `unpack` turns it back into tensors."""
-        return {"step": self.step, "units": self.units, "groups": self.groups, "hyper": self.hyper, "live": self.live,
-                "params": [_pack(p) for p in self.params], "grads": [_pack(g) for g in self.grads],
-                "state": [{k: _pack(v) for k, v in st.items()} for st in self.state]}
+        return {
+            "step": self.step,
+            "units": self.units,
+            "groups": self.groups,
+            "hyper": self.hyper,
+            "live": self.live,
+            "params": [_pack(p) for p in self.params],
+            "grads": [_pack(g) for g in self.grads],
+            "state": [{k: _pack(v) for k, v in st.items()} for st in self.state],
+        }
 
 
 class _Raw(tuple):
@@ -165,7 +177,9 @@ def _pack(v):
     if not isinstance(v, torch.Tensor):
         return v
     t = v.detach().contiguous().cpu()
-    return _Raw((str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()))
+    return _Raw(
+        (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    )
 
 
 def _unpack_one(v):
@@ -178,11 +192,16 @@ def _unpack_one(v):
 
 def unpack(pre: dict) -> dict:
     """A peer's capture (`_Capture.pre`) with its tensors rebuilt."""
-    return dict(pre, params=[_unpack_one(p) for p in pre["params"]], grads=[_unpack_one(g) for g in pre["grads"]],
-                state=[{k: _unpack_one(v) for k, v in st.items()} for st in pre["state"]])
+    return dict(
+        pre,
+        params=[_unpack_one(p) for p in pre["params"]],
+        grads=[_unpack_one(g) for g in pre["grads"]],
+        state=[{k: _unpack_one(v) for k, v in st.items()} for st in pre["state"]],
+    )
 
 
 # ---- the collective driver -----------------------------------------------------------------------------------
+
 
 class ShardUpdateReplay:
     """Step hooks that capture this rank's units of the step, and `on_step`, which cross-checks them.
@@ -194,9 +213,21 @@ class ShardUpdateReplay:
     Live tensors, gradients and RNG streams are only read (cloned slices), so training is bitwise unchanged.
     """
 
-    def __init__(self, optimizer: optim.Optimizer, model: torch.nn.Module | None = None, *, group=None,
-                 chunk: int = 4096, per_step: int = 4, cycle: int | None = None, peers: int = 2, seed: int = 0,
-                 start_step: int = 0, background: bool = True, timeout_s: float = 300.0):
+    def __init__(
+        self,
+        optimizer: optim.Optimizer,
+        model: torch.nn.Module | None = None,
+        *,
+        group=None,
+        chunk: int = 4096,
+        per_step: int = 4,
+        cycle: int | None = None,
+        peers: int = 2,
+        seed: int = 0,
+        start_step: int = 0,
+        background: bool = True,
+        timeout_s: float = 300.0,
+    ):
         """chunk: elements per unit; per_step: units each rank checks per step; cycle: if given, per_step is
         raised so that every unit is checked within `cycle` steps (cost per step grows as the model over cycle);
         peers: verifiers per owner besides itself (2 attributes persistent faults on 3+ ranks); seed: the
@@ -208,8 +239,11 @@ class ShardUpdateReplay:
             raise ValueError("chunk, per_step and peers must be >= 1")
         self.optimizer, self.chunk, self.per_step, self.peers, self.seed = optimizer, chunk, per_step, peers, seed
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.group = group if group is not None else dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.group = (
+            group
+            if group is not None
+            else dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        )
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._params: dict[str, tuple[int, torch.Tensor]] = {}
         for gi, g in enumerate(optimizer.param_groups):
@@ -227,7 +261,7 @@ class ShardUpdateReplay:
         self.start = start_step
         self._next = start_step + 1
         self._cap: _Capture | None = None
-        self.timings: dict[str, float] = {}   # the last exchange's phases (for the bench)
+        self.timings: dict[str, float] = {}  # the last exchange's phases (for the bench)
         self.cpu_s = {"hooks": 0.0, "exchange": 0.0}  # CPU seconds spent so far, by the hooks and the exchanges
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="scout-shard-replay") if background else None
         self._job: Future | None = None
@@ -297,15 +331,23 @@ class ShardUpdateReplay:
             after = [_local(p).detach().reshape(-1)[sl].clone()]
             if g is not None:  # the optimizer skips a parameter without a gradient: no state to compare
                 st = opt.state.get(p, {})
-                after += [(_local(st[k]).detach().reshape(-1)[sl] if _local(st[k]).shape == _local(p).shape
-                           else _local(st[k]).detach()).clone() for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+                after += [
+                    (
+                        _local(st[k]).detach().reshape(-1)[sl]
+                        if _local(st[k]).shape == _local(p).shape
+                        else _local(st[k]).detach()
+                    ).clone()
+                    for k in sorted(st)
+                    if isinstance(st[k], torch.Tensor)
+                ]
             cap.after.append(after)
             cap.live.append(digest(after))
 
     # -- collective --
 
-    def _recompute(self, pre: dict, device, live: list[list[torch.Tensor]] | None = None
-                   ) -> tuple[list[str], dict[int, str]]:
+    def _recompute(
+        self, pre: dict, device, live: list[list[torch.Tensor]] | None = None
+    ) -> tuple[list[str], dict[int, str]]:
         """Digests of the recomputed units; with `live` (the owner's own after-tensors), also where the first
         differing element of each differing unit is ({unit index: "param[flat index]:tensor"})."""
         cls = type(self.optimizer)
@@ -317,8 +359,14 @@ class ShardUpdateReplay:
             else:
                 by_group.setdefault(pre["groups"][i], []).append(i)
         for idx in by_group.values():
-            outs = recompute_group(cls, pre["hyper"][idx[0]], [pre["params"][i] for i in idx],
-                                   [pre["grads"][i] for i in idx], [pre["state"][i] for i in idx], device)
+            outs = recompute_group(
+                cls,
+                pre["hyper"][idx[0]],
+                [pre["params"][i] for i in idx],
+                [pre["grads"][i] for i in idx],
+                [pre["state"][i] for i in idx],
+                device,
+            )
             results.update(zip(idx, outs))
         out, where = [], {}
         for i, u in enumerate(pre["units"]):
@@ -358,9 +406,16 @@ class ShardUpdateReplay:
             return self._exchange_unguarded(step, cap)
         except Exception as e:  # noqa: BLE001 -- a broken side channel must not stop training: fail closed instead
             warnings.warn(f"shard replay exchange at step {step} failed on rank {self.rank}: {e!r}")
-            return {"step": step, "status": policy.INCONCLUSIVE, "ranks": [], "owners": {}, "units": {},
-                    "reasons": [{"code": "shard_replay_error", "ranks": [self.rank], "step": step,
-                                 "detail": repr(e)[:200]}]}
+            return {
+                "step": step,
+                "status": policy.INCONCLUSIVE,
+                "ranks": [],
+                "owners": {},
+                "units": {},
+                "reasons": [
+                    {"code": "shard_replay_error", "ranks": [self.rank], "step": step, "detail": repr(e)[:200]}
+                ],
+            }
         finally:
             self.cpu_s["exchange"] += time.thread_time() - c0
 
@@ -373,13 +428,15 @@ class ShardUpdateReplay:
         device = next((_local(p).device for _, p in self._params.values()), torch.device("cpu"))
         computed: dict[int, list[str] | None] = {}
         where: dict[int, str] = {}
-        for owner in [self.rank] + [o for o in range(self.world) if self.rank in verifiers(o, step, self.world,
-                                                                                           self.peers)]:
+        for owner in [self.rank] + [
+            o for o in range(self.world) if self.rank in verifiers(o, step, self.world, self.peers)
+        ]:
             if caps[owner] is None:
                 continue
             try:
-                computed[owner], w = self._recompute(unpack(caps[owner]), device,
-                                                     cap.after if owner == self.rank else None)
+                computed[owner], w = self._recompute(
+                    unpack(caps[owner]), device, cap.after if owner == self.rank else None
+                )
                 where.update(w)
             except Exception as e:  # noqa: BLE001 -- every rank must still reach the next gather
                 computed[owner] = None
@@ -387,7 +444,11 @@ class ShardUpdateReplay:
         t2 = time.perf_counter()
         every: list = [None] * self.world
         dist.all_gather_object(every, (computed, where), group=self.group)
-        self.timings = {"gather_captures_s": t1 - t0, "recompute_s": t2 - t1, "gather_digests_s": time.perf_counter() - t2}
+        self.timings = {
+            "gather_captures_s": t1 - t0,
+            "recompute_s": t2 - t1,
+            "gather_digests_s": time.perf_counter() - t2,
+        }
         owners: dict[int, str] = {}
         reasons: list[dict] = []
         for owner in range(self.world):
@@ -398,14 +459,22 @@ class ShardUpdateReplay:
             for r in why:
                 if "units" in r:  # name them: parameter, flat range of the local shard, first differing element
                     units = caps[owner]["units"]
-                    r["where"] = [every[owner][1].get(i) or f"{units[i].param}[{units[i].offset}:"
-                                  f"{units[i].offset + units[i].length}]" for i in r.pop("units")]
+                    r["where"] = [
+                        every[owner][1].get(i)
+                        or f"{units[i].param}[{units[i].offset}:{units[i].offset + units[i].length}]"
+                        for i in r.pop("units")
+                    ]
                 reasons.append(dict(r, step=step))
         status = worst(owners.values())
         ranks = sorted({r for x in reasons if x["code"].endswith("_mismatch") for r in x["ranks"]})
-        return {"step": step, "status": status, "ranks": ranks, "reasons": reasons,
-                "owners": {str(o): s for o, s in owners.items()},
-                "units": {str(o): len(caps[o]["units"]) if caps[o] else 0 for o in range(self.world)}}
+        return {
+            "step": step,
+            "status": status,
+            "ranks": ranks,
+            "reasons": reasons,
+            "owners": {str(o): s for o, s in owners.items()},
+            "units": {str(o): len(caps[o]["units"]) if caps[o] else 0 for o in range(self.world)},
+        }
 
 
 def _first_difference(u: Unit, live: list[torch.Tensor], res: list[torch.Tensor], labels: list[str]) -> str:
@@ -418,8 +487,11 @@ def _first_difference(u: Unit, live: list[torch.Tensor], res: list[torch.Tensor]
         diff = (a.view(bits) != b.view(bits)).nonzero()
         if diff.numel():
             k = int(diff[0])
-            return f"{u.param}[{u.offset + k}]:{_label(labels, j)}" if a.numel() == u.length \
+            return (
+                f"{u.param}[{u.offset + k}]:{_label(labels, j)}"
+                if a.numel() == u.length
                 else f"{u.param}:{_label(labels, j)}"
+            )
     return f"{u.param}[{u.offset}:{u.offset + u.length}]:count"
 
 

@@ -17,8 +17,8 @@ KIND = "shard_replay"
 
 @dataclass(frozen=True)
 class Unit:
-    param: str      # parameter name (model name or "group.index")
-    offset: int     # into the flattened local shard
+    param: str  # parameter name (model name or "group.index")
+    offset: int  # into the flattened local shard
     length: int
 
 
@@ -62,9 +62,15 @@ def decide(owner: int, live: list[str] | None, recomputed: dict[int, list[str] |
     if mine is not None and mine != live:
         units = [i for i, (a, b) in enumerate(zip(live, mine)) if a != b]
         agree = sorted(v for v, d in recomputed.items() if v != owner and d == mine)
-        return policy.FAIL, [{"code": "shard_update_mismatch", "ranks": [owner], "units": units,
-                              "detail": "live update differs from the owner's recomputation",
-                              "recomputation_confirmed_by": agree}]
+        return policy.FAIL, [
+            {
+                "code": "shard_update_mismatch",
+                "ranks": [owner],
+                "units": units,
+                "detail": "live update differs from the owner's recomputation",
+                "recomputation_confirmed_by": agree,
+            }
+        ]
     missing = sorted(v for v, d in recomputed.items() if d is None)
     votes = {owner: live, **{v: d for v, d in recomputed.items() if v != owner and d is not None}}
     reasons: list[dict] = []
@@ -79,8 +85,14 @@ def decide(owner: int, live: list[str] | None, recomputed: dict[int, list[str] |
         counts.setdefault(tuple(d), []).append(v)
     best = max(counts.values(), key=len)
     if len(best) * 2 <= len(votes):
-        return policy.INCONCLUSIVE, reasons + [{"code": "shard_replay_inconclusive", "ranks": sorted(votes),
-                                                "owner": owner, "split": sorted(sorted(c) for c in counts.values())}]
+        return policy.INCONCLUSIVE, reasons + [
+            {
+                "code": "shard_replay_inconclusive",
+                "ranks": sorted(votes),
+                "owner": owner,
+                "split": sorted(sorted(c) for c in counts.values()),
+            }
+        ]
     for v in sorted(votes):
         if v not in best:
             code = "shard_update_mismatch" if v == owner else "shard_recompute_mismatch"
@@ -96,6 +108,7 @@ def worst(statuses) -> str:
 
 # ---- evidence from rows ----------------------------------------------------------------------------------------
 
+
 def shard_replay_evidence(rows: list[dict], step: int, cycle: int, start: int | None = None) -> dict:
     """Evidence (policy format) for the state saved at `step`, from this incarnation's rows (since `begin`).
 
@@ -109,10 +122,16 @@ def shard_replay_evidence(rows: list[dict], step: int, cycle: int, start: int | 
     detail = {"cycle": cycle}
     if bad:
         status = policy.FAIL if any(r["status"] == policy.FAIL for r in bad) else policy.INCONCLUSIVE
-        reasons = [x for r in bad for x in r["reasons"] if x["code"] != "shard_replay_missing"] or \
-            [{"code": f"{KIND}_{status}", "steps": [r["step"] for r in bad]}]
-        return policy.evidence(status, reasons[:32], ranks=sorted({k for r in bad for k in r["ranks"]}),
-                               steps=[r["step"] for r in bad][:32], **detail)
+        reasons = [x for r in bad for x in r["reasons"] if x["code"] != "shard_replay_missing"] or [
+            {"code": f"{KIND}_{status}", "steps": [r["step"] for r in bad]}
+        ]
+        return policy.evidence(
+            status,
+            reasons[:32],
+            ranks=sorted({k for r in bad for k in r["ranks"]}),
+            steps=[r["step"] for r in bad][:32],
+            **detail,
+        )
     clean = {r["step"] for r in rows if r["status"] == policy.PASS}
     first = step - cycle + 1 if start is None else max(step - cycle + 1, start + 1)
     window = list(range(first, step + 1))
@@ -120,10 +139,14 @@ def shard_replay_evidence(rows: list[dict], step: int, cycle: int, start: int | 
     if window and covered == len(window):
         # A fault found up to a cycle later is charged to this step too (charged_steps): until then a
         # certification on this evidence can still be revoked.
-        return policy.evidence(policy.PASS, [], steps=[window[0], window[-1]], revocable_until=step + cycle - 1,
-                               **detail)
-    return policy.evidence(policy.MISSING, [{"code": "shard_replay_coverage_incomplete", "covered_steps": covered,
-                                             "needed_steps": len(window)}], **detail)
+        return policy.evidence(
+            policy.PASS, [], steps=[window[0], window[-1]], revocable_until=step + cycle - 1, **detail
+        )
+    return policy.evidence(
+        policy.MISSING,
+        [{"code": "shard_replay_coverage_incomplete", "covered_steps": covered, "needed_steps": len(window)}],
+        **detail,
+    )
 
 
 def charged_steps(row: dict, cycle: int) -> tuple[int, int]:

@@ -21,7 +21,7 @@ import xxhash
 
 from scout_ckpt.consensus.signatures import digest_row, replica_signatures
 
-WORDS = 3   # per target: has a copy (0/1), then the digest's two 64-bit halves
+WORDS = 3  # per target: has a copy (0/1), then the digest's two 64-bit halves
 
 
 def _copy_of(recipe: str, cap):
@@ -47,7 +47,7 @@ def digest_words(targets: list, caps: dict | None) -> list[int]:
         named = [*inv.params.items(), *(("buffer:" + n, b) for n, b in inv.buffers.items())]
         h = xxhash.xxh3_128()
         h.update(repr([(n, str(x.dtype), tuple(x.shape)) for n, x in named]).encode())
-        h.update(sigs[at:at + len(named)].contiguous().numpy().tobytes())
+        h.update(sigs[at : at + len(named)].contiguous().numpy().tobytes())
         at += len(named)
         words += [1, *digest_row(h.intdigest())]
     return words
@@ -59,8 +59,8 @@ def shared(gathered: dict[int, list[int]], targets: list, src: int, offset: int 
     out = set()
     for k, t in enumerate(targets):
         at = offset + WORDS * k
-        mine = gathered[src][at:at + WORDS]
-        if mine[0] and all(w[at:at + WORDS] == mine for w in gathered.values()):
+        mine = gathered[src][at : at + WORDS]
+        if mine[0] and all(w[at : at + WORDS] == mine for w in gathered.values()):
             out.add(t[1])
     return out
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from scout_ckpt.consensus.timing import robust_outliers
 
-REL_FLOOR = 1.0      # slow means at least 2x the median ...
-ABS_FLOOR_S = 0.02   # ... and at least 20 ms more than it
+REL_FLOOR = 1.0  # slow means at least 2x the median ...
+ABS_FLOOR_S = 0.02  # ... and at least 20 ms more than it
 
 
 class StragglerRule:
@@ -31,8 +31,9 @@ class StragglerRule:
     straggler events. A rank is reported as soon as the step being fed (its replays so far) flags it and the
     `rounds - 1` steps with replays before it flagged it too; once per episode (again after a step without)."""
 
-    def __init__(self, rounds: int = 3, *, rel_floor: float = REL_FLOOR, abs_floor_s: float = ABS_FLOOR_S,
-                 k: float = 3.0):
+    def __init__(
+        self, rounds: int = 3, *, rel_floor: float = REL_FLOOR, abs_floor_s: float = ABS_FLOOR_S, k: float = 3.0
+    ):
         if rounds < 1:
             raise ValueError("rounds must be at least 1")
         self.rounds = rounds
@@ -40,7 +41,7 @@ class StragglerRule:
         self._step: int | None = None
         self._totals: dict[int, float] = {}
         self._targets: list[str] = []
-        self._streak: dict[int, int] = {}   # consecutive flagged steps before the open one
+        self._streak: dict[int, int] = {}  # consecutive flagged steps before the open one
         self._reported: set[int] = set()
 
     def _flagged(self, totals: dict[int, float]) -> dict[int, float]:
@@ -58,10 +59,20 @@ class StragglerRule:
         for r, ratio in self._flagged(self._totals).items():
             if self._streak.get(r, 0) + 1 >= self.rounds and r not in self._reported:
                 self._reported.add(r)
-                events.append({"kind": "straggler", "ranks": [r], "step": step,
-                               "detail": {"slowdown": round(float(ratio), 3), "source": "replay",
-                                          "target": self._targets[0] if self._targets else "",
-                                          "targets": self._targets[:8], "rounds": self.rounds}})
+                events.append(
+                    {
+                        "kind": "straggler",
+                        "ranks": [r],
+                        "step": step,
+                        "detail": {
+                            "slowdown": round(float(ratio), 3),
+                            "source": "replay",
+                            "target": self._targets[0] if self._targets else "",
+                            "targets": self._targets[:8],
+                            "rounds": self.rounds,
+                        },
+                    }
+                )
         return events
 
     def _close(self) -> None:

@@ -53,7 +53,7 @@ def _wrapped(m: nn.Module) -> nn.Module | None:
     """The module `m` wraps, or None when `m` is not a wrapper."""
     children = m._modules
     if len(children) == 1:
-        (name, child), = children.items()
+        ((name, child),) = children.items()
         if name in _WRAPPER_CHILDREN:
             return child
         if name == "module" and _is_data_parallel(m):
@@ -127,6 +127,7 @@ def user_path(model: nn.Module, raw: str) -> str:
 
 # ---- discovery ----------------------------------------------------------------------------------------------------
 
+
 def _homogeneous(site: Site) -> list[str] | None:
     """Child names of a ModuleList/ModuleDict/Sequential whose children (unwrapped) all share one class."""
     if not isinstance(site.inner, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
@@ -167,14 +168,16 @@ def find_layers(all_sites: dict[str, Site]) -> list[str]:
     such a model is covered layer by layer instead of not at all. Parameters held by the root itself are
     outside every target (coverage names them)."""
     root = all_sites[""].inner
-    return [name for name, child in root._modules.items()
-            if child is not None and any(True for _ in unwrap(child).parameters())]
+    return [
+        name
+        for name, child in root._modules.items()
+        if child is not None and any(True for _ in unwrap(child).parameters())
+    ]
 
 
 def find_embeddings(all_sites: dict[str, Site], blocks: list[str]) -> list[str]:
     """Every nn.Embedding outside the blocks (token and learned position embeddings), in registration order."""
-    return [p for p, s in all_sites.items()
-            if p and isinstance(s.inner, nn.Embedding) and not _inside(p, blocks)]
+    return [p for p, s in all_sites.items() if p and isinstance(s.inner, nn.Embedding) and not _inside(p, blocks)]
 
 
 def find_head(all_sites: dict[str, Site], blocks: list[str], embeddings: list[str]) -> str | None:
@@ -209,7 +212,8 @@ def discover(model: nn.Module, optimizer=None) -> list[tuple[str, str]]:
         raise NoTargets(
             f"replay found no repeated blocks in {root} (looked for a ModuleList/ModuleDict/Sequential of "
             f"same-class layers); name them with targets=, e.g. Checkpointer(replay={{'targets': "
-            f"{_example(all_sites)}}}), or turn replay off with replay=False")
+            f"{_example(all_sites)}}}), or turn replay off with replay=False"
+        )
     embeddings = find_embeddings(all_sites, blocks)
     head = find_head(all_sites, blocks, embeddings)
     targets = [("embedding", e) for e in embeddings] + [("block", b) for b in blocks]
@@ -238,8 +242,9 @@ def resolve(model: nn.Module, targets, optimizer=None) -> list[tuple[str, str]]:
             continue
         path = name if name in all_sites else _try_user_path(model, name)
         if path is None or path == "":
-            raise NoTargets(f"replay target {name!r} is not a submodule of the model "
-                            f"(user paths look like {_example(all_sites)})")
+            raise NoTargets(
+                f"replay target {name!r} is not a submodule of the model (user paths look like {_example(all_sites)})"
+            )
         if recipe is None:
             recipe = "embedding" if isinstance(all_sites[path].inner, nn.Embedding) else "block"
         out.append((recipe, path))
@@ -265,7 +270,8 @@ __all__ = [
     "find_head",
     "find_layers",
     "original_class",
-    "resolve", "runs_compiled",
+    "resolve",
+    "runs_compiled",
     "sites",
     "unwrap",
     "user_path",

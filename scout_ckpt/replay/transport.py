@@ -32,10 +32,10 @@ class Arrivals:
     so that a peer which skips an object (its replay failed) still completes every receive."""
 
     def __init__(self, objs: list | None, heads: list, works: list, bufs: list) -> None:
-        self._objs = objs          # the source's own objects (None on the receivers)
-        self._heads = heads        # per object: None, or (pickle bytes, [(dtype, shape, nbytes)])
-        self._works = works        # per object: its pending broadcasts
-        self._bufs = bufs          # per object: the receive buffers (uint8), in pickle order
+        self._objs = objs  # the source's own objects (None on the receivers)
+        self._heads = heads  # per object: None, or (pickle bytes, [(dtype, shape, nbytes)])
+        self._works = works  # per object: its pending broadcasts
+        self._bufs = bufs  # per object: the receive buffers (uint8), in pickle order
         self._done: dict[int, Any] = {}
 
     def __len__(self) -> int:
@@ -55,8 +55,10 @@ class Arrivals:
             return self._objs[i]
         if i not in self._done:
             data, metas = self._heads[i]
-            views = [b.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
-                     for b, (dtype, shape, nbytes) in zip(self._bufs[i], metas)]
+            views = [
+                b.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+                for b, (dtype, shape, nbytes) in zip(self._bufs[i], metas)
+            ]
 
             class _In(pickle.Unpickler):
                 def persistent_load(self, pid):
@@ -130,11 +132,11 @@ def broadcast_each(objs: list | None, src: int, group) -> Arrivals:
             flat = torch.empty(total, dtype=torch.uint8)
             for t, (at, n) in zip(sent[i], spans):
                 if n:
-                    flat[at:at + n].copy_(t.reshape(-1).view(torch.uint8))
+                    flat[at : at + n].copy_(t.reshape(-1).view(torch.uint8))
         else:
             flat = torch.empty(total, dtype=torch.uint8)
         works.append([dist.broadcast(flat, src=src, group=group, async_op=True)] if total else [])
-        bufs.append([flat[at:at + n] for at, n in spans])
+        bufs.append([flat[at : at + n] for at, n in spans])
     return Arrivals(objs if me == src else None, heads, works, bufs)
 
 
@@ -165,7 +167,7 @@ def peer_group(groups, peers: str) -> tuple[Any, list[int]]:
     # the same decision on every rank: the replica groups partition the grid, so all have this one's size
     if groups.group is not None and len(mine) > 1 and (peers == "replicas" or (peers == "auto" and len(mine) >= 3)):
         handle = None
-        for ranks in groups.groups:   # every replica group, created by every rank in the same order
+        for ranks in groups.groups:  # every replica group, created by every rank in the same order
             if len(ranks) < 2:
                 continue
             pg = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout)

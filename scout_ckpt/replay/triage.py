@@ -32,7 +32,7 @@ from scout_ckpt.replay.transport import broadcast_payload, host
 
 CLASSES = ("persistent", "transient", "not_hardware")
 MAX_RANKS = 4
-RUNS = 2   # executions of the work on each of the two ranks
+RUNS = 2  # executions of the work on each of the two ranks
 
 
 def classify(on_rank: list[tuple | None], on_other: list[tuple | None]) -> str | None:
@@ -50,10 +50,12 @@ def classify(on_rank: list[tuple | None], on_other: list[tuple | None]) -> str |
 def other_rank(rank: int, peers: list[int], nodes: dict[int, int | None], avoid: set[int]) -> int | None:
     """Pure: the peer that re-executes R's work: on another node where there is one, not itself attributed where
     possible, the first such after R in peer order."""
-    order = peers[peers.index(rank) + 1:] + peers[:peers.index(rank)]
-    for pick in (lambda p: nodes.get(p) != nodes.get(rank) and p not in avoid,
-                 lambda p: p not in avoid,
-                 lambda p: True):
+    order = peers[peers.index(rank) + 1 :] + peers[: peers.index(rank)]
+    for pick in (
+        lambda p: nodes.get(p) != nodes.get(rank) and p not in avoid,
+        lambda p: p not in avoid,
+        lambda p: True,
+    ):
         for p in order:
             if pick(p):
                 return p
@@ -94,7 +96,7 @@ def after_round(runner, step: int, rows: list[dict], items: dict[str, tuple], ow
     target name -> (target, this rank's capture, the payload this rank replayed in the round: the source's
     capture, or None). `own_capture`: the disagreeing work is always the attributed rank's own capture (the
     ring's rows); else it is for a self-check disagreement, and the source's capture otherwise."""
-    todo: list[tuple[int, int, bool]] = []   # (row index, R, own)
+    todo: list[tuple[int, int, bool]] = []  # (row index, R, own)
     for k, row in enumerate(rows):
         if row["recipe"] == "optimizer" or row["target"] not in items or len(runner.peers) < 2:
             continue
@@ -109,7 +111,7 @@ def after_round(runner, step: int, rows: list[dict], items: dict[str, tuple], ow
     for n, (k, r, own) in enumerate(todo):
         target, cap, payload = items[rows[k]["target"]]
         q = other_rank(r, runner.peers, nodes, set(rows[k]["ranks"]))
-        if own:   # R's own capture: only R holds it
+        if own:  # R's own capture: only R holds it
             inv = getattr(cap, "invocation", None) if runner.rank == r else None
             payload = broadcast_payload(host(inv) if inv is not None else None, r, runner.group)
         if runner.rank in (r, q) and payload is not None:
@@ -122,12 +124,15 @@ def after_round(runner, step: int, rows: list[dict], items: dict[str, tuple], ow
         on_rank = (by_rank.get(r) or {}).get(n) or []
         on_other = (by_rank.get(q) or {}).get(n) or [] if q is not None else []
         tri = rows[k]["detail"].setdefault("triage", {"ranks": {}})
-        tri["ranks"][str(r)] = {"class": classify(on_rank, on_other), "other": q,
-                                "other_node": None if q is None else nodes.get(q),
-                                "work": "own capture" if own else "source capture"}
+        tri["ranks"][str(r)] = {
+            "class": classify(on_rank, on_other),
+            "other": q,
+            "other_node": None if q is None else nodes.get(q),
+            "work": "own capture" if own else "source capture",
+        }
     for row in rows:
         tri = row["detail"].get("triage")
-        if tri:   # the row's class: the most hardware-like of its ranks' (persistent > transient > not_hardware)
+        if tri:  # the row's class: the most hardware-like of its ranks' (persistent > transient > not_hardware)
             found = [v["class"] for v in tri["ranks"].values() if v["class"]]
             tri["class"] = next((c for c in CLASSES if c in found), None)
 

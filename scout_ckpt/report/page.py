@@ -45,6 +45,7 @@ MAX_RANK_LANES = 32  # beyond this, only ranks that have events get a lane
 
 # ---- the picture and the page ------------------------------------------------------------------------------
 
+
 def _lanes(tl: dict) -> tuple[list[int], bool]:
     """The rank lanes to draw, and whether a 'job' lane is needed for events without ranks."""
     event_ranks = sorted({r for e in tl["events"] for r in e["ranks"]})
@@ -126,17 +127,35 @@ def _render(tl: dict, fmt: str) -> bytes:
             steps = by_label[label]
             face, edge = STATE_STYLE.get(label, ("#ffffff", "#000000"))
             if many:
-                ax.scatter(steps, [0] * len(steps), s=80, marker="|", c=edge if face == "none" else face,
-                           linewidths=1.0, zorder=3, gid=f"checkpoints-{label}")
+                ax.scatter(
+                    steps,
+                    [0] * len(steps),
+                    s=80,
+                    marker="|",
+                    c=edge if face == "none" else face,
+                    linewidths=1.0,
+                    zorder=3,
+                    gid=f"checkpoints-{label}",
+                )
             else:
-                ax.scatter(steps, [0] * len(steps), s=60, marker="o", facecolors=face, edgecolors=edge,
-                           linewidths=1.2, zorder=3, gid=f"checkpoints-{label}")
+                ax.scatter(
+                    steps,
+                    [0] * len(steps),
+                    s=60,
+                    marker="o",
+                    facecolors=face,
+                    edgecolors=edge,
+                    linewidths=1.2,
+                    zorder=3,
+                    gid=f"checkpoints-{label}",
+                )
         # Earlier attempts of a step (interrupted, rejected, then saved again) sit just above its checkpoint.
         earlier = [a for a in tl.get("attempts", []) if not a.get("current")]
         for k, a in enumerate(earlier):
             face, edge = STATE_STYLE.get(a["label"], ("#ffffff", "#000000"))
-            ax.scatter([a["step"]], [-0.32], s=28, marker="o", facecolors=face, edgecolors=edge, linewidths=1.0,
-                       zorder=3)
+            ax.scatter(
+                [a["step"]], [-0.32], s=28, marker="o", facecolors=face, edgecolors=edge, linewidths=1.0, zorder=3
+            )
         # Each incarnation of the job as a bar from where it resumed to where it ended: the step it died at
         # (a crash, an aborted hang) when it died past its last save, else the last step it saved.
         for i, (run, y) in enumerate(zip(tl["runs"], run_bar_ys(tl["runs"]))):
@@ -145,11 +164,25 @@ def _render(tl: dict, fmt: str) -> bytes:
             if end is None:
                 end = start
             colour = "#1f77b4" if i % 2 == 0 else "#17becf"
-            ax.plot([start, max(end, start + 0.01)], [y, y], color=colour, linewidth=6 if y == 1 else 4,
-                    solid_capstyle="butt", zorder=2, alpha=0.8, gid=f"run-{i + 1}")
+            ax.plot(
+                [start, max(end, start + 0.01)],
+                [y, y],
+                color=colour,
+                linewidth=6 if y == 1 else 4,
+                solid_capstyle="butt",
+                zorder=2,
+                alpha=0.8,
+                gid=f"run-{i + 1}",
+            )
             ax.scatter([start], [y], marker="|", s=120, c=colour, zorder=2)
-            ax.annotate(f"run {i + 1}" + (f" from {run['resumed_from']}" if run.get("resumed_from") else ""),
-                        (start, y), xytext=(2, 7), textcoords="offset points", fontsize=7, color="#333333")
+            ax.annotate(
+                f"run {i + 1}" + (f" from {run['resumed_from']}" if run.get("resumed_from") else ""),
+                (start, y),
+                xytext=(2, 7),
+                textcoords="offset points",
+                fontsize=7,
+                color="#333333",
+            )
         xs = _event_steps(tl)
         points: dict[str, tuple[list[float], list[float]]] = {}
         for x, e in zip(xs, tl["events"]):
@@ -159,8 +192,9 @@ def _render(tl: dict, fmt: str) -> bytes:
             py.extend(lanes)
         for kind, (px, py) in points.items():
             marker, colour = KIND_STYLE.get(kind, OTHER_STYLE)
-            ax.scatter(px, py, s=70, marker=marker, c=colour, zorder=4, edgecolors="white", linewidths=0.5,
-                       gid=f"kind-{kind}")
+            ax.scatter(
+                px, py, s=70, marker=marker, c=colour, zorder=4, edgecolors="white", linewidths=0.5, gid=f"kind-{kind}"
+            )
         for run in tl["runs"]:
             if run.get("resumed_from") is not None:
                 ax.axvline(run["resumed_from"], color="#1f77b4", linestyle="--", linewidth=0.8, zorder=1)
@@ -173,22 +207,61 @@ def _render(tl: dict, fmt: str) -> bytes:
             ax.axhline(y, color="#f2f2f2", linewidth=0.8, zorder=0)
         if not tl["checkpoints"] and not tl["events"]:
             ax.set_xlim(0, 1)
-            ax.text(0.5, (len(labels) - 1) / 2, "no checkpoints and no events recorded", ha="center",
-                    va="center", color="#777777")
+            ax.text(
+                0.5,
+                (len(labels) - 1) / 2,
+                "no checkpoints and no events recorded",
+                ha="center",
+                va="center",
+                color="#777777",
+            )
 
         # the legend names only what the picture shows
-        drawn = {c.get("label") or c.get("state") for c in tl["checkpoints"]} | \
-            {a.get("label") or a.get("state") for a in tl.get("attempts") or []}
-        handles = [Line2D([], [], linestyle="", marker="o", markersize=8, markerfacecolor=STATE_STYLE[s][0],
-                          markeredgecolor=STATE_STYLE[s][1], label=s) for s in STATE_STYLE if s in drawn]
+        drawn = {c.get("label") or c.get("state") for c in tl["checkpoints"]} | {
+            a.get("label") or a.get("state") for a in tl.get("attempts") or []
+        }
+        handles = [
+            Line2D(
+                [],
+                [],
+                linestyle="",
+                marker="o",
+                markersize=8,
+                markerfacecolor=STATE_STYLE[s][0],
+                markeredgecolor=STATE_STYLE[s][1],
+                label=s,
+            )
+            for s in STATE_STYLE
+            if s in drawn
+        ]
         kinds = [k for k in KIND_STYLE if k in points] + sorted(k for k in points if k not in KIND_STYLE)
-        handles += [Line2D([], [], linestyle="", marker=KIND_STYLE.get(k, OTHER_STYLE)[0], markersize=8,
-                           color=KIND_STYLE.get(k, OTHER_STYLE)[1], label=k) for k in kinds]
+        handles += [
+            Line2D(
+                [],
+                [],
+                linestyle="",
+                marker=KIND_STYLE.get(k, OTHER_STYLE)[0],
+                markersize=8,
+                color=KIND_STYLE.get(k, OTHER_STYLE)[1],
+                label=k,
+            )
+            for k in kinds
+        ]
         if any(r.get("resumed_from") is not None for r in tl["runs"]):
             handles.append(Line2D([], [], color="#1f77b4", linestyle="--", label="restart (resumed from)"))
         if earlier:
-            handles.append(Line2D([], [], linestyle="", marker="o", markersize=5, markerfacecolor="none",
-                                  markeredgecolor="#333333", label="earlier attempt (above)"))
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    linestyle="",
+                    marker="o",
+                    markersize=5,
+                    markerfacecolor="none",
+                    markeredgecolor="#333333",
+                    label="earlier attempt (above)",
+                )
+            )
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
         ax.set_title("scout-ckpt fault timeline", loc="left")
         fig.tight_layout()
@@ -219,24 +292,51 @@ def render_html(tl: dict, title: str = "scout-ckpt fault timeline") -> str:
     """One self-contained page: the picture inline (base64 PNG), then the events and checkpoints tables."""
     png = base64.b64encode(render_png(tl)).decode()
     counts = ", ".join(f"{k}: {n}" for k, n in sorted(tl.get("summary", {}).items())) or "no fault events"
-    ev_rows = "\n".join(_row([("", time_text(e["time"])), (f"k-{e['kind']}", e["kind"]),
-                              ("num", "-" if e["step"] is None else str(e["step"])),
-                              ("", ranks_text(e["ranks"])), ("", e["source"])])[:-5] + _detail_cell(e) + "</tr>"
-                        for e in tl["events"])
+    ev_rows = "\n".join(
+        _row(
+            [
+                ("", time_text(e["time"])),
+                (f"k-{e['kind']}", e["kind"]),
+                ("num", "-" if e["step"] is None else str(e["step"])),
+                ("", ranks_text(e["ranks"])),
+                ("", e["source"]),
+            ]
+        )[:-5]
+        + _detail_cell(e)
+        + "</tr>"
+        for e in tl["events"]
+    )
     tries: dict[int, list[str]] = {}
     for a in tl.get("attempts", []):
         tries.setdefault(a["step"], []).append(a["label"])
-    ck_rows = "\n".join(_row([("num", str(c["step"])), (f"s-{c['state']}", c["label"]),
-                              ("", time_text(c["time"])), ("", c.get("run_id") or "-"),
-                              ("", ", ".join(c["reasons"])),
-                              ("", " then ".join(tries.get(c["step"], [])) if len(tries.get(c["step"], [])) > 1
-                               else "1")]) for c in reversed(tl["checkpoints"]))
-    run_rows = "\n".join(_row([("num", str(i + 1)), ("", r["id"]), ("", time_text(r.get("started"))),
-                               ("", r.get("host") or "-"), ("num", str(r.get("world_size") or "-")),
-                               ("", "fresh start" if r.get("resumed_from") is None else f"step {r['resumed_from']}"),
-                               ("", "-" if r.get("first_step") is None else f"{r['first_step']}..{r['last_step']}"),
-                               ("", _ended_text(r.get("died")))])
-                         for i, r in enumerate(tl["runs"]))
+    ck_rows = "\n".join(
+        _row(
+            [
+                ("num", str(c["step"])),
+                (f"s-{c['state']}", c["label"]),
+                ("", time_text(c["time"])),
+                ("", c.get("run_id") or "-"),
+                ("", ", ".join(c["reasons"])),
+                ("", " then ".join(tries.get(c["step"], [])) if len(tries.get(c["step"], [])) > 1 else "1"),
+            ]
+        )
+        for c in reversed(tl["checkpoints"])
+    )
+    run_rows = "\n".join(
+        _row(
+            [
+                ("num", str(i + 1)),
+                ("", r["id"]),
+                ("", time_text(r.get("started"))),
+                ("", r.get("host") or "-"),
+                ("num", str(r.get("world_size") or "-")),
+                ("", "fresh start" if r.get("resumed_from") is None else f"step {r['resumed_from']}"),
+                ("", "-" if r.get("first_step") is None else f"{r['first_step']}..{r['last_step']}"),
+                ("", _ended_text(r.get("died"))),
+            ]
+        )
+        for i, r in enumerate(tl["runs"])
+    )
     n_ck = len(tl["checkpoints"])
     ck_open = "" if n_ck > 200 else " open"
     return f"""<!DOCTYPE html>
@@ -244,7 +344,7 @@ def render_html(tl: dict, title: str = "scout-ckpt fault timeline") -> str:
 <style>{_CSS}</style></head>
 <body>
 <h1>{html.escape(title)}</h1>
-<p>{len(tl['events'])} events ({html.escape(counts)}); {n_ck} checkpoints; {len(tl['runs'])} runs.
+<p>{len(tl["events"])} events ({html.escape(counts)}); {n_ck} checkpoints; {len(tl["runs"])} runs.
 Generated {html.escape(time_text(time.time()))}.</p>
 <img alt="timeline: checkpoints by state and faults per rank" src="data:image/png;base64,{png}">
 <h2>Events</h2>

@@ -8,23 +8,39 @@ from scout_ckpt.ops.views import ranks_text
 
 # what the fault means for the checkpoints, and what to do, by kind
 _MEANING = {
-    "crash": ("checkpoints already certified are untouched and a save it interrupted is never resumed from",
-              "let torchrun restart the job (it resumes from the latest clean checkpoint); look at that rank's log"),
-    "hang": ("no checkpoint is written while it waits; the certified ones are untouched",
-             "look at the stacks recorded for it; restart the job if the observer did not end it"),
-    "desync": ("the ranks stopped running the same collectives; certified checkpoints are untouched",
-               "look at the code path that differs between ranks"),
-    "straggler": ("checkpoints are not affected; the whole job runs at that rank's pace",
-                  "check that host's load, thermals and network"),
-    "sdc": ("checkpoints saved from that state are rejected and never resumed from",
-            "resume from the latest clean checkpoint (torchrun's restart does) and check the host's hardware"),
-    "divergence": ("checkpoints saved from that state are rejected",
-                   "resume from the latest clean checkpoint; every rank agreeing points at the training itself "
-                   "(learning rate, data), not at one device"),
-    "live_fault": ("the save's evidence showed the live state bad: the generation ended and that checkpoint is "
-                   "rejected", "torchrun's restart resumes from the latest clean checkpoint"),
-    "corrupt_file": ("the checkpoint's bytes on disk no longer match what was written: it is rejected and walked "
-                     "past", "nothing, unless it repeats: then check the storage"),
+    "crash": (
+        "checkpoints already certified are untouched and a save it interrupted is never resumed from",
+        "let torchrun restart the job (it resumes from the latest clean checkpoint); look at that rank's log",
+    ),
+    "hang": (
+        "no checkpoint is written while it waits; the certified ones are untouched",
+        "look at the stacks recorded for it; restart the job if the observer did not end it",
+    ),
+    "desync": (
+        "the ranks stopped running the same collectives; certified checkpoints are untouched",
+        "look at the code path that differs between ranks",
+    ),
+    "straggler": (
+        "checkpoints are not affected; the whole job runs at that rank's pace",
+        "check that host's load, thermals and network",
+    ),
+    "sdc": (
+        "checkpoints saved from that state are rejected and never resumed from",
+        "resume from the latest clean checkpoint (torchrun's restart does) and check the host's hardware",
+    ),
+    "divergence": (
+        "checkpoints saved from that state are rejected",
+        "resume from the latest clean checkpoint; every rank agreeing points at the training itself "
+        "(learning rate, data), not at one device",
+    ),
+    "live_fault": (
+        "the save's evidence showed the live state bad: the generation ended and that checkpoint is rejected",
+        "torchrun's restart resumes from the latest clean checkpoint",
+    ),
+    "corrupt_file": (
+        "the checkpoint's bytes on disk no longer match what was written: it is rejected and walked past",
+        "nothing, unless it repeats: then check the storage",
+    ),
     "health": ("checkpoints are not rejected for it by itself", "watch that device; drain the host if it repeats"),
 }
 
@@ -44,8 +60,9 @@ def _what(e: dict, who: str) -> str:
             return f"{who}: a save{at} was interrupted (the process died while writing it)"
         return f"{who}: the process died{at}"
     if kind == "hang":
-        return f"{who}: stopped making progress{at}" + (" (the observer ended the job)" if d.get("action") == "abort"
-                                                       else "")
+        return f"{who}: stopped making progress{at}" + (
+            " (the observer ended the job)" if d.get("action") == "abort" else ""
+        )
     if kind == "desync":
         return f"{who}: ran different collectives than the others{at}"
     if kind == "straggler":

@@ -19,7 +19,6 @@ from rich.table import Table
 
 from scout_ckpt.ledger import Ledger, tiers
 from scout_ckpt.ops.views import detail_text, ranks_text, time_text
-from scout_ckpt.report.sentences import event_sentence
 from scout_ckpt.report.page import (  # noqa: F401  (re-exported: the page and its styles)
     DRAW_ORDER,
     KIND_STYLE,
@@ -31,6 +30,7 @@ from scout_ckpt.report.page import (  # noqa: F401  (re-exported: the page and i
     render_svg,
     write_html,
 )
+from scout_ckpt.report.sentences import event_sentence
 
 KINDS = ("sdc", "divergence", "hang", "straggler", "crash", "desync", "health", "live_fault", "corrupt_file")
 # a checkpoint's bytes found damaged on disk (by certify, resume or a job's load): an event of the storage
@@ -40,6 +40,7 @@ INTERRUPTED = "save_interrupted"
 
 
 # ---- the timeline ------------------------------------------------------------------------------------------
+
 
 def _ranks(v: Any) -> list[int]:
     if v is None:
@@ -66,10 +67,26 @@ def _state_label(c: dict) -> str:
     return c["state"]
 
 
-def _event(kind: str, ranks: list[int], step: int | None, when: float | None, detail: dict, source: str,
-           run_id: str | None = None, **extra) -> dict:
-    return {"kind": kind, "ranks": ranks, "step": step, "time": when, "detail": detail, "source": source,
-            "run_id": run_id, **extra}
+def _event(
+    kind: str,
+    ranks: list[int],
+    step: int | None,
+    when: float | None,
+    detail: dict,
+    source: str,
+    run_id: str | None = None,
+    **extra,
+) -> dict:
+    return {
+        "kind": kind,
+        "ranks": ranks,
+        "step": step,
+        "time": when,
+        "detail": detail,
+        "source": source,
+        "run_id": run_id,
+        **extra,
+    }
 
 
 def timeline(ledger: Ledger | str | os.PathLike) -> dict:
@@ -90,8 +107,18 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
             interrupted_events.append(e)
             continue
         detail = e.get("detail") if isinstance(e.get("detail"), dict) else {}
-        events.append(_event(e["kind"], _ranks(e.get("ranks")), e.get("step"), e.get("time"), detail, "events",
-                             e.get("run_id"), event_id=e.get("id")))
+        events.append(
+            _event(
+                e["kind"],
+                _ranks(e.get("ranks")),
+                e.get("step"),
+                e.get("time"),
+                detail,
+                "events",
+                e.get("run_id"),
+                event_id=e.get("id"),
+            )
+        )
 
     # sdc findings already told, by (step, ranks) -> targets named (None: the whole state). A replay row is a
     # repeat when an sdc event of its step and ranks names its target or no target at all.
@@ -113,8 +140,9 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
         detail = {"recipe": r.get("recipe"), "target": r.get("target"), **(r.get("detail") or {})}
         if r["status"] == "INCONCLUSIVE":
             detail["inconclusive"] = True
-        events.append(_event("sdc", ranks, r["step"], r.get("time"), detail, "replay", r.get("run_id"),
-                             replay_id=r.get("id")))
+        events.append(
+            _event("sdc", ranks, r["step"], r.get("time"), detail, "replay", r.get("run_id"), replay_id=r.get("id"))
+        )
 
     # Checkpoint verdicts: attributed ranks and interrupted saves.
     checkpoints = ledger.checkpoints()
@@ -132,57 +160,107 @@ def timeline(ledger: Ledger | str | os.PathLike) -> dict:
                 if sdc_told.get((c["step"], tuple(ranks))):
                     continue
                 sdc_told[(c["step"], tuple(ranks))] = {None}
-                detail = {"reason": code, "state": c["state"],
-                          **{k: v for k, v in reason.items() if k not in ("code", "ranks", "rank")}}
-                events.append(_event("sdc", ranks, c["step"], _checkpoint_time(c), detail, "checkpoint",
-                                     c.get("run_id")))
+                detail = {
+                    "reason": code,
+                    "state": c["state"],
+                    **{k: v for k, v in reason.items() if k not in ("code", "ranks", "rank")},
+                }
+                events.append(
+                    _event("sdc", ranks, c["step"], _checkpoint_time(c), detail, "checkpoint", c.get("run_id"))
+                )
             elif code in BYTES_CODES:
-                events.append(_event("corrupt_file", _reason_ranks(reason), c["step"], c.get("updated") or
-                                     _checkpoint_time(c), {"reason": code, "state": c["state"],
-                                                           **{k: v for k, v in reason.items()
-                                                              if k not in ("code", "ranks", "rank")}},
-                                     "checkpoint", c.get("run_id")))
+                events.append(
+                    _event(
+                        "corrupt_file",
+                        _reason_ranks(reason),
+                        c["step"],
+                        c.get("updated") or _checkpoint_time(c),
+                        {
+                            "reason": code,
+                            "state": c["state"],
+                            **{k: v for k, v in reason.items() if k not in ("code", "ranks", "rank")},
+                        },
+                        "checkpoint",
+                        c.get("run_id"),
+                    )
+                )
             elif code == INTERRUPTED and c["step"] not in interrupted:
-                interrupted[c["step"]] = {"ranks": _reason_ranks(reason), "time": c.get("updated") or
-                                          c.get("started"), "run_id": c.get("run_id"),
-                                          "detail": {k: v for k, v in reason.items() if k not in ("code", "ranks")}}
+                interrupted[c["step"]] = {
+                    "ranks": _reason_ranks(reason),
+                    "time": c.get("updated") or c.get("started"),
+                    "run_id": c.get("run_id"),
+                    "detail": {k: v for k, v in reason.items() if k not in ("code", "ranks")},
+                }
     # a save interrupted by a crash and saved again by the next generation: the row is certified now, its
     # history keeps the interrupted attempt (without an observer that is the only record of the crash)
     attempts = _attempts(ledger, checkpoints)
     for a in attempts:
         if a.get("label") == "interrupted" and a["step"] not in interrupted:
-            interrupted[a["step"]] = {"ranks": [], "time": a.get("updated") or a.get("time"), "run_id": a.get("run_id"),
-                                      "detail": {"attempt": a.get("attempt")}}
+            interrupted[a["step"]] = {
+                "ranks": [],
+                "time": a.get("updated") or a.get("time"),
+                "run_id": a.get("run_id"),
+                "detail": {"attempt": a.get("attempt")},
+            }
     for e in interrupted_events:
-        interrupted.setdefault(e.get("step"), {"ranks": _ranks(e.get("ranks")), "time": e.get("time"),
-                                               "run_id": e.get("run_id"), "detail": e.get("detail") or {}})
+        interrupted.setdefault(
+            e.get("step"),
+            {
+                "ranks": _ranks(e.get("ranks")),
+                "time": e.get("time"),
+                "run_id": e.get("run_id"),
+                "detail": e.get("detail") or {},
+            },
+        )
     # a save the observer's abort interrupted is that incident's consequence, not a second fault: the run's end is
     # told by the hang or desync that ended it (the attempt stays in `attempts`, labelled interrupted)
     aborted_runs = {e["run_id"] for e in events if e.get("run_id") and e["kind"] != "crash" and _ended_by(e)}
     for step, info in interrupted.items():
         if step in crash_steps or (info["run_id"] and info["run_id"] in aborted_runs):
             continue
-        events.append(_event("crash", info["ranks"], step, info["time"], {INTERRUPTED: True, **info["detail"]},
-                             "checkpoint", info["run_id"]))
+        events.append(
+            _event(
+                "crash",
+                info["ranks"],
+                step,
+                info["time"],
+                {INTERRUPTED: True, **info["detail"]},
+                "checkpoint",
+                info["run_id"],
+            )
+        )
 
-    events.sort(key=lambda e: (e["time"] if e["time"] is not None else float("-inf"),
-                               e["step"] if e["step"] is not None else -1, e["kind"]))
+    events.sort(
+        key=lambda e: (
+            e["time"] if e["time"] is not None else float("-inf"),
+            e["step"] if e["step"] is not None else -1,
+            e["kind"],
+        )
+    )
     summary: dict[str, int] = {}
     hosts: dict[str | None, dict[int, str]] = {}
     for e in events:
         summary[e["kind"]] = summary.get(e["kind"], 0) + 1
         if e.get("run_id") not in hosts:
-            hosts[e.get("run_id")] = {p["rank"]: p["host"] for p in ledger.rank_places(e.get("run_id"))
-                                      if p.get("host")}
+            hosts[e.get("run_id")] = {
+                p["rank"]: p["host"] for p in ledger.rank_places(e.get("run_id")) if p.get("host")
+            }
         e["summary"] = event_sentence(e, hosts[e.get("run_id")])
-        if isinstance(e["detail"].get("reason"), str):   # the observer's own account first among the fields
+        if isinstance(e["detail"].get("reason"), str):  # the observer's own account first among the fields
             e["detail"] = {"reason": e["detail"]["reason"], **e["detail"]}
     return {
         "events": events,
-        "checkpoints": [{"step": c["step"], "state": c["state"], "label": _state_label(c),
-                         "time": _checkpoint_time(c), "run_id": c.get("run_id"),
-                         "reasons": [r.get("code") for r in c.get("reasons") or [] if isinstance(r, dict)]}
-                        for c in checkpoints],
+        "checkpoints": [
+            {
+                "step": c["step"],
+                "state": c["state"],
+                "label": _state_label(c),
+                "time": _checkpoint_time(c),
+                "run_id": c.get("run_id"),
+                "reasons": [r.get("code") for r in c.get("reasons") or [] if isinstance(r, dict)],
+            }
+            for c in checkpoints
+        ],
         "attempts": attempts,
         "runs": _runs(ledger.runs(), attempts, events),
         "summary": summary,
@@ -200,11 +278,22 @@ def local_summary(ledger: Ledger) -> dict:
     states: dict[str, int] = {}
     for r in rows:
         states[r["state"]] = states.get(r["state"], 0) + 1
-    return {"saves": len(rows), "states": states, "rejected": states.get("rejected", 0),
-            "rejected_at_restart": len(ledger.events(kinds=("local_rejected",))),
-            "steps": [{"step": r["step"], "state": r["state"], "time": r.get("committed"), "run_id": r.get("run_id"),
-                       "reasons": [x.get("code") for x in r.get("reasons") or [] if isinstance(x, dict)]}
-                      for r in rows]}
+    return {
+        "saves": len(rows),
+        "states": states,
+        "rejected": states.get("rejected", 0),
+        "rejected_at_restart": len(ledger.events(kinds=("local_rejected",))),
+        "steps": [
+            {
+                "step": r["step"],
+                "state": r["state"],
+                "time": r.get("committed"),
+                "run_id": r.get("run_id"),
+                "reasons": [x.get("code") for x in r.get("reasons") or [] if isinstance(x, dict)],
+            }
+            for r in rows
+        ],
+    }
 
 
 def local_text(local: dict | None) -> str | None:
@@ -213,8 +302,10 @@ def local_text(local: dict | None) -> str | None:
         return None
     states = ", ".join(f"{n} {s}" for s, n in sorted(local["states"].items()))
     again = local.get("rejected_at_restart") or 0
-    return (f"Local tier: {local['saves']} step(s) saved ({states}); {local['rejected']} now rejected; "
-            f"{again} rejection(s) when a restart re-verified the files (event local_rejected).")
+    return (
+        f"Local tier: {local['saves']} step(s) saved ({states}); {local['rejected']} now rejected; "
+        f"{again} rejection(s) when a restart re-verified the files (event local_rejected)."
+    )
 
 
 def _attempt_label(state: str, reasons: list) -> str:
@@ -238,8 +329,14 @@ def _attempts(ledger: Ledger, checkpoints: list[dict]) -> list[dict]:
     for c in checkpoints:  # rows with no history yet (a save in flight)
         key = (c["step"], c.get("attempt"))
         if key not in out:
-            out[key] = {"step": c["step"], "attempt": c.get("attempt"), "time": _checkpoint_time(c),
-                        "state": c["state"], "label": _state_label(c), "updated": _checkpoint_time(c)}
+            out[key] = {
+                "step": c["step"],
+                "attempt": c.get("attempt"),
+                "time": _checkpoint_time(c),
+                "state": c["state"],
+                "label": _state_label(c),
+                "updated": _checkpoint_time(c),
+            }
     rows = sorted(out.values(), key=lambda a: (a["step"], a["time"] or 0.0))
     for a in rows:
         cur = current.get(a["step"]) or {}
@@ -264,36 +361,59 @@ def _runs(runs: list[dict], attempts: list[dict], events: list[dict]) -> list[di
         ends = [e for e in events if e.get("run_id") == r["id"] and _ended_by(e)]
         died = None
         if ends:  # the first such event: what follows it (a teardown's victims, a settled crash) is its consequence
-            e = min(ends, key=lambda e: (e["time"] if e["time"] is not None else float("inf")))
+            e = min(ends, key=lambda e: e["time"] if e["time"] is not None else float("inf"))
             died = {"kind": e["kind"], "step": e["step"], "time": e["time"], "ranks": e["ranks"]}
         candidates = [x for x in (last, died and died["step"]) if x is not None]
-        out.append({"id": r["id"], "started": r.get("started"), "world_size": r.get("world_size"),
-                    "resumed_from": r.get("resumed_from"), "host": r.get("host"),
-                    "first_step": min(steps) if steps else None, "last_step": last, "died": died,
-                    "end_step": max(candidates) if candidates else None})
+        out.append(
+            {
+                "id": r["id"],
+                "started": r.get("started"),
+                "world_size": r.get("world_size"),
+                "resumed_from": r.get("resumed_from"),
+                "host": r.get("host"),
+                "first_step": min(steps) if steps else None,
+                "last_step": last,
+                "died": died,
+                "end_step": max(candidates) if candidates else None,
+            }
+        )
     return out
 
 
 # ---- text ---------------------------------------------------------------------------------------------------
 
+
 def render_table(tl: dict) -> Table:
     """The events as a rich Table (the CLI's plain output)."""
     counts = ", ".join(f"{k} {n}" for k, n in sorted(tl.get("summary", {}).items())) or "none"
     table = Table(title=f"fault timeline ({len(tl['events'])} events: {counts})", title_justify="left")
-    for col, kw in (("time", {}), ("kind", {"style": "bold"}), ("step", {"justify": "right"}), ("ranks", {}),
-                    ("detail", {"overflow": "fold"})):
+    for col, kw in (
+        ("time", {}),
+        ("kind", {"style": "bold"}),
+        ("step", {"justify": "right"}),
+        ("ranks", {}),
+        ("detail", {"overflow": "fold"}),
+    ):
         table.add_column(col, **kw)
     for e in tl["events"]:
         said = e.get("summary")
         fields = detail_text(e["detail"])
-        table.add_row(time_text(e["time"]), e["kind"], "-" if e["step"] is None else str(e["step"]),
-                      ranks_text(e["ranks"]), f"{escape(said)}\n[dim]{escape(fields)}[/]" if said else escape(fields))
+        table.add_row(
+            time_text(e["time"]),
+            e["kind"],
+            "-" if e["step"] is None else str(e["step"]),
+            ranks_text(e["ranks"]),
+            f"{escape(said)}\n[dim]{escape(fields)}[/]" if said else escape(fields),
+        )
     restarts = [r for r in tl.get("runs") or [] if r.get("resumed_from") is not None]
     runs = tl.get("runs") or []
     if runs:
-        said = [f"{len(runs)} run(s)"] + [f"run {i + 1} started {time_text(r.get('started'))}"
-                                          + (f", resumed from step {r['resumed_from']}" if r in restarts else "")
-                                          for i, r in enumerate(runs) if i > 0]
+        said = [f"{len(runs)} run(s)"] + [
+            f"run {i + 1} started {time_text(r.get('started'))}"
+            + (f", resumed from step {r['resumed_from']}" if r in restarts else "")
+            for i, r in enumerate(runs)
+            if i > 0
+        ]
         table.caption, table.caption_justify = "; ".join(said), "left"
     local = local_text(tl.get("local"))
     if local:

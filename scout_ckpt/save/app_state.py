@@ -52,11 +52,13 @@ class RNGState(Stateful):
     def state_dict(self) -> dict:
         _, mt, gauss = random.getstate()
         _, keys, pos, has_gauss, cached = np.random.get_state()
-        sd = {"torch": torch.get_rng_state(),
-              "python": torch.tensor(mt, dtype=torch.int64),
-              "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
-              "numpy": torch.from_numpy(keys.astype(np.int64)),
-              "numpy_extra": torch.tensor([pos, has_gauss, cached], dtype=torch.float64)}
+        sd = {
+            "torch": torch.get_rng_state(),
+            "python": torch.tensor(mt, dtype=torch.int64),
+            "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+            "numpy": torch.from_numpy(keys.astype(np.int64)),
+            "numpy_extra": torch.tensor([pos, has_gauss, cached], dtype=torch.float64),
+        }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             sd["cuda"] = torch.cuda.get_rng_state()
         return sd
@@ -123,8 +125,8 @@ class RankLocal(Stateful):
     def __init__(self, inner: Stateful, *, strict: bool = False):
         self.inner, self.strict = inner, strict
         self._mesh = None
-        self._loading_from: int | None = None   # the saved world size while a resharding load is in progress
-        self._loaded: dict | None = None        # what that load read, offered back for its verification
+        self._loading_from: int | None = None  # the saved world size while a resharding load is in progress
+        self._loaded: dict | None = None  # what that load read, offered back for its verification
         self.name = "rank-local state"
 
     def begin_load(self, saved_world: int | None, name: str) -> None:
@@ -140,8 +142,10 @@ class RankLocal(Stateful):
             self._loading_from = None
             return
         if self.strict:
-            raise ScoutError(f"{name}: saved by {saved_world} ranks, this job has {world} (RankLocal(strict=False) "
-                             "restores the ranks that still exist)")
+            raise ScoutError(
+                f"{name}: saved by {saved_world} ranks, this job has {world} (RankLocal(strict=False) "
+                "restores the ranks that still exist)"
+            )
         self._loading_from = saved_world
 
     def end_load(self) -> None:
@@ -170,13 +174,16 @@ class RankLocal(Stateful):
             return self._loaded
 
         def full(d: dict) -> dict:
-            return {k: full(v) if isinstance(v, dict) else
-                    torch.zeros((self._loading_from, *v.shape), dtype=v.dtype) for k, v in d.items()}
+            return {
+                k: full(v) if isinstance(v, dict) else torch.zeros((self._loading_from, *v.shape), dtype=v.dtype)
+                for k, v in d.items()
+            }
 
         return full(self.inner.state_dict())
 
     def load_state_dict(self, sd: dict) -> None:
         if self._loading_from is None:
+
             def local(d: dict) -> dict:
                 return {k: local(v) if isinstance(v, dict) else v.to_local()[0].cpu() for k, v in d.items()}
 
@@ -195,8 +202,19 @@ class RankLocal(Stateful):
         if rank < saved:
             self.inner.load_state_dict(row(sd))
         else:
-            log.logger.warning("rank %d: %s not restored: the checkpoint was saved by %d ranks and has no row for "
-                               "this rank, which keeps its own fresh values", rank, self.name, saved)
+            log.logger.warning(
+                "rank %d: %s not restored: the checkpoint was saved by %d ranks and has no row for "
+                "this rank, which keeps its own fresh values",
+                rank,
+                self.name,
+                saved,
+            )
         if rank == 0 and saved > world:
-            log.logger.warning("%s of ranks %d..%d not restored: the checkpoint was saved by %d ranks, this job "
-                               "has %d", self.name, world, saved - 1, saved, world)
+            log.logger.warning(
+                "%s of ranks %d..%d not restored: the checkpoint was saved by %d ranks, this job has %d",
+                self.name,
+                world,
+                saved - 1,
+                saved,
+                world,
+            )

@@ -57,7 +57,7 @@ class AsyncSaves:
         self.commit_pg = dist.new_group(backend="gloo", timeout=timeout)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._stage_cache: StagingCache | None = None   # POSIX: the host copy reused between saves
+        self._stage_cache: StagingCache | None = None  # POSIX: the host copy reused between saves
 
     @property
     def process_groups(self) -> list:
@@ -71,12 +71,16 @@ class AsyncSaves:
         if ck.shard is not None:
             ck._record_shard_faults(ck.shard.flush())
         flat = materialize(state)
-        live = None if evidence_from_staged(ck, flat) else ck._live_evidence(
-            step, flat, ck._start_consensus(flat, background=False))
+        live = (
+            None
+            if evidence_from_staged(ck, flat)
+            else ck._live_evidence(step, flat, ck._start_consensus(flat, background=False))
+        )
         if self._stage_cache is None:
             self._stage_cache = StagingCache()
-        writer = ScoutWriter(pending.tmp, step=step, fault_hook=ck.fault_hook, check_finite=ck.finite,
-                             stage_cache=self._stage_cache)
+        writer = ScoutWriter(
+            pending.tmp, step=step, fault_hook=ck.fault_hook, check_finite=ck.finite, stage_cache=self._stage_cache
+        )
         staged = writer.stage(flat)
         del flat
         self._start(step, self._commit_posix, ck, pending, writer, staged, live)
@@ -98,7 +102,7 @@ class AsyncSaves:
     def _commit_posix(self, ck, pending, writer, staged: dict, live: dict | None) -> None:
         """Begin, write, evidence (from the staged copy when `live` is None), commit; every collective on the
         async side groups, in the same order on every rank."""
-        in_flight = InFlightDigests()   # the staged copy's consensus, partly signed by the writer as it writes
+        in_flight = InFlightDigests()  # the staged copy's consensus, partly signed by the writer as it writes
         try:
             ck._committer.begin(pending.step, pending.attempt, self.commit_pg, pending=pending)
             ck._hook("before_write", pending.step)
@@ -126,7 +130,7 @@ class AsyncSaves:
         self._error = e
         if ck.observer is not None:  # a peer died during the commit: this rank is a victim, not the culprit
             ck.observer.heartbeat.error()
-        if ck.is_coordinator:   # nothing was published: the row is settled now, not at the next start
+        if ck.is_coordinator:  # nothing was published: the row is settled now, not at the next start
             ck._committer.abandon(pending, e)
 
     # ---- the training thread's side -----------------------------------------------------------------------

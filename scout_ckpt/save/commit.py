@@ -80,7 +80,7 @@ def write_failure(e: BaseException) -> str:
     for rank, pair in sorted(failures.items()):
         exc = pair[0] if isinstance(pair, tuple) else pair
         seen = exc
-        while seen is not None and not isinstance(seen, OSError):   # torch.save's RuntimeError hides ENOSPC
+        while seen is not None and not isinstance(seen, OSError):  # torch.save's RuntimeError hides ENOSPC
             seen = seen.__cause__ or seen.__context__
         exc = seen if seen is not None else exc
         causes.setdefault(f"{type(exc).__name__}: {exc}".splitlines()[0][:200], []).append(rank)
@@ -169,10 +169,10 @@ class Committer:
     manifest_fields: dict
     keep: int | None = None
     hook: Callable[[str, int], None] = lambda point, step: None
-    unrecorded: list[dict] = field(default_factory=list)   # durable commits the ledger has not taken yet
-    unrecorded_events: list[dict] = field(default_factory=list)   # bookkeeping errors the ledger did not take
+    unrecorded: list[dict] = field(default_factory=list)  # durable commits the ledger has not taken yet
+    unrecorded_events: list[dict] = field(default_factory=list)  # bookkeeping errors the ledger did not take
     store: object | None = None
-    leases: dict = field(default_factory=dict)   # attempt -> settle.Lease held by the coordinator for a save
+    leases: dict = field(default_factory=dict)  # attempt -> settle.Lease held by the coordinator for a save
 
     def pending(self, step: int, attempt: str):
         if self.store is not None:
@@ -198,16 +198,15 @@ class Committer:
             self.flush()
             owner = this_process_owner()
             try:
-                if self.ledger.run_lease is not None:   # another job saving into this ROOT: refused
+                if self.ledger.run_lease is not None:  # another job saving into this ROOT: refused
                     self.ledger.run_lease.check()
                 # the lease first: from the moment the `writing` row exists, a held lock says the save is alive
                 self.leases[attempt] = take_lease(self.root, attempt)
-                self.ledger.record_writing(step, self.run_id, attempt, pending.name, owner=owner,
-                                          keep_certified=True)
+                self.ledger.record_writing(step, self.run_id, attempt, pending.name, owner=owner, keep_certified=True)
                 pending.create({"run_id": self.run_id, "attempt": attempt, **owner})
             except Exception as e:  # every rank must still reach the broadcast below
                 refusal = str(e) or type(e).__name__
-                self._release_lease(attempt)   # no save in flight: a settler may decide the row by its owner
+                self._release_lease(attempt)  # no save in flight: a settler may decide the row by its owner
         refusal = _broadcast(refusal, group)
         if refusal is not None:
             raise SaveRefused(f"checkpoint {step} not saved: {refusal}")
@@ -235,19 +234,38 @@ class Committer:
             ev, signatures, v = assess(gathered)
             verdict = {"state": v.state, "reasons": v.reasons}
             live_fault = policy.live_faults(ev)
-            if live_fault:   # every rank learns it with the verdict: the lineage is tainted (Checkpointer.save)
+            if live_fault:  # every rank learns it with the verdict: the lineage is tainted (Checkpointer.save)
                 verdict["live_fault"] = live_fault
-            m = manifest.build(step=pending.step, run_id=self.run_id, attempt=pending.attempt, files=files,
-                               evidence=ev, verdict=verdict, signatures=signatures, **self.manifest_fields)
+            m = manifest.build(
+                step=pending.step,
+                run_id=self.run_id,
+                attempt=pending.attempt,
+                files=files,
+                evidence=ev,
+                verdict=verdict,
+                signatures=signatures,
+                **self.manifest_fields,
+            )
             digest = pending.finalize(m, self.hook)
         except BaseException as e:  # every rank must still reach the verdict broadcast
             self.abandon(pending, e)
             return {"state": "error", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}
         try:
             self.hook("after_rename", pending.step)
-            self._record({"step": pending.step, "run_id": self.run_id, "path": pending.name,
-                          "nbytes": pending.nbytes(files), "manifest_digest": digest, "files": files,
-                          "evidence": ev, "state": v.state, "reasons": v.reasons, "attempt": pending.attempt})
+            self._record(
+                {
+                    "step": pending.step,
+                    "run_id": self.run_id,
+                    "path": pending.name,
+                    "nbytes": pending.nbytes(files),
+                    "manifest_digest": digest,
+                    "files": files,
+                    "evidence": ev,
+                    "state": v.state,
+                    "reasons": v.reasons,
+                    "attempt": pending.attempt,
+                }
+            )
         finally:
             # published (and recorded, or kept for flush: a settler completes it from the manifest alike)
             self._release_lease(pending.attempt)
@@ -271,13 +289,21 @@ class Committer:
         if published:  # the commit happened: the step is durable and settle_writing completes it from the manifest
             self._release_lease(pending.attempt)
             return
+
         # The rejection is recorded before anything is deleted (on an object store: the intent comes first). When
         # the disk is full the record itself may fail: the unpublished data is removed anyway (it never was a
         # checkpoint), and the record is tried again in the space that freed.
         def record() -> None:
-            journal.record_transition(self.ledger, self.root, pending.step, "rejected",
-                                      [{"code": "commit_failed", "detail": write_failure(error)}],
-                                      source="save", expect="writing", attempt=pending.attempt)
+            journal.record_transition(
+                self.ledger,
+                self.root,
+                pending.step,
+                "rejected",
+                [{"code": "commit_failed", "detail": write_failure(error)}],
+                source="save",
+                expect="writing",
+                attempt=pending.attempt,
+            )
 
         recorded = self._guard("commit_failed_cleanup", pending.step, record)
         self._guard("commit_failed_discard", pending.step, pending.discard)
@@ -298,8 +324,9 @@ class Committer:
         c = dict(commit)
         step = c.pop("step")
         if self.ledger.record_commit(step, **c):  # False: the row changed meanwhile (kept as superseded)
-            journal.journal_verdict(self.root, step, c["attempt"], c["manifest_digest"], c["state"], c["reasons"],
-                                    "save")
+            journal.journal_verdict(
+                self.root, step, c["attempt"], c["manifest_digest"], c["state"], c["reasons"], "save"
+            )
         self._record_live_faults(step, commit["evidence"])
 
     def _record_live_faults(self, step: int, ev: dict) -> None:
@@ -311,17 +338,32 @@ class Committer:
         everywhere = world > 0 and {x for r in failed for x in (r.get("ranks") or [])} >= set(range(world))
         if everywhere:
             checks = sorted({str(r.get("check")) for r in failed})
-            self.ledger.add_event("divergence", step=step, ranks=list(range(world)), run_id=self.run_id,
-                                  detail={"source": "invariants", "checks": checks,
-                                          "tensors": [t for r in failed for t in (r.get("tensors") or [])][:8],
-                                          "reason": "every rank's state fails the invariant: the run diverged"})
-        for kind, codes in (("consensus", ("consensus_attributed", "consensus_inconclusive")),
-                            ("invariants", () if everywhere else ("invariant_failed",)),
-                            ("at_rest", ("at_rest_changed",))):
+            self.ledger.add_event(
+                "divergence",
+                step=step,
+                ranks=list(range(world)),
+                run_id=self.run_id,
+                detail={
+                    "source": "invariants",
+                    "checks": checks,
+                    "tensors": [t for r in failed for t in (r.get("tensors") or [])][:8],
+                    "reason": "every rank's state fails the invariant: the run diverged",
+                },
+            )
+        for kind, codes in (
+            ("consensus", ("consensus_attributed", "consensus_inconclusive")),
+            ("invariants", () if everywhere else ("invariant_failed",)),
+            ("at_rest", ("at_rest_changed",)),
+        ):
             for r in (ev.get(kind) or {}).get("reasons") or []:
                 if r.get("code") in codes:
-                    self.ledger.add_event("sdc", step=step, ranks=r.get("ranks") or [], run_id=self.run_id,
-                                          detail={"source": kind, **{k: v for k, v in r.items() if k != "ranks"}})
+                    self.ledger.add_event(
+                        "sdc",
+                        step=step,
+                        ranks=r.get("ranks") or [],
+                        run_id=self.run_id,
+                        detail={"source": kind, **{k: v for k, v in r.items() if k != "ranks"}},
+                    )
 
     def flush(self) -> None:
         """Coordinator: retry commits and events the ledger did not take (at the next save and at close)."""
@@ -356,18 +398,25 @@ class Committer:
             fn()
             return True
         except Exception as e:
-            event = {"step": step, "run_id": self.run_id, "when": time.time(),
-                     "detail": {"what": what, "error": f"{type(e).__name__}: {e}"}}
+            event = {
+                "step": step,
+                "run_id": self.run_id,
+                "when": time.time(),
+                "detail": {"what": what, "error": f"{type(e).__name__}: {e}"},
+            }
             try:
                 self.ledger.add_event("bookkeeping_error", **event)
             except Exception as e2:  # the ledger is busy too: keep the event for flush()
                 self.unrecorded_events.append(event)
-                print(f"scout-ckpt: step {step}: {what} failed after the commit ({e}); event kept for later ({e2})",
-                      file=sys.stderr)
+                print(
+                    f"scout-ckpt: step {step}: {what} failed after the commit ({e}); event kept for later ({e2})",
+                    file=sys.stderr,
+                )
             return False
 
 
 # ---- 4. start-up ---------------------------------------------------------------------------------------------
+
 
 def reconcile(ledger: Ledger, root: Path, *, source: str = "startup", store=None) -> dict:
     """Coordinator, before its first save: finish what a dead save left. `writing` rows go to settle_writing
@@ -407,20 +456,23 @@ def _broadcast(obj, group):
     data = b""
     if mine:
         data = pickle.dumps(obj)
-        head = data[:_FIRST - 8]
+        head = data[: _FIRST - 8]
         buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
         if head:
-            buf[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            buf[8 : 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     dist.broadcast(buf, src=COORDINATOR, group=group)
     n = int(buf[:8].view(torch.int64)[0])
     rest = n - (_FIRST - 8)
     if rest > 0:
-        tail = (torch.frombuffer(bytearray(data[_FIRST - 8:]), dtype=torch.uint8) if mine
-                else torch.empty(rest, dtype=torch.uint8))
+        tail = (
+            torch.frombuffer(bytearray(data[_FIRST - 8 :]), dtype=torch.uint8)
+            if mine
+            else torch.empty(rest, dtype=torch.uint8)
+        )
         dist.broadcast(tail, src=COORDINATOR, group=group)
     if mine:
         return obj
-    payload = buf[8:8 + min(n, _FIRST - 8)].numpy().tobytes() + (tail.numpy().tobytes() if rest > 0 else b"")
+    payload = buf[8 : 8 + min(n, _FIRST - 8)].numpy().tobytes() + (tail.numpy().tobytes() if rest > 0 else b"")
     return pickle.loads(payload)  # the coordinator's own pickle, trusted as broadcast_object_list trusts it
 
 

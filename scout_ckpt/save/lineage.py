@@ -20,7 +20,7 @@ class Lineage:
         self.on_live_fault = on_live_fault
         # {"step", "kinds"} of the first save whose evidence showed the live state bad, until a clean load
         self.tainted: dict | None = None
-        self._pending: LiveStateCorrupt | None = None   # raised on the training thread (`take`)
+        self._pending: LiveStateCorrupt | None = None  # raised on the training thread (`take`)
 
     @property
     def raises(self) -> bool:
@@ -53,12 +53,20 @@ class Lineage:
     def _record(self, ledger, run_id, step: int, verdict: dict) -> None:
         """The `live_fault` event (the report's timeline, the demo's generation story): which evidence found the
         live state bad, the ranks it names, and what the job does about it."""
-        ranks = sorted({r for reason in verdict.get("reasons") or [] for r in reason.get("ranks") or []
-                        if isinstance(r, int)})
+        ranks = sorted(
+            {r for reason in verdict.get("reasons") or [] for r in reason.get("ranks") or [] if isinstance(r, int)}
+        )
         try:
-            ledger.add_event("live_fault", step=step, ranks=ranks, run_id=run_id, detail={
-                "kinds": list(verdict["live_fault"]),
-                "codes": sorted({r.get("code") for r in verdict.get("reasons") or []}),
-                "action": "generation ended" if self.raises else "training continued"})
+            ledger.add_event(
+                "live_fault",
+                step=step,
+                ranks=ranks,
+                run_id=run_id,
+                detail={
+                    "kinds": list(verdict["live_fault"]),
+                    "codes": sorted({r.get("code") for r in verdict.get("reasons") or []}),
+                    "action": "generation ended" if self.raises else "training continued",
+                },
+            )
         except Exception as e:  # noqa: BLE001 - the verdict is in the manifest and the ledger row already
             log.logger.warning("step %d: the live_fault event was not recorded (%s)", step, e)

@@ -68,7 +68,7 @@ class LatestCleanLoader:
     verify_load: bool
     hook: Callable[[str, int], None]
     store: object | None = None
-    local: object | None = None   # save/local_tier.LocalTier: its certified steps are candidates too
+    local: object | None = None  # save/local_tier.LocalTier: its certified steps are candidates too
 
     @property
     def last_tier(self) -> str | None:
@@ -94,7 +94,7 @@ class LatestCleanLoader:
             cand = self._broadcast(self._next(below, below_local) if self.is_coordinator else None)
             if isinstance(cand, dict) and "latched" in cand:  # the same error on every rank, none left waiting
                 raise ScoutError(cand["latched"])
-            if isinstance(cand, dict) and "unverified" in cand:   # none left, but steps a rebuild could not vouch for
+            if isinstance(cand, dict) and "unverified" in cand:  # none left, but steps a rebuild could not vouch for
                 if self._unchecked:
                     raise CheckpointsUnreadable(self._unreadable_text())
                 raise CheckpointsUnverified(cand["unverified"])
@@ -109,8 +109,11 @@ class LatestCleanLoader:
                 if self._overwritten is not None:
                     raise StateOverwritten(self._overwritten_text())
                 if self.is_coordinator:
-                    scout_log.fresh_start(self.rank, str(self.root), [
-                        r for r in self.ledger.checkpoints(states=("committed", "writing", "rejected"))])
+                    scout_log.fresh_start(
+                        self.rank,
+                        str(self.root),
+                        [r for r in self.ledger.checkpoints(states=("committed", "writing", "rejected"))],
+                    )
                 return None
             step_dir = self.root / cand["path"] if self.store is None else self.store.uri_of(cand["path"])
             failed = cand["reasons"] + self._verify_bytes(cand, step_dir)
@@ -121,13 +124,13 @@ class LatestCleanLoader:
                 continue
             rank_local = _begin_rank_local(state, cand.get("world_size"))
             try:
-                self._overwritten = cand["step"]   # from here `state` may hold some of its values
+                self._overwritten = cand["step"]  # from here `state` may hold some of its values
                 differ = self._load_and_check(state, cand, step_dir)
             except CheckpointException as e:  # raised by DCP on every rank alike (it gathers the ranks' errors)
                 failed = self._load_failure(e)
                 if failed is None:
                     raise
-                self._walk_past(cand["step"], failed)   # a file gone since verification: could not check
+                self._walk_past(cand["step"], failed)  # a file gone since verification: could not check
                 below = cand["step"]
                 continue
             finally:
@@ -143,13 +146,23 @@ class LatestCleanLoader:
                     self.ledger.set_resumed_from(self.run_id, cand["step"])
                     self.ledger.mark_checked(cand["step"], ("bytes",), source="load")
                 except Exception as e:  # noqa: BLE001
-                    scout_log.logger.warning("resumed from step %d, but the ledger did not record it: %s: %s",
-                                          cand["step"], type(e).__name__, e)
+                    scout_log.logger.warning(
+                        "resumed from step %d, but the ledger did not record it: %s: %s",
+                        cand["step"],
+                        type(e).__name__,
+                        e,
+                    )
             self._tier = "durable"
-            scout_log.resumed(self.rank, cand["step"], str(step_dir), files=len(cand["files"]),
-                              nbytes=sum(f.get("size") or 0 for f in cand["files"]), ranks=self.world_size,
-                              signatures=bool(self.verify_load and cand["signatures"]),
-                              seconds=time.monotonic() - t0)
+            scout_log.resumed(
+                self.rank,
+                cand["step"],
+                str(step_dir),
+                files=len(cand["files"]),
+                nbytes=sum(f.get("size") or 0 for f in cand["files"]),
+                ranks=self.world_size,
+                signatures=bool(self.verify_load and cand["signatures"]),
+                seconds=time.monotonic() - t0,
+            )
             return cand["step"]
 
     def _walk_past(self, step: int, failed: list[dict]) -> None:
@@ -160,8 +173,12 @@ class LatestCleanLoader:
             scout_log.could_not_check(self.rank, step, failed)
             self._unchecked.append((step, "durable", failed))
             return
-        self._on_coordinator(step, lambda: record_verification_failure(
-            self.ledger, step, policy.evidence(policy.FAIL, failed), source="load", root=self.root))
+        self._on_coordinator(
+            step,
+            lambda: record_verification_failure(
+                self.ledger, step, policy.evidence(policy.FAIL, failed), source="load", root=self.root
+            ),
+        )
         scout_log.skipped(self.rank, step, failed)
 
     def _unreadable_text(self) -> str:
@@ -169,29 +186,34 @@ class LatestCleanLoader:
         from scout_ckpt.ops.views import reason_text
 
         steps = ", ".join(f"{s}" + (" (local)" if tier == "local" else "") for s, tier, _ in self._unchecked)
-        return (f"refusing to start from step 0: certified checkpoint(s) {steps} under {self.root} could not be "
-                f"read now ({reason_text(self._unchecked[0][2])}); nothing was rejected. Retry once the storage "
-                f"answers (torchrun --max-restarts retries the job), or check it with `scout-ckpt resume "
-                f"{self.root} --latest-clean`")
+        return (
+            f"refusing to start from step 0: certified checkpoint(s) {steps} under {self.root} could not be "
+            f"read now ({reason_text(self._unchecked[0][2])}); nothing was rejected. Retry once the storage "
+            f"answers (torchrun --max-restarts retries the job), or check it with `scout-ckpt resume "
+            f"{self.root} --latest-clean`"
+        )
 
     def _overwritten_text(self) -> str:
         """One line: the state passed in holds a rejected checkpoint's values and no older one is left."""
-        return (f"refusing to start: load_latest_clean loaded checkpoint {self._overwritten} under {self.root} into "
-                f"the state passed in, found its values did not match what was certified (rejected, or could not "
-                f"be loaded whole), and no older certified checkpoint is left; the state holds those values, so "
-                f"the job must not train on it. Restart the job (torchrun --max-restarts does): a fresh process "
-                f"starts from fresh state")
+        return (
+            f"refusing to start: load_latest_clean loaded checkpoint {self._overwritten} under {self.root} into "
+            f"the state passed in, found its values did not match what was certified (rejected, or could not "
+            f"be loaded whole), and no older certified checkpoint is left; the state holds those values, so "
+            f"the job must not train on it. Restart the job (torchrun --max-restarts does): a fresh process "
+            f"starts from fresh state"
+        )
 
     def _load_local(self, state: dict, cand: dict, t0: float) -> bool:
         """Collective: a fast-tier candidate (save/local_tier.LocalTier.load re-verifies every rank's bytes); on
         failure the same reasons on every rank, the step rejected unless nothing could be checked."""
         failed = self.local.load(state, cand, self)
-        if any(r.get("code") == "load_mismatch" for r in failed):   # applied, then found not to match
+        if any(r.get("code") == "load_mismatch" for r in failed):  # applied, then found not to match
             self._overwritten = cand["step"]
         if failed:
             self._on_coordinator(cand["step"], lambda: self.local.reject(cand, failed))
-            (scout_log.could_not_check if only_unchecked(failed) else scout_log.skipped)(self.rank, cand["step"],
-                                                                                        failed)
+            (scout_log.could_not_check if only_unchecked(failed) else scout_log.skipped)(
+                self.rank, cand["step"], failed
+            )
             if only_unchecked(failed):
                 self._unchecked.append((cand["step"], "local", failed))
             return False
@@ -201,9 +223,16 @@ class LatestCleanLoader:
             except Exception as e:  # noqa: BLE001 - the load stands if it cannot be recorded
                 scout_log.logger.warning("resumed from local step %d, unrecorded: %s", cand["step"], e)
         self._tier = "local"
-        scout_log.resumed(self.rank, cand["step"], f"local:{cand['path']}", files=len(cand["files"]),
-                          nbytes=sum(f.get("size") or 0 for f in cand["files"]), ranks=self.world_size,
-                          signatures=bool(self.verify_load and cand["signatures"]), seconds=time.monotonic() - t0)
+        scout_log.resumed(
+            self.rank,
+            cand["step"],
+            f"local:{cand['path']}",
+            files=len(cand["files"]),
+            nbytes=sum(f.get("size") or 0 for f in cand["files"]),
+            ranks=self.world_size,
+            signatures=bool(self.verify_load and cand["signatures"]),
+            seconds=time.monotonic() - t0,
+        )
         return True
 
     def _next(self, below: int | None, below_local: int | None = None) -> dict | None:
@@ -225,16 +254,22 @@ class LatestCleanLoader:
         """Coordinator, when no candidate is left: {"unverified": message} when steps exist whose trust a ledger
         rebuild could not re-establish (committed, `unverified_after_rebuild`): a fresh start would train over
         them and replace them. None otherwise (a new run, or only rejected steps: a fresh start is the answer)."""
-        rows = [r for r in self.ledger.checkpoints(states=("committed",))
-                if any(x.get("code") == UNVERIFIED for x in r.get("reasons") or [])]
+        rows = [
+            r
+            for r in self.ledger.checkpoints(states=("committed",))
+            if any(x.get("code") == UNVERIFIED for x in r.get("reasons") or [])
+        ]
         if not rows:
             return None
         steps = ", ".join(str(r["step"]) for r in reversed(rows[-8:]))
-        return {"unverified": (
-            f"refusing to start from step 0: checkpoint(s) {steps} under {self.root} exist, but a ledger rebuild "
-            f"could not re-establish their certificates ({UNVERIFIED}: the journal {journal.JOURNAL_NAME} that "
-            f"vouched for them is missing or broken) and no certified checkpoint is left. Restore the journal and "
-            f"run `scout-ckpt ledger rebuild {self.root}`, or give a run that should start afresh its own ROOT")}
+        return {
+            "unverified": (
+                f"refusing to start from step 0: checkpoint(s) {steps} under {self.root} exist, but a ledger rebuild "
+                f"could not re-establish their certificates ({UNVERIFIED}: the journal {journal.JOURNAL_NAME} that "
+                f"vouched for them is missing or broken) and no certified checkpoint is left. Restore the journal and "
+                f"run `scout-ckpt ledger rebuild {self.root}`, or give a run that should start afresh its own ROOT"
+            )
+        }
 
     def _on_coordinator(self, step: int, record: Callable[[], None]) -> None:
         """Coordinator: record a trust-lowering verdict (journal first, then ledger: journal.record_transition).
@@ -245,9 +280,11 @@ class LatestCleanLoader:
         try:
             record()
         except Exception as e:  # noqa: BLE001
-            self._latched = (f"could not record that checkpoint {step} failed verification ({type(e).__name__}: "
-                             f"{e}); nothing was loaded. The journal ({journal.JOURNAL_NAME}) and the ledger "
-                             f"under {self.root} must be writable")
+            self._latched = (
+                f"could not record that checkpoint {step} failed verification ({type(e).__name__}: "
+                f"{e}); nothing was loaded. The journal ({journal.JOURNAL_NAME}) and the ledger "
+                f"under {self.root} must be writable"
+            )
 
     @staticmethod
     def _load_failure(e: BaseException) -> list[dict] | None:
@@ -266,13 +303,19 @@ class LatestCleanLoader:
         """Collective: DCP loads the candidate into `state`; the saved tensors whose loaded values differ. The
         `.metadata` pickle is unpickled only if its bytes hash to the verified digest (save/verified_reader.py)."""
         if self.store is None:
-            dcp.load(state, storage_reader=VerifiedFileSystemReader(str(step_dir), cand["metadata_digest"]),
-                     process_group=self.group)
+            dcp.load(
+                state,
+                storage_reader=VerifiedFileSystemReader(str(step_dir), cand["metadata_digest"]),
+                process_group=self.group,
+            )
         else:  # .metadata is unpickled only if its digest is the verified one
             from scout_ckpt.save.object_store_io import reader_for  # fsspec: only for an object store
 
-            dcp.load(state, storage_reader=reader_for(self.store, cand["path"], cand["metadata_digest"]),
-                     process_group=self.group)
+            dcp.load(
+                state,
+                storage_reader=reader_for(self.store, cand["path"], cand["metadata_digest"]),
+                process_group=self.group,
+            )
         self.hook("after_load", cand["step"])
         return self._loaded_differences(cand["step"], cand["signatures"], state)
 
@@ -283,9 +326,12 @@ class LatestCleanLoader:
 
     def _verify_bytes(self, cand: dict, step_dir) -> list[dict]:
         """Collective: each rank re-hashes a disjoint share of the candidate's files; every rank gets all reasons."""
-        share = cand["files"][self.rank::self.world_size]
-        ev = (verify_files(step_dir, share, expect_complete=False) if self.store is None
-              else self.store.verify(cand["path"], share, expect_complete=False))
+        share = cand["files"][self.rank :: self.world_size]
+        ev = (
+            verify_files(step_dir, share, expect_complete=False)
+            if self.store is None
+            else self.store.verify(cand["path"], share, expect_complete=False)
+        )
         results = [None] * self.world_size
         dist.all_gather_object(results, ev, group=self.group)
         return [r for e in results for r in e["reasons"]]
@@ -302,15 +348,26 @@ class LatestCleanLoader:
                 break
             # a verdict on the step reached through its local copy (a quarantine, a revocation, a lineage taint)
             # holds for the durable folder too
-            scout_log.logger.info("step %d skipped: its local row is %s (%s)", row["step"], copy["state"],
-                                  ", ".join(x.get("code", "?") for x in copy.get("reasons") or []))
+            scout_log.logger.info(
+                "step %d skipped: its local row is %s (%s)",
+                row["step"],
+                copy["state"],
+                ", ".join(x.get("code", "?") for x in copy.get("reasons") or []),
+            )
             below = row["step"]
-        m, reasons = (trusted_manifest(self.root / row["path"], row) if self.store is None
-                      else self.store.trusted_manifest(row))
+        m, reasons = (
+            trusted_manifest(self.root / row["path"], row) if self.store is None else self.store.trusted_manifest(row)
+        )
         files = self.ledger.files(row["step"])
-        return {"step": row["step"], "path": row["path"], "files": files, "world_size": (m or {}).get("world_size"),
-                "signatures": (m or {}).get("signatures") or {}, "reasons": reasons,
-                "metadata_digest": next((f["digest"] for f in files if f["path"] == ".metadata"), None)}
+        return {
+            "step": row["step"],
+            "path": row["path"],
+            "files": files,
+            "world_size": (m or {}).get("world_size"),
+            "signatures": (m or {}).get("signatures") or {},
+            "reasons": reasons,
+            "metadata_digest": next((f["digest"] for f in files if f["path"] == ".metadata"), None),
+        }
 
     def _loaded_differences(self, step: int, expected: dict, state: dict) -> list[str]:
         """The saved tensors whose loaded values differ from the full-tensor signatures recorded at save
@@ -327,20 +384,30 @@ class LatestCleanLoader:
             raise LoadVerificationError(
                 f"checkpoint {step}: {len(absent)} saved value(s) have no place in the state passed to "
                 f"load_latest_clean (e.g. {absent[0]}); build it with torch.distributed.checkpoint.state_dict."
-                "get_state_dict so that optimizer state exists before loading")
+                "get_state_dict so that optimizer state exists before loading"
+            )
         # A plain tensor's value (xxh3) compares only with a plain tensor's: one that became a DTensor in a
         # resharded restart is vouched for by the byte digests alone.
-        comparable = [k for k in expected if k in got and got[k].startswith(REPLICA_PREFIX) == expected[k].startswith(REPLICA_PREFIX)]
+        comparable = [
+            k
+            for k in expected
+            if k in got and got[k].startswith(REPLICA_PREFIX) == expected[k].startswith(REPLICA_PREFIX)
+        ]
         return sorted(k for k in comparable if got[k] != expected[k])
 
     def _reject_load_mismatch(self, cand: dict, differ: list[str]) -> None:
         """Coordinator: the loaded values are not what was certified; the checkpoint is rejected for good (CAS from
         certified: an operator's quarantine meanwhile stands), journaled beside the data, and an event recorded."""
         reasons = [{"code": "load_mismatch", "tensors": differ[:16], "count": len(differ)}]
-        applied = journal.record_transition(self.ledger, self.root, cand["step"], "rejected", reasons,
-                                            source="load", expect="certified")
-        self.ledger.add_event("load_mismatch", step=cand["step"], run_id=self.run_id,
-                              detail={"differ": differ[:16], "count": len(differ), "rejected": applied})
+        applied = journal.record_transition(
+            self.ledger, self.root, cand["step"], "rejected", reasons, source="load", expect="certified"
+        )
+        self.ledger.add_event(
+            "load_mismatch",
+            step=cand["step"],
+            run_id=self.run_id,
+            detail={"differ": differ[:16], "count": len(differ), "rejected": applied},
+        )
 
 
 def _begin_rank_local(state: dict, saved_world: int | None) -> list:

@@ -79,8 +79,8 @@ def _hold_writers(run_dir: Path) -> list[int] | None:
                 owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
             except ValueError:
                 owner = {}
-            if owner_alive(owner) is not False:   # a free lock is not enough: its process must be provably gone
-                raise BlockingIOError             # (same host, pid gone or reused); another host's: cannot tell
+            if owner_alive(owner) is not False:  # a free lock is not enough: its process must be provably gone
+                raise BlockingIOError  # (same host, pid gone or reused); another host's: cannot tell
     except OSError:
         for fd in fds:
             os.close(fd)
@@ -139,13 +139,13 @@ def sweep(base: Path, own_run: str, earlier_runs: set[str], live_dirs: set[str])
                     removed.append(rel)
                 else:
                     left += 1
-            if left == 0:   # a dead run with nothing left: its lease files and the directory go too
+            if left == 0:  # a dead run with nothing left: its lease files and the directory go too
                 for name in os.listdir(run_dir / WRITERS):
                     (run_dir / WRITERS / name).unlink(missing_ok=True)
                 (run_dir / WRITERS).rmdir()
                 run_dir.rmdir()
         except OSError:
-            pass   # something else is there (not ours), or it went meanwhile: the rest stays
+            pass  # something else is there (not ours), or it went meanwhile: the rest stays
         finally:
             for fd in fds:
                 os.close(fd)

@@ -37,18 +37,31 @@ def candidate(tier, below: int | None) -> dict | None:
         if r.get("layout") != tier.layout:
             if not tier.layout_told:
                 tier.layout_told = True
-                scout_log.logger.info("local tier: steps saved by %s skipped, this job is %s",
-                                      r.get("layout"), tier.layout)
+                scout_log.logger.info(
+                    "local tier: steps saved by %s skipped, this job is %s", r.get("layout"), tier.layout
+                )
             continue
         durable = ledger.checkpoint(r["step"])
         if durable is not None and policy.step_distrusted(durable["state"], durable.get("reasons") or []):
-            scout_log.logger.info("local step %d skipped: its durable row is %s (%s)", r["step"],
-                                  durable["state"], ", ".join(x.get("code", "?") for x in durable["reasons"] or []))
+            scout_log.logger.info(
+                "local step %d skipped: its durable row is %s (%s)",
+                r["step"],
+                durable["state"],
+                ", ".join(x.get("code", "?") for x in durable["reasons"] or []),
+            )
             continue
-        return {"tier": "local", "step": r["step"], "path": r["dir"], "files": r["files"],
-                "copies": r.get("copies") or [], "signatures": r.get("signatures") or {}, "reasons": [],
-                "world_size": r["world_size"]}
+        return {
+            "tier": "local",
+            "step": r["step"],
+            "path": r["dir"],
+            "files": r["files"],
+            "copies": r.get("copies") or [],
+            "signatures": r.get("signatures") or {},
+            "reasons": [],
+            "world_size": r["world_size"],
+        }
     return None
+
 
 def load(tier, state: dict, cand: dict, loader) -> list[dict]:
     """Collective: load `cand` into `state` if every rank gets bytes that hash to its recorded digest (its
@@ -81,9 +94,16 @@ def load(tier, state: dict, cand: dict, loader) -> list[dict]:
             plan.append((r, holder))
             continue
         damaged = any(r in t["bad"] for t in table)
-        reasons.append({"code": "digest_mismatch" if damaged else COULD_NOT_CHECK, "rank": r, "tier": "local",
-                        "detail": "every copy of the rank's file fails its digest" if damaged
-                        else "no copy of the rank's file on any node"})
+        reasons.append(
+            {
+                "code": "digest_mismatch" if damaged else COULD_NOT_CHECK,
+                "rank": r,
+                "tier": "local",
+                "detail": "every copy of the rank's file fails its digest"
+                if damaged
+                else "no copy of the rank's file on any node",
+            }
+        )
     if reasons:
         return reasons
     got = peer_copy.fetch(tier.rank, plan, held, group)
@@ -94,17 +114,22 @@ def load(tier, state: dict, cand: dict, loader) -> list[dict]:
     if not int(ok[0]):
         return [{"code": "digest_mismatch", "tier": "local", "detail": "a fetched peer copy failed its digest"}]
     _apply(state, torch.load(io.BytesIO(blob), weights_only=True))
-    if not own_ok:   # this rank's node lost its copy: keep the fetched one, as its own node's file again
+    if not own_ok:  # this rank's node lost its copy: keep the fetched one, as its own node's file again
         error = try_write(step_dir / f"rank-{tier.rank}.pt", blob)
-        if error:   # the load stands: the copy back is for the next restart, which can fetch it again
-            scout_log.logger.warning("local step %d: the fetched copy of rank %d's file was not written back to its "
-                               "node (%s)", cand["step"], tier.rank, error)
+        if error:  # the load stands: the copy back is for the next restart, which can fetch it again
+            scout_log.logger.warning(
+                "local step %d: the fetched copy of rank %d's file was not written back to its node (%s)",
+                cand["step"],
+                tier.rank,
+                error,
+            )
     loader.hook("after_load", cand["step"])
     differ = loader._loaded_differences(cand["step"], cand["signatures"], state)
     if differ:
         return [{"code": "load_mismatch", "tier": "local", "tensors": differ[:16], "count": len(differ)}]
     tier.last_loaded = {"step": cand["step"], "fetched": [r for r, _ in plan]}
     return []
+
 
 def _apply(state: dict, loaded: dict) -> None:
     for k, v in loaded.items():
@@ -115,6 +140,7 @@ def _apply(state: dict, loaded: dict) -> None:
         elif k in state:
             state[k] = _merge(target, v)
 
+
 def reject(tier, cand: dict, reasons: list[dict]) -> None:
     """Coordinator: a local candidate whose bytes or loaded values failed is rejected for good (CAS from
     certified), with an event; a could-not-check one keeps its state."""
@@ -122,8 +148,7 @@ def reject(tier, cand: dict, reasons: list[dict]) -> None:
         return
     ledger = tier.ck.ledger
     if rows.set_state(ledger, cand["step"], "rejected", reasons, expect="certified"):
-        ledger.add_event("local_rejected", step=cand["step"], run_id=tier.ck.run_id,
-                         detail={"reasons": reasons[:8]})
+        ledger.add_event("local_rejected", step=cand["step"], run_id=tier.ck.run_id, detail={"reasons": reasons[:8]})
 
 
 def _merge(dst, src):

@@ -26,7 +26,7 @@ class StagingBuffers:
 
     def __init__(self):
         self._bufs: dict[tuple, torch.Tensor] = {}
-        self.allocations = 0   # buffers allocated so far (a reused buffer is not counted again)
+        self.allocations = 0  # buffers allocated so far (a reused buffer is not counted again)
 
     def stage(self, tree):
         """A copy of `tree` (DTensors as their local shards, tensors detached) whose tensors are this object's
@@ -42,11 +42,16 @@ class StagingBuffers:
             obj = obj.to_local()
         if isinstance(obj, torch.Tensor):
             src = obj.detach()
-            if src.layout != torch.strided:   # sparse and other layouts: a fresh copy, as before
+            if src.layout != torch.strided:  # sparse and other layouts: a fresh copy, as before
                 return src.clone()
             buf = self._bufs.get(path)
-            if (buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.device != src.device
-                    or buf.stride() != src.stride()):
+            if (
+                buf is None
+                or buf.shape != src.shape
+                or buf.dtype != src.dtype
+                or buf.device != src.device
+                or buf.stride() != src.stride()
+            ):
                 buf = torch.empty_like(src, memory_format=torch.preserve_format)
                 self.allocations += 1
                 self._bufs[path] = buf

@@ -104,21 +104,25 @@ class LocalTier:
         self.rank, self.world = ck.rank, ck.world_size
         self.local_world = local_world_size(self.world)
         self.host = socket.gethostname()
-        self.layout = {"world_size": self.world, "local_world_size": self.local_world, "mode": ck.mode,
-                       "mesh_shape": list(ck.mesh_shape)}
+        self.layout = {
+            "world_size": self.world,
+            "local_world_size": self.local_world,
+            "mode": ck.mode,
+            "mesh_shape": list(ck.mesh_shape),
+        }
         self.holders = peer_copy.ring_holders(self.rank, self.world, self.local_world, opts.replicas)
-        self.layout_told = False   # the INFO line of a layout that cannot restore: once (local_restore)
+        self.layout_told = False  # the INFO line of a layout that cannot restore: once (local_restore)
         self._warned_no_state = False
         self.last_blocking_s: float | None = None
         self.last_phases: dict | None = None
-        self.last_loaded: dict | None = None   # {"step", "fetched": [ranks whose file came from a peer]}
-        self.staging = StagingBuffers()   # reused from save to save (save/local_staging.py)
+        self.last_loaded: dict | None = None  # {"step", "fetched": [ranks whose file came from a peer]}
+        self.staging = StagingBuffers()  # reused from save to save (save/local_staging.py)
         # this rank's writer lease on DIR/RUN_ID, before it writes anything there; then the orphans of earlier
         # incarnations go (save/local_orphans.py)
         try:
             self.writer_lease: WriterLease | None = WriterLease.take(self.base / ck.run_id, self.rank)
-        except OSError as e:   # never raised here: the other ranks are about to meet in the sweep's broadcast
-            self.writer_lease = None   # (a DIR this rank cannot write fails its first local save, as before)
+        except OSError as e:  # never raised here: the other ranks are about to meet in the sweep's broadcast
+            self.writer_lease = None  # (a DIR this rank cannot write fails its first local save, as before)
             scout_log.logger.warning("local tier: no writer lease in %s: %s", self.base / ck.run_id, e)
         self.swept = self._sweep_orphans()
 
@@ -145,16 +149,20 @@ class LocalTier:
                     live = {r["dir"] for r in rows.rows(self.ck.ledger) if r["state"] != "deleted"}
                     known = (earlier, live)
             except Exception as e:  # noqa: BLE001 - could not check: nothing is removed
-                scout_log.logger.warning("local tier: orphaned step folders not checked: %s: %s",
-                                         type(e).__name__, e)
+                scout_log.logger.warning("local tier: orphaned step folders not checked: %s: %s", type(e).__name__, e)
         box = [known]
         dist.broadcast_object_list(box, src=COORDINATOR, group=self._group)
         if box[0] is None or self.rank % self.local_world != 0:
             return []
         removed = sweep(self.base, self.ck.run_id, *box[0])
         if removed:
-            scout_log.logger.info("local tier: removed %d orphaned step folder(s) of earlier runs on node %d "
-                                  "(killed before their commit): %s", len(removed), self.node, ", ".join(removed))
+            scout_log.logger.info(
+                "local tier: removed %d orphaned step folder(s) of earlier runs on node %d "
+                "(killed before their commit): %s",
+                len(removed),
+                self.node,
+                ", ".join(removed),
+            )
         return removed
 
     def close(self) -> None:
@@ -168,8 +176,11 @@ class LocalTier:
     def warn_no_state(self) -> None:
         if not self._warned_no_state:
             self._warned_no_state = True
-            scout_log.logger.warning("local tier configured (every %d steps) but step() got no state: pass "
-                                     "ckpt.step(step, state) to save to it", self.opts.every)
+            scout_log.logger.warning(
+                "local tier configured (every %d steps) but step() got no state: pass "
+                "ckpt.step(step, state) to save to it",
+                self.opts.every,
+            )
 
     # ---- save ----------------------------------------------------------------------------------------------
 
@@ -182,7 +193,7 @@ class LocalTier:
             return None
         with self.ck.phase("checkpoint"):
             if self.ck._async is not None:
-                self.ck._async.wait()   # an async durable save still committing finishes first
+                self.ck._async.wait()  # an async durable save still committing finishes first
             self.save(step, state)
 
     def save(self, step: int, state: dict) -> None:
@@ -205,8 +216,9 @@ class LocalTier:
         live = ck._live_evidence(step, flat, hashing)
         phases["evidence"] = time.monotonic()
         del flat
-        self._thread = threading.Thread(target=self._finish_guarded, args=(step, staged, live, t0, phases),
-                                        name=f"scout-local-{step}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._finish_guarded, args=(step, staged, live, t0, phases), name=f"scout-local-{step}", daemon=True
+        )
         self._thread.start()
         self.last_blocking_s = time.monotonic() - t0
 
@@ -237,32 +249,56 @@ class LocalTier:
         # A write that fails (a full or failing node-local disk) must not leave the other ranks in the gather
         # below: every rank goes through the whole protocol and the step is rejected for it (save/local_files).
         failed = local_files.try_write(own, blob)
-        ck._hook("local_written", step)   # fault injection (tests): the rank's file is written, nothing recorded
+        ck._hook("local_written", step)  # fault injection (tests): the rank's file is written, nothing recorded
         phases["write"] = time.monotonic()
         table = [None] * self.world
-        dist.all_gather_object(table, {"digest": digest, "size": len(blob), "host": self.host,
-                                       "dir": str(self.base), "failed": failed}, group=group)
+        dist.all_gather_object(
+            table,
+            {"digest": digest, "size": len(blob), "host": self.host, "dir": str(self.base), "failed": failed},
+            group=group,
+        )
         copies = []
         # the same table on every rank: all skip the exchange alike when a rank's own file is missing (the step is
         # rejected: copies of it would only take space on disks that may be as full)
         if not any(t["failed"] for t in table):
-            for owner, data in peer_copy.ring_exchange(blob, self.rank, self.world, self.local_world,
-                                                       self.opts.replicas, group).items():
+            for owner, data in peer_copy.ring_exchange(
+                blob, self.rank, self.world, self.local_world, self.opts.replicas, group
+            ).items():
                 ok = bytes_digest(data) == table[owner]["digest"] and len(data) == table[owner]["size"]
                 path = self.base / rel / f"peer-rank-{owner}.pt"
-                copy = {"rank": owner, "holder": self.rank, "host": self.host, "node": self.node, "path": str(path),
-                        "verified": ok}
+                copy = {
+                    "rank": owner,
+                    "holder": self.rank,
+                    "host": self.host,
+                    "node": self.node,
+                    "path": str(path),
+                    "verified": ok,
+                }
                 if ok:
                     error = local_files.try_write(path, data)
-                    if error:   # the owner's own file stands; this copy is missing (`copies` evidence)
+                    if error:  # the owner's own file stands; this copy is missing (`copies` evidence)
                         copy.update(verified=False, error=error)
                 copies.append(copy)
         del blob
         phases["copies"] = time.monotonic()
-        mine = {"rank": self.rank, "finite_bad": finite_bad, "copies": copies,
-                "files": [] if failed else [{
-                    "path": f"rank-{self.rank}.pt", "size": table[self.rank]["size"], "digest": digest,
-                    "rank": self.rank, "host": self.host, "node": self.node, "where": str(own)}]}
+        mine = {
+            "rank": self.rank,
+            "finite_bad": finite_bad,
+            "copies": copies,
+            "files": []
+            if failed
+            else [
+                {
+                    "path": f"rank-{self.rank}.pt",
+                    "size": table[self.rank]["size"],
+                    "digest": digest,
+                    "rank": self.rank,
+                    "host": self.host,
+                    "node": self.node,
+                    "where": str(own),
+                }
+            ],
+        }
         gathered = [None] * self.world if self.rank == COORDINATOR else None
         dist.gather_object(mine, gathered, dst=COORDINATOR, group=group)
         unwritten = {r: t["failed"] for r, t in enumerate(table) if t["failed"]}
@@ -277,10 +313,15 @@ class LocalTier:
         for name, at in phases.items():
             marks[name], last = round(at - last, 4), at
         marks["commit"] = round(time.monotonic() - last, 4)
-        self.last_phases = marks   # seconds per phase of the last save (bench/fast_tier.py reports them)
+        self.last_phases = marks  # seconds per phase of the last save (bench/fast_tier.py reports them)
         if self.rank == COORDINATOR:
-            scout_log.logger.info("local step %d: %s, committed %.3f s after the save began (%d peer copies per "
-                                  "rank)", step, verdict["state"], time.monotonic() - t0, len(self.holders))
+            scout_log.logger.info(
+                "local step %d: %s, committed %.3f s after the save began (%d peer copies per rank)",
+                step,
+                verdict["state"],
+                time.monotonic() - t0,
+                len(self.holders),
+            )
 
     def _serialize(self, flat: dict) -> bytes:
         buf = io.BytesIO()
@@ -292,7 +333,7 @@ class LocalTier:
         retention plan. Returns (verdict, drops) for the broadcast; an error is a rejected verdict, never raised
         (every rank is waiting in the broadcast)."""
         ck = self.ck
-        if unwritten:   # {rank: why its own file could not be written}, from the table every rank gathered
+        if unwritten:  # {rank: why its own file could not be written}, from the table every rank gathered
             return self._reject_unwritten(step, rel, gathered, unwritten)
         try:
             ev, signatures, v = ck._evidence.assess(gathered, live)
@@ -313,9 +354,20 @@ class LocalTier:
                 why = {"code": "quarantined", "detail": "the step is quarantined; `scout-ckpt release` it first"}
                 own = [] if previous.get("dir") == rel else [{"step": step, "dir": rel, "copies": copies}]
                 return {"state": "rejected", "reasons": [why]}, own
-            rows.record(ck.ledger, step=step, run_id=ck.run_id, state=v.state, dir=rel, world_size=self.world,
-                        layout=self.layout, files=files, copies=copies, evidence=ev, signatures=signatures,
-                        reasons=v.reasons)
+            rows.record(
+                ck.ledger,
+                step=step,
+                run_id=ck.run_id,
+                state=v.state,
+                dir=rel,
+                world_size=self.world,
+                layout=self.layout,
+                files=files,
+                copies=copies,
+                evidence=ev,
+                signatures=signatures,
+                reasons=v.reasons,
+            )
             drops = []
             if previous is not None and previous.get("dir") != rel:
                 drops.append({"step": step, "dir": previous["dir"], "copies": previous.get("copies") or []})
@@ -323,8 +375,13 @@ class LocalTier:
             for s in decide_local({s: r["state"] for s, r in every.items()}, self.opts.keep):
                 # a rejected step keeps why it was rejected beside why it went (`ls`, `explain` still say it)
                 kept = (every[s].get("reasons") or [])[:8] if every[s]["state"] == "rejected" else []
-                rows.set_state(ck.ledger, s, "deleted", [{"code": "retention", "keep": self.opts.keep}, *kept],
-                               expect=every[s]["state"])
+                rows.set_state(
+                    ck.ledger,
+                    s,
+                    "deleted",
+                    [{"code": "retention", "keep": self.opts.keep}, *kept],
+                    expect=every[s]["state"],
+                )
                 drops.append({"step": s, "dir": every[s]["dir"], "copies": every[s].get("copies") or []})
             return verdict, drops
         except Exception as e:  # noqa: BLE001 - see the docstring
@@ -341,19 +398,29 @@ class LocalTier:
             causes.setdefault(why, []).append(r)
         detail = ranked_causes(causes)
         reasons = [{"code": "commit_failed", "ranks": sorted(failed), "detail": detail}]
-        scout_log.logger.warning("local step %d not saved: %s; training goes on, the next local save tries again",
-                                 step, detail)
+        scout_log.logger.warning(
+            "local step %d not saved: %s; training goes on, the next local save tries again", step, detail
+        )
         try:
             previous = rows.row(self.ck.ledger, step)
             # an earlier run's row of this step, in a folder of its own, stays as it is (its files are untouched)
             if previous is None or previous.get("dir") == rel:
-                rows.record(self.ck.ledger, step=step, run_id=self.ck.run_id, state="rejected", dir=rel,
-                            world_size=self.world, layout=self.layout,
-                            files=[f for g in gathered for f in g["files"]], copies=[], evidence={}, signatures={},
-                            reasons=reasons)
+                rows.record(
+                    self.ck.ledger,
+                    step=step,
+                    run_id=self.ck.run_id,
+                    state="rejected",
+                    dir=rel,
+                    world_size=self.world,
+                    layout=self.layout,
+                    files=[f for g in gathered for f in g["files"]],
+                    copies=[],
+                    evidence={},
+                    signatures={},
+                    reasons=reasons,
+                )
         except Exception as e:  # noqa: BLE001 - the files go anyway: they never were a checkpoint
-            scout_log.logger.warning("local step %d: its rejection was not recorded: %s: %s", step,
-                                     type(e).__name__, e)
+            scout_log.logger.warning("local step %d: its rejection was not recorded: %s: %s", step, type(e).__name__, e)
         return {"state": "rejected", "reasons": reasons}, [{"step": step, "dir": rel, "copies": []}]
 
     def _remove(self, drops: list[dict]) -> None:

@@ -26,24 +26,50 @@ def _decode(row: dict) -> dict:
     return out
 
 
-def record(ledger, *, step: int, run_id: str, state: str, dir: str, world_size: int, layout: dict,
-           files: list[dict], copies: list[dict], evidence: dict, signatures: dict, reasons: list[dict]) -> None:
+def record(
+    ledger,
+    *,
+    step: int,
+    run_id: str,
+    state: str,
+    dir: str,
+    world_size: int,
+    layout: dict,
+    files: list[dict],
+    copies: list[dict],
+    evidence: dict,
+    signatures: dict,
+    reasons: list[dict],
+) -> None:
     now = time.time()
     with ledger.write():
         ledger.conn.execute(
             "INSERT OR REPLACE INTO tier_checkpoints(tier, step, run_id, state, dir, world_size, layout, files, "
             "copies, evidence, signatures, reasons, committed, updated) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (TIER, step, run_id, state, dir, world_size, json.dumps(layout, sort_keys=True), json.dumps(files),
-             json.dumps(copies), json.dumps(evidence, default=str), json.dumps(signatures),
-             json.dumps(reasons, default=str), now, now))
+            (
+                TIER,
+                step,
+                run_id,
+                state,
+                dir,
+                world_size,
+                json.dumps(layout, sort_keys=True),
+                json.dumps(files),
+                json.dumps(copies),
+                json.dumps(evidence, default=str),
+                json.dumps(signatures),
+                json.dumps(reasons, default=str),
+                now,
+                now,
+            ),
+        )
 
 
 def rows(ledger, states: tuple[str, ...] | None = None) -> list[dict]:
     """The local tier's rows, newest first."""
     if not _has(ledger):
         return []
-    got = [_decode(r) for r in ledger._query(
-        "SELECT * FROM tier_checkpoints WHERE tier=? ORDER BY step DESC", (TIER,))]
+    got = [_decode(r) for r in ledger._query("SELECT * FROM tier_checkpoints WHERE tier=? ORDER BY step DESC", (TIER,))]
     return [r for r in got if states is None or r["state"] in states]
 
 

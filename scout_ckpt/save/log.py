@@ -35,8 +35,9 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def save_verdict(rank: int, step: int, verdict: dict, seconds: float | None = None,
-                 evidence_kinds: list[str] | None = None) -> None:
+def save_verdict(
+    rank: int, step: int, verdict: dict, seconds: float | None = None, evidence_kinds: list[str] | None = None
+) -> None:
     """One line per committed save: INFO when certified or awaiting evidence, WARNING when rejected."""
     if not _speaks(rank):
         return
@@ -51,13 +52,22 @@ def save_verdict(rank: int, step: int, verdict: dict, seconds: float | None = No
         logger.info("step %d %s%s, awaiting: %s", step, state, took, reason_text(reasons) or "-")
 
 
-def resumed(rank: int, step: int, path: str, *, files: int, nbytes: int, ranks: int, signatures: bool,
-            seconds: float) -> None:
+def resumed(
+    rank: int, step: int, path: str, *, files: int, nbytes: int, ranks: int, signatures: bool, seconds: float
+) -> None:
     if not _speaks(rank):
         return
     sig = ", loaded state matches the saved signatures" if signatures else ""
-    logger.info("resumed from step %d (%s): bytes re-verified (%d files, %s, %d ranks)%s, %.2f s",
-                step, path, files, _mb(nbytes), ranks, sig, seconds)
+    logger.info(
+        "resumed from step %d (%s): bytes re-verified (%d files, %s, %d ranks)%s, %.2f s",
+        step,
+        path,
+        files,
+        _mb(nbytes),
+        ranks,
+        sig,
+        seconds,
+    )
 
 
 def skipped(rank: int, step: int, reasons: list[dict]) -> None:
@@ -69,8 +79,12 @@ def could_not_check(rank: int, step: int, reasons: list[dict]) -> None:
     """A certified step whose files could not be read now (an I/O error): passed over for this load, not
     rejected (it stays certified; the next restart tries it again)."""
     if _speaks(rank):
-        logger.warning("could not check step %d now (%s): loading an older step; step %d stays certified",
-                       step, reason_text(reasons), step)
+        logger.warning(
+            "could not check step %d now (%s): loading an older step; step %d stays certified",
+            step,
+            reason_text(reasons),
+            step,
+        )
 
 
 def fresh_start(rank: int, root: str, uncertified: list[dict]) -> None:
@@ -86,18 +100,27 @@ def fresh_start(rank: int, root: str, uncertified: list[dict]) -> None:
         return
 
     def listed(rows):
-        return ", ".join(f"{r['step']} ({r['state']}: {reason_text(r.get('reasons') or []) or '-'})"
-                         for r in rows[-5:])
+        return ", ".join(f"{r['step']} ({r['state']}: {reason_text(r.get('reasons') or []) or '-'})" for r in rows[-5:])
 
     if rejected:
-        logger.warning("no certified checkpoint under %s: starting from step 0; %d checkpoint(s) exist and were "
-                       "rejected; newest: %s%s. `scout-ckpt explain %s STEP` says why each was rejected",
-                       root, len(rejected), listed(rejected),
-                       f"; {len(pending)} more never certified: {listed(pending)}" if pending else "", root)
+        logger.warning(
+            "no certified checkpoint under %s: starting from step 0; %d checkpoint(s) exist and were "
+            "rejected; newest: %s%s. `scout-ckpt explain %s STEP` says why each was rejected",
+            root,
+            len(rejected),
+            listed(rejected),
+            f"; {len(pending)} more never certified: {listed(pending)}" if pending else "",
+            root,
+        )
         return
-    logger.warning("no certified checkpoint under %s: starting from scratch although %d checkpoint(s) exist that "
-                   "were never certified; newest: %s. `scout-ckpt explain %s STEP` says what each lacks",
-                   root, len(pending), listed(pending), root)
+    logger.warning(
+        "no certified checkpoint under %s: starting from scratch although %d checkpoint(s) exist that "
+        "were never certified; newest: %s. `scout-ckpt explain %s STEP` says what each lacks",
+        root,
+        len(pending),
+        listed(pending),
+        root,
+    )
 
 
 RESTART_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -115,9 +138,11 @@ def restart_hint(env) -> str | None:
         return None
     if restarts <= 0:
         return None
-    return (f"torchrun --max-restarts {restarts} without {RESTART_ENV}=1 in the environment: a restarted "
-            "generation can hang forming its process group; start the job with "
-            f"`{RESTART_ENV}=1 torchrun ...`")
+    return (
+        f"torchrun --max-restarts {restarts} without {RESTART_ENV}=1 in the environment: a restarted "
+        "generation can hang forming its process group; start the job with "
+        f"`{RESTART_ENV}=1 torchrun ...`"
+    )
 
 
 def warn_restart_env(rank: int, env) -> None:

@@ -109,7 +109,7 @@ class _ObjectFileSystem(FileSystem):
                 raw.discard()
             raw.closed = True
             if stream.error is not None and stream.error is not e:
-                raise stream.error from e   # the upload's own error, not what torch.save made of it
+                raise stream.error from e  # the upload's own error, not what torch.save made of it
             raise
         raw.close()
         if path.endswith(".distcp"):
@@ -134,7 +134,6 @@ class ObjectStoreWriter(WritesRecorded, FsspecWriter):
         self.path = uri
 
 
-
 class VerifiedReader(VerifiedMetadata, FsspecReader):
     """FsspecReader that reads `.metadata` whole, checks its digest against the one the manifest recorded, and
     only then unpickles it: an object replaced after the byte verification is refused, never unpickled."""
@@ -148,8 +147,7 @@ class VerifiedReader(VerifiedMetadata, FsspecReader):
 
 def writer_for(store, name: str, *, step: int, fault_hook=None, check_finite: bool = True) -> ObjectStoreWriter:
     """The DCP writer of one save attempt `name` under `store` (an object_store.Store)."""
-    return ObjectStoreWriter(store.uri_of(name), store.fs, step=step, fault_hook=fault_hook,
-                             check_finite=check_finite)
+    return ObjectStoreWriter(store.uri_of(name), store.fs, step=step, fault_hook=fault_hook, check_finite=check_finite)
 
 
 def reader_for(store, name: str, metadata_digest: str | None) -> VerifiedReader:

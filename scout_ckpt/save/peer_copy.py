@@ -52,8 +52,9 @@ def ring_exchange(blob: bytes, rank: int, world: int, local_world: int, replicas
         for w in works:
             w.wait()
         buf = torch.empty(int(n_in[0]), dtype=torch.uint8)
-        works = ([dist.isend(payload, dst=dst, group=group)] if len(blob) else []) + \
-                ([dist.irecv(buf, src=src, group=group)] if buf.numel() else [])
+        works = ([dist.isend(payload, dst=dst, group=group)] if len(blob) else []) + (
+            [dist.irecv(buf, src=src, group=group)] if buf.numel() else []
+        )
         for w in works:
             w.wait()
         got[src] = buf.numpy().tobytes()

@@ -12,9 +12,15 @@ from __future__ import annotations
 import os
 import socket
 
-_ENV = {"node_rank": "GROUP_RANK", "local_rank": "LOCAL_RANK", "local_world_size": "LOCAL_WORLD_SIZE",
-        "role_rank": "ROLE_RANK", "restart_count": "TORCHELASTIC_RESTART_COUNT", "max_restarts":
-        "TORCHELASTIC_MAX_RESTARTS", "nnodes_world": "GROUP_WORLD_SIZE"}
+_ENV = {
+    "node_rank": "GROUP_RANK",
+    "local_rank": "LOCAL_RANK",
+    "local_world_size": "LOCAL_WORLD_SIZE",
+    "role_rank": "ROLE_RANK",
+    "restart_count": "TORCHELASTIC_RESTART_COUNT",
+    "max_restarts": "TORCHELASTIC_MAX_RESTARTS",
+    "nnodes_world": "GROUP_WORLD_SIZE",
+}
 
 
 def _int(name: str) -> int | None:
@@ -30,8 +36,13 @@ def this_rank(rank: int) -> dict:
     from scout_ckpt.fleet.identity import this_device
 
     env = {k: _int(v) for k, v in _ENV.items()}
-    return {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), **env,
-            "device": this_device(env["local_rank"])}
+    return {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        **env,
+        "device": this_device(env["local_rank"]),
+    }
 
 
 def record(ledger, run_id: str, rank: int, group, coordinator: int = 0) -> list[dict] | None:

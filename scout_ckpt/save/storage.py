@@ -51,7 +51,7 @@ class WritesRecorded:
     wrote, their in-flight digests (`self.fs.digests`), and the tensors it wrote that are not finite. Put first
     in the bases; the subclass sets `written`, `nonfinite`, `check_finite` and `fs`."""
 
-    skip_zip_crc = False   # the POSIX writer's digests cover every byte it writes: see _without_zip_crc
+    skip_zip_crc = False  # the POSIX writer's digests cover every byte it writes: see _without_zip_crc
     signs_in_flight = False  # whether its files sign the tensors consensus expects (the POSIX writer's do)
     # This save's consensus link (consensus/in_flight.py): `started` is set when DCP hands this rank its write plan
     # (DCP's planning, collectives and CPU, is done and the write, mostly waiting on the disk, begins; the
@@ -65,8 +65,11 @@ class WritesRecorded:
     def write_data(self, plan, planner):
         in_flight = self.in_flight
         try:
-            tensors = [(item.index.fqn, planner.resolve_data(item)) for item in plan.items
-                       if item.type != WriteItemType.BYTE_IO]
+            tensors = [
+                (item.index.fqn, planner.resolve_data(item))
+                for item in plan.items
+                if item.type != WriteItemType.BYTE_IO
+            ]
             if in_flight is not None and self.signs_in_flight:
                 in_flight.expect(t for _, t in tensors)
             # Large tensors are checked piece by piece as they are written (write_pass.py), the rest now; both with
@@ -110,7 +113,7 @@ def _layout_key(obj):
         items = [_layout_key(v) for v in obj]
         return None if any(v is None for v in items) else ("l", tuple(items))
     if obj is None or isinstance(obj, (int, float, str, bytes, io.BytesIO)):
-        return ("v",)   # taken by reference at every staging, never from the cache
+        return ("v",)  # taken by reference at every staging, never from the cache
     return None
 
 
@@ -155,8 +158,15 @@ class ScoutWriter(WritesRecorded, FileSystemWriter):
     skip_zip_crc = True
     signs_in_flight = True
 
-    def __init__(self, path: Path, *, step: int, fault_hook: FaultHook | None = None, check_finite: bool = True,
-                 stage_cache: StagingCache | None = None):
+    def __init__(
+        self,
+        path: Path,
+        *,
+        step: int,
+        fault_hook: FaultHook | None = None,
+        check_finite: bool = True,
+        stage_cache: StagingCache | None = None,
+    ):
         # fsync on: done by the file system below at each file's close (write_pass.DigestingFileSystem), not by
         # DCP, so that the data file can say when the disk's flush begins
         super().__init__(str(path), single_file_per_rank=True, sync_files=False, thread_count=1)
@@ -171,6 +181,5 @@ class ScoutWriter(WritesRecorded, FileSystemWriter):
         """An async save's staging: a CPU copy of the state (into `stage_cache` when given)."""
         if self.stage_cache is None:
             return super().stage(state_dict)
-        self.per_thread_copy_ahead = 0   # as FileSystemWriter.stage: the staged state is already on the host
+        self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the staged state is already on the host
         return self.stage_cache.stage(state_dict)
-

@@ -32,8 +32,9 @@ def unpickle_verified(data: bytes, expected_digest: str | None, path: str, load_
     record, refused as well: nothing vouches for these bytes)."""
     got = f"{ALGO}:{xxhash.xxh3_128_hexdigest(data)}"
     if expected_digest is None or got != expected_digest:
-        raise MetadataChanged(f"{path}: .metadata changed after verification (digest {got}, recorded "
-                              f"{expected_digest})")
+        raise MetadataChanged(
+            f"{path}: .metadata changed after verification (digest {got}, recorded {expected_digest})"
+        )
     metadata = pickle.loads(data)
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()

@@ -33,7 +33,7 @@ from scout_ckpt.consensus.in_flight import FUSE_MIN, InFlightDigests, buffer_key
 from scout_ckpt.format.digests import ALGO
 from scout_ckpt.invariants.finite import bytes_finite, can_be_nonfinite
 
-PIECE = 1 << 20   # bytes per piece: one piece is hashed twice, summed and copied by the kernel while in the cache
+PIECE = 1 << 20  # bytes per piece: one piece is hashed twice, summed and copied by the kernel while in the cache
 
 
 class _Tensor:
@@ -45,13 +45,13 @@ class _Tensor:
     def __init__(self, key, signer, raw=None, aliases=None):
         self.key, self.signer = key, signer
         self.raw, self.aliases = raw, aliases or {}
-        self.bad: set = set()      # dtypes under which some piece was not finite
+        self.bad: set = set()  # dtypes under which some piece was not finite
 
     def update(self, start: int, piece: memoryview) -> None:
         if self.signer is not None:
             self.signer.update(piece)
         if self.raw is not None:
-            window = self.raw[start:start + len(piece)]
+            window = self.raw[start : start + len(piece)]
             for dtype in self.aliases:
                 if dtype not in self.bad and not bytes_finite(window, dtype):
                     self.bad.add(dtype)
@@ -149,8 +149,13 @@ class _DigestingFile(io.BufferedWriter):
     With `on_first_write`, the first write is flushed half-way and control goes to the fault hook (tests and the
     demo SIGKILL a rank in the middle of a file)."""
 
-    def __init__(self, raw: _HashedRaw, on_first_write: Callable[[], None] | None = None,
-                 work: WritePass | None = None, sync: bool = True):
+    def __init__(
+        self,
+        raw: _HashedRaw,
+        on_first_write: Callable[[], None] | None = None,
+        work: WritePass | None = None,
+        sync: bool = True,
+    ):
         super().__init__(raw)
         self._on_first_write = on_first_write
         self._work = work
@@ -172,7 +177,7 @@ class _DigestingFile(io.BufferedWriter):
         # check and the buffer's own write
         view = data if type(data) is memoryview else memoryview(data)
         n = view.nbytes
-        if n < FUSE_MIN:   # no tensor buffer the write pass looks at (WritePass.begin): straight into the buffer
+        if n < FUSE_MIN:  # no tensor buffer the write pass looks at (WritePass.begin): straight into the buffer
             return _BUFFERED_WRITE(self, view)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
@@ -182,7 +187,7 @@ class _DigestingFile(io.BufferedWriter):
         # piece by piece: each piece is signed and checked, then copied by the kernel and hashed into the file's
         # digest (_HashedRaw) while it is in the cache
         for start in range(0, n, PIECE):
-            piece = view[start:start + PIECE]
+            piece = view[start : start + PIECE]
             if tensor is not None:
                 tensor.update(start, piece)
             super().write(piece)
@@ -234,7 +239,7 @@ class DigestingFileSystem(FileSystem):
         super().__init__()
         self._on_first_write = on_first_write
         self._sync = sync
-        self.work: WritePass | None = None   # this save's, set by the writer when its write begins
+        self.work: WritePass | None = None  # this save's, set by the writer when its write begins
         self.digests: dict[str, tuple[int, str]] = {}
 
     @contextlib.contextmanager

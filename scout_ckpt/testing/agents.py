@@ -24,9 +24,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_agents(script: Path, args: list[str], *, nnodes: int, nproc: int, repo: Path, max_restarts: int = 2,
-               node_env: dict[int, dict[str, str]] | None = None, first_hosts: bool = False,
-               timeout: float = 600.0, timed_out_rc: int | None = None) -> list[subprocess.CompletedProcess]:
+def run_agents(
+    script: Path,
+    args: list[str],
+    *,
+    nnodes: int,
+    nproc: int,
+    repo: Path,
+    max_restarts: int = 2,
+    node_env: dict[int, dict[str, str]] | None = None,
+    first_hosts: bool = False,
+    timeout: float = 600.0,
+    timed_out_rc: int | None = None,
+) -> list[subprocess.CompletedProcess]:
     """Run `script args` under `nnodes` agents of `nproc` workers each and wait for all; one CompletedProcess per
     node, in node order. `node_env[node]` adds to that agent's environment. An agent past `timeout` raises
     subprocess.TimeoutExpired, or, with `timed_out_rc`, is recorded with that return code and "timed out" as its
@@ -35,12 +45,36 @@ def run_agents(script: Path, args: list[str], *, nnodes: int, nproc: int, repo: 
     procs = []
     try:
         for node in range(nnodes):
-            env = {**os.environ, "PYTHONPATH": str(repo), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                   "OMP_NUM_THREADS": "1", **(node_env or {}).get(node, {})}
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank",
-                   str(node), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                   f"127.0.0.1:{port}", "--rdzv-id", f"job-{port}", "--max-restarts", str(max_restarts),
-                   "--monitor-interval", "0.5", str(script), *map(str, args)]
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(repo),
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                "OMP_NUM_THREADS": "1",
+                **(node_env or {}).get(node, {}),
+            }
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(nnodes),
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                str(nproc),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                f"job-{port}",
+                "--max-restarts",
+                str(max_restarts),
+                "--monitor-interval",
+                "0.5",
+                str(script),
+                *map(str, args),
+            ]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
             if first_hosts and node == 0:
                 time.sleep(1.0)

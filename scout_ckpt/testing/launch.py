@@ -39,10 +39,12 @@ def _child(fn, rank, world_size, port, args, kwargs, q, env, pg_timeout_s):
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=pg_timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=pg_timeout_s)
+        )
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s)
+        )
         result = fn(rank, world_size, *args, **kwargs)
         # Plain pickle to bytes: torch's queue reducers would share tensors by fd, which breaks when the child
         # exits before the parent reads.
@@ -83,12 +85,22 @@ def run_ranks(
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint"])
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=pg_timeout_s))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size + 1,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
     q = ctx.Queue()
     env = dict(env or {})
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, store.port, args, kwargs, q, env, pg_timeout_s),
-                         daemon=False) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child, args=(fn, r, world_size, store.port, args, kwargs, q, env, pg_timeout_s), daemon=False
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outcomes = {r: RankOutcome(r, None) for r in range(world_size)}

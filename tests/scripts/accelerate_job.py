@@ -58,8 +58,11 @@ def digest(model, optimizer, scheduler) -> str:
     for pid, st in sorted(sd["state"].items()):
         for k, v in sorted(st.items()):
             h.update(f"{pid}.{k}".encode())
-            h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if torch.is_tensor(v)
-                     else repr(v).encode())
+            h.update(
+                v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                if torch.is_tensor(v)
+                else repr(v).encode()
+            )
     h.update(repr([{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]).encode())
     h.update(repr(sorted((k, repr(v)) for k, v in scheduler.state_dict().items())).encode())
     return h.hexdigest()
@@ -67,6 +70,7 @@ def digest(model, optimizer, scheduler) -> str:
 
 def observer_fault(a, rank: int, step: int) -> None:
     """The observer faults, before step `step`'s forward on the faulty rank (first attempt only)."""
+
     def mark(kind: str) -> None:
         with open(os.path.join(a.root, "fault.json"), "w") as f:
             json.dump({"kind": kind, "rank": rank, "step": step, "time": time.time()}, f)
@@ -79,7 +83,7 @@ def observer_fault(a, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if (rank, step) == (a.desync_rank, a.desync_step):
         mark("desync")
-        dist.all_reduce(torch.ones(3))   # a rank-dependent branch: the others never issue it
+        dist.all_reduce(torch.ones(3))  # a rank-dependent branch: the others never issue it
     if rank == a.slow_rank:
         if not os.path.exists(os.path.join(a.root, "fault.json")):
             mark("slow")
@@ -107,7 +111,9 @@ def main() -> None:
     a = ap.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=a.seedable))
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(), dataloader_config=DataLoaderConfiguration(use_seedable_sampler=a.seedable)
+    )
     rank = accelerator.process_index
     log_f = open(f"{a.trace}.rank{rank}", "a")
 
@@ -116,37 +122,46 @@ def main() -> None:
         log_f.flush()
 
     set_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=32, n_layer=2, n_head=2,
-                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_positions=T, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1
+    )
     model = GPT2LMHeadModel(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     train_dl = DataLoader(Tokens(a.samples), batch_size=2, shuffle=True)
     eval_dl = DataLoader(Tokens(8), batch_size=4)
     total = a.epochs * (a.samples // (2 * accelerator.num_processes))
-    scheduler = get_linear_schedule_with_warmup(optimizer, 3 * accelerator.num_processes,
-                                                total * accelerator.num_processes)
+    scheduler = get_linear_schedule_with_warmup(
+        optimizer, 3 * accelerator.num_processes, total * accelerator.num_processes
+    )
 
     fault_hook = None
     if a.kill_save is not None and attempt == 0 and rank == a.kill_rank:
+
         def fault_hook(point, step):
             if point == "during_write" and step == a.kill_save:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     if a.plain:
         model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(
-            model, optimizer, train_dl, eval_dl, scheduler)
+            model, optimizer, train_dl, eval_dl, scheduler
+        )
         step, start_epoch = 0, 0
     else:
         from scout_ckpt.integrations.accelerate import ScoutCheckpointing
 
-        ckpt = ScoutCheckpointing(accelerator, a.root, fault_hook=fault_hook,                    # scout 1
-                                  **json.loads(a.options))
-        model, optimizer, train_dl, eval_dl, scheduler = ckpt.prepare(                           # scout 2
-            model, optimizer, train_dl, eval_dl, scheduler)
-        step = ckpt.load_latest_clean() or 0                                                     # scout 3
-        start_epoch = ckpt.epoch                                                                 # scout 4
+        ckpt = ScoutCheckpointing(
+            accelerator,
+            a.root,
+            fault_hook=fault_hook,  # scout 1
+            **json.loads(a.options),
+        )
+        model, optimizer, train_dl, eval_dl, scheduler = ckpt.prepare(  # scout 2
+            model, optimizer, train_dl, eval_dl, scheduler
+        )
+        step = ckpt.load_latest_clean() or 0  # scout 3
+        start_epoch = ckpt.epoch  # scout 4
         obs = ckpt.checkpointer.observer
-        log(event="observer", attached=obs.attached if obs is not None else None)   # DDP's wrapper: "counted"
+        log(event="observer", attached=obs.attached if obs is not None else None)  # DDP's wrapper: "counted"
         if step:
             log(event="loaded", step=step, digest=digest(accelerator.unwrap_model(model), optimizer, scheduler))
 
@@ -161,24 +176,33 @@ def main() -> None:
             scheduler.step()
             optimizer.zero_grad()
             step += 1
-            log(step=step, epoch=epoch, idx=batch["idx"].tolist(), loss=float(out.loss.detach()).hex(),
-                lr=float(scheduler.get_last_lr()[0]).hex())
+            log(
+                step=step,
+                epoch=epoch,
+                idx=batch["idx"].tolist(),
+                loss=float(out.loss.detach()).hex(),
+                lr=float(scheduler.get_last_lr()[0]).hex(),
+            )
             if not a.plain:
-                ckpt.step(step)                                                                  # scout 5
+                ckpt.step(step)  # scout 5
                 if step % a.save_every == 0:
-                    verdict = ckpt.save(step)                                                    # scout 6
-                    log(event="save", step=step, state=verdict["state"],
-                        digest=digest(accelerator.unwrap_model(model), optimizer, scheduler))
+                    verdict = ckpt.save(step)  # scout 6
+                    log(
+                        event="save",
+                        step=step,
+                        state=verdict["state"],
+                        digest=digest(accelerator.unwrap_model(model), optimizer, scheduler),
+                    )
             if a.kill_step == step and attempt == 0 and rank == a.kill_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
-        model.eval()   # the end-of-epoch evaluation: its DataLoader iterator draws from torch's RNG too
+        model.eval()  # the end-of-epoch evaluation: its DataLoader iterator draws from torch's RNG too
         with torch.no_grad():
             losses = [float(model(input_ids=b["input_ids"], labels=b["labels"]).loss) for b in eval_dl]
         log(eval=True, epoch=epoch, loss=[v.hex() for v in losses])
 
     log(event="final", step=step, digest=digest(accelerator.unwrap_model(model), optimizer, scheduler))
     if not a.plain:
-        ckpt.close()                                                                             # scout 7
+        ckpt.close()  # scout 7
     elif dist.is_initialized():
         dist.barrier()
     accelerator.end_training()

@@ -87,15 +87,24 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
-    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10 ** 6, "gradient_clipping": 1.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
-              "zero_optimization": {"stage": args.stage}}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+        "zero_optimization": {"stage": args.stage},
+    }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    scout = install(engine, args.save_dir, accept_single_owner=args.accept_single_owner,  # scout-ckpt
-                    **({"replay": False} if args.no_replay else {}))
-    faulty = [False]   # test-only: set by the loop from the forward of step --sdc-from on, on --sdc-rank
-    if args.sdc_rank == rank:   # failing arithmetic in one rank's forward (any replay of it on this rank too)
+    scout = install(
+        engine,
+        args.save_dir,
+        accept_single_owner=args.accept_single_owner,  # scout-ckpt
+        **({"replay": False} if args.no_replay else {}),
+    )
+    faulty = [False]  # test-only: set by the loop from the forward of step --sdc-from on, on --sdc-rank
+    if args.sdc_rank == rank:  # failing arithmetic in one rank's forward (any replay of it on this rank too)
+
         def sdc(module, inputs, output):
             if faulty[0]:
                 output = output.clone()
@@ -136,22 +145,32 @@ def main() -> None:
             with torch.no_grad():
                 w = engine.module[0].weight
                 w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(float("inf")))
-        if step == args.nan_at and rank == 1:   # one NaN in rank 1's own (single-owner) Adam moment partition
+        if step == args.nan_at and rank == 1:  # one NaN in rank 1's own (single-owner) Adam moment partition
             moments = next(iter(engine.optimizer.optimizer.state.values()))
             moments["exp_avg"].view(-1)[0] = float("nan")
         if step % args.save_every == 0:
             try:
                 engine.save_checkpoint(args.save_dir)
             except LiveStateCorrupt as e:
-                record(event="live_fault", step=step, verdict=e.verdict["state"],
-                       codes=sorted({r["code"] for r in e.verdict["reasons"]}))
+                record(
+                    event="live_fault",
+                    step=step,
+                    verdict=e.verdict["state"],
+                    codes=sorted({r["code"] for r in e.verdict["reasons"]}),
+                )
                 raise
-            record(event="saved", step=step, digest=state_digest(engine), verdict=scout.last_verdict["state"],
-                   latest=open(os.path.join(args.save_dir, "latest")).read()
-                   if os.path.exists(os.path.join(args.save_dir, "latest")) else None)
+            record(
+                event="saved",
+                step=step,
+                digest=state_digest(engine),
+                verdict=scout.last_verdict["state"],
+                latest=open(os.path.join(args.save_dir, "latest")).read()
+                if os.path.exists(os.path.join(args.save_dir, "latest"))
+                else None,
+            )
     record(event="final", step=engine.global_steps, digest=state_digest(engine))
     if args.export:
-        engine.save_16bit_model(args.export)   # an export, not a checkpoint: passes through unrecorded
+        engine.save_16bit_model(args.export)  # an export, not a checkpoint: passes through unrecorded
     if not args.no_close:
         scout.close()
 

@@ -54,9 +54,21 @@ def _mid_save_killer(args, rank: int, node: int, local: int, marker: Path, local
     def hook(point: str, step: int) -> None:
         if point == "local_written" and step == args.fault_step and not marker.exists():
             written = sorted(str(p) for p in Path(local_dir).glob(f"*/step-{step:08d}/rank-{rank}.pt"))
-            marker.write_text(json.dumps({"kind": "midsave", "rank": rank, "node": node, "step": step,
-                                          "local_dir": local_dir, "written": written, "time": time.time()}))
+            marker.write_text(
+                json.dumps(
+                    {
+                        "kind": "midsave",
+                        "rank": rank,
+                        "node": node,
+                        "step": step,
+                        "local_dir": local_dir,
+                        "written": written,
+                        "time": time.time(),
+                    }
+                )
+            )
             os.kill(os.getpid(), signal.SIGKILL)
+
     return hook
 
 
@@ -78,10 +90,18 @@ def main():
     ap.add_argument("--pg-timeout", type=float, default=60.0)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--model", choices=["ddp", "fsdp"], default="ddp",
-                    help="fsdp: fully_shard per Linear and at the root, the first Linear's bias frozen")
-    ap.add_argument("--uri", default=None, help="durable tier on an object store (s3://...): ROOT is then the "
-                                                "ledger_dir; with --endpoint (the S3 server's URL)")
+    ap.add_argument(
+        "--model",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="fsdp: fully_shard per Linear and at the root, the first Linear's bias frozen",
+    )
+    ap.add_argument(
+        "--uri",
+        default=None,
+        help="durable tier on an object store (s3://...): ROOT is then the "
+        "ledger_dir; with --endpoint (the S3 server's URL)",
+    )
     ap.add_argument("--endpoint", default=None)
     args = ap.parse_args()
 
@@ -93,7 +113,7 @@ def main():
     local_dir = os.environ.get("SCOUT_TEST_LOCAL_DIR") or args.local_dir
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, args.width), nn.ReLU(), nn.Linear(args.width, 8))
-    if args.model == "fsdp":   # FSDP2 as users write it, with a frozen parameter beside the trainable ones
+    if args.model == "fsdp":  # FSDP2 as users write it, with a frozen parameter beside the trainable ones
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -107,18 +127,37 @@ def main():
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     tier = None if args.no_local else {"dir": local_dir, "every": args.local_every, "keep": args.keep_local}
     marker = root / "fault.json"
-    began = time.time()   # after the imports and the process group: the Checkpointer's start-up begins
-    durable = ({"ledger_dir": root, "storage_options": {"client_kwargs": {"endpoint_url": args.endpoint}}}
-               if args.uri else {})
-    ckpt = Checkpointer(args.uri or root, model=model, optimizer=opt, timeout_s=args.pg_timeout, local=tier,
-                        async_save=args.async_save, **durable,
-                        fault_hook=_mid_save_killer(args, rank, node, local, marker, local_dir))
+    began = time.time()  # after the imports and the process group: the Checkpointer's start-up begins
+    durable = (
+        {"ledger_dir": root, "storage_options": {"client_kwargs": {"endpoint_url": args.endpoint}}} if args.uri else {}
+    )
+    ckpt = Checkpointer(
+        args.uri or root,
+        model=model,
+        optimizer=opt,
+        timeout_s=args.pg_timeout,
+        local=tier,
+        async_save=args.async_save,
+        **durable,
+        fault_hook=_mid_save_killer(args, rank, node, local, marker, local_dir),
+    )
     state = {"app": ModelOptimizerState(model, opt)}
     ready = time.time()
     start = ckpt.load_latest_clean(state) or 0
-    say(event="loaded", rank=rank, node=node, run_id=ckpt.run_id, step=start, tier=ckpt.loaded_tier,
-        digest=digest(model, opt), world=dist.get_world_size(), time=time.time(), began=began, ready=ready,
-        fetched=(getattr(ckpt.local, "last_loaded", None) or {}).get("fetched"))
+    say(
+        event="loaded",
+        rank=rank,
+        node=node,
+        run_id=ckpt.run_id,
+        step=start,
+        tier=ckpt.loaded_tier,
+        digest=digest(model, opt),
+        world=dist.get_world_size(),
+        time=time.time(),
+        began=began,
+        ready=ready,
+        fetched=(getattr(ckpt.local, "last_loaded", None) or {}).get("fetched"),
+    )
 
     g = torch.Generator().manual_seed(1000 + rank)
     for step in range(start + 1, args.steps + 1):
@@ -128,37 +167,62 @@ def main():
         here = node == args.fault_node and step == args.fault_step
         if args.fault == "sdc" and here and local == args.fault_local and not marker.exists():
             marker.write_text(json.dumps({"kind": "sdc", "rank": rank, "step": step}))
-            with torch.no_grad():   # one ulp on one replica: consensus must see it
+            with torch.no_grad():  # one ulp on one replica: consensus must see it
                 p = next(model.parameters())
                 p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(float("inf")))
         if args.fault in ("crash", "node") and here and not args.no_wait:
-            ckpt.wait()   # the last local commit has landed: the oracle knows which step must be resumed
+            ckpt.wait()  # the last local commit has landed: the oracle knows which step must be resumed
         if args.fault == "crash" and here and local == args.fault_local and not marker.exists():
             marker.write_text(json.dumps({"kind": "crash", "rank": rank, "step": step, "time": time.time()}))
             os.kill(os.getpid(), signal.SIGKILL)
         if args.fault == "node" and here:
             if local == args.fault_local:
-                marker.write_text(json.dumps({"kind": "node", "rank": rank, "node": node, "step": step,
-                                              "local_dir": local_dir, "host": socket.gethostname(),
-                                              "time": time.time()}))
+                marker.write_text(
+                    json.dumps(
+                        {
+                            "kind": "node",
+                            "rank": rank,
+                            "node": node,
+                            "step": step,
+                            "local_dir": local_dir,
+                            "host": socket.gethostname(),
+                            "time": time.time(),
+                        }
+                    )
+                )
             try:
-                os.kill(os.getppid(), signal.SIGKILL)   # the agent: nothing restarts this node's workers
+                os.kill(os.getppid(), signal.SIGKILL)  # the agent: nothing restarts this node's workers
             except ProcessLookupError:
                 pass
             os.kill(os.getpid(), signal.SIGKILL)
         try:
             t0 = time.monotonic()
             ckpt.step(step, state)
-            blocked = time.monotonic() - t0   # taken before the oracle's digest, which is not the save's time
+            blocked = time.monotonic() - t0  # taken before the oracle's digest, which is not the save's time
             if tier and step % args.local_every == 0:
-                say(event="local_saved", rank=rank, run_id=ckpt.run_id, step=step, digest=digest(model, opt),
-                    blocking_s=blocked, own_s=ckpt.local.last_blocking_s, phases=ckpt.local.last_phases)
+                say(
+                    event="local_saved",
+                    rank=rank,
+                    run_id=ckpt.run_id,
+                    step=step,
+                    digest=digest(model, opt),
+                    blocking_s=blocked,
+                    own_s=ckpt.local.last_blocking_s,
+                    phases=ckpt.local.last_phases,
+                )
             if step % args.save_every == 0:
                 t0 = time.monotonic()
                 v = ckpt.save(step, state)
                 blocked = time.monotonic() - t0
-                say(event="saved", rank=rank, run_id=ckpt.run_id, step=step, state=(v or {}).get("state"),
-                    digest=digest(model, opt), blocking_s=blocked)
+                say(
+                    event="saved",
+                    rank=rank,
+                    run_id=ckpt.run_id,
+                    step=step,
+                    state=(v or {}).get("state"),
+                    digest=digest(model, opt),
+                    blocking_s=blocked,
+                )
         except LiveStateCorrupt as e:
             say(event="live_fault", rank=rank, run_id=ckpt.run_id, step=step, fault_step=e.step)
             raise

@@ -85,13 +85,13 @@ def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
     host = os.environ.get("SCOUT_CKPT_HOST", "")
-    FAULT.update(kind=args.fault, here=(host == args.fault_host and local == args.fault_local),
-                 step=args.save_every)
+    FAULT.update(kind=args.fault, here=(host == args.fault_host and local == args.fault_local), step=args.save_every)
     root = Path(args.root)
     if FAULT["here"] or (args.fault == "numerics" and rank == 0):
         root.mkdir(parents=True, exist_ok=True)
-        (root / "fault.json").write_text(json.dumps({"kind": args.fault, "host": host, "local_rank": local,
-                                                     "rank": rank, "step": FAULT["step"]}))
+        (root / "fault.json").write_text(
+            json.dumps({"kind": args.fault, "host": host, "local_rank": local, "rank": rank, "step": FAULT["step"]})
+        )
     torch.manual_seed(0)
     model = DDP(Net())
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

@@ -29,7 +29,8 @@ from torch.distributed.fsdp import fully_shard
 from scout_ckpt import Checkpointer, LiveStateCorrupt, ModelOptimizerState
 
 _spec = importlib.util.spec_from_file_location(
-    "train_fsdp", Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py")
+    "train_fsdp", Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"
+)
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 FROZEN = "blocks.0.fc1.weight"
@@ -42,8 +43,12 @@ def main():
     ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--flip", default=None)
     ap.add_argument("--show-runs", type=int, default=None)
-    ap.add_argument("--pause-after", default=None, help="STEP:DIR: after saving STEP, write DIR/paused-RANK and "
-                    "wait until DIR/go exists (a job kept alive while another one starts on its ROOT)")
+    ap.add_argument(
+        "--pause-after",
+        default=None,
+        help="STEP:DIR: after saving STEP, write DIR/paused-RANK and "
+        "wait until DIR/go exists (a job kept alive while another one starts on its ROOT)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -75,8 +80,13 @@ def main():
         if args.show_runs == step and ckpt.shard is not None:
             guard = ckpt.shard.guard
             names, tensors = guard._tensors()
-            example.say("runs", rank=rank, step=step, parts=guard.interval_parts,
-                        covered=[names[i] for i in guard.part_of(names, tensors, step)])
+            example.say(
+                "runs",
+                rank=rank,
+                step=step,
+                parts=guard.interval_parts,
+                covered=[names[i] for i in guard.part_of(names, tensors, step)],
+            )
         if flip and int(flip[0]) == rank and int(flip[1]) == step:
             with torch.no_grad():
                 local = dict(model.named_parameters())[flip[2]].to_local().detach().view(-1)
@@ -86,15 +96,31 @@ def main():
         if step % args.save_every == 0:
             try:
                 verdict = ckpt.save(step, state)
-            except LiveStateCorrupt as e:   # every rank: the generation ends, torchrun restarts from a clean step
-                example.say("saved", attempt=attempt, step=step, rank=rank, digest=None, state=e.verdict["state"],
-                            reasons=e.verdict["reasons"], raised=True)
-                dist.barrier()   # every rank got here (else this hangs): no rank's record is lost to the teardown
+            except LiveStateCorrupt as e:  # every rank: the generation ends, torchrun restarts from a clean step
+                example.say(
+                    "saved",
+                    attempt=attempt,
+                    step=step,
+                    rank=rank,
+                    digest=None,
+                    state=e.verdict["state"],
+                    reasons=e.verdict["reasons"],
+                    raised=True,
+                )
+                dist.barrier()  # every rank got here (else this hangs): no rank's record is lost to the teardown
                 raise
             digest = example.full_state_digest(model, opt)
             if rank == 0:
-                example.say("saved", attempt=attempt, step=step, rank=rank, digest=digest, state=verdict["state"],
-                            reasons=verdict["reasons"], raised=False)
+                example.say(
+                    "saved",
+                    attempt=attempt,
+                    step=step,
+                    rank=rank,
+                    digest=digest,
+                    state=verdict["state"],
+                    reasons=verdict["reasons"],
+                    raised=False,
+                )
         if args.pause_after and int(args.pause_after.split(":", 1)[0]) == step:
             signals = Path(args.pause_after.split(":", 1)[1])
             (signals / f"paused-{rank}").touch()

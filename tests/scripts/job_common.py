@@ -13,7 +13,7 @@ def digest(model, opt) -> str:
     """sha256 over the model's and the optimizer's tensors (and scalars), in name order."""
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
-        v = v.to_local() if hasattr(v, "to_local") else v   # a DTensor (FSDP2): this rank's shard
+        v = v.to_local() if hasattr(v, "to_local") else v  # a DTensor (FSDP2): this rank's shard
         h.update(k.encode())
         h.update(v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     for pid, st in sorted(opt.state_dict()["state"].items()):

@@ -45,7 +45,7 @@ WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def tensor_bytes(v) -> bytes:
-    if hasattr(v, "full_tensor"):   # an FSDP2 DTensor shard: the whole tensor (collective)
+    if hasattr(v, "full_tensor"):  # an FSDP2 DTensor shard: the whole tensor (collective)
         v = v.full_tensor()
     return v.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
@@ -93,7 +93,7 @@ class Regression(pl.LightningModule):
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
 
     def on_train_batch_start(self, batch, batch_idx):
-        step = self.trainer.global_step + 1   # the optimizer step this batch is for (accumulation aside)
+        step = self.trainer.global_step + 1  # the optimizer step this batch is for (accumulation aside)
         f = getattr(self, "faults", None)
         if f is None or ATTEMPT != 0:
             return
@@ -105,7 +105,7 @@ class Regression(pl.LightningModule):
             os.kill(os.getpid(), signal.SIGKILL)
         if (RANK, step) == f["desync"]:
             mark(f["root"], "desync", step)
-            dist.all_reduce(torch.ones(3))   # a rank-dependent branch: the others never issue it
+            dist.all_reduce(torch.ones(3))  # a rank-dependent branch: the others never issue it
         if RANK == f["slow"][0]:
             if not Path(f["root"], "fault.json").exists():
                 mark(f["root"], "slow", step)
@@ -120,8 +120,8 @@ class Regression(pl.LightningModule):
         return loss
 
     def on_train_start(self):
-        self._last_step = self.trainer.global_step   # a resumed run starts counting after the loaded step
-        if self._last_step:   # what a resumed run trains on: every restore (model, optimizers) is done by now
+        self._last_step = self.trainer.global_step  # a resumed run starts counting after the loaded step
+        if self._last_step:  # what a resumed run trains on: every restore (model, optimizers) is done by now
             self.record(started=self._last_step, digest=digest(self.net, self.trainer.optimizers[0]))
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -132,8 +132,7 @@ class Regression(pl.LightningModule):
         self._last_step = step
         t = torch.tensor([self._loss_sum, float(self._fp)], dtype=torch.float64)
         dist.all_reduce(t)
-        self.record(step=step, loss=t[0].item(), batch=t[1].item(),
-                    lr=self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.record(step=step, loss=t[0].item(), batch=t[1].item(), lr=self.trainer.optimizers[0].param_groups[0]["lr"])
         self._loss_sum, self._fp = 0.0, 0
         if self.kill_step is not None and ATTEMPT == 0 and RANK == 1 and step == self.kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -168,7 +167,7 @@ class StepsSeen(Callback):
         if seen is not None:
             pl_module.record(scout_steps=seen)
         scout = getattr(trainer.strategy, "scout", None)
-        if scout is not None:   # what the observer watches: "counted" is DDP's wrapper, "fsdp2" FSDP2's groups
+        if scout is not None:  # what the observer watches: "counted" is DDP's wrapper, "fsdp2" FSDP2's groups
             pl_module.record(observer_attached=scout.observer.attached if scout.observer is not None else None)
 
 
@@ -193,8 +192,12 @@ def main() -> int:
     ap.add_argument("--slow-rank", type=int)
     ap.add_argument("--slow-s", type=float, default=0.1)
     ap.add_argument("--options", default="{}", help="JSON: the strategy's Checkpointer options")
-    ap.add_argument("--kill-in-save", type=int, help="in the first attempt, rank 1 SIGKILLs itself in the middle "
-                    "of writing this step's checkpoint (the Checkpointer's during_write point)")
+    ap.add_argument(
+        "--kill-in-save",
+        type=int,
+        help="in the first attempt, rank 1 SIGKILLs itself in the middle "
+        "of writing this step's checkpoint (the Checkpointer's during_write point)",
+    )
     a = ap.parse_args()
 
     pl.seed_everything(1234, verbose=False)
@@ -204,13 +207,20 @@ def main() -> int:
     data = DataLoader(TensorDataset(x, y, torch.arange(a.samples)), batch_size=4, shuffle=True)
     record = Record(a.record)
     model = Regression(record, a.kill_step, fsdp2=a.scout.startswith("mp"), sched=not a.no_sched)
-    model.faults = {"root": a.root, "hang": (a.hang_rank, a.hang_step), "crash": (a.crash_rank, a.crash_step),
-                    "desync": (a.desync_rank, a.desync_step), "slow": (a.slow_rank, a.slow_s)}
+    model.faults = {
+        "root": a.root,
+        "hang": (a.hang_rank, a.hang_step),
+        "crash": (a.crash_rank, a.crash_step),
+        "desync": (a.desync_rank, a.desync_step),
+        "slow": (a.slow_rank, a.slow_s),
+    }
     opts = json.loads(a.options)
     if a.kill_in_save is not None:
+
         def die_mid_write(point, step, _at=a.kill_in_save):
             if point == "during_write" and step == _at and ATTEMPT == 0 and RANK == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+
         opts["fault_hook"] = die_mid_write
 
     root = Path(a.root)
@@ -221,23 +231,39 @@ def main() -> int:
     elif a.scout == "mp":
         from scout_ckpt.integrations.lightning import ScoutModelParallelStrategy
 
-        strategy = ScoutModelParallelStrategy(root=root, data_parallel_size=WORLD, tensor_parallel_size=1,
-                                              process_group_backend="gloo", checkpointer=opts)
+        strategy = ScoutModelParallelStrategy(
+            root=root, data_parallel_size=WORLD, tensor_parallel_size=1, process_group_backend="gloo", checkpointer=opts
+        )
     elif a.scout == "mp-none":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1,
-                                         process_group_backend="gloo")
+        strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1, process_group_backend="gloo")
     else:
         strategy = DDPStrategy(process_group_backend="gloo")
-    ckpt_cb = ModelCheckpoint(dirpath=root / "lightning", every_n_train_steps=a.save_every, save_top_k=a.top_k,
-                              monitor="train_loss" if a.top_k > 0 else None, save_last=a.save_last or None,
-                              filename="{step}")
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-                         max_steps=a.steps,
-                         accumulate_grad_batches=a.accum, gradient_clip_val=a.clip, callbacks=[ckpt_cb, StepsSeen()], logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         default_root_dir=str(root), log_every_n_steps=1, deterministic=True)
+    ckpt_cb = ModelCheckpoint(
+        dirpath=root / "lightning",
+        every_n_train_steps=a.save_every,
+        save_top_k=a.top_k,
+        monitor="train_loss" if a.top_k > 0 else None,
+        save_last=a.save_last or None,
+        filename="{step}",
+    )
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        max_steps=a.steps,
+        accumulate_grad_batches=a.accum,
+        gradient_clip_val=a.clip,
+        callbacks=[ckpt_cb, StepsSeen()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(root),
+        log_every_n_steps=1,
+        deterministic=True,
+    )
     trainer.fit(model, train_dataloaders=data, ckpt_path=a.ckpt_path)
     d = digest(model.net, trainer.optimizers[0])
     record(final=d, global_step=trainer.global_step)

@@ -46,6 +46,7 @@ except ImportError:  # run as a file: its folder is on sys.path
 
 def digest(model, opt) -> str:
     """job_common.digest of this rank's state: under FSDP2 its local shards (a DTensor's bytes are its shard's)."""
+
     class Local:
         def __init__(self, sd):
             self._sd = sd
@@ -95,11 +96,18 @@ def main() -> None:
     ap.add_argument("--fault-step", type=int, default=0)
     ap.add_argument("--fault-module", default="")
     ap.add_argument("--persistent", action="store_true", help="from --fault-step on, not at that step only")
-    ap.add_argument("--math-hook", action="store_true",
-                    help="every rank scales one block's output by a forward hook (part of the model's math)")
+    ap.add_argument(
+        "--math-hook",
+        action="store_true",
+        help="every rank scales one block's output by a forward hook (part of the model's math)",
+    )
     ap.add_argument("--mixed-precision", default="no", help="accelerate's mixed_precision (gpt2): no, bf16")
-    ap.add_argument("--out", default="", help="write each rank's record to OUT/rank<R>.json too (whole, unlike "
-                    "lines of several ranks on one pipe, which can interleave)")
+    ap.add_argument(
+        "--out",
+        default="",
+        help="write each rank's record to OUT/rank<R>.json too (whole, unlike "
+        "lines of several ranks on one pipe, which can interleave)",
+    )
     ap.add_argument("--grad-ckpt", action="store_true", help="gpt2: gradient_checkpointing_enable()")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -132,8 +140,8 @@ def main() -> None:
             from torch.distributed.fsdp import fully_shard
 
             model = MLP()
-            model.inp.requires_grad_(False)           # frozen beside trainable, in the root's group
-            model.blocks[0].fc.bias.requires_grad_(False)   # and inside a block's group
+            model.inp.requires_grad_(False)  # frozen beside trainable, in the root's group
+            model.blocks[0].fc.bias.requires_grad_(False)  # and inside a block's group
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
             for b in model.blocks:
                 fully_shard(b, mesh=mesh)
@@ -153,17 +161,25 @@ def main() -> None:
     if args.fault_rank == rank and args.fault_module:
         fired: set = set()
 
-        def record(step):   # ROOT/fault.json: when it first struck (a campaign's latency starts there)
+        def record(step):  # ROOT/fault.json: when it first struck (a campaign's latency starts there)
             if not fired:
                 with open(os.path.join(args.root, "fault.json"), "w") as f:
-                    json.dump({"rank": rank, "step": step, "module": args.fault_module, "kind": args.fault_kind,
-                               "time": time.time()}, f)
+                    json.dump(
+                        {
+                            "rank": rank,
+                            "step": step,
+                            "module": args.fault_module,
+                            "kind": args.fault_kind,
+                            "time": time.time(),
+                        },
+                        f,
+                    )
             fired.add(step)
 
         def grad_fault(step):
             return (args.persistent and step >= args.fault_step) or step == args.fault_step
 
-        def grad_input_fault(mod, grad_input, grad_output):   # the live backward only
+        def grad_input_fault(mod, grad_input, grad_output):  # the live backward only
             if not grad_fault(step_now[0]) or grad_input[0] is None:
                 return None
             record(step_now[0])
@@ -187,7 +203,8 @@ def main() -> None:
                 out[..., 3] += 1e-3
                 return out
             return None
-        def optimizer_fault(optimizer, a, kw):   # after the update: one element of the module's weight off
+
+        def optimizer_fault(optimizer, a, kw):  # after the update: one element of the module's weight off
             if not grad_fault(step_now[0]):
                 return
             record(step_now[0])
@@ -206,15 +223,24 @@ def main() -> None:
             target.register_full_backward_hook(grad_input_fault)
         else:
             target.weight.register_hook(grad_param_fault)
-    if args.math_hook:   # on every rank: a hook that is part of the model's math (healthy)
+    if args.math_hook:  # on every rank: a hook that is part of the model's math (healthy)
         name = "transformer.h.0" if args.model == "gpt2" else "blocks.0"
         inner.get_submodule(name).register_forward_hook(lambda mod, inputs, out: out * 0.5)
 
     state = {"app": ModelOptimizerState(model, opt)}
-    ckpt = Checkpointer(args.root, model=model, optimizer=opt)   # the defaults: replay on at every topology
+    ckpt = Checkpointer(args.root, model=model, optimizer=opt)  # the defaults: replay on at every topology
     g = torch.Generator().manual_seed(1000 + rank)
-    rec: dict = {"rank": rank, "world": dist.get_world_size(), "losses": {}, "verdicts": {}, "digests": {},
-                 "live_state_corrupt": None, "resumed_step": None, "resumed_digest": None, "targets": [t[1] for t in ckpt.replay.targets()] if ckpt.replay else []}
+    rec: dict = {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "losses": {},
+        "verdicts": {},
+        "digests": {},
+        "live_state_corrupt": None,
+        "resumed_step": None,
+        "resumed_digest": None,
+        "targets": [t[1] for t in ckpt.replay.targets()] if ckpt.replay else [],
+    }
     try:
         for step in range(1, args.steps + 1):
             step_now[0] = step

@@ -30,7 +30,7 @@ import os
 import torch
 import torch.distributed as dist
 
-torch.cuda.synchronize = lambda *a, **k: None   # test-only CUDA shim (see the module docstring)
+torch.cuda.synchronize = lambda *a, **k: None  # test-only CUDA shim (see the module docstring)
 torch.cuda.current_device = lambda: "cpu"
 
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
@@ -83,9 +83,11 @@ def main() -> None:
     state = {"w": torch.randn(8, 16).chunk(tp, dim=0)[tp_rank].clone(), "b": torch.zeros(16)}
 
     def sharded(it):
-        return {"w": ShardedTensor.from_rank_offsets("w", state["w"], (0, tp_rank, tp), replica_id=dp_rank),
-                "b": ShardedTensor.from_rank_offsets("b", state["b"], replica_id=(0, tp_rank, dp_rank)),
-                "iteration": it}
+        return {
+            "w": ShardedTensor.from_rank_offsets("w", state["w"], (0, tp_rank, tp), replica_id=dp_rank),
+            "b": ShardedTensor.from_rank_offsets("b", state["b"], replica_id=(0, tp_rank, dp_rank)),
+            "iteration": it,
+        }
 
     if args.load:
         loaded = dist_checkpointing.load(sharded(0), args.load)
@@ -110,7 +112,7 @@ def main() -> None:
             if args.integrity:
                 save_integrity_manifest(iter_dir)
             with open(os.path.join(args.save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
-                f.write(str(it))   # Megatron-LM's tracker (checkpointing.py: iter_finalize_fn)
+                f.write(str(it))  # Megatron-LM's tracker (checkpointing.py: iter_finalize_fn)
         dist.barrier()
         d = digest(state)
         if rank == 0:

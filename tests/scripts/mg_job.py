@@ -28,7 +28,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-torch.cuda.synchronize = lambda *a, **k: None   # test-only CUDA shim (see the module docstring)
+torch.cuda.synchronize = lambda *a, **k: None  # test-only CUDA shim (see the module docstring)
 torch.cuda.current_device = lambda: "cpu"
 
 from megatron.core import parallel_state  # noqa: E402
@@ -56,8 +56,9 @@ def gpt_model():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
-                    max_sequence_length=16)
+    return GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16
+    )
 
 
 def main() -> None:
@@ -85,15 +86,17 @@ def main() -> None:
     full_w = torch.randn(8, 16)
     state = {"w": full_w.chunk(tp, dim=0)[tp_rank].clone(), "b": torch.zeros(16)}
     model = gpt_model() if args.gpt else None
-    if model is not None:   # the state is the model's parameters (no forward on CPU: see the module docstring)
+    if model is not None:  # the state is the model's parameters (no forward on CPU: see the module docstring)
         state = {k: p.data for k, p in model.named_parameters()}
 
     def sharded():
         if model is not None:
             return {"model": model.sharded_state_dict(prefix=""), "iteration": it}
-        return {"w": ShardedTensor.from_rank_offsets("w", state["w"], (0, tp_rank, tp), replica_id=dp_rank),
-                "b": ShardedTensor.from_rank_offsets("b", state["b"], replica_id=(0, tp_rank, dp_rank)),
-                "iteration": it}
+        return {
+            "w": ShardedTensor.from_rank_offsets("w", state["w"], (0, tp_rank, tp), replica_id=dp_rank),
+            "b": ShardedTensor.from_rank_offsets("b", state["b"], replica_id=(0, tp_rank, dp_rank)),
+            "iteration": it,
+        }
 
     def record(**row):
         if rank == 0:
@@ -102,7 +105,7 @@ def main() -> None:
 
     ckpt = MegatronCheckpointer(args.save_dir, accept_single_owner=args.accept_single_owner)  # scout-ckpt
     it = 0
-    found = ckpt.load_latest_clean(sharded())   # scout-ckpt: the newest certified iteration, or None
+    found = ckpt.load_latest_clean(sharded())  # scout-ckpt: the newest certified iteration, or None
     if found is not None:
         it, loaded = found
         assert loaded["iteration"] == it
@@ -131,7 +134,7 @@ def main() -> None:
     while it < args.iters:
         it += 1
         g = torch.Generator().manual_seed(1000 * it + tp_rank)
-        if model is not None:   # a deterministic update of every parameter, the same on its replicas: a
+        if model is not None:  # a deterministic update of every parameter, the same on its replicas: a
             # tensor-parallel shard's update depends on the TP rank, a TP-replicated one's (layer norms) does not
             params = dict(model.named_parameters())
             for i, k in enumerate(sorted(state)):
@@ -142,27 +145,36 @@ def main() -> None:
             state["w"].mul_(0.9).add_(torch.randn(state["w"].shape, generator=g) * 0.1)
             state["b"].add_(torch.randn(16, generator=torch.Generator().manual_seed(it)) * 0.01)
         if it == args.diverge_at and rank == 1:
-            k = "decoder.final_layernorm.weight" if model is not None else "b"   # replicated over TP and DP
+            k = "decoder.final_layernorm.weight" if model is not None else "b"  # replicated over TP and DP
             state[k][0] = torch.nextafter(state[k][0], torch.tensor(float("inf")))
         if it % args.save_every == 0:
             try:
                 if queue is not None:
-                    request = ckpt.save(it, sharded(), async_save=True)   # scout-ckpt
+                    request = ckpt.save(it, sharded(), async_save=True)  # scout-ckpt
                     queue.schedule_async_request(request)
                     queue.maybe_finalize_async_calls(blocking=True)
-                elif args.drop_in:   # scout-ckpt: the same save, with dist_checkpointing.save's signature
+                elif args.drop_in:  # scout-ckpt: the same save, with dist_checkpointing.save's signature
                     from scout_ckpt.integrations import megatron as scout_megatron
 
                     scout_megatron.save(sharded(), os.path.join(args.save_dir, f"iter_{it:07d}"))
                 else:
-                    ckpt.save(it, sharded())   # scout-ckpt: was dist_checkpointing.save(sd, iter_dir)
+                    ckpt.save(it, sharded())  # scout-ckpt: was dist_checkpointing.save(sd, iter_dir)
             except LiveStateCorrupt as e:
-                record(event="live_fault", step=it, verdict=e.verdict["state"],
-                       codes=sorted({r["code"] for r in e.verdict["reasons"]}))
+                record(
+                    event="live_fault",
+                    step=it,
+                    verdict=e.verdict["state"],
+                    codes=sorted({r["code"] for r in e.verdict["reasons"]}),
+                )
                 raise
             tracker = os.path.join(args.save_dir, "latest_checkpointed_iteration.txt")
-            record(event="saved", step=it, digest=digest(state), verdict=ckpt.last_verdict["state"],
-                   tracker=open(tracker).read() if os.path.exists(tracker) else None)
+            record(
+                event="saved",
+                step=it,
+                digest=digest(state),
+                verdict=ckpt.last_verdict["state"],
+                tracker=open(tracker).read() if os.path.exists(tracker) else None,
+            )
     record(event="final", step=it, digest=digest(state))
     if queue is not None:
         queue.close()

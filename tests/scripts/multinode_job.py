@@ -31,7 +31,7 @@ from scout_ckpt import Checkpointer, ModelOptimizerState
 
 
 def say(**kw) -> None:
-    print("MN-JOB " + json.dumps(kw) + "\n", end="", flush=True)   # one write: the ranks share stdout
+    print("MN-JOB " + json.dumps(kw) + "\n", end="", flush=True)  # one write: the ranks share stdout
 
 
 def main():
@@ -56,8 +56,13 @@ def main():
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, timeout_s=args.pg_timeout,
-                        observer={"stall_s": args.stall_s, "action": "abort" if args.fault == "hang" else "report"})
+    ckpt = Checkpointer(
+        root,
+        model=model,
+        optimizer=opt,
+        timeout_s=args.pg_timeout,
+        observer={"stall_s": args.stall_s, "action": "abort" if args.fault == "hang" else "report"},
+    )
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
     if rank == 0:
@@ -69,12 +74,28 @@ def main():
         train_step(model, opt, g)
         ckpt.step(step)
         time.sleep(args.step_sleep)
-        if (args.fault != "none" and step == args.fault_step and node == args.fault_node
-                and local == args.fault_local and not marker.exists()):
+        if (
+            args.fault != "none"
+            and step == args.fault_step
+            and node == args.fault_node
+            and local == args.fault_local
+            and not marker.exists()
+        ):
             tmp = marker.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"kind": args.fault, "rank": rank, "node_rank": node, "local_rank": local,
-                                       "host": socket.gethostname(), "step": step, "run_id": ckpt.run_id,
-                                       "time": time.time()}))
+            tmp.write_text(
+                json.dumps(
+                    {
+                        "kind": args.fault,
+                        "rank": rank,
+                        "node_rank": node,
+                        "local_rank": local,
+                        "host": socket.gethostname(),
+                        "step": step,
+                        "run_id": ckpt.run_id,
+                        "time": time.time(),
+                    }
+                )
+            )
             os.replace(tmp, marker)
             if args.fault == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -42,8 +42,9 @@ def injected_hang_in_optimizer(root: str, rank: int, step: int) -> None:
 
 def _mark(root: str, fault: str, rank: int, step: int) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    Path(root, f"fault-{attempt}.json").write_text(json.dumps({"fault": fault, "rank": rank, "step": step,
-                                                                "attempt": attempt, "time": time.time()}))
+    Path(root, f"fault-{attempt}.json").write_text(
+        json.dumps({"fault": fault, "rank": rank, "step": step, "attempt": attempt, "time": time.time()})
+    )
 
 
 def build(kind: str, rank: int):
@@ -91,14 +92,24 @@ def main():
     # the observer as a user configures it: the stall and the action (which the docs leave to the user); the
     # straggler rule, the poll and exchange intervals and the count sampling are the product's defaults
     observer = {"stall_s": args.stall_s, "action": args.action}
-    ckpt = Checkpointer(args.root, model=model, optimizer=opt, timeout_s=args.pg_timeout,
-                        invariants=["finite"] if args.model == "fsdp" else None, observer=observer)
+    ckpt = Checkpointer(
+        args.root,
+        model=model,
+        optimizer=opt,
+        timeout_s=args.pg_timeout,
+        invariants=["finite"] if args.model == "fsdp" else None,
+        observer=observer,
+    )
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
     if rank == 0:
         with open(Path(args.root) / "attempts.jsonl", "a") as f:
-            f.write(json.dumps({"attempt": attempt, "resumed_from": start, "attached": ckpt.observer.attached,
-                                "time": time.time()}) + "\n")
+            f.write(
+                json.dumps(
+                    {"attempt": attempt, "resumed_from": start, "attached": ckpt.observer.attached, "time": time.time()}
+                )
+                + "\n"
+            )
     plan = {0: (args.fault, args.fault_rank, args.fault_step)}
     for item in filter(None, args.faults.split(",")):
         a, fault, r, st = item.split(":")

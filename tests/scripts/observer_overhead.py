@@ -48,9 +48,13 @@ def main():
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--block", type=int, default=10)
-    ap.add_argument("--mode", choices=("full", "hook-only", "control"), default="full",
-                    help="control: nothing attached (the two models' difference is the noise floor); hook-only: "
-                         "the comm hook on the untraced all_reduce (what the hook alone costs)")
+    ap.add_argument(
+        "--mode",
+        choices=("full", "hook-only", "control"),
+        default="full",
+        help="control: nothing attached (the two models' difference is the noise floor); hook-only: "
+        "the comm hook on the untraced all_reduce (what the hook alone costs)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="scout-overhead-")
@@ -108,13 +112,23 @@ def main():
     obs.stop()
     dist.destroy_process_group()
     mp, ms = min(t_plain), min(t_seen)  # the least disturbed block of each
-    print(json.dumps({"attached": attached, "traced_collectives": seq, "width": args.width, "depth": args.depth,
-                      "step_ms_plain": round(mp * 1e3, 4), "step_ms_observed": round(ms * 1e3, 4),
-                      "overhead_pct": round(100 * (ms - mp) / mp, 3),
-                      "observer_process_cpu_pct": round(100 * observer_cpu / (time.monotonic() - wall0), 3),
-                      "allreduce_us_plain": round(per["plain"] * 1e6, 2),
-                      "allreduce_us_traced": round(per["traced"] * 1e6, 2),
-                      "per_collective_us": round((per["traced"] - per["plain"]) * 1e6, 2)}))
+    print(
+        json.dumps(
+            {
+                "attached": attached,
+                "traced_collectives": seq,
+                "width": args.width,
+                "depth": args.depth,
+                "step_ms_plain": round(mp * 1e3, 4),
+                "step_ms_observed": round(ms * 1e3, 4),
+                "overhead_pct": round(100 * (ms - mp) / mp, 3),
+                "observer_process_cpu_pct": round(100 * observer_cpu / (time.monotonic() - wall0), 3),
+                "allreduce_us_plain": round(per["plain"] * 1e6, 2),
+                "allreduce_us_traced": round(per["traced"] * 1e6, 2),
+                "per_collective_us": round((per["traced"] - per["plain"]) * 1e6, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

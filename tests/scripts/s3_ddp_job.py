@@ -30,7 +30,7 @@ from scout_ckpt import Checkpointer, ModelOptimizerState
 
 
 def say(**kw) -> None:
-    print("S3-JOB " + json.dumps(kw) + "\n", end="", flush=True)   # one write: the ranks share stdout
+    print("S3-JOB " + json.dumps(kw) + "\n", end="", flush=True)  # one write: the ranks share stdout
 
 
 def main():
@@ -59,14 +59,25 @@ def main():
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ckpt = Checkpointer(args.uri, ledger_dir=args.ledger_dir, model=model, optimizer=opt,
-                        storage_options={"client_kwargs": {"endpoint_url": args.endpoint}},
-                        timeout_s=args.pg_timeout, fault_hook=hook if armed else None)
+    ckpt = Checkpointer(
+        args.uri,
+        ledger_dir=args.ledger_dir,
+        model=model,
+        optimizer=opt,
+        storage_options={"client_kwargs": {"endpoint_url": args.endpoint}},
+        timeout_s=args.pg_timeout,
+        fault_hook=hook if armed else None,
+    )
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
     if rank == 0:
-        say(event="loaded", run_id=ckpt.run_id, step=start, digest=digest(model, opt),
-            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        say(
+            event="loaded",
+            run_id=ckpt.run_id,
+            step=start,
+            digest=digest(model, opt),
+            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
 
     g = torch.Generator().manual_seed(1000 + rank)
     for step in range(start + 1, args.steps + 1):
@@ -77,8 +88,7 @@ def main():
         if step % args.save_every == 0:
             verdict = ckpt.save(step, state)
             if rank == 0:
-                say(event="saved", run_id=ckpt.run_id, step=step, digest=digest(model, opt),
-                    state=verdict["state"])
+                say(event="saved", run_id=ckpt.run_id, step=step, digest=digest(model, opt), state=verdict["state"])
     ckpt.close()
     dist.barrier()  # without it destroy_process_group can hang at exit
     dist.destroy_process_group()

@@ -61,7 +61,7 @@ class _SlowBackward(torch.autograd.Function):
 
 def block(how: str) -> None:
     if how == "sleep":
-        time.sleep(10 ** 6)
+        time.sleep(10**6)
     threading.Event().wait()
 
 
@@ -77,8 +77,11 @@ def main():
     ap.add_argument("--slow-where", default="data", choices=("data", "forward", "backward", "after-step"))
     ap.add_argument("--slow-factor", type=float, default=3.0)
     ap.add_argument("--hang-rank", type=int, default=-1)
-    ap.add_argument("--hang-where", default="before-backward",
-                    choices=("before-forward", "in-forward", "before-backward", "in-optimizer"))
+    ap.add_argument(
+        "--hang-where",
+        default="before-backward",
+        choices=("before-forward", "in-forward", "before-backward", "in-optimizer"),
+    )
     ap.add_argument("--hang-how", default="event", choices=("event", "sleep"))
     ap.add_argument("--hang-step", type=int, default=8)
     ap.add_argument("--pg-timeout", type=float, default=300.0)
@@ -90,8 +93,7 @@ def main():
     first = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     torch.manual_seed(0)
     pause = Pause()
-    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), pause, nn.Linear(256, 256), nn.ReLU(),
-                              nn.Linear(256, 10)))
+    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), pause, nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ckpt = Checkpointer(args.root, model=model, optimizer=opt, observer=json.loads(args.observer))
     state = {"app": ModelOptimizerState(model, opt)}
@@ -113,7 +115,7 @@ def main():
 
     for step in range(start + 1, args.steps + 1):
         at("before-forward", step)
-        time.sleep(work["data"])                                  # the data loader
+        time.sleep(work["data"])  # the data loader
         x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
         if hang and step == args.hang_step and args.hang_where == "in-forward":
             pause.forward_s = 0.0
@@ -125,7 +127,7 @@ def main():
         if hang and step == args.hang_step and args.hang_where == "in-optimizer":
             opt.register_step_pre_hook(lambda *_, s=step: at("in-optimizer", s))
         opt.step()
-        time.sleep(work["after-step"] + args.base_s)              # host work after the step (logging, metrics)
+        time.sleep(work["after-step"] + args.base_s)  # host work after the step (logging, metrics)
         ckpt.step(step)
         if step % args.save_every == 0:
             ckpt.save(step, state)

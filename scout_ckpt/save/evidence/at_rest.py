@@ -75,9 +75,17 @@ class AtRestGuard:
     Construction is collective when `group` is None (it creates a gloo side group: same order on all ranks, at
     start-up). `check` is collective on that group; every rank returns the same evidence dict."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, *, group=None,
-                 every: int | None = 1, include_state: bool = True, timeout_s: float = 300.0,
-                 interval_parts: int | None = INTERVAL_PARTS):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module | None = None,
+        *,
+        group=None,
+        every: int | None = 1,
+        include_state: bool = True,
+        timeout_s: float = 300.0,
+        interval_parts: int | None = INTERVAL_PARTS,
+    ):
         """every: sign after every `every`-th optimizer step; None: only after the steps `arm_next` marks (a
         caller that knows which steps saves follow, as ShardEvidence does once it has seen the save cadence).
         interval_parts: the interval check between optimizer steps checks 1/interval_parts of the bytes per
@@ -89,22 +97,25 @@ class AtRestGuard:
         self.interval_parts = interval_parts
         # the interval check's reference: (steps, names, indices into them or None for all, signatures, label)
         self._ref: tuple[int, list[str], list[int] | None, torch.Tensor] | None = None
-        self._parts: tuple[tuple, list[list[int]]] | None = None   # (names and sizes, runs) cache
-        self.findings: list[dict] = []   # changes the interval check found, latched until a save reports them
+        self._parts: tuple[tuple, list[list[int]]] | None = None  # (names and sizes, runs) cache
+        self.findings: list[dict] = []  # changes the interval check found, latched until a save reports them
         # the caller's number for the next optimizer step (ShardEvidence: the training step), else this guard's
         # own count; the run an interval checks and the findings are numbered by it (torch's optimizer-state
         # initialisation for DCP runs a step of its own, which the guard's count includes)
         self.next_step: int | None = None
-        self.interval_s = 0.0            # wall seconds spent in the interval check (both hooks; for the bench)
+        self.interval_s = 0.0  # wall seconds spent in the interval check (both hooks; for the bench)
         self.optimizer, self.every, self.include_state = optimizer, every, include_state
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.group = group if group is not None or not dist.is_initialized() else dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.group = (
+            group
+            if group is not None or not dist.is_initialized()
+            else dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        )
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        self._steps = 0                                # optimizer steps seen
-        self._signed: tuple[int, list[str], torch.Tensor] | None = None   # (steps, names, signatures)
+        self._steps = 0  # optimizer steps seen
+        self._signed: tuple[int, list[str], torch.Tensor] | None = None  # (steps, names, signatures)
         self._armed = False
-        self.cpu_s = 0.0    # CPU seconds spent signing after steps (for the bench)
+        self.cpu_s = 0.0  # CPU seconds spent signing after steps (for the bench)
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self._frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in held] if model is not None else []
         self._frozen_signed: torch.Tensor | None = None
@@ -156,8 +167,13 @@ class AtRestGuard:
                 # the signatures just taken: no extra pass here)
                 names, sigs = self._signed[1], self._signed[2]
                 idx = None if armed else self.part_of(names, self._tensors()[1], self._label(True))
-                self._ref = (self._steps, names, idx, sigs if idx is None else sigs[idx] if idx else None,
-                             self._label(True))
+                self._ref = (
+                    self._steps,
+                    names,
+                    idx,
+                    sigs if idx is None else sigs[idx] if idx else None,
+                    self._label(True),
+                )
         else:
             self._signed = None
             if self.interval_parts is not None:
@@ -192,8 +208,13 @@ class AtRestGuard:
     def _sign_part(self) -> None:
         names, tensors = self._tensors()
         idx = self.part_of(names, tensors, self._label(True))
-        self._ref = (self._steps, names, idx, replica_signatures([tensors[i] for i in idx]) if idx else None,
-                     self._label(True))
+        self._ref = (
+            self._steps,
+            names,
+            idx,
+            replica_signatures([tensors[i] for i in idx]) if idx else None,
+            self._label(True),
+        )
 
     def _pre(self, opt, args, kwargs) -> None:
         """Before optimizer step `_steps + 1`: what the last post-hook (or save check, or resign) signed must be
@@ -204,7 +225,7 @@ class AtRestGuard:
         t0 = time.perf_counter()
         steps, names0, idx, sigs0, label = ref
         names, tensors = self._tensors()
-        if names != names0:   # the optimizer's tensors changed (a param group added): cannot compare, not a fault
+        if names != names0:  # the optimizer's tensors changed (a param group added): cannot compare, not a fault
             return
         picked = list(range(len(names))) if idx is None else idx
         sigs = replica_signatures([tensors[i] for i in picked])
@@ -276,10 +297,13 @@ class AtRestGuard:
             return {"between_steps": "not checked: a change between two optimizer steps is not seen"}
         if k == 1:
             return {"between_steps": "every local tensor, in every interval between optimizer steps"}
-        return {"between_steps": f"1 of {k} runs of the local tensors per interval between optimizer steps (run "
-                                 f"s mod {k} after step s; everything after a step a save follows); not seen: a "
-                                 f"single change, in the interval after any other step, to a tensor outside its "
-                                 "run", "interval_parts": k}
+        return {
+            "between_steps": f"1 of {k} runs of the local tensors per interval between optimizer steps (run "
+            f"s mod {k} after step s; everything after a step a save follows); not seen: a "
+            f"single change, in the interval after any other step, to a tensor outside its "
+            "run",
+            "interval_parts": k,
+        }
 
 
 def at_rest_evidence(results: list[dict], step: int, coverage: dict | None = None) -> dict:
@@ -289,10 +313,21 @@ def at_rest_evidence(results: list[dict], step: int, coverage: dict | None = Non
     if failed:
         # "between_steps": the interval check's findings ({"tensor", "after_step", "before_step"}): a change
         # between two optimizer steps before this save, not between the last step and the save
-        return policy.evidence(policy.FAIL, [{"code": "at_rest_changed", "ranks": [r["rank"]], "step": step,
-                                              "tensors": r["changed"][:16], "n_tensors": len(r["changed"]),
-                                              **({"between_steps": r["interval"]} if r.get("interval") else {})}
-                                             for r in failed], ranks=sorted(r["rank"] for r in failed))
+        return policy.evidence(
+            policy.FAIL,
+            [
+                {
+                    "code": "at_rest_changed",
+                    "ranks": [r["rank"]],
+                    "step": step,
+                    "tensors": r["changed"][:16],
+                    "n_tensors": len(r["changed"]),
+                    **({"between_steps": r["interval"]} if r.get("interval") else {}),
+                }
+                for r in failed
+            ],
+            ranks=sorted(r["rank"] for r in failed),
+        )
     missing = sorted(r["rank"] for r in results if r["status"] == policy.MISSING)
     if missing:
         return policy.evidence(policy.MISSING, [{"code": "at_rest_unsigned", "ranks": missing, "step": step}])

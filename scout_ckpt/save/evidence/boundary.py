@@ -34,8 +34,20 @@ class SaveEvidence:
     """The evidence of one Checkpointer's saves (see the module docstring). `checks` are parsed invariant specs,
     `replay`/`shard` the ReplayEvidence/ShardEvidence or None, `mode` the topology's mode name."""
 
-    def __init__(self, *, checks: list, finite: bool, consensus: bool, verify_load: bool, replay, shard,
-                 mode: str, is_coordinator: bool, lineage=None, world_size: int = 2):
+    def __init__(
+        self,
+        *,
+        checks: list,
+        finite: bool,
+        consensus: bool,
+        verify_load: bool,
+        replay,
+        shard,
+        mode: str,
+        is_coordinator: bool,
+        lineage=None,
+        world_size: int = 2,
+    ):
         self.checks, self.finite, self.consensus, self.verify_load = checks, finite, consensus, verify_load
         self.replay, self.shard, self.mode, self.is_coordinator = replay, shard, mode, is_coordinator
         self.world_size = world_size
@@ -79,9 +91,12 @@ class SaveEvidence:
             # the rest of the evidence, the gap named in the evidence and refused by `--require replay`
             allow_na.append("replay")
         finite = ["finite"] if self.finite and not any(c.kind == "finite" for c in self.checks) else []
-        return {"require": require, "allow_not_applicable": allow_na,
-                "invariants": [c.spec for c in self.checks] + finite,
-                "replay_targets": [list(t) for t in self.replay.targets()] if self.replay else []}
+        return {
+            "require": require,
+            "allow_not_applicable": allow_na,
+            "invariants": [c.spec for c in self.checks] + finite,
+            "replay_targets": [list(t) for t in self.replay.targets()] if self.replay else [],
+        }
 
     def warn_if_never_certifies(self) -> None:
         """A run whose policy can never be met should say so at start-up, not after a week of `committed`
@@ -90,16 +105,23 @@ class SaveEvidence:
             scout_log.logger.warning(
                 "one rank: no replica to compare and no peer to replay on, so silent data corruption is not "
                 "detected; checkpoints are certified on their bytes and finite checks alone (consensus "
-                "not_applicable; `scout-ckpt resume --latest-clean --require consensus` refuses them)")
+                "not_applicable; `scout-ckpt resume --latest-clean --require consensus` refuses them)"
+            )
         single_owner = self.mode.startswith("fsdp")
-        if (single_owner and "consensus" in self.policy["require"]
-                and "consensus" not in self.policy["allow_not_applicable"] and self.is_coordinator):
+        if (
+            single_owner
+            and "consensus" in self.policy["require"]
+            and "consensus" not in self.policy["allow_not_applicable"]
+            and self.is_coordinator
+        ):
             scout_log.logger.warning(
                 "this configuration can never certify a checkpoint: the %s topology has single-owner shards, so "
                 "consensus is not applicable, and nothing else vouches for the shards. Use a non-fused Adam, "
                 "AdamW or SGD so that shard evidence runs (shard_evidence=True, the default for FSDP), or "
                 "configure an invariant that vouches (e.g. {'check': 'spectral_bound', ...}), or pass "
-                "consensus=False to accept bytes and finite checks alone", self.mode)
+                "consensus=False to accept bytes and finite checks alone",
+                self.mode,
+            )
 
     # ---- the live state (every rank) -----------------------------------------------------------------------
 
@@ -134,11 +156,18 @@ class SaveEvidence:
             unsigned = full_signable(flattened)[1]
             # The DTensor shards' partial signatures, where the consensus thread computed them during the write
             partials = hashing.shard_partials() if hashing is not None else None
-            ev["signatures"] = full_signatures(flat, group=group, plain="replica", known=known,
-                                               complete=full is not None, exclude=unsigned, partials=partials,
-                                               flat=flattened)
+            ev["signatures"] = full_signatures(
+                flat,
+                group=group,
+                plain="replica",
+                known=known,
+                complete=full is not None,
+                exclude=unsigned,
+                partials=partials,
+                flat=flattened,
+            )
             if hashing is not None:
-                hashing.keep_partials()   # from the next save on
+                hashing.keep_partials()  # from the next save on
             if unsigned:
                 ev["load_check_unsigned"] = unsigned
         if self.replay is not None and self.is_coordinator:
@@ -159,13 +188,19 @@ class SaveEvidence:
         upto = live.pop("_events_upto", None)
         if upto is None:
             upto = self.ledger.last_event_id()
-        ev = {"bytes": policy.evidence(policy.PASS, files=len(files), bytes=sum(f["size"] for f in files),
-                                           hashed_by="writers")}
+        ev = {
+            "bytes": policy.evidence(
+                policy.PASS, files=len(files), bytes=sum(f["size"] for f in files), hashed_by="writers"
+            )
+        }
         if unsigned:
             ev["bytes"]["load_check_unsigned"] = unsigned[:64]
         if self.finite or self.checks:
-            bad = [{"code": "invariant_failed", "check": "finite", "ranks": [g["rank"]], "tensors": g["finite_bad"][:8]}
-                   for g in gathered if g["finite_bad"]]
+            bad = [
+                {"code": "invariant_failed", "check": "finite", "ranks": [g["rank"]], "tensors": g["finite_bad"][:8]}
+                for g in gathered
+                if g["finite_bad"]
+            ]
             checks = live.pop("invariants", None)
             reasons = bad + (checks["reasons"] if checks else [])
             status = policy.PASS
@@ -173,8 +208,9 @@ class SaveEvidence:
                 status = checks["status"]
             if bad:
                 status = policy.FAIL
-            ev["invariants"] = policy.evidence(status, reasons, specs=self.policy["invariants"],
-                                                   values=(checks or {}).get("values"))
+            ev["invariants"] = policy.evidence(
+                status, reasons, specs=self.policy["invariants"], values=(checks or {}).get("values")
+            )
         ev.update(live)
         ev["health"] = self._health_evidence(ev, upto)
         lineage = policy.lineage_evidence(self.lineage.tainted if self.lineage is not None else None)
@@ -189,5 +225,11 @@ class SaveEvidence:
         save's evidence (health evidence fails for the owner's state unless this save's consensus or vouching
         invariants clear it)."""
         events = [e for e in self.ledger.events(kinds=("health", "desync")) if e.get("run_id") == self.run_id]
-        return self._health.evidence(events, until=until, mode=self.mode, consensus=ev.get("consensus"),
-                                     invariants=ev.get("invariants"), vouching=any(c.vouches for c in self.checks))
+        return self._health.evidence(
+            events,
+            until=until,
+            mode=self.mode,
+            consensus=ev.get("consensus"),
+            invariants=ev.get("invariants"),
+            vouching=any(c.vouches for c in self.checks),
+        )

@@ -25,10 +25,19 @@ from __future__ import annotations
 from scout_ckpt.policy import FAIL, PASS, evidence
 
 # NVML metrics (scout_ckpt/observer/health.py) whose change means data may be wrong.
-DATA_FAULT_METRICS = frozenset({
-    "ecc_uncorrected_volatile", "ecc_uncorrected_aggregate", "gpu_lost", "remap_failure", "xid",
-    "dl_crc_flit", "dl_crc_data", "dl_replay", "dl_recovery",
-})
+DATA_FAULT_METRICS = frozenset(
+    {
+        "ecc_uncorrected_volatile",
+        "ecc_uncorrected_aggregate",
+        "gpu_lost",
+        "remap_failure",
+        "xid",
+        "dl_crc_flit",
+        "dl_crc_data",
+        "dl_replay",
+        "dl_recovery",
+    }
+)
 
 
 def taints(event: dict) -> bool:
@@ -41,18 +50,37 @@ def taints(event: dict) -> bool:
     return detail.get("metric") in DATA_FAULT_METRICS or "xid" in detail
 
 
-def health_evidence(events: list[dict], *, since: int | None, until: int, mode: str,
-                    consensus: dict | None, invariants: dict | None, vouching: bool) -> dict:
+def health_evidence(
+    events: list[dict],
+    *,
+    since: int | None,
+    until: int,
+    mode: str,
+    consensus: dict | None,
+    invariants: dict | None,
+    vouching: bool,
+) -> dict:
     """`health` evidence of a checkpoint whose evidence was taken when the ledger's newest event id was `until`,
     covering events received after id `since` (None: the run's start). `mode` is the run's topology ("ddp",
     "hsdp", "fsdp", ...): where state has replicas, a passing consensus at this save clears it; where it has
     none, only passing vouching invariants do."""
-    window = [e for e in events if taints(e) and (since is None or int(e.get("id") or 0) > since)
-              and int(e.get("id") or 0) <= until]
+    window = [
+        e
+        for e in events
+        if taints(e) and (since is None or int(e.get("id") or 0) > since) and int(e.get("id") or 0) <= until
+    ]
     if not window:
         return evidence(PASS, events_seen=0)
-    refs = [{"event": e.get("id"), "kind": e["kind"], "ranks": e.get("ranks") or [], "step": e.get("step"),
-             "metric": (e.get("detail") or {}).get("metric")} for e in window]
+    refs = [
+        {
+            "event": e.get("id"),
+            "kind": e["kind"],
+            "ranks": e.get("ranks") or [],
+            "step": e.get("step"),
+            "metric": (e.get("detail") or {}).get("metric"),
+        }
+        for e in window
+    ]
     replicated = mode.startswith(("ddp", "hsdp"))
     if replicated and (consensus or {}).get("status") == PASS:
         return evidence(PASS, events_seen=len(window), cleared_by="consensus", events=refs)
@@ -60,8 +88,15 @@ def health_evidence(events: list[dict], *, since: int | None, until: int, mode: 
         return evidence(PASS, events_seen=len(window), cleared_by="invariants", events=refs)
     reasons = []
     for ref in refs:
-        reasons.append({"code": "health_fault" if ref["kind"] == "health" else "desync", "ranks": ref["ranks"],
-                        "event": ref["event"], "metric": ref["metric"], "step": ref["step"]})
+        reasons.append(
+            {
+                "code": "health_fault" if ref["kind"] == "health" else "desync",
+                "ranks": ref["ranks"],
+                "event": ref["event"],
+                "metric": ref["metric"],
+                "step": ref["step"],
+            }
+        )
     return evidence(FAIL, reasons, events_seen=len(window), events=refs)
 
 

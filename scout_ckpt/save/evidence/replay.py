@@ -46,15 +46,16 @@ class ReplayEvidence:
         return None
 
     @classmethod
-    def start(cls, replay, *, model, optimizer, groups, auto_on: bool,
-              off_reason: str | None = None) -> ReplayEvidence | None:
+    def start(
+        cls, replay, *, model, optimizer, groups, auto_on: bool, off_reason: str | None = None
+    ) -> ReplayEvidence | None:
         """The replay a configuration asks for, or None. `replay` is None (auto: `auto_on` decides, with a
         WARNING naming `off_reason` where it is off, and a model with nothing to replay only turns it off with a
         WARNING), False, True, a dict of runner options or ReplayOptions (an explicit request for a model with
         nothing to replay is an error: NoTargets)."""
-        replay = as_replay(replay)   # a misspelled key or a bad value fails here, naming the field
+        replay = as_replay(replay)  # a misspelled key or a bad value fails here, naming the field
         auto = replay is None
-        first = not dist.is_initialized() or dist.get_rank() == 0   # one WARNING per job, not one per rank
+        first = not dist.is_initialized() or dist.get_rank() == 0  # one WARNING per job, not one per rank
         if auto:
             replay = auto_on
             if not auto_on and off_reason and model is not None and first:
@@ -98,24 +99,33 @@ class ReplayEvidence:
 
     def _record(self, rows: list[dict]) -> float:
         events = self.runner.events()
-        new_events, self._events_seen = events[self._events_seen:], len(events)
+        new_events, self._events_seen = events[self._events_seen :], len(events)
         if not (self.is_coordinator and (rows or new_events)):
             return 0.0
         t0 = time.monotonic()
         self.ledger.add_replays([dict(r, run_id=self.run_id) for r in rows])
         for r in rows:
             if r["status"] in ("ATTRIBUTED", "INCONCLUSIVE"):
-                self.ledger.add_event("sdc", step=r["step"], ranks=r["ranks"], run_id=self.run_id,
-                                      detail={"source": "replay", "recipe": r["recipe"], "target": r["target"],
-                                              "status": r["status"],
-                                              # the source's live step alone disagreed with every replay of it
-                                              "live_step": bool((r.get("detail") or {}).get("live_disagree")),
-                                              # replay/triage.py: persistent / transient / not_hardware per rank
-                                              **({"triage": r["detail"]["triage"]}
-                                                 if (r.get("detail") or {}).get("triage") else {})})
+                self.ledger.add_event(
+                    "sdc",
+                    step=r["step"],
+                    ranks=r["ranks"],
+                    run_id=self.run_id,
+                    detail={
+                        "source": "replay",
+                        "recipe": r["recipe"],
+                        "target": r["target"],
+                        "status": r["status"],
+                        # the source's live step alone disagreed with every replay of it
+                        "live_step": bool((r.get("detail") or {}).get("live_disagree")),
+                        # replay/triage.py: persistent / transient / not_hardware per rank
+                        **({"triage": r["detail"]["triage"]} if (r.get("detail") or {}).get("triage") else {}),
+                    },
+                )
         for e in new_events:
-            self.ledger.add_event(e["kind"], step=e.get("step"), ranks=e.get("ranks"), detail=e.get("detail"),
-                                  run_id=self.run_id)
+            self.ledger.add_event(
+                e["kind"], step=e.get("step"), ranks=e.get("ranks"), detail=e.get("detail"), run_id=self.run_id
+            )
         self.settle_pending()
         return time.monotonic() - t0
 
@@ -130,10 +140,19 @@ class ReplayEvidence:
                 log.logger.warning(
                     "replay covers nothing: ckpt.step(step) was never called before the save of step %d (replay "
                     "captures from it). Saves are certified without SDC coverage (evidence: replay not_applicable, "
-                    "replay_no_step_hook); call ckpt.step(step) after each optimizer step", step)
-            return policy.evidence(policy.NOT_APPLICABLE, [{
-                "code": "replay_no_step_hook", "targets": [t[1] for t in self.targets()],
-                "detail": "ckpt.step() was never called: no step was captured, no target replayed"}])
+                    "replay_no_step_hook); call ckpt.step(step) after each optimizer step",
+                    step,
+                )
+            return policy.evidence(
+                policy.NOT_APPLICABLE,
+                [
+                    {
+                        "code": "replay_no_step_hook",
+                        "targets": [t[1] for t in self.targets()],
+                        "detail": "ckpt.step() was never called: no step was captured, no target replayed",
+                    }
+                ],
+            )
         prev = self.ledger.latest("certified", below=step)
         rows = self.ledger.replays(run_id=self.run_id, after=prev["step"] if prev else None)
         return replay_coverage(rows, self.targets(), step=step)
@@ -152,8 +171,16 @@ class ReplayEvidence:
             self.ledger.put_evidence(row["step"], {"replay": new}, source="replay")
             v = policy.evaluate(self.policy, self.ledger.evidence(row["step"]))
             if v.state != row["state"]:  # reasons alone change with the evidence rows just written
-                journal.record_transition(self.ledger, self.root, row["step"], v.state, v.reasons, source="replay",
-                                          expect="committed", attempt=row["attempt"])
+                journal.record_transition(
+                    self.ledger,
+                    self.root,
+                    row["step"],
+                    v.state,
+                    v.reasons,
+                    source="replay",
+                    expect="committed",
+                    attempt=row["attempt"],
+                )
 
     @property
     def process_groups(self) -> list:

@@ -34,14 +34,15 @@ class ShardEvidence:
     def __init__(self, replay, log, guard, *, adaptive: bool = True):
         self.replay, self.log, self.guard = replay, log, guard
         self.adaptive = adaptive
-        self._start = 0                  # the step this incarnation began after (0, or the resumed step)
+        self._start = 0  # the step this incarnation began after (0, or the resumed step)
         self._cadence: int | None = None  # saves fall on multiples of it (learned from the saves so far)
 
     @classmethod
-    def start(cls, cfg: ShardEvidenceOptions | dict | bool | None, *, mode: str, model, optimizer, group,
-              timeout_s: float) -> "ShardEvidence | None":
+    def start(
+        cls, cfg: ShardEvidenceOptions | dict | bool | None, *, mode: str, model, optimizer, group, timeout_s: float
+    ) -> "ShardEvidence | None":
         """None where it does not apply; creates its side groups now, in the same order on every rank."""
-        cfg = as_shard_evidence(cfg)   # a misspelled key or a bad value fails here, naming the field
+        cfg = as_shard_evidence(cfg)  # a misspelled key or a bad value fails here, naming the field
         sharded = mode.startswith(("fsdp", "hsdp"))
         asked = cfg is not None
         if not (cfg if asked else sharded) or model is None or optimizer is None:
@@ -51,7 +52,7 @@ class ShardEvidence:
         from scout_ckpt.replay.shard_plan import ShardReplayLog
         from scout_ckpt.save.evidence.at_rest import AtRestGuard
 
-        optimizer = unwrap_optimizer(optimizer)   # accelerate's AcceleratedOptimizer: the torch one it wraps
+        optimizer = unwrap_optimizer(optimizer)  # accelerate's AcceleratedOptimizer: the torch one it wraps
         opts = cfg if isinstance(cfg, ShardEvidenceOptions) else ShardEvidenceOptions()
         at_rest_every = opts.at_rest_every
         try:
@@ -73,7 +74,7 @@ class ShardEvidence:
     def on_step(self, step: int) -> list[dict]:
         """After the optimizer step: this step's cross-checks; returns the rows that found a fault."""
         self._arm_for(step + 1)
-        self.guard.next_step = step + 1   # the interval check numbers its runs and findings by training step
+        self.guard.next_step = step + 1  # the interval check numbers its runs and findings by training step
         return self.log.add(self.replay.on_step(step))
 
     def _saw_save(self, step: int) -> None:
@@ -81,7 +82,7 @@ class ShardEvidence:
             return
         first = self._cadence is None
         self._cadence = math.gcd(self._cadence or 0, step, step - self._start if first else 0)
-        self.guard.every = None     # from now on only the steps on the cadence are signed
+        self.guard.every = None  # from now on only the steps on the cadence are signed
         self._arm_for(step + 1)
 
     def flush(self) -> list[dict]:
@@ -103,7 +104,7 @@ class ShardEvidence:
         self.log.reset(step)
         self.guard.next_step = step + 1
         self.guard.resign()
-        self.guard.forget()   # changes found between steps before the load do not concern the loaded state
+        self.guard.forget()  # changes found between steps before the load do not concern the loaded state
         self._start = step
         self._arm_for(step + 1)
 
@@ -119,24 +120,42 @@ class ShardEvidence:
         for r in bad_rows:
             lo, hi = charged_steps(r, self.log.cycle)
             status = policy.FAIL if r["status"] == policy.FAIL else policy.INCONCLUSIVE
-            reasons = [dict(x, found_at_step=r["step"]) for x in (r.get("reasons") or [])
-                       if x["code"] != "shard_replay_missing"][:16] or \
-                [{"code": f"shard_replay_{status}", "ranks": r.get("ranks") or [], "found_at_step": r["step"]}]
+            reasons = [
+                dict(x, found_at_step=r["step"])
+                for x in (r.get("reasons") or [])
+                if x["code"] != "shard_replay_missing"
+            ][:16] or [{"code": f"shard_replay_{status}", "ranks": r.get("ranks") or [], "found_at_step": r["step"]}]
             for row in ledger.checkpoints(states=("certified", "committed")):
                 if not lo < row["step"] <= hi:
                     continue
-                ledger.put_evidence(row["step"], {"shard_replay": policy.evidence(
-                    status, reasons, ranks=r.get("ranks") or [], steps=[r["step"]], cycle=self.log.cycle)},
-                    source=source)
-                if journal.record_transition(ledger, root, row["step"], "rejected", reasons, source=source,
-                                             expect=(row["state"],), attempt=row["attempt"]):
+                ledger.put_evidence(
+                    row["step"],
+                    {
+                        "shard_replay": policy.evidence(
+                            status, reasons, ranks=r.get("ranks") or [], steps=[r["step"]], cycle=self.log.cycle
+                        )
+                    },
+                    source=source,
+                )
+                if journal.record_transition(
+                    ledger,
+                    root,
+                    row["step"],
+                    "rejected",
+                    reasons,
+                    source=source,
+                    expect=(row["state"],),
+                    attempt=row["attempt"],
+                ):
                     out.append(row["step"])
             # the fast tier's copies of the same steps: the fault is in the state, wherever its bytes live
             for row in local_rows.rows(ledger, states=("certified", "committed")):
-                if lo < row["step"] <= hi and local_rows.set_state(ledger, row["step"], "rejected", reasons,
-                                                                   expect=row["state"]):
-                    ledger.add_event("local_rejected", step=row["step"], detail={"reasons": reasons[:8],
-                                                                                  "source": source})
+                if lo < row["step"] <= hi and local_rows.set_state(
+                    ledger, row["step"], "rejected", reasons, expect=row["state"]
+                ):
+                    ledger.add_event(
+                        "local_rejected", step=row["step"], detail={"reasons": reasons[:8], "source": source}
+                    )
                     out.append(row["step"])
         return sorted(set(out))
 
