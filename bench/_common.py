@@ -1,6 +1,6 @@
 """Helpers every bench script shares: repeated timing, the readable table, and the `--json` contract.
 
-CONTRACT (Benchmarks): each `bench/*.py` runs standalone from the repo root, prints a table, and with `--json`
+What every bench promises (docs/benchmarks.md): each `bench/*.py` runs standalone from the repo root, prints a table, and with `--json`
 prints exactly one JSON object on stdout (headline in "ratio" or "ratios", raw medians and parameters beside it).
 So in --json mode nothing else may reach stdout: progress goes to stderr through `log`.
 """
