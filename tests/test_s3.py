@@ -33,7 +33,10 @@ def endpoint():
     host, port = server.get_host_and_port()
     ep = f"http://{host}:{port}"
     fs = _fs(ep)
-    fs.mkdir(BUCKET)
+    # moto's backend is process-wide: a module that reuses this fixture (test_one_truth) starts a second server on
+    # the same state, where the bucket already exists
+    if not fs.exists(BUCKET):
+        fs.mkdir(BUCKET)
     yield ep
     server.stop()
 

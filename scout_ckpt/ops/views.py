@@ -61,8 +61,11 @@ def list_checkpoints(root) -> tuple[list[dict], str | None]:
 
 
 def as_listed(rows: list[dict]) -> list[dict]:
-    """The durable rows as `ls --json` lists them: each with its tier, beside the local tier's rows."""
-    return [{**r, "tier": "durable"} for r in rows]
+    """The durable rows as `ls --json` lists them: each with its tier, beside the local tier's rows, and its
+    evidence level (ops/adopt_step.evidence_level: a scout-ckpt save's, or adopted on foreign evidence)."""
+    from scout_ckpt.ops.adopt_step import evidence_level
+
+    return [{**r, "tier": "durable", "evidence_level": evidence_level(r.get("evidence") or {})} for r in rows]
 
 
 def checked_text(checked: dict | None, now: float) -> str:
