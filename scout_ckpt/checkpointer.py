@@ -146,6 +146,7 @@ class Checkpointer:
         # "auto" | "wal" | "delete" (ledger/fsdetect.py); checked on every rank before anything collective
         self.ledger_journal = fsdetect.resolve_mode(storage.ledger_journal)
         self.model, self.optimizer = model, optimizer
+        self._resumed_at: int | None = None  # the step load_latest_clean loaded, until a save of another step
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         scout_log.warn_restart_env(self.rank, os.environ)
         # self.root is where the ledger lives: ROOT itself, or ledger_dir for an object-store URI (self.store).
@@ -350,6 +351,8 @@ class Checkpointer:
         With the fast tier (`local=`), `state` is saved to it when `step % local.every == 0` (collective; it
         blocks for a staging copy and the live evidence, and commits in the background: `local.last_verdict`;
         a verdict showing the live state bad raises LiveStateCorrupt at the next step() or save())."""
+        if step != self._resumed_at:
+            self._resumed_at = None  # trained past the loaded step: its save is a new checkpoint
         now = time.monotonic()
         # The coordinator's own ledger bookkeeping (last step's replay rows) is not training time: left in, it
         # would widen the spread the straggler rule measures and hide a real straggler.
@@ -429,6 +432,13 @@ class Checkpointer:
         both come from its next step()/save()/wait() (as ScoutError, the cause chained)."""
         if self._closed:
             raise ScoutError("Checkpointer is closed")
+        if step == self._resumed_at:
+            # The state was just loaded from this step's certified checkpoint (a resume that saves at once, as
+            # nanoGPT's loop does): that checkpoint already holds it, and a save never replaces a certified one.
+            if self.is_coordinator:
+                scout_log.logger.info("step %d: resumed from its certified checkpoint; not saved again", step)
+            return {"state": "certified", "reasons": [], "not_saved": "resumed_from_this_step"}
+        self._resumed_at = None
         if self.local is not None:
             self.local.wait()  # the local save this state descends from: its verdict is assessed with this one
         self._raise_live_fault()  # the previous async or local save's, if it found the live state bad
@@ -604,6 +614,7 @@ class Checkpointer:
             step = self._loader.load(state)
         # What was loaded (or the fresh start) is the new lineage: nothing before it taints the saves to come.
         self.lineage.clear()
+        self._resumed_at = step
         if step is None:
             return None
         if self.replay is not None:

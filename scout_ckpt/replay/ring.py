@@ -210,7 +210,7 @@ def run(
     offset: int,
     deterministic: bool,
     gather,
-) -> list[dict]:
+) -> tuple[list[dict], list[str]]:
     """One ring round over the module targets `items` ((target, this rank's capture) pairs, the same targets in
     the same order on every rank): exchange, replay, one gather of outcomes, the tie-break where one pair
     disagrees (one more replay on one rank, one more gather), rows. `gather(values)` is the runner's all_gather
@@ -237,11 +237,15 @@ def run(
         ]
         again = gather(mine)
         tiebreaks = [{w: int(again[w][i])} if w is not None else None for i, w in enumerate(who)]
-    rows = []
+    rows: list[dict] = []
+    unchecked: list[str] = []
     for i, (target, _) in enumerate(items):
         status, ranks, detail = judge(outcomes[i], peers, tiebreaks[i])
         if not detail["ring"]["checked"]:
-            continue  # no rank's capture could be checked: no row (coverage incomplete), never a clean one
+            # no rank's capture could be checked against a live step (none signed one: e.g. parameters still
+            # sharded at forward time): no ring row; the caller replays it in the broadcast round instead
+            unchecked.append(target[1])
+            continue
         took = {r: h[2 * i] for r, h in header.items()}
         detail.update(
             {
@@ -262,7 +266,7 @@ def run(
                 "detail": detail,
             }
         )
-    return rows
+    return rows, unchecked
 
 
 __all__ = ["check", "exchange", "judge", "needs_tiebreak", "predecessor", "run", "successor"]

@@ -318,7 +318,7 @@ class ReplayRunner:
                 rest = [(t, cap) for t, cap in items if all(t != r[0] for r in ringed)]
                 rows = self._replay_batch(step, rest, src, share=share) if rest else []
                 if ringed:
-                    found = ring.run(
+                    found, unchecked = ring.run(
                         step,
                         ringed,
                         peers=self.peers,
@@ -337,6 +337,9 @@ class ReplayRunner:
                         self._timing(step, t, {int(r): d for r, d in row["detail"]["durations"].items()})
                         row["detail"].update(live_step.grads_detail(self.grad_notes.get(t[1]) or []))
                     rows += found
+                    if unchecked:  # no live signature anywhere (the same on every rank): the peers' cross replay
+                        again = [(t, cap) for t, cap in ringed if t[1] in set(unchecked)]
+                        rows += self._replay_batch(step, again, src, share=share)
                     order = {t[1]: i for i, t in enumerate(self._targets)}
                     rows.sort(key=lambda r: order.get(r["target"], len(order)))
             else:
