@@ -34,6 +34,14 @@ def torchrun(save_dir, events, *extra, restarts=0, ok=True, nproc=2):
     return jobs.torchrun(SCRIPT, save_dir, events, *extra, restarts=restarts, ok=ok, nproc=nproc)
 
 
+def _run_failing(tmp_path, save_dir, ev, *args, nproc=2) -> subprocess.CompletedProcess:
+    """The job under torchrun when it is expected to end on an error: the completed process, stderr included."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    cmd += [str(SCRIPT), str(save_dir), "--events", str(ev), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+
+
 # ---- torch-free pieces ----------------------------------------------------------------------------------------
 
 
@@ -312,29 +320,13 @@ def test_zero0_default_options_compare_model_and_optimizer_and_certify(tmp_path)
 @pytest.mark.scenario
 def test_zero1_replicas_that_disagree_reject_the_tag_and_end_the_generation(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(SCRIPT),
-        str(save_dir),
-        "--events",
-        str(ev),
-        "--stage",
-        "1",
-        "--steps",
-        "4",
-        "--save-every",
-        "2",
-        "--accept-single-owner",
-        "--diverge-at",
-        "4",
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    p = _run_failing(
+        tmp_path,
+        save_dir,
+        ev,
+        *"--stage 1 --steps 4 --save-every 2 --accept-single-owner --diverge-at 4".split(),
+        nproc="2",
+    )
     assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, why_failed(p.stderr)
     assert [(r["step"], r["verdict"]) for r in events(ev, "live_fault")] == [(4, "rejected")]
     assert "consensus_inconclusive" in events(ev, "live_fault")[0]["codes"]  # two replicas detect, never attribute
@@ -345,29 +337,13 @@ def test_zero1_replicas_that_disagree_reject_the_tag_and_end_the_generation(tmp_
 @pytest.mark.scenario
 def test_zero1_nan_in_a_single_owner_partition_is_caught_by_its_writer(tmp_path):
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(SCRIPT),
-        str(save_dir),
-        "--events",
-        str(ev),
-        "--stage",
-        "1",
-        "--steps",
-        "4",
-        "--save-every",
-        "2",
-        "--accept-single-owner",
-        "--nan-at",
-        "4",
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    p = _run_failing(
+        tmp_path,
+        save_dir,
+        ev,
+        *"--stage 1 --steps 4 --save-every 2 --accept-single-owner --nan-at 4".split(),
+        nproc="2",
+    )
     assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, why_failed(p.stderr)
     assert [(r["step"], r["codes"]) for r in events(ev, "live_fault")] == [(4, ["invariant_failed"])]
     with Ledger.open(save_dir, readonly=True) as led:
@@ -396,31 +372,13 @@ def test_zero1_sdc_in_one_ranks_forward_is_never_certified_with_the_defaults(tmp
     replica, so the replicas agree (consensus passes); replay (on by default) must keep every step >= 3 from being
     certified and end the generation; at 3 ranks it names rank 1. Judged by where the fault was placed."""
     save_dir, ev = tmp_path / "ck", tmp_path / "events.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(SCRIPT),
-        str(save_dir),
-        "--events",
-        str(ev),
-        "--stage",
-        "1",
-        "--steps",
-        "6",
-        "--save-every",
-        "2",
-        "--accept-single-owner",
-        "--sdc-rank",
-        "1",
-        "--sdc-from",
-        "3",
-    ]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    p = _run_failing(
+        tmp_path,
+        save_dir,
+        ev,
+        *"--stage 1 --steps 6 --save-every 2 --accept-single-owner --sdc-rank 1 --sdc-from 3".split(),
+        nproc=str(nproc),
+    )
     assert p.returncode != 0 and "LiveStateCorrupt" in p.stderr, why_failed(p.stderr)
     assert states(save_dir) == {2: "certified", 4: "rejected"}
     assert (save_dir / "latest").read_text() == "global_step2"
