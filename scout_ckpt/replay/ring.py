@@ -30,7 +30,6 @@ framing). One small all_gather per round carries every rank's outcomes, so every
 
 from __future__ import annotations
 
-import io
 import pickle
 import time
 import warnings
@@ -43,7 +42,7 @@ from scout_ckpt.consensus.signatures import replica_signatures
 from scout_ckpt.replay import determinism, shared_params
 from scout_ckpt.replay import live as live_step
 from scout_ckpt.replay.execute import replay_target
-from scout_ckpt.replay.transport import _layout, _pickled, host
+from scout_ckpt.replay.transport import _layout, _pickled, host, unpickled
 
 DISAGREE = (live_step.SELF_OUTPUT, live_step.SELF_GRAD)
 
@@ -98,23 +97,7 @@ def exchange(objs: list, peers: list[int], group) -> list:
         bufs.append([flat[at : at + n] for at, n in spans])
     for w in works:
         w.wait()
-    out: list = []
-    for head, views in zip(their_heads, bufs):
-        if head is None:
-            out.append(None)
-            continue
-        data, metas = head
-        tensors = [
-            b.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
-            for b, (dtype, shape, nbytes) in zip(views, metas)
-        ]
-
-        class _In(pickle.Unpickler):
-            def persistent_load(self, pid, tensors=tensors):  # this head's tensors, loaded right below
-                return tensors[pid]
-
-        out.append(_In(io.BytesIO(data)).load())
-    return out
+    return [None if head is None else unpickled(head, views) for head, views in zip(their_heads, bufs)]
 
 
 def sendable(cap, share: bool):

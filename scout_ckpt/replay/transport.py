@@ -54,17 +54,7 @@ class Arrivals:
         if self._objs is not None:
             return self._objs[i]
         if i not in self._done:
-            data, metas = self._heads[i]
-            views = [
-                b.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
-                for b, (dtype, shape, nbytes) in zip(self._bufs[i], metas)
-            ]
-
-            class _In(pickle.Unpickler):
-                def persistent_load(self, pid):
-                    return views[pid]
-
-            self._done[i] = _In(io.BytesIO(data)).load()
+            self._done[i] = unpickled(self._heads[i], self._bufs[i])
         return self._done[i]
 
     def wait_all(self) -> None:
@@ -72,6 +62,22 @@ class Arrivals:
             for w in works:
                 w.wait()
             self._works[i] = []
+
+
+def unpickled(head: tuple, bufs: list[torch.Tensor]) -> Any:
+    """An object sent as `_pickled` framed it: its structure (`head`: pickle bytes and per tensor its dtype,
+    shape and size) over the tensors' received bytes (`bufs`), which become aligned views, not copies."""
+    data, metas = head
+    views = [
+        b.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        for b, (dtype, shape, nbytes) in zip(bufs, metas)
+    ]
+
+    class _In(pickle.Unpickler):
+        def persistent_load(self, pid):
+            return views[pid]
+
+    return _In(io.BytesIO(data)).load()
 
 
 def _pickled(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
