@@ -194,7 +194,13 @@ class Checkpointer:
             off_reason=off,
         )
         self.shard = ShardEvidence.start(
-            shard_evidence, mode=self.mode, model=model, optimizer=optimizer, group=self._pg, timeout_s=timeout_s
+            shard_evidence,
+            mode=self.mode,
+            model=model,
+            optimizer=optimizer,
+            group=self._pg,
+            timeout_s=timeout_s,
+            no_replicas=all(len(g) < 2 for g in topo.get("replica_groups") or [[0]]),
         )
         # What this run's saves prove and what "certified" requires of them (save_evidence.py).
         self._evidence = SaveEvidence(

@@ -71,7 +71,7 @@ from scout_ckpt.replay.optimizer_replay import (
 )
 from scout_ckpt.replay.schedule import SaveForecast, Schedule, Target, rotation_interval
 from scout_ckpt.replay.stragglers import StragglerRule
-from scout_ckpt.replay.targets import NoTargets, discover, resolve, runs_compiled, sites
+from scout_ckpt.replay.targets import NoTargets, discover, resolve, runs_compiled, sites, tensor_parallel_targets
 from scout_ckpt.replay.transport import broadcast_each, host, peer_group
 
 # A sweep hashes its targets' replayed tensors together, in batches of at least this many bytes (bounded: the
@@ -128,6 +128,12 @@ class ReplayRunner:
         )
         # first, before any process group is touched: a model replay cannot cover is refused at once
         self._targets = resolve(model, targets, opt) if targets is not None else discover(model, opt)
+        if targets is None:  # layers that are themselves tensor-parallel are left out by discovery: say so
+            self.not_covered += [
+                f"{p} (tensor-parallel layer: its inputs and outputs are shards; the block holding it is replayed)"
+                for p in tensor_parallel_targets(model)
+                if not any(p == t or p.startswith(f"{t}.") for _, t in self._targets)
+            ]
         self.rank = dist.get_rank()
         # interval None (the Checkpointer's default): AUTO_INTERVAL until the save period is known, then
         # stretched to it (_arm); an explicit interval is kept as given

@@ -111,6 +111,21 @@ def sites(model: nn.Module) -> dict[str, Site]:
     return out
 
 
+def tensor_parallel_io(m: nn.Module) -> bool:
+    """Is `m` itself tensor-parallelized: does it carry the input/output hooks torch's tensor parallelism installs
+    (`parallelize_module` with ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput/Output)?
+    Its call turns plain tensors into DTensors and back, so what it receives and returns are shards that a replay
+    of the whole layer on one rank (its parameters gathered full) cannot take. A block that *holds* such layers is
+    replayed whole: its own inputs and outputs are plain tensors, and the copy it is replayed on carries no hooks."""
+    hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+    return any((getattr(h, "__module__", None) or "").startswith("torch.distributed.tensor") for h in hooks)
+
+
+def tensor_parallel_targets(model: nn.Module) -> list[str]:
+    """User paths of the modules discovery leaves out for `tensor_parallel_io` (for coverage's "not covered")."""
+    return [p for p, s in sites(model).items() if p and tensor_parallel_io(s.outer)]
+
+
 def user_path(model: nn.Module, raw: str) -> str:
     """A path as `model.named_modules()` spells it (wrapper components included) -> the user path."""
     m, parts = model, []
@@ -171,7 +186,7 @@ def find_layers(all_sites: dict[str, Site]) -> list[str]:
     return [
         name
         for name, child in root._modules.items()
-        if child is not None and any(True for _ in unwrap(child).parameters())
+        if child is not None and any(True for _ in unwrap(child).parameters()) and not tensor_parallel_io(child)
     ]
 
 
@@ -209,15 +224,22 @@ def discover(model: nn.Module, optimizer=None) -> list[tuple[str, str]]:
             targets = [("embedding" if isinstance(all_sites[p].inner, nn.Embedding) else "block", p) for p in layers]
             return targets + ([("optimizer", OPTIMIZER)] if optimizer is not None else [])
         root = original_class(all_sites[""].inner).__name__
+        if tensor_parallel_targets(model):
+            raise NoTargets(
+                f"every layer of {root} that holds parameters is itself tensor-parallel (parallelize_module's "
+                f"hooks turn its inputs and outputs into shards), which a replay of the whole layer on one rank "
+                f"cannot take; replay covers blocks that hold tensor-parallel layers: name them with targets=, or "
+                f"turn replay off with replay=False"
+            )
         raise NoTargets(
             f"replay found no repeated blocks in {root} (looked for a ModuleList/ModuleDict/Sequential of "
             f"same-class layers); name them with targets=, e.g. Checkpointer(replay={{'targets': "
             f"{_example(all_sites)}}}), or turn replay off with replay=False"
         )
-    embeddings = find_embeddings(all_sites, blocks)
+    embeddings = [e for e in find_embeddings(all_sites, blocks) if not tensor_parallel_io(all_sites[e].outer)]
     head = find_head(all_sites, blocks, embeddings)
     targets = [("embedding", e) for e in embeddings] + [("block", b) for b in blocks]
-    if head is not None:
+    if head is not None and not tensor_parallel_io(all_sites[head].outer):
         targets.append(("head", head))
     if optimizer is not None:
         targets.append(("optimizer", OPTIMIZER))

@@ -79,7 +79,10 @@ class SaveEvidence:
             # Single-owner shards (pure FSDP) have no replica to compare with: only checks that pin a tensor's
             # values down can vouch for them (invariants.VOUCHES; `finite` and `monotone` never do), or the
             # cross-rank replay of every shard's update together with the at-rest check.
-            if any(c.vouches for c in self.checks) or (self.shard is not None and self.mode.startswith("fsdp")):
+            # Tensor-parallel shards without a data-parallel replica (a "+tp" mesh whose replicate dims are 1) are
+            # single-owner too, and vouched for the same way.
+            single_owner = self.mode.startswith("fsdp") or "+tp" in self.mode
+            if any(c.vouches for c in self.checks) or (self.shard is not None and single_owner):
                 allow_na.append("consensus")
             elif self.world_size < 2:
                 # one rank has no replica: certified on bytes and the finite checks, the gap named at start

@@ -39,11 +39,21 @@ class ShardEvidence:
 
     @classmethod
     def start(
-        cls, cfg: ShardEvidenceOptions | dict | bool | None, *, mode: str, model, optimizer, group, timeout_s: float
+        cls,
+        cfg: ShardEvidenceOptions | dict | bool | None,
+        *,
+        mode: str,
+        model,
+        optimizer,
+        group,
+        timeout_s: float,
+        no_replicas: bool = False,
     ) -> "ShardEvidence | None":
-        """None where it does not apply; creates its side groups now, in the same order on every rank."""
+        """None where it does not apply; creates its side groups now, in the same order on every rank. On by
+        default for sharded layouts: FSDP2 and HSDP, and tensor-parallel meshes without a data-parallel replica
+        (`no_replicas`: their TP shards have no copy for consensus to compare)."""
         cfg = as_shard_evidence(cfg)  # a misspelled key or a bad value fails here, naming the field
-        sharded = mode.startswith(("fsdp", "hsdp"))
+        sharded = mode.startswith(("fsdp", "hsdp")) or ("+tp" in mode and no_replicas)
         asked = cfg is not None
         if not (cfg if asked else sharded) or model is None or optimizer is None:
             return None
