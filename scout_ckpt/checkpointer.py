@@ -27,10 +27,10 @@ from scout_ckpt import object_store, options, policy
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.save_time import start_consensus
-from scout_ckpt.errors import ScoutError, one_line_refusals
+from scout_ckpt.errors import CommitError, ScoutError, StartRefused, one_line_refusals
 from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.observer import Observer
-from scout_ckpt.ops.startup import StartRefused, open_run_ledger
+from scout_ckpt.ops.startup import open_run_ledger
 from scout_ckpt.options import (
     FleetOptions,
     LocalTierOptions,
@@ -43,12 +43,11 @@ from scout_ckpt.save import commit, placement, run_facts
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.app_state import RankLocal
 from scout_ckpt.save.async_save import AsyncSaves
-from scout_ckpt.save.commit import CommitError
 from scout_ckpt.save.evidence.boundary import SaveEvidence
 from scout_ckpt.save.evidence.replay import ReplayEvidence
 from scout_ckpt.save.evidence.shard import ShardEvidence
 from scout_ckpt.save.lineage import Lineage
-from scout_ckpt.save.loading import LatestCleanLoader, LoadVerificationError  # noqa: F401  (re-exported)
+from scout_ckpt.save.loading import LatestCleanLoader  # noqa: F401  (re-exported)
 from scout_ckpt.save.loading import materialize as _materialize
 from scout_ckpt.save.storage import FaultHook, ScoutWriter
 

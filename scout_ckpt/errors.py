@@ -87,6 +87,73 @@ class Quarantined(ScoutError):
     exit_code = 1
 
 
+class StartRefused(LedgerError):
+    """The job must not start on this ROOT's ledger as it is; the message says what to run."""
+
+
+class CheckpointsUnreadable(StartRefused):
+    """Certified checkpoints exist but none could be read now (an I/O error, a missing peer, an unreachable
+    store): the job refuses to start from step 0 over them (exit code 75, EX_TEMPFAIL: try again later; on every
+    rank alike). "Could not check" is no evidence of a bad checkpoint: torchrun's next restart (or the operator,
+    once the storage answers) tries them again."""
+
+    exit_code = 75
+
+
+class CheckpointsUnverified(StartRefused):
+    """Checkpoints exist whose trust a ledger rebuild could not re-establish (`unverified_after_rebuild`: the
+    journal that vouched for their consensus and replay is lost or broken), and no certified one is left: the
+    job refuses to start from step 0 over them (exit code 2, on every rank alike; a retry does not help, a person
+    decides: restore the journal and rebuild, or give the new run its own ROOT)."""
+
+
+class StateOverwritten(StartRefused):
+    """load_latest_clean put a checkpoint's values into the caller's state, found they did not match what was
+    certified (the step is rejected), and no older certified checkpoint was left: the state holds those values,
+    so the job must not train on it (exit code 75, on every rank alike). The next start, in a fresh process,
+    finds the step rejected and starts from fresh state."""
+
+    exit_code = 75
+
+
+class RootInUse(StartRefused):
+    """Another job's Checkpointer holds this ROOT's run lease (exit code 2): two jobs would overwrite each other's
+    checkpoints. Point the second job at its own ROOT, or stop the first."""
+
+
+class LedgerUnavailable(LedgerError):
+    """The ledger file exists but cannot be read now: locked beyond the busy timeout, corrupt, a hot journal a
+    read-only reader cannot roll back, or WAL on a network filesystem. Readers with a fallback (ls, resume) read
+    the checkpoints' manifests and the journal instead (scout_ckpt/ops/disk_view.py)."""
+
+
+class SaveRefused(ScoutError):
+    """The coordinator refused to start a save (e.g. the step is quarantined); raised on every rank."""
+
+    exit_code = 1
+
+
+class CommitError(ScoutError):
+    """The checkpoint could not be published (nothing at step-S changed); raised on every rank."""
+
+    exit_code = 1
+
+
+class LoadVerificationError(ScoutError):
+    """The state passed to load_latest_clean cannot take the saved values (the caller's error: the checkpoint
+    keeps its state)."""
+
+
+class ManifestExists(ScoutError):
+    """The attempt's manifest already exists (conditional create refused): another writer published it."""
+
+    exit_code = 1
+
+
+class NoTargets(ScoutError):
+    """Replay found nothing to cover on the model; the message says how to name the targets."""
+
+
 # Refusals every rank raises alike (the same broadcast decision): the one line is printed by rank 0 alone.
 _COLLECTIVE = ("StartRefused", "CheckpointsUnreadable", "LiveStateCorrupt")
 _HOOKED = False

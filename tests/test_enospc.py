@@ -26,7 +26,7 @@ def _fill_the_disk(rank, world, root):
     import torch
 
     from scout_ckpt import Checkpointer
-    from scout_ckpt.save.commit import CommitError
+    from scout_ckpt.errors import CommitError
 
     ck = Checkpointer(root, model=torch.nn.Linear(4, 4))
     out = {}

@@ -12,7 +12,7 @@ from tests.conftest import REPO
 
 SCRIPT = """
 from scout_ckpt.errors import one_line_refusals
-from scout_ckpt.ops.startup import StartRefused
+from scout_ckpt.errors import StartRefused
 one_line_refusals()
 raise StartRefused("ROOT: no certified checkpoint, but 2 saved tag(s) exist. Fix: accept_single_owner=True")
 """

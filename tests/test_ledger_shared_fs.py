@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from scout_ckpt.errors import BadInput
+from scout_ckpt.errors import BadInput, LedgerUnavailable
 from scout_ckpt.format.layout import LEDGER_NAME, MANIFEST_NAME
-from scout_ckpt.ledger import Ledger, LedgerUnavailable, fsdetect
+from scout_ckpt.ledger import Ledger, fsdetect
 from scout_ckpt.ledger.store import header_journal
 from tests.conftest import run_cli
 

@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from scout_ckpt.ops.startup import RootInUse, take_run_lease
+from scout_ckpt.errors import RootInUse
+from scout_ckpt.ops.startup import take_run_lease
 from tests.conftest import REPO
 from tests.test_murphy_interval import cli, run_job, saved
 
@@ -31,7 +32,7 @@ def test_the_run_lease_is_shared_in_one_process_and_refuses_another(tmp_path):
     assert a is b and a.held
     a.record()  # what open_run_ledger does once the start succeeded
     code = (
-        "import sys; from scout_ckpt.ops.startup import take_run_lease, RootInUse\n"
+        "import sys; from scout_ckpt.ops.startup import take_run_lease; from scout_ckpt.errors import RootInUse\n"
         "l = take_run_lease(sys.argv[1], wait_s=0)\n"
         "try:\n    l.check()\nexcept RootInUse as e:\n    print('refused', e)\n"
     )

@@ -357,7 +357,7 @@ def _load_with_eio_everywhere(rank, world, root):
     import torch
 
     from scout_ckpt.checkpointer import Checkpointer
-    from scout_ckpt.ops.startup import CheckpointsUnreadable
+    from scout_ckpt.errors import CheckpointsUnreadable
     from tests.workers_ckpt import ddp, make_model, state_of, train_steps
 
     real = os.open

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from scout_ckpt.errors import ScoutError
+from scout_ckpt.errors import NoTargets, ScoutError
 from scout_ckpt.replay.schedule import coverage
-from scout_ckpt.replay.targets import NoTargets, discover, resolve, sites, user_path
+from scout_ckpt.replay.targets import discover, resolve, sites, user_path
 from scout_ckpt.testing.launch import run_ranks
 from tests import workers_replay_targets as w
 

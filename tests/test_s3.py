@@ -497,7 +497,7 @@ def _store(run):
 def test_manifest_is_a_conditional_create_and_an_error_mid_upload_commits_nothing(run):
     import xxhash
 
-    from scout_ckpt.object_store.store import ManifestExists
+    from scout_ckpt.errors import ManifestExists
     from scout_ckpt.save.object_store_io import _ObjectFileSystem
 
     store = _store(run)

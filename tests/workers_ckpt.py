@@ -247,7 +247,7 @@ def _live_fault(ckpt, step, state):
 def load_into(rank, world, root, with_moments):
     """Load the latest clean checkpoint into a fresh model + AdamW; without moments the state has nowhere to
     put the saved exp_avg/exp_avg_sq, which load verification must refuse."""
-    from scout_ckpt.checkpointer import LoadVerificationError
+    from scout_ckpt.errors import LoadVerificationError
 
     model = make_model(seed=3)
     net = ddp(model)
@@ -483,7 +483,7 @@ def option_effects(rank, world, root):
 
     # verify_load=False: the loaded values are not checked against the save's signatures. A loader bug (one bit
     # of a loaded weight flipped right after dcp.load, the after_load fault point) goes unnoticed.
-    from scout_ckpt.ops.startup import StateOverwritten
+    from scout_ckpt.errors import StateOverwritten
 
     def corrupt(point, step):
         if point == "after_load":

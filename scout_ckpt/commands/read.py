@@ -95,7 +95,8 @@ def ls(root: Path, as_json: bool) -> int:
 def _local_rows(root: Path) -> list[dict]:
     """The local tier's rows ([] when the ledger has none); read after list_checkpoints found the ledger
     readable. A ledger that turned unreadable in between costs the local rows (a warning), never the listing."""
-    from scout_ckpt.ledger import Ledger, LedgerUnavailable
+    from scout_ckpt.errors import LedgerUnavailable
+    from scout_ckpt.ledger import Ledger
     from scout_ckpt.ops.tier_views import local_rows
 
     try:

@@ -62,13 +62,12 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 
 import scout_ckpt
 from scout_ckpt import policy
-from scout_ckpt.errors import LiveStateCorrupt, ScoutError
+from scout_ckpt.errors import LiveStateCorrupt, ScoutError, StartRefused
 from scout_ckpt.format.digests import digest_files
 from scout_ckpt.integrations import ds_folders
 from scout_ckpt.integrations.ds_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
-from scout_ckpt.ops.startup import StartRefused
 
 log = logging.getLogger("scout_ckpt.deepspeed")
 

@@ -396,7 +396,7 @@ class ScoutStrategyMixin:
             return super().load_checkpoint(path, weights_only=weights_only)
         newest = self.broadcast(self._scout_newest() if scout.is_coordinator else None)
         if want != LATEST_CLEAN and newest is not None and want < newest:
-            from scout_ckpt.ops.startup import StartRefused  # every rank alike: one line, from rank 0
+            from scout_ckpt.errors import StartRefused
 
             raise StartRefused(
                 f"scout-ckpt: {path} is step {want}, older than the latest clean checkpoint (step "

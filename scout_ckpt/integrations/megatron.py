@@ -55,12 +55,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 import scout_ckpt
 from scout_ckpt import policy
-from scout_ckpt.errors import LiveStateCorrupt, ScoutError
+from scout_ckpt.errors import LiveStateCorrupt, ScoutError, StartRefused
 from scout_ckpt.integrations import mg_folders
 from scout_ckpt.integrations.mg_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import COORDINATOR, IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
-from scout_ckpt.ops.startup import StartRefused
 
 log = logging.getLogger("scout_ckpt.megatron")
 

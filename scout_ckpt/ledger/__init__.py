@@ -5,7 +5,7 @@ side, store.py the state machine's writes; `Ledger` (store.py) is all three in o
 """
 
 from scout_ckpt.ledger.schema import SCHEMA_VERSION
-from scout_ckpt.ledger.store import Ledger, LedgerUnavailable
+from scout_ckpt.ledger.store import Ledger
 from scout_ckpt.ledger.transitions import ALLOWED, STATES
 
-__all__ = ["Ledger", "LedgerUnavailable", "STATES", "ALLOWED", "SCHEMA_VERSION"]
+__all__ = ["Ledger", "STATES", "ALLOWED", "SCHEMA_VERSION"]

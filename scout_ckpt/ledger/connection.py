@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 if TYPE_CHECKING:
     import sqlite_utils
 
-from scout_ckpt.errors import LedgerError
+from scout_ckpt.errors import LedgerError, LedgerUnavailable
 from scout_ckpt.format.layout import LEDGER_NAME
 from scout_ckpt.ledger import fsdetect
 from scout_ckpt.ledger.schema import AUX_TABLES, MIGRATIONS, SCHEMA_VERSION
@@ -43,12 +43,6 @@ def _busy_timeout(readonly: bool = False) -> float:
     if readonly:
         timeout = min(timeout, float(os.environ.get("SCOUT_CKPT_READ_BUSY_TIMEOUT", DEFAULT_READ_BUSY_TIMEOUT_S)))
     return timeout
-
-
-class LedgerUnavailable(LedgerError):
-    """The ledger file exists but cannot be read now: locked beyond the busy timeout, corrupt, a hot journal a
-    read-only reader cannot roll back, or WAL on a network filesystem. Readers with a fallback (ls, resume) read
-    the checkpoints' manifests and the journal instead (scout_ckpt/ops/disk_view.py)."""
 
 
 # Descriptors of database files opened to read their header, kept open for the life of the process and never

@@ -16,7 +16,7 @@ from typing import Callable
 
 import xxhash
 
-from scout_ckpt.errors import BadInput, ScoutError
+from scout_ckpt.errors import BadInput, ManifestExists, ScoutError
 from scout_ckpt.format import layout
 from scout_ckpt.format import manifest as manifest_mod
 from scout_ckpt.format.digests import ALGO, CHUNK, bytes_digest
@@ -27,12 +27,6 @@ from scout_ckpt.policy import FAIL, MISSING, PASS, evidence
 # Ranged GETs in flight at once when verifying (each CHUNK bytes): object stores reward parallel requests far
 # more than local disks do; the window bounds memory to THREADS x 2 x CHUNK.
 THREADS = 8
-
-
-class ManifestExists(ScoutError):
-    """The attempt's manifest already exists (conditional create refused): another writer published it."""
-
-    exit_code = 1
 
 
 def _import_fsspec():

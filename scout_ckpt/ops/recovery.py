@@ -9,10 +9,10 @@ import sqlite3
 from pathlib import Path
 
 from scout_ckpt import object_store, policy
-from scout_ckpt.errors import BadInput, LedgerError, NoCleanCheckpoint, ScoutError
+from scout_ckpt.errors import BadInput, LedgerError, LedgerUnavailable, NoCleanCheckpoint, ScoutError
 from scout_ckpt.format import manifest as manifest_mod
 from scout_ckpt.format.verify import could_not_check, only_unchecked, unchecked_reason, verify_files
-from scout_ckpt.ledger import Ledger, LedgerUnavailable, journal
+from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops import disk_view
 
 # `resume` records when it re-checked the bytes only if the ledger takes the write within this long.

@@ -50,47 +50,18 @@ import threading
 import time
 from pathlib import Path
 
-from scout_ckpt.errors import LedgerError, ScoutError
+from scout_ckpt.errors import (
+    LedgerError,
+    RootInUse,
+    ScoutError,
+    StartRefused,
+)
 from scout_ckpt.format.layout import LEASES_DIR, LEDGER_NAME, MANIFEST_NAME, list_checkpoint_dirs
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.ledger.connection import header_journal
 from scout_ckpt.ops.settle import try_exclusive
 
 logger = logging.getLogger("scout_ckpt")
-
-
-class StartRefused(LedgerError):
-    """The job must not start on this ROOT's ledger as it is; the message says what to run."""
-
-
-class CheckpointsUnreadable(StartRefused):
-    """Certified checkpoints exist but none could be read now (an I/O error, a missing peer, an unreachable
-    store): the job refuses to start from step 0 over them (exit code 75, EX_TEMPFAIL: try again later; on every
-    rank alike). "Could not check" is no evidence of a bad checkpoint: torchrun's next restart (or the operator,
-    once the storage answers) tries them again."""
-
-    exit_code = 75
-
-
-class CheckpointsUnverified(StartRefused):
-    """Checkpoints exist whose trust a ledger rebuild could not re-establish (`unverified_after_rebuild`: the
-    journal that vouched for their consensus and replay is lost or broken), and no certified one is left: the
-    job refuses to start from step 0 over them (exit code 2, on every rank alike; a retry does not help, a person
-    decides: restore the journal and rebuild, or give the new run its own ROOT)."""
-
-
-class StateOverwritten(StartRefused):
-    """load_latest_clean put a checkpoint's values into the caller's state, found they did not match what was
-    certified (the step is rejected), and no older certified checkpoint was left: the state holds those values,
-    so the job must not train on it (exit code 75, on every rank alike). The next start, in a fresh process,
-    finds the step rejected and starts from fresh state."""
-
-    exit_code = 75
-
-
-class RootInUse(StartRefused):
-    """Another job's Checkpointer holds this ROOT's run lease (exit code 2): two jobs would overwrite each other's
-    checkpoints. Point the second job at its own ROOT, or stop the first."""
 
 
 RUN_LEASE_NAME = "run.owner"  # not *.lock: the saves' own leases beside it are

@@ -47,7 +47,8 @@ def list_checkpoints(root) -> tuple[list[dict], str | None]:
     that restart tooling never blocks on the ledger (disk_view.py)."""
     import sqlite3
 
-    from scout_ckpt.ledger import Ledger, LedgerUnavailable
+    from scout_ckpt.errors import LedgerUnavailable
+    from scout_ckpt.ledger import Ledger
     from scout_ckpt.ops import disk_view
 
     try:

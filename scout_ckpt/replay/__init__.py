@@ -3,7 +3,7 @@ re-execute it on every peer, compare exact signatures with C3, and report covera
 
 from scout_ckpt.replay.schedule import Schedule, coverage, discover_targets
 
-__all__ = ["NoTargets", "ReplayRunner", "Schedule", "coverage", "discover_targets", "replaying"]
+__all__ = ["ReplayRunner", "Schedule", "coverage", "discover_targets", "replaying"]
 
 
 def __getattr__(name):  # the runner imports torch.distributed; keep `coverage` importable without it
@@ -11,10 +11,6 @@ def __getattr__(name):  # the runner imports torch.distributed; keep `coverage` 
         from scout_ckpt.replay.runner import ReplayRunner
 
         return ReplayRunner
-    if name == "NoTargets":
-        from scout_ckpt.replay.targets import NoTargets
-
-        return NoTargets
     if name == "replaying":
         from scout_ckpt.replay.execute import replaying
 

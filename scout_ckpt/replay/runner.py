@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scout_ckpt.errors import NoTargets
 from scout_ckpt.options import DEFAULT_REPLAY_INTERVAL as AUTO_INTERVAL  # until the save period is known
 from scout_ckpt.replay import live as live_step
 from scout_ckpt.replay import (
@@ -71,7 +72,7 @@ from scout_ckpt.replay.optimizer_replay import (
 )
 from scout_ckpt.replay.schedule import SaveForecast, Schedule, Target, rotation_interval
 from scout_ckpt.replay.stragglers import StragglerRule
-from scout_ckpt.replay.targets import NoTargets, discover, resolve, runs_compiled, sites, tensor_parallel_targets
+from scout_ckpt.replay.targets import discover, resolve, runs_compiled, sites, tensor_parallel_targets
 from scout_ckpt.replay.transport import broadcast_each, host, peer_group
 
 # A sweep hashes its targets' replayed tensors together, in batches of at least this many bytes (bounded: the

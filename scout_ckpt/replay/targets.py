@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from scout_ckpt.errors import ScoutError
+from scout_ckpt.errors import NoTargets
 
 # Child names a wrapper keeps its wrapped module under (DDP's `module` only counts on DDP/DataParallel).
 _WRAPPER_CHILDREN = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
@@ -31,10 +31,6 @@ _WRAPPER_CHILDREN = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_m
 BLOCK_NAMES = ("layers", "h", "blocks", "block", "layer", "resblocks")
 HEAD_NAMES = ("lm_head", "head", "output", "embed_out", "classifier")
 OPTIMIZER = "optimizer"
-
-
-class NoTargets(ScoutError):
-    """Replay found nothing to cover on the model; the message says how to name the targets."""
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from scout_ckpt import policy
-from scout_ckpt.errors import ScoutError
+from scout_ckpt.errors import CommitError, SaveRefused
 from scout_ckpt.format import layout, manifest
 from scout_ckpt.format.digests import digest_files
 from scout_ckpt.ledger import Ledger, journal
@@ -56,18 +56,6 @@ from scout_ckpt.ops import retention
 from scout_ckpt.ops.settle import settle_writing, take_lease, this_process_owner, tmp_dir_alive
 
 COORDINATOR = 0
-
-
-class SaveRefused(ScoutError):
-    """The coordinator refused to start a save (e.g. the step is quarantined); raised on every rank."""
-
-    exit_code = 1
-
-
-class CommitError(ScoutError):
-    """The checkpoint could not be published (nothing at step-S changed); raised on every rank."""
-
-    exit_code = 1
 
 
 def write_failure(e: BaseException) -> str:

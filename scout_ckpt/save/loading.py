@@ -30,22 +30,22 @@ from scout_ckpt import policy
 from scout_ckpt.consensus.full import REPLICA_PREFIX, full_signatures
 from scout_ckpt.consensus.mesh import full_signable
 from scout_ckpt.consensus.signatures import flatten_state
-from scout_ckpt.errors import ScoutError
+from scout_ckpt.errors import (
+    CheckpointsUnreadable,
+    CheckpointsUnverified,
+    LoadVerificationError,
+    ScoutError,
+    StateOverwritten,
+)
 from scout_ckpt.format.verify import COULD_NOT_CHECK, only_unchecked, verify_files
 from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops.rebuild_ledger import UNVERIFIED
 from scout_ckpt.ops.recovery import record_verification_failure, trusted_manifest
-from scout_ckpt.ops.startup import CheckpointsUnreadable, CheckpointsUnverified, StateOverwritten
 from scout_ckpt.save import local_tier_rows as local_rows
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.verified_reader import VerifiedFileSystemReader, is_metadata_changed
 
 COORDINATOR = 0
-
-
-class LoadVerificationError(ScoutError):
-    """The state passed to load_latest_clean cannot take the saved values (the caller's error: the checkpoint
-    keeps its state)."""
 
 
 def materialize(state: dict) -> dict:

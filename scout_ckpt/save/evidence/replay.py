@@ -16,9 +16,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from scout_ckpt import policy
+from scout_ckpt.errors import NoTargets
 from scout_ckpt.ledger import journal
 from scout_ckpt.options import ReplayOptions, as_replay
-from scout_ckpt.replay import NoTargets, ReplayRunner
+from scout_ckpt.replay import ReplayRunner
 from scout_ckpt.replay import coverage as replay_coverage
 from scout_ckpt.save import log
 
