@@ -253,9 +253,9 @@ def test_the_readme_demo_command(tmp_path):
     # observers see it gone and attribute it by strict majority. Afterwards: torchrun tore the others down before
     # their observers left a final word, so the next generation records the crash from the status files and,
     # failing closed, blames no rank but says which stopped first (observer/aftermath.py).
-    if crash["ranks"] != [1]:
-        assert crash["ranks"] == [] and crash["detail"]["source"] == "previous_generation", crash
-        assert (crash["detail"]["attribution"], crash["detail"]["first_stopped"]) == ("unattributed", [1]), crash
+    # One outcome: rank 1 named, as the blamed rank or as the first to stop.
+    named = crash["ranks"] or (crash["detail"] or {}).get("first_stopped")
+    assert named == [1], crash
     g0, g1 = r["generations"]
     assert (g0["outcome"], g0["event"], g0["ranks"]) == ("failed", "crash", crash["ranks"])
     assert g1["outcome"] == "ok" and g1["resumed_from"] is None  # step 10 rotted: nothing clean before it
