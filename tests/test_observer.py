@@ -21,6 +21,8 @@ from scout_ckpt.testing.launch import run_ranks
 from tests import workers_observer as W
 from tests.placement import place
 
+pytestmark = pytest.mark.timing  # its outcome depends on timing: `make stress` runs it under load
+
 WORLD = 4
 STEPS = 10  # workers_observer.train's default
 

@@ -9,8 +9,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer import aftermath
+
+pytestmark = pytest.mark.timing  # its outcome depends on timing: `make stress` runs it under load
 
 HOST = os.uname().nodename
 DEAD_PID = 4_194_000  # above the default pid_max: no such process

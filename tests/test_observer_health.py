@@ -14,6 +14,8 @@ from scout_ckpt.ledger import Ledger
 from scout_ckpt.observer.daemon import Observer, channel_dir
 from scout_ckpt.observer.health import NullHealthSource, NvmlHealthSource, default_source
 
+pytestmark = pytest.mark.timing  # its outcome depends on timing: `make stress` runs it under load
+
 
 def _nvml_present() -> bool:
     return NvmlHealthSource(0).available

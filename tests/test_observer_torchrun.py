@@ -51,7 +51,7 @@ def fault_plan(request, kinds: list[str], world: int, straggler: bool) -> tuple[
     return ",".join(plan), pls, resumed
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]  # timing: `make stress` runs it under load
 
 
 def torchrun(root: Path, nproc: int, restarts: int, *args: str) -> subprocess.CompletedProcess:

@@ -27,7 +27,7 @@ from tests.conftest import REPO, run_cli
 
 SCRIPT = REPO / "tests" / "scripts" / "user_ddp_job.py"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]  # timing: `make stress` runs it under load
 
 
 def torchrun(root: Path, nproc: int, *args: str, restarts: int = 1, timeout: float = 280.0):
