@@ -51,9 +51,5 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 def __getattr__(name: str):
     if name in _LAZY:
-        if name == "latest_clean":  # a ROOT may hold the Trainer's checkpoint-N folders: register that layout
-            importlib.import_module("scout_ckpt.integrations.folders")
-            importlib.import_module("scout_ckpt.integrations.ds_folders")  # and DeepSpeed's global_stepN
-            importlib.import_module("scout_ckpt.integrations.mg_folders")  # and Megatron's iter_NNNNNNN
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'scout_ckpt' has no attribute {name!r}")

@@ -19,9 +19,11 @@ import typer
 from scout_ckpt.commands import fleet as fleet_cmds
 from scout_ckpt.commands import maintain, read
 from scout_ckpt.errors import ScoutError
-from scout_ckpt.integrations import ds_folders as _ds_folders  # noqa: F401  registers DeepSpeed's global_stepN
-from scout_ckpt.integrations import folders as _folders  # noqa: F401  registers the Trainer's checkpoint-N layout
-from scout_ckpt.integrations import mg_folders as _mg_folders  # noqa: F401  registers Megatron's iter_NNNNNNN
+from scout_ckpt.format.framework_folders import register_framework_layouts
+from scout_ckpt.integrations import mg_folders as _mg_folders  # noqa: F401  declares Megatron-Core's adopt layout
+
+# The frameworks' folder names (checkpoint-N, global_stepN, iter_NNNNNNN): every command reads such ROOTs.
+register_framework_layouts()
 
 app = typer.Typer(
     add_completion=False,

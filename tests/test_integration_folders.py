@@ -162,3 +162,27 @@ def test_retention_keeps_the_only_certified_folder_where_the_trainers_rotation_w
         assert out["delete"] == [4, 6] and out["protected"] == 2
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["checkpoint-2"]
     assert folders.latest_clean_row(root)["step"] == 2
+
+
+def test_latest_clean_reads_framework_folders_without_importing_an_integration(root):
+    """`scout_ckpt.latest_clean` names the frameworks' folder layouts itself (format/framework_folders.py), in a
+    process that imported no integration module: the Trainer's certified checkpoint-N is found."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = (
+        "import json, sys, scout_ckpt; r = scout_ckpt.latest_clean(sys.argv[1]); "
+        "print(json.dumps({'step': r['step'], 'integrations': sorted(m for m in sys.modules if '.integrations' in m)}))"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(root)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {"step": 4, "integrations": []}  # the fixture certified checkpoint-2 and -4

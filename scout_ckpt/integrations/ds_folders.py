@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 
-from scout_ckpt.format.layout import atomic_write_bytes, fsync_dir, register_folder_layout
+from scout_ckpt.format.framework_folders import DEEPSPEED, register_framework_layouts
+from scout_ckpt.format.layout import atomic_write_bytes, fsync_dir
 
 log = logging.getLogger("scout_ckpt.deepspeed")
 
-LAYOUT = "deepspeed"
+LAYOUT = DEEPSPEED.name
 LATEST = "latest"
 HIDDEN_LATEST = "latest.scout-uncertified"
-FOLDER_RE = re.compile(r"^global_step(\d+)$")
+FOLDER_RE = DEEPSPEED.pattern
 
 
 def folder_name(step: int) -> str:
@@ -32,12 +32,10 @@ def folder_name(step: int) -> str:
     return f"global_step{step}"
 
 
-def parse_folder(name: str) -> int | None:
-    m = FOLDER_RE.match(name)
-    return int(m.group(1)) if m else None
+parse_folder = DEEPSPEED.parse
 
 
-register_folder_layout(LAYOUT, parse_folder)
+register_framework_layouts()  # this integration reads and writes the layout: said here, explicitly
 
 
 def read_latest(save_dir: str | os.PathLike) -> str | None:

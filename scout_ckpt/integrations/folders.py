@@ -20,20 +20,20 @@ read it like a DCP step. The run's policy carries `"layout": "hf-trainer"`.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Collection
 from pathlib import Path
 
 from scout_ckpt.errors import NotFound
 from scout_ckpt.format.digests import relpaths
-from scout_ckpt.format.layout import MANIFEST_NAME, register_folder_layout, remove_dir, scan_dirs
+from scout_ckpt.format.framework_folders import HF_TRAINER, register_framework_layouts
+from scout_ckpt.format.layout import MANIFEST_NAME, remove_dir, scan_dirs
 from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops import retention
 from scout_ckpt.ops.settle import settle_writing
 
-LAYOUT = "hf-trainer"
+LAYOUT = HF_TRAINER.name
 PREFIX = "checkpoint"
-FOLDER_RE = re.compile(r"^checkpoint-(\d+)$")
+FOLDER_RE = HF_TRAINER.pattern
 
 
 def folder_name(step: int) -> str:
@@ -41,9 +41,7 @@ def folder_name(step: int) -> str:
     return f"{PREFIX}-{step}"
 
 
-def parse_folder(name: str) -> int | None:
-    m = FOLDER_RE.match(name)
-    return int(m.group(1)) if m else None
+parse_folder = HF_TRAINER.parse
 
 
 def list_folders(root: str | os.PathLike) -> dict[int, Path]:
@@ -51,7 +49,7 @@ def list_folders(root: str | os.PathLike) -> dict[int, Path]:
     return scan_dirs(root, parse_folder)
 
 
-register_folder_layout(LAYOUT, parse_folder)
+register_framework_layouts()  # this integration reads and writes the layout: said here, explicitly
 
 
 def run_policy(world_size: int, invariant_specs: list) -> dict:

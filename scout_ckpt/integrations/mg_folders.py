@@ -23,20 +23,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from pathlib import Path
 
-from scout_ckpt.format.layout import atomic_write_bytes, fsync_dir, register_folder_layout
+from scout_ckpt.format.framework_folders import MEGATRON, register_framework_layouts
+from scout_ckpt.format.layout import atomic_write_bytes, fsync_dir
 from scout_ckpt.format.safepaths import clip, read_bounded
 from scout_ckpt.ops.adopt_layouts import AdoptLayout
 from scout_ckpt.ops.adopt_layouts import register as register_adoptable
 
 log = logging.getLogger("scout_ckpt.megatron")
 
-LAYOUT = "megatron"
+LAYOUT = MEGATRON.name
 TRACKER = "latest_checkpointed_iteration.txt"
 HIDDEN_TRACKER = TRACKER + ".scout-uncertified"
-FOLDER_RE = re.compile(r"^iter_(\d{7,})$")
+FOLDER_RE = MEGATRON.pattern
 COMMON = "common.pt"  # the common (non-sharded) state, torch.save by rank 0
 CONFIG = "metadata.json"  # {"sharded_backend": "torch_dist", ...}: what Megatron's load reads first
 INTEGRITY = "integrity.json"  # Megatron-Core r0.18+: {"algorithm": "sha256", "files": {name: hex}}
@@ -47,9 +47,7 @@ def folder_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def parse_folder(name: str) -> int | None:
-    m = FOLDER_RE.match(name)
-    return int(m.group(1)) if m else None
+parse_folder = MEGATRON.parse
 
 
 def config_problems(step_dir: Path) -> list[dict]:
@@ -70,7 +68,7 @@ def config_problems(step_dir: Path) -> list[dict]:
     return []
 
 
-register_folder_layout(LAYOUT, parse_folder, dcp=True)  # torch_dist folders are DCP: read as such
+register_framework_layouts()  # this integration reads and writes the layout: said here, explicitly
 register_adoptable(
     AdoptLayout(
         LAYOUT,

@@ -11,6 +11,7 @@ from pathlib import Path
 from scout_ckpt import object_store, policy
 from scout_ckpt.errors import BadInput, LedgerError, LedgerUnavailable, NoCleanCheckpoint, ScoutError
 from scout_ckpt.format import manifest as manifest_mod
+from scout_ckpt.format.framework_folders import register_framework_layouts
 from scout_ckpt.format.verify import could_not_check, only_unchecked, unchecked_reason, verify_files
 from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops import disk_view
@@ -186,6 +187,7 @@ def latest_clean(
     A ledger_dir bound to an object store hands out the `s3://` URI, verified by ranged reads (no fallback: its
     manifests are not on this disk).
     """
+    register_framework_layouts()  # a ROOT may hold the frameworks' own folders: their names, said explicitly
     require = check_require(require)
     store = object_store.bound_store(root)
     try:
