@@ -98,7 +98,7 @@ gpu-check:
 	@$(GPU_PYTHON) scripts/gpu_check.py --wheels $(WHEELHOUSE) --out $(GPU_CHECK_OUT)
 
 # Lint: ruff (check, format --check) over the repository and mypy over the package, at the versions the `lint`
-# extra pins (pyproject.toml configures all three).
+# extra pins (pyproject.toml configures all three); then the generated API reference (docs/api.md) must be current.
 LINT := $(VENV)/.lint
 
 $(LINT): $(STAMP)
@@ -106,7 +106,8 @@ $(LINT): $(STAMP)
 	touch $(LINT)
 
 .PHONY: lint
-lint: $(LINT)
+lint: $(LINT) $(EXTRAS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy scout_ckpt
+	$(BIN)/python scripts/api_reference.py --check  # docs/api.md is what the code says (it imports every integration)

@@ -65,7 +65,7 @@ class Checkpointer:
 
     Options (the grouped ones are frozen dataclasses of scout_ckpt/options.py, a docstring per field; a dict
     with the same keys, True or False is accepted and converted there, and a misspelled key fails at once):
-    `replay` (ReplayOptions; None: on where the topology has no replicas), `observer` (ObserverOptions with its
+    `replay` (ReplayOptions; None: on at every topology of two or more ranks; False: off), `observer` (ObserverOptions with its
     StragglerRule; None: on, at every world size; False: off), `shard_evidence` (ShardEvidenceOptions; None: on for sharded layouts with a
     supported optimizer), `storage` (StorageOptions: `ledger_dir`, `storage_options`, `ledger_journal`, which
     are also accepted as keywords of their own). `async_save` (save() copies the state into a host buffer kept
