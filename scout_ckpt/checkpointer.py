@@ -63,27 +63,11 @@ def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
 class Checkpointer:
     """Certified DCP checkpoints under `root`.
 
-    Options (the grouped ones are frozen dataclasses of scout_ckpt/options.py, a docstring per field; a dict
-    with the same keys, True or False is accepted and converted there, and a misspelled key fails at once):
-    `replay` (ReplayOptions; None: on at every topology of two or more ranks; False: off), `observer` (ObserverOptions with its
-    StragglerRule; None: on, at every world size; False: off), `shard_evidence` (ShardEvidenceOptions; None: on for sharded layouts with a
-    supported optimizer), `storage` (StorageOptions: `ledger_dir`, `storage_options`, `ledger_journal`, which
-    are also accepted as keywords of their own). `async_save` (save() copies the state into a host buffer kept
-    between saves, as DCP's cache_staged_state_dict does, and returns; DCP writes that copy in a commit thread on
-    the checkpointer's own gloo groups; on an object store: dcp.async_save), `keep` (retention after each
-    durable commit: the `keep` newest certified checkpoints and every newer one still awaiting evidence),
-    `mesh` (the job's DeviceMesh; by default the root mesh of the model's DTensor parameters: replica groups
-    follow from it and each DTensor's placements), `mode`/`mesh_shape` (the old names "ddp", "fsdp", "hsdp" +
-    (replicate, shard); only when given do they override what the mesh says), `invariants` (specs, e.g.
-    ["finite"]), `consensus`/`consensus_exclude` (replica consensus, and fnmatch patterns of keys left out of
-    it), `finite` (the writers' finite check), `verify_load` (compare loaded values with the signatures recorded
-    at save), `timeout_s` (the side groups' timeout), `fault_hook(point, step)` (tests and the demo: called at
-    before_write, during_write, after_write, before_rename, after_rename, retention (coordinator), after_commit,
-    and after_load). `on_live_fault` ("raise", the default, or "continue"): what a save whose evidence shows the
-    live state bad does (LiveStateCorrupt, see `save`). `fleet` (FleetOptions, a path or a dict; None:
-    SCOUT_CKPT_FLEET, else off; False: off): the fleet record shared by jobs (docs/fleet.md): at start each rank
-    checks whether its device is a persistent suspect there (`on_suspect`), and the coordinator's recorder thread
-    appends this run's attributed verdicts with the hardware they name.
+    The grouped options are frozen dataclasses of scout_ckpt/options.py (a docstring per field); a dict with the
+    same keys, True or False is converted there, and a misspelled key fails at once, on every rank. A save whose
+    evidence shows the live state bad raises LiveStateCorrupt (see `save`) unless `on_live_fault="continue"`. The
+    fleet record (docs/fleet.md): at start each rank checks whether its device is a persistent suspect there
+    (`on_suspect`), and the coordinator's recorder thread appends this run's attributed verdicts.
 
     Opening a Checkpointer on a ROOT where another process is saving leaves that save alone: start-up settles
     only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile). A ledger lost beside
@@ -94,6 +78,34 @@ class Checkpointer:
     `root` may be an object-store URI (`s3://bucket/prefix`, the `scout-ckpt[s3]` extra): the ledger then lives
     in `ledger_dir` (local or shared POSIX), `storage_options` go to fsspec (s3fs: client_kwargs=
     {"endpoint_url": ...}); see scout_ckpt.object_store.
+
+    Args:
+        root: the checkpoints' directory, or an object-store URI (`s3://bucket/prefix`).
+        model: the model being trained (wrapped or not); what consensus, replay and the observer look at.
+        optimizer: its optimizer; replay and shard evidence check its update.
+        mode: old name of the topology ("ddp", "fsdp", "hsdp"); overrides what the mesh says only when given.
+        mesh_shape: old name, with `mode`: (replicate, shard).
+        mesh: the job's DeviceMesh (default: the root mesh of the model's DTensor parameters).
+        async_save: save() returns after staging a host copy; the write and commit run in a thread.
+        keep: retention after each durable commit: the `keep` newest certified checkpoints (None: keep all).
+        replay: SDC replay: ReplayOptions, a dict of its fields, True, False (off), None (on at 2+ ranks).
+        observer: the out-of-band observer: ObserverOptions, a dict, True, False (off), None (on).
+        invariants: model-intrinsic checks, e.g. ["finite"].
+        consensus: compare replicas bit for bit at each save (C3).
+        finite: the writers' NaN/Inf check of every tensor written.
+        consensus_exclude: fnmatch patterns of state keys left out of consensus (per-rank values).
+        verify_load: compare loaded values with the signatures recorded at save.
+        fault_hook: tests and the demo: called as fault_hook(point, step) at the save's and load's fault points.
+        timeout_s: the side groups' collective timeout, in seconds.
+        shard_evidence: shard replay and the at-rest guard for single-owner shards: ShardEvidenceOptions, a dict,
+            True, False, None (on for sharded layouts with a supported optimizer).
+        on_live_fault: "raise" (LiveStateCorrupt ends the generation) or "continue".
+        storage: StorageOptions (the same as `ledger_dir`, `storage_options`, `ledger_journal`; one way or the other).
+        ledger_journal: SQLite journal mode of the ledger: "auto", "wal" or "delete".
+        ledger_dir: where the ledger lives when `root` is an object store.
+        storage_options: fsspec options for an object-store `root`.
+        local: the fast tier (node-local saves with peer copies): LocalTierOptions or a dict; None: off.
+        fleet: the fleet record shared by jobs: FleetOptions, a path, a dict, False; None: SCOUT_CKPT_FLEET, else off.
     """
 
     def __init__(
@@ -355,7 +367,12 @@ class Checkpointer:
         The time reported to the observer runs from one call to the next, less the coordinator's ledger work.
         With the fast tier (`local=`), `state` is saved to it when `step % local.every == 0` (collective; it
         blocks for a staging copy and the live evidence, and commits in the background: `local.last_verdict`;
-        a verdict showing the live state bad raises LiveStateCorrupt at the next step() or save())."""
+        a verdict showing the live state bad raises LiveStateCorrupt at the next step() or save()).
+
+        Args:
+            step: the number of optimizer steps taken so far (the same on every rank).
+            state: with the fast tier, the state to save to it at this step (as for save()).
+        """
         if step != self._resumed_at:
             self._resumed_at = None  # trained past the loaded step: its save is a new checkpoint
         now = time.monotonic()
@@ -406,7 +423,11 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Annotate a phase of the training step (forward, backward, optimizer, data) for the hang observer."""
+        """Annotate a phase of the training step (forward, backward, optimizer, data) for the hang observer.
+
+        Args:
+            name: the phase ("forward", "backward", "optimizer", "data", ...): a context manager around it.
+        """
         if self.observer is None:
             yield
         else:
@@ -434,7 +455,12 @@ class Checkpointer:
 
         Raises on every rank: SaveRefused when the coordinator cannot start the save (the step is quarantined),
         CommitError when nothing was published; an async save to a POSIX ROOT begins in its commit thread, so
-        both come from its next step()/save()/wait() (as ScoutError, the cause chained)."""
+        both come from its next step()/save()/wait() (as ScoutError, the cause chained).
+
+        Args:
+            step: the number of optimizer steps taken before this state (the same on every rank).
+            state: {name: Stateful or state dict} as for dcp.save, e.g. {"app": ModelOptimizerState(model, opt)}.
+        """
         if self._closed:
             raise ScoutError("Checkpointer is closed")
         if step == self._resumed_at:
@@ -613,7 +639,11 @@ class Checkpointer:
         one is loaded over the same state, in this same call: a restarted job resumes from the earlier step
         instead of crash-looping. Raises LoadVerificationError on every rank, and leaves the checkpoint as it is,
         when `state` has no place for saved values (the caller built it wrongly). The walk-back itself is
-        scout_ckpt/save/loading.py."""
+        scout_ckpt/save/loading.py.
+
+        Args:
+            state: the same shape of dict as given to save(), built for this job; loaded in place.
+        """
         self.wait()
         with self.phase("checkpoint"):  # the coordinator's ledger writes after the load run while peers train on
             step = self._loader.load(state)

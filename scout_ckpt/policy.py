@@ -79,7 +79,12 @@ def evidence(status: str, reasons: list[dict] | None = None, **detail) -> dict:
 
 
 def evaluate(policy: dict, ev: dict[str, dict]) -> Verdict:
-    """Verdict of a committed checkpoint. Fail closed: only complete, passing evidence certifies."""
+    """Verdict of a committed checkpoint. Fail closed: only complete, passing evidence certifies.
+
+    Args:
+        policy: the run's policy: {"require": [kinds], "allow_not_applicable": [kinds], ...}.
+        ev: the evidence by kind: {kind: {"status": "pass" | "fail" | ..., "reasons": [...]}}.
+    """
     failures: list[dict] = []
     pending: list[dict] = []
     allow_na = set(policy.get("allow_not_applicable", []))

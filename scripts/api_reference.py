@@ -90,15 +90,33 @@ def public_methods(cls) -> list[tuple[str, object]]:
     return out
 
 
+def _overrides(cls, name: str, module) -> bool:
+    """Does `name` override a method of a base class (a framework's hook, Stateful's load_state_dict): a call
+    the framework makes, documented by the framework. A mixin's method counts where a class of its module mixes
+    it into a base that defines the name (Lightning's strategies)."""
+    if name == "__init__":
+        return False
+    if any(name in vars(base) for base in cls.__mro__[1:] if base is not object):
+        return True
+    for other in vars(module).values():
+        if inspect.isclass(other) and other is not cls and issubclass(other, cls):
+            if any(
+                name in vars(b) for b in other.__mro__ if b is not object and b not in cls.__mro__ and b is not other
+            ):
+                return True
+    return False
+
+
 def calls(module_name: str, names: list[str]) -> list[tuple[str, object]]:
-    """(qualified name, function) for every public call: functions, and classes' __init__ and methods."""
+    """(qualified name, function) for every public call a user makes: functions, and classes' __init__ and
+    methods (not the overrides of a framework's hooks)."""
     mod = importlib.import_module(module_name)
     out = []
     for n in names:
         obj = getattr(mod, n)
         if inspect.isclass(obj) and not issubclass(obj, BaseException) and not dataclasses.is_dataclass(obj):
             for m, member in public_methods(obj):
-                if inspect.isfunction(member):
+                if inspect.isfunction(member) and not _overrides(obj, m, mod):
                     out.append((f"{n}.{m}", member))
         elif inspect.isfunction(obj):
             out.append((n, obj))

@@ -56,6 +56,16 @@ class Ledger(LedgerQueries):
         versions: dict | None = None,
         resumed_from: int | None = None,
     ) -> None:
+        """A new incarnation of the job (one Checkpointer lifetime) begins.
+
+        Args:
+            run_id: the incarnation's id.
+            world_size: its number of ranks.
+            topology: its topology (mode, mesh, replica groups).
+            policy: what "certified" requires of its saves.
+            versions: torch, scout-ckpt and Python versions.
+            resumed_from: the certified step it loaded (None: a fresh start).
+        """
         with self.write():
             self.db["runs"].insert(
                 {
@@ -72,6 +82,12 @@ class Ledger(LedgerQueries):
             )
 
     def set_resumed_from(self, run_id: str, step: int | None) -> None:
+        """The step an incarnation loaded, once it is known.
+
+        Args:
+            run_id: the incarnation.
+            step: the step it loaded (None: a fresh start).
+        """
         with self.write():
             self.conn.execute("UPDATE runs SET resumed_from=? WHERE id=?", (step, run_id))
 
@@ -98,6 +114,15 @@ class Ledger(LedgerQueries):
         (certifications rows, each with its attempt) is kept, so a re-saved rejected step still shows why the
         earlier attempt was rejected. `owner` ({"host", "pid", "start"}, `settle.this_process_owner()`) lets a
         later settler tell a save in flight from a dead one.
+
+        Args:
+            step: the step being saved.
+            run_id: the incarnation saving it.
+            attempt: the id of the save's temporary directory.
+            path: the checkpoint's folder, relative to ROOT.
+            owner: who writes it (host, pid, start time), so that start-up settles only dead owners' rows.
+            source: what began it ("save", "adopt", ...).
+            keep_certified: leave a certified row of the step as it is (an operator's replacement records it apart).
         """
         owner = owner or {}
         with self.write():
@@ -217,6 +242,13 @@ class Ledger(LedgerQueries):
         return applied
 
     def put_evidence(self, step: int, evidence: dict[str, dict], source: str) -> None:
+        """Evidence checked (again) for a checkpoint, by kind.
+
+        Args:
+            step: the checkpoint.
+            evidence: the evidence by kind, replacing what the kinds held.
+            source: who checked it ("save", "certify", "resume", ...).
+        """
         now = time.time()
         with self.write():
             for kind, ev in evidence.items():
@@ -234,7 +266,13 @@ class Ledger(LedgerQueries):
 
     def mark_checked(self, step: int, kinds: tuple[str, ...], source: str) -> None:
         """Evidence that passed again (e.g. `resume` re-hashed the bytes): only who checked it and when change.
-        Plain SQL, no sqlite-utils: `resume` stays fast."""
+        Plain SQL, no sqlite-utils: `resume` stays fast.
+
+        Args:
+            step: the checkpoint.
+            kinds: the evidence kinds checked again now, with the same outcome.
+            source: who checked them.
+        """
         with self.write():
             for kind in kinds:
                 self.conn.execute(
@@ -258,6 +296,14 @@ class Ledger(LedgerQueries):
         attempt it judged. A move not in transitions.ALLOWED raises ValueError (source "operator" may quarantine
         any state but deleted, and release a quarantine to any state). When the row changed meanwhile the verdict
         is not applied: it is kept in the history as 'superseded' and False is returned.
+
+        Args:
+            step: the checkpoint.
+            to: the new state.
+            reasons: why.
+            source: who decided.
+            expect: the state(s) the row must be in (compare-and-set).
+            attempt: the save attempt the row must belong to.
         """
         if to not in STATES:
             raise ValueError(f"unknown state {to!r}")
@@ -289,7 +335,14 @@ class Ledger(LedgerQueries):
 
     def set_state(self, step: int, state: str, reasons: list[dict], source: str) -> None:
         """Deprecated: an unconditional state change, kept only until every caller uses `transition` (which
-        refuses moves the state machine does not allow and does not overwrite a row that changed meanwhile)."""
+        refuses moves the state machine does not allow and does not overwrite a row that changed meanwhile).
+
+        Args:
+            step: the checkpoint.
+            state: the new state.
+            reasons: why.
+            source: who decided.
+        """
         assert state in STATES, state
         with self.write():
             self.conn.execute(
@@ -325,7 +378,12 @@ class Ledger(LedgerQueries):
 
     def record_ranks(self, run_id: str, rows: list[dict]) -> None:
         """Where each global rank of `run_id` runs: [{"rank", "host", "node_rank", "local_rank", "pid", ...}]
-        (placement.this_rank; extra keys go to `detail`)."""
+        (placement.this_rank; extra keys go to `detail`).
+
+        Args:
+            run_id: the incarnation.
+            rows: one {"rank", "host", "local_rank", "device", ...} per rank.
+        """
         base = ("rank", "host", "node_rank", "local_rank", "pid")
         with self.write():
             self.conn.executemany(
@@ -352,7 +410,16 @@ class Ledger(LedgerQueries):
         """One event. Where the run recorded its ranks' places (record_ranks) and the detail does not say, the
         event's detail gains "nodes": {rank: "host/node N/local L"} for its ranks, so `report` names the node of
         a dead or hung rank in a multi-node job, and "devices": {rank: {"host", "local_rank", "device", "uuid",
-        "serial", "job"}}."""
+        "serial", "job"}}.
+
+        Args:
+            kind: the event's kind ("crash", "hang", "sdc", ...).
+            step: the step it concerns.
+            ranks: the ranks it names.
+            detail: its fields.
+            run_id: the incarnation it happened in.
+            when: its time (default: now).
+        """
         detail = dict(detail or {})
         if ranks and "nodes" not in detail:
             places = self.rank_places(run_id, sorted(ranks))
@@ -378,7 +445,11 @@ class Ledger(LedgerQueries):
             )
 
     def add_replays(self, rows: list[dict]) -> None:
-        """Replay outcomes: {run_id, step, recipe, target, status, ranks, duration_s, detail}."""
+        """Replay outcomes: {run_id, step, recipe, target, status, ranks, duration_s, detail}.
+
+        Args:
+            rows: one replay outcome per target and step.
+        """
         now = time.time()
         with self.write():
             self.db["replays"].insert_all(

@@ -186,6 +186,13 @@ def latest_clean(
     carries no evidence detail, so a requirement there is refused (NoCleanCheckpoint), never waived.
     A ledger_dir bound to an object store hands out the `s3://` URI, verified by ranged reads (no fallback: its
     manifests are not on this disk).
+
+    Args:
+        root: the ROOT (a directory, or an object-store URI with its ledger_dir).
+        verify: re-hash the candidate's bytes before handing it out (False: trust the ledger's verdict).
+        readonly_ledger: an already open ledger to read (the caller's); None: opened here.
+        fallback: without a readable ledger, read the checkpoints' manifests and the journal instead.
+        require: evidence kinds the step must have passed outright (e.g. ("replay",), ("consensus",)).
     """
     register_framework_layouts()  # a ROOT may hold the frameworks' own folders: their names, said explicitly
     require = check_require(require)

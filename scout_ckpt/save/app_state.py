@@ -26,7 +26,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 
 class ModelOptimizerState(Stateful):
-    """{"model": ..., "optim": ...} for DCP; put it in the state dict you give Checkpointer.save/load."""
+    """{"model": ..., "optim": ...} for DCP; put it in the state dict you give Checkpointer.save/load.
+
+    Args:
+        model: the model (wrapped or not; DDP, FSDP2 and DTensor parameters are handled by torch's state-dict API).
+        optimizer: its optimizer, or None to save the model alone.
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
         self.model, self.optimizer = model, optimizer
@@ -79,6 +84,9 @@ class Scalars(Stateful):
 
         extra = {"iter_num": 0, "best_val_loss": 1e9}
         state = {"app": ModelOptimizerState(model, opt), "extra": Scalars(extra)}
+
+    Args:
+        values: the script's dict of numbers; updated in place on load.
     """
 
     def __init__(self, values: dict[str, Any]):
@@ -120,6 +128,10 @@ class RankLocal(Stateful):
     before DCP reads and `end_load()` after the loaded values were verified. In between, `state_dict()` offers
     plain tensors of the saved global shape [saved_world, ...] (every rank reads every row: RNG states are a few
     KiB), and `load_state_dict` hands rank r its row r.
+
+    Args:
+        inner: the Stateful whose tensors differ by rank (e.g. RNGState()).
+        strict: refuse to load rows saved by another world size (ScoutError) instead of resharding them.
     """
 
     def __init__(self, inner: Stateful, *, strict: bool = False):
@@ -131,7 +143,12 @@ class RankLocal(Stateful):
 
     def begin_load(self, saved_world: int | None, name: str) -> None:
         """Collective in effect (every rank, the same arguments): prepare to load rows saved by `saved_world`
-        ranks (None: unknown, taken as this world). ScoutError on every rank when strict and the world changed."""
+        ranks (None: unknown, taken as this world). ScoutError on every rank when strict and the world changed.
+
+        Args:
+            saved_world: the world size that saved the rows (None: unknown, taken as this one).
+            name: the state's key, for messages.
+        """
         import torch.distributed as dist
 
         from scout_ckpt.errors import ScoutError
