@@ -88,11 +88,12 @@ class _AcceleratorStep:
 class ScoutCheckpointing:
     """Certified, exactly resumable checkpoints of everything an Accelerator prepared; see the module docstring.
 
-    accelerator  the job's Accelerator
-    root         the checkpoint root (step-NNNNNNNN folders, scout-ledger.db)
-    extra        more state for the checkpoint: {name: Stateful or tensor} (accelerator.register_for_checkpointing
-                 objects are included without it)
-    options      passed to Checkpointer (async_save, keep, replay, observer, invariants, timeout_s, ...)
+    Args:
+        accelerator: the job's Accelerator
+        root: the checkpoint root (step-NNNNNNNN folders, scout-ledger.db)
+        extra: more state for the checkpoint: {name: Stateful or tensor} (accelerator.register_for_checkpointing
+            objects are included without it)
+        options: passed to Checkpointer (async_save, keep, replay, observer, invariants, timeout_s, ...)
     """
 
     def __init__(self, accelerator, root: str | os.PathLike, *, extra: dict | None = None, **options):
@@ -139,14 +140,23 @@ class ScoutCheckpointing:
 
     def prepare(self, *args, device_placement=None):
         """`accelerator.prepare(*args)`, the DataLoaders among the results wrapped so their position is saved.
-        Collective where Accelerate's prepare is."""
+        Collective where Accelerate's prepare is.
+
+        Args:
+            args: what the job gives `accelerator.prepare` (model, optimizer, DataLoaders, schedulers).
+            device_placement: as for `accelerator.prepare`.
+        """
         out = self.accelerator.prepare(*args, device_placement=device_placement)
         if len(args) == 1:
             return self._wrap(out)
         return tuple(self._wrap(o) for o in out)
 
     def track(self, dataloader) -> TrackedDataLoader:
-        """Wrap a DataLoader already returned by `accelerator.prepare`; iterate the result instead."""
+        """Wrap a DataLoader already returned by `accelerator.prepare`; iterate the result instead.
+
+        Args:
+            dataloader: a DataLoader `accelerator.prepare` returned.
+        """
         if isinstance(dataloader, TrackedDataLoader):
             return dataloader
         if not any(dataloader is d for d in self.accelerator._dataloaders):
@@ -261,7 +271,11 @@ class ScoutCheckpointing:
     def save(self, step: int) -> dict | None:
         """Collective, after the optimizer step numbered `step` (Checkpointer.save: the verdict, or None when
         async). Refused between optimizer steps under gradient accumulation (`accelerator.sync_gradients` False):
-        the gradients accumulated so far are not saved, and a resume would drop them."""
+        the gradients accumulated so far are not saved, and a resume would drop them.
+
+        Args:
+            step: the number of optimizer steps taken (the same on every rank).
+        """
         if not self.accelerator.sync_gradients:
             raise ScoutError(
                 f"save({step}) between optimizer steps (gradient accumulation): save when "
@@ -276,6 +290,11 @@ class ScoutCheckpointing:
             self.checkpointer.wait()
 
     def phase(self, name: str):
+        """Annotate a phase of the training step for the hang observer (Checkpointer.phase).
+
+        Args:
+            name: the phase ("forward", "backward", "optimizer", "data", ...).
+        """
         return self._ensure().phase(name)
 
     @property

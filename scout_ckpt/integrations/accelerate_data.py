@@ -56,7 +56,11 @@ def _u64(v: int) -> int:
 
 class TrackedDataLoader:
     """The loader `ScoutCheckpointing.prepare` returns in place of the prepared one: iterate it as usual; every
-    other attribute (len, batch_size, dataset, set_epoch, ...) is the prepared loader's."""
+    other attribute (len, batch_size, dataset, set_epoch, ...) is the prepared loader's.
+
+    Args:
+        inner: the DataLoader `accelerator.prepare` returned (a StatefulDataLoader is refused: it keeps its own position).
+    """
 
     def __init__(self, inner):
         if getattr(inner, "use_stateful_dataloader", False):
@@ -168,6 +172,11 @@ class TrackedDataLoader:
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
+        """Resume at a saved position (the checkpoint's data state for this rank).
+
+        Args:
+            sd: what state_dict() returned at the save.
+        """
         passes, consumed, in_progress, iteration = (int(v) for v in sd["pos"].tolist())
         n = len(self.generators)
         r = {

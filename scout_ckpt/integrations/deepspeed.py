@@ -79,7 +79,12 @@ LIVE_CODES = ("consensus_attributed", "consensus_inconclusive", "invariant_faile
 def latest_clean(save_dir: str | os.PathLike, *, verify: bool = True) -> str | None:
     """The tag of the newest certified checkpoint under save_dir whose bytes still verify (walking back past, and
     rejecting, any that fail), for `engine.load_checkpoint(save_dir, tag=latest_clean(save_dir))`; None on a fresh
-    run. Not collective: each rank that calls it re-hashes. With `install` this is what `latest` names already."""
+    run. Not collective: each rank that calls it re-hashes. With `install` this is what `latest` names already.
+
+    Args:
+        save_dir: the checkpoint directory.
+        verify: re-hash the candidate's bytes (False: trust the ledger).
+    """
     return ds_folders.latest_clean_tag(save_dir, verify=verify)
 
 
@@ -97,16 +102,19 @@ def install(
     `engine.save_checkpoint(save_dir)` in `save_dir/scout-ledger.db` and keep `save_dir/latest` on the newest
     certified tag. Returns the installed checkpoint engine (`.last_verdict`, `.close()`).
 
-    accept_single_owner  certify ZeRO 1-3 partitions on bytes + finite checks alone (see the module docstring)
-    consensus            compare the replicated state across data-parallel ranks (needs >= 2 ranks)
-    on_live_fault        "raise": a verdict showing the live state bad (replicas disagree, replay, NaN/Inf) raises
-                         LiveStateCorrupt on every rank after the save, ending the generation; "continue": log it
-    timeout_s            timeout of the integration's own gloo groups (a dead peer fails the save, no hang)
-    replay               SDC replay of the model's layers (and the optimizer's update where DeepSpeed steps a torch
-                         optimizer) across the data-parallel ranks: the core's ReplayOptions, a dict of them, True
-                         or False; default on at ZeRO stages 0-2 with 2+ ranks (a rank computing wrongly is
-                         averaged into every replica, which consensus then sees agree), off at stage 3 (its
-                         parameters are partitioned) with one WARNING
+    Args:
+        engine: the engine `deepspeed.initialize` returned.
+        save_dir: the directory the job passes to `engine.save_checkpoint` (the ROOT of the ledger).
+        accept_single_owner: certify ZeRO 1-3 partitions on bytes + finite checks alone (see the module docstring)
+        consensus: compare the replicated state across data-parallel ranks (needs >= 2 ranks)
+        on_live_fault: "raise": a verdict showing the live state bad (replicas disagree, replay, NaN/Inf) raises
+            LiveStateCorrupt on every rank after the save, ending the generation; "continue": log it
+        timeout_s: timeout of the integration's own gloo groups (a dead peer fails the save, no hang)
+        replay: SDC replay of the model's layers (and the optimizer's update where DeepSpeed steps a torch
+            optimizer) across the data-parallel ranks: the core's ReplayOptions, a dict of them, True
+            or False; default on at ZeRO stages 0-2 with 2+ ranks (a rank computing wrongly is
+            averaged into every replica, which consensus then sees agree), off at stage 3 (its
+            parameters are partitioned) with one WARNING
     """
     if on_live_fault not in ("raise", "continue"):
         raise ScoutError(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
@@ -185,7 +193,14 @@ def _wrap_for_replay(engine, scout: "ScoutCheckpointEngine") -> None:
 class ScoutCheckpointEngine(CheckpointEngine):
     """DeepSpeed's CheckpointEngine with scout-ckpt's evidence and commit (see the module docstring); the bytes are
     written by the wrapped TorchCheckpointEngine. Every method DeepSpeed calls on every rank is collective here
-    where the module docstring says so."""
+    where the module docstring says so.
+
+    Args:
+        engine: the DeepSpeed engine.
+        save_dir: the checkpoint directory (the ROOT of the ledger).
+        inner: the engine that writes the bytes (default: a TorchCheckpointEngine of the engine's config).
+        accept_single_owner, consensus, on_live_fault, timeout_s, replay: as for `install`.
+    """
 
     def __init__(
         self,
@@ -488,7 +503,11 @@ class ScoutCheckpointEngine(CheckpointEngine):
     def after_save(self, save_latest: bool) -> None:
         """Every rank, after DeepSpeed's final barrier: rank 0 points `latest` at the tag if it was certified (a
         failure to do so leaves the previous certified tag there: logged, not raised); then a verdict showing the
-        live state bad raises LiveStateCorrupt on every rank unless on_live_fault="continue"."""
+        live state bad raises LiveStateCorrupt on every rank unless on_live_fault="continue".
+
+        Args:
+            save_latest: DeepSpeed's own `save_latest` of this save (whether `latest` is to be written at all).
+        """
         v = self.last_verdict
         if v is None:
             return

@@ -84,7 +84,12 @@ _SPLIT_OUT = ("state_dict", "optimizer_states")  # saved through DCP as app.mode
 def latest_clean(root: str | os.PathLike, *, verify: bool = True) -> str | None:
     """The newest certified `step-NNNNNNNN` directory under ROOT whose bytes verify (walking back past and rejecting
     any that fail), or None on a fresh run; for `trainer.fit(ckpt_path=latest_clean(ROOT) or None)` outside the
-    strategy's own "latest_clean". Not collective."""
+    strategy's own "latest_clean". Not collective.
+
+    Args:
+        root: the Trainer's output_dir or the Lightning ROOT.
+        verify: re-hash the candidate's bytes (False: trust the ledger).
+    """
     from scout_ckpt.integrations import folders
 
     found = folders.latest_clean_row(root, verify=verify)
@@ -194,8 +199,9 @@ class ScoutStrategyMixin:
     """Certified checkpoints for a Lightning strategy (see the module docstring). Put it first:
     `class S(ScoutStrategyMixin, DDPStrategy)`.
 
-    root        the checkpoint root (ledger, step directories); default `<default_root_dir>/scout-ckpt`
-    checkpointer  keyword options of `scout_ckpt.Checkpointer` (async_save, observer, invariants, replay, ...)
+    Args:
+        root: the checkpoint root (ledger, step directories); default `<default_root_dir>/scout-ckpt`
+        checkpointer: keyword options of `scout_ckpt.Checkpointer` (async_save, observer, invariants, replay, ...)
     """
 
     def __init__(self, *args, root: str | os.PathLike | None = None, checkpointer: dict | None = None, **kwargs):

@@ -71,13 +71,23 @@ DISTCP_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 def latest_clean(save_dir: str | os.PathLike, *, verify: bool = True) -> int | None:
     """The newest certified iteration under save_dir whose bytes still verify (walking back past, and rejecting,
-    any that fail), for Megatron-LM's `--ckpt-step`; None on a fresh run. Not collective."""
+    any that fail), for Megatron-LM's `--ckpt-step`; None on a fresh run. Not collective.
+
+    Args:
+        save_dir: Megatron-LM's `--save` directory.
+        verify: re-hash the candidate's bytes (False: trust the ledger).
+    """
     return mg_folders.latest_clean_iteration(save_dir, verify=verify)
 
 
 def write_tracker(save_dir: str | os.PathLike, *, verify: bool = True) -> int | None:
     """Point `latest_checkpointed_iteration.txt` at the newest certified iteration that verifies (or move it aside
-    when there is none); returns that iteration. Call it on one rank, after Megatron-LM wrote its tracker."""
+    when there is none); returns that iteration. Call it on one rank, after Megatron-LM wrote its tracker.
+
+    Args:
+        save_dir: Megatron-LM's `--save` directory.
+        verify: re-hash the candidates' bytes (False: trust the ledger).
+    """
     return mg_folders.repoint_tracker(save_dir, verify=verify)
 
 
@@ -89,7 +99,13 @@ def save(sharded_state_dict, checkpoint_dir: str | os.PathLike, **kwargs):
     `SAVE_DIR/iter_NNNNNNN`: the MegatronCheckpointer of SAVE_DIR (made on first use, collective) saves and
     certifies it (a MegatronCheckpointer already made for SAVE_DIR is the one used). Returns what
     dist_checkpointing.save returns (the AsyncRequest with scout-ckpt's finalize
-    appended when async_sharded_save=True, else None); the verdict is the checkpointer's `last_verdict`."""
+    appended when async_sharded_save=True, else None); the verdict is the checkpointer's `last_verdict`.
+
+    Args:
+        sharded_state_dict: what `model.sharded_state_dict()` (and the optimizer's) returned, as for dist_checkpointing.
+        checkpoint_dir: `SAVE_DIR/iter_NNNNNNN`.
+        kwargs: dist_checkpointing.save's own options (`sharded_strategy`, `async_sharded_save`, ...).
+    """
     path = Path(checkpoint_dir)
     iteration = parse_folder(path.name)
     if iteration is None:
@@ -105,7 +121,17 @@ def save(sharded_state_dict, checkpoint_dir: str | os.PathLike, **kwargs):
 class MegatronCheckpointer:
     """Certified dist_checkpointing saves under one save_dir (see the module docstring). Collective to construct
     (every rank, after torch.distributed and parallel_state are initialized): opens the ledger, settles what a crash
-    left, points the tracker at the newest certified iteration."""
+    left, points the tracker at the newest certified iteration.
+
+    Args:
+        save_dir: Megatron-LM's `--save` directory (the ROOT of the ledger).
+        accept_single_owner: certify pieces one rank holds (TP shards at DP=1, the distributed optimizer's ranges) on
+            bytes and finite checks alone (the run's policy says so); default: such checkpoints stay `committed`.
+        consensus: compare the pieces data-parallel ranks hold in common (needs >= 2 replicas).
+        on_live_fault: "raise" (LiveStateCorrupt on every rank, ending the generation) or "continue".
+        update_tracker: keep `latest_checkpointed_iteration.txt` on the newest certified iteration.
+        timeout_s: timeout of the integration's own gloo group.
+    """
 
     def __init__(
         self,
@@ -221,7 +247,14 @@ class MegatronCheckpointer:
         and certify it. Sync: returns the verdict {"state", "reasons"} (also `last_verdict`). async_save=True:
         returns the AsyncRequest with scout-ckpt's finalize appended; schedule it as Megatron-LM does
         (`AsyncCallsQueue.schedule_async_request`); the verdict is `last_verdict` once it is finalized. A verdict
-        that shows the live state bad raises LiveStateCorrupt on every rank unless on_live_fault="continue"."""
+        that shows the live state bad raises LiveStateCorrupt on every rank unless on_live_fault="continue".
+
+        Args:
+            iteration: the training iteration (the folder is iter_NNNNNNN).
+            sharded_state_dict: as for dist_checkpointing.save.
+            async_save: return dist_checkpointing's AsyncRequest with scout-ckpt's finalize appended.
+            save_kwargs: dist_checkpointing.save's own options (a torch_dist strategy only).
+        """
         strategy = save_kwargs.get("sharded_strategy")
         if strategy is not None:
             backend = strategy[0] if isinstance(strategy, tuple) else getattr(strategy, "backend", None)
@@ -242,7 +275,13 @@ class MegatronCheckpointer:
 
     def finalize(self, iteration: int, attempt: str, live: dict) -> dict:
         """Collective, every rank, after every rank's write (Megatron's own finalize functions first): digests by the
-        writing ranks, manifest, verdict, tracker. Returns the verdict (the same on every rank)."""
+        writing ranks, manifest, verdict, tracker. Returns the verdict (the same on every rank).
+
+        Args:
+            iteration: the iteration saved.
+            attempt: the save attempt's id (from the `writing` row).
+            live: the live evidence gathered before the write.
+        """
         run = self.run
         step_dir = self.root / folder_name(iteration)
         files, listing = run.hash_share(step_dir, writer=_writer_of)
@@ -288,7 +327,12 @@ class MegatronCheckpointer:
     def load_latest_clean(self, sharded_state_dict, **load_kwargs):
         """Collective: (iteration, state dict) of the newest certified iteration whose bytes re-verify (the
         coordinator walks back past, and rejects, any that fail), loaded with dist_checkpointing.load; None on a
-        fresh run."""
+        fresh run.
+
+        Args:
+            sharded_state_dict: the state dict to load into, as for dist_checkpointing.load.
+            load_kwargs: dist_checkpointing.load's own options.
+        """
 
         def find():
             found = mg_folders.latest_clean_iteration(self.root)

@@ -101,7 +101,13 @@ def titan_topology(model_parts: list, parallel_dims=None, world_size: int | None
     world (size-1 dims dropped), given to `describe_topology(grid=, roles=)`, which places each DTensor on it by
     rank arithmetic (it also resolves the flattened `fsdp` = dp_shard x cp, and FSDP x TP's _StridedShard). Mode
     names follow the core's: fsdp, hsdp, ddp, with +tp / +pp. Without ParallelDims: `describe_topology` of the
-    model parts."""
+    model parts.
+
+    Args:
+        model_parts: TorchTitan's model parts.
+        parallel_dims: its ParallelDims (None: the topology is read from the model parts' DTensors).
+        world_size: the world size (default: torch.distributed's).
+    """
     from torch import nn
 
     from scout_ckpt.consensus.mesh import Grid, describe_topology
@@ -119,7 +125,12 @@ def signable(states: dict, skip: tuple[str, ...] = ()) -> tuple[dict, list[str]]
     """({dotted key: leaf} the load check can sign, [keys it cannot]). Local, the same on every rank (placements are
     SPMD). Full-tensor signatures (consensus.full) handle Shard(dim) and Replicate placements; FSDP over a TP dim
     shards the same tensor dim twice (_StridedShard), which they refuse: such tensors are vouched for at load by
-    their byte digests alone, and the manifest lists them (`load_check_unsigned`)."""
+    their byte digests alone, and the manifest lists them (`load_check_unsigned`).
+
+    Args:
+        states: the states TorchTitan checkpoints, by name.
+        skip: key prefixes left out.
+    """
     from scout_ckpt.consensus.flatten import flatten_state
     from scout_ckpt.consensus.mesh import full_signable
 
@@ -127,7 +138,12 @@ def signable(states: dict, skip: tuple[str, ...] = ()) -> tuple[dict, list[str]]
 
 
 class ScoutCheckpointManager(CheckpointManager):
-    """TorchTitan's DCP checkpoint manager with scout-ckpt's evidence, verdicts and latest-clean loading."""
+    """TorchTitan's DCP checkpoint manager with scout-ckpt's evidence, verdicts and latest-clean loading.
+
+    Args:
+        config: its Config (TorchTitan's checkpoint fields, and scout-ckpt's: invariants, consensus, verify_load, ...).
+        kwargs: what TorchTitan's Trainer passes its checkpoint manager (dataloader, model_parts, optimizers, states, ...).
+    """
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
@@ -495,5 +511,10 @@ class ScoutCheckpointManager(CheckpointManager):
 def scout_checkpoint(cfg: CheckpointManager.Config, **options) -> ScoutCheckpointManager.Config:
     """`--override.imports scout_ckpt.integrations.torchtitan.scout_checkpoint` (options as JSON:
     `'scout_ckpt.integrations.torchtitan.scout_checkpoint={"invariants": ["finite"]}'`): the run's checkpoint
-    config, every field kept, managed by ScoutCheckpointManager."""
+    config, every field kept, managed by ScoutCheckpointManager.
+
+    Args:
+        cfg: the run's CheckpointManager.Config.
+        options: scout-ckpt's fields of ScoutCheckpointManager.Config, by name.
+    """
     return derive(cfg, ScoutCheckpointManager.Config, **options)

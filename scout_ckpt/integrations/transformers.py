@@ -62,7 +62,12 @@ __all__ = ["ScoutTrainerCallback", "latest_clean"]
 def latest_clean(output_dir: str | os.PathLike, *, verify: bool = True) -> str | None:
     """The newest certified `checkpoint-N` under output_dir whose bytes still verify (re-hashed, walking back past
     any that fail, which are rejected in the ledger), as a path for `trainer.train(resume_from_checkpoint=...)`;
-    None on a fresh run. Not collective: call it on every rank (each re-hashes) or on one and broadcast."""
+    None on a fresh run. Not collective: call it on every rank (each re-hashes) or on one and broadcast.
+
+    Args:
+        output_dir: the Trainer's output_dir or the Lightning ROOT.
+        verify: re-hash the candidate's bytes (False: trust the ledger).
+    """
     found = folders.latest_clean_row(output_dir, verify=verify)
     return found["path"] if found else None
 
@@ -70,14 +75,15 @@ def latest_clean(output_dir: str | os.PathLike, *, verify: bool = True) -> str |
 class ScoutTrainerCallback(TrainerCallback):
     """Records, checks and certifies every `checkpoint-N` the Trainer saves, in `output_dir/scout-ledger.db`.
 
-    invariants  invariant specs run on the live model and optimizer state at each save (default ["finite"])
-    consensus   compare the live state across the data-parallel replicas (default True; needs >= 2 ranks)
-    replay      SDC replay of the model's blocks and the optimizer's update across the replicas (the core's
-                ReplayOptions, a dict of them, True or False; default: on with 2 or more ranks, as the core's)
-    observer    the out-of-band hang/straggler/crash observer (the core's ObserverOptions, a dict, True or False;
-                default: on, as the core's)
-    stop_on_reject  stop training (control.should_training_stop) when a checkpoint is rejected
-    timeout_s   timeout of the callback's own gloo groups (a dead peer fails the save instead of hanging)
+    Args:
+        invariants: invariant specs run on the live model and optimizer state at each save (default ["finite"])
+        consensus: compare the live state across the data-parallel replicas (default True; needs >= 2 ranks)
+        replay: SDC replay of the model's blocks and the optimizer's update across the replicas (the core's
+            ReplayOptions, a dict of them, True or False; default: on with 2 or more ranks, as the core's)
+        observer: the out-of-band hang/straggler/crash observer (the core's ObserverOptions, a dict, True or False;
+            default: on, as the core's)
+        stop_on_reject: stop training (control.should_training_stop) when a checkpoint is rejected
+        timeout_s: timeout of the callback's own gloo groups (a dead peer fails the save instead of hanging)
     """
 
     def __init__(
