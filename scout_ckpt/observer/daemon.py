@@ -92,6 +92,13 @@ class Daemon:
         self.stacks_wait_s = max(2.0, 3 * self.exchange_s)
         self.reader = HeartbeatReader(cfg["heartbeat"])
         self.status_path = self.channel / f"status-{self.rank}.json"
+        self.host = _HOST
+        self.role = None  # on a job of several nodes: this observer's part in the hierarchy (observer/aggregator.py)
+        if cfg.get("hier"):
+            from scout_ckpt.observer.aggregator import NodeRole
+
+            self.role = NodeRole(self, cfg["hier"])
+        self._channel_state: str | None = None  # the state last written to ROOT's channel (hierarchy only)
         self.t_start = time.time()
         self.aftermath = None  # rank 0: what earlier runs on this ROOT left unfinished (observer/aftermath.py)
         if self.rank == 0:
@@ -214,8 +221,9 @@ class Daemon:
 
     # ---- peers ---------------------------------------------------------------------------------------------
 
-    def _read_row(self, r: int, now: float) -> dict | None:
-        row = dict(self.last_status) if r == self.rank else read_json(self.channel / f"status-{r}.json")
+    def read_row(self, r: int, now: float, path: Path | None = None) -> dict | None:
+        """Rank r's status (from `path`, by default ROOT's channel), `live` and `age_s` brought up to date."""
+        row = dict(self.last_status) if r == self.rank else read_json(path or self.channel / f"status-{r}.json")
         if row is None:
             return None
         seen = self.peer_seen.get(r)
@@ -230,7 +238,7 @@ class Daemon:
         only the rows below its own rank, and stops at the first live one."""
         rows: dict[int, dict] = {}
         for r in range(self.world):
-            row = self._read_row(r, now)
+            row = self.read_row(r, now)
             if row is None:
                 continue
             if r < self.rank and row["live"] and row["state"] not in ("aborted", "closed"):
@@ -349,11 +357,14 @@ class Daemon:
                 next_exchange = now + self.exchange_s
                 self.beat += 1
                 self.last_status = self._status(now)
-                _write_status(self.status_path, self.last_status)
-                rows = self._judge_rows(now)
-                if rows is not None:
-                    self._judge(now, rows)
-                self._check_claims()
+                if self.role is not None:
+                    self._hier_exchange(now)
+                else:
+                    _write_status(self.status_path, self.last_status)
+                    rows = self._judge_rows(now)
+                    if rows is not None:
+                        self._judge(now, rows)
+                    self._check_claims()
             if self.aftermath is not None:
                 self.aftermath.poll(now)
             if now >= self.next_health and self.state == "running":
@@ -363,12 +374,16 @@ class Daemon:
                 self._stop
                 or self.state in ("closed", "aborted")
                 or (self.gone_since is not None and now - self.gone_since >= self.cfg["linger_s"])
-            ):
+            ) and not self._speaks_for_node(now):
                 break
             self._sleep(self.poll_s)
         self.state = "closed" if self._stop and self.state == "running" else self.state
         self.beat += 1
-        _write_status(self.status_path, self._status(time.monotonic()))
+        self.last_status = self._status(time.monotonic())
+        if self.role is not None:
+            self._hier_exchange(time.monotonic(), final=True)
+        else:
+            _write_status(self.status_path, self.last_status)
         if self.aftermath is not None:
             self.aftermath.before_exit(self.poll_s)
         if self.state != "closed":
@@ -378,6 +393,35 @@ class Daemon:
                 pass
         self.incidents.close()
         log.info("observer exits (trainer %s)", self.state)
+
+    # ---- the hierarchy (observer/aggregator.py) ----------------------------------------------------------------
+
+    def _hier_exchange(self, now: float, final: bool = False) -> None:
+        """The status to the node-local folder (and to ROOT's channel when the trainer's state changed), the
+        node's round if this observer aggregates it, and the claims when the node's counter moved."""
+        role = self.role
+        assert role is not None
+        _write_status(role.status_path(self.rank), self.last_status)
+        if self.last_status["state"] != self._channel_state or final:
+            self._channel_state = self.last_status["state"]
+            _write_status(self.status_path, self.last_status)
+        if final:
+            role.leave()
+            return
+        role.round(now)
+        if role.new_claims():
+            self._check_claims()
+
+    def _speaks_for_node(self, now: float) -> bool:
+        """An aggregator stays (up to three lingers after its trainer is done) while its node's other ranks are
+        still watched: its summary is their voice; the root, while some rank's last word is not final (a silent
+        node is judged only after its silence lasted). A SIGTERM (Observer.stop) ends it at once."""
+        role = self.role
+        if role is None or not role.aggregator or self._stop or self.gone_since is None:
+            return False
+        return now - self.gone_since < 3 * self.cfg["linger_s"] and (
+            role.node_alive(now) or (role.root and role.unsettled)
+        )
 
     def _sleep(self, seconds: float) -> None:
         """time.sleep that a signal cuts short: Python resumes an interrupted sleep (PEP 475), so a SIGTERM from
