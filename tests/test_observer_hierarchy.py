@@ -165,3 +165,17 @@ def test_a_silent_leader_does_not_make_its_nodes_silent():
     assert job["silent"] == {}  # the root read group 1's nodes itself: none of them is silent
     v = ns.judge(job, nodes * per, STALL)
     assert (v["kind"], v["ranks"]) == ("hang", [9])
+
+
+def test_a_silent_nodes_rank_missing_from_its_last_summary_is_named_too():
+    # node 1's aggregator sent one summary before its node died, rank 3's status not yet among it
+    rows = {r: _r() for r in (0, 1, 4, 5)}
+    parts = [
+        ns.summarize(
+            n, f"host{n}", 2 * n, 2 * n + 1, 1, {r: {**rows[r], "live": True} for r in (2 * n, 2 * n + 1)}, STALL
+        )
+        for n in (0, 2)
+    ]
+    one = ns.summarize(1, "host1", 2, 3, 1, {2: {**_r(step=0, seq=0, in_coll=False, age=0.0), "live": True}}, STALL)
+    v = ns.judge(ns.merge([*parts, ns.mark_silent(one, 1, 3.0)]), 6, STALL)
+    assert (v["kind"], v["ranks"], v["attribution"]) == ("hang", [2, 3], "node_silent")

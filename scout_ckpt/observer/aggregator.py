@@ -26,6 +26,7 @@ from typing import Any
 from scout_ckpt.observer import hierarchy as hier
 from scout_ckpt.observer import node_summary as ns
 from scout_ckpt.observer import stacks as stacks_mod
+from scout_ckpt.observer.channel import write_status
 from scout_ckpt.observer.verdicts import incident_key, spans
 
 log = logging.getLogger("scout_ckpt.observer")
@@ -50,6 +51,7 @@ class NodeRole:
         self.transport: Any = None  # store_transport.StoreTransport, connected at the first round (it imports torch)
         self.beats = hier.Beats(daemon.live_timeout_s)
         self.claims_seen = -1
+        self.channel_state: str | None = None  # the trainer's state last written to ROOT's channel
         self.unsettled = False  # the root: some rank's last word is not final yet (someone is left to judge)
         self.local_gen: str | None = None
         self._failing = False
@@ -63,6 +65,32 @@ class NodeRole:
         return self.local / f"status-{rank}.json"
 
     # ---- every observer ---------------------------------------------------------------------------------------
+
+    def exchange(self, now: float, final: bool = False) -> None:
+        """The observer's status to the node-local folder (and to ROOT's channel when its trainer's state
+        changed), the node's round if this observer aggregates it, and the claims when the node's counter
+        moved. `final`: the observer's last word, at exit."""
+        d = self.d
+        write_status(self.status_path(d.rank), d.last_status)
+        if d.last_status["state"] != self.channel_state or final:
+            self.channel_state = d.last_status["state"]
+            write_status(d.status_path, d.last_status)
+        if final:
+            self.leave()
+            return
+        self.round(now)
+        if self.new_claims():
+            d._check_claims()
+
+    def stays(self, now: float) -> bool:
+        """Whether the observer stays after its trainer is done: an aggregator (up to three lingers) while its
+        node's other ranks are still watched (its summary is their voice); the root while some rank's last
+        word is not final (a silent node is judged only once its silence lasted). A SIGTERM (Observer.stop)
+        ends it at once."""
+        d = self.d
+        if not self.aggregator or d._stop or d.gone_since is None:
+            return False
+        return now - d.gone_since < 3 * d.cfg["linger_s"] and (self.node_alive(now) or (self.root and self.unsettled))
 
     def new_claims(self) -> bool:
         """The node-local claims counter moved since the last call (an incident was published somewhere)."""

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from scout_ckpt.observer import stacks as stacks_mod
-from scout_ckpt.observer.channel import REPORTS_DIR, channel_dir, load_factory, read_json  # noqa: F401
+from scout_ckpt.observer.channel import REPORTS_DIR, channel_dir, load_factory, read_json, write_status  # noqa: F401
 from scout_ckpt.observer.heartbeat import HeartbeatReader
 from scout_ckpt.observer.incidents import Incidents
 from scout_ckpt.observer.verdicts import ABORT_KINDS, INCIDENT_KINDS, attribute, incident_key, prog  # noqa: F401
@@ -65,14 +65,6 @@ def __getattr__(name: str):
 
         return Observer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _write_status(path: Path, obj: dict) -> None:
-    """Atomic replace without fsync: the status is ephemeral, only its atomicity matters."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, separators=(",", ":"))
-    os.replace(tmp, path)
 
 
 # ---- the observer process -----------------------------------------------------------------------------------
@@ -98,7 +90,6 @@ class Daemon:
             from scout_ckpt.observer.aggregator import NodeRole
 
             self.role = NodeRole(self, cfg["hier"])
-        self._channel_state: str | None = None  # the state last written to ROOT's channel (hierarchy only)
         self.t_start = time.time()
         self.aftermath = None  # rank 0: what earlier runs on this ROOT left unfinished (observer/aftermath.py)
         if self.rank == 0:
@@ -358,9 +349,9 @@ class Daemon:
                 self.beat += 1
                 self.last_status = self._status(now)
                 if self.role is not None:
-                    self._hier_exchange(now)
+                    self.role.exchange(now)
                 else:
-                    _write_status(self.status_path, self.last_status)
+                    write_status(self.status_path, self.last_status)
                     rows = self._judge_rows(now)
                     if rows is not None:
                         self._judge(now, rows)
@@ -374,16 +365,16 @@ class Daemon:
                 self._stop
                 or self.state in ("closed", "aborted")
                 or (self.gone_since is not None and now - self.gone_since >= self.cfg["linger_s"])
-            ) and not self._speaks_for_node(now):
+            ) and not (self.role is not None and self.role.stays(now)):
                 break
             self._sleep(self.poll_s)
         self.state = "closed" if self._stop and self.state == "running" else self.state
         self.beat += 1
         self.last_status = self._status(time.monotonic())
         if self.role is not None:
-            self._hier_exchange(time.monotonic(), final=True)
+            self.role.exchange(time.monotonic(), final=True)
         else:
-            _write_status(self.status_path, self.last_status)
+            write_status(self.status_path, self.last_status)
         if self.aftermath is not None:
             self.aftermath.before_exit(self.poll_s)
         if self.state != "closed":
@@ -393,35 +384,6 @@ class Daemon:
                 pass
         self.incidents.close()
         log.info("observer exits (trainer %s)", self.state)
-
-    # ---- the hierarchy (observer/aggregator.py) ----------------------------------------------------------------
-
-    def _hier_exchange(self, now: float, final: bool = False) -> None:
-        """The status to the node-local folder (and to ROOT's channel when the trainer's state changed), the
-        node's round if this observer aggregates it, and the claims when the node's counter moved."""
-        role = self.role
-        assert role is not None
-        _write_status(role.status_path(self.rank), self.last_status)
-        if self.last_status["state"] != self._channel_state or final:
-            self._channel_state = self.last_status["state"]
-            _write_status(self.status_path, self.last_status)
-        if final:
-            role.leave()
-            return
-        role.round(now)
-        if role.new_claims():
-            self._check_claims()
-
-    def _speaks_for_node(self, now: float) -> bool:
-        """An aggregator stays (up to three lingers after its trainer is done) while its node's other ranks are
-        still watched: its summary is their voice; the root, while some rank's last word is not final (a silent
-        node is judged only after its silence lasted). A SIGTERM (Observer.stop) ends it at once."""
-        role = self.role
-        if role is None or not role.aggregator or self._stop or self.gone_since is None:
-            return False
-        return now - self.gone_since < 3 * self.cfg["linger_s"] and (
-            role.node_alive(now) or (role.root and role.unsettled)
-        )
 
     def _sleep(self, seconds: float) -> None:
         """time.sleep that a signal cuts short: Python resumes an interrupted sleep (PEP 475), so a SIGTERM from

@@ -198,8 +198,10 @@ def silent_nodes(summary: dict, rows: dict, known: dict, world_size: int, stall_
     after a collective failed under it (a victim), and the rest are the silent nodes': the job waits for them,
     or lost them. With victims the node is most likely dead (its sockets closed under its peers): a crash;
     else a hang (a stuck host, a cut-off node)."""
-    quiet = [k for k in rows if k not in known]
-    if not quiet or weight(known, known) + weight(rows, quiet) != world_size:
+    # the silent nodes' ranks whose last word is not final, those missing from their last summary included
+    silent = {r for n in summary["silent"] for r in range(summary["nodes"][n][1], summary["nodes"][n][2] + 1)}
+    ranks = sorted(silent - set(members(known, known)))
+    if not ranks or weight(known, known) + len(ranks) != world_size:
         return None
     seen = list(known)
 
@@ -209,7 +211,6 @@ def silent_nodes(summary: dict, rows: dict, known: dict, world_size: int, stall_
     victims = [k for k in seen if known[k]["state"] == "gone" and known[k]["error"]]
     if not seen or any(not waits(known[k]) for k in seen if k not in victims):
         return None
-    ranks = members(rows, quiet)
     nodes = sorted(int(n) for n in summary["silent"])
     hosts = {n: summary["nodes"][str(n)][0] for n in nodes if str(n) in summary["nodes"]}
     top = max(seen, key=lambda k: (known[k]["step"], known[k]["seq"]))
