@@ -106,8 +106,7 @@ def test_a_silent_node_is_not_blamed_for_a_laggard_elsewhere():
     # waits" holds, so nobody is named (the silent node least of all)
     rows = {r: _r() for r in range(6)}
     rows[1] = _r(seq=8, in_coll=False)
-    v = ns.judge(_silent_job(rows, 2, silent=2), 6, STALL)
-    assert v is None or 4 not in v["ranks"] and 5 not in v["ranks"]
+    assert ns.judge(_silent_job(rows, 2, silent=2), 6, STALL) is None
 
 
 def test_a_dead_nodes_final_word_still_counts():
