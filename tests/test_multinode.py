@@ -104,6 +104,8 @@ def test_sigkill_on_node_1_restarts_every_agent_resumes_exact_state_and_names_th
     assert named, (pl, crashes)
     node_text = named[0]["detail"]["nodes"][str(fault["rank"])]
     assert node_text.startswith(fault["host"]) and "node 1" in node_text, (pl, named[0])
+    # judged by the root over the nodes' summaries (observer/aggregator.py), not by a flat judge
+    assert named[0]["detail"]["hierarchy"]["nodes"] == NNODES and named[0]["detail"]["node_rank"] == 1, named[0]
     rc, out, _ = run_cli("report", root)
     assert rc == 0 and "node 1" in out, pl
 
@@ -151,3 +153,38 @@ def test_hang_on_node_1_is_attributed_with_its_node_and_the_job_resumes(tmp_path
     hangs = [e for e in json.loads(out)["events"] if e["kind"] == "hang" and e.get("run_id") == runs[0]]
     assert hangs and hangs[0]["ranks"] == [fault["rank"]], (pl, out)
     assert "node 1" in hangs[0]["detail"]["nodes"][str(fault["rank"])], (pl, hangs[0])
+    assert hangs[0]["detail"]["hierarchy"]["nodes"] == NNODES and hangs[0]["detail"]["node_rank"] == 1, hangs[0]
+
+
+def test_straggler_on_node_1_is_named_with_its_node_and_nobody_else_is(tmp_path, request):
+    """A worker of node 1 computes slower from the first step on: node 1's aggregator compares its node's
+    ranks (observer/aggregator.py) and names that global rank; nobody on node 0, who wait for it, is named."""
+    pl = place(request, ranks=range(NPROC), steps=(1,))
+    root = tmp_path / "run"
+    results = run_agents(
+        root,
+        "--steps",
+        "120",
+        "--save-every",
+        "60",
+        "--fault",
+        "slow",
+        "--fault-node",
+        "1",
+        "--fault-local",
+        str(pl.rank),
+        "--fault-step",
+        str(pl.step),
+    )
+    for node, r in enumerate(results):
+        assert r.returncode == 0, (pl, node, r.stderr[-4000:])
+    fault = json.loads((root / "fault.json").read_text())
+    assert (fault["node_rank"], fault["local_rank"], fault["kind"]) == (1, pl.rank, "slow"), (pl, fault)
+    rc, out, err = run_cli("report", root, "--json")
+    assert rc == 0, err
+    events = json.loads(out)["events"]
+    stragglers = [e for e in events if e["kind"] == "straggler"]
+    assert stragglers and all(e["ranks"] == [fault["rank"]] for e in stragglers), (pl, stragglers)
+    assert stragglers[0]["detail"]["node"] == 1, stragglers[0]
+    assert "node 1" in stragglers[0]["detail"]["nodes"][str(fault["rank"])], stragglers[0]
+    assert not [e for e in events if e["kind"] in ("hang", "crash", "desync")], (pl, events)

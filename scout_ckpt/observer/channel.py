@@ -24,6 +24,14 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
+def write_status(path: Path, obj: dict) -> None:
+    """Atomic replace without fsync: a status is ephemeral, only its atomicity matters."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
 def final_settle_s(cfg: dict) -> float:
     """How long rank 0's observer may stay after its trainer closed, settling earlier runs: their observers
     exit `linger_s` after their trainers, plus two exchanges to write their last status."""

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from scout_ckpt.observer import stacks as stacks_mod
-from scout_ckpt.observer.channel import REPORTS_DIR, channel_dir, load_factory, read_json  # noqa: F401
+from scout_ckpt.observer.channel import REPORTS_DIR, channel_dir, load_factory, read_json, write_status  # noqa: F401
 from scout_ckpt.observer.heartbeat import HeartbeatReader
 from scout_ckpt.observer.incidents import Incidents
 from scout_ckpt.observer.verdicts import ABORT_KINDS, INCIDENT_KINDS, attribute, incident_key, prog  # noqa: F401
@@ -65,14 +65,6 @@ def __getattr__(name: str):
 
         return Observer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _write_status(path: Path, obj: dict) -> None:
-    """Atomic replace without fsync: the status is ephemeral, only its atomicity matters."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, separators=(",", ":"))
-    os.replace(tmp, path)
 
 
 # ---- the observer process -----------------------------------------------------------------------------------
@@ -92,6 +84,12 @@ class Daemon:
         self.stacks_wait_s = max(2.0, 3 * self.exchange_s)
         self.reader = HeartbeatReader(cfg["heartbeat"])
         self.status_path = self.channel / f"status-{self.rank}.json"
+        self.host = _HOST
+        self.role = None  # on a job of several nodes: this observer's part in the hierarchy (observer/aggregator.py)
+        if cfg.get("hier"):
+            from scout_ckpt.observer.aggregator import NodeRole
+
+            self.role = NodeRole(self, cfg["hier"])
         self.t_start = time.time()
         self.aftermath = None  # rank 0: what earlier runs on this ROOT left unfinished (observer/aftermath.py)
         if self.rank == 0:
@@ -214,8 +212,9 @@ class Daemon:
 
     # ---- peers ---------------------------------------------------------------------------------------------
 
-    def _read_row(self, r: int, now: float) -> dict | None:
-        row = dict(self.last_status) if r == self.rank else read_json(self.channel / f"status-{r}.json")
+    def read_row(self, r: int, now: float, path: Path | None = None) -> dict | None:
+        """Rank r's status (from `path`, by default ROOT's channel), `live` and `age_s` brought up to date."""
+        row = dict(self.last_status) if r == self.rank else read_json(path or self.channel / f"status-{r}.json")
         if row is None:
             return None
         seen = self.peer_seen.get(r)
@@ -230,7 +229,7 @@ class Daemon:
         only the rows below its own rank, and stops at the first live one."""
         rows: dict[int, dict] = {}
         for r in range(self.world):
-            row = self._read_row(r, now)
+            row = self.read_row(r, now)
             if row is None:
                 continue
             if r < self.rank and row["live"] and row["state"] not in ("aborted", "closed"):
@@ -349,11 +348,14 @@ class Daemon:
                 next_exchange = now + self.exchange_s
                 self.beat += 1
                 self.last_status = self._status(now)
-                _write_status(self.status_path, self.last_status)
-                rows = self._judge_rows(now)
-                if rows is not None:
-                    self._judge(now, rows)
-                self._check_claims()
+                if self.role is not None:
+                    self.role.exchange(now)
+                else:
+                    write_status(self.status_path, self.last_status)
+                    rows = self._judge_rows(now)
+                    if rows is not None:
+                        self._judge(now, rows)
+                    self._check_claims()
             if self.aftermath is not None:
                 self.aftermath.poll(now)
             if now >= self.next_health and self.state == "running":
@@ -363,12 +365,16 @@ class Daemon:
                 self._stop
                 or self.state in ("closed", "aborted")
                 or (self.gone_since is not None and now - self.gone_since >= self.cfg["linger_s"])
-            ):
+            ) and not (self.role is not None and self.role.stays(now)):
                 break
             self._sleep(self.poll_s)
         self.state = "closed" if self._stop and self.state == "running" else self.state
         self.beat += 1
-        _write_status(self.status_path, self._status(time.monotonic()))
+        self.last_status = self._status(time.monotonic())
+        if self.role is not None:
+            self.role.exchange(time.monotonic(), final=True)
+        else:
+            write_status(self.status_path, self.last_status)
         if self.aftermath is not None:
             self.aftermath.before_exit(self.poll_s)
         if self.state != "closed":

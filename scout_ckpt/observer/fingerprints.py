@@ -223,6 +223,9 @@ class CollectiveTracer:
                 hb.side(True)
                 try:
                     return orig(*args, **kwargs)
+                except Exception:
+                    hb.error()  # a side group's collective failed under this rank: a victim too, not a culprit
+                    raise
                 finally:
                     hb.side(False)
             tracer.seq = seq = tracer.seq + 1

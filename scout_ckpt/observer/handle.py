@@ -101,7 +101,10 @@ class Observer:
         dumper = stacks_mod.StackDumper(channel / f"stacks-{rank}.log")
         if local_rank is None:
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        from scout_ckpt.observer.hierarchy import job_config
+
         cfg = {
+            "hier": job_config(rank, world_size, run_id, ready_timeout_s),
             "root": str(Path(root).resolve()),
             "rank": rank,
             "world_size": world_size,

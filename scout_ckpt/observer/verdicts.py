@@ -1,5 +1,11 @@
 """Attribution of a fault from the observers' status table: pure functions, no I/O (see daemon.py for the
-rules in words). Kept apart so the rule can be tested on hand-made tables and reused by aftermath.py."""
+rules in words). Kept apart so the rule can be tested on hand-made tables and reused by aftermath.py.
+
+A table is {key: row}. On one host a key is a rank and a row one rank's status. The hierarchy's root
+(observer/hierarchy.py) passes grouped rows instead: one row stands for every rank whose status says the same
+thing (`n` ranks, listed in `ranks`), so that a judge over 100,000 ranks counts a few hundred rows, not 100,000.
+Every count below is a sum of `n` and every named rank comes from `ranks`, so a grouped table gives the verdict
+its per-rank expansion gives: the strict majority keeps its meaning."""
 
 from __future__ import annotations
 
@@ -15,6 +21,36 @@ def prog(row: dict) -> tuple[int, int, int]:
     return (row["step"], max(row.get("cseq") or 0, row.get("pos") or 0), row["seq"])
 
 
+def weight(rows: dict[int, dict], keys) -> int:
+    """How many ranks the rows `keys` stand for."""
+    return sum(rows[k].get("n", 1) for k in keys)
+
+
+def members(rows: dict[int, dict], keys) -> list[int]:
+    """The ranks the rows `keys` stand for, sorted."""
+    return sorted(r for k in keys for r in rows[k].get("ranks", (k,)))
+
+
+def label(rows: dict[int, dict], k: int) -> str:
+    """'rank 3', or 'ranks 0-7' for a grouped row."""
+    ranks = rows[k].get("ranks", (k,))
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {spans(ranks)}"
+
+
+def spans(ranks) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out: list[str] = []
+    rs = sorted(ranks)
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
 def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_s: float = 0.05) -> dict | None:
     """The verdict on a table of observer statuses ({rank: row}, ages already brought up to date), or None.
 
@@ -27,55 +63,59 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
     desync = fingerprint_mismatch(rows, majority) or position_mismatch(rows, majority)
     if desync:
         return desync
-    gone = sorted(r for r, row in rows.items() if row["state"] == "gone")
-    culprits = [r for r in gone if not row_error(rows[r])]
+    gone = sorted(k for k, row in rows.items() if row["state"] == "gone")
+    culprits = [k for k in gone if not row_error(rows[k])]
     if culprits:
+        named = members(rows, culprits)
         if world_size == 1:  # a 1-rank job: no peer to outvote, and no peer whose failure could have killed it
             return {
                 "kind": "crash",
-                "ranks": culprits,
+                "ranks": named,
                 "step": rows[culprits[0]]["step"],
                 "seq": rows[culprits[0]]["seq"],
                 "attribution": "only_rank",
                 "reason": "the trainer process of the job's only rank is gone without a clean close",
             }
-        if world_size - len(culprits) >= majority:
-            last = min(culprits, key=lambda r: prog(rows[r]))
+        if world_size - weight(rows, culprits) >= majority:
+            last = min(culprits, key=lambda k: prog(rows[k]))
             return {
                 "kind": "crash",
-                "ranks": culprits,
+                "ranks": named,
                 "step": rows[last]["step"],
                 "seq": rows[last]["seq"],
                 "attribution": "strict_majority",
-                "reason": f"trainer process of rank(s) {culprits} is gone without a clean close "
-                f"({len(gone) - len(culprits)} other(s) died after a collective failed)",
+                "reason": f"trainer process of rank(s) {named} is gone without a clean close "
+                f"({weight(rows, gone) - weight(rows, culprits)} other(s) died after a collective failed)",
             }
         first = first_gone(rows, culprits, order_gap_s)
-        if first and world_size - len(first) >= majority:
-            last = min(first, key=lambda r: prog(rows[r]))
+        if first and world_size - weight(rows, first) >= majority:
+            last = min(first, key=lambda k: prog(rows[k]))
+            named = members(rows, first)
             return {
                 "kind": "crash",
-                "ranks": first,
+                "ranks": named,
                 "step": rows[last]["step"],
                 "seq": rows[last]["seq"],
                 "attribution": "first_gone",
-                "reason": f"trainer process of rank(s) {first} died first, >= {order_gap_s:g}s before any "
+                "reason": f"trainer process of rank(s) {named} died first, >= {order_gap_s:g}s before any "
                 f"other rank (the others were torn down after it, e.g. by torchrun)",
             }
         return None
-    live = {r: row for r, row in rows.items() if row["state"] in ("running", "stopped")}
-    stalled = [r for r, row in live.items() if row["age_s"] >= stall_s]
-    stopped = sorted(r for r in stalled if live[r]["state"] == "stopped")
-    waiting = [r for r in stalled if live[r]["state"] == "running" and (live[r]["in_coll"] or live[r].get("in_side"))]
+    live = {k: row for k, row in rows.items() if row["state"] in ("running", "stopped")}
+    stalled = [k for k, row in live.items() if row["age_s"] >= stall_s]
+    stopped = sorted(k for k in stalled if live[k]["state"] == "stopped")
+    waiting = [k for k in stalled if live[k]["state"] == "running" and (live[k]["in_coll"] or live[k].get("in_side"))]
     # stalled and busy: waiting in a collective we see, or inside a step (e.g. in DDP's C++ all-reduce)
     busy = [
-        r for r in stalled if live[r]["state"] == "running" and (r in waiting or live[r].get("phase", "idle") != "idle")
+        k for k in stalled if live[k]["state"] == "running" and (k in waiting or live[k].get("phase", "idle") != "idle")
     ]
-    counts = Counter(prog(live[r]) for r in busy)
+    counts: Counter = Counter()
+    for k in busy:
+        counts[prog(live[k])] += live[k].get("n", 1)
     point, n = counts.most_common(1)[0] if counts else (None, 0)
     if n >= majority and point is not None:  # point is None only when no rank is busy (n == 0)
         step, cseq, seq = point
-        ahead = sorted(r for r in waiting if prog(live[r]) > point and live[r]["in_coll"])
+        ahead = members(live, (k for k in waiting if prog(live[k]) > point and live[k]["in_coll"]))
         if ahead:
             return {
                 "kind": "desync",
@@ -87,13 +127,15 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
                 "reason": f"the majority waits in collective #{seq} at step {step}; rank(s) {ahead} "
                 f"wait in a later collective",
             }
-        behind = sorted(r for r in live if prog(live[r]) < point)
-        ranks = sorted(set(behind) | set(stopped))
-        in_training_coll = sum(1 for r in busy if prog(live[r]) == point and live[r]["in_coll"])
+        behind = sorted(k for k in live if prog(live[k]) < point)
+        ranks = members(live, set(behind) | set(stopped))
+        in_training_coll = weight(live, (k for k in busy if prog(live[k]) == point and live[k]["in_coll"]))
         if ranks or in_training_coll >= majority:
             at = f"native collective #{cseq}" if cseq else f"collective #{seq}"
             reason = f"{n} of {world_size} ranks are stuck at {at}, step {step}, for >= {stall_s:g}s; " + (
-                f"rank(s) {ranks} never got there (" + ", ".join(f"rank {r} at {_at(live[r])}" for r in behind) + ")"
+                f"rank(s) {ranks} never got there ("
+                + ", ".join(f"{label(live, k)} at {_at(live[k])}" for k in behind)
+                + ")"
                 if behind
                 else f"rank(s) {ranks} are stopped"
                 if ranks
@@ -111,40 +153,41 @@ def attribute(rows: dict[int, dict], world_size: int, stall_s: float, order_gap_
         # equal progress, no laggard, and not a training collective (a long save, an eval): no verdict
     if stopped:
         r0 = stopped[0]
+        named = members(live, stopped)
         return {
             "kind": "hang",
-            "ranks": stopped,
+            "ranks": named,
             "step": live[r0]["step"],
             "seq": live[r0]["seq"],
             "attribution": "stopped",
-            "reason": f"trainer process of rank(s) {stopped} is stopped (SIGSTOP) for >= {stall_s:g}s",
+            "reason": f"trainer process of rank(s) {named} is stopped (SIGSTOP) for >= {stall_s:g}s",
         }
     if n < majority:
         seq_verdict = sequence_hang(live, world_size, stall_s)
         if seq_verdict:
             return seq_verdict
-    if n < majority and len(waiting) >= majority:
+    if n < majority and weight(live, waiting) >= majority:
         return {
             "kind": "hang",
             "ranks": [],
-            "step": max(live[r]["step"] for r in waiting),
-            "seq": max(live[r]["seq"] for r in waiting),
+            "step": max(live[k]["step"] for k in waiting),
+            "seq": max(live[k]["seq"] for k in waiting),
             "attribution": "inconclusive",
             "reason": "a majority waits in collectives, but at different points: no strict majority",
             "where": where(live),
         }
-    if n < majority and waiting and len(live) == world_size and set(busy) == set(live):
+    if n < majority and waiting and weight(live, live) == world_size and set(busy) == set(live):
         # Every rank stuck, one of them inside a collective, and no point holds a majority (two ranks, or two
         # against two): the job is hung, but nobody can be blamed. Say so and say where each rank is, rather
         # than wait for the process-group timeout.
         return {
             "kind": "hang",
             "ranks": [],
-            "step": max(live[r]["step"] for r in waiting),
-            "seq": max(live[r]["seq"] for r in waiting),
+            "step": max(live[k]["step"] for k in waiting),
+            "seq": max(live[k]["seq"] for k in waiting),
             "attribution": "inconclusive",
             "reason": f"every rank has been stuck for >= {stall_s:g}s at different points and no strict "
-            f"majority agrees on one: " + "; ".join(f"rank {r} {w}" for r, w in where(live).items()),
+            f"majority agrees on one: " + "; ".join(f"{label(live, k)} {w}" for k, w in _where_by_key(live)),
             "where": where(live),
         }
     return None
@@ -165,7 +208,7 @@ def sequence_hang(live: dict[int, dict], world_size: int, stall_s: float) -> dic
     are the hung ones ("sequence" attribution). Otherwise the job is hung but nobody can be blamed: an
     unattributed hang that says where each rank is. Either way action="abort" ends the generation instead of
     leaving it to the process-group timeout."""
-    if len(live) != world_size or world_size < 2:
+    if weight(live, live) != world_size or world_size < 2:
         return None
     if any(row["age_s"] < stall_s or row["state"] != "running" for row in live.values()):
         return None
@@ -180,8 +223,8 @@ def sequence_hang(live: dict[int, dict], world_size: int, stall_s: float) -> dic
     if not any(waits(row) for row in live.values()):
         return None  # nobody waits for anybody: every rank busy on its own (not a hang we can tell)
     top = max(points.values())
-    ahead = sorted(r for r in live if points[r] == top)
-    behind = sorted(r for r in live if points[r] < top)
+    ahead = sorted(k for k in live if points[k] == top)
+    behind = sorted(k for k in live if points[k] < top)
     if any(live[r].get("phase") == "checkpoint" for r in behind):
         # The ranks behind are saving or loading (a coordinator's ledger writes after a load can outlast stall_s
         # while its peer already waits in training): a slow checkpoint, not a hang the sequence can tell. A rank
@@ -194,14 +237,14 @@ def sequence_hang(live: dict[int, dict], world_size: int, stall_s: float) -> dic
     ):
         return {
             "kind": "hang",
-            "ranks": behind,
+            "ranks": members(live, behind),
             "step": step,
             "seq": seq,
             "cseq": cseq,
             "attribution": "sequence",
-            "reason": f"rank(s) {ahead} wait at step {step} (collective #{seq}, native collective #{cseq}) "
-            f"for >= {stall_s:g}s; rank(s) {behind} never got there and stopped outside any "
-            f"collective (" + ", ".join(f"rank {r} at {_at(live[r])}" for r in behind) + ")",
+            "reason": f"rank(s) {members(live, ahead)} wait at step {step} (collective #{seq}, native collective "
+            f"#{cseq}) for >= {stall_s:g}s; rank(s) {members(live, behind)} never got there and stopped outside "
+            f"any collective (" + ", ".join(f"{label(live, k)} at {_at(live[k])}" for k in behind) + ")",
             "where": where(live),
         }
     return {
@@ -212,7 +255,7 @@ def sequence_hang(live: dict[int, dict], world_size: int, stall_s: float) -> dic
         "cseq": cseq,
         "attribution": "inconclusive",
         "reason": f"every rank has been stuck for >= {stall_s:g}s at different points and the collective "
-        f"sequence does not single anyone out: " + "; ".join(f"rank {r} {w}" for r, w in where(live).items()),
+        f"sequence does not single anyone out: " + "; ".join(f"{label(live, k)} {w}" for k, w in _where_by_key(live)),
         "where": where(live),
     }
 
@@ -221,19 +264,29 @@ def _at(row: dict) -> str:
     return f"step {row['step']}, native collective #{max(row.get('cseq') or 0, row.get('pos') or 0)}"
 
 
-def where(live: dict[int, dict]) -> dict[int, str]:
-    """Where each rank is, in words (for verdicts that cannot name a culprit)."""
-    out = {}
-    for r, row in sorted(live.items()):
+def _where_by_key(live: dict[int, dict]) -> list[tuple[int, str]]:
+    out = []
+    for k, row in sorted(live.items()):
         at = f"step {row['step']}, "
         if row.get("in_coll"):
-            out[r] = at + f"waiting in collective #{row['seq']}"
+            text = at + f"waiting in collective #{row['seq']}"
         elif row.get("in_side"):
-            out[r] = at + "waiting in a side-group collective"
+            text = at + "waiting in a side-group collective"
         else:
-            out[r] = at + f"in phase {row.get('phase', '?')} after collective #{row['seq']}"
+            text = at + f"in phase {row.get('phase', '?')} after collective #{row['seq']}"
         if row.get("cseq"):
-            out[r] += f" (native collectives issued: {row['cseq']})"
+            text += f" (native collectives issued: {row['cseq']})"
+        out.append((k, text))
+    return out
+
+
+def where(live: dict[int, dict]) -> dict:
+    """Where each rank is, in words (for verdicts that cannot name a culprit): {rank: text}; a grouped row
+    gives one entry keyed by the span of its ranks ('0-7')."""
+    out: dict = {}
+    for k, text in _where_by_key(live):
+        ranks = live[k].get("ranks", (k,))
+        out[ranks[0] if len(ranks) == 1 else spans(ranks)] = text
     return out
 
 
@@ -256,11 +309,13 @@ def position_mismatch(rows: dict[int, dict], majority: int) -> dict | None:
                     view[r] = row["fp"]
             elif pos < p <= count:
                 view[r] = "native"
-        kinds = Counter(view.values())
+        kinds: Counter = Counter()
+        for r, v in view.items():
+            kinds[v] += rows[r].get("n", 1)
         if len(kinds) < 2:
             continue
         value, count = kinds.most_common(1)[0]
-        odd = sorted(r for r, v in view.items() if v != value)
+        odd = members(rows, (r for r, v in view.items() if v != value))
         attributed = count >= majority
         python = sorted(r for r, v in view.items() if v != "native")
         step = min(rows[r]["step"] for r in view)
@@ -271,8 +326,8 @@ def position_mismatch(rows: dict[int, dict], majority: int) -> dict | None:
             "seq": max(rows[r]["seq"] for r in python),
             "cseq": p,
             "attribution": "strict_majority" if attributed else "inconclusive",
-            "reason": f"native collective #{p}: rank(s) {python} issued a Python-level collective there, "
-            f"rank(s) {sorted(set(view) - set(python))} another one"
+            "reason": f"native collective #{p}: rank(s) {members(rows, python)} issued a Python-level collective "
+            f"there, rank(s) {members(rows, set(view) - set(python))} another one"
             + ("" if attributed else f"; no strict majority (suspects {odd})"),
         }
     return None
@@ -285,11 +340,13 @@ def fingerprint_mismatch(live: dict[int, dict], majority: int) -> dict | None:
         if row["seq"] > 0:
             by_seq.setdefault(row["seq"], []).append(r)
     for seq, ranks in sorted(by_seq.items()):
-        fps = Counter(live[r]["fp"] for r in ranks)
+        fps: Counter = Counter()
+        for r in ranks:
+            fps[live[r]["fp"]] += live[r].get("n", 1)
         if len(fps) < 2:
             continue
         fp, count = fps.most_common(1)[0]
-        odd = sorted(r for r in ranks if live[r]["fp"] != fp)
+        odd = members(live, (r for r in ranks if live[r]["fp"] != fp))
         attributed = count >= majority
         step = min(live[r]["step"] for r in ranks)
         return {
@@ -305,7 +362,7 @@ def fingerprint_mismatch(live: dict[int, dict], majority: int) -> dict | None:
 
 
 def first_gone(rows: dict[int, dict], candidates: list[int], gap_s: float) -> list[int]:
-    """The ranks among `candidates` that died first, separated by at least `gap_s` from the next death (each
+    """The rows (keys) among `candidates` that died first, separated by at least `gap_s` from the next death (each
     observer stamps its trainer's death: `gone_at`, wall time, from PR_SET_PDEATHSIG where it has it); [] when
     the order is not clear (a job-wide kill takes every rank within milliseconds)."""
     times = sorted((rows[r]["gone_at"], r) for r in candidates if rows[r].get("gone_at") is not None)

@@ -39,13 +39,14 @@ def main():
     ap.add_argument("root")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--save-every", type=int, default=3)
-    ap.add_argument("--fault", choices=["none", "crash", "hang"], default="none")
+    ap.add_argument("--fault", choices=["none", "crash", "hang", "slow"], default="none")
     ap.add_argument("--fault-node", type=int, default=1)
     ap.add_argument("--fault-local", type=int, default=0)
     ap.add_argument("--fault-step", type=int, default=7)
     ap.add_argument("--stall-s", type=float, default=4.0)
     ap.add_argument("--pg-timeout", type=float, default=120.0)
     ap.add_argument("--step-sleep", type=float, default=0.05)
+    ap.add_argument("--slow-s", type=float, default=0.25, help="slow: the extra compute per step of the slow rank")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -74,6 +75,8 @@ def main():
         train_step(model, opt, g)
         ckpt.step(step)
         time.sleep(args.step_sleep)
+        if args.fault == "slow" and node == args.fault_node and local == args.fault_local and step >= args.fault_step:
+            time.sleep(args.slow_s)  # a straggler: slower compute from the fault step on (fault.json at that step)
         if (
             args.fault != "none"
             and step == args.fault_step
@@ -97,10 +100,13 @@ def main():
                 )
             )
             os.replace(tmp, marker)
-            if args.fault == "crash":
+            if args.fault == "slow":
+                pass
+            elif args.fault == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
-            while True:  # hang: never reach the next collective
-                time.sleep(1)
+            else:
+                while True:  # hang: never reach the next collective
+                    time.sleep(1)
         if step % args.save_every == 0:
             ckpt.save(step, state)
             if rank == 0:
