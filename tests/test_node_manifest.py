@@ -146,8 +146,10 @@ def test_a_summary_is_small_and_names_failing_ranks():
 
 
 @pytest.mark.scenario
-@pytest.mark.scenario_ci
-def test_two_nodes_save_a_row_per_node_and_every_byte_check_reads_through_it(tmp_path):
+@pytest.mark.parametrize(
+    "async_save", [pytest.param(False, marks=pytest.mark.scenario_ci, id="sync"), pytest.param(True, id="async")]
+)
+def test_two_nodes_save_a_row_per_node_and_every_byte_check_reads_through_it(tmp_path, async_save):
     import torch
 
     from scout_ckpt.ledger import Ledger
@@ -156,7 +158,7 @@ def test_two_nodes_save_a_row_per_node_and_every_byte_check_reads_through_it(tmp
     from tests.conftest import run_cli
 
     root = tmp_path / "run"
-    out = run_ranks(wp.save_on_two_nodes, 4, str(root), timeout=300)
+    out = run_ranks(wp.save_on_two_nodes, 4, str(root), async_save, timeout=300)
     for o in out:
         assert [v["state"] for v in o.result["verdicts"]] == ["certified", "certified"], o.result["verdicts"]
         assert o.result["loaded_step"] == 4
