@@ -57,6 +57,7 @@ RANKS_PER_NODE = 8
 FILES_PER_RANK = 1
 FILE_BYTES = 50_000_000
 VERDICT_BROADCAST_BYTES = 4096  # save/commit.py _FIRST: every rank but the coordinator receives it
+CONSENSUS_HEADER_BYTES = 56
 LENGTH_BYTES = 8  # save/node_manifest.py: each message is a length, then the pickled payload
 GOALS = {
     "judge_round_s": 0.1,
@@ -138,6 +139,9 @@ def save_gather(ranks: int, step: int, scratch: Path) -> dict:
         "manifest_bytes": len(manifest.encode(m)),
         "node_manifest_bytes_max": max(node_bytes),
         "node_manifests_write_s": write_s,
+        # not aggregated per node, not in gather_bytes_per_save: consensus's header all_gather over a DDP job's
+        # one replica group (consensus/save_time.py: 7 int64 per member), received by every rank
+        "consensus_header_bytes_ddp": CONSENSUS_HEADER_BYTES * ranks,
     }
 
 
@@ -356,7 +360,15 @@ FIGURES = (
     "ledger_bytes_per_checkpoint",
     "resume_s",
 )
-MORE = ("ls", "explain", "manifest_bytes", "node_manifest_bytes_max", "flat_gather_bytes", "ledger_bytes")
+MORE = (
+    "ls",
+    "explain",
+    "manifest_bytes",
+    "node_manifest_bytes_max",
+    "flat_gather_bytes",
+    "ledger_bytes",
+    "consensus_header_bytes_ddp",
+)
 
 
 def main() -> None:
@@ -436,7 +448,8 @@ def main() -> None:
             "save_every_steps": EVERY,
             "states": "mostly certified, some rejected or committed, the older half deleted (rows kept)",
             "gather_scope": "the commit's file lists and digests (save/commit.py, save/node_manifest.py) and the "
-            "verdict broadcast; not the live evidence's collectives",
+            "verdict broadcast; not the live evidence's collectives (consensus_header_bytes_ddp: what every rank "
+            "of a DDP job receives in consensus's header all_gather, not aggregated per node)",
             "resume": "recovery.latest_clean(verify=False): `resume --latest-clean --no-verify`, in process, CPU s",
         },
         "ranks": ranks,
