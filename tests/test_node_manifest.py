@@ -205,3 +205,29 @@ def test_two_nodes_save_a_row_per_node_and_every_byte_check_reads_through_it(tmp
     assert rc == 1
     reasons = [r for s in json.loads(stdout)["results"] for r in s["reasons"]]
     assert ("digest_mismatch", "scout-node-00000.json") in {(r["code"], r.get("file")) for r in reasons}
+
+
+@pytest.mark.scenario
+def test_the_coordinator_hears_every_node_of_uneven_sizes_and_a_node_that_could_not_write(tmp_path):
+    """Six gloo ranks as nodes of 3, 2 and 1: two aggregators reach the coordinator in whatever order they
+    arrive; then the same with node 1's node manifest unwritable."""
+    from scout_ckpt.testing.launch import run_ranks
+    from tests import workers_pernode as wp
+
+    out = run_ranks(wp.gather_three_nodes, 6, str(tmp_path), timeout=240)
+    assert [o.result is None for o in out] == [False, True, True, True, True, True]
+    rows = out[0].result
+    assert [(r["rank"], [f["path"] for f in r["files"]], r["finite_bad"]) for r in rows] == [
+        (0, [DCP_METADATA, "scout-node-00000.json"], []),
+        (3, ["scout-node-00001.json"], []),
+        (4, [], ["w"]),  # rank 4's failed finite check, named by its own rank
+        (5, ["scout-node-00002.json"], []),
+    ]
+    for node, ranks in ((0, [0, 1, 2]), (1, [3, 4]), (2, [5])):
+        doc = json.loads((tmp_path / fm.name(node)).read_bytes())
+        assert [f["rank"] for f in doc["files"]] == ranks
+        assert [f["path"] for f in doc["files"]] == [f"__{r}_0.distcp" for r in ranks]
+    (tmp_path / "again").mkdir()
+    out = run_ranks(wp.gather_three_nodes, 6, str(tmp_path / "again"), 1, timeout=240)
+    errors = [r for r in out[0].result if r.get("error")]
+    assert [(r["rank"], r["error"].split(":")[0]) for r in errors] == [(3, "node 1")]

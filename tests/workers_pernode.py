@@ -44,3 +44,27 @@ def save_on_two_nodes(rank, world, root, async_save=False):
     loaded = w.flat_tensors(w.state_of(model2, opt2))
     ckpt2.close()
     return {"verdicts": verdicts, "loaded_step": loaded_step, "saved": saved, "loaded": loaded}
+
+
+def gather_three_nodes(rank, world, tmp, broken_node=None):
+    """The per-node gather alone on the default group, nodes of 3, 2 and 1 ranks (global ranks contiguous):
+    every rank reports one file of its own; `broken_node`'s aggregator writes into a folder that does not exist.
+    Returns the coordinator's rows (None elsewhere)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from scout_ckpt.save import node_manifest as nm
+
+    sizes = [3, 2, 1]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    node = max(i for i, s in enumerate(starts) if s <= rank)
+    p = nm.NodePlan(
+        node=node, leader=starts[node], members=tuple(range(starts[node], starts[node] + sizes[node])), world=world
+    )
+    files = [{"path": f"__{rank}_0.distcp", "size": 10 + rank, "digest": f"d{rank}", "rank": rank}]
+    if rank == 0:
+        files.append({"path": ".metadata", "size": 5, "digest": "m", "rank": 0})
+    report = {"rank": rank, "files": files, "finite_bad": ["w"] if rank == 4 else []}
+    where = Path(tmp) / ("missing" if node == broken_node else "")
+    return nm.gather(p, rank, report, where, 7, "a1", dist.group.WORLD)
