@@ -68,6 +68,17 @@ CONTRACT_KEYS: dict[str, list[str]] = {
         "kinds.*.latency_s_median",
     ],
     "torture.py": ["n_violations"],
+    "scale.py": [
+        "at_max.judge_round_s",
+        "at_max.hottest_reader_reads_per_round",
+        "at_max.gather_bytes_per_save",
+        "at_max.ledger_bytes_per_checkpoint",
+        "at_max.resume_s",
+        "growth.*",
+        "model.ranks_per_node",
+        "model.files_per_rank",
+        "model.checkpoints",
+    ],
 }
 
 

@@ -3,6 +3,10 @@
 It is enough to rebuild the ledger's checkpoint rows (`scout-ckpt ledger rebuild`), so losing the database
 loses history, not the ability to resume. Written by the coordinator after every rank has hashed its files and
 before the rename that publishes the directory (so a published `step-*` always carries one).
+
+In a job of several nodes its `files` hold `.metadata` and one row per node, the node's manifest
+(format/node_manifest.py: its path, size and digest, and its totals), which lists that node's ranks' files; the
+byte checks read through it (format/verify.py), so the manifest grows with the node count, not the rank count.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from scout_ckpt.errors import BadInput
+from scout_ckpt.format import node_manifest
 from scout_ckpt.format.digests import digest_files, relpaths
 from scout_ckpt.format.layout import DCP_METADATA, MANIFEST_NAME, is_folder_dir
 from scout_ckpt.format.safepaths import clip, inside, relpath_problem
@@ -89,7 +90,8 @@ def verify_files(
 ) -> dict:
     """Bytes evidence: every recorded file present with its size and digest; nothing missing or extra.
 
-    `files` are {"path", "size", "digest"} rows (from the ledger or the manifest). With expect_complete the
+    `files` are {"path", "size", "digest"} rows (from the ledger or the manifest); a node manifest's row
+    (format/node_manifest.py) stands for its node's rows, read from it once its own bytes match. With expect_complete the
     directory must hold exactly those files (plus the manifest) and a DCP `.metadata`. BadInput if a recorded
     name is not a normalized relative path. `hasher` replaces `digest_files` (same signature and result): `certify`
     passes `scan.StepScan.hasher`, which checks the tensors in the same read.
@@ -107,6 +109,8 @@ def verify_files(
         if is_absent(e):
             return evidence(FAIL, [{"code": "missing_dir", "path": str(step_dir)}], files_checked=0)
         return _outcome([], [unchecked_reason(e, path=str(step_dir))], files_checked=0)
+    if any(node_manifest.is_node_entry(f) for f in files):  # a multi-node save: each node's rows in its file
+        files, reasons, unchecked = node_manifest.expand(step_dir, files)
     present = {}
     for f in files:
         p = step_dir / f["path"]

@@ -84,6 +84,8 @@ class LedgerQueries(LedgerConnection):
         return decode(rows[0]) if rows else None
 
     def files(self, step: int) -> list[dict]:
+        """The step's recorded files: one row per rank-file, or (a multi-node save) `.metadata` and one row per
+        node whose node manifest lists its ranks' files (format/node_manifest.py; verify_files reads through it)."""
         return list(self._query("SELECT path, size, digest, rank FROM files WHERE step=? ORDER BY path", [step]))
 
     def evidence(self, step: int) -> dict[str, dict]:

@@ -10,7 +10,9 @@ Who calls what, in order (docs/design.md, "The commit protocol"); `Checkpointer`
   2. (Checkpointer)         all ranks: live evidence, then DCP writes into PendingSave.tmp. An async save stages
                             its copy first and runs 1, 2 and 3 in its commit thread (1 still precedes any write).
   3. Committer.finish       collective, once the write has finished everywhere. Every rank: PendingSave.local_files
-                            (digests of the files *this rank* wrote) -> gather to the coordinator. Coordinator:
+                            (digests of the files *this rank* wrote) -> gather to the coordinator (in a job of
+                            several nodes through each node's aggregator and its node manifest: save/node_manifest.py).
+                            Coordinator:
      3a. _publish           the Checkpointer's `assess` turns the gathered digests + live evidence into evidence and
                             a verdict -> scout-manifest.json (fsync) -> owner record removed -> rename to step-S ->
                             fsync(ROOT). From here on the checkpoint is durable and the verdict is the manifest's.
@@ -54,6 +56,7 @@ from scout_ckpt.format.digests import digest_files
 from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops import retention
 from scout_ckpt.ops.settle import settle_writing, take_lease, this_process_owner, tmp_dir_alive
+from scout_ckpt.save import node_manifest
 
 COORDINATOR = 0
 
@@ -206,7 +209,13 @@ class Committer:
         """Collective on `group`, after DCP's write finished on every rank: returns the verdict
         {"state", "reasons"} on every rank, or raises CommitError on every rank if nothing was published."""
         files = pending.local_files(writer, self.rank)
-        gathered = _gather({"rank": self.rank, "files": files, "finite_bad": writer.nonfinite}, group)
+        report = {"rank": self.rank, "files": files, "finite_bad": writer.nonfinite}
+        world = dist.get_world_size(group)
+        nodes = node_manifest.plan(self.rank, world) if self.store is None and world == dist.get_world_size() else None
+        if nodes is None:  # one node (or an object store): every rank's rows to the coordinator
+            gathered = _gather(report, group)
+        else:  # many nodes: a node manifest per node, one summary per node to the coordinator
+            gathered = node_manifest.gather(nodes, self.rank, report, pending.tmp, pending.step, pending.attempt, group)
         verdict = None
         if self.is_coordinator:
             verdict = self._publish(pending, gathered, assess)
@@ -218,6 +227,9 @@ class Committer:
     def _publish(self, pending, gathered: list[dict], assess: Assess) -> dict:
         """Coordinator: 3a, then (only once durable) 3b and 3c."""
         try:
+            failed = [g["error"] for g in gathered if g.get("error")]
+            if failed:  # a node manifest was not written: nothing may be published without it
+                raise OSError("; ".join(failed[:3]))
             files = [f for g in gathered for f in g["files"]]
             ev, signatures, v = assess(gathered)
             verdict = {"state": v.state, "reasons": v.reasons}

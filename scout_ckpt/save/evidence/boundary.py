@@ -25,6 +25,7 @@ from scout_ckpt import policy
 from scout_ckpt.consensus.full import full_signatures
 from scout_ckpt.consensus.mesh import full_signable
 from scout_ckpt.consensus.signatures import flatten_state
+from scout_ckpt.format import node_manifest
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.evidence.health import HealthWindow
 from scout_ckpt.save.evidence.shard import KINDS as SHARD_KINDS
@@ -191,11 +192,8 @@ class SaveEvidence:
         upto = live.pop("_events_upto", None)
         if upto is None:
             upto = self.ledger.last_event_id()
-        ev = {
-            "bytes": policy.evidence(
-                policy.PASS, files=len(files), bytes=sum(f["size"] for f in files), hashed_by="writers"
-            )
-        }
+        nfiles, nbytes = node_manifest.totals(files)  # a node manifest's row counts its node's files
+        ev = {"bytes": policy.evidence(policy.PASS, files=nfiles, bytes=nbytes, hashed_by="writers")}
         if unsigned:
             ev["bytes"]["load_check_unsigned"] = unsigned[:64]
         if self.finite or self.checks:
