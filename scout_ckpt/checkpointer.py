@@ -344,13 +344,15 @@ class Checkpointer:
 
     # ---- per-step hook -------------------------------------------------------------------------------------
 
-    def step(self, step: int, state: dict | None = None) -> None:
+    def step(self, step: int, state: dict | None = None, loss: float | None = None) -> None:
         """Per-step hook, after the optimizer step: records the step's wall time and drives the SDC replay
         schedule (collective on the checkpointer's side groups at scheduled steps, never the training group).
         The time reported to the observer runs from one call to the next, less the coordinator's ledger work.
         With the fast tier (`local=`), `state` is saved to it when `step % local.every == 0` (collective; it
         blocks for a staging copy and the live evidence, and commits in the background: `local.last_verdict`;
-        a verdict showing the live state bad raises LiveStateCorrupt at the next step() or save())."""
+        a verdict showing the live state bad raises LiveStateCorrupt at the next step() or save()). `loss`: this
+        rank's loss of the step (a float; a tensor is read with .item()), on every rank or none: a non-finite loss
+        or a spike triggers triage (docs/fleet.md)."""
         if step != self._resumed_at:
             self._resumed_at = None  # trained past the loaded step: its save is a new checkpoint
         now = time.monotonic()
@@ -367,7 +369,7 @@ class Checkpointer:
         if self.shard is not None:
             self._record_shard_faults(self.shard.on_step(step))
         if self.replay is not None:
-            self._bookkeeping_s = self.replay.on_step(step)
+            self._bookkeeping_s = self.replay.on_step(step, loss)
         if self.local is not None:
             t0 = time.monotonic()
             self.local.on_step(step, state)  # a local save is not training time either

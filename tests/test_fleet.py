@@ -18,6 +18,7 @@ from scout_ckpt.fleet.recorder import FleetRecorder, sync_root
 from scout_ckpt.fleet.store import FleetStore
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.options import EXIT_SUSPECT_DEVICE, FleetOptions, as_fleet
+from scout_ckpt.replay import loss_triage as loss_rule
 from scout_ckpt.replay.triage import classify, other_rank
 from tests.conftest import run_cli
 
@@ -53,6 +54,65 @@ def test_other_rank_prefers_another_node_not_attributed():
 
 def test_other_rank_on_one_node_is_the_next_peer():
     assert other_rank(2, [0, 1, 2], {0: None, 1: None, 2: None}, {2}) == 0
+
+
+# ---- triage from the loss: the pure rules (replay.loss_triage) ---------------------------------------------------
+
+FLAT = [2.0 + 0.01 * (k % 5) for k in range(20)]  # a loss wobbling by 0.04 around 2.02
+
+
+def test_a_nan_loss_is_non_finite_even_without_history():
+    assert loss_rule.anomaly(float("nan"), [])[0] == "non_finite"
+
+
+def test_an_infinite_loss_is_non_finite():
+    assert loss_rule.anomaly(float("inf"), FLAT)[0] == "non_finite"
+
+
+def test_a_loss_ten_times_the_window_is_a_spike():
+    assert loss_rule.anomaly(20.0, FLAT)[0] == "spike"
+
+
+def test_a_loss_within_the_windows_spread_is_no_anomaly():
+    assert loss_rule.anomaly(2.05, FLAT)[0] is None
+
+
+def test_a_falling_loss_is_no_anomaly():
+    assert loss_rule.anomaly(0.1, FLAT)[0] is None
+
+
+def test_no_spike_before_the_minimum_history():
+    assert loss_rule.anomaly(20.0, FLAT[: loss_rule.LOSS_MIN_HISTORY - 1])[0] is None
+
+
+def test_a_flat_loss_needs_the_relative_floor_to_spike():
+    # every past loss equal: MAD 0; the spread is 5% of the median, so 2.5 (z = 5) is not a spike, 4 (z = 20) is
+    flat = [2.0] * 20
+    assert (loss_rule.anomaly(2.5, flat)[0], loss_rule.anomaly(4.0, flat)[0]) == (None, "spike")
+
+
+def test_loss_triage_rank_differing_from_the_other_is_persistent():
+    assert loss_rule.classify([W, W], [G, G], True, False) == "persistent"
+
+
+def test_loss_triage_live_step_differing_from_agreeing_reruns_is_transient():
+    assert loss_rule.classify([G, G], [G, G], False, False) == "transient"
+
+
+def test_loss_triage_nonfinite_result_reproduced_elsewhere_is_not_hardware():
+    assert loss_rule.classify([G, G], [G, G], True, True) == "not_hardware"
+
+
+def test_loss_triage_finite_result_reproduced_elsewhere_is_transient():
+    assert loss_rule.classify([G, G], [G, G], True, False) == "transient"
+
+
+def test_loss_triage_other_rank_disagreeing_with_itself_is_not_hardware():
+    assert loss_rule.classify([N1, N1], [N1, N2], True, False) == "not_hardware"
+
+
+def test_loss_triage_failed_rerun_is_unclassified():
+    assert loss_rule.classify([G, G], [G, None], True, False) is None
 
 
 # ---- suspects: the score rule and the drain commands ----------------------------------------------------------

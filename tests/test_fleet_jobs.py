@@ -200,3 +200,46 @@ def test_a_fleet_store_that_cannot_be_reached_never_fails_a_save(tmp_path):
         json.loads(line.split(" ", 1)[1])["state"] for line in r.stdout.splitlines() if line.startswith("FLEET-JOB ")
     ]
     assert (r.returncode, states) == (0, ["certified", "certified"]), r.stderr[-3000:]
+
+
+LOSS_FAULTS = {  # the fault the job places -> the class it must get, by what the fault is
+    "loss-persistent": "persistent",  # the rank computes its layer wrongly from step K on, replays included
+    "loss-transient": "transient",  # its live forward is wrong at step K only
+    "nan-data": "not_hardware",  # its batch holds a NaN: any rank given that work computes the same
+}
+
+
+@pytest.mark.parametrize("fault", sorted(LOSS_FAULTS))
+def test_a_loss_anomaly_triggers_triage_and_records_its_class(tmp_path, request, fault):
+    # spikes need the rule's history of finite losses first (replay.loss_triage.LOSS_MIN_HISTORY = 10)
+    pl = place(request, ranks=range(2), steps=range(12, 15))
+    store, root = tmp_path / "fleet.db", tmp_path / "job-l"
+    r = one_host_job(
+        root,
+        store,
+        "node-l",
+        "job-l",
+        "--loss",
+        "--steps",
+        "16",
+        "--save-every",
+        "8",
+        "--fault",
+        fault,
+        "--fault-host",
+        "node-l",
+        "--fault-local",
+        str(pl.rank),
+        "--fault-step",
+        str(pl.step),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    placed = json.loads((root / "fault.json").read_text())
+    assert (placed["kind"], placed["local_rank"], placed["step"]) == (fault, pl.rank, pl.step)
+    with Ledger.open(root, readonly=True) as led:
+        found = [e for e in led.events(("sdc",)) if (e["detail"] or {}).get("source") == "loss"]
+    got = [(e["step"], e["ranks"], e["detail"]["triage"]["class"]) for e in found]
+    assert got == [(pl.step, [placed["rank"]], LOSS_FAULTS[fault])], pl
+    listed = {(s["host"], s["local_rank"]): s["class"] for s in suspects(store)}
+    expected = {} if LOSS_FAULTS[fault] == "not_hardware" else {("node-l", pl.rank): LOSS_FAULTS[fault]}
+    assert listed == expected, pl

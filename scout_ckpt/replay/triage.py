@@ -106,7 +106,7 @@ def after_round(runner, step: int, rows: list[dict], items: dict[str, tuple], ow
                 todo.append((k, r, own_capture or r in failed or items[row["target"]][2] is None))
     if not todo:
         return
-    nodes = _nodes(runner.group, runner.peers)
+    nodes = node_ranks(runner.group, runner.peers)
     mine: dict[int, list] = {}
     for n, (k, r, own) in enumerate(todo):
         target, cap, payload = items[rows[k]["target"]]
@@ -137,7 +137,8 @@ def after_round(runner, step: int, rows: list[dict], items: dict[str, tuple], ow
             tri["class"] = next((c for c in CLASSES if c in found), None)
 
 
-def _nodes(group, peers: list[int]) -> dict[int, int | None]:
+def node_ranks(group, peers: list[int]) -> dict[int, int | None]:
+    """Collective over `group`: every peer's node (torchrun's GROUP_RANK; None where it is not set)."""
     node = os.environ.get("GROUP_RANK")
     mine = int(node) if node and node.isdigit() else None
     out: list = [None] * len(peers)
