@@ -48,12 +48,22 @@ def test_triage_failed_rerun_is_unclassified():
 
 
 def test_other_rank_prefers_another_node_not_attributed():
-    nodes = {0: 0, 1: 0, 2: 1, 3: 1}
+    nodes = {0: ("h", 0), 1: ("h", 0), 2: ("h", 1), 3: ("h", 1)}
     assert other_rank(1, [0, 1, 2, 3], nodes, {1, 2}) == 3
 
 
+def test_other_rank_prefers_another_host_to_another_node_of_the_same_host():
+    nodes = {0: ("a", 0), 1: ("a", 1), 2: ("b", 2)}
+    assert other_rank(0, [0, 1, 2], nodes, {0}) == 2
+
+
+def test_other_rank_without_torchrun_nodes_still_prefers_another_host():
+    nodes = {0: ("a", None), 1: ("a", None), 2: ("b", None)}
+    assert other_rank(0, [0, 1, 2], nodes, {0}) == 2
+
+
 def test_other_rank_on_one_node_is_the_next_peer():
-    assert other_rank(2, [0, 1, 2], {0: None, 1: None, 2: None}, {2}) == 0
+    assert other_rank(2, [0, 1, 2], {0: ("h", None), 1: ("h", None), 2: ("h", None)}, {2}) == 0
 
 
 # ---- triage from the loss: the pure rules (replay.loss_triage) ---------------------------------------------------

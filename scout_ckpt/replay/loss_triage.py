@@ -16,7 +16,7 @@ The round (`LossTriage.on_step`, collective over the replay peer group at every 
 gathers every peer's verdict on its own loss. When some rank R's loss is anomalous at step S (and no loss triage
 ran in the last LOSS_COOLDOWN steps), every peer arms a capture of every module target for step S+1 (inputs,
 parameters and live output signatures, cloned), and at on_step(S+1) R's captures are executed again with the
-same inputs, RUNS times on R and RUNS times on another rank Q (on another node where the job has one,
+same inputs, RUNS times on R and RUNS times on another rank Q (on another host where the job has one,
 triage.other_rank). The step's own inputs are gone by the time its loss is seen: the work re-executed is R's next
 step. `classify` decides from the exact signatures:
 
@@ -181,7 +181,8 @@ class LossTriage:
                     on_r.get("runs") or [], on_q.get("runs") or [], on_r.get("live"), bool(on_r.get("nf"))
                 ),
                 "other": q,
-                "other_node": None if q is None else nodes.get(q),
+                "other_host": None if q is None else nodes[q][0],
+                "other_node": None if q is None else nodes[q][1],
                 "work": f"own capture of step {step}",
             }
         found = [v["class"] for v in tri["ranks"].values() if v["class"]]
