@@ -537,3 +537,65 @@ def test_an_inconclusive_event_is_recorded_for_the_rank_triage_ran():
     events = [{"id": 1, "kind": "sdc", "ranks": [], "run_id": "r", "step": 4, "time": 1.0, "detail": detail}]
     (rec,) = from_events("/ckpt/a", events, {("r", 2): {"host": "h", "local_rank": 2, "device": None}})
     assert (rec["rank"], rec["class"], rec["device"]) == (2, "not_hardware", None)
+
+
+# ---- bench/campaign_fleet.py: the seeded placements and their scores (pure) -----------------------------------
+
+
+def _campaign_fleet():
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("campaign_fleet", REPO / "bench" / "campaign_fleet.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fleet_campaign_places_the_bad_device_in_two_jobs_and_flaky_ones_elsewhere():
+    cf = _campaign_fleet()
+    jobs = cf.plan(3, seed=7)
+    bad = [(p["host"], p["local_rank"]) for p in jobs if p["fault"] == "persistent"]
+    flaky = [(p["host"], p["local_rank"]) for p in jobs if p["fault"] == "transient"]
+    assert (len(bad), len(set(bad)), len(flaky), set(flaky) & set(bad)) == (2, 1, 1, set())
+
+
+def test_fleet_campaign_plan_is_the_seeds():
+    cf = _campaign_fleet()
+    assert cf.plan(6, seed=3) == cf.plan(6, seed=3)
+
+
+def test_fleet_campaign_scores_a_perfect_answer_one():
+    cf = _campaign_fleet()
+    jobs = [
+        {"job": "j1", "fault": "persistent", "host": "node-a", "local_rank": 1},
+        {"job": "j2", "fault": "persistent", "host": "node-a", "local_rank": 1},
+        {"job": "j3", "fault": "transient", "host": "node-b", "local_rank": 0},
+    ]
+    answer = [
+        {"host": "node-a", "local_rank": 1, "class": "persistent", "jobs": ["j1", "j2"]},
+        {"host": "node-b", "local_rank": 0, "class": "transient", "jobs": ["j3"]},
+    ]
+    got = cf.score(jobs, answer, [])
+    assert (got["drain_precision"], got["drain_recall"], got["listed_precision"], got["listed_recall"]) == (1, 1, 1, 1)
+    assert (got["class_accuracy"], got["healthy_listed"]) == (1, 0)
+
+
+def test_fleet_campaign_counts_a_listed_healthy_device_against_precision():
+    cf = _campaign_fleet()
+    jobs = [{"job": "j1", "fault": "persistent", "host": "node-a", "local_rank": 1}]
+    answer = [
+        {"host": "node-a", "local_rank": 1, "class": "persistent", "jobs": ["j1"]},
+        {"host": "node-b", "local_rank": 1, "class": "persistent", "jobs": ["j1"]},
+    ]
+    got = cf.score(jobs, answer, [])
+    assert (got["drain_precision"], got["drain_recall"], got["healthy_listed"]) == (0.5, 1, 1)
+
+
+def test_fleet_campaign_counts_a_device_blamed_for_the_data_job():
+    cf = _campaign_fleet()
+    jobs = [{"job": "jn", "fault": "numerics", "host": "", "local_rank": 0}]
+    answer = [{"host": "node-a", "local_rank": 0, "class": "transient", "jobs": ["jn"]}]
+    got = cf.score(jobs, answer, [{"job": "jn"}])
+    assert (got["not_hardware_blamed"], got["not_hardware_verdicts"], got["listed_precision"]) == (1, 1, 0)
