@@ -130,7 +130,11 @@ class LossTriage:
         dist.all_gather(every, mine, group=runner.group)
         flagged = {
             # a non-finite loss is recorded as None (JSON has no NaN)
-            r: {"reason": REASONS[int(t[0])], "loss": float(t[1]) if int(t[0]) != 1 else None, "z": float(t[2])}
+            r: {
+                "reason": REASONS[int(t[0])],
+                "loss": None if int(t[0]) == 1 else float(t[1]),
+                "z": None if int(t[0]) == 1 else float(t[2]),
+            }
             for r, t in zip(runner.peers, every)
             if int(t[0])
         }
