@@ -22,7 +22,9 @@ Healthy controls (ddp sync, ddp async, fsdp+sphere) count false positives: any s
 event or any rejection. Scores per kind: detection recall, attribution precision/recall over ranks (micro
 averaged), false positives of that kind's detector on the controls, latency median/p95. Clean checkpoints that a
 detector rejected (state saved before the fault entered) are counted as `clean_rejected` (availability cost, not a
-bad resume). Writes campaign.json and campaign.md to bench/results (or --out). Exit 1 on any bad resume or
+bad resume). The fleet record is scored apart (bench/campaign_fleet.py, key "fleet"): seeded persistent, one-off
+and not-hardware faults over two hosts' devices, the drain list's and the suspects' precision and recall against
+the placements. Writes campaign.json and campaign.md to bench/results (or --out). Exit 1 on any bad resume or
 torture violation, or when a Murphy kind (bench/campaign_murphy.py) misses wrongly_certified 0 or good_lost 0.
 """
 
@@ -39,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+import campaign_fleet  # noqa: E402
 import torture  # noqa: E402
 
 KINDS = ("sdc", "param", "hang", "slow", "crash", "bitflip", "truncate", "delete", "quarantine_race", "load_mismatch")
@@ -75,6 +78,7 @@ STEPS, SAVE_EVERY = 24, 8  # save_every > 7: the demo's replay runs and covers i
 SLOW_STEPS = 48  # the straggler rule needs 3 confirmed windows of >= 1 s and >= 3 steps
 FULL_PER_KIND = 5
 QUICK_PER_KIND = 1
+FLEET_JOBS = {"full": 6, "quick": 3, "smoke": 1}  # two-host jobs of the fleet placements (campaign_fleet.py)
 
 
 # ---- plan ---------------------------------------------------------------------------------------------------
@@ -924,9 +928,18 @@ def main(argv=None) -> int:
         default=None,
         help="SIGKILLs the torture must land (default 100, --quick 5); details in torture.json",
     )
+    p.add_argument(
+        "--fleet-jobs",
+        type=int,
+        default=None,
+        help=f"two-host jobs of the fleet precision/recall report (default {FLEET_JOBS['full']}, --quick "
+        f"{FLEET_JOBS['quick']}, --smoke {FLEET_JOBS['smoke']}; 0 where --kinds is given: a campaign of chosen kinds)",
+    )
     # --smoke (make bench-smoke): one incident of a user's script under torchrun, no healthy control, no torture
-    # (bench/torture.py --smoke runs that); every extension module is still imported by the --kinds check
-    args = C.parse_args(p, {"kinds": "load_mismatch", "per_kind": 1, "healthy": 0, "torture": 0, "quick": True}, argv)
+    # (bench/torture.py --smoke runs that), one fleet job; every extension module is still imported by the --kinds
+    # check
+    smoke = {"kinds": "load_mismatch", "per_kind": 1, "healthy": 0, "torture": 0, "quick": True}
+    args = C.parse_args(p, {**smoke, "fleet_jobs": FLEET_JOBS["smoke"]}, argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in all_kinds()]
     if unknown:
@@ -934,8 +947,11 @@ def main(argv=None) -> int:
     per_kind = args.per_kind if args.per_kind is not None else (QUICK_PER_KIND if args.quick else FULL_PER_KIND)
     n_healthy = args.healthy if args.healthy is not None else (1 if args.quick else 6)
     torture_iters = args.torture if args.torture is not None else (5 if args.quick else 100)
-    if per_kind < 1 or n_healthy < 0 or torture_iters < 0:
-        C.fail("--per-kind must be >= 1, --healthy and --torture >= 0")
+    chosen = any(a == "--kinds" or a.startswith("--kinds=") for a in (sys.argv[1:] if argv is None else argv))
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    fleet_jobs = args.fleet_jobs if args.fleet_jobs is not None else 0 if chosen else FLEET_JOBS[size]
+    if per_kind < 1 or n_healthy < 0 or torture_iters < 0 or fleet_jobs < 0:
+        C.fail("--per-kind must be >= 1, --healthy, --torture and --fleet-jobs >= 0")
     if n_healthy < 1 and {"truncate", "delete"} & set(kinds):
         C.fail("truncate/delete damage a healthy control run: give --healthy >= 1")
     # crash alternates sync and async saves: at least one of each
@@ -944,12 +960,23 @@ def main(argv=None) -> int:
     out = args.out or C.results_dir()
     res = run_campaign(counts, n_healthy, args.seed, torture_iters, out, world_sizes=(3,) if args.quick else (3, 4))
     res["params"]["quick"] = args.quick
+    if fleet_jobs:
+        with tempfile.TemporaryDirectory(prefix="scout-campaign-fleet-") as tmp:
+            res["fleet"] = campaign_fleet.run(fleet_jobs, args.seed, Path(tmp), log=C.log)
+    res["params"]["fleet_jobs"] = fleet_jobs
     out.mkdir(parents=True, exist_ok=True)
     (out / "campaign.json").write_text(json.dumps(res, indent=1, sort_keys=True, default=str))
     (out / "campaign.md").write_text(markdown(res))
     C.emit(res, args, table_rows(res), HEADERS, title=f"fault campaign (seed {args.seed}, {res['wall_s']:.0f} s)")
     if not args.json:
         print(f"\nbad resumes: {res['bad_resumes']}")
+        if res.get("fleet"):
+            f = res["fleet"]
+            print(
+                f"fleet ({f['jobs']} jobs, {f['devices']} devices): drain precision {f['drain_precision']} recall "
+                f"{f['drain_recall']}, listed precision {f['listed_precision']} recall {f['listed_recall']}, "
+                f"class accuracy {f['class_accuracy']}, healthy listed {f['healthy_listed']}"
+            )
         for k, s in res["kinds"].items():
             if "wrongly_certified" in s:
                 print(

@@ -361,7 +361,7 @@ class Checkpointer:
 
     # ---- per-step hook -------------------------------------------------------------------------------------
 
-    def step(self, step: int, state: dict | None = None) -> None:
+    def step(self, step: int, state: dict | None = None, loss: float | None = None) -> None:
         """Per-step hook, after the optimizer step: records the step's wall time and drives the SDC replay
         schedule (collective on the checkpointer's side groups at scheduled steps, never the training group).
         The time reported to the observer runs from one call to the next, less the coordinator's ledger work.
@@ -372,6 +372,8 @@ class Checkpointer:
         Args:
             step: the number of optimizer steps taken so far (the same on every rank).
             state: with the fast tier, the state to save to it at this step (as for save()).
+            loss: this rank's loss of the step (a float; a tensor is read with .item()), on every rank or none: a
+                non-finite loss or a spike triggers triage (docs/fleet.md).
         """
         if step != self._resumed_at:
             self._resumed_at = None  # trained past the loaded step: its save is a new checkpoint
@@ -389,7 +391,7 @@ class Checkpointer:
         if self.shard is not None:
             self._record_shard_faults(self.shard.on_step(step))
         if self.replay is not None:
-            self._bookkeeping_s = self.replay.on_step(step)
+            self._bookkeeping_s = self.replay.on_step(step, loss)
         if self.local is not None:
             t0 = time.monotonic()
             self.local.on_step(step, state)  # a local save is not training time either

@@ -18,6 +18,7 @@ from scout_ckpt.fleet.recorder import FleetRecorder, sync_root
 from scout_ckpt.fleet.store import FleetStore
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.options import EXIT_SUSPECT_DEVICE, FleetOptions, as_fleet
+from scout_ckpt.replay import loss_triage as loss_rule
 from scout_ckpt.replay.triage import classify, other_rank
 from tests.conftest import run_cli
 
@@ -47,12 +48,81 @@ def test_triage_failed_rerun_is_unclassified():
 
 
 def test_other_rank_prefers_another_node_not_attributed():
-    nodes = {0: 0, 1: 0, 2: 1, 3: 1}
+    nodes = {0: ("h", 0), 1: ("h", 0), 2: ("h", 1), 3: ("h", 1)}
     assert other_rank(1, [0, 1, 2, 3], nodes, {1, 2}) == 3
 
 
+def test_other_rank_prefers_another_host_to_another_node_of_the_same_host():
+    nodes = {0: ("a", 0), 1: ("a", 1), 2: ("b", 2)}
+    assert other_rank(0, [0, 1, 2], nodes, {0}) == 2
+
+
+def test_other_rank_without_torchrun_nodes_still_prefers_another_host():
+    nodes = {0: ("a", None), 1: ("a", None), 2: ("b", None)}
+    assert other_rank(0, [0, 1, 2], nodes, {0}) == 2
+
+
 def test_other_rank_on_one_node_is_the_next_peer():
-    assert other_rank(2, [0, 1, 2], {0: None, 1: None, 2: None}, {2}) == 0
+    assert other_rank(2, [0, 1, 2], {0: ("h", None), 1: ("h", None), 2: ("h", None)}, {2}) == 0
+
+
+# ---- triage from the loss: the pure rules (replay.loss_triage) ---------------------------------------------------
+
+FLAT = [2.0 + 0.01 * (k % 5) for k in range(20)]  # a loss wobbling by 0.04 around 2.02
+
+
+def test_a_nan_loss_is_non_finite_even_without_history():
+    assert loss_rule.anomaly(float("nan"), [])[0] == "non_finite"
+
+
+def test_an_infinite_loss_is_non_finite():
+    assert loss_rule.anomaly(float("inf"), FLAT)[0] == "non_finite"
+
+
+def test_a_loss_ten_times_the_window_is_a_spike():
+    assert loss_rule.anomaly(20.0, FLAT)[0] == "spike"
+
+
+def test_a_loss_within_the_windows_spread_is_no_anomaly():
+    assert loss_rule.anomaly(2.05, FLAT)[0] is None
+
+
+def test_a_falling_loss_is_no_anomaly():
+    assert loss_rule.anomaly(0.1, FLAT)[0] is None
+
+
+def test_no_spike_before_the_minimum_history():
+    assert loss_rule.anomaly(20.0, FLAT[: loss_rule.LOSS_MIN_HISTORY - 1])[0] is None
+
+
+def test_a_flat_loss_needs_the_relative_floor_to_spike():
+    # every past loss equal: MAD 0; the spread is 5% of the median, so 2.5 (z = 5) is not a spike, 4 (z = 20) is
+    flat = [2.0] * 20
+    assert (loss_rule.anomaly(2.5, flat)[0], loss_rule.anomaly(4.0, flat)[0]) == (None, "spike")
+
+
+def test_loss_triage_rank_differing_from_the_other_is_persistent():
+    assert loss_rule.classify([W, W], [G, G], True, False) == "persistent"
+
+
+def test_loss_triage_live_step_differing_from_agreeing_reruns_is_transient():
+    assert loss_rule.classify([G, G], [G, G], False, False) == "transient"
+
+
+def test_loss_triage_nonfinite_result_reproduced_elsewhere_is_not_hardware():
+    assert loss_rule.classify([G, G], [G, G], True, True) == "not_hardware"
+
+
+def test_loss_triage_finite_result_reproduced_elsewhere_is_transient():
+    assert loss_rule.classify([G, G], [G, G], True, False) == "transient"
+
+
+def test_loss_triage_other_rank_disagreeing_with_itself_is_not_hardware():
+    assert loss_rule.classify([N1, N1], [N1, N2], True, False) == "not_hardware"
+
+
+def test_loss_triage_failed_rerun_is_unclassified():
+    assert loss_rule.classify([G, G], [G, None], True, False) is None
 
 
 # ---- suspects: the score rule and the drain commands ----------------------------------------------------------
@@ -467,3 +537,65 @@ def test_an_inconclusive_event_is_recorded_for_the_rank_triage_ran():
     events = [{"id": 1, "kind": "sdc", "ranks": [], "run_id": "r", "step": 4, "time": 1.0, "detail": detail}]
     (rec,) = from_events("/ckpt/a", events, {("r", 2): {"host": "h", "local_rank": 2, "device": None}})
     assert (rec["rank"], rec["class"], rec["device"]) == (2, "not_hardware", None)
+
+
+# ---- bench/campaign_fleet.py: the seeded placements and their scores (pure) -----------------------------------
+
+
+def _campaign_fleet():
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("campaign_fleet", REPO / "bench" / "campaign_fleet.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fleet_campaign_places_the_bad_device_in_two_jobs_and_flaky_ones_elsewhere():
+    cf = _campaign_fleet()
+    jobs = cf.plan(3, seed=7)
+    bad = [(p["host"], p["local_rank"]) for p in jobs if p["fault"] == "persistent"]
+    flaky = [(p["host"], p["local_rank"]) for p in jobs if p["fault"] == "transient"]
+    assert (len(bad), len(set(bad)), len(flaky), set(flaky) & set(bad)) == (2, 1, 1, set())
+
+
+def test_fleet_campaign_plan_is_the_seeds():
+    cf = _campaign_fleet()
+    assert cf.plan(6, seed=3) == cf.plan(6, seed=3)
+
+
+def test_fleet_campaign_scores_a_perfect_answer_one():
+    cf = _campaign_fleet()
+    jobs = [
+        {"job": "j1", "fault": "persistent", "host": "node-a", "local_rank": 1},
+        {"job": "j2", "fault": "persistent", "host": "node-a", "local_rank": 1},
+        {"job": "j3", "fault": "transient", "host": "node-b", "local_rank": 0},
+    ]
+    answer = [
+        {"host": "node-a", "local_rank": 1, "class": "persistent", "jobs": ["j1", "j2"]},
+        {"host": "node-b", "local_rank": 0, "class": "transient", "jobs": ["j3"]},
+    ]
+    got = cf.score(jobs, answer, [])
+    assert (got["drain_precision"], got["drain_recall"], got["listed_precision"], got["listed_recall"]) == (1, 1, 1, 1)
+    assert (got["class_accuracy"], got["healthy_listed"]) == (1, 0)
+
+
+def test_fleet_campaign_counts_a_listed_healthy_device_against_precision():
+    cf = _campaign_fleet()
+    jobs = [{"job": "j1", "fault": "persistent", "host": "node-a", "local_rank": 1}]
+    answer = [
+        {"host": "node-a", "local_rank": 1, "class": "persistent", "jobs": ["j1"]},
+        {"host": "node-b", "local_rank": 1, "class": "persistent", "jobs": ["j1"]},
+    ]
+    got = cf.score(jobs, answer, [])
+    assert (got["drain_precision"], got["drain_recall"], got["healthy_listed"]) == (0.5, 1, 1)
+
+
+def test_fleet_campaign_counts_a_device_blamed_for_the_data_job():
+    cf = _campaign_fleet()
+    jobs = [{"job": "jn", "fault": "numerics", "host": "", "local_rank": 0}]
+    answer = [{"host": "node-a", "local_rank": 0, "class": "transient", "jobs": ["jn"]}]
+    got = cf.score(jobs, answer, [{"job": "jn"}])
+    assert (got["not_hardware_blamed"], got["not_hardware_verdicts"], got["listed_precision"]) == (1, 1, 0)

@@ -7,24 +7,28 @@ ROOT/fault.json, written by the faulted rank), never by scout-ckpt's own account
 - every other device (healthy) is never listed;
 - a layer no rank can reproduce (noise on every rank): triaged not_hardware, no device listed;
 - a rank on a persistent suspect with on_suspect="exit": exits with EXIT_SUSPECT_DEVICE, an ERROR naming it;
-- a fleet store that cannot be reached: the job's saves certify all the same.
+- a fleet store lost, locked by another writer or unwritable: the job's saves certify all the same;
+- a loss anomaly (a spike, a NaN): triaged from the loss, by the fault placed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from scout_ckpt.fleet.store import FleetStore
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.options import EXIT_SUSPECT_DEVICE
 from scout_ckpt.testing import agents
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, tmpfs
 from tests.placement import place
 
 SCRIPT = REPO / "tests" / "scripts" / "fleet_job.py"
@@ -193,10 +197,78 @@ def test_a_rank_on_a_persistent_suspect_exits_with_the_replace_node_code(tmp_pat
     assert "node-d:cpu1" in next(line for line in r.stderr.splitlines() if "ERROR" in line and "suspect" in line)
 
 
-def test_a_fleet_store_that_cannot_be_reached_never_fails_a_save(tmp_path):
+@contextlib.contextmanager
+def unusable_store(tmp_path: Path, how: str):
+    """A fleet store path the job cannot write: `lost` (its directory does not exist), `locked` (another
+    process's writer holds the lock for the whole job), `unwritable` (on a filesystem remounted read-only)."""
+    if how == "lost":
+        yield tmp_path / "no-such-dir" / "fleet.db"
+    elif how == "locked":
+        path = tmp_path / "fleet.db"
+        FleetStore.open(path).close()
+        holder = sqlite3.connect(str(path), isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        try:
+            yield path
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+    else:
+        with tmpfs("1M") as d:
+            FleetStore.open(d / "fleet.db").close()
+            subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True)
+            yield d / "fleet.db"
+
+
+@pytest.mark.parametrize("how", ["lost", "locked", "unwritable"])
+def test_a_fleet_store_that_cannot_be_written_never_fails_a_save(tmp_path, how):
     root = tmp_path / "job-h"
-    r = one_host_job(root, tmp_path / "no-such-dir" / "fleet.db", "node-e", "job-h")
+    with unusable_store(tmp_path, how) as store:
+        r = one_host_job(root, store, "node-e", "job-h")
     states = [
         json.loads(line.split(" ", 1)[1])["state"] for line in r.stdout.splitlines() if line.startswith("FLEET-JOB ")
     ]
     assert (r.returncode, states) == (0, ["certified", "certified"]), r.stderr[-3000:]
+
+
+LOSS_FAULTS = {  # the fault the job places -> the class it must get, by what the fault is
+    "loss-persistent": "persistent",  # the rank computes its layer wrongly from step K on, replays included
+    "loss-transient": "transient",  # its live forward is wrong at step K only
+    "nan-data": "not_hardware",  # its batch holds a NaN: any rank given that work computes the same
+}
+
+
+@pytest.mark.parametrize("fault", sorted(LOSS_FAULTS))
+def test_a_loss_anomaly_triggers_triage_and_records_its_class(tmp_path, request, fault):
+    # spikes need the rule's history of finite losses first (replay.loss_triage.LOSS_MIN_HISTORY = 10)
+    pl = place(request, ranks=range(2), steps=range(12, 15))
+    store, root = tmp_path / "fleet.db", tmp_path / "job-l"
+    r = one_host_job(
+        root,
+        store,
+        "node-l",
+        "job-l",
+        "--loss",
+        "--steps",
+        "16",
+        "--save-every",
+        "8",
+        "--fault",
+        fault,
+        "--fault-host",
+        "node-l",
+        "--fault-local",
+        str(pl.rank),
+        "--fault-step",
+        str(pl.step),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    placed = json.loads((root / "fault.json").read_text())
+    assert (placed["kind"], placed["local_rank"], placed["step"]) == (fault, pl.rank, pl.step)
+    with Ledger.open(root, readonly=True) as led:
+        found = [e for e in led.events(("sdc",)) if (e["detail"] or {}).get("source") == "loss"]
+    got = [(e["step"], e["ranks"], e["detail"]["triage"]["class"]) for e in found]
+    assert got == [(pl.step, [placed["rank"]], LOSS_FAULTS[fault])], pl
+    listed = {(s["host"], s["local_rank"]): s["class"] for s in suspects(store)}
+    expected = {} if LOSS_FAULTS[fault] == "not_hardware" else {("node-l", pl.rank): LOSS_FAULTS[fault]}
+    assert listed == expected, pl

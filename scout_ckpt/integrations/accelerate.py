@@ -264,9 +264,10 @@ class ScoutCheckpointing:
         self._check_loaders()
         return ckpt.load_latest_clean(self.state)
 
-    def step(self, step: int) -> None:
-        """After the optimizer step (Checkpointer.step: heartbeat, replay schedule, timings)."""
-        self._ensure().step(step)
+    def step(self, step: int, loss: float | None = None) -> None:
+        """After the optimizer step (Checkpointer.step: heartbeat, replay schedule, timings; `loss` on every rank
+        or none: the loss triage)."""
+        self._ensure().step(step, loss=loss)
 
     def save(self, step: int) -> dict | None:
         """Collective, after the optimizer step numbered `step` (Checkpointer.save: the verdict, or None when

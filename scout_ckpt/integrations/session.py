@@ -42,6 +42,8 @@ from scout_ckpt.ledger import Ledger
 from scout_ckpt.ledger.journal import journal_verdict
 from scout_ckpt.ops.settle import this_process_owner
 from scout_ckpt.ops.startup import open_run_ledger
+from scout_ckpt.options import as_fleet
+from scout_ckpt.save import log, placement
 
 COORDINATOR = 0
 
@@ -68,6 +70,7 @@ class IntegrationRun:
         self.run_id: str | None = None
         self.settled: list[dict] = []
         self._saves = 0
+        self._fleet = None  # the fleet recorder (coordinator, where SCOUT_CKPT_FLEET names a store)
 
     # ---- small collectives on the run's own gloo group ------------------------------------------------------
 
@@ -115,7 +118,15 @@ class IntegrationRun:
         after: Callable[[Ledger, str], None] | None = None,
     ) -> str:
         """Collective: open the ledger, settle interrupted saves, begin the run; returns the run id. `after(ledger,
-        run_id)` runs on the coordinator once the run is begun (e.g. a warning about an uncertified resume)."""
+        run_id)` runs on the coordinator once the run is begun (e.g. a warning about an uncertified resume). Where
+        every rank runs (host, local rank, device) is recorded with the run, so that its events name hardware
+        (docs/fleet.md); with SCOUT_CKPT_FLEET set, each rank first looks its device up in the fleet record and
+        the coordinator starts the fleet recorder."""
+        fleet = as_fleet(None)
+        if fleet is not None:  # before any collective: a rank on a persistent suspect may exit (on_suspect)
+            from scout_ckpt.fleet.startup import check_this_rank
+
+            check_this_rank(fleet, self.rank)
 
         def begin():
             self.root.mkdir(parents=True, exist_ok=True)
@@ -136,6 +147,16 @@ class IntegrationRun:
             return run_id
 
         self.run_id = self.on_coordinator(f"open the ledger in {self.root}", begin)
+        places = self.gather(placement.this_rank(self.rank))
+        if self.is_coordinator and places is not None:
+            try:
+                self.ledger.record_ranks(self.run_id, places)
+            except Exception as e:  # noqa: BLE001 - placement is a label: every rank has passed the gather
+                log.logger.warning("rank placement not recorded: %s", e)
+            if fleet is not None:
+                from scout_ckpt.fleet.recorder import FleetRecorder
+
+                self._fleet = FleetRecorder(fleet.path, self.root, fleet.interval_s)
         if self.is_coordinator:
             # a script that never calls close() (DeepSpeed's, Megatron's: optional there) still closes the ledger
             # cleanly at exit, so that SQLite folds its -wal/-shm sidecars back into the ledger file
@@ -143,6 +164,9 @@ class IntegrationRun:
         return self.run_id
 
     def _close_ledger(self) -> None:
+        if self._fleet is not None:  # its last round reads the ledger: before the ledger closes
+            recorder, self._fleet = self._fleet, None
+            recorder.close()
         if self.ledger is not None:
             ledger, self.ledger = self.ledger, None
             try:
@@ -286,6 +310,8 @@ class IntegrationRun:
                         )
             if after is not None:
                 after(verdict, ev)
+            if self._fleet is not None:
+                self._fleet.nudge()  # the save's events reach the fleet store now, from the recorder's thread
             return verdict
 
         return self.on_coordinator(f"commit step {step}", publish)

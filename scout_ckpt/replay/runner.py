@@ -64,6 +64,7 @@ from scout_ckpt.replay import rows as replay_rows
 from scout_ckpt.replay import self_check as own_round  # the self-check round
 from scout_ckpt.replay.capture import ModuleCapture, current_state
 from scout_ckpt.replay.execute import replay_copy, replay_mode, replay_module, replay_target
+from scout_ckpt.replay.loss_triage import LossTriage
 from scout_ckpt.replay.optimizer_replay import (
     DEFAULT_ELEMS,
     OptimizerCapture,
@@ -186,6 +187,7 @@ class ReplayRunner:
         # Sweep captures keep references to the live inputs (capture.py); a target whose referenced inputs were
         # written in place before a sweep is captured by clones from then on (on this rank).
         self._clone_targets: set[str] = set()
+        self.loss = LossTriage()  # a non-finite or spiking loss: the rank's work re-executed (loss_triage.py)
 
     @property
     def process_groups(self) -> list:
@@ -196,8 +198,14 @@ class ReplayRunner:
         """The coverage set: a step certifies only if each has a clean replay (see schedule.coverage)."""
         return list(self._targets)
 
+    @property
+    def sites(self) -> dict:
+        """Module target name -> where its capture hooks go (targets.sites)."""
+        return self._sites
+
     def events(self) -> list[dict]:
-        """Straggler events found from replay timings so far (identical on all peers)."""
+        """Straggler events found from replay timings, and the loss triage's sdc events, so far (identical on all
+        peers)."""
         return list(self._events)
 
     def begin(self, step: int) -> None:
@@ -209,13 +217,15 @@ class ReplayRunner:
     def close(self) -> None:
         for cap in self._captures.values():
             cap.disarm()
+        self.loss.disarm()
         self._armed = self._deferred = None
         self._live = self._done = None
         self._set_eager()
 
-    def on_step(self, step: int) -> list[dict]:
+    def on_step(self, step: int, loss: float | None = None) -> list[dict]:
         """Called once per optimizer step, after it, on every rank: replay what step `step` captured, arm next.
-        Collective over the peer group at scheduled steps; every peer returns the same rows."""
+        Collective over the peer group at scheduled steps; every peer returns the same rows. `loss`: this rank's
+        loss of the step, given at the same steps on every rank (replay.loss_triage: a gather per step)."""
         rows = self._flush_deferred()
         armed, self._armed = self._armed, None
         if armed is not None:
@@ -237,6 +247,7 @@ class ReplayRunner:
                 cap.disarm()
         # kept for sweep(step); an older one's save did not come
         self._done = live if live is not None and live[0] == step else None
+        self._events.extend(self.loss.on_step(self, step, loss))
         self._arm(step + 1)
         self._set_eager()
         return rows
@@ -257,8 +268,10 @@ class ReplayRunner:
         """Under a whole-model torch.compile: run the next step eagerly iff a module capture is armed for it."""
         if not self._under_compile:
             return
-        need = self._live is not None or any(
-            self._captures[name].armed for recipe, name in self._targets if recipe != "optimizer"
+        need = (
+            self._live is not None
+            or self.loss.armed
+            or any(self._captures[name].armed for recipe, name in self._targets if recipe != "optimizer")
         )
         if need != self._eager:
             torch.compiler.set_stance("force_eager" if need else "default")

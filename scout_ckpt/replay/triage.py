@@ -3,7 +3,7 @@
 When a round attributes a module target to a rank R (the ring's two disagreeing pairs around it, its replay
 disagreeing with the majority, or its live step with its own replay), or a ring round finds every pair in
 disagreement (`suspects`), the disputed work is executed again with the same captured inputs and parameters: twice
-on R, and twice on another peer Q (on another node where the job has one, named by torchrun's GROUP_RANK). The
+on R, and twice on another peer Q (on another host where the job has one, else another torchrun node). The
 work is the source's capture for a broadcast round's cross-check disagreement (every peer already holds it), and
 R's own capture for a self-check disagreement or a ring row (R sends it). Exact signatures (consensus.signatures) of the four results decide (`classify`):
 
@@ -21,6 +21,7 @@ MAX_RANKS ranks per round.
 from __future__ import annotations
 
 import os
+import socket
 import warnings
 
 import torch.distributed as dist
@@ -47,12 +48,19 @@ def classify(on_rank: list[tuple | None], on_other: list[tuple | None]) -> str |
     return "persistent"
 
 
-def other_rank(rank: int, peers: list[int], nodes: dict[int, int | None], avoid: set[int]) -> int | None:
-    """Pure: the peer that re-executes R's work: on another node where there is one, not itself attributed where
-    possible, the first such after R in peer order."""
+def other_rank(rank: int, peers: list[int], nodes: dict[int, tuple], avoid: set[int]) -> int | None:
+    """Pure: the peer that re-executes R's work, the first after R in peer order, not itself attributed where
+    possible: on another host, else on another node (torchrun agent) of the same host, else any.
+    `nodes`: peer -> (host, node rank or None), node_ranks' answer."""
     order = peers[peers.index(rank) + 1 :] + peers[: peers.index(rank)]
+    me = nodes.get(rank) or (None, None)
+
+    def where(p: int) -> tuple:
+        return nodes.get(p) or (None, None)
+
     for pick in (
-        lambda p: nodes.get(p) != nodes.get(rank) and p not in avoid,
+        lambda p: where(p)[0] != me[0] and p not in avoid,
+        lambda p: where(p) != me and p not in avoid,
         lambda p: p not in avoid,
         lambda p: True,
     ):
@@ -106,7 +114,7 @@ def after_round(runner, step: int, rows: list[dict], items: dict[str, tuple], ow
                 todo.append((k, r, own_capture or r in failed or items[row["target"]][2] is None))
     if not todo:
         return
-    nodes = _nodes(runner.group, runner.peers)
+    nodes = node_ranks(runner.group, runner.peers)
     mine: dict[int, list] = {}
     for n, (k, r, own) in enumerate(todo):
         target, cap, payload = items[rows[k]["target"]]
@@ -127,7 +135,8 @@ def after_round(runner, step: int, rows: list[dict], items: dict[str, tuple], ow
         tri["ranks"][str(r)] = {
             "class": classify(on_rank, on_other),
             "other": q,
-            "other_node": None if q is None else nodes.get(q),
+            "other_host": None if q is None else nodes[q][0],
+            "other_node": None if q is None else nodes[q][1],
             "work": "own capture" if own else "source capture",
         }
     for row in rows:
@@ -137,9 +146,11 @@ def after_round(runner, step: int, rows: list[dict], items: dict[str, tuple], ow
             tri["class"] = next((c for c in CLASSES if c in found), None)
 
 
-def _nodes(group, peers: list[int]) -> dict[int, int | None]:
+def node_ranks(group, peers: list[int]) -> dict[int, tuple]:
+    """Collective over `group`: every peer's (host, node rank): SCOUT_CKPT_HOST or the hostname (the fleet
+    record's host), and torchrun's GROUP_RANK (None where it is not set)."""
     node = os.environ.get("GROUP_RANK")
-    mine = int(node) if node and node.isdigit() else None
+    mine = (os.environ.get("SCOUT_CKPT_HOST") or socket.gethostname(), int(node) if node and node.isdigit() else None)
     out: list = [None] * len(peers)
     dist.all_gather_object(out, mine, group=group)
-    return dict(zip(peers, out))
+    return {p: tuple(v) for p, v in zip(peers, out)}

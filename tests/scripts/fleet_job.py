@@ -1,7 +1,7 @@
 """A user's DDP job whose hardware the fleet tests fault (tests/test_fleet_jobs.py).
 
-    torchrun ... tests/scripts/fleet_job.py ROOT --fleet STORE [--fault persistent|transient|numerics
-        --fault-host H --fault-local L] [--steps 8 --save-every 4]
+    torchrun ... tests/scripts/fleet_job.py ROOT --fleet STORE [--fault KIND --fault-host H --fault-local L
+        --fault-step K] [--steps 8 --save-every 4] [--loss]
 
 The model has repeated blocks (replay's targets). The fault stands for hardware at one place, the host
 (SCOUT_CKPT_HOST, set per torchrun agent: two agents stand for two hosts) and local rank given:
@@ -10,7 +10,13 @@ The model has repeated blocks (replay's targets). The fault stands for hardware 
   (failing hardware);
 - transient: block 1's live forward on that rank is wrong at the first save step only (a one-off);
 - numerics: block 1 adds noise from the operating system's entropy on every rank, every call (a layer that is not
-  reproducible anywhere: no hardware to blame).
+  reproducible anywhere: no hardware to blame);
+- loss-persistent: from step K on, the last block multiplies its output by 30 on that rank, live and replayed (the
+  loss spikes at K);
+- loss-transient: the last block's live forward on that rank multiplies its output by 30 at step K only;
+- nan-data: that rank's batch of step K holds a NaN (bad data: its loss, then every replica's state, non-finite).
+
+--loss passes each step's loss to ckpt.step (the loss triage).
 
 It writes ROOT/fault.json first (where the fault is placed: the test's oracle, independent of scout-ckpt) and
 runs with on_live_fault="continue" so that the job ends normally whatever its saves find.
@@ -53,6 +59,12 @@ class Block(nn.Module):
                 out = out + 1e-3
             elif kind == "numerics":
                 out = out + 1e-4 * ENTROPY.random()
+        if self.index == 2 and FAULT["here"]:
+            kind = FAULT["kind"]
+            if (kind == "loss-persistent" and STEP[0] >= FAULT["step"]) or (
+                kind == "loss-transient" and STEP[0] == FAULT["step"] and not replaying()
+            ):
+                out = out * 30
         return out
 
 
@@ -74,9 +86,15 @@ def main():
     ap.add_argument("--fleet", default=None)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--save-every", type=int, default=4)
-    ap.add_argument("--fault", choices=["none", "persistent", "transient", "numerics"], default="none")
+    ap.add_argument(
+        "--fault",
+        choices=["none", "persistent", "transient", "numerics", "loss-persistent", "loss-transient", "nan-data"],
+        default="none",
+    )
     ap.add_argument("--fault-host", default="")
     ap.add_argument("--fault-local", type=int, default=0)
+    ap.add_argument("--fault-step", type=int, default=None)
+    ap.add_argument("--loss", action="store_true")
     ap.add_argument("--on-suspect", default="warn")
     args = ap.parse_args()
 
@@ -85,7 +103,11 @@ def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, local = dist.get_rank(), int(os.environ["LOCAL_RANK"])
     host = os.environ.get("SCOUT_CKPT_HOST", "")
-    FAULT.update(kind=args.fault, here=(host == args.fault_host and local == args.fault_local), step=args.save_every)
+    FAULT.update(
+        kind=args.fault,
+        here=(host == args.fault_host and local == args.fault_local),
+        step=args.fault_step or args.save_every,
+    )
     root = Path(args.root)
     if FAULT["here"] or (args.fault == "numerics" and rank == 0):
         root.mkdir(parents=True, exist_ok=True)
@@ -103,11 +125,13 @@ def main():
     for step in range(start + 1, args.steps + 1):
         STEP[0] = step
         x = torch.randn(8, 16, generator=g)
+        if FAULT["kind"] == "nan-data" and FAULT["here"] and step == FAULT["step"]:
+            x[0, 0] = float("nan")
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
-        ckpt.step(step)
+        ckpt.step(step, loss=loss.item() if args.loss else None)
         if step % args.save_every == 0:
             verdict = ckpt.save(step, state)
             if rank == 0:

@@ -89,11 +89,12 @@ class ReplayEvidence:
         """After a load: the schedule and coverage start again from the loaded step."""
         self.runner.begin(step)
 
-    def on_step(self, step: int) -> float:
-        """The rotation after an optimizer step (collective on the replay's side groups at scheduled steps).
-        Returns the coordinator's bookkeeping seconds (not training time: the straggler rule must not see it)."""
+    def on_step(self, step: int, loss: float | None = None) -> float:
+        """The rotation after an optimizer step (collective on the replay's side groups at scheduled steps), and
+        the loss triage where `loss` is given (replay.loss_triage). Returns the coordinator's bookkeeping seconds
+        (not training time: the straggler rule must not see it)."""
         self.stepped = True
-        return self._record(self.runner.on_step(step))
+        return self._record(self.runner.on_step(step, loss))
 
     def sweep(self, step: int) -> None:
         """The save-boundary sweep: every target replayed once on this step's captured inputs, so the checkpoint
