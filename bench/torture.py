@@ -80,6 +80,7 @@ def torture_rank(rank: int, world: int, root: str, refs: str, plan: dict) -> dic
 
     from scout_ckpt.checkpointer import Checkpointer
     from scout_ckpt.save.app_state import ModelOptimizerState
+    from scout_ckpt.testing.faults import fault_points
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 8))
@@ -102,9 +103,8 @@ def torture_rank(rank: int, world: int, root: str, refs: str, plan: dict) -> dic
         if point == plan["point"] or (point == "after_write" and plan["point"] == "during_write"):
             die(f"hook:{point}")
 
-    ckpt = Checkpointer(
-        root, model=model, optimizer=opt, async_save=plan["async"], keep=plan["keep"], fault_hook=hook, timeout_s=30
-    )
+    with fault_points(hook):
+        ckpt = Checkpointer(root, model=model, optimizer=opt, async_save=plan["async"], keep=plan["keep"], timeout_s=30)
     start = ckpt.load_latest_clean(state) or 0
     if rank == 0:
         Path(refs, f"loaded-{plan['iteration']}.json").write_text(

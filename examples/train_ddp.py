@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scout_ckpt import Checkpointer, ModelOptimizerState
+from scout_ckpt.testing.faults import fault_points
 
 
 def main():
@@ -63,7 +64,8 @@ def main():
         if point == args.crash_point and step == args.crash_step and rank == args.crash_rank and attempt == 0:
             crash(attempt, step, point)
 
-    ckpt = Checkpointer(args.root, model=model, optimizer=opt, fault_hook=faults, async_save=args.async_save)
+    with fault_points(faults):
+        ckpt = Checkpointer(args.root, model=model, optimizer=opt, async_save=args.async_save)
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
     if rank == 0 and args.record:

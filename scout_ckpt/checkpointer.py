@@ -39,17 +39,18 @@ from scout_ckpt.options import (
     ShardEvidenceOptions,
     StorageOptions,
 )
-from scout_ckpt.save import commit, placement, run_facts
+from scout_ckpt.save import commit, fault_points, placement, run_facts
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.app_state import RankLocal
 from scout_ckpt.save.async_save import AsyncSaves
 from scout_ckpt.save.evidence.boundary import SaveEvidence
 from scout_ckpt.save.evidence.replay import ReplayEvidence
 from scout_ckpt.save.evidence.shard import ShardEvidence
+from scout_ckpt.save.fault_points import FaultHook
 from scout_ckpt.save.lineage import Lineage
 from scout_ckpt.save.loading import LatestCleanLoader  # noqa: F401  (re-exported)
 from scout_ckpt.save.loading import materialize as _materialize
-from scout_ckpt.save.storage import FaultHook, ScoutWriter
+from scout_ckpt.save.storage import ScoutWriter
 
 COORDINATOR = commit.COORDINATOR
 
@@ -95,8 +96,7 @@ class Checkpointer:
         finite: the writers' NaN/Inf check of every tensor written.
         consensus_exclude: fnmatch patterns of state keys left out of consensus (per-rank values).
         verify_load: compare loaded values with the signatures recorded at save.
-        fault_hook: tests and the demo: called as fault_hook(point, step) at the save's and load's fault points.
-        timeout_s: the side groups' collective timeout, in seconds.
+                timeout_s: the side groups' collective timeout, in seconds.
         shard_evidence: shard replay and the at-rest guard for single-owner shards: ShardEvidenceOptions, a dict,
             True, False, None (on for sharded layouts with a supported optimizer).
         on_live_fault: "raise" (LiveStateCorrupt ends the generation) or "continue".
@@ -126,7 +126,6 @@ class Checkpointer:
         finite: bool = True,
         consensus_exclude: tuple[str, ...] = (),
         verify_load: bool = True,
-        fault_hook: FaultHook | None = None,
         timeout_s: float = 600.0,
         shard_evidence: ShardEvidenceOptions | dict | bool | None = None,
         on_live_fault: str = "raise",
@@ -137,6 +136,7 @@ class Checkpointer:
         local: LocalTierOptions | dict | None = None,
         fleet: FleetOptions | dict | str | os.PathLike | bool | None = None,
     ):
+        fault_hook = fault_points.current()  # tests and the demo only: scout_ckpt.testing.fault_points
         one_line_refusals()  # an uncaught refusal (StartRefused, LiveStateCorrupt) ends the job as one line
         # Every option is checked here, the same on every rank, before anything collective (options.py).
         replay, observer = options.as_replay(replay), options.as_observer(observer)

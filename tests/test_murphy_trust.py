@@ -206,6 +206,7 @@ def _lease_probe(rank, world, root):
 
     from scout_ckpt.checkpointer import Checkpointer
     from scout_ckpt.ops.settle import lease_state
+    from scout_ckpt.testing.faults import fault_points
     from tests.workers_ckpt import make_model, state_of
 
     seen = {}
@@ -216,7 +217,8 @@ def _lease_probe(rank, world, root):
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, fault_hook=hook)
+    with fault_points(hook):
+        ckpt = Checkpointer(root, model=model, optimizer=opt)
     ckpt.save(1, state_of(model, opt))
     ckpt.close()
     return seen

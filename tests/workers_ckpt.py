@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from scout_ckpt.checkpointer import Checkpointer
 from scout_ckpt.format.layout import list_step_dirs
 from scout_ckpt.save.app_state import ModelOptimizerState as AppState
+from scout_ckpt.testing.faults import fault_points
 
 
 def make_model(seed: int = 0, width: int = 16) -> nn.Module:
@@ -103,7 +104,8 @@ def crash_during_save(rank, world, root, point, victim, crash_step):
     model = make_model()
     net = ddp(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = Checkpointer(root, model=net, optimizer=opt, fault_hook=hook, timeout_s=20)
+    with fault_points(hook):
+        ckpt = Checkpointer(root, model=net, optimizer=opt, timeout_s=20)
     for s in (2, 4):
         train_steps(net, opt, 2, seed=s)
         ckpt.save(s, state_of(model, opt))
@@ -337,7 +339,8 @@ def bookkeeping_errors(rank, world, root):
     model = make_model()
     net = ddp(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = Checkpointer(root, model=net, optimizer=opt, keep=2, fault_hook=hook)
+    with fault_points(hook):
+        ckpt = Checkpointer(root, model=net, optimizer=opt, keep=2)
     verdicts = {}
     for s in (1, 2, 3, 4):
         train_steps(net, opt, 1, seed=s)
@@ -371,7 +374,8 @@ def paused_save(rank, world, root, signal_dir):
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = Checkpointer(root, model=model, optimizer=opt, fault_hook=hook, timeout_s=300)
+    with fault_points(hook):
+        ckpt = Checkpointer(root, model=model, optimizer=opt, timeout_s=300)
     verdicts = [ckpt.save(s, state_of(model, opt)) for s in (1, 2)]
     ckpt.close()
     return verdicts
@@ -402,7 +406,8 @@ def async_save_fails(rank, world, root):
     model = make_model()
     net = ddp(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ckpt = Checkpointer(root, model=net, optimizer=opt, async_save=True, fault_hook=hook, timeout_s=60)
+    with fault_points(hook):
+        ckpt = Checkpointer(root, model=net, optimizer=opt, async_save=True, timeout_s=60)
     error = None
     for step in (1, 2):
         train_steps(net, opt, 1, seed=step)
@@ -494,7 +499,8 @@ def option_effects(rank, world, root):
     for name, opts in (("no_verify_load", {"verify_load": False}), ("journal_default", {})):
         model2 = make_model(seed=5)
         opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
-        ckpt = Checkpointer(os.path.join(root, name), model=ddp(model2), optimizer=opt2, fault_hook=corrupt, **opts)
+        with fault_points(corrupt):
+            ckpt = Checkpointer(os.path.join(root, name), model=ddp(model2), optimizer=opt2, **opts)
         st = state_of(model2, opt2)
         try:
             step = ckpt.load_latest_clean(st)

@@ -11,6 +11,7 @@ from scout_ckpt.consensus.full import full_signatures
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.save_time import save_time_consensus
 from scout_ckpt.consensus.signatures import flatten_state, signature_hex, tensor_signature
+from scout_ckpt.testing.faults import fault_points
 
 
 class AppState:
@@ -271,7 +272,8 @@ def checkpointer_load_change(rank, world, root, async_save):
         if point == "after_load" and step == 2:
             state["model"]["w"].view(-1)[INTERIOR * 10 + 1] += 0.5
 
-    ck2 = Checkpointer(root, mode="ddp", fault_hook=hook, timeout_s=120)
+    with fault_points(hook):
+        ck2 = Checkpointer(root, mode="ddp", timeout_s=120)
     loaded = ck2.load_latest_clean(state)
     ck2.close()
     out = {"verdicts": verdicts, "loaded": loaded, "step": state["step"]}

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from scout_ckpt.checkpointer import Checkpointer
 from scout_ckpt.errors import ScoutError
+from scout_ckpt.testing.faults import fault_points
 from tests.workers_ckpt import ddp, flat_tensors, state_of, train_steps
 
 BLOCK = 5 << 20  # the smallest S3 multipart part: a rank file past it is uploaded in parts
@@ -73,17 +74,17 @@ def save_steps(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if resume:
         train_steps(net, opt, 1, seed=99)  # moments materialized, values unlike the checkpoint's
-    ckpt = Checkpointer(
-        uri,
-        ledger_dir=ledger_dir,
-        storage_options=options(endpoint),
-        model=net,
-        optimizer=opt,
-        keep=keep,
-        fault_hook=hook,
-        timeout_s=timeout_s,
-        async_save=async_save,
-    )
+    with fault_points(hook):
+        ckpt = Checkpointer(
+            uri,
+            ledger_dir=ledger_dir,
+            storage_options=options(endpoint),
+            model=net,
+            optimizer=opt,
+            keep=keep,
+            timeout_s=timeout_s,
+            async_save=async_save,
+        )
     saved, models, verdicts, errors, done, prev, loaded = {}, {}, {}, {}, 0, None, None
     if resume:
         done = _load_into(ckpt, model, opt) or 0

@@ -47,6 +47,7 @@ from scout_ckpt.demo.model import TinyTransformer, retract_to_sphere, sphere_dev
 from scout_ckpt.errors import LiveStateCorrupt
 from scout_ckpt.format.layout import atomic_write_json
 from scout_ckpt.save.app_state import RNGState
+from scout_ckpt.testing.faults import fault_points
 
 MODES = ("ddp", "fsdp", "hsdp")
 
@@ -247,24 +248,28 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
     app = AppState(model, opt, sched, data, mixer)
     state = {"app": app}
 
-    ckpt = Checkpointer(
-        root,
-        model=model,
-        optimizer=opt,
-        mode=args.mode,
-        mesh_shape=(args.mesh_shape or default_mesh_shape(world)) if args.mode == "hsdp" else None,
-        async_save=args.async_save,
-        # --no-replay (the demo's default when a save comes every 7 steps or fewer): replay off for ddp and hsdp;
-        # pure FSDP keeps the library's default (on), which its shard evidence was measured with
-        replay=(
-            {"interval": 1, "save_every": args.save_every} if args.replay else None if args.mode == "fsdp" else False
-        ),
-        # every shard's update replayed within one save interval, so each save is certified at its commit
-        shard_evidence={"cycle": args.save_every} if args.mode != "ddp" else None,
-        observer={"stall_s": args.stall_s, "action": "abort"},
-        invariants=invariants_for(args, model),
-        fault_hook=injector.fault_hook,
-    )
+    with fault_points(injector.fault_hook):
+        ckpt = Checkpointer(
+            root,
+            model=model,
+            optimizer=opt,
+            mode=args.mode,
+            mesh_shape=(args.mesh_shape or default_mesh_shape(world)) if args.mode == "hsdp" else None,
+            async_save=args.async_save,
+            # --no-replay (the demo's default when a save comes every 7 steps or fewer): replay off for ddp and hsdp;
+            # pure FSDP keeps the library's default (on), which its shard evidence was measured with
+            replay=(
+                {"interval": 1, "save_every": args.save_every}
+                if args.replay
+                else None
+                if args.mode == "fsdp"
+                else False
+            ),
+            # every shard's update replayed within one save interval, so each save is certified at its commit
+            shard_evidence={"cycle": args.save_every} if args.mode != "ddp" else None,
+            observer={"stall_s": args.stall_s, "action": "abort"},
+            invariants=invariants_for(args, model),
+        )
     timings["checkpointer"] = time.time()
     start = ckpt.load_latest_clean(state) or 0
     timings["loaded"] = time.time()

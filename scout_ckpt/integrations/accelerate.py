@@ -42,6 +42,7 @@ from scout_ckpt.errors import ScoutError
 from scout_ckpt.integrations.accelerate_data import DataPosition, TrackedDataLoader
 from scout_ckpt.integrations.wrappers import ddp_wrapper_of
 from scout_ckpt.replay.optimizer_replay import unwrap_optimizer
+from scout_ckpt.save import fault_points
 from scout_ckpt.save.app_state import ModelOptimizerState, RankLocal, RNGState
 
 __all__ = ["ScoutCheckpointing", "TrackedDataLoader"]
@@ -104,6 +105,7 @@ class ScoutCheckpointing:
         self.extra = dict(extra or {})
         self.loaders: list[TrackedDataLoader] = []
         self.checkpointer: Checkpointer | None = None
+        self._fault_hook = fault_points.current()  # tests only (scout_ckpt.testing.fault_points)
         self._closed = False
         # One instance each for the whole run (RankLocal keeps its world mesh); DataPosition reads self.loaders.
         self._data = RankLocal(DataPosition(self.loaders))
@@ -252,7 +254,8 @@ class ScoutCheckpointing:
             # One process has no replica to compare with: as the Trainer callback, certify on the rest of the
             # evidence there instead of never (the core's consensus default would leave every save `committed`).
             options.setdefault("consensus", dist.get_world_size() > 1)
-            self.checkpointer = Checkpointer(self.root, model=model, optimizer=opt, **options)
+            with fault_points.using(self._fault_hook):  # made at the first call: the hook of our construction
+                self.checkpointer = Checkpointer(self.root, model=model, optimizer=opt, **options)
         return self.checkpointer
 
     # ---- the Checkpointer's calls --------------------------------------------------------------------------

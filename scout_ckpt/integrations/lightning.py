@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.format import layout
+from scout_ckpt.save import fault_points
 
 log = logging.getLogger("scout_ckpt.lightning")
 
@@ -209,6 +210,7 @@ class ScoutStrategyMixin:
         self.scout_root = Path(root) if root is not None else None
         self.scout_options = dict(checkpointer or {})
         self.scout = None  # the Checkpointer, open while fitting
+        self._scout_fault_hook = fault_points.current()  # tests only (scout_ckpt.testing.fault_points)
         self._scout_saved: tuple[int, dict | None] | None = None  # (step, verdict) of this process's last save
         self.scout_steps: list[int] = []  # the steps given to Checkpointer.step in this process (diagnostics)
         if "keep" in self.scout_options:
@@ -245,12 +247,13 @@ class ScoutStrategyMixin:
             opts = self._scout_optimizers()
             # the strategy's model: DDP's wrapper where there is one (the observer counts its collectives and stamps
             # its steps; replay's targets are found through it, by the same user paths as on the bare module)
-            self.scout = Checkpointer(
-                root,
-                model=self.model if self.model is not None else self.lightning_module,
-                optimizer=opts[0] if len(opts) == 1 else None,
-                **self.scout_options,
-            )
+            with fault_points.using(self._scout_fault_hook):  # the hook of the strategy's construction
+                self.scout = Checkpointer(
+                    root,
+                    model=self.model if self.model is not None else self.lightning_module,
+                    optimizer=opts[0] if len(opts) == 1 else None,
+                    **self.scout_options,
+                )
         return self.scout
 
     def _scout_optimizers(self) -> list:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -19,9 +18,8 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.invariants.finite import is_finite
+from scout_ckpt.save.fault_points import FaultHook
 from scout_ckpt.save.write_pass import DigestingFileSystem, WritePass, finite_key
-
-FaultHook = Callable[[str, int], None]
 
 
 @contextlib.contextmanager

@@ -148,13 +148,10 @@ def main() -> None:
         step, start_epoch = 0, 0
     else:
         from scout_ckpt.integrations.accelerate import ScoutCheckpointing
+        from scout_ckpt.testing.faults import fault_points
 
-        ckpt = ScoutCheckpointing(
-            accelerator,
-            a.root,
-            fault_hook=fault_hook,  # scout 1
-            **json.loads(a.options),
-        )
+        with fault_points(fault_hook):
+            ckpt = ScoutCheckpointing(accelerator, a.root, **json.loads(a.options))  # scout 1
         model, optimizer, train_dl, eval_dl, scheduler = ckpt.prepare(  # scout 2
             model, optimizer, train_dl, eval_dl, scheduler
         )

@@ -36,6 +36,7 @@ from job_common import digest, train_step  # noqa: E402 (beside this script: tor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scout_ckpt import Checkpointer, LiveStateCorrupt, ModelOptimizerState
+from scout_ckpt.testing.faults import fault_points
 
 
 def say(**kw) -> None:
@@ -131,16 +132,16 @@ def main():
     durable = (
         {"ledger_dir": root, "storage_options": {"client_kwargs": {"endpoint_url": args.endpoint}}} if args.uri else {}
     )
-    ckpt = Checkpointer(
-        args.uri or root,
-        model=model,
-        optimizer=opt,
-        timeout_s=args.pg_timeout,
-        local=tier,
-        async_save=args.async_save,
-        **durable,
-        fault_hook=_mid_save_killer(args, rank, node, local, marker, local_dir),
-    )
+    with fault_points(_mid_save_killer(args, rank, node, local, marker, local_dir)):
+        ckpt = Checkpointer(
+            args.uri or root,
+            model=model,
+            optimizer=opt,
+            timeout_s=args.pg_timeout,
+            local=tier,
+            async_save=args.async_save,
+            **durable,
+        )
     state = {"app": ModelOptimizerState(model, opt)}
     ready = time.time()
     start = ckpt.load_latest_clean(state) or 0

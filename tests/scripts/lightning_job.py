@@ -215,31 +215,41 @@ def main() -> int:
         "slow": (a.slow_rank, a.slow_s),
     }
     opts = json.loads(a.options)
+    hook = None
     if a.kill_in_save is not None:
 
         def die_mid_write(point, step, _at=a.kill_in_save):
             if point == "during_write" and step == _at and ATTEMPT == 0 and RANK == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        opts["fault_hook"] = die_mid_write
+        hook = die_mid_write
 
     root = Path(a.root)
-    if a.scout == "ddp":
-        from scout_ckpt.integrations.lightning import ScoutDDPStrategy
+    from scout_ckpt.testing.faults import fault_points
 
-        strategy = ScoutDDPStrategy(root=root, process_group_backend="gloo", checkpointer=opts)
-    elif a.scout == "mp":
-        from scout_ckpt.integrations.lightning import ScoutModelParallelStrategy
+    with fault_points(hook):  # the strategy keeps the hook for the Checkpointer it makes at setup
+        if a.scout == "ddp":
+            from scout_ckpt.integrations.lightning import ScoutDDPStrategy
 
-        strategy = ScoutModelParallelStrategy(
-            root=root, data_parallel_size=WORLD, tensor_parallel_size=1, process_group_backend="gloo", checkpointer=opts
-        )
-    elif a.scout == "mp-none":
-        from lightning.pytorch.strategies import ModelParallelStrategy
+            strategy = ScoutDDPStrategy(root=root, process_group_backend="gloo", checkpointer=opts)
+        elif a.scout == "mp":
+            from scout_ckpt.integrations.lightning import ScoutModelParallelStrategy
 
-        strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1, process_group_backend="gloo")
-    else:
-        strategy = DDPStrategy(process_group_backend="gloo")
+            strategy = ScoutModelParallelStrategy(
+                root=root,
+                data_parallel_size=WORLD,
+                tensor_parallel_size=1,
+                process_group_backend="gloo",
+                checkpointer=opts,
+            )
+        elif a.scout == "mp-none":
+            from lightning.pytorch.strategies import ModelParallelStrategy
+
+            strategy = ModelParallelStrategy(
+                data_parallel_size=WORLD, tensor_parallel_size=1, process_group_backend="gloo"
+            )
+        else:
+            strategy = DDPStrategy(process_group_backend="gloo")
     ckpt_cb = ModelCheckpoint(
         dirpath=root / "lightning",
         every_n_train_steps=a.save_every,

@@ -27,6 +27,7 @@ from job_common import digest, train_step  # noqa: E402 (beside this script: tor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scout_ckpt import Checkpointer, ModelOptimizerState
+from scout_ckpt.testing.faults import fault_points
 
 
 def say(**kw) -> None:
@@ -59,15 +60,15 @@ def main():
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ckpt = Checkpointer(
-        args.uri,
-        ledger_dir=args.ledger_dir,
-        model=model,
-        optimizer=opt,
-        storage_options={"client_kwargs": {"endpoint_url": args.endpoint}},
-        timeout_s=args.pg_timeout,
-        fault_hook=hook if armed else None,
-    )
+    with fault_points(hook if armed else None):
+        ckpt = Checkpointer(
+            args.uri,
+            ledger_dir=args.ledger_dir,
+            model=model,
+            optimizer=opt,
+            storage_options={"client_kwargs": {"endpoint_url": args.endpoint}},
+            timeout_s=args.pg_timeout,
+        )
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
     if rank == 0:
