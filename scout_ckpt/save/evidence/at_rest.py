@@ -195,7 +195,7 @@ class AtRestGuard:
             self._steps,
             names,
             idx,
-            self._local.sign(idx)[1] if idx is None or idx else None,
+            self._local.sign(idx, checked=True)[1] if idx is None or idx else None,
             self._label(True),
         )
 
@@ -210,7 +210,7 @@ class AtRestGuard:
         names = self._tensors()[0]
         if names is not names0 and names != names0:  # the optimizer's tensors changed (a param group added):
             return  # cannot compare, not a fault
-        sigs = self._local.sign(idx)[1]
+        sigs = self._local.sign(idx, checked=True)[1]
         picked = range(len(names)) if idx is None else idx
         if len(sigs) == len(sigs0):
             for j, (a, b) in enumerate(zip(sigs, sigs0)):

@@ -17,11 +17,15 @@ additive signature, on the device).
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter
+
 import torch
 import xxhash
 
 from scout_ckpt.consensus.signatures import replica_signatures
 
+_EMPTY: dict = {}
 # a same-size integer dtype to view a tensor's bytes through numpy (bfloat16 and the float8s have no numpy dtype)
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -74,78 +78,87 @@ def sign_tensors(tensors: list[torch.Tensor], views: list | None = None) -> list
 
 class LocalTensors:
     """Each parameter's local shard, then its optimizer state tensors (sorted keys), named as the model names
-    them ("<param>:<state key>"; unnamed parameters "<group>.<index>"), cached between passes."""
+    them ("<param>:<state key>"; unnamed parameters "<group>.<index>"), cached between passes.
+
+    The cache holds what it was built from (the optimizer's state mapping, each parameter, each per-parameter state
+    dict and state tensor, each DTensor's local tensor, each local tensor's data pointer) and is rebuilt when any of
+    them is no longer the same object: a load replaces the state mapping, the first step creates the state, a
+    new param group adds parameters, a storage swap (`p.data = ...`) moves a data pointer. The check is a few
+    C-level maps over the lists (tens of microseconds for hundreds of tensors), not a walk in Python."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: dict[int, str], include_state: bool = True):
         self.optimizer, self.param_names, self.include_state = optimizer, names, include_state
         self._state: object = None  # the optimizer's state mapping the cache was built from (a load replaces it)
-        # per parameter: (param, its state dict or None, state keys, local tensors) in order; then flat lists
-        self._params: list[tuple] = []
+        self._key: tuple | None = None
         self._names: list[str] = []
         self._tensors: list[torch.Tensor] = []
         self._views: list = []
-        self._ptrs: list[int] = []
+        # held, so that an id below cannot be reused by another object while the cache lives
+        self._held: tuple = ()
+        self._owners_keys_srcs: tuple[list, list, list] = ([], [], [])  # per state tensor: its dict, key, object
+        self._dtensors: list = []  # the DTensors among the sources (their local tensor is checked by identity)
 
-    def _valid(self) -> bool:
+    def _snapshot(self) -> tuple:
+        """What the cache depends on, as lists of ids and data pointers (compared with ==)."""
         state = self.optimizer.state
-        if state is not self._state:
-            return False
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if len(params) != len(self._params):
-            return False
-        at = 0
-        for p, (p0, st0, keys, locs) in zip(params, self._params):
-            if p is not p0:
-                return False
-            st = state.get(p) if self.include_state else None
-            if self.include_state and (st is not st0 or (st is not None and len(st) != len(keys) + locs[1])):
-                return False
-            if local_tensor(p) is not locs[0][0]:
-                return False
-            for k, loc in zip(keys, locs[0][1:]):
-                v = st.get(k) if st is not None else None
-                if not isinstance(v, torch.Tensor) or local_tensor(v) is not loc:
-                    return False
-            for loc in locs[0]:
-                if loc.data_ptr() != self._ptrs[at]:
-                    return False
-                at += 1
-        return True
+        sts = list(map(state.get, params, repeat(_EMPTY))) if self.include_state else []
+        owners, keys, srcs = self._owners_keys_srcs
+        try:
+            now = list(map(dict.__getitem__, owners, keys)) if owners else []
+        except (KeyError, TypeError):
+            now = None  # a state entry went away: rebuild
+        dts = self._dtensors
+        return (
+            id(state),
+            list(map(id, params)),
+            list(map(id, sts)),
+            list(map(len, sts)),
+            None if now is None else list(map(id, now)),
+            list(map(id, map(attrgetter("_local_tensor"), dts))) if dts else [],
+            list(map(torch.Tensor.data_ptr, self._tensors)),
+        )
 
     def _build(self) -> None:
         state = self.optimizer.state
-        self._state = state
-        self._params, self._names, self._tensors = [], [], []
+        names, tensors, owners, keys, srcs, dts = [], [], [], [], [], []
+        params = []
         for gi, g in enumerate(self.optimizer.param_groups):
             for pi, p in enumerate(g["params"]):
+                params.append(p)
                 name = self.param_names.get(id(p), f"{gi}.{pi}")
-                locs = [local_tensor(p)]
-                self._names.append(name)
-                st = state.get(p) if self.include_state else None
-                keys = []
-                others = 0  # non-tensor entries of the state (counted, so that a new one invalidates the cache)
-                if st is not None:
-                    for k in sorted(st):
-                        if isinstance(st[k], torch.Tensor):
-                            keys.append(k)
-                            locs.append(local_tensor(st[k]))
-                            self._names.append(f"{name}:{k}")
-                        else:
-                            others += 1
-                self._params.append((p, st, keys, (locs, others)))
-                self._tensors.extend(locs)
-        self._views = [byte_view(t) for t in self._tensors]
-        self._ptrs = [t.data_ptr() for t in self._tensors]
+                names.append(name)
+                tensors.append(local_tensor(p))
+                if isinstance(getattr(p, "_local_tensor", None), torch.Tensor):
+                    dts.append(p)
+                st = (state.get(p) if self.include_state else None) or _EMPTY
+                for k in sorted(st):
+                    v = st[k]
+                    if isinstance(v, torch.Tensor):
+                        names.append(f"{name}:{k}")
+                        tensors.append(local_tensor(v))
+                        owners.append(st)
+                        keys.append(k)
+                        srcs.append(v)
+                        if isinstance(getattr(v, "_local_tensor", None), torch.Tensor):
+                            dts.append(v)
+        self._names, self._tensors = names, tensors
+        self._owners_keys_srcs = (owners, keys, srcs)
+        self._dtensors = dts
+        self._views = [byte_view(t) for t in tensors]
+        self._held = (state, params, owners, srcs, dts)
+        self._key = self._snapshot()
 
     def current(self) -> tuple[list[str], list[torch.Tensor]]:
         """(names, local tensors) as they are now; the same list objects while nothing changed."""
-        if not self._valid():
+        if self._key is None or self._snapshot() != self._key:
             self._build()
         return self._names, self._tensors
 
-    def sign(self, idx: list[int] | None = None) -> tuple[list[str], list]:
-        """(names, signatures) of every tensor, or of those at `idx` (signatures in `idx` order)."""
-        names, tensors = self.current()
+    def sign(self, idx: list[int] | None = None, *, checked: bool = False) -> tuple[list[str], list]:
+        """(names, signatures) of every tensor, or of those at `idx` (signatures in `idx` order). `checked`: the
+        caller has just called `current()` (one validation per pass, not two)."""
+        names, tensors = (self._names, self._tensors) if checked else self.current()
         if idx is None:
             return names, sign_tensors(tensors, self._views)
         return names, sign_tensors([tensors[i] for i in idx], [self._views[i] for i in idx])
