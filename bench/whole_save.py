@@ -167,10 +167,11 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
 
         _timed(ckpt.replay, "sweep", "sweep", phases)  # a sweep on the saving thread (async saves)
         # a sync save's sweep runs beside the write: its own time, and what the save still waits for after the write
-        if not hasattr(replay_ev.PendingSweep, "_bench_timed"):
-            _timed(replay_ev.PendingSweep, "_run", "sweep_thread", phases)
-            _timed(replay_ev.PendingSweep, "finish", "sweep_wait", phases)
-            replay_ev.PendingSweep._bench_timed = True
+        pending = getattr(replay_ev, "PendingSweep", None)  # absent in code that sweeps on the saving thread
+        if pending is not None and not hasattr(pending, "_bench_timed"):
+            _timed(pending, "_run", "sweep_thread", phases)
+            _timed(pending, "finish", "sweep_wait", phases)
+            pending._bench_timed = True
     if ckpt.shard is not None:
         _timed(ckpt.shard, "flush", "shard_flush", phases)
     state = {"app": ModelOptimizerState(net, opt)}
