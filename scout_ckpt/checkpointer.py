@@ -543,7 +543,12 @@ class Checkpointer:
                 self._committer.abandon(pending, e)
             raise CommitError(f"checkpoint {step} not saved: {commit.write_failure(e)}") from e
         if sweep is not None:
-            sweep.finish()  # the replay rows in the ledger before the evidence reads its coverage
+            try:
+                sweep.finish()  # the replay rows in the ledger before the evidence reads its coverage
+            except BaseException as e:  # nothing is published: the attempt is closed now, as for a failed write
+                if self.is_coordinator:
+                    self._committer.abandon(pending, e)
+                raise
         live = self._live_evidence(step, flat, hashing)
         return self._commit(pending, writer, live, self._pg)
 
