@@ -56,7 +56,13 @@ CONTRACT_KEYS: dict[str, list[str]] = {
     "certify_throughput.py": ["ratios.vs_xxh3_read", "ratios.vs_serial_sha256"],
     "consensus_overhead.py": ["ratio", "ratios.consensus_vs_save", "ratios.replay_interval_1"],
     "fast_tier.py": ["ratios.restart_fast_vs_durable", "ratios.save_blocking_local_vs_async"],
-    "whole_save.py": ["ratios.whole_save_vs_dcp_fsdp", "ratios.whole_save_vs_dcp_ddp"],
+    "whole_save.py": [
+        "ratios.whole_save_vs_dcp_fsdp",
+        "ratios.whole_save_vs_dcp_ddp",
+        "ratios.whole_save_vs_dcp_fsdp_large",
+        "ratios.whole_save_vs_dcp_ddp_large",
+        "fixed_overhead_s",
+    ],
     "replay_cost.py": [
         f"ratios.{k}_{shape}" for shape in ("ddp", "fsdp", "gpt2") for k in ("amortized_share", "save_blocking_steps")
     ],

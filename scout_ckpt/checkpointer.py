@@ -497,7 +497,15 @@ class Checkpointer:
             self._async.wait()
             if self.lineage.pending():
                 return None  # the previous save found the live state bad: save() raises, outside the phase
-        self._begin_boundary(step, state)
+        # A sync save's replay sweep runs beside its write (ReplayEvidence.start_sweep), joined before the evidence
+        sweep = self._begin_boundary(step, state, overlap=not self.async_save)
+        try:
+            return self._save_after_boundary(step, state, sweep)
+        finally:
+            if sweep is not None:
+                sweep.join()  # on every path: a failed save leaves no sweep running into the next steps
+
+    def _save_after_boundary(self, step: int, state: dict, sweep) -> dict | None:
         # Every rank derives the same attempt id (no collective): this incarnation's id and a save counter.
         self._saves += 1
         attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
@@ -513,22 +521,31 @@ class Checkpointer:
         # refused save leaves the hashing to finish unread, on every rank alike.
         in_flight = InFlightDigests()
         try:
-            return self._save_sync_or_store(step, flat, attempt, in_flight)
+            return self._save_sync_or_store(step, flat, attempt, in_flight, sweep)
         finally:
             in_flight.release()
 
-    def _begin_boundary(self, step: int, state: dict) -> None:
-        """What every save boundary, durable or local (save/local_tier.py), starts with."""
+    def _begin_boundary(self, step: int, state: dict, overlap: bool = False):
+        """What every save boundary, durable or local (save/local_tier.py), starts with. With `overlap` the replay
+        sweep is left running in its own thread and returned (PendingSweep: finish() before the evidence)."""
         self._save_started = time.monotonic()
         self._save_started_wall = time.time()
+        sweep = None
         if self.replay is not None:
-            self.replay.sweep(step)  # complete same-step replay evidence (collective on the replay's side groups)
+            # complete same-step replay evidence (collective on the replay's side groups)
+            if overlap:
+                sweep = self.replay.start_sweep(step)
+            else:
+                self.replay.sweep(step)
         # State that differs by rank on purpose (RankLocal) is saved per rank and never compared across ranks.
         self._rank_local = tuple(f"{k}." for k, v in state.items() if isinstance(v, RankLocal))
         if self.shard is not None:  # the shard replay of this step's update, in flight: decided before the evidence
             self._record_shard_faults(self.shard.flush())
+        return sweep
 
-    def _save_sync_or_store(self, step: int, flat: dict, attempt: str, in_flight: InFlightDigests) -> dict | None:
+    def _save_sync_or_store(
+        self, step: int, flat: dict, attempt: str, in_flight: InFlightDigests, sweep=None
+    ) -> dict | None:
         hashing = None if self.async_save else self._start_consensus(flat, background=True, in_flight=in_flight)
         pending = self._committer.begin(step, attempt, self._pg)
         self._hook("before_write", step)
@@ -558,6 +575,13 @@ class Checkpointer:
             if self.is_coordinator:
                 self._committer.abandon(pending, e)
             raise CommitError(f"checkpoint {step} not saved: {commit.write_failure(e)}") from e
+        if sweep is not None:
+            try:
+                sweep.finish()  # the replay rows in the ledger before the evidence reads its coverage
+            except BaseException as e:  # nothing is published: the attempt is closed now, as for a failed write
+                if self.is_coordinator:
+                    self._committer.abandon(pending, e)
+                raise
         live = self._live_evidence(step, flat, hashing)
         return self._commit(pending, writer, live, self._pg)
 

@@ -314,3 +314,18 @@ def test_one_rank_with_the_defaults_certifies_on_bytes_and_says_what_it_cannot_c
         assert led.evidence(4)["consensus"]["status"] == "not_applicable"
     assert run_cli("resume", str(tmp_path), "--latest-clean", "--require", "consensus")[0] == 1
     assert run_cli("resume", str(tmp_path), "--latest-clean")[1].strip().endswith("step-00000004")
+
+
+def test_a_sweep_that_fails_beside_the_write_publishes_nothing_and_the_next_save_works(tmp_path):
+    """The replay sweep of a sync save runs beside DCP's write; when it fails, every rank raises its error after the
+    write, the attempt is rejected (`commit_failed`) and its temp dir removed at once, and the next save certifies."""
+    out = run_ranks(w.sweep_fails_beside_the_write, 2, str(tmp_path), timeout=180)
+    assert [o.result["failed"] for o in out] == ["sweep broke at 1", "sweep broke at 1"]
+    assert [o.result["second"] for o in out] == ["certified", "certified"]
+    assert list(list_step_dirs(tmp_path)) == [2]
+    assert list_tmp_dirs(tmp_path) == []
+    with Ledger.open(tmp_path, readonly=True) as led:
+        first = led.checkpoint(1)
+    assert first["state"] == "rejected"
+    assert [r["code"] for r in first["reasons"]] == ["commit_failed"]
+    assert "sweep broke at 1" in first["reasons"][0]["detail"]

@@ -3,9 +3,9 @@
 The job (tests/scripts/fsdp_interval_job.py) is PyTorch's FSDP2 example shape with a frozen base weight beside the
 trainable ones and the Checkpointer's defaults, saving every 5 steps. The flip is one low mantissa bit of one
 element of rank 1's local shard of a trainable weight, after an optimizer step that no save follows. The at-rest
-check at save time cannot see it (the next updates fold it in); the interval check between optimizer steps does,
-for the run of tensors it covers in that interval (save/evidence/at_rest.py: INTERVAL_PARTS runs, run s mod K
-after step s). The oracle is the job's own full-state sha256 and a run without the flip: the flipped run must
+check at save time cannot see it (the next updates fold it in); the interval check between optimizer steps does:
+by default it compares every local tensor in every interval (save/evidence/at_rest.py, INTERVAL_PARTS = 1), so a
+flip in any tensor after any step is seen. The oracle is the job's own full-state sha256 and a run without the flip: the flipped run must
 never certify a state the healthy run does not reach."""
 
 from __future__ import annotations
@@ -109,22 +109,38 @@ def test_a_flip_between_two_saves_is_caught_ends_the_generation_and_the_restart_
 
 
 @pytest.mark.scenario
-def test_a_flip_in_an_interval_whose_run_does_not_hold_the_tensor_is_not_seen(tmp_path, healthy):
-    """The documented gap: after step 13 the interval check covers run 13 % K, which does not hold PARAM, and the
-    updates after it fold the flip in. Step 15 is certified although it differs from the healthy run's."""
+@pytest.mark.parametrize(
+    "step,param,index",
+    [(13, PARAM, INDEX), (14, "head.bias", 5)],
+    ids=["run1-of-4-after-13", "last-tensor-after-14"],
+)
+def test_a_flip_after_any_step_in_any_tensor_is_never_certified(tmp_path, healthy, step, param, index):
+    """With the defaults every local tensor is compared in every interval: a flip after step 13 in a tensor of
+    the first quarter, or after step 14 in the last tensor (places the former four-run schedule never looked at),
+    ends the generation at the save of 15; the restart resumes from 10 and certifies the healthy run's 15."""
     ok = saved(healthy, 0)
     root = tmp_path / "run"
     p, recs = run_job(
-        root, "--steps", 15, "--save-every", 5, "--flip", f"1:13:{PARAM}:{INDEX}", "--show-runs", 13, restarts=0
+        root, "--steps", 15, "--save-every", 5, "--flip", f"1:{step}:{param}:{index}", "--show-runs", step
     )
     assert p.returncode == 0, why_failed(p.stderr)
-    assert PARAM not in covered(recs, 1)
-    got = saved(recs, 0)
-    assert got[15]["state"] == "certified"
-    assert got[15]["digest"] != ok[15]["digest"]  # unseen: a state the healthy run never had, certified
+    assert param in covered(recs, 1)  # the default interval check covers every tensor after every step
+    first = saved(recs, 0)
+    assert first[10]["digest"] == ok[10]["digest"] and first[10]["state"] == "certified"  # before the flip
+    raised = [r for r in recs if r["event"] == "saved" and r["attempt"] == 0 and r["step"] == 15]
+    assert sorted(r["rank"] for r in raised) == [0, 1] and all(r["raised"] for r in raised)
+    for r in raised:
+        assert r["state"] == "rejected"
+        (why,) = [x for x in r["reasons"] if x["code"] == "at_rest_changed"]
+        assert why["ranks"] == [1] and why["tensors"] == [param], why
+        assert why["between_steps"] == [{"tensor": param, "after_step": step, "before_step": step + 1}], why
+    again = saved(recs, 1)
+    assert again[15]["state"] == "certified" and again[15]["digest"] == ok[15]["digest"]  # the healthy run's
+    certified = {c["step"] for c in cli("ls", root)["checkpoints"] if c["state"] == "certified"}
+    assert certified == {5, 10, 15}
+    assert cli("resume", root, "--latest-clean")["step"] == 15
     at_rest = cli("explain", root, 15)["evidence"]["at_rest"]
-    assert at_rest["status"] == "pass" and at_rest["interval_parts"] == 4  # and the evidence says what it
-    assert "not seen: a single change" in at_rest["between_steps"], at_rest  # did not look at
+    assert at_rest["between_steps"] == "every local tensor, in every interval between optimizer steps", at_rest
 
 
 def test_the_interval_check_in_one_process_sees_its_run_and_reports_at_the_next_save():
@@ -140,7 +156,7 @@ def test_the_interval_check_in_one_process_sees_its_run_and_reports_at_the_next_
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = AtRestGuard(opt, model, every=None)
+    guard = AtRestGuard(opt, model, every=None, interval_parts=4)  # the partial schedule, still an option
 
     def step():
         model(torch.randn(4, 16)).square().sum().backward()
@@ -157,7 +173,7 @@ def test_the_interval_check_in_one_process_sees_its_run_and_reports_at_the_next_
 
     for _ in range(6):
         step()
-    assert guard.findings == [] and INTERVAL_PARTS == 4
+    assert guard.findings == [] and INTERVAL_PARTS == 1 and guard.interval_parts == 4
     assert sorted(sum((run_of(s) for s in range(4)), [])) == sorted(guard._tensors()[0])  # 4 runs cover all
     s = guard._steps
     target = next(n for n in run_of(s) if ":" not in n)  # a parameter in the run after step s
@@ -183,4 +199,40 @@ def test_the_interval_check_in_one_process_sees_its_run_and_reports_at_the_next_
     guard.resign()  # ... announced
     step()
     assert guard.findings == []
+    guard.close()
+
+
+def test_the_default_interval_check_sees_a_flip_in_any_tensor_after_any_step():
+    """The default guard (every local tensor in every interval): a flip of one low mantissa bit in each tensor in
+    turn, parameters and optimizer state alike, each after a different step, is found before the next step, and
+    a healthy step between them finds nothing."""
+    import torch
+
+    from scout_ckpt.save.evidence.at_rest import AtRestGuard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = AtRestGuard(opt, model, every=None)
+
+    def step():
+        model(torch.randn(4, 8)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()
+    names, tensors = guard._tensors()
+    by_name = dict(zip(names, tensors))
+    flippable = [n for n in names if by_name[n].dim() > 0]  # "step" is a scalar count: flipped below as well
+    assert len(flippable) == 18
+    for name in [*flippable, "0.weight:step"]:
+        s = guard._steps
+        with torch.no_grad():
+            by_name[name].view(-1).view(torch.int32)[0] ^= 1
+        step()
+        assert guard.findings == [{"tensor": name, "after_step": s, "before_step": s + 1}], name
+        guard.findings = []
+        step()
+        assert guard.findings == []
     guard.close()

@@ -533,3 +533,33 @@ def two_checkpointers(rank, world, root):
     s_ckpt.close()
     t_ckpt.close()
     return {"verdicts": verdicts, "shared": shared}
+
+
+def sweep_fails_beside_the_write(rank, world, root):
+    """A sync save whose replay sweep (running beside the write) fails on every rank: the save raises the sweep's
+    error on every rank after the write, nothing is published, and the next save of the same Checkpointer works."""
+    model = ddp(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(root, model=model, optimizer=opt)
+    assert ckpt.replay is not None
+    real = ckpt.replay.runner.sweep
+
+    def broken(step):
+        raise RuntimeError(f"sweep broke at {step}")
+
+    ckpt.replay.runner.sweep = broken
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    ckpt.step(1)
+    try:
+        ckpt.save(1, state_of(model, opt))
+        failed = None
+    except RuntimeError as e:
+        failed = str(e)
+    ckpt.replay.runner.sweep = real
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    ckpt.step(2)
+    second = ckpt.save(2, state_of(model, opt))
+    ckpt.close()
+    return {"failed": failed, "second": second["state"]}

@@ -2,9 +2,9 @@
 
 Why: with single-owner shards (pure FSDP2) nothing compares a shard with a copy, and an in-memory fault after the
 update (a flipped low mantissa bit, a stray write) passes any plausibility bound. The optimizer step is the last
-legitimate writer of parameters and optimizer state before a save, so an exact signature (xxh3-128 of the bytes,
-`consensus.signatures.replica_signatures`: on the tensor's device for GPU tensors) taken right after the step must
-equal the one taken at save time. Cheap: one hashing pass over the local shards per signed step and per save.
+legitimate writer of parameters and optimizer state before a save, so an exact signature (xxh3-64 of the bytes, local_signer.py;
+a device tensor's `replica_signatures` row, on the device) taken right after the step must equal the one taken at
+save time. Cheap: one hashing pass over the local shards per signed step and per save.
 
 Protocol: `AtRestGuard(optimizer, model)` registers an optimizer step post-hook that signs every local shard of
 every parameter and every optimizer state tensor (after every `every`-th step; with every=None only after the steps
@@ -28,19 +28,15 @@ updates, which the shard replay then reproduces faithfully, so the save-time com
 optimizer step *pre*-hook therefore re-signs what the previous step's post-hook signed and compares: a change is
 latched on that rank ({"tensor", "after_step", "before_step"}) and reported by the next save's `check` as
 `at_rest_changed` (the same evidence, so the save is rejected and the Checkpointer ends the generation on every
-rank together; nothing is raised on one rank alone, and no collective runs per step). Two hash passes per step
-over everything cost about 2.5% of a CPU step of a small transformer (bench/at_rest_interval.py), over the
-2% budget, so by default the tensors (in `_tensors` order: each parameter's local shard, then its optimizer state
-tensors) are cut into `interval_parts` = INTERVAL_PARTS consecutive runs of about equal bytes, and the interval
-after optimizer step s checks run s mod K. Seen: a change of any tensor in the interval after a step the save
-cadence armed (a save follows it: everything is signed then, and the pre-hook compares everything with the state
-the save checked); a change in the interval after any other step s to a tensor of run s mod K. Unseen: a change
-made and completed in the interval after a non-save step s to a tensor outside run s mod K (with K = 4: three
-quarters of the bytes in every such interval; each tensor is watched in every K-th interval, so a cycle completes
-every K steps, within every save interval of K steps or more). A change that persists across intervals (a stuck
-bit re-flipped, a stray writer that keeps writing) is seen within K steps. `s` is the training step (ShardEvidence
-sets `next_step`), else the guard's own count of optimizer steps. `interval_parts=1` covers everything at about
-2.5 times the cost; None turns the interval check off.
+rank together; nothing is raised on one rank alone, and no collective runs per step). By default every local tensor
+(each parameter's local shard, then its optimizer state tensors) is compared in every interval: every byte an
+optimizer step wrote is checked before the next step reads it. Two hash passes per step over the local state are
+kept cheap by local_signer.py (the tensor list cached between passes, zero-copy byte views hashed with xxh3-64);
+bench/at_rest_interval.py measures their share of a step. `interval_parts=K` > 1 is the cheaper partial schedule
+(the tensors cut into K consecutive runs of about equal bytes, the interval after optimizer step s checking run
+s mod K: a single change in the interval after a step no save follows, to a tensor outside that run, is then not
+seen, and the evidence says so); None turns the interval check off. `s` is the training step (ShardEvidence sets
+`next_step`), else the guard's own count of optimizer steps.
 """
 
 from __future__ import annotations
@@ -52,21 +48,13 @@ import torch
 import torch.distributed as dist
 
 from scout_ckpt import policy
-from scout_ckpt.consensus.signatures import replica_signatures
+from scout_ckpt.save.evidence.local_signer import LocalTensors, sign_tensors
+from scout_ckpt.save.evidence.local_signer import local_tensor as _local
 
 KIND = "at_rest"
-# Runs the local tensors are cut into for the interval check (one checked per interval between optimizer steps):
-# two hash passes over 1/INTERVAL_PARTS of the bytes per step stay within the 2% per-step budget on CPU.
-INTERVAL_PARTS = 4
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (the very object it holds: `to_local()` is an autograd call costing tens of
-    microseconds, which over hundreds of tensors twice a step was most of the interval check's cost)."""
-    local = getattr(t, "_local_tensor", None)
-    if isinstance(local, torch.Tensor):
-        return local
-    return t.to_local() if hasattr(t, "to_local") else t
+# Runs the local tensors are cut into for the interval check (one checked per interval between optimizer steps).
+# 1: every byte in every interval, the default (local_signer.py keeps the two passes per step cheap).
+INTERVAL_PARTS = 1
 
 
 class AtRestGuard:
@@ -96,7 +84,7 @@ class AtRestGuard:
             raise ValueError("interval_parts must be >= 1 or None")
         self.interval_parts = interval_parts
         # the interval check's reference: (steps, names, indices into them or None for all, signatures, label)
-        self._ref: tuple[int, list[str], list[int] | None, torch.Tensor] | None = None
+        self._ref: tuple[int, list[str], list[int] | None, list | None, int] | None = None
         self._parts: tuple[tuple, list[list[int]]] | None = None  # (names and sizes, runs) cache
         self.findings: list[dict] = []  # changes the interval check found, latched until a save reports them
         # the caller's number for the next optimizer step (ShardEvidence: the training step), else this guard's
@@ -113,12 +101,13 @@ class AtRestGuard:
         )
         self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._steps = 0  # optimizer steps seen
-        self._signed: tuple[int, list[str], torch.Tensor] | None = None  # (steps, names, signatures)
+        self._signed: tuple[int, list[str], list] | None = None  # (steps, names, signatures)
         self._armed = False
         self.cpu_s = 0.0  # CPU seconds spent signing after steps (for the bench)
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self._frozen = [(n, p) for n, p in model.named_parameters() if id(p) not in held] if model is not None else []
-        self._frozen_signed: torch.Tensor | None = None
+        self._frozen_signed: list | None = None
+        self._local = LocalTensors(optimizer, self._names, include_state)
         self._handle = optimizer.register_step_post_hook(self._post)
         self._pre_handle = optimizer.register_step_pre_hook(self._pre)
 
@@ -127,23 +116,11 @@ class AtRestGuard:
         self._pre_handle.remove()
 
     def _tensors(self) -> tuple[list[str], list[torch.Tensor]]:
-        names, tensors = [], []
-        for gi, g in enumerate(self.optimizer.param_groups):
-            for pi, p in enumerate(g["params"]):
-                name = self._names.get(id(p), f"{gi}.{pi}")
-                names.append(name)
-                tensors.append(_local(p).detach())
-                if self.include_state:
-                    st = self.optimizer.state.get(p, {})
-                    for k in sorted(st):
-                        if isinstance(st[k], torch.Tensor):
-                            names.append(f"{name}:{k}")
-                            tensors.append(_local(st[k]).detach())
-        return names, tensors
+        """(names, local tensors): each parameter's local shard, then its optimizer state tensors."""
+        return self._local.current()
 
-    def _sign(self) -> tuple[list[str], torch.Tensor]:
-        names, tensors = self._tensors()
-        return names, replica_signatures(tensors)
+    def _sign(self) -> tuple[list[str], list]:
+        return self._local.sign()
 
     def arm_next(self) -> None:
         """Sign after the next optimizer step whatever `every` says (a caller that knows a save follows it)."""
@@ -151,7 +128,7 @@ class AtRestGuard:
 
     def _sign_frozen(self) -> None:
         if self._frozen:
-            self._frozen_signed = replica_signatures([_local(p).detach() for _, p in self._frozen])
+            self._frozen_signed = sign_tensors([_local(p) for _, p in self._frozen])
 
     def _post(self, opt, args, kwargs) -> None:
         self._steps += 1
@@ -166,12 +143,12 @@ class AtRestGuard:
                 # the interval after it: everything when a save follows (armed), else this step's run (a subset of
                 # the signatures just taken: no extra pass here)
                 names, sigs = self._signed[1], self._signed[2]
-                idx = None if armed else self.part_of(names, self._tensors()[1], self._label(True))
+                idx = None if armed else self._run(names, self._label(True))
                 self._ref = (
                     self._steps,
                     names,
                     idx,
-                    sigs if idx is None else sigs[idx] if idx else None,
+                    sigs if idx is None else [sigs[i] for i in idx] if idx else None,
                     self._label(True),
                 )
         else:
@@ -182,6 +159,12 @@ class AtRestGuard:
                 self.interval_s += time.perf_counter() - t0
 
     # ---- the interval check (between one optimizer step and the next) ----------------------------------------
+
+    def _run(self, names: list[str], step: int) -> list[int] | None:
+        """The indices the interval after `step` checks, None for all of them (interval_parts 1)."""
+        if (self.interval_parts or 1) == 1:
+            return None
+        return self.part_of(names, self._tensors()[1], step)
 
     def part_of(self, names: list[str], tensors: list[torch.Tensor], step: int) -> list[int]:
         """Indices (into `names`) of the run the interval after optimizer step `step` checks: the tensors cut into
@@ -206,13 +189,13 @@ class AtRestGuard:
         return self.next_step if in_post else self.next_step - 1
 
     def _sign_part(self) -> None:
-        names, tensors = self._tensors()
-        idx = self.part_of(names, tensors, self._label(True))
+        names = self._tensors()[0]
+        idx = self._run(names, self._label(True))
         self._ref = (
             self._steps,
             names,
             idx,
-            replica_signatures([tensors[i] for i in idx]) if idx else None,
+            self._local.sign(idx, checked=True)[1] if idx is None or idx else None,
             self._label(True),
         )
 
@@ -224,14 +207,15 @@ class AtRestGuard:
             return
         t0 = time.perf_counter()
         steps, names0, idx, sigs0, label = ref
-        names, tensors = self._tensors()
-        if names != names0:  # the optimizer's tensors changed (a param group added): cannot compare, not a fault
-            return
-        picked = list(range(len(names))) if idx is None else idx
-        sigs = replica_signatures([tensors[i] for i in picked])
-        if sigs.shape == sigs0.shape:
-            for j in (sigs != sigs0).any(dim=1).nonzero().reshape(-1).tolist():
-                self.findings.append({"tensor": names[picked[j]], "after_step": label, "before_step": label + 1})
+        names = self._tensors()[0]
+        if names is not names0 and names != names0:  # the optimizer's tensors changed (a param group added):
+            return  # cannot compare, not a fault
+        sigs = self._local.sign(idx, checked=True)[1]
+        picked = range(len(names)) if idx is None else idx
+        if len(sigs) == len(sigs0):
+            for j, (a, b) in enumerate(zip(sigs, sigs0)):
+                if a != b:
+                    self.findings.append({"tensor": names[picked[j]], "after_step": label, "before_step": label + 1})
         self.interval_s += time.perf_counter() - t0
 
     def forget(self) -> None:
@@ -248,9 +232,8 @@ class AtRestGuard:
     def _frozen_changed(self) -> list[str]:
         if not self._frozen or self._frozen_signed is None:
             return []
-        sigs = replica_signatures([_local(p).detach() for _, p in self._frozen])
-        diff = (sigs != self._frozen_signed).any(dim=1).nonzero().reshape(-1).tolist()
-        return [f"{self._frozen[i][0]} (frozen)" for i in diff]
+        sigs = sign_tensors([_local(p) for _, p in self._frozen])
+        return [f"{self._frozen[i][0]} (frozen)" for i, (a, b) in enumerate(zip(sigs, self._frozen_signed)) if a != b]
 
     def local_check(self) -> dict:
         """This rank's result: {"rank", "status", "changed": [tensor names], "interval": [findings]}. The interval
@@ -274,9 +257,9 @@ class AtRestGuard:
             # from here to the next step, the state the save checked is the reference (a change found now is
             # reported now, not again by the interval check)
             self._ref = (self._steps, names, None, sigs, self._label())
-        if names != names0 or sigs.shape != sigs0.shape:
+        if (names is not names0 and names != names0) or len(sigs) != len(sigs0):
             return {**out, "status": policy.FAIL, "changed": ["<set of tensors changed>"]}
-        diff = (sigs != sigs0).any(dim=1).nonzero().reshape(-1).tolist()
+        diff = [i for i, (a, b) in enumerate(zip(sigs, sigs0)) if a != b]
         changed = list(dict.fromkeys(earlier + [names[i] for i in diff] + frozen))
         return {**out, "status": policy.FAIL if changed else policy.PASS, "changed": changed}
 

@@ -10,6 +10,7 @@ evidence (coordinator), `begin` after a load, `close`.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -100,6 +101,14 @@ class ReplayEvidence:
         """The save-boundary sweep: every target replayed once on this step's captured inputs, so the checkpoint
         carries complete same-step replay evidence."""
         self._record(self.runner.sweep(step))
+
+    def start_sweep(self, step: int) -> PendingSweep:
+        """The sweep of `sweep`, started in a thread of its own so that it overlaps the save's write; its rows
+        reach the ledger only at `PendingSweep.finish()` (the calling thread, before the save's evidence). Safe
+        beside the write: replay's collectives run on its own gloo group (never the save's or the consensus
+        thread's), its replays run on copies of the modules, and the training thread is held in save() until
+        finish() returns, so the state both read cannot change and no forward draws from the RNG the replay forks."""
+        return PendingSweep(self, step)
 
     def _record(self, rows: list[dict]) -> float:
         events = self.runner.events()
@@ -193,3 +202,31 @@ class ReplayEvidence:
 
     def close(self) -> None:
         self.runner.close()
+
+
+class PendingSweep:
+    """A save-boundary sweep running in its own thread (ReplayEvidence.start_sweep)."""
+
+    def __init__(self, evidence: ReplayEvidence, step: int) -> None:
+        self._evidence = evidence
+        self._rows: list[dict] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(step,), name="scout-replay-sweep", daemon=True)
+        self._thread.start()
+
+    def _run(self, step: int) -> None:
+        try:
+            self._rows = self._evidence.runner.sweep(step)
+        except BaseException as e:  # raised in the saving thread by finish(), on every rank where it happened
+            self._error = e
+
+    def join(self) -> None:
+        """Wait for the sweep (a collective: bounded by replay's group timeout when a peer is gone)."""
+        self._thread.join()
+
+    def finish(self) -> None:
+        """Join, raise the sweep's error if it failed, else record its rows (coordinator: the ledger)."""
+        self.join()
+        if self._error is not None:
+            raise self._error
+        self._evidence._record(self._rows)
