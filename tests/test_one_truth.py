@@ -166,6 +166,7 @@ def test_a_journal_missing_a_rejection_restores_no_certificate(saved):
     assert rc == 1 and "chain is broken" in err
 
 
+@pytest.mark.scenario
 @pytest.mark.parametrize(("save_step", "load"), [(5, False), (10, True)], ids=["over_old_step", "loaded_step"])
 def test_a_resave_of_a_certified_step_never_reaches_a_write_a_sigkill_could_interrupt(saved, save_step, load):
     """The suspected case: a re-save of a certified step replaced its row with `writing`, and a SIGKILL before
