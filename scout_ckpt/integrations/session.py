@@ -9,7 +9,9 @@ Who calls what (every method marked collective is called by every rank, in the s
                                                   left (core settle + removal of interrupted in-place folders),
                                                   begins the run; every rank gets the run id, or the same error
   begin_save(step, name, remove_stale=)           collective: the `writing` row (with this process as owner) before
-                                                  any byte is written; every rank derives the same attempt id
+                                                  any byte is written; every rank derives the same attempt id;
+                                                  a certified (or quarantined) step: every rank raises CertifiedStep
+                                                  (Quarantined), unless SCOUT_CKPT_REPLACE_CERTIFIED names it
   hash_share(step_dir)                            collective: the coordinator lists the folder, each rank hashes
                                                   its share (by size), the coordinator hashes what a rank could not
                                                   see (no shared filesystem); files go to the coordinator
