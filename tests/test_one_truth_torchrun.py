@@ -114,7 +114,7 @@ PLACEMENTS = {
 @pytest.mark.parametrize(
     "placement",
     [
-        pytest.param("quarantine_local_step", marks=pytest.mark.scenario_ci),
+        "quarantine_local_step",
         "quarantine_both_tiers",
         "revocation_across_tiers",
     ],
@@ -149,3 +149,29 @@ def test_eio_on_every_candidate_under_torchrun_refuses_the_start_and_rejects_not
     assert _local_states(root) == before  # could-not-check rejected nothing
     loads = {e["rank"]: e for e in _run(root, dirs, 9) if e["event"] == "loaded"}
     assert {(r, e["step"], e["digest"]) for r, e in loads.items()} == {(r, 8, printed[(r, 8)]) for r in range(world)}
+
+
+@pytest.mark.scenario
+@pytest.mark.parametrize(
+    "world",
+    [pytest.param(2, marks=pytest.mark.scenario_ci), 3],  # CI: one generation and its restart, 30-40 s
+    ids=["2ranks", "3ranks"],
+)
+def test_a_local_verdict_racing_the_durable_save_ends_the_generation_before_it_certifies(tmp_path, world):
+    """Rank 1's local save at step 6 holds a NaN (its commit slowed by 2 s); the NaN is gone before the durable
+    save of step 6. The durable save waits for the local verdict: the generation ends (LiveStateCorrupt) before
+    step 6 is certified in either tier, torchrun restarts it, and the restart loads local step 4 (the digest the
+    job printed at step 4), then trains on to step 8 cleanly."""
+    root, dirs = tmp_path / "run", [tmp_path / f"node-disk-{i}" for i in range(world)]
+    results = _agents(root, dirs, 8, script=REPO / "tests" / "scripts" / "race_fast_tier_job.py")
+    for node, r in enumerate(results):
+        assert r.returncode == 0, (node, r.stderr[-4000:])
+    lines = _lines(results)
+    faults = [e for e in lines if e["event"] == "live_fault"]
+    assert sorted(e["rank"] for e in faults) == list(range(world)) and {e["fault_step"] for e in faults} == {6}
+    first_run = {e["run_id"] for e in faults}
+    assert [e for e in lines if e["event"] == "saved" and e["run_id"] in first_run] == []
+    printed = {(e["rank"], e["step"]): e["digest"] for e in lines if e["event"] == "local_saved" and e["step"] == 4}
+    loads = [e for e in lines if e["event"] == "loaded" and e["run_id"] not in first_run]
+    assert {(e["rank"], e["step"], e["tier"]) for e in loads} == {(r, 4, "local") for r in range(world)}, loads
+    assert all(e["digest"] == printed[(e["rank"], 4)] for e in loads), loads
