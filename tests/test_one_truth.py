@@ -6,6 +6,7 @@ faults placed by real means (a NaN written into a weight, a slow commit thread, 
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -165,6 +166,28 @@ def test_a_journal_missing_a_rejection_restores_no_certificate(saved):
     assert rc == 1 and "chain is broken" in err
 
 
+@pytest.mark.scenario
+@pytest.mark.parametrize(("save_step", "load"), [(5, False), (10, True)], ids=["over_old_step", "loaded_step"])
+def test_a_resave_of_a_certified_step_never_reaches_a_write_a_sigkill_could_interrupt(saved, save_step, load):
+    """The suspected case: a re-save of a certified step replaced its row with `writing`, and a SIGKILL before
+    the commit's rename left the good folder judged `save_interrupted`. Rank 0 SIGKILLs itself at the save's
+    first write point; the save never gets there (refused over an old step; not made again for the step just
+    loaded), so no rank dies; the folder and its certified row are as they were, and the restart loads step 10
+    (the digest the job printed)."""
+    root, printed = saved
+    before = {k: v for k, v in _files(root).items() if k.startswith("step-")}
+    out = run_ranks(w.resave_then_sigkill, 2, str(root), save_step, load, timeout=240)
+    if load:
+        assert [o.result.get("loaded") for o in out] == [10, 10], [o.result for o in out]
+        assert [o.result["verdict"].get("not_saved") for o in out] == ["resumed_from_this_step"] * 2
+    else:
+        assert [o.result.get("refused") for o in out] == ["SaveRefused"] * 2, [o.result for o in out]
+    assert {k: v for k, v in _files(root).items() if k.startswith("step-")} == before
+    assert (_ls(root)[save_step]["state"], _ls(root)[save_step]["reasons"]) == ("certified", [])
+    got = run_ranks(w.restart, 2, str(root), timeout=240)
+    assert {(o.result["loaded"], o.result["digest"]) for o in got} == {(10, printed[10][1])}
+
+
 # ---- a verdict on a step holds for every copy, in every tier ---------------------------------------------------
 
 TWO_NODES = {"LOCAL_WORLD_SIZE": "1"}
@@ -215,50 +238,76 @@ def test_a_step_held_only_by_the_local_tier_can_be_quarantined_and_is_never_load
     assert rc == 0 and json.loads(out)["state"] == "certified", err
 
 
-def _lower(path: str, root, step: int) -> None:
-    """Lower STEP's trust by one of the paths that do it, each through the function (or command) that path
-    calls; "none" is the control: nothing lowered."""
+def _reject(root, step: int, code: str, source: str) -> None:
+    """A step-level rejection through the call every verdict change outside a commit goes through (journal
+    first, then the ledger; journal.record_transition)."""
     from scout_ckpt.ledger import Ledger, journal
+
+    with Ledger.open(root) as led:
+        assert journal.record_transition(
+            led, root, step, "rejected", [{"code": code, "ranks": [1]}], source=source, expect="certified"
+        )
+
+
+def _revoke(root, step: int) -> None:
+    """An update fault found at step+1 with a cycle of 2 (ShardEvidence.revoke): steps in (step-1, step+1]."""
+    from types import SimpleNamespace
+
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.save.evidence.shard import ShardEvidence
+
+    shard = ShardEvidence.__new__(ShardEvidence)
+    shard.log = SimpleNamespace(cycle=2)
+    bad = {"step": step + 1, "status": "fail", "ranks": [1], "reasons": [{"code": "shard_replay_mismatch"}]}
+    with Ledger.open(root) as led:
+        assert step in shard.revoke(led, root, [bad])
+
+
+def _local_verdict(root, step: int) -> None:
+    """A step-level verdict reached through the fast tier's row (its own consensus attributed a rank)."""
+    from scout_ckpt.ledger import Ledger
     from scout_ckpt.save import local_tier_rows as local_rows
 
-    if path == "none":
-        return
-    if path == "quarantine":
-        run_cli("quarantine", root, str(step), "--reason", "matrix", check_rc=0)
-        return
     with Ledger.open(root) as led:
-        if path == "revocation":  # an update fault found at step+1 with a cycle of 2: steps in (step-1, step+1]
-            from types import SimpleNamespace
+        reasons = [{"code": "consensus_attributed", "ranks": [1]}]
+        assert local_rows.set_state(led, step, "rejected", reasons, expect="certified")
 
-            from scout_ckpt.save.evidence.shard import ShardEvidence
 
-            shard = ShardEvidence.__new__(ShardEvidence)
-            shard.log = SimpleNamespace(cycle=2)
-            assert step in shard.revoke(
-                led,
-                root,
-                [
-                    {
-                        "step": step + 1,
-                        "status": "fail",
-                        "ranks": [1],
-                        "reasons": [{"code": "shard_replay_mismatch", "ranks": [1]}],
-                    }
-                ],
-            )
-        elif path == "local_verdict":  # a step-level verdict reached through the local row (its own consensus)
-            assert local_rows.set_state(
-                led, step, "rejected", [{"code": "consensus_attributed", "ranks": [1]}], expect="certified"
-            )
-        else:
-            code, source = {
-                "certify": ("invariant_failed", "certify"),
-                "replay": ("replay_sdc", "replay"),
-                "load_mismatch": ("load_mismatch", "load"),
-            }[path]
-            assert journal.record_transition(
-                led, root, step, "rejected", [{"code": code, "ranks": [1]}], source=source, expect="certified"
-            )
+def _release_after_rejection(root, step: int) -> None:
+    """An operator quarantines a rejected step, then releases it: the release never raises it again."""
+    _reject(root, step, "load_mismatch", "load")
+    run_cli("quarantine", root, str(step), "--reason", "matrix", check_rc=0)
+    run_cli("release", root, str(step), "--reason", "matrix", check_rc=0)
+
+
+# Every path that lowers a step's trust, each through the function (or command) that path calls; "none" is the
+# control: nothing lowered.
+LOWER = {
+    "none": lambda root, step: None,
+    "quarantine": lambda root, step: run_cli("quarantine", root, str(step), "--reason", "matrix", check_rc=0),
+    "release": _release_after_rejection,
+    "revocation": _revoke,
+    "certify": lambda root, step: _reject(root, step, "invariant_failed", "certify"),
+    "replay": lambda root, step: _reject(root, step, "replay_sdc", "replay"),
+    "load_mismatch": lambda root, step: _reject(root, step, "load_mismatch", "load"),
+    "lineage": lambda root, step: _reject(root, step, "lineage_tainted", "lineage"),
+    "local_verdict": _local_verdict,
+}
+
+
+def _gc(root) -> None:
+    run_cli("gc", root, "--keep", "2", check_rc=0)
+
+
+def _rebuild(root) -> None:
+    """The ledger rebuilt by the command (the old one kept beside it and read for the fast tier's rows)."""
+    rc, _, err = run_cli("ledger", "rebuild", root)
+    assert rc != 2, err  # 1: a step it could not vouch for; judged below by what the restart loads
+
+
+# What may follow the lowering before the restart: nothing, a gc (rejected and partial steps go first), a
+# ledger rebuild (the verdict must come back from the journal and the rows).
+AFTER = {"as_is": lambda root: None, "gc": _gc, "rebuild": _rebuild}
 
 
 def _keep_only(tier: str, root, local_dir, step: int) -> None:
@@ -275,20 +324,20 @@ def _keep_only(tier: str, root, local_dir, step: int) -> None:
         own.unlink()
 
 
-PATHS = ["none", "quarantine", "revocation", "certify", "replay", "load_mismatch", "local_verdict"]
 TIERS = ["durable", "local", "peer"]
+MATRIX = list(itertools.product(LOWER, TIERS, AFTER))
 
 
 @pytest.mark.scenario
-@pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("path", PATHS)
-def test_a_lowered_step_is_never_loaded_from_any_copy(tiers_run, path, tier):
-    """Every trust-lowering path x every kind of copy that could hand out step 6: the restart never loads step
-    6 (judged by the digest the job printed at step 6), and loads local step 4 instead (its printed digest);
-    the control ("none") loads step 6 from that copy."""
+@pytest.mark.parametrize(("path", "tier", "after"), MATRIX, ids=["-".join(c) for c in MATRIX])
+def test_a_lowered_step_is_never_loaded_from_any_copy(tiers_run, path, tier, after):
+    """Every trust-lowering path x every kind of copy that could hand out step 6 x what may follow (nothing, gc,
+    a ledger rebuild): the restart never loads step 6 (judged by the digest the job printed at step 6), and
+    loads local step 4 instead (its printed digest); the control ("none") loads step 6 from that copy."""
     root, local_dir, printed = tiers_run
     _keep_only(tier, root, local_dir, 6)
-    _lower(path, root, 6)
+    LOWER[path](root, 6)
+    AFTER[after](root)
     got = _restart_tiers(root, local_dir)
     if path == "none":
         assert (got["loaded"], got["digest"]) == (6, printed[6]), got
@@ -297,6 +346,198 @@ def test_a_lowered_step_is_never_loaded_from_any_copy(tiers_run, path, tier):
         return
     assert got["digest"] != printed[6], got
     assert (got["loaded"], got["digest"]) == (4, printed[4]), got
+
+
+def _lose_ledger_dir_and_rebuild(s3run) -> None:
+    """The node holding an S3 run's ledger_dir is lost, ledger and journal; `ledger rebuild LEDGER --uri` brings
+    back what the bucket holds (manifests, the journal's copy)."""
+    shutil.rmtree(s3run["ledger"])
+    rc, _, err = run_cli("ledger", "rebuild", s3run["ledger"], "--uri", s3run["uri"])
+    assert rc != 2, err  # 1: a step it could not vouch for; judged below by what the restart loads
+
+
+S3_AFTER = {
+    "as_is": lambda s3run: None,
+    "gc": lambda s3run: _gc(s3run["ledger"]),
+    "rebuild": _lose_ledger_dir_and_rebuild,
+}
+S3_MATRIX = list(itertools.product([p for p in LOWER if p != "local_verdict"], S3_AFTER))
+
+
+@pytest.mark.scenario
+@pytest.mark.parametrize(("path", "after"), S3_MATRIX, ids=["-".join(c) for c in S3_MATRIX])
+def test_a_lowered_step_of_an_s3_run_is_never_loaded(run, monkeypatch, path, after):  # noqa: F811
+    """The object-store tier: an S3 run saves steps 2 and 4; step 4 is lowered by every path (on the run's
+    ledger_dir, as an operator or the job would) and then left, gc'd, or its ledger_dir lost and rebuilt from the
+    bucket: the restart never loads step 4 (the digest the job printed) and loads step 2; the control loads 4.
+    (The fast tier's own verdict, "local_verdict", has no row on an S3-only run.)"""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", run["ep"])  # the commands below reach the bucket (the journal's copy)
+    printed = _save(run, [2, 4])
+    assert printed["verdicts"] == {2: "certified", 4: "certified"}, printed
+    LOWER[path](run["ledger"], 4)
+    S3_AFTER[after](run)
+    got = _load(run)
+    if path == "none":
+        assert (got["step"], got["digest"]) == (4, printed["saved"][4]), got
+        return
+    assert got["digest"] != printed["saved"][4], got
+    assert (got["step"], got["digest"]) == (2, printed["saved"][2]), got
+
+
+@pytest.mark.scenario
+def test_a_copy_whose_bytes_fail_is_ruled_out_alone_and_every_view_lists_the_copies(tiers_run):
+    """One byte of step 6's durable folder flips; `certify --step 6` rejects that copy (digest_mismatch). The
+    step is still certified: `ls --json` lists step 6 with its durable folder failed and its node-local files
+    and peer copies passing, `explain --json` says the same, and the restart loads step 6 from the fast tier
+    (the digest the job printed at step 6). gc and report list the same steps."""
+    root, local_dir, printed = tiers_run
+    victim = sorted((root / "step-00000006").glob("*.distcp"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    rc, out, err = run_cli("certify", root, "--step", "6", "--json")
+    assert rc == 1 and "digest_mismatch" in out, (out, err)
+    rc, out, err = run_cli("ls", root, "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    step6 = next(v for v in doc["steps"] if v["step"] == 6)
+    assert (step6["state"], step6["tiers"]) == ("certified", {"durable": "rejected", "local": "certified"})
+    by_kind = {}
+    for c in step6["copies"]:
+        by_kind.setdefault(c["kind"], []).append(c["bytes"]["status"])
+    assert by_kind == {"durable_folder": ["fail"], "node_local": ["pass", "pass"], "peer": ["pass", "pass"]}
+    assert next(r for r in doc["checkpoints"] if r["step"] == 6)["copies"] == step6["copies"]
+    # local step 2 went with the fast tier's own retention: it stays listed, as deleted
+    assert {v["step"]: v["state"] for v in doc["steps"]} == {
+        6: "certified",
+        4: "certified",
+        3: "certified",
+        2: "deleted",
+    }
+    rc, out, _ = run_cli("explain", root, "6", "--json")
+    got = json.loads(out)
+    assert (rc, got["state"], got["step_state"], got["copies"]) == (1, "rejected", "certified", step6["copies"])
+    rc, out, err = run_cli("report", root, "--json")
+    assert rc == 0 and {v["step"] for v in json.loads(out)["steps"]} == {2, 3, 4, 6}, err
+    rc, out, err = run_cli("gc", root, "--keep", "3", "--dry-run", "--json")
+    assert rc == 0 and next(v for v in json.loads(out)["steps"] if v["step"] == 6)["state"] == "certified", err
+    got = _restart_tiers(root, local_dir)
+    assert (got["loaded"], got["tier"], got["digest"]) == (6, "local", printed[6]), got
+
+
+def _pending_local_step(led, step: int) -> None:
+    """A local save recorded while replay was pending (the row as the local tier commits it: committed,
+    replay `missing` with replay_pending), its bytes and consensus passing."""
+    from scout_ckpt import policy
+    from scout_ckpt.save import local_tier_rows as local_rows
+
+    ev = {
+        "bytes": policy.evidence(policy.PASS, []),
+        "consensus": policy.evidence(policy.PASS, []),
+        "replay": policy.evidence(policy.MISSING, [{"code": "replay_pending", "awaiting": ["blocks.0"]}]),
+    }
+    v = policy.evaluate({"require": ["bytes", "consensus", "replay"]}, ev)
+    assert v.state == "committed"
+    local_rows.record(
+        led,
+        step=step,
+        run_id="r1",
+        state=v.state,
+        dir=f"r1/step-{step:08d}",
+        world_size=2,
+        layout={},
+        files=[],
+        copies=[],
+        evidence=ev,
+        signatures={},
+        reasons=v.reasons,
+    )
+
+
+@pytest.mark.parametrize(("status", "settled"), [("AGREE", "certified"), ("ATTRIBUTED", "rejected")])
+def test_a_local_save_waiting_on_replay_is_settled_by_the_next_replay(tmp_path, status, settled):
+    """A local save committed while replay was pending (`replay_pending`) is re-decided by the replays that
+    follow, through the same call that settles the durable tier's pending saves (ReplayEvidence.settle_pending):
+    certified by a clean replay after it, rejected (replay_sdc) by one that attributes a rank. Before, a local
+    row waited forever: never a restart candidate, and never rejected by the replay that found the fault."""
+    from types import SimpleNamespace
+
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.save import local_tier_rows as local_rows
+    from scout_ckpt.save.evidence.replay import ReplayEvidence
+
+    with Ledger.open(tmp_path, create=True) as led:
+        pol = {"require": ["bytes", "consensus", "replay"]}
+        led.begin_run("r1", world_size=2, topology={}, policy=pol)
+        _pending_local_step(led, 4)
+        rep = ReplayEvidence(SimpleNamespace(targets=lambda: [("block", "blocks.0")]))
+        rep.bind(ledger=led, root=tmp_path, run_id="r1", policy=pol, is_coordinator=True)
+        rep.stepped = True
+        row = {"run_id": "r1", "recipe": "block", "target": "blocks.0"}
+        # a clean replay before the save (coverage up to it), then the first one after it
+        led.add_replays(
+            [{**row, "step": 3, "status": "AGREE", "ranks": []}, {**row, "step": 5, "status": status, "ranks": [1]}]
+        )
+        rep.settle_pending()
+        row = local_rows.row(led, 4)
+    assert row["state"] == settled, row
+    assert row["evidence"]["replay"]["status"] == ("pass" if status == "AGREE" else "fail")
+
+
+def _lose_ledger_dir_and_rebuild(s3run) -> None:
+    """The node holding an S3 run's ledger_dir is lost, ledger and journal; `ledger rebuild LEDGER --uri` brings
+    back what the bucket holds (manifests, the journal's copy)."""
+    shutil.rmtree(s3run["ledger"])
+    rc, _, err = run_cli("ledger", "rebuild", s3run["ledger"], "--uri", s3run["uri"])
+    assert rc != 2, err  # 1: a step it could not vouch for; judged below by what the restart loads
+
+
+S3_AFTER = {
+    "as_is": lambda s3run: None,
+    "gc": lambda s3run: _gc(s3run["ledger"]),
+    "rebuild": _lose_ledger_dir_and_rebuild,
+}
+S3_MATRIX = list(itertools.product([p for p in LOWER if p != "local_verdict"], S3_AFTER))
+
+
+@pytest.mark.scenario
+@pytest.mark.parametrize(("path", "after"), S3_MATRIX, ids=["-".join(c) for c in S3_MATRIX])
+def test_a_lowered_step_of_an_s3_run_is_never_loaded(run, monkeypatch, path, after):  # noqa: F811
+    """The object-store tier: an S3 run saves steps 2 and 4; step 4 is lowered by every path (on the run's
+    ledger_dir, as an operator or the job would) and then left, gc'd, or its ledger_dir lost and rebuilt from the
+    bucket: the restart never loads step 4 (the digest the job printed) and loads step 2; the control loads 4.
+    (The fast tier's own verdict, "local_verdict", has no row on an S3-only run.)"""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", run["ep"])  # the commands below reach the bucket (the journal's copy)
+    printed = _save(run, [2, 4])
+    assert printed["verdicts"] == {2: "certified", 4: "certified"}, printed
+    LOWER[path](run["ledger"], 4)
+    S3_AFTER[after](run)
+    got = _load(run)
+    if path == "none":
+        assert (got["step"], got["digest"]) == (4, printed["saved"][4]), got
+        return
+    assert got["digest"] != printed["saved"][4], got
+    assert (got["step"], got["digest"]) == (2, printed["saved"][2]), got
+
+
+@pytest.mark.scenario
+def test_local_saves_waiting_on_replay_are_settled_like_durable_ones(tmp_path):
+    """With the defaults (replay on), a local save is committed while it waits for each target's next clean
+    replay (`replay_pending`); the replays that follow settle it, as they settle a durable save: every local step
+    but the newest ends certified, and a restart loads the newest certified local step (the digest the job
+    printed at that step)."""
+    root, local_dir = tmp_path / "run", tmp_path / "local"
+    out = run_ranks(w.tiers_job_with_replay, 2, str(root), str(local_dir), timeout=300, env=TWO_NODES)
+    r = out[0].result
+    rc, doc, err = run_cli("ls", root, "--json")
+    assert rc == 0, err
+    local = {x["step"]: x["state"] for x in json.loads(doc)["local"] if x["state"] != "deleted"}
+    settled = [s for s, v in r["verdicts"].items() if v == "committed" and local.get(s) == "certified"]
+    assert settled, (r["verdicts"], local)  # at least one save waited on replay and was settled afterwards
+    assert max(s for s, v in local.items() if v == "certified") >= 6, local
+    got = _restart_tiers(root, local_dir)
+    newest = max(s for s, v in local.items() if v == "certified")
+    assert (got["loaded"], got["tier"], got["digest"]) == (newest, "local", r["digests"][newest]), got
 
 
 # ---- an object-store run whose ledger_dir is lost, twice -------------------------------------------------------

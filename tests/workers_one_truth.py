@@ -216,3 +216,55 @@ def tiers_restart_eio(rank, world, root, local_dir):
         return tiers_restart(rank, world, root, local_dir)
     finally:
         os.open, Path.read_bytes = real, real_read
+
+
+def tiers_job_with_replay(rank, world, root, local_dir, steps=8):
+    """The fast tier with the defaults (replay on, every step hooked): local saves every 2 steps, no durable
+    save; the job's own digest at every step and each local save's verdict as it was committed."""
+    model = make_model(seed=5)
+    net = ddp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, local=_tier_opts(local_dir, rank), observer=False)
+    printed, verdicts = {}, {}
+    for step in range(1, steps + 1):
+        train_steps(net, opt, 1, seed=step)
+        ckpt.step(step, state_of(model, opt))
+        printed[step] = digest(model, opt)
+        if step % 2 == 0:
+            ckpt.local.wait()
+            verdicts[step] = ckpt.local.last_verdict["state"]
+    ckpt.close()
+    return {"digests": printed, "verdicts": verdicts}
+
+
+def resave_then_sigkill(rank, world, root, save_step, load):
+    """A job that saves `save_step`, a step whose checkpoint is certified, with rank 0 SIGKILLing itself at the
+    first write point of that save (before the data is written, and after it, before the commit's rename).
+    `load`: it loaded the latest clean step first. Returns what the save returned or the refusal; a rank that
+    reached a write point never returns."""
+    import os
+    import signal
+
+    from scout_ckpt.errors import ScoutError
+
+    def kill(point, step):
+        if rank == 0 and point in ("before_write", "after_write") and step == save_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model = make_model(seed=6)
+    net = ddp(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(net, opt, 1, seed=99)
+    ckpt = Checkpointer(root, model=net, optimizer=opt, replay=False, observer=False, fault_hook=kill, timeout_s=60)
+    out = {}
+    try:
+        if load:
+            out["loaded"] = ckpt.load_latest_clean(state_of(model, opt))
+        else:
+            train_steps(net, opt, 1, seed=save_step)
+        out["verdict"] = ckpt.save(save_step, state_of(model, opt))
+    except ScoutError as e:
+        out.update(refused=type(e).__name__, message=str(e))
+    finally:
+        ckpt.close()
+    return out

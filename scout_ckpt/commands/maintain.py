@@ -81,9 +81,13 @@ def gc(root: Path, keep: int, dry_run: bool, as_json: bool) -> int:
 
     if keep < 1:
         raise BadInput(f"--keep must be at least 1 (got {keep})")
+    from scout_ckpt.ops.steps import steps_of
+
     verb = "would delete" if dry_run else "deleted"
+    result = retention.gc(root, keep, dry_run=dry_run)
+    result["steps"] = steps_of(root)  # what is left: each step's verdict and its copies in every tier
     return _answer(
-        retention.gc(root, keep, dry_run=dry_run),
+        result,
         as_json,
         lambda r: [
             f"{verb}: {', '.join(map(str, r['delete'])) or 'nothing'}; kept: "
@@ -159,6 +163,9 @@ def ledger_rebuild(
 
     # object_store.rebuild.resolve checks ROOT and --uri, rebuild_local.check_dirs each --local-dir
     result = rebuild(root, verify=not no_verify, uri=uri, local_dirs=list(local_dir or []))
+    from scout_ckpt.ops.steps import steps_of
+
+    result["steps"] = steps_of(root)  # the rebuilt ledger's steps, each with its copies in every tier
     local = result.get("local") or {}
     _answer(
         result,

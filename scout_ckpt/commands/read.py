@@ -19,6 +19,9 @@ from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger.journal import JOURNAL_NAME
 from scout_ckpt.ops import roots
 from scout_ckpt.ops.adopt_step import evidence_level
+from scout_ckpt.ops.steps import copies_text, steps_of
+from scout_ckpt.ops.steps import step_view as steps_view
+from scout_ckpt.ops.steps import steps as all_steps
 from scout_ckpt.ops.tier_views import copies_sentence, where_text
 from scout_ckpt.ops.views import (
     STATE_STYLE,
@@ -42,10 +45,17 @@ def ls(root: Path, as_json: bool) -> int:
     local = [] if fallback else _local_rows(root)
     rows = [{**r, "evidence_level": evidence_level(r.get("evidence") or {})} for r in rows]
     if as_json:
+        views = [] if fallback else steps_of(root)
+        by_step = {v["step"]: v for v in views}
         emit(
             {
-                "checkpoints": as_listed(rows),
+                # each durable row with every copy of its step (the durable folder and the fast tier's files)
+                "checkpoints": [
+                    {**r, "copies": by_step[r["step"]]["copies"]} if r["step"] in by_step else r
+                    for r in as_listed(rows)
+                ],
                 "local": local,
+                "steps": views,
                 "source": "manifests" if fallback else "ledger",
                 "fallback": fallback,
                 **(
@@ -109,6 +119,7 @@ def _local_rows(root: Path) -> list[dict]:
 
 def explain(root: Path, step: int, as_json: bool) -> int:
     from scout_ckpt.ledger import Ledger
+    from scout_ckpt.ledger.tiers import row as tier_row
     from scout_ckpt.ops.operator import explain as explain_step
     from scout_ckpt.ops.tier_views import explain_local, explain_local_lines
 
@@ -139,6 +150,13 @@ def explain(root: Path, step: int, as_json: bool) -> int:
         out["tier"] = "durable"
         tiers = ["durable"] + (["local"] if local is not None else [])
     out["local"], out["tiers"] = local, tiers
+    with Ledger.open(root, readonly=True) as ledger:
+        view = steps_view(
+            ledger.checkpoint(step), tier_row(ledger, step), ((ledger.evidence(step).get("bytes") or {}).get("status"))
+        )
+    # the step's own verdict (a quarantine or a step-level rejection in either tier holds for every copy) and
+    # each copy with its bytes evidence; "state" stays the durable row's, as it always was
+    out["step_state"], out["copies"] = view["state"], view["copies"]
     if as_json:
         emit(out)
     else:
@@ -151,6 +169,7 @@ def explain(root: Path, step: int, as_json: bool) -> int:
         if local is not None:
             for line in explain_local_lines(local, escape, both="durable" in tiers):
                 con.print(line)
+        con.print(escape(copies_text(view)))
     if out["state"] != "certified":
         what = "" if tiers == ["durable"] else f" in the {tiers[0]} tier"
         print(
@@ -263,6 +282,7 @@ def report(root: Path, as_json: bool, html: Path | None) -> int:
 
     with roots.open_ledger(root) as ledger:
         tl = fault_timeline.timeline(ledger)
+        tl["steps"] = all_steps(ledger, root)  # each step's verdict and its copies, beside the events
     if html is not None:
         fault_timeline.write_html(tl, html)
     if as_json:

@@ -9,7 +9,9 @@ Who calls what (every method marked collective is called by every rank, in the s
                                                   left (core settle + removal of interrupted in-place folders),
                                                   begins the run; every rank gets the run id, or the same error
   begin_save(step, name, remove_stale=)           collective: the `writing` row (with this process as owner) before
-                                                  any byte is written; every rank derives the same attempt id
+                                                  any byte is written; every rank derives the same attempt id;
+                                                  a certified (or quarantined) step: every rank raises CertifiedStep
+                                                  (Quarantined), unless SCOUT_CKPT_REPLACE_CERTIFIED names it
   hash_share(step_dir)                            collective: the coordinator lists the folder, each rank hashes
                                                   its share (by size), the coordinator hashes what a rank could not
                                                   see (no shared filesystem); files go to the coordinator
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import os
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +37,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from scout_ckpt import policy
-from scout_ckpt.errors import ScoutError, one_line_refusals
+from scout_ckpt.errors import BadInput, CertifiedStep, Quarantined, ScoutError, one_line_refusals
 from scout_ckpt.format import layout, manifest
 from scout_ckpt.format.digests import digest_files
 from scout_ckpt.integrations import folders
@@ -46,6 +49,22 @@ from scout_ckpt.options import as_fleet
 from scout_ckpt.save import log, placement
 
 COORDINATOR = 0
+REPLACE_ENV = "SCOUT_CKPT_REPLACE_CERTIFIED"
+
+
+def replace_certified_steps(value: str | None) -> frozenset[int]:
+    """The steps an operator allows a framework save to replace although certified: SCOUT_CKPT_REPLACE_CERTIFIED,
+    comma-separated step numbers (empty or unset: none). Anything else is BadInput (one line, exit code 2),
+    raised when the run is built, before the job trains."""
+    out = set()
+    for part in (value or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit():
+            raise BadInput(f"{REPLACE_ENV}={value!r}: expected comma-separated step numbers, e.g. {REPLACE_ENV}=10,20")
+        out.add(int(part))
+    return frozenset(out)
 
 
 def new_run_id() -> str:
@@ -60,6 +79,7 @@ class IntegrationRun:
         self.root = Path(root)
         self.framework = framework
         self.timeout_s = timeout_s
+        self.replace_certified = replace_certified_steps(os.environ.get(REPLACE_ENV))
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
@@ -179,17 +199,46 @@ class IntegrationRun:
     def begin_save(self, step: int, name: str, *, remove_stale: bool = True) -> str:
         """Collective: record `writing` for ROOT/name before anything is written; returns the attempt id (the same
         on every rank, no collective needed for it). remove_stale: remove a folder of an abandoned attempt at the
-        same step first (after a walk-back past it), so its files never mix with this save's."""
+        same step first (after a walk-back past it), so its files never mix with this save's.
+
+        A framework save never replaces a certified step (its row or its folder), as the Checkpointer's own save
+        does not: a run that trains over certified checkpoints instead of resuming from them would turn the
+        certified row into `writing` and the folder into the new attempt's, and a crash before the commit would
+        leave a good checkpoint judged interrupted. Every rank raises CertifiedStep (exit code 1), or Quarantined
+        for a quarantined step, before any byte is written. The operator's override is explicit and per step:
+        SCOUT_CKPT_REPLACE_CERTIFIED=STEP[,STEP...] in the job's environment (replace_certified_steps); the
+        replaced verdict stays in the step's history and an event says who replaced it."""
         self._saves += 1
         attempt = f"{self.run_id.rsplit('-', 1)[-1]}-{self._saves}"
+        replace = step in self.replace_certified
 
         def record():
-            self.ledger.record_writing(step, self.run_id, attempt, name, owner=this_process_owner())
+            before = self.ledger.checkpoint(step)
+            try:
+                self.ledger.record_writing(
+                    step, self.run_id, attempt, name, owner=this_process_owner(), keep_certified=not replace
+                )
+            except (CertifiedStep, Quarantined) as e:  # nothing written, nothing removed: every rank raises it
+                return type(e).__name__, str(e)
+            if replace and before is not None and before["state"] == "certified":
+                self.ledger.add_event(
+                    "certified_replaced",
+                    step=step,
+                    run_id=self.run_id,
+                    detail={"attempt": before["attempt"], "by": f"{REPLACE_ENV}={step}", "framework": self.framework},
+                )
             stale = self.root / name
             if remove_stale and stale.is_dir():
                 layout.remove_dir(stale)
+            return None
 
-        self.on_coordinator(f"begin the save of step {step}", record)
+        refused = self.on_coordinator(f"begin the save of step {step}", record)
+        if refused is not None:
+            kind, message = refused
+            raise (CertifiedStep if kind == "CertifiedStep" else Quarantined)(
+                message
+                + (f" (or set {REPLACE_ENV}={step} to replace it on purpose)" if kind == "CertifiedStep" else "")
+            )
         return attempt
 
     def hash_share(

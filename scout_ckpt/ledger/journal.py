@@ -37,7 +37,9 @@ import os
 import time
 from pathlib import Path
 
+from scout_ckpt import policy
 from scout_ckpt.format.layout import fsync_dir
+from scout_ckpt.ledger import tiers
 from scout_ckpt.object_store import bucket_journal  # imports no fsspec: a store is opened only for a bound root
 
 JOURNAL_NAME = "scout-journal.jsonl"
@@ -278,9 +280,30 @@ def record_transition(
         if row is None or row["state"] not in allowed or (attempt is not None and row["attempt"] != attempt):
             return False
         journal_verdict(root, step, row["attempt"], row["manifest_digest"], to, reasons, source)
-        return ledger.transition(step, to, reasons, source=source, expect=expect, attempt=attempt)
+        with ledger.write():  # the step's verdict and its fast-tier copy's, in one transaction
+            applied = ledger.transition(step, to, reasons, source=source, expect=expect, attempt=attempt)
+            if applied:
+                reach_copies(ledger, step, reasons, source)
+        return applied
     applied = ledger.transition(step, to, reasons, source=source, expect=expect, attempt=attempt)
     if applied:
         row = ledger.checkpoint(step)
         journal_verdict(root, step, row["attempt"], row["manifest_digest"], to, reasons, source)
     return applied
+
+
+def reach_copies(ledger, step: int, reasons: list[dict], source: str) -> bool:
+    """A rejection of the step itself (policy.step_distrusted: anything but one copy's bytes) holds for every
+    copy of it: the fast tier's row of the same step (node-local files, peer copies) is rejected with the same
+    reasons, inside the caller's write transaction. Without it, a copy row outlived the verdict wherever the
+    durable row could not speak for it: a rebuild from manifests that no longer finds the durable folder, or a
+    durable folder gc removed. A rejection for one copy's bytes stays with that copy. Whether a row changed."""
+    if not policy.step_distrusted("rejected", reasons):
+        return False
+    copy = tiers.row(ledger, step)
+    if copy is None or copy["state"] not in ("certified", "committed", "writing"):
+        return False
+    changed = tiers.set_state(ledger, step, "rejected", reasons, expect=copy["state"])
+    if changed:
+        ledger.add_event("local_rejected", step=step, detail={"reasons": reasons[:8], "source": source})
+    return changed

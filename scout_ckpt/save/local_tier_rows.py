@@ -89,3 +89,44 @@ def set_state(ledger, step: int, state: str, reasons: list[dict], *, expect: str
         args.append(expect)
     with ledger.write():
         return ledger.conn.execute(sql, args).rowcount > 0
+
+
+def set_verdict(ledger, step: int, state: str, reasons: list[dict], evidence: dict, *, expect: str) -> bool:
+    """Compare-and-set the row's evidence and verdict together (a re-decided local save); whether it changed."""
+    sql = "UPDATE tier_checkpoints SET state=?, reasons=?, evidence=?, updated=? WHERE tier=? AND step=? AND state=?"
+    args = [
+        state,
+        json.dumps(reasons, default=str),
+        json.dumps(evidence, default=str),
+        time.time(),
+        TIER,
+        step,
+        expect,
+    ]
+    with ledger.write():
+        return ledger.conn.execute(sql, args).rowcount > 0
+
+
+def settle_replay(ledger, run_id: str, run_policy: dict, replay_evidence, missing: str) -> list[int]:
+    """Coordinator: re-decide this run's local steps that wait on replay evidence (committed, replay `missing`),
+    as the durable tier's pending checkpoints are (save/evidence/replay.py settle_pending): `replay_evidence(step)`
+    gives the coverage known now; the row's evidence and its verdict under `run_policy` are written together.
+    Without it a local save made while replay was pending stayed `committed` forever (never a restart candidate),
+    and a replay that later found the fault never rejected it. Returns the steps whose state changed."""
+    from scout_ckpt import policy
+
+    changed = []
+    for r in rows(ledger, states=("committed",)):
+        ev = dict(r.get("evidence") or {})
+        if r.get("run_id") != run_id or (ev.get("replay") or {}).get("status") != missing:
+            continue
+        new = replay_evidence(r["step"])
+        if new["status"] == missing and new.get("reasons") == ev["replay"].get("reasons"):
+            continue
+        ev["replay"] = new
+        v = policy.evaluate(run_policy, ev)
+        if set_verdict(ledger, r["step"], v.state, v.reasons, ev, expect="committed") and v.state != "committed":
+            changed.append(r["step"])
+            if v.state == "rejected":
+                ledger.add_event("local_rejected", step=r["step"], run_id=run_id, detail={"reasons": v.reasons[:8]})
+    return changed

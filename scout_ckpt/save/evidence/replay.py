@@ -22,6 +22,7 @@ from scout_ckpt.ledger import journal
 from scout_ckpt.options import ReplayOptions, as_replay
 from scout_ckpt.replay import ReplayRunner
 from scout_ckpt.replay import coverage as replay_coverage
+from scout_ckpt.save import local_tier_rows as local_rows
 from scout_ckpt.save import log
 
 
@@ -194,6 +195,8 @@ class ReplayEvidence:
                     expect="committed",
                     attempt=row["attempt"],
                 )
+        # the fast tier's saves wait on the same coverage: their rows are re-decided alike
+        local_rows.settle_replay(self.ledger, self.run_id, self.policy, self.evidence, policy.MISSING)
 
     @property
     def process_groups(self) -> list:
