@@ -155,7 +155,7 @@ class NoTargets(ScoutError):
 
 
 # Refusals every rank raises alike (the same broadcast decision): the one line is printed by rank 0 alone.
-_COLLECTIVE = ("StartRefused", "CheckpointsUnreadable", "LiveStateCorrupt")
+_COLLECTIVE = ("StartRefused", "CheckpointsUnreadable", "LiveStateCorrupt", "CertifiedStep", "Quarantined")
 _HOOKED = False
 
 

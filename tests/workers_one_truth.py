@@ -8,6 +8,7 @@ import time
 import torch
 
 from scout_ckpt.checkpointer import Checkpointer
+from scout_ckpt.testing.faults import fault_points
 from tests.workers_ckpt import ddp, make_model, state_of, train_steps
 
 
@@ -34,16 +35,16 @@ def local_verdict_races_durable_save(rank, world, root, local_dir):
     model = make_model(seed=3)
     net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ckpt = Checkpointer(
-        root,
-        model=net,
-        optimizer=opt,
-        local={"dir": local_dir, "every": 2},
-        on_live_fault="continue",
-        fault_hook=slow,
-        replay=False,
-        observer=False,
-    )
+    with fault_points(slow):
+        ckpt = Checkpointer(
+            root,
+            model=net,
+            optimizer=opt,
+            local={"dir": local_dir, "every": 2},
+            on_live_fault="continue",
+            replay=False,
+            observer=False,
+        )
     train_steps(net, opt, 1, seed=1)
     ckpt.step(1, state_of(model, opt))
     train_steps(net, opt, 1, seed=2)
@@ -179,7 +180,8 @@ def restart_with_loader_fault(rank, world, root):
             with torch.no_grad():
                 model[0].weight.view(-1).view(torch.int32)[0] ^= 1
 
-    ckpt = Checkpointer(root, model=net, optimizer=opt, replay=False, observer=False, fault_hook=corrupt, timeout_s=60)
+    with fault_points(corrupt):
+        ckpt = Checkpointer(root, model=net, optimizer=opt, replay=False, observer=False, timeout_s=60)
     try:
         return {"loaded": ckpt.load_latest_clean(state_of(model, opt))}
     except ScoutError as e:
@@ -255,7 +257,8 @@ def resave_then_sigkill(rank, world, root, save_step, load):
     net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_steps(net, opt, 1, seed=99)
-    ckpt = Checkpointer(root, model=net, optimizer=opt, replay=False, observer=False, fault_hook=kill, timeout_s=60)
+    with fault_points(kill):
+        ckpt = Checkpointer(root, model=net, optimizer=opt, replay=False, observer=False, timeout_s=60)
     out = {}
     try:
         if load:

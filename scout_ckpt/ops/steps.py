@@ -161,7 +161,8 @@ def steps_of(root: str | os.PathLike) -> list[dict]:
     """`steps` of ROOT's ledger, opened read-only ([] when it cannot be read now: the caller said why)."""
     import sqlite3
 
-    from scout_ckpt.ledger import Ledger, LedgerUnavailable
+    from scout_ckpt.errors import LedgerUnavailable
+    from scout_ckpt.ledger import Ledger
 
     try:
         with Ledger.open(root, readonly=True) as ledger:

@@ -22,7 +22,10 @@ class RacingCheckpointer(Checkpointer):
     def __init__(self, root, **kw):
         self._marker = Path(kw.get("ledger_dir") or root) / "race.json"
         self._racing = not self._marker.exists()  # decided before any rank can write it (at STEP, much later)
-        inner = kw.pop("fault_hook", None)
+        from scout_ckpt.save.fault_points import current
+        from scout_ckpt.testing.faults import fault_points
+
+        inner = current()  # a hook the caller set around this construction, kept
 
         def hook(point: str, step: int) -> None:
             if self._racing and point == "local_written" and step == STEP:
@@ -30,7 +33,8 @@ class RacingCheckpointer(Checkpointer):
             if inner is not None:
                 inner(point, step)
 
-        super().__init__(root, fault_hook=hook, **kw)
+        with fault_points(hook):
+            super().__init__(root, **kw)
 
     def step(self, step: int, state: dict | None = None) -> None:
         if not (self._racing and step == STEP):
