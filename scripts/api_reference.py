@@ -3,7 +3,7 @@ integration (its `__all__`), with its signature and docstring, the option datacl
 exception's exit code.
 
 `python scripts/api_reference.py` rewrites the page; `--check` exits 1 (one line) when the page is not what the
-code says, as `make lint` runs it in CI. `--missing-args` lists the public calls whose docstring
+code says or a public call's docstring has no `Args:` section, as `make lint` runs it in CI. `--missing-args` lists the public calls whose docstring
 has no `Args:` section. The integrations are documented only where their framework imports (the `make test`
 environment has them all); a module that does not import is named on the page as such.
 """
@@ -221,6 +221,10 @@ def main() -> int:
     if args.check:
         if not PAGE.is_file() or PAGE.read_text() != text:
             print("docs/api.md is not current: run `python scripts/api_reference.py`", file=sys.stderr)
+            return 1
+        missing = missing_args()
+        if missing:
+            print(f"public calls without an Args: section in their docstring: {', '.join(missing)}", file=sys.stderr)
             return 1
         return 0
     PAGE.write_text(text)

@@ -269,7 +269,12 @@ class ScoutCheckpointing:
 
     def step(self, step: int, loss: float | None = None) -> None:
         """After the optimizer step (Checkpointer.step: heartbeat, replay schedule, timings; `loss` on every rank
-        or none: the loss triage)."""
+        or none: the loss triage).
+
+        Args:
+            step: the number of optimizer steps taken (the same on every rank).
+            loss: this rank's loss of the step, on every rank or none (a non-finite loss or a spike triggers triage).
+        """
         self._ensure().step(step, loss=loss)
 
     def save(self, step: int) -> dict | None:

@@ -202,6 +202,19 @@ class Ledger(LedgerQueries):
         operator quarantined it during the save) its files and evidence are recorded all the same, so that a
         release can judge them. Returns False then. `attempt=None` means whichever attempt the row holds: only for
         single-writer tools; a save passes its own.
+
+        Args:
+            step: the step committed.
+            run_id: the incarnation that saved it.
+            path: its folder, relative to ROOT.
+            nbytes: its total size.
+            manifest_digest: the digest of its scout-manifest.json.
+            files: one {"path", "size", "digest", "rank"} per file (per node manifest in a multi-node save).
+            evidence: the save's evidence by kind.
+            state: the verdict ("certified", "committed" or "rejected").
+            reasons: the verdict's reasons.
+            source: what committed it ("save", "adopt", "rebuild", ...).
+            attempt: the save attempt this commit closes (compare-and-set against the `writing` row).
         """
         now = time.time()
         with self.write():
