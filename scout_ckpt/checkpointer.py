@@ -96,7 +96,7 @@ class Checkpointer:
         finite: the writers' NaN/Inf check of every tensor written.
         consensus_exclude: fnmatch patterns of state keys left out of consensus (per-rank values).
         verify_load: compare loaded values with the signatures recorded at save.
-                timeout_s: the side groups' collective timeout, in seconds.
+        timeout_s: the side groups' collective timeout, in seconds.
         shard_evidence: shard replay and the at-rest guard for single-owner shards: ShardEvidenceOptions, a dict,
             True, False, None (on for sharded layouts with a supported optimizer).
         on_live_fault: "raise" (LiveStateCorrupt ends the generation) or "continue".
