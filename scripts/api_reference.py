@@ -55,8 +55,8 @@ def signature(obj, name: str) -> str:
         star = star or p.kind is p.VAR_POSITIONAL
         if p.annotation is not p.empty:
             text += f": {p.annotation if isinstance(p.annotation, str) else inspect.formatannotation(p.annotation)}"
-        if p.default is not p.empty:
-            text += f" = {_default(p.default)}"
+        if p.default is not p.empty:  # PEP 8: spaces around `=` only after an annotation
+            text += f" = {_default(p.default)}" if p.annotation is not p.empty else f"={_default(p.default)}"
         parts.append(text)
     out = f"{name}({', '.join(parts)})"
     if sig.return_annotation is not sig.empty:
