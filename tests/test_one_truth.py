@@ -366,7 +366,7 @@ S3_MATRIX = list(itertools.product([p for p in LOWER if p != "local_verdict"], S
 
 @pytest.mark.scenario
 @pytest.mark.parametrize(("path", "after"), S3_MATRIX, ids=["-".join(c) for c in S3_MATRIX])
-def test_a_lowered_step_of_an_s3_run_is_never_loaded(run, monkeypatch, path, after):  # noqa: F811
+def test_a_lowered_step_of_an_s3_run_is_never_loaded(run, monkeypatch, path, after):  # noqa: F811 (a fixture)
     """The object-store tier: an S3 run saves steps 2 and 4; step 4 is lowered by every path (on the run's
     ledger_dir, as an operator or the job would) and then left, gc'd, or its ledger_dir lost and rebuilt from the
     bucket: the restart never loads step 4 (the digest the job printed) and loads step 2; the control loads 4.
@@ -482,42 +482,6 @@ def test_a_local_save_waiting_on_replay_is_settled_by_the_next_replay(tmp_path, 
         row = local_rows.row(led, 4)
     assert row["state"] == settled, row
     assert row["evidence"]["replay"]["status"] == ("pass" if status == "AGREE" else "fail")
-
-
-def _lose_ledger_dir_and_rebuild(s3run) -> None:
-    """The node holding an S3 run's ledger_dir is lost, ledger and journal; `ledger rebuild LEDGER --uri` brings
-    back what the bucket holds (manifests, the journal's copy)."""
-    shutil.rmtree(s3run["ledger"])
-    rc, _, err = run_cli("ledger", "rebuild", s3run["ledger"], "--uri", s3run["uri"])
-    assert rc != 2, err  # 1: a step it could not vouch for; judged below by what the restart loads
-
-
-S3_AFTER = {
-    "as_is": lambda s3run: None,
-    "gc": lambda s3run: _gc(s3run["ledger"]),
-    "rebuild": _lose_ledger_dir_and_rebuild,
-}
-S3_MATRIX = list(itertools.product([p for p in LOWER if p != "local_verdict"], S3_AFTER))
-
-
-@pytest.mark.scenario
-@pytest.mark.parametrize(("path", "after"), S3_MATRIX, ids=["-".join(c) for c in S3_MATRIX])
-def test_a_lowered_step_of_an_s3_run_is_never_loaded(run, monkeypatch, path, after):  # noqa: F811
-    """The object-store tier: an S3 run saves steps 2 and 4; step 4 is lowered by every path (on the run's
-    ledger_dir, as an operator or the job would) and then left, gc'd, or its ledger_dir lost and rebuilt from the
-    bucket: the restart never loads step 4 (the digest the job printed) and loads step 2; the control loads 4.
-    (The fast tier's own verdict, "local_verdict", has no row on an S3-only run.)"""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", run["ep"])  # the commands below reach the bucket (the journal's copy)
-    printed = _save(run, [2, 4])
-    assert printed["verdicts"] == {2: "certified", 4: "certified"}, printed
-    LOWER[path](run["ledger"], 4)
-    S3_AFTER[after](run)
-    got = _load(run)
-    if path == "none":
-        assert (got["step"], got["digest"]) == (4, printed["saved"][4]), got
-        return
-    assert got["digest"] != printed["saved"][4], got
-    assert (got["step"], got["digest"]) == (2, printed["saved"][2]), got
 
 
 @pytest.mark.scenario
