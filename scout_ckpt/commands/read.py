@@ -19,7 +19,7 @@ from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger.journal import JOURNAL_NAME
 from scout_ckpt.ops import roots
 from scout_ckpt.ops.adopt_step import evidence_level
-from scout_ckpt.ops.steps import copies_text, steps_of
+from scout_ckpt.ops.steps import copies_text, steps_of, with_copies
 from scout_ckpt.ops.steps import step_view as steps_view
 from scout_ckpt.ops.steps import steps as all_steps
 from scout_ckpt.ops.tier_views import copies_sentence, where_text
@@ -46,14 +46,9 @@ def ls(root: Path, as_json: bool) -> int:
     rows = [{**r, "evidence_level": evidence_level(r.get("evidence") or {})} for r in rows]
     if as_json:
         views = [] if fallback else steps_of(root)
-        by_step = {v["step"]: v for v in views}
         emit(
             {
-                # each durable row with every copy of its step (the durable folder and the fast tier's files)
-                "checkpoints": [
-                    {**r, "copies": by_step[r["step"]]["copies"]} if r["step"] in by_step else r
-                    for r in as_listed(rows)
-                ],
+                "checkpoints": with_copies(as_listed(rows), views),
                 "local": local,
                 "steps": views,
                 "source": "manifests" if fallback else "ledger",

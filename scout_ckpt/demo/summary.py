@@ -27,11 +27,12 @@ def certify_committed(root: Path) -> list[dict]:
 def checkpoint_rows(root: Path) -> list[dict]:
     """The `ls --json` rows."""
     from scout_ckpt.ledger import Ledger
+    from scout_ckpt.ops.steps import steps, with_copies
     from scout_ckpt.ops.views import as_listed
     from scout_ckpt.ops.views import checkpoint_rows as rows
 
     with Ledger.open(root, readonly=True) as ledger:
-        return as_listed(rows(ledger))
+        return with_copies(as_listed(rows(ledger)), steps(ledger, root))
 
 
 def rejections(root: Path) -> list[dict]:

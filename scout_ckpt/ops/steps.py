@@ -157,6 +157,13 @@ def steps(ledger, root: str | os.PathLike | None = None) -> list[dict]:
     ]
 
 
+def with_copies(rows: list[dict], views: list[dict]) -> list[dict]:
+    """`ls --json`'s checkpoints (and the demo's, which must read the same): each listed row with every copy of its
+    step (the durable folder and the fast tier's files), from `steps`."""
+    by_step = {v["step"]: v for v in views}
+    return [{**r, "copies": by_step[r["step"]]["copies"]} if r["step"] in by_step else r for r in rows]
+
+
 def steps_of(root: str | os.PathLike) -> list[dict]:
     """`steps` of ROOT's ledger, opened read-only ([] when it cannot be read now: the caller said why)."""
     import sqlite3
