@@ -36,7 +36,7 @@ test: $(STAMP) $(EXTRAS)
 # ranks, a live-step SDC, the README's demo command (a crash and a flipped bit); a rank killed in the Trainer,
 # Lightning, Accelerate and DeepSpeed, Megatron-Core replicas that disagree, TorchTitan's FSDP2 and TP meshes;
 # an S3 upload killed, a node's worker killed under two torchrun agents, the fast tier's restart, an ECC event
-# tainting the next checkpoint, a rank on a fleet suspect refusing to start (10-13 minutes on 2 cores,
+# tainting the next checkpoint, a rank on a fleet suspect refusing to start (12 minutes on 2 cores, 38 tests,
 # 2026-12-07). docs/tests.md lists them.
 scenarios-ci: $(STAMP) $(EXTRAS)
 	$(BIN)/python -m pytest -q -m scenario_ci --durations=20 tests
