@@ -201,35 +201,17 @@ class NodeRole:
         needs = [r for r in verdict["ranks"] if r in running and r not in fresh]
         if needs and verdict["kind"] != "crash" and now - first < d.stacks_wait_s and len(needs) < 64:
             return
-        stacks = {}
-        for r in verdict["ranks"][:64]:
-            st = fresh.get(r)
-            if r not in running:
-                stacks[str(r)] = "process is gone or silent"
-            elif st is None:
-                stacks[str(r)] = "no stack dump captured"
-            elif "span" in st:
-                stacks[str(r)] = stacks_mod.read_dump(d.channel / f"stacks-{r}.log", tuple(st["span"]))
-            else:
-                stacks[str(r)] = st["reason"]
-        detail = {
-            "attribution": verdict["attribution"],
-            "reason": verdict["reason"],
-            "seq": verdict["seq"],
-            "cseq": verdict.get("cseq"),
-            "stall_s": d.stall_s,
-            "stacks": stacks,
-            "action": d.cfg["action"],
-            "hierarchy": {"nodes": len(job["nodes"]), "silent": job.get("silent", {})},
-        }
+        stacks = stacks_mod.collect(
+            verdict["ranks"][:64], fresh, lambda r: r not in running, "process is gone or silent", d.channel
+        )
+        detail = stacks_mod.incident_detail(verdict, stacks, d.stall_s, d.cfg["action"])
+        detail["hierarchy"] = {"nodes": len(job["nodes"]), "silent": job.get("silent", {})}
         for rank in verdict["ranks"][:1]:
             where = ns.node_of(job, rank)
             if where is not None:
                 detail["node_rank"], detail["host"] = where
         if verdict.get("nodes_silent"):
             detail["nodes_silent"] = verdict["nodes_silent"]
-        if verdict.get("where"):
-            detail["where"] = {str(r): w for r, w in verdict["where"].items()}
         table = {
             k: {**{f: v for f, v in row.items() if f not in ("ranks", "n")}, "rank": spans(row["ranks"])}
             for k, row in rows.items()

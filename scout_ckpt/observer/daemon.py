@@ -265,28 +265,8 @@ class Daemon:
         needs = [r for r in named if rows[r]["state"] == "running" and r not in fresh]
         if needs and verdict["kind"] != "crash" and now - first < self.stacks_wait_s:
             return
-        stacks = {}
-        for r in named:
-            st = fresh.get(r)
-            if rows[r]["state"] == "gone":
-                stacks[str(r)] = "process is gone"
-            elif st is None:
-                stacks[str(r)] = "no stack dump captured"
-            elif "span" in st:
-                stacks[str(r)] = stacks_mod.read_dump(self.channel / f"stacks-{r}.log", tuple(st["span"]))
-            else:
-                stacks[str(r)] = st["reason"]
-        detail = {
-            "attribution": verdict["attribution"],
-            "reason": verdict["reason"],
-            "seq": verdict["seq"],
-            "cseq": verdict.get("cseq"),
-            "stall_s": self.stall_s,
-            "stacks": stacks,
-            "action": self.cfg["action"],
-        }
-        if verdict.get("where"):
-            detail["where"] = {str(r): w for r, w in verdict["where"].items()}
+        stacks = stacks_mod.collect(named, fresh, lambda r: rows[r]["state"] == "gone", "process is gone", self.channel)
+        detail = stacks_mod.incident_detail(verdict, stacks, self.stall_s, self.cfg["action"])
         self.incidents.publish(verdict["kind"], verdict["ranks"], verdict["step"], detail, key, rows)
         self.pending.clear()
 

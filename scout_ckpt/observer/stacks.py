@@ -85,3 +85,36 @@ def read_dump(path: str | os.PathLike, span: tuple[int, int], limit: int = 64_00
         f.seek(start)
         data = f.read(min(end - start, limit))
     return data.decode(errors="replace")
+
+
+def collect(ranks, fresh: dict, gone, gone_text: str, channel: Path) -> dict[str, str]:
+    """An incident's stacks, by rank: what each named rank dumped (read from its dump file), or why there is none.
+    `fresh`: rank -> the dump's record of this incident; `gone(rank)`: the rank's process is gone (or silent)."""
+    out = {}
+    for r in ranks:
+        st = fresh.get(r)
+        if gone(r):
+            out[str(r)] = gone_text
+        elif st is None:
+            out[str(r)] = "no stack dump captured"
+        elif "span" in st:
+            out[str(r)] = read_dump(channel / f"stacks-{r}.log", tuple(st["span"]))
+        else:
+            out[str(r)] = st["reason"]
+    return out
+
+
+def incident_detail(verdict: dict, stacks: dict, stall_s: float, action: str) -> dict:
+    """The detail of a hang/desync/crash incident the judge publishes (flat or hierarchical observer alike)."""
+    detail = {
+        "attribution": verdict["attribution"],
+        "reason": verdict["reason"],
+        "seq": verdict["seq"],
+        "cseq": verdict.get("cseq"),
+        "stall_s": stall_s,
+        "stacks": stacks,
+        "action": action,
+    }
+    if verdict.get("where"):
+        detail["where"] = {str(r): w for r, w in verdict["where"].items()}
+    return detail
