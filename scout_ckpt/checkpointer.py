@@ -37,7 +37,6 @@ from scout_ckpt.options import (
     ObserverOptions,
     ReplayOptions,
     ShardEvidenceOptions,
-    StorageOptions,
 )
 from scout_ckpt.save import commit, fault_points, placement, run_facts
 from scout_ckpt.save import log as scout_log
@@ -100,7 +99,6 @@ class Checkpointer:
         shard_evidence: shard replay and the at-rest guard for single-owner shards: ShardEvidenceOptions, a dict,
             True, False, None (on for sharded layouts with a supported optimizer).
         on_live_fault: "raise" (LiveStateCorrupt ends the generation) or "continue".
-        storage: StorageOptions (the same as `ledger_dir`, `storage_options`, `ledger_journal`; one way or the other).
         ledger_journal: SQLite journal mode of the ledger: "auto", "wal" or "delete".
         ledger_dir: where the ledger lives when `root` is an object store.
         storage_options: fsspec options for an object-store `root`.
@@ -129,7 +127,6 @@ class Checkpointer:
         timeout_s: float = 600.0,
         shard_evidence: ShardEvidenceOptions | dict | bool | None = None,
         on_live_fault: str = "raise",
-        storage: StorageOptions | None = None,
         ledger_journal: str | None = None,
         ledger_dir: str | os.PathLike | None = None,
         storage_options: dict | None = None,
@@ -142,7 +139,7 @@ class Checkpointer:
         replay, observer = options.as_replay(replay), options.as_observer(observer)
         shard_evidence, local = options.as_shard_evidence(shard_evidence), options.as_local(local)
         storage = options.as_storage(
-            storage, ledger_dir=ledger_dir, storage_options=storage_options, ledger_journal=ledger_journal
+            ledger_dir=ledger_dir, storage_options=storage_options, ledger_journal=ledger_journal
         )
         options.check_scalars(
             keep=keep, timeout_s=timeout_s, on_live_fault=on_live_fault, consensus_exclude=consensus_exclude

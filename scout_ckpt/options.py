@@ -394,9 +394,9 @@ def as_shard_evidence(value) -> ShardEvidenceOptions | bool | None:
     return _switch("shard_evidence", ShardEvidenceOptions, value)
 
 
-def as_storage(storage, *, ledger_dir=None, storage_options=None, ledger_journal=None) -> StorageOptions:
-    """`storage=StorageOptions(...)` or the flat keywords `ledger_dir=`, `storage_options=`, `ledger_journal=`
-    (one way or the other: both at once is refused)."""
+def as_storage(*, ledger_dir=None, storage_options=None, ledger_journal=None) -> StorageOptions:
+    """The Checkpointer's storage keywords `ledger_dir=`, `storage_options=`, `ledger_journal=` (their one
+    spelling), checked together."""
     flat = {
         k: v
         for k, v in (
@@ -406,17 +406,7 @@ def as_storage(storage, *, ledger_dir=None, storage_options=None, ledger_journal
         )
         if v is not None
     }
-    if storage is None:
-        return StorageOptions(**flat)
-    if flat:
-        raise BadOption(
-            f"storage: pass {', '.join(sorted(flat))} inside storage=StorageOptions(...) or as keywords, not both"
-        )
-    if isinstance(storage, StorageOptions):
-        return storage
-    if isinstance(storage, Mapping):
-        return _from_mapping(StorageOptions, "storage", storage)
-    raise BadOption(f"storage must be a StorageOptions or a dict (got {type(storage).__name__})")
+    return StorageOptions(**flat)
 
 
 def as_local(value) -> LocalTierOptions | None:

@@ -34,7 +34,7 @@ def test_old_spellings_convert_to_the_dataclasses():
     assert options.as_observer(True) == ObserverOptions()
     assert options.as_observer(None) == ObserverOptions() and options.as_observer(False) is False  # on by default
     assert options.as_shard_evidence({"cycle": 4}) == ShardEvidenceOptions(cycle=4)
-    assert options.as_storage(None, ledger_journal="delete") == StorageOptions(ledger_journal="delete")
+    assert options.as_storage(ledger_journal="delete") == StorageOptions(ledger_journal="delete")
     given = ReplayOptions(interval=3)
     assert options.as_replay(given) is given
 
@@ -110,9 +110,7 @@ def test_unknown_key_lists_the_known_ones():
         options.as_observer({"stall": 3})
 
 
-def test_storage_refuses_two_spellings_at_once_and_a_bad_journal_mode():
-    with pytest.raises(BadOption, match="not both"):
-        options.as_storage(StorageOptions(), ledger_dir="/x")
+def test_storage_refuses_a_bad_journal_mode():
     with pytest.raises(BadOption, match="storage.ledger_journal"):
         StorageOptions(ledger_journal="wall")
 
@@ -175,7 +173,6 @@ SPELLINGS = {
     "shard_evidence=ShardEvidenceOptions": {"mode": "fsdp", "shard_evidence": ShardEvidenceOptions(cycle=4)},
     "ledger_journal=delete": {"ledger_journal": "delete"},
     "replay=False": {"replay": False},
-    "storage=StorageOptions": {"storage": StorageOptions(ledger_journal="delete")},
 }
 
 
@@ -264,7 +261,6 @@ def test_every_documented_spelling_constructs_a_checkpointer(tmp_path):
     )
     assert not seen["shard_evidence=False"]["shard"]
     assert seen["ledger_journal=delete"]["journal"] == "delete"
-    assert seen["storage=StorageOptions"]["journal"] == "delete"
     # the observer is on by default (the defaults' stall_s), observer=False is the opt-out
     assert seen["ledger_journal=delete"]["observer"] and seen["ledger_journal=delete"]["stall_s"] == 60.0
     assert not seen["observer=False"]["observer"]
