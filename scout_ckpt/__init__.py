@@ -42,8 +42,8 @@ _LAZY = {
     "ObserverOptions": "scout_ckpt.options",
     "StragglerRule": "scout_ckpt.options",
     "ShardEvidenceOptions": "scout_ckpt.options",
-    "StorageOptions": "scout_ckpt.options",
     "LocalTierOptions": "scout_ckpt.options",
+    "FleetOptions": "scout_ckpt.options",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
