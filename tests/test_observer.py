@@ -200,10 +200,11 @@ def test_slow_rank_is_a_straggler_and_a_healthy_run_has_no_events(tmp_path, requ
     assert [o.result["seq"] for o in job.outcomes] == [40] * WORLD  # side-group collectives not counted
     rows = job.statuses()
     # the positive signal that the observers watched the whole run: every one saw step 40 and its trainer's
-    # clean close, after several rounds of its own, and wrote its final status
+    # clean close, in rounds of its own, and wrote its final status. How many rounds fit in the run is the
+    # machine's timing (an observer started late on a loaded host sees the 2 s run in one or two), not asserted.
     assert sorted(rows) == list(range(WORLD))
     assert {row["state"] for row in rows.values()} == {"closed"}
-    assert all(row["step"] == 40 and row["beat"] > 3 for row in rows.values()), rows
+    assert all(row["step"] == 40 and row["beat"] >= 1 for row in rows.values()), rows
     job.wait_observers_exit()
     assert job.events() == []
     assert not any(row["torch_imported"] for row in rows.values())
