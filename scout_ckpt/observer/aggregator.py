@@ -27,7 +27,7 @@ from scout_ckpt.observer import hierarchy as hier
 from scout_ckpt.observer import node_summary as ns
 from scout_ckpt.observer import stacks as stacks_mod
 from scout_ckpt.observer.channel import write_status
-from scout_ckpt.observer.verdicts import incident_key, spans
+from scout_ckpt.observer.verdicts import spans
 
 log = logging.getLogger("scout_ckpt.observer")
 
@@ -188,13 +188,10 @@ class NodeRole:
             d.pending.clear()
             return
         rows = ns.to_rows(job, d.stall_s)
-        key = incident_key(verdict)
-        if d.incidents.claimed(key) or d.incidents.unresolved(rows):
+        due = d.due(verdict, rows, now)
+        if due is None:
             return
-        first, _ = d.pending.get(key, (now, verdict))
-        d.pending = {key: (first, verdict)}
-        if verdict["kind"] == "crash" and now - first < d.crash_confirm_s:
-            return
+        key, first = due
         extra = job.get("extra", {})
         fresh = {r: extra[str(r)]["stacks"] for r in verdict["ranks"] if str(r) in extra}
         running = {r for k, row in rows.items() if row["state"] == "running" for r in row["ranks"]}

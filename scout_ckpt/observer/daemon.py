@@ -249,13 +249,10 @@ class Daemon:
         if verdict is None:
             self.pending.clear()
             return
-        key = incident_key(verdict)
-        if self.incidents.claimed(key) or self.incidents.unresolved(rows):
+        due = self.due(verdict, rows, now)
+        if due is None:
             return
-        first, _ = self.pending.get(key, (now, verdict))
-        self.pending = {key: (first, verdict)}
-        if verdict["kind"] == "crash" and now - first < self.crash_confirm_s:
-            return
+        key, first = due
         named = verdict["ranks"] or sorted(rows)
         fresh = {
             r: rows[r].get("stacks")
@@ -269,6 +266,18 @@ class Daemon:
         detail = stacks_mod.incident_detail(verdict, stacks, self.stall_s, self.cfg["action"])
         self.incidents.publish(verdict["kind"], verdict["ranks"], verdict["step"], detail, key, rows)
         self.pending.clear()
+
+    def due(self, verdict: dict, rows: dict, now: float) -> tuple | None:
+        """(incident key, first seen) of a verdict to act on now; None while another judge claimed it, a row is
+        unresolved, or a crash is not yet confirmed (the flat judge and the hierarchy's root alike)."""
+        key = incident_key(verdict)
+        if self.incidents.claimed(key) or self.incidents.unresolved(rows):
+            return None
+        first, _ = self.pending.get(key, (now, verdict))
+        self.pending = {key: (first, verdict)}
+        if verdict["kind"] == "crash" and now - first < self.crash_confirm_s:
+            return None
+        return key, first
 
     def _check_claims(self) -> None:
         """Act on incidents the judge published (observer/incidents.py): with action=abort every observer kills
