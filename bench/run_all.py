@@ -194,7 +194,7 @@ def run_one(script: Path, timeout: float, smoke_flags: list[str] | None = None) 
                 "stderr_tail": tail(res.stdout, 3),
             }
         return {**entry, "status": "ok", "headline": headline(result), "keys": sorted(result)}
-    met = result.get("target_met")
+    met = overall_met(result.get("target_met"))
     return {
         **entry,
         "status": "ok" if met is not False else "target missed",
@@ -203,6 +203,14 @@ def run_one(script: Path, timeout: float, smoke_flags: list[str] | None = None) 
         "target": result.get("target", entry["target"]),
         "target_met": met,
     }
+
+
+def overall_met(met):
+    """A bench's judgement of its targets as one word's worth: True, False or None (states none). A bench with
+    several targets may give `{"name": bool, ...}`: met when every one is (its JSON keeps the detail)."""
+    if isinstance(met, dict):
+        return all(v is True for v in met.values()) if met else None
+    return met if met in (True, False, None) else bool(met)
 
 
 def commit() -> str:
@@ -325,7 +333,6 @@ def main() -> None:
     run["wall_s"] = round(time.monotonic() - t0, 1)
 
     run.update(ended=time.strftime("%Y-%m-%d %H:%M", time.gmtime()), load_end=C.load_note()["loadavg_1m"])
-    md = markdown(entries, run)
     out = C.results_dir()
     summary = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -337,6 +344,7 @@ def main() -> None:
     atomic_write_bytes(
         out / f"{name}.json", (json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n").encode()
     )
+    md = markdown(entries, run)  # after the JSON is on disk: a rendering fault never loses a run's figures
     atomic_write_bytes(out / f"{name}.md", md.encode())
     if args.json:
         print(json.dumps(summary, sort_keys=True, default=str))

@@ -64,3 +64,22 @@ def test_a_smoke_runs_json_says_so(capsys):
     C.emit({"ratio": 1.0}, argparse.Namespace(json=True, smoke=True), [], [])
     C.emit({"ratio": 1.0}, argparse.Namespace(json=True), [], [])
     assert capsys.readouterr().out.splitlines() == ['{"ratio": 1.0, "smoke": true}', '{"ratio": 1.0}']
+
+
+@pytest.mark.parametrize(
+    "target_met, word",
+    [
+        (True, "met"),
+        (False, "missed"),
+        (None, "-"),
+        ({"consensus_vs_save": True, "replay_interval_1": True}, "met"),
+        ({"consensus_vs_save": True, "replay_interval_1": False}, "missed"),
+    ],
+)
+def test_a_benchs_judgement_of_its_targets_reads_as_one_word_in_the_summary(target_met, word):
+    # A bench with several targets (consensus_overhead.py) judges each: the summary's row is met only when all are.
+    entry = {"bench": "x.py", "status": "ok", "date": "-", "command": "python bench/x.py --json"}
+    entry["target_met"] = run_all.overall_met(target_met)
+    assert run_all.verdict(entry) == word
+    run = dict(command="c", commit="abc", started="s", ended="e", load_start=0, load_end=0, cores=2, wall_s=1.0)
+    assert f"| {word} |" in run_all.markdown([entry], run)
