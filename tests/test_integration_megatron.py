@@ -82,7 +82,9 @@ def test_replicas_from_replica_id_are_compared_and_a_lone_piece_is_single_owner(
 def tp2(tmp_path_factory):
     base = tmp_path_factory.mktemp("mg2")
     save_dir, ev = base / "ck", base / "events.jsonl"
-    torchrun(save_dir, ev, "--tp", 2, "--iters", 4, "--save-every", 2, "--accept-single-owner")
+    p = torchrun(save_dir, ev, "--tp", 2, "--iters", 4, "--save-every", 2, "--accept-single-owner")
+    # a job that gives no model= is told at start that replay, on by default where it can run, is off
+    assert "replay is off (no model= given to MegatronCheckpointer)" in p.stderr, p.stderr[-2000:]
     return save_dir, ev
 
 

@@ -33,13 +33,24 @@ many pieces and which keys); `accept_single_owner=True` accepts bytes + finite c
 says so). The consensus compares what the pieces hold at save; a fault before the data-parallel all-reduce that
 every replica then shares is not seen by it (as with DDP).
 
-Not covered here: the Megatron-LM training loop and GPTModel forward need CUDA (see
-docs/integrations/megatron.md); formats other than torch_dist (refused); the observer and replay (the core Checkpointer's, not wired for Megatron);
-a filesystem not shared by the ranks (the coordinator's listing must see every rank's files).
+Replay (on by default where data-parallel replicas hold whole parameters: DP >= 2 at TP = PP = 1, given
+`model=`): the core's replay (save/evidence/replay.py) on the model's embedding, transformer layers and output
+layer, in a ring over the data-parallel ranks, as for a DDP job; the job calls `ckpt.step(iteration)` after each
+optimizer step (the rotation, and the arming of the next step's capture), and every save sweeps every target on the
+save step's capture before any byte is written. A rank whose forward or backward computes wrongly -- which
+Megatron's gradient all-reduce hands to every replica, so that consensus agrees on the poisoned state -- is named
+(`replay_sdc`, a live fault: LiveStateCorrupt). Off, with one WARNING at start, where it cannot run: no `model=`,
+one rank, tensor or pipeline parallelism (Megatron's own parallel layers take and return shards), virtual pipeline
+chunks. The optimizer's update is not replayed (Megatron's optimizers step `main_grad` buffers or, distributed,
+flattened ranges one rank owns): a wrong update on one replica is left to consensus.
+
+Not covered here: formats other than torch_dist (refused); the observer (the core Checkpointer's, not wired for
+Megatron); a filesystem not shared by the ranks (the coordinator's listing must see every rank's files).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -60,12 +71,13 @@ from scout_ckpt.integrations import mg_folders
 from scout_ckpt.integrations.mg_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import COORDINATOR, IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
+from scout_ckpt.options import ReplayOptions, as_replay
 
 log = logging.getLogger("scout_ckpt.megatron")
 
 __all__ = ["MegatronCheckpointer", "save", "latest_clean", "write_tracker"]
 
-LIVE_CODES = ("consensus_attributed", "consensus_inconclusive", "invariant_failed")
+LIVE_CODES = ("consensus_attributed", "consensus_inconclusive", "invariant_failed", "replay_sdc", "replay_inconclusive")
 DISTCP_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
@@ -131,6 +143,10 @@ class MegatronCheckpointer:
         on_live_fault: "raise" (LiveStateCorrupt on every rank, ending the generation) or "continue".
         update_tracker: keep `latest_checkpointed_iteration.txt` on the newest certified iteration.
         timeout_s: timeout of the integration's own gloo group.
+        model: the model the job trains (a module, Megatron's DistributedDataParallel around it, or the list of
+            one model chunk Megatron-LM builds), for replay; without it replay is off (one WARNING at start).
+        replay: SDC replay across the data-parallel ranks (see the module docstring): None (on where it can run),
+            False (off), True (on; an error where it cannot run), or the core's ReplayOptions.
     """
 
     def __init__(
@@ -142,6 +158,8 @@ class MegatronCheckpointer:
         on_live_fault: str = "raise",
         update_tracker: bool = True,
         timeout_s: float = 600.0,
+        model: torch.nn.Module | list | None = None,
+        replay=None,
     ):
         if on_live_fault not in ("raise", "continue"):
             raise ScoutError(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
@@ -150,6 +168,8 @@ class MegatronCheckpointer:
         self.update_tracker = update_tracker
         self.run = IntegrationRun(self.root, framework="megatron", timeout_s=timeout_s)
         self.consensus = consensus and self.run.world > 1
+        self.groups = None  # the data-parallel ring replay runs on (TP = PP = 1: every rank a replica)
+        self.replay = self._start_replay(replay, model, timeout_s)
         self.policy = self._policy()
         self.topology = {
             "mode": "megatron" if self.run.world > 1 else "single",
@@ -169,14 +189,62 @@ class MegatronCheckpointer:
         the pieces that have replicas, and `single_owner` (pieces no replica vouches for, accepted by option)."""
         require = ["bytes", "invariants"] + (["consensus"] if self.consensus else []) + ["single_owner"]
         allow_na = ["single_owner", "consensus"] if self.accept_single_owner else []
+        if self.replay is not None:  # required where it runs; not_applicable only without ckpt.step() calls
+            require.append("replay")
+            allow_na.append("replay")
         return {
             "require": require,
             "allow_not_applicable": allow_na,
             "invariants": [],
             "layout": LAYOUT,
-            "replay_targets": [],
+            "replay_targets": [list(t) for t in self.replay.targets()] if self.replay is not None else [],
             "accept_single_owner": self.accept_single_owner,
         }
+
+    def _start_replay(self, replay, model, timeout_s: float):
+        """Every rank: the core's replay on the model where the data-parallel ranks are whole replicas of it, or
+        None with one WARNING naming why (an explicit `replay=True` that cannot run is an error)."""
+        from scout_ckpt.save.evidence.replay import ReplayEvidence
+
+        if replay is False:
+            return None
+        if isinstance(model, (list, tuple)):
+            model = model[0] if len(model) == 1 else None
+            off_chunks = "virtual pipeline model chunks" if model is None else None
+        else:
+            off_chunks = None
+        sizes = _parallel_sizes()
+        off = (
+            ReplayEvidence.off_by_default(self.run.world, "ddp")
+            or off_chunks
+            or ("no model= given to MegatronCheckpointer" if model is None else None)
+            or (
+                f"tensor/pipeline parallelism (TP={sizes.get('tensor_parallel')}, "
+                f"PP={sizes.get('pipeline_parallel')}): Megatron's parallel layers take and return shards"
+                if sizes.get("tensor_parallel", 1) != 1 or sizes.get("pipeline_parallel", 1) != 1
+                else None
+            )
+            or (
+                f"the data-parallel size {sizes.get('data_parallel')} is not the world {self.run.world}"
+                if sizes.get("data_parallel", self.run.world) != self.run.world
+                else None
+            )
+        )
+        if off is not None:
+            if replay:
+                raise ScoutError(f"replay was asked for but cannot run here: {off}")
+            if self.run.rank == 0:
+                log.warning("scout-ckpt: replay is off (%s): a rank computing wrongly (SDC) is not detected", off)
+            return None
+        from scout_ckpt.consensus.groups import ConsensusGroups
+        from scout_ckpt.consensus.mesh import legacy_topology
+
+        self.groups = ConsensusGroups.from_topology(legacy_topology("ddp", self.run.world), timeout_s=timeout_s)
+        replay = as_replay(replay)
+        opts = replay if isinstance(replay, ReplayOptions) else ReplayOptions()
+        if opts.targets is None:  # Megatron's own layers are not nn.Embedding / nn.Linear: name them
+            opts = dataclasses.replace(opts, targets=default_targets(model))
+        return ReplayEvidence.start(opts, model=model, optimizer=None, groups=self.groups, auto_on=True)
 
     def _versions(self) -> dict:
         from importlib.metadata import version
@@ -207,6 +275,14 @@ class MegatronCheckpointer:
                 )
 
         self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
+        if self.replay is not None:
+            self.replay.bind(
+                ledger=self.run.ledger,
+                root=self.root,
+                run_id=self.run.run_id,
+                policy=self.policy,
+                is_coordinator=self.run.is_coordinator,
+            )
         it = self.run.on_coordinator(
             f"point {self.root}/{mg_folders.TRACKER} at a certified iteration",
             lambda: (
@@ -236,9 +312,27 @@ class MegatronCheckpointer:
         ]
 
     def close(self) -> None:
-        """Every rank, at the end of training: the ledger closed, the integration's gloo group released."""
-        self.run.close()
+        """Every rank, at the end of training: the ledger closed, the integration's gloo groups released."""
+        groups = list(self.groups.process_groups) if self.groups is not None else []
+        if self.replay is not None:
+            groups += self.replay.process_groups
+            self.replay.close()
+            self.replay = None
+        self.run.close(groups=groups)
+        self.groups = None
         _CHECKPOINTERS.pop(str(self.root.resolve()), None)
+
+    def step(self, iteration: int, loss: float | None = None) -> None:
+        """Every rank, after each optimizer step (as the core Checkpointer's `step`): replay's rotation and the
+        arming of the next step's capture. A job that never calls it gets no replay evidence (its saves say so,
+        `replay_no_step_hook`). No-op where replay is off.
+
+        Args:
+            iteration: the iteration just completed (Megatron-LM's `iteration` after `train_step`).
+            loss: the step's loss, for the loss triage of a spike (optional).
+        """
+        if self.replay is not None:
+            self.replay.on_step(int(iteration), loss)
 
     # ---- save ------------------------------------------------------------------------------------------------
 
@@ -263,6 +357,8 @@ class MegatronCheckpointer:
         iteration = int(iteration)
         name = folder_name(iteration)
         step_dir = self.root / name
+        if self.replay is not None:
+            self.replay.sweep(iteration)  # before any byte: every target replayed on the save step's capture
         attempt = self.run.begin_save(iteration, name, remove_stale=True)
         self.run.on_coordinator(f"create {step_dir}", lambda: step_dir.mkdir(parents=True, exist_ok=True))
         live = self._live_evidence(sharded_state_dict)
@@ -285,6 +381,8 @@ class MegatronCheckpointer:
         run = self.run
         step_dir = self.root / folder_name(iteration)
         files, listing = run.hash_share(step_dir, writer=_writer_of)
+        if self.replay is not None and run.is_coordinator:  # the ledger's replay rows: the coordinator's
+            live = {**live, "replay": self.replay.evidence(iteration)}
         verdict = run.commit(
             iteration,
             attempt,
@@ -344,6 +442,8 @@ class MegatronCheckpointer:
         if it is None:
             return None
         loaded = dist_checkpointing.load(sharded_state_dict, str(self.root / folder_name(it)), **load_kwargs)
+        if self.replay is not None:
+            self.replay.begin(it)  # the schedule and coverage start again from the loaded iteration
         return it, loaded
 
     # ---- evidence on the live state --------------------------------------------------------------------------
@@ -468,6 +568,23 @@ def _evidence(every: list[dict], *, consensus: bool, accept_single_owner: bool) 
     else:
         ev["single_owner"] = policy.evidence(policy.PASS, [], pieces=0)
     return ev
+
+
+def default_targets(model: torch.nn.Module) -> tuple[str, ...]:
+    """Replay's targets in a Megatron-Core model, by what Megatron builds: the embedding (LanguageModelEmbedding:
+    word and position embeddings together), every TransformerLayer of the decoder, its final layer norm and the
+    output layer. The core's discovery looks for nn.Embedding / nn.Linear heads, which Megatron's parallel layers
+    are not (VocabParallelEmbedding, ColumnParallelLinear), so it would cover the position embedding and the
+    layers alone; named here, every module the forward runs is covered. Paths are as `model.named_modules()`
+    gives them (a wrapper's `module.` prefix included)."""
+    kinds = {"LanguageModelEmbedding", "TransformerLayer"}
+    found: list[str] = []
+    for path, module in model.named_modules():
+        name = type(module).__name__
+        if name in kinds or path.endswith(("decoder.final_layernorm", "output_layer")):
+            if not any(path.startswith(f + ".") for f in found):
+                found.append(path)
+    return tuple(found)
 
 
 def _parallel_sizes() -> dict:
