@@ -71,7 +71,7 @@ def main() -> int:
     def sharded(iteration):
         return {"model": model.sharded_state_dict(prefix=""), "iteration": iteration}
 
-    ckpt = MegatronCheckpointer(args.save_dir)  # scout-ckpt: TP shards are single-owner: committed by default,
+    ckpt = MegatronCheckpointer(args.save_dir, model=model)  # scout-ckpt: TP shards are single-owner: committed,
     # MegatronCheckpointer(args.save_dir, accept_single_owner=True) certifies them on bytes + finite checks
     it = 0
     found = ckpt.load_latest_clean(sharded(0))  # scout-ckpt
@@ -95,6 +95,7 @@ def main() -> int:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        ckpt.step(it, loss.item())  # scout-ckpt: replay's rotation (on at TP = 1 with 2+ ranks)
         if it % args.save_every == 0:
             if queue is not None:
                 queue.schedule_async_request(ckpt.save(it, sharded(it), async_save=True))  # scout-ckpt
