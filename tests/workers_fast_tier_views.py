@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from scout_ckpt.checkpointer import Checkpointer
+from scout_ckpt.options import LocalTierOptions
 from tests.workers_ckpt import ddp, make_model, state_of, train_steps
 
 
 def local_tier_job(rank, world, root, base):
-    local = {"dir": str(Path(base) / f"node-{rank}"), "every": 2, "keep": 3}
+    local = LocalTierOptions(dir=str(Path(base) / f"node-{rank}"), every=2, keep=3)
     model = make_model()
     net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
