@@ -40,7 +40,7 @@ def local_tier_job(rank, world, root, base):
     ckpt.close()
     own = {}
     for s in (2, 4, 6):
-        p = Path(local["dir"]) / run_id / f"step-{s:08d}" / f"rank-{rank}.pt"
+        p = Path(local.dir) / run_id / f"step-{s:08d}" / f"rank-{rank}.pt"
         own[s] = {"path": str(p), "sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
     dist.barrier()
     if rank == 0:  # one bit of every copy of rank 1's file of step 6 (its own node's and its peer's)
