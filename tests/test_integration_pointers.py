@@ -1,7 +1,9 @@
 """integrations/pointers.refresh over a real ledger and real pointer files (DeepSpeed's `latest`, Megatron-LM's
 tracker): a pointer naming a step that is not certified moves to the newest certified one, or aside; one naming a
-certified step stays; one moved aside comes back once a step is certified again. End to end (real jobs, the CLI
-commands) in tests/test_integration_deepspeed.py and test_integration_megatron.py."""
+certified step stays; one moved aside comes back once a step is certified again. The Trainer's `checkpoint-N`
+folders, which transformers' resume reads by name alone, are set aside while the newest is rejected or
+quarantined. End to end (real jobs, the CLI commands) in tests/test_integration_deepspeed.py,
+test_integration_megatron.py and test_integration_transformers.py."""
 
 from __future__ import annotations
 
