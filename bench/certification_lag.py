@@ -59,7 +59,7 @@ def _worker(rank, world, root, cfg):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from scout_ckpt import Checkpointer, ModelOptimizerState
+    from scout_ckpt import Checkpointer, ModelOptimizerState, ReplayOptions
     from scout_ckpt.demo.model import TinyTransformer
 
     torch.manual_seed(0)
@@ -78,9 +78,9 @@ def _worker(rank, world, root, cfg):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    kw = {"replay": True} if mode == "ddp+replay" else {}
+    kw = {"replay": ReplayOptions()} if mode == "ddp+replay" else {}
     if cfg["mode"].endswith(":noself"):
-        kw = {"replay": {"self_check": False}}
+        kw = {"replay": ReplayOptions(self_check=False)}
     ckpt = Checkpointer(root, model=model, optimizer=opt, **kw)
     state = {"app": ModelOptimizerState(model, opt)}
     sweeps: list[float] = []

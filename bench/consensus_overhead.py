@@ -85,7 +85,7 @@ def _worker(rank, world, root, cfg):
     )
 
     # ---- (a) save-time consensus against a whole Checkpointer.save ---------------------------------------------
-    ckpt = Checkpointer(os.path.join(root, "scout"), model=model, optimizer=opt, mode="ddp", keep=2)
+    ckpt = Checkpointer(os.path.join(root, "scout"), model=model, optimizer=opt, keep=2)
 
     def timed(fn):
         dist.barrier(group=pg)

@@ -63,11 +63,14 @@ def _hook_or_noop(fault_hook: FaultHook | None) -> FaultHook:
 class Checkpointer:
     """Certified DCP checkpoints under `root`.
 
-    The grouped options are frozen dataclasses of scout_ckpt/options.py (a docstring per field); a dict with the
-    same keys, True or False is converted there, and a misspelled key fails at once, on every rank. A save whose
-    evidence shows the live state bad raises LiveStateCorrupt (see `save`) unless `on_live_fault="continue"`. The
-    fleet record (docs/fleet.md): at start each rank checks whether its device is a persistent suspect there
-    (`on_suspect`), and the coordinator's recorder thread appends this run's attributed verdicts.
+    The grouped options (`replay`, `observer`, `shard_evidence`, `local`, `fleet`) each have one spelling: their
+    frozen dataclass of scout_ckpt/options.py (a docstring per field, a misspelled field fails at once, on every
+    rank), or a bool: True (the default) turns the group on with its defaults wherever the job can use them, False
+    turns it off. A dict is refused with one line naming the dataclass; a config file's table converts with
+    `XOptions.from_dict` (or `options.from_config` for a whole table of these keywords). A save whose evidence shows
+    the live state bad raises LiveStateCorrupt (see `save`) unless `on_live_fault="continue"`. The fleet record
+    (docs/fleet.md): at start each rank checks whether its device is a persistent suspect there (`on_suspect`), and
+    the coordinator's recorder thread appends this run's attributed verdicts.
 
     Opening a Checkpointer on a ROOT where another process is saving leaves that save alone: start-up settles
     only `writing` rows and temp dirs whose owner is provably dead (commit.reconcile). A ledger lost beside
@@ -83,27 +86,32 @@ class Checkpointer:
         root: the checkpoints' directory, or an object-store URI (`s3://bucket/prefix`).
         model: the model being trained (wrapped or not); what consensus, replay and the observer look at.
         optimizer: its optimizer; replay and shard evidence check its update.
-        mode: old name of the topology ("ddp", "fsdp", "hsdp"); overrides what the mesh says only when given.
-        mesh_shape: old name, with `mode`: (replicate, shard).
-        mesh: the job's DeviceMesh (default: the root mesh of the model's DTensor parameters).
+        mesh: the job's DeviceMesh, whose dims say which ranks hold replicas (default: the root mesh of the
+            model's DTensor parameters; a model without DTensors and no mesh is DDP over the world).
         async_save: save() returns after staging a host copy; the write and commit run in a thread.
         keep: retention after each durable commit: the `keep` newest certified checkpoints (None: keep all).
-        replay: SDC replay: ReplayOptions, a dict of its fields, True, False (off), None (on at 2+ ranks).
-        observer: the out-of-band observer: ObserverOptions, a dict, True, False (off), None (on).
+        replay: SDC replay. True (default): ReplayOptions() wherever the job can replay (2+ ranks and a model
+            with something to replay; otherwise one WARNING says it is off). A ReplayOptions: on with those
+            settings, and a model with nothing to replay is refused (NoTargets). False: off.
+        observer: the out-of-band observer. True (default): ObserverOptions(); an ObserverOptions; False: off.
         invariants: model-intrinsic checks, e.g. ["finite"].
         consensus: compare replicas bit for bit at each save (C3).
         finite: the writers' NaN/Inf check of every tensor written.
         consensus_exclude: fnmatch patterns of state keys left out of consensus (per-rank values).
         verify_load: compare loaded values with the signatures recorded at save.
         timeout_s: the side groups' collective timeout, in seconds.
-        shard_evidence: shard replay and the at-rest guard for single-owner shards: ShardEvidenceOptions, a dict,
-            True, False, None (on for sharded layouts with a supported optimizer).
+        shard_evidence: shard replay and the at-rest guard for single-owner shards. True (default): on for
+            sharded layouts (FSDP2, HSDP) with a supported optimizer (an unsupported one: off, with a WARNING),
+            otherwise off. A ShardEvidenceOptions: on with those settings whatever the layout (an unsupported
+            optimizer is refused). False: off.
         on_live_fault: "raise" (LiveStateCorrupt ends the generation) or "continue".
         ledger_journal: SQLite journal mode of the ledger: "auto", "wal" or "delete".
         ledger_dir: where the ledger lives when `root` is an object store.
         storage_options: fsspec options for an object-store `root`.
-        local: the fast tier (node-local saves with peer copies): LocalTierOptions or a dict; None: off.
-        fleet: the fleet record shared by jobs: FleetOptions, a path, a dict, False; None: SCOUT_CKPT_FLEET, else off.
+        local: the fast tier (node-local saves with peer copies): LocalTierOptions, or False (default: off).
+        fleet: the fleet record shared by jobs. True (default): the store SCOUT_CKPT_FLEET names, none when it is
+            unset; a path: that store (FleetOptions' other defaults); a FleetOptions; False: none, whatever the
+            environment.
     """
 
     def __init__(
@@ -112,30 +120,37 @@ class Checkpointer:
         *,
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-        mode: str | None = None,
-        mesh_shape: tuple[int, ...] | None = None,
         mesh=None,
         async_save: bool = False,
         keep: int | None = None,
-        replay: ReplayOptions | dict | bool | None = None,
-        observer: ObserverOptions | dict | bool | None = None,
+        replay: ReplayOptions | bool = True,
+        observer: ObserverOptions | bool = True,
         invariants: list | None = None,
         consensus: bool = True,
         finite: bool = True,
         consensus_exclude: tuple[str, ...] = (),
         verify_load: bool = True,
         timeout_s: float = 600.0,
-        shard_evidence: ShardEvidenceOptions | dict | bool | None = None,
+        shard_evidence: ShardEvidenceOptions | bool = True,
         on_live_fault: str = "raise",
         ledger_journal: str | None = None,
         ledger_dir: str | os.PathLike | None = None,
         storage_options: dict | None = None,
-        local: LocalTierOptions | dict | None = None,
-        fleet: FleetOptions | dict | str | os.PathLike | bool | None = None,
+        local: LocalTierOptions | bool = False,
+        fleet: FleetOptions | str | os.PathLike | bool = True,
     ):
         fault_hook = fault_points.current()  # tests and the demo only: scout_ckpt.testing.fault_points
         one_line_refusals()  # an uncaught refusal (StartRefused, LiveStateCorrupt) ends the job as one line
-        # Every option is checked here, the same on every rank, before anything collective (options.py).
+        # Every option is checked here, the same on every rank, before anything collective (options.py): one
+        # spelling per group, then the components' internal form (None: the defaults where they apply).
+        for name, value in (
+            ("replay", replay),
+            ("observer", observer),
+            ("shard_evidence", shard_evidence),
+            ("local", local),
+            ("fleet", fleet),
+        ):
+            options.check_group(name, value)
         replay, observer = options.as_replay(replay), options.as_observer(observer)
         shard_evidence, local = options.as_shard_evidence(shard_evidence), options.as_local(local)
         storage = options.as_storage(
@@ -168,7 +183,7 @@ class Checkpointer:
         self.async_save, self.keep, self.fault_hook = async_save, keep, fault_hook
         self.lineage = Lineage(on_live_fault)  # a save that finds the live state bad taints what follows it
         self.finite = finite
-        topo = self._topology(mode, mesh_shape, mesh)
+        topo = self._topology(mesh)
         self.mode, self.mesh_shape = topo["mode"], tuple(topo["mesh_shape"])
         timeout = datetime.timedelta(seconds=timeout_s)
         # Side groups are created at startup, in the same order on all ranks (docs/pytorch-facts.md): never the training
@@ -339,8 +354,8 @@ class Checkpointer:
 
     # ---- configuration (save/run_facts.py) -----------------------------------------------------------------
 
-    def _topology(self, mode, mesh_shape, mesh) -> dict:
-        return run_facts.topology(self.model, mode, mesh_shape, mesh, self.world_size)
+    def _topology(self, mesh) -> dict:
+        return run_facts.topology(self.model, mesh, self.world_size)
 
     def _versions(self) -> dict:
         return run_facts.versions()

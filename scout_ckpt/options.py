@@ -4,9 +4,14 @@ Why dataclasses: a misspelled key or a bad value fails at construction, on every
 the field (`BadOption`), instead of deep inside a component (a TypeError in the observer's start, a bad replay
 interval at the first step).
 
-The short spellings are converted in one place, `as_replay`/`as_observer`/`as_shard_evidence`/`as_storage`:
-`replay=True`, `observer={"stall_s": 3, "straggler": {"window_s": 0.5}}`, `shard_evidence={"cycle": 4}`. Each
-converter also takes an instance of its dataclass, None and False.
+One spelling per group at the Checkpointer: the dataclass tunes it, a bool switches it (`replay=False`); True is
+the default and means the dataclass's defaults wherever the job can use them. A dict is refused there with one
+line naming the dataclass: a dict comes only from a config file (Lightning's YAML, a TorchTitan config, a JSON
+flag), and the code that reads the file converts it, with `XOptions.from_dict` (unknown keys refused in one line)
+or `from_config` for a whole table of Checkpointer options.
+
+`as_replay`/`as_observer`/`as_shard_evidence`/`as_local`/`as_fleet` give the components their internal form (None:
+the defaults where they apply), from what `check_group` has let through.
 
 No torch and nothing above `errors` is imported here: every wing may read these.
 """
@@ -16,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from scout_ckpt.errors import BadOption
 
@@ -43,22 +48,39 @@ def _choice(owner: str, name: str, value, choices: tuple) -> None:
         raise BadOption(f"{owner}.{name} must be one of {', '.join(map(repr, choices))} (got {value!r})")
 
 
-def _from_mapping(cls, owner: str, values: Mapping, **nested):
-    """cls(**values) with one clear line for an unknown key (the known ones listed) or a value of the wrong shape."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise BadOption(f"{owner}: unknown option {unknown[0]!r} (known: {', '.join(sorted(fields))})")
-    kwargs = dict(values)
-    for key, convert in nested.items():
-        if key in kwargs:
-            kwargs[key] = convert(kwargs[key])
-    return cls(**kwargs)
+class _FromDict:
+    """`from_dict`, shared by the option dataclasses: the one place a dict (a config file's table) becomes options."""
+
+    OWNER: ClassVar[str] = ""
+    NESTED: ClassVar[dict[str, type]] = {}
+
+    @classmethod
+    def from_dict(cls, values: Mapping):
+        """The options a config file's table gives (YAML, JSON, TOML): the same keys as the fields; an unknown key
+        or a value of the wrong shape fails with one line naming it (BadOption). A nested group's table becomes its
+        own dataclass (ObserverOptions' `straggler`).
+
+        Args:
+            values: {field name: value}.
+        """
+        if not isinstance(values, Mapping):
+            raise BadOption(f"{cls.OWNER} must be a table of options (got {type(values).__name__})")
+        fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise BadOption(f"{cls.OWNER}: unknown option {unknown[0]!r} (known: {', '.join(sorted(fields))})")
+        kwargs = dict(values)
+        for key, sub in cls.NESTED.items():
+            if isinstance(kwargs.get(key), Mapping):
+                kwargs[key] = sub.from_dict(kwargs[key])  # type: ignore[attr-defined]
+        return cls(**kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplayOptions:
+class ReplayOptions(_FromDict):
     """SDC replay of the model's blocks (and the optimizer's elementwise update) across ranks (replay/)."""
+
+    OWNER: ClassVar[str] = "replay"
 
     interval: int | None = None
     """One rotation target is replayed every `interval` steps between saves; every target is swept at a save.
@@ -116,9 +138,11 @@ class ReplayOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class StragglerRule:
+class StragglerRule(_FromDict):
     """When a rank is a straggler: its time per step against the others' median, by k x 1.4826 x MAD with
     absolute and relative floors, over windows, confirmed over rounds (observer/stragglers.py)."""
+
+    OWNER: ClassVar[str] = "observer.straggler"
 
     window_s: float = 1.0
     """Length of one comparison window, seconds."""
@@ -142,22 +166,15 @@ class StragglerRule:
         _positive("observer.straggler", "rel_floor", self.rel_floor, allow_zero=True)
 
 
-def as_straggler_rule(value) -> StragglerRule:
-    if isinstance(value, StragglerRule):
-        return value
-    if value is None:
-        return StragglerRule()
-    if isinstance(value, Mapping):
-        return _from_mapping(StragglerRule, "observer.straggler", value)
-    raise BadOption(f"observer.straggler must be a StragglerRule or a dict (got {type(value).__name__})")
-
-
 @dataclasses.dataclass(frozen=True)
-class ObserverOptions:
+class ObserverOptions(_FromDict):
     """The out-of-band observer: one process per rank that reports hangs, stragglers, crashes, desyncs and
-    hardware health to the ledger (observer/). On by default (`observer=None`), at every world size: a 1-rank
+    hardware health to the ledger (observer/). On by default (`observer=True`), at every world size: a 1-rank
     job has no peer to compare for hangs and stragglers, but its crash is still recorded. `observer=False` is
     the opt-out."""
+
+    OWNER: ClassVar[str] = "observer"
+    NESTED: ClassVar[dict[str, type]] = {"straggler": StragglerRule}
 
     stall_s: float = 60.0
     """A rank whose progress stopped this long is a hang candidate."""
@@ -170,7 +187,7 @@ class ObserverOptions:
     trace: bool = True
     """Trace the training process groups' collectives (sequence numbers and fingerprints)."""
     straggler: StragglerRule = dataclasses.field(default_factory=StragglerRule)
-    """The straggler rule (a dict with the same keys is accepted)."""
+    """The straggler rule."""
     health_source: Any = None
     """Where hardware health comes from: None (NVML for the rank's GPU, quiet without one), "module:factory", or
     {"factory": "module:factory", "kwargs": {...}}."""
@@ -199,7 +216,11 @@ class ObserverOptions:
         _positive("observer", "exchange_s", self.exchange_s)
         if not isinstance(self.trace, bool):
             raise BadOption(f"observer.trace must be True or False (got {self.trace!r})")
-        object.__setattr__(self, "straggler", as_straggler_rule(self.straggler))
+        if not isinstance(self.straggler, StragglerRule):
+            raise BadOption(
+                f"observer.straggler must be a StragglerRule (got {type(self.straggler).__name__}; "
+                "ObserverOptions.from_dict converts a config file's table)"
+            )
         _positive("observer", "health_poll_s", self.health_poll_s)
         _positive("observer", "linger_s", self.linger_s, allow_zero=True)
         _positive("observer", "ready_timeout_s", self.ready_timeout_s)
@@ -216,9 +237,11 @@ class ObserverOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardEvidenceOptions:
+class ShardEvidenceOptions(_FromDict):
     """Evidence for single-owner shards (FSDP2, HSDP): cross-rank replay of each shard's optimizer update and the
     at-rest check between the optimizer step and the save (save/evidence/shard.py)."""
+
+    OWNER: ClassVar[str] = "shard_evidence"
 
     at_rest_every: int | None = None
     """Sign the shards after every `at_rest_every`-th optimizer step; None: learn the save cadence and sign the
@@ -280,7 +303,7 @@ class StorageOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class LocalTierOptions:
+class LocalTierOptions(_FromDict):
     """The fast tier (save/local_tier.py): frequent saves of each rank's own state to node-local storage, each
     copied to the same local rank on the next node(s) and certified with the same evidence as a durable save.
 
@@ -290,6 +313,8 @@ class LocalTierOptions:
     passes no state to step() gets one WARNING instead of silently no fast tier. A durable `save(step)` at a
     step the local tier also saved keeps both (separate ledger table and directory); at load the durable one
     wins."""
+
+    OWNER: ClassVar[str] = "local"
 
     dir: str = ""
     """Node-local directory (e.g. /dev/shm/ckpt or a local NVMe path; the same string on every node, its own
@@ -314,9 +339,11 @@ class LocalTierOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class FleetOptions:
+class FleetOptions(_FromDict):
     """The fleet record (docs/fleet.md): attributed verdicts, with the hardware they name, appended to a store
     shared by jobs, from a background thread of the coordinator."""
+
+    OWNER: ClassVar[str] = "fleet"
 
     path: str = ""
     """The fleet store: an SQLite file on a filesystem every job can reach (created when missing; its directory
@@ -343,55 +370,109 @@ EXIT_SUSPECT_DEVICE = 87
 FLEET_ENV = "SCOUT_CKPT_FLEET"
 
 
-def as_fleet(value, environ: Mapping[str, str] | None = None) -> FleetOptions | None:
-    """`fleet=`: None (SCOUT_CKPT_FLEET names the store, else off), False (off, whatever the environment), a path,
-    a dict, FleetOptions."""
-    import os
+# ---- the Checkpointer's spelling, and the components' internal form --------------------------------------------
 
-    if value is False:
+# The groups of Checkpointer keyword options, their dataclasses, and their default (True: on by the dataclass's
+# defaults wherever the job can use them; the fast tier has no default directory, so it is off by default).
+GROUPS: dict[str, type] = {
+    "replay": ReplayOptions,
+    "observer": ObserverOptions,
+    "shard_evidence": ShardEvidenceOptions,
+    "local": LocalTierOptions,
+    "fleet": FleetOptions,
+}
+
+
+def check_group(name: str, value) -> None:
+    """The Checkpointer's one spelling of a grouped option: True, False or the group's dataclass (`fleet` also a
+    path, `local` only False or options: the fast tier needs a directory). Anything else (a dict, None, a string)
+    fails with one line naming the dataclass to use, and `from_dict` for a config file's table."""
+    cls = GROUPS[name]
+    if isinstance(value, cls) or value is False:
+        return
+    if value is True and name != "local":
+        return
+    if name == "fleet" and (isinstance(value, str) or hasattr(value, "__fspath__")):
+        return
+    if value is True:
+        raise BadOption("local=True names no directory: pass LocalTierOptions(dir=..., every=...), or False (off)")
+    got = "a dict" if isinstance(value, Mapping) else repr(value) if value is None else type(value).__name__
+    forms = "True, False, a path" if name == "fleet" else "True, False" if name != "local" else "False"
+    hint = f"; {cls.__name__}.from_dict converts a config file's table" if isinstance(value, Mapping) else ""
+    article = "an" if cls.__name__[0] in "AEIOU" else "a"
+    raise BadOption(f"{name} must be {forms} or {article} {cls.__name__} (got {got}{hint})")
+
+
+def from_config(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Checkpointer keyword options as a config file holds them (Lightning's YAML `checkpointer:` table, a JSON
+    flag): each group's table becomes its dataclass (`from_dict`); every other value is passed on as it is, for
+    the Checkpointer to check.
+
+    Args:
+        values: {Checkpointer keyword: value}.
+    """
+    if not isinstance(values, Mapping):
+        raise BadOption(f"Checkpointer options must be a table (got {type(values).__name__})")
+    return {
+        k: GROUPS[k].from_dict(v) if k in GROUPS and isinstance(v, Mapping) else v  # type: ignore[attr-defined]
+        for k, v in values.items()
+    }
+
+
+def _internal(name: str, cls, value):
+    """None stays None (the component's default decides) and so does True (the defaults where they apply: what
+    the Checkpointer's default True means); False is off; an instance is an explicit request."""
+    if value is True:
         return None
-    if value is None:
-        env = (os.environ if environ is None else environ).get(FLEET_ENV)
-        return FleetOptions(path=env) if env else None
-    if isinstance(value, FleetOptions):
-        return value
-    if isinstance(value, str) or hasattr(value, "__fspath__"):
-        return FleetOptions(path=str(value))
-    if isinstance(value, Mapping):
-        return _from_mapping(FleetOptions, "fleet", value)
-    raise BadOption(f"fleet must be None, False, a path, a FleetOptions or a dict (got {type(value).__name__})")
-
-
-# ---- the old spellings, converted in one place ----------------------------------------------------------------
-
-
-def _switch(name: str, cls, value, **nested):
-    """None stays None (the component's default decides), False is off, True is cls(), a dict is cls(**dict)."""
     if value is None or value is False or isinstance(value, cls):
         return value
-    if value is True:
-        return cls()
-    if isinstance(value, Mapping):
-        return _from_mapping(cls, name, value, **nested)
-    raise BadOption(f"{name} must be True, False, None, a {cls.__name__} or a dict (got {type(value).__name__})")
+    check_group(name, value)  # raises: one line naming the dataclass
+    raise AssertionError("unreachable")
 
 
 def as_replay(value) -> ReplayOptions | bool | None:
-    """`replay=`: None (on where the topology has no replicas, i.e. pure FSDP), False, True, a dict, ReplayOptions."""
-    return _switch("replay", ReplayOptions, value)
+    """The replay a component starts: None (on wherever the job can replay: 2+ ranks, something to replay; else
+    one WARNING), False (off), ReplayOptions (asked for: a model with nothing to replay is refused). True means
+    None."""
+    return _internal("replay", ReplayOptions, value)
 
 
 def as_observer(value) -> ObserverOptions | bool:
-    """`observer=`: None or True (on, the defaults), False (off), a dict (its `straggler` may be a dict),
-    ObserverOptions."""
-    if value is None:
+    """`observer=`: True or None (on, the defaults), False (off), ObserverOptions."""
+    if value is None or value is True:
         return ObserverOptions()
-    return _switch("observer", ObserverOptions, value, straggler=as_straggler_rule)
+    return _internal("observer", ObserverOptions, value)
 
 
 def as_shard_evidence(value) -> ShardEvidenceOptions | bool | None:
-    """`shard_evidence=`: None (on for sharded layouts with a supported optimizer), False, True, a dict, options."""
-    return _switch("shard_evidence", ShardEvidenceOptions, value)
+    """The shard evidence a component starts: None (on for sharded layouts with a supported optimizer, else one
+    WARNING), False (off), ShardEvidenceOptions (asked for, whatever the layout; an unsupported optimizer is
+    refused). True means None."""
+    return _internal("shard_evidence", ShardEvidenceOptions, value)
+
+
+def as_local(value) -> LocalTierOptions | None:
+    """`local=`: False (no fast tier) or LocalTierOptions."""
+    if value is False or value is None:
+        return None
+    check_group("local", value)
+    return value
+
+
+def as_fleet(value, environ: Mapping[str, str] | None = None) -> FleetOptions | None:
+    """`fleet=`: True (the store SCOUT_CKPT_FLEET names, else none), False (none, whatever the environment), a path
+    (that store, the other fields default), FleetOptions."""
+    import os
+
+    if value is True or value is None:
+        env = (os.environ if environ is None else environ).get(FLEET_ENV)
+        return FleetOptions(path=env) if env else None
+    check_group("fleet", value)
+    if value is False:
+        return None
+    if isinstance(value, FleetOptions):
+        return value
+    return FleetOptions(path=str(value))
 
 
 def as_storage(*, ledger_dir=None, storage_options=None, ledger_journal=None) -> StorageOptions:
@@ -407,17 +488,6 @@ def as_storage(*, ledger_dir=None, storage_options=None, ledger_journal=None) ->
         if v is not None
     }
     return StorageOptions(**flat)
-
-
-def as_local(value) -> LocalTierOptions | None:
-    """`local=`: None or False (no fast tier), a dict with `dir` and `every`, or LocalTierOptions."""
-    if value is None or value is False:
-        return None
-    if isinstance(value, LocalTierOptions):
-        return value
-    if isinstance(value, Mapping):
-        return _from_mapping(LocalTierOptions, "local", value)
-    raise BadOption(f"local must be None, a LocalTierOptions or a dict (got {type(value).__name__})")
 
 
 def check_scalars(*, keep, timeout_s, on_live_fault: str, consensus_exclude) -> None:

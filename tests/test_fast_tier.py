@@ -37,10 +37,11 @@ NNODES, NPROC = 2, 2
 
 
 def test_local_options_are_checked_and_converted_in_one_place():
-    assert as_local(None) is None and as_local(False) is None
-    o = as_local({"dir": "/dev/shm/x", "every": 5})
+    assert as_local(False) is None
+    o = LocalTierOptions.from_dict({"dir": "/dev/shm/x", "every": 5})
     assert o == LocalTierOptions(dir="/dev/shm/x", every=5) and (o.keep, o.replicas) == (2, 1)
-    assert as_local({"dir": Path("/tmp/x"), "every": 1}).dir == "/tmp/x"
+    assert as_local(o) is o
+    assert LocalTierOptions(dir=Path("/tmp/x"), every=1).dir == "/tmp/x"
     for bad, field in [
         ({"dir": "", "every": 2}, "local.dir"),
         ({"dir": "/x", "every": 0}, "local.every"),
@@ -50,9 +51,10 @@ def test_local_options_are_checked_and_converted_in_one_place():
         ({"dir": "/x", "evry": 2}, "evry"),
     ]:
         with pytest.raises(BadOption, match=field):
+            LocalTierOptions.from_dict(bad)
+    for bad in ("/dev/shm", {"dir": "/x", "every": 2}):
+        with pytest.raises(BadOption, match="local must be False or a LocalTierOptions"):
             as_local(bad)
-    with pytest.raises(BadOption, match="local must be"):
-        as_local("/dev/shm")
 
 
 def test_local_retention_counts_only_certified_steps():

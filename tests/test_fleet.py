@@ -203,7 +203,7 @@ def test_a_host_name_cannot_inject_shell():
 
 
 def test_fleet_option_from_the_environment():
-    assert as_fleet(None, environ={"SCOUT_CKPT_FLEET": "/x/f.db"}).path == "/x/f.db"
+    assert as_fleet(True, environ={"SCOUT_CKPT_FLEET": "/x/f.db"}).path == "/x/f.db"
 
 
 def test_fleet_false_is_off_whatever_the_environment(monkeypatch):
@@ -213,12 +213,12 @@ def test_fleet_false_is_off_whatever_the_environment(monkeypatch):
 
 def test_fleet_bad_on_suspect_fails_at_construction():
     with pytest.raises(BadOption, match="on_suspect"):
-        as_fleet({"path": "/x/f.db", "on_suspect": "reboot"})
+        FleetOptions.from_dict({"path": "/x/f.db", "on_suspect": "reboot"})
 
 
 def test_fleet_unknown_key_fails():
     with pytest.raises(BadOption, match="unknown option"):
-        as_fleet({"path": "/x/f.db", "interval": 3})
+        FleetOptions.from_dict({"path": "/x/f.db", "interval": 3})
 
 
 def test_exit_code_is_none_of_the_clis():

@@ -152,6 +152,39 @@ def test_zero1_cli_reads_a_deepspeed_save_dir_and_walks_past_a_corrupted_shard(z
     assert (save_dir / ds_folders.HIDDEN_LATEST).read_text() == "global_step2"
 
 
+@pytest.mark.scenario
+def test_zero1_a_quarantined_tag_is_saved_anew_by_a_run_resumed_before_it(zero1, tmp_path):
+    """#39: the operator quarantines global_step6; the restarted run resumes from step 4 (DeepSpeed's own
+    `latest`, moved by the quarantine), trains to step 6 again and saves tag global_step6: the new lineage's save
+    succeeds and is certified, the quarantined bytes are kept beside it with their verdict in the ledger's history,
+    and the next restart resumes from the new step 6. Judged by the jobs' own state digests."""
+    import shutil
+
+    save_dir = tmp_path / "ck"
+    shutil.copytree(zero1[0], save_dir)
+    first = {r["step"]: r["digest"] for r in events(zero1[1], "saved")}
+    rc, _, se = run_cli("quarantine", save_dir, 6, "--reason", "suspect host")
+    assert rc == 0 and (save_dir / "latest").read_text() == "global_step4", se
+    ev = tmp_path / "events.jsonl"
+    torchrun(save_dir, ev, "--stage", 1, "--steps", 6, "--save-every", 2, "--accept-single-owner")
+    assert [(r["step"], r["digest"]) for r in events(ev, "resumed")] == [(4, first[4])]
+    saved = events(ev, "saved")
+    assert [(r["step"], r["verdict"], r["latest"]) for r in saved] == [(6, "certified", "global_step6")]
+    assert saved[0]["digest"] == first[6]  # the same training from step 4: the same state (an exact resume)
+    with Ledger.open(save_dir, readonly=True) as led:
+        row, history = led.checkpoint(6), led.certifications(6, all_outcomes=True)
+        kept = [e for e in led.events() if e["kind"] == "quarantine_set_aside"]
+    assert row["state"] == "certified" and row["path"] == "global_step6"
+    assert "quarantined" in [h["state"] for h in history]  # the operator's verdict stays in the step's history
+    aside = kept[0]["detail"]["path"]
+    assert aside.startswith("global_step6.scout-quarantined-")
+    assert (save_dir / aside / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()  # the quarantined bytes kept
+    ev2 = tmp_path / "events2.jsonl"
+    torchrun(save_dir, ev2, "--stage", 1, "--steps", 8, "--save-every", 2, "--accept-single-owner")
+    assert [(r["step"], r["digest"]) for r in events(ev2, "resumed")] == [(6, saved[0]["digest"])]
+    assert [(r["step"], r["verdict"]) for r in events(ev2, "saved")] == [(8, "certified")]
+
+
 # ---- ZeRO-1: a rank killed mid-save, resumed exactly (the CI tier's DeepSpeed kill) -------------------------
 
 

@@ -282,6 +282,19 @@ def test_fsdp1_strategy_is_refused_on_cpu_with_one_line_and_keep_is_refused():
 
     with pytest.raises(ScoutError, match="keep"):
         ScoutDDPStrategy(checkpointer={"keep": 2})
+    # LightningCLI's YAML gives the checkpointer's groups as tables: converted to their dataclasses here
+    from scout_ckpt.options import ObserverOptions, ReplayOptions
+
+    strategy = ScoutDDPStrategy(
+        checkpointer={"replay": {"interval": 5}, "observer": {"stall_s": 9}, "async_save": True}
+    )
+    assert strategy.scout_options == {
+        "replay": ReplayOptions(interval=5),
+        "observer": ObserverOptions(stall_s=9),
+        "async_save": True,
+    }
+    with pytest.raises(ScoutError, match="replay: unknown option 'intervall'"):
+        ScoutDDPStrategy(checkpointer={"replay": {"intervall": 5}})
 
     class Tiny(pl.LightningModule):
         def __init__(self):

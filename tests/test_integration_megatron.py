@@ -138,6 +138,28 @@ def test_tp2_cli_reads_iter_folders_and_walks_past_a_flipped_bit(tp2, tmp_path):
     assert (save_dir / mg_folders.HIDDEN_TRACKER).read_text() == "2"
 
 
+@pytest.mark.scenario
+def test_tp2_a_quarantined_iteration_is_saved_anew_by_a_run_resumed_before_it(tp2, tmp_path):
+    """#39, as for DeepSpeed's tags: iteration 4 quarantined, the restart loads iteration 2 (the tracker, moved by
+    the quarantine), saves iteration 4 again and it is certified; the quarantined folder is kept beside it.
+    Judged by the jobs' own state digests."""
+    save_dir = tmp_path / "ck"
+    shutil.copytree(tp2[0], save_dir)
+    first = {r["step"]: r["digest"] for r in events(tp2[1], "saved")}
+    rc, _, se = run_cli("quarantine", save_dir, 4, "--reason", "suspect host")
+    assert rc == 0 and (save_dir / TRACKER).read_text() == "2", se
+    ev = tmp_path / "events.jsonl"
+    torchrun(save_dir, ev, "--tp", 2, "--iters", 4, "--save-every", 2, "--accept-single-owner")
+    assert [(r["step"], r["digest"]) for r in events(ev, "resumed")] == [(2, first[2])]
+    saved = events(ev, "saved")
+    assert [(r["step"], r["verdict"], r["digest"]) for r in saved] == [(4, "certified", first[4])]
+    with Ledger.open(save_dir, readonly=True) as led:
+        assert led.checkpoint(4)["state"] == "certified" and led.checkpoint(4)["path"] == "iter_0000004"
+        aside = [e for e in led.events() if e["kind"] == "quarantine_set_aside"][0]["detail"]["path"]
+    assert aside.startswith("iter_0000004.scout-quarantined-") and any((save_dir / aside).glob("*.distcp"))
+    assert (save_dir / TRACKER).read_text() == "4"
+
+
 # ---- scenarios: kill mid-save, the job's own walk-back, default options at TP=2, async, replicas disagree ---
 
 

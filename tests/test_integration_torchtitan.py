@@ -12,6 +12,7 @@ import pytest
 # install fails here instead of skipping the integration's tests.
 import torchtitan.components.checkpointer  # noqa: F401
 
+from scout_ckpt.errors import BadOption
 from scout_ckpt.ledger import Ledger
 from scout_ckpt.testing.launch import run_ranks
 from tests import workers_torchtitan as w
@@ -237,3 +238,15 @@ def test_enabled_by_configuration_alone_through_torchtitans_override():
     assert type(cfg) is ScoutCheckpointManager.Config and cfg._owner is ScoutCheckpointManager
     assert (cfg.enable, cfg.folder, cfg.interval, cfg.keep_latest_k) == (True, "ck", 7, 2)
     assert cfg.invariants[1].startswith("frobenius_sphere")
+    # the override's JSON gives a group as a table: the Config converts it, the one place a dict is read
+    from scout_ckpt.options import ReplayOptions, ShardEvidenceOptions
+
+    root = Root()
+    apply_overrides(
+        OverrideConfig(imports=[(target, {"replay": {"interval": 5}, "shard_evidence": {"cycle": 4}})]), root
+    )
+    assert root.checkpoint.replay == ReplayOptions(interval=5)
+    assert root.checkpoint.shard_evidence == ShardEvidenceOptions(cycle=4)
+    assert (ScoutCheckpointManager.Config().replay, ScoutCheckpointManager.Config().shard_evidence) == (True, True)
+    with pytest.raises(BadOption, match="replay: unknown option 'intervall'"):
+        apply_overrides(OverrideConfig(imports=[(target, {"replay": {"intervall": 5}})]), Root())

@@ -173,6 +173,37 @@ def test_bit_flip_in_newest_model_resumes_from_previous_and_finishes(healthy, tm
         assert verdicts[-2:] == ["rejected", "certified"]
 
 
+@pytest.mark.scenario
+def test_a_quarantined_newest_folder_is_passed_over_by_the_trainers_own_resume(healthy, tmp_path):
+    """#39 item 2 for the Trainer: `resume_from_checkpoint=True` loads transformers' get_last_checkpoint (the
+    highest checkpoint-N). After `scout-ckpt quarantine` of the newest step, that choice is the newest certified
+    folder (transformers' own function is the oracle), the quarantined bytes are kept and still found by the
+    ledger, and the Trainer's own resume loads step 6: its first loss is the uninterrupted run's loss at step 7."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    out = tmp_path / "out"
+    shutil.copytree(healthy[0], out)
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-8")
+    rc, _, err = run_cli("quarantine", out, 8, "--reason", "operator test")
+    assert rc == 0, err
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-6")
+    with Ledger.open(out, readonly=True) as led:
+        row = led.checkpoint(8)
+    assert row["state"] == "quarantined" and row["path"] != "checkpoint-8"
+    assert (out / row["path"] / "model.safetensors").is_file()  # nothing deleted: the ledger's row follows it
+    assert f"moved to {row['path']}" in err
+    rc, so, _ = run_cli("explain", out, 8, "--json")
+    assert json.loads(so)["state"] == "quarantined"
+    rc, so, _ = run_cli("ls", out, "--json")
+    assert {r["step"]: r["path"] for r in json.loads(so)["checkpoints"]}[8] == row["path"]
+    lf = tmp_path / "losses.jsonl"
+    p = torchrun(out, "--losses", lf, "--trainer-resume", "--steps", STEPS - 1)
+    assert json.loads(p.stdout.strip().splitlines()[-1])["resumed_from"] == str(out / "checkpoint-6")
+    after = losses(lf)
+    assert sorted(after) == [7]
+    assert after == pytest.approx({7: healthy[1][7]}, rel=1e-6, abs=0)
+
+
 def test_a_lost_ledger_resumes_from_the_newest_certified_folder_and_is_rebuilt(healthy, tmp_path):
     """#25 item 8 for the Trainer: scout-ledger.db deleted between runs. latest_clean answers from the manifests
     and the journal (not None, which would retrain from step 0 and overwrite checkpoint-N), the callback's start

@@ -1,6 +1,7 @@
-"""Options as validated dataclasses (scout_ckpt/options.py): every documented spelling still constructs a
-Checkpointer and reaches the component it configures; a misspelled key or a bad value fails at construction with
-one line naming the field, before anything collective."""
+"""Options as validated dataclasses (scout_ckpt/options.py): one spelling per group at the Checkpointer (the
+dataclass, or a bool), a config file's table converted by `from_dict`; every documented spelling constructs a
+Checkpointer and reaches the component it configures; a misspelled key, a bad value or another spelling fails at
+construction with one line naming the field or the dataclass, before anything collective."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 from scout_ckpt import options
 from scout_ckpt.errors import BadOption, ScoutError
 from scout_ckpt.options import (
+    FleetOptions,
+    LocalTierOptions,
     ObserverOptions,
     ReplayOptions,
     ShardEvidenceOptions,
@@ -22,21 +25,67 @@ from scout_ckpt.testing.launch import run_ranks
 # ---- pure: conversion and validation ----------------------------------------------------------------------
 
 
-def test_old_spellings_convert_to_the_dataclasses():
-    assert options.as_replay(None) is None and options.as_replay(False) is False
-    assert options.as_replay(True) == ReplayOptions()
-    assert options.as_replay({"targets": ["0", "2", "optimizer"], "interval": 10}) == ReplayOptions(
+def test_a_config_files_table_converts_with_from_dict():
+    assert ReplayOptions.from_dict({"targets": ["0", "2", "optimizer"], "interval": 10}) == ReplayOptions(
         targets=("0", "2", "optimizer"), interval=10
     )
-    obs = options.as_observer({"stall_s": 3, "action": "abort", "straggler": {"window_s": 0.5}})
+    obs = ObserverOptions.from_dict({"stall_s": 3, "action": "abort", "straggler": {"window_s": 0.5}})
     assert obs == ObserverOptions(stall_s=3, action="abort", straggler=StragglerRule(window_s=0.5))
     assert isinstance(obs.straggler, StragglerRule)
-    assert options.as_observer(True) == ObserverOptions()
-    assert options.as_observer(None) == ObserverOptions() and options.as_observer(False) is False  # on by default
-    assert options.as_shard_evidence({"cycle": 4}) == ShardEvidenceOptions(cycle=4)
-    assert options.as_storage(ledger_journal="delete") == StorageOptions(ledger_journal="delete")
+    assert ShardEvidenceOptions.from_dict({"cycle": 4}) == ShardEvidenceOptions(cycle=4)
+    assert LocalTierOptions.from_dict({"dir": "/dev/shm/x", "every": 5}) == LocalTierOptions(dir="/dev/shm/x", every=5)
+    assert FleetOptions.from_dict({"path": "/x/f.db", "interval_s": 1}) == FleetOptions(path="/x/f.db", interval_s=1)
+    # a whole table of Checkpointer options (Lightning's YAML, a JSON flag): groups converted, the rest as given
+    table = {"replay": {"interval": 5}, "observer": False, "keep": 3, "local": {"dir": "/d", "every": 2}}
+    assert options.from_config(table) == {
+        "replay": ReplayOptions(interval=5),
+        "observer": False,
+        "keep": 3,
+        "local": LocalTierOptions(dir="/d", every=2),
+    }
+
+
+def test_the_components_internal_form():
+    """What the Checkpointer lets through, as the components take it: True is None (the defaults where they
+    apply), an instance an explicit request, False off."""
+    assert options.as_replay(True) is None and options.as_replay(False) is False
     given = ReplayOptions(interval=3)
     assert options.as_replay(given) is given
+    assert options.as_observer(True) == ObserverOptions() and options.as_observer(False) is False
+    assert options.as_shard_evidence(True) is None
+    assert options.as_local(False) is None
+    assert (
+        options.as_fleet(True, environ={}) is None
+        and options.as_fleet(False, environ={"SCOUT_CKPT_FLEET": "/f"}) is None
+    )
+    assert options.as_fleet(True, environ={"SCOUT_CKPT_FLEET": "/x/f.db"}) == FleetOptions(path="/x/f.db")
+    assert options.as_fleet("/y/f.db") == FleetOptions(path="/y/f.db")
+    assert options.as_storage(ledger_journal="delete") == StorageOptions(ledger_journal="delete")
+
+
+@pytest.mark.parametrize(
+    "name, value, says",
+    [
+        (
+            "replay",
+            {"interval": 5},
+            "replay must be True, False or a ReplayOptions (got a dict; ReplayOptions.from_dict",
+        ),
+        ("observer", {"stall_s": 3}, "observer must be True, False or an ObserverOptions (got a dict"),
+        ("shard_evidence", None, "shard_evidence must be True, False or a ShardEvidenceOptions (got None)"),
+        ("replay", "on", "replay must be True, False or a ReplayOptions (got str)"),
+        ("local", {"dir": "/d", "every": 2}, "local must be False or a LocalTierOptions (got a dict"),
+        ("local", True, "local=True names no directory"),
+        ("local", None, "local must be False or a LocalTierOptions (got None)"),
+        ("fleet", {"path": "/x"}, "fleet must be True, False, a path or a FleetOptions (got a dict"),
+        ("fleet", None, "fleet must be True, False, a path or a FleetOptions (got None)"),
+    ],
+)
+def test_one_spelling_per_group_at_the_checkpointer(name, value, says):
+    with pytest.raises(BadOption) as e:
+        options.check_group(name, value)
+    msg = str(e.value)
+    assert msg.startswith(says) and "\n" not in msg, msg
 
 
 def test_defaults_are_the_components_defaults():
@@ -69,32 +118,38 @@ def test_defaults_are_the_components_defaults():
 @pytest.mark.parametrize(
     "convert, value, field",
     [
-        (options.as_observer, {"stal_s": 3}, "'stal_s'"),
-        (options.as_observer, {"straggler": {"windw_s": 0.5}}, "observer.straggler: unknown option 'windw_s'"),
-        (options.as_observer, {"action": "kill"}, "observer.action"),
-        (options.as_observer, {"stall_s": -1}, "observer.stall_s"),
-        (options.as_observer, {"stall_s": float("nan")}, "observer.stall_s"),
-        (options.as_observer, {"straggler": {"rounds": 0}}, "observer.straggler.rounds"),
-        (options.as_observer, {"ddp_comm_hook": "fast"}, "observer.ddp_comm_hook"),
-        (options.as_observer, "abort", "observer must be"),
-        (options.as_replay, {"intervall": 5}, "replay: unknown option 'intervall'"),
-        (options.as_replay, {"interval": 0}, "replay.interval"),
-        (options.as_replay, {"interval": 2.5}, "replay.interval"),
-        (options.as_replay, {"peers": "some"}, "replay.peers"),
-        (options.as_replay, {"targets": "0"}, "replay.targets"),
-        (options.as_replay, {"save_every": True}, "replay.save_every"),
-        (options.as_replay, {"self_check": "yes"}, "replay.self_check"),
-        (options.as_replay, {"self_check": 1}, "replay.self_check"),
-        (options.as_replay, {"live_check": None}, "replay.live_check"),
-        (options.as_local, {"dir": "/dev/shm/x"}, "local.every"),
-        (options.as_local, {"dir": "", "every": 5}, "local.dir"),
-        (options.as_local, {"dir": "/dev/shm/x", "every": 5, "keep": 0}, "local.keep"),
-        (options.as_local, {"dir": "/dev/shm/x", "every": 5, "replicas": -1}, "local.replicas"),
-        (options.as_local, {"dir": "/dev/shm/x", "every": 5, "replica": 1}, "local: unknown option 'replica'"),
-        (options.as_local, "/dev/shm/x", "local must be"),
-        (options.as_shard_evidence, {"cycel": 4}, "shard_evidence: unknown option 'cycel'"),
-        (options.as_shard_evidence, {"at_rest_every": 0}, "shard_evidence.at_rest_every"),
-        (options.as_shard_evidence, 3, "shard_evidence must be"),
+        (ObserverOptions.from_dict, {"stal_s": 3}, "'stal_s'"),
+        (ObserverOptions.from_dict, {"straggler": {"windw_s": 0.5}}, "observer.straggler: unknown option 'windw_s'"),
+        (ObserverOptions.from_dict, {"action": "kill"}, "observer.action"),
+        (ObserverOptions.from_dict, {"stall_s": -1}, "observer.stall_s"),
+        (ObserverOptions.from_dict, {"stall_s": float("nan")}, "observer.stall_s"),
+        (ObserverOptions.from_dict, {"straggler": {"rounds": 0}}, "observer.straggler.rounds"),
+        (ObserverOptions.from_dict, {"ddp_comm_hook": "fast"}, "observer.ddp_comm_hook"),
+        (ObserverOptions.from_dict, "abort", "observer must be a table"),
+        (ReplayOptions.from_dict, {"intervall": 5}, "replay: unknown option 'intervall'"),
+        (ReplayOptions.from_dict, {"interval": 0}, "replay.interval"),
+        (ReplayOptions.from_dict, {"interval": 2.5}, "replay.interval"),
+        (ReplayOptions.from_dict, {"peers": "some"}, "replay.peers"),
+        (ReplayOptions.from_dict, {"targets": "0"}, "replay.targets"),
+        (ReplayOptions.from_dict, {"save_every": True}, "replay.save_every"),
+        (ReplayOptions.from_dict, {"self_check": "yes"}, "replay.self_check"),
+        (ReplayOptions.from_dict, {"self_check": 1}, "replay.self_check"),
+        (ReplayOptions.from_dict, {"live_check": None}, "replay.live_check"),
+        (LocalTierOptions.from_dict, {"dir": "/dev/shm/x"}, "local.every"),
+        (LocalTierOptions.from_dict, {"dir": "", "every": 5}, "local.dir"),
+        (LocalTierOptions.from_dict, {"dir": "/dev/shm/x", "every": 5, "keep": 0}, "local.keep"),
+        (LocalTierOptions.from_dict, {"dir": "/dev/shm/x", "every": 5, "replicas": -1}, "local.replicas"),
+        (
+            LocalTierOptions.from_dict,
+            {"dir": "/dev/shm/x", "every": 5, "replica": 1},
+            "local: unknown option 'replica'",
+        ),
+        (ShardEvidenceOptions.from_dict, {"cycel": 4}, "shard_evidence: unknown option 'cycel'"),
+        (ShardEvidenceOptions.from_dict, {"at_rest_every": 0}, "shard_evidence.at_rest_every"),
+        (FleetOptions.from_dict, {"path": "/x/f.db", "interval": 3}, "fleet: unknown option 'interval'"),
+        (FleetOptions.from_dict, {"path": "/x/f.db", "on_suspect": "reboot"}, "fleet.on_suspect"),
+        (lambda v: ObserverOptions(straggler=v), {"window_s": 0.5}, "observer.straggler must be a StragglerRule"),
+        (options.from_config, {"replay": {"intervall": 5}}, "replay: unknown option 'intervall'"),
     ],
 )
 def test_a_misspelled_key_or_bad_value_names_the_field(convert, value, field):
@@ -107,7 +162,7 @@ def test_a_misspelled_key_or_bad_value_names_the_field(convert, value, field):
 
 def test_unknown_key_lists_the_known_ones():
     with pytest.raises(BadOption, match=r"known: .*stall_s.*straggler"):
-        options.as_observer({"stall": 3})
+        ObserverOptions.from_dict({"stall": 3})
 
 
 def test_storage_refuses_a_bad_journal_mode():
@@ -123,15 +178,17 @@ def test_options_are_frozen():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"observer": {"stal_s": 3}}, "stal_s"),
-        ({"replay": {"interval": -2}}, "replay.interval"),
-        ({"shard_evidence": {"peer": 2}}, "'peer'"),
+        ({"observer": {"stall_s": 3}}, "observer must be True, False or an ObserverOptions"),
+        ({"replay": {"interval": 2}}, "ReplayOptions.from_dict"),
+        ({"replay": None}, "replay must be"),
+        ({"shard_evidence": {"cycle": 2}}, "ShardEvidenceOptions"),
         ({"keep": 0}, "keep"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"consensus_exclude": "rng.*"}, "consensus_exclude"),
         ({"ledger_journal": "wall"}, "ledger_journal"),
-        ({"replay": {"self_check": "on"}}, "replay.self_check"),
-        ({"local": {"dir": "x", "every": 0}}, "local.every"),
+        ({"local": {"dir": "x", "every": 1}}, "LocalTierOptions"),
+        ({"local": None}, "local must be"),
+        ({"fleet": {"path": "x"}}, "FleetOptions"),
     ],
 )
 def test_checkpointer_refuses_bad_options_before_anything_collective(tmp_path, kwargs, field):
@@ -155,22 +212,25 @@ def user_comm_hook(state, bucket):
 # Every spelling README.md, docs/*.md, examples/ and the demo job (scout_ckpt/demo/train.py) give.
 SPELLINGS = {
     "replay=True": {"replay": True},
-    "replay=dict": {"replay": {"targets": ["blocks.0", "head", "optimizer"], "interval": 10}},
-    "replay=dict save_every": {"replay": {"save_every": 4}},
-    "replay=dict demo": {"replay": {"interval": 1, "save_every": 5}},
+    "replay=ReplayOptions targets": {"replay": ReplayOptions(targets=("blocks.0", "head", "optimizer"), interval=10)},
+    "replay=ReplayOptions save_every": {"replay": ReplayOptions(save_every=4)},
+    "replay=ReplayOptions demo": {"replay": ReplayOptions(interval=1, save_every=5)},
     "replay=ReplayOptions": {"replay": ReplayOptions(interval=4)},
     "observer=True": {"observer": True},
     "observer=False": {"observer": False},
-    "observer=dict": {"observer": {"stall_s": 5, "action": "abort", "straggler": {"window_s": 0.5}, "count_hz": 10}},
-    "observer=dict user hook": {"observer": {"ddp_comm_hook": user_comm_hook, "ddp_comm_state": {"k": 1}}},
+    "observer=from_dict": {
+        "observer": ObserverOptions.from_dict(
+            {"stall_s": 5, "action": "abort", "straggler": {"window_s": 0.5}, "count_hz": 10}
+        )
+    },
+    "observer user hook": {"observer": ObserverOptions(ddp_comm_hook=user_comm_hook, ddp_comm_state={"k": 1})},
     "observer=ObserverOptions": {
         "observer": ObserverOptions(stall_s=30, straggler=StragglerRule(rounds=2), ddp_comm_hook="traced")
     },
-    "shard_evidence=True": {"mode": "fsdp", "shard_evidence": True},
-    "shard_evidence=False": {"mode": "fsdp", "shard_evidence": False},
-    "shard_evidence=dict": {"mode": "fsdp", "shard_evidence": {"at_rest_every": 2}},
-    "shard_evidence=dict cycle": {"mode": "fsdp", "shard_evidence": {"cycle": 5}},
-    "shard_evidence=ShardEvidenceOptions": {"mode": "fsdp", "shard_evidence": ShardEvidenceOptions(cycle=4)},
+    "shard_evidence=True": {"shard_evidence": True},
+    "shard_evidence=False": {"shard_evidence": False},
+    "shard_evidence at_rest_every": {"shard_evidence": ShardEvidenceOptions(at_rest_every=2)},
+    "shard_evidence=ShardEvidenceOptions": {"shard_evidence": ShardEvidenceOptions(cycle=4)},
     "ledger_journal=delete": {"ledger_journal": "delete"},
     "replay=False": {"replay": False},
 }
@@ -239,26 +299,21 @@ def test_every_documented_spelling_constructs_a_checkpointer(tmp_path):
     seen = results[0]
     assert results[1] == seen  # every rank configured alike
     assert seen["replay=True"]["replay_interval"] == 10
-    assert seen["replay=dict"]["replay_interval"] == 10
+    assert seen["replay=ReplayOptions targets"]["replay_interval"] == 10
     assert seen["replay=ReplayOptions"]["replay_interval"] == 4
     assert seen["observer=True"]["observer"] and seen["observer=True"]["stall_s"] == 60.0
-    assert (seen["observer=dict"]["stall_s"], seen["observer=dict"]["window_s"]) == (5, 0.5)
+    assert (seen["observer=from_dict"]["stall_s"], seen["observer=from_dict"]["window_s"]) == (5, 0.5)
     assert (seen["observer=ObserverOptions"]["stall_s"], seen["observer=ObserverOptions"]["window_s"]) == (30, 1.0)
-    assert seen["replay=dict save_every"]["replay_save_every"] == 4
-    assert (seen["replay=dict demo"]["replay_interval"], seen["replay=dict demo"]["replay_save_every"]) == (1, 5)
-    assert seen["observer=dict"]["count_period"] == 0.1
+    assert seen["replay=ReplayOptions save_every"]["replay_save_every"] == 4
+    demo = seen["replay=ReplayOptions demo"]
+    assert (demo["replay_interval"], demo["replay_save_every"]) == (1, 5)
+    assert seen["observer=from_dict"]["count_period"] == 0.1
     assert seen["observer=ObserverOptions"]["comm_hook"] == ["traced", None]
-    assert seen["observer=dict user hook"]["comm_hook"] == ["user_comm_hook", {"k": 1}]
+    assert seen["observer user hook"]["comm_hook"] == ["user_comm_hook", {"k": 1}]
     assert seen["observer=True"]["count_period"] == 1 / 25 and seen["observer=True"]["comm_hook"] == [None, None]
-    assert all(
-        seen[k]["shard"]
-        for k in (
-            "shard_evidence=True",
-            "shard_evidence=dict",
-            "shard_evidence=dict cycle",
-            "shard_evidence=ShardEvidenceOptions",
-        )
-    )
+    # asked for with a ShardEvidenceOptions: on whatever the layout; True: only where shards exist (none in DDP)
+    assert seen["shard_evidence at_rest_every"]["shard"] and seen["shard_evidence=ShardEvidenceOptions"]["shard"]
+    assert not seen["shard_evidence=True"]["shard"]
     assert not seen["shard_evidence=False"]["shard"]
     assert seen["ledger_journal=delete"]["journal"] == "delete"
     # the observer is on by default (the defaults' stall_s), observer=False is the opt-out

@@ -534,9 +534,9 @@ def test_the_self_check_is_on_by_default_and_a_bad_value_names_the_field():
     from scout_ckpt.errors import BadOption
 
     assert options.ReplayOptions().self_check is True and options.ReplayOptions().runner_kwargs()["self_check"]
-    assert options.as_replay({"self_check": False}).self_check is False
+    assert options.ReplayOptions.from_dict({"self_check": False}).self_check is False
     with pytest.raises(BadOption, match="replay.self_check"):
-        options.as_replay({"self_check": "yes"})
+        options.ReplayOptions.from_dict({"self_check": "yes"})
 
 
 def test_a_gpt2_block_handed_a_kv_cache_reproduces_its_live_step(one_thread):

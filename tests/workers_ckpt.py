@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scout_ckpt.checkpointer import Checkpointer
 from scout_ckpt.format.layout import list_step_dirs
+from scout_ckpt.options import ReplayOptions
 from scout_ckpt.save.app_state import ModelOptimizerState as AppState
 from scout_ckpt.testing.faults import fault_points
 
@@ -288,7 +289,7 @@ def retention_under_replay(rank, world, root, steps=60, save_every=5):
         net = ddp(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         ckpt = Checkpointer(
-            sub, model=net, optimizer=opt, keep=keep, replay={"targets": ["0", "2", "optimizer"], "interval": 10}
+            sub, model=net, optimizer=opt, keep=keep, replay=ReplayOptions(targets=("0", "2", "optimizer"), interval=10)
         )
         for step in range(1, steps + 1):
             train_steps(net, opt, 1, seed=step)

@@ -258,7 +258,7 @@ def checkpointer_load_change(rank, world, root, async_save):
 
     torch.manual_seed(0)
     state = {"model": {"w": torch.randn(64, 48), "b": torch.randn(48)}, "step": 0}
-    ck = Checkpointer(root, mode="ddp", async_save=async_save, timeout_s=120)
+    ck = Checkpointer(root, async_save=async_save, timeout_s=120)
     verdicts = []
     for step in (1, 2):
         state["model"]["w"].add_(1.0)
@@ -273,7 +273,7 @@ def checkpointer_load_change(rank, world, root, async_save):
             state["model"]["w"].view(-1)[INTERIOR * 10 + 1] += 0.5
 
     with fault_points(hook):
-        ck2 = Checkpointer(root, mode="ddp", timeout_s=120)
+        ck2 = Checkpointer(root, timeout_s=120)
     loaded = ck2.load_latest_clean(state)
     ck2.close()
     out = {"verdicts": verdicts, "loaded": loaded, "step": state["step"]}

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from scout_ckpt.checkpointer import Checkpointer
+from scout_ckpt.options import LocalTierOptions
 from tests.workers_ckpt import ddp, make_model, state_of, train_steps
 
 
@@ -56,7 +57,7 @@ def fill(path: Path) -> int:
 
 
 def full_local_disk_job(rank, world, root, base):
-    local = {"dir": str(Path(base) / f"node-{rank}"), "every": 2, "keep": 3}
+    local = LocalTierOptions(dir=str(Path(base) / f"node-{rank}"), every=2, keep=3)
     filler = Path(base) / "node-1" / "filler"
     model = make_model()
     net = ddp(model)

@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from scout_ckpt.checkpointer import Checkpointer
+from scout_ckpt.options import LocalTierOptions
 from tests.workers_ckpt import ddp, make_model, state_of, train_steps
 
 
 def local_tier_job(rank, world, root, base):
-    local = {"dir": str(Path(base) / f"node-{rank}"), "every": 2, "keep": 3}
+    local = LocalTierOptions(dir=str(Path(base) / f"node-{rank}"), every=2, keep=3)
     model = make_model()
     net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -39,7 +40,7 @@ def local_tier_job(rank, world, root, base):
     ckpt.close()
     own = {}
     for s in (2, 4, 6):
-        p = Path(local["dir"]) / run_id / f"step-{s:08d}" / f"rank-{rank}.pt"
+        p = Path(local.dir) / run_id / f"step-{s:08d}" / f"rank-{rank}.pt"
         own[s] = {"path": str(p), "sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
     dist.barrier()
     if rank == 0:  # one bit of every copy of rank 1's file of step 6 (its own node's and its peer's)

@@ -60,7 +60,7 @@ def w_ecc_between_saves(rank, world, root, mode, steps=9, save_every=3, fault_af
     `fault_after`, rank FAULTY's GPU reports an uncorrectable ECC error. Returns each save's verdict and, from the
     coordinator, the ledger's health events and final states. The one option set: FSDP's shard evidence cycle
     fits the save interval (as the demo does), so that the first save is certifiable at all."""
-    from scout_ckpt import Checkpointer, ModelOptimizerState
+    from scout_ckpt import Checkpointer, ModelOptimizerState, ObserverOptions, ShardEvidenceOptions
     from scout_ckpt.errors import LiveStateCorrupt
     from tests import workers_replay_targets as wt
 
@@ -73,8 +73,8 @@ def w_ecc_between_saves(rank, world, root, mode, steps=9, save_every=3, fault_af
         root,
         model=model,
         optimizer=opt,
-        shard_evidence={"cycle": save_every - 1} if mode == "fsdp" else None,
-        observer={"stall_s": 120.0, "health_source": health, "health_poll_s": 0.1},
+        shard_evidence=ShardEvidenceOptions(cycle=save_every - 1) if mode == "fsdp" else True,
+        observer=ObserverOptions(stall_s=120.0, health_source=health, health_poll_s=0.1),
     )
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0

@@ -8,6 +8,7 @@ import time
 import torch
 
 from scout_ckpt.checkpointer import Checkpointer
+from scout_ckpt.options import LocalTierOptions
 from scout_ckpt.testing.faults import fault_points
 from tests.workers_ckpt import ddp, make_model, state_of, train_steps
 
@@ -40,7 +41,7 @@ def local_verdict_races_durable_save(rank, world, root, local_dir):
             root,
             model=net,
             optimizer=opt,
-            local={"dir": local_dir, "every": 2},
+            local=LocalTierOptions(dir=local_dir, every=2),
             on_live_fault="continue",
             replay=False,
             observer=False,
@@ -114,7 +115,7 @@ def restart(rank, world, root, save_step=None, load=True):
 def _tier_opts(local_dir, rank):
     """Each rank its own node (LOCAL_WORLD_SIZE=1 in the env) with its own node-local directory: the ring puts
     each rank's peer copy on the other node."""
-    return {"dir": f"{local_dir}/node{rank}", "every": 2}
+    return LocalTierOptions(dir=f"{local_dir}/node{rank}", every=2)
 
 
 def tiers_job(rank, world, root, local_dir, steps=6, durable=(3, 6)):

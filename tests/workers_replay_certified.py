@@ -11,8 +11,8 @@ import torch.distributed as dist
 def w_user_script(rank, world, root, mode, steps, save_every, fault=None, replay=None, shard_cycle=None):
     """Train and save every `save_every` steps; returns each save's verdict as `save()` returned it (the commit's
     verdict; a save that raised LiveStateCorrupt ends the loop, `ended`) and the run's policy. fault: (rank, block index, from step, scale). replay: the Checkpointer's
-    `replay=` (None: the default). shard_cycle: FSDP shard evidence cycle (None: the default)."""
-    from scout_ckpt import Checkpointer, LiveStateCorrupt, ModelOptimizerState
+    `replay=` (None: the default, True). shard_cycle: FSDP shard evidence cycle (None: the default)."""
+    from scout_ckpt import Checkpointer, LiveStateCorrupt, ModelOptimizerState, ShardEvidenceOptions
     from tests import workers_health as wh
     from tests import workers_replay_targets as wt
 
@@ -21,7 +21,7 @@ def w_user_script(rank, world, root, mode, steps, save_every, fault=None, replay
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     kw = {} if replay is None else {"replay": replay}
     if shard_cycle is not None:
-        kw["shard_evidence"] = {"cycle": shard_cycle}
+        kw["shard_evidence"] = ShardEvidenceOptions(cycle=shard_cycle)
     ckpt = Checkpointer(root, model=model, optimizer=opt, **kw)
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0

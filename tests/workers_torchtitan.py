@@ -329,6 +329,8 @@ def train_fsdp(rank, world, root, steps=4, arms=("fault",)):
     TorchTitan's async mode loads the newest certified step and trains 4 more steps, saving two of them."""
     import time
 
+    from scout_ckpt.options import ShardEvidenceOptions
+
     pd = build_mesh(1, world, 1, world)
     res = {}
     for arm in arms:
@@ -341,7 +343,7 @@ def train_fsdp(rank, world, root, steps=4, arms=("fault",)):
                 steps,
                 flip=(0, 2, "head.weight", 7),
                 fault=(1, 3, "blocks.0.fc1.weight", 5),
-                shard_evidence={"per_step": 64},
+                shard_evidence=ShardEvidenceOptions(per_step=64),
             )
         elif arm == "healthy":
             res[arm] = _run_fsdp(os.path.join(root, "healthy"), pd, rank, steps)

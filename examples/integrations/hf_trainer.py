@@ -10,7 +10,8 @@ in torchrun's first attempt; --sdc-rank/--sdc-step make one rank's transformer.h
 the first attempt (writing OUTPUT_DIR/fault.json), and likewise --crash-rank/--crash-step SIGKILL one rank there,
 --desync-rank/--desync-step make one rank issue an all_reduce the others never do (a rank-dependent branch), and
 --slow-rank/--slow-s make one rank sleep that long before every step's forward (a slow data loader; fault.json
-at its first slow step); --observer passes the callback's observer options; --losses appends {"step", "loss",
+at its first slow step); --observer passes the callback's observer options (JSON); --trainer-resume resumes with
+the Trainer's own `resume_from_checkpoint=True` (its newest checkpoint-N) instead of (2); --losses appends {"step", "loss",
 "attempt"} lines (rank 0). Rank 0 ends with
 one JSON line: where it resumed from, the last step, and what the observer watched ("counted": DDP's wrapper).
 """
@@ -26,8 +27,10 @@ import time
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 from scout_ckpt.integrations.transformers import ScoutTrainerCallback, latest_clean
+from scout_ckpt.options import ObserverOptions
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -120,6 +123,7 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--limit", type=int, default=None, help="save_total_limit (taken over by the callback)")
     ap.add_argument("--no-resume", action="store_true")
+    ap.add_argument("--trainer-resume", action="store_true", help="resume_from_checkpoint=True instead of (2)")
     ap.add_argument("--losses", default=None)
     ap.add_argument("--kill-rank", type=int, default=None)
     ap.add_argument("--kill-step", type=int, default=None)
@@ -159,7 +163,8 @@ def main() -> None:
         ddp_timeout=300,
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
     )
-    scout = ScoutTrainerCallback(**({"observer": json.loads(a.observer)} if a.observer else {}))  # (1)
+    observer = ObserverOptions.from_dict(json.loads(a.observer)) if a.observer else True  # a JSON flag's table
+    scout = ScoutTrainerCallback(observer=observer)  # (1)
     record = Record(
         a.losses,
         a.kill_rank,
@@ -177,12 +182,15 @@ def main() -> None:
     )
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(512, 16, 64), callbacks=[record, scout])
     resume = None if a.no_resume else latest_clean(a.output_dir)  # (2)
+    if a.trainer_resume:  # the Trainer's own choice (get_last_checkpoint), which scout-ckpt's verdicts steer
+        resume = True
+    resumed_from = get_last_checkpoint(a.output_dir) if resume is True else resume  # what the Trainer will load
     trainer.train(resume_from_checkpoint=resume)
     if int(os.environ.get("RANK", "0")) == 0:
         print(
             json.dumps(
                 {
-                    "resumed_from": resume,
+                    "resumed_from": resumed_from,
                     "global_step": trainer.state.global_step,
                     "observer_attached": scout.observer_attached,
                 }

@@ -57,7 +57,7 @@ lr_decay_iters = 40
 min_lr = 6e-5
 backend = "gloo"
 pass_unwrapped = False  # give Checkpointer model.module instead of the DDP wrapper (both work the same)
-replay = False  # scout-ckpt's SDC replay of every block, the embedding, the head and the optimizer
+replay = True  # scout-ckpt's SDC replay of every block, the embedding, the head and the optimizer (False: off)
 crash_rank = -1
 crash_iter = -1
 log_file = ""
@@ -130,7 +130,7 @@ ckpt = Checkpointer(
     out_dir,
     model=raw_model if pass_unwrapped else model,
     optimizer=optimizer,  # scout-ckpt
-    replay=replay or None,
+    replay=replay,
 )
 extra = {"best_val_loss": best_val_loss}  # scout-ckpt: only rank 0 evaluates, so this is rank-local
 state = {

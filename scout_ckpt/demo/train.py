@@ -46,6 +46,7 @@ from scout_ckpt.demo.faults import MARKER_DIR, Injector, parse_all
 from scout_ckpt.demo.model import TinyTransformer, retract_to_sphere, sphere_deviation
 from scout_ckpt.errors import LiveStateCorrupt
 from scout_ckpt.format.layout import atomic_write_json
+from scout_ckpt.options import ObserverOptions, ReplayOptions, ShardEvidenceOptions
 from scout_ckpt.save.app_state import RNGState
 from scout_ckpt.testing.faults import fault_points
 
@@ -237,7 +238,7 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
     rank, world = args.rank, args.world
     root = Path(args.root)
     injector = Injector(parse_all(args.inject), rank, args.generation, root, args.save_every, args.steps)
-    model, _ = build_model(args.mode, world, args.seed, args.mesh_shape)
+    model, mesh = build_model(args.mode, world, args.seed, args.mesh_shape)
     random.seed(args.seed)
     np.random.seed(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -253,21 +254,20 @@ def train(args: WorkerArgs, timings: dict | None = None) -> dict | None:
             root,
             model=model,
             optimizer=opt,
-            mode=args.mode,
-            mesh_shape=(args.mesh_shape or default_mesh_shape(world)) if args.mode == "hsdp" else None,
+            mesh=mesh,  # FSDP2 / HSDP: the mesh the blocks are sharded on (DDP: None, the world)
             async_save=args.async_save,
             # --no-replay (the demo's default when a save comes every 7 steps or fewer): replay off for ddp and hsdp;
             # pure FSDP keeps the library's default (on), which its shard evidence was measured with
             replay=(
-                {"interval": 1, "save_every": args.save_every}
+                ReplayOptions(interval=1, save_every=args.save_every)
                 if args.replay
-                else None
+                else True
                 if args.mode == "fsdp"
                 else False
             ),
             # every shard's update replayed within one save interval, so each save is certified at its commit
-            shard_evidence={"cycle": args.save_every} if args.mode != "ddp" else None,
-            observer={"stall_s": args.stall_s, "action": "abort"},
+            shard_evidence=ShardEvidenceOptions(cycle=args.save_every) if args.mode != "ddp" else True,
+            observer=ObserverOptions(stall_s=args.stall_s, action="abort"),
             invariants=invariants_for(args, model),
         )
     timings["checkpointer"] = time.time()

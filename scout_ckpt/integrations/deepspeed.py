@@ -68,6 +68,7 @@ from scout_ckpt.integrations import ds_folders
 from scout_ckpt.integrations.ds_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
+from scout_ckpt.options import ReplayOptions
 
 log = logging.getLogger("scout_ckpt.deepspeed")
 
@@ -96,7 +97,7 @@ def install(
     consensus: bool = True,
     on_live_fault: str = "raise",
     timeout_s: float = 600.0,
-    replay=None,
+    replay: ReplayOptions | bool = True,
 ) -> "ScoutCheckpointEngine":
     """Collective (every rank, after `deepspeed.initialize`, before `load_checkpoint`): certify every
     `engine.save_checkpoint(save_dir)` in `save_dir/scout-ledger.db` and keep `save_dir/latest` on the newest
@@ -111,10 +112,10 @@ def install(
             LiveStateCorrupt on every rank after the save, ending the generation; "continue": log it
         timeout_s: timeout of the integration's own gloo groups (a dead peer fails the save, no hang)
         replay: SDC replay of the model's layers (and the optimizer's update where DeepSpeed steps a torch
-            optimizer) across the data-parallel ranks: the core's ReplayOptions, a dict of them, True
-            or False; default on at ZeRO stages 0-2 with 2+ ranks (a rank computing wrongly is
-            averaged into every replica, which consensus then sees agree), off at stage 3 (its
-            parameters are partitioned) with one WARNING
+            optimizer) across the data-parallel ranks, as the core's `replay=`: True (default: on at ZeRO stages
+            0-2 with 2+ ranks, where a rank computing wrongly is averaged into every replica, which consensus
+            then sees agree; off at stage 3, whose parameters are partitioned, with one WARNING), a
+            ReplayOptions (asked for: refused where it cannot run), False
     """
     if on_live_fault not in ("raise", "continue"):
         raise ScoutError(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
@@ -128,7 +129,8 @@ def install(
         )
     from scout_ckpt import options
 
-    replay = options.as_replay(replay)  # a misspelled key fails here, before anything is installed
+    options.check_group("replay", replay)  # a wrong spelling fails here, before anything is installed
+    asked = options.as_replay(replay)
     scout = ScoutCheckpointEngine(
         engine,
         save_dir,
@@ -137,7 +139,7 @@ def install(
         consensus=consensus,
         on_live_fault=on_live_fault,
         timeout_s=timeout_s,
-        replay=replay,
+        replay=asked,
     )
     engine.checkpoint_engine = scout
     original = engine.save_checkpoint
@@ -199,7 +201,8 @@ class ScoutCheckpointEngine(CheckpointEngine):
         engine: the DeepSpeed engine.
         save_dir: the checkpoint directory (the ROOT of the ledger).
         inner: the engine that writes the bytes (default: a TorchCheckpointEngine of the engine's config).
-        accept_single_owner, consensus, on_live_fault, timeout_s, replay: as for `install`.
+        accept_single_owner, consensus, on_live_fault, timeout_s: as for `install`.
+        replay: as `install` passes it (options.as_replay's form: None for the default).
     """
 
     def __init__(
@@ -212,7 +215,7 @@ class ScoutCheckpointEngine(CheckpointEngine):
         consensus=True,
         on_live_fault="raise",
         timeout_s=600.0,
-        replay=None,
+        replay: ReplayOptions | bool | None = None,
     ):
         super().__init__(None)
         self.name = "ScoutCheckpointEngine"
@@ -369,7 +372,9 @@ class ScoutCheckpointEngine(CheckpointEngine):
 
     def _uncertified_tags(self) -> list[str]:
         """Coordinator: the tags whose folders exist and whose rows are committed (not certified, not rejected)."""
-        rows = self.run.ledger.checkpoints(states=("committed",))
+        ledger = self.run.ledger
+        assert ledger is not None  # the coordinator holds the ledger
+        rows = ledger.checkpoints(states=("committed",))
         return [
             f"{r['path']} ({(r['reasons'] or [{}])[0].get('code', 'committed')})"
             for r in rows

@@ -202,13 +202,17 @@ class ScoutStrategyMixin:
 
     Args:
         root: the checkpoint root (ledger, step directories); default `<default_root_dir>/scout-ckpt`
-        checkpointer: keyword options of `scout_ckpt.Checkpointer` (async_save, observer, invariants, replay, ...)
+        checkpointer: keyword options of `scout_ckpt.Checkpointer` (async_save, observer, invariants, replay, ...),
+            as Python values or as LightningCLI's YAML gives them: a group's table (`replay: {interval: 5}`)
+            becomes its dataclass here (`options.from_config`), an unknown key fails in one line
     """
 
     def __init__(self, *args, root: str | os.PathLike | None = None, checkpointer: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.scout_root = Path(root) if root is not None else None
-        self.scout_options = dict(checkpointer or {})
+        from scout_ckpt import options
+
+        self.scout_options = options.from_config(checkpointer or {})
         self.scout = None  # the Checkpointer, open while fitting
         self._scout_fault_hook = fault_points.current()  # tests only (scout_ckpt.testing.fault_points)
         self._scout_saved: tuple[int, dict | None] | None = None  # (step, verdict) of this process's last save

@@ -22,6 +22,7 @@ which the shard replay cannot reproduce on a slice: use implementation="foreach"
 from __future__ import annotations
 
 from scout_ckpt.errors import ScoutError
+from scout_ckpt.options import ReplayOptions, ShardEvidenceOptions
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.evidence.replay import ReplayEvidence
 from scout_ckpt.save.evidence.shard import KINDS as SHARD_KINDS
@@ -59,15 +60,15 @@ class TitanEvidence:
         model, opt, why = _single(mgr)
         if why is not None:
             for name, asked in (("replay", config.replay), ("shard_evidence", config.shard_evidence)):
-                if asked:
+                if isinstance(asked, (ReplayOptions, ShardEvidenceOptions)):  # asked for (True: where it can)
                     raise ScoutError(f"{name}: {why}")
             if mgr.mode.startswith(("fsdp", "hsdp")) and mgr.is_coordinator:
                 scout_log.logger.warning("shard evidence is off: %s", why)
             return cls(mgr, None, None)
         replay = None
         if mgr.groups is None:
-            if config.replay:
-                raise ScoutError("replay needs 2 or more ranks")
+            if isinstance(config.replay, ReplayOptions):
+                raise ScoutError("replay was asked for (ReplayOptions) but needs 2 or more ranks")
         else:
             off = ReplayEvidence.off_by_default(mgr.groups.world_size, mgr.mode)  # as the core Checkpointer
             replay = ReplayEvidence.start(

@@ -54,6 +54,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -63,11 +64,13 @@ from torchtitan.config.override import derive, override
 
 import scout_ckpt
 from scout_ckpt import invariants as inv
+from scout_ckpt import options
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.integrations import titan_next
 from scout_ckpt.integrations.session import IntegrationRun
 from scout_ckpt.integrations.titan_evidence import TitanEvidence
 from scout_ckpt.ledger import journal
+from scout_ckpt.options import ReplayOptions, ShardEvidenceOptions
 from scout_ckpt.save import log
 
 __all__ = ["ScoutCheckpointManager", "scout_checkpoint", "signable", "titan_topology"]
@@ -159,18 +162,27 @@ class ScoutCheckpointManager(CheckpointManager):
         scout_timeout_s: float = 600.0
         """Timeout of scout-ckpt's own gloo groups: a dead peer fails the save instead of hanging it."""
 
-        replay: bool | dict | None = None
-        """SDC replay of the model's blocks across ranks (the core's `replay=`): None = on for pure FSDP (no
-        replica to compare with) when the model has repeated blocks, True/False, or a dict of runner options."""
+        replay: ReplayOptions | bool = True
+        """SDC replay of the model's blocks across ranks, as the core's `replay=`: True = on with 2+ ranks when
+        the model has repeated blocks, a ReplayOptions (asked for: refused where it cannot run), False = off. A
+        config file's table is converted with ReplayOptions.from_dict."""
 
-        shard_evidence: bool | dict | None = None
-        """Cross-rank replay of each shard's optimizer update and the at-rest check (the core's
-        `shard_evidence=`): None = on for sharded layouts (fsdp, hsdp) with a non-fused Adam/AdamW/SGD, else off
-        with a WARNING (TorchTitan's optimizer default is implementation="fused": use "foreach")."""
+        shard_evidence: ShardEvidenceOptions | bool = True
+        """Cross-rank replay of each shard's optimizer update and the at-rest check, as the core's
+        `shard_evidence=`: True = on for sharded layouts (fsdp, hsdp) with a non-fused Adam/AdamW/SGD, else off
+        with a WARNING (TorchTitan's optimizer default is implementation="fused": use "foreach"); a
+        ShardEvidenceOptions; False = off. A config file's table is converted with ShardEvidenceOptions.from_dict."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
             inv.parse_specs(self.invariants)
+            # a config file (TOML, JSON, a CLI override) gives a group as a table: converted here, the one place
+            if isinstance(self.replay, Mapping):
+                self.replay = ReplayOptions.from_dict(self.replay)
+            if isinstance(self.shard_evidence, Mapping):
+                self.shard_evidence = ShardEvidenceOptions.from_dict(self.shard_evidence)
+            options.check_group("replay", self.replay)
+            options.check_group("shard_evidence", self.shard_evidence)
 
     def __init__(self, config: Config, **kwargs) -> None:
         super().__init__(config, **kwargs)
@@ -189,7 +201,7 @@ class ScoutCheckpointManager(CheckpointManager):
             raise ScoutError(f"topology: {e}") from None
         self.groups = None
         self.mode = topo["mode"]
-        if (config.consensus or config.replay) and self.world > 1:
+        if (config.consensus or isinstance(config.replay, ReplayOptions)) and self.world > 1:
             from scout_ckpt.consensus.groups import ConsensusGroups
 
             self.groups = ConsensusGroups.from_topology(topo, timeout_s=config.scout_timeout_s)

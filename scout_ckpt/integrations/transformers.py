@@ -53,6 +53,7 @@ from scout_ckpt import invariants as inv
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.integrations import folders
 from scout_ckpt.integrations.session import IntegrationRun
+from scout_ckpt.options import ObserverOptions, ReplayOptions
 
 log = logging.getLogger("scout_ckpt.transformers")
 
@@ -78,10 +79,11 @@ class ScoutTrainerCallback(TrainerCallback):
     Args:
         invariants: invariant specs run on the live model and optimizer state at each save (default ["finite"])
         consensus: compare the live state across the data-parallel replicas (default True; needs >= 2 ranks)
-        replay: SDC replay of the model's blocks and the optimizer's update across the replicas (the core's
-            ReplayOptions, a dict of them, True or False; default: on with 2 or more ranks, as the core's)
-        observer: the out-of-band hang/straggler/crash observer (the core's ObserverOptions, a dict, True or False;
-            default: on, as the core's)
+        replay: SDC replay of the model's blocks and the optimizer's update across the replicas, as the core's
+            `replay=`: True (default: on with 2 or more ranks), a ReplayOptions (asked for: refused where it cannot
+            run), False
+        observer: the out-of-band hang/straggler/crash observer, as the core's `observer=`: True (default), an
+            ObserverOptions, False
         stop_on_reject: stop training (control.should_training_stop) when a checkpoint is rejected
         timeout_s: timeout of the callback's own gloo groups (a dead peer fails the save instead of hanging)
     """
@@ -93,11 +95,13 @@ class ScoutTrainerCallback(TrainerCallback):
         consensus: bool = True,
         stop_on_reject: bool = False,
         timeout_s: float = 600.0,
-        replay=None,
-        observer=None,
+        replay: ReplayOptions | bool = True,
+        observer: ObserverOptions | bool = True,
     ):
         from scout_ckpt import options
 
+        options.check_group("replay", replay)
+        options.check_group("observer", observer)
         specs = ["finite"] if invariants is None else list(invariants)
         self.checks = inv.parse_specs(specs)  # a bad spec fails here, not at the first save
         self.specs = [c.spec for c in self.checks]
@@ -199,7 +203,7 @@ class ScoutTrainerCallback(TrainerCallback):
         self.replay = None
         if self.groups is None:
             if self.replay_option:
-                raise ScoutError("replay needs 2 or more ranks and consensus=True")
+                raise ScoutError("replay was asked for (ReplayOptions) but needs 2 or more ranks and consensus=True")
             return
         self.replay = ReplayEvidence.start(
             self.replay_option, model=model, optimizer=optimizer, groups=self.groups, auto_on=True

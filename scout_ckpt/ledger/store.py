@@ -25,6 +25,8 @@ from scout_ckpt.ledger.connection import (  # noqa: F401  (re-exported: importer
 from scout_ckpt.ledger.queries import LedgerQueries, place_text  # place_text re-exported
 from scout_ckpt.ledger.transitions import APPLIED, REFUSED, STATES, SUPERSEDED, allowed
 
+MOVED = "moved"  # a certifications row's outcome: the folder was renamed, the verdict unchanged
+
 
 def _dumps(v: Any) -> str:
     return json.dumps(v, sort_keys=True, default=str)
@@ -103,6 +105,7 @@ class Ledger(LedgerQueries):
         *,
         source: str = "save",
         keep_certified: bool = False,
+        over_quarantined: bool = False,
     ) -> None:
         """The row written before DCP starts: an interrupted save leaves this record and no step dir.
 
@@ -123,6 +126,9 @@ class Ledger(LedgerQueries):
             owner: who writes it (host, pid, start time), so that start-up settles only dead owners' rows.
             source: what began it ("save", "adopt", ...).
             keep_certified: leave a certified row of the step as it is (an operator's replacement records it apart).
+            over_quarantined: a quarantined row whose folder was set aside (its path is not `path`) is replaced
+                by this attempt: a new lineage reached the step again (a run resumed from an earlier step). The
+                quarantined attempt stays in the history, the journal and its own folder.
         """
         owner = owner or {}
         with self.write():
@@ -130,8 +136,9 @@ class Ledger(LedgerQueries):
             copy = tiers.row(self, step)
             if (row is None or row["state"] != "quarantined") and copy is not None and copy["state"] == "quarantined":
                 row = {**copy, "attempt": None}  # a step quarantined in the fast tier is quarantined: no save
+            set_aside = over_quarantined and row is not None and row.get("path") not in (None, path)
             refused = row is not None and (
-                row["state"] == "quarantined" or (keep_certified and row["state"] == "certified")
+                (row["state"] == "quarantined" and not set_aside) or (keep_certified and row["state"] == "certified")
             )
             if refused:
                 self._certification(
@@ -364,6 +371,34 @@ class Ledger(LedgerQueries):
             )
             row = self.checkpoint(step)
             self._certification(step, state, reasons, source, attempt=(row or {}).get("attempt"))
+
+    def move_path(self, step: int, old: str, new: str, source: str) -> bool:
+        """The checkpoint's folder was renamed under ROOT (integrations/pointers.py sets an untrusted one aside so
+        that a framework's own "newest folder" resume passes it over): the row's path follows, compare-and-set on
+        the old path, and the history records the move. Returns whether it applied.
+
+        Args:
+            step: the checkpoint.
+            old: its folder relative to ROOT, as the row holds it.
+            new: the folder's new name relative to ROOT.
+            source: who moved it.
+        """
+        with self.write():
+            cur = self.conn.execute(
+                "UPDATE checkpoints SET path=?, updated=? WHERE step=? AND path=?", (new, time.time(), step, old)
+            )
+            if cur.rowcount != 1:
+                return False
+            row = self.checkpoint(step) or {}
+            self._certification(  # history only (not a verdict): shown with all_outcomes
+                step,
+                row.get("state", ""),
+                [{"code": "moved", "from": old, "to": new}],
+                source,
+                attempt=row.get("attempt"),
+                outcome=MOVED,
+            )
+        return True
 
     def _certification(
         self,

@@ -229,8 +229,8 @@ def discover(model: nn.Module, optimizer=None) -> list[tuple[str, str]]:
             )
         raise NoTargets(
             f"replay found no repeated blocks in {root} (looked for a ModuleList/ModuleDict/Sequential of "
-            f"same-class layers); name them with targets=, e.g. Checkpointer(replay={{'targets': "
-            f"{_example(all_sites)}}}), or turn replay off with replay=False"
+            f"same-class layers); name them with targets=, e.g. Checkpointer(replay=ReplayOptions(targets="
+            f"{_example(all_sites)})), or turn replay off with replay=False"
         )
     embeddings = [e for e in find_embeddings(all_sites, blocks) if not tensor_parallel_io(all_sites[e].outer)]
     head = find_head(all_sites, blocks, embeddings)

@@ -11,16 +11,14 @@ import platform
 import torch
 
 import scout_ckpt
-from scout_ckpt.consensus.mesh import describe_topology, legacy_topology
+from scout_ckpt.consensus.mesh import describe_topology
 from scout_ckpt.errors import ScoutError
 
 
-def topology(model, mode, mesh_shape, mesh, world_size: int) -> dict:
-    """Replica layout (consensus.mesh): from the mesh and the model's DTensor placements, or from an explicit
-    old mode name. Local, identical on every rank; ConsensusGroups.from_topology checks that it is."""
+def topology(model, mesh, world_size: int) -> dict:
+    """Replica layout (consensus.mesh): from the mesh and the model's DTensor placements. Local, identical on
+    every rank; ConsensusGroups.from_topology checks that it is."""
     try:
-        if mode is not None:
-            return legacy_topology(mode, world_size, mesh_shape)
         return describe_topology(model, mesh=mesh, world_size=world_size)
     except ValueError as e:
         raise ScoutError(f"topology: {e}") from None

@@ -148,10 +148,11 @@ def main() -> None:
         step, start_epoch = 0, 0
     else:
         from scout_ckpt.integrations.accelerate import ScoutCheckpointing
+        from scout_ckpt.options import from_config  # --options is a JSON table, as a config file gives it
         from scout_ckpt.testing.faults import fault_points
 
         with fault_points(fault_hook):
-            ckpt = ScoutCheckpointing(accelerator, a.root, **json.loads(a.options))  # scout 1
+            ckpt = ScoutCheckpointing(accelerator, a.root, **from_config(json.loads(a.options)))  # scout 1
         model, optimizer, train_dl, eval_dl, scheduler = ckpt.prepare(  # scout 2
             model, optimizer, train_dl, eval_dl, scheduler
         )

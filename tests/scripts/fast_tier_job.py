@@ -35,7 +35,7 @@ import torch.nn as nn
 from job_common import digest, train_step  # noqa: E402 (beside this script: torchrun puts its folder on sys.path)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scout_ckpt import Checkpointer, LiveStateCorrupt, ModelOptimizerState
+from scout_ckpt import Checkpointer, LiveStateCorrupt, LocalTierOptions, ModelOptimizerState
 from scout_ckpt.testing.faults import fault_points
 
 
@@ -126,7 +126,7 @@ def main():
     else:
         model = DDP(net)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    tier = None if args.no_local else {"dir": local_dir, "every": args.local_every, "keep": args.keep_local}
+    tier = False if args.no_local else LocalTierOptions(dir=local_dir, every=args.local_every, keep=args.keep_local)
     marker = root / "fault.json"
     began = time.time()  # after the imports and the process group: the Checkpointer's start-up begins
     durable = (

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scout_ckpt import Checkpointer, ModelOptimizerState
+from scout_ckpt import Checkpointer, FleetOptions, ModelOptimizerState
 from scout_ckpt.replay.execute import replaying
 
 FAULT = {"kind": "none", "here": False, "step": 0}
@@ -117,7 +117,7 @@ def main():
     torch.manual_seed(0)
     model = DDP(Net())
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    fleet = {"path": args.fleet, "on_suspect": args.on_suspect, "interval_s": 0.5} if args.fleet else False
+    fleet = FleetOptions(path=args.fleet, on_suspect=args.on_suspect, interval_s=0.5) if args.fleet else False
     ckpt = Checkpointer(root, model=model, optimizer=opt, observer=False, on_live_fault="continue", fleet=fleet)
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0

@@ -27,7 +27,7 @@ import torch.nn as nn
 from job_common import digest, train_step  # noqa: E402 (beside this script: torchrun puts its folder on sys.path)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scout_ckpt import Checkpointer, ModelOptimizerState
+from scout_ckpt import Checkpointer, ModelOptimizerState, ObserverOptions
 
 
 def say(**kw) -> None:
@@ -62,7 +62,7 @@ def main():
         model=model,
         optimizer=opt,
         timeout_s=args.pg_timeout,
-        observer={"stall_s": args.stall_s, "action": "abort" if args.fault == "hang" else "report"},
+        observer=ObserverOptions(stall_s=args.stall_s, action="abort" if args.fault == "hang" else "report"),
     )
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0

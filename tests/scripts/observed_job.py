@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scout_ckpt import Checkpointer, ModelOptimizerState
+from scout_ckpt import Checkpointer, ModelOptimizerState, ObserverOptions
 
 
 def injected_hang_before_backward(root: str, rank: int, step: int) -> None:
@@ -91,7 +91,7 @@ def main():
     # pure FSDP shards have no replica to compare: the finite check vouches for them, so saves can be certified
     # the observer as a user configures it: the stall and the action (which the docs leave to the user); the
     # straggler rule, the poll and exchange intervals and the count sampling are the product's defaults
-    observer = {"stall_s": args.stall_s, "action": args.action}
+    observer = ObserverOptions(stall_s=args.stall_s, action=args.action)
     ckpt = Checkpointer(
         args.root,
         model=model,

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scout_ckpt import Checkpointer, ModelOptimizerState
+from scout_ckpt import Checkpointer, ModelOptimizerState, ObserverOptions
 
 
 class Pause(nn.Module):
@@ -95,7 +95,9 @@ def main():
     pause = Pause()
     model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), pause, nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ckpt = Checkpointer(args.root, model=model, optimizer=opt, observer=json.loads(args.observer))
+    ckpt = Checkpointer(
+        args.root, model=model, optimizer=opt, observer=ObserverOptions.from_dict(json.loads(args.observer))
+    )
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
 
