@@ -186,6 +186,13 @@ def main() -> None:
     if unknown:
         print(f"error: unknown framework {', '.join(unknown)} (known: {', '.join(FRAMEWORKS)})", file=sys.stderr)
         raise SystemExit(2)
+    for name in ("rounds", "tiny_rounds", "steps_per_save", "width", "layers", "sharded_width", "sharded_layers"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            raise SystemExit(2)
+    if args.warmup < 0:
+        print("error: --warmup must be at least 0", file=sys.stderr)
+        raise SystemExit(2)
     sizes = args.sizes.split(",")
     if not sizes or set(sizes) - {"tiny", "large"}:
         print(f"error: --sizes takes tiny, large (got {args.sizes!r})", file=sys.stderr)

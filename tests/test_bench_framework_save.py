@@ -38,6 +38,8 @@ def test_a_framework_not_installed_is_reported_skipped_with_its_reason(monkeypat
     [
         (["--frameworks", "deepspeed,nope"], "error: unknown framework nope (known: deepspeed, megatron, "),
         (["--sizes", "huge"], "error: --sizes takes tiny, large (got 'huge')"),
+        (["--rounds", "0"], "error: --rounds must be at least 1"),
+        (["--warmup", "-1"], "error: --warmup must be at least 0"),
     ],
 )
 def test_bad_options_end_with_one_line_and_exit_2(flags, message):
