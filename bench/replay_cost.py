@@ -24,6 +24,8 @@ optimizer step, `ckpt.step`) is timed between barriers, every `save()` too; the 
                                                                           amortized_share_<shape>_200 (P=200)
   save_blocking     (median save with the defaults - median save with replay=False) / step_off
                                                                        -> save_blocking_steps_<shape> (at P=100)
+  untouched_step    the defaults job's median untouched step / step_off -> untouched_step_vs_off_<shape>[_200]
+                    (a cost on every step would show here: the share above does not count it; 1 = none)
 
 Targets (docs/replay.md, "Cost"): amortized_share <= 0.02 at P=100 and <= 0.01 at P=200; save_blocking <= 1
 training step; every run at load <= 3 (the load is printed beside the figures). `--quick` runs one shape-size of
@@ -211,6 +213,9 @@ def main() -> None:
             results[f"{shape}_{every}"] = r
             suffix = "" if every == cadences[0] else f"_{every}"
             ratios[f"amortized_share_{shape}{suffix}"] = r["amortized_share"]
+            # a cost replay would add to EVERY step (not counted in the share, which charges touched steps against
+            # the defaults job's own untouched ones): its untouched steps over the replay=False job's steps
+            ratios[f"untouched_step_vs_off_{shape}{suffix}"] = r["step_plain_on_s"] / r["step_off_s"]
             if every == cadences[0]:
                 ratios[f"save_blocking_steps_{shape}"] = r["save_blocking_steps"]
                 ratios[f"warmup_steps_{shape}"] = r["warmup_steps"]

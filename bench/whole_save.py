@@ -17,9 +17,13 @@ beside the write, sweep_wait = what the save waits for it after the write, shard
 the shard evidence's exchange, begin = the `writing` row and temp dir, write = DCP's write with the writers'
 digests, evidence = consensus, invariants, at-rest and signatures, commit = gather, manifest, ledger verdict; the
 consensus thread's work during the write, DTensor shards' load signatures included, counts in `write`, and in
-`evidence` only as far as the evidence waits for it). Beside the wall times, `cpu_s`: the CPU seconds a save takes
-on the busier rank (the process's, every thread), per contender, and their ratio `cpu_vs_dcp`: on a shared host the
-CPU a save costs moves less than its wall time.
+`evidence` only as far as the evidence waits for it; within evidence, ev_consensus = consensus's exchange and the
+hashing it still waits for, ev_shard = the at-rest check and the shard replay's evidence, ev_signatures = the
+load-verification signatures, ev_replay = replay's coverage from the ledger). Each phase timed on the saving thread
+also has a `<phase>_cpu` (that thread's CPU in it), `main_cpu` is the saving thread's CPU for the whole save and
+`sweep_cpu` the sweep thread's. Beside the wall times, `cpu_s`: the CPU seconds a save takes on the busier rank (the
+process's, every thread), per contender, and their ratio `cpu_vs_dcp`: on a shared host the CPU a save costs moves
+less than its wall time.
 
 Two sizes: `small` (`--width`, `--layers`: the FSDP2 example's shape) and `large` (`--large-width`,
 `--large-layers`: at least 100 MB of state per rank in the FSDP script, parameters and AdamW's two moments; the
@@ -102,13 +106,50 @@ def _timed(owner, name: str, label: str, into: dict) -> None:
 
     @functools.wraps(fn)
     def wrapper(*a, **k):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(*a, **k)
         finally:
             into[label] = into.get(label, 0.0) + time.perf_counter() - t0
+            # the calling thread's CPU in it: on a shared host it moves less than the wall time
+            into[f"{label}_cpu"] = into.get(f"{label}_cpu", 0.0) + time.thread_time() - c0
 
     setattr(owner, name, wrapper)
+
+
+def sweep_thread_cpu(pending_cls, into: dict, profile_path: str | None) -> None:
+    """The sweep thread's own CPU seconds (`sweep_cpu`), and with `profile_path` its cProfile (every round)."""
+    import cProfile
+
+    run = pending_cls._run
+    prof = cProfile.Profile() if profile_path else None
+
+    @functools.wraps(run)
+    def wrapper(self, *a, **k):
+        c0 = time.thread_time()
+        if prof is not None:
+            prof.enable()
+        try:
+            return run(self, *a, **k)
+        finally:
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(profile_path)
+            into["sweep_cpu"] = into.get("sweep_cpu", 0.0) + time.thread_time() - c0
+
+    pending_cls._run = wrapper
+
+
+def _evidence_parts(into: dict) -> None:
+    """Time the parts of the live evidence: consensus's finish (its exchange, and the hashing it waits for), the
+    shard evidence (at-rest check, shard replay log), the load-verification signatures, replay's coverage."""
+    from scout_ckpt.consensus import save_time
+    from scout_ckpt.save.evidence import boundary, replay, shard
+
+    _timed(save_time.PendingConsensus, "finish", "ev_consensus", into)
+    _timed(shard.ShardEvidence, "live", "ev_shard", into)
+    _timed(boundary, "full_signatures", "ev_signatures", into)
+    _timed(replay.ReplayEvidence, "evidence", "ev_replay", into)
 
 
 def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
@@ -149,13 +190,15 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
         (commit_mod.Committer, "begin", "begin"),
     ):
         _timed(owner, name, label, phases)
+    _evidence_parts(phases)
 
     def write_timed(*a, **k):  # DCP's write as the Checkpointer calls it (the plain contender calls the original)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return real_dcp_save(*a, **k)
         finally:
             phases["write"] = phases.get("write", 0.0) + time.perf_counter() - t0
+            phases["write_cpu"] = phases.get("write_cpu", 0.0) + time.thread_time() - c0
 
     ck_mod.dcp = type(sys)("dcp_timed")
     ck_mod.dcp.__dict__.update({k: getattr(dcp, k) for k in dir(dcp) if not k.startswith("__")})
@@ -172,6 +215,7 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
             _timed(pending, "_run", "sweep_thread", phases)
             _timed(pending, "finish", "sweep_wait", phases)
             pending._bench_timed = True
+            sweep_thread_cpu(pending, phases, profile and os.path.join(profile, f"{kind}-sweep-rank{rank}.prof"))
     if ckpt.shard is not None:
         _timed(ckpt.shard, "flush", "shard_flush", phases)
     state = {"app": ModelOptimizerState(net, opt)}
@@ -197,13 +241,14 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
     def scout_save():
         phases.clear()
         dist.barrier(group=pg)
-        c0, t0 = _cpu_s(), time.perf_counter()
+        c0, t0, m0 = _cpu_s(), time.perf_counter(), time.thread_time()
         if profiles:
             profiles["scout"].enable()
         verdict = ckpt.save(step, state)
         if profiles:
             profiles["scout"].disable()
         dt = time.perf_counter() - t0
+        phases["main_cpu"] = time.thread_time() - m0
         cpu["scout"].append(_cpu_s() - c0)
         states.append((verdict or {}).get("state"))
         return dt, dict(phases)

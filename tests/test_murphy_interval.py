@@ -236,3 +236,41 @@ def test_the_default_interval_check_sees_a_flip_in_any_tensor_after_any_step():
         step()
         assert guard.findings == []
     guard.close()
+
+
+def test_the_default_interval_check_sees_a_flip_in_the_last_byte_of_every_tensor():
+    """Full coverage reaches the end of every tensor, not only its first element: one bit of the last byte of each
+    local tensor (first the guard's very last one: the last parameter's last optimizer state, AdamW's step count),
+    flipped after a step, is found before the next step, and a healthy step after it finds nothing. The flip is
+    checked on the tensor's own bytes (the oracle: the state really changed), not through the guard."""
+    import torch
+
+    from scout_ckpt.save.evidence.at_rest import AtRestGuard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = AtRestGuard(opt, model, every=None)
+
+    def step():
+        model(torch.randn(4, 8)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()
+    names, tensors = guard._tensors()
+    assert names[-1] == "1.bias:step"  # the last tensor the guard signs: the last parameter's last state
+    for name, t in [(names[-1], tensors[-1]), *zip(names, tensors)]:
+        raw = t.view(-1).view(torch.uint8)  # the tensor's own bytes; the last one is its highest-addressed
+        before = raw[-1].item()
+        s = guard._steps
+        with torch.no_grad():
+            raw[-1] ^= 0x01
+        assert raw[-1].item() != before  # the state really changed
+        step()
+        assert guard.findings == [{"tensor": name, "after_step": s, "before_step": s + 1}], name
+        guard.findings = []
+        step()
+        assert guard.findings == []
+    guard.close()
