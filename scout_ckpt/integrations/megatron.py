@@ -71,7 +71,7 @@ from scout_ckpt.integrations import mg_folders
 from scout_ckpt.integrations.mg_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import COORDINATOR, IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
-from scout_ckpt.options import ReplayOptions, as_replay
+from scout_ckpt.options import ReplayOptions, as_replay, check_group
 
 log = logging.getLogger("scout_ckpt.megatron")
 
@@ -145,8 +145,9 @@ class MegatronCheckpointer:
         timeout_s: timeout of the integration's own gloo group.
         model: the model the job trains (a module, Megatron's DistributedDataParallel around it, or the list of
             one model chunk Megatron-LM builds), for replay; without it replay is off (one WARNING at start).
-        replay: SDC replay across the data-parallel ranks (see the module docstring): None (on where it can run),
-            False (off), True (on; an error where it cannot run), or the core's ReplayOptions.
+        replay: SDC replay across the data-parallel ranks (see the module docstring), as the core's `replay=`:
+            True (default: on where it can run, else one WARNING), a ReplayOptions (asked for: refused where it
+            cannot run), False (off).
     """
 
     def __init__(
@@ -159,10 +160,11 @@ class MegatronCheckpointer:
         update_tracker: bool = True,
         timeout_s: float = 600.0,
         model: torch.nn.Module | list | None = None,
-        replay=None,
+        replay: ReplayOptions | bool = True,
     ):
         if on_live_fault not in ("raise", "continue"):
             raise ScoutError(f"on_live_fault must be 'raise' or 'continue' (got {on_live_fault!r})")
+        check_group("replay", replay)  # a wrong spelling fails here, before anything collective
         self.root = Path(save_dir)
         self.accept_single_owner, self.on_live_fault = accept_single_owner, on_live_fault
         self.update_tracker = update_tracker
@@ -206,6 +208,7 @@ class MegatronCheckpointer:
         None with one WARNING naming why (an explicit `replay=True` that cannot run is an error)."""
         from scout_ckpt.save.evidence.replay import ReplayEvidence
 
+        replay = as_replay(replay)  # None: on where it can run; ReplayOptions: asked for
         if replay is False:
             return None
         if isinstance(model, (list, tuple)):
@@ -231,7 +234,7 @@ class MegatronCheckpointer:
             )
         )
         if off is not None:
-            if replay:
+            if isinstance(replay, ReplayOptions):
                 raise ScoutError(f"replay was asked for but cannot run here: {off}")
             if self.run.rank == 0:
                 log.warning("scout-ckpt: replay is off (%s): a rank computing wrongly (SDC) is not detected", off)
@@ -240,11 +243,15 @@ class MegatronCheckpointer:
         from scout_ckpt.consensus.mesh import legacy_topology
 
         self.groups = ConsensusGroups.from_topology(legacy_topology("ddp", self.run.world), timeout_s=timeout_s)
-        replay = as_replay(replay)
-        opts = replay if isinstance(replay, ReplayOptions) else ReplayOptions()
-        if opts.targets is None:  # Megatron's own layers are not nn.Embedding / nn.Linear: name them
-            opts = dataclasses.replace(opts, targets=default_targets(model))
-        return ReplayEvidence.start(opts, model=model, optimizer=None, groups=self.groups, auto_on=True)
+        # Megatron's own layers are not nn.Embedding / nn.Linear: name them (a model without them: the core's
+        # discovery, which turns replay off with a WARNING where it finds nothing and nothing was asked for)
+        named = default_targets(model)
+        if isinstance(replay, ReplayOptions):
+            if replay.targets is None and named:
+                replay = dataclasses.replace(replay, targets=named)
+        elif named:
+            replay = ReplayOptions(targets=named)
+        return ReplayEvidence.start(replay, model=model, optimizer=None, groups=self.groups, auto_on=True)
 
     def _versions(self) -> dict:
         from importlib.metadata import version
