@@ -24,7 +24,11 @@ the [n, 2] signatures and the time taken. When all members' digests are equal (t
 AGREEs and nothing more is exchanged within the group; otherwise one all_gather of the [n, 2] signatures gives
 per-tensor verdicts. Then one all_gather_object of the small group verdicts over the world group, except where the
 only group is the world (DDP): every rank already holds the only verdict. A healthy DDP save thus costs one
-collective of 48 bytes per rank. A group that times out raises (gloo's timeout of `ConsensusGroups`).
+collective of 56 bytes per rank. A group that times out raises (gloo's timeout of `ConsensusGroups`).
+
+On a multi-node torchrun job (`ConsensusGroups.nodes`) the headers and the group verdicts go through each node's
+aggregator and the coordinator instead (node_exchange.py), with the same decisions: what one process receives then
+grows with the node count, not the rank count.
 
 Non-tensor leaves are compared by their canonical encoding (canonical.py: sets sorted, floats by bits, ...); a leaf
 that has none is not compared: it is listed in the evidence (`not_comparable`: key and why, `n_not_comparable`)
@@ -49,6 +53,7 @@ from typing import Any, Callable, Collection, Mapping
 import torch
 import torch.distributed as dist
 
+from scout_ckpt.consensus import node_exchange as nx
 from scout_ckpt.consensus.c3 import (
     ATTRIBUTED,
     INCONCLUSIVE,
@@ -70,7 +75,7 @@ from scout_ckpt.policy import INCONCLUSIVE as EV_INCONCLUSIVE
 MAX_NAMES = 8  # tensor names listed per reason
 GATE_S = 60.0  # the longest background hashing waits for the write to start: a write never started only
 WRITE_S = 600.0  # delays it; nor does a write that outlasts WRITE_S (its tensors are then hashed here)
-STRUCTURE = "(state structure)"
+STRUCTURE = nx.STRUCTURE_NAME
 
 
 def _select(flat: Mapping[str, Any], names_filter: Callable[[str], bool] | Collection[str] | None) -> list[str]:
@@ -153,6 +158,21 @@ def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) ->
     return plan
 
 
+def _header(
+    flat: Mapping[str, Any], names: list[str], sigs: torch.Tensor, elapsed: float, tags: list[str], covers: bool
+) -> torch.Tensor:
+    """[7] int64: structure digest (3), a 128-bit digest of the [n, 2] signature rows (2), the time taken (a
+    float64's bits) and the covers flag."""
+    return torch.cat(
+        [
+            structure_digest(names, flat, tags),
+            bytes_signature(sigs.numpy().tobytes()),
+            torch.tensor([elapsed], dtype=torch.float64).view(torch.int64),
+            torch.tensor([int(covers)], dtype=torch.int64),
+        ]
+    )
+
+
 def _group_verdict(
     flat: Mapping[str, Any],
     names: list[str],
@@ -168,17 +188,21 @@ def _group_verdict(
     fixed-size header (structure digest, a 128-bit digest of the [n, 2] signature rows, the time taken, the covers
     flag) decides the healthy case; only when the signature digests differ are the signatures themselves gathered,
     for per-tensor verdicts."""
-    header = structure_digest(names, flat, tags)
-    mine = torch.cat(
-        [
-            header,
-            bytes_signature(sigs.numpy().tobytes()),
-            torch.tensor([elapsed], dtype=torch.float64).view(torch.int64),
-            torch.tensor([int(covers)], dtype=torch.int64),
-        ]
-    )
+    mine = _header(flat, names, sigs, elapsed, tags, covers)
     rows = [torch.empty_like(mine) for _ in members]
     dist.all_gather(rows, mine, group=pg)
+    return verdict_of_headers(rows, members, names, sigs, lambda: c3_over_group(sigs, pg, members, names))
+
+
+def verdict_of_headers(
+    rows: list[torch.Tensor],
+    members: list[int],
+    names: list[str],
+    sigs: torch.Tensor,
+    per_tensor: Callable[[], GroupVerdict],
+) -> tuple[GroupVerdict, float, bool, bool]:
+    """`_group_verdict` from every member's header (rows, in member order); `per_tensor()` gathers the
+    signatures and gives the per-tensor verdict, called only when the signature digests differ."""
     slowest = max(float(r[5:6].view(torch.float64)) for r in rows)
     everyone_covers = all(int(r[6]) == 1 for r in rows)
     if any(not torch.equal(r[:3], rows[0][:3]) for r in rows):
@@ -195,7 +219,18 @@ def _group_verdict(
             True,
             everyone_covers,
         )
-    return c3_over_group(sigs, pg, members, names), slowest, True, everyone_covers
+    return per_tensor(), slowest, True, everyone_covers
+
+
+def _broadcaster(sigs: torch.Tensor, pg) -> Callable[[int], torch.Tensor]:
+    """node_exchange.verdict's `fetch`: the signature rows of a class's lowest rank, broadcast over the group."""
+
+    def fetch(source: int) -> torch.Tensor:
+        batch = sigs.clone() if source == dist.get_rank() else torch.empty_like(sigs)
+        dist.broadcast(batch, src=source, group=pg)
+        return batch
+
+    return fetch
 
 
 def _hash_groups(
@@ -343,27 +378,39 @@ class PendingConsensus:
             )
         sigs, elapsed = self._hashed()
         plain = groups.grid.plain_dims
+        per_node = groups.nodes is not None  # a multi-node torchrun job: through the node aggregators
+        taking = [(i, k) for i, k in enumerate(groups.kinds) if len(k.members) >= 2]  # the same order everywhere
+        tags = {i: plan.tags if k.dims == plain else [] for i, k in taking}
+        decided = {}
+        if per_node:
+            items = [
+                (
+                    i,
+                    k.index,
+                    tuple(
+                        _header(flat, plan.by_dims.get(k.dims, []), sigs[i], elapsed, tags[i], self._covers).tolist()
+                    ),
+                )
+                for i, k in taking
+            ]
+            decided = nx.exchange_headers(groups.nodes, groups.rank, items, groups.world_group)
         entries, structure_ok, covered = [], True, []
-        for index, kind in enumerate(groups.kinds):  # the same order on every rank
-            if len(kind.members) < 2:
-                continue
+        for index, kind in taking:
             mine = plan.by_dims.get(kind.dims, [])
-            gv, slowest, same, covers = _group_verdict(
-                flat,
-                mine,
-                kind.pg,
-                kind.members,
-                sigs[index],
-                elapsed,
-                plan.tags if kind.dims == plain else [],
-                self._covers,
-            )
+            if per_node:
+                decision, slowest, covers = decided[index]
+                gv = nx.verdict(decision, mine, kind.members, sigs[index], _broadcaster(sigs[index], kind.pg))
+                same = decision[0] != nx.STRUCTURE
+            else:
+                gv, slowest, same, covers = _group_verdict(
+                    flat, mine, kind.pg, kind.members, sigs[index], elapsed, tags[index], self._covers
+                )
             structure_ok = structure_ok and same
             covered.append(covers)
             entries.append(
                 {
                     "kind": index,
-                    "members": list(gv.group_ranks),
+                    **({"group": kind.index} if per_node else {"members": list(gv.group_ranks)}),
                     "dims": list(kind.names),
                     "verdict": gv.status,
                     "attributed": list(gv.attributed_ranks),
@@ -387,14 +434,23 @@ class PendingConsensus:
         if world_only:  # DDP: one group of every rank, whose verdict every rank already holds
             if not structure_ok:  # the layouts differ between ranks: report the structure verdict only
                 local.update(single=[], problems=[], not_comparable=[])
-            everyone: list[Any] = [local]
+            everyone: list[Any] = nx.unfold(nx.fold([{**local, "covers": True}]), groups) if per_node else [local]
             self.everyone_covers = bool(covered) and all(covered)  # the world's header said it
+        elif per_node:  # the verdicts folded per node, then at the coordinator, and sent back down
+            folded = nx.exchange_locals(
+                groups.nodes, groups.rank, {**local, "covers": self._covers}, groups.world_group
+            )
+            everyone = nx.unfold(folded, groups)
+            self.everyone_covers = folded["covers"]
         else:
             local["covers"] = self._covers
             everyone = [None] * groups.world_size
             dist.all_gather_object(everyone, local, group=groups.world_group)
             self.everyone_covers = all(e["covers"] for e in everyone)
-        return _summarise(everyone, groups)
+        out = _summarise(everyone, groups)
+        if per_node:
+            out["exchange"] = "per_node"  # through the node aggregators (the flat path writes no such key)
+        return out
 
 
 def start_consensus(
