@@ -4,7 +4,8 @@ Every observer writes its status each round to a node-local folder (/dev/shm; `h
 checkpoint filesystem sees a status only when a trainer's state changes (start, death, close), which is what
 aftermath.py and the start-up's wait read there. The observer of the node's first rank is its aggregator: each
 round it reads its node's statuses, publishes the node's summary to the root's store, runs the straggler rule
-over its node's ranks (a straggler is named against its node's peers), and copies the store's claims counter
+over its node's ranks (a straggler is named against its node's peers; the node's pace goes into its summary,
+and the root compares the nodes' paces: observer/node_pace.py), and copies the store's claims counter
 into the node-local `claims-gen` file, from which every observer of the node learns that an incident was
 published (it then lists ROOT's claims once, not every round). Node 0's aggregator is the root: it hosts the
 store, reads the summaries and judges the job (node_summary.judge), publishing through the same claim protocol as
@@ -60,6 +61,11 @@ class NodeRole:
             from scout_ckpt.observer.stragglers import StragglerJudge
 
             self.stragglers = StragglerJudge(self.last - self.first + 1, **daemon.cfg["straggler"])
+        self.node_pace = None
+        if self.root:
+            from scout_ckpt.observer.node_pace import NodePaceJudge
+
+            self.node_pace = NodePaceJudge(**daemon.cfg["straggler"])
 
     def status_path(self, rank: int) -> Path:
         return self.local / f"status-{rank}.json"
@@ -143,7 +149,8 @@ class NodeRole:
             key = f"straggler-r{ev['ranks'][0]}-s{ev['step']}"
             ev["detail"]["node"] = self.node
             self.d.incidents.publish("straggler", ev["ranks"], ev["step"], ev["detail"], key, rows)
-        summary = ns.summarize(self.node, self.d.host, self.first, self.last, self.d.beat, rows, self.d.stall_s)
+        pace = self.stragglers.pace() if self.stragglers is not None else None
+        summary = ns.summarize(self.node, self.d.host, self.first, self.last, self.d.beat, rows, self.d.stall_s, pace)
         try:
             if self.transport is None:
                 from scout_ckpt.observer.store_transport import StoreTransport
@@ -160,6 +167,7 @@ class NodeRole:
                 job = hier.root_round(self.groups, t.read, self.beats, now)
                 self.unsettled = any(f[0] in ("running", "stopped") for f, _ in job["groups"])
                 self.judge(now, job)
+                self.judge_pace(job)
             gen = t.claims()
         except Exception as e:  # the store unreachable: could not check, never a verdict (module docstring)
             if not self._failing:
@@ -180,6 +188,17 @@ class NodeRole:
             os.replace(tmp, self.local / CLAIMS_GEN)
 
     # ---- the root ---------------------------------------------------------------------------------------------
+
+    def judge_pace(self, job: dict) -> None:
+        """Nodes slow as a whole (observer/node_pace.py), named with their node's ranks."""
+        for ev in self.node_pace.update(job) if self.node_pace is not None else ():
+            key = f"straggler-n{ev['detail']['node']}-s{ev['step']}"
+            table = {
+                k: {**{f: v for f, v in row.items() if f not in ("ranks", "n")}, "rank": spans(row["ranks"])}
+                for k, row in ns.to_rows(job, self.d.stall_s).items()
+            }
+            if self.d.incidents.publish("straggler", ev["ranks"], ev["step"], ev["detail"], key, table):
+                self.transport.bump_claims()
 
     def judge(self, now: float, job: dict) -> None:
         d = self.d
