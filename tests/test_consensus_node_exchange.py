@@ -21,6 +21,16 @@ from scout_ckpt.testing.launch import run_ranks
 from tests import workers_node_consensus as W
 
 NAMES = ["w", "b", "step"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm():
+    """As tests/test_consensus_save_time.py: the first optimizer step's imports happen once, before forking."""
+    from tests import workers_consensus
+
+    workers_consensus.replicated_state()
+
+
 GOOD = torch.tensor([[1, 10], [2, 20], [3, 30]], dtype=torch.int64)
 
 

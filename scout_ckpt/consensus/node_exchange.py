@@ -90,32 +90,44 @@ def node_summary(items: Iterable[tuple[int, tuple[int, int, Sequence[int]]]]) ->
     return {g: ({k: runs(v) for k, v in c.items()}, slowest[g], covers[g]) for g, c in classes.items()}
 
 
+def join(specs: Iterable[Sequence[int]]) -> tuple[int, ...]:
+    """Several runs of ranks (disjoint, as different nodes' are) as one: O(runs log runs), not O(ranks)."""
+    pairs = sorted((spec[i], spec[i + 1]) for spec in specs for i in range(0, len(spec), 2))
+    out: list[int] = []
+    for lo, hi in pairs:
+        if out and out[-1] >= lo:
+            out[-1] = max(out[-1], hi)
+        else:
+            out += [lo, hi]
+    return tuple(out)
+
+
 def merge(summaries: Iterable[dict]) -> dict:
-    """Node summaries merged per replica group: {(kind, index): ({key: sorted ranks}, slowest, covers)}."""
-    out: dict[tuple[int, int], tuple[dict[bytes, list[int]], float, bool]] = {}
+    """Node summaries merged per replica group: {(kind, index): ({key: runs of ranks}, slowest, covers)}."""
+    out: dict[tuple[int, int], tuple[dict[bytes, list], float, bool]] = {}
     for s in summaries:
         for g, (classes, slowest, covers) in s.items():
             have, t, c = out.get(g, ({}, float("-inf"), True))
             for k, spec in classes.items():
-                have.setdefault(k, []).extend(unruns(spec))
+                have.setdefault(k, []).append(spec)
             out[g] = (have, max(t, slowest), c and covers)
-    return {g: ({k: sorted(v) for k, v in c.items()}, t, cov) for g, (c, t, cov) in out.items()}
+    return {g: ({k: join(v) for k, v in c.items()}, t, cov) for g, (c, t, cov) in out.items()}
 
 
-def decide(classes: dict[bytes, list[int]]) -> tuple:
-    """One replica group's decision from its members grouped by key, as the flat path decides from every
-    member's header: (STRUCTURE, [(structure, runs)]) when the structure digests differ; (AGREE,) when every
-    member holds the same key; else (SIGS, [(lowest rank, runs)]): the classes whose signature batches the
-    members exchange for per-tensor verdicts. Classes in order of their lowest rank."""
-    ordered = sorted(classes.items(), key=lambda kv: min(kv[1]))
-    structures: dict[tuple[int, int, int], list[int]] = {}
-    for k, ranks in ordered:
-        structures.setdefault(structure_of(k), []).extend(ranks)
+def decide(classes: dict[bytes, Sequence[int]]) -> tuple:
+    """One replica group's decision from its members grouped by key ({key: runs of ranks}), as the flat path
+    decides from every member's header: (STRUCTURE, [(structure, runs)]) when the structure digests differ;
+    (AGREE,) when every member holds the same key; else (SIGS, [(lowest rank, runs)]): the classes whose
+    signature batches the members exchange for per-tensor verdicts. Classes in order of their lowest rank."""
+    ordered = sorted(classes.items(), key=lambda kv: kv[1][0])
+    structures: dict[tuple[int, int, int], list] = {}
+    for k, spec in ordered:
+        structures.setdefault(structure_of(k), []).append(spec)
     if len(structures) > 1:
-        return (STRUCTURE, [(s, runs(r)) for s, r in structures.items()])
+        return (STRUCTURE, [(st, join(specs)) for st, specs in structures.items()])
     if len(ordered) == 1:
         return (AGREE,)
-    return (SIGS, [(min(r), runs(r)) for _, r in ordered])
+    return (SIGS, [(spec[0], tuple(spec)) for _, spec in ordered])
 
 
 def positions(spec: Sequence[int], members: Sequence[int]) -> list[int]:
