@@ -56,6 +56,9 @@ class NodeRole:
         self.unsettled = False  # the root: some rank's last word is not final yet (someone is left to judge)
         self.local_gen: str | None = None
         self._failing = False
+        self.heard_root = False  # the root's store answered at least once
+        self.lost_since: float | None = None  # since when it does not (this host's clock)
+        self.lost_recorded = False
         self.stragglers = None
         if self.aggregator:
             from scout_ckpt.observer.stragglers import StragglerJudge
@@ -96,7 +99,13 @@ class NodeRole:
         d = self.d
         if not self.aggregator or d._stop or d.gone_since is None:
             return False
-        return now - d.gone_since < 3 * d.cfg["linger_s"] and (self.node_alive(now) or (self.root and self.unsettled))
+        return now - d.gone_since < 3 * d.cfg["linger_s"] and (
+            self.node_alive(now) or (self.root and self.unsettled) or self.lost_pending()
+        )
+
+    def lost_pending(self) -> bool:
+        """The root's store stopped answering and this survivor has not recorded it yet (observer/root_lost.py)."""
+        return not self.root and self.heard_root and self.lost_since is not None and not self.lost_recorded
 
     def new_claims(self) -> bool:
         """The node-local claims counter moved since the last call (an incident was published somewhere)."""
@@ -179,13 +188,33 @@ class NodeRole:
                     e,
                 )
             self._failing = True
+            if self.lost_since is None:
+                self.lost_since = now
+            self.record_root_lost(now, rows)
             return
         self._failing = False
+        self.heard_root, self.lost_since = True, None
         if gen != self.claims_seen:
             self.claims_seen = gen
             tmp = self.local / f".{CLAIMS_GEN}.tmp"
             tmp.write_text(str(gen))
             os.replace(tmp, self.local / CLAIMS_GEN)
+
+    def record_root_lost(self, now: float, rows: dict) -> None:
+        """Once the store has been silent for the live timeout times this node's number (the lowest surviving
+        node first), record what this survivor can judge (observer/root_lost.py), once, through ROOT's claims."""
+        d = self.d
+        since = self.lost_since
+        if since is None or not self.lost_pending() or now - since < d.live_timeout_s * max(self.node, 1):
+            return
+        from scout_ckpt.observer import root_lost
+
+        lws = self.last - self.first + 1
+        own = ns.summarize(self.node, d.host, self.first, self.last, d.beat, rows, d.stall_s)
+        got = root_lost.judge(own, (0, lws - 1), now - since, d.world, d.stall_s)
+        self.lost_recorded = True
+        key = f"root-lost-{got['kind']}"
+        d.incidents.publish(got["kind"], got["ranks"], got["step"], got["detail"], key, rows)
 
     # ---- the root ---------------------------------------------------------------------------------------------
 
