@@ -16,7 +16,7 @@ from tests.conftest import run_cli
 from tests.placement import place
 from tests.test_multinode import NNODES, NPROC, job_lines, newest_save_before, run_agents
 
-pytestmark = pytest.mark.scenario
+pytestmark = [pytest.mark.scenario, pytest.mark.timing]  # the observer's judgement: `make stress` too
 
 
 def events_of(root) -> list[dict]:
