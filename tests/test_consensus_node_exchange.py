@@ -3,7 +3,7 @@ grouped headers is the flat one, and the one written here by hand.
 
 Fast tests over hand-written header tables and signature rows: each case is judged three ways, (1) grouped: node
 summaries -> merge -> decide -> verdict, as the aggregators and the coordinator compute it; (2) flat: every
-member's header in member order, as save_time's all_gather path computes it (its per-tensor step gathers every
+member's header in member order, as group_exchange.group_verdict computes it (its per-tensor step gathers every
 member's rows); (3) the expected verdict, written by hand. Then real gloo ranks laid out as torchrun nodes run a
 save's consensus both ways on the same state and must give the same evidence, naming the rank flipped here."""
 
@@ -16,7 +16,7 @@ import torch
 
 from scout_ckpt.consensus import node_exchange as nx
 from scout_ckpt.consensus.c3 import ATTRIBUTED, INCONCLUSIVE, c3_of_classes, c3_verdict, verdicts_from_gathered
-from scout_ckpt.consensus.save_time import verdict_of_headers
+from scout_ckpt.consensus.group_exchange import verdict_of_headers
 from scout_ckpt.testing.launch import run_ranks
 from tests import workers_node_consensus as W
 

@@ -18,7 +18,7 @@ the load-verification signatures (`replica_rows` -> `full_signatures(known=...)`
 hashed once per rank; where every rank hashed every leaf (`full_rows`), those signatures need no collective.
 
 Collectives, per set of compare dims (the topology's order, the same on every rank), over this rank's group for
-it: one tiny all_gather of a fixed-size header: a structure digest (so that replicas whose state has different
+it (group_exchange.py): one tiny all_gather of a fixed-size header: a structure digest (so that replicas whose state has different
 keys, shapes, dtypes or layouts are caught and the signature batches are known to line up), a 128-bit digest of
 the [n, 2] signatures and the time taken. When all members' digests are equal (the healthy case) every piece
 AGREEs and nothing more is exchanged within the group; otherwise one all_gather of the [n, 2] signatures gives
@@ -57,25 +57,27 @@ from scout_ckpt.consensus import node_exchange as nx
 from scout_ckpt.consensus.c3 import (
     ATTRIBUTED,
     INCONCLUSIVE,
-    GroupVerdict,
-    c3_over_group,
-    c3_verdict,
-    combine,
-    verdicts_from_gathered,
 )
 from scout_ckpt.consensus.canonical import NotComparable
 from scout_ckpt.consensus.full import shard_partials
+from scout_ckpt.consensus.group_exchange import (  # noqa: F401  (STRUCTURE, structure_digest: this module's names too)
+    STRUCTURE,
+    broadcaster,
+    group_verdict,
+    header,
+    leaf_kind,
+    structure_digest,
+)
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.mesh import LayoutError, dtensor_dims_cached, is_dtensor
-from scout_ckpt.consensus.signatures import bytes_signature, digest_row, flatten_state, replica_signatures
+from scout_ckpt.consensus.signatures import digest_row, flatten_state, replica_signatures
 from scout_ckpt.policy import FAIL, MISSING, NOT_APPLICABLE, PASS, evidence
 from scout_ckpt.policy import INCONCLUSIVE as EV_INCONCLUSIVE
 
 MAX_NAMES = 8  # tensor names listed per reason
 GATE_S = 60.0  # the longest background hashing waits for the write to start: a write never started only
 WRITE_S = 600.0  # delays it; nor does a write that outlasts WRITE_S (its tensors are then hashed here)
-STRUCTURE = nx.STRUCTURE_NAME
 
 
 def _select(flat: Mapping[str, Any], names_filter: Callable[[str], bool] | Collection[str] | None) -> list[str]:
@@ -87,17 +89,6 @@ def _select(flat: Mapping[str, Any], names_filter: Callable[[str], bool] | Colle
         wanted = set(names_filter)
         keep = [n for n in flat if n in wanted]
     return sorted(keep)
-
-
-def _kind(leaf: Any) -> str:
-    return f"{leaf.dtype}{tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else "bytes"
-
-
-def structure_digest(names: list[str], flat: Mapping[str, Any], tags: list[str] = ()) -> torch.Tensor:
-    """[3] int64: entry count and a 128-bit digest of the names, dtypes and shapes (bytes leaves: their kind),
-    and of `tags` (the layouts of the pieces compared elsewhere)."""
-    blob = "".join(f"{n}\0{_kind(flat[n])}\0" for n in names) + "".join(f"{t}\0" for t in tags)
-    return torch.cat([torch.tensor([len(names)], dtype=torch.int64), bytes_signature(blob.encode())])
 
 
 @dataclass
@@ -152,85 +143,10 @@ def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) ->
         else:
             plan.by_dims.setdefault(dims, []).append(n)
         if dims != plain:
-            plan.tags.append(f"{n}\0{_kind(leaf)}\0{grid.dim_names(dims)}")
+            plan.tags.append(f"{n}\0{leaf_kind(leaf)}\0{grid.dim_names(dims)}")
     if plain_names is not None and not plain_names:
         del plan.by_dims[plain]  # as before: a dims entry only where some piece goes
     return plan
-
-
-def _header(
-    flat: Mapping[str, Any], names: list[str], sigs: torch.Tensor, elapsed: float, tags: list[str], covers: bool
-) -> torch.Tensor:
-    """[7] int64: structure digest (3), a 128-bit digest of the [n, 2] signature rows (2), the time taken (a
-    float64's bits) and the covers flag."""
-    return torch.cat(
-        [
-            structure_digest(names, flat, tags),
-            bytes_signature(sigs.numpy().tobytes()),
-            torch.tensor([elapsed], dtype=torch.float64).view(torch.int64),
-            torch.tensor([int(covers)], dtype=torch.int64),
-        ]
-    )
-
-
-def _group_verdict(
-    flat: Mapping[str, Any],
-    names: list[str],
-    pg,
-    members: list[int],
-    sigs: torch.Tensor,
-    elapsed: float,
-    tags: list[str] = (),
-    covers: bool = False,
-) -> tuple[GroupVerdict, float, bool, bool]:
-    """(verdict of one replica group, the slowest member's time to its signatures, whether the members' structure
-    agreed, whether every member `covers` its whole state); identical on every member. One all_gather of a
-    fixed-size header (structure digest, a 128-bit digest of the [n, 2] signature rows, the time taken, the covers
-    flag) decides the healthy case; only when the signature digests differ are the signatures themselves gathered,
-    for per-tensor verdicts."""
-    mine = _header(flat, names, sigs, elapsed, tags, covers)
-    rows = [torch.empty_like(mine) for _ in members]
-    dist.all_gather(rows, mine, group=pg)
-    return verdict_of_headers(rows, members, names, sigs, lambda: c3_over_group(sigs, pg, members, names))
-
-
-def verdict_of_headers(
-    rows: list[torch.Tensor],
-    members: list[int],
-    names: list[str],
-    sigs: torch.Tensor,
-    per_tensor: Callable[[], GroupVerdict],
-) -> tuple[GroupVerdict, float, bool, bool]:
-    """`_group_verdict` from every member's header (rows, in member order); `per_tensor()` gathers the
-    signatures and gives the per-tensor verdict, called only when the signature digests differ."""
-    slowest = max(float(r[5:6].view(torch.float64)) for r in rows)
-    everyone_covers = all(int(r[6]) == 1 for r in rows)
-    if any(not torch.equal(r[:3], rows[0][:3]) for r in rows):
-        return (
-            combine([c3_verdict([tuple(r[:3].tolist()) for r in rows])], members, [STRUCTURE]),
-            slowest,
-            False,
-            everyone_covers,
-        )
-    if all(torch.equal(r[3:5], rows[0][3:5]) for r in rows):  # every member holds the same signatures
-        return (
-            verdicts_from_gathered(sigs.unsqueeze(0).expand(len(rows), -1, -1), members, names),
-            slowest,
-            True,
-            everyone_covers,
-        )
-    return per_tensor(), slowest, True, everyone_covers
-
-
-def _broadcaster(sigs: torch.Tensor, pg) -> Callable[[int], torch.Tensor]:
-    """node_exchange.verdict's `fetch`: the signature rows of a class's lowest rank, broadcast over the group."""
-
-    def fetch(source: int) -> torch.Tensor:
-        batch = sigs.clone() if source == dist.get_rank() else torch.empty_like(sigs)
-        dist.broadcast(batch, src=source, group=pg)
-        return batch
-
-    return fetch
 
 
 def _hash_groups(
@@ -387,9 +303,7 @@ class PendingConsensus:
                 (
                     i,
                     k.index,
-                    tuple(
-                        _header(flat, plan.by_dims.get(k.dims, []), sigs[i], elapsed, tags[i], self._covers).tolist()
-                    ),
+                    tuple(header(flat, plan.by_dims.get(k.dims, []), sigs[i], elapsed, tags[i], self._covers).tolist()),
                 )
                 for i, k in taking
             ]
@@ -399,10 +313,10 @@ class PendingConsensus:
             mine = plan.by_dims.get(kind.dims, [])
             if per_node:
                 decision, slowest, covers = decided[index]
-                gv = nx.verdict(decision, mine, kind.members, sigs[index], _broadcaster(sigs[index], kind.pg))
+                gv = nx.verdict(decision, mine, kind.members, sigs[index], broadcaster(sigs[index], kind.pg))
                 same = decision[0] != nx.STRUCTURE
             else:
-                gv, slowest, same, covers = _group_verdict(
+                gv, slowest, same, covers = group_verdict(
                     flat, mine, kind.pg, kind.members, sigs[index], elapsed, tags[index], self._covers
                 )
             structure_ok = structure_ok and same
