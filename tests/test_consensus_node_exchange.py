@@ -218,6 +218,7 @@ def _both(out) -> dict:
     return first
 
 
+@pytest.mark.scenario  # 7 s on an idle host; the HSDP twin below runs in `make test`, both rounds included
 def test_ddp_per_node_evidence_is_the_flat_one_and_names_the_flipped_rank():
     out = _both(run_ranks(W.both_ways, 4, timeout=180, node_size=2, flip_rank=3))
     assert out["per_node"] == out["flat"]
