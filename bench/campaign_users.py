@@ -5,13 +5,13 @@ Loaded by bench/campaign.py (`--kinds hang2,straggler_before_forward,live_sdc`).
 of the straggler rule is tuned, no poll or exchange interval is set; the only observer option given is `stall_s`
 (and `action`), which the documentation leaves to the user (30 s, the value a user's script here carries):
 
-  hang2     tests/scripts/user_ddp_job.py on 2 ranks (a DDP MLP), `observer={"stall_s": 30, "action": "abort"}`:
+  hang2     tests/scripts/user_ddp_job.py on 2 ranks (a DDP MLP), `ObserverOptions(stall_s=30, action="abort")`:
             one rank, drawn per incident, blocks forever at a place drawn per incident (before forward, inside
             forward, before backward, inside the optimizer step; an Event wait or a sleep) at a drawn step. A
             `hang` event must name it, the abort must end the generation, torchrun's restart must finish the job.
             latency_s: from the fault to the event.
   straggler_before_forward
-            user_ddp_job.py on 2, 3 or 4 ranks (drawn), `observer={"stall_s": 30, "action": "report"}`, 150
+            user_ddp_job.py on 2, 3 or 4 ranks (drawn), `ObserverOptions(stall_s=30, action="report")`, 150
             steps, a save every 50: one rank's data loader takes 3x as long as the others' every step (before
             its forward). A `straggler` event must name it. latency_s: from its first slow step to the event.
   live_sdc  tests/scripts/live_fault_job.py, a DDP MLP with dropout and a user's math hook, `replay=True`, 2 or 3

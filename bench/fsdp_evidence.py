@@ -25,7 +25,7 @@ slowest rank's mean step time (a collective step is done when its last rank is);
 At-rest signing, by default, happens only after the steps a save follows (the Checkpointer's default once it has
 seen a save: shard_evidence.py, "Save cadence"); its cost is one hash pass per save, charged to the per-step figure
 as (signing time / --save-every). `--at-rest-every K` signs after every K-th step instead (K = 1: every step, the
-previous default, or `shard_evidence={"at_rest_every": 1}`).
+previous default, or `shard_evidence=ShardEvidenceOptions(at_rest_every=1)`).
 """
 
 from __future__ import annotations

@@ -19,8 +19,14 @@ What runs is the product's own code, fed what a job of R ranks would feed it:
              module is present; otherwise today's flat round (every rank's status file read by rank 0's observer:
              observer_round below), and the JSON says so under "judge_source".
 
-Not counted in gather_bytes_per_save: the live evidence's own collectives at a save (consensus signatures and
-verdicts), which are not aggregated per node.
+  consensus  consensus's exchange at a save of a DDP job (one replica group of every rank, every replica in
+             agreement): every rank's header to its node's aggregator, each aggregator's node summary (the
+             ranks per distinct header, consensus/node_exchange.node_summary) to the coordinator, which merges and
+             decides (node_exchange.merge, decide: CPU seconds, `consensus_root_s`), and the decisions back down;
+             `consensus_header_bytes_ddp` is the most one process receives in it (real pickled payloads, a
+             length per message). gather_bytes_per_save is the max over the save's exchanges, this one included.
+             The flat all_gather's figure (56 bytes per rank, to every rank) is printed beside it
+             (`consensus_flat_header_bytes_ddp`).
 
 `at_max` holds the figures at the largest R, `growth` each figure at the largest R over the smallest (R itself
 grows `rank_growth` times: flat gives 1, linear gives rank_growth); `goals` the issue's goals at 10^5 ranks.
@@ -139,9 +145,50 @@ def save_gather(ranks: int, step: int, scratch: Path) -> dict:
         "manifest_bytes": len(manifest.encode(m)),
         "node_manifest_bytes_max": max(node_bytes),
         "node_manifests_write_s": write_s,
-        # not aggregated per node, not in gather_bytes_per_save: consensus's header all_gather over a DDP job's
-        # one replica group (consensus/save_time.py: 7 int64 per member), received by every rank
-        "consensus_header_bytes_ddp": CONSENSUS_HEADER_BYTES * ranks,
+    }
+
+
+def consensus_exchange(ranks: int) -> dict:
+    """Consensus's per-node exchange at one healthy DDP save of R ranks, with its real payloads (see the module
+    docstring): the bytes each role receives, and the coordinator's merge-and-decide time."""
+    import random
+    import struct
+
+    from scout_ckpt.consensus import node_exchange as nx
+    from scout_ckpt.consensus import nodes as links
+
+    rnd = random.Random(ranks)
+    digest = [rnd.getrandbits(63) for _ in range(5)]  # the same structure and signatures on every replica
+
+    def header(r: int) -> tuple:
+        t = struct.unpack("<q", struct.pack("<d", 0.05 + rnd.random() / 100))[0]  # each rank's own time
+        return (*digest, t, 1)
+
+    up = {r: [(0, 0, header(r))] for r in range(ranks)}  # what each rank sends its aggregator (kind 0, group 0)
+    sent = {r: len(links.wire(items)) + LENGTH_BYTES for r, items in up.items()}
+    nodes = nodes_of(ranks)
+    summaries = [(len(m), nx.node_summary((r, it) for r in m for it in up[r])) for m in nodes]
+    t0 = time.process_time()  # CPU seconds, as the readers' figures (the machine may be shared)
+    merged = nx.merge(s for _, s in summaries)
+    decided = {g: (nx.decide(c), t, cov) for g, (c, t, cov) in merged.items()}
+    root_s = time.process_time() - t0
+    answers = [{g: decided[g] for g in s} for _, s in summaries]  # the coordinator's answer to each aggregator
+    down = [len(links.wire(a)) + LENGTH_BYTES for a in answers]
+    rank_down = len(links.wire({0: decided[(0, 0)]})) + LENGTH_BYTES
+    per_node = len(nodes) > 1
+    members = [sum(sent[r] for r in m[1:]) for m in nodes]
+    recv = {
+        "coordinator": members[0] + sum(len(links.wire(s)) + LENGTH_BYTES for s in summaries[1:]),
+        "aggregator": max(members[1:], default=0) + max(down[1:], default=0),
+        "rank": rank_down,
+    }
+    flat = CONSENSUS_HEADER_BYTES * ranks  # the flat all_gather: every member receives every member's header
+    return {
+        "consensus_header_bytes_ddp": max(recv.values()) if per_node else flat,
+        "consensus_bytes_by_role": recv if per_node else {"rank": flat},
+        "consensus_flat_header_bytes_ddp": flat,
+        "consensus_node_summary_bytes": max(len(links.wire(s)) for s in summaries),
+        "consensus_root_s": root_s,
     }
 
 
@@ -368,6 +415,9 @@ MORE = (
     "flat_gather_bytes",
     "ledger_bytes",
     "consensus_header_bytes_ddp",
+    "consensus_flat_header_bytes_ddp",
+    "commit_gather_bytes_per_save",
+    "consensus_root_s",
 )
 
 
@@ -400,6 +450,9 @@ def main() -> None:
             nodes = math.ceil(r / RANKS_PER_NODE)
             C.log(f"R={r} ({nodes} nodes): a save's gathers, then {n} checkpoints of {nodes + 1} file rows ...")
             g = save_gather(r, EVERY * n, scratch)
+            g.update(consensus_exchange(r))
+            g["commit_gather_bytes_per_save"] = g["gather_bytes_per_save"]
+            g["gather_bytes_per_save"] = max(g["gather_bytes_per_save"], g["consensus_header_bytes_ddp"])
             b = build(root, r, n, g.pop("top_rows"))
             fig = {**b, **g, "nodes": nodes}
             fig.update(measure(root, b["newest"], repeats))
@@ -447,9 +500,11 @@ def main() -> None:
             "checkpoints": n,
             "save_every_steps": EVERY,
             "states": "mostly certified, some rejected or committed, the older half deleted (rows kept)",
-            "gather_scope": "the commit's file lists and digests (save/commit.py, save/node_manifest.py) and the "
-            "verdict broadcast; not the live evidence's collectives (consensus_header_bytes_ddp: what every rank "
-            "of a DDP job receives in consensus's header all_gather, not aggregated per node)",
+            "gather_scope": "the max over a save's exchanges: the commit's file lists and digests (save/commit.py, "
+            "save/node_manifest.py) and the verdict broadcast (commit_gather_bytes_per_save), and consensus's "
+            "exchange of a healthy DDP save through the node aggregators (consensus_header_bytes_ddp; the flat "
+            "all_gather's consensus_flat_header_bytes_ddp beside it); not the per-tensor signatures exchanged "
+            "only where replicas disagree",
             "resume": "recovery.latest_clean(verify=False): `resume --latest-clean --no-verify`, in process, CPU s",
         },
         "ranks": ranks,

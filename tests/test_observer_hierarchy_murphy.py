@@ -7,7 +7,10 @@ summary), the observer tests' toy training loop (tests/workers_observer.py).
 - a node that dies: node 1's observers, then its trainers, are SIGKILLed (the aggregator dies with its node): the
   job-level verdict names node 1's ranks and never a rank of node 0, whose trainers died of the failed collective;
 - a cut-off aggregator: only node 1's aggregator is SIGSTOPped (its summary stops), training goes on to its end:
-  nobody is blamed.
+  nobody is blamed;
+- node 0 dies, and the root with it (its observers, then its trainers, SIGKILLed): the surviving aggregator,
+  node 1's, records the loss (observer/root_lost.py) naming node 0's ranks and none of its own, whose trainers
+  died of the failed collective.
 
 The oracle is the test's own choice of what to stop or kill, and the pids the observers published at start.
 """
@@ -126,3 +129,22 @@ def test_a_cut_off_aggregator_blames_nobody_while_training_goes_on(tmp_path):
     assert not job.incidents(), job.incidents()
     with Ledger.open(tmp_path, readonly=True) as led:
         assert not [e for e in led.events() if e["kind"] in ("hang", "crash")]
+
+
+def test_losing_node_0_and_the_root_is_recorded_by_the_survivor_naming_node_0(tmp_path):
+    node0 = [0, 1]
+    with Job(tmp_path, "healthy", steps=100_000, compute_s=0.02, stall_s=1.5) as job:
+        rows = job.wait_hierarchy()
+        _signal([rows[r]["observer_pid"] for r in node0], signal.SIGKILL)  # the root and its store
+        _signal([rows[r]["pid"] for r in node0], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not job.incidents():
+            time.sleep(0.1)
+        incidents = job.incidents()
+        assert incidents and incidents[0]["ranks"] == node0, incidents
+        detail = incidents[0]["detail"]
+        assert (detail["attribution"], detail["root_lost"], detail["judged_by_node"]) == ("node_silent", True, 1), (
+            detail
+        )
+        assert detail["nodes_silent"] == [0], detail
+        assert not [e for e in incidents if set(e["ranks"]) - set(node0)], incidents

@@ -43,9 +43,28 @@ def c3_verdict(values: Sequence[Any]) -> C3Result:
     classes: dict[Any, list[int]] = {}
     for i, v in enumerate(values):
         classes.setdefault(_key(v), []).append(i)
-    groups = tuple(tuple(peers) for peers in classes.values())
+    return _decide(tuple(tuple(peers) for peers in classes.values()), n, lambda i: values[i])
+
+
+def c3_of_classes(classes: Sequence[tuple[Any, Sequence[int]]], n: int) -> C3Result:
+    """`c3_verdict` from the peers grouped by value: [(value, peer indices)], the values distinct, every peer of
+    range(n) in exactly one class. The same result as `c3_verdict` over the list those classes spell out (a
+    per-node exchange sends the classes, not one value per peer: consensus/node_exchange.py)."""
+    if n == 0:
+        raise ValueError("c3_of_classes needs at least one peer")
+    ordered = sorted(((tuple(sorted(p)), v) for v, p in classes if p), key=lambda pv: pv[0][0])
+    if sum(len(p) for p, _ in ordered) != n:
+        raise ValueError(f"classes hold {sum(len(p) for p, _ in ordered)} peers, not {n}")
+    value_of = {p[0]: v for p, v in ordered}
+    groups = tuple(p for p, _ in ordered)
+    return _decide(groups, n, lambda i: value_of[i])
+
+
+def _decide(groups: tuple[tuple[int, ...], ...], n: int, value_of) -> C3Result:
+    """The verdict over peers grouped by equal value (classes in order of first appearance, peers ascending);
+    `value_of(i)` the value of the class whose first peer is i."""
     if len(groups) == 1:
-        return C3Result(AGREE, (), values[0], (f"all {n} peers hold the same value",), groups)
+        return C3Result(AGREE, (), value_of(0), (f"all {n} peers hold the same value",), groups)
     evidence = [f"{n} peers hold {len(groups)} distinct values"]
     evidence += [f"value #{j} held by peers {list(peers)}" for j, peers in enumerate(groups)]
     largest = max(groups, key=len)  # first-appearing on ties: deterministic
@@ -54,7 +73,7 @@ def c3_verdict(values: Sequence[Any]) -> C3Result:
         evidence.append(
             f"peers {list(largest)} are a strict majority ({len(largest)} of {n} > {n / 2:g}); attributed: {list(odd)}"
         )
-        return C3Result(ATTRIBUTED, odd, values[largest[0]], tuple(evidence), groups)
+        return C3Result(ATTRIBUTED, odd, value_of(largest[0]), tuple(evidence), groups)
     evidence.append(
         f"no value is held by a strict majority (largest: {len(largest)} of {n}, "
         f"needs > {n / 2:g}): the odd peer cannot be named"
@@ -134,6 +153,39 @@ def verdicts_from_gathered(gathered, group_ranks: Sequence[int], names: Sequence
             )
         else:
             per_tensor.append(c3_verdict([tuple(row) for row in gathered[:, i].tolist()]))
+    return combine(per_tensor, group_ranks, names)
+
+
+def verdicts_from_classes(
+    rows: Sequence[Any], peers: Sequence[Sequence[int]], group_ranks: Sequence[int], names: Sequence[str] | None = None
+) -> GroupVerdict:
+    """`verdicts_from_gathered` where the members come in classes: class j's members (indices into group_ranks)
+    `peers[j]` all hold the [n, 2] signatures `rows[j]` (a CPU tensor). The same verdicts as over the gathered
+    [members, n, 2] those classes spell out, without building it (at 10^5 members it would be n x 1.6 MB)."""
+    members = len(group_ranks)
+    if len(rows) != len(peers) or not rows:
+        raise ValueError(f"{len(rows)} signature batches for {len(peers)} classes")
+    n = rows[0].shape[0]
+    if names is not None and len(names) != n:
+        raise ValueError(f"{len(names)} names for {n} signatures")
+    values = [r.tolist() for r in rows]
+    per_tensor: list[C3Result] = []
+    for i in range(n):
+        by_value: dict[tuple, list[int]] = {}
+        for v, p in zip(values, peers):
+            by_value.setdefault(tuple(v[i]), []).extend(p)
+        if len(by_value) == 1:
+            per_tensor.append(
+                C3Result(
+                    AGREE,
+                    (),
+                    next(iter(by_value)),
+                    (f"all {members} peers hold the same value",),
+                    (tuple(range(members)),),
+                )
+            )
+        else:
+            per_tensor.append(c3_of_classes(list(by_value.items()), members))
     return combine(per_tensor, group_ranks, names)
 
 

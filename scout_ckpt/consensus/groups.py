@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from scout_ckpt.consensus.mesh import Grid, grid_of_topology, legacy_topology
+from scout_ckpt.consensus.nodes import plan as node_plan
 
 MODES = ("ddp", "hsdp", "fsdp")
 
@@ -40,6 +41,11 @@ class KindGroups:
     groups: list[list[int]]
     members: list[int]  # this rank's group (global ranks, sorted)
     pg: Any = None
+
+    @property
+    def index(self) -> int:
+        """The position of this rank's group in `groups` (the same group has the same index on every rank)."""
+        return self.groups.index(self.members)
 
 
 @dataclass
@@ -65,6 +71,9 @@ class ConsensusGroups:
     # consensus also computes this rank's partial signatures of its DTensor shards, in the write's flush
     # (save_time.start_consensus, full.shard_partials).
     sign_partials: bool = field(default=False, repr=False)
+    # This rank's node on a multi-node torchrun job (consensus/nodes.py), else None: consensus then exchanges its
+    # headers and verdicts through each node's aggregator (consensus/node_exchange.py) instead of over the world.
+    nodes: Any = field(default=None, repr=False)
 
     @property
     def has_replicas(self) -> bool:
@@ -156,4 +165,5 @@ class ConsensusGroups:
             grid=grid,
             kinds=kinds,
             topology=topology,
+            nodes=node_plan(rank, world_size),
         )

@@ -18,13 +18,17 @@ the load-verification signatures (`replica_rows` -> `full_signatures(known=...)`
 hashed once per rank; where every rank hashed every leaf (`full_rows`), those signatures need no collective.
 
 Collectives, per set of compare dims (the topology's order, the same on every rank), over this rank's group for
-it: one tiny all_gather of a fixed-size header: a structure digest (so that replicas whose state has different
+it (group_exchange.py): one tiny all_gather of a fixed-size header: a structure digest (so that replicas whose state has different
 keys, shapes, dtypes or layouts are caught and the signature batches are known to line up), a 128-bit digest of
 the [n, 2] signatures and the time taken. When all members' digests are equal (the healthy case) every piece
 AGREEs and nothing more is exchanged within the group; otherwise one all_gather of the [n, 2] signatures gives
 per-tensor verdicts. Then one all_gather_object of the small group verdicts over the world group, except where the
 only group is the world (DDP): every rank already holds the only verdict. A healthy DDP save thus costs one
-collective of 48 bytes per rank. A group that times out raises (gloo's timeout of `ConsensusGroups`).
+collective of 56 bytes per rank. A group that times out raises (gloo's timeout of `ConsensusGroups`).
+
+On a multi-node torchrun job (`ConsensusGroups.nodes`) the headers and the group verdicts go through each node's
+aggregator and the coordinator instead (node_exchange.py), with the same decisions: what one process receives then
+grows with the node count, not the rank count.
 
 Non-tensor leaves are compared by their canonical encoding (canonical.py: sets sorted, floats by bits, ...); a leaf
 that has none is not compared: it is listed in the evidence (`not_comparable`: key and why, `n_not_comparable`)
@@ -49,28 +53,31 @@ from typing import Any, Callable, Collection, Mapping
 import torch
 import torch.distributed as dist
 
+from scout_ckpt.consensus import node_exchange as nx
 from scout_ckpt.consensus.c3 import (
     ATTRIBUTED,
     INCONCLUSIVE,
-    GroupVerdict,
-    c3_over_group,
-    c3_verdict,
-    combine,
-    verdicts_from_gathered,
 )
 from scout_ckpt.consensus.canonical import NotComparable
 from scout_ckpt.consensus.full import shard_partials
+from scout_ckpt.consensus.group_exchange import (  # noqa: F401  (STRUCTURE, structure_digest: this module's names too)
+    STRUCTURE,
+    broadcaster,
+    group_verdict,
+    header,
+    leaf_kind,
+    structure_digest,
+)
 from scout_ckpt.consensus.groups import ConsensusGroups
 from scout_ckpt.consensus.in_flight import InFlightDigests
 from scout_ckpt.consensus.mesh import LayoutError, dtensor_dims_cached, is_dtensor
-from scout_ckpt.consensus.signatures import bytes_signature, digest_row, flatten_state, replica_signatures
+from scout_ckpt.consensus.signatures import digest_row, flatten_state, replica_signatures
 from scout_ckpt.policy import FAIL, MISSING, NOT_APPLICABLE, PASS, evidence
 from scout_ckpt.policy import INCONCLUSIVE as EV_INCONCLUSIVE
 
 MAX_NAMES = 8  # tensor names listed per reason
 GATE_S = 60.0  # the longest background hashing waits for the write to start: a write never started only
 WRITE_S = 600.0  # delays it; nor does a write that outlasts WRITE_S (its tensors are then hashed here)
-STRUCTURE = "(state structure)"
 
 
 def _select(flat: Mapping[str, Any], names_filter: Callable[[str], bool] | Collection[str] | None) -> list[str]:
@@ -82,17 +89,6 @@ def _select(flat: Mapping[str, Any], names_filter: Callable[[str], bool] | Colle
         wanted = set(names_filter)
         keep = [n for n in flat if n in wanted]
     return sorted(keep)
-
-
-def _kind(leaf: Any) -> str:
-    return f"{leaf.dtype}{tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else "bytes"
-
-
-def structure_digest(names: list[str], flat: Mapping[str, Any], tags: list[str] = ()) -> torch.Tensor:
-    """[3] int64: entry count and a 128-bit digest of the names, dtypes and shapes (bytes leaves: their kind),
-    and of `tags` (the layouts of the pieces compared elsewhere)."""
-    blob = "".join(f"{n}\0{_kind(flat[n])}\0" for n in names) + "".join(f"{t}\0" for t in tags)
-    return torch.cat([torch.tensor([len(names)], dtype=torch.int64), bytes_signature(blob.encode())])
 
 
 @dataclass
@@ -147,55 +143,10 @@ def _plan(flat: Mapping[str, Any], names: list[str], groups: ConsensusGroups) ->
         else:
             plan.by_dims.setdefault(dims, []).append(n)
         if dims != plain:
-            plan.tags.append(f"{n}\0{_kind(leaf)}\0{grid.dim_names(dims)}")
+            plan.tags.append(f"{n}\0{leaf_kind(leaf)}\0{grid.dim_names(dims)}")
     if plain_names is not None and not plain_names:
         del plan.by_dims[plain]  # as before: a dims entry only where some piece goes
     return plan
-
-
-def _group_verdict(
-    flat: Mapping[str, Any],
-    names: list[str],
-    pg,
-    members: list[int],
-    sigs: torch.Tensor,
-    elapsed: float,
-    tags: list[str] = (),
-    covers: bool = False,
-) -> tuple[GroupVerdict, float, bool, bool]:
-    """(verdict of one replica group, the slowest member's time to its signatures, whether the members' structure
-    agreed, whether every member `covers` its whole state); identical on every member. One all_gather of a
-    fixed-size header (structure digest, a 128-bit digest of the [n, 2] signature rows, the time taken, the covers
-    flag) decides the healthy case; only when the signature digests differ are the signatures themselves gathered,
-    for per-tensor verdicts."""
-    header = structure_digest(names, flat, tags)
-    mine = torch.cat(
-        [
-            header,
-            bytes_signature(sigs.numpy().tobytes()),
-            torch.tensor([elapsed], dtype=torch.float64).view(torch.int64),
-            torch.tensor([int(covers)], dtype=torch.int64),
-        ]
-    )
-    rows = [torch.empty_like(mine) for _ in members]
-    dist.all_gather(rows, mine, group=pg)
-    slowest = max(float(r[5:6].view(torch.float64)) for r in rows)
-    everyone_covers = all(int(r[6]) == 1 for r in rows)
-    if any(not torch.equal(r[:3], rows[0][:3]) for r in rows):
-        return (
-            combine([c3_verdict([tuple(r[:3].tolist()) for r in rows])], members, [STRUCTURE]),
-            slowest,
-            False,
-            everyone_covers,
-        )
-    if all(torch.equal(r[3:5], rows[0][3:5]) for r in rows):  # every member holds the same signatures
-        return (
-            verdicts_from_gathered(sigs.unsqueeze(0).expand(len(rows), -1, -1), members, names),
-            slowest,
-            True,
-            everyone_covers,
-        )
-    return c3_over_group(sigs, pg, members, names), slowest, True, everyone_covers
 
 
 def _hash_groups(
@@ -343,27 +294,37 @@ class PendingConsensus:
             )
         sigs, elapsed = self._hashed()
         plain = groups.grid.plain_dims
+        per_node = groups.nodes is not None  # a multi-node torchrun job: through the node aggregators
+        taking = [(i, k) for i, k in enumerate(groups.kinds) if len(k.members) >= 2]  # the same order everywhere
+        tags = {i: plan.tags if k.dims == plain else [] for i, k in taking}
+        decided = {}
+        if per_node:
+            items = [
+                (
+                    i,
+                    k.index,
+                    tuple(header(flat, plan.by_dims.get(k.dims, []), sigs[i], elapsed, tags[i], self._covers).tolist()),
+                )
+                for i, k in taking
+            ]
+            decided = nx.exchange_headers(groups.nodes, groups.rank, items, groups.world_group)
         entries, structure_ok, covered = [], True, []
-        for index, kind in enumerate(groups.kinds):  # the same order on every rank
-            if len(kind.members) < 2:
-                continue
+        for index, kind in taking:
             mine = plan.by_dims.get(kind.dims, [])
-            gv, slowest, same, covers = _group_verdict(
-                flat,
-                mine,
-                kind.pg,
-                kind.members,
-                sigs[index],
-                elapsed,
-                plan.tags if kind.dims == plain else [],
-                self._covers,
-            )
+            if per_node:
+                decision, slowest, covers = decided[index]
+                gv = nx.verdict(decision, mine, kind.members, sigs[index], broadcaster(sigs[index], kind.pg))
+                same = decision[0] != nx.STRUCTURE
+            else:
+                gv, slowest, same, covers = group_verdict(
+                    flat, mine, kind.pg, kind.members, sigs[index], elapsed, tags[index], self._covers
+                )
             structure_ok = structure_ok and same
             covered.append(covers)
             entries.append(
                 {
                     "kind": index,
-                    "members": list(gv.group_ranks),
+                    **({"group": kind.index} if per_node else {"members": list(gv.group_ranks)}),
                     "dims": list(kind.names),
                     "verdict": gv.status,
                     "attributed": list(gv.attributed_ranks),
@@ -387,14 +348,23 @@ class PendingConsensus:
         if world_only:  # DDP: one group of every rank, whose verdict every rank already holds
             if not structure_ok:  # the layouts differ between ranks: report the structure verdict only
                 local.update(single=[], problems=[], not_comparable=[])
-            everyone: list[Any] = [local]
+            everyone: list[Any] = nx.unfold(nx.fold([{**local, "covers": True}]), groups) if per_node else [local]
             self.everyone_covers = bool(covered) and all(covered)  # the world's header said it
+        elif per_node:  # the verdicts folded per node, then at the coordinator, and sent back down
+            folded = nx.exchange_locals(
+                groups.nodes, groups.rank, {**local, "covers": self._covers}, groups.world_group
+            )
+            everyone = nx.unfold(folded, groups)
+            self.everyone_covers = folded["covers"]
         else:
             local["covers"] = self._covers
             everyone = [None] * groups.world_size
             dist.all_gather_object(everyone, local, group=groups.world_group)
             self.everyone_covers = all(e["covers"] for e in everyone)
-        return _summarise(everyone, groups)
+        out = _summarise(everyone, groups)
+        if per_node:
+            out["exchange"] = "per_node"  # through the node aggregators (the flat path writes no such key)
+        return out
 
 
 def start_consensus(

@@ -4,7 +4,8 @@ Every observer writes its status each round to a node-local folder (/dev/shm; `h
 checkpoint filesystem sees a status only when a trainer's state changes (start, death, close), which is what
 aftermath.py and the start-up's wait read there. The observer of the node's first rank is its aggregator: each
 round it reads its node's statuses, publishes the node's summary to the root's store, runs the straggler rule
-over its node's ranks (a straggler is named against its node's peers), and copies the store's claims counter
+over its node's ranks (a straggler is named against its node's peers; the node's pace goes into its summary,
+and the root compares the nodes' paces: observer/node_pace.py), and copies the store's claims counter
 into the node-local `claims-gen` file, from which every observer of the node learns that an incident was
 published (it then lists ROOT's claims once, not every round). Node 0's aggregator is the root: it hosts the
 store, reads the summaries and judges the job (node_summary.judge), publishing through the same claim protocol as
@@ -55,11 +56,19 @@ class NodeRole:
         self.unsettled = False  # the root: some rank's last word is not final yet (someone is left to judge)
         self.local_gen: str | None = None
         self._failing = False
+        self.heard_root = False  # the root's store answered at least once
+        self.lost_since: float | None = None  # since when it does not (this host's clock)
+        self.lost_recorded = False
         self.stragglers = None
         if self.aggregator:
             from scout_ckpt.observer.stragglers import StragglerJudge
 
             self.stragglers = StragglerJudge(self.last - self.first + 1, **daemon.cfg["straggler"])
+        self.node_pace = None
+        if self.root:
+            from scout_ckpt.observer.node_pace import NodePaceJudge
+
+            self.node_pace = NodePaceJudge(**daemon.cfg["straggler"])
 
     def status_path(self, rank: int) -> Path:
         return self.local / f"status-{rank}.json"
@@ -90,7 +99,13 @@ class NodeRole:
         d = self.d
         if not self.aggregator or d._stop or d.gone_since is None:
             return False
-        return now - d.gone_since < 3 * d.cfg["linger_s"] and (self.node_alive(now) or (self.root and self.unsettled))
+        return now - d.gone_since < 3 * d.cfg["linger_s"] and (
+            self.node_alive(now) or (self.root and self.unsettled) or self.lost_pending()
+        )
+
+    def lost_pending(self) -> bool:
+        """The root's store stopped answering and this survivor has not recorded it yet (observer/root_lost.py)."""
+        return not self.root and self.heard_root and self.lost_since is not None and not self.lost_recorded
 
     def new_claims(self) -> bool:
         """The node-local claims counter moved since the last call (an incident was published somewhere)."""
@@ -143,7 +158,8 @@ class NodeRole:
             key = f"straggler-r{ev['ranks'][0]}-s{ev['step']}"
             ev["detail"]["node"] = self.node
             self.d.incidents.publish("straggler", ev["ranks"], ev["step"], ev["detail"], key, rows)
-        summary = ns.summarize(self.node, self.d.host, self.first, self.last, self.d.beat, rows, self.d.stall_s)
+        pace = self.stragglers.pace() if self.stragglers is not None else None
+        summary = ns.summarize(self.node, self.d.host, self.first, self.last, self.d.beat, rows, self.d.stall_s, pace)
         try:
             if self.transport is None:
                 from scout_ckpt.observer.store_transport import StoreTransport
@@ -160,6 +176,7 @@ class NodeRole:
                 job = hier.root_round(self.groups, t.read, self.beats, now)
                 self.unsettled = any(f[0] in ("running", "stopped") for f, _ in job["groups"])
                 self.judge(now, job)
+                self.judge_pace(job)
             gen = t.claims()
         except Exception as e:  # the store unreachable: could not check, never a verdict (module docstring)
             if not self._failing:
@@ -171,15 +188,46 @@ class NodeRole:
                     e,
                 )
             self._failing = True
+            if self.lost_since is None:
+                self.lost_since = now
+            self.record_root_lost(now, rows)
             return
         self._failing = False
+        self.heard_root, self.lost_since = True, None
         if gen != self.claims_seen:
             self.claims_seen = gen
             tmp = self.local / f".{CLAIMS_GEN}.tmp"
             tmp.write_text(str(gen))
             os.replace(tmp, self.local / CLAIMS_GEN)
 
+    def record_root_lost(self, now: float, rows: dict) -> None:
+        """Once the store has been silent for the live timeout times this node's number (the lowest surviving
+        node first), record what this survivor can judge (observer/root_lost.py), once, through ROOT's claims."""
+        d = self.d
+        since = self.lost_since
+        if since is None or not self.lost_pending() or now - since < d.live_timeout_s * max(self.node, 1):
+            return
+        from scout_ckpt.observer import root_lost
+
+        lws = self.last - self.first + 1
+        own = ns.summarize(self.node, d.host, self.first, self.last, d.beat, rows, d.stall_s)
+        got = root_lost.judge(own, (0, lws - 1), now - since, d.world, d.stall_s)
+        self.lost_recorded = True
+        key = f"root-lost-{got['kind']}"
+        d.incidents.publish(got["kind"], got["ranks"], got["step"], got["detail"], key, rows)
+
     # ---- the root ---------------------------------------------------------------------------------------------
+
+    def judge_pace(self, job: dict) -> None:
+        """Nodes slow as a whole (observer/node_pace.py), named with their node's ranks."""
+        for ev in self.node_pace.update(job) if self.node_pace is not None else ():
+            key = f"straggler-n{ev['detail']['node']}-s{ev['step']}"
+            table = {
+                k: {**{f: v for f, v in row.items() if f not in ("ranks", "n")}, "rank": spans(row["ranks"])}
+                for k, row in ns.to_rows(job, self.d.stall_s).items()
+            }
+            if self.d.incidents.publish("straggler", ev["ranks"], ev["step"], ev["detail"], key, table):
+                self.transport.bump_claims()
 
     def judge(self, now: float, job: dict) -> None:
         d = self.d

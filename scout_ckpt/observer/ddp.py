@@ -16,7 +16,7 @@ took), and a collective that fails under a rank (a DDP all-reduce raising in bac
 What only the traced hook gives: a fingerprint per bucket (its shape and dtype), so a rank whose *buckets*
 differ from the others' (a different model or bucket layout, same count) is a desync by fingerprint rather
 than a hang or a crash; and each bucket's wait in the busy time. Opt in with
-`observer={"ddp_comm_hook": "traced"}`: `observed_allreduce_hook` issues each bucket's all-reduce through the
+`observer=ObserverOptions(ddp_comm_hook="traced")`: `observed_allreduce_hook` issues each bucket's all-reduce through the
 tracer, averaging like torch's reference `allreduce_hook`, at less cost than it: ReduceOp.AVG where the
 backend averages as it reduces (NCCL), else (gloo) the division runs in the all-reduce's one completion
 callback, off the training thread (fp16 and narrower are divided first, as the reference does, so that the
@@ -27,7 +27,7 @@ raises "register_comm_hook or register_builtin_comm_hook can only be called once
 asked which hook it holds. With the default nothing is registered, so any hook the user registers, before or
 after the Checkpointer, is the module's, and its collectives are counted (and, when they go through
 `torch.distributed.*`, traced). With a hook given to the observer
-(`observer={"ddp_comm_hook": hook, "ddp_comm_state": state}`) or "traced":
+(`observer=ObserverOptions(ddp_comm_hook=hook, ddp_comm_state=state)`) or "traced":
   - a Python hook registered before the Checkpointer is kept as it is (torch 2.13 lists Python hooks in
     `ddp._comm_hooks`), nothing is registered;
   - a built-in C++ hook (`_register_builtin_comm_hook`, e.g. FP16_COMPRESS) holds the reducer: a warning says

@@ -10,7 +10,8 @@ groups' members, so a strict majority means over a merged summary what it means 
 minority rank inside a node and a minority node are both named.
 
 A summary: {"nodes": {node: [host, first_rank, last_rank, beat]}, "groups": [[fields, spans], ...],
-"extra": {rank: {"stacks", "hb"}}, "silent": {node: seconds}} where `fields` follows FIELDS and `spans` is
+"extra": {rank: {"stacks", "hb"}}, "silent": {node: seconds}, "pace": {node: [seconds per step, window, step,
+measure]}} where `fields` follows FIELDS and `spans` is
 [[lo, hi], ...] (inclusive). `extra` carries the stack-dump positions of stalled ranks outside their node's
 largest group (the likely culprits); `silent` lists the nodes whose summaries stopped coming (their groups are
 kept with `live` false: unknown unless their last word was final).
@@ -81,9 +82,19 @@ def _join(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def summarize(node: int, host: str, first: int, last: int, beat: int, rows: dict[int, dict], stall_s: float) -> dict:
+def summarize(
+    node: int,
+    host: str,
+    first: int,
+    last: int,
+    beat: int,
+    rows: dict[int, dict],
+    stall_s: float,
+    pace: list | None = None,
+) -> dict:
     """The summary of node `node` (global ranks first..last) from its ranks' status rows ({rank: row}, `live`
-    and `age_s` brought up to date by the aggregator). A rank without a row is left out: unknown."""
+    and `age_s` brought up to date by the aggregator). A rank without a row is left out: unknown. `pace`: the
+    node's pace (StragglerJudge.pace), which the root compares between nodes (observer/node_pace.py)."""
     groups: dict[tuple, list[int]] = {}
     for r, row in sorted(rows.items()):
         groups.setdefault(_key(row, stall_s), []).append(r)
@@ -100,6 +111,7 @@ def summarize(node: int, host: str, first: int, last: int, beat: int, rows: dict
         "groups": [[list(k), to_spans(v)] for k, v in groups.items()],
         "extra": extra,
         "silent": {},
+        "pace": {str(node): pace} if pace is not None else {},
     }
 
 
@@ -118,15 +130,23 @@ def merge(summaries: Iterable[dict]) -> dict:
     nodes: dict = {}
     extra: dict = {}
     silent: dict = {}
+    pace: dict = {}
     groups: dict[tuple, list[list[int]]] = {}
     for s in summaries:
         nodes.update(s["nodes"])
         extra.update(s.get("extra", {}))
         silent.update(s.get("silent", {}))
+        pace.update(s.get("pace", {}))
         for fields, sp in s["groups"]:
             key = tuple(fields)
             groups[key] = _join(groups[key], sp) if key in groups else [list(x) for x in sp]
-    return {"nodes": nodes, "groups": [[list(k), v] for k, v in groups.items()], "extra": extra, "silent": silent}
+    return {
+        "nodes": nodes,
+        "groups": [[list(k), v] for k, v in groups.items()],
+        "extra": extra,
+        "silent": silent,
+        "pace": pace,
+    }
 
 
 class Spans:

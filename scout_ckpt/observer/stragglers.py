@@ -46,6 +46,10 @@ class StragglerMonitor:
         self._start: dict[int, tuple[int, float]] | None = None
         self._t0 = 0.0
         self._reported: set[int] = set()
+        self.windows = 0  # windows judged so far, and the latest one's ({rank: sample}, step): a node's pace
+        self.last: tuple[dict[int, float], int] | None = None
+
+    measure = "busy_time"
 
     def update(self, now: float, totals: dict[int, tuple[int, float, int]]) -> list[dict]:
         """totals: {rank: (steps done so far, busy seconds so far, current step)} of the running ranks.
@@ -66,6 +70,8 @@ def _confirmed_events(mon, samples: dict[int, float], step_of, window_steps_of, 
     """One window's per-rank samples through the monitor's robust rule, confirmed over its rounds; a rank is
     reported once per episode (re-armed after a window without a flag). `mon` has `rule`, `confirmer` and
     `_reported`; `extra` goes into each event's detail."""
+    mon.windows += 1
+    mon.last = (dict(samples), max((step_of(r) for r in samples), default=0))
     flagged = pair_outlier(samples, **mon.rule) if len(samples) == 2 else robust_outliers(samples, **mon.rule)
     confirmed = mon.confirmer.update(flagged)
     mon._reported &= set(flagged)
@@ -154,6 +160,8 @@ class ArrivalStragglers:
         self._t0: float | None = None
         self._ranks: frozenset = frozenset()
         self._reported: set[int] = set()
+        self.windows = 0
+        self.last: tuple[dict[int, float], int] | None = None
 
     measure = "arrival_skew"
 
@@ -249,6 +257,17 @@ class StragglerJudge:
         self.busy = StragglerMonitor(**rule)
         self.arrival = ArrivalStragglers(**rule)
         self.compute = ComputeStragglers(**rule)
+        self.used: StragglerMonitor | ArrivalStragglers | None = None  # the measure of the latest call
+
+    def pace(self) -> list | None:
+        """The node's pace for the hierarchy's root (observer/node_pace.py), from the latest window of the measure
+        in use: [its fastest rank's sample (seconds per step), the window's id, its step, the measure], None
+        before the first window. The fastest rank: a node is slow as a whole only when every rank of it is."""
+        m = self.used
+        if m is None or m.last is None:
+            return None
+        samples, step = m.last
+        return [min(samples.values()), f"{m.measure}:{m.windows}", step, m.measure]
 
     def update(self, now: float, rows: dict[int, dict]) -> list[dict]:
         """`rows`: the observers' status rows by rank (daemon.py `_status`, with `live`). Returns the straggler
@@ -266,9 +285,12 @@ class StragglerJudge:
         if native and all(rows[r].get("stamps") for r in running):
             for r in running:
                 self.compute.add(r, rows[r]["stamps"])
+            self.used = self.compute
             return self.compute.update(now, running)
         if native and all(rows[r].get("arrivals") for r in running):
             for r in running:
                 self.arrival.add(r, rows[r]["arrivals"])
+            self.used = self.arrival
             return self.arrival.update(now, running)
+        self.used = self.busy
         return self.busy.update(now, running)

@@ -10,11 +10,10 @@ Who sends what (Committer.finish calls `gather` on every rank, after DCP's write
                     for, and returns the list `Committer._publish` and the evidence take: one row per node, plus a
                     row per rank whose finite check failed, plus its own `.metadata`
 
-The links are point-to-point messages on the commit's own group (a length, then the pickled payload, as
-gather_object pickles), so no new process group is created at a save, where an async save's commit thread could
-not create one safely. A node is what torchrun calls one: LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, and global
-ranks contiguous per node (torchrun assigns them so). Without them, on one node, or on an object store, `plan`
-gives None and the commit gathers flat lists as before.
+The links are point-to-point messages on the commit's own group (consensus/nodes.py: a length, then the pickled
+payload), so no new process group is created at a save. A node is what torchrun calls one (consensus/nodes.py,
+`plan`); without one, on one node, or on an object store, `plan` gives None and the commit gathers flat lists as
+before.
 
 On failure: an aggregator that cannot write its node manifest still sends its summary, with the error; the
 coordinator then fails the publish (CommitError on every rank, nothing published). A rank that dies blocks the
@@ -23,49 +22,13 @@ links as it blocked gather_object, until the group's timeout.
 
 from __future__ import annotations
 
-import os
-import pickle
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-import torch
-import torch.distributed as dist
-
+from scout_ckpt.consensus import nodes
+from scout_ckpt.consensus.nodes import COORDINATOR, NodePlan, plan, wire  # noqa: F401  (the node layout: consensus's)
 from scout_ckpt.format import node_manifest as fm
 from scout_ckpt.format.layout import DCP_METADATA, atomic_write_bytes
-
-COORDINATOR = 0
-_LEN_TAG, _DATA_TAG = 4101, 4102
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    """This rank's node: its number (GROUP_RANK), its aggregator (local rank 0) and its ranks."""
-
-    node: int
-    leader: int
-    members: tuple[int, ...]
-    world: int
-
-
-def plan(rank: int, world: int, env: Mapping[str, str] | None = None) -> NodePlan | None:
-    """The node of `rank` from torchrun's environment, or None where the flat gather applies (no torchrun, a
-    single node, or values that do not describe a node of this job)."""
-    env = os.environ if env is None else env
-    try:
-        local, size, node = (int(env[k]) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"))
-    except (KeyError, ValueError):
-        return None
-    if not (0 <= local < size < world) or node < 0 or rank - local < 0:
-        return None
-    leader = rank - local
-    return NodePlan(node=node, leader=leader, members=tuple(range(leader, min(leader + size, world))), world=world)
-
-
-def wire(obj) -> bytes:
-    """The bytes one message carries (pickled, as gather_object pickles)."""
-    return pickle.dumps(obj)
 
 
 def summary(node: int, leader: int, ranks: int, row: dict | None, finite_bad: dict, error: str | None) -> tuple:
@@ -138,14 +101,8 @@ def gather(p: NodePlan, rank: int, report: dict, tmp: Path, step: int, attempt: 
 
 
 def _send(obj, dst: int, group) -> None:
-    data = wire(obj)
-    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst=dst, group=group, tag=_LEN_TAG)
-    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=dst, group=group, tag=_DATA_TAG)
+    nodes.send(obj, dst, group)
 
 
 def _recv(src: int | None, group) -> tuple[Any, int]:
-    n = torch.zeros(1, dtype=torch.int64)
-    sender = dist.recv(n, src=src, group=group, tag=_LEN_TAG)
-    buf = torch.empty(int(n[0]), dtype=torch.uint8)
-    dist.recv(buf, src=sender, group=group, tag=_DATA_TAG)
-    return pickle.loads(buf.numpy().tobytes()), sender  # this job's own ranks, trusted as gather_object trusts them
+    return nodes.recv(src, group)

@@ -4,9 +4,12 @@
         --max-restarts 2 tests/scripts/multinode_job.py ROOT --fault crash --fault-node 1 --fault-step 7
 
 The fault fires once per job (a marker file in ROOT, since TORCHELASTIC_RESTART_COUNT grows only on the failing
-node): the worker with GROUP_RANK == --fault-node and LOCAL_RANK == --fault-local SIGKILLs itself (`crash`) or
-blocks for ever before its next collective (`hang`) at --fault-step. It writes ROOT/fault.json first: the rank,
-node and host the test expects the ledger to name (an oracle independent of scout-ckpt).
+node): at --fault-step the worker with GROUP_RANK == --fault-node and LOCAL_RANK == --fault-local SIGKILLs itself
+(`crash`), blocks for ever before its next collective (`hang`), issues an all_reduce the others never issue
+(`desync`), or adds 1.0 to one weight of its replica after that step's optimizer step and replay, before its save
+(`diverge`: only the save's consensus can see it); `slow` makes it compute slower from then on (--fault-local -1:
+every rank of the node). It writes ROOT/fault.json first: the rank, node and host the test expects the ledger to
+name (an oracle independent of scout-ckpt).
 
 Rank 0 prints `MN-JOB {json}` lines: at every save the digest of the model and optimizer state it just saved, and
 after loading the step and the digest of what it loaded, so a resume is judged by the job's own digests.
@@ -39,9 +42,9 @@ def main():
     ap.add_argument("root")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--save-every", type=int, default=3)
-    ap.add_argument("--fault", choices=["none", "crash", "hang", "slow"], default="none")
+    ap.add_argument("--fault", choices=["none", "crash", "hang", "slow", "diverge", "desync"], default="none")
     ap.add_argument("--fault-node", type=int, default=1)
-    ap.add_argument("--fault-local", type=int, default=0)
+    ap.add_argument("--fault-local", type=int, default=0, help="the local rank of the fault; -1: slow, every one")
     ap.add_argument("--fault-step", type=int, default=7)
     ap.add_argument("--stall-s", type=float, default=4.0)
     ap.add_argument("--pg-timeout", type=float, default=120.0)
@@ -62,7 +65,9 @@ def main():
         model=model,
         optimizer=opt,
         timeout_s=args.pg_timeout,
-        observer=ObserverOptions(stall_s=args.stall_s, action="abort" if args.fault == "hang" else "report"),
+        observer=ObserverOptions(
+            stall_s=args.stall_s, action="abort" if args.fault in ("hang", "desync") else "report"
+        ),
     )
     state = {"app": ModelOptimizerState(model, opt)}
     start = ckpt.load_latest_clean(state) or 0
@@ -75,13 +80,14 @@ def main():
         train_step(model, opt, g)
         ckpt.step(step)
         time.sleep(args.step_sleep)
-        if args.fault == "slow" and node == args.fault_node and local == args.fault_local and step >= args.fault_step:
+        mine = node == args.fault_node and args.fault_local in (local, -1)  # -1: every rank of the node
+        if args.fault == "slow" and mine and step >= args.fault_step:
             time.sleep(args.slow_s)  # a straggler: slower compute from the fault step on (fault.json at that step)
         if (
             args.fault != "none"
             and step == args.fault_step
             and node == args.fault_node
-            and local == args.fault_local
+            and local == max(args.fault_local, 0)
             and not marker.exists()
         ):
             tmp = marker.with_suffix(".tmp")
@@ -102,13 +108,18 @@ def main():
             os.replace(tmp, marker)
             if args.fault == "slow":
                 pass
+            elif args.fault == "desync":
+                dist.all_reduce(torch.ones(3))  # a rank-dependent branch: the others never issue it
+            elif args.fault == "diverge":
+                with torch.no_grad():
+                    next(model.parameters()).view(-1)[0] += 1.0
             elif args.fault == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
             else:
                 while True:  # hang: never reach the next collective
                     time.sleep(1)
         if step % args.save_every == 0:
-            ckpt.save(step, state)
+            ckpt.save(step, state)  # a live fault (diverge) raises LiveStateCorrupt: torchrun restarts the job
             if rank == 0:
                 say(event="saved", run_id=ckpt.run_id, step=step, digest=digest(model, opt))
     ckpt.close()

@@ -10,7 +10,7 @@ after every step costs a hashing pass per step (about half the evidence's cost),
 a save, only the steps on the cadence the saves so far imply are signed (the gcd of the save steps and of the
 first save's distance from the start): saves every N steps cost one signing pass per save. A save off that cadence
 finds its step unsigned (at rest `missing`: that checkpoint stays uncertified) and the cadence shrinks to fit it.
-`shard_evidence={"at_rest_every": 1}` signs after every step (irregular save schedules).
+`shard_evidence=ShardEvidenceOptions(at_rest_every=1)` signs after every step (irregular save schedules).
 
 Decided at commit, revoked if need be. A save's shard replay window is the last cycle, or every step since the
 start/resume when fewer (shard_plan.shard_replay_evidence), so the first saves are certified at their commit. A
