@@ -467,7 +467,8 @@ class Checkpointer:
         (async: at the next step()/save()/wait()). With "continue" training goes on and every later save is
         rejected (`lineage_tainted`) until `load_latest_clean` loads a clean checkpoint.
 
-        Raises on every rank: SaveRefused when the coordinator cannot start the save (the step is quarantined),
+        Raises on every rank: SaveRefused when the coordinator cannot start the save (the step is quarantined
+        and this incarnation wrote it; a later one sets the quarantined folder aside and saves the step anew),
         CommitError when nothing was published; an async save to a POSIX ROOT begins in its commit thread, so
         both come from its next step()/save()/wait() (as ScoutError, the cause chained).
 

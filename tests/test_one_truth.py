@@ -193,6 +193,29 @@ def test_a_resave_of_a_certified_step_never_reaches_a_write_a_sigkill_could_inte
 TWO_NODES = {"LOCAL_WORLD_SIZE": "1"}
 
 
+def test_a_quarantined_step_reached_again_by_a_later_run_is_saved_anew_with_the_quarantined_folder_kept(saved):
+    """The operator quarantines step 10; the restart resumes step 5 and, training on, saves step 10 again. The
+    save is not refused (a refusal would stop every restart at step 10): the quarantined folder is set aside,
+    unchanged, the new attempt is judged on its own evidence, and the next restart loads the new step 10 with the
+    digest the job printed when it saved it. The quarantine stays in the step's history."""
+    root, _ = saved
+    rc, so, se = run_cli("quarantine", root, 10, "--reason", "suspect host")
+    assert rc == 0, so + se
+    (folder,) = [p.name for p in root.iterdir() if p.name.startswith("step-") and p.name.endswith("10")]
+    quarantined = {k: v for k, v in _files(root).items() if k.startswith(folder + "/")}
+    out = run_ranks(w.restart, 2, str(root), 10, timeout=240)
+    assert [o.result.get("loaded") for o in out] == [5, 5], [o.result for o in out]
+    assert [o.result["verdict"]["state"] for o in out] == ["certified", "certified"], [o.result for o in out]
+    (aside,) = [p.name for p in root.iterdir() if p.name.startswith(folder + ".scout-quarantined-")]
+    kept = {k.replace(aside, folder, 1): v for k, v in _files(root).items() if k.startswith(aside + "/")}
+    assert kept == quarantined and (root / folder).is_dir()  # the quarantined bytes kept, the new step beside them
+    got = run_ranks(w.restart, 2, str(root), timeout=240)
+    assert {(o.result["loaded"], o.result["digest"]) for o in got} == {(10, out[0].result["saved_digest"])}
+    rc, so, se = run_cli("explain", root, 10, "--json")
+    states = [h["state"] for h in json.loads(so)["history"]]
+    assert rc == 0 and "quarantined" in states and states[-1] == "certified", so + se
+
+
 @pytest.fixture(scope="module")
 def _tiers_template(tmp_path_factory):
     """2 ranks as 2 nodes: local steps 2, 4, 6 (each rank's file on its node, a peer copy on the other), durable

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from scout_ckpt import policy
-from scout_ckpt.errors import BadInput, CertifiedStep, Quarantined
+from scout_ckpt.errors import BadInput, CertifiedStep
 from scout_ckpt.integrations.session import REPLACE_ENV, IntegrationRun, replace_certified_steps
 from scout_ckpt.ledger import Ledger
 from tests.conftest import REPO, run_cli
@@ -73,15 +73,23 @@ def test_a_framework_save_of_a_certified_step_is_refused_and_leaves_row_and_fold
     assert len(refused) == 1
 
 
-def test_a_framework_save_of_a_quarantined_step_is_refused(certified, monkeypatch):
-    monkeypatch.setenv(REPLACE_ENV, "5")  # the override is for certified steps, never for a quarantine
+def test_a_framework_save_of_a_quarantined_step_is_saved_anew_with_the_quarantined_bytes_kept(certified, monkeypatch):
+    """A run resumed before a quarantined step reaches it again: refusing the save would stop every restart there.
+    The quarantined folder is kept aside, byte for byte (the quarantine command set it aside already: the newest
+    `checkpoint-N` must not be the Trainer's own resume), the new attempt is saved and judged on its own, and the
+    quarantine stays in the step's history."""
+    monkeypatch.delenv(REPLACE_ENV, raising=False)  # no override: a quarantine is never a certified step
     run_cli("quarantine", certified, "5", "--reason", "suspect node", check_rc=0)
+    (aside,) = [p for p in certified.iterdir() if p.name.startswith("checkpoint-5.scout-quarantined-")]
     run = _run(certified)
-    with pytest.raises(Quarantined, match="quarantined"):
-        run.begin_save(5, "checkpoint-5")
+    assert _save(run, 5, b"second lineage's weights")["state"] == "certified"
     run.close()
+    assert (aside / "model.bin").read_bytes() == b"first run's weights"
+    assert (certified / "checkpoint-5" / "model.bin").read_bytes() == b"second lineage's weights"
     with Ledger.open(certified, readonly=True) as led:
-        assert led.checkpoint(5)["state"] == "quarantined"
+        row, states = led.checkpoint(5), [h["state"] for h in led.certifications(5)]
+    assert (row["state"], row["path"]) == ("certified", "checkpoint-5")
+    assert states.index("quarantined") < len(states) - 1 and states[-1] == "certified"
 
 
 def test_the_operator_names_the_step_and_the_save_replaces_it_with_its_history_kept(certified, monkeypatch):

@@ -105,6 +105,7 @@ def restart(rank, world, root, save_step=None, load=True):
         if save_step is not None:
             train_steps(net, opt, 1, seed=save_step)
             out["verdict"] = ckpt.save(save_step, state_of(model, opt))
+            out["saved_digest"] = digest(model, opt)  # the job's own digest of what it saved
     except ScoutError as e:
         out.update(refused=type(e).__name__, message=str(e), exit_code=e.exit_code)
     finally:

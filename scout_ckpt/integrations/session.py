@@ -47,6 +47,7 @@ from scout_ckpt.ops.settle import this_process_owner
 from scout_ckpt.ops.startup import open_run_ledger
 from scout_ckpt.options import as_fleet
 from scout_ckpt.save import log, placement
+from scout_ckpt.save.set_aside import set_aside_quarantined
 
 COORDINATOR = 0
 REPLACE_ENV = "SCOUT_CKPT_REPLACE_CERTIFIED"
@@ -215,7 +216,9 @@ class IntegrationRun:
         def record():
             before = self.ledger.checkpoint(step)
             if before is not None and before["state"] == "quarantined":
-                self._set_aside_quarantined(step, before, name)
+                set_aside_quarantined(
+                    self.ledger, self.root, step, before, name, source=f"{self.framework} save", run_id=self.run_id
+                )
             try:
                 self.ledger.record_writing(
                     step,
@@ -248,35 +251,6 @@ class IntegrationRun:
                 + (f" (or set {REPLACE_ENV}={step} to replace it on purpose)" if kind == "CertifiedStep" else "")
             )
         return attempt
-
-    def _set_aside_quarantined(self, step: int, row: dict, name: str) -> None:
-        """Coordinator, before a save of a quarantined step: the run reached the step again from an earlier one (a
-        new lineage; a quarantined step is never resumed from). The quarantined folder, which the framework would
-        write into, is renamed `NAME.scout-quarantined-ATTEMPT` and its row's path follows (Ledger.move_path), so
-        the new save writes a folder of its own and the quarantined bytes, their verdict in the history and the
-        journal, stay where `explain` finds them. A quarantined row whose folder is gone is left refused."""
-        old = row.get("path") or name
-        if old != name:
-            return  # set aside already (integrations/pointers.py)
-        if not (self.root / old).is_dir():
-            return
-        new = f"{old}.scout-quarantined-{row.get('attempt') or 'none'}"
-        if (self.root / new).exists():
-            return
-        os.rename(self.root / old, self.root / new)
-        self.ledger.move_path(step, old, new, source=f"{self.framework} save")
-        self.ledger.add_event(
-            "quarantine_set_aside",
-            step=step,
-            run_id=self.run_id,
-            detail={"attempt": row.get("attempt"), "path": new, "framework": self.framework},
-        )
-        log.logger.warning(
-            "scout-ckpt: step %d is quarantined (attempt %s): its folder is kept as %s and this run saves the step anew",
-            step,
-            row.get("attempt"),
-            new,
-        )
 
     def hash_share(
         self, step_dir: Path, writer: Callable[[str], int | None] | None = None

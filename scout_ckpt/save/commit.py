@@ -57,6 +57,7 @@ from scout_ckpt.ledger import Ledger, journal
 from scout_ckpt.ops import retention
 from scout_ckpt.ops.settle import settle_writing, take_lease, this_process_owner, tmp_dir_alive
 from scout_ckpt.save import node_manifest
+from scout_ckpt.save.set_aside import set_aside_quarantined
 
 COORDINATOR = 0
 
@@ -193,7 +194,19 @@ class Committer:
                     self.ledger.run_lease.check()
                 # the lease first: from the moment the `writing` row exists, a held lock says the save is alive
                 self.leases[attempt] = take_lease(self.root, attempt)
-                self.ledger.record_writing(step, self.run_id, attempt, pending.name, owner=owner, keep_certified=True)
+                before = self.ledger.checkpoint(step)
+                if (
+                    self.store is None
+                    and before is not None
+                    and before["state"] == "quarantined"
+                    and before.get("run_id") != self.run_id  # a later incarnation: it resumed from before step
+                ):
+                    set_aside_quarantined(
+                        self.ledger, self.root, step, before, pending.name, source="save", run_id=self.run_id
+                    )
+                self.ledger.record_writing(
+                    step, self.run_id, attempt, pending.name, owner=owner, keep_certified=True, over_quarantined=True
+                )
                 pending.create({"run_id": self.run_id, "attempt": attempt, **owner})
             except Exception as e:  # every rank must still reach the broadcast below
                 refusal = str(e) or type(e).__name__
