@@ -37,7 +37,7 @@ def _flip(s3run, key: str, offset: int) -> None:
     s3run["fs"].pipe_file(key, bytes(data))
 
 
-def _two_node_attempt(s3run, store, name: str) -> list[dict]:
+def _two_node_attempt(s3run, store, name: str, step: int = 3) -> list[dict]:
     """Ranks 0-3 on nodes 0 and 1 each uploaded `__R_0.distcp`, rank 0 `.metadata`; each aggregator wrote its
     node manifest through the store (the save's own path: ObjectStore.write_object). Returns the top file list."""
     reports = []
@@ -62,6 +62,12 @@ def _two_node_attempt(s3run, store, name: str) -> list[dict]:
     return top
 
 
+def _held(s3run, store, name: str) -> int:
+    """Bytes of an attempt's objects but its manifest, summed from the store's own listing."""
+    sizes = s3run["fs"].du(store.key(name), total=False)
+    return sum(size for key, size in sizes.items() if not key.endswith("/" + layout.MANIFEST_NAME))
+
+
 def _codes(ev) -> set[tuple]:
     return {(r["code"], r.get("file"), r.get("rank")) for r in ev["reasons"]}
 
@@ -73,7 +79,7 @@ def test_an_attempt_s_node_manifest_objects_carry_its_ranks_rows_for_every_check
     assert [(f["path"], f["rank"]) for f in top] == [(DCP_METADATA, 0), (NODES[0], 0), (NODES[1], 2)]
     doc = json.loads(run["fs"].cat_file(store.key(name, NODES[1])))
     assert [(f["path"], f["rank"]) for f in doc["files"]] == [("__2_0.distcp", 2), ("__3_0.distcp", 3)]
-    assert fm.stored_bytes(top) == sum(run["fs"].du(store.key(name), total=False).values())
+    assert fm.stored_bytes(top) == _held(run, store, name)
     ev = store.verify(name, top)
     assert (ev["status"], ev["files_checked"]) == ("pass", 7), ev  # .metadata, 2 node manifests, 4 shards
     assert store.fetch(name, top, tmp_path / "copy") == []  # export's local copy holds the shards too
@@ -94,6 +100,7 @@ def test_an_altered_or_missing_node_manifest_object_fails_the_check(run):  # noq
     top = _two_node_attempt(run, store, name)
     _flip(run, store.key(name, NODES[1]), 10)
     ev = store.verify(name, top)
+    assert ev["status"] == "fail"
     # the node manifest fails itself; its node's shards, vouched for by nothing now, are unexpected
     assert _codes(ev) == {
         ("digest_mismatch", NODES[1], 2),
@@ -102,7 +109,51 @@ def test_an_altered_or_missing_node_manifest_object_fails_the_check(run):  # noq
     }, ev
     run["fs"].rm_file(store.key(name, NODES[1]))
     assert ("missing_file", NODES[1], 2) in _codes(store.verify(name, top))
-    assert ev["status"] == "fail"
+
+
+def test_settling_a_lost_commit_reads_its_node_manifest_objects(run):  # noqa: F811
+    """A save whose coordinator died after the manifest and before the ledger's commit: the next start settles
+    the `writing` row from the manifest, verifying through the node manifests (one row per node recorded); a
+    save whose node manifest object changed is rejected with it named."""
+    from pathlib import Path
+
+    from scout_ckpt import object_store, policy
+    from scout_ckpt.format import manifest
+    from scout_ckpt.ops.settle import settle_writing
+    from tests.test_integration_folders import _dead_owner
+    from tests.workers_s3 import options
+
+    store = _store(run)
+    ledger_dir = Path(run["ledger"])
+    ledger_dir.mkdir(parents=True)
+    object_store.bind(ledger_dir, run["uri"], options(run["ep"]))
+    object_store.remember(ledger_dir, store)
+    with Ledger.open(ledger_dir, create=True) as led:
+        for step, attempt in ((3, "n"), (5, "m")):
+            name = layout.attempt_dirname(step, attempt)
+            led.record_writing(step, "r", attempt, name, owner=_dead_owner())
+            top = _two_node_attempt(run, store, name, step)
+            m = manifest.build(
+                step=step,
+                run_id="r",
+                attempt=attempt,
+                world_size=4,
+                topology={},
+                policy={"require": ["bytes"], "allow_not_applicable": []},
+                files=top,
+                evidence={"bytes": policy.evidence(policy.PASS)},
+                verdict={"state": "certified", "reasons": []},
+            )
+            store.publish_manifest(name, manifest.encode(m))
+        _flip(run, store.key(layout.attempt_dirname(5, "m"), NODES[1]), 10)
+        settled = settle_writing(led, ledger_dir, source="startup", store=store)
+        assert {s["step"]: (s["after"], s["why"]) for s in settled} == {
+            3: ("certified", "completed_from_manifest"),
+            5: ("rejected", "save_interrupted"),
+        }
+        assert [(f["path"], f["rank"]) for f in led.files(3)] == [(DCP_METADATA, 0), (NODES[0], 0), (NODES[1], 2)]
+        assert led.checkpoint(3)["bytes"] == _held(run, store, layout.attempt_dirname(3, "n"))
+        assert ("digest_mismatch", NODES[1]) in {(r["code"], r.get("file")) for r in led.checkpoint(5)["reasons"]}
 
 
 def test_a_node_manifest_that_cannot_be_read_now_is_could_not_check_not_damage():
@@ -148,8 +199,7 @@ def test_two_nodes_on_s3_save_a_row_per_node_and_every_byte_check_reads_through_
     assert [(f["path"], f["rank"]) for f in node1["files"]] == [("__2_0.distcp", 2), ("__3_0.distcp", 3)]
     top, _ = store.read_manifest(a4)
     assert top["evidence"]["bytes"]["files"] == 5  # four shards and .metadata, counted through the node rows
-    on_store = sum(run["fs"].du(store.key(a4), total=False).values())
-    assert rows[4][2] == on_store - len(run["fs"].cat_file(store.key(a4, layout.MANIFEST_NAME)))
+    assert rows[4][2] == _held(run, store, a4)
 
     _cli(run, "certify", run["ledger"], "--all", "--json", check_rc=0)
     # the ledger rebuilt from the bucket alone: the same rows, one per node
