@@ -11,21 +11,29 @@ from tests.workers_ckpt import ddp, state_of, train_steps
 from tests.workers_pernode import as_two_nodes
 
 
-def save_on_two_nodes(rank, world, uri, ledger_dir, endpoint, steps=(2, 4)):
-    """Train and save at each step of `steps` as a rank of a two-node job; returns each save's verdict and the
-    job's own digest (workers_s3.digest) of the state it saved there."""
+def save_on_two_nodes(rank, world, uri, ledger_dir, endpoint, async_save=False, steps=(2, 4)):
+    """Train and save at each step of `steps` as a rank of a two-node job; returns each save's verdict (None for
+    an async save: it comes later, in the ledger) and the job's own digest (workers_s3.digest) of the state it
+    saved there, taken when save() returns (an async save has staged its copy by then; training then goes on)."""
     as_two_nodes(rank)
     model = w.make_model()
     net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ckpt = Checkpointer(
-        uri, ledger_dir=ledger_dir, storage_options=w.options(endpoint), model=net, optimizer=opt, timeout_s=120
+        uri,
+        ledger_dir=ledger_dir,
+        storage_options=w.options(endpoint),
+        model=net,
+        optimizer=opt,
+        timeout_s=120,
+        async_save=async_save,
     )
     verdicts, saved, done = {}, {}, 0
     for s in steps:
         train_steps(net, opt, s - done, seed=s)
         done = s
-        verdicts[s] = ckpt.save(s, state_of(model, opt))["state"]
+        v = ckpt.save(s, state_of(model, opt))
+        verdicts[s] = v["state"] if v else None
         saved[s] = w.digest(state_of(model, opt))
     ckpt.close()
     return {"verdicts": verdicts, "saved": saved}
