@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 
 import pytest
@@ -205,6 +206,17 @@ def test_two_nodes_on_s3_save_a_row_per_node_and_every_byte_check_reads_through_
     assert rows[4][2] == _held(run, store, a4)
 
     _cli(run, "certify", run["ledger"], "--all", "--json", check_rc=0)
+    # export reads the shards its node manifests list: step 4's weights as the job held them (its own digest).
+    # In process, as tests/test_s3.py does (the CLI is this call on the bound store).
+    from safetensors.torch import load_file
+
+    from scout_ckpt.ops.export import export
+    from tests.workers_s3 import digest
+
+    dest = os.path.join(os.path.dirname(run["ledger"]), "export")
+    os.mkdir(dest)
+    export(run["ledger"], 4, f"{dest}/m.safetensors")
+    assert digest(load_file(f"{dest}/m.safetensors")) == out[0].result["models"][4]
     # the ledger rebuilt from the bucket alone: the same rows, one per node
     shutil.rmtree(run["ledger"])
     _cli(run, "ledger", "rebuild", run["ledger"], "--uri", run["uri"], "--json", check_rc=0)

@@ -28,15 +28,16 @@ def save_on_two_nodes(rank, world, uri, ledger_dir, endpoint, async_save=False, 
         timeout_s=120,
         async_save=async_save,
     )
-    verdicts, saved, done = {}, {}, 0
+    verdicts, saved, models, done = {}, {}, {}, 0
     for s in steps:
         train_steps(net, opt, s - done, seed=s)
         done = s
         v = ckpt.save(s, state_of(model, opt))
         verdicts[s] = v["state"] if v else None
         saved[s] = w.digest(state_of(model, opt))
+        models[s] = w.digest(model.state_dict())  # the weights alone: what `export` must write
     ckpt.close()
-    return {"verdicts": verdicts, "saved": saved}
+    return {"verdicts": verdicts, "saved": saved, "models": models}
 
 
 def load_on_two_nodes(rank, world, uri, ledger_dir, endpoint):
