@@ -131,7 +131,9 @@ def expand(
     fails it); one whose bytes match but which is unusable adds a `bad_node_manifest` reason; a row named twice
     adds `file_listed_twice`; an I/O error other than "no such file" is could-not-check (`errno`, `file`)."""
     if read is None:
-        base = Path(step_dir or ".")
+        if step_dir is None:
+            raise TypeError("expand: give the step dir or a reader")
+        base = Path(step_dir)
 
         def read(rel: str) -> bytes:
             return read_bounded(base / rel, MAX_NODE_MANIFEST_BYTES, rel)

@@ -5,8 +5,8 @@ Who sends what (Committer.finish calls `gather` on every rank, after DCP's write
   every rank        its report {"rank", "files", "finite_bad"} -> its node's aggregator (the node's local rank 0)
   aggregator        writes the node's reports as a node manifest into the temp dir (format/node_manifest.py,
                     fsynced) or, on an object store, as an object of the save attempt's prefix (durable once its
-                    upload completed: ObjectStore.write_object), then sends the coordinator one compact summary: (node, rank, ranks, size, digest,
-                    files, bytes, finite_bad of its failing ranks, error)
+                    upload completed: ObjectStore.write_object), then sends the coordinator one compact summary:
+                    (node, rank, ranks, size, digest, files, bytes, finite_bad of its failing ranks, error)
   coordinator       the aggregator of its own node; receives summaries until every rank of the job is accounted
                     for, and returns the list `Committer._publish` and the evidence take: one row per node, plus a
                     row per rank whose finite check failed, plus its own `.metadata`
