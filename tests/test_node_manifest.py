@@ -179,6 +179,16 @@ def test_two_nodes_save_a_row_per_node_and_every_byte_check_reads_through_it(tmp
     assert top["evidence"]["bytes"]["files"] == 5  # four shards and .metadata, counted through the node rows
 
     run_cli("certify", root, "--all", "--json", check_rc=0)
+    # export reads the shards the node manifests list: step 4's weights as rank 0 held them at its save
+    from safetensors.torch import load_file
+
+    from scout_ckpt.ops.export import export
+
+    export(root, 4, tmp_path / "m.safetensors")
+    weights = load_file(tmp_path / "m.safetensors")
+    held = out[0].result["saved"]
+    assert sorted(weights) == sorted(k[len("model.") :] for k in held if k.startswith("model."))
+    assert all(torch.equal(v, held["model." + k]) for k, v in weights.items())
     # a flipped bit in rank 3's shard: certify names the file and the rank, resume walks back
     _flip(root / "step-00000004" / "__3_0.distcp", 200)
     rc, stdout, _ = run_cli("certify", root, "--step", "4", "--json")

@@ -6,7 +6,9 @@ save, and the ledger per checkpoint, grow with the rank count. Instead each node
 writes its ranks' rows into a node manifest inside the checkpoint, and the top-level manifest and the ledger hold
 one entry per node: {"path": "scout-node-00001.json", "size", "digest", "rank": the aggregator's rank, "node",
 "ranks", "files", "bytes"} (the last four are totals, said again where readers want them without opening the node
-manifest). A single-node job writes no node manifest: its file list stays flat, as before.
+manifest). A single-node job writes no node manifest: its file list stays flat, as before. On an object-store
+root a node manifest is one more object of the save attempt's prefix (written by its aggregator before the
+coordinator publishes the top manifest), read back through the store for every byte check.
 
 Trust: a node manifest is read only where its bytes match the digest recorded for it (in the ledger or the top
 manifest, itself digest-checked), so its rows are as trustworthy as the flat rows they replace. `expand` turns a
@@ -20,6 +22,7 @@ import errno
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 from scout_ckpt.format.digests import bytes_digest
 from scout_ckpt.format.layout import DCP_METADATA, MANIFEST_NAME
@@ -89,6 +92,12 @@ def totals(files: list[dict]) -> tuple[int, int]:
     return n, b
 
 
+def stored_bytes(files: list[dict]) -> int:
+    """Bytes a checkpoint holds by its file list: every listed file's size plus the bytes each node manifest's row
+    says its node's files hold (the ledger's `nbytes` of an object-store attempt, at the save and at a rebuild)."""
+    return sum(int(f.get("size") or 0) + (int(f.get("bytes") or 0) if is_node_entry(f) else 0) for f in files)
+
+
 def parse(data: bytes, what: str) -> dict:
     """A node manifest from its bytes; ValueError (one line) if it is not one or its rows are unusable."""
     try:
@@ -108,13 +117,27 @@ def parse(data: bytes, what: str) -> dict:
     return doc
 
 
-def expand(step_dir: Path, files: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+def expand(
+    step_dir: Path | None, files: list[dict], *, read: Callable[[str], bytes] | None = None
+) -> tuple[list[dict], list[dict], list[dict]]:
     """(flat files, reasons, I/O errors): `files` with the rows of every node manifest whose bytes match its
     recorded size and digest added after it (the node entries stay: their own bytes are checked like any file).
+
+    Where the bytes come from: `step_dir`/name on a filesystem, or `read(name)` (an object store's attempt prefix:
+    ObjectStore.verify), which returns the object's bytes or raises as a file read does (FileNotFoundError when
+    absent, ValueError when too large, another OSError when the store cannot be read now).
 
     A node manifest that is absent or differs from its record adds nothing here (the byte check of its own row
     fails it); one whose bytes match but which is unusable adds a `bad_node_manifest` reason; a row named twice
     adds `file_listed_twice`; an I/O error other than "no such file" is could-not-check (`errno`, `file`)."""
+    if read is None:
+        if step_dir is None:
+            raise TypeError("expand: give the step dir or a reader")
+        base = Path(step_dir)
+
+        def read(rel: str) -> bytes:
+            return read_bounded(base / rel, MAX_NODE_MANIFEST_BYTES, rel)
+
     out = list(files)
     reasons: list[dict] = []
     unchecked: list[dict] = []
@@ -123,11 +146,14 @@ def expand(step_dir: Path, files: list[dict]) -> tuple[list[dict], list[dict], l
         if not is_node_entry(f):
             continue
         try:
-            data = read_bounded(Path(step_dir) / f["path"], MAX_NODE_MANIFEST_BYTES, f["path"])
+            data = read(f["path"])
         except ValueError:
             continue  # not a regular file or too large: the byte check of its own row says which
         except OSError as e:
-            if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            if not isinstance(e, (FileNotFoundError, NotADirectoryError)) and e.errno not in (
+                errno.ENOENT,
+                errno.ENOTDIR,
+            ):
                 unchecked.append(
                     {
                         "code": "could_not_check",

@@ -111,6 +111,7 @@ def verify_files(
         return _outcome([], [unchecked_reason(e, path=str(step_dir))], files_checked=0)
     if any(node_manifest.is_node_entry(f) for f in files):  # a multi-node save: each node's rows in its file
         files, reasons, unchecked = node_manifest.expand(step_dir, files)
+    unchecked_nodes = bool(unchecked)
     present = {}
     for f in files:
         p = step_dir / f["path"]
@@ -192,7 +193,8 @@ def verify_files(
         # a Trainer checkpoint-N folder has no DCP .metadata; any other directory must (fail closed)
         if (not is_folder_dir(step_dir) if dcp is None else dcp) and DCP_METADATA not in recorded:
             reasons.append({"code": "missing_file", "file": DCP_METADATA})
-        for extra in sorted(set(relpaths(step_dir)) - recorded - {MANIFEST_NAME}):
+        # a node manifest that could not be read leaves its node's files unaccounted for, not unexpected
+        for extra in [] if unchecked_nodes else sorted(set(relpaths(step_dir)) - recorded - {MANIFEST_NAME}):
             reasons.append({"code": "unexpected_file", "file": extra})
     nbytes = sum(f["size"] for f in files)
     return _outcome(reasons, unchecked, files_checked=len(files), bytes_checked=nbytes)

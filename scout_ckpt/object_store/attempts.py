@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scout_ckpt.format import layout
+from scout_ckpt.format import layout, node_manifest
 from scout_ckpt.format import manifest as manifest_mod
 from scout_ckpt.format.digests import bytes_digest
 
@@ -67,7 +67,7 @@ class ObjectPendingSave:
         return self.store.has_manifest(self.name)
 
     def nbytes(self, files: list[dict]) -> int:
-        return sum(f["size"] for f in files)
+        return node_manifest.stored_bytes(files)  # a node manifest's row carries its node's bytes
 
     def discard(self) -> None:
         """Coordinator, after a failed publish whose rejection the ledger already holds."""

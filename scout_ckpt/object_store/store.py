@@ -19,6 +19,7 @@ import xxhash
 from scout_ckpt.errors import BadInput, ManifestExists, ScoutError
 from scout_ckpt.format import layout
 from scout_ckpt.format import manifest as manifest_mod
+from scout_ckpt.format import node_manifest as fm
 from scout_ckpt.format.digests import ALGO, CHUNK, bytes_digest
 from scout_ckpt.format.safepaths import clip, relpath_problem
 from scout_ckpt.format.verify import is_absent, unchecked_reason
@@ -90,6 +91,12 @@ class ObjectStore:
             with self.fs.open(path, "wb") as f:
                 f.write(data)
         return bytes_digest(data)
+
+    def write_object(self, name: str, rel: str, data: bytes) -> None:
+        """One small object of attempt `name` (a node manifest), stored when this returns. Created, never
+        overwritten, where the store honours a conditional create: an attempt's prefix is written once."""
+        with self.fs.open(self.key(name, rel), "xb" if self.conditional_create else "wb") as f:
+            f.write(data)
 
     def read_bytes(self, name: str, rel: str, limit: int | None = None) -> bytes:
         """One object whole (FileNotFoundError if absent); ValueError if over `limit` bytes."""
@@ -176,9 +183,11 @@ class ObjectStore:
         """verify.verify_files for an attempt prefix. Sizes come from one listing (a missing or short object
         costs no read); then every file is read in CHUNK-sized ranged GETs, THREADS in flight across all files,
         each file hashed in order as its ranges arrive."""
+        files, node_reasons, node_unchecked = self._expand(name, files)
         listed, reasons, todo = self._sizes(name, files)
         if not listed:
             return evidence(FAIL, [{"code": "missing_dir", "path": self.uri_of(name)}], files_checked=0)
+        reasons = node_reasons + reasons
         try:
             digests = self._digests(name, todo, progress)
         except OSError as e:
@@ -198,11 +207,15 @@ class ObjectStore:
             recorded = {f["path"] for f in files}
             if layout.DCP_METADATA not in recorded:
                 reasons.append({"code": "missing_file", "file": layout.DCP_METADATA})
-            for extra in sorted(set(listed) - recorded - {layout.MANIFEST_NAME}):
+            # a node manifest that could not be read leaves its node's objects unaccounted for, not unexpected
+            for extra in [] if node_unchecked else sorted(set(listed) - recorded - {layout.MANIFEST_NAME}):
                 reasons.append({"code": "unexpected_file", "file": extra})
-        return evidence(
-            FAIL if reasons else PASS, reasons, files_checked=len(files), bytes_checked=sum(f["size"] for f in files)
-        )
+        detail = {"files_checked": len(files), "bytes_checked": sum(f["size"] for f in files)}
+        if reasons:
+            return evidence(FAIL, reasons + node_unchecked, **detail)
+        if node_unchecked:  # the store could not be read now: not evidence of damage (format/verify.py)
+            return evidence(MISSING, node_unchecked, could_not_check=True, **detail)
+        return evidence(PASS, [], **detail)
 
     def fetch(self, name: str, files: list[dict], dest) -> list[dict]:
         """Copy an attempt's recorded files to the local directory `dest` (same relative names) with the ranged
@@ -213,6 +226,9 @@ class ObjectStore:
         import os
         from pathlib import Path
 
+        files, reasons, unchecked = self._expand(name, files)
+        if reasons or unchecked:
+            return reasons + unchecked
         _, reasons, _ = self._sizes(name, files)
         if reasons:
             return reasons
@@ -231,6 +247,23 @@ class ObjectStore:
                 out.flush()
                 os.fsync(out.fileno())
         return _digest_reasons(files, digests)
+
+    def _expand(self, name: str, files: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+        """format/node_manifest.expand on an attempt prefix: the per-rank rows of every node manifest object whose
+        bytes match its row (a save of several nodes records one row per node). An error other than the store's
+        own OSError (a client error while the store is unreachable) is could-not-check too, never damage."""
+        if not any(fm.is_node_entry(f) for f in files):
+            return files, [], []
+
+        def read(rel: str) -> bytes:
+            try:
+                return self.read_bytes(name, rel, fm.MAX_NODE_MANIFEST_BYTES)
+            except (OSError, ValueError):
+                raise
+            except Exception as e:  # noqa: BLE001 - botocore's connection errors are not OSErrors
+                raise OSError(f"{type(e).__name__}: {e}") from e
+
+        return fm.expand(None, files, read=read)
 
     def _sizes(self, name: str, files: list[dict]) -> tuple[dict[str, int], list[dict], list[dict]]:
         """(the attempt's listing, the reasons of missing or wrongly sized files, the files whose size matches):

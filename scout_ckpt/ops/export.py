@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from scout_ckpt.errors import BadInput, NotClean, NotFound
-from scout_ckpt.format import layout
+from scout_ckpt.format import layout, node_manifest
 
 # Top-level components (and suffixes) that hold training state rather than model weights.
 _NOT_MODEL = {
@@ -165,7 +165,8 @@ def _export_dir(
     from scout_ckpt.format.dcp_files import load_metadata, read_tensors
 
     md = load_metadata(step_dir)
-    verified = {f["path"] for f in files}
+    # a save of several nodes records one row per node: its shards are the rows of the node manifests just verified
+    verified = {f["path"] for f in node_manifest.expand(step_dir, files)[0]}
     used = {info.relative_path for info in md.storage_data.values()}
     if layout.DCP_METADATA not in verified or not used <= verified:
         raise NotClean(

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 
 from scout_ckpt.errors import BadInput, ScoutError
-from scout_ckpt.format import layout
+from scout_ckpt.format import layout, node_manifest
 from scout_ckpt.format.safepaths import clip
 from scout_ckpt.ledger import journal
 
@@ -78,7 +78,7 @@ def collect(store) -> tuple[dict, list[dict], list[dict], set[int]]:
             m,
             digest,
             name,
-            lambda files=files: sum(f["size"] for f in files),
+            lambda files=files: node_manifest.stored_bytes(files),
             lambda name=name, files=files: _verify(store, name, files),
         )
     return entries, skipped, superseded, set(committed)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from scout_ckpt import policy
 from scout_ckpt.errors import BadInput
-from scout_ckpt.format import layout, manifest
+from scout_ckpt.format import layout, manifest, node_manifest
 from scout_ckpt.format.verify import could_not_check, verify_files
 from scout_ckpt.ledger import journal
 
@@ -276,7 +276,7 @@ def settle_writing(ledger, root: str | os.PathLike, *, source: str, store=None) 
                     run_id=m.get("run_id") or row["run_id"],
                     path=row["path"],
                     nbytes=(
-                        sum(f["size"] for f in m["files"])
+                        node_manifest.stored_bytes(m["files"])
                         if store is not None
                         else layout.dir_bytes(root / row["path"])
                     ),

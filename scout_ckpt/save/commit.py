@@ -224,11 +224,13 @@ class Committer:
         files = pending.local_files(writer, self.rank)
         report = {"rank": self.rank, "files": files, "finite_bad": writer.nonfinite}
         world = dist.get_world_size(group)
-        nodes = node_manifest.plan(self.rank, world) if self.store is None and world == dist.get_world_size() else None
-        if nodes is None:  # one node (or an object store): every rank's rows to the coordinator
+        nodes = node_manifest.plan(self.rank, world) if world == dist.get_world_size() else None
+        if nodes is None:  # one node: every rank's rows to the coordinator
             gathered = _gather(report, group)
-        else:  # many nodes: a node manifest per node, one summary per node to the coordinator
-            gathered = node_manifest.gather(nodes, self.rank, report, pending.tmp, pending.step, pending.attempt, group)
+        else:  # many nodes: a node manifest per node (a file of the temp dir, or an object of the attempt)
+            store = self.store
+            target = pending.tmp if store is None else (lambda rel, data: store.write_object(pending.name, rel, data))
+            gathered = node_manifest.gather(nodes, self.rank, report, target, pending.step, pending.attempt, group)
         verdict = None
         if self.is_coordinator:
             verdict = self._publish(pending, gathered, assess)
