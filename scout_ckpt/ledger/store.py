@@ -184,7 +184,8 @@ class Ledger(LedgerQueries):
             raise Quarantined(
                 f"step {step} is quarantined"
                 + (f" ({reason})" if reason else "")
-                + "; `scout-ckpt release` it before saving that step again"
+                + "; a run restarted from an earlier step saves it anew (the quarantined folder set aside), or "
+                "`scout-ckpt release` it to trust the quarantined attempt again"
             )
 
     def record_commit(
