@@ -12,7 +12,6 @@ import os
 
 import _framework_common as fc
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from torch.utils.data import DataLoader, Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
@@ -95,12 +94,7 @@ def run_size(args, size: str, root: str) -> dict | None:
 
 def main() -> None:
     args = fc.options(__doc__.splitlines()[0])
-    results = {}
-    for size in args.sizes.split(","):
-        results[size] = run_size(args, size, os.path.join(os.path.dirname(os.path.abspath(args.out)), size))
-    fc.finish(args, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    fc.run_sizes(args, run_size)
 
 
 if __name__ == "__main__":

@@ -202,6 +202,19 @@ class Contest:
         }
 
 
+def run_sizes(args, run_size, *extra) -> None:
+    """Every rank: `run_size(args, size, size_dir, *extra)` for each size asked for, the results written by
+    `finish`, then the default group torn down (the frameworks leave it alive)."""
+    import torch.distributed as dist
+
+    results = {}
+    for size in args.sizes.split(","):
+        results[size] = run_size(args, size, os.path.join(os.path.dirname(os.path.abspath(args.out)), size), *extra)
+    finish(args, results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def finish(args: argparse.Namespace, results: dict) -> None:
     """Rank 0: the job's result (per size) into --out, written whole or not at all."""
     import torch.distributed as dist

@@ -99,12 +99,7 @@ def run_size(args, size: str, root: str) -> dict | None:
 def main() -> None:
     args = fc.options(__doc__.splitlines()[0])
     deepspeed.init_distributed(dist_backend="gloo")
-    results = {}
-    for size in args.sizes.split(","):
-        results[size] = run_size(args, size, os.path.join(os.path.dirname(os.path.abspath(args.out)), size))
-    fc.finish(args, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    fc.run_sizes(args, run_size)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import os
 import _framework_common as fc
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -118,12 +117,7 @@ def run_size(args, size: str, root: str) -> dict | None:
 
 def main() -> None:
     args = fc.options(__doc__.splitlines()[0])
-    results = {}
-    for size in args.sizes.split(","):
-        results[size] = run_size(args, size, os.path.join(os.path.dirname(os.path.abspath(args.out)), size))
-    fc.finish(args, results)
-    dist.barrier()
-    dist.destroy_process_group()  # Lightning leaves the default group alive
+    fc.run_sizes(args, run_size)
 
 
 if __name__ == "__main__":

@@ -117,12 +117,7 @@ def main() -> None:
     args = fc.options(__doc__.splitlines()[0])
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    results = {}
-    for size in args.sizes.split(","):
-        results[size] = run_size(args, size, os.path.join(os.path.dirname(os.path.abspath(args.out)), size))
-    fc.finish(args, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    fc.run_sizes(args, run_size)
 
 
 if __name__ == "__main__":

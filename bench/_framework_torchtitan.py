@@ -120,12 +120,7 @@ def main() -> None:
     args = fc.options(__doc__.splitlines()[0])
     dist.init_process_group("gloo")
     pd = parallel_dims(dist.get_world_size())
-    results = {}
-    for size in args.sizes.split(","):
-        results[size] = run_size(args, size, os.path.join(os.path.dirname(os.path.abspath(args.out)), size), pd)
-    fc.finish(args, results)
-    dist.barrier()
-    dist.destroy_process_group()
+    fc.run_sizes(args, run_size, pd)
 
 
 if __name__ == "__main__":

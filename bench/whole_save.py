@@ -59,40 +59,10 @@ LARGE_MIN_BYTES = 100 * 10**6  # state per rank at the large size
 
 
 def _model(width: int, layers: int, vocab: int = 512):
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
+    """The FSDP2 example's shape (bench/_framework_common.transformer, shared with the framework bench), seeded."""
+    import _framework_common as fc
 
-    class Block(nn.Module):
-        def __init__(self, d: int):
-            super().__init__()
-            self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-            self.heads = 4
-
-        def forward(self, x):
-            b, t, d = x.shape
-            q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-            return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-    class LM(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embedding = nn.Embedding(vocab, width)
-            self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
-            self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
-
-        def forward(self, tokens):
-            x = self.embedding(tokens)
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.norm(x))
-
-    torch.manual_seed(0)
-    return LM(), vocab
+    return fc.transformer(width, layers, vocab), vocab
 
 
 def _cpu_s() -> float:
