@@ -168,7 +168,11 @@ def test_a_local_verdict_racing_the_durable_save_ends_the_generation_before_it_c
         assert r.returncode == 0, (node, r.stderr[-4000:])
     lines = _lines(results)
     faults = [e for e in lines if e["event"] == "live_fault"]
-    assert sorted(e["rank"] for e in faults) == list(range(world)) and {e["fault_step"] for e in faults} == {6}
+    # Every rank raises LiveStateCorrupt, but each is its own agent here: the first rank to exit has torchrun tear
+    # the others down, and a loaded machine (make stress, .ci/run beside two CPU burners) can end a rank before it
+    # prints. What the run must show: the live fault at step 6, never a durable save of the first generation, and
+    # the restart's loads below.
+    assert faults and {e["fault_step"] for e in faults} == {6}, lines
     first_run = {e["run_id"] for e in faults}
     assert [e for e in lines if e["event"] == "saved" and e["run_id"] in first_run] == []
     printed = {(e["rank"], e["step"]): e["digest"] for e in lines if e["event"] == "local_saved" and e["step"] == 4}
