@@ -2,7 +2,10 @@
 `make bench-smoke` (`--smoke`): every bench at a tiny size, to prove each still runs and prints its JSON.
 
 Benches run sequentially (they time processes; running two at once on 2 cores would measure the scheduler).
-Each gets its share of a total time budget, so `make bench` ends within 30 minutes even when one hangs (about 20 when none does, the framework bench its 2.5 of them). A bench
+Each gets its share of a total time budget, so `make bench` ends within 45 minutes even when one hangs (about 35
+when none does: replay's cost over save intervals of 100 and 200 steps about 16 of them, the framework bench 2.5).
+Each bench runs in a session of its own: one that runs out of time is killed with every process it started (its
+torchrun or multiprocessing workers), so that none of them loads the machine under the benches after it. A bench
 that fails, prints no JSON, or runs out of time is reported as failed with its stderr tail, and run_all then
 exits 1. Writes bench/results/summary.json and bench/results/summary.md, and prints the markdown: one line with
 the commit measured, the dates and the load average over the run, then per bench its headline beside its target,
@@ -19,7 +22,10 @@ results to a temporary directory, so that a smoke run never overwrites the figur
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -52,7 +58,10 @@ SMOKE_CAP_S = 300.0
 # Benches with a cap of their own, instead of PER_BENCH_CAP_S and their share of the budget (make bench) or
 # SMOKE_CAP_S (--smoke), still within what is left: bench/framework_save.py starts a torchrun job per framework (five),
 # each importing its framework and starting its drop-in on 2 ranks before the first save.
-OWN_CAP_S: dict[str, float] = {"framework_save.py": 600.0}
+# bench/replay_cost.py trains (intervals + 2) x 300 steps per shape and contender (three shapes; 13 minutes with
+# --intervals 2 at load 2.4-2.8); bench/fast_tier.py runs its rounds on POSIX and on a moto S3 server.
+OWN_CAP_S: dict[str, float] = {"framework_save.py": 600.0, "replay_cost.py": 1500.0, "fast_tier.py": 600.0}
+SMOKE_OWN_CAP_S: dict[str, float] = {"framework_save.py": 600.0}
 # The framework drop-ins bench/framework_save.py measures (each must report its two figures).
 FRAMEWORKS = ("deepspeed", "megatron", "torchtitan", "lightning", "accelerate")
 # Keys of a bench's JSON that others read (the documented ratio keys): --smoke fails a bench that leaves one out.
@@ -150,6 +159,29 @@ def missing_keys(result: dict, paths: list[str]) -> list[str]:
     return [p for p in paths if not has(result, p.split("."))]
 
 
+def run_in_session(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run `cmd` in a new session and wait for it (not for the end of its output: a worker it left behind may hold
+    the same stdout). Then, or past `timeout`, kill its whole process group (the workers it started: torchrun's,
+    a multiprocessing forkserver's). Past `timeout`, raise TimeoutExpired with the output so far."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=C.REPO, stdout=out, stderr=err, text=True, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def run_one(script: Path, timeout: float, smoke_flags: list[str] | None = None) -> dict:
     """One bench with --json; `smoke_flags` (a smoke run): those instead of its size flags, and no target judged."""
     flags = FLAGS.get(script.name, []) if smoke_flags is None else smoke_flags
@@ -165,7 +197,7 @@ def run_one(script: Path, timeout: float, smoke_flags: list[str] | None = None) 
     C.log(f"== {shown} (limit {timeout:.0f} s)")
     t0 = time.perf_counter()
     try:
-        res = subprocess.run(cmd, cwd=C.REPO, capture_output=True, text=True, timeout=timeout)
+        res = run_in_session(cmd, timeout)
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         return {
@@ -285,7 +317,7 @@ def main() -> None:
     p = C.parser(__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", metavar="NAME", help="run only these benches (file names or stems)")
     p.add_argument(
-        "--budget-s", type=float, default=None, help="time for all benches together (default 1800, as --smoke)"
+        "--budget-s", type=float, default=None, help="time for all benches together (default 2700; --smoke 1800)"
     )
     p.add_argument(
         "--smoke",
@@ -295,7 +327,8 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.budget_s is None:
-        args.budget_s = 1800.0  # make bench took 1,047 s at load 1-3 with framework_save; 1080 left three out
+        # make bench: 1,047 s at load 1-3 before replay_cost had its own cap (it then timed out at 300 s)
+        args.budget_s = 1800.0 if args.smoke else 2700.0
 
     scripts = bench_scripts(args.smoke)
     if args.only:
@@ -319,7 +352,7 @@ def main() -> None:
         for i, script in enumerate(scripts):
             left = deadline - time.monotonic()
             if args.smoke:
-                share = min(OWN_CAP_S.get(script.name, SMOKE_CAP_S), left)
+                share = min(SMOKE_OWN_CAP_S.get(script.name, SMOKE_CAP_S), left)
             else:
                 share = min(PER_BENCH_CAP_S, left / (len(scripts) - i) * 2, left)  # may borrow from later benches
                 share = min(OWN_CAP_S[script.name], left) if script.name in OWN_CAP_S else share

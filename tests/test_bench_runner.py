@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +86,48 @@ def test_a_benchs_judgement_of_its_targets_reads_as_one_word_in_the_summary(targ
     assert run_all.verdict(entry) == word
     run = dict(command="c", commit="abc", started="s", ended="e", load_start=0, load_end=0, cores=2, wall_s=1.0)
     assert f"| {word} |" in run_all.markdown([entry], run)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie has ended; only its parent's wait is missing
+
+
+def test_a_bench_out_of_time_is_killed_with_the_workers_it_started(tmp_path):
+    # A bench that times out leaves no worker loading the machine under the benches after it: the bench below
+    # starts a grandchild in the background (as torchrun's agent or a forkserver would), says its pid and hangs.
+    pidfile = tmp_path / "worker.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import time\\nwhile True: time.sleep(0.1)'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(w.pid))\n"
+        "time.sleep(600)\n"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        # the timeout is the test's bound on the bench: the worker has started long before (its pid is read back)
+        run_all.run_in_session([sys.executable, "-c", script], timeout=10)
+    worker = int(pidfile.read_text())
+    deadline = time.monotonic() + 30
+    while _alive(worker) and time.monotonic() < deadline:  # SIGKILL is delivered, not yet reaped by init
+        time.sleep(0.05)
+    assert not _alive(worker)
+
+
+def test_a_bench_that_returns_takes_the_workers_it_left_behind_with_it(tmp_path):
+    pidfile = tmp_path / "worker.pid"
+    script = (
+        "import subprocess, sys\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import time\\nwhile True: time.sleep(0.1)'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(w.pid))\n"
+        "print('{}')\n"
+    )
+    res = run_all.run_in_session([sys.executable, "-c", script], timeout=60)
+    assert (res.returncode, res.stdout.strip()) == (0, "{}")
+    worker = int(pidfile.read_text())
+    deadline = time.monotonic() + 30
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker)
