@@ -230,3 +230,38 @@ def test_fast_tier_a_quarantined_local_step_is_refused_to_its_run_and_saved_anew
     assert {r["step"]: (r["state"], r["run_id"]) for r in listed["local"]}[4] == ("certified", r2[0]["run_id"])
     rc, out, err = run_cli("explain", root, "4", "--json")
     assert rc == 0 and [r["run_id"] for r in json.loads(out)["set_aside"]] == [run1], (out, err)
+
+
+def _job_lines(p) -> list[dict]:
+    return [json.loads(line.split(" ", 1)[1]) for line in p.stdout.splitlines() if line.startswith("S3-JOB ")]
+
+
+@pytest.mark.scenario
+def test_s3_under_torchrun_a_restart_saves_the_quarantined_newest_step_anew_and_the_next_resumes_it(run):
+    """The user's DDP script (tests/scripts/s3_ddp_job.py) under real torchrun, 2 gloo ranks, saving every 2 steps
+    to s3:// up to step 8; the operator quarantines step 8. The next launch resumes step 6 (the digest the first
+    printed), trains to 8 and saves it anew: certified, another attempt; the quarantined attempt's objects are
+    unchanged, and `ls` names its prefix. A third launch resumes step 8 with the digest the second printed."""
+    p = test_s3._torchrun(run, "--steps", "8", "--save-every", "2")
+    assert p.returncode == 0, p.stderr[-4000:]
+    first = {e["step"]: e for e in _job_lines(p) if e["event"] == "saved"}
+    assert sorted(first) == [2, 4, 6, 8], first
+    _cli(run, "quarantine", run["ledger"], "8", "--reason", "suspect node", check_rc=0)
+    with Ledger.open(run["ledger"], readonly=True) as led:
+        quarantined = led.checkpoint(8)
+    kept = _objects(run, quarantined["path"])
+
+    p = test_s3._torchrun(run, "--steps", "8", "--save-every", "2")
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = _job_lines(p)
+    assert [(e["event"], e["step"]) for e in lines] == [("loaded", 6), ("saved", 8)], lines
+    assert lines[0]["digest"] == first[6]["digest"] and lines[1]["state"] == "certified", lines
+    assert _objects(run, quarantined["path"]) == kept
+    rc, out, err = _cli(run, "ls", run["ledger"], "--json")
+    listed = json.loads(out)
+    assert rc == 0 and [(r["step"], r["attempt"]) for r in listed["set_aside"]] == [(8, quarantined["attempt"])]
+
+    p = test_s3._torchrun(run, "--steps", "8", "--save-every", "2")
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert [(e["event"], e["step"], e["digest"]) for e in _job_lines(p)] == [("loaded", 8, lines[1]["digest"])]
+    assert _objects(run, quarantined["path"]) == kept
