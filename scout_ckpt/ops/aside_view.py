@@ -50,14 +50,15 @@ def rows(ledger, root: str | os.PathLike | None = None, step: int | None = None)
 
 def sentence(r: dict) -> str:
     """One line: which attempt of which step is kept aside, where, and that it is never resumed from."""
-    whose = f"attempt {r['attempt']} of run {r['run_id']}" if r.get("attempt") else f"run {r['run_id']}'s copy"
+    whose = f"attempt {r['attempt']}" if r.get("attempt") else "copy"
     where = (
         f"in {r['where']} in each node's local directory ({len(r.get('files') or [])} rank file(s))"
         if r.get("tier") == aside.LOCAL
         else f"at {r['where']}"
     )
     return (
-        f"step {r['step']}: the quarantined {r.get('tier')} {whose} is kept aside {where}, never resumed from; "
+        f"step {r['step']}: the quarantined {r.get('tier')} {whose} of run {r.get('run_id')} is kept aside {where}, "
+        "never resumed from; "
         f"run {r.get('new_run_id')} saved the step anew"
     )
 
