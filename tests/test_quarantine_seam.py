@@ -265,3 +265,42 @@ def test_s3_under_torchrun_a_restart_saves_the_quarantined_newest_step_anew_and_
     assert p.returncode == 0, p.stderr[-4000:]
     assert [(e["event"], e["step"], e["digest"]) for e in _job_lines(p)] == [("loaded", 8, lines[1]["digest"])]
     assert _objects(run, quarantined["path"]) == kept
+
+
+def _tree(folder) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.scenario
+def test_fast_tier_under_torchrun_a_restart_saves_the_quarantined_local_step_anew_and_the_next_resumes_it(tmp_path):
+    """The fast tier's job (tests/scripts/fast_tier_job.py) under real torchrun, 2 nodes of 1 rank, each its own
+    local directory: local steps 2-8, durable step 6. The operator quarantines step 8 (held by the fast tier
+    alone). The next launch resumes step 6, trains to 8 and saves it locally anew; the launch after resumes local
+    step 8 with the digest the second printed at its save; the first run's step-8 files stay, byte for byte, on
+    both nodes through both start-ups, and `ls` names them."""
+    from tests.test_one_truth_torchrun import _run
+
+    root, dirs = tmp_path / "run", [tmp_path / f"node-disk-{i}" for i in range(2)]
+    first = _run(root, dirs, 8)
+    run1 = {e["run_id"] for e in first if e["event"] == "local_saved"}
+    assert len(run1) == 1, first
+    (run1_id,) = run1
+    quarantined = [d / run1_id / "step-00000008" for d in dirs]
+    kept = [_tree(f) for f in quarantined]
+    assert all(kept), kept
+    run_cli("quarantine", root, "8", "--reason", "suspect node", check_rc=0)
+
+    second = _run(root, dirs, 8)
+    loads = {e["rank"]: e for e in second if e["event"] == "loaded"}
+    printed6 = {e["rank"]: e["digest"] for e in first if e["event"] == "saved" and e["step"] == 6}
+    assert {r: (e["step"], e["digest"]) for r, e in loads.items()} == {r: (6, printed6[r]) for r in range(2)}
+    saved8 = {e["rank"]: e["digest"] for e in second if e["event"] == "local_saved" and e["step"] == 8}
+    assert sorted(saved8) == [0, 1], second
+
+    third = _run(root, dirs, 8)
+    loads = {e["rank"]: (e["step"], e["tier"], e["digest"]) for e in third if e["event"] == "loaded"}
+    assert loads == {r: (8, "local", saved8[r]) for r in range(2)}, third
+    assert [_tree(f) for f in quarantined] == kept
+    rc, out, err = run_cli("ls", root, "--json")
+    listed = json.loads(out)
+    assert rc == 0 and [(r["step"], r["dir"]) for r in listed["set_aside"]] == [(8, f"{run1_id}/step-00000008")]
