@@ -192,6 +192,7 @@ def test_s3_a_quarantined_step_is_refused_to_its_run_and_saved_anew_by_the_next_
 
 
 @pytest.mark.scenario
+@pytest.mark.scenario_ci  # the CI tier's fast-tier seam: about 17 s on 2 busy cores
 def test_fast_tier_a_quarantined_local_step_is_refused_to_its_run_and_saved_anew_by_the_next(tmp_path):
     """2 ranks as 2 nodes; local saves every 2 steps, a durable save at 3. The operator quarantines step 4 (held
     by the fast tier alone); run 1's local save of 4 again is rejected (`quarantined`) and leaves every file of
