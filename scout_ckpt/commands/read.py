@@ -19,6 +19,7 @@ from scout_ckpt.errors import BadInput
 from scout_ckpt.ledger.journal import JOURNAL_NAME
 from scout_ckpt.ops import roots
 from scout_ckpt.ops.adopt_step import evidence_level
+from scout_ckpt.ops.aside_view import sentence as aside_sentence
 from scout_ckpt.ops.steps import copies_text, steps_of, with_copies
 from scout_ckpt.ops.steps import step_view as steps_view
 from scout_ckpt.ops.steps import steps as all_steps
@@ -43,6 +44,7 @@ def ls(root: Path, as_json: bool) -> int:
             file=sys.stderr,
         )
     local = [] if fallback else _local_rows(root)
+    aside = [] if fallback else _aside_rows(root)
     rows = [{**r, "evidence_level": evidence_level(r.get("evidence") or {})} for r in rows]
     if as_json:
         views = [] if fallback else steps_of(root)
@@ -50,6 +52,7 @@ def ls(root: Path, as_json: bool) -> int:
             {
                 "checkpoints": with_copies(as_listed(rows), views),
                 "local": local,
+                "set_aside": aside,
                 "steps": views,
                 "source": "manifests" if fallback else "ledger",
                 "fallback": fallback,
@@ -87,6 +90,8 @@ def ls(root: Path, as_json: bool) -> int:
     for r in reversed(local):  # oldest first, as in the table
         if r["state"] != "deleted":
             con.print(escape(copies_sentence(r)))
+    for r in aside:
+        con.print(escape(aside_sentence(r)))
     if fallback:
         con.print("[dim]The local tier's steps are recorded in the ledger only: not listed while it cannot be read.[/]")
     if rows or local:
@@ -110,6 +115,23 @@ def _local_rows(root: Path) -> list[dict]:
     except (LedgerUnavailable, sqlite3.DatabaseError) as e:
         print(f"scout-ckpt: warning: the local tier's steps not listed: {e}", file=sys.stderr)
         return []
+
+
+def _aside_rows(root: Path, step: int | None = None) -> list[dict]:
+    """The quarantined attempts set aside to save their step anew (ops/aside_view.py); [] when the ledger cannot
+    be read now (a warning: the listing stands)."""
+    from scout_ckpt.errors import LedgerUnavailable, ScoutError
+    from scout_ckpt.ledger import Ledger
+    from scout_ckpt.ops import aside_view
+
+    try:
+        with Ledger.open(root, readonly=True) as ledger:
+            return aside_view.rows(ledger, root, step)
+    except (LedgerUnavailable, sqlite3.DatabaseError) as e:
+        print(f"scout-ckpt: warning: the set-aside attempts not listed: {e}", file=sys.stderr)
+    except (ScoutError, OSError):
+        pass  # no ledger here (an answer from elsewhere): nothing recorded to list
+    return []
 
 
 def explain(root: Path, step: int, as_json: bool) -> int:
@@ -152,6 +174,7 @@ def explain(root: Path, step: int, as_json: bool) -> int:
     # the step's own verdict (a quarantine or a step-level rejection in either tier holds for every copy) and
     # each copy with its bytes evidence; "state" stays the durable row's, as it always was
     out["step_state"], out["copies"] = view["state"], view["copies"]
+    out["set_aside"] = _aside_rows(root, step)  # earlier attempts of the step, quarantined and kept aside
     if as_json:
         emit(out)
     else:
@@ -165,6 +188,8 @@ def explain(root: Path, step: int, as_json: bool) -> int:
             for line in explain_local_lines(local, escape, both="durable" in tiers):
                 con.print(line)
         con.print(escape(copies_text(view)))
+        for r in out["set_aside"]:
+            con.print(escape(aside_sentence(r)))
     if out["state"] != "certified":
         what = "" if tiers == ["durable"] else f" in the {tiers[0]} tier"
         print(
@@ -211,6 +236,9 @@ def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool, requi
             f"command cannot read other nodes' local directories",
             file=sys.stderr,
         )
+    aside = [] if found.get("fallback") else _aside_rows(root, found["step"])
+    for r in aside:  # the answer is the new attempt; the quarantined one is kept, never handed out
+        print(f"scout-ckpt: {aside_sentence(r)}", file=sys.stderr)
     found["evidence_level"] = _found_level(root, found)
     if found["evidence_level"] == "adopted":
         print(
@@ -221,7 +249,7 @@ def resume(root: Path, latest_clean: bool, no_verify: bool, as_json: bool, requi
         )
     if as_json:
         # the CLI reads the durable tier (design.md, "Fast tier"); newer certified local steps are named beside it
-        emit({**found, "tier": found.get("tier", "durable"), "local_newer": newer_local})
+        emit({**found, "tier": found.get("tier", "durable"), "local_newer": newer_local, "set_aside": aside})
     else:
         print(found["path"])
     return 0

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from scout_ckpt.errors import CertifiedStep, Quarantined
-from scout_ckpt.ledger import tiers
+from scout_ckpt.ledger import aside, journal, tiers
 from scout_ckpt.ledger.connection import (  # noqa: F401  (re-exported: importers use scout_ckpt.ledger.store)
     DEFAULT_BUSY_TIMEOUT_S,
     DEFAULT_READ_BUSY_TIMEOUT_S,
@@ -126,21 +126,39 @@ class Ledger(LedgerQueries):
             owner: who writes it (host, pid, start time), so that start-up settles only dead owners' rows.
             source: what began it ("save", "adopt", ...).
             keep_certified: leave a certified row of the step as it is (an operator's replacement records it apart).
-            over_quarantined: a quarantined row whose folder was set aside (its path is not `path`) is replaced
-                by this attempt: a new lineage reached the step again (a run resumed from an earlier step). The
-                quarantined attempt stays in the history, the journal and its own folder.
+            over_quarantined: a quarantined step reached again by a later incarnation (a run resumed from an
+                earlier step) is saved anew: a quarantined row written by another run whose bytes lie apart from
+                this attempt's (its path is not `path`: the folder was set aside, or an object store's attempt
+                prefix) is replaced by this attempt, and so is the fast tier's quarantined row of another run
+                (its own run's folder). Each set-aside attempt is recorded, in this transaction, by a
+                `quarantine_set_aside` event naming where its bytes are kept (ledger/aside.py), and stays in the
+                history and the journal. The run that wrote the quarantined attempt is refused, on every storage.
         """
         owner = owner or {}
         with self.write():
             row = self.checkpoint(step)
             copy = tiers.row(self, step)
-            if (row is None or row["state"] != "quarantined") and copy is not None and copy["state"] == "quarantined":
-                row = {**copy, "attempt": None}  # a step quarantined in the fast tier is quarantined: no save
-            set_aside = over_quarantined and row is not None and row.get("path") not in (None, path)
-            refused = row is not None and (
-                (row["state"] == "quarantined" and not set_aside) or (keep_certified and row["state"] == "certified")
+
+            def later_run(r: dict) -> bool:
+                return over_quarantined and r.get("run_id") != run_id
+
+            aside_row = (
+                row is not None
+                and row["state"] == "quarantined"
+                and later_run(row)
+                and row.get("path") not in (None, path)
             )
+            aside_copy = copy is not None and copy["state"] == "quarantined" and later_run(copy)
+            blocked = None
+            if row is not None and row["state"] == "quarantined" and not aside_row:
+                blocked = row
+            elif copy is not None and copy["state"] == "quarantined" and not aside_copy:
+                blocked = {**copy, "attempt": None}  # a step quarantined in the fast tier is quarantined: no save
+            elif keep_certified and row is not None and row["state"] == "certified":
+                blocked = row
+            refused = blocked is not None
             if refused:
+                row = blocked
                 self._certification(
                     step,
                     "writing",
@@ -150,6 +168,16 @@ class Ledger(LedgerQueries):
                     outcome=REFUSED,
                 )
             else:
+                if aside_row:
+                    assert row is not None
+                    storage = "object_store" if ".attempt-" in str(row.get("path")) else "posix"
+                    detail = aside.durable_detail(row, by=source, attempt=attempt, run_id=run_id, storage=storage)
+                    self.add_event(aside.EVENT, step=step, run_id=run_id, detail=detail)
+                if aside_copy:
+                    assert copy is not None
+                    detail = aside.local_detail(copy, by=source, run_id=run_id)
+                    self.add_event(aside.EVENT, step=step, run_id=run_id, detail=detail)
+                    self.conn.execute("DELETE FROM tier_checkpoints WHERE tier=? AND step=?", (tiers.LOCAL, step))
                 now = time.time()
                 self.conn.execute("DELETE FROM files WHERE step=?", (step,))
                 self.conn.execute("DELETE FROM evidence WHERE step=?", (step,))
@@ -400,6 +428,13 @@ class Ledger(LedgerQueries):
                 outcome=MOVED,
             )
         return True
+
+    def kept_aside(self) -> set:
+        """What the object store's sweep keeps as quarantined attempts set aside (ledger/aside.py): their prefix
+        names, from the events, and (step, attempt) of every quarantine in the journal that no release followed
+        (a ledger rebuilt from the bucket has no events). Read-only; in store.py because the sweep's layer sits
+        below the ledger and gets this object."""
+        return aside.kept_paths(self) | aside.quarantined_in_journal(journal.read(self.path.parent))
 
     def _certification(
         self,

@@ -86,17 +86,23 @@ def sweep(ledger, store, *, source: str, dry_run: bool = False) -> dict:
     row. Dead means: the step has a ledger row and that row is not this attempt in state `writing` (settle_writing
     has already turned dead owners' rows into `rejected`; an owner alive or unknown keeps its row `writing`).
     Kept: every attempt of a step the ledger has no row for (not ours to judge: another ledger, a lost ledger),
-    and every attempt with a manifest that the ledger's row names (retention decides about those).
+    every attempt with a manifest that the ledger's row names (retention decides about those), and every
+    quarantined attempt a later incarnation set aside to save its step anew (ledger/aside.py: its
+    `quarantine_set_aside` event, or a quarantine in the journal that no release followed): it is the step's
+    history, not a dead attempt.
     """
     uploads = store.multipart_uploads()
     attempts = store.attempts()
     rows = {r["step"]: r for r in ledger.checkpoints()}
+    kept = ledger.kept_aside()  # ledger/aside.py
 
     def verdict(name: str, has_manifest: bool) -> str | None:
-        step, _ = layout.parse_attempt_dir(name)
+        step, attempt = layout.parse_attempt_dir(name)
         row = rows.get(step)
         if row is None:
             return None  # unknown step: left alone
+        if name in kept or (step, attempt) in kept:
+            return None  # a quarantined attempt set aside: kept, byte for byte
         if row["path"] == name:
             if row["state"] == "writing":
                 return None  # in flight (owner alive or unknown)

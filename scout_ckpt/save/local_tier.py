@@ -12,8 +12,9 @@ One local save, at `ckpt.step(step, state)`:
      replay evidence) and a staging copy of the rank's own state, into buffers reused from the previous local
      save (save/local_staging.py); then step() returns;
   2. the tier's commit thread, collective on the tier's own gloo group: serialize the copy, digest the bytes
-     (xxh3-128, the durable tier's algorithm) before they are written, write rank-R.pt (temp name + rename), the
-     finite check, all_gather (digest, size, host);
+     (xxh3-128, the durable tier's algorithm) before they are written, write rank-R.pt under a temp name, the
+     finite check, all_gather (digest, size, host, and the coordinator's refusal of a step this run wrote and
+     the operator quarantined: save/local_aside.py), then the rename, or nothing published when refused;
   3. peer copies (save/peer_copy.py): each rank's bytes go to the same local rank on the next `replicas` nodes;
      the receiver checks them against the owner's digest and writes peer-rank-R.pt only if they match;
   4. the verdict as a durable save's (SaveEvidence.assess on the coordinator), the ledger row (local_tier_rows:
@@ -22,7 +23,8 @@ One local save, at `ckpt.step(step, state)`:
      (live state found bad: LiveStateCorrupt at the next step() or save()).
 
 Collision rule: a durable and a local save of the same step coexist (other table, other directory); at load the
-durable one wins. Loading a local candidate (save/local_restore.py, called by save/loading.py's walk-back through
+durable one wins. A quarantined step reached again by a later run is saved anew, the quarantined run's folder
+kept (save/local_aside.py). Loading a local candidate (save/local_restore.py, called by save/loading.py's walk-back through
 `LocalTier.load`) re-verifies every rank's bytes by digest, own node first, else a peer copy fetched over the
 group; all ranks agree through one all_reduce or the candidate is walked past like a durable one.
 """
@@ -30,7 +32,6 @@ group; all ranks agree through one all_reduce or the candidate is walked past li
 from __future__ import annotations
 
 import io
-import os
 import socket
 import threading
 import time
@@ -38,13 +39,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.format.digests import bytes_digest
-from scout_ckpt.invariants.finite import can_be_nonfinite, is_finite
+from scout_ckpt.ledger import aside
 from scout_ckpt.ops.retention import decide_local
-from scout_ckpt.save import local_files, local_restore, peer_copy
+from scout_ckpt.save import local_aside, local_files, local_restore, peer_copy
 from scout_ckpt.save import local_tier_rows as rows
 from scout_ckpt.save import log as scout_log
 from scout_ckpt.save.commit import ranked_causes
@@ -52,42 +52,11 @@ from scout_ckpt.save.loading import materialize
 from scout_ckpt.save.local_files import rank_files
 from scout_ckpt.save.local_orphans import WriterLease, sweep
 from scout_ckpt.save.local_staging import StagingBuffers
+from scout_ckpt.save.local_state import local_tree as _local_tree
+from scout_ckpt.save.local_state import local_world_size
+from scout_ckpt.save.local_state import nonfinite as _nonfinite
 
 COORDINATOR = 0
-
-
-def _local_tree(obj):
-    """The state as this rank holds it: DTensors as their local shards, tensors detached, containers copied."""
-    if isinstance(obj, DTensor):
-        obj = obj.to_local()
-    if isinstance(obj, torch.Tensor):
-        return obj.detach()
-    if isinstance(obj, dict):
-        return {k: _local_tree(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_local_tree(v) for v in obj)
-    return obj
-
-
-def _nonfinite(obj, prefix: str = "") -> list[str]:
-    if isinstance(obj, DTensor):
-        obj = obj.to_local()
-    if isinstance(obj, torch.Tensor):
-        return [] if not can_be_nonfinite(obj.dtype) or is_finite(obj) else [prefix.rstrip(".")]
-    if isinstance(obj, dict):
-        return [n for k, v in obj.items() for n in _nonfinite(v, f"{prefix}{k}.")]
-    if isinstance(obj, (list, tuple)):
-        return [n for i, v in enumerate(obj) for n in _nonfinite(v, f"{prefix}{i}.")]
-    return []
-
-
-def local_world_size(world: int) -> int:
-    """Ranks per node: torchrun's LOCAL_WORLD_SIZE (the same on every node), else the whole world on one node."""
-    try:
-        n = int(os.environ["LOCAL_WORLD_SIZE"])
-    except (KeyError, ValueError):
-        return world
-    return n if n > 0 and world % n == 0 else world
 
 
 class LocalTier:
@@ -147,6 +116,7 @@ class LocalTier:
                 if lease is not None and lease.held:
                     earlier = {r["id"] for r in self.ck.ledger.runs()} - {self.ck.run_id}
                     live = {r["dir"] for r in rows.rows(self.ck.ledger) if r["state"] != "deleted"}
+                    live |= aside.kept_dirs(self.ck.ledger)  # quarantined copies set aside (save/local_aside.py)
                     known = (earlier, live)
             except Exception as e:  # noqa: BLE001 - could not check: nothing is removed
                 scout_log.logger.warning("local tier: orphaned step folders not checked: %s: %s", type(e).__name__, e)
@@ -246,21 +216,36 @@ class LocalTier:
         del staged
         rel = f"{ck.run_id}/step-{step:08d}"
         own = self.base / rel / f"rank-{self.rank}.pt"
+        # this run's save of a step it wrote and the operator quarantined is refused before any file is published
+        # (save/local_aside.py); the coordinator's answer travels with the table below
+        refused = self._refusal(step) if self.rank == COORDINATOR else None
         # A write that fails (a full or failing node-local disk) must not leave the other ranks in the gather
         # below: every rank goes through the whole protocol and the step is rejected for it (save/local_files).
-        failed = local_files.try_write(own, blob)
-        ck._hook("local_written", step)  # fault injection (tests): the rank's file is written, nothing recorded
-        phases["write"] = time.monotonic()
+        staged, failed = local_aside.stage(own, blob)
         table = [None] * self.world
         dist.all_gather_object(
             table,
-            {"digest": digest, "size": len(blob), "host": self.host, "dir": str(self.base), "failed": failed},
+            {
+                "digest": digest,
+                "size": len(blob),
+                "host": self.host,
+                "dir": str(self.base),
+                "failed": failed,
+                "refused": refused,
+            },
             group=group,
         )
+        refused = table[COORDINATOR]["refused"]
+        if refused is not None:
+            local_aside.discard(staged)
+        elif staged is not None:
+            failed = local_aside.publish(staged, own)
+        ck._hook("local_written", step)  # fault injection (tests): the rank's file is written, nothing recorded
+        phases["write"] = time.monotonic()
         copies = []
         # the same table on every rank: all skip the exchange alike when a rank's own file is missing (the step is
-        # rejected: copies of it would only take space on disks that may be as full)
-        if not any(t["failed"] for t in table):
+        # rejected: copies of it would only take space on disks that may be as full) or the save is refused
+        if refused is None and not any(t["failed"] for t in table):
             for owner, data in peer_copy.ring_exchange(
                 blob, self.rank, self.world, self.local_world, self.opts.replicas, group
             ).items():
@@ -285,8 +270,9 @@ class LocalTier:
             "rank": self.rank,
             "finite_bad": finite_bad,
             "copies": copies,
+            "failed": failed,
             "files": []
-            if failed
+            if failed or refused is not None
             else [
                 {
                     "path": f"rank-{self.rank}.pt",
@@ -301,8 +287,14 @@ class LocalTier:
         }
         gathered = [None] * self.world if self.rank == COORDINATOR else None
         dist.gather_object(mine, gathered, dst=COORDINATOR, group=group)
-        unwritten = {r: t["failed"] for r, t in enumerate(table) if t["failed"]}
-        out = self._commit(step, rel, gathered, live, unwritten) if self.rank == COORDINATOR else None
+        out = None
+        if self.rank == COORDINATOR:
+            assert gathered is not None
+            unwritten = {g["rank"]: g["failed"] for g in gathered if g["failed"]}  # staged, or published
+            if refused is not None:  # nothing was published: the quarantined copy is as it was
+                out = ({"state": "rejected", "reasons": [refused]}, [])
+            else:
+                out = self._commit(step, rel, gathered, live, unwritten)
         box = [out]
         dist.broadcast_object_list(box, src=COORDINATOR, group=group)
         verdict, drops = box[0]
@@ -349,30 +341,41 @@ class LocalTier:
             if self.holders and missing:
                 ev["copies"] = {"status": "fail", "ranks_without_verified_copy": missing}
             previous = rows.row(ck.ledger, step)
-            if previous is not None and previous["state"] == "quarantined":
-                # the operator's decision on the step stands until released: this save is not recorded over it
-                why = {"code": "quarantined", "detail": "the step is quarantined; `scout-ckpt release` it first"}
+            if (
+                previous is not None
+                and previous["state"] == "quarantined"
+                and not local_aside.set_aside(previous, ck.run_id)
+            ):
+                # quarantined by the operator during this save of this run's step: the decision stands
+                why = {"code": "quarantined", "detail": local_aside.REFUSED}
                 own = [] if previous.get("dir") == rel else [{"step": step, "dir": rel, "copies": copies}]
                 return {"state": "rejected", "reasons": [why]}, own
-            rows.record(
-                ck.ledger,
-                step=step,
-                run_id=ck.run_id,
-                state=v.state,
-                dir=rel,
-                world_size=self.world,
-                layout=self.layout,
-                files=files,
-                copies=copies,
-                evidence=ev,
-                signatures=signatures,
-                reasons=v.reasons,
-            )
+
+            def record() -> None:
+                rows.record(
+                    ck.ledger,
+                    step=step,
+                    run_id=ck.run_id,
+                    state=v.state,
+                    dir=rel,
+                    world_size=self.world,
+                    layout=self.layout,
+                    files=files,
+                    copies=copies,
+                    evidence=ev,
+                    signatures=signatures,
+                    reasons=v.reasons,
+                )
+
+            # a later run that reached a quarantined step: the earlier run's folder is kept, not dropped
+            aside_ = local_aside.record_over(ck.ledger, step, previous, ck.run_id, record)
             drops = []
-            if previous is not None and previous.get("dir") != rel:
+            if previous is not None and previous.get("dir") != rel and not aside_:
                 drops.append({"step": step, "dir": previous["dir"], "copies": previous.get("copies") or []})
             every = {r["step"]: r for r in rows.rows(ck.ledger)}
-            for s in decide_local({s: r["state"] for s, r in every.items()}, self.opts.keep):
+            # a quarantined local step is kept, as retention keeps a durable one: the operator's to release
+            plan = {s: r["state"] for s, r in every.items() if r["state"] != "quarantined"}
+            for s in decide_local(plan, self.opts.keep):
                 # a rejected step keeps why it was rejected beside why it went (`ls`, `explain` still say it)
                 kept = (every[s].get("reasons") or [])[:8] if every[s]["state"] == "rejected" else []
                 rows.set_state(
@@ -387,6 +390,15 @@ class LocalTier:
         except Exception as e:  # noqa: BLE001 - see the docstring
             scout_log.logger.warning("local step %d not recorded: %s: %s", step, type(e).__name__, e)
             return {"state": "rejected", "reasons": [{"code": "commit_failed", "detail": repr(e)}]}, []
+
+    def _refusal(self, step: int) -> dict | None:
+        """Coordinator, in the commit thread before the table is gathered: local_aside.refusal, or None when the
+        ledger cannot be read now (the commit checks the row again)."""
+        try:
+            return local_aside.refusal(self.ck.ledger, step, self.ck.run_id)
+        except Exception as e:  # noqa: BLE001 - every rank is about to meet in the gather
+            scout_log.logger.warning("local step %d: quarantine not checked: %s: %s", step, type(e).__name__, e)
+            return None
 
     def _reject_unwritten(self, step: int, rel: str, gathered: list[dict], failed: dict[int, str]):
         """Coordinator: a rank could not write its file (a full node-local disk): nothing about the state was
