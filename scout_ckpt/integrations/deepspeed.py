@@ -10,9 +10,9 @@ wraps the instance's `save_checkpoint`. One save boundary, all ranks:
   1. create: the tag must be DeepSpeed's default `global_stepN` (the ledger is keyed by step); the coordinator
      records the row `writing` for it and removes a stale folder of an abandoned attempt at the same step
      (IntegrationRun.begin_save, collective), before any byte is written
-  2. save (each file): DeepSpeed's torch.save, then the writing rank digests the file it has just written and
-     checks every tensor of the state dict it wrote for NaN/Inf (the one finite check, invariants/finite.py): no
-     rank re-reads another rank's files
+  2. save (each file): DeepSpeed's torch.save, the writing rank digesting the file's bytes as they are written
+     (integrations.hashed_save: no second read of the file), then it checks every tensor of the state dict it
+     wrote for NaN/Inf (the one finite check, invariants/finite.py): no rank reads another rank's files
   3. commit: consensus (C3 over the data-parallel ranks) on the state every rank holds a full copy of (below); the
      digests and finite results go to the coordinator (a gather: every rank's files are on disk), which lists the
      tag folder (a file nobody digested is `missing_file`), writes scout-manifest.json, records the verdict
@@ -64,7 +64,7 @@ import scout_ckpt
 from scout_ckpt import policy
 from scout_ckpt.errors import LiveStateCorrupt, ScoutError, StartRefused
 from scout_ckpt.format.digests import digest_files
-from scout_ckpt.integrations import ds_folders
+from scout_ckpt.integrations import ds_folders, hashed_save
 from scout_ckpt.integrations.ds_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
@@ -425,17 +425,25 @@ class ScoutCheckpointEngine(CheckpointEngine):
         self.inner.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict, path: str):
-        """This rank's file: DeepSpeed's torch.save, then its digest (the writer's, right after the write) and the
-        finite check of every tensor in what was written."""
-        self.inner.save(state_dict, path)
-        if self._current is None:  # a save outside save_checkpoint (none in DeepSpeed 0.19.8): not ours
-            return
-        step_dir = self.root / self._current[1]
-        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(step_dir))
-        if rel.startswith(".."):
-            self._unhashed.append(str(path))
-            return
-        size, digest = digest_files([path])[str(path)]
+        """This rank's file: DeepSpeed's torch.save, digested from the bytes as they are written (hashed_save: the
+        file's digest without reading it back), then the finite check of every tensor in what was written."""
+        rel = None
+        if self._current is not None:  # else a save outside save_checkpoint (none in DeepSpeed 0.19.8): not ours
+            step_dir = self.root / self._current[1]
+            rel = os.path.relpath(os.path.abspath(path), os.path.abspath(step_dir))
+        if rel is None or rel.startswith("..") or type(self.inner) is not TorchCheckpointEngine:
+            self.inner.save(state_dict, path)
+            if rel is None:
+                return
+            if rel.startswith(".."):
+                self._unhashed.append(str(path))
+                return
+            size, digest = digest_files([path])[str(path)]
+        else:
+            # what TorchCheckpointEngine.save does (torch.save with its serialization setting), digested as written
+            size, digest = hashed_save.save(
+                state_dict, path, _use_new_zipfile_serialization=self.inner.zipfile_serialization
+            )
         self._written.append({"path": Path(rel).as_posix(), "size": size, "digest": digest, "rank": self.run.rank})
         self._nonfinite += [f"{Path(rel).as_posix()}:{n}" for n in _nonfinite_tensors(state_dict)]
 
