@@ -338,14 +338,8 @@ class ScoutCheckpointEngine(CheckpointEngine):
                 )
 
         self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
+        self.run.bind_replay(self.replay, self.policy)
         if self.replay is not None:
-            self.replay.bind(
-                ledger=self.run.ledger,
-                root=self.root,
-                run_id=self.run.run_id,
-                policy=self.policy,
-                is_coordinator=self.run.is_coordinator,
-            )
             self.replay.begin(int(self.engine.global_steps))
         if self.stage >= 1 and not self.accept_single_owner and self.run.is_coordinator:
             log.warning(

@@ -282,14 +282,7 @@ class MegatronCheckpointer:
                 )
 
         self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
-        if self.replay is not None:
-            self.replay.bind(
-                ledger=self.run.ledger,
-                root=self.root,
-                run_id=self.run.run_id,
-                policy=self.policy,
-                is_coordinator=self.run.is_coordinator,
-            )
+        self.run.bind_replay(self.replay, self.policy)
         it = self.run.on_coordinator(
             f"point {self.root}/{mg_folders.TRACKER} at a certified iteration",
             lambda: (
