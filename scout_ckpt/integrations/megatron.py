@@ -34,15 +34,8 @@ says so). The consensus compares what the pieces hold at save; a fault before th
 every replica then shares is not seen by it (as with DDP).
 
 Replay (on by default where data-parallel replicas hold whole parameters: DP >= 2 at TP = PP = 1, given
-`model=`): the core's replay (save/evidence/replay.py) on the model's embedding, transformer layers and output
-layer, in a ring over the data-parallel ranks, as for a DDP job; the job calls `ckpt.step(iteration)` after each
-optimizer step (the rotation, and the arming of the next step's capture), and every save sweeps every target on the
-save step's capture before any byte is written. A rank whose forward or backward computes wrongly -- which
-Megatron's gradient all-reduce hands to every replica, so that consensus agrees on the poisoned state -- is named
-(`replay_sdc`, a live fault: LiveStateCorrupt). Off, with one WARNING at start, where it cannot run: no `model=`,
-one rank, tensor or pipeline parallelism (Megatron's own parallel layers take and return shards), virtual pipeline
-chunks. The optimizer's update is not replayed (Megatron's optimizers step `main_grad` buffers or, distributed,
-flattened ranges one rank owns): a wrong update on one replica is left to consensus.
+`model=`; the job calls `ckpt.step(iteration)` after each optimizer step): integrations.mg_replay, which says what it
+covers and where it is off.
 
 Not covered here: formats other than torch_dist (refused); the observer (the core Checkpointer's, not wired for
 Megatron); a filesystem not shared by the ranks (the coordinator's listing must see every rank's files).
@@ -50,7 +43,6 @@ Megatron); a filesystem not shared by the ranks (the coordinator's listing must 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
@@ -67,11 +59,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 import scout_ckpt
 from scout_ckpt import policy
 from scout_ckpt.errors import LiveStateCorrupt, ScoutError, StartRefused
-from scout_ckpt.integrations import mg_folders
+from scout_ckpt.integrations import mg_folders, mg_replay
 from scout_ckpt.integrations.mg_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import COORDINATOR, IntegrationRun, rejudge_committed
 from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
-from scout_ckpt.options import ReplayOptions, as_replay, check_group
+from scout_ckpt.options import ReplayOptions, check_group
 
 log = logging.getLogger("scout_ckpt.megatron")
 
@@ -170,15 +162,15 @@ class MegatronCheckpointer:
         self.update_tracker = update_tracker
         self.run = IntegrationRun(self.root, framework="megatron", timeout_s=timeout_s)
         self.consensus = consensus and self.run.world > 1
-        self.groups = None  # the data-parallel ring replay runs on (TP = PP = 1: every rank a replica)
-        self.replay = self._start_replay(replay, model, timeout_s)
+        # the data-parallel ring replay runs on (TP = PP = 1: every rank a replica), or None
+        self.replay, self.groups = mg_replay.start(self.run, replay, model, timeout_s)
         self.policy = self._policy()
         self.topology = {
             "mode": "megatron" if self.run.world > 1 else "single",
             "world_size": self.run.world,
             "framework": "megatron",
             "layout": LAYOUT,
-            **_parallel_sizes(),
+            **mg_replay.parallel_sizes(),
         }
         self.last_verdict: dict | None = None
         self._start()
@@ -202,56 +194,6 @@ class MegatronCheckpointer:
             "replay_targets": [list(t) for t in self.replay.targets()] if self.replay is not None else [],
             "accept_single_owner": self.accept_single_owner,
         }
-
-    def _start_replay(self, replay, model, timeout_s: float):
-        """Every rank: the core's replay on the model where the data-parallel ranks are whole replicas of it, or
-        None with one WARNING naming why (an explicit `replay=True` that cannot run is an error)."""
-        from scout_ckpt.save.evidence.replay import ReplayEvidence
-
-        replay = as_replay(replay)  # None: on where it can run; ReplayOptions: asked for
-        if replay is False:
-            return None
-        if isinstance(model, (list, tuple)):
-            model = model[0] if len(model) == 1 else None
-            off_chunks = "virtual pipeline model chunks" if model is None else None
-        else:
-            off_chunks = None
-        sizes = _parallel_sizes()
-        off = (
-            ReplayEvidence.off_by_default(self.run.world, "ddp")
-            or off_chunks
-            or ("no model= given to MegatronCheckpointer" if model is None else None)
-            or (
-                f"tensor/pipeline parallelism (TP={sizes.get('tensor_parallel')}, "
-                f"PP={sizes.get('pipeline_parallel')}): Megatron's parallel layers take and return shards"
-                if sizes.get("tensor_parallel", 1) != 1 or sizes.get("pipeline_parallel", 1) != 1
-                else None
-            )
-            or (
-                f"the data-parallel size {sizes.get('data_parallel')} is not the world {self.run.world}"
-                if sizes.get("data_parallel", self.run.world) != self.run.world
-                else None
-            )
-        )
-        if off is not None:
-            if isinstance(replay, ReplayOptions):
-                raise ScoutError(f"replay was asked for but cannot run here: {off}")
-            if self.run.rank == 0:
-                log.warning("scout-ckpt: replay is off (%s): a rank computing wrongly (SDC) is not detected", off)
-            return None
-        from scout_ckpt.consensus.groups import ConsensusGroups
-        from scout_ckpt.consensus.mesh import legacy_topology
-
-        self.groups = ConsensusGroups.from_topology(legacy_topology("ddp", self.run.world), timeout_s=timeout_s)
-        # Megatron's own layers are not nn.Embedding / nn.Linear: name them (a model without them: the core's
-        # discovery, which turns replay off with a WARNING where it finds nothing and nothing was asked for)
-        named = default_targets(model)
-        if isinstance(replay, ReplayOptions):
-            if replay.targets is None and named:
-                replay = dataclasses.replace(replay, targets=named)
-        elif named:
-            replay = ReplayOptions(targets=named)
-        return ReplayEvidence.start(replay, model=model, optimizer=None, groups=self.groups, auto_on=True)
 
     def _versions(self) -> dict:
         from importlib.metadata import version
@@ -568,36 +510,3 @@ def _evidence(every: list[dict], *, consensus: bool, accept_single_owner: bool) 
     else:
         ev["single_owner"] = policy.evidence(policy.PASS, [], pieces=0)
     return ev
-
-
-def default_targets(model: torch.nn.Module) -> tuple[str, ...]:
-    """Replay's targets in a Megatron-Core model, by what Megatron builds: the embedding (LanguageModelEmbedding:
-    word and position embeddings together), every TransformerLayer of the decoder, its final layer norm and the
-    output layer. The core's discovery looks for nn.Embedding / nn.Linear heads, which Megatron's parallel layers
-    are not (VocabParallelEmbedding, ColumnParallelLinear), so it would cover the position embedding and the
-    layers alone; named here, every module the forward runs is covered. Paths are as `model.named_modules()`
-    gives them (a wrapper's `module.` prefix included)."""
-    kinds = {"LanguageModelEmbedding", "TransformerLayer"}
-    found: list[str] = []
-    for path, module in model.named_modules():
-        name = type(module).__name__
-        if name in kinds or path.endswith(("decoder.final_layernorm", "output_layer")):
-            if not any(path.startswith(f + ".") for f in found):
-                found.append(path)
-    return tuple(found)
-
-
-def _parallel_sizes() -> dict:
-    """Tensor/pipeline/data-parallel sizes from parallel_state when it is initialized (for the manifest)."""
-    try:
-        from megatron.core import parallel_state as ps
-
-        if not ps.model_parallel_is_initialized():
-            return {}
-        return {
-            "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
-            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
-            "data_parallel": ps.get_data_parallel_world_size(),
-        }
-    except Exception:  # noqa: BLE001 - sizes are descriptive only
-        return {}
