@@ -14,7 +14,7 @@ functions run in line. One save, all ranks:
      at the same iteration removed), then the folder made, before any byte is written
   2. live evidence, on the state being saved (collective, before the write): each rank digests every ShardedTensor
      piece it holds (key, global offset, local shape, flattened range) and checks it for NaN/Inf; the digests are
-     gathered (one all_gather of 32-byte digests on the integration's own gloo group). Ranks holding the same piece
+     gathered (one all_gather of 16-byte xxh3-128 digests on the integration's own gloo group). Ranks holding the same piece
      are its replicas (Megatron gives them different `replica_id`s: data-parallel copies, tensor-parallel-replicated
      layer norms); every replicated piece is compared (two copies that differ: `consensus_inconclusive`; three or
      more: the minority attributed, `consensus_attributed`). A piece only one rank holds (tensor-parallel shards at
@@ -43,26 +43,21 @@ Megatron); a filesystem not shared by the ranks (the coordinator's listing must 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import platform
 import re
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 import scout_ckpt
-from scout_ckpt import policy
 from scout_ckpt.errors import LiveStateCorrupt, ScoutError, StartRefused
-from scout_ckpt.integrations import mg_folders, mg_replay
+from scout_ckpt.integrations import mg_evidence, mg_folders, mg_replay
 from scout_ckpt.integrations.mg_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import COORDINATOR, IntegrationRun, rejudge_committed
-from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
 from scout_ckpt.options import ReplayOptions, check_group
 
 log = logging.getLogger("scout_ckpt.megatron")
@@ -392,26 +387,14 @@ class MegatronCheckpointer:
 
     def _live_evidence(self, sharded_state_dict) -> dict:
         """Collective: consensus over replicated pieces and the finite check of every piece (identical on every
-        rank), and the `single_owner` evidence."""
-        mine: dict[str, str] = {}
-        nonfinite: list[str] = []
-        for st in _sharded_tensors(sharded_state_dict):
-            if st.data is None:
-                continue
-            pid = _piece_id(st)
-            mine[pid] = _tensor_digest(st.data)
-            try:
-                ok = is_finite(st.data.detach())
-            except UncheckableDtype:
-                ok = False
-            if not ok:
-                nonfinite.append(pid)
+        rank), and the `single_owner` evidence (integrations.mg_evidence)."""
+        mine = mg_evidence.local_pieces(sharded_state_dict)
         if self.run.distributed:
             every = [None] * self.run.world
-            dist.all_gather_object(every, {"pieces": mine, "nonfinite": nonfinite}, group=self.run.pg)
+            dist.all_gather_object(every, mine, group=self.run.pg)
         else:
-            every = [{"pieces": mine, "nonfinite": nonfinite}]
-        return _evidence(every, consensus=self.consensus, accept_single_owner=self.accept_single_owner)
+            every = [mine]
+        return mg_evidence.evidence(every, consensus=self.consensus, accept_single_owner=self.accept_single_owner)
 
 
 # ---- pure helpers ----------------------------------------------------------------------------------------------
@@ -422,91 +405,3 @@ def _writer_of(path: str) -> int:
     `common.pt`, `metadata.json`) rank 0."""
     m = DISTCP_RE.match(path)
     return int(m.group(1)) if m else COORDINATOR
-
-
-def _sharded_tensors(obj):
-    if isinstance(obj, ShardedTensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _sharded_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _sharded_tensors(v)
-
-
-def _piece_id(st: ShardedTensor) -> str:
-    fr = st.flattened_range
-    rng = f"[{fr.start}:{fr.stop}]" if fr is not None else ""
-    return f"{st.key}@{tuple(st.global_offset)}{tuple(st.local_shape)}{rng}"
-
-
-def _tensor_digest(t: torch.Tensor) -> str:
-    t = t.detach().cpu().contiguous()
-    return hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _evidence(every: list[dict], *, consensus: bool, accept_single_owner: bool) -> dict:
-    """Pure: the live evidence from every rank's {"pieces": {piece: digest}, "nonfinite": [piece]}."""
-    holders: dict[str, list[tuple[int, str]]] = defaultdict(list)
-    for rank, g in enumerate(every):
-        for pid, d in g["pieces"].items():
-            holders[pid].append((rank, d))
-    ev: dict = {}
-    bad_fin = [
-        {
-            "code": "invariant_failed",
-            "check": "finite",
-            "ranks": [r],
-            "tensors": g["nonfinite"][:8],
-            "n_tensors": len(g["nonfinite"]),
-        }
-        for r, g in enumerate(every)
-        if g["nonfinite"]
-    ]
-    ev["invariants"] = policy.evidence(
-        policy.FAIL if bad_fin else policy.PASS, bad_fin, specs=["finite"], checked_by="writers", checked_at="save"
-    )
-    replicated = {p: h for p, h in holders.items() if len(h) > 1}
-    single = sorted(p for p, h in holders.items() if len(h) == 1)
-    if consensus:
-        reasons, status = [], policy.PASS
-        for pid, h in sorted(replicated.items()):
-            counts: dict[str, list[int]] = defaultdict(list)
-            for r, d in h:
-                counts[d].append(r)
-            if len(counts) == 1:
-                continue
-            ranked = sorted(counts.values(), key=len, reverse=True)
-            if len(ranked[0]) * 2 > len(h):  # a strict majority: the others are attributed
-                minority = sorted(r for rs in ranked[1:] for r in rs)
-                reasons.append({"code": "consensus_attributed", "ranks": minority, "tensor": pid})
-                status = policy.FAIL
-            else:
-                reasons.append({"code": "consensus_inconclusive", "ranks": sorted(r for r, _ in h), "tensor": pid})
-                if status == policy.PASS:
-                    status = policy.INCONCLUSIVE
-        groups = sorted({tuple(sorted(r for r, _ in h)) for h in replicated.values()})
-        if not replicated:
-            status = policy.NOT_APPLICABLE
-        ev["consensus"] = policy.evidence(
-            status,
-            reasons,
-            tensors_compared=len(replicated),
-            groups=[{"members": list(g)} for g in groups],
-            source="replica_id",
-        )
-    if single:
-        reason = {
-            "code": "single_owner",
-            "pieces": len(single),
-            "keys": sorted({p.split("@")[0] for p in single})[:8],
-            "ranks": sorted({holders[p][0][0] for p in single}),
-            "detail": "one rank holds each of these pieces (tensor-parallel shards without data-parallel "
-            "replicas): no replica to compare; bytes and finite checks alone do not vouch for them",
-        }
-        status = policy.NOT_APPLICABLE if accept_single_owner else policy.MISSING
-        ev["single_owner"] = policy.evidence(status, [reason], accepted=accept_single_owner)
-    else:
-        ev["single_owner"] = policy.evidence(policy.PASS, [], pieces=0)
-    return ev
