@@ -100,9 +100,13 @@ class LiveEvidence:
         """Main thread, after the write: {"consensus", "invariants", "signatures", "unsigned"} as configured (the
         same on every rank); collective on the run's group when signatures are taken."""
         ev: dict = {}
-        partials, checks = self._local.result() if self._local is not None else ({}, None)
-        if self._consensus is not None:
-            ev["consensus"] = self._consensus.finish()
+        try:
+            partials, checks = self._local.result() if self._local is not None else ({}, None)
+            if self._consensus is not None:
+                ev["consensus"] = self._consensus.finish()
+        except BaseException:
+            self.wait()  # the other thread too: its collectives must not run on into the next steps
+            raise
         if checks is not None:
             ev["invariants"] = checks
         if self._signed is not None:
