@@ -294,16 +294,28 @@ class MegatronCheckpointer:
         iteration = int(iteration)
         name = folder_name(iteration)
         step_dir = self.root / name
-        if self.replay is not None:
-            self.replay.sweep(iteration)  # before any byte: every target replayed on the save step's capture
-        attempt = self.run.begin_save(iteration, name, remove_stale=True)
-        self.run.on_coordinator(f"create {step_dir}", lambda: step_dir.mkdir(parents=True, exist_ok=True))
-        live = self._live_evidence(sharded_state_dict)
+        # every target replayed on the save step's capture, in a thread of its own beside the evidence and the write
+        # (ReplayEvidence.start_sweep: replay's own gloo group); finished before save() returns, so the training
+        # thread is held meanwhile and the rows are in the ledger before the finalize reads them
+        sweep = self.replay.start_sweep(iteration) if self.replay is not None else None
+        try:
+            attempt = self.run.begin_save(iteration, name, remove_stale=True)
+            self.run.on_coordinator(f"create {step_dir}", lambda: step_dir.mkdir(parents=True, exist_ok=True))
+            live = self._live_evidence(sharded_state_dict)
+            if async_save:
+                request = dist_checkpointing.save(
+                    sharded_state_dict, str(step_dir), async_sharded_save=True, **save_kwargs
+                )
+            else:
+                dist_checkpointing.save(sharded_state_dict, str(step_dir), **save_kwargs)
+            if sweep is not None:
+                sweep.finish()
+        finally:
+            if sweep is not None:
+                sweep.join()  # on every path: a failed save leaves no sweep running into the next steps
         if async_save:
-            request = dist_checkpointing.save(sharded_state_dict, str(step_dir), async_sharded_save=True, **save_kwargs)
             request.add_finalize_fn(lambda: self.finalize(iteration, attempt, live))
             return request
-        dist_checkpointing.save(sharded_state_dict, str(step_dir), **save_kwargs)
         return self.finalize(iteration, attempt, live)
 
     def finalize(self, iteration: int, attempt: str, live: dict) -> dict:

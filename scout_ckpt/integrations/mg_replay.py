@@ -5,7 +5,8 @@ Replay (on by default where data-parallel replicas hold whole parameters: DP >= 
 `model=`): the core's replay (save/evidence/replay.py) on the model's embedding, transformer layers and output
 layer, in a ring over the data-parallel ranks, as for a DDP job; the job calls `ckpt.step(iteration)` after each
 optimizer step (the rotation, and the arming of the next step's capture), and every save sweeps every target on the
-save step's capture before any byte is written. A rank whose forward or backward computes wrongly -- which
+save step's capture, started before any byte is written and run beside the write in a thread of its own (finished
+before `save` returns). A rank whose forward or backward computes wrongly -- which
 Megatron's gradient all-reduce hands to every replica, so that consensus agrees on the poisoned state -- is named
 (`replay_sdc`, a live fault: LiveStateCorrupt). Off, with one WARNING at start, where it cannot run: no `model=`,
 one rank, tensor or pipeline parallelism (Megatron's own parallel layers take and return shards), virtual pipeline
