@@ -8,11 +8,9 @@ there, before the manager decides whether to save (`_should_save`). The call ord
 
   on_step(S)      the module replay's rotation and the shard replay's exchange of step S (collective on side
                   groups); faults found are `sdc` events and revoke the checkpoints they may be in (coordinator)
-  before_save(S)  the replay's sweep of step S started beside the evidence and the write; the shard replay's
-                  exchange in flight (faults as above)
-  live(S)         the at-rest check (collective on the run's group) and the shard replay evidence
-  replay_evidence(S)  after the write: the sweep finished, the replay's coverage on the coordinator; both merged
-                  into the save's live evidence
+  before_save(S)  the replay's sweep of step S; the shard replay's exchange in flight (faults as above)
+  live(S)         the at-rest check (collective on the run's group) and the shard replay evidence; the replay's
+                  coverage on the coordinator: merged into the save's live evidence
   after_load(S)   replay schedule and shard plans start again from the loaded step
 
 The model and optimizer the engines see are TorchTitan's single model part and its single torch optimizer
@@ -26,7 +24,7 @@ from __future__ import annotations
 from scout_ckpt.errors import ScoutError
 from scout_ckpt.options import ReplayOptions, ShardEvidenceOptions
 from scout_ckpt.save import log as scout_log
-from scout_ckpt.save.evidence.replay import PendingSweep, ReplayEvidence
+from scout_ckpt.save.evidence.replay import ReplayEvidence
 from scout_ckpt.save.evidence.shard import KINDS as SHARD_KINDS
 from scout_ckpt.save.evidence.shard import ShardEvidence
 
@@ -55,7 +53,6 @@ class TitanEvidence:
     def __init__(self, mgr, replay: ReplayEvidence | None, shard: ShardEvidence | None) -> None:
         self.mgr, self.replay, self.shard = mgr, replay, shard
         self._stepped = -1
-        self._sweep: PendingSweep | None = None  # the save's replay sweep while it runs (before_save)
 
     @classmethod
     def start(cls, mgr, config) -> "TitanEvidence":
@@ -119,17 +116,9 @@ class TitanEvidence:
             self.replay.on_step(step)
 
     def before_save(self, step: int) -> None:
-        """Collective, before the save's `writing` row: the replay's same-step sweep started, in a thread of its
-        own beside the evidence and the write (ReplayEvidence.start_sweep: replay's own gloo group, copies of the
-        modules); `replay_evidence` finishes it, `join_sweep` joins it on every path."""
+        """Collective, before the save's `writing` row: the replay's same-step sweep."""
         if self.replay is not None:
-            self._sweep = self.replay.start_sweep(step)
-
-    def join_sweep(self) -> None:
-        """Every rank, when the save returns or raises: no sweep runs on into the next steps."""
-        sweep, self._sweep = self._sweep, None
-        if sweep is not None:
-            sweep.join()
+            self.replay.sweep(step)
 
     def flush(self) -> None:
         """Collective, before the save's evidence: the shard replay's exchange in flight."""
@@ -137,18 +126,11 @@ class TitanEvidence:
             self._record_shard_faults(self.shard.flush())
 
     def live(self, step: int) -> dict:
-        """Collective: {"at_rest", "shard_replay"} on every rank."""
-        return self.shard.live(step) if self.shard is not None else {}
-
-    def replay_evidence(self, step: int) -> dict:
-        """After the write: the sweep finished (its rows recorded, its error raised), then {"replay"} on the
-        coordinator (its coverage of `step`), {} elsewhere."""
-        sweep, self._sweep = self._sweep, None
-        if sweep is not None:
-            sweep.finish()
+        """Collective: {"at_rest", "shard_replay"} on every rank, plus "replay" on the coordinator."""
+        ev = self.shard.live(step) if self.shard is not None else {}
         if self.replay is not None and self.mgr.is_coordinator:
-            return {"replay": self.replay.evidence(step)}
-        return {}
+            ev["replay"] = self.replay.evidence(step)
+        return ev
 
     def after_load(self, step: int) -> None:
         if self.replay is not None:

@@ -19,14 +19,13 @@ them and forbids overriding them):
                      core's settling of interrupted saves (integrations.session.IntegrationRun); SDC replay and
                      FSDP shard evidence as the core Checkpointer starts them (integrations.titan_evidence)
   _save              called by TorchTitan's Trainer after every optimizer step: first the evidence's per-step hook
-                     (replay rotation, shard update replay); on a save step, the replay's sweep starts in a
-                     thread of its own, then the coordinator records `writing` (and removes the folder of an
-                     abandoned attempt at the same step); every rank takes the at-rest check and shard replay;
-                     then the parent writes while consensus over the replica dims of the mesh, the configured
-                     invariants and the full-tensor signatures for the load check are taken beside the write, in
-                     background threads (integrations.titan_live); after the write the sweep is finished and its
-                     coverage taken; all joined before `_save` returns; sync: commit at once (certified at commit);
-                     async modes: commit when the upload has completed
+                     (replay rotation, shard update replay); on a save step, the replay's sweep, then the
+                     coordinator records `writing` (and removes the folder of an abandoned attempt at the same
+                     step); every rank takes the at-rest check, shard replay and replay coverage; then the parent
+                     writes while consensus over the replica dims of the mesh, the configured invariants and the
+                     full-tensor signatures for the load check are taken beside the write, in background threads
+                     (integrations.titan_live), joined before `_save` returns; sync: commit at once (certified at
+                     commit); async modes: commit when the upload has completed
   _wait_for_saving   the parent waits for the upload; then the pending commit runs (all ranks)
   _close             flushes a pending async commit first (the parent does not await save_future)
   commit             barrier; each rank hashes the `__R_0.distcp` it wrote, the other files are split over the ranks
@@ -328,20 +327,6 @@ class ScoutCheckpointManager(CheckpointManager):
             return False
         self.maybe_wait_for_saving()  # commits the previous async save first
         self.evidence.before_save(curr_step)
-        try:
-            ok, attempt, name, live, model_only = self._write_with_evidence(curr_step, last_step)
-        finally:
-            self.evidence.join_sweep()  # on every path: a failed save leaves no sweep running into the next steps
-        pending = (curr_step, attempt, name, live, model_only)
-        if self.save_future is None:
-            self._commit(*pending)
-        else:
-            self._pending = pending
-        return ok
-
-    def _write_with_evidence(self, curr_step: int, last_step: bool) -> tuple[bool, str, str, dict, bool]:
-        """Collective: the `writing` row, the live evidence and the parent's write; (parent's result, attempt, folder
-        name, live evidence, model only)."""
         name = os.path.basename(self._create_checkpoint_id(curr_step))
         attempt = self.run.begin_save(curr_step, name)
         self.evidence.flush()
@@ -358,8 +343,13 @@ class ScoutCheckpointManager(CheckpointManager):
         except BaseException:
             beside.wait()
             raise
-        live = {**beside.result(), **shard_live, **self.evidence.replay_evidence(curr_step)}
-        return ok, attempt, name, live, model_only
+        live = {**beside.result(), **shard_live}
+        pending = (curr_step, attempt, name, live, model_only)
+        if self.save_future is None:
+            self._commit(*pending)
+        else:
+            self._pending = pending
+        return ok
 
     def _signed(self, states: dict) -> tuple[dict, list[str]]:
         return signable(states, PER_RANK + tuple(self.exclude_from_loading))
