@@ -12,8 +12,8 @@ background thread during DCP's write; this does the same for TorchTitan's own wr
             signatures (consensus.full.shard_partials: local) and then the invariants (invariants.run_local:
             its all_reduces on the run's group, which nothing else uses while the write runs)
   result()  (main thread, after the parent's `_save` returned or raised) waits for both threads, then the one
-            all_reduce of `full_signatures` on the run's group, with the partials and consensus's replica rows
-            taken instead of recomputed (the same values: the same function of the same bits)
+            all_reduce of `full_signatures` on the run's group, with the partials taken instead of recomputed (the
+            same values: the same function of the same bits)
 
 The state cannot change in between: TorchTitan's training thread is inside `_save` until `result()` returns (an
 async mode stages its copy inside the parent's `_save`; the live tensors are only read). The collectives keep one
@@ -113,9 +113,6 @@ class LiveEvidence:
             from scout_ckpt.consensus.full import full_signatures
 
             flat, unsigned = self._signed
-            known = self._consensus.replica_rows() if self._consensus is not None else None
-            ev["signatures"] = full_signatures(
-                flat, group=self.mgr.run.pg, plain="replica", partials=partials, known=known or None
-            )
+            ev["signatures"] = full_signatures(flat, group=self.mgr.run.pg, plain="replica", partials=partials)
             ev["unsigned"] = unsigned
         return ev
