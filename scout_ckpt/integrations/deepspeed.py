@@ -140,7 +140,7 @@ def install(
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         # DeepSpeed never writes `latest` (save_latest=False): rank 0 points it at the tag after the verdict
-        scout.start_sweep()  # every target replayed on the save step's capture, beside the write (collective)
+        scout.sweep()  # before any byte: every target replayed on the save step's capture (collective)
         scout.in_save = True
         try:
             out = original(
@@ -152,7 +152,6 @@ def install(
             )
         finally:
             scout.in_save, scout._current = False, None
-            scout.join_sweep()  # on every path: a failed save leaves no sweep running into the next steps
         scout.after_save(save_latest)
         return out
 
@@ -222,7 +221,6 @@ class ScoutCheckpointEngine(CheckpointEngine):
         self._written: list[dict] = []
         self._nonfinite: list[str] = []
         self._unhashed: list[str] = []
-        self._sweep = None  # the replay sweep of the save in progress (start_sweep)
 
     # ---- set-up ---------------------------------------------------------------------------------------------
 
@@ -338,20 +336,11 @@ class ScoutCheckpointEngine(CheckpointEngine):
         self.run.close(groups=groups)
         self.groups = None
 
-    def start_sweep(self) -> None:
+    def sweep(self) -> None:
         """Every rank, at the start of save_checkpoint (after the step it saves, before any byte is written): the
-        replay sweep of the save step, in a thread of its own beside DeepSpeed's write (ReplayEvidence.start_sweep:
-        replay's own gloo group, copies of the modules; the training thread is held in save_checkpoint meanwhile);
-        its rows are recorded at `commit`, before the evidence reads them."""
+        replay sweep of the save step."""
         if self.replay is not None:
-            self._sweep = self.replay.start_sweep(int(self.engine.global_steps))
-
-    def join_sweep(self) -> None:
-        """Every rank, when save_checkpoint returns or raises: the sweep's thread joined (a collective on replay's
-        group, bounded by its timeout)."""
-        sweep, self._sweep = self._sweep, None
-        if sweep is not None:
-            sweep.join()
+            self.replay.sweep(int(self.engine.global_steps))
 
     # ---- DeepSpeed's CheckpointEngine ----------------------------------------------------------------------
 
@@ -412,9 +401,6 @@ class ScoutCheckpointEngine(CheckpointEngine):
             return self.inner.commit(info)
         step, tag, attempt = self._current
         run = self.run
-        sweep, self._sweep = self._sweep, None
-        if sweep is not None:
-            sweep.finish()  # the sweep's rows in the ledger (coordinator) before the evidence reads its coverage
         live = ds_evidence.live(
             self.engine,
             stage=self.stage,

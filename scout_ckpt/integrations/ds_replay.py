@@ -5,8 +5,7 @@ Replay (on by default at stages 0-2 with 2+ ranks; `install(..., replay=False)` 
 forward or backward computes wrongly has its gradient averaged into every replica, so the replicas agree and
 consensus passes. `install` wraps the engine's `step` (after an optimizer step, at a gradient-accumulation
 boundary: the rotation, and the capture armed for the next step) and `load_checkpoint` (the schedule restarts
-from the loaded step); `save_checkpoint` starts the sweep of the save step before any byte is written, in a thread
-of its own beside DeepSpeed's write, and `commit` records its rows before the evidence; the save's verdict
+from the loaded step); `save_checkpoint` runs the sweep before any byte is written, and the save's verdict
 requires replay evidence (save/evidence/replay.py, as the core Checkpointer). A replay that disagrees is a live
 fault: LiveStateCorrupt, as for consensus. Stage 3 partitions the parameters: replay is off (one WARNING).
 """
