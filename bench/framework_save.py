@@ -9,8 +9,9 @@ return.
 
   deepspeed   ZeRO-1, `engine.save_checkpoint(dir)` with DeepSpeed's own checkpoint engine, and the same call after
               `install(engine, save_dir)`
-  megatron    TP=1 DP=2, a GPTModel's and a torch AdamW's sharded state: `dist_checkpointing.save` plus Megatron-LM's
-              tracker, and `MegatronCheckpointer(save_dir).save(iteration, sd)`
+  megatron    TP=1 DP=2, a GPTModel in Megatron's DistributedDataParallel and a torch AdamW, their sharded state:
+              `dist_checkpointing.save` plus Megatron-LM's tracker, and `MegatronCheckpointer(save_dir,
+              model=[model]).save(iteration, sd)` (replay on, as by default)
   torchtitan  FSDP2 on TorchTitan's ParallelDims: its DCP `CheckpointManager` and `ScoutCheckpointManager`
   lightning   DDP: what `trainer.save_checkpoint` does under `DDPStrategy`, and the same call under
               `ScoutDDPStrategy`

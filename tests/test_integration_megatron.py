@@ -20,7 +20,8 @@ import psutil  # noqa: F401,E402
 import pytest
 
 from scout_ckpt.integrations import mg_folders  # noqa: E402
-from scout_ckpt.integrations.megatron import _evidence, latest_clean  # noqa: E402
+from scout_ckpt.integrations.megatron import latest_clean  # noqa: E402
+from scout_ckpt.integrations.mg_evidence import evidence as _evidence  # noqa: E402
 from scout_ckpt.ledger import Ledger
 from tests import framework_jobs as jobs
 from tests.conftest import REPO, run_cli

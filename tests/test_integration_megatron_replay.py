@@ -87,7 +87,7 @@ def test_one_ranks_wrong_layer_is_never_certified_and_the_restart_loads_the_iter
 def test_default_targets_are_megatrons_own_modules_found_by_class_and_name():
     """Megatron's embedding and output layer are not nn.Embedding / nn.Linear heads: named by what Megatron
     builds (a stand-in with Megatron's class names; the real GPTModel is the scenarios' above)."""
-    from scout_ckpt.integrations.megatron import default_targets
+    from scout_ckpt.integrations.mg_replay import default_targets
 
     class LanguageModelEmbedding(torch.nn.Module):
         def __init__(self):

@@ -41,20 +41,20 @@ def build(
             return super()._commit(step, *a)
 
     class CorruptWrite(ScoutCheckpointManager):
-        """A weight changes on every rank between the save's evidence and the write (a fault in the staging path):
-        the bytes written are self-consistent and certify; only the load-time signature check can tell."""
+        """On every rank DCP writes a weight one ulp off the live value the save's evidence signs (a fault in the
+        staging path): the bytes written are self-consistent and certify; only the load-time signature check can
+        tell."""
 
         @__import__("dataclasses").dataclass(kw_only=True, slots=True)
         class Config(ScoutCheckpointManager.Config):
             pass
 
-        def _live_evidence(self, states, **kw):
-            ev = super()._live_evidence(states, **kw)
+        def dcp_save(self, state_dict, *a, **kw):
             if self.states["train_state"].step == corrupt_write:
-                w = self.states["model"].model[0][0].weight
-                with torch.no_grad():
-                    w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(float("inf")))
-            return ev
+                bad = state_dict["0.weight"].detach().clone()
+                bad.view(-1)[0] = torch.nextafter(bad.view(-1)[0], torch.tensor(float("inf")))
+                state_dict = {**state_dict, "0.weight": bad}
+            return super().dcp_save(state_dict, *a, **kw)
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

@@ -10,9 +10,9 @@ wraps the instance's `save_checkpoint`. One save boundary, all ranks:
   1. create: the tag must be DeepSpeed's default `global_stepN` (the ledger is keyed by step); the coordinator
      records the row `writing` for it and removes a stale folder of an abandoned attempt at the same step
      (IntegrationRun.begin_save, collective), before any byte is written
-  2. save (each file): DeepSpeed's torch.save, then the writing rank digests the file it has just written and
-     checks every tensor of the state dict it wrote for NaN/Inf (the one finite check, invariants/finite.py): no
-     rank re-reads another rank's files
+  2. save (each file): DeepSpeed's torch.save, the writing rank digesting the file's bytes as they are written
+     (integrations.hashed_save: no second read of the file), then it checks every tensor of the state dict it
+     wrote for NaN/Inf (the one finite check, invariants/finite.py): no rank reads another rank's files
   3. commit: consensus (C3 over the data-parallel ranks) on the state every rank holds a full copy of (below); the
      digests and finite results go to the coordinator (a gather: every rank's files are on disk), which lists the
      tag folder (a file nobody digested is `missing_file`), writes scout-manifest.json, records the verdict
@@ -36,13 +36,8 @@ the stage and the state. `accept_single_owner=True` accepts bytes + finite check
 so, in the ledger and every manifest). A fault inside the owner's own optimizer step at stage 1-2 is not seen by
 consensus either way: the owner's updated partition is gathered to every rank, so the copies agree.
 
-Replay (on by default at stages 0-2 with 2+ ranks; `install(..., replay=False)` turns it off): a rank whose
-forward or backward computes wrongly has its gradient averaged into every replica, so the replicas agree and
-consensus passes. `install` wraps the engine's `step` (after an optimizer step, at a gradient-accumulation
-boundary: the rotation, and the capture armed for the next step) and `load_checkpoint` (the schedule restarts
-from the loaded step); `save_checkpoint` runs the sweep before any byte is written, and the save's verdict
-requires replay evidence (save/evidence/replay.py, as the core Checkpointer). A replay that disagrees is a live
-fault: LiveStateCorrupt, as for consensus. Stage 3 partitions the parameters: replay is off (one WARNING).
+Replay (on by default at stages 0-2 with 2+ ranks; `install(..., replay=False)` turns it off): integrations.ds_replay,
+which says what it wraps and covers.
 
 Not supported (fail closed): tags other than `global_stepN` (refused at create), MoE or tensor/pipeline model
 parallelism (consensus `topology_unsupported`: the ranks' model states are not replicas), DeepSpeed's decoupled
@@ -64,10 +59,9 @@ import scout_ckpt
 from scout_ckpt import policy
 from scout_ckpt.errors import LiveStateCorrupt, ScoutError, StartRefused
 from scout_ckpt.format.digests import digest_files
-from scout_ckpt.integrations import ds_folders
+from scout_ckpt.integrations import ds_evidence, ds_folders, ds_replay, hashed_save
 from scout_ckpt.integrations.ds_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import IntegrationRun, rejudge_committed
-from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
 from scout_ckpt.options import ReplayOptions
 
 log = logging.getLogger("scout_ckpt.deepspeed")
@@ -164,32 +158,9 @@ def install(
     save_checkpoint.__doc__ = original.__doc__
     engine.save_checkpoint = save_checkpoint
     if scout.replay is not None:
-        _wrap_for_replay(engine, scout)
+        ds_replay.wrap(engine, scout)
     scout.start()
     return scout
-
-
-def _wrap_for_replay(engine, scout: "ScoutCheckpointEngine") -> None:
-    """Replay's two per-step calls, on the job's own `engine.step()` and `engine.load_checkpoint()`: after an
-    optimizer step (DeepSpeed counts `global_steps` at gradient-accumulation boundaries only) the rotation and the
-    arming of the next step's capture; after a load, the schedule starts again from the loaded step."""
-    step_fn, load_fn = engine.step, engine.load_checkpoint
-
-    def step(*args, **kwargs):
-        before = engine.global_steps
-        out = step_fn(*args, **kwargs)
-        if engine.global_steps != before and scout.replay is not None:
-            scout.replay.on_step(int(engine.global_steps))
-        return out
-
-    def load_checkpoint(*args, **kwargs):
-        out = load_fn(*args, **kwargs)
-        if scout.replay is not None:
-            scout.replay.begin(int(engine.global_steps))
-        return out
-
-    step.__doc__, load_checkpoint.__doc__ = step_fn.__doc__, load_fn.__doc__
-    engine.step, engine.load_checkpoint = step, load_checkpoint
 
 
 class ScoutCheckpointEngine(CheckpointEngine):
@@ -232,7 +203,9 @@ class ScoutCheckpointEngine(CheckpointEngine):
             from scout_ckpt.consensus.mesh import legacy_topology
 
             self.groups = ConsensusGroups.from_topology(legacy_topology("ddp", self.run.world), timeout_s=timeout_s)
-        self.replay = self._start_replay(replay)
+        self.replay = ds_replay.start(
+            engine, self.run, stage=self.stage, unsupported=self.unsupported, groups=self.groups, replay=replay
+        )
         self.policy = self._policy(consensus and self.run.world > 1)
         self.topology = {
             "mode": "ddp" if self.run.world > 1 else "single",
@@ -286,29 +259,6 @@ class ScoutCheckpointEngine(CheckpointEngine):
             "accept_single_owner": self.accept_single_owner,
         }
 
-    def _start_replay(self, replay):
-        """Every rank: the core's replay (save/evidence/replay.py) on the engine's module, where the data-parallel
-        ranks compute the same functions on whole parameters (ZeRO 0-2) and consensus groups exist."""
-        from scout_ckpt.save.evidence.replay import ReplayEvidence
-
-        off = (
-            "ZeRO stage 3 partitions the parameters: no layer is replayed"
-            if self.stage >= 3
-            else f"the ranks are not data-parallel replicas ({self.unsupported})"
-            if self.unsupported
-            else ReplayEvidence.off_by_default(self.run.world, "ddp")
-            or ("consensus=False: replay runs on the consensus groups" if self.groups is None else None)
-        )
-        if off is not None:
-            if replay:
-                raise ScoutError(f"replay was asked for but cannot run here: {off}")
-            if replay is None and self.run.rank == 0:
-                log.warning("scout-ckpt: replay is off (%s): a rank computing wrongly (SDC) is not detected", off)
-            return None
-        return ReplayEvidence.start(
-            replay, model=self.engine.module, optimizer=_torch_optimizer(self.engine), groups=self.groups, auto_on=True
-        )
-
     def _versions(self) -> dict:
         import deepspeed
 
@@ -338,14 +288,8 @@ class ScoutCheckpointEngine(CheckpointEngine):
                 )
 
         self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
+        self.run.bind_replay(self.replay, self.policy)
         if self.replay is not None:
-            self.replay.bind(
-                ledger=self.run.ledger,
-                root=self.root,
-                run_id=self.run.run_id,
-                policy=self.policy,
-                is_coordinator=self.run.is_coordinator,
-            )
             self.replay.begin(int(self.engine.global_steps))
         if self.stage >= 1 and not self.accept_single_owner and self.run.is_coordinator:
             log.warning(
@@ -425,19 +369,27 @@ class ScoutCheckpointEngine(CheckpointEngine):
         self.inner.makedirs(path, exist_ok=exist_ok)
 
     def save(self, state_dict, path: str):
-        """This rank's file: DeepSpeed's torch.save, then its digest (the writer's, right after the write) and the
-        finite check of every tensor in what was written."""
-        self.inner.save(state_dict, path)
-        if self._current is None:  # a save outside save_checkpoint (none in DeepSpeed 0.19.8): not ours
-            return
-        step_dir = self.root / self._current[1]
-        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(step_dir))
-        if rel.startswith(".."):
-            self._unhashed.append(str(path))
-            return
-        size, digest = digest_files([path])[str(path)]
+        """This rank's file: DeepSpeed's torch.save, digested from the bytes as they are written (hashed_save: the
+        file's digest without reading it back), then the finite check of every tensor in what was written."""
+        rel = None
+        if self._current is not None:  # else a save outside save_checkpoint (none in DeepSpeed 0.19.8): not ours
+            step_dir = self.root / self._current[1]
+            rel = os.path.relpath(os.path.abspath(path), os.path.abspath(step_dir))
+        if rel is None or rel.startswith("..") or type(self.inner) is not TorchCheckpointEngine:
+            self.inner.save(state_dict, path)
+            if rel is None:
+                return
+            if rel.startswith(".."):
+                self._unhashed.append(str(path))
+                return
+            size, digest = digest_files([path])[str(path)]
+        else:
+            # what TorchCheckpointEngine.save does (torch.save with its serialization setting), digested as written
+            size, digest = hashed_save.save(
+                state_dict, path, _use_new_zipfile_serialization=self.inner.zipfile_serialization
+            )
         self._written.append({"path": Path(rel).as_posix(), "size": size, "digest": digest, "rank": self.run.rank})
-        self._nonfinite += [f"{Path(rel).as_posix()}:{n}" for n in _nonfinite_tensors(state_dict)]
+        self._nonfinite += [f"{Path(rel).as_posix()}:{n}" for n in ds_evidence.nonfinite_tensors(state_dict)]
 
     def load(self, path: str, map_location=None):
         return self.inner.load(path, map_location=map_location)
@@ -449,7 +401,14 @@ class ScoutCheckpointEngine(CheckpointEngine):
             return self.inner.commit(info)
         step, tag, attempt = self._current
         run = self.run
-        live = self._live_evidence()
+        live = ds_evidence.live(
+            self.engine,
+            stage=self.stage,
+            unsupported=self.unsupported,
+            groups=self.groups,
+            world=self.run.world,
+            accept_single_owner=self.accept_single_owner,
+        )
         gathered = run.gather(
             {"rank": run.rank, "files": self._written, "nonfinite": self._nonfinite, "outside": self._unhashed}
         )
@@ -524,81 +483,3 @@ class ScoutCheckpointEngine(CheckpointEngine):
         live = sorted({r.get("code") for r in v["reasons"] if r.get("code") in LIVE_CODES})
         if live and self.on_live_fault == "raise":
             raise LiveStateCorrupt(v["step"], {**v, "live_fault": live})
-
-    # ---- evidence on the live state --------------------------------------------------------------------------
-
-    def _live_evidence(self) -> dict:
-        """Collective: consensus over what every rank holds whole (identical evidence on every rank), and the
-        `zero_partitions` evidence of what only its owner holds."""
-        e = self.engine
-        replicated = {
-            "counters": {
-                "global_steps": int(e.global_steps),
-                "global_samples": int(e.global_samples),
-                "skipped_steps": int(getattr(e, "skipped_steps", 0)),
-            },
-            "scheduler": e.lr_scheduler.state_dict() if getattr(e, "lr_scheduler", None) is not None else {},
-        }
-        single: list[str] = []
-        if self.stage == 0:
-            replicated["module"] = e.module.state_dict()
-            replicated["optimizer"] = e.optimizer.state_dict() if e.optimizer is not None else {}
-        elif self.stage in (1, 2):
-            replicated["module"] = e.module.state_dict()
-            single = ["optimizer: Adam moments and fp32 master weights (each rank's partition)"]
-        else:
-            single = [
-                "module: parameters (each rank's partition)",
-                "optimizer: Adam moments and fp32 master weights (each rank's partition)",
-            ]
-        ev = {}
-        if self.unsupported:
-            ev["consensus"] = policy.evidence(
-                policy.MISSING, [{"code": "topology_unsupported", "detail": self.unsupported}]
-            )
-        elif self.groups is not None:
-            from scout_ckpt.consensus.save_time import save_time_consensus
-
-            ev["consensus"] = save_time_consensus(replicated, self.groups)
-        if single:
-            reason = {
-                "code": "zero_single_owner",
-                "stage": self.stage,
-                "state": single,
-                "ranks": list(range(self.run.world)),
-                "detail": f"ZeRO stage {self.stage} partitions this state: one rank holds each part, no replica "
-                "to compare; bytes and finite checks alone do not vouch for it",
-            }
-            status = policy.NOT_APPLICABLE if self.accept_single_owner else policy.MISSING
-            ev["zero_partitions"] = policy.evidence(
-                status, [reason], stage=self.stage, accepted=self.accept_single_owner
-            )
-        else:
-            ev["zero_partitions"] = policy.evidence(policy.PASS, [], stage=self.stage, single_owner=[])
-        return ev
-
-
-def _torch_optimizer(engine):
-    """The torch optimizer DeepSpeed steps, for replay of its elementwise update (stage 0: the optimizer itself;
-    stages 1-2: the one ZeRO wraps, stepping this rank's partition), or None."""
-    opt = getattr(engine, "optimizer", None)
-    return opt if isinstance(opt, torch.optim.Optimizer) else getattr(opt, "optimizer", None)
-
-
-def _nonfinite_tensors(obj, prefix: str = "") -> list[str]:
-    """Dotted names of the tensors in a (nested) state dict that hold a NaN or an infinity (the one finite check);
-    a dtype the check cannot decide counts as not finite (fail closed)."""
-    out: list[str] = []
-    if isinstance(obj, torch.Tensor):
-        try:
-            ok = is_finite(obj.detach())
-        except UncheckableDtype:
-            ok = False
-        return [] if ok else [prefix or "<tensor>"]
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out += _nonfinite_tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out += _nonfinite_tensors(v, f"{prefix}.{i}" if prefix else str(i))
-    return out

@@ -319,7 +319,8 @@ class ScoutStrategyMixin:
                 "scout-ckpt writes the checkpoint itself"
             )
         scout = self._scout_open()
-        filepath = str(Path(self.broadcast(str(filepath))).absolute())
+        # rank 0's path is the one that counts: only rank 0 writes the pointer (no broadcast needed)
+        filepath = str(Path(filepath).absolute())
         step = int(checkpoint["global_step"])
         if self._scout_saved is None or self._scout_saved[0] != step:
             state = {"app": _ModelOptimizers(self.model, self._scout_optimizers()), "lightning": _Remainder(checkpoint)}
@@ -328,15 +329,16 @@ class ScoutStrategyMixin:
         self._scout_on_coordinator(lambda: self._write_pointer(filepath, step))
 
     def _scout_on_coordinator(self, fn) -> None:
-        """Collective: fn on rank 0; its error raised on every rank (every rank must reach the broadcast)."""
+        """Collective: fn on rank 0; its error raised on every rank (every rank must reach the collectives below).
+        One all_reduce of a flag per call; the message follows only when fn failed."""
         error = None
         if self.scout.is_coordinator:
             try:
                 fn()
-            except Exception as e:  # noqa: BLE001 - every rank must still reach the broadcast below
+            except Exception as e:  # noqa: BLE001 - every rank must still reach the collectives below
                 error = f"{type(e).__name__}: {e}"
-        error = self.broadcast(error)
-        if error:
+        if self.reduce_boolean_decision(error is not None, all=False):
+            error = self.broadcast(error)
             raise ScoutError(f"scout-ckpt: {error}")
 
     def _write_pointer(self, filepath: str, step: int) -> None:

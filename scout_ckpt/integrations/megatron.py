@@ -14,7 +14,7 @@ functions run in line. One save, all ranks:
      at the same iteration removed), then the folder made, before any byte is written
   2. live evidence, on the state being saved (collective, before the write): each rank digests every ShardedTensor
      piece it holds (key, global offset, local shape, flattened range) and checks it for NaN/Inf; the digests are
-     gathered (one all_gather of 32-byte digests on the integration's own gloo group). Ranks holding the same piece
+     gathered (one all_gather of 16-byte xxh3-128 digests on the integration's own gloo group). Ranks holding the same piece
      are its replicas (Megatron gives them different `replica_id`s: data-parallel copies, tensor-parallel-replicated
      layer norms); every replicated piece is compared (two copies that differ: `consensus_inconclusive`; three or
      more: the minority attributed, `consensus_attributed`). A piece only one rank holds (tensor-parallel shards at
@@ -34,15 +34,8 @@ says so). The consensus compares what the pieces hold at save; a fault before th
 every replica then shares is not seen by it (as with DDP).
 
 Replay (on by default where data-parallel replicas hold whole parameters: DP >= 2 at TP = PP = 1, given
-`model=`): the core's replay (save/evidence/replay.py) on the model's embedding, transformer layers and output
-layer, in a ring over the data-parallel ranks, as for a DDP job; the job calls `ckpt.step(iteration)` after each
-optimizer step (the rotation, and the arming of the next step's capture), and every save sweeps every target on the
-save step's capture before any byte is written. A rank whose forward or backward computes wrongly -- which
-Megatron's gradient all-reduce hands to every replica, so that consensus agrees on the poisoned state -- is named
-(`replay_sdc`, a live fault: LiveStateCorrupt). Off, with one WARNING at start, where it cannot run: no `model=`,
-one rank, tensor or pipeline parallelism (Megatron's own parallel layers take and return shards), virtual pipeline
-chunks. The optimizer's update is not replayed (Megatron's optimizers step `main_grad` buffers or, distributed,
-flattened ranges one rank owns): a wrong update on one replica is left to consensus.
+`model=`; the job calls `ckpt.step(iteration)` after each optimizer step): integrations.mg_replay, which says what it
+covers and where it is off.
 
 Not covered here: formats other than torch_dist (refused); the observer (the core Checkpointer's, not wired for
 Megatron); a filesystem not shared by the ranks (the coordinator's listing must see every rank's files).
@@ -50,28 +43,22 @@ Megatron); a filesystem not shared by the ranks (the coordinator's listing must 
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import os
 import platform
 import re
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 import scout_ckpt
-from scout_ckpt import policy
 from scout_ckpt.errors import LiveStateCorrupt, ScoutError, StartRefused
-from scout_ckpt.integrations import mg_folders
+from scout_ckpt.integrations import mg_evidence, mg_folders, mg_replay
 from scout_ckpt.integrations.mg_folders import LAYOUT, folder_name, parse_folder
 from scout_ckpt.integrations.session import COORDINATOR, IntegrationRun, rejudge_committed
-from scout_ckpt.invariants.finite import UncheckableDtype, is_finite
-from scout_ckpt.options import ReplayOptions, as_replay, check_group
+from scout_ckpt.options import ReplayOptions, check_group
 
 log = logging.getLogger("scout_ckpt.megatron")
 
@@ -170,15 +157,15 @@ class MegatronCheckpointer:
         self.update_tracker = update_tracker
         self.run = IntegrationRun(self.root, framework="megatron", timeout_s=timeout_s)
         self.consensus = consensus and self.run.world > 1
-        self.groups = None  # the data-parallel ring replay runs on (TP = PP = 1: every rank a replica)
-        self.replay = self._start_replay(replay, model, timeout_s)
+        # the data-parallel ring replay runs on (TP = PP = 1: every rank a replica), or None
+        self.replay, self.groups = mg_replay.start(self.run, replay, model, timeout_s)
         self.policy = self._policy()
         self.topology = {
             "mode": "megatron" if self.run.world > 1 else "single",
             "world_size": self.run.world,
             "framework": "megatron",
             "layout": LAYOUT,
-            **_parallel_sizes(),
+            **mg_replay.parallel_sizes(),
         }
         self.last_verdict: dict | None = None
         self._start()
@@ -202,56 +189,6 @@ class MegatronCheckpointer:
             "replay_targets": [list(t) for t in self.replay.targets()] if self.replay is not None else [],
             "accept_single_owner": self.accept_single_owner,
         }
-
-    def _start_replay(self, replay, model, timeout_s: float):
-        """Every rank: the core's replay on the model where the data-parallel ranks are whole replicas of it, or
-        None with one WARNING naming why (an explicit `replay=True` that cannot run is an error)."""
-        from scout_ckpt.save.evidence.replay import ReplayEvidence
-
-        replay = as_replay(replay)  # None: on where it can run; ReplayOptions: asked for
-        if replay is False:
-            return None
-        if isinstance(model, (list, tuple)):
-            model = model[0] if len(model) == 1 else None
-            off_chunks = "virtual pipeline model chunks" if model is None else None
-        else:
-            off_chunks = None
-        sizes = _parallel_sizes()
-        off = (
-            ReplayEvidence.off_by_default(self.run.world, "ddp")
-            or off_chunks
-            or ("no model= given to MegatronCheckpointer" if model is None else None)
-            or (
-                f"tensor/pipeline parallelism (TP={sizes.get('tensor_parallel')}, "
-                f"PP={sizes.get('pipeline_parallel')}): Megatron's parallel layers take and return shards"
-                if sizes.get("tensor_parallel", 1) != 1 or sizes.get("pipeline_parallel", 1) != 1
-                else None
-            )
-            or (
-                f"the data-parallel size {sizes.get('data_parallel')} is not the world {self.run.world}"
-                if sizes.get("data_parallel", self.run.world) != self.run.world
-                else None
-            )
-        )
-        if off is not None:
-            if isinstance(replay, ReplayOptions):
-                raise ScoutError(f"replay was asked for but cannot run here: {off}")
-            if self.run.rank == 0:
-                log.warning("scout-ckpt: replay is off (%s): a rank computing wrongly (SDC) is not detected", off)
-            return None
-        from scout_ckpt.consensus.groups import ConsensusGroups
-        from scout_ckpt.consensus.mesh import legacy_topology
-
-        self.groups = ConsensusGroups.from_topology(legacy_topology("ddp", self.run.world), timeout_s=timeout_s)
-        # Megatron's own layers are not nn.Embedding / nn.Linear: name them (a model without them: the core's
-        # discovery, which turns replay off with a WARNING where it finds nothing and nothing was asked for)
-        named = default_targets(model)
-        if isinstance(replay, ReplayOptions):
-            if replay.targets is None and named:
-                replay = dataclasses.replace(replay, targets=named)
-        elif named:
-            replay = ReplayOptions(targets=named)
-        return ReplayEvidence.start(replay, model=model, optimizer=None, groups=self.groups, auto_on=True)
 
     def _versions(self) -> dict:
         from importlib.metadata import version
@@ -282,14 +219,7 @@ class MegatronCheckpointer:
                 )
 
         self.run.start(topology=self.topology, policy=self.policy, versions=self._versions(), after=after)
-        if self.replay is not None:
-            self.replay.bind(
-                ledger=self.run.ledger,
-                root=self.root,
-                run_id=self.run.run_id,
-                policy=self.policy,
-                is_coordinator=self.run.is_coordinator,
-            )
+        self.run.bind_replay(self.replay, self.policy)
         it = self.run.on_coordinator(
             f"point {self.root}/{mg_folders.TRACKER} at a certified iteration",
             lambda: (
@@ -364,16 +294,28 @@ class MegatronCheckpointer:
         iteration = int(iteration)
         name = folder_name(iteration)
         step_dir = self.root / name
-        if self.replay is not None:
-            self.replay.sweep(iteration)  # before any byte: every target replayed on the save step's capture
-        attempt = self.run.begin_save(iteration, name, remove_stale=True)
-        self.run.on_coordinator(f"create {step_dir}", lambda: step_dir.mkdir(parents=True, exist_ok=True))
-        live = self._live_evidence(sharded_state_dict)
+        # every target replayed on the save step's capture, in a thread of its own beside the evidence and the write
+        # (ReplayEvidence.start_sweep: replay's own gloo group); finished before save() returns, so the training
+        # thread is held meanwhile and the rows are in the ledger before the finalize reads them
+        sweep = self.replay.start_sweep(iteration) if self.replay is not None else None
+        try:
+            attempt = self.run.begin_save(iteration, name, remove_stale=True)
+            self.run.on_coordinator(f"create {step_dir}", lambda: step_dir.mkdir(parents=True, exist_ok=True))
+            live = self._live_evidence(sharded_state_dict)
+            if async_save:
+                request = dist_checkpointing.save(
+                    sharded_state_dict, str(step_dir), async_sharded_save=True, **save_kwargs
+                )
+            else:
+                dist_checkpointing.save(sharded_state_dict, str(step_dir), **save_kwargs)
+            if sweep is not None:
+                sweep.finish()
+        finally:
+            if sweep is not None:
+                sweep.join()  # on every path: a failed save leaves no sweep running into the next steps
         if async_save:
-            request = dist_checkpointing.save(sharded_state_dict, str(step_dir), async_sharded_save=True, **save_kwargs)
             request.add_finalize_fn(lambda: self.finalize(iteration, attempt, live))
             return request
-        dist_checkpointing.save(sharded_state_dict, str(step_dir), **save_kwargs)
         return self.finalize(iteration, attempt, live)
 
     def finalize(self, iteration: int, attempt: str, live: dict) -> dict:
@@ -457,26 +399,14 @@ class MegatronCheckpointer:
 
     def _live_evidence(self, sharded_state_dict) -> dict:
         """Collective: consensus over replicated pieces and the finite check of every piece (identical on every
-        rank), and the `single_owner` evidence."""
-        mine: dict[str, str] = {}
-        nonfinite: list[str] = []
-        for st in _sharded_tensors(sharded_state_dict):
-            if st.data is None:
-                continue
-            pid = _piece_id(st)
-            mine[pid] = _tensor_digest(st.data)
-            try:
-                ok = is_finite(st.data.detach())
-            except UncheckableDtype:
-                ok = False
-            if not ok:
-                nonfinite.append(pid)
+        rank), and the `single_owner` evidence (integrations.mg_evidence)."""
+        mine = mg_evidence.local_pieces(sharded_state_dict)
         if self.run.distributed:
             every = [None] * self.run.world
-            dist.all_gather_object(every, {"pieces": mine, "nonfinite": nonfinite}, group=self.run.pg)
+            dist.all_gather_object(every, mine, group=self.run.pg)
         else:
-            every = [{"pieces": mine, "nonfinite": nonfinite}]
-        return _evidence(every, consensus=self.consensus, accept_single_owner=self.accept_single_owner)
+            every = [mine]
+        return mg_evidence.evidence(every, consensus=self.consensus, accept_single_owner=self.accept_single_owner)
 
 
 # ---- pure helpers ----------------------------------------------------------------------------------------------
@@ -487,124 +417,3 @@ def _writer_of(path: str) -> int:
     `common.pt`, `metadata.json`) rank 0."""
     m = DISTCP_RE.match(path)
     return int(m.group(1)) if m else COORDINATOR
-
-
-def _sharded_tensors(obj):
-    if isinstance(obj, ShardedTensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _sharded_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _sharded_tensors(v)
-
-
-def _piece_id(st: ShardedTensor) -> str:
-    fr = st.flattened_range
-    rng = f"[{fr.start}:{fr.stop}]" if fr is not None else ""
-    return f"{st.key}@{tuple(st.global_offset)}{tuple(st.local_shape)}{rng}"
-
-
-def _tensor_digest(t: torch.Tensor) -> str:
-    t = t.detach().cpu().contiguous()
-    return hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _evidence(every: list[dict], *, consensus: bool, accept_single_owner: bool) -> dict:
-    """Pure: the live evidence from every rank's {"pieces": {piece: digest}, "nonfinite": [piece]}."""
-    holders: dict[str, list[tuple[int, str]]] = defaultdict(list)
-    for rank, g in enumerate(every):
-        for pid, d in g["pieces"].items():
-            holders[pid].append((rank, d))
-    ev: dict = {}
-    bad_fin = [
-        {
-            "code": "invariant_failed",
-            "check": "finite",
-            "ranks": [r],
-            "tensors": g["nonfinite"][:8],
-            "n_tensors": len(g["nonfinite"]),
-        }
-        for r, g in enumerate(every)
-        if g["nonfinite"]
-    ]
-    ev["invariants"] = policy.evidence(
-        policy.FAIL if bad_fin else policy.PASS, bad_fin, specs=["finite"], checked_by="writers", checked_at="save"
-    )
-    replicated = {p: h for p, h in holders.items() if len(h) > 1}
-    single = sorted(p for p, h in holders.items() if len(h) == 1)
-    if consensus:
-        reasons, status = [], policy.PASS
-        for pid, h in sorted(replicated.items()):
-            counts: dict[str, list[int]] = defaultdict(list)
-            for r, d in h:
-                counts[d].append(r)
-            if len(counts) == 1:
-                continue
-            ranked = sorted(counts.values(), key=len, reverse=True)
-            if len(ranked[0]) * 2 > len(h):  # a strict majority: the others are attributed
-                minority = sorted(r for rs in ranked[1:] for r in rs)
-                reasons.append({"code": "consensus_attributed", "ranks": minority, "tensor": pid})
-                status = policy.FAIL
-            else:
-                reasons.append({"code": "consensus_inconclusive", "ranks": sorted(r for r, _ in h), "tensor": pid})
-                if status == policy.PASS:
-                    status = policy.INCONCLUSIVE
-        groups = sorted({tuple(sorted(r for r, _ in h)) for h in replicated.values()})
-        if not replicated:
-            status = policy.NOT_APPLICABLE
-        ev["consensus"] = policy.evidence(
-            status,
-            reasons,
-            tensors_compared=len(replicated),
-            groups=[{"members": list(g)} for g in groups],
-            source="replica_id",
-        )
-    if single:
-        reason = {
-            "code": "single_owner",
-            "pieces": len(single),
-            "keys": sorted({p.split("@")[0] for p in single})[:8],
-            "ranks": sorted({holders[p][0][0] for p in single}),
-            "detail": "one rank holds each of these pieces (tensor-parallel shards without data-parallel "
-            "replicas): no replica to compare; bytes and finite checks alone do not vouch for them",
-        }
-        status = policy.NOT_APPLICABLE if accept_single_owner else policy.MISSING
-        ev["single_owner"] = policy.evidence(status, [reason], accepted=accept_single_owner)
-    else:
-        ev["single_owner"] = policy.evidence(policy.PASS, [], pieces=0)
-    return ev
-
-
-def default_targets(model: torch.nn.Module) -> tuple[str, ...]:
-    """Replay's targets in a Megatron-Core model, by what Megatron builds: the embedding (LanguageModelEmbedding:
-    word and position embeddings together), every TransformerLayer of the decoder, its final layer norm and the
-    output layer. The core's discovery looks for nn.Embedding / nn.Linear heads, which Megatron's parallel layers
-    are not (VocabParallelEmbedding, ColumnParallelLinear), so it would cover the position embedding and the
-    layers alone; named here, every module the forward runs is covered. Paths are as `model.named_modules()`
-    gives them (a wrapper's `module.` prefix included)."""
-    kinds = {"LanguageModelEmbedding", "TransformerLayer"}
-    found: list[str] = []
-    for path, module in model.named_modules():
-        name = type(module).__name__
-        if name in kinds or path.endswith(("decoder.final_layernorm", "output_layer")):
-            if not any(path.startswith(f + ".") for f in found):
-                found.append(path)
-    return tuple(found)
-
-
-def _parallel_sizes() -> dict:
-    """Tensor/pipeline/data-parallel sizes from parallel_state when it is initialized (for the manifest)."""
-    try:
-        from megatron.core import parallel_state as ps
-
-        if not ps.model_parallel_is_initialized():
-            return {}
-        return {
-            "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
-            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
-            "data_parallel": ps.get_data_parallel_world_size(),
-        }
-    except Exception:  # noqa: BLE001 - sizes are descriptive only
-        return {}

@@ -184,6 +184,20 @@ class IntegrationRun:
             atexit.register(self._close_ledger)
         return self.run_id
 
+    def bind_replay(self, replay, policy: dict) -> None:
+        """After `start`: a started ReplayEvidence (None: nothing to do) records its faults and coverage in this
+        run's ledger under this run's id and policy, the coordinator writing. One place for what every drop-in
+        with replay (DeepSpeed, Megatron-Core, TorchTitan, the HF Trainer) does once its run has begun."""
+        if replay is None:
+            return
+        replay.bind(
+            ledger=self.ledger,
+            root=self.root,
+            run_id=self.run_id,
+            policy=policy,
+            is_coordinator=self.is_coordinator,
+        )
+
     def _close_ledger(self) -> None:
         if self._fleet is not None:  # its last round reads the ledger: before the ledger closes
             recorder, self._fleet = self._fleet, None

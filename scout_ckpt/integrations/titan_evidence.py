@@ -100,15 +100,7 @@ class TitanEvidence:
         return {"replay_targets": [list(t) for t in self.replay.targets()] if self.replay else []}
 
     def bind(self) -> None:
-        if self.replay is not None:
-            m = self.mgr
-            self.replay.bind(
-                ledger=m.run.ledger,
-                root=m.root,
-                run_id=m.run_id,
-                policy=m.scout_policy,
-                is_coordinator=m.is_coordinator,
-            )
+        self.mgr.run.bind_replay(self.replay, self.mgr.scout_policy)
 
     # ---- the hooks -------------------------------------------------------------------------------------------
 

@@ -21,10 +21,11 @@ them and forbids overriding them):
   _save              called by TorchTitan's Trainer after every optimizer step: first the evidence's per-step hook
                      (replay rotation, shard update replay); on a save step, the replay's sweep, then the
                      coordinator records `writing` (and removes the folder of an abandoned attempt at the same
-                     step); every rank takes the live evidence (consensus over the replica dims of the mesh, the
-                     configured invariants, full-tensor signatures for the load check, the at-rest check and shard
-                     replay, replay coverage); then the parent writes; sync: commit at once (certified at commit);
-                     async modes: commit when the upload has completed
+                     step); every rank takes the at-rest check, shard replay and replay coverage; then the parent
+                     writes while consensus over the replica dims of the mesh, the configured invariants and the
+                     full-tensor signatures for the load check are taken beside the write, in background threads
+                     (integrations.titan_live), joined before `_save` returns; sync: commit at once (certified at
+                     commit); async modes: commit when the upload has completed
   _wait_for_saving   the parent waits for the upload; then the pending commit runs (all ranks)
   _close             flushes a pending async commit first (the parent does not await save_future)
   commit             barrier; each rank hashes the `__R_0.distcp` it wrote, the other files are split over the ranks
@@ -69,6 +70,7 @@ from scout_ckpt.errors import ScoutError
 from scout_ckpt.integrations import titan_next
 from scout_ckpt.integrations.session import IntegrationRun
 from scout_ckpt.integrations.titan_evidence import TitanEvidence
+from scout_ckpt.integrations.titan_live import LiveEvidence
 from scout_ckpt.ledger import journal
 from scout_ckpt.options import ReplayOptions, ShardEvidenceOptions
 from scout_ckpt.save import log
@@ -93,6 +95,11 @@ def dcp_writer(path: str) -> int | None:
     return (
         int(m.group(1)) if m else None
     )  # TorchTitan keys the dataloader's state by dp rank: it differs per rank by design
+
+
+def _shared_state(name: str) -> bool:
+    """Consensus compares what is not per rank by design."""
+    return not name.startswith(PER_RANK)
 
 
 def titan_topology(model_parts: list, parallel_dims=None, world_size: int | None = None) -> dict:
@@ -325,10 +332,18 @@ class ScoutCheckpointManager(CheckpointManager):
         self.evidence.flush()
         model_only = last_step and self.last_save_model_only
         states = self.states["model"].state_dict() if model_only else self._flattened_model_states_sd()
-        live = self._live_evidence(states, signatures=self.verify_load and not model_only)
-        live.update(self.evidence.live(curr_step))
+        shard_live = self.evidence.live(curr_step)
+        # consensus, invariants and the load signatures beside the parent's write (titan_live.py)
+        beside = LiveEvidence(
+            self, states, signatures=self.verify_load and not model_only, names_filter=_shared_state
+        ).start()
         self._purging = False
-        ok = CheckpointManager._save(self, curr_step, last_step)
+        try:
+            ok = CheckpointManager._save(self, curr_step, last_step)
+        except BaseException:
+            beside.wait()
+            raise
+        live = {**beside.result(), **shard_live}
         pending = (curr_step, attempt, name, live, model_only)
         if self.save_future is None:
             self._commit(*pending)
@@ -338,26 +353,6 @@ class ScoutCheckpointManager(CheckpointManager):
 
     def _signed(self, states: dict) -> tuple[dict, list[str]]:
         return signable(states, PER_RANK + tuple(self.exclude_from_loading))
-
-    def _live_evidence(self, states: dict, *, signatures: bool) -> dict:
-        """Collective: consensus, invariants and signatures of the state being saved (identical on every rank)."""
-        ev = {}
-        if self.consensus:
-            from scout_ckpt.consensus.save_time import save_time_consensus
-
-            ev["consensus"] = save_time_consensus(
-                states, self.groups, names_filter=lambda n: not n.startswith(PER_RANK)
-            )
-        if self.checks:
-            flat = {k: v for k, v in inv.flatten(states).items() if isinstance(v, torch.Tensor)}
-            ev["invariants"] = inv.run_local(self.checks, flat, group=self.run.pg)
-        if signatures:
-            from scout_ckpt.consensus.full import full_signatures
-
-            flat, unsigned = self._signed(states)
-            ev["signatures"] = full_signatures(flat, group=self.run.pg, plain="replica")
-            ev["unsigned"] = unsigned
-        return ev
 
     def _wait_for_saving(self) -> None:
         super()._wait_for_saving()  # the upload has completed on this rank

@@ -183,14 +183,8 @@ class ScoutTrainerCallback(TrainerCallback):
                     "scout-ckpt: step %d of an interrupted save settled: %s (%s)", s["step"], s["after"], s["why"]
                 )
         self.run = run
+        run.bind_replay(self.replay, self.policy)
         if self.replay is not None:
-            self.replay.bind(
-                ledger=run.ledger,
-                root=run.root,
-                run_id=run.run_id,
-                policy=self.policy,
-                is_coordinator=run.is_coordinator,
-            )
             self.replay.begin(state.global_step or 0)
         self._start_observer(run, kwargs.get("model"), kwargs.get("optimizer"))
 
