@@ -23,7 +23,9 @@ load-verification signatures, ev_replay = replay's coverage from the ledger). Ea
 also has a `<phase>_cpu` (that thread's CPU in it), `main_cpu` is the saving thread's CPU for the whole save and
 `sweep_cpu` the sweep thread's. Beside the wall times, `cpu_s`: the CPU seconds a save takes on the busier rank (the
 process's, every thread), per contender, and their ratio `cpu_vs_dcp`: on a shared host the CPU a save costs moves
-less than its wall time.
+less than its wall time. `gc`: Python's garbage collections during the measured rounds, both ranks summed, by
+what was running (`train`, `scout`, `dcp`): count, seconds and objects freed per generation (`gen2` walks every
+tracked object of the process).
 
 Two sizes: `small` (`--width`, `--layers`: the FSDP2 example's shape) and `large` (`--large-width`,
 `--large-layers`: at least 100 MB of state per rank in the FSDP script, parameters and AdamW's two moments; the
@@ -145,6 +147,7 @@ class _GcLog:
         gen = f"gen{info['generation']}"
         row[gen] = row.get(gen, 0) + 1
         row[f"{gen}_s"] = row.get(f"{gen}_s", 0.0) + time.perf_counter() - self._t0
+        row[f"{gen}_collected"] = row.get(f"{gen}_collected", 0) + info["collected"]  # unreachable objects freed
 
 
 def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
