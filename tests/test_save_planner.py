@@ -4,6 +4,7 @@ files DCP wrote (their `.metadata` and the tensors loaded back), against the ten
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import SavePlanner
@@ -78,6 +79,7 @@ def test_two_caches_never_share_plans_and_clear_drops_them(tmp_path):
     assert b.key not in SavePlanner._cached_save_plan
 
 
+@pytest.mark.scenario  # 2 gloo ranks, about 10 s: every Checkpointer test with two saves runs the cached path too
 def test_checkpointer_saves_of_changing_layouts_on_two_ranks_store_each_saves_state(tmp_path):
     out = run_ranks(w.save_changing_layouts, 2, str(tmp_path), timeout=120)
     coordinator = out[0].result
