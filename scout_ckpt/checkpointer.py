@@ -492,7 +492,7 @@ class Checkpointer:
             self.local.wait()  # the local save this state descends from: its verdict is assessed with this one
         self._raise_live_fault()  # the previous async or local save's, if it found the live state bad
         t0 = time.monotonic()
-        # no garbage collection while the save blocks training (save/gc_hold.py)
+        # no older-generation garbage collection while the save blocks training (save/gc_hold.py)
         with self.phase("checkpoint"), collection_held():
             try:
                 verdict = self._save(step, state)

@@ -1,21 +1,22 @@
-"""Python's automatic garbage collection held off while save() blocks training.
+"""Python's older-generation garbage collections held off while save() blocks training.
 
-Why: a save allocates tens of thousands of short-lived container objects (DCP's plans and write items, the
-consensus rows, the replay sweep's tensors and messages, the ledger rows). Each 700 net allocations trigger a
-young collection, each 10 of those an older one, and every 10 of those may trigger a full (generation 2)
-collection, which walks every tracked object of the process: about 300,000 in a small training job, 100-140 ms
-on this project's 2-core test host (docs/benchmarks.md, "Save cost"). A full collection inside a save stops
-every thread of the rank (the write, the consensus hashing and the replay sweep hold the GIL by turns), and the
-other ranks wait for it at the save's next collective. With collection held off, the save's allocations cost no
-collection while it runs; when it ends, the next allocation of the training step triggers one young collection of
-whatever the save left alive (the objects still referenced; what reference counting freed is gone already), and
-the older generations' counters have not moved, so the save no longer advances the process towards a full
-collection.
+Why: a save allocates tens of thousands of container objects (DCP's plans and write items, the consensus rows,
+the replay sweep's module copies and messages, the ledger rows). Every 700 net allocations trigger a young
+(generation 0) collection, every 10 of those a generation-1 collection, and every 10 of those may trigger a full
+(generation 2) collection, which walks every tracked object of the process: 100-300 ms in a small training job on
+this project's 2-core test host (docs/benchmarks.md, "Save cost"). A full collection inside a save stops every
+thread of the rank (the write, the consensus hashing and the replay sweep hold the GIL by turns), and the other
+ranks wait for it at the save's next collective.
 
-Safe because a save is bounded: the cyclic garbage it leaves (if any) is collected at the next collection, after
-save() returns. Held only on the training thread's blocking part of save() (an async save's commit thread runs
-beside training and never holds it), re-entrant, and never enables collection that the application itself had
-disabled. Exceptions restore the previous setting.
+While the hold is on, the thresholds of generations 1 and 2 are raised out of reach: young collections go on as
+before and free the cyclic garbage the save makes as it goes (a save's replays leave some, tensors included, so
+turning collection off altogether would keep every replay's copies alive until the save ends), while the
+collections that walk the older objects wait until the save is over, when the application's own thresholds are
+back and decide as they would have.
+
+Held only on the training thread's blocking part of save() (an async save's commit thread runs beside training
+and never holds it), re-entrant, restored on every path (exceptions too), and a no-op where the application turned
+automatic collection off.
 """
 
 from __future__ import annotations
@@ -26,22 +27,27 @@ import threading
 
 _lock = threading.Lock()
 _depth = 0
-_restore = False  # whether the outermost hold found collection enabled
+_saved: tuple[int, ...] | None = None  # the thresholds the outermost hold found (None: it changed nothing)
+_OUT_OF_REACH = 1 << 30
 
 
 @contextlib.contextmanager
 def collection_held():
-    """Automatic collection off for the block; back on afterwards if it was on when the outermost hold began."""
-    global _depth, _restore
+    """Generations 1 and 2 not collected automatically in the block; the previous thresholds back afterwards."""
+    global _depth, _saved
     with _lock:
         if _depth == 0:
-            _restore = gc.isenabled()
-            gc.disable()
+            _saved = None
+            thresholds = gc.get_threshold()
+            if gc.isenabled() and thresholds[0] > 0:
+                _saved = thresholds
+                gc.set_threshold(thresholds[0], _OUT_OF_REACH, _OUT_OF_REACH)
         _depth += 1
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0 and _restore:
-                gc.enable()
+            if _depth == 0 and _saved is not None:
+                gc.set_threshold(*_saved)
+                _saved = None
