@@ -23,7 +23,9 @@ load-verification signatures, ev_replay = replay's coverage from the ledger). Ea
 also has a `<phase>_cpu` (that thread's CPU in it), `main_cpu` is the saving thread's CPU for the whole save and
 `sweep_cpu` the sweep thread's. Beside the wall times, `cpu_s`: the CPU seconds a save takes on the busier rank (the
 process's, every thread), per contender, and their ratio `cpu_vs_dcp`: on a shared host the CPU a save costs moves
-less than its wall time.
+less than its wall time. `gc`: Python's garbage collections during the measured rounds, both ranks summed, by
+what was running (`train`, `scout`, `dcp`): count, seconds and objects freed per generation (`gen2` walks every
+tracked object of the process).
 
 Two sizes: `small` (`--width`, `--layers`: the FSDP2 example's shape) and `large` (`--large-width`,
 `--large-layers`: at least 100 MB of state per rank in the FSDP script, parameters and AdamW's two moments; the
@@ -122,6 +124,32 @@ def _evidence_parts(into: dict) -> None:
     _timed(replay.ReplayEvidence, "evidence", "ev_replay", into)
 
 
+class _GcLog:
+    """Python's garbage collections on this rank, by what was running (`where`: train, scout, dcp), rounds after
+    the first: how many of each generation and their wall seconds. A full (generation 2) collection walks every
+    tracked object of the process, so one inside a save moves that save's time by more than the rest of it."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.where = "warmup"
+        self.log: dict[str, dict[str, float]] = {}
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        if self.where == "warmup":
+            return
+        row = self.log.setdefault(self.where, {})
+        gen = f"gen{info['generation']}"
+        row[gen] = row.get(gen, 0) + 1
+        row[f"{gen}_s"] = row.get(f"{gen}_s", 0.0) + time.perf_counter() - self._t0
+        row[f"{gen}_collected"] = row.get(f"{gen}_collected", 0) + info["collected"]  # unreachable objects freed
+
+
 def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
     import cProfile
 
@@ -207,6 +235,7 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
             step_times.append(time.perf_counter() - t0)
 
     profiles = {"scout": cProfile.Profile(), "dcp": cProfile.Profile()} if profile else None
+    gcs = _GcLog()
 
     def scout_save():
         phases.clear()
@@ -247,9 +276,12 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
     for i in range(rounds + 1):  # round 0 warms up (imports, the first replay capture, page cache)
         # both contenders save the same state at the same step, first one then the other (the order alternates):
         # the scout saves fall on a regular cadence, as a user's do (shard evidence learns it)
+        gcs.where = "train" if i else "warmup"
         train()
         order = ("scout", "dcp") if i % 2 == 0 else ("dcp", "scout")
         for who in order:
+            if i:
+                gcs.where = who
             if who == "scout":
                 dt, ph = scout_save()
                 if i:
@@ -259,6 +291,7 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
                 dt = plain_save()
                 if i:
                     times["dcp"].append(dt)
+    gcs.where = "warmup"  # the close and what follows are not measured
     ckpt.close()
     for who, prof in (profiles or {}).items():  # the calling thread's profile of every round (round 0 included)
         prof.dump_stats(os.path.join(profile, f"{kind}-{who}-rank{rank}.prof"))
@@ -274,6 +307,7 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
         "step_s": statistics.median(step_times[STEPS_PER_SAVE:]),
         "states": states,
         "cpu": {k: v[1:] for k, v in cpu.items()},
+        "gc": gcs.log,
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, out, group=pg)
@@ -295,6 +329,12 @@ def _worker(rank, world, root, kind, rounds, width, layers, profile=None):
         "step_s": max(g["step_s"] for g in gathered),
         "cpu_s": cpu_med,
         "verdicts": out["states"],
+        # collections over every measured round, both ranks summed
+        "gc": {
+            where: {k: sum(g["gc"].get(where, {}).get(k, 0) for g in gathered) for k in sorted(keys)}
+            for where in ("train", "scout", "dcp")
+            for keys in [{k for g in gathered for k in g["gc"].get(where, {})}]
+        },
         "nbytes": sum(
             os.path.getsize(os.path.join(dp, f))
             for dp, _, fs in os.walk(os.path.join(root, "scout"))
@@ -377,6 +417,7 @@ def main() -> None:
                 "verdicts": out["verdicts"],
                 "cpu_s": out["cpu_s"],
                 "cpu_vs_dcp": out["cpu_s"]["scout"] / out["cpu_s"]["dcp"],
+                "gc": out["gc"],
             }
             rows.append(
                 (

@@ -46,9 +46,11 @@ from scout_ckpt.save.evidence.boundary import SaveEvidence
 from scout_ckpt.save.evidence.replay import ReplayEvidence
 from scout_ckpt.save.evidence.shard import ShardEvidence
 from scout_ckpt.save.fault_points import FaultHook
+from scout_ckpt.save.gc_hold import collection_held
 from scout_ckpt.save.lineage import Lineage
 from scout_ckpt.save.loading import LatestCleanLoader  # noqa: F401  (re-exported)
 from scout_ckpt.save.loading import materialize as _materialize
+from scout_ckpt.save.planner import PlanCache
 from scout_ckpt.save.storage import ScoutWriter
 
 COORDINATOR = commit.COORDINATOR
@@ -195,6 +197,7 @@ class Checkpointer:
         self._step_started = time.monotonic()
         self._closed = False
         self._saves = 0
+        self._plans = PlanCache()  # DCP's plans, reused while the state's layout is unchanged (save/planner.py)
         self._bookkeeping_s = 0.0
         self._rank_local: tuple[str, ...] = ()
         self._save_started = time.monotonic()
@@ -489,7 +492,8 @@ class Checkpointer:
             self.local.wait()  # the local save this state descends from: its verdict is assessed with this one
         self._raise_live_fault()  # the previous async or local save's, if it found the live state bad
         t0 = time.monotonic()
-        with self.phase("checkpoint"):
+        # no older-generation garbage collection while the save blocks training (save/gc_hold.py)
+        with self.phase("checkpoint"), collection_held():
             try:
                 verdict = self._save(step, state)
             except BaseException:
@@ -577,7 +581,7 @@ class Checkpointer:
         if self.async_save:  # object store: evidence from the live state, then dcp.async_save (async_save.py)
             return self._async.start_store(self, step, flat, hashing, pending, writer)
         try:
-            dcp.save(flat, storage_writer=writer, process_group=self._pg)
+            dcp.save(flat, storage_writer=writer, process_group=self._pg, planner=self._plans.planner())
         except dcp.api.CheckpointException as e:
             # DCP gathered every rank's write result and raises the same CheckpointException (a BaseException: a
             # training loop's `except Exception` would not see it) on every rank, e.g. a full disk. Nothing was
@@ -709,6 +713,7 @@ class Checkpointer:
             self._closed = True
             if self._async is not None:
                 self._async.release()
+            self._plans.clear()
             if self.is_coordinator:
                 self._committer.flush()
             if self.replay is not None:

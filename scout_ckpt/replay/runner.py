@@ -293,7 +293,11 @@ class ReplayRunner:
         and before the next forward. Collective over the peer group: every peer calls it with the same step and
         gets the same rows (the shape `on_step` returns, with detail["sweep"] true). A target the rotation already
         replayed at this step is not replayed again. When the capture was not armed for `step` on every peer,
-        nothing is replayed and [] is returned: that checkpoint then waits for the rotation (coverage)."""
+        nothing is replayed and [] is returned: that checkpoint then waits for the rotation (coverage).
+
+        Never beside a training step (it may run beside the save's write, save/evidence/replay.py): each replay
+        sets the process's global RNG state to the captured step's (execute.py, under `fork_rng`), and a forward
+        with dropout running meanwhile would draw from it and change the training."""
         armed = self._done is not None and self._done[0] == step
         deferred = self._deferred if self._deferred is not None and self._deferred[0] == step else None
         items: list = []

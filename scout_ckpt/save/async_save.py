@@ -89,7 +89,7 @@ class AsyncSaves:
         """An async save to an object store, after begin: the writer keeps no staged copy, so the evidence comes
         from the live state first; then dcp.async_save, and the commit thread waits for its upload."""
         live = ck._live_evidence(step, flat, hashing)
-        resp = dcp.async_save(flat, storage_writer=writer, process_group=self.write_pg)
+        resp = dcp.async_save(flat, storage_writer=writer, process_group=self.write_pg, planner=ck._plans.planner())
         upload = getattr(resp, "upload_completion", resp)
         self._start(step, self._commit_store, ck, upload, pending, writer, live)
 
@@ -108,7 +108,7 @@ class AsyncSaves:
             ck._hook("before_write", pending.step)
             hashing = ck._start_consensus(staged, background=True, in_flight=in_flight) if live is None else None
             writer.in_flight = in_flight
-            dcp.save(staged, storage_writer=writer, process_group=self.write_pg)
+            dcp.save(staged, storage_writer=writer, process_group=self.write_pg, planner=ck._plans.planner())
             if live is None:  # the staged copy is the state at the save boundary; the commit waits for it
                 live = ck._live_evidence(pending.step, staged, hashing, group=self.commit_pg)
             del staged, hashing

@@ -108,7 +108,12 @@ class ReplayEvidence:
         reach the ledger only at `PendingSweep.finish()` (the calling thread, before the save's evidence). Safe
         beside the write: replay's collectives run on its own gloo group (never the save's or the consensus
         thread's), its replays run on copies of the modules, and the training thread is held in save() until
-        finish() returns, so the state both read cannot change and no forward draws from the RNG the replay forks."""
+        finish() returns, so the state both read cannot change and no forward draws from the RNG the replay forks.
+
+        The sweep must be finished before save() returns, never left running into the next training steps: a
+        replay sets the process's global RNG state (replay/execute.py: `fork_rng`, then `set_rng_state` to the
+        captured step's) and the process-wide deterministic-algorithms flag for its duration, and a training
+        forward with dropout running meanwhile would draw from that RNG state, changing the training itself."""
         return PendingSweep(self, step)
 
     def _record(self, rows: list[dict]) -> float:
@@ -208,7 +213,8 @@ class ReplayEvidence:
 
 
 class PendingSweep:
-    """A save-boundary sweep running in its own thread (ReplayEvidence.start_sweep)."""
+    """A save-boundary sweep running in its own thread (ReplayEvidence.start_sweep), beside the save's write and
+    joined before save() returns: never beside training (the replay's RNG state is the process's)."""
 
     def __init__(self, evidence: ReplayEvidence, step: int) -> None:
         self._evidence = evidence
