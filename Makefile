@@ -26,7 +26,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/scout-ckpt demo --inject crash:rank=1:step=20 --inject bitflip:step=10
 
-# The whole suite but the long torchrun scenarios (1,073 tests in 13.7 minutes on 2 cores at load 2-4, measured 2026-12-07, plus about 7 minutes of install).
+# The whole suite but the long torchrun scenarios (1,144 tests in 15.6 minutes on 2 cores at load 1-2 with a scenario run
+# beside it for 3 of them, measured 2026-12-07, before a 35 s job moved to the CI tier; plus about 7 minutes of install).
 test: $(STAMP) $(EXTRAS)
 	$(BIN)/python -m pytest -q -m "not scenario" --durations=25 tests
 

@@ -108,7 +108,7 @@ def test_a_bench_out_of_time_is_killed_with_the_workers_it_started(tmp_path):
     )
     with pytest.raises(subprocess.TimeoutExpired):
         # the timeout is the test's bound on the bench: the worker has started long before (its pid is read back)
-        run_all.run_in_session([sys.executable, "-c", script], timeout=10)
+        run_all.run_in_session([sys.executable, "-c", script], timeout=6)
     worker = int(pidfile.read_text())
     deadline = time.monotonic() + 30
     while _alive(worker) and time.monotonic() < deadline:  # SIGKILL is delivered, not yet reaped by init

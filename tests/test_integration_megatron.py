@@ -89,6 +89,9 @@ def tp2(tmp_path_factory):
     return save_dir, ev
 
 
+# in the CI tier rather than `make test`: the TP=2 job of these two tests (about 35 s) kept `make test` within 15 minutes
+@pytest.mark.scenario
+@pytest.mark.scenario_ci
 def test_tp2_healthy_run_certifies_every_iteration_each_rank_digesting_its_own_files(tp2):
     save_dir, ev = tp2
     assert [(r["step"], r["verdict"], r["tracker"]) for r in events(ev, "saved")] == [
@@ -115,6 +118,8 @@ def test_tp2_healthy_run_certifies_every_iteration_each_rank_digesting_its_own_f
     assert (save_dir / TRACKER).read_text() == "4" and latest_clean(save_dir) == 4
 
 
+@pytest.mark.scenario
+@pytest.mark.scenario_ci
 def test_tp2_cli_reads_iter_folders_and_walks_past_a_flipped_bit(tp2, tmp_path):
     save_dir = tmp_path / "ck"
     shutil.copytree(tp2[0], save_dir)
