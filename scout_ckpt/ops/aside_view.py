@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from scout_ckpt.ledger import aside
+from scout_ckpt.ops.steps import store_uri
 
 
 def rows(ledger, root: str | os.PathLike | None = None, step: int | None = None) -> list[dict]:
@@ -16,7 +17,7 @@ def rows(ledger, root: str | os.PathLike | None = None, step: int | None = None)
     "dir", "attempt", "run_id", "state": "quarantined", "time", "by", "new_attempt", "new_run_id"}; a local
     one also lists its files with their recorded digests. `where`: the kept folder under ROOT, the prefix's
     full URI on an object store, or the folder in each node's local directory."""
-    uri = _uri(root)
+    uri = store_uri(root)
     out = []
     for r in aside.records(ledger, step):
         local = r.get("tier") == aside.LOCAL
@@ -61,18 +62,6 @@ def sentence(r: dict) -> str:
         "never resumed from; "
         f"run {r.get('new_run_id')} saved the step anew"
     )
-
-
-def _uri(root: str | os.PathLike | None) -> str | None:
-    if root is None:
-        return None
-    from scout_ckpt import object_store
-
-    try:
-        bound = object_store.binding(root)
-    except Exception:  # noqa: BLE001 - an unreadable binding is said by the command that needs the store
-        return None
-    return (bound or {}).get("uri")
 
 
 __all__ = ["rows", "sentence"]

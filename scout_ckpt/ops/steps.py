@@ -133,7 +133,8 @@ def step_view(durable: dict | None, local: dict | None, bytes_status: str | None
     }
 
 
-def _uri(root: str | os.PathLike | None) -> str | None:
+def store_uri(root: str | os.PathLike | None) -> str | None:
+    """The object store's URI ROOT is bound to, or None (a POSIX ROOT, or a binding that cannot be read now)."""
     if root is None:
         return None
     from scout_ckpt import object_store
@@ -150,7 +151,7 @@ def steps(ledger, root: str | os.PathLike | None = None) -> list[dict]:
     durable = {r["step"]: r for r in ledger.checkpoints()}
     local = {r["step"]: r for r in tiers.rows(ledger)}
     summary = ledger.evidence_summary()
-    uri = _uri(root)
+    uri = store_uri(root)
     return [
         step_view(durable.get(s), local.get(s), (summary.get(s, {}).get("bytes") or {}).get("status"), uri)
         for s in sorted(set(durable) | set(local), reverse=True)
@@ -189,4 +190,4 @@ def copies_text(view: dict) -> str:
     return f"step {view['step']} is {view['state']}; copies: " + ("; ".join(parts) or "none")
 
 
-__all__ = ["copies_text", "local_copies", "step_state", "step_view", "steps", "steps_of"]
+__all__ = ["copies_text", "local_copies", "step_state", "step_view", "steps", "steps_of", "store_uri"]
