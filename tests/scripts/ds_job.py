@@ -124,14 +124,16 @@ def main() -> None:
         record(event="resumed", step=start, digest=state_digest(engine))
 
     if args.crash_at is not None and attempt == 0 and rank == 1:
-        inner_save = scout.inner.save
+        # the checkpoint engine DeepSpeed calls for each file (scout-ckpt's, which writes the file itself with
+        # DeepSpeed's torch.save settings): the kill falls after this rank's first file of the step is on disk
+        file_save = scout.save
 
         def save_then_die(state_dict, p):
-            inner_save(state_dict, p)
+            file_save(state_dict, p)
             if engine.global_steps == args.crash_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        scout.inner.save = save_then_die
+        scout.save = save_then_die
 
     for step in range(start + 1, args.steps + 1):
         g = torch.Generator().manual_seed(1000 * step + rank)
