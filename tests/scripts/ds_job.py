@@ -128,8 +128,8 @@ def main() -> None:
         # DeepSpeed's torch.save settings): the kill falls after this rank's first file of the step is on disk
         file_save = scout.save
 
-        def save_then_die(state_dict, p):
-            file_save(state_dict, p)
+        def save_then_die(*a, **kw):  # DeepSpeed passes `state_dict=, path=` by keyword at ZeRO-3
+            file_save(*a, **kw)
             if engine.global_steps == args.crash_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
