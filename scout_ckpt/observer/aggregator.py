@@ -243,11 +243,17 @@ class NodeRole:
         extra = job.get("extra", {})
         fresh = {r: extra[str(r)]["stacks"] for r in verdict["ranks"] if str(r) in extra}
         running = {r for k, row in rows.items() if row["state"] == "running" for r in row["ranks"]}
-        needs = [r for r in verdict["ranks"] if r in running and r not in fresh]
+        stopped = {r for k, row in rows.items() if row["state"] == "stopped" for r in row["ranks"]}
+        needs = [r for r in verdict["ranks"] if r in running | stopped and r not in fresh]
         if needs and verdict["kind"] != "crash" and now - first < d.stacks_wait_s and len(needs) < 64:
             return
         stacks = stacks_mod.collect(
-            verdict["ranks"][:64], fresh, lambda r: r not in running, "process is gone or silent", d.channel
+            verdict["ranks"][:64],
+            fresh,
+            lambda r: r not in running and r not in stopped,
+            "process is gone or silent",
+            d.channel,
+            stopped=stopped.__contains__,
         )
         detail = stacks_mod.incident_detail(verdict, stacks, d.stall_s, d.cfg["action"])
         detail["hierarchy"] = {"nodes": len(job["nodes"]), "silent": job.get("silent", {})}

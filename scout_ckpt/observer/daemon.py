@@ -259,10 +259,18 @@ class Daemon:
             for r in named
             if rows[r].get("stacks") and rows[r]["stacks"]["hb"] == rows[r]["hb"]
         }
-        needs = [r for r in named if rows[r]["state"] == "running" and r not in fresh]
+        # a stopped rank's observer records why it has no dump (at once, no signal): waited for as a dump is
+        needs = [r for r in named if rows[r]["state"] in ("running", "stopped") and r not in fresh]
         if needs and verdict["kind"] != "crash" and now - first < self.stacks_wait_s:
             return
-        stacks = stacks_mod.collect(named, fresh, lambda r: rows[r]["state"] == "gone", "process is gone", self.channel)
+        stacks = stacks_mod.collect(
+            named,
+            fresh,
+            lambda r: rows[r]["state"] == "gone",
+            "process is gone",
+            self.channel,
+            stopped=lambda r: rows[r]["state"] == "stopped",
+        )
         detail = stacks_mod.incident_detail(verdict, stacks, self.stall_s, self.cfg["action"])
         self.incidents.publish(verdict["kind"], verdict["ranks"], verdict["step"], detail, key, rows)
         self.pending.clear()
