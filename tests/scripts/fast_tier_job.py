@@ -226,6 +226,12 @@ def main():
                 )
         except LiveStateCorrupt as e:
             say(event="live_fault", rank=rank, run_id=ckpt.run_id, step=step, fault_step=e.step)
+            # test-only: every rank raises together, but the first to exit has torchrun terminate the others, which
+            # may not have printed yet (the coordinator records the verdict first); the test reads every rank's line
+            try:
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
+            except RuntimeError:
+                pass  # a rank that never raised: its line is missing, and the test names it
             raise
     ckpt.close()
     dist.barrier()  # without it destroy_process_group can hang at exit
