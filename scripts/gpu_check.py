@@ -120,15 +120,16 @@ def child_env(extra: dict | None = None) -> dict:
 
 
 def tagged(text: str) -> list[dict]:
-    """The `GPU-CHECK {json}` lines a job or probe printed, in order."""
+    """The `GPU-CHECK {json}` records a job or probe printed, in order. Every rank of a job writes to the same
+    pipe, so a record is read wherever its tag is, not only at a line's start: another rank's record or a warning
+    may share its line."""
     out = []
-    for line in text.splitlines():
-        at = line.find(TAG)
-        if at >= 0:
-            try:
-                out.append(json.loads(line[at + len(TAG) :]))
-            except ValueError:
-                pass
+    dec = json.JSONDecoder()
+    for chunk in text.split(TAG)[1:]:
+        try:
+            out.append(dec.raw_decode(chunk)[0])
+        except ValueError:
+            pass
     return out
 
 
@@ -185,7 +186,10 @@ def state_digest(model, opt) -> str:
 
 
 def say(event: str, **fields) -> None:
-    print(TAG + json.dumps({"event": event, **fields}), flush=True)
+    # one write per record: print() writes the text and its newline apart when stdout is unbuffered (the job runs
+    # with PYTHONUNBUFFERED=1), and another rank's record then lands between them on the shared pipe
+    sys.stdout.write(TAG + json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
 
 
 def job(argv: list[str]) -> int:

@@ -149,6 +149,12 @@ def test_the_torchrun_command_runs_this_script_as_its_job():
 def test_the_jobs_tagged_lines_are_read_back_from_mixed_output():
     got = _gpu_check().tagged('noise\n[rank1]: GPU-CHECK {"event": "saved", "step": 4}\nGPU-CHECK {bad\n')
     assert got == [{"event": "saved", "step": 4}]
+    # two ranks' records on one line of the shared pipe (seen in a run at load 5): both are read
+    two = 'GPU-CHECK {"event": "saved", "rank": 1, "step": 8}GPU-CHECK {"event": "saved", "rank": 0, "step": 8}\n'
+    assert _gpu_check().tagged(two) == [
+        {"event": "saved", "rank": 1, "step": 8},
+        {"event": "saved", "rank": 0, "step": 8},
+    ]
 
 
 # ---- NVML parsing on recorded outputs ----------------------------------------------------------------------------
