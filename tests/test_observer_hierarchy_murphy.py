@@ -31,7 +31,8 @@ from scout_ckpt.testing.launch import run_ranks
 from tests import test_observer as flat
 from tests import workers_observer as W
 
-pytestmark = pytest.mark.scenario
+# the observer's judgement of real processes, timed: `make stress` runs it too
+pytestmark = [pytest.mark.scenario, pytest.mark.timing]
 
 NODE1 = [2, 3]
 
