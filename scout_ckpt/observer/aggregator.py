@@ -244,13 +244,14 @@ class NodeRole:
         fresh = {r: extra[str(r)]["stacks"] for r in verdict["ranks"] if str(r) in extra}
         running = {r for k, row in rows.items() if row["state"] == "running" for r in row["ranks"]}
         stopped = {r for k, row in rows.items() if row["state"] == "stopped" for r in row["ranks"]}
-        needs = [r for r in verdict["ranks"] if r in running | stopped and r not in fresh]
+        alive = running | stopped  # a stopped rank's observer records why it has no dump: waited for as a dump is
+        needs = [r for r in verdict["ranks"] if r in alive and r not in fresh]
         if needs and verdict["kind"] != "crash" and now - first < d.stacks_wait_s and len(needs) < 64:
             return
         stacks = stacks_mod.collect(
             verdict["ranks"][:64],
             fresh,
-            lambda r: r not in running and r not in stopped,
+            lambda r: r not in alive,
             "process is gone or silent",
             d.channel,
             stopped=stopped.__contains__,
