@@ -8,9 +8,9 @@ summary), the observer tests' toy training loop (tests/workers_observer.py).
   job-level verdict names node 1's ranks and never a rank of node 0, whose trainers died of the failed collective;
 - a cut-off aggregator: only node 1's aggregator is SIGSTOPped (its summary stops), training goes on to its end:
   nobody is blamed;
-- node 0 dies, and the root with it (its observers, then its trainers, SIGKILLed): the surviving aggregator,
-  node 1's, records the loss (observer/root_lost.py) naming node 0's ranks and none of its own, whose trainers
-  died of the failed collective.
+- node 0 dies, and the root with it (its observers, then its trainers, SIGKILLed), or its host is stuck (all
+  SIGSTOPped): the surviving aggregator, node 1's, records the loss (observer/root_lost.py) naming node 0's ranks
+  and none of its own, whose trainers died of the failed collective or wait in it.
 
 The oracle is the test's own choice of what to stop or kill, and the pids the observers published at start.
 """
@@ -18,9 +18,11 @@ The oracle is the test's own choice of what to stop or kill, and the pids the ob
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -42,7 +44,10 @@ class Job(flat.Job):
 
     def __init__(self, root: Path, scenario: str, **opts):
         super().__init__(root, scenario, **opts)
-        self.run_id = f"test-hier-{scenario}-{os.getpid()}"
+        # one id per job, as the Checkpointer gives every attempt: the node-local folders (/dev/shm) are named by
+        # it, and a folder left by the file's previous test (its claims counter) would pass wait_hierarchy before
+        # this job's aggregators ever spoke to their root
+        self.run_id = f"test-hier-{scenario}-{uuid.uuid4().hex[:8]}"
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
@@ -79,6 +84,13 @@ class Job(flat.Job):
 
     def incidents(self) -> list[dict]:
         return [e for e in self.events() if e["kind"] in ("hang", "crash", "desync")]
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:  # a SIGKILLed aggregator leaves its node's folder behind
+            for n in (0, 1):
+                shutil.rmtree(self.local(n), ignore_errors=True)
 
 
 def _signal(pids, sig) -> None:
@@ -148,4 +160,32 @@ def test_losing_node_0_and_the_root_is_recorded_by_the_survivor_naming_node_0(tm
             detail
         )
         assert detail["nodes_silent"] == [0], detail
+        assert not [e for e in incidents if set(e["ranks"]) - set(node0)], incidents
+
+
+def test_a_stuck_node_0_is_named_by_the_survivor_though_its_stopped_root_never_answers(tmp_path):
+    """Node 0's host stuck: its trainers and observers (the root and its store among them) SIGSTOPped. The root's
+    store accepts and never answers, which blocks torch's store calls past their timeout
+    (observer/store_transport.py): node 1's aggregator still goes on and records the loss, naming node 0's ranks,
+    for which its own trainers wait in a collective."""
+    node0 = [0, 1]
+    with Job(tmp_path, "healthy", steps=100_000, compute_s=0.02, stall_s=1.5) as job:
+        rows = job.wait_hierarchy()
+        stopped = [rows[r]["observer_pid"] for r in node0] + [rows[r]["pid"] for r in node0]
+        _signal(stopped, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not job.incidents():
+                time.sleep(0.1)
+            incidents = job.incidents()
+        finally:
+            _signal(stopped, signal.SIGCONT)
+        assert incidents and incidents[0]["ranks"] == node0, incidents
+        detail = incidents[0]["detail"]
+        assert (incidents[0]["kind"], detail["attribution"], detail["root_lost"], detail["judged_by_node"]) == (
+            "hang",
+            "node_silent",
+            True,
+            1,
+        ), detail
         assert not [e for e in incidents if set(e["ranks"]) - set(node0)], incidents

@@ -5,8 +5,12 @@ nobody is blamed and the loss of the root is recorded without ranks."""
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+
 from scout_ckpt.observer import node_summary as ns
 from scout_ckpt.observer import root_lost
+from scout_ckpt.observer.aggregator import NodeRole
 from tests import test_observer as flat
 
 STALL = 2.0
@@ -47,3 +51,82 @@ def test_with_other_nodes_unheard_nobody_is_blamed():
     # six ranks on three nodes: node 1 waits, but node 2's state is unknown without the store
     got = root_lost.judge(own({2: flat._row(7, 30), 3: flat._row(7, 30)}), (0, 1), 3.0, 6, STALL)
     assert (got["kind"], got["ranks"]) == ("health", [])
+
+
+def _aggregator_of_node_1(tmp_path, port: int):
+    """Node 1's aggregator (rank 2 of 2 nodes of 2) over a stand-in daemon that sees no rows: only its store
+    calls run."""
+    daemon = SimpleNamespace(
+        rank=2, world=4, live_timeout_s=2.0, cfg={"straggler": {}}, host="host1", beat=1, stall_s=STALL,
+        read_row=lambda r, now, path: None,
+    )  # fmt: skip
+    hier = {"node": 1, "first": 2, "last": 3, "nodes": 2, "local": str(tmp_path), "addr": "127.0.0.1", "port": port}
+    return NodeRole(daemon, hier)
+
+
+def test_a_root_that_never_answers_fails_the_round_within_the_store_timeout_and_blames_nobody(tmp_path):
+    """The root down before this aggregator ever reached it (nothing listens), or its host stuck before it could
+    answer (it listens and never answers): each round fails as "could not check" within the aggregator's store
+    timeout, so its loop (its trainer's watch, its exit) goes on, and nothing is recorded: a root never heard
+    cannot be lost. The bound is torch's default store timeout (30 s), which a round used to block for at each
+    try; the mute root blocked it for good."""
+    import socket
+    import time
+
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)  # accepts (the kernel's backlog) and never answers, as a SIGSTOPped root would
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()[1]  # nothing listens here once the with ends
+        for port in (closed, mute.getsockname()[1]):
+            role = _aggregator_of_node_1(tmp_path, port)
+            for now in (100.0, 101.0):
+                t0 = time.monotonic()
+                role.round(now)
+                took = time.monotonic() - t0
+                assert role._failing and role.lost_since == 100.0 and not role.lost_pending(), port
+                assert took < 30.0 - 5.0, (port, took)
+
+
+def test_a_root_whose_host_stops_is_recorded_lost_and_the_survivors_loop_goes_on(tmp_path):
+    """A real root store (its own process, as node 0's observer hosts it), heard by node 1's aggregator, then
+    SIGSTOPped (node 0's host stuck): torch's store calls block on it far past their timeout, but the survivor's
+    rounds fail within its store timeout, and once the silence lasted its live timeout the loss is recorded
+    (observer/root_lost.py: its rows are unknown, so nobody is blamed)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import datetime, time\n"
+            "from torch.distributed import TCPStore\n"
+            "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False,"
+            " timeout=datetime.timedelta(seconds=30))\n"
+            "print(s.port, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        role = _aggregator_of_node_1(tmp_path, int(server.stdout.readline()))
+        published = []
+        role.d.incidents = SimpleNamespace(publish=lambda *a: published.append(a) or True)
+        role.round(100.0)
+        assert role.heard_root and not role._failing
+        os.kill(server.pid, signal.SIGSTOP)
+        for now in (101.0, 102.0, 103.5):
+            t0 = time.monotonic()
+            role.round(now)
+            assert time.monotonic() - t0 < 30.0 - 5.0, now
+            assert role._failing and role.lost_since == 101.0, now
+        assert [(kind, ranks) for kind, ranks, *_ in published] == [("health", [])], published
+        assert published[0][3]["what"] == root_lost.WHAT
+    finally:
+        server.kill()
+        server.wait()

@@ -223,8 +223,8 @@ def tiers_restart_eio(rank, world, root, local_dir):
 
 
 def tiers_job_with_replay(rank, world, root, local_dir, steps=8):
-    """The fast tier with the defaults (replay on, every step hooked): local saves every 2 steps, no durable
-    save; the job's own digest at every step and each local save's verdict as it was committed."""
+    """The fast tier with the defaults (replay on, every step hooked): local saves every 2 steps (`ckpt.step`),
+    no durable save; the job's own digest at every step and each local save's verdict as it was committed."""
     model = make_model(seed=5)
     net = ddp(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

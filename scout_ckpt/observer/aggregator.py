@@ -50,6 +50,13 @@ class NodeRole:
             (g for g, members in enumerate(self.groups) if len(self.groups) > 1 and members[0] == self.node), None
         )
         self.transport: Any = None  # store_transport.StoreTransport, connected at the first round (it imports torch)
+        # how long a round's store calls (the first connect included) may hold this observer's loop: its trainer's
+        # watch, its exit and its node's summary wait meanwhile. A root that is down (or stopped, its host stuck)
+        # fails the round in this time, and a later round tries again.
+        self.store_timeout_s = max(daemon.live_timeout_s, 5.0)
+        from scout_ckpt.observer.store_transport import Bounded
+
+        self.bounded = Bounded(self.store_timeout_s)
         self.beats = hier.Beats(daemon.live_timeout_s)
         self.claims_seen = -1
         self.channel_state: str | None = None  # the trainer's state last written to ROOT's channel
@@ -161,23 +168,9 @@ class NodeRole:
         pace = self.stragglers.pace() if self.stragglers is not None else None
         summary = ns.summarize(self.node, self.d.host, self.first, self.last, self.d.beat, rows, self.d.stall_s, pace)
         try:
-            if self.transport is None:
-                from scout_ckpt.observer.store_transport import StoreTransport
-
-                self.transport = StoreTransport(self.h["addr"], self.h["port"], serve=self.root)
-            t = self.transport
-            t.publish(hier.node_key(self.node), summary)
-            if self.leads is not None:
-                t.publish(
-                    hier.group_key(self.leads),
-                    hier.leader_round(self.groups[self.leads], t.read, self.beats, now, self.d.beat),
-                )
-            if self.root:
-                job = hier.root_round(self.groups, t.read, self.beats, now)
-                self.unsettled = any(f[0] in ("running", "stopped") for f, _ in job["groups"])
-                self.judge(now, job)
-                self.judge_pace(job)
-            gen = t.claims()
+            # the root talks to its own store (a thread of its own process); any other aggregator's calls reach
+            # another host's, and are bounded (store_transport.Bounded)
+            gen = self._talk(now, summary) if self.root else self.bounded(lambda: self._talk(now, summary))
         except Exception as e:  # the store unreachable: could not check, never a verdict (module docstring)
             if not self._failing:
                 log.warning(
@@ -199,6 +192,29 @@ class NodeRole:
             tmp = self.local / f".{CLAIMS_GEN}.tmp"
             tmp.write_text(str(gen))
             os.replace(tmp, self.local / CLAIMS_GEN)
+
+    def _talk(self, now: float, summary: dict) -> int:
+        """This round's store calls: the node's summary (and its group's merge) out, the root's judgement, the
+        claims counter in."""
+        if self.transport is None:
+            from scout_ckpt.observer.store_transport import StoreTransport
+
+            self.transport = StoreTransport(
+                self.h["addr"], self.h["port"], serve=self.root, timeout_s=self.store_timeout_s
+            )
+        t = self.transport
+        t.publish(hier.node_key(self.node), summary)
+        if self.leads is not None:
+            t.publish(
+                hier.group_key(self.leads),
+                hier.leader_round(self.groups[self.leads], t.read, self.beats, now, self.d.beat),
+            )
+        if self.root:
+            job = hier.root_round(self.groups, t.read, self.beats, now)
+            self.unsettled = any(f[0] in ("running", "stopped") for f, _ in job["groups"])
+            self.judge(now, job)
+            self.judge_pace(job)
+        return t.claims()
 
     def record_root_lost(self, now: float, rows: dict) -> None:
         """Once the store has been silent for the live timeout times this node's number (the lowest surviving

@@ -10,12 +10,19 @@ Keys are small JSON documents, each written by one process: `node/N` (node N's s
 leader's merge), and the counter `claims` (bumped by the root at each incident it publishes; `add(key, 0)` reads
 it without blocking). A key that does not exist yet is never waited for: `read` checks first (a store `get` of a
 missing key blocks until the store's timeout).
+
+A store that does not answer is not bounded by the store's own timeout: with torch 2.13, a client whose server's
+process is stopped (its host stuck, SIGSTOP) blocks in `check`, `add` and in the constructor's handshake far past
+the timeout it was given (measured: over 85 s against 5 s; docs/pytorch-facts.md). `Bounded` runs such calls on
+a thread of their own, so that the observer's loop waits at most its own limit.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import threading
+from typing import Any, Callable
 
 
 class StoreTransport:
@@ -58,3 +65,34 @@ class StoreTransport:
 
     def bump_claims(self) -> int:
         return int(self.store.add(self.CLAIMS, 1))
+
+
+class Bounded:
+    """Runs one call at a time on a daemon thread and waits for it at most `timeout_s`. A call that outlives its
+    wait is left to finish on its thread (a Python thread cannot be stopped), and every call made before it
+    returns fails at once: the caller's loop goes on either way, and the store is tried again once it answers."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._running: threading.Thread | None = None
+
+    def __call__(self, fn: Callable[[], Any]) -> Any:
+        if self._running is not None and self._running.is_alive():
+            raise TimeoutError("the store call of an earlier round has not returned yet")
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                out["value"] = fn()
+            except BaseException as e:  # handed to the caller, on its thread
+                out["error"] = e
+
+        t = threading.Thread(target=run, name="scout-observer-store", daemon=True)
+        t.start()
+        t.join(self.timeout_s)
+        if t.is_alive():
+            self._running = t
+            raise TimeoutError(f"the store did not answer within {self.timeout_s:.1f}s")
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
