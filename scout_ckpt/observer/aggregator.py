@@ -172,11 +172,13 @@ class NodeRole:
             # another host's, and are bounded (store_transport.Bounded)
             gen = self._talk(now, summary) if self.root else self.bounded(lambda: self._talk(now, summary))
         except Exception as e:  # the store unreachable: could not check, never a verdict (module docstring)
-            if not self._failing:
-                log.warning(
-                    "hierarchy: the root's store at %s:%s failed: %s: %s",
+            if not self._failing:  # before the first answer the root may still be starting: no warning yet
+                log.log(
+                    logging.WARNING if self.heard_root else logging.INFO,
+                    "hierarchy: the root's store at %s:%s %s: %s: %s",
                     self.h["addr"],
                     self.h["port"],
+                    "failed" if self.heard_root else "does not answer yet",
                     type(e).__name__,
                     e,
                 )
