@@ -64,6 +64,24 @@ def _aggregator_of_node_1(tmp_path, port: int):
     return NodeRole(daemon, hier)
 
 
+def _wait_stopped(pid: int) -> None:
+    import time
+    from pathlib import Path
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rpartition(")")[2].split()[0])
+            except OSError:
+                pass
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop: thread states {states}")
+
+
 def test_a_root_that_never_answers_fails_the_round_within_the_store_timeout_and_blames_nobody(tmp_path):
     """The root down before this aggregator ever reached it (nothing listens), or its host stuck before it could
     answer (it listens and never answers): each round fails as "could not check" within the aggregator's store
@@ -120,6 +138,7 @@ def test_a_root_whose_host_stops_is_recorded_lost_and_the_survivors_loop_goes_on
         role.round(100.0)
         assert role.heard_root and not role._failing
         os.kill(server.pid, signal.SIGSTOP)
+        _wait_stopped(server.pid)  # every thread: a store thread still running would answer one more call
         for now in (101.0, 102.0, 103.5):
             t0 = time.monotonic()
             role.round(now)
