@@ -65,17 +65,15 @@ def _aggregator_of_node_1(tmp_path, port: int):
 
 
 def _wait_stopped(pid: int) -> None:
+    """Until every thread of `pid` is stopped (each thread's /proc/TID/stat, read as the observer reads a pid's)."""
     import time
     from pathlib import Path
 
+    from scout_ckpt.observer.stacks import proc_state
+
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        states = []
-        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-            try:
-                states.append(stat.read_text().rpartition(")")[2].split()[0])
-            except OSError:
-                pass
+        states = [proc_state(int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()]
         if states and all(st in ("T", "t") for st in states):
             return
         time.sleep(0.01)

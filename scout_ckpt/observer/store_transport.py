@@ -13,7 +13,7 @@ missing key blocks until the store's timeout).
 
 A store that does not answer is not bounded by the store's own timeout: with torch 2.13, a client whose server's
 process is stopped (its host stuck, SIGSTOP) blocks in `check`, `add` and in the constructor's handshake far past
-the timeout it was given (measured: over 85 s against 5 s; docs/pytorch-facts.md). `Bounded` runs such calls on
+the timeout it was given (measured: over 60-85 s against 5 s; docs/pytorch-facts.md). `Bounded` runs such calls on
 a thread of their own, so that the observer's loop waits at most its own limit.
 """
 
